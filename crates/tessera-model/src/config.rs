@@ -1,0 +1,322 @@
+//! Hyperparameters of a supported architecture, read from GGUF metadata, and the tensor names
+//! and shapes they imply.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+
+/// The model families Tessera runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Architecture {
+    /// Llama and Mixtral-style MoE (`ffn_*_exps` tensors under the `llama` architecture).
+    Llama,
+    /// Qwen2: biases on Q/K/V projections.
+    Qwen2,
+    /// Qwen3: RMS norm on each head's queries and keys.
+    Qwen3,
+    /// Qwen3-MoE: Qwen3 attention with a routed mixture of experts in every layer.
+    Qwen3Moe,
+}
+
+impl Architecture {
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3moe",
+        }
+    }
+
+    fn from_gguf_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "llama" => Self::Llama,
+            "qwen2" => Self::Qwen2,
+            "qwen3" => Self::Qwen3,
+            "qwen3moe" => Self::Qwen3Moe,
+            _ => return None,
+        })
+    }
+}
+
+/// How RoPE pairs dimensions: GGML's "normal" rotates adjacent pairs (2i, 2i+1); "NeoX" rotates
+/// (i, i + d/2). Llama GGUFs are converted for the normal order; Qwen uses NeoX.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeStyle {
+    Normal,
+    Neox,
+}
+
+/// Everything the forward pass needs to know about a model's geometry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub arch: Architecture,
+    pub n_layer: usize,
+    /// Hidden size.
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Dense FFN width (0 when every layer is MoE).
+    pub n_ff: usize,
+    /// Experts per MoE layer (0 for dense models).
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    /// Width of one expert's FFN.
+    pub n_ff_expert: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub rope_theta: f32,
+    pub rope_style: RopeStyle,
+    /// Dimensions of each head that RoPE rotates (usually `head_dim`).
+    pub rope_dim: usize,
+    pub rms_eps: f32,
+    /// The output head reuses the token embedding (no `output.weight`).
+    pub tied_embeddings: bool,
+    /// Renormalise the selected experts' router weights to sum to one.
+    pub norm_topk_weights: bool,
+}
+
+/// Tensor names, in one place.
+pub mod names {
+    pub const TOKEN_EMBD: &str = "token_embd.weight";
+    pub const OUTPUT_NORM: &str = "output_norm.weight";
+    pub const OUTPUT: &str = "output.weight";
+
+    pub fn layer(i: usize, what: &str) -> String {
+        format!("blk.{i}.{what}")
+    }
+}
+
+impl ModelConfig {
+    /// Reads the hyperparameters of a supported architecture and checks every tensor the
+    /// architecture needs against them (presence and shape).
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let path = g.path();
+        let arch_name = meta_str(g, "general.architecture")?;
+        let arch = Architecture::from_gguf_name(arch_name).ok_or_else(|| {
+            ModelError::UnsupportedArchitecture {
+                path: path.to_owned(),
+                arch: arch_name.to_string(),
+            }
+        })?;
+        let a = arch.gguf_name();
+        let key = |k: &str| format!("{a}.{k}");
+        let n_layer = meta_usize(g, &key("block_count"))?;
+        let n_embd = meta_usize(g, &key("embedding_length"))?;
+        let n_head = meta_usize(g, &key("attention.head_count"))?;
+        let n_head_kv = opt_usize(g, &key("attention.head_count_kv"))?.unwrap_or(n_head);
+        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(bad_meta(
+                path,
+                &key("attention.head_count_kv"),
+                format!("{n_head_kv} must be non-zero and divide the head count {n_head}"),
+            ));
+        }
+        let head_dim = match opt_usize(g, &key("attention.key_length"))? {
+            Some(d) => d,
+            None if n_embd % n_head == 0 => n_embd / n_head,
+            None => {
+                return Err(bad_meta(
+                    path,
+                    &key("attention.head_count"),
+                    format!("{n_head} does not divide the hidden size {n_embd}"),
+                ))
+            }
+        };
+        let n_expert = opt_usize(g, &key("expert_count"))?.unwrap_or(0);
+        let n_expert_used = opt_usize(g, &key("expert_used_count"))?.unwrap_or(0);
+        if n_expert > 0 && (n_expert_used == 0 || n_expert_used > n_expert) {
+            return Err(bad_meta(
+                path,
+                &key("expert_used_count"),
+                format!("{n_expert_used} must be between 1 and the expert count {n_expert}"),
+            ));
+        }
+        let n_ff = opt_usize(g, &key("feed_forward_length"))?.unwrap_or(0);
+        let n_ff_expert = match opt_usize(g, &key("expert_feed_forward_length"))? {
+            Some(n) => n,
+            None if n_expert > 0 => n_ff, // Mixtral-style files reuse feed_forward_length.
+            None => 0,
+        };
+        let token_embd = g.require_tensor(names::TOKEN_EMBD)?;
+        let vocab_size = match token_embd.shape.as_slice() {
+            [_, v] => *v as usize,
+            s => {
+                return Err(ModelError::BadTensor {
+                    path: path.to_owned(),
+                    tensor: names::TOKEN_EMBD.into(),
+                    what: format!("shape {s:?} is not a matrix"),
+                })
+            }
+        };
+        let context_length = opt_usize(g, &key("context_length"))?.unwrap_or(2048);
+        let rope_theta = opt_f32(g, &key("rope.freq_base"))?.unwrap_or(10_000.0);
+        let rope_dim = opt_usize(g, &key("rope.dimension_count"))?.unwrap_or(head_dim);
+        let rms_eps = opt_f32(g, &key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6);
+        let rope_style = match arch {
+            Architecture::Llama => RopeStyle::Normal,
+            _ => RopeStyle::Neox,
+        };
+        let cfg = Self {
+            arch,
+            n_layer,
+            n_embd,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ff,
+            n_expert,
+            n_expert_used,
+            n_ff_expert,
+            vocab_size,
+            context_length,
+            rope_theta,
+            rope_style,
+            rope_dim,
+            rms_eps,
+            tied_embeddings: g.tensor(names::OUTPUT).is_none(),
+            norm_topk_weights: matches!(arch, Architecture::Qwen3Moe | Architecture::Llama),
+        };
+        if rope_dim > head_dim || rope_dim % 2 != 0 {
+            return Err(bad_meta(
+                path,
+                &key("rope.dimension_count"),
+                format!("{rope_dim} must be even and at most the head size {head_dim}"),
+            ));
+        }
+        cfg.check_tensors(g)?;
+        Ok(cfg)
+    }
+
+    pub fn is_moe(&self) -> bool {
+        self.n_expert > 0
+    }
+
+    /// Width of the query projection output.
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// Width of the key (and value) projection output.
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    /// Every tensor the architecture reads, with the shape (GGML order) the hyperparameters imply.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<u64>)> {
+        let (e, q, kv) = (
+            self.n_embd as u64,
+            self.q_dim() as u64,
+            self.kv_dim() as u64,
+        );
+        let mut out = vec![
+            (
+                names::TOKEN_EMBD.to_string(),
+                vec![e, self.vocab_size as u64],
+            ),
+            (names::OUTPUT_NORM.to_string(), vec![e]),
+        ];
+        if !self.tied_embeddings {
+            out.push((names::OUTPUT.to_string(), vec![e, self.vocab_size as u64]));
+        }
+        for i in 0..self.n_layer {
+            let l = |w: &str| names::layer(i, w);
+            out.push((l("attn_norm.weight"), vec![e]));
+            out.push((l("attn_q.weight"), vec![e, q]));
+            out.push((l("attn_k.weight"), vec![e, kv]));
+            out.push((l("attn_v.weight"), vec![e, kv]));
+            out.push((l("attn_output.weight"), vec![q, e]));
+            if self.arch == Architecture::Qwen2 {
+                out.push((l("attn_q.bias"), vec![q]));
+                out.push((l("attn_k.bias"), vec![kv]));
+                out.push((l("attn_v.bias"), vec![kv]));
+            }
+            if matches!(self.arch, Architecture::Qwen3 | Architecture::Qwen3Moe) {
+                out.push((l("attn_q_norm.weight"), vec![self.head_dim as u64]));
+                out.push((l("attn_k_norm.weight"), vec![self.head_dim as u64]));
+            }
+            out.push((l("ffn_norm.weight"), vec![e]));
+            if self.is_moe() {
+                let (n, f) = (self.n_expert as u64, self.n_ff_expert as u64);
+                out.push((l("ffn_gate_inp.weight"), vec![e, n]));
+                out.push((l("ffn_gate_exps.weight"), vec![e, f, n]));
+                out.push((l("ffn_up_exps.weight"), vec![e, f, n]));
+                out.push((l("ffn_down_exps.weight"), vec![f, e, n]));
+            } else {
+                let f = self.n_ff as u64;
+                out.push((l("ffn_gate.weight"), vec![e, f]));
+                out.push((l("ffn_up.weight"), vec![e, f]));
+                out.push((l("ffn_down.weight"), vec![f, e]));
+            }
+        }
+        out
+    }
+
+    fn check_tensors(&self, g: &GgufFile) -> Result<()> {
+        for (name, expected) in self.expected_tensors() {
+            let t = g.require_tensor(&name)?;
+            if t.shape != expected {
+                return Err(ModelError::ShapeMismatch {
+                    path: g.path().to_owned(),
+                    tensor: name,
+                    found: t.shape.clone(),
+                    expected,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn bad_meta(path: &Path, key: &str, what: String) -> ModelError {
+    ModelError::BadMetadata {
+        path: path.to_owned(),
+        key: key.to_string(),
+        what,
+    }
+}
+
+fn meta_str<'a>(g: &'a GgufFile, key: &str) -> Result<&'a str> {
+    g.meta(key)
+        .ok_or_else(|| bad_meta(g.path(), key, "is missing".into()))?
+        .as_str()
+        .ok_or_else(|| bad_meta(g.path(), key, "is not a string".into()))
+}
+
+/// Upper bound for any count or size read from metadata, so arithmetic on them cannot overflow.
+const MAX_DIM: u64 = 1 << 24;
+
+fn opt_usize(g: &GgufFile, key: &str) -> Result<Option<usize>> {
+    match g.meta(key) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n <= MAX_DIM => Ok(Some(n as usize)),
+            Some(n) => Err(bad_meta(g.path(), key, format!("{n} is implausibly large"))),
+            None => Err(bad_meta(g.path(), key, "is not an integer".into())),
+        },
+    }
+}
+
+fn meta_usize(g: &GgufFile, key: &str) -> Result<usize> {
+    match opt_usize(g, key)? {
+        Some(n) if n > 0 => Ok(n),
+        Some(_) => Err(bad_meta(g.path(), key, "must be positive".into())),
+        None => Err(bad_meta(g.path(), key, "is missing".into())),
+    }
+}
+
+fn opt_f32(g: &GgufFile, key: &str) -> Result<Option<f32>> {
+    match g.meta(key) {
+        None => Ok(None),
+        Some(v) => match v.as_f64() {
+            Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x as f32)),
+            _ => Err(bad_meta(g.path(), key, "is not a positive number".into())),
+        },
+    }
+}

@@ -1,0 +1,121 @@
+//! GGML tensor element types: how many elements a block holds and how many bytes it takes.
+
+use std::fmt;
+
+/// The element types Tessera reads from GGUF files.
+///
+/// Quantized types store a row as consecutive *blocks*; a row of `n` elements takes
+/// `n / block_size() * block_bytes()` bytes. Ids are GGML's `ggml_type` numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
+    BF16,
+}
+
+impl GgmlType {
+    /// Maps GGML's numeric type id; `None` for types Tessera does not support.
+    pub fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            8 => Self::Q8_0,
+            12 => Self::Q4K,
+            13 => Self::Q5K,
+            14 => Self::Q6K,
+            30 => Self::BF16,
+            _ => return None,
+        })
+    }
+
+    pub fn id(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q8_0 => 8,
+            Self::Q4K => 12,
+            Self::Q5K => 13,
+            Self::Q6K => 14,
+            Self::BF16 => 30,
+        }
+    }
+
+    /// GGML's name for a type id, including ones Tessera cannot run (for error messages).
+    pub fn name_of_id(id: u32) -> &'static str {
+        match id {
+            0 => "F32",
+            1 => "F16",
+            2 => "Q4_0",
+            3 => "Q4_1",
+            6 => "Q5_0",
+            7 => "Q5_1",
+            8 => "Q8_0",
+            9 => "Q8_1",
+            10 => "Q2_K",
+            11 => "Q3_K",
+            12 => "Q4_K",
+            13 => "Q5_K",
+            14 => "Q6_K",
+            15 => "Q8_K",
+            16..=23 => "IQ*",
+            24 => "I8",
+            25 => "I16",
+            26 => "I32",
+            27 => "I64",
+            28 => "F64",
+            29 => "IQ1_M",
+            30 => "BF16",
+            _ => "unknown",
+        }
+    }
+
+    /// Elements per block (1 for plain float types).
+    pub fn block_size(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 => 1,
+            Self::Q4_0 | Self::Q8_0 => 32,
+            Self::Q4K | Self::Q5K | Self::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+            Self::Q4_0 => 18, // f16 scale + 16 bytes of nibbles
+            Self::Q8_0 => 34, // f16 scale + 32 i8
+            Self::Q4K => 144, // f16 d, f16 dmin, 12 bytes scales, 128 bytes nibbles
+            Self::Q5K => 176, // as Q4_K + 32 bytes of high bits
+            Self::Q6K => 210, // 128 low nibbles, 64 high bits, 16 i8 scales, f16 d
+        }
+    }
+
+    /// Bytes taken by `n_elements` elements, or `None` if `n_elements` is not a whole number of
+    /// blocks or the size overflows.
+    pub fn bytes_for(self, n_elements: u64) -> Option<u64> {
+        let bs = self.block_size() as u64;
+        if n_elements % bs != 0 {
+            return None;
+        }
+        (n_elements / bs).checked_mul(self.block_bytes() as u64)
+    }
+
+    /// Average bits per weight, for reports.
+    pub fn bits_per_weight(self) -> f64 {
+        self.block_bytes() as f64 * 8.0 / self.block_size() as f64
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(Self::name_of_id(self.id()))
+    }
+}

@@ -1,0 +1,60 @@
+//! Errors for everything read from a model file. Each names the file, tensor or key at fault.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a GGUF file (magic {found:?}, expected \"GGUF\")")]
+    BadMagic { path: PathBuf, found: [u8; 4] },
+    #[error("{path}: GGUF version {version} is not supported (2 and 3 are)")]
+    UnsupportedVersion { path: PathBuf, version: u32 },
+    #[error("{path}: truncated or corrupt header at byte {offset}: {what}")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        what: String,
+    },
+    #[error("{path}: tensor '{tensor}': {what}")]
+    BadTensor {
+        path: PathBuf,
+        tensor: String,
+        what: String,
+    },
+    #[error("{path}: tensor '{tensor}' has type {type_name}, which Tessera cannot run (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)")]
+    UnsupportedType {
+        path: PathBuf,
+        tensor: String,
+        type_name: String,
+    },
+    #[error(
+        "{path}: architecture '{arch}' is not supported (supported: llama, qwen2, qwen3, qwen3moe)"
+    )]
+    UnsupportedArchitecture { path: PathBuf, arch: String },
+    #[error("{path}: metadata key '{key}' {what}")]
+    BadMetadata {
+        path: PathBuf,
+        key: String,
+        what: String,
+    },
+    #[error("{path}: required tensor '{tensor}' is missing")]
+    MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: tensor '{tensor}' has shape {found:?}, but the hyperparameters require {expected:?}")]
+    ShapeMismatch {
+        path: PathBuf,
+        tensor: String,
+        found: Vec<u64>,
+        expected: Vec<u64>,
+    },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

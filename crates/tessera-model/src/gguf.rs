@@ -1,0 +1,710 @@
+//! The GGUF container: header, metadata and tensor index, read without touching the weights.
+//!
+//! Every length and count in a header is treated as hostile: before anything is allocated it is
+//! checked against the bytes that remain in the file, so a header that claims 2^40 tensors or a
+//! 2^60-byte string is an error, not an allocation. Tensor extents are checked against the file
+//! size, so a later read of a tensor's bytes can never run off the end.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use crate::dtype::GgmlType;
+use crate::error::{ModelError, Result};
+
+/// Default data alignment when `general.alignment` is absent (GGUF spec).
+const DEFAULT_ALIGNMENT: u64 = 32;
+/// GGML tensors have at most four dimensions.
+const MAX_DIMS: u32 = 4;
+/// Nested arrays deeper than this are not something any real model writes.
+const MAX_ARRAY_DEPTH: u32 = 4;
+
+/// One metadata value. Arrays of numbers are kept typed so a 150k-entry score table stays compact.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetaValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(MetaArray),
+}
+
+/// A metadata array, stored by element kind.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetaArray {
+    Strings(Vec<String>),
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+    U32(Vec<u32>),
+    /// Any other element type, kept generically.
+    Values(Vec<MetaValue>),
+}
+
+impl MetaArray {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Strings(v) => v.len(),
+            Self::F32(v) => v.len(),
+            Self::I32(v) => v.len(),
+            Self::U32(v) => v.len(),
+            Self::Values(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl MetaValue {
+    /// The value as an unsigned integer, if it is a non-negative integer of any width.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Self::U8(v) => Some(v.into()),
+            Self::U16(v) => Some(v.into()),
+            Self::U32(v) => Some(v.into()),
+            Self::U64(v) => Some(v),
+            Self::I8(v) => u64::try_from(v).ok(),
+            Self::I16(v) => u64::try_from(v).ok(),
+            Self::I32(v) => u64::try_from(v).ok(),
+            Self::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Self::F32(v) => Some(v.into()),
+            Self::F64(v) => Some(v),
+            _ => self.as_u64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Self::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Self::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&MetaArray> {
+        match self {
+            Self::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// Where one tensor lives and what it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// GGML's type id; see [`TensorInfo::dtype`] for the types Tessera can run.
+    pub type_id: u32,
+    /// Dimensions, innermost first (GGML `ne`): a matrix of `rows` × `cols` is `[cols, rows]`.
+    pub shape: Vec<u64>,
+    /// Absolute byte offset in the file.
+    pub offset: u64,
+    pub n_bytes: u64,
+}
+
+impl TensorInfo {
+    pub fn n_elements(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// The type, or an error naming the tensor if Tessera cannot run it.
+    pub fn dtype(&self, path: &Path) -> Result<GgmlType> {
+        GgmlType::from_id(self.type_id).ok_or_else(|| ModelError::UnsupportedType {
+            path: path.to_owned(),
+            tensor: self.name.clone(),
+            type_name: GgmlType::name_of_id(self.type_id).to_string(),
+        })
+    }
+}
+
+/// A parsed GGUF file: metadata and tensor index, plus (when opened from disk) the mapping
+/// through which tensor bytes are read on demand.
+pub struct GgufFile {
+    path: PathBuf,
+    version: u32,
+    metadata: Vec<(String, MetaValue)>,
+    meta_index: HashMap<String, usize>,
+    tensors: Vec<TensorInfo>,
+    tensor_index: HashMap<String, usize>,
+    data_offset: u64,
+    file_len: u64,
+    map: Option<Arc<Mmap>>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("n_metadata", &self.metadata.len())
+            .field("n_tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Opens and memory-maps `path`, parsing the header. Weights are not read: pages of the
+    /// mapping are only touched when a tensor's bytes are asked for.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_owned();
+        let io = |source| ModelError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = File::open(&path).map_err(io)?;
+        // SAFETY: the mapping is read-only; Tessera never writes model files while serving them.
+        // A file truncated underneath us by another process is outside what we can defend.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let mut gguf = Self::parse_named(&map, path.clone())?;
+        gguf.map = Some(Arc::new(map));
+        Ok(gguf)
+    }
+
+    /// Parses a GGUF image held in memory (tests, fuzzing). Tensor bytes are not available.
+    pub fn parse(bytes: &[u8]) -> Result<Self> {
+        Self::parse_named(bytes, PathBuf::from("<memory>"))
+    }
+
+    fn parse_named(bytes: &[u8], path: PathBuf) -> Result<Self> {
+        let mut r = Reader {
+            bytes,
+            pos: 0,
+            path: &path,
+        };
+        let magic: [u8; 4] = r.take(4)?.try_into().expect("4 bytes");
+        if &magic != b"GGUF" {
+            return Err(ModelError::BadMagic {
+                path: path.clone(),
+                found: magic,
+            });
+        }
+        let version = r.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(ModelError::UnsupportedVersion {
+                path: path.clone(),
+                version,
+            });
+        }
+        let n_tensors = r.u64()?;
+        let n_kv = r.u64()?;
+        // Each tensor info takes at least 8 (name len) + 4 (n_dims) + 4 (type) + 8 (offset) bytes;
+        // each key/value at least 8 (key len) + 4 (type) + 1 byte.
+        r.check_count(n_tensors, 24, "tensor count")?;
+        r.check_count(n_kv, 13, "metadata count")?;
+
+        let mut metadata = Vec::with_capacity(n_kv as usize);
+        let mut meta_index = HashMap::with_capacity(n_kv as usize);
+        for _ in 0..n_kv {
+            let key = r.string()?;
+            let type_id = r.u32()?;
+            let value = r.value(type_id, 0)?;
+            meta_index.insert(key.clone(), metadata.len());
+            metadata.push((key, value));
+        }
+
+        let mut raw = Vec::with_capacity(n_tensors as usize);
+        for _ in 0..n_tensors {
+            let name = r.string()?;
+            let n_dims = r.u32()?;
+            if n_dims == 0 || n_dims > MAX_DIMS {
+                return Err(ModelError::BadTensor {
+                    path: path.clone(),
+                    tensor: name,
+                    what: format!("has {n_dims} dimensions (1 to {MAX_DIMS} allowed)"),
+                });
+            }
+            let mut shape = Vec::with_capacity(n_dims as usize);
+            for _ in 0..n_dims {
+                shape.push(r.u64()?);
+            }
+            let type_id = r.u32()?;
+            let rel_offset = r.u64()?;
+            raw.push((name, shape, type_id, rel_offset));
+        }
+
+        let alignment = match meta_index.get("general.alignment") {
+            Some(&i) => match metadata[i].1.as_u64() {
+                Some(a) if a.is_power_of_two() && a <= 1 << 20 => a,
+                _ => {
+                    return Err(ModelError::BadMetadata {
+                        path: path.clone(),
+                        key: "general.alignment".into(),
+                        what: "must be a power of two no larger than 1 MiB".into(),
+                    })
+                }
+            },
+            None => DEFAULT_ALIGNMENT,
+        };
+        let file_len = bytes.len() as u64;
+        let data_offset = (r.pos as u64).div_ceil(alignment) * alignment;
+
+        let mut tensors = Vec::with_capacity(raw.len());
+        let mut tensor_index = HashMap::with_capacity(raw.len());
+        for (name, shape, type_id, rel_offset) in raw {
+            let bad = |what: String| ModelError::BadTensor {
+                path: path.clone(),
+                tensor: name.clone(),
+                what,
+            };
+            if shape.contains(&0) {
+                return Err(bad(format!("has a zero dimension in shape {shape:?}")));
+            }
+            let n_elements = shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+            let (block, block_bytes) = block_geometry(type_id)
+                .ok_or_else(|| bad(format!("has unknown GGML type id {type_id}")))?;
+            if shape[0] % block != 0 {
+                return Err(bad(format!(
+                    "row length {} is not a multiple of the {}-element block of {}",
+                    shape[0],
+                    block,
+                    GgmlType::name_of_id(type_id)
+                )));
+            }
+            let n_bytes = (n_elements / block)
+                .checked_mul(block_bytes)
+                .ok_or_else(|| bad("size overflows".into()))?;
+            if rel_offset % alignment != 0 {
+                return Err(bad(format!(
+                    "offset {rel_offset} is not aligned to {alignment}"
+                )));
+            }
+            let offset = data_offset
+                .checked_add(rel_offset)
+                .ok_or_else(|| bad("offset overflows".into()))?;
+            let end = offset
+                .checked_add(n_bytes)
+                .ok_or_else(|| bad("extent overflows".into()))?;
+            if end > file_len {
+                return Err(bad(format!(
+                    "bytes {offset}..{end} lie outside the file ({file_len} bytes): truncated file?"
+                )));
+            }
+            if tensor_index.insert(name.clone(), tensors.len()).is_some() {
+                return Err(bad("appears twice".into()));
+            }
+            tensors.push(TensorInfo {
+                name,
+                type_id,
+                shape,
+                offset,
+                n_bytes,
+            });
+        }
+
+        Ok(Self {
+            path,
+            version,
+            metadata,
+            meta_index,
+            tensors,
+            tensor_index,
+            data_offset,
+            file_len,
+            map: None,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    pub fn file_len(&self) -> u64 {
+        self.file_len
+    }
+
+    /// Byte offset where tensor data begins.
+    pub fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    /// All metadata in file order.
+    pub fn metadata(&self) -> &[(String, MetaValue)] {
+        &self.metadata
+    }
+
+    pub fn meta(&self, key: &str) -> Option<&MetaValue> {
+        self.meta_index.get(key).map(|&i| &self.metadata[i].1)
+    }
+
+    /// All tensors in file order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// A tensor that must exist, or an error naming it.
+    pub fn require_tensor(&self, name: &str) -> Result<&TensorInfo> {
+        self.tensor(name).ok_or_else(|| ModelError::MissingTensor {
+            path: self.path.clone(),
+            tensor: name.to_string(),
+        })
+    }
+
+    /// The shared mapping of the file, for loaders that keep tensors zero-copy.
+    /// `None` for a header parsed from memory.
+    pub fn mapping(&self) -> Option<&Arc<Mmap>> {
+        self.map.as_ref()
+    }
+
+    /// The bytes of one tensor (touching only its pages).
+    pub fn tensor_bytes(&self, info: &TensorInfo) -> Result<&[u8]> {
+        let map = self.map.as_ref().ok_or_else(|| ModelError::BadTensor {
+            path: self.path.clone(),
+            tensor: info.name.clone(),
+            what: "no file is mapped (header parsed from memory)".into(),
+        })?;
+        // Extents were checked against the file length at parse time.
+        Ok(&map[info.offset as usize..(info.offset + info.n_bytes) as usize])
+    }
+}
+
+/// (elements per block, bytes per block) for every GGML type with a fixed block layout, so that
+/// a file's index can be checked and inspected even when Tessera cannot run some of its types.
+fn block_geometry(type_id: u32) -> Option<(u64, u64)> {
+    if let Some(t) = GgmlType::from_id(type_id) {
+        return Some((t.block_size() as u64, t.block_bytes() as u64));
+    }
+    Some(match type_id {
+        3 => (32, 20),    // Q4_1
+        6 => (32, 22),    // Q5_0
+        7 => (32, 24),    // Q5_1
+        9 => (32, 36),    // Q8_1
+        10 => (256, 84),  // Q2_K
+        11 => (256, 110), // Q3_K
+        15 => (256, 292), // Q8_K
+        24 => (1, 1),     // I8
+        25 => (1, 2),     // I16
+        26 => (1, 4),     // I32
+        27 => (1, 8),     // I64
+        28 => (1, 8),     // F64
+        _ => return None,
+    })
+}
+
+/// A bounds-checked little-endian cursor over the header bytes.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Reader<'a> {
+    fn corrupt(&self, what: impl Into<String>) -> ModelError {
+        ModelError::Corrupt {
+            path: self.path.to_owned(),
+            offset: self.pos as u64,
+            what: what.into(),
+        }
+    }
+
+    fn remaining(&self) -> u64 {
+        (self.bytes.len() - self.pos) as u64
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if (n as u64) > self.remaining() {
+            return Err(self.corrupt(format!(
+                "needs {n} more bytes, {} remain (truncated file?)",
+                self.remaining()
+            )));
+        }
+        let s = &self.bytes[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    /// Refuses a count whose minimal encoding could not fit in the remaining bytes.
+    fn check_count(&self, count: u64, min_bytes_each: u64, what: &str) -> Result<()> {
+        match count.checked_mul(min_bytes_each) {
+            Some(need) if need <= self.remaining() => Ok(()),
+            _ => Err(self.corrupt(format!(
+                "{what} {count} cannot fit in the {} remaining bytes",
+                self.remaining()
+            ))),
+        }
+    }
+
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2")))
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+
+    fn string(&mut self) -> Result<String> {
+        let len = self.u64()?;
+        if len > self.remaining() {
+            return Err(self.corrupt(format!(
+                "string of {len} bytes cannot fit in the {} remaining bytes",
+                self.remaining()
+            )));
+        }
+        let bytes = self.take(len as usize)?;
+        // Token tables of some models hold invalid UTF-8 pieces; keep them lossily rather than
+        // refusing the model.
+        Ok(String::from_utf8_lossy(bytes).into_owned())
+    }
+
+    fn value(&mut self, type_id: u32, depth: u32) -> Result<MetaValue> {
+        Ok(match type_id {
+            0 => MetaValue::U8(self.u8()?),
+            1 => MetaValue::I8(self.u8()? as i8),
+            2 => MetaValue::U16(self.u16()?),
+            3 => MetaValue::I16(self.u16()? as i16),
+            4 => MetaValue::U32(self.u32()?),
+            5 => MetaValue::I32(self.u32()? as i32),
+            6 => MetaValue::F32(f32::from_bits(self.u32()?)),
+            7 => match self.u8()? {
+                0 => MetaValue::Bool(false),
+                1 => MetaValue::Bool(true),
+                b => return Err(self.corrupt(format!("bool byte {b} is neither 0 nor 1"))),
+            },
+            8 => MetaValue::String(self.string()?),
+            9 => {
+                if depth >= MAX_ARRAY_DEPTH {
+                    return Err(self.corrupt("arrays nested too deeply"));
+                }
+                let elem = self.u32()?;
+                let len = self.u64()?;
+                let min = min_value_bytes(elem)
+                    .ok_or_else(|| self.corrupt(format!("array of unknown value type {elem}")))?;
+                self.check_count(len, min, "array length")?;
+                let n = len as usize;
+                MetaValue::Array(match elem {
+                    8 => MetaArray::Strings((0..n).map(|_| self.string()).collect::<Result<_>>()?),
+                    6 => MetaArray::F32(
+                        (0..n)
+                            .map(|_| self.u32().map(f32::from_bits))
+                            .collect::<Result<_>>()?,
+                    ),
+                    5 => MetaArray::I32(
+                        (0..n)
+                            .map(|_| self.u32().map(|v| v as i32))
+                            .collect::<Result<_>>()?,
+                    ),
+                    4 => MetaArray::U32((0..n).map(|_| self.u32()).collect::<Result<_>>()?),
+                    _ => MetaArray::Values(
+                        (0..n)
+                            .map(|_| self.value(elem, depth + 1))
+                            .collect::<Result<_>>()?,
+                    ),
+                })
+            }
+            10 => MetaValue::U64(self.u64()?),
+            11 => MetaValue::I64(self.u64()? as i64),
+            12 => MetaValue::F64(f64::from_bits(self.u64()?)),
+            t => return Err(self.corrupt(format!("unknown metadata value type {t}"))),
+        })
+    }
+}
+
+/// The fewest bytes one value of a metadata type can take (for bounding array lengths).
+fn min_value_bytes(type_id: u32) -> Option<u64> {
+    Some(match type_id {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 => 8,  // a string's length prefix
+        9 => 12, // an array's type + length
+        10..=12 => 8,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A tiny GGUF image writer for tests of the parser.
+    #[derive(Default)]
+    pub(crate) struct Builder {
+        kv: Vec<u8>,
+        n_kv: u64,
+        tensors: Vec<u8>,
+        n_tensors: u64,
+        data_len: u64,
+    }
+
+    impl Builder {
+        fn put_str(buf: &mut Vec<u8>, s: &str) {
+            buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
+            buf.extend_from_slice(s.as_bytes());
+        }
+        pub(crate) fn kv_u32(mut self, k: &str, v: u32) -> Self {
+            Self::put_str(&mut self.kv, k);
+            self.kv.extend_from_slice(&4u32.to_le_bytes());
+            self.kv.extend_from_slice(&v.to_le_bytes());
+            self.n_kv += 1;
+            self
+        }
+        pub(crate) fn kv_str(mut self, k: &str, v: &str) -> Self {
+            Self::put_str(&mut self.kv, k);
+            self.kv.extend_from_slice(&8u32.to_le_bytes());
+            Self::put_str(&mut self.kv, v);
+            self.n_kv += 1;
+            self
+        }
+        pub(crate) fn tensor(
+            mut self,
+            name: &str,
+            shape: &[u64],
+            type_id: u32,
+            n_bytes: u64,
+        ) -> Self {
+            Self::put_str(&mut self.tensors, name);
+            self.tensors
+                .extend_from_slice(&(shape.len() as u32).to_le_bytes());
+            for d in shape {
+                self.tensors.extend_from_slice(&d.to_le_bytes());
+            }
+            self.tensors.extend_from_slice(&type_id.to_le_bytes());
+            self.tensors.extend_from_slice(&self.data_len.to_le_bytes());
+            self.data_len += n_bytes.div_ceil(32) * 32;
+            self.n_tensors += 1;
+            self
+        }
+        pub(crate) fn build(self) -> Vec<u8> {
+            let mut out = b"GGUF".to_vec();
+            out.extend_from_slice(&3u32.to_le_bytes());
+            out.extend_from_slice(&self.n_tensors.to_le_bytes());
+            out.extend_from_slice(&self.n_kv.to_le_bytes());
+            out.extend_from_slice(&self.kv);
+            out.extend_from_slice(&self.tensors);
+            out.resize(out.len().div_ceil(32) * 32, 0);
+            out.resize(out.len() + self.data_len as usize, 0);
+            out
+        }
+    }
+
+    fn sample() -> Vec<u8> {
+        Builder::default()
+            .kv_str("general.architecture", "llama")
+            .kv_u32("llama.block_count", 1)
+            .tensor("a", &[32, 2], 0, 256)
+            .tensor("b", &[64], 8, 68)
+            .build()
+    }
+
+    #[test]
+    fn parses_a_well_formed_image() {
+        let g = GgufFile::parse(&sample()).unwrap();
+        assert_eq!(g.version(), 3);
+        assert_eq!(
+            g.meta("general.architecture").unwrap().as_str(),
+            Some("llama")
+        );
+        assert_eq!(g.meta("llama.block_count").unwrap().as_u64(), Some(1));
+        let b = g.tensor("b").unwrap();
+        assert_eq!(b.n_bytes, 68);
+        assert_eq!(b.offset, g.data_offset() + 256);
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_not_a_panic() {
+        let img = sample();
+        let g = GgufFile::parse(&img).unwrap();
+        let needed = g.tensor("b").map(|t| t.offset + t.n_bytes).unwrap() as usize;
+        for len in 0..needed {
+            assert!(
+                GgufFile::parse(&img[..len]).is_err(),
+                "prefix of {len} bytes parsed"
+            );
+        }
+    }
+
+    #[test]
+    fn wrong_magic_and_version_are_named() {
+        let mut img = sample();
+        img[0] = b'X';
+        assert!(matches!(
+            GgufFile::parse(&img),
+            Err(ModelError::BadMagic { .. })
+        ));
+        let mut img = sample();
+        img[4] = 9;
+        assert!(matches!(
+            GgufFile::parse(&img),
+            Err(ModelError::UnsupportedVersion { version: 9, .. })
+        ));
+    }
+
+    #[test]
+    fn huge_counts_and_lengths_are_refused_before_allocation() {
+        // 2^40 tensors.
+        let mut img = sample();
+        img[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        let err = GgufFile::parse(&img).unwrap_err().to_string();
+        assert!(err.contains("tensor count"), "{err}");
+        // A 2^60-byte key string.
+        let mut img = sample();
+        img[24..32].copy_from_slice(&(1u64 << 60).to_le_bytes());
+        let err = GgufFile::parse(&img).unwrap_err().to_string();
+        assert!(err.contains("cannot fit"), "{err}");
+    }
+
+    #[test]
+    fn tensor_outside_the_file_is_named() {
+        let img = Builder::default().tensor("w", &[32, 4], 0, 512).build();
+        let cut = &img[..img.len() - 100];
+        let err = GgufFile::parse(cut).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::BadTensor { tensor, .. } if tensor == "w"),
+            "{err}"
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        #[test]
+        fn mutated_headers_never_panic(
+            flips in proptest::collection::vec((0usize..200, proptest::num::u8::ANY), 1..8)
+        ) {
+            let mut img = sample();
+            for (at, byte) in flips {
+                let n = img.len();
+                img[at % n] = byte;
+            }
+            let _ = GgufFile::parse(&img);
+        }
+    }
+}

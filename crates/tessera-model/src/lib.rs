@@ -1,0 +1,22 @@
+//! Everything about a model that is not computing with it: the GGUF container, the model
+//! profile, the tokenizer and the chat template.
+//!
+//! ```no_run
+//! use tessera_model::{GgufFile, ModelProfile};
+//! let gguf = GgufFile::open("models/stories260K.gguf")?;   // header only; weights stay on disk
+//! let profile = ModelProfile::from_gguf(&gguf)?;           // validates arch and tensor shapes
+//! println!("{profile}");
+//! # Ok::<(), tessera_model::ModelError>(())
+//! ```
+
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod gguf;
+pub mod profile;
+
+pub use config::{Architecture, ModelConfig, RopeStyle};
+pub use dtype::GgmlType;
+pub use error::{ModelError, Result};
+pub use gguf::{GgufFile, MetaArray, MetaValue, TensorInfo};
+pub use profile::{human_bytes, LayerBytes, ModelProfile};
