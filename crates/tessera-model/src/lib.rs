@@ -9,14 +9,20 @@
 //! # Ok::<(), tessera_model::ModelError>(())
 //! ```
 
+pub mod chat;
 pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
 pub mod profile;
+pub mod tokenizer;
 
+pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use dtype::GgmlType;
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, MetaArray, MetaValue, TensorInfo};
 pub use profile::{human_bytes, LayerBytes, ModelProfile};
+pub use tokenizer::{
+    PreTokenizer, StreamDecoder, TokenType, Tokenizer, TokenizerKind, TokenizerParts,
+};
