@@ -1,0 +1,192 @@
+//! The few operating-system calls std does not expose, each behind `cfg` with an honest
+//! "unknown" (`None` or an `Unsupported` error) where a platform lacks them.
+
+use std::fs::File;
+use std::io;
+use std::path::Path;
+
+/// Free space available to an unprivileged user and total size of the filesystem holding
+/// `path`, in bytes (`statvfs`: `f_bavail × f_frsize`, `f_blocks × f_frsize`).
+#[cfg(unix)]
+pub fn fs_space(path: &Path) -> io::Result<(u64, u64)> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a valid NUL-terminated string and `st` points to writable memory of the
+    // right type; statvfs fully initialises it when it returns 0.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: rc == 0, so statvfs initialised the struct.
+    let st = unsafe { st.assume_init() };
+    // The field types differ between platforms (u32 on some, u64 on others).
+    #[allow(clippy::unnecessary_cast)]
+    let (frsize, bavail, blocks) = (st.f_frsize as u64, st.f_bavail as u64, st.f_blocks as u64);
+    Ok((bavail.saturating_mul(frsize), blocks.saturating_mul(frsize)))
+}
+
+#[cfg(not(unix))]
+pub fn fs_space(_path: &Path) -> io::Result<(u64, u64)> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "free-space query not implemented on this platform",
+    ))
+}
+
+/// The host name, if the system reports one.
+#[cfg(unix)]
+pub fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is writable for its full length; gethostname writes at most that many
+    // bytes. POSIX does not promise NUL termination on truncation, so we search for it below.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name = String::from_utf8_lossy(&buf[..end]).trim().to_string();
+    (!name.is_empty()).then_some(name)
+}
+
+#[cfg(not(unix))]
+pub fn hostname() -> Option<String> {
+    std::env::var("COMPUTERNAME").ok()
+}
+
+/// Logical processors online in the whole machine (`sysconf(_SC_NPROCESSORS_ONLN)`), which can
+/// exceed what this process may use (affinity masks, cgroup quotas).
+#[cfg(unix)]
+pub fn cpus_online() -> Option<usize> {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).ok().filter(|&n| n > 0)
+}
+
+#[cfg(not(unix))]
+pub fn cpus_online() -> Option<usize> {
+    None
+}
+
+/// How a file opened for a cache-bypassing read actually reads.
+pub struct UncachedRead {
+    pub file: File,
+    /// What was done to keep the page cache out of the figure.
+    pub method: &'static str,
+    /// True when nothing guarantees the reads come from the device rather than memory.
+    pub possibly_cached: bool,
+    /// Reads must use buffers and offsets aligned to this many bytes (O_DIRECT), or 1.
+    pub alignment: usize,
+}
+
+/// Opens `path` for reading so that reads bypass the page cache where the platform allows:
+/// `O_DIRECT` on Linux, `F_NOCACHE` on macOS. Where that fails (tmpfs, some network
+/// filesystems), falls back to asking the kernel to drop the file's cached pages
+/// (`posix_fadvise(DONTNEED)` after the caller's fsync) and labels the result as possibly cached.
+pub fn open_uncached(path: &Path) -> io::Result<UncachedRead> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        if let Ok(file) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+        {
+            return Ok(UncachedRead {
+                file,
+                method: "O_DIRECT",
+                possibly_cached: false,
+                alignment: 4096,
+            });
+        }
+    }
+    let file = File::open(path)?;
+    #[cfg(any(target_os = "macos", target_os = "ios"))]
+    {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: fcntl on a descriptor we own; F_NOCACHE takes an int argument.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) };
+        if rc != -1 {
+            return Ok(UncachedRead {
+                file,
+                method: "F_NOCACHE",
+                possibly_cached: false,
+                alignment: 1,
+            });
+        }
+    }
+    let method = if drop_cached_pages(&file) {
+        "buffered read after posix_fadvise(DONTNEED) (O_DIRECT unavailable)"
+    } else {
+        "buffered read (no way to bypass the page cache here)"
+    };
+    Ok(UncachedRead {
+        file,
+        method,
+        possibly_cached: true,
+        alignment: 1,
+    })
+}
+
+/// Asks the kernel to drop the file's clean cached pages. True if the request was accepted
+/// (which still does not guarantee every page left the cache).
+pub fn drop_cached_pages(file: &File) -> bool {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: posix_fadvise on a descriptor we own, with a whole-file range.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        rc == 0
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    {
+        let _ = file;
+        false
+    }
+}
+
+/// A numeric sysctl value by name (macOS: `hw.memsize`, …).
+#[cfg(any(target_os = "macos", target_os = "ios"))]
+pub fn sysctl_u64(name: &str) -> Option<u64> {
+    let c = std::ffi::CString::new(name).ok()?;
+    let mut value: u64 = 0;
+    let mut len = std::mem::size_of::<u64>();
+    // SAFETY: value/len describe a writable u64; newp is null (read only).
+    let rc = unsafe {
+        libc::sysctlbyname(
+            c.as_ptr(),
+            (&mut value as *mut u64).cast(),
+            &mut len,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    (rc == 0 && len == std::mem::size_of::<u64>()).then_some(value)
+}
+
+/// A string sysctl value by name (macOS: `machdep.cpu.brand_string`).
+#[cfg(any(target_os = "macos", target_os = "ios"))]
+pub fn sysctl_string(name: &str) -> Option<String> {
+    let c = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0u8; 256];
+    let mut len = buf.len();
+    // SAFETY: buf/len describe writable memory; newp is null (read only).
+    let rc = unsafe {
+        libc::sysctlbyname(
+            c.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            &mut len,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    buf.truncate(len);
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let s = String::from_utf8_lossy(&buf[..end]).trim().to_string();
+    (!s.is_empty()).then_some(s)
+}
