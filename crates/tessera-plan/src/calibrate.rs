@@ -1,0 +1,272 @@
+//! Calibration: compare an executed plan's measured figures with the prediction and correct the
+//! per-node rates and per-link figures from that evidence. Pure: the measurements (and when they were
+//! taken) come in as data.
+
+use crate::cost::{evaluate, Ctx};
+use crate::model::ModelProfile;
+use crate::plan::{Plan, Prediction};
+use crate::resources::{link_subject, LinkSpec, ResourceGraph, Source};
+use crate::strategies::replica::combined_throughput;
+use crate::units::{BytesPerSec, FlopsPerSec};
+use crate::PlanError;
+use serde::{Deserialize, Serialize};
+
+/// One measured network hop (the fabric's per-hop figures).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HopMeasurement {
+    pub from: String,
+    pub to: String,
+    /// Mean one-way time of one crossing, seconds.
+    pub latency_s: f64,
+    /// Mean bytes on the wire per crossing.
+    pub wire_bytes: f64,
+}
+
+/// Measured time a node spends per generated token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageMeasurement {
+    pub node: String,
+    pub seconds_per_token: f64,
+}
+
+/// What an executed plan measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Measurement {
+    pub taken_at_unix_s: u64,
+    /// Decode tokens/s at batch 1.
+    pub decode_tokens_per_s: f64,
+    #[serde(default)]
+    pub hops: Vec<HopMeasurement>,
+    #[serde(default)]
+    pub stages: Vec<StageMeasurement>,
+}
+
+/// One figure the calibration changed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Correction {
+    pub subject: String,
+    pub quantity: String,
+    /// New rate / old rate (for links: new round trip / old).
+    pub factor: f64,
+    pub reason: String,
+}
+
+/// The corrected graph and how the prediction moved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    pub graph: ResourceGraph,
+    pub corrections: Vec<Correction>,
+    pub measured_tokens_per_s: f64,
+    pub predicted_before: f64,
+    pub predicted_after: f64,
+    /// (predicted − measured) / measured, before correction.
+    pub relative_error_before: f64,
+}
+
+/// Re-costs a plan's cells on a (possibly corrected) graph.
+pub fn predict(
+    model: &ModelProfile,
+    graph: &ResourceGraph,
+    plan: &Plan,
+) -> Result<Prediction, PlanError> {
+    let policy = plan.policy.clone();
+    let ctx = Ctx {
+        model,
+        graph,
+        policy: &policy,
+    };
+    let mut cells = Vec::new();
+    for c in &plan.cells {
+        let cell = evaluate(&ctx, c.kind, c.assignments.clone(), c.sequences)
+            .map_err(PlanError::Recost)?;
+        cells.push(cell);
+    }
+    if cells.len() == 1 {
+        return Ok(cells.remove(0).predicted);
+    }
+    let best = (0..cells.len())
+        .max_by(|&a, &b| {
+            cells[a]
+                .predicted
+                .decode_tokens_per_s
+                .total_cmp(&cells[b].predicted.decode_tokens_per_s)
+        })
+        .ok_or(PlanError::Recost("plan has no cells".into()))?;
+    Ok(Prediction {
+        throughput_tokens_per_s: combined_throughput(&cells, policy.concurrency.max(1)),
+        concurrency: policy.concurrency.max(1),
+        ..cells[best].predicted.clone()
+    })
+}
+
+const MIN_FACTOR: f64 = 0.05;
+const MAX_FACTOR: f64 = 20.0;
+
+fn scale_node(
+    g: &mut ResourceGraph,
+    name: &str,
+    f: f64,
+    at: u64,
+    reason: &str,
+    out: &mut Vec<Correction>,
+) {
+    let f = f.clamp(MIN_FACTOR, MAX_FACTOR);
+    let Some(n) = g.nodes.iter_mut().find(|n| n.name == name) else {
+        return;
+    };
+    n.ram.bandwidth = BytesPerSec(n.ram.bandwidth.0 * f);
+    n.ram_compute = FlopsPerSec(n.ram_compute.0 * f);
+    if let Some(t) = n.vram.as_mut() {
+        t.bandwidth = BytesPerSec(t.bandwidth.0 * f);
+    }
+    n.gpu_compute = FlopsPerSec(n.gpu_compute.0 * f);
+    if let Some(t) = n.disk.as_mut() {
+        t.bandwidth = BytesPerSec(t.bandwidth.0 * f);
+    }
+    let figures = vec![
+        ("mem_bandwidth", n.ram.bandwidth.to_string()),
+        ("ram_compute", n.ram_compute.to_string()),
+    ];
+    let mut figures = figures;
+    if let Some(t) = n.vram {
+        figures.push(("vram_bandwidth", t.bandwidth.to_string()));
+        figures.push(("gpu_compute", n.gpu_compute.to_string()));
+    }
+    if let Some(t) = n.disk {
+        figures.push(("disk_bandwidth", t.bandwidth.to_string()));
+    }
+    let subject = format!("node {name}");
+    for (q, v) in figures {
+        g.set_evidence(
+            &subject,
+            q,
+            v,
+            Source::Measured {
+                at_unix_s: at,
+                method: "calibration".into(),
+            },
+        );
+    }
+    out.push(Correction {
+        subject,
+        quantity: "all rates".into(),
+        factor: f,
+        reason: reason.to_string(),
+    });
+}
+
+/// Corrects `graph` from what executing `plan` measured.
+pub fn calibrate(
+    model: &ModelProfile,
+    graph: &ResourceGraph,
+    plan: &Plan,
+    m: &Measurement,
+) -> Result<Calibration, PlanError> {
+    if !(m.decode_tokens_per_s.is_finite() && m.decode_tokens_per_s > 0.0) {
+        return Err(PlanError::Recost(
+            "measured tokens/s must be positive".into(),
+        ));
+    }
+    let before = predict(model, graph, plan)?;
+    let mut g = graph.clone();
+    let mut corrections = Vec::new();
+    let at = m.taken_at_unix_s;
+    for h in &m.hops {
+        let old = g
+            .link(&h.from, &h.to)
+            .ok_or_else(|| PlanError::Recost(format!("no link between {} and {}", h.from, h.to)))?;
+        let wire = old.bandwidth.secs(h.wire_bytes);
+        let rtt = (2.0 * (h.latency_s - wire)).max(0.0);
+        let spec = LinkSpec {
+            rtt_s: rtt,
+            bandwidth: old.bandwidth,
+        };
+        match g
+            .links
+            .iter_mut()
+            .find(|l| (l.a == h.from && l.b == h.to) || (l.a == h.to && l.b == h.from))
+        {
+            Some(l) => l.spec = spec,
+            None => g.links.push(crate::resources::Link {
+                a: h.from.clone(),
+                b: h.to.clone(),
+                profile: None,
+                spec,
+            }),
+        }
+        let subject = link_subject(&h.from, &h.to);
+        g.set_evidence(
+            &subject,
+            "rtt",
+            format!("{:.3} ms", rtt * 1e3),
+            Source::Measured {
+                at_unix_s: at,
+                method: "fabric per-hop latency".into(),
+            },
+        );
+        corrections.push(Correction {
+            subject,
+            quantity: "rtt".into(),
+            factor: if old.rtt_s > 0.0 {
+                rtt / old.rtt_s
+            } else {
+                1.0
+            },
+            reason: format!(
+                "measured {:.3} ms per crossing with {:.0} wire bytes",
+                h.latency_s * 1e3,
+                h.wire_bytes
+            ),
+        });
+    }
+    let mid = predict(model, &g, plan)?;
+    if !m.stages.is_empty() {
+        for s in &m.stages {
+            let predicted: f64 = mid
+                .stages
+                .iter()
+                .filter(|x| x.node == s.node)
+                .map(|x| x.terms.total_s)
+                .sum();
+            if predicted > 0.0 && s.seconds_per_token > 0.0 {
+                let f = predicted / s.seconds_per_token;
+                let why = format!(
+                    "stage measured {:.3} ms/token, predicted {:.3}",
+                    s.seconds_per_token * 1e3,
+                    predicted * 1e3
+                );
+                scale_node(&mut g, &s.node, f, at, &why, &mut corrections);
+            }
+        }
+    } else {
+        // Only the token rate: attribute what the network does not explain to the nodes' work.
+        let measured = 1.0 / m.decode_tokens_per_s;
+        let net = mid.decode.network_s();
+        let work_pred = mid.decode.total_s - net;
+        let work_meas = measured - net;
+        if work_pred > 0.0 && work_meas > 0.0 {
+            let f = work_pred / work_meas;
+            let why = format!(
+                "token time measured {:.3} ms, predicted {:.3} ms ({:.3} ms of it network)",
+                measured * 1e3,
+                mid.decode.total_s * 1e3,
+                net * 1e3
+            );
+            let mut nodes: Vec<&str> = plan.nodes();
+            nodes.dedup();
+            for n in nodes {
+                scale_node(&mut g, n, f, at, &why, &mut corrections);
+            }
+        }
+    }
+    let after = predict(model, &g, plan)?;
+    Ok(Calibration {
+        graph: g,
+        corrections,
+        measured_tokens_per_s: m.decode_tokens_per_s,
+        predicted_before: before.decode_tokens_per_s,
+        predicted_after: after.decode_tokens_per_s,
+        relative_error_before: (before.decode_tokens_per_s - m.decode_tokens_per_s)
+            / m.decode_tokens_per_s,
+    })
+}

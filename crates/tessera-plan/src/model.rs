@@ -1,0 +1,398 @@
+//! The planner's view of a model: weight bytes per layer and per expert, KV bytes per token and FLOPs
+//! per token. Built from a Hugging Face `config.json` plus a quantisation choice (so a user can plan
+//! before downloading), or converted from a GGUF header profile by the caller.
+
+use crate::units::Bytes;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// A weight quantisation, with its average storage cost in bits per weight (GGUF block formats,
+/// scales included).
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Quant {
+    Q4_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    F16,
+    BF16,
+    F32,
+}
+
+impl Quant {
+    pub const ALL: [Self; 8] = [
+        Self::Q4_0,
+        Self::Q4_K,
+        Self::Q5_K,
+        Self::Q6_K,
+        Self::Q8_0,
+        Self::F16,
+        Self::BF16,
+        Self::F32,
+    ];
+
+    /// Bits per weight: Q4_0 4.5, Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625, Q8_0 8.5, F16/BF16 16, F32 32.
+    pub fn bits_per_weight(self) -> f64 {
+        match self {
+            Self::Q4_0 | Self::Q4_K => 4.5,
+            Self::Q5_K => 5.5,
+            Self::Q6_K => 6.5625,
+            Self::Q8_0 => 8.5,
+            Self::F16 | Self::BF16 => 16.0,
+            Self::F32 => 32.0,
+        }
+    }
+
+    /// Bytes for `params` weights in this format.
+    pub fn bytes(self, params: u64) -> Bytes {
+        Bytes::from_f64(params as f64 * self.bits_per_weight() / 8.0)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_K => "Q4_K",
+            Self::Q5_K => "Q5_K",
+            Self::Q6_K => "Q6_K",
+            Self::Q8_0 => "Q8_0",
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+            Self::F32 => "F32",
+        }
+    }
+}
+
+impl fmt::Display for Quant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Quant {
+    type Err = ModelError;
+    fn from_str(s: &str) -> Result<Self, ModelError> {
+        let u = s.trim().to_ascii_uppercase();
+        let u = u
+            .strip_suffix("_M")
+            .or_else(|| u.strip_suffix("_S"))
+            .unwrap_or(&u);
+        Self::ALL
+            .into_iter()
+            .find(|q| q.name() == u)
+            .ok_or_else(|| ModelError::UnknownQuant(s.to_string()))
+    }
+}
+
+/// Errors building a model profile.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("config.json is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("unsupported model_type {0:?} (supported: llama, qwen2, qwen3, qwen3_moe, mixtral)")]
+    UnsupportedArch(String),
+    #[error("config.json lacks {0:?}")]
+    Missing(&'static str),
+    #[error("config.json field {0:?} has an impossible value")]
+    Invalid(&'static str),
+    #[error("unknown quantisation {0:?} (known: Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16, F32)")]
+    UnknownQuant(String),
+    #[error("model profile is inconsistent: {0}")]
+    Inconsistent(String),
+}
+
+/// One transformer block, as bytes and FLOPs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerProfile {
+    /// Attention projections, their norms and biases, and the block's input/post-attention norms.
+    pub attention: Bytes,
+    /// Dense FFN (zero for a layer whose FFN is all experts).
+    pub dense_ffn: Bytes,
+    /// MoE router (gate) weights; zero for a dense layer.
+    pub router: Bytes,
+    /// Bytes of one expert (gate, up and down); zero for a dense layer.
+    pub expert: Bytes,
+    /// Experts in this layer (0 for a dense layer).
+    pub n_expert: u32,
+    /// Experts each token uses in this layer.
+    pub n_expert_used: u32,
+    /// KV-cache bytes this layer stores per token of context.
+    pub kv_per_token: Bytes,
+    /// Matrix FLOPs per token for this layer's active weights (2 per active weight), excluding the
+    /// context-dependent attention scores.
+    pub flops_per_token: f64,
+    /// Attention-score FLOPs per token per token of context (QK^T and AV).
+    pub attn_flops_per_ctx_token: f64,
+    /// FLOPs per token of one expert.
+    pub expert_flops_per_token: f64,
+}
+
+impl LayerProfile {
+    pub fn is_moe(&self) -> bool {
+        self.n_expert > 0
+    }
+    /// Everything in the layer that is not an expert: attention, router and dense FFN.
+    pub fn non_expert(&self) -> Bytes {
+        self.attention + self.router + self.dense_ffn
+    }
+    /// All the layer's weights.
+    pub fn resident(&self) -> Bytes {
+        self.non_expert() + Bytes(self.expert.0 * u64::from(self.n_expert))
+    }
+    /// Weight bytes read per token at batch 1.
+    pub fn active(&self) -> Bytes {
+        self.non_expert() + Bytes(self.expert.0 * u64::from(self.n_expert_used))
+    }
+}
+
+/// The planner's model input.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelProfile {
+    pub name: String,
+    pub arch: String,
+    /// The quantisation the byte figures assume, if uniform.
+    pub quant: Option<Quant>,
+    pub hidden_size: u64,
+    pub vocab_size: u64,
+    /// Token embedding matrix.
+    pub embedding: Bytes,
+    /// Output head (final norm and output projection). With tied embeddings this is the embedding
+    /// matrix again: a stage that holds the head but not the embedding must still load it.
+    pub head: Bytes,
+    pub tied_embeddings: bool,
+    /// FLOPs per token of the output head.
+    pub head_flops_per_token: f64,
+    pub n_expert: u32,
+    pub n_expert_used: u32,
+    pub layers: Vec<LayerProfile>,
+}
+
+impl ModelProfile {
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    pub fn is_moe(&self) -> bool {
+        self.layers.iter().any(LayerProfile::is_moe)
+    }
+    pub fn moe_layers(&self) -> usize {
+        self.layers.iter().filter(|l| l.is_moe()).count()
+    }
+    /// All weight bytes (the head counted once when tied).
+    pub fn total_weights(&self) -> Bytes {
+        let layers: Bytes = self.layers.iter().map(LayerProfile::resident).sum();
+        layers
+            + self.embedding
+            + if self.tied_embeddings {
+                Bytes::ZERO
+            } else {
+                self.head
+            }
+    }
+    /// Weight bytes read per token at batch 1.
+    pub fn active_weights(&self) -> Bytes {
+        self.layers.iter().map(LayerProfile::active).sum::<Bytes>() + self.head
+    }
+    pub fn kv_per_token(&self) -> Bytes {
+        self.layers.iter().map(|l| l.kv_per_token).sum()
+    }
+    /// Bytes of one token's hidden state on the wire (f32).
+    pub fn hidden_wire_bytes(&self) -> f64 {
+        self.hidden_size as f64 * 4.0
+    }
+
+    /// Checks the invariants the planner relies on.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::Inconsistent(m));
+        if self.layers.is_empty() {
+            return bad("no layers".into());
+        }
+        if self.hidden_size == 0 {
+            return bad("hidden_size is 0".into());
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            if l.is_moe() && (l.n_expert_used == 0 || l.n_expert_used > l.n_expert) {
+                return bad(format!(
+                    "layer {i}: uses {} of {} experts",
+                    l.n_expert_used, l.n_expert
+                ));
+            }
+            if l.is_moe() && (l.n_expert != self.n_expert || l.n_expert_used != self.n_expert_used)
+            {
+                return bad(format!("layer {i}: expert counts differ from the model's"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Builds a profile from a Hugging Face `config.json` (llama, qwen2, qwen3, qwen3_moe, mixtral)
+    /// with every matrix stored in `quant`; norms, biases and the MoE router are counted as F32,
+    /// as GGUF converters keep them. The KV cache is F16.
+    pub fn from_hf_config(config_json: &str, quant: Quant) -> Result<Self, ModelError> {
+        let v: serde_json::Value = serde_json::from_str(config_json)?;
+        let arch = v
+            .get("model_type")
+            .and_then(|x| x.as_str())
+            .ok_or(ModelError::Missing("model_type"))?
+            .to_string();
+        if !matches!(
+            arch.as_str(),
+            "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"
+        ) {
+            return Err(ModelError::UnsupportedArch(arch));
+        }
+        let get = |k: &'static str| v.get(k).and_then(serde_json::Value::as_u64);
+        let need = |k: &'static str| get(k).ok_or(ModelError::Missing(k));
+        let hidden = need("hidden_size")?;
+        let n_layers = need("num_hidden_layers")?;
+        let n_head = need("num_attention_heads")?;
+        let n_kv = get("num_key_value_heads").unwrap_or(n_head);
+        let vocab = need("vocab_size")?;
+        if hidden == 0 || n_layers == 0 || n_head == 0 || n_kv == 0 || vocab == 0 {
+            return Err(ModelError::Invalid(
+                "hidden_size/num_hidden_layers/heads/vocab_size",
+            ));
+        }
+        let head_dim = get("head_dim").unwrap_or(hidden / n_head);
+        if head_dim == 0 {
+            return Err(ModelError::Invalid("head_dim"));
+        }
+        let tied = v
+            .get("tie_word_embeddings")
+            .and_then(|x| x.as_bool())
+            .unwrap_or(false);
+
+        let (n_expert, n_used, expert_ffn, dense_ffn) = match arch.as_str() {
+            "qwen3_moe" => (
+                need("num_experts")?,
+                need("num_experts_per_tok")?,
+                need("moe_intermediate_size")?,
+                get("intermediate_size").unwrap_or(0),
+            ),
+            "mixtral" => (
+                need("num_local_experts")?,
+                need("num_experts_per_tok")?,
+                need("intermediate_size")?,
+                0,
+            ),
+            _ => (0, 0, 0, need("intermediate_size")?),
+        };
+        if n_expert > 0 && (n_used == 0 || n_used > n_expert || expert_ffn == 0) {
+            return Err(ModelError::Invalid("num_experts_per_tok"));
+        }
+        let sparse_step = get("decoder_sparse_step").unwrap_or(1).max(1);
+        let mlp_only: Vec<u64> = v
+            .get("mlp_only_layers")
+            .and_then(|x| x.as_array())
+            .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+            .unwrap_or_default();
+
+        let f32b = |n: u64| Bytes(n * 4);
+        let q_dim = n_head * head_dim;
+        let kv_dim = n_kv * head_dim;
+        let attn_params = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden;
+        let mut attn_small = 2 * hidden; // input + post-attention norms
+        if arch == "qwen2" {
+            attn_small += q_dim + 2 * kv_dim; // q, k, v biases
+        }
+        if arch.starts_with("qwen3") {
+            attn_small += 2 * head_dim; // q_norm, k_norm
+        }
+        let attention = quant.bytes(attn_params) + f32b(attn_small);
+        let kv_per_token = Bytes(2 * kv_dim * 2); // K and V, f16
+        let attn_flops_ctx = (4 * q_dim) as f64;
+
+        let mut layers = Vec::with_capacity(n_layers as usize);
+        for i in 0..n_layers {
+            let moe = n_expert > 0 && !mlp_only.contains(&i) && (i + 1) % sparse_step == 0;
+            let (dffn, router, expert, ne, nu) = if moe {
+                (
+                    0,
+                    hidden * n_expert,
+                    3 * hidden * expert_ffn,
+                    n_expert as u32,
+                    n_used as u32,
+                )
+            } else {
+                if dense_ffn == 0 {
+                    return Err(ModelError::Missing("intermediate_size"));
+                }
+                (3 * hidden * dense_ffn, 0, 0, 0, 0)
+            };
+            let active_params = attn_params + dffn + router + expert * u64::from(nu);
+            layers.push(LayerProfile {
+                attention,
+                dense_ffn: quant.bytes(dffn),
+                router: f32b(router),
+                expert: quant.bytes(expert),
+                n_expert: ne,
+                n_expert_used: nu,
+                kv_per_token,
+                flops_per_token: 2.0 * active_params as f64,
+                attn_flops_per_ctx_token: attn_flops_ctx,
+                expert_flops_per_token: 2.0 * expert as f64,
+            });
+        }
+        let name = v
+            .get("_name_or_path")
+            .and_then(|x| x.as_str())
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("{arch}-{n_layers}L-{hidden}h"));
+        let emb = quant.bytes(vocab * hidden);
+        let profile = Self {
+            name,
+            arch,
+            quant: Some(quant),
+            hidden_size: hidden,
+            vocab_size: vocab,
+            embedding: emb,
+            head: emb + f32b(hidden),
+            tied_embeddings: tied,
+            head_flops_per_token: 2.0 * (vocab * hidden) as f64,
+            n_expert: n_expert as u32,
+            n_expert_used: n_used as u32,
+            layers,
+        };
+        profile.validate()?;
+        Ok(profile)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub const QWEN3_30B_A3B: &str = r#"{"model_type":"qwen3_moe","hidden_size":2048,"num_hidden_layers":48,
+        "num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"intermediate_size":6144,
+        "moe_intermediate_size":768,"num_experts":128,"num_experts_per_tok":8,"vocab_size":151936,
+        "tie_word_embeddings":false,"decoder_sparse_step":1,"mlp_only_layers":[]}"#;
+
+    #[test]
+    fn qwen3_30b_a3b_at_q4_k_is_about_17_gib_with_3b_active() {
+        let m = ModelProfile::from_hf_config(QWEN3_30B_A3B, Quant::Q4_K).unwrap();
+        assert_eq!(m.n_layers(), 48);
+        assert_eq!(m.moe_layers(), 48);
+        let gib = m.total_weights().as_gib();
+        assert!((15.0..18.0).contains(&gib), "{gib}");
+        // ~3.3 B active parameters at 4.5 bits.
+        let active = m.active_weights().as_gib();
+        assert!((1.5..2.2).contains(&active), "{active}");
+        // 48 layers x K,V x 4 heads x 128 x 2 bytes.
+        assert_eq!(m.kv_per_token(), Bytes(48 * 2 * 4 * 128 * 2));
+    }
+
+    #[test]
+    fn quant_names_parse() {
+        assert_eq!("q4_k_m".parse::<Quant>().unwrap(), Quant::Q4_K);
+        assert_eq!("BF16".parse::<Quant>().unwrap(), Quant::BF16);
+        assert!("Q3_K".parse::<Quant>().is_err());
+    }
+
+    #[test]
+    fn rejects_unknown_arch() {
+        let e = ModelProfile::from_hf_config(r#"{"model_type":"gpt2"}"#, Quant::F16).unwrap_err();
+        assert!(matches!(e, ModelError::UnsupportedArch(_)));
+    }
+}

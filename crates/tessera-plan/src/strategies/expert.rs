@@ -1,0 +1,168 @@
+//! Expert split: a home node holds attention, router, dense FFN, embedding, head and KV; each MoE
+//! layer's experts are spread over owner nodes (the home included) in counts chosen so the slowest
+//! owner per layer (its expert read time from VRAM, RAM or disk, plus its round trip) is as fast as
+//! possible. Experts are identical and each owner's time grows with its count, so handing out experts
+//! one at a time to the owner that would finish soonest is optimal for that min-max.
+
+use super::{ms, Generated};
+use crate::cost::{evaluate, expert_layer_time, place_assignment, Ctx};
+use crate::plan::{Assignment, CellKind, ExpertSlice, LayerRange};
+use crate::resources::StrategyKind;
+
+fn home_assignment(ctx: &Ctx, node: &str) -> Assignment {
+    let l = ctx.model.n_layers();
+    Assignment {
+        layers: Some(LayerRange::new(0, l)),
+        ffn: Some(LayerRange::new(0, l)),
+        embedding: true,
+        head: true,
+        ..Assignment::empty(node)
+    }
+}
+
+fn with_experts(mut a: Assignment, ctx: &Ctx, start: usize, k: usize) -> Assignment {
+    a.experts = (k > 0).then(|| ExpertSlice {
+        layers: LayerRange::new(0, ctx.model.n_layers()),
+        experts: LayerRange::new(start, start + k),
+    });
+    a
+}
+
+pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
+    if !ctx.model.is_moe() {
+        out.notes
+            .push("expert split not considered: the model has no MoE layers".into());
+        return;
+    }
+    if ctx.graph.nodes.len() < 2 {
+        return;
+    }
+    let n_exp = ctx.model.n_expert as usize;
+    let seqs = ctx.policy.concurrency;
+    let hidden = ctx.model.hidden_wire_bytes();
+    for home in &ctx.graph.nodes {
+        let base = home_assignment(ctx, &home.name);
+        if let Err(e) = place_assignment(ctx, &base, seqs) {
+            out.reject(
+                StrategyKind::Expert,
+                &[&home.name],
+                format!("expert split with home {}: {e}", home.name),
+            );
+            continue;
+        }
+        // Owners: the home first, then every node linked to it.
+        let owners: Vec<(usize, f64)> = ctx
+            .graph
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| {
+                if n.name == home.name {
+                    Some((i, 0.0))
+                } else {
+                    ctx.link(&home.name, &n.name)
+                        .map(|l| (i, l.rtt_s + 2.0 * l.bandwidth.secs(hidden)))
+                }
+            })
+            .collect();
+        let mut owners = owners;
+        owners.sort_by_key(|&(i, _)| ctx.graph.nodes[i].name != home.name);
+        let time = |o: usize, k: usize| -> f64 {
+            let (gi, hop) = owners[o];
+            let node = &ctx.graph.nodes[gi];
+            let a = if o == 0 {
+                base.clone()
+            } else {
+                Assignment::empty(&node.name)
+            };
+            let a = with_experts(a, ctx, 0, k);
+            expert_layer_time(ctx, node, &a, seqs).map_or(f64::INFINITY, |t| t + hop)
+        };
+        let mut k = vec![0usize; owners.len()];
+        let mut next: Vec<f64> = (0..owners.len()).map(|o| time(o, 1)).collect();
+        let mut stuck = false;
+        for _ in 0..n_exp {
+            let best = (0..owners.len())
+                .filter(|&o| next[o].is_finite())
+                .min_by(|&a, &b| next[a].total_cmp(&next[b]).then(a.cmp(&b)));
+            let Some(o) = best else {
+                stuck = true;
+                break;
+            };
+            k[o] += 1;
+            next[o] = time(o, k[o] + 1);
+        }
+        let names: Vec<&str> = owners
+            .iter()
+            .map(|&(i, _)| ctx.graph.nodes[i].name.as_str())
+            .collect();
+        if stuck {
+            let placed: usize = k.iter().sum();
+            out.reject(
+                StrategyKind::Expert,
+                &names,
+                format!(
+                    "expert split with home {}: the owners' memory and disk hold only {placed} of the {n_exp} \
+                     experts of every MoE layer",
+                    home.name
+                ),
+            );
+            continue;
+        }
+        if k.iter().filter(|&&x| x > 0).count() < 2 {
+            // Every expert stayed home: that is the single-node plan.
+            continue;
+        }
+        let mut a = Vec::new();
+        let mut start = 0;
+        for (o, &(gi, _)) in owners.iter().enumerate() {
+            if k[o] == 0 && o != 0 {
+                continue;
+            }
+            let node = &ctx.graph.nodes[gi];
+            let base_a = if o == 0 {
+                base.clone()
+            } else {
+                Assignment::empty(&node.name)
+            };
+            a.push(with_experts(base_a, ctx, start, k[o]));
+            start += k[o];
+        }
+        debug_assert_eq!(start, n_exp);
+        match evaluate(ctx, CellKind::Expert, a, seqs) {
+            Ok(cell) => {
+                let shares: Vec<String> = cell
+                    .assignments
+                    .iter()
+                    .map(|x| {
+                        let k = x.experts.map_or(0, |e| e.experts.len());
+                        if x.memory.disk.0 > 0 {
+                            format!("{} {k} ({} on disk)", x.node, x.memory.disk)
+                        } else {
+                            format!("{} {k}", x.node)
+                        }
+                    })
+                    .collect();
+                // Owners are visited in parallel: the slowest owner's round trips are the cost.
+                let hop = cell
+                    .predicted
+                    .hops
+                    .iter()
+                    .map(|h| h.terms.total_s)
+                    .fold(0.0, f64::max);
+                let d = format!(
+                    "expert split, home {}; experts per layer: {}; up to {} of round trips per token",
+                    home.name,
+                    shares.join(", "),
+                    ms(hop)
+                );
+                out.push_cell(StrategyKind::Expert, d, cell);
+            }
+            Err(e) => out.reject(
+                StrategyKind::Expert,
+                &names,
+                format!("expert split with home {}: {e}", home.name),
+            ),
+        }
+    }
+}

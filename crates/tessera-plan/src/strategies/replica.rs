@@ -1,0 +1,140 @@
+//! Whole-request replicas: independent cells, each holding the whole model (a single node, or a
+//! stage ring built from the nodes that cannot hold it alone), behind one endpoint. Requests go to
+//! the fastest free cell, so one request decodes at the best cell's speed and concurrent requests
+//! spread over the cells.
+
+use super::stage::{ring_cell, solve, Metric, MAX_DP_NODES};
+use super::{stage_assignment, Generated};
+use crate::cost::{evaluate, Ctx};
+use crate::plan::{Candidate, Cell, CellKind, Prediction};
+use crate::resources::StrategyKind;
+
+/// Spreads `c` requests over the cells, each step to the cell that adds the most tokens/s.
+pub(crate) fn combined_throughput(cells: &[Cell], c: u32) -> f64 {
+    let mut alloc = vec![0usize; cells.len()];
+    let at = |cell: &Cell, k: usize| {
+        if k == 0 {
+            0.0
+        } else {
+            cell.throughput_curve[k - 1]
+        }
+    };
+    for _ in 0..c {
+        let best = (0..cells.len())
+            .filter(|&i| alloc[i] < cells[i].throughput_curve.len())
+            .max_by(|&a, &b| {
+                let ga = at(&cells[a], alloc[a] + 1) - at(&cells[a], alloc[a]);
+                let gb = at(&cells[b], alloc[b] + 1) - at(&cells[b], alloc[b]);
+                ga.total_cmp(&gb).then(b.cmp(&a))
+            });
+        match best {
+            Some(i) => alloc[i] += 1,
+            None => break,
+        }
+    }
+    cells.iter().zip(&alloc).map(|(cell, &k)| at(cell, k)).sum()
+}
+
+pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
+    if ctx.graph.nodes.len() < 2 {
+        return;
+    }
+    let l = ctx.model.n_layers();
+    // Nodes that hold the model alone form single cells.
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut rest = Vec::new();
+    for (i, n) in ctx.graph.nodes.iter().enumerate() {
+        if evaluate(
+            ctx,
+            CellKind::Single,
+            vec![stage_assignment(ctx, &n.name, 0, l)],
+            1,
+        )
+        .is_ok()
+        {
+            groups.push(vec![i]);
+        } else {
+            rest.push(i);
+        }
+    }
+    // The others form stage rings, best ring first, while any ring is legal.
+    let mut rings = Vec::new();
+    while rest.len() >= 2 {
+        let pool: Vec<usize> = rest.iter().copied().take(MAX_DP_NODES).collect();
+        let solved = solve(ctx, &pool, 1, Metric::Latency);
+        let Some((_, ring)) = solved.best_split() else {
+            break;
+        };
+        rest.retain(|i| !ring.order.contains(i));
+        rings.push(ring.clone());
+        groups.push(ring.order.clone());
+    }
+    let all: Vec<&str> = ctx.graph.nodes.iter().map(|n| n.name.as_str()).collect();
+    if groups.len() < 2 {
+        out.reject(
+            StrategyKind::Replica,
+            &all,
+            format!(
+                "whole-request replicas need two cells that each hold the whole model; the nodes form {}",
+                groups.len()
+            ),
+        );
+        return;
+    }
+    let seqs = ctx.policy.concurrency.div_ceil(groups.len() as u32).max(1);
+    let mut cells = Vec::new();
+    let mut ring_iter = rings.iter();
+    for g in &groups {
+        let cell = if g.len() == 1 {
+            let n = &ctx.graph.nodes[g[0]].name;
+            evaluate(
+                ctx,
+                CellKind::Single,
+                vec![stage_assignment(ctx, n, 0, l)],
+                seqs,
+            )
+        } else {
+            ring_cell(ctx, ring_iter.next().expect("a ring per group"), seqs)
+        };
+        match cell {
+            Ok(c) => cells.push(c),
+            Err(e) => out.notes.push(format!("replica cell dropped: {e}")),
+        }
+    }
+    if cells.len() < 2 {
+        out.reject(
+            StrategyKind::Replica,
+            &all,
+            "fewer than two replica cells fit with their share of requests".into(),
+        );
+        return;
+    }
+    let best = cells
+        .iter()
+        .enumerate()
+        .max_by(|a, b| {
+            a.1.predicted
+                .decode_tokens_per_s
+                .total_cmp(&b.1.predicted.decode_tokens_per_s)
+                .then(b.0.cmp(&a.0))
+        })
+        .map(|(i, _)| i)
+        .expect("cells");
+    let c = ctx.policy.concurrency.max(1);
+    let predicted = Prediction {
+        throughput_tokens_per_s: combined_throughput(&cells, c),
+        concurrency: c,
+        ..cells[best].predicted.clone()
+    };
+    let desc: Vec<String> = cells.iter().map(|c| c.nodes().join("+")).collect();
+    out.candidates.push(Candidate {
+        strategy: StrategyKind::Replica,
+        description: format!(
+            "{} whole-request replicas: {}",
+            cells.len(),
+            desc.join(" | ")
+        ),
+        cells,
+        predicted,
+    });
+}

@@ -1,0 +1,111 @@
+//! Calibration: measured figures from an executed plan correct the graph so the plan predicts them.
+
+mod common;
+
+use common::*;
+use tessera_plan::{
+    calibrate, plan, predict, HopMeasurement, Measurement, Quant, ResourceGraph, Source,
+    StageMeasurement, StrategyKind,
+};
+
+/// A loopback cluster like the fabric issue's: two processes on one host, the model split in two
+/// stages because each is given little memory.
+fn loopback() -> ResourceGraph {
+    ResourceGraph::from_toml(include_str!("../clusters/loopback.toml")).unwrap()
+}
+
+#[test]
+fn calibrating_from_the_token_rate_makes_the_plan_predict_it() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let g = loopback();
+    let o = plan(&m, &g, 1).unwrap();
+    assert_eq!(o.plan.strategy, StrategyKind::Stage);
+    let predicted = o.plan.predicted.decode_tokens_per_s;
+    let measured = Measurement {
+        taken_at_unix_s: 1_764_500_000,
+        decode_tokens_per_s: predicted * 0.6,
+        hops: vec![HopMeasurement {
+            from: "a".into(),
+            to: "b".into(),
+            latency_s: 40e-6,
+            wire_bytes: 4096.0,
+        }],
+        stages: vec![],
+    };
+    let c = calibrate(&m, &g, &o.plan, &measured).unwrap();
+    assert!((c.relative_error_before - (1.0 / 0.6 - 1.0)).abs() < 1e-9);
+    assert!(
+        (c.predicted_after - measured.decode_tokens_per_s).abs() / measured.decode_tokens_per_s
+            < 1e-6
+    );
+    assert!(c
+        .corrections
+        .iter()
+        .any(|x| x.subject == "link a-b" && x.quantity == "rtt"));
+    assert!(c
+        .corrections
+        .iter()
+        .any(|x| x.subject == "node a" && x.factor < 1.0));
+    // The evidence now says these figures were measured, and when.
+    assert!(c.graph.evidence.iter().any(|e| e.subject == "node b"
+        && e.quantity == "mem_bandwidth"
+        && e.source
+            == Source::Measured {
+                at_unix_s: 1_764_500_000,
+                method: "calibration".into()
+            }));
+    // Re-planning on the corrected graph is consistent with it.
+    let again = predict(&m, &c.graph, &o.plan).unwrap();
+    assert!((again.decode_tokens_per_s - c.predicted_after).abs() < 1e-9);
+}
+
+#[test]
+fn calibrating_from_stage_times_corrects_each_node_separately() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let g = loopback();
+    let o = plan(&m, &g, 1).unwrap();
+    let stage = |n: &str| {
+        o.plan
+            .predicted
+            .stages
+            .iter()
+            .find(|s| s.node == n)
+            .unwrap()
+            .terms
+            .total_s
+    };
+    let measured = Measurement {
+        taken_at_unix_s: 1,
+        decode_tokens_per_s: 10.0,
+        hops: vec![],
+        stages: vec![
+            StageMeasurement {
+                node: "a".into(),
+                seconds_per_token: stage("a") * 2.0,
+            },
+            StageMeasurement {
+                node: "b".into(),
+                seconds_per_token: stage("b"),
+            },
+        ],
+    };
+    let c = calibrate(&m, &g, &o.plan, &measured).unwrap();
+    let factor = |n: &str| {
+        c.corrections
+            .iter()
+            .find(|x| x.subject == format!("node {n}"))
+            .unwrap()
+            .factor
+    };
+    assert!((factor("a") - 0.5).abs() < 1e-9);
+    assert!((factor("b") - 1.0).abs() < 1e-9);
+    let after = predict(&m, &c.graph, &o.plan).unwrap();
+    let new_a = after
+        .stages
+        .iter()
+        .find(|s| s.node == "a")
+        .unwrap()
+        .terms
+        .total_s;
+    assert!((new_a - 2.0 * stage("a")).abs() < 1e-9);
+}

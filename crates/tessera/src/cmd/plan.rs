@@ -1,0 +1,232 @@
+//! `tessera plan`: choose the best split of a model over a cluster and explain why.
+//!
+//! The model is a GGUF file (its header is read, no weights), a Hugging Face `config.json` (or a
+//! directory holding one) plus `--quant`, or a planner model profile saved as JSON. The cluster is a
+//! TOML file (format in `crates/tessera-plan/README.md`) whose nodes may name library profiles, so
+//! "what if" questions need no running node.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use tessera_plan::{
+    plan, profiles, render_text, Bytes, LayerProfile, ModelProfile, Objective, PlanError, Quant,
+    ResourceGraph,
+};
+
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// GGUF file, Hugging Face config.json (or its directory), or a saved planner profile (.json).
+    #[arg(long, required_unless_present = "list_profiles")]
+    pub model: Option<PathBuf>,
+    /// Quantisation assumed for a config.json: Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16, F32.
+    #[arg(long, default_value = "Q4_K")]
+    pub quant: String,
+    /// Cluster file (TOML): [[node]], [[link]], [defaults], [policy].
+    #[arg(long, required_unless_present = "list_profiles")]
+    pub nodes: Option<PathBuf>,
+    /// What to optimise: latency, throughput or balanced (overrides the cluster file's policy).
+    #[arg(long)]
+    pub objective: Option<String>,
+    /// Context length each request's KV cache is sized for (overrides the policy).
+    #[arg(long)]
+    pub context: Option<u64>,
+    /// Prompt length for time to first token (overrides the policy).
+    #[arg(long)]
+    pub prompt_tokens: Option<u64>,
+    /// Concurrent requests to size memory and throughput for (overrides the policy).
+    #[arg(long)]
+    pub concurrency: Option<u32>,
+    /// Plan epoch to stamp on the plan.
+    #[arg(long, default_value_t = 1)]
+    pub epoch: u64,
+    /// Print the plan and explanation as one JSON document.
+    #[arg(long)]
+    pub json: bool,
+    /// List the hardware and link profiles usable in a cluster file, then exit.
+    #[arg(long)]
+    pub list_profiles: bool,
+}
+
+pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    if args.list_profiles {
+        return list_profiles(args.json);
+    }
+    let (Some(model_path), Some(nodes_path)) = (&args.model, &args.nodes) else {
+        bail!("--model and --nodes are required");
+    };
+    let model = load_model(model_path, &args.quant)?;
+    let text = std::fs::read_to_string(nodes_path)
+        .with_context(|| format!("reading cluster file {}", nodes_path.display()))?;
+    let mut graph = ResourceGraph::from_toml(&text)
+        .with_context(|| format!("in cluster file {}", nodes_path.display()))?;
+    if let Some(o) = &args.objective {
+        graph.policy.objective = o.parse::<Objective>()?;
+    }
+    if let Some(c) = args.context {
+        graph.policy.context_tokens = c.max(1);
+    }
+    if let Some(p) = args.prompt_tokens {
+        graph.policy.prompt_tokens = p.max(1);
+    }
+    if let Some(c) = args.concurrency {
+        graph.policy.concurrency = c.max(1);
+    }
+    match plan(&model, &graph, args.epoch) {
+        Ok(outcome) => {
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&outcome.to_json())?);
+            } else {
+                print!("{}", render_text(&outcome));
+            }
+            Ok(())
+        }
+        Err(PlanError::NoFeasiblePlan { rejected }) => {
+            if args.json {
+                let doc = serde_json::json!({
+                    "strategy": null,
+                    "error": "no feasible plan",
+                    "rejected": rejected,
+                });
+                println!("{}", serde_json::to_string_pretty(&doc)?);
+            }
+            let reasons: Vec<String> = rejected
+                .iter()
+                .map(|r| format!("  - [{}] {}", r.strategy, r.reason))
+                .collect();
+            bail!(
+                "no feasible plan for {} on this cluster:\n{}",
+                model.name,
+                reasons.join("\n")
+            )
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn load_model(path: &Path, quant: &str) -> anyhow::Result<ModelProfile> {
+    let path = if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.to_path_buf()
+    };
+    let is_gguf = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if is_gguf {
+        return from_gguf(&path);
+    }
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    if value.get("layers").is_some_and(serde_json::Value::is_array) {
+        let profile: ModelProfile = serde_json::from_value(value)
+            .with_context(|| format!("{} is not a planner model profile", path.display()))?;
+        profile.validate()?;
+        return Ok(profile);
+    }
+    let q: Quant = quant.parse()?;
+    ModelProfile::from_hf_config(&text, q).with_context(|| format!("reading {}", path.display()))
+}
+
+/// The planner's view of a GGUF model, from the header profile `tessera inspect` prints.
+fn from_gguf(path: &Path) -> anyhow::Result<ModelProfile> {
+    let gguf = tessera_model::GgufFile::open(path)?;
+    let p = tessera_model::ModelProfile::from_gguf(&gguf).context("reading the model profile")?;
+    let c = &p.config;
+    let (h, q, kv) = (
+        c.n_embd as u64,
+        (c.n_head * c.head_dim) as u64,
+        (c.n_head_kv * c.head_dim) as u64,
+    );
+    let n_layer = p.layers.len().max(1) as u64;
+    let attn_params = h * q + 2 * h * kv + q * h;
+    let layers = p
+        .layers
+        .iter()
+        .map(|l| {
+            let moe = !l.experts.is_empty();
+            let expert_params = 3 * h * c.n_ff_expert as u64;
+            let dense_params = if moe { 0 } else { 3 * h * c.n_ff as u64 };
+            let router_params = if moe { h * c.n_expert as u64 } else { 0 };
+            let used = if moe { c.n_expert_used as u64 } else { 0 };
+            LayerProfile {
+                attention: Bytes(l.attention),
+                dense_ffn: Bytes(l.dense_ffn),
+                router: Bytes(l.router),
+                expert: Bytes(l.experts.first().copied().unwrap_or(0)),
+                n_expert: if moe { l.experts.len() as u32 } else { 0 },
+                n_expert_used: used as u32,
+                kv_per_token: Bytes(p.kv_bytes_per_token / n_layer),
+                flops_per_token: 2.0
+                    * (attn_params + dense_params + router_params + used * expert_params) as f64,
+                attn_flops_per_ctx_token: 4.0 * q as f64,
+                expert_flops_per_token: if moe { 2.0 * expert_params as f64 } else { 0.0 },
+            }
+        })
+        .collect();
+    let head = if p.head_bytes == 0 {
+        p.embedding_bytes
+    } else {
+        p.head_bytes
+    };
+    let profile = ModelProfile {
+        name: p.name.clone().unwrap_or_else(|| path.display().to_string()),
+        arch: c.arch.gguf_name().to_string(),
+        quant: p.weight_type.parse().ok(),
+        hidden_size: h,
+        vocab_size: c.vocab_size as u64,
+        embedding: Bytes(p.embedding_bytes),
+        head: Bytes(head + p.output_norm_bytes),
+        tied_embeddings: p.head_bytes == 0,
+        head_flops_per_token: 2.0 * (c.vocab_size as u64 * h) as f64,
+        n_expert: if c.is_moe() { c.n_expert as u32 } else { 0 },
+        n_expert_used: if c.is_moe() {
+            c.n_expert_used as u32
+        } else {
+            0
+        },
+        layers,
+    };
+    profile.validate()?;
+    Ok(profile)
+}
+
+fn list_profiles(json: bool) -> anyhow::Result<()> {
+    if json {
+        let doc = serde_json::json!({
+            "hardware": profiles::hardware_profiles(),
+            "links": profiles::link_profiles(),
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    println!(
+        "Hardware profiles (every figure an estimate; see `--list-profiles --json` for sources)"
+    );
+    for p in profiles::hardware_profiles() {
+        let gpu = if p.vram.0 > 0 {
+            format!(
+                ", VRAM {} at {}, GPU {}",
+                p.vram, p.vram_bandwidth, p.gpu_compute
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "  {:<22} RAM {} at {}, {}{gpu}, disk {} at {} — {}",
+            p.name, p.ram, p.mem_bandwidth, p.ram_compute, p.disk, p.disk_bandwidth, p.description
+        );
+    }
+    println!("Link profiles");
+    for l in profiles::link_profiles() {
+        println!(
+            "  {:<14} rtt {:.2} ms, {} — {}",
+            l.name,
+            l.rtt_s * 1e3,
+            l.bandwidth,
+            l.description
+        );
+    }
+    Ok(())
+}
