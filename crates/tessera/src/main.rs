@@ -1,1 +1,52 @@
-fn main() {}
+//! `tessera`: many ordinary machines, one model.
+//!
+//! A thin binary: flags are parsed and validated here, then each subcommand calls into the
+//! library crates (`tessera-model`, `tessera-engine`, `tessera-plan`, …).
+
+mod cmd;
+mod default_model;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Tessera turns the machines you already own into one inference platform for open-weight LLMs.
+///
+/// Start with `tessera generate -p "Once upon a time"`: it runs the small story model built into
+/// the binary. `tessera inspect MODEL` shows what a GGUF model costs, part by part; `tessera bench`
+/// measures prefill and decode speed.
+#[derive(Parser)]
+#[command(name = "tessera", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming tokens as they are produced.
+    Generate(cmd::generate::GenerateArgs),
+    /// Print a model's profile: architecture, geometry, and bytes per layer, expert and token.
+    Inspect(cmd::inspect::InspectArgs),
+    /// Measure load time, prefill and decode tokens/s, and peak memory.
+    Bench(cmd::bench::BenchArgs),
+    /// Choose the best split of a model over a cluster, and explain why.
+    Plan(cmd::plan::PlanArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => cmd::generate::run(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
+        Command::Plan(a) => cmd::plan::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! Kernel throughput: GB/s of weights streamed and GFLOP/s per dtype and shape, for 1 and 64
+//! tokens and 1 and 2 threads, next to this machine's measured read bandwidth.
+//!
+//! `cargo run --release -p tessera-engine --example kernel_bench [-- DTYPE... | --model]`
+//! (set `TESSERA_KERNEL_ISA=scalar|avx2|avx512` to force a path). Weights are random; each
+//! matrix is replicated so that a timed pass streams well over the last-level cache, like a
+//! decode step does.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use tessera_engine::kernels::{isa, matmul, Matrix, MatrixBytes, QuantizedActs, ThreadPool};
+use tessera_model::GgmlType;
+
+const DTYPES: [GgmlType; 8] = [
+    GgmlType::Q4_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::F32,
+];
+const SHAPES: [(usize, usize); 4] = [(1024, 1024), (3072, 1024), (1024, 3072), (32000, 1024)];
+/// Bytes a timed pass should stream to defeat the 32 MiB L3.
+const STREAM_BYTES: usize = 160 << 20;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Random valid GGML bytes: quant bytes random, scales small finite f16.
+fn random_bytes(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let n = rows * cols / dtype.block_size() * dtype.block_bytes();
+    let mut v = vec![0u8; n];
+    for c in v.chunks_mut(8) {
+        let r = rng.next().to_le_bytes();
+        c.copy_from_slice(&r[..c.len()]);
+    }
+    let small_f16 = |r: u64| (0x2000u16 | (r as u16 & 0x03ff)).to_le_bytes(); // ~0.008
+    let bb = dtype.block_bytes();
+    for b in v.chunks_exact_mut(bb) {
+        match dtype {
+            GgmlType::Q4_0 | GgmlType::Q8_0 => b[..2].copy_from_slice(&small_f16(rng.next())),
+            GgmlType::Q4K | GgmlType::Q5K => {
+                b[..2].copy_from_slice(&small_f16(rng.next()));
+                b[2..4].copy_from_slice(&small_f16(rng.next()));
+            }
+            GgmlType::Q6K => b[208..].copy_from_slice(&small_f16(rng.next())),
+            GgmlType::F16 => {
+                b.copy_from_slice(&(0x3000u16 | (rng.next() as u16 & 0x83ff)).to_le_bytes())
+            }
+            GgmlType::BF16 => {
+                b.copy_from_slice(&(0x3e00u16 | (rng.next() as u16 & 0x807f)).to_le_bytes())
+            }
+            GgmlType::F32 => {
+                b.copy_from_slice(&((rng.next() as f32 / u64::MAX as f32) - 0.5).to_le_bytes())
+            }
+        }
+    }
+    v
+}
+
+/// Runs `f` until `min` has elapsed (at least twice); seconds per call.
+fn time(min: Duration, mut f: impl FnMut()) -> f64 {
+    f();
+    let start = Instant::now();
+    let mut n = 0;
+    while n < 2 || start.elapsed() < min {
+        f();
+        n += 1;
+    }
+    start.elapsed().as_secs_f64() / n as f64
+}
+
+/// Read bandwidth (GB/s) with the pool's threads summing disjoint chunks of a large buffer.
+fn read_bw(pool: &ThreadPool, buf: &[u64]) -> f64 {
+    let chunks = pool.n_threads() * 8;
+    let per = buf.len().div_ceil(chunks);
+    let secs = time(Duration::from_millis(500), || {
+        pool.run(chunks, |i| {
+            let part = &buf[(i * per).min(buf.len())..((i + 1) * per).min(buf.len())];
+            let mut acc = [0u64; 8];
+            for c in part.chunks_exact(8) {
+                for j in 0..8 {
+                    acc[j] = acc[j].wrapping_add(c[j]);
+                }
+            }
+            black_box(acc);
+        })
+    });
+    (buf.len() * 8) as f64 / secs / 1e9
+}
+
+fn memcpy_bw(src: &[u64], dst: &mut [u64]) -> f64 {
+    let secs = time(Duration::from_millis(500), || {
+        dst.copy_from_slice(src);
+        black_box(&dst);
+    });
+    (src.len() * 8) as f64 / secs / 1e9
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let model = args.iter().any(|a| a == "--model");
+    let only: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
+    let pools = [ThreadPool::new(1), ThreadPool::new(2)];
+    println!("kernel ISA: {:?}", isa());
+
+    let big: Vec<u64> = (0..(512usize << 20) / 8).map(|i| i as u64).collect();
+    let mut dst = vec![0u64; big.len()];
+    let copy = memcpy_bw(&big, &mut dst);
+    drop(dst);
+    // Best of three: other processes may share the cores.
+    let bw: Vec<f64> = pools
+        .iter()
+        .map(|p| (0..3).map(|_| read_bw(p, &big)).fold(0.0, f64::max))
+        .collect();
+    drop(big);
+    println!(
+        "memcpy {copy:.1} GB/s; read bandwidth {:.1} GB/s (1 thread), {:.1} GB/s (2 threads)",
+        bw[0], bw[1]
+    );
+
+    for pool in &pools {
+        let secs = time(Duration::from_millis(200), || {
+            for _ in 0..1000 {
+                pool.run(pool.n_threads() * 4, |i| {
+                    black_box(i);
+                });
+            }
+        });
+        println!(
+            "ThreadPool::run overhead ({} threads, {} empty tasks): {:.2} us/call",
+            pool.n_threads(),
+            pool.n_threads() * 4,
+            secs * 1e3
+        );
+    }
+
+    for (dtype, cols) in [
+        (GgmlType::Q4_0, 1024),
+        (GgmlType::Q4_0, 3072),
+        (GgmlType::Q4K, 1024),
+    ] {
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let secs = time(Duration::from_millis(200), || {
+            black_box(QuantizedActs::new(&pools[0], dtype, &x, 1, cols));
+        });
+        println!(
+            "quantize 1 token x {cols} for {dtype}: {:.2} us",
+            secs * 1e6
+        );
+    }
+
+    if model {
+        model_sim(&pools);
+        return;
+    }
+    println!(
+        "{:<5} {:>11} {:>3} {:>4} {:>10} {:>8} {:>9} {:>7}",
+        "dtype", "rows x cols", "thr", "tok", "ms/call", "GB/s", "GFLOP/s", "%readBW"
+    );
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for dtype in DTYPES {
+        if !only.is_empty()
+            && !only
+                .iter()
+                .any(|s| s.eq_ignore_ascii_case(&dtype.to_string()))
+        {
+            continue;
+        }
+        for (rows, cols) in SHAPES {
+            let bytes = rows * cols / dtype.block_size() * dtype.block_bytes();
+            let copies = STREAM_BYTES.div_ceil(bytes).max(2);
+            let mats: Vec<Matrix> = (0..copies)
+                .map(|_| {
+                    let b = random_bytes(dtype, rows, cols, &mut rng);
+                    Matrix::new(dtype, rows, cols, MatrixBytes::Owned(b)).unwrap()
+                })
+                .collect();
+            for n_tok in [1usize, 64] {
+                let x: Vec<f32> = (0..n_tok * cols)
+                    .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
+                    .collect();
+                let mut out = vec![0f32; n_tok * rows];
+                for (pi, pool) in pools.iter().enumerate() {
+                    let mut k = 0;
+                    let min = Duration::from_millis(if n_tok == 1 { 300 } else { 600 });
+                    let secs = time(min, || {
+                        matmul(pool, &mats[k % copies], &x, n_tok, &mut out);
+                        k += 1;
+                    });
+                    let gbs = bytes as f64 / secs / 1e9;
+                    let gflops = 2.0 * (rows * cols * n_tok) as f64 / secs / 1e9;
+                    println!(
+                        "{:<5} {:>5}x{:<5} {:>3} {:>4} {:>10.3} {:>8.1} {:>9.1} {:>6.0}%",
+                        dtype.to_string(),
+                        rows,
+                        cols,
+                        pool.n_threads(),
+                        n_tok,
+                        secs * 1e3,
+                        gbs,
+                        gflops,
+                        100.0 * gbs / bw[pi]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The matmuls of one qwen3-dense forward pass (hidden 1024, 28 layers, 16 q heads × 128,
+/// 8 kv heads, FFN 3072, vocab 32000), distinct weights per layer: matmul-only tok/s.
+fn model_sim(pools: &[ThreadPool]) {
+    let (hidden, layers, q_dim, kv_dim, ffn, vocab) = (1024, 28, 2048, 1024, 3072, 32000);
+    let mut per_layer = vec![
+        (q_dim, hidden),
+        (kv_dim, hidden),
+        (kv_dim, hidden),
+        (hidden, q_dim),
+    ];
+    per_layer.extend([(ffn, hidden), (ffn, hidden), (hidden, ffn)]);
+    let mut rng = Rng(42);
+    for dtype in [GgmlType::Q4_0, GgmlType::Q8_0] {
+        let mut mats = Vec::new();
+        for _ in 0..layers {
+            for &(r, c) in &per_layer {
+                let b = random_bytes(dtype, r, c, &mut rng);
+                mats.push(Matrix::new(dtype, r, c, MatrixBytes::Owned(b)).unwrap());
+            }
+        }
+        let b = random_bytes(dtype, vocab, hidden, &mut rng);
+        mats.push(Matrix::new(dtype, vocab, hidden, MatrixBytes::Owned(b)).unwrap());
+        let total: usize = mats.iter().map(|m| m.resident_bytes()).sum();
+        for pool in pools {
+            for n_tok in [1usize, 64] {
+                let xs: Vec<Vec<f32>> = [hidden, q_dim, ffn]
+                    .iter()
+                    .map(|&c| {
+                        (0..n_tok * c)
+                            .map(|i| ((i % 97) as f32 - 48.0) / 48.0)
+                            .collect()
+                    })
+                    .collect();
+                let mut out = vec![0f32; n_tok * vocab];
+                let secs = time(Duration::from_millis(1500), || {
+                    for m in &mats {
+                        let x = xs.iter().find(|x| x.len() == n_tok * m.cols()).unwrap();
+                        matmul(pool, m, x, n_tok, &mut out[..n_tok * m.rows()]);
+                    }
+                });
+                println!(
+                    "model-sim {dtype} {:.0} MB, {} thr, {:>2} tok: {:8.2} ms/pass, \
+                     {:7.1} tok/s, {:.1} GB/s",
+                    total as f64 / 1e6,
+                    pool.n_threads(),
+                    n_tok,
+                    secs * 1e3,
+                    n_tok as f64 / secs,
+                    total as f64 / secs / 1e9
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! Matmul drivers: split rows × tokens into pool tasks and call the per-ISA kernels.
+//!
+//! Work is split into units of up to 16 rows (one interleaved group, or 16 GGML rows) times a
+//! range of tokens. Every output element is computed by one kernel call whose arithmetic does
+//! not depend on the split, so results are identical for any thread count or batch.
+
+use super::matrix::{Matrix, GROUP};
+use super::pool::ThreadPool;
+use super::quant_acts::QuantizedActs;
+use super::{isa, kernel, Isa, Kernel, SharedMut};
+
+/// `out[t*rows + r] = dot(w.row(r), x[t*cols..(t+1)*cols])` for every token `t < n_tokens`.
+///
+/// # Panics
+/// If `x.len() != n_tokens * w.cols()` or `out.len() < n_tokens * w.rows()`.
+pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+    matmul_rows(pool, w, 0, w.rows, x, n_tokens, out);
+}
+
+/// Rows `row_start..row_end` only: `out[t*(row_end-row_start) + (r-row_start)]`. Each result is
+/// bit-identical to the one [`matmul`] gives for that row and token.
+///
+/// # Panics
+/// On an invalid row range, `x.len() != n_tokens * w.cols()` or a short `out`.
+pub fn matmul_rows(
+    pool: &ThreadPool,
+    w: &Matrix,
+    row_start: usize,
+    row_end: usize,
+    x: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let acts = QuantizedActs::new(pool, w.dtype, x, n_tokens, w.cols);
+    matmul_rows_q(pool, w, row_start, row_end, &acts, out);
+}
+
+/// [`matmul_rows`] with activations quantized beforehand (quantize once, use for many experts).
+///
+/// # Panics
+/// If `acts` do not fit `w` (width or weight type, see [`QuantizedActs::fits`]), on an invalid
+/// row range, or a short `out`.
+pub fn matmul_rows_q(
+    pool: &ThreadPool,
+    w: &Matrix,
+    row_start: usize,
+    row_end: usize,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    matmul_rows_isa(isa(), pool, w, row_start, row_end, acts, out);
+}
+
+/// One matmul of a batch run by [`matmul_many`]: rows `row_start..row_end` of `w` times `acts`,
+/// into `out[t*(row_end-row_start) + (r-row_start)]`.
+pub struct MatmulJob<'a> {
+    pub w: &'a Matrix,
+    pub row_start: usize,
+    pub row_end: usize,
+    pub acts: &'a QuantizedActs,
+    pub out: &'a mut [f32],
+}
+
+/// Runs several independent matmuls in one pool dispatch (e.g. the gate and up projections of
+/// all selected experts), saving a synchronisation per matmul. Results are identical to running
+/// each job with [`matmul_rows_q`].
+///
+/// # Panics
+/// As [`matmul_rows_q`], for any job.
+pub fn matmul_many(pool: &ThreadPool, jobs: &mut [MatmulJob<'_>]) {
+    let isa = isa();
+    let threads = pool.n_threads();
+    // Tasks in proportion to each job's rows, so many small jobs do not mean many tiny tasks.
+    let total_rows: usize = jobs
+        .iter()
+        .map(|j| j.row_end.saturating_sub(j.row_start))
+        .sum();
+    let plans: Vec<Plan<'_>> = jobs
+        .iter_mut()
+        .filter_map(|j| {
+            let rows = j.row_end.saturating_sub(j.row_start);
+            let target = (threads * 8 * rows).div_ceil(total_rows.max(1)).max(1);
+            Plan::new(
+                isa,
+                threads,
+                target,
+                j.w,
+                j.row_start,
+                j.row_end,
+                j.acts,
+                j.out,
+            )
+        })
+        .collect();
+    let mut starts = Vec::with_capacity(plans.len());
+    let mut total = 0;
+    for p in &plans {
+        starts.push(total);
+        total += p.n_tasks();
+    }
+    pool.run(total, |task| {
+        let i = starts.partition_point(|&s| s <= task) - 1;
+        plans[i].run(task - starts[i]);
+    });
+}
+
+pub(crate) fn matmul_rows_isa(
+    isa: Isa,
+    pool: &ThreadPool,
+    w: &Matrix,
+    row_start: usize,
+    row_end: usize,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    let threads = pool.n_threads();
+    // Several tasks per thread: balances uneven progress when other processes share the
+    // cores, and bounds how long a preempted worker can hold back the others.
+    let target = threads * 8;
+    if let Some(plan) = Plan::new(isa, threads, target, w, row_start, row_end, acts, out) {
+        pool.run(plan.n_tasks(), |task| plan.run(task));
+    }
+}
+
+/// One matmul cut into tasks.
+struct Plan<'a> {
+    kernel: Kernel,
+    w: &'a Matrix,
+    acts: &'a QuantizedActs,
+    out: SharedMut<f32>,
+    row_start: usize,
+    row_end: usize,
+    /// Units (16-row groups or chunks) `u0..u1`, `units_per_task` per task.
+    u0: usize,
+    u1: usize,
+    units_per_task: usize,
+    unit_tasks: usize,
+    token_tasks: usize,
+    tokens_per_task: usize,
+}
+
+impl<'a> Plan<'a> {
+    /// Validates the call and cuts it into about `target` tasks; `None` when there is nothing
+    /// to compute.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        isa: Isa,
+        threads: usize,
+        target: usize,
+        w: &'a Matrix,
+        row_start: usize,
+        row_end: usize,
+        acts: &'a QuantizedActs,
+        out: &'a mut [f32],
+    ) -> Option<Self> {
+        assert!(
+            row_start <= row_end && row_end <= w.rows,
+            "bad row range {row_start}..{row_end} of {}",
+            w.rows
+        );
+        assert!(
+            acts.fits(w.dtype),
+            "activations do not fit {} weights",
+            w.dtype
+        );
+        assert_eq!(acts.cols, w.cols, "activation width != matrix cols");
+        assert!(isa.available(), "{isa:?} is not available on this machine");
+        let n_rows = row_end - row_start;
+        let nt = acts.n_tokens;
+        assert!(out.len() >= nt * n_rows, "output too short");
+        if n_rows == 0 || nt == 0 {
+            return None;
+        }
+        let kernel = kernel(isa, w.dtype);
+        // Units of 16 rows: aligned groups for interleaved storage, else from row_start.
+        let (u0, u1) = match kernel {
+            Kernel::Group(_) => (row_start / GROUP, row_end.div_ceil(GROUP)),
+            Kernel::Row(_) => (0, n_rows.div_ceil(GROUP)),
+        };
+        let n_units = u1 - u0;
+        let units_per_task = n_units.div_ceil(target).max(1);
+        let unit_tasks = n_units.div_ceil(units_per_task);
+        // Few row units (a small matrix or row range) but many tokens: split the tokens too.
+        let token_tasks = if threads > 1 && unit_tasks * 2 <= target && nt > 8 {
+            (target / unit_tasks).min(nt.div_ceil(8)).max(1)
+        } else {
+            1
+        };
+        let tokens_per_task = nt.div_ceil(token_tasks);
+        let token_tasks = nt.div_ceil(tokens_per_task);
+        Some(Self {
+            kernel,
+            w,
+            acts,
+            out: SharedMut::new(&mut out[..nt * n_rows]),
+            row_start,
+            row_end,
+            u0,
+            u1,
+            units_per_task,
+            unit_tasks,
+            token_tasks,
+            tokens_per_task,
+        })
+    }
+
+    fn n_tasks(&self) -> usize {
+        self.unit_tasks * self.token_tasks
+    }
+
+    fn run(&self, task: usize) {
+        let Self {
+            w,
+            acts,
+            ref out,
+            row_start,
+            row_end,
+            ..
+        } = *self;
+        let n_rows = row_end - row_start;
+        let nt = acts.n_tokens;
+        let (ut, tt) = (task / self.token_tasks, task % self.token_tasks);
+        let units = self.u0 + ut * self.units_per_task
+            ..(self.u0 + (ut + 1) * self.units_per_task).min(self.u1);
+        let tokens = tt * self.tokens_per_task..((tt + 1) * self.tokens_per_task).min(nt);
+        match self.kernel {
+            Kernel::Group(f) => {
+                const TCHUNK: usize = 16;
+                let mut buf = [0f32; GROUP * TCHUNK];
+                for g in units {
+                    let data = w.group(g);
+                    let rows = (g * GROUP).max(row_start)..((g + 1) * GROUP).min(row_end);
+                    let mut t = tokens.start;
+                    while t < tokens.end {
+                        let n = (tokens.end - t).min(TCHUNK);
+                        // SAFETY: the ISA is available (checked in `new`); the kernel reads
+                        // `data` (one whole group) and acts for tokens t..t+n, all in bounds.
+                        unsafe { f(data, acts, t, n, &mut buf[..n * GROUP]) };
+                        for j in 0..n {
+                            for r in rows.clone() {
+                                // SAFETY: each (token, row) belongs to exactly one task.
+                                unsafe {
+                                    out.write(
+                                        (t + j) * n_rows + r - row_start,
+                                        buf[j * GROUP + r - g * GROUP],
+                                    )
+                                };
+                            }
+                        }
+                        t += n;
+                    }
+                }
+            }
+            Kernel::Row(f) => {
+                let r0 = row_start + units.start * GROUP;
+                let r1 = (row_start + units.end * GROUP).min(row_end);
+                for r in r0..r1 {
+                    let row = w.ggml_row(r);
+                    for t in tokens.clone() {
+                        // SAFETY: the ISA is available; `row` is a whole GGML row of w.cols.
+                        let v = unsafe { f(row, acts, t) };
+                        // SAFETY: each (token, row) belongs to exactly one task.
+                        unsafe { out.write(t * n_rows + r - row_start, v) };
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! Weight matrices: validation, and the row-interleaved repack of Q4_0/Q8_0.
+//!
+//! Interleaved layout (Q4_0/Q8_0): rows are taken in groups of [`GROUP`] (the last group padded
+//! with zero rows). For each group and each 32-column block we store the 16 rows' f16 scales
+//! (32 bytes), then the quant bytes in chunks of 4 per row: chunk `k` holds bytes `4k..4k+4` of
+//! every row's block, row after row (64 bytes). One 64-byte load then gives 4 bytes of each of
+//! 16 rows, which a broadcast activation word multiplies with `vpdpbusd`/`pmaddubsw` directly
+//! into one i32 lane per row — no horizontal sums, and scales for 16 rows in one convert.
+//!
+//! Q4_K is interleaved the same way per 256-column block ([`Q4K_X16`] bytes): 16 f16 `d`, 16 f16
+//! `dmin`, the decoded 6-bit scales `[sub-block][row]` (128 bytes) and mins (128 bytes), then
+//! for each 32-byte chunk `c` of the quants, 8 runs of 4 bytes × 16 rows (512 bytes).
+//! Q5_K is Q4_K's layout plus its `qh` bytes as 8 runs × 16 rows (512 bytes) before the quants.
+//! Q6_K likewise ([`Q6K_X16`] bytes, exactly 16 GGML blocks): 16 f16 `d`, the i8 scales
+//! `[sub-block][row]` (256 bytes), the 32 four-byte runs of `ql` and the 16 runs of `qh`, each
+//! run stored for the 16 rows (64 bytes).
+
+use std::sync::Arc;
+
+use tessera_model::GgmlType;
+
+use super::scalar::{dequantize_block, f16_at, scales_mins_k4};
+use super::KernelError;
+
+/// Rows per interleaved group.
+pub(crate) const GROUP: usize = 16;
+/// Offsets inside an interleaved Q4_K / Q5_K block of 16 rows.
+pub(crate) const Q4K_DMIN: usize = 32;
+pub(crate) const Q4K_SCALES: usize = 64;
+pub(crate) const Q4K_MINS: usize = 192;
+pub(crate) const Q5K_QH: usize = 320;
+
+/// Offset of the quants in an interleaved Q4_K (`five` = false) or Q5_K block.
+pub(crate) const fn kx16_qs(five: bool) -> usize {
+    if five {
+        Q5K_QH + 512
+    } else {
+        Q5K_QH
+    }
+}
+
+/// Bytes of an interleaved Q4_K (`five` = false) or Q5_K block of 16 rows.
+pub(crate) const fn kx16_bytes(five: bool) -> usize {
+    kx16_qs(five) + 2048
+}
+/// Bytes of one interleaved Q6_K block of 16 rows, and offsets inside it.
+pub(crate) const Q6K_X16: usize = 16 * 210;
+pub(crate) const Q6K_SCALES: usize = 32;
+pub(crate) const Q6K_QL: usize = 288;
+pub(crate) const Q6K_QH: usize = 288 + 2048;
+
+/// The bytes a [`Matrix`] is built from.
+#[derive(Clone)]
+pub enum MatrixBytes {
+    Owned(Vec<u8>),
+    /// A range of a shared read-only buffer, e.g. an `Arc<memmap2::Mmap>` of the GGUF file.
+    Shared {
+        bytes: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        offset: usize,
+        len: usize,
+    },
+}
+
+impl MatrixBytes {
+    /// The bytes, or `None` if a `Shared` range lies outside its buffer.
+    fn get(&self) -> Option<&[u8]> {
+        match self {
+            Self::Owned(v) => Some(v),
+            Self::Shared { bytes, offset, len } => {
+                let all = (**bytes).as_ref();
+                all.get(*offset..offset.checked_add(*len)?)
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for MatrixBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Owned(v) => write!(f, "Owned({} bytes)", v.len()),
+            Self::Shared { offset, len, .. } => write!(f, "Shared({len} bytes at {offset})"),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) enum Storage {
+    /// GGML row-major rows, used as they come.
+    Rows(MatrixBytes),
+    /// Row-interleaved groups (Q4_0/Q8_0), owned.
+    Interleaved(Vec<u8>),
+}
+
+/// A weight matrix ready for [`matmul`](super::matmul).
+#[derive(Debug)]
+pub struct Matrix {
+    pub(crate) dtype: GgmlType,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) storage: Storage,
+}
+
+impl Matrix {
+    /// `bytes` are GGML row-major rows of `dtype`, `rows` × `cols`. Q4_0 and Q8_0 are repacked
+    /// into an owned interleaved copy (the source bytes are dropped); other types are kept as
+    /// given.
+    pub fn new(
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: MatrixBytes,
+    ) -> Result<Self, KernelError> {
+        let bs = dtype.block_size();
+        if cols == 0 || !cols.is_multiple_of(bs) {
+            return Err(KernelError::BadCols {
+                dtype,
+                cols,
+                block: bs,
+            });
+        }
+        // Activations are quantized in blocks of 256 for K-quants (already implied) and 32 for
+        // Q4_0/Q8_0 (implied); float types accept any width.
+        let expected = (cols / bs)
+            .checked_mul(dtype.block_bytes())
+            .and_then(|r| r.checked_mul(rows))
+            .ok_or(KernelError::TooLarge { rows, cols })?;
+        let Some(src) = bytes.get() else {
+            return Err(KernelError::BadRange);
+        };
+        if src.len() != expected {
+            return Err(KernelError::BadLength {
+                dtype,
+                rows,
+                cols,
+                expected,
+                got: src.len(),
+            });
+        }
+        let storage = match dtype {
+            GgmlType::Q4_0 | GgmlType::Q8_0 => {
+                Storage::Interleaved(interleave(dtype, src, rows, cols))
+            }
+            GgmlType::Q4K => Storage::Interleaved(interleave_q45k(src, rows, cols, false)),
+            GgmlType::Q5K => Storage::Interleaved(interleave_q45k(src, rows, cols, true)),
+            GgmlType::Q6K => Storage::Interleaved(interleave_q6k(src, rows, cols)),
+            _ => Storage::Rows(bytes),
+        };
+        Ok(Self {
+            dtype,
+            rows,
+            cols,
+            storage,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn dtype(&self) -> GgmlType {
+        self.dtype
+    }
+
+    /// Bytes this matrix keeps alive: the repacked copy, or the GGML rows it borrows.
+    pub fn resident_bytes(&self) -> usize {
+        match &self.storage {
+            Storage::Interleaved(v) => v.len(),
+            Storage::Rows(MatrixBytes::Owned(v)) => v.len(),
+            Storage::Rows(MatrixBytes::Shared { len, .. }) => *len,
+        }
+    }
+
+    /// Bytes of one GGML row.
+    pub(crate) fn row_bytes(&self) -> usize {
+        self.cols / self.dtype.block_size() * self.dtype.block_bytes()
+    }
+
+    /// GGML bytes of `row` (row-major storage only).
+    pub(crate) fn ggml_row(&self, row: usize) -> &[u8] {
+        match &self.storage {
+            Storage::Rows(b) => {
+                let rb = self.row_bytes();
+                // Validated in `new`.
+                &b.get().expect("validated")[row * rb..(row + 1) * rb]
+            }
+            Storage::Interleaved(_) => unreachable!("interleaved storage has no GGML rows"),
+        }
+    }
+
+    /// Bytes of interleaved group `g` (interleaved storage only).
+    pub(crate) fn group(&self, g: usize) -> &[u8] {
+        match &self.storage {
+            Storage::Interleaved(v) => {
+                let gb = match self.dtype {
+                    GgmlType::Q4K => self.cols / 256 * kx16_bytes(false),
+                    GgmlType::Q5K => self.cols / 256 * kx16_bytes(true),
+                    GgmlType::Q6K => self.cols / 256 * Q6K_X16,
+                    _ => self.row_bytes() * GROUP,
+                };
+                &v[g * gb..(g + 1) * gb]
+            }
+            Storage::Rows(_) => unreachable!("row storage has no groups"),
+        }
+    }
+
+    /// Dequantizes one row into `out[..cols]` (embedding lookup).
+    ///
+    /// # Panics
+    /// If `row >= rows` or `out.len() < cols`.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.rows, "row {row} out of {}", self.rows);
+        let out = &mut out[..self.cols];
+        match &self.storage {
+            Storage::Rows(_) => super::dequantize(self.dtype, self.ggml_row(row), out),
+            Storage::Interleaved(_) if matches!(self.dtype, GgmlType::Q4K | GgmlType::Q5K) => {
+                let five = self.dtype == GgmlType::Q5K;
+                let (x16, qs) = (kx16_bytes(five), kx16_qs(five));
+                let (g, r) = (row / GROUP, row % GROUP);
+                let data = self.group(g);
+                for (b, y) in out.chunks_exact_mut(256).enumerate() {
+                    let blk = &data[b * x16..(b + 1) * x16];
+                    let (d, dmin) = (f16_at(blk, 2 * r), f16_at(blk, Q4K_DMIN + 2 * r));
+                    for c in 0..4 {
+                        // Same float ops as the GGML-layout decoder, so identical values.
+                        let sub = |j: usize| {
+                            let sc = blk[Q4K_SCALES + 16 * j + r];
+                            let m = blk[Q4K_MINS + 16 * j + r];
+                            (d * sc as f32, dmin * m as f32)
+                        };
+                        let ((d1, m1), (d2, m2)) = (sub(2 * c), sub(2 * c + 1));
+                        for l in 0..32 {
+                            let o = 64 * (l / 4) + 4 * r + l % 4;
+                            let q = blk[qs + 512 * c + o];
+                            let (mut lo, mut hi) = (q & 0xF, q >> 4);
+                            if five {
+                                let h = blk[Q5K_QH + o];
+                                lo |= ((h >> (2 * c)) & 1) << 4;
+                                hi |= ((h >> (2 * c + 1)) & 1) << 4;
+                            }
+                            y[64 * c + l] = d1 * lo as f32 - m1;
+                            y[64 * c + 32 + l] = d2 * hi as f32 - m2;
+                        }
+                    }
+                }
+            }
+            Storage::Interleaved(_) if self.dtype == GgmlType::Q6K => {
+                let (g, r) = (row / GROUP, row % GROUP);
+                let data = self.group(g);
+                for (b, y) in out.chunks_exact_mut(256).enumerate() {
+                    let blk = &data[b * Q6K_X16..(b + 1) * Q6K_X16];
+                    let d = f16_at(blk, 2 * r);
+                    for (e, y) in y.iter_mut().enumerate() {
+                        let sc = blk[Q6K_SCALES + 16 * (e / 16) + r] as i8;
+                        // Same float ops as the GGML-layout decoder, so identical values.
+                        *y = d * sc as f32 * (q6k_x16_quant(blk, r, e) - 32) as f32;
+                    }
+                }
+            }
+            Storage::Interleaved(_) => {
+                let bb = self.dtype.block_bytes();
+                let qb = bb - 2;
+                let (g, r) = (row / GROUP, row % GROUP);
+                let data = self.group(g);
+                let mut blk = [0u8; 34];
+                for (b, y) in out.chunks_exact_mut(32).enumerate() {
+                    let src = &data[b * GROUP * bb..(b + 1) * GROUP * bb];
+                    blk[..2].copy_from_slice(&src[2 * r..2 * r + 2]);
+                    for k in 0..qb / 4 {
+                        let o = 2 * GROUP + 64 * k + 4 * r;
+                        blk[2 + 4 * k..6 + 4 * k].copy_from_slice(&src[o..o + 4]);
+                    }
+                    dequantize_block(self.dtype, &blk[..bb], y);
+                }
+            }
+        }
+    }
+}
+
+/// Repacks GGML Q4_0/Q8_0 rows into the interleaved group layout described above.
+fn interleave(dtype: GgmlType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let bb = dtype.block_bytes();
+    let qb = bb - 2;
+    let nb = cols / 32;
+    let groups = rows.div_ceil(GROUP);
+    let mut out = vec![0u8; groups * nb * GROUP * bb];
+    for (g, gdst) in out.chunks_exact_mut(nb * GROUP * bb).enumerate() {
+        for (b, dst) in gdst.chunks_exact_mut(GROUP * bb).enumerate() {
+            for r in 0..GROUP {
+                let row = g * GROUP + r;
+                if row >= rows {
+                    break; // padding rows stay zero: scale 0 contributes nothing
+                }
+                let s = &src[(row * nb + b) * bb..(row * nb + b + 1) * bb];
+                dst[2 * r..2 * r + 2].copy_from_slice(&s[..2]);
+                for k in 0..qb / 4 {
+                    let o = 2 * GROUP + 64 * k + 4 * r;
+                    dst[o..o + 4].copy_from_slice(&s[2 + 4 * k..6 + 4 * k]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Repacks GGML Q4_K / Q5_K rows into the interleaved layout described above.
+fn interleave_q45k(src: &[u8], rows: usize, cols: usize, five: bool) -> Vec<u8> {
+    let nb = cols / 256;
+    let (x16, qs) = (kx16_bytes(five), kx16_qs(five));
+    let bb = if five { 176 } else { 144 };
+    let groups = rows.div_ceil(GROUP);
+    let mut out = vec![0u8; groups * nb * x16];
+    for (g, gdst) in out.chunks_exact_mut(nb * x16).enumerate() {
+        for (b, dst) in gdst.chunks_exact_mut(x16).enumerate() {
+            for r in 0..GROUP {
+                let row = g * GROUP + r;
+                if row >= rows {
+                    break; // padding rows stay zero: d = dmin = 0
+                }
+                let s = &src[(row * nb + b) * bb..(row * nb + b + 1) * bb];
+                dst[2 * r..2 * r + 2].copy_from_slice(&s[0..2]);
+                dst[Q4K_DMIN + 2 * r..Q4K_DMIN + 2 * r + 2].copy_from_slice(&s[2..4]);
+                let (sc, m) = scales_mins_k4(&s[4..16]);
+                for j in 0..8 {
+                    dst[Q4K_SCALES + 16 * j + r] = sc[j];
+                    dst[Q4K_MINS + 16 * j + r] = m[j];
+                }
+                let (sh, sq) = if five {
+                    (&s[16..48], &s[48..])
+                } else {
+                    (&s[0..0], &s[16..])
+                };
+                for k in 0..8 {
+                    if five {
+                        let o = Q5K_QH + 64 * k + 4 * r;
+                        dst[o..o + 4].copy_from_slice(&sh[4 * k..4 * k + 4]);
+                    }
+                    for c in 0..4 {
+                        let o = qs + 512 * c + 64 * k + 4 * r;
+                        dst[o..o + 4].copy_from_slice(&sq[32 * c + 4 * k..32 * c + 4 * k + 4]);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The unsigned 6-bit quant (0..64) of element `e` of row `r` in an interleaved Q6_K block.
+pub(crate) fn q6k_x16_quant(blk: &[u8], r: usize, e: usize) -> i32 {
+    let (n, k, l) = (e / 128, (e % 128) / 32, e % 32);
+    let (l4, i) = (l / 4, l % 4);
+    // ql byte l of half n holds elements l (low nibble) and l+64 (high); byte l+32 holds l+32
+    // and l+96; qh byte l holds the top 2 bits of all four, 2 bits each.
+    let ql_run = 16 * n + 8 * (k % 2) + l4;
+    let ql = blk[Q6K_QL + 64 * ql_run + 4 * r + i];
+    let qh = blk[Q6K_QH + 64 * (8 * n + l4) + 4 * r + i];
+    let lo = if k < 2 { ql & 0xF } else { ql >> 4 };
+    (lo | (((qh >> (2 * k)) & 3) << 4)) as i32
+}
+
+/// Repacks GGML Q6_K rows into the interleaved layout described above.
+fn interleave_q6k(src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let nb = cols / 256;
+    let groups = rows.div_ceil(GROUP);
+    let mut out = vec![0u8; groups * nb * Q6K_X16];
+    for (g, gdst) in out.chunks_exact_mut(nb * Q6K_X16).enumerate() {
+        for (b, dst) in gdst.chunks_exact_mut(Q6K_X16).enumerate() {
+            for r in 0..GROUP {
+                let row = g * GROUP + r;
+                if row >= rows {
+                    break; // padding rows stay zero: d = 0
+                }
+                let s = &src[(row * nb + b) * 210..(row * nb + b + 1) * 210];
+                dst[2 * r..2 * r + 2].copy_from_slice(&s[208..210]);
+                for j in 0..16 {
+                    dst[Q6K_SCALES + 16 * j + r] = s[192 + j];
+                }
+                for u in 0..32 {
+                    let o = Q6K_QL + 64 * u + 4 * r;
+                    dst[o..o + 4].copy_from_slice(&s[4 * u..4 * u + 4]);
+                }
+                for v in 0..16 {
+                    let o = Q6K_QH + 64 * v + 4 * r;
+                    dst[o..o + 4].copy_from_slice(&s[128 + 4 * v..128 + 4 * v + 4]);
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,171 @@
+//! Quantized matrix kernels and the thread pool that runs them.
+//!
+//! Numerics follow ggml: activations are quantized to each weight type's `vec_dot_type`
+//! ([`QuantizedActs`]). Every output element is computed by the same sequence of float
+//! operations whatever the batch, thread count or row range (integer block sums are exact, the
+//! float accumulation is per element in block order), so results are batch-invariant and
+//! deterministic, and the scalar, AVX2 and AVX-512 paths agree bit for bit.
+
+mod matmul;
+mod matrix;
+mod pool;
+mod quant_acts;
+mod scalar;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::sync::OnceLock;
+
+use tessera_model::GgmlType;
+
+pub use matmul::{matmul, matmul_many, matmul_rows, matmul_rows_q, MatmulJob};
+pub use matrix::{Matrix, MatrixBytes};
+pub use pool::ThreadPool;
+pub use quant_acts::QuantizedActs;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{dtype} matrix with {cols} columns: must be a positive multiple of {block}")]
+    BadCols {
+        dtype: GgmlType,
+        cols: usize,
+        block: usize,
+    },
+    #[error("{dtype} matrix {rows}x{cols} needs {expected} bytes, got {got}")]
+    BadLength {
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        expected: usize,
+        got: usize,
+    },
+    #[error("matrix {rows}x{cols} is too large")]
+    TooLarge { rows: usize, cols: usize },
+    #[error("shared byte range lies outside its buffer")]
+    BadRange,
+}
+
+/// Instruction set a kernel runs with; chosen once per process (see [`isa`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX-512 F/BW/VL + VNNI.
+    Avx512,
+}
+
+impl Isa {
+    /// Whether this machine can run `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => x86::has_avx2(),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => x86::has_avx512(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// The best instruction set of this machine, or the one named by `TESSERA_KERNEL_ISA`
+/// (`scalar`, `avx2`, `avx512`) when it is available (for benchmarks).
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let forced = match std::env::var("TESSERA_KERNEL_ISA").as_deref() {
+            Ok("scalar") => Some(Isa::Scalar),
+            Ok("avx2") => Some(Isa::Avx2),
+            Ok("avx512") => Some(Isa::Avx512),
+            _ => None,
+        };
+        if let Some(i) = forced.filter(|i| i.available()) {
+            return i;
+        }
+        [Isa::Avx512, Isa::Avx2]
+            .into_iter()
+            .find(|i| i.available())
+            .unwrap_or(Isa::Scalar)
+    })
+}
+
+/// A `&mut [T]` handed to pool tasks that each write a disjoint part of it.
+pub(crate) struct SharedMut<T>(*mut T, usize);
+
+// SAFETY: tasks only write disjoint elements (each caller documents why), and the borrow the
+// pointer came from outlives the `ThreadPool::run` that uses it.
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+unsafe impl<T: Send> Send for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    pub(crate) fn new(v: &mut [T]) -> Self {
+        Self(v.as_mut_ptr(), v.len())
+    }
+
+    /// # Safety
+    /// No other task may access `start..start+len` at the same time.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn range(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(start + len <= self.1, "SharedMut range out of bounds");
+        // SAFETY: in bounds (checked) and exclusive (guaranteed by the caller).
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+
+    /// # Safety
+    /// No other task may access element `i` at the same time.
+    pub(crate) unsafe fn write(&self, i: usize, v: T) {
+        assert!(i < self.1, "SharedMut index out of bounds");
+        // SAFETY: in bounds (checked) and exclusive (guaranteed by the caller).
+        unsafe { self.0.add(i).write(v) }
+    }
+}
+
+/// 16 rows × `nt` tokens of an interleaved group, written to `out[j*16 + r]`.
+pub(crate) type GroupFn = unsafe fn(&[u8], &QuantizedActs, usize, usize, &mut [f32]);
+/// Dot of one GGML row with token `t`.
+pub(crate) type RowFn = unsafe fn(&[u8], &QuantizedActs, usize) -> f32;
+
+#[derive(Clone, Copy)]
+enum Kernel {
+    Group(GroupFn),
+    Row(RowFn),
+}
+
+fn kernel(isa: Isa, dtype: GgmlType) -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar {
+        return x86::kernel(isa, dtype);
+    }
+    let _ = isa;
+    match dtype {
+        GgmlType::Q4_0 => Kernel::Group(scalar::q4_0_group),
+        GgmlType::Q8_0 => Kernel::Group(scalar::q8_0_group),
+        GgmlType::Q4K => Kernel::Group(scalar::q45k_group::<false>),
+        GgmlType::Q5K => Kernel::Group(scalar::q45k_group::<true>),
+        GgmlType::Q6K => Kernel::Group(scalar::q6k_group),
+        GgmlType::F16 => Kernel::Row(scalar::f16_dot),
+        GgmlType::BF16 => Kernel::Row(scalar::bf16_dot),
+        GgmlType::F32 => Kernel::Row(scalar::f32_dot),
+    }
+}
+
+/// Decodes a whole slice of GGML blocks of `dtype` into `out` (reference dequantization).
+///
+/// # Panics
+/// If `bytes` is not a whole number of blocks or `out` is shorter than the element count.
+pub fn dequantize(dtype: GgmlType, bytes: &[u8], out: &mut [f32]) {
+    let (bs, bb) = (dtype.block_size(), dtype.block_bytes());
+    assert!(
+        bytes.len().is_multiple_of(bb),
+        "not a whole number of {dtype} blocks"
+    );
+    let n = bytes.len() / bb * bs;
+    assert!(out.len() >= n, "output too short");
+    for (b, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(bs)) {
+        scalar::dequantize_block(dtype, b, y);
+    }
+}

@@ -1,0 +1,476 @@
+//! Kernel tests: every dtype against an f64 reference, bit-identity across batch composition,
+//! thread counts, row ranges and instruction sets, and Matrix validation.
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use tessera_model::GgmlType;
+
+use super::matmul::matmul_rows_isa;
+use super::*;
+
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub(crate) fn byte(&mut self) -> u8 {
+        (self.next_u64() >> 32) as u8
+    }
+    /// Uniform in [-1, 1).
+    pub(crate) fn f(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+fn push_f16(v: &mut Vec<u8>, x: f32) {
+    v.extend_from_slice(&f16::from_f32(x).to_le_bytes());
+}
+
+/// Random but valid GGML bytes for a `rows` × `cols` matrix.
+pub(crate) fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let nblocks = rows * cols / dtype.block_size();
+    let mut v = Vec::with_capacity(nblocks * dtype.block_bytes());
+    for _ in 0..nblocks {
+        match dtype {
+            GgmlType::F32 => v.extend_from_slice(&rng.f().to_le_bytes()),
+            GgmlType::F16 => push_f16(&mut v, rng.f()),
+            GgmlType::BF16 => v.extend_from_slice(&bf16::from_f32(rng.f()).to_le_bytes()),
+            GgmlType::Q4_0 | GgmlType::Q8_0 => {
+                push_f16(&mut v, rng.f() * 0.05);
+                for _ in 0..dtype.block_bytes() - 2 {
+                    v.push(rng.byte());
+                }
+            }
+            GgmlType::Q4K | GgmlType::Q5K => {
+                push_f16(&mut v, rng.f().abs() * 0.01);
+                push_f16(&mut v, rng.f().abs() * 0.01);
+                for _ in 0..dtype.block_bytes() - 4 {
+                    v.push(rng.byte());
+                }
+            }
+            GgmlType::Q6K => {
+                for _ in 0..208 {
+                    v.push(rng.byte());
+                }
+                push_f16(&mut v, rng.f() * 0.001);
+            }
+        }
+    }
+    v
+}
+
+/// ggml's reference Q4_0 encoder (test helper): d = max/-8 of the signed value of largest
+/// magnitude, q = min(15, trunc(x/d + 8.5)).
+pub(crate) fn quantize_q4_0(x: &[f32]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for xb in x.chunks_exact(32) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &e in xb {
+            if e.abs() > amax {
+                amax = e.abs();
+                max = e;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        push_f16(&mut v, d);
+        let q = |e: f32| ((e * id + 8.5) as i32).min(15) as u8;
+        for j in 0..16 {
+            v.push(q(xb[j]) | (q(xb[j + 16]) << 4));
+        }
+    }
+    v
+}
+
+/// ggml's reference Q8_0 encoder (test helper).
+pub(crate) fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for xb in x.chunks_exact(32) {
+        let amax = xb.iter().fold(0f32, |m, e| m.max(e.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        push_f16(&mut v, d);
+        v.extend(xb.iter().map(|&e| (e * id).round() as i8 as u8));
+    }
+    v
+}
+
+const ALL: [GgmlType; 8] = [
+    GgmlType::Q4_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::F32,
+];
+
+fn isas() -> Vec<Isa> {
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|i| i.available())
+        .collect()
+}
+
+fn cols_for(dtype: GgmlType) -> usize {
+    match dtype {
+        GgmlType::Q4_0 | GgmlType::Q8_0 => 320,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 512,
+        _ => 100, // exercises the float tail
+    }
+}
+
+fn random_x(n: usize, rng: &mut Rng) -> Vec<f32> {
+    (0..n).map(|_| rng.f() * 2.0).collect()
+}
+
+fn run(
+    isa: Isa,
+    pool: &ThreadPool,
+    w: &Matrix,
+    r: (usize, usize),
+    x: &[f32],
+    nt: usize,
+) -> Vec<f32> {
+    let acts = QuantizedActs::new(pool, w.dtype(), x, nt, w.cols());
+    let mut out = vec![f32::NAN; nt * (r.1 - r.0)];
+    matmul_rows_isa(isa, pool, w, r.0, r.1, &acts, &mut out);
+    out
+}
+
+#[test]
+fn matches_f64_reference() {
+    let pool = ThreadPool::new(2);
+    for dtype in ALL {
+        let mut rng = Rng::new(dtype.id() as u64 + 7);
+        let (rows, cols, nt) = (21, cols_for(dtype), 3);
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let mut wf = vec![0f32; rows * cols];
+        dequantize(dtype, &bytes, &mut wf);
+        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+        let x = random_x(nt * cols, &mut rng);
+        let xa = QuantizedActs::new(&pool, dtype, &x, nt, cols).dequantized();
+        for isa in isas() {
+            let out = run(isa, &pool, &w, (0, rows), &x, nt);
+            for t in 0..nt {
+                for r in 0..rows {
+                    let (mut exact, mut mag) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let p = wf[r * cols + c] as f64 * xa[t * cols + c] as f64;
+                        exact += p;
+                        mag += p.abs();
+                    }
+                    let got = out[t * rows + r] as f64;
+                    let tol = 2e-6 * mag + 1e-6;
+                    assert!(
+                        (got - exact).abs() <= tol,
+                        "{dtype} {isa:?} t{t} r{r}: got {got}, want {exact} (±{tol})"
+                    );
+                }
+            }
+        }
+        // The kernels' inputs are close to the unquantized product too.
+        let out = run(isa(), &pool, &w, (0, rows), &x, nt);
+        for r in 0..rows {
+            let exact: f64 = (0..cols)
+                .map(|c| wf[r * cols + c] as f64 * x[c] as f64)
+                .sum();
+            let mag: f64 = (0..cols)
+                .map(|c| (wf[r * cols + c] * x[c]).abs() as f64)
+                .sum();
+            assert!(
+                (out[r] as f64 - exact).abs() <= 0.05 * mag + 1e-4,
+                "{dtype} r{r}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bit_identical_across_batches_threads_ranges_and_isas() {
+    let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+    for dtype in ALL {
+        let mut rng = Rng::new(dtype.id() as u64 + 100);
+        let (rows, cols) = (37, cols_for(dtype));
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+        let n_all = 11;
+        let x = random_x(n_all * cols, &mut rng);
+        let tok = |t: usize| &x[t * cols..(t + 1) * cols];
+        // Baseline: each token alone, one thread, scalar kernels.
+        let base: Vec<Vec<f32>> = (0..n_all)
+            .map(|t| run(Isa::Scalar, &pools[0], &w, (0, rows), tok(t), 1))
+            .collect();
+        for isa in isas() {
+            for pool in &pools {
+                for nt in [1, 2, 3, 5, 8, 11] {
+                    let start = (nt * 3) % n_all;
+                    let ids: Vec<usize> = (0..nt).map(|i| (start + i) % n_all).collect();
+                    let xb: Vec<f32> = ids.iter().flat_map(|&t| tok(t).to_vec()).collect();
+                    for range in [(0, rows), (3, 20), (16, 37), (5, 6), (17, 17), (0, 16)] {
+                        let out = run(isa, pool, &w, range, &xb, nt);
+                        let n = range.1 - range.0;
+                        for (j, &t) in ids.iter().enumerate() {
+                            for r in range.0..range.1 {
+                                let (got, want) = (out[j * n + r - range.0], base[t][r]);
+                                assert_eq!(
+                                    got.to_bits(),
+                                    want.to_bits(),
+                                    "{dtype} {isa:?} threads {} nt {nt} range {range:?} \
+                                     token {t} row {r}: {got} vs {want}",
+                                    pool.n_threads()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn public_entry_points_agree() {
+    let pool = ThreadPool::new(2);
+    let dtype = GgmlType::Q4_0;
+    let mut rng = Rng::new(5);
+    let (rows, cols, nt) = (48, 64, 4);
+    let w = Matrix::new(
+        dtype,
+        rows,
+        cols,
+        MatrixBytes::Owned(random_matrix(dtype, rows, cols, &mut rng)),
+    )
+    .unwrap();
+    let x = random_x(nt * cols, &mut rng);
+    let mut full = vec![0f32; nt * rows];
+    matmul(&pool, &w, &x, nt, &mut full);
+    let mut part = vec![0f32; nt * 16];
+    matmul_rows(&pool, &w, 16, 32, &x, nt, &mut part);
+    let acts = QuantizedActs::new(&pool, dtype, &x, nt, cols);
+    assert!(acts.fits(GgmlType::Q8_0) && !acts.fits(GgmlType::Q4K));
+    let mut part_q = vec![0f32; nt * 16];
+    matmul_rows_q(&pool, &w, 16, 32, &acts, &mut part_q);
+    for t in 0..nt {
+        for r in 16..32 {
+            assert_eq!(
+                full[t * rows + r].to_bits(),
+                part[t * 16 + r - 16].to_bits()
+            );
+            assert_eq!(
+                part[t * 16 + r - 16].to_bits(),
+                part_q[t * 16 + r - 16].to_bits()
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_many_and_gather_match_single_calls() {
+    let pool = ThreadPool::new(3);
+    let mut rng = Rng::new(77);
+    let mats: Vec<Matrix> = [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::F16]
+        .into_iter()
+        .map(|d| {
+            let (rows, cols) = (40, 256);
+            Matrix::new(
+                d,
+                rows,
+                cols,
+                MatrixBytes::Owned(random_matrix(d, rows, cols, &mut rng)),
+            )
+            .unwrap()
+        })
+        .collect();
+    let nt = 6;
+    let x = random_x(nt * 256, &mut rng);
+    let acts: Vec<QuantizedActs> = mats
+        .iter()
+        .map(|m| QuantizedActs::new(&pool, m.dtype(), &x, nt, 256))
+        .collect();
+    let ranges = [(0, 40), (8, 24), (3, 17), (39, 40)];
+    let mut outs: Vec<Vec<f32>> = ranges
+        .iter()
+        .map(|r| vec![0f32; nt * (r.1 - r.0)])
+        .collect();
+    let mut jobs: Vec<MatmulJob<'_>> = outs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, out)| MatmulJob {
+            w: &mats[i],
+            row_start: ranges[i].0,
+            row_end: ranges[i].1,
+            acts: &acts[i],
+            out,
+        })
+        .collect();
+    matmul_many(&pool, &mut jobs);
+    for (i, m) in mats.iter().enumerate() {
+        let want = run(isa(), &pool, m, ranges[i], &x, nt);
+        assert_eq!(outs[i], want, "{}", m.dtype());
+        // Gathered tokens give the same rows as the full batch.
+        let picked = [4, 1, 1];
+        let g = acts[i].gather(&picked);
+        let mut out = vec![0f32; picked.len() * (ranges[i].1 - ranges[i].0)];
+        matmul_rows_q(&pool, m, ranges[i].0, ranges[i].1, &g, &mut out);
+        let n = ranges[i].1 - ranges[i].0;
+        for (j, &t) in picked.iter().enumerate() {
+            assert_eq!(out[j * n..(j + 1) * n], want[t * n..(t + 1) * n]);
+        }
+    }
+}
+
+#[test]
+fn repacked_q4k_equals_ggml_row_kernel() {
+    let pool = ThreadPool::new(1);
+    let mut rng = Rng::new(31);
+    let (rows, cols, nt) = (19, 768, 3);
+    let bytes = random_matrix(GgmlType::Q4K, rows, cols, &mut rng);
+    let w = Matrix::new(GgmlType::Q4K, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
+    let x = random_x(nt * cols, &mut rng);
+    let acts = QuantizedActs::new(&pool, GgmlType::Q4K, &x, nt, cols);
+    let rb = cols / 256 * 144;
+    for isa in isas() {
+        let out = run(isa, &pool, &w, (0, rows), &x, nt);
+        for t in 0..nt {
+            for r in 0..rows {
+                let want = scalar::q4k_dot(&bytes[r * rb..(r + 1) * rb], &acts, t);
+                assert_eq!(
+                    out[t * rows + r].to_bits(),
+                    want.to_bits(),
+                    "{isa:?} t{t} r{r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn repacked_q6k_equals_ggml_row_kernel() {
+    let pool = ThreadPool::new(1);
+    let mut rng = Rng::new(32);
+    let (rows, cols, nt) = (21, 512, 5);
+    let bytes = random_matrix(GgmlType::Q6K, rows, cols, &mut rng);
+    let w = Matrix::new(GgmlType::Q6K, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
+    let x = random_x(nt * cols, &mut rng);
+    let acts = QuantizedActs::new(&pool, GgmlType::Q6K, &x, nt, cols);
+    let rb = cols / 256 * 210;
+    for isa in isas() {
+        let out = run(isa, &pool, &w, (0, rows), &x, nt);
+        for t in 0..nt {
+            for r in 0..rows {
+                let want = scalar::q6k_dot(&bytes[r * rb..(r + 1) * rb], &acts, t);
+                assert_eq!(
+                    out[t * rows + r].to_bits(),
+                    want.to_bits(),
+                    "{isa:?} t{t} r{r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn repacked_q5k_equals_ggml_row_kernel() {
+    let pool = ThreadPool::new(1);
+    let mut rng = Rng::new(33);
+    let (rows, cols, nt) = (18, 512, 6);
+    let bytes = random_matrix(GgmlType::Q5K, rows, cols, &mut rng);
+    let w = Matrix::new(GgmlType::Q5K, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
+    let x = random_x(nt * cols, &mut rng);
+    let acts = QuantizedActs::new(&pool, GgmlType::Q5K, &x, nt, cols);
+    let rb = cols / 256 * 176;
+    for isa in isas() {
+        let out = run(isa, &pool, &w, (0, rows), &x, nt);
+        for t in 0..nt {
+            for r in 0..rows {
+                let want = scalar::q5k_dot(&bytes[r * rb..(r + 1) * rb], &acts, t);
+                assert_eq!(
+                    out[t * rows + r].to_bits(),
+                    want.to_bits(),
+                    "{isa:?} t{t} r{r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn dequantize_row_matches_ggml_layout() {
+    for dtype in ALL {
+        let mut rng = Rng::new(dtype.id() as u64 + 50);
+        let (rows, cols) = (19, cols_for(dtype));
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let mut all = vec![0f32; rows * cols];
+        dequantize(dtype, &bytes, &mut all);
+        let shared: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(bytes.clone());
+        let w = Matrix::new(
+            dtype,
+            rows,
+            cols,
+            MatrixBytes::Shared {
+                bytes: shared,
+                offset: 0,
+                len: bytes.len(),
+            },
+        )
+        .unwrap();
+        assert!(w.resident_bytes() >= bytes.len());
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            w.dequantize_row(r, &mut row);
+            assert_eq!(row, all[r * cols..(r + 1) * cols], "{dtype} row {r}");
+        }
+    }
+}
+
+#[test]
+fn encoders_round_trip() {
+    let mut rng = Rng::new(9);
+    let x: Vec<f32> = (0..256).map(|_| rng.f()).collect();
+    for (dtype, bytes, tol) in [
+        (GgmlType::Q4_0, quantize_q4_0(&x), 0.13), // max/8 at the clamped end
+        (GgmlType::Q8_0, quantize_q8_0(&x), 0.005),
+    ] {
+        let mut y = vec![0f32; 256];
+        dequantize(dtype, &bytes, &mut y);
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() <= tol, "{dtype}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn matrix_new_rejects_bad_input() {
+    let e = Matrix::new(GgmlType::Q4_0, 2, 33, MatrixBytes::Owned(vec![0; 36]));
+    assert!(matches!(e, Err(KernelError::BadCols { .. })));
+    let e = Matrix::new(GgmlType::Q4_0, 2, 32, MatrixBytes::Owned(vec![0; 35]));
+    assert!(matches!(e, Err(KernelError::BadLength { .. })));
+    let e = Matrix::new(GgmlType::Q4K, 1, 256, MatrixBytes::Owned(vec![0; 144]));
+    assert!(e.is_ok());
+    let buf: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(vec![0u8; 100]);
+    let e = Matrix::new(
+        GgmlType::F32,
+        1,
+        20,
+        MatrixBytes::Shared {
+            bytes: buf,
+            offset: 50,
+            len: 80,
+        },
+    );
+    assert!(matches!(e, Err(KernelError::BadRange)));
+    let e = Matrix::new(GgmlType::F32, usize::MAX, 4, MatrixBytes::Owned(vec![]));
+    assert!(matches!(e, Err(KernelError::TooLarge { .. })));
+    let e = Matrix::new(GgmlType::F16, 0, 0, MatrixBytes::Owned(vec![]));
+    assert!(e.is_err());
+}

@@ -1,0 +1,256 @@
+//! One transformer layer, top to bottom. The supported families differ only in small ways,
+//! marked where they happen:
+//!
+//! ```text
+//! x  = h + Wo · attention(rope(norm_q(Wq·n + bq)), rope(norm_k(Wk·n + bk)), Wv·n + bv)
+//!          where n = rms_norm(h) * attn_norm      (bq/bk/bv: Qwen2; norm_q/norm_k: Qwen3)
+//! h' = x + FFN(rms_norm(x) * ffn_norm)            (dense SwiGLU, or routed experts)
+//! ```
+
+use crate::error::Result;
+use crate::exec::{pick, quantize_for, run_matmuls, MatmulJob};
+use crate::kv::KvCache;
+use crate::model::{Hidden, Model, Scratch, SeqStep};
+use crate::moe::{reduce_expert_outputs, ExpertExecutor};
+use crate::ops::{
+    add_assign, attend_group, rms_norm, rms_norm_into, rope_neox, rope_normal, swiglu_rows,
+    AttnScratch,
+};
+use tessera_model::RopeStyle;
+
+/// `&mut [f32]` written by attention tasks at disjoint places.
+struct SharedOut(*mut f32, usize);
+// SAFETY: each task writes only its own (row, head) slices; the borrow outlives the pool job.
+unsafe impl Sync for SharedOut {}
+unsafe impl Send for SharedOut {}
+
+impl SharedOut {
+    /// # Safety
+    /// No other task may access `start..start + len` at the same time.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start + len <= self.1, "out of bounds");
+        // SAFETY: in bounds (checked); exclusive (the caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+}
+
+impl Model {
+    /// Self-attention block of `layer` with its residual connection.
+    pub(crate) fn attention(
+        &self,
+        layer: usize,
+        hidden: &mut Hidden,
+        batch: &[SeqStep],
+        kv: &mut [&mut KvCache],
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        let cfg = self.config();
+        let w = self.core(layer)?;
+        let pool = self.pool();
+        let (n, e) = (hidden.n_tokens, cfg.n_embd);
+        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_head, cfg.n_head_kv);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+
+        // Norm and Q/K/V projections (activations quantized once per weight type).
+        sc.xn.resize(n * e, 0.0);
+        for t in 0..n {
+            rms_norm_into(
+                &mut sc.xn[t * e..(t + 1) * e],
+                hidden.row(t),
+                &w.attn_norm,
+                cfg.rms_eps,
+            );
+        }
+        sc.q.resize(n * qd, 0.0);
+        sc.k.resize(n * kvd, 0.0);
+        sc.v.resize(n * kvd, 0.0);
+        let acts = quantize_for(
+            pool,
+            &[w.wq.dtype(), w.wk.dtype(), w.wv.dtype()],
+            &sc.xn,
+            n,
+            e,
+        );
+        run_matmuls(
+            pool,
+            &mut [
+                MatmulJob {
+                    w: &w.wq,
+                    acts: pick(&acts, w.wq.dtype()),
+                    out: &mut sc.q,
+                },
+                MatmulJob {
+                    w: &w.wk,
+                    acts: pick(&acts, w.wk.dtype()),
+                    out: &mut sc.k,
+                },
+                MatmulJob {
+                    w: &w.wv,
+                    acts: pick(&acts, w.wv.dtype()),
+                    out: &mut sc.v,
+                },
+            ],
+        );
+        // Qwen2: projection biases.
+        for (buf, bias, width) in [
+            (&mut sc.q, &w.bq, qd),
+            (&mut sc.k, &w.bk, kvd),
+            (&mut sc.v, &w.bv, kvd),
+        ] {
+            if let Some(b) = bias {
+                for row in buf.chunks_exact_mut(width) {
+                    add_assign(row, b);
+                }
+            }
+        }
+        // Qwen3: RMS norm of each head's query and key.
+        if let Some(qn) = &w.q_norm {
+            for head in sc.q.chunks_exact_mut(hd) {
+                rms_norm(head, qn, cfg.rms_eps);
+            }
+        }
+        if let Some(kn) = &w.k_norm {
+            for head in sc.k.chunks_exact_mut(hd) {
+                rms_norm(head, kn, cfg.rms_eps);
+            }
+        }
+        // RoPE at each row's position.
+        let rope = match cfg.rope_style {
+            RopeStyle::Normal => rope_normal,
+            RopeStyle::Neox => rope_neox,
+        };
+        for t in 0..n {
+            let (cos, sin) = sc.rope.row(t);
+            for head in sc.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
+                rope(head, cos, sin);
+            }
+            for head in sc.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
+                rope(head, cos, sin);
+            }
+        }
+        // Append this step's keys and values to each sequence's cache.
+        let mut row = 0;
+        for (s, c) in batch.iter().zip(kv.iter_mut()) {
+            let r = row * kvd..(row + s.n_tokens) * kvd;
+            c.append(layer, s.start_pos, &sc.k[r.clone()], &sc.v[r]);
+            row += s.n_tokens;
+        }
+        // Causal attention per (row, KV head), in parallel.
+        let views: Vec<(&[f32], &[f32])> = kv.iter().map(|c| c.view(layer)).collect();
+        sc.attn.resize(n * qd, 0.0);
+        let out = SharedOut(sc.attn.as_mut_ptr(), sc.attn.len());
+        let (q, rows) = (&sc.q, &sc.rows);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = nh / nkv;
+        let items = n * nkv;
+        let n_tasks = items.min(pool.n_threads() * 4);
+        pool.run(n_tasks, |task| {
+            let (i0, i1) = (items * task / n_tasks, items * (task + 1) / n_tasks);
+            let mut scratch = AttnScratch::default();
+            for item in i0..i1 {
+                let (t, kh) = (item / nkv, item % nkv);
+                let (seq, pos) = rows[t];
+                let (keys, values) = views[seq];
+                let o = t * qd + kh * group * hd;
+                // SAFETY: the group's heads of row t belong to this task only.
+                let dst = unsafe { out.slice(o, group * hd) };
+                attend_group(
+                    dst,
+                    &q[o..o + group * hd],
+                    hd,
+                    keys,
+                    values,
+                    pos + 1,
+                    kvd,
+                    kh * hd,
+                    scale,
+                    &mut scratch,
+                );
+            }
+        });
+        // Output projection and residual.
+        sc.proj.resize(n * e, 0.0);
+        let acts = quantize_for(pool, &[w.wo.dtype()], &sc.attn, n, qd);
+        run_matmuls(
+            pool,
+            &mut [MatmulJob {
+                w: &w.wo,
+                acts: &acts[0],
+                out: &mut sc.proj,
+            }],
+        );
+        add_assign(&mut hidden.data, &sc.proj);
+        Ok(())
+    }
+
+    /// Feed-forward block of `layer` (dense or MoE) with its residual connection.
+    pub(crate) fn feed_forward(
+        &self,
+        layer: usize,
+        hidden: &mut Hidden,
+        experts: &mut dyn ExpertExecutor,
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        let cfg = self.config();
+        let w = self.core(layer)?;
+        let pool = self.pool();
+        let (n, e) = (hidden.n_tokens, cfg.n_embd);
+        let normed = &mut sc.normed;
+        normed.n_tokens = n;
+        normed.n_embd = e;
+        normed.data.resize(n * e, 0.0);
+        for t in 0..n {
+            rms_norm_into(normed.row_mut(t), hidden.row(t), &w.ffn_norm, cfg.rms_eps);
+        }
+        let normed = &sc.normed;
+        match &w.ffn {
+            Some(ffn) => {
+                let f = ffn.gate.rows();
+                sc.gate.resize(n * f, 0.0);
+                sc.up.resize(n * f, 0.0);
+                let acts = quantize_for(
+                    pool,
+                    &[ffn.gate.dtype(), ffn.up.dtype()],
+                    &normed.data,
+                    n,
+                    e,
+                );
+                run_matmuls(
+                    pool,
+                    &mut [
+                        MatmulJob {
+                            w: &ffn.gate,
+                            acts: pick(&acts, ffn.gate.dtype()),
+                            out: &mut sc.gate,
+                        },
+                        MatmulJob {
+                            w: &ffn.up,
+                            acts: pick(&acts, ffn.up.dtype()),
+                            out: &mut sc.up,
+                        },
+                    ],
+                );
+                swiglu_rows(&mut sc.gate, &sc.up, f);
+                let acts = quantize_for(pool, &[ffn.down.dtype()], &sc.gate, n, f);
+                sc.proj.resize(n * e, 0.0);
+                run_matmuls(
+                    pool,
+                    &mut [MatmulJob {
+                        w: &ffn.down,
+                        acts: &acts[0],
+                        out: &mut sc.proj,
+                    }],
+                );
+                add_assign(&mut hidden.data, &sc.proj);
+            }
+            None => {
+                let routing = self.moe_route(layer, normed)?;
+                let parts = experts.run(layer, normed, &routing)?;
+                let out = reduce_expert_outputs(&parts)?;
+                add_assign(&mut hidden.data, &out.data);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,342 @@
+//! A loaded (part of a) model and its partial-execution API:
+//! [`Model::embed`] → [`Model::run_layers`] → [`Model::head`]. A pipeline stage calls only the
+//! parts it holds; a whole model calls all three ([`Model::forward`]).
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+use tessera_model::{GgufFile, ModelConfig};
+
+use crate::error::{EngineError, Result};
+use crate::exec::matmul_once;
+use crate::kernels::ThreadPool;
+use crate::kv::KvCache;
+use crate::moe::{ExpertExecutor, LocalExperts};
+use crate::ops::{rms_norm, RopeTable};
+use crate::weights::{LayerCore, LayerWeights, LoadSpec, ModelWeights};
+
+/// Hidden states: `n_tokens` rows of `n_embd` floats, row-major.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Hidden {
+    pub n_tokens: usize,
+    pub n_embd: usize,
+    pub data: Vec<f32>,
+}
+
+impl Hidden {
+    pub fn zeros(n_tokens: usize, n_embd: usize) -> Self {
+        Self {
+            n_tokens,
+            n_embd,
+            data: vec![0.0; n_tokens * n_embd],
+        }
+    }
+
+    pub fn row(&self, t: usize) -> &[f32] {
+        &self.data[t * self.n_embd..(t + 1) * self.n_embd]
+    }
+
+    pub fn row_mut(&mut self, t: usize) -> &mut [f32] {
+        &mut self.data[t * self.n_embd..(t + 1) * self.n_embd]
+    }
+
+    /// Rows `rows` as a new `Hidden`.
+    pub fn rows(&self, rows: Range<usize>) -> Self {
+        Self {
+            n_tokens: rows.len(),
+            n_embd: self.n_embd,
+            data: self.data[rows.start * self.n_embd..rows.end * self.n_embd].to_vec(),
+        }
+    }
+}
+
+/// Output logits: `n_tokens` rows of `vocab_size` floats.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logits {
+    pub n_tokens: usize,
+    pub vocab_size: usize,
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    pub fn row(&self, t: usize) -> &[f32] {
+        &self.data[t * self.vocab_size..(t + 1) * self.vocab_size]
+    }
+
+    /// The last row (the next-token distribution after a prompt).
+    pub fn last(&self) -> &[f32] {
+        self.row(self.n_tokens - 1)
+    }
+}
+
+/// How rows of a batch belong to sequences: the next `n_tokens` rows are positions
+/// `start_pos..start_pos + n_tokens` of one sequence (with its own [`KvCache`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeqStep {
+    pub n_tokens: usize,
+    pub start_pos: usize,
+}
+
+/// A loaded model, or the part of one a [`LoadSpec`] asked for.
+pub struct Model {
+    config: ModelConfig,
+    weights: ModelWeights,
+    pool: ThreadPool,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("arch", &self.config.arch)
+            .field("spec", &self.weights.spec)
+            .field("threads", &self.pool.n_threads())
+            .finish()
+    }
+}
+
+/// Scratch buffers for one `run_layers` call, reused by every layer.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub xn: Vec<f32>,
+    /// FFN input (normed hidden), shared with expert executors.
+    pub normed: Hidden,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub attn: Vec<f32>,
+    pub proj: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub rope: RopeTable,
+    /// For each row: (sequence index, position).
+    pub rows: Vec<(usize, usize)>,
+}
+
+impl Model {
+    /// Loads the part of `g` that `spec` describes, computing with `threads` threads.
+    pub fn load(
+        g: &GgufFile,
+        spec: LoadSpec,
+        threads: usize,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        let config = ModelConfig::from_gguf(g)?;
+        let weights = ModelWeights::load(g, &config, spec, progress)?;
+        Ok(Self {
+            config,
+            weights,
+            pool: ThreadPool::new(threads),
+        })
+    }
+
+    /// The whole model.
+    pub fn load_full(g: &GgufFile, threads: usize) -> Result<Self> {
+        let config = ModelConfig::from_gguf(g)?;
+        Self::load(g, LoadSpec::full(&config), threads, &mut |_, _| {})
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn spec(&self) -> &LoadSpec {
+        &self.weights.spec
+    }
+
+    pub fn weights(&self) -> &ModelWeights {
+        &self.weights
+    }
+
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+
+    /// Bytes of weights this part keeps resident (see [`ModelWeights::resident_bytes`]).
+    pub fn resident_bytes(&self) -> usize {
+        self.weights.resident_bytes()
+    }
+
+    /// Whether this part holds expert `expert` of layer `layer`.
+    pub fn holds_expert(&self, layer: usize, expert: usize) -> bool {
+        self.layer_weights(layer)
+            .ok()
+            .and_then(|l| l.experts.get(expert))
+            .is_some_and(Option::is_some)
+    }
+
+    /// A fresh KV cache for the layers this part holds, for up to `capacity` positions.
+    pub fn new_kv(&self, capacity: usize) -> KvCache {
+        KvCache::new(&self.config, self.weights.spec.layers.clone(), capacity)
+    }
+
+    pub(crate) fn layer_weights(&self, layer: usize) -> Result<&LayerWeights> {
+        let loaded = self.weights.spec.layers.clone();
+        if !loaded.contains(&layer) {
+            return Err(EngineError::LayersNotLoaded {
+                requested: layer..layer + 1,
+                loaded,
+            });
+        }
+        Ok(&self.weights.layers[layer - loaded.start])
+    }
+
+    pub(crate) fn core(&self, layer: usize) -> Result<&LayerCore> {
+        self.layer_weights(layer)?
+            .core
+            .as_ref()
+            .ok_or(EngineError::NotLoaded {
+                what: "the layer's attention and norm weights",
+            })
+    }
+
+    /// Looks up the embeddings of `tokens`.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Hidden> {
+        let e = self
+            .weights
+            .token_embd
+            .as_ref()
+            .filter(|_| self.weights.spec.embed)
+            .ok_or(EngineError::NotLoaded {
+                what: "the token embedding",
+            })?;
+        let mut h = Hidden::zeros(tokens.len(), self.config.n_embd);
+        for (i, &t) in tokens.iter().enumerate() {
+            if t as usize >= self.config.vocab_size {
+                return Err(EngineError::BadToken {
+                    token: t,
+                    vocab_size: self.config.vocab_size,
+                });
+            }
+            e.dequantize_row(t as usize, h.row_mut(i));
+        }
+        Ok(h)
+    }
+
+    /// Runs layers `layers` over `hidden` in place. `batch` says which rows belong to which
+    /// sequence (in order), `kv[i]` is the cache of sequence `i`, `experts` computes MoE experts.
+    /// Nothing is modified if the inputs are refused.
+    pub fn run_layers(
+        &self,
+        layers: Range<usize>,
+        hidden: &mut Hidden,
+        batch: &[SeqStep],
+        kv: &mut [&mut KvCache],
+        experts: &mut dyn ExpertExecutor,
+    ) -> Result<()> {
+        let loaded = self.weights.spec.layers.clone();
+        if layers.start > layers.end || layers.start < loaded.start || layers.end > loaded.end {
+            return Err(EngineError::LayersNotLoaded {
+                requested: layers,
+                loaded,
+            });
+        }
+        for l in layers.clone() {
+            self.core(l)?;
+        }
+        let n: usize = batch.iter().map(|s| s.n_tokens).sum();
+        if n != hidden.n_tokens || hidden.n_embd != self.config.n_embd {
+            return Err(EngineError::BadInput(format!(
+                "batch covers {n} rows but hidden is {}x{} (model width {})",
+                hidden.n_tokens, hidden.n_embd, self.config.n_embd
+            )));
+        }
+        if kv.len() != batch.len() {
+            return Err(EngineError::BadInput(format!(
+                "{} sequences but {} KV caches",
+                batch.len(),
+                kv.len()
+            )));
+        }
+        for (s, c) in batch.iter().zip(kv.iter()) {
+            let needed = s.start_pos + s.n_tokens;
+            if needed > self.config.context_length {
+                return Err(EngineError::ContextOverflow {
+                    needed,
+                    limit: self.config.context_length,
+                });
+            }
+            for l in layers.clone() {
+                c.check_step(l, s.start_pos, s.n_tokens)?;
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let mut sc = Scratch::default();
+        for (i, s) in batch.iter().enumerate() {
+            sc.rows
+                .extend((s.start_pos..s.start_pos + s.n_tokens).map(|p| (i, p)));
+        }
+        sc.rope.fill(
+            sc.rows.iter().map(|&(_, p)| p),
+            self.config.rope_dim,
+            self.config.rope_theta,
+        );
+        for l in layers {
+            self.attention(l, hidden, batch, kv, &mut sc)?;
+            self.feed_forward(l, hidden, experts, &mut sc)?;
+        }
+        Ok(())
+    }
+
+    /// Output norm and head: logits for every row of `hidden`.
+    pub fn head(&self, hidden: &Hidden) -> Result<Logits> {
+        let not_loaded = EngineError::NotLoaded { what: "the head" };
+        let norm = self.weights.output_norm.as_ref().ok_or(not_loaded)?;
+        let w = self
+            .weights
+            .output
+            .as_ref()
+            .or(self.weights.token_embd.as_ref())
+            .ok_or(EngineError::NotLoaded { what: "the head" })?;
+        let mut x = hidden.data.clone();
+        for row in x.chunks_exact_mut(self.config.n_embd) {
+            rms_norm(row, norm, self.config.rms_eps);
+        }
+        let v = self.config.vocab_size;
+        let mut data = vec![0.0f32; hidden.n_tokens * v];
+        matmul_once(&self.pool, w, &x, hidden.n_tokens, &mut data);
+        Ok(Logits {
+            n_tokens: hidden.n_tokens,
+            vocab_size: v,
+            data,
+        })
+    }
+
+    /// Runs a whole model over `tokens` appended to the sequence in `kv`; logits for every
+    /// token.
+    pub fn forward(&self, tokens: &[u32], kv: &mut KvCache) -> Result<Logits> {
+        let h = self.forward_hidden(tokens, kv)?;
+        self.head(&h)
+    }
+
+    /// As [`Model::forward`], but only the last token's logits (what generation needs).
+    pub fn forward_last(&self, tokens: &[u32], kv: &mut KvCache) -> Result<Logits> {
+        let h = self.forward_hidden(tokens, kv)?;
+        self.head(&h.rows(h.n_tokens.saturating_sub(1)..h.n_tokens))
+    }
+
+    fn forward_hidden(&self, tokens: &[u32], kv: &mut KvCache) -> Result<Hidden> {
+        if tokens.is_empty() {
+            return Err(EngineError::BadInput("no tokens to run".into()));
+        }
+        let step = SeqStep {
+            n_tokens: tokens.len(),
+            start_pos: kv.len(),
+        };
+        let needed = step.start_pos + step.n_tokens;
+        let limit = kv.capacity().min(self.config.context_length);
+        if needed > limit {
+            return Err(EngineError::ContextOverflow { needed, limit });
+        }
+        let mut h = self.embed(tokens)?;
+        self.run_layers(
+            0..self.config.n_layer,
+            &mut h,
+            &[step],
+            &mut [kv],
+            &mut LocalExperts(self),
+        )?;
+        Ok(h)
+    }
+}

@@ -1,0 +1,323 @@
+//! Mixture-of-experts: routing, expert compute, and the fixed-order reduction that makes split
+//! execution bit-identical to unsplit execution.
+//!
+//! Floating-point addition is not associative, so experts computed on different machines can
+//! only reproduce the unsplit layer exactly if partial results are combined in one fixed order.
+//! Here nothing is pre-summed: an [`ExpertOutputs`] carries, for each token and each of its
+//! top-k *slots*, the weighted output of that slot's expert (if this part computed it), and
+//! [`reduce_expert_outputs`] adds the slots of every token in slot order `0..k` — exactly what
+//! the unsplit layer does, because the unsplit layer is simply one part holding every expert.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{EngineError, Result};
+use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
+use crate::model::{Hidden, Model};
+use crate::ops::{softmax, swiglu_rows};
+
+/// The experts chosen for each token: `k` (expert id, weight) slots per token, most probable
+/// first.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Routing {
+    pub n_tokens: usize,
+    pub k: usize,
+    /// `experts[t*k + s]`: the expert in slot `s` of token `t`.
+    pub experts: Vec<u32>,
+    /// `weights[t*k + s]`: its gate weight.
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    /// Slots of token `t` as (expert, weight).
+    pub fn token(&self, t: usize) -> impl Iterator<Item = (usize, f32)> + '_ {
+        let r = t * self.k..(t + 1) * self.k;
+        self.experts[r.clone()]
+            .iter()
+            .zip(&self.weights[r])
+            .map(|(&e, &w)| (e as usize, w))
+    }
+
+    /// Distinct experts used by any token, ascending.
+    pub fn experts_used(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.experts.iter().map(|&e| e as usize).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+/// Weighted expert outputs computed by one part: `slots[t*k + s]` is `weight * expert(x_t)` for
+/// slot `s` of token `t`, or `None` if another part computes that slot.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExpertOutputs {
+    pub n_tokens: usize,
+    pub k: usize,
+    pub n_embd: usize,
+    pub slots: Vec<Option<Vec<f32>>>,
+}
+
+/// Merges the parts' outputs and sums each token's slots in slot order. Every slot must be
+/// supplied by exactly one part.
+pub fn reduce_expert_outputs(parts: &[ExpertOutputs]) -> Result<Hidden> {
+    let first = parts
+        .first()
+        .ok_or_else(|| EngineError::ExpertOutputs("no parts to reduce".into()))?;
+    let (n, k, d) = (first.n_tokens, first.k, first.n_embd);
+    for p in parts {
+        if (p.n_tokens, p.k, p.n_embd) != (n, k, d) || p.slots.len() != n * k {
+            return Err(EngineError::ExpertOutputs(format!(
+                "parts disagree on shape: {}x{}x{} vs {n}x{k}x{d}",
+                p.n_tokens, p.k, p.n_embd
+            )));
+        }
+    }
+    let mut out = Hidden::zeros(n, d);
+    for t in 0..n {
+        let row = out.row_mut(t);
+        for s in 0..k {
+            let mut found: Option<&Vec<f32>> = None;
+            for p in parts {
+                if let Some(v) = &p.slots[t * k + s] {
+                    if found.is_some() {
+                        return Err(EngineError::ExpertOutputs(format!(
+                            "token {t} slot {s} supplied by more than one part"
+                        )));
+                    }
+                    if v.len() != d {
+                        return Err(EngineError::ExpertOutputs(format!(
+                            "token {t} slot {s} has {} values, not {d}",
+                            v.len()
+                        )));
+                    }
+                    found = Some(v);
+                }
+            }
+            let v = found.ok_or_else(|| {
+                EngineError::ExpertOutputs(format!("token {t} slot {s} was not computed"))
+            })?;
+            if s == 0 {
+                row.copy_from_slice(v);
+            } else {
+                for (o, &x) in row.iter_mut().zip(v) {
+                    *o += x;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Computes the experts of one MoE layer for a batch, wherever they live.
+pub trait ExpertExecutor {
+    /// The outputs of every slot of `routing`, possibly as several parts.
+    fn run(
+        &mut self,
+        layer: usize,
+        normed: &Hidden,
+        routing: &Routing,
+    ) -> Result<Vec<ExpertOutputs>>;
+}
+
+/// Runs every expert on the model itself.
+pub struct LocalExperts<'a>(pub &'a Model);
+
+impl ExpertExecutor for LocalExperts<'_> {
+    fn run(
+        &mut self,
+        layer: usize,
+        normed: &Hidden,
+        routing: &Routing,
+    ) -> Result<Vec<ExpertOutputs>> {
+        Ok(vec![self
+            .0
+            .moe_experts(layer, normed, routing, &|_| true)?])
+    }
+}
+
+/// Runs each expert on whichever of several separately loaded parts holds it (each part
+/// computes the experts it holds); for tests and for a single process holding several parts.
+pub struct PartExperts<'a>(pub Vec<&'a Model>);
+
+impl ExpertExecutor for PartExperts<'_> {
+    fn run(
+        &mut self,
+        layer: usize,
+        normed: &Hidden,
+        routing: &Routing,
+    ) -> Result<Vec<ExpertOutputs>> {
+        self.0
+            .iter()
+            .map(|m| m.moe_experts(layer, normed, routing, &|e| m.holds_expert(layer, e)))
+            .collect()
+    }
+}
+
+/// Lower bound applied to the sum of the selected weights before renormalising (llama.cpp).
+const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
+
+impl Model {
+    /// The router of MoE layer `layer`: softmax over all experts' logits, the top `k` by
+    /// probability (ties: lower id), renormalised to sum to one when the model asks for it.
+    pub fn moe_route(&self, layer: usize, normed: &Hidden) -> Result<Routing> {
+        let cfg = self.config();
+        let core = self.core(layer)?;
+        let router = core.router.as_ref().ok_or_else(|| {
+            EngineError::BadInput(format!("layer {layer} is not a mixture-of-experts layer"))
+        })?;
+        let (n, ne, k) = (normed.n_tokens, cfg.n_expert, cfg.n_expert_used);
+        let mut probs = vec![0.0f32; n * ne];
+        matmul_once(self.pool(), router, &normed.data, n, &mut probs);
+        let mut experts = Vec::with_capacity(n * k);
+        let mut weights = Vec::with_capacity(n * k);
+        let mut order: Vec<usize> = Vec::with_capacity(ne);
+        for p in probs.chunks_exact_mut(ne) {
+            softmax(p);
+            order.clear();
+            order.extend(0..ne);
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let sel = &order[..k];
+            let mut w: Vec<f32> = sel.iter().map(|&e| p[e]).collect();
+            if cfg.norm_topk_weights {
+                let sum = (w.iter().map(|&x| x as f64).sum::<f64>() as f32).max(MIN_WEIGHT_SUM);
+                for x in &mut w {
+                    *x /= sum;
+                }
+            }
+            experts.extend(sel.iter().map(|&e| e as u32));
+            weights.extend(w);
+        }
+        Ok(Routing {
+            n_tokens: n,
+            k,
+            experts,
+            weights,
+        })
+    }
+
+    /// Computes the slots of `routing` whose expert satisfies `owned` (each such expert once,
+    /// for all the tokens routed to it, reading its weights once). An owned expert that this
+    /// part does not hold is an error.
+    pub fn moe_experts(
+        &self,
+        layer: usize,
+        normed: &Hidden,
+        routing: &Routing,
+        owned: &dyn Fn(usize) -> bool,
+    ) -> Result<ExpertOutputs> {
+        let cfg = self.config();
+        let (n, k, d) = (routing.n_tokens, routing.k, cfg.n_embd);
+        if normed.n_tokens != n || normed.n_embd != d {
+            return Err(EngineError::BadInput(format!(
+                "routing for {n} tokens, hidden {}x{}",
+                normed.n_tokens, normed.n_embd
+            )));
+        }
+        let lw = self.layer_weights(layer)?;
+        let pool = self.pool();
+        // Tokens (and their slot) per expert, in token order.
+        let mut groups: Vec<(usize, Vec<(usize, usize)>)> = Vec::new();
+        for e in routing.experts_used() {
+            if e >= cfg.n_expert {
+                return Err(EngineError::BadInput(format!(
+                    "routing names expert {e} of {}",
+                    cfg.n_expert
+                )));
+            }
+            if !owned(e) {
+                continue;
+            }
+            if lw.experts.get(e).and_then(Option::as_ref).is_none() {
+                return Err(EngineError::ExpertNotLoaded { layer, expert: e });
+            }
+            let mut members = Vec::new();
+            for t in 0..n {
+                for (s, (ex, _)) in routing.token(t).enumerate() {
+                    if ex == e {
+                        members.push((t, s));
+                    }
+                }
+            }
+            groups.push((e, members));
+        }
+        let ffn = |e: usize| lw.experts[e].as_ref().expect("checked above");
+
+        // gate and up for every expert, as one parallel job.
+        let f = cfg.n_ff_expert;
+        let mut acts = Vec::with_capacity(groups.len());
+        for (e, members) in &groups {
+            let mut x = Vec::with_capacity(members.len() * d);
+            for &(t, _) in members {
+                x.extend_from_slice(normed.row(t));
+            }
+            let w = ffn(*e);
+            acts.push(quantize_for(
+                pool,
+                &[w.gate.dtype(), w.up.dtype()],
+                &x,
+                members.len(),
+                d,
+            ));
+        }
+        let mut gate: Vec<Vec<f32>> = groups.iter().map(|(_, m)| vec![0.0; m.len() * f]).collect();
+        let mut up: Vec<Vec<f32>> = groups.iter().map(|(_, m)| vec![0.0; m.len() * f]).collect();
+        {
+            let mut jobs = Vec::with_capacity(2 * groups.len());
+            for (((e, _), a), (g, u)) in groups
+                .iter()
+                .zip(&acts)
+                .zip(gate.iter_mut().zip(up.iter_mut()))
+            {
+                let w = ffn(*e);
+                jobs.push(MatmulJob {
+                    w: &w.gate,
+                    acts: pick(a, w.gate.dtype()),
+                    out: g,
+                });
+                jobs.push(MatmulJob {
+                    w: &w.up,
+                    acts: pick(a, w.up.dtype()),
+                    out: u,
+                });
+            }
+            run_matmuls(pool, &mut jobs);
+        }
+        // down, as one parallel job.
+        let mut acts = Vec::with_capacity(groups.len());
+        for (((e, members), g), u) in groups.iter().zip(&mut gate).zip(&up) {
+            swiglu_rows(g, u, f);
+            acts.push(quantize_for(
+                pool,
+                &[ffn(*e).down.dtype()],
+                g,
+                members.len(),
+                f,
+            ));
+        }
+        let mut down: Vec<Vec<f32>> = groups.iter().map(|(_, m)| vec![0.0; m.len() * d]).collect();
+        {
+            let mut jobs = Vec::with_capacity(groups.len());
+            for (((e, _), a), o) in groups.iter().zip(&acts).zip(down.iter_mut()) {
+                let w = ffn(*e);
+                jobs.push(MatmulJob {
+                    w: &w.down,
+                    acts: &a[0],
+                    out: o,
+                });
+            }
+            run_matmuls(pool, &mut jobs);
+        }
+        let mut slots: Vec<Option<Vec<f32>>> = vec![None; n * k];
+        for ((_, members), out) in groups.iter().zip(&down) {
+            for (i, &(t, s)) in members.iter().enumerate() {
+                let wt = routing.weights[t * k + s];
+                slots[t * k + s] = Some(out[i * d..(i + 1) * d].iter().map(|&v| v * wt).collect());
+            }
+        }
+        Ok(ExpertOutputs {
+            n_tokens: n,
+            k,
+            n_embd: d,
+            slots,
+        })
+    }
+}

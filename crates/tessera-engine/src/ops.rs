@@ -1,0 +1,417 @@
+//! The small non-matmul operations of a transformer, written to follow ggml's CPU numerics
+//! (`ggml-cpu/ops.cpp`): where ggml accumulates in double, so do we; where it rounds to f32, so
+//! do we. Matmuls live in [`crate::kernels`].
+
+/// RMS norm of one row, in place, then multiplied element-wise by `weight` (ggml's `rms_norm`
+/// followed by `mul`): the sum of squares is accumulated in f64, the scale is an f32.
+pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
+    debug_assert_eq!(x.len(), weight.len());
+    let mut sum = 0.0f64;
+    for &v in x.iter() {
+        sum += (v * v) as f64;
+    }
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0f32 / (mean + eps).sqrt();
+    for (v, &w) in x.iter_mut().zip(weight) {
+        *v = (*v * scale) * w;
+    }
+}
+
+/// [`rms_norm`] of `src` written to `dst`.
+pub fn rms_norm_into(dst: &mut [f32], src: &[f32], weight: &[f32], eps: f32) {
+    dst.copy_from_slice(src);
+    rms_norm(dst, weight, eps);
+}
+
+/// Per-position rotation factors for RoPE: `cos[p][i]`, `sin[p][i]` for pair `i < rope_dim/2`.
+///
+/// As ggml's rope cache: `theta_scale = base^(-2/d)` in f32, `theta_i = pos * theta_scale^i`
+/// built by repeated f32 multiplication, then `cosf`/`sinf`.
+#[derive(Debug, Default, Clone)]
+pub struct RopeTable {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// Fills the table for `positions` (one row each), reusing the buffers.
+    pub fn fill(&mut self, positions: impl Iterator<Item = usize>, rope_dim: usize, base: f32) {
+        self.half = rope_dim / 2;
+        self.cos.clear();
+        self.sin.clear();
+        let theta_scale = base.powf(-2.0 / rope_dim as f32);
+        for p in positions {
+            let mut theta = p as f32;
+            for _ in 0..self.half {
+                self.cos.push(theta.cos());
+                self.sin.push(theta.sin());
+                theta *= theta_scale;
+            }
+        }
+    }
+
+    /// Rotation factors of the `row`-th filled position.
+    pub fn row(&self, row: usize) -> (&[f32], &[f32]) {
+        let r = row * self.half..(row + 1) * self.half;
+        (&self.cos[r.clone()], &self.sin[r])
+    }
+}
+
+/// RoPE in GGML's normal order: rotates adjacent pairs `(2i, 2i+1)` of the first `2*cos.len()`
+/// dimensions of one head.
+pub fn rope_normal(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for i in 0..cos.len() {
+        let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+        head[2 * i] = x0 * cos[i] - x1 * sin[i];
+        head[2 * i + 1] = x0 * sin[i] + x1 * cos[i];
+    }
+}
+
+/// RoPE in NeoX order: rotates pairs `(i, i + d/2)` where `d = 2*cos.len()` is the rotated width.
+pub fn rope_neox(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    for i in 0..half {
+        let (x0, x1) = (head[i], head[i + half]);
+        head[i] = x0 * cos[i] - x1 * sin[i];
+        head[i + half] = x0 * sin[i] + x1 * cos[i];
+    }
+}
+
+/// SiLU, `x / (1 + e^-x)` with the C library's `expf` (ggml's scalar `ggml_silu_f32`).
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// ggml's vector `expf` (its AVX-512 `ggml_v_expf`: a range reduction plus a degree-5
+/// polynomial, accurate to ~1.5 ulp), emulated one lane at a time with fused multiply-adds so
+/// that softmax and SwiGLU round as llama.cpp does on the reference machines.
+#[inline(always)]
+fn v_expf_lane(x: f32) -> f32 {
+    let r = f32::from_bits(0x4B40_0000); // 0x1.8p23
+    let z = x.mul_add(f32::from_bits(0x3FB8_AA3B), r); // 0x1.715476p+0 (log2 e)
+    let n = z - r;
+    let b = (-n).mul_add(
+        f32::from_bits(0x35BF_BE8E),                  // 0x1.7f7d1cp-20
+        (-n).mul_add(f32::from_bits(0x3F31_7200), x), // 0x1.62e4p-1
+    );
+    if n.abs() > 192.0 {
+        return if n > 0.0 { f32::INFINITY } else { 0.0 };
+    }
+    let u = b * b;
+    let p1 = f32::from_bits(0x3C07_2010).mul_add(b, f32::from_bits(0x3D2B_9F17));
+    let p2 = f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB));
+    let p3 = f32::from_bits(0x3F7F_FFF6).mul_add(b, 1.0);
+    let j = p1.mul_add(u, p2).mul_add(u, p3);
+    // scalef: j * 2^n, rounded once (2^n is exact in f64 for |n| <= 192).
+    let scale = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    (j as f64 * scale) as f32
+}
+
+/// Runs `f` with FMA instructions enabled when the CPU has them (`mul_add` is otherwise a slow
+/// library call); the results are identical either way.
+#[inline(always)]
+fn with_fma<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "fma")]
+        unsafe fn fma_on<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        if std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports FMA (checked just above).
+            return unsafe { fma_on(f) };
+        }
+    }
+    f()
+}
+
+/// ggml's 16-lane horizontal float sum (`_mm512_reduce_add_ps`: halves folded 8, 4, 2, 1).
+#[inline(always)]
+fn reduce16(v: &[f32; 16]) -> f32 {
+    let mut t = [0.0f32; 8];
+    for i in 0..8 {
+        t[i] = v[i] + v[i + 8];
+    }
+    let t4 = [t[0] + t[4], t[1] + t[5], t[2] + t[6], t[3] + t[7]];
+    (t4[0] + t4[2]) + (t4[1] + t4[3])
+}
+
+/// SwiGLU of rows of `width` in place: `gate[i] = silu(gate[i]) * up[i]`, row by row as ggml's
+/// `ggml_vec_swiglu_f32`: blocks of 16 use the vector `expf`, a row's tail the C library's.
+pub fn swiglu_rows(gate: &mut [f32], up: &[f32], width: usize) {
+    for (g, u) in gate.chunks_mut(width).zip(up.chunks(width)) {
+        swiglu(g, u);
+    }
+}
+
+/// SwiGLU of one row in place (see [`swiglu_rows`]).
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    with_fma(|| {
+        let n16 = gate.len() / 16 * 16;
+        for (g, &u) in gate[..n16].iter_mut().zip(&up[..n16]) {
+            let x = *g;
+            *g = (x / (1.0 + v_expf_lane(-x))) * u;
+        }
+        for (g, &u) in gate[n16..].iter_mut().zip(&up[n16..]) {
+            *g = silu(*g) * u;
+        }
+    })
+}
+
+/// Softmax in place, as ggml's `soft_max` op: max subtracted; blocks of 16 use the vector
+/// `expf` and are summed as 16-lane vectors into an f64 total, the tail uses the C library's
+/// `expf`; the result is scaled by the f32 reciprocal of the total. `pad16` treats the row as
+/// padded with masked entries to a multiple of 16 (llama.cpp's KV cache is padded), so every
+/// element takes the vector path.
+pub fn softmax_ggml(x: &mut [f32], pad16: bool) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum = with_fma(|| {
+        let mut sum = 0.0f64;
+        let n = x.len();
+        let nv = if pad16 { n } else { n / 16 * 16 };
+        for chunk in x[..nv].chunks_mut(16) {
+            let mut lanes = [0.0f32; 16];
+            for (l, v) in lanes.iter_mut().zip(chunk.iter_mut()) {
+                *v = v_expf_lane(*v - max);
+                *l = *v;
+            }
+            sum += reduce16(&lanes) as f64;
+        }
+        for v in &mut x[nv..] {
+            *v = (*v - max).exp();
+            sum += *v as f64;
+        }
+        sum
+    });
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Softmax in place (ggml numerics, unpadded row).
+pub fn softmax(x: &mut [f32]) {
+    softmax_ggml(x, false);
+}
+
+/// Dot product with 16 independent f32 lanes (vectorises without fast-math).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    const L: usize = 16;
+    let mut acc = [0.0f32; L];
+    let chunks = a.len() / L;
+    for c in 0..chunks {
+        let (x, y) = (&a[c * L..c * L + L], &b[c * L..c * L + L]);
+        for j in 0..L {
+            acc[j] += x[j] * y[j];
+        }
+    }
+    let mut tail = 0.0f32;
+    for i in chunks * L..a.len() {
+        tail += a[i] * b[i];
+    }
+    let mut s = 0.0f32;
+    for v in acc {
+        s += v;
+    }
+    s + tail
+}
+
+/// `y += a * x`.
+#[inline]
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// `y += x`.
+#[inline]
+pub fn add_assign(y: &mut [f32], x: &[f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += x;
+    }
+}
+
+/// ggml's F32 dot product (`ggml_vec_dot_f32`, AVX-512 build): four 16-lane FMA accumulators
+/// over blocks of 64, folded (0+2, 1+3, 0+1) and reduced across lanes; the tail is added
+/// sequentially.
+#[inline(always)]
+fn dot_ggml(x: &[f32], y: &[f32]) -> f32 {
+    let n = x.len();
+    let np = n & !63;
+    let mut acc = [[0.0f32; 16]; 4];
+    for i in (0..np).step_by(64) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let (xs, ys) = (
+                &x[i + j * 16..i + j * 16 + 16],
+                &y[i + j * 16..i + j * 16 + 16],
+            );
+            for l in 0..16 {
+                a[l] = xs[l].mul_add(ys[l], a[l]);
+            }
+        }
+    }
+    let mut s = [0.0f32; 16];
+    for l in 0..16 {
+        s[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let mut sum = reduce16(&s);
+    for i in np..n {
+        sum += x[i] * y[i];
+    }
+    sum
+}
+
+/// Causal attention of the query heads that share one KV head, over cached positions
+/// `0..n_kv` (each key and value row is read once for the whole group).
+///
+/// `q` holds the group's heads back to back (`head_dim` each); `out` likewise. `keys`/`values`
+/// hold positions row-major with stride `kv_stride`, this KV head's slice starting at
+/// `kv_offset`. Per head this follows llama.cpp without flash attention: scores
+/// `dot(q, k) * scale`, a softmax over the (16-padded) row, then each output dimension
+/// accumulated over positions in 16 FMA lanes and reduced (its tinyBLAS F32 GEMM).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group(
+    out: &mut [f32],
+    q: &[f32],
+    head_dim: usize,
+    keys: &[f32],
+    values: &[f32],
+    n_kv: usize,
+    kv_stride: usize,
+    kv_offset: usize,
+    scale: f32,
+    scratch: &mut AttnScratch,
+) {
+    let d = head_dim;
+    let g = q.len() / d;
+    scratch.scores.resize(g * n_kv, 0.0);
+    scratch.lanes.resize(g * 16 * d, 0.0);
+    let (scores, lanes) = (&mut scratch.scores, &mut scratch.lanes);
+    with_fma(|| {
+        for j in 0..n_kv {
+            let k = &keys[j * kv_stride + kv_offset..j * kv_stride + kv_offset + d];
+            for h in 0..g {
+                scores[h * n_kv + j] = dot_ggml(&q[h * d..(h + 1) * d], k) * scale;
+            }
+        }
+    });
+    for h in 0..g {
+        softmax_ggml(&mut scores[h * n_kv..(h + 1) * n_kv], true);
+    }
+    lanes.fill(0.0);
+    with_fma(|| {
+        for j in 0..n_kv {
+            let v = &values[j * kv_stride + kv_offset..j * kv_stride + kv_offset + d];
+            for h in 0..g {
+                let p = scores[h * n_kv + j];
+                let l = (h * 16 + j % 16) * d;
+                for (a, &x) in lanes[l..l + d].iter_mut().zip(v) {
+                    *a = x.mul_add(p, *a);
+                }
+            }
+        }
+    });
+    for h in 0..g {
+        for i in 0..d {
+            let mut v = [0.0f32; 16];
+            for (l, x) in v.iter_mut().enumerate() {
+                *x = lanes[(h * 16 + l) * d + i];
+            }
+            out[h * d + i] = reduce16(&v);
+        }
+    }
+}
+
+/// Reusable buffers for [`attend_group`].
+#[derive(Debug, Default)]
+pub struct AttnScratch {
+    scores: Vec<f32>,
+    lanes: Vec<f32>,
+}
+
+/// Log-softmax of one row of logits, in f64 (for reports and comparisons).
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    logits.iter().map(|&l| l as f64 - lse).collect()
+}
+
+/// Index of the largest value (the first on ties).
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_unit_weight_gives_unit_rms() {
+        let mut x = vec![1.0, -2.0, 3.0, -4.0];
+        rms_norm(&mut x, &[1.0; 4], 0.0);
+        let rms: f32 = (x.iter().map(|v| v * v).sum::<f32>() / 4.0).sqrt();
+        assert!((rms - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_identity() {
+        let mut t = RopeTable::default();
+        t.fill([0usize].into_iter(), 8, 10000.0);
+        let mut h: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let orig = h.clone();
+        let (c, s) = t.row(0);
+        rope_neox(&mut h, c, s);
+        assert_eq!(h, orig);
+        rope_normal(&mut h, c, s);
+        assert_eq!(h, orig);
+    }
+
+    #[test]
+    fn rope_preserves_pair_norms() {
+        let mut t = RopeTable::default();
+        t.fill([5usize].into_iter(), 4, 10000.0);
+        let (c, s) = t.row(0);
+        let mut h = vec![1.0, 2.0, 3.0, 4.0];
+        rope_normal(&mut h, c, s);
+        assert!(((h[0] * h[0] + h[1] * h[1]) - 5.0).abs() < 1e-5);
+        assert!(((h[2] * h[2] + h[3] * h[3]) - 25.0).abs() < 1e-4);
+    }
+
+    #[test]
+    fn softmax_sums_to_one() {
+        let mut x = vec![1.0, 2.0, 3.0, -1.0];
+        softmax(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(x[2] > x[1] && x[1] > x[0]);
+    }
+
+    #[test]
+    fn vector_expf_is_close_to_expf() {
+        for i in -2000..2000 {
+            let x = i as f32 * 0.01;
+            let (a, b) = (with_fma(|| v_expf_lane(x)), x.exp());
+            assert!((a - b).abs() <= b * 4e-7, "{x}: {a} vs {b}");
+        }
+        assert_eq!(v_expf_lane(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn dot_matches_naive() {
+        let a: Vec<f32> = (0..37).map(|i| i as f32 * 0.5).collect();
+        let b: Vec<f32> = (0..37).map(|i| 1.0 - i as f32 * 0.1).collect();
+        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((dot(&a, &b) - naive).abs() < 1e-3);
+    }
+}

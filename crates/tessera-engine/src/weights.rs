@@ -1,0 +1,449 @@
+//! Loading the weights a part of the model needs — and only those.
+//!
+//! A [`LoadSpec`] names the layers, whether the embedding and the head are held, and which
+//! experts of each MoE layer. Tensors outside the spec are never touched, so a process holding
+//! layers `[0, L/2)` neither reads nor keeps the others. Matrices borrow the file's shared
+//! mapping where the kernels use GGML rows as they are; Q4_0/Q8_0 are repacked by the kernels
+//! into owned copies (of the loaded tensors only).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tessera_model::config::names;
+use tessera_model::{Architecture, GgmlType, GgufFile, ModelConfig, TensorInfo};
+
+use crate::error::{EngineError, Result};
+use crate::kernels::{dequantize, Matrix, MatrixBytes};
+
+/// Which experts of each MoE layer a part holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExpertSelection {
+    /// Every expert of every loaded layer.
+    #[default]
+    All,
+    /// `ids[layer]` lists the experts held for absolute layer index `layer`; a layer past the
+    /// end of the list holds none.
+    PerLayer(Vec<Vec<usize>>),
+}
+
+impl ExpertSelection {
+    /// The same expert ids in every layer.
+    pub fn same_in_every_layer(ids: &[usize], n_layer: usize) -> Self {
+        Self::PerLayer(vec![ids.to_vec(); n_layer])
+    }
+
+    pub fn holds(&self, layer: usize, expert: usize) -> bool {
+        match self {
+            Self::All => true,
+            Self::PerLayer(v) => v.get(layer).is_some_and(|ids| ids.contains(&expert)),
+        }
+    }
+}
+
+/// What part of a model to load.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadSpec {
+    /// Transformer layers held.
+    pub layers: Range<usize>,
+    /// The token embedding (the first stage).
+    pub embed: bool,
+    /// The output norm and head (the last stage; with tied embeddings this loads the embedding
+    /// matrix as the head).
+    pub head: bool,
+    /// Experts held in each MoE layer.
+    pub experts: ExpertSelection,
+    /// The layers' non-expert weights: attention, norms, router, dense FFN. `false` for a part
+    /// that only computes experts for others.
+    pub dense: bool,
+}
+
+impl LoadSpec {
+    /// The whole model.
+    pub fn full(config: &ModelConfig) -> Self {
+        Self::stage(config, 0..config.n_layer)
+    }
+
+    /// A pipeline stage: layers `layers`, with the embedding if it starts at 0 and the head if it
+    /// ends at the last layer.
+    pub fn stage(config: &ModelConfig, layers: Range<usize>) -> Self {
+        Self {
+            embed: layers.start == 0,
+            head: layers.end == config.n_layer,
+            layers,
+            experts: ExpertSelection::All,
+            dense: true,
+        }
+    }
+
+    /// Only the experts `experts` of layers `layers`, nothing else (an expert worker).
+    pub fn experts_only(layers: Range<usize>, experts: ExpertSelection) -> Self {
+        Self {
+            layers,
+            embed: false,
+            head: false,
+            experts,
+            dense: false,
+        }
+    }
+}
+
+/// Attention and norms of one layer, plus its dense FFN or MoE router.
+#[derive(Debug)]
+pub struct LayerCore {
+    pub attn_norm: Vec<f32>,
+    pub wq: Matrix,
+    pub wk: Matrix,
+    pub wv: Matrix,
+    pub wo: Matrix,
+    /// Qwen2 projection biases.
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// Qwen3 per-head RMS norms of queries and keys.
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    /// Dense FFN (`None` in MoE layers).
+    pub ffn: Option<Ffn>,
+    /// MoE router, `n_expert × n_embd` (`None` in dense layers).
+    pub router: Option<Matrix>,
+}
+
+/// A SwiGLU feed-forward block: `down(silu(gate x) * up x)`. Also one expert.
+#[derive(Debug)]
+pub struct Ffn {
+    pub gate: Matrix,
+    pub up: Matrix,
+    pub down: Matrix,
+}
+
+impl Ffn {
+    fn resident_bytes(&self) -> usize {
+        self.gate.resident_bytes() + self.up.resident_bytes() + self.down.resident_bytes()
+    }
+}
+
+/// One layer as held by this part.
+#[derive(Debug)]
+pub struct LayerWeights {
+    pub core: Option<LayerCore>,
+    /// `experts[e]` is expert `e` if held (empty for dense layers).
+    pub experts: Vec<Option<Ffn>>,
+}
+
+/// The weights of a part of a model.
+#[derive(Debug)]
+pub struct ModelWeights {
+    pub spec: LoadSpec,
+    /// Token embedding, if held (for `embed`, or as the tied head).
+    pub token_embd: Option<Matrix>,
+    pub output_norm: Option<Vec<f32>>,
+    /// Untied head.
+    pub output: Option<Matrix>,
+    /// `layers[i]` is layer `spec.layers.start + i`.
+    pub layers: Vec<LayerWeights>,
+}
+
+impl ModelWeights {
+    /// Loads what `spec` asks for. `progress(loaded_bytes, total_bytes)` is called after each
+    /// tensor.
+    pub fn load(
+        g: &GgufFile,
+        config: &ModelConfig,
+        spec: LoadSpec,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        if spec.layers.start > spec.layers.end || spec.layers.end > config.n_layer {
+            return Err(EngineError::BadInput(format!(
+                "layer range {:?} is not within the model's {} layers",
+                spec.layers, config.n_layer
+            )));
+        }
+        let mut loader = Loader {
+            g,
+            total: 0,
+            loaded: 0,
+            progress,
+        };
+        // Sum what will be read first, for the progress callback.
+        loader.total = plan(g, config, &spec)?.iter().map(|(_, b)| b).sum();
+
+        let need_embd = spec.embed || (spec.head && config.tied_embeddings);
+        let token_embd = if need_embd {
+            Some(loader.matrix(names::TOKEN_EMBD)?)
+        } else {
+            None
+        };
+        let (output_norm, output) = if spec.head {
+            let norm = loader.vector(names::OUTPUT_NORM)?;
+            let out = if config.tied_embeddings {
+                None
+            } else {
+                Some(loader.matrix(names::OUTPUT)?)
+            };
+            (Some(norm), out)
+        } else {
+            (None, None)
+        };
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for il in spec.layers.clone() {
+            let l = |w: &str| names::layer(il, w);
+            let core = if spec.dense {
+                let qk_norm = matches!(config.arch, Architecture::Qwen3 | Architecture::Qwen3Moe);
+                let bias = config.arch == Architecture::Qwen2;
+                let mut opt_vec = |name: String, on: bool| -> Result<Option<Vec<f32>>> {
+                    if on {
+                        Ok(Some(loader.vector(&name)?))
+                    } else {
+                        Ok(None)
+                    }
+                };
+                let bq = opt_vec(l("attn_q.bias"), bias)?;
+                let bk = opt_vec(l("attn_k.bias"), bias)?;
+                let bv = opt_vec(l("attn_v.bias"), bias)?;
+                let q_norm = opt_vec(l("attn_q_norm.weight"), qk_norm)?;
+                let k_norm = opt_vec(l("attn_k_norm.weight"), qk_norm)?;
+                Some(LayerCore {
+                    attn_norm: loader.vector(&l("attn_norm.weight"))?,
+                    wq: loader.matrix(&l("attn_q.weight"))?,
+                    wk: loader.matrix(&l("attn_k.weight"))?,
+                    wv: loader.matrix(&l("attn_v.weight"))?,
+                    wo: loader.matrix(&l("attn_output.weight"))?,
+                    bq,
+                    bk,
+                    bv,
+                    q_norm,
+                    k_norm,
+                    ffn_norm: loader.vector(&l("ffn_norm.weight"))?,
+                    ffn: if config.is_moe() {
+                        None
+                    } else {
+                        Some(Ffn {
+                            gate: loader.matrix(&l("ffn_gate.weight"))?,
+                            up: loader.matrix(&l("ffn_up.weight"))?,
+                            down: loader.matrix(&l("ffn_down.weight"))?,
+                        })
+                    },
+                    router: if config.is_moe() {
+                        Some(loader.matrix(&l("ffn_gate_inp.weight"))?)
+                    } else {
+                        None
+                    },
+                })
+            } else {
+                None
+            };
+            let mut experts = Vec::new();
+            if config.is_moe() {
+                for e in 0..config.n_expert {
+                    experts.push(if spec.experts.holds(il, e) {
+                        let n = config.n_expert;
+                        Some(Ffn {
+                            gate: loader.expert(&l("ffn_gate_exps.weight"), e, n)?,
+                            up: loader.expert(&l("ffn_up_exps.weight"), e, n)?,
+                            down: loader.expert(&l("ffn_down_exps.weight"), e, n)?,
+                        })
+                    } else {
+                        None
+                    });
+                }
+            }
+            layers.push(LayerWeights { core, experts });
+        }
+        Ok(Self {
+            spec,
+            token_embd,
+            output_norm,
+            output,
+            layers,
+        })
+    }
+
+    /// Bytes of weights this part keeps (owned copies and mapped ranges it uses).
+    pub fn resident_bytes(&self) -> usize {
+        let m = |m: &Option<Matrix>| m.as_ref().map_or(0, Matrix::resident_bytes);
+        let v = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
+        let mut b = m(&self.token_embd) + m(&self.output) + v(&self.output_norm);
+        for l in &self.layers {
+            if let Some(c) = &l.core {
+                b += (c.attn_norm.len() + c.ffn_norm.len()) * 4;
+                b += [&c.wq, &c.wk, &c.wv, &c.wo]
+                    .iter()
+                    .map(|m| m.resident_bytes())
+                    .sum::<usize>();
+                b += v(&c.bq) + v(&c.bk) + v(&c.bv) + v(&c.q_norm) + v(&c.k_norm);
+                b += c.ffn.as_ref().map_or(0, Ffn::resident_bytes);
+                b += m(&c.router);
+            }
+            b += l
+                .experts
+                .iter()
+                .flatten()
+                .map(Ffn::resident_bytes)
+                .sum::<usize>();
+        }
+        b
+    }
+}
+
+/// The tensors (name, bytes) `spec` reads; checks their types on the way.
+fn plan(g: &GgufFile, config: &ModelConfig, spec: &LoadSpec) -> Result<Vec<(String, u64)>> {
+    let mut out = Vec::new();
+    // (name, numerator, denominator): the share of the tensor's bytes that is read.
+    let mut add = |name: &str, num: u64, den: u64| -> Result<()> {
+        let t = g.require_tensor(name)?;
+        t.dtype(g.path())?;
+        out.push((name.to_string(), t.n_bytes / den * num));
+        Ok(())
+    };
+    if spec.embed || (spec.head && config.tied_embeddings) {
+        add(names::TOKEN_EMBD, 1, 1)?;
+    }
+    if spec.head {
+        add(names::OUTPUT_NORM, 1, 1)?;
+        if !config.tied_embeddings {
+            add(names::OUTPUT, 1, 1)?;
+        }
+    }
+    let expected = config.expected_tensors();
+    for il in spec.layers.clone() {
+        let prefix = format!("blk.{il}.");
+        for (name, _) in expected.iter().filter(|(n, _)| n.starts_with(&prefix)) {
+            if name.contains("_exps.") {
+                let held = (0..config.n_expert)
+                    .filter(|&e| spec.experts.holds(il, e))
+                    .count() as u64;
+                if held > 0 {
+                    add(name, held, config.n_expert as u64)?;
+                }
+            } else if spec.dense {
+                add(name, 1, 1)?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+struct Loader<'a> {
+    g: &'a GgufFile,
+    total: u64,
+    loaded: u64,
+    progress: &'a mut dyn FnMut(u64, u64),
+}
+
+impl Loader<'_> {
+    fn info(&self, name: &str) -> Result<&TensorInfo> {
+        Ok(self.g.require_tensor(name)?)
+    }
+
+    fn tick(&mut self, bytes: u64) {
+        self.loaded += bytes;
+        (self.progress)(self.loaded, self.total);
+    }
+
+    /// Builds a matrix over `len` bytes at `offset` of the mapping.
+    fn build(
+        &self,
+        info: &TensorInfo,
+        rows: usize,
+        cols: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Matrix> {
+        let dtype = info.dtype(self.g.path())?;
+        let map = self.g.mapping().ok_or_else(|| EngineError::Tensor {
+            tensor: info.name.clone(),
+            what: "no file is mapped (header parsed from memory)".into(),
+        })?;
+        let bytes = MatrixBytes::Shared {
+            bytes: Arc::clone(map) as Arc<dyn AsRef<[u8]> + Send + Sync>,
+            offset: offset as usize,
+            len: len as usize,
+        };
+        let m = Matrix::new(dtype, rows, cols, bytes).map_err(|e| EngineError::Tensor {
+            tensor: info.name.clone(),
+            what: e.to_string(),
+        })?;
+        if matches!(dtype, GgmlType::Q4_0 | GgmlType::Q8_0) {
+            // The kernels keep an owned, repacked copy of these types: let the source pages go
+            // so they are not counted twice in the resident set.
+            #[cfg(unix)]
+            // SAFETY: the mapping is private and read-only, so dropping its pages loses nothing;
+            // a later read refaults them from the file.
+            unsafe {
+                let _ = map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    offset as usize,
+                    len as usize,
+                );
+            }
+        }
+        Ok(m)
+    }
+
+    /// A 2-D tensor `[cols, rows]` as a matrix.
+    fn matrix(&mut self, name: &str) -> Result<Matrix> {
+        let info = self.info(name)?.clone();
+        let [cols, rows] = info.shape[..] else {
+            return Err(EngineError::Tensor {
+                tensor: name.into(),
+                what: format!("shape {:?} is not a matrix", info.shape),
+            });
+        };
+        let m = self.build(
+            &info,
+            rows as usize,
+            cols as usize,
+            info.offset,
+            info.n_bytes,
+        )?;
+        self.tick(info.n_bytes);
+        Ok(m)
+    }
+
+    /// Expert `e` of a packed 3-D tensor `[cols, rows, n_expert]`.
+    fn expert(&mut self, name: &str, e: usize, n_expert: usize) -> Result<Matrix> {
+        let info = self.info(name)?.clone();
+        let [cols, rows, n] = info.shape[..] else {
+            return Err(EngineError::Tensor {
+                tensor: name.into(),
+                what: format!("shape {:?} is not a stack of expert matrices", info.shape),
+            });
+        };
+        if n as usize != n_expert || info.n_bytes % n != 0 {
+            return Err(EngineError::Tensor {
+                tensor: name.into(),
+                what: format!("does not hold {n_expert} equal expert matrices"),
+            });
+        }
+        let per = info.n_bytes / n;
+        let m = self.build(
+            &info,
+            rows as usize,
+            cols as usize,
+            info.offset + per * e as u64,
+            per,
+        )?;
+        self.tick(per);
+        Ok(m)
+    }
+
+    /// A 1-D tensor as f32 (converted from its stored type).
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        let info = self.info(name)?.clone();
+        let dtype = info.dtype(self.g.path())?;
+        let bytes = self.g.tensor_bytes(&info)?;
+        let n = info.n_elements() as usize;
+        let mut out = vec![0.0f32; n];
+        if dtype.bytes_for(n as u64) != Some(bytes.len() as u64) {
+            return Err(EngineError::Tensor {
+                tensor: name.into(),
+                what: format!("{} bytes do not hold {n} {dtype} values", bytes.len()),
+            });
+        }
+        dequantize(dtype, bytes, &mut out);
+        self.tick(info.n_bytes);
+        Ok(out)
+    }
+}

@@ -1,0 +1,243 @@
+//! Guards the central promise: split execution is bit-identical to unsplit execution.
+//! Every layer cut point of a pipeline split, and MoE experts split across 2 and 3 separately
+//! loaded parts, over a prefill and several decode steps.
+
+mod common;
+
+use common::assert_bits_eq;
+use tessera_engine::ops::argmax;
+use tessera_engine::{
+    ExpertSelection, KvCache, LoadSpec, LocalExperts, Model, PartExperts, SeqStep,
+};
+use tessera_model::ModelConfig;
+
+const PROMPT: [u32; 7] = [1, 403, 407, 261, 378, 300, 42];
+const DECODE_STEPS: usize = 3;
+
+/// The token steps of a run: the prompt, then greedy tokens of the full model.
+fn steps(full: &Model) -> Vec<Vec<u32>> {
+    let mut kv = common::kv_for(full);
+    let mut out = vec![PROMPT.to_vec()];
+    let mut logits = full.forward_last(&PROMPT, &mut kv).unwrap();
+    for _ in 0..DECODE_STEPS {
+        let t = argmax(logits.last()) as u32;
+        out.push(vec![t]);
+        logits = full.forward_last(&[t], &mut kv).unwrap();
+    }
+    out
+}
+
+fn check_pipeline_cuts(name: &str) {
+    let g = common::open(name);
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 2);
+    let steps = steps(&full);
+    let l = cfg.n_layer;
+    for a in 1..l {
+        let first = common::load(&g, LoadSpec::stage(&cfg, 0..a), 2);
+        let second = common::load(&g, LoadSpec::stage(&cfg, a..l), 1);
+        let mut kv_full = common::kv_for(&full);
+        let mut kv_a = first.new_kv(cfg.context_length);
+        let mut kv_b = second.new_kv(cfg.context_length);
+        assert_eq!(kv_a.layers(), 0..a);
+        let mut pos = 0;
+        for (si, tokens) in steps.iter().enumerate() {
+            let step = [SeqStep {
+                n_tokens: tokens.len(),
+                start_pos: pos,
+            }];
+            // Unsplit: all layers in one call.
+            let mut h_full = full.embed(tokens).unwrap();
+            full.run_layers(
+                0..l,
+                &mut h_full,
+                &step,
+                &mut [&mut kv_full],
+                &mut LocalExperts(&full),
+            )
+            .unwrap();
+            let logits_full = full.head(&h_full).unwrap();
+            // Split: stage one, then stage two, each with its own cache.
+            let mut h = first.embed(tokens).unwrap();
+            first
+                .run_layers(
+                    0..a,
+                    &mut h,
+                    &step,
+                    &mut [&mut kv_a],
+                    &mut LocalExperts(&first),
+                )
+                .unwrap();
+            let mut h2 = h.clone();
+            second
+                .run_layers(
+                    a..l,
+                    &mut h2,
+                    &step,
+                    &mut [&mut kv_b],
+                    &mut LocalExperts(&second),
+                )
+                .unwrap();
+            let logits = second.head(&h2).unwrap();
+            let what = format!("{name} cut {a} step {si}");
+            assert_bits_eq(&h2.data, &h_full.data, &format!("{what}: final hidden"));
+            assert_bits_eq(&logits.data, &logits_full.data, &format!("{what}: logits"));
+            pos += tokens.len();
+        }
+        // The intermediate hidden state is exactly what the full model has after layer a.
+        let mut kv = common::kv_for(&full);
+        let step = [SeqStep {
+            n_tokens: PROMPT.len(),
+            start_pos: 0,
+        }];
+        let mut h_full = full.embed(&PROMPT).unwrap();
+        full.run_layers(
+            0..a,
+            &mut h_full,
+            &step,
+            &mut [&mut kv],
+            &mut LocalExperts(&full),
+        )
+        .unwrap();
+        let mut kv1 = first.new_kv(64);
+        let mut h = first.embed(&PROMPT).unwrap();
+        first
+            .run_layers(
+                0..a,
+                &mut h,
+                &step,
+                &mut [&mut kv1],
+                &mut LocalExperts(&first),
+            )
+            .unwrap();
+        assert_bits_eq(
+            &h.data,
+            &h_full.data,
+            &format!("{name} cut {a}: hidden at the cut"),
+        );
+    }
+}
+
+#[test]
+fn pipeline_split_is_bit_identical_stories260k() {
+    check_pipeline_cuts("stories260K.gguf");
+}
+
+#[test]
+fn pipeline_split_is_bit_identical_tiny_qwen3moe() {
+    check_pipeline_cuts("tiny-qwen3moe-f32.gguf");
+}
+
+#[test]
+fn pipeline_split_is_bit_identical_quantized() {
+    check_pipeline_cuts("tiny-qwen3-Q8_0.gguf");
+    check_pipeline_cuts("tiny-qwen3moe-Q4_0.gguf");
+}
+
+/// Runs every step with `parts` computing the experts (parts[0] holds the rest of the model).
+fn run_with_parts(parts: &[&Model], steps: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let main = parts[0];
+    let l = main.config().n_layer;
+    let mut kv: KvCache = common::kv_for(main);
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for tokens in steps {
+        let mut h = main.embed(tokens).unwrap();
+        let step = [SeqStep {
+            n_tokens: tokens.len(),
+            start_pos: pos,
+        }];
+        main.run_layers(
+            0..l,
+            &mut h,
+            &step,
+            &mut [&mut kv],
+            &mut PartExperts(parts.to_vec()),
+        )
+        .unwrap();
+        out.push(main.head(&h).unwrap().data);
+        pos += tokens.len();
+    }
+    out
+}
+
+fn check_expert_split(name: &str) {
+    let g = common::open(name);
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 2);
+    let steps = steps(&full);
+    let reference = run_with_parts(&[&full], &steps);
+    let n = cfg.n_expert;
+    let all: Vec<usize> = (0..n).collect();
+    let splits: Vec<Vec<Vec<usize>>> = vec![
+        vec![all[..n / 2].to_vec(), all[n / 2..].to_vec()],
+        vec![
+            all.iter().copied().filter(|e| e % 3 == 0).collect(),
+            all.iter().copied().filter(|e| e % 3 == 1).collect(),
+            all.iter().copied().filter(|e| e % 3 == 2).collect(),
+        ],
+    ];
+    for sets in splits {
+        let sel = |ids: &Vec<usize>| ExpertSelection::same_in_every_layer(ids, cfg.n_layer);
+        let mut spec0 = LoadSpec::full(&cfg);
+        spec0.experts = sel(&sets[0]);
+        let mut models = vec![common::load(&g, spec0, 2)];
+        for ids in &sets[1..] {
+            models.push(common::load(
+                &g,
+                LoadSpec::experts_only(0..cfg.n_layer, sel(ids)),
+                1,
+            ));
+        }
+        assert!(models[1].resident_bytes() < full.resident_bytes() / 2);
+        let parts: Vec<&Model> = models.iter().collect();
+        let got = run_with_parts(&parts, &steps);
+        for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
+            assert_bits_eq(a, b, &format!("{name} experts {sets:?} step {i}"));
+        }
+        // Leaving a part out is an error, not a silent wrong answer.
+        let mut kv = common::kv_for(&models[0]);
+        let mut h = models[0].embed(&PROMPT).unwrap();
+        let err = models[0]
+            .run_layers(
+                0..cfg.n_layer,
+                &mut h,
+                &[SeqStep {
+                    n_tokens: PROMPT.len(),
+                    start_pos: 0,
+                }],
+                &mut [&mut kv],
+                &mut PartExperts(vec![&models[0]]),
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("was not computed"), "{err}");
+    }
+}
+
+#[test]
+fn expert_split_is_bit_identical_f32() {
+    check_expert_split("tiny-qwen3moe-f32.gguf");
+}
+
+#[test]
+fn expert_split_is_bit_identical_quantized() {
+    check_expert_split("tiny-qwen3moe-Q4_0.gguf");
+    check_expert_split("small-qwen3moe-Q6_K.gguf");
+}
+
+#[test]
+fn reduce_rejects_duplicate_and_missing_slots() {
+    use tessera_engine::{reduce_expert_outputs, ExpertOutputs};
+    let part = |slots: Vec<Option<Vec<f32>>>| ExpertOutputs {
+        n_tokens: 1,
+        k: 2,
+        n_embd: 2,
+        slots,
+    };
+    let a = part(vec![Some(vec![1.0, 2.0]), None]);
+    let b = part(vec![None, Some(vec![0.5, 0.25])]);
+    let sum = reduce_expert_outputs(&[b.clone(), a.clone()]).unwrap();
+    assert_eq!(sum.data, vec![1.5, 2.25]);
+    assert!(reduce_expert_outputs(std::slice::from_ref(&a)).is_err());
+    assert!(reduce_expert_outputs(&[a.clone(), a, b]).is_err());
+}

@@ -1,0 +1,141 @@
+//! `tessera generate`: one prompt, one process, tokens streamed to stdout as they are produced.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use tessera_engine::{Generator, LoadSpec, Model, SamplingParams, StopMatcher};
+use tessera_model::{ChatMessage, ChatTemplate, GgufFile, ModelConfig, StreamDecoder, Tokenizer};
+
+use super::progress::LoadProgress;
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// GGUF model file (default: the built-in stories260K).
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// The prompt.
+    #[arg(short, long)]
+    prompt: String,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 picks the most likely token every time (greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Keep only the K most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P.
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Drop tokens less likely than MIN_P times the most likely one.
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// Penalise recently generated tokens (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Random seed: the same seed, prompt and settings give the same text.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this text is generated (may be repeated).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Treat the prompt as a user message and apply the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Compute threads (default: all cores).
+    #[arg(short, long)]
+    threads: Option<usize>,
+    /// Print timing figures to stderr at the end.
+    #[arg(long)]
+    stats: bool,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let path = crate::default_model::resolve(args.model)?;
+    let gguf = GgufFile::open(&path)?;
+    let config = ModelConfig::from_gguf(&gguf)?;
+    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    let prompt = if args.chat {
+        let template = ChatTemplate::from_gguf(&gguf, &tokenizer)?;
+        template.encode(&tokenizer, &[ChatMessage::new("user", &args.prompt)], true)?
+    } else {
+        tokenizer.encode(&args.prompt, true)
+    };
+    if prompt.len() >= config.context_length {
+        anyhow::bail!(
+            "the prompt is {} tokens; {} allows at most {} (its context length) including the reply",
+            prompt.len(),
+            path.display(),
+            config.context_length
+        );
+    }
+    let threads = args.threads.unwrap_or_else(super::default_threads);
+    let mut progress = LoadProgress::new(&gguf);
+    let model = Model::load(&gguf, LoadSpec::full(&config), threads, &mut |done, total| {
+        progress.update(done, total)
+    })
+    .with_context(|| format!("loading {}", path.display()))?;
+    progress.finish();
+
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repeat_penalty: args.repeat_penalty,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    let mut eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
+        .filter(|&t| tokenizer.is_end_of_generation(t))
+        .collect();
+    // A llama-family model that emits BOS has finished its document (stories260K ends each story
+    // this way).
+    eog.extend(tokenizer.bos_id());
+
+    let capacity = (prompt.len() + args.max_tokens).min(config.context_length);
+    let mut generator = Generator::new(&model, params, capacity);
+    let mut decoder = StreamDecoder::new(&tokenizer);
+    let mut stops = StopMatcher::new(args.stop);
+    let mut out = std::io::stdout().lock();
+    if !args.chat {
+        write!(out, "{}", args.prompt)?;
+        out.flush()?;
+    }
+    let mut io_error = None;
+    let stats = generator.generate(&prompt, args.max_tokens, &eog, &mut |token| {
+        let step = stops.push(&decoder.push(token));
+        if let Err(e) = write!(out, "{}", step.emit).and_then(|_| out.flush()) {
+            io_error = Some(e);
+            return false;
+        }
+        !step.stopped
+    })?;
+    if let Some(e) = io_error {
+        return Err(e.into());
+    }
+    let tail = stops.push(&decoder.finish());
+    let held = if tail.stopped {
+        String::new()
+    } else {
+        stops.finish()
+    };
+    write!(out, "{}{held}", tail.emit)?;
+    writeln!(out)?;
+    if args.stats {
+        let s = &stats;
+        eprintln!(
+            "prompt {} tokens in {:.3} s ({:.1} tok/s); generated {} tokens in {:.3} s ({:.1} tok/s); stop: {:?}",
+            s.prompt_tokens,
+            s.prefill_time.as_secs_f64(),
+            s.prompt_tokens as f64 / s.prefill_time.as_secs_f64().max(1e-9),
+            s.generated_tokens,
+            s.decode_time.as_secs_f64(),
+            s.generated_tokens as f64 / s.decode_time.as_secs_f64().max(1e-9),
+            s.stop
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,12 @@
+//! One module per subcommand: its flags and its `run`.
+
+pub mod bench;
+pub mod generate;
+pub mod inspect;
+pub mod plan;
+mod progress;
+
+/// Compute threads when the user does not say: every core the process may use.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
