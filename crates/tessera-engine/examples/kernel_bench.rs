@@ -160,6 +160,27 @@ fn main() {
         );
     }
 
+    for dtype in [
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+        GgmlType::F16,
+    ] {
+        let (rows, cols) = (32000, 1024);
+        let b = random_bytes(dtype, rows, cols, &mut Rng(7));
+        let n = b.len();
+        let start = Instant::now();
+        let m = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(b)).unwrap();
+        let secs = start.elapsed().as_secs_f64();
+        black_box(m);
+        println!(
+            "Matrix::new repack {dtype} {rows}x{cols}: {:.1} ms ({:.2} GB/s)",
+            secs * 1e3,
+            n as f64 / secs / 1e9
+        );
+    }
+
     if model {
         model_sim(&pools);
         return;

@@ -40,6 +40,20 @@ impl Hidden {
         &mut self.data[t * self.n_embd..(t + 1) * self.n_embd]
     }
 
+    /// Rows `tokens` (in that order) as a new `Hidden`: what is sent to a part that computes
+    /// the experts of those tokens.
+    pub fn gather(&self, tokens: &[usize]) -> Self {
+        let mut data = Vec::with_capacity(tokens.len() * self.n_embd);
+        for &t in tokens {
+            data.extend_from_slice(self.row(t));
+        }
+        Self {
+            n_tokens: tokens.len(),
+            n_embd: self.n_embd,
+            data,
+        }
+    }
+
     /// Rows `rows` as a new `Hidden`.
     pub fn rows(&self, rows: Range<usize>) -> Self {
         Self {

@@ -37,6 +37,32 @@ impl Routing {
             .map(|(&e, &w)| (e as usize, w))
     }
 
+    /// Tokens with at least one slot routed to an expert `owned` accepts (what a part holding
+    /// those experts must be sent).
+    pub fn tokens_for(&self, owned: &dyn Fn(usize) -> bool) -> Vec<usize> {
+        (0..self.n_tokens)
+            .filter(|&t| self.token(t).any(|(e, _)| owned(e)))
+            .collect()
+    }
+
+    /// The routing of `tokens` only (rows in that order).
+    pub fn subset(&self, tokens: &[usize]) -> Self {
+        let k = self.k;
+        let mut r = Self {
+            n_tokens: tokens.len(),
+            k,
+            experts: Vec::with_capacity(tokens.len() * k),
+            weights: Vec::with_capacity(tokens.len() * k),
+        };
+        for &t in tokens {
+            r.experts
+                .extend_from_slice(&self.experts[t * k..(t + 1) * k]);
+            r.weights
+                .extend_from_slice(&self.weights[t * k..(t + 1) * k]);
+        }
+        r
+    }
+
     /// Distinct experts used by any token, ascending.
     pub fn experts_used(&self) -> Vec<usize> {
         let mut v: Vec<usize> = self.experts.iter().map(|&e| e as usize).collect();
@@ -54,6 +80,34 @@ pub struct ExpertOutputs {
     pub k: usize,
     pub n_embd: usize,
     pub slots: Vec<Option<Vec<f32>>>,
+}
+
+impl ExpertOutputs {
+    /// Outputs computed for a subset of a batch (row `i` is token `tokens[i]`, as produced from
+    /// [`Routing::subset`] and [`Hidden::gather`]) placed in a batch of `n_tokens`; other
+    /// tokens' slots are `None`. Expert outputs do not depend on which other tokens were
+    /// computed with them, so this is bit-identical to computing the whole batch.
+    pub fn expand(&self, tokens: &[usize], n_tokens: usize) -> Result<Self> {
+        if tokens.len() != self.n_tokens || tokens.iter().any(|&t| t >= n_tokens) {
+            return Err(EngineError::ExpertOutputs(format!(
+                "{} rows cannot be placed at tokens {tokens:?} of {n_tokens}",
+                self.n_tokens
+            )));
+        }
+        let k = self.k;
+        let mut slots = vec![None; n_tokens * k];
+        for (i, &t) in tokens.iter().enumerate() {
+            for s in 0..k {
+                slots[t * k + s] = self.slots[i * k + s].clone();
+            }
+        }
+        Ok(Self {
+            n_tokens,
+            k,
+            n_embd: self.n_embd,
+            slots,
+        })
+    }
 }
 
 /// Merges the parts' outputs and sums each token's slots in slot order. Every slot must be

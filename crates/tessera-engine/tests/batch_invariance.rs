@@ -140,3 +140,32 @@ fn sampled_generation_replays_identically() {
     let rest = run(&history, 14);
     assert_eq!(rest, first[10..].to_vec());
 }
+
+#[test]
+fn mixed_prefill_and_decode_batch_equals_separate_runs() {
+    for name in MODELS {
+        let g = common::open(name);
+        let m = common::full(&g, 2);
+        let ps = prompts();
+        let (kv0, t0) = prefill(&m, &ps[0]);
+        let (kv2, t2) = prefill(&m, &ps[2]);
+        // Separately: decode seq 0, prefill seq 1 whole, decode seq 2.
+        let a = m.forward_last(&[t0], &mut kv0.clone()).unwrap();
+        let b = m.forward_last(&ps[1], &mut common::kv_for(&m)).unwrap();
+        let c = m.forward_last(&[t2], &mut kv2.clone()).unwrap();
+        // Together in one pass.
+        let (mut k0, mut k1, mut k2) = (kv0.clone(), common::kv_for(&m), kv2.clone());
+        let together = m
+            .step_mixed(&mut [
+                (&[t0][..], &mut k0),
+                (&ps[1][..], &mut k1),
+                (&[t2][..], &mut k2),
+            ])
+            .unwrap();
+        assert_eq!(together.n_tokens, 3);
+        assert_bits_eq(together.row(0), a.last(), &format!("{name} decode 0"));
+        assert_bits_eq(together.row(1), b.last(), &format!("{name} prefill 1"));
+        assert_bits_eq(together.row(2), c.last(), &format!("{name} decode 2"));
+        assert_eq!(k1.len(), ps[1].len());
+    }
+}

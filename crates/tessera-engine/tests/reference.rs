@@ -11,6 +11,9 @@ use tessera_engine::ops::{argmax, log_softmax};
 const F32_LOGPROB_TOL: f64 = 1e-4;
 const QUANT_LOGPROB_TOL: f64 = 0.02;
 const MARGIN: f64 = 0.01;
+/// For [`KNOWN_KERNEL_DRIFT`] files: still catches a broken layer, not the kernels' rounding.
+const LOOSE_LOGPROB_TOL: f64 = 0.15;
+const LOOSE_MARGIN: f64 = 0.3;
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
@@ -38,7 +41,7 @@ fn top5(v: &Value) -> (Vec<(u32, f64)>, f64) {
 
 /// Checks one file; returns a list of failures (empty when it passes) and the worst log-prob
 /// difference seen.
-fn check_file(path: &std::path::Path) -> (Vec<String>, f64) {
+fn check_file(path: &std::path::Path, loose: bool) -> (Vec<String>, f64) {
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let model_name = doc["model"].as_str().unwrap();
     let exact = model_name.contains("stories260K") || model_name.contains("f32");
@@ -71,10 +74,12 @@ fn check_file(path: &std::path::Path) -> (Vec<String>, f64) {
             let row = logits.row(prompt.len() - 1 + i);
             let lp = log_softmax(row);
             let (t5, margin) = top5(pos);
-            let tol = if exact {
-                F32_LOGPROB_TOL
+            let (tol, min_margin) = if exact {
+                (F32_LOGPROB_TOL, MARGIN)
+            } else if loose {
+                (LOOSE_LOGPROB_TOL, LOOSE_MARGIN)
             } else {
-                QUANT_LOGPROB_TOL
+                (QUANT_LOGPROB_TOL, MARGIN)
             };
             for &(id, want) in &t5 {
                 let d = (lp[id as usize] - want).abs();
@@ -86,7 +91,7 @@ fn check_file(path: &std::path::Path) -> (Vec<String>, f64) {
                     ));
                 }
             }
-            if (exact || margin > MARGIN) && argmax(row) as u32 != t5[0].0 {
+            if (exact || margin > min_margin) && argmax(row) as u32 != t5[0].0 {
                 failures.push(format!(
                     "prompt {ri} pos {i}: top-1 {} vs llama.cpp {} (margin {margin})",
                     argmax(row),
@@ -114,20 +119,19 @@ fn check_file(path: &std::path::Path) -> (Vec<String>, f64) {
     (failures, worst)
 }
 
-/// Quantized files whose teacher-forced log-probs drift past 0.02 (up to ~0.13; a flipped
-/// expert choice in tiny-qwen3moe-Q8_0 reaches 0.63) while F32, F16, BF16 and Q4_0 files agree
-/// closely (Q4_0 to ~2e-6). The layer code is shared by all types, so the drift is in the Q8_0
-/// and K-quant dot products (accumulation order versus llama.cpp's repacked/llamafile paths),
-/// which `kernels` owns. Checked strictly by `strict_teacher_forcing_for_every_file` (ignored).
-const KNOWN_KERNEL_DRIFT: [&str; 8] = [
+/// Quantized files whose teacher-forced log-probs drift past 0.02 (up to ~0.13) while F32,
+/// F16, BF16, Q4_0 and Q8_0 files agree closely (Q4_0/Q8_0 to ~2e-6). The layer code is shared
+/// by every weight type, so the drift is in the K-quant dot products (accumulation order versus
+/// llama.cpp's repacked / vec_dot paths) and, for small-qwen3moe-Q8_0, the expert matmuls
+/// (llama.cpp's `mul_mat_id` path), which `kernels` owns. These files are checked with a loose
+/// bound here and strictly by `strict_teacher_forcing_for_every_file` (ignored).
+const KNOWN_KERNEL_DRIFT: [&str; 6] = [
     "small-qwen3-Q4_K",
     "small-qwen3-Q5_K",
     "small-qwen3-Q6_K",
-    "small-qwen3-Q8_0",
+    "small-qwen3moe-Q4_K",
     "small-qwen3moe-Q5_K",
     "small-qwen3moe-Q8_0",
-    "tiny-qwen3-Q8_0",
-    "tiny-qwen3moe-Q8_0",
 ];
 
 fn reference_files() -> Vec<std::path::PathBuf> {
@@ -142,18 +146,23 @@ fn reference_files() -> Vec<std::path::PathBuf> {
     files
 }
 
-/// Checks the files `select` picks; returns the names that failed.
-fn check_files(select: impl Fn(&str) -> bool) -> Vec<String> {
+/// Checks the files `select` picks (loosely where `loose` says so); returns the names that
+/// failed.
+fn check_files(select: impl Fn(&str) -> bool, loose: impl Fn(&str) -> bool) -> Vec<String> {
     let mut failed = Vec::new();
     for f in reference_files() {
         let name = f.file_name().unwrap().to_string_lossy().to_string();
         if !select(&name) {
             continue;
         }
-        let (fails, worst) = check_file(&f);
+        let (fails, worst) = check_file(&f, loose(&name));
+        let status = match (fails.is_empty(), loose(&name)) {
+            (false, _) => "FAILED",
+            (true, true) => "ok within the loose bound",
+            (true, false) => "ok",
+        };
         println!(
-            "{name}: {} (worst log-prob diff {worst:.2e}, {} failing checks)",
-            if fails.is_empty() { "ok" } else { "FAILED" },
+            "{name}: {status} (worst log-prob diff {worst:.2e}, {} failing checks)",
             fails.len()
         );
         for x in fails.iter().take(5) {
@@ -178,19 +187,19 @@ fn drifts(name: &str) -> bool {
 
 #[test]
 fn f32_models_match_llama_cpp_greedy_exactly() {
-    let failed = check_files(is_f32);
+    let failed = check_files(is_f32, |_| false);
     assert!(failed.is_empty(), "files failing: {failed:?}");
 }
 
 #[test]
 fn quantized_models_match_llama_cpp_by_teacher_forcing() {
-    let failed = check_files(|n| !is_f32(n) && !drifts(n));
+    let failed = check_files(|n| !is_f32(n), drifts);
     assert!(failed.is_empty(), "files failing: {failed:?}");
 }
 
 #[test]
-#[ignore = "Q8_0/K-quant kernel drift, see KNOWN_KERNEL_DRIFT"]
+#[ignore = "kernel rounding drift in some quantized files, see KNOWN_KERNEL_DRIFT"]
 fn strict_teacher_forcing_for_every_file() {
-    let failed = check_files(|_| true);
+    let failed = check_files(|_| true, |_| false);
     assert!(failed.is_empty(), "files failing: {failed:?}");
 }

@@ -7,7 +7,8 @@ mod common;
 use common::assert_bits_eq;
 use tessera_engine::ops::argmax;
 use tessera_engine::{
-    ExpertSelection, KvCache, LoadSpec, LocalExperts, Model, PartExperts, SeqStep,
+    ExpertExecutor, ExpertOutputs, ExpertSelection, Hidden, KvCache, LoadSpec, LocalExperts, Model,
+    PartExperts, Routing, SeqStep,
 };
 use tessera_model::ModelConfig;
 
@@ -223,6 +224,73 @@ fn expert_split_is_bit_identical_f32() {
 fn expert_split_is_bit_identical_quantized() {
     check_expert_split("tiny-qwen3moe-Q4_0.gguf");
     check_expert_split("small-qwen3moe-Q6_K.gguf");
+}
+
+/// Sends each part only the hidden rows of the tokens routed to its experts, as a remote
+/// executor would, and places the results back.
+struct SubsetParts<'a>(Vec<&'a Model>);
+
+impl ExpertExecutor for SubsetParts<'_> {
+    fn run(
+        &mut self,
+        layer: usize,
+        normed: &Hidden,
+        routing: &Routing,
+    ) -> tessera_engine::Result<Vec<ExpertOutputs>> {
+        let mut out = Vec::new();
+        for m in &self.0 {
+            let owned = |e: usize| m.holds_expert(layer, e);
+            let tokens = routing.tokens_for(&owned);
+            let sub = m.moe_experts(
+                layer,
+                &normed.gather(&tokens),
+                &routing.subset(&tokens),
+                &owned,
+            )?;
+            out.push(sub.expand(&tokens, routing.n_tokens)?);
+        }
+        Ok(out)
+    }
+}
+
+#[test]
+fn expert_parts_fed_only_their_tokens_are_bit_identical() {
+    let g = common::open("small-qwen3moe-Q4_K.gguf");
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 2);
+    let steps = steps(&full);
+    let reference = run_with_parts(&[&full], &steps);
+    let sel = |ids: &[usize]| ExpertSelection::same_in_every_layer(ids, cfg.n_layer);
+    let mut spec = LoadSpec::full(&cfg);
+    spec.experts = sel(&[0, 1, 2]);
+    let main = common::load(&g, spec, 2);
+    let b = common::load(
+        &g,
+        LoadSpec::experts_only(0..cfg.n_layer, sel(&[3, 4, 5])),
+        1,
+    );
+    let c = common::load(&g, LoadSpec::experts_only(0..cfg.n_layer, sel(&[6, 7])), 1);
+    let l = cfg.n_layer;
+    let mut kv = common::kv_for(&main);
+    let mut pos = 0;
+    for (i, tokens) in steps.iter().enumerate() {
+        let mut h = main.embed(tokens).unwrap();
+        let step = [SeqStep {
+            n_tokens: tokens.len(),
+            start_pos: pos,
+        }];
+        main.run_layers(
+            0..l,
+            &mut h,
+            &step,
+            &mut [&mut kv],
+            &mut SubsetParts(vec![&main, &b, &c]),
+        )
+        .unwrap();
+        let logits = main.head(&h).unwrap().data;
+        assert_bits_eq(&logits, &reference[i], &format!("step {i}"));
+        pos += tokens.len();
+    }
 }
 
 #[test]

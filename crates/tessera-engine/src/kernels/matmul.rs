@@ -1,13 +1,13 @@
 //! Matmul drivers: split rows × tokens into pool tasks and call the per-ISA kernels.
 //!
-//! Work is split into units of up to 16 rows (one interleaved group, or 16 GGML rows) times a
-//! range of tokens. Every output element is computed by one kernel call whose arithmetic does
-//! not depend on the split, so results are identical for any thread count or batch.
+//! Work is split into units of one interleaved 16-row group times a range of tokens. Every
+//! output element is computed by one kernel call whose arithmetic does not depend on the split,
+//! so results are identical for any thread count or batch.
 
 use super::matrix::{Matrix, GROUP};
 use super::pool::ThreadPool;
 use super::quant_acts::QuantizedActs;
-use super::{isa, kernel, Isa, Kernel, SharedMut};
+use super::{isa, kernel, GroupFn, Isa, SharedMut};
 
 /// `out[t*rows + r] = dot(w.row(r), x[t*cols..(t+1)*cols])` for every token `t < n_tokens`.
 ///
@@ -124,13 +124,13 @@ pub(crate) fn matmul_rows_isa(
 
 /// One matmul cut into tasks.
 struct Plan<'a> {
-    kernel: Kernel,
+    kernel: GroupFn,
     w: &'a Matrix,
     acts: &'a QuantizedActs,
     out: SharedMut<f32>,
     row_start: usize,
     row_end: usize,
-    /// Units (16-row groups or chunks) `u0..u1`, `units_per_task` per task.
+    /// Row groups `u0..u1`, `units_per_task` per task; tokens split likewise.
     u0: usize,
     u1: usize,
     units_per_task: usize,
@@ -172,11 +172,8 @@ impl<'a> Plan<'a> {
             return None;
         }
         let kernel = kernel(isa, w.dtype);
-        // Units of 16 rows: aligned groups for interleaved storage, else from row_start.
-        let (u0, u1) = match kernel {
-            Kernel::Group(_) => (row_start / GROUP, row_end.div_ceil(GROUP)),
-            Kernel::Row(_) => (0, n_rows.div_ceil(GROUP)),
-        };
+        // Units: the interleaved groups of 16 rows the range touches.
+        let (u0, u1) = (row_start / GROUP, row_end.div_ceil(GROUP));
         let n_units = u1 - u0;
         let units_per_task = n_units.div_ceil(target).max(1);
         let unit_tasks = n_units.div_ceil(units_per_task);
@@ -223,46 +220,30 @@ impl<'a> Plan<'a> {
         let units = self.u0 + ut * self.units_per_task
             ..(self.u0 + (ut + 1) * self.units_per_task).min(self.u1);
         let tokens = tt * self.tokens_per_task..((tt + 1) * self.tokens_per_task).min(nt);
-        match self.kernel {
-            Kernel::Group(f) => {
-                const TCHUNK: usize = 16;
-                let mut buf = [0f32; GROUP * TCHUNK];
-                for g in units {
-                    let data = w.group(g);
-                    let rows = (g * GROUP).max(row_start)..((g + 1) * GROUP).min(row_end);
-                    let mut t = tokens.start;
-                    while t < tokens.end {
-                        let n = (tokens.end - t).min(TCHUNK);
-                        // SAFETY: the ISA is available (checked in `new`); the kernel reads
-                        // `data` (one whole group) and acts for tokens t..t+n, all in bounds.
-                        unsafe { f(data, acts, t, n, &mut buf[..n * GROUP]) };
-                        for j in 0..n {
-                            for r in rows.clone() {
-                                // SAFETY: each (token, row) belongs to exactly one task.
-                                unsafe {
-                                    out.write(
-                                        (t + j) * n_rows + r - row_start,
-                                        buf[j * GROUP + r - g * GROUP],
-                                    )
-                                };
-                            }
-                        }
-                        t += n;
-                    }
-                }
-            }
-            Kernel::Row(f) => {
-                let r0 = row_start + units.start * GROUP;
-                let r1 = (row_start + units.end * GROUP).min(row_end);
-                for r in r0..r1 {
-                    let row = w.ggml_row(r);
-                    for t in tokens.clone() {
-                        // SAFETY: the ISA is available; `row` is a whole GGML row of w.cols.
-                        let v = unsafe { f(row, acts, t) };
+        let f = self.kernel;
+        const TCHUNK: usize = 16;
+        let mut buf = [0f32; GROUP * TCHUNK];
+        for g in units {
+            let data = w.group(g);
+            let rows = (g * GROUP).max(row_start)..((g + 1) * GROUP).min(row_end);
+            let mut t = tokens.start;
+            while t < tokens.end {
+                let n = (tokens.end - t).min(TCHUNK);
+                // SAFETY: the ISA is available (checked in `new`); the kernel reads
+                // `data` (one whole group) and acts for tokens t..t+n, all in bounds.
+                unsafe { f(data, acts, t, n, &mut buf[..n * GROUP]) };
+                for j in 0..n {
+                    for r in rows.clone() {
                         // SAFETY: each (token, row) belongs to exactly one task.
-                        unsafe { out.write(t * n_rows + r - row_start, v) };
+                        unsafe {
+                            out.write(
+                                (t + j) * n_rows + r - row_start,
+                                buf[j * GROUP + r - g * GROUP],
+                            )
+                        };
                     }
                 }
+                t += n;
             }
         }
     }

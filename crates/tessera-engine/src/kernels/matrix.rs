@@ -1,6 +1,10 @@
 //! Weight matrices: validation, and the row-interleaved repack of Q4_0/Q8_0.
 //!
-//! Interleaved layout (Q4_0/Q8_0): rows are taken in groups of [`GROUP`] (the last group padded
+//! Every type is repacked at load into groups of 16 rows, so that one vector load holds data
+//! of 16 rows and each i32/f32 lane accumulates one row (no horizontal sums, and the same
+//! per-row arithmetic whatever the batch). Float types store each column's 16 values together.
+//!
+//! Q4_0/Q8_0: rows are taken in groups of [`GROUP`] (the last group padded
 //! with zero rows). For each group and each 32-column block we store the 16 rows' f16 scales
 //! (32 bytes), then the quant bytes in chunks of 4 per row: chunk `k` holds bytes `4k..4k+4` of
 //! every row's block, row after row (64 bytes). One 64-byte load then gives 4 bytes of each of
@@ -12,8 +16,9 @@
 //! for each 32-byte chunk `c` of the quants, 8 runs of 4 bytes × 16 rows (512 bytes).
 //! Q5_K is Q4_K's layout plus its `qh` bytes as 8 runs × 16 rows (512 bytes) before the quants.
 //! Q6_K likewise ([`Q6K_X16`] bytes, exactly 16 GGML blocks): 16 f16 `d`, the i8 scales
-//! `[sub-block][row]` (256 bytes), the 32 four-byte runs of `ql` and the 16 runs of `qh`, each
-//! run stored for the 16 rows (64 bytes).
+//! `[sub-block][row]` (256 bytes), then for each half `n` and 4-byte column `l4` the ql runs at
+//! bytes `64n+4l4` and `64n+32+4l4` and the qh run at `32n+4l4`, each for the 16 rows (64 bytes),
+//! in the order the kernels read them.
 
 use std::sync::Arc;
 
@@ -46,8 +51,13 @@ pub(crate) const fn kx16_bytes(five: bool) -> usize {
 /// Bytes of one interleaved Q6_K block of 16 rows, and offsets inside it.
 pub(crate) const Q6K_X16: usize = 16 * 210;
 pub(crate) const Q6K_SCALES: usize = 32;
-pub(crate) const Q6K_QL: usize = 288;
-pub(crate) const Q6K_QH: usize = 288 + 2048;
+pub(crate) const Q6K_QS: usize = 288;
+
+/// Offset of the (ql run A, ql run B, qh run) triple the kernels read together for half `n`
+/// and 4-byte column `l4` of a Q6_K block: stored in that order so the stream is sequential.
+pub(crate) const fn q6k_runs(n: usize, l4: usize) -> usize {
+    Q6K_QS + 192 * (8 * n + l4)
+}
 
 /// The bytes a [`Matrix`] is built from.
 #[derive(Clone)]
@@ -83,27 +93,20 @@ impl std::fmt::Debug for MatrixBytes {
     }
 }
 
-#[derive(Debug)]
-pub(crate) enum Storage {
-    /// GGML row-major rows, used as they come.
-    Rows(MatrixBytes),
-    /// Row-interleaved groups (Q4_0/Q8_0), owned.
-    Interleaved(Vec<u8>),
-}
-
 /// A weight matrix ready for [`matmul`](super::matmul).
 #[derive(Debug)]
 pub struct Matrix {
     pub(crate) dtype: GgmlType,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
-    pub(crate) storage: Storage,
+    /// Row-interleaved groups of [`GROUP`] rows (layouts above), owned.
+    data: Vec<u8>,
 }
 
 impl Matrix {
-    /// `bytes` are GGML row-major rows of `dtype`, `rows` × `cols`. Q4_0 and Q8_0 are repacked
-    /// into an owned interleaved copy (the source bytes are dropped); other types are kept as
-    /// given.
+    /// `bytes` are GGML row-major rows of `dtype`, `rows` × `cols`. They are repacked into an
+    /// owned row-interleaved copy (the layouts above) and `bytes` is dropped, so a shared
+    /// mapping can be released once every matrix is built.
     pub fn new(
         dtype: GgmlType,
         rows: usize,
@@ -136,20 +139,20 @@ impl Matrix {
                 got: src.len(),
             });
         }
-        let storage = match dtype {
-            GgmlType::Q4_0 | GgmlType::Q8_0 => {
-                Storage::Interleaved(interleave(dtype, src, rows, cols))
+        let data = match dtype {
+            GgmlType::Q4_0 | GgmlType::Q8_0 => interleave(dtype, src, rows, cols),
+            GgmlType::Q4K => interleave_q45k(src, rows, cols, false),
+            GgmlType::Q5K => interleave_q45k(src, rows, cols, true),
+            GgmlType::Q6K => interleave_q6k(src, rows, cols),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                interleave_float(dtype.block_bytes(), src, rows, cols)
             }
-            GgmlType::Q4K => Storage::Interleaved(interleave_q45k(src, rows, cols, false)),
-            GgmlType::Q5K => Storage::Interleaved(interleave_q45k(src, rows, cols, true)),
-            GgmlType::Q6K => Storage::Interleaved(interleave_q6k(src, rows, cols)),
-            _ => Storage::Rows(bytes),
         };
         Ok(Self {
             dtype,
             rows,
             cols,
-            storage,
+            data,
         })
     }
 
@@ -165,13 +168,9 @@ impl Matrix {
         self.dtype
     }
 
-    /// Bytes this matrix keeps alive: the repacked copy, or the GGML rows it borrows.
+    /// Bytes this matrix keeps alive (its repacked copy, padding rows included).
     pub fn resident_bytes(&self) -> usize {
-        match &self.storage {
-            Storage::Interleaved(v) => v.len(),
-            Storage::Rows(MatrixBytes::Owned(v)) => v.len(),
-            Storage::Rows(MatrixBytes::Shared { len, .. }) => *len,
-        }
+        self.data.len()
     }
 
     /// Bytes of one GGML row.
@@ -179,32 +178,15 @@ impl Matrix {
         self.cols / self.dtype.block_size() * self.dtype.block_bytes()
     }
 
-    /// GGML bytes of `row` (row-major storage only).
-    pub(crate) fn ggml_row(&self, row: usize) -> &[u8] {
-        match &self.storage {
-            Storage::Rows(b) => {
-                let rb = self.row_bytes();
-                // Validated in `new`.
-                &b.get().expect("validated")[row * rb..(row + 1) * rb]
-            }
-            Storage::Interleaved(_) => unreachable!("interleaved storage has no GGML rows"),
-        }
-    }
-
-    /// Bytes of interleaved group `g` (interleaved storage only).
+    /// Bytes of interleaved group `g`.
     pub(crate) fn group(&self, g: usize) -> &[u8] {
-        match &self.storage {
-            Storage::Interleaved(v) => {
-                let gb = match self.dtype {
-                    GgmlType::Q4K => self.cols / 256 * kx16_bytes(false),
-                    GgmlType::Q5K => self.cols / 256 * kx16_bytes(true),
-                    GgmlType::Q6K => self.cols / 256 * Q6K_X16,
-                    _ => self.row_bytes() * GROUP,
-                };
-                &v[g * gb..(g + 1) * gb]
-            }
-            Storage::Rows(_) => unreachable!("row storage has no groups"),
-        }
+        let gb = match self.dtype {
+            GgmlType::Q4K => self.cols / 256 * kx16_bytes(false),
+            GgmlType::Q5K => self.cols / 256 * kx16_bytes(true),
+            GgmlType::Q6K => self.cols / 256 * Q6K_X16,
+            _ => self.row_bytes() * GROUP,
+        };
+        &self.data[g * gb..(g + 1) * gb]
     }
 
     /// Dequantizes one row into `out[..cols]` (embedding lookup).
@@ -214,13 +196,19 @@ impl Matrix {
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(row < self.rows, "row {row} out of {}", self.rows);
         let out = &mut out[..self.cols];
-        match &self.storage {
-            Storage::Rows(_) => super::dequantize(self.dtype, self.ggml_row(row), out),
-            Storage::Interleaved(_) if matches!(self.dtype, GgmlType::Q4K | GgmlType::Q5K) => {
+        let (g, r) = (row / GROUP, row % GROUP);
+        let data = self.group(g);
+        match self.dtype {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                let es = self.dtype.block_bytes();
+                for (i, y) in out.iter_mut().enumerate() {
+                    let o = (i * GROUP + r) * es;
+                    dequantize_block(self.dtype, &data[o..o + es], std::slice::from_mut(y));
+                }
+            }
+            GgmlType::Q4K | GgmlType::Q5K => {
                 let five = self.dtype == GgmlType::Q5K;
                 let (x16, qs) = (kx16_bytes(five), kx16_qs(five));
-                let (g, r) = (row / GROUP, row % GROUP);
-                let data = self.group(g);
                 for (b, y) in out.chunks_exact_mut(256).enumerate() {
                     let blk = &data[b * x16..(b + 1) * x16];
                     let (d, dmin) = (f16_at(blk, 2 * r), f16_at(blk, Q4K_DMIN + 2 * r));
@@ -247,9 +235,7 @@ impl Matrix {
                     }
                 }
             }
-            Storage::Interleaved(_) if self.dtype == GgmlType::Q6K => {
-                let (g, r) = (row / GROUP, row % GROUP);
-                let data = self.group(g);
+            GgmlType::Q6K => {
                 for (b, y) in out.chunks_exact_mut(256).enumerate() {
                     let blk = &data[b * Q6K_X16..(b + 1) * Q6K_X16];
                     let d = f16_at(blk, 2 * r);
@@ -260,11 +246,9 @@ impl Matrix {
                     }
                 }
             }
-            Storage::Interleaved(_) => {
+            GgmlType::Q4_0 | GgmlType::Q8_0 => {
                 let bb = self.dtype.block_bytes();
                 let qb = bb - 2;
-                let (g, r) = (row / GROUP, row % GROUP);
-                let data = self.group(g);
                 let mut blk = [0u8; 34];
                 for (b, y) in out.chunks_exact_mut(32).enumerate() {
                     let src = &data[b * GROUP * bb..(b + 1) * GROUP * bb];
@@ -355,9 +339,9 @@ pub(crate) fn q6k_x16_quant(blk: &[u8], r: usize, e: usize) -> i32 {
     let (l4, i) = (l / 4, l % 4);
     // ql byte l of half n holds elements l (low nibble) and l+64 (high); byte l+32 holds l+32
     // and l+96; qh byte l holds the top 2 bits of all four, 2 bits each.
-    let ql_run = 16 * n + 8 * (k % 2) + l4;
-    let ql = blk[Q6K_QL + 64 * ql_run + 4 * r + i];
-    let qh = blk[Q6K_QH + 64 * (8 * n + l4) + 4 * r + i];
+    let base = q6k_runs(n, l4) + 4 * r + i;
+    let ql = blk[base + 64 * (k % 2)];
+    let qh = blk[base + 128];
     let lo = if k < 2 { ql & 0xF } else { ql >> 4 };
     (lo | (((qh >> (2 * k)) & 3) << 4)) as i32
 }
@@ -379,14 +363,31 @@ fn interleave_q6k(src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
                 for j in 0..16 {
                     dst[Q6K_SCALES + 16 * j + r] = s[192 + j];
                 }
-                for u in 0..32 {
-                    let o = Q6K_QL + 64 * u + 4 * r;
-                    dst[o..o + 4].copy_from_slice(&s[4 * u..4 * u + 4]);
+                for n in 0..2 {
+                    for l4 in 0..8 {
+                        let o = q6k_runs(n, l4) + 4 * r;
+                        let (a, h) = (64 * n + 4 * l4, 128 + 32 * n + 4 * l4);
+                        dst[o..o + 4].copy_from_slice(&s[a..a + 4]);
+                        dst[o + 64..o + 68].copy_from_slice(&s[a + 32..a + 36]);
+                        dst[o + 128..o + 132].copy_from_slice(&s[h..h + 4]);
+                    }
                 }
-                for v in 0..16 {
-                    let o = Q6K_QH + 64 * v + 4 * r;
-                    dst[o..o + 4].copy_from_slice(&s[128 + 4 * v..128 + 4 * v + 4]);
-                }
+            }
+        }
+    }
+    out
+}
+
+/// Float weights: for each column, the 16 rows' values side by side (16 × `es` bytes), so one
+/// load feeds 16 row accumulators with a broadcast activation.
+fn interleave_float(es: usize, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let groups = rows.div_ceil(GROUP);
+    let mut out = vec![0u8; groups * cols * GROUP * es];
+    for (g, gdst) in out.chunks_exact_mut(cols * GROUP * es).enumerate() {
+        for r in 0..GROUP.min(rows - g * GROUP) {
+            let row = &src[(g * GROUP + r) * cols * es..(g * GROUP + r + 1) * cols * es];
+            for (i, v) in row.chunks_exact(es).enumerate() {
+                gdst[(i * GROUP + r) * es..(i * GROUP + r + 1) * es].copy_from_slice(v);
             }
         }
     }

@@ -1,10 +1,26 @@
 //! Quantized matrix kernels and the thread pool that runs them.
 //!
 //! Numerics follow ggml: activations are quantized to each weight type's `vec_dot_type`
-//! ([`QuantizedActs`]). Every output element is computed by the same sequence of float
-//! operations whatever the batch, thread count or row range (integer block sums are exact, the
-//! float accumulation is per element in block order), so results are batch-invariant and
-//! deterministic, and the scalar, AVX2 and AVX-512 paths agree bit for bit.
+//! ([`QuantizedActs`]), and the float accumulation of each type reproduces the order of the
+//! llama.cpp x86 kernel that type runs through (Q4_0: repacked gemv; Q8_0, F32: llamafile
+//! tinyBLAS; Q6_K, Q5_K, F16, BF16: `ggml_vec_dot_*`; Q4_K: repacked gemv), because small
+//! models amplify even last-bit differences. Integer block sums are exact, and every output
+//! element is computed by the same sequence of float operations whatever the batch, thread
+//! count or row range, so results are batch-invariant and deterministic, and the scalar, AVX2
+//! and AVX-512 paths agree bit for bit.
+//!
+//! Usage:
+//! - Build each weight once with [`Matrix::new`] (it repacks into 16-row interleaved groups and
+//!   owns the result; the source bytes, e.g. an mmap range, can be dropped afterwards).
+//! - [`matmul`] / [`matmul_rows`] quantize `x` and multiply. When several matrices read the same
+//!   input (Q/K/V, gate/up, all experts of a layer), quantize once with [`QuantizedActs::new`]
+//!   and run them together with [`matmul_many`] (one pool dispatch) or [`matmul_rows_q`].
+//! - MoE: an expert tensor is one `Matrix` of `n_expert * rows` rows; expert `e` is rows
+//!   `e*rows..(e+1)*rows`. [`QuantizedActs::gather`] picks the tokens routed to an expert.
+//! - Outputs are token-major: `out[t * n_rows + r]`.
+//!
+//! The instruction set is chosen once per process ([`isa`]); aarch64 and other targets use the
+//! portable kernels (no NEON yet).
 
 mod matmul;
 mod matrix;
@@ -124,32 +140,26 @@ impl<T> SharedMut<T> {
     }
 }
 
-/// 16 rows × `nt` tokens of an interleaved group, written to `out[j*16 + r]`.
+/// 16 rows × `nt` tokens of an interleaved group (acts of tokens `t0..t0+nt`), written to
+/// `out[j*16 + r]`.
 pub(crate) type GroupFn = unsafe fn(&[u8], &QuantizedActs, usize, usize, &mut [f32]);
-/// Dot of one GGML row with token `t`.
-pub(crate) type RowFn = unsafe fn(&[u8], &QuantizedActs, usize) -> f32;
 
-#[derive(Clone, Copy)]
-enum Kernel {
-    Group(GroupFn),
-    Row(RowFn),
-}
-
-fn kernel(isa: Isa, dtype: GgmlType) -> Kernel {
+/// The group kernel for `dtype` on `isa`.
+fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Scalar {
         return x86::kernel(isa, dtype);
     }
     let _ = isa;
     match dtype {
-        GgmlType::Q4_0 => Kernel::Group(scalar::q4_0_group),
-        GgmlType::Q8_0 => Kernel::Group(scalar::q8_0_group),
-        GgmlType::Q4K => Kernel::Group(scalar::q45k_group::<false>),
-        GgmlType::Q5K => Kernel::Group(scalar::q45k_group::<true>),
-        GgmlType::Q6K => Kernel::Group(scalar::q6k_group),
-        GgmlType::F16 => Kernel::Row(scalar::f16_dot),
-        GgmlType::BF16 => Kernel::Row(scalar::bf16_dot),
-        GgmlType::F32 => Kernel::Row(scalar::f32_dot),
+        GgmlType::Q4_0 => scalar::q4_0_group,
+        GgmlType::Q8_0 => scalar::q8_0_group,
+        GgmlType::Q4K => scalar::q45k_group::<false>,
+        GgmlType::Q5K => scalar::q45k_group::<true>,
+        GgmlType::Q6K => scalar::q6k_group,
+        GgmlType::F16 => scalar::f16_group,
+        GgmlType::BF16 => scalar::bf16_group,
+        GgmlType::F32 => scalar::f32_group,
     }
 }
 

@@ -52,6 +52,8 @@ pub struct QuantizedActs {
     pub(crate) sums: Vec<i32>,
     /// Q8_K: sums of each 16 quants, as ggml's `bsums`.
     pub(crate) bsums: Vec<i16>,
+    /// Q8_0: 128 × the sum of each 4 quants (removes the +128 of unsigned weights per lane).
+    pub(crate) corr4: Vec<i32>,
 }
 
 impl QuantizedActs {
@@ -83,6 +85,7 @@ impl QuantizedActs {
             qs: Vec::new(),
             sums: Vec::new(),
             bsums: Vec::new(),
+            corr4: Vec::new(),
         };
         match kind {
             ActKind::F32 => a.f = x.to_vec(),
@@ -109,6 +112,10 @@ impl QuantizedActs {
                     };
                     quantize_q8_0(&x[t * cols..(t + 1) * cols], d, q, s);
                 });
+                a.corr4 =
+                    a.qs.chunks_exact(4)
+                        .map(|c| 128 * c.iter().map(|&v| v as i32).sum::<i32>())
+                        .collect();
             }
             ActKind::Q8K => {
                 a.f = vec![0.0; n / 256];
@@ -166,6 +173,7 @@ impl QuantizedActs {
             qs: Vec::new(),
             sums: Vec::new(),
             bsums: Vec::new(),
+            corr4: Vec::new(),
         };
         for &t in tokens {
             assert!(t < self.n_tokens, "token {t} out of {}", self.n_tokens);
@@ -182,6 +190,11 @@ impl QuantizedActs {
                 g.sums = tokens
                     .iter()
                     .flat_map(|&t| self.sums.get(t * kb..(t + 1) * kb).unwrap_or(&[]))
+                    .copied()
+                    .collect();
+                g.corr4 = tokens
+                    .iter()
+                    .flat_map(|&t| self.corr4.get(t * c / 4..(t + 1) * c / 4).unwrap_or(&[]))
                     .copied()
                     .collect();
                 g.bsums = tokens

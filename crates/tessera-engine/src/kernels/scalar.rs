@@ -1,8 +1,8 @@
 //! Portable kernels and GGML block decoding.
 //!
-//! The dot kernels here define the arithmetic every SIMD path reproduces: integer block sums
-//! are exact, and the float side is one `mul_add` per (row, token, block) in block order, so
-//! the SIMD kernels give bit-identical results to these on any machine.
+//! The dot kernels here define the arithmetic every SIMD path reproduces (each type's float
+//! order is llama.cpp's x86 one, see the kernel docs): integer block sums are exact, so the
+//! SIMD kernels give bit-identical results to these on any machine.
 
 use half::{bf16, f16};
 use tessera_model::GgmlType;
@@ -117,7 +117,8 @@ fn q6k_quants(ql: &[u8], qh: &[u8], l: usize) -> [i32; 4] {
 
 // ---- Q4_0 / Q8_0 on the row-interleaved layout (see matrix.rs) ----
 
-/// 16 rows × `nt` tokens of a Q4_0 row group; `out[j*16 + r]`.
+/// 16 rows × `nt` tokens of a Q4_0 row group; `out[j*16 + r]`. One `fma(dx·dy, isum, acc)`
+/// per block with the exact integer block sum, as llama.cpp's repacked `ggml_gemv_q4_0_8x8_q8_0`.
 pub(crate) fn q4_0_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
     let nb = a.cols / 32;
     let stride = GROUP * 18;
@@ -145,34 +146,65 @@ pub(crate) fn q4_0_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out:
     }
 }
 
+/// The final sum of a Q8_0 row's 8 lane accumulators, in llama.cpp's `hsum(__m256)` order.
+#[inline(always)]
+pub(crate) fn q8_0_lanes_sum(a: &[f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
 /// 16 rows × `nt` tokens of a Q8_0 row group; `out[j*16 + r]`.
+///
+/// Q8_0 follows llama.cpp's x86 path for Q8_0 weights (llamafile's `tinyBLAS_Q0_AVX`) exactly,
+/// because the reference outputs are that sensitive: 8 lanes per row, lane `k` accumulating
+/// `fma(dx·dy, Σ of elements 4k..4k+4, lane)` over blocks, then [`q8_0_lanes_sum`].
 pub(crate) fn q8_0_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
     let nb = a.cols / 32;
     let stride = GROUP * 34;
     for j in 0..nt {
         let t = t0 + j;
-        let mut acc = [0f32; GROUP];
+        let mut acc = [[0f32; 8]; GROUP];
         for b in 0..nb {
             let blk = &w[b * stride..(b + 1) * stride];
             let y = &a.qs[t * a.cols + b * 32..][..32];
             let dy = a.f[t * nb + b];
             for (r, acc) in acc.iter_mut().enumerate() {
-                let mut isum = 0i32;
-                for k in 0..8 {
-                    for i in 0..4 {
-                        let q = blk[2 * GROUP + 64 * k + 4 * r + i] as i8;
-                        isum += q as i32 * y[4 * k + i] as i32;
-                    }
+                let d = f16_at(blk, 2 * r) * dy;
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    let s: i32 = (0..4)
+                        .map(|i| {
+                            blk[2 * GROUP + 64 * k + 4 * r + i] as i8 as i32 * y[4 * k + i] as i32
+                        })
+                        .sum();
+                    *acc = d.mul_add(s as f32, *acc);
                 }
-                *acc = (f16_at(blk, 2 * r) * dy).mul_add(isum as f32, *acc);
             }
         }
-        out[j * GROUP..(j + 1) * GROUP].copy_from_slice(&acc);
+        for (r, acc) in acc.iter().enumerate() {
+            out[j * GROUP + r] = q8_0_lanes_sum(acc);
+        }
+    }
+}
+
+/// Final value of a Q4_K/Q5_K row. Q5_K: the 8 scale lanes as [`q8_0_lanes_sum`] plus the
+/// running min sum `m[0]`. Q4_K: `acc[0] − m[0]` (one accumulator each).
+#[inline(always)]
+pub(crate) fn k45_finish<const FIVE: bool>(acc: &[f32; 8], m: &[f32; 4]) -> f32 {
+    if FIVE {
+        q8_0_lanes_sum(acc) + m[0]
+    } else {
+        acc[0] - m[0]
     }
 }
 
 /// 16 rows × `nt` tokens of an interleaved Q4_K (`FIVE` = false) or Q5_K group;
-/// `out[j*16 + r]`. Same integers and float updates as [`q4k_dot`] / [`q5k_dot`] on GGML rows.
+/// `out[j*16 + r]`.
+///
+/// Follows the llama.cpp x86 kernels these types run through. Q4_K (repacked
+/// `ggml_gemv_q4_K_8x8_q8_K`): per block `acc = fma(isum, dx·dy, acc)` and
+/// `accm = fma(msum, dmin·dy, accm)` with the exact integer sums, result `acc − accm`.
+/// Q5_K (`ggml_vec_dot_q5_K_q8_K`): 8 lanes per row, lane `L` the exact integer sum of
+/// `scale·q·y` over elements with `(e % 32) / 4 == L`, `fma(dx·dy, lane, acc_L)` per block, and
+/// `summs += (−dy·dmin)·msum`; then [`k45_finish`].
 pub(crate) fn q45k_group<const FIVE: bool>(
     w: &[u8],
     a: &QuantizedActs,
@@ -184,16 +216,19 @@ pub(crate) fn q45k_group<const FIVE: bool>(
     let (x16, qs) = (kx16_bytes(FIVE), kx16_qs(FIVE));
     for j in 0..nt {
         let t = t0 + j;
-        let mut acc = [0f32; GROUP];
+        let mut acc = [[0f32; 8]; GROUP];
+        let mut accm = [[0f32; 4]; GROUP];
         for b in 0..nb {
             let blk = &w[b * x16..(b + 1) * x16];
             let y = &a.qs[t * a.cols + b * 256..][..256];
             let bsums = &a.bsums[(t * a.cols + b * 256) / 16..][..16];
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let mut isum = 0i32;
+            let dy = a.f[t * nb + b];
+            for r in 0..GROUP {
+                let mut lanes = [0i32; 8];
                 for c in 0..4 {
-                    let (mut s_lo, mut s_hi) = (0i32, 0i32);
-                    for k in 0..8 {
+                    let sc_lo = blk[Q4K_SCALES + 32 * c + r] as i32;
+                    let sc_hi = blk[Q4K_SCALES + 32 * c + 16 + r] as i32;
+                    for (k, lane) in lanes.iter_mut().enumerate() {
                         for i in 0..4 {
                             let o = 64 * k + 4 * r + i;
                             let q = blk[qs + 512 * c + o];
@@ -202,205 +237,274 @@ pub(crate) fn q45k_group<const FIVE: bool>(
                                 lo |= (((blk[Q5K_QH + o] >> (2 * c)) & 1) as i32) << 4;
                                 hi |= (((blk[Q5K_QH + o] >> (2 * c + 1)) & 1) as i32) << 4;
                             }
-                            s_lo += lo * y[64 * c + 4 * k + i] as i32;
-                            s_hi += hi * y[64 * c + 32 + 4 * k + i] as i32;
+                            *lane += sc_lo * lo * y[64 * c + 4 * k + i] as i32
+                                + sc_hi * hi * y[64 * c + 32 + 4 * k + i] as i32;
                         }
                     }
-                    isum += blk[Q4K_SCALES + 32 * c + r] as i32 * s_lo
-                        + blk[Q4K_SCALES + 32 * c + 16 + r] as i32 * s_hi;
                 }
-                let msum: i32 = (0..8)
-                    .map(|s| {
-                        blk[Q4K_MINS + 16 * s + r] as i32
-                            * (bsums[2 * s] as i32 + bsums[2 * s + 1] as i32)
-                    })
-                    .sum();
-                *acc = k_update(
-                    *acc,
-                    f16_at(blk, 2 * r),
-                    f16_at(blk, Q4K_DMIN + 2 * r),
-                    a.f[t * nb + b],
-                    isum,
-                    msum,
-                );
+                let d = dy * f16_at(blk, 2 * r);
+                let dmin = -dy * f16_at(blk, Q4K_DMIN + 2 * r);
+                if FIVE {
+                    for (acc, &l) in acc[r].iter_mut().zip(&lanes) {
+                        *acc = d.mul_add(l as f32, *acc);
+                    }
+                } else {
+                    let isum: i32 = lanes.iter().sum();
+                    acc[r][0] = (isum as f32).mul_add(f16_at(blk, 2 * r) * dy, acc[r][0]);
+                }
+                let prod: [i32; 4] = std::array::from_fn(|p| {
+                    (0..2)
+                        .map(|h| {
+                            let s = 2 * p + h;
+                            let bs = bsums[2 * s] as i32 + bsums[2 * s + 1] as i32;
+                            blk[Q4K_MINS + 16 * s + r] as i32 * bs
+                        })
+                        .sum()
+                });
+                let msum = (prod[0] + prod[1]) + (prod[2] + prod[3]);
+                if FIVE {
+                    // `summs += dmin * msum` in llama.cpp: product, then sum (not fused).
+                    accm[r][0] += dmin * msum as f32;
+                } else {
+                    let dm = f16_at(blk, Q4K_DMIN + 2 * r) * dy;
+                    accm[r][0] = (msum as f32).mul_add(dm, accm[r][0]);
+                }
             }
         }
-        out[j * GROUP..(j + 1) * GROUP].copy_from_slice(&acc);
+        for r in 0..GROUP {
+            out[j * GROUP + r] = k45_finish::<FIVE>(&acc[r], &accm[r]);
+        }
     }
 }
 
-/// 16 rows × `nt` tokens of an interleaved Q6_K group; `out[j*16 + r]`. Same integers and
-/// float updates as [`q6k_dot`] on the GGML row.
+/// 16 rows × `nt` tokens of an interleaved Q6_K group; `out[j*16 + r]`.
+///
+/// Follows llama.cpp's AVX2 `ggml_vec_dot_q6_K_q8_K` exactly: 8 lanes per row, lane `L`
+/// holding the exact integer sum over the block of `scale·(q−32)·y` for the elements with
+/// `(e % 32) / 4 == L`, then `fma(dx·dy, lane, acc_L)` per block and [`q8_0_lanes_sum`].
 pub(crate) fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
     let nb = a.cols / 256;
     for j in 0..nt {
         let t = t0 + j;
-        let mut acc = [0f32; GROUP];
+        let mut acc = [[0f32; 8]; GROUP];
         for b in 0..nb {
             let blk = &w[b * Q6K_X16..(b + 1) * Q6K_X16];
             let y = &a.qs[t * a.cols + b * 256..][..256];
+            let dy = a.f[t * nb + b];
             for (r, acc) in acc.iter_mut().enumerate() {
-                let isum: i32 = (0..256)
-                    .map(|e| {
-                        let sc = blk[Q6K_SCALES + 16 * (e / 16) + r] as i8 as i32;
-                        sc * (q6k_x16_quant(blk, r, e) - 32) * y[e] as i32
-                    })
-                    .sum();
-                *acc = (f16_at(blk, 2 * r) * a.f[t * nb + b]).mul_add(isum as f32, *acc);
+                let mut lanes = [0i32; 8];
+                for (e, &ye) in y.iter().enumerate() {
+                    let sc = blk[Q6K_SCALES + 16 * (e / 16) + r] as i8 as i32;
+                    lanes[(e % 32) / 4] += sc * (q6k_x16_quant(blk, r, e) - 32) * ye as i32;
+                }
+                let d = dy * f16_at(blk, 2 * r);
+                for (acc, &l) in acc.iter_mut().zip(&lanes) {
+                    *acc = d.mul_add(l as f32, *acc);
+                }
             }
         }
-        out[j * GROUP..(j + 1) * GROUP].copy_from_slice(&acc);
+        for (r, acc) in acc.iter().enumerate() {
+            out[j * GROUP + r] = q8_0_lanes_sum(acc);
+        }
     }
 }
 
-// ---- K-quants, one GGML row at a time ----
-
-/// Float update shared by all K-quant kernels: `acc += d*dy*isum - dmin*dy*msum`.
-#[inline(always)]
-pub(crate) fn k_update(acc: f32, d: f32, dmin: f32, dy: f32, isum: i32, msum: i32) -> f32 {
-    let acc = (d * dy).mul_add(isum as f32, acc);
-    (-(dmin * dy)).mul_add(msum as f32, acc)
-}
-
-/// Σ_j m_j × (sum of the 32 activation quants of sub-block j).
-#[inline(always)]
-#[cfg(test)]
-pub(crate) fn k4_min_sum(mins: &[u8; 8], bsums: &[i16]) -> i32 {
-    (0..8)
-        .map(|j| mins[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32))
-        .sum()
-}
+// ---- K-quants, one GGML row at a time: the tests' cross-check of the repacked kernels ----
 
 #[cfg(test)]
 pub(crate) fn q4k_dot(row: &[u8], a: &QuantizedActs, t: usize) -> f32 {
-    q45k_dot(row, a, t, false)
+    q45k_dot::<false>(row, a, t)
 }
 
 #[cfg(test)]
 pub(crate) fn q5k_dot(row: &[u8], a: &QuantizedActs, t: usize) -> f32 {
-    q45k_dot(row, a, t, true)
+    q45k_dot::<true>(row, a, t)
 }
 
+/// `q45k_group`'s arithmetic on a GGML row (cross-checks the repack).
 #[cfg(test)]
-fn q45k_dot(row: &[u8], a: &QuantizedActs, t: usize, five: bool) -> f32 {
+fn q45k_dot<const FIVE: bool>(row: &[u8], a: &QuantizedActs, t: usize) -> f32 {
     let nb = a.cols / 256;
-    let bb = if five { 176 } else { 144 };
-    let mut acc = 0f32;
+    let bb = if FIVE { 176 } else { 144 };
+    let (mut acc, mut accm) = ([0f32; 8], [0f32; 4]);
     for b in 0..nb {
         let blk = &row[b * bb..(b + 1) * bb];
         let y = &a.qs[t * a.cols + b * 256..][..256];
         let bsums = &a.bsums[(t * a.cols + b * 256) / 16..][..16];
         let (sc, mins) = scales_mins_k4(&blk[4..16]);
-        let (qh, qs) = if five {
+        let (qh, qs) = if FIVE {
             (&blk[16..48], &blk[48..176])
         } else {
             (&blk[0..0], &blk[16..144])
         };
-        let mut isum = 0i32;
+        let mut lanes = [0i32; 8];
         for c in 0..4 {
-            let (mut s_lo, mut s_hi) = (0i32, 0i32);
             for l in 0..32 {
                 let q = qs[32 * c + l];
                 let (mut lo, mut hi) = ((q & 0xF) as i32, (q >> 4) as i32);
-                if five {
+                if FIVE {
                     lo += (((qh[l] >> (2 * c)) & 1) as i32) << 4;
                     hi += (((qh[l] >> (2 * c + 1)) & 1) as i32) << 4;
                 }
-                s_lo += lo * y[64 * c + l] as i32;
-                s_hi += hi * y[64 * c + 32 + l] as i32;
+                lanes[l / 4] += sc[2 * c] as i32 * lo * y[64 * c + l] as i32
+                    + sc[2 * c + 1] as i32 * hi * y[64 * c + 32 + l] as i32;
             }
-            isum += sc[2 * c] as i32 * s_lo + sc[2 * c + 1] as i32 * s_hi;
         }
-        let msum = k4_min_sum(&mins, bsums);
-        acc = k_update(
-            acc,
-            f16_at(blk, 0),
-            f16_at(blk, 2),
-            a.f[t * nb + b],
-            isum,
-            msum,
-        );
+        let dy = a.f[t * nb + b];
+        let (d, dmin) = (dy * f16_at(blk, 0), -dy * f16_at(blk, 2));
+        if FIVE {
+            for (acc, &l) in acc.iter_mut().zip(&lanes) {
+                *acc = d.mul_add(l as f32, *acc);
+            }
+        } else {
+            let isum: i32 = lanes.iter().sum();
+            acc[0] = (isum as f32).mul_add(f16_at(blk, 0) * dy, acc[0]);
+        }
+        let prod: [i32; 4] = std::array::from_fn(|p| {
+            (2 * p..2 * p + 2)
+                .map(|s| mins[s] as i32 * (bsums[2 * s] as i32 + bsums[2 * s + 1] as i32))
+                .sum()
+        });
+        let msum = (prod[0] + prod[1]) + (prod[2] + prod[3]);
+        if FIVE {
+            accm[0] += dmin * msum as f32;
+        } else {
+            accm[0] = (msum as f32).mul_add(f16_at(blk, 2) * dy, accm[0]);
+        }
     }
-    acc
+    k45_finish::<FIVE>(&acc, &accm)
 }
 
 #[cfg(test)]
 pub(crate) fn q6k_dot(row: &[u8], a: &QuantizedActs, t: usize) -> f32 {
     let nb = a.cols / 256;
-    let mut acc = 0f32;
+    let mut acc = [0f32; 8];
     for b in 0..nb {
         let blk = &row[b * 210..(b + 1) * 210];
         let y = &a.qs[t * a.cols + b * 256..][..256];
-        let mut isum = 0i32;
+        let mut lanes = [0i32; 8];
         for n in 0..2 {
             let ql = &blk[64 * n..64 * n + 64];
             let qh = &blk[128 + 32 * n..128 + 32 * n + 32];
             let sc = &blk[192 + 8 * n..192 + 8 * n + 8];
-            let mut s = [0i32; 8];
             for l in 0..32 {
                 let q = q6k_quants(ql, qh, l);
                 for (k, &qk) in q.iter().enumerate() {
-                    s[2 * k + l / 16] += qk * y[128 * n + 32 * k + l] as i32;
+                    let s = (sc[2 * k + l / 16] as i8) as i32;
+                    lanes[l / 4] += s * qk * y[128 * n + 32 * k + l] as i32;
                 }
             }
-            isum += (0..8).map(|i| (sc[i] as i8) as i32 * s[i]).sum::<i32>();
         }
-        acc = (f16_at(blk, 208) * a.f[t * nb + b]).mul_add(isum as f32, acc);
-    }
-    acc
-}
-
-// ---- float weights ----
-
-/// The canonical float dot: 32 lanes of `mul_add` over whole 32-element chunks, a fixed
-/// reduction tree (the one the AVX2 kernel performs), then the tail in order.
-#[inline(always)]
-pub(crate) fn float_dot(n: usize, w: impl Fn(usize) -> f32, x: &[f32]) -> f32 {
-    let n32 = n / 32 * 32;
-    let mut acc = [0f32; 32];
-    for i in (0..n32).step_by(32) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a = w(i + j).mul_add(x[i + j], *a);
+        let d = a.f[t * nb + b] * f16_at(blk, 208);
+        for (acc, &l) in acc.iter_mut().zip(&lanes) {
+            *acc = d.mul_add(l as f32, *acc);
         }
     }
-    let mut r = reduce32(&acc);
-    for (i, &xi) in x.iter().enumerate().take(n).skip(n32) {
-        r = w(i).mul_add(xi, r);
-    }
-    r
+    q8_0_lanes_sum(&acc)
 }
 
+// ---- float weights (column-interleaved groups, see matrix.rs) ----
+
+/// A float weight at byte offset `o` of an interleaved group.
 #[inline(always)]
-pub(crate) fn reduce32(acc: &[f32; 32]) -> f32 {
-    let mut s = [0f32; 8];
-    for j in 0..8 {
-        s[j] = (acc[j] + acc[8 + j]) + (acc[16 + j] + acc[24 + j]);
+fn float_at<const ES: usize>(w: &[u8], o: usize, bf16: bool) -> f32 {
+    match ES {
+        4 => f32::from_le_bytes([w[o], w[o + 1], w[o + 2], w[o + 3]]),
+        _ if bf16 => f32::from_bits((u16::from_le_bytes([w[o], w[o + 1]]) as u32) << 16),
+        _ => f16_at(w, o),
     }
-    let u: [f32; 4] = std::array::from_fn(|j| s[j] + s[j + 4]);
-    let v0 = u[0] + u[2];
-    let v1 = u[1] + u[3];
-    v0 + v1
 }
 
-pub(crate) fn f32_dot(row: &[u8], a: &QuantizedActs, t: usize) -> f32 {
-    let x = &a.f[t * a.cols..(t + 1) * a.cols];
-    float_dot(
-        a.cols,
-        |i| f32::from_le_bytes(row[4 * i..4 * i + 4].try_into().unwrap()),
-        x,
-    )
+/// `_mm512_reduce_add_ps`'s tree: halves, then quarters, then pairs.
+#[inline(always)]
+pub(crate) fn reduce16(a: &[f32; 16]) -> f32 {
+    let s8: [f32; 8] = std::array::from_fn(|i| a[i] + a[i + 8]);
+    let s4: [f32; 4] = std::array::from_fn(|i| s8[i] + s8[i + 4]);
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
-pub(crate) fn f16_dot(row: &[u8], a: &QuantizedActs, t: usize) -> f32 {
-    let x = &a.f[t * a.cols..(t + 1) * a.cols];
-    float_dot(a.cols, |i| f16_at(row, 2 * i), x)
+/// One float row · activations in the order llama.cpp's x86 AVX-512 build uses for the weight
+/// type (the reference outputs are sensitive to it):
+/// - F32 (llamafile `tinyBLAS`): 16 lanes, element `e` in lane `e % 16`, then [`reduce16`].
+/// - F16 (`ggml_vec_dot_f16`): 4 × 16 lanes over 64-element steps, lanes combined
+///   `(a0 + a2) + (a1 + a3)`, [`reduce16`], the remainder added in f64.
+/// - BF16 (`ggml_vec_dot_bf16`, `vdpbf16ps`): two 16-lane accumulators for the halves of each
+///   64-element step, lane `p` taking the odd then the even element of pair `p`; the two
+///   [`reduce16`] sums and the remainder added in f64.
+pub(crate) fn float_row(kind: u8, n: usize, w: impl Fn(usize) -> f32, x: &[f32]) -> f32 {
+    match kind {
+        FLOAT_F32 => {
+            let mut a = [0f32; 16];
+            for (e, &xe) in x.iter().enumerate().take(n) {
+                a[e % 16] = w(e).mul_add(xe, a[e % 16]);
+            }
+            reduce16(&a)
+        }
+        FLOAT_F16 => {
+            let np = n / 64 * 64;
+            let mut a = [[0f32; 16]; 4];
+            for (e, &xe) in x.iter().enumerate().take(np) {
+                let (g, l) = ((e % 64) / 16, e % 16);
+                a[g][l] = w(e).mul_add(xe, a[g][l]);
+            }
+            let v: [f32; 16] = std::array::from_fn(|i| (a[0][i] + a[2][i]) + (a[1][i] + a[3][i]));
+            let mut s = reduce16(&v) as f64;
+            for (e, &xe) in x.iter().enumerate().take(n).skip(np) {
+                s += (w(e) * xe) as f64;
+            }
+            s as f32
+        }
+        _ => {
+            let np = n / 64 * 64;
+            let mut c = [[0f32; 16]; 2];
+            for base in (0..np).step_by(64) {
+                for (h, c) in c.iter_mut().enumerate() {
+                    for (p, c) in c.iter_mut().enumerate() {
+                        let e = base + 32 * h + 2 * p;
+                        *c = w(e + 1).mul_add(x[e + 1], *c);
+                        *c = w(e).mul_add(x[e], *c);
+                    }
+                }
+            }
+            let mut s = reduce16(&c[0]) as f64 + reduce16(&c[1]) as f64;
+            for (e, &xe) in x.iter().enumerate().take(n).skip(np) {
+                s += (w(e) * xe) as f64;
+            }
+            s as f32
+        }
+    }
 }
 
-pub(crate) fn bf16_dot(row: &[u8], a: &QuantizedActs, t: usize) -> f32 {
-    let x = &a.f[t * a.cols..(t + 1) * a.cols];
-    float_dot(
-        a.cols,
-        |i| f32::from_bits((u16::from_le_bytes([row[2 * i], row[2 * i + 1]]) as u32) << 16),
-        x,
-    )
+pub(crate) const FLOAT_F32: u8 = 0;
+pub(crate) const FLOAT_F16: u8 = 1;
+pub(crate) const FLOAT_BF16: u8 = 2;
+
+/// 16 rows × `nt` tokens of float weights, each row as [`float_row`].
+fn float_group<const ES: usize>(
+    kind: u8,
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    for j in 0..nt {
+        let x = &a.f[(t0 + j) * a.cols..(t0 + j + 1) * a.cols];
+        for r in 0..GROUP {
+            let wr = |e: usize| float_at::<ES>(w, (e * GROUP + r) * ES, kind == FLOAT_BF16);
+            out[j * GROUP + r] = float_row(kind, a.cols, wr, x);
+        }
+    }
+}
+
+pub(crate) fn f32_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
+    float_group::<4>(FLOAT_F32, w, a, t0, nt, out)
+}
+
+pub(crate) fn f16_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
+    float_group::<2>(FLOAT_F16, w, a, t0, nt, out)
+}
+
+pub(crate) fn bf16_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
+    float_group::<2>(FLOAT_BF16, w, a, t0, nt, out)
 }

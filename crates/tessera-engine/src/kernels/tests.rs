@@ -474,3 +474,86 @@ fn matrix_new_rejects_bad_input() {
     let e = Matrix::new(GgmlType::F16, 0, 0, MatrixBytes::Owned(vec![]));
     assert!(e.is_err());
 }
+
+/// Real GGUF weights (the repository's small test models): every 2-D tensor type present,
+/// through `MatrixBytes::Shared` on the file mapping, against the f64 reference, and all
+/// instruction sets bit-identical. Skips files that are absent.
+#[test]
+fn real_gguf_tensors_match_reference() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/test");
+    let pool = ThreadPool::new(2);
+    let mut seen = std::collections::HashSet::new();
+    for name in [
+        "tiny-qwen3-Q4_0.gguf",
+        "tiny-qwen3-f32.gguf",
+        "small-qwen3-Q8_0.gguf",
+        "small-qwen3-Q4_K.gguf",
+        "small-qwen3-Q5_K.gguf",
+        "small-qwen3-Q6_K.gguf",
+        "small-qwen3-F16.gguf",
+        "small-qwen3-BF16.gguf",
+    ] {
+        let Ok(gf) = tessera_model::GgufFile::open(dir.join(name)) else {
+            continue;
+        };
+        let map: Arc<dyn AsRef<[u8]> + Send + Sync> = gf.mapping().unwrap().clone();
+        let mut rng = Rng::new(name.len() as u64);
+        for info in gf.tensors().iter().filter(|t| t.shape.len() == 2) {
+            let Some(dtype) = GgmlType::from_id(info.type_id) else {
+                continue;
+            };
+            // One tensor per (file, type, width) keeps the test quick.
+            let (cols, rows) = (info.shape[0] as usize, info.shape[1] as usize);
+            if !seen.insert((name, dtype, cols)) {
+                continue;
+            }
+            let w = Matrix::new(
+                dtype,
+                rows,
+                cols,
+                MatrixBytes::Shared {
+                    bytes: Arc::clone(&map),
+                    offset: info.offset as usize,
+                    len: info.n_bytes as usize,
+                },
+            )
+            .unwrap();
+            let n = rows.min(40);
+            let mut wf = vec![0f32; n * cols];
+            let rb = info.n_bytes as usize / rows;
+            dequantize(dtype, &gf.tensor_bytes(info).unwrap()[..n * rb], &mut wf);
+            let nt = 3;
+            let x = random_x(nt * cols, &mut rng);
+            let xa = QuantizedActs::new(&pool, dtype, &x, nt, cols).dequantized();
+            let base = run(Isa::Scalar, &pool, &w, (0, n), &x, nt);
+            for isa in isas() {
+                let out = run(isa, &pool, &w, (0, n), &x, nt);
+                assert_eq!(out, base, "{name} {} {isa:?}", info.name);
+            }
+            for t in 0..nt {
+                for r in 0..n {
+                    let (mut exact, mut mag) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let p = wf[r * cols + c] as f64 * xa[t * cols + c] as f64;
+                        exact += p;
+                        mag += p.abs();
+                    }
+                    let got = base[t * n + r] as f64;
+                    assert!(
+                        (got - exact).abs() <= 2e-6 * mag + 1e-6,
+                        "{name} {} t{t} r{r}: {got} vs {exact}",
+                        info.name
+                    );
+                }
+            }
+        }
+    }
+    if dir.exists() {
+        let types: std::collections::HashSet<_> = seen.iter().map(|s| s.1).collect();
+        eprintln!("checked {} real tensors, types {types:?}", seen.len());
+        assert!(
+            types.len() >= 6,
+            "expected most types in models/test, got {types:?}"
+        );
+    }
+}

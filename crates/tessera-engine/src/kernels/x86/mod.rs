@@ -2,11 +2,12 @@
 
 mod avx2;
 mod avx512;
+mod float;
 pub(super) mod quant;
 
 use tessera_model::GgmlType;
 
-use super::{GroupFn, Isa, Kernel, RowFn};
+use super::{scalar, GroupFn, Isa};
 
 pub(super) fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2")
@@ -22,19 +23,19 @@ pub(super) fn has_avx512() -> bool {
         && is_x86_feature_detected!("avx512vnni")
 }
 
-pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Kernel {
+pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
     let avx512 = isa == Isa::Avx512;
-    let group = |a2: GroupFn, a5: GroupFn| Kernel::Group(if avx512 { a5 } else { a2 });
-    let row = |f: RowFn| Kernel::Row(f);
+    let pick = |a2: GroupFn, a5: GroupFn| if avx512 { a5 } else { a2 };
     match dtype {
-        GgmlType::Q4_0 => group(avx2::q4_0_group, avx512::q4_0_group),
-        GgmlType::Q8_0 => group(avx2::q8_0_group, avx512::q8_0_group),
-        GgmlType::Q4K => group(avx2::q45k_group::<false>, avx512::q45k_group::<false>),
-        GgmlType::Q5K => group(avx2::q45k_group::<true>, avx512::q45k_group::<true>),
-        GgmlType::Q6K => group(avx2::q6k_group, avx512::q6k_group),
-        // Float row kernels: AVX2 on both ISAs (memory-bound at decode).
-        GgmlType::F16 => row(avx2::f16_dot),
-        GgmlType::BF16 => row(avx2::bf16_dot),
-        GgmlType::F32 => row(avx2::f32_dot),
+        GgmlType::Q4_0 => pick(avx2::q4_0_group, avx512::q4_0_group),
+        GgmlType::Q8_0 => pick(avx2::q8_0_group, avx512::q8_0_group),
+        // K-quants follow llama.cpp's lane order; without AVX-512 they use the scalar kernels.
+        GgmlType::Q4K => pick(scalar::q45k_group::<false>, avx512::q45k_group::<false>),
+        GgmlType::Q5K => pick(scalar::q45k_group::<true>, avx512::q45k_group::<true>),
+        GgmlType::Q6K => pick(scalar::q6k_group, avx512::q6k_group),
+        // Float weights: the scalar kernel where there is no AVX-512.
+        GgmlType::F32 => pick(scalar::f32_group, float::f32_avx512),
+        GgmlType::F16 => pick(scalar::f16_group, float::f16_avx512),
+        GgmlType::BF16 => pick(scalar::bf16_group, float::bf16_avx512),
     }
 }

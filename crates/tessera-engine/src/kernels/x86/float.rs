@@ -1,0 +1,174 @@
+//! F32/F16/BF16 weights on the column-interleaved layout (AVX-512): one load holds one column
+//! of 16 rows, multiplied by a broadcast activation, so each lane of an accumulator is one row
+//! and each accumulator one of `scalar::float_row`'s lanes. Results equal the scalar kernel's
+//! bit for bit. (AVX2 machines use the scalar kernel for float weights.)
+
+use std::arch::x86_64::*;
+
+use super::super::matrix::GROUP;
+use super::super::quant_acts::QuantizedActs;
+use super::super::scalar::{FLOAT_BF16, FLOAT_F16, FLOAT_F32};
+
+const fn esize(k: u8) -> usize {
+    if k == FLOAT_F32 {
+        4
+    } else {
+        2
+    }
+}
+
+/// The 16 rows' weights of column `e`.
+#[inline(always)]
+unsafe fn load16<const K: u8>(w: *const u8, e: usize) -> __m512 {
+    // SAFETY: the caller guarantees column e is in bounds and AVX-512 F is enabled.
+    unsafe {
+        let p = w.add(e * GROUP * esize(K));
+        match K {
+            FLOAT_F32 => _mm512_loadu_ps(p as *const f32),
+            FLOAT_F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            _ => {
+                let v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+                _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))
+            }
+        }
+    }
+}
+
+/// 16 lane accumulators over columns `base + off + (0..16 or 0..32)` for `base` stepping by
+/// `period` up to `end`: one column per lane, or for BF16 one pair per lane, odd first.
+#[inline(always)]
+unsafe fn pass<const K: u8>(
+    w: *const u8,
+    x: *const f32,
+    end: usize,
+    period: usize,
+    off: usize,
+) -> [__m512; 16] {
+    // SAFETY: columns below `end` are in bounds (caller); AVX-512 F enabled (caller).
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); 16];
+        let mut fma = |e: usize, l: usize| {
+            acc[l] = _mm512_fmadd_ps(load16::<K>(w, e), _mm512_set1_ps(*x.add(e)), acc[l]);
+        };
+        let mut base = 0;
+        while base + period <= end {
+            for l in 0..16 {
+                if K == FLOAT_BF16 {
+                    fma(base + off + 2 * l + 1, l);
+                    fma(base + off + 2 * l, l);
+                } else {
+                    fma(base + off + l, l);
+                }
+            }
+            base += period;
+        }
+        acc
+    }
+}
+
+#[inline(always)]
+fn reduce(a: &[__m512; 16]) -> __m512 {
+    // SAFETY: AVX-512 F is enabled in every caller.
+    unsafe {
+        let s8: [__m512; 8] = std::array::from_fn(|i| _mm512_add_ps(a[i], a[i + 8]));
+        let s4: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(s8[i], s8[i + 4]));
+        _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3]))
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn token<const K: u8>(w: *const u8, x: &[f32], out: &mut [f32; GROUP]) {
+    let n = x.len();
+    let xp = x.as_ptr();
+    // Weight `e` of row `r`, for the scalar remainders.
+    let wr = |e: usize, r: usize| -> f32 {
+        // SAFETY: e < n and r < 16 lie inside the group.
+        unsafe {
+            let p = w.add((e * GROUP + r) * esize(K));
+            match K {
+                FLOAT_F32 => (p as *const f32).read_unaligned(),
+                FLOAT_F16 => half::f16::from_bits((p as *const u16).read_unaligned()).to_f32(),
+                _ => f32::from_bits(((p as *const u16).read_unaligned() as u32) << 16),
+            }
+        }
+    };
+    // SAFETY: the caller checked the group holds n columns; features enabled.
+    unsafe {
+        match K {
+            FLOAT_F32 => {
+                let n16 = n / 16 * 16;
+                let mut acc = pass::<K>(w, xp, n16, 16, 0);
+                for e in n16..n {
+                    acc[e % 16] =
+                        _mm512_fmadd_ps(load16::<K>(w, e), _mm512_set1_ps(x[e]), acc[e % 16]);
+                }
+                _mm512_storeu_ps(out.as_mut_ptr(), reduce(&acc));
+            }
+            FLOAT_F16 => {
+                let np = n / 64 * 64;
+                let a: [[__m512; 16]; 4] =
+                    std::array::from_fn(|g| pass::<K>(w, xp, np, 64, 16 * g));
+                let v: [__m512; 16] = std::array::from_fn(|i| {
+                    _mm512_add_ps(
+                        _mm512_add_ps(a[0][i], a[2][i]),
+                        _mm512_add_ps(a[1][i], a[3][i]),
+                    )
+                });
+                _mm512_storeu_ps(out.as_mut_ptr(), reduce(&v));
+                if np < n {
+                    for (r, o) in out.iter_mut().enumerate() {
+                        let mut s = *o as f64;
+                        for (e, &xe) in x.iter().enumerate().skip(np) {
+                            s += (wr(e, r) * xe) as f64;
+                        }
+                        *o = s as f32;
+                    }
+                }
+            }
+            _ => {
+                let np = n / 64 * 64;
+                let (mut c1, mut c2) = ([0f32; GROUP], [0f32; GROUP]);
+                _mm512_storeu_ps(c1.as_mut_ptr(), reduce(&pass::<K>(w, xp, np, 64, 0)));
+                _mm512_storeu_ps(c2.as_mut_ptr(), reduce(&pass::<K>(w, xp, np, 64, 32)));
+                for (r, o) in out.iter_mut().enumerate() {
+                    let mut s = c1[r] as f64 + c2[r] as f64;
+                    for (e, &xe) in x.iter().enumerate().skip(np) {
+                        s += (wr(e, r) * xe) as f64;
+                    }
+                    *o = s as f32;
+                }
+            }
+        }
+    }
+}
+
+macro_rules! entry {
+    ($name:ident, $k:expr) => {
+        /// # Safety
+        /// Requires AVX-512 F/BW/VL, AVX2, FMA and F16C.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        pub(super) unsafe fn $name(
+            w: &[u8],
+            a: &QuantizedActs,
+            t0: usize,
+            nt: usize,
+            out: &mut [f32],
+        ) {
+            let n = a.cols;
+            assert!(w.len() >= n * GROUP * esize($k));
+            assert!((t0 + nt) * n <= a.f.len() && out.len() >= nt * GROUP);
+            for j in 0..nt {
+                let x = &a.f[(t0 + j) * n..(t0 + j + 1) * n];
+                let o: &mut [f32; GROUP] =
+                    (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
+                // SAFETY: bounds checked above; features guaranteed by the caller.
+                unsafe { token::<{ $k }>(w.as_ptr(), x, o) };
+            }
+        }
+    };
+}
+
+entry!(f32_avx512, FLOAT_F32);
+entry!(f16_avx512, FLOAT_F16);
+entry!(bf16_avx512, FLOAT_BF16);
