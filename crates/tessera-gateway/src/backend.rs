@@ -1,0 +1,363 @@
+//! The seam between the HTTP layer and whatever runs the model.
+//!
+//! The gateway speaks OpenAI on one side and [`Backend`] on the other. A backend takes a
+//! tokenized [`GenerationRequest`] and streams back token ids as [`Event`]s; everything textual —
+//! chat templates, detokenization, stop strings, JSON — stays in the gateway, so a backend only
+//! has to schedule sequences and run forwards. Two implement it:
+//!
+//! * [`crate::LocalBackend`]: the whole model in this process, with a continuous-batching
+//!   scheduler thread.
+//! * the distributed coordinator (crates/tessera-coord), which fans each step out over the
+//!   stages of the current plan.
+//!
+//! Cancellation is by ownership: dropping a [`RequestHandle`] closes its event channel, and the
+//! backend, seeing the channel closed ([`EventSender::is_closed`]), drops the sequence and frees
+//! its KV cache on every stage that holds part of it.
+//!
+//! [`ClusterStatus`] is what the backend knows about the machines — nodes, plan, its own counters
+//! — in one serde value that the dashboard, `/api/status` and `/metrics` read.
+//!
+//! # Implementing it for the coordinator
+//!
+//! * [`Backend::model`]: build a [`ServedModel`] once with [`ServedModel::from_gguf`] (the
+//!   coordinator holds the GGUF it distributes).
+//! * [`Backend::submit`]: return [`SubmitError::NotServing`] with a reason while no epoch is
+//!   ready ("loading shards: 45%", "replanning after node b7c9 left"); check the context and a
+//!   bounded queue; then `RequestHandle::channel(req.id)`, keep the sender with the sequence and
+//!   return the handle. Never block.
+//! * The driver advances every active sequence once per ring step (one forward per stage per
+//!   step, as [`crate::LocalBackend`] does in one process), sends each generated token as
+//!   [`Event::Token`] — stopping at [`ServedModel::is_end_of_generation`] without sending it —
+//!   and ends with [`Event::Finished`], or [`Event::Failed`] when a stage is lost and the
+//!   sequence cannot be resumed.
+//! * Cancellation: before each step (or with `tokio::select!` on [`EventSender::closed`]), a
+//!   closed sender means the client left: close the sequence on every stage so each frees its
+//!   KV, and count it in [`BackendCounters::cancelled_total`].
+//! * [`Backend::status`]: nodes from membership (with per-node `kv_bytes`, so `/metrics` shows
+//!   KV returning to zero on every stage), the current epoch's assignments and the planner's
+//!   explanation, bytes per link, and the counters.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tessera_engine::SamplingParams;
+use tessera_model::{ChatTemplate, GgufFile, ModelConfig, Tokenizer};
+use tokio::sync::mpsc;
+
+/// A request id, unique in this process (`chatcmpl-…` ids are derived from it).
+pub type RequestId = u64;
+
+/// One generation, tokenized: what a backend is asked to do.
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    pub id: RequestId,
+    /// The prompt, BOS included where the model wants one. Never empty.
+    pub prompt_tokens: Vec<u32>,
+    pub params: SamplingParams,
+    /// At most this many generated tokens. The backend also stops when the context is full.
+    pub max_tokens: usize,
+}
+
+/// Why a sequence stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-generation token (not emitted), or — decided by the gateway — a stop string.
+    Stop,
+    /// `max_tokens` generated, or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's `finish_reason` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+impl std::fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Token counts of one request (OpenAI's `usage`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What a backend streams back for one request, in order: any number of `Token`s, then exactly
+/// one `Finished` or `Failed`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A generated token (end-of-generation tokens are not sent).
+    Token(u32),
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
+    /// The backend could not finish the request (a stage failed and no replan could resume it).
+    Failed {
+        message: String,
+    },
+}
+
+/// The backend's end of a request's event stream.
+pub type EventSender = mpsc::UnboundedSender<Event>;
+
+/// A submitted request. Receive its events with [`RequestHandle::next_event`]; drop it to cancel.
+#[derive(Debug)]
+pub struct RequestHandle {
+    pub id: RequestId,
+    events: mpsc::UnboundedReceiver<Event>,
+}
+
+impl RequestHandle {
+    /// A handle and the sender the backend keeps for it.
+    pub fn channel(id: RequestId) -> (Self, EventSender) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Self { id, events: rx }, tx)
+    }
+
+    /// The next event, or `None` if the backend dropped the request without finishing it.
+    pub async fn next_event(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+}
+
+/// Why a request was not accepted. Each maps to one HTTP status.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The waiting queue is full (429, with `Retry-After`). Retryable.
+    #[error("the request queue is full ({capacity} waiting); retry after {retry_after:?}")]
+    QueueFull {
+        capacity: usize,
+        retry_after: Duration,
+    },
+    /// Prompt plus requested completion do not fit the context (400).
+    #[error(
+        "this model's maximum context length is {limit} tokens, but {got} tokens were requested \
+         ({prompt} in the prompt, {completion} for the completion)"
+    )]
+    ContextTooLong {
+        limit: usize,
+        got: usize,
+        prompt: usize,
+        completion: usize,
+    },
+    /// No plan is serving (503), with the reason (no nodes, loading, replanning...). Retryable.
+    #[error("not serving: {reason}")]
+    NotServing { reason: String },
+    /// The request cannot be run as given (400), e.g. an empty prompt.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The model a backend serves, with what the gateway needs to turn text into tokens and back.
+#[derive(Debug)]
+pub struct ServedModel {
+    /// The name clients use in `model` (`stories260K`, `qwen3-8b-q4_k`...).
+    pub id: String,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    /// Positions per sequence (prompt plus completion).
+    pub context_length: usize,
+    /// Unix seconds when serving started (`created` in `/v1/models`).
+    pub created: u64,
+}
+
+impl ServedModel {
+    /// Reads the tokenizer and chat template from a GGUF (the fallback template if it has none).
+    pub fn from_gguf(
+        id: impl Into<String>,
+        g: &GgufFile,
+        context_length: usize,
+    ) -> tessera_model::Result<Self> {
+        let tokenizer = Tokenizer::from_gguf(g)?;
+        let template = ChatTemplate::from_gguf(g, &tokenizer)?;
+        let config = ModelConfig::from_gguf(g)?;
+        Ok(Self {
+            id: id.into(),
+            tokenizer,
+            template,
+            context_length: context_length.min(config.context_length).max(1),
+            created: unix_now(),
+        })
+    }
+}
+
+impl ServedModel {
+    /// Whether generating `token` ends the sequence: the tokenizer's end-of-generation ids, and
+    /// BOS — a llama-family model that emits BOS has finished its document (stories260K ends
+    /// each story this way), as `tessera generate` also treats it.
+    pub fn is_end_of_generation(&self, token: u32) -> bool {
+        self.tokenizer.is_end_of_generation(token) || self.tokenizer.bos_id() == Some(token)
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Whatever runs the model: the single-process engine or the distributed coordinator.
+///
+/// `submit` must not block for long (it runs on the HTTP server's async workers): enqueue and
+/// return. Events go out through the handle's channel from the backend's own threads or tasks.
+pub trait Backend: Send + Sync + 'static {
+    /// The model being served.
+    fn model(&self) -> Arc<ServedModel>;
+
+    /// Admits `req` into the queue or says why not. The backend checks the context limit and
+    /// its queue bound here, so the client learns at once.
+    fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError>;
+
+    /// A snapshot of the machines, the plan and the backend's counters.
+    fn status(&self) -> ClusterStatus;
+}
+
+impl<B: Backend + ?Sized> Backend for Arc<B> {
+    fn model(&self) -> Arc<ServedModel> {
+        (**self).model()
+    }
+    fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError> {
+        (**self).submit(req)
+    }
+    fn status(&self) -> ClusterStatus {
+        (**self).status()
+    }
+}
+
+/// Everything the dashboard shows about the machines and the plan. The coordinator fills it from
+/// its membership state and current plan; [`crate::LocalBackend`] reports one local node.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// The model's name.
+    pub model: String,
+    /// `None` when serving; otherwise why not (the 503's reason).
+    pub not_serving: Option<String>,
+    pub nodes: Vec<NodeStatus>,
+    /// The plan being served (`None` before the first plan).
+    pub plan: Option<PlanStatus>,
+    /// Measured traffic between nodes.
+    pub links: Vec<LinkStatus>,
+    pub counters: BackendCounters,
+}
+
+/// How a node is doing, as the coordinator sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    Healthy,
+    /// Reachable but slow or missing heartbeats.
+    Degraded,
+    /// Departed; its work has been (or is being) replanned.
+    Down,
+    #[default]
+    Unknown,
+}
+
+/// One machine.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// Stable id (the node's key fingerprint in a cluster; `local` for the single process).
+    pub id: String,
+    /// Human name (host name).
+    pub name: String,
+    /// Where it listens (`host:port`), if it is remote.
+    pub address: Option<String>,
+    pub health: Health,
+    pub inventory: InventorySummary,
+    /// The memory this node lets Tessera use, in bytes (a hard limit for the planner).
+    pub budget_bytes: u64,
+    /// Bytes in use now: weights plus KV.
+    pub used_bytes: u64,
+    /// Of which KV cache.
+    pub kv_bytes: u64,
+    /// What the node holds under the current plan, in words ("layers 0–5, head").
+    pub holds: String,
+    /// Milliseconds since the last heartbeat (`None` for the local node).
+    pub last_seen_ms: Option<u64>,
+}
+
+/// The measured hardware of a node, summarised for display.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct InventorySummary {
+    pub cpu: String,
+    pub threads: usize,
+    pub ram_bytes: u64,
+    pub vram_bytes: u64,
+    /// Measured memory bandwidth, bytes per second (0: not measured).
+    pub mem_bandwidth: u64,
+    /// Free-form extras worth showing ("AVX2", "GPU: RTX 3060"...).
+    pub notes: Vec<String>,
+}
+
+/// The plan in force.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlanStatus {
+    /// Each new plan is a new epoch.
+    pub epoch: u64,
+    /// "single process", "stage split", "expert split", ...
+    pub strategy: String,
+    /// Total layers in the model (to draw layer ranges to scale).
+    pub n_layers: usize,
+    /// Experts per MoE layer (0 for dense models).
+    pub n_experts: usize,
+    pub assignments: Vec<Assignment>,
+    /// The planner's explanation of why this plan was chosen.
+    pub explanation: String,
+}
+
+/// What one node does under a plan.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Assignment {
+    pub node_id: String,
+    /// Layers `start..end` (empty for a node holding only experts or nothing).
+    pub layers: [usize; 2],
+    /// Experts held per MoE layer (0: none or dense).
+    pub experts: usize,
+    pub embed: bool,
+    pub head: bool,
+    /// Weight bytes the assignment places on the node.
+    pub weight_bytes: u64,
+    /// The node's memory budget (repeated here so a bar can be drawn from the plan alone).
+    pub budget_bytes: u64,
+}
+
+/// Bytes sent over one link.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LinkStatus {
+    pub from: String,
+    pub to: String,
+    pub bytes_total: u64,
+    /// Measured round-trip time in microseconds (0: not measured).
+    pub rtt_us: u64,
+}
+
+/// The backend's own counters (the gateway counts requests, latency and throughput itself).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendCounters {
+    /// Requests waiting for a batch slot.
+    pub queue_depth: usize,
+    pub queue_capacity: usize,
+    /// Sequences in the running batch.
+    pub active_sequences: usize,
+    pub max_active_sequences: usize,
+    /// KV cache bytes held by all sequences on all nodes.
+    pub kv_bytes: u64,
+    /// Forward steps run.
+    pub steps_total: u64,
+    pub prompt_tokens_total: u64,
+    pub generated_tokens_total: u64,
+    /// Sequences dropped because their client went away.
+    pub cancelled_total: u64,
+}

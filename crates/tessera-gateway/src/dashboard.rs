@@ -1,0 +1,508 @@
+//! The web dashboard: one HTML page, a stylesheet and a small script, all compiled into the
+//! binary (`include_str!`), no CDN and no build step.
+//!
+//! The server renders the page with its current state already in it (every node, the plan,
+//! the numbers), so it reads correctly without JavaScript and in a headless browser's first
+//! DOM. `/api/status/stream` then pushes an update every second over server-sent events: the
+//! raw numbers as JSON, plus the node, plan and request sections as HTML fragments rendered by
+//! the same Rust functions — one renderer, no drift between first paint and live updates.
+//! Everything here is read-only and public; the API key guards `/v1` only.
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::sse::Event as SseEvent;
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use tessera_model::human_bytes;
+
+use crate::backend::{ClusterStatus, Health};
+use crate::metrics::GatewaySnapshot;
+use crate::server::Gateway;
+
+const INDEX: &str = include_str!("../assets/index.html");
+const STYLE: &str = include_str!("../assets/style.css");
+const SCRIPT: &str = include_str!("../assets/app.js");
+
+/// `/api/status`: everything the dashboard shows.
+#[derive(Clone, Debug, Serialize)]
+pub struct StatusReport {
+    pub model: String,
+    pub context_length: usize,
+    pub auth_required: bool,
+    pub cluster: ClusterStatus,
+    pub gateway: GatewaySnapshot,
+}
+
+/// A status update as the page consumes it: numbers plus rendered sections.
+#[derive(Clone, Debug, Serialize)]
+struct Update {
+    status: StatusReport,
+    html: Sections,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Sections {
+    nodes: String,
+    plan: String,
+    requests: String,
+    kpis: String,
+}
+
+pub(crate) fn routes() -> Router<Arc<Gateway>> {
+    Router::new()
+        .route("/", get(index))
+        .route("/assets/style.css", get(style))
+        .route("/assets/app.js", get(script))
+        .route("/api/status", get(status))
+        .route("/api/status/stream", get(status_stream))
+}
+
+fn report(gw: &Gateway) -> StatusReport {
+    let m = gw.backend.model();
+    StatusReport {
+        model: m.id.clone(),
+        context_length: m.context_length,
+        auth_required: gw.config.api_key.is_some(),
+        cluster: gw.backend.status(),
+        gateway: gw.metrics.snapshot(),
+    }
+}
+
+fn sections(r: &StatusReport) -> Sections {
+    Sections {
+        nodes: render_nodes(&r.cluster),
+        plan: render_plan(&r.cluster),
+        requests: render_requests(&r.gateway),
+        kpis: render_kpis(r),
+    }
+}
+
+async fn index(State(gw): State<Arc<Gateway>>) -> Response {
+    let r = report(&gw);
+    let s = sections(&r);
+    let (pill_class, pill_text) = match &r.cluster.not_serving {
+        None => ("pill ok", "Serving".to_string()),
+        Some(why) => ("pill bad", format!("Not serving: {why}")),
+    };
+    let epoch = r.cluster.plan.as_ref().map_or(0, |p| p.epoch);
+    let page = INDEX
+        .replace("{{MODEL}}", &esc(&r.model))
+        .replace("{{PILL_CLASS}}", pill_class)
+        .replace("{{PILL}}", &esc(&pill_text))
+        .replace("{{EPOCH}}", &epoch.to_string())
+        .replace("{{NODE_COUNT}}", &r.cluster.nodes.len().to_string())
+        .replace(
+            "{{AUTH}}",
+            if r.auth_required {
+                "API key required for /v1"
+            } else {
+                "open on loopback"
+            },
+        )
+        .replace("{{KPIS}}", &s.kpis)
+        .replace("{{NODES}}", &s.nodes)
+        .replace("{{PLAN}}", &s.plan)
+        .replace("{{REQUESTS}}", &s.requests);
+    Html(page).into_response()
+}
+
+async fn style() -> Response {
+    ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE).into_response()
+}
+
+async fn script() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        SCRIPT,
+    )
+        .into_response()
+}
+
+async fn status(State(gw): State<Arc<Gateway>>) -> Response {
+    Json(report(&gw)).into_response()
+}
+
+async fn status_stream(State(gw): State<Arc<Gateway>>) -> Response {
+    let s = futures_util::stream::unfold((gw, true), |(gw, first)| async move {
+        if !first {
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = gw.shutting_down() => return None,
+            }
+        }
+        let r = report(&gw);
+        let u = Update {
+            html: sections(&r),
+            status: r,
+        };
+        let ev = SseEvent::default()
+            .event("status")
+            .data(serde_json::to_string(&u).unwrap_or_default());
+        Some((Ok::<_, Infallible>(ev), (gw, false)))
+    });
+    axum::response::sse::Sse::new(s).into_response()
+}
+
+/// HTML-escapes text.
+pub(crate) fn esc(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => o.push_str("&amp;"),
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '"' => o.push_str("&quot;"),
+            '\'' => o.push_str("&#39;"),
+            _ => o.push(c),
+        }
+    }
+    o
+}
+
+fn pct(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        (part as f64 / whole as f64 * 100.0).clamp(0.0, 100.0)
+    }
+}
+
+/// A bar segment's width: visible (at least 1%) whenever the part is not zero.
+fn bar_pct(part: u64, whole: u64) -> f64 {
+    if part == 0 {
+        0.0
+    } else {
+        pct(part, whole).max(1.0)
+    }
+}
+
+fn health_class(h: Health) -> (&'static str, &'static str) {
+    match h {
+        Health::Healthy => ("ok", "healthy"),
+        Health::Degraded => ("warn", "degraded"),
+        Health::Down => ("bad", "down"),
+        Health::Unknown => ("muted", "unknown"),
+    }
+}
+
+fn render_kpis(r: &StatusReport) -> String {
+    let g = &r.gateway;
+    let c = &r.cluster.counters;
+    let ms = |v: Option<f64>| v.map_or("–".to_string(), |x| format!("{x:.0} ms"));
+    let failed: u64 = g
+        .by_status
+        .iter()
+        .filter(|(s, _)| **s >= 400)
+        .map(|(_, n)| n)
+        .sum();
+    let mut o = String::new();
+    let mut kpi = |id: &str, label: &str, value: String, sub: String| {
+        let _ = write!(
+            o,
+            r#"<div class="kpi" id="kpi-{id}"><div class="kpi-label">{label}</div><div class="kpi-value">{value}</div><div class="kpi-sub">{sub}</div></div>"#,
+            value = esc(&value),
+            sub = esc(&sub),
+        );
+    };
+    kpi(
+        "tps",
+        "Tokens / s",
+        format!("{:.1}", g.tokens_per_s),
+        format!("{} tokens served", g.completion_tokens_total),
+    );
+    kpi(
+        "ttft",
+        "Time to first token",
+        ms(g.ttft_p50_ms),
+        format!("p50 · p95 {}", ms(g.ttft_p95_ms)),
+    );
+    kpi(
+        "queue",
+        "Queue",
+        format!("{} / {}", c.queue_depth, c.queue_capacity),
+        format!(
+            "{} of {} batch slots active",
+            c.active_sequences, c.max_active_sequences
+        ),
+    );
+    kpi(
+        "kv",
+        "KV cache",
+        human_bytes(c.kv_bytes),
+        format!("{} steps run", c.steps_total),
+    );
+    kpi(
+        "requests",
+        "Requests",
+        g.requests_total.to_string(),
+        format!(
+            "{} in flight · {failed} failed · {} cancelled",
+            g.in_flight, c.cancelled_total
+        ),
+    );
+    o
+}
+
+fn render_nodes(c: &ClusterStatus) -> String {
+    if c.nodes.is_empty() {
+        return r#"<p class="empty">No nodes have joined yet.</p>"#.into();
+    }
+    let mut o = String::new();
+    for n in &c.nodes {
+        let (cls, word) = health_class(n.health);
+        let weights = n.used_bytes.saturating_sub(n.kv_bytes);
+        let inv = &n.inventory;
+        let mut facts = Vec::new();
+        if !inv.cpu.is_empty() {
+            facts.push(("CPU", inv.cpu.clone()));
+        }
+        if inv.threads > 0 {
+            facts.push(("Threads", inv.threads.to_string()));
+        }
+        if inv.ram_bytes > 0 {
+            facts.push(("RAM", human_bytes(inv.ram_bytes)));
+        }
+        if inv.vram_bytes > 0 {
+            facts.push(("VRAM", human_bytes(inv.vram_bytes)));
+        }
+        if inv.mem_bandwidth > 0 {
+            facts.push(("Mem BW", format!("{}/s", human_bytes(inv.mem_bandwidth))));
+        }
+        if !inv.notes.is_empty() {
+            facts.push(("Features", inv.notes.join(" · ")));
+        }
+        if let Some(a) = &n.address {
+            facts.push(("Address", a.clone()));
+        }
+        if let Some(ms) = n.last_seen_ms {
+            facts.push(("Last seen", format!("{ms} ms ago")));
+        }
+        let _ = write!(
+            o,
+            r#"<article class="node" id="node-{id}" data-node-id="{id}" data-health="{word}">
+<header><span class="dot {cls}"></span><h3>{name}</h3><span class="tag {cls}">{word}</span></header>
+<div class="node-id">{id}</div>
+<dl>"#,
+            id = esc(&n.id),
+            name = esc(&n.name),
+        );
+        for (k, v) in facts {
+            let _ = write!(o, "<dt>{k}</dt><dd>{}</dd>", esc(&v));
+        }
+        let _ = write!(
+            o,
+            r#"</dl>
+<div class="bar-label"><span>Memory</span><span>{used} of {budget} budget</span></div>
+<div class="bar" title="weights {w}, KV {kv}"><div class="seg weights" style="width:{pw:.2}%"></div><div class="seg kv" style="width:{pk:.2}%"></div></div>
+<div class="legend"><span><i class="sw weights"></i>weights {w}</span><span><i class="sw kv"></i>KV {kv}</span></div>
+<div class="holds"><span>Holds</span> {holds}</div>
+</article>"#,
+            used = human_bytes(n.used_bytes),
+            budget = human_bytes(n.budget_bytes),
+            w = human_bytes(weights),
+            kv = human_bytes(n.kv_bytes),
+            pw = bar_pct(weights, n.budget_bytes),
+            pk = bar_pct(n.kv_bytes, n.budget_bytes),
+            holds = esc(if n.holds.is_empty() {
+                "nothing"
+            } else {
+                &n.holds
+            }),
+        );
+    }
+    o
+}
+
+fn render_plan(c: &ClusterStatus) -> String {
+    let Some(p) = &c.plan else {
+        return r#"<div id="plan" data-epoch="0"><p class="empty">No plan yet: the planner is waiting for nodes.</p></div>"#.into();
+    };
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        r#"<div id="plan" data-epoch="{epoch}" data-strategy="{strategy}">
+<div class="plan-head"><span class="epoch">Epoch {epoch}</span><span class="strategy">{strategy}</span><span class="muted">{layers} layers{experts}</span></div>
+<div class="plan-rows">
+<div class="plan-row axis"><div class="who"></div><div class="track axis-track"><span style="left:0%">0</span>{half}<span style="left:100%">{layers}</span></div><div class="mem"></div></div>"#,
+        epoch = p.epoch,
+        strategy = esc(&p.strategy),
+        layers = p.n_layers,
+        half = if p.n_layers >= 4 && p.n_layers % 2 == 0 {
+            format!(r#"<span style="left:50%">{}</span>"#, p.n_layers / 2)
+        } else {
+            String::new()
+        },
+        experts = if p.n_experts > 0 {
+            format!(" · {} experts per layer", p.n_experts)
+        } else {
+            String::new()
+        },
+    );
+    for (i, a) in p.assignments.iter().enumerate() {
+        let name = c
+            .nodes
+            .iter()
+            .find(|n| n.id == a.node_id)
+            .map_or(a.node_id.as_str(), |n| n.name.as_str());
+        let n_layers = p.n_layers.max(1) as f64;
+        let [l0, l1] = a.layers;
+        let left = l0 as f64 / n_layers * 100.0;
+        let width = (l1.saturating_sub(l0)) as f64 / n_layers * 100.0;
+        let mut what = Vec::new();
+        if l1 > l0 {
+            what.push(format!("layers {l0}–{}", l1 - 1));
+        }
+        if a.experts > 0 {
+            what.push(format!("{} experts/layer", a.experts));
+        }
+        if a.embed {
+            what.push("embedding".into());
+        }
+        if a.head {
+            what.push("head".into());
+        }
+        // Experts held per layer, drawn under the layers they belong to (all layers for a node
+        // that holds only experts).
+        let experts_bar = if p.n_experts > 0 && a.experts > 0 {
+            let (el, ew) = if l1 > l0 { (left, width) } else { (0.0, 100.0) };
+            format!(
+                r#"<div class="experts c{c}" style="left:{el:.2}%;width:{ew:.2}%" title="{e} of {n} experts per layer"><i style="width:{f:.2}%"></i></div>"#,
+                c = i % 6,
+                e = a.experts,
+                n = p.n_experts,
+                f = pct(a.experts as u64, p.n_experts as u64),
+            )
+        } else {
+            String::new()
+        };
+        let track_class = if experts_bar.is_empty() {
+            ""
+        } else {
+            " with-experts"
+        };
+        let _ = write!(
+            o,
+            r#"<div class="plan-row" data-node-id="{id}">
+<div class="who"><b>{name}</b><small>{what}</small></div>
+<div class="track{track_class}"><div class="layers c{color}" style="left:{left:.2}%;width:{width:.2}%">{label}</div>{experts_bar}</div>
+<div class="mem"><div class="bar small"><div class="seg weights" style="width:{pm:.2}%"></div></div><small>{wb} / {bb}</small></div>
+</div>"#,
+            id = esc(&a.node_id),
+            name = esc(name),
+            what = esc(&what.join(" · ")),
+            color = i % 6,
+            label = if l1 > l0 {
+                format!("{l0}–{}", l1 - 1)
+            } else {
+                String::new()
+            },
+            pm = bar_pct(a.weight_bytes, a.budget_bytes),
+            wb = human_bytes(a.weight_bytes),
+            bb = human_bytes(a.budget_bytes),
+        );
+    }
+    let _ = write!(
+        o,
+        r#"</div>
+<div class="explain"><h4>Why this plan</h4><p>{}</p></div>
+</div>"#,
+        esc(&p.explanation).replace('\n', "<br>")
+    );
+    o
+}
+
+fn render_requests(g: &GatewaySnapshot) -> String {
+    if g.recent.is_empty() {
+        return r#"<tr class="empty-row"><td colspan="8">No requests yet. Try <code>curl</code> or any OpenAI client against <code>/v1</code>.</td></tr>"#.into();
+    }
+    let mut o = String::new();
+    for r in &g.recent {
+        let secs = (r.at_ms / 1000) % 86_400;
+        let time = format!(
+            "{:02}:{:02}:{:02}",
+            secs / 3600,
+            (secs / 60) % 60,
+            secs % 60
+        );
+        let cls = if r.status >= 400 {
+            "fail"
+        } else if r.outcome == "cancelled" {
+            "cancel"
+        } else {
+            "okrow"
+        };
+        let _ = write!(
+            o,
+            r#"<tr class="{cls}"><td>{time}</td><td class="mono">{id}</td><td>{ep}{st}</td><td><span class="code s{s100}">{status}</span></td><td class="num">{pt} → {ct}</td><td class="num">{ttft}</td><td class="num">{dur:.0} ms</td><td class="outcome">{outcome}</td></tr>"#,
+            id = esc(&r.id),
+            ep = esc(&r.endpoint),
+            st = if r.stream {
+                " <small>stream</small>"
+            } else {
+                ""
+            },
+            s100 = r.status / 100,
+            status = r.status,
+            pt = r.prompt_tokens,
+            ct = r.completion_tokens,
+            ttft = r.ttft_ms.map_or("–".into(), |t| format!("{t:.0} ms")),
+            dur = r.duration_ms,
+            outcome = esc(&r.outcome),
+        );
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Assignment, NodeStatus, PlanStatus};
+
+    #[test]
+    fn every_node_and_the_plan_are_rendered_escaped() {
+        let c = ClusterStatus {
+            nodes: vec![
+                NodeStatus {
+                    id: "n1".into(),
+                    name: "<box>".into(),
+                    health: Health::Healthy,
+                    budget_bytes: 100,
+                    used_bytes: 50,
+                    ..NodeStatus::default()
+                },
+                NodeStatus {
+                    id: "n2".into(),
+                    name: "two".into(),
+                    health: Health::Down,
+                    ..NodeStatus::default()
+                },
+            ],
+            plan: Some(PlanStatus {
+                epoch: 7,
+                strategy: "stage split".into(),
+                n_layers: 8,
+                assignments: vec![Assignment {
+                    node_id: "n1".into(),
+                    layers: [0, 4],
+                    ..Assignment::default()
+                }],
+                explanation: "because".into(),
+                ..PlanStatus::default()
+            }),
+            ..ClusterStatus::default()
+        };
+        let nodes = render_nodes(&c);
+        assert!(nodes.contains(r#"id="node-n1""#) && nodes.contains(r#"id="node-n2""#));
+        assert!(nodes.contains("&lt;box&gt;") && !nodes.contains("<box>"));
+        let plan = render_plan(&c);
+        assert!(plan.contains(r#"data-epoch="7""#));
+        assert!(plan.contains("layers 0–3") && plan.contains("because"));
+    }
+}

@@ -1,0 +1,60 @@
+//! The one endpoint: an OpenAI-compatible HTTP API with continuous batching, Prometheus
+//! metrics and a live web dashboard, in front of a [`Backend`].
+//!
+//! # A request's path
+//!
+//! 1. **HTTP** ([`server`]): `POST /v1/chat/completions` arrives (after the API-key check when a
+//!    key is set). The body is parsed strictly ([`openai`]); a malformed body is a 400 in
+//!    OpenAI's error shape, an unknown `model` a 404. The messages go through the model's chat
+//!    template and tokenizer ([`ServedModel`]).
+//! 2. **Admission** ([`Backend::submit`]): the backend checks the context limit (400) and its
+//!    bounded queue (429 with `Retry-After`), or says it is not serving (503), and otherwise
+//!    returns a [`RequestHandle`] at once.
+//! 3. **Scheduling** ([`scheduler`], driven by [`LocalBackend`]'s engine thread): each step
+//!    puts every running sequence into *one* forward pass — one token for each decoding
+//!    sequence, prompt chunks for new ones — samples, and sends each its token as an [`Event`].
+//! 4. **Text** ([`text`]): the gateway assembles UTF-8 across tokens and cuts stop strings,
+//!    then answers with one JSON body or with SSE chunks ending `data: [DONE]`.
+//! 5. **Cancellation**: if the client goes away, the response stream is dropped, which drops
+//!    the handle and closes the event channel; the backend sees it closed before its next step
+//!    and drops the sequence with its KV cache.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use tessera_engine::Model;
+//! use tessera_gateway::{Gateway, GatewayConfig, LocalBackend, LocalConfig};
+//! use tessera_model::GgufFile;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let gguf = GgufFile::open("models/stories260K.gguf")?;
+//! let model = Model::load_full(&gguf, 2)?;
+//! let backend = LocalBackend::start("stories260K", &gguf, model, LocalConfig::default())?;
+//! let gateway = Gateway::new(Arc::new(backend), GatewayConfig::default());
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! let ctrl_c = async { tokio::signal::ctrl_c().await.ok(); };
+//! tessera_gateway::serve(listener, gateway, ctrl_c).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The distributed coordinator plugs in by implementing [`Backend`] (submit tokenized requests,
+//! stream token events, watch for closed channels, report a [`ClusterStatus`]); everything in
+//! this crate above that trait is shared.
+
+pub mod backend;
+pub mod dashboard;
+pub mod local;
+pub mod metrics;
+pub mod openai;
+pub mod scheduler;
+pub mod server;
+pub mod testing;
+pub mod text;
+
+pub use backend::{
+    Assignment, Backend, BackendCounters, ClusterStatus, Event, EventSender, FinishReason,
+    GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle,
+    RequestId, ServedModel, SubmitError, Usage,
+};
+pub use local::{LocalBackend, LocalConfig};
+pub use scheduler::SchedulerConfig;
+pub use server::{check_exposure, router, serve, Gateway, GatewayConfig, KeyRequired};

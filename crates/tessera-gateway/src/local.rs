@@ -1,0 +1,511 @@
+//! [`LocalBackend`]: the whole model in this process, driven by one scheduler thread.
+//!
+//! `submit` (on an HTTP worker) checks the context limit and the queue bound, then pushes the
+//! request onto a bounded waiting queue and wakes the engine thread. The engine thread loops:
+//! move waiting requests into the batch while there is room, drop sequences whose client has
+//! gone (their KV caches with them), ask the [`Scheduler`] for the next batch, run it as *one*
+//! forward pass (decode rows and prompt chunks together: embed → all layers → head on the rows
+//! that need logits), and send each sequence its token. Kernels are batch-invariant, so a
+//! sequence's tokens do not depend on what else shares its batch.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
+use tessera_model::{human_bytes, GgufFile};
+
+use crate::backend::{
+    Assignment, Backend, BackendCounters, ClusterStatus, Event, EventSender, GenerationRequest,
+    Health, InventorySummary, NodeStatus, PlanStatus, RequestHandle, ServedModel, SubmitError,
+};
+use crate::scheduler::{Output, Scheduler, SchedulerConfig, Sequence, StepItem};
+
+/// How the local backend batches and queues.
+#[derive(Clone, Copy, Debug)]
+pub struct LocalConfig {
+    pub scheduler: SchedulerConfig,
+    /// Requests that may wait for a batch slot; more are refused with 429.
+    pub max_queue: usize,
+    /// Positions per sequence (clamped to the model's context length).
+    pub context_length: usize,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            scheduler: SchedulerConfig::default(),
+            max_queue: 64,
+            context_length: usize::MAX,
+        }
+    }
+}
+
+struct Waiting {
+    req: GenerationRequest,
+    events: EventSender,
+}
+
+struct Inbox {
+    waiting: VecDeque<Waiting>,
+    shutdown: bool,
+}
+
+struct Shared {
+    inbox: Mutex<Inbox>,
+    wake: Condvar,
+    counters: Mutex<BackendCounters>,
+    /// The engine thread has exited (shutdown).
+    stopped: AtomicBool,
+}
+
+/// Per-sequence state the engine thread keeps next to the scheduler's.
+struct Slot {
+    kv: KvCache,
+    events: EventSender,
+}
+
+/// The single-process backend. Dropping it stops the engine thread.
+pub struct LocalBackend {
+    served: Arc<ServedModel>,
+    shared: Arc<Shared>,
+    config: LocalConfig,
+    node: NodeStatus,
+    plan: PlanStatus,
+    weight_bytes: u64,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for LocalBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalBackend")
+            .field("model", &self.served.id)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl LocalBackend {
+    /// Starts serving `model` (loaded from `gguf`) under the name `id`.
+    pub fn start(
+        id: &str,
+        gguf: &GgufFile,
+        model: Model,
+        config: LocalConfig,
+    ) -> tessera_model::Result<Self> {
+        let served = Arc::new(ServedModel::from_gguf(id, gguf, config.context_length)?);
+        let config = LocalConfig {
+            context_length: served.context_length,
+            ..config
+        };
+        let mc = model.config().clone();
+        let weight_bytes = model.resident_bytes() as u64;
+        let threads = model.pool().n_threads();
+        let inventory = local_inventory(threads);
+        let budget = inventory.ram_bytes;
+        let mut holds = format!("all {} layers, embedding, head", mc.n_layer);
+        if mc.n_expert > 0 {
+            holds.push_str(&format!(", all {} experts per layer", mc.n_expert));
+        }
+        holds.push_str(&format!(" ({})", human_bytes(weight_bytes)));
+        let node = NodeStatus {
+            id: "local".into(),
+            name: host_name(),
+            address: None,
+            health: Health::Healthy,
+            inventory,
+            budget_bytes: budget,
+            used_bytes: weight_bytes,
+            kv_bytes: 0,
+            holds,
+            last_seen_ms: None,
+        };
+        let plan = PlanStatus {
+            epoch: 1,
+            strategy: "single process".into(),
+            n_layers: mc.n_layer,
+            n_experts: mc.n_expert,
+            assignments: vec![Assignment {
+                node_id: "local".into(),
+                layers: [0, mc.n_layer],
+                experts: mc.n_expert,
+                embed: true,
+                head: true,
+                weight_bytes,
+                budget_bytes: budget,
+            }],
+            explanation: format!(
+                "One process holds the whole model ({} of weights, {} layers) and runs every \
+                 step itself on {threads} threads; no network is involved. Requests are batched \
+                 continuously: up to {} sequences advance together in one forward pass.",
+                human_bytes(weight_bytes),
+                mc.n_layer,
+                config.scheduler.max_active
+            ),
+        };
+        let shared = Arc::new(Shared {
+            inbox: Mutex::new(Inbox {
+                waiting: VecDeque::new(),
+                shutdown: false,
+            }),
+            wake: Condvar::new(),
+            counters: Mutex::new(BackendCounters {
+                queue_capacity: config.max_queue,
+                max_active_sequences: config.scheduler.max_active,
+                ..BackendCounters::default()
+            }),
+            stopped: AtomicBool::new(false),
+        });
+        let engine = Engine {
+            model,
+            served: served.clone(),
+            shared: shared.clone(),
+            scheduler: Scheduler::new(config.scheduler),
+            capacity: config.context_length,
+        };
+        let thread = std::thread::Builder::new()
+            .name("tessera-engine".into())
+            .spawn(move || engine.run())
+            .expect("spawning the engine thread");
+        Ok(Self {
+            served,
+            shared,
+            config,
+            node,
+            plan,
+            weight_bytes,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for LocalBackend {
+    fn drop(&mut self) {
+        lock(&self.shared.inbox).shutdown = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Backend for LocalBackend {
+    fn model(&self) -> Arc<ServedModel> {
+        self.served.clone()
+    }
+
+    fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError> {
+        if self.shared.stopped.load(Ordering::Relaxed) {
+            return Err(SubmitError::NotServing {
+                reason: "the engine is shutting down".into(),
+            });
+        }
+        if req.prompt_tokens.is_empty() {
+            return Err(SubmitError::Invalid("the prompt is empty".into()));
+        }
+        let limit = self.config.context_length;
+        let (prompt, completion) = (req.prompt_tokens.len(), req.max_tokens);
+        if prompt >= limit || prompt.saturating_add(completion) > limit {
+            return Err(SubmitError::ContextTooLong {
+                limit,
+                got: prompt.saturating_add(completion),
+                prompt,
+                completion,
+            });
+        }
+        let mut inbox = lock(&self.shared.inbox);
+        // Requests whose client already left do not hold queue places.
+        inbox.waiting.retain(|w| !w.events.is_closed());
+        if inbox.waiting.len() >= self.config.max_queue {
+            return Err(SubmitError::QueueFull {
+                capacity: self.config.max_queue,
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        let (handle, events) = RequestHandle::channel(req.id);
+        tracing::debug!(request = req.id, prompt_tokens = prompt, "queued");
+        inbox.waiting.push_back(Waiting { req, events });
+        lock(&self.shared.counters).queue_depth = inbox.waiting.len();
+        drop(inbox);
+        self.shared.wake.notify_one();
+        Ok(handle)
+    }
+
+    fn status(&self) -> ClusterStatus {
+        let counters = lock(&self.shared.counters).clone();
+        let mut node = self.node.clone();
+        node.kv_bytes = counters.kv_bytes;
+        node.used_bytes = self.weight_bytes + counters.kv_bytes;
+        let not_serving = self
+            .shared
+            .stopped
+            .load(Ordering::Relaxed)
+            .then(|| "the engine has stopped".to_string());
+        if not_serving.is_some() {
+            node.health = Health::Down;
+        }
+        ClusterStatus {
+            model: self.served.id.clone(),
+            not_serving,
+            nodes: vec![node],
+            plan: Some(self.plan.clone()),
+            links: Vec::new(),
+            counters,
+        }
+    }
+}
+
+/// The engine thread's state.
+struct Engine {
+    model: Model,
+    served: Arc<ServedModel>,
+    shared: Arc<Shared>,
+    scheduler: Scheduler<Slot>,
+    capacity: usize,
+}
+
+impl Engine {
+    fn run(mut self) {
+        loop {
+            if !self.take_work() {
+                break;
+            }
+            let cancelled = self.scheduler.take_where(|s| s.payload.events.is_closed());
+            if !cancelled.is_empty() {
+                for s in &cancelled {
+                    tracing::info!(
+                        request = s.id,
+                        "request cancelled; sequence dropped, KV freed"
+                    );
+                }
+                lock(&self.shared.counters).cancelled_total += cancelled.len() as u64;
+                drop(cancelled);
+            }
+            if self.scheduler.is_idle() {
+                self.publish(0, 0, 0);
+                continue;
+            }
+            let items = self.scheduler.plan_step();
+            match self.forward(&items) {
+                Ok(logits) => self.deliver(&items, &logits),
+                Err(e) => self.fail_all(&e.to_string()),
+            }
+        }
+        // Shutting down: whoever is still waiting gets told.
+        let left = self.scheduler.take_where(|_| true);
+        for s in left {
+            let _ = s.payload.events.send(Event::Failed {
+                message: "the server is shutting down".into(),
+            });
+        }
+        self.shared.stopped.store(true, Ordering::Relaxed);
+    }
+
+    /// Moves waiting requests into the batch while there is room; sleeps while there is nothing
+    /// to do. Returns `false` on shutdown.
+    fn take_work(&mut self) -> bool {
+        let mut inbox = lock(&self.shared.inbox);
+        loop {
+            if inbox.shutdown {
+                return false;
+            }
+            inbox.waiting.retain(|w| !w.events.is_closed());
+            while self.scheduler.has_room() {
+                let Some(w) = inbox.waiting.pop_front() else {
+                    break;
+                };
+                let kv = self.model.new_kv(self.capacity);
+                tracing::debug!(request = w.req.id, "joins the batch");
+                self.scheduler.admit(Sequence::new(
+                    w.req.id,
+                    w.req.prompt_tokens,
+                    w.req.params,
+                    w.req.max_tokens,
+                    self.capacity,
+                    Slot {
+                        kv,
+                        events: w.events,
+                    },
+                ));
+            }
+            lock(&self.shared.counters).queue_depth = inbox.waiting.len();
+            if !self.scheduler.is_idle() {
+                return true;
+            }
+            inbox = self
+                .shared
+                .wake
+                .wait_timeout(inbox, Duration::from_millis(500))
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// One forward pass over every item; the logits of the items that want them, in order.
+    fn forward(&mut self, items: &[StepItem]) -> tessera_engine::Result<Vec<Vec<f32>>> {
+        let mut tokens = Vec::new();
+        for it in items {
+            tokens.extend_from_slice(self.scheduler.tokens(it));
+        }
+        let batch: Vec<SeqStep> = items
+            .iter()
+            .map(|it| SeqStep {
+                n_tokens: it.n_tokens,
+                start_pos: it.start_pos,
+            })
+            .collect();
+        let model = &self.model;
+        let mut hidden = model.embed(&tokens)?;
+        {
+            let mut want = items.iter().map(|it| it.seq).peekable();
+            let mut kvs: Vec<&mut KvCache> = Vec::with_capacity(items.len());
+            for (i, s) in self.scheduler.active_mut().iter_mut().enumerate() {
+                if want.peek() == Some(&i) {
+                    want.next();
+                    kvs.push(&mut s.payload.kv);
+                }
+            }
+            model.run_layers(
+                0..model.config().n_layer,
+                &mut hidden,
+                &batch,
+                &mut kvs,
+                &mut LocalExperts(model),
+            )?;
+        }
+        // The head only on the last row of each item that samples.
+        let n_embd = hidden.n_embd;
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for it in items {
+            end += it.n_tokens;
+            if it.wants_logits {
+                rows.push(end - 1);
+            }
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut last = Hidden::zeros(rows.len(), n_embd);
+        for (k, &r) in rows.iter().enumerate() {
+            last.row_mut(k).copy_from_slice(hidden.row(r));
+        }
+        let logits = model.head(&last)?;
+        Ok((0..rows.len()).map(|k| logits.row(k).to_vec()).collect())
+    }
+
+    fn deliver(&mut self, items: &[StepItem], logits: &[Vec<f32>]) {
+        let prompt_fed: usize = items
+            .iter()
+            .filter(|it| self.scheduler.active()[it.seq].is_prefilling())
+            .map(|it| it.n_tokens)
+            .sum();
+        let rows: Vec<&[f32]> = logits.iter().map(Vec::as_slice).collect();
+        let served = &self.served;
+        let (outputs, finished) = self
+            .scheduler
+            .handle_logits(items, &rows, &|t| served.is_end_of_generation(t));
+        let mut generated = 0;
+        for out in outputs {
+            let (id, event) = match out {
+                Output::Token { id, token } => {
+                    generated += 1;
+                    (id, Event::Token(token))
+                }
+                Output::Finished { id, reason, usage } => {
+                    tracing::debug!(request = id, ?reason, ?usage, "finished");
+                    (id, Event::Finished { reason, usage })
+                }
+            };
+            let target = self
+                .scheduler
+                .active()
+                .iter()
+                .map(|s| (s.id, &s.payload.events))
+                .chain(finished.iter().map(|s| (s.id, &s.payload.events)))
+                .find(|(sid, _)| *sid == id);
+            if let Some((_, tx)) = target {
+                // A closed channel is noticed (and the sequence dropped) on the next step.
+                let _ = tx.send(event);
+            }
+        }
+        drop(finished);
+        self.publish(1, prompt_fed, generated);
+    }
+
+    fn fail_all(&mut self, message: &str) {
+        tracing::error!(error = message, "forward pass failed; failing the batch");
+        let all = self.scheduler.take_where(|_| true);
+        for s in all {
+            let _ = s.payload.events.send(Event::Failed {
+                message: message.to_string(),
+            });
+        }
+    }
+
+    /// Updates the shared counters after a step.
+    fn publish(&self, steps: u64, prompt_tokens: usize, generated: usize) {
+        let kv: usize = self
+            .scheduler
+            .active()
+            .iter()
+            .map(|s| s.payload.kv.bytes())
+            .sum();
+        let mut c = lock(&self.shared.counters);
+        c.steps_total += steps;
+        c.prompt_tokens_total += prompt_tokens as u64;
+        c.generated_tokens_total += generated as u64;
+        c.active_sequences = self.scheduler.active().len();
+        c.kv_bytes = kv as u64;
+    }
+}
+
+/// This machine, as far as /proc tells (empty fields where it does not).
+fn local_inventory(threads: usize) -> InventorySummary {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
+        .unwrap_or_default();
+    let flags = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("flags"))
+        .unwrap_or_default();
+    let mut notes = Vec::new();
+    for f in ["avx2", "avx512f", "fma"] {
+        if flags.split_whitespace().any(|x| x == f) {
+            notes.push(f.to_uppercase());
+        }
+    }
+    let ram_bytes = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024);
+    InventorySummary {
+        cpu,
+        threads,
+        ram_bytes,
+        vram_bytes: 0,
+        mem_bandwidth: 0,
+        notes,
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}

@@ -1,0 +1,425 @@
+//! Continuous batching as a pure state machine: which tokens of which sequences go into the
+//! next forward pass, and what the logits that come back mean.
+//!
+//! The scheduler holds the running sequences (their token history and how much of it is in the
+//! KV cache) but computes nothing and touches no channel: [`Scheduler::plan_step`] returns the
+//! rows of the next batch as values, the caller runs the forward, and
+//! [`Scheduler::handle_logits`] turns the logits into [`Output`]s (tokens, finishes). The
+//! caller's per-sequence state (KV cache, event sender) rides along as the payload `T` and comes
+//! back when a sequence leaves, so dropping it frees the KV. Tests drive it with `T = ()` and
+//! made-up logits.
+//!
+//! Each step advances every decoding sequence by one token and spends what is left of the
+//! token budget on prompt chunks of sequences still prefilling (oldest first), so a long prompt
+//! never stalls the others for more than a chunk.
+
+use tessera_engine::sampling::sample;
+use tessera_engine::SamplingParams;
+
+use crate::backend::{FinishReason, RequestId, Usage};
+
+/// Batch limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Sequences in the running batch at once.
+    pub max_active: usize,
+    /// Token rows per forward pass (decode rows plus prompt chunks).
+    pub max_batch_tokens: usize,
+    /// Largest prompt chunk of one sequence per step.
+    pub prefill_chunk: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_active: 16,
+            max_batch_tokens: 256,
+            prefill_chunk: 128,
+        }
+    }
+}
+
+/// One running sequence.
+#[derive(Debug)]
+pub struct Sequence<T> {
+    pub id: RequestId,
+    /// Prompt then generated tokens.
+    history: Vec<u32>,
+    prompt_len: usize,
+    /// Positions already in the KV cache (a prefix of `history`).
+    fed: usize,
+    generated: usize,
+    max_tokens: usize,
+    /// Positions the KV cache can hold.
+    capacity: usize,
+    params: SamplingParams,
+    pub payload: T,
+}
+
+impl<T> Sequence<T> {
+    /// A sequence about to be prefilled. `prompt` must not be empty and must fit `capacity`.
+    pub fn new(
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        max_tokens: usize,
+        capacity: usize,
+        payload: T,
+    ) -> Self {
+        Self {
+            id,
+            prompt_len: prompt.len(),
+            history: prompt,
+            fed: 0,
+            generated: 0,
+            max_tokens,
+            capacity,
+            params,
+            payload,
+        }
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.generated,
+        }
+    }
+
+    /// Still feeding its prompt.
+    pub fn is_prefilling(&self) -> bool {
+        self.fed < self.prompt_len
+    }
+}
+
+/// Rows of one sequence in the next forward pass: `history[start_pos..start_pos + n_tokens]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepItem {
+    /// Index into [`Scheduler::active_mut`] (items come in increasing order).
+    pub seq: usize,
+    pub start_pos: usize,
+    pub n_tokens: usize,
+    /// The last row's logits are needed (a decode step, or the last chunk of a prompt).
+    pub wants_logits: bool,
+}
+
+/// What a step produced for one sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    Token {
+        id: RequestId,
+        token: u32,
+    },
+    Finished {
+        id: RequestId,
+        reason: FinishReason,
+        usage: Usage,
+    },
+}
+
+/// The running batch. See the module docs.
+#[derive(Debug)]
+pub struct Scheduler<T> {
+    config: SchedulerConfig,
+    active: Vec<Sequence<T>>,
+}
+
+impl<T> Scheduler<T> {
+    pub fn new(config: SchedulerConfig) -> Self {
+        Self {
+            config: SchedulerConfig {
+                max_active: config.max_active.max(1),
+                max_batch_tokens: config.max_batch_tokens.max(1),
+                prefill_chunk: config.prefill_chunk.max(1),
+            },
+            active: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> SchedulerConfig {
+        self.config
+    }
+
+    /// Whether another sequence may join the batch.
+    pub fn has_room(&self) -> bool {
+        self.active.len() < self.config.max_active
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.active.is_empty()
+    }
+
+    pub fn active(&self) -> &[Sequence<T>] {
+        &self.active
+    }
+
+    pub fn active_mut(&mut self) -> &mut [Sequence<T>] {
+        &mut self.active
+    }
+
+    /// Adds a sequence to the batch (the caller checks [`Scheduler::has_room`]).
+    pub fn admit(&mut self, seq: Sequence<T>) {
+        self.active.push(seq);
+    }
+
+    /// Removes and returns the sequences `gone` says are gone (e.g. their client left).
+    pub fn take_where(&mut self, mut gone: impl FnMut(&Sequence<T>) -> bool) -> Vec<Sequence<T>> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.active.len() {
+            if gone(&self.active[i]) {
+                out.push(self.active.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
+    /// The rows of the next forward pass (empty when idle).
+    pub fn plan_step(&self) -> Vec<StepItem> {
+        let mut items = Vec::new();
+        let mut budget = self.config.max_batch_tokens;
+        for (i, s) in self.active.iter().enumerate() {
+            if !s.is_prefilling() {
+                items.push(StepItem {
+                    seq: i,
+                    start_pos: s.fed,
+                    n_tokens: s.history.len() - s.fed,
+                    wants_logits: true,
+                });
+                budget = budget.saturating_sub(1);
+            }
+        }
+        for (i, s) in self.active.iter().enumerate() {
+            if !s.is_prefilling() {
+                continue;
+            }
+            let left = s.prompt_len - s.fed;
+            // At least one chunk per step, so a batch of prompts always moves.
+            let room = if items.is_empty() {
+                self.config.prefill_chunk
+            } else {
+                budget.min(self.config.prefill_chunk)
+            };
+            let n = left.min(room);
+            if n == 0 {
+                break;
+            }
+            items.push(StepItem {
+                seq: i,
+                start_pos: s.fed,
+                n_tokens: n,
+                wants_logits: s.fed + n == s.prompt_len,
+            });
+            budget = budget.saturating_sub(n);
+        }
+        items.sort_by_key(|it| it.seq);
+        items
+    }
+
+    /// The tokens of `item`.
+    pub fn tokens(&self, item: &StepItem) -> &[u32] {
+        &self.active[item.seq].history[item.start_pos..item.start_pos + item.n_tokens]
+    }
+
+    /// Takes the result of the forward pass for `items` (from the last [`Scheduler::plan_step`]):
+    /// `logits[k]` is the last row of the `k`-th item that wanted logits. Samples, and returns
+    /// the outputs in item order plus the sequences that finished (their payloads to drop).
+    pub fn handle_logits(
+        &mut self,
+        items: &[StepItem],
+        logits: &[&[f32]],
+        is_end_of_generation: &dyn Fn(u32) -> bool,
+    ) -> (Vec<Output>, Vec<Sequence<T>>) {
+        let mut outputs = Vec::new();
+        let mut done = Vec::new();
+        let mut rows = logits.iter();
+        for it in items {
+            let s = &mut self.active[it.seq];
+            s.fed = it.start_pos + it.n_tokens;
+            if !it.wants_logits {
+                continue;
+            }
+            let row = rows
+                .next()
+                .expect("one logits row per item that wants logits");
+            let position = s.history.len() as u64;
+            let token = sample(row, &s.params, &s.history, position);
+            let finish = if is_end_of_generation(token) {
+                Some(FinishReason::Stop)
+            } else {
+                s.history.push(token);
+                s.generated += 1;
+                outputs.push(Output::Token { id: s.id, token });
+                // The new token needs one more position to be fed.
+                (s.generated >= s.max_tokens || s.fed >= s.capacity).then_some(FinishReason::Length)
+            };
+            if let Some(reason) = finish {
+                outputs.push(Output::Finished {
+                    id: s.id,
+                    reason,
+                    usage: s.usage(),
+                });
+                done.push(s.id);
+            }
+        }
+        let finished = self.take_where(|s| done.contains(&s.id));
+        (outputs, finished)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(id: RequestId, prompt_len: usize, max_tokens: usize) -> Sequence<()> {
+        Sequence::new(
+            id,
+            (0..prompt_len as u32).collect(),
+            SamplingParams::greedy(),
+            max_tokens,
+            64,
+            (),
+        )
+    }
+
+    /// Logits whose argmax is `token`.
+    fn peak(token: u32) -> Vec<f32> {
+        let mut l = vec![0.0; 10];
+        l[token as usize] = 1.0;
+        l
+    }
+
+    fn step(s: &mut Scheduler<()>, token: u32) -> (Vec<StepItem>, Vec<Output>, Vec<RequestId>) {
+        let items = s.plan_step();
+        let n = items.iter().filter(|i| i.wants_logits).count();
+        let rows: Vec<Vec<f32>> = (0..n).map(|_| peak(token)).collect();
+        let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+        let (out, fin) = s.handle_logits(&items, &refs, &|t| t == 9);
+        (items, out, fin.iter().map(|f| f.id).collect())
+    }
+
+    #[test]
+    fn long_prompt_is_prefilled_in_chunks_alongside_decodes() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            max_active: 4,
+            max_batch_tokens: 8,
+            prefill_chunk: 6,
+        });
+        s.admit(seq(1, 2, 5));
+        let (items, out, _) = step(&mut s, 3);
+        assert_eq!(items.len(), 1);
+        assert_eq!(out, vec![Output::Token { id: 1, token: 3 }]);
+        s.admit(seq(2, 20, 5));
+        // Sequence 1 decodes one token; sequence 2 gets the rest of the budget (7 → chunk 6).
+        let (items, out, _) = step(&mut s, 4);
+        assert_eq!(
+            items,
+            vec![
+                StepItem {
+                    seq: 0,
+                    start_pos: 2,
+                    n_tokens: 1,
+                    wants_logits: true
+                },
+                StepItem {
+                    seq: 1,
+                    start_pos: 0,
+                    n_tokens: 6,
+                    wants_logits: false
+                },
+            ]
+        );
+        assert_eq!(out, vec![Output::Token { id: 1, token: 4 }]);
+        step(&mut s, 4);
+        step(&mut s, 4);
+        // 18 fed; the last chunk of 2 wants logits.
+        let (items, out, _) = step(&mut s, 5);
+        assert_eq!(
+            items[1],
+            StepItem {
+                seq: 1,
+                start_pos: 18,
+                n_tokens: 2,
+                wants_logits: true
+            }
+        );
+        assert!(out.contains(&Output::Token { id: 2, token: 5 }));
+    }
+
+    #[test]
+    fn finishes_on_max_tokens_and_end_of_generation() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        s.admit(seq(1, 3, 2));
+        s.admit(seq(2, 3, 10));
+        step(&mut s, 1);
+        let (_, out, fin) = step(&mut s, 1);
+        assert_eq!(fin, vec![1]);
+        assert!(out.contains(&Output::Finished {
+            id: 1,
+            reason: FinishReason::Length,
+            usage: Usage {
+                prompt_tokens: 3,
+                completion_tokens: 2
+            },
+        }));
+        // Token 9 ends generation and is not emitted.
+        let (_, out, fin) = step(&mut s, 9);
+        assert_eq!(fin, vec![2]);
+        assert_eq!(
+            out,
+            vec![Output::Finished {
+                id: 2,
+                reason: FinishReason::Stop,
+                usage: Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: 2
+                },
+            }]
+        );
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn stops_when_the_context_is_full() {
+        let mut s: Scheduler<()> = Scheduler::new(SchedulerConfig::default());
+        s.admit(Sequence::new(
+            1,
+            vec![0, 1, 2],
+            SamplingParams::greedy(),
+            100,
+            5,
+            (),
+        ));
+        let mut tokens = 0;
+        loop {
+            let (_, out, fin) = step(&mut s, 1);
+            tokens += out
+                .iter()
+                .filter(|o| matches!(o, Output::Token { .. }))
+                .count();
+            if !fin.is_empty() {
+                break;
+            }
+        }
+        // Positions 0..5 hold the prompt and two generated tokens; the third is emitted last.
+        assert_eq!(tokens, 3);
+    }
+
+    #[test]
+    fn cancelled_sequences_leave_the_batch() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            max_active: 2,
+            ..SchedulerConfig::default()
+        });
+        s.admit(seq(1, 3, 10));
+        s.admit(seq(2, 3, 10));
+        assert!(!s.has_room());
+        let gone = s.take_where(|q| q.id == 1);
+        assert_eq!(gone.len(), 1);
+        assert!(s.has_room());
+        let (items, _, _) = step(&mut s, 1);
+        assert_eq!(items.len(), 1);
+    }
+}

@@ -1,0 +1,193 @@
+//! From a backend's token events to the text a client sees: UTF-8 assembled across tokens (as
+//! [`tessera_model::StreamDecoder`] does, but owning its tokenizer through the [`ServedModel`])
+//! and stop strings cut out ([`StopMatcher`]). A stop string ends the request here: the handle
+//! is dropped, which cancels the sequence in the backend.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_engine::StopMatcher;
+
+use crate::backend::{Event, FinishReason, RequestHandle, ServedModel, Usage};
+
+/// A step of a request's text.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Piece {
+    /// More text (never empty).
+    Text(String),
+    Done {
+        reason: FinishReason,
+        usage: Usage,
+    },
+    Failed(String),
+}
+
+/// Turns one request's events into text pieces.
+#[derive(Debug)]
+pub struct TextStream {
+    handle: Option<RequestHandle>,
+    served: Arc<ServedModel>,
+    pending: Vec<u8>,
+    stop: StopMatcher,
+    prompt_tokens: usize,
+    tokens: usize,
+    started: Instant,
+    first_token: Option<Duration>,
+    finished: bool,
+    /// A `Done` to return after the text that preceded it.
+    deferred: Option<Piece>,
+}
+
+impl TextStream {
+    pub fn new(
+        handle: RequestHandle,
+        served: Arc<ServedModel>,
+        stop: &[String],
+        prompt_tokens: usize,
+        started: Instant,
+    ) -> Self {
+        Self {
+            handle: Some(handle),
+            served,
+            pending: Vec::new(),
+            stop: StopMatcher::new(stop.iter().cloned()),
+            prompt_tokens,
+            tokens: 0,
+            started,
+            first_token: None,
+            finished: false,
+            deferred: None,
+        }
+    }
+
+    /// Time from arrival to the first token, once there was one.
+    pub fn ttft(&self) -> Option<Duration> {
+        self.first_token
+    }
+
+    /// Tokens generated so far.
+    pub fn completion_tokens(&self) -> usize {
+        self.tokens
+    }
+
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    /// Whether a `Done` or `Failed` piece was returned.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// The next piece; `None` after `Done`/`Failed`. `on_token` is called once per token
+    /// event (for throughput metrics) and `on_first` at the first.
+    pub async fn next_piece(&mut self, on_token: &mut (dyn FnMut(bool) + Send)) -> Option<Piece> {
+        if let Some(p) = self.deferred.take() {
+            self.finished = true;
+            return Some(p);
+        }
+        if self.finished {
+            return None;
+        }
+        loop {
+            let handle = self.handle.as_mut()?;
+            let Some(event) = handle.next_event().await else {
+                self.handle = None;
+                self.finished = true;
+                return Some(Piece::Failed("the backend dropped the request".into()));
+            };
+            match event {
+                Event::Token(id) => {
+                    self.tokens += 1;
+                    let first = self.first_token.is_none();
+                    if first {
+                        self.first_token = Some(self.started.elapsed());
+                    }
+                    on_token(first);
+                    let text = self.take_utf8(id);
+                    let step = self.stop.push(&text);
+                    if step.stopped {
+                        // Cancel in the backend: the rest is not wanted.
+                        self.handle = None;
+                        return Some(self.done_with_text(step.emit, FinishReason::Stop));
+                    }
+                    if !step.emit.is_empty() {
+                        return Some(Piece::Text(step.emit));
+                    }
+                }
+                Event::Finished { reason, usage } => {
+                    self.handle = None;
+                    let mut tail = String::from_utf8_lossy(&self.pending).into_owned();
+                    self.pending.clear();
+                    let step = self.stop.push(&tail);
+                    tail = step.emit;
+                    if !step.stopped {
+                        tail.push_str(&self.stop.finish());
+                    }
+                    let reason = if step.stopped {
+                        FinishReason::Stop
+                    } else {
+                        reason
+                    };
+                    self.tokens = usage.completion_tokens;
+                    return Some(self.done_with_text(tail, reason));
+                }
+                Event::Failed { message } => {
+                    self.handle = None;
+                    self.finished = true;
+                    return Some(Piece::Failed(message));
+                }
+            }
+        }
+    }
+
+    /// `Done`, preceded by `text` if there is any (returned as `Text` now; `Done` next call).
+    fn done_with_text(&mut self, text: String, reason: FinishReason) -> Piece {
+        let usage = Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.tokens,
+        };
+        if text.is_empty() {
+            self.finished = true;
+            Piece::Done { reason, usage }
+        } else {
+            self.deferred = Some(Piece::Done { reason, usage });
+            Piece::Text(text)
+        }
+    }
+
+    /// Appends the token's bytes and returns the complete UTF-8 text (invalid bytes as U+FFFD).
+    fn take_utf8(&mut self, id: u32) -> String {
+        self.pending
+            .extend_from_slice(self.served.tokenizer.piece_bytes(id));
+        let mut out = String::new();
+        let mut start = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[start..]) {
+                Ok(s) => {
+                    out.push_str(s);
+                    start = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(
+                        &self.pending[start..start + valid],
+                    ));
+                    match e.error_len() {
+                        Some(n) => {
+                            out.push('\u{FFFD}');
+                            start += valid + n;
+                        }
+                        None => {
+                            start += valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending.drain(..start);
+        out
+    }
+}

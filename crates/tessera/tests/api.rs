@@ -1,0 +1,498 @@
+//! End to end: the real `tessera serve` binary on a loopback port, driven over real sockets.
+//!
+//! Each test starts its own server on 127.0.0.1 port 0 (the binary prints the bound address)
+//! and stops it when done. The HTTP client is a few lines over `TcpStream` (HTTP/1.1,
+//! `Connection: close`, chunked bodies decoded), so the test adds no dependencies.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running `tessera serve`, killed on drop.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .env("TESSERA_CACHE_DIR", cache_dir())
+            .env("TESSERA_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting tessera serve");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).expect("reading the listen line");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on http://")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            let _ = out.read_to_string(&mut sink);
+        });
+        Self { child, addr }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn cache_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache")
+}
+
+fn model_path(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+}
+
+fn send(addr: &str, method: &str, path: &str, body: Option<&str>, auth: Option<&str>) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connecting");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let body = body.unwrap_or("");
+    let auth = auth.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+fn read_response(s: TcpStream) -> Response {
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let status: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        let (k, v) = l.split_once(':').unwrap();
+        headers.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    let mut raw = Vec::new();
+    r.read_to_end(&mut raw).unwrap();
+    let body = if chunked { dechunk(&raw) } else { raw };
+    Response {
+        status,
+        headers,
+        body: String::from_utf8(body).unwrap(),
+    }
+}
+
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size = std::str::from_utf8(&raw[..eol])
+            .unwrap()
+            .split(';')
+            .next()
+            .unwrap();
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.extend_from_slice(&raw[eol + 2..eol + 2 + n]);
+        raw = &raw[eol + 2 + n + 2..];
+    }
+}
+
+fn post(addr: &str, path: &str, body: &serde_json::Value) -> Response {
+    read_response(send(addr, "POST", path, Some(&body.to_string()), None))
+}
+
+fn get(addr: &str, path: &str, auth: Option<&str>) -> Response {
+    read_response(send(addr, "GET", path, None, auth))
+}
+
+/// The `data:` payloads of an SSE body, `[DONE]` included.
+fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|ev| ev.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Text and finish reason of a streamed chat completion; checks the stream's shape.
+fn streamed_chat(addr: &str, body: &serde_json::Value) -> (String, String) {
+    let r = post(addr, "/v1/chat/completions", body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let data = sse_data(&r.body);
+    assert_eq!(
+        data.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        r.body
+    );
+    let mut text = String::new();
+    let mut finish = String::new();
+    for d in &data[..data.len() - 1] {
+        let v: serde_json::Value = serde_json::from_str(d).unwrap();
+        assert_eq!(v["object"], "chat.completion.chunk");
+        let c = &v["choices"][0];
+        if let Some(t) = c["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    (text, finish)
+}
+
+/// A Prometheus sample without labels.
+fn metric(addr: &str, name: &str) -> f64 {
+    let m = get(addr, "/metrics", None);
+    m.body
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in /metrics"))
+        .parse()
+        .unwrap()
+}
+
+fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(t0.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn official_openai_client_lists_chats_streams_and_gets_errors() {
+    let have = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must install the openai package (pip install openai)"
+        );
+        eprintln!("skipping: python3 with the `openai` package is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_api.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(server.url())
+        .output()
+        .expect("running python3");
+    let log = format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{log}");
+    assert!(out.status.success(), "openai_api.py failed\n{log}");
+}
+
+#[test]
+fn thirty_two_concurrent_streams_each_match_the_request_run_alone() {
+    let server = Server::start(&["--max-batch", "16"]);
+    let addr = server.addr.clone();
+    let request = |i: usize| {
+        serde_json::json!({
+            "model": "stories260K",
+            "messages": [{"role": "user", "content": format!("Story number {i} about a {}.",
+                ["dog", "cat", "bird", "tree"][i % 4])}],
+            "temperature": 0,
+            "max_tokens": 40 + (i % 5) * 8,
+            "stream": true,
+        })
+    };
+    let alone: Vec<(String, String)> = (0..32).map(|i| streamed_chat(&addr, &request(i))).collect();
+    assert!(alone.iter().all(|(t, _)| !t.is_empty()));
+    let steps0 = metric(&addr, "tessera_steps_total");
+    let tokens0 = metric(&addr, "tessera_generated_tokens_total");
+    let together: Vec<(String, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..32)
+            .map(|i| {
+                let addr = &addr;
+                let req = request(i);
+                s.spawn(move || streamed_chat(addr, &req))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(
+            a, t,
+            "request {i}: batched output differs from the same request alone"
+        );
+    }
+    // Continuous batching: fewer forward steps than tokens generated.
+    let steps = metric(&addr, "tessera_steps_total") - steps0;
+    let tokens = metric(&addr, "tessera_generated_tokens_total") - tokens0;
+    eprintln!("32 concurrent streams: {tokens} tokens in {steps} steps");
+    assert!(
+        steps < tokens,
+        "{tokens} tokens took {steps} steps: nothing was batched"
+    );
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_frees_its_kv() {
+    // A model that runs to the context limit at temperature 0 (no end-of-generation token), so
+    // the stream is still going when the client leaves.
+    let model = model_path("test/small-qwen3moe-Q8_0.gguf");
+    let server = Server::start(&["--model", &model, "--threads", "1"]);
+    let addr = server.addr.clone();
+    assert_eq!(metric(&addr, "tessera_kv_cache_bytes"), 0.0);
+    let body = serde_json::json!({
+        "model": "small-qwen3moe-Q8_0",
+        "prompt": "Once upon a time",
+        "temperature": 0,
+        "max_tokens": 500,
+        "stream": true,
+    })
+    .to_string();
+    let s = send(&addr, "POST", "/v1/completions", Some(&body), None);
+    let mut r = BufReader::new(s);
+    let mut seen = 0;
+    let mut line = String::new();
+    while seen < 2 {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early");
+        if line.contains("data: {") {
+            seen += 1;
+        }
+    }
+    // Mid-stream: the sequence holds KV now.
+    let m = get(&addr, "/metrics", None).body;
+    assert!(m.contains("\ntessera_active_sequences 1\n"), "{m}");
+    assert!(!m.contains("\ntessera_kv_cache_bytes 0\n"), "{m}");
+    drop(r);
+    wait_for(
+        "the sequence to be dropped",
+        Duration::from_secs(10),
+        || {
+            metric(&addr, "tessera_active_sequences") == 0.0
+                && metric(&addr, "tessera_kv_cache_bytes") == 0.0
+        },
+    );
+    assert_eq!(metric(&addr, "tessera_cancelled_total"), 1.0);
+    // The server still serves.
+    let r = post(
+        &addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "small-qwen3moe-Q8_0", "prompt": "Hi", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn a_full_queue_is_429_with_retry_after() {
+    // Runs to max_tokens (no end-of-generation token at temperature 0): the slot stays busy.
+    let model = model_path("test/small-qwen3moe-Q8_0.gguf");
+    let server = Server::start(&[
+        "--model",
+        &model,
+        "--threads",
+        "1",
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+    ]);
+    let addr = server.addr.clone();
+    let body = serde_json::json!({
+        "model": "small-qwen3moe-Q8_0", "prompt": "Once upon a time", "temperature": 0,
+        "max_tokens": 400,
+    });
+    let responses: Vec<Response> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8)
+            .map(|_| s.spawn(|| post(&addr, "/v1/completions", &body)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ok = responses.iter().filter(|r| r.status == 200).count();
+    let limited: Vec<&Response> = responses.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(ok + limited.len(), 8, "only 200 and 429 expected");
+    // The first is running or queued when the rest arrive (the engine may not have taken it
+    // into the batch yet, so it can be the one holding the queue place).
+    assert!(ok >= 1, "the running request completes");
+    assert!(
+        !limited.is_empty(),
+        "8 requests on 1 slot and 1 queue place: some must be refused"
+    );
+    for r in limited {
+        assert_eq!(r.header("retry-after"), Some("1"));
+        let e = r.json();
+        assert_eq!(e["error"]["code"], "rate_limit_exceeded", "{e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains("queue"));
+    }
+}
+
+#[test]
+fn a_prompt_longer_than_the_context_is_400() {
+    let server = Server::start(&["--ctx", "64"]);
+    // Over 16 KiB: tokenized off the async workers.
+    let long = "Once upon a time there was a little dog. ".repeat(500);
+    let r = post(
+        &server.addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "stories260K", "prompt": long}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = r.json();
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert_eq!(e["error"]["code"], "context_length_exceeded");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maximum context length is 64"));
+    // Fits the prompt, but not the completion asked for.
+    let r = post(
+        &server.addr,
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "stories260K", "max_tokens": 60,
+                            "messages": [{"role": "user", "content": "Hello there"}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+}
+
+#[test]
+fn malformed_and_unknown_model_requests_get_openai_errors() {
+    let server = Server::start(&[]);
+    let r = read_response(send(
+        &server.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some("{oops"),
+        None,
+    ));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    let r = post(
+        &server.addr,
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "stories260K", "messages": [{"role": "user", "content": 5}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = post(
+        &server.addr,
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    let r = get(&server.addr, "/v1/nothing-here", None);
+    assert_eq!(r.status, 404);
+    assert!(r.json()["error"]["message"].is_string());
+    // Stop strings end the text before them, with finish_reason "stop".
+    let r = post(
+        &server.addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "stories260K", "prompt": "Once upon a time",
+                            "temperature": 0, "max_tokens": 60, "stop": ["."]}),
+    );
+    let v = r.json();
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(!text.contains('.'), "{text:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[test]
+fn health_and_metrics_describe_the_served_plan() {
+    let server = Server::start(&[]);
+    let h = get(&server.addr, "/health", None);
+    assert_eq!(h.status, 200);
+    assert_eq!(h.json()["plan_epoch"], 1);
+    let m = get(&server.addr, "/metrics", None);
+    assert!(m.header("content-type").unwrap().starts_with("text/plain"));
+    for name in [
+        "tessera_tokens_per_second",
+        "tessera_time_to_first_token_seconds_bucket",
+        "tessera_queue_depth",
+        "tessera_node_memory_used_bytes{node=\"local\"",
+        "tessera_plan_epoch 1",
+        "tessera_kv_cache_bytes",
+    ] {
+        assert!(m.body.contains(name), "/metrics lacks {name}");
+    }
+}
+
+#[test]
+fn the_api_key_guards_v1_but_not_the_dashboard() {
+    let server = Server::start(&["--api-key", "s3cret"]);
+    assert_eq!(get(&server.addr, "/v1/models", None).status, 401);
+    let r = get(&server.addr, "/v1/models", Some("wrong"));
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    assert_eq!(get(&server.addr, "/v1/models", Some("s3cret")).status, 200);
+    assert_eq!(get(&server.addr, "/", None).status, 200);
+    assert_eq!(get(&server.addr, "/api/status", None).status, 200);
+}
+
+#[test]
+fn binding_beyond_loopback_without_a_key_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--listen", "0.0.0.0:0"])
+        .env("TESSERA_CACHE_DIR", cache_dir())
+        .env_remove("TESSERA_API_KEY")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("API key"), "{err}");
+}
