@@ -16,7 +16,7 @@ pub fn path() -> anyhow::Result<PathBuf> {
     let hash = blake3::hash(BYTES).to_hex();
     let dir = cache_dir().join("models");
     let path = dir.join(format!("{NAME}-{}.gguf", &hash[..16]));
-    if std::fs::metadata(&path).map(|m| m.len()) .ok() == Some(BYTES.len() as u64) {
+    if std::fs::metadata(&path).map(|m| m.len()).ok() == Some(BYTES.len() as u64) {
         return Ok(path);
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -73,9 +73,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let threads = args.threads.unwrap_or_else(super::default_threads);
     let mut progress = LoadProgress::new(&gguf);
-    let model = Model::load(&gguf, LoadSpec::full(&config), threads, &mut |done, total| {
-        progress.update(done, total)
-    })
+    let model = Model::load(
+        &gguf,
+        LoadSpec::full(&config),
+        threads,
+        &mut |done, total| progress.update(done, total),
+    )
     .with_context(|| format!("loading {}", path.display()))?;
     progress.finish();
 

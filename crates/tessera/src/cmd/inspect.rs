@@ -28,7 +28,10 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     print!("{profile}");
     if args.tensors {
         println!();
-        println!("{:<32} {:>6} {:>20} {:>12} {:>12}", "tensor", "type", "shape", "offset", "bytes");
+        println!(
+            "{:<32} {:>6} {:>20} {:>12} {:>12}",
+            "tensor", "type", "shape", "offset", "bytes"
+        );
         for t in &profile.tensors {
             println!(
                 "{:<32} {:>6} {:>20} {:>12} {:>12}",
