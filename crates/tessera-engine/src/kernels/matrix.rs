@@ -11,7 +11,7 @@
 //! 16 rows, which a broadcast activation word multiplies with `vpdpbusd`/`pmaddubsw` directly
 //! into one i32 lane per row — no horizontal sums, and scales for 16 rows in one convert.
 //!
-//! Q4_K is interleaved the same way per 256-column block ([`Q4K_X16`] bytes): 16 f16 `d`, 16 f16
+//! Q4_K is interleaved the same way per 256-column block (2368 bytes): 16 f16 `d`, 16 f16
 //! `dmin`, the decoded 6-bit scales `[sub-block][row]` (128 bytes) and mins (128 bytes), then
 //! for each 32-byte chunk `c` of the quants, 8 runs of 4 bytes × 16 rows (512 bytes).
 //! Q5_K is Q4_K's layout plus its `qh` bytes as 8 runs × 16 rows (512 bytes) before the quants.
@@ -93,7 +93,7 @@ impl std::fmt::Debug for MatrixBytes {
     }
 }
 
-/// A weight matrix ready for [`matmul`](super::matmul).
+/// A weight matrix ready for [`matmul`](super::matmul()).
 #[derive(Debug)]
 pub struct Matrix {
     pub(crate) dtype: GgmlType,

@@ -12,7 +12,7 @@
 //! Usage:
 //! - Build each weight once with [`Matrix::new`] (it repacks into 16-row interleaved groups and
 //!   owns the result; the source bytes, e.g. an mmap range, can be dropped afterwards).
-//! - [`matmul`] / [`matmul_rows`] quantize `x` and multiply. When several matrices read the same
+//! - [`matmul()`] / [`matmul_rows`] quantize `x` and multiply. When several matrices read the same
 //!   input (Q/K/V, gate/up, all experts of a layer), quantize once with [`QuantizedActs::new`]
 //!   and run them together with [`matmul_many`] (one pool dispatch) or [`matmul_rows_q`].
 //! - MoE: an expert tensor is one `Matrix` of `n_expert * rows` rows; expert `e` is rows
