@@ -108,6 +108,18 @@ impl ModelConfig {
         let a = arch.gguf_name();
         let key = |k: &str| format!("{a}.{k}");
         let n_layer = meta_usize(g, &key("block_count"))?;
+        // Every layer has at least nine tensors (two norms, four attention projections, three
+        // FFN matrices); refuse a count the file cannot back before building names for it.
+        if n_layer.saturating_mul(9) > g.tensors().len() {
+            return Err(bad_meta(
+                path,
+                &key("block_count"),
+                format!(
+                    "{n_layer} layers cannot fit in a file of {} tensors",
+                    g.tensors().len()
+                ),
+            ));
+        }
         let n_embd = meta_usize(g, &key("embedding_length"))?;
         let n_head = meta_usize(g, &key("attention.head_count"))?;
         let n_head_kv = opt_usize(g, &key("attention.head_count_kv"))?.unwrap_or(n_head);

@@ -66,3 +66,15 @@ fn missing_file_is_an_io_error_with_the_path() {
     let err = GgufFile::open("/nonexistent/x.gguf").unwrap_err();
     assert!(err.to_string().contains("/nonexistent/x.gguf"));
 }
+
+/// Found by the `gguf` fuzz target: a 3 KB file claiming 16M layers made the shape check build
+/// hundreds of millions of expected tensor names before failing.
+#[test]
+fn regression_huge_block_count_is_refused_without_allocating() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/regressions/gguf-block-count-16M");
+    let bytes = std::fs::read(path).unwrap();
+    let g = GgufFile::parse(&bytes).unwrap();
+    let err = ModelProfile::from_gguf(&g).unwrap_err().to_string();
+    assert!(err.contains("block_count"), "{err}");
+}

@@ -1,0 +1,433 @@
+//! The emulator over real UDP sockets on 127.0.0.1. Every loop is bounded in count and time;
+//! wall-clock assertions are lower bounds (the emulator adds at least what it is told) or
+//! generous upper bounds.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_linkemu::{Impairment, LinkEmulator, LinkShape};
+use tokio::net::UdpSocket;
+use tokio::time::{timeout, Instant};
+
+const LOCAL: &str = "127.0.0.1:0";
+
+fn local() -> SocketAddr {
+    LOCAL.parse().unwrap()
+}
+
+/// A UDP echo server; stops with the runtime.
+async fn echo_server() -> SocketAddr {
+    let sock = UdpSocket::bind(local()).await.unwrap();
+    let addr = sock.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65_535];
+        while let Ok((n, from)) = sock.recv_from(&mut buf).await {
+            let _ = sock.send_to(&buf[..n], from).await;
+        }
+    });
+    addr
+}
+
+/// A UDP sink that counts datagrams and bytes and notes first and last arrival times.
+#[derive(Default)]
+struct SinkStats {
+    packets: AtomicU64,
+    bytes: AtomicU64,
+    first_len: AtomicU64,
+    /// Nanoseconds after `start`.
+    first_ns: AtomicU64,
+    last_ns: AtomicU64,
+}
+
+async fn sink_server() -> (SocketAddr, Arc<SinkStats>) {
+    let sock = UdpSocket::bind(local()).await.unwrap();
+    let addr = sock.local_addr().unwrap();
+    let stats = Arc::new(SinkStats::default());
+    let s = stats.clone();
+    let start = Instant::now();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65_535];
+        while let Ok(n) = sock.recv(&mut buf).await {
+            let t = start.elapsed().as_nanos() as u64;
+            if s.packets.fetch_add(1, Ordering::SeqCst) == 0 {
+                s.first_ns.store(t, Ordering::SeqCst);
+                s.first_len.store(n as u64, Ordering::SeqCst);
+            }
+            s.last_ns.store(t, Ordering::SeqCst);
+            s.bytes.fetch_add(n as u64, Ordering::SeqCst);
+        }
+    });
+    (addr, stats)
+}
+
+/// Sends one ping through `to` and waits up to `wait` for its echo; the round-trip time.
+async fn ping(sock: &UdpSocket, to: SocketAddr, seq: u32, wait: Duration) -> Option<Duration> {
+    let t0 = Instant::now();
+    sock.send_to(&seq.to_be_bytes(), to).await.unwrap();
+    let mut buf = [0u8; 64];
+    let deadline = t0 + wait;
+    loop {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        match timeout(left, sock.recv_from(&mut buf)).await {
+            Ok(Ok((4, _))) if buf[..4] == seq.to_be_bytes() => return Some(t0.elapsed()),
+            Ok(_) => continue, // a late echo of an earlier ping
+            Err(_) => return None,
+        }
+    }
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delay_adds_one_way_latency_to_the_round_trip() {
+    let echo = echo_server().await;
+    let shape = LinkShape::symmetric(Impairment::default().delay(ms(40)));
+    let (emu, addr) = LinkEmulator::start(local(), echo, shape).await.unwrap();
+    let client = UdpSocket::bind(local()).await.unwrap();
+
+    let mut rtts = Vec::new();
+    for seq in 0..5 {
+        rtts.push(
+            ping(&client, addr, seq, Duration::from_secs(5))
+                .await
+                .expect("echo"),
+        );
+    }
+    let min = *rtts.iter().min().unwrap();
+    assert!(min >= ms(80), "RTT {min:?} below the configured 2 x 40 ms");
+    assert!(
+        min < ms(80) + Duration::from_secs(3),
+        "RTT {min:?} absurdly high"
+    );
+
+    // Reshape at run time: 60 ms towards upstream only.
+    emu.handle().set(LinkShape::asymmetric(
+        Impairment::default().delay(ms(60)),
+        Impairment::default(),
+    ));
+    let mut rtts = Vec::new();
+    for seq in 100..105 {
+        rtts.push(
+            ping(&client, addr, seq, Duration::from_secs(5))
+                .await
+                .expect("echo"),
+        );
+    }
+    let min = *rtts.iter().min().unwrap();
+    assert!(
+        min >= ms(60),
+        "RTT {min:?} below the configured 60 ms one way"
+    );
+    assert!(
+        min < ms(60) + Duration::from_secs(3),
+        "RTT {min:?} absurdly high"
+    );
+
+    let stats = emu.handle().stats();
+    assert_eq!(stats.associations, 1);
+    assert_eq!(stats.to_upstream.packets_out, 10);
+    assert_eq!(stats.to_client.packets_out, 10);
+    assert_eq!(stats.to_upstream.dropped(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bandwidth_limit_caps_throughput() {
+    const LIMIT: u64 = 400_000; // bytes/s
+    const SIZE: usize = 1200;
+    let (sink, got) = sink_server().await;
+    let shape = LinkShape::symmetric(Impairment::default().bandwidth(LIMIT).queue_bytes(48_000));
+    let (emu, addr) = LinkEmulator::start(local(), sink, shape).await.unwrap();
+    let client = UdpSocket::bind(local()).await.unwrap();
+
+    // Offer about twice the limit for 1.5 s: 8 datagrams (9600 B) every 10 ms.
+    let payload = vec![0xA5u8; SIZE];
+    let mut tick = tokio::time::interval(ms(10));
+    for _ in 0..150 {
+        tick.tick().await;
+        for _ in 0..8 {
+            client.send_to(&payload, addr).await.unwrap();
+        }
+    }
+    // Let the queue drain (at most 48 kB at 400 kB/s), bounded.
+    let settle = Instant::now();
+    let mut last = u64::MAX;
+    while settle.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(ms(300)).await;
+        let now = got.packets.load(Ordering::SeqCst);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+
+    let bytes = got.bytes.load(Ordering::SeqCst) - got.first_len.load(Ordering::SeqCst);
+    let span_ns = got.last_ns.load(Ordering::SeqCst) - got.first_ns.load(Ordering::SeqCst);
+    let rate = bytes as f64 / (span_ns as f64 / 1e9);
+    let stats = emu.handle().stats();
+    eprintln!("measured {rate:.0} B/s over {span_ns} ns, limit {LIMIT}; {stats}");
+    assert!(
+        span_ns > 500_000_000,
+        "transfer too short to measure: {span_ns} ns"
+    );
+    assert!(
+        rate <= LIMIT as f64 * 1.2,
+        "measured {rate:.0} B/s exceeds the {LIMIT} B/s limit by more than 20%"
+    );
+    assert!(
+        rate >= LIMIT as f64 * 0.3,
+        "measured {rate:.0} B/s: the link barely flowed"
+    );
+    assert!(
+        stats.to_upstream.dropped_queue > 0,
+        "offered 2x the limit, yet no tail drop"
+    );
+    assert_eq!(stats.to_upstream.dropped_loss, 0);
+}
+
+/// Sends `n` paced datagrams through a fresh emulator with `loss` and `seed`; returns the
+/// emulator's counters once delivery has settled.
+async fn lossy_run(loss: f64, seed: u64, n: u32) -> (tessera_linkemu::LinkStats, u64) {
+    let (sink, got) = sink_server().await;
+    let shape = LinkShape::symmetric(Impairment::default().loss(loss)).seed(seed);
+    let (emu, addr) = LinkEmulator::start(local(), sink, shape).await.unwrap();
+    let client = UdpSocket::bind(local()).await.unwrap();
+    for i in 0..n {
+        client.send_to(&i.to_be_bytes(), addr).await.unwrap();
+        if i % 20 == 19 {
+            tokio::time::sleep(ms(1)).await;
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = emu.handle().stats();
+        let settled = s.to_upstream.packets_in == u64::from(n)
+            && got.packets.load(Ordering::SeqCst) == s.to_upstream.packets_out;
+        if settled || Instant::now() > deadline {
+            return (s, got.packets.load(Ordering::SeqCst));
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loss_drops_about_the_configured_fraction_deterministically() {
+    const N: u32 = 2000;
+    let (a, received) = lossy_run(0.25, 1234, N).await;
+    let up = a.to_upstream;
+    assert!(
+        up.packets_in > u64::from(N) * 9 / 10,
+        "the kernel lost too much: {a}"
+    );
+    let fraction = up.dropped_loss as f64 / up.packets_in as f64;
+    // Binomial sd at p = 0.25, n = 2000 is about 0.01: five of them.
+    assert!(
+        (fraction - 0.25).abs() < 0.05,
+        "dropped {fraction:.3}, configured 0.25"
+    );
+    assert_eq!(
+        up.packets_in,
+        up.dropped_loss + up.packets_out + up.dropped_other
+    );
+    assert!(received <= up.packets_out);
+
+    // Same seed, same datagram sequence: the same drops.
+    let (b, _) = lossy_run(0.25, 1234, N).await;
+    if b.to_upstream.packets_in == up.packets_in {
+        assert_eq!(
+            b.to_upstream.dropped_loss, up.dropped_loss,
+            "same seed, other drops"
+        );
+    }
+    // No loss configured: nothing dropped by the emulator.
+    let (c, _) = lossy_run(0.0, 1234, 500).await;
+    assert_eq!(c.to_upstream.dropped(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_drops_everything_and_heal_restores() {
+    let echo = echo_server().await;
+    let shape = LinkShape::symmetric(Impairment::default().delay(ms(100)));
+    let (emu, addr) = LinkEmulator::start(local(), echo, shape).await.unwrap();
+    let link = emu.handle();
+    let client = UdpSocket::bind(local()).await.unwrap();
+
+    assert!(ping(&client, addr, 1, Duration::from_secs(5))
+        .await
+        .is_some());
+
+    // A datagram already in flight when the partition begins is lost too.
+    client.send_to(&2u32.to_be_bytes(), addr).await.unwrap();
+    link.partition();
+    assert!(link.is_partitioned());
+    for seq in 3..13 {
+        assert_eq!(
+            ping(&client, addr, seq, ms(250)).await,
+            None,
+            "ping {seq} crossed a partition"
+        );
+    }
+    let s = link.stats();
+    assert!(
+        s.to_upstream.dropped_partition + s.to_client.dropped_partition >= 11,
+        "{s}"
+    );
+
+    link.heal();
+    let back = ping(&client, addr, 100, Duration::from_secs(5)).await;
+    assert!(back.is_some(), "healed link still drops");
+    assert!(back.unwrap() >= ms(200));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn separate_clients_get_separate_associations() {
+    let echo = echo_server().await;
+    let (emu, addr) = LinkEmulator::start(local(), echo, LinkShape::default())
+        .await
+        .unwrap();
+    let a = UdpSocket::bind(local()).await.unwrap();
+    let b = UdpSocket::bind(local()).await.unwrap();
+    for seq in 0..3 {
+        assert!(ping(&a, addr, seq, Duration::from_secs(5)).await.is_some());
+        assert!(ping(&b, addr, seq + 10, Duration::from_secs(5))
+            .await
+            .is_some());
+    }
+    assert_eq!(emu.handle().stats().associations, 2);
+    emu.shutdown().await;
+    // After shutdown nothing answers.
+    assert_eq!(ping(&a, addr, 99, ms(300)).await, None);
+}
+
+mod quic {
+    use super::*;
+    use tessera_net::{Accepted, AllowList, Endpoint, EndpointConfig, ExpectedPeer, NodeIdentity};
+
+    const KIND: u16 = 7;
+
+    fn config(idle: Duration) -> EndpointConfig {
+        EndpointConfig {
+            idle_timeout: idle,
+            keep_alive: idle / 4,
+            handshake_timeout: Duration::from_secs(10),
+            ..EndpointConfig::default()
+        }
+    }
+
+    /// A tessera-net server that echoes every frame, admitting `client`.
+    fn echo_endpoint(
+        id: &NodeIdentity,
+        client: &NodeIdentity,
+        idle: Duration,
+    ) -> (SocketAddr, Endpoint) {
+        let allowed = Arc::new(AllowList::new());
+        allowed.insert(client.public_key());
+        let server = Endpoint::bind_with_config(local(), id, allowed, config(idle)).unwrap();
+        let addr = server.local_addr().unwrap();
+        let accept = server.clone();
+        tokio::spawn(async move {
+            while let Some(incoming) = accept.accept().await {
+                tokio::spawn(async move {
+                    let Ok(Accepted::Peer(conn)) = incoming.handshake().await else {
+                        return;
+                    };
+                    while let Ok(Some(mut stream)) = conn.accept_stream().await {
+                        tokio::spawn(async move {
+                            while let Ok(Some(frame)) = stream.reader.read_frame().await {
+                                if stream.writer.send(&frame).await.is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                    }
+                });
+            }
+        });
+        (addr, server)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn quic_through_the_emulator_and_dead_within_idle_timeout_when_partitioned() {
+        let idle = Duration::from_secs(2);
+        let server_id = NodeIdentity::generate().unwrap();
+        let client_id = NodeIdentity::generate().unwrap();
+        let (server_addr, _server) = echo_endpoint(&server_id, &client_id, idle);
+        let shape = LinkShape::symmetric(Impairment::default().delay(ms(15)));
+        let (emu, addr) = LinkEmulator::start(local(), server_addr, shape)
+            .await
+            .unwrap();
+        let link = emu.handle();
+
+        let client =
+            Endpoint::bind_with_config(local(), &client_id, AllowList::new(), config(idle))
+                .unwrap();
+        let conn = timeout(
+            Duration::from_secs(20),
+            client.connect(addr, ExpectedPeer::Key(server_id.public_key())),
+        )
+        .await
+        .expect("handshake within 20 s")
+        .expect("handshake through the emulator");
+        assert_eq!(conn.peer_key(), server_id.public_key());
+
+        let mut stream = conn.open_stream(KIND).await.unwrap();
+        for i in 0..5u8 {
+            let t0 = Instant::now();
+            stream.writer.write_frame(KIND, &[i; 100]).await.unwrap();
+            let echo = timeout(Duration::from_secs(10), stream.reader.recv())
+                .await
+                .expect("echo within 10 s")
+                .unwrap();
+            assert_eq!(&echo.payload[..], &[i; 100]);
+            assert!(
+                t0.elapsed() >= ms(30),
+                "frame RTT {:?} below 2 x 15 ms",
+                t0.elapsed()
+            );
+        }
+        let before = link.stats();
+        assert!(before.to_upstream.packets_out > 0 && before.to_client.packets_out > 0);
+
+        // The server "departs": the client must notice within its idle timeout.
+        link.partition();
+        let t0 = Instant::now();
+        let err = timeout(idle * 3 + Duration::from_secs(5), conn.closed())
+            .await
+            .expect("a partitioned connection is declared dead");
+        let dead_after = t0.elapsed();
+        eprintln!("connection declared dead after {dead_after:?} ({err})");
+        // QUIC restarts the idle timer on the first ack-eliciting packet sent after a receipt
+        // (RFC 9000 10.1), e.g. a keep-alive: death comes idle to idle + keep-alive after the
+        // partition. Bounds: never before idle - keep-alive, and generously after.
+        assert!(
+            dead_after >= idle - idle / 4 - ms(50),
+            "declared dead after {dead_after:?}, before the idle timeout {idle:?}"
+        );
+        assert!(
+            dead_after <= idle + idle / 4 + Duration::from_secs(3),
+            "took {dead_after:?} to notice, idle timeout {idle:?}"
+        );
+        let s = link.stats();
+        assert!(s.to_upstream.dropped_partition + s.to_client.dropped_partition > 0);
+
+        // Healed: a fresh connection works again.
+        link.heal();
+        let again = timeout(
+            Duration::from_secs(20),
+            client.connect(addr, ExpectedPeer::Key(server_id.public_key())),
+        )
+        .await
+        .expect("handshake within 20 s")
+        .expect("reconnect after heal");
+        let mut stream = again.open_stream(KIND).await.unwrap();
+        stream.writer.write_frame(KIND, b"back").await.unwrap();
+        let echo = timeout(Duration::from_secs(10), stream.reader.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&echo.payload[..], b"back");
+    }
+}
