@@ -46,6 +46,14 @@ pub mod inventory;
 pub mod store;
 mod sys;
 
+// The fabric: the node agent, its stage, and the wire contract shared with the coordinator.
+pub mod agent;
+pub mod compute_probe;
+pub mod error;
+pub mod fetch_net;
+pub mod protocol;
+pub mod stage;
+
 pub use inventory::{
     measure, BudgetError, BudgetRefusal, ComputeRate, Inventory, MemoryBudget, ProbeOptions,
 };

@@ -32,6 +32,15 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Choose the best split of a model over a cluster, and explain why.
     Plan(cmd::plan::PlanArgs),
+    /// Run a node agent: measure this machine, join a coordinator, hold part of a model.
+    Node(cmd::node::NodeArgs),
+    /// Run the coordinator: enrol nodes, distribute the model, place layers, drive generations.
+    Coordinator(cmd::coordinator::CoordinatorArgs),
+    /// Generate across an enrolled cluster (stage split), streaming tokens.
+    Run(cmd::run::RunArgs),
+    /// Serve the OpenAI-compatible API and the live web dashboard for a model run in this
+    /// process (continuous batching; an API key is required beyond loopback).
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +50,10 @@ fn main() -> ExitCode {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Plan(a) => cmd::plan::run(a),
+        Command::Node(a) => cmd::node::run(a),
+        Command::Coordinator(a) => cmd::coordinator::run(a),
+        Command::Run(a) => cmd::run::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

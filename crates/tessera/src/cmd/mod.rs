@@ -1,9 +1,13 @@
 //! One module per subcommand: its flags and its `run`.
 
 pub mod bench;
+pub mod coordinator;
 pub mod generate;
 pub mod inspect;
+pub mod node;
 pub mod plan;
+pub mod run;
+pub mod serve;
 mod progress;
 
 /// Compute threads when the user does not say: every core the process may use.

@@ -1,0 +1,232 @@
+//! Stage assignments: which node runs which contiguous layer range.
+//!
+//! The planner (a later issue) will choose these; for now an operator gives them, either as a
+//! split (`--split 0..3,3..5`: stages in ring order, taking connected nodes in the order they
+//! joined) or as a plan file naming the node of each stage:
+//!
+//! ```json
+//! { "stages": [ { "node": "alpha", "layers": "0..3" }, { "node": "beta", "layers": "3..5" } ] }
+//! ```
+//!
+//! A node is named by its `--name`, its full node id, or a unique prefix of the id.
+//! [`resolve`] checks that the ranges are contiguous, cover every layer once, and land on
+//! distinct connected nodes.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+use tessera_net::NodeId;
+use tessera_node::protocol::{range_serde, StageSpec};
+
+/// A plan file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanFile {
+    pub stages: Vec<StageSpec>,
+}
+
+/// Why an assignment cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AssignmentError {
+    #[error("bad split: {0}")]
+    Parse(String),
+    #[error("no stages")]
+    Empty,
+    #[error("stage {stage} starts at layer {start}, but the previous one ends at {expected}")]
+    NotContiguous {
+        stage: usize,
+        start: usize,
+        expected: usize,
+    },
+    #[error("the stages cover layers 0..{covered} but the model has {n_layer}")]
+    Coverage { covered: usize, n_layer: usize },
+    #[error("{needed} stages but only {connected} nodes are connected")]
+    NotEnoughNodes { needed: usize, connected: usize },
+    #[error("no connected node is called {0:?}")]
+    UnknownNode(String),
+    #[error("{0:?} matches more than one node")]
+    AmbiguousNode(String),
+    #[error("node {0} is given two stages")]
+    DuplicateNode(NodeId),
+}
+
+/// Parses `0..3,3..5` into unpinned stages.
+pub fn parse_split(s: &str) -> Result<Vec<StageSpec>, AssignmentError> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            range_serde::parse(p)
+                .map(|layers| StageSpec { node: None, layers })
+                .map_err(AssignmentError::Parse)
+        })
+        .collect()
+}
+
+/// A connected node, as [`resolve`] sees it.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub node_id: NodeId,
+    pub name: String,
+}
+
+/// Checks `stages` against the model and places them on `nodes` (connected nodes in join
+/// order). Returns `(node, layers)` per stage in ring order.
+pub fn resolve(
+    stages: &[StageSpec],
+    n_layer: usize,
+    nodes: &[Candidate],
+) -> Result<Vec<(NodeId, Range<usize>)>, AssignmentError> {
+    if stages.is_empty() {
+        return Err(AssignmentError::Empty);
+    }
+    let mut expected = 0;
+    for (i, s) in stages.iter().enumerate() {
+        if s.layers.start != expected {
+            return Err(AssignmentError::NotContiguous {
+                stage: i,
+                start: s.layers.start,
+                expected,
+            });
+        }
+        expected = s.layers.end;
+    }
+    if expected != n_layer {
+        return Err(AssignmentError::Coverage {
+            covered: expected,
+            n_layer,
+        });
+    }
+    if stages.len() > nodes.len() {
+        return Err(AssignmentError::NotEnoughNodes {
+            needed: stages.len(),
+            connected: nodes.len(),
+        });
+    }
+    // Pinned stages first, then unpinned ones take the remaining nodes in join order.
+    let mut chosen: Vec<Option<NodeId>> = vec![None; stages.len()];
+    for (i, s) in stages.iter().enumerate() {
+        if let Some(want) = &s.node {
+            let matches: Vec<&Candidate> = nodes
+                .iter()
+                .filter(|c| {
+                    c.name == *want
+                        || c.node_id.to_string() == *want
+                        || (want.len() >= 4 && c.node_id.to_string().starts_with(want.as_str()))
+                })
+                .collect();
+            let id = match matches.as_slice() {
+                [] => return Err(AssignmentError::UnknownNode(want.clone())),
+                [one] => one.node_id,
+                _ => return Err(AssignmentError::AmbiguousNode(want.clone())),
+            };
+            if chosen.contains(&Some(id)) {
+                return Err(AssignmentError::DuplicateNode(id));
+            }
+            chosen[i] = Some(id);
+        }
+    }
+    let free: Vec<NodeId> = nodes
+        .iter()
+        .map(|c| c.node_id)
+        .filter(|id| !chosen.contains(&Some(*id)))
+        .collect();
+    let mut free = free.into_iter();
+    let mut out = Vec::with_capacity(stages.len());
+    for (s, c) in stages.iter().zip(chosen) {
+        let id = match c {
+            Some(id) => id,
+            None => free.next().ok_or(AssignmentError::NotEnoughNodes {
+                needed: stages.len(),
+                connected: nodes.len(),
+            })?,
+        };
+        out.push((id, s.layers.clone()));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nodes(n: usize) -> Vec<Candidate> {
+        (0..n)
+            .map(|i| Candidate {
+                node_id: tessera_net::NodeIdentity::from_seed([i as u8 + 1; 32]).node_id(),
+                name: format!("n{i}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn split_parses_and_places_in_join_order() {
+        let s = parse_split("0..3,3..5").unwrap();
+        assert_eq!(s.len(), 2);
+        let ns = nodes(3);
+        let r = resolve(&s, 5, &ns).unwrap();
+        assert_eq!(r, vec![(ns[0].node_id, 0..3), (ns[1].node_id, 3..5)]);
+        assert!(parse_split("0..3,x").is_err());
+        assert!(parse_split("3..3").is_err());
+    }
+
+    #[test]
+    fn bad_splits_are_refused_with_reasons() {
+        let ns = nodes(2);
+        let r = |s: &str, n| resolve(&parse_split(s).unwrap(), n, &ns);
+        assert!(matches!(
+            r("0..2,3..5", 5),
+            Err(AssignmentError::NotContiguous { .. })
+        ));
+        assert!(matches!(
+            r("0..2,2..4", 5),
+            Err(AssignmentError::Coverage { .. })
+        ));
+        assert!(matches!(
+            r("0..1,1..2,2..5", 5),
+            Err(AssignmentError::NotEnoughNodes { .. })
+        ));
+        assert!(matches!(resolve(&[], 5, &ns), Err(AssignmentError::Empty)));
+    }
+
+    #[test]
+    fn plan_file_pins_nodes_by_name_or_id_prefix() {
+        let ns = nodes(3);
+        let prefix = ns[2].node_id.to_string()[..8].to_string();
+        let plan: PlanFile = serde_json::from_str(&format!(
+            r#"{{"stages":[{{"node":"{prefix}","layers":"0..2"}},{{"layers":"2..4"}},{{"node":"n0","layers":"4..5"}}]}}"#
+        ))
+        .unwrap();
+        let r = resolve(&plan.stages, 5, &ns).unwrap();
+        assert_eq!(
+            r,
+            vec![
+                (ns[2].node_id, 0..2),
+                (ns[1].node_id, 2..4),
+                (ns[0].node_id, 4..5)
+            ]
+        );
+        let dup = PlanFile {
+            stages: vec![
+                StageSpec {
+                    node: Some("n0".into()),
+                    layers: 0..2,
+                },
+                StageSpec {
+                    node: Some("n0".into()),
+                    layers: 2..5,
+                },
+            ],
+        };
+        assert!(matches!(
+            resolve(&dup.stages, 5, &ns),
+            Err(AssignmentError::DuplicateNode(_))
+        ));
+        let unknown = vec![StageSpec {
+            node: Some("zz".into()),
+            layers: 0..5,
+        }];
+        assert!(matches!(
+            resolve(&unknown, 5, &ns),
+            Err(AssignmentError::UnknownNode(_))
+        ));
+    }
+}

@@ -1,0 +1,54 @@
+//! The Tessera coordinator: the control plane of a cluster.
+//!
+//! It holds no weights unless a plan assigns it some (none in this version): it reads the
+//! model's metadata and tokenizer, describes the file by content and serves the chunks nodes
+//! ask for, and drives generations over the nodes that hold the layers.
+//!
+//! # Walk-through
+//!
+//! ```no_run
+//! use tessera_coord::{Coordinator, CoordinatorConfig};
+//! # async fn demo() -> Result<(), tessera_coord::CoordError> {
+//! let coordinator = Coordinator::bind(CoordinatorConfig {
+//!     data_dir: "/var/lib/tessera-coord".into(),
+//!     listen: "127.0.0.1:0".parse().unwrap(),
+//!     model: "model.gguf".into(),
+//!     split: None,
+//!     max_context: 4096,
+//!     progress: true,
+//! })
+//! .await?;
+//! // Nodes join with `tessera node --join TOKEN@ADDR`.
+//! println!("join token: {}@{}", coordinator.token(), coordinator.local_addr()?);
+//! coordinator.run().await?; // serves until the endpoint closes
+//! # Ok(()) }
+//! ```
+//!
+//! 1. **Enrolment** ([`enrol`], [`state`]): a node proves the join token over an authenticated
+//!    QUIC session; its key is recorded (`state.json`) and pinned from then on. Unknown keys get
+//!    no further than the enrolment handshake; a name cannot be moved to another key.
+//! 2. **Membership and epochs** ([`membership`], pure): nodes join and leave; a plan
+//!    ([`assignment`]: `--split 0..3,3..5` or a plan file) becomes an epoch; every stage node
+//!    loads its layer range (receiving tensors it lacks from [`distribute`]), then links to the
+//!    next stage of the ring; the epoch is ready.
+//! 3. **Generations** ([`driver`]): a client (`tessera run`, enrolled like a node) asks for a
+//!    run; the sequence is opened on every stage, the first stage prefills in chunks, the ring
+//!    turns one token per lap, the last stage reports each token, and at the end every stage
+//!    frees the sequence's KV cache and reports its traffic and time, which become the run's
+//!    report and a line of `metrics.jsonl` (bytes per boundary per token, hop latency).
+//!
+//! The wire contract is [`tessera_node::protocol`].
+
+pub mod assignment;
+#[cfg(feature = "mdns")]
+pub mod discovery;
+pub mod distribute;
+pub mod driver;
+pub mod enrol;
+pub mod error;
+pub mod membership;
+pub mod server;
+pub mod state;
+
+pub use error::CoordError;
+pub use server::{Coordinator, CoordinatorConfig, EpochStatus, ModelInfo};

@@ -1,0 +1,590 @@
+//! The coordinator's I/O loop: the QUIC endpoint, enrolment, control sessions of nodes and
+//! clients, and model streams. Decisions are made by [`Membership`] (pure); this module feeds it
+//! events and carries out its actions.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use tessera_model::{GgufFile, ModelConfig, Tokenizer};
+use tessera_net::{
+    measure_link, Accepted, Connection, Endpoint, FramedStream, JoinToken, NodeId, NodeIdentity,
+};
+use tessera_node::protocol::{
+    frame, limits, stream, CoordToNode, FinishReason, Hello, MemberStatus, NodeToCoord, Role,
+    StageSpec, PROTOCOL_VERSION,
+};
+use tessera_node::Manifest;
+use tokio::sync::{mpsc, watch};
+
+use crate::distribute::ModelServer;
+use crate::enrol::Enrolment;
+use crate::error::CoordError;
+use crate::membership::{Action, Event, Member, Membership};
+use crate::state::JsonFileState;
+
+/// The coordinator's settings.
+#[derive(Clone, Debug)]
+pub struct CoordinatorConfig {
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    /// The model this cluster serves. The coordinator reads its metadata and tokenizer and
+    /// serves its chunks; it loads no weights.
+    pub model: PathBuf,
+    /// An assignment to apply as soon as enough nodes are connected.
+    pub split: Option<Vec<StageSpec>>,
+    /// Most positions per sequence.
+    pub max_context: usize,
+    pub progress: bool,
+}
+
+/// The model as the coordinator knows it.
+#[derive(Debug)]
+pub struct ModelInfo {
+    pub name: String,
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    /// End-of-generation token ids.
+    pub eog: Vec<u32>,
+}
+
+/// Where the current epoch is, for drivers waiting on it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EpochStatus {
+    None,
+    Pending(u64),
+    Ready(u64),
+    Failed(u64, String),
+}
+
+pub(crate) struct State {
+    pub membership: Membership,
+    /// Each connected node's current control session and its outbox.
+    senders: HashMap<NodeId, (u64, mpsc::UnboundedSender<CoordToNode>)>,
+    sessions: u64,
+    pub routes: HashMap<u64, mpsc::UnboundedSender<(NodeId, NodeToCoord)>>,
+}
+
+pub(crate) struct Shared {
+    pub id: NodeId,
+    pub config: CoordinatorConfig,
+    pub enrol: Arc<Enrolment>,
+    pub model: ModelInfo,
+    pub server: ModelServer,
+    pub state: Mutex<State>,
+    pub epoch_tx: watch::Sender<EpochStatus>,
+    pub next_seq: AtomicU64,
+}
+
+impl Shared {
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Feeds an event to the membership machine and carries out its actions.
+    pub fn apply(&self, event: Event) {
+        let mut st = self.lock();
+        self.apply_locked(&mut st, event);
+    }
+
+    /// [`Shared::apply`] with the state already locked (to decide and act atomically).
+    pub(crate) fn apply_locked(&self, st: &mut State, event: Event) {
+        let is_plan = matches!(event, Event::Plan { .. });
+        let actions = st.membership.handle(event);
+        if is_plan {
+            if let Some(e) = st.membership.epoch() {
+                if e.phase == crate::membership::Phase::Loading {
+                    self.epoch_tx.send_replace(EpochStatus::Pending(e.id));
+                }
+            }
+        }
+        for a in actions {
+            match a {
+                Action::Send { to, msg } => {
+                    if let Some((_, tx)) = st.senders.get(&to) {
+                        let _ = tx.send(msg.0);
+                    }
+                }
+                Action::EpochReady(e) => {
+                    eprintln!("epoch {e} is ready");
+                    self.epoch_tx.send_replace(EpochStatus::Ready(e));
+                }
+                Action::EpochFailed { epoch, reason } => {
+                    eprintln!("epoch {epoch} failed: {reason}");
+                    self.epoch_tx
+                        .send_replace(EpochStatus::Failed(epoch, reason));
+                }
+            }
+        }
+    }
+
+    /// Sends a message to a node, if it is connected.
+    pub fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
+        self.lock()
+            .senders
+            .get(&to)
+            .is_some_and(|(_, tx)| tx.send(msg).is_ok())
+    }
+}
+
+/// A bound coordinator.
+pub struct Coordinator {
+    shared: Arc<Shared>,
+    endpoint: Endpoint,
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator")
+            .field("id", &self.shared.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Coordinator {
+    /// Loads identity, enrolment state and the model's metadata, describes the model file by
+    /// content, and binds the endpoint. Must run inside a tokio runtime.
+    pub async fn bind(config: CoordinatorConfig) -> Result<Self, CoordError> {
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| CoordError::Io {
+            context: format!("creating {}", config.data_dir.display()),
+            source: e,
+        })?;
+        let identity = NodeIdentity::load_or_create(&config.data_dir)?;
+        let enrol = Enrolment::open(
+            Box::new(JsonFileState::new(&config.data_dir)),
+            identity.node_id(),
+        )?;
+        let path = config.model.clone();
+        let (model, manifest) =
+            tokio::task::spawn_blocking(move || -> Result<(ModelInfo, Manifest), CoordError> {
+                let g = GgufFile::open(&path)?;
+                let config = ModelConfig::from_gguf(&g)?;
+                let tokenizer = Tokenizer::from_gguf(&g)?;
+                // The same stop set as `tessera generate`: end-of-generation tokens, and BOS
+                // (a llama-family model that emits BOS has finished its document).
+                let mut eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
+                    .filter(|&t| tokenizer.is_end_of_generation(t))
+                    .collect();
+                eog.extend(tokenizer.bos_id());
+                let name = path
+                    .file_stem()
+                    .map_or("model".into(), |s| s.to_string_lossy().into_owned());
+                let manifest = Manifest::from_gguf(&path)?;
+                Ok((
+                    ModelInfo {
+                        name,
+                        config,
+                        tokenizer,
+                        eog,
+                    },
+                    manifest,
+                ))
+            })
+            .await
+            .map_err(|e| CoordError::Protocol(format!("model task: {e}")))??;
+        let server = ModelServer::new(&config.model, manifest, config.progress)?;
+        let endpoint = Endpoint::bind(config.listen, &identity, enrol.clone())?;
+        let (epoch_tx, _) = watch::channel(EpochStatus::None);
+        Ok(Self {
+            shared: Arc::new(Shared {
+                id: identity.node_id(),
+                config,
+                enrol,
+                model,
+                server,
+                state: Mutex::new(State {
+                    membership: Membership::new(),
+                    senders: HashMap::new(),
+                    sessions: 0,
+                    routes: HashMap::new(),
+                }),
+                epoch_tx,
+                next_seq: AtomicU64::new(1),
+            }),
+            endpoint,
+        })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr, CoordError> {
+        Ok(self.endpoint.local_addr()?)
+    }
+
+    pub fn node_id(&self) -> NodeId {
+        self.shared.id
+    }
+
+    pub fn token(&self) -> &JoinToken {
+        self.shared.enrol.token()
+    }
+
+    pub fn model(&self) -> &ModelInfo {
+        &self.shared.model
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        self.shared.server.manifest()
+    }
+
+    /// Accepts connections until the endpoint is closed.
+    pub async fn run(&self) -> Result<(), CoordError> {
+        while let Some(incoming) = self.endpoint.accept().await {
+            let shared = self.shared.clone();
+            tokio::spawn(async move {
+                let from = incoming.remote_addr();
+                let conn = match incoming.handshake().await {
+                    Ok(Accepted::Peer(c)) => c,
+                    Ok(Accepted::Enrolment(req)) => {
+                        let id = req.peer_id();
+                        match shared.enrol.complete(req).await {
+                            Ok(c) => {
+                                eprintln!("enrolled node {id}");
+                                c
+                            }
+                            Err(e) => {
+                                eprintln!("refused enrolment of {id} from {from}: {e}");
+                                return;
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("refused a connection from {from}: {e}");
+                        return;
+                    }
+                };
+                serve_connection(shared, conn).await;
+            });
+        }
+        Ok(())
+    }
+
+    /// Closes every connection (peers are told at once) and stops accepting.
+    pub fn close(&self) {
+        self.endpoint.close();
+    }
+
+    /// Waits (at most a second) until closed connections are shut down.
+    pub async fn wait_idle(&self) {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), self.endpoint.wait_idle())
+            .await;
+    }
+}
+
+async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
+    loop {
+        let s = match conn.accept_stream().await {
+            Ok(Some(s)) => s,
+            Ok(None) => return,
+            Err(e) => {
+                eprintln!("connection {}: {e}", conn.peer_id().short());
+                return;
+            }
+        };
+        let (shared, conn) = (shared.clone(), conn.clone());
+        match s.kind {
+            stream::CONTROL => {
+                tokio::spawn(async move {
+                    let peer = conn.peer_id().short();
+                    if let Err(e) = control_session(shared, conn, s).await {
+                        eprintln!("control stream of {peer}: {e}");
+                    }
+                });
+            }
+            stream::MODEL => {
+                tokio::spawn(async move {
+                    let peer = conn.peer_id().short();
+                    let mut s = s;
+                    s.reader.set_max_len(limits::CONTROL);
+                    if let Err(e) = shared.server.serve(s, peer.clone()).await {
+                        eprintln!("model stream of {peer}: {e}");
+                    }
+                });
+            }
+            kind => {
+                eprintln!(
+                    "{}: refusing a stream of unknown kind {kind:#06x}",
+                    conn.peer_id().short()
+                );
+                let mut s = s;
+                let _ = s.writer.finish().await;
+            }
+        }
+    }
+}
+
+async fn control_session(
+    shared: Arc<Shared>,
+    conn: Connection,
+    mut s: FramedStream,
+) -> Result<(), CoordError> {
+    s.reader.set_max_len(limits::CONTROL);
+    let first = s.reader.recv_kind(frame::MSG, "a hello").await?;
+    let v: serde_json::Value = serde_json::from_slice(&first)
+        .map_err(|e| CoordError::Protocol(format!("malformed hello: {e}")))?;
+    let hello: Hello = match v.get("type").and_then(|t| t.as_str()) {
+        Some("hello") => serde_json::from_value(v)
+            .map_err(|e| CoordError::Protocol(format!("malformed hello: {e}")))?,
+        _ => {
+            return Err(CoordError::Protocol(
+                "the first message must be a hello".into(),
+            ))
+        }
+    };
+    if hello.protocol_version != PROTOCOL_VERSION {
+        let reason = format!(
+            "protocol version mismatch: the coordinator speaks {PROTOCOL_VERSION}, the peer {}",
+            hello.protocol_version
+        );
+        let msg = CoordToNode::Refused {
+            reason: reason.clone(),
+        };
+        let _ = s_write(&mut s.writer, &msg).await;
+        let _ = s.writer.finish().await;
+        return Err(CoordError::Protocol(reason));
+    }
+    if let Err(r) = shared
+        .enrol
+        .bind_name(&conn.peer_key(), &hello.name, hello.role)
+    {
+        let reason = r.to_string();
+        let _ = s_write(
+            &mut s.writer,
+            &CoordToNode::Refused {
+                reason: reason.clone(),
+            },
+        )
+        .await;
+        let _ = s.writer.finish().await;
+        return Err(CoordError::Protocol(reason));
+    }
+    match hello.role {
+        Role::Node => node_session(shared, conn, s, hello).await,
+        Role::Client => crate::driver::client_session(shared, conn, s).await,
+    }
+}
+
+async fn s_write<T: serde::Serialize>(
+    w: &mut tessera_net::FrameWriter<tessera_net::quinn::SendStream>,
+    msg: &T,
+) -> Result<(), CoordError> {
+    Ok(w.write_message(frame::MSG, msg).await?)
+}
+
+async fn node_session(
+    shared: Arc<Shared>,
+    conn: Connection,
+    s: FramedStream,
+    hello: Hello,
+) -> Result<(), CoordError> {
+    let id = conn.peer_id();
+    let FramedStream {
+        mut reader,
+        mut writer,
+        ..
+    } = s;
+    let (tx, mut rx) = mpsc::unbounded_channel::<CoordToNode>();
+    let _ = tx.send(CoordToNode::Welcome {
+        protocol_version: PROTOCOL_VERSION,
+        coordinator: shared.id,
+        observed_addr: conn.remote_addr(),
+    });
+    let writer_task = tokio::spawn(async move {
+        while let Some(m) = rx.recv().await {
+            if writer.write_message(frame::MSG, &m).await.is_err() {
+                break;
+            }
+        }
+    });
+    let session = {
+        let mut st = shared.lock();
+        st.sessions += 1;
+        let session = st.sessions;
+        st.senders.insert(id, (session, tx));
+        session
+    };
+    shared.apply(Event::Joined(Box::new(Member {
+        node_id: id,
+        key: conn.peer_key(),
+        name: hello.name.clone(),
+        addr: conn.remote_addr(),
+        connected: true,
+        joined: 0,
+        memory_budget_bytes: hello.memory_budget_bytes,
+        inventory: hello.inventory.map(|b| *b),
+        models: hello.models,
+        link: None,
+        session,
+    })));
+    println!(
+        "node joined: {} {} at {}",
+        hello.name,
+        id,
+        conn.remote_addr()
+    );
+    // Measure the link to the node in the background.
+    {
+        let (shared, conn) = (shared.clone(), conn.clone());
+        tokio::spawn(async move {
+            match measure_link(&conn, 8, 1 << 20).await {
+                Ok(link) => {
+                    eprintln!(
+                        "link to {}: rtt {:?}, {:.1} MB/s",
+                        id.short(),
+                        link.rtt_median,
+                        link.bytes_per_s / 1e6
+                    );
+                    shared.apply(Event::LinkMeasured { node: id, link });
+                }
+                Err(e) => eprintln!("measuring the link to {}: {e}", id.short()),
+            }
+        });
+    }
+    maybe_apply_initial_split(&shared);
+
+    let result = async {
+        while let Some(f) = reader.read_frame().await? {
+            if f.kind != frame::MSG {
+                return Err(CoordError::Protocol(format!(
+                    "unexpected frame kind {:#06x} on a control stream",
+                    f.kind
+                )));
+            }
+            let msg: NodeToCoord = f.json()?;
+            handle_node_message(&shared, id, msg);
+        }
+        Ok(())
+    }
+    .await;
+    writer_task.abort();
+    println!("node left: {} {}", hello.name, id);
+    let current = {
+        let mut st = shared.lock();
+        let current = st.senders.get(&id).is_some_and(|(s, _)| *s == session);
+        if current {
+            st.senders.remove(&id);
+        }
+        current
+    };
+    // Sequences running on it cannot finish.
+    let in_epoch = shared
+        .lock()
+        .membership
+        .epoch()
+        .is_some_and(|e| e.stages.iter().any(|s| s.node_id == id));
+    shared.apply(Event::Left { node: id, session });
+    if in_epoch && current {
+        let routes: Vec<_> = shared
+            .lock()
+            .routes
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        for (seq, r) in routes {
+            let _ = r.send((
+                id,
+                NodeToCoord::Finished {
+                    seq,
+                    reason: FinishReason::Error,
+                    generated: 0,
+                    error: Some(format!("stage node {} left", id.short())),
+                },
+            ));
+        }
+    }
+    result
+}
+
+fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
+    let seq = match &msg {
+        NodeToCoord::Hello(_) => {
+            eprintln!("{}: a second hello; ignored", id.short());
+            return;
+        }
+        NodeToCoord::Loaded { epoch, report } => {
+            return shared.apply(Event::Loaded {
+                node: id,
+                epoch: *epoch,
+                report: report.clone(),
+            })
+        }
+        NodeToCoord::LoadFailed { epoch, reason } => {
+            return shared.apply(Event::LoadFailed {
+                node: id,
+                epoch: *epoch,
+                reason: reason.clone(),
+            })
+        }
+        NodeToCoord::Linked { epoch, link } => {
+            return shared.apply(Event::Linked {
+                node: id,
+                epoch: *epoch,
+                link: *link,
+            })
+        }
+        NodeToCoord::LinkFailed { epoch, reason } => {
+            return shared.apply(Event::LinkFailed {
+                node: id,
+                epoch: *epoch,
+                reason: reason.clone(),
+            })
+        }
+        NodeToCoord::Inventory(inv) => {
+            return shared.apply(Event::InventoryMeasured {
+                node: id,
+                inventory: inv.clone(),
+            })
+        }
+        NodeToCoord::Opened { seq }
+        | NodeToCoord::OpenFailed { seq, .. }
+        | NodeToCoord::Token { seq, .. }
+        | NodeToCoord::Finished { seq, .. }
+        | NodeToCoord::Closed { seq, .. } => *seq,
+        NodeToCoord::Trace(t) => t.seq,
+    };
+    if let Some(r) = shared.lock().routes.get(&seq) {
+        let _ = r.send((id, msg));
+    }
+}
+
+/// Applies `--split` once enough nodes are connected and no epoch exists yet.
+fn maybe_apply_initial_split(shared: &Shared) {
+    let Some(split) = &shared.config.split else {
+        return;
+    };
+    let stages = {
+        let st = shared.lock();
+        if st.membership.epoch().is_some() {
+            return;
+        }
+        let nodes = crate::driver::candidates(&st.membership);
+        match crate::assignment::resolve(split, shared.model.config.n_layer, &nodes) {
+            Ok(s) => s,
+            Err(_) => return,
+        }
+    };
+    shared.apply(Event::Plan {
+        model: shared.server.manifest().model_hash,
+        stages,
+        n_layer: shared.model.config.n_layer,
+        max_context: shared.config.max_context,
+    });
+}
+
+/// Status of every member, for clients.
+pub(crate) fn member_status(shared: &Shared) -> (Vec<MemberStatus>, Option<u64>) {
+    let st = shared.lock();
+    let members = st
+        .membership
+        .members()
+        .map(|m| MemberStatus {
+            node_id: m.node_id,
+            name: m.name.clone(),
+            connected: m.connected,
+            addr: Some(m.addr),
+            memory_budget_bytes: m.memory_budget_bytes,
+            link: m.link,
+        })
+        .collect();
+    (members, st.membership.epoch().map(|e| e.id))
+}

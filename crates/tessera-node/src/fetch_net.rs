@@ -1,0 +1,171 @@
+//! Receiving a model's tensors from the coordinator over a [`stream::MODEL`] stream.
+//!
+//! The node asks for the manifest, works out with its [`ShardStore`] which chunks of the tensors
+//! its assignment needs are missing, asks for exactly those in one request, and feeds the
+//! replies to the store's [`fetch`] through [`NetChunkSource`]: every chunk is verified against
+//! the manifest's blake3 hash before it is written, progress is persisted, and an interrupted
+//! transfer resumes where it stopped. The coordinator streams chunks back to back (QUIC flow
+//! control is the only brake), so a transfer costs one round trip, not one per chunk.
+
+use std::io;
+use std::sync::{Arc, Mutex};
+
+use tessera_net::Connection;
+use tokio::sync::mpsc;
+
+use crate::error::FabricError;
+use crate::protocol::{decode_chunk, frame, limits, stream, ModelReply, ModelRequest};
+use crate::store::{
+    fetch, ChunkRef, ChunkSource, ContentHash, FetchProgress, FetchReport, Manifest, ShardStore,
+};
+
+/// Asks the coordinator for the manifest of `model`.
+pub async fn fetch_manifest(
+    conn: &Connection,
+    model: ContentHash,
+) -> Result<Manifest, FabricError> {
+    let mut s = conn.open_stream(stream::MODEL).await?;
+    s.reader.set_max_len(limits::MODEL);
+    s.writer
+        .write_message(frame::MSG, &ModelRequest::Manifest { model })
+        .await?;
+    let reply: ModelReply = s.reader.read_message(frame::MSG).await?;
+    let _ = s.writer.finish().await;
+    match reply {
+        ModelReply::Manifest(m) => {
+            m.validate()?;
+            if m.model_hash != model {
+                return Err(FabricError::Protocol(format!(
+                    "asked for the manifest of {} and got that of {}",
+                    model.short(),
+                    m.model_hash.short()
+                )));
+            }
+            Ok(*m)
+        }
+        ModelReply::Error { message } => Err(FabricError::Protocol(message)),
+        other => Err(FabricError::Protocol(format!("unexpected reply {other:?}"))),
+    }
+}
+
+/// A received chunk (id, bytes), or why the stream failed.
+type ChunkResult = Result<(u32, Vec<u8>), String>;
+
+/// A [`ChunkSource`] fed by the network reader task, for the store's blocking [`fetch`].
+pub struct NetChunkSource {
+    rx: Mutex<mpsc::Receiver<ChunkResult>>,
+}
+
+impl ChunkSource for NetChunkSource {
+    fn read_chunk(&self, chunk: &ChunkRef) -> io::Result<Vec<u8>> {
+        let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+        match rx.blocking_recv() {
+            Some(Ok((id, bytes))) if id == chunk.id => Ok(bytes),
+            Some(Ok((id, _))) => Err(io::Error::other(format!(
+                "the coordinator sent chunk {id} where {} was due",
+                chunk.id
+            ))),
+            Some(Err(e)) => Err(io::Error::other(e)),
+            None => Err(io::Error::other("the model stream ended early")),
+        }
+    }
+}
+
+/// Makes sure `store` holds the header and the tensors `names` of `manifest`, receiving what
+/// is missing from the coordinator. `progress(done, total)` is called after each chunk.
+pub async fn fetch_tensors(
+    conn: &Connection,
+    store: Arc<ShardStore>,
+    manifest: Arc<Manifest>,
+    names: Vec<String>,
+    mut progress: impl FnMut(u64, u64) + Send + 'static,
+) -> Result<FetchReport, FabricError> {
+    let missing = {
+        let (store, manifest, names) = (store.clone(), manifest.clone(), names.clone());
+        tokio::task::spawn_blocking(move || store.missing_chunks(&manifest, &names))
+            .await
+            .map_err(|e| FabricError::Stopped(format!("fetch task: {e}")))??
+    };
+    let (tx, rx) = mpsc::channel(16);
+    let reader = if missing.is_empty() {
+        None
+    } else {
+        let mut s = conn.open_stream(stream::MODEL).await?;
+        s.reader.set_max_len(limits::MODEL);
+        let ids: Vec<u32> = missing.iter().map(|c| c.id).collect();
+        let expected = ids.len() as u64;
+        s.writer
+            .write_message(
+                frame::MSG,
+                &ModelRequest::Chunks {
+                    model: manifest.model_hash,
+                    ids,
+                },
+            )
+            .await?;
+        Some(tokio::spawn(async move {
+            let mut got = 0u64;
+            loop {
+                let f = match s.reader.recv().await {
+                    Ok(f) => f,
+                    Err(e) => {
+                        let _ = tx.send(Err(e.to_string())).await;
+                        return;
+                    }
+                };
+                match f.kind {
+                    frame::CHUNK => match decode_chunk(&f.payload) {
+                        Ok((id, bytes)) => {
+                            got += 1;
+                            if tx.send(Ok((id, bytes.to_vec()))).await.is_err() {
+                                return; // the fetch stopped (e.g. a bad chunk)
+                            }
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e.to_string())).await;
+                            return;
+                        }
+                    },
+                    frame::MSG => {
+                        let msg = match serde_json::from_slice::<ModelReply>(&f.payload) {
+                            Ok(ModelReply::ChunksDone { count })
+                                if count == expected && got == expected =>
+                            {
+                                let _ = s.writer.finish().await;
+                                return;
+                            }
+                            Ok(ModelReply::Error { message }) => message,
+                            Ok(other) => format!("unexpected reply {other:?}"),
+                            Err(e) => format!("bad reply: {e}"),
+                        };
+                        let _ = tx.send(Err(msg)).await;
+                        return;
+                    }
+                    kind => {
+                        let _ = tx
+                            .send(Err(format!("unexpected frame kind {kind:#06x}")))
+                            .await;
+                        return;
+                    }
+                }
+            }
+        }))
+    };
+    let source = NetChunkSource { rx: Mutex::new(rx) };
+    let report = tokio::task::spawn_blocking(move || {
+        fetch(
+            &store,
+            &manifest,
+            &names,
+            &source,
+            &mut |p: &FetchProgress<'_>| progress(p.bytes_done, p.bytes_total),
+        )
+        .map_err(Box::new)
+    })
+    .await
+    .map_err(|e| FabricError::Stopped(format!("fetch task: {e}")))?;
+    if let Some(r) = reader {
+        r.abort();
+    }
+    report.map_err(FabricError::Fetch)
+}

@@ -1,0 +1,760 @@
+//! One pipeline stage: a partial [`Model`] (a contiguous layer range, with the embedding on the
+//! first stage and the head on the last), the KV caches of the sequences passing through it,
+//! and the rules for what each input produces.
+//!
+//! No I/O here: inputs are method calls ([`Stage::start`], [`Stage::handle_hidden`],
+//! [`Stage::handle_token`]), outputs go to a sink as [`StageOutput`] values — hidden states for
+//! the next stage, tokens for the first, and control messages for the coordinator. The agent
+//! runs a stage on its own thread and wires the sink to the network; tests drive it directly.
+//!
+//! The ring for one sequence:
+//!
+//! 1. the first stage embeds the prompt in chunks of `prefill_chunk` tokens and runs its layers
+//!    on each chunk, sending each chunk's hidden state on as soon as it is ready (so the next
+//!    stage works on chunk *k* while this one works on chunk *k+1*);
+//! 2. every stage runs its layers on what arrives and passes it on; the final prefill chunk
+//!    carries [`StepEntry::SAMPLE`];
+//! 3. the last stage applies the head to the last row of a `SAMPLE` entry and samples with the
+//!    sequence's parameters and history (the draw depends only on seed and position), reports
+//!    the token to the coordinator and, unless the sequence is finished, sends it to the first
+//!    stage as a [`RingToken`];
+//! 4. the first stage embeds the token and the ring turns again.
+//!
+//! Each stage holds the KV cache of its layers per sequence and frees it on [`Stage::close`].
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use tessera_engine::sampling::sample;
+use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
+
+use crate::protocol::{
+    hash_f32s, BoundaryTrace, FinishReason, NodeToCoord, OpenSeq, RingToken, StageAssignment,
+    StageSeqStats, StepEntry, StepHeader,
+};
+
+/// What a stage emits.
+#[derive(Debug, Clone)]
+pub enum StageOutput {
+    /// Hidden states for the next stage.
+    Hidden(StepHeader, Vec<f32>),
+    /// A token for the first stage (from the last).
+    Token(RingToken),
+    /// A message for the coordinator.
+    Control(NodeToCoord),
+}
+
+/// Why a stage refused an input.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error("sequence {0} is not open on this stage")]
+    UnknownSeq(u64),
+    #[error("sequence {0} is already open")]
+    AlreadyOpen(u64),
+    #[error("sequence {seq}: {what}")]
+    BadStep { seq: u64, what: String },
+    #[error("sequence {seq} needs {needed} bytes of KV cache but only {available} of the memory budget are left")]
+    OverBudget {
+        seq: u64,
+        needed: u64,
+        available: u64,
+    },
+    #[error("this stage does not {0}")]
+    WrongStage(&'static str),
+    #[error(transparent)]
+    Engine(#[from] tessera_engine::EngineError),
+}
+
+struct SeqState {
+    open: OpenSeq,
+    kv: KvCache,
+    /// Last stage: every token of the sequence so far (prompt and generated).
+    history: Vec<u32>,
+    generated: usize,
+    /// KV bytes reserved against the budget.
+    reserved: u64,
+    stats: StageSeqStats,
+    /// First stage: when the last `SAMPLE` hidden state left (for ring timing).
+    sent_at: Option<Instant>,
+    finished: bool,
+}
+
+/// One loaded stage and its sequences.
+pub struct Stage {
+    assignment: StageAssignment,
+    model: Model,
+    seqs: HashMap<u64, SeqState>,
+    /// Bytes of the memory budget left for KV caches (`None`: unbounded).
+    kv_budget: Option<u64>,
+}
+
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("stage", &self.assignment.stage)
+            .field("layers", &self.assignment.layers)
+            .field("open_seqs", &self.seqs.len())
+            .finish()
+    }
+}
+
+impl Stage {
+    /// A stage over a model loaded for `assignment`; `kv_budget` bounds the KV caches it keeps.
+    pub fn new(assignment: StageAssignment, model: Model, kv_budget: Option<u64>) -> Self {
+        Self {
+            assignment,
+            model,
+            seqs: HashMap::new(),
+            kv_budget,
+        }
+    }
+
+    pub fn assignment(&self) -> &StageAssignment {
+        &self.assignment
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Sequences currently open.
+    pub fn open_seqs(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// KV bytes allocated now, over all sequences.
+    pub fn kv_bytes(&self) -> u64 {
+        self.seqs.values().map(|s| s.kv.bytes() as u64).sum()
+    }
+
+    fn is_first(&self) -> bool {
+        self.assignment.embed
+    }
+
+    fn is_last(&self) -> bool {
+        self.assignment.head
+    }
+
+    /// Worst-case KV bytes for a sequence of `positions` on this stage's layers.
+    pub fn kv_bytes_for(&self, positions: usize) -> u64 {
+        let c = self.model.config();
+        2 * self.assignment.layers.len() as u64 * c.kv_dim() as u64 * 4 * positions as u64
+    }
+
+    /// Opens a sequence: allocates (lazily) its KV cache, within the budget.
+    pub fn open(&mut self, open: OpenSeq) -> Result<(), StageError> {
+        let seq = open.seq;
+        if self.seqs.contains_key(&seq) {
+            return Err(StageError::AlreadyOpen(seq));
+        }
+        if open.prompt.is_empty() {
+            return Err(StageError::BadStep {
+                seq,
+                what: "empty prompt".into(),
+            });
+        }
+        let capacity = (open.prompt.len() + open.max_new_tokens)
+            .min(self.assignment.max_context)
+            .min(self.model.config().context_length);
+        if open.prompt.len() > capacity {
+            return Err(StageError::BadStep {
+                seq,
+                what: format!(
+                    "prompt of {} tokens exceeds the context limit of {capacity}",
+                    open.prompt.len()
+                ),
+            });
+        }
+        let needed = self.kv_bytes_for(capacity);
+        let reserved: u64 = self.seqs.values().map(|s| s.reserved).sum();
+        if let Some(budget) = self.kv_budget {
+            let available = budget.saturating_sub(reserved);
+            if needed > available {
+                return Err(StageError::OverBudget {
+                    seq,
+                    needed,
+                    available,
+                });
+            }
+        }
+        let kv = self.model.new_kv(capacity);
+        let history = if self.is_last() {
+            open.prompt.clone()
+        } else {
+            Vec::new()
+        };
+        self.seqs.insert(
+            seq,
+            SeqState {
+                stats: StageSeqStats {
+                    stage: self.assignment.stage,
+                    ..Default::default()
+                },
+                open,
+                kv,
+                history,
+                generated: 0,
+                reserved: needed,
+                sent_at: None,
+                finished: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// Ends a sequence and frees its KV cache; its statistics, if it was open.
+    pub fn close(&mut self, seq: u64) -> Option<StageSeqStats> {
+        self.seqs.remove(&seq).map(|mut s| {
+            s.stats.kv_bytes = s.kv.bytes() as u64;
+            s.stats
+        })
+    }
+
+    /// First stage: prefills the prompt in chunks, emitting each chunk's output as it is ready.
+    pub fn start(&mut self, seq: u64, sink: &mut dyn FnMut(StageOutput)) -> Result<(), StageError> {
+        if !self.is_first() {
+            return Err(StageError::WrongStage("embed (it is not the first stage)"));
+        }
+        let (prompt, chunk) = {
+            let s = self.seqs.get(&seq).ok_or(StageError::UnknownSeq(seq))?;
+            if !s.kv.is_empty() {
+                return Err(StageError::BadStep {
+                    seq,
+                    what: "already started".into(),
+                });
+            }
+            (s.open.prompt.clone(), s.open.prefill_chunk.max(1))
+        };
+        let n_chunks = prompt.len().div_ceil(chunk);
+        for (i, tokens) in prompt.chunks(chunk).enumerate() {
+            let entry = StepEntry {
+                seq,
+                start_pos: (i * chunk) as u32,
+                n_tokens: tokens.len() as u32,
+                flags: if i + 1 == n_chunks {
+                    StepEntry::SAMPLE
+                } else {
+                    0
+                },
+            };
+            let t = Instant::now();
+            let hidden = self.model.embed(tokens)?;
+            self.step(vec![entry], hidden, t, sink)?;
+        }
+        Ok(())
+    }
+
+    /// First stage: a token came back around the ring; embed it and run on.
+    pub fn handle_token(
+        &mut self,
+        tok: RingToken,
+        sink: &mut dyn FnMut(StageOutput),
+    ) -> Result<(), StageError> {
+        if !self.seqs.contains_key(&tok.seq) {
+            return Err(StageError::UnknownSeq(tok.seq));
+        }
+        match self.handle_tokens(vec![tok], sink).pop() {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// First stage: tokens of several sequences that came back around the ring, run as one
+    /// batch (one forward pass, one hidden-state frame). Returns the sequences that could not
+    /// take part, with why; tokens of sequences no longer open are dropped silently (a
+    /// cancelled sequence may still have a token in flight).
+    pub fn handle_tokens(
+        &mut self,
+        toks: Vec<RingToken>,
+        sink: &mut dyn FnMut(StageOutput),
+    ) -> Vec<(u64, StageError)> {
+        if !self.is_first() {
+            return toks
+                .iter()
+                .map(|t| {
+                    (
+                        t.seq,
+                        StageError::WrongStage("take tokens (it is not the first stage)"),
+                    )
+                })
+                .collect();
+        }
+        let mut errors = Vec::new();
+        let mut batch: Vec<RingToken> = Vec::with_capacity(toks.len());
+        for t in toks {
+            let Some(s) = self.seqs.get_mut(&t.seq) else {
+                continue;
+            };
+            if batch.iter().any(|b| b.seq == t.seq) {
+                errors.push((
+                    t.seq,
+                    StageError::BadStep {
+                        seq: t.seq,
+                        what: "two tokens of one sequence in one step".into(),
+                    },
+                ));
+                continue;
+            }
+            if let Some(sent) = s.sent_at.take() {
+                s.stats.ring_wait_ns += sent.elapsed().as_nanos() as u64;
+                s.stats.ring_waits += 1;
+            }
+            batch.push(t);
+        }
+        if batch.is_empty() {
+            return errors;
+        }
+        let t = Instant::now();
+        let tokens: Vec<u32> = batch.iter().map(|t| t.token).collect();
+        let result = self
+            .model
+            .embed(&tokens)
+            .map_err(StageError::from)
+            .and_then(|hidden| {
+                let entries = batch
+                    .iter()
+                    .map(|t| StepEntry {
+                        seq: t.seq,
+                        start_pos: t.pos,
+                        n_tokens: 1,
+                        flags: StepEntry::SAMPLE,
+                    })
+                    .collect();
+                self.step(entries, hidden, t, sink)
+            });
+        if let Err(e) = result {
+            let msg = e.to_string();
+            errors.extend(batch.iter().map(|t| {
+                (
+                    t.seq,
+                    StageError::BadStep {
+                        seq: t.seq,
+                        what: msg.clone(),
+                    },
+                )
+            }));
+        }
+        errors
+    }
+
+    /// Any stage but the first: hidden states from the previous stage.
+    pub fn handle_hidden(
+        &mut self,
+        header: StepHeader,
+        data: Vec<f32>,
+        sink: &mut dyn FnMut(StageOutput),
+    ) -> Result<(), StageError> {
+        if self.is_first() {
+            return Err(StageError::WrongStage(
+                "take hidden states (it is the first stage)",
+            ));
+        }
+        let n_embd = self.model.config().n_embd;
+        let hidden = Hidden {
+            n_tokens: header.n_rows(),
+            n_embd,
+            data,
+        };
+        self.step(header.entries, hidden, Instant::now(), sink)
+    }
+
+    /// Runs this stage's layers on `hidden` (rows of `entries`, in order) and emits what
+    /// follows: the hidden state on, or (last stage) samples.
+    fn step(
+        &mut self,
+        entries: Vec<StepEntry>,
+        mut hidden: Hidden,
+        started: Instant,
+        sink: &mut dyn FnMut(StageOutput),
+    ) -> Result<(), StageError> {
+        // Take the sequences out of the map so their caches can be borrowed together.
+        let mut states = Vec::with_capacity(entries.len());
+        let mut refused = None;
+        for e in &entries {
+            match self.seqs.remove(&e.seq) {
+                Some(s) if !s.finished => {
+                    let expected = s.kv.len();
+                    if e.start_pos as usize != expected || e.n_tokens == 0 {
+                        refused = Some(StageError::BadStep {
+                            seq: e.seq,
+                            what: format!(
+                                "step at position {} for {} tokens, but {expected} positions are cached",
+                                e.start_pos, e.n_tokens
+                            ),
+                        });
+                    }
+                    states.push(s);
+                }
+                Some(s) => {
+                    refused = Some(StageError::BadStep {
+                        seq: e.seq,
+                        what: "the sequence has finished".into(),
+                    });
+                    states.push(s);
+                }
+                None => {
+                    refused = Some(StageError::UnknownSeq(e.seq));
+                    break;
+                }
+            }
+        }
+        if let Some(err) = refused {
+            for s in states {
+                self.seqs.insert(s.open.seq, s);
+            }
+            return Err(err);
+        }
+        let batch: Vec<SeqStep> = entries
+            .iter()
+            .map(|e| SeqStep {
+                n_tokens: e.n_tokens as usize,
+                start_pos: e.start_pos as usize,
+            })
+            .collect();
+        let result = {
+            let mut kvs: Vec<&mut KvCache> = states.iter_mut().map(|s| &mut s.kv).collect();
+            self.model.run_layers(
+                self.assignment.layers.clone(),
+                &mut hidden,
+                &batch,
+                &mut kvs,
+                &mut LocalExperts(&self.model),
+            )
+        };
+        if let Err(e) = result {
+            for s in states {
+                self.seqs.insert(s.open.seq, s);
+            }
+            return Err(e.into());
+        }
+        let after_layer = self.assignment.layers.end;
+        let stage = self.assignment.stage;
+        let is_last = self.is_last();
+        let mut row = 0usize;
+        let mut outputs = Vec::new();
+        for (e, s) in entries.iter().zip(states.iter_mut()) {
+            let rows = row..row + e.n_tokens as usize;
+            row = rows.end;
+            if s.open.trace {
+                let slice = &hidden.data[rows.start * hidden.n_embd..rows.end * hidden.n_embd];
+                outputs.push(StageOutput::Control(NodeToCoord::Trace(BoundaryTrace {
+                    seq: e.seq,
+                    stage,
+                    after_layer,
+                    start_pos: e.start_pos as usize,
+                    n_tokens: e.n_tokens as usize,
+                    hash: hash_f32s(slice),
+                })));
+            }
+            if is_last && e.sample() {
+                let logits = self.model.head(&hidden.rows(rows.end - 1..rows.end))?;
+                let pos = s.history.len();
+                let token = sample(logits.last(), &s.open.sampling, &s.history, pos as u64);
+                outputs.extend(Self::after_sample(s, token));
+            }
+        }
+        let compute_ns = started.elapsed().as_nanos() as u64;
+        // Account compute to the phase of the first entry's sequence(s).
+        for (e, s) in entries.iter().zip(states.iter_mut()) {
+            let phase = if (e.start_pos as usize) < s.open.prompt.len() {
+                &mut s.stats.prefill
+            } else {
+                &mut s.stats.decode
+            };
+            phase.steps += 1;
+            phase.tokens += u64::from(e.n_tokens);
+            phase.compute_ns += compute_ns / entries.len() as u64;
+        }
+        if !is_last {
+            let header = StepHeader {
+                n_embd: hidden.n_embd as u32,
+                entries: entries.clone(),
+            };
+            let frame_bytes = (tessera_net::frame::HEADER_LEN
+                + header.encoded_len()
+                + hidden.data.len() * 4) as u64;
+            for (e, s) in entries.iter().zip(states.iter_mut()) {
+                let phase = if (e.start_pos as usize) < s.open.prompt.len() {
+                    &mut s.stats.prefill
+                } else {
+                    &mut s.stats.decode
+                };
+                phase.bytes_sent += frame_bytes / entries.len() as u64;
+                phase.frames_sent += 1;
+                if e.sample() {
+                    s.sent_at = Some(Instant::now());
+                }
+            }
+            outputs.push(StageOutput::Hidden(header, hidden.data));
+        }
+        for s in states {
+            self.seqs.insert(s.open.seq, s);
+        }
+        for o in outputs {
+            sink(o);
+        }
+        Ok(())
+    }
+
+    /// Last stage: what a sampled token leads to.
+    fn after_sample(s: &mut SeqState, token: u32) -> Vec<StageOutput> {
+        let seq = s.open.seq;
+        let mut out = Vec::new();
+        if s.open.eog.contains(&token) {
+            s.finished = true;
+            out.push(StageOutput::Control(NodeToCoord::Finished {
+                seq,
+                reason: FinishReason::EndOfGeneration,
+                generated: s.generated,
+                error: None,
+            }));
+            return out;
+        }
+        let pos = s.history.len();
+        s.history.push(token);
+        s.generated += 1;
+        out.push(StageOutput::Control(NodeToCoord::Token { seq, pos, token }));
+        // The token's own position must fit in the cache for the next step.
+        if s.generated >= s.open.max_new_tokens || pos >= s.kv.capacity() {
+            s.finished = true;
+            out.push(StageOutput::Control(NodeToCoord::Finished {
+                seq,
+                reason: FinishReason::Length,
+                generated: s.generated,
+                error: None,
+            }));
+            return out;
+        }
+        s.stats.decode.bytes_sent += (tessera_net::frame::HEADER_LEN + RingToken::LEN) as u64;
+        s.stats.decode.frames_sent += 1;
+        out.push(StageOutput::Token(RingToken {
+            seq,
+            pos: pos as u32,
+            token,
+        }));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::path::PathBuf;
+    use tessera_engine::{Generator, LoadSpec, SamplingParams};
+    use tessera_model::{GgufFile, ModelConfig};
+
+    fn model_path(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models")
+            .join(name)
+    }
+
+    fn assignment(
+        stage: usize,
+        n: usize,
+        layers: std::ops::Range<usize>,
+        last: usize,
+    ) -> StageAssignment {
+        StageAssignment {
+            epoch: 1,
+            model: crate::store::ContentHash([0; 32]),
+            stage,
+            n_stages: n,
+            embed: layers.start == 0,
+            head: layers.end == last,
+            layers,
+            next: None,
+            prev: None,
+            max_context: 256,
+        }
+    }
+
+    /// Runs a ring of in-process stages and returns the generated tokens.
+    fn run_ring(path: &str, cuts: &[usize], prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
+        let g = GgufFile::open(model_path(path)).unwrap();
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        let mut bounds = vec![0];
+        bounds.extend_from_slice(cuts);
+        bounds.push(cfg.n_layer);
+        let n_stages = bounds.len() - 1;
+        let mut stages: Vec<Stage> = (0..n_stages)
+            .map(|i| {
+                let a = assignment(i, n_stages, bounds[i]..bounds[i + 1], cfg.n_layer);
+                let m = Model::load(
+                    &g,
+                    LoadSpec::stage(&cfg, a.layers.clone()),
+                    1,
+                    &mut |_, _| {},
+                )
+                .unwrap();
+                Stage::new(a, m, None)
+            })
+            .collect();
+        let open = OpenSeq {
+            seq: 1,
+            epoch: 1,
+            prompt: prompt.to_vec(),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: n,
+            eog: vec![],
+            prefill_chunk: chunk,
+            trace: false,
+        };
+        for s in &mut stages {
+            s.open(open.clone()).unwrap();
+        }
+        // (stage index, output) queue.
+        let mut queue: VecDeque<(usize, StageOutput)> = VecDeque::new();
+        let mut tokens = Vec::new();
+        stages[0]
+            .start(1, &mut |o| queue.push_back((0, o)))
+            .unwrap();
+        while let Some((from, o)) = queue.pop_front() {
+            let mut out = Vec::new();
+            let handler = match o {
+                StageOutput::Hidden(h, d) => {
+                    stages[from + 1]
+                        .handle_hidden(h, d, &mut |o| out.push(o))
+                        .unwrap();
+                    from + 1
+                }
+                StageOutput::Token(t) => {
+                    stages[0].handle_token(t, &mut |o| out.push(o)).unwrap();
+                    0
+                }
+                StageOutput::Control(NodeToCoord::Token { token, .. }) => {
+                    tokens.push(token);
+                    continue;
+                }
+                StageOutput::Control(_) => continue,
+            };
+            queue.extend(out.into_iter().map(|o| (handler, o)));
+        }
+        for s in &mut stages {
+            let stats = s.close(1).unwrap();
+            assert!(stats.decode.steps > 0 || n <= 1);
+            assert_eq!(s.open_seqs(), 0);
+        }
+        tokens
+    }
+
+    fn reference(path: &str, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
+        let g = GgufFile::open(model_path(path)).unwrap();
+        let m = Model::load_full(&g, 1).unwrap();
+        let mut gen = Generator::new(&m, SamplingParams::greedy(), 256);
+        gen.prefill_chunk = chunk;
+        let mut out = Vec::new();
+        gen.generate(prompt, n, &[], &mut |t| {
+            out.push(t);
+            true
+        })
+        .unwrap();
+        out
+    }
+
+    #[test]
+    fn in_process_ring_equals_one_model() {
+        let prompt = [1u32, 403, 407, 261, 378, 300, 42, 17, 99, 5];
+        for (model, cuts) in [
+            ("stories260K.gguf", vec![]),
+            ("stories260K.gguf", vec![2]),
+            ("stories260K.gguf", vec![1, 3]),
+            ("test/tiny-qwen3-Q8_0.gguf", vec![1]),
+        ] {
+            let want = reference(model, &prompt, 6, 4);
+            let got = run_ring(model, &cuts, &prompt, 6, 4);
+            assert_eq!(got, want, "{model} cut at {cuts:?}");
+        }
+    }
+
+    /// Two sequences decoded together (one batch per ring turn) give each its own tokens.
+    #[test]
+    fn batched_sequences_decode_as_if_alone() {
+        let path = "test/tiny-qwen3-Q8_0.gguf";
+        let g = GgufFile::open(model_path(path)).unwrap();
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        let a = assignment(0, 1, 0..cfg.n_layer, cfg.n_layer);
+        let m = Model::load(
+            &g,
+            LoadSpec::stage(&cfg, a.layers.clone()),
+            1,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let mut st = Stage::new(a, m, None);
+        let prompts = [vec![1u32, 403, 407, 261], vec![1u32, 17, 99, 5, 6, 7, 300]];
+        for (i, p) in prompts.iter().enumerate() {
+            st.open(OpenSeq {
+                seq: i as u64,
+                epoch: 1,
+                prompt: p.clone(),
+                sampling: SamplingParams::greedy(),
+                max_new_tokens: 6,
+                eog: vec![],
+                prefill_chunk: 64,
+                trace: false,
+            })
+            .unwrap();
+        }
+        let mut ring: Vec<RingToken> = Vec::new();
+        let mut got: Vec<Vec<u32>> = vec![Vec::new(); 2];
+        let collect = |o: StageOutput, ring: &mut Vec<RingToken>, got: &mut Vec<Vec<u32>>| match o {
+            StageOutput::Token(t) => ring.push(t),
+            StageOutput::Control(NodeToCoord::Token { seq, token, .. }) => {
+                got[seq as usize].push(token)
+            }
+            _ => {}
+        };
+        for i in 0..2 {
+            st.start(i, &mut |o| collect(o, &mut ring, &mut got))
+                .unwrap();
+        }
+        while !ring.is_empty() {
+            let batch = std::mem::take(&mut ring);
+            assert!(batch.len() <= 2);
+            let errs = st.handle_tokens(batch, &mut |o| collect(o, &mut ring, &mut got));
+            assert!(errs.is_empty());
+        }
+        for (i, p) in prompts.iter().enumerate() {
+            assert_eq!(got[i], reference(path, p, 6, 64), "sequence {i}");
+        }
+    }
+
+    #[test]
+    fn kv_budget_refuses_a_sequence_that_does_not_fit() {
+        let g = GgufFile::open(model_path("stories260K.gguf")).unwrap();
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        let a = assignment(0, 1, 0..cfg.n_layer, cfg.n_layer);
+        let m = Model::load(
+            &g,
+            LoadSpec::stage(&cfg, a.layers.clone()),
+            1,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let mut st = Stage::new(a, m, Some(1000));
+        let open = OpenSeq {
+            seq: 3,
+            epoch: 1,
+            prompt: vec![1, 2, 3],
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 100,
+            eog: vec![],
+            prefill_chunk: 64,
+            trace: false,
+        };
+        assert!(matches!(st.open(open), Err(StageError::OverBudget { .. })));
+        assert!(matches!(
+            st.handle_token(
+                RingToken {
+                    seq: 3,
+                    pos: 0,
+                    token: 1
+                },
+                &mut |_| {}
+            ),
+            Err(StageError::UnknownSeq(3))
+        ));
+    }
+}

@@ -1,0 +1,119 @@
+//! `tessera coordinator`: the control plane. Prints the join token, enrols nodes, distributes
+//! the model, places layer ranges on nodes and drives generations for `tessera run`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use tessera_coord::assignment::{parse_split, PlanFile};
+use tessera_coord::{Coordinator, CoordinatorConfig};
+
+#[derive(clap::Args, Debug)]
+pub struct CoordinatorArgs {
+    /// The GGUF model the cluster serves (default: the built-in stories260K). The coordinator
+    /// reads its metadata and serves its chunks; it loads no weights.
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// UDP address to listen on.
+    #[arg(long, default_value = "0.0.0.0:7070")]
+    listen: SocketAddr,
+    /// Where the coordinator keeps its key, the join token and the enrolled nodes.
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// Apply this split as soon as enough nodes have joined, e.g. `0..3,3..5` (stages take nodes
+    /// in the order they joined).
+    #[arg(long, conflicts_with = "plan")]
+    split: Option<String>,
+    /// Apply this plan file (JSON: `{"stages":[{"node":"NAME","layers":"0..3"},...]}`).
+    #[arg(long)]
+    plan: Option<PathBuf>,
+    /// Most positions per sequence (default: the model's context length).
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Advertise this coordinator on the local network by mDNS, so nodes can join with the
+    /// token alone (`tessera node --join TOKEN`).
+    #[arg(long)]
+    mdns: bool,
+}
+
+pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
+    let model = crate::default_model::resolve(args.model)?;
+    let split = match (&args.split, &args.plan) {
+        (Some(s), _) => Some(parse_split(s).context("--split")?),
+        (None, Some(p)) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let plan: PlanFile =
+                serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+            Some(plan.stages)
+        }
+        (None, None) => None,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let gguf = tessera_model::GgufFile::open(&model)?;
+        let ctx = tessera_model::ModelConfig::from_gguf(&gguf)?.context_length;
+        drop(gguf);
+        let coordinator = Coordinator::bind(CoordinatorConfig {
+            data_dir: args.data_dir,
+            listen: args.listen,
+            model: model.clone(),
+            split,
+            max_context: args.max_context.unwrap_or(ctx),
+            progress: true,
+        })
+        .await
+        .context("starting the coordinator")?;
+        let addr = coordinator.local_addr()?;
+        println!("coordinator {}", coordinator.node_id());
+        println!(
+            "model {} ({:?}), hash {}",
+            model.display(),
+            coordinator.model().config.arch,
+            coordinator.manifest().model_hash
+        );
+        println!("listening on {addr}");
+        println!("join token: {}@{addr}", coordinator.token());
+        let _advertisement = if args.mdns {
+            advertise(coordinator.node_id(), addr.port())?
+        } else {
+            None
+        };
+        if addr.ip().is_unspecified() {
+            println!(
+                "(nodes on other machines use this machine's address in place of {})",
+                addr.ip()
+            );
+        }
+        tokio::select! {
+            r = coordinator.run() => r?,
+            () = super::node::shutdown_signal() => {
+                println!("shutting down");
+                coordinator.close();
+                coordinator.wait_idle().await;
+            }
+        }
+        anyhow::Ok(())
+    })
+}
+
+#[cfg(feature = "mdns")]
+fn advertise(
+    id: tessera_net::NodeId,
+    port: u16,
+) -> anyhow::Result<Option<tessera_coord::discovery::Advertisement>> {
+    let a = tessera_coord::discovery::advertise(id, port).context("advertising by mDNS")?;
+    println!(
+        "advertised by mDNS as {}",
+        tessera_coord::discovery::SERVICE_TYPE
+    );
+    Ok(Some(a))
+}
+
+#[cfg(not(feature = "mdns"))]
+fn advertise(_id: tessera_net::NodeId, _port: u16) -> anyhow::Result<Option<()>> {
+    anyhow::bail!("this build has no mDNS support (build with the `mdns` feature)")
+}

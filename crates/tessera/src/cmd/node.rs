@@ -1,0 +1,132 @@
+//! `tessera node`: the node agent. Measures the machine, enrols with (or reconnects to) the
+//! coordinator, receives and loads the layers it is assigned, and runs its stage of the ring.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use tessera_node::agent::{AgentConfig, JoinTarget, ProbeLevel};
+use tessera_node::MemoryBudget;
+
+#[derive(clap::Args, Debug)]
+pub struct NodeArgs {
+    /// Where the node keeps its identity key, its coordinator record and its model cache.
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// Enrol with a coordinator: the `TOKEN@HOST:PORT` line it printed, or the token alone to
+    /// find the coordinator the token names on the local network by mDNS. Later starts
+    /// reconnect to the recorded coordinator without it.
+    #[arg(long, value_name = "TOKEN[@HOST:PORT]")]
+    join: Option<String>,
+    /// UDP address to listen on for other nodes (port 0: any).
+    #[arg(long, default_value = "0.0.0.0:0")]
+    listen: SocketAddr,
+    /// Name shown in plans and logs (default: the host name). Bound to this node's key.
+    #[arg(long)]
+    name: Option<String>,
+    /// Most memory this node commits to work, e.g. `6GiB` or `80%` (default: available RAM).
+    #[arg(long)]
+    memory_budget: Option<String>,
+    /// A local copy of the model: read from here (after checking its hash), never downloaded.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(short, long)]
+    threads: Option<usize>,
+    /// Short start-up probes (small buffers; less accurate figures).
+    #[arg(long)]
+    quick_probe: bool,
+    /// Measure the node, print its inventory as JSON, and exit.
+    #[arg(long)]
+    inventory: bool,
+}
+
+pub fn run(args: NodeArgs) -> anyhow::Result<()> {
+    let join = match args.join.as_deref() {
+        Some(j) if j.contains('@') => Some(
+            j.parse::<JoinTarget>()
+                .map_err(anyhow::Error::msg)
+                .context("--join")?,
+        ),
+        Some(token) => Some(discover(token)?),
+        None => None,
+    };
+    let memory_budget = args
+        .memory_budget
+        .as_deref()
+        .map(MemoryBudget::parse)
+        .transpose()
+        .context("--memory-budget")?;
+    if let Some(m) = &args.model {
+        anyhow::ensure!(m.is_file(), "--model {}: no such file", m.display());
+    }
+    let config = AgentConfig {
+        data_dir: args.data_dir,
+        join,
+        listen: args.listen,
+        name: args.name,
+        memory_budget,
+        model: args.model,
+        threads: args.threads.unwrap_or_else(super::default_threads),
+        probe: if args.quick_probe {
+            ProbeLevel::Quick
+        } else {
+            ProbeLevel::Full
+        },
+        progress: true,
+    };
+    if args.inventory {
+        std::fs::create_dir_all(&config.data_dir)?;
+        let inv = tessera_node::agent::measure_inventory(&config)?;
+        println!("{}", serde_json::to_string_pretty(&inv)?);
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(tessera_node::agent::run_until(config, shutdown_signal()))?;
+    Ok(())
+}
+
+/// Completes on Ctrl-C or SIGTERM, so connections are closed cleanly (peers see a departure at
+/// once instead of after an idle timeout).
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Finds the coordinator a bare join token names, by mDNS on the local network.
+#[cfg(feature = "mdns")]
+fn discover(token: &str) -> anyhow::Result<JoinTarget> {
+    let token: tessera_net::JoinToken = token.parse().context("--join")?;
+    let id = token.coordinator().ok_or_else(|| {
+        anyhow::anyhow!("this join token names no coordinator: give TOKEN@HOST:PORT")
+    })?;
+    eprintln!("looking for coordinator {id} on the local network (mDNS)...");
+    let addr = tessera_coord::discovery::find(id, std::time::Duration::from_secs(10))?;
+    eprintln!("found it at {addr}");
+    Ok(JoinTarget { token, addr })
+}
+
+#[cfg(not(feature = "mdns"))]
+fn discover(_token: &str) -> anyhow::Result<JoinTarget> {
+    anyhow::bail!("--join needs TOKEN@HOST:PORT: this build has no mDNS support")
+}

@@ -1,0 +1,232 @@
+//! `tessera run`: one generation across an enrolled cluster, before the HTTP API exists.
+//!
+//! The client is authenticated like a node: it has its own key (in `--data-dir`) and enrols
+//! with the join token on first use. It asks the coordinator to place the model (`--split` or
+//! `--plan`, or the current assignment), then prints the text as it streams in — the same
+//! output `tessera generate` prints in one process. `--json` prints every message instead, and
+//! `--bench` a report: decode tokens/s, bytes per token on each boundary, hop latency.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use tessera_coord::assignment::{parse_split, PlanFile};
+use tessera_engine::SamplingParams;
+use tessera_net::{Endpoint, NodeIdentity};
+use tessera_node::agent::JoinTarget;
+use tessera_node::protocol::{
+    frame, limits, stream, ClientToCoord, CoordToClient, Hello, Role, RunReport, RunRequest,
+    PROTOCOL_VERSION,
+};
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// The coordinator's `TOKEN@HOST:PORT` line.
+    #[arg(long, value_name = "TOKEN@HOST:PORT")]
+    coordinator: String,
+    /// Where this client keeps its identity key.
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// The prompt.
+    #[arg(short, long)]
+    prompt: String,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Stages in ring order, e.g. `0..3,3..5` (nodes in the order they joined).
+    #[arg(long, conflicts_with = "plan")]
+    split: Option<String>,
+    /// A plan file naming the node of each stage.
+    #[arg(long)]
+    plan: Option<PathBuf>,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Prompt tokens per prefill step (pipelined across stages).
+    #[arg(long, default_value_t = 64)]
+    prefill_chunk: usize,
+    /// Ask every stage for a blake3 hash of each hidden state it outputs.
+    #[arg(long)]
+    trace: bool,
+    /// Print every message from the coordinator as a JSON line.
+    #[arg(long)]
+    json: bool,
+    /// Print the run's report (tokens/s, bytes per boundary, hop latency) to stderr.
+    #[arg(long)]
+    bench: bool,
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    let target: JoinTarget = args
+        .coordinator
+        .parse()
+        .map_err(anyhow::Error::msg)
+        .context("--coordinator")?;
+    let stages = match (&args.split, &args.plan) {
+        (Some(s), _) => Some(parse_split(s).context("--split")?),
+        (None, Some(p)) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            Some(serde_json::from_str::<PlanFile>(&text)?.stages)
+        }
+        (None, None) => None,
+    };
+    let request = RunRequest {
+        prompt: Some(args.prompt.clone()),
+        prompt_tokens: None,
+        max_new_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            repeat_penalty: args.repeat_penalty,
+            seed: args.seed,
+            ..SamplingParams::default()
+        },
+        stages,
+        prefill_chunk: args.prefill_chunk,
+        trace: args.trace,
+        stop_at_eog: true,
+    };
+    std::fs::create_dir_all(&args.data_dir)?;
+    let identity = NodeIdentity::load_or_create(&args.data_dir)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let report = rt.block_on(drive(&identity, &target, request, &args))?;
+    if args.bench {
+        print_report(&report);
+    }
+    Ok(())
+}
+
+async fn drive(
+    identity: &NodeIdentity,
+    target: &JoinTarget,
+    request: RunRequest,
+    args: &RunArgs,
+) -> anyhow::Result<RunReport> {
+    let bind: SocketAddr = if target.addr.is_ipv4() {
+        "0.0.0.0:0".parse()?
+    } else {
+        "[::]:0".parse()?
+    };
+    let endpoint = Endpoint::bind(bind, identity, tessera_net::AllowList::new())?;
+    let conn = endpoint
+        .enroll(target.addr, &target.token)
+        .await
+        .context("connecting to the coordinator")?;
+    let mut s = conn.open_stream(stream::CONTROL).await?;
+    s.reader.set_max_len(limits::CONTROL);
+    s.writer
+        .write_message(
+            frame::MSG,
+            &ClientToCoord::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION,
+                role: Role::Client,
+                name: format!("client-{}", identity.node_id().short()),
+                inventory: None,
+                memory_budget_bytes: None,
+                models: Vec::new(),
+            }),
+        )
+        .await?;
+    match s.reader.read_message::<CoordToClient>(frame::MSG).await? {
+        CoordToClient::Welcome { .. } => {}
+        CoordToClient::Refused { reason } => bail!("the coordinator refused this client: {reason}"),
+        other => bail!("unexpected first message {other:?}"),
+    }
+    s.writer
+        .write_message(frame::MSG, &ClientToCoord::Run(Box::new(request)))
+        .await?;
+    let mut out = std::io::stdout().lock();
+    loop {
+        let msg: CoordToClient = s.reader.read_message(frame::MSG).await?;
+        if args.json {
+            writeln!(out, "{}", serde_json::to_string(&msg)?)?;
+            out.flush()?;
+        }
+        match msg {
+            CoordToClient::Started { .. } if !args.json => {
+                write!(out, "{}", args.prompt)?;
+                out.flush()?;
+            }
+            CoordToClient::Token { text, .. } if !args.json => {
+                write!(out, "{text}")?;
+                out.flush()?;
+            }
+            CoordToClient::Done(report) => {
+                if !args.json {
+                    writeln!(out)?;
+                }
+                let _ = s.writer.finish().await;
+                conn.close("done");
+                endpoint.close();
+                if let Some(e) = &report.error {
+                    bail!("the run failed: {e}");
+                }
+                return Ok(*report);
+            }
+            CoordToClient::Error { message } => bail!("{message}"),
+            CoordToClient::Refused { reason } => bail!("refused: {reason}"),
+            _ => {}
+        }
+    }
+}
+
+fn print_report(r: &RunReport) {
+    eprintln!(
+        "stages: {}",
+        r.stages
+            .iter()
+            .map(|s| format!("{}={}..{}", s.name, s.layers.start, s.layers.end))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    eprintln!(
+        "prompt {} tokens, generated {} ({}); first token after {:.1} ms; decode {:.2} tokens/s",
+        r.prompt_tokens, r.generated, r.reason, r.time_to_first_token_ms, r.decode_tokens_per_s
+    );
+    for b in &r.boundaries {
+        eprintln!(
+            "boundary {}->{}: {:.1} bytes per decode token (payload {} B), {} bytes in prefill",
+            b.from, b.to, b.decode_bytes_per_token, b.hidden_payload_bytes, b.prefill_bytes
+        );
+    }
+    for s in &r.stage_stats {
+        let per = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e3;
+        eprintln!(
+            "stage {}: decode compute {:.1} µs/token, prefill compute {:.1} ms",
+            s.stage,
+            per(s.decode.compute_ns, s.decode.steps),
+            s.prefill.compute_ns as f64 / 1e6
+        );
+    }
+    if let Some(h) = r.hop_latency_us {
+        eprintln!(
+            "hop latency: {h:.1} µs per hop per token (ring time minus stage compute, over hops)"
+        );
+    }
+    for s in &r.stages {
+        if let Some(l) = &s.link_to_next {
+            eprintln!(
+                "link stage {} -> next: rtt {:?}, {:.1} MB/s",
+                s.stage,
+                l.rtt_median,
+                l.bytes_per_s / 1e6
+            );
+        }
+    }
+}
