@@ -375,18 +375,3 @@ impl Model {
         })
     }
 }
-
-impl Model {
-    #[doc(hidden)]
-    pub fn moe_probs_scratch(&self, layer: usize, normed: &Hidden) -> Vec<f32> {
-        let cfg = self.config();
-        let router = self.core(layer).unwrap().router.as_ref().unwrap();
-        let (n, ne) = (normed.n_tokens, cfg.n_expert);
-        let mut probs = vec![0.0f32; n * ne];
-        matmul_once(self.pool(), router, &normed.data, n, &mut probs);
-        for p in probs.chunks_exact_mut(ne) {
-            softmax(p);
-        }
-        probs
-    }
-}

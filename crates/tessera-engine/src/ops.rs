@@ -272,8 +272,9 @@ fn dot_ggml(x: &[f32], y: &[f32]) -> f32 {
 /// `q` holds the group's heads back to back (`head_dim` each); `out` likewise. `keys`/`values`
 /// hold positions row-major with stride `kv_stride`, this KV head's slice starting at
 /// `kv_offset`. Per head this follows llama.cpp without flash attention: scores
-/// `dot(q, k) * scale`, a softmax over the (16-padded) row, then each output dimension
-/// accumulated over positions in 16 FMA lanes and reduced (its tinyBLAS F32 GEMM).
+/// `dot(q, k) * scale`, a softmax over the (16-padded) row, then each output dimension as
+/// `ggml_vec_dot_f32` of the scores and the transposed values over the padded KV length (what a
+/// single-token decode step runs; see `KV_PAD`).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     out: &mut [f32],
@@ -290,7 +291,7 @@ pub fn attend_group(
     let d = head_dim;
     let g = q.len() / d;
     scratch.scores.resize(g * n_kv, 0.0);
-    scratch.lanes.resize(g * 16 * d, 0.0);
+    scratch.lanes.resize(g * 64 * d, 0.0);
     let (scores, lanes) = (&mut scratch.scores, &mut scratch.lanes);
     with_fma(|| {
         for j in 0..n_kv {
@@ -303,13 +304,18 @@ pub fn attend_group(
     for h in 0..g {
         softmax_ggml(&mut scores[h * n_kv..(h + 1) * n_kv], true);
     }
+    // For a single token llama.cpp computes `kq · V` with `ggml_vec_dot_f32` (llamafile's
+    // tinyBLAS refuses one-column products) over the padded KV length, a multiple of 64
+    // (`KV_PAD`): position `j` in lane `j % 16` of accumulator `(j % 64) / 16`, the four combined
+    // `(a0 + a2) + (a1 + a3)`, then [`reduce16`]. Masked cells add exact zeros.
+    const _: () = assert!(KV_PAD.is_multiple_of(64));
     lanes.fill(0.0);
     with_fma(|| {
         for j in 0..n_kv {
             let v = &values[j * kv_stride + kv_offset..j * kv_stride + kv_offset + d];
             for h in 0..g {
                 let p = scores[h * n_kv + j];
-                let l = (h * 16 + j % 16) * d;
+                let l = (h * 64 + j % 64) * d;
                 for (a, &x) in lanes[l..l + d].iter_mut().zip(v) {
                     *a = x.mul_add(p, *a);
                 }
@@ -318,14 +324,18 @@ pub fn attend_group(
     });
     for h in 0..g {
         for i in 0..d {
-            let mut v = [0.0f32; 16];
-            for (l, x) in v.iter_mut().enumerate() {
-                *x = lanes[(h * 16 + l) * d + i];
-            }
+            let at = |l: usize| lanes[(h * 64 + l) * d + i];
+            let v: [f32; 16] =
+                std::array::from_fn(|l| (at(l) + at(l + 32)) + (at(l + 16) + at(l + 48)));
             out[h * d + i] = reduce16(&v);
         }
     }
 }
+
+/// The multiple of cells llama.cpp's KV view is padded to (`llama_kv_cache::get_n_kv`: 256 in
+/// the reference build; modelling the older padding of 32, where short rows fall into
+/// `ggml_vec_dot_f32`'s scalar remainder, matches the references worse).
+const KV_PAD: usize = 256;
 
 /// Reusable buffers for [`attend_group`].
 #[derive(Debug, Default)]

@@ -119,17 +119,17 @@ fn check_file(path: &std::path::Path, loose: bool) -> (Vec<String>, f64) {
     (failures, worst)
 }
 
-/// Quantized files whose teacher-forced log-probs drift past 0.02 (up to ~0.13) while F32,
-/// F16, BF16, Q4_0 and Q8_0 files agree closely (Q4_0/Q8_0 to ~2e-6). The layer code is shared
-/// by every weight type, so the drift is in the K-quant dot products (accumulation order versus
-/// llama.cpp's repacked / vec_dot paths) and, for small-qwen3moe-Q8_0, the expert matmuls
-/// (llama.cpp's `mul_mat_id` path), which `kernels` owns. These files are checked with a loose
-/// bound here and strictly by `strict_teacher_forcing_for_every_file` (ignored).
-const KNOWN_KERNEL_DRIFT: [&str; 6] = [
+/// Quantized files whose teacher-forced log-probs drift past 0.02 (up to ~0.13) while the other
+/// files agree closely. llama.cpp's numerics depend on the batch: a prompt is computed by
+/// llamafile tinyBLAS and the repacked gemm, each generated token alone by `ggml_vec_dot_*` and
+/// the repacked gemv, which round differently. This engine is batch-invariant and follows the
+/// single-token path, so the prompt's rows (and the KV they leave) differ in the last bits;
+/// an activation-quantization rounding step or an expert choice sometimes turns such a
+/// difference into a visible one that persists. These files are checked with a loose bound
+/// here and strictly by `strict_teacher_forcing_for_every_file` (ignored).
+const KNOWN_KERNEL_DRIFT: [&str; 4] = [
     "small-qwen3-Q4_K",
     "small-qwen3-Q5_K",
-    "small-qwen3-Q6_K",
-    "small-qwen3moe-Q4_K",
     "small-qwen3moe-Q5_K",
     "small-qwen3moe-Q8_0",
 ];

@@ -2,9 +2,12 @@
 //!
 //! Numerics follow ggml: activations are quantized to each weight type's `vec_dot_type`
 //! ([`QuantizedActs`]), and the float accumulation of each type reproduces the order of the
-//! llama.cpp x86 kernel that type runs through (Q4_0: repacked gemv; Q8_0, F32: llamafile
-//! tinyBLAS; Q6_K, Q5_K, F16, BF16: `ggml_vec_dot_*`; Q4_K: repacked gemv), because small
-//! models amplify even last-bit differences. Integer block sums are exact, and every output
+//! llama.cpp x86 kernel that type runs through for a single token (Q4_0, Q4_K: repacked gemv;
+//! Q8_0, Q6_K, Q5_K, F32, F16, BF16: `ggml_vec_dot_*`, Q8_0's order being the same as llamafile
+//! tinyBLAS's), because small models amplify even last-bit differences. llama.cpp's numerics
+//! depend on the batch (llamafile `tinyBLAS` and the repacked gemm only serve batches of two or
+//! more tokens); a batch-invariant engine can match only one side, and follows the
+//! single-token decode steps, which produce nearly all reference positions. Integer block sums are exact, and every output
 //! element is computed by the same sequence of float operations whatever the batch, thread
 //! count or row range, so results are batch-invariant and deterministic, and the scalar, AVX2
 //! and AVX-512 paths agree bit for bit.

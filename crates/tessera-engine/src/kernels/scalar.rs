@@ -425,22 +425,18 @@ pub(crate) fn reduce16(a: &[f32; 16]) -> f32 {
 
 /// One float row · activations in the order llama.cpp's x86 AVX-512 build uses for the weight
 /// type (the reference outputs are sensitive to it):
-/// - F32 (llamafile `tinyBLAS`): 16 lanes, element `e` in lane `e % 16`, then [`reduce16`].
-/// - F16 (`ggml_vec_dot_f16`): 4 × 16 lanes over 64-element steps, lanes combined
-///   `(a0 + a2) + (a1 + a3)`, [`reduce16`], the remainder added in f64.
+/// - F32 (`ggml_vec_dot_f32`) and F16 (`ggml_vec_dot_f16`): 4 × 16 lanes over 64-element
+///   steps, lanes combined `(a0 + a2) + (a1 + a3)`, [`reduce16`]; the remainder added with
+///   f32 FMAs (F32) or in f64 (F16). llama.cpp only takes llamafile `tinyBLAS` for batches of
+///   two or more tokens (`llamafile_sgemm` refuses `n < 2`), so every single-token decode step
+///   of the reference runs `ggml_vec_dot_*`; a batch-invariant engine follows that order (the
+///   reference's prompt rows, computed by tinyBLAS, differ in the last bits).
 /// - BF16 (`ggml_vec_dot_bf16`, `vdpbf16ps`): two 16-lane accumulators for the halves of each
 ///   64-element step, lane `p` taking the odd then the even element of pair `p`; the two
 ///   [`reduce16`] sums and the remainder added in f64.
 pub(crate) fn float_row(kind: u8, n: usize, w: impl Fn(usize) -> f32, x: &[f32]) -> f32 {
     match kind {
-        FLOAT_F32 => {
-            let mut a = [0f32; 16];
-            for (e, &xe) in x.iter().enumerate().take(n) {
-                a[e % 16] = w(e).mul_add(xe, a[e % 16]);
-            }
-            reduce16(&a)
-        }
-        FLOAT_F16 => {
+        FLOAT_F32 | FLOAT_F16 => {
             let np = n / 64 * 64;
             let mut a = [[0f32; 16]; 4];
             for (e, &xe) in x.iter().enumerate().take(np) {
@@ -448,6 +444,14 @@ pub(crate) fn float_row(kind: u8, n: usize, w: impl Fn(usize) -> f32, x: &[f32])
                 a[g][l] = w(e).mul_add(xe, a[g][l]);
             }
             let v: [f32; 16] = std::array::from_fn(|i| (a[0][i] + a[2][i]) + (a[1][i] + a[3][i]));
+            if kind == FLOAT_F32 {
+                // `ggml_vec_dot_f32` keeps its sum in f32 (the remainder contracted to FMAs).
+                let mut s = reduce16(&v);
+                for (e, &xe) in x.iter().enumerate().take(n).skip(np) {
+                    s = w(e).mul_add(xe, s);
+                }
+                return s;
+            }
             let mut s = reduce16(&v) as f64;
             for (e, &xe) in x.iter().enumerate().take(n).skip(np) {
                 s += (w(e) * xe) as f64;

@@ -96,16 +96,7 @@ unsafe fn token<const K: u8>(w: *const u8, x: &[f32], out: &mut [f32; GROUP]) {
     // SAFETY: the caller checked the group holds n columns; features enabled.
     unsafe {
         match K {
-            FLOAT_F32 => {
-                let n16 = n / 16 * 16;
-                let mut acc = pass::<K>(w, xp, n16, 16, 0);
-                for e in n16..n {
-                    acc[e % 16] =
-                        _mm512_fmadd_ps(load16::<K>(w, e), _mm512_set1_ps(x[e]), acc[e % 16]);
-                }
-                _mm512_storeu_ps(out.as_mut_ptr(), reduce(&acc));
-            }
-            FLOAT_F16 => {
+            FLOAT_F32 | FLOAT_F16 => {
                 let np = n / 64 * 64;
                 let a: [[__m512; 16]; 4] =
                     std::array::from_fn(|g| pass::<K>(w, xp, np, 64, 16 * g));
@@ -116,7 +107,13 @@ unsafe fn token<const K: u8>(w: *const u8, x: &[f32], out: &mut [f32; GROUP]) {
                     )
                 });
                 _mm512_storeu_ps(out.as_mut_ptr(), reduce(&v));
-                if np < n {
+                if np < n && K == FLOAT_F32 {
+                    for (r, o) in out.iter_mut().enumerate() {
+                        for (e, &xe) in x.iter().enumerate().skip(np) {
+                            *o = wr(e, r).mul_add(xe, *o);
+                        }
+                    }
+                } else if np < n {
                     for (r, o) in out.iter_mut().enumerate() {
                         let mut s = *o as f64;
                         for (e, &xe) in x.iter().enumerate().skip(np) {
