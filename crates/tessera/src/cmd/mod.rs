@@ -6,9 +6,10 @@ pub mod generate;
 pub mod inspect;
 pub mod node;
 pub mod plan;
+mod progress;
 pub mod run;
 pub mod serve;
-mod progress;
+pub mod up;
 
 /// Compute threads when the user does not say: every core the process may use.
 pub fn default_threads() -> usize {
