@@ -9,7 +9,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use anyhow::{bail, Context};
+use tessera_coord::assignment::parse_split;
+use tessera_coord::gateway::{ClusterBackend, ClusterBackendConfig};
+use tessera_coord::{Coordinator, CoordinatorConfig};
 use tessera_engine::Model;
 use tessera_gateway::{
     check_exposure, Backend, Gateway, GatewayConfig, LocalBackend, LocalConfig, SchedulerConfig,
@@ -50,6 +55,26 @@ pub struct ServeArgs {
     /// Context positions per sequence (default: the model's).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Distributed mode: run a coordinator in this process and serve the model over this many
+    /// nodes, once they have joined (`tessera node --join TOKEN@HOST:PORT`, as printed) and
+    /// loaded their layers.
+    #[arg(long)]
+    pub nodes_expected: Option<usize>,
+    /// Distributed mode: the layer split in ring order, e.g. `0..3,3..5` (stages take nodes in
+    /// the order they join). Default: an even split over --nodes-expected.
+    #[arg(long)]
+    pub split: Option<String>,
+    /// Distributed mode: `auto` plans from the joined nodes' measured inventory and links
+    /// (`tessera coordinator --plan auto`) instead of a fixed split.
+    #[arg(long, value_parser = ["auto"], conflicts_with = "split")]
+    pub plan: Option<String>,
+    /// Distributed mode: the coordinator's UDP address (nodes join here).
+    #[arg(long, default_value = "0.0.0.0:7070")]
+    pub coordinator_listen: SocketAddr,
+    /// Distributed mode: where the coordinator keeps its key, join token and enrolled nodes
+    /// (default: `tessera-coordinator` under the cache directory).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
 }
 
 /// Validated settings.
@@ -121,6 +146,9 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if args.nodes_expected.is_some() || args.split.is_some() || args.plan.is_some() {
+        return run_distributed(args);
+    }
     let cfg = validate(args)?;
     init_tracing();
     let gguf =
@@ -130,6 +158,304 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let backend = LocalBackend::start(&cfg.name, &gguf, model, cfg.local)
         .context("reading the tokenizer and chat template")?;
     serve_backend(Arc::new(backend), cfg.listen, cfg.api_key, |_| {})
+}
+
+/// What a coordinator-backed gateway needs.
+pub struct ClusterOptions {
+    pub model: PathBuf,
+    pub name: String,
+    /// The coordinator's UDP address.
+    pub coordinator_listen: SocketAddr,
+    pub data_dir: PathBuf,
+    /// `--split` syntax; `None`: an even split over `nodes`.
+    pub split: Option<String>,
+    pub nodes: usize,
+    pub max_context: Option<usize>,
+    pub backend: ClusterBackendConfig,
+    /// Progress bars while serving shards.
+    pub progress: bool,
+    /// Plan from the nodes' measured inventory once `nodes` have joined, instead of `split`.
+    pub auto_plan: bool,
+}
+
+/// A running coordinator and the backend in front of it.
+pub struct Cluster {
+    pub coordinator: Arc<Coordinator>,
+    pub backend: ClusterBackend,
+    /// `TOKEN@HOST:PORT`, for `tessera node --join`.
+    pub join: String,
+    /// The split applied, in `--split` syntax.
+    pub split: String,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Cluster {
+    /// Starts the coordinator (it applies the split once enough nodes have joined) and the
+    /// backend. Must run inside the runtime that will serve.
+    pub async fn start(o: ClusterOptions) -> anyhow::Result<Self> {
+        let n_layer = tessera_coord::gateway::model_layers(&o.model)
+            .with_context(|| format!("reading {}", o.model.display()))?;
+        let split = match (o.auto_plan, o.split) {
+            (true, _) => "auto".to_string(),
+            (false, Some(s)) => s,
+            (false, None) => tessera_coord::gateway::even_split(n_layer, o.nodes),
+        };
+        let stages = if o.auto_plan {
+            None
+        } else {
+            Some(parse_split(&split).context("--split")?)
+        };
+        let (ctx, profile) = {
+            let g = GgufFile::open(&o.model)?;
+            let profile = if o.auto_plan {
+                Some(
+                    tessera_model::ModelProfile::from_gguf(&g)
+                        .context("reading the model profile")?,
+                )
+            } else {
+                None
+            };
+            (
+                tessera_model::ModelConfig::from_gguf(&g)?.context_length,
+                profile,
+            )
+        };
+        let max_context = o.max_context.unwrap_or(ctx).min(ctx);
+        let data_dir = o.data_dir.clone();
+        let coordinator = Coordinator::bind(CoordinatorConfig {
+            data_dir: o.data_dir,
+            listen: o.coordinator_listen,
+            model: o.model.clone(),
+            split: stages,
+            max_context,
+            progress: o.progress,
+        })
+        .await
+        .context("starting the coordinator")?;
+        let coordinator = Arc::new(coordinator);
+        let addr = coordinator.local_addr()?;
+        let join = format!("{}@{addr}", coordinator.token());
+        let backend = ClusterBackend::new(&coordinator, &o.name, o.backend)?;
+        let accept = {
+            let c = coordinator.clone();
+            tokio::spawn(async move {
+                if let Err(e) = c.run().await {
+                    eprintln!("coordinator: {e}");
+                }
+            })
+        };
+        if let Some(profile) = profile {
+            // The other engineer's planner: waits for the nodes, plans, applies the stages.
+            let (c, nodes) = (coordinator.clone(), o.nodes);
+            tokio::spawn(async move {
+                let policy = super::auto_plan::policy(max_context);
+                if let Err(e) = super::auto_plan::run(&c, &profile, nodes, &policy, &data_dir).await
+                {
+                    eprintln!("plan auto: {e:#}");
+                }
+            });
+        }
+        Ok(Self {
+            coordinator,
+            backend,
+            join,
+            split,
+            accept,
+        })
+    }
+
+    /// Cancels what is in flight (closing each sequence on every stage), then closes the
+    /// coordinator's connections.
+    pub async fn stop(self) {
+        self.backend.drain(Duration::from_secs(5)).await;
+        self.coordinator.close();
+        self.coordinator.wait_idle().await;
+        self.accept.abort();
+    }
+}
+
+/// Serves the gateway in front of a cluster until Ctrl-C or SIGTERM. On the signal the server
+/// stops accepting and lets streams finish for a few seconds; whatever is still running then is
+/// cancelled (closed on every stage), so shutdown never waits on a long generation.
+pub async fn serve_cluster_until_signal(
+    backend: &ClusterBackend,
+    listener: tokio::net::TcpListener,
+    api_key: Option<String>,
+) -> anyhow::Result<()> {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let b = backend.clone();
+    let drainer = tokio::spawn(async move {
+        if rx.await.is_ok() {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            b.drain(Duration::from_secs(10)).await;
+        }
+    });
+    let served = serve_until(Arc::new(backend.clone()), listener, api_key, async move {
+        super::node::shutdown_signal().await;
+        let _ = tx.send(());
+    })
+    .await;
+    drainer.abort();
+    served
+}
+
+/// `tessera serve --nodes-expected N`: coordinator and gateway in this process.
+fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
+    let api_key = resolve_api_key(a.api_key.as_deref(), a.api_key_file.as_deref())?;
+    check_exposure(a.listen, api_key.as_deref())?;
+    let auto_plan = a.plan.is_some();
+    let nodes = match (&a.split, a.nodes_expected) {
+        (Some(s), _) => parse_split(s).context("--split")?.len(),
+        (None, Some(n)) if n >= 1 => n,
+        _ => bail!("--nodes-expected must be at least 1"),
+    };
+    let model = default_model::resolve(a.model.clone())?;
+    let name = a
+        .model_name
+        .clone()
+        .unwrap_or_else(|| model_name(a.model.as_deref()));
+    let data_dir = match a.data_dir {
+        Some(d) => d,
+        None => state_root().join("coordinator"),
+    };
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let cluster = Cluster::start(ClusterOptions {
+            model,
+            name,
+            coordinator_listen: a.coordinator_listen,
+            data_dir,
+            split: a.split,
+            nodes,
+            max_context: a.ctx,
+            backend: ClusterBackendConfig {
+                max_active: a.max_batch.max(1),
+                max_queue: a.max_queue,
+                prefill_chunk: a.max_batch_tokens.clamp(1, 128),
+                explanation: if auto_plan {
+                    "Planned from the nodes' measured inventory and links (--plan auto); the \
+                     planner's reasoning is in DATA_DIR/plan-auto.json."
+                        .into()
+                } else {
+                    String::new()
+                },
+            },
+            progress: true,
+            auto_plan,
+        })
+        .await?;
+        println!("coordinator {}", cluster.coordinator.node_id());
+        println!("join token: {}", cluster.join);
+        println!(
+            "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join {}",
+            cluster.split, cluster.join
+        );
+        let backend = cluster.backend.clone();
+        tokio::spawn(async move {
+            match backend
+                .wait_ready(Duration::from_secs(24 * 3600), |r| eprintln!("  {r}"))
+                .await
+            {
+                Ok(()) => println!("serving: every stage is loaded and linked"),
+                Err(e) => eprintln!("not serving: {e}"),
+            }
+        });
+        let backend: Arc<dyn Backend> = Arc::new(cluster.backend.clone());
+        let listener = bind_and_print(a.listen, &backend, api_key.is_some()).await?;
+        serve_cluster_until_signal(&cluster.backend, listener, api_key).await?;
+        eprintln!("shutting down");
+        cluster.stop().await;
+        anyhow::Ok(())
+    })
+}
+
+/// Where serving modes keep state by default: `TESSERA_CACHE_DIR`, else the user's cache
+/// directory, under `tessera`.
+pub fn state_root() -> PathBuf {
+    if let Some(d) = std::env::var_os("TESSERA_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("tessera");
+    }
+    if let Some(h) = std::env::var_os("HOME") {
+        return PathBuf::from(h).join(".cache").join("tessera");
+    }
+    std::env::temp_dir().join("tessera")
+}
+
+/// The name clients use for a model file.
+pub fn model_name(model: Option<&std::path::Path>) -> String {
+    match model {
+        Some(p) => p
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into()),
+        None => default_model::NAME.to_string(),
+    }
+}
+
+/// The runtime every serving mode runs on.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Binds `listen` and prints the URLs; the first line is `listening on http://ADDR`.
+pub async fn bind_and_print(
+    listen: SocketAddr,
+    backend: &Arc<dyn Backend>,
+    key_required: bool,
+) -> anyhow::Result<tokio::net::TcpListener> {
+    let name = backend.model().id.clone();
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
+    let addr = listener.local_addr()?;
+    let shown = shown_addr(addr);
+    println!("listening on http://{addr}");
+    println!("  model      {name}");
+    println!("  API        http://{shown}/v1  (OpenAI-compatible)");
+    println!("  dashboard  http://{shown}/");
+    println!("  metrics    http://{shown}/metrics");
+    if key_required {
+        println!("  API key    required on /v1 (Authorization: Bearer ...)");
+    }
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    Ok(listener)
+}
+
+/// The address to show for a bound one (loopback for an unspecified IP).
+pub fn shown_addr(addr: SocketAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        SocketAddr::new([127, 0, 0, 1].into(), addr.port())
+    } else {
+        addr
+    }
+}
+
+/// Serves the gateway in front of `backend` on `listener` until `shutdown` completes; streams
+/// in progress are let finish.
+pub async fn serve_until(
+    backend: Arc<dyn Backend>,
+    listener: tokio::net::TcpListener,
+    api_key: Option<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let gateway = Gateway::new(
+        backend,
+        GatewayConfig {
+            api_key,
+            ..GatewayConfig::default()
+        },
+    );
+    tessera_gateway::serve(listener, gateway, shutdown)
+        .await
+        .context("serving")
 }
 
 /// Binds `listen`, prints the URLs (the first line is `listening on http://ADDR`), and serves
@@ -143,46 +469,15 @@ pub fn serve_backend(
     on_ready: impl FnOnce(SocketAddr) + Send + 'static,
 ) -> anyhow::Result<()> {
     check_exposure(listen, api_key.as_deref())?;
-    let name = backend.model().id.clone();
-    let gateway = Gateway::new(
-        backend,
-        GatewayConfig {
-            api_key: api_key.clone(),
-            ..GatewayConfig::default()
-        },
-    );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let rt = runtime()?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("binding {listen}"))?;
-        let addr = listener.local_addr()?;
-        let shown = if addr.ip().is_unspecified() {
-            SocketAddr::new([127, 0, 0, 1].into(), addr.port())
-        } else {
-            addr
-        };
-        println!("listening on http://{addr}");
-        println!("  model      {name}");
-        println!("  API        http://{shown}/v1  (OpenAI-compatible)");
-        println!("  dashboard  http://{shown}/");
-        println!("  metrics    http://{shown}/metrics");
-        if api_key.is_some() {
-            println!("  API key    required on /v1 (Authorization: Bearer ...)");
-        }
-        use std::io::Write as _;
-        let _ = std::io::stdout().flush();
-        on_ready(shown);
-        tessera_gateway::serve(listener, gateway, async {
+        let listener = bind_and_print(listen, &backend, api_key.is_some()).await?;
+        on_ready(shown_addr(listener.local_addr()?));
+        serve_until(backend, listener, api_key, async {
             let _ = tokio::signal::ctrl_c().await;
             eprintln!("shutting down");
         })
         .await
-        .context("serving")
     })
 }
 

@@ -1,0 +1,704 @@
+//! The coordinator as a [`tessera_gateway::Backend`]: one OpenAI endpoint in front of the ring.
+//!
+//! Each HTTP request becomes a sequence driven over the current epoch's stages by the same code
+//! that serves `tessera run` ([`crate::driver`]): opened on every stage, prefilled, decoded
+//! around the ring, closed everywhere. Stages batch the sequences that are in flight together
+//! (one forward pass and one frame per step for all of them), so concurrent requests share ring
+//! steps; kernels are batch-invariant, so each request gets the tokens it would get alone.
+//!
+//! * **Admission**: at most `max_active` sequences run at once; up to `max_queue` more wait for
+//!   a slot; beyond that [`SubmitError::QueueFull`]. While no epoch is ready, every request gets
+//!   [`SubmitError::NotServing`] with the reason (no plan, loading, linking, failed).
+//! * **Cancellation**: a dropped [`RequestHandle`] closes its channel; the request's task sees
+//!   it, cancels the sequence, and the driver closes it on every stage, each of which frees its
+//!   KV cache and answers with its statistics.
+//! * **KV accounting**: per node, the KV of the sequences open on it (estimated from the
+//!   positions each has reached), plus the worst case of any sequence a stage never confirmed
+//!   closing. When every stage has acknowledged every close, each node's figure is back to 0.
+//! * **Batching evidence**: stage 0 attributes each hidden-state frame's bytes to the sequences
+//!   in it in equal shares, so a decode step shared by `k` sequences leaves each
+//!   `floor(fixed / k)` bytes of frame overhead instead of `fixed`. From the closed sequences'
+//!   statistics this gives a rigorous lower bound on the decode tokens that ran in shared steps,
+//!   and so an upper bound on the ring steps taken ([`BatchingStats`]).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tessera_gateway::backend::{
+    Assignment, Backend, BackendCounters, ClusterStatus, Event, EventSender, FinishReason,
+    GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle,
+    ServedModel, SubmitError, Usage,
+};
+use tessera_model::GgufFile;
+use tessera_net::NodeId;
+use tessera_node::protocol::{
+    CoordToClient, FinishReason as SeqFinish, RunReport, RunRequest, StepEntry, StepHeader,
+};
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::error::CoordError;
+use crate::membership::Phase;
+use crate::server::{Coordinator, Shared};
+
+/// Settings of the cluster backend.
+#[derive(Clone, Debug)]
+pub struct ClusterBackendConfig {
+    /// Sequences in flight on the ring at once.
+    pub max_active: usize,
+    /// Requests that may wait for a slot before new ones get 429.
+    pub max_queue: usize,
+    /// Prompt tokens per prefill step.
+    pub prefill_chunk: usize,
+    /// Why the plan is what it is (shown on the dashboard).
+    pub explanation: String,
+}
+
+impl Default for ClusterBackendConfig {
+    fn default() -> Self {
+        Self {
+            max_active: 64,
+            max_queue: 64,
+            prefill_chunk: 64,
+            explanation: String::new(),
+        }
+    }
+}
+
+/// What the closed sequences' stage-0 statistics say about batching (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchingStats {
+    /// Decode tokens stage 0 ran (one per step a sequence took part in).
+    pub decode_tokens: u64,
+    /// At least this many of them ran in a step shared with another sequence.
+    pub shared_tokens_at_least: u64,
+    /// Ring steps (stage-0 decode forward passes) taken: at most this many.
+    pub steps_at_most: u64,
+    /// Prefill chunks run on stage 0 (a prompt is prefilled alone).
+    pub prefill_steps: u64,
+}
+
+/// A sequence in flight: where its KV lives and how far it got.
+struct LiveSeq {
+    /// (node, layers held) per stage.
+    stages: Vec<(NodeId, usize)>,
+    positions: usize,
+}
+
+#[derive(Default)]
+struct Books {
+    live: HashMap<u64, LiveSeq>,
+    /// Worst-case KV of sequences a node never confirmed closing.
+    unconfirmed_kv: HashMap<NodeId, u64>,
+    /// Bytes sent per link (from, to), from closed sequences' statistics.
+    link_bytes: HashMap<(NodeId, NodeId), u64>,
+    /// Σ per sequence of stage-0 decode frame overhead bytes, and decode tokens.
+    decode_excess: u64,
+    batching: BatchingStats,
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    model: Arc<ServedModel>,
+    config: ClusterBackendConfig,
+    slots: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    active: AtomicUsize,
+    prompt_tokens: AtomicU64,
+    generated_tokens: AtomicU64,
+    cancelled: AtomicU64,
+    books: Mutex<Books>,
+    rt: tokio::runtime::Handle,
+    /// Bytes of KV per position per layer.
+    kv_per_pos_layer: u64,
+    /// Stage-0 frame bytes independent of the number of sequences, and per sequence, for a
+    /// decode step.
+    frame_fixed: u64,
+    frame_per_seq: u64,
+}
+
+/// The coordinator's [`Backend`]: serves requests over the current epoch's ring.
+#[derive(Clone)]
+pub struct ClusterBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ClusterBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterBackend")
+            .field("model", &self.inner.model.id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ClusterBackend {
+    /// A backend over `coordinator`, serving its model as `name`. Must be called inside a tokio
+    /// runtime (request tasks run on it).
+    pub fn new(
+        coordinator: &Coordinator,
+        name: &str,
+        config: ClusterBackendConfig,
+    ) -> Result<Self, CoordError> {
+        let shared = coordinator.shared().clone();
+        let g = GgufFile::open(&shared.config.model)?;
+        let model = ServedModel::from_gguf(name, &g, shared.config.max_context)?;
+        let c = &shared.model.config;
+        let kv_per_pos_layer = 2 * c.kv_dim() as u64 * 4;
+        let one = StepHeader {
+            n_embd: c.n_embd as u32,
+            entries: vec![StepEntry {
+                seq: 0,
+                start_pos: 0,
+                n_tokens: 1,
+                flags: StepEntry::SAMPLE,
+            }],
+        };
+        let empty = StepHeader {
+            n_embd: c.n_embd as u32,
+            entries: Vec::new(),
+        };
+        let frame_fixed = (tessera_net::frame::HEADER_LEN + empty.encoded_len()) as u64;
+        let frame_per_seq = (one.encoded_len() - empty.encoded_len() + c.n_embd * 4) as u64;
+        let config = ClusterBackendConfig {
+            max_active: config.max_active.max(1),
+            ..config
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                shared,
+                model: Arc::new(model),
+                slots: Arc::new(Semaphore::new(config.max_active)),
+                config,
+                waiting: AtomicUsize::new(0),
+                active: AtomicUsize::new(0),
+                prompt_tokens: AtomicU64::new(0),
+                generated_tokens: AtomicU64::new(0),
+                cancelled: AtomicU64::new(0),
+                books: Mutex::new(Books::default()),
+                rt: tokio::runtime::Handle::current(),
+                kv_per_pos_layer,
+                frame_fixed,
+                frame_per_seq,
+            }),
+        })
+    }
+
+    /// `None` when an epoch is ready to serve; otherwise why not.
+    pub fn not_serving(&self) -> Option<String> {
+        not_serving(&self.inner.shared)
+    }
+
+    /// Waits until an epoch is ready, calling `progress` with each new reason it is not yet.
+    pub async fn wait_ready(
+        &self,
+        timeout: Duration,
+        mut progress: impl FnMut(&str),
+    ) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last = String::new();
+        loop {
+            match self.not_serving() {
+                None => return Ok(()),
+                Some(r) => {
+                    if r.starts_with("the plan failed") {
+                        return Err(r);
+                    }
+                    if r != last {
+                        progress(&r);
+                        last = r;
+                    }
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(format!("not ready after {timeout:?}: {last}"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// What the closed sequences say about batching so far.
+    pub fn batching(&self) -> BatchingStats {
+        lock(&self.inner.books).batching
+    }
+
+    /// Cancels every sequence in flight and waits (at most `timeout`) until each is closed on
+    /// every stage. New requests still get admitted; stop the HTTP server first.
+    pub async fn drain(&self, timeout: Duration) {
+        let seqs: Vec<u64> = lock(&self.inner.books).live.keys().copied().collect();
+        for s in seqs {
+            crate::driver::cancel(&self.inner.shared, s);
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.inner.active.load(Ordering::Relaxed) + self.inner.waiting.load(Ordering::Relaxed)
+            > 0
+            && tokio::time::Instant::now() < deadline
+        {
+            let seqs: Vec<u64> = lock(&self.inner.books).live.keys().copied().collect();
+            for s in seqs {
+                crate::driver::cancel(&self.inner.shared, s);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+fn not_serving(shared: &Shared) -> Option<String> {
+    let st = shared.lock();
+    let connected = st.membership.connected().len();
+    let Some(e) = st.membership.epoch() else {
+        return Some(format!(
+            "waiting for nodes: {connected} connected, no plan yet"
+        ));
+    };
+    match &e.phase {
+        Phase::Ready => None,
+        Phase::Loading => {
+            let loaded = e.stages.iter().filter(|s| s.loaded.is_some()).count();
+            Some(format!(
+                "loading shards: {loaded} of {} stages loaded (epoch {})",
+                e.stages.len(),
+                e.id
+            ))
+        }
+        Phase::Linking => Some(format!("linking the ring (epoch {})", e.id)),
+        Phase::Failed(r) => Some(format!("the plan failed (epoch {}): {r}", e.id)),
+        Phase::Released => Some(format!("replanning (epoch {} released)", e.id)),
+    }
+}
+
+impl Backend for ClusterBackend {
+    fn model(&self) -> Arc<ServedModel> {
+        self.inner.model.clone()
+    }
+
+    fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError> {
+        if let Some(reason) = self.not_serving() {
+            return Err(SubmitError::NotServing { reason });
+        }
+        if req.prompt_tokens.is_empty() {
+            return Err(SubmitError::Invalid("the prompt is empty".into()));
+        }
+        let limit = self.inner.model.context_length;
+        let (prompt, completion) = (req.prompt_tokens.len(), req.max_tokens);
+        if prompt >= limit || prompt.saturating_add(completion) > limit {
+            return Err(SubmitError::ContextTooLong {
+                limit,
+                got: prompt.saturating_add(completion),
+                prompt,
+                completion,
+            });
+        }
+        if req.max_tokens == 0 {
+            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let inner = &self.inner;
+        // Waiting requests are those that found no free slot; reserve a place atomically.
+        let free = inner.slots.available_permits();
+        let waiting = inner.waiting.fetch_add(1, Ordering::SeqCst);
+        if waiting >= free + inner.config.max_queue {
+            inner.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull {
+                capacity: inner.config.max_queue,
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        let (handle, events) = RequestHandle::channel(req.id);
+        let seq = inner.shared.next_seq.fetch_add(1, Ordering::Relaxed);
+        inner.rt.spawn(drive(inner.clone(), seq, req, events));
+        Ok(handle)
+    }
+
+    fn status(&self) -> ClusterStatus {
+        status(&self.inner)
+    }
+}
+
+/// Runs one request: waits for a slot, drives the sequence, relays tokens, accounts.
+async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: EventSender) {
+    let permit = tokio::select! {
+        p = inner.slots.clone().acquire_owned() => p.ok(),
+        () = events.closed() => None,
+    };
+    inner.waiting.fetch_sub(1, Ordering::SeqCst);
+    let Some(_permit) = permit else {
+        inner.cancelled.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    inner.active.fetch_add(1, Ordering::SeqCst);
+    let prompt_len = req.prompt_tokens.len();
+    inner
+        .prompt_tokens
+        .fetch_add(prompt_len as u64, Ordering::Relaxed);
+    let run_req = RunRequest {
+        prompt: None,
+        prompt_tokens: Some(req.prompt_tokens),
+        max_new_tokens: req.max_tokens,
+        sampling: req.params,
+        stages: None,
+        prefill_chunk: inner.config.prefill_chunk.max(1),
+        trace: false,
+        stop_at_eog: true,
+    };
+    let (ctx, mut crx) = mpsc::unbounded_channel::<CoordToClient>();
+    let shared = inner.shared.clone();
+    let fut = async move { crate::driver::run(&shared, seq, run_req, &ctx).await };
+    tokio::pin!(fut);
+    let mut result: Option<Result<RunReport, CoordError>> = None;
+    let mut cancelled = false;
+    let mut sent = 0usize;
+    loop {
+        tokio::select! {
+            r = &mut fut, if result.is_none() => result = Some(r),
+            m = crx.recv() => match m {
+                Some(CoordToClient::Started { stages, prompt_tokens, .. }) => {
+                    let live = LiveSeq {
+                        stages: stages.iter().map(|s| (s.node_id, s.layers.len())).collect(),
+                        positions: prompt_tokens.len(),
+                    };
+                    lock(&inner.books).live.insert(seq, live);
+                }
+                Some(CoordToClient::Token { token, .. }) if token != u32::MAX => {
+                    if let Some(l) = lock(&inner.books).live.get_mut(&seq) {
+                        l.positions += 1;
+                    }
+                    inner.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                    if !cancelled {
+                        if events.send(Event::Token(token)).is_ok() {
+                            sent += 1;
+                        } else {
+                            cancelled = true;
+                            crate::driver::cancel(&inner.shared, seq);
+                        }
+                    }
+                }
+                Some(_) => {}
+                None => break,
+            },
+            () = events.closed(), if !cancelled => {
+                cancelled = true;
+                crate::driver::cancel(&inner.shared, seq);
+            }
+            // A cancel that came before the sequence had a route: say it again.
+            () = tokio::time::sleep(Duration::from_millis(50)), if cancelled && result.is_none() => {
+                crate::driver::cancel(&inner.shared, seq);
+            }
+        }
+    }
+    if cancelled {
+        inner.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+    let live = lock(&inner.books).live.remove(&seq);
+    let outcome = match result {
+        Some(Ok(report)) => {
+            account(&inner, &report, live.as_ref());
+            match report.reason {
+                SeqFinish::Length => Event::Finished {
+                    reason: FinishReason::Length,
+                    usage: Usage {
+                        prompt_tokens: prompt_len,
+                        completion_tokens: sent,
+                    },
+                },
+                SeqFinish::EndOfGeneration => Event::Finished {
+                    reason: FinishReason::Stop,
+                    usage: Usage {
+                        prompt_tokens: prompt_len,
+                        completion_tokens: sent,
+                    },
+                },
+                SeqFinish::Cancelled | SeqFinish::Error => Event::Failed {
+                    message: report
+                        .error
+                        .unwrap_or_else(|| format!("the sequence ended: {}", report.reason)),
+                },
+            }
+        }
+        Some(Err(e)) => Event::Failed {
+            message: e.to_string(),
+        },
+        None => Event::Failed {
+            message: "the sequence was dropped".into(),
+        },
+    };
+    if !cancelled {
+        let _ = events.send(outcome);
+    }
+    inner.active.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Books a finished sequence: confirmed closes, link bytes, batching evidence.
+fn account(inner: &Inner, report: &RunReport, live: Option<&LiveSeq>) {
+    let mut b = lock(&inner.books);
+    let n = report.stages.len();
+    for (i, st) in report.stage_stats.iter().enumerate() {
+        let node = report.stages[i].node_id;
+        // A stage that never answered `Closed` reports default statistics (stage 0).
+        let confirmed =
+            st.stage == i && (i > 0 || st.prefill.steps > 0 || n == 1 || st.kv_bytes > 0);
+        if !confirmed {
+            let positions = live.map_or(report.prompt_tokens + report.generated, |l| l.positions);
+            *b.unconfirmed_kv.entry(node).or_default() +=
+                report.stages[i].layers.len() as u64 * inner.kv_per_pos_layer * positions as u64;
+        }
+        if n > 1 {
+            let next = report.stages[(i + 1) % n].node_id;
+            *b.link_bytes.entry((node, next)).or_default() +=
+                st.prefill.bytes_sent + st.decode.bytes_sent;
+        }
+    }
+    if n > 1 {
+        if let Some(s0) = report.stage_stats.first() {
+            let tokens = s0.decode.frames_sent;
+            let excess = s0
+                .decode
+                .bytes_sent
+                .saturating_sub(tokens * inner.frame_per_seq);
+            b.decode_excess += excess;
+            b.batching.decode_tokens += tokens;
+            b.batching.prefill_steps += s0.prefill.steps;
+            // A token decoded alone leaves `fixed` bytes of overhead; one in a shared step at
+            // most `fixed / 2`. So at most excess / fixed tokens ran alone.
+            let alone_at_most = b.decode_excess / inner.frame_fixed.max(1);
+            let shared = b.batching.decode_tokens.saturating_sub(alone_at_most);
+            b.batching.shared_tokens_at_least = shared;
+            b.batching.steps_at_most = b.batching.decode_tokens - shared / 2;
+        }
+    }
+}
+
+fn status(inner: &Inner) -> ClusterStatus {
+    let shared = &inner.shared;
+    let not_serving = not_serving(shared);
+    let books = lock(&inner.books);
+    let mut kv: HashMap<NodeId, u64> = books.unconfirmed_kv.clone();
+    for l in books.live.values() {
+        for (node, layers) in &l.stages {
+            *kv.entry(*node).or_default() +=
+                *layers as u64 * inner.kv_per_pos_layer * l.positions as u64;
+        }
+    }
+    let st = shared.lock();
+    let cfg = &shared.model.config;
+    let epoch = st
+        .membership
+        .epoch()
+        .filter(|e| !matches!(e.phase, Phase::Released));
+    let holds = |id: &NodeId| -> (String, u64) {
+        let Some(e) = epoch else {
+            return ("nothing".into(), 0);
+        };
+        let n = e.stages.len();
+        match e.stages.iter().enumerate().find(|(_, s)| s.node_id == *id) {
+            Some((i, s)) => {
+                let mut words = format!(
+                    "stage {} of {n}: layers {}–{}",
+                    i + 1,
+                    s.layers.start,
+                    s.layers.end.saturating_sub(1)
+                );
+                if i == 0 {
+                    words.push_str(", embedding");
+                }
+                if s.layers.end == cfg.n_layer {
+                    words.push_str(", head");
+                }
+                (words, s.loaded.as_ref().map_or(0, |l| l.resident_bytes))
+            }
+            None => ("nothing".into(), 0),
+        }
+    };
+    // A node's budget: the one it set, else what it measured as available at start.
+    let budget_of = |m: &crate::membership::Member| {
+        m.memory_budget_bytes
+            .or_else(|| m.inventory.as_ref().and_then(|i| i.memory.available_bytes))
+            .unwrap_or(0)
+    };
+    let mut members: Vec<&crate::membership::Member> = st.membership.members().collect();
+    members.sort_by_key(|m| (!m.connected, m.joined));
+    let nodes: Vec<NodeStatus> = members
+        .into_iter()
+        .map(|m| {
+            let (holds, weights) = holds(&m.node_id);
+            let kv_bytes = kv.get(&m.node_id).copied().unwrap_or(0);
+            let inventory = m
+                .inventory
+                .as_ref()
+                .map_or_else(InventorySummary::default, |inv| {
+                    let mut notes = vec![format!("{} {}", inv.host.os, inv.host.arch)];
+                    notes.extend(inv.cpu.features.iter().take(6).cloned());
+                    if let Some(c) = &inv.compute {
+                        notes.push(format!("{:.1} Gop/s ({})", c.ops_per_s / 1e9, c.source));
+                    }
+                    InventorySummary {
+                        cpu: inv
+                            .cpu
+                            .model_name
+                            .clone()
+                            .unwrap_or_else(|| "unknown CPU".into()),
+                        threads: inv.cpu.usable_cores.or(inv.cpu.logical_cores).unwrap_or(0),
+                        ram_bytes: inv.memory.total_bytes.unwrap_or(0),
+                        vram_bytes: 0,
+                        mem_bandwidth: inv
+                            .memory_bandwidth
+                            .as_ref()
+                            .map_or(0, |b| b.read_all_threads as u64),
+                        notes,
+                    }
+                });
+            NodeStatus {
+                id: m.node_id.to_string(),
+                name: m.name.clone(),
+                address: Some(m.addr.to_string()),
+                health: if m.connected {
+                    Health::Healthy
+                } else {
+                    Health::Down
+                },
+                inventory,
+                budget_bytes: budget_of(m),
+                used_bytes: weights + kv_bytes,
+                kv_bytes,
+                holds,
+                last_seen_ms: m.connected.then_some(0),
+            }
+        })
+        .collect();
+    let budget = |id: &NodeId| st.membership.member(id).map_or(0, budget_of);
+    let plan = epoch.map(|e| {
+        let n = e.stages.len();
+        let explanation = {
+            let ranges: Vec<String> = e
+                .stages
+                .iter()
+                .map(|s| {
+                    let name = st
+                        .membership
+                        .member(&s.node_id)
+                        .map_or_else(|| s.node_id.short(), |m| m.name.clone());
+                    format!("{name} {}..{}", s.layers.start, s.layers.end)
+                })
+                .collect();
+            let mut x = format!(
+                "Stage split of {} layers over {n} node(s) in ring order: {}. The last stage \
+                 samples and hands each token to the first.",
+                cfg.n_layer,
+                ranges.join(", ")
+            );
+            if !inner.config.explanation.is_empty() {
+                x.push(' ');
+                x.push_str(&inner.config.explanation);
+            }
+            x
+        };
+        PlanStatus {
+            epoch: e.id,
+            strategy: if n == 1 {
+                "single node".into()
+            } else {
+                "stage split".into()
+            },
+            n_layers: cfg.n_layer,
+            n_experts: cfg.n_expert,
+            assignments: e
+                .stages
+                .iter()
+                .enumerate()
+                .map(|(i, s)| Assignment {
+                    node_id: s.node_id.to_string(),
+                    layers: [s.layers.start, s.layers.end],
+                    experts: cfg.n_expert,
+                    embed: i == 0,
+                    head: s.layers.end == cfg.n_layer,
+                    weight_bytes: s.loaded.as_ref().map_or(0, |l| l.resident_bytes),
+                    budget_bytes: budget(&s.node_id),
+                })
+                .collect(),
+            explanation,
+        }
+    });
+    let links: Vec<LinkStatus> = epoch
+        .filter(|e| e.stages.len() > 1)
+        .map(|e| {
+            let n = e.stages.len();
+            e.stages
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let next = e.stages[(i + 1) % n].node_id;
+                    LinkStatus {
+                        from: s.node_id.to_string(),
+                        to: next.to_string(),
+                        bytes_total: books
+                            .link_bytes
+                            .get(&(s.node_id, next))
+                            .copied()
+                            .unwrap_or(0),
+                        rtt_us: s.link.map_or(0, |l| l.rtt_median.as_micros() as u64),
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let kv_total = kv.values().sum();
+    let counters = BackendCounters {
+        queue_depth: inner.waiting.load(Ordering::Relaxed),
+        queue_capacity: inner.config.max_queue,
+        active_sequences: inner.active.load(Ordering::Relaxed),
+        max_active_sequences: inner.config.max_active,
+        kv_bytes: kv_total,
+        steps_total: books.batching.steps_at_most + books.batching.prefill_steps,
+        prompt_tokens_total: inner.prompt_tokens.load(Ordering::Relaxed),
+        generated_tokens_total: inner.generated_tokens.load(Ordering::Relaxed),
+        cancelled_total: inner.cancelled.load(Ordering::Relaxed),
+    };
+    ClusterStatus {
+        model: inner.model.id.clone(),
+        not_serving,
+        nodes,
+        plan,
+        links,
+        counters,
+    }
+}
+
+/// An even split of `n_layer` layers over `n` stages, larger stages first (`5` over `3`:
+/// `0..2, 2..4, 4..5`), as `--split` syntax.
+pub fn even_split(n_layer: usize, n: usize) -> String {
+    let n = n.clamp(1, n_layer.max(1));
+    let (base, extra) = (n_layer / n, n_layer % n);
+    let mut start = 0;
+    (0..n)
+        .map(|i| {
+            let len = base + usize::from(i < extra);
+            let s = format!("{start}..{}", start + len);
+            start += len;
+            s
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Reads a model's layer count (for [`even_split`]).
+pub fn model_layers(path: &Path) -> Result<usize, CoordError> {
+    let g = GgufFile::open(path)?;
+    Ok(tessera_model::ModelConfig::from_gguf(&g)?.n_layer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_splits_cover_every_layer() {
+        assert_eq!(even_split(5, 3), "0..2,2..4,4..5");
+        assert_eq!(even_split(5, 1), "0..5");
+        assert_eq!(even_split(2, 3), "0..1,1..2");
+        assert_eq!(even_split(28, 3), "0..10,10..19,19..28");
+    }
+}

@@ -1,0 +1,452 @@
+//! `tessera up` end to end: one command starts a coordinator, the gateway and three node
+//! processes on loopback; the tests drive it over real sockets with the official OpenAI client,
+//! a bare HTTP client and headless Chromium, then stop it with SIGINT and check that every node
+//! process is gone.
+//!
+//! Clusters are started one at a time (a lock), each in its own run directory, and killed on
+//! drop (the nodes too: `tessera up` is asked to stop, and the test kills any pid it printed).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{
+    chromium, get, metric, metric_samples, post, send, streamed_chat, wait_for, CHROMIUM,
+};
+
+const START_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// One cluster at a time: each is four processes on a small machine.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn model_path(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// A running `tessera up`; stopped (and its nodes killed) on drop.
+struct Up {
+    child: Child,
+    addr: String,
+    node_pids: Vec<u32>,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl Up {
+    fn start(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args([
+                "up",
+                "--listen",
+                "127.0.0.1:0",
+                "--nodes",
+                "3",
+                "--threads",
+                "1",
+            ])
+            .arg("--run-dir")
+            .arg(dir.path())
+            .args(extra)
+            .env(
+                "TESSERA_CACHE_DIR",
+                PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache"),
+            )
+            .env("TESSERA_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting tessera up");
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in out.lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut up = Self {
+            child,
+            addr: String::new(),
+            node_pids: Vec::new(),
+            lines,
+            seen: Vec::new(),
+            _dir: dir,
+        };
+        let pids = up.wait_for("  node pids  ");
+        up.node_pids = pids
+            .split_whitespace()
+            .map(|p| p.parse().unwrap())
+            .collect();
+        assert_eq!(up.node_pids.len(), 3, "{pids}");
+        up.addr = up.wait_for("listening on http://");
+        up
+    }
+
+    /// Waits for a stdout line starting with `prefix`; the rest of it.
+    fn wait_for(&mut self, prefix: &str) -> String {
+        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
+            return l[prefix.len()..].to_string();
+        }
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    let hit = l.starts_with(prefix).then(|| l[prefix.len()..].to_string());
+                    self.seen.push(l);
+                    if let Some(h) = hit {
+                        return h;
+                    }
+                }
+                Err(_) => panic!("no line {prefix:?} from tessera up; saw {:?}", self.seen),
+            }
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie has exited; only a process still running counts.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for &p in &self.node_pids {
+            if alive(p) {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &p.to_string()])
+                    .status();
+            }
+        }
+    }
+}
+
+fn run_openai_script(url: &str) {
+    let have = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must install the openai package (pip install openai)"
+        );
+        eprintln!("skipping the openai client check: python3 with `openai` is not available");
+        return;
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_api.py");
+    let out = Command::new("timeout")
+        .arg("300")
+        .arg("python3")
+        .arg(script)
+        .arg(url)
+        .output()
+        .expect("running python3");
+    let log = format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{log}");
+    assert!(out.status.success(), "openai_api.py failed\n{log}");
+}
+
+fn concurrent_streams_match_alone(addr: &str) {
+    let request = |i: usize| {
+        serde_json::json!({
+            "model": "stories260K",
+            "messages": [{"role": "user", "content": format!("Story number {i} about a {}.",
+                ["dog", "cat", "bird", "tree"][i % 4])}],
+            "temperature": 0,
+            "max_tokens": 40 + (i % 5) * 8,
+            "stream": true,
+        })
+    };
+    let alone: Vec<(String, String)> = (0..32).map(|i| streamed_chat(addr, &request(i))).collect();
+    assert!(alone.iter().all(|(t, _)| !t.is_empty()));
+    let steps0 = metric(addr, "tessera_steps_total");
+    let tokens0 = metric(addr, "tessera_generated_tokens_total");
+    let t0 = Instant::now();
+    let together: Vec<(String, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..32)
+            .map(|i| {
+                let req = request(i);
+                s.spawn(move || streamed_chat(addr, &req))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let elapsed = t0.elapsed();
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(
+            a, t,
+            "request {i}: batched output differs from the same request alone"
+        );
+    }
+    // Batching: stage 0's frame accounting bounds the ring steps taken from above.
+    let steps = metric(addr, "tessera_steps_total") - steps0;
+    let tokens = metric(addr, "tessera_generated_tokens_total") - tokens0;
+    eprintln!(
+        "32 concurrent streams over 3 nodes: {tokens} tokens in at most {steps} ring steps, \
+         {:.2}s",
+        elapsed.as_secs_f64()
+    );
+    assert!(
+        steps < tokens,
+        "{tokens} tokens took {steps} ring steps: nothing was batched"
+    );
+}
+
+fn dashboard_shows_the_cluster(addr: &str) {
+    if !Path::new(CHROMIUM).exists() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must install chromium (apt-get install -y chromium)"
+        );
+        eprintln!("skipping the dashboard check: {CHROMIUM} is not installed");
+        return;
+    }
+    let status = get(addr, "/api/status", None).json();
+    let nodes: Vec<String> = status["cluster"]["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(nodes.len(), 3, "{status}");
+    let plan = &status["cluster"]["plan"];
+    let epoch = plan["epoch"].as_u64().unwrap();
+    assert_eq!(plan["assignments"].as_array().unwrap().len(), 3, "{plan}");
+    assert_eq!(plan["strategy"], "stage split");
+    let profile = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("chromium-profile-up");
+    let url = format!("http://{addr}/");
+    let out = chromium(&profile, &url, &["--dump-dom"], Duration::from_secs(90));
+    assert!(out.status.success(), "chromium --dump-dom failed");
+    let dom = String::from_utf8_lossy(&out.stdout);
+    for id in &nodes {
+        assert!(
+            dom.contains(&format!("id=\"node-{id}\"")),
+            "node {id} is not on the page"
+        );
+    }
+    assert!(
+        dom.contains(&format!("id=\"plan\" data-epoch=\"{epoch}\"")),
+        "the plan (epoch {epoch}) is not on the page"
+    );
+    assert!(dom.contains("Why this plan"), "the explanation is missing");
+    let shot = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/dashboard-up.png");
+    let _ = std::fs::remove_file(&shot);
+    let out = chromium(
+        &profile,
+        &url,
+        &[
+            "--window-size=1400,1250",
+            &format!("--screenshot={}", shot.display()),
+        ],
+        Duration::from_secs(90),
+    );
+    assert!(out.status.success(), "chromium --screenshot failed");
+    let png = std::fs::read(&shot).expect("the screenshot was written");
+    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    eprintln!("dashboard screenshot: {}", shot.display());
+}
+
+fn sigint_stops_everything(up: &mut Up) {
+    for &p in &up.node_pids {
+        assert!(alive(p), "node {p} is not running before the stop");
+    }
+    let ok = Command::new("kill")
+        .args(["-INT", &up.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = up.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "tessera up did not exit on SIGINT"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "tessera up exited with {status}");
+    for &p in &up.node_pids {
+        assert!(!alive(p), "node process {p} outlived tessera up");
+    }
+}
+
+#[test]
+fn one_command_cluster_serves_openai_batches_shows_dashboard_and_stops_on_ctrl_c() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut up = Up::start(&[]);
+    assert!(
+        up.wait_for("  sample     ").starts_with("Once upon a time"),
+        "no sample completion"
+    );
+    let url = up.url();
+    let addr = up.addr.clone();
+    // The plan and every node in /health-style status before any traffic.
+    let status = get(&addr, "/api/status", None).json();
+    assert!(status["cluster"]["not_serving"].is_null(), "{status}");
+    run_openai_script(&url);
+    concurrent_streams_match_alone(&addr);
+    dashboard_shows_the_cluster(&addr);
+    sigint_stops_everything(&mut up);
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_frees_kv_on_every_stage() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    // Runs to the length limit at temperature 0, so the stream is still going when we leave.
+    let model = model_path("test/small-qwen3moe-Q8_0.gguf");
+    let up = Up::start(&[
+        "--model",
+        &model,
+        "--no-sample",
+        "--max-batch",
+        "2",
+        "--max-queue",
+        "1",
+    ]);
+    let addr = up.addr.clone();
+    let per_node = || metric_samples(&addr, "tessera_node_kv_bytes");
+    let baseline = per_node();
+    assert_eq!(baseline.len(), 3, "{baseline:?}");
+    assert!(baseline.iter().all(|(_, v)| *v == 0.0), "{baseline:?}");
+    let body = serde_json::json!({
+        "model": "small-qwen3moe-Q8_0",
+        "prompt": "Once upon a time",
+        "temperature": 0,
+        "max_tokens": 400,
+        "stream": true,
+    })
+    .to_string();
+    let s = send(&addr, "POST", "/v1/completions", Some(&body), None);
+    let mut r = BufReader::new(s);
+    let mut seen = 0;
+    let mut line = String::new();
+    while seen < 3 {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early");
+        if line.contains("data: {") {
+            seen += 1;
+        }
+    }
+    // Mid-stream: every stage holds KV for the sequence.
+    let during = per_node();
+    assert!(during.iter().all(|(_, v)| *v > 0.0), "{during:?}");
+    assert_eq!(metric(&addr, "tessera_active_sequences"), 1.0);
+    drop(r);
+    wait_for(
+        "KV to return to baseline on every stage",
+        Duration::from_secs(20),
+        || {
+            metric(&addr, "tessera_active_sequences") == 0.0
+                && per_node() == baseline
+                && metric(&addr, "tessera_kv_cache_bytes") == 0.0
+        },
+    );
+    assert_eq!(metric(&addr, "tessera_cancelled_total"), 1.0);
+    // Still serving.
+    let r = post(
+        &addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "small-qwen3moe-Q8_0", "prompt": "Hi", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // Admission: two running, one waiting, the next is refused with 429 and Retry-After.
+    let streams: Vec<_> = (0..3)
+        .map(|_| send(&addr, "POST", "/v1/completions", Some(&body), None))
+        .collect();
+    wait_for(
+        "two running and one queued",
+        Duration::from_secs(20),
+        || {
+            metric(&addr, "tessera_active_sequences") == 2.0
+                && metric(&addr, "tessera_queue_depth") == 1.0
+        },
+    );
+    let r = post(
+        &addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "small-qwen3moe-Q8_0", "prompt": "Hi", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.header("retry-after").is_some());
+    drop(streams);
+    wait_for(
+        "every stage to free the cancelled sequences",
+        Duration::from_secs(30),
+        || metric(&addr, "tessera_active_sequences") == 0.0 && per_node() == baseline,
+    );
+}
+
+#[test]
+fn distributed_serve_says_why_it_is_not_serving_until_nodes_join() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--nodes-expected", "2"])
+        .args(["--coordinator-listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .env("TESSERA_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting tessera serve");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut addr = None;
+    let mut join = None;
+    for l in lines.by_ref().map_while(Result::ok) {
+        if let Some(j) = l.strip_prefix("join token: ") {
+            join = Some(j.to_string());
+        }
+        if let Some(a) = l.strip_prefix("listening on http://") {
+            addr = Some(a.to_string());
+            break;
+        }
+    }
+    // Keep draining stdout so the server never writes to a closed pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    let addr = addr.expect("a listen line");
+    assert!(
+        join.is_some_and(|j| j.contains('@')),
+        "no join token printed"
+    );
+    let r = post(
+        &addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "stories260K", "prompt": "Hi", "max_tokens": 4}),
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("waiting for nodes"), "{}", r.body);
+}
