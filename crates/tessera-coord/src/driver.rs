@@ -7,6 +7,14 @@
 //! closes the sequence everywhere (each stage frees its KV cache and reports its traffic and
 //! time) and sends the client a [`RunReport`].
 //!
+//! **Surviving failures.** The driver keeps every run's prompt, sampling parameters and the
+//! tokens it has streamed. When the run's epoch is lost (a stage node declared gone, or a better
+//! plan replacing it) the client is sent [`CoordToClient::Paused`]; once the membership has a
+//! new ready epoch the run is opened there under a fresh stage-side id with prompt + generated
+//! as its prompt and the remaining token budget, [`CoordToClient::Resumed`] is sent, and the
+//! stream goes on. Sampling draws depend only on (seed, position) and the last stage's history
+//! is the same, so the continuation is exactly the one the run would have had.
+//!
 //! Tokens travel the ring directly: the last stage sends each sampled token to the first stage
 //! *and* to the coordinator. Routing it through the coordinator instead would add a hop per
 //! token (two on different hosts) to the critical path; the coordinator only observes.
@@ -133,7 +141,7 @@ pub(crate) async fn client_session(
     result
 }
 
-fn cancel(shared: &Shared, seq: u64) {
+pub(crate) fn cancel(shared: &Shared, seq: u64) {
     if let Some(r) = shared.lock().routes.get(&seq) {
         let _ = r.send((
             shared.id,
@@ -205,9 +213,21 @@ async fn ensure_epoch(
                 st.membership.epoch().map(|e| e.id).unwrap_or(0)
             }
             (None, None) => {
+                let failed = st.membership.epoch().and_then(|e| match &e.phase {
+                    Phase::Failed(r) => Some(format!("epoch {} failed: {r}", e.id)),
+                    _ => None,
+                });
                 return Err(CoordError::Run(
-                    "no assignment is active: give the stages (e.g. --split 0..3,3..5)".into(),
-                ))
+                    match (st.membership.outage().map(str::to_string), failed) {
+                        (Some(why), _) | (None, Some(why)) => {
+                            format!("service unavailable: {why}")
+                        }
+                        (None, None) => {
+                            "no assignment is active: give the stages (e.g. --split 0..3,3..5)"
+                                .into()
+                        }
+                    },
+                ));
             }
         }
     };
@@ -240,11 +260,12 @@ async fn ensure_epoch(
         }
     }
     let st = shared.lock();
-    let e = st
-        .membership
-        .epoch()
-        .filter(|e| e.id == target)
-        .ok_or_else(|| CoordError::Run("the epoch was replaced".into()))?;
+    placement_of(&st, target).ok_or_else(|| CoordError::Run("the epoch was replaced".into()))
+}
+
+/// The stages of the current epoch if it is `epoch`.
+fn placement_of(st: &crate::server::State, epoch: u64) -> Option<Placement> {
+    let e = st.membership.epoch().filter(|e| e.id == epoch)?;
     let stages = e
         .stages
         .iter()
@@ -261,37 +282,132 @@ async fn ensure_epoch(
             link_to_next: s.link,
         })
         .collect();
-    Ok(Placement {
-        epoch: target,
-        stages,
-    })
+    Some(Placement { epoch, stages })
 }
 
 struct Route<'a> {
     shared: &'a Shared,
-    seq: u64,
+    seqs: Vec<u64>,
 }
 
 impl Drop for Route<'_> {
     fn drop(&mut self) {
-        self.shared.lock().routes.remove(&self.seq);
+        let mut st = self.shared.lock();
+        for s in &self.seqs {
+            st.routes.remove(s);
+        }
     }
 }
 
-async fn recv(
-    rx: &mut mpsc::UnboundedReceiver<(NodeId, NodeToCoord)>,
-    timeout: Duration,
-    what: &str,
-) -> Result<(NodeId, NodeToCoord), CoordError> {
-    match tokio::time::timeout(timeout, rx.recv()).await {
-        Ok(Some(m)) => Ok(m),
-        Ok(None) => Err(CoordError::Run("route closed".into())),
-        Err(_) => Err(CoordError::Timeout(what.to_string())),
+/// How long a run whose epoch was lost waits for a new one (re-planning, loading, linking)
+/// before it fails with the outage's reason.
+const RESUME_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The sequence id a node message is about (`None` for messages not about one).
+fn seq_of(msg: &NodeToCoord) -> Option<u64> {
+    match msg {
+        NodeToCoord::Opened { seq }
+        | NodeToCoord::OpenFailed { seq, .. }
+        | NodeToCoord::Token { seq, .. }
+        | NodeToCoord::Finished { seq, .. }
+        | NodeToCoord::Closed { seq, .. } => Some(*seq),
+        NodeToCoord::Trace(t) => Some(t.seq),
+        _ => None,
     }
 }
 
-/// Runs one generation; streams tokens to `client`.
-async fn run(
+/// Whether `epoch` is still the membership's current, ready epoch.
+fn epoch_live(shared: &Shared, epoch: u64) -> bool {
+    shared
+        .lock()
+        .membership
+        .epoch()
+        .is_some_and(|e| e.id == epoch && e.phase == Phase::Ready)
+}
+
+/// How one attempt of a run on one epoch ended.
+enum Attempt {
+    /// The sequence finished (or failed for a reason of its own).
+    Finished {
+        reason: FinishReason,
+        error: Option<String>,
+    },
+    /// The epoch was lost under it: resume on the next one.
+    Interrupted(String),
+}
+
+/// Waits for an error from a stage to be explained by the loss of `epoch` (a neighbour died
+/// and its lease has not yet expired): true if the epoch goes within two leases.
+async fn epoch_lost_soon(shared: &Shared, epoch: u64) -> bool {
+    let mut rx = shared.epoch_tx.subscribe();
+    let deadline = tokio::time::Instant::now() + shared.lease() * 2;
+    loop {
+        if !epoch_live(shared, epoch) {
+            return true;
+        }
+        if tokio::time::timeout_at(deadline, rx.changed())
+            .await
+            .is_err()
+        {
+            return !epoch_live(shared, epoch);
+        }
+    }
+}
+
+/// Completes when the run is cancelled (a `Finished { Cancelled }` from the coordinator itself
+/// on its route); stale stage messages are skipped.
+async fn cancelled(rx: &mut mpsc::UnboundedReceiver<(NodeId, NodeToCoord)>, me: NodeId) {
+    loop {
+        match rx.recv().await {
+            Some((
+                from,
+                NodeToCoord::Finished {
+                    reason: FinishReason::Cancelled,
+                    ..
+                },
+            )) if from == me => return,
+            Some(_) => {}
+            None => std::future::pending::<()>().await,
+        }
+    }
+}
+
+/// Waits for a ready epoch other than `lost` (the membership re-plans on its own).
+async fn next_epoch(shared: &Shared, lost: u64) -> Result<Placement, CoordError> {
+    let mut rx = shared.epoch_tx.subscribe();
+    let deadline = tokio::time::Instant::now() + RESUME_TIMEOUT;
+    loop {
+        rx.borrow_and_update();
+        {
+            let st = shared.lock();
+            if let Some(e) = st.membership.epoch() {
+                if e.id != lost && e.phase == Phase::Ready {
+                    return Ok(placement_of(&st, e.id).expect("the epoch is current"));
+                }
+            }
+        }
+        if tokio::time::timeout_at(deadline, rx.changed())
+            .await
+            .is_err()
+        {
+            let why = shared
+                .lock()
+                .membership
+                .outage()
+                .map_or("no new epoch became ready".to_string(), str::to_string);
+            return Err(CoordError::Run(format!(
+                "service unavailable: the run's epoch {lost} was lost and {why} within {RESUME_TIMEOUT:?}"
+            )));
+        }
+    }
+}
+
+/// Runs one generation; streams tokens to `client`. If the epoch it runs on is lost (a stage
+/// node departs, or a better plan replaces it), the run pauses, waits for the next epoch, and
+/// resumes there by re-prefilling its prompt and the tokens generated so far: sampling draws
+/// depend only on (seed, position) and kernels are batch-invariant, so the continuation is the
+/// one the run would have had.
+pub(crate) async fn run(
     shared: &Shared,
     seq: u64,
     req: RunRequest,
@@ -300,7 +416,7 @@ async fn run(
     if req.max_new_tokens == 0 {
         return Err(CoordError::Run("max_new_tokens must be at least 1".into()));
     }
-    let placement = ensure_epoch(shared, req.stages.as_ref()).await?;
+    let mut placement = ensure_epoch(shared, req.stages.as_ref()).await?;
     let model = &shared.model;
     let prompt = match (&req.prompt_tokens, &req.prompt) {
         (Some(t), _) => t.clone(),
@@ -318,91 +434,90 @@ async fn run(
             "token {bad} is outside the vocabulary"
         )));
     }
-    let nodes: Vec<NodeId> = placement.stages.iter().map(|s| s.node_id).collect();
     let (tx, mut rx) = mpsc::unbounded_channel();
-    shared.lock().routes.insert(seq, tx);
-    let _route = Route { shared, seq };
-    let open = OpenSeq {
-        seq,
-        epoch: placement.epoch,
-        prompt: prompt.clone(),
-        sampling: req.sampling.clone(),
-        max_new_tokens: req.max_new_tokens,
-        eog: if req.stop_at_eog {
-            model.eog.clone()
-        } else {
-            Vec::new()
-        },
-        prefill_chunk: req.prefill_chunk.max(1),
-        trace: req.trace,
+    shared.lock().routes.insert(seq, tx.clone());
+    let mut route = Route {
+        shared,
+        seqs: vec![seq],
     };
-    for n in &nodes {
-        shared.send(*n, CoordToNode::Open(open.clone()));
-    }
-    let mut opened = 0;
-    let mut failure = None;
-    while opened + usize::from(failure.is_some()) < nodes.len() && failure.is_none() {
-        match recv(&mut rx, OPEN_TIMEOUT, "stages opening the sequence").await? {
-            (_, NodeToCoord::Opened { .. }) => opened += 1,
-            (n, NodeToCoord::OpenFailed { reason, .. }) => {
-                failure = Some(format!("node {}: {reason}", n.short()))
-            }
-            (_, NodeToCoord::Finished { error, reason, .. }) => {
-                failure = Some(error.unwrap_or_else(|| reason.to_string()))
-            }
-            _ => {}
-        }
-    }
-    if let Some(f) = failure {
-        close_all(shared, seq, &nodes, &mut rx, None).await;
-        return Err(CoordError::Run(f));
-    }
-    let _ = client.send(CoordToClient::Started {
-        seq,
-        epoch: placement.epoch,
-        prompt_tokens: prompt.clone(),
-        stages: placement.stages.clone(),
-    });
-    let start = Instant::now();
-    shared.send(nodes[0], CoordToNode::Start { seq });
+    let eog = if req.stop_at_eog {
+        model.eog.clone()
+    } else {
+        Vec::new()
+    };
     let mut decoder = StreamDecoder::new(&model.tokenizer);
+    let mut generated: Vec<u32> = Vec::new();
     let mut times: Vec<Instant> = Vec::new();
-    let mut reason = FinishReason::Error;
-    let mut error;
-    loop {
-        let (from, msg) = match recv(&mut rx, STEP_TIMEOUT, "the next token").await {
-            Ok(m) => m,
-            Err(e) => {
-                error = Some(e.to_string());
-                break;
+    let mut start = None;
+    // The id the stages know this attempt by: the run's own at first, a fresh one for each
+    // resumption (so that late messages of a lost attempt are told apart).
+    let mut attempt_seq = seq;
+    let (reason, mut error) = loop {
+        let nodes: Vec<NodeId> = placement.stages.iter().map(|s| s.node_id).collect();
+        let outcome = attempt(
+            shared,
+            seq,
+            attempt_seq,
+            &req,
+            &prompt,
+            &eog,
+            &placement,
+            &mut rx,
+            &mut generated,
+            &mut times,
+            &mut decoder,
+            &mut start,
+            client,
+        )
+        .await?;
+        match outcome {
+            Attempt::Finished { reason, error } => {
+                break (reason, error);
             }
-        };
-        match msg {
-            NodeToCoord::Token { pos, token, .. } => {
-                times.push(Instant::now());
-                let text = decoder.push(token);
-                let _ = client.send(CoordToClient::Token {
+            Attempt::Interrupted(why) => {
+                // Whatever the lost epoch's stages still hold of it is released with the epoch;
+                // a stage that is still up frees the sequence now.
+                for n in &nodes {
+                    shared.send(*n, CoordToNode::Close { seq: attempt_seq });
+                }
+                if generated.len() >= req.max_new_tokens {
+                    break (FinishReason::Length, None);
+                }
+                eprintln!(
+                    "seq {seq}: paused after {} tokens on epoch {}: {why}",
+                    generated.len(),
+                    placement.epoch
+                );
+                let _ = client.send(CoordToClient::Paused {
                     seq,
-                    pos,
-                    token,
-                    text,
+                    reason: why.clone(),
+                });
+                // Wait for the next epoch, or for the client to give up.
+                let next = tokio::select! {
+                    p = next_epoch(shared, placement.epoch) => Some(p?),
+                    () = cancelled(&mut rx, shared.id) => None,
+                };
+                let Some(next) = next else {
+                    break (FinishReason::Cancelled, None);
+                };
+                placement = next;
+                attempt_seq = shared.next_seq.fetch_add(1, Ordering::Relaxed);
+                shared.lock().routes.insert(attempt_seq, tx.clone());
+                route.seqs.push(attempt_seq);
+                eprintln!(
+                    "seq {seq}: resuming on epoch {} after {} tokens",
+                    placement.epoch,
+                    generated.len()
+                );
+                let _ = client.send(CoordToClient::Resumed {
+                    seq,
+                    epoch: placement.epoch,
+                    generated: generated.len(),
                 });
             }
-            NodeToCoord::Trace(t) => {
-                let _ = client.send(CoordToClient::Trace(t));
-            }
-            NodeToCoord::Finished {
-                reason: r,
-                error: e,
-                ..
-            } => {
-                reason = r;
-                error = e.map(|e| format!("node {}: {e}", from.short()));
-                break;
-            }
-            _ => {}
         }
-    }
+    };
+    let nodes: Vec<NodeId> = placement.stages.iter().map(|s| s.node_id).collect();
     let tail = decoder.finish();
     if !tail.is_empty() {
         let _ = client.send(CoordToClient::Token {
@@ -412,7 +527,8 @@ async fn run(
             text: tail,
         });
     }
-    let stats = close_all(shared, seq, &nodes, &mut rx, Some(client)).await;
+    let stats = close_all(shared, attempt_seq, &nodes, &mut rx, Some(client)).await;
+    let start = start.unwrap_or_else(Instant::now);
     let ttft = times
         .first()
         .map_or(0.0, |t| t.duration_since(start).as_secs_f64() * 1e3);
@@ -473,6 +589,161 @@ async fn run(
         boundaries,
         hop_latency_us,
     })
+}
+
+/// One attempt of a run on one epoch: opens the sequence (prompt plus what was generated
+/// before), starts it, and relays its tokens until it finishes or the epoch is lost.
+#[allow(clippy::too_many_arguments)]
+async fn attempt(
+    shared: &Shared,
+    seq: u64,
+    attempt_seq: u64,
+    req: &RunRequest,
+    prompt: &[u32],
+    eog: &[u32],
+    placement: &Placement,
+    rx: &mut mpsc::UnboundedReceiver<(NodeId, NodeToCoord)>,
+    generated: &mut Vec<u32>,
+    times: &mut Vec<Instant>,
+    decoder: &mut StreamDecoder<'_>,
+    start: &mut Option<Instant>,
+    client: &mpsc::UnboundedSender<CoordToClient>,
+) -> Result<Attempt, CoordError> {
+    let epoch = placement.epoch;
+    let nodes: Vec<NodeId> = placement.stages.iter().map(|s| s.node_id).collect();
+    let mut epoch_rx = shared.epoch_tx.subscribe();
+    let full: Vec<u32> = prompt.iter().chain(generated.iter()).copied().collect();
+    let open = OpenSeq {
+        seq: attempt_seq,
+        epoch,
+        prompt: full,
+        sampling: req.sampling.clone(),
+        max_new_tokens: req.max_new_tokens - generated.len(),
+        eog: eog.to_vec(),
+        prefill_chunk: req.prefill_chunk.max(1),
+        trace: req.trace,
+    };
+    if !epoch_live(shared, epoch) {
+        return Ok(Attempt::Interrupted(format!("epoch {epoch} was lost")));
+    }
+    for n in &nodes {
+        shared.send(*n, CoordToNode::Open(open.clone()));
+    }
+    // A message of this attempt (or a cancel from the coordinator itself); the epoch's loss.
+    enum Next {
+        Msg(NodeId, NodeToCoord),
+        Lost,
+    }
+    let mut next = async |timeout: Duration, what: &str| -> Result<Next, CoordError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            tokio::select! {
+                m = tokio::time::timeout_at(deadline, rx.recv()) => match m {
+                    Ok(Some((from, msg))) => {
+                        if from == shared.id || seq_of(&msg) == Some(attempt_seq) {
+                            return Ok(Next::Msg(from, msg));
+                        }
+                    }
+                    Ok(None) => return Err(CoordError::Run("route closed".into())),
+                    Err(_) => return Err(CoordError::Timeout(what.to_string())),
+                },
+                r = epoch_rx.changed() => {
+                    if r.is_err() || !epoch_live(shared, epoch) {
+                        return Ok(Next::Lost);
+                    }
+                }
+            }
+        }
+    };
+    let lost = || Attempt::Interrupted(format!("epoch {epoch} was lost"));
+    let mut opened = 0;
+    let mut failure = None;
+    while opened < nodes.len() && failure.is_none() {
+        match next(OPEN_TIMEOUT, "stages opening the sequence").await? {
+            Next::Lost => return Ok(lost()),
+            Next::Msg(_, NodeToCoord::Opened { .. }) => opened += 1,
+            Next::Msg(n, NodeToCoord::OpenFailed { reason, .. }) => {
+                failure = Some(format!("node {}: {reason}", n.short()))
+            }
+            Next::Msg(_, NodeToCoord::Finished { error, reason, .. }) => {
+                failure = Some(error.unwrap_or_else(|| reason.to_string()))
+            }
+            _ => {}
+        }
+    }
+    if let Some(f) = failure {
+        if epoch_lost_soon(shared, epoch).await {
+            return Ok(Attempt::Interrupted(f));
+        }
+        close_all(shared, attempt_seq, &nodes, rx, None).await;
+        return Err(CoordError::Run(f));
+    }
+    if start.is_none() {
+        let _ = client.send(CoordToClient::Started {
+            seq,
+            epoch,
+            prompt_tokens: prompt.to_vec(),
+            stages: placement.stages.clone(),
+        });
+        *start = Some(Instant::now());
+    }
+    shared.send(nodes[0], CoordToNode::Start { seq: attempt_seq });
+    loop {
+        let (from, msg) = match next(STEP_TIMEOUT, "the next token").await {
+            Ok(Next::Msg(from, msg)) => (from, msg),
+            Ok(Next::Lost) => return Ok(lost()),
+            Err(e) => {
+                return Ok(Attempt::Finished {
+                    reason: FinishReason::Error,
+                    error: Some(e.to_string()),
+                })
+            }
+        };
+        match msg {
+            NodeToCoord::Token { pos, token, .. } => {
+                times.push(Instant::now());
+                generated.push(token);
+                let text = decoder.push(token);
+                let _ = client.send(CoordToClient::Token {
+                    seq,
+                    pos,
+                    token,
+                    text,
+                });
+            }
+            NodeToCoord::Trace(mut t) => {
+                t.seq = seq;
+                let _ = client.send(CoordToClient::Trace(t));
+            }
+            NodeToCoord::Finished {
+                reason: FinishReason::Error,
+                error: e,
+                ..
+            } if from != shared.id => {
+                let e = e.map_or("the sequence failed".to_string(), |e| {
+                    format!("node {}: {e}", from.short())
+                });
+                if epoch_lost_soon(shared, epoch).await {
+                    return Ok(Attempt::Interrupted(e));
+                }
+                return Ok(Attempt::Finished {
+                    reason: FinishReason::Error,
+                    error: Some(e),
+                });
+            }
+            NodeToCoord::Finished {
+                reason: r,
+                error: e,
+                ..
+            } => {
+                return Ok(Attempt::Finished {
+                    reason: r,
+                    error: e.map(|e| format!("node {}: {e}", from.short())),
+                });
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Closes the sequence on every stage and collects their statistics, by stage index. Traces a

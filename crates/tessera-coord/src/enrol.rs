@@ -51,7 +51,11 @@ impl Enrolment {
             }
         };
         let allow = AllowList::new();
-        for n in &snap.nodes {
+        for n in snap
+            .nodes
+            .iter()
+            .filter(|n| !snap.revoked.contains(&n.node_id))
+        {
             allow.insert(n.key);
         }
         allow.set_enrolment_open(true);
@@ -90,6 +94,12 @@ impl Enrolment {
 
     fn record(&self, key: PublicKey) -> Result<(), CoordError> {
         let mut snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        if snap.revoked.contains(&key.node_id()) {
+            return Err(CoordError::Run(format!(
+                "node {} is revoked",
+                key.node_id()
+            )));
+        }
         if !snap.nodes.iter().any(|n| n.key == key) {
             snap.nodes.push(EnrolledNode {
                 node_id: key.node_id(),
@@ -132,6 +142,28 @@ impl Enrolment {
                 .map_err(|e| Refusal::Other(format!("cannot record the node: {e}")))?;
         }
         Ok(())
+    }
+
+    /// Revokes a node: its key is refused from now on, and it cannot enrol again.
+    pub fn revoke(&self, node: NodeId) -> Result<(), CoordError> {
+        let mut snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = snap.nodes.iter().find(|n| n.node_id == node) {
+            self.allow.remove(&n.node_id);
+        }
+        if !snap.revoked.contains(&node) {
+            snap.revoked.push(node);
+            self.state.save(&snap)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `node` is revoked.
+    pub fn is_revoked(&self, node: &NodeId) -> bool {
+        self.snapshot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .revoked
+            .contains(node)
     }
 
     /// The enrolled records.
@@ -195,5 +227,30 @@ mod tests {
         .unwrap();
         assert_eq!(e.token(), &token);
         assert_eq!(e.allow(&a), Ok(Admission::Member));
+    }
+
+    #[test]
+    fn a_revoked_node_is_refused_and_cannot_enrol_again_after_a_restart() {
+        let me = NodeIdentity::generate().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let a = NodeIdentity::generate().unwrap().public_key();
+        {
+            let e = Enrolment::open(
+                Box::new(crate::state::RedbState::open(dir.path()).unwrap()),
+                me.node_id(),
+            )
+            .unwrap();
+            e.record(a).unwrap();
+            e.revoke(a.node_id()).unwrap();
+            assert_eq!(e.allow(&a), Ok(Admission::Enrolment));
+        }
+        let e = Enrolment::open(
+            Box::new(crate::state::RedbState::open(dir.path()).unwrap()),
+            me.node_id(),
+        )
+        .unwrap();
+        assert!(e.is_revoked(&a.node_id()));
+        assert_ne!(e.allow(&a), Ok(Admission::Member));
+        assert!(e.record(a).is_err(), "the token does not bring it back");
     }
 }

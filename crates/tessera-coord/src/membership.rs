@@ -8,14 +8,23 @@
 //! An epoch is one immutable placement of the model's layer ranges on nodes. It goes through
 //! `Loading` (every stage node received [`CoordToNode::Assign`] and loads its part) →
 //! `Linking` (all loaded; every stage dials the next, measures the link, opens the ring) →
-//! `Ready`. A stage node that fails or leaves fails the epoch (re-planning onto survivors is a
-//! later issue). A new plan is a new epoch; the previous one is released.
+//! `Ready`. A new plan is a new epoch; the previous one is released.
+//!
+//! **Absorbing failures.** A stage node that leaves (its session ended or its lease expired)
+//! fails the epoch, and the machine at once plans a new one from the connected survivors
+//! ([`crate::replan`]: the configured stage count, or fewer when fewer nodes are left, within
+//! their budgets). With no feasible placement the cluster is in an outage ([`Membership::outage`])
+//! until a node joins. A node that joins while the epoch has fewer stages than configured (or
+//! while there is none) triggers a plan that folds it in. Sequences in flight are resumed on the
+//! new epoch by the driver, which re-prefills what they had generated.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::ops::Range;
 
 use tessera_net::{LinkMeasurement, NodeId, PublicKey};
+
+use crate::replan::{even_split, ModelBytes, Survivor};
 use tessera_node::protocol::{CoordToNode, LoadReport, PeerInfo, StageAssignment};
 use tessera_node::{ContentHash, Inventory};
 
@@ -143,6 +152,16 @@ fn send(to: NodeId, msg: CoordToNode) -> Action {
     }
 }
 
+/// What re-planning needs: set by the last requested plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AutoPlan {
+    pub model: ContentHash,
+    pub n_layer: usize,
+    pub max_context: usize,
+    /// The configured stage count (the requested plan's).
+    pub target_stages: usize,
+}
+
 /// The membership and epoch state.
 #[derive(Debug, Default)]
 pub struct Membership {
@@ -150,6 +169,9 @@ pub struct Membership {
     joins: u64,
     epoch: Option<Epoch>,
     next_epoch: u64,
+    auto: Option<AutoPlan>,
+    bytes: Option<ModelBytes>,
+    outage: Option<String>,
 }
 
 impl Membership {
@@ -176,6 +198,31 @@ impl Membership {
         self.epoch.as_ref()
     }
 
+    /// The last epoch number handed out (0 before the first).
+    pub fn last_epoch_id(&self) -> u64 {
+        self.next_epoch
+    }
+
+    /// Continues numbering after `last` (a restarted coordinator never reuses an epoch number).
+    pub fn continue_epochs_after(&mut self, last: u64) {
+        self.next_epoch = self.next_epoch.max(last);
+    }
+
+    /// The weights' sizes, so that re-planning respects node budgets.
+    pub fn set_model_bytes(&mut self, bytes: Option<ModelBytes>) {
+        self.bytes = bytes;
+    }
+
+    /// What re-planning is configured with (`None` before the first plan).
+    pub fn auto_plan(&self) -> Option<&AutoPlan> {
+        self.auto.as_ref()
+    }
+
+    /// Why no epoch can be placed right now (no feasible plan on the connected nodes).
+    pub fn outage(&self) -> Option<&str> {
+        self.outage.as_deref()
+    }
+
     /// Applies one event; returns what to do.
     pub fn handle(&mut self, event: Event) -> Vec<Action> {
         match event {
@@ -191,7 +238,7 @@ impl Membership {
                 if replaced {
                     self.stage_lost(id, "restarted")
                 } else {
-                    Vec::new()
+                    self.fold_in()
                 }
             }
             Event::Left { node: id, session } => {
@@ -206,7 +253,15 @@ impl Membership {
                 stages,
                 n_layer,
                 max_context,
-            } => self.plan(model, stages, n_layer, max_context),
+            } => {
+                self.auto = Some(AutoPlan {
+                    model,
+                    n_layer,
+                    max_context,
+                    target_stages: stages.len(),
+                });
+                self.plan(model, stages, n_layer, max_context)
+            }
             Event::Loaded {
                 node,
                 epoch,
@@ -281,9 +336,70 @@ impl Membership {
                 if e.stages.iter().any(|s| s.node_id == id)
                     && !matches!(e.phase, Phase::Failed(_) | Phase::Released) =>
             {
-                self.fail(format!("stage node {} {what}", id.short()))
+                let mut out = self.fail(format!("stage node {} {what}", id.short()));
+                out.extend(self.replan());
+                out
             }
+            // The epoch had already failed (say a neighbour of this node could not link to it
+            // before its lease ran out): try again with those left.
+            Some(e) if matches!(e.phase, Phase::Failed(_)) && self.auto.is_some() => self.replan(),
             _ => Vec::new(),
+        }
+    }
+
+    /// Connected members as re-planning candidates, in join order.
+    fn survivors(&self) -> Vec<Survivor> {
+        self.connected()
+            .into_iter()
+            .map(|m| Survivor {
+                node_id: m.node_id,
+                memory_budget_bytes: m.memory_budget_bytes,
+            })
+            .collect()
+    }
+
+    /// Plans a new epoch on the connected nodes (after a loss, or to fold a node in).
+    fn replan(&mut self) -> Vec<Action> {
+        let Some(auto) = self.auto.clone() else {
+            return Vec::new();
+        };
+        match even_split(
+            auto.n_layer,
+            &self.survivors(),
+            auto.target_stages,
+            self.bytes.as_ref(),
+        ) {
+            Ok(stages) => {
+                self.outage = None;
+                self.plan(auto.model, stages, auto.n_layer, auto.max_context)
+            }
+            Err(reason) => {
+                let reason = format!("no feasible plan: {reason}");
+                self.outage = Some(reason.clone());
+                let epoch = self.epoch.as_ref().map_or(0, |e| e.id);
+                vec![Action::EpochFailed { epoch, reason }]
+            }
+        }
+    }
+
+    /// A node joined: plan again when that restores the configured stage count, or ends an
+    /// outage. (A better plan by the planner's score is the planner's seam.)
+    fn fold_in(&mut self) -> Vec<Action> {
+        let Some(auto) = &self.auto else {
+            return Vec::new();
+        };
+        let connected = self.connected().len();
+        let wanted = auto.target_stages.min(connected).min(auto.n_layer);
+        let better = match &self.epoch {
+            Some(e) if !matches!(e.phase, Phase::Failed(_) | Phase::Released) => {
+                e.stages.len() < wanted
+            }
+            _ => true,
+        };
+        if better {
+            self.replan()
+        } else {
+            Vec::new()
         }
     }
 
@@ -547,5 +663,149 @@ mod tests {
             max_context: 128,
         });
         assert!(matches!(acts.last(), Some(Action::EpochFailed { .. })));
+    }
+
+    fn ready(m: &mut Membership) -> u64 {
+        let e = m.epoch().unwrap();
+        let (id, nodes): (u64, Vec<NodeId>) = (e.id, e.stages.iter().map(|s| s.node_id).collect());
+        for n in &nodes {
+            m.handle(Event::Loaded {
+                node: *n,
+                epoch: id,
+                report: LoadReport::default(),
+            });
+        }
+        for n in &nodes {
+            m.handle(Event::Linked {
+                node: *n,
+                epoch: id,
+                link: None,
+            });
+        }
+        assert_eq!(m.epoch().unwrap().phase, Phase::Ready);
+        id
+    }
+
+    fn layers(m: &Membership) -> Vec<(NodeId, Range<usize>)> {
+        m.epoch()
+            .unwrap()
+            .stages
+            .iter()
+            .map(|s| (s.node_id, s.layers.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn a_lost_stage_is_replanned_onto_survivors_and_a_returning_node_folded_in() {
+        let mut m = Membership::new();
+        let (a, b, c) = (member(1), member(2), member(3));
+        for x in [&a, &b, &c] {
+            m.handle(Event::Joined(Box::new(x.clone())));
+        }
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..1), (b.node_id, 1..2), (c.node_id, 2..3)],
+            n_layer: 3,
+            max_context: 64,
+        });
+        let first = ready(&mut m);
+        // The middle stage goes: epoch failed, survivors released, a new 2-stage epoch placed.
+        let acts = m.handle(Event::Left {
+            node: b.node_id,
+            session: 1,
+        });
+        assert!(acts
+            .iter()
+            .any(|x| matches!(x, Action::EpochFailed { epoch, .. } if *epoch == first)));
+        let s = sends(&acts);
+        assert!(s.iter().any(|(n, x)| *n == a.node_id
+            && matches!(x, CoordToNode::Release { epoch } if *epoch == first)));
+        let assigns: Vec<_> = s
+            .iter()
+            .filter_map(|(n, x)| match x {
+                CoordToNode::Assign(a) => Some((*n, a.layers.clone(), a.epoch)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            assigns,
+            vec![(a.node_id, 0..2, first + 1), (c.node_id, 2..3, first + 1)]
+        );
+        ready(&mut m);
+        // b returns: the configured three stages are restored in a new epoch.
+        let mut b2 = b.clone();
+        b2.session = 2;
+        let acts = m.handle(Event::Joined(Box::new(b2)));
+        assert_eq!(sends(&acts).len(), 2 + 3, "release two, assign three");
+        assert_eq!(m.epoch().unwrap().id, first + 2);
+        assert_eq!(
+            layers(&m),
+            vec![(a.node_id, 0..1), (c.node_id, 1..2), (b.node_id, 2..3)]
+        );
+        ready(&mut m);
+        // A join that does not restore anything plans nothing.
+        let d = member(4);
+        assert!(m.handle(Event::Joined(Box::new(d))).is_empty());
+    }
+
+    #[test]
+    fn with_nobody_left_the_cluster_is_in_outage_until_a_node_joins() {
+        let mut m = Membership::new();
+        m.continue_epochs_after(41);
+        let a = member(1);
+        m.handle(Event::Joined(Box::new(a.clone())));
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..3)],
+            n_layer: 3,
+            max_context: 64,
+        });
+        assert_eq!(
+            m.epoch().unwrap().id,
+            42,
+            "numbering continues after the stored epoch"
+        );
+        ready(&mut m);
+        m.handle(Event::Left {
+            node: a.node_id,
+            session: 1,
+        });
+        assert!(m.outage().unwrap().contains("no node is connected"));
+        assert!(matches!(m.epoch().unwrap().phase, Phase::Failed(_)));
+        let b = member(2);
+        let acts = m.handle(Event::Joined(Box::new(b.clone())));
+        assert!(m.outage().is_none());
+        assert_eq!(layers(&m), vec![(b.node_id, 0..3)]);
+        assert_eq!(m.epoch().unwrap().id, 43);
+        assert_eq!(sends(&acts).len(), 1);
+    }
+
+    #[test]
+    fn budgets_bound_the_replan() {
+        let mut m = Membership::new();
+        m.set_model_bytes(Some(ModelBytes {
+            layers: vec![100; 4],
+            embed: 10,
+            head: 10,
+        }));
+        let mut a = member(1);
+        a.memory_budget_bytes = Some(250);
+        let mut b = member(2);
+        b.memory_budget_bytes = Some(250);
+        m.handle(Event::Joined(Box::new(a.clone())));
+        m.handle(Event::Joined(Box::new(b.clone())));
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..2), (b.node_id, 2..4)],
+            n_layer: 4,
+            max_context: 64,
+        });
+        ready(&mut m);
+        m.handle(Event::Left {
+            node: b.node_id,
+            session: 1,
+        });
+        // a alone would need 420 bytes: no feasible plan, and the reason names the budget.
+        assert!(m.outage().unwrap().contains("budget"), "{:?}", m.outage());
     }
 }

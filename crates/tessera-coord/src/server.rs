@@ -5,16 +5,17 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 use tessera_net::{
     measure_link, Accepted, Connection, Endpoint, FramedStream, JoinToken, NodeId, NodeIdentity,
 };
 use tessera_node::protocol::{
-    frame, limits, stream, CoordToNode, FinishReason, Hello, MemberStatus, NodeToCoord, Role,
-    StageSpec, PROTOCOL_VERSION,
+    frame, limits, stream, CoordToNode, Hello, MemberStatus, NodeToCoord, Role, StageSpec,
+    PROTOCOL_VERSION,
 };
 use tessera_node::Manifest;
 use tokio::sync::{mpsc, watch};
@@ -22,8 +23,12 @@ use tokio::sync::{mpsc, watch};
 use crate::distribute::ModelServer;
 use crate::enrol::Enrolment;
 use crate::error::CoordError;
-use crate::membership::{Action, Event, Member, Membership};
-use crate::state::JsonFileState;
+use crate::membership::{Action, Event, Member, Membership, Phase};
+use crate::replan::ModelBytes;
+use crate::state::{EnrolmentState, EpochRecord, EpochStageRecord, RedbState};
+
+/// How long a node may stay silent before it is declared gone, by default.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(3);
 
 /// The coordinator's settings.
 #[derive(Clone, Debug)]
@@ -76,6 +81,13 @@ pub(crate) struct Shared {
     pub state: Mutex<State>,
     pub epoch_tx: watch::Sender<EpochStatus>,
     pub next_seq: AtomicU64,
+    /// Node lease, ms (see [`Coordinator::set_lease`]).
+    pub lease_ms: AtomicU64,
+    /// Where plan epochs are recorded.
+    pub store: Arc<dyn EnrolmentState>,
+    /// Set by [`Coordinator::close`]: sessions ending now are the coordinator's own shutdown,
+    /// not nodes leaving (nothing is re-planned).
+    pub closing: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -91,15 +103,8 @@ impl Shared {
 
     /// [`Shared::apply`] with the state already locked (to decide and act atomically).
     pub(crate) fn apply_locked(&self, st: &mut State, event: Event) {
-        let is_plan = matches!(event, Event::Plan { .. });
+        let before = st.membership.epoch().map(|e| (e.id, e.phase.clone()));
         let actions = st.membership.handle(event);
-        if is_plan {
-            if let Some(e) = st.membership.epoch() {
-                if e.phase == crate::membership::Phase::Loading {
-                    self.epoch_tx.send_replace(EpochStatus::Pending(e.id));
-                }
-            }
-        }
         for a in actions {
             match a {
                 Action::Send { to, msg } => {
@@ -109,15 +114,70 @@ impl Shared {
                 }
                 Action::EpochReady(e) => {
                     eprintln!("epoch {e} is ready");
-                    self.epoch_tx.send_replace(EpochStatus::Ready(e));
                 }
                 Action::EpochFailed { epoch, reason } => {
                     eprintln!("epoch {epoch} failed: {reason}");
-                    self.epoch_tx
-                        .send_replace(EpochStatus::Failed(epoch, reason));
                 }
             }
         }
+        // The status drivers wait on follows the membership's current epoch.
+        let after = st.membership.epoch().map(|e| (e.id, e.phase.clone()));
+        let status = match &after {
+            None => EpochStatus::None,
+            Some((id, Phase::Loading | Phase::Linking)) => EpochStatus::Pending(*id),
+            Some((id, Phase::Ready)) => EpochStatus::Ready(*id),
+            Some((id, Phase::Failed(r))) => EpochStatus::Failed(*id, r.clone()),
+            Some((id, Phase::Released)) => EpochStatus::Failed(*id, "released".into()),
+        };
+        self.epoch_tx.send_if_modified(|s| {
+            if *s == status {
+                false
+            } else {
+                *s = status;
+                true
+            }
+        });
+        if before != after {
+            self.record_epoch(&st.membership);
+        }
+    }
+
+    /// Records the current epoch (its placement, phase and load evidence) durably.
+    fn record_epoch(&self, m: &Membership) {
+        let Some(e) = m.epoch() else { return };
+        let rec = EpochRecord {
+            epoch: e.id,
+            model: e.model,
+            phase: match &e.phase {
+                Phase::Loading => "loading".into(),
+                Phase::Linking => "linking".into(),
+                Phase::Ready => "ready".into(),
+                Phase::Failed(r) => format!("failed: {r}"),
+                Phase::Released => "released".into(),
+            },
+            stages: e
+                .stages
+                .iter()
+                .map(|s| EpochStageRecord {
+                    node_id: s.node_id,
+                    name: m.member(&s.node_id).map(|m| m.name.clone()),
+                    layers: s.layers.clone(),
+                    load: s.loaded.clone(),
+                    link_to_next: s.link,
+                })
+                .collect(),
+            recorded_at_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        };
+        if let Err(e) = self.store.record_epoch(&rec) {
+            eprintln!("recording epoch {}: {e}", rec.epoch);
+        }
+    }
+
+    /// The node lease.
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms.load(Ordering::Relaxed).max(1))
     }
 
     /// Sends a message to a node, if it is connected.
@@ -152,10 +212,20 @@ impl Coordinator {
             source: e,
         })?;
         let identity = NodeIdentity::load_or_create(&config.data_dir)?;
-        let enrol = Enrolment::open(
-            Box::new(JsonFileState::new(&config.data_dir)),
-            identity.node_id(),
-        )?;
+        let store: Arc<dyn EnrolmentState> = Arc::new(RedbState::open(&config.data_dir)?);
+        // A data directory from before the database: take its `state.json` over once.
+        {
+            let snap = store.load()?;
+            if snap.token.is_none() && snap.nodes.is_empty() {
+                let old = crate::state::JsonFileState::new(&config.data_dir).load()?;
+                if old.token.is_some() || !old.nodes.is_empty() {
+                    eprintln!("importing state.json into state.redb");
+                    store.save(&old)?;
+                }
+            }
+        }
+        let last_epoch = store.last_epoch()?;
+        let enrol = Enrolment::open(Box::new(store.clone()), identity.node_id())?;
         let path = config.model.clone();
         let (model, manifest) =
             tokio::task::spawn_blocking(move || -> Result<(ModelInfo, Manifest), CoordError> {
@@ -187,6 +257,12 @@ impl Coordinator {
         let server = ModelServer::new(&config.model, manifest, config.progress)?;
         let endpoint = Endpoint::bind(config.listen, &identity, enrol.clone())?;
         let (epoch_tx, _) = watch::channel(EpochStatus::None);
+        let mut membership = Membership::new();
+        if let Some(last) = last_epoch {
+            eprintln!("plan epochs continue after {last}");
+            membership.continue_epochs_after(last);
+        }
+        membership.set_model_bytes(Some(model_bytes(server.manifest())));
         Ok(Self {
             shared: Arc::new(Shared {
                 id: identity.node_id(),
@@ -195,13 +271,16 @@ impl Coordinator {
                 model,
                 server,
                 state: Mutex::new(State {
-                    membership: Membership::new(),
+                    membership,
                     senders: HashMap::new(),
                     sessions: 0,
                     routes: HashMap::new(),
                 }),
                 epoch_tx,
                 next_seq: AtomicU64::new(1),
+                lease_ms: AtomicU64::new(DEFAULT_LEASE.as_millis() as u64),
+                store,
+                closing: std::sync::atomic::AtomicBool::new(false),
             }),
             endpoint,
         })
@@ -225,6 +304,30 @@ impl Coordinator {
 
     pub fn manifest(&self) -> &Manifest {
         self.shared.server.manifest()
+    }
+
+    /// Sets the node lease: a node silent this long (no heartbeat, no message) is declared gone
+    /// and planned around. Nodes heartbeat four times per lease. Default [`DEFAULT_LEASE`].
+    pub fn set_lease(&self, lease: Duration) {
+        self.shared
+            .lease_ms
+            .store(lease.as_millis().max(1) as u64, Ordering::Relaxed);
+    }
+
+    /// The last plan epoch handed out (continues across restarts).
+    pub fn last_epoch(&self) -> u64 {
+        self.shared.lock().membership.last_epoch_id()
+    }
+
+    /// Why no epoch can be placed right now (no feasible plan on the connected nodes), for a
+    /// front end to answer "503 Service Unavailable" with; `None` when the cluster has capacity.
+    pub fn outage(&self) -> Option<String> {
+        self.shared.lock().membership.outage().map(str::to_string)
+    }
+
+    /// The shared state, for the gateway backend in this crate.
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Accepts connections until the endpoint is closed.
@@ -259,8 +362,43 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Connected nodes in join order, with the inventory, budget and link each reported (for
+    /// planning from measured inventory, [`crate::planning`]).
+    pub fn connected_members(&self) -> Vec<crate::membership::Member> {
+        self.shared
+            .lock()
+            .membership
+            .connected()
+            .into_iter()
+            .cloned()
+            .collect()
+    }
+
+    /// Applies an assignment now, as `--split` does once enough nodes are connected: checks the
+    /// stages against the model and the connected nodes and starts a new epoch. Returns the
+    /// `(node, layers)` placed, in ring order.
+    pub fn apply_stages(
+        &self,
+        stages: &[StageSpec],
+    ) -> Result<Vec<(NodeId, std::ops::Range<usize>)>, crate::assignment::AssignmentError> {
+        let n_layer = self.shared.model.config.n_layer;
+        let placed = {
+            let st = self.shared.lock();
+            let nodes = crate::driver::candidates(&st.membership);
+            crate::assignment::resolve(stages, n_layer, &nodes)?
+        };
+        self.shared.apply(Event::Plan {
+            model: self.shared.server.manifest().model_hash,
+            stages: placed.clone(),
+            n_layer,
+            max_context: self.shared.config.max_context,
+        });
+        Ok(placed)
+    }
+
     /// Closes every connection (peers are told at once) and stops accepting.
     pub fn close(&self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
         self.endpoint.close();
     }
 
@@ -389,6 +527,47 @@ async fn node_session(
         coordinator: shared.id,
         observed_addr: conn.remote_addr(),
     });
+    let lease = shared.lease();
+    let lease_msg = CoordToNode::Lease {
+        heartbeat_ms: (lease.as_millis() as u64 / 4).max(1),
+        lease_ms: lease.as_millis() as u64,
+    };
+    let _ = tx.send(lease_msg.clone());
+    // The coordinator's own heartbeat: the lease, repeated.
+    let _beat = {
+        let tx = tx.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let mut tick = tokio::time::interval((lease / 4).max(Duration::from_millis(1)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if tx.send(lease_msg.clone()).is_err() {
+                    break;
+                }
+            }
+        }))
+    };
+    // The port the node listens on, sent right after its hello (see
+    // `NodeToCoord::Listening`); any other first message is handled after the join.
+    let mut addr = conn.remote_addr();
+    let mut early = None;
+    match tokio::time::timeout(lease, reader.read_frame()).await {
+        Ok(Ok(Some(f))) if f.kind == frame::MSG => match f.json::<NodeToCoord>() {
+            Ok(NodeToCoord::Listening { addr: a }) => addr = peer_addr(addr, a),
+            Ok(m) => early = Some(m),
+            Err(e) => return Err(e.into()),
+        },
+        Ok(Ok(Some(f))) => {
+            return Err(CoordError::Protocol(format!(
+                "unexpected frame kind {:#06x} on a control stream",
+                f.kind
+            )))
+        }
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => return Err(e.into()),
+        Err(_) => {}
+    }
     let writer_task = tokio::spawn(async move {
         while let Some(m) = rx.recv().await {
             if writer.write_message(frame::MSG, &m).await.is_err() {
@@ -407,7 +586,7 @@ async fn node_session(
         node_id: id,
         key: conn.peer_key(),
         name: hello.name.clone(),
-        addr: conn.remote_addr(),
+        addr,
         connected: true,
         joined: 0,
         memory_budget_bytes: hello.memory_budget_bytes,
@@ -416,12 +595,7 @@ async fn node_session(
         link: None,
         session,
     })));
-    println!(
-        "node joined: {} {} at {}",
-        hello.name,
-        id,
-        conn.remote_addr()
-    );
+    println!("node joined: {} {} at {addr}", hello.name, id);
     // Measure the link to the node in the background.
     {
         let (shared, conn) = (shared.clone(), conn.clone());
@@ -441,9 +615,31 @@ async fn node_session(
         });
     }
     maybe_apply_initial_split(&shared);
+    if let Some(m) = early {
+        handle_node_message(&shared, id, m);
+    }
 
     let result = async {
-        while let Some(f) = reader.read_frame().await? {
+        loop {
+            // Every message renews the lease; a node silent for a whole lease (dead, frozen,
+            // or cut off) is declared gone.
+            let f = match tokio::time::timeout(lease, reader.read_frame()).await {
+                Ok(f) => f?,
+                Err(_) => {
+                    println!(
+                        "lease expired: {} {} silent for {} ms",
+                        hello.name,
+                        id,
+                        lease.as_millis()
+                    );
+                    conn.close("lease expired");
+                    return Err(CoordError::Timeout(format!(
+                        "node {} missed its lease",
+                        id.short()
+                    )));
+                }
+            };
+            let Some(f) = f else { break };
             if f.kind != frame::MSG {
                 return Err(CoordError::Protocol(format!(
                     "unexpected frame kind {:#06x} on a control stream",
@@ -466,31 +662,10 @@ async fn node_session(
         }
         current
     };
-    // Sequences running on it cannot finish.
-    let in_epoch = shared
-        .lock()
-        .membership
-        .epoch()
-        .is_some_and(|e| e.stages.iter().any(|s| s.node_id == id));
-    shared.apply(Event::Left { node: id, session });
-    if in_epoch && current {
-        let routes: Vec<_> = shared
-            .lock()
-            .routes
-            .iter()
-            .map(|(k, v)| (*k, v.clone()))
-            .collect();
-        for (seq, r) in routes {
-            let _ = r.send((
-                id,
-                NodeToCoord::Finished {
-                    seq,
-                    reason: FinishReason::Error,
-                    generated: 0,
-                    error: Some(format!("stage node {} left", id.short())),
-                },
-            ));
-        }
+    // If it held a stage, the membership fails the epoch and plans one on the survivors;
+    // drivers see the epoch change and resume their sequences on the new one.
+    if current && !shared.closing.load(Ordering::SeqCst) {
+        shared.apply(Event::Left { node: id, session });
     }
     result
 }
@@ -501,6 +676,7 @@ fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
             eprintln!("{}: a second hello; ignored", id.short());
             return;
         }
+        NodeToCoord::Heartbeat | NodeToCoord::Listening { .. } => return,
         NodeToCoord::Loaded { epoch, report } => {
             return shared.apply(Event::Loaded {
                 node: id,
@@ -569,6 +745,51 @@ fn maybe_apply_initial_split(shared: &Shared) {
         n_layer: shared.model.config.n_layer,
         max_context: shared.config.max_context,
     });
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The address peers should dial for a node that listens on `advertised` and was seen at
+/// `observed`: the advertised port at the observed host when the hosts agree (or the node
+/// listens on every address), else what was observed (e.g. behind NAT).
+fn peer_addr(observed: SocketAddr, advertised: SocketAddr) -> SocketAddr {
+    if advertised.ip().is_unspecified() {
+        SocketAddr::new(observed.ip(), advertised.port())
+    } else if advertised.ip() == observed.ip() {
+        advertised
+    } else {
+        observed
+    }
+}
+
+/// What the model's weights weigh per layer, embedding and head (for budget checks when
+/// re-planning).
+pub(crate) fn model_bytes(manifest: &Manifest) -> ModelBytes {
+    let bytes = |names: &[String]| manifest.bytes_for(names).unwrap_or(0);
+    let n_layer = (0u32..)
+        .take_while(|&l| !manifest.layer_tensor_names(l..l + 1).is_empty())
+        .count() as u32;
+    let has = |n: &str| manifest.tensor(n).is_some();
+    let mut head = vec!["output_norm.weight".to_string()];
+    head.push(if has("output.weight") {
+        "output.weight".into()
+    } else {
+        "token_embd.weight".into()
+    });
+    ModelBytes {
+        layers: (0..n_layer)
+            .map(|l| bytes(&manifest.layer_tensor_names(l..l + 1)))
+            .collect(),
+        embed: bytes(&["token_embd.weight".to_string()]),
+        head: bytes(&head),
+    }
 }
 
 /// Status of every member, for clients.

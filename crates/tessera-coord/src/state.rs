@@ -1,15 +1,19 @@
-//! What the coordinator remembers across restarts: its join token and the enrolled keys.
+//! What the coordinator remembers across restarts: its join token, the enrolled keys, revoked
+//! nodes, and every plan epoch with its placement and evidence.
 //!
-//! A small trait ([`EnrolmentState`]) in front of the storage, with a JSON file implementation
-//! ([`JsonFileState`], written atomically) and an in-memory twin ([`MemoryState`]) for tests.
-//! A later issue moves this to an embedded database.
+//! A small trait ([`EnrolmentState`]) in front of the storage. The coordinator uses
+//! [`RedbState`] (`state.redb`, an embedded transactional database: a crash mid-write leaves
+//! the previous state). [`JsonFileState`] (written atomically) and the in-memory
+//! [`MemoryState`] remain for tests and inspection.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use tessera_net::{JoinToken, NodeId, PublicKey};
-use tessera_node::protocol::Role;
+use tessera_net::{JoinToken, LinkMeasurement, NodeId, PublicKey};
+use tessera_node::protocol::{LoadReport, Role};
+use tessera_node::ContentHash;
 
 /// One enrolled key.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,6 +32,31 @@ pub struct Snapshot {
     /// The cluster join token (reused across restarts so printed tokens stay valid).
     pub token: Option<JoinToken>,
     pub nodes: Vec<EnrolledNode>,
+    /// Nodes whose keys are refused from now on (they cannot enrol again with the token).
+    #[serde(default)]
+    pub revoked: Vec<NodeId>,
+}
+
+/// One stage of a recorded epoch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EpochStageRecord {
+    pub node_id: NodeId,
+    pub name: Option<String>,
+    pub layers: Range<usize>,
+    /// What the node reported when it loaded its part (evidence of the placement).
+    pub load: Option<LoadReport>,
+    pub link_to_next: Option<LinkMeasurement>,
+}
+
+/// A plan epoch as recorded: its placement, its last phase, and its evidence.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EpochRecord {
+    pub epoch: u64,
+    pub model: ContentHash,
+    /// `loading`, `linking`, `ready`, `failed: REASON` or `released`.
+    pub phase: String,
+    pub stages: Vec<EpochStageRecord>,
+    pub recorded_at_unix_ms: u64,
 }
 
 /// Why the state could not be read or written.
@@ -41,25 +70,242 @@ pub enum StateError {
     },
     #[error("{path}: not a coordinator state file: {reason}")]
     Corrupt { path: PathBuf, reason: String },
+    #[error("{path}: database: {reason}")]
+    Db { path: PathBuf, reason: String },
 }
 
-/// Storage of the coordinator's [`Snapshot`].
+/// Storage of the coordinator's [`Snapshot`] and its plan epochs.
 pub trait EnrolmentState: Send + Sync {
     fn load(&self) -> Result<Snapshot, StateError>;
     fn save(&self, snapshot: &Snapshot) -> Result<(), StateError>;
+    /// Records (or updates) one plan epoch.
+    fn record_epoch(&self, record: &EpochRecord) -> Result<(), StateError>;
+    /// Every recorded epoch, oldest first.
+    fn epochs(&self) -> Result<Vec<EpochRecord>, StateError>;
+    /// The highest epoch number recorded.
+    fn last_epoch(&self) -> Result<Option<u64>, StateError> {
+        Ok(self.epochs()?.iter().map(|e| e.epoch).max())
+    }
+}
+
+impl<T: EnrolmentState + ?Sized> EnrolmentState for Arc<T> {
+    fn load(&self) -> Result<Snapshot, StateError> {
+        (**self).load()
+    }
+    fn save(&self, snapshot: &Snapshot) -> Result<(), StateError> {
+        (**self).save(snapshot)
+    }
+    fn record_epoch(&self, record: &EpochRecord) -> Result<(), StateError> {
+        (**self).record_epoch(record)
+    }
+    fn epochs(&self) -> Result<Vec<EpochRecord>, StateError> {
+        (**self).epochs()
+    }
+    fn last_epoch(&self) -> Result<Option<u64>, StateError> {
+        (**self).last_epoch()
+    }
 }
 
 /// In memory, for tests.
 #[derive(Debug, Default)]
-pub struct MemoryState(Mutex<Snapshot>);
+pub struct MemoryState(Mutex<(Snapshot, Vec<EpochRecord>)>);
 
 impl EnrolmentState for MemoryState {
     fn load(&self) -> Result<Snapshot, StateError> {
-        Ok(self.0.lock().unwrap_or_else(|p| p.into_inner()).clone())
+        Ok(self.0.lock().unwrap_or_else(|p| p.into_inner()).0.clone())
     }
     fn save(&self, snapshot: &Snapshot) -> Result<(), StateError> {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = snapshot.clone();
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).0 = snapshot.clone();
         Ok(())
+    }
+    fn record_epoch(&self, record: &EpochRecord) -> Result<(), StateError> {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        upsert(&mut g.1, record);
+        Ok(())
+    }
+    fn epochs(&self) -> Result<Vec<EpochRecord>, StateError> {
+        Ok(self.0.lock().unwrap_or_else(|p| p.into_inner()).1.clone())
+    }
+}
+
+fn upsert(epochs: &mut Vec<EpochRecord>, record: &EpochRecord) {
+    match epochs.iter_mut().find(|e| e.epoch == record.epoch) {
+        Some(e) => *e = record.clone(),
+        None => {
+            epochs.push(record.clone());
+            epochs.sort_by_key(|e| e.epoch);
+        }
+    }
+}
+
+/// `state.redb` in the coordinator's data directory: tables `meta` (the join token), `nodes`
+/// (enrolled keys by node id), `revoked` and `epochs` (by number). Each save is one
+/// transaction.
+pub struct RedbState {
+    path: PathBuf,
+    db: redb::Database,
+}
+
+impl std::fmt::Debug for RedbState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedbState")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+const NODES: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("nodes");
+const REVOKED: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("revoked");
+const EPOCHS: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("epochs");
+
+impl RedbState {
+    /// Opens (or creates, mode 0600: it holds the join token) `state.redb` in `data_dir`.
+    pub fn open(data_dir: &Path) -> Result<Self, StateError> {
+        let path = data_dir.join("state.redb");
+        let db = redb::Database::create(&path).map_err(|e| StateError::Db {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+        }
+        let me = Self { path, db };
+        // Create the tables, so that readers find them.
+        let tx = me.db.begin_write().map_err(|e| me.err(e))?;
+        {
+            tx.open_table(META).map_err(|e| me.err(e))?;
+            tx.open_table(NODES).map_err(|e| me.err(e))?;
+            tx.open_table(REVOKED).map_err(|e| me.err(e))?;
+            tx.open_table(EPOCHS).map_err(|e| me.err(e))?;
+        }
+        tx.commit().map_err(|e| me.err(e))?;
+        Ok(me)
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> StateError {
+        StateError::Db {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        }
+    }
+
+    fn corrupt(&self, e: impl std::fmt::Display) -> StateError {
+        StateError::Corrupt {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        }
+    }
+}
+
+impl EnrolmentState for RedbState {
+    fn load(&self) -> Result<Snapshot, StateError> {
+        use redb::ReadableTable;
+        let tx = self.db.begin_read().map_err(|e| self.err(e))?;
+        let meta = tx.open_table(META).map_err(|e| self.err(e))?;
+        let token = match meta.get("token").map_err(|e| self.err(e))? {
+            Some(v) => Some(serde_json::from_slice(v.value()).map_err(|e| self.corrupt(e))?),
+            None => None,
+        };
+        let mut nodes = Vec::new();
+        for row in tx
+            .open_table(NODES)
+            .map_err(|e| self.err(e))?
+            .iter()
+            .map_err(|e| self.err(e))?
+        {
+            let (_, v) = row.map_err(|e| self.err(e))?;
+            nodes.push(serde_json::from_slice(v.value()).map_err(|e| self.corrupt(e))?);
+        }
+        let mut revoked = Vec::new();
+        for row in tx
+            .open_table(REVOKED)
+            .map_err(|e| self.err(e))?
+            .iter()
+            .map_err(|e| self.err(e))?
+        {
+            let (_, v) = row.map_err(|e| self.err(e))?;
+            revoked.push(serde_json::from_slice(v.value()).map_err(|e| self.corrupt(e))?);
+        }
+        Ok(Snapshot {
+            token,
+            nodes,
+            revoked,
+        })
+    }
+
+    fn save(&self, snapshot: &Snapshot) -> Result<(), StateError> {
+        use redb::ReadableTable;
+        let tx = self.db.begin_write().map_err(|e| self.err(e))?;
+        {
+            let mut meta = tx.open_table(META).map_err(|e| self.err(e))?;
+            match &snapshot.token {
+                Some(t) => {
+                    let v = serde_json::to_vec(t).expect("token serializes");
+                    meta.insert("token", v.as_slice())
+                        .map_err(|e| self.err(e))?;
+                }
+                None => {
+                    meta.remove("token").map_err(|e| self.err(e))?;
+                }
+            }
+            let mut nodes = tx.open_table(NODES).map_err(|e| self.err(e))?;
+            let old: Vec<String> = nodes
+                .iter()
+                .map_err(|e| self.err(e))?
+                .filter_map(|r| r.ok().map(|(k, _)| k.value().to_string()))
+                .collect();
+            for k in old {
+                nodes.remove(k.as_str()).map_err(|e| self.err(e))?;
+            }
+            for n in &snapshot.nodes {
+                let v = serde_json::to_vec(n).expect("node serializes");
+                nodes
+                    .insert(n.node_id.to_string().as_str(), v.as_slice())
+                    .map_err(|e| self.err(e))?;
+            }
+            let mut revoked = tx.open_table(REVOKED).map_err(|e| self.err(e))?;
+            for id in &snapshot.revoked {
+                let v = serde_json::to_vec(id).expect("id serializes");
+                revoked
+                    .insert(id.to_string().as_str(), v.as_slice())
+                    .map_err(|e| self.err(e))?;
+            }
+        }
+        tx.commit().map_err(|e| self.err(e))
+    }
+
+    fn record_epoch(&self, record: &EpochRecord) -> Result<(), StateError> {
+        let tx = self.db.begin_write().map_err(|e| self.err(e))?;
+        {
+            let mut t = tx.open_table(EPOCHS).map_err(|e| self.err(e))?;
+            let v = serde_json::to_vec(record).expect("epoch serializes");
+            t.insert(record.epoch, v.as_slice())
+                .map_err(|e| self.err(e))?;
+        }
+        tx.commit().map_err(|e| self.err(e))
+    }
+
+    fn epochs(&self) -> Result<Vec<EpochRecord>, StateError> {
+        use redb::ReadableTable;
+        let tx = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = tx.open_table(EPOCHS).map_err(|e| self.err(e))?;
+        let mut out = Vec::new();
+        for row in t.iter().map_err(|e| self.err(e))? {
+            let (_, v) = row.map_err(|e| self.err(e))?;
+            out.push(serde_json::from_slice(v.value()).map_err(|e| self.corrupt(e))?);
+        }
+        Ok(out)
+    }
+
+    fn last_epoch(&self) -> Result<Option<u64>, StateError> {
+        use redb::ReadableTable;
+        let tx = self.db.begin_read().map_err(|e| self.err(e))?;
+        let t = tx.open_table(EPOCHS).map_err(|e| self.err(e))?;
+        let last = t.last().map_err(|e| self.err(e))?;
+        Ok(last.map(|(k, _)| k.value()))
     }
 }
 
@@ -93,12 +339,37 @@ impl EnrolmentState for JsonFileState {
     }
 
     fn save(&self, snapshot: &Snapshot) -> Result<(), StateError> {
+        write_json(&self.path, snapshot)
+    }
+
+    fn record_epoch(&self, record: &EpochRecord) -> Result<(), StateError> {
+        let mut epochs = self.epochs()?;
+        upsert(&mut epochs, record);
+        write_json(&self.path.with_file_name("epochs.json"), &epochs)
+    }
+
+    fn epochs(&self) -> Result<Vec<EpochRecord>, StateError> {
+        let path = self.path.with_file_name("epochs.json");
+        match std::fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| StateError::Corrupt {
+                path,
+                reason: e.to_string(),
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(source) => Err(StateError::Io { path, source }),
+        }
+    }
+}
+
+/// Writes `value` as JSON to `path` atomically, mode 0600.
+fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), StateError> {
+    {
         let io = |source| StateError::Io {
-            path: self.path.clone(),
+            path: path.to_owned(),
             source,
         };
-        let tmp = self.path.with_extension("json.tmp");
-        let json = serde_json::to_vec_pretty(snapshot).expect("state serializes");
+        let tmp = path.with_extension("json.tmp");
+        let json = serde_json::to_vec_pretty(value).expect("state serializes");
         {
             use std::io::Write;
             let mut o = std::fs::OpenOptions::new();
@@ -112,7 +383,7 @@ impl EnrolmentState for JsonFileState {
             f.write_all(&json).map_err(io)?;
             f.sync_all().map_err(io)?;
         }
-        std::fs::rename(&tmp, &self.path).map_err(io)
+        std::fs::rename(&tmp, path).map_err(io)
     }
 }
 
@@ -135,6 +406,7 @@ mod tests {
                 role: Some(Role::Node),
                 enrolled_at_unix_ms: 1,
             }],
+            revoked: Vec::new(),
         };
         st.save(&snap).unwrap();
         let back = st.load().unwrap();
@@ -142,5 +414,65 @@ mod tests {
         assert_eq!(back.token, snap.token);
         std::fs::write(dir.path().join("state.json"), b"{nope").unwrap();
         assert!(matches!(st.load(), Err(StateError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn redb_state_round_trips_nodes_revocations_and_epochs_across_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = tessera_net::NodeIdentity::generate().unwrap();
+        let b = tessera_net::NodeIdentity::generate().unwrap();
+        let node = |id: &tessera_net::NodeIdentity, name: &str| EnrolledNode {
+            node_id: id.node_id(),
+            key: id.public_key(),
+            name: Some(name.into()),
+            role: Some(Role::Node),
+            enrolled_at_unix_ms: 5,
+        };
+        let token = JoinToken::generate(None).unwrap();
+        let epoch = |n: u64| EpochRecord {
+            epoch: n,
+            model: ContentHash([3; 32]),
+            phase: "ready".into(),
+            stages: vec![EpochStageRecord {
+                node_id: a.node_id(),
+                name: Some("a".into()),
+                layers: 0..5,
+                load: Some(LoadReport::default()),
+                link_to_next: None,
+            }],
+            recorded_at_unix_ms: 9,
+        };
+        {
+            let st = RedbState::open(dir.path()).unwrap();
+            assert!(st.load().unwrap().nodes.is_empty());
+            assert_eq!(st.last_epoch().unwrap(), None);
+            st.save(&Snapshot {
+                token: Some(token.clone()),
+                nodes: vec![node(&a, "a"), node(&b, "b")],
+                revoked: vec![],
+            })
+            .unwrap();
+            // A later save replaces the node set.
+            st.save(&Snapshot {
+                token: Some(token.clone()),
+                nodes: vec![node(&a, "a")],
+                revoked: vec![b.node_id()],
+            })
+            .unwrap();
+            st.record_epoch(&epoch(3)).unwrap();
+            st.record_epoch(&epoch(7)).unwrap();
+            let mut e = epoch(7);
+            e.phase = "failed: gone".into();
+            st.record_epoch(&e).unwrap();
+        }
+        let st = RedbState::open(dir.path()).unwrap();
+        let snap = st.load().unwrap();
+        assert_eq!(snap.token, Some(token));
+        assert_eq!(snap.nodes, vec![node(&a, "a")]);
+        assert_eq!(snap.revoked, vec![b.node_id()]);
+        assert_eq!(st.last_epoch().unwrap(), Some(7));
+        let epochs = st.epochs().unwrap();
+        assert_eq!(epochs.len(), 2);
+        assert_eq!(epochs[1].phase, "failed: gone");
     }
 }

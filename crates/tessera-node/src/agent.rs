@@ -177,6 +177,9 @@ struct Shared {
     ctrl: mpsc::UnboundedSender<NodeToCoord>,
     /// Keeps the connection to the next stage open.
     next_conn: Mutex<Option<Connection>>,
+    /// The latest epoch assigned and not released (0: none). A load that finishes after a
+    /// newer assignment (or the release of its own) is discarded, never installed.
+    assigned: std::sync::atomic::AtomicU64,
 }
 
 /// Loads or creates the node identity and prints its id. Also the first thing [`run`] does.
@@ -293,6 +296,7 @@ pub async fn run_until(
         worker: worker_tx,
         ctrl: ctrl_tx,
         next_conn: Mutex::new(None),
+        assigned: std::sync::atomic::AtomicU64::new(0),
     });
 
     // Peers (the previous stage) dial us.
@@ -347,7 +351,7 @@ async fn serve_sessions(
     let mut backoff = Duration::from_millis(500);
     loop {
         let conn = match &join {
-            Some(j) => match endpoint.enroll(j.addr, &j.token).await {
+            Some(j) => match with_timeout(endpoint.enroll(j.addr, &j.token)).await {
                 Ok(conn) => {
                     CoordinatorRecord {
                         addr: j.addr,
@@ -363,7 +367,7 @@ async fn serve_sessions(
             None => {
                 let rec =
                     CoordinatorRecord::load(&config.data_dir).ok_or(FabricError::NotEnrolled)?;
-                endpoint.connect(rec.addr, rec.key).await
+                with_timeout(endpoint.connect(rec.addr, rec.key)).await
             }
         };
         let result = match conn {
@@ -396,8 +400,26 @@ async fn serve_sessions(
     }
 }
 
+/// How long one attempt to reach the coordinator may take (a cut link must not hold the agent
+/// for a whole QUIC idle timeout).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+async fn with_timeout(
+    f: impl std::future::Future<Output = Result<Connection, tessera_net::NetError>>,
+) -> Result<Connection, tessera_net::NetError> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, f).await {
+        Ok(r) => r,
+        Err(_) => Err(tessera_net::NetError::Timeout(format!(
+            "no answer from the coordinator within {CONNECT_TIMEOUT:?}"
+        ))),
+    }
+}
+
 fn forget_epoch(shared: &Shared) {
     let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
+    shared
+        .assigned
+        .store(0, std::sync::atomic::Ordering::SeqCst);
     if let Some(c) = cur.take() {
         if let Some(prev) = &c.assignment.prev {
             shared.allow.remove(&prev.node_id);
@@ -420,6 +442,14 @@ async fn session(
     ctrl.reader.set_max_len(limits::CONTROL);
     ctrl.writer
         .write_message(frame::MSG, &NodeToCoord::Hello(hello.clone()))
+        .await?;
+    ctrl.writer
+        .write_message(
+            frame::MSG,
+            &NodeToCoord::Listening {
+                addr: endpoint.local_addr()?,
+            },
+        )
         .await?;
     match ctrl.reader.read_message::<CoordToNode>(frame::MSG).await? {
         CoordToNode::Welcome {
@@ -474,8 +504,32 @@ async fn control_loop(
     shared: &Arc<Shared>,
     ctx: &Arc<LoadCtx>,
 ) -> Result<(), FabricError> {
+    // Heartbeats for this session's lease (aborted when the session ends).
+    struct Heartbeat(Option<tokio::task::JoinHandle<()>>);
+    impl Drop for Heartbeat {
+        fn drop(&mut self) {
+            if let Some(h) = self.0.take() {
+                h.abort();
+            }
+        }
+    }
+    let mut heartbeat = Heartbeat(None);
+    // The coordinator's lease: once it has told one, its silence for that long ends the
+    // session (it is gone, or the link is cut) and the node reconnects.
+    let mut coordinator_lease: Option<(u64, Duration)> = None;
     loop {
-        let msg = match reader.read_frame().await? {
+        let frame = match coordinator_lease {
+            Some((_, lease)) => match tokio::time::timeout(lease, reader.read_frame()).await {
+                Ok(f) => f?,
+                Err(_) => {
+                    return Err(FabricError::Stopped(format!(
+                        "the coordinator was silent for {lease:?}"
+                    )))
+                }
+            },
+            None => reader.read_frame().await?,
+        };
+        let msg = match frame {
             None => {
                 println!("the coordinator closed the session");
                 return Ok(());
@@ -498,6 +552,9 @@ async fn control_loop(
                 if let Some(prev) = &a.prev {
                     shared.allow.insert(prev.key);
                 }
+                shared
+                    .assigned
+                    .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
                 let (shared, ctx) = (shared.clone(), ctx.clone());
                 tokio::spawn(async move {
                     let msg = match load_assignment(a, &ctx, &shared).await {
@@ -532,13 +589,55 @@ async fn control_loop(
                     let _ = shared.ctrl.send(msg);
                 });
             }
+            CoordToNode::Lease {
+                heartbeat_ms,
+                lease_ms,
+            } => {
+                let lease = Duration::from_millis(lease_ms.max(1));
+                let same = coordinator_lease.is_some_and(|(h, _)| h == heartbeat_ms);
+                coordinator_lease = Some((heartbeat_ms, lease));
+                if same {
+                    continue;
+                }
+                let every = Duration::from_millis(heartbeat_ms.clamp(10, 60_000));
+                eprintln!("lease {lease_ms} ms: heartbeat every {every:?}");
+                let ctrl = shared.ctrl.clone();
+                let task = tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(every);
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    loop {
+                        tick.tick().await;
+                        if ctrl.send(NodeToCoord::Heartbeat).is_err() {
+                            break;
+                        }
+                    }
+                });
+                if let Some(old) = heartbeat.0.replace(task) {
+                    old.abort();
+                }
+            }
             CoordToNode::Release { epoch } => {
+                let _ = shared.assigned.compare_exchange(
+                    epoch,
+                    0,
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                );
                 let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
                 if cur.as_ref().is_some_and(|c| c.assignment.epoch == epoch) {
                     if let Some(prev) = cur.as_ref().and_then(|c| c.assignment.prev.clone()) {
                         shared.allow.remove(&prev.node_id);
                     }
                     *cur = None;
+                    // The released epoch's ring link goes with it.
+                    if let Some(c) = shared
+                        .next_conn
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .take()
+                    {
+                        c.close("epoch released");
+                    }
                 }
                 drop(cur);
                 let _ = shared.worker.send(WorkerMsg::Release(epoch));
@@ -656,11 +755,21 @@ async fn load_assignment(
         .map(|limit| limit.saturating_sub(held));
     let n_embd = model.config().n_embd;
     let stage = Stage::new(a.clone(), model, kv_budget);
-    *shared.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(Current {
-        assignment: a,
-        n_embd,
-    });
-    let _ = shared.worker.send(WorkerMsg::Install(Box::new(stage)));
+    {
+        let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
+        // Under the lock, so that an assignment cannot be installed over a newer one.
+        if shared.assigned.load(std::sync::atomic::Ordering::SeqCst) != a.epoch {
+            return Err(FabricError::Stopped(format!(
+                "epoch {} was superseded or released while it loaded",
+                a.epoch
+            )));
+        }
+        *cur = Some(Current {
+            assignment: a,
+            n_embd,
+        });
+        let _ = shared.worker.send(WorkerMsg::Install(Box::new(stage)));
+    }
     Ok(LoadReport {
         bytes_needed: fetched.bytes_needed,
         bytes_transferred: fetched.bytes_transferred,

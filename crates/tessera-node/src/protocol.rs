@@ -256,6 +256,11 @@ pub enum CoordToNode {
     Close { seq: u64 },
     /// Measure the inventory again and report it.
     MeasureInventory,
+    /// The node's lease: send [`NodeToCoord::Heartbeat`] every `heartbeat_ms`; a node silent
+    /// for `lease_ms` is declared gone (its session is closed and it is planned around). The
+    /// coordinator repeats it every `heartbeat_ms` as its own heartbeat: a node that hears
+    /// nothing for `lease_ms` drops the session and reconnects.
+    Lease { heartbeat_ms: u64, lease_ms: u64 },
 }
 
 /// Node → coordinator control messages.
@@ -307,6 +312,14 @@ pub enum NodeToCoord {
         stats: StageSeqStats,
     },
     Inventory(Box<Inventory>),
+    /// The node is alive (renews its lease; see [`CoordToNode::Lease`]).
+    Heartbeat,
+    /// Where the node's endpoint listens, sent right after [`Hello`]. The coordinator tells
+    /// peers this port (at the address it observed, when the hosts agree) rather than the
+    /// source port it saw, which differs when the node reaches it through a proxy.
+    Listening {
+        addr: SocketAddr,
+    },
 }
 
 /// A generation request from a client.
@@ -433,6 +446,19 @@ pub enum CoordToClient {
         text: String,
     },
     Trace(BoundaryTrace),
+    /// The run's epoch was lost (a stage node left, or a better plan replaces it): the tokens
+    /// so far stand, and the run waits for a new epoch. Not an error.
+    Paused {
+        seq: u64,
+        reason: String,
+    },
+    /// The run goes on on `epoch`, which re-prefills the prompt and the `generated` tokens so far;
+    /// the tokens that follow are the ones the run would have had.
+    Resumed {
+        seq: u64,
+        epoch: u64,
+        generated: usize,
+    },
     Done(Box<RunReport>),
     Error {
         message: String,

@@ -167,6 +167,16 @@ async fn drive(
                 write!(out, "{text}")?;
                 out.flush()?;
             }
+            // A lost stage is absorbed by the coordinator: the run pauses and resumes with the
+            // same tokens. Said on stderr, so that stdout stays the generated text.
+            CoordToClient::Paused { reason, .. } if !args.json => {
+                eprintln!("[paused: {reason}; the cluster is re-planning]");
+            }
+            CoordToClient::Resumed {
+                epoch, generated, ..
+            } if !args.json => {
+                eprintln!("[resumed on epoch {epoch} after {generated} tokens]");
+            }
             CoordToClient::Done(report) => {
                 if !args.json {
                     writeln!(out)?;

@@ -1,0 +1,736 @@
+//! Fault tests of the fabric with real processes on 127.0.0.1: a `tessera coordinator`, three
+//! `tessera node` agents (one stage each, `--split 0..1,1..2,2..3`) and four concurrent
+//! `tessera run --json` clients. A node is killed (`kill -9`), frozen (SIGSTOP) or cut off
+//! (a link emulator between it and the coordinator) in the middle of the generations; every
+//! generation must still complete, and its text must equal the one-process run's, byte for byte.
+//!
+//! Detection time (fault → the clients told their run is paused) and time to resume (fault →
+//! the first token after the resumption) are printed, never asserted beyond generous timeouts.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+/// The node lease the tests run with.
+const LEASE_MS: &str = "1000";
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_tessera")
+}
+
+fn model(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(name)
+}
+
+/// A child process whose stdout lines are collected (with the time each arrived); killed on
+/// drop.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<(Instant, String)>,
+    seen: Vec<(Instant, String)>,
+    name: String,
+}
+
+impl Proc {
+    fn spawn(name: &str, args: &[String]) -> Self {
+        let mut child = Command::new(bin())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let err = BufReader::new(child.stderr.take().unwrap());
+        let (tx, lines) = mpsc::channel();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                if tx.send((Instant::now(), line)).is_err() {
+                    break;
+                }
+            }
+        });
+        // Stderr lines join the same stream (logs: "enrolled node", "epoch N is ready", ...),
+        // and are echoed for a failing test's output.
+        let who = name.to_string();
+        std::thread::spawn(move || {
+            for line in err.lines().map_while(Result::ok) {
+                eprintln!("[{who}] {line}");
+                if tx2.send((Instant::now(), line)).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+            name: name.to_string(),
+        }
+    }
+
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.pid()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {}", self.name);
+    }
+
+    /// Takes the lines that arrived so far.
+    fn drain(&mut self) {
+        while let Ok(l) = self.lines.try_recv() {
+            self.seen.push(l);
+        }
+    }
+
+    /// Waits for a stdout line starting with `prefix` (seen before or arriving); its rest.
+    fn wait_for(&mut self, prefix: &str) -> String {
+        self.wait_for_nth(prefix, 1)
+    }
+
+    /// Waits until `n` lines starting with `prefix` have been seen; the rest of the n-th.
+    fn wait_for_nth(&mut self, prefix: &str, n: usize) -> String {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some((_, l)) = self
+                .seen
+                .iter()
+                .filter(|(_, l)| l.starts_with(prefix))
+                .nth(n - 1)
+            {
+                return l[prefix.len()..].to_string();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!(
+                    "{}: fewer than {n} lines starting with {prefix:?}; saw {:?}",
+                    self.name,
+                    self.seen.iter().map(|(_, l)| l).collect::<Vec<_>>()
+                ),
+            }
+        }
+    }
+
+    /// Waits for the process to exit; its status.
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the exit and every stdout line.
+    fn finish(&mut self) -> std::process::ExitStatus {
+        let status = self.wait_exit();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while let Ok(l) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            self.seen.push(l);
+        }
+        status
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // A frozen process must be thawed to die cleanly.
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A coordinator and its nodes.
+struct Cluster {
+    dir: tempfile::TempDir,
+    coordinator: Proc,
+    model: PathBuf,
+    split: String,
+    join: String,
+    nodes: Vec<Proc>,
+}
+
+impl Cluster {
+    fn start(model_path: &Path, split: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut coordinator = Self::spawn_coordinator(dir.path(), model_path, split, "127.0.0.1:0");
+        let join = coordinator.wait_for("join token: ");
+        Self {
+            dir,
+            coordinator,
+            model: model_path.to_owned(),
+            split: split.to_string(),
+            join,
+            nodes: Vec::new(),
+        }
+    }
+
+    fn spawn_coordinator(dir: &Path, model_path: &Path, split: &str, listen: &str) -> Proc {
+        Proc::spawn(
+            "coordinator",
+            &[
+                "coordinator".into(),
+                "--model".into(),
+                model_path.display().to_string(),
+                "--listen".into(),
+                listen.into(),
+                "--data-dir".into(),
+                dir.join("coord").display().to_string(),
+                "--split".into(),
+                split.into(),
+                "--lease-ms".into(),
+                LEASE_MS.into(),
+            ],
+        )
+    }
+
+    /// The coordinator's `HOST:PORT`.
+    fn addr(&self) -> String {
+        self.join.rsplit_once('@').unwrap().1.to_string()
+    }
+
+    fn node_args(&self, name: &str) -> Vec<String> {
+        vec![
+            "node".into(),
+            "--data-dir".into(),
+            self.dir.path().join(name).display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--name".into(),
+            name.into(),
+            "--threads".into(),
+            "1".into(),
+            "--quick-probe".into(),
+        ]
+    }
+
+    /// Starts a node that enrols with `join` (the coordinator's line, or one naming a proxy)
+    /// and waits until it has joined.
+    fn add_node_via(&mut self, name: &str, join: &str) {
+        let mut args = self.node_args(name);
+        args.extend(["--join".to_string(), join.to_string()]);
+        let mut p = Proc::spawn(name, &args);
+        p.wait_for("joined coordinator ");
+        self.nodes.push(p);
+    }
+
+    fn add_node(&mut self, name: &str) {
+        let join = self.join.clone();
+        self.add_node_via(name, &join);
+    }
+
+    /// Waits until the coordinator has placed every stage of the split (`--split` applies as
+    /// soon as enough nodes joined).
+    fn wait_ready(&mut self) {
+        // Every node prints "loaded epoch" for the initial split.
+        let n = self.split.split(',').count();
+        for p in self.nodes.iter_mut().take(n) {
+            p.wait_for("loaded epoch ");
+        }
+    }
+
+    /// Stops the coordinator (SIGTERM) and starts it again on the same address and data.
+    fn restart_coordinator(&mut self) {
+        self.coordinator.signal("-TERM");
+        assert!(self.coordinator.wait_exit().success());
+        self.coordinator =
+            Self::spawn_coordinator(self.dir.path(), &self.model, &self.split, &self.addr());
+        let join = self.coordinator.wait_for("join token: ");
+        assert_eq!(join, self.join, "the token and address survive a restart");
+    }
+
+    fn node(&mut self, name: &str) -> &mut Proc {
+        self.nodes.iter_mut().find(|p| p.name == name).unwrap()
+    }
+
+    fn client(&self, name: &str, flags: &[&str]) -> Proc {
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--coordinator".into(),
+            self.join.clone(),
+            "--data-dir".into(),
+            self.dir.path().join("client").display().to_string(),
+            "--json".into(),
+        ];
+        args.extend(flags.iter().map(|s| s.to_string()));
+        Proc::spawn(name, &args)
+    }
+}
+
+/// The four concurrent generations: two greedy, two seeded, long enough for a fault to land
+/// in the middle.
+fn workloads() -> Vec<Vec<&'static str>> {
+    let n = "400";
+    vec![
+        vec!["-p", "Once upon a time", "-n", n, "--temperature", "0"],
+        vec!["-p", "The cat sat", "-n", n, "--temperature", "0"],
+        vec![
+            "-p",
+            "Lily and Ben",
+            "-n",
+            n,
+            "--temperature",
+            "0.9",
+            "--seed",
+            "7",
+            "--repeat-penalty",
+            "1.1",
+        ],
+        vec![
+            "-p",
+            "A dog",
+            "-n",
+            n,
+            "--temperature",
+            "0.8",
+            "--seed",
+            "11",
+        ],
+    ]
+}
+
+/// What `tessera generate` prints in one process for the same flags: the no-fault reference
+/// (`tessera run` prints exactly this; cluster.rs checks it).
+fn reference_text(path: &Path, flags: &[&str]) -> String {
+    let mut cmd = Command::new(bin());
+    cmd.args(["generate", "-t", "1", "-m"])
+        .arg(path)
+        .args(flags)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let out = run_with_timeout(cmd);
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn run_with_timeout(mut cmd: Command) -> Output {
+    let mut child = cmd.spawn().expect("spawning");
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("timed out: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A client's JSON messages with their arrival times.
+fn messages(p: &Proc) -> Vec<(Instant, Value)> {
+    p.seen
+        .iter()
+        .filter_map(|(t, l)| serde_json::from_str(l).ok().map(|v| (*t, v)))
+        .collect()
+}
+
+/// The text `tessera run` would print: the prompt, every token's text, a newline.
+fn text_of(prompt: &str, msgs: &[(Instant, Value)]) -> String {
+    let mut s = prompt.to_string();
+    for (_, m) in msgs {
+        if m["type"] == "token" {
+            s.push_str(m["text"].as_str().unwrap_or(""));
+        }
+    }
+    s.push('\n');
+    s
+}
+
+/// Counts the generated tokens a client has seen so far.
+fn tokens_seen(p: &Proc) -> usize {
+    p.seen
+        .iter()
+        .filter(|(_, l)| l.starts_with("{\"type\":\"token\""))
+        .count()
+}
+
+/// What happened to one client around a fault at `fault`.
+#[derive(Debug)]
+struct Recovery {
+    paused_after: Option<Duration>,
+    resumed_token_after: Option<Duration>,
+    pauses: usize,
+}
+
+fn recovery(msgs: &[(Instant, Value)], fault: Instant) -> Recovery {
+    let paused = msgs.iter().find(|(_, m)| m["type"] == "paused");
+    let pauses = msgs.iter().filter(|(_, m)| m["type"] == "paused").count();
+    let resumed_at = msgs
+        .iter()
+        .position(|(_, m)| m["type"] == "resumed")
+        .and_then(|i| msgs[i..].iter().find(|(_, m)| m["type"] == "token"));
+    Recovery {
+        paused_after: paused.map(|(t, _)| t.saturating_duration_since(fault)),
+        resumed_token_after: resumed_at.map(|(t, _)| t.saturating_duration_since(fault)),
+        pauses,
+    }
+}
+
+enum Fault {
+    Kill,
+    Freeze,
+}
+
+/// Four generations on a 3-stage ring; `fault` hits node `victim` once every client has
+/// streamed its first tokens. Every generation completes with the one-process text.
+fn survive(victim: &str, fault: Fault) {
+    let path = model("test/small-qwen3-Q8_0.gguf");
+    let loads = workloads();
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let mut c = Cluster::start(&path, "0..1,1..2,2..3");
+    for n in ["a", "b", "c"] {
+        c.add_node(n);
+    }
+    c.wait_ready();
+    let mut clients: Vec<Proc> = loads
+        .iter()
+        .enumerate()
+        .map(|(i, f)| c.client(&format!("client{i}"), f))
+        .collect();
+    // Wait for every client's first tokens, then strike.
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        for p in clients.iter_mut() {
+            p.drain();
+        }
+        if clients.iter().all(|p| tokens_seen(p) >= 2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no tokens from every client");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let struck = Instant::now();
+    let progress: Vec<usize> = clients.iter().map(tokens_seen).collect();
+    match fault {
+        Fault::Kill => c.node(victim).signal("-KILL"),
+        Fault::Freeze => c.node(victim).signal("-STOP"),
+    }
+    let what = match fault {
+        Fault::Kill => "kill -9",
+        Fault::Freeze => "SIGSTOP",
+    };
+    eprintln!("chaos: {what} of {victim} with tokens so far {progress:?}");
+    if let Fault::Freeze = fault {
+        // Frozen past its lease, then thawed: it comes back and is folded in again.
+        c.coordinator.wait_for(&format!("lease expired: {victim} "));
+        std::thread::sleep(Duration::from_millis(500));
+        c.node(victim).signal("-CONT");
+    }
+    let mut outs = Vec::new();
+    for (i, p) in clients.iter_mut().enumerate() {
+        let status = p.finish();
+        let msgs = messages(p);
+        assert!(
+            status.success(),
+            "client {i} failed: {:?}",
+            msgs.iter().map(|(_, m)| m).collect::<Vec<_>>()
+        );
+        let prompt = loads[i][1];
+        assert_eq!(text_of(prompt, &msgs), want[i], "client {i}: text");
+        assert!(
+            !msgs.iter().any(|(_, m)| m["type"] == "error"),
+            "client {i} saw an error"
+        );
+        outs.push(msgs);
+    }
+    let mut interrupted = 0;
+    for (i, msgs) in outs.iter().enumerate() {
+        let r = recovery(msgs, struck);
+        if r.pauses > 0 {
+            interrupted += 1;
+        }
+        eprintln!(
+            "chaos: {what} of {victim}: client {i}: paused after {:?} (detection), first token after resuming {:?} (time to resume), {} pause(s)",
+            r.paused_after, r.resumed_token_after, r.pauses
+        );
+    }
+    assert!(
+        interrupted > 0,
+        "the fault landed after every generation had finished; nothing was resumed"
+    );
+    if let Fault::Freeze = fault {
+        // The thawed node rejoined and is folded back in: three stages again.
+        c.node(victim).wait_for_nth("joined coordinator ", 2);
+        c.node(victim).wait_for_nth("loaded epoch ", 2);
+        let msgs = run_to_end(&c, "after", &loads[0]);
+        assert_eq!(text_of(loads[0][1], &msgs), want[0]);
+        assert_eq!(
+            started_stages(&msgs),
+            3,
+            "the thawed node is folded back in"
+        );
+    }
+}
+
+#[test]
+fn kill_of_the_middle_stage_resumes_every_generation_with_the_same_text() {
+    survive("b", Fault::Kill);
+}
+
+#[test]
+fn kill_of_the_first_stage_resumes_every_generation_with_the_same_text() {
+    survive("a", Fault::Kill);
+}
+
+#[test]
+fn kill_of_the_last_stage_resumes_every_generation_with_the_same_text() {
+    survive("c", Fault::Kill);
+}
+
+#[test]
+fn frozen_stage_is_declared_gone_planned_around_and_folded_back_in() {
+    survive("b", Fault::Freeze);
+}
+
+/// The lines of `p` seen so far that contain `what`.
+fn count(p: &Proc, what: &str) -> usize {
+    p.seen.iter().filter(|(_, l)| l.contains(what)).count()
+}
+
+/// Runs one generation to the end; its messages.
+fn run_to_end(c: &Cluster, name: &str, flags: &[&str]) -> Vec<(Instant, Value)> {
+    let mut p = c.client(name, flags);
+    let status = p.finish();
+    let msgs = messages(&p);
+    assert!(
+        status.success(),
+        "{name}: {:?}",
+        p.seen.iter().map(|(_, l)| l).collect::<Vec<_>>()
+    );
+    msgs
+}
+
+fn started_stages(msgs: &[(Instant, Value)]) -> usize {
+    msgs.iter()
+        .find(|(_, m)| m["type"] == "started")
+        .map_or(0, |(_, m)| m["stages"].as_array().unwrap().len())
+}
+
+#[test]
+fn restarted_coordinator_keeps_members_refuses_strangers_and_continues_epochs() {
+    let path = model("test/small-qwen3-Q8_0.gguf");
+    let flags = ["-p", "Once upon a time", "-n", "16", "--temperature", "0"];
+    let want = reference_text(&path, &flags);
+    let mut c = Cluster::start(&path, "0..1,1..2,2..3");
+    for n in ["a", "b", "c"] {
+        c.add_node(n);
+    }
+    c.wait_ready();
+    let msgs = run_to_end(&c, "before", &flags);
+    assert_eq!(text_of(flags[1], &msgs), want);
+    c.coordinator.drain();
+    let enrolled = count(&c.coordinator, "enrolled node");
+    assert_eq!(enrolled, 4, "three nodes and the client enrolled");
+    c.restart_coordinator();
+    // The nodes come back on their own, with their recorded keys: no enrolment.
+    for n in ["a", "b", "c"] {
+        c.node(n).wait_for_nth("joined coordinator ", 2);
+    }
+    let last: u64 = c
+        .coordinator
+        .wait_for("plan epochs continue after ")
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(last, 1, "the coordinator's own shutdown planned nothing");
+    // The split applies again as a new epoch: 2, never 1 again.
+    for n in ["a", "b", "c"] {
+        c.node(n).wait_for("assigned epoch 2:");
+    }
+    let msgs = run_to_end(&c, "after", &flags);
+    assert_eq!(text_of(flags[1], &msgs), want);
+    let report = msgs
+        .iter()
+        .find(|(_, m)| m["type"] == "done")
+        .map(|(_, m)| m.clone())
+        .unwrap();
+    assert_eq!(
+        report["epoch"], 2,
+        "the epoch continues from the stored one"
+    );
+    assert_eq!(
+        count(&c.coordinator, "enrolled node"),
+        0,
+        "nobody re-enrolled"
+    );
+    // A key that never enrolled, pointed at the coordinator without the token, is refused.
+    let stranger = c.dir.path().join("stranger");
+    std::fs::create_dir_all(&stranger).unwrap();
+    std::fs::copy(
+        c.dir.path().join("a").join("coordinator.json"),
+        stranger.join("coordinator.json"),
+    )
+    .unwrap();
+    let mut args = c.node_args("stranger");
+    args[2] = stranger.display().to_string();
+    let mut s = Proc::spawn("stranger", &args);
+    s.wait_for("listening on ");
+    std::thread::sleep(Duration::from_secs(3));
+    s.drain();
+    assert_eq!(
+        count(&s, "joined coordinator"),
+        0,
+        "an unenrolled key got in"
+    );
+    assert!(
+        count(&s, "coordinator session:") > 0,
+        "the stranger's attempts fail: {:?}",
+        s.seen.iter().map(|(_, l)| l).collect::<Vec<_>>()
+    );
+    c.coordinator.drain();
+    assert_eq!(count(&c.coordinator, "enrolled node"), 0);
+    assert!(
+        count(&c.coordinator, "refused") > 0,
+        "the coordinator refused the stranger"
+    );
+}
+
+#[test]
+fn cut_link_is_planned_around_and_the_healed_node_is_folded_back_in() {
+    let path = model("test/small-qwen3-Q8_0.gguf");
+    let loads = workloads();
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let mut c = Cluster::start(&path, "0..1,1..2,2..3");
+    c.add_node("a");
+    c.add_node("b");
+    // Node c reaches the coordinator through a link emulator (its ring links are direct).
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let upstream: std::net::SocketAddr = c.addr().parse().unwrap();
+    let (emu, via) = rt
+        .block_on(tessera_linkemu::LinkEmulator::start(
+            "127.0.0.1:0".parse().unwrap(),
+            upstream,
+            tessera_linkemu::LinkShape::default(),
+        ))
+        .unwrap();
+    let token = c.join.rsplit_once('@').unwrap().0.to_string();
+    c.add_node_via("c", &format!("{token}@{via}"));
+    c.wait_ready();
+    let mut clients: Vec<Proc> = loads
+        .iter()
+        .enumerate()
+        .map(|(i, f)| c.client(&format!("client{i}"), f))
+        .collect();
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        for p in clients.iter_mut() {
+            p.drain();
+        }
+        if clients.iter().all(|p| tokens_seen(p) >= 2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no tokens from every client");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let struck = Instant::now();
+    emu.handle().partition();
+    c.coordinator.wait_for("lease expired: c ");
+    let detected = struck.elapsed();
+    for (i, p) in clients.iter_mut().enumerate() {
+        assert!(p.finish().success(), "client {i}");
+        let msgs = messages(p);
+        assert_eq!(text_of(loads[i][1], &msgs), want[i], "client {i}: text");
+        let r = recovery(&msgs, struck);
+        eprintln!(
+            "chaos: partition of c: client {i}: paused after {:?}, first token after resuming {:?}",
+            r.paused_after, r.resumed_token_after
+        );
+    }
+    eprintln!("chaos: partition of c: the coordinator declared it gone after {detected:?}");
+    // The survivors serve meanwhile, on two stages.
+    let msgs = run_to_end(&c, "during", &loads[0]);
+    assert_eq!(text_of(loads[0][1], &msgs), want[0]);
+    assert_eq!(started_stages(&msgs), 2);
+    // Healed: c notices the silence, reconnects, and is folded back in (three stages again).
+    emu.handle().heal();
+    let healed = Instant::now();
+    c.node("c").wait_for_nth("joined coordinator ", 2);
+    c.node("c").wait_for_nth("loaded epoch ", 2);
+    eprintln!(
+        "chaos: partition of c: rejoined and loaded {:?} after the heal",
+        healed.elapsed()
+    );
+    let msgs = run_to_end(&c, "after", &loads[1]);
+    assert_eq!(text_of(loads[1][1], &msgs), want[1]);
+    assert_eq!(
+        started_stages(&msgs),
+        3,
+        "the healed node is folded back in"
+    );
+    drop(emu);
+    drop(rt);
+}
+
+#[test]
+fn with_no_capacity_requests_get_a_reason_and_service_resumes_when_a_node_returns() {
+    let path = model("test/small-qwen3-Q8_0.gguf");
+    let flags = vec!["-p", "Once upon a time", "-n", "400", "--temperature", "0"];
+    let want = reference_text(&path, &flags);
+    let mut c = Cluster::start(&path, "0..3");
+    c.add_node("a");
+    c.wait_ready();
+    let mut running = c.client("running", &flags);
+    let deadline = Instant::now() + TIMEOUT;
+    while tokens_seen(&running) < 2 {
+        assert!(Instant::now() < deadline, "no tokens");
+        running.drain();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    c.node("a").signal("-KILL");
+    c.coordinator.wait_for("lease expired: a ");
+    // Nobody can hold the model: a new request is refused with the reason, at once.
+    let mut refused = c.client("refused", &flags);
+    assert!(!refused.finish().success());
+    let why = refused
+        .seen
+        .iter()
+        .map(|(_, l)| l.as_str())
+        .find(|l| l.contains("service unavailable"))
+        .map(str::to_string);
+    assert!(
+        why.as_deref()
+            .is_some_and(|w| w.contains("no feasible plan")),
+        "{:?}",
+        refused.seen
+    );
+    eprintln!("chaos: outage: {}", why.unwrap());
+    // The node comes back (same key, no token): the waiting run resumes and completes.
+    let args = c.node_args("a");
+    let mut back = Proc::spawn("a-again", &args);
+    back.wait_for("joined coordinator ");
+    assert!(running.finish().success());
+    let msgs = messages(&running);
+    assert_eq!(text_of(flags[1], &msgs), want);
+    assert!(msgs.iter().any(|(_, m)| m["type"] == "resumed"));
+    c.nodes.push(back);
+}
