@@ -25,7 +25,8 @@
 //! ```
 //!
 //! 1. **Enrolment** ([`enrol`], [`state`]): a node proves the join token over an authenticated
-//!    QUIC session; its key is recorded (`state.json`) and pinned from then on. Unknown keys get
+//!    QUIC session; its key is recorded (`state.redb`, with revocations and every plan epoch)
+//!    and pinned from then on. Unknown keys get
 //!    no further than the enrolment handshake; a name cannot be moved to another key.
 //! 2. **Membership and epochs** ([`membership`], pure): nodes join and leave; a plan
 //!    ([`assignment`]: `--split 0..3,3..5` or a plan file) becomes an epoch; every stage node
@@ -36,6 +37,14 @@
 //!    turns one token per lap, the last stage reports each token, and at the end every stage
 //!    frees the sequence's KV cache and reports its traffic and time, which become the run's
 //!    report and a line of `metrics.jsonl` (bytes per boundary per token, hop latency).
+//! 4. **Failures** ([`membership`], [`replan`], [`driver`]): every node holds a lease
+//!    (`--lease-ms`, renewed by heartbeats on its control stream); a node silent for a lease
+//!    (killed, frozen, cut off) is declared gone. If it held a stage, the epoch fails and a new
+//!    one is planned on the survivors at once; runs in flight pause, and resume on the new epoch
+//!    by re-prefilling their prompt and the tokens generated so far, which yields exactly the
+//!    tokens they would have had. A node that joins and restores the configured stage count is
+//!    folded in the same way. With no feasible placement, requests are refused with the reason
+//!    until capacity returns. Epoch numbers continue across coordinator restarts.
 //!
 //! The wire contract is [`tessera_node::protocol`].
 
@@ -46,7 +55,10 @@ pub mod distribute;
 pub mod driver;
 pub mod enrol;
 pub mod error;
+pub mod gateway;
 pub mod membership;
+pub mod planning;
+pub mod replan;
 pub mod server;
 pub mod state;
 

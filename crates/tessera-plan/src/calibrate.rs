@@ -259,6 +259,35 @@ pub fn calibrate(
             }
         }
     }
+    if !m.stages.is_empty() {
+        // What the stages and hops do not explain is the runtime's fixed cost per token.
+        let now = predict(model, &g, plan)?;
+        let residual = 1.0 / m.decode_tokens_per_s - now.decode.total_s;
+        let old = g.token_overhead_s;
+        let new = (old + residual).max(0.0);
+        if (new - old).abs() > 1e-9 {
+            g.token_overhead_s = new;
+            g.set_evidence(
+                "runtime",
+                "token_overhead",
+                format!("{:.1} µs", new * 1e6),
+                Source::Measured {
+                    at_unix_s: at,
+                    method: "calibration: token time the stages and hops do not explain".into(),
+                },
+            );
+            corrections.push(Correction {
+                subject: "runtime".into(),
+                quantity: "token_overhead".into(),
+                factor: if old > 0.0 { new / old } else { 1.0 },
+                reason: format!(
+                    "token time measured {:.3} ms, stages and hops predict {:.3} ms",
+                    1e3 / m.decode_tokens_per_s,
+                    (now.decode.total_s - old) * 1e3
+                ),
+            });
+        }
+    }
     let after = predict(model, &g, plan)?;
     Ok(Calibration {
         graph: g,

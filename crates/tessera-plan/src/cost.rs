@@ -590,6 +590,16 @@ fn pass(
             out.stage_times = vec![out.total.total_s];
         }
     }
+    if let Mode::Decode { .. } = mode {
+        let o = ctx.graph.token_overhead_s;
+        if o > 0.0 {
+            out.total.add(&Terms {
+                latency_s: o,
+                total_s: o,
+                ..Terms::default()
+            });
+        }
+    }
     Ok(out)
 }
 

@@ -218,6 +218,11 @@ pub struct ResourceGraph {
     pub default_link: Option<LinkSpec>,
     pub policy: Policy,
     pub evidence: Vec<Evidence>,
+    /// Fixed time the runtime adds to every generated token, on top of the nodes' work and the
+    /// hops (dispatch, hand-offs between threads, control messages), seconds. Zero unless
+    /// calibration measured it (or the caller knows it).
+    #[serde(default)]
+    pub token_overhead_s: f64,
 }
 
 /// Errors reading a cluster file.
@@ -284,13 +289,8 @@ impl ResourceGraph {
         });
     }
 
-    pub(crate) fn set_evidence(
-        &mut self,
-        subject: &str,
-        quantity: &str,
-        value: String,
-        source: Source,
-    ) {
+    /// Records (or replaces) the evidence for one figure.
+    pub fn set_evidence(&mut self, subject: &str, quantity: &str, value: String, source: Source) {
         if let Some(e) = self
             .evidence
             .iter_mut()

@@ -109,3 +109,45 @@ fn calibrating_from_stage_times_corrects_each_node_separately() {
         .total_s;
     assert!((new_a - 2.0 * stage("a")).abs() < 1e-9);
 }
+
+#[test]
+fn token_time_the_stages_and_hops_do_not_explain_becomes_the_runtime_overhead() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let g = loopback();
+    let o = plan(&m, &g, 1).unwrap();
+    let p = &o.plan.predicted;
+    // The stages run exactly as predicted, but every token takes 2 ms longer.
+    let stages = p
+        .stages
+        .iter()
+        .map(|s| StageMeasurement {
+            node: s.node.clone(),
+            seconds_per_token: s.terms.total_s,
+        })
+        .collect();
+    let measured_s = p.decode.total_s + 0.002;
+    let c = calibrate(
+        &m,
+        &g,
+        &o.plan,
+        &Measurement {
+            taken_at_unix_s: 7,
+            decode_tokens_per_s: 1.0 / measured_s,
+            hops: vec![],
+            stages,
+        },
+    )
+    .unwrap();
+    assert!((c.graph.token_overhead_s - 0.002).abs() < 1e-9);
+    assert!((c.predicted_after * measured_s - 1.0).abs() < 1e-9);
+    let e = c
+        .graph
+        .evidence
+        .iter()
+        .find(|e| e.subject == "runtime" && e.quantity == "token_overhead")
+        .unwrap();
+    assert!(matches!(e.source, Source::Measured { at_unix_s: 7, .. }));
+    // It is part of every decode step the graph predicts from now on.
+    let after = predict(&m, &c.graph, &o.plan).unwrap();
+    assert!((after.decode.total_s - measured_s).abs() < 1e-9);
+}

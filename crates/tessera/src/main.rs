@@ -41,6 +41,9 @@ enum Command {
     /// Serve the OpenAI-compatible API and the live web dashboard for a model run in this
     /// process (continuous batching; an API key is required beyond loopback).
     Serve(cmd::serve::ServeArgs),
+    /// Start a whole cluster on this machine: a coordinator and gateway here, N node processes,
+    /// an even layer split; serves the API and dashboard until Ctrl-C.
+    Up(cmd::up::UpArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +57,7 @@ fn main() -> ExitCode {
         Command::Coordinator(a) => cmd::coordinator::run(a),
         Command::Run(a) => cmd::run::run(a),
         Command::Serve(a) => cmd::serve::run(a),
+        Command::Up(a) => cmd::up::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

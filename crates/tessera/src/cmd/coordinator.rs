@@ -24,9 +24,15 @@ pub struct CoordinatorArgs {
     /// in the order they joined).
     #[arg(long, conflicts_with = "plan")]
     split: Option<String>,
-    /// Apply this plan file (JSON: `{"stages":[{"node":"NAME","layers":"0..3"},...]}`).
+    /// Apply this plan file (JSON: `{"stages":[{"node":"NAME","layers":"0..3"},...]}`), or
+    /// `auto`: once `--nodes-expected` nodes have joined, plan from their measured inventory and
+    /// links (printing the explanation, and writing it to `DATA_DIR/plan-auto.json`) and apply
+    /// the chosen stage split.
     #[arg(long)]
     plan: Option<PathBuf>,
+    /// With `--plan auto`: how many nodes to wait for before planning.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    nodes_expected: usize,
     /// Most positions per sequence (default: the model's context length).
     #[arg(long)]
     max_context: Option<usize>,
@@ -34,12 +40,18 @@ pub struct CoordinatorArgs {
     /// token alone (`tessera node --join TOKEN`).
     #[arg(long)]
     mdns: bool,
+    /// Node lease, ms: a node silent this long (dead, frozen or cut off) is declared gone and
+    /// the model is re-planned onto the others. Nodes heartbeat four times per lease.
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(100..))]
+    lease_ms: u64,
 }
 
 pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
     let model = crate::default_model::resolve(args.model)?;
+    let auto = args.plan.as_deref() == Some(std::path::Path::new("auto"));
     let split = match (&args.split, &args.plan) {
         (Some(s), _) => Some(parse_split(s).context("--split")?),
+        (None, Some(_)) if auto => None,
         (None, Some(p)) => {
             let text =
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
@@ -56,17 +68,28 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
     rt.block_on(async move {
         let gguf = tessera_model::GgufFile::open(&model)?;
         let ctx = tessera_model::ModelConfig::from_gguf(&gguf)?.context_length;
+        let profile = if auto {
+            Some(
+                tessera_model::ModelProfile::from_gguf(&gguf)
+                    .context("reading the model profile")?,
+            )
+        } else {
+            None
+        };
         drop(gguf);
+        let max_context = args.max_context.unwrap_or(ctx);
+        let data_dir = args.data_dir.clone();
         let coordinator = Coordinator::bind(CoordinatorConfig {
             data_dir: args.data_dir,
             listen: args.listen,
             model: model.clone(),
             split,
-            max_context: args.max_context.unwrap_or(ctx),
+            max_context,
             progress: true,
         })
         .await
         .context("starting the coordinator")?;
+        coordinator.set_lease(std::time::Duration::from_millis(args.lease_ms));
         let addr = coordinator.local_addr()?;
         println!("coordinator {}", coordinator.node_id());
         println!(
@@ -88,8 +111,21 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
                 addr.ip()
             );
         }
+        let planning = async {
+            if let Some(p) = &profile {
+                let policy = super::auto_plan::policy(max_context);
+                let expected = args.nodes_expected;
+                if let Err(e) =
+                    super::auto_plan::run(&coordinator, p, expected, &policy, &data_dir).await
+                {
+                    eprintln!("--plan auto: {e:#}");
+                }
+            }
+            std::future::pending::<()>().await
+        };
         tokio::select! {
             r = coordinator.run() => r?,
+            () = planning => {}
             () = super::node::shutdown_signal() => {
                 println!("shutting down");
                 coordinator.close();

@@ -1,5 +1,6 @@
 //! One module per subcommand: its flags and its `run`.
 
+pub mod auto_plan;
 pub mod bench;
 pub mod coordinator;
 pub mod generate;
