@@ -246,11 +246,43 @@ impl Model {
             }
             None => {
                 let routing = self.moe_route(layer, normed)?;
+                if self.expert_store().is_some_and(|s| s.prefetching()) {
+                    self.prefetch_next(layer, hidden)?;
+                }
                 let parts = experts.run(layer, normed, &routing)?;
                 let out = reduce_expert_outputs(&parts)?;
                 add_assign(&mut hidden.data, &out.data);
             }
         }
+        Ok(())
+    }
+
+    /// Predicts the experts of layer `layer + 1` by applying its router early to `hidden` (the
+    /// input of layer `layer`'s FFN, normed with layer `layer + 1`'s FFN norm), and asks the
+    /// expert store to prefetch them while this layer computes.
+    fn prefetch_next(&self, layer: usize, hidden: &Hidden) -> Result<()> {
+        let next = layer + 1;
+        let (Some(store), true) = (self.expert_store(), self.spec().layers.contains(&next)) else {
+            return Ok(());
+        };
+        let Ok(core) = self.core(next) else {
+            return Ok(());
+        };
+        if core.router.is_none() {
+            return Ok(());
+        }
+        let cfg = self.config();
+        let mut pred = Hidden::zeros(hidden.n_tokens, cfg.n_embd);
+        for t in 0..hidden.n_tokens {
+            rms_norm_into(pred.row_mut(t), hidden.row(t), &core.ffn_norm, cfg.rms_eps);
+        }
+        let routing = self.moe_route(next, &pred)?;
+        let experts: Vec<usize> = routing
+            .experts_used()
+            .into_iter()
+            .filter(|&e| self.holds_expert(next, e))
+            .collect();
+        store.prefetch(next, experts);
         Ok(())
     }
 }

@@ -38,12 +38,15 @@
 //!
 //! Modules, in the order a reader meets them: [`weights`] (loading), [`model`] (the API),
 //! `layer` (one transformer layer), [`ops`], [`kv`], [`moe`], [`batch`], [`sampling`],
-//! [`generate`], [`bench`]; [`kernels`] holds the quantized matmuls and the thread pool.
+//! [`generate`], [`bench`](mod@bench); [`kernels`] holds the quantized matmuls and the thread pool;
+//! [`expert_store`] streams experts from the file when they exceed a memory budget
+//! ([`Model::load_streaming`]).
 
 pub mod batch;
 pub mod bench;
 pub mod error;
 pub mod exec;
+pub mod expert_store;
 pub mod generate;
 pub mod kernels;
 pub mod kv;
@@ -55,6 +58,7 @@ pub mod sampling;
 pub mod weights;
 
 pub use error::{EngineError, Result};
+pub use expert_store::{ExpertStats, ExpertStore, ExpertStreaming};
 pub use generate::{GenerationStats, Generator, StopReason};
 pub use kv::KvCache;
 pub use model::{Hidden, Logits, Model, SeqStep};

@@ -9,6 +9,7 @@ use tessera_model::{GgufFile, ModelConfig};
 
 use crate::error::{EngineError, Result};
 use crate::exec::matmul_once;
+use crate::expert_store::{ExpertStats, ExpertStore, ExpertStreaming};
 use crate::kernels::ThreadPool;
 use crate::kv::KvCache;
 use crate::moe::{ExpertExecutor, LocalExperts};
@@ -96,6 +97,8 @@ pub struct Model {
     config: ModelConfig,
     weights: ModelWeights,
     pool: ThreadPool,
+    /// Streamed experts (see [`Model::load_streaming`]).
+    store: Option<ExpertStore>,
 }
 
 impl std::fmt::Debug for Model {
@@ -140,7 +143,46 @@ impl Model {
             config,
             weights,
             pool: ThreadPool::new(threads),
+            store: None,
         })
+    }
+
+    /// As [`Model::load`], but the experts `spec` selects are not loaded: they are streamed
+    /// from the file through an [`ExpertStore`] that keeps at most `streaming.budget_bytes` of
+    /// them in memory. Outputs are bit-identical to a full load. Errors if the budget cannot
+    /// hold one expert. A model without experts loads as with [`Model::load`].
+    pub fn load_streaming(
+        g: &GgufFile,
+        spec: LoadSpec,
+        streaming: ExpertStreaming,
+        threads: usize,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        let config = ModelConfig::from_gguf(g)?;
+        if !config.is_moe() {
+            return Self::load(g, spec, threads, progress);
+        }
+        // Validate the layer range (and the budget) before reading anything.
+        let mut lazy = spec.clone();
+        lazy.experts = crate::weights::ExpertSelection::PerLayer(Vec::new());
+        let mut weights = ModelWeights::load(g, &config, lazy, progress)?;
+        let store = ExpertStore::open(g, &config, &spec, streaming)?;
+        weights.spec = spec;
+        Ok(Self {
+            config,
+            weights,
+            pool: ThreadPool::new(threads),
+            store: Some(store),
+        })
+    }
+
+    /// Counters of the expert store, when experts are streamed.
+    pub fn expert_stats(&self) -> Option<ExpertStats> {
+        self.store.as_ref().map(ExpertStore::stats)
+    }
+
+    pub(crate) fn expert_store(&self) -> Option<&ExpertStore> {
+        self.store.as_ref()
     }
 
     /// The whole model.
@@ -165,13 +207,24 @@ impl Model {
         &self.pool
     }
 
-    /// Bytes of weights this part keeps resident (see [`ModelWeights::resident_bytes`]).
+    /// Bytes of weights this part keeps resident (see [`ModelWeights::resident_bytes`]), with
+    /// the streamed experts held now.
     pub fn resident_bytes(&self) -> usize {
         self.weights.resident_bytes()
+            + self
+                .store
+                .as_ref()
+                .map_or(0, |s| s.resident_bytes() as usize)
     }
 
-    /// Whether this part holds expert `expert` of layer `layer`.
+    /// Whether this part holds (or streams) expert `expert` of layer `layer`.
     pub fn holds_expert(&self, layer: usize, expert: usize) -> bool {
+        if self.store.is_some() {
+            return self.weights.spec.layers.contains(&layer)
+                && self.config.is_moe()
+                && expert < self.config.n_expert
+                && self.weights.spec.experts.holds(layer, expert);
+        }
         self.layer_weights(layer)
             .ok()
             .and_then(|l| l.experts.get(expert))

@@ -14,6 +14,7 @@ use crate::error::{EngineError, Result};
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
 use crate::model::{Hidden, Model};
 use crate::ops::{softmax, swiglu_rows};
+use crate::weights::Ffn;
 
 /// The experts chosen for each token: `k` (expert id, weight) slots per token, most probable
 /// first.
@@ -267,7 +268,7 @@ impl Model {
             )));
         }
         let lw = self.layer_weights(layer)?;
-        let pool = self.pool();
+        let store = self.expert_store();
         // Tokens (and their slot) per expert, in token order.
         let mut groups: Vec<(usize, Vec<(usize, usize)>)> = Vec::new();
         for e in routing.experts_used() {
@@ -280,7 +281,12 @@ impl Model {
             if !owned(e) {
                 continue;
             }
-            if lw.experts.get(e).and_then(Option::as_ref).is_none() {
+            let held = if store.is_some() {
+                self.holds_expert(layer, e)
+            } else {
+                lw.experts.get(e).and_then(Option::as_ref).is_some()
+            };
+            if !held {
                 return Err(EngineError::ExpertNotLoaded { layer, expert: e });
             }
             let mut members = Vec::new();
@@ -293,17 +299,77 @@ impl Model {
             }
             groups.push((e, members));
         }
-        let ffn = |e: usize| lw.experts[e].as_ref().expect("checked above");
+        let mut down: Vec<Vec<f32>> = Vec::with_capacity(groups.len());
+        match store {
+            None => {
+                let ffns: Vec<&Ffn> = groups
+                    .iter()
+                    .map(|(e, _)| lw.experts[*e].as_ref().expect("checked above"))
+                    .collect();
+                down = self.expert_ffns(normed, &groups, &ffns);
+            }
+            Some(store) => {
+                let slots_owned: Vec<u32> = routing
+                    .experts
+                    .iter()
+                    .copied()
+                    .filter(|&e| owned(e as usize))
+                    .collect();
+                store.observe(layer, n, &slots_owned);
+                if !self.spec().dense {
+                    // No router here to predict the next layer with: use its last routing.
+                    let next = layer + 1;
+                    if self.spec().layers.contains(&next) {
+                        store.prefetch(next, store.last_used(next));
+                    }
+                }
+                // In chunks the layer's cache can hold at once, so that built experts alive
+                // stay within the budget; experts are independent, so this is bit-identical.
+                let chunk = store.chunk_limit(layer);
+                for part in groups.chunks(chunk) {
+                    let ids: Vec<usize> = part.iter().map(|(e, _)| *e).collect();
+                    let held = store.get_many(layer, &ids)?;
+                    let ffns: Vec<&Ffn> = held.iter().map(|f| &**f).collect();
+                    down.extend(self.expert_ffns(normed, part, &ffns));
+                }
+            }
+        }
+        let mut slots: Vec<Option<Vec<f32>>> = vec![None; n * k];
+        for ((_, members), out) in groups.iter().zip(&down) {
+            for (i, &(t, s)) in members.iter().enumerate() {
+                let wt = routing.weights[t * k + s];
+                slots[t * k + s] = Some(out[i * d..(i + 1) * d].iter().map(|&v| v * wt).collect());
+            }
+        }
+        Ok(ExpertOutputs {
+            n_tokens: n,
+            k,
+            n_embd: d,
+            slots,
+        })
+    }
 
+    /// `down(silu(gate x) * up x)` of each expert `ffns[i]` for the tokens of `groups[i]`
+    /// (rows in member order): gate and up of all experts as one parallel job, then down.
+    fn expert_ffns(
+        &self,
+        normed: &Hidden,
+        groups: &[(usize, Vec<(usize, usize)>)],
+        ffns: &[&Ffn],
+    ) -> Vec<Vec<f32>> {
+        let cfg = self.config();
+        let pool = self.pool();
+        let d = cfg.n_embd;
+        let ffn = |i: usize| ffns[i];
         // gate and up for every expert, as one parallel job.
         let f = cfg.n_ff_expert;
         let mut acts = Vec::with_capacity(groups.len());
-        for (e, members) in &groups {
+        for (i, (_, members)) in groups.iter().enumerate() {
             let mut x = Vec::with_capacity(members.len() * d);
             for &(t, _) in members {
                 x.extend_from_slice(normed.row(t));
             }
-            let w = ffn(*e);
+            let w = ffn(i);
             acts.push(quantize_for(
                 pool,
                 &[w.gate.dtype(), w.up.dtype()],
@@ -316,12 +382,12 @@ impl Model {
         let mut up: Vec<Vec<f32>> = groups.iter().map(|(_, m)| vec![0.0; m.len() * f]).collect();
         {
             let mut jobs = Vec::with_capacity(2 * groups.len());
-            for (((e, _), a), (g, u)) in groups
+            for (i, (a, (g, u))) in acts
                 .iter()
-                .zip(&acts)
                 .zip(gate.iter_mut().zip(up.iter_mut()))
+                .enumerate()
             {
-                let w = ffn(*e);
+                let w = ffn(i);
                 jobs.push(MatmulJob {
                     w: &w.gate,
                     acts: pick(a, w.gate.dtype()),
@@ -337,11 +403,11 @@ impl Model {
         }
         // down, as one parallel job.
         let mut acts = Vec::with_capacity(groups.len());
-        for (((e, members), g), u) in groups.iter().zip(&mut gate).zip(&up) {
+        for (i, (((_, members), g), u)) in groups.iter().zip(&mut gate).zip(&up).enumerate() {
             swiglu_rows(g, u, f);
             acts.push(quantize_for(
                 pool,
-                &[ffn(*e).down.dtype()],
+                &[ffn(i).down.dtype()],
                 g,
                 members.len(),
                 f,
@@ -350,28 +416,15 @@ impl Model {
         let mut down: Vec<Vec<f32>> = groups.iter().map(|(_, m)| vec![0.0; m.len() * d]).collect();
         {
             let mut jobs = Vec::with_capacity(groups.len());
-            for (((e, _), a), o) in groups.iter().zip(&acts).zip(down.iter_mut()) {
-                let w = ffn(*e);
+            for (i, (a, o)) in acts.iter().zip(down.iter_mut()).enumerate() {
                 jobs.push(MatmulJob {
-                    w: &w.down,
+                    w: &ffn(i).down,
                     acts: &a[0],
                     out: o,
                 });
             }
             run_matmuls(pool, &mut jobs);
         }
-        let mut slots: Vec<Option<Vec<f32>>> = vec![None; n * k];
-        for ((_, members), out) in groups.iter().zip(&down) {
-            for (i, &(t, s)) in members.iter().enumerate() {
-                let wt = routing.weights[t * k + s];
-                slots[t * k + s] = Some(out[i * d..(i + 1) * d].iter().map(|&v| v * wt).collect());
-            }
-        }
-        Ok(ExpertOutputs {
-            n_tokens: n,
-            k,
-            n_embd: d,
-            slots,
-        })
+        down
     }
 }

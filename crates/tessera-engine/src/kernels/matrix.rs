@@ -156,6 +156,27 @@ impl Matrix {
         })
     }
 
+    /// Bytes the repacked copy of a `rows` × `cols` matrix of `dtype` takes (what
+    /// [`Matrix::resident_bytes`] will report once built), without building it; `None` when the
+    /// shape is not valid for the type. Lets a cache budget experts before reading them.
+    pub fn packed_len(dtype: GgmlType, rows: usize, cols: usize) -> Option<usize> {
+        let bs = dtype.block_size();
+        if cols == 0 || !cols.is_multiple_of(bs) {
+            return None;
+        }
+        let groups = rows.div_ceil(GROUP);
+        let per_group = match dtype {
+            GgmlType::Q4_0 | GgmlType::Q8_0 => (cols / 32).checked_mul(GROUP * dtype.block_bytes()),
+            GgmlType::Q4K => (cols / 256).checked_mul(kx16_bytes(false)),
+            GgmlType::Q5K => (cols / 256).checked_mul(kx16_bytes(true)),
+            GgmlType::Q6K => (cols / 256).checked_mul(Q6K_X16),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                cols.checked_mul(GROUP * dtype.block_bytes())
+            }
+        }?;
+        groups.checked_mul(per_group)
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }

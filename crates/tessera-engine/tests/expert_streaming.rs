@@ -1,0 +1,212 @@
+//! Expert streaming: a model whose experts are read from the file through a small RAM cache
+//! computes bit-identical logits to the fully loaded model, and a budget below one expert is
+//! refused. (No timing here: the prefetch thread only changes what is cached, never outputs.)
+
+mod common;
+
+use common::assert_bits_eq;
+use tessera_engine::ops::argmax;
+use tessera_engine::{ExpertStreaming, LoadSpec, Model};
+use tessera_model::{GgufFile, ModelConfig};
+
+const PROMPTS: [&[u32]; 3] = [&[1, 403, 407, 261, 378, 300, 42], &[1, 17, 99], &[5]];
+const DECODE_STEPS: usize = 4;
+
+fn streamed(g: &GgufFile, s: ExpertStreaming, threads: usize) -> Model {
+    let cfg = ModelConfig::from_gguf(g).unwrap();
+    Model::load_streaming(g, LoadSpec::full(&cfg), s, threads, &mut |_, _| {}).unwrap()
+}
+
+/// Built bytes of one expert (from a store with room for everything).
+fn expert_bytes(g: &GgufFile) -> u64 {
+    let m = streamed(g, ExpertStreaming::with_budget(u64::MAX / 2), 1);
+    m.expert_stats().unwrap().expert_bytes
+}
+
+/// Prompt then greedy decode, every row's logits of every step, on both models.
+fn compare(name: &str, full: &Model, s: &Model) {
+    for (pi, prompt) in PROMPTS.iter().enumerate() {
+        let mut kv_a = common::kv_for(full);
+        let mut kv_b = common::kv_for(s);
+        let mut a = full.forward(prompt, &mut kv_a).unwrap();
+        let mut b = s.forward(prompt, &mut kv_b).unwrap();
+        for step in 0..=DECODE_STEPS {
+            assert_bits_eq(&a.data, &b.data, &format!("{name} prompt {pi} step {step}"));
+            let t = argmax(a.last()) as u32;
+            a = full.forward(&[t], &mut kv_a).unwrap();
+            b = s.forward(&[t], &mut kv_b).unwrap();
+        }
+    }
+    // A batch step of several sequences at different positions.
+    let mut kvs_a: Vec<_> = (0..3).map(|_| common::kv_for(full)).collect();
+    let mut kvs_b: Vec<_> = (0..3).map(|_| common::kv_for(s)).collect();
+    for (i, p) in PROMPTS.iter().enumerate() {
+        full.forward(p, &mut kvs_a[i]).unwrap();
+        s.forward(p, &mut kvs_b[i]).unwrap();
+    }
+    for step in 0..3u32 {
+        let mut sa: Vec<(u32, &mut _)> = kvs_a.iter_mut().map(|k| (7 + step, k)).collect();
+        let mut sb: Vec<(u32, &mut _)> = kvs_b.iter_mut().map(|k| (7 + step, k)).collect();
+        let la = full.step(&mut sa).unwrap();
+        let lb = s.step(&mut sb).unwrap();
+        assert_bits_eq(&la.data, &lb.data, &format!("{name} batch step {step}"));
+    }
+}
+
+fn check(name: &str) {
+    let g = common::open(name);
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 2);
+    let eb = expert_bytes(&g);
+    let n_layer = cfg.n_layer as u64;
+    let settings = [
+        // One expert in all: a shared LRU, every expert computed alone, nearly all misses.
+        ExpertStreaming {
+            prefetch: false,
+            read_parallelism: 1,
+            ..ExpertStreaming::with_budget(eb)
+        },
+        // Two experts per layer, a pinned share, prefetch: many misses and evictions.
+        ExpertStreaming {
+            repin_every: 2,
+            ..ExpertStreaming::with_budget(eb * 3 * n_layer)
+        },
+        // A shared LRU with prefetch, no pinning.
+        ExpertStreaming {
+            pinned_fraction: 0.0,
+            ..ExpertStreaming::with_budget(eb * 3)
+        },
+    ];
+    for (i, st) in settings.into_iter().enumerate() {
+        let budget = st.budget_bytes;
+        let s = streamed(&g, st, 2);
+        compare(&format!("{name} setting {i}"), &full, &s);
+        let stats = s.expert_stats().unwrap();
+        assert_eq!(stats.lookups, stats.hits + stats.misses, "{stats:?}");
+        assert!(stats.misses > 0, "{stats:?}");
+        assert!(stats.bytes_read > 0, "{stats:?}");
+        assert!(
+            stats.cached_bytes + stats.pinned_bytes <= budget,
+            "over budget: {stats:?}"
+        );
+        assert_eq!(
+            s.resident_bytes() as u64,
+            s.weights().resident_bytes() as u64 + stats.cached_bytes + stats.pinned_bytes
+        );
+        // Without expert weights held up front, the streamed part keeps less than the full one.
+        assert!(s.weights().resident_bytes() < full.resident_bytes());
+        let json = serde_json::to_string(&stats).unwrap();
+        assert!(json.contains("\"hits\""));
+    }
+}
+
+#[test]
+fn streamed_experts_are_bit_identical_tiny() {
+    check("tiny-qwen3moe-Q8_0.gguf");
+}
+
+#[test]
+fn streamed_experts_are_bit_identical_small() {
+    check("small-qwen3moe-Q8_0.gguf");
+}
+
+#[test]
+fn budget_below_one_expert_is_refused() {
+    let g = common::open("tiny-qwen3moe-Q8_0.gguf");
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let eb = expert_bytes(&g);
+    let err = Model::load_streaming(
+        &g,
+        LoadSpec::full(&cfg),
+        ExpertStreaming::with_budget(eb - 1),
+        1,
+        &mut |_, _| {},
+    )
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("smaller than one expert"), "{msg}");
+    // Exactly one expert is enough.
+    streamed(&g, ExpertStreaming::with_budget(eb), 1);
+}
+
+#[test]
+fn pinned_set_is_learned_and_stats_add_up() {
+    let g = common::open("small-qwen3moe-Q8_0.gguf");
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let eb = expert_bytes(&g);
+    let s = streamed(
+        &g,
+        ExpertStreaming {
+            repin_every: 1,
+            prefetch: false,
+            ..ExpertStreaming::with_budget(eb * 4 * cfg.n_layer as u64)
+        },
+        1,
+    );
+    let mut kv = common::kv_for(&s);
+    let mut l = s.forward(PROMPTS[0], &mut kv).unwrap();
+    for _ in 0..6 {
+        let t = argmax(l.last()) as u32;
+        l = s.forward(&[t], &mut kv).unwrap();
+    }
+    let st = s.expert_stats().unwrap();
+    assert!(st.pinned_experts > 0, "{st:?}");
+    assert!(st.pinned_bytes <= st.budget_bytes / 4, "{st:?}");
+    assert_eq!(st.tokens, PROMPTS[0].len() as u64 + 6);
+    // Without prefetch every byte read was a miss.
+    assert_eq!(st.bytes_read, st.miss_bytes_read);
+    assert_eq!(st.prefetch_issued, 0);
+}
+
+#[test]
+fn expert_only_part_streams_its_experts() {
+    use tessera_engine::{ExpertSelection, PartExperts};
+    let g = common::open("tiny-qwen3moe-Q8_0.gguf");
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 1);
+    let eb = expert_bytes(&g);
+    let n = cfg.n_expert;
+    let half: Vec<usize> = (0..n / 2).collect();
+    let rest: Vec<usize> = (n / 2..n).collect();
+    // The dense part holds the first half of the experts; the second half is streamed by an
+    // experts-only part.
+    let mut dense = LoadSpec::full(&cfg);
+    dense.experts = ExpertSelection::same_in_every_layer(&half, cfg.n_layer);
+    let dense = common::load(&g, dense, 1);
+    let experts = Model::load_streaming(
+        &g,
+        LoadSpec::experts_only(
+            0..cfg.n_layer,
+            ExpertSelection::same_in_every_layer(&rest, cfg.n_layer),
+        ),
+        ExpertStreaming::with_budget(eb * 2),
+        1,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(!experts.holds_expert(0, 0) && experts.holds_expert(0, n - 1));
+    let mut kv_a = common::kv_for(&full);
+    let mut kv_b = common::kv_for(&dense);
+    let mut tokens = PROMPTS[0].to_vec();
+    for step in 0..4 {
+        let a = full.forward(&tokens, &mut kv_a).unwrap();
+        let mut h = dense.embed(&tokens).unwrap();
+        let start_pos = kv_b.len();
+        dense
+            .run_layers(
+                0..cfg.n_layer,
+                &mut h,
+                &[tessera_engine::SeqStep {
+                    n_tokens: tokens.len(),
+                    start_pos,
+                }],
+                &mut [&mut kv_b],
+                &mut PartExperts(vec![&dense, &experts]),
+            )
+            .unwrap();
+        let b = dense.head(&h).unwrap();
+        assert_bits_eq(&a.data, &b.data, &format!("step {step}"));
+        tokens = vec![argmax(a.last()) as u32];
+    }
+    assert!(experts.expert_stats().unwrap().misses > 0);
+}
