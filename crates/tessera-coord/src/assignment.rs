@@ -61,6 +61,91 @@ pub fn parse_split(s: &str) -> Result<Vec<StageSpec>, AssignmentError> {
         .collect()
 }
 
+/// One group of an expert split: these experts (of every MoE layer) live on `node`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertGroup {
+    pub experts: Vec<usize>,
+    /// A node name, full node id or unique id prefix.
+    pub node: String,
+}
+
+/// An expert split: `--experts 0-3@a,4-7@b` (ids and inclusive ranges joined by `+`, e.g.
+/// `0-1+6@a`). A named node that is not a ring stage becomes an expert-only node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertSplit {
+    pub groups: Vec<ExpertGroup>,
+}
+
+impl ExpertSplit {
+    /// Expert ids owned by more than one group (must be none).
+    pub fn duplicates(&self) -> Vec<usize> {
+        let mut all: Vec<usize> = self.groups.iter().flat_map(|g| g.experts.clone()).collect();
+        all.sort_unstable();
+        let mut d: Vec<usize> = all
+            .windows(2)
+            .filter(|w| w[0] == w[1])
+            .map(|w| w[0])
+            .collect();
+        d.dedup();
+        d
+    }
+}
+
+/// Parses `0-3@a,4-7@b`.
+pub fn parse_experts(s: &str) -> Result<ExpertSplit, AssignmentError> {
+    let bad = |what: &str| AssignmentError::Parse(format!("expert split {s:?}: {what}"));
+    let mut groups = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (ids, node) = part
+            .rsplit_once('@')
+            .ok_or_else(|| bad("expected EXPERTS@NODE"))?;
+        if node.trim().is_empty() {
+            return Err(bad("empty node name"));
+        }
+        let mut experts = Vec::new();
+        for r in ids.split('+').map(str::trim) {
+            let (a, b) = r.split_once('-').unwrap_or((r, r));
+            let a: usize = a.trim().parse().map_err(|_| bad("bad expert id"))?;
+            let b: usize = b.trim().parse().map_err(|_| bad("bad expert id"))?;
+            if b < a {
+                return Err(bad("empty expert range"));
+            }
+            experts.extend(a..=b);
+        }
+        experts.sort_unstable();
+        experts.dedup();
+        groups.push(ExpertGroup {
+            experts,
+            node: node.trim().to_string(),
+        });
+    }
+    if groups.is_empty() {
+        return Err(bad("no groups"));
+    }
+    let split = ExpertSplit { groups };
+    if let Some(e) = split.duplicates().first() {
+        return Err(bad(&format!("expert {e} is given to two groups")));
+    }
+    Ok(split)
+}
+
+/// Finds one connected node by name, full id or unique id prefix (as stages are pinned).
+pub fn find_node(want: &str, nodes: &[Candidate]) -> Result<NodeId, AssignmentError> {
+    let matches: Vec<&Candidate> = nodes
+        .iter()
+        .filter(|c| {
+            c.name == want
+                || c.node_id.to_string() == want
+                || (want.len() >= 4 && c.node_id.to_string().starts_with(want))
+        })
+        .collect();
+    match matches.as_slice() {
+        [] => Err(AssignmentError::UnknownNode(want.to_string())),
+        [one] => Ok(one.node_id),
+        _ => Err(AssignmentError::AmbiguousNode(want.to_string())),
+    }
+}
+
 /// A connected node, as [`resolve`] sees it.
 #[derive(Clone, Debug)]
 pub struct Candidate {
@@ -155,6 +240,20 @@ mod tests {
                 name: format!("n{i}"),
             })
             .collect()
+    }
+
+    #[test]
+    fn expert_splits_parse() {
+        let x = parse_experts("0-3@a,4+6-7@b").unwrap();
+        assert_eq!(x.groups[0].experts, vec![0, 1, 2, 3]);
+        assert_eq!(x.groups[1].experts, vec![4, 6, 7]);
+        assert_eq!(x.groups[1].node, "b");
+        assert!(parse_experts("0-3@a,3@b").is_err());
+        assert!(parse_experts("0-3").is_err());
+        assert!(parse_experts("3-1@a").is_err());
+        let ns = nodes(2);
+        assert_eq!(find_node("n1", &ns).unwrap(), ns[1].node_id);
+        assert!(find_node("zz", &ns).is_err());
     }
 
     #[test]

@@ -192,9 +192,11 @@ async fn ensure_epoch(
         let current = st.membership.epoch().filter(|e| {
             !matches!(e.phase, Phase::Failed(_) | Phase::Released)
                 && wanted.as_ref().is_none_or(|w| {
-                    w.len() == e.stages.len()
+                    // Expert-only nodes (no layers) follow the ring stages of an expert split.
+                    let ring: Vec<_> = e.stages.iter().filter(|s| !s.layers.is_empty()).collect();
+                    w.len() == ring.len()
                         && w.iter()
-                            .zip(&e.stages)
+                            .zip(&ring)
                             .all(|((n, l), s)| *n == s.node_id && *l == s.layers)
                 })
         });
@@ -538,11 +540,16 @@ pub(crate) async fn run(
         }
         _ => 0.0,
     };
-    let n = nodes.len();
     let n_embd = model.config.n_embd;
-    let stage_stats: Vec<StageSeqStats> = (0..n)
+    let stage_stats: Vec<StageSeqStats> = (0..nodes.len())
         .map(|i| stats.get(&i).cloned().unwrap_or_default())
         .collect();
+    // The ring: stages with layers (expert-only nodes of an expert split follow them).
+    let n = placement
+        .stages
+        .iter()
+        .filter(|s| !s.layers.is_empty())
+        .count();
     let boundaries = if n > 1 {
         (0..n)
             .map(|i| {
@@ -565,7 +572,7 @@ pub(crate) async fn run(
     };
     let hop_latency_us = (n > 1 && stage_stats[0].ring_waits > 0).then(|| {
         let ring = stage_stats[0].ring_wait_ns as f64 / stage_stats[0].ring_waits as f64;
-        let downstream: f64 = stage_stats[1..]
+        let downstream: f64 = stage_stats[1..n]
             .iter()
             .map(|s| s.decode.compute_ns as f64 / s.decode.steps.max(1) as f64)
             .sum();

@@ -25,7 +25,9 @@ use std::ops::Range;
 use tessera_net::{LinkMeasurement, NodeId, PublicKey};
 
 use crate::replan::{even_split, ModelBytes, Survivor};
-use tessera_node::protocol::{CoordToNode, LoadReport, PeerInfo, StageAssignment};
+use tessera_node::protocol::{
+    CoordToNode, ExpertAssignment, ExpertPeer, LoadReport, PeerInfo, StageAssignment,
+};
 use tessera_node::{ContentHash, Inventory};
 
 /// A node known to the coordinator in this run.
@@ -172,11 +174,118 @@ pub struct Membership {
     auto: Option<AutoPlan>,
     bytes: Option<ModelBytes>,
     outage: Option<String>,
+    /// Expert split applied to every plan (`None`: each stage holds all its layers' experts).
+    experts: Option<crate::assignment::ExpertSplit>,
 }
 
 impl Membership {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Splits the experts of every MoE layer across nodes in the plans made from now on.
+    pub fn set_expert_split(&mut self, split: Option<crate::assignment::ExpertSplit>) {
+        self.experts = split;
+    }
+
+    pub fn expert_split(&self) -> Option<&crate::assignment::ExpertSplit> {
+        self.experts.as_ref()
+    }
+
+    /// Whether every node the expert split names is connected (a plan would resolve).
+    pub fn expert_split_ready(&self) -> bool {
+        let Some(x) = &self.experts else {
+            return true;
+        };
+        let nodes = self.candidates();
+        x.groups
+            .iter()
+            .all(|g| crate::assignment::find_node(&g.node, &nodes).is_ok())
+    }
+
+    fn candidates(&self) -> Vec<crate::assignment::Candidate> {
+        self.connected()
+            .into_iter()
+            .map(|m| crate::assignment::Candidate {
+                node_id: m.node_id,
+                name: m.name.clone(),
+            })
+            .collect()
+    }
+
+    /// The expert placement of a plan: per ring stage and per expert-only node, what it holds,
+    /// whom it asks and who asks it.
+    #[allow(clippy::type_complexity)]
+    fn place_experts(
+        &self,
+        split: &crate::assignment::ExpertSplit,
+        ring: &[(NodeId, PeerInfo)],
+        n_layer: usize,
+    ) -> Result<(Vec<ExpertAssignment>, Vec<(PeerInfo, ExpertAssignment)>), String> {
+        let nodes = self.candidates();
+        let mut owners: Vec<(PeerInfo, Vec<usize>)> = Vec::new();
+        for g in &split.groups {
+            let id = crate::assignment::find_node(&g.node, &nodes).map_err(|e| e.to_string())?;
+            let m = self
+                .members
+                .get(&id)
+                .ok_or_else(|| format!("node {} is not a member", id.short()))?;
+            match owners.iter_mut().find(|(p, _)| p.node_id == id) {
+                Some((_, ids)) => {
+                    ids.extend(&g.experts);
+                    ids.sort_unstable();
+                }
+                None => owners.push((
+                    PeerInfo {
+                        node_id: m.node_id,
+                        key: m.key,
+                        addr: m.addr,
+                    },
+                    g.experts.clone(),
+                )),
+            }
+        }
+        let every = |ids: &Vec<usize>| vec![ids.clone(); n_layer];
+        let homes: Vec<PeerInfo> = ring.iter().map(|(_, p)| p.clone()).collect();
+        let stage_parts = ring
+            .iter()
+            .map(|(id, _)| {
+                let held = owners
+                    .iter()
+                    .find(|(p, _)| p.node_id == *id)
+                    .map(|(_, ids)| ids.clone())
+                    .unwrap_or_default();
+                ExpertAssignment {
+                    held: every(&held),
+                    expert_only: false,
+                    peers: owners
+                        .iter()
+                        .filter(|(p, _)| p.node_id != *id)
+                        .map(|(p, ids)| ExpertPeer {
+                            peer: p.clone(),
+                            experts: every(ids),
+                        })
+                        .collect(),
+                    clients: homes.iter().filter(|h| h.node_id != *id).cloned().collect(),
+                }
+            })
+            .collect();
+        let only = owners
+            .iter()
+            .filter(|(p, _)| !ring.iter().any(|(id, _)| *id == p.node_id))
+            .map(|(p, ids)| {
+                (
+                    p.clone(),
+                    ExpertAssignment {
+                        held: every(ids),
+                        expert_only: true,
+                        peers: Vec::new(),
+                        clients: homes.clone(),
+                    },
+                )
+            })
+            .collect();
+        Ok((stage_parts, only))
     }
 
     pub fn member(&self, id: &NodeId) -> Option<&Member> {
@@ -475,7 +584,40 @@ impl Membership {
         }
         let peers: Vec<PeerInfo> = peers.into_iter().flatten().collect();
         let n = stages.len();
+        let expert_plan = match &self.experts {
+            None => None,
+            Some(split) => {
+                let ring: Vec<(NodeId, PeerInfo)> = stages
+                    .iter()
+                    .map(|(id, _)| *id)
+                    .zip(peers.iter().cloned())
+                    .collect();
+                match self.place_experts(split, &ring, n_layer) {
+                    Ok(p) => Some(p),
+                    Err(reason) => {
+                        let reason = format!("expert split: {reason}");
+                        self.epoch = Some(Epoch {
+                            id,
+                            model,
+                            stages: Vec::new(),
+                            phase: Phase::Failed(reason.clone()),
+                        });
+                        out.push(Action::EpochFailed { epoch: id, reason });
+                        return out;
+                    }
+                }
+            }
+        };
         for (i, (node, layers)) in stages.iter().enumerate() {
+            if let Some((parts, _)) = &expert_plan {
+                out.push(send(
+                    *node,
+                    CoordToNode::AssignExperts {
+                        epoch: id,
+                        experts: parts[i].clone(),
+                    },
+                ));
+            }
             let (next, prev) = if n == 1 {
                 (None, None)
             } else {
@@ -499,6 +641,36 @@ impl Membership {
                     max_context,
                 }),
             ));
+        }
+        // Expert-only nodes: not in the ring, but part of the epoch (they load, link, open and
+        // close sequences like stages, with no layers).
+        let mut stages = stages;
+        if let Some((_, only)) = expert_plan {
+            for (j, (p, x)) in only.into_iter().enumerate() {
+                out.push(send(
+                    p.node_id,
+                    CoordToNode::AssignExperts {
+                        epoch: id,
+                        experts: x,
+                    },
+                ));
+                out.push(send(
+                    p.node_id,
+                    CoordToNode::Assign(StageAssignment {
+                        epoch: id,
+                        model,
+                        stage: n + j,
+                        n_stages: n,
+                        layers: 0..0,
+                        embed: false,
+                        head: false,
+                        next: None,
+                        prev: None,
+                        max_context,
+                    }),
+                ));
+                stages.push((p.node_id, 0..0));
+            }
         }
         self.epoch = Some(Epoch {
             id,
@@ -554,6 +726,56 @@ mod tests {
     }
 
     const MODEL: ContentHash = ContentHash([7; 32]);
+
+    #[test]
+    fn an_expert_split_places_experts_on_stages_and_expert_only_nodes() {
+        let mut m = Membership::new();
+        let (a, b, c) = (member(1), member(2), member(3));
+        for x in [&a, &b, &c] {
+            m.handle(Event::Joined(Box::new(x.clone())));
+        }
+        m.set_expert_split(Some(
+            crate::assignment::parse_experts("0-2@n1,3-5@n2,6-7@n3").unwrap(),
+        ));
+        assert!(m.expert_split_ready());
+        let acts = m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..2), (b.node_id, 2..4)],
+            n_layer: 4,
+            max_context: 128,
+        });
+        let s = sends(&acts);
+        // Each node: its expert placement, then its assignment.
+        assert_eq!(s.len(), 6);
+        let experts_of = |i: usize| match &s[i].1 {
+            CoordToNode::AssignExperts { experts, .. } => experts.clone(),
+            other => panic!("{other:?}"),
+        };
+        let (xa, xb, xc) = (experts_of(0), experts_of(2), experts_of(4));
+        assert_eq!(xa.held, vec![vec![0, 1, 2]; 4]);
+        assert!(!xa.expert_only && xc.expert_only);
+        let peers: Vec<NodeId> = xa.peers.iter().map(|p| p.peer.node_id).collect();
+        assert_eq!(peers, vec![b.node_id, c.node_id]);
+        assert_eq!(xa.clients.len(), 1);
+        assert_eq!(xb.clients[0].node_id, a.node_id);
+        assert_eq!(xc.clients.len(), 2);
+        assert_eq!(xc.held, vec![vec![6, 7]; 4]);
+        let CoordToNode::Assign(only) = &s[5].1 else {
+            panic!()
+        };
+        assert_eq!(s[5].0, c.node_id);
+        assert!(only.layers.is_empty() && only.next.is_none() && !only.embed && !only.head);
+        // The expert-only node is part of the epoch: it loads and links like a stage.
+        let e = m.epoch().unwrap();
+        assert_eq!(e.stages.len(), 3);
+        assert!(e.stages[2].layers.is_empty());
+        // A named node that is not connected fails the plan with a reason.
+        m.handle(Event::Left {
+            node: c.node_id,
+            session: 1,
+        });
+        assert!(!m.expert_split_ready());
+    }
 
     #[test]
     fn epoch_goes_loading_linking_ready_as_a_ring() {

@@ -396,6 +396,12 @@ impl Coordinator {
         Ok(placed)
     }
 
+    /// Splits every MoE layer's experts across nodes in the plans made from now on (call before
+    /// nodes join for the initial split to use it).
+    pub fn set_expert_split(&self, split: Option<crate::assignment::ExpertSplit>) {
+        self.shared.lock().membership.set_expert_split(split);
+    }
+
     /// Closes every connection (peers are told at once) and stops accepting.
     pub fn close(&self) {
         self.shared.closing.store(true, Ordering::SeqCst);
@@ -730,7 +736,7 @@ fn maybe_apply_initial_split(shared: &Shared) {
     };
     let stages = {
         let st = shared.lock();
-        if st.membership.epoch().is_some() {
+        if st.membership.epoch().is_some() || !st.membership.expert_split_ready() {
             return;
         }
         let nodes = crate::driver::candidates(&st.membership);

@@ -39,8 +39,8 @@ use crate::error::FabricError;
 use crate::fetch_net::{fetch_manifest, fetch_tensors};
 use crate::inventory::{measure, Inventory, MemoryBudget, ProbeOptions};
 use crate::protocol::{
-    frame, limits, stream, CoordToNode, FinishReason, Hello, LoadReport, NodeToCoord, OpenSeq,
-    RingToken, Role, StageAssignment, StepHeader, PROTOCOL_VERSION,
+    frame, limits, stream, CoordToNode, ExpertAssignment, FinishReason, Hello, LoadReport,
+    NodeToCoord, OpenSeq, RingToken, Role, StageAssignment, StepHeader, PROTOCOL_VERSION,
 };
 use crate::stage::{Stage, StageOutput};
 use crate::store::{Manifest, ShardStore};
@@ -132,6 +132,8 @@ enum WorkerMsg {
     Close(u64),
     Hidden(StepHeader, Vec<f32>),
     Token(RingToken),
+    /// Expert split: the links to the workers owning the rest of this stage's experts.
+    Experts(u64, crate::expert::RemotePeers),
 }
 
 /// Where the stage's ring outputs go.
@@ -163,6 +165,38 @@ impl RingOut {
     }
 }
 
+/// Expert split state of the current epoch.
+#[derive(Clone)]
+struct ExpertServing {
+    epoch: u64,
+    assignment: ExpertAssignment,
+    /// Experts this node computes for other homes (`None`: it serves none).
+    model: Option<Arc<Model>>,
+}
+
+/// A blocking expert link over a network stream, driven by the agent's runtime from the stage
+/// thread (like the ring).
+struct NetExpertLink {
+    writer: FrameWriter<tessera_net::quinn::SendStream>,
+    reader: tessera_net::FrameReader<tessera_net::quinn::RecvStream>,
+    rt: tokio::runtime::Handle,
+}
+
+impl crate::expert::ExpertLink for NetExpertLink {
+    fn send(&mut self, kind: u16, payload: Vec<u8>) -> Result<(), String> {
+        self.rt
+            .block_on(self.writer.write_frame(kind, &payload))
+            .map_err(|e| e.to_string())
+    }
+    fn recv(&mut self) -> Result<(u16, Vec<u8>), String> {
+        match self.rt.block_on(self.reader.read_frame()) {
+            Ok(Some(f)) => Ok((f.kind, f.payload.to_vec())),
+            Ok(None) => Err("the worker closed the stream".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
 /// What the accept loop needs to know about the current epoch.
 #[derive(Clone, Debug)]
 struct Current {
@@ -177,6 +211,13 @@ struct Shared {
     ctrl: mpsc::UnboundedSender<NodeToCoord>,
     /// Keeps the connection to the next stage open.
     next_conn: Mutex<Option<Connection>>,
+    /// Expert placements received for epochs not yet loaded.
+    pending_experts: Mutex<std::collections::HashMap<u64, ExpertAssignment>>,
+    /// Expert split: this node's expert placement and the model serving other homes' requests
+    /// (experts of layers outside its stage), for the current epoch.
+    experts: Mutex<Option<ExpertServing>>,
+    /// Keeps the connections to expert workers open.
+    expert_conns: Mutex<Vec<Connection>>,
     /// The latest epoch assigned and not released (0: none). A load that finishes after a
     /// newer assignment (or the release of its own) is discarded, never installed.
     assigned: std::sync::atomic::AtomicU64,
@@ -296,6 +337,9 @@ pub async fn run_until(
         worker: worker_tx,
         ctrl: ctrl_tx,
         next_conn: Mutex::new(None),
+        pending_experts: Mutex::new(Default::default()),
+        experts: Mutex::new(None),
+        expert_conns: Mutex::new(Vec::new()),
         assigned: std::sync::atomic::AtomicU64::new(0),
     });
 
@@ -427,6 +471,63 @@ fn forget_epoch(shared: &Shared) {
         let _ = shared.worker.send(WorkerMsg::Release(c.assignment.epoch));
     }
     *shared.next_conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    release_experts(shared, None);
+}
+
+/// Drops the expert split state of `epoch` (or of any epoch): its serving model, its worker
+/// connections and the admission of its clients.
+fn release_experts(shared: &Shared, epoch: Option<u64>) {
+    let mut ex = shared.experts.lock().unwrap_or_else(|p| p.into_inner());
+    if ex
+        .as_ref()
+        .is_some_and(|e| epoch.is_none_or(|epoch| e.epoch == epoch))
+    {
+        if let Some(e) = ex.take() {
+            for c in &e.assignment.clients {
+                shared.allow.remove(&c.node_id);
+            }
+        }
+        for c in shared
+            .expert_conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            c.close("epoch released");
+        }
+    }
+    let mut pending = shared
+        .pending_experts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    match epoch {
+        Some(epoch) => {
+            pending.remove(&epoch);
+        }
+        None => pending.clear(),
+    }
+}
+
+/// The packed expert tensors of the layers where `held` names experts, outside `skip`
+/// (whole packed tensors: the store fetches whole tensors; only the held experts are loaded).
+fn expert_tensor_names(
+    manifest: &Manifest,
+    held: &[Vec<usize>],
+    skip: &std::ops::Range<usize>,
+) -> Vec<String> {
+    let mut names = Vec::new();
+    for (l, ids) in held.iter().enumerate() {
+        if ids.is_empty() || skip.contains(&l) {
+            continue;
+        }
+        for part in ["gate", "up", "down"] {
+            let n = format!("blk.{l}.ffn_{part}_exps.weight");
+            if manifest.tensor(&n).is_some() {
+                names.push(n);
+            }
+        }
+    }
+    names
 }
 
 /// One control session with the coordinator: hello, welcome, then its messages until it ends.
@@ -576,6 +677,16 @@ async fn control_loop(
                     let _ = shared.ctrl.send(msg);
                 });
             }
+            CoordToNode::AssignExperts { epoch, experts } => {
+                for c in &experts.clients {
+                    shared.allow.insert(c.key);
+                }
+                shared
+                    .pending_experts
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(epoch, experts);
+            }
             CoordToNode::Link { epoch } => {
                 let (shared, endpoint) = (shared.clone(), endpoint.clone());
                 tokio::spawn(async move {
@@ -640,6 +751,7 @@ async fn control_loop(
                     }
                 }
                 drop(cur);
+                release_experts(shared, Some(epoch));
                 let _ = shared.worker.send(WorkerMsg::Release(epoch));
             }
             CoordToNode::Open(o) => {
@@ -706,7 +818,21 @@ async fn load_assignment(
 ) -> Result<LoadReport, FabricError> {
     let t0 = Instant::now();
     let manifest = Arc::new(fetch_manifest(&ctx.conn, a.model).await?);
-    let names = stage_tensor_names(&manifest, &a);
+    let experts = shared
+        .pending_experts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&a.epoch);
+    let expert_only = experts.as_ref().is_some_and(|x| x.expert_only);
+    let mut names = if expert_only {
+        Vec::new()
+    } else {
+        stage_tensor_names(&manifest, &a)
+    };
+    if let Some(x) = &experts {
+        let skip = if expert_only { 0..0 } else { a.layers.clone() };
+        names.extend(expert_tensor_names(&manifest, &x.held, &skip));
+    }
     let weight_bytes = manifest.bytes_for(&names)?;
     ctx.inventory.accepts(weight_bytes)?;
 
@@ -730,19 +856,48 @@ async fn load_assignment(
     let path = ctx.store.path_for(&manifest);
     let threads = ctx.threads;
     let spec = LoadSpec {
-        layers: a.layers.clone(),
-        embed: a.embed,
-        head: a.head,
-        experts: ExpertSelection::All,
+        layers: if expert_only { 0..0 } else { a.layers.clone() },
+        embed: a.embed && !expert_only,
+        head: a.head && !expert_only,
+        experts: match &experts {
+            Some(x) => ExpertSelection::PerLayer(x.held.clone()),
+            None => ExpertSelection::All,
+        },
         dense: true,
     };
-    let model = tokio::task::spawn_blocking(move || -> Result<Model, FabricError> {
-        let g = GgufFile::open(&path)?;
-        Ok(Model::load(&g, spec, threads, &mut |_, _| {})?)
-    })
-    .await
-    .map_err(|e| FabricError::Stopped(format!("loading: {e}")))??;
-    let resident = model.resident_bytes() as u64;
+    // The experts this node computes for other homes: those of layers outside its stage.
+    let serve_spec = experts.as_ref().and_then(|x| {
+        let stage_layers = if expert_only { 0..0 } else { a.layers.clone() };
+        let held: Vec<Vec<usize>> = x
+            .held
+            .iter()
+            .enumerate()
+            .map(|(l, ids)| {
+                if stage_layers.contains(&l) {
+                    Vec::new()
+                } else {
+                    ids.clone()
+                }
+            })
+            .collect();
+        held.iter()
+            .any(|ids| !ids.is_empty())
+            .then(|| LoadSpec::experts_only(0..held.len(), ExpertSelection::PerLayer(held)))
+    });
+    let (model, serve_model) =
+        tokio::task::spawn_blocking(move || -> Result<(Model, Option<Model>), FabricError> {
+            let g = GgufFile::open(&path)?;
+            let m = Model::load(&g, spec, threads, &mut |_, _| {})?;
+            let s = match serve_spec {
+                Some(spec) => Some(Model::load(&g, spec, threads, &mut |_, _| {})?),
+                None => None,
+            };
+            Ok((m, s))
+        })
+        .await
+        .map_err(|e| FabricError::Stopped(format!("loading: {e}")))??;
+    let resident = model.resident_bytes() as u64
+        + serve_model.as_ref().map_or(0, |m| m.resident_bytes()) as u64;
     let held = resident.max(weight_bytes);
     ctx.inventory.accepts(held)?;
     // The same limit `Inventory::accepts` applies: the budget, else the RAM available at start.
@@ -764,6 +919,12 @@ async fn load_assignment(
                 a.epoch
             )));
         }
+        *shared.experts.lock().unwrap_or_else(|p| p.into_inner()) =
+            experts.map(|x| ExpertServing {
+                epoch: a.epoch,
+                assignment: x,
+                model: serve_model.map(Arc::new),
+            });
         *cur = Some(Current {
             assignment: a,
             n_embd,
@@ -812,6 +973,7 @@ async fn link_next(
         .ok_or_else(|| {
             FabricError::Protocol(format!("link for epoch {epoch}, which is not loaded"))
         })?;
+    link_experts(epoch, endpoint, shared).await?;
     let Some(next) = a.next else {
         let _ = shared
             .worker
@@ -826,6 +988,71 @@ async fn link_next(
     let out = RingOut::Stream(Box::new(s.writer), tokio::runtime::Handle::current());
     let _ = shared.worker.send(WorkerMsg::Ring(epoch, out));
     Ok(Some(link))
+}
+
+/// Expert split: opens one expert stream to every worker owning experts of this stage's layers
+/// and hands the links to the stage thread.
+async fn link_experts(epoch: u64, endpoint: &Endpoint, shared: &Shared) -> Result<(), FabricError> {
+    let peers = shared
+        .experts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .filter(|e| e.epoch == epoch && !e.assignment.expert_only)
+        .map(|e| e.assignment.peers.clone())
+        .unwrap_or_default();
+    if peers.is_empty() {
+        return Ok(());
+    }
+    let mut remote = Vec::with_capacity(peers.len());
+    for p in peers {
+        let conn = endpoint.connect(p.peer.addr, p.peer.key).await?;
+        let mut s = conn.open_stream(stream::EXPERT).await?;
+        s.reader.set_max_len(limits::EXPERT);
+        shared
+            .expert_conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(conn);
+        remote.push(crate::expert::RemotePeer {
+            name: p.peer.node_id.short(),
+            experts: p.experts,
+            link: Box::new(NetExpertLink {
+                writer: s.writer,
+                reader: s.reader,
+                rt: tokio::runtime::Handle::current(),
+            }),
+        });
+    }
+    let _ = shared.worker.send(WorkerMsg::Experts(
+        epoch,
+        crate::expert::RemotePeers::new(remote),
+    ));
+    Ok(())
+}
+
+/// Serves an expert stream: each request is computed on the serving model (off the runtime)
+/// and answered in order.
+async fn serve_experts(
+    mut s: tessera_net::FramedStream,
+    model: Arc<Model>,
+) -> Result<(), FabricError> {
+    s.reader.set_max_len(limits::EXPERT);
+    while let Some(f) = s.reader.read_frame().await? {
+        if f.kind != frame::EXPERT_REQ {
+            return Err(FabricError::Protocol(format!(
+                "unexpected frame kind {:#06x} on an expert stream",
+                f.kind
+            )));
+        }
+        let m = model.clone();
+        let (kind, payload) =
+            tokio::task::spawn_blocking(move || crate::expert::answer(&m, &f.payload))
+                .await
+                .map_err(|e| FabricError::Stopped(format!("expert worker: {e}")))?;
+        s.writer.write_frame(kind, &payload).await?;
+    }
+    Ok(())
 }
 
 /// Serves a connection from another node: ring streams from the current previous stage.
@@ -844,6 +1071,38 @@ async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
+        if s.kind == stream::EXPERT {
+            let serving = shared
+                .experts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .filter(|e| {
+                    e.assignment
+                        .clients
+                        .iter()
+                        .any(|c| c.key == conn.peer_key())
+                })
+                .and_then(|e| e.model);
+            match serving {
+                Some(model) => {
+                    let peer = conn.peer_id();
+                    tokio::spawn(async move {
+                        if let Err(e) = serve_experts(s, model).await {
+                            eprintln!("expert stream from {}: {e}; closing it", peer.short());
+                        }
+                    });
+                }
+                None => {
+                    eprintln!(
+                        "peer {}: refusing an expert stream (no experts served to it)",
+                        conn.peer_id().short()
+                    );
+                    let _ = s.writer.finish().await;
+                }
+            }
+            continue;
+        }
         let expected = cur
             .as_ref()
             .and_then(|c| c.assignment.prev.as_ref())
@@ -945,6 +1204,11 @@ fn worker_loop(
                 {
                     stage = None;
                     ring = None;
+                }
+            }
+            WorkerMsg::Experts(epoch, peers) => {
+                if let Some(s) = stage.as_mut().filter(|s| s.assignment().epoch == epoch) {
+                    s.set_remote_experts(peers);
                 }
             }
             WorkerMsg::Ring(epoch, r) => {

@@ -50,6 +50,7 @@ mod sys;
 pub mod agent;
 pub mod compute_probe;
 pub mod error;
+pub mod expert;
 pub mod fetch_net;
 pub mod protocol;
 pub mod stage;

@@ -9,6 +9,7 @@
 //! | [`stream::CONTROL`] | node or client → coordinator | JSON messages ([`frame::MSG`]), both ways |
 //! | [`stream::MODEL`] | node → coordinator | manifest request/reply (JSON), then [`frame::CHUNK`] frames |
 //! | [`stream::RING`] | stage *i* → stage *i+1* (last → first) | [`frame::HIDDEN`] and [`frame::TOKEN`] |
+//! | [`stream::EXPERT`] | home stage → expert worker (expert split) | [`frame::EXPERT_REQ`] out, [`frame::EXPERT_OUT`] / [`frame::EXPERT_ERR`] back |
 //!
 //! A control session starts with [`Hello`] carrying [`PROTOCOL_VERSION`]; a coordinator that
 //! speaks another version answers [`CoordToNode::Refused`] naming both, and the frame layer below
@@ -42,6 +43,9 @@ pub mod stream {
     pub const MODEL: u16 = 0x0002;
     /// Stage-to-stage hot path.
     pub const RING: u16 = 0x0003;
+    /// Home stage → expert worker: MoE expert requests and their outputs
+    /// ([`super::frame::EXPERT_REQ`] / [`super::frame::EXPERT_OUT`]), see `crate::expert`.
+    pub const EXPERT: u16 = 0x0004;
 }
 
 /// Frame kinds.
@@ -54,6 +58,13 @@ pub mod frame {
     pub const TOKEN: u16 = 0x0021;
     /// One model chunk: `u32` chunk id (LE), then its bytes.
     pub const CHUNK: u16 = 0x0030;
+    /// One MoE layer's expert work for one worker: routed tokens' normed rows and routing
+    /// (`crate::expert::ExpertRequest`).
+    pub const EXPERT_REQ: u16 = 0x0040;
+    /// The worker's weighted slot outputs for a request (`crate::expert::ExpertReply`).
+    pub const EXPERT_OUT: u16 = 0x0041;
+    /// The worker could not compute a request: a UTF-8 reason.
+    pub const EXPERT_ERR: u16 = 0x0042;
 }
 
 /// Frame size limits per stream kind, enforced by readers before allocation.
@@ -65,6 +76,8 @@ pub mod limits {
     pub const MODEL: usize = 16 << 20;
     /// Ring frames: a prefill chunk of hidden states.
     pub const RING: usize = 16 << 20;
+    /// Expert frames: a prefill chunk's routed rows (or their `k` slot outputs).
+    pub const EXPERT: usize = 64 << 20;
     /// Most sequences one hidden frame may carry.
     pub const MAX_STEP_ENTRIES: usize = 1024;
 }
@@ -111,8 +124,8 @@ pub struct StageAssignment {
     /// This node's place in the ring, `0..n_stages`.
     pub stage: usize,
     pub n_stages: usize,
-    /// Layer indices held, `start..end`.
-    #[serde(with = "range_serde")]
+    /// Layer indices held, `start..end` (empty for an expert-only node).
+    #[serde(with = "range_serde::or_empty")]
     pub layers: Range<usize>,
     /// Holds the embedding (the first stage).
     pub embed: bool,
@@ -124,6 +137,36 @@ pub struct StageAssignment {
     pub prev: Option<PeerInfo>,
     /// Most positions one sequence may use (its KV cache is bounded by this).
     pub max_context: usize,
+}
+
+/// Which experts a node holds and whom it talks to for the others (expert-split execution).
+///
+/// Every node holds `held[layer]` (the experts it computes, possibly for layers outside its
+/// stage). A stage node is the *home* of its layers: it runs attention and the router, computes
+/// the held experts of its layers itself and sends each routed step to the [`ExpertPeer`]s that
+/// own the others, one message per peer per layer. An expert-only node (`expert_only`) holds no
+/// layers of the ring and only serves expert requests from `clients`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertAssignment {
+    /// `held[layer]`: expert ids this node loads (ascending), for every layer of the model.
+    pub held: Vec<Vec<usize>>,
+    /// The node is not a ring stage: it only serves expert requests.
+    #[serde(default)]
+    pub expert_only: bool,
+    /// Other nodes owning experts of this node's (home) layers.
+    #[serde(default)]
+    pub peers: Vec<ExpertPeer>,
+    /// Home nodes that will send this node expert requests (admitted on connection).
+    #[serde(default)]
+    pub clients: Vec<PeerInfo>,
+}
+
+/// A node that computes some experts for a home stage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertPeer {
+    pub peer: PeerInfo,
+    /// `experts[layer]`: the experts it owns, for every layer of the model.
+    pub experts: Vec<Vec<usize>>,
 }
 
 /// Opens a sequence on every stage.
@@ -196,6 +239,13 @@ pub struct PhaseStats {
     pub bytes_sent: u64,
     /// Frames sent to the next stage.
     pub frames_sent: u64,
+    /// Expert requests sent to other nodes in the steps this sequence took part in (one per
+    /// contacted node per MoE layer per step; expert split only).
+    #[serde(default)]
+    pub expert_round_trips: u64,
+    /// Bytes of those requests and replies (frame headers included).
+    #[serde(default)]
+    pub expert_bytes: u64,
 }
 
 /// What one stage did for one sequence, reported when the sequence is closed.
@@ -244,6 +294,12 @@ pub enum CoordToNode {
     Refused { reason: String },
     /// Load a part of a model for an epoch.
     Assign(StageAssignment),
+    /// Expert-split placement for the epoch of the [`CoordToNode::Assign`] that follows it on
+    /// the same stream (absent: the node holds every expert of its layers and no others).
+    AssignExperts {
+        epoch: u64,
+        experts: ExpertAssignment,
+    },
     /// Every stage of the epoch has loaded: connect to the next stage and measure the link.
     Link { epoch: u64 },
     /// Drop an epoch's assignment (its weights, sequences and links).
@@ -368,7 +424,7 @@ pub struct StagePlacement {
     pub stage: usize,
     pub node_id: NodeId,
     pub name: String,
-    #[serde(with = "range_serde")]
+    #[serde(with = "range_serde::or_empty")]
     pub layers: Range<usize>,
     pub load: LoadReport,
     /// Link from this stage to the next (measured by this stage).
@@ -710,6 +766,30 @@ pub mod range_serde {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Range<usize>, D::Error> {
         let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
         parse(&s).map_err(serde::de::Error::custom)
+    }
+
+    /// The same, but an empty range `"a..a"` is accepted too: the layers of an expert-only
+    /// node in an expert split, on the wire (never in a split or plan file).
+    pub mod or_empty {
+        use std::ops::Range;
+
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        pub fn serialize<S: Serializer>(r: &Range<usize>, s: S) -> Result<S::Ok, S::Error> {
+            super::serialize(r, s)
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Range<usize>, D::Error> {
+            let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+            if let Some((a, b)) = s.trim().split_once("..") {
+                if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
+                    if a == b {
+                        return Ok(a..a);
+                    }
+                }
+            }
+            super::parse(&s).map_err(serde::de::Error::custom)
+        }
     }
 
     /// Parses `"a..b"` with `a < b`.

@@ -86,6 +86,8 @@ pub struct Stage {
     seqs: HashMap<u64, SeqState>,
     /// Bytes of the memory budget left for KV caches (`None`: unbounded).
     kv_budget: Option<u64>,
+    /// Expert split: the workers owning the experts of this stage's layers not held here.
+    remote: Option<crate::expert::RemotePeers>,
 }
 
 impl std::fmt::Debug for Stage {
@@ -106,7 +108,19 @@ impl Stage {
             model,
             seqs: HashMap::new(),
             kv_budget,
+            remote: None,
         }
+    }
+
+    /// Expert split: computes the experts of this stage's layers that the model does not hold
+    /// on `peers` (one request per contacted peer per MoE layer per step).
+    pub fn set_remote_experts(&mut self, peers: crate::expert::RemotePeers) {
+        self.remote = Some(peers);
+    }
+
+    /// Expert traffic so far (zero without an expert split).
+    pub fn expert_traffic(&self) -> crate::expert::ExpertTraffic {
+        self.remote.as_ref().map(|r| r.traffic).unwrap_or_default()
     }
 
     pub fn assignment(&self) -> &StageAssignment {
@@ -411,14 +425,31 @@ impl Stage {
                 start_pos: e.start_pos as usize,
             })
             .collect();
+        let traffic_before = self.expert_traffic();
         let result = {
             let mut kvs: Vec<&mut KvCache> = states.iter_mut().map(|s| &mut s.kv).collect();
-            self.model.run_layers(
-                self.assignment.layers.clone(),
-                &mut hidden,
-                &batch,
-                &mut kvs,
-                &mut LocalExperts(&self.model),
+            match self.remote.as_mut() {
+                Some(r) => self.model.run_layers(
+                    self.assignment.layers.clone(),
+                    &mut hidden,
+                    &batch,
+                    &mut kvs,
+                    &mut r.executor(&self.model),
+                ),
+                None => self.model.run_layers(
+                    self.assignment.layers.clone(),
+                    &mut hidden,
+                    &batch,
+                    &mut kvs,
+                    &mut LocalExperts(&self.model),
+                ),
+            }
+        };
+        let traffic = {
+            let now = self.expert_traffic();
+            (
+                now.round_trips - traffic_before.round_trips,
+                now.bytes - traffic_before.bytes,
             )
         };
         if let Err(e) = result {
@@ -464,6 +495,8 @@ impl Stage {
             phase.steps += 1;
             phase.tokens += u64::from(e.n_tokens);
             phase.compute_ns += compute_ns / entries.len() as u64;
+            phase.expert_round_trips += traffic.0;
+            phase.expert_bytes += traffic.1;
         }
         if !is_last {
             let header = StepHeader {

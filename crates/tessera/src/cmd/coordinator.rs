@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use tessera_coord::assignment::{parse_split, PlanFile};
+use tessera_coord::assignment::{parse_experts, parse_split, PlanFile};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 
 #[derive(clap::Args, Debug)]
@@ -33,6 +33,12 @@ pub struct CoordinatorArgs {
     /// With `--plan auto`: how many nodes to wait for before planning.
     #[arg(long, default_value_t = 1, value_name = "N")]
     nodes_expected: usize,
+    /// Split every MoE layer's experts across nodes, e.g. `0-3@a,4-7@b` (expert ids or
+    /// inclusive ranges joined by `+`, at a node name or id prefix). Stage nodes compute the
+    /// experts they are given for their own layers; named nodes that are not stages hold only
+    /// experts and serve the stages' requests. The first plan waits for every named node.
+    #[arg(long, value_name = "SPLIT")]
+    experts: Option<String>,
     /// Most positions per sequence (default: the model's context length).
     #[arg(long)]
     max_context: Option<usize>,
@@ -61,6 +67,12 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         }
         (None, None) => None,
     };
+    let experts = args
+        .experts
+        .as_deref()
+        .map(parse_experts)
+        .transpose()
+        .context("--experts")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -90,6 +102,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         .await
         .context("starting the coordinator")?;
         coordinator.set_lease(std::time::Duration::from_millis(args.lease_ms));
+        coordinator.set_expert_split(experts);
         let addr = coordinator.local_addr()?;
         println!("coordinator {}", coordinator.node_id());
         println!(

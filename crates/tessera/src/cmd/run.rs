@@ -223,6 +223,15 @@ fn print_report(r: &RunReport) {
             per(s.decode.compute_ns, s.decode.steps),
             s.prefill.compute_ns as f64 / 1e6
         );
+        if s.decode.expert_round_trips + s.prefill.expert_round_trips > 0 {
+            eprintln!(
+                "stage {}: expert split: {:.2} expert round trips per decode step ({:.0} bytes), {} in prefill",
+                s.stage,
+                s.decode.expert_round_trips as f64 / s.decode.steps.max(1) as f64,
+                s.decode.expert_bytes as f64 / s.decode.steps.max(1) as f64,
+                s.prefill.expert_round_trips
+            );
+        }
     }
     if let Some(h) = r.hop_latency_us {
         eprintln!(
