@@ -524,7 +524,23 @@ fn status(inner: &Inner) -> ClusterStatus {
     let nodes: Vec<NodeStatus> = members
         .into_iter()
         .map(|m| {
-            let (holds, weights) = holds(&m.node_id);
+            let (mut holds, weights) = holds(&m.node_id);
+            let expert_cache = st.expert_cache.get(&m.node_id).map(|c| {
+                holds.push_str(&format!(
+                    "; experts streamed from disk ({} in memory at most): {} hits, {} misses, \
+                     {} read",
+                    tessera_model::profile::human_bytes(c.budget_bytes),
+                    c.hits,
+                    c.misses,
+                    tessera_model::profile::human_bytes(c.bytes_read)
+                ));
+                tessera_gateway::ExpertCacheStatus {
+                    budget_bytes: c.budget_bytes,
+                    hits: c.hits,
+                    misses: c.misses,
+                    disk_bytes: c.bytes_read,
+                }
+            });
             let kv_bytes = kv.get(&m.node_id).copied().unwrap_or(0);
             let inventory = m
                 .inventory
@@ -566,6 +582,7 @@ fn status(inner: &Inner) -> ClusterStatus {
                 kv_bytes,
                 holds,
                 last_seen_ms: m.connected.then_some(0),
+                expert_cache,
             }
         })
         .collect();

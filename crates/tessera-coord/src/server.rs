@@ -70,6 +70,8 @@ pub(crate) struct State {
     senders: HashMap<NodeId, (u64, mpsc::UnboundedSender<CoordToNode>)>,
     sessions: u64,
     pub routes: HashMap<u64, mpsc::UnboundedSender<(NodeId, NodeToCoord)>>,
+    /// The latest expert-cache counters each node streaming experts from disk reported.
+    pub expert_cache: HashMap<NodeId, tessera_node::protocol::ExpertCacheStats>,
 }
 
 pub(crate) struct Shared {
@@ -275,6 +277,7 @@ impl Coordinator {
                     senders: HashMap::new(),
                     sessions: 0,
                     routes: HashMap::new(),
+                    expert_cache: HashMap::new(),
                 }),
                 epoch_tx,
                 next_seq: AtomicU64::new(1),
@@ -360,6 +363,19 @@ impl Coordinator {
             });
         }
         Ok(())
+    }
+
+    /// The latest expert-cache counters of each node that streams its experts from disk.
+    pub fn expert_cache(&self) -> Vec<(NodeId, tessera_node::protocol::ExpertCacheStats)> {
+        let mut v: Vec<_> = self
+            .shared
+            .lock()
+            .expert_cache
+            .iter()
+            .map(|(id, c)| (*id, *c))
+            .collect();
+        v.sort_by_key(|(id, _)| id.to_string());
+        v
     }
 
     /// Connected nodes in join order, with the inventory, budget and link each reported (for
@@ -682,7 +698,23 @@ fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
             eprintln!("{}: a second hello; ignored", id.short());
             return;
         }
-        NodeToCoord::Heartbeat | NodeToCoord::Listening { .. } => return,
+        NodeToCoord::Heartbeat { expert_cache } => {
+            if let Some(c) = expert_cache {
+                let mut st = shared.lock();
+                if st.expert_cache.insert(id, *c) != Some(*c) {
+                    let name = st
+                        .membership
+                        .member(&id)
+                        .map_or_else(|| id.short(), |m| m.name.clone());
+                    println!(
+                        "expert cache: {name} hits {} misses {} disk bytes {}",
+                        c.hits, c.misses, c.bytes_read
+                    );
+                }
+            }
+            return;
+        }
+        NodeToCoord::Listening { .. } => return,
         NodeToCoord::Loaded { epoch, report } => {
             return shared.apply(Event::Loaded {
                 node: id,

@@ -286,6 +286,22 @@ pub struct NodeStatus {
     pub holds: String,
     /// Milliseconds since the last heartbeat (`None` for the local node).
     pub last_seen_ms: Option<u64>,
+    /// Counters of the node's expert cache when it streams its experts from disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_cache: Option<ExpertCacheStatus>,
+}
+
+/// Counters of a node's expert cache (expert streaming), cumulative since it loaded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertCacheStatus {
+    /// Bytes of experts the node keeps in memory at most.
+    pub budget_bytes: u64,
+    /// Lookups served from memory.
+    pub hits: u64,
+    /// Lookups that read the expert from disk.
+    pub misses: u64,
+    /// Bytes read from disk for experts.
+    pub disk_bytes: u64,
 }
 
 /// The measured hardware of a node, summarised for display.

@@ -51,9 +51,9 @@ pub mod testing;
 pub mod text;
 
 pub use backend::{
-    Assignment, Backend, BackendCounters, ClusterStatus, Event, EventSender, FinishReason,
-    GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle,
-    RequestId, ServedModel, SubmitError, Usage,
+    Assignment, Backend, BackendCounters, ClusterStatus, Event, EventSender, ExpertCacheStatus,
+    FinishReason, GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus,
+    RequestHandle, RequestId, ServedModel, SubmitError, Usage,
 };
 pub use local::{LocalBackend, LocalConfig};
 pub use scheduler::SchedulerConfig;

@@ -121,6 +121,7 @@ impl LocalBackend {
             kv_bytes: 0,
             holds,
             last_seen_ms: None,
+            expert_cache: None,
         };
         let plan = PlanStatus {
             epoch: 1,

@@ -363,6 +363,36 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
         "1 when the node is healthy.",
         &node(&|n| u64::from(n.health == crate::backend::Health::Healthy)),
     );
+    let cache = |f: &dyn Fn(&crate::backend::ExpertCacheStatus) -> u64| -> Vec<(String, String)> {
+        c.nodes
+            .iter()
+            .filter_map(|n| {
+                let x = n.expert_cache.as_ref()?;
+                Some((
+                    format!("{{node=\"{}\",name=\"{}\"}}", label(&n.id), label(&n.name)),
+                    f(x).to_string(),
+                ))
+            })
+            .collect()
+    };
+    metric(
+        "tessera_expert_cache_hits_total",
+        "counter",
+        "Expert lookups a node served from memory (expert streaming).",
+        &cache(&|x| x.hits),
+    );
+    metric(
+        "tessera_expert_cache_misses_total",
+        "counter",
+        "Expert lookups a node read from disk (expert streaming).",
+        &cache(&|x| x.misses),
+    );
+    metric(
+        "tessera_expert_disk_bytes_total",
+        "counter",
+        "Bytes of experts a node read from disk (expert streaming).",
+        &cache(&|x| x.disk_bytes),
+    );
     metric(
         "tessera_link_bytes_total",
         "counter",
@@ -383,6 +413,36 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn expert_cache_counters_are_rendered_per_streaming_node() {
+        let c = ClusterStatus {
+            nodes: vec![
+                crate::backend::NodeStatus {
+                    id: "n1".into(),
+                    name: "a".into(),
+                    ..Default::default()
+                },
+                crate::backend::NodeStatus {
+                    id: "n2".into(),
+                    name: "b".into(),
+                    expert_cache: Some(crate::backend::ExpertCacheStatus {
+                        budget_bytes: 1 << 20,
+                        hits: 10,
+                        misses: 38,
+                        disk_bytes: 4096,
+                    }),
+                    ..Default::default()
+                },
+            ],
+            ..ClusterStatus::default()
+        };
+        let text = render_prometheus(&GatewayMetrics::default().snapshot(), &c);
+        assert!(text.contains("tessera_expert_cache_hits_total{node=\"n2\",name=\"b\"} 10"));
+        assert!(text.contains("tessera_expert_cache_misses_total{node=\"n2\",name=\"b\"} 38"));
+        assert!(text.contains("tessera_expert_disk_bytes_total{node=\"n2\",name=\"b\"} 4096"));
+        assert!(!text.contains("tessera_expert_cache_hits_total{node=\"n1\""));
+    }
 
     #[test]
     fn ttft_histogram_is_cumulative() {

@@ -156,6 +156,7 @@ pub fn three_node_status(model: &str, n_layers: usize) -> ClusterStatus {
                 if i == 2 { ", head" } else { "" }
             ),
             last_seen_ms: Some(120 + 40 * i as u64),
+            expert_cache: None,
         });
         assignments.push(Assignment {
             node_id: id.into(),

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tessera_engine::{ExpertSelection, LoadSpec, Model};
+use tessera_engine::{ExpertSelection, ExpertStreaming, LoadSpec, Model};
 use tessera_model::GgufFile;
 use tessera_net::{
     measure_link, Accepted, AllowList, Connection, Endpoint, FrameWriter, JoinToken,
@@ -39,8 +39,9 @@ use crate::error::FabricError;
 use crate::fetch_net::{fetch_manifest, fetch_tensors};
 use crate::inventory::{measure, Inventory, MemoryBudget, ProbeOptions};
 use crate::protocol::{
-    frame, limits, stream, CoordToNode, ExpertAssignment, FinishReason, Hello, LoadReport,
-    NodeToCoord, OpenSeq, RingToken, Role, StageAssignment, StepHeader, PROTOCOL_VERSION,
+    frame, limits, stream, CoordToNode, ExpertAssignment, ExpertCacheStats, FinishReason, Hello,
+    LoadReport, NodeToCoord, OpenSeq, RingToken, Role, StageAssignment, StepHeader,
+    PROTOCOL_VERSION,
 };
 use crate::stage::{Stage, StageOutput};
 use crate::store::{Manifest, ShardStore};
@@ -95,6 +96,9 @@ pub struct AgentConfig {
     pub probe: ProbeLevel,
     /// Draw progress bars on stderr (when it is a terminal).
     pub progress: bool,
+    /// Stream assigned experts from disk with at most this many bytes of them in memory
+    /// (`None`: only when the assigned experts exceed the memory budget).
+    pub expert_budget: Option<u64>,
 }
 
 /// The coordinator this node enrolled with, pinned from then on.
@@ -221,6 +225,22 @@ struct Shared {
     /// The latest epoch assigned and not released (0: none). A load that finishes after a
     /// newer assignment (or the release of its own) is discarded, never installed.
     assigned: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    /// Counters of the expert cache of the model serving other homes' experts, when it streams
+    /// them from disk. (A stage's own streamed experts are not counted yet.)
+    fn expert_cache(&self) -> Option<ExpertCacheStats> {
+        let x = self.experts.lock().unwrap_or_else(|p| p.into_inner());
+        let st = x.as_ref()?.model.as_ref()?.expert_stats()?;
+        Some(ExpertCacheStats {
+            budget_bytes: st.budget_bytes,
+            lookups: st.lookups,
+            hits: st.hits,
+            misses: st.misses,
+            bytes_read: st.bytes_read,
+        })
+    }
 }
 
 /// Loads or creates the node identity and prints its id. Also the first thing [`run`] does.
@@ -423,6 +443,7 @@ async fn serve_sessions(
                     inventory: inventory.clone(),
                     threads: config.threads,
                     progress: config.progress,
+                    expert_budget: config.expert_budget,
                 });
                 let r = session(&conn, hello, endpoint, shared, &ctx, ctrl_rx).await;
                 conn.close("session over");
@@ -713,12 +734,14 @@ async fn control_loop(
                 let every = Duration::from_millis(heartbeat_ms.clamp(10, 60_000));
                 eprintln!("lease {lease_ms} ms: heartbeat every {every:?}");
                 let ctrl = shared.ctrl.clone();
+                let sh = shared.clone();
                 let task = tokio::spawn(async move {
                     let mut tick = tokio::time::interval(every);
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     loop {
                         tick.tick().await;
-                        if ctrl.send(NodeToCoord::Heartbeat).is_err() {
+                        let expert_cache = sh.expert_cache();
+                        if ctrl.send(NodeToCoord::Heartbeat { expert_cache }).is_err() {
                             break;
                         }
                     }
@@ -791,6 +814,7 @@ struct LoadCtx {
     inventory: Inventory,
     threads: usize,
     progress: bool,
+    expert_budget: Option<u64>,
 }
 
 /// The tensors a stage needs: its layers' `blk.N.*`, plus the embedding (first stage, or the
@@ -834,7 +858,19 @@ async fn load_assignment(
         names.extend(expert_tensor_names(&manifest, &x.held, &skip));
     }
     let weight_bytes = manifest.bytes_for(&names)?;
-    ctx.inventory.accepts(weight_bytes)?;
+    // Experts over the memory budget are streamed from disk: the node keeps what the budget
+    // allows in memory (half the limit, leaving the rest to the dense weights and KV caches).
+    let streaming = match (ctx.expert_budget, &experts) {
+        (_, None) => None,
+        (Some(b), Some(_)) => Some(b),
+        (None, Some(_)) => match ctx.inventory.accepts(weight_bytes) {
+            Ok(()) => None,
+            Err(e) => Some(e.limit.ok_or(e)? / 2),
+        },
+    };
+    if streaming.is_none() {
+        ctx.inventory.accepts(weight_bytes)?;
+    }
 
     let bar = progress_bar(ctx.progress, "receiving");
     let b = bar.clone();
@@ -887,9 +923,20 @@ async fn load_assignment(
     let (model, serve_model) =
         tokio::task::spawn_blocking(move || -> Result<(Model, Option<Model>), FabricError> {
             let g = GgufFile::open(&path)?;
-            let m = Model::load(&g, spec, threads, &mut |_, _| {})?;
+            // An expert-only node's own model has no layers: nothing of it to stream.
+            let load = |spec: LoadSpec, stream: bool| match streaming.filter(|_| stream) {
+                Some(b) => Model::load_streaming(
+                    &g,
+                    spec,
+                    ExpertStreaming::with_budget(b),
+                    threads,
+                    &mut |_, _| {},
+                ),
+                None => Model::load(&g, spec, threads, &mut |_, _| {}),
+            };
+            let m = load(spec, !expert_only)?;
             let s = match serve_spec {
-                Some(spec) => Some(Model::load(&g, spec, threads, &mut |_, _| {})?),
+                Some(spec) => Some(load(spec, true)?),
                 None => None,
             };
             Ok((m, s))
@@ -898,7 +945,12 @@ async fn load_assignment(
         .map_err(|e| FabricError::Stopped(format!("loading: {e}")))??;
     let resident = model.resident_bytes() as u64
         + serve_model.as_ref().map_or(0, |m| m.resident_bytes()) as u64;
-    let held = resident.max(weight_bytes);
+    // Streamed experts are read from disk as needed: only what the engine keeps counts.
+    let held = if streaming.is_some() {
+        resident
+    } else {
+        resident.max(weight_bytes)
+    };
     ctx.inventory.accepts(held)?;
     // The same limit `Inventory::accepts` applies: the budget, else the RAM available at start.
     let kv_budget = ctx

@@ -264,6 +264,19 @@ pub struct StageSeqStats {
     pub kv_bytes: u64,
 }
 
+/// Counters of a node's expert cache (expert streaming; cumulative since the load).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertCacheStats {
+    /// Bytes of built experts kept in memory at most.
+    pub budget_bytes: u64,
+    /// Expert lookups (`hits + misses`).
+    pub lookups: u64,
+    pub hits: u64,
+    pub misses: u64,
+    /// Bytes read from disk for experts.
+    pub bytes_read: u64,
+}
+
 /// What a node reports after loading its assignment.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LoadReport {
@@ -369,7 +382,11 @@ pub enum NodeToCoord {
     },
     Inventory(Box<Inventory>),
     /// The node is alive (renews its lease; see [`CoordToNode::Lease`]).
-    Heartbeat,
+    Heartbeat {
+        /// Counters of the node's expert cache when it streams its experts from disk.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expert_cache: Option<ExpertCacheStats>,
+    },
     /// Where the node's endpoint listens, sent right after [`Hello`]. The coordinator tells
     /// peers this port (at the address it observed, when the hosts agree) rather than the
     /// source port it saw, which differs when the node reaches it through a proxy.
@@ -816,6 +833,27 @@ pub mod range_serde {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heartbeat_without_expert_stats_is_the_old_message() {
+        let plain = serde_json::to_string(&NodeToCoord::Heartbeat { expert_cache: None }).unwrap();
+        assert_eq!(plain, r#"{"type":"heartbeat"}"#);
+        let m: NodeToCoord = serde_json::from_str(r#"{"type":"heartbeat"}"#).unwrap();
+        assert!(matches!(m, NodeToCoord::Heartbeat { expert_cache: None }));
+        let c = ExpertCacheStats {
+            budget_bytes: 1,
+            lookups: 5,
+            hits: 2,
+            misses: 3,
+            bytes_read: 9,
+        };
+        let s = serde_json::to_string(&NodeToCoord::Heartbeat {
+            expert_cache: Some(c),
+        })
+        .unwrap();
+        let m: NodeToCoord = serde_json::from_str(&s).unwrap();
+        assert!(matches!(m, NodeToCoord::Heartbeat { expert_cache: Some(x) } if x == c));
+    }
 
     fn header() -> StepHeader {
         StepHeader {

@@ -27,6 +27,10 @@ pub struct NodeArgs {
     /// Most memory this node commits to work, e.g. `6GiB` or `80%` (default: available RAM).
     #[arg(long)]
     memory_budget: Option<String>,
+    /// Stream the assigned experts (MoE) from disk, keeping at most this much of them in
+    /// memory, e.g. `200MiB` (default: only when they exceed the memory budget).
+    #[arg(long)]
+    expert_budget: Option<String>,
     /// A local copy of the model: read from here (after checking its hash), never downloaded.
     #[arg(long)]
     model: Option<PathBuf>,
@@ -57,6 +61,14 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         .map(MemoryBudget::parse)
         .transpose()
         .context("--memory-budget")?;
+    let expert_budget = match args.expert_budget.as_deref().map(MemoryBudget::parse) {
+        None => None,
+        Some(Ok(MemoryBudget::Bytes(b))) => Some(b),
+        Some(Ok(MemoryBudget::PercentOfTotal(_))) => {
+            anyhow::bail!("--expert-budget: give an absolute size, e.g. 200MiB")
+        }
+        Some(Err(e)) => return Err(anyhow::Error::new(e).context("--expert-budget")),
+    };
     if let Some(m) = &args.model {
         anyhow::ensure!(m.is_file(), "--model {}: no such file", m.display());
     }
@@ -74,6 +86,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             ProbeLevel::Full
         },
         progress: true,
+        expert_budget,
     };
     if args.inventory {
         std::fs::create_dir_all(&config.data_dir)?;
