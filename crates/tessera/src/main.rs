@@ -12,9 +12,11 @@ use clap::{Parser, Subcommand};
 
 /// Tessera turns the machines you already own into one inference platform for open-weight LLMs.
 ///
-/// Start with `tessera generate -p "Once upon a time"`: it runs the small story model built into
-/// the binary. `tessera inspect MODEL` shows what a GGUF model costs, part by part; `tessera bench`
-/// measures prefill and decode speed.
+/// Start with `tessera up`: a coordinator, three local nodes and an OpenAI-compatible API with a
+/// dashboard, serving the small story model built into the binary. `tessera generate -p "Once upon
+/// a time"` runs that model in one process; `tessera inspect MODEL` shows what a GGUF model costs,
+/// part by part; `tessera plan` says how a model would be split over a cluster, and why; `tessera
+/// node` and `tessera coordinator` build a cluster across machines.
 #[derive(Parser)]
 #[command(name = "tessera", version, about, long_about)]
 struct Cli {
