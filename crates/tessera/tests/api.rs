@@ -1,249 +1,27 @@
 //! End to end: the real `tessera serve` binary on a loopback port, driven over real sockets.
 //!
 //! Each test starts its own server on 127.0.0.1 port 0 (the binary prints the bound address)
-//! and stops it when done. The HTTP client is a few lines over `TcpStream` (HTTP/1.1,
+//! and stops it when done. The HTTP client (`common/http.rs`) is a few lines over `TcpStream` (HTTP/1.1,
 //! `Connection: close`, chunked bodies decoded), so the test adds no dependencies.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-/// A running `tessera serve`, killed on drop.
-struct Server {
-    child: Child,
-    addr: String,
-}
+use std::process::Command;
+use std::time::Duration;
 
-impl Server {
-    fn start(extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(extra)
-            .env("TESSERA_CACHE_DIR", cache_dir())
-            .env("TESSERA_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting tessera serve");
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line).expect("reading the listen line");
-        let addr = line
-            .trim()
-            .strip_prefix("listening on http://")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
-        // Keep draining stdout so the server never blocks on a full pipe.
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = out.read_to_string(&mut sink);
-        });
-        Self { child, addr }
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn cache_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache")
-}
-
-fn model_path(name: &str) -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(name)
-        .display()
-        .to_string()
-}
-
-struct Response {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
-}
-
-impl Response {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
-    }
-}
-
-fn send(addr: &str, method: &str, path: &str, body: Option<&str>, auth: Option<&str>) -> TcpStream {
-    let mut s = TcpStream::connect(addr).expect("connecting");
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let body = body.unwrap_or("");
-    let auth = auth.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    s
-}
-
-fn read_response(s: TcpStream) -> Response {
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).unwrap();
-    let status: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let mut headers = Vec::new();
-    loop {
-        line.clear();
-        r.read_line(&mut line).unwrap();
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        let (k, v) = l.split_once(':').unwrap();
-        headers.push((k.trim().to_string(), v.trim().to_string()));
-    }
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
-    let mut raw = Vec::new();
-    r.read_to_end(&mut raw).unwrap();
-    let body = if chunked { dechunk(&raw) } else { raw };
-    Response {
-        status,
-        headers,
-        body: String::from_utf8(body).unwrap(),
-    }
-}
-
-fn dechunk(mut raw: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else {
-            return out;
-        };
-        let size = std::str::from_utf8(&raw[..eol])
-            .unwrap()
-            .split(';')
-            .next()
-            .unwrap();
-        let n = usize::from_str_radix(size.trim(), 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.extend_from_slice(&raw[eol + 2..eol + 2 + n]);
-        raw = &raw[eol + 2 + n + 2..];
-    }
-}
-
-fn post(addr: &str, path: &str, body: &serde_json::Value) -> Response {
-    read_response(send(addr, "POST", path, Some(&body.to_string()), None))
-}
-
-fn get(addr: &str, path: &str, auth: Option<&str>) -> Response {
-    read_response(send(addr, "GET", path, None, auth))
-}
-
-/// The `data:` payloads of an SSE body, `[DONE]` included.
-fn sse_data(body: &str) -> Vec<String> {
-    body.split("\n\n")
-        .filter_map(|ev| ev.lines().find_map(|l| l.strip_prefix("data: ")))
-        .map(str::to_string)
-        .collect()
-}
-
-/// Text and finish reason of a streamed chat completion; checks the stream's shape.
-fn streamed_chat(addr: &str, body: &serde_json::Value) -> (String, String) {
-    let r = post(addr, "/v1/chat/completions", body);
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert!(r
-        .header("content-type")
-        .unwrap()
-        .starts_with("text/event-stream"));
-    let data = sse_data(&r.body);
-    assert_eq!(
-        data.last().map(String::as_str),
-        Some("[DONE]"),
-        "{}",
-        r.body
-    );
-    let mut text = String::new();
-    let mut finish = String::new();
-    for d in &data[..data.len() - 1] {
-        let v: serde_json::Value = serde_json::from_str(d).unwrap();
-        assert_eq!(v["object"], "chat.completion.chunk");
-        let c = &v["choices"][0];
-        if let Some(t) = c["delta"]["content"].as_str() {
-            text.push_str(t);
-        }
-        if let Some(f) = c["finish_reason"].as_str() {
-            finish = f.to_string();
-        }
-    }
-    (text, finish)
-}
-
-/// A Prometheus sample without labels.
-fn metric(addr: &str, name: &str) -> f64 {
-    let m = get(addr, "/metrics", None);
-    m.body
-        .lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {name} in /metrics"))
-        .parse()
-        .unwrap()
-}
-
-fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !ok() {
-        assert!(t0.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+use common::{
+    cache_dir, get, metric, model_path, openai_client_available, post, read_response,
+    run_openai_script, send, stream_until, streamed_chat, wait_for, Response, Server,
+};
 
 #[test]
 fn official_openai_client_lists_chats_streams_and_gets_errors() {
-    let have = Command::new("python3")
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !have {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must install the openai package (pip install openai)"
-        );
+    if !openai_client_available() {
         eprintln!("skipping: python3 with the `openai` package is not available");
         return;
     }
     let server = Server::start(&[]);
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_api.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .arg(server.url())
-        .output()
-        .expect("running python3");
-    let log = format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{log}");
-    assert!(out.status.success(), "openai_api.py failed\n{log}");
+    run_openai_script(&server.url());
 }
 
 #[test]
@@ -306,17 +84,7 @@ fn a_client_that_disconnects_mid_stream_frees_its_kv() {
         "stream": true,
     })
     .to_string();
-    let s = send(&addr, "POST", "/v1/completions", Some(&body), None);
-    let mut r = BufReader::new(s);
-    let mut seen = 0;
-    let mut line = String::new();
-    while seen < 2 {
-        line.clear();
-        assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early");
-        if line.contains("data: {") {
-            seen += 1;
-        }
-    }
+    let r = stream_until(&addr, "/v1/completions", &body, 2);
     // Mid-stream: the sequence holds KV now.
     let m = get(&addr, "/metrics", None).body;
     assert!(m.contains("\ntessera_active_sequences 1\n"), "{m}");

@@ -7,27 +7,20 @@
 //! Detection time (fault → the clients told their run is paused) and time to resume (fault →
 //! the first token after the resumption) are printed, never asserted beyond generous timeouts.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::{bin, model, run_with_timeout};
 use serde_json::Value;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 /// The node lease the tests run with.
 const LEASE_MS: &str = "1000";
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_tessera")
-}
-
-fn model(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(name)
-}
 
 /// A child process whose stdout lines are collected (with the time each arrived); killed on
 /// drop.
@@ -321,25 +314,9 @@ fn reference_text(path: &Path, flags: &[&str]) -> String {
         .args(flags)
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
-    let out = run_with_timeout(cmd);
+    let out = run_with_timeout(cmd, TIMEOUT);
     assert!(out.status.success());
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn run_with_timeout(mut cmd: Command) -> Output {
-    let mut child = cmd.spawn().expect("spawning");
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("timed out: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// A client's JSON messages with their arrival times.

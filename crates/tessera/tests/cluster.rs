@@ -6,129 +6,18 @@
 //! tokens of `Generator` (what `tessera generate` runs), and the hidden state after each stage
 //! boundary computed by one full model, hashed exactly as the stages hash what they send.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{bin, model, reference_tokens, report_of, run_with_timeout, tokens_of, Proc};
 use serde_json::Value;
-use tessera_engine::{Generator, KvCache, LocalExperts, Model, SamplingParams, SeqStep};
+use tessera_engine::{KvCache, LocalExperts, Model, SamplingParams, SeqStep};
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_tessera")
-}
-
-fn model(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(name)
-}
-
-/// A child process whose stdout lines are collected; killed on drop.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-    name: String,
-}
-
-impl Proc {
-    fn spawn(name: &str, args: &[String]) -> Self {
-        let mut child = Command::new(bin())
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in out.lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self {
-            child,
-            lines,
-            seen: Vec::new(),
-            name: name.to_string(),
-        }
-    }
-
-    /// Waits for a stdout line starting with `prefix`; returns the rest of it.
-    fn wait_for(&mut self, prefix: &str) -> String {
-        let deadline = Instant::now() + TIMEOUT;
-        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-            return l[prefix.len()..].to_string();
-        }
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    let hit = l.starts_with(prefix).then(|| l[prefix.len()..].to_string());
-                    self.seen.push(l);
-                    if let Some(h) = hit {
-                        return h;
-                    }
-                }
-                Err(_) => panic!(
-                    "{}: no line starting with {prefix:?}; saw {:?}",
-                    self.name, self.seen
-                ),
-            }
-        }
-    }
-
-    /// Waits until `n` stdout lines starting with `prefix` have been seen.
-    fn wait_for_nth(&mut self, prefix: &str, n: usize) {
-        let deadline = Instant::now() + TIMEOUT;
-        while self.seen.iter().filter(|l| l.starts_with(prefix)).count() < n {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => self.seen.push(l),
-                Err(_) => panic!(
-                    "{}: fewer than {n} lines {prefix:?}: {:?}",
-                    self.name, self.seen
-                ),
-            }
-        }
-    }
-
-    /// Asks the process to stop (SIGTERM) and waits for it.
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        self.wait_exit()
-    }
-
-    /// Waits for the process to exit; its status.
-    fn wait_exit(&mut self) -> std::process::ExitStatus {
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(Instant::now() < deadline, "{} did not exit", self.name);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A coordinator and its nodes.
 struct Cluster {
@@ -165,6 +54,7 @@ impl Cluster {
                 "--data-dir".into(),
                 dir.join("coord").display().to_string(),
             ],
+            TIMEOUT,
         )
     }
 
@@ -198,7 +88,7 @@ impl Cluster {
     fn add_node(&mut self, name: &str, extra: &[&str]) {
         let mut args = self.node_args(name, extra);
         args.extend(["--join".to_string(), self.join.clone()]);
-        let mut p = Proc::spawn(name, &args);
+        let mut p = Proc::spawn(name, &args, TIMEOUT);
         p.wait_for("joined coordinator ");
         self.nodes.push(p);
     }
@@ -226,56 +116,7 @@ fn run_client(join: &str, client_dir: &Path, extra: &[&str]) -> Output {
         .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    run_with_timeout(cmd)
-}
-
-fn run_with_timeout(mut cmd: Command) -> Output {
-    let mut child = cmd.spawn().expect("spawning");
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("timed out: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn tokens_of(msgs: &[Value]) -> Vec<u32> {
-    msgs.iter()
-        .filter(|m| m["type"] == "token" && m["token"].as_u64() != Some(u64::from(u32::MAX)))
-        .map(|m| m["token"].as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn report_of(msgs: &[Value]) -> &Value {
-    msgs.iter()
-        .find(|m| m["type"] == "done")
-        .unwrap_or_else(|| panic!("no report in {msgs:?}"))
-}
-
-/// Greedy tokens of one process, as `tessera generate` computes them.
-fn reference_tokens(path: &Path, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
-    let g = GgufFile::open(path).unwrap();
-    let tok = Tokenizer::from_gguf(&g).unwrap();
-    let mut eog: Vec<u32> = (0..tok.vocab_size() as u32)
-        .filter(|&t| tok.is_end_of_generation(t))
-        .collect();
-    eog.extend(tok.bos_id());
-    let m = Model::load_full(&g, 1).unwrap();
-    let mut gen = Generator::new(&m, SamplingParams::greedy(), prompt.len() + n);
-    gen.prefill_chunk = chunk;
-    let mut out = Vec::new();
-    gen.generate(prompt, n, &eog, &mut |t| {
-        out.push(t);
-        true
-    })
-    .unwrap();
-    out
+    run_with_timeout(cmd, TIMEOUT)
 }
 
 /// `(after_layer, start_pos, n_tokens) -> hash` of the hidden state after each boundary in
@@ -366,24 +207,27 @@ fn rings_match_one_process(model_name: &str, prompt_text: &str, splits: &[&str])
     let n = 12;
     let chunk = 3; // several prefill chunks, pipelined across stages
     let want = reference_tokens(&path, &prompt, n, chunk);
-    let generated_text = run_with_timeout({
-        let mut cmd = Command::new(bin());
-        cmd.args(["generate", "-m"])
-            .arg(&path)
-            .args([
-                "-p",
-                prompt_text,
-                "-n",
-                &n.to_string(),
-                "--temperature",
-                "0",
-                "-t",
-                "1",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        cmd
-    });
+    let generated_text = run_with_timeout(
+        {
+            let mut cmd = Command::new(bin());
+            cmd.args(["generate", "-m"])
+                .arg(&path)
+                .args([
+                    "-p",
+                    prompt_text,
+                    "-n",
+                    &n.to_string(),
+                    "--temperature",
+                    "0",
+                    "-t",
+                    "1",
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null());
+            cmd
+        },
+        TIMEOUT,
+    );
     assert!(generated_text.status.success());
     let mut c = Cluster::start(&path);
     for (split, name) in splits.iter().zip(["a", "b", "c"]) {
@@ -469,15 +313,18 @@ fn concurrent_runs_share_the_ring_and_each_matches_one_process() {
         "Lily and Ben went to the park",
     ];
     let generate = |p: &str| {
-        let out = run_with_timeout({
-            let mut cmd = Command::new(bin());
-            cmd.args(["generate", "-t", "1", "-m"])
-                .arg(&path)
-                .args(["-p", p, "-n", "40", "--temperature", "0"])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null());
-            cmd
-        });
+        let out = run_with_timeout(
+            {
+                let mut cmd = Command::new(bin());
+                cmd.args(["generate", "-t", "1", "-m"])
+                    .arg(&path)
+                    .args(["-p", p, "-n", "40", "--temperature", "0"])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::null());
+                cmd
+            },
+            TIMEOUT,
+        );
         assert!(out.status.success());
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
@@ -535,15 +382,18 @@ fn seeded_sampling_across_stages_matches_one_process() {
         "--repeat-penalty",
         "1.1",
     ];
-    let gen = run_with_timeout({
-        let mut cmd = Command::new(bin());
-        cmd.args(["generate", "-t", "1", "-m"])
-            .arg(&path)
-            .args(flags)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        cmd
-    });
+    let gen = run_with_timeout(
+        {
+            let mut cmd = Command::new(bin());
+            cmd.args(["generate", "-t", "1", "-m"])
+                .arg(&path)
+                .args(flags)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null());
+            cmd
+        },
+        TIMEOUT,
+    );
     assert!(gen.status.success());
     let mut c = Cluster::start(&path);
     c.add_node("a", &[]);
@@ -637,7 +487,7 @@ fn node_receives_only_its_share_and_its_cache_survives_a_restart() {
     // Restart node b without the token: it reconnects to the recorded coordinator and reads its
     // tensors from its cache.
     drop(c.nodes.pop());
-    let mut b = Proc::spawn("b-again", &c.node_args("b", &[]));
+    let mut b = Proc::spawn("b-again", &c.node_args("b", &[]), TIMEOUT);
     b.wait_for("joined coordinator ");
     c.nodes.push(b);
     let (out, msgs) = c.run_json(&args);
@@ -752,7 +602,7 @@ fn node_with_a_wrong_token_is_refused() {
     let forged = tessera_net::JoinToken::generate(Some(coordinator_id)).unwrap();
     let mut args = c.node_args("intruder", &[]);
     args.extend(["--join".into(), format!("{forged}@{addr}")]);
-    let mut p = Proc::spawn("intruder", &args);
+    let mut p = Proc::spawn("intruder", &args, TIMEOUT);
     let status = p.wait_exit();
     assert!(!status.success());
     assert!(!p.seen.iter().any(|l| l.starts_with("joined coordinator")));
@@ -767,7 +617,7 @@ fn a_name_cannot_be_moved_to_another_key() {
     let mut args = c.node_args("alpha", &[]);
     args[2] = c.dir.path().join("other").display().to_string();
     args.extend(["--join".into(), c.join.clone()]);
-    let mut p = Proc::spawn("impostor", &args);
+    let mut p = Proc::spawn("impostor", &args, TIMEOUT);
     assert!(!p.wait_exit().success());
     assert!(!p.seen.iter().any(|l| l.starts_with("joined coordinator")));
 }

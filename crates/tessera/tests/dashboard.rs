@@ -5,53 +5,14 @@
 //! Needs Debian's `chromium` (`apt-get install -y chromium`). Without it the test is skipped,
 //! except under CI (`CI=true`), where it fails.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-const CHROMIUM: &str = "/usr/bin/chromium";
-
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Server {
-    fn start() -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .env(
-                "TESSERA_CACHE_DIR",
-                PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache"),
-            )
-            .env("TESSERA_LOG", "warn")
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting tessera serve");
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on http://")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = out.read_to_string(&mut sink);
-        });
-        Self { child, addr }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::{chromium, screenshot, Server, CHROMIUM};
 
 /// A bare HTTP/1.1 exchange; returns the body (requests here never use chunked bodies that
 /// matter: the completion's JSON is read whole, the status JSON is not chunked).
@@ -71,52 +32,6 @@ fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
         .unwrap_or_default()
 }
 
-/// Runs Chromium headless on `url` with `extra` flags, killing it after `timeout`.
-fn chromium(profile: &Path, url: &str, extra: &[&str], timeout: Duration) -> Output {
-    let mut child = Command::new(CHROMIUM)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--hide-scrollbars",
-        ])
-        .arg(format!("--user-data-dir={}", profile.display()))
-        .args(extra)
-        .arg(url)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting chromium");
-    let mut stdout = child.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = stdout.read_to_end(&mut s);
-        s
-    });
-    let t0 = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let stdout = reader.join().unwrap();
-            return Output {
-                status,
-                stdout,
-                stderr: Vec::new(),
-            };
-        }
-        if t0.elapsed() > timeout {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("chromium did not finish within {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn headless_chromium_shows_every_node_and_the_plan() {
     if !Path::new(CHROMIUM).exists() {
@@ -127,7 +42,7 @@ fn headless_chromium_shows_every_node_and_the_plan() {
         eprintln!("skipping: {CHROMIUM} is not installed");
         return;
     }
-    let server = Server::start();
+    let server = Server::start(&[]);
     // Some traffic, so throughput, latency and the request table have something to show;
     // one refused request shows as a failure.
     for i in 0..4 {
@@ -183,18 +98,5 @@ fn headless_chromium_shows_every_node_and_the_plan() {
     );
 
     let shot = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/dashboard.png");
-    let _ = std::fs::remove_file(&shot);
-    let out = chromium(
-        &profile,
-        &url,
-        &[
-            "--window-size=1400,1250",
-            &format!("--screenshot={}", shot.display()),
-        ],
-        Duration::from_secs(90),
-    );
-    assert!(out.status.success(), "chromium --screenshot failed");
-    let png = std::fs::read(&shot).expect("the screenshot was written");
-    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
-    eprintln!("dashboard screenshot: {}", shot.display());
+    screenshot(&profile, &url, &shot);
 }

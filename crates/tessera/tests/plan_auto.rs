@@ -3,128 +3,16 @@
 //! 127.0.0.1; the assertions are on decisions (which node holds which layers, within which
 //! budget, producing which tokens), never on timings.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{bin, model, reference_tokens, run_with_timeout, Proc};
 use serde_json::Value;
-use tessera_engine::{Generator, Model, SamplingParams};
 use tessera_model::{GgufFile, Tokenizer};
 
 const TIMEOUT: Duration = Duration::from_secs(90);
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_tessera")
-}
-
-fn model(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(name)
-}
-
-/// A child process whose stdout lines are collected; killed on drop.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-    name: String,
-}
-
-impl Proc {
-    fn spawn(name: &str, args: &[String]) -> Self {
-        let mut child = Command::new(bin())
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in out.lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self {
-            child,
-            lines,
-            seen: Vec::new(),
-            name: name.to_string(),
-        }
-    }
-
-    /// Waits for a stdout line starting with `prefix`; returns the rest of it.
-    fn wait_for(&mut self, prefix: &str) -> String {
-        let deadline = Instant::now() + TIMEOUT;
-        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-            return l[prefix.len()..].to_string();
-        }
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    let hit = l.starts_with(prefix).then(|| l[prefix.len()..].to_string());
-                    self.seen.push(l);
-                    if let Some(h) = hit {
-                        return h;
-                    }
-                }
-                Err(_) => panic!(
-                    "{}: no line starting with {prefix:?}; saw {:?}",
-                    self.name, self.seen
-                ),
-            }
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn run_with_timeout(mut cmd: Command) -> Output {
-    let mut child = cmd.spawn().expect("spawning");
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("timed out: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Greedy tokens of one process, as `tessera generate` computes them.
-fn reference_tokens(path: &Path, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
-    let g = GgufFile::open(path).unwrap();
-    let tok = Tokenizer::from_gguf(&g).unwrap();
-    let mut eog: Vec<u32> = (0..tok.vocab_size() as u32)
-        .filter(|&t| tok.is_end_of_generation(t))
-        .collect();
-    eog.extend(tok.bos_id());
-    let m = Model::load_full(&g, 1).unwrap();
-    let mut gen = Generator::new(&m, SamplingParams::greedy(), prompt.len() + n);
-    gen.prefill_chunk = chunk;
-    let mut out = Vec::new();
-    gen.generate(prompt, n, &eog, &mut |t| {
-        out.push(t);
-        true
-    })
-    .unwrap();
-    out
-}
 
 fn parse_range(s: &str) -> (usize, usize) {
     let (a, b) = s.split_once("..").unwrap();
@@ -156,6 +44,7 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
             "--nodes-expected".into(),
             "2".into(),
         ],
+        TIMEOUT,
     );
     let join = coordinator.wait_for("join token: ");
     let mut nodes = Vec::new();
@@ -179,7 +68,7 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let mut p = Proc::spawn(name, &args);
+        let mut p = Proc::spawn(name, &args, TIMEOUT);
         // One after another, so their probes do not overlap.
         p.wait_for("joined coordinator ");
         nodes.push(p);
@@ -241,7 +130,7 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let out = run_with_timeout(cmd);
+    let out = run_with_timeout(cmd, TIMEOUT);
     assert!(
         out.status.success(),
         "{}",

@@ -10,12 +10,13 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Mutex};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{
-    chromium, get, metric, metric_samples, post, send, streamed_chat, wait_for, CHROMIUM,
+    chromium, get, metric, metric_samples, model_path, openai_client_available, post, screenshot,
+    send, stream_until, streamed_chat, wait_for, Proc, CHROMIUM,
 };
 
 const START_TIMEOUT: Duration = Duration::from_secs(180);
@@ -23,95 +24,49 @@ const START_TIMEOUT: Duration = Duration::from_secs(180);
 /// One cluster at a time: each is four processes on a small machine.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-fn model_path(name: &str) -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(name)
-        .display()
-        .to_string()
-}
-
 /// A running `tessera up`; stopped (and its nodes killed) on drop.
 struct Up {
-    child: Child,
+    proc: Proc,
     addr: String,
     node_pids: Vec<u32>,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
 impl Up {
     fn start(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args([
-                "up",
-                "--listen",
-                "127.0.0.1:0",
-                "--nodes",
-                "3",
-                "--threads",
-                "1",
-            ])
-            .arg("--run-dir")
-            .arg(dir.path())
-            .args(extra)
-            .env(
-                "TESSERA_CACHE_DIR",
-                PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache"),
-            )
-            .env("TESSERA_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting tessera up");
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in out.lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+        cmd.args([
+            "up",
+            "--listen",
+            "127.0.0.1:0",
+            "--nodes",
+            "3",
+            "--threads",
+            "1",
+        ])
+        .arg("--run-dir")
+        .arg(dir.path())
+        .args(extra)
+        .env(
+            "TESSERA_CACHE_DIR",
+            PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache"),
+        )
+        .env("TESSERA_LOG", "warn");
         let mut up = Self {
-            child,
+            proc: Proc::from_command("tessera up", cmd, START_TIMEOUT),
             addr: String::new(),
             node_pids: Vec::new(),
-            lines,
-            seen: Vec::new(),
             _dir: dir,
         };
-        let pids = up.wait_for("  node pids  ");
+        let pids = up.proc.wait_for("  node pids  ");
         up.node_pids = pids
             .split_whitespace()
             .map(|p| p.parse().unwrap())
             .collect();
         assert_eq!(up.node_pids.len(), 3, "{pids}");
-        up.addr = up.wait_for("listening on http://");
+        up.addr = up.proc.wait_for("listening on http://");
         up
-    }
-
-    /// Waits for a stdout line starting with `prefix`; the rest of it.
-    fn wait_for(&mut self, prefix: &str) -> String {
-        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-            return l[prefix.len()..].to_string();
-        }
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    let hit = l.starts_with(prefix).then(|| l[prefix.len()..].to_string());
-                    self.seen.push(l);
-                    if let Some(h) = hit {
-                        return h;
-                    }
-                }
-                Err(_) => panic!("no line {prefix:?} from tessera up; saw {:?}", self.seen),
-            }
-        }
     }
 
     fn url(&self) -> String {
@@ -132,8 +87,8 @@ fn alive(pid: u32) -> bool {
 
 impl Drop for Up {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.proc.child.kill();
+        let _ = self.proc.child.wait();
         for &p in &self.node_pids {
             if alive(p) {
                 let _ = Command::new("kill")
@@ -145,33 +100,11 @@ impl Drop for Up {
 }
 
 fn run_openai_script(url: &str) {
-    let have = Command::new("python3")
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !have {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must install the openai package (pip install openai)"
-        );
+    if !openai_client_available() {
         eprintln!("skipping the openai client check: python3 with `openai` is not available");
         return;
     }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_api.py");
-    let out = Command::new("timeout")
-        .arg("300")
-        .arg("python3")
-        .arg(script)
-        .arg(url)
-        .output()
-        .expect("running python3");
-    let log = format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{log}");
-    assert!(out.status.success(), "openai_api.py failed\n{log}");
+    common::run_openai_script(url);
 }
 
 fn concurrent_streams_match_alone(addr: &str) {
@@ -258,20 +191,7 @@ fn dashboard_shows_the_cluster(addr: &str) {
     );
     assert!(dom.contains("Why this plan"), "the explanation is missing");
     let shot = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/dashboard-up.png");
-    let _ = std::fs::remove_file(&shot);
-    let out = chromium(
-        &profile,
-        &url,
-        &[
-            "--window-size=1400,1250",
-            &format!("--screenshot={}", shot.display()),
-        ],
-        Duration::from_secs(90),
-    );
-    assert!(out.status.success(), "chromium --screenshot failed");
-    let png = std::fs::read(&shot).expect("the screenshot was written");
-    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
-    eprintln!("dashboard screenshot: {}", shot.display());
+    screenshot(&profile, &url, &shot);
 }
 
 fn sigint_stops_everything(up: &mut Up) {
@@ -279,14 +199,14 @@ fn sigint_stops_everything(up: &mut Up) {
         assert!(alive(p), "node {p} is not running before the stop");
     }
     let ok = Command::new("kill")
-        .args(["-INT", &up.child.id().to_string()])
+        .args(["-INT", &up.proc.child.id().to_string()])
         .status()
         .unwrap()
         .success();
     assert!(ok);
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
-        if let Some(s) = up.child.try_wait().unwrap() {
+        if let Some(s) = up.proc.child.try_wait().unwrap() {
             break s;
         }
         assert!(
@@ -306,7 +226,9 @@ fn one_command_cluster_serves_openai_batches_shows_dashboard_and_stops_on_ctrl_c
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let mut up = Up::start(&[]);
     assert!(
-        up.wait_for("  sample     ").starts_with("Once upon a time"),
+        up.proc
+            .wait_for("  sample     ")
+            .starts_with("Once upon a time"),
         "no sample completion"
     );
     let url = up.url();
@@ -347,17 +269,7 @@ fn a_client_that_disconnects_mid_stream_frees_kv_on_every_stage() {
         "stream": true,
     })
     .to_string();
-    let s = send(&addr, "POST", "/v1/completions", Some(&body), None);
-    let mut r = BufReader::new(s);
-    let mut seen = 0;
-    let mut line = String::new();
-    while seen < 3 {
-        line.clear();
-        assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early");
-        if line.contains("data: {") {
-            seen += 1;
-        }
-    }
+    let r = stream_until(&addr, "/v1/completions", &body, 3);
     // Mid-stream: every stage holds KV for the sequence.
     let during = per_node();
     assert!(during.iter().all(|(_, v)| *v > 0.0), "{during:?}");

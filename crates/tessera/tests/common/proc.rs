@@ -1,0 +1,129 @@
+//! The `tessera` binary, model paths, and a child process whose stdout lines are collected.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_tessera")
+}
+
+pub fn model(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(name)
+}
+
+/// A child process whose stdout lines are collected; killed on drop. Every wait gives up after
+/// `timeout`.
+pub struct Proc {
+    pub child: Child,
+    pub lines: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+    pub name: String,
+    pub timeout: Duration,
+}
+
+impl Proc {
+    /// `tessera` with `args`.
+    pub fn spawn(name: &str, args: &[String], timeout: Duration) -> Self {
+        let mut cmd = Command::new(bin());
+        cmd.args(args);
+        Self::from_command(name, cmd, timeout)
+    }
+
+    /// Starts `cmd` with stdout collected and stderr inherited.
+    pub fn from_command(name: &str, mut cmd: Command, timeout: Duration) -> Self {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+            name: name.to_string(),
+            timeout,
+        }
+    }
+
+    /// Waits for a stdout line starting with `prefix`; returns the rest of it.
+    pub fn wait_for(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + self.timeout;
+        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
+            return l[prefix.len()..].to_string();
+        }
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    let hit = l.starts_with(prefix).then(|| l[prefix.len()..].to_string());
+                    self.seen.push(l);
+                    if let Some(h) = hit {
+                        return h;
+                    }
+                }
+                Err(_) => panic!(
+                    "{}: no line starting with {prefix:?}; saw {:?}",
+                    self.name, self.seen
+                ),
+            }
+        }
+    }
+
+    /// Waits until `n` stdout lines starting with `prefix` have been seen.
+    pub fn wait_for_nth(&mut self, prefix: &str, n: usize) {
+        let deadline = Instant::now() + self.timeout;
+        while self.seen.iter().filter(|l| l.starts_with(prefix)).count() < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!(
+                    "{}: fewer than {n} lines {prefix:?}: {:?}",
+                    self.name, self.seen
+                ),
+            }
+        }
+    }
+
+    /// Asks the process to stop (SIGTERM) and waits for it.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        self.wait_exit()
+    }
+
+    /// Waits for the process to exit; its status.
+    pub fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
