@@ -1,5 +1,6 @@
-//! From a backend's token events to the text a client sees: UTF-8 assembled across tokens (as
-//! [`tessera_model::StreamDecoder`] does, but owning its tokenizer through the [`ServedModel`])
+//! From a backend's token events to the text a client sees: UTF-8 assembled across tokens
+//! ([`Utf8Assembler`], the byte half of [`tessera_model::StreamDecoder`], since the tokenizer is
+//! reached through the [`ServedModel`])
 //! and stop strings cut out ([`StopMatcher`]). A stop string ends the request here: the handle
 //! is dropped, which cancels the sequence in the backend.
 
@@ -7,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_engine::StopMatcher;
+use tessera_model::Utf8Assembler;
 
 use crate::backend::{Event, FinishReason, RequestHandle, ServedModel, Usage};
 
@@ -27,7 +29,7 @@ pub enum Piece {
 pub struct TextStream {
     handle: Option<RequestHandle>,
     served: Arc<ServedModel>,
-    pending: Vec<u8>,
+    utf8: Utf8Assembler,
     stop: StopMatcher,
     prompt_tokens: usize,
     tokens: usize,
@@ -49,7 +51,7 @@ impl TextStream {
         Self {
             handle: Some(handle),
             served,
-            pending: Vec::new(),
+            utf8: Utf8Assembler::default(),
             stop: StopMatcher::new(stop.iter().cloned()),
             prompt_tokens,
             tokens: 0,
@@ -104,7 +106,7 @@ impl TextStream {
                         self.first_token = Some(self.started.elapsed());
                     }
                     on_token(first);
-                    let text = self.take_utf8(id);
+                    let text = self.utf8.push(self.served.tokenizer.piece_bytes(id));
                     let step = self.stop.push(&text);
                     if step.stopped {
                         // Cancel in the backend: the rest is not wanted.
@@ -117,8 +119,7 @@ impl TextStream {
                 }
                 Event::Finished { reason, usage } => {
                     self.handle = None;
-                    let mut tail = String::from_utf8_lossy(&self.pending).into_owned();
-                    self.pending.clear();
+                    let mut tail = self.utf8.finish();
                     let step = self.stop.push(&tail);
                     tail = step.emit;
                     if !step.stopped {
@@ -154,40 +155,5 @@ impl TextStream {
             self.deferred = Some(Piece::Done { reason, usage });
             Piece::Text(text)
         }
-    }
-
-    /// Appends the token's bytes and returns the complete UTF-8 text (invalid bytes as U+FFFD).
-    fn take_utf8(&mut self, id: u32) -> String {
-        self.pending
-            .extend_from_slice(self.served.tokenizer.piece_bytes(id));
-        let mut out = String::new();
-        let mut start = 0;
-        loop {
-            match std::str::from_utf8(&self.pending[start..]) {
-                Ok(s) => {
-                    out.push_str(s);
-                    start = self.pending.len();
-                    break;
-                }
-                Err(e) => {
-                    let valid = e.valid_up_to();
-                    out.push_str(&String::from_utf8_lossy(
-                        &self.pending[start..start + valid],
-                    ));
-                    match e.error_len() {
-                        Some(n) => {
-                            out.push('\u{FFFD}');
-                            start += valid + n;
-                        }
-                        None => {
-                            start += valid;
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        self.pending.drain(..start);
-        out
     }
 }

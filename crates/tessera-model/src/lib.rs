@@ -24,5 +24,5 @@ pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, MetaArray, MetaValue, TensorInfo};
 pub use profile::{human_bytes, LayerBytes, ModelProfile};
 pub use tokenizer::{
-    PreTokenizer, StreamDecoder, TokenType, Tokenizer, TokenizerKind, TokenizerParts,
+    PreTokenizer, StreamDecoder, TokenType, Tokenizer, TokenizerKind, TokenizerParts, Utf8Assembler,
 };

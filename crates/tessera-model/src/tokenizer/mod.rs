@@ -48,7 +48,7 @@ use crate::error::{ModelError, Result};
 use crate::gguf::{GgufFile, MetaArray, MetaValue};
 
 pub use pretokenize::PreTokenizer;
-pub use stream::StreamDecoder;
+pub use stream::{StreamDecoder, Utf8Assembler};
 
 /// Token text of every EOT-like control token llama.cpp treats as end-of-generation.
 const EOG_TEXTS: &[&str] = &[

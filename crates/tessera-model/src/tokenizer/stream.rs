@@ -13,20 +13,41 @@ use super::Tokenizer;
 #[derive(Debug)]
 pub struct StreamDecoder<'a> {
     tok: &'a Tokenizer,
-    pending: Vec<u8>,
+    utf8: Utf8Assembler,
 }
 
 impl<'a> StreamDecoder<'a> {
     pub fn new(tok: &'a Tokenizer) -> Self {
         Self {
             tok,
-            pending: Vec::new(),
+            utf8: Utf8Assembler::default(),
         }
     }
 
     /// Adds one id; returns the text it completes (possibly empty).
     pub fn push(&mut self, id: u32) -> String {
-        self.pending.extend_from_slice(self.tok.piece_bytes(id));
+        self.utf8.push(self.tok.piece_bytes(id))
+    }
+
+    /// Ends the stream: whatever is still held back, with an incomplete sequence as U+FFFD.
+    pub fn finish(&mut self) -> String {
+        self.utf8.finish()
+    }
+}
+
+/// The tokenizer-free half of [`StreamDecoder`]: bytes in, complete UTF-8 text out. For callers
+/// that hold the tokenizer some other way (e.g. behind an `Arc`) and look up piece bytes
+/// themselves.
+#[derive(Debug, Default)]
+pub struct Utf8Assembler {
+    pending: Vec<u8>,
+}
+
+impl Utf8Assembler {
+    /// Appends `bytes`; returns the text now complete (invalid bytes as U+FFFD), holding back a
+    /// trailing incomplete sequence.
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
         let mut out = String::new();
         let mut start = 0;
         loop {
@@ -60,7 +81,7 @@ impl<'a> StreamDecoder<'a> {
         out
     }
 
-    /// Ends the stream: whatever is still held back, with an incomplete sequence as U+FFFD.
+    /// Whatever is still held back, with an incomplete sequence as U+FFFD; empties the buffer.
     pub fn finish(&mut self) -> String {
         let out = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
