@@ -36,7 +36,7 @@ use tessera_net::{
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
-use crate::fetch_net::{fetch_manifest, fetch_tensors};
+use crate::fetch_net::{assignment_needs, fetch_manifest, fetch_needs};
 use crate::inventory::{measure, Inventory, MemoryBudget, ProbeOptions};
 use crate::protocol::{
     frame, limits, stream, CoordToNode, ExpertAssignment, ExpertCacheStats, FinishReason, Hello,
@@ -529,8 +529,8 @@ fn release_experts(shared: &Shared, epoch: Option<u64>) {
     }
 }
 
-/// The packed expert tensors of the layers where `held` names experts, outside `skip`
-/// (whole packed tensors: the store fetches whole tensors; only the held experts are loaded).
+/// The packed expert tensors of the layers where `held` names experts, outside `skip` (of
+/// which [`assignment_needs`] keeps only the held experts' byte ranges).
 fn expert_tensor_names(
     manifest: &Manifest,
     held: &[Vec<usize>],
@@ -857,7 +857,11 @@ async fn load_assignment(
         let skip = if expert_only { 0..0 } else { a.layers.clone() };
         names.extend(expert_tensor_names(&manifest, &x.held, &skip));
     }
-    let weight_bytes = manifest.bytes_for(&names)?;
+    // Expert split: only the held experts' byte ranges of the packed expert tensors.
+    let held_experts = experts.as_ref().map(|x| x.held.as_slice());
+    let (needs, header) =
+        assignment_needs(&ctx.conn, &ctx.store, &manifest, names, held_experts).await?;
+    let weight_bytes = manifest.bytes_for_needs(&needs)?;
     // Experts over the memory budget are streamed from disk: the node keeps what the budget
     // allows in memory (half the limit, leaving the rest to the dense weights and KV caches).
     let streaming = match (ctx.expert_budget, &experts) {
@@ -874,17 +878,18 @@ async fn load_assignment(
 
     let bar = progress_bar(ctx.progress, "receiving");
     let b = bar.clone();
-    let fetched = fetch_tensors(
+    let fetched = fetch_needs(
         &ctx.conn,
         ctx.store.clone(),
         manifest.clone(),
-        names,
+        needs,
         move |done, total| {
             b.set_length(total);
             b.set_position(done);
         },
     )
-    .await?;
+    .await?
+    .after(&header);
     bar.finish_and_clear();
     let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
 

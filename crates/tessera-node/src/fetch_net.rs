@@ -1,7 +1,8 @@
 //! Receiving a model's tensors from the coordinator over a [`stream::MODEL`] stream.
 //!
 //! The node asks for the manifest, works out with its [`ShardStore`] which chunks of the tensors
-//! its assignment needs are missing, asks for exactly those in one request, and feeds the
+//! (or, in an expert split, of the held experts' byte ranges: [`assignment_needs`]) its
+//! assignment needs are missing, asks for exactly those in one request, and feeds the
 //! replies to the store's [`fetch`] through [`NetChunkSource`]: every chunk is verified against
 //! the manifest's blake3 hash before it is written, progress is persisted, and an interrupted
 //! transfer resumes where it stopped. The coordinator streams chunks back to back (QUIC flow
@@ -15,8 +16,11 @@ use tokio::sync::mpsc;
 
 use crate::error::FabricError;
 use crate::protocol::{decode_chunk, frame, limits, stream, ModelReply, ModelRequest};
+use tessera_model::GgufFile;
+
 use crate::store::{
-    fetch, ChunkRef, ChunkSource, ContentHash, FetchProgress, FetchReport, Manifest, ShardStore,
+    expert_needs, fetch_needs as store_fetch_needs, ChunkRef, ChunkSource, ContentHash,
+    FetchProgress, FetchReport, Manifest, Need, ShardStore,
 };
 
 /// Asks the coordinator for the manifest of `model`.
@@ -78,11 +82,51 @@ pub async fn fetch_tensors(
     store: Arc<ShardStore>,
     manifest: Arc<Manifest>,
     names: Vec<String>,
+    progress: impl FnMut(u64, u64) + Send + 'static,
+) -> Result<FetchReport, FabricError> {
+    let needs = Need::whole_tensors(&names);
+    fetch_needs(conn, store, manifest, needs, progress).await
+}
+
+/// What an assignment needs of the tensors `names`: all of each, or with `held` (an expert
+/// split: `held[layer]` lists the experts this node loads) only the held experts' byte ranges
+/// of the packed expert tensors (see [`expert_needs`]). Reading those tensors' shapes takes
+/// the GGUF header, so with `held` the header is received first; the report of that transfer
+/// comes back with the needs (fold it into the main fetch's with [`FetchReport::after`]).
+pub async fn assignment_needs(
+    conn: &Connection,
+    store: &Arc<ShardStore>,
+    manifest: &Arc<Manifest>,
+    names: Vec<String>,
+    held: Option<&[Vec<usize>]>,
+) -> Result<(Vec<Need>, FetchReport), FabricError> {
+    let Some(held) = held else {
+        return Ok((Need::whole_tensors(&names), FetchReport::default()));
+    };
+    let header = fetch_needs(conn, store.clone(), manifest.clone(), Vec::new(), |_, _| {}).await?;
+    let (store, manifest, held) = (store.clone(), manifest.clone(), held.to_vec());
+    let needs = tokio::task::spawn_blocking(move || -> Result<Vec<Need>, FabricError> {
+        let g = GgufFile::open(store.path_for(&manifest))?;
+        Ok(expert_needs(&g, &names, &held)?)
+    })
+    .await
+    .map_err(|e| FabricError::Stopped(format!("reading the model header: {e}")))??;
+    Ok((needs, header))
+}
+
+/// Makes sure `store` holds the header and the chunks overlapping `needs` (see
+/// [`Manifest::chunks_for_needs`]), receiving what is missing from the coordinator.
+/// `progress(done, total)` is called after each chunk.
+pub async fn fetch_needs(
+    conn: &Connection,
+    store: Arc<ShardStore>,
+    manifest: Arc<Manifest>,
+    needs: Vec<Need>,
     mut progress: impl FnMut(u64, u64) + Send + 'static,
 ) -> Result<FetchReport, FabricError> {
     let missing = {
-        let (store, manifest, names) = (store.clone(), manifest.clone(), names.clone());
-        tokio::task::spawn_blocking(move || store.missing_chunks(&manifest, &names))
+        let (store, manifest, needs) = (store.clone(), manifest.clone(), needs.clone());
+        tokio::task::spawn_blocking(move || store.missing_chunks_for(&manifest, &needs))
             .await
             .map_err(|e| FabricError::Stopped(format!("fetch task: {e}")))??
     };
@@ -153,10 +197,10 @@ pub async fn fetch_tensors(
     };
     let source = NetChunkSource { rx: Mutex::new(rx) };
     let report = tokio::task::spawn_blocking(move || {
-        fetch(
+        store_fetch_needs(
             &store,
             &manifest,
-            &names,
+            &needs,
             &source,
             &mut |p: &FetchProgress<'_>| progress(p.bytes_done, p.bytes_total),
         )

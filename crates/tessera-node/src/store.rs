@@ -18,8 +18,10 @@
 //! Every chunk is checked against the manifest's hash before it is written; a bad chunk is
 //! rejected with an error naming the tensor and chunk. [`fetch`] pulls the missing chunks of the
 //! named tensors from any [`ChunkSource`] (a local file here; a network stream later) and reports
-//! the bytes it moved. A node that already holds the whole file adopts it ([`ShardStore::adopt`])
-//! and downloads nothing.
+//! the bytes it moved; [`fetch_needs`] does the same for byte ranges of tensors ([`Need`]), so
+//! that a node owning some experts of a packed expert tensor receives only the chunks that
+//! overlap them ([`expert_needs`]). A node that already holds the whole file adopts it
+//! ([`ShardStore::adopt`]) and downloads nothing.
 //!
 //! Trust: the manifest is the root of trust. It should come from the authenticated coordinator;
 //! the store checks that it is well formed and that the received header agrees with it, and
@@ -39,8 +41,13 @@ use tessera_model::{human_bytes, GgufFile, ModelError};
 
 use crate::sys;
 
-/// Chunk size of manifests built with [`Manifest::from_gguf`].
+/// Chunk size of manifests built with [`Manifest::from_gguf`] (unless [`CHUNK_SIZE_ENV`] says
+/// otherwise).
 pub const DEFAULT_CHUNK_SIZE: u32 = 1 << 20;
+/// Environment variable that sets the chunk size (bytes) of manifests built with
+/// [`Manifest::from_gguf`], e.g. by the coordinator: smaller chunks cut the waste at the edges
+/// of expert byte ranges on models whose expert slices are not much larger than a chunk.
+pub const CHUNK_SIZE_ENV: &str = "TESSERA_CHUNK_SIZE";
 /// Largest chunk size a manifest may use (a chunk is held in memory whole).
 pub const MAX_CHUNK_SIZE: u32 = 64 << 20;
 /// Version of the [`Manifest`] JSON layout.
@@ -196,6 +203,43 @@ impl fmt::Display for ChunkRef {
     }
 }
 
+/// Bytes of one tensor that an assignment needs: all of it, or one range of it.
+///
+/// Transfer and verification stay per chunk: a range is widened to the chunks that overlap it.
+/// A chunk straddling the boundary of a needed range is fetched (and verified) whole, so a range
+/// costs at most one partly needed chunk at each end, and a chunk shared by two needed ranges
+/// (two adjacent experts, say) is fetched once. The bytes of such a boundary chunk outside the
+/// range are real model bytes, not holes; the engine simply does not use them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Need {
+    pub tensor: String,
+    /// Bytes relative to the tensor's first byte; `None`: the whole tensor.
+    pub range: Option<Range<u64>>,
+}
+
+impl Need {
+    /// The whole tensor `tensor`.
+    pub fn whole(tensor: impl Into<String>) -> Self {
+        Self {
+            tensor: tensor.into(),
+            range: None,
+        }
+    }
+
+    /// Bytes `range` of tensor `tensor` (relative to its first byte).
+    pub fn bytes(tensor: impl Into<String>, range: Range<u64>) -> Self {
+        Self {
+            tensor: tensor.into(),
+            range: Some(range),
+        }
+    }
+
+    /// Each name as a whole tensor.
+    pub fn whole_tensors<S: AsRef<str>>(names: &[S]) -> Vec<Self> {
+        names.iter().map(|n| Self::whole(n.as_ref())).collect()
+    }
+}
+
 /// Chunk numbering of a manifest: section 0 is the header, section `i + 1` is tensor `i`.
 #[derive(Debug)]
 struct Index {
@@ -235,32 +279,61 @@ impl Index {
         Some((sec, id - self.bases[sec]))
     }
 
-    /// Section numbers of the header and the named tensors, in manifest order.
-    fn sections_for<S: AsRef<str>>(
-        &self,
-        m: &Manifest,
-        names: &[S],
-    ) -> Result<Vec<usize>, StoreError> {
-        let mut set = BTreeSet::from([0usize]);
-        for n in names {
-            let n = n.as_ref();
-            let &i = self
+    /// Ids of the header's chunks and of every chunk overlapping a need, ascending, each once.
+    fn ids_for(&self, m: &Manifest, needs: &[Need]) -> Result<Vec<u32>, StoreError> {
+        let cs = u64::from(m.chunk_size);
+        let mut spans: Vec<Range<u32>> = Vec::with_capacity(needs.len() + 1);
+        spans.push(0..m.header.chunks.len() as u32);
+        for n in needs {
+            let &sec = self
                 .by_name
-                .get(n)
+                .get(&n.tensor)
                 .ok_or_else(|| StoreError::UnknownTensor {
                     model: m.model_hash.short(),
-                    name: n.to_string(),
+                    name: n.tensor.clone(),
                 })?;
-            set.insert(i);
+            let len = m.section(sec).len;
+            let r = n.range.clone().unwrap_or(0..len);
+            if r.start > r.end || r.end > len {
+                return Err(StoreError::BadRange {
+                    model: m.model_hash.short(),
+                    tensor: n.tensor.clone(),
+                    start: r.start,
+                    end: r.end,
+                    len,
+                });
+            }
+            if r.is_empty() {
+                continue;
+            }
+            // Every chunk that holds at least one byte of the range.
+            let first = (r.start / cs) as u32;
+            let last = ((r.end - 1) / cs) as u32;
+            let base = self.bases[sec];
+            spans.push(base + first..base + last + 1);
         }
-        Ok(set.into_iter().collect())
+        spans.sort_unstable_by_key(|r| r.start);
+        let mut ids = Vec::new();
+        let mut next = 0u32;
+        for r in spans {
+            ids.extend(r.start.max(next)..r.end);
+            next = next.max(r.end);
+        }
+        Ok(ids)
     }
 }
 
 impl Manifest {
-    /// Builds the manifest of a GGUF file with [`DEFAULT_CHUNK_SIZE`] chunks.
+    /// Builds the manifest of a GGUF file with [`DEFAULT_CHUNK_SIZE`] chunks, or the size
+    /// [`CHUNK_SIZE_ENV`] gives.
     pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        Self::from_gguf_with(path, DEFAULT_CHUNK_SIZE, &mut |_, _| {})
+        let chunk_size = match std::env::var(CHUNK_SIZE_ENV) {
+            Ok(v) => v.trim().parse::<u32>().map_err(|e| {
+                StoreError::BadManifest(format!("{CHUNK_SIZE_ENV}={v:?} is not a byte count: {e}"))
+            })?,
+            Err(_) => DEFAULT_CHUNK_SIZE,
+        };
+        Self::from_gguf_with(path, chunk_size, &mut |_, _| {})
     }
 
     /// Builds the manifest of a GGUF file, reading it once, front to back; `progress(done,
@@ -442,26 +515,37 @@ impl Manifest {
     /// Every chunk of the header and the named tensors, in manifest order, whatever any store
     /// holds. Unknown names are an error.
     pub fn chunks_for<S: AsRef<str>>(&self, names: &[S]) -> Result<Vec<ChunkRef>, StoreError> {
+        self.chunks_for_needs(&Need::whole_tensors(names))
+    }
+
+    /// Every chunk of the header, and every chunk overlapping one of `needs` (a chunk that
+    /// straddles a range's boundary is included whole), in manifest order, each once, whatever
+    /// any store holds. An unknown tensor or a range beyond its tensor's end is an error.
+    pub fn chunks_for_needs(&self, needs: &[Need]) -> Result<Vec<ChunkRef>, StoreError> {
         let index = Index::new(self);
-        let secs = index.sections_for(self, names)?;
-        Ok(secs
+        Ok(index
+            .ids_for(self, needs)?
             .into_iter()
-            .flat_map(|sec| {
-                let n = self.section(sec).chunks.len() as u32;
-                (0..n).map(move |i| (sec, i))
+            .map(|id| {
+                let (sec, i) = index.locate(id).expect("ids come from the index");
+                self.chunk_ref(&index, sec, i)
             })
-            .map(|(sec, i)| self.chunk_ref(&index, sec, i))
             .collect())
     }
 
     /// Bytes of the header plus the named tensors: what a node holding them stores and what a
     /// fetch from empty transfers.
     pub fn bytes_for<S: AsRef<str>>(&self, names: &[S]) -> Result<u64, StoreError> {
-        let index = Index::new(self);
-        Ok(index
-            .sections_for(self, names)?
-            .into_iter()
-            .map(|s| self.section(s).len)
+        self.bytes_for_needs(&Need::whole_tensors(names))
+    }
+
+    /// Bytes of the chunks [`Manifest::chunks_for_needs`] names: what a node holding `needs`
+    /// stores and what a fetch from empty transfers.
+    pub fn bytes_for_needs(&self, needs: &[Need]) -> Result<u64, StoreError> {
+        Ok(self
+            .chunks_for_needs(needs)?
+            .iter()
+            .map(|c| u64::from(c.len))
             .sum())
     }
 
@@ -553,6 +637,18 @@ pub enum StoreError {
     BadManifest(String),
     #[error("model {model} has no tensor named `{name}`")]
     UnknownTensor { model: String, name: String },
+    #[error(
+        "bytes {start}..{end} of tensor `{tensor}` of model {model} are not within its {len} bytes"
+    )]
+    BadRange {
+        model: String,
+        tensor: String,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
+    #[error("tensor `{tensor}`: {what}")]
+    Experts { tensor: String, what: String },
     #[error("{chunk} does not belong to model {model}: {what}")]
     UnknownChunk {
         model: String,
@@ -923,27 +1019,36 @@ impl ShardStore {
         }
     }
 
-    /// Chunks of the header and the named tensors that this store does not hold, in file
+    /// Chunks of the header and the named tensors that this store does not hold, in manifest
     /// order. Unknown tensor names are an error.
     pub fn missing_chunks<S: AsRef<str>>(
         &self,
         manifest: &Manifest,
         names: &[S],
     ) -> Result<Vec<ChunkRef>, StoreError> {
+        self.missing_chunks_for(manifest, &Need::whole_tensors(names))
+    }
+
+    /// Chunks of [`Manifest::chunks_for_needs`] that this store does not hold, in manifest
+    /// order.
+    pub fn missing_chunks_for(
+        &self,
+        manifest: &Manifest,
+        needs: &[Need],
+    ) -> Result<Vec<ChunkRef>, StoreError> {
         let st = self.state(manifest)?;
         let st = lock(&st);
         let m = Arc::clone(&st.manifest);
-        let secs = st.index.sections_for(&m, names)?;
-        let mut out = Vec::new();
-        for sec in secs {
-            for i in 0..m.section(sec).chunks.len() as u32 {
-                let id = st.index.bases[sec] + i;
-                if !st.has(id) {
-                    out.push(m.chunk_ref(&st.index, sec, i));
-                }
-            }
-        }
-        Ok(out)
+        Ok(st
+            .index
+            .ids_for(&m, needs)?
+            .into_iter()
+            .filter(|&id| !st.has(id))
+            .map(|id| {
+                let (sec, i) = st.index.locate(id).expect("ids come from the index");
+                m.chunk_ref(&st.index, sec, i)
+            })
+            .collect())
     }
 
     /// Whether the header and every named tensor are here, verified.
@@ -1250,7 +1355,8 @@ pub struct FetchProgress<'a> {
 /// What a fetch moved: the node's account of "bytes transferred ≈ its tensors' bytes".
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct FetchReport {
-    /// Header plus named tensors: all the assignment needs.
+    /// Header plus the chunks of the named tensors (or of the needed ranges): all the
+    /// assignment needs.
     pub chunks_needed: u64,
     pub bytes_needed: u64,
     /// Already held (from an earlier fetch, or an adopted file).
@@ -1261,6 +1367,25 @@ pub struct FetchReport {
     pub bytes_transferred: u64,
     pub chunks_rejected: u64,
     pub elapsed_ms: f64,
+}
+
+impl FetchReport {
+    /// This report (a fetch of a superset of what `earlier` fetched) with `earlier`'s transfers
+    /// folded in: chunks `earlier` received count as received, not as already present.
+    pub fn after(mut self, earlier: &Self) -> Self {
+        let chunks = earlier
+            .chunks_transferred
+            .saturating_sub(earlier.chunks_rejected)
+            .min(self.chunks_already_present);
+        let bytes = earlier.bytes_transferred.min(self.bytes_already_present);
+        self.chunks_already_present -= chunks;
+        self.bytes_already_present -= bytes;
+        self.chunks_transferred += earlier.chunks_transferred;
+        self.bytes_transferred += earlier.bytes_transferred;
+        self.chunks_rejected += earlier.chunks_rejected;
+        self.elapsed_ms += earlier.elapsed_ms;
+        self
+    }
 }
 
 /// A fetch that stopped, with what it had done: every verified chunk is kept, and fetching
@@ -1292,6 +1417,26 @@ pub fn fetch<S: AsRef<str>, C: ChunkSource + ?Sized>(
     source: &C,
     progress: &mut dyn FnMut(&FetchProgress<'_>),
 ) -> Result<FetchReport, FetchError> {
+    fetch_needs(
+        store,
+        manifest,
+        &Need::whole_tensors(names),
+        source,
+        progress,
+    )
+}
+
+/// [`fetch`] for byte ranges: pulls the header's chunks and the chunks overlapping `needs`
+/// (see [`Manifest::chunks_for_needs`]) that `store` lacks. Each chunk is verified whole, so
+/// a chunk straddling a range's boundary is received whole; the rest of the file stays a hole.
+#[allow(clippy::result_large_err)]
+pub fn fetch_needs<C: ChunkSource + ?Sized>(
+    store: &ShardStore,
+    manifest: &Manifest,
+    needs: &[Need],
+    source: &C,
+    progress: &mut dyn FnMut(&FetchProgress<'_>),
+) -> Result<FetchReport, FetchError> {
     let start = Instant::now();
     let mut report = FetchReport::default();
     let fail = |error: StoreError, mut report: FetchReport| {
@@ -1302,11 +1447,11 @@ pub fn fetch<S: AsRef<str>, C: ChunkSource + ?Sized>(
             partial: report,
         }
     };
-    let needed = match manifest.chunks_for(names) {
+    let needed = match manifest.chunks_for_needs(needs) {
         Ok(c) => c,
         Err(e) => return Err(fail(e, report)),
     };
-    let missing = match store.missing_chunks(manifest, names) {
+    let missing = match store.missing_chunks_for(manifest, needs) {
         Ok(c) => c,
         Err(e) => return Err(fail(e, report)),
     };
@@ -1367,6 +1512,80 @@ pub fn fetch<S: AsRef<str>, C: ChunkSource + ?Sized>(
     Ok(report)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Experts
+
+/// Layer of a packed expert tensor name, `blk.<N>.ffn_<gate|up|down>_exps.weight`.
+fn packed_expert_layer(name: &str) -> Option<usize> {
+    let (n, rest) = name.strip_prefix("blk.")?.split_once('.')?;
+    let part = rest.strip_prefix("ffn_")?.strip_suffix("_exps.weight")?;
+    if !matches!(part, "gate" | "up" | "down") {
+        return None;
+    }
+    n.parse().ok()
+}
+
+/// What a part of an expert split needs of the tensors `names`: each whole, except the packed
+/// expert tensors `blk.<N>.ffn_{gate,up,down}_exps.weight`, of which only the byte ranges of
+/// the experts `held[N]` are needed (none when `held` names no expert of layer `N`).
+///
+/// A packed tensor's outermost dimension is the expert, so expert `e` of `n` is the contiguous
+/// bytes `e * len / n .. (e + 1) * len / n` — what the engine's loader reads for it. Adjacent
+/// held experts make one range. `g` is the model's GGUF header (only the tensor index is read,
+/// so a sparse file holding just the header will do).
+pub fn expert_needs<S: AsRef<str>>(
+    g: &GgufFile,
+    names: &[S],
+    held: &[Vec<usize>],
+) -> Result<Vec<Need>, StoreError> {
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        let name = name.as_ref();
+        let Some(layer) = packed_expert_layer(name) else {
+            out.push(Need::whole(name));
+            continue;
+        };
+        let bad = |what: String| StoreError::Experts {
+            tensor: name.to_string(),
+            what,
+        };
+        let t = g.require_tensor(name)?;
+        let n = match t.shape[..] {
+            [_, _, n] if n > 0 && t.n_bytes % n == 0 => n,
+            _ => {
+                return Err(bad(format!(
+                    "shape {:?} ({} bytes) is not a stack of equal expert matrices",
+                    t.shape, t.n_bytes
+                )))
+            }
+        };
+        let per = t.n_bytes / n;
+        let mut ids: Vec<u64> = held
+            .get(layer)
+            .map_or(&[][..], Vec::as_slice)
+            .iter()
+            .map(|&e| e as u64)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        if let Some(&e) = ids.iter().find(|&&e| e >= n) {
+            return Err(bad(format!(
+                "has {n} experts; expert {e} is not one of them"
+            )));
+        }
+        let mut i = 0;
+        while i < ids.len() {
+            let mut j = i + 1;
+            while j < ids.len() && ids[j] == ids[j - 1] + 1 {
+                j += 1;
+            }
+            out.push(Need::bytes(name, ids[i] * per..ids[j - 1] * per + per));
+            i = j;
+        }
+    }
+    Ok(out)
+}
+
 /// Opens `path` with the GGUF reader and checks its tensor index against the manifest.
 fn check_header(manifest: &Manifest, path: &Path) -> Result<(), StoreError> {
     let g = GgufFile::open(path)?;
@@ -1420,6 +1639,280 @@ mod tests {
         }
         assert_eq!(bitmap_from_hex("zz", 8), None);
         assert_eq!(bitmap_from_hex("00", 9), None);
+    }
+
+    /// A manifest over a made-up layout: a 50-byte header, then `tensors` (name, length) at
+    /// 64-byte aligned offsets. Hashes are placeholders: only the chunk geometry matters here.
+    fn layout(chunk_size: u32, tensors: &[(&str, u64)]) -> Manifest {
+        let section = |name: &str, offset: u64, len: u64| Section {
+            name: name.into(),
+            offset,
+            len,
+            hash: ContentHash([0; 32]),
+            chunks: vec![ContentHash([0; 32]); len.div_ceil(u64::from(chunk_size)) as usize],
+        };
+        let header = section("GGUF header", 0, 50);
+        let mut offset = 64;
+        let mut sections = Vec::new();
+        for &(name, len) in tensors {
+            sections.push(section(name, offset, len));
+            offset = (offset + len).next_multiple_of(64);
+        }
+        let m = Manifest {
+            format: MANIFEST_FORMAT,
+            model_hash: ContentHash([7; 32]),
+            file_len: offset,
+            chunk_size,
+            header,
+            tensors: sections,
+        };
+        m.validate().unwrap();
+        m
+    }
+
+    /// (part, chunk index within it) of the chunks `needs` call for.
+    fn chunks(m: &Manifest, needs: &[Need]) -> Vec<(String, u32)> {
+        let refs = m.chunks_for_needs(needs).unwrap();
+        let ids: Vec<u32> = refs.iter().map(|c| c.id).collect();
+        assert!(
+            ids.windows(2).all(|w| w[0] < w[1]),
+            "ascending, once: {ids:?}"
+        );
+        refs.into_iter()
+            .map(|c| match c.part {
+                Part::Header => ("header".to_string(), c.index),
+                Part::Tensor(t) => (t, c.index),
+            })
+            .collect()
+    }
+
+    fn header_and(tensor: &str, idx: &[u32]) -> Vec<(String, u32)> {
+        let mut v = vec![("header".to_string(), 0)];
+        v.extend(idx.iter().map(|&i| (tensor.to_string(), i)));
+        v
+    }
+
+    #[test]
+    fn byte_ranges_map_to_the_chunks_that_overlap_them() {
+        // 100-byte chunks; `exps` packs 8 experts of 125 bytes, so expert boundaries fall in the
+        // middle of chunks and neighbouring experts share one.
+        let m = layout(100, &[("exps", 1000), ("small", 30), ("tail", 250)]);
+        let per = 125;
+        let expert = |e: u64| Need::bytes("exps", e * per..(e + 1) * per);
+
+        // Starting and ending mid-chunk: the chunks at both ends are fetched whole.
+        assert_eq!(
+            chunks(&m, &[Need::bytes("exps", 150..420)]),
+            header_and("exps", &[1, 2, 3, 4])
+        );
+        // On chunk boundaries: nothing beyond; one byte more takes the next chunk.
+        assert_eq!(
+            chunks(&m, &[Need::bytes("exps", 200..300)]),
+            header_and("exps", &[2])
+        );
+        assert_eq!(
+            chunks(&m, &[Need::bytes("exps", 200..301)]),
+            header_and("exps", &[2, 3])
+        );
+        // Adjacent experts share chunk 2 (bytes 200..300 hold the end of expert 1 and the
+        // start of expert 2): it is fetched once.
+        assert_eq!(chunks(&m, &[expert(1)]), header_and("exps", &[1, 2]));
+        assert_eq!(chunks(&m, &[expert(2)]), header_and("exps", &[2, 3]));
+        assert_eq!(
+            chunks(&m, &[expert(1), expert(2)]),
+            header_and("exps", &[1, 2, 3])
+        );
+        // A non-contiguous set {0, 3, 5}: chunks 2, 5, 8 and 9 hold none of their bytes.
+        assert_eq!(
+            chunks(&m, &[expert(5), expert(0), expert(3)]),
+            header_and("exps", &[0, 1, 3, 4, 6, 7])
+        );
+        let c = m
+            .chunks_for_needs(&[expert(0), expert(3), expert(5)])
+            .unwrap();
+        assert_eq!(
+            m.bytes_for_needs(&[expert(0), expert(3), expert(5)])
+                .unwrap(),
+            650
+        );
+        assert_eq!(c.iter().map(|c| u64::from(c.len)).sum::<u64>(), 650);
+        // The last expert ends with the tensor, in its last chunk.
+        assert_eq!(chunks(&m, &[expert(7)]), header_and("exps", &[8, 9]));
+        // A tensor smaller than a chunk: its one (short) chunk.
+        let c = m.chunks_for_needs(&[Need::bytes("small", 10..20)]).unwrap();
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[1].index, c[1].len), (0, 30));
+        assert_eq!(c[1].offset, m.tensor("small").unwrap().offset);
+        // The short last chunk of a tensor.
+        let c = m
+            .chunks_for_needs(&[Need::bytes("tail", 210..250)])
+            .unwrap();
+        assert_eq!((c[1].index, c[1].len), (2, 50));
+        // The whole tensor wins over a range of it; ranges of several tensors come in manifest
+        // order whatever the order asked.
+        assert_eq!(
+            chunks(&m, &[expert(3), Need::whole("exps")]),
+            header_and("exps", &(0..10).collect::<Vec<_>>())
+        );
+        let mut want = header_and("exps", &[9]);
+        want.push(("small".into(), 0));
+        assert_eq!(
+            chunks(
+                &m,
+                &[Need::bytes("small", 0..1), Need::bytes("exps", 999..1000)]
+            ),
+            want
+        );
+        // Nothing needed, or an empty range: the header alone.
+        assert_eq!(chunks(&m, &[]), header_and("exps", &[]));
+        assert_eq!(
+            chunks(&m, &[Need::bytes("exps", 500..500)]),
+            header_and("exps", &[])
+        );
+        // Names and whole-tensor needs agree.
+        assert_eq!(
+            m.chunks_for(&["tail", "exps"]).unwrap(),
+            m.chunks_for_needs(&[Need::whole("exps"), Need::whole("tail")])
+                .unwrap()
+        );
+        assert_eq!(m.bytes_for(&["tail"]).unwrap(), 50 + 250);
+        assert_eq!(m.bytes_for_needs(&[Need::whole("tail")]).unwrap(), 50 + 250);
+    }
+
+    #[test]
+    fn bad_byte_ranges_are_refused() {
+        let m = layout(100, &[("exps", 1000)]);
+        for r in [900..1001, 1000..1001, 2000..3000] {
+            let err = m.chunks_for_needs(&[Need::bytes("exps", r.clone())]);
+            assert!(
+                matches!(err, Err(StoreError::BadRange { start, end, len: 1000, .. })
+                    if start == r.start && end == r.end),
+                "{r:?}: {err:?}"
+            );
+        }
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = Need::bytes("exps", 300..200);
+        assert!(matches!(
+            m.chunks_for_needs(&[backwards]),
+            Err(StoreError::BadRange { .. })
+        ));
+        assert!(matches!(
+            m.chunks_for_needs(&[Need::bytes("nope", 0..1)]),
+            Err(StoreError::UnknownTensor { .. })
+        ));
+    }
+
+    fn test_model(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/test")
+            .join(name)
+    }
+
+    #[test]
+    fn expert_needs_are_the_held_experts_slices() {
+        let g = GgufFile::open(test_model("small-qwen3moe-Q8_0.gguf")).unwrap();
+        let names = vec![
+            "blk.0.ffn_gate_exps.weight",
+            "blk.0.attn_q.weight",
+            "blk.1.ffn_down_exps.weight",
+            "blk.2.ffn_up_exps.weight",
+            "blk.0.ffn_gate_inp.weight",
+        ];
+        let len = |n: &str| g.tensor(n).unwrap().n_bytes;
+        let per = len("blk.0.ffn_gate_exps.weight") / 8;
+        let held = vec![vec![5, 0, 3], vec![1, 2, 3], vec![]];
+        let needs = expert_needs(&g, &names, &held).unwrap();
+        let gate = "blk.0.ffn_gate_exps.weight";
+        let down = "blk.1.ffn_down_exps.weight";
+        assert_eq!(
+            needs,
+            vec![
+                Need::bytes(gate, 0..per),
+                Need::bytes(gate, 3 * per..4 * per),
+                Need::bytes(gate, 5 * per..6 * per),
+                Need::whole("blk.0.attn_q.weight"),
+                // Adjacent experts: one range.
+                Need::bytes(down, len(down) / 8..4 * (len(down) / 8)),
+                // Layer 2 holds no expert: nothing of its packed tensors.
+                Need::whole("blk.0.ffn_gate_inp.weight"),
+            ]
+        );
+        // Layers past the end of `held` hold none either.
+        assert_eq!(expert_needs(&g, &names[2..3], &[]).unwrap(), vec![]);
+        let err = expert_needs(&g, &names[..1], &[vec![8]]).unwrap_err();
+        assert!(matches!(err, StoreError::Experts { .. }), "{err}");
+        assert_eq!(packed_expert_layer("blk.12.ffn_up_exps.weight"), Some(12));
+        assert_eq!(packed_expert_layer("blk.1.ffn_up_shexp.weight"), None);
+        assert_eq!(packed_expert_layer("blk.1.ffn_up.weight"), None);
+    }
+
+    #[test]
+    fn fetching_expert_ranges_receives_only_their_chunks() {
+        let path = test_model("small-qwen3moe-Q8_0.gguf");
+        let original = std::fs::read(&path).unwrap();
+        let g = GgufFile::open(&path).unwrap();
+        let m = Manifest::from_gguf_with(&path, 16 << 10, &mut |_, _| {}).unwrap();
+        let dir =
+            std::env::temp_dir().join(format!("tessera-store-experts-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = ShardStore::open(&dir).unwrap();
+        let source = FileSource::open(&path).unwrap();
+
+        let names = m.layer_tensor_names(0..3);
+        let held = vec![vec![0, 3, 5]; 3];
+        let needs = expert_needs(&g, &names, &held).unwrap();
+        let report = fetch_needs(&store, &m, &needs, &source, &mut |_| {}).unwrap();
+        let want = m.bytes_for_needs(&needs).unwrap();
+        assert_eq!(report.bytes_transferred, want);
+        assert_eq!(report.bytes_needed, want);
+        assert!(want < m.bytes_for(&names).unwrap());
+
+        // The held experts' bytes are the original's; bytes of an expert no chunk of which was
+        // fetched are still a hole.
+        let sparse = std::fs::read(store.path_for(&m)).unwrap();
+        let t = m.tensor("blk.1.ffn_up_exps.weight").unwrap();
+        let per = t.len / 8;
+        for e in [0u64, 3, 5] {
+            let r = (t.offset + e * per) as usize..(t.offset + (e + 1) * per) as usize;
+            assert_eq!(sparse[r.clone()], original[r], "expert {e}");
+        }
+        let hole = (t.offset + 7 * per) as usize..t.end() as usize;
+        let first_hole_chunk = (7 * per).div_ceil(16 << 10) * (16 << 10);
+        let hole = hole.start + (first_hole_chunk - 7 * per) as usize..hole.end;
+        assert!(!hole.is_empty());
+        assert!(sparse[hole].iter().all(|&b| b == 0));
+
+        // Nothing is received twice; widening to whole tensors receives only the rest.
+        let again = fetch_needs(&store, &m, &needs, &source, &mut |_| {}).unwrap();
+        assert_eq!(again.bytes_transferred, 0);
+        let whole = fetch(&store, &m, &names, &source, &mut |_| {}).unwrap();
+        assert_eq!(whole.bytes_transferred, m.bytes_for(&names).unwrap() - want);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_report_after_a_header_fetch_counts_its_transfer() {
+        let header = FetchReport {
+            chunks_needed: 1,
+            bytes_needed: 50,
+            chunks_transferred: 1,
+            bytes_transferred: 50,
+            ..Default::default()
+        };
+        let main = FetchReport {
+            chunks_needed: 4,
+            bytes_needed: 350,
+            chunks_already_present: 1,
+            bytes_already_present: 50,
+            chunks_transferred: 3,
+            bytes_transferred: 300,
+            ..Default::default()
+        };
+        let r = main.after(&header);
+        assert_eq!((r.chunks_transferred, r.bytes_transferred), (4, 350));
+        assert_eq!((r.chunks_already_present, r.bytes_already_present), (0, 0));
+        assert_eq!((r.chunks_needed, r.bytes_needed), (4, 350));
     }
 
     #[test]
