@@ -91,6 +91,40 @@ impl ExpertSplit {
     }
 }
 
+/// Expert ids in the `--experts` syntax: runs as inclusive ranges, joined by `+` (`0-2+5`).
+pub fn ids_spec(ids: &[usize]) -> String {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            v[i].to_string()
+        } else {
+            format!("{}-{}", v[i], v[j])
+        });
+        i = j + 1;
+    }
+    parts.join("+")
+}
+
+/// The `--experts` syntax: `0-3@a,4-7@b`.
+impl std::fmt::Display for ExpertSplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let groups: Vec<String> = self
+            .groups
+            .iter()
+            .map(|g| format!("{}@{}", ids_spec(&g.experts), g.node))
+            .collect();
+        f.write_str(&groups.join(","))
+    }
+}
+
 /// Parses `0-3@a,4-7@b`.
 pub fn parse_experts(s: &str) -> Result<ExpertSplit, AssignmentError> {
     let bad = |what: &str| AssignmentError::Parse(format!("expert split {s:?}: {what}"));
@@ -251,6 +285,8 @@ mod tests {
         assert!(parse_experts("0-3@a,3@b").is_err());
         assert!(parse_experts("0-3").is_err());
         assert!(parse_experts("3-1@a").is_err());
+        assert_eq!(x.to_string(), "0-3@a,4+6-7@b");
+        assert_eq!(parse_experts(&x.to_string()).unwrap(), x);
         let ns = nodes(2);
         assert_eq!(find_node("n1", &ns).unwrap(), ns[1].node_id);
         assert!(find_node("zz", &ns).is_err());

@@ -43,8 +43,12 @@
 //!    one is planned on the survivors at once; runs in flight pause, and resume on the new epoch
 //!    by re-prefilling their prompt and the tokens generated so far, which yields exactly the
 //!    tokens they would have had. A node that joins and restores the configured stage count is
-//!    folded in the same way. With no feasible placement, requests are refused with the reason
-//!    until capacity returns. Epoch numbers continue across coordinator restarts.
+//!    folded in the same way. In an expert split, a node holding experts (an expert-only node
+//!    too) that leaves fails the epoch the same way; the new one hands its experts to the
+//!    survivors by free memory (a node given more than its budget streams them from disk), and
+//!    the configured split returns with the node. With no feasible placement, requests are
+//!    refused with the reason until capacity returns. Epoch numbers continue across coordinator
+//!    restarts.
 //!
 //! The wire contract is [`tessera_node::protocol`].
 

@@ -17,6 +17,12 @@
 //! until a node joins. A node that joins while the epoch has fewer stages than configured (or
 //! while there is none) triggers a plan that folds it in. Sequences in flight are resumed on the
 //! new epoch by the driver, which re-prefills what they had generated.
+//!
+//! **Expert splits.** An owner of experts that leaves (an expert-only node, or a stage) fails
+//! the epoch like a stage does. The new epoch keeps the ring if every ring stage survived, and
+//! hands the departed owner's experts to the surviving owners and ring stages by free memory
+//! ([`crate::replan::replace_experts`]); a node given more than its budget streams them from
+//! disk. The configured split is kept: when its nodes are all back, it is planned again.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -132,9 +138,17 @@ pub enum Event {
 /// Outputs.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Action {
-    Send { to: NodeId, msg: Box<CoordToNodeEq> },
+    Send {
+        to: NodeId,
+        msg: Box<CoordToNodeEq>,
+    },
     EpochReady(u64),
-    EpochFailed { epoch: u64, reason: String },
+    EpochFailed {
+        epoch: u64,
+        reason: String,
+    },
+    /// A decision worth a line in the log (experts re-placed after a loss).
+    Note(String),
 }
 
 /// [`CoordToNode`] with a structural equality for tests (compared as JSON).
@@ -176,6 +190,9 @@ pub struct Membership {
     outage: Option<String>,
     /// Expert split applied to every plan (`None`: each stage holds all its layers' experts).
     experts: Option<crate::assignment::ExpertSplit>,
+    /// The split the current epoch runs: the configured one, or after a loss the one with the
+    /// departed owners' experts re-placed.
+    epoch_experts: Option<crate::assignment::ExpertSplit>,
 }
 
 impl Membership {
@@ -190,6 +207,12 @@ impl Membership {
 
     pub fn expert_split(&self) -> Option<&crate::assignment::ExpertSplit> {
         self.experts.as_ref()
+    }
+
+    /// The expert split of the current epoch (differs from [`Membership::expert_split`] while
+    /// a departed owner's experts are held by others).
+    pub fn epoch_expert_split(&self) -> Option<&crate::assignment::ExpertSplit> {
+        self.epoch_experts.as_ref()
     }
 
     /// Whether every node the expert split names is connected (a plan would resolve).
@@ -369,7 +392,7 @@ impl Membership {
                     max_context,
                     target_stages: stages.len(),
                 });
-                self.plan(model, stages, n_layer, max_context)
+                self.plan(model, stages, n_layer, max_context, false)
             }
             Event::Loaded {
                 node,
@@ -445,7 +468,11 @@ impl Membership {
                 if e.stages.iter().any(|s| s.node_id == id)
                     && !matches!(e.phase, Phase::Failed(_) | Phase::Released) =>
             {
-                let mut out = self.fail(format!("stage node {} {what}", id.short()));
+                let role = match e.stages.iter().find(|s| s.node_id == id) {
+                    Some(s) if s.layers.is_empty() => "expert node",
+                    _ => "stage node",
+                };
+                let mut out = self.fail(format!("{role} {} {what}", id.short()));
                 out.extend(self.replan());
                 out
             }
@@ -467,20 +494,58 @@ impl Membership {
             .collect()
     }
 
+    /// The ring stages (nodes with layers) of the current epoch.
+    fn ring(&self) -> Vec<(NodeId, Range<usize>)> {
+        self.epoch
+            .iter()
+            .flat_map(|e| &e.stages)
+            .filter(|s| !s.layers.is_empty())
+            .map(|s| (s.node_id, s.layers.clone()))
+            .collect()
+    }
+
+    /// The stage count a plan on the connected nodes aims for.
+    fn wanted_stages(&self, auto: &AutoPlan) -> usize {
+        auto.target_stages
+            .min(self.connected().len())
+            .min(auto.n_layer)
+    }
+
+    /// With an expert split, the last epoch's ring when all of it is still connected and it
+    /// has the stages wanted: an expert owner's loss (or return) moves experts, not layers.
+    fn surviving_ring(&self, auto: &AutoPlan) -> Option<Vec<(NodeId, Range<usize>)>> {
+        self.experts.as_ref()?;
+        let ring = self.ring();
+        let alive = ring
+            .iter()
+            .all(|(id, _)| self.members.get(id).is_some_and(|m| m.connected));
+        (!ring.is_empty() && alive && ring.len() >= self.wanted_stages(auto)).then_some(ring)
+    }
+
     /// Plans a new epoch on the connected nodes (after a loss, or to fold a node in).
     fn replan(&mut self) -> Vec<Action> {
         let Some(auto) = self.auto.clone() else {
             return Vec::new();
         };
-        match even_split(
-            auto.n_layer,
-            &self.survivors(),
-            auto.target_stages,
-            self.bytes.as_ref(),
-        ) {
+        // With an expert split, a stage's budget bounds its layers without their experts
+        // (which its node streams from disk when they do not fit).
+        let dense = match (&self.experts, &self.bytes) {
+            (Some(_), Some(b)) => Some(b.without_experts()),
+            (_, b) => b.clone(),
+        };
+        let ring = match self.surviving_ring(&auto) {
+            Some(ring) => Ok(ring),
+            None => even_split(
+                auto.n_layer,
+                &self.survivors(),
+                auto.target_stages,
+                dense.as_ref(),
+            ),
+        };
+        match ring {
             Ok(stages) => {
                 self.outage = None;
-                self.plan(auto.model, stages, auto.n_layer, auto.max_context)
+                self.plan(auto.model, stages, auto.n_layer, auto.max_context, true)
             }
             Err(reason) => {
                 let reason = format!("no feasible plan: {reason}");
@@ -497,11 +562,15 @@ impl Membership {
         let Some(auto) = &self.auto else {
             return Vec::new();
         };
-        let connected = self.connected().len();
-        let wanted = auto.target_stages.min(connected).min(auto.n_layer);
+        let wanted = self.wanted_stages(auto);
+        // The configured expert split can be placed again (its owners are all back) while the
+        // epoch runs a re-placed one.
+        let restorable = self.experts.is_some()
+            && self.epoch_experts != self.experts
+            && self.expert_split_ready();
         let better = match &self.epoch {
             Some(e) if !matches!(e.phase, Phase::Failed(_) | Phase::Released) => {
-                e.stages.len() < wanted
+                self.ring().len() < wanted || restorable
             }
             _ => true,
         };
@@ -536,12 +605,125 @@ impl Membership {
         out
     }
 
+    /// The member's memory limit, as its node applies it: the budget, else the RAM available
+    /// when it started.
+    fn limit(&self, id: &NodeId) -> Option<u64> {
+        let m = self.members.get(id)?;
+        m.memory_budget_bytes
+            .or_else(|| m.inventory.as_ref()?.memory.available_bytes)
+    }
+
+    fn holder(
+        &self,
+        id: NodeId,
+        ring: &[(NodeId, Range<usize>)],
+        experts: Vec<usize>,
+    ) -> crate::replan::ExpertHolder {
+        crate::replan::ExpertHolder {
+            node_id: id,
+            layers: ring
+                .iter()
+                .find(|(n, _)| *n == id)
+                .map_or(0..0, |(_, l)| l.clone()),
+            experts,
+            limit: self.limit(&id),
+        }
+    }
+
+    /// The expert split to place with `ring`: the configured one. With `reassign` (re-planning
+    /// on the survivors), the experts of owners no longer connected go to the connected owners
+    /// and ring stages ([`crate::replan::replace_experts`]), and a note says where; without it,
+    /// a named node that is not connected fails the plan.
+    #[allow(clippy::type_complexity)]
+    fn split_for(
+        &self,
+        ring: &[(NodeId, Range<usize>)],
+        n_layer: usize,
+        reassign: bool,
+    ) -> Result<Option<(crate::assignment::ExpertSplit, Option<String>)>, String> {
+        use crate::assignment::{find_node, ids_spec, ExpertGroup, ExpertSplit};
+        let Some(split) = &self.experts else {
+            return Ok(None);
+        };
+        let nodes = self.candidates();
+        // (the node as the split names it, what it holds)
+        let mut holders: Vec<(String, crate::replan::ExpertHolder)> = Vec::new();
+        let mut orphans = Vec::new();
+        let mut gone: Vec<String> = Vec::new();
+        for g in &split.groups {
+            match find_node(&g.node, &nodes) {
+                Ok(id) => match holders.iter_mut().find(|(_, h)| h.node_id == id) {
+                    Some((_, h)) => h.experts.extend(&g.experts),
+                    None => {
+                        holders.push((g.node.clone(), self.holder(id, ring, g.experts.clone())))
+                    }
+                },
+                Err(_) if reassign => {
+                    orphans.extend(&g.experts);
+                    if !gone.contains(&g.node) {
+                        gone.push(g.node.clone());
+                    }
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        if orphans.is_empty() {
+            return Ok(Some((split.clone(), None)));
+        }
+        // Ring stages that held no experts may take some too.
+        for (id, _) in ring {
+            if !holders.iter().any(|(_, h)| h.node_id == *id) {
+                holders.push((id.to_string(), self.holder(*id, ring, Vec::new())));
+            }
+        }
+        for (_, h) in holders.iter_mut() {
+            h.experts.sort_unstable();
+        }
+        orphans.sort_unstable();
+        let mut hs: Vec<crate::replan::ExpertHolder> =
+            holders.iter().map(|(_, h)| h.clone()).collect();
+        let given = crate::replan::replace_experts(&orphans, &mut hs, self.bytes.as_ref(), n_layer);
+        let mut moved = Vec::new();
+        for (h, g) in hs.iter().zip(&given).filter(|(_, g)| !g.is_empty()) {
+            let name = self
+                .members
+                .get(&h.node_id)
+                .map_or_else(|| h.node_id.short(), |m| m.name.clone());
+            let over = match (self.bytes.as_ref(), h.limit) {
+                (Some(b), Some(limit))
+                    if b.expert_holder(&h.layers, n_layer, h.experts.len()) > limit =>
+                {
+                    " (beyond its budget: it streams experts from disk)"
+                }
+                _ => "",
+            };
+            moved.push(format!("{} to {name}{over}", ids_spec(g)));
+        }
+        let note = format!(
+            "experts {} of {} (gone) re-placed: {}",
+            ids_spec(&orphans),
+            gone.join(", "),
+            moved.join(", ")
+        );
+        let groups = holders
+            .into_iter()
+            .zip(hs)
+            .filter(|(_, h)| !h.experts.is_empty())
+            .map(|((node, _), h)| ExpertGroup {
+                experts: h.experts,
+                node,
+            })
+            .collect();
+        Ok(Some((ExpertSplit { groups }, Some(note))))
+    }
+
     fn plan(
         &mut self,
         model: ContentHash,
         stages: Vec<(NodeId, Range<usize>)>,
         n_layer: usize,
         max_context: usize,
+        reassign: bool,
     ) -> Vec<Action> {
         let mut out = Vec::new();
         if let Some(old) = self.epoch.as_mut() {
@@ -584,7 +766,26 @@ impl Membership {
         }
         let peers: Vec<PeerInfo> = peers.into_iter().flatten().collect();
         let n = stages.len();
-        let expert_plan = match &self.experts {
+        let split = match self.split_for(&stages, n_layer, reassign) {
+            Ok(s) => s.map(|(split, note)| {
+                out.extend(note.map(Action::Note));
+                split
+            }),
+            Err(reason) => {
+                let reason = format!("expert split: {reason}");
+                self.epoch_experts = None;
+                self.epoch = Some(Epoch {
+                    id,
+                    model,
+                    stages: Vec::new(),
+                    phase: Phase::Failed(reason.clone()),
+                });
+                out.push(Action::EpochFailed { epoch: id, reason });
+                return out;
+            }
+        };
+        self.epoch_experts = split.clone();
+        let expert_plan = match &split {
             None => None,
             Some(split) => {
                 let ring: Vec<(NodeId, PeerInfo)> = stages
@@ -1009,6 +1210,7 @@ mod tests {
             layers: vec![100; 4],
             embed: 10,
             head: 10,
+            ..ModelBytes::default()
         }));
         let mut a = member(1);
         a.memory_budget_bytes = Some(250);
@@ -1029,5 +1231,162 @@ mod tests {
         });
         // a alone would need 420 bytes: no feasible plan, and the reason names the budget.
         assert!(m.outage().unwrap().contains("budget"), "{:?}", m.outage());
+    }
+
+    fn experts_held(acts: &[Action]) -> Vec<(NodeId, Vec<usize>, bool)> {
+        sends(acts)
+            .into_iter()
+            .filter_map(|(n, x)| match x {
+                CoordToNode::AssignExperts { experts, .. } => {
+                    Some((n, experts.held[0].clone(), experts.expert_only))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_lost_expert_node_hands_its_experts_to_the_survivors_and_gets_them_back() {
+        let mut m = Membership::new();
+        // Two layers of 8 experts of 10 bytes each and 40 bytes of the rest; 10 bytes each of
+        // embedding and head.
+        m.set_model_bytes(Some(ModelBytes {
+            layers: vec![120; 2],
+            embed: 10,
+            head: 10,
+            expert: vec![10; 2],
+            n_expert: 8,
+        }));
+        let (mut a, mut b, mut c) = (member(1), member(2), member(3));
+        // Home a: 100 bytes of dense weights and 2 experts (40): 140 of 160. Owner b holds 3
+        // experts (60) of 200, owner c 3 of 100.
+        a.memory_budget_bytes = Some(160);
+        b.memory_budget_bytes = Some(200);
+        c.memory_budget_bytes = Some(100);
+        // The expert nodes join first: the ring must stay on the home when one of them goes.
+        for x in [&b, &c, &a] {
+            m.handle(Event::Joined(Box::new(x.clone())));
+        }
+        m.set_expert_split(Some(
+            crate::assignment::parse_experts("0-1@n1,2-4@n2,5-7@n3").unwrap(),
+        ));
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..2)],
+            n_layer: 2,
+            max_context: 64,
+        });
+        let first = ready(&mut m);
+        // c goes: its experts 5-7 go to b, which has the room (a has 20 bytes, b 140).
+        let acts = m.handle(Event::Left {
+            node: c.node_id,
+            session: 1,
+        });
+        assert!(acts
+            .iter()
+            .any(|x| matches!(x, Action::EpochFailed { epoch, reason }
+            if *epoch == first && reason.contains("expert node"))));
+        let note = acts
+            .iter()
+            .find_map(|x| match x {
+                Action::Note(n) => Some(n.clone()),
+                _ => None,
+            })
+            .expect("a note on the re-placement");
+        assert!(
+            note.contains("5-7 of n3") && note.contains("5-7 to n2"),
+            "{note}"
+        );
+        assert!(m.outage().is_none());
+        assert_eq!(
+            experts_held(&acts),
+            vec![
+                (a.node_id, vec![0, 1], false),
+                (b.node_id, vec![2, 3, 4, 5, 6, 7], true)
+            ]
+        );
+        assert_eq!(layers(&m), vec![(a.node_id, 0..2), (b.node_id, 0..0)]);
+        assert_eq!(m.epoch_expert_split().unwrap().to_string(), "0-1@n1,2-7@n2");
+        ready(&mut m);
+        // c comes back: the configured split is placed again.
+        let mut c2 = c.clone();
+        c2.session = 2;
+        let acts = m.handle(Event::Joined(Box::new(c2)));
+        assert_eq!(
+            experts_held(&acts),
+            vec![
+                (a.node_id, vec![0, 1], false),
+                (b.node_id, vec![2, 3, 4], true),
+                (c.node_id, vec![5, 6, 7], true)
+            ]
+        );
+        assert_eq!(m.epoch_expert_split(), m.expert_split());
+        ready(&mut m);
+        // Both expert nodes go: the home takes everything, beyond its budget (it streams).
+        m.handle(Event::Left {
+            node: b.node_id,
+            session: 1,
+        });
+        let acts = m.handle(Event::Left {
+            node: c.node_id,
+            session: 2,
+        });
+        assert_eq!(
+            experts_held(&acts),
+            vec![(a.node_id, (0..8).collect(), false)]
+        );
+        let note = acts
+            .iter()
+            .find_map(|x| match x {
+                Action::Note(n) => Some(n.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert!(note.contains("streams experts from disk"), "{note}");
+        assert_eq!(layers(&m), vec![(a.node_id, 0..2)]);
+    }
+
+    #[test]
+    fn a_lost_home_moves_the_ring_and_its_experts_to_the_survivors() {
+        let mut m = Membership::new();
+        m.set_model_bytes(Some(ModelBytes {
+            layers: vec![120; 2],
+            embed: 10,
+            head: 10,
+            expert: vec![10; 2],
+            n_expert: 8,
+        }));
+        let (a, mut b, mut c) = (member(1), member(2), member(3));
+        // b cannot hold the whole model (420 bytes), but holds its dense part (100) and its
+        // experts; what does not fit it would stream.
+        b.memory_budget_bytes = Some(200);
+        c.memory_budget_bytes = Some(100);
+        for x in [&a, &b, &c] {
+            m.handle(Event::Joined(Box::new(x.clone())));
+        }
+        m.set_expert_split(Some(
+            crate::assignment::parse_experts("0-1@n1,2-4@n2,5-7@n3").unwrap(),
+        ));
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..2)],
+            n_layer: 2,
+            max_context: 64,
+        });
+        ready(&mut m);
+        let acts = m.handle(Event::Left {
+            node: a.node_id,
+            session: 1,
+        });
+        assert!(m.outage().is_none(), "{:?}", m.outage());
+        assert_eq!(layers(&m), vec![(b.node_id, 0..2), (c.node_id, 0..0)]);
+        // b: 160 of 200, c: 60 of 100; 0 → b (40 vs 40, equal counts: the earlier), 1 → c.
+        assert_eq!(
+            experts_held(&acts),
+            vec![
+                (b.node_id, vec![0, 2, 3, 4], false),
+                (c.node_id, vec![1, 5, 6, 7], true)
+            ]
+        );
     }
 }

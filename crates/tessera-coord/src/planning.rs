@@ -1,15 +1,18 @@
 //! Planning from measured inventory: the nodes' [`Inventory`] (sent in their hello) and the
 //! measured links become a [`ResourceGraph`] whose every figure says when and how it was
-//! measured; the planner chooses; the chosen plan becomes the coordinator's stage assignment.
+//! measured; the planner chooses; the chosen plan becomes the coordinator's stage assignment
+//! (and, for an expert split, its expert placement).
 //!
 //! Pure: the inventories, link measurements and policy come in as data.
 //!
 //! - [`planner_model`]: the planner's view of a GGUF model (the one conversion the CLI's
 //!   `tessera plan` and the coordinator's `--plan auto` both use).
 //! - [`resource_graph`]: inventory and links → resource graph.
-//! - [`plan_for`]: plan, falling back to the best single-node or stage-ring plan when the best
-//!   plan uses a strategy the fabric cannot execute yet (expert split, weight bank, replicas).
-//! - [`to_assignment`]: a single-node or stage-ring plan → a [`PlanFile`] of pinned stages.
+//! - [`plan_for`]: plan, falling back to the best single-node, stage-ring or expert-split plan
+//!   when the best plan is one the fabric cannot execute yet (weight bank, replicas, or a ring
+//!   that would stream experts from disk: only an expert split's nodes do).
+//! - [`to_placement`]: an executable plan → a [`PlanFile`] of pinned stages, plus the expert
+//!   split of an expert plan ([`to_assignment`], [`to_expert_placement`]).
 //!
 //! # How inventory figures map to the graph
 //!
@@ -364,20 +367,83 @@ pub fn resource_graph(
 }
 
 /// The strategies the fabric executes today.
-pub const EXECUTABLE: [StrategyKind; 2] = [StrategyKind::Single, StrategyKind::Stage];
+pub const EXECUTABLE: [StrategyKind; 3] = [
+    StrategyKind::Single,
+    StrategyKind::Stage,
+    StrategyKind::Expert,
+];
 
-/// Whether the fabric can run `plan`: one cell, a single node or a ring of whole layers.
-pub fn executable(plan: &Plan) -> bool {
-    plan.cells.len() == 1
-        && matches!(plan.cells[0].kind, CellKind::Single | CellKind::Stage)
-        && plan
-            .assignments()
-            .all(|a| a.experts.is_none() && a.layers.is_some() && a.layers == a.ffn)
+/// Whether the fabric can run `plan` of a model with `n_layer` layers of `n_expert` experts:
+/// one cell, a single node or a ring of whole layers held in memory, or an expert split whose
+/// ring holds whole layers and whose every expert is held once ([`to_placement`]).
+pub fn executable(plan: &Plan, n_layer: usize, n_expert: usize) -> bool {
+    to_placement(plan, n_layer, n_expert).is_ok()
 }
 
-/// Plans `model` on `graph`. When the best plan is one the fabric cannot execute yet (expert
-/// split, weight bank, replicas), plans again with single-node and stage-ring plans only, and
-/// says so in the explanation's notes (with the better plan's predicted figure).
+/// What the fabric runs for a plan: the ring stages, pinned by node name, and for an expert
+/// split where each expert id lives (in every layer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub ring: PlanFile,
+    pub experts: Option<crate::assignment::ExpertSplit>,
+}
+
+/// The placement of an executable plan: a single-node or stage-ring plan becomes its stages
+/// ([`to_assignment`]); an expert split becomes its home ring and expert split
+/// ([`to_expert_placement`]).
+///
+/// Only the nodes of an expert split stream experts from disk (a node given more experts than
+/// its budget holds does), so a single-node or ring plan that leaves weights on disk is not
+/// executable: its nodes would refuse the load.
+pub fn to_placement(
+    plan: &Plan,
+    n_layer: usize,
+    n_expert: usize,
+) -> Result<Placement, NotExpertPlacement> {
+    match plan.cells.as_slice() {
+        [cell] if cell.kind == CellKind::Expert => {
+            // The ring holds attention and the dense FFN of whole layers, every layer once.
+            let ring_ok = cell
+                .assignments
+                .iter()
+                .all(|a| a.layers.is_none() || a.layers == a.ffn);
+            if !ring_ok {
+                return Err(NotExecutable::Strategy(plan.strategy).into());
+            }
+            let (ring, experts) = to_expert_placement(&cell.assignments, n_layer, n_expert)?;
+            let covered = ring.stages.last().map_or(0, |s| s.layers.end);
+            if covered != n_layer {
+                return Err(NotExpertPlacement::RingCoverage { covered, n_layer });
+            }
+            Ok(Placement {
+                ring,
+                experts: Some(experts),
+            })
+        }
+        _ => {
+            let ring = to_assignment(plan)?;
+            // A stage of an MoE model holds every expert of its layers.
+            if let Some(a) = plan.assignments().find(|a| {
+                a.experts
+                    .is_some_and(|x| x.experts.end as usize != n_expert)
+            }) {
+                return Err(NotExpertPlacement::StageExperts(a.node.clone()));
+            }
+            if let Some(a) = plan.assignments().find(|a| a.memory.disk.0 > 0) {
+                return Err(NotExecutable::OnDisk(a.node.clone()).into());
+            }
+            Ok(Placement {
+                ring,
+                experts: None,
+            })
+        }
+    }
+}
+
+/// Plans `model` on `graph`. When the best plan is one the fabric cannot execute yet (weight
+/// bank, replicas, a ring leaving weights on disk), plans again with expert splits, and with
+/// single nodes and rings holding everything in memory, takes the better, and says so in the
+/// explanation's notes (with the better plan's predicted figure).
 pub fn plan_for(
     model: &tessera_model::ModelProfile,
     graph: &ResourceGraph,
@@ -393,23 +459,59 @@ pub fn plan_executable(
     epoch: u64,
 ) -> Result<PlanOutcome, PlanError> {
     let best = plan(m, graph, epoch)?;
-    if executable(&best.plan) {
+    let (n_layer, n_expert) = (m.n_layers(), m.n_expert as usize);
+    if executable(&best.plan, n_layer, n_expert) {
         return Ok(best);
     }
-    let mut g = graph.clone();
-    g.policy.strategies.retain(|s| EXECUTABLE.contains(s));
-    if g.policy.strategies.is_empty() {
-        g.policy.strategies = EXECUTABLE.to_vec();
+    // What the fabric runs: expert splits as planned (their nodes stream experts from disk when
+    // given more than their budget), and single nodes and rings holding every weight in memory.
+    let mut found: Option<PlanOutcome> = None;
+    let mut last_err = None;
+    for (allowed, in_memory) in [
+        (&[StrategyKind::Expert][..], false),
+        (&[StrategyKind::Single, StrategyKind::Stage][..], true),
+    ] {
+        let mut g = graph.clone();
+        g.policy.strategies.retain(|s| allowed.contains(s));
+        if g.policy.strategies.is_empty() {
+            continue;
+        }
+        if in_memory {
+            for n in &mut g.nodes {
+                n.disk = None;
+            }
+        }
+        match plan(m, &g, epoch) {
+            Ok(o) if executable(&o.plan, n_layer, n_expert) => {
+                let score = |o: &PlanOutcome| o.plan.predicted.score(g.policy.objective);
+                if found.as_ref().is_none_or(|f| score(&o) > score(f)) {
+                    found = Some(o);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => last_err = Some(e),
+        }
     }
-    let mut fallback = plan(m, &g, epoch)?;
+    let Some(mut fallback) = found else {
+        // Nothing executable: why the executable strategies found no plan, or (a policy that
+        // allows none of them) the best plan, whose placement says why it cannot run.
+        return match last_err {
+            Some(e) => Err(e),
+            None => Ok(best),
+        };
+    };
     fallback.explanation.notes.insert(
         0,
         format!(
-            "the best plan, {} ({:.2} tok/s: {}), is not executable by the fabric yet; \
-             using the best single-node or stage-ring plan instead",
+            "the best plan, {} ({:.2} tok/s: {}), is not executable by the fabric yet ({}); \
+             using the best {} plan instead",
             best.plan.strategy,
             best.plan.predicted.decode_tokens_per_s,
-            best.explanation.chosen.description
+            best.explanation.chosen.description,
+            to_placement(&best.plan, n_layer, n_expert)
+                .err()
+                .map_or_else(String::new, |e| e.to_string()),
+            fallback.plan.strategy
         ),
     );
     Ok(fallback)
@@ -420,6 +522,8 @@ pub fn plan_executable(
 pub enum NotExecutable {
     #[error("the fabric cannot execute a {0} plan yet")]
     Strategy(StrategyKind),
+    #[error("{0} would stream experts from disk, which only the nodes of an expert split do")]
+    OnDisk(String),
     #[error(
         "stage {stage} ({node}) starts at layer {start}, but the previous one ends at {expected}"
     )]
@@ -444,6 +548,10 @@ pub enum NotExpertPlacement {
     Duplicates(Vec<usize>),
     #[error("experts {0:?} are held by no node")]
     Missing(Vec<usize>),
+    #[error("{0} holds some experts of its layers only: a ring stage holds all of them")]
+    StageExperts(String),
+    #[error("the ring covers layers 0..{covered} but the model has {n_layer}")]
+    RingCoverage { covered: usize, n_layer: usize },
 }
 
 /// The ring stages and the `--experts` placement of an expert-split plan's assignments: the
@@ -508,7 +616,16 @@ pub fn to_expert_placement(
 
 /// The stages of a single-node or stage-ring plan, pinned to their nodes by name, in ring order.
 pub fn to_assignment(plan: &Plan) -> Result<PlanFile, NotExecutable> {
-    if !executable(plan) {
+    // One cell, a single node or a ring of whole layers (of an MoE model, with their experts).
+    let ring = plan.cells.len() == 1
+        && matches!(plan.cells[0].kind, CellKind::Single | CellKind::Stage)
+        && plan.assignments().all(|a| {
+            a.layers.is_some()
+                && a.layers == a.ffn
+                && a.experts
+                    .is_none_or(|x| Some(x.layers) == a.layers && x.experts.start == 0)
+        });
+    if !ring {
         return Err(NotExecutable::Strategy(plan.strategy));
     }
     let mut stages = Vec::new();
@@ -914,13 +1031,13 @@ mod tests {
         g.policy.concurrency = 8;
         let best = tessera_plan::plan(&m, &g, 1).unwrap();
         assert_eq!(best.plan.strategy, StrategyKind::Replica);
-        assert!(!executable(&best.plan));
+        assert!(!executable(&best.plan, 28, 0));
         assert!(matches!(
             to_assignment(&best.plan),
             Err(NotExecutable::Strategy(StrategyKind::Replica))
         ));
         let out = plan_executable(&m, &g, 1).unwrap();
-        assert!(executable(&out.plan));
+        assert!(executable(&out.plan, 28, 0));
         assert!(EXECUTABLE.contains(&out.plan.strategy));
         assert!(
             out.explanation.notes[0].contains("replica"),
@@ -928,5 +1045,97 @@ mod tests {
             out.explanation.notes
         );
         assert!(to_assignment(&out.plan).is_ok());
+    }
+
+    fn moe_model() -> ModelProfile {
+        let config = r#"{"model_type": "qwen3_moe", "hidden_size": 1024, "num_hidden_layers": 4,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": 3072, "moe_intermediate_size": 768, "num_experts": 16,
+            "num_experts_per_tok": 2, "vocab_size": 32000, "tie_word_embeddings": true}"#;
+        ModelProfile::from_hf_config(config, Quant::Q8_0).unwrap()
+    }
+
+    #[test]
+    fn an_expert_split_plan_is_executed_as_a_home_ring_and_an_expert_split() {
+        let m = moe_model();
+        // 16 experts of ~2.4 MiB in each of 4 layers: the home holds the rest and some experts,
+        // the others a few experts each but no whole layer.
+        let (_, g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
+        let out = plan_executable(&m, &g, 3).unwrap();
+        assert_eq!(
+            out.plan.strategy,
+            StrategyKind::Expert,
+            "{:?}",
+            out.explanation
+        );
+        assert!(out
+            .explanation
+            .notes
+            .iter()
+            .all(|n| !n.contains("not executable")));
+        let p = to_placement(&out.plan, 4, 16).unwrap();
+        assert_eq!(p.ring.stages.len(), 1);
+        assert_eq!(p.ring.stages[0].node.as_deref(), Some("n0"));
+        assert_eq!(p.ring.stages[0].layers, 0..4);
+        let split = p.experts.unwrap();
+        assert!(split.duplicates().is_empty());
+        let mut all: Vec<usize> = split
+            .groups
+            .iter()
+            .flat_map(|g| g.experts.clone())
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..16).collect::<Vec<_>>());
+        assert!(split.groups.len() >= 2, "{split}");
+    }
+
+    fn with_disks(g: &mut ResourceGraph) {
+        for n in &mut g.nodes {
+            n.disk = Some(Tier {
+                capacity: Bytes(100 * GIB),
+                bandwidth: BytesPerSec(2e9),
+            });
+        }
+    }
+
+    #[test]
+    fn a_ring_that_streams_experts_from_disk_falls_back_to_an_expert_split() {
+        let m = moe_model();
+        let (_, mut g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
+        with_disks(&mut g);
+        // With disks, rings hold layers whose experts partly stay on disk...
+        let best = tessera_plan::plan(&m, &g, 1).unwrap();
+        assert!(matches!(
+            best.plan.strategy,
+            StrategyKind::Stage | StrategyKind::Single
+        ));
+        assert!(best.plan.assignments().any(|a| a.memory.disk.0 > 0));
+        // ... which no ring stage does: the expert split runs instead.
+        let out = plan_executable(&m, &g, 1).unwrap();
+        assert_eq!(out.plan.strategy, StrategyKind::Expert);
+        assert!(
+            out.explanation.notes[0].contains("stream experts from disk"),
+            "{:?}",
+            out.explanation.notes
+        );
+        assert!(to_placement(&out.plan, 4, 16).unwrap().experts.is_some());
+    }
+
+    #[test]
+    fn a_single_node_plan_with_experts_on_disk_is_not_executable() {
+        let m = moe_model();
+        // One node, too small for every expert in memory, with a disk: the planner streams the
+        // rest from disk, which only an expert split's nodes do.
+        let (_, mut g) = cluster(&[200 << 20]);
+        with_disks(&mut g);
+        let best = tessera_plan::plan(&m, &g, 1).unwrap();
+        assert_eq!(best.plan.strategy, StrategyKind::Single);
+        assert!(best.plan.assignments().any(|a| a.memory.disk.0 > 0));
+        assert!(matches!(
+            to_placement(&best.plan, 4, 16),
+            Err(NotExpertPlacement::Stages(NotExecutable::OnDisk(n))) if n == "n0"
+        ));
+        // Alone, it has no executable plan: planning says why rather than applying it.
+        assert!(plan_executable(&m, &g, 1).is_err());
     }
 }

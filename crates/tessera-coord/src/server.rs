@@ -120,6 +120,7 @@ impl Shared {
                 Action::EpochFailed { epoch, reason } => {
                     eprintln!("epoch {epoch} failed: {reason}");
                 }
+                Action::Note(note) => println!("{note}"),
             }
         }
         // The status drivers wait on follows the membership's current epoch.
@@ -264,7 +265,7 @@ impl Coordinator {
             eprintln!("plan epochs continue after {last}");
             membership.continue_epochs_after(last);
         }
-        membership.set_model_bytes(Some(model_bytes(server.manifest())));
+        membership.set_model_bytes(Some(model_bytes(server.manifest(), model.config.n_expert)));
         Ok(Self {
             shared: Arc::new(Shared {
                 id: identity.node_id(),
@@ -807,9 +808,9 @@ fn peer_addr(observed: SocketAddr, advertised: SocketAddr) -> SocketAddr {
     }
 }
 
-/// What the model's weights weigh per layer, embedding and head (for budget checks when
-/// re-planning).
-pub(crate) fn model_bytes(manifest: &Manifest) -> ModelBytes {
+/// What the model's weights weigh per layer, embedding and head, and one expert per layer (for
+/// budget checks when re-planning).
+pub(crate) fn model_bytes(manifest: &Manifest, n_expert: usize) -> ModelBytes {
     let bytes = |names: &[String]| manifest.bytes_for(names).unwrap_or(0);
     let n_layer = (0u32..)
         .take_while(|&l| !manifest.layer_tensor_names(l..l + 1).is_empty())
@@ -821,12 +822,25 @@ pub(crate) fn model_bytes(manifest: &Manifest) -> ModelBytes {
     } else {
         "token_embd.weight".into()
     });
+    // Tensor bytes without the header `bytes_for` counts in.
+    let tensor = |n: String| manifest.tensor(&n).map_or(0, |t| t.len);
+    let expert = (0..n_layer)
+        .map(|l| {
+            let packed: u64 = ["gate", "up", "down"]
+                .iter()
+                .map(|w| tensor(format!("blk.{l}.ffn_{w}_exps.weight")))
+                .sum();
+            packed / n_expert.max(1) as u64
+        })
+        .collect();
     ModelBytes {
         layers: (0..n_layer)
             .map(|l| bytes(&manifest.layer_tensor_names(l..l + 1)))
             .collect(),
         embed: bytes(&["token_embd.weight".to_string()]),
         head: bytes(&head),
+        expert,
+        n_expert,
     }
 }
 

@@ -3,6 +3,8 @@
 //! `tessera run --json` clients. A node is killed (`kill -9`), frozen (SIGSTOP) or cut off
 //! (a link emulator between it and the coordinator) in the middle of the generations; every
 //! generation must still complete, and its text must equal the one-process run's, byte for byte.
+//! The same holds for an expert-only node of an expert split (`--experts`) killed mid-run: its
+//! experts move to the survivors in a new epoch, and move back when it returns.
 //!
 //! Detection time (fault → the clients told their run is paused) and time to resume (fault →
 //! the first token after the resumption) are printed, never asserted beyond generous timeouts.
@@ -162,42 +164,56 @@ struct Cluster {
     coordinator: Proc,
     model: PathBuf,
     split: String,
+    /// Extra coordinator flags (an expert split).
+    extra: Vec<String>,
     join: String,
     nodes: Vec<Proc>,
 }
 
 impl Cluster {
     fn start(model_path: &Path, split: &str) -> Self {
+        Self::start_with(model_path, split, &[])
+    }
+
+    fn start_with(model_path: &Path, split: &str, extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut coordinator = Self::spawn_coordinator(dir.path(), model_path, split, "127.0.0.1:0");
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let mut coordinator =
+            Self::spawn_coordinator(dir.path(), model_path, split, "127.0.0.1:0", &extra);
         let join = coordinator.wait_for("join token: ");
         Self {
             dir,
             coordinator,
             model: model_path.to_owned(),
             split: split.to_string(),
+            extra,
             join,
             nodes: Vec::new(),
         }
     }
 
-    fn spawn_coordinator(dir: &Path, model_path: &Path, split: &str, listen: &str) -> Proc {
-        Proc::spawn(
-            "coordinator",
-            &[
-                "coordinator".into(),
-                "--model".into(),
-                model_path.display().to_string(),
-                "--listen".into(),
-                listen.into(),
-                "--data-dir".into(),
-                dir.join("coord").display().to_string(),
-                "--split".into(),
-                split.into(),
-                "--lease-ms".into(),
-                LEASE_MS.into(),
-            ],
-        )
+    fn spawn_coordinator(
+        dir: &Path,
+        model_path: &Path,
+        split: &str,
+        listen: &str,
+        extra: &[String],
+    ) -> Proc {
+        let mut args: Vec<String> = vec![
+            "coordinator".into(),
+            "--model".into(),
+            model_path.display().to_string(),
+            "--listen".into(),
+            listen.into(),
+            "--data-dir".into(),
+            dir.join("coord").display().to_string(),
+            "--split".into(),
+            split.into(),
+            "--lease-ms".into(),
+            LEASE_MS.into(),
+        ];
+        args.extend_from_slice(extra);
+        Proc::spawn("coordinator", &args)
     }
 
     /// The coordinator's `HOST:PORT`.
@@ -249,8 +265,13 @@ impl Cluster {
     fn restart_coordinator(&mut self) {
         self.coordinator.signal("-TERM");
         assert!(self.coordinator.wait_exit().success());
-        self.coordinator =
-            Self::spawn_coordinator(self.dir.path(), &self.model, &self.split, &self.addr());
+        self.coordinator = Self::spawn_coordinator(
+            self.dir.path(),
+            &self.model,
+            &self.split,
+            &self.addr(),
+            &self.extra,
+        );
         let join = self.coordinator.wait_for("join token: ");
         assert_eq!(join, self.join, "the token and address survive a restart");
     }
@@ -710,4 +731,193 @@ fn with_no_capacity_requests_get_a_reason_and_service_resumes_when_a_node_return
     assert_eq!(text_of(flags[1], &msgs), want);
     assert!(msgs.iter().any(|(_, m)| m["type"] == "resumed"));
     c.nodes.push(back);
+}
+
+/// Starts an expert node (an `--experts` owner) with `extra` flags and waits until it joined.
+fn add_expert_node(c: &mut Cluster, name: &str, extra: &[&str]) {
+    let mut args = c.node_args(name);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["--join".to_string(), c.join.clone()]);
+    let mut p = Proc::spawn(name, &args);
+    p.wait_for("joined coordinator ");
+    c.nodes.push(p);
+}
+
+/// Starts one client per workload and waits until each has streamed its first tokens.
+fn clients_under_way(c: &Cluster, loads: &[Vec<&str>]) -> Vec<Proc> {
+    let mut clients: Vec<Proc> = loads
+        .iter()
+        .enumerate()
+        .map(|(i, f)| c.client(&format!("client{i}"), f))
+        .collect();
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        for p in clients.iter_mut() {
+            p.drain();
+        }
+        if clients.iter().all(|p| tokens_seen(p) >= 2) {
+            return clients;
+        }
+        assert!(Instant::now() < deadline, "no tokens from every client");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Waits for every client: each succeeds with its one-process text, and at least one was
+/// paused and resumed by the fault at `struck`.
+fn all_complete(
+    clients: &mut [Proc],
+    loads: &[Vec<&str>],
+    want: &[String],
+    struck: Instant,
+    what: &str,
+) {
+    let mut interrupted = 0;
+    for (i, p) in clients.iter_mut().enumerate() {
+        let status = p.finish();
+        let msgs = messages(p);
+        assert!(
+            status.success(),
+            "client {i} failed: {:?}",
+            msgs.iter().map(|(_, m)| m).collect::<Vec<_>>()
+        );
+        assert_eq!(text_of(loads[i][1], &msgs), want[i], "client {i}: text");
+        let r = recovery(&msgs, struck);
+        interrupted += usize::from(r.pauses > 0);
+        eprintln!(
+            "chaos: {what}: client {i}: paused after {:?}, first token after resuming {:?}",
+            r.paused_after, r.resumed_token_after
+        );
+    }
+    assert!(
+        interrupted > 0,
+        "the fault landed after every generation had finished; nothing was resumed"
+    );
+}
+
+/// The run report's placement of node `name` (`done` message).
+fn placed<'a>(msgs: &'a [(Instant, Value)], name: &str) -> &'a Value {
+    let report = msgs
+        .iter()
+        .find(|(_, m)| m["type"] == "done")
+        .map(|(_, m)| m)
+        .expect("a report");
+    report["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == name)
+        .unwrap_or_else(|| panic!("{name} is not in {report}"))
+}
+
+/// An expert split over three nodes of a qwen3moe model: `a` is the home stage (all layers and
+/// some experts), `b` and `c` hold only experts. `c` is killed (`kill -9`) mid-generation: a new
+/// epoch keeps the ring on `a` and hands `c`'s experts to the survivor with the most room (`a`:
+/// `b` and `c` run under a budget), the generations resume with the one-process text, and
+/// when `c` returns the configured split is placed again.
+#[test]
+fn kill_of_an_expert_node_moves_its_experts_and_resumes_every_generation() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let all = workloads();
+    let loads = [all[0].clone(), all[2].clone()];
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    // 8 experts in each of 3 layers.
+    let mut c = Cluster::start_with(&path, "0..3", &["--experts", "0+3+6@a,1+4+7@b,2+5@c"]);
+    let budget = ["--memory-budget", "64MiB"];
+    c.add_node("a");
+    add_expert_node(&mut c, "b", &budget);
+    add_expert_node(&mut c, "c", &budget);
+    for n in ["a", "b", "c"] {
+        c.node(n).wait_for("loaded epoch ");
+    }
+    let mut clients = clients_under_way(&c, &loads);
+    let struck = Instant::now();
+    c.node("c").signal("-KILL");
+    c.coordinator.wait_for("lease expired: c ");
+    // The survivors take c's experts: a, the home, has the most room.
+    let moved = c
+        .coordinator
+        .wait_for("experts 2+5 of c (gone) re-placed: ");
+    assert_eq!(moved.trim(), "2+5 to a", "{moved}");
+    all_complete(
+        &mut clients,
+        &loads,
+        &want,
+        struck,
+        "kill -9 of expert node c",
+    );
+    // Meanwhile the home and b serve (two nodes in the epoch), with the same text.
+    for n in ["a", "b"] {
+        c.node(n).wait_for_nth("loaded epoch ", 2);
+    }
+    let msgs = run_to_end(&c, "during", &loads[0]);
+    assert_eq!(text_of(loads[0][1], &msgs), want[0]);
+    assert_eq!(started_stages(&msgs), 2);
+    // c returns (same key and data, no token): the configured split is placed again.
+    let mut args = c.node_args("c");
+    args.extend(budget.iter().map(|s| s.to_string()));
+    let mut back = Proc::spawn("c-again", &args);
+    back.wait_for("joined coordinator ");
+    back.wait_for("loaded epoch ");
+    let msgs = run_to_end(&c, "after", &loads[1]);
+    assert_eq!(text_of(loads[1][1], &msgs), want[1]);
+    assert_eq!(started_stages(&msgs), 3, "c is folded back in");
+    c.nodes.push(back);
+}
+
+/// The home `a` holds half the experts within its budget; the expert node `b` holds the other
+/// half. `b` is killed mid-generation: `a` alone must take every expert, more than its budget
+/// holds, so it streams experts from disk (keeping only part of them in memory), and the
+/// generation resumes with the one-process text.
+#[test]
+fn a_home_given_more_experts_than_its_budget_streams_them_after_a_loss() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    // Short enough for a's KV cache within its budget; long enough to be cut.
+    let loads = [vec![
+        "-p",
+        "Once upon a time",
+        "-n",
+        "120",
+        "--temperature",
+        "0",
+    ]];
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    // The model is 5.7 MiB: 0.9 MiB without its experts, 0.6 MiB per expert of every layer.
+    // a holds about 3.3 MiB of it at first, 5.7 MiB after the loss.
+    let budget: u64 = 9 << 19; // 4.5 MiB
+    let mut c = Cluster::start_with(&path, "0..3", &["--experts", "0-3@a,4-7@b"]);
+    add_expert_node(&mut c, "a", &["--memory-budget", &budget.to_string()]);
+    add_expert_node(&mut c, "b", &[]);
+    for n in ["a", "b"] {
+        c.node(n).wait_for("loaded epoch ");
+    }
+    let mut clients = clients_under_way(&c, &loads);
+    let struck = Instant::now();
+    c.node("b").signal("-KILL");
+    let moved = c
+        .coordinator
+        .wait_for("experts 4-7 of b (gone) re-placed: ");
+    assert_eq!(
+        moved.trim(),
+        "4-7 to a (beyond its budget: it streams experts from disk)"
+    );
+    all_complete(
+        &mut clients,
+        &loads,
+        &want,
+        struck,
+        "kill -9 of expert node b",
+    );
+    // The home alone: every expert, streamed within its budget, the same text.
+    let msgs = run_to_end(&c, "alone", &loads[0]);
+    assert_eq!(text_of(loads[0][1], &msgs), want[0]);
+    assert_eq!(started_stages(&msgs), 1);
+    let a = placed(&msgs, "a");
+    let resident = a["load"]["resident_bytes"].as_u64().unwrap();
+    eprintln!(
+        "chaos: the home alone, budget {budget} bytes: {}",
+        a["load"]
+    );
+    let file = std::fs::metadata(&path).unwrap().len();
+    assert!(resident <= budget && resident < file, "{a}");
 }

@@ -1,22 +1,105 @@
 //! `tessera coordinator --plan auto`: the coordinator waits for the expected nodes, plans from
-//! the inventories in their hellos, and applies the chosen stage split. Real processes on
-//! 127.0.0.1; the assertions are on decisions (which node holds which layers, within which
-//! budget, producing which tokens), never on timings.
+//! the inventories in their hellos, and applies the chosen stage split or expert split. Real
+//! processes on 127.0.0.1; the assertions are on decisions (which node holds which layers or
+//! experts, within which budget, producing which tokens), never on timings.
 
 mod common;
 
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{bin, model, reference_tokens, run_with_timeout, Proc};
+use common::{bin, model, reference_tokens, report_of, run_with_timeout, tokens_of, Proc};
 use serde_json::Value;
-use tessera_model::{GgufFile, Tokenizer};
+use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 
 const TIMEOUT: Duration = Duration::from_secs(90);
 
 fn parse_range(s: &str) -> (usize, usize) {
     let (a, b) = s.split_once("..").unwrap();
     (a.parse().unwrap(), b.parse().unwrap())
+}
+
+/// `tessera coordinator --plan auto --nodes-expected N` on `model`; its join token.
+fn auto_coordinator(dir: &Path, model: &Path, expected: usize) -> (Proc, String) {
+    let mut coordinator = Proc::spawn(
+        "coordinator",
+        &[
+            "coordinator".into(),
+            "--model".into(),
+            model.display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            dir.join("coord").display().to_string(),
+            "--max-context".into(),
+            "64".into(),
+            "--plan".into(),
+            "auto".into(),
+            "--nodes-expected".into(),
+            expected.to_string(),
+        ],
+        TIMEOUT,
+    );
+    let join = coordinator.wait_for("join token: ");
+    (coordinator, join)
+}
+
+/// A node with a memory budget, started once it has joined (so that the probes of nodes on
+/// this one host do not overlap).
+fn budget_node(dir: &Path, join: &str, name: &str, budget: u64) -> Proc {
+    let args: Vec<String> = [
+        "node",
+        "--data-dir",
+        &dir.join(name).display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+        "--name",
+        name,
+        "--threads",
+        "1",
+        "--quick-probe",
+        "--memory-budget",
+        &budget.to_string(),
+        "--join",
+        join,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut p = Proc::spawn(name, &args, TIMEOUT);
+    p.wait_for("joined coordinator ");
+    p
+}
+
+/// `tessera run --json` greedily on the coordinator's current plan; its messages.
+fn run_greedy(dir: &Path, join: &str, prompt_text: &str, n: usize, chunk: usize) -> Vec<Value> {
+    let mut cmd = Command::new(bin());
+    cmd.args(["run", "--coordinator", join, "--data-dir"])
+        .arg(dir.join("client"))
+        .args([
+            "--json",
+            "-p",
+            prompt_text,
+            "-n",
+            &n.to_string(),
+            "--temperature",
+            "0",
+            "--prefill-chunk",
+            &chunk.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let out = run_with_timeout(cmd, TIMEOUT);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
 }
 
 /// Two nodes whose budgets are each too small for stories260K (as the planner counts memory:
@@ -27,52 +110,11 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
     let path = model("stories260K.gguf");
     let dir = tempfile::tempdir().unwrap();
     let budgets = [("small", 2u64 << 20), ("large", 5u64 << 19)]; // 2 MiB and 2.5 MiB
-    let mut coordinator = Proc::spawn(
-        "coordinator",
-        &[
-            "coordinator".into(),
-            "--model".into(),
-            path.display().to_string(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--data-dir".into(),
-            dir.path().join("coord").display().to_string(),
-            "--max-context".into(),
-            "64".into(),
-            "--plan".into(),
-            "auto".into(),
-            "--nodes-expected".into(),
-            "2".into(),
-        ],
-        TIMEOUT,
-    );
-    let join = coordinator.wait_for("join token: ");
-    let mut nodes = Vec::new();
-    for (name, budget) in budgets {
-        let args: Vec<String> = [
-            "node",
-            "--data-dir",
-            &dir.path().join(name).display().to_string(),
-            "--listen",
-            "127.0.0.1:0",
-            "--name",
-            name,
-            "--threads",
-            "1",
-            "--quick-probe",
-            "--memory-budget",
-            &budget.to_string(),
-            "--join",
-            &join,
-        ]
+    let (mut coordinator, join) = auto_coordinator(dir.path(), &path, 2);
+    let nodes: Vec<Proc> = budgets
         .iter()
-        .map(|s| s.to_string())
+        .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
         .collect();
-        let mut p = Proc::spawn(name, &args, TIMEOUT);
-        // One after another, so their probes do not overlap.
-        p.wait_for("joined coordinator ");
-        nodes.push(p);
-    }
     let placed = coordinator.wait_for("plan auto: ");
     coordinator.wait_for("Chosen: stage");
 
@@ -114,39 +156,9 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
     let n = 16;
     let chunk = 4;
     let want = reference_tokens(&path, &prompt, n, chunk);
-    let mut cmd = Command::new(bin());
-    cmd.args(["run", "--coordinator", &join, "--data-dir"])
-        .arg(dir.path().join("client"))
-        .args([
-            "--json",
-            "-p",
-            prompt_text,
-            "-n",
-            &n.to_string(),
-            "--temperature",
-            "0",
-            "--prefill-chunk",
-            &chunk.to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let out = run_with_timeout(cmd, TIMEOUT);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let msgs: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    let got: Vec<u32> = msgs
-        .iter()
-        .filter(|m| m["type"] == "token" && m["token"].as_u64() != Some(u64::from(u32::MAX)))
-        .map(|m| m["token"].as_u64().unwrap() as u32)
-        .collect();
-    assert_eq!(got, want);
-    let report = msgs.iter().find(|m| m["type"] == "done").unwrap();
+    let msgs = run_greedy(dir.path(), &join, prompt_text, n, chunk);
+    assert_eq!(tokens_of(&msgs), want);
+    let report = report_of(&msgs);
     let ran: Vec<(String, (usize, usize))> = report["stages"]
         .as_array()
         .unwrap()
@@ -165,6 +177,136 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
             .find(|b| b.0 == s["name"])
             .map(|b| b.1)
             .unwrap();
+        assert!(
+            s["load"]["resident_bytes"].as_u64().unwrap() <= budget,
+            "{s}"
+        );
+    }
+    drop(nodes);
+}
+
+/// Three nodes of one host whose budgets hold a qwen3moe model on no single node, no ring of
+/// whole layers and no weight bank, all in memory, but hold it as a home node with attention,
+/// embedding, head and some experts, and the other experts on the small nodes (a few experts of
+/// every layer each, no whole layer). (A single node streaming the rest of its experts from
+/// disk is what the planner may prefer; only an expert split's nodes stream, so it falls back.)
+/// The coordinator plans that expert split from their inventories, applies it (a ring of the
+/// home alone plus expert-only nodes), and the cluster generates what one process does.
+#[test]
+fn plan_auto_executes_an_expert_split_and_matches_one_process() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let g = GgufFile::open(&path).unwrap();
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // The whole model is 5.7 MiB, a layer 1.8 MiB, one expert of every layer 0.6 MiB; the
+    // planner also counts KV, activations and the process.
+    let budgets = [
+        ("home", 15u64 << 19), // 7.5 MiB
+        ("x", 13u64 << 18),    // 3.25 MiB
+        ("y", 13u64 << 18),
+    ];
+    let (mut coordinator, join) = auto_coordinator(dir.path(), &path, budgets.len());
+    let nodes: Vec<Proc> = budgets
+        .iter()
+        .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
+        .collect();
+    let split = coordinator.wait_for("plan auto experts: ");
+    let ring = coordinator.wait_for("plan auto: ");
+    eprintln!("plan auto: ring {ring}, experts {split}");
+    assert_eq!(ring.trim(), format!("home=0..{}", cfg.n_layer));
+
+    // The decision, as written to plan-auto.json: an expert split homed on "home", every
+    // expert of every layer held once, each node within its budget.
+    let doc: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("coord/plan-auto.json")).unwrap())
+            .unwrap();
+    let plan = &doc["outcome"]["plan"];
+    eprintln!(
+        "plan auto notes: {}",
+        doc["outcome"]["explanation"]["notes"]
+    );
+    assert_eq!(plan["strategy"], "expert", "{}", doc["outcome"]);
+    let assignments = plan["cells"][0]["assignments"].as_array().unwrap();
+    assert_eq!(assignments[0]["node"], "home");
+    let mut held: Vec<(String, u64, u64)> = Vec::new();
+    for a in assignments {
+        let m = &a["memory"];
+        assert!(m["total"].as_u64() <= m["budget"].as_u64(), "{a}");
+        let x = &a["experts"];
+        if x.is_null() {
+            // A home may keep no experts.
+            continue;
+        }
+        assert_eq!(x["layers"]["start"], 0, "{a}");
+        assert_eq!(x["layers"]["end"], cfg.n_layer, "{a}");
+        held.push((
+            a["node"].as_str().unwrap().to_string(),
+            x["experts"]["start"].as_u64().unwrap(),
+            x["experts"]["end"].as_u64().unwrap(),
+        ));
+    }
+    assert!(held.len() >= 2, "{held:?}");
+    assert_eq!(held.last().unwrap().2, cfg.n_expert as u64);
+    // The applied split is the plan's: `a-b@node` per owner.
+    let want_split: Vec<String> = held
+        .iter()
+        .map(|(n, a, b)| {
+            if b - a == 1 {
+                format!("{a}@{n}")
+            } else {
+                format!("{a}-{}@{n}", b - 1)
+            }
+        })
+        .collect();
+    assert_eq!(split.trim(), want_split.join(","));
+
+    // The run: the home ring plus expert-only nodes, the tokens those of one process.
+    let prompt_text = "Once upon a time, in a quiet village";
+    let prompt = Tokenizer::from_gguf(&g).unwrap().encode(prompt_text, true);
+    let (n, chunk) = (12, 4);
+    let want = reference_tokens(&path, &prompt, n, chunk);
+    let msgs = run_greedy(dir.path(), &join, prompt_text, n, chunk);
+    assert_eq!(
+        tokens_of(&msgs),
+        want,
+        "expert split planned by --plan auto"
+    );
+    let report = report_of(&msgs);
+    let mut ran: Vec<(String, String)> = report["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap().to_string(),
+                s["layers"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    ran.sort();
+    let mut want_ran: Vec<(String, String)> = assignments
+        .iter()
+        .map(|a| {
+            let name = a["node"].as_str().unwrap().to_string();
+            let layers = if name == "home" {
+                format!("0..{}", cfg.n_layer)
+            } else {
+                "0..0".to_string()
+            };
+            (name, layers)
+        })
+        .collect();
+    want_ran.sort();
+    assert_eq!(ran, want_ran);
+    let trips: u64 = report["stage_stats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|st| st["decode"]["expert_round_trips"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(trips > 0, "no expert requests in {report}");
+    for s in report["stages"].as_array().unwrap() {
+        let budget = budgets.iter().find(|b| b.0 == s["name"]).unwrap().1;
         assert!(
             s["load"]["resident_bytes"].as_u64().unwrap() <= budget,
             "{s}"

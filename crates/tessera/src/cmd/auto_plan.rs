@@ -1,12 +1,12 @@
 //! `tessera coordinator --plan auto`: wait for the expected nodes, plan from their measured
 //! inventory and links ([`tessera_coord::planning`]), print the explanation and apply the chosen
-//! stage split.
+//! placement: a stage split, or an expert split (home ring plus expert owners).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tessera_coord::planning::{links_via_coordinator, plan_for, resource_graph, to_assignment};
+use tessera_coord::planning::{links_via_coordinator, plan_for, resource_graph, to_placement};
 use tessera_coord::Coordinator;
 use tessera_plan::{render_text, Objective, Policy};
 
@@ -28,7 +28,7 @@ pub fn policy(max_context: usize) -> Policy {
 
 /// Waits for `expected` connected nodes with inventories (and, for a few seconds, their links),
 /// plans, prints the explanation, writes `DATA_DIR/plan-auto.json` (graph and outcome) and
-/// applies the stages.
+/// applies the stages (and the expert split of an expert plan).
 pub async fn run(
     c: &Coordinator,
     model: &tessera_model::ModelProfile,
@@ -63,12 +63,19 @@ pub async fn run(
     let path = data_dir.join("plan-auto.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&doc)?)
         .with_context(|| format!("writing {}", path.display()))?;
-    let stages = to_assignment(&outcome.plan)?;
-    c.apply_stages(&stages.stages)
+    let cfg = &model.config;
+    let placement = to_placement(&outcome.plan, cfg.n_layer, cfg.n_expert)?;
+    // The split first: the epoch the stages start places it.
+    c.set_expert_split(placement.experts.clone());
+    c.apply_stages(&placement.ring.stages)
         .context("applying the plan")?;
+    if let Some(x) = &placement.experts {
+        println!("plan auto experts: {x}");
+    }
     println!(
         "plan auto: {}",
-        stages
+        placement
+            .ring
             .stages
             .iter()
             .map(|s| format!(

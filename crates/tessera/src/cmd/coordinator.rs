@@ -27,7 +27,7 @@ pub struct CoordinatorArgs {
     /// Apply this plan file (JSON: `{"stages":[{"node":"NAME","layers":"0..3"},...]}`), or
     /// `auto`: once `--nodes-expected` nodes have joined, plan from their measured inventory and
     /// links (printing the explanation, and writing it to `DATA_DIR/plan-auto.json`) and apply
-    /// the chosen stage split.
+    /// the chosen stage split or expert split.
     #[arg(long)]
     plan: Option<PathBuf>,
     /// With `--plan auto`: how many nodes to wait for before planning.
@@ -36,7 +36,9 @@ pub struct CoordinatorArgs {
     /// Split every MoE layer's experts across nodes, e.g. `0-3@a,4-7@b` (expert ids or
     /// inclusive ranges joined by `+`, at a node name or id prefix). Stage nodes compute the
     /// experts they are given for their own layers; named nodes that are not stages hold only
-    /// experts and serve the stages' requests. The first plan waits for every named node.
+    /// experts and serve the stages' requests. The first plan waits for every named node. When
+    /// a node holding experts leaves, its experts go to the others (by free memory; a node
+    /// given more than its budget streams them from disk) until it is back.
     #[arg(long, value_name = "SPLIT")]
     experts: Option<String>,
     /// Most positions per sequence (default: the model's context length).
@@ -67,6 +69,9 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         }
         (None, None) => None,
     };
+    if auto && args.experts.is_some() {
+        anyhow::bail!("--experts with --plan auto: the plan chooses the expert split");
+    }
     let experts = args
         .experts
         .as_deref()
