@@ -61,21 +61,35 @@ impl RopeTable {
 /// RoPE in GGML's normal order: rotates adjacent pairs `(2i, 2i+1)` of the first `2*cos.len()`
 /// dimensions of one head.
 pub fn rope_normal(head: &mut [f32], cos: &[f32], sin: &[f32]) {
-    for i in 0..cos.len() {
-        let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-        head[2 * i] = x0 * cos[i] - x1 * sin[i];
-        head[2 * i + 1] = x0 * sin[i] + x1 * cos[i];
-    }
+    with_fma(|| {
+        for i in 0..cos.len() {
+            let (x0, x1) = rotate(head[2 * i], head[2 * i + 1], cos[i], sin[i]);
+            head[2 * i] = x0;
+            head[2 * i + 1] = x1;
+        }
+    })
 }
 
 /// RoPE in NeoX order: rotates pairs `(i, i + d/2)` where `d = 2*cos.len()` is the rotated width.
 pub fn rope_neox(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = cos.len();
-    for i in 0..half {
-        let (x0, x1) = (head[i], head[i + half]);
-        head[i] = x0 * cos[i] - x1 * sin[i];
-        head[i + half] = x0 * sin[i] + x1 * cos[i];
-    }
+    with_fma(|| {
+        for i in 0..half {
+            let (x0, x1) = rotate(head[i], head[i + half], cos[i], sin[i]);
+            head[i] = x0;
+            head[i + half] = x1;
+        }
+    })
+}
+
+/// One RoPE rotation, rounded as llama.cpp's x86 build computes it: GCC contracts ggml's
+/// `x0*cos - x1*sin` and `x0*sin + x1*cos` into one fused multiply-add each (the second product
+/// rounded first). Plain multiplies differ in the last bit for ~1 in 9 elements, and such a bit
+/// can tip a later 8-bit activation rounding and become visible (found by comparing tensor
+/// dumps of llama.cpp against this engine on `small-qwen3moe-Q8_0`).
+#[inline(always)]
+fn rotate(x0: f32, x1: f32, cos: f32, sin: f32) -> (f32, f32) {
+    (x0.mul_add(cos, -(x1 * sin)), x0.mul_add(sin, x1 * cos))
 }
 
 /// SiLU, `x / (1 + e^-x)` with the C library's `expf` (ggml's scalar `ggml_silu_f32`).

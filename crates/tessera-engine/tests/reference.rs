@@ -119,20 +119,17 @@ fn check_file(path: &std::path::Path, loose: bool) -> (Vec<String>, f64) {
     (failures, worst)
 }
 
-/// Quantized files whose teacher-forced log-probs drift past 0.02 (up to ~0.13) while the other
-/// files agree closely. llama.cpp's numerics depend on the batch: a prompt is computed by
-/// llamafile tinyBLAS and the repacked gemm, each generated token alone by `ggml_vec_dot_*` and
-/// the repacked gemv, which round differently. This engine is batch-invariant and follows the
-/// single-token path, so the prompt's rows (and the KV they leave) differ in the last bits;
-/// an activation-quantization rounding step or an expert choice sometimes turns such a
-/// difference into a visible one that persists. These files are checked with a loose bound
-/// here and strictly by `strict_teacher_forcing_for_every_file` (ignored).
-const KNOWN_KERNEL_DRIFT: [&str; 4] = [
-    "small-qwen3-Q4_K",
-    "small-qwen3-Q5_K",
-    "small-qwen3moe-Q5_K",
-    "small-qwen3moe-Q8_0",
-];
+/// Quantized files whose teacher-forced log-probs drift past 0.02 (up to ~0.13) while every
+/// other file agrees to ~1e-5. For these K-quant files llama.cpp itself does not agree with
+/// itself: with its tensors dumped (`llama-eval-callback`, ggml 0.25.3, the reference build),
+/// the Q/K/V projections of the same row differ in the last bits between a prompt batch and one
+/// token at a time (Q4_K: repacked gemm vs gemv; Q6_K: ~200 of 256 outputs), and an 8-bit
+/// activation rounding later turns that into a visible difference. The reference's generated
+/// positions come from its one-token path; this engine is batch-invariant and, on the checked
+/// position (small-qwen3-Q6_K, prompt 1, generated row 10), equals llama.cpp's *batch* result to
+/// 1e-6. These files are checked with a loose bound here and strictly by
+/// `strict_teacher_forcing_for_every_file` (ignored).
+const KNOWN_KERNEL_DRIFT: [&str; 2] = ["small-qwen3-Q4_K", "small-qwen3-Q6_K"];
 
 fn reference_files() -> Vec<std::path::PathBuf> {
     let dir = common::repo_root().join("reference");
