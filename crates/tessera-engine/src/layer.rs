@@ -8,13 +8,13 @@
 //! ```
 
 use crate::error::Result;
-use crate::exec::{pick, quantize_for, run_matmuls, MatmulJob};
+use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
 use crate::kv::KvCache;
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
 use crate::ops::{
-    add_assign, attend_group, rms_norm, rms_norm_into, rope_neox, rope_normal, swiglu_rows,
-    AttnScratch,
+    add_assign, attend_group, rms_norm, rms_norm_into, rope_neox, rope_normal, softmax,
+    swiglu_rows, AttnScratch,
 };
 use tessera_model::RopeStyle;
 
@@ -246,8 +246,18 @@ impl Model {
             }
             None => {
                 let routing = self.moe_route(layer, normed)?;
-                if self.expert_store().is_some_and(|s| s.prefetching()) {
-                    self.prefetch_next(layer, hidden)?;
+                if let Some(store) = self.expert_store() {
+                    // This layer's misses first: queued now, read while the next layer's
+                    // prediction is made and the resident experts compute.
+                    let used: Vec<usize> = routing
+                        .experts_used()
+                        .into_iter()
+                        .filter(|&e| self.holds_expert(layer, e))
+                        .collect();
+                    store.fetch(layer, &used);
+                    if store.prefetching() {
+                        self.prefetch_next(layer, hidden)?;
+                    }
                 }
                 let parts = experts.run(layer, normed, &routing)?;
                 let out = reduce_expert_outputs(&parts)?;
@@ -258,8 +268,10 @@ impl Model {
     }
 
     /// Predicts the experts of layer `layer + 1` by applying its router early to `hidden` (the
-    /// input of layer `layer`'s FFN, normed with layer `layer + 1`'s FFN norm), and asks the
-    /// expert store to prefetch them while this layer computes.
+    /// input of layer `layer`'s FFN, normed with layer `layer + 1`'s FFN norm), and hands the
+    /// prediction to the expert store: every expert in some token's top k, with its predicted
+    /// probability (the most any token gives it), most probable first. The store reads the most
+    /// probable ones ahead while this layer computes.
     fn prefetch_next(&self, layer: usize, hidden: &Hidden) -> Result<()> {
         let next = layer + 1;
         let (Some(store), true) = (self.expert_store(), self.spec().layers.contains(&next)) else {
@@ -268,21 +280,34 @@ impl Model {
         let Ok(core) = self.core(next) else {
             return Ok(());
         };
-        if core.router.is_none() {
+        let Some(router) = &core.router else {
             return Ok(());
-        }
+        };
         let cfg = self.config();
-        let mut pred = Hidden::zeros(hidden.n_tokens, cfg.n_embd);
-        for t in 0..hidden.n_tokens {
+        let (n, ne, k) = (hidden.n_tokens, cfg.n_expert, cfg.n_expert_used);
+        let mut pred = Hidden::zeros(n, cfg.n_embd);
+        for t in 0..n {
             rms_norm_into(pred.row_mut(t), hidden.row(t), &core.ffn_norm, cfg.rms_eps);
         }
-        let routing = self.moe_route(next, &pred)?;
-        let experts: Vec<usize> = routing
-            .experts_used()
-            .into_iter()
-            .filter(|&e| self.holds_expert(next, e))
+        let mut probs = vec![0.0f32; n * ne];
+        matmul_once(store.predict_pool(), router, &pred.data, n, &mut probs);
+        let mut best = vec![f32::NEG_INFINITY; ne];
+        let mut order: Vec<usize> = Vec::with_capacity(ne);
+        for p in probs.chunks_exact_mut(ne) {
+            softmax(p);
+            order.clear();
+            order.extend(0..ne);
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            for &e in &order[..k.min(ne)] {
+                best[e] = best[e].max(p[e]);
+            }
+        }
+        let mut predicted: Vec<(usize, f32)> = (0..ne)
+            .filter(|&e| best[e] > f32::NEG_INFINITY && self.holds_expert(next, e))
+            .map(|e| (e, best[e]))
             .collect();
-        store.prefetch(next, experts);
+        predicted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        store.prefetch_ranked(next, &predicted);
         Ok(())
     }
 }

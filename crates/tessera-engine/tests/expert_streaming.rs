@@ -76,6 +76,15 @@ fn check(name: &str) {
             pinned_fraction: 0.0,
             ..ExpertStreaming::with_budget(eb * 3)
         },
+        // Eager prefetch (every predicted expert, whatever its probability) racing the demand
+        // reads of a small cache; buffered reads (page cache dropped by advice), 2 readers.
+        ExpertStreaming {
+            prefetch_max: usize::MAX,
+            prefetch_min_prob: 0.0,
+            drop_page_cache: false,
+            read_parallelism: 2,
+            ..ExpertStreaming::with_budget(eb * 2 * n_layer)
+        },
     ];
     for (i, st) in settings.into_iter().enumerate() {
         let budget = st.budget_bytes;
@@ -93,6 +102,11 @@ fn check(name: &str) {
             s.resident_bytes() as u64,
             s.weights().resident_bytes() as u64 + stats.cached_bytes + stats.pinned_bytes
         );
+        assert!(stats.prefetch_useful <= stats.prefetch_issued, "{stats:?}");
+        if i == 3 {
+            assert!(stats.prefetch_issued > 0, "{stats:?}");
+            assert!(!stats.direct_io, "{stats:?}");
+        }
         // Without expert weights held up front, the streamed part keeps less than the full one.
         assert!(s.weights().resident_bytes() < full.resident_bytes());
         let json = serde_json::to_string(&stats).unwrap();
@@ -209,4 +223,32 @@ fn expert_only_part_streams_its_experts() {
         tokens = vec![argmax(a.last()) as u32];
     }
     assert!(experts.expert_stats().unwrap().misses > 0);
+}
+
+#[test]
+fn stats_source_outlives_moves_and_sums() {
+    let g = common::open("tiny-qwen3moe-Q8_0.gguf");
+    let eb = expert_bytes(&g);
+    let s = streamed(&g, ExpertStreaming::with_budget(eb * 2), 1);
+    let source = s.expert_stats_source().expect("streamed");
+    // The model moves to another thread (as a node's stage does); the handle still reads it.
+    let h = std::thread::spawn(move || {
+        let mut kv = common::kv_for(&s);
+        s.forward(PROMPTS[0], &mut kv).unwrap();
+        s
+    });
+    let s = h.join().unwrap();
+    let a = source.stats().expect("live");
+    assert_eq!(a, s.expert_stats().unwrap());
+    assert!(a.lookups > 0 && a.misses > 0, "{a:?}");
+    let mut sum = a.clone();
+    sum.add(&a);
+    assert_eq!(sum.lookups, 2 * a.lookups);
+    assert_eq!(sum.bytes_read, 2 * a.bytes_read);
+    assert_eq!(sum.budget_bytes, 2 * a.budget_bytes);
+    drop(s);
+    assert!(source.stats().is_none(), "the store is gone");
+    // A model without streamed experts has no source.
+    let full = common::full(&g, 1);
+    assert!(full.expert_stats_source().is_none());
 }

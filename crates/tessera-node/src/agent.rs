@@ -222,17 +222,37 @@ struct Shared {
     experts: Mutex<Option<ExpertServing>>,
     /// Keeps the connections to expert workers open.
     expert_conns: Mutex<Vec<Connection>>,
+    /// The counters of the current stage's own streamed experts (the stage's model lives on the
+    /// worker thread; the handle reads them from here, and reads nothing once it is dropped).
+    stage_experts: Mutex<Option<tessera_engine::expert_store::ExpertStatsSource>>,
     /// The latest epoch assigned and not released (0: none). A load that finishes after a
     /// newer assignment (or the release of its own) is discarded, never installed.
     assigned: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
-    /// Counters of the expert cache of the model serving other homes' experts, when it streams
-    /// them from disk. (A stage's own streamed experts are not counted yet.)
+    /// Counters of this node's streamed experts: the stage's own and those of the model serving
+    /// other homes' experts, summed (`None` when neither streams experts).
     fn expert_cache(&self) -> Option<ExpertCacheStats> {
-        let x = self.experts.lock().unwrap_or_else(|p| p.into_inner());
-        let st = x.as_ref()?.model.as_ref()?.expert_stats()?;
+        let stage = self
+            .stage_experts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(|s| s.stats());
+        let serving = {
+            let x = self.experts.lock().unwrap_or_else(|p| p.into_inner());
+            x.as_ref()
+                .and_then(|x| x.model.as_ref())
+                .and_then(|m| m.expert_stats())
+        };
+        let st = match (stage, serving) {
+            (Some(mut a), Some(b)) => {
+                a.add(&b);
+                a
+            }
+            (a, b) => a.or(b)?,
+        };
         Some(ExpertCacheStats {
             budget_bytes: st.budget_bytes,
             lookups: st.lookups,
@@ -359,6 +379,7 @@ pub async fn run_until(
         next_conn: Mutex::new(None),
         pending_experts: Mutex::new(Default::default()),
         experts: Mutex::new(None),
+        stage_experts: Mutex::new(None),
         expert_conns: Mutex::new(Vec::new()),
         assigned: std::sync::atomic::AtomicU64::new(0),
     });
@@ -966,6 +987,7 @@ async fn load_assignment(
         .or(ctx.inventory.memory.available_bytes)
         .map(|limit| limit.saturating_sub(held));
     let n_embd = model.config().n_embd;
+    let stage_experts = model.expert_stats_source();
     let stage = Stage::new(a.clone(), model, kv_budget);
     {
         let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
@@ -982,6 +1004,10 @@ async fn load_assignment(
                 assignment: x,
                 model: serve_model.map(Arc::new),
             });
+        *shared
+            .stage_experts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = stage_experts;
         *cur = Some(Current {
             assignment: a,
             n_embd,

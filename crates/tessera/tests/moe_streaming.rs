@@ -1,7 +1,8 @@
 //! Expert streaming on a node of an expert split, with real processes on 127.0.0.1: a `tessera
 //! coordinator --experts ...` and two `tessera node` agents, the expert-only one given an
-//! `--expert-budget` of about two experts, so it streams its experts from disk. Greedy output
-//! must equal one process, and the coordinator must hear the node's expert-cache misses.
+//! `--expert-budget` of about two experts, so it streams its experts from disk (and the home
+//! stage too, for its own experts). Greedy output must equal one process, and the coordinator
+//! must hear both nodes' expert-cache misses.
 
 mod common;
 
@@ -41,7 +42,7 @@ fn streamed_experts_on_a_node_match_one_process_small() {
     let a: Vec<usize> = (0..n / 2).collect();
     let b: Vec<usize> = (n / 2..n).collect();
     let mut c = ExpertCluster::start(&path, &format!("{}@a,{}@b", ids(&a), ids(&b)), TIMEOUT);
-    c.add_node("a", &[]);
+    c.add_node("a", &["--expert-budget".into(), budget.to_string()]);
     c.add_node("b", &["--expert-budget".into(), budget.to_string()]);
     let msgs = c.run_json(
         &[("a", 0..l)],
@@ -66,25 +67,27 @@ fn streamed_experts_on_a_node_match_one_process_small() {
         .sum();
     assert!(trips > 0, "no expert requests in {report}");
 
-    // The node's heartbeats carry its expert-cache counters to the coordinator; wait for
-    // one reporting misses (it read experts from disk: the budget holds about two).
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let line = c.coordinator.wait_for("expert cache: b ");
-        let misses: u64 = line
-            .split_whitespace()
-            .skip_while(|w| *w != "misses")
-            .nth(1)
-            .and_then(|m| m.parse().ok())
-            .unwrap_or_else(|| panic!("malformed line {line:?}"));
-        if misses > 0 {
-            eprintln!("coordinator saw: expert cache: b {line}");
-            break;
+    // Heartbeats carry each node's expert-cache counters to the coordinator: the expert-only
+    // node's, and the home stage's for its own streamed experts. Wait for each to report misses
+    // (both read experts from disk: their budgets hold about two).
+    for node in ["a", "b"] {
+        let prefix = format!("expert cache: {node} ");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let line = c.coordinator.wait_for(&prefix);
+            let misses: u64 = line
+                .split_whitespace()
+                .skip_while(|w| *w != "misses")
+                .nth(1)
+                .and_then(|m| m.parse().ok())
+                .unwrap_or_else(|| panic!("malformed line {line:?}"));
+            if misses > 0 {
+                eprintln!("coordinator saw: {prefix}{line}");
+                break;
+            }
+            // Look at later lines only.
+            c.coordinator.seen.retain(|s| !s.starts_with(&prefix));
+            assert!(Instant::now() < deadline, "no misses reported by {node}: {line}");
         }
-        // Look at later lines only.
-        c.coordinator
-            .seen
-            .retain(|s| !s.starts_with("expert cache: b "));
-        assert!(Instant::now() < deadline, "no misses reported: {line}");
     }
 }
