@@ -87,7 +87,10 @@ fn streamed_experts_on_a_node_match_one_process_small() {
             }
             // Look at later lines only.
             c.coordinator.seen.retain(|s| !s.starts_with(&prefix));
-            assert!(Instant::now() < deadline, "no misses reported by {node}: {line}");
+            assert!(
+                Instant::now() < deadline,
+                "no misses reported by {node}: {line}"
+            );
         }
     }
 }
