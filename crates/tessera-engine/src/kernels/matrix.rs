@@ -286,24 +286,27 @@ impl Matrix {
 }
 
 /// Repacks GGML Q4_0/Q8_0 rows into the interleaved group layout described above.
+///
+/// This runs on the critical path when experts are streamed from disk (every miss is repacked
+/// before use): it walks the source row by row, moving whole 4-byte runs.
 fn interleave(dtype: GgmlType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
     let bb = dtype.block_bytes();
-    let qb = bb - 2;
+    let runs = (bb - 2) / 4;
     let nb = cols / 32;
     let groups = rows.div_ceil(GROUP);
-    let mut out = vec![0u8; groups * nb * GROUP * bb];
-    for (g, gdst) in out.chunks_exact_mut(nb * GROUP * bb).enumerate() {
-        for (b, dst) in gdst.chunks_exact_mut(GROUP * bb).enumerate() {
-            for r in 0..GROUP {
-                let row = g * GROUP + r;
-                if row >= rows {
-                    break; // padding rows stay zero: scale 0 contributes nothing
-                }
-                let s = &src[(row * nb + b) * bb..(row * nb + b + 1) * bb];
-                dst[2 * r..2 * r + 2].copy_from_slice(&s[..2]);
-                for k in 0..qb / 4 {
-                    let o = 2 * GROUP + 64 * k + 4 * r;
-                    dst[o..o + 4].copy_from_slice(&s[2 + 4 * k..6 + 4 * k]);
+    let group_bytes = nb * GROUP * bb;
+    assert!(src.len() >= rows * nb * bb, "source shorter than its shape");
+    // Padding rows (a last group of fewer than 16) stay zero: scale 0 contributes nothing.
+    let mut out = vec![0u8; groups * group_bytes];
+    for (g, gdst) in out.chunks_exact_mut(group_bytes).enumerate() {
+        for r in 0..GROUP.min(rows - g * GROUP) {
+            let row = &src[(g * GROUP + r) * nb * bb..(g * GROUP + r + 1) * nb * bb];
+            for (s, dst) in row.chunks_exact(bb).zip(gdst.chunks_exact_mut(GROUP * bb)) {
+                let (scales, quants) = dst.split_at_mut(2 * GROUP);
+                scales[2 * r..2 * r + 2].copy_from_slice(&s[..2]);
+                for (k, run) in s[2..].chunks_exact(4).take(runs).enumerate() {
+                    let o = 64 * k + 4 * r;
+                    quants[o..o + 4].copy_from_slice(run);
                 }
             }
         }
