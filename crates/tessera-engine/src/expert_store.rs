@@ -814,6 +814,24 @@ impl ExpertStore {
         }
     }
 
+    /// Which of `experts` of `layer` are in memory now (pinned or cached; not being read), so a
+    /// computation can start on them while the others' reads proceed.
+    pub(crate) fn resident(&self, layer: usize, experts: &[usize]) -> Vec<bool> {
+        let sh = &self.shared;
+        if !sh.layers.contains(&layer) {
+            return vec![false; experts.len()];
+        }
+        let inner = lock(&sh.inner);
+        let part = &inner.parts[sh.part(layer)];
+        experts
+            .iter()
+            .map(|&e| {
+                let key = (layer, e);
+                inner.pinned.contains_key(&key) || part.entries.contains_key(&key)
+            })
+            .collect()
+    }
+
     /// Experts `experts` of `layer` (in that order), from memory or read from disk (the misses
     /// all queued at once, read in parallel by the I/O thread's readers). The returned handles
     /// keep the experts from being evicted until dropped.

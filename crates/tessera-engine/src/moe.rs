@@ -299,14 +299,13 @@ impl Model {
             }
             groups.push((e, members));
         }
-        let mut down: Vec<Vec<f32>> = Vec::with_capacity(groups.len());
-        match store {
+        let down: Vec<Vec<f32>> = match store {
             None => {
                 let ffns: Vec<&Ffn> = groups
                     .iter()
                     .map(|(e, _)| lw.experts[*e].as_ref().expect("checked above"))
                     .collect();
-                down = self.expert_ffns(normed, &groups, &ffns);
+                self.expert_ffns(normed, &groups, &ffns)
             }
             Some(store) => {
                 let slots_owned: Vec<u32> = routing
@@ -323,17 +322,36 @@ impl Model {
                         store.prefetch(next, store.last_used(next));
                     }
                 }
-                // In chunks the layer's cache can hold at once, so that built experts alive
-                // stay within the budget; experts are independent, so this is bit-identical.
-                let chunk = store.chunk_limit(layer);
-                for part in groups.chunks(chunk) {
-                    let ids: Vec<usize> = part.iter().map(|(e, _)| *e).collect();
-                    let held = store.get_many(layer, &ids)?;
+                // The experts already in memory first, in chunks the layer's cache can hold at
+                // once (so built experts alive stay within the budget), while the misses' reads
+                // (queued by `observe`) proceed; then each miss as soon as it is read. Each
+                // expert's output depends only on its own weights and tokens, so the order is
+                // invisible in the result.
+                let ids: Vec<usize> = groups.iter().map(|(e, _)| *e).collect();
+                let resident = store.resident(layer, &ids);
+                let ready: Vec<usize> = (0..groups.len()).filter(|&i| resident[i]).collect();
+                let later = (0..groups.len()).filter(|&i| !resident[i]);
+                let mut batches: Vec<Vec<usize>> = ready
+                    .chunks(store.chunk_limit(layer))
+                    .map(<[usize]>::to_vec)
+                    .collect();
+                batches.extend(later.map(|i| vec![i]));
+                let mut outs: Vec<Option<Vec<f32>>> = vec![None; groups.len()];
+                for batch in batches {
+                    let part: Vec<(usize, Vec<(usize, usize)>)> =
+                        batch.iter().map(|&i| groups[i].clone()).collect();
+                    let part_ids: Vec<usize> = part.iter().map(|(e, _)| *e).collect();
+                    let held = store.get_many(layer, &part_ids)?;
                     let ffns: Vec<&Ffn> = held.iter().map(|f| &**f).collect();
-                    down.extend(self.expert_ffns(normed, part, &ffns));
+                    for (&i, out) in batch.iter().zip(self.expert_ffns(normed, &part, &ffns)) {
+                        outs[i] = Some(out);
+                    }
                 }
+                outs.into_iter()
+                    .map(|o| o.expect("every expert group computed"))
+                    .collect()
             }
-        }
+        };
         let mut slots: Vec<Option<Vec<f32>>> = vec![None; n * k];
         for ((_, members), out) in groups.iter().zip(&down) {
             for (i, &(t, s)) in members.iter().enumerate() {
