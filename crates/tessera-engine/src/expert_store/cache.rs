@@ -1,0 +1,183 @@
+//! The cache of built experts: a pinned hot set (its share of the budget, re-learned from
+//! observed routing counts) plus an LRU per layer, or one shared by all layers, for the rest.
+//! Reads reserve their room when queued; experts in use by a computation, and those the current
+//! layer's routing needs, are never evicted.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use crate::weights::Ffn;
+
+use super::shared::{Inner, Shared};
+
+/// Why a cached expert was read, until a computation first looks it up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Origin {
+    /// Looked up since it was read (or pinned).
+    Used,
+    /// Read ahead by prefetch: its first lookup is a hit and a useful prefetch.
+    Prefetched,
+    /// Read for a routing that needs it: its first lookup is a miss.
+    Demanded,
+}
+
+pub(super) struct Entry {
+    pub(super) ffn: Arc<Ffn>,
+    pub(super) bytes: u64,
+    pub(super) last: u64,
+    pub(super) origin: Origin,
+}
+
+#[derive(Default)]
+pub(super) struct Lru {
+    pub(super) cap: u64,
+    pub(super) bytes: u64,
+    /// Bytes promised to reads in flight (released when they complete).
+    pub(super) reserved: u64,
+    pub(super) entries: HashMap<(usize, usize), Entry>,
+}
+
+impl Lru {
+    /// Evicts least recently used entries, neither in use nor in `keep`, until `need` more
+    /// bytes fit beside the entries and the reservations.
+    pub(super) fn make_room(&mut self, need: u64, keep: &HashSet<(usize, usize)>) -> bool {
+        while self.bytes + self.reserved + need > self.cap {
+            let victim = self
+                .entries
+                .iter()
+                .filter(|(k, v)| Arc::strong_count(&v.ffn) == 1 && !keep.contains(k))
+                .min_by_key(|(_, v)| v.last)
+                .map(|(k, _)| *k);
+            let Some(k) = victim else { return false };
+            let v = self.entries.remove(&k).expect("present");
+            self.bytes -= v.bytes;
+        }
+        true
+    }
+}
+
+impl Shared {
+    pub(super) fn part(&self, layer: usize) -> usize {
+        if self.cfg.per_layer {
+            layer - self.layers.start
+        } else {
+            0
+        }
+    }
+
+    /// Bytes of pinned-set reads in flight (they take no LRU reservation).
+    pub(super) fn pin_reserved(&self, inner: &Inner) -> u64 {
+        inner
+            .inflight
+            .iter()
+            .filter(|(k, f)| f.reserved == 0 && inner.pin_wanted.contains(k))
+            .map(|(k, _)| self.src[k.0 - self.layers.start].packed)
+            .sum()
+    }
+
+    /// Puts a freshly read expert into the pinned set (if wanted) or its LRU. Returns false if
+    /// no room could be made.
+    pub(super) fn insert(
+        &self,
+        inner: &mut Inner,
+        key: (usize, usize),
+        ffn: &Arc<Ffn>,
+        o: Origin,
+    ) -> bool {
+        let bytes = self.src[key.0 - self.layers.start].packed;
+        if inner.pin_wanted.contains(&key) && inner.pinned_bytes + bytes <= self.cfg.pinned_cap {
+            inner.pinned.insert(key, Arc::clone(ffn));
+            inner.pinned_bytes += bytes;
+            if o != Origin::Used {
+                inner.pinned_origin.insert(key, o);
+            }
+            return true;
+        }
+        inner.tick += 1;
+        let tick = inner.tick;
+        let keep = inner.needed.clone();
+        let lru = &mut inner.parts[self.part(key.0)];
+        if !lru.make_room(bytes, &keep) {
+            return false;
+        }
+        lru.bytes += bytes;
+        lru.entries.insert(
+            key,
+            Entry {
+                ffn: Arc::clone(ffn),
+                bytes,
+                last: tick,
+                origin: o,
+            },
+        );
+        true
+    }
+
+    /// Moves a cached expert into the pinned set if there is room.
+    pub(super) fn try_pin(
+        &self,
+        inner: &mut Inner,
+        key: (usize, usize),
+        ffn: &Arc<Ffn>,
+        part: usize,
+    ) {
+        let bytes = self.src[key.0 - self.layers.start].packed;
+        if inner.pinned_bytes + bytes > self.cfg.pinned_cap {
+            return;
+        }
+        if let Some(en) = inner.parts[part].entries.remove(&key) {
+            inner.parts[part].bytes -= en.bytes;
+        }
+        inner.pinned.insert(key, Arc::clone(ffn));
+        inner.pinned_bytes += bytes;
+    }
+
+    /// Re-learns the pinned set: the most used experts over all layers that fit its share.
+    pub(super) fn repin(&self, inner: &mut Inner) {
+        let mut all: Vec<(u64, usize, usize)> = Vec::new();
+        for (li, c) in inner.counts.iter().enumerate() {
+            for (e, &n) in c.iter().enumerate() {
+                if n > 0 {
+                    all.push((n, li, e));
+                }
+            }
+        }
+        all.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let mut wanted = HashSet::new();
+        let mut bytes = 0;
+        for (_, li, e) in all {
+            let b = self.src[li].packed;
+            if bytes + b > self.cfg.pinned_cap {
+                break;
+            }
+            bytes += b;
+            wanted.insert((self.layers.start + li, e));
+        }
+        // Unpin what is no longer wanted; pin what is wanted and already cached.
+        let gone: Vec<_> = inner
+            .pinned
+            .keys()
+            .filter(|k| !wanted.contains(k))
+            .copied()
+            .collect();
+        for k in gone {
+            inner.pinned.remove(&k);
+            inner.pinned_origin.remove(&k);
+            inner.pinned_bytes -= self.src[k.0 - self.layers.start].packed;
+        }
+        for &k in &wanted {
+            if inner.pinned.contains_key(&k) {
+                continue;
+            }
+            let part = self.part(k.0);
+            if let Some(f) = inner.parts[part]
+                .entries
+                .get(&k)
+                .map(|en| Arc::clone(&en.ffn))
+            {
+                self.try_pin(inner, k, &f, part);
+            }
+        }
+        inner.pin_wanted = wanted;
+    }
+}

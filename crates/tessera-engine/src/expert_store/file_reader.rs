@@ -1,0 +1,297 @@
+//! Positioned reads of the model file, kept out of the page cache if asked: on Linux `O_DIRECT`
+//! reads of 4 KiB-aligned supersets of the ranges into aligned, pooled buffers; elsewhere, or
+//! where the file system refuses `O_DIRECT`, buffered reads followed by
+//! `posix_fadvise(DONTNEED)`.
+
+use std::fs::File;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Positioned reads of the model file, kept out of the page cache if asked.
+pub(super) struct Reader {
+    file: File,
+    /// The same file opened with `O_DIRECT` (when asked for and allowed).
+    direct: Option<File>,
+    /// Cleared when a direct read is refused (then buffered reads are used).
+    direct_ok: AtomicBool,
+    drop_page_cache: bool,
+    bufs: Arc<BufPool>,
+}
+
+impl Reader {
+    pub(super) fn open(path: &std::path::Path, drop_page_cache: bool) -> std::io::Result<Self> {
+        let file = File::open(path)?;
+        let direct = if drop_page_cache {
+            open_direct(path)
+        } else {
+            None
+        };
+        Ok(Self {
+            file,
+            direct_ok: AtomicBool::new(direct.is_some()),
+            direct,
+            drop_page_cache,
+            bufs: Arc::default(),
+        })
+    }
+
+    pub(super) fn direct(&self) -> bool {
+        self.direct_ok.load(Ordering::Relaxed)
+    }
+
+    /// Reads `len` bytes at `off` into a fresh buffer: `O_DIRECT` of the aligned superset when
+    /// possible, else a buffered read (then dropped from the page cache if asked).
+    pub(super) fn read_range(&self, off: u64, len: u64) -> std::io::Result<RawBuf> {
+        if let (Some(d), true) = (&self.direct, self.direct()) {
+            let a0 = off & !(DIRECT_ALIGN - 1);
+            let end = (off + len).next_multiple_of(DIRECT_ALIGN);
+            let mut buf = self
+                .bufs
+                .take((end - a0) as usize, (off - a0) as usize, len as usize);
+            match read_direct(d, buf.all_mut(), a0, (off + len - a0) as usize) {
+                Ok(()) => return Ok(buf),
+                Err(e) if e.raw_os_error() == Some(libc_einval()) => {
+                    // The file system refuses this direct read: buffered from now on.
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let mut buf = self.bufs.take(len as usize, 0, len as usize);
+        read_at(&self.file, &mut buf.all_mut()[..len as usize], off)?;
+        if self.drop_page_cache {
+            drop_pages(&self.file, off, len);
+        }
+        Ok(buf)
+    }
+}
+
+/// Alignment of `O_DIRECT` offsets, lengths and buffers (a page: enough for any logical block
+/// size up to 4 KiB).
+const DIRECT_ALIGN: u64 = 4096;
+
+/// A [`DIRECT_ALIGN`]-aligned allocation of `cap` initialized bytes.
+struct RawAlloc {
+    ptr: std::ptr::NonNull<u8>,
+    cap: usize,
+}
+
+// SAFETY: RawAlloc owns its allocation exclusively (like a Vec<u8>).
+unsafe impl Send for RawAlloc {}
+
+impl RawAlloc {
+    fn layout(cap: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(cap.max(1), DIRECT_ALIGN as usize).expect("layout")
+    }
+
+    fn zeroed(cap: usize) -> Self {
+        let layout = Self::layout(cap);
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr =
+            std::ptr::NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self { ptr, cap }
+    }
+}
+
+impl Drop for RawAlloc {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
+    }
+}
+
+/// Read buffers returned by dropped [`RawBuf`]s, reused by later reads (no allocation, zeroing
+/// or page faults per read).
+#[derive(Default)]
+struct BufPool(Mutex<Vec<RawAlloc>>);
+
+/// Buffers a pool keeps at most (three ranges for each of four readers).
+const POOL_MAX: usize = 12;
+
+impl BufPool {
+    /// A buffer of `cap` bytes or more holding a range at `start..start + len`.
+    fn take(self: &Arc<Self>, cap: usize, start: usize, len: usize) -> RawBuf {
+        assert!(start + len <= cap);
+        let reuse = {
+            let mut free = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            free.iter()
+                .position(|a| a.cap >= cap)
+                .map(|i| free.swap_remove(i))
+        };
+        RawBuf {
+            alloc: Some(reuse.unwrap_or_else(|| RawAlloc::zeroed(cap))),
+            pool: Some(Arc::clone(self)),
+            start,
+            len,
+        }
+    }
+}
+
+/// An aligned byte buffer holding one range at `start..start + len` (returned to its pool when
+/// dropped).
+pub(super) struct RawBuf {
+    alloc: Option<RawAlloc>,
+    pool: Option<Arc<BufPool>>,
+    pub(super) start: usize,
+    pub(super) len: usize,
+}
+
+// SAFETY: shared access to the (owned) allocation is read-only.
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    fn all_mut(&mut self) -> &mut [u8] {
+        match &self.alloc {
+            // SAFETY: `cap` initialized bytes owned by self.
+            Some(a) => unsafe { std::slice::from_raw_parts_mut(a.ptr.as_ptr(), a.cap) },
+            None => &mut [],
+        }
+    }
+}
+
+impl AsRef<[u8]> for RawBuf {
+    fn as_ref(&self) -> &[u8] {
+        match &self.alloc {
+            // SAFETY: `cap` initialized bytes owned by self.
+            Some(a) => unsafe { std::slice::from_raw_parts(a.ptr.as_ptr(), a.cap) },
+            None => &[],
+        }
+    }
+}
+
+impl Drop for RawBuf {
+    fn drop(&mut self) {
+        if let (Some(a), Some(pool)) = (self.alloc.take(), &self.pool) {
+            let mut free = pool.0.lock().unwrap_or_else(|p| p.into_inner());
+            if free.len() < POOL_MAX {
+                free.push(a);
+            }
+        }
+    }
+}
+
+/// Measures the read bandwidth (GB/s) this store's reader achieves on `ranges` (offset, length)
+/// of `path`, read by `parallelism` threads at once, the way the store reads experts
+/// (`O_DIRECT` when `drop_page_cache` and allowed, else buffered reads followed by
+/// `posix_fadvise(DONTNEED)`). For benchmarks: the disk-bound limit of streaming.
+pub fn measure_read_bandwidth(
+    path: &std::path::Path,
+    ranges: &[(u64, u64)],
+    parallelism: usize,
+    drop_page_cache: bool,
+) -> std::io::Result<(f64, bool)> {
+    let reader = Reader::open(path, drop_page_cache)?;
+    let n = parallelism.max(1);
+    let next = AtomicUsize::new(0);
+    let t = std::time::Instant::now();
+    let res: std::io::Result<()> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|_| {
+                s.spawn(|| -> std::io::Result<()> {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(off, len)) = ranges.get(i) else {
+                            return Ok(());
+                        };
+                        std::hint::black_box(reader.read_range(off, len)?);
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().try_for_each(|h| h.join().unwrap_or(Ok(())))
+    });
+    res?;
+    let bytes: u64 = ranges.iter().map(|r| r.1).sum();
+    Ok((
+        bytes as f64 / t.elapsed().as_secs_f64() / 1e9,
+        reader.direct(),
+    ))
+}
+
+/// Opens `path` for `O_DIRECT` reads (Linux; `None` elsewhere or if refused).
+#[cfg(target_os = "linux")]
+fn open_direct(path: &std::path::Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_direct(_: &std::path::Path) -> Option<File> {
+    None
+}
+
+fn libc_einval() -> i32 {
+    #[cfg(unix)]
+    {
+        libc::EINVAL
+    }
+    #[cfg(not(unix))]
+    {
+        22
+    }
+}
+
+/// Reads at least `need` bytes at `off` (aligned) into `buf` (aligned, a multiple of the
+/// alignment long) with direct I/O; a short read at the end of the file is fine once `need`
+/// bytes are in.
+#[cfg(unix)]
+fn read_direct(f: &File, buf: &mut [u8], off: u64, need: usize) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut done = 0;
+    while done < need {
+        match f.read_at(&mut buf[done..], off + done as u64) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "end of file inside an expert",
+                ))
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn read_direct(f: &File, buf: &mut [u8], off: u64, need: usize) -> std::io::Result<()> {
+    read_at(f, &mut buf[..need], off)
+}
+
+#[cfg(unix)]
+fn read_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    f.read_exact_at(buf, off)
+}
+
+#[cfg(not(unix))]
+fn read_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = f.try_clone()?;
+    f.seek(SeekFrom::Start(off))?;
+    f.read_exact(buf)
+}
+
+/// Drops the file's pages in `off..off + len` from the page cache (advice; errors ignored).
+#[cfg(unix)]
+fn drop_pages(f: &File, off: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
+    unsafe {
+        libc::posix_fadvise(
+            f.as_raw_fd(),
+            off as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_DONTNEED,
+        );
+    }
+}
+
+#[cfg(not(unix))]
+fn drop_pages(_: &File, _: u64, _: u64) {}

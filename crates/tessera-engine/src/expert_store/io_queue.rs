@@ -1,0 +1,283 @@
+//! The I/O queue: reads queued or running ([`Flight`]), *demand* reads always before *prefetch*
+//! reads, and the reader threads ([`reader_loop`]) that read the queued ranges. The reader that
+//! reads an expert's last range builds it (repacks it as a full load does) and caches it; free
+//! heap is returned to the system when the queues drain.
+
+use std::sync::Arc;
+
+use crate::error::{EngineError, Result};
+use crate::kernels::{Matrix, MatrixBytes};
+use crate::weights::Ffn;
+
+use super::cache::Origin;
+use super::file_reader::RawBuf;
+use super::shared::{lock, Inner, MatSrc, Shared};
+
+/// Priority of a queued or running read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Demand,
+    Prefetch,
+}
+
+/// A read queued or running: its three ranges (gate, up, down) are read by the readers.
+pub(super) struct Flight {
+    pub(super) kind: Kind,
+    /// Ranges handed to readers so far (a read is started once the first one is).
+    next_m: usize,
+    /// Ranges read so far.
+    done: usize,
+    bufs: [Option<RawBuf>; 3],
+    err: Option<String>,
+    /// Bytes reserved in the key's LRU (0: none, e.g. a pinned-set read or no room).
+    pub(super) reserved: u64,
+}
+
+impl Flight {
+    pub(super) fn new(kind: Kind, reserved: u64) -> Self {
+        Self {
+            kind,
+            next_m: 0,
+            done: 0,
+            bufs: [None, None, None],
+            err: None,
+            reserved,
+        }
+    }
+
+    fn started(&self) -> bool {
+        self.next_m > 0
+    }
+}
+
+impl Shared {
+    /// Queues a demand read of `key` unless it is resident or already being read; a queued
+    /// prefetch of it is promoted. With `ahead`, reads only into room the LRU can make (a
+    /// computation looking it up later reads it anyway). Whether a read was queued or promoted.
+    pub(super) fn queue_demand(&self, inner: &mut Inner, key: (usize, usize), ahead: bool) -> bool {
+        if inner.pinned.contains_key(&key)
+            || inner.orphans.contains_key(&key)
+            || inner.parts[self.part(key.0)].entries.contains_key(&key)
+        {
+            return false;
+        }
+        if let Some(fl) = inner.inflight.get_mut(&key) {
+            if fl.kind == Kind::Prefetch && !fl.started() {
+                fl.kind = Kind::Demand;
+                inner.prefetch_q.retain(|k| *k != key);
+                inner.demand_q.push_back(key);
+                return true;
+            }
+            return false;
+        }
+        let bytes = self.src[key.0 - self.layers.start].packed;
+        let part = self.part(key.0);
+        let to_pin = inner.pin_wanted.contains(&key)
+            && inner.pinned_bytes + bytes + self.pin_reserved(inner) <= self.cfg.pinned_cap;
+        let reserved = if to_pin {
+            0
+        } else {
+            let keep = inner.needed.clone();
+            if inner.parts[part].make_room(bytes, &keep) {
+                inner.parts[part].reserved += bytes;
+                bytes
+            } else if ahead {
+                return false;
+            } else {
+                0
+            }
+        };
+        inner
+            .inflight
+            .insert(key, Flight::new(Kind::Demand, reserved));
+        inner.demand_q.push_back(key);
+        true
+    }
+
+    /// Drops the queued prefetches not started yet of layers up to `layer`.
+    pub(super) fn drop_queued_prefetches(&self, inner: &mut Inner, layer: usize) {
+        let q = std::mem::take(&mut inner.prefetch_q);
+        for key in q {
+            let started = inner.inflight.get(&key).is_some_and(Flight::started);
+            if key.0 <= layer && !started {
+                if let Some(fl) = inner.inflight.remove(&key) {
+                    let part = self.part(key.0);
+                    inner.parts[part].reserved -= fl.reserved;
+                    inner.stats.prefetch_dropped += 1;
+                    // A computation waiting for it (another thread's) looks again.
+                    self.ready.notify_all();
+                }
+            } else {
+                inner.prefetch_q.push_back(key);
+            }
+        }
+    }
+
+    /// The next range to read, `(key, m)`: demand reads first, then prefetches.
+    fn next_range(&self, inner: &mut Inner) -> Option<((usize, usize), usize)> {
+        let key = *inner.demand_q.front().or(inner.prefetch_q.front())?;
+        let fl = inner
+            .inflight
+            .get_mut(&key)
+            .expect("queued reads are in flight");
+        let m = fl.next_m;
+        fl.next_m += 1;
+        if fl.next_m == 3 {
+            if inner.demand_q.front() == Some(&key) {
+                inner.demand_q.pop_front();
+            } else {
+                inner.prefetch_q.pop_front();
+            }
+        }
+        Some((key, m))
+    }
+
+    /// Builds an expert from a read's three ranges (without the lock: readers build).
+    fn build_read(
+        &self,
+        key: (usize, usize),
+        bufs: [Option<RawBuf>; 3],
+        err: Option<String>,
+    ) -> Result<(Ffn, u64)> {
+        let (layer, e) = key;
+        if let Some(err) = err {
+            return Err(EngineError::Tensor {
+                tensor: format!("blk.{layer} expert {e}"),
+                what: format!("read failed: {err}"),
+            });
+        }
+        let [a, b, c] = bufs;
+        let bufs = [a.expect("read"), b.expect("read"), c.expect("read")];
+        let n: u64 = bufs.iter().map(|b| b.len as u64).sum();
+        Ok((self.build(layer, e, bufs)?, n))
+    }
+
+    /// Completes a read: caches the built expert (or keeps it for its waiter).
+    fn complete(
+        &self,
+        inner: &mut Inner,
+        key: (usize, usize),
+        fl: Flight,
+        read: Result<(Ffn, u64)>,
+    ) {
+        let part = self.part(key.0);
+        inner.parts[part].reserved -= fl.reserved;
+        match read {
+            Ok((ffn, bytes)) => {
+                inner.stats.bytes_read += bytes;
+                let ffn = Arc::new(ffn);
+                let origin = match fl.kind {
+                    Kind::Demand => {
+                        inner.stats.miss_bytes_read += bytes;
+                        Origin::Demanded
+                    }
+                    Kind::Prefetch => {
+                        inner.stats.prefetch_issued += 1;
+                        Origin::Prefetched
+                    }
+                };
+                if !self.insert(inner, key, &ffn, origin) && fl.kind == Kind::Demand {
+                    inner.orphans.insert(key, ffn);
+                }
+            }
+            Err(e) => {
+                if fl.kind == Kind::Demand {
+                    inner.failed.insert(key, e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Buffers for the raw bytes of range `m` of expert `e` of `layer`, and the read's offset.
+    fn range(&self, layer: usize, e: usize, m: usize) -> (u64, u64) {
+        let ms = &self.src[layer - self.layers.start].mats[m];
+        (ms.base + ms.len * e as u64, ms.len)
+    }
+
+    /// Builds (repacks) an expert from its three ranges' bytes, as a full load does.
+    fn build(&self, layer: usize, e: usize, bufs: [RawBuf; 3]) -> Result<Ffn> {
+        let ls = &self.src[layer - self.layers.start];
+        let [g, u, d] = bufs;
+        let mat = |m: &MatSrc, buf: RawBuf| {
+            let (offset, len) = (buf.start, buf.len);
+            let bytes = MatrixBytes::Shared {
+                bytes: Arc::new(buf),
+                offset,
+                len,
+            };
+            Matrix::new(m.dtype, m.rows, m.cols, bytes).map_err(|err| EngineError::Tensor {
+                tensor: format!("blk.{layer} expert {e}"),
+                what: err.to_string(),
+            })
+        };
+        Ok(Ffn {
+            gate: mat(&ls.mats[0], g)?,
+            up: mat(&ls.mats[1], u)?,
+            down: mat(&ls.mats[2], d)?,
+        })
+    }
+}
+
+/// A reader: reads queued ranges (demand reads first) until the store is dropped; the reader
+/// that reads the last range of an expert builds it (while the computation goes on) and caches
+/// it. Built experts thus live in the readers' allocator arenas: freed holes are returned to the
+/// system whenever the queues drain.
+pub(super) fn reader_loop(sh: &Shared) {
+    let mut inner = lock(&sh.inner);
+    loop {
+        if inner.stop {
+            return;
+        }
+        let Some((key, m)) = sh.next_range(&mut inner) else {
+            inner = sh.work.wait(inner).unwrap_or_else(|p| p.into_inner());
+            continue;
+        };
+        drop(inner);
+        let (off, len) = sh.range(key.0, key.1, m);
+        let res = sh.reader.read_range(off, len);
+        inner = lock(&sh.inner);
+        let fl = inner.inflight.get_mut(&key).expect("a read in flight");
+        match res {
+            Ok(buf) => fl.bufs[m] = Some(buf),
+            Err(e) => fl.err = Some(e.to_string()),
+        }
+        fl.done += 1;
+        if fl.done < 3 {
+            continue;
+        }
+        // Build without the lock; the read stays in flight (waiters wait) until cached.
+        let bufs = std::mem::take(&mut fl.bufs);
+        let err = fl.err.take();
+        drop(inner);
+        let t = std::time::Instant::now();
+        let read = sh.build_read(key, bufs, err);
+        let build_us = t.elapsed().as_micros() as u64;
+        inner = lock(&sh.inner);
+        inner.stats.build_us += build_us;
+        let fl = inner.inflight.remove(&key).expect("a read in flight");
+        sh.complete(&mut inner, key, fl, read);
+        sh.ready.notify_all();
+        if inner.demand_q.is_empty() && inner.prefetch_q.is_empty() && inner.inflight.is_empty() {
+            drop(inner);
+            trim_heap();
+            inner = lock(&sh.inner);
+        }
+    }
+}
+
+/// Returns free heap memory to the OS once more than [`TRIM_SLACK`] bytes of it are held (glibc
+/// keeps the freed holes of an arena resident otherwise; trimming after every read would make
+/// the next builds fault their pages in again).
+fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallinfo2 and malloc_trim have no preconditions.
+    unsafe {
+        if libc::mallinfo2().fordblks > TRIM_SLACK {
+            libc::malloc_trim(0);
+        }
+    }
+}
+
+/// Free heap bytes kept before [`trim_heap`] returns them.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const TRIM_SLACK: usize = 16 << 20;

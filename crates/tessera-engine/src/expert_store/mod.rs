@@ -1,0 +1,539 @@
+//! Expert streaming: serving more MoE experts than fit in memory.
+//!
+//! When a part must serve experts whose weights exceed its memory budget, the experts are not
+//! loaded at load time. An [`ExpertStore`] keeps a RAM cache of built experts within
+//! [`ExpertStreaming::budget_bytes`] and reads misses from the GGUF file:
+//!
+//! - **Reads**: positioned reads (`pread`) of the expert's three contiguous byte ranges, repacked
+//!   by [`Matrix::new`] exactly as a full load repacks them, so the kernels see the same bytes
+//!   and outputs are bit-identical. The expert tensors are never touched through the file
+//!   mapping, so no file page is counted in the resident set. With
+//!   [`ExpertStreaming::drop_page_cache`] (the default) the page cache is kept out of it: on
+//!   Linux the reads use `O_DIRECT` (4 KiB-aligned supersets of the ranges into aligned buffers:
+//!   no copy through the page cache, far less CPU per byte), elsewhere, or where the file system
+//!   refuses `O_DIRECT`, buffered reads followed by `posix_fadvise(DONTNEED)`. Either way a later
+//!   miss really goes to the disk and the page cache does not grow.
+//! - **I/O queue**: one I/O thread owns [`ExpertStreaming::read_parallelism`] reader threads and
+//!   two queues: *demand* reads (experts a layer's routing needs now) always go before
+//!   *prefetch* reads. A layer's misses are all queued as soon as its routing is known
+//!   ([`ExpertStore::fetch`]), before any of its experts is computed, so they are read several
+//!   at a time (a virtual disk serves several outstanding reads faster than one), and the I/O
+//!   thread builds each expert as soon as its bytes arrive. Experts are built on that one thread,
+//!   so their memory comes from one allocator arena (it is trimmed when the queue drains).
+//! - **Cache**: a pinned hot set (a share of the budget, learned from observed routing counts:
+//!   every [`ExpertStreaming::repin_every`] tokens the most used experts over all layers are
+//!   chosen, and are kept once loaded) plus an LRU per layer for the rest of the budget (one LRU
+//!   shared by all layers when the budget cannot give every layer one expert). A read reserves
+//!   its room when it is queued, so reads in flight never push the cache past its share. Experts
+//!   in use by a computation, and those the current layer's routing asked for, are never
+//!   evicted; `moe_experts` computes a layer's experts in chunks no larger than the layer's LRU,
+//!   so the built experts alive never exceed the budget.
+//! - **Prefetch**: while layer `l` computes, the experts predicted for layer `l + 1` are read
+//!   behind the demand reads: layer `l + 1`'s router applied early to the current hidden state
+//!   (normed with layer `l + 1`'s FFN norm) gives each expert a predicted probability; only
+//!   the [`ExpertStreaming::prefetch_max`] most probable experts not resident, and only those
+//!   with a probability of at least [`ExpertStreaming::prefetch_min_prob`], are read (a wrong
+//!   prefetch costs disk time that the demand reads need). Predicted experts already resident
+//!   are touched, so the prefetch's own evictions spare them. Prefetches not started when the
+//!   computation reaches their layer are dropped (or promoted to demand reads if the routing
+//!   asks for them). Parts without routers fall back to the experts layer `l + 1` used last.
+//!   The predictor's accuracy is measured against the routing that follows.
+//!
+//! [`ExpertStats`] counts hits, misses, bytes read, prefetches and the pinned set.
+
+mod cache;
+mod file_reader;
+mod io_queue;
+mod settings;
+mod shared;
+mod stats;
+
+pub use file_reader::measure_read_bandwidth;
+pub use settings::ExpertStreaming;
+pub use stats::{ExpertStats, ExpertStatsSource};
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use tessera_model::config::names;
+use tessera_model::{GgufFile, ModelConfig};
+
+use crate::error::{EngineError, Result};
+use crate::kernels::{Matrix, ThreadPool};
+use crate::weights::{Ffn, LoadSpec};
+
+use cache::{Lru, Origin};
+use file_reader::Reader;
+use io_queue::{reader_loop, Flight, Kind};
+use settings::Settings;
+use shared::{lock, Inner, LayerSrc, MatSrc, Shared};
+
+/// The RAM cache of streamed experts and its I/O thread (see the module doc).
+pub struct ExpertStore {
+    shared: Arc<Shared>,
+    readers: Vec<JoinHandle<()>>,
+    /// The computing thread alone, for the prediction's router product: a tiny matmul that
+    /// is not worth waking (and then spinning) the model's pool workers for.
+    predict_pool: ThreadPool,
+}
+
+impl std::fmt::Debug for ExpertStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertStore")
+            .field("settings", &self.shared.cfg)
+            .finish()
+    }
+}
+
+impl Drop for ExpertStore {
+    fn drop(&mut self) {
+        lock(&self.shared.inner).stop = true;
+        self.shared.work.notify_all();
+        for h in self.readers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl ExpertStore {
+    /// Prepares streaming of the experts `spec` selects in its layers; reads no expert bytes.
+    /// Errors if the budget cannot hold one expert.
+    pub fn open(
+        g: &GgufFile,
+        config: &ModelConfig,
+        spec: &LoadSpec,
+        streaming: ExpertStreaming,
+    ) -> Result<Self> {
+        let n_expert = config.n_expert;
+        let mut src = Vec::with_capacity(spec.layers.len());
+        let mut served = 0u64;
+        for il in spec.layers.clone() {
+            let mut mats = Vec::with_capacity(3);
+            for w in [
+                "ffn_gate_exps.weight",
+                "ffn_up_exps.weight",
+                "ffn_down_exps.weight",
+            ] {
+                let name = names::layer(il, w);
+                let info = g.require_tensor(&name)?;
+                let dtype = info.dtype(g.path())?;
+                let bad = |what: String| EngineError::Tensor {
+                    tensor: name.clone(),
+                    what,
+                };
+                let [cols, rows, n] = info.shape[..] else {
+                    return Err(bad(format!(
+                        "shape {:?} is not a stack of expert matrices",
+                        info.shape
+                    )));
+                };
+                if n as usize != n_expert || info.n_bytes % n != 0 {
+                    return Err(bad(format!(
+                        "does not hold {n_expert} equal expert matrices"
+                    )));
+                }
+                mats.push(MatSrc {
+                    dtype,
+                    rows: rows as usize,
+                    cols: cols as usize,
+                    base: info.offset,
+                    len: info.n_bytes / n,
+                });
+            }
+            let mats: [MatSrc; 3] = mats.try_into().expect("three matrices");
+            let mut packed = 0u64;
+            for m in &mats {
+                packed += Matrix::packed_len(m.dtype, m.rows, m.cols).ok_or_else(|| {
+                    EngineError::Tensor {
+                        tensor: names::layer(il, "ffn_*_exps.weight"),
+                        what: format!("{} matrix {}x{} is not valid", m.dtype, m.rows, m.cols),
+                    }
+                })? as u64;
+            }
+            served += (0..n_expert).filter(|&e| spec.experts.holds(il, e)).count() as u64;
+            src.push(LayerSrc { mats, packed });
+        }
+        let expert_bytes = src.iter().map(|s| s.packed).max().unwrap_or(0);
+        let budget = streaming.budget_bytes;
+        if budget < expert_bytes {
+            return Err(EngineError::BadInput(format!(
+                "expert budget of {budget} bytes is smaller than one expert ({expert_bytes} bytes)"
+            )));
+        }
+        let n_layers = src.len().max(1) as u64;
+        // Split the budget: pinned share, then an LRU per layer if each gets one expert.
+        let pinned_try = ((budget as f64) * streaming.pinned_fraction.clamp(0.0, 1.0)) as u64;
+        let (pinned_cap, per_layer) = if (budget - pinned_try) / n_layers >= expert_bytes {
+            (pinned_try, true)
+        } else if budget / n_layers >= expert_bytes {
+            (0, true)
+        } else {
+            (0, false)
+        };
+        let lru_total = budget - pinned_cap;
+        let parts = if per_layer {
+            (0..n_layers)
+                .map(|_| Lru {
+                    cap: lru_total / n_layers,
+                    ..Lru::default()
+                })
+                .collect()
+        } else {
+            vec![Lru {
+                cap: lru_total,
+                ..Lru::default()
+            }]
+        };
+        let open_err = |e: std::io::Error| EngineError::Tensor {
+            tensor: "experts".into(),
+            what: format!("cannot open {}: {e}", g.path().display()),
+        };
+        let reader = Reader::open(g.path(), streaming.drop_page_cache).map_err(open_err)?;
+        let nl = src.len();
+        let inner = Inner {
+            parts,
+            pinned: HashMap::new(),
+            pinned_bytes: 0,
+            pin_wanted: HashSet::new(),
+            pinned_origin: HashMap::new(),
+            inflight: HashMap::new(),
+            stop: false,
+            demand_q: VecDeque::new(),
+            prefetch_q: VecDeque::new(),
+            orphans: HashMap::new(),
+            failed: HashMap::new(),
+            needed: HashSet::new(),
+            counts: vec![vec![0; n_expert]; nl],
+            last_used: vec![Vec::new(); nl],
+            predicted: vec![None; nl],
+            tick: 0,
+            since_repin: 0,
+            stats: ExpertStats {
+                budget_bytes: budget,
+                expert_bytes,
+                experts_served: served,
+                per_layer_lru: per_layer,
+                ..ExpertStats::default()
+            },
+        };
+        let shared = Arc::new(Shared {
+            reader,
+            cfg: Settings {
+                streaming,
+                pinned_cap,
+                per_layer,
+            },
+            layers: spec.layers.clone(),
+            src,
+            inner: Mutex::new(inner),
+            ready: Condvar::new(),
+            work: Condvar::new(),
+            current_layer: AtomicUsize::new(usize::MAX),
+        });
+        let mut store = Self {
+            shared,
+            readers: Vec::new(),
+            predict_pool: ThreadPool::new(1),
+        };
+        for i in 0..store.shared.cfg.streaming.read_parallelism.max(1) {
+            let sh = Arc::clone(&store.shared);
+            let h = std::thread::Builder::new()
+                .name(format!("tessera-expert-read-{i}"))
+                .spawn(move || reader_loop(&sh))
+                .map_err(|e| EngineError::BadInput(format!("cannot start a reader: {e}")))?;
+            store.readers.push(h);
+        }
+        Ok(store)
+    }
+
+    /// A pool of the calling thread alone (for the next layer's prediction).
+    pub(crate) fn predict_pool(&self) -> &ThreadPool {
+        &self.predict_pool
+    }
+
+    /// Whether the next layer's experts are prefetched.
+    pub fn prefetching(&self) -> bool {
+        self.shared.cfg.streaming.prefetch
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> ExpertStats {
+        self.shared.stats()
+    }
+
+    /// Bytes of built experts held now (pinned and cached).
+    pub fn resident_bytes(&self) -> u64 {
+        let inner = lock(&self.shared.inner);
+        inner.pinned_bytes + inner.parts.iter().map(|p| p.bytes).sum::<u64>()
+    }
+
+    /// How many experts of `layer` may be held at once by one computation.
+    pub(crate) fn chunk_limit(&self, layer: usize) -> usize {
+        let sh = &self.shared;
+        let inner = lock(&sh.inner);
+        let per = sh.src[layer - sh.layers.start].packed.max(1);
+        (inner.parts[sh.part(layer)].cap / per).max(1) as usize
+    }
+
+    /// Records the experts a layer's routing uses (`slots`: every slot's expert), learning the
+    /// pinned set and scoring the pending prediction; queues the reads of those not resident
+    /// (as [`ExpertStore::fetch`]).
+    pub(crate) fn observe(&self, layer: usize, n_tokens: usize, slots: &[u32]) {
+        let sh = &self.shared;
+        let li = layer - sh.layers.start;
+        let mut used: Vec<usize> = slots.iter().map(|&e| e as usize).collect();
+        used.sort_unstable();
+        used.dedup();
+        self.fetch(layer, &used);
+        let mut inner = lock(&sh.inner);
+        for &e in slots {
+            if let Some(c) = inner.counts[li].get_mut(e as usize) {
+                *c += 1;
+            }
+        }
+        if let Some(pred) = inner.predicted[li].take() {
+            let hit = pred
+                .iter()
+                .filter(|e| used.binary_search(e).is_ok())
+                .count();
+            inner.stats.predicted += pred.len() as u64;
+            inner.stats.predicted_used += hit as u64;
+            inner.stats.used_after_prediction += used.len() as u64;
+        }
+        inner.last_used[li] = used;
+        if li == 0 {
+            inner.stats.tokens += n_tokens as u64;
+            inner.since_repin += n_tokens as u64;
+            if sh.cfg.pinned_cap > 0 && inner.since_repin >= sh.cfg.streaming.repin_every {
+                inner.since_repin = 0;
+                sh.repin(&mut inner);
+            }
+        }
+    }
+
+    /// The computation is at `layer` and its routing needs `experts`: queues the reads of those
+    /// neither resident nor being read, ahead of any prefetch (as many as the layer's cache has
+    /// room for; the rest are read when looked up), keeps the needed ones from eviction, and
+    /// drops the prefetches this layer made stale. Idempotent for a layer.
+    pub(crate) fn fetch(&self, layer: usize, experts: &[usize]) {
+        let sh = &self.shared;
+        if !sh.layers.contains(&layer) {
+            return;
+        }
+        let mut inner = lock(&sh.inner);
+        let prev = sh.current_layer.swap(layer, Ordering::Relaxed);
+        if prev != layer {
+            inner.needed.clear();
+            // Prefetches of this layer not started are late: the misses are read now instead.
+            sh.drop_queued_prefetches(&mut inner, layer);
+        }
+        for &e in experts {
+            inner.needed.insert((layer, e));
+        }
+        let mut queued = false;
+        for &e in experts {
+            queued |= sh.queue_demand(&mut inner, (layer, e), true);
+        }
+        drop(inner);
+        if queued {
+            sh.work.notify_all();
+        }
+    }
+
+    /// The experts layer `layer` used last (a prediction for parts without routers).
+    pub(crate) fn last_used(&self, layer: usize) -> Vec<usize> {
+        let sh = &self.shared;
+        if !sh.layers.contains(&layer) {
+            return Vec::new();
+        }
+        lock(&sh.inner).last_used[layer - sh.layers.start].clone()
+    }
+
+    /// A prediction for `layer` without probabilities (e.g. the experts it used last): as
+    /// [`ExpertStore::prefetch_ranked`] with each given probability 1, in the given order.
+    pub(crate) fn prefetch(&self, layer: usize, experts: Vec<usize>) {
+        let ranked: Vec<(usize, f32)> = experts.into_iter().map(|e| (e, 1.0)).collect();
+        self.prefetch_ranked(layer, &ranked);
+    }
+
+    /// A prediction for `layer`: `(expert, predicted probability)`, most probable first.
+    /// Recorded for accuracy; the I/O thread reads the most probable ones not resident (see
+    /// [`ExpertStreaming::prefetch_max`]) behind any demand read.
+    pub(crate) fn prefetch_ranked(&self, layer: usize, predicted: &[(usize, f32)]) {
+        let sh = &self.shared;
+        if !sh.layers.contains(&layer) || predicted.is_empty() {
+            return;
+        }
+        let li = layer - sh.layers.start;
+        let st = &sh.cfg.streaming;
+        let mut inner = lock(&sh.inner);
+        inner.predicted[li] = Some(predicted.iter().map(|&(e, _)| e).collect());
+        if !st.prefetch {
+            return;
+        }
+        // Touch the predicted experts already resident, so that the reads below (and the
+        // misses to come) evict other experts first.
+        inner.tick += 1;
+        let tick = inner.tick;
+        let part = sh.part(layer);
+        let mut keep = HashSet::new();
+        for &(e, _) in predicted {
+            let key = (layer, e);
+            if inner.pinned.contains_key(&key) || inner.inflight.contains_key(&key) {
+                inner.stats.prefetch_resident += 1;
+            } else if let Some(en) = inner.parts[part].entries.get_mut(&key) {
+                en.last = tick;
+                inner.stats.prefetch_resident += 1;
+                keep.insert(key);
+            }
+        }
+        // Only the newest prediction is worth reading.
+        sh.drop_queued_prefetches(&mut inner, usize::MAX);
+        let mut n = 0;
+        for &(e, p) in predicted {
+            if n >= st.prefetch_max || p < st.prefetch_min_prob {
+                break;
+            }
+            let key = (layer, e);
+            if inner.pinned.contains_key(&key)
+                || inner.parts[part].entries.contains_key(&key)
+                || inner.inflight.contains_key(&key)
+            {
+                continue;
+            }
+            let bytes = sh.src[li].packed;
+            let to_pin = inner.pin_wanted.contains(&key)
+                && inner.pinned_bytes + bytes + sh.pin_reserved(&inner) <= sh.cfg.pinned_cap;
+            let reserved = if to_pin {
+                0
+            } else {
+                let mut k2 = inner.needed.clone();
+                k2.extend(keep.iter().copied());
+                if !inner.parts[part].make_room(bytes, &k2) {
+                    break;
+                }
+                inner.parts[part].reserved += bytes;
+                bytes
+            };
+            inner
+                .inflight
+                .insert(key, Flight::new(Kind::Prefetch, reserved));
+            inner.prefetch_q.push_back(key);
+            n += 1;
+        }
+        drop(inner);
+        if n > 0 {
+            sh.work.notify_all();
+        }
+    }
+
+    /// Which of `experts` of `layer` are in memory now (pinned or cached; not being read), so a
+    /// computation can start on them while the others' reads proceed.
+    pub(crate) fn resident(&self, layer: usize, experts: &[usize]) -> Vec<bool> {
+        let sh = &self.shared;
+        if !sh.layers.contains(&layer) {
+            return vec![false; experts.len()];
+        }
+        let inner = lock(&sh.inner);
+        let part = &inner.parts[sh.part(layer)];
+        experts
+            .iter()
+            .map(|&e| {
+                let key = (layer, e);
+                inner.pinned.contains_key(&key) || part.entries.contains_key(&key)
+            })
+            .collect()
+    }
+
+    /// Experts `experts` of `layer` (in that order), from memory or read from disk (the misses
+    /// all queued at once, read in parallel by the I/O thread's readers). The returned handles
+    /// keep the experts from being evicted until dropped.
+    pub(crate) fn get_many(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<Ffn>>> {
+        let sh = &self.shared;
+        let mut inner = lock(&sh.inner);
+        let mut missed = vec![false; experts.len()];
+        let mut queued = false;
+        for (i, &e) in experts.iter().enumerate() {
+            inner.needed.insert((layer, e));
+            if sh.queue_demand(&mut inner, (layer, e), false) {
+                missed[i] = true;
+                queued = true;
+            }
+        }
+        if queued {
+            sh.work.notify_all();
+        }
+        let mut out = Vec::with_capacity(experts.len());
+        for (i, &e) in experts.iter().enumerate() {
+            let key = (layer, e);
+            let mut waited_prefetch = false;
+            let f = loop {
+                if let Some(f) = inner.orphans.remove(&key) {
+                    missed[i] = true;
+                    break f;
+                }
+                if let Some(err) = inner.failed.remove(&key) {
+                    return Err(EngineError::Tensor {
+                        tensor: format!("blk.{layer} expert {e}"),
+                        what: err,
+                    });
+                }
+                inner.tick += 1;
+                let tick = inner.tick;
+                if let Some(f) = inner.pinned.get(&key).cloned() {
+                    match inner.pinned_origin.remove(&key) {
+                        Some(Origin::Demanded) => missed[i] = true,
+                        Some(Origin::Prefetched) => inner.stats.prefetch_useful += 1,
+                        _ => {}
+                    }
+                    break f;
+                }
+                let part = sh.part(layer);
+                if let Some(en) = inner.parts[part].entries.get_mut(&key) {
+                    en.last = tick;
+                    let origin = std::mem::replace(&mut en.origin, Origin::Used);
+                    let f = Arc::clone(&en.ffn);
+                    match origin {
+                        Origin::Demanded => missed[i] = true,
+                        Origin::Prefetched => inner.stats.prefetch_useful += 1,
+                        Origin::Used => {}
+                    }
+                    if inner.pin_wanted.contains(&key) {
+                        sh.try_pin(&mut inner, key, &f, part);
+                    }
+                    break f;
+                }
+                match inner.inflight.get(&key).map(|f| f.kind) {
+                    Some(kind) => {
+                        if kind == Kind::Demand {
+                            missed[i] = true;
+                        } else {
+                            waited_prefetch = true;
+                        }
+                        let t = std::time::Instant::now();
+                        inner = sh.ready.wait(inner).unwrap_or_else(|p| p.into_inner());
+                        inner.stats.read_wait_us += t.elapsed().as_micros() as u64;
+                    }
+                    None => {
+                        // Evicted between its read and this lookup: read it again.
+                        missed[i] = true;
+                        if sh.queue_demand(&mut inner, key, false) {
+                            sh.work.notify_all();
+                        }
+                    }
+                }
+            };
+            inner.stats.lookups += 1;
+            if missed[i] {
+                inner.stats.misses += 1;
+            } else {
+                inner.stats.hits += 1;
+                inner.stats.inflight_waits += u64::from(waited_prefetch);
+            }
+            out.push(f);
+        }
+        Ok(out)
+    }
+}

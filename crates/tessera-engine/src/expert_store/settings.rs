@@ -1,0 +1,62 @@
+//! How a part streams its experts ([`ExpertStreaming`], see the parent module's doc), and the
+//! settings the store derives from it when it opens: the pinned share of the budget and whether
+//! each layer gets its own LRU.
+
+use serde::{Deserialize, Serialize};
+
+/// How a part streams its experts (see the module doc).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExpertStreaming {
+    /// Bytes of built (repacked) experts kept in memory at most.
+    pub budget_bytes: u64,
+    /// Share of the budget given to the pinned hot set (0 disables pinning).
+    pub pinned_fraction: f64,
+    /// Tokens between re-learning the pinned set from routing counts.
+    pub repin_every: u64,
+    /// Prefetch the next layer's predicted experts on the I/O thread.
+    pub prefetch: bool,
+    /// Keep expert reads out of the page cache: `O_DIRECT` where the system allows it, else
+    /// `posix_fadvise(DONTNEED)` after each read.
+    pub drop_page_cache: bool,
+    /// Reads in flight at once (reader threads); a layer's misses are read in parallel.
+    pub read_parallelism: usize,
+    /// Most experts read ahead for a layer (the most probable predicted ones not resident).
+    #[serde(default = "default_prefetch_max")]
+    pub prefetch_max: usize,
+    /// Least predicted router probability (softmax over all experts) of an expert read ahead.
+    #[serde(default = "default_prefetch_min_prob")]
+    pub prefetch_min_prob: f32,
+}
+
+fn default_prefetch_max() -> usize {
+    2
+}
+
+fn default_prefetch_min_prob() -> f32 {
+    0.05
+}
+
+impl ExpertStreaming {
+    /// Defaults: a quarter of the budget pinned, re-learned every 16 tokens, prefetch on (at most
+    /// 2 experts per layer, predicted probability at least 0.05), page cache bypassed, 4 reads in
+    /// flight.
+    pub fn with_budget(budget_bytes: u64) -> Self {
+        Self {
+            budget_bytes,
+            pinned_fraction: 0.25,
+            repin_every: 16,
+            prefetch: true,
+            drop_page_cache: true,
+            read_parallelism: 4,
+            prefetch_max: default_prefetch_max(),
+            prefetch_min_prob: default_prefetch_min_prob(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Settings {
+    pub(super) streaming: ExpertStreaming,
+    pub(super) pinned_cap: u64,
+    pub(super) per_layer: bool,
+}

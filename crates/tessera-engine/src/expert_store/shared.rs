@@ -1,0 +1,84 @@
+//! The state the store shares with its reader threads: where each layer's expert matrices lie in
+//! the file, and the cache, queues and counters behind one lock ([`Inner`]).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use tessera_model::GgmlType;
+
+use crate::weights::Ffn;
+
+use super::cache::{Lru, Origin};
+use super::file_reader::Reader;
+use super::io_queue::Flight;
+use super::settings::Settings;
+use super::ExpertStats;
+
+/// Where one expert matrix lies in the file.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MatSrc {
+    pub(super) dtype: GgmlType,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    /// Offset of expert 0; expert `e` starts at `base + e * len`.
+    pub(super) base: u64,
+    pub(super) len: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LayerSrc {
+    /// gate, up, down.
+    pub(super) mats: [MatSrc; 3],
+    /// Built bytes of one expert of this layer.
+    pub(super) packed: u64,
+}
+
+pub(super) struct Inner {
+    /// LRU partitions (one per held layer, or one).
+    pub(super) parts: Vec<Lru>,
+    pub(super) pinned: HashMap<(usize, usize), Arc<Ffn>>,
+    pub(super) pinned_bytes: u64,
+    pub(super) pin_wanted: HashSet<(usize, usize)>,
+    /// Pinned experts read and not looked up since (why they were read).
+    pub(super) pinned_origin: HashMap<(usize, usize), Origin>,
+    /// Reads queued or running.
+    pub(super) inflight: HashMap<(usize, usize), Flight>,
+    /// The readers stop.
+    pub(super) stop: bool,
+    pub(super) demand_q: VecDeque<(usize, usize)>,
+    pub(super) prefetch_q: VecDeque<(usize, usize)>,
+    /// Demand reads that completed without room in the cache, for their waiting computation.
+    pub(super) orphans: HashMap<(usize, usize), Arc<Ffn>>,
+    /// Demand reads that failed, for their waiting computation.
+    pub(super) failed: HashMap<(usize, usize), String>,
+    /// Experts the current layer's routing needs: never evicted while it computes.
+    pub(super) needed: HashSet<(usize, usize)>,
+    /// `counts[layer - first][e]`: slots routed to the expert.
+    pub(super) counts: Vec<Vec<u64>>,
+    /// `last_used[layer - first]`: distinct experts of the layer's last routing.
+    pub(super) last_used: Vec<Vec<usize>>,
+    /// `predicted[layer - first]`: the pending prediction for the layer.
+    pub(super) predicted: Vec<Option<Vec<usize>>>,
+    pub(super) tick: u64,
+    pub(super) since_repin: u64,
+    pub(super) stats: ExpertStats,
+}
+
+pub(super) struct Shared {
+    pub(super) reader: Reader,
+    pub(super) cfg: Settings,
+    pub(super) layers: std::ops::Range<usize>,
+    pub(super) src: Vec<LayerSrc>,
+    pub(super) inner: Mutex<Inner>,
+    /// Signalled when a read has arrived.
+    pub(super) ready: Condvar,
+    /// Signalled when reads are queued (the readers wait on it).
+    pub(super) work: Condvar,
+    /// Layer the computation is in (prefetches for it and earlier layers are stale).
+    pub(super) current_layer: AtomicUsize,
+}
+
+pub(super) fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
