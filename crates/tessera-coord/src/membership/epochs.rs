@@ -1,0 +1,360 @@
+//! Epochs: one immutable placement of the model's layer ranges on nodes, going through
+//! `Loading` (every stage node received [`CoordToNode::Assign`] and loads its part) → `Linking`
+//! (all loaded; every stage dials the next, measures the link, opens the ring) → `Ready`. A new
+//! plan is a new epoch; the previous one is released.
+
+use std::ops::Range;
+
+use tessera_net::{LinkMeasurement, NodeId};
+
+use super::events::send;
+use super::{Action, Membership};
+use tessera_node::protocol::{CoordToNode, LoadReport, PeerInfo, StageAssignment};
+use tessera_node::ContentHash;
+
+/// Where an epoch is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Phase {
+    Loading,
+    Linking,
+    Ready,
+    Failed(String),
+    Released,
+}
+
+/// One stage of an epoch.
+#[derive(Clone, Debug)]
+pub struct EpochStage {
+    pub node_id: NodeId,
+    pub layers: Range<usize>,
+    pub loaded: Option<LoadReport>,
+    pub linked: bool,
+    /// Link from this stage to the next, measured by this stage.
+    pub link: Option<LinkMeasurement>,
+}
+
+/// One placement of the model.
+#[derive(Clone, Debug)]
+pub struct Epoch {
+    pub id: u64,
+    pub model: ContentHash,
+    pub stages: Vec<EpochStage>,
+    pub phase: Phase,
+}
+
+impl Membership {
+    pub(super) fn current_mut(&mut self, epoch: u64, phase: Phase) -> Option<&mut Epoch> {
+        self.epoch
+            .as_mut()
+            .filter(|e| e.id == epoch && e.phase == phase)
+    }
+
+    pub(super) fn fail(&mut self, reason: String) -> Vec<Action> {
+        let Some(e) = self.epoch.as_mut() else {
+            return Vec::new();
+        };
+        e.phase = Phase::Failed(reason.clone());
+        let mut out: Vec<Action> = e
+            .stages
+            .iter()
+            .filter(|s| self.members.get(&s.node_id).is_some_and(|m| m.connected))
+            .map(|s| send(s.node_id, CoordToNode::Release { epoch: e.id }))
+            .collect();
+        out.push(Action::EpochFailed {
+            epoch: e.id,
+            reason,
+        });
+        out
+    }
+
+    pub(super) fn plan(
+        &mut self,
+        model: ContentHash,
+        stages: Vec<(NodeId, Range<usize>)>,
+        n_layer: usize,
+        max_context: usize,
+        reassign: bool,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        if let Some(old) = self.epoch.as_mut() {
+            if !matches!(old.phase, Phase::Released | Phase::Failed(_)) {
+                for s in &old.stages {
+                    if self.members.get(&s.node_id).is_some_and(|m| m.connected) {
+                        out.push(send(s.node_id, CoordToNode::Release { epoch: old.id }));
+                    }
+                }
+            }
+            old.phase = Phase::Released;
+        }
+        self.next_epoch += 1;
+        let id = self.next_epoch;
+        let peers: Vec<Option<PeerInfo>> = stages
+            .iter()
+            .map(|(n, _)| {
+                self.members
+                    .get(n)
+                    .filter(|m| m.connected)
+                    .map(|m| PeerInfo {
+                        node_id: m.node_id,
+                        key: m.key,
+                        addr: m.addr,
+                    })
+            })
+            .collect();
+        if let Some(i) = peers.iter().position(Option::is_none) {
+            self.epoch = Some(Epoch {
+                id,
+                model,
+                stages: Vec::new(),
+                phase: Phase::Failed(format!("node {} is not connected", stages[i].0.short())),
+            });
+            out.push(Action::EpochFailed {
+                epoch: id,
+                reason: format!("node {} is not connected", stages[i].0.short()),
+            });
+            return out;
+        }
+        let peers: Vec<PeerInfo> = peers.into_iter().flatten().collect();
+        let n = stages.len();
+        let split = match self.split_for(&stages, n_layer, reassign) {
+            Ok(s) => s.map(|(split, note)| {
+                out.extend(note.map(Action::Note));
+                split
+            }),
+            Err(reason) => {
+                let reason = format!("expert split: {reason}");
+                self.epoch_experts = None;
+                self.epoch = Some(Epoch {
+                    id,
+                    model,
+                    stages: Vec::new(),
+                    phase: Phase::Failed(reason.clone()),
+                });
+                out.push(Action::EpochFailed { epoch: id, reason });
+                return out;
+            }
+        };
+        self.epoch_experts = split.clone();
+        let expert_plan = match &split {
+            None => None,
+            Some(split) => {
+                let ring: Vec<(NodeId, PeerInfo)> = stages
+                    .iter()
+                    .map(|(id, _)| *id)
+                    .zip(peers.iter().cloned())
+                    .collect();
+                match self.place_experts(split, &ring, n_layer) {
+                    Ok(p) => Some(p),
+                    Err(reason) => {
+                        let reason = format!("expert split: {reason}");
+                        self.epoch = Some(Epoch {
+                            id,
+                            model,
+                            stages: Vec::new(),
+                            phase: Phase::Failed(reason.clone()),
+                        });
+                        out.push(Action::EpochFailed { epoch: id, reason });
+                        return out;
+                    }
+                }
+            }
+        };
+        for (i, (node, layers)) in stages.iter().enumerate() {
+            if let Some((parts, _)) = &expert_plan {
+                out.push(send(
+                    *node,
+                    CoordToNode::AssignExperts {
+                        epoch: id,
+                        experts: parts[i].clone(),
+                    },
+                ));
+            }
+            let (next, prev) = if n == 1 {
+                (None, None)
+            } else {
+                (
+                    Some(peers[(i + 1) % n].clone()),
+                    Some(peers[(i + n - 1) % n].clone()),
+                )
+            };
+            out.push(send(
+                *node,
+                CoordToNode::Assign(StageAssignment {
+                    epoch: id,
+                    model,
+                    stage: i,
+                    n_stages: n,
+                    layers: layers.clone(),
+                    embed: i == 0,
+                    head: layers.end == n_layer,
+                    next,
+                    prev,
+                    max_context,
+                }),
+            ));
+        }
+        // Expert-only nodes: not in the ring, but part of the epoch (they load, link, open and
+        // close sequences like stages, with no layers).
+        let mut stages = stages;
+        if let Some((_, only)) = expert_plan {
+            for (j, (p, x)) in only.into_iter().enumerate() {
+                out.push(send(
+                    p.node_id,
+                    CoordToNode::AssignExperts {
+                        epoch: id,
+                        experts: x,
+                    },
+                ));
+                out.push(send(
+                    p.node_id,
+                    CoordToNode::Assign(StageAssignment {
+                        epoch: id,
+                        model,
+                        stage: n + j,
+                        n_stages: n,
+                        layers: 0..0,
+                        embed: false,
+                        head: false,
+                        next: None,
+                        prev: None,
+                        max_context,
+                    }),
+                ));
+                stages.push((p.node_id, 0..0));
+            }
+        }
+        self.epoch = Some(Epoch {
+            id,
+            model,
+            stages: stages
+                .into_iter()
+                .map(|(node_id, layers)| EpochStage {
+                    node_id,
+                    layers,
+                    loaded: None,
+                    linked: false,
+                    link: None,
+                })
+                .collect(),
+            phase: Phase::Loading,
+        });
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::membership::test_support::*;
+    use crate::membership::Event;
+
+    #[test]
+    fn epoch_goes_loading_linking_ready_as_a_ring() {
+        let mut m = Membership::new();
+        let (a, b) = (member(1), member(2));
+        m.handle(Event::Joined(Box::new(a.clone())));
+        m.handle(Event::Joined(Box::new(b.clone())));
+        assert_eq!(m.connected()[0].node_id, a.node_id);
+        let acts = m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..3), (b.node_id, 3..5)],
+            n_layer: 5,
+            max_context: 128,
+        });
+        let s = sends(&acts);
+        assert_eq!(s.len(), 2);
+        let CoordToNode::Assign(first) = &s[0].1 else {
+            panic!()
+        };
+        let CoordToNode::Assign(last) = &s[1].1 else {
+            panic!()
+        };
+        assert!(first.embed && !first.head && last.head && !last.embed);
+        // A ring: the last stage's next is the first.
+        assert_eq!(first.next.as_ref().unwrap().node_id, b.node_id);
+        assert_eq!(last.next.as_ref().unwrap().node_id, a.node_id);
+        assert_eq!(first.prev.as_ref().unwrap().key, b.key);
+        let epoch = first.epoch;
+        let loaded = |n: NodeId| Event::Loaded {
+            node: n,
+            epoch,
+            report: LoadReport::default(),
+        };
+        assert!(m.handle(loaded(a.node_id)).is_empty());
+        let links = sends(&m.handle(loaded(b.node_id)));
+        assert_eq!(links.len(), 2);
+        assert!(matches!(links[0].1, CoordToNode::Link { .. }));
+        assert!(m
+            .handle(Event::Linked {
+                node: a.node_id,
+                epoch,
+                link: None
+            })
+            .is_empty());
+        assert_eq!(
+            m.handle(Event::Linked {
+                node: b.node_id,
+                epoch,
+                link: None
+            }),
+            vec![Action::EpochReady(epoch)]
+        );
+        assert_eq!(m.epoch().unwrap().phase, Phase::Ready);
+    }
+
+    #[test]
+    fn a_departed_stage_fails_the_epoch_and_a_new_plan_releases_the_old() {
+        let mut m = Membership::new();
+        let (a, b) = (member(1), member(2));
+        m.handle(Event::Joined(Box::new(a.clone())));
+        m.handle(Event::Joined(Box::new(b.clone())));
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..5)],
+            n_layer: 5,
+            max_context: 128,
+        });
+        let acts = m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(b.node_id, 0..5)],
+            n_layer: 5,
+            max_context: 128,
+        });
+        let s = sends(&acts);
+        assert!(matches!(s[0], (n, CoordToNode::Release { epoch: 1 }) if n == a.node_id));
+        assert!(matches!(&s[1].1, CoordToNode::Assign(x) if x.epoch == 2 && x.next.is_none()));
+        let acts = m.handle(Event::Left {
+            node: b.node_id,
+            session: 1,
+        });
+        assert!(acts
+            .iter()
+            .any(|x| matches!(x, Action::EpochFailed { epoch: 2, .. })));
+        // Stale reports of an old epoch change nothing.
+        assert!(m
+            .handle(Event::Loaded {
+                node: a.node_id,
+                epoch: 1,
+                report: LoadReport::default()
+            })
+            .is_empty());
+    }
+
+    #[test]
+    fn a_plan_on_a_disconnected_node_fails_at_once() {
+        let mut m = Membership::new();
+        let a = member(1);
+        m.handle(Event::Joined(Box::new(a.clone())));
+        m.handle(Event::Left {
+            node: a.node_id,
+            session: 1,
+        });
+        let acts = m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..5)],
+            n_layer: 5,
+            max_context: 128,
+        });
+        assert!(matches!(acts.last(), Some(Action::EpochFailed { .. })));
+    }
+}

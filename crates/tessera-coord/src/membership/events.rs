@@ -1,0 +1,92 @@
+//! The state machine's inputs ([`Event`]: a node joined or left, a plan was asked for, a node
+//! loaded or linked its stage) and outputs ([`Action`]: messages to send, an epoch became ready
+//! or failed).
+
+use std::ops::Range;
+
+use tessera_net::{LinkMeasurement, NodeId};
+
+use super::Member;
+use tessera_node::protocol::{CoordToNode, LoadReport};
+use tessera_node::{ContentHash, Inventory};
+
+/// Inputs.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Joined(Box<Member>),
+    /// A control session ended (ignored if the node has a newer session).
+    Left {
+        node: NodeId,
+        session: u64,
+    },
+    /// Place `stages` (node, layers) in ring order as a new epoch.
+    Plan {
+        model: ContentHash,
+        stages: Vec<(NodeId, Range<usize>)>,
+        n_layer: usize,
+        max_context: usize,
+    },
+    Loaded {
+        node: NodeId,
+        epoch: u64,
+        report: LoadReport,
+    },
+    LoadFailed {
+        node: NodeId,
+        epoch: u64,
+        reason: String,
+    },
+    Linked {
+        node: NodeId,
+        epoch: u64,
+        link: Option<LinkMeasurement>,
+    },
+    LinkFailed {
+        node: NodeId,
+        epoch: u64,
+        reason: String,
+    },
+    /// The coordinator measured its link to a node.
+    LinkMeasured {
+        node: NodeId,
+        link: LinkMeasurement,
+    },
+    /// A node measured itself again.
+    InventoryMeasured {
+        node: NodeId,
+        inventory: Box<Inventory>,
+    },
+}
+
+/// Outputs.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    Send {
+        to: NodeId,
+        msg: Box<CoordToNodeEq>,
+    },
+    EpochReady(u64),
+    EpochFailed {
+        epoch: u64,
+        reason: String,
+    },
+    /// A decision worth a line in the log (experts re-placed after a loss).
+    Note(String),
+}
+
+/// [`CoordToNode`] with a structural equality for tests (compared as JSON).
+#[derive(Clone, Debug)]
+pub struct CoordToNodeEq(pub CoordToNode);
+
+impl PartialEq for CoordToNodeEq {
+    fn eq(&self, other: &Self) -> bool {
+        serde_json::to_value(&self.0).ok() == serde_json::to_value(&other.0).ok()
+    }
+}
+
+pub(super) fn send(to: NodeId, msg: CoordToNode) -> Action {
+    Action::Send {
+        to,
+        msg: Box::new(CoordToNodeEq(msg)),
+    }
+}

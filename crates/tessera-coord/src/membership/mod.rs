@@ -1,0 +1,268 @@
+//! Membership and epochs: a pure state machine.
+//!
+//! Events come in ([`Event`]: a node joined or left, a plan was asked for, a node loaded or
+//! linked its stage), actions come out ([`Action`]: messages to send, an epoch became ready or
+//! failed). No I/O and no clock: the server feeds it and carries out the actions, and tests
+//! drive it directly.
+//!
+//! An epoch is one immutable placement of the model's layer ranges on nodes. It goes through
+//! `Loading` (every stage node received [`CoordToNode::Assign`] and loads its part) →
+//! `Linking` (all loaded; every stage dials the next, measures the link, opens the ring) →
+//! `Ready`. A new plan is a new epoch; the previous one is released.
+//!
+//! **Absorbing failures.** A stage node that leaves (its session ended or its lease expired)
+//! fails the epoch, and the machine at once plans a new one from the connected survivors
+//! ([`crate::replan`]: the configured stage count, or fewer when fewer nodes are left, within
+//! their budgets). With no feasible placement the cluster is in an outage ([`Membership::outage`])
+//! until a node joins. A node that joins while the epoch has fewer stages than configured (or
+//! while there is none) triggers a plan that folds it in. Sequences in flight are resumed on the
+//! new epoch by the driver, which re-prefills what they had generated.
+//!
+//! **Expert splits.** An owner of experts that leaves (an expert-only node, or a stage) fails
+//! the epoch like a stage does. The new epoch keeps the ring if every ring stage survived, and
+//! hands the departed owner's experts to the surviving owners and ring stages by free memory
+//! ([`crate::replan::replace_experts`]); a node given more than its budget streams them from
+//! disk. The configured split is kept: when its nodes are all back, it is planned again.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use tessera_net::{LinkMeasurement, NodeId, PublicKey};
+
+use crate::replan::ModelBytes;
+use tessera_node::protocol::CoordToNode;
+use tessera_node::{ContentHash, Inventory};
+
+mod epochs;
+mod events;
+mod experts;
+mod failover;
+#[cfg(test)]
+mod test_support;
+
+pub use epochs::{Epoch, EpochStage, Phase};
+pub use events::{Action, CoordToNodeEq, Event};
+pub use failover::AutoPlan;
+
+use events::send;
+
+/// A node known to the coordinator in this run.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub node_id: NodeId,
+    pub key: PublicKey,
+    pub name: String,
+    /// Where the node's endpoint is, as the coordinator sees it (peers dial this).
+    pub addr: SocketAddr,
+    pub connected: bool,
+    /// Order of joining (unpinned stages are placed in this order).
+    pub joined: u64,
+    pub memory_budget_bytes: Option<u64>,
+    pub inventory: Option<Inventory>,
+    /// Models held whole on disk.
+    pub models: Vec<ContentHash>,
+    /// The link coordinator → node.
+    pub link: Option<LinkMeasurement>,
+    /// Which control session of the node this is (a node that reconnects gets a new one).
+    pub session: u64,
+}
+
+/// The membership and epoch state.
+#[derive(Debug, Default)]
+pub struct Membership {
+    members: BTreeMap<NodeId, Member>,
+    joins: u64,
+    epoch: Option<Epoch>,
+    next_epoch: u64,
+    auto: Option<AutoPlan>,
+    bytes: Option<ModelBytes>,
+    outage: Option<String>,
+    /// Expert split applied to every plan (`None`: each stage holds all its layers' experts).
+    experts: Option<crate::assignment::ExpertSplit>,
+    /// The split the current epoch runs: the configured one, or after a loss the one with the
+    /// departed owners' experts re-placed.
+    epoch_experts: Option<crate::assignment::ExpertSplit>,
+}
+
+impl Membership {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Splits the experts of every MoE layer across nodes in the plans made from now on.
+    pub fn set_expert_split(&mut self, split: Option<crate::assignment::ExpertSplit>) {
+        self.experts = split;
+    }
+
+    pub fn expert_split(&self) -> Option<&crate::assignment::ExpertSplit> {
+        self.experts.as_ref()
+    }
+
+    /// The expert split of the current epoch (differs from [`Membership::expert_split`] while
+    /// a departed owner's experts are held by others).
+    pub fn epoch_expert_split(&self) -> Option<&crate::assignment::ExpertSplit> {
+        self.epoch_experts.as_ref()
+    }
+
+    /// Whether every node the expert split names is connected (a plan would resolve).
+    pub fn expert_split_ready(&self) -> bool {
+        let Some(x) = &self.experts else {
+            return true;
+        };
+        let nodes = self.candidates();
+        x.groups
+            .iter()
+            .all(|g| crate::assignment::find_node(&g.node, &nodes).is_ok())
+    }
+
+    pub fn member(&self, id: &NodeId) -> Option<&Member> {
+        self.members.get(id)
+    }
+
+    pub fn members(&self) -> impl Iterator<Item = &Member> {
+        self.members.values()
+    }
+
+    /// Connected members in the order they joined.
+    pub fn connected(&self) -> Vec<&Member> {
+        let mut v: Vec<&Member> = self.members.values().filter(|m| m.connected).collect();
+        v.sort_by_key(|m| m.joined);
+        v
+    }
+
+    pub fn epoch(&self) -> Option<&Epoch> {
+        self.epoch.as_ref()
+    }
+
+    /// The last epoch number handed out (0 before the first).
+    pub fn last_epoch_id(&self) -> u64 {
+        self.next_epoch
+    }
+
+    /// Continues numbering after `last` (a restarted coordinator never reuses an epoch number).
+    pub fn continue_epochs_after(&mut self, last: u64) {
+        self.next_epoch = self.next_epoch.max(last);
+    }
+
+    /// The weights' sizes, so that re-planning respects node budgets.
+    pub fn set_model_bytes(&mut self, bytes: Option<ModelBytes>) {
+        self.bytes = bytes;
+    }
+
+    /// What re-planning is configured with (`None` before the first plan).
+    pub fn auto_plan(&self) -> Option<&AutoPlan> {
+        self.auto.as_ref()
+    }
+
+    /// Why no epoch can be placed right now (no feasible plan on the connected nodes).
+    pub fn outage(&self) -> Option<&str> {
+        self.outage.as_deref()
+    }
+
+    /// Applies one event; returns what to do.
+    pub fn handle(&mut self, event: Event) -> Vec<Action> {
+        match event {
+            Event::Joined(mut m) => {
+                self.joins += 1;
+                m.joined = self.joins;
+                m.connected = true;
+                let id = m.node_id;
+                // A node that reconnects while its old session looks alive has restarted: it
+                // lost whatever it held.
+                let replaced = self.members.get(&id).is_some_and(|old| old.connected);
+                self.members.insert(id, *m);
+                if replaced {
+                    self.stage_lost(id, "restarted")
+                } else {
+                    self.fold_in()
+                }
+            }
+            Event::Left { node: id, session } => {
+                match self.members.get_mut(&id) {
+                    Some(m) if m.session == session => m.connected = false,
+                    _ => return Vec::new(),
+                }
+                self.stage_lost(id, "left")
+            }
+            Event::Plan {
+                model,
+                stages,
+                n_layer,
+                max_context,
+            } => {
+                self.auto = Some(AutoPlan {
+                    model,
+                    n_layer,
+                    max_context,
+                    target_stages: stages.len(),
+                });
+                self.plan(model, stages, n_layer, max_context, false)
+            }
+            Event::Loaded {
+                node,
+                epoch,
+                report,
+            } => {
+                let Some(e) = self.current_mut(epoch, Phase::Loading) else {
+                    return Vec::new();
+                };
+                for s in e.stages.iter_mut().filter(|s| s.node_id == node) {
+                    s.loaded = Some(report.clone());
+                }
+                if e.stages.iter().all(|s| s.loaded.is_some()) {
+                    e.phase = Phase::Linking;
+                    e.stages
+                        .iter()
+                        .map(|s| send(s.node_id, CoordToNode::Link { epoch }))
+                        .collect()
+                } else {
+                    Vec::new()
+                }
+            }
+            Event::Linked { node, epoch, link } => {
+                let Some(e) = self.current_mut(epoch, Phase::Linking) else {
+                    return Vec::new();
+                };
+                for s in e.stages.iter_mut().filter(|s| s.node_id == node) {
+                    s.linked = true;
+                    s.link = link;
+                }
+                if e.stages.iter().all(|s| s.linked) {
+                    e.phase = Phase::Ready;
+                    vec![Action::EpochReady(epoch)]
+                } else {
+                    Vec::new()
+                }
+            }
+            Event::LoadFailed {
+                node,
+                epoch,
+                reason,
+            }
+            | Event::LinkFailed {
+                node,
+                epoch,
+                reason,
+            } => {
+                if self.epoch.as_ref().is_some_and(|e| e.id == epoch) {
+                    self.fail(format!("node {}: {reason}", node.short()))
+                } else {
+                    Vec::new()
+                }
+            }
+            Event::LinkMeasured { node, link } => {
+                if let Some(m) = self.members.get_mut(&node) {
+                    m.link = Some(link);
+                }
+                Vec::new()
+            }
+            Event::InventoryMeasured { node, inventory } => {
+                if let Some(m) = self.members.get_mut(&node) {
+                    m.memory_budget_bytes = inventory.memory_budget.as_ref().map(|b| b.bytes);
+                    m.inventory = Some(*inventory);
+                }
+                Vec::new()
+            }
+        }
+    }
+}

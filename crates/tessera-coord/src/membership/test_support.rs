@@ -1,0 +1,71 @@
+//! Test helpers shared by the membership tests: members, the messages sent, an epoch driven
+//! to `Ready`, the layers each node holds.
+
+use std::ops::Range;
+
+use tessera_net::{NodeId, NodeIdentity};
+
+use super::{Action, Event, Member, Membership, Phase};
+use tessera_node::protocol::{CoordToNode, LoadReport};
+use tessera_node::ContentHash;
+
+pub(super) fn member(i: u8) -> Member {
+    let id = NodeIdentity::from_seed([i; 32]);
+    Member {
+        node_id: id.node_id(),
+        key: id.public_key(),
+        name: format!("n{i}"),
+        addr: format!("127.0.0.1:{}", 4000 + u16::from(i))
+            .parse()
+            .unwrap(),
+        connected: true,
+        joined: 0,
+        memory_budget_bytes: None,
+        inventory: None,
+        models: vec![],
+        link: None,
+        session: 1,
+    }
+}
+
+pub(super) fn sends(actions: &[Action]) -> Vec<(NodeId, CoordToNode)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send { to, msg } => Some((*to, msg.0.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+pub(super) const MODEL: ContentHash = ContentHash([7; 32]);
+
+pub(super) fn ready(m: &mut Membership) -> u64 {
+    let e = m.epoch().unwrap();
+    let (id, nodes): (u64, Vec<NodeId>) = (e.id, e.stages.iter().map(|s| s.node_id).collect());
+    for n in &nodes {
+        m.handle(Event::Loaded {
+            node: *n,
+            epoch: id,
+            report: LoadReport::default(),
+        });
+    }
+    for n in &nodes {
+        m.handle(Event::Linked {
+            node: *n,
+            epoch: id,
+            link: None,
+        });
+    }
+    assert_eq!(m.epoch().unwrap().phase, Phase::Ready);
+    id
+}
+
+pub(super) fn layers(m: &Membership) -> Vec<(NodeId, Range<usize>)> {
+    m.epoch()
+        .unwrap()
+        .stages
+        .iter()
+        .map(|s| (s.node_id, s.layers.clone()))
+        .collect()
+}

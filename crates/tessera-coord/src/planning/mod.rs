@@ -1,0 +1,341 @@
+//! Planning from measured inventory: the nodes' [`Inventory`] (sent in their hello) and the
+//! measured links become a [`ResourceGraph`] whose every figure says when and how it was
+//! measured; the planner chooses; the chosen plan becomes the coordinator's stage assignment
+//! (and, for an expert split, its expert placement).
+//!
+//! Pure: the inventories, link measurements and policy come in as data.
+//!
+//! - [`planner_model`]: the planner's view of a GGUF model (the one conversion the CLI's
+//!   `tessera plan` and the coordinator's `--plan auto` both use).
+//! - [`resource_graph`]: inventory and links → resource graph.
+//! - [`plan_for`]: plan, falling back to the best single-node, stage-ring or expert-split plan
+//!   when the best plan is one the fabric cannot execute yet (weight bank, replicas, or a ring
+//!   that would stream experts from disk: only an expert split's nodes do).
+//! - [`to_placement`]: an executable plan → a [`PlanFile`] of pinned stages, plus the expert
+//!   split of an expert plan ([`to_assignment`], [`to_expert_placement`]).
+//!
+//! # How inventory figures map to the graph
+//!
+//! - RAM: the node's usable total (total RAM, lowered by a cgroup limit), divided among the
+//!   nodes that share its host (same host name, CPU model and total RAM), since they share it.
+//! - Memory bandwidth: the all-threads read test, run with the node's own thread count, times
+//!   [`DECODE_STREAM_EFFICIENCY`] (the share of it batch-1 decode reaches; see there).
+//! - Compute: the engine's Q8_0 matmul probe. The probe runs on every core of the host; a node
+//!   limited to fewer threads (`--threads`) gets the single-thread rate times its threads, capped
+//!   by the all-core rate.
+//! - Co-hosted nodes (same host name, CPU model and total RAM) are one machine: each gets the
+//!   median of their measured bandwidths and compute rates.
+//! - Disk: the read rate and free space of the model cache, when measured.
+//! - Budget: the fabric's budget covers weights and KV cache (a node refuses an assignment beyond
+//!   it); the planner's also counts the process itself, so the graph's budget is the node's budget
+//!   (or, without one, the RAM available at start) plus [`RUNTIME_OVERHEAD_RAM`].
+//! - Co-hosted nodes (e.g. a loopback test cluster) each get the host's full bandwidth and
+//!   compute: at batch 1 a ring runs one stage at a time, so they do not contend while decoding.
+//!   Their probes must not overlap (start them one after another); overlapping probes are noted
+//!   in the evidence, as is the sharing itself.
+
+use tessera_plan::{plan, ModelProfile, Plan, PlanError, PlanOutcome, ResourceGraph, StrategyKind};
+
+// Named in the documentation above.
+#[cfg(doc)]
+use {crate::assignment::PlanFile, tessera_node::Inventory, tessera_plan::RUNTIME_OVERHEAD_RAM};
+
+mod graph;
+mod model;
+mod placement;
+#[cfg(test)]
+mod test_support;
+
+pub use graph::{links_via_coordinator, resource_graph, MeasuredLink, DECODE_STREAM_EFFICIENCY};
+pub use model::planner_model;
+pub use placement::{
+    to_assignment, to_expert_placement, to_placement, NotExecutable, NotExpertPlacement, Placement,
+};
+
+/// The strategies the fabric executes today.
+pub const EXECUTABLE: [StrategyKind; 3] = [
+    StrategyKind::Single,
+    StrategyKind::Stage,
+    StrategyKind::Expert,
+];
+
+/// Whether the fabric can run `plan` of a model with `n_layer` layers of `n_expert` experts:
+/// one cell, a single node or a ring of whole layers held in memory, or an expert split whose
+/// ring holds whole layers and whose every expert is held once ([`to_placement`]).
+pub fn executable(plan: &Plan, n_layer: usize, n_expert: usize) -> bool {
+    to_placement(plan, n_layer, n_expert).is_ok()
+}
+
+/// Plans `model` on `graph`. When the best plan is one the fabric cannot execute yet (weight
+/// bank, replicas, a ring leaving weights on disk), plans again with expert splits, and with
+/// single nodes and rings holding everything in memory, takes the better, and says so in the
+/// explanation's notes (with the better plan's predicted figure).
+pub fn plan_for(
+    model: &tessera_model::ModelProfile,
+    graph: &ResourceGraph,
+    epoch: u64,
+) -> Result<PlanOutcome, PlanError> {
+    plan_executable(&planner_model(model, "model")?, graph, epoch)
+}
+
+/// [`plan_for`] with the planner's model profile.
+pub fn plan_executable(
+    m: &ModelProfile,
+    graph: &ResourceGraph,
+    epoch: u64,
+) -> Result<PlanOutcome, PlanError> {
+    let best = plan(m, graph, epoch)?;
+    let (n_layer, n_expert) = (m.n_layers(), m.n_expert as usize);
+    if executable(&best.plan, n_layer, n_expert) {
+        return Ok(best);
+    }
+    // What the fabric runs: expert splits as planned (their nodes stream experts from disk when
+    // given more than their budget), and single nodes and rings holding every weight in memory.
+    let mut found: Option<PlanOutcome> = None;
+    let mut last_err = None;
+    for (allowed, in_memory) in [
+        (&[StrategyKind::Expert][..], false),
+        (&[StrategyKind::Single, StrategyKind::Stage][..], true),
+    ] {
+        let mut g = graph.clone();
+        g.policy.strategies.retain(|s| allowed.contains(s));
+        if g.policy.strategies.is_empty() {
+            continue;
+        }
+        if in_memory {
+            for n in &mut g.nodes {
+                n.disk = None;
+            }
+        }
+        match plan(m, &g, epoch) {
+            Ok(o) if executable(&o.plan, n_layer, n_expert) => {
+                let score = |o: &PlanOutcome| o.plan.predicted.score(g.policy.objective);
+                if found.as_ref().is_none_or(|f| score(&o) > score(f)) {
+                    found = Some(o);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => last_err = Some(e),
+        }
+    }
+    let Some(mut fallback) = found else {
+        // Nothing executable: why the executable strategies found no plan, or (a policy that
+        // allows none of them) the best plan, whose placement says why it cannot run.
+        return match last_err {
+            Some(e) => Err(e),
+            None => Ok(best),
+        };
+    };
+    fallback.explanation.notes.insert(
+        0,
+        format!(
+            "the best plan, {} ({:.2} tok/s: {}), is not executable by the fabric yet ({}); \
+             using the best {} plan instead",
+            best.plan.strategy,
+            best.plan.predicted.decode_tokens_per_s,
+            best.explanation.chosen.description,
+            to_placement(&best.plan, n_layer, n_expert)
+                .err()
+                .map_or_else(String::new, |e| e.to_string()),
+            fallback.plan.strategy
+        ),
+    );
+    Ok(fallback)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::*;
+    use super::*;
+    use tessera_net::LinkMeasurement;
+    use tessera_node::Inventory;
+    use tessera_plan::{Bytes, BytesPerSec, Objective, Policy, Quant, Tier};
+
+    fn model() -> ModelProfile {
+        let config = r#"{"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": 3072, "vocab_size": 32000, "tie_word_embeddings": true}"#;
+        ModelProfile::from_hf_config(config, Quant::Q8_0).unwrap()
+    }
+
+    fn cluster(budgets: &[u64]) -> (Vec<(String, Inventory)>, ResourceGraph) {
+        let invs: Vec<(String, Inventory)> = budgets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                (
+                    format!("n{i}"),
+                    inv(&format!("host{i}"), 1_000_000, 4, Some(*b)),
+                )
+            })
+            .collect();
+        let refs: Vec<(&str, &Inventory)> = invs.iter().map(|(n, i)| (n.as_str(), i)).collect();
+        let coord: Vec<(&str, LinkMeasurement)> = invs
+            .iter()
+            .map(|(n, _)| (n.as_str(), link(1, 100.0, 1_000_000)))
+            .collect();
+        let policy = Policy {
+            objective: Objective::Latency,
+            context_tokens: 512,
+            prompt_tokens: 64,
+            ..Policy::default()
+        };
+        let g = resource_graph(&refs, &links_via_coordinator(&coord), &policy);
+        (invs, g)
+    }
+
+    #[test]
+    fn a_stage_plan_becomes_pinned_contiguous_stages_within_budgets() {
+        let m = model();
+        // ~0.6 GiB of weights: neither node can hold it alone.
+        let (_, g) = cluster(&[300 << 20, 500 << 20]);
+        let out = plan_executable(&m, &g, 7).unwrap();
+        assert_eq!(out.plan.strategy, StrategyKind::Stage);
+        let file = to_assignment(&out.plan).unwrap();
+        assert_eq!(file.stages.len(), 2);
+        assert_eq!(file.stages[0].layers.start, 0);
+        assert_eq!(file.stages[0].layers.end, file.stages[1].layers.start);
+        assert_eq!(file.stages[1].layers.end, 28);
+        for (s, a) in file.stages.iter().zip(out.plan.assignments()) {
+            assert_eq!(s.node.as_deref(), Some(a.node.as_str()));
+            assert!(a.memory.total <= a.memory.budget, "{a:?}");
+        }
+        // It resolves against the coordinator's connected nodes by name.
+        let ns: Vec<crate::assignment::Candidate> = (0..2)
+            .map(|i| crate::assignment::Candidate {
+                node_id: tessera_net::NodeIdentity::from_seed([i as u8 + 1; 32]).node_id(),
+                name: format!("n{i}"),
+            })
+            .collect();
+        let placed = crate::assignment::resolve(&file.stages, 28, &ns).unwrap();
+        assert_eq!(placed.len(), 2);
+    }
+
+    #[test]
+    fn a_single_node_plan_is_one_stage_of_every_layer() {
+        let m = model();
+        let (_, g) = cluster(&[300 << 20, 4 * GIB]);
+        let out = plan_executable(&m, &g, 1).unwrap();
+        assert_eq!(out.plan.strategy, StrategyKind::Single);
+        let file = to_assignment(&out.plan).unwrap();
+        assert_eq!(file.stages.len(), 1);
+        assert_eq!(file.stages[0].node.as_deref(), Some("n1"));
+        assert_eq!(file.stages[0].layers, 0..28);
+    }
+
+    #[test]
+    fn a_plan_the_fabric_cannot_run_falls_back_to_the_best_stage_plan() {
+        let m = model();
+        let (_, mut g) = cluster(&[4 * GIB, 4 * GIB]);
+        g.policy.objective = Objective::Throughput;
+        g.policy.concurrency = 8;
+        let best = tessera_plan::plan(&m, &g, 1).unwrap();
+        assert_eq!(best.plan.strategy, StrategyKind::Replica);
+        assert!(!executable(&best.plan, 28, 0));
+        assert!(matches!(
+            to_assignment(&best.plan),
+            Err(NotExecutable::Strategy(StrategyKind::Replica))
+        ));
+        let out = plan_executable(&m, &g, 1).unwrap();
+        assert!(executable(&out.plan, 28, 0));
+        assert!(EXECUTABLE.contains(&out.plan.strategy));
+        assert!(
+            out.explanation.notes[0].contains("replica"),
+            "{:?}",
+            out.explanation.notes
+        );
+        assert!(to_assignment(&out.plan).is_ok());
+    }
+
+    fn moe_model() -> ModelProfile {
+        let config = r#"{"model_type": "qwen3_moe", "hidden_size": 1024, "num_hidden_layers": 4,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": 3072, "moe_intermediate_size": 768, "num_experts": 16,
+            "num_experts_per_tok": 2, "vocab_size": 32000, "tie_word_embeddings": true}"#;
+        ModelProfile::from_hf_config(config, Quant::Q8_0).unwrap()
+    }
+
+    #[test]
+    fn an_expert_split_plan_is_executed_as_a_home_ring_and_an_expert_split() {
+        let m = moe_model();
+        // 16 experts of ~2.4 MiB in each of 4 layers: the home holds the rest and some experts,
+        // the others a few experts each but no whole layer.
+        let (_, g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
+        let out = plan_executable(&m, &g, 3).unwrap();
+        assert_eq!(
+            out.plan.strategy,
+            StrategyKind::Expert,
+            "{:?}",
+            out.explanation
+        );
+        assert!(out
+            .explanation
+            .notes
+            .iter()
+            .all(|n| !n.contains("not executable")));
+        let p = to_placement(&out.plan, 4, 16).unwrap();
+        assert_eq!(p.ring.stages.len(), 1);
+        assert_eq!(p.ring.stages[0].node.as_deref(), Some("n0"));
+        assert_eq!(p.ring.stages[0].layers, 0..4);
+        let split = p.experts.unwrap();
+        assert!(split.duplicates().is_empty());
+        let mut all: Vec<usize> = split
+            .groups
+            .iter()
+            .flat_map(|g| g.experts.clone())
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..16).collect::<Vec<_>>());
+        assert!(split.groups.len() >= 2, "{split}");
+    }
+
+    fn with_disks(g: &mut ResourceGraph) {
+        for n in &mut g.nodes {
+            n.disk = Some(Tier {
+                capacity: Bytes(100 * GIB),
+                bandwidth: BytesPerSec(2e9),
+            });
+        }
+    }
+
+    #[test]
+    fn a_ring_that_streams_experts_from_disk_falls_back_to_an_expert_split() {
+        let m = moe_model();
+        let (_, mut g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
+        with_disks(&mut g);
+        // With disks, rings hold layers whose experts partly stay on disk...
+        let best = tessera_plan::plan(&m, &g, 1).unwrap();
+        assert!(matches!(
+            best.plan.strategy,
+            StrategyKind::Stage | StrategyKind::Single
+        ));
+        assert!(best.plan.assignments().any(|a| a.memory.disk.0 > 0));
+        // ... which no ring stage does: the expert split runs instead.
+        let out = plan_executable(&m, &g, 1).unwrap();
+        assert_eq!(out.plan.strategy, StrategyKind::Expert);
+        assert!(
+            out.explanation.notes[0].contains("stream experts from disk"),
+            "{:?}",
+            out.explanation.notes
+        );
+        assert!(to_placement(&out.plan, 4, 16).unwrap().experts.is_some());
+    }
+
+    #[test]
+    fn a_single_node_plan_with_experts_on_disk_is_not_executable() {
+        let m = moe_model();
+        // One node, too small for every expert in memory, with a disk: the planner streams the
+        // rest from disk, which only an expert split's nodes do.
+        let (_, mut g) = cluster(&[200 << 20]);
+        with_disks(&mut g);
+        let best = tessera_plan::plan(&m, &g, 1).unwrap();
+        assert_eq!(best.plan.strategy, StrategyKind::Single);
+        assert!(best.plan.assignments().any(|a| a.memory.disk.0 > 0));
+        assert!(matches!(
+            to_placement(&best.plan, 4, 16),
+            Err(NotExpertPlacement::Stages(NotExecutable::OnDisk(n))) if n == "n0"
+        ));
+        // Alone, it has no executable plan: planning says why rather than applying it.
+        assert!(plan_executable(&m, &g, 1).is_err());
+    }
+}

@@ -1,0 +1,251 @@
+//! Plan → what the fabric runs: a single-node or stage-ring plan becomes a [`PlanFile`] of
+//! stages pinned by node name ([`to_assignment`]); an expert-split plan becomes its home ring and
+//! its `--experts` placement ([`to_expert_placement`]); [`to_placement`] picks between them and
+//! says why a plan cannot run.
+
+use tessera_node::protocol::StageSpec;
+use tessera_plan::{CellKind, Plan, StrategyKind};
+
+use crate::assignment::PlanFile;
+
+/// What the fabric runs for a plan: the ring stages, pinned by node name, and for an expert
+/// split where each expert id lives (in every layer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub ring: PlanFile,
+    pub experts: Option<crate::assignment::ExpertSplit>,
+}
+
+/// The placement of an executable plan: a single-node or stage-ring plan becomes its stages
+/// ([`to_assignment`]); an expert split becomes its home ring and expert split
+/// ([`to_expert_placement`]).
+///
+/// Only the nodes of an expert split stream experts from disk (a node given more experts than
+/// its budget holds does), so a single-node or ring plan that leaves weights on disk is not
+/// executable: its nodes would refuse the load.
+pub fn to_placement(
+    plan: &Plan,
+    n_layer: usize,
+    n_expert: usize,
+) -> Result<Placement, NotExpertPlacement> {
+    match plan.cells.as_slice() {
+        [cell] if cell.kind == CellKind::Expert => {
+            // The ring holds attention and the dense FFN of whole layers, every layer once.
+            let ring_ok = cell
+                .assignments
+                .iter()
+                .all(|a| a.layers.is_none() || a.layers == a.ffn);
+            if !ring_ok {
+                return Err(NotExecutable::Strategy(plan.strategy).into());
+            }
+            let (ring, experts) = to_expert_placement(&cell.assignments, n_layer, n_expert)?;
+            let covered = ring.stages.last().map_or(0, |s| s.layers.end);
+            if covered != n_layer {
+                return Err(NotExpertPlacement::RingCoverage { covered, n_layer });
+            }
+            Ok(Placement {
+                ring,
+                experts: Some(experts),
+            })
+        }
+        _ => {
+            let ring = to_assignment(plan)?;
+            // A stage of an MoE model holds every expert of its layers.
+            if let Some(a) = plan.assignments().find(|a| {
+                a.experts
+                    .is_some_and(|x| x.experts.end as usize != n_expert)
+            }) {
+                return Err(NotExpertPlacement::StageExperts(a.node.clone()));
+            }
+            if let Some(a) = plan.assignments().find(|a| a.memory.disk.0 > 0) {
+                return Err(NotExecutable::OnDisk(a.node.clone()).into());
+            }
+            Ok(Placement {
+                ring,
+                experts: None,
+            })
+        }
+    }
+}
+
+/// Why a plan cannot become a stage assignment.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotExecutable {
+    #[error("the fabric cannot execute a {0} plan yet")]
+    Strategy(StrategyKind),
+    #[error("{0} would stream experts from disk, which only the nodes of an expert split do")]
+    OnDisk(String),
+    #[error(
+        "stage {stage} ({node}) starts at layer {start}, but the previous one ends at {expected}"
+    )]
+    NotContiguous {
+        stage: usize,
+        node: String,
+        start: usize,
+        expected: usize,
+    },
+}
+
+/// Why an expert-split plan cannot become a ring plus an `--experts` placement.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotExpertPlacement {
+    #[error(transparent)]
+    Stages(#[from] NotExecutable),
+    #[error(
+        "{node} holds experts of layers {layers} only: the fabric places experts for every layer"
+    )]
+    PartialLayers { node: String, layers: String },
+    #[error("experts {0:?} are held by more than one node")]
+    Duplicates(Vec<usize>),
+    #[error("experts {0:?} are held by no node")]
+    Missing(Vec<usize>),
+    #[error("{0} holds some experts of its layers only: a ring stage holds all of them")]
+    StageExperts(String),
+    #[error("the ring covers layers 0..{covered} but the model has {n_layer}")]
+    RingCoverage { covered: usize, n_layer: usize },
+}
+
+/// The ring stages and the `--experts` placement of an expert-split plan's assignments: the
+/// nodes holding attention become the ring stages (the experts' home nodes), in order; every
+/// node holding experts owns those expert ids in every layer (the fabric's placement is the
+/// same for all layers, so an expert slice must cover all `n_layer` layers).
+pub fn to_expert_placement(
+    assignments: &[tessera_plan::Assignment],
+    n_layer: usize,
+    n_expert: usize,
+) -> Result<(PlanFile, crate::assignment::ExpertSplit), NotExpertPlacement> {
+    use crate::assignment::{ExpertGroup, ExpertSplit};
+    let mut stages = Vec::new();
+    let mut expected = 0;
+    for a in assignments {
+        let Some(l) = a.layers else { continue };
+        if l.start as usize != expected {
+            return Err(NotExecutable::NotContiguous {
+                stage: stages.len(),
+                node: a.node.clone(),
+                start: l.start as usize,
+                expected,
+            }
+            .into());
+        }
+        expected = l.end as usize;
+        stages.push(StageSpec {
+            node: Some(a.node.clone()),
+            layers: l.iter(),
+        });
+    }
+    let mut groups: Vec<ExpertGroup> = Vec::new();
+    for a in assignments {
+        let Some(x) = a.experts else { continue };
+        if x.layers.iter() != (0..n_layer) {
+            return Err(NotExpertPlacement::PartialLayers {
+                node: a.node.clone(),
+                layers: x.layers.to_string(),
+            });
+        }
+        match groups.iter_mut().find(|g| g.node == a.node) {
+            Some(g) => g.experts.extend(x.experts.iter()),
+            None => groups.push(ExpertGroup {
+                experts: x.experts.iter().collect(),
+                node: a.node.clone(),
+            }),
+        }
+    }
+    let split = ExpertSplit { groups };
+    let dup = split.duplicates();
+    if !dup.is_empty() {
+        return Err(NotExpertPlacement::Duplicates(dup));
+    }
+    let missing: Vec<usize> = (0..n_expert)
+        .filter(|e| !split.groups.iter().any(|g| g.experts.contains(e)))
+        .collect();
+    if !missing.is_empty() {
+        return Err(NotExpertPlacement::Missing(missing));
+    }
+    Ok((PlanFile { stages }, split))
+}
+
+/// The stages of a single-node or stage-ring plan, pinned to their nodes by name, in ring order.
+pub fn to_assignment(plan: &Plan) -> Result<PlanFile, NotExecutable> {
+    // One cell, a single node or a ring of whole layers (of an MoE model, with their experts).
+    let ring = plan.cells.len() == 1
+        && matches!(plan.cells[0].kind, CellKind::Single | CellKind::Stage)
+        && plan.assignments().all(|a| {
+            a.layers.is_some()
+                && a.layers == a.ffn
+                && a.experts
+                    .is_none_or(|x| Some(x.layers) == a.layers && x.experts.start == 0)
+        });
+    if !ring {
+        return Err(NotExecutable::Strategy(plan.strategy));
+    }
+    let mut stages = Vec::new();
+    let mut expected = 0;
+    for (i, a) in plan.assignments().enumerate() {
+        let l = a.layers.expect("executable plans hold whole layers");
+        if l.start as usize != expected {
+            return Err(NotExecutable::NotContiguous {
+                stage: i,
+                node: a.node.clone(),
+                start: l.start as usize,
+                expected,
+            });
+        }
+        expected = l.end as usize;
+        stages.push(StageSpec {
+            node: Some(a.node.clone()),
+            layers: l.start as usize..l.end as usize,
+        });
+    }
+    Ok(PlanFile { stages })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_expert_plan_maps_to_ring_stages_and_an_experts_placement() {
+        use tessera_plan::{Assignment, ExpertSlice, LayerRange, MemoryUse};
+        let a = |node: &str, layers: Option<(usize, usize)>, experts: Option<(usize, usize)>| {
+            Assignment {
+                node: node.into(),
+                layers: layers.map(|(s, e)| LayerRange::new(s, e)),
+                ffn: layers.map(|(s, e)| LayerRange::new(s, e)),
+                experts: experts.map(|(s, e)| ExpertSlice {
+                    layers: LayerRange::new(0, 4),
+                    experts: LayerRange::new(s, e),
+                }),
+                embedding: false,
+                head: false,
+                memory: MemoryUse::default(),
+            }
+        };
+        let plan = [
+            a("home", Some((0, 4)), Some((0, 3))),
+            a("x", None, Some((3, 6))),
+            a("y", None, Some((6, 8))),
+        ];
+        let (ring, split) = super::to_expert_placement(&plan, 4, 8).unwrap();
+        assert_eq!(ring.stages.len(), 1);
+        assert_eq!(ring.stages[0].node.as_deref(), Some("home"));
+        assert_eq!(ring.stages[0].layers, 0..4);
+        let want = crate::assignment::parse_experts("0-2@home,3-5@x,6-7@y").unwrap();
+        assert_eq!(split, want);
+
+        // Experts missing, held twice, or of some layers only do not map.
+        assert!(matches!(
+            super::to_expert_placement(&plan[..2], 4, 8),
+            Err(super::NotExpertPlacement::Missing(m)) if m == vec![6, 7]
+        ));
+        let twice = [plan[0].clone(), a("x", None, Some((2, 8)))];
+        assert!(matches!(
+            super::to_expert_placement(&twice, 4, 8),
+            Err(super::NotExpertPlacement::Duplicates(d)) if d == vec![2]
+        ));
+        let mut partial = plan.clone();
+        partial[1].experts.as_mut().unwrap().layers = LayerRange::new(0, 2);
+        assert!(matches!(
+            super::to_expert_placement(&partial, 4, 8),
+            Err(super::NotExpertPlacement::PartialLayers { .. })
+        ));
+    }
+}

@@ -1,0 +1,255 @@
+//! Loading an assignment: the tensors a stage needs (and, in an expert split, the held experts'
+//! byte ranges), received into the shard store, checked against the memory budget (experts over
+//! it are streamed from disk), loaded with the engine and installed on the stage thread, unless
+//! a newer assignment or a release came first.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tessera_engine::{ExpertSelection, ExpertStreaming, LoadSpec, Model};
+use tessera_model::GgufFile;
+use tessera_net::Connection;
+
+use crate::error::FabricError;
+use crate::fetch_net::{assignment_needs, fetch_manifest, fetch_needs};
+use crate::inventory::Inventory;
+use crate::protocol::{LoadReport, StageAssignment};
+use crate::stage::Stage;
+use crate::store::{Manifest, ShardStore};
+
+use super::experts::ExpertServing;
+use super::stage_thread::WorkerMsg;
+use super::{Current, Shared};
+
+pub(super) struct LoadCtx {
+    pub(super) conn: Connection,
+    pub(super) store: Arc<ShardStore>,
+    pub(super) inventory: Inventory,
+    pub(super) threads: usize,
+    pub(super) progress: bool,
+    pub(super) expert_budget: Option<u64>,
+}
+
+/// The tensors a stage needs: its layers' `blk.N.*`, plus the embedding (first stage, or the
+/// last with tied embeddings) and the output norm and head (last stage).
+pub fn stage_tensor_names(manifest: &Manifest, a: &StageAssignment) -> Vec<String> {
+    let mut names = manifest.layer_tensor_names(a.layers.start as u32..a.layers.end as u32);
+    let has = |n: &str| manifest.tensor(n).is_some();
+    let tied = !has("output.weight");
+    if a.embed || (a.head && tied) {
+        names.push("token_embd.weight".into());
+    }
+    if a.head {
+        names.push("output_norm.weight".into());
+        if !tied {
+            names.push("output.weight".into());
+        }
+    }
+    names
+}
+
+/// The packed expert tensors of the layers where `held` names experts, outside `skip` (of
+/// which [`assignment_needs`] keeps only the held experts' byte ranges).
+fn expert_tensor_names(
+    manifest: &Manifest,
+    held: &[Vec<usize>],
+    skip: &std::ops::Range<usize>,
+) -> Vec<String> {
+    let mut names = Vec::new();
+    for (l, ids) in held.iter().enumerate() {
+        if ids.is_empty() || skip.contains(&l) {
+            continue;
+        }
+        for part in ["gate", "up", "down"] {
+            let n = format!("blk.{l}.ffn_{part}_exps.weight");
+            if manifest.tensor(&n).is_some() {
+                names.push(n);
+            }
+        }
+    }
+    names
+}
+
+pub(super) async fn load_assignment(
+    a: StageAssignment,
+    ctx: &LoadCtx,
+    shared: &Shared,
+) -> Result<LoadReport, FabricError> {
+    let t0 = Instant::now();
+    let manifest = Arc::new(fetch_manifest(&ctx.conn, a.model).await?);
+    let experts = shared
+        .pending_experts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&a.epoch);
+    let expert_only = experts.as_ref().is_some_and(|x| x.expert_only);
+    let mut names = if expert_only {
+        Vec::new()
+    } else {
+        stage_tensor_names(&manifest, &a)
+    };
+    if let Some(x) = &experts {
+        let skip = if expert_only { 0..0 } else { a.layers.clone() };
+        names.extend(expert_tensor_names(&manifest, &x.held, &skip));
+    }
+    // Expert split: only the held experts' byte ranges of the packed expert tensors.
+    let held_experts = experts.as_ref().map(|x| x.held.as_slice());
+    let (needs, header) =
+        assignment_needs(&ctx.conn, &ctx.store, &manifest, names, held_experts).await?;
+    let weight_bytes = manifest.bytes_for_needs(&needs)?;
+    // Experts over the memory budget are streamed from disk: the node keeps what the budget
+    // allows in memory (half the limit, leaving the rest to the dense weights and KV caches).
+    let streaming = match (ctx.expert_budget, &experts) {
+        (_, None) => None,
+        (Some(b), Some(_)) => Some(b),
+        (None, Some(_)) => match ctx.inventory.accepts(weight_bytes) {
+            Ok(()) => None,
+            Err(e) => Some(e.limit.ok_or(e)? / 2),
+        },
+    };
+    if streaming.is_none() {
+        ctx.inventory.accepts(weight_bytes)?;
+    }
+
+    let bar = progress_bar(ctx.progress, "receiving");
+    let b = bar.clone();
+    let fetched = fetch_needs(
+        &ctx.conn,
+        ctx.store.clone(),
+        manifest.clone(),
+        needs,
+        move |done, total| {
+            b.set_length(total);
+            b.set_position(done);
+        },
+    )
+    .await?
+    .after(&header);
+    bar.finish_and_clear();
+    let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+    let t1 = Instant::now();
+    let path = ctx.store.path_for(&manifest);
+    let threads = ctx.threads;
+    let spec = LoadSpec {
+        layers: if expert_only { 0..0 } else { a.layers.clone() },
+        embed: a.embed && !expert_only,
+        head: a.head && !expert_only,
+        experts: match &experts {
+            Some(x) => ExpertSelection::PerLayer(x.held.clone()),
+            None => ExpertSelection::All,
+        },
+        dense: true,
+    };
+    // The experts this node computes for other homes: those of layers outside its stage.
+    let serve_spec = experts.as_ref().and_then(|x| {
+        let stage_layers = if expert_only { 0..0 } else { a.layers.clone() };
+        let held: Vec<Vec<usize>> = x
+            .held
+            .iter()
+            .enumerate()
+            .map(|(l, ids)| {
+                if stage_layers.contains(&l) {
+                    Vec::new()
+                } else {
+                    ids.clone()
+                }
+            })
+            .collect();
+        held.iter()
+            .any(|ids| !ids.is_empty())
+            .then(|| LoadSpec::experts_only(0..held.len(), ExpertSelection::PerLayer(held)))
+    });
+    let (model, serve_model) =
+        tokio::task::spawn_blocking(move || -> Result<(Model, Option<Model>), FabricError> {
+            let g = GgufFile::open(&path)?;
+            // An expert-only node's own model has no layers: nothing of it to stream.
+            let load = |spec: LoadSpec, stream: bool| match streaming.filter(|_| stream) {
+                Some(b) => Model::load_streaming(
+                    &g,
+                    spec,
+                    ExpertStreaming::with_budget(b),
+                    threads,
+                    &mut |_, _| {},
+                ),
+                None => Model::load(&g, spec, threads, &mut |_, _| {}),
+            };
+            let m = load(spec, !expert_only)?;
+            let s = match serve_spec {
+                Some(spec) => Some(load(spec, true)?),
+                None => None,
+            };
+            Ok((m, s))
+        })
+        .await
+        .map_err(|e| FabricError::Stopped(format!("loading: {e}")))??;
+    let resident = model.resident_bytes() as u64
+        + serve_model.as_ref().map_or(0, |m| m.resident_bytes()) as u64;
+    // Streamed experts are read from disk as needed: only what the engine keeps counts.
+    let held = if streaming.is_some() {
+        resident
+    } else {
+        resident.max(weight_bytes)
+    };
+    ctx.inventory.accepts(held)?;
+    // The same limit `Inventory::accepts` applies: the budget, else the RAM available at start.
+    let kv_budget = ctx
+        .inventory
+        .memory_budget
+        .as_ref()
+        .map(|b| b.bytes)
+        .or(ctx.inventory.memory.available_bytes)
+        .map(|limit| limit.saturating_sub(held));
+    let n_embd = model.config().n_embd;
+    let stage_experts = model.expert_stats_source();
+    let stage = Stage::new(a.clone(), model, kv_budget);
+    {
+        let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
+        // Under the lock, so that an assignment cannot be installed over a newer one.
+        if shared.assigned.load(std::sync::atomic::Ordering::SeqCst) != a.epoch {
+            return Err(FabricError::Stopped(format!(
+                "epoch {} was superseded or released while it loaded",
+                a.epoch
+            )));
+        }
+        *shared.experts.lock().unwrap_or_else(|p| p.into_inner()) =
+            experts.map(|x| ExpertServing {
+                epoch: a.epoch,
+                assignment: x,
+                model: serve_model.map(Arc::new),
+            });
+        *shared
+            .stage_experts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = stage_experts;
+        *cur = Some(Current {
+            assignment: a,
+            n_embd,
+        });
+        let _ = shared.worker.send(WorkerMsg::Install(Box::new(stage)));
+    }
+    Ok(LoadReport {
+        bytes_needed: fetched.bytes_needed,
+        bytes_transferred: fetched.bytes_transferred,
+        bytes_already_present: fetched.bytes_already_present,
+        resident_bytes: resident,
+        fetch_ms,
+        load_ms: t1.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+fn progress_bar(show: bool, what: &str) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}

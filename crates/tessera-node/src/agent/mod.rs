@@ -1,0 +1,276 @@
+//! The node agent: the long-running process a contributor starts on each machine.
+//!
+//! 1. **Identity**: an ed25519 key made on first start in the data directory (`node.key`,
+//!    mode 0600); the node id is derived from the public key.
+//! 2. **Inventory**: the node measures itself ([`crate::inventory`]) and resolves its memory
+//!    budget; it never accepts an assignment or a sequence beyond it.
+//! 3. **Enrolment**: with a join token (`TOKEN@HOST:PORT`) it proves the token to the
+//!    coordinator over an authenticated QUIC session ([`tessera_net::Endpoint::enroll`]), and
+//!    records the coordinator's key and address (`coordinator.json`) so that later starts need
+//!    no token and pin that key.
+//! 4. **Control session**: [`Hello`] (protocol version, inventory, budget, local models), then
+//!    the coordinator's [`CoordToNode`] messages: assignments, link-up, sequences.
+//! 5. **Assignment**: fetch the manifest, receive the missing tensors into the shard store
+//!    ([`crate::fetch_net`]) or read a local copy with the same hash, load the layer range with
+//!    the engine, report [`LoadReport`].
+//! 6. **Ring**: admit the previous stage's key, dial the next stage (pinning its key), measure
+//!    the link, open a [`stream::RING`] stream; the [`Stage`] runs on its own thread and its
+//!    outputs go to the ring and the coordinator.
+//!
+//! Every stream is read with a size limit for its kind; a malformed frame on a ring stream ends
+//! that stream (and is logged), never the node.
+//!
+//! [`CoordToNode`]: crate::protocol::CoordToNode
+//! [`LoadReport`]: crate::protocol::LoadReport
+//! [`stream::RING`]: crate::protocol::stream::RING
+//! [`Stage`]: crate::stage::Stage
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tessera_net::{Accepted, AllowList, Connection, Endpoint, NodeIdentity};
+use tokio::sync::mpsc;
+
+use crate::error::FabricError;
+use crate::inventory::{measure, Inventory, ProbeOptions};
+use crate::protocol::{
+    ExpertAssignment, ExpertCacheStats, Hello, NodeToCoord, Role, StageAssignment, PROTOCOL_VERSION,
+};
+use crate::store::ShardStore;
+
+mod config;
+mod experts;
+mod load;
+mod ring;
+mod session;
+mod stage_thread;
+
+pub use config::{AgentConfig, CoordinatorRecord, JoinTarget, ProbeLevel};
+pub use load::stage_tensor_names;
+
+use experts::ExpertServing;
+use ring::serve_peer;
+use session::serve_sessions;
+use stage_thread::{worker_loop, WorkerMsg};
+
+/// What the accept loop needs to know about the current epoch.
+#[derive(Clone, Debug)]
+struct Current {
+    assignment: StageAssignment,
+    n_embd: usize,
+}
+
+struct Shared {
+    allow: Arc<AllowList>,
+    current: Mutex<Option<Current>>,
+    worker: mpsc::UnboundedSender<WorkerMsg>,
+    ctrl: mpsc::UnboundedSender<NodeToCoord>,
+    /// Keeps the connection to the next stage open.
+    next_conn: Mutex<Option<Connection>>,
+    /// Expert placements received for epochs not yet loaded.
+    pending_experts: Mutex<std::collections::HashMap<u64, ExpertAssignment>>,
+    /// Expert split: this node's expert placement and the model serving other homes' requests
+    /// (experts of layers outside its stage), for the current epoch.
+    experts: Mutex<Option<ExpertServing>>,
+    /// Keeps the connections to expert workers open.
+    expert_conns: Mutex<Vec<Connection>>,
+    /// The counters of the current stage's own streamed experts (the stage's model lives on the
+    /// worker thread; the handle reads them from here, and reads nothing once it is dropped).
+    stage_experts: Mutex<Option<tessera_engine::expert_store::ExpertStatsSource>>,
+    /// The latest epoch assigned and not released (0: none). A load that finishes after a
+    /// newer assignment (or the release of its own) is discarded, never installed.
+    assigned: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    /// Counters of this node's streamed experts: the stage's own and those of the model serving
+    /// other homes' experts, summed (`None` when neither streams experts).
+    fn expert_cache(&self) -> Option<ExpertCacheStats> {
+        let stage = self
+            .stage_experts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(|s| s.stats());
+        let serving = {
+            let x = self.experts.lock().unwrap_or_else(|p| p.into_inner());
+            x.as_ref()
+                .and_then(|x| x.model.as_ref())
+                .and_then(|m| m.expert_stats())
+        };
+        let st = match (stage, serving) {
+            (Some(mut a), Some(b)) => {
+                a.add(&b);
+                a
+            }
+            (a, b) => a.or(b)?,
+        };
+        Some(ExpertCacheStats {
+            budget_bytes: st.budget_bytes,
+            lookups: st.lookups,
+            hits: st.hits,
+            misses: st.misses,
+            bytes_read: st.bytes_read,
+        })
+    }
+}
+
+/// Loads or creates the node identity and prints its id. Also the first thing [`run`] does.
+pub fn identity(data_dir: &Path) -> Result<NodeIdentity, FabricError> {
+    std::fs::create_dir_all(data_dir)
+        .map_err(|e| FabricError::io(format!("creating {}", data_dir.display()), e))?;
+    Ok(NodeIdentity::load_or_create(data_dir)?)
+}
+
+/// Measures this node as configured, with the engine's quantized matmul as compute probe.
+pub fn measure_inventory(config: &AgentConfig) -> Result<Inventory, FabricError> {
+    let mut opts = ProbeOptions {
+        disk_dir: Some(config.data_dir.clone()),
+        threads: Some(config.threads),
+        compute_probe: Some(Box::new(crate::compute_probe::engine_matmul_rate)),
+        ..Default::default()
+    };
+    if config.probe == ProbeLevel::Quick {
+        opts.memory_buffer_bytes = 16 << 20;
+        opts.memory_reps = 1;
+        opts.disk_test_bytes = 8 << 20;
+        opts.probe_time_limit = Duration::from_millis(50);
+    }
+    let mut inv = measure(&opts);
+    if let Some(b) = &config.memory_budget {
+        inv.set_budget(b)?;
+    }
+    Ok(inv)
+}
+
+/// Runs the agent: measures, enrols or reconnects, and serves the coordinator's sessions. A lost
+/// session is retried with backoff (the coordinator may restart; the node keeps its cache);
+/// only a refusal or a protocol mismatch ends the agent.
+pub async fn run(config: AgentConfig) -> Result<(), FabricError> {
+    run_until(config, std::future::pending()).await
+}
+
+/// [`run`] until `shutdown` completes; then closes every connection (peers and the coordinator
+/// see the node leave at once, not after an idle timeout) and returns.
+pub async fn run_until(
+    config: AgentConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), FabricError> {
+    let identity = identity(&config.data_dir)?;
+    println!("node id: {}", identity.node_id());
+    if config.join.is_none() && CoordinatorRecord::load(&config.data_dir).is_none() {
+        return Err(FabricError::NotEnrolled);
+    }
+    let inventory = {
+        let c = config.clone();
+        tokio::task::spawn_blocking(move || measure_inventory(&c))
+            .await
+            .map_err(|e| FabricError::Stopped(format!("inventory: {e}")))??
+    };
+    let budget = inventory.memory_budget.as_ref().map(|b| b.bytes);
+    eprintln!(
+        "inventory: {} cores, {} RAM total, budget {}",
+        inventory.cpu.usable_cores.unwrap_or(0),
+        inventory
+            .memory
+            .total_bytes
+            .map_or("unknown".into(), tessera_model::human_bytes),
+        budget.map_or("none (available RAM)".into(), tessera_model::human_bytes),
+    );
+    let store = Arc::new(ShardStore::open(&config.data_dir)?);
+    let mut models = Vec::new();
+    if let Some(path) = &config.model {
+        let (s, p) = (store.clone(), path.clone());
+        let m = tokio::task::spawn_blocking(move || s.adopt(p))
+            .await
+            .map_err(|e| FabricError::Stopped(format!("adopt: {e}")))??;
+        eprintln!(
+            "local model {} has hash {}",
+            path.display(),
+            m.model_hash.short()
+        );
+        models.push(m.model_hash);
+    }
+    let name = config.name.clone().unwrap_or_else(|| {
+        inventory
+            .host
+            .hostname
+            .clone()
+            .unwrap_or_else(|| identity.node_id().short())
+    });
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        role: Role::Node,
+        name,
+        inventory: Some(Box::new(inventory.clone())),
+        memory_budget_bytes: budget,
+        models,
+    };
+
+    let allow = Arc::new(AllowList::new());
+    let endpoint = Endpoint::bind(config.listen, &identity, allow.clone())?;
+    println!("listening on {}", endpoint.local_addr()?);
+
+    // The stage thread lives as long as the agent; sessions come and go.
+    let (ctrl_tx, ctrl_rx) = mpsc::unbounded_channel::<NodeToCoord>();
+    let ctrl_rx = Arc::new(tokio::sync::Mutex::new(ctrl_rx));
+    let (worker_tx, worker_rx) = mpsc::unbounded_channel();
+    {
+        let ctrl = ctrl_tx.clone();
+        let me = worker_tx.downgrade();
+        std::thread::Builder::new()
+            .name("tessera-stage".into())
+            .spawn(move || worker_loop(worker_rx, me, ctrl))
+            .map_err(|e| FabricError::io("starting the stage thread", e))?;
+    }
+    let shared = Arc::new(Shared {
+        allow,
+        current: Mutex::new(None),
+        worker: worker_tx,
+        ctrl: ctrl_tx,
+        next_conn: Mutex::new(None),
+        pending_experts: Mutex::new(Default::default()),
+        experts: Mutex::new(None),
+        stage_experts: Mutex::new(None),
+        expert_conns: Mutex::new(Vec::new()),
+        assigned: std::sync::atomic::AtomicU64::new(0),
+    });
+
+    // Peers (the previous stage) dial us.
+    {
+        let endpoint = endpoint.clone();
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            while let Some(incoming) = endpoint.accept().await {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    match incoming.handshake().await {
+                        Ok(Accepted::Peer(c)) => serve_peer(c, shared).await,
+                        Ok(Accepted::Enrolment(r)) => {
+                            let _ = r.refuse(tessera_net::Refusal::Other(
+                                "nodes do not enrol others".into(),
+                            ));
+                        }
+                        Err(e) => eprintln!("refused a connection: {e}"),
+                    }
+                });
+            }
+        });
+    }
+
+    let serve = serve_sessions(
+        &config, &hello, &endpoint, &shared, &store, &inventory, &ctrl_rx,
+    );
+    tokio::pin!(shutdown);
+    let result = tokio::select! {
+        r = serve => r,
+        () = &mut shutdown => {
+            println!("shutting down");
+            Ok(())
+        }
+    };
+    endpoint.close();
+    let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+    result
+}
