@@ -91,10 +91,14 @@ pub fn plan_executable(
     }
     // What the fabric runs: expert splits as planned (their nodes stream experts from disk when
     // given more than their budget), and single nodes and rings holding every weight in memory.
+    // Expert splits are also tried with every weight in memory: with disks, the planner may keep
+    // every expert on the home and stream them there (a single-node plan, which is skipped as an
+    // expert split and cannot run), while an in-memory split across the nodes can.
     let mut found: Option<PlanOutcome> = None;
-    let mut last_err = None;
+    let mut errors = Vec::new();
     for (allowed, in_memory) in [
         (&[StrategyKind::Expert][..], false),
+        (&[StrategyKind::Expert][..], true),
         (&[StrategyKind::Single, StrategyKind::Stage][..], true),
     ] {
         let mut g = graph.clone();
@@ -115,16 +119,29 @@ pub fn plan_executable(
                 }
             }
             Ok(_) => {}
-            Err(e) => last_err = Some(e),
+            Err(e) => errors.push(e),
         }
     }
     let Some(mut fallback) = found else {
-        // Nothing executable: why the executable strategies found no plan, or (a policy that
-        // allows none of them) the best plan, whose placement says why it cannot run.
-        return match last_err {
-            Some(e) => Err(e),
-            None => Ok(best),
-        };
+        // Nothing executable: why the executable strategies found no plan (every pass's
+        // rejections), or (a policy that allows none of them) the best plan, whose placement
+        // says why it cannot run.
+        if errors.is_empty() {
+            return Ok(best);
+        }
+        if errors
+            .iter()
+            .all(|e| matches!(e, PlanError::NoFeasiblePlan { .. }))
+        {
+            let mut rejected = Vec::new();
+            for e in errors {
+                if let PlanError::NoFeasiblePlan { rejected: r } = e {
+                    rejected.extend(r);
+                }
+            }
+            return Err(PlanError::NoFeasiblePlan { rejected });
+        }
+        return Err(errors.swap_remove(0));
     };
     fallback.explanation.notes.insert(
         0,
@@ -318,6 +335,39 @@ mod tests {
             "{:?}",
             out.explanation.notes
         );
+        assert!(to_placement(&out.plan, 4, 16).unwrap().experts.is_some());
+    }
+
+    #[test]
+    fn slow_links_that_keep_every_expert_home_still_give_an_in_memory_expert_split() {
+        let m = moe_model();
+        let (_, mut g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
+        with_disks(&mut g);
+        // Links slow enough that streaming every expert from the home's disk predicts faster
+        // than sending hidden states to other owners: with disks, the expert strategy keeps
+        // every expert home (a single-node plan, which cannot run).
+        for l in &mut g.links {
+            l.spec.rtt_s = 0.05;
+        }
+        if let Some(d) = &mut g.default_link {
+            d.rtt_s = 0.05;
+        }
+        let best = tessera_plan::plan(&m, &g, 1).unwrap();
+        assert_eq!(
+            best.plan.strategy,
+            StrategyKind::Single,
+            "{:?}",
+            best.explanation
+        );
+        // The in-memory expert split across the nodes is what runs.
+        let out = plan_executable(&m, &g, 1).unwrap();
+        assert_eq!(
+            out.plan.strategy,
+            StrategyKind::Expert,
+            "{:?}",
+            out.explanation
+        );
+        assert!(out.plan.assignments().all(|a| a.memory.disk.0 == 0));
         assert!(to_placement(&out.plan, 4, 16).unwrap().experts.is_some());
     }
 
