@@ -1,8 +1,5 @@
-//! The key/value cache of one sequence, for the layers a process holds. F32; keys
-//! position-major (`kv_dim` floats per position), values transposed (one row of positions per
-//! value dimension, as llama.cpp stores them without flash attention, so attention reads each
-//! output dimension's values contiguously); grown in chunks up to a fixed capacity. Freeing is
-//! dropping.
+//! The key/value cache of one sequence, for the layers a process holds. F32, position-major
+//! (`kv_dim` floats per position), grown in chunks up to a fixed capacity. Freeing is dropping.
 
 use std::ops::Range;
 
@@ -16,22 +13,9 @@ const GROW_CHUNK: usize = 256;
 #[derive(Debug, Clone)]
 struct LayerKv {
     k: Vec<f32>,
-    /// Values transposed: dimension `i` of position `p` at `v_t[i * v_stride + p]`.
-    v_t: Vec<f32>,
-    /// Positions allocated per row of `v_t`.
-    v_stride: usize,
+    v: Vec<f32>,
     /// Positions holding valid entries.
     len: usize,
-}
-
-/// The cached keys and values of one layer (see [`KvCache::view`]).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct LayerView<'a> {
-    /// Position-major keys, `kv_dim` floats per cached position.
-    pub keys: &'a [f32],
-    /// Transposed values: dimension `i` of position `p` at `values_t[i * v_stride + p]`.
-    pub values_t: &'a [f32],
-    pub v_stride: usize,
 }
 
 /// Keys and values of one sequence for layers `layers`.
@@ -55,8 +39,7 @@ impl KvCache {
             entries: vec![
                 LayerKv {
                     k: Vec::new(),
-                    v_t: Vec::new(),
-                    v_stride: 0,
+                    v: Vec::new(),
                     len: 0,
                 };
                 n
@@ -98,7 +81,7 @@ impl KvCache {
     pub fn bytes(&self) -> usize {
         self.entries
             .iter()
-            .map(|e| (e.k.capacity() + e.v_t.capacity()) * 4)
+            .map(|e| (e.k.capacity() + e.v.capacity()) * 4)
             .sum()
     }
 
@@ -127,45 +110,41 @@ impl KvCache {
         Ok(())
     }
 
-    /// Stores keys and values (`n_tokens × kv_dim` each, position-major) at `start_pos..` of
-    /// `layer`. Call [`KvCache::check_step`] first.
-    pub(crate) fn append(&mut self, layer: usize, start_pos: usize, k: &[f32], v: &[f32]) {
+    /// Stores keys and values (`n_tokens × kv_dim` each) at `start_pos..` of `layer` and returns
+    /// the layer's keys and values for positions `0..start_pos + n_tokens`. Call
+    /// [`KvCache::check_step`] first.
+    pub(crate) fn append(
+        &mut self,
+        layer: usize,
+        start_pos: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> (&[f32], &[f32]) {
         let d = self.kv_dim;
         let n = k.len() / d;
         let end = start_pos + n;
         let cap = self.capacity;
         let e = &mut self.entries[layer - self.layers.start];
-        if e.v_stride < end {
-            let want = (end.div_ceil(GROW_CHUNK) * GROW_CHUNK).min(cap).max(end);
-            e.k.reserve_exact(want * d - e.k.len());
-            e.k.resize(want * d, 0.0);
-            // Re-lay the transposed values out with the longer rows.
-            let mut v_t = vec![0.0f32; d * want];
-            for i in 0..d {
-                let old = &e.v_t[i * e.v_stride..i * e.v_stride + e.len];
-                v_t[i * want..i * want + e.len].copy_from_slice(old);
-            }
-            e.v_t = v_t;
-            e.v_stride = want;
+        if e.k.len() < end * d {
+            let want = end.div_ceil(GROW_CHUNK) * GROW_CHUNK;
+            let want = want.min(cap).max(end) * d;
+            e.k.reserve_exact(want - e.k.len());
+            e.v.reserve_exact(want - e.v.len());
+            e.k.resize(want, 0.0);
+            e.v.resize(want, 0.0);
         }
         e.k[start_pos * d..end * d].copy_from_slice(k);
-        for (t, row) in v.chunks_exact(d).enumerate() {
-            for (i, &x) in row.iter().enumerate() {
-                e.v_t[i * e.v_stride + start_pos + t] = x;
-            }
-        }
+        e.v[start_pos * d..end * d].copy_from_slice(v);
         e.len = end;
+        (&e.k[..end * d], &e.v[..end * d])
     }
 }
 
 impl KvCache {
     /// Keys and values of `layer` for the cached positions.
-    pub(crate) fn view(&self, layer: usize) -> LayerView<'_> {
+    pub(crate) fn view(&self, layer: usize) -> (&[f32], &[f32]) {
         let e = &self.entries[layer - self.layers.start];
-        LayerView {
-            keys: &e.k[..e.len * self.kv_dim],
-            values_t: &e.v_t,
-            v_stride: e.v_stride,
-        }
+        let n = e.len * self.kv_dim;
+        (&e.k[..n], &e.v[..n])
     }
 }

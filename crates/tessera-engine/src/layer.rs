@@ -9,7 +9,7 @@
 
 use crate::error::Result;
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
-use crate::kv::{KvCache, LayerView};
+use crate::kv::KvCache;
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
 use crate::ops::{
@@ -137,7 +137,7 @@ impl Model {
             row += s.n_tokens;
         }
         // Causal attention per (row, KV head), in parallel.
-        let views: Vec<LayerView> = kv.iter().map(|c| c.view(layer)).collect();
+        let views: Vec<(&[f32], &[f32])> = kv.iter().map(|c| c.view(layer)).collect();
         sc.attn.resize(n * qd, 0.0);
         let out = SharedOut(sc.attn.as_mut_ptr(), sc.attn.len());
         let (q, rows) = (&sc.q, &sc.rows);
@@ -151,7 +151,7 @@ impl Model {
             for item in i0..i1 {
                 let (t, kh) = (item / nkv, item % nkv);
                 let (seq, pos) = rows[t];
-                let view = views[seq];
+                let (keys, values) = views[seq];
                 let o = t * qd + kh * group * hd;
                 // SAFETY: the group's heads of row t belong to this task only.
                 let dst = unsafe { out.slice(o, group * hd) };
@@ -159,9 +159,8 @@ impl Model {
                     dst,
                     &q[o..o + group * hd],
                     hd,
-                    view.keys,
-                    view.values_t,
-                    view.v_stride,
+                    keys,
+                    values,
                     pos + 1,
                     kvd,
                     kh * hd,

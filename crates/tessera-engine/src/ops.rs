@@ -258,70 +258,44 @@ fn dot_ggml(x: &[f32], y: &[f32]) -> f32 {
     let n = x.len();
     let np = n & !63;
     let mut acc = [[0.0f32; 16]; 4];
-    accumulate64(&mut acc, &x[..np], &y[..np]);
-    let mut sum = fold64(&acc);
+    for i in (0..np).step_by(64) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let (xs, ys) = (
+                &x[i + j * 16..i + j * 16 + 16],
+                &y[i + j * 16..i + j * 16 + 16],
+            );
+            for l in 0..16 {
+                a[l] = xs[l].mul_add(ys[l], a[l]);
+            }
+        }
+    }
+    let mut s = [0.0f32; 16];
+    for l in 0..16 {
+        s[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let mut sum = reduce16(&s);
     for i in np..n {
         sum += x[i] * y[i];
     }
     sum
 }
 
-/// [`dot_ggml`] of rows zero-padded to a multiple of 64 (ggml's dot over a padded KV length,
-/// where the padding cells contribute zeros): the tail goes through the accumulators too.
-#[inline(always)]
-fn dot_ggml_padded(x: &[f32], y: &[f32]) -> f32 {
-    let n = x.len();
-    let np = n & !63;
-    let mut acc = [[0.0f32; 16]; 4];
-    accumulate64(&mut acc, &x[..np], &y[..np]);
-    if np < n {
-        let (mut xt, mut yt) = ([0.0f32; 64], [0.0f32; 64]);
-        xt[..n - np].copy_from_slice(&x[np..]);
-        yt[..n - np].copy_from_slice(&y[np..]);
-        accumulate64(&mut acc, &xt, &yt);
-    }
-    fold64(&acc)
-}
-
-/// Blocks of 64 of `x · y` into four 16-lane accumulators (`x.len()` a multiple of 64).
-#[inline(always)]
-fn accumulate64(acc: &mut [[f32; 16]; 4], x: &[f32], y: &[f32]) {
-    for (xb, yb) in x.chunks_exact(64).zip(y.chunks_exact(64)) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            let xs: &[f32; 16] = xb[j * 16..j * 16 + 16].try_into().expect("16 floats");
-            let ys: &[f32; 16] = yb[j * 16..j * 16 + 16].try_into().expect("16 floats");
-            for l in 0..16 {
-                a[l] = xs[l].mul_add(ys[l], a[l]);
-            }
-        }
-    }
-}
-
-/// ggml's fold of the four accumulators, `(a0 + a2) + (a1 + a3)`, then [`reduce16`].
-#[inline(always)]
-fn fold64(acc: &[[f32; 16]; 4]) -> f32 {
-    let s: [f32; 16] = std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
-    reduce16(&s)
-}
-
 /// Causal attention of the query heads that share one KV head, over cached positions
 /// `0..n_kv` (each key and value row is read once for the whole group).
 ///
-/// `q` holds the group's heads back to back (`head_dim` each); `out` likewise. `keys` hold
-/// positions row-major with stride `kv_stride`, this KV head's slice starting at `kv_offset`;
-/// `values_t` holds the values transposed (dimension `kv_offset + i` of position `j` at
-/// `(kv_offset + i) * v_stride + j`). Per head this follows llama.cpp without flash attention:
-/// scores `dot(q, k) * scale`, a softmax over the (16-padded) row, then each output dimension as
-/// `ggml_vec_dot_f32` of the scores and that dimension's values over the padded KV length (what
-/// a single-token decode step runs; see `KV_PAD`).
+/// `q` holds the group's heads back to back (`head_dim` each); `out` likewise. `keys`/`values`
+/// hold positions row-major with stride `kv_stride`, this KV head's slice starting at
+/// `kv_offset`. Per head this follows llama.cpp without flash attention: scores
+/// `dot(q, k) * scale`, a softmax over the (16-padded) row, then each output dimension as
+/// `ggml_vec_dot_f32` of the scores and the transposed values over the padded KV length (what a
+/// single-token decode step runs; see `KV_PAD`).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     out: &mut [f32],
     q: &[f32],
     head_dim: usize,
     keys: &[f32],
-    values_t: &[f32],
-    v_stride: usize,
+    values: &[f32],
     n_kv: usize,
     kv_stride: usize,
     kv_offset: usize,
@@ -331,7 +305,8 @@ pub fn attend_group(
     let d = head_dim;
     let g = q.len() / d;
     scratch.scores.resize(g * n_kv, 0.0);
-    let scores = &mut scratch.scores;
+    scratch.lanes.resize(g * 64 * d, 0.0);
+    let (scores, lanes) = (&mut scratch.scores, &mut scratch.lanes);
     with_fma(|| {
         for j in 0..n_kv {
             let k = &keys[j * kv_stride + kv_offset..j * kv_stride + kv_offset + d];
@@ -348,15 +323,27 @@ pub fn attend_group(
     // (`KV_PAD`): position `j` in lane `j % 16` of accumulator `(j % 64) / 16`, the four combined
     // `(a0 + a2) + (a1 + a3)`, then [`reduce16`]. Masked cells add exact zeros.
     const _: () = assert!(KV_PAD.is_multiple_of(64));
+    lanes.fill(0.0);
     with_fma(|| {
-        for h in 0..g {
-            let p = &scores[h * n_kv..(h + 1) * n_kv];
-            for i in 0..d {
-                let at = (kv_offset + i) * v_stride;
-                out[h * d + i] = dot_ggml_padded(&values_t[at..at + n_kv], p);
+        for j in 0..n_kv {
+            let v = &values[j * kv_stride + kv_offset..j * kv_stride + kv_offset + d];
+            for h in 0..g {
+                let p = scores[h * n_kv + j];
+                let l = (h * 64 + j % 64) * d;
+                for (a, &x) in lanes[l..l + d].iter_mut().zip(v) {
+                    *a = x.mul_add(p, *a);
+                }
             }
         }
     });
+    for h in 0..g {
+        for i in 0..d {
+            let at = |l: usize| lanes[(h * 64 + l) * d + i];
+            let v: [f32; 16] =
+                std::array::from_fn(|l| (at(l) + at(l + 32)) + (at(l + 16) + at(l + 48)));
+            out[h * d + i] = reduce16(&v);
+        }
+    }
 }
 
 /// The multiple of cells llama.cpp's KV view is padded to (`llama_kv_cache::get_n_kv`: 256 in
@@ -368,6 +355,7 @@ const KV_PAD: usize = 256;
 #[derive(Debug, Default)]
 pub struct AttnScratch {
     scores: Vec<f32>,
+    lanes: Vec<f32>,
 }
 
 /// Log-softmax of one row of logits, in f64 (for reports and comparisons).
@@ -392,113 +380,6 @@ pub fn argmax(x: &[f32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `attend_group`'s kq·V as first written, over position-major values: one 64-lane
-    /// accumulator row per head dimension element, keys outermost. The version over transposed
-    /// values must give the same bits.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_reference(
-        q: &[f32],
-        d: usize,
-        keys: &[f32],
-        values: &[f32],
-        n_kv: usize,
-        stride: usize,
-        offset: usize,
-        scale: f32,
-    ) -> Vec<f32> {
-        let g = q.len() / d;
-        let mut scores = vec![0.0f32; g * n_kv];
-        with_fma(|| {
-            for j in 0..n_kv {
-                let k = &keys[j * stride + offset..j * stride + offset + d];
-                for h in 0..g {
-                    scores[h * n_kv + j] = dot_ggml(&q[h * d..(h + 1) * d], k) * scale;
-                }
-            }
-        });
-        for h in 0..g {
-            softmax_ggml(&mut scores[h * n_kv..(h + 1) * n_kv], true);
-        }
-        let mut lanes = vec![0.0f32; g * 64 * d];
-        with_fma(|| {
-            for j in 0..n_kv {
-                let v = &values[j * stride + offset..j * stride + offset + d];
-                for h in 0..g {
-                    let p = scores[h * n_kv + j];
-                    let l = (h * 64 + j % 64) * d;
-                    for (a, &x) in lanes[l..l + d].iter_mut().zip(v) {
-                        *a = x.mul_add(p, *a);
-                    }
-                }
-            }
-        });
-        let mut out = vec![0.0f32; g * d];
-        for h in 0..g {
-            for i in 0..d {
-                let at = |l: usize| lanes[(h * 64 + l) * d + i];
-                let v: [f32; 16] =
-                    std::array::from_fn(|l| (at(l) + at(l + 32)) + (at(l + 16) + at(l + 48)));
-                out[h * d + i] = reduce16(&v);
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn attention_over_transposed_values_is_bit_identical_to_the_lane_order() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-        };
-        // (head dim, heads per KV head, KV heads, positions): short and long rows, a head dim
-        // that is not a multiple of the slice.
-        for &(d, g, nkv, n) in &[
-            (64, 2, 2, 1),
-            (128, 4, 2, 70),
-            (64, 1, 3, 200),
-            (40, 2, 1, 65),
-        ] {
-            let stride = nkv * d;
-            let keys: Vec<f32> = (0..n * stride).map(|_| rnd()).collect();
-            let values: Vec<f32> = (0..n * stride).map(|_| rnd()).collect();
-            for kh in 0..nkv {
-                let q: Vec<f32> = (0..g * d).map(|_| rnd()).collect();
-                let want = attend_reference(&q, d, &keys, &values, n, stride, kh * d, 0.125);
-                // Transposed, with rows longer than the positions (as a cache grown in chunks).
-                let vs = n + 5;
-                let mut values_t = vec![f32::NAN; stride * vs];
-                for j in 0..n {
-                    for i in 0..stride {
-                        values_t[i * vs + j] = values[j * stride + i];
-                    }
-                }
-                let mut got = vec![0.0f32; g * d];
-                let mut sc = AttnScratch::default();
-                attend_group(
-                    &mut got,
-                    &q,
-                    d,
-                    &keys,
-                    &values_t,
-                    vs,
-                    n,
-                    stride,
-                    kh * d,
-                    0.125,
-                    &mut sc,
-                );
-                let same = got
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "d {d} g {g} n {n} kv head {kh}");
-            }
-        }
-    }
 
     #[test]
     fn rms_norm_unit_weight_gives_unit_rms() {
