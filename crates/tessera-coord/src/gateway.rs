@@ -587,12 +587,36 @@ fn status(inner: &Inner) -> ClusterStatus {
         })
         .collect();
     let budget = |id: &NodeId| st.membership.member(id).map_or(0, budget_of);
+    // The current epoch's expert split (after a failover it differs from the configured one):
+    // experts per layer each node holds, resolved against the members by name or id.
+    let members: Vec<crate::assignment::Candidate> = st
+        .membership
+        .members()
+        .map(|m| crate::assignment::Candidate {
+            node_id: m.node_id,
+            name: m.name.clone(),
+        })
+        .collect();
+    let expert_owners: Option<Vec<(NodeId, usize)>> =
+        st.membership.epoch_expert_split().map(|split| {
+            split
+                .groups
+                .iter()
+                .filter_map(|g| {
+                    crate::assignment::find_node(&g.node, &members)
+                        .ok()
+                        .map(|id| (id, g.experts.len()))
+                })
+                .collect()
+        });
     let plan = epoch.map(|e| {
-        let n = e.stages.len();
+        // Expert-only nodes sit in the ring as stages of no layers: count and name the others.
+        let n = e.stages.iter().filter(|s| !s.layers.is_empty()).count();
         let explanation = {
             let ranges: Vec<String> = e
                 .stages
                 .iter()
+                .filter(|s| !s.layers.is_empty())
                 .map(|s| {
                     let name = st
                         .membership
@@ -607,35 +631,62 @@ fn status(inner: &Inner) -> ClusterStatus {
                 cfg.n_layer,
                 ranges.join(", ")
             );
+            if let Some(split) = st.membership.epoch_expert_split() {
+                x.push_str(&format!(
+                    " Each MoE layer's experts are split by owner ({split}): the home stage \
+                     routes and sends each owner only its experts' tokens."
+                ));
+            }
             if !inner.config.explanation.is_empty() {
                 x.push(' ');
                 x.push_str(&inner.config.explanation);
             }
             x
         };
+        let held = |id: &NodeId| match &expert_owners {
+            Some(owners) => owners.iter().filter(|(o, _)| o == id).map(|(_, k)| k).sum(),
+            None => cfg.n_expert,
+        };
+        let mut assignments: Vec<Assignment> = e
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| Assignment {
+                node_id: s.node_id.to_string(),
+                layers: [s.layers.start, s.layers.end],
+                experts: held(&s.node_id),
+                embed: i == 0,
+                head: s.layers.end == cfg.n_layer,
+                weight_bytes: s.loaded.as_ref().map_or(0, |l| l.resident_bytes),
+                budget_bytes: budget(&s.node_id),
+            })
+            .collect();
+        // Expert-only nodes: no layers, their share of every MoE layer's experts.
+        for (id, k) in expert_owners.iter().flatten() {
+            if e.stages.iter().all(|s| s.node_id != *id) {
+                assignments.push(Assignment {
+                    node_id: id.to_string(),
+                    layers: [0, 0],
+                    experts: *k,
+                    embed: false,
+                    head: false,
+                    weight_bytes: 0,
+                    budget_bytes: budget(id),
+                });
+            }
+        }
+        let strategy = match (n, expert_owners.is_some()) {
+            (1, false) => "single node",
+            (_, false) => "stage split",
+            (1, true) => "expert split",
+            (_, true) => "stage + expert split",
+        };
         PlanStatus {
             epoch: e.id,
-            strategy: if n == 1 {
-                "single node".into()
-            } else {
-                "stage split".into()
-            },
+            strategy: strategy.into(),
             n_layers: cfg.n_layer,
             n_experts: cfg.n_expert,
-            assignments: e
-                .stages
-                .iter()
-                .enumerate()
-                .map(|(i, s)| Assignment {
-                    node_id: s.node_id.to_string(),
-                    layers: [s.layers.start, s.layers.end],
-                    experts: cfg.n_expert,
-                    embed: i == 0,
-                    head: s.layers.end == cfg.n_layer,
-                    weight_bytes: s.loaded.as_ref().map_or(0, |l| l.resident_bytes),
-                    budget_bytes: budget(&s.node_id),
-                })
-                .collect(),
+            assignments,
             explanation,
         }
     });

@@ -314,3 +314,86 @@ fn plan_auto_executes_an_expert_split_and_matches_one_process() {
     }
     drop(nodes);
 }
+
+/// `tessera serve --plan auto` with the same budgets: the dashboard's status shows the expert
+/// split the epoch runs — the home's ring stage with its share of every layer's experts, and each
+/// expert-only node with no layers and its share — and the API answers through it.
+#[test]
+fn the_dashboard_shows_the_expert_split_of_a_served_cluster() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let cfg = ModelConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let budgets = [
+        ("home", 15u64 << 19), // 7.5 MiB
+        ("x", 13u64 << 18),    // 3.25 MiB
+        ("y", 13u64 << 18),
+    ];
+    let args: Vec<String> = [
+        "serve",
+        "--model",
+        &path.display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+        "--coordinator-listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        &dir.path().join("coord").display().to_string(),
+        "--ctx",
+        "64",
+        "--nodes-expected",
+        "3",
+        "--plan",
+        "auto",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut serve = Proc::spawn("serve", &args, TIMEOUT);
+    let join = serve.wait_for("join token: ");
+    let nodes: Vec<Proc> = budgets
+        .iter()
+        .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
+        .collect();
+    let addr = serve.wait_for("listening on http://").trim().to_string();
+
+    // Poll the dashboard's status until the expert split's epoch is serving.
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let plan = loop {
+        let status = common::get(&addr, "/api/status", None).json();
+        let plan = &status["cluster"]["plan"];
+        if plan["strategy"] == "expert split" {
+            break plan.clone();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no expert split in {status}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let assignments = plan["assignments"].as_array().unwrap();
+    let total: u64 = assignments
+        .iter()
+        .map(|a| a["experts"].as_u64().unwrap())
+        .sum();
+    assert_eq!(total, cfg.n_expert as u64, "every expert once: {plan}");
+    let stages: Vec<&Value> = assignments
+        .iter()
+        .filter(|a| a["layers"][1].as_u64() > a["layers"][0].as_u64())
+        .collect();
+    assert_eq!(stages.len(), 1, "one ring stage, the home: {plan}");
+    assert_eq!(stages[0]["layers"][1], cfg.n_layer, "{plan}");
+    let expert_only: Vec<&Value> = assignments
+        .iter()
+        .filter(|a| a["layers"][0] == a["layers"][1] && a["experts"].as_u64() > Some(0))
+        .collect();
+    assert!(!expert_only.is_empty(), "no expert-only node in {plan}");
+
+    // And the API answers through it.
+    let reply = common::post(
+        &addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "small-qwen3moe-Q8_0", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    drop(nodes);
+}
