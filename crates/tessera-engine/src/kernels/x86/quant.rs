@@ -92,8 +92,9 @@ pub(in super::super) unsafe fn quantize_row_q8_k(
             bsums[b * 16..(b + 1) * 16].fill(0);
             continue;
         }
-        // The first element of largest magnitude sets the sign, as in the scalar scan.
-        let max = *xb.iter().find(|v| v.abs() == amax).unwrap();
+        // The first element of largest magnitude sets the sign, as in the scalar scan. (With NaN
+        // in the block no element may match: the output is garbage either way, but no panic.)
+        let max = xb.iter().find(|v| v.abs() == amax).copied().unwrap_or(amax);
         let iscale = -127.0 / max;
         let is = _mm256_set1_ps(iscale);
         for (c, o) in xb.chunks_exact(32).zip(q.chunks_exact_mut(32)) {
