@@ -280,18 +280,35 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_lost_expert_node_hands_its_experts_to_the_survivors_and_gets_them_back() {
-        let mut m = Membership::new();
-        // Two layers of 8 experts of 10 bytes each and 40 bytes of the rest; 10 bytes each of
-        // embedding and head.
-        m.set_model_bytes(Some(ModelBytes {
+    /// Two MoE layers of 8 experts of 10 bytes each and 40 bytes of the rest; 10 bytes each of
+    /// embedding and head.
+    fn two_layers_of_eight_experts() -> ModelBytes {
+        ModelBytes {
             layers: vec![120; 2],
             embed: 10,
             head: 10,
             expert: vec![10; 2],
             n_expert: 8,
-        }));
+        }
+    }
+
+    /// Experts 0-1 on n1, 2-4 on n2, 5-7 on n3, and a ring of `home` alone holding both layers.
+    fn split_and_plan(m: &mut Membership, home: &crate::membership::Member) {
+        m.set_expert_split(Some(
+            crate::assignment::parse_experts("0-1@n1,2-4@n2,5-7@n3").unwrap(),
+        ));
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(home.node_id, 0..2)],
+            n_layer: 2,
+            max_context: 64,
+        });
+    }
+
+    #[test]
+    fn a_lost_expert_node_hands_its_experts_to_the_survivors_and_gets_them_back() {
+        let mut m = Membership::new();
+        m.set_model_bytes(Some(two_layers_of_eight_experts()));
         let (mut a, mut b, mut c) = (member(1), member(2), member(3));
         // Home a: 100 bytes of dense weights and 2 experts (40): 140 of 160. Owner b holds 3
         // experts (60) of 200, owner c 3 of 100.
@@ -302,15 +319,7 @@ mod tests {
         for x in [&b, &c, &a] {
             m.handle(Event::Joined(Box::new(x.clone())));
         }
-        m.set_expert_split(Some(
-            crate::assignment::parse_experts("0-1@n1,2-4@n2,5-7@n3").unwrap(),
-        ));
-        m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(a.node_id, 0..2)],
-            n_layer: 2,
-            max_context: 64,
-        });
+        split_and_plan(&mut m, &a);
         let first = ready(&mut m);
         // c goes: its experts 5-7 go to b, which has the room (a has 20 bytes, b 140).
         let acts = m.handle(Event::Left {
@@ -384,13 +393,7 @@ mod tests {
     #[test]
     fn a_lost_home_moves_the_ring_and_its_experts_to_the_survivors() {
         let mut m = Membership::new();
-        m.set_model_bytes(Some(ModelBytes {
-            layers: vec![120; 2],
-            embed: 10,
-            head: 10,
-            expert: vec![10; 2],
-            n_expert: 8,
-        }));
+        m.set_model_bytes(Some(two_layers_of_eight_experts()));
         let (a, mut b, mut c) = (member(1), member(2), member(3));
         // b cannot hold the whole model (420 bytes), but holds its dense part (100) and its
         // experts; what does not fit it would stream.
@@ -399,15 +402,7 @@ mod tests {
         for x in [&a, &b, &c] {
             m.handle(Event::Joined(Box::new(x.clone())));
         }
-        m.set_expert_split(Some(
-            crate::assignment::parse_experts("0-1@n1,2-4@n2,5-7@n3").unwrap(),
-        ));
-        m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(a.node_id, 0..2)],
-            n_layer: 2,
-            max_context: 64,
-        });
+        split_and_plan(&mut m, &a);
         ready(&mut m);
         let acts = m.handle(Event::Left {
             node: a.node_id,
