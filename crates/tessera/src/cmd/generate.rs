@@ -4,7 +4,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use tessera_engine::{Generator, LoadSpec, Model, SamplingParams, StopMatcher};
+use tessera_engine::{Generator, LoadSpec, Model, StopMatcher};
 use tessera_model::{ChatMessage, ChatTemplate, GgufFile, ModelConfig, StreamDecoder, Tokenizer};
 
 use super::progress::LoadProgress;
@@ -20,24 +20,8 @@ pub struct GenerateArgs {
     /// Tokens to generate at most.
     #[arg(short = 'n', long, default_value_t = 128)]
     max_tokens: usize,
-    /// Sampling temperature; 0 picks the most likely token every time (greedy).
-    #[arg(long, default_value_t = 0.8)]
-    temperature: f32,
-    /// Keep only the K most likely tokens (0: all).
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches P.
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    /// Drop tokens less likely than MIN_P times the most likely one.
-    #[arg(long, default_value_t = 0.05)]
-    min_p: f32,
-    /// Penalise recently generated tokens (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    /// Random seed: the same seed, prompt and settings give the same text.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: super::sampling::SamplingArgs,
     /// Stop when this text is generated (may be repeated).
     #[arg(long)]
     stop: Vec<String>,
@@ -82,15 +66,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     .with_context(|| format!("loading {}", path.display()))?;
     progress.finish();
 
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        seed: args.seed,
-        ..SamplingParams::default()
-    };
+    let params = args.sampling.params();
     let mut eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
         .filter(|&t| tokenizer.is_end_of_generation(t))
         .collect();

@@ -9,6 +9,7 @@ pub mod node;
 pub mod plan;
 mod progress;
 pub mod run;
+mod sampling;
 pub mod serve;
 pub mod up;
 

@@ -12,7 +12,6 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use tessera_coord::assignment::{parse_split, PlanFile};
-use tessera_engine::SamplingParams;
 use tessera_net::{Endpoint, NodeIdentity};
 use tessera_node::agent::JoinTarget;
 use tessera_node::protocol::{
@@ -40,19 +39,8 @@ pub struct RunArgs {
     /// A plan file naming the node of each stage.
     #[arg(long)]
     plan: Option<PathBuf>,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
-    temperature: f32,
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0.05)]
-    min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: super::sampling::SamplingArgs,
     /// Prompt tokens per prefill step (pipelined across stages).
     #[arg(long, default_value_t = 64)]
     prefill_chunk: usize,
@@ -86,15 +74,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         prompt: Some(args.prompt.clone()),
         prompt_tokens: None,
         max_new_tokens: args.max_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            min_p: args.min_p,
-            repeat_penalty: args.repeat_penalty,
-            seed: args.seed,
-            ..SamplingParams::default()
-        },
+        sampling: args.sampling.params(),
         stages,
         prefill_chunk: args.prefill_chunk,
         trace: args.trace,
