@@ -640,6 +640,17 @@ mod wire {
         })
     }
 
+    /// A client endpoint on loopback with a fresh identity (inside a runtime).
+    fn client_endpoint() -> Endpoint {
+        let id = NodeIdentity::generate().unwrap();
+        Endpoint::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &id,
+            tessera_net::AllowList::new(),
+        )
+        .unwrap()
+    }
+
     fn rt() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -654,13 +665,7 @@ mod wire {
         c.add_node("b", &[]);
         let target: JoinTarget = c.join.parse().unwrap();
         rt().block_on(async {
-            let id = NodeIdentity::generate().unwrap();
-            let ep = Endpoint::bind(
-                "127.0.0.1:0".parse().unwrap(),
-                &id,
-                tessera_net::AllowList::new(),
-            )
-            .unwrap();
+            let ep = client_endpoint();
             let conn = ep.enroll(target.addr, &target.token).await.unwrap();
             let mut s = conn.open_stream(stream::CONTROL).await.unwrap();
             s.writer
@@ -723,13 +728,7 @@ mod wire {
         let c = Cluster::start(&model("stories260K.gguf"));
         let target: JoinTarget = c.join.parse().unwrap();
         rt().block_on(async {
-            let id = NodeIdentity::generate().unwrap();
-            let ep = Endpoint::bind(
-                "127.0.0.1:0".parse().unwrap(),
-                &id,
-                tessera_net::AllowList::new(),
-            )
-            .unwrap();
+            let ep = client_endpoint();
             // Dial with the coordinator pinned, but skip enrolment and talk straight away.
             let coord = target.token.coordinator().unwrap();
             let r = async {
@@ -750,13 +749,7 @@ mod wire {
         let c = Cluster::start(&model("stories260K.gguf"));
         let target: JoinTarget = c.join.parse().unwrap();
         rt().block_on(async {
-            let id = NodeIdentity::generate().unwrap();
-            let ep = Endpoint::bind(
-                "127.0.0.1:0".parse().unwrap(),
-                &id,
-                tessera_net::AllowList::new(),
-            )
-            .unwrap();
+            let ep = client_endpoint();
             let conn = ep.enroll(target.addr, &target.token).await.unwrap();
 
             // 1. A header declaring a 1 GiB frame: refused before allocation, stream closed.
