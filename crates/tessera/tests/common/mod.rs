@@ -14,6 +14,7 @@
 #![allow(dead_code)]
 
 pub mod browser;
+pub mod chaos;
 pub mod http;
 pub mod moe;
 pub mod openai;

@@ -1,0 +1,342 @@
+//! The processes of the fault tests (`chaos.rs`, `chaos_coordinator.rs`): a child process whose
+//! stdout and stderr lines are collected with their arrival times, a coordinator with its nodes
+//! on 127.0.0.1, the one-process reference text, and a client's JSON messages.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::{bin, run_with_timeout};
+
+pub const TIMEOUT: Duration = Duration::from_secs(120);
+/// The node lease the tests run with.
+const LEASE_MS: &str = "1000";
+
+/// A child process whose stdout lines are collected (with the time each arrived); killed on
+/// drop.
+pub struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<(Instant, String)>,
+    pub seen: Vec<(Instant, String)>,
+    pub name: String,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, args: &[String]) -> Self {
+        let mut child = Command::new(bin())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let err = BufReader::new(child.stderr.take().unwrap());
+        let (tx, lines) = mpsc::channel();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                if tx.send((Instant::now(), line)).is_err() {
+                    break;
+                }
+            }
+        });
+        // Stderr lines join the same stream (logs: "enrolled node", "epoch N is ready", ...),
+        // and are echoed for a failing test's output.
+        let who = name.to_string();
+        std::thread::spawn(move || {
+            for line in err.lines().map_while(Result::ok) {
+                eprintln!("[{who}] {line}");
+                if tx2.send((Instant::now(), line)).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+            name: name.to_string(),
+        }
+    }
+
+    pub fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.pid()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {}", self.name);
+    }
+
+    /// Takes the lines that arrived so far.
+    pub fn drain(&mut self) {
+        while let Ok(l) = self.lines.try_recv() {
+            self.seen.push(l);
+        }
+    }
+
+    /// Waits for a stdout line starting with `prefix` (seen before or arriving); its rest.
+    pub fn wait_for(&mut self, prefix: &str) -> String {
+        self.wait_for_nth(prefix, 1)
+    }
+
+    /// Waits until `n` lines starting with `prefix` have been seen; the rest of the n-th.
+    pub fn wait_for_nth(&mut self, prefix: &str, n: usize) -> String {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some((_, l)) = self
+                .seen
+                .iter()
+                .filter(|(_, l)| l.starts_with(prefix))
+                .nth(n - 1)
+            {
+                return l[prefix.len()..].to_string();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!(
+                    "{}: fewer than {n} lines starting with {prefix:?}; saw {:?}",
+                    self.name,
+                    self.seen.iter().map(|(_, l)| l).collect::<Vec<_>>()
+                ),
+            }
+        }
+    }
+
+    /// Waits for the process to exit; its status.
+    pub fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the exit and every stdout line.
+    pub fn finish(&mut self) -> std::process::ExitStatus {
+        let status = self.wait_exit();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while let Ok(l) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            self.seen.push(l);
+        }
+        status
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // A frozen process must be thawed to die cleanly.
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A coordinator and its nodes.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub coordinator: Proc,
+    model: PathBuf,
+    split: String,
+    /// Extra coordinator flags (an expert split).
+    extra: Vec<String>,
+    pub join: String,
+    pub nodes: Vec<Proc>,
+}
+
+impl Cluster {
+    pub fn start(model_path: &Path, split: &str) -> Self {
+        Self::start_with(model_path, split, &[])
+    }
+
+    pub fn start_with(model_path: &Path, split: &str, extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let mut coordinator =
+            Self::spawn_coordinator(dir.path(), model_path, split, "127.0.0.1:0", &extra);
+        let join = coordinator.wait_for("join token: ");
+        Self {
+            dir,
+            coordinator,
+            model: model_path.to_owned(),
+            split: split.to_string(),
+            extra,
+            join,
+            nodes: Vec::new(),
+        }
+    }
+
+    fn spawn_coordinator(
+        dir: &Path,
+        model_path: &Path,
+        split: &str,
+        listen: &str,
+        extra: &[String],
+    ) -> Proc {
+        let mut args: Vec<String> = vec![
+            "coordinator".into(),
+            "--model".into(),
+            model_path.display().to_string(),
+            "--listen".into(),
+            listen.into(),
+            "--data-dir".into(),
+            dir.join("coord").display().to_string(),
+            "--split".into(),
+            split.into(),
+            "--lease-ms".into(),
+            LEASE_MS.into(),
+        ];
+        args.extend_from_slice(extra);
+        Proc::spawn("coordinator", &args)
+    }
+
+    /// The coordinator's `HOST:PORT`.
+    pub fn addr(&self) -> String {
+        self.join.rsplit_once('@').unwrap().1.to_string()
+    }
+
+    pub fn node_args(&self, name: &str) -> Vec<String> {
+        vec![
+            "node".into(),
+            "--data-dir".into(),
+            self.dir.path().join(name).display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--name".into(),
+            name.into(),
+            "--threads".into(),
+            "1".into(),
+            "--quick-probe".into(),
+        ]
+    }
+
+    /// Starts a node that enrols with `join` (the coordinator's line, or one naming a proxy)
+    /// and waits until it has joined.
+    pub fn add_node_via(&mut self, name: &str, join: &str) {
+        let mut args = self.node_args(name);
+        args.extend(["--join".to_string(), join.to_string()]);
+        let mut p = Proc::spawn(name, &args);
+        p.wait_for("joined coordinator ");
+        self.nodes.push(p);
+    }
+
+    pub fn add_node(&mut self, name: &str) {
+        let join = self.join.clone();
+        self.add_node_via(name, &join);
+    }
+
+    /// Waits until the coordinator has placed every stage of the split (`--split` applies as
+    /// soon as enough nodes joined).
+    pub fn wait_ready(&mut self) {
+        // Every node prints "loaded epoch" for the initial split.
+        let n = self.split.split(',').count();
+        for p in self.nodes.iter_mut().take(n) {
+            p.wait_for("loaded epoch ");
+        }
+    }
+
+    /// Stops the coordinator (SIGTERM) and starts it again on the same address and data.
+    pub fn restart_coordinator(&mut self) {
+        self.coordinator.signal("-TERM");
+        assert!(self.coordinator.wait_exit().success());
+        self.coordinator = Self::spawn_coordinator(
+            self.dir.path(),
+            &self.model,
+            &self.split,
+            &self.addr(),
+            &self.extra,
+        );
+        let join = self.coordinator.wait_for("join token: ");
+        assert_eq!(join, self.join, "the token and address survive a restart");
+    }
+
+    pub fn node(&mut self, name: &str) -> &mut Proc {
+        self.nodes.iter_mut().find(|p| p.name == name).unwrap()
+    }
+
+    pub fn client(&self, name: &str, flags: &[&str]) -> Proc {
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--coordinator".into(),
+            self.join.clone(),
+            "--data-dir".into(),
+            self.dir.path().join("client").display().to_string(),
+            "--json".into(),
+        ];
+        args.extend(flags.iter().map(|s| s.to_string()));
+        Proc::spawn(name, &args)
+    }
+}
+
+/// What `tessera generate` prints in one process for the same flags: the no-fault reference
+/// (`tessera run` prints exactly this; cluster.rs checks it).
+pub fn reference_text(path: &Path, flags: &[&str]) -> String {
+    let mut cmd = Command::new(bin());
+    cmd.args(["generate", "-t", "1", "-m"])
+        .arg(path)
+        .args(flags)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let out = run_with_timeout(cmd, TIMEOUT);
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A client's JSON messages with their arrival times.
+pub fn messages(p: &Proc) -> Vec<(Instant, Value)> {
+    p.seen
+        .iter()
+        .filter_map(|(t, l)| serde_json::from_str(l).ok().map(|v| (*t, v)))
+        .collect()
+}
+
+/// The text `tessera run` would print: the prompt, every token's text, a newline.
+pub fn text_of(prompt: &str, msgs: &[(Instant, Value)]) -> String {
+    let mut s = prompt.to_string();
+    for (_, m) in msgs {
+        if m["type"] == "token" {
+            s.push_str(m["text"].as_str().unwrap_or(""));
+        }
+    }
+    s.push('\n');
+    s
+}
+
+/// Counts the generated tokens a client has seen so far.
+pub fn tokens_seen(p: &Proc) -> usize {
+    p.seen
+        .iter()
+        .filter(|(_, l)| l.starts_with("{\"type\":\"token\""))
+        .count()
+}
+
+/// Runs one generation to the end; its messages.
+pub fn run_to_end(c: &Cluster, name: &str, flags: &[&str]) -> Vec<(Instant, Value)> {
+    let mut p = c.client(name, flags);
+    let status = p.finish();
+    let msgs = messages(&p);
+    assert!(
+        status.success(),
+        "{name}: {:?}",
+        p.seen.iter().map(|(_, l)| l).collect::<Vec<_>>()
+    );
+    msgs
+}
