@@ -37,10 +37,55 @@ pub(super) struct Lru {
     pub(super) entries: HashMap<(usize, usize), Entry>,
 }
 
+/// Matrix allocations of evicted experts, kept for the next builds ([`Matrix::new_in`]): a
+/// fresh allocation's pages fault in as the repack writes them, which on a VM costs several
+/// times the repack itself. Evictions make room for reads, so the buffers kept are at most
+/// about those of the reads in flight (capped at `cap` buffers).
+///
+/// [`Matrix::new_in`]: crate::kernels::Matrix::new_in
+pub(super) struct Spare {
+    bufs: Vec<Vec<u8>>,
+    cap: usize,
+}
+
+impl Spare {
+    pub(super) fn new(cap: usize) -> Self {
+        Self {
+            bufs: Vec::new(),
+            cap,
+        }
+    }
+
+    /// Keeps the evicted expert's three allocations, if no computation still holds it.
+    pub(super) fn recycle(&mut self, ffn: Arc<Ffn>) {
+        let Ok(ffn) = Arc::try_unwrap(ffn) else {
+            return;
+        };
+        for m in [ffn.gate, ffn.up, ffn.down] {
+            if self.bufs.len() < self.cap {
+                self.bufs.push(m.into_buffer());
+            }
+        }
+    }
+
+    /// A kept allocation of at least `len` bytes, or an empty one.
+    pub(super) fn take(&mut self, len: usize) -> Vec<u8> {
+        match self.bufs.iter().position(|b| b.capacity() >= len) {
+            Some(i) => self.bufs.swap_remove(i),
+            None => Vec::new(),
+        }
+    }
+}
+
 impl Lru {
     /// Evicts least recently used entries, neither in use nor in `keep`, until `need` more
-    /// bytes fit beside the entries and the reservations.
-    pub(super) fn make_room(&mut self, need: u64, keep: &HashSet<(usize, usize)>) -> bool {
+    /// bytes fit beside the entries and the reservations; their allocations go to `spare`.
+    pub(super) fn make_room(
+        &mut self,
+        need: u64,
+        keep: &HashSet<(usize, usize)>,
+        spare: &mut Spare,
+    ) -> bool {
         while self.bytes + self.reserved + need > self.cap {
             let victim = self
                 .entries
@@ -51,6 +96,7 @@ impl Lru {
             let Some(k) = victim else { return false };
             let v = self.entries.remove(&k).expect("present");
             self.bytes -= v.bytes;
+            spare.recycle(v.ffn);
         }
         true
     }
@@ -97,7 +143,7 @@ impl Shared {
         let tick = inner.tick;
         let keep = inner.needed.clone();
         let lru = &mut inner.parts[self.part(key.0)];
-        if !lru.make_room(bytes, &keep) {
+        if !lru.make_room(bytes, &keep, &mut inner.spare) {
             return false;
         }
         lru.bytes += bytes;

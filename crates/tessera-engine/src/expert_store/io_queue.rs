@@ -1,7 +1,9 @@
 //! The I/O queue: reads queued or running ([`Flight`]), *demand* reads always before *prefetch*
-//! reads, and the reader threads ([`reader_loop`]) that read the queued ranges. The reader that
-//! reads an expert's last range builds it (repacks it as a full load does) and caches it; free
-//! heap is returned to the system when the queues drain.
+//! reads, and the reader threads ([`reader_loop`]) that read the queued ranges. Each reader
+//! builds (repacks, as a full load does) the matrix it has just read, into an evicted expert's
+//! allocation when there is one, so an expert's three matrices are built in parallel as they
+//! arrive; the reader that completes the third caches the expert. Free heap is returned to the
+//! system when the queues drain.
 
 use std::sync::Arc;
 
@@ -11,7 +13,7 @@ use crate::weights::Ffn;
 
 use super::cache::Origin;
 use super::file_reader::RawBuf;
-use super::shared::{lock, Inner, MatSrc, Shared};
+use super::shared::{lock, Inner, Shared};
 
 /// Priority of a queued or running read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,9 +27,9 @@ pub(super) struct Flight {
     pub(super) kind: Kind,
     /// Ranges handed to readers so far (a read is started once the first one is).
     next_m: usize,
-    /// Ranges read so far.
+    /// Ranges read (and built) so far.
     done: usize,
-    bufs: [Option<RawBuf>; 3],
+    mats: [Option<Matrix>; 3],
     err: Option<String>,
     /// Bytes reserved in the key's LRU (0: none, e.g. a pinned-set read or no room).
     pub(super) reserved: u64,
@@ -39,7 +41,7 @@ impl Flight {
             kind,
             next_m: 0,
             done: 0,
-            bufs: [None, None, None],
+            mats: [None, None, None],
             err: None,
             reserved,
         }
@@ -78,7 +80,7 @@ impl Shared {
             0
         } else {
             let keep = inner.needed.clone();
-            if inner.parts[part].make_room(bytes, &keep) {
+            if inner.parts[part].make_room(bytes, &keep, &mut inner.spare) {
                 inner.parts[part].reserved += bytes;
                 bytes
             } else if ahead {
@@ -132,26 +134,6 @@ impl Shared {
         Some((key, m))
     }
 
-    /// Builds an expert from a read's three ranges (without the lock: readers build).
-    fn build_read(
-        &self,
-        key: (usize, usize),
-        bufs: [Option<RawBuf>; 3],
-        err: Option<String>,
-    ) -> Result<(Ffn, u64)> {
-        let (layer, e) = key;
-        if let Some(err) = err {
-            return Err(EngineError::Tensor {
-                tensor: format!("blk.{layer} expert {e}"),
-                what: format!("read failed: {err}"),
-            });
-        }
-        let [a, b, c] = bufs;
-        let bufs = [a.expect("read"), b.expect("read"), c.expect("read")];
-        let n: u64 = bufs.iter().map(|b| b.len as u64).sum();
-        Ok((self.build(layer, e, bufs)?, n))
-    }
-
     /// Completes a read: caches the built expert (or keeps it for its waiter).
     fn complete(
         &self,
@@ -188,40 +170,40 @@ impl Shared {
         }
     }
 
-    /// Buffers for the raw bytes of range `m` of expert `e` of `layer`, and the read's offset.
+    /// The file offset and length of range `m` (gate, up, down) of expert `e` of `layer`.
     fn range(&self, layer: usize, e: usize, m: usize) -> (u64, u64) {
         let ms = &self.src[layer - self.layers.start].mats[m];
         (ms.base + ms.len * e as u64, ms.len)
     }
 
-    /// Builds (repacks) an expert from its three ranges' bytes, as a full load does.
-    fn build(&self, layer: usize, e: usize, bufs: [RawBuf; 3]) -> Result<Ffn> {
-        let ls = &self.src[layer - self.layers.start];
-        let [g, u, d] = bufs;
-        let mat = |m: &MatSrc, buf: RawBuf| {
-            let (offset, len) = (buf.start, buf.len);
-            let bytes = MatrixBytes::Shared {
-                bytes: Arc::new(buf),
-                offset,
-                len,
-            };
-            Matrix::new(m.dtype, m.rows, m.cols, bytes).map_err(|err| EngineError::Tensor {
-                tensor: format!("blk.{layer} expert {e}"),
-                what: err.to_string(),
-            })
+    /// Builds (repacks) matrix `m` of expert `e` of `layer` from its bytes, into `buf`'s
+    /// allocation, as a full load does.
+    fn build(&self, layer: usize, e: usize, m: usize, raw: RawBuf, buf: Vec<u8>) -> Result<Matrix> {
+        let ms = &self.src[layer - self.layers.start].mats[m];
+        let (offset, len) = (raw.start, raw.len);
+        let bytes = MatrixBytes::Shared {
+            bytes: Arc::new(raw),
+            offset,
+            len,
         };
-        Ok(Ffn {
-            gate: mat(&ls.mats[0], g)?,
-            up: mat(&ls.mats[1], u)?,
-            down: mat(&ls.mats[2], d)?,
+        Matrix::new_in(ms.dtype, ms.rows, ms.cols, bytes, buf).map_err(|err| EngineError::Tensor {
+            tensor: format!("blk.{layer} expert {e}"),
+            what: err.to_string(),
         })
+    }
+
+    /// Bytes of the built matrix `m` of `layer`'s experts.
+    fn built_len(&self, layer: usize, m: usize) -> usize {
+        let ms = &self.src[layer - self.layers.start].mats[m];
+        Matrix::packed_len(ms.dtype, ms.rows, ms.cols).unwrap_or(0)
     }
 }
 
-/// A reader: reads queued ranges (demand reads first) until the store is dropped; the reader
-/// that reads the last range of an expert builds it (while the computation goes on) and caches
-/// it. Built experts thus live in the readers' allocator arenas: freed holes are returned to the
-/// system whenever the queues drain.
+/// A reader: reads queued ranges (demand reads first) until the store is dropped, and builds
+/// each matrix it reads (while the computation goes on); the reader that builds an expert's
+/// third matrix caches the expert. Built experts thus live in the readers' allocator arenas
+/// (or in evicted experts' allocations): freed holes are returned to the system whenever the
+/// queues drain.
 pub(super) fn reader_loop(sh: &Shared) {
     let mut inner = lock(&sh.inner);
     loop {
@@ -232,29 +214,42 @@ pub(super) fn reader_loop(sh: &Shared) {
             inner = sh.work.wait(inner).unwrap_or_else(|p| p.into_inner());
             continue;
         };
+        let buf = inner.spare.take(sh.built_len(key.0, m));
         drop(inner);
         let (off, len) = sh.range(key.0, key.1, m);
-        let res = sh.reader.read_range(off, len);
+        let mut build_us = 0;
+        let built = match sh.reader.read_range(off, len) {
+            Ok(raw) => {
+                let t = std::time::Instant::now();
+                let mat = sh.build(key.0, key.1, m, raw, buf);
+                build_us = t.elapsed().as_micros() as u64;
+                mat.map_err(|e| e.to_string())
+            }
+            Err(e) => Err(format!("read failed: {e}")),
+        };
         inner = lock(&sh.inner);
+        inner.stats.build_us += build_us;
         let fl = inner.inflight.get_mut(&key).expect("a read in flight");
-        match res {
-            Ok(buf) => fl.bufs[m] = Some(buf),
-            Err(e) => fl.err = Some(e.to_string()),
+        match built {
+            Ok(mat) => fl.mats[m] = Some(mat),
+            Err(e) => fl.err = Some(e),
         }
         fl.done += 1;
         if fl.done < 3 {
             continue;
         }
-        // Build without the lock; the read stays in flight (waiters wait) until cached.
-        let bufs = std::mem::take(&mut fl.bufs);
-        let err = fl.err.take();
-        drop(inner);
-        let t = std::time::Instant::now();
-        let read = sh.build_read(key, bufs, err);
-        let build_us = t.elapsed().as_micros() as u64;
-        inner = lock(&sh.inner);
-        inner.stats.build_us += build_us;
-        let fl = inner.inflight.remove(&key).expect("a read in flight");
+        // The read stays in flight (waiters wait) until cached.
+        let mut fl = inner.inflight.remove(&key).expect("a read in flight");
+        let read = match (fl.err.take(), std::mem::take(&mut fl.mats)) {
+            (None, [Some(gate), Some(up), Some(down)]) => {
+                let bytes = (0..3).map(|m| sh.range(key.0, key.1, m).1).sum();
+                Ok((Ffn { gate, up, down }, bytes))
+            }
+            (err, _) => Err(EngineError::Tensor {
+                tensor: format!("blk.{} expert {}", key.0, key.1),
+                what: err.unwrap_or_else(|| "a matrix is missing".into()),
+            }),
+        };
         sh.complete(&mut inner, key, fl, read);
         sh.ready.notify_all();
         if inner.demand_q.is_empty() && inner.prefetch_q.is_empty() && inner.inflight.is_empty() {

@@ -64,7 +64,7 @@ use crate::error::{EngineError, Result};
 use crate::kernels::{Matrix, ThreadPool};
 use crate::weights::{Ffn, LoadSpec};
 
-use cache::{Lru, Origin};
+use cache::{Lru, Origin, Spare};
 use file_reader::Reader;
 use io_queue::{reader_loop, Flight, Kind};
 use settings::Settings;
@@ -196,6 +196,7 @@ impl ExpertStore {
             parts,
             pinned: HashMap::new(),
             pinned_bytes: 0,
+            spare: Spare::new(3 * streaming.read_parallelism.max(1)),
             pin_wanted: HashSet::new(),
             pinned_origin: HashMap::new(),
             inflight: HashMap::new(),
@@ -368,7 +369,8 @@ impl ExpertStore {
         }
         let li = layer - sh.layers.start;
         let st = &sh.cfg.streaming;
-        let mut inner = lock(&sh.inner);
+        let mut guard = lock(&sh.inner);
+        let inner = &mut *guard;
         inner.predicted[li] = Some(predicted.iter().map(|&(e, _)| e).collect());
         if !st.prefetch {
             return;
@@ -390,7 +392,7 @@ impl ExpertStore {
             }
         }
         // Only the newest prediction is worth reading.
-        sh.drop_queued_prefetches(&mut inner, usize::MAX);
+        sh.drop_queued_prefetches(inner, usize::MAX);
         let mut n = 0;
         for &(e, p) in predicted {
             if n >= st.prefetch_max || p < st.prefetch_min_prob {
@@ -411,7 +413,7 @@ impl ExpertStore {
             } else {
                 let mut k2 = inner.needed.clone();
                 k2.extend(keep.iter().copied());
-                if !inner.parts[part].make_room(bytes, &k2) {
+                if !inner.parts[part].make_room(bytes, &k2, &mut inner.spare) {
                     break;
                 }
                 inner.parts[part].reserved += bytes;
@@ -423,7 +425,7 @@ impl ExpertStore {
             inner.prefetch_q.push_back(key);
             n += 1;
         }
-        drop(inner);
+        drop(guard);
         if n > 0 {
             sh.work.notify_all();
         }

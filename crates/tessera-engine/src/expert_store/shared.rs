@@ -9,7 +9,7 @@ use tessera_model::GgmlType;
 
 use crate::weights::Ffn;
 
-use super::cache::{Lru, Origin};
+use super::cache::{Lru, Origin, Spare};
 use super::file_reader::Reader;
 use super::io_queue::Flight;
 use super::settings::Settings;
@@ -39,6 +39,8 @@ pub(super) struct Inner {
     pub(super) parts: Vec<Lru>,
     pub(super) pinned: HashMap<(usize, usize), Arc<Ffn>>,
     pub(super) pinned_bytes: u64,
+    /// Evicted experts' allocations, for the next builds.
+    pub(super) spare: Spare,
     pub(super) pin_wanted: HashSet<(usize, usize)>,
     /// Pinned experts read and not looked up since (why they were read).
     pub(super) pinned_origin: HashMap<(usize, usize), Origin>,

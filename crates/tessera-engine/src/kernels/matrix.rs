@@ -113,6 +113,19 @@ impl Matrix {
         cols: usize,
         bytes: MatrixBytes,
     ) -> Result<Self, KernelError> {
+        Self::new_in(dtype, rows, cols, bytes, Vec::new())
+    }
+
+    /// [`Matrix::new`] building into `buf`'s allocation (e.g. an evicted expert's, from
+    /// [`Matrix::into_buffer`]): a streamed expert's build then writes to memory already
+    /// faulted in instead of fresh pages, which on a VM cost more than the repack itself.
+    pub fn new_in(
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: MatrixBytes,
+        buf: Vec<u8>,
+    ) -> Result<Self, KernelError> {
         let bs = dtype.block_size();
         if cols == 0 || !cols.is_multiple_of(bs) {
             return Err(KernelError::BadCols {
@@ -140,12 +153,12 @@ impl Matrix {
             });
         }
         let data = match dtype {
-            GgmlType::Q4_0 | GgmlType::Q8_0 => interleave(dtype, src, rows, cols),
-            GgmlType::Q4K => interleave_q45k(src, rows, cols, false),
-            GgmlType::Q5K => interleave_q45k(src, rows, cols, true),
-            GgmlType::Q6K => interleave_q6k(src, rows, cols),
+            GgmlType::Q4_0 | GgmlType::Q8_0 => interleave(dtype, src, rows, cols, buf),
+            GgmlType::Q4K => interleave_q45k(src, rows, cols, false, buf),
+            GgmlType::Q5K => interleave_q45k(src, rows, cols, true, buf),
+            GgmlType::Q6K => interleave_q6k(src, rows, cols, buf),
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-                interleave_float(dtype.block_bytes(), src, rows, cols)
+                interleave_float(dtype.block_bytes(), src, rows, cols, buf)
             }
         };
         Ok(Self {
@@ -187,6 +200,11 @@ impl Matrix {
 
     pub fn dtype(&self) -> GgmlType {
         self.dtype
+    }
+
+    /// The repacked copy's allocation, for [`Matrix::new_in`] to build another matrix into.
+    pub fn into_buffer(self) -> Vec<u8> {
+        self.data
     }
 
     /// Bytes this matrix keeps alive (its repacked copy, padding rows included).
@@ -286,27 +304,48 @@ impl Matrix {
 }
 
 /// Repacks GGML Q4_0/Q8_0 rows into the interleaved group layout described above.
+fn interleave(dtype: GgmlType, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+    match dtype {
+        GgmlType::Q4_0 => interleave_q0::<18>(src, rows, cols, buf),
+        _ => interleave_q0::<34>(src, rows, cols, buf),
+    }
+}
+
+/// [`interleave`] for blocks of `BB` bytes (an f16 scale, then the quants).
 ///
 /// This runs on the critical path when experts are streamed from disk (every miss is repacked
-/// before use): it walks the source row by row, moving whole 4-byte runs.
-fn interleave(dtype: GgmlType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
-    let bb = dtype.block_bytes();
-    let runs = (bb - 2) / 4;
+/// before use), so it writes the destination in order, one 16-row block at a time, through
+/// fixed-size arrays: the moves compile to plain loads and stores without bounds checks (a
+/// `copy_from_slice` of a run-time length is a `memcpy` call per 4 bytes, twice as slow).
+fn interleave_q0<const BB: usize>(src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+    let runs = (BB - 2) / 4;
     let nb = cols / 32;
+    let row_bytes = nb * BB;
     let groups = rows.div_ceil(GROUP);
-    let group_bytes = nb * GROUP * bb;
-    assert!(src.len() >= rows * nb * bb, "source shorter than its shape");
+    let group_bytes = nb * GROUP * BB;
+    assert!(
+        src.len() >= rows * row_bytes,
+        "source shorter than its shape"
+    );
     // Padding rows (a last group of fewer than 16) stay zero: scale 0 contributes nothing.
-    let mut out = vec![0u8; groups * group_bytes];
+    let mut out = zeroed(buf, groups * group_bytes);
     for (g, gdst) in out.chunks_exact_mut(group_bytes).enumerate() {
-        for r in 0..GROUP.min(rows - g * GROUP) {
-            let row = &src[(g * GROUP + r) * nb * bb..(g * GROUP + r + 1) * nb * bb];
-            for (s, dst) in row.chunks_exact(bb).zip(gdst.chunks_exact_mut(GROUP * bb)) {
-                let (scales, quants) = dst.split_at_mut(2 * GROUP);
-                scales[2 * r..2 * r + 2].copy_from_slice(&s[..2]);
-                for (k, run) in s[2..].chunks_exact(4).take(runs).enumerate() {
-                    let o = 64 * k + 4 * r;
-                    quants[o..o + 4].copy_from_slice(run);
+        let n_rows = GROUP.min(rows - g * GROUP);
+        let gsrc = &src[g * GROUP * row_bytes..(g * GROUP + n_rows) * row_bytes];
+        for (b, dst) in gdst.chunks_exact_mut(GROUP * BB).enumerate() {
+            let (scales, quants) = dst.split_at_mut(2 * GROUP);
+            let scales: &mut [u8; 2 * GROUP] = scales.try_into().expect("scales");
+            for r in 0..n_rows {
+                let s: &[u8; BB] = gsrc[r * row_bytes + b * BB..][..BB]
+                    .try_into()
+                    .expect("block");
+                scales[2 * r] = s[0];
+                scales[2 * r + 1] = s[1];
+                for (k, run) in quants.chunks_exact_mut(64).take(runs).enumerate() {
+                    let run: &mut [u8; 64] = run.try_into().expect("run");
+                    for i in 0..4 {
+                        run[4 * r + i] = s[2 + 4 * k + i];
+                    }
                 }
             }
         }
@@ -314,13 +353,20 @@ fn interleave(dtype: GgmlType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> 
     out
 }
 
+/// `buf` as `len` zero bytes (padding rows must read as zero), keeping its allocation.
+fn zeroed(mut buf: Vec<u8>, len: usize) -> Vec<u8> {
+    buf.clear();
+    buf.resize(len, 0);
+    buf
+}
+
 /// Repacks GGML Q4_K / Q5_K rows into the interleaved layout described above.
-fn interleave_q45k(src: &[u8], rows: usize, cols: usize, five: bool) -> Vec<u8> {
+fn interleave_q45k(src: &[u8], rows: usize, cols: usize, five: bool, buf: Vec<u8>) -> Vec<u8> {
     let nb = cols / 256;
     let (x16, qs) = (kx16_bytes(five), kx16_qs(five));
     let bb = if five { 176 } else { 144 };
     let groups = rows.div_ceil(GROUP);
-    let mut out = vec![0u8; groups * nb * x16];
+    let mut out = zeroed(buf, groups * nb * x16);
     for (g, gdst) in out.chunks_exact_mut(nb * x16).enumerate() {
         for (b, dst) in gdst.chunks_exact_mut(x16).enumerate() {
             for r in 0..GROUP {
@@ -371,10 +417,10 @@ pub(crate) fn q6k_x16_quant(blk: &[u8], r: usize, e: usize) -> i32 {
 }
 
 /// Repacks GGML Q6_K rows into the interleaved layout described above.
-fn interleave_q6k(src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+fn interleave_q6k(src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
     let nb = cols / 256;
     let groups = rows.div_ceil(GROUP);
-    let mut out = vec![0u8; groups * nb * Q6K_X16];
+    let mut out = zeroed(buf, groups * nb * Q6K_X16);
     for (g, gdst) in out.chunks_exact_mut(nb * Q6K_X16).enumerate() {
         for (b, dst) in gdst.chunks_exact_mut(Q6K_X16).enumerate() {
             for r in 0..GROUP {
@@ -404,9 +450,9 @@ fn interleave_q6k(src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
 
 /// Float weights: for each column, the 16 rows' values side by side (16 × `es` bytes), so one
 /// load feeds 16 row accumulators with a broadcast activation.
-fn interleave_float(es: usize, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+fn interleave_float(es: usize, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
     let groups = rows.div_ceil(GROUP);
-    let mut out = vec![0u8; groups * cols * GROUP * es];
+    let mut out = zeroed(buf, groups * cols * GROUP * es);
     for (g, gdst) in out.chunks_exact_mut(cols * GROUP * es).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * cols * es..(g * GROUP + r + 1) * cols * es];

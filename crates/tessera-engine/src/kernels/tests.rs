@@ -434,6 +434,29 @@ fn dequantize_row_matches_ggml_layout() {
 }
 
 #[test]
+fn a_matrix_built_into_a_used_buffer_equals_a_fresh_one() {
+    // Streamed experts are built into evicted experts' allocations: leftover bytes (here 0xAB,
+    // in a larger buffer) must not show, not even in the padding rows of a last partial group.
+    for dtype in ALL {
+        let mut rng = Rng::new(dtype.id() as u64 + 70);
+        let (rows, cols) = (19, cols_for(dtype));
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let fresh = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
+        let used = vec![0xABu8; fresh.resident_bytes() + 100];
+        let reused = Matrix::new_in(dtype, rows, cols, MatrixBytes::Owned(bytes), used).unwrap();
+        assert_eq!(reused.resident_bytes(), fresh.resident_bytes(), "{dtype}");
+        for g in 0..rows.div_ceil(matrix::GROUP) {
+            assert_eq!(reused.group(g), fresh.group(g), "{dtype} group {g}");
+        }
+        let buf = reused.into_buffer();
+        assert!(
+            buf.capacity() >= fresh.resident_bytes() + 100,
+            "{dtype}: allocation kept"
+        );
+    }
+}
+
+#[test]
 fn encoders_round_trip() {
     let mut rng = Rng::new(9);
     let x: Vec<f32> = (0..256).map(|_| rng.f()).collect();
