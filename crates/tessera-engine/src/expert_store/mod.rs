@@ -407,7 +407,7 @@ impl ExpertStore {
             }
             let bytes = sh.src[li].packed;
             let to_pin = inner.pin_wanted.contains(&key)
-                && inner.pinned_bytes + bytes + sh.pin_reserved(&inner) <= sh.cfg.pinned_cap;
+                && inner.pinned_bytes + bytes + sh.pin_reserved(inner) <= sh.cfg.pinned_cap;
             let reserved = if to_pin {
                 0
             } else {
