@@ -174,6 +174,8 @@ fn delta(a: &ExpertStats, b: &ExpertStats) -> ExpertStats {
         prefetch_dropped: b.prefetch_dropped - a.prefetch_dropped,
         read_wait_us: b.read_wait_us - a.read_wait_us,
         build_us: b.build_us - a.build_us,
+        disk_busy_us: b.disk_busy_us - a.disk_busy_us,
+        read_us: b.read_us - a.read_us,
         predicted: b.predicted - a.predicted,
         predicted_used: b.predicted_used - a.predicted_used,
         used_after_prediction: b.used_after_prediction - a.used_after_prediction,
@@ -425,6 +427,12 @@ fn main() {
         d.read_wait_us as f64 / 1e4 / dt,
         d.read_wait_us as f64 / 1e3 / n_gen as f64,
         d.build_us as f64 / 1e3 / n_gen as f64
+    );
+    println!(
+        "disk busy      {:.0}% of the decode (a read in progress), {:.2} reads in flight on average then; {:.3} GB/s while busy",
+        d.disk_busy_us as f64 / 1e4 / dt,
+        d.read_us as f64 / d.disk_busy_us.max(1) as f64,
+        d.bytes_read as f64 / (d.disk_busy_us.max(1) as f64 * 1e3)
     );
     println!(
         "disk-bound     {bound:.2} tok/s = {disk_gbs:.3} GB/s / {:.2} MiB per token; streaming reaches {:.0}% of it ({tok_s:.2} tok/s)",

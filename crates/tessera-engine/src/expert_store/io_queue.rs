@@ -215,18 +215,31 @@ pub(super) fn reader_loop(sh: &Shared) {
             continue;
         };
         let buf = inner.spare.take(sh.built_len(key.0, m));
+        let t_read = std::time::Instant::now();
+        if inner.reading == 0 {
+            inner.busy_since = Some(t_read);
+        }
+        inner.reading += 1;
         drop(inner);
         let (off, len) = sh.range(key.0, key.1, m);
-        let mut build_us = 0;
-        let built = match sh.reader.read_range(off, len) {
-            Ok(raw) => {
-                let t = std::time::Instant::now();
-                let mat = sh.build(key.0, key.1, m, raw, buf);
-                build_us = t.elapsed().as_micros() as u64;
-                mat.map_err(|e| e.to_string())
+        let read = sh.reader.read_range(off, len);
+        let t_built = std::time::Instant::now();
+        inner = lock(&sh.inner);
+        inner.stats.read_us += (t_built - t_read).as_micros() as u64;
+        inner.reading -= 1;
+        if inner.reading == 0 {
+            if let Some(t0) = inner.busy_since.take() {
+                inner.stats.disk_busy_us += (t_built - t0).as_micros() as u64;
             }
+        }
+        drop(inner);
+        let built = match read {
+            Ok(raw) => sh
+                .build(key.0, key.1, m, raw, buf)
+                .map_err(|e| e.to_string()),
             Err(e) => Err(format!("read failed: {e}")),
         };
+        let build_us = t_built.elapsed().as_micros() as u64;
         inner = lock(&sh.inner);
         inner.stats.build_us += build_us;
         let fl = inner.inflight.get_mut(&key).expect("a read in flight");

@@ -211,6 +211,8 @@ impl ExpertStore {
             predicted: vec![None; nl],
             tick: 0,
             since_repin: 0,
+            reading: 0,
+            busy_since: None,
             stats: ExpertStats {
                 budget_bytes: budget,
                 expert_bytes,

@@ -64,6 +64,9 @@ pub(super) struct Inner {
     pub(super) predicted: Vec<Option<Vec<usize>>>,
     pub(super) tick: u64,
     pub(super) since_repin: u64,
+    /// Reads in progress, and since when at least one has been (for the disk-busy time).
+    pub(super) reading: usize,
+    pub(super) busy_since: Option<std::time::Instant>,
     pub(super) stats: ExpertStats,
 }
 

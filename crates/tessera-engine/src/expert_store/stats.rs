@@ -49,6 +49,12 @@ pub struct ExpertStats {
     /// Microseconds spent building (repacking) read experts.
     #[serde(default)]
     pub build_us: u64,
+    /// Microseconds during which at least one read was in progress (the disk was busy for the
+    /// store), and the sum of all reads' durations (÷ busy time: the mean reads in flight).
+    #[serde(default)]
+    pub disk_busy_us: u64,
+    #[serde(default)]
+    pub read_us: u64,
     /// Reads bypass the page cache with `O_DIRECT`.
     #[serde(default)]
     pub direct_io: bool,
@@ -86,6 +92,8 @@ impl ExpertStats {
         self.direct_io |= other.direct_io;
         self.read_wait_us += other.read_wait_us;
         self.build_us += other.build_us;
+        self.disk_busy_us += other.disk_busy_us;
+        self.read_us += other.read_us;
         self.predicted += other.predicted;
         self.predicted_used += other.predicted_used;
         self.used_after_prediction += other.used_after_prediction;
