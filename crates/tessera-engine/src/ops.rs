@@ -305,7 +305,6 @@ pub fn attend_group(
     let d = head_dim;
     let g = q.len() / d;
     scratch.scores.resize(g * n_kv, 0.0);
-    scratch.lanes.resize(g * 64 * d, 0.0);
     let (scores, lanes) = (&mut scratch.scores, &mut scratch.lanes);
     with_fma(|| {
         for j in 0..n_kv {
@@ -323,6 +322,30 @@ pub fn attend_group(
     // (`KV_PAD`): position `j` in lane `j % 16` of accumulator `(j % 64) / 16`, the four combined
     // `(a0 + a2) + (a1 + a3)`, then [`reduce16`]. Masked cells add exact zeros.
     const _: () = assert!(KV_PAD.is_multiple_of(64));
+    if d.is_multiple_of(64) {
+        attend_values::<64>(out, scores, n_kv, g, d, values, kv_stride, kv_offset);
+    } else if d.is_multiple_of(16) {
+        attend_values::<16>(out, scores, n_kv, g, d, values, kv_stride, kv_offset);
+    } else {
+        attend_values_lanes(out, scores, n_kv, g, d, values, kv_stride, kv_offset, lanes);
+    }
+}
+
+/// The `kq · V` part of [`attend_group`] for any head size: every lane of every output kept in
+/// `lanes` (g × 64 × d floats).
+#[allow(clippy::too_many_arguments)]
+fn attend_values_lanes(
+    out: &mut [f32],
+    scores: &[f32],
+    n_kv: usize,
+    g: usize,
+    d: usize,
+    values: &[f32],
+    kv_stride: usize,
+    kv_offset: usize,
+    lanes: &mut Vec<f32>,
+) {
+    lanes.resize(g * 64 * d, 0.0);
     lanes.fill(0.0);
     with_fma(|| {
         for j in 0..n_kv {
@@ -344,6 +367,58 @@ pub fn attend_group(
             out[h * d + i] = reduce16(&v);
         }
     }
+}
+
+/// The `kq · V` part of [`attend_group`] (same lanes, same order of operations) for a head size
+/// that is a multiple of `H`: for each head and each `H` dimensions, lane `l`'s accumulators
+/// (positions `l, l + 64, …`) are summed in registers, then the 64 lanes are combined as
+/// ggml does, `H` outputs at a time.
+#[allow(clippy::too_many_arguments)]
+fn attend_values<const H: usize>(
+    out: &mut [f32],
+    scores: &[f32],
+    n_kv: usize,
+    g: usize,
+    d: usize,
+    values: &[f32],
+    kv_stride: usize,
+    kv_offset: usize,
+) {
+    let mut lane = [[0.0f32; H]; 64];
+    with_fma(|| {
+        for h in 0..g {
+            let sc = &scores[h * n_kv..(h + 1) * n_kv];
+            for c0 in (0..d).step_by(H) {
+                for (l, lane) in lane.iter_mut().enumerate() {
+                    let mut acc = [0.0f32; H];
+                    for j in (l..n_kv).step_by(64) {
+                        let at = j * kv_stride + kv_offset + c0;
+                        let v: &[f32; H] = values[at..at + H].try_into().expect("H values");
+                        let p = sc[j];
+                        for i in 0..H {
+                            acc[i] = v[i].mul_add(p, acc[i]);
+                        }
+                    }
+                    *lane = acc;
+                }
+                // (lane l + lane l+32) + (lane l+16 + lane l+48) for l < 16, then ggml's
+                // 16-lane reduction ([`reduce16`]): element-wise over the H outputs.
+                let add = |a: &[f32; H], b: &[f32; H]| -> [f32; H] {
+                    std::array::from_fn(|i| a[i] + b[i])
+                };
+                let s: [[f32; H]; 16] = std::array::from_fn(|l| {
+                    add(
+                        &add(&lane[l], &lane[l + 32]),
+                        &add(&lane[l + 16], &lane[l + 48]),
+                    )
+                });
+                let t: [[f32; H]; 8] = std::array::from_fn(|i| add(&s[i], &s[i + 8]));
+                let t4: [[f32; H]; 4] = std::array::from_fn(|i| add(&t[i], &t[i + 4]));
+                let r = add(&add(&t4[0], &t4[2]), &add(&t4[1], &t4[3]));
+                out[h * d + c0..h * d + c0 + H].copy_from_slice(&r);
+            }
+        }
+    });
 }
 
 /// The multiple of cells llama.cpp's KV view is padded to (`llama_kv_cache::get_n_kv`: 256 in
@@ -380,6 +455,44 @@ pub fn argmax(x: &[f32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocked_values_equal_the_lanes_path_bit_for_bit() {
+        // attend_values keeps lanes in registers; attend_values_lanes is the direct transcription
+        // of ggml's order. Both must give the same bits for every shape, short and long contexts.
+        let mut seed = 7u32;
+        let mut rnd = move || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        for (d, g) in [(128, 4), (64, 1), (32, 8), (256, 2)] {
+            for n_kv in [1, 17, 63, 64, 65, 130, 300] {
+                let (heads, off) = (3, d);
+                let stride = heads * d;
+                let values: Vec<f32> = (0..n_kv * stride).map(|_| rnd()).collect();
+                let mut scores: Vec<f32> = (0..g * n_kv).map(|_| rnd().abs()).collect();
+                for h in 0..g {
+                    softmax_ggml(&mut scores[h * n_kv..(h + 1) * n_kv], true);
+                }
+                let mut want = vec![0.0; g * d];
+                let mut lanes = Vec::new();
+                attend_values_lanes(
+                    &mut want, &scores, n_kv, g, d, &values, stride, off, &mut lanes,
+                );
+                let mut got64 = vec![0.0; g * d];
+                let mut got16 = vec![0.0; g * d];
+                if d % 64 == 0 {
+                    attend_values::<64>(&mut got64, &scores, n_kv, g, d, &values, stride, off);
+                } else {
+                    got64.clone_from(&want);
+                }
+                attend_values::<16>(&mut got16, &scores, n_kv, g, d, &values, stride, off);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got64), bits(&want), "H=64 d={d} g={g} n_kv={n_kv}");
+                assert_eq!(bits(&got16), bits(&want), "H=16 d={d} g={g} n_kv={n_kv}");
+            }
+        }
+    }
 
     #[test]
     fn rms_norm_unit_weight_gives_unit_rms() {
