@@ -1,16 +1,13 @@
 //! Running several matmuls as one parallel job.
 //!
 //! At decode time each matmul is small (one token), so issuing them one by one would pay the
-//! thread pool's start/finish cost many times per layer. [`run_matmuls`] cuts every job into
-//! chunks of rows and runs all chunks of all jobs in one pool job. Results are bit-identical to
-//! separate `matmul` calls (the kernels compute each row the same way for any row range).
+//! thread pool's start/finish cost many times per layer. [`run_matmuls`] runs all jobs as one
+//! pool job ([`matmul_many`]: a few large tasks per thread, in proportion to each job's rows;
+//! many small tasks cost more in claiming and in cold memory streams than they gain in balance).
+//! Results are bit-identical to separate `matmul` calls (the kernels compute each row the same
+//! way for any row range).
 
-use crate::kernels::{matmul_rows_q, Matrix, QuantizedActs, ThreadPool};
-
-/// Rows per task when jobs are fused (a multiple of the kernels' 16-row groups).
-const CHUNK_ROWS: usize = 64;
-/// Jobs with at most this many tokens are fused; larger ones have enough work on their own.
-const FUSE_MAX_TOKENS: usize = 4;
+use crate::kernels::{self, matmul_many, matmul_rows_q, Matrix, QuantizedActs, ThreadPool};
 
 /// One matmul: `out[t*w.rows() + r] = w.row(r) · acts[t]`.
 pub struct MatmulJob<'a> {
@@ -19,65 +16,23 @@ pub struct MatmulJob<'a> {
     pub out: &'a mut [f32],
 }
 
-/// A `&mut [f32]` written by pool tasks at disjoint places.
-struct SharedOut(*mut f32, usize);
-// SAFETY: tasks write disjoint elements; the borrow outlives the pool job.
-unsafe impl Sync for SharedOut {}
-unsafe impl Send for SharedOut {}
-
-impl SharedOut {
-    /// # Safety
-    /// No other task may access `start..start + len` at the same time.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
-        assert!(start + len <= self.1, "out of bounds");
-        // SAFETY: in bounds (checked); exclusive (the caller's contract).
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
-    }
-}
-
 /// Runs every job; see the module doc.
 pub fn run_matmuls(pool: &ThreadPool, jobs: &mut [MatmulJob<'_>]) {
-    let fuse = pool.n_threads() > 1
-        && jobs.len() > 1
-        && jobs.iter().all(|j| j.acts.n_tokens() <= FUSE_MAX_TOKENS);
-    if !fuse {
-        for j in jobs.iter_mut() {
-            matmul_rows_q(pool, j.w, 0, j.w.rows(), j.acts, j.out);
-        }
+    if let [j] = jobs {
+        matmul_rows_q(pool, j.w, 0, j.w.rows(), j.acts, j.out);
         return;
     }
-    // Split each job into (weights, activations) read by every task and an output pointer that
-    // tasks write at disjoint places, so no `&mut` is shared.
-    let mut tasks = Vec::new();
-    let mut specs = Vec::with_capacity(jobs.len());
-    let mut outs = Vec::with_capacity(jobs.len());
-    for (ji, j) in jobs.iter_mut().enumerate() {
-        let (rows, nt) = (j.w.rows(), j.acts.n_tokens());
-        assert!(j.out.len() >= rows * nt, "output too short");
-        specs.push((j.w, j.acts));
-        outs.push(SharedOut(j.out.as_mut_ptr(), j.out.len()));
-        let mut r = 0;
-        while r < rows {
-            let e = (r + CHUNK_ROWS).min(rows);
-            tasks.push((ji, r, e));
-            r = e;
-        }
-    }
-    pool.run(tasks.len(), |i| {
-        let (ji, r0, r1) = tasks[i];
-        let (w, acts) = specs[ji];
-        let (rows, nt) = (w.rows(), acts.n_tokens());
-        let mut tmp = [0.0f32; CHUNK_ROWS * FUSE_MAX_TOKENS];
-        let n = r1 - r0;
-        // Nested use of the pool runs inline on this thread.
-        matmul_rows_q(pool, w, r0, r1, acts, &mut tmp[..n * nt]);
-        for t in 0..nt {
-            // SAFETY: rows r0..r1 of token t belong to this task only.
-            let dst = unsafe { outs[ji].slice(t * rows + r0, n) };
-            dst.copy_from_slice(&tmp[t * n..(t + 1) * n]);
-        }
-    });
+    let mut many: Vec<kernels::MatmulJob<'_>> = jobs
+        .iter_mut()
+        .map(|j| kernels::MatmulJob {
+            w: j.w,
+            row_start: 0,
+            row_end: j.w.rows(),
+            acts: j.acts,
+            out: &mut *j.out,
+        })
+        .collect();
+    matmul_many(pool, &mut many);
 }
 
 /// Quantizes `x` once for `w`'s type and multiplies (convenience for a single matmul).
