@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
+use crate::kernels::QuantizedActs;
 use crate::model::{Hidden, Model};
 use crate::ops::{softmax, swiglu_rows};
 use crate::weights::Ffn;
@@ -379,23 +380,26 @@ impl Model {
         let pool = self.pool();
         let d = cfg.n_embd;
         let ffn = |i: usize| ffns[i];
-        // gate and up for every expert, as one parallel job.
+        // gate and up for every expert, as one parallel job. The input rows are quantized once
+        // (quantization is per row, so a gathered row equals the row quantized on its own) and
+        // each expert takes its tokens' rows, or all of them as they are (e.g. one token).
         let f = cfg.n_ff_expert;
-        let mut acts = Vec::with_capacity(groups.len());
-        for (i, (_, members)) in groups.iter().enumerate() {
-            let mut x = Vec::with_capacity(members.len() * d);
-            for &(t, _) in members {
-                x.extend_from_slice(normed.row(t));
-            }
-            let w = ffn(i);
-            acts.push(quantize_for(
-                pool,
-                &[w.gate.dtype(), w.up.dtype()],
-                &x,
-                members.len(),
-                d,
-            ));
+        let mut dtypes = Vec::new();
+        for i in 0..groups.len() {
+            dtypes.extend([ffn(i).gate.dtype(), ffn(i).up.dtype()]);
         }
+        let all = quantize_for(pool, &dtypes, &normed.data, normed.n_tokens, d);
+        let acts: Vec<Option<Vec<QuantizedActs>>> = groups
+            .iter()
+            .map(|(_, members)| {
+                let tokens: Vec<usize> = members.iter().map(|&(t, _)| t).collect();
+                let everyone = tokens.len() == normed.n_tokens
+                    && tokens.iter().enumerate().all(|(i, &t)| i == t);
+                (!everyone).then(|| all.iter().map(|a| a.gather(&tokens)).collect())
+            })
+            .collect();
+        let acts: Vec<&[QuantizedActs]> =
+            acts.iter().map(|a| a.as_deref().unwrap_or(&all)).collect();
         let mut gate: Vec<Vec<f32>> = groups.iter().map(|(_, m)| vec![0.0; m.len() * f]).collect();
         let mut up: Vec<Vec<f32>> = groups.iter().map(|(_, m)| vec![0.0; m.len() * f]).collect();
         {

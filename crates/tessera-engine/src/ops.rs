@@ -110,17 +110,22 @@ fn v_expf_lane(x: f32) -> f32 {
         f32::from_bits(0x35BF_BE8E),                  // 0x1.7f7d1cp-20
         (-n).mul_add(f32::from_bits(0x3F31_7200), x), // 0x1.62e4p-1
     );
-    if n.abs() > 192.0 {
-        return if n > 0.0 { f32::INFINITY } else { 0.0 };
-    }
     let u = b * b;
     let p1 = f32::from_bits(0x3C07_2010).mul_add(b, f32::from_bits(0x3D2B_9F17));
     let p2 = f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB));
     let p3 = f32::from_bits(0x3F7F_FFF6).mul_add(b, 1.0);
     let j = p1.mul_add(u, p2).mul_add(u, p3);
-    // scalef: j * 2^n, rounded once (2^n is exact in f64 for |n| <= 192).
-    let scale = f64::from_bits(((n as i64 + 1023) as u64) << 52);
-    (j as f64 * scale) as f32
+    // scalef: j * 2^n, rounded once (2^n is exact in f64 for |n| <= 192). Branch-free (n is
+    // clamped, the out-of-range result selected after), so loops over lanes vectorize.
+    let nc = n.clamp(-192.0, 192.0) as i32;
+    let scale = f64::from_bits(((nc + 1023) as u64) << 52);
+    let scaled = (j as f64 * scale) as f32;
+    let saturated = if n > 0.0 { f32::INFINITY } else { 0.0 };
+    if n.abs() > 192.0 {
+        saturated
+    } else {
+        scaled
+    }
 }
 
 /// Runs `f` with FMA instructions enabled when the CPU has them (`mul_add` is otherwise a slow
@@ -532,6 +537,46 @@ mod tests {
         softmax(&mut x);
         assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(x[2] > x[1] && x[1] > x[0]);
+    }
+
+    #[test]
+    fn branch_free_vector_expf_equals_the_branching_one() {
+        // The form with an early return for |n| > 192 (before the kernel loops vectorized).
+        fn branching(x: f32) -> f32 {
+            let r = f32::from_bits(0x4B40_0000);
+            let z = x.mul_add(f32::from_bits(0x3FB8_AA3B), r);
+            let n = z - r;
+            let b = (-n).mul_add(
+                f32::from_bits(0x35BF_BE8E),
+                (-n).mul_add(f32::from_bits(0x3F31_7200), x),
+            );
+            if n.abs() > 192.0 {
+                return if n > 0.0 { f32::INFINITY } else { 0.0 };
+            }
+            let u = b * b;
+            let p1 = f32::from_bits(0x3C07_2010).mul_add(b, f32::from_bits(0x3D2B_9F17));
+            let p2 = f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB));
+            let p3 = f32::from_bits(0x3F7F_FFF6).mul_add(b, 1.0);
+            let j = p1.mul_add(u, p2).mul_add(u, p3);
+            let scale = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+            (j as f64 * scale) as f32
+        }
+        let mut xs: Vec<f32> = (-2_000_000..2_000_000).map(|i| i as f32 * 1.0e-4).collect();
+        xs.extend([
+            -133.5,
+            -133.0,
+            133.0,
+            134.0,
+            1e30,
+            -1e30,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ]);
+        for x in xs {
+            let (a, b) = (with_fma(|| v_expf_lane(x)), with_fma(|| branching(x)));
+            assert_eq!(a.to_bits(), b.to_bits(), "x = {x}");
+        }
+        assert!(v_expf_lane(f32::NAN).is_nan());
     }
 
     #[test]
