@@ -4,9 +4,9 @@
 //! per-chunk hashes) and answers two requests: the manifest, and a list of chunk ids, which it
 //! streams back in the order asked, each as a `CHUNK` frame, then `ChunksDone`. The node chooses
 //! the ids: whole tensors, or in an expert split only the chunks overlapping its experts' byte
-//! ranges (see [`tessera_node::store::Need`]); the chunk size is the manifest's
-//! ([`tessera_node::store::CHUNK_SIZE_ENV`] sets it). The node
-//! verifies every chunk against the manifest before writing it. The coordinator reads chunks
+//! ranges (see [`tessera_node::store::Need`]); the chunk size is the manifest's (the
+//! coordinator's `--chunk-size` sets it). The node verifies every chunk against the manifest
+//! before writing it. The coordinator reads chunks
 //! from disk as they are sent: serving a model does not load it into memory.
 
 use std::collections::HashMap;

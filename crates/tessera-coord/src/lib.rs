@@ -16,6 +16,7 @@
 //!     split: None,
 //!     max_context: 4096,
 //!     progress: true,
+//!     chunk_size: tessera_node::store::DEFAULT_CHUNK_SIZE,
 //! })
 //! .await?;
 //! // Nodes join with `tessera node --join TOKEN@ADDR`.

@@ -43,6 +43,9 @@ pub struct CoordinatorConfig {
     /// Most positions per sequence.
     pub max_context: usize,
     pub progress: bool,
+    /// Bytes per chunk of the model's manifest (the unit nodes fetch and verify);
+    /// [`DEFAULT_CHUNK_SIZE`] unless a model's expert slices are not much larger than that.
+    pub chunk_size: u32,
 }
 
 /// The model as the coordinator knows it.
@@ -230,6 +233,7 @@ impl Coordinator {
         let last_epoch = store.last_epoch()?;
         let enrol = Enrolment::open(Box::new(store.clone()), identity.node_id())?;
         let path = config.model.clone();
+        let chunk_size = config.chunk_size;
         let (model, manifest) =
             tokio::task::spawn_blocking(move || -> Result<(ModelInfo, Manifest), CoordError> {
                 let g = GgufFile::open(&path)?;
@@ -244,7 +248,7 @@ impl Coordinator {
                 let name = path
                     .file_stem()
                     .map_or("model".into(), |s| s.to_string_lossy().into_owned());
-                let manifest = Manifest::from_gguf(&path)?;
+                let manifest = Manifest::from_gguf_with(&path, chunk_size, &mut |_, _| {})?;
                 Ok((
                     ModelInfo {
                         name,

@@ -5,7 +5,7 @@
 //! else of a copy of the model is poisoned, and the part computes the same).
 //!
 //! The test models' packed expert tensors are smaller than the default 1 MiB chunk, so the
-//! coordinator here chunks its manifest at 16 KiB (`TESSERA_CHUNK_SIZE`): one expert slice of
+//! coordinator here chunks its manifest at 16 KiB (`--chunk-size`): one expert slice of
 //! small-qwen3moe-Q8_0 is 68 KiB, 4.25 chunks, so expert boundaries fall inside chunks.
 
 mod common;
@@ -19,7 +19,7 @@ use common::{bin, ids, model, reference_tokens, report_of, tokens_of, ExpertClus
 use tessera_engine::{ExpertSelection, ExpertStreaming, Hidden, LoadSpec, Model, Routing};
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 use tessera_node::protocol::StageAssignment;
-use tessera_node::store::{expert_needs, CHUNK_SIZE_ENV};
+use tessera_node::store::expert_needs;
 use tessera_node::Manifest;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -35,7 +35,7 @@ fn start_cluster(model_path: &Path, experts: &str) -> ExpertCluster {
         .args(["--listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path().join("coord"))
         .args(["--experts", experts])
-        .env(CHUNK_SIZE_ENV, CHUNK.to_string());
+        .args(["--chunk-size", &CHUNK.to_string()]);
     let mut coordinator = Proc::from_command("coordinator", cmd, TIMEOUT);
     let join = coordinator.wait_for("join token: ");
     ExpertCluster {

@@ -16,13 +16,9 @@ use super::error::io_err;
 use super::files::write_atomic;
 use super::{ContentHash, Need, StoreError};
 
-/// Chunk size of manifests built with [`Manifest::from_gguf`] (unless [`CHUNK_SIZE_ENV`] says
-/// otherwise).
+/// Chunk size of manifests built with [`Manifest::from_gguf`] (the coordinator's
+/// `--chunk-size` chooses another).
 pub const DEFAULT_CHUNK_SIZE: u32 = 1 << 20;
-/// Environment variable that sets the chunk size (bytes) of manifests built with
-/// [`Manifest::from_gguf`], e.g. by the coordinator: smaller chunks cut the waste at the edges
-/// of expert byte ranges on models whose expert slices are not much larger than a chunk.
-pub const CHUNK_SIZE_ENV: &str = "TESSERA_CHUNK_SIZE";
 /// Largest chunk size a manifest may use (a chunk is held in memory whole).
 pub const MAX_CHUNK_SIZE: u32 = 64 << 20;
 /// Version of the [`Manifest`] JSON layout.
@@ -194,16 +190,9 @@ impl Index {
 }
 
 impl Manifest {
-    /// Builds the manifest of a GGUF file with [`DEFAULT_CHUNK_SIZE`] chunks, or the size
-    /// [`CHUNK_SIZE_ENV`] gives.
+    /// Builds the manifest of a GGUF file with [`DEFAULT_CHUNK_SIZE`] chunks.
     pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        let chunk_size = match std::env::var(CHUNK_SIZE_ENV) {
-            Ok(v) => v.trim().parse::<u32>().map_err(|e| {
-                StoreError::BadManifest(format!("{CHUNK_SIZE_ENV}={v:?} is not a byte count: {e}"))
-            })?,
-            Err(_) => DEFAULT_CHUNK_SIZE,
-        };
-        Self::from_gguf_with(path, chunk_size, &mut |_, _| {})
+        Self::from_gguf_with(path, DEFAULT_CHUNK_SIZE, &mut |_, _| {})
     }
 
     /// Builds the manifest of a GGUF file, reading it once, front to back; `progress(done,

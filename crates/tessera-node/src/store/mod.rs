@@ -45,8 +45,7 @@ pub use fetching::{
 };
 pub use hash::ContentHash;
 pub use manifest::{
-    ChunkRef, Manifest, Part, Section, CHUNK_SIZE_ENV, DEFAULT_CHUNK_SIZE, MANIFEST_FORMAT,
-    MAX_CHUNK_SIZE,
+    ChunkRef, Manifest, Part, Section, DEFAULT_CHUNK_SIZE, MANIFEST_FORMAT, MAX_CHUNK_SIZE,
 };
 pub use needs::{expert_needs, Need};
 pub use shard_store::{ShardStore, VerifyReport, DEFAULT_FLUSH_EVERY};

@@ -44,6 +44,13 @@ pub struct CoordinatorArgs {
     /// Most positions per sequence (default: the model's context length).
     #[arg(long)]
     max_context: Option<usize>,
+    /// Bytes per chunk of the model's manifest: nodes fetch and verify the model in chunks,
+    /// and a node given some experts fetches only the chunks that overlap them. Smaller chunks
+    /// waste less at the edges of expert slices (useful when a slice is not much larger than a
+    /// chunk), at the cost of a longer manifest.
+    #[arg(long, default_value_t = tessera_node::store::DEFAULT_CHUNK_SIZE, value_name = "BYTES",
+          value_parser = clap::value_parser!(u32).range(4096..=tessera_node::store::MAX_CHUNK_SIZE as i64))]
+    chunk_size: u32,
     /// Advertise this coordinator on the local network by mDNS, so nodes can join with the
     /// token alone (`tessera node --join TOKEN`).
     #[arg(long)]
@@ -103,6 +110,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             split,
             max_context,
             progress: true,
+            chunk_size: args.chunk_size,
         })
         .await
         .context("starting the coordinator")?;

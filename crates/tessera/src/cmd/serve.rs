@@ -229,6 +229,7 @@ impl Cluster {
             split: stages,
             max_context,
             progress: o.progress,
+            chunk_size: tessera_node::store::DEFAULT_CHUNK_SIZE,
         })
         .await
         .context("starting the coordinator")?;
