@@ -184,6 +184,8 @@ fn delta(a: &ExpertStats, b: &ExpertStats) -> ExpertStats {
         inflight_waits: b.inflight_waits - a.inflight_waits,
         bytes_read: b.bytes_read - a.bytes_read,
         miss_bytes_read: b.miss_bytes_read - a.miss_bytes_read,
+        late_reads: b.late_reads - a.late_reads,
+        window_reads: b.window_reads - a.window_reads,
         prefetch_issued: b.prefetch_issued - a.prefetch_issued,
         prefetch_useful: b.prefetch_useful - a.prefetch_useful,
         prefetch_resident: b.prefetch_resident - a.prefetch_resident,
@@ -422,11 +424,14 @@ fn main() {
         100.0 * d.prediction_recall()
     );
     println!(
-        "disk traffic   missed-expert bytes {:.2} MiB per token ({:.2} MiB read by misses on the critical path, {:.2} MiB read in all, {} reads)",
+        "disk traffic   missed-expert bytes {:.2} MiB per token ({:.2} MiB read by misses on the critical path, {:.2} MiB read in all, {} reads); {} of {} misses read through the window, {} late",
         needed_per_tok / MIB,
         miss_per_tok / MIB,
         read_per_tok / MIB,
-        if s1.direct_io { "O_DIRECT" } else { "buffered" }
+        if s1.direct_io { "O_DIRECT" } else { "buffered" },
+        d.window_reads,
+        d.misses,
+        d.late_reads
     );
     println!(
         "waiting        {:.1} ms of the {:.1} ms decode ({:.0}%) waited for reads ({:.2} ms per token); building read experts took {:.2} ms per token",

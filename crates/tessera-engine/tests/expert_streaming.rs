@@ -85,6 +85,14 @@ fn check(name: &str) {
             read_parallelism: 2,
             ..ExpertStreaming::with_budget(eb * 2 * n_layer)
         },
+        // Room for one expert per layer (fewer than a routing uses) and a read window of two:
+        // a layer's misses beyond its room are read ahead through the window, out of order
+        // with the computation, and complete as orphans outside the cache.
+        ExpertStreaming {
+            pinned_fraction: 0.0,
+            read_parallelism: 2,
+            ..ExpertStreaming::with_budget(eb * (n_layer + 2))
+        },
     ];
     for (i, st) in settings.into_iter().enumerate() {
         let budget = st.budget_bytes;
@@ -106,6 +114,15 @@ fn check(name: &str) {
         if i == 3 {
             assert!(stats.prefetch_issued > 0, "{stats:?}");
             assert!(!stats.direct_io, "{stats:?}");
+        }
+        if i == 4 {
+            assert!(stats.window_reads > 0, "{stats:?}");
+            assert!(stats.per_layer_lru, "{stats:?}");
+        } else if !stats.per_layer_lru {
+            assert_eq!(
+                stats.window_reads, 0,
+                "no window with a shared LRU: {stats:?}"
+            );
         }
         // Without expert weights held up front, the streamed part keeps less than the full one.
         assert!(s.weights().resident_bytes() < full.resident_bytes());

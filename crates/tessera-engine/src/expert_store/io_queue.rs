@@ -33,6 +33,8 @@ pub(super) struct Flight {
     err: Option<String>,
     /// Bytes reserved in the key's LRU (0: none, e.g. a pinned-set read or no room).
     pub(super) reserved: u64,
+    /// Bytes of the window this read holds (0: not a window read).
+    pub(super) windowed: u64,
 }
 
 impl Flight {
@@ -44,6 +46,7 @@ impl Flight {
             mats: [None, None, None],
             err: None,
             reserved,
+            windowed: 0,
         }
     }
 
@@ -158,11 +161,19 @@ impl Shared {
                         Origin::Prefetched
                     }
                 };
-                if !self.insert(inner, key, &ffn, origin) && fl.kind == Kind::Demand {
+                if self.insert(inner, key, &ffn, origin) {
+                    inner.window_used -= fl.windowed;
+                } else if fl.kind == Kind::Demand {
                     inner.orphans.insert(key, ffn);
+                    if fl.windowed > 0 {
+                        inner.orphan_window.insert(key, fl.windowed);
+                    }
+                } else {
+                    inner.window_used -= fl.windowed;
                 }
             }
             Err(e) => {
+                inner.window_used -= fl.windowed;
                 if fl.kind == Kind::Demand {
                     inner.failed.insert(key, e.to_string());
                 }

@@ -28,6 +28,10 @@
 //!   in use by a computation, and those the current layer's routing asked for, are never
 //!   evicted; `moe_experts` computes a layer's experts in chunks no larger than the layer's LRU,
 //!   so the built experts alive never exceed the budget.
+//! - **Read window**: when a layer's share of the cache cannot hold one routing's experts (small
+//!   budgets), `read_parallelism` experts of the budget are set aside, and the misses beyond the
+//!   layer's room are read ahead through them, in the order the computation takes them, instead
+//!   of one at a time as it reaches them (see `window.rs`).
 //! - **Prefetch**: while layer `l` computes, the experts predicted for layer `l + 1` are read
 //!   behind the demand reads: layer `l + 1`'s router applied early to the current hidden state
 //!   (normed with layer `l + 1`'s FFN norm) gives each expert a predicted probability; only
@@ -47,6 +51,7 @@ mod io_queue;
 mod settings;
 mod shared;
 mod stats;
+mod window;
 
 pub use file_reader::measure_read_bandwidth;
 pub use settings::ExpertStreaming;
@@ -172,7 +177,20 @@ impl ExpertStore {
         } else {
             (0, false)
         };
-        let lru_total = budget - pinned_cap;
+        // The read window (window.rs): when a layer's share cannot hold one routing's experts,
+        // and taking the window leaves every layer room for one expert.
+        let unpinned = budget - pinned_cap;
+        let window_try = streaming.read_parallelism.max(1) as u64 * expert_bytes;
+        let routing_bytes = config.n_expert_used.max(1) as u64 * expert_bytes;
+        let window_cap = if per_layer
+            && unpinned / n_layers < routing_bytes
+            && unpinned.saturating_sub(window_try) / n_layers >= expert_bytes
+        {
+            window_try
+        } else {
+            0
+        };
+        let lru_total = unpinned - window_cap;
         let parts = if per_layer {
             (0..n_layers)
                 .map(|_| Lru {
@@ -204,6 +222,9 @@ impl ExpertStore {
             demand_q: VecDeque::new(),
             prefetch_q: VecDeque::new(),
             orphans: HashMap::new(),
+            orphan_window: HashMap::new(),
+            window_used: 0,
+            late: VecDeque::new(),
             failed: HashMap::new(),
             needed: HashSet::new(),
             counts: vec![vec![0; n_expert]; nl],
@@ -227,6 +248,7 @@ impl ExpertStore {
                 streaming,
                 pinned_cap,
                 per_layer,
+                window_cap,
             },
             layers: spec.layers.clone(),
             src,
@@ -331,13 +353,24 @@ impl ExpertStore {
             inner.needed.clear();
             // Prefetches of this layer not started are late: the misses are read now instead.
             sh.drop_queued_prefetches(&mut inner, layer);
+            sh.release_stale_window(&mut inner, layer);
         }
         for &e in experts {
             inner.needed.insert((layer, e));
         }
         let mut queued = false;
+        let mut late = VecDeque::new();
         for &e in experts {
-            queued |= sh.queue_demand(&mut inner, (layer, e), true);
+            let key = (layer, e);
+            if sh.queue_demand(&mut inner, key, true) {
+                queued = true;
+            } else if sh.absent(&inner, key) {
+                late.push_back(key);
+            }
+        }
+        if !late.is_empty() {
+            inner.late = late;
+            queued |= sh.fill_window(&mut inner);
         }
         drop(inner);
         if queued {
@@ -464,6 +497,7 @@ impl ExpertStore {
             if sh.queue_demand(&mut inner, (layer, e), false) {
                 missed[i] = true;
                 queued = true;
+                inner.stats.late_reads += 1;
             }
         }
         if queued {
@@ -476,6 +510,9 @@ impl ExpertStore {
             let f = loop {
                 if let Some(f) = inner.orphans.remove(&key) {
                     missed[i] = true;
+                    if sh.orphan_taken(&mut inner, key) {
+                        sh.work.notify_all();
+                    }
                     break f;
                 }
                 if let Some(err) = inner.failed.remove(&key) {

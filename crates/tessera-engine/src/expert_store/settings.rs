@@ -59,4 +59,6 @@ pub(super) struct Settings {
     pub(super) streaming: ExpertStreaming,
     pub(super) pinned_cap: u64,
     pub(super) per_layer: bool,
+    /// Bytes of the budget for reads a layer's cache has no room for (see `window.rs`).
+    pub(super) window_cap: u64,
 }

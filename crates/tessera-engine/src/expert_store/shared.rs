@@ -52,6 +52,13 @@ pub(super) struct Inner {
     pub(super) prefetch_q: VecDeque<(usize, usize)>,
     /// Demand reads that completed without room in the cache, for their waiting computation.
     pub(super) orphans: HashMap<(usize, usize), Arc<Ffn>>,
+    /// Window bytes held by orphans read through the window (released when taken).
+    pub(super) orphan_window: HashMap<(usize, usize), u64>,
+    /// Bytes of the window held by reads and their orphans.
+    pub(super) window_used: u64,
+    /// The current layer's misses that its cache had no room for, in the order the
+    /// computation will ask for them; read through the window as it frees up.
+    pub(super) late: VecDeque<(usize, usize)>,
     /// Demand reads that failed, for their waiting computation.
     pub(super) failed: HashMap<(usize, usize), String>,
     /// Experts the current layer's routing needs: never evicted while it computes.

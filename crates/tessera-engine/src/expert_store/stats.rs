@@ -33,6 +33,14 @@ pub struct ExpertStats {
     pub bytes_read: u64,
     /// Bytes read by misses (on the computing thread's critical path).
     pub miss_bytes_read: u64,
+    /// Misses whose read could not be queued with the rest of their layer's (no room in the
+    /// layer's cache until some of its experts were computed): read one at a time, late.
+    #[serde(default)]
+    pub late_reads: u64,
+    /// Misses read ahead through the window (see `window.rs`) because their layer's cache had no
+    /// room for them.
+    #[serde(default)]
+    pub window_reads: u64,
     /// Experts read ahead by prefetch (completed reads).
     pub prefetch_issued: u64,
     /// Prefetched experts later used by a computation before being evicted.
@@ -85,6 +93,8 @@ impl ExpertStats {
         self.inflight_waits += other.inflight_waits;
         self.bytes_read += other.bytes_read;
         self.miss_bytes_read += other.miss_bytes_read;
+        self.late_reads += other.late_reads;
+        self.window_reads += other.window_reads;
         self.prefetch_issued += other.prefetch_issued;
         self.prefetch_useful += other.prefetch_useful;
         self.prefetch_resident += other.prefetch_resident;
