@@ -10,9 +10,8 @@ mod common;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use common::{chromium, screenshot, Server, CHROMIUM};
+use common::{dashboard_dom, screenshot, Server, CHROMIUM};
 
 /// A bare HTTP/1.1 exchange; returns the body (requests here never use chunked bodies that
 /// matter: the completion's JSON is read whole, the status JSON is not chunked).
@@ -75,23 +74,7 @@ fn headless_chromium_shows_every_node_and_the_plan() {
 
     let profile = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("chromium-profile");
     let url = format!("http://{}/", server.addr);
-    let out = chromium(&profile, &url, &["--dump-dom"], Duration::from_secs(90));
-    assert!(out.status.success(), "chromium --dump-dom failed");
-    let dom = String::from_utf8_lossy(&out.stdout);
-    for id in &nodes {
-        assert!(
-            dom.contains(&format!("id=\"node-{id}\"")),
-            "node {id} is not on the page"
-        );
-    }
-    assert!(
-        dom.contains(&format!("id=\"plan\" data-epoch=\"{epoch}\"")),
-        "the plan (epoch {epoch}) is not on the page"
-    );
-    assert!(
-        dom.contains("Why this plan"),
-        "the planner's explanation is missing"
-    );
+    let dom = dashboard_dom(&profile, &url, &nodes, epoch);
     assert!(
         dom.contains("model_not_found") || dom.contains("gpt-unknown"),
         "failures missing"

@@ -15,8 +15,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{
-    chromium, get, metric, metric_samples, model_path, openai_client_available, post, screenshot,
-    send, stream_until, streamed_chat, wait_for, Proc, CHROMIUM,
+    dashboard_dom, get, metric, metric_samples, model_path, openai_client_available, post,
+    screenshot, send, stream_until, streamed_chat, wait_for, Proc, CHROMIUM,
 };
 
 const START_TIMEOUT: Duration = Duration::from_secs(180);
@@ -176,20 +176,7 @@ fn dashboard_shows_the_cluster(addr: &str) {
     assert_eq!(plan["strategy"], "stage split");
     let profile = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("chromium-profile-up");
     let url = format!("http://{addr}/");
-    let out = chromium(&profile, &url, &["--dump-dom"], Duration::from_secs(90));
-    assert!(out.status.success(), "chromium --dump-dom failed");
-    let dom = String::from_utf8_lossy(&out.stdout);
-    for id in &nodes {
-        assert!(
-            dom.contains(&format!("id=\"node-{id}\"")),
-            "node {id} is not on the page"
-        );
-    }
-    assert!(
-        dom.contains(&format!("id=\"plan\" data-epoch=\"{epoch}\"")),
-        "the plan (epoch {epoch}) is not on the page"
-    );
-    assert!(dom.contains("Why this plan"), "the explanation is missing");
+    dashboard_dom(&profile, &url, &nodes, epoch);
     let shot = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/dashboard-up.png");
     screenshot(&profile, &url, &shot);
 }

@@ -57,6 +57,29 @@ pub fn chromium(
     }
 }
 
+/// The dashboard at `url` as headless Chromium renders it (`--dump-dom`), after checking that it
+/// shows every node of `nodes` (by id), the plan of `epoch` and the planner's explanation.
+pub fn dashboard_dom(profile: &std::path::Path, url: &str, nodes: &[String], epoch: u64) -> String {
+    let out = chromium(profile, url, &["--dump-dom"], Duration::from_secs(90));
+    assert!(out.status.success(), "chromium --dump-dom failed");
+    let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+    for id in nodes {
+        assert!(
+            dom.contains(&format!("id=\"node-{id}\"")),
+            "node {id} is not on the page"
+        );
+    }
+    assert!(
+        dom.contains(&format!("id=\"plan\" data-epoch=\"{epoch}\"")),
+        "the plan (epoch {epoch}) is not on the page"
+    );
+    assert!(
+        dom.contains("Why this plan"),
+        "the planner's explanation is missing"
+    );
+    dom
+}
+
 /// Saves a 1400x1250 screenshot of `url` to `shot` with headless Chromium and checks that it
 /// is a PNG.
 pub fn screenshot(profile: &std::path::Path, url: &str, shot: &std::path::Path) {
