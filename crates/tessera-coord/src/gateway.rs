@@ -539,6 +539,8 @@ fn status(inner: &Inner) -> ClusterStatus {
                     hits: c.hits,
                     misses: c.misses,
                     disk_bytes: c.bytes_read,
+                    read_wait_us: c.read_wait_us,
+                    disk_busy_us: c.disk_busy_us,
                 }
             });
             let kv_bytes = kv.get(&m.node_id).copied().unwrap_or(0);

@@ -712,8 +712,13 @@ fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
                         .member(&id)
                         .map_or_else(|| id.short(), |m| m.name.clone());
                     println!(
-                        "expert cache: {name} hits {} misses {} disk bytes {}",
-                        c.hits, c.misses, c.bytes_read
+                        "expert cache: {name} hits {} misses {} disk bytes {} read wait {:.1} ms \
+                         disk busy {:.1} ms",
+                        c.hits,
+                        c.misses,
+                        c.bytes_read,
+                        c.read_wait_us as f64 / 1e3,
+                        c.disk_busy_us as f64 / 1e3
                     );
                 }
             }

@@ -302,6 +302,12 @@ pub struct ExpertCacheStatus {
     pub misses: u64,
     /// Bytes read from disk for experts.
     pub disk_bytes: u64,
+    /// Microseconds computations waited for expert reads.
+    #[serde(default)]
+    pub read_wait_us: u64,
+    /// Microseconds with at least one expert read in progress.
+    #[serde(default)]
+    pub disk_busy_us: u64,
 }
 
 /// The measured hardware of a node, summarised for display.

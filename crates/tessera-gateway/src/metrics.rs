@@ -363,35 +363,49 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
         "1 when the node is healthy.",
         &node(&|n| u64::from(n.health == crate::backend::Health::Healthy)),
     );
-    let cache = |f: &dyn Fn(&crate::backend::ExpertCacheStatus) -> u64| -> Vec<(String, String)> {
-        c.nodes
-            .iter()
-            .filter_map(|n| {
-                let x = n.expert_cache.as_ref()?;
-                Some((
-                    format!("{{node=\"{}\",name=\"{}\"}}", label(&n.id), label(&n.name)),
-                    f(x).to_string(),
-                ))
-            })
-            .collect()
-    };
+    let cache =
+        |f: &dyn Fn(&crate::backend::ExpertCacheStatus) -> String| -> Vec<(String, String)> {
+            c.nodes
+                .iter()
+                .filter_map(|n| {
+                    let x = n.expert_cache.as_ref()?;
+                    Some((
+                        format!("{{node=\"{}\",name=\"{}\"}}", label(&n.id), label(&n.name)),
+                        f(x),
+                    ))
+                })
+                .collect()
+        };
+    let seconds = |us: u64| format!("{:.6}", us as f64 / 1e6);
     metric(
         "tessera_expert_cache_hits_total",
         "counter",
         "Expert lookups a node served from memory (expert streaming).",
-        &cache(&|x| x.hits),
+        &cache(&|x| x.hits.to_string()),
     );
     metric(
         "tessera_expert_cache_misses_total",
         "counter",
         "Expert lookups a node read from disk (expert streaming).",
-        &cache(&|x| x.misses),
+        &cache(&|x| x.misses.to_string()),
     );
     metric(
         "tessera_expert_disk_bytes_total",
         "counter",
         "Bytes of experts a node read from disk (expert streaming).",
-        &cache(&|x| x.disk_bytes),
+        &cache(&|x| x.disk_bytes.to_string()),
+    );
+    metric(
+        "tessera_expert_read_wait_seconds_total",
+        "counter",
+        "Time a node's computations waited for expert reads (expert streaming); its rate is the share of time spent waiting for the disk.",
+        &cache(&|x| seconds(x.read_wait_us)),
+    );
+    metric(
+        "tessera_expert_disk_busy_seconds_total",
+        "counter",
+        "Time a node had at least one expert read in progress (expert streaming); its rate is how busy streaming keeps the disk.",
+        &cache(&|x| seconds(x.disk_busy_us)),
     );
     metric(
         "tessera_link_bytes_total",
@@ -431,6 +445,8 @@ mod tests {
                         hits: 10,
                         misses: 38,
                         disk_bytes: 4096,
+                        read_wait_us: 1_500_000,
+                        disk_busy_us: 250,
                     }),
                     ..Default::default()
                 },
@@ -441,6 +457,10 @@ mod tests {
         assert!(text.contains("tessera_expert_cache_hits_total{node=\"n2\",name=\"b\"} 10"));
         assert!(text.contains("tessera_expert_cache_misses_total{node=\"n2\",name=\"b\"} 38"));
         assert!(text.contains("tessera_expert_disk_bytes_total{node=\"n2\",name=\"b\"} 4096"));
+        assert!(text
+            .contains("tessera_expert_read_wait_seconds_total{node=\"n2\",name=\"b\"} 1.500000"));
+        assert!(text
+            .contains("tessera_expert_disk_busy_seconds_total{node=\"n2\",name=\"b\"} 0.000250"));
         assert!(!text.contains("tessera_expert_cache_hits_total{node=\"n1\""));
     }
 

@@ -112,6 +112,8 @@ impl Shared {
             hits: st.hits,
             misses: st.misses,
             bytes_read: st.bytes_read,
+            read_wait_us: st.read_wait_us,
+            disk_busy_us: st.disk_busy_us,
         })
     }
 }

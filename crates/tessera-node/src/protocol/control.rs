@@ -310,6 +310,8 @@ mod tests {
             hits: 2,
             misses: 3,
             bytes_read: 9,
+            read_wait_us: 11,
+            disk_busy_us: 7,
         };
         let s = serde_json::to_string(&NodeToCoord::Heartbeat {
             expert_cache: Some(c),

@@ -46,4 +46,12 @@ pub struct ExpertCacheStats {
     pub misses: u64,
     /// Bytes read from disk for experts.
     pub bytes_read: u64,
+    /// Microseconds computations waited for expert reads: against wall time, the share of it
+    /// the node's streaming spends waiting for its disk.
+    #[serde(default)]
+    pub read_wait_us: u64,
+    /// Microseconds during which at least one expert read was in progress (the disk busy for
+    /// the store).
+    #[serde(default)]
+    pub disk_busy_us: u64,
 }
