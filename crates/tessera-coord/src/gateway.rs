@@ -528,11 +528,12 @@ fn status(inner: &Inner) -> ClusterStatus {
             let expert_cache = st.expert_cache.get(&m.node_id).map(|c| {
                 holds.push_str(&format!(
                     "; experts streamed from disk ({} in memory at most): {} hits, {} misses, \
-                     {} read",
+                     {} read, {:.1} s waiting for reads",
                     tessera_model::profile::human_bytes(c.budget_bytes),
                     c.hits,
                     c.misses,
-                    tessera_model::profile::human_bytes(c.bytes_read)
+                    tessera_model::profile::human_bytes(c.bytes_read),
+                    c.read_wait_us as f64 / 1e6
                 ));
                 tessera_gateway::ExpertCacheStatus {
                     budget_bytes: c.budget_bytes,
