@@ -269,3 +269,55 @@ fn stats_source_outlives_moves_and_sums() {
     let full = common::full(&g, 1);
     assert!(full.expert_stats_source().is_none());
 }
+
+#[test]
+fn concurrent_computations_on_one_store_stay_exact() {
+    // A node serving several homes computes their layers' experts at once on one store (each
+    // request on its own blocking thread). With a budget that forces the read window, two
+    // threads computing different layers interleave their reads, windows and orphans; every
+    // output must still equal the fully loaded model's, and nothing may hang.
+    use std::sync::Arc;
+    use tessera_engine::Hidden;
+    let g = common::open("small-qwen3moe-Q8_0.gguf");
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = Arc::new(common::full(&g, 1));
+    let eb = expert_bytes(&g);
+    let n_layer = cfg.n_layer as u64;
+    let s = Arc::new(streamed(
+        &g,
+        ExpertStreaming {
+            pinned_fraction: 0.0,
+            read_parallelism: 2,
+            ..ExpertStreaming::with_budget(eb * (n_layer + 2))
+        },
+        1,
+    ));
+    let threads: Vec<_> = (0..2)
+        .map(|tid| {
+            let (full, s, d) = (full.clone(), s.clone(), cfg.n_embd);
+            std::thread::spawn(move || {
+                let mut seed = 17 + tid as u32;
+                for it in 0..24 {
+                    let layer = (it * 2 + tid) % full.config().n_layer;
+                    let n = 1 + it % 5;
+                    let mut h = Hidden::zeros(n, d);
+                    for t in 0..n {
+                        for x in h.row_mut(t) {
+                            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                            *x = (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+                        }
+                    }
+                    let routing = full.moe_route(layer, &h).unwrap();
+                    let want = full.moe_experts(layer, &h, &routing, &|_| true).unwrap();
+                    let got = s.moe_experts(layer, &h, &routing, &|_| true).unwrap();
+                    assert_eq!(got, want, "thread {tid} iteration {it} layer {layer}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a computing thread failed");
+    }
+    let st = s.expert_stats().unwrap();
+    assert!(st.misses > 0 && st.window_reads > 0, "{st:?}");
+}
