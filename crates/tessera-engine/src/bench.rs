@@ -8,10 +8,12 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tessera_model::{GgufFile, ModelProfile};
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
+use crate::expert_store::{measure_read_bandwidth as measure_disk_bandwidth, ExpertStreaming};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
 use crate::ops::argmax;
+use crate::weights::LoadSpec;
 
 /// Timed runs per test; the best is reported.
 pub const REPEATS: usize = 3;
@@ -36,6 +38,28 @@ pub struct BenchReport {
     pub mem_read_gb_s: f64,
     /// `mem_read_gb_s / active_bytes_per_token`: decode cannot beat this.
     pub decode_bound_tok_s: f64,
+    /// With an expert budget: how the streamed experts did in the decode test.
+    #[serde(default)]
+    pub streaming: Option<StreamingReport>,
+}
+
+/// Expert streaming in a benchmark's decode test (its best run).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StreamingReport {
+    pub budget_bytes: u64,
+    /// Expert lookups served from memory.
+    pub hit_rate: f64,
+    /// File bytes of the experts read because they were not in memory, per decoded token.
+    pub missed_bytes_per_token: f64,
+    /// The store's own read bandwidth (`O_DIRECT` where allowed, so the page cache does not
+    /// flatter it), best of queue depths 1, 2, 4 and 8 over random experts' byte ranges.
+    pub disk_gb_s: f64,
+    /// `disk_gb_s / missed_bytes_per_token`: decode cannot beat this with this hit rate.
+    pub disk_bound_tok_s: f64,
+    /// Share of the decode with an expert read in progress.
+    pub disk_busy: f64,
+    /// Share of the decode the computation waited for reads.
+    pub read_wait: f64,
 }
 
 impl fmt::Display for BenchReport {
@@ -70,7 +94,24 @@ impl fmt::Display for BenchReport {
             "bandwidth    {:.1} GB/s read; {:.1} MiB active weights per token",
             self.mem_read_gb_s,
             mib(self.active_bytes_per_token)
-        )
+        )?;
+        if let Some(s) = &self.streaming {
+            write!(
+                f,
+                "\nstreaming    budget {:.1} MiB: hit rate {:.1}%, {:.2} MiB of missed experts per \
+                 token, disk {:.2} GB/s; disk-bound {:.1} tok/s, decode reaches {:.0}% of it \
+                 (disk busy {:.0}%, waiting for reads {:.0}% of the decode)",
+                mib(s.budget_bytes),
+                100.0 * s.hit_rate,
+                s.missed_bytes_per_token / (1024.0 * 1024.0),
+                s.disk_gb_s,
+                s.disk_bound_tok_s,
+                100.0 * self.decode_tok_s / s.disk_bound_tok_s,
+                100.0 * s.disk_busy,
+                100.0 * s.read_wait
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -133,9 +174,40 @@ pub fn bench(
     n_prompt: usize,
     n_gen: usize,
 ) -> Result<BenchReport> {
+    bench_with(model_path, threads, n_prompt, n_gen, None)
+}
+
+/// [`bench`], with the experts streamed from disk through a cache of `expert_budget` bytes when
+/// given. Streamed, the decode test feeds a fixed pseudo-random token stream instead of its own
+/// greedy tokens: a synthetic model's greedy output repeats one token, which would route the
+/// same way every step and flatter the cache.
+pub fn bench_with(
+    model_path: &Path,
+    threads: usize,
+    n_prompt: usize,
+    n_gen: usize,
+    expert_budget: Option<u64>,
+) -> Result<BenchReport> {
     let t = Instant::now();
     let g = GgufFile::open(model_path)?;
-    let model = Model::load_full(&g, threads)?;
+    let model = match expert_budget {
+        None => Model::load_full(&g, threads)?,
+        Some(budget) => {
+            let cfg = tessera_model::ModelConfig::from_gguf(&g)?;
+            if cfg.n_expert == 0 {
+                return Err(EngineError::BadInput(
+                    "an expert budget needs a mixture-of-experts model".into(),
+                ));
+            }
+            Model::load_streaming(
+                &g,
+                LoadSpec::full(&cfg),
+                ExpertStreaming::with_budget(budget),
+                threads,
+                &mut |_, _| {},
+            )?
+        }
+    };
     let load_s = t.elapsed().as_secs_f64();
     let profile = ModelProfile::from_gguf(&g)?;
     let cfg = model.config().clone();
@@ -150,7 +222,15 @@ pub fn bench(
     }
     // Best of REPEATS runs each (the machines are shared and noisy).
     let (mut prefill_s, mut decode_s, mut kv_bytes) = (f64::INFINITY, f64::INFINITY, 0);
-    for _ in 0..REPEATS {
+    let mut best_stats = None;
+    for rep in 0..REPEATS {
+        // Streamed: new tokens each run, so no run finds the previous one's experts waiting.
+        let stream: Vec<u32> = (0..n_gen)
+            .map(|i| {
+                let r = crate::sampling::splitmix64(((rep as u64 + 1) << 32) + i as u64);
+                (r % cfg.vocab_size as u64) as u32
+            })
+            .collect();
         // Prefill: one forward over the prompt.
         let mut kv = model.new_kv(prompt.len());
         let t = Instant::now();
@@ -161,14 +241,30 @@ pub fn bench(
         // Decode: n_gen greedy steps from an empty context, as llama-bench's tg test.
         let mut token = argmax(logits.last()) as u32;
         let mut kv = model.new_kv(n_gen.max(1));
+        let before = model.expert_stats();
         let t = Instant::now();
-        for _ in 0..n_gen {
+        for &next in &stream {
             let l = model.forward_last(&[token], &mut kv)?;
-            token = argmax(l.last()) as u32;
+            token = match expert_budget {
+                None => argmax(l.last()) as u32,
+                Some(_) => next,
+            };
         }
-        decode_s = decode_s.min(t.elapsed().as_secs_f64());
+        let dt = t.elapsed().as_secs_f64();
+        if dt < decode_s {
+            decode_s = dt;
+            best_stats = before.zip(model.expert_stats());
+        }
         kv_bytes = kv_bytes.max(kv.bytes());
     }
+    let streaming = match (expert_budget, best_stats) {
+        (Some(budget), Some((a, b))) => {
+            Some(streaming_report(&g, &cfg, budget, &a, &b, n_gen, decode_s)?)
+        }
+        _ => None,
+    };
+    // Before the bandwidth test, whose buffer is not the model's memory.
+    let peak_rss = peak_rss_bytes();
     let mem_read_gb_s = measure_read_bandwidth(threads);
     let active = profile.active_bytes_per_token();
     Ok(BenchReport {
@@ -179,11 +275,70 @@ pub fn bench(
         load_s,
         prefill_tok_s: prompt.len() as f64 / prefill_s,
         decode_tok_s: n_gen as f64 / decode_s,
-        peak_rss_bytes: peak_rss_bytes(),
+        peak_rss_bytes: peak_rss,
         weight_resident_bytes: model.resident_bytes() as u64,
         kv_bytes: kv_bytes as u64,
         active_bytes_per_token: active,
         mem_read_gb_s,
         decode_bound_tok_s: mem_read_gb_s * 1e9 / active as f64,
+        streaming,
     })
+}
+
+/// The streaming figures of a decode of `n_gen` tokens in `decode_s` seconds, from the store's
+/// counters before (`a`) and after (`b`) it.
+fn streaming_report(
+    g: &GgufFile,
+    cfg: &tessera_model::ModelConfig,
+    budget: u64,
+    a: &crate::ExpertStats,
+    b: &crate::ExpertStats,
+    n_gen: usize,
+    decode_s: f64,
+) -> Result<StreamingReport> {
+    let n = n_gen.max(1) as f64;
+    let lookups = (b.lookups - a.lookups).max(1) as f64;
+    let hits = (b.hits - a.hits) as f64;
+    // Every expert that was not in memory when a token needed it: the misses' bytes, and the
+    // prefetches that were then used (read ahead, but read all the same).
+    let ranges = expert_ranges(g, cfg, 96)?;
+    let per_expert = ranges.iter().take(3).map(|r| r.1).sum::<u64>() as f64;
+    let missed = (b.miss_bytes_read - a.miss_bytes_read) as f64
+        + (b.prefetch_useful - a.prefetch_useful) as f64 * per_expert;
+    let mut disk_gb_s: f64 = 0.0;
+    for qd in [1, 2, 4, 8] {
+        let (gbs, _) = measure_disk_bandwidth(g.path(), &ranges, qd, true)
+            .map_err(|e| EngineError::BadInput(format!("measuring the disk: {e}")))?;
+        disk_gb_s = disk_gb_s.max(gbs);
+    }
+    let missed_per_token = missed / n;
+    Ok(StreamingReport {
+        budget_bytes: budget,
+        hit_rate: hits / lookups,
+        missed_bytes_per_token: missed_per_token,
+        disk_gb_s,
+        disk_bound_tok_s: disk_gb_s * 1e9 / missed_per_token.max(1.0),
+        disk_busy: (b.disk_busy_us - a.disk_busy_us) as f64 / 1e6 / decode_s,
+        read_wait: (b.read_wait_us - a.read_wait_us) as f64 / 1e6 / decode_s,
+    })
+}
+
+/// File byte ranges (gate, up, down) of `n` pseudo-random experts of the model.
+fn expert_ranges(
+    g: &GgufFile,
+    cfg: &tessera_model::ModelConfig,
+    n: usize,
+) -> Result<Vec<(u64, u64)>> {
+    let mut out = Vec::with_capacity(3 * n);
+    for i in 0..n {
+        let r = crate::sampling::splitmix64(i as u64);
+        let layer = (r % cfg.n_layer as u64) as usize;
+        let e = (r >> 20) % cfg.n_expert as u64;
+        for w in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {
+            let t = g.require_tensor(&format!("blk.{layer}.{w}.weight"))?;
+            let per = t.n_bytes / cfg.n_expert as u64;
+            out.push((t.offset + per * e, per));
+        }
+    }
+    Ok(out)
 }

@@ -94,3 +94,48 @@ fn streamed_experts_on_a_node_match_one_process_small() {
         }
     }
 }
+
+#[test]
+fn bench_with_an_expert_budget_reports_the_streaming_figures() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let g = GgufFile::open(&path).unwrap();
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let budget = 2 * expert_bytes(&g, cfg.n_expert) * cfg.n_layer as u64;
+    let out = std::process::Command::new(common::bin())
+        .args(["bench", "-t", "1", "-p", "4", "-n", "12", "--json", "-m"])
+        .arg(&path)
+        .args(["--expert-budget", &budget.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON report");
+    let s = &report["streaming"];
+    assert_eq!(s["budget_bytes"].as_u64(), Some(budget), "{report}");
+    let hit = s["hit_rate"].as_f64().unwrap();
+    assert!(
+        (0.0..1.0).contains(&hit),
+        "a cache of 2 experts a layer misses: {report}"
+    );
+    assert!(
+        s["missed_bytes_per_token"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+    let disk = s["disk_gb_s"].as_f64().unwrap();
+    let bound = s["disk_bound_tok_s"].as_f64().unwrap();
+    let missed = s["missed_bytes_per_token"].as_f64().unwrap();
+    assert!(
+        disk > 0.0 && (bound - disk * 1e9 / missed).abs() <= 1e-6 * bound,
+        "{report}"
+    );
+    // A dense model has no experts to stream.
+    let dense = std::process::Command::new(common::bin())
+        .args(["bench", "-n", "1", "-p", "1", "--expert-budget", "1MiB"])
+        .output()
+        .unwrap();
+    assert!(!dense.status.success());
+    assert!(String::from_utf8_lossy(&dense.stderr).contains("mixture-of-experts"));
+}
