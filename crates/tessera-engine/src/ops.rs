@@ -327,34 +327,52 @@ pub fn attend_group(
     // (`KV_PAD`): position `j` in lane `j % 16` of accumulator `(j % 64) / 16`, the four combined
     // `(a0 + a2) + (a1 + a3)`, then [`reduce16`]. Masked cells add exact zeros.
     const _: () = assert!(KV_PAD.is_multiple_of(64));
+    let v = ValueRows {
+        data: values,
+        stride: kv_stride,
+        offset: kv_offset,
+    };
     if d.is_multiple_of(64) {
-        attend_values::<64>(out, scores, n_kv, g, d, values, kv_stride, kv_offset);
+        attend_values::<64>(out, scores, n_kv, g, d, v);
     } else if d.is_multiple_of(16) {
-        attend_values::<16>(out, scores, n_kv, g, d, values, kv_stride, kv_offset);
+        attend_values::<16>(out, scores, n_kv, g, d, v);
     } else {
-        attend_values_lanes(out, scores, n_kv, g, d, values, kv_stride, kv_offset, lanes);
+        attend_values_lanes(out, scores, n_kv, g, d, v, lanes);
+    }
+}
+
+/// One KV head's cached values: position `j`'s values start at `data[j * stride + offset]`.
+#[derive(Clone, Copy)]
+struct ValueRows<'a> {
+    data: &'a [f32],
+    stride: usize,
+    offset: usize,
+}
+
+impl ValueRows<'_> {
+    /// Values `from..from + len` of position `j`.
+    fn get(&self, j: usize, from: usize, len: usize) -> &[f32] {
+        let at = j * self.stride + self.offset + from;
+        &self.data[at..at + len]
     }
 }
 
 /// The `kq · V` part of [`attend_group`] for any head size: every lane of every output kept in
 /// `lanes` (g × 64 × d floats).
-#[allow(clippy::too_many_arguments)]
 fn attend_values_lanes(
     out: &mut [f32],
     scores: &[f32],
     n_kv: usize,
     g: usize,
     d: usize,
-    values: &[f32],
-    kv_stride: usize,
-    kv_offset: usize,
+    values: ValueRows<'_>,
     lanes: &mut Vec<f32>,
 ) {
     lanes.resize(g * 64 * d, 0.0);
     lanes.fill(0.0);
     with_fma(|| {
         for j in 0..n_kv {
-            let v = &values[j * kv_stride + kv_offset..j * kv_stride + kv_offset + d];
+            let v = values.get(j, 0, d);
             for h in 0..g {
                 let p = scores[h * n_kv + j];
                 let l = (h * 64 + j % 64) * d;
@@ -378,16 +396,13 @@ fn attend_values_lanes(
 /// that is a multiple of `H`: for each head and each `H` dimensions, lane `l`'s accumulators
 /// (positions `l, l + 64, …`) are summed in registers, then the 64 lanes are combined as
 /// ggml does, `H` outputs at a time.
-#[allow(clippy::too_many_arguments)]
 fn attend_values<const H: usize>(
     out: &mut [f32],
     scores: &[f32],
     n_kv: usize,
     g: usize,
     d: usize,
-    values: &[f32],
-    kv_stride: usize,
-    kv_offset: usize,
+    values: ValueRows<'_>,
 ) {
     let mut lane = [[0.0f32; H]; 64];
     with_fma(|| {
@@ -397,8 +412,7 @@ fn attend_values<const H: usize>(
                 for (l, lane) in lane.iter_mut().enumerate() {
                     let mut acc = [0.0f32; H];
                     for j in (l..n_kv).step_by(64) {
-                        let at = j * kv_stride + kv_offset + c0;
-                        let v: &[f32; H] = values[at..at + H].try_into().expect("H values");
+                        let v: &[f32; H] = values.get(j, c0, H).try_into().expect("H values");
                         let p = sc[j];
                         for i in 0..H {
                             acc[i] = v[i].mul_add(p, acc[i]);
@@ -479,19 +493,22 @@ mod tests {
                 for h in 0..g {
                     softmax_ggml(&mut scores[h * n_kv..(h + 1) * n_kv], true);
                 }
+                let v = ValueRows {
+                    data: &values,
+                    stride,
+                    offset: off,
+                };
                 let mut want = vec![0.0; g * d];
                 let mut lanes = Vec::new();
-                attend_values_lanes(
-                    &mut want, &scores, n_kv, g, d, &values, stride, off, &mut lanes,
-                );
+                attend_values_lanes(&mut want, &scores, n_kv, g, d, v, &mut lanes);
                 let mut got64 = vec![0.0; g * d];
                 let mut got16 = vec![0.0; g * d];
                 if d % 64 == 0 {
-                    attend_values::<64>(&mut got64, &scores, n_kv, g, d, &values, stride, off);
+                    attend_values::<64>(&mut got64, &scores, n_kv, g, d, v);
                 } else {
                     got64.clone_from(&want);
                 }
-                attend_values::<16>(&mut got16, &scores, n_kv, g, d, &values, stride, off);
+                attend_values::<16>(&mut got16, &scores, n_kv, g, d, v);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got64), bits(&want), "H=64 d={d} g={g} n_kv={n_kv}");
                 assert_eq!(bits(&got16), bits(&want), "H=16 d={d} g={g} n_kv={n_kv}");
