@@ -67,6 +67,23 @@ impl Membership {
         out
     }
 
+    /// Records epoch `id` as failed before any stage was assigned, and says why.
+    fn fail_unstarted(
+        &mut self,
+        id: u64,
+        model: ContentHash,
+        reason: String,
+        out: &mut Vec<Action>,
+    ) {
+        self.epoch = Some(Epoch {
+            id,
+            model,
+            stages: Vec::new(),
+            phase: Phase::Failed(reason.clone()),
+        });
+        out.push(Action::EpochFailed { epoch: id, reason });
+    }
+
     pub(super) fn plan(
         &mut self,
         model: ContentHash,
@@ -102,16 +119,8 @@ impl Membership {
             })
             .collect();
         if let Some(i) = peers.iter().position(Option::is_none) {
-            self.epoch = Some(Epoch {
-                id,
-                model,
-                stages: Vec::new(),
-                phase: Phase::Failed(format!("node {} is not connected", stages[i].0.short())),
-            });
-            out.push(Action::EpochFailed {
-                epoch: id,
-                reason: format!("node {} is not connected", stages[i].0.short()),
-            });
+            let reason = format!("node {} is not connected", stages[i].0.short());
+            self.fail_unstarted(id, model, reason, &mut out);
             return out;
         }
         let peers: Vec<PeerInfo> = peers.into_iter().flatten().collect();
@@ -122,15 +131,8 @@ impl Membership {
                 split
             }),
             Err(reason) => {
-                let reason = format!("expert split: {reason}");
                 self.epoch_experts = None;
-                self.epoch = Some(Epoch {
-                    id,
-                    model,
-                    stages: Vec::new(),
-                    phase: Phase::Failed(reason.clone()),
-                });
-                out.push(Action::EpochFailed { epoch: id, reason });
+                self.fail_unstarted(id, model, format!("expert split: {reason}"), &mut out);
                 return out;
             }
         };
@@ -147,13 +149,7 @@ impl Membership {
                     Ok(p) => Some(p),
                     Err(reason) => {
                         let reason = format!("expert split: {reason}");
-                        self.epoch = Some(Epoch {
-                            id,
-                            model,
-                            stages: Vec::new(),
-                            phase: Phase::Failed(reason.clone()),
-                        });
-                        out.push(Action::EpochFailed { epoch: id, reason });
+                        self.fail_unstarted(id, model, reason, &mut out);
                         return out;
                     }
                 }
