@@ -68,18 +68,7 @@ impl Cluster {
     }
 
     fn node_args(&self, name: &str, extra: &[&str]) -> Vec<String> {
-        let mut a: Vec<String> = vec![
-            "node".into(),
-            "--data-dir".into(),
-            self.dir.path().join(name).display().to_string(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--name".into(),
-            name.into(),
-            "--threads".into(),
-            "1".into(),
-            "--quick-probe".into(),
-        ];
+        let mut a = common::node_args(self.dir.path(), name);
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     }

@@ -214,18 +214,7 @@ impl Cluster {
     }
 
     pub fn node_args(&self, name: &str) -> Vec<String> {
-        vec![
-            "node".into(),
-            "--data-dir".into(),
-            self.dir.path().join(name).display().to_string(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--name".into(),
-            name.into(),
-            "--threads".into(),
-            "1".into(),
-            "--quick-probe".into(),
-        ]
+        super::node_args(self.dir.path(), name)
     }
 
     /// Starts a node that enrols with `join` (the coordinator's line, or one naming a proxy)

@@ -46,20 +46,8 @@ impl ExpertCluster {
     }
 
     pub fn add_node(&mut self, name: &str, extra: &[String]) {
-        let mut args: Vec<String> = vec![
-            "node".into(),
-            "--data-dir".into(),
-            self.dir.path().join(name).display().to_string(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--name".into(),
-            name.into(),
-            "--threads".into(),
-            "1".into(),
-            "--quick-probe".into(),
-            "--join".into(),
-            self.join.clone(),
-        ];
+        let mut args = super::node_args(self.dir.path(), name);
+        args.extend(["--join".into(), self.join.clone()]);
         args.extend_from_slice(extra);
         let mut p = Proc::spawn(name, &args, self.timeout);
         p.wait_for("joined coordinator ");

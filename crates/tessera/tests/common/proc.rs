@@ -1,13 +1,30 @@
 //! The `tessera` binary, model paths, and a child process whose stdout lines are collected.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_tessera")
+}
+
+/// Arguments of a `tessera node` on loopback keeping its data in `dir/name`: one compute
+/// thread and quick probes (the caller adds `--join` and any other flag).
+pub fn node_args(dir: &Path, name: &str) -> Vec<String> {
+    vec![
+        "node".into(),
+        "--data-dir".into(),
+        dir.join(name).display().to_string(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--name".into(),
+        name.into(),
+        "--threads".into(),
+        "1".into(),
+        "--quick-probe".into(),
+    ]
 }
 
 pub fn model(name: &str) -> PathBuf {
