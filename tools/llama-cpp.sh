@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's CPU tools (llama-bench, llama-server, llama-eval-callback) for side-by-side
-# comparisons, from the llama.cpp source vendored in the llama-cpp-python sdist on PyPI (the only
+# Builds llama.cpp's CPU tools (llama-bench, llama-server, llama-eval-callback, llama-quantize,
+# llama-imatrix) for side-by-side comparisons and for quantizing the synthetic fixtures, from the llama.cpp source vendored in the llama-cpp-python sdist on PyPI (the only
 # registry this project's machines reach). Not used by the tests.
 #
 #   tools/llama-cpp.sh build [DIR]            # default DIR: /tmp/llama.cpp-build
@@ -15,15 +15,22 @@ SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp
 build() {
     mkdir -p "$DIR"
     if [ ! -d "$SRC" ]; then
-        url=$(curl -s --max-time 60 "https://pypi.org/pypi/llama-cpp-python/$VERSION/json" |
-            python3 -c 'import json,sys; print([u["url"] for u in json.load(sys.stdin)["urls"] if u["filename"].endswith(".tar.gz")][0])')
+        # The project-wide JSON lists every release (the per-version one is not always served);
+        # its file URLs may be relative to the JSON's own address.
+        local index=https://pypi.org/pypi/llama-cpp-python/json
+        url=$(curl -s --max-time 60 "$index" | python3 -c '
+import json, sys, urllib.parse
+files = json.load(sys.stdin)["releases"][sys.argv[2]]
+print(urllib.parse.urljoin(sys.argv[1], [f["url"] for f in files if f["filename"].endswith(".tar.gz")][0]))
+' "$index" "$VERSION")
         curl -s --max-time 600 -o "$DIR/src.tar.gz" "$url"
         tar xzf "$DIR/src.tar.gz" -C "$DIR"
     fi
     command -v cmake >/dev/null || python3 -m pip install -q cmake
     cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >/dev/null
-    cmake --build "$SRC/build" -j"$(nproc)" --target llama-bench llama-server llama-eval-callback
+    cmake --build "$SRC/build" -j"$(nproc)" --target llama-bench llama-server llama-eval-callback \
+        llama-quantize llama-imatrix
     echo "built: $SRC/build/bin"
 }
 
