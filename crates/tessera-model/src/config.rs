@@ -20,6 +20,11 @@ pub enum Architecture {
     Qwen3,
     /// Qwen3-MoE: Qwen3 attention with a routed mixture of experts in every layer.
     Qwen3Moe,
+    /// gpt-oss (`gpt-oss` in llama.cpp): biased attention with a learned sink per head,
+    /// sliding-window attention in every other layer, a biased router whose top-k logits are
+    /// softmaxed, biased experts with a clamped SwiGLU.
+    #[serde(rename = "gpt-oss")]
+    GptOss,
 }
 
 impl Architecture {
@@ -29,6 +34,7 @@ impl Architecture {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3moe",
+            Self::GptOss => "gpt-oss",
         }
     }
 
@@ -38,6 +44,7 @@ impl Architecture {
             "qwen2" => Self::Qwen2,
             "qwen3" => Self::Qwen3,
             "qwen3moe" => Self::Qwen3Moe,
+            "gpt-oss" => Self::GptOss,
             _ => return None,
         })
     }
@@ -50,6 +57,29 @@ impl Architecture {
 pub enum RopeStyle {
     Normal,
     Neox,
+}
+
+/// How a router's logits become the selected experts and their weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertGating {
+    /// Softmax over all experts, the top k by probability (renormalised when
+    /// [`ModelConfig::norm_topk_weights`]).
+    #[default]
+    Softmax,
+    /// The top k by logit, their weights the softmax of those k logits (gpt-oss).
+    SoftmaxWeight,
+}
+
+/// The gated activation of the feed-forward blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfnActivation {
+    /// `silu(gate) * up`.
+    #[default]
+    Swiglu,
+    /// gpt-oss: `x·σ(alpha·x)·(y + 1)` with `x = min(gate, limit)`, `y = clamp(up, ±limit)`.
+    SwigluOai { alpha: f32, limit: f32 },
 }
 
 /// Everything the forward pass needs to know about a model's geometry.
@@ -80,6 +110,18 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     /// Renormalise the selected experts' router weights to sum to one.
     pub norm_topk_weights: bool,
+    /// Positions a sliding-window layer attends to (itself and the `sliding_window - 1` before
+    /// it); 0 when no layer has a window.
+    #[serde(default)]
+    pub sliding_window: usize,
+    /// With a window: layer `il` slides iff `il % swa_pattern < swa_pattern - 1` (llama.cpp's
+    /// pattern; gpt-oss: 2, every even layer).
+    #[serde(default)]
+    pub swa_pattern: usize,
+    #[serde(default)]
+    pub gating: ExpertGating,
+    #[serde(default)]
+    pub activation: FfnActivation,
 }
 
 /// Tensor names, in one place.
@@ -87,6 +129,15 @@ pub mod names {
     pub const TOKEN_EMBD: &str = "token_embd.weight";
     pub const OUTPUT_NORM: &str = "output_norm.weight";
     pub const OUTPUT: &str = "output.weight";
+
+    /// The norm before a layer's feed-forward block: `ffn_norm` in most families,
+    /// `post_attention_norm` in gpt-oss.
+    pub fn ffn_norm(arch: super::Architecture) -> &'static str {
+        match arch {
+            super::Architecture::GptOss => "post_attention_norm.weight",
+            _ => "ffn_norm.weight",
+        }
+    }
 
     pub fn layer(i: usize, what: &str) -> String {
         format!("blk.{i}.{what}")
@@ -175,6 +226,33 @@ impl ModelConfig {
             Architecture::Llama => RopeStyle::Normal,
             _ => RopeStyle::Neox,
         };
+        let gpt_oss = arch == Architecture::GptOss;
+        let (sliding_window, swa_pattern) = if gpt_oss {
+            let window = meta_usize(g, &key("attention.sliding_window"))?;
+            let pattern = opt_usize(g, &key("attention.sliding_window_pattern"))?.unwrap_or(2);
+            if pattern == 0 {
+                return Err(bad_meta(
+                    path,
+                    &key("attention.sliding_window_pattern"),
+                    "must be positive".into(),
+                ));
+            }
+            (window, pattern)
+        } else {
+            (0, 0)
+        };
+        // A scaled RoPE (YaRN, linear) changes every rotation; refuse it rather than run the
+        // model with plain RoPE.
+        if let Some(v) = g.meta(&key("rope.scaling.type")) {
+            let kind = v.as_str().unwrap_or("?");
+            if kind != "none" {
+                return Err(bad_meta(
+                    path,
+                    &key("rope.scaling.type"),
+                    format!("RoPE scaling {kind:?} is not supported"),
+                ));
+            }
+        }
         let cfg = Self {
             arch,
             n_layer,
@@ -194,6 +272,22 @@ impl ModelConfig {
             rms_eps,
             tied_embeddings: g.tensor(names::OUTPUT).is_none(),
             norm_topk_weights: matches!(arch, Architecture::Qwen3Moe | Architecture::Llama),
+            sliding_window,
+            swa_pattern,
+            gating: if gpt_oss {
+                ExpertGating::SoftmaxWeight
+            } else {
+                ExpertGating::Softmax
+            },
+            activation: if gpt_oss {
+                // llama.cpp's constants for LLM_FFN_SWIGLU_OAI_MOE (not in the GGUF).
+                FfnActivation::SwigluOai {
+                    alpha: 1.702,
+                    limit: 7.0,
+                }
+            } else {
+                FfnActivation::Swiglu
+            },
         };
         if rope_dim > head_dim || rope_dim % 2 != 0 {
             return Err(bad_meta(
@@ -208,6 +302,33 @@ impl ModelConfig {
 
     pub fn is_moe(&self) -> bool {
         self.n_expert > 0
+    }
+
+    /// Whether layer `il` attends through a sliding window.
+    pub fn is_swa_layer(&self, il: usize) -> bool {
+        self.sliding_window > 0
+            && self.swa_pattern > 0
+            && il % self.swa_pattern < self.swa_pattern - 1
+    }
+
+    /// The first position that a query at `pos` of layer `il` attends to.
+    pub fn attention_start(&self, il: usize, pos: usize) -> usize {
+        if self.is_swa_layer(il) {
+            (pos + 1).saturating_sub(self.sliding_window)
+        } else {
+            0
+        }
+    }
+
+    /// Biases on the Q/K/V projections (Qwen2, gpt-oss).
+    pub fn has_qkv_bias(&self) -> bool {
+        matches!(self.arch, Architecture::Qwen2 | Architecture::GptOss)
+    }
+
+    /// gpt-oss's extras: a bias on the attention output, a learned sink logit per head, a
+    /// router bias and per-expert biases.
+    pub fn has_oss_biases(&self) -> bool {
+        self.arch == Architecture::GptOss
     }
 
     /// Width of the query projection output.
@@ -244,22 +365,32 @@ impl ModelConfig {
             out.push((l("attn_k.weight"), vec![e, kv]));
             out.push((l("attn_v.weight"), vec![e, kv]));
             out.push((l("attn_output.weight"), vec![q, e]));
-            if self.arch == Architecture::Qwen2 {
+            if self.has_qkv_bias() {
                 out.push((l("attn_q.bias"), vec![q]));
                 out.push((l("attn_k.bias"), vec![kv]));
                 out.push((l("attn_v.bias"), vec![kv]));
+            }
+            if self.has_oss_biases() {
+                out.push((l("attn_output.bias"), vec![e]));
+                out.push((l("attn_sinks.weight"), vec![self.n_head as u64]));
             }
             if matches!(self.arch, Architecture::Qwen3 | Architecture::Qwen3Moe) {
                 out.push((l("attn_q_norm.weight"), vec![self.head_dim as u64]));
                 out.push((l("attn_k_norm.weight"), vec![self.head_dim as u64]));
             }
-            out.push((l("ffn_norm.weight"), vec![e]));
+            out.push((l(names::ffn_norm(self.arch)), vec![e]));
             if self.is_moe() {
                 let (n, f) = (self.n_expert as u64, self.n_ff_expert as u64);
                 out.push((l("ffn_gate_inp.weight"), vec![e, n]));
                 out.push((l("ffn_gate_exps.weight"), vec![e, f, n]));
                 out.push((l("ffn_up_exps.weight"), vec![e, f, n]));
                 out.push((l("ffn_down_exps.weight"), vec![f, e, n]));
+                if self.has_oss_biases() {
+                    out.push((l("ffn_gate_inp.bias"), vec![n]));
+                    out.push((l("ffn_gate_exps.bias"), vec![f, n]));
+                    out.push((l("ffn_up_exps.bias"), vec![f, n]));
+                    out.push((l("ffn_down_exps.bias"), vec![e, n]));
+                }
             } else {
                 let f = self.n_ff as u64;
                 out.push((l("ffn_gate.weight"), vec![e, f]));

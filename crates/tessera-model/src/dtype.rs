@@ -16,6 +16,8 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     BF16,
+    /// OCP microscaling FP4 (gpt-oss experts): an E8M0 power-of-two scale and 32 E2M1 values.
+    Mxfp4,
 }
 
 impl GgmlType {
@@ -30,6 +32,7 @@ impl GgmlType {
             13 => Self::Q5K,
             14 => Self::Q6K,
             30 => Self::BF16,
+            39 => Self::Mxfp4,
             _ => return None,
         })
     }
@@ -44,6 +47,7 @@ impl GgmlType {
             Self::Q5K => 13,
             Self::Q6K => 14,
             Self::BF16 => 30,
+            Self::Mxfp4 => 39,
         }
     }
 
@@ -64,7 +68,14 @@ impl GgmlType {
             13 => "Q5_K",
             14 => "Q6_K",
             15 => "Q8_K",
-            16..=23 => "IQ*",
+            16 => "IQ2_XXS",
+            17 => "IQ2_XS",
+            18 => "IQ3_XXS",
+            19 => "IQ1_S",
+            20 => "IQ4_NL",
+            21 => "IQ3_S",
+            22 => "IQ2_S",
+            23 => "IQ4_XS",
             24 => "I8",
             25 => "I16",
             26 => "I32",
@@ -72,6 +83,10 @@ impl GgmlType {
             28 => "F64",
             29 => "IQ1_M",
             30 => "BF16",
+            34 => "TQ1_0",
+            35 => "TQ2_0",
+            39 => "MXFP4",
+            40 => "NVFP4",
             _ => "unknown",
         }
     }
@@ -80,7 +95,7 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q8_0 => 32,
+            Self::Q4_0 | Self::Q8_0 | Self::Mxfp4 => 32,
             Self::Q4K | Self::Q5K | Self::Q6K => 256,
         }
     }
@@ -95,6 +110,7 @@ impl GgmlType {
             Self::Q4K => 144, // f16 d, f16 dmin, 12 bytes scales, 128 bytes nibbles
             Self::Q5K => 176, // as Q4_K + 32 bytes of high bits
             Self::Q6K => 210, // 128 low nibbles, 64 high bits, 16 i8 scales, f16 d
+            Self::Mxfp4 => 17, // E8M0 scale + 16 bytes of E2M1 nibbles
         }
     }
 

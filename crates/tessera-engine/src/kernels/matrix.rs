@@ -157,6 +157,7 @@ impl Matrix {
             GgmlType::Q4K => interleave_q45k(src, rows, cols, false, buf),
             GgmlType::Q5K => interleave_q45k(src, rows, cols, true, buf),
             GgmlType::Q6K => interleave_q6k(src, rows, cols, buf),
+            GgmlType::Mxfp4 => super::fp4::interleave(src, rows, cols, buf),
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 interleave_float(dtype.block_bytes(), src, rows, cols, buf)
             }
@@ -179,7 +180,9 @@ impl Matrix {
         }
         let groups = rows.div_ceil(GROUP);
         let per_group = match dtype {
-            GgmlType::Q4_0 | GgmlType::Q8_0 => (cols / 32).checked_mul(GROUP * dtype.block_bytes()),
+            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 => {
+                (cols / 32).checked_mul(GROUP * dtype.block_bytes())
+            }
             GgmlType::Q4K => (cols / 256).checked_mul(kx16_bytes(false)),
             GgmlType::Q5K => (cols / 256).checked_mul(kx16_bytes(true)),
             GgmlType::Q6K => (cols / 256).checked_mul(Q6K_X16),
@@ -282,6 +285,14 @@ impl Matrix {
                         let sc = blk[Q6K_SCALES + 16 * (e / 16) + r] as i8;
                         // Same float ops as the GGML-layout decoder, so identical values.
                         *y = d * sc as f32 * (q6k_x16_quant(blk, r, e) - 32) as f32;
+                    }
+                }
+            }
+            GgmlType::Mxfp4 => {
+                for (b, y) in out.chunks_exact_mut(32).enumerate() {
+                    let blk = &data[b * super::fp4::X16..(b + 1) * super::fp4::X16];
+                    for (e, y) in y.iter_mut().enumerate() {
+                        *y = super::fp4::x16_value(blk, r, e);
                     }
                 }
             }

@@ -25,6 +25,7 @@
 //! The instruction set is chosen once per process ([`isa`]); aarch64 and other targets use the
 //! portable kernels (no NEON yet).
 
+mod fp4;
 mod matmul;
 mod matrix;
 mod pool;
@@ -163,6 +164,7 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::F16 => scalar::f16_group,
         GgmlType::BF16 => scalar::bf16_group,
         GgmlType::F32 => scalar::f32_group,
+        GgmlType::Mxfp4 => fp4::mxfp4_group,
     }
 }
 

@@ -56,6 +56,12 @@ pub(crate) fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, rng: &mut
                     v.push(rng.byte());
                 }
             }
+            GgmlType::Mxfp4 => {
+                v.push(118 + rng.byte() % 8);
+                for _ in 0..16 {
+                    v.push(rng.byte());
+                }
+            }
             GgmlType::Q6K => {
                 for _ in 0..208 {
                     v.push(rng.byte());
@@ -103,7 +109,8 @@ pub(crate) fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
     v
 }
 
-const ALL: [GgmlType; 8] = [
+const ALL: [GgmlType; 9] = [
+    GgmlType::Mxfp4,
     GgmlType::Q4_0,
     GgmlType::Q8_0,
     GgmlType::Q4K,
@@ -123,7 +130,7 @@ fn isas() -> Vec<Isa> {
 
 fn cols_for(dtype: GgmlType) -> usize {
     match dtype {
-        GgmlType::Q4_0 | GgmlType::Q8_0 => 320,
+        GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 => 320,
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 512,
         _ => 100, // exercises the float tail
     }
@@ -578,5 +585,31 @@ fn real_gguf_tensors_match_reference() {
             types.len() >= 6,
             "expected most types in models/test, got {types:?}"
         );
+    }
+}
+
+#[test]
+fn mxfp4_every_scale_byte_decodes_as_ggml_and_simd_equals_scalar() {
+    // ggml: half of 2^(e-127), with e = 0 and 1 as subnormals.
+    for e in 0..=254u8 {
+        let want = 2f64.powi(e as i32 - 128);
+        assert_eq!(super::fp4::e8m0_half(e) as f64, want, "e = {e}");
+    }
+    // Every scale byte the SIMD kernels convert in-lane (subnormal ones included) gives the
+    // scalar result; 16 rows × 9 blocks cover 0..=143.
+    let pool = ThreadPool::new(1);
+    let (rows, cols) = (16, 288);
+    let mut rng = Rng::new(39);
+    let mut bytes = random_matrix(GgmlType::Mxfp4, rows, cols, &mut rng);
+    for (i, b) in bytes.chunks_exact_mut(17).enumerate() {
+        b[0] = i as u8;
+    }
+    let w = Matrix::new(GgmlType::Mxfp4, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+    let x = random_x(2 * cols, &mut rng);
+    let base = run(Isa::Scalar, &pool, &w, (0, rows), &x, 2);
+    for isa in isas() {
+        let out = run(isa, &pool, &w, (0, rows), &x, 2);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out), bits(&base), "{isa:?}");
     }
 }
