@@ -165,6 +165,8 @@ impl Model {
                     kvd,
                     kh * hd,
                     scale,
+                    cfg.attention_start(layer, pos),
+                    w.sinks.as_ref().map(|s| &s[kh * group..(kh + 1) * group]),
                     &mut scratch,
                 );
             }
@@ -180,6 +182,11 @@ impl Model {
                 out: &mut sc.proj,
             }],
         );
+        if let Some(bo) = &w.bo {
+            for row in sc.proj.chunks_exact_mut(e) {
+                add_assign(row, bo);
+            }
+        }
         add_assign(&mut hidden.data, &sc.proj);
         Ok(())
     }

@@ -14,8 +14,9 @@ use crate::error::{EngineError, Result};
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
 use crate::kernels::QuantizedActs;
 use crate::model::{Hidden, Model};
-use crate::ops::{softmax, swiglu_rows};
-use crate::weights::Ffn;
+use crate::ops::{add_assign, softmax, swiglu_oai_rows, swiglu_rows};
+use crate::weights::{Ffn, FfnBias};
+use tessera_model::{ExpertGating, FfnActivation};
 
 /// The experts chosen for each token: `k` (expert id, weight) slots per token, most probable
 /// first.
@@ -213,7 +214,9 @@ const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
 
 impl Model {
     /// The router of MoE layer `layer`: softmax over all experts' logits, the top `k` by
-    /// probability (ties: lower id), renormalised to sum to one when the model asks for it.
+    /// probability (ties: lower id), renormalised to sum to one when the model asks for it; or,
+    /// for gpt-oss ([`ExpertGating::SoftmaxWeight`]), the top `k` biased logits and the softmax
+    /// of those `k`.
     pub fn moe_route(&self, layer: usize, normed: &Hidden) -> Result<Routing> {
         let cfg = self.config();
         let core = self.core(layer)?;
@@ -227,12 +230,20 @@ impl Model {
         let mut weights = Vec::with_capacity(n * k);
         let mut order: Vec<usize> = Vec::with_capacity(ne);
         for p in probs.chunks_exact_mut(ne) {
-            softmax(p);
+            if let Some(b) = &core.router_bias {
+                add_assign(p, b);
+            }
+            if cfg.gating == ExpertGating::Softmax {
+                softmax(p);
+            }
             order.clear();
             order.extend(0..ne);
             order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
             let sel = &order[..k];
             let mut w: Vec<f32> = sel.iter().map(|&e| p[e]).collect();
+            if cfg.gating == ExpertGating::SoftmaxWeight {
+                softmax(&mut w);
+            }
             if cfg.norm_topk_weights {
                 let sum = (w.iter().map(|&x| x as f64).sum::<f64>() as f32).max(MIN_WEIGHT_SUM);
                 for x in &mut w {
@@ -306,7 +317,7 @@ impl Model {
                     .iter()
                     .map(|(e, _)| lw.experts[*e].as_ref().expect("checked above"))
                     .collect();
-                self.expert_ffns(normed, &groups, &ffns)
+                self.expert_ffns(normed, &groups, &ffns, &lw.expert_bias)
             }
             Some(store) => {
                 let slots_owned: Vec<u32> = routing
@@ -344,7 +355,8 @@ impl Model {
                     let part_ids: Vec<usize> = part.iter().map(|(e, _)| *e).collect();
                     let held = store.get_many(layer, &part_ids)?;
                     let ffns: Vec<&Ffn> = held.iter().map(|f| &**f).collect();
-                    for (&i, out) in batch.iter().zip(self.expert_ffns(normed, &part, &ffns)) {
+                    let outs_part = self.expert_ffns(normed, &part, &ffns, &lw.expert_bias);
+                    for (&i, out) in batch.iter().zip(outs_part) {
                         outs[i] = Some(out);
                     }
                 }
@@ -368,14 +380,17 @@ impl Model {
         })
     }
 
-    /// `down(silu(gate x) * up x)` of each expert `ffns[i]` for the tokens of `groups[i]`
+    /// `down(act(gate x, up x))` of each expert `ffns[i]` for the tokens of `groups[i]`
     /// (rows in member order): gate and up of all experts as one parallel job, then down.
+    /// `bias[e]`, when the model has expert biases, is added to expert `e`'s three projections.
     fn expert_ffns(
         &self,
         normed: &Hidden,
         groups: &[(usize, Vec<(usize, usize)>)],
         ffns: &[&Ffn],
+        bias: &[Option<FfnBias>],
     ) -> Vec<Vec<f32>> {
+        let bias_of = |i: usize| bias.get(groups[i].0).and_then(Option::as_ref);
         let cfg = self.config();
         let pool = self.pool();
         let d = cfg.n_embd;
@@ -425,8 +440,17 @@ impl Model {
         }
         // down, as one parallel job.
         let mut acts = Vec::with_capacity(groups.len());
-        for (i, (((_, members), g), u)) in groups.iter().zip(&mut gate).zip(&up).enumerate() {
-            swiglu_rows(g, u, f);
+        for (i, (((_, members), g), u)) in groups.iter().zip(&mut gate).zip(&mut up).enumerate() {
+            if let Some(b) = bias_of(i) {
+                for (gr, ur) in g.chunks_exact_mut(f).zip(u.chunks_exact_mut(f)) {
+                    add_assign(gr, &b.gate);
+                    add_assign(ur, &b.up);
+                }
+            }
+            match cfg.activation {
+                FfnActivation::Swiglu => swiglu_rows(g, u, f),
+                FfnActivation::SwigluOai { alpha, limit } => swiglu_oai_rows(g, u, alpha, limit),
+            }
             acts.push(quantize_for(
                 pool,
                 &[ffn(i).down.dtype()],
@@ -446,6 +470,13 @@ impl Model {
                 });
             }
             run_matmuls(pool, &mut jobs);
+        }
+        for (i, o) in down.iter_mut().enumerate() {
+            if let Some(b) = bias_of(i) {
+                for row in o.chunks_exact_mut(d) {
+                    add_assign(row, &b.down);
+                }
+            }
         }
         down
     }

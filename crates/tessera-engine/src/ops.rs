@@ -179,14 +179,35 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     })
 }
 
+/// gpt-oss's clamped SwiGLU in place, as ggml's `swiglu_oai`: with `x = min(gate, limit)` and
+/// `y = clamp(up, −limit, limit)`, `gate = x / (1 + expf(alpha·(−x))) · (y + 1)` (the C
+/// library's `expf`, element by element).
+pub fn swiglu_oai_rows(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = g.min(limit);
+        let y = u.clamp(-limit, limit);
+        *g = x / (1.0 + (alpha * -x).exp()) * (y + 1.0);
+    }
+}
+
 /// Softmax in place, as ggml's `soft_max` op: max subtracted; blocks of 16 use the vector
 /// `expf` and are summed as 16-lane vectors into an f64 total, the tail uses the C library's
 /// `expf`; the result is scaled by the f32 reciprocal of the total. `pad16` treats the row as
 /// padded with masked entries to a multiple of 16 (llama.cpp's KV cache is padded), so every
 /// element takes the vector path.
 pub fn softmax_ggml(x: &mut [f32], pad16: bool) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum = with_fma(|| {
+    softmax_ggml_sink(x, pad16, None)
+}
+
+/// [`softmax_ggml`] with an optional sink logit (gpt-oss): a term of the normalisation
+/// without an output, as ggml's `soft_max` with sinks (the maximum includes the sink, whose
+/// `expf` is added to the f64 total after the row's).
+pub fn softmax_ggml_sink(x: &mut [f32], pad16: bool, sink: Option<f32>) {
+    let mut max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if let Some(s) = sink {
+        max = max.max(s);
+    }
+    let mut sum = with_fma(|| {
         let mut sum = 0.0f64;
         let n = x.len();
         let nv = if pad16 { n } else { n / 16 * 16 };
@@ -204,6 +225,9 @@ pub fn softmax_ggml(x: &mut [f32], pad16: bool) {
         }
         sum
     });
+    if let Some(s) = sink {
+        sum += (s - max).exp() as f64;
+    }
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
         *v *= inv;
@@ -291,7 +315,8 @@ fn dot_ggml(x: &[f32], y: &[f32]) -> f32 {
 /// `q` holds the group's heads back to back (`head_dim` each); `out` likewise. `keys`/`values`
 /// hold positions row-major with stride `kv_stride`, this KV head's slice starting at
 /// `kv_offset`. Per head this follows llama.cpp without flash attention: scores
-/// `dot(q, k) * scale`, a softmax over the (16-padded) row, then each output dimension as
+/// `dot(q, k) * scale`, a softmax over the (16-padded) row (positions before `first` masked, as
+/// a sliding window's are, and `sinks[h]` as head `h`'s sink logit), then each output dimension as
 /// `ggml_vec_dot_f32` of the scores and the transposed values over the padded KV length (what a
 /// single-token decode step runs; see `KV_PAD`).
 #[allow(clippy::too_many_arguments)]
@@ -305,14 +330,19 @@ pub fn attend_group(
     kv_stride: usize,
     kv_offset: usize,
     scale: f32,
+    first: usize,
+    sinks: Option<&[f32]>,
     scratch: &mut AttnScratch,
 ) {
     let d = head_dim;
     let g = q.len() / d;
     scratch.scores.resize(g * n_kv, 0.0);
     let (scores, lanes) = (&mut scratch.scores, &mut scratch.lanes);
+    for h in 0..g {
+        scores[h * n_kv..h * n_kv + first.min(n_kv)].fill(f32::NEG_INFINITY);
+    }
     with_fma(|| {
-        for j in 0..n_kv {
+        for j in first..n_kv {
             let k = &keys[j * kv_stride + kv_offset..j * kv_stride + kv_offset + d];
             for h in 0..g {
                 scores[h * n_kv + j] = dot_ggml(&q[h * d..(h + 1) * d], k) * scale;
@@ -320,7 +350,8 @@ pub fn attend_group(
         }
     });
     for h in 0..g {
-        softmax_ggml(&mut scores[h * n_kv..(h + 1) * n_kv], true);
+        let sink = sinks.map(|s| s[h]);
+        softmax_ggml_sink(&mut scores[h * n_kv..(h + 1) * n_kv], true, sink);
     }
     // For a single token llama.cpp computes `kq · V` with `ggml_vec_dot_f32` (llamafile's
     // tinyBLAS refuses one-column products) over the padded KV length, a multiple of 64

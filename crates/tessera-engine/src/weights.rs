@@ -96,18 +96,33 @@ pub struct LayerCore {
     pub wk: Matrix,
     pub wv: Matrix,
     pub wo: Matrix,
-    /// Qwen2 projection biases.
+    /// Projection biases (Qwen2, gpt-oss).
     pub bq: Option<Vec<f32>>,
     pub bk: Option<Vec<f32>>,
     pub bv: Option<Vec<f32>>,
     /// Qwen3 per-head RMS norms of queries and keys.
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// gpt-oss: attention output bias.
+    pub bo: Option<Vec<f32>>,
+    /// gpt-oss: one sink logit per query head, an extra softmax term without a value.
+    pub sinks: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     /// Dense FFN (`None` in MoE layers).
     pub ffn: Option<Ffn>,
     /// MoE router, `n_expert × n_embd` (`None` in dense layers).
     pub router: Option<Matrix>,
+    /// gpt-oss: router bias, added to the logits.
+    pub router_bias: Option<Vec<f32>>,
+}
+
+/// Per-expert biases of gpt-oss's experts: added to the gate and up projections before the
+/// activation and to the down projection's output.
+#[derive(Debug, Clone)]
+pub struct FfnBias {
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
 }
 
 /// A SwiGLU feed-forward block: `down(silu(gate x) * up x)`. Also one expert.
@@ -130,6 +145,8 @@ pub struct LayerWeights {
     pub core: Option<LayerCore>,
     /// `experts[e]` is expert `e` if held (empty for dense layers).
     pub experts: Vec<Option<Ffn>>,
+    /// `expert_bias[e]`: the biases of expert `e` if held (or streamed) and the model has them.
+    pub expert_bias: Vec<Option<FfnBias>>,
 }
 
 /// The weights of a part of a model.
@@ -191,7 +208,8 @@ impl ModelWeights {
             let l = |w: &str| names::layer(il, w);
             let core = if spec.dense {
                 let qk_norm = matches!(config.arch, Architecture::Qwen3 | Architecture::Qwen3Moe);
-                let bias = config.arch == Architecture::Qwen2;
+                let bias = config.has_qkv_bias();
+                let oss = config.has_oss_biases();
                 let mut opt_vec = |name: String, on: bool| -> Result<Option<Vec<f32>>> {
                     if on {
                         Ok(Some(loader.vector(&name)?))
@@ -204,6 +222,9 @@ impl ModelWeights {
                 let bv = opt_vec(l("attn_v.bias"), bias)?;
                 let q_norm = opt_vec(l("attn_q_norm.weight"), qk_norm)?;
                 let k_norm = opt_vec(l("attn_k_norm.weight"), qk_norm)?;
+                let bo = opt_vec(l("attn_output.bias"), oss)?;
+                let sinks = opt_vec(l("attn_sinks.weight"), oss)?;
+                let router_bias = opt_vec(l("ffn_gate_inp.bias"), oss && config.is_moe())?;
                 Some(LayerCore {
                     attn_norm: loader.vector(&l("attn_norm.weight"))?,
                     wq: loader.matrix(&l("attn_q.weight"))?,
@@ -215,7 +236,9 @@ impl ModelWeights {
                     bv,
                     q_norm,
                     k_norm,
-                    ffn_norm: loader.vector(&l("ffn_norm.weight"))?,
+                    bo,
+                    sinks,
+                    ffn_norm: loader.vector(&l(names::ffn_norm(config.arch)))?,
                     ffn: if config.is_moe() {
                         None
                     } else {
@@ -230,6 +253,7 @@ impl ModelWeights {
                     } else {
                         None
                     },
+                    router_bias,
                 })
             } else {
                 None
@@ -249,7 +273,12 @@ impl ModelWeights {
                     });
                 }
             }
-            layers.push(LayerWeights { core, experts });
+            let expert_bias = load_expert_bias(&mut loader, config, &spec.experts, il)?;
+            layers.push(LayerWeights {
+                core,
+                experts,
+                expert_bias,
+            });
         }
         Ok(Self {
             spec,
@@ -273,6 +302,7 @@ impl ModelWeights {
                     .map(|m| m.resident_bytes())
                     .sum::<usize>();
                 b += v(&c.bq) + v(&c.bk) + v(&c.bv) + v(&c.q_norm) + v(&c.k_norm);
+                b += v(&c.bo) + v(&c.sinks) + v(&c.router_bias);
                 b += c.ffn.as_ref().map_or(0, Ffn::resident_bytes);
                 b += m(&c.router);
             }
@@ -282,9 +312,52 @@ impl ModelWeights {
                 .flatten()
                 .map(Ffn::resident_bytes)
                 .sum::<usize>();
+            b += l
+                .expert_bias
+                .iter()
+                .flatten()
+                .map(|f| (f.gate.len() + f.up.len() + f.down.len()) * 4)
+                .sum::<usize>();
         }
         b
     }
+}
+
+/// The biases of the experts `held` selects in layer `il` (gpt-oss); empty when the model has
+/// none. Loaded with the layer even when the experts' matrices are streamed: they are small.
+pub(crate) fn load_expert_bias(
+    loader: &mut Loader<'_>,
+    config: &ModelConfig,
+    held: &ExpertSelection,
+    il: usize,
+) -> Result<Vec<Option<FfnBias>>> {
+    if !(config.is_moe() && config.has_oss_biases()) {
+        return Ok(Vec::new());
+    }
+    let n = config.n_expert;
+    if !(0..n).any(|e| held.holds(il, e)) {
+        return Ok(Vec::new());
+    }
+    let l = |w: &str| names::layer(il, w);
+    let gate = loader.vector(&l("ffn_gate_exps.bias"))?;
+    let up = loader.vector(&l("ffn_up_exps.bias"))?;
+    let down = loader.vector(&l("ffn_down_exps.bias"))?;
+    let (f, d) = (config.n_ff_expert, config.n_embd);
+    if gate.len() != n * f || up.len() != n * f || down.len() != n * d {
+        return Err(EngineError::Tensor {
+            tensor: l("ffn_*_exps.bias"),
+            what: format!("does not hold {n} experts' biases"),
+        });
+    }
+    Ok((0..n)
+        .map(|e| {
+            held.holds(il, e).then(|| FfnBias {
+                gate: gate[e * f..(e + 1) * f].to_vec(),
+                up: up[e * f..(e + 1) * f].to_vec(),
+                down: down[e * d..(e + 1) * d].to_vec(),
+            })
+        })
+        .collect())
 }
 
 /// The tensors (name, bytes) `spec` reads; checks their types on the way.
@@ -314,7 +387,9 @@ fn plan(g: &GgufFile, config: &ModelConfig, spec: &LoadSpec) -> Result<Vec<(Stri
                 let held = (0..config.n_expert)
                     .filter(|&e| spec.experts.holds(il, e))
                     .count() as u64;
-                if held > 0 {
+                if held > 0 && name.ends_with(".bias") {
+                    add(name, 1, 1)?; // read whole (small), the held rows kept
+                } else if held > 0 {
                     add(name, held, config.n_expert as u64)?;
                 }
             } else if spec.dense {
@@ -325,14 +400,24 @@ fn plan(g: &GgufFile, config: &ModelConfig, spec: &LoadSpec) -> Result<Vec<(Stri
     Ok(out)
 }
 
-struct Loader<'a> {
+pub(crate) struct Loader<'a> {
     g: &'a GgufFile,
     total: u64,
     loaded: u64,
     progress: &'a mut dyn FnMut(u64, u64),
 }
 
-impl Loader<'_> {
+impl<'a> Loader<'a> {
+    /// A loader that reports no progress (for small extras read after the main load).
+    pub(crate) fn quiet(g: &'a GgufFile, progress: &'a mut dyn FnMut(u64, u64)) -> Self {
+        Self {
+            g,
+            total: 0,
+            loaded: 0,
+            progress,
+        }
+    }
+
     fn info(&self, name: &str) -> Result<&TensorInfo> {
         Ok(self.g.require_tensor(name)?)
     }

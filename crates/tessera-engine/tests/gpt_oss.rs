@@ -1,0 +1,162 @@
+//! gpt-oss on its committed synthetic fixture (MXFP4 experts by llama-quantize, window 16 on
+//! the even layers): every pipeline cut and expert splits in 2 and 3 parts are bit-identical to
+//! the whole model, and so is the model with its experts streamed from disk, over a sequence
+//! long enough for the sliding window to drop positions. (Agreement with llama.cpp is checked
+//! by `reference.rs`, which reads `reference/tiny-gpt-oss-MXFP4-public.json`.)
+
+mod common;
+
+use common::assert_bits_eq;
+use tessera_engine::ops::argmax;
+use tessera_engine::{
+    ExpertSelection, ExpertStreaming, KvCache, LoadSpec, LocalExperts, Model, PartExperts, SeqStep,
+};
+use tessera_model::{Architecture, ModelConfig};
+
+const MODEL: &str = "tiny-gpt-oss-MXFP4.gguf";
+/// 20 prompt tokens and 6 decode steps: past the fixture's window of 16.
+const PROMPT: [u32; 20] = [
+    1, 403, 407, 261, 378, 300, 42, 17, 99, 5, 260, 311, 290, 402, 356, 271, 284, 305, 330, 88,
+];
+const DECODE_STEPS: usize = 6;
+
+/// The token steps of a run: the prompt, then greedy tokens of the full model.
+fn steps(full: &Model) -> Vec<Vec<u32>> {
+    let mut kv = common::kv_for(full);
+    let mut out = vec![PROMPT.to_vec()];
+    let mut logits = full.forward_last(&PROMPT, &mut kv).unwrap();
+    for _ in 0..DECODE_STEPS {
+        let t = argmax(logits.last()) as u32;
+        out.push(vec![t]);
+        logits = full.forward_last(&[t], &mut kv).unwrap();
+    }
+    out
+}
+
+/// Logits of every step with `parts` computing the experts (`parts[0]` holds the rest).
+fn run_with_parts(parts: &[&Model], steps: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let main = parts[0];
+    let l = main.config().n_layer;
+    let mut kv: KvCache = common::kv_for(main);
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for tokens in steps {
+        let mut h = main.embed(tokens).unwrap();
+        let step = [SeqStep {
+            n_tokens: tokens.len(),
+            start_pos: pos,
+        }];
+        main.run_layers(
+            0..l,
+            &mut h,
+            &step,
+            &mut [&mut kv],
+            &mut PartExperts(parts.to_vec()),
+        )
+        .unwrap();
+        out.push(main.head(&h).unwrap().data);
+        pos += tokens.len();
+    }
+    out
+}
+
+#[test]
+fn fixture_has_gpt_oss_parts() {
+    let g = common::open(MODEL);
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    assert_eq!(cfg.arch, Architecture::GptOss);
+    assert_eq!((cfg.sliding_window, cfg.swa_pattern), (16, 2));
+    let swa: Vec<bool> = (0..cfg.n_layer).map(|l| cfg.is_swa_layer(l)).collect();
+    assert_eq!(swa, [true, false, true, false]);
+    assert_eq!(cfg.attention_start(0, 40), 25);
+    assert_eq!(cfg.attention_start(1, 40), 0);
+    let t = g.tensor("blk.0.ffn_gate_exps.weight").unwrap();
+    assert_eq!(tessera_model::GgmlType::name_of_id(t.type_id), "MXFP4");
+}
+
+#[test]
+fn gpt_oss_pipeline_split_is_bit_identical_at_every_cut() {
+    let g = common::open(MODEL);
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 2);
+    let steps = steps(&full);
+    let reference = run_with_parts(&[&full], &steps);
+    let l = cfg.n_layer;
+    for a in 1..l {
+        let first = common::load(&g, LoadSpec::stage(&cfg, 0..a), 2);
+        let second = common::load(&g, LoadSpec::stage(&cfg, a..l), 1);
+        let mut kv_a = common::kv_for(&first);
+        let mut kv_b = common::kv_for(&second);
+        let mut pos = 0;
+        for (si, tokens) in steps.iter().enumerate() {
+            let step = [SeqStep {
+                n_tokens: tokens.len(),
+                start_pos: pos,
+            }];
+            let mut h = first.embed(tokens).unwrap();
+            first
+                .run_layers(0..a, &mut h, &step, &mut [&mut kv_a], &mut LocalExperts(&first))
+                .unwrap();
+            second
+                .run_layers(a..l, &mut h, &step, &mut [&mut kv_b], &mut LocalExperts(&second))
+                .unwrap();
+            let logits = second.head(&h).unwrap();
+            assert_bits_eq(&logits.data, &reference[si], &format!("cut {a} step {si}"));
+            pos += tokens.len();
+        }
+    }
+}
+
+#[test]
+fn gpt_oss_expert_split_in_2_and_3_is_bit_identical() {
+    let g = common::open(MODEL);
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 2);
+    let steps = steps(&full);
+    let reference = run_with_parts(&[&full], &steps);
+    let n = cfg.n_expert;
+    let all: Vec<usize> = (0..n).collect();
+    let splits: Vec<Vec<Vec<usize>>> = vec![
+        vec![all[..n / 2].to_vec(), all[n / 2..].to_vec()],
+        (0..3)
+            .map(|r| all.iter().copied().filter(|e| e % 3 == r).collect())
+            .collect(),
+    ];
+    for sets in splits {
+        let sel = |ids: &Vec<usize>| ExpertSelection::same_in_every_layer(ids, cfg.n_layer);
+        let mut spec0 = LoadSpec::full(&cfg);
+        spec0.experts = sel(&sets[0]);
+        let mut models = vec![common::load(&g, spec0, 2)];
+        for ids in &sets[1..] {
+            let spec = LoadSpec::experts_only(0..cfg.n_layer, sel(ids));
+            models.push(common::load(&g, spec, 1));
+        }
+        let parts: Vec<&Model> = models.iter().collect();
+        let got = run_with_parts(&parts, &steps);
+        for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
+            assert_bits_eq(a, b, &format!("experts {sets:?} step {i}"));
+        }
+    }
+}
+
+#[test]
+fn gpt_oss_streamed_experts_are_bit_identical() {
+    let g = common::open(MODEL);
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 2);
+    let steps = steps(&full);
+    let reference = run_with_parts(&[&full], &steps);
+    // Room for a few experts of the 32: most reads miss and evict.
+    let streaming = ExpertStreaming {
+        prefetch: false,
+        ..ExpertStreaming::with_budget(200 << 10)
+    };
+    let s =
+        Model::load_streaming(&g, LoadSpec::full(&cfg), streaming, 2, &mut |_, _| {}).unwrap();
+    let got = run_with_parts(&[&s], &steps);
+    for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
+        assert_bits_eq(a, b, &format!("streamed step {i}"));
+    }
+    let stats = s.expert_stats().unwrap();
+    assert!(stats.misses > 0, "{stats:?}");
+}
