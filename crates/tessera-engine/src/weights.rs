@@ -450,7 +450,10 @@ impl<'a> Loader<'a> {
             tensor: info.name.clone(),
             what: e.to_string(),
         })?;
-        if matches!(dtype, GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4) {
+        if matches!(
+            dtype,
+            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl
+        ) {
             // The kernels keep an owned, repacked copy of these types: let the source pages go
             // so they are not counted twice in the resident set.
             #[cfg(unix)]

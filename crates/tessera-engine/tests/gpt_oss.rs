@@ -95,10 +95,22 @@ fn gpt_oss_pipeline_split_is_bit_identical_at_every_cut() {
             }];
             let mut h = first.embed(tokens).unwrap();
             first
-                .run_layers(0..a, &mut h, &step, &mut [&mut kv_a], &mut LocalExperts(&first))
+                .run_layers(
+                    0..a,
+                    &mut h,
+                    &step,
+                    &mut [&mut kv_a],
+                    &mut LocalExperts(&first),
+                )
                 .unwrap();
             second
-                .run_layers(a..l, &mut h, &step, &mut [&mut kv_b], &mut LocalExperts(&second))
+                .run_layers(
+                    a..l,
+                    &mut h,
+                    &step,
+                    &mut [&mut kv_b],
+                    &mut LocalExperts(&second),
+                )
                 .unwrap();
             let logits = second.head(&h).unwrap();
             assert_bits_eq(&logits.data, &reference[si], &format!("cut {a} step {si}"));
@@ -151,8 +163,7 @@ fn gpt_oss_streamed_experts_are_bit_identical() {
         prefetch: false,
         ..ExpertStreaming::with_budget(200 << 10)
     };
-    let s =
-        Model::load_streaming(&g, LoadSpec::full(&cfg), streaming, 2, &mut |_, _| {}).unwrap();
+    let s = Model::load_streaming(&g, LoadSpec::full(&cfg), streaming, 2, &mut |_, _| {}).unwrap();
     let got = run_with_parts(&[&s], &steps);
     for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
         assert_bits_eq(a, b, &format!("streamed step {i}"));

@@ -18,6 +18,8 @@ pub enum GgmlType {
     BF16,
     /// OCP microscaling FP4 (gpt-oss experts): an E8M0 power-of-two scale and 32 E2M1 values.
     Mxfp4,
+    /// A non-linear 16-value grid with an f16 scale per 32 values.
+    Iq4Nl,
 }
 
 impl GgmlType {
@@ -32,6 +34,7 @@ impl GgmlType {
             13 => Self::Q5K,
             14 => Self::Q6K,
             30 => Self::BF16,
+            20 => Self::Iq4Nl,
             39 => Self::Mxfp4,
             _ => return None,
         })
@@ -48,6 +51,7 @@ impl GgmlType {
             Self::Q6K => 14,
             Self::BF16 => 30,
             Self::Mxfp4 => 39,
+            Self::Iq4Nl => 20,
         }
     }
 
@@ -95,7 +99,7 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q8_0 | Self::Mxfp4 => 32,
+            Self::Q4_0 | Self::Q8_0 | Self::Mxfp4 | Self::Iq4Nl => 32,
             Self::Q4K | Self::Q5K | Self::Q6K => 256,
         }
     }
@@ -105,12 +109,13 @@ impl GgmlType {
         match self {
             Self::F32 => 4,
             Self::F16 | Self::BF16 => 2,
-            Self::Q4_0 => 18, // f16 scale + 16 bytes of nibbles
-            Self::Q8_0 => 34, // f16 scale + 32 i8
-            Self::Q4K => 144, // f16 d, f16 dmin, 12 bytes scales, 128 bytes nibbles
-            Self::Q5K => 176, // as Q4_K + 32 bytes of high bits
-            Self::Q6K => 210, // 128 low nibbles, 64 high bits, 16 i8 scales, f16 d
+            Self::Q4_0 => 18,  // f16 scale + 16 bytes of nibbles
+            Self::Q8_0 => 34,  // f16 scale + 32 i8
+            Self::Q4K => 144,  // f16 d, f16 dmin, 12 bytes scales, 128 bytes nibbles
+            Self::Q5K => 176,  // as Q4_K + 32 bytes of high bits
+            Self::Q6K => 210,  // 128 low nibbles, 64 high bits, 16 i8 scales, f16 d
             Self::Mxfp4 => 17, // E8M0 scale + 16 bytes of E2M1 nibbles
+            Self::Iq4Nl => 18, // f16 scale + 16 bytes of grid indices
         }
     }
 

@@ -157,7 +157,9 @@ impl Matrix {
             GgmlType::Q4K => interleave_q45k(src, rows, cols, false, buf),
             GgmlType::Q5K => interleave_q45k(src, rows, cols, true, buf),
             GgmlType::Q6K => interleave_q6k(src, rows, cols, buf),
-            GgmlType::Mxfp4 => super::fp4::interleave(src, rows, cols, buf),
+            GgmlType::Mxfp4 | GgmlType::Iq4Nl => {
+                super::lut4::interleave(super::lut4::is_nl(dtype), src, rows, cols, buf)
+            }
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 interleave_float(dtype.block_bytes(), src, rows, cols, buf)
             }
@@ -180,7 +182,7 @@ impl Matrix {
         }
         let groups = rows.div_ceil(GROUP);
         let per_group = match dtype {
-            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 => {
+            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => {
                 (cols / 32).checked_mul(GROUP * dtype.block_bytes())
             }
             GgmlType::Q4K => (cols / 256).checked_mul(kx16_bytes(false)),
@@ -288,11 +290,13 @@ impl Matrix {
                     }
                 }
             }
-            GgmlType::Mxfp4 => {
+            GgmlType::Mxfp4 | GgmlType::Iq4Nl => {
+                let nl = super::lut4::is_nl(self.dtype);
+                let x16 = super::lut4::x16(nl);
                 for (b, y) in out.chunks_exact_mut(32).enumerate() {
-                    let blk = &data[b * super::fp4::X16..(b + 1) * super::fp4::X16];
+                    let blk = &data[b * x16..(b + 1) * x16];
                     for (e, y) in y.iter_mut().enumerate() {
-                        *y = super::fp4::x16_value(blk, r, e);
+                        *y = super::lut4::x16_value(nl, blk, r, e);
                     }
                 }
             }

@@ -25,7 +25,7 @@
 //! The instruction set is chosen once per process ([`isa`]); aarch64 and other targets use the
 //! portable kernels (no NEON yet).
 
-mod fp4;
+mod lut4;
 mod matmul;
 mod matrix;
 mod pool;
@@ -164,7 +164,8 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::F16 => scalar::f16_group,
         GgmlType::BF16 => scalar::bf16_group,
         GgmlType::F32 => scalar::f32_group,
-        GgmlType::Mxfp4 => fp4::mxfp4_group,
+        GgmlType::Mxfp4 => lut4::lut4_group::<false>,
+        GgmlType::Iq4Nl => lut4::lut4_group::<true>,
     }
 }
 

@@ -56,6 +56,12 @@ pub(crate) fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, rng: &mut
                     v.push(rng.byte());
                 }
             }
+            GgmlType::Iq4Nl => {
+                push_f16(&mut v, rng.f() * 0.002);
+                for _ in 0..16 {
+                    v.push(rng.byte());
+                }
+            }
             GgmlType::Mxfp4 => {
                 v.push(118 + rng.byte() % 8);
                 for _ in 0..16 {
@@ -109,7 +115,8 @@ pub(crate) fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
     v
 }
 
-const ALL: [GgmlType; 9] = [
+const ALL: [GgmlType; 10] = [
+    GgmlType::Iq4Nl,
     GgmlType::Mxfp4,
     GgmlType::Q4_0,
     GgmlType::Q8_0,
@@ -130,7 +137,7 @@ fn isas() -> Vec<Isa> {
 
 fn cols_for(dtype: GgmlType) -> usize {
     match dtype {
-        GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 => 320,
+        GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => 320,
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 512,
         _ => 100, // exercises the float tail
     }
@@ -593,7 +600,7 @@ fn mxfp4_every_scale_byte_decodes_as_ggml_and_simd_equals_scalar() {
     // ggml: half of 2^(e-127), with e = 0 and 1 as subnormals.
     for e in 0..=254u8 {
         let want = 2f64.powi(e as i32 - 128);
-        assert_eq!(super::fp4::e8m0_half(e) as f64, want, "e = {e}");
+        assert_eq!(super::lut4::e8m0_half(e) as f64, want, "e = {e}");
     }
     // Every scale byte the SIMD kernels convert in-lane (subnormal ones included) gives the
     // scalar result; 16 rows × 9 blocks cover 0..=143.

@@ -3,7 +3,7 @@
 mod avx2;
 mod avx512;
 mod float;
-mod fp4;
+mod lut4;
 pub(super) mod quant;
 
 use tessera_model::GgmlType;
@@ -38,6 +38,13 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::F32 => pick(scalar::f32_group, float::f32_avx512),
         GgmlType::F16 => pick(scalar::f16_group, float::f16_avx512),
         GgmlType::BF16 => pick(scalar::bf16_group, float::bf16_avx512),
-        GgmlType::Mxfp4 => pick(fp4::mxfp4_group_avx2, fp4::mxfp4_group_avx512),
+        GgmlType::Mxfp4 => pick(
+            lut4::lut4_group_avx2::<false>,
+            lut4::lut4_group_avx512::<false>,
+        ),
+        GgmlType::Iq4Nl => pick(
+            lut4::lut4_group_avx2::<true>,
+            lut4::lut4_group_avx512::<true>,
+        ),
     }
 }
