@@ -91,7 +91,10 @@ impl FromStr for Quant {
 pub enum ModelError {
     #[error("config.json is not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
-    #[error("unsupported model_type {0:?} (supported: llama, qwen2, qwen3, qwen3_moe, mixtral)")]
+    #[error(
+        "unsupported model_type {0:?} (supported: llama, qwen2, qwen3, qwen3_moe, mixtral, \
+         gpt_oss, deepseek_v2, deepseek_v3, kimi_k2, glm4_moe)"
+    )]
     UnsupportedArch(String),
     #[error("config.json lacks {0:?}")]
     Missing(&'static str),
@@ -226,9 +229,13 @@ impl ModelProfile {
         Ok(())
     }
 
-    /// Builds a profile from a Hugging Face `config.json` (llama, qwen2, qwen3, qwen3_moe, mixtral)
-    /// with every matrix stored in `quant`; norms, biases and the MoE router are counted as F32,
-    /// as GGUF converters keep them. The KV cache is F16.
+    /// Builds a profile from a Hugging Face `config.json` (llama, qwen2, qwen3, qwen3_moe, mixtral,
+    /// gpt_oss, deepseek_v2/v3 and kimi_k2, glm4_moe) with every matrix stored in `quant`; norms,
+    /// biases, sinks and the MoE router are counted as F32, as GGUF converters keep them. The KV
+    /// cache is F16; multi-head latent attention (DeepSeek) caches one compressed latent and
+    /// rotary key per token and layer. Shared experts count as the MoE layer's dense FFN (they
+    /// run where the layer's attention does). Sliding-window layers are counted with a full
+    /// cache (an upper bound: they hold only their window).
     pub fn from_hf_config(config_json: &str, quant: Quant) -> Result<Self, ModelError> {
         let v: serde_json::Value = serde_json::from_str(config_json)?;
         let arch = v
@@ -238,10 +245,21 @@ impl ModelProfile {
             .to_string();
         if !matches!(
             arch.as_str(),
-            "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"
+            "llama"
+                | "qwen2"
+                | "qwen3"
+                | "qwen3_moe"
+                | "mixtral"
+                | "gpt_oss"
+                | "deepseek_v2"
+                | "deepseek_v3"
+                | "kimi_k2"
+                | "glm4_moe"
         ) {
             return Err(ModelError::UnsupportedArch(arch));
         }
+        let deepseek = matches!(arch.as_str(), "deepseek_v2" | "deepseek_v3" | "kimi_k2");
+        let shared_style = deepseek || arch == "glm4_moe";
         let get = |k: &'static str| v.get(k).and_then(serde_json::Value::as_u64);
         let need = |k: &'static str| get(k).ok_or(ModelError::Missing(k));
         let hidden = need("hidden_size")?;
@@ -264,6 +282,22 @@ impl ModelProfile {
             .unwrap_or(false);
 
         let (n_expert, n_used, expert_ffn, dense_ffn) = match arch.as_str() {
+            "gpt_oss" => (
+                get("num_local_experts")
+                    .or(get("num_experts"))
+                    .ok_or(ModelError::Missing("num_local_experts"))?,
+                get("num_experts_per_tok")
+                    .or(get("experts_per_token"))
+                    .ok_or(ModelError::Missing("num_experts_per_tok"))?,
+                need("intermediate_size")?,
+                0,
+            ),
+            _ if shared_style => (
+                need("n_routed_experts")?,
+                need("num_experts_per_tok")?,
+                need("moe_intermediate_size")?,
+                need("intermediate_size")?,
+            ),
             "qwen3_moe" => (
                 need("num_experts")?,
                 need("num_experts_per_tok")?,
@@ -291,24 +325,82 @@ impl ModelProfile {
         let f32b = |n: u64| Bytes(n * 4);
         let q_dim = n_head * head_dim;
         let kv_dim = n_kv * head_dim;
-        let attn_params = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden;
+        let bias = v
+            .get("attention_bias")
+            .and_then(|x| x.as_bool())
+            .unwrap_or(false);
+        let mut attn_params = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden;
         let mut attn_small = 2 * hidden; // input + post-attention norms
-        if arch == "qwen2" {
+        let mut kv_per_token = Bytes(2 * kv_dim * 2); // K and V, f16
+        let mut attn_flops_ctx = (4 * q_dim) as f64;
+        if arch == "qwen2" || bias {
             attn_small += q_dim + 2 * kv_dim; // q, k, v biases
         }
-        if arch.starts_with("qwen3") {
+        if arch.starts_with("qwen3")
+            || (arch == "glm4_moe" && v.get("use_qk_norm").and_then(|x| x.as_bool()) == Some(true))
+        {
             attn_small += 2 * head_dim; // q_norm, k_norm
         }
+        if arch == "gpt_oss" {
+            attn_small += hidden + n_head; // output bias, one sink per head
+        }
+        if deepseek {
+            // Multi-head latent attention: queries through a low-rank q_a/q_b pair (or one
+            // projection), keys and values from one compressed latent of kv_lora_rank plus a
+            // shared rotary key.
+            let q_lora = get("q_lora_rank").unwrap_or(0);
+            let kv_lora = need("kv_lora_rank")?;
+            let nope = need("qk_nope_head_dim")?;
+            let rope = need("qk_rope_head_dim")?;
+            let v_dim = need("v_head_dim")?;
+            let q_head = nope + rope;
+            let q_params = if q_lora > 0 {
+                hidden * q_lora + q_lora * n_head * q_head
+            } else {
+                hidden * n_head * q_head
+            };
+            attn_params = q_params
+                + hidden * (kv_lora + rope)
+                + kv_lora * n_head * (nope + v_dim)
+                + n_head * v_dim * hidden;
+            attn_small = 2 * hidden + q_lora + kv_lora;
+            kv_per_token = Bytes((kv_lora + rope) * 2);
+            attn_flops_ctx = (2 * n_head * (q_head + v_dim)) as f64;
+        }
         let attention = quant.bytes(attn_params) + f32b(attn_small);
-        let kv_per_token = Bytes(2 * kv_dim * 2); // K and V, f16
-        let attn_flops_ctx = (4 * q_dim) as f64;
+        // Dense first layers (DeepSeek, GLM) and shared experts beside the routed ones.
+        let first_dense = if shared_style {
+            get("first_k_dense_replace").unwrap_or(0)
+        } else {
+            0
+        };
+        let shared_ffn = if shared_style {
+            get("n_shared_experts").unwrap_or(0) * expert_ffn
+        } else {
+            0
+        };
+        // Router bias (gpt-oss) or selection-correction bias (DeepSeek, GLM), and gpt-oss's
+        // per-expert biases.
+        let router_bias = if arch == "gpt_oss" || shared_style {
+            n_expert
+        } else {
+            0
+        };
+        let expert_bias = if arch == "gpt_oss" {
+            2 * expert_ffn + hidden
+        } else {
+            0
+        };
 
         let mut layers = Vec::with_capacity(n_layers as usize);
         for i in 0..n_layers {
-            let moe = n_expert > 0 && !mlp_only.contains(&i) && (i + 1) % sparse_step == 0;
+            let moe = n_expert > 0
+                && !mlp_only.contains(&i)
+                && (i + 1) % sparse_step == 0
+                && i >= first_dense;
             let (dffn, router, expert, ne, nu) = if moe {
                 (
-                    0,
+                    3 * hidden * shared_ffn,
                     hidden * n_expert,
                     3 * hidden * expert_ffn,
                     n_expert as u32,
@@ -321,11 +413,16 @@ impl ModelProfile {
                 (3 * hidden * dense_ffn, 0, 0, 0, 0)
             };
             let active_params = attn_params + dffn + router + expert * u64::from(nu);
+            let (router_b, expert_b) = if moe {
+                (router_bias, expert_bias)
+            } else {
+                (0, 0)
+            };
             layers.push(LayerProfile {
                 attention,
                 dense_ffn: quant.bytes(dffn),
-                router: f32b(router),
-                expert: quant.bytes(expert),
+                router: f32b(router + router_b),
+                expert: quant.bytes(expert) + f32b(expert_b),
                 n_expert: ne,
                 n_expert_used: nu,
                 kv_per_token,
@@ -388,6 +485,49 @@ mod tests {
         assert_eq!("q4_k_m".parse::<Quant>().unwrap(), Quant::Q4_K);
         assert_eq!("BF16".parse::<Quant>().unwrap(), Quant::BF16);
         assert!("Q3_K".parse::<Quant>().is_err());
+    }
+
+    /// Parameter counts (F32 bytes / 4) of a bundled config, in billions: (total, active).
+    fn params_b(config: &str) -> (f64, f64) {
+        let m = ModelProfile::from_hf_config(config, Quant::F32).unwrap();
+        (
+            m.total_weights().0 as f64 / 4e9,
+            m.active_weights().0 as f64 / 4e9,
+        )
+    }
+
+    #[test]
+    fn bundled_moe_configs_have_their_published_sizes() {
+        // gpt-oss-120b: 116.8 B total, 5.1 B active.
+        let (t, a) = params_b(include_str!("../models/gpt-oss-120b.config.json"));
+        assert!(
+            (116.0..118.0).contains(&t) && (5.0..5.3).contains(&a),
+            "{t} {a}"
+        );
+        // DeepSeek-V3: 671 B total, 37 B active (the multi-token-prediction layer not counted).
+        let (t, a) = params_b(include_str!("../models/deepseek-v3.config.json"));
+        assert!(
+            (665.0..675.0).contains(&t) && (36.0..38.5).contains(&a),
+            "{t} {a}"
+        );
+        // GLM-4.5: 355 B total, 32 B active (its next-token-prediction layer not counted).
+        let (t, a) = params_b(include_str!("../models/glm-4.5.config.json"));
+        assert!(
+            (348.0..358.0).contains(&t) && (31.0..34.0).contains(&a),
+            "{t} {a}"
+        );
+    }
+
+    #[test]
+    fn latent_attention_caches_the_compressed_latent() {
+        let m = ModelProfile::from_hf_config(
+            include_str!("../models/deepseek-v3.config.json"),
+            Quant::Q4_K,
+        )
+        .unwrap();
+        // 61 layers x (512 latent + 64 rotary) x 2 bytes, not 128 heads of K and V.
+        assert_eq!(m.kv_per_token(), Bytes(61 * 576 * 2));
+        assert_eq!(m.layers.iter().filter(|l| !l.is_moe()).count(), 3);
     }
 
     #[test]

@@ -422,6 +422,15 @@ fn example_cluster_files_parse_and_plan() {
             "qwen3-moe-bench",
             include_str!("../models/qwen3-moe-bench.config.json"),
         ),
+        (
+            "gpt-oss-120b",
+            include_str!("../models/gpt-oss-120b.config.json"),
+        ),
+        (
+            "deepseek-v3",
+            include_str!("../models/deepseek-v3.config.json"),
+        ),
+        ("glm-4.5", include_str!("../models/glm-4.5.config.json")),
     ] {
         let m = tessera_plan::ModelProfile::from_hf_config(text, Quant::Q4_K)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
