@@ -341,10 +341,11 @@ impl Model {
             sc.rows
                 .extend((s.start_pos..s.start_pos + s.n_tokens).map(|p| (i, p)));
         }
-        sc.rope.fill(
+        sc.rope.fill_scaled(
             sc.rows.iter().map(|&(_, p)| p),
             self.config.rope_dim,
             self.config.rope_theta,
+            self.config.rope_scaling,
         );
         for l in layers {
             self.attention(l, hidden, batch, kv, &mut sc)?;

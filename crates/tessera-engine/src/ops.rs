@@ -2,6 +2,8 @@
 //! (`ggml-cpu/ops.cpp`): where ggml accumulates in double, so do we; where it rounds to f32, so
 //! do we. Matmuls live in [`crate::kernels`].
 
+use tessera_model::RopeScaling;
+
 /// RMS norm of one row, in place, then multiplied element-wise by `weight` (ggml's `rms_norm`
 /// followed by `mul`): the sum of squares is accumulated in f64, the scale is an f32.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
@@ -37,16 +39,71 @@ pub struct RopeTable {
 impl RopeTable {
     /// Fills the table for `positions` (one row each), reusing the buffers.
     pub fn fill(&mut self, positions: impl Iterator<Item = usize>, rope_dim: usize, base: f32) {
+        self.fill_scaled(positions, rope_dim, base, RopeScaling::None);
+    }
+
+    /// [`RopeTable::fill`] with the angles scaled as ggml's `rope_yarn` does: linear scaling
+    /// multiplies each angle by `freq_scale = 1/factor`; YaRN mixes that with the unscaled
+    /// angle by a ramp over the dimensions between its correction bounds and multiplies cos and
+    /// sin by `mscale` (llama.cpp's `attn_factor` times `1 + 0.1·ln factor`).
+    pub fn fill_scaled(
+        &mut self,
+        positions: impl Iterator<Item = usize>,
+        rope_dim: usize,
+        base: f32,
+        scaling: RopeScaling,
+    ) {
         self.half = rope_dim / 2;
         self.cos.clear();
         self.sin.clear();
         let theta_scale = base.powf(-2.0 / rope_dim as f32);
+        let (freq_scale, yarn) = match scaling {
+            RopeScaling::None => (1.0, None),
+            RopeScaling::Linear { factor } => (1.0 / factor, None),
+            RopeScaling::Yarn {
+                factor,
+                orig_ctx,
+                beta_fast,
+                beta_slow,
+                attn_factor,
+            } => {
+                let freq_scale = 1.0f32 / factor;
+                // ggml_rope_yarn_corr_dims.
+                let corr = |beta: f32| {
+                    rope_dim as f32
+                        * (orig_ctx as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
+                        / (2.0 * base.ln())
+                };
+                let low = corr(beta_fast).floor().max(0.0);
+                let high = corr(beta_slow).ceil().min(rope_dim as f32 - 1.0);
+                // llama.cpp's context set-up: get_mscale(factor) cancelled by its inverse,
+                // times the file's attn_factor; ggml then applies 1 + 0.1·ln(1/freq_scale).
+                let m = 0.1f32 * factor.ln() + 1.0;
+                let attn = m * (1.0 / (1.0 + 0.1 * factor.ln())) * attn_factor;
+                let mscale = attn * (1.0 + 0.1 * (1.0 / freq_scale).ln());
+                (freq_scale, Some((low, high, mscale)))
+            }
+        };
         for p in positions {
-            let mut theta = p as f32;
-            for _ in 0..self.half {
-                self.cos.push(theta.cos());
-                self.sin.push(theta.sin());
-                theta *= theta_scale;
+            let mut theta_extrap = p as f32;
+            for i in 0..self.half {
+                let theta_interp = freq_scale * theta_extrap;
+                let (theta, mscale) = match yarn {
+                    None => (theta_interp, 1.0),
+                    Some((low, high, mscale)) => {
+                        let y = (i as f32 - low) / (high - low).max(0.001);
+                        let mix = 1.0 - y.clamp(0.0, 1.0);
+                        (theta_interp * (1.0 - mix) + theta_extrap * mix, mscale)
+                    }
+                };
+                if yarn.is_some() {
+                    self.cos.push(theta.cos() * mscale);
+                    self.sin.push(theta.sin() * mscale);
+                } else {
+                    self.cos.push(theta.cos());
+                    self.sin.push(theta.sin());
+                }
+                theta_extrap *= theta_scale;
             }
         }
     }

@@ -11,7 +11,7 @@ use tessera_engine::ops::argmax;
 use tessera_engine::{
     ExpertSelection, ExpertStreaming, KvCache, LoadSpec, LocalExperts, Model, PartExperts, SeqStep,
 };
-use tessera_model::{Architecture, ModelConfig};
+use tessera_model::{Architecture, ModelConfig, RopeScaling};
 
 const MODEL: &str = "tiny-gpt-oss-MXFP4.gguf";
 /// 20 prompt tokens and 6 decode steps: past the fixture's window of 16.
@@ -70,6 +70,14 @@ fn fixture_has_gpt_oss_parts() {
     assert_eq!(swa, [true, false, true, false]);
     assert_eq!(cfg.attention_start(0, 40), 25);
     assert_eq!(cfg.attention_start(1, 40), 0);
+    assert!(
+        matches!(
+            cfg.rope_scaling,
+            RopeScaling::Yarn { factor, orig_ctx: 4096, .. } if factor == 32.0
+        ),
+        "{:?}",
+        cfg.rope_scaling
+    );
     let t = g.tensor("blk.0.ffn_gate_exps.weight").unwrap();
     assert_eq!(tessera_model::GgmlType::name_of_id(t.type_id), "MXFP4");
 }

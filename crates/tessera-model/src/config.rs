@@ -59,6 +59,26 @@ pub enum RopeStyle {
     Neox,
 }
 
+/// How RoPE's rotation angles are scaled for a context longer than the training one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeScaling {
+    #[default]
+    None,
+    /// Every angle divided by `factor`.
+    Linear { factor: f32 },
+    /// YaRN (gpt-oss): angles interpolated by `factor` below the dimensions `beta_fast`/`beta_slow`
+    /// bound (computed from `orig_ctx`), kept above, and every rotation scaled by `mscale`.
+    Yarn {
+        factor: f32,
+        orig_ctx: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        /// llama.cpp's `attn_factor` (from `rope.scaling.attn_factor`, 1 by default).
+        attn_factor: f32,
+    },
+}
+
 /// How a router's logits become the selected experts and their weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -122,6 +142,8 @@ pub struct ModelConfig {
     pub gating: ExpertGating,
     #[serde(default)]
     pub activation: FfnActivation,
+    #[serde(default)]
+    pub rope_scaling: RopeScaling,
 }
 
 /// Tensor names, in one place.
@@ -241,15 +263,15 @@ impl ModelConfig {
         } else {
             (0, 0)
         };
-        // A scaled RoPE (YaRN, linear) changes every rotation; refuse it rather than run the
-        // model with plain RoPE.
-        if let Some(v) = g.meta(&key("rope.scaling.type")) {
-            let kind = v.as_str().unwrap_or("?");
-            if kind != "none" {
+        let rope_scaling = read_rope_scaling(g, &key, context_length)?;
+        // A different base for the sliding-window layers would need a second table: refuse it
+        // rather than run them with the wrong one.
+        if let Some(b) = opt_f32(g, &key("rope.freq_base_swa"))? {
+            if b != rope_theta {
                 return Err(bad_meta(
                     path,
-                    &key("rope.scaling.type"),
-                    format!("RoPE scaling {kind:?} is not supported"),
+                    &key("rope.freq_base_swa"),
+                    format!("a separate base ({b}) for sliding-window layers is not supported"),
                 ));
             }
         }
@@ -274,6 +296,7 @@ impl ModelConfig {
             norm_topk_weights: matches!(arch, Architecture::Qwen3Moe | Architecture::Llama),
             sliding_window,
             swa_pattern,
+            rope_scaling,
             gating: if gpt_oss {
                 ExpertGating::SoftmaxWeight
             } else {
@@ -414,6 +437,51 @@ impl ModelConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// `{arch}.rope.scaling.*`: none (also when the type is absent or the factor is 1), linear or
+/// YaRN; other kinds, and YaRN's DeepSeek log multiplier, are refused by name.
+fn read_rope_scaling(
+    g: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    context_length: usize,
+) -> Result<RopeScaling> {
+    let path = g.path();
+    let kind = match g.meta(&key("rope.scaling.type")) {
+        None => "linear",
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| bad_meta(path, &key("rope.scaling.type"), "is not a string".into()))?,
+    };
+    let factor = opt_f32(g, &key("rope.scaling.factor"))?.unwrap_or(1.0);
+    match kind {
+        "none" => Ok(RopeScaling::None),
+        "linear" if factor == 1.0 => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor }),
+        "yarn" => {
+            if opt_f32(g, &key("rope.scaling.yarn_log_multiplier"))?.is_some() {
+                return Err(bad_meta(
+                    path,
+                    &key("rope.scaling.yarn_log_multiplier"),
+                    "YaRN with a log multiplier is not supported".into(),
+                ));
+            }
+            let orig_ctx =
+                opt_usize(g, &key("rope.scaling.original_context_length"))?.unwrap_or(context_length);
+            Ok(RopeScaling::Yarn {
+                factor,
+                orig_ctx,
+                beta_fast: opt_f32(g, &key("rope.scaling.yarn_beta_fast"))?.unwrap_or(32.0),
+                beta_slow: opt_f32(g, &key("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
+                attn_factor: opt_f32(g, &key("rope.scaling.attn_factor"))?.unwrap_or(1.0),
+            })
+        }
+        other => Err(bad_meta(
+            path,
+            &key("rope.scaling.type"),
+            format!("RoPE scaling {other:?} is not supported"),
+        )),
     }
 }
 
