@@ -70,8 +70,7 @@ impl RopeTable {
                 let freq_scale = 1.0f32 / factor;
                 // ggml_rope_yarn_corr_dims.
                 let corr = |beta: f32| {
-                    rope_dim as f32
-                        * (orig_ctx as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
+                    rope_dim as f32 * (orig_ctx as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
                         / (2.0 * base.ln())
                 };
                 let low = corr(beta_fast).floor().max(0.0);

@@ -467,8 +467,8 @@ fn read_rope_scaling(
                     "YaRN with a log multiplier is not supported".into(),
                 ));
             }
-            let orig_ctx =
-                opt_usize(g, &key("rope.scaling.original_context_length"))?.unwrap_or(context_length);
+            let orig_ctx = opt_usize(g, &key("rope.scaling.original_context_length"))?
+                .unwrap_or(context_length);
             Ok(RopeScaling::Yarn {
                 factor,
                 orig_ctx,

@@ -20,6 +20,8 @@ pub enum GgmlType {
     Mxfp4,
     /// A non-linear 16-value grid with an f16 scale per 32 values.
     Iq4Nl,
+    /// IQ4_NL's grid in 256-value super-blocks with 6-bit sub-block scales.
+    Iq4Xs,
 }
 
 impl GgmlType {
@@ -35,6 +37,7 @@ impl GgmlType {
             14 => Self::Q6K,
             30 => Self::BF16,
             20 => Self::Iq4Nl,
+            23 => Self::Iq4Xs,
             39 => Self::Mxfp4,
             _ => return None,
         })
@@ -52,6 +55,7 @@ impl GgmlType {
             Self::BF16 => 30,
             Self::Mxfp4 => 39,
             Self::Iq4Nl => 20,
+            Self::Iq4Xs => 23,
         }
     }
 
@@ -100,7 +104,7 @@ impl GgmlType {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
             Self::Q4_0 | Self::Q8_0 | Self::Mxfp4 | Self::Iq4Nl => 32,
-            Self::Q4K | Self::Q5K | Self::Q6K => 256,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::Iq4Xs => 256,
         }
     }
 
@@ -109,13 +113,14 @@ impl GgmlType {
         match self {
             Self::F32 => 4,
             Self::F16 | Self::BF16 => 2,
-            Self::Q4_0 => 18,  // f16 scale + 16 bytes of nibbles
-            Self::Q8_0 => 34,  // f16 scale + 32 i8
-            Self::Q4K => 144,  // f16 d, f16 dmin, 12 bytes scales, 128 bytes nibbles
-            Self::Q5K => 176,  // as Q4_K + 32 bytes of high bits
-            Self::Q6K => 210,  // 128 low nibbles, 64 high bits, 16 i8 scales, f16 d
-            Self::Mxfp4 => 17, // E8M0 scale + 16 bytes of E2M1 nibbles
-            Self::Iq4Nl => 18, // f16 scale + 16 bytes of grid indices
+            Self::Q4_0 => 18,   // f16 scale + 16 bytes of nibbles
+            Self::Q8_0 => 34,   // f16 scale + 32 i8
+            Self::Q4K => 144,   // f16 d, f16 dmin, 12 bytes scales, 128 bytes nibbles
+            Self::Q5K => 176,   // as Q4_K + 32 bytes of high bits
+            Self::Q6K => 210,   // 128 low nibbles, 64 high bits, 16 i8 scales, f16 d
+            Self::Mxfp4 => 17,  // E8M0 scale + 16 bytes of E2M1 nibbles
+            Self::Iq4Nl => 18,  // f16 scale + 16 bytes of grid indices
+            Self::Iq4Xs => 136, // f16 d, 2 + 4 bytes of 6-bit scales, 128 bytes of indices
         }
     }
 

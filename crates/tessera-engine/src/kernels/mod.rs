@@ -25,6 +25,7 @@
 //! The instruction set is chosen once per process ([`isa`]); aarch64 and other targets use the
 //! portable kernels (no NEON yet).
 
+mod iq4xs;
 mod lut4;
 mod matmul;
 mod matrix;
@@ -166,6 +167,7 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::F32 => scalar::f32_group,
         GgmlType::Mxfp4 => lut4::lut4_group::<false>,
         GgmlType::Iq4Nl => lut4::lut4_group::<true>,
+        GgmlType::Iq4Xs => iq4xs::iq4xs_group,
     }
 }
 

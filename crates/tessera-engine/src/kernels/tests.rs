@@ -56,6 +56,12 @@ pub(crate) fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, rng: &mut
                     v.push(rng.byte());
                 }
             }
+            GgmlType::Iq4Xs => {
+                push_f16(&mut v, rng.f() * 0.0005);
+                for _ in 0..134 {
+                    v.push(rng.byte());
+                }
+            }
             GgmlType::Iq4Nl => {
                 push_f16(&mut v, rng.f() * 0.002);
                 for _ in 0..16 {
@@ -115,7 +121,8 @@ pub(crate) fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
     v
 }
 
-const ALL: [GgmlType; 10] = [
+const ALL: [GgmlType; 11] = [
+    GgmlType::Iq4Xs,
     GgmlType::Iq4Nl,
     GgmlType::Mxfp4,
     GgmlType::Q4_0,
@@ -138,7 +145,7 @@ fn isas() -> Vec<Isa> {
 fn cols_for(dtype: GgmlType) -> usize {
     match dtype {
         GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => 320,
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 512,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Iq4Xs => 512,
         _ => 100, // exercises the float tail
     }
 }

@@ -3,6 +3,7 @@
 mod avx2;
 mod avx512;
 mod float;
+mod iq4xs;
 mod lut4;
 pub(super) mod quant;
 
@@ -42,6 +43,7 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
             lut4::lut4_group_avx2::<false>,
             lut4::lut4_group_avx512::<false>,
         ),
+        GgmlType::Iq4Xs => pick(iq4xs::iq4xs_group_avx2, iq4xs::iq4xs_group_avx512),
         GgmlType::Iq4Nl => pick(
             lut4::lut4_group_avx2::<true>,
             lut4::lut4_group_avx512::<true>,
