@@ -26,14 +26,14 @@ pub enum ModelError {
         tensor: String,
         what: String,
     },
-    #[error("{path}: tensor '{tensor}' has type {type_name}, which Tessera cannot run (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)")]
+    #[error("{path}: tensor '{tensor}' has type {type_name}, which Tessera cannot run (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS)")]
     UnsupportedType {
         path: PathBuf,
         tensor: String,
         type_name: String,
     },
     #[error(
-        "{path}: architecture '{arch}' is not supported (supported: llama, qwen2, qwen3, qwen3moe)"
+        "{path}: architecture '{arch}' is not supported (supported: llama, qwen2, qwen3, qwen3moe, gpt-oss)"
     )]
     UnsupportedArchitecture { path: PathBuf, arch: String },
     #[error("{path}: metadata key '{key}' {what}")]
