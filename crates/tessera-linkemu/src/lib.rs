@@ -71,6 +71,8 @@ mod stats;
 pub use emulator::LinkEmulator;
 pub use handle::LinkHandle;
 pub use shape::{parse_bandwidth, Direction, Impairment, LinkShape};
+/// The pure shaping core, for other transports (the lab's switch shapes IP packets with it).
+pub use shaper::{Shaper, Verdict};
 pub use stats::{DirectionStats, LinkStats};
 
 /// Largest UDP payload.

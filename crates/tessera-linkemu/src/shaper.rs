@@ -37,16 +37,20 @@ impl SplitMix64 {
 
 /// What the shaping decided for one datagram.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Verdict {
+pub enum Verdict {
+    /// The link is partitioned.
     Partition,
+    /// Dropped by the seeded loss draw.
     Loss,
+    /// The bandwidth queue would exceed its bound.
     QueueFull,
+    /// Deliver at this time.
     Deliver(Instant),
 }
 
 /// The deterministic part of one direction: loss draws, the bandwidth queue, delay and jitter.
 #[derive(Debug)]
-pub(crate) struct Shaper {
+pub struct Shaper {
     rng: SplitMix64,
     /// When the bandwidth queue will have sent everything accepted so far.
     busy_until: Instant,
@@ -55,7 +59,8 @@ pub(crate) struct Shaper {
 }
 
 impl Shaper {
-    pub(crate) fn new(seed: u64, now: Instant) -> Self {
+    /// A shaper whose loss and jitter draws start from `seed`, idle at `now`.
+    pub fn new(seed: u64, now: Instant) -> Self {
         Self {
             rng: SplitMix64(seed),
             busy_until: now,
@@ -63,7 +68,9 @@ impl Shaper {
         }
     }
 
-    pub(crate) fn decide(
+    /// The verdict for a datagram of `len` bytes offered at `now`, shaped by `imp` (the
+    /// direction's impairment) unless `shape` is partitioned.
+    pub fn decide(
         &mut self,
         shape: &LinkShape,
         imp: &Impairment,

@@ -46,6 +46,9 @@ enum Command {
     /// Start a whole cluster on this machine: a coordinator and gateway here, N node processes,
     /// an even layer split; serves the API and dashboard until Ctrl-C.
     Up(cmd::up::UpArgs),
+    /// Emulated hosts on this machine (namespaces and a user-space switch; Linux, root):
+    /// `selftest`, `run SCENARIO`, `clean`.
+    Lab(cmd::lab::LabArgs),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
         Command::Run(a) => cmd::run::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Up(a) => cmd::up::run(a),
+        Command::Lab(a) => cmd::lab::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod coordinator;
 pub mod generate;
 pub mod inspect;
+pub mod lab;
 pub mod node;
 pub mod plan;
 mod progress;

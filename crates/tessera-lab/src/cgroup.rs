@@ -1,0 +1,229 @@
+//! Per-host memory caps and CPU shares with cgroups, v1 (one hierarchy per controller, as on
+//! the machines here) or v2 (one unified hierarchy).
+//!
+//! A host's processes join its cgroup between fork and exec (writing `0`, "this process", to
+//! each `cgroup.procs`), so they are capped from their first allocation.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::error::{LabError, Result};
+
+/// Where cgroup hierarchies are mounted.
+pub const ROOT: &str = "/sys/fs/cgroup";
+
+/// What a host is given.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Limits {
+    /// Memory cap in bytes (the kernel reclaims, then kills, beyond it).
+    pub memory: Option<u64>,
+    /// The CPUs the host may run on, in cpuset syntax (`0`, `0-1`, `0,2`).
+    pub cpus: Option<String>,
+    /// CPU time per wall-clock second, in cores (`0.5`: half a core), by CFS quota.
+    pub cpu_quota: Option<f64>,
+}
+
+impl Limits {
+    /// Whether any limit is set.
+    pub fn any(&self) -> bool {
+        self.memory.is_some() || self.cpus.is_some() || self.cpu_quota.is_some()
+    }
+}
+
+/// Which cgroup interface the machine has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    V1,
+    V2,
+}
+
+/// The machine's cgroup interface.
+pub fn version() -> Version {
+    if Path::new(ROOT).join("cgroup.controllers").exists() {
+        Version::V2
+    } else {
+        Version::V1
+    }
+}
+
+/// One host's cgroup (a directory per v1 controller, or one v2 directory).
+#[derive(Debug)]
+pub struct Cgroup {
+    dirs: Vec<PathBuf>,
+}
+
+fn write(path: &Path, value: &str) -> Result<()> {
+    std::fs::write(path, value)
+        .map_err(|e| LabError::io(format!("writing {value:?} to {}", path.display()), e))
+}
+
+fn mkdir(path: &Path) -> Result<()> {
+    std::fs::create_dir(path)
+        .map_err(|e| LabError::io(format!("creating cgroup {}", path.display()), e))
+}
+
+impl Cgroup {
+    /// Makes the cgroup `name` with `limits` (`None` when there are none to impose).
+    pub fn create(name: &str, limits: &Limits) -> Result<Option<Self>> {
+        if !limits.any() {
+            return Ok(None);
+        }
+        let mut cg = Self { dirs: Vec::new() };
+        let result = match version() {
+            Version::V1 => cg.create_v1(name, limits),
+            Version::V2 => cg.create_v2(name, limits),
+        };
+        match result {
+            Ok(()) => Ok(Some(cg)),
+            Err(e) => {
+                cg.destroy();
+                Err(e)
+            }
+        }
+    }
+
+    fn create_v1(&mut self, name: &str, l: &Limits) -> Result<()> {
+        let root = Path::new(ROOT);
+        if let Some(bytes) = l.memory {
+            let d = root.join("memory").join(name);
+            mkdir(&d)?;
+            self.dirs.push(d.clone());
+            write(&d.join("memory.limit_in_bytes"), &bytes.to_string())?;
+        }
+        if let Some(cpus) = &l.cpus {
+            let parent = root.join("cpuset");
+            let d = parent.join(name);
+            mkdir(&d)?;
+            self.dirs.push(d.clone());
+            write(&d.join("cpuset.cpus"), cpus)?;
+            // A v1 cpuset takes no task until it has memory nodes: the parent's.
+            let mems = std::fs::read_to_string(parent.join("cpuset.mems"))
+                .map_err(|e| LabError::io("reading cpuset.mems", e))?;
+            write(&d.join("cpuset.mems"), mems.trim())?;
+        }
+        if let Some(cores) = l.cpu_quota {
+            let d = root.join("cpu").join(name);
+            mkdir(&d)?;
+            self.dirs.push(d.clone());
+            write(&d.join("cpu.cfs_period_us"), "100000")?;
+            write(&d.join("cpu.cfs_quota_us"), &quota_us(cores).to_string())?;
+        }
+        Ok(())
+    }
+
+    fn create_v2(&mut self, name: &str, l: &Limits) -> Result<()> {
+        let root = Path::new(ROOT);
+        // Children get a controller only when the parent delegates it.
+        let _ = write(&root.join("cgroup.subtree_control"), "+memory +cpu +cpuset");
+        let d = root.join(name);
+        mkdir(&d)?;
+        self.dirs.push(d.clone());
+        if let Some(bytes) = l.memory {
+            write(&d.join("memory.max"), &bytes.to_string())?;
+        }
+        if let Some(cpus) = &l.cpus {
+            write(&d.join("cpuset.cpus"), cpus)?;
+        }
+        if let Some(cores) = l.cpu_quota {
+            write(&d.join("cpu.max"), &format!("{} 100000", quota_us(cores)))?;
+        }
+        Ok(())
+    }
+
+    /// Makes `cmd` join this cgroup before it execs.
+    pub fn prepare(&self, cmd: &mut Command) -> Result<()> {
+        let files: Vec<File> = self
+            .dirs
+            .iter()
+            .map(|d| {
+                let p = d.join("cgroup.procs");
+                OpenOptions::new()
+                    .write(true)
+                    .open(&p)
+                    .map_err(|e| LabError::io(format!("opening {}", p.display()), e))
+            })
+            .collect::<Result<_>>()?;
+        // SAFETY: the closure only calls write(2) on fds it owns; no allocation.
+        unsafe {
+            cmd.pre_exec(move || {
+                for f in &files {
+                    if libc::write(f.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+
+    /// Kills what is left inside and removes the directories.
+    pub fn destroy(self) {
+        for d in &self.dirs {
+            remove(d);
+        }
+    }
+}
+
+/// CFS quota for `cores` per 100 ms period (at least 1 ms, the kernel's minimum).
+fn quota_us(cores: f64) -> u64 {
+    ((cores * 100_000.0).round() as u64).max(1000)
+}
+
+/// Kills the tasks of cgroup directory `d` and removes it.
+pub(crate) fn remove(d: &Path) {
+    let pids: Vec<u32> = std::fs::read_to_string(d.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    crate::netns::kill_all(&pids);
+    for _ in 0..100 {
+        if std::fs::remove_dir(d).is_ok() || !d.exists() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// Every cgroup directory whose name starts with `prefix`, in either interface.
+pub fn list(prefix: &str) -> Vec<PathBuf> {
+    let root = Path::new(ROOT);
+    let parents: Vec<PathBuf> = match version() {
+        Version::V2 => vec![root.to_path_buf()],
+        Version::V1 => ["memory", "cpuset", "cpu"]
+            .iter()
+            .map(|c| root.join(c))
+            .collect(),
+    };
+    let mut out = Vec::new();
+    for p in parents {
+        if let Ok(dir) = std::fs::read_dir(&p) {
+            out.extend(
+                dir.filter_map(|e| e.ok())
+                    .filter(|e| {
+                        e.file_name()
+                            .to_str()
+                            .is_some_and(|n| n.starts_with(prefix))
+                    })
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quota_is_per_100ms_period_with_the_kernels_floor() {
+        assert_eq!(quota_us(0.5), 50_000);
+        assert_eq!(quota_us(2.0), 200_000);
+        assert_eq!(quota_us(0.0001), 1000);
+    }
+}

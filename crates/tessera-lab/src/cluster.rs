@@ -1,0 +1,294 @@
+//! A Tessera cluster inside a lab: `tessera serve` (coordinator and gateway) on one host,
+//! `tessera node` agents on others, each a real process in its host's namespace and cgroup,
+//! joined over the switch. The gateway listens on the coordinator host's loopback; the lab
+//! reaches it with sockets made inside that host.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::error::{LabError, Result};
+use crate::http;
+use crate::lab::Lab;
+
+/// The coordinator's QUIC port on its host.
+pub const COORDINATOR_PORT: u16 = 7070;
+/// The gateway's HTTP port on the coordinator host's loopback.
+pub const API_PORT: u16 = 8080;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// The `tessera` binary.
+    pub tessera: PathBuf,
+    /// The GGUF model.
+    pub model: PathBuf,
+    /// Data directories and logs go here.
+    pub dir: PathBuf,
+    /// The host of the coordinator and gateway.
+    pub coordinator: usize,
+    /// The node hosts, in the order they are started (stages take nodes in join order).
+    pub nodes: Vec<usize>,
+    /// `--split` (default: even over the nodes).
+    pub split: Option<String>,
+    /// Compute threads per node.
+    pub threads: usize,
+    /// How long start-up (join, fetch, load, link) may take.
+    pub timeout: Duration,
+}
+
+/// A running cluster; its processes are killed when dropped.
+pub struct Cluster {
+    coordinator_host: usize,
+    children: Vec<(String, Child)>,
+    /// `TOKEN@ADDR`.
+    pub join: String,
+    /// The model's name on the API.
+    pub model: String,
+    dir: PathBuf,
+}
+
+/// One completion: its text and when each streamed piece arrived.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub text: String,
+    pub pieces: Vec<Instant>,
+    pub started: Instant,
+}
+
+impl Completion {
+    /// Mean time between streamed pieces after the first (the decode step), s.
+    pub fn decode_step_s(&self) -> Option<f64> {
+        let (a, b) = (self.pieces.first()?, self.pieces.last()?);
+        (self.pieces.len() > 1).then(|| (*b - *a).as_secs_f64() / (self.pieces.len() - 1) as f64)
+    }
+}
+
+fn log_tail(path: &Path) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+impl Cluster {
+    /// Starts the coordinator, then the nodes, and waits until the gateway says it is serving.
+    pub fn start(lab: &Lab, o: &ClusterOptions) -> Result<Self> {
+        std::fs::create_dir_all(&o.dir)
+            .map_err(|e| LabError::io(format!("creating {}", o.dir.display()), e))?;
+        let coord_addr = SocketAddr::new(lab.addr(o.coordinator).into(), COORDINATOR_PORT);
+        let mut cmd = lab.command(o.coordinator, &o.tessera)?;
+        cmd.arg("serve")
+            .arg("--model")
+            .arg(&o.model)
+            .args(["--nodes-expected", &o.nodes.len().to_string()])
+            .args(["--coordinator-listen", &coord_addr.to_string()])
+            .args(["--listen", &format!("127.0.0.1:{API_PORT}")])
+            .arg("--data-dir")
+            .arg(o.dir.join("coordinator"))
+            .env("TESSERA_CACHE_DIR", o.dir.join("cache"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(file(&o.dir.join("coordinator.log"))?);
+        if let Some(s) = &o.split {
+            cmd.args(["--split", s]);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| LabError::io(format!("starting {}", o.tessera.display()), e))?;
+        let out = BufReader::new(child.stdout.take().expect("piped"));
+        let mut cluster = Self {
+            coordinator_host: o.coordinator,
+            children: vec![("coordinator".into(), child)],
+            join: String::new(),
+            model: String::new(),
+            dir: o.dir.clone(),
+        };
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(std::result::Result::ok) {
+                if let Some(j) = line.strip_prefix("join token: ") {
+                    let _ = tx.send(j.to_string());
+                }
+            }
+        });
+        cluster.join = rx.recv_timeout(Duration::from_secs(60)).map_err(|_| {
+            LabError::Run(format!(
+                "the coordinator printed no join token:\n{}",
+                log_tail(&o.dir.join("coordinator.log"))
+            ))
+        })?;
+        for (k, &host) in o.nodes.iter().enumerate() {
+            let name = lab.name(host).to_string();
+            let listen = SocketAddr::new(lab.addr(host).into(), 0);
+            let mut cmd = lab.command(host, &o.tessera)?;
+            cmd.arg("node")
+                .arg("--data-dir")
+                .arg(o.dir.join(format!("node-{name}")))
+                .args(["--join", &cluster.join, "--listen", &listen.to_string()])
+                .args([
+                    "--name",
+                    &name,
+                    "--threads",
+                    &o.threads.to_string(),
+                    "--quick-probe",
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(file(&o.dir.join(format!("node-{name}.log")))?);
+            let child = cmd
+                .spawn()
+                .map_err(|e| LabError::io(format!("starting node {name}"), e))?;
+            cluster.children.push((name, child));
+            // Stages take nodes in join order: let each join before the next starts.
+            if k + 1 < o.nodes.len() {
+                cluster.wait_joined(lab, k + 1, Duration::from_secs(60))?;
+            }
+        }
+        cluster.wait_serving(lab, o.timeout)?;
+        Ok(cluster)
+    }
+
+    fn check_alive(&mut self) -> Result<()> {
+        for (name, c) in &mut self.children {
+            if let Ok(Some(status)) = c.try_wait() {
+                let log = if name == "coordinator" {
+                    self.dir.join("coordinator.log")
+                } else {
+                    self.dir.join(format!("node-{name}.log"))
+                };
+                return Err(LabError::Run(format!(
+                    "{name} exited ({status}):\n{}",
+                    log_tail(&log)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the coordinator's status lists `n` nodes.
+    fn wait_joined(&mut self, lab: &Lab, n: usize, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.check_alive()?;
+            let last = match self.get(lab, "/api/status") {
+                Ok(r) => {
+                    let nodes = serde_json::from_str::<serde_json::Value>(&r.body)
+                        .ok()
+                        .and_then(|v| v["cluster"]["nodes"].as_array().map(Vec::len))
+                        .unwrap_or(0);
+                    if nodes >= n {
+                        return Ok(());
+                    }
+                    r.body
+                }
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() > deadline {
+                let (name, _) = &self.children[n];
+                return Err(LabError::Run(format!(
+                    "fewer than {n} nodes joined in {timeout:?}; status: {last}\n{name}'s log:\n{}",
+                    log_tail(&self.dir.join(format!("node-{name}.log")))
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits until `/health` answers 200.
+    pub fn wait_serving(&mut self, lab: &Lab, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.check_alive()?;
+            let last = match self.get(lab, "/health") {
+                Ok(r) if r.status == 200 => {
+                    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+                    self.model = v["model"].as_str().unwrap_or_default().to_string();
+                    return Ok(());
+                }
+                Ok(r) => r.body,
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() > deadline {
+                return Err(LabError::Run(format!(
+                    "not serving after {timeout:?}: {last}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn api(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], API_PORT))
+    }
+
+    /// `GET path` on the gateway.
+    pub fn get(&self, lab: &Lab, path: &str) -> Result<http::Response> {
+        let s = lab.connect(self.coordinator_host, self.api())?;
+        http::request(s, "GET", path, None)
+    }
+
+    /// A greedy streamed completion of `prompt`, `max_tokens` long.
+    pub fn complete(&self, lab: &Lab, prompt: &str, max_tokens: usize) -> Result<Completion> {
+        let body = serde_json::json!({
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": true,
+        })
+        .to_string();
+        let s = lab.connect(self.coordinator_host, self.api())?;
+        let started = Instant::now();
+        let (status, events) = http::events(s, "/v1/completions", &body)?;
+        if status != 200 {
+            return Err(LabError::Run(format!(
+                "completion: HTTP {status}: {events:?}"
+            )));
+        }
+        let mut text = String::new();
+        let mut pieces = Vec::new();
+        for (at, data) in events {
+            if data == "[DONE]" {
+                break;
+            }
+            let v: serde_json::Value = serde_json::from_str(&data)
+                .map_err(|e| LabError::Run(format!("completion event {data:?}: {e}")))?;
+            if let Some(t) = v["choices"][0]["text"].as_str() {
+                if !t.is_empty() {
+                    text.push_str(t);
+                    pieces.push(at);
+                }
+            }
+        }
+        Ok(Completion {
+            text,
+            pieces,
+            started,
+        })
+    }
+
+    /// Kills the process called `name` (a node's host name, or `coordinator`).
+    pub fn kill(&mut self, name: &str) -> Result<()> {
+        let (_, c) = self
+            .children
+            .iter_mut()
+            .find(|(n, _)| n == name)
+            .ok_or_else(|| LabError::Spec(format!("no process {name:?}")))?;
+        let _ = c.kill();
+        let _ = c.wait();
+        Ok(())
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn file(path: &Path) -> Result<std::fs::File> {
+    std::fs::File::create(path).map_err(|e| LabError::io(format!("creating {}", path.display()), e))
+}

@@ -1,0 +1,338 @@
+//! A lab: hosts (one network namespace each, a TUN device, an address, optional cgroup
+//! limits) joined by one [`Switch`], all removed when the [`Lab`] is dropped — and, after a
+//! crash, by [`clean`].
+//!
+//! Every name the lab makes starts with [`PREFIX`] and carries the process id of the lab that
+//! made it (`tlab-PID-N-HOST`), so [`clean`] can tell a dead lab's leftovers from a live one's.
+
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use tessera_linkemu::Impairment;
+
+use crate::cgroup::{Cgroup, Limits};
+use crate::error::{LabError, Result};
+use crate::netns::Netns;
+use crate::packet::{Subnet, MAX_HOSTS};
+use crate::switch::Switch;
+
+/// The prefix of every namespace and cgroup a lab makes.
+pub const PREFIX: &str = "tlab-";
+/// Default MTU of the hosts' devices: jumbo frames, so a 1 Gbit/s link is ~14k packets/s
+/// through the switch rather than ~83k (QUIC keeps to ~1.2–1.5 kB datagrams whatever it is).
+pub const DEFAULT_MTU: u32 = 9000;
+
+/// One host to make.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostSpec {
+    /// The name scenarios and commands use.
+    pub name: String,
+    /// What its cgroup imposes.
+    pub limits: Limits,
+}
+
+impl HostSpec {
+    /// A host without limits.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// A link between two hosts, the same each way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinkSpec {
+    pub a: String,
+    pub b: String,
+    pub each_way: Impairment,
+}
+
+/// A whole lab.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LabSpec {
+    pub hosts: Vec<HostSpec>,
+    /// Every pair not in `links`.
+    pub default_link: Impairment,
+    pub links: Vec<LinkSpec>,
+    pub mtu: u32,
+    /// Seeds the switch's loss and jitter draws.
+    pub seed: u64,
+}
+
+impl LabSpec {
+    /// `hosts` joined by perfect links.
+    pub fn new(hosts: Vec<HostSpec>) -> Self {
+        Self {
+            hosts,
+            default_link: Impairment::default(),
+            links: Vec::new(),
+            mtu: DEFAULT_MTU,
+            seed: 1,
+        }
+    }
+
+    /// Every link shaped by `each_way` unless listed.
+    pub fn default_link(mut self, each_way: Impairment) -> Self {
+        self.default_link = each_way;
+        self
+    }
+
+    /// Adds a link.
+    pub fn link(mut self, a: &str, b: &str, each_way: Impairment) -> Self {
+        self.links.push(LinkSpec {
+            a: a.into(),
+            b: b.into(),
+            each_way,
+        });
+        self
+    }
+
+    fn index(&self, name: &str) -> Result<usize> {
+        self.hosts
+            .iter()
+            .position(|h| h.name == name)
+            .ok_or_else(|| LabError::Spec(format!("no host named {name:?}")))
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.hosts.is_empty() || self.hosts.len() > MAX_HOSTS {
+            return Err(LabError::Spec(format!(
+                "a lab has 1 to {MAX_HOSTS} hosts, not {}",
+                self.hosts.len()
+            )));
+        }
+        for (i, h) in self.hosts.iter().enumerate() {
+            if self.hosts[..i].iter().any(|o| o.name == h.name) {
+                return Err(LabError::Spec(format!("host {:?} is listed twice", h.name)));
+            }
+        }
+        for l in &self.links {
+            let (a, b) = (self.index(&l.a)?, self.index(&l.b)?);
+            if a == b {
+                return Err(LabError::Spec(format!("a link from {:?} to itself", l.a)));
+            }
+        }
+        if !(576..=65_535).contains(&self.mtu) {
+            return Err(LabError::Spec(format!(
+                "MTU {} is outside 576..=65535",
+                self.mtu
+            )));
+        }
+        Ok(())
+    }
+}
+
+struct Host {
+    name: String,
+    ns: Option<Netns>,
+    cgroup: Option<Cgroup>,
+}
+
+/// A running lab; everything it made is removed when it is dropped.
+pub struct Lab {
+    id: String,
+    net: Subnet,
+    hosts: Vec<Host>,
+    switch: Option<Switch>,
+}
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+impl Lab {
+    /// Makes the hosts, their devices and cgroups, and starts the switch. Leftovers of labs
+    /// whose process has died are removed first.
+    pub fn start(spec: &LabSpec) -> Result<Self> {
+        crate::tun::check_supported()?;
+        spec.validate()?;
+        clean(false);
+        let id = format!(
+            "{PREFIX}{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let net = Subnet::default();
+        let mut lab = Self {
+            id,
+            net,
+            hosts: Vec::new(),
+            switch: None,
+        };
+        let mut ports: Vec<File> = Vec::new();
+        for (i, h) in spec.hosts.iter().enumerate() {
+            let name = format!("{}-{i}", lab.id);
+            let ns = Netns::create(&name)?;
+            lab.hosts.push(Host {
+                name: h.name.clone(),
+                ns: Some(ns),
+                cgroup: None,
+            });
+            let ns = lab.hosts[i].ns.as_ref().expect("just made");
+            ports.push(crate::tun::create(
+                ns,
+                net.host(i),
+                Subnet::PREFIX,
+                spec.mtu,
+            )?);
+            lab.hosts[i].cgroup = Cgroup::create(&name, &h.limits)?;
+        }
+        let switch = Switch::start(ports, net, spec.default_link, spec.seed)?;
+        for l in &spec.links {
+            switch.set_link(spec.index(&l.a)?, spec.index(&l.b)?, l.each_way);
+        }
+        lab.switch = Some(switch);
+        Ok(lab)
+    }
+
+    /// This lab's id (the prefix of its namespaces' and cgroups' names).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Number of hosts.
+    pub fn len(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// Whether the lab has no hosts (never, once started).
+    pub fn is_empty(&self) -> bool {
+        self.hosts.is_empty()
+    }
+
+    /// The index of the host called `name`.
+    pub fn host(&self, name: &str) -> Result<usize> {
+        self.hosts
+            .iter()
+            .position(|h| h.name == name)
+            .ok_or_else(|| LabError::Spec(format!("no host named {name:?}")))
+    }
+
+    /// Host `i`'s name.
+    pub fn name(&self, i: usize) -> &str {
+        &self.hosts[i].name
+    }
+
+    /// Host `i`'s address.
+    pub fn addr(&self, i: usize) -> Ipv4Addr {
+        self.net.host(i)
+    }
+
+    /// Host `i`'s namespace name (for `ip netns exec`).
+    pub fn netns(&self, i: usize) -> &str {
+        self.ns(i).name()
+    }
+
+    fn ns(&self, i: usize) -> &Netns {
+        self.hosts[i]
+            .ns
+            .as_ref()
+            .expect("a started lab's hosts have namespaces")
+    }
+
+    /// The switch, to reshape, partition and heal links and read their counters.
+    pub fn switch(&self) -> &Switch {
+        self.switch.as_ref().expect("a started lab has a switch")
+    }
+
+    /// A command that runs `program` on host `i`: in its namespace and cgroup.
+    pub fn command(&self, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Result<Command> {
+        let mut cmd = Command::new(program);
+        self.ns(i).prepare(&mut cmd)?;
+        if let Some(cg) = &self.hosts[i].cgroup {
+            cg.prepare(&mut cmd)?;
+        }
+        Ok(cmd)
+    }
+
+    /// Runs `f` on a thread inside host `i`'s namespace: sockets it makes belong to host `i`.
+    pub fn run_in<T: Send>(
+        &self,
+        i: usize,
+        f: impl FnOnce() -> std::io::Result<T> + Send,
+    ) -> Result<T> {
+        self.ns(i).run_in(f)
+    }
+
+    /// A TCP connection from host `i` to `addr` (host `i`'s own loopback included).
+    pub fn connect(&self, i: usize, addr: std::net::SocketAddr) -> Result<std::net::TcpStream> {
+        self.run_in(i, || {
+            std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(10))
+        })
+    }
+
+    /// Processes running on host `i`.
+    pub fn pids(&self, i: usize) -> Vec<u32> {
+        self.ns(i).pids()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        // Processes first (so nothing sends), then the switch (closing the TUN devices), then
+        // the namespaces and cgroups.
+        for h in &self.hosts {
+            if let Some(ns) = &h.ns {
+                crate::netns::kill_all(&ns.pids());
+            }
+        }
+        self.switch = None;
+        for h in &mut self.hosts {
+            if let Some(ns) = h.ns.take() {
+                let _ = ns.destroy();
+            }
+            if let Some(cg) = h.cgroup.take() {
+                cg.destroy();
+            }
+        }
+    }
+}
+
+/// What [`clean`] removed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Cleaned {
+    pub namespaces: Vec<String>,
+    pub cgroups: Vec<String>,
+}
+
+/// Removes the namespaces (killing their processes) and cgroups of labs whose process is gone
+/// — or, with `all`, of every lab on this machine, live ones included.
+pub fn clean(all: bool) -> Cleaned {
+    let mut out = Cleaned::default();
+    for name in crate::netns::list(PREFIX) {
+        if all || !owner_alive(&name) {
+            if let Ok(ns) = Netns::open(&name) {
+                if ns.destroy().is_ok() {
+                    out.namespaces.push(name);
+                }
+            } else if crate::netns::ip(&["netns", "delete", &name]).is_ok() {
+                out.namespaces.push(name);
+            }
+        }
+    }
+    for dir in crate::cgroup::list(PREFIX) {
+        let name = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        if all || !owner_alive(&name) {
+            crate::cgroup::remove(&dir);
+            if !dir.exists() {
+                out.cgroups.push(dir.display().to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Whether the process named in `tlab-PID-...` still runs.
+fn owner_alive(name: &str) -> bool {
+    name.strip_prefix(PREFIX)
+        .and_then(|r| r.split('-').next())
+        .and_then(|p| p.parse::<u32>().ok())
+        .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists())
+}

@@ -1,0 +1,89 @@
+//! A TUN device inside a host's namespace, read and written by the switch in this process.
+//!
+//! The device is made by opening `/dev/net/tun` from a thread inside the namespace
+//! ([`Netns::run_in`]), so it lives there, while the file descriptor stays with the switch.
+//! It is not persistent: when the descriptor closes (the lab ends, or this process dies) the
+//! kernel removes the device.
+
+use std::fs::{File, OpenOptions};
+use std::net::Ipv4Addr;
+use std::os::fd::AsRawFd;
+
+use crate::error::{LabError, Result};
+use crate::netns::{ip, Netns};
+
+/// The device's name inside every host (namespaces keep them apart).
+pub const DEVICE: &str = "tlab0";
+
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const IFF_TUN: libc::c_short = 0x0001;
+const IFF_NO_PI: libc::c_short = 0x1000;
+
+#[repr(C)]
+struct IfReq {
+    name: [u8; libc::IFNAMSIZ],
+    flags: libc::c_short,
+    _pad: [u8; 22],
+}
+
+/// Makes the TUN device in `ns`, gives it `addr/prefix`, `mtu` and a multicast route, brings
+/// it up, and turns IPv6 off in the namespace (the switch forwards IPv4: the lab's addresses,
+/// and mDNS's 224.0.0.251). Returns the descriptor packets are read from and written to.
+pub fn create(ns: &Netns, addr: Ipv4Addr, prefix: u8, mtu: u32) -> Result<File> {
+    let file = ns.run_in(|| {
+        // Without IPv6 the device gets no link-local address and sends no router
+        // solicitations: the switch sees only the lab's own traffic.
+        for key in ["all", "default"] {
+            let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{key}/disable_ipv6"), "1");
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/net/tun")?;
+        let mut req = IfReq {
+            name: [0; libc::IFNAMSIZ],
+            flags: IFF_TUN | IFF_NO_PI,
+            _pad: [0; 22],
+        };
+        req.name[..DEVICE.len()].copy_from_slice(DEVICE.as_bytes());
+        // SAFETY: TUNSETIFF reads and writes one `struct ifreq`, which `IfReq` lays out.
+        if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF as _, &mut req) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(file)
+    })?;
+    let n = ns.name();
+    let cidr = format!("{addr}/{prefix}");
+    ip(&["-n", n, "addr", "add", &cidr, "dev", DEVICE])?;
+    ip(&[
+        "-n",
+        n,
+        "link",
+        "set",
+        DEVICE,
+        "mtu",
+        &mtu.to_string(),
+        "multicast",
+        "on",
+        "up",
+    ])?;
+    ip(&["-n", n, "route", "add", "224.0.0.0/4", "dev", DEVICE])?;
+    Ok(file)
+}
+
+/// Checks a TUN device can be made here (root, `/dev/net/tun`, `ip`).
+pub fn check_supported() -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(LabError::Unsupported(
+            "not root: network namespaces and TUN devices need root".into(),
+        ));
+    }
+    if !std::path::Path::new("/dev/net/tun").exists() {
+        return Err(LabError::Unsupported("no /dev/net/tun".into()));
+    }
+    match std::process::Command::new("ip").arg("-V").output() {
+        Ok(o) if o.status.success() => Ok(()),
+        _ => Err(LabError::Unsupported("no `ip` command (iproute2)".into())),
+    }
+}

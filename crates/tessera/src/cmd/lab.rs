@@ -1,0 +1,82 @@
+//! `tessera lab`: emulated hosts on this machine (network namespaces joined by a user-space
+//! switch that imposes each link's delay, jitter, bandwidth, loss and partitions), for
+//! checking the switch (`selftest`), running scenarios (`run`) and removing what a crashed lab
+//! left behind (`clean`). Linux, root. The work is in `tessera-lab`.
+
+use anyhow::Context;
+
+#[derive(clap::Args, Debug)]
+pub struct LabArgs {
+    #[command(subcommand)]
+    command: LabCommand,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum LabCommand {
+    /// Measure the switch: round trip at 0.5/2/20/80 ms, bandwidth at 10/100/1000 Mbit/s, loss,
+    /// and a partition; print the table. Exits non-zero when a figure is out of tolerance.
+    Selftest {
+        /// Print the table as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Seconds of transfer per bandwidth figure.
+        #[arg(long, default_value_t = 4.0)]
+        transfer_s: f64,
+    },
+    /// Remove the namespaces, devices and cgroups of labs whose process has gone (and kill the
+    /// processes left inside them).
+    Clean {
+        /// Remove every lab's, running ones included.
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+pub fn run(args: LabArgs) -> anyhow::Result<()> {
+    match args.command {
+        LabCommand::Selftest { json, transfer_s } => {
+            anyhow::ensure!(transfer_s >= 1.0, "--transfer-s must be at least 1");
+            let opts = tessera_lab::selftest::Options {
+                transfer_s,
+                ..Default::default()
+            };
+            if !json {
+                print!("{}", tessera_lab::selftest::table(&[]));
+            }
+            let checks = tessera_lab::selftest::run(&opts, |c| {
+                if !json {
+                    let t = tessera_lab::selftest::table(std::slice::from_ref(c));
+                    print!(
+                        "{}",
+                        t.lines()
+                            .nth(1)
+                            .map(|l| format!("{l}\n"))
+                            .unwrap_or_default()
+                    );
+                    use std::io::Write as _;
+                    let _ = std::io::stdout().flush();
+                }
+            })
+            .context("lab selftest")?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&checks)?);
+            }
+            let out = checks.iter().filter(|c| !c.ok).count();
+            anyhow::ensure!(out == 0, "{out} figure(s) out of tolerance");
+            Ok(())
+        }
+        LabCommand::Clean { all } => {
+            let c = tessera_lab::clean(all);
+            for n in &c.namespaces {
+                println!("removed namespace {n}");
+            }
+            for g in &c.cgroups {
+                println!("removed cgroup {g}");
+            }
+            if c.namespaces.is_empty() && c.cgroups.is_empty() {
+                println!("nothing to remove");
+            }
+            Ok(())
+        }
+    }
+}
