@@ -1,4 +1,4 @@
-//! A lab: hosts (one network namespace each, a TUN device, an address, optional cgroup
+//! A lab: hosts (one network namespace each, a TAP device, an address, optional cgroup
 //! limits) joined by one [`Switch`], all removed when the [`Lab`] is dropped — and, after a
 //! crash, by [`clean`].
 //!
@@ -174,13 +174,14 @@ impl Lab {
             let ns = lab.hosts[i].ns.as_ref().expect("just made");
             ports.push(crate::tun::create(
                 ns,
+                crate::packet::mac(i),
                 net.host(i),
                 Subnet::PREFIX,
                 spec.mtu,
             )?);
             lab.hosts[i].cgroup = Cgroup::create(&name, &h.limits)?;
         }
-        let switch = Switch::start(ports, net, spec.default_link, spec.seed)?;
+        let switch = Switch::start(ports, spec.default_link, spec.seed)?;
         for l in &spec.links {
             switch.set_link(spec.index(&l.a)?, spec.index(&l.b)?, l.each_way);
         }
@@ -272,7 +273,7 @@ impl Lab {
 
 impl Drop for Lab {
     fn drop(&mut self) {
-        // Processes first (so nothing sends), then the switch (closing the TUN devices), then
+        // Processes first (so nothing sends), then the switch (closing the TAP devices), then
         // the namespaces and cgroups.
         for h in &self.hosts {
             if let Some(ns) = &h.ns {

@@ -1,7 +1,7 @@
 //! The lab: many emulated hosts on one machine, real networks between them.
 //!
-//! Each host is a network namespace with one TUN device and its own address (`10.213.0.N`);
-//! a user-space [`Switch`] in this process reads every TUN device and writes each packet
+//! Each host is a network namespace with one TAP device and its own address (`10.213.0.N`);
+//! a user-space [`Switch`] in this process reads every device and writes each frame
 //! into its destination's after the link's one-way delay (± jitter), through its bandwidth
 //! queue, unless lost or partitioned. Real `tessera` processes run inside the hosts
 //! ([`Lab::command`]), unchanged: QUIC between nodes, the HTTP API and mDNS multicast all
@@ -25,7 +25,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Linux and root only (namespaces, TUN, cgroups); [`Lab::start`] says why when it cannot run.
+//! Linux and root only (namespaces, TAP devices, cgroups); [`Lab::start`] says why when it cannot run.
 
 pub mod cgroup;
 pub mod cluster;

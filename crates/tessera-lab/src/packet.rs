@@ -1,10 +1,14 @@
-//! Where an IP packet read from a host's TUN device goes: pure, no I/O.
+//! Where a frame read from a host's device goes: pure, no I/O.
 //!
-//! The lab's hosts share one /24 (`10.213.0.0/24` by default): host `i` is `.i+1`. A unicast
-//! packet goes to the host that owns its destination; multicast (224.0.0.0/4, mDNS among it),
-//! the limited broadcast and the subnet's broadcast go to every other host, each copy over its
-//! own link. Anything else (IPv6, other networks, a packet to the sender itself) is not the
-//! lab's and is dropped.
+//! Every host's device is an Ethernet (TAP) device whose address the lab sets: host `i` has
+//! [`mac`]`(i)`, and its IPv4 address is `10.213.0.i+1` ([`Subnet`]). The switch forwards by
+//! destination MAC like a hardware switch that already knows every port: a unicast frame goes
+//! to the host that owns its destination address; broadcast and multicast frames (ARP
+//! requests, mDNS's 224.0.0.251) go to every other host, each copy over its own link. Anything
+//! else (a frame to an address no host has, or to the sender itself, a runt) is dropped.
+//!
+//! Why Ethernet and not bare IP (TUN): mDNS implementations skip point-to-point interfaces,
+//! and a TUN device is one, so multicast discovery would never leave the host.
 
 use std::net::Ipv4Addr;
 
@@ -44,29 +48,33 @@ impl Subnet {
 /// Most hosts in one lab (the /24 less network, broadcast).
 pub const MAX_HOSTS: usize = 253;
 
-/// Routes a packet sent by host `from` in a lab of `hosts` hosts.
-pub fn route(packet: &[u8], from: usize, hosts: usize, net: Subnet) -> Route {
-    if packet.len() < 20 || packet[0] >> 4 != 4 {
+/// The first five octets of every host's MAC address: locally administered, "tlab".
+const MAC_PREFIX: [u8; 5] = [0x02, b't', b'l', b'a', b'b'];
+
+/// Host `i`'s MAC address.
+pub fn mac(i: usize) -> [u8; 6] {
+    assert!(i < MAX_HOSTS, "a lab has at most {MAX_HOSTS} hosts");
+    let [a, b, c, d, e] = MAC_PREFIX;
+    [a, b, c, d, e, i as u8]
+}
+
+/// Routes an Ethernet frame sent by host `from` in a lab of `hosts` hosts.
+pub fn route(frame: &[u8], from: usize, hosts: usize) -> Route {
+    if frame.len() < 14 {
         return Route::Drop;
     }
-    let dst = [packet[16], packet[17], packet[18], packet[19]];
-    if (224..=239).contains(&dst[0]) || dst == [255; 4] {
+    // The group bit: broadcast (ff:ff:ff:ff:ff:ff) and every multicast address.
+    if frame[0] & 1 == 1 {
         return Route::AllButSender;
     }
-    if dst[..3] != net.0 {
+    if frame[..5] != MAC_PREFIX {
         return Route::Drop;
     }
-    match dst[3] {
-        255 => Route::AllButSender,
-        0 => Route::Drop,
-        h => {
-            let to = h as usize - 1;
-            if to < hosts && to != from {
-                Route::One(to)
-            } else {
-                Route::Drop
-            }
-        }
+    let to = frame[5] as usize;
+    if to < hosts && to != from {
+        Route::One(to)
+    } else {
+        Route::Drop
     }
 }
 
@@ -74,47 +82,39 @@ pub fn route(packet: &[u8], from: usize, hosts: usize, net: Subnet) -> Route {
 mod tests {
     use super::*;
 
-    fn ipv4_to(dst: [u8; 4]) -> Vec<u8> {
-        let mut p = vec![0u8; 28];
-        p[0] = 0x45;
-        p[16..20].copy_from_slice(&dst);
-        p
+    fn frame_to(dst: [u8; 6]) -> Vec<u8> {
+        let mut f = vec![0u8; 60];
+        f[..6].copy_from_slice(&dst);
+        f
     }
 
     #[test]
     fn unicast_goes_to_the_owner_of_the_address() {
-        let net = Subnet::default();
-        assert_eq!(route(&ipv4_to([10, 213, 0, 3]), 0, 4, net), Route::One(2));
-        assert_eq!(net.host(2), Ipv4Addr::new(10, 213, 0, 3));
+        assert_eq!(route(&frame_to(mac(2)), 0, 4), Route::One(2));
+        assert_eq!(Subnet::default().host(2), Ipv4Addr::new(10, 213, 0, 3));
     }
 
     #[test]
     fn multicast_and_broadcast_go_to_everyone_else() {
-        let net = Subnet::default();
+        // Broadcast (ARP), IPv4 multicast (mDNS 224.0.0.251), IPv6 multicast.
         for dst in [
-            [224, 0, 0, 251],
-            [239, 1, 2, 3],
-            [255; 4],
-            [10, 213, 0, 255],
+            [0xff; 6],
+            [0x01, 0x00, 0x5e, 0, 0, 0xfb],
+            [0x33, 0x33, 0, 0, 0, 0xfb],
         ] {
-            assert_eq!(
-                route(&ipv4_to(dst), 1, 4, net),
-                Route::AllButSender,
-                "{dst:?}"
-            );
+            assert_eq!(route(&frame_to(dst), 1, 4), Route::AllButSender, "{dst:?}");
         }
     }
 
     #[test]
     fn what_is_not_the_labs_is_dropped() {
-        let net = Subnet::default();
-        // Another network, a host that does not exist, the sender itself, IPv6, a runt.
-        assert_eq!(route(&ipv4_to([8, 8, 8, 8]), 0, 4, net), Route::Drop);
-        assert_eq!(route(&ipv4_to([10, 213, 0, 9]), 0, 4, net), Route::Drop);
-        assert_eq!(route(&ipv4_to([10, 213, 0, 1]), 0, 4, net), Route::Drop);
-        let mut v6 = ipv4_to([10, 213, 0, 2]);
-        v6[0] = 0x60;
-        assert_eq!(route(&v6, 0, 4, net), Route::Drop);
-        assert_eq!(route(&[0x45; 10], 0, 4, net), Route::Drop);
+        // Another vendor's address, a host that does not exist, the sender itself, a runt.
+        assert_eq!(
+            route(&frame_to([0x52, 0x54, 0, 1, 2, 3]), 0, 4),
+            Route::Drop
+        );
+        assert_eq!(route(&frame_to(mac(9)), 0, 4), Route::Drop);
+        assert_eq!(route(&frame_to(mac(0)), 0, 4), Route::Drop);
+        assert_eq!(route(&[0x02; 10], 0, 4), Route::Drop);
     }
 }

@@ -1,13 +1,13 @@
-//! The user-space switch: reads every host's TUN device, shapes each packet on the link from
-//! its sender to its receiver, and writes it into the receiver's TUN device when it is due.
+//! The user-space switch: reads every host's TAP device, shapes each frame on the link from
+//! its sender to its receiver, and writes it into the receiver's device when it is due.
 //!
 //! Each ordered pair of hosts is one direction of a link with its own [`Impairment`] (delay,
 //! jitter, bandwidth with a queue bound, loss) and [`Shaper`] state — the same shaping core as
-//! `tessera-linkemu`, applied to IP packets instead of UDP datagrams, so QUIC, TCP (the HTTP
+//! `tessera-linkemu`, applied to Ethernet frames instead of UDP datagrams, so QUIC, TCP (the HTTP
 //! API) and multicast (mDNS) all cross it unchanged. A partition drops everything between two
 //! hosts, including what is already in flight, until healed.
 //!
-//! Threads: one reader per host (blocking `poll` on its TUN device and a stop pipe) and one
+//! Threads: one reader per host (blocking `poll` on its device and a stop pipe) and one
 //! delivery thread holding a heap of packets ordered by delivery time. Timing is what decides
 //! the switch's fidelity, so the switch's threads ask for real-time scheduling ([`realtime`]:
 //! on a busy machine a woken thread otherwise waits for the running one's time slice, which
@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use tessera_linkemu::{DirectionStats, Impairment, LinkShape, Shaper, Verdict};
 
 use crate::error::{LabError, Result};
-use crate::packet::{route, Route, Subnet};
+use crate::packet::{route, Route};
 
 /// Most bytes waiting in the switch, all links together (bounds memory whatever the shapes).
 pub const MAX_QUEUED_BYTES: usize = 64 << 20;
@@ -77,7 +77,6 @@ struct Queue {
 
 struct Inner {
     hosts: usize,
-    net: Subnet,
     ports: Vec<File>,
     /// `from * hosts + to`.
     links: Mutex<Vec<Direction>>,
@@ -98,10 +97,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Switch {
-    /// Starts switching between `ports` (host `i`'s TUN device is `ports[i]`, its address
-    /// `net.host(i)`), every link shaped by `each_way` until changed; loss and jitter draws are
-    /// seeded from `seed`.
-    pub fn start(ports: Vec<File>, net: Subnet, each_way: Impairment, seed: u64) -> Result<Self> {
+    /// Starts switching between `ports` (host `i`'s device is `ports[i]`, its MAC address
+    /// [`mac`](crate::packet::mac)`(i)`), every link shaped by `each_way` until changed; loss
+    /// and jitter draws are seeded from `seed`.
+    pub fn start(ports: Vec<File>, each_way: Impairment, seed: u64) -> Result<Self> {
         let hosts = ports.len();
         let now = tokio::time::Instant::now();
         let links = (0..hosts * hosts)
@@ -117,7 +116,6 @@ impl Switch {
             .collect();
         let inner = Arc::new(Inner {
             hosts,
-            net,
             ports,
             links: Mutex::new(links),
             queue: Mutex::new(Queue {
@@ -269,7 +267,7 @@ fn read_port(inner: &Inner, port: usize, stop: &OwnedFd) {
             Err(_) => return,
         };
         let packet = &buf[..len];
-        match route(packet, port, inner.hosts, inner.net) {
+        match route(packet, port, inner.hosts) {
             Route::Drop => {}
             Route::One(to) => offer(inner, port, to, packet),
             Route::AllButSender => {
@@ -333,7 +331,7 @@ fn offer(inner: &Inner, from: usize, to: usize, packet: &[u8]) {
     }
 }
 
-/// Writes each queued packet into its receiver's TUN device when it is due, unless its link
+/// Writes each queued packet into its receiver's device when it is due, unless its link
 /// has been partitioned since.
 fn deliver(inner: &Inner) {
     realtime();

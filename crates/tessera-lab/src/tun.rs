@@ -1,4 +1,5 @@
-//! A TUN device inside a host's namespace, read and written by the switch in this process.
+//! A TAP (Ethernet) device inside a host's namespace, read and written by the switch in this
+//! process. (TAP and not TUN: see [`crate::packet`] for why the lab switches Ethernet.)
 //!
 //! The device is made by opening `/dev/net/tun` from a thread inside the namespace
 //! ([`Netns::run_in`]), so it lives there, while the file descriptor stays with the switch.
@@ -16,7 +17,7 @@ use crate::netns::{ip, Netns};
 pub const DEVICE: &str = "tlab0";
 
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
-const IFF_TUN: libc::c_short = 0x0001;
+const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 
 #[repr(C)]
@@ -26,10 +27,11 @@ struct IfReq {
     _pad: [u8; 22],
 }
 
-/// Makes the TUN device in `ns`, gives it `addr/prefix`, `mtu` and a multicast route, brings
-/// it up, and turns IPv6 off in the namespace (the switch forwards IPv4: the lab's addresses,
-/// and mDNS's 224.0.0.251). Returns the descriptor packets are read from and written to.
-pub fn create(ns: &Netns, addr: Ipv4Addr, prefix: u8, mtu: u32) -> Result<File> {
+/// Makes the TAP device in `ns` with MAC address `mac`, gives it `addr/prefix`, `mtu` and a
+/// multicast route, brings it up, and turns IPv6 off in the namespace (the lab is IPv4: its
+/// addresses, and mDNS's 224.0.0.251). Returns the descriptor frames are read from and
+/// written to.
+pub fn create(ns: &Netns, mac: [u8; 6], addr: Ipv4Addr, prefix: u8, mtu: u32) -> Result<File> {
     let file = ns.run_in(|| {
         // Without IPv6 the device gets no link-local address and sends no router
         // solicitations: the switch sees only the lab's own traffic.
@@ -42,7 +44,7 @@ pub fn create(ns: &Netns, addr: Ipv4Addr, prefix: u8, mtu: u32) -> Result<File> 
             .open("/dev/net/tun")?;
         let mut req = IfReq {
             name: [0; libc::IFNAMSIZ],
-            flags: IFF_TUN | IFF_NO_PI,
+            flags: IFF_TAP | IFF_NO_PI,
             _pad: [0; 22],
         };
         req.name[..DEVICE.len()].copy_from_slice(DEVICE.as_bytes());
@@ -54,6 +56,8 @@ pub fn create(ns: &Netns, addr: Ipv4Addr, prefix: u8, mtu: u32) -> Result<File> 
     })?;
     let n = ns.name();
     let cidr = format!("{addr}/{prefix}");
+    let mac = mac.map(|b| format!("{b:02x}")).join(":");
+    ip(&["-n", n, "link", "set", DEVICE, "address", &mac])?;
     ip(&["-n", n, "addr", "add", &cidr, "dev", DEVICE])?;
     ip(&[
         "-n",
@@ -71,12 +75,12 @@ pub fn create(ns: &Netns, addr: Ipv4Addr, prefix: u8, mtu: u32) -> Result<File> 
     Ok(file)
 }
 
-/// Checks a TUN device can be made here (root, `/dev/net/tun`, `ip`).
+/// Checks a TAP device can be made here (root, `/dev/net/tun`, `ip`).
 pub fn check_supported() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err(LabError::Unsupported(
-            "not root: network namespaces and TUN devices need root".into(),
+            "not root: network namespaces and TAP devices need root".into(),
         ));
     }
     if !std::path::Path::new("/dev/net/tun").exists() {
