@@ -9,7 +9,8 @@
 
 use crate::error::Result;
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
-use crate::kv::KvCache;
+use crate::attention::{attend_fused, FusedScratch, HeadKv};
+use crate::kv::{KvCache, KvShape, LayerView};
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
 use crate::ops::{
@@ -136,39 +137,88 @@ impl Model {
             c.append(layer, s.start_pos, &sc.k[r.clone()], &sc.v[r]);
             row += s.n_tokens;
         }
-        // Causal attention per (row, KV head), in parallel.
-        let views: Vec<(&[f32], &[f32])> = kv.iter().map(|c| c.view(layer)).collect();
+        // Causal attention, in parallel: per (row, KV head) over an F32 cache (llama.cpp's
+        // numerics), per (sequence, block of rows, KV head) fused over F16/Q8_0.
+        let views: Vec<(LayerView<'_>, usize)> = kv.iter().map(|c| c.view(layer)).collect();
         sc.attn.resize(n * qd, 0.0);
         let out = SharedOut(sc.attn.as_mut_ptr(), sc.attn.len());
         let (q, rows) = (&sc.q, &sc.rows);
         let scale = 1.0 / (hd as f32).sqrt();
         let group = nh / nkv;
-        let items = n * nkv;
-        let n_tasks = items.min(pool.n_threads() * 4);
+        let shape = kv.first().map_or(KvShape::from_config(cfg), |c| c.shape());
+        let mut items = Vec::new();
+        let mut row = 0;
+        let block = (16 / group).max(1);
+        for (i, st) in batch.iter().enumerate() {
+            let step = match views[i].0 {
+                LayerView::F32 { .. } => 1,
+                _ => block,
+            };
+            for r0 in (row..row + st.n_tokens).step_by(step) {
+                let r1 = (r0 + step).min(row + st.n_tokens);
+                items.extend((0..nkv).map(|kh| (r0..r1, kh)));
+            }
+            row += st.n_tokens;
+        }
+        let n_tasks = items.len().min(pool.n_threads() * 8);
         pool.run(n_tasks, |task| {
-            let (i0, i1) = (items * task / n_tasks, items * (task + 1) / n_tasks);
+            let (i0, i1) = (items.len() * task / n_tasks, items.len() * (task + 1) / n_tasks);
             let mut scratch = AttnScratch::default();
-            for item in i0..i1 {
-                let (t, kh) = (item / nkv, item % nkv);
-                let (seq, pos) = rows[t];
-                let (keys, values) = views[seq];
-                let o = t * qd + kh * group * hd;
-                // SAFETY: the group's heads of row t belong to this task only.
-                let dst = unsafe { out.slice(o, group * hd) };
-                attend_group(
-                    dst,
-                    &q[o..o + group * hd],
-                    hd,
-                    keys,
-                    values,
-                    pos + 1,
-                    kvd,
-                    kh * hd,
-                    scale,
-                    cfg.attention_start(layer, pos),
-                    w.sinks.as_ref().map(|s| &s[kh * group..(kh + 1) * group]),
-                    &mut scratch,
-                );
+            let mut fused = FusedScratch::default();
+            let (mut qs, mut os, mut spans, mut sinks) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for (rs, kh) in &items[i0..i1] {
+                let (seq, _) = rows[rs.start];
+                let (view, len) = views[seq];
+                if let LayerView::F32 { k, v } = view {
+                    let t = rs.start;
+                    let pos = rows[t].1;
+                    let o = t * qd + kh * group * hd;
+                    // SAFETY: the group's heads of row t belong to this task only.
+                    let dst = unsafe { out.slice(o, group * hd) };
+                    attend_group(
+                        dst,
+                        &q[o..o + group * hd],
+                        hd,
+                        k,
+                        v,
+                        pos + 1,
+                        kvd,
+                        kh * hd,
+                        scale,
+                        cfg.attention_start(layer, pos),
+                        w.sinks.as_ref().map(|s| &s[kh * group..(kh + 1) * group]),
+                        &mut scratch,
+                    );
+                    continue;
+                }
+                qs.clear();
+                spans.clear();
+                sinks.clear();
+                for t in rs.clone() {
+                    let o = t * qd + kh * group * hd;
+                    qs.extend_from_slice(&q[o..o + group * hd]);
+                    let pos = rows[t].1;
+                    let first = cfg.attention_start(layer, pos);
+                    spans.extend((0..group).map(|_| first..pos + 1));
+                    if let Some(s) = &w.sinks {
+                        sinks.extend_from_slice(&s[kh * group..(kh + 1) * group]);
+                    }
+                }
+                os.resize(qs.len(), 0.0);
+                let head = HeadKv {
+                    view,
+                    shape,
+                    head: *kh,
+                    len,
+                };
+                let head_sinks = w.sinks.as_ref().map(|_| &sinks[..]);
+                attend_fused(&mut os, &qs, &spans, head_sinks, head, scale, &mut fused);
+                for (j, t) in rs.clone().enumerate() {
+                    let o = t * qd + kh * group * hd;
+                    // SAFETY: the group's heads of row t belong to this task only.
+                    let dst = unsafe { out.slice(o, group * hd) };
+                    dst.copy_from_slice(&os[j * group * hd..(j + 1) * group * hd]);
+                }
             }
         });
         // Output projection and residual.

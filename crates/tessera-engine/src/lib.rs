@@ -42,6 +42,7 @@
 //! [`expert_store`] streams experts from the file when they exceed a memory budget
 //! ([`Model::load_streaming`]).
 
+mod attention;
 pub mod batch;
 pub mod bench;
 pub mod error;
@@ -60,7 +61,7 @@ pub mod weights;
 pub use error::{EngineError, Result};
 pub use expert_store::{ExpertStats, ExpertStore, ExpertStreaming};
 pub use generate::{GenerationStats, Generator, StopReason};
-pub use kv::KvCache;
+pub use kv::{KvCache, KvShape, KvType};
 pub use model::{Hidden, Logits, Model, SeqStep};
 pub use moe::{
     reduce_expert_outputs, ExpertExecutor, ExpertOutputs, LocalExperts, PartExperts, Routing,

@@ -11,7 +11,7 @@ use crate::error::{EngineError, Result};
 use crate::exec::matmul_once;
 use crate::expert_store::{ExpertStats, ExpertStore, ExpertStreaming};
 use crate::kernels::ThreadPool;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvShape, KvType};
 use crate::moe::{ExpertExecutor, LocalExperts};
 use crate::ops::{rms_norm, RopeTable};
 use crate::weights::{LayerCore, LayerWeights, LoadSpec, ModelWeights};
@@ -99,6 +99,8 @@ pub struct Model {
     pool: ThreadPool,
     /// Streamed experts (see [`Model::load_streaming`]).
     store: Option<ExpertStore>,
+    /// Element type of the caches [`Model::new_kv`] makes.
+    kv_type: KvType,
 }
 
 impl std::fmt::Debug for Model {
@@ -144,6 +146,7 @@ impl Model {
             weights,
             pool: ThreadPool::new(threads),
             store: None,
+            kv_type: KvType::default(),
         })
     }
 
@@ -180,6 +183,7 @@ impl Model {
             weights,
             pool: ThreadPool::new(threads),
             store: Some(store),
+            kv_type: KvType::default(),
         })
     }
 
@@ -238,9 +242,50 @@ impl Model {
             .is_some_and(Option::is_some)
     }
 
-    /// A fresh KV cache for the layers this part holds, for up to `capacity` positions.
+    /// Sets the element type of the KV caches [`Model::new_kv`] makes (F16 unless set). Errors
+    /// if this model's heads cannot use it (Q8_0 needs head widths that are multiples of 32).
+    pub fn set_kv_type(&mut self, kv_type: KvType) -> Result<()> {
+        kv_type.check(self.kv_shape())?;
+        self.kv_type = kv_type;
+        Ok(())
+    }
+
+    /// [`Model::set_kv_type`], by value.
+    pub fn with_kv_type(mut self, kv_type: KvType) -> Result<Self> {
+        self.set_kv_type(kv_type)?;
+        Ok(self)
+    }
+
+    /// Element type of the caches [`Model::new_kv`] makes.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
+
+    /// Geometry of this model's KV cache per layer.
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape::from_config(&self.config)
+    }
+
+    /// Bytes of KV cache for `positions` positions of the layers this part holds, fully grown.
+    pub fn kv_bytes_for(&self, positions: usize) -> u64 {
+        KvCache::bytes_for(
+            self.kv_type,
+            self.kv_shape(),
+            self.weights.spec.layers.len(),
+            positions.min(self.config.context_length),
+        )
+    }
+
+    /// A fresh KV cache (of [`Model::kv_type`]) for the layers this part holds, for up to
+    /// `capacity` positions.
     pub fn new_kv(&self, capacity: usize) -> KvCache {
-        KvCache::new(&self.config, self.weights.spec.layers.clone(), capacity)
+        KvCache::new(
+            &self.config,
+            self.weights.spec.layers.clone(),
+            capacity,
+            self.kv_type,
+        )
+        .expect("the KV type was checked against this model when it was set")
     }
 
     pub(crate) fn layer_weights(&self, layer: usize) -> Result<&LayerWeights> {

@@ -158,7 +158,7 @@ pub fn silu(x: f32) -> f32 {
 /// polynomial, accurate to ~1.5 ulp), emulated one lane at a time with fused multiply-adds so
 /// that softmax and SwiGLU round as llama.cpp does on the reference machines.
 #[inline(always)]
-fn v_expf_lane(x: f32) -> f32 {
+pub(crate) fn v_expf_lane(x: f32) -> f32 {
     let r = f32::from_bits(0x4B40_0000); // 0x1.8p23
     let z = x.mul_add(f32::from_bits(0x3FB8_AA3B), r); // 0x1.715476p+0 (log2 e)
     let n = z - r;

@@ -6,7 +6,7 @@ mod common;
 
 use common::assert_bits_eq;
 use tessera_engine::ops::argmax;
-use tessera_engine::{Generator, KvCache, Model, SamplingParams};
+use tessera_engine::{Generator, KvCache, KvType, Model, SamplingParams};
 
 const MODELS: [&str; 4] = [
     "stories260K.gguf",
@@ -23,6 +23,18 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
+/// Every model of [`MODELS`] with each KV cache type its heads allow.
+fn models() -> Vec<(String, Model)> {
+    let mut out = Vec::new();
+    for name in MODELS {
+        let g = common::open(name);
+        for t in common::kv_types(&g) {
+            out.push((format!("{name} ({t} cache)"), common::full_kv(&g, 2, t)));
+        }
+    }
+    out
+}
+
 fn prefill(m: &Model, p: &[u32]) -> (KvCache, u32) {
     let mut kv = common::kv_for(m);
     let l = m.forward_last(p, &mut kv).unwrap();
@@ -31,9 +43,7 @@ fn prefill(m: &Model, p: &[u32]) -> (KvCache, u32) {
 
 #[test]
 fn decode_alone_equals_decode_in_a_batch() {
-    for name in MODELS {
-        let g = common::open(name);
-        let m = common::full(&g, 2);
+    for (name, m) in models() {
         let mut seqs: Vec<(KvCache, u32)> = prompts().iter().map(|p| prefill(&m, p)).collect();
         for step in 0..4 {
             // Each sequence alone, on a copy of its cache.
@@ -71,9 +81,7 @@ fn decode_alone_equals_decode_in_a_batch() {
 
 #[test]
 fn prefill_then_decode_equals_reprefill() {
-    for name in MODELS {
-        let g = common::open(name);
-        let m = common::full(&g, 2);
+    for (name, m) in models() {
         let p = &prompts()[1];
         let (mut kv, mut t) = prefill(&m, p);
         let mut history = p.clone();
@@ -106,11 +114,13 @@ fn prefill_then_decode_equals_reprefill() {
 #[test]
 fn thread_count_does_not_change_results() {
     let g = common::open("small-qwen3moe-Q4_K.gguf");
-    let (m1, m2) = (common::full(&g, 1), common::full(&g, 2));
-    let p = &prompts()[1];
-    let a = m1.forward(p, &mut common::kv_for(&m1)).unwrap();
-    let b = m2.forward(p, &mut common::kv_for(&m2)).unwrap();
-    assert_bits_eq(&a.data, &b.data, "1 vs 2 threads");
+    for t in KvType::ALL {
+        let (m1, m2) = (common::full_kv(&g, 1, t), common::full_kv(&g, 2, t));
+        let p = &prompts()[1];
+        let a = m1.forward(p, &mut common::kv_for(&m1)).unwrap();
+        let b = m2.forward(p, &mut common::kv_for(&m2)).unwrap();
+        assert_bits_eq(&a.data, &b.data, &format!("1 vs 2 threads, {t} cache"));
+    }
 }
 
 #[test]
@@ -143,9 +153,7 @@ fn sampled_generation_replays_identically() {
 
 #[test]
 fn mixed_prefill_and_decode_batch_equals_separate_runs() {
-    for name in MODELS {
-        let g = common::open(name);
-        let m = common::full(&g, 2);
+    for (name, m) in models() {
         let ps = prompts();
         let (kv0, t0) = prefill(&m, &ps[0]);
         let (kv2, t2) = prefill(&m, &ps[2]);

@@ -7,6 +7,7 @@ mod common;
 
 use serde_json::Value;
 use tessera_engine::ops::{argmax, log_softmax};
+use tessera_engine::KvType;
 
 const F32_LOGPROB_TOL: f64 = 1e-4;
 const QUANT_LOGPROB_TOL: f64 = 0.02;
@@ -14,6 +15,15 @@ const MARGIN: f64 = 0.01;
 /// For [`KNOWN_KERNEL_DRIFT`] files: still catches a broken layer, not the kernels' rounding.
 const LOOSE_LOGPROB_TOL: f64 = 0.15;
 const LOOSE_MARGIN: f64 = 0.3;
+/// With an F16 KV cache (llama.cpp's references used F32), on the files whose activations stay
+/// in floats (F32, F16, BF16 weights): keys and values rounded to 11 significant bits and the
+/// fused attention's online softmax move log-probs by up to ~0.04 (measured: 5e-3 to 3.7e-2).
+/// Files with 8-bit activations or routed experts are not held to a bound with an F16 cache:
+/// there a change in the last bits of an attention output flips an activation rounding or an
+/// expert choice of these random-weight models (measured up to 0.26 on dense Q4_0/Q8_0 and
+/// 0.2 on K-quants, 1.5–7 on MoE), as it does between any two attention implementations.
+const F16_CACHE_LOGPROB_TOL: f64 = 0.05;
+const F16_CACHE_MARGIN: f64 = 0.05;
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
@@ -41,12 +51,14 @@ fn top5(v: &Value) -> (Vec<(u32, f64)>, f64) {
 
 /// Checks one file; returns a list of failures (empty when it passes) and the worst log-prob
 /// difference seen.
-fn check_file(path: &std::path::Path, loose: bool) -> (Vec<String>, f64) {
+fn check_file(path: &std::path::Path, loose: bool, kv_type: KvType) -> (Vec<String>, f64) {
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let model_name = doc["model"].as_str().unwrap();
-    let exact = model_name.contains("stories260K") || model_name.contains("f32");
+    let f16_cache = kv_type != KvType::F32;
+    let exact = (model_name.contains("stories260K") || model_name.contains("f32")) && !f16_cache;
     let g = common::open(model_name);
-    let model = common::full(&g, 2);
+    // llama.cpp's reference runs used an F32 cache.
+    let model = common::full_kv(&g, 2, kv_type);
     let mut failures = Vec::new();
     let mut worst = 0.0f64;
     for (ri, r) in doc["results"].as_array().unwrap().iter().enumerate() {
@@ -76,6 +88,8 @@ fn check_file(path: &std::path::Path, loose: bool) -> (Vec<String>, f64) {
             let (t5, margin) = top5(pos);
             let (tol, min_margin) = if exact {
                 (F32_LOGPROB_TOL, MARGIN)
+            } else if f16_cache {
+                (F16_CACHE_LOGPROB_TOL, F16_CACHE_MARGIN.max(MARGIN))
             } else if loose {
                 (LOOSE_LOGPROB_TOL, LOOSE_MARGIN)
             } else {
@@ -145,14 +159,18 @@ fn reference_files() -> Vec<std::path::PathBuf> {
 
 /// Checks the files `select` picks (loosely where `loose` says so); returns the names that
 /// failed.
-fn check_files(select: impl Fn(&str) -> bool, loose: impl Fn(&str) -> bool) -> Vec<String> {
+fn check_files(
+    select: impl Fn(&str) -> bool,
+    loose: impl Fn(&str) -> bool,
+    kv_type: KvType,
+) -> Vec<String> {
     let mut failed = Vec::new();
     for f in reference_files() {
         let name = f.file_name().unwrap().to_string_lossy().to_string();
         if !select(&name) {
             continue;
         }
-        let (fails, worst) = check_file(&f, loose(&name));
+        let (fails, worst) = check_file(&f, loose(&name), kv_type);
         let status = match (fails.is_empty(), loose(&name)) {
             (false, _) => "FAILED",
             (true, true) => "ok within the loose bound",
@@ -184,19 +202,28 @@ fn drifts(name: &str) -> bool {
 
 #[test]
 fn f32_models_match_llama_cpp_greedy_exactly() {
-    let failed = check_files(is_f32, |_| false);
+    let failed = check_files(is_f32, |_| false, KvType::F32);
     assert!(failed.is_empty(), "files failing: {failed:?}");
 }
 
 #[test]
 fn quantized_models_match_llama_cpp_by_teacher_forcing() {
-    let failed = check_files(|n| !is_f32(n), drifts);
+    let failed = check_files(|n| !is_f32(n), drifts, KvType::F32);
     assert!(failed.is_empty(), "files failing: {failed:?}");
 }
 
 #[test]
 #[ignore = "kernel rounding drift in some quantized files, see KNOWN_KERNEL_DRIFT"]
 fn strict_teacher_forcing_for_every_file() {
-    let failed = check_files(|_| true, |_| false);
+    let failed = check_files(|_| true, |_| false, KvType::F32);
+    assert!(failed.is_empty(), "files failing: {failed:?}");
+}
+
+#[test]
+fn f16_cache_stays_within_its_tolerance_of_llama_cpp() {
+    // Teacher-forced, with the default F16 cache and the fused attention (see
+    // F16_CACHE_LOGPROB_TOL for which files and why).
+    let float_acts = |n: &str| is_f32(n) || n.contains("-F16-") || n.contains("-BF16-");
+    let failed = check_files(float_acts, |_| false, KvType::F16);
     assert!(failed.is_empty(), "files failing: {failed:?}");
 }

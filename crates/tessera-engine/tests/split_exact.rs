@@ -7,10 +7,10 @@ mod common;
 use common::assert_bits_eq;
 use tessera_engine::ops::argmax;
 use tessera_engine::{
-    ExpertExecutor, ExpertOutputs, ExpertSelection, Hidden, KvCache, LoadSpec, LocalExperts, Model,
-    PartExperts, Routing, SeqStep,
+    ExpertExecutor, ExpertOutputs, ExpertSelection, Hidden, KvCache, KvType, LoadSpec, LocalExperts,
+    Model, PartExperts, Routing, SeqStep,
 };
-use tessera_model::ModelConfig;
+use tessera_model::{GgufFile, ModelConfig};
 
 const PROMPT: [u32; 7] = [1, 403, 407, 261, 378, 300, 42];
 const DECODE_STEPS: usize = 3;
@@ -30,13 +30,19 @@ fn steps(full: &Model) -> Vec<Vec<u32>> {
 
 fn check_pipeline_cuts(name: &str) {
     let g = common::open(name);
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let full = common::full(&g, 2);
+    for t in common::kv_types(&g) {
+        check_pipeline_cuts_with(&g, &format!("{name} ({t} cache)"), t);
+    }
+}
+
+fn check_pipeline_cuts_with(g: &GgufFile, name: &str, kv_type: KvType) {
+    let cfg = ModelConfig::from_gguf(g).unwrap();
+    let full = common::full_kv(g, 2, kv_type);
     let steps = steps(&full);
     let l = cfg.n_layer;
     for a in 1..l {
-        let first = common::load(&g, LoadSpec::stage(&cfg, 0..a), 2);
-        let second = common::load(&g, LoadSpec::stage(&cfg, a..l), 1);
+        let first = common::load_kv(g, LoadSpec::stage(&cfg, 0..a), 2, kv_type);
+        let second = common::load_kv(g, LoadSpec::stage(&cfg, a..l), 1, kv_type);
         let mut kv_full = common::kv_for(&full);
         let mut kv_a = first.new_kv(cfg.context_length);
         let mut kv_b = second.new_kv(cfg.context_length);
@@ -164,8 +170,14 @@ fn run_with_parts(parts: &[&Model], steps: &[Vec<u32>]) -> Vec<Vec<f32>> {
 
 fn check_expert_split(name: &str) {
     let g = common::open(name);
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let full = common::full(&g, 2);
+    for t in common::kv_types(&g) {
+        check_expert_split_with(&g, &format!("{name} ({t} cache)"), t);
+    }
+}
+
+fn check_expert_split_with(g: &GgufFile, name: &str, kv_type: KvType) {
+    let cfg = ModelConfig::from_gguf(g).unwrap();
+    let full = common::full_kv(g, 2, kv_type);
     let steps = steps(&full);
     let reference = run_with_parts(&[&full], &steps);
     let n = cfg.n_expert;
@@ -182,10 +194,10 @@ fn check_expert_split(name: &str) {
         let sel = |ids: &Vec<usize>| ExpertSelection::same_in_every_layer(ids, cfg.n_layer);
         let mut spec0 = LoadSpec::full(&cfg);
         spec0.experts = sel(&sets[0]);
-        let mut models = vec![common::load(&g, spec0, 2)];
+        let mut models = vec![common::load_kv(g, spec0, 2, kv_type)];
         for ids in &sets[1..] {
             models.push(common::load(
-                &g,
+                g,
                 LoadSpec::experts_only(0..cfg.n_layer, sel(ids)),
                 1,
             ));

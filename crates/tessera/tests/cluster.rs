@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::{bin, model, reference_tokens, report_of, run_with_timeout, tokens_of, Proc};
 use serde_json::Value;
-use tessera_engine::{KvCache, LocalExperts, Model, SamplingParams, SeqStep};
+use tessera_engine::{KvCache, KvType, LocalExperts, Model, SamplingParams, SeqStep};
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -120,7 +120,13 @@ fn reference_boundaries(
     let g = GgufFile::open(path).unwrap();
     let cfg = ModelConfig::from_gguf(&g).unwrap();
     let m = Model::load_full(&g, 1).unwrap();
-    let mut kv = KvCache::new(&cfg, 0..cfg.n_layer, prompt.len() + generated.len());
+    let mut kv = KvCache::new(
+        &cfg,
+        0..cfg.n_layer,
+        prompt.len() + generated.len(),
+        KvType::default(),
+    )
+    .unwrap();
     let mut steps: Vec<(usize, Vec<u32>)> = Vec::new();
     for (i, c) in prompt.chunks(chunk).enumerate() {
         steps.push((i * chunk, c.to_vec()));

@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use tessera_engine::{KvCache, LoadSpec, Model};
-use tessera_model::GgufFile;
+use tessera_engine::{KvCache, KvShape, KvType, LoadSpec, Model};
+use tessera_model::{GgufFile, ModelConfig};
 
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -29,6 +29,25 @@ pub fn load(g: &GgufFile, spec: LoadSpec, threads: usize) -> Model {
 
 pub fn full(g: &GgufFile, threads: usize) -> Model {
     Model::load_full(g, threads).expect("load")
+}
+
+/// [`load`] with a KV cache type.
+pub fn load_kv(g: &GgufFile, spec: LoadSpec, threads: usize, t: KvType) -> Model {
+    load(g, spec, threads).with_kv_type(t).expect("kv type")
+}
+
+/// [`full`] with a KV cache type.
+pub fn full_kv(g: &GgufFile, threads: usize, t: KvType) -> Model {
+    full(g, threads).with_kv_type(t).expect("kv type")
+}
+
+/// The KV cache types this model's heads allow (Q8_0 needs heads of whole 32-blocks).
+pub fn kv_types(g: &GgufFile) -> Vec<KvType> {
+    let shape = KvShape::from_config(&ModelConfig::from_gguf(g).expect("config"));
+    KvType::ALL
+        .into_iter()
+        .filter(|t| t.check(shape).is_ok())
+        .collect()
 }
 
 pub fn kv_for(m: &Model) -> KvCache {

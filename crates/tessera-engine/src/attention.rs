@@ -1,0 +1,492 @@
+//! Fused attention over an F16 or Q8_0 KV cache: the positions are walked in tiles of
+//! [`TILE`] with an online softmax, so each key and value is read once per step for all the
+//! query vectors that share its KV head (the heads of a GQA group, and a block of prompt rows),
+//! and no score row as long as the context is ever materialised.
+//!
+//! # Numerical contract
+//! Every query vector is computed by the same sequence of float operations whatever else is in
+//! its item (which rows, which heads), on every instruction set — so results are
+//! batch-invariant and the AVX-512, AVX2 and scalar builds agree bit for bit (tested):
+//! - keys and values are converted exactly to f32 (F16), or dequantized as `q as f32 * d` (Q8_0);
+//! - a score is `(Σ_i q[i]·k[i]) * scale`, the sum a chain of fused multiply-adds in dimension
+//!   order starting from 0 (the SIMD builds put one *position* per lane, never split a sum);
+//! - tiles are aligned to absolute positions (`TILE·t ..`), and a query vector visits only the
+//!   tiles that hold a position of its span; per tile, with `m` the running maximum:
+//!   `m' = max(m, max_j s_j)`, `c = exp(m - m')`, `p_j = exp(s_j - m')` for the positions in the
+//!   span (others are skipped, not zeroed), `sum = sum·c + p_0 + p_1 + …` in position order,
+//!   `acc = acc·c`, then `acc[i] = fma(v_j[i], p_j, acc[i])` in position order;
+//! - `exp` is ggml's vector `expf` emulated per lane (`ops::v_expf_lane`);
+//! - an attention sink (gpt-oss) is one more logit folded in after the last tile, without a
+//!   value; the output is `acc · (1 / sum)`.
+//!
+//! The SIMD builds are this same Rust compiled with the target's features enabled
+//! (`#[target_feature]` wrappers): Rust never reassociates float operations and `mul_add` is
+//! always fused, so vectorising across positions and dimensions cannot change a bit.
+
+use std::ops::Range;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::kernels::{isa, Isa};
+use crate::kv::{KvShape, LayerView, TILE};
+use crate::ops::v_expf_lane;
+
+/// One KV head of one layer's cache (F16 or Q8_0 layout).
+#[derive(Clone, Copy)]
+pub(crate) struct HeadKv<'a> {
+    pub view: LayerView<'a>,
+    pub shape: KvShape,
+    /// Which KV head.
+    pub head: usize,
+    /// Valid positions.
+    pub len: usize,
+}
+
+/// Reusable buffers of [`attend_fused`].
+#[derive(Debug, Default)]
+pub struct FusedScratch {
+    /// Key tile, transposed: `k_head_dim × TILE`.
+    kt: Vec<f32>,
+    /// Value tile: `TILE × v_head_dim`.
+    vt: Vec<f32>,
+    /// Per query vector: running max, running sum.
+    m: Vec<f32>,
+    s: Vec<f32>,
+    /// Per query vector: `v_head_dim` accumulators.
+    acc: Vec<f32>,
+    row: Vec<f32>,
+}
+
+/// Attention of `spans.len()` query vectors (`q`: back to back, `k_head_dim` each) over one KV
+/// head: vector `i` attends to positions `spans[i]` (causal end, sliding-window start), with
+/// `sinks[i]` as an extra logit when given. Writes `v_head_dim` floats per vector to `out`.
+pub(crate) fn attend_fused(
+    out: &mut [f32],
+    q: &[f32],
+    spans: &[Range<usize>],
+    sinks: Option<&[f32]>,
+    kv: HeadKv<'_>,
+    scale: f32,
+    scratch: &mut FusedScratch,
+) {
+    attend_fused_on(isa(), out, q, spans, sinks, kv, scale, scratch)
+}
+
+/// [`attend_fused`] on a given instruction set (tests compare them).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_fused_on(
+    isa: Isa,
+    out: &mut [f32],
+    q: &[f32],
+    spans: &[Range<usize>],
+    sinks: Option<&[f32]>,
+    kv: HeadKv<'_>,
+    scale: f32,
+    scratch: &mut FusedScratch,
+) {
+    let a = Args {
+        out,
+        q,
+        spans,
+        sinks,
+        kv,
+        scale,
+        scratch,
+    };
+    #[cfg(target_arch = "x86_64")]
+    match isa {
+        // SAFETY: `isa` is only ever an instruction set this CPU has (see `Isa::available`).
+        Isa::Avx512 if isa.available() => return unsafe { x86::avx512(a) },
+        // SAFETY: as above.
+        Isa::Avx2 if isa.available() => return unsafe { x86::avx2(a) },
+        _ => {}
+    }
+    let _ = isa;
+    attend_impl(a)
+}
+
+struct Args<'a, 'b> {
+    out: &'b mut [f32],
+    q: &'b [f32],
+    spans: &'b [Range<usize>],
+    sinks: Option<&'b [f32]>,
+    kv: HeadKv<'a>,
+    scale: f32,
+    scratch: &'b mut FusedScratch,
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{attend_impl, Args};
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn avx512(a: Args<'_, '_>) {
+        attend_impl(a)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn avx2(a: Args<'_, '_>) {
+        attend_impl(a)
+    }
+}
+
+#[inline(always)]
+fn attend_impl(a: Args<'_, '_>) {
+    let Args {
+        out,
+        q,
+        spans,
+        sinks,
+        kv,
+        scale,
+        scratch: sc,
+    } = a;
+    let (dk, dv) = (kv.shape.k_head_dim, kv.shape.v_head_dim);
+    let nq = spans.len();
+    debug_assert_eq!(q.len(), nq * dk);
+    debug_assert_eq!(out.len(), nq * dv);
+    sc.kt.resize(dk * TILE, 0.0);
+    sc.vt.resize(TILE * dv, 0.0);
+    sc.row.resize(dk.max(dv), 0.0);
+    sc.m.clear();
+    sc.m.resize(nq, f32::NEG_INFINITY);
+    sc.s.clear();
+    sc.s.resize(nq, 0.0);
+    sc.acc.clear();
+    sc.acc.resize(nq * dv, 0.0);
+    let lo = spans.iter().map(|s| s.start).min().unwrap_or(0);
+    let hi = spans.iter().map(|s| s.end).max().unwrap_or(0).min(kv.len);
+    let mut scores = [[0.0f32; TILE]; 2];
+    let mut t0 = lo / TILE * TILE;
+    while t0 < hi {
+        let valid = (hi - t0).min(TILE);
+        load_tile(kv, t0, valid, &mut sc.kt, &mut sc.vt, &mut sc.row);
+        // Query vectors whose span meets this tile, two at a time (independent FMA chains).
+        let mut live = (0..nq).filter(|&i| {
+            let s = &spans[i];
+            s.start < t0 + TILE && s.end.min(kv.len) > t0 && s.start < s.end
+        });
+        while let Some(i0) = live.next() {
+            let i1 = live.next();
+            match i1 {
+                Some(i1) => {
+                    let [s0, s1] = &mut scores;
+                    tile_scores2(
+                        &q[i0 * dk..(i0 + 1) * dk],
+                        &q[i1 * dk..(i1 + 1) * dk],
+                        &sc.kt,
+                        s0,
+                        s1,
+                    );
+                }
+                None => tile_scores(&q[i0 * dk..(i0 + 1) * dk], &sc.kt, &mut scores[0]),
+            }
+            for (slot, i) in [Some(i0), i1].into_iter().flatten().enumerate() {
+                let s = &spans[i];
+                let a = s.start.max(t0) - t0;
+                let b = s.end.min(kv.len).min(t0 + TILE) - t0;
+                update(
+                    &mut scores[slot][a..b],
+                    scale,
+                    &mut sc.m[i],
+                    &mut sc.s[i],
+                    &mut sc.acc[i * dv..(i + 1) * dv],
+                    &sc.vt[a * dv..b * dv],
+                );
+            }
+        }
+        t0 += TILE;
+    }
+    for i in 0..nq {
+        let (mut m, mut s) = (sc.m[i], sc.s[i]);
+        let acc = &mut sc.acc[i * dv..(i + 1) * dv];
+        if let Some(sink) = sinks.map(|x| x[i]) {
+            let m2 = m.max(sink);
+            let c = v_expf_lane(m - m2);
+            s = s * c + v_expf_lane(sink - m2);
+            for x in acc.iter_mut() {
+                *x *= c;
+            }
+            m = m2;
+        }
+        let _ = m;
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        for (o, &x) in out[i * dv..(i + 1) * dv].iter_mut().zip(acc.iter()) {
+            *o = x * inv;
+        }
+    }
+}
+
+/// Converts positions `t0..t0 + valid` of the head into `kt` (transposed, `dk × TILE`) and `vt`
+/// (`valid × dv`). Columns of `kt` past `valid` hold finite values (zeros or older entries) and
+/// are never used.
+#[inline(always)]
+fn load_tile(kv: HeadKv<'_>, t0: usize, valid: usize, kt: &mut [f32], vt: &mut [f32], row: &mut [f32]) {
+    let KvShape {
+        n_head_kv: nkv,
+        k_head_dim: dk,
+        v_head_dim: dv,
+    } = kv.shape;
+    let h = kv.head;
+    match kv.view {
+        LayerView::F16 { k_tiles, v } => {
+            let at = ((t0 / TILE) * nkv + h) * dk * TILE;
+            k_tiles[at..at + dk * TILE].convert_to_f32_slice(kt);
+            for j in 0..valid {
+                let at = ((t0 + j) * nkv + h) * dv;
+                v[at..at + dv].convert_to_f32_slice(&mut vt[j * dv..(j + 1) * dv]);
+            }
+        }
+        LayerView::Q8_0 { kd, kq, vd, vq } => {
+            for j in 0..TILE {
+                if j < valid {
+                    let at = ((t0 + j) * nkv + h) * dk;
+                    dequantize_q8_0(&kd[at / 32..(at + dk) / 32], &kq[at..at + dk], &mut row[..dk]);
+                    for (i, &x) in row[..dk].iter().enumerate() {
+                        kt[i * TILE + j] = x;
+                    }
+                } else {
+                    for i in 0..dk {
+                        kt[i * TILE + j] = 0.0;
+                    }
+                }
+            }
+            for j in 0..valid {
+                let at = ((t0 + j) * nkv + h) * dv;
+                dequantize_q8_0(
+                    &vd[at / 32..(at + dv) / 32],
+                    &vq[at..at + dv],
+                    &mut vt[j * dv..(j + 1) * dv],
+                );
+            }
+        }
+        LayerView::F32 { .. } => unreachable!("the F32 cache uses ops::attend_group"),
+    }
+}
+
+#[inline(always)]
+fn dequantize_q8_0(d: &[f16], q: &[i8], out: &mut [f32]) {
+    for ((o, q), d) in out.chunks_exact_mut(32).zip(q.chunks_exact(32)).zip(d) {
+        let d = d.to_f32();
+        for (o, &q) in o.iter_mut().zip(q) {
+            *o = q as f32 * d;
+        }
+    }
+}
+
+/// Unscaled scores of one query vector against a transposed key tile.
+#[inline(always)]
+fn tile_scores(q: &[f32], kt: &[f32], s: &mut [f32; TILE]) {
+    let mut acc = [0.0f32; TILE];
+    for (i, &qi) in q.iter().enumerate() {
+        let k: &[f32; TILE] = kt[i * TILE..(i + 1) * TILE].try_into().expect("a tile row");
+        for j in 0..TILE {
+            acc[j] = qi.mul_add(k[j], acc[j]);
+        }
+    }
+    *s = acc;
+}
+
+/// [`tile_scores`] of two query vectors (each key row loaded once).
+#[inline(always)]
+fn tile_scores2(q0: &[f32], q1: &[f32], kt: &[f32], s0: &mut [f32; TILE], s1: &mut [f32; TILE]) {
+    let (mut a0, mut a1) = ([0.0f32; TILE], [0.0f32; TILE]);
+    for (i, (&x0, &x1)) in q0.iter().zip(q1).enumerate() {
+        let k: &[f32; TILE] = kt[i * TILE..(i + 1) * TILE].try_into().expect("a tile row");
+        for j in 0..TILE {
+            a0[j] = x0.mul_add(k[j], a0[j]);
+            a1[j] = x1.mul_add(k[j], a1[j]);
+        }
+    }
+    *s0 = a0;
+    *s1 = a1;
+}
+
+/// One tile's online-softmax step for one query vector: `scores` are its unscaled scores of the
+/// positions in its span (in order), `vt` their values (`dv` each).
+#[inline(always)]
+fn update(scores: &mut [f32], scale: f32, m: &mut f32, s: &mut f32, acc: &mut [f32], vt: &[f32]) {
+    let dv = acc.len();
+    let mut mt = f32::NEG_INFINITY;
+    for x in scores.iter_mut() {
+        *x *= scale;
+        mt = mt.max(*x);
+    }
+    let m2 = m.max(mt);
+    let c = v_expf_lane(*m - m2);
+    let mut sum = *s * c;
+    for x in scores.iter_mut() {
+        *x = v_expf_lane(*x - m2);
+    }
+    for &p in scores.iter() {
+        sum += p;
+    }
+    *s = sum;
+    *m = m2;
+    for a in acc.iter_mut() {
+        *a *= c;
+    }
+    // Accumulate in blocks of dimensions held in registers across the tile's positions.
+    let mut c0 = 0;
+    while c0 + 64 <= dv {
+        accumulate::<64>(&mut acc[c0..c0 + 64], scores, vt, dv, c0);
+        c0 += 64;
+    }
+    while c0 + 16 <= dv {
+        accumulate::<16>(&mut acc[c0..c0 + 16], scores, vt, dv, c0);
+        c0 += 16;
+    }
+    while c0 < dv {
+        accumulate::<1>(&mut acc[c0..c0 + 1], scores, vt, dv, c0);
+        c0 += 1;
+    }
+}
+
+#[inline(always)]
+fn accumulate<const H: usize>(acc: &mut [f32], p: &[f32], vt: &[f32], dv: usize, c0: usize) {
+    let mut a: [f32; H] = acc.try_into().expect("H accumulators");
+    for (j, &pj) in p.iter().enumerate() {
+        let v: &[f32; H] = vt[j * dv + c0..j * dv + c0 + H].try_into().expect("H values");
+        for i in 0..H {
+            a[i] = v[i].mul_add(pj, a[i]);
+        }
+    }
+    acc.copy_from_slice(&a);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{KvCache, KvType};
+
+    struct Rng(u64);
+    impl Rng {
+        fn f(&mut self) -> f32 {
+            self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+        }
+    }
+
+    fn cache(t: KvType, shape: KvShape, n: usize, rng: &mut Rng) -> KvCache {
+        let mut c = KvCache::with_shape(shape, 0..1, n + 7, t).unwrap();
+        let k: Vec<f32> = (0..n * shape.k_width()).map(|_| rng.f()).collect();
+        let v: Vec<f32> = (0..n * shape.v_width()).map(|_| rng.f()).collect();
+        // In two steps, as a prefill then more.
+        let split = n / 3;
+        c.append(0, 0, &k[..split * shape.k_width()], &v[..split * shape.v_width()]);
+        c.append(0, split, &k[split * shape.k_width()..], &v[split * shape.v_width()..]);
+        c
+    }
+
+    /// Naive softmax attention in f64, from the cache's own (rounded) keys and values.
+    fn naive(kv: HeadKv<'_>, q: &[f32], span: Range<usize>, sink: Option<f32>, scale: f32) -> Vec<f64> {
+        let (dk, dv) = (kv.shape.k_head_dim, kv.shape.v_head_dim);
+        let mut kt = vec![0.0; dk * TILE];
+        let mut vt = vec![0.0; TILE * dv];
+        let mut row = vec![0.0; dk.max(dv)];
+        let mut scores = Vec::new();
+        let mut values = Vec::new();
+        for p in span.clone() {
+            let t0 = p / TILE * TILE;
+            load_tile(kv, t0, (kv.len - t0).min(TILE), &mut kt, &mut vt, &mut row);
+            let j = p - t0;
+            let s: f64 = (0..dk).map(|i| q[i] as f64 * kt[i * TILE + j] as f64).sum();
+            scores.push(s * scale as f64);
+            values.push(vt[j * dv..(j + 1) * dv].to_vec());
+        }
+        let m = scores.iter().copied().chain(sink.map(f64::from)).fold(f64::NEG_INFINITY, f64::max);
+        let mut z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+        z += sink.map_or(0.0, |x| (x as f64 - m).exp());
+        let mut out = vec![0.0; dv];
+        for (s, v) in scores.iter().zip(&values) {
+            for (o, &x) in out.iter_mut().zip(v) {
+                *o += (s - m).exp() / z * x as f64;
+            }
+        }
+        out
+    }
+
+    fn isas() -> Vec<Isa> {
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.available())
+            .collect()
+    }
+
+    #[test]
+    fn fused_attention_is_close_to_naive_and_equal_on_every_isa() {
+        let mut rng = Rng(42);
+        for t in [KvType::F16, KvType::Q8_0] {
+            for shape in [
+                KvShape { n_head_kv: 2, k_head_dim: 64, v_head_dim: 64 },
+                KvShape { n_head_kv: 1, k_head_dim: 96, v_head_dim: 32 },
+                KvShape { n_head_kv: 3, k_head_dim: 128, v_head_dim: 128 },
+            ] {
+                for n in [1, 5, 64, 65, 200] {
+                    let c = cache(t, shape, n, &mut rng);
+                    let (view, len) = c.view(0);
+                    let kv = HeadKv { view, shape, head: shape.n_head_kv - 1, len };
+                    // Causal spans of a prompt block, a sliding window, and a lone decode row.
+                    let spans: Vec<Range<usize>> = vec![
+                        0..n,
+                        0..n.div_ceil(2),
+                        n.saturating_sub(70)..n,
+                        (n - 1)..n,
+                        0..1,
+                    ];
+                    let nq = spans.len();
+                    let q: Vec<f32> = (0..nq * shape.k_head_dim).map(|_| rng.f()).collect();
+                    let sinks: Vec<f32> = (0..nq).map(|_| rng.f()).collect();
+                    let scale = 1.0 / (shape.k_head_dim as f32).sqrt();
+                    for with_sinks in [false, true] {
+                        let sk = with_sinks.then_some(&sinks[..]);
+                        let mut outs = Vec::new();
+                        for &isa in &isas() {
+                            let mut out = vec![0.0; nq * shape.v_head_dim];
+                            let mut sc = FusedScratch::default();
+                            attend_fused_on(isa, &mut out, &q, &spans, sk, kv, scale, &mut sc);
+                            outs.push((isa, out));
+                        }
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        for (isa, o) in &outs[1..] {
+                            assert_eq!(bits(o), bits(&outs[0].1), "{isa:?} vs scalar: {t} {shape:?} n={n}");
+                        }
+                        let out = &outs[0].1;
+                        let dv = shape.v_head_dim;
+                        for (i, span) in spans.iter().enumerate() {
+                            let want = naive(kv, &q[i * shape.k_head_dim..(i + 1) * shape.k_head_dim], span.clone(), sk.map(|s| s[i]), scale);
+                            for (d, (&g, &w)) in out[i * dv..(i + 1) * dv].iter().zip(&want).enumerate() {
+                                assert!((g as f64 - w).abs() < 1e-5 * (1.0 + w.abs()), "{t} {shape:?} n={n} span {span:?} dim {d}: {g} vs {w}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_query_vector_gives_the_same_bits_alone_and_in_a_block() {
+        // Batch invariance: a decode row alone equals the same row inside a prompt block whose
+        // other rows reach further (more tiles loaded, longer spans).
+        let mut rng = Rng(7);
+        let shape = KvShape { n_head_kv: 2, k_head_dim: 64, v_head_dim: 64 };
+        for t in [KvType::F16, KvType::Q8_0] {
+            let c = cache(t, shape, 190, &mut rng);
+            let (view, len) = c.view(0);
+            let kv = HeadKv { view, shape, head: 0, len };
+            let spans: Vec<Range<usize>> = (100..110).map(|p| 0..p + 1).collect();
+            let q: Vec<f32> = (0..spans.len() * 64).map(|_| rng.f()).collect();
+            let mut block = vec![0.0; spans.len() * 64];
+            let mut sc = FusedScratch::default();
+            attend_fused(&mut block, &q, &spans, None, kv, 0.125, &mut sc);
+            for (i, span) in spans.iter().enumerate() {
+                let mut alone = vec![0.0; 64];
+                attend_fused(&mut alone, &q[i * 64..(i + 1) * 64], std::slice::from_ref(span), None, kv, 0.125, &mut sc);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&alone), bits(&block[i * 64..(i + 1) * 64]), "{t} row {i}");
+            }
+        }
+    }
+}
