@@ -149,7 +149,10 @@ impl ClusterBackend {
         let g = GgufFile::open(&shared.config.model)?;
         let model = ServedModel::from_gguf(name, &g, shared.config.max_context)?;
         let c = &shared.model.config;
-        let kv_per_pos_layer = 2 * c.kv_dim() as u64 * 4;
+        let kv_per_pos_layer = coordinator
+            .kv_type()
+            .bytes_per_position(tessera_engine::KvShape::from_config(c))
+            as u64;
         let one = StepHeader {
             n_embd: c.n_embd as u32,
             entries: vec![StepEntry {

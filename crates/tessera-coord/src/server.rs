@@ -417,6 +417,16 @@ impl Coordinator {
         Ok(placed)
     }
 
+    /// The KV cache type stages are assigned from the next plan on (call before nodes join for
+    /// the first plan to use it).
+    pub fn set_kv_type(&self, kv_type: tessera_engine::KvType) {
+        self.shared.lock().membership.set_kv_type(kv_type);
+    }
+
+    pub fn kv_type(&self) -> tessera_engine::KvType {
+        self.shared.lock().membership.kv_type()
+    }
+
     /// Splits every MoE layer's experts across nodes in the plans made from now on (call before
     /// nodes join for the initial split to use it).
     pub fn set_expert_split(&self, split: Option<crate::assignment::ExpertSplit>) {

@@ -222,7 +222,14 @@ fn attend_impl(a: Args<'_, '_>) {
 /// (`valid × dv`). Columns of `kt` past `valid` hold finite values (zeros or older entries) and
 /// are never used.
 #[inline(always)]
-fn load_tile(kv: HeadKv<'_>, t0: usize, valid: usize, kt: &mut [f32], vt: &mut [f32], row: &mut [f32]) {
+fn load_tile(
+    kv: HeadKv<'_>,
+    t0: usize,
+    valid: usize,
+    kt: &mut [f32],
+    vt: &mut [f32],
+    row: &mut [f32],
+) {
     let KvShape {
         n_head_kv: nkv,
         k_head_dim: dk,
@@ -242,7 +249,11 @@ fn load_tile(kv: HeadKv<'_>, t0: usize, valid: usize, kt: &mut [f32], vt: &mut [
             for j in 0..TILE {
                 if j < valid {
                     let at = ((t0 + j) * nkv + h) * dk;
-                    dequantize_q8_0(&kd[at / 32..(at + dk) / 32], &kq[at..at + dk], &mut row[..dk]);
+                    dequantize_q8_0(
+                        &kd[at / 32..(at + dk) / 32],
+                        &kq[at..at + dk],
+                        &mut row[..dk],
+                    );
                     for (i, &x) in row[..dk].iter().enumerate() {
                         kt[i * TILE + j] = x;
                     }
@@ -347,7 +358,9 @@ fn update(scores: &mut [f32], scale: f32, m: &mut f32, s: &mut f32, acc: &mut [f
 fn accumulate<const H: usize>(acc: &mut [f32], p: &[f32], vt: &[f32], dv: usize, c0: usize) {
     let mut a: [f32; H] = acc.try_into().expect("H accumulators");
     for (j, &pj) in p.iter().enumerate() {
-        let v: &[f32; H] = vt[j * dv + c0..j * dv + c0 + H].try_into().expect("H values");
+        let v: &[f32; H] = vt[j * dv + c0..j * dv + c0 + H]
+            .try_into()
+            .expect("H values");
         for i in 0..H {
             a[i] = v[i].mul_add(pj, a[i]);
         }
@@ -363,7 +376,10 @@ mod tests {
     struct Rng(u64);
     impl Rng {
         fn f(&mut self) -> f32 {
-            self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            self.0 = self
+                .0
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
             ((self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
         }
     }
@@ -374,13 +390,29 @@ mod tests {
         let v: Vec<f32> = (0..n * shape.v_width()).map(|_| rng.f()).collect();
         // In two steps, as a prefill then more.
         let split = n / 3;
-        c.append(0, 0, &k[..split * shape.k_width()], &v[..split * shape.v_width()]);
-        c.append(0, split, &k[split * shape.k_width()..], &v[split * shape.v_width()..]);
+        c.append(
+            0,
+            0,
+            &k[..split * shape.k_width()],
+            &v[..split * shape.v_width()],
+        );
+        c.append(
+            0,
+            split,
+            &k[split * shape.k_width()..],
+            &v[split * shape.v_width()..],
+        );
         c
     }
 
     /// Naive softmax attention in f64, from the cache's own (rounded) keys and values.
-    fn naive(kv: HeadKv<'_>, q: &[f32], span: Range<usize>, sink: Option<f32>, scale: f32) -> Vec<f64> {
+    fn naive(
+        kv: HeadKv<'_>,
+        q: &[f32],
+        span: Range<usize>,
+        sink: Option<f32>,
+        scale: f32,
+    ) -> Vec<f64> {
         let (dk, dv) = (kv.shape.k_head_dim, kv.shape.v_head_dim);
         let mut kt = vec![0.0; dk * TILE];
         let mut vt = vec![0.0; TILE * dv];
@@ -395,7 +427,11 @@ mod tests {
             scores.push(s * scale as f64);
             values.push(vt[j * dv..(j + 1) * dv].to_vec());
         }
-        let m = scores.iter().copied().chain(sink.map(f64::from)).fold(f64::NEG_INFINITY, f64::max);
+        let m = scores
+            .iter()
+            .copied()
+            .chain(sink.map(f64::from))
+            .fold(f64::NEG_INFINITY, f64::max);
         let mut z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
         z += sink.map_or(0.0, |x| (x as f64 - m).exp());
         let mut out = vec![0.0; dv];
@@ -419,14 +455,31 @@ mod tests {
         let mut rng = Rng(42);
         for t in [KvType::F16, KvType::Q8_0] {
             for shape in [
-                KvShape { n_head_kv: 2, k_head_dim: 64, v_head_dim: 64 },
-                KvShape { n_head_kv: 1, k_head_dim: 96, v_head_dim: 32 },
-                KvShape { n_head_kv: 3, k_head_dim: 128, v_head_dim: 128 },
+                KvShape {
+                    n_head_kv: 2,
+                    k_head_dim: 64,
+                    v_head_dim: 64,
+                },
+                KvShape {
+                    n_head_kv: 1,
+                    k_head_dim: 96,
+                    v_head_dim: 32,
+                },
+                KvShape {
+                    n_head_kv: 3,
+                    k_head_dim: 128,
+                    v_head_dim: 128,
+                },
             ] {
                 for n in [1, 5, 64, 65, 200] {
                     let c = cache(t, shape, n, &mut rng);
                     let (view, len) = c.view(0);
-                    let kv = HeadKv { view, shape, head: shape.n_head_kv - 1, len };
+                    let kv = HeadKv {
+                        view,
+                        shape,
+                        head: shape.n_head_kv - 1,
+                        len,
+                    };
                     // Causal spans of a prompt block, a sliding window, and a lone decode row.
                     let spans: Vec<Range<usize>> = vec![
                         0..n,
@@ -450,14 +503,29 @@ mod tests {
                         }
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         for (isa, o) in &outs[1..] {
-                            assert_eq!(bits(o), bits(&outs[0].1), "{isa:?} vs scalar: {t} {shape:?} n={n}");
+                            assert_eq!(
+                                bits(o),
+                                bits(&outs[0].1),
+                                "{isa:?} vs scalar: {t} {shape:?} n={n}"
+                            );
                         }
                         let out = &outs[0].1;
                         let dv = shape.v_head_dim;
                         for (i, span) in spans.iter().enumerate() {
-                            let want = naive(kv, &q[i * shape.k_head_dim..(i + 1) * shape.k_head_dim], span.clone(), sk.map(|s| s[i]), scale);
-                            for (d, (&g, &w)) in out[i * dv..(i + 1) * dv].iter().zip(&want).enumerate() {
-                                assert!((g as f64 - w).abs() < 1e-5 * (1.0 + w.abs()), "{t} {shape:?} n={n} span {span:?} dim {d}: {g} vs {w}");
+                            let want = naive(
+                                kv,
+                                &q[i * shape.k_head_dim..(i + 1) * shape.k_head_dim],
+                                span.clone(),
+                                sk.map(|s| s[i]),
+                                scale,
+                            );
+                            for (d, (&g, &w)) in
+                                out[i * dv..(i + 1) * dv].iter().zip(&want).enumerate()
+                            {
+                                assert!(
+                                    (g as f64 - w).abs() < 1e-5 * (1.0 + w.abs()),
+                                    "{t} {shape:?} n={n} span {span:?} dim {d}: {g} vs {w}"
+                                );
                             }
                         }
                     }
@@ -471,11 +539,20 @@ mod tests {
         // Batch invariance: a decode row alone equals the same row inside a prompt block whose
         // other rows reach further (more tiles loaded, longer spans).
         let mut rng = Rng(7);
-        let shape = KvShape { n_head_kv: 2, k_head_dim: 64, v_head_dim: 64 };
+        let shape = KvShape {
+            n_head_kv: 2,
+            k_head_dim: 64,
+            v_head_dim: 64,
+        };
         for t in [KvType::F16, KvType::Q8_0] {
             let c = cache(t, shape, 190, &mut rng);
             let (view, len) = c.view(0);
-            let kv = HeadKv { view, shape, head: 0, len };
+            let kv = HeadKv {
+                view,
+                shape,
+                head: 0,
+                len,
+            };
             let spans: Vec<Range<usize>> = (100..110).map(|p| 0..p + 1).collect();
             let q: Vec<f32> = (0..spans.len() * 64).map(|_| rng.f()).collect();
             let mut block = vec![0.0; spans.len() * 64];
@@ -483,9 +560,21 @@ mod tests {
             attend_fused(&mut block, &q, &spans, None, kv, 0.125, &mut sc);
             for (i, span) in spans.iter().enumerate() {
                 let mut alone = vec![0.0; 64];
-                attend_fused(&mut alone, &q[i * 64..(i + 1) * 64], std::slice::from_ref(span), None, kv, 0.125, &mut sc);
+                attend_fused(
+                    &mut alone,
+                    &q[i * 64..(i + 1) * 64],
+                    std::slice::from_ref(span),
+                    None,
+                    kv,
+                    0.125,
+                    &mut sc,
+                );
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&alone), bits(&block[i * 64..(i + 1) * 64]), "{t} row {i}");
+                assert_eq!(
+                    bits(&alone),
+                    bits(&block[i * 64..(i + 1) * 64]),
+                    "{t} row {i}"
+                );
             }
         }
     }

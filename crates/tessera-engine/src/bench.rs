@@ -11,6 +11,7 @@ use tessera_model::{GgufFile, ModelProfile};
 use crate::error::{EngineError, Result};
 use crate::expert_store::{measure_read_bandwidth as measure_disk_bandwidth, ExpertStreaming};
 use crate::kernels::ThreadPool;
+use crate::kv::{KvCache, KvType};
 use crate::model::Model;
 use crate::ops::argmax;
 use crate::weights::LoadSpec;
@@ -25,6 +26,11 @@ pub struct BenchReport {
     pub threads: usize,
     pub n_prompt: usize,
     pub n_gen: usize,
+    /// Tokens of context before each test.
+    #[serde(default)]
+    pub depth: usize,
+    #[serde(default)]
+    pub kv_type: KvType,
     pub load_s: f64,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
@@ -36,7 +42,8 @@ pub struct BenchReport {
     pub active_bytes_per_token: u64,
     /// Memory read bandwidth measured in this run, with `threads` threads.
     pub mem_read_gb_s: f64,
-    /// `mem_read_gb_s / active_bytes_per_token`: decode cannot beat this.
+    /// `mem_read_gb_s / (active_bytes_per_token + the KV cache at depth)`: decode cannot beat
+    /// this.
     pub decode_bound_tok_s: f64,
     /// With an expert budget: how the streamed experts did in the decode test.
     #[serde(default)]
@@ -66,21 +73,29 @@ impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
         writeln!(f, "model        {}", self.model)?;
-        writeln!(f, "threads      {}", self.threads)?;
+        writeln!(
+            f,
+            "threads      {}, KV cache {}, depth {}",
+            self.threads, self.kv_type, self.depth
+        )?;
         writeln!(f, "load         {:.2} s", self.load_s)?;
-        writeln!(
-            f,
-            "prefill      {:.1} tok/s ({} tokens)",
-            self.prefill_tok_s, self.n_prompt
-        )?;
-        writeln!(
-            f,
-            "decode       {:.1} tok/s ({} tokens); bandwidth bound {:.1} tok/s ({:.0}% of it)",
-            self.decode_tok_s,
-            self.n_gen,
-            self.decode_bound_tok_s,
-            100.0 * self.decode_tok_s / self.decode_bound_tok_s
-        )?;
+        if self.n_prompt > 0 {
+            writeln!(
+                f,
+                "prefill      {:.1} tok/s ({} tokens)",
+                self.prefill_tok_s, self.n_prompt
+            )?;
+        }
+        if self.n_gen > 0 {
+            writeln!(
+                f,
+                "decode       {:.1} tok/s ({} tokens); bandwidth bound {:.1} tok/s ({:.0}% of it)",
+                self.decode_tok_s,
+                self.n_gen,
+                self.decode_bound_tok_s,
+                100.0 * self.decode_tok_s / self.decode_bound_tok_s
+            )?;
+        }
         writeln!(
             f,
             "memory       weights {:.1} MiB, KV {:.2} MiB, peak RSS {}",
@@ -166,21 +181,54 @@ pub fn measure_read_bandwidth(threads: usize) -> f64 {
     best
 }
 
+/// What [`bench_config`] measures, as llama-bench's options: `-p`, `-n`, `-d`, `-ub`, `-r`,
+/// `-ctk/-ctv`.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    pub threads: usize,
+    /// Prompt tokens of the prefill test (0: no prefill test).
+    pub n_prompt: usize,
+    /// Decode steps of the decode test (0: no decode test).
+    pub n_gen: usize,
+    /// Tokens of context already in the cache when each test starts.
+    pub depth: usize,
+    /// Tokens per forward pass while prefilling (llama.cpp's micro-batch).
+    pub ubatch: usize,
+    /// Timed runs per test; the best is reported.
+    pub repetitions: usize,
+    pub kv_type: KvType,
+    /// Stream the experts through a cache of this many bytes.
+    pub expert_budget: Option<u64>,
+}
+
+impl BenchConfig {
+    pub fn new(threads: usize, n_prompt: usize, n_gen: usize) -> Self {
+        Self {
+            threads,
+            n_prompt,
+            n_gen,
+            depth: 0,
+            ubatch: 512,
+            repetitions: REPEATS,
+            kv_type: KvType::default(),
+            expert_budget: None,
+        }
+    }
+}
+
 /// Loads `model_path` whole and measures it like llama-bench's pp/tg tests: a prompt of
-/// `n_prompt` tokens in one forward, and `n_gen` greedy decode steps from an empty context.
+/// `n_prompt` tokens, and `n_gen` greedy decode steps from an empty context.
 pub fn bench(
     model_path: &Path,
     threads: usize,
     n_prompt: usize,
     n_gen: usize,
 ) -> Result<BenchReport> {
-    bench_with(model_path, threads, n_prompt, n_gen, None)
+    bench_config(model_path, &BenchConfig::new(threads, n_prompt, n_gen))
 }
 
 /// [`bench`], with the experts streamed from disk through a cache of `expert_budget` bytes when
-/// given. Streamed, the decode test feeds a fixed pseudo-random token stream instead of its own
-/// greedy tokens: a synthetic model's greedy output repeats one token, which would route the
-/// same way every step and flatter the cache.
+/// given (see [`bench_config`]).
 pub fn bench_with(
     model_path: &Path,
     threads: usize,
@@ -188,6 +236,28 @@ pub fn bench_with(
     n_gen: usize,
     expert_budget: Option<u64>,
 ) -> Result<BenchReport> {
+    let mut c = BenchConfig::new(threads, n_prompt, n_gen);
+    c.expert_budget = expert_budget;
+    bench_config(model_path, &c)
+}
+
+/// Measures a model as `config` says. Each test starts from a cache holding `depth` tokens
+/// (filled once, untimed, then copied), as llama-bench's `-d`. Streamed, the decode test feeds
+/// a fixed pseudo-random token stream instead of its own greedy tokens: a synthetic model's
+/// greedy output repeats one token, which would route the same way every step and flatter the
+/// cache.
+pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchReport> {
+    let BenchConfig {
+        threads,
+        n_prompt,
+        n_gen,
+        depth,
+        repetitions,
+        kv_type,
+        expert_budget,
+        ..
+    } = *config;
+    let ubatch = config.ubatch.max(1);
     let t = Instant::now();
     let g = GgufFile::open(model_path)?;
     let model = match expert_budget {
@@ -208,44 +278,69 @@ pub fn bench_with(
             )?
         }
     };
+    let model = model.with_kv_type(kv_type)?;
     let load_s = t.elapsed().as_secs_f64();
     let profile = ModelProfile::from_gguf(&g)?;
     let cfg = model.config().clone();
-    let prompt: Vec<u32> = (0..n_prompt.max(1))
-        .map(|i| (crate::sampling::splitmix64(i as u64) % cfg.vocab_size as u64) as u32)
-        .collect();
+    let tokens = |n: usize, salt: u64| -> Vec<u32> {
+        (0..n)
+            .map(|i| {
+                let r = crate::sampling::splitmix64((salt << 40) + i as u64);
+                (r % cfg.vocab_size as u64) as u32
+            })
+            .collect()
+    };
+    let needed = depth + n_prompt.max(n_gen);
+    if needed > cfg.context_length {
+        return Err(EngineError::ContextOverflow {
+            needed,
+            limit: cfg.context_length,
+        });
+    }
+    let prefill = |kv: &mut KvCache, toks: &[u32]| -> Result<Option<u32>> {
+        let mut last = None;
+        for c in toks.chunks(ubatch) {
+            last = Some(argmax(model.forward_last(c, kv)?.last()) as u32);
+        }
+        Ok(last)
+    };
 
     // Warm up: touch every weight once.
     {
         let mut kv = model.new_kv(16);
-        model.forward_last(&prompt[..prompt.len().min(8)], &mut kv)?;
+        prefill(&mut kv, &tokens(8, 0))?;
     }
-    // Best of REPEATS runs each (the machines are shared and noisy).
-    let (mut prefill_s, mut decode_s, mut kv_bytes) = (f64::INFINITY, f64::INFINITY, 0);
+    // The context every test starts from.
+    let mut base = model.new_kv(needed.max(1));
+    let mut token = prefill(&mut base, &tokens(depth, 1))?.unwrap_or(1);
+    let prompt = tokens(n_prompt, 2);
+    // Best of `repetitions` runs each (the machines are shared and noisy).
+    let (mut prefill_s, mut decode_s, mut kv_bytes) = (f64::INFINITY, f64::INFINITY, base.bytes());
     let mut best_stats = None;
-    for rep in 0..REPEATS {
+    for rep in 0..repetitions.max(1) {
+        if n_prompt > 0 {
+            let mut kv = base.clone();
+            let t = Instant::now();
+            let last = prefill(&mut kv, &prompt)?;
+            prefill_s = prefill_s.min(t.elapsed().as_secs_f64());
+            kv_bytes = kv_bytes.max(kv.bytes());
+            if depth == 0 {
+                token = last.unwrap_or(token);
+            }
+        }
+        if n_gen == 0 {
+            continue;
+        }
         // Streamed: new tokens each run, so no run finds the previous one's experts waiting.
-        let stream: Vec<u32> = (0..n_gen)
-            .map(|i| {
-                let r = crate::sampling::splitmix64(((rep as u64 + 1) << 32) + i as u64);
-                (r % cfg.vocab_size as u64) as u32
-            })
-            .collect();
-        // Prefill: one forward over the prompt.
-        let mut kv = model.new_kv(prompt.len());
-        let t = Instant::now();
-        let logits = model.forward_last(&prompt, &mut kv)?;
-        prefill_s = prefill_s.min(t.elapsed().as_secs_f64());
-        kv_bytes = kv_bytes.max(kv.bytes());
-        drop(kv);
-        // Decode: n_gen greedy steps from an empty context, as llama-bench's tg test.
-        let mut token = argmax(logits.last()) as u32;
-        let mut kv = model.new_kv(n_gen.max(1));
+        let stream = tokens(n_gen, 3 + rep as u64);
+        // Decode: n_gen greedy steps after `depth` tokens, as llama-bench's tg test.
+        let mut kv = base.clone();
+        let mut tok = token;
         let before = model.expert_stats();
         let t = Instant::now();
         for &next in &stream {
-            let l = model.forward_last(&[token], &mut kv)?;
-            token = match expert_budget {
+            let l = model.forward_last(&[tok], &mut kv)?;
+            tok = match expert_budget {
                 None => argmax(l.last()) as u32,
                 Some(_) => next,
             };
@@ -257,6 +352,7 @@ pub fn bench_with(
         }
         kv_bytes = kv_bytes.max(kv.bytes());
     }
+    drop(base);
     let streaming = match (expert_budget, best_stats) {
         (Some(budget), Some((a, b))) => {
             Some(streaming_report(&g, &cfg, budget, &a, &b, n_gen, decode_s)?)
@@ -266,21 +362,30 @@ pub fn bench_with(
     // Before the bandwidth test, whose buffer is not the model's memory.
     let peak_rss = peak_rss_bytes();
     let mem_read_gb_s = measure_read_bandwidth(threads);
+    // A decode step reads the active weights and, at depth, the whole cache.
     let active = profile.active_bytes_per_token();
+    let kv_read = if n_gen > 0 {
+        model.kv_bytes_for(depth)
+    } else {
+        0
+    };
+    let rate = |n: usize, s: f64| if n == 0 { 0.0 } else { n as f64 / s };
     Ok(BenchReport {
         model: model_path.display().to_string(),
         threads,
-        n_prompt: prompt.len(),
+        n_prompt,
         n_gen,
+        depth,
+        kv_type,
         load_s,
-        prefill_tok_s: prompt.len() as f64 / prefill_s,
-        decode_tok_s: n_gen as f64 / decode_s,
+        prefill_tok_s: rate(n_prompt, prefill_s),
+        decode_tok_s: rate(n_gen, decode_s),
         peak_rss_bytes: peak_rss,
         weight_resident_bytes: model.resident_bytes() as u64,
         kv_bytes: kv_bytes as u64,
         active_bytes_per_token: active,
         mem_read_gb_s,
-        decode_bound_tok_s: mem_read_gb_s * 1e9 / active as f64,
+        decode_bound_tok_s: mem_read_gb_s * 1e9 / (active + kv_read) as f64,
         streaming,
     })
 }

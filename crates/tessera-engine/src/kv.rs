@@ -139,7 +139,10 @@ enum Rows {
     F32(Vec<f32>),
     F16(Vec<f16>),
     /// Per-block scales and quants.
-    Q8_0 { d: Vec<f16>, q: Vec<i8> },
+    Q8_0 {
+        d: Vec<f16>,
+        q: Vec<i8>,
+    },
 }
 
 impl Rows {
@@ -322,10 +325,7 @@ impl KvCache {
 
     /// Bytes allocated for keys and values.
     pub fn bytes(&self) -> usize {
-        self.entries
-            .iter()
-            .map(|e| e.k.bytes() + e.v.bytes())
-            .sum()
+        self.entries.iter().map(|e| e.k.bytes() + e.v.bytes()).sum()
     }
 
     /// Bytes a cache of `kv_type` and `shape` holds for `positions` positions of `n_layers`
@@ -373,7 +373,9 @@ impl KvCache {
         if e.allocated < end {
             // Whole tiles, so the tiled key layout always holds complete tiles.
             let want = end.div_ceil(GROW_CHUNK) * GROW_CHUNK;
-            let want = want.min(cap.div_ceil(TILE) * TILE).max(end.div_ceil(TILE) * TILE);
+            let want = want
+                .min(cap.div_ceil(TILE) * TILE)
+                .max(end.div_ceil(TILE) * TILE);
             e.k.grow(want * kw);
             e.v.grow(want * vw);
             e.allocated = want;
@@ -463,7 +465,10 @@ mod tests {
         let s = shape();
         for t in KvType::ALL {
             let mut c = KvCache::with_shape(s, 0..2, 1000, t).unwrap();
-            let (k, v) = (vec![0.5f32; 3 * s.k_width()], vec![0.25f32; 3 * s.v_width()]);
+            let (k, v) = (
+                vec![0.5f32; 3 * s.k_width()],
+                vec![0.25f32; 3 * s.v_width()],
+            );
             for l in 0..2 {
                 c.append(l, 0, &k, &v);
             }

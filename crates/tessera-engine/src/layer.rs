@@ -7,9 +7,9 @@
 //! h' = x + FFN(rms_norm(x) * ffn_norm)            (dense SwiGLU, or routed experts)
 //! ```
 
+use crate::attention::{attend_fused, FusedScratch, HeadKv};
 use crate::error::Result;
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
-use crate::attention::{attend_fused, FusedScratch, HeadKv};
 use crate::kv::{KvCache, KvShape, LayerView};
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
@@ -162,7 +162,10 @@ impl Model {
         }
         let n_tasks = items.len().min(pool.n_threads() * 8);
         pool.run(n_tasks, |task| {
-            let (i0, i1) = (items.len() * task / n_tasks, items.len() * (task + 1) / n_tasks);
+            let (i0, i1) = (
+                items.len() * task / n_tasks,
+                items.len() * (task + 1) / n_tasks,
+            );
             let mut scratch = AttnScratch::default();
             let mut fused = FusedScratch::default();
             let (mut qs, mut os, mut spans, mut sinks) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());

@@ -7,8 +7,8 @@ mod common;
 use common::assert_bits_eq;
 use tessera_engine::ops::argmax;
 use tessera_engine::{
-    ExpertExecutor, ExpertOutputs, ExpertSelection, Hidden, KvCache, KvType, LoadSpec, LocalExperts,
-    Model, PartExperts, Routing, SeqStep,
+    ExpertExecutor, ExpertOutputs, ExpertSelection, Hidden, KvCache, KvType, LoadSpec,
+    LocalExperts, Model, PartExperts, Routing, SeqStep,
 };
 use tessera_model::{GgufFile, ModelConfig};
 

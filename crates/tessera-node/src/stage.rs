@@ -151,8 +151,12 @@ impl Stage {
 
     /// Worst-case KV bytes for a sequence of `positions` on this stage's layers.
     pub fn kv_bytes_for(&self, positions: usize) -> u64 {
-        let c = self.model.config();
-        2 * self.assignment.layers.len() as u64 * c.kv_dim() as u64 * 4 * positions as u64
+        tessera_engine::KvCache::bytes_for(
+            self.model.kv_type(),
+            self.model.kv_shape(),
+            self.assignment.layers.len(),
+            positions,
+        )
     }
 
     /// Opens a sequence: allocates (lazily) its KV cache, within the budget.
@@ -600,6 +604,7 @@ mod tests {
             next: None,
             prev: None,
             max_context: 256,
+            kv_type: tessera_engine::KvType::default(),
         }
     }
 

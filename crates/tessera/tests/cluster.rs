@@ -419,6 +419,7 @@ fn share_bytes(path: &Path, layers: std::ops::Range<usize>, embed: bool, head: b
         next: None,
         prev: None,
         max_context: 1,
+        kv_type: Default::default(),
     };
     let names = tessera_node::agent::stage_tensor_names(&manifest, &a);
     manifest.bytes_for(&names).unwrap()

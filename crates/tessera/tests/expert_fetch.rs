@@ -68,6 +68,7 @@ fn assignment_names(m: &Manifest, layers: Range<usize>, n_layer: usize) -> Vec<S
         next: None,
         prev: None,
         max_context: 1,
+        kv_type: Default::default(),
     };
     tessera_node::agent::stage_tensor_names(m, &a)
 }

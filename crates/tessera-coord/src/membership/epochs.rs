@@ -186,6 +186,7 @@ impl Membership {
                     next,
                     prev,
                     max_context,
+                    kv_type: self.kv_type,
                 }),
             ));
         }
@@ -214,6 +215,7 @@ impl Membership {
                         next: None,
                         prev: None,
                         max_context,
+                        kv_type: self.kv_type,
                     }),
                 ));
                 stages.push((p.node_id, 0..0));

@@ -82,6 +82,8 @@ pub struct Membership {
     /// The split the current epoch runs: the configured one, or after a loss the one with the
     /// departed owners' experts re-placed.
     epoch_experts: Option<crate::assignment::ExpertSplit>,
+    /// KV cache type every stage is assigned.
+    kv_type: tessera_engine::KvType,
 }
 
 impl Membership {
@@ -92,6 +94,15 @@ impl Membership {
     /// Splits the experts of every MoE layer across nodes in the plans made from now on.
     pub fn set_expert_split(&mut self, split: Option<crate::assignment::ExpertSplit>) {
         self.experts = split;
+    }
+
+    /// The KV cache type stages are assigned from the next plan on.
+    pub fn set_kv_type(&mut self, kv_type: tessera_engine::KvType) {
+        self.kv_type = kv_type;
+    }
+
+    pub fn kv_type(&self) -> tessera_engine::KvType {
+        self.kv_type
     }
 
     pub fn expert_split(&self) -> Option<&crate::assignment::ExpertSplit> {

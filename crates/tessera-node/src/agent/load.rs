@@ -160,6 +160,7 @@ pub(super) async fn load_assignment(
             .any(|ids| !ids.is_empty())
             .then(|| LoadSpec::experts_only(0..held.len(), ExpertSelection::PerLayer(held)))
     });
+    let kv_type = a.kv_type;
     let (model, serve_model) =
         tokio::task::spawn_blocking(move || -> Result<(Model, Option<Model>), FabricError> {
             let g = GgufFile::open(&path)?;
@@ -174,7 +175,7 @@ pub(super) async fn load_assignment(
                 ),
                 None => Model::load(&g, spec, threads, &mut |_, _| {}),
             };
-            let m = load(spec, !expert_only)?;
+            let m = load(spec, !expert_only)?.with_kv_type(kv_type)?;
             let s = match serve_spec {
                 Some(spec) => Some(load(spec, true)?),
                 None => None,

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
-use tessera_engine::SamplingParams;
+use tessera_engine::{KvType, SamplingParams};
 use tessera_net::{LinkMeasurement, NodeId, PublicKey};
 
 use super::range_serde;
@@ -69,6 +69,10 @@ pub struct StageAssignment {
     pub prev: Option<PeerInfo>,
     /// Most positions one sequence may use (its KV cache is bounded by this).
     pub max_context: usize,
+    /// Element type of the KV caches: every stage of a ring uses the coordinator's, so a split
+    /// computes what one process with that type computes.
+    #[serde(default)]
+    pub kv_type: KvType,
 }
 
 /// Opens a sequence on every stage.

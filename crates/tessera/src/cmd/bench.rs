@@ -13,12 +13,26 @@ pub struct BenchArgs {
     /// Compute threads (default: all cores).
     #[arg(short, long)]
     threads: Option<usize>,
-    /// Prompt tokens for the prefill test.
-    #[arg(short = 'p', long, default_value_t = 64)]
-    n_prompt: usize,
-    /// Tokens for the decode test.
+    /// Prompt tokens for the prefill test; several (`-p 512,2048,8192`) run one prefill test
+    /// each and then one decode test, as llama-bench does.
+    #[arg(short = 'p', long, value_delimiter = ',', default_value = "64")]
+    n_prompt: Vec<usize>,
+    /// Tokens for the decode test (0: none).
     #[arg(short = 'n', long, default_value_t = 64)]
     n_gen: usize,
+    /// Tokens of context already cached before each test (llama-bench's `-d`): decode at depth
+    /// D reads D positions of KV cache per token.
+    #[arg(short = 'd', long, default_value_t = 0)]
+    depth: usize,
+    /// Tokens per forward pass while prefilling (llama-bench's `-ub`).
+    #[arg(long, default_value_t = 512)]
+    ubatch: usize,
+    /// Timed runs per test; the best is reported.
+    #[arg(short = 'r', long, default_value_t = tessera_engine::bench::REPEATS)]
+    repetitions: usize,
+    /// KV cache element type: f16 (default), q8_0 or f32.
+    #[arg(long, default_value = "f16")]
+    kv_type: tessera_engine::KvType,
     /// Print the reports as JSON lines.
     #[arg(long)]
     json: bool,
@@ -48,18 +62,32 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(Ok(_)) => anyhow::bail!("--expert-budget: give an absolute size, e.g. 100MiB"),
         Some(Err(e)) => return Err(anyhow::Error::new(e).context("--expert-budget")),
     };
+    // One test with both figures for one prompt length; llama-bench's separate pp and tg
+    // tests for several.
+    let tests: Vec<(usize, usize)> = match args.n_prompt[..] {
+        [p] => vec![(p, args.n_gen)],
+        ref ps => ps
+            .iter()
+            .map(|&p| (p, 0))
+            .chain((args.n_gen > 0).then_some((0, args.n_gen)))
+            .collect(),
+    };
     for path in models {
-        let report = tessera_engine::bench::bench_with(
-            &path,
-            threads,
-            args.n_prompt,
-            args.n_gen,
-            expert_budget,
-        )?;
-        if args.json {
-            println!("{}", serde_json::to_string(&report)?);
-        } else {
-            println!("{report}\n");
+        for &(n_prompt, n_gen) in &tests {
+            let config = tessera_engine::bench::BenchConfig {
+                depth: args.depth,
+                ubatch: args.ubatch,
+                repetitions: args.repetitions,
+                kv_type: args.kv_type,
+                expert_budget,
+                ..tessera_engine::bench::BenchConfig::new(threads, n_prompt, n_gen)
+            };
+            let report = tessera_engine::bench::bench_config(&path, &config)?;
+            if args.json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!("{report}\n");
+            }
         }
     }
     Ok(())

@@ -44,6 +44,10 @@ pub struct CoordinatorArgs {
     /// Most positions per sequence (default: the model's context length).
     #[arg(long)]
     max_context: Option<usize>,
+    /// KV cache element type: f16 (default), q8_0 (half the bytes again; heads of whole
+    /// 32-blocks) or f32 (llama.cpp's non-flash numerics).
+    #[arg(long, default_value = "f16")]
+    kv_type: tessera_engine::KvType,
     /// Bytes per chunk of the model's manifest: nodes fetch and verify the model in chunks,
     /// and a node given some experts fetches only the chunks that overlap them. Smaller chunks
     /// waste less at the edges of expert slices (useful when a slice is not much larger than a
@@ -116,6 +120,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         .context("starting the coordinator")?;
         coordinator.set_lease(std::time::Duration::from_millis(args.lease_ms));
         coordinator.set_expert_split(experts);
+        coordinator.set_kv_type(args.kv_type);
         let addr = coordinator.local_addr()?;
         println!("coordinator {}", coordinator.node_id());
         println!(

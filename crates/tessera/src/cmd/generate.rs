@@ -31,6 +31,9 @@ pub struct GenerateArgs {
     /// Compute threads (default: all cores).
     #[arg(short, long)]
     threads: Option<usize>,
+    /// KV cache element type: f16 (default), q8_0 or f32 (llama.cpp's non-flash numerics).
+    #[arg(long, default_value = "f16")]
+    kv_type: tessera_engine::KvType,
     /// Print timing figures to stderr at the end.
     #[arg(long)]
     stats: bool,
@@ -63,7 +66,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         threads,
         &mut |done, total| progress.update(done, total),
     )
-    .with_context(|| format!("loading {}", path.display()))?;
+    .with_context(|| format!("loading {}", path.display()))?
+    .with_kv_type(args.kv_type)
+    .context("--kv-type")?;
     progress.finish();
 
     let params = args.sampling.params();

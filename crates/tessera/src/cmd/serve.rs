@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// Context positions per sequence (default: the model's).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// KV cache element type: f16 (default), q8_0 (half the bytes again; heads of whole
+    /// 32-blocks) or f32 (llama.cpp's non-flash numerics).
+    #[arg(long, default_value = "f16")]
+    pub kv_type: tessera_engine::KvType,
     /// Distributed mode: run a coordinator in this process and serve the model over this many
     /// nodes, once they have joined (`tessera node --join TOKEN@HOST:PORT`, as printed) and
     /// loaded their layers.
@@ -84,6 +88,7 @@ struct Config {
     listen: SocketAddr,
     api_key: Option<String>,
     threads: usize,
+    kv_type: tessera_engine::KvType,
     local: LocalConfig,
 }
 
@@ -133,6 +138,7 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
         listen: a.listen,
         api_key,
         threads: threads.max(1),
+        kv_type: a.kv_type,
         local: LocalConfig {
             scheduler: SchedulerConfig {
                 max_active: a.max_batch,
@@ -154,7 +160,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let gguf =
         GgufFile::open(&cfg.model).with_context(|| format!("opening {}", cfg.model.display()))?;
     let model = Model::load_full(&gguf, cfg.threads)
-        .with_context(|| format!("loading {}", cfg.model.display()))?;
+        .with_context(|| format!("loading {}", cfg.model.display()))?
+        .with_kv_type(cfg.kv_type)
+        .context("--kv-type")?;
     let backend = LocalBackend::start(&cfg.name, &gguf, model, cfg.local)
         .context("reading the tokenizer and chat template")?;
     serve_backend(Arc::new(backend), cfg.listen, cfg.api_key, |_| {})
@@ -171,6 +179,8 @@ pub struct ClusterOptions {
     pub split: Option<String>,
     pub nodes: usize,
     pub max_context: Option<usize>,
+    /// KV cache type of every stage.
+    pub kv_type: tessera_engine::KvType,
     pub backend: ClusterBackendConfig,
     /// Progress bars while serving shards.
     pub progress: bool,
@@ -233,6 +243,7 @@ impl Cluster {
         })
         .await
         .context("starting the coordinator")?;
+        coordinator.set_kv_type(o.kv_type);
         let coordinator = Arc::new(coordinator);
         let addr = coordinator.local_addr()?;
         let join = format!("{}@{addr}", coordinator.token());
@@ -329,6 +340,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             split: a.split,
             nodes,
             max_context: a.ctx,
+            kv_type: a.kv_type,
             backend: ClusterBackendConfig {
                 max_active: a.max_batch.max(1),
                 max_queue: a.max_queue,

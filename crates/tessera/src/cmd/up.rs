@@ -58,6 +58,10 @@ pub struct UpArgs {
     /// Context positions per sequence (default: the model's).
     #[arg(long)]
     ctx: Option<usize>,
+    /// KV cache element type: f16 (default), q8_0 (half the bytes again; heads of whole
+    /// 32-blocks) or f32 (llama.cpp's non-flash numerics).
+    #[arg(long, default_value = "f16")]
+    kv_type: tessera_engine::KvType,
     /// Sequences in flight at once.
     #[arg(long, default_value_t = 64)]
     max_batch: usize,
@@ -213,6 +217,7 @@ async fn up(
         split: args.split.clone(),
         nodes: args.nodes,
         max_context: args.ctx,
+        kv_type: args.kv_type,
         backend: ClusterBackendConfig {
             max_active: args.max_batch.max(1),
             max_queue: args.max_queue,
