@@ -168,7 +168,8 @@ impl Model {
             );
             let mut scratch = AttnScratch::default();
             let mut fused = FusedScratch::default();
-            let (mut qs, mut os, mut spans, mut sinks) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut qs, mut os, mut spans, mut sinks) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for (rs, kh) in &items[i0..i1] {
                 let (seq, _) = rows[rs.start];
                 let (view, len) = views[seq];
