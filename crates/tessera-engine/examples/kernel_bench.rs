@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use tessera_engine::kernels::{isa, matmul, Matrix, MatrixBytes, QuantizedActs, ThreadPool};
 use tessera_model::GgmlType;
 
-const DTYPES: [GgmlType; 11] = [
+const DTYPES: [GgmlType; 13] = [
+    GgmlType::Q2K,
+    GgmlType::Q3K,
     GgmlType::Iq4Xs,
     GgmlType::Iq4Nl,
     GgmlType::Mxfp4,
@@ -59,6 +61,11 @@ fn random_bytes(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec
             GgmlType::Q6K => b[208..].copy_from_slice(&small_f16(rng.next())),
             GgmlType::Mxfp4 => b[0] = 118 + (rng.next() % 8) as u8,
             GgmlType::Iq4Nl | GgmlType::Iq4Xs => b[..2].copy_from_slice(&small_f16(rng.next())),
+            GgmlType::Q2K => {
+                b[80..82].copy_from_slice(&small_f16(rng.next()));
+                b[82..84].copy_from_slice(&small_f16(rng.next()));
+            }
+            GgmlType::Q3K => b[108..110].copy_from_slice(&small_f16(rng.next())),
             GgmlType::F16 => {
                 b.copy_from_slice(&(0x3000u16 | (rng.next() as u16 & 0x83ff)).to_le_bytes())
             }

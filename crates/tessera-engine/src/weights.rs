@@ -452,7 +452,13 @@ impl<'a> Loader<'a> {
         })?;
         if matches!(
             dtype,
-            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl | GgmlType::Iq4Xs
+            GgmlType::Q4_0
+                | GgmlType::Q8_0
+                | GgmlType::Mxfp4
+                | GgmlType::Iq4Nl
+                | GgmlType::Iq4Xs
+                | GgmlType::Q2K
+                | GgmlType::Q3K
         ) {
             // The kernels keep an owned, repacked copy of these types: let the source pages go
             // so they are not counted twice in the resident set.

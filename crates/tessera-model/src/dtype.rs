@@ -22,6 +22,10 @@ pub enum GgmlType {
     Iq4Nl,
     /// IQ4_NL's grid in 256-value super-blocks with 6-bit sub-block scales.
     Iq4Xs,
+    /// 2-bit codes with 4-bit scales and mins per 16 values, 256 per block.
+    Q2K,
+    /// 3-bit codes (2 bits + a high-bit mask) with 6-bit scales per 16 values.
+    Q3K,
 }
 
 impl GgmlType {
@@ -36,6 +40,8 @@ impl GgmlType {
             13 => Self::Q5K,
             14 => Self::Q6K,
             30 => Self::BF16,
+            10 => Self::Q2K,
+            11 => Self::Q3K,
             20 => Self::Iq4Nl,
             23 => Self::Iq4Xs,
             39 => Self::Mxfp4,
@@ -56,6 +62,8 @@ impl GgmlType {
             Self::Mxfp4 => 39,
             Self::Iq4Nl => 20,
             Self::Iq4Xs => 23,
+            Self::Q2K => 10,
+            Self::Q3K => 11,
         }
     }
 
@@ -104,7 +112,7 @@ impl GgmlType {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
             Self::Q4_0 | Self::Q8_0 | Self::Mxfp4 | Self::Iq4Nl => 32,
-            Self::Q4K | Self::Q5K | Self::Q6K | Self::Iq4Xs => 256,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::Iq4Xs | Self::Q2K | Self::Q3K => 256,
         }
     }
 
@@ -121,6 +129,8 @@ impl GgmlType {
             Self::Mxfp4 => 17,  // E8M0 scale + 16 bytes of E2M1 nibbles
             Self::Iq4Nl => 18,  // f16 scale + 16 bytes of grid indices
             Self::Iq4Xs => 136, // f16 d, 2 + 4 bytes of 6-bit scales, 128 bytes of indices
+            Self::Q2K => 84,    // 16 scale/min bytes, 64 bytes of codes, f16 d, f16 dmin
+            Self::Q3K => 110,   // 32 bytes hmask, 64 bytes codes, 12 bytes scales, f16 d
         }
     }
 

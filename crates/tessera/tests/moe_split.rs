@@ -174,6 +174,17 @@ fn experts_split_with_2_stages_match_one_process_tiny() {
     stages_and_experts("test/tiny-qwen3moe-Q8_0.gguf");
 }
 
+/// gpt-oss: MXFP4 experts with biases, sinks, a sliding window the 20-token run passes, YaRN.
+#[test]
+fn experts_split_across_3_nodes_match_one_process_gpt_oss() {
+    three_nodes("test/tiny-gpt-oss-MXFP4.gguf");
+}
+
+#[test]
+fn experts_split_with_2_stages_match_one_process_gpt_oss() {
+    stages_and_experts("test/tiny-gpt-oss-MXFP4.gguf");
+}
+
 #[test]
 fn experts_split_across_2_nodes_match_one_process_small() {
     two_nodes("test/small-qwen3moe-Q8_0.gguf");

@@ -28,7 +28,17 @@ fn expert_bytes(g: &GgufFile, n_expert: usize) -> u64 {
 
 #[test]
 fn streamed_experts_on_a_node_match_one_process_small() {
-    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    streamed_experts_match_one_process("test/small-qwen3moe-Q8_0.gguf");
+}
+
+/// gpt-oss: MXFP4 experts with their biases, sliding-window layers (the run passes the window).
+#[test]
+fn streamed_experts_on_a_node_match_one_process_gpt_oss() {
+    streamed_experts_match_one_process("test/tiny-gpt-oss-MXFP4.gguf");
+}
+
+fn streamed_experts_match_one_process(name: &str) {
+    let path = model(name);
     let g = GgufFile::open(&path).unwrap();
     let cfg = ModelConfig::from_gguf(&g).unwrap();
     let (l, n) = (cfg.n_layer, cfg.n_expert);

@@ -158,6 +158,8 @@ impl Matrix {
             GgmlType::Q5K => interleave_q45k(src, rows, cols, true, buf),
             GgmlType::Q6K => interleave_q6k(src, rows, cols, buf),
             GgmlType::Iq4Xs => super::iq4xs::interleave(src, rows, cols, buf),
+            GgmlType::Q2K => super::k23::interleave(false, src, rows, cols, buf),
+            GgmlType::Q3K => super::k23::interleave(true, src, rows, cols, buf),
             GgmlType::Mxfp4 | GgmlType::Iq4Nl => {
                 super::lut4::interleave(super::lut4::is_nl(dtype), src, rows, cols, buf)
             }
@@ -190,6 +192,8 @@ impl Matrix {
             GgmlType::Q5K => (cols / 256).checked_mul(kx16_bytes(true)),
             GgmlType::Q6K => (cols / 256).checked_mul(Q6K_X16),
             GgmlType::Iq4Xs => (cols / 256).checked_mul(super::iq4xs::X16),
+            GgmlType::Q2K => (cols / 256).checked_mul(super::k23::x16(false)),
+            GgmlType::Q3K => (cols / 256).checked_mul(super::k23::x16(true)),
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 cols.checked_mul(GROUP * dtype.block_bytes())
             }
@@ -231,6 +235,8 @@ impl Matrix {
             GgmlType::Q5K => self.cols / 256 * kx16_bytes(true),
             GgmlType::Q6K => self.cols / 256 * Q6K_X16,
             GgmlType::Iq4Xs => self.cols / 256 * super::iq4xs::X16,
+            GgmlType::Q2K => self.cols / 256 * super::k23::x16(false),
+            GgmlType::Q3K => self.cols / 256 * super::k23::x16(true),
             _ => self.row_bytes() * GROUP,
         };
         &self.data[g * gb..(g + 1) * gb]
@@ -290,6 +296,16 @@ impl Matrix {
                         let sc = blk[Q6K_SCALES + 16 * (e / 16) + r] as i8;
                         // Same float ops as the GGML-layout decoder, so identical values.
                         *y = d * sc as f32 * (q6k_x16_quant(blk, r, e) - 32) as f32;
+                    }
+                }
+            }
+            GgmlType::Q2K | GgmlType::Q3K => {
+                let three = self.dtype == GgmlType::Q3K;
+                let x16 = super::k23::x16(three);
+                for (b, y) in out.chunks_exact_mut(256).enumerate() {
+                    let blk = &data[b * x16..(b + 1) * x16];
+                    for (e, y) in y.iter_mut().enumerate() {
+                        *y = super::k23::x16_value(three, blk, r, e);
                     }
                 }
             }

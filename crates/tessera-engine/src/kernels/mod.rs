@@ -26,6 +26,7 @@
 //! portable kernels (no NEON yet).
 
 mod iq4xs;
+mod k23;
 mod lut4;
 mod matmul;
 mod matrix;
@@ -169,6 +170,8 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::Mxfp4 => lut4::lut4_group::<false>,
         GgmlType::Iq4Nl => lut4::lut4_group::<true>,
         GgmlType::Iq4Xs => iq4xs::iq4xs_group,
+        GgmlType::Q2K => k23::k23_group::<false>,
+        GgmlType::Q3K => k23::k23_group::<true>,
     }
 }
 

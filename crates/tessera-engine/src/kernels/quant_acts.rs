@@ -21,7 +21,12 @@ impl ActKind {
     pub(crate) fn for_weights(dtype: GgmlType) -> Self {
         match dtype {
             GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => Self::Q8_0,
-            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Iq4Xs => Self::Q8K,
+            GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+            | GgmlType::Iq4Xs
+            | GgmlType::Q2K
+            | GgmlType::Q3K => Self::Q8K,
             GgmlType::F16 => Self::F16,
             GgmlType::BF16 => Self::BF16,
             GgmlType::F32 => Self::F32,

@@ -48,6 +48,8 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], y: &mut [f32]) {
         GgmlType::Mxfp4 => super::lut4::dequantize_block(false, b, y),
         GgmlType::Iq4Nl => super::lut4::dequantize_block(true, b, y),
         GgmlType::Iq4Xs => super::iq4xs::dequantize_block(b, y),
+        GgmlType::Q2K => super::k23::dequantize_block(false, b, y),
+        GgmlType::Q3K => super::k23::dequantize_block(true, b, y),
         GgmlType::F16 => y[0] = f16_at(b, 0),
         GgmlType::BF16 => y[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
         GgmlType::Q4_0 => {

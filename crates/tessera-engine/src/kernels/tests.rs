@@ -56,6 +56,19 @@ pub(crate) fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, rng: &mut
                     v.push(rng.byte());
                 }
             }
+            GgmlType::Q2K => {
+                for _ in 0..80 {
+                    v.push(rng.byte());
+                }
+                push_f16(&mut v, rng.f().abs() * 0.01);
+                push_f16(&mut v, rng.f().abs() * 0.01);
+            }
+            GgmlType::Q3K => {
+                for _ in 0..108 {
+                    v.push(rng.byte());
+                }
+                push_f16(&mut v, rng.f() * 0.001);
+            }
             GgmlType::Iq4Xs => {
                 push_f16(&mut v, rng.f() * 0.0005);
                 for _ in 0..134 {
@@ -121,7 +134,9 @@ pub(crate) fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
     v
 }
 
-const ALL: [GgmlType; 11] = [
+const ALL: [GgmlType; 13] = [
+    GgmlType::Q2K,
+    GgmlType::Q3K,
     GgmlType::Iq4Xs,
     GgmlType::Iq4Nl,
     GgmlType::Mxfp4,
@@ -145,7 +160,12 @@ fn isas() -> Vec<Isa> {
 fn cols_for(dtype: GgmlType) -> usize {
     match dtype {
         GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => 320,
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Iq4Xs => 512,
+        GgmlType::Q4K
+        | GgmlType::Q5K
+        | GgmlType::Q6K
+        | GgmlType::Iq4Xs
+        | GgmlType::Q2K
+        | GgmlType::Q3K => 512,
         _ => 100, // exercises the float tail
     }
 }

@@ -4,6 +4,7 @@ mod avx2;
 mod avx512;
 mod float;
 mod iq4xs;
+mod k23;
 mod lut4;
 pub(super) mod quant;
 
@@ -43,6 +44,8 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
             lut4::lut4_group_avx2::<false>,
             lut4::lut4_group_avx512::<false>,
         ),
+        GgmlType::Q2K => pick(k23::k23_group_avx2::<false>, k23::k23_group_avx512::<false>),
+        GgmlType::Q3K => pick(k23::k23_group_avx2::<true>, k23::k23_group_avx512::<true>),
         GgmlType::Iq4Xs => pick(iq4xs::iq4xs_group_avx2, iq4xs::iq4xs_group_avx512),
         GgmlType::Iq4Nl => pick(
             lut4::lut4_group_avx2::<true>,
