@@ -7,14 +7,18 @@
 //! (f16), the signed scales `ls − 32` as `[sub-block][row]` i8, then per sub-block the 4 runs of
 //! 64 bytes of `lut4.rs` (run `k`: code bytes `4k..4k+4` of each row).
 //!
-//! Numerical contract (all instruction sets, bit for bit): per row and block the exact integer
-//! sum `Σ_s (ls_s − 32) · Σ table[q]·y`, then `acc = fma(d·dy, isum, acc)` in block order.
+//! Numerical contract (all instruction sets, bit for bit), llama.cpp's AVX2 `vec_dot` order
+//! (the reference outputs are sensitive to it): 8 lanes per row, lane `L` the exact integer sum
+//! over the block of `(ls − 32)·table[q]·y` for the elements with `(e % 32) / 4 == L`, then
+//! `acc_L = fma(d·dy, lane_L, acc_L)` per block and the lanes summed as `hsum_float_8`
+//! (`scalar::q8_0_lanes_sum`).
 
 use half::f16;
 
 use super::lut4::KVALUES_IQ4NL;
 use super::matrix::GROUP;
 use super::quant_acts::QuantizedActs;
+use super::scalar::q8_0_lanes_sum;
 
 pub(crate) const BLOCK_BYTES: usize = 136;
 pub(crate) const SCALES: usize = 2 * GROUP;
@@ -86,28 +90,35 @@ pub(crate) fn iq4xs_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out
     let t = &KVALUES_IQ4NL;
     for j in 0..nt {
         let tok = t0 + j;
-        let mut acc = [0f32; GROUP];
+        let mut acc = [[0f32; 8]; GROUP];
         for b in 0..nb {
             let blk = &w[b * X16..(b + 1) * X16];
             let y = &a.qs[tok * a.cols + b * 256..][..256];
             let dy = a.f[tok * nb + b];
             for (r, acc) in acc.iter_mut().enumerate() {
-                let mut isum = 0i32;
+                let mut lanes = [0i32; 8];
                 for s in 0..8 {
-                    let mut sub = 0i32;
+                    let sc = blk[SCALES + GROUP * s + r] as i8 as i32;
                     for k in 0..4 {
+                        let (mut lo, mut hi) = (0i32, 0i32);
                         for i in 0..4 {
                             let q = blk[QS + 256 * s + 64 * k + 4 * r + i];
-                            sub += t[(q & 0xF) as usize] as i32 * y[32 * s + 4 * k + i] as i32
-                                + t[(q >> 4) as usize] as i32 * y[32 * s + 16 + 4 * k + i] as i32;
+                            lo += t[(q & 0xF) as usize] as i32 * y[32 * s + 4 * k + i] as i32;
+                            hi += t[(q >> 4) as usize] as i32 * y[32 * s + 16 + 4 * k + i] as i32;
                         }
+                        lanes[k] += sc * lo;
+                        lanes[4 + k] += sc * hi;
                     }
-                    isum += blk[SCALES + GROUP * s + r] as i8 as i32 * sub;
                 }
                 let d = f16::from_bits(u16::from_le_bytes([blk[2 * r], blk[2 * r + 1]])).to_f32();
-                *acc = (d * dy).mul_add(isum as f32, *acc);
+                let d = d * dy;
+                for (acc, &l) in acc.iter_mut().zip(&lanes) {
+                    *acc = d.mul_add(l as f32, *acc);
+                }
             }
         }
-        out[j * GROUP..(j + 1) * GROUP].copy_from_slice(&acc);
+        for (r, acc) in acc.iter().enumerate() {
+            out[j * GROUP + r] = q8_0_lanes_sum(acc);
+        }
     }
 }

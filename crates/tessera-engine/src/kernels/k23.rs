@@ -14,15 +14,17 @@
 //! Q3_K's 3-bit code `u = q | 4·h` is unsigned; `Σ(u − 4)·y = Σ u·y − 4·Σy` with Q8_K's sums of
 //! 16.
 //!
-//! Numerical contract (all instruction sets, bit for bit): the exact integer sums
-//! `isum = Σ_j sc_j · Σ q·y` (and for Q2_K `msum = Σ_j m_j · bsum_j`) per row and block; then
-//! `acc = fma(d·dy, isum, acc)` and, for Q2_K, `accm = fma(dmin·dy, msum, accm)`, the result
-//! `acc − accm`, in block order (llama.cpp: `sumf += dall·isum − dmin·summs`; last bits differ).
+//! Numerical contract (all instruction sets, bit for bit), llama.cpp's AVX2 `vec_dot` order
+//! (the reference outputs are sensitive to it): 8 lanes per row; per block, for Q2_K first
+//! `acc_L = fma(−dy·dmin, m_{2L}·bsum_{2L} + m_{2L+1}·bsum_{2L+1}, acc_L)`, then
+//! `acc_L = fma(dy·d, lane_L, acc_L)` with lane `L` the exact integer sum of `sc·q·y` over the
+//! elements with `(e % 32) / 4 == L`; the lanes summed as `hsum_float_8`.
 
 use half::f16;
 
 use super::matrix::GROUP;
 use super::quant_acts::QuantizedActs;
+use super::scalar::q8_0_lanes_sum;
 
 /// Layout of a type (`THREE`: Q3_K, else Q2_K).
 pub(crate) const fn block_bytes(three: bool) -> usize {
@@ -201,55 +203,58 @@ pub(crate) fn k23_group<const THREE: bool>(
     let (x16, qs, sc_at) = (x16(THREE), qs(THREE), scales(THREE));
     for j in 0..nt {
         let tok = t0 + j;
-        let mut acc = [0f32; GROUP];
-        let mut accm = [0f32; GROUP];
+        let mut acc = [[0f32; 8]; GROUP];
         for b in 0..nb {
             let blk = &w[b * x16..(b + 1) * x16];
             let y = &a.qs[tok * a.cols + b * 256..][..256];
             let bsums = &a.bsums[(tok * a.cols + b * 256) / 16..][..16];
             let dy = a.f[tok * nb + b];
-            for r in 0..GROUP {
-                let mut isum = 0i32;
+            for (r, acc) in acc.iter_mut().enumerate() {
+                if !THREE {
+                    // Q2_K's mins first: lane L takes sub-blocks 2L and 2L + 1.
+                    let dmin = -dy * f16_at(blk, DMIN + 2 * r);
+                    for (l, acc) in acc.iter_mut().enumerate() {
+                        let m = |sub: usize| blk[MINS + GROUP * sub + r] as i32 * bsums[sub] as i32;
+                        *acc = dmin.mul_add((m(2 * l) + m(2 * l + 1)) as f32, *acc);
+                    }
+                }
+                let mut lanes = [0i32; 8];
                 for n in 0..2 {
                     for s in 0..4 {
                         for h in 0..2 {
                             let sub = 8 * n + 2 * s + h;
-                            let mut dot = 0i32;
-                            for l in 16 * h..16 * h + 16 {
-                                let byte = 32 * n + l;
-                                let mut u = ((blk[qs + 64 * (byte / 4) + 4 * r + byte % 4]
-                                    >> (2 * s))
-                                    & 3) as i32;
-                                if THREE {
-                                    let hm = blk[HMASK + 64 * (l / 4) + 4 * r + l % 4];
-                                    u |= (((hm >> (4 * n + s)) & 1) as i32) << 2;
-                                }
-                                dot += u * y[128 * n + 32 * s + l] as i32;
-                            }
-                            if THREE {
-                                dot -= 4 * bsums[sub] as i32;
-                            }
                             let sc = if THREE {
                                 blk[sc_at + GROUP * sub + r] as i8 as i32
                             } else {
                                 blk[sc_at + GROUP * sub + r] as i32
                             };
-                            isum += sc * dot;
+                            for cc in 0..4 {
+                                let mut dot = 0i32;
+                                for i in 0..4 {
+                                    let l = 16 * h + 4 * cc + i;
+                                    let byte = 32 * n + l;
+                                    let o = qs + 64 * (byte / 4) + 4 * r + byte % 4;
+                                    let mut u = ((blk[o] >> (2 * s)) & 3) as i32;
+                                    if THREE {
+                                        let hm = blk[HMASK + 64 * (l / 4) + 4 * r + l % 4];
+                                        u |= (((hm >> (4 * n + s)) & 1) as i32) << 2;
+                                        u -= 4;
+                                    }
+                                    dot += u * y[128 * n + 32 * s + l] as i32;
+                                }
+                                lanes[4 * h + cc] += sc * dot;
+                            }
                         }
                     }
                 }
-                let d = f16_at(blk, 2 * r);
-                acc[r] = (d * dy).mul_add(isum as f32, acc[r]);
-                if !THREE {
-                    let msum: i32 = (0..16)
-                        .map(|sub| blk[MINS + GROUP * sub + r] as i32 * bsums[sub] as i32)
-                        .sum();
-                    accm[r] = (f16_at(blk, DMIN + 2 * r) * dy).mul_add(msum as f32, accm[r]);
+                let d = dy * f16_at(blk, 2 * r);
+                for (acc, &l) in acc.iter_mut().zip(&lanes) {
+                    *acc = d.mul_add(l as f32, *acc);
                 }
             }
         }
-        for r in 0..GROUP {
-            out[j * GROUP + r] = acc[r] - accm[r];
+        for (r, acc) in acc.iter().enumerate() {
+            out[j * GROUP + r] = q8_0_lanes_sum(acc);
         }
     }
 }

@@ -1,6 +1,6 @@
 //! AVX2 and AVX-512 kernels for interleaved IQ4_XS groups (`kernels/iq4xs.rs` has the layout
-//! and the numerical contract): exact integer sums, one lane per row, the scalar kernel's float
-//! steps, hence bit-identical results.
+//! and the numerical contract): exact integer lane sums, one vector lane per row, the scalar
+//! kernel's float steps, hence bit-identical results.
 
 use std::arch::x86_64::*;
 
@@ -13,8 +13,18 @@ fn check_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
     let nb = a.cols / 256;
     assert!(w.len() >= nb * X16);
     assert!((t0 + nt) * a.cols <= a.qs.len() && (t0 + nt) * nb <= a.f.len());
-    assert!((t0 + nt) * a.cols / 16 <= a.bsums.len());
     assert!(out.len() >= nt * GROUP);
+}
+
+/// The 8 per-row lane accumulators summed as `hsum_float_8`.
+macro_rules! lanes_sum {
+    ($add:ident, $acc:expr) => {{
+        let a = $acc;
+        $add(
+            $add($add(a[0], a[4]), $add(a[2], a[6])),
+            $add($add(a[1], a[5]), $add(a[3], a[7])),
+        )
+    }};
 }
 
 /// # Safety
@@ -47,13 +57,20 @@ unsafe fn token_avx2(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
         let tbl =
             _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
         for h in 0..2 {
-            let mut acc = _mm256_setzero_ps();
+            let mut acc = [_mm256_setzero_ps(); 8];
             for b in 0..nb {
                 let blk = w.add(b * X16);
                 let y = a.qs.as_ptr().add(t * a.cols + b * 256);
-                let mut isum = _mm256_setzero_si256();
+                let mut lanes = [_mm256_setzero_si256(); 8];
                 for s in 0..8 {
-                    let mut sub = _mm256_setzero_si256();
+                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        blk.add(SCALES + GROUP * s + 8 * h) as *const __m128i,
+                    ));
+                    let dot = |wv: __m256i, o: usize| {
+                        let yv = _mm256_set1_epi32((y.add(o) as *const i32).read_unaligned());
+                        let p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(yv, wv));
+                        _mm256_mullo_epi32(sc, _mm256_madd_epi16(p, ones))
+                    };
                     for k in 0..4 {
                         let v = _mm256_loadu_si256(
                             blk.add(QS + 256 * s + 64 * k + 32 * h) as *const __m256i
@@ -61,25 +78,17 @@ unsafe fn token_avx2(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
                         let lo = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, m4));
                         let hi =
                             _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-                        let dot = |wv: __m256i, o: usize| {
-                            let yv = _mm256_set1_epi32((y.add(o) as *const i32).read_unaligned());
-                            let p =
-                                _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(yv, wv));
-                            _mm256_madd_epi16(p, ones)
-                        };
-                        sub = _mm256_add_epi32(sub, dot(lo, 32 * s + 4 * k));
-                        sub = _mm256_add_epi32(sub, dot(hi, 32 * s + 16 + 4 * k));
+                        lanes[k] = _mm256_add_epi32(lanes[k], dot(lo, 32 * s + 4 * k));
+                        lanes[4 + k] = _mm256_add_epi32(lanes[4 + k], dot(hi, 32 * s + 16 + 4 * k));
                     }
-                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                        blk.add(SCALES + GROUP * s + 8 * h) as *const __m128i,
-                    ));
-                    isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(sc, sub));
                 }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
                 let d = _mm256_mul_ps(d, _mm256_set1_ps(*a.f.get_unchecked(t * nb + b)));
-                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
+                for (acc, l) in acc.iter_mut().zip(&lanes) {
+                    *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(*l), *acc);
+                }
             }
-            _mm256_storeu_ps(out.add(8 * h), acc);
+            _mm256_storeu_ps(out.add(8 * h), lanes_sum!(_mm256_add_ps, acc));
         }
     }
 }
@@ -108,40 +117,42 @@ pub(super) unsafe fn iq4xs_group_avx512(
 unsafe fn token_avx512(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
     let nb = a.cols / 256;
     let m4 = _mm512_set1_epi8(0x0F);
-    // Unsigned codes for `vpdpbusd`: the table + 128, and 128 × Σy of the sub-block comes off.
+    // Unsigned codes for `vpdpbusd`: the table + 128, and 128 × the 4 activations' sum comes off.
     let biased: [u8; 16] = std::array::from_fn(|i| (KVALUES_IQ4NL[i] as u8) ^ 0x80);
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t.
     unsafe {
         let tbl = _mm512_broadcast_i32x4(_mm_loadu_si128(biased.as_ptr() as *const __m128i));
-        let mut acc = _mm512_setzero_ps();
+        let mut acc = [_mm512_setzero_ps(); 8];
         for b in 0..nb {
             let blk = w.add(b * X16);
             let y = a.qs.as_ptr().add(t * a.cols + b * 256);
-            let bs = a.bsums.as_ptr().add((t * a.cols + b * 256) / 16);
+            let ys: &[i8] = std::slice::from_raw_parts(y, 256);
+            let corr = |o: usize| 128 * ys[o..o + 4].iter().map(|&v| v as i32).sum::<i32>();
             let yw = |o: usize| _mm512_set1_epi32((y.add(o) as *const i32).read_unaligned());
-            let mut isum = _mm512_setzero_si512();
+            let mut lanes = [_mm512_setzero_si512(); 8];
             for s in 0..8 {
-                let mut s0 = _mm512_setzero_si512();
-                let mut s1 = _mm512_setzero_si512();
+                let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    blk.add(SCALES + GROUP * s) as *const __m128i
+                ));
+                let dot = |wv: __m512i, o: usize| {
+                    let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, yw(o));
+                    _mm512_mullo_epi32(sc, _mm512_sub_epi32(p, _mm512_set1_epi32(corr(o))))
+                };
                 for k in 0..4 {
                     let v = _mm512_loadu_si512(blk.add(QS + 256 * s + 64 * k) as *const _);
                     let lo = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, m4));
                     let hi =
                         _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-                    s0 = _mm512_dpbusd_epi32(s0, lo, yw(32 * s + 4 * k));
-                    s1 = _mm512_dpbusd_epi32(s1, hi, yw(32 * s + 16 + 4 * k));
+                    lanes[k] = _mm512_add_epi32(lanes[k], dot(lo, 32 * s + 4 * k));
+                    lanes[4 + k] = _mm512_add_epi32(lanes[4 + k], dot(hi, 32 * s + 16 + 4 * k));
                 }
-                let ysum = *bs.add(2 * s) as i32 + *bs.add(2 * s + 1) as i32;
-                let sub = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * ysum));
-                let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    blk.add(SCALES + GROUP * s) as *const __m128i
-                ));
-                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(sc, sub));
             }
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
             let d = _mm512_mul_ps(d, _mm512_set1_ps(*a.f.get_unchecked(t * nb + b)));
-            acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc);
+            for (acc, l) in acc.iter_mut().zip(&lanes) {
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(*l), *acc);
+            }
         }
-        _mm512_storeu_ps(out, acc);
+        _mm512_storeu_ps(out, lanes_sum!(_mm512_add_ps, acc));
     }
 }

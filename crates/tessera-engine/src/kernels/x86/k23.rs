@@ -8,6 +8,17 @@ use super::super::k23::{qs, scales, x16, DMIN, HMASK, MINS};
 use super::super::matrix::GROUP;
 use super::super::quant_acts::QuantizedActs;
 
+/// The 8 per-row lane accumulators summed as `hsum_float_8`.
+macro_rules! lanes_sum {
+    ($add:ident, $acc:expr) => {{
+        let a = $acc;
+        $add(
+            $add($add(a[0], a[4]), $add(a[2], a[6])),
+            $add($add(a[1], a[5]), $add(a[3], a[7])),
+        )
+    }};
+}
+
 fn check_group(three: bool, w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
     let nb = a.cols / 256;
     assert!(w.len() >= nb * x16(three));
@@ -46,19 +57,40 @@ unsafe fn token_avx2<const THREE: bool>(w: *const u8, a: &QuantizedActs, t: usiz
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t.
     unsafe {
         for h8 in 0..2 {
-            let mut acc = _mm256_setzero_ps();
-            let mut accm = _mm256_setzero_ps();
+            let mut acc = [_mm256_setzero_ps(); 8];
             for b in 0..nb {
                 let blk = w.add(b * x16);
                 let y = a.qs.as_ptr().add(t * a.cols + b * 256);
                 let bs = a.bsums.as_ptr().add((t * a.cols + b * 256) / 16);
-                let mut isum = _mm256_setzero_si256();
-                let mut msum = _mm256_setzero_si256();
+                let dy = *a.f.get_unchecked(t * nb + b);
+                if !THREE {
+                    let dm =
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.add(DMIN + 16 * h8) as *const __m128i));
+                    let dmin = _mm256_mul_ps(_mm256_set1_ps(-dy), dm);
+                    let m = |sub: usize| {
+                        let mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            blk.add(MINS + GROUP * sub + 8 * h8) as *const __m128i,
+                        ));
+                        _mm256_mullo_epi32(mn, _mm256_set1_epi32(*bs.add(sub) as i32))
+                    };
+                    for (l, acc) in acc.iter_mut().enumerate() {
+                        let p = _mm256_add_epi32(m(2 * l), m(2 * l + 1));
+                        *acc = _mm256_fmadd_ps(dmin, _mm256_cvtepi32_ps(p), *acc);
+                    }
+                }
+                let mut lanes = [_mm256_setzero_si256(); 8];
                 for n in 0..2 {
                     for s in 0..4 {
                         for h in 0..2 {
                             let sub = 8 * n + 2 * s + h;
-                            let mut p = _mm256_setzero_si256();
+                            let scp = _mm_loadl_epi64(
+                                blk.add(sc_at + GROUP * sub + 8 * h8) as *const __m128i
+                            );
+                            let sc = if THREE {
+                                _mm256_cvtepi8_epi32(scp)
+                            } else {
+                                _mm256_cvtepu8_epi32(scp)
+                            };
                             for cc in 0..4 {
                                 let c = 8 * n + 4 * h + cc;
                                 let v = _mm256_loadu_si256(
@@ -82,43 +114,25 @@ unsafe fn token_avx2<const THREE: bool>(w: *const u8, a: &QuantizedActs, t: usiz
                                 let o = 128 * n + 32 * s + 16 * h + 4 * cc;
                                 let yv =
                                     _mm256_set1_epi32((y.add(o) as *const i32).read_unaligned());
-                                // u ≤ 7: pairs and 4 runs stay well within i16.
-                                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, yv));
-                            }
-                            let mut dot = _mm256_madd_epi16(p, ones);
-                            if THREE {
-                                let c = 4 * *bs.add(sub) as i32;
-                                dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(c));
-                            }
-                            let scp = _mm_loadl_epi64(
-                                blk.add(sc_at + GROUP * sub + 8 * h8) as *const __m128i
-                            );
-                            let sc = if THREE {
-                                _mm256_cvtepi8_epi32(scp)
-                            } else {
-                                _mm256_cvtepu8_epi32(scp)
-                            };
-                            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(sc, dot));
-                            if !THREE {
-                                let mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                    blk.add(MINS + GROUP * sub + 8 * h8) as *const __m128i,
-                                ));
-                                let bsum = _mm256_set1_epi32(*bs.add(sub) as i32);
-                                msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(mn, bsum));
+                                let mut dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, yv), ones);
+                                if THREE {
+                                    // The 3-bit code is q + 4: 4 × these 4 activations come off.
+                                    let ys = (0..4).map(|i| *y.add(o + i) as i32).sum::<i32>();
+                                    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(4 * ys));
+                                }
+                                let l = 4 * h + cc;
+                                lanes[l] = _mm256_add_epi32(lanes[l], _mm256_mullo_epi32(sc, dot));
                             }
                         }
                     }
                 }
-                let dy = _mm256_set1_ps(*a.f.get_unchecked(t * nb + b));
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
-                acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(isum), acc);
-                if !THREE {
-                    let dm =
-                        _mm256_cvtph_ps(_mm_loadu_si128(blk.add(DMIN + 16 * h8) as *const __m128i));
-                    accm = _mm256_fmadd_ps(_mm256_mul_ps(dm, dy), _mm256_cvtepi32_ps(msum), accm);
+                let d = _mm256_mul_ps(_mm256_set1_ps(dy), d);
+                for (acc, l) in acc.iter_mut().zip(&lanes) {
+                    *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(*l), *acc);
                 }
             }
-            _mm256_storeu_ps(out.add(8 * h8), _mm256_sub_ps(acc, accm));
+            _mm256_storeu_ps(out.add(8 * h8), lanes_sum!(_mm256_add_ps, acc));
         }
     }
 }
@@ -156,19 +170,37 @@ unsafe fn token_avx512<const THREE: bool>(
     let m1 = _mm512_set1_epi8(1);
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t.
     unsafe {
-        let mut acc = _mm512_setzero_ps();
-        let mut accm = _mm512_setzero_ps();
+        let mut acc = [_mm512_setzero_ps(); 8];
         for b in 0..nb {
             let blk = w.add(b * x16);
             let y = a.qs.as_ptr().add(t * a.cols + b * 256);
             let bs = a.bsums.as_ptr().add((t * a.cols + b * 256) / 16);
-            let mut isum = _mm512_setzero_si512();
-            let mut msum = _mm512_setzero_si512();
+            let dy = *a.f.get_unchecked(t * nb + b);
+            if !THREE {
+                let dm = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(DMIN) as *const __m256i));
+                let dmin = _mm512_mul_ps(_mm512_set1_ps(-dy), dm);
+                let m = |sub: usize| {
+                    let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        blk.add(MINS + GROUP * sub) as *const __m128i
+                    ));
+                    _mm512_mullo_epi32(mn, _mm512_set1_epi32(*bs.add(sub) as i32))
+                };
+                for (l, acc) in acc.iter_mut().enumerate() {
+                    let p = _mm512_add_epi32(m(2 * l), m(2 * l + 1));
+                    *acc = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(p), *acc);
+                }
+            }
+            let mut lanes = [_mm512_setzero_si512(); 8];
             for n in 0..2 {
                 for s in 0..4 {
                     for h in 0..2 {
                         let sub = 8 * n + 2 * s + h;
-                        let mut dot = _mm512_setzero_si512();
+                        let scp = _mm_loadu_si128(blk.add(sc_at + GROUP * sub) as *const __m128i);
+                        let sc = if THREE {
+                            _mm512_cvtepi8_epi32(scp)
+                        } else {
+                            _mm512_cvtepu8_epi32(scp)
+                        };
                         for cc in 0..4 {
                             let c = 8 * n + 4 * h + cc;
                             let v = _mm512_loadu_si512(blk.add(qs + 64 * c) as *const _);
@@ -188,37 +220,23 @@ unsafe fn token_avx512<const THREE: bool>(
                             }
                             let o = 128 * n + 32 * s + 16 * h + 4 * cc;
                             let yv = _mm512_set1_epi32((y.add(o) as *const i32).read_unaligned());
-                            dot = _mm512_dpbusd_epi32(dot, u, yv);
-                        }
-                        if THREE {
-                            let c = 4 * *bs.add(sub) as i32;
-                            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(c));
-                        }
-                        let scp = _mm_loadu_si128(blk.add(sc_at + GROUP * sub) as *const __m128i);
-                        let sc = if THREE {
-                            _mm512_cvtepi8_epi32(scp)
-                        } else {
-                            _mm512_cvtepu8_epi32(scp)
-                        };
-                        isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(sc, dot));
-                        if !THREE {
-                            let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                blk.add(MINS + GROUP * sub) as *const __m128i,
-                            ));
-                            let bsum = _mm512_set1_epi32(*bs.add(sub) as i32);
-                            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(mn, bsum));
+                            let mut dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, yv);
+                            if THREE {
+                                let ys = (0..4).map(|i| *y.add(o + i) as i32).sum::<i32>();
+                                dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(4 * ys));
+                            }
+                            let l = 4 * h + cc;
+                            lanes[l] = _mm512_add_epi32(lanes[l], _mm512_mullo_epi32(sc, dot));
                         }
                     }
                 }
             }
-            let dy = _mm512_set1_ps(*a.f.get_unchecked(t * nb + b));
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-            acc = _mm512_fmadd_ps(_mm512_mul_ps(d, dy), _mm512_cvtepi32_ps(isum), acc);
-            if !THREE {
-                let dm = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(DMIN) as *const __m256i));
-                accm = _mm512_fmadd_ps(_mm512_mul_ps(dm, dy), _mm512_cvtepi32_ps(msum), accm);
+            let d = _mm512_mul_ps(_mm512_set1_ps(dy), d);
+            for (acc, l) in acc.iter_mut().zip(&lanes) {
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(*l), *acc);
             }
         }
-        _mm512_storeu_ps(out, _mm512_sub_ps(acc, accm));
+        _mm512_storeu_ps(out, lanes_sum!(_mm512_add_ps, acc));
     }
 }
