@@ -179,3 +179,50 @@ fn gpt_oss_streamed_experts_are_bit_identical() {
     let stats = s.expert_stats().unwrap();
     assert!(stats.misses > 0, "{stats:?}");
 }
+
+/// Free-running greedy generation from each reference prompt reproduces llama.cpp's 32 tokens, for
+/// gpt-oss and for each new quant type's fixture (their teacher-forced log-probs are checked by
+/// `reference.rs`).
+#[test]
+fn greedy_tokens_equal_llama_cpp_on_the_new_fixtures() {
+    for name in [
+        "tiny-gpt-oss-MXFP4",
+        "small-qwen3-IQ4_NL",
+        "small-qwen3-IQ4_XS",
+        "small-qwen3-Q2_K",
+        "small-qwen3-Q3_K_M",
+    ] {
+        let path = common::repo_root().join(format!("reference/{name}-public.json"));
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let g = common::open(&format!("{name}.gguf"));
+        let model = common::full(&g, 2);
+        let eos = g
+            .meta("tokenizer.ggml.eos_token_id")
+            .and_then(|v| v.as_u64())
+            .unwrap() as usize;
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        for (ri, r) in doc["results"].as_array().unwrap().iter().enumerate() {
+            let prompt = ids(&r["prompt_token_ids"]);
+            let want = ids(&r["generated_token_ids"]);
+            let mut kv = common::kv_for(&model);
+            let mut logits = model.forward_last(&prompt, &mut kv).unwrap();
+            let mut got = Vec::new();
+            for _ in 0..want.len() {
+                // The reference ran with `ignore_eos`: llama.cpp never picks the end token.
+                let mut row = logits.last().to_vec();
+                row[eos] = f32::NEG_INFINITY;
+                let t = argmax(&row) as u32;
+                got.push(t);
+                logits = model.forward_last(&[t], &mut kv).unwrap();
+            }
+            assert_eq!(got, want, "{name} prompt {ri}");
+        }
+    }
+}
