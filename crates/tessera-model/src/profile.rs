@@ -63,7 +63,8 @@ pub struct ModelProfile {
     /// Output head matrix (0 when tied to the embedding, which the last stage then also needs).
     pub head_bytes: u64,
     pub output_norm_bytes: u64,
-    /// K and V for one token across all layers, at F32.
+    /// K and V for one token across the layers whose cache grows with the context (all but
+    /// sliding-window layers, which hold a fixed window), at F32.
     pub kv_bytes_per_token: u64,
     pub parameter_count: u64,
     /// Approximate FLOPs of one token's forward pass (2 per multiply-add of active weights).
@@ -114,7 +115,12 @@ impl ModelProfile {
             .unwrap_or_else(|| "F32".into());
 
         let parameter_count = g.tensors().iter().map(|t| t.n_elements()).sum();
-        let kv_bytes_per_token = (2 * config.n_layer * config.kv_dim() * 4) as u64;
+        // Sliding-window layers keep only their window, a constant: per token of a long context
+        // only the full-attention layers grow.
+        let growing = (0..config.n_layer)
+            .filter(|&l| !config.is_swa_layer(l))
+            .count();
+        let kv_bytes_per_token = (2 * growing * config.kv_dim() * 4) as u64;
         let flops_per_token = Self::estimate_flops(&config);
         Ok(Self {
             file: g.path().to_owned(),
