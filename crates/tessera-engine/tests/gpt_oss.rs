@@ -228,10 +228,21 @@ fn greedy_tokens_equal_llama_cpp_on_the_new_fixtures() {
 }
 
 #[test]
-fn profile_counts_only_full_attention_layers_per_token() {
+fn profile_counts_only_full_attention_layers_per_token_and_shows_the_parts() {
     let g = common::open(MODEL);
     let p = tessera_model::ModelProfile::from_gguf(&g).unwrap();
     let cfg = &p.config;
     // Layers 1 and 3 grow with the context; 0 and 2 keep a window of 16.
     assert_eq!(p.kv_bytes_per_token, (2 * 2 * cfg.kv_dim() * 4) as u64);
+    // What `tessera inspect` prints names gpt-oss's parts.
+    let shown = p.to_string();
+    for part in [
+        "gpt-oss",
+        "window of 16 in layers 0,2",
+        "sink",
+        "Yarn",
+        "SwigluOai",
+    ] {
+        assert!(shown.contains(part), "{part} missing from\n{shown}");
+    }
 }

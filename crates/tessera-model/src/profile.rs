@@ -267,6 +267,29 @@ impl fmt::Display for ModelProfile {
             "rope          {:?}, theta {}, {} dims    rms eps {:e}    tied embeddings {}",
             c.rope_style, c.rope_theta, c.rope_dim, c.rms_eps, c.tied_embeddings
         )?;
+        if c.rope_scaling != crate::RopeScaling::None {
+            writeln!(f, "rope scaling  {:?}", c.rope_scaling)?;
+        }
+        if c.sliding_window > 0 {
+            let swa: Vec<String> = (0..c.n_layer)
+                .filter(|&l| c.is_swa_layer(l))
+                .map(|l| l.to_string())
+                .collect();
+            writeln!(
+                f,
+                "attention     window of {} in layers {} (the others see the whole context)",
+                c.sliding_window,
+                swa.join(",")
+            )?;
+        }
+        if c.has_oss_biases() {
+            writeln!(
+                f,
+                "extras        Q/K/V/output biases, a sink logit per head, router bias ({:?}), \
+                 per-expert biases, {:?}",
+                c.gating, c.activation
+            )?;
+        }
         writeln!(
             f,
             "per token     KV {} (F32)    active weights {}    ~{:.2} GFLOP",

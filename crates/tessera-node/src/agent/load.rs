@@ -48,8 +48,9 @@ pub fn stage_tensor_names(manifest: &Manifest, a: &StageAssignment) -> Vec<Strin
     names
 }
 
-/// The packed expert tensors of the layers where `held` names experts, outside `skip` (of
-/// which [`assignment_needs`] keeps only the held experts' byte ranges).
+/// The packed expert tensors (and expert biases) of the layers where `held` names experts,
+/// outside `skip` (of the matrices [`assignment_needs`] keeps only the held experts' byte
+/// ranges).
 fn expert_tensor_names(
     manifest: &Manifest,
     held: &[Vec<usize>],
@@ -61,9 +62,13 @@ fn expert_tensor_names(
             continue;
         }
         for part in ["gate", "up", "down"] {
-            let n = format!("blk.{l}.ffn_{part}_exps.weight");
-            if manifest.tensor(&n).is_some() {
-                names.push(n);
+            // The matrices (held experts' ranges only) and, where the model has them
+            // (gpt-oss), the experts' biases (small: fetched whole).
+            for kind in ["weight", "bias"] {
+                let n = format!("blk.{l}.ffn_{part}_exps.{kind}");
+                if manifest.tensor(&n).is_some() {
+                    names.push(n);
+                }
             }
         }
     }
