@@ -88,9 +88,7 @@ fn q3k_scales(b: &[u8]) -> [i8; 16] {
 fn code(qs: &[u8], hm: &[u8], e: usize) -> i32 {
     let (n, s, l) = (e / 128, (e % 128) / 32, e % 32);
     let q = ((qs[32 * n + l] >> (2 * s)) & 3) as i32;
-    if hm.is_empty() {
-        q
-    } else if hm[l] & (1 << (4 * n + s)) != 0 {
+    if hm.is_empty() || hm[l] & (1 << (4 * n + s)) != 0 {
         q
     } else {
         q - 4
