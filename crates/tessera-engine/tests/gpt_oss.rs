@@ -9,7 +9,8 @@ mod common;
 use common::assert_bits_eq;
 use tessera_engine::ops::argmax;
 use tessera_engine::{
-    ExpertSelection, ExpertStreaming, KvCache, LoadSpec, LocalExperts, Model, PartExperts, SeqStep,
+    ExpertSelection, ExpertStreaming, KvCache, KvType, LoadSpec, LocalExperts, Model, PartExperts,
+    SeqStep,
 };
 use tessera_model::{Architecture, ModelConfig, RopeScaling};
 
@@ -86,13 +87,20 @@ fn fixture_has_gpt_oss_parts() {
 fn gpt_oss_pipeline_split_is_bit_identical_at_every_cut() {
     let g = common::open(MODEL);
     let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let full = common::full(&g, 2);
+    for t in common::kv_types(&g) {
+        pipeline_cuts(&g, &cfg, t);
+    }
+}
+
+/// Every cut of a two-stage split, each stage with a KV cache of type `t`.
+fn pipeline_cuts(g: &tessera_model::GgufFile, cfg: &ModelConfig, t: KvType) {
+    let full = common::full_kv(g, 2, t);
     let steps = steps(&full);
     let reference = run_with_parts(&[&full], &steps);
     let l = cfg.n_layer;
     for a in 1..l {
-        let first = common::load(&g, LoadSpec::stage(&cfg, 0..a), 2);
-        let second = common::load(&g, LoadSpec::stage(&cfg, a..l), 1);
+        let first = common::load_kv(g, LoadSpec::stage(cfg, 0..a), 2, t);
+        let second = common::load_kv(g, LoadSpec::stage(cfg, a..l), 1, t);
         let mut kv_a = common::kv_for(&first);
         let mut kv_b = common::kv_for(&second);
         let mut pos = 0;
@@ -121,7 +129,11 @@ fn gpt_oss_pipeline_split_is_bit_identical_at_every_cut() {
                 )
                 .unwrap();
             let logits = second.head(&h).unwrap();
-            assert_bits_eq(&logits.data, &reference[si], &format!("cut {a} step {si}"));
+            assert_bits_eq(
+                &logits.data,
+                &reference[si],
+                &format!("{t:?} cut {a} step {si}"),
+            );
             pos += tokens.len();
         }
     }
@@ -196,7 +208,8 @@ fn greedy_tokens_equal_llama_cpp_on_the_new_fixtures() {
         let doc: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let g = common::open(&format!("{name}.gguf"));
-        let model = common::full(&g, 2);
+        // The reference's numerics: an F32 KV cache, llama.cpp's non-flash attention.
+        let model = common::full_kv(&g, 2, KvType::F32);
         let eos = g
             .meta("tokenizer.ggml.eos_token_id")
             .and_then(|v| v.as_u64())
