@@ -34,6 +34,8 @@ pub mod http;
 pub mod lab;
 pub mod netns;
 pub mod packet;
+pub mod run;
+pub mod scenario;
 pub mod selftest;
 pub mod switch;
 pub mod tun;

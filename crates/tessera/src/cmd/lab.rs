@@ -23,6 +23,19 @@ enum LabCommand {
         #[arg(long, default_value_t = 4.0)]
         transfer_s: f64,
     },
+    /// Run a scenario (the planner's cluster file plus [model], [workload] and [lab]): the
+    /// planner's choice and each executable runner-up on emulated hosts, measured; prints
+    /// strategy, predicted, measured, error and ranks, before and after calibration.
+    Run {
+        /// The scenario file (see crates/tessera-lab/scenarios/).
+        scenario: std::path::PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Keep logs and data here (default: a fresh directory under the temp dir).
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+    },
     /// Remove the namespaces, devices and cgroups of labs whose process has gone (and kill the
     /// processes left inside them).
     Clean {
@@ -63,6 +76,25 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             }
             let out = checks.iter().filter(|c| !c.ok).count();
             anyhow::ensure!(out == 0, "{out} figure(s) out of tolerance");
+            Ok(())
+        }
+        LabCommand::Run {
+            scenario,
+            json,
+            dir,
+        } => {
+            let s = tessera_lab::scenario::Scenario::load(&scenario)?;
+            let dir = dir.unwrap_or_else(|| tessera_lab::run::default_dir(&s));
+            let exe = std::env::current_exe().context("finding this executable")?;
+            let report = tessera_lab::run::run(&s, &exe, &dir, |m| eprintln!("lab: {m}"))
+                .with_context(|| {
+                    format!("lab run {} (logs in {})", scenario.display(), dir.display())
+                })?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", tessera_lab::run::table(&report));
+            }
             Ok(())
         }
         LabCommand::Clean { all } => {

@@ -56,6 +56,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let model = load_model(model_path, &args.quant)?;
     let text = std::fs::read_to_string(nodes_path)
         .with_context(|| format!("reading cluster file {}", nodes_path.display()))?;
+    // A lab scenario is a cluster file plus the lab's own sections.
+    let text = tessera_lab::scenario::planner_part(&text).map_err(anyhow::Error::msg)?;
     let mut graph = ResourceGraph::from_toml(&text)
         .with_context(|| format!("in cluster file {}", nodes_path.display()))?;
     if let Some(o) = &args.objective {

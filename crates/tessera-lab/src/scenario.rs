@@ -1,0 +1,324 @@
+//! A lab scenario: the planner's cluster file (`[defaults]`, `[policy]`, `[[node]]`,
+//! `[[link]]`, read by `tessera_plan`) plus what only the lab needs — the model, the workload,
+//! and what the planner's link figures cannot say (jitter, loss) or the lab imposes on a host
+//! (CPU share, memory cap):
+//!
+//! ```toml
+//! [model]
+//! gguf = "../../../models/test/small-qwen3-Q8_0.gguf"   # relative to the scenario file
+//!
+//! [workload]
+//! prompt = "Once upon a time"
+//! tokens = 64                     # decoded per measured request
+//!
+//! [lab]
+//! threads = 1                     # compute threads per node
+//! [[lab.link]]                    # beyond the planner's round trip and bandwidth
+//! nodes = ["laptop", "desk"]
+//! jitter_ms = 1.0
+//! loss = 0.001
+//! [[lab.node]]                    # imposed by the host's cgroup
+//! name = "slow"
+//! cpu_quota = 0.25                # cores
+//! memory = "512MiB"
+//! ```
+//!
+//! [`Scenario::parse`] splits the file: the planner's part is handed to
+//! `ResourceGraph::from_toml` unchanged, so prediction and measurement describe the same
+//! machines.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tessera_linkemu::Impairment;
+use tessera_plan::ResourceGraph;
+
+use crate::cgroup::Limits;
+use crate::error::{LabError, Result};
+use crate::lab::{HostSpec, LabSpec};
+
+/// The host that runs the coordinator (and the client), besides the scenario's nodes.
+pub const COORDINATOR_HOST: &str = "lab-coordinator";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelSection {
+    gguf: PathBuf,
+}
+
+/// What is measured.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    #[serde(default = "default_prompt")]
+    pub prompt: String,
+    #[serde(default = "default_tokens")]
+    pub tokens: usize,
+}
+
+fn default_prompt() -> String {
+    "Once upon a time".into()
+}
+fn default_tokens() -> usize {
+    64
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LabSection {
+    threads: Option<usize>,
+    #[serde(default)]
+    link: Vec<LabLink>,
+    #[serde(default)]
+    node: Vec<LabNode>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LabLink {
+    nodes: [String; 2],
+    #[serde(default)]
+    jitter_ms: f64,
+    #[serde(default)]
+    loss: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LabNode {
+    name: String,
+    cpus: Option<String>,
+    cpu_quota: Option<f64>,
+    memory: Option<String>,
+}
+
+/// The sections of a scenario that are the lab's, not the planner's.
+pub const LAB_SECTIONS: [&str; 3] = ["model", "workload", "lab"];
+
+/// The planner's part of a scenario (the cluster file without [`LAB_SECTIONS`]), so
+/// `tessera plan --nodes SCENARIO` plans the same machines `tessera lab run` builds. Text
+/// without those sections is returned unchanged.
+pub fn planner_part(text: &str) -> std::result::Result<String, String> {
+    let mut doc: toml::Table = text.parse().map_err(|e| format!("{e}"))?;
+    if !LAB_SECTIONS.iter().any(|k| doc.contains_key(*k)) {
+        return Ok(text.to_string());
+    }
+    for k in LAB_SECTIONS {
+        doc.remove(k);
+    }
+    toml::to_string(&doc).map_err(|e| format!("{e}"))
+}
+
+/// A parsed scenario.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub name: String,
+    /// The planner's view, as declared.
+    pub graph: ResourceGraph,
+    pub model: PathBuf,
+    pub workload: Workload,
+    pub threads: usize,
+    lab: LabSection,
+}
+
+fn err(path: &Path, message: impl Into<String>) -> LabError {
+    LabError::Scenario {
+        path: path.display().to_string(),
+        message: message.into(),
+    }
+}
+
+impl Scenario {
+    /// Reads and checks a scenario file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| LabError::io(format!("reading {}", path.display()), e))?;
+        Self::parse(path, &text)
+    }
+
+    /// Parses `text` (read from `path`, which relative model paths start from).
+    pub fn parse(path: &Path, text: &str) -> Result<Self> {
+        let mut doc: toml::Table = text.parse().map_err(|e| err(path, format!("{e}")))?;
+        let model: ModelSection = doc
+            .remove("model")
+            .ok_or_else(|| err(path, "no [model] section"))?
+            .try_into()
+            .map_err(|e| err(path, format!("[model]: {e}")))?;
+        let workload: Workload = match doc.remove("workload") {
+            Some(w) => w
+                .try_into()
+                .map_err(|e| err(path, format!("[workload]: {e}")))?,
+            None => Workload {
+                prompt: default_prompt(),
+                tokens: default_tokens(),
+            },
+        };
+        let lab: LabSection = match doc.remove("lab") {
+            Some(l) => l.try_into().map_err(|e| err(path, format!("[lab]: {e}")))?,
+            None => LabSection::default(),
+        };
+        let rest = toml::to_string(&doc).map_err(|e| err(path, format!("{e}")))?;
+        let graph = ResourceGraph::from_toml(&rest).map_err(|e| err(path, format!("{e}")))?;
+        let names: Vec<&str> = graph.nodes.iter().map(|n| n.name.as_str()).collect();
+        for l in &lab.link {
+            for n in &l.nodes {
+                if !names.contains(&n.as_str()) {
+                    return Err(err(path, format!("[[lab.link]] names unknown node {n:?}")));
+                }
+            }
+            if !(0.0..=1.0).contains(&l.loss) || l.jitter_ms < 0.0 {
+                return Err(err(path, "[[lab.link]]: loss in [0, 1], jitter_ms ≥ 0"));
+            }
+        }
+        for n in &lab.node {
+            if !names.contains(&n.name.as_str()) {
+                return Err(err(
+                    path,
+                    format!("[[lab.node]] names unknown node {:?}", n.name),
+                ));
+            }
+        }
+        if names.contains(&COORDINATOR_HOST) {
+            return Err(err(
+                path,
+                format!("{COORDINATOR_HOST:?} is the lab's own host name"),
+            ));
+        }
+        let base = path.parent().unwrap_or(Path::new("."));
+        Ok(Self {
+            name: path
+                .file_stem()
+                .map_or_else(|| "scenario".into(), |s| s.to_string_lossy().into_owned()),
+            graph,
+            model: base.join(model.gguf),
+            threads: lab.threads.unwrap_or(1).max(1),
+            workload,
+            lab,
+        })
+    }
+
+    /// The lab: the coordinator's host first, then one host per node; each pair's link from
+    /// the planner's round trip (half each way) and bandwidth, with the lab's jitter and loss.
+    pub fn lab_spec(&self) -> Result<LabSpec> {
+        let mut hosts = vec![HostSpec::new(COORDINATOR_HOST)];
+        for n in &self.graph.nodes {
+            let mut h = HostSpec::new(n.name.clone());
+            if let Some(l) = self.lab.node.iter().find(|l| l.name == n.name) {
+                h.limits = Limits {
+                    memory: l
+                        .memory
+                        .as_deref()
+                        .map(tessera_plan::units::parse_bytes)
+                        .transpose()
+                        .map_err(|e| LabError::Spec(format!("node {}: {e}", n.name)))?
+                        .map(|b| b.0),
+                    cpus: l.cpus.clone(),
+                    cpu_quota: l.cpu_quota,
+                };
+            }
+            hosts.push(h);
+        }
+        let mut spec = LabSpec::new(hosts);
+        if let Some(d) = self.graph.default_link {
+            spec = spec.default_link(impairment(d.rtt_s, d.bandwidth.0, 0.0, 0.0));
+        }
+        let nodes = &self.graph.nodes;
+        for (i, a) in nodes.iter().enumerate() {
+            for b in &nodes[i + 1..] {
+                let Some(l) = self.graph.link(&a.name, &b.name) else {
+                    continue;
+                };
+                let extra = self.lab.link.iter().find(|x| {
+                    (x.nodes[0] == a.name && x.nodes[1] == b.name)
+                        || (x.nodes[0] == b.name && x.nodes[1] == a.name)
+                });
+                let (jitter, loss) = extra.map_or((0.0, 0.0), |x| (x.jitter_ms, x.loss));
+                spec = spec.link(
+                    &a.name,
+                    &b.name,
+                    impairment(l.rtt_s, l.bandwidth.0, jitter, loss),
+                );
+            }
+        }
+        Ok(spec)
+    }
+}
+
+fn impairment(rtt_s: f64, bytes_per_s: f64, jitter_ms: f64, loss: f64) -> Impairment {
+    let rate = if bytes_per_s.is_finite() {
+        bytes_per_s as u64
+    } else {
+        0
+    };
+    Impairment::default()
+        .delay(Duration::from_secs_f64((rtt_s / 2.0).max(0.0)))
+        .jitter(Duration::from_secs_f64(jitter_ms / 1e3))
+        .bandwidth(rate)
+        // A queue of 50 ms at the rate, at least 256 KiB.
+        .queue_bytes(((rate / 20) as usize).max(256 << 10))
+        .loss(loss)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WIFI: &str = r#"
+[policy]
+strategies = ["single", "stage"]
+[[node]]
+name = "a"
+ram = "16GiB"
+mem_bandwidth = "20GB/s"
+compute = "200GFLOPS"
+[[node]]
+name = "b"
+ram = "8GiB"
+mem_bandwidth = "20GB/s"
+compute = "200GFLOPS"
+[[link]]
+nodes = ["a", "b"]
+rtt_ms = 6
+bandwidth = "300Mbit/s"
+[model]
+gguf = "m.gguf"
+[workload]
+tokens = 16
+[lab]
+[[lab.link]]
+nodes = ["a", "b"]
+jitter_ms = 1
+loss = 0.001
+[[lab.node]]
+name = "b"
+cpu_quota = 0.5
+memory = "1GiB"
+"#;
+
+    #[test]
+    fn the_planners_part_and_the_labs_part_describe_the_same_link() {
+        let s = Scenario::parse(Path::new("/x/wifi.toml"), WIFI).unwrap();
+        assert_eq!(s.model, PathBuf::from("/x/m.gguf"));
+        assert_eq!(s.workload.tokens, 16);
+        assert_eq!(s.graph.link("a", "b").unwrap().rtt_s, 0.006);
+        let spec = s.lab_spec().unwrap();
+        assert_eq!(spec.hosts[0].name, COORDINATOR_HOST);
+        let l = &spec.links[0];
+        assert_eq!(l.each_way.delay, Duration::from_millis(3));
+        assert_eq!(l.each_way.jitter, Duration::from_millis(1));
+        assert_eq!(l.each_way.bandwidth, Some(37_500_000));
+        assert_eq!(l.each_way.loss, 0.001);
+        assert_eq!(spec.hosts[2].limits.cpu_quota, Some(0.5));
+        assert_eq!(spec.hosts[2].limits.memory, Some(1 << 30));
+    }
+
+    #[test]
+    fn a_lab_section_naming_an_unknown_node_is_refused() {
+        let bad = WIFI.replace("name = \"b\"\ncpu_quota", "name = \"zz\"\ncpu_quota");
+        let e = Scenario::parse(Path::new("w.toml"), &bad).unwrap_err();
+        assert!(e.to_string().contains("unknown node \"zz\""), "{e}");
+        let e = Scenario::parse(Path::new("w.toml"), "[[node]]\nname='a'").unwrap_err();
+        assert!(e.to_string().contains("no [model]"), "{e}");
+    }
+}
