@@ -1,7 +1,10 @@
-//! Choosing the next token from logits, with llama.cpp's semantics and order: repetition
-//! penalty → top-k → top-p → min-p → temperature → draw. The random draw for position `i`
-//! depends only on `(seed, i)`, so replaying a request from its history reproduces its tokens
-//! (failover relies on this).
+//! Choosing the next token from logits, with llama.cpp's semantics and order: penalties
+//! (repetition, presence, frequency) and logit bias → top-k → top-p → min-p → temperature →
+//! draw. The random draw for position `i` depends only on `(seed, i)`, so replaying a request
+//! from its history reproduces its tokens (failover relies on this).
+//!
+//! [`sample`] is [`process_logits`] then [`sample_processed`]; a caller that masks tokens
+//! (a grammar) or reports log-probabilities ([`token_logprobs`]) calls the two halves itself.
 
 use serde::{Deserialize, Serialize};
 
@@ -21,9 +24,18 @@ pub struct SamplingParams {
     /// llama.cpp's `repeat_penalty`: logits of recently seen tokens are divided by it when
     /// positive and multiplied when negative (1: off).
     pub repeat_penalty: f32,
-    /// How many of the most recent tokens the penalty looks at.
+    /// How many of the most recent tokens the penalties look at (prompt included, as
+    /// llama.cpp's `penalty_last_n`).
     pub repeat_last_n: usize,
     pub seed: u64,
+    /// OpenAI's `presence_penalty`: subtracted once from the logit of every token seen in the
+    /// window (0: off).
+    pub presence_penalty: f32,
+    /// OpenAI's `frequency_penalty`: subtracted from a token's logit once per occurrence in the
+    /// window (0: off).
+    pub frequency_penalty: f32,
+    /// OpenAI's `logit_bias`: added to the logits of these token ids before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -36,6 +48,9 @@ impl Default for SamplingParams {
             repeat_penalty: 1.0,
             repeat_last_n: 64,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -79,6 +94,103 @@ pub fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f3
             let l = &mut logits[t];
             *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
         }
+    }
+}
+
+/// OpenAI's presence and frequency penalties over the last `last_n` tokens of `history`:
+/// `logit -= presence * [count > 0] + frequency * count`.
+pub fn apply_presence_frequency(
+    logits: &mut [f32],
+    history: &[u32],
+    presence: f32,
+    frequency: f32,
+    last_n: usize,
+) {
+    if (presence == 0.0 && frequency == 0.0) || last_n == 0 {
+        return;
+    }
+    let recent = &history[history.len().saturating_sub(last_n)..];
+    let mut counts = std::collections::BTreeMap::<u32, u32>::new();
+    for &t in recent {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, n) in counts {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l -= presence + frequency * n as f32;
+        }
+    }
+}
+
+/// Everything that changes logits before the draw: the repetition, presence and frequency
+/// penalties, then the logit bias. Sampling depends on the result only through the
+/// (processed) logits, so a caller may mask tokens after this and before [`sample_processed`].
+pub fn process_logits(logits: &mut [f32], params: &SamplingParams, history: &[u32]) {
+    apply_repetition_penalty(logits, history, params.repeat_penalty, params.repeat_last_n);
+    apply_presence_frequency(
+        logits,
+        history,
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.repeat_last_n,
+    );
+    for &(t, b) in &params.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+}
+
+/// The log-probability of the chosen token and of the `top_n` most likely ones.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// Most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log-softmax of `logits` (processed, at temperature 1, before top-k/top-p/min-p: the model's
+/// distribution as penalties, bias and any mask left it) for `token` and the `top_n` best.
+/// Masked tokens (`-inf`) never appear in `top`.
+pub fn token_logprobs(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| l.is_finite())
+        .map(|&l| (l as f64 - max).exp())
+        .sum();
+    let lse = max + sum.ln();
+    let lp = |l: f32| (l as f64 - lse) as f32;
+    let mut top = Vec::new();
+    if top_n > 0 {
+        let mut ids: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&i| logits[i as usize].is_finite())
+            .collect();
+        let by_logit = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        if ids.len() > top_n {
+            ids.select_nth_unstable_by(top_n - 1, by_logit);
+            ids.truncate(top_n);
+        }
+        ids.sort_by(by_logit);
+        top = ids
+            .into_iter()
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect();
+    }
+    TokenLogprobs {
+        token,
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        top,
     }
 }
 
@@ -174,16 +286,16 @@ impl Candidates {
 /// given the sequence so far (`history`, for the repetition penalty).
 pub fn sample(logits: &[f32], params: &SamplingParams, history: &[u32], position: u64) -> u32 {
     let mut logits = logits.to_vec();
-    apply_repetition_penalty(
-        &mut logits,
-        history,
-        params.repeat_penalty,
-        params.repeat_last_n,
-    );
+    process_logits(&mut logits, params, history);
+    sample_processed(&logits, params, position)
+}
+
+/// The draw after [`process_logits`]: greedy, or top-k → top-p → min-p → temperature → draw.
+pub fn sample_processed(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
     if params.temperature <= 0.0 || params.top_k == 1 {
-        return argmax(&logits) as u32;
+        return argmax(logits) as u32;
     }
-    let mut c = Candidates::sorted(&logits);
+    let mut c = Candidates::sorted(logits);
     c.top_k(params.top_k);
     c.top_p(params.top_p);
     c.min_p(params.min_p);
@@ -282,6 +394,7 @@ mod tests {
             repeat_penalty: 1.0,
             repeat_last_n: 64,
             seed: 42,
+            ..SamplingParams::default()
         }
     }
 
@@ -371,6 +484,38 @@ mod tests {
             ..SamplingParams::greedy()
         };
         assert_eq!(sample(&[2.0, 1.0], &p, &[0], 0), 1);
+    }
+
+    #[test]
+    fn presence_frequency_and_bias_follow_openai() {
+        let mut l = vec![1.0, 1.0, 1.0];
+        apply_presence_frequency(&mut l, &[0, 0, 1], 0.5, 0.25, 64);
+        assert_eq!(l, vec![1.0 - 0.5 - 0.5, 1.0 - 0.5 - 0.25, 1.0]);
+        let p = SamplingParams {
+            logit_bias: vec![(2, 100.0)],
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(sample(&[5.0, 1.0, 0.0], &p, &[], 0), 2);
+        let p = SamplingParams {
+            presence_penalty: 2.0,
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(sample(&[2.0, 1.0], &p, &[0], 0), 1);
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_without_masked_tokens() {
+        let l = [0.0f32, 1.0, f32::NEG_INFINITY, 2.0f32.ln()];
+        let lp = token_logprobs(&l, 1, 5);
+        let z = (1.0f64 + 1f64.exp() + 2.0).ln();
+        assert!((lp.logprob as f64 - (1.0 - z)).abs() < 1e-6);
+        assert_eq!(
+            lp.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![1, 3, 0]
+        );
+        let total: f64 = lp.top.iter().map(|t| (t.1 as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(token_logprobs(&l, 1, 0).top.is_empty());
     }
 
     #[test]

@@ -41,9 +41,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tessera_engine::sampling::TokenLogprobs;
 use tessera_engine::SamplingParams;
 use tessera_model::{ChatTemplate, GgufFile, ModelConfig, Tokenizer};
 use tokio::sync::mpsc;
+
+pub use crate::grammar::Grammar;
 
 /// A request id, unique in this process (`chatcmpl-…` ids are derived from it).
 pub type RequestId = u64;
@@ -57,6 +60,41 @@ pub struct GenerationRequest {
     pub params: SamplingParams,
     /// At most this many generated tokens. The backend also stops when the context is full.
     pub max_tokens: usize,
+    /// Report each token's log-probability and this many alternatives
+    /// ([`Event::TokenLogprobs`]); only for a backend whose [`Backend::features`] has `logprobs`.
+    pub logprobs: Option<usize>,
+    /// Constrain the tokens to a grammar; only for a backend whose [`Backend::features`] has
+    /// `grammar`.
+    pub grammar: Option<Grammar>,
+}
+
+impl GenerationRequest {
+    /// A plain request: no log-probabilities, no grammar.
+    pub fn new(
+        id: RequestId,
+        prompt_tokens: Vec<u32>,
+        params: SamplingParams,
+        max_tokens: usize,
+    ) -> Self {
+        Self {
+            id,
+            prompt_tokens,
+            params,
+            max_tokens,
+            logprobs: None,
+            grammar: None,
+        }
+    }
+}
+
+/// What a backend can do beyond plain sampling. The gateway refuses (400, naming the
+/// parameter) what the backend cannot do, so no parameter is silently ignored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendFeatures {
+    /// [`GenerationRequest::logprobs`] is honoured.
+    pub logprobs: bool,
+    /// [`GenerationRequest::grammar`] is honoured.
+    pub grammar: bool,
 }
 
 /// Why a sequence stopped.
@@ -98,6 +136,9 @@ pub struct Usage {
 pub enum Event {
     /// A generated token (end-of-generation tokens are not sent).
     Token(u32),
+    /// A generated token with its log-probabilities, sent instead of `Token` when the request
+    /// asked for them.
+    TokenLogprobs(TokenLogprobs),
     Finished {
         reason: FinishReason,
         usage: Usage,
@@ -170,6 +211,8 @@ pub struct ServedModel {
     pub context_length: usize,
     /// Unix seconds when serving started (`created` in `/v1/models`).
     pub created: u64,
+    /// The grammar compiler over this vocabulary, built on first use (it indexes every token).
+    pub(crate) grammars: std::sync::OnceLock<Result<Arc<crate::grammar::GrammarCompiler>, String>>,
 }
 
 impl ServedModel {
@@ -188,6 +231,7 @@ impl ServedModel {
             template,
             context_length: context_length.min(config.context_length).max(1),
             created: unix_now(),
+            grammars: std::sync::OnceLock::new(),
         })
     }
 }
@@ -222,6 +266,11 @@ pub trait Backend: Send + Sync + 'static {
 
     /// A snapshot of the machines, the plan and the backend's counters.
     fn status(&self) -> ClusterStatus;
+
+    /// What this backend honours beyond plain sampling (nothing unless it says so).
+    fn features(&self) -> BackendFeatures {
+        BackendFeatures::default()
+    }
 }
 
 impl<B: Backend + ?Sized> Backend for Arc<B> {
@@ -233,6 +282,9 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn status(&self) -> ClusterStatus {
         (**self).status()
+    }
+    fn features(&self) -> BackendFeatures {
+        (**self).features()
     }
 }
 

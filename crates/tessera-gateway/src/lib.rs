@@ -40,20 +40,25 @@
 //! stream token events, watch for closed channels, report a [`ClusterStatus`]); everything in
 //! this crate above that trait is shared.
 
+pub mod anthropic;
 pub mod backend;
 pub mod dashboard;
+pub mod grammar;
 pub mod local;
 pub mod metrics;
 pub mod openai;
+mod respond;
+pub mod responses;
 pub mod scheduler;
 pub mod server;
 pub mod testing;
 pub mod text;
+mod tokens;
 
 pub use backend::{
-    Assignment, Backend, BackendCounters, ClusterStatus, Event, EventSender, ExpertCacheStatus,
-    FinishReason, GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus,
-    RequestHandle, RequestId, ServedModel, SubmitError, Usage,
+    Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, Event, EventSender,
+    ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health, InventorySummary,
+    LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel, SubmitError, Usage,
 };
 pub use local::{LocalBackend, LocalConfig};
 pub use scheduler::SchedulerConfig;

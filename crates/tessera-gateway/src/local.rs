@@ -18,8 +18,9 @@ use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
 use tessera_model::{human_bytes, GgufFile};
 
 use crate::backend::{
-    Assignment, Backend, BackendCounters, ClusterStatus, Event, EventSender, GenerationRequest,
-    Health, InventorySummary, NodeStatus, PlanStatus, RequestHandle, ServedModel, SubmitError,
+    Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, Event, EventSender,
+    GenerationRequest, Health, InventorySummary, NodeStatus, PlanStatus, RequestHandle,
+    ServedModel, SubmitError,
 };
 use crate::scheduler::{Output, Scheduler, SchedulerConfig, Sequence, StepItem};
 
@@ -238,6 +239,13 @@ impl Backend for LocalBackend {
         Ok(handle)
     }
 
+    fn features(&self) -> BackendFeatures {
+        BackendFeatures {
+            logprobs: true,
+            grammar: true,
+        }
+    }
+
     fn status(&self) -> ClusterStatus {
         let counters = lock(&self.shared.counters).clone();
         let mut node = self.node.clone();
@@ -323,17 +331,20 @@ impl Engine {
                 };
                 let kv = self.model.new_kv(self.capacity);
                 tracing::debug!(request = w.req.id, "joins the batch");
-                self.scheduler.admit(Sequence::new(
-                    w.req.id,
-                    w.req.prompt_tokens,
-                    w.req.params,
-                    w.req.max_tokens,
-                    self.capacity,
-                    Slot {
-                        kv,
-                        events: w.events,
-                    },
-                ));
+                self.scheduler.admit(
+                    Sequence::new(
+                        w.req.id,
+                        w.req.prompt_tokens,
+                        w.req.params,
+                        w.req.max_tokens,
+                        self.capacity,
+                        Slot {
+                            kv,
+                            events: w.events,
+                        },
+                    )
+                    .with_options(w.req.logprobs, w.req.grammar),
+                );
             }
             lock(&self.shared.counters).queue_depth = inbox.waiting.len();
             if !self.scheduler.is_idle() {
@@ -415,10 +426,18 @@ impl Engine {
         let mut generated = 0;
         for out in outputs {
             let (id, event) = match out {
-                Output::Token { id, token } => {
+                Output::Token {
+                    id,
+                    token,
+                    logprobs,
+                } => {
                     generated += 1;
-                    (id, Event::Token(token))
+                    match logprobs {
+                        Some(lp) => (id, Event::TokenLogprobs(lp)),
+                        None => (id, Event::Token(token)),
+                    }
                 }
+                Output::Failed { id, message } => (id, Event::Failed { message }),
                 Output::Finished { id, reason, usage } => {
                     tracing::debug!(request = id, ?reason, ?usage, "finished");
                     (id, Event::Finished { reason, usage })

@@ -1,14 +1,14 @@
 //! OpenAI's wire format: the request bodies we accept, the responses and stream chunks we send,
 //! and the error shape. Parsing is strict about types and ranges (a wrong type is a 400 naming
-//! the field) and lenient about fields we do not use (`user`, `presence_penalty`, ... are
-//! accepted and ignored, as other OpenAI-compatible servers do).
+//! the field), and every parameter is either honoured or refused with a 400 naming it, except
+//! the few bookkeeping ones OpenAI itself documents as having no effect on output (`user`,
+//! `metadata`...): see [`CHAT_PARAMS`] and [`COMPLETION_PARAMS`].
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tessera_engine::SamplingParams;
-use tessera_model::ChatMessage;
 
-use crate::backend::{FinishReason, Usage};
+use crate::backend::Usage;
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` plus the status.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,35 +115,130 @@ impl ApiError {
     }
 }
 
+pub mod logprobs;
+pub mod tools;
+
+use tools::{Tool, ToolCall, ToolChoice};
+
+/// How the server treats a request parameter. Every parameter of OpenAI's reference request
+/// schemas is in [`CHAT_PARAMS`] or [`COMPLETION_PARAMS`]; anything else is refused with a 400
+/// naming it, as OpenAI does ("Unrecognized request argument supplied").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Support {
+    /// Acted on (within the values the parser accepts; others are a 400 naming it).
+    Honoured,
+    /// Accepted and ignored, as OpenAI documents for `user` (bookkeeping only).
+    Ignored,
+    /// A 400 naming the parameter unless it is `null`.
+    Refused,
+}
+
+use Support::{Honoured, Ignored, Refused};
+
+/// `/v1/chat/completions` parameters. `top_k`, `min_p`, `repetition_penalty` and
+/// `repeat_last_n` are extensions (llama-server's names).
+pub const CHAT_PARAMS: &[(&str, Support)] = &[
+    ("model", Honoured),
+    ("messages", Honoured),
+    ("stream", Honoured),
+    ("stream_options", Honoured),
+    ("max_tokens", Honoured),
+    ("max_completion_tokens", Honoured),
+    ("temperature", Honoured),
+    ("top_p", Honoured),
+    ("seed", Honoured),
+    ("stop", Honoured),
+    ("n", Honoured),
+    ("logprobs", Honoured),
+    ("top_logprobs", Honoured),
+    ("logit_bias", Honoured),
+    ("presence_penalty", Honoured),
+    ("frequency_penalty", Honoured),
+    ("response_format", Honoured),
+    ("tools", Honoured),
+    ("tool_choice", Honoured),
+    ("parallel_tool_calls", Honoured),
+    // Only ["text"].
+    ("modalities", Honoured),
+    // Only false: nothing is stored.
+    ("store", Honoured),
+    ("top_k", Honoured),
+    ("min_p", Honoured),
+    ("repetition_penalty", Honoured),
+    ("repeat_last_n", Honoured),
+    ("user", Ignored),
+    ("safety_identifier", Ignored),
+    ("prompt_cache_key", Ignored),
+    ("metadata", Ignored),
+    ("service_tier", Ignored),
+    ("audio", Refused),
+    ("functions", Refused),
+    ("function_call", Refused),
+    ("prediction", Refused),
+    ("reasoning_effort", Refused),
+    ("verbosity", Refused),
+    ("web_search_options", Refused),
+    ("prompt_cache_retention", Refused),
+];
+
+/// `/v1/completions` parameters (extensions as for chat).
+pub const COMPLETION_PARAMS: &[(&str, Support)] = &[
+    ("model", Honoured),
+    ("prompt", Honoured),
+    ("stream", Honoured),
+    ("stream_options", Honoured),
+    ("max_tokens", Honoured),
+    ("temperature", Honoured),
+    ("top_p", Honoured),
+    ("seed", Honoured),
+    ("stop", Honoured),
+    ("n", Honoured),
+    ("logprobs", Honoured),
+    ("echo", Honoured),
+    // Only equal to n (each choice is its own sample; nothing is ranked).
+    ("best_of", Honoured),
+    ("logit_bias", Honoured),
+    ("presence_penalty", Honoured),
+    ("frequency_penalty", Honoured),
+    ("top_k", Honoured),
+    ("min_p", Honoured),
+    ("repetition_penalty", Honoured),
+    ("repeat_last_n", Honoured),
+    ("user", Ignored),
+    ("suffix", Refused),
+];
+
+/// Refuses parameters the table does not list, or lists as refused.
+pub(crate) fn check_params(v: &Value, table: &[(&str, Support)]) -> Result<(), ApiError> {
+    let Value::Object(map) = v else {
+        return Ok(());
+    };
+    for (k, val) in map {
+        match table.iter().find(|(n, _)| n == k).map(|(_, s)| *s) {
+            None => {
+                return Err(ApiError::invalid(
+                    format!("Unrecognized request argument supplied: {k}"),
+                    Some(k),
+                ))
+            }
+            Some(Refused) if !val.is_null() => {
+                return Err(ApiError::invalid(
+                    format!("'{k}' is not supported by this server."),
+                    Some(k),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
 /// `stop`: one string or up to four.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 enum StopSpec {
     One(String),
     Many(Vec<String>),
-}
-
-/// Message content: a string, or a list of parts of which the text parts are used.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Parts(Vec<ContentPart>),
-}
-
-#[derive(Clone, Debug, Deserialize)]
-struct ContentPart {
-    #[serde(rename = "type")]
-    kind: String,
-    #[serde(default)]
-    text: Option<String>,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-struct MessageIn {
-    role: String,
-    #[serde(default)]
-    content: Option<Content>,
 }
 
 /// A prompt for `/v1/completions`: text, one text in a list, or token ids.
@@ -155,52 +250,27 @@ enum PromptSpec {
     Tokens(Vec<u32>),
 }
 
-#[derive(Clone, Debug, Default, Deserialize)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
-}
-
-/// The fields both endpoints share.
-#[derive(Clone, Debug, Deserialize)]
-struct Common {
-    model: String,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    max_tokens: Option<i64>,
-    #[serde(default)]
-    max_completion_tokens: Option<i64>,
-    #[serde(default)]
-    temperature: Option<f32>,
-    #[serde(default)]
-    top_p: Option<f32>,
-    #[serde(default)]
-    seed: Option<i64>,
-    #[serde(default)]
-    stop: Option<StopSpec>,
-    #[serde(default)]
-    n: Option<i64>,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-struct ChatBody {
-    messages: Vec<MessageIn>,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-struct CompletionBody {
-    prompt: PromptSpec,
-}
-
 /// What the prompt is, before tokenization.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prompt {
-    Chat(Vec<ChatMessage>),
+    /// Chat messages as JSON objects (`role`, `content` as text, and `tool_calls`,
+    /// `tool_call_id`, `name` where given), rendered by the chat template.
+    Chat(Vec<Value>),
     Text(String),
     Tokens(Vec<u32>),
+}
+
+/// `response_format`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ResponseFormat {
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON matching the schema (enforced whether or not `strict` is set).
+    JsonSchema {
+        name: String,
+        schema: Value,
+    },
 }
 
 /// A validated request to either endpoint.
@@ -216,37 +286,90 @@ pub struct ParsedRequest {
     pub top_p: f32,
     pub seed: Option<u64>,
     pub stop: Vec<String>,
+    /// Choices to generate (each its own sample: choice `i` uses [`choice_seed`]).
+    pub n: usize,
+    /// Log-probabilities with this many alternatives per token.
+    pub logprobs: Option<usize>,
+    /// Completions: the prompt text precedes the completion.
+    pub echo: bool,
+    pub top_k: usize,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub repeat_last_n: usize,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Token id → bias, validated against the vocabulary when tokenizing.
+    pub logit_bias: Vec<(u32, f32)>,
+    pub response_format: ResponseFormat,
+    pub tools: Vec<Tool>,
+    pub tool_choice: ToolChoice,
+    pub parallel_tool_calls: bool,
 }
 
 impl ParsedRequest {
-    /// Sampling parameters: OpenAI's knobs only (no top-k, min-p or repetition penalty).
-    pub fn sampling(&self, default_seed: u64) -> SamplingParams {
-        SamplingParams {
-            temperature: self.temperature,
-            top_k: if self.temperature <= 0.0 { 1 } else { 0 },
-            top_p: self.top_p,
+    /// A request with OpenAI's defaults (the other front ends fill it from their own bodies).
+    pub fn new(model: String, prompt: Prompt) -> Self {
+        Self {
+            model,
+            prompt,
+            stream: false,
+            include_usage: false,
+            max_tokens: None,
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: None,
+            stop: Vec::new(),
+            n: 1,
+            logprobs: None,
+            echo: false,
+            top_k: 0,
             min_p: 0.0,
-            repeat_penalty: 1.0,
-            repeat_last_n: 0,
-            seed: self.seed.unwrap_or(default_seed),
+            repetition_penalty: 1.0,
+            repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            response_format: ResponseFormat::Text,
+            tools: Vec::new(),
+            tool_choice: ToolChoice::None,
+            parallel_tool_calls: true,
         }
     }
 }
 
-/// Turns a serde error into a 400, naming the field where serde says which.
-fn from_serde(e: &serde_json::Error) -> ApiError {
-    let msg = e.to_string();
-    let param = msg
-        .split_once("missing field `")
-        .and_then(|(_, rest)| rest.split_once('`'))
-        .map(|(f, _)| f.to_string());
-    ApiError {
-        param,
-        ..ApiError::invalid(format!("Invalid request body: {msg}"), None)
+/// The seed of choice `index` of a request with `seed`: choice 0 keeps the seed (so `n: 1`
+/// and the first of `n: 3` agree), the others get distinct derived seeds.
+pub fn choice_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        seed
+    } else {
+        tessera_engine::sampling::splitmix64(seed ^ (index as u64).wrapping_mul(0x9E37_79B9))
     }
 }
 
-fn parse_value(body: &[u8]) -> Result<Value, ApiError> {
+impl ParsedRequest {
+    /// Sampling parameters for choice `index`.
+    pub fn sampling(&self, default_seed: u64, index: usize) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: if self.temperature <= 0.0 {
+                1
+            } else {
+                self.top_k
+            },
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repetition_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: choice_seed(self.seed.unwrap_or(default_seed), index),
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias: self.logit_bias.clone(),
+        }
+    }
+}
+
+pub(crate) fn parse_value(body: &[u8]) -> Result<Value, ApiError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid(
             format!(
@@ -266,7 +389,10 @@ fn parse_value(body: &[u8]) -> Result<Value, ApiError> {
 }
 
 /// Checks a typed field by itself first, so the error names it.
-fn field<T: serde::de::DeserializeOwned>(v: &Value, name: &str) -> Result<Option<T>, ApiError> {
+pub(crate) fn field<T: serde::de::DeserializeOwned>(
+    v: &Value,
+    name: &str,
+) -> Result<Option<T>, ApiError> {
     match v.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(x) => serde_json::from_value(x.clone())
@@ -275,62 +401,103 @@ fn field<T: serde::de::DeserializeOwned>(v: &Value, name: &str) -> Result<Option
     }
 }
 
-fn common(v: &Value) -> Result<Common, ApiError> {
-    // Type-check the common fields one by one for precise messages.
-    field::<String>(v, "model")?;
-    field::<bool>(v, "stream")?;
-    field::<i64>(v, "max_tokens")?;
-    field::<i64>(v, "max_completion_tokens")?;
-    field::<f32>(v, "temperature")?;
-    field::<f32>(v, "top_p")?;
-    field::<i64>(v, "seed")?;
-    field::<i64>(v, "n")?;
-    field::<StopSpec>(v, "stop")?;
-    if v.get("model").is_none_or(Value::is_null) {
+/// A number in `range`, or a 400 naming it.
+pub(crate) fn ranged(
+    v: &Value,
+    name: &str,
+    range: std::ops::RangeInclusive<f32>,
+    default: f32,
+) -> Result<f32, ApiError> {
+    let x = field::<f32>(v, name)?.unwrap_or(default);
+    if !range.contains(&x) {
         return Err(ApiError::invalid(
-            "you must provide a model parameter",
-            Some("model"),
+            format!(
+                "Invalid '{name}': {x} is not between {} and {}.",
+                range.start(),
+                range.end()
+            ),
+            Some(name),
         ));
     }
-    serde_json::from_value(v.clone()).map_err(|e| from_serde(&e))
+    Ok(x)
 }
 
-fn finish_common(
-    c: Common,
+pub(crate) fn count(v: &Value, name: &str, max: i64) -> Result<Option<usize>, ApiError> {
+    match field::<i64>(v, name)? {
+        None => Ok(None),
+        Some(x) if (0..=max).contains(&x) => Ok(Some(x as usize)),
+        Some(x) => Err(ApiError::invalid(
+            format!("Invalid '{name}': {x} is not between 0 and {max}."),
+            Some(name),
+        )),
+    }
+}
+
+/// Most choices per request.
+pub const MAX_N: i64 = 16;
+/// Most alternatives per token (`top_logprobs`), as OpenAI.
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// The fields both endpoints share.
+fn common(
+    v: &Value,
     prompt: Prompt,
     default_max: Option<usize>,
 ) -> Result<ParsedRequest, ApiError> {
-    if let Some(n) = c.n {
-        if n != 1 {
-            return Err(ApiError::invalid("Only n=1 is supported.", Some("n")));
+    let model = field::<String>(v, "model")?
+        .ok_or_else(|| ApiError::invalid("you must provide a model parameter", Some("model")))?;
+    let stream = field::<bool>(v, "stream")?.unwrap_or(false);
+    let include_usage = match v.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => {
+            for k in o.keys() {
+                if k != "include_usage" && k != "include_obfuscation" {
+                    return Err(ApiError::invalid(
+                        format!("Unrecognized argument 'stream_options.{k}'."),
+                        Some("stream_options"),
+                    ));
+                }
+            }
+            if !stream {
+                return Err(ApiError::invalid(
+                    "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                    Some("stream_options"),
+                ));
+            }
+            o.get("include_usage")
+                .and_then(Value::as_bool)
+                .unwrap_or(false)
         }
-    }
-    let max = c.max_completion_tokens.or(c.max_tokens);
-    let max_tokens = match max {
-        Some(m) if m < 1 => {
+        Some(_) => {
             return Err(ApiError::invalid(
-                format!("Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got {m} instead."),
-                Some("max_tokens"),
+                "Invalid type for 'stream_options'.",
+                Some("stream_options"),
             ))
         }
-        Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+    };
+    let max = match field::<i64>(v, "max_completion_tokens")? {
+        Some(m) => Some((m, "max_completion_tokens")),
+        None => field::<i64>(v, "max_tokens")?.map(|m| (m, "max_tokens")),
+    };
+    let max_tokens = match max {
+        Some((m, name)) if m < 1 => {
+            return Err(ApiError::invalid(
+                format!("Invalid '{name}': integer below minimum value. Expected a value >= 1, but got {m} instead."),
+                Some(name),
+            ))
+        }
+        Some((m, _)) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
         None => default_max,
     };
-    let temperature = c.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::invalid(
-            format!("Invalid 'temperature': {temperature} is not between 0 and 2."),
-            Some("temperature"),
-        ));
-    }
-    let top_p = c.top_p.unwrap_or(1.0);
+    let temperature = ranged(v, "temperature", 0.0..=2.0, 1.0)?;
+    let top_p = field::<f32>(v, "top_p")?.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::invalid(
             format!("Invalid 'top_p': {top_p} is not in (0, 1]."),
             Some("top_p"),
         ));
     }
-    let stop = match c.stop {
+    let stop = match field::<StopSpec>(v, "stop")? {
         None => Vec::new(),
         Some(StopSpec::One(s)) => vec![s],
         Some(StopSpec::Many(v)) => v,
@@ -341,98 +508,294 @@ fn finish_common(
             Some("stop"),
         ));
     }
+    let n = match field::<i64>(v, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_N).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(
+                format!("Invalid 'n': {n} is not between 1 and {MAX_N}."),
+                Some("n"),
+            ))
+        }
+    };
+    let logit_bias = match field::<std::collections::BTreeMap<String, f32>>(v, "logit_bias")? {
+        None => Vec::new(),
+        Some(m) => {
+            let mut out = Vec::with_capacity(m.len());
+            for (k, b) in m {
+                let id = k.parse::<u32>().map_err(|_| {
+                    ApiError::invalid(
+                        format!("Invalid 'logit_bias': key '{k}' is not a token id."),
+                        Some("logit_bias"),
+                    )
+                })?;
+                if !(-100.0..=100.0).contains(&b) {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "Invalid 'logit_bias': {b} for token {id} is not between -100 and 100."
+                        ),
+                        Some("logit_bias"),
+                    ));
+                }
+                out.push((id, b));
+            }
+            out
+        }
+    };
+    let top_k = count(v, "top_k", i64::from(u32::MAX))?.unwrap_or(0);
+    let repetition_penalty = field::<f32>(v, "repetition_penalty")?.unwrap_or(1.0);
+    if repetition_penalty <= 0.0 || !repetition_penalty.is_finite() {
+        return Err(ApiError::invalid(
+            format!("Invalid 'repetition_penalty': {repetition_penalty} must be positive."),
+            Some("repetition_penalty"),
+        ));
+    }
     Ok(ParsedRequest {
-        model: c.model,
+        model,
         prompt,
-        stream: c.stream.unwrap_or(false),
-        include_usage: c.stream_options.is_some_and(|o| o.include_usage),
+        stream,
+        include_usage,
         max_tokens,
         temperature,
         top_p,
-        seed: c.seed.map(|s| s as u64),
+        seed: field::<i64>(v, "seed")?.map(|s| s as u64),
         stop,
+        n,
+        logprobs: None,
+        echo: false,
+        top_k,
+        min_p: ranged(v, "min_p", 0.0..=1.0, 0.0)?,
+        repetition_penalty,
+        repeat_last_n: count(v, "repeat_last_n", i64::from(u32::MAX))?.unwrap_or(64),
+        presence_penalty: ranged(v, "presence_penalty", -2.0..=2.0, 0.0)?,
+        frequency_penalty: ranged(v, "frequency_penalty", -2.0..=2.0, 0.0)?,
+        logit_bias,
+        response_format: ResponseFormat::Text,
+        tools: Vec::new(),
+        tool_choice: ToolChoice::None,
+        parallel_tool_calls: true,
     })
+}
+
+/// A message's `content` as text: a string, or text parts (other part types are refused).
+fn content_text(c: &Value, param: &str) -> Result<String, ApiError> {
+    match c {
+        Value::Null => Ok(String::new()),
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut t = String::new();
+            for p in parts {
+                match p.get("type").and_then(Value::as_str) {
+                    Some("text") => {
+                        t.push_str(p.get("text").and_then(Value::as_str).unwrap_or_default())
+                    }
+                    other => {
+                        return Err(ApiError::invalid(
+                            format!(
+                                "Content parts of type '{}' are not supported.",
+                                other.unwrap_or("?")
+                            ),
+                            Some(param),
+                        ))
+                    }
+                }
+            }
+            Ok(t)
+        }
+        _ => Err(ApiError::invalid(
+            format!("Invalid type for '{param}': expected a string or an array of parts."),
+            Some(param),
+        )),
+    }
+}
+
+/// One chat message, normalised for the template.
+fn chat_message(i: usize, m: &Value) -> Result<Value, ApiError> {
+    let p = |k: &str| format!("messages[{i}].{k}");
+    let Value::Object(o) = m else {
+        return Err(ApiError::invalid(
+            format!("Invalid type for 'messages[{i}]': expected an object."),
+            Some(&format!("messages[{i}]")),
+        ));
+    };
+    let role = o.get("role").and_then(Value::as_str).unwrap_or_default();
+    if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
+        return Err(ApiError::invalid(
+            format!("Invalid value for 'messages[{i}].role': '{role}'."),
+            Some(&p("role")),
+        ));
+    }
+    let mut out = serde_json::Map::new();
+    // Templates know "system"; OpenAI's "developer" is the same turn for them.
+    let role = if role == "developer" { "system" } else { role };
+    out.insert("role".into(), role.into());
+    out.insert(
+        "content".into(),
+        content_text(o.get("content").unwrap_or(&Value::Null), &p("content"))?.into(),
+    );
+    for (k, v) in o {
+        match k.as_str() {
+            "role" | "content" => {}
+            "name" | "tool_call_id" if v.is_string() => {
+                out.insert(k.clone(), v.clone());
+            }
+            "tool_calls" if role == "assistant" => {
+                let calls = v.as_array().ok_or_else(|| {
+                    ApiError::invalid(format!("Invalid type for '{}'.", p(k)), Some(&p(k)))
+                })?;
+                for (j, c) in calls.iter().enumerate() {
+                    if c["function"]["name"].as_str().is_none() {
+                        let f = format!("messages[{i}].tool_calls[{j}].function.name");
+                        return Err(ApiError::invalid(format!("Missing '{f}'."), Some(&f)));
+                    }
+                }
+                out.insert(k.clone(), v.clone());
+            }
+            // Echoes of an earlier response: carry nothing the model needs.
+            "refusal" | "annotations" | "reasoning_content" => {}
+            _ if v.is_null() => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("'{}' is not supported by this server.", p(k)),
+                    Some(&p(k)),
+                ))
+            }
+        }
+    }
+    if role == "tool" && !out.contains_key("tool_call_id") {
+        return Err(ApiError::invalid(
+            format!("Missing required parameter: '{}'.", p("tool_call_id")),
+            Some(&p("tool_call_id")),
+        ));
+    }
+    Ok(Value::Object(out))
+}
+
+fn response_format(v: &Value) -> Result<ResponseFormat, ApiError> {
+    let bad = |m: &str| ApiError::invalid(m.to_string(), Some("response_format"));
+    let Some(rf) = v.get("response_format").filter(|x| !x.is_null()) else {
+        return Ok(ResponseFormat::Text);
+    };
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(ResponseFormat::Text),
+        Some("json_object") => Ok(ResponseFormat::JsonObject),
+        Some("json_schema") => {
+            let js = rf
+                .get("json_schema")
+                .ok_or_else(|| bad("Missing required parameter: 'response_format.json_schema'."))?;
+            let name = js.get("name").and_then(Value::as_str).ok_or_else(|| {
+                bad("Missing required parameter: 'response_format.json_schema.name'.")
+            })?;
+            let schema = match js.get("schema") {
+                None | Some(Value::Null) => json!({}),
+                Some(s @ Value::Object(_)) => s.clone(),
+                Some(_) => {
+                    return Err(bad(
+                        "Invalid 'response_format.json_schema.schema': expected an object.",
+                    ))
+                }
+            };
+            Ok(ResponseFormat::JsonSchema {
+                name: name.to_string(),
+                schema,
+            })
+        }
+        _ => Err(bad(
+            "Invalid 'response_format.type': expected 'text', 'json_object' or 'json_schema'.",
+        )),
+    }
 }
 
 /// Parses a `/v1/chat/completions` body.
 pub fn parse_chat(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let v = parse_value(body)?;
-    let c = common(&v)?;
-    match v.get("messages") {
+    check_params(&v, CHAT_PARAMS)?;
+    let mut r = common(&v, Prompt::Chat(Vec::new()), None)?;
+    let messages = match v.get("messages") {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid(
                 "Missing required parameter: 'messages'.",
                 Some("messages"),
             ))
         }
-        Some(Value::Array(_)) => {}
+        Some(Value::Array(m)) => m,
         Some(_) => {
             return Err(ApiError::invalid(
                 "Invalid type for 'messages': expected an array of messages.",
                 Some("messages"),
             ))
         }
-    }
-    let b: ChatBody = serde_json::from_value(v).map_err(|e| ApiError {
-        param: Some("messages".into()),
-        ..ApiError::invalid(format!("Invalid 'messages': {e}"), None)
-    })?;
-    if b.messages.is_empty() {
+    };
+    if messages.is_empty() {
         return Err(ApiError::invalid(
             "Invalid 'messages': empty array. Expected an array with minimum length 1.",
             Some("messages"),
         ));
     }
-    let mut messages = Vec::with_capacity(b.messages.len());
-    for (i, m) in b.messages.into_iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "developer" | "user" | "assistant" | "tool"
-        ) {
+    let messages = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| chat_message(i, m))
+        .collect::<Result<Vec<_>, _>>()?;
+    r.prompt = Prompt::Chat(messages);
+    let logprobs = field::<bool>(&v, "logprobs")?.unwrap_or(false);
+    let top = count(&v, "top_logprobs", MAX_TOP_LOGPROBS)?;
+    if top.is_some() && !logprobs {
+        return Err(ApiError::invalid(
+            "'top_logprobs' requires 'logprobs' to be true.",
+            Some("top_logprobs"),
+        ));
+    }
+    r.logprobs = logprobs.then(|| top.unwrap_or(0));
+    r.response_format = response_format(&v)?;
+    if let Some(m) = field::<Vec<String>>(&v, "modalities")? {
+        if m.iter().any(|x| x != "text") {
             return Err(ApiError::invalid(
-                format!("Invalid value for 'messages[{i}].role': '{}'.", m.role),
-                Some(&format!("messages[{i}].role")),
+                "Only the 'text' modality is supported.",
+                Some("modalities"),
             ));
         }
-        let content = match m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t,
-            Some(Content::Parts(parts)) => {
-                let mut t = String::new();
-                for p in parts {
-                    if p.kind != "text" {
-                        return Err(ApiError::invalid(
-                            format!("Content parts of type '{}' are not supported.", p.kind),
-                            Some(&format!("messages[{i}].content")),
-                        ));
-                    }
-                    t.push_str(p.text.as_deref().unwrap_or_default());
-                }
-                t
-            }
-        };
-        messages.push(ChatMessage::new(m.role, content));
     }
-    finish_common(c, Prompt::Chat(messages), None)
+    if field::<bool>(&v, "store")? == Some(true) {
+        return Err(ApiError::invalid(
+            "'store' is not supported: this server keeps no completions.",
+            Some("store"),
+        ));
+    }
+    if let Some(t) = v.get("tools").filter(|t| !t.is_null()) {
+        r.tools = tools::parse_tools(t)?;
+    }
+    r.tool_choice = tools::parse_tool_choice(v.get("tool_choice"), &r.tools)?;
+    r.parallel_tool_calls = field::<bool>(&v, "parallel_tool_calls")?.unwrap_or(true);
+    if r.response_format != ResponseFormat::Text
+        && matches!(r.tool_choice, ToolChoice::Required | ToolChoice::Named(_))
+    {
+        return Err(ApiError::invalid(
+            "A forced tool call ('tool_choice') cannot be combined with 'response_format'.",
+            Some("response_format"),
+        ));
+    }
+    Ok(r)
 }
 
 /// Parses a `/v1/completions` body.
 pub fn parse_completion(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let v = parse_value(body)?;
-    let c = common(&v)?;
+    check_params(&v, COMPLETION_PARAMS)?;
+    let mut r = common(&v, Prompt::Tokens(Vec::new()), Some(16))?;
     if v.get("prompt").is_none_or(Value::is_null) {
         return Err(ApiError::invalid(
             "Missing required parameter: 'prompt'.",
             Some("prompt"),
         ));
     }
-    let b: CompletionBody = serde_json::from_value(v).map_err(|_| {
+    let spec: PromptSpec = serde_json::from_value(v["prompt"].clone()).map_err(|_| {
         ApiError::invalid(
             "Invalid 'prompt': expected a string, a list of one string, or a list of token ids.",
             Some("prompt"),
         )
     })?;
-    let prompt = match b.prompt {
+    let prompt = match spec {
         PromptSpec::Text(t) => Prompt::Text(t),
         PromptSpec::Texts(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
         PromptSpec::Texts(_) => {
@@ -443,7 +806,24 @@ pub fn parse_completion(body: &[u8]) -> Result<ParsedRequest, ApiError> {
         }
         PromptSpec::Tokens(t) => Prompt::Tokens(t),
     };
-    finish_common(c, prompt, Some(16))
+    r.prompt = prompt;
+    r.logprobs = count(&v, "logprobs", MAX_TOP_LOGPROBS)?;
+    r.echo = field::<bool>(&v, "echo")?.unwrap_or(false);
+    if r.echo && r.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "'echo' with 'logprobs' is not supported (prompt tokens are not scored).",
+            Some("echo"),
+        ));
+    }
+    if let Some(b) = field::<i64>(&v, "best_of")? {
+        if b != r.n as i64 {
+            return Err(ApiError::invalid(
+                "'best_of' must equal 'n': choices are sampled, not ranked.",
+                Some("best_of"),
+            ));
+        }
+    }
+    Ok(r)
 }
 
 /// `usage` as OpenAI writes it.
@@ -487,73 +867,129 @@ pub struct ResponseMeta {
     pub model: String,
 }
 
+/// One choice of a whole (non-streamed) response.
+#[derive(Clone, Debug, Default)]
+pub struct ChoiceOut {
+    pub index: usize,
+    pub text: String,
+    /// `(id, call)` in order.
+    pub tool_calls: Vec<(String, ToolCall)>,
+    /// `Some` when the request asked for log-probabilities.
+    pub logprobs: Option<Value>,
+    /// `stop`, `length` or `tool_calls`.
+    pub finish: &'static str,
+}
+
+/// The JSON of one tool call (`index` for stream deltas).
+pub fn tool_call_json(id: &str, call: &ToolCall, index: Option<usize>) -> Value {
+    let mut v = json!({
+        "id": id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    });
+    if let Some(i) = index {
+        v["index"] = i.into();
+    }
+    v
+}
+
+fn object(m: &ResponseMeta, chunk: bool) -> &'static str {
+    match (m.endpoint, chunk) {
+        (Endpoint::Chat, false) => "chat.completion",
+        (Endpoint::Chat, true) => "chat.completion.chunk",
+        (Endpoint::Completion, _) => "text_completion",
+    }
+}
+
 /// The whole (non-streamed) response.
-pub fn full_response(m: &ResponseMeta, text: &str, finish: FinishReason, usage: Usage) -> Value {
-    let choice = match m.endpoint {
-        Endpoint::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": null,
-            "finish_reason": finish.as_str(),
-        }),
-        Endpoint::Completion => json!({
-            "index": 0,
-            "text": text,
-            "logprobs": null,
-            "finish_reason": finish.as_str(),
-        }),
-    };
+pub fn full_response(m: &ResponseMeta, choices: &[ChoiceOut], usage: Usage) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .map(|c| match m.endpoint {
+            Endpoint::Chat => {
+                let mut message = json!({
+                    "role": "assistant",
+                    "content": if c.text.is_empty() && !c.tool_calls.is_empty() {
+                        Value::Null
+                    } else {
+                        c.text.clone().into()
+                    },
+                    "refusal": null,
+                });
+                if !c.tool_calls.is_empty() {
+                    message["tool_calls"] = c
+                        .tool_calls
+                        .iter()
+                        .map(|(id, call)| tool_call_json(id, call, None))
+                        .collect();
+                }
+                json!({
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": c.logprobs,
+                    "finish_reason": c.finish,
+                })
+            }
+            Endpoint::Completion => json!({
+                "index": c.index,
+                "text": c.text,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish,
+            }),
+        })
+        .collect();
     json!({
         "id": m.id,
-        "object": match m.endpoint {
-            Endpoint::Chat => "chat.completion",
-            Endpoint::Completion => "text_completion",
-        },
+        "object": object(m, false),
         "created": m.created,
         "model": m.model,
         "system_fingerprint": null,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_json(usage),
     })
 }
 
-/// One streamed chunk. For chat, `role` goes in the first chunk's delta; `text: None` with a
-/// finish reason is the closing chunk (empty delta).
-pub fn chunk(
-    m: &ResponseMeta,
-    role: bool,
-    text: Option<&str>,
-    finish: Option<FinishReason>,
-) -> Value {
+/// What one streamed chunk carries for its choice.
+#[derive(Clone, Debug)]
+pub enum Delta<'a> {
+    /// Chat streams open each choice with the role.
+    Role,
+    Content(&'a str),
+    /// One complete call: `(index among the choice's calls, id, call)`.
+    ToolCall(usize, &'a str, &'a ToolCall),
+    /// The closing chunk (empty delta) with the finish reason.
+    Finish(&'a str),
+}
+
+/// One streamed chunk for choice `index`.
+pub fn chunk(m: &ResponseMeta, index: usize, delta: Delta<'_>, logprobs: Option<Value>) -> Value {
+    let finish = match delta {
+        Delta::Finish(f) => Some(f),
+        _ => None,
+    };
     let choice = match m.endpoint {
         Endpoint::Chat => {
-            let mut delta = serde_json::Map::new();
-            if role {
-                delta.insert("role".into(), "assistant".into());
-            }
-            if let Some(t) = text {
-                delta.insert("content".into(), t.into());
-            }
-            json!({
-                "index": 0,
-                "delta": delta,
-                "logprobs": null,
-                "finish_reason": finish.map(FinishReason::as_str),
-            })
+            let d = match delta {
+                Delta::Role => json!({"role": "assistant", "content": ""}),
+                Delta::Content(t) => json!({"content": t}),
+                Delta::ToolCall(i, id, call) => {
+                    json!({"tool_calls": [tool_call_json(id, call, Some(i))]})
+                }
+                Delta::Finish(_) => json!({}),
+            };
+            json!({"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish})
         }
-        Endpoint::Completion => json!({
-            "index": 0,
-            "text": text.unwrap_or_default(),
-            "logprobs": null,
-            "finish_reason": finish.map(FinishReason::as_str),
-        }),
+        Endpoint::Completion => {
+            let text = match delta {
+                Delta::Content(t) => t,
+                _ => "",
+            };
+            json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        }
     };
     json!({
         "id": m.id,
-        "object": match m.endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completion => "text_completion",
-        },
+        "object": object(m, true),
         "created": m.created,
         "model": m.model,
         "system_fingerprint": null,
@@ -565,10 +1001,7 @@ pub fn chunk(
 pub fn usage_chunk(m: &ResponseMeta, usage: Usage) -> Value {
     json!({
         "id": m.id,
-        "object": match m.endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completion => "text_completion",
-        },
+        "object": object(m, true),
         "created": m.created,
         "model": m.model,
         "system_fingerprint": null,
@@ -587,7 +1020,10 @@ mod tests {
             br#"{"model":"m","messages":[{"role":"user","content":"Hi"}],"stop":"\n","user":"x"}"#,
         )
         .unwrap();
-        assert_eq!(r.prompt, Prompt::Chat(vec![ChatMessage::new("user", "Hi")]));
+        assert_eq!(
+            r.prompt,
+            Prompt::Chat(vec![json!({"role": "user", "content": "Hi"})])
+        );
         assert_eq!((r.temperature, r.top_p, r.stream), (1.0, 1.0, false));
         assert_eq!(r.stop, vec!["\n".to_string()]);
         assert_eq!(r.max_tokens, None);
@@ -595,9 +1031,12 @@ mod tests {
             br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_tokens":5,"temperature":0}"#,
         )
         .unwrap();
-        assert_eq!(r.prompt, Prompt::Chat(vec![ChatMessage::new("user", "ab")]));
+        assert_eq!(
+            r.prompt,
+            Prompt::Chat(vec![json!({"role": "user", "content": "ab"})])
+        );
         assert_eq!(r.max_tokens, Some(5));
-        assert_eq!(r.sampling(3).top_k, 1);
+        assert_eq!(r.sampling(3, 0).top_k, 1);
     }
 
     #[test]
@@ -617,10 +1056,141 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         let e = parse_completion(br#"{"model":"m","prompt":"x","max_tokens":0}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
-        let e = parse_completion(br#"{"model":"m","prompt":"x","n":2}"#).unwrap_err();
+        let e = parse_completion(br#"{"model":"m","prompt":"x","n":17}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("n"));
         let e = parse_completion(br#"[1,2]"#).unwrap_err();
         assert_eq!(e.status, 400);
+    }
+
+    /// A value each parameter accepts (for refused ones: any non-null value).
+    fn sample_value(name: &str, chat: bool) -> Value {
+        match name {
+            "logprobs" if !chat => json!(2),
+            "model" => json!("m"),
+            "messages" => json!([{"role": "user", "content": "Hi"}]),
+            "prompt" => json!("Hi"),
+            "stream" | "logprobs" | "parallel_tool_calls" | "echo" => json!(true),
+            "stream_options" => json!({"include_usage": true}),
+            "max_tokens" | "max_completion_tokens" => json!(7),
+            "temperature" => json!(0.5),
+            "top_p" => json!(0.9),
+            "seed" => json!(11),
+            "stop" => json!(["x"]),
+            "n" | "best_of" => json!(1),
+            "top_logprobs" => json!(3),
+            "logit_bias" => json!({"5": 2.5}),
+            "presence_penalty" => json!(0.5),
+            "frequency_penalty" => json!(0.25),
+            "response_format" => json!({"type": "json_object"}),
+            "tools" => json!([{"type": "function", "function": {"name": "f"}}]),
+            "tool_choice" => json!("auto"),
+            "modalities" => json!(["text"]),
+            "store" => json!(false),
+            "top_k" => json!(5),
+            "min_p" => json!(0.1),
+            "repetition_penalty" => json!(1.3),
+            "repeat_last_n" => json!(32),
+            _ => json!("x"),
+        }
+    }
+
+    /// Every parameter of both tables is fed alone (beside the required ones): honoured and
+    /// ignored ones parse, refused ones are a 400 naming them, and unknown ones are refused.
+    #[test]
+    fn every_parameter_is_honoured_ignored_or_refused_by_name() {
+        for (table, parse, required, chat) in [
+            (
+                CHAT_PARAMS,
+                parse_chat as fn(&[u8]) -> Result<ParsedRequest, ApiError>,
+                ["model", "messages"],
+                true,
+            ),
+            (
+                COMPLETION_PARAMS,
+                parse_completion,
+                ["model", "prompt"],
+                false,
+            ),
+        ] {
+            let base = || {
+                let mut o = serde_json::Map::new();
+                for r in required {
+                    o.insert(r.into(), sample_value(r, chat));
+                }
+                o
+            };
+            let plain = parse(Value::Object(base()).to_string().as_bytes()).unwrap();
+            for &(name, support) in table {
+                let mut o = base();
+                o.insert(name.into(), sample_value(name, chat));
+                if name == "stream_options" {
+                    o.insert("stream".into(), json!(true));
+                }
+                if name == "top_logprobs" {
+                    o.insert("logprobs".into(), json!(true));
+                }
+                if name == "tool_choice" {
+                    o.insert("tools".into(), sample_value("tools", chat));
+                }
+                let r = parse(Value::Object(o).to_string().as_bytes());
+                match support {
+                    Support::Refused => {
+                        let e = r.expect_err(name);
+                        assert_eq!((e.status, e.param.as_deref()), (400, Some(name)));
+                    }
+                    Support::Ignored => assert_eq!(r.expect(name), plain, "{name}"),
+                    Support::Honoured => {
+                        let r = r.unwrap_or_else(|e| panic!("{name}: {e:?}"));
+                        // Required fields and explicit defaults aside, honouring shows.
+                        let defaults = [
+                            "model",
+                            "messages",
+                            "prompt",
+                            "modalities",
+                            "store",
+                            "n",
+                            "best_of",
+                            "tool_choice",
+                            "parallel_tool_calls",
+                        ];
+                        if !defaults.contains(&name) {
+                            assert_ne!(r, plain, "{name} had no effect on the parsed request");
+                        }
+                    }
+                }
+            }
+            let mut o = base();
+            o.insert("frobnicate".into(), json!(1));
+            let e = parse(Value::Object(o).to_string().as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("frobnicate"));
+        }
+    }
+
+    #[test]
+    fn sampling_knobs_reach_the_sampler() {
+        let r = parse_chat(
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":0.7,
+                "top_k":5,"min_p":0.1,"repetition_penalty":1.3,"repeat_last_n":8,
+                "presence_penalty":0.5,"frequency_penalty":-0.5,"logit_bias":{"3":-100},"seed":9,"n":3}"#,
+        )
+        .unwrap();
+        let p = r.sampling(0, 0);
+        assert_eq!(
+            (p.top_k, p.min_p, p.repeat_penalty, p.repeat_last_n),
+            (5, 0.1, 1.3, 8)
+        );
+        assert_eq!((p.presence_penalty, p.frequency_penalty), (0.5, -0.5));
+        assert_eq!((p.logit_bias.clone(), p.seed), (vec![(3, -100.0)], 9));
+        let seeds: std::collections::HashSet<u64> = (0..3).map(|i| r.sampling(0, i).seed).collect();
+        assert_eq!(seeds.len(), 3, "each choice samples with its own seed");
+        let e = parse_chat(
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+        let e = parse_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
     }
 
     #[test]

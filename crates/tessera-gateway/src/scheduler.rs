@@ -13,10 +13,13 @@
 //! token budget on prompt chunks of sequences still prefilling (oldest first), so a long prompt
 //! never stalls the others for more than a chunk.
 
-use tessera_engine::sampling::sample;
+use tessera_engine::sampling::{
+    process_logits, sample, sample_processed, token_logprobs, TokenLogprobs,
+};
 use tessera_engine::SamplingParams;
 
 use crate::backend::{FinishReason, RequestId, Usage};
+use crate::grammar::{Grammar, GrammarError};
 
 /// Batch limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +56,10 @@ pub struct Sequence<T> {
     /// Positions the KV cache can hold.
     capacity: usize,
     params: SamplingParams,
+    /// Report log-probabilities with this many alternatives.
+    logprobs: Option<usize>,
+    /// Constrains every draw.
+    grammar: Option<Grammar>,
     pub payload: T,
 }
 
@@ -75,8 +82,38 @@ impl<T> Sequence<T> {
             max_tokens,
             capacity,
             params,
+            logprobs: None,
+            grammar: None,
             payload,
         }
+    }
+
+    /// Reports log-probabilities (`Some(top_n)`) and/or follows a grammar.
+    pub fn with_options(mut self, logprobs: Option<usize>, grammar: Option<Grammar>) -> Self {
+        self.logprobs = logprobs;
+        self.grammar = grammar;
+        self
+    }
+
+    /// Draws the token at `position` from `row`, masked by the grammar if there is one.
+    fn choose(
+        &mut self,
+        row: &[f32],
+        position: u64,
+    ) -> Result<(u32, Option<TokenLogprobs>), GrammarError> {
+        if self.grammar.is_none() && self.logprobs.is_none() {
+            return Ok((sample(row, &self.params, &self.history, position), None));
+        }
+        let mut logits = row.to_vec();
+        process_logits(&mut logits, &self.params, &self.history);
+        if let Some(g) = &mut self.grammar {
+            g.mask(&mut logits)?;
+        }
+        let token = sample_processed(&logits, &self.params, position);
+        Ok((
+            token,
+            self.logprobs.map(|n| token_logprobs(&logits, token, n)),
+        ))
     }
 
     pub fn usage(&self) -> Usage {
@@ -104,17 +141,21 @@ pub struct StepItem {
 }
 
 /// What a step produced for one sequence.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Output {
     Token {
         id: RequestId,
         token: u32,
+        /// When the request asked for log-probabilities.
+        logprobs: Option<TokenLogprobs>,
     },
     Finished {
         id: RequestId,
         reason: FinishReason,
         usage: Usage,
     },
+    /// The sequence cannot go on (its grammar reached a dead end); it leaves the batch.
+    Failed { id: RequestId, message: String },
 }
 
 /// The running batch. See the module docs.
@@ -245,15 +286,45 @@ impl<T> Scheduler<T> {
                 .next()
                 .expect("one logits row per item that wants logits");
             let position = s.history.len() as u64;
-            let token = sample(row, &s.params, &s.history, position);
+            let chosen = s.choose(row, position).and_then(|(token, logprobs)| {
+                if !is_end_of_generation(token) {
+                    if let Some(g) = &mut s.grammar {
+                        g.accept(token)?;
+                    }
+                }
+                Ok((token, logprobs))
+            });
+            let (token, logprobs) = match chosen {
+                Ok(c) => c,
+                Err(e) => {
+                    outputs.push(Output::Failed {
+                        id: s.id,
+                        message: e.to_string(),
+                    });
+                    done.push(s.id);
+                    continue;
+                }
+            };
             let finish = if is_end_of_generation(token) {
                 Some(FinishReason::Stop)
             } else {
                 s.history.push(token);
                 s.generated += 1;
-                outputs.push(Output::Token { id: s.id, token });
+                outputs.push(Output::Token {
+                    id: s.id,
+                    token,
+                    logprobs,
+                });
                 // The new token needs one more position to be fed.
-                (s.generated >= s.max_tokens || s.fed >= s.capacity).then_some(FinishReason::Length)
+                if s.generated >= s.max_tokens || s.fed >= s.capacity {
+                    Some(FinishReason::Length)
+                } else {
+                    // A complete grammar admits nothing more: the answer is done.
+                    s.grammar
+                        .as_ref()
+                        .is_some_and(Grammar::is_finished)
+                        .then_some(FinishReason::Stop)
+                }
             };
             if let Some(reason) = finish {
                 outputs.push(Output::Finished {
@@ -310,7 +381,14 @@ mod tests {
         s.admit(seq(1, 2, 5));
         let (items, out, _) = step(&mut s, 3);
         assert_eq!(items.len(), 1);
-        assert_eq!(out, vec![Output::Token { id: 1, token: 3 }]);
+        assert_eq!(
+            out,
+            vec![Output::Token {
+                id: 1,
+                token: 3,
+                logprobs: None
+            }]
+        );
         s.admit(seq(2, 20, 5));
         // Sequence 1 decodes one token; sequence 2 gets the rest of the budget (7 → chunk 6).
         let (items, out, _) = step(&mut s, 4);
@@ -331,7 +409,14 @@ mod tests {
                 },
             ]
         );
-        assert_eq!(out, vec![Output::Token { id: 1, token: 4 }]);
+        assert_eq!(
+            out,
+            vec![Output::Token {
+                id: 1,
+                token: 4,
+                logprobs: None
+            }]
+        );
         step(&mut s, 4);
         step(&mut s, 4);
         // 18 fed; the last chunk of 2 wants logits.
@@ -345,7 +430,11 @@ mod tests {
                 wants_logits: true
             }
         );
-        assert!(out.contains(&Output::Token { id: 2, token: 5 }));
+        assert!(out.contains(&Output::Token {
+            id: 2,
+            token: 5,
+            logprobs: None
+        }));
     }
 
     #[test]

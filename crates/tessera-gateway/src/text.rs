@@ -7,6 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tessera_engine::sampling::TokenLogprobs;
 use tessera_engine::StopMatcher;
 use tessera_model::Utf8Assembler;
 
@@ -38,6 +39,8 @@ pub struct TextStream {
     finished: bool,
     /// A `Done` to return after the text that preceded it.
     deferred: Option<Piece>,
+    /// Log-probabilities of tokens received and not yet taken ([`TextStream::take_logprobs`]).
+    logprobs: Vec<TokenLogprobs>,
 }
 
 impl TextStream {
@@ -59,7 +62,14 @@ impl TextStream {
             first_token: None,
             finished: false,
             deferred: None,
+            logprobs: Vec::new(),
         }
+    }
+
+    /// The log-probabilities of the tokens behind the text returned so far (and possibly of a
+    /// few tokens whose text is still held back), when the request asked for them.
+    pub fn take_logprobs(&mut self) -> Vec<TokenLogprobs> {
+        std::mem::take(&mut self.logprobs)
     }
 
     /// Time from arrival to the first token, once there was one.
@@ -98,24 +108,12 @@ impl TextStream {
                 self.finished = true;
                 return Some(Piece::Failed("the backend dropped the request".into()));
             };
-            match event {
-                Event::Token(id) => {
-                    self.tokens += 1;
-                    let first = self.first_token.is_none();
-                    if first {
-                        self.first_token = Some(self.started.elapsed());
-                    }
-                    on_token(first);
-                    let text = self.utf8.push(self.served.tokenizer.piece_bytes(id));
-                    let step = self.stop.push(&text);
-                    if step.stopped {
-                        // Cancel in the backend: the rest is not wanted.
-                        self.handle = None;
-                        return Some(self.done_with_text(step.emit, FinishReason::Stop));
-                    }
-                    if !step.emit.is_empty() {
-                        return Some(Piece::Text(step.emit));
-                    }
+            let id = match event {
+                Event::Token(id) => id,
+                Event::TokenLogprobs(lp) => {
+                    let id = lp.token;
+                    self.logprobs.push(lp);
+                    id
                 }
                 Event::Finished { reason, usage } => {
                     self.handle = None;
@@ -138,6 +136,22 @@ impl TextStream {
                     self.finished = true;
                     return Some(Piece::Failed(message));
                 }
+            };
+            self.tokens += 1;
+            let first = self.first_token.is_none();
+            if first {
+                self.first_token = Some(self.started.elapsed());
+            }
+            on_token(first);
+            let text = self.utf8.push(self.served.tokenizer.piece_bytes(id));
+            let step = self.stop.push(&text);
+            if step.stopped {
+                // Cancel in the backend: the rest is not wanted.
+                self.handle = None;
+                return Some(self.done_with_text(step.emit, FinishReason::Stop));
+            }
+            if !step.emit.is_empty() {
+                return Some(Piece::Text(step.emit));
             }
         }
     }

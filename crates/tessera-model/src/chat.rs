@@ -169,6 +169,67 @@ impl ChatTemplate {
             .map_err(|e| chat_err(format!("render failed: {e:#}")))
     }
 
+    /// Whether the template's source mentions `needle` (how the gateway tells which tool-call
+    /// format a model was trained on: `<tool_call>` for Hermes/Qwen, `<|python_tag|>` for
+    /// Llama 3). Always false for the fallback.
+    pub fn source_contains(&self, needle: &str) -> bool {
+        self.env
+            .as_ref()
+            .and_then(|env| env.get_template(TEMPLATE_NAME).ok())
+            .is_some_and(|t| t.source().contains(needle))
+    }
+
+    /// Like [`ChatTemplate::render`] for messages given as JSON objects (so assistant
+    /// `tool_calls`, `tool_call_id` and `name` reach the template) and with `tools` (a list of
+    /// OpenAI function definitions) as the template's `tools` variable, as `transformers`'
+    /// `apply_chat_template(messages, tools=...)` does. The fallback writes each message's
+    /// `content` as in [`ChatTemplate::render`] (the caller turns tool calls into text for it).
+    pub fn render_json(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let Some(env) = &self.env else {
+            let plain: Vec<ChatMessage> = messages
+                .iter()
+                .map(|m| {
+                    let field = |k: &str| m.get(k).and_then(|v| v.as_str()).unwrap_or_default();
+                    ChatMessage::new(field("role"), field("content"))
+                })
+                .collect();
+            return self.render(&plain, add_generation_prompt);
+        };
+        let tmpl = env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| chat_err(format!("{e:#}")))?;
+        let ctx = minijinja::context! {
+            messages => Value::from_serialize(messages),
+            tools => tools.map(Value::from_serialize),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        };
+        tmpl.render(ctx)
+            .map_err(|e| chat_err(format!("render failed: {e:#}")))
+    }
+
+    /// [`ChatTemplate::encode`] for [`ChatTemplate::render_json`]'s inputs.
+    pub fn encode_json(
+        &self,
+        tok: &Tokenizer,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = self.render_json(messages, tools, add_generation_prompt)?;
+        let text = match text.strip_prefix(self.bos_token.as_str()) {
+            Some(rest) if tok.adds_bos() && !self.bos_token.is_empty() => rest,
+            _ => text.as_str(),
+        };
+        Ok(tok.encode_with_specials(text, true))
+    }
+
     /// Renders and tokenizes a conversation for generation: special-token text becomes special
     /// tokens, BOS is added if the model adds one, and a leading `bos_token` text that the
     /// template wrote is dropped so BOS is not doubled.

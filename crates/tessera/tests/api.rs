@@ -10,8 +10,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{
-    cache_dir, get, metric, model_path, openai_client_available, post, read_response,
-    run_openai_script, send, stream_until, streamed_chat, wait_for, Response, Server,
+    cache_dir, get, metric, model_path, openai_client_available, post, python_modules_available,
+    read_response, run_openai_script, run_python_script, send, stream_until, streamed_chat,
+    wait_for, Response, Server,
 };
 
 #[test]
@@ -22,6 +23,85 @@ fn official_openai_client_lists_chats_streams_and_gets_errors() {
     }
     let server = Server::start(&[]);
     run_openai_script(&server.url());
+}
+
+#[test]
+fn official_clients_use_tools_schemas_logprobs_choices_and_every_parameter() {
+    if !python_modules_available(&["openai", "jsonschema"]) {
+        eprintln!("skipping: python3 with `openai` and `jsonschema` is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    run_python_script("api_features.py", &[&server.url(), "serve"]);
+}
+
+#[test]
+fn official_anthropic_client_messages_streams_tools_and_counts_tokens() {
+    if !python_modules_available(&["anthropic", "openai", "jsonschema"]) {
+        eprintln!("skipping: python3 with `anthropic` is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    run_python_script("anthropic_api.py", &[&server.url()]);
+}
+
+#[test]
+fn an_agent_framework_drives_a_tool_loop() {
+    if !python_modules_available(&["pydantic_ai", "openai"]) {
+        eprintln!("skipping: python3 with `pydantic-ai` is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    run_python_script("agent_loop.py", &[&server.url()]);
+}
+
+#[test]
+fn json_schema_output_is_the_same_alone_and_in_a_batch_of_16() {
+    let server = Server::start(&["--max-batch", "16"]);
+    let addr = server.addr.clone();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "pet": {"enum": ["cat", "dog", "bird"]}
+        },
+        "required": ["name", "age", "pet"],
+        "additionalProperties": false
+    });
+    let request = |i: usize| {
+        serde_json::json!({
+            "model": "stories260K",
+            "messages": [{"role": "user", "content": format!("Person number {i}, who likes {}.",
+                ["dogs", "cats", "birds", "trees"][i % 4])}],
+            "temperature": if i.is_multiple_of(2) { 0.0 } else { 0.9 },
+            "seed": i,
+            "max_tokens": 80,
+            "stream": true,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "p", "schema": schema, "strict": true}},
+        })
+    };
+    let alone: Vec<(String, String)> = (0..16).map(|i| streamed_chat(&addr, &request(i))).collect();
+    for (text, finish) in &alone {
+        let v: serde_json::Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {text:?} ({finish})"));
+        assert!(v["age"].as_u64().is_some_and(|a| a < 100), "{v}");
+        assert_eq!(finish, "stop");
+    }
+    let together: Vec<(String, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..16)
+            .map(|i| {
+                let (addr, req) = (&addr, request(i));
+                s.spawn(move || streamed_chat(addr, &req))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(
+        alone, together,
+        "constrained output differs alone and in a batch of 16"
+    );
 }
 
 #[test]

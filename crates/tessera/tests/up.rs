@@ -105,6 +105,11 @@ fn run_openai_script(url: &str) {
         return;
     }
     common::run_openai_script(url);
+    if common::python_modules_available(&["openai", "jsonschema"]) {
+        // What the cluster honours (n, penalties, tools) and refuses by name (logprobs,
+        // grammar-constrained output) for now.
+        common::run_python_script("api_features.py", &[url, "cluster"]);
+    }
 }
 
 fn concurrent_streams_match_alone(addr: &str) {

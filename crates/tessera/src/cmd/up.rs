@@ -343,12 +343,12 @@ async fn sample(backend: &dyn Backend, prompt: &str, max_tokens: usize) -> anyho
     let model = backend.model();
     let tokens = model.tokenizer.encode(prompt, true);
     let mut handle = backend
-        .submit(GenerationRequest {
-            id: 0,
-            prompt_tokens: tokens,
-            params: SamplingParams::greedy(),
+        .submit(GenerationRequest::new(
+            0,
+            tokens,
+            SamplingParams::greedy(),
             max_tokens,
-        })
+        ))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut decoder = tessera_model::StreamDecoder::new(&model.tokenizer);
     let mut text = prompt.to_string();
@@ -356,6 +356,7 @@ async fn sample(backend: &dyn Backend, prompt: &str, max_tokens: usize) -> anyho
     loop {
         match tokio::time::timeout(deadline, handle.next_event()).await {
             Ok(Some(Event::Token(t))) => text.push_str(&decoder.push(t)),
+            Ok(Some(Event::TokenLogprobs(lp))) => text.push_str(&decoder.push(lp.token)),
             Ok(Some(Event::Finished { .. })) | Ok(None) => break,
             Ok(Some(Event::Failed { message })) => bail!("{message}"),
             Err(_) => bail!("no token for {deadline:?}"),
