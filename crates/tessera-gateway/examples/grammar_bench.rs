@@ -168,12 +168,17 @@ fn main() {
         let total: Duration = steps.iter().sum();
         let mut sorted = steps.clone();
         sorted.sort();
-        let median = sorted.get(sorted.len() / 2).copied().unwrap_or_default();
+        let pick = |q: f64| {
+            let i = ((sorted.len() as f64 * q) as usize).min(sorted.len().saturating_sub(1));
+            sorted.get(i).copied().unwrap_or_default().as_secs_f64() * 1e6
+        };
         println!(
-            "mask+accept, batch {batch:2}: {:.1} us per token, {:.1} us per step (median {:.1}), {tokens} tokens in {} steps",
+            "mask+accept, batch {batch:2}: {:.1} us per token (mean); per step median {:.1} us, \
+             p90 {:.1} us, max {:.1} us; {tokens} tokens in {} steps",
             total.as_secs_f64() * 1e6 / tokens.max(1) as f64,
-            total.as_secs_f64() * 1e6 / steps.len().max(1) as f64,
-            median.as_secs_f64() * 1e6,
+            pick(0.5),
+            pick(0.9),
+            pick(1.0),
             steps.len()
         );
     }

@@ -181,11 +181,23 @@ impl Grammar {
             .matcher
             .compute_mask()
             .map_err(|e| GrammarError::Dead(e.to_string()))?;
-        for (i, l) in logits.iter_mut().enumerate() {
-            if i >= self.vocab_size || !allowed.is_allowed(i as u32) {
-                *l = f32::NEG_INFINITY;
+        // Word by word: most of a vocabulary is forbidden at most steps, and a zero word
+        // forbids 32 tokens with one fill.
+        let words = allowed.as_slice();
+        let n = logits.len().min(self.vocab_size);
+        for (w, chunk) in logits[..n].chunks_mut(32).enumerate() {
+            let bits = words.get(w).copied().unwrap_or(0);
+            if bits == 0 {
+                chunk.fill(f32::NEG_INFINITY);
+            } else if bits != u32::MAX {
+                for (b, l) in chunk.iter_mut().enumerate() {
+                    if bits & (1 << b) == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
             }
         }
+        logits[n..].fill(f32::NEG_INFINITY);
         Ok(())
     }
 
