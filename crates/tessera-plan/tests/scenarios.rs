@@ -437,3 +437,27 @@ fn example_cluster_files_parse_and_plan() {
         assert!(m.total_weights().0 > 0);
     }
 }
+
+/// The bundled configs of the MoE models people pool machines for plan on the mixed home
+/// cluster: split by experts (too large for any one machine), within every budget.
+#[test]
+fn bundled_gpt_oss_deepseek_and_glm_configs_plan_as_expert_splits() {
+    let g = ResourceGraph::from_toml(include_str!("../clusters/home-mixed.toml")).unwrap();
+    for (name, text) in [
+        (
+            "gpt-oss-120b",
+            include_str!("../models/gpt-oss-120b.config.json"),
+        ),
+        (
+            "deepseek-v3",
+            include_str!("../models/deepseek-v3.config.json"),
+        ),
+        ("glm-4.5", include_str!("../models/glm-4.5.config.json")),
+    ] {
+        let m = tessera_plan::ModelProfile::from_hf_config(text, Quant::Q4_K).unwrap();
+        let o = plan(&m, &g, 1).unwrap_or_else(|e| panic!("{name}: {e}"));
+        within_budgets(&o, &g);
+        let json = o.to_json();
+        assert_eq!(json["strategy"].as_str(), Some("expert"), "{name}: {json}");
+    }
+}
