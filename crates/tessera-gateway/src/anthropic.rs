@@ -4,7 +4,7 @@
 //! A Messages body is translated into the same [`ParsedRequest`] the OpenAI endpoints build —
 //! `system` and content blocks become chat messages, `tool_use` / `tool_result` blocks become
 //! assistant tool calls and tool messages, `tools` / `tool_choice` map one to one — and runs
-//! through the same generation path ([`crate::respond`]); only the wire format differs:
+//! through the same generation path (the private `respond` module); only the wire format differs:
 //! content blocks out, `stop_reason`, and the streamed event sequence (`message_start`,
 //! `content_block_start` / `_delta` / `_stop` per block, `message_delta`, `message_stop`).
 //! Every body parameter is honoured or refused with a 400 naming it ([`MESSAGES_PARAMS`]);

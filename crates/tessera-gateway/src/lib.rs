@@ -36,6 +36,12 @@
 //! # Ok(()) }
 //! ```
 //!
+//! The same path serves the other front ends: [`anthropic`] (Messages), [`responses`]
+//! (OpenAI's Responses API) and `/tokenize`/`/detokenize`. Each parses its body into one request
+//! form, whose `n` choices, tool calls ([`openai::tools`]), log-probabilities and grammar
+//! ([`grammar`], llguidance masks applied by the [`scheduler`] before each draw) are handled
+//! once; every parameter is honoured or refused with a 400 naming it.
+//!
 //! The distributed coordinator plugs in by implementing [`Backend`] (submit tokenized requests,
 //! stream token events, watch for closed channels, report a [`ClusterStatus`]); everything in
 //! this crate above that trait is shared.

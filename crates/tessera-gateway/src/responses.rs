@@ -5,7 +5,7 @@
 //! `input` (a string, or message / `function_call` / `function_call_output` items) and
 //! `instructions` become chat messages; flat function `tools`, `tool_choice`,
 //! `parallel_tool_calls` and `text.format` (json_object / json_schema) map onto the chat
-//! request, which runs through [`crate::respond`]. Output is `message` and `function_call`
+//! request, which runs through the shared generation path. Output is `message` and `function_call`
 //! items; streamed, the documented event sequence (`response.created`, `.in_progress`,
 //! `.output_item.added`, `.content_part.added`, `.output_text.delta` ... `.completed`).
 

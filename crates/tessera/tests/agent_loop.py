@@ -4,6 +4,11 @@ or validates it and records the return, until the structured answer arrives. Eve
 forced call (pydantic-ai asks for tool_choice "required" when the output is structured), so
 the random-weight built-in model still produces calls that validate.
 
+The model picks among the tools by its (random) logits: sampled with seed 3 it calls our tool
+twice and then the output tool, which fits its 512-token context (greedy, it would call our
+tool until the context is full). Sampling depends only on (seed, position), so this is
+reproducible; a change to the engine's numerics may need another seed.
+
 Usage: python3 agent_loop.py BASE_URL
 
 Exits 0 when all pass; 3 when pydantic-ai is missing (the Rust test decides whether that fails).
@@ -40,13 +45,18 @@ def main():
     agent = Agent(
         model,
         output_type=Forecast,
-        model_settings={"temperature": 0.0, "max_tokens": 96, "parallel_tool_calls": False},
+        model_settings={
+            "temperature": 1.0,
+            "seed": 3,
+            "max_tokens": 96,
+            "parallel_tool_calls": False,
+        },
         retries=3,
     )
     calls = []
 
     @agent.tool_plain
-    def a_lookup_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
+    def fetch_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
         """Look up the weather in a city."""
         calls.append(city)
         return f"sunny in {city}"
@@ -59,6 +69,8 @@ def main():
     print(f"output: {result.output!r}")
     assert isinstance(result.output, Forecast), result.output
     assert made and made == returned, (made, returned)
+    assert calls, "the loop never ran our tool"
+    assert made[-1] == "final_result", made
     print("agent loop: all checks passed")
 
 
