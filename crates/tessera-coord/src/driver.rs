@@ -19,44 +19,27 @@
 //! *and* to the coordinator. Routing it through the coordinator instead would add a hop per
 //! token (two on different hosts) to the critical path; the coordinator only observes.
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_model::StreamDecoder;
 use tessera_net::{Connection, FramedStream, NodeId};
 use tessera_node::protocol::{
-    frame, BoundaryReport, ClientToCoord, CoordToClient, CoordToNode, FinishReason, NodeToCoord,
-    OpenSeq, RunReport, RunRequest, StagePlacement, StageSeqStats, StageSpec, PROTOCOL_VERSION,
+    frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, NodeToCoord, RunReport,
+    RunRequest, StagePlacement, StageSeqStats, StageSpec, PROTOCOL_VERSION,
 };
 use tokio::sync::mpsc;
 
-use crate::assignment::{resolve, Candidate};
+use crate::assignment::resolve;
 use crate::error::CoordError;
-use crate::membership::{Event, Membership, Phase};
+use crate::membership::{Event, Phase};
+use crate::run::{Input, Output, Placement, RunEvent, RunMachine, RunOutcome, RunSpec, Timer};
 use crate::server::{member_status, EpochStatus, Shared};
 
 /// How long a new epoch may take to load (model transfer included) and link.
 const EPOCH_TIMEOUT: Duration = Duration::from_secs(600);
-/// How long stages may take to open a sequence.
-const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest silence between two events of a running sequence.
-const STEP_TIMEOUT: Duration = Duration::from_secs(300);
-/// How long stages may take to report a closed sequence.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Connected members as placement candidates, in join order.
-pub(crate) fn candidates(m: &Membership) -> Vec<Candidate> {
-    m.connected()
-        .into_iter()
-        .map(|m| Candidate {
-            node_id: m.node_id,
-            name: m.name.clone(),
-        })
-        .collect()
-}
 
 pub(crate) async fn client_session(
     shared: Arc<Shared>,
@@ -141,18 +124,18 @@ pub(crate) async fn client_session(
     result
 }
 
+/// Cancels run `seq` (its owner gave up): an input to its machine, not a message from a node.
 pub(crate) fn cancel(shared: &Shared, seq: u64) {
     if let Some(r) = shared.lock().routes.get(&seq) {
-        let _ = r.send((
-            shared.id,
-            NodeToCoord::Finished {
-                seq,
-                reason: FinishReason::Cancelled,
-                generated: 0,
-                error: None,
-            },
-        ));
+        let _ = r.send(RouteMsg::Cancel);
     }
+}
+
+/// What reaches a run: a message from a node about one of its attempts, or its cancellation.
+#[derive(Debug)]
+pub(crate) enum RouteMsg {
+    Node(NodeId, NodeToCoord),
+    Cancel,
 }
 
 fn record_metrics(shared: &Shared, report: &RunReport) {
@@ -165,12 +148,6 @@ fn record_metrics(shared: &Shared, report: &RunReport) {
         .and_then(|mut f| writeln!(f, "{line}"));
 }
 
-/// The stages of a ready epoch: (node, layers, placement).
-struct Placement {
-    epoch: u64,
-    stages: Vec<StagePlacement>,
-}
-
 /// Makes sure an epoch placing `spec` is ready; plans one if needed and waits for it.
 async fn ensure_epoch(
     shared: &Shared,
@@ -180,7 +157,7 @@ async fn ensure_epoch(
     let wanted = {
         let st = shared.lock();
         match spec {
-            Some(spec) => Some(resolve(spec, n_layer, &candidates(&st.membership))?),
+            Some(spec) => Some(resolve(spec, n_layer, &st.membership.candidates())?),
             None => None,
         }
     };
@@ -287,6 +264,7 @@ fn placement_of(st: &crate::server::State, epoch: u64) -> Option<Placement> {
     Some(Placement { epoch, stages })
 }
 
+/// Removes a run's routes (its own id and every attempt's) when the run ends.
 struct Route<'a> {
     shared: &'a Shared,
     seqs: Vec<u64>,
@@ -301,23 +279,6 @@ impl Drop for Route<'_> {
     }
 }
 
-/// How long a run whose epoch was lost waits for a new one (re-planning, loading, linking)
-/// before it fails with the outage's reason.
-const RESUME_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// The sequence id a node message is about (`None` for messages not about one).
-fn seq_of(msg: &NodeToCoord) -> Option<u64> {
-    match msg {
-        NodeToCoord::Opened { seq }
-        | NodeToCoord::OpenFailed { seq, .. }
-        | NodeToCoord::Token { seq, .. }
-        | NodeToCoord::Finished { seq, .. }
-        | NodeToCoord::Closed { seq, .. } => Some(*seq),
-        NodeToCoord::Trace(t) => Some(t.seq),
-        _ => None,
-    }
-}
-
 /// Whether `epoch` is still the membership's current, ready epoch.
 fn epoch_live(shared: &Shared, epoch: u64) -> bool {
     shared
@@ -327,222 +288,207 @@ fn epoch_live(shared: &Shared, epoch: u64) -> bool {
         .is_some_and(|e| e.id == epoch && e.phase == Phase::Ready)
 }
 
-/// How one attempt of a run on one epoch ended.
-enum Attempt {
-    /// The sequence finished (or failed for a reason of its own).
-    Finished {
-        reason: FinishReason,
-        error: Option<String>,
-    },
-    /// The epoch was lost under it: resume on the next one.
-    Interrupted(String),
+/// The membership's current epoch if it is ready and not `lost`.
+fn ready_epoch_other_than(shared: &Shared, lost: Option<u64>) -> Option<Placement> {
+    let st = shared.lock();
+    let e = st
+        .membership
+        .epoch()
+        .filter(|e| e.phase == Phase::Ready && Some(e.id) != lost)?;
+    placement_of(&st, e.id)
 }
 
-/// Waits for an error from a stage to be explained by the loss of `epoch` (a neighbour died
-/// and its lease has not yet expired): true if the epoch goes within two leases.
-async fn epoch_lost_soon(shared: &Shared, epoch: u64) -> bool {
-    let mut rx = shared.epoch_tx.subscribe();
-    let deadline = tokio::time::Instant::now() + shared.lease() * 2;
-    loop {
-        if !epoch_live(shared, epoch) {
-            return true;
-        }
-        if tokio::time::timeout_at(deadline, rx.changed())
-            .await
-            .is_err()
-        {
-            return !epoch_live(shared, epoch);
-        }
-    }
-}
-
-/// Completes when the run is cancelled (a `Finished { Cancelled }` from the coordinator itself
-/// on its route); stale stage messages are skipped.
-async fn cancelled(rx: &mut mpsc::UnboundedReceiver<(NodeId, NodeToCoord)>, me: NodeId) {
-    loop {
-        match rx.recv().await {
-            Some((
-                from,
-                NodeToCoord::Finished {
-                    reason: FinishReason::Cancelled,
-                    ..
-                },
-            )) if from == me => return,
-            Some(_) => {}
-            None => std::future::pending::<()>().await,
-        }
-    }
-}
-
-/// Waits for a ready epoch other than `lost` (the membership re-plans on its own).
-async fn next_epoch(shared: &Shared, lost: u64) -> Result<Placement, CoordError> {
-    let mut rx = shared.epoch_tx.subscribe();
-    let deadline = tokio::time::Instant::now() + RESUME_TIMEOUT;
-    loop {
-        rx.borrow_and_update();
-        {
-            let st = shared.lock();
-            if let Some(e) = st.membership.epoch() {
-                if e.id != lost && e.phase == Phase::Ready {
-                    return Ok(placement_of(&st, e.id).expect("the epoch is current"));
-                }
-            }
-        }
-        if tokio::time::timeout_at(deadline, rx.changed())
-            .await
-            .is_err()
-        {
-            let why = shared
-                .lock()
-                .membership
-                .outage()
-                .map_or("no new epoch became ready".to_string(), str::to_string);
-            return Err(CoordError::Run(format!(
-                "service unavailable: the run's epoch {lost} was lost and {why} within {RESUME_TIMEOUT:?}"
-            )));
-        }
-    }
-}
-
-/// Runs one generation; streams tokens to `client`. If the epoch it runs on is lost (a stage
-/// node departs, or a better plan replaces it), the run pauses, waits for the next epoch, and
-/// resumes there by re-prefilling its prompt and the tokens generated so far: sampling draws
-/// depend only on (seed, position) and kernels are batch-invariant, so the continuation is the
-/// one the run would have had.
+/// Runs one generation; streams tokens to `client`. The lifecycle — open, start, relay,
+/// pause on a lost epoch, resume on the next, cancel, close — is [`RunMachine`]'s; this shell
+/// feeds it node messages, epoch changes, cancellation and timers, and carries out what it
+/// says. Text is decoded here, once, as tokens arrive.
 pub(crate) async fn run(
     shared: &Shared,
     seq: u64,
     req: RunRequest,
     client: &mpsc::UnboundedSender<CoordToClient>,
 ) -> Result<RunReport, CoordError> {
-    if req.max_new_tokens == 0 {
-        return Err(CoordError::Run("max_new_tokens must be at least 1".into()));
-    }
-    let mut placement = ensure_epoch(shared, req.stages.as_ref()).await?;
     let model = &shared.model;
     let prompt = match (&req.prompt_tokens, &req.prompt) {
         (Some(t), _) => t.clone(),
         (None, Some(text)) => model.tokenizer.encode(text, true),
         (None, None) => return Err(CoordError::Run("no prompt".into())),
     };
-    if prompt.is_empty() {
-        return Err(CoordError::Run("the prompt is empty".into()));
-    }
-    if let Some(&bad) = prompt
-        .iter()
-        .find(|&&t| t as usize >= model.config.vocab_size)
-    {
-        return Err(CoordError::Run(format!(
-            "token {bad} is outside the vocabulary"
-        )));
-    }
+    let eog = if req.stop_at_eog {
+        model.eog.clone()
+    } else {
+        Vec::new()
+    };
+    let mut spec = RunSpec::new(
+        prompt.clone(),
+        model.config.vocab_size,
+        req.sampling.clone(),
+        req.max_new_tokens,
+        eog,
+    )
+    .map_err(|e| CoordError::Run(e.to_string()))?;
+    spec.prefill_chunk = req.prefill_chunk.max(1);
+    spec.trace = req.trace;
+    let first = ensure_epoch(shared, req.stages.as_ref()).await?;
+
     let (tx, mut rx) = mpsc::unbounded_channel();
     shared.lock().routes.insert(seq, tx.clone());
     let mut route = Route {
         shared,
         seqs: vec![seq],
     };
-    let eog = if req.stop_at_eog {
-        model.eog.clone()
-    } else {
-        Vec::new()
-    };
+    let mut epoch_rx = shared.epoch_tx.subscribe();
     let mut decoder = StreamDecoder::new(&model.tokenizer);
-    let mut generated: Vec<u32> = Vec::new();
-    let mut times: Vec<Instant> = Vec::new();
-    let mut start = None;
-    // The id the stages know this attempt by: the run's own at first, a fresh one for each
-    // resumption (so that late messages of a lost attempt are told apart).
-    let mut attempt_seq = seq;
-    let (reason, mut error) = loop {
-        let nodes: Vec<NodeId> = placement.stages.iter().map(|s| s.node_id).collect();
-        let outcome = attempt(
-            shared,
-            seq,
-            attempt_seq,
-            &req,
-            &prompt,
-            &eog,
-            &placement,
-            &mut rx,
-            &mut generated,
-            &mut times,
-            &mut decoder,
-            &mut start,
-            client,
-        )
-        .await?;
-        match outcome {
-            Attempt::Finished { reason, error } => {
-                break (reason, error);
+    let mut timers: Vec<(tokio::time::Instant, Timer)> = Vec::new();
+    let (mut machine, mut out) = RunMachine::new(spec, shared.lease());
+    // Which epoch the run waits for (`Some(lost)`), and which one its attempt is on.
+    let mut awaiting: Option<Option<u64>> = None;
+    let mut on_epoch: Option<u64> = None;
+    let mut first = Some(first);
+    let now = || shared.started.elapsed();
+    let outcome = loop {
+        // Carry out what the machine said; feed back what cannot be delivered.
+        let mut inputs = Vec::new();
+        let mut done = None;
+        for o in out.drain(..) {
+            match o {
+                Output::Send { to, msg } => {
+                    if !shared.send(to, msg.0) {
+                        inputs.push(Input::Undeliverable { to });
+                    }
+                }
+                Output::AwaitEpoch { lost } => {
+                    awaiting = Some(lost);
+                    on_epoch = None;
+                    if let Some(lost) = lost {
+                        eprintln!(
+                            "seq {seq}: paused after {} tokens on epoch {lost}",
+                            machine.generated().len()
+                        );
+                    }
+                }
+                Output::ArmTimer { timer, after } => {
+                    timers.push((tokio::time::Instant::now() + after, timer));
+                }
+                Output::Event(e) => {
+                    let _ = client.send(match e {
+                        RunEvent::Started {
+                            epoch,
+                            stages,
+                            prompt_tokens,
+                        } => CoordToClient::Started {
+                            seq,
+                            epoch,
+                            prompt_tokens,
+                            stages,
+                        },
+                        RunEvent::Token { pos, token } => CoordToClient::Token {
+                            seq,
+                            pos,
+                            token,
+                            text: decoder.push(token),
+                        },
+                        RunEvent::Trace(mut t) => {
+                            t.seq = seq;
+                            CoordToClient::Trace(t)
+                        }
+                        RunEvent::Paused { reason } => CoordToClient::Paused { seq, reason },
+                        RunEvent::Resumed { epoch, generated } => {
+                            eprintln!(
+                                "seq {seq}: resuming on epoch {epoch} after {generated} tokens"
+                            );
+                            CoordToClient::Resumed {
+                                seq,
+                                epoch,
+                                generated,
+                            }
+                        }
+                    });
+                }
+                Output::Done(o) => done = Some(o),
             }
-            Attempt::Interrupted(why) => {
-                // Whatever the lost epoch's stages still hold of it is released with the epoch;
-                // a stage that is still up frees the sequence now.
-                for n in &nodes {
-                    shared.send(*n, CoordToNode::Close { seq: attempt_seq });
-                }
-                if generated.len() >= req.max_new_tokens {
-                    break (FinishReason::Length, None);
-                }
-                eprintln!(
-                    "seq {seq}: paused after {} tokens on epoch {}: {why}",
-                    generated.len(),
-                    placement.epoch
-                );
-                let _ = client.send(CoordToClient::Paused {
-                    seq,
-                    reason: why.clone(),
-                });
-                // Wait for the next epoch, or for the client to give up.
-                let next = tokio::select! {
-                    p = next_epoch(shared, placement.epoch) => Some(p?),
-                    () = cancelled(&mut rx, shared.id) => None,
-                };
-                let Some(next) = next else {
-                    break (FinishReason::Cancelled, None);
-                };
-                placement = next;
-                attempt_seq = shared.next_seq.fetch_add(1, Ordering::Relaxed);
-                shared.lock().routes.insert(attempt_seq, tx.clone());
-                route.seqs.push(attempt_seq);
-                eprintln!(
-                    "seq {seq}: resuming on epoch {} after {} tokens",
-                    placement.epoch,
-                    generated.len()
-                );
-                let _ = client.send(CoordToClient::Resumed {
-                    seq,
-                    epoch: placement.epoch,
-                    generated: generated.len(),
+        }
+        if let Some(o) = done {
+            break o;
+        }
+        // Epoch changes the machine must hear about.
+        if let Some(e) = on_epoch.filter(|e| !epoch_live(shared, *e)) {
+            on_epoch = None;
+            inputs.push(Input::EpochLost {
+                epoch: e,
+                why: format!("epoch {e} was lost"),
+            });
+        }
+        if let Some(lost) = awaiting {
+            let ready = match (lost, first.take()) {
+                (None, Some(p)) => Some((p, seq)),
+                (lost, _) => ready_epoch_other_than(shared, lost).map(|p| {
+                    let attempt = shared.next_seq.fetch_add(1, Ordering::Relaxed);
+                    shared.lock().routes.insert(attempt, tx.clone());
+                    route.seqs.push(attempt);
+                    (p, attempt)
+                }),
+            };
+            if let Some((placement, attempt_seq)) = ready {
+                awaiting = None;
+                on_epoch = Some(placement.epoch);
+                inputs.push(Input::EpochReady {
+                    placement,
+                    attempt_seq,
                 });
             }
         }
+        if inputs.is_empty() {
+            timers.sort_by_key(|(t, _)| *t);
+            let next_timer = timers.first().map(|(t, _)| *t);
+            let input = tokio::select! {
+                m = rx.recv() => match m {
+                    Some(RouteMsg::Node(from, msg)) => Some(Input::Node { from, msg }),
+                    Some(RouteMsg::Cancel) => Some(Input::Cancel),
+                    None => Some(Input::Cancel),
+                },
+                _ = epoch_rx.changed() => None,
+                () = async {
+                    match next_timer {
+                        Some(t) => tokio::time::sleep_until(t).await,
+                        None => std::future::pending().await,
+                    }
+                } => Some(Input::Timer(timers.remove(0).1)),
+            };
+            inputs.extend(input);
+        }
+        for input in inputs {
+            out.extend(machine.handle(now(), input));
+        }
     };
-    let nodes: Vec<NodeId> = placement.stages.iter().map(|s| s.node_id).collect();
+    drop(route);
     let tail = decoder.finish();
+    let generated = outcome.generated.len();
     if !tail.is_empty() {
         let _ = client.send(CoordToClient::Token {
             seq,
-            pos: prompt.len() + times.len(),
+            pos: prompt.len() + generated,
             token: u32::MAX,
             text: tail,
         });
     }
-    let stats = close_all(shared, attempt_seq, &nodes, &mut rx, Some(client)).await;
-    let start = start.unwrap_or_else(Instant::now);
-    let ttft = times
-        .first()
-        .map_or(0.0, |t| t.duration_since(start).as_secs_f64() * 1e3);
-    let decode_tokens_per_s = match (times.first(), times.last()) {
-        (Some(a), Some(b)) if times.len() > 1 => {
-            (times.len() - 1) as f64 / b.duration_since(*a).as_secs_f64().max(1e-9)
-        }
-        _ => 0.0,
-    };
-    let n_embd = model.config.n_embd;
-    let stage_stats: Vec<StageSeqStats> = (0..nodes.len())
-        .map(|i| stats.get(&i).cloned().unwrap_or_default())
+    // A run that failed without an attempt running (it never started, or no epoch came back
+    // after a loss) is a refusal to the client; one that failed while running has a report.
+    if outcome.reason == FinishReason::Error && outcome.stranded {
+        return Err(CoordError::Run(outcome.error.unwrap_or_default()));
+    }
+    Ok(report(shared, seq, prompt.len(), *outcome))
+}
+
+/// The accounting of a finished run, from its outcome.
+fn report(shared: &Shared, seq: u64, prompt_tokens: usize, o: RunOutcome) -> RunReport {
+    let n_embd = shared.model.config.n_embd;
+    let placement = o.placement.unwrap_or(Placement {
+        epoch: 0,
+        stages: Vec::new(),
+    });
+    let stage_stats: Vec<StageSeqStats> = (0..placement.stages.len())
+        .map(|i| o.stage_stats.get(&i).cloned().unwrap_or_default())
         .collect();
     // The ring: stages with layers (expert-only nodes of an expert split follow them).
     let n = placement
@@ -578,211 +524,21 @@ pub(crate) async fn run(
             .sum();
         ((ring - downstream) / n as f64 / 1e3).max(0.0)
     });
-    if reason == FinishReason::Error && error.is_none() {
-        error = Some("the sequence failed".into());
-    }
-    Ok(RunReport {
+    RunReport {
         seq,
         epoch: placement.epoch,
-        prompt_tokens: prompt.len(),
-        generated: times.len(),
-        reason,
-        error,
+        prompt_tokens,
+        generated: o.generated.len(),
+        reason: o.reason,
+        error: o.error,
         stages: placement.stages,
         stage_stats,
-        time_to_first_token_ms: ttft,
-        decode_tokens_per_s,
+        time_to_first_token_ms: o.time_to_first_token.map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        decode_tokens_per_s: o
+            .decode
+            .map_or(0.0, |(n, d)| n as f64 / d.as_secs_f64().max(1e-9)),
         n_embd,
         boundaries,
         hop_latency_us,
-    })
-}
-
-/// One attempt of a run on one epoch: opens the sequence (prompt plus what was generated
-/// before), starts it, and relays its tokens until it finishes or the epoch is lost.
-#[allow(clippy::too_many_arguments)]
-async fn attempt(
-    shared: &Shared,
-    seq: u64,
-    attempt_seq: u64,
-    req: &RunRequest,
-    prompt: &[u32],
-    eog: &[u32],
-    placement: &Placement,
-    rx: &mut mpsc::UnboundedReceiver<(NodeId, NodeToCoord)>,
-    generated: &mut Vec<u32>,
-    times: &mut Vec<Instant>,
-    decoder: &mut StreamDecoder<'_>,
-    start: &mut Option<Instant>,
-    client: &mpsc::UnboundedSender<CoordToClient>,
-) -> Result<Attempt, CoordError> {
-    let epoch = placement.epoch;
-    let nodes: Vec<NodeId> = placement.stages.iter().map(|s| s.node_id).collect();
-    let mut epoch_rx = shared.epoch_tx.subscribe();
-    let full: Vec<u32> = prompt.iter().chain(generated.iter()).copied().collect();
-    let open = OpenSeq {
-        seq: attempt_seq,
-        epoch,
-        prompt: full,
-        sampling: req.sampling.clone(),
-        max_new_tokens: req.max_new_tokens - generated.len(),
-        eog: eog.to_vec(),
-        prefill_chunk: req.prefill_chunk.max(1),
-        trace: req.trace,
-    };
-    if !epoch_live(shared, epoch) {
-        return Ok(Attempt::Interrupted(format!("epoch {epoch} was lost")));
     }
-    for n in &nodes {
-        shared.send(*n, CoordToNode::Open(open.clone()));
-    }
-    // A message of this attempt (or a cancel from the coordinator itself); the epoch's loss.
-    enum Next {
-        Msg(NodeId, NodeToCoord),
-        Lost,
-    }
-    let mut next = async |timeout: Duration, what: &str| -> Result<Next, CoordError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            tokio::select! {
-                m = tokio::time::timeout_at(deadline, rx.recv()) => match m {
-                    Ok(Some((from, msg))) => {
-                        if from == shared.id || seq_of(&msg) == Some(attempt_seq) {
-                            return Ok(Next::Msg(from, msg));
-                        }
-                    }
-                    Ok(None) => return Err(CoordError::Run("route closed".into())),
-                    Err(_) => return Err(CoordError::Timeout(what.to_string())),
-                },
-                r = epoch_rx.changed() => {
-                    if r.is_err() || !epoch_live(shared, epoch) {
-                        return Ok(Next::Lost);
-                    }
-                }
-            }
-        }
-    };
-    let lost = || Attempt::Interrupted(format!("epoch {epoch} was lost"));
-    let mut opened = 0;
-    let mut failure = None;
-    while opened < nodes.len() && failure.is_none() {
-        match next(OPEN_TIMEOUT, "stages opening the sequence").await? {
-            Next::Lost => return Ok(lost()),
-            Next::Msg(_, NodeToCoord::Opened { .. }) => opened += 1,
-            Next::Msg(n, NodeToCoord::OpenFailed { reason, .. }) => {
-                failure = Some(format!("node {}: {reason}", n.short()))
-            }
-            Next::Msg(_, NodeToCoord::Finished { error, reason, .. }) => {
-                failure = Some(error.unwrap_or_else(|| reason.to_string()))
-            }
-            _ => {}
-        }
-    }
-    if let Some(f) = failure {
-        if epoch_lost_soon(shared, epoch).await {
-            return Ok(Attempt::Interrupted(f));
-        }
-        close_all(shared, attempt_seq, &nodes, rx, None).await;
-        return Err(CoordError::Run(f));
-    }
-    if start.is_none() {
-        let _ = client.send(CoordToClient::Started {
-            seq,
-            epoch,
-            prompt_tokens: prompt.to_vec(),
-            stages: placement.stages.clone(),
-        });
-        *start = Some(Instant::now());
-    }
-    shared.send(nodes[0], CoordToNode::Start { seq: attempt_seq });
-    loop {
-        let (from, msg) = match next(STEP_TIMEOUT, "the next token").await {
-            Ok(Next::Msg(from, msg)) => (from, msg),
-            Ok(Next::Lost) => return Ok(lost()),
-            Err(e) => {
-                return Ok(Attempt::Finished {
-                    reason: FinishReason::Error,
-                    error: Some(e.to_string()),
-                })
-            }
-        };
-        match msg {
-            NodeToCoord::Token { pos, token, .. } => {
-                times.push(Instant::now());
-                generated.push(token);
-                let text = decoder.push(token);
-                let _ = client.send(CoordToClient::Token {
-                    seq,
-                    pos,
-                    token,
-                    text,
-                });
-            }
-            NodeToCoord::Trace(mut t) => {
-                t.seq = seq;
-                let _ = client.send(CoordToClient::Trace(t));
-            }
-            NodeToCoord::Finished {
-                reason: FinishReason::Error,
-                error: e,
-                ..
-            } if from != shared.id => {
-                let e = e.map_or("the sequence failed".to_string(), |e| {
-                    format!("node {}: {e}", from.short())
-                });
-                if epoch_lost_soon(shared, epoch).await {
-                    return Ok(Attempt::Interrupted(e));
-                }
-                return Ok(Attempt::Finished {
-                    reason: FinishReason::Error,
-                    error: Some(e),
-                });
-            }
-            NodeToCoord::Finished {
-                reason: r,
-                error: e,
-                ..
-            } => {
-                return Ok(Attempt::Finished {
-                    reason: r,
-                    error: e.map(|e| format!("node {}: {e}", from.short())),
-                });
-            }
-            _ => {}
-        }
-    }
-}
-
-/// Closes the sequence on every stage and collects their statistics, by stage index. Traces a
-/// stage sent before its `Closed` (the control stream keeps order) still go to `client`.
-async fn close_all(
-    shared: &Shared,
-    seq: u64,
-    nodes: &[NodeId],
-    rx: &mut mpsc::UnboundedReceiver<(NodeId, NodeToCoord)>,
-    client: Option<&mpsc::UnboundedSender<CoordToClient>>,
-) -> HashMap<usize, StageSeqStats> {
-    let mut out = HashMap::new();
-    let mut expected = 0;
-    for n in nodes {
-        if shared.send(*n, CoordToNode::Close { seq }) {
-            expected += 1;
-        }
-    }
-    let deadline = tokio::time::Instant::now() + CLOSE_TIMEOUT;
-    while out.len() < expected {
-        match tokio::time::timeout_at(deadline, rx.recv()).await {
-            Ok(Some((_, NodeToCoord::Closed { stats, .. }))) => {
-                out.insert(stats.stage, stats);
-            }
-            Ok(Some((_, NodeToCoord::Trace(t)))) => {
-                if let Some(c) = client {
-                    let _ = c.send(CoordToClient::Trace(t));
-                }
-            }
-            Ok(Some(_)) => {}
-            _ => break,
-        }
-    }
-    out
 }

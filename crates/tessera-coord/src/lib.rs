@@ -64,7 +64,10 @@ pub mod gateway;
 pub mod membership;
 pub mod planning;
 pub mod replan;
+pub mod run;
 pub mod server;
+#[cfg(test)]
+mod sim;
 pub mod state;
 
 pub use error::CoordError;

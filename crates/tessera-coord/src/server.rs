@@ -70,11 +70,19 @@ pub enum EpochStatus {
 pub(crate) struct State {
     pub membership: Membership,
     /// Each connected node's current control session and its outbox.
-    senders: HashMap<NodeId, (u64, mpsc::UnboundedSender<CoordToNode>)>,
+    senders: HashMap<NodeId, NodeSender>,
     sessions: u64,
-    pub routes: HashMap<u64, mpsc::UnboundedSender<(NodeId, NodeToCoord)>>,
+    pub routes: HashMap<u64, mpsc::UnboundedSender<crate::driver::RouteMsg>>,
     /// The latest expert-cache counters each node streaming experts from disk reported.
     pub expert_cache: HashMap<NodeId, tessera_node::protocol::ExpertCacheStats>,
+}
+
+/// A node's current control session: its number, its outbox, and its connection (closed when
+/// the membership says the lease expired).
+struct NodeSender {
+    session: u64,
+    tx: mpsc::UnboundedSender<CoordToNode>,
+    conn: Connection,
 }
 
 pub(crate) struct Shared {
@@ -93,6 +101,8 @@ pub(crate) struct Shared {
     /// Set by [`Coordinator::close`]: sessions ending now are the coordinator's own shutdown,
     /// not nodes leaving (nothing is re-planned).
     pub closing: std::sync::atomic::AtomicBool,
+    /// The origin of the `now` given to the membership machine (leases).
+    pub started: tokio::time::Instant,
 }
 
 impl Shared {
@@ -113,8 +123,21 @@ impl Shared {
         for a in actions {
             match a {
                 Action::Send { to, msg } => {
-                    if let Some((_, tx)) = st.senders.get(&to) {
-                        let _ = tx.send(msg.0);
+                    if let Some(s) = st.senders.get(&to) {
+                        let _ = s.tx.send(msg.0);
+                    }
+                }
+                Action::LeaseExpired { node, session } => {
+                    // The node is already planned around; end its session so that it
+                    // reconnects (and starts afresh) if it is still there.
+                    if st.senders.get(&node).is_some_and(|s| s.session == session) {
+                        let s = st.senders.remove(&node).expect("checked");
+                        let name = st.membership.member(&node).map_or("", |m| &m.name);
+                        println!(
+                            "lease expired: {name} {node} silent for {} ms",
+                            self.lease().as_millis()
+                        );
+                        s.conn.close("lease expired");
                     }
                 }
                 Action::EpochReady(e) => {
@@ -191,7 +214,7 @@ impl Shared {
         self.lock()
             .senders
             .get(&to)
-            .is_some_and(|(_, tx)| tx.send(msg).is_ok())
+            .is_some_and(|s| s.tx.send(msg).is_ok())
     }
 }
 
@@ -270,7 +293,8 @@ impl Coordinator {
             membership.continue_epochs_after(last);
         }
         membership.set_model_bytes(Some(model_bytes(server.manifest(), model.config.n_expert)));
-        Ok(Self {
+        membership.set_lease(DEFAULT_LEASE);
+        let coordinator = Self {
             shared: Arc::new(Shared {
                 id: identity.node_id(),
                 config,
@@ -289,9 +313,12 @@ impl Coordinator {
                 lease_ms: AtomicU64::new(DEFAULT_LEASE.as_millis() as u64),
                 store,
                 closing: std::sync::atomic::AtomicBool::new(false),
+                started: tokio::time::Instant::now(),
             }),
             endpoint,
-        })
+        };
+        spawn_lease_clock(Arc::downgrade(&coordinator.shared));
+        Ok(coordinator)
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, CoordError> {
@@ -317,6 +344,7 @@ impl Coordinator {
     /// Sets the node lease: a node silent this long (no heartbeat, no message) is declared gone
     /// and planned around. Nodes heartbeat four times per lease. Default [`DEFAULT_LEASE`].
     pub fn set_lease(&self, lease: Duration) {
+        self.shared.lock().membership.set_lease(lease);
         self.shared
             .lease_ms
             .store(lease.as_millis().max(1) as u64, Ordering::Relaxed);
@@ -405,7 +433,7 @@ impl Coordinator {
         let n_layer = self.shared.model.config.n_layer;
         let placed = {
             let st = self.shared.lock();
-            let nodes = crate::driver::candidates(&st.membership);
+            let nodes = st.membership.candidates();
             crate::assignment::resolve(stages, n_layer, &nodes)?
         };
         self.shared.apply(Event::Plan {
@@ -616,7 +644,14 @@ async fn node_session(
         let mut st = shared.lock();
         st.sessions += 1;
         let session = st.sessions;
-        st.senders.insert(id, (session, tx));
+        st.senders.insert(
+            id,
+            NodeSender {
+                session,
+                tx,
+                conn: conn.clone(),
+            },
+        );
         session
     };
     shared.apply(Event::Joined(Box::new(Member {
@@ -658,25 +693,17 @@ async fn node_session(
 
     let result = async {
         loop {
-            // Every message renews the lease; a node silent for a whole lease (dead, frozen,
-            // or cut off) is declared gone.
-            let f = match tokio::time::timeout(lease, reader.read_frame()).await {
-                Ok(f) => f?,
-                Err(_) => {
-                    println!(
-                        "lease expired: {} {} silent for {} ms",
-                        hello.name,
-                        id,
-                        lease.as_millis()
-                    );
-                    conn.close("lease expired");
-                    return Err(CoordError::Timeout(format!(
-                        "node {} missed its lease",
-                        id.short()
-                    )));
-                }
+            // Every message renews the lease (the membership machine expires it: a node
+            // silent for a whole lease, dead, frozen or cut off, is declared gone and this
+            // session is closed under the read).
+            let Some(f) = reader.read_frame().await? else {
+                break;
             };
-            let Some(f) = f else { break };
+            shared.apply(Event::Heard {
+                node: id,
+                session,
+                now: shared.started.elapsed(),
+            });
             if f.kind != frame::MSG {
                 return Err(CoordError::Protocol(format!(
                     "unexpected frame kind {:#06x} on a control stream",
@@ -693,7 +720,7 @@ async fn node_session(
     println!("node left: {} {}", hello.name, id);
     let current = {
         let mut st = shared.lock();
-        let current = st.senders.get(&id).is_some_and(|(s, _)| *s == session);
+        let current = st.senders.get(&id).is_some_and(|s| s.session == session);
         if current {
             st.senders.remove(&id);
         }
@@ -777,7 +804,7 @@ fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
         NodeToCoord::Trace(t) => t.seq,
     };
     if let Some(r) = shared.lock().routes.get(&seq) {
-        let _ = r.send((id, msg));
+        let _ = r.send(crate::driver::RouteMsg::Node(id, msg));
     }
 }
 
@@ -791,7 +818,7 @@ fn maybe_apply_initial_split(shared: &Shared) {
         if st.membership.epoch().is_some() || !st.membership.expert_split_ready() {
             return;
         }
-        let nodes = crate::driver::candidates(&st.membership);
+        let nodes = st.membership.candidates();
         match crate::assignment::resolve(split, shared.model.config.n_layer, &nodes) {
             Ok(s) => s,
             Err(_) => return,
@@ -802,6 +829,28 @@ fn maybe_apply_initial_split(shared: &Shared) {
         stages,
         n_layer: shared.model.config.n_layer,
         max_context: shared.config.max_context,
+    });
+}
+
+/// The membership's clock: a [`Event::Tick`] four times per lease, until the coordinator is
+/// dropped.
+fn spawn_lease_clock(shared: std::sync::Weak<Shared>) {
+    tokio::spawn(async move {
+        loop {
+            let period = match shared.upgrade() {
+                Some(s) => {
+                    // A coordinator shutting down declares no one gone.
+                    if !s.closing.load(Ordering::SeqCst) {
+                        s.apply(Event::Tick {
+                            now: s.started.elapsed(),
+                        });
+                    }
+                    (s.lease() / 4).max(Duration::from_millis(1))
+                }
+                None => return,
+            };
+            tokio::time::sleep(period).await;
+        }
     });
 }
 

@@ -3,6 +3,7 @@
 //! or failed).
 
 use std::ops::Range;
+use std::time::Duration;
 
 use tessera_net::{LinkMeasurement, NodeId};
 
@@ -46,6 +47,18 @@ pub enum Event {
         epoch: u64,
         reason: String,
     },
+    /// Something arrived from the node on its control session `session` (a heartbeat or any
+    /// other message): its lease is renewed. `now` is the shell's clock, as for [`Event::Tick`].
+    Heard {
+        node: NodeId,
+        session: u64,
+        now: Duration,
+    },
+    /// Time passed: members silent for longer than the lease are declared gone. `now` is any
+    /// monotonic clock the shell keeps (time since it started); only differences matter.
+    Tick {
+        now: Duration,
+    },
     /// The coordinator measured its link to a node.
     LinkMeasured {
         node: NodeId,
@@ -69,6 +82,12 @@ pub enum Action {
     EpochFailed {
         epoch: u64,
         reason: String,
+    },
+    /// The node's lease expired on control session `session`: the shell ends that session (the
+    /// node has already been declared gone; it must join again).
+    LeaseExpired {
+        node: NodeId,
+        session: u64,
     },
     /// A decision worth a line in the log (experts re-placed after a loss).
     Note(String),

@@ -12,7 +12,7 @@ use super::Membership;
 use tessera_node::protocol::{ExpertAssignment, ExpertPeer, PeerInfo};
 
 impl Membership {
-    pub(super) fn candidates(&self) -> Vec<crate::assignment::Candidate> {
+    pub(crate) fn candidates(&self) -> Vec<crate::assignment::Candidate> {
         self.connected()
             .into_iter()
             .map(|m| crate::assignment::Candidate {

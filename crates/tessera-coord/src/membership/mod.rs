@@ -37,6 +37,7 @@ mod epochs;
 mod events;
 mod experts;
 mod failover;
+mod leases;
 #[cfg(test)]
 mod test_support;
 
@@ -84,6 +85,8 @@ pub struct Membership {
     epoch_experts: Option<crate::assignment::ExpertSplit>,
     /// KV cache type every stage is assigned.
     kv_type: tessera_engine::KvType,
+    /// Liveness: the lease and when each connected member was last heard from.
+    leases: leases::Leases,
 }
 
 impl Membership {
@@ -181,6 +184,7 @@ impl Membership {
                 // A node that reconnects while its old session looks alive has restarted: it
                 // lost whatever it held.
                 let replaced = self.members.get(&id).is_some_and(|old| old.connected);
+                self.leases.forget(&id);
                 self.members.insert(id, *m);
                 if replaced {
                     self.stage_lost(id, "restarted")
@@ -189,12 +193,24 @@ impl Membership {
                 }
             }
             Event::Left { node: id, session } => {
+                // A session already declared gone (its lease expired) has nothing left to lose.
                 match self.members.get_mut(&id) {
-                    Some(m) if m.session == session => m.connected = false,
+                    Some(m) if m.session == session && m.connected => m.connected = false,
                     _ => return Vec::new(),
                 }
                 self.stage_lost(id, "left")
             }
+            Event::Heard { node, session, now } => {
+                if self
+                    .members
+                    .get(&node)
+                    .is_some_and(|m| m.connected && m.session == session)
+                {
+                    self.leases.heard(node, now);
+                }
+                Vec::new()
+            }
+            Event::Tick { now } => self.tick(now),
             Event::Plan {
                 model,
                 stages,
