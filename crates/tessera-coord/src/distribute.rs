@@ -145,7 +145,7 @@ impl ModelServer {
                         bar.inc(bytes.len() as u64);
                     }
                     bar.finish_and_clear();
-                    eprintln!(
+                    tracing::info!(
                         "sent {} chunks ({} bytes) of model {} to {peer}",
                         refs.len(),
                         total,

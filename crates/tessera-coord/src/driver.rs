@@ -80,7 +80,10 @@ pub(crate) async fn client_session(
                     mine.push(seq);
                     let (shared, tx) = (shared.clone(), tx.clone());
                     tokio::spawn(async move {
-                        match run(&shared, seq, *req, &tx).await {
+                        let mut sink = |m| {
+                            let _ = tx.send(m);
+                        };
+                        match run(&shared, seq, *req, true, &mut sink).await {
                             Ok(report) => {
                                 record_metrics(&shared, &report);
                                 let _ = tx.send(CoordToClient::Done(Box::new(report)));
@@ -306,7 +309,8 @@ pub(crate) async fn run(
     shared: &Shared,
     seq: u64,
     req: RunRequest,
-    client: &mpsc::UnboundedSender<CoordToClient>,
+    decode_text: bool,
+    client: &mut (dyn FnMut(CoordToClient) + Send),
 ) -> Result<RunReport, CoordError> {
     let model = &shared.model;
     let prompt = match (&req.prompt_tokens, &req.prompt) {
@@ -338,7 +342,8 @@ pub(crate) async fn run(
         seqs: vec![seq],
     };
     let mut epoch_rx = shared.epoch_tx.subscribe();
-    let mut decoder = StreamDecoder::new(&model.tokenizer);
+    // Text is decoded once, where it is wanted (the HTTP gateway decodes its own).
+    let mut decoder = decode_text.then(|| StreamDecoder::new(&model.tokenizer));
     let mut timers: Vec<(tokio::time::Instant, Timer)> = Vec::new();
     let (mut machine, mut out) = RunMachine::new(spec, shared.lease());
     // Which epoch the run waits for (`Some(lost)`), and which one its attempt is on.
@@ -361,7 +366,10 @@ pub(crate) async fn run(
                     awaiting = Some(lost);
                     on_epoch = None;
                     if let Some(lost) = lost {
-                        eprintln!(
+                        tracing::info!(
+                            event = "run_paused",
+                            seq,
+                            epoch = lost,
                             "seq {seq}: paused after {} tokens on epoch {lost}",
                             machine.generated().len()
                         );
@@ -371,7 +379,7 @@ pub(crate) async fn run(
                     timers.push((tokio::time::Instant::now() + after, timer));
                 }
                 Output::Event(e) => {
-                    let _ = client.send(match e {
+                    client(match e {
                         RunEvent::Started {
                             epoch,
                             stages,
@@ -386,7 +394,7 @@ pub(crate) async fn run(
                             seq,
                             pos,
                             token,
-                            text: decoder.push(token),
+                            text: decoder.as_mut().map_or_else(String::new, |d| d.push(token)),
                         },
                         RunEvent::Trace(mut t) => {
                             t.seq = seq;
@@ -394,7 +402,11 @@ pub(crate) async fn run(
                         }
                         RunEvent::Paused { reason } => CoordToClient::Paused { seq, reason },
                         RunEvent::Resumed { epoch, generated } => {
-                            eprintln!(
+                            tracing::info!(
+                                event = "run_resumed",
+                                seq,
+                                epoch,
+                                generated,
                                 "seq {seq}: resuming on epoch {epoch} after {generated} tokens"
                             );
                             CoordToClient::Resumed {
@@ -462,10 +474,10 @@ pub(crate) async fn run(
         }
     };
     drop(route);
-    let tail = decoder.finish();
+    let tail = decoder.map_or_else(String::new, |mut d| d.finish());
     let generated = outcome.generated.len();
     if !tail.is_empty() {
-        let _ = client.send(CoordToClient::Token {
+        client(CoordToClient::Token {
             seq,
             pos: prompt.len() + generated,
             token: u32::MAX,

@@ -37,7 +37,7 @@ use tessera_net::NodeId;
 use tessera_node::protocol::{
     CoordToClient, FinishReason as SeqFinish, RunReport, RunRequest, StepEntry, StepHeader,
 };
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 
 use crate::error::CoordError;
 use crate::membership::Phase;
@@ -284,22 +284,7 @@ impl Backend for ClusterBackend {
         if let Some(reason) = self.not_serving() {
             return Err(SubmitError::NotServing { reason });
         }
-        if req.prompt_tokens.is_empty() {
-            return Err(SubmitError::Invalid("the prompt is empty".into()));
-        }
-        let limit = self.inner.model.context_length;
-        let (prompt, completion) = (req.prompt_tokens.len(), req.max_tokens);
-        if prompt >= limit || prompt.saturating_add(completion) > limit {
-            return Err(SubmitError::ContextTooLong {
-                limit,
-                got: prompt.saturating_add(completion),
-                prompt,
-                completion,
-            });
-        }
-        if req.max_tokens == 0 {
-            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
-        }
+        req.check(self.inner.model.context_length)?;
         let inner = &self.inner;
         // Waiting requests are those that found no free slot; reserve a place atomically.
         let free = inner.slots.available_permits();
@@ -348,51 +333,61 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
         trace: false,
         stop_at_eog: true,
     };
-    let (ctx, mut crx) = mpsc::unbounded_channel::<CoordToClient>();
+    // Each token goes from the run's shell straight into this request's HTTP stream: one
+    // channel, no text decoded here (the HTTP layer decodes what it sends).
     let shared = inner.shared.clone();
-    let fut = async move { crate::driver::run(&shared, seq, run_req, &ctx).await };
-    tokio::pin!(fut);
-    let mut result: Option<Result<RunReport, CoordError>> = None;
-    let mut cancelled = false;
     let mut sent = 0usize;
-    loop {
-        tokio::select! {
-            r = &mut fut, if result.is_none() => result = Some(r),
-            m = crx.recv() => match m {
-                Some(CoordToClient::Started { stages, prompt_tokens, .. }) => {
-                    let live = LiveSeq {
-                        stages: stages.iter().map(|s| (s.node_id, s.layers.len())).collect(),
-                        positions: prompt_tokens.len(),
-                    };
-                    lock(&inner.books).live.insert(seq, live);
-                }
-                Some(CoordToClient::Token { token, .. }) if token != u32::MAX => {
-                    if let Some(l) = lock(&inner.books).live.get_mut(&seq) {
-                        l.positions += 1;
-                    }
-                    inner.generated_tokens.fetch_add(1, Ordering::Relaxed);
-                    if !cancelled {
-                        if events.send(Event::Token(token)).is_ok() {
-                            sent += 1;
-                        } else {
-                            cancelled = true;
-                            crate::driver::cancel(&inner.shared, seq);
-                        }
-                    }
-                }
-                Some(_) => {}
-                None => break,
-            },
-            () = events.closed(), if !cancelled => {
-                cancelled = true;
-                crate::driver::cancel(&inner.shared, seq);
+    let mut gone = false;
+    let mut sink = |m: CoordToClient| match m {
+        CoordToClient::Started {
+            stages,
+            prompt_tokens,
+            ..
+        } => {
+            let live = LiveSeq {
+                stages: stages.iter().map(|s| (s.node_id, s.layers.len())).collect(),
+                positions: prompt_tokens.len(),
+            };
+            lock(&inner.books).live.insert(seq, live);
+        }
+        CoordToClient::Token { token, .. } if token != u32::MAX => {
+            if let Some(l) = lock(&inner.books).live.get_mut(&seq) {
+                l.positions += 1;
             }
-            // A cancel that came before the sequence had a route: say it again.
-            () = tokio::time::sleep(Duration::from_millis(50)), if cancelled && result.is_none() => {
-                crate::driver::cancel(&inner.shared, seq);
+            inner.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            if !gone {
+                if events.send(Event::Token(token)).is_ok() {
+                    sent += 1;
+                } else {
+                    gone = true;
+                    crate::driver::cancel(&inner.shared, seq);
+                }
             }
         }
-    }
+        _ => {}
+    };
+    let result = {
+        let run = crate::driver::run(&shared, seq, run_req, false, &mut sink);
+        tokio::pin!(run);
+        tokio::select! {
+        r = &mut run => r,
+        () = events.closed() => {
+            // The client left: the run's machine takes the cancellation as an input (a run
+            // still waiting for its epoch has no route yet and ends when it gets one).
+            crate::driver::cancel(&inner.shared, seq);
+            loop {
+                tokio::select! {
+                    r = &mut run => break r,
+                    () = tokio::time::sleep(Duration::from_millis(50)) => {
+                        crate::driver::cancel(&inner.shared, seq);
+                    }
+                }
+            }
+        }
+        }
+    };
+    let cancelled = gone || events.is_closed();
+    let result = Some(result);
     if cancelled {
         inner.cancelled.fetch_add(1, Ordering::Relaxed);
     }
@@ -744,16 +739,9 @@ fn status(inner: &Inner) -> ClusterStatus {
 /// An even split of `n_layer` layers over `n` stages, larger stages first (`5` over `3`:
 /// `0..2, 2..4, 4..5`), as `--split` syntax.
 pub fn even_split(n_layer: usize, n: usize) -> String {
-    let n = n.clamp(1, n_layer.max(1));
-    let (base, extra) = (n_layer / n, n_layer % n);
-    let mut start = 0;
-    (0..n)
-        .map(|i| {
-            let len = base + usize::from(i < extra);
-            let s = format!("{start}..{}", start + len);
-            start += len;
-            s
-        })
+    crate::replan::even_ranges(n_layer, n)
+        .iter()
+        .map(|r| format!("{}..{}", r.start, r.end))
         .collect::<Vec<_>>()
         .join(",")
 }

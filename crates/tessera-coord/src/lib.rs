@@ -33,14 +33,17 @@
 //!    ([`assignment`]: `--split 0..3,3..5` or a plan file) becomes an epoch; every stage node
 //!    loads its layer range (receiving tensors it lacks from [`distribute`]), then links to the
 //!    next stage of the ring; the epoch is ready.
-//! 3. **Generations** ([`driver`]): a client (`tessera run`, enrolled like a node) asks for a
-//!    run; the sequence is opened on every stage, the first stage prefills in chunks, the ring
+//! 3. **Generations** ([`run`], pure; [`driver`], its shell): a client (`tessera run`,
+//!    enrolled like a node) or the HTTP gateway asks for a run; a [`run::RunMachine`] decides
+//!    its whole lifecycle from inputs (a ready or lost epoch, a node's message, a timer, a
+//!    cancellation) and the driver carries out its outputs. The sequence is opened on every stage, the first stage prefills in chunks, the ring
 //!    turns one token per lap, the last stage reports each token, and at the end every stage
 //!    frees the sequence's KV cache and reports its traffic and time, which become the run's
 //!    report and a line of `metrics.jsonl` (bytes per boundary per token, hop latency).
-//! 4. **Failures** ([`membership`], [`replan`], [`driver`]): every node holds a lease
+//! 4. **Failures** ([`membership`], [`replan`], [`run`]): every node holds a lease
 //!    (`--lease-ms`, renewed by heartbeats on its control stream); a node silent for a lease
-//!    (killed, frozen, cut off) is declared gone. If it held a stage, the epoch fails and a new
+//!    (killed, frozen, cut off) is declared gone — liveness is two membership events,
+//!    `Heard` and `Tick`, so no clock lives in the machine. If it held a stage, the epoch fails and a new
 //!    one is planned on the survivors at once; runs in flight pause, and resume on the new epoch
 //!    by re-prefilling their prompt and the tokens generated so far, which yields exactly the
 //!    tokens they would have had. A node that joins and restores the configured stage count is
@@ -51,7 +54,16 @@
 //!    refused with the reason until capacity returns. Epoch numbers continue across coordinator
 //!    restarts.
 //!
+//! Only a run's own stages are heard about it, and only its sampling stage may send its tokens
+//! or finish it. A deterministic simulator (`src/sim`, run by `cargo test`) drives the
+//! membership and run machines through thousands of seeded fault schedules — kills, freezes,
+//! partitions, slow links, late joins, coordinator restarts — checking after every event that
+//! each request streams exactly its fault-free text or ends with an explicit error, that epochs
+//! never go backwards, and that nothing is left held at the end.
+//!
 //! The wire contract is [`tessera_node::protocol`].
+
+#![forbid(unsafe_code)]
 
 pub mod assignment;
 #[cfg(feature = "mdns")]

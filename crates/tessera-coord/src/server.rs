@@ -133,7 +133,10 @@ impl Shared {
                     if st.senders.get(&node).is_some_and(|s| s.session == session) {
                         let s = st.senders.remove(&node).expect("checked");
                         let name = st.membership.member(&node).map_or("", |m| &m.name);
-                        println!(
+                        tracing::info!(
+                            event = "lease_expired",
+                            node = %name,
+                            node_id = %node,
                             "lease expired: {name} {node} silent for {} ms",
                             self.lease().as_millis()
                         );
@@ -141,12 +144,12 @@ impl Shared {
                     }
                 }
                 Action::EpochReady(e) => {
-                    eprintln!("epoch {e} is ready");
+                    tracing::info!(event = "epoch_ready", epoch = e, "epoch {e} is ready");
                 }
                 Action::EpochFailed { epoch, reason } => {
-                    eprintln!("epoch {epoch} failed: {reason}");
+                    tracing::warn!(event = "epoch_failed", epoch, %reason, "epoch {epoch} failed: {reason}");
                 }
-                Action::Note(note) => println!("{note}"),
+                Action::Note(note) => tracing::info!("{note}"),
             }
         }
         // The status drivers wait on follows the membership's current epoch.
@@ -200,7 +203,7 @@ impl Shared {
                 .map_or(0, |d| d.as_millis() as u64),
         };
         if let Err(e) = self.store.record_epoch(&rec) {
-            eprintln!("recording epoch {}: {e}", rec.epoch);
+            tracing::warn!("recording epoch {}: {e}", rec.epoch);
         }
     }
 
@@ -248,7 +251,7 @@ impl Coordinator {
             if snap.token.is_none() && snap.nodes.is_empty() {
                 let old = crate::state::JsonFileState::new(&config.data_dir).load()?;
                 if old.token.is_some() || !old.nodes.is_empty() {
-                    eprintln!("importing state.json into state.redb");
+                    tracing::info!("importing state.json into state.redb");
                     store.save(&old)?;
                 }
             }
@@ -289,7 +292,7 @@ impl Coordinator {
         let (epoch_tx, _) = watch::channel(EpochStatus::None);
         let mut membership = Membership::new();
         if let Some(last) = last_epoch {
-            eprintln!("plan epochs continue after {last}");
+            tracing::info!("plan epochs continue after {last}");
             membership.continue_epochs_after(last);
         }
         membership.set_model_bytes(Some(model_bytes(server.manifest(), model.config.n_expert)));
@@ -378,17 +381,17 @@ impl Coordinator {
                         let id = req.peer_id();
                         match shared.enrol.complete(req).await {
                             Ok(c) => {
-                                eprintln!("enrolled node {id}");
+                                tracing::info!(event = "enrolled", node_id = %id, "enrolled node {id}");
                                 c
                             }
                             Err(e) => {
-                                eprintln!("refused enrolment of {id} from {from}: {e}");
+                                tracing::warn!("refused enrolment of {id} from {from}: {e}");
                                 return;
                             }
                         }
                     }
                     Err(e) => {
-                        eprintln!("refused a connection from {from}: {e}");
+                        tracing::warn!("refused a connection from {from}: {e}");
                         return;
                     }
                 };
@@ -480,7 +483,7 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
             Ok(Some(s)) => s,
             Ok(None) => return,
             Err(e) => {
-                eprintln!("connection {}: {e}", conn.peer_id().short());
+                tracing::warn!("connection {}: {e}", conn.peer_id().short());
                 return;
             }
         };
@@ -490,7 +493,7 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
                 tokio::spawn(async move {
                     let peer = conn.peer_id().short();
                     if let Err(e) = control_session(shared, conn, s).await {
-                        eprintln!("control stream of {peer}: {e}");
+                        tracing::warn!("control stream of {peer}: {e}");
                     }
                 });
             }
@@ -500,12 +503,12 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
                     let mut s = s;
                     s.reader.set_max_len(limits::CONTROL);
                     if let Err(e) = shared.server.serve(s, peer.clone()).await {
-                        eprintln!("model stream of {peer}: {e}");
+                        tracing::warn!("model stream of {peer}: {e}");
                     }
                 });
             }
             kind => {
-                eprintln!(
+                tracing::info!(
                     "{}: refusing a stream of unknown kind {kind:#06x}",
                     conn.peer_id().short()
                 );
@@ -667,14 +670,22 @@ async fn node_session(
         link: None,
         session,
     })));
-    println!("node joined: {} {} at {addr}", hello.name, id);
+    tracing::info!(
+        event = "node_joined",
+        node = %hello.name,
+        node_id = %id,
+        session,
+        "node joined: {} {} at {addr}",
+        hello.name,
+        id
+    );
     // Measure the link to the node in the background.
     {
         let (shared, conn) = (shared.clone(), conn.clone());
         tokio::spawn(async move {
             match measure_link(&conn, 8, 1 << 20).await {
                 Ok(link) => {
-                    eprintln!(
+                    tracing::info!(
                         "link to {}: rtt {:?}, {:.1} MB/s",
                         id.short(),
                         link.rtt_median,
@@ -682,7 +693,7 @@ async fn node_session(
                     );
                     shared.apply(Event::LinkMeasured { node: id, link });
                 }
-                Err(e) => eprintln!("measuring the link to {}: {e}", id.short()),
+                Err(e) => tracing::warn!("measuring the link to {}: {e}", id.short()),
             }
         });
     }
@@ -717,7 +728,7 @@ async fn node_session(
     }
     .await;
     writer_task.abort();
-    println!("node left: {} {}", hello.name, id);
+    tracing::info!(event = "node_left", node = %hello.name, node_id = %id, "node left: {} {}", hello.name, id);
     let current = {
         let mut st = shared.lock();
         let current = st.senders.get(&id).is_some_and(|s| s.session == session);
@@ -737,7 +748,7 @@ async fn node_session(
 fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
     let seq = match &msg {
         NodeToCoord::Hello(_) => {
-            eprintln!("{}: a second hello; ignored", id.short());
+            tracing::warn!("{}: a second hello; ignored", id.short());
             return;
         }
         NodeToCoord::Heartbeat { expert_cache } => {
@@ -748,7 +759,7 @@ fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
                         .membership
                         .member(&id)
                         .map_or_else(|| id.short(), |m| m.name.clone());
-                    println!(
+                    tracing::info!(
                         "expert cache: {name} hits {} misses {} disk bytes {} read wait {:.1} ms \
                          disk busy {:.1} ms",
                         c.hits,

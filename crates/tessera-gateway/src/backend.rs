@@ -97,6 +97,30 @@ pub struct BackendFeatures {
     pub grammar: bool,
 }
 
+impl GenerationRequest {
+    /// The checks every backend makes before taking a request (one place, so that a request
+    /// means the same thing whichever backend serves it): a prompt, a token to generate, and
+    /// room for both in a context of `context_length` positions.
+    pub fn check(&self, context_length: usize) -> Result<(), SubmitError> {
+        if self.prompt_tokens.is_empty() {
+            return Err(SubmitError::Invalid("the prompt is empty".into()));
+        }
+        if self.max_tokens == 0 {
+            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let (prompt, completion) = (self.prompt_tokens.len(), self.max_tokens);
+        if prompt >= context_length || prompt.saturating_add(completion) > context_length {
+            return Err(SubmitError::ContextTooLong {
+                limit: context_length,
+                got: prompt.saturating_add(completion),
+                prompt,
+                completion,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Why a sequence stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

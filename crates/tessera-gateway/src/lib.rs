@@ -46,6 +46,8 @@
 //! stream token events, watch for closed channels, report a [`ClusterStatus`]); everything in
 //! this crate above that trait is shared.
 
+#![forbid(unsafe_code)]
+
 pub mod anthropic;
 pub mod backend;
 pub mod dashboard;

@@ -208,19 +208,7 @@ impl Backend for LocalBackend {
                 reason: "the engine is shutting down".into(),
             });
         }
-        if req.prompt_tokens.is_empty() {
-            return Err(SubmitError::Invalid("the prompt is empty".into()));
-        }
-        let limit = self.config.context_length;
-        let (prompt, completion) = (req.prompt_tokens.len(), req.max_tokens);
-        if prompt >= limit || prompt.saturating_add(completion) > limit {
-            return Err(SubmitError::ContextTooLong {
-                limit,
-                got: prompt.saturating_add(completion),
-                prompt,
-                completion,
-            });
-        }
+        req.check(self.config.context_length)?;
         let mut inbox = lock(&self.shared.inbox);
         // Requests whose client already left do not hold queue places.
         inbox.waiting.retain(|w| !w.events.is_closed());
@@ -231,7 +219,11 @@ impl Backend for LocalBackend {
             });
         }
         let (handle, events) = RequestHandle::channel(req.id);
-        tracing::debug!(request = req.id, prompt_tokens = prompt, "queued");
+        tracing::debug!(
+            request = req.id,
+            prompt_tokens = req.prompt_tokens.len(),
+            "queued"
+        );
         inbox.waiting.push_back(Waiting { req, events });
         lock(&self.shared.counters).queue_depth = inbox.waiting.len();
         drop(inbox);

@@ -59,6 +59,8 @@
 //!
 //! The `tessera-linkemu` binary runs the same proxy from the command line for manual use.
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 mod emulator;

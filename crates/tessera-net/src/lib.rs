@@ -75,6 +75,8 @@
 //! - [`measure`]: RTT and throughput.
 //! - [`stats`]: byte accounting.
 
+#![forbid(unsafe_code)]
+
 #[cfg(test)]
 mod adversarial_tests;
 mod base32;

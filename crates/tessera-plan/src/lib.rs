@@ -61,6 +61,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod calibrate;
 mod cost;
 pub mod explain;

@@ -3,8 +3,11 @@
 //! A thin binary: flags are parsed and validated here, then each subcommand calls into the
 //! library crates (`tessera-model`, `tessera-engine`, `tessera-plan`, …).
 
+#![forbid(unsafe_code)]
+
 mod cmd;
 mod default_model;
+mod logging;
 
 use std::process::ExitCode;
 
@@ -53,6 +56,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    logging::init();
     let result = match cli.command {
         Command::Generate(a) => cmd::generate::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),

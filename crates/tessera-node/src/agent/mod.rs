@@ -160,7 +160,7 @@ pub async fn run_until(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), FabricError> {
     let identity = identity(&config.data_dir)?;
-    println!("node id: {}", identity.node_id());
+    tracing::info!("node id: {}", identity.node_id());
     if config.join.is_none() && CoordinatorRecord::load(&config.data_dir).is_none() {
         return Err(FabricError::NotEnrolled);
     }
@@ -171,7 +171,7 @@ pub async fn run_until(
             .map_err(|e| FabricError::Stopped(format!("inventory: {e}")))??
     };
     let budget = inventory.memory_budget.as_ref().map(|b| b.bytes);
-    eprintln!(
+    tracing::info!(
         "inventory: {} cores, {} RAM total, budget {}",
         inventory.cpu.usable_cores.unwrap_or(0),
         inventory
@@ -187,7 +187,7 @@ pub async fn run_until(
         let m = tokio::task::spawn_blocking(move || s.adopt(p))
             .await
             .map_err(|e| FabricError::Stopped(format!("adopt: {e}")))??;
-        eprintln!(
+        tracing::info!(
             "local model {} has hash {}",
             path.display(),
             m.model_hash.short()
@@ -212,7 +212,7 @@ pub async fn run_until(
 
     let allow = Arc::new(AllowList::new());
     let endpoint = Endpoint::bind(config.listen, &identity, allow.clone())?;
-    println!("listening on {}", endpoint.local_addr()?);
+    tracing::info!("listening on {}", endpoint.local_addr()?);
 
     // The stage thread lives as long as the agent; sessions come and go.
     let (ctrl_tx, ctrl_rx) = mpsc::unbounded_channel::<NodeToCoord>();
@@ -254,7 +254,7 @@ pub async fn run_until(
                                 "nodes do not enrol others".into(),
                             ));
                         }
-                        Err(e) => eprintln!("refused a connection: {e}"),
+                        Err(e) => tracing::warn!("refused a connection: {e}"),
                     }
                 });
             }
@@ -268,7 +268,7 @@ pub async fn run_until(
     let result = tokio::select! {
         r = serve => r,
         () = &mut shutdown => {
-            println!("shutting down");
+            tracing::info!("shutting down");
             Ok(())
         }
     };

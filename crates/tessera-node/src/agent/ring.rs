@@ -35,7 +35,7 @@ impl RingOut {
             Self::Stream(w, rt) => match rt.block_on(w.write_frame(kind, payload)) {
                 Ok(()) => true,
                 Err(e) => {
-                    eprintln!("ring stream to the next stage: {e}");
+                    tracing::warn!("ring stream to the next stage: {e}");
                     false
                 }
             },
@@ -84,7 +84,7 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             Ok(Some(s)) => s,
             Ok(None) => return,
             Err(e) => {
-                eprintln!("peer {}: {e}", conn.peer_id().short());
+                tracing::warn!("peer {}: {e}", conn.peer_id().short());
                 return;
             }
         };
@@ -111,12 +111,12 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
                     let peer = conn.peer_id();
                     tokio::spawn(async move {
                         if let Err(e) = serve_experts(s, model).await {
-                            eprintln!("expert stream from {}: {e}; closing it", peer.short());
+                            tracing::warn!("expert stream from {}: {e}; closing it", peer.short());
                         }
                     });
                 }
                 None => {
-                    eprintln!(
+                    tracing::info!(
                         "peer {}: refusing an expert stream (no experts served to it)",
                         conn.peer_id().short()
                     );
@@ -130,7 +130,7 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             .and_then(|c| c.assignment.prev.as_ref())
             .is_some_and(|p| p.key == conn.peer_key());
         if s.kind != stream::RING || !expected {
-            eprintln!(
+            tracing::info!(
                 "peer {}: refusing a stream of kind {:#06x}",
                 conn.peer_id().short(),
                 s.kind
@@ -144,7 +144,7 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
         let peer = conn.peer_id();
         tokio::spawn(async move {
             if let Err(e) = read_ring(&mut s.reader, n_embd, &worker).await {
-                eprintln!(
+                tracing::warn!(
                     "ring stream from {}: {e}; closing that stream",
                     peer.short()
                 );

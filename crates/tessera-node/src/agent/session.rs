@@ -76,8 +76,8 @@ pub(super) async fn serve_sessions(
             Err(e @ (FabricError::Refused(_) | FabricError::VersionMismatch { .. })) => {
                 return Err(e);
             }
-            Err(e) => eprintln!("coordinator session: {e}; retrying in {backoff:?}"),
-            Ok(()) => eprintln!("the coordinator ended the session; retrying in {backoff:?}"),
+            Err(e) => tracing::warn!("coordinator session: {e}; retrying in {backoff:?}"),
+            Ok(()) => tracing::warn!("the coordinator ended the session; retrying in {backoff:?}"),
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(10));
@@ -148,7 +148,7 @@ async fn session(
                     theirs: protocol_version,
                 });
             }
-            println!(
+            tracing::info!(
                 "joined coordinator {coordinator} as {} ({observed_addr})",
                 hello.name
             );
@@ -167,7 +167,7 @@ async fn session(
     let writer_task = tokio::spawn(async move {
         while let Some(m) = rx.recv().await {
             if let Err(e) = ctrl_writer.write_message(frame::MSG, &m).await {
-                eprintln!("control stream: {e}");
+                tracing::warn!("control stream: {e}");
                 break;
             }
         }
@@ -216,7 +216,7 @@ async fn control_loop(
         };
         let msg = match frame {
             None => {
-                println!("the coordinator closed the session");
+                tracing::info!("the coordinator closed the session");
                 return Ok(());
             }
             Some(f) if f.kind == frame::MSG => f.json::<CoordToNode>()?,
@@ -230,9 +230,12 @@ async fn control_loop(
         match msg {
             CoordToNode::Assign(a) => {
                 let epoch = a.epoch;
-                println!(
+                tracing::info!(
                     "assigned epoch {epoch}: stage {} of {}, layers {}..{}",
-                    a.stage, a.n_stages, a.layers.start, a.layers.end
+                    a.stage,
+                    a.n_stages,
+                    a.layers.start,
+                    a.layers.end
                 );
                 if let Some(prev) = &a.prev {
                     shared.allow.insert(prev.key);
@@ -244,14 +247,14 @@ async fn control_loop(
                 tokio::spawn(async move {
                     let msg = match load_assignment(a, &ctx, &shared).await {
                         Ok(report) => {
-                            println!(
+                            tracing::info!(
                                 "loaded epoch {epoch}: needed {} bytes, received {} bytes, {} bytes already present",
                                 report.bytes_needed, report.bytes_transferred, report.bytes_already_present
                             );
                             NodeToCoord::Loaded { epoch, report }
                         }
                         Err(e) => {
-                            eprintln!("cannot take epoch {epoch}: {e}");
+                            tracing::warn!("cannot take epoch {epoch}: {e}");
                             NodeToCoord::LoadFailed {
                                 epoch,
                                 reason: e.to_string(),
@@ -295,7 +298,7 @@ async fn control_loop(
                     continue;
                 }
                 let every = Duration::from_millis(heartbeat_ms.clamp(10, 60_000));
-                eprintln!("lease {lease_ms} ms: heartbeat every {every:?}");
+                tracing::info!("lease {lease_ms} ms: heartbeat every {every:?}");
                 let ctrl = shared.ctrl.clone();
                 let sh = shared.clone();
                 let task = tokio::spawn(async move {

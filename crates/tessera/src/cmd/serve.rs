@@ -156,7 +156,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         return run_distributed(args);
     }
     let cfg = validate(args)?;
-    init_tracing();
     let gguf =
         GgufFile::open(&cfg.model).with_context(|| format!("opening {}", cfg.model.display()))?;
     let model = Model::load_full(&gguf, cfg.threads)
@@ -492,18 +491,6 @@ pub fn serve_backend(
         })
         .await
     })
-}
-
-/// Logs to stderr, filtered by `TESSERA_LOG` (default `info`); request ids are in each line's
-/// span.
-pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
 }
 
 #[cfg(test)]

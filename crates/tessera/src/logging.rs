@@ -1,0 +1,96 @@
+//! One subscriber for the whole binary.
+//!
+//! The cluster's own events (the coordinator's, the node agent's, the transport's) are what a
+//! person watching a node or a coordinator reads: plain lines, informational ones on stdout and
+//! warnings and errors on stderr. `TESSERA_LOG_FORMAT=json` prints every such event as one JSON
+//! object a line on stdout instead — its message, its level, and its structured fields
+//! (`event`, `node`, `epoch`, …) — for scripts and tests that wait on what happened rather than
+//! on wording. Everything else (the gateway's request logs) goes to stderr with timestamps.
+//! `TESSERA_LOG` filters both (default `info`).
+
+use std::fmt;
+
+use tracing::{Event, Level, Metadata, Subscriber};
+use tracing_subscriber::field::Visit;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::prelude::*;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::{filter, EnvFilter};
+
+/// Targets whose events are the cluster's story, printed plain (or as JSON).
+fn cluster_event(meta: &Metadata<'_>) -> bool {
+    let t = meta.target();
+    [
+        "tessera_coord",
+        "tessera_node",
+        "tessera_net",
+        "tessera_lab",
+    ]
+    .iter()
+    .any(|p| t.starts_with(p))
+}
+
+/// Installs the subscriber (once; later calls do nothing).
+pub fn init() {
+    let env = EnvFilter::try_from_env("TESSERA_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let json = std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|v| v == "json");
+    let others = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_filter(filter::filter_fn(|m| !cluster_event(m)));
+    let registry = tracing_subscriber::registry().with(env).with(others);
+    let _ = if json {
+        let events = tracing_subscriber::fmt::layer()
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .with_writer(std::io::stdout)
+            .with_filter(filter::filter_fn(cluster_event));
+        registry.with(events).try_init()
+    } else {
+        let info = tracing_subscriber::fmt::layer()
+            .event_format(Plain)
+            .with_writer(std::io::stdout)
+            .with_filter(filter::filter_fn(|m| {
+                cluster_event(m) && *m.level() >= Level::INFO
+            }));
+        let warnings = tracing_subscriber::fmt::layer()
+            .event_format(Plain)
+            .with_writer(std::io::stderr)
+            .with_filter(filter::filter_fn(|m| {
+                cluster_event(m) && *m.level() < Level::INFO
+            }));
+        registry.with(info).with(warnings).try_init()
+    };
+}
+
+/// An event's message alone, as a line (its fields are for the JSON form).
+struct Plain;
+
+impl<S, N> FormatEvent<S, N> for Plain
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        _ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        struct Message<'w, 'a>(&'w mut Writer<'a>, fmt::Result);
+        impl Visit for Message<'_, '_> {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn fmt::Debug) {
+                if field.name() == "message" {
+                    self.1 = write!(self.0, "{value:?}");
+                }
+            }
+        }
+        let mut m = Message(&mut writer, Ok(()));
+        event.record(&mut m);
+        m.1?;
+        writeln!(writer)
+    }
+}
