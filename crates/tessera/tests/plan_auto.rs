@@ -361,7 +361,9 @@ fn the_dashboard_shows_the_expert_split_of_a_served_cluster() {
     let plan = loop {
         let status = common::get(&addr, "/api/status", None).json();
         let plan = &status["cluster"]["plan"];
-        if plan["strategy"] == "expert split" {
+        // The split is planned before its ring has loaded and linked: wait until it serves.
+        let serving = common::get(&addr, "/health", None).status == 200;
+        if plan["strategy"] == "expert split" && serving {
             break plan.clone();
         }
         assert!(

@@ -210,4 +210,37 @@ mod tests {
             session: 2
         }));
     }
+
+    #[test]
+    fn only_a_stage_of_the_epoch_can_fail_it() {
+        let (mut m, a, _) = two_stage_ring();
+        let outsider = member(9);
+        m.handle(Event::Joined(Box::new(outsider.clone())));
+        let epoch = m.epoch().unwrap().id;
+        for e in [
+            Event::LoadFailed {
+                node: outsider.node_id,
+                epoch,
+                reason: "forged".into(),
+            },
+            Event::LinkFailed {
+                node: outsider.node_id,
+                epoch,
+                reason: "forged".into(),
+            },
+        ] {
+            assert!(m.handle(e).is_empty());
+            assert_eq!(m.epoch().unwrap().phase, Phase::Ready);
+        }
+        // A stage's own report still counts.
+        m.handle(Event::LinkFailed {
+            node: a,
+            epoch,
+            reason: "peer gone".into(),
+        });
+        assert!(matches!(
+            m.epoch().unwrap().phase,
+            Phase::Failed(_) | Phase::Loading
+        ));
+    }
 }

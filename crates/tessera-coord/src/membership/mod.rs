@@ -271,7 +271,13 @@ impl Membership {
                 epoch,
                 reason,
             } => {
-                if self.epoch.as_ref().is_some_and(|e| e.id == epoch) {
+                // Only a stage of the epoch may say that the epoch cannot load or link: any other
+                // member saying so is ignored (it would stop the service with one message).
+                let stage_of_epoch = self
+                    .epoch
+                    .as_ref()
+                    .is_some_and(|e| e.id == epoch && e.stages.iter().any(|s| s.node_id == node));
+                if stage_of_epoch {
                     self.fail(format!("node {}: {reason}", node.short()))
                 } else {
                     Vec::new()
