@@ -4,7 +4,8 @@
 //!
 //! Each seed draws a schedule — nodes, a stage count, requests arriving over time, and faults:
 //! kills and restarts, freezes longer or shorter than a lease, partitions of one node, slow
-//! links, late joins, coordinator restarts — and the world runs it event by event. After every
+//! links, late joins, coordinator restarts, and enrolled members that forge tokens, finishes and
+//! load failures for runs and epochs that are not theirs — and the world runs it event by event. After every
 //! event the invariants are checked:
 //!
 //! - every token a request streams is the next token of a fault-free run of it, at the right

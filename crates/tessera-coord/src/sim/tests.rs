@@ -30,22 +30,25 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.faults += s.faults;
         total.resumes += s.resumes;
         total.events += s.events;
+        total.forged += s.forged;
     }
     println!(
         "simulated {} schedules: {} requests ({} with the fault-free text, {} explicit errors), \
-         {} faults, {} resumptions, {} events",
+         {} faults, {} resumptions, {} forged messages refused, {} events",
         seeds.len(),
         total.requests,
         total.completed,
         total.errors,
         total.faults,
         total.resumes,
+        total.forged,
         total.events
     );
     assert_eq!(total.completed + total.errors, total.requests);
     if seeds.len() as u64 >= SCHEDULES {
         // The schedules must exercise what they claim to: failures, and runs that survive them.
-        assert!(total.resumes > 500, "{total:?}");
+        assert!(total.resumes > 400, "{total:?}");
+        assert!(total.forged > 500, "{total:?}");
         assert!(total.completed * 10 > total.requests * 8, "{total:?}");
     }
 }
@@ -61,6 +64,17 @@ fn the_simulator_catches_a_run_that_resumes_from_the_wrong_position() {
     assert!(v.what.contains("fault-free"), "{v}");
     // And the failing seed replays exactly.
     assert_eq!(simulate(v.seed, cfg).err(), Some(v));
+}
+
+#[test]
+fn the_simulator_catches_a_run_that_hears_tokens_from_a_node_that_does_not_sample_it() {
+    let cfg = Config {
+        fault: Some(Fault::HearAnySender),
+        ..Config::default()
+    };
+    let caught = (0..SCHEDULES).find_map(|seed| simulate(seed, cfg.clone()).err());
+    let v = caught.expect("some schedule has a hostile member forge a token");
+    assert!(v.what.contains("fault-free"), "{v}");
 }
 
 #[test]

@@ -71,6 +71,8 @@ pub struct Summary {
     pub resumes: usize,
     pub epochs: u64,
     pub events: u64,
+    /// Messages a hostile member sent that it had no right to send.
+    pub forged: usize,
 }
 
 #[derive(Debug)]
@@ -134,6 +136,9 @@ enum FaultKind {
     SlowLinks(Duration),
     CoordinatorRestart,
     Join(usize),
+    /// An enrolled node turns hostile for a moment: it sends tokens and finishes for runs
+    /// it does not sample, and load and link failures for epochs it is not a stage of.
+    Forge(usize),
 }
 
 struct SimRun {
@@ -288,12 +293,13 @@ impl World {
             let t = self.ms(200, self.cfg.fault_horizon.as_millis() as u64);
             let node = self.rng.range(0, n as u64) as usize;
             let lease_ms = self.cfg.lease.as_millis() as u64;
-            let kind = match self.rng.range(0, 6) {
+            let kind = match self.rng.range(0, 7) {
                 0 => FaultKind::Kill(node),
                 1 => FaultKind::Freeze(node, self.ms(lease_ms / 4, lease_ms * 3)),
                 2 => FaultKind::Partition(node, self.ms(lease_ms / 4, lease_ms * 4)),
                 3 => FaultKind::SlowLinks(self.ms(5, 80)),
                 4 => FaultKind::CoordinatorRestart,
+                5 => FaultKind::Forge(node),
                 _ => FaultKind::Freeze(node, self.ms(10, lease_ms / 2)),
             };
             self.at(t, Ev::Fault(kind));
@@ -421,6 +427,7 @@ impl World {
             FaultKind::Partition(i, d) => self.nodes[i].partitioned_until = Some(self.now + d),
             FaultKind::SlowLinks(d) => self.extra_latency = d,
             FaultKind::CoordinatorRestart => self.restart_coordinator()?,
+            FaultKind::Forge(i) => self.forge(i)?,
         }
         Ok(())
     }
@@ -451,6 +458,58 @@ impl World {
         }
         let life = self.coord_life;
         self.after(self.cfg.lease / 4, Ev::CoordTick { life });
+        Ok(())
+    }
+
+    /// What a hostile member may try; every one of these must be refused by the machines
+    /// (the invariants then show each victim's text unchanged and the service going on).
+    fn forge(&mut self, node: usize) -> Result<(), Violation> {
+        let Some(conn) = self.coord_conn[node] else {
+            return Ok(());
+        };
+        let id = self.nodes[node].id;
+        let epoch = self.membership.epoch().map(|e| {
+            let sampler = e.stages.iter().rev().find(|s| !s.layers.is_empty());
+            (
+                e.id,
+                e.stages.iter().any(|s| s.node_id == id),
+                sampler.map(|s| s.node_id),
+            )
+        });
+        let mut forged = Vec::new();
+        if let Some((epoch, false, _)) = epoch {
+            forged.push(NodeToCoord::LoadFailed {
+                epoch,
+                reason: "forged".into(),
+            });
+            forged.push(NodeToCoord::LinkFailed {
+                epoch,
+                reason: "forged".into(),
+            });
+        }
+        let samples = epoch.is_some_and(|(_, _, sampler)| sampler == Some(id));
+        if !samples {
+            for run in &self.runs {
+                if let Some(seq) = run.machine.as_ref().and_then(|m| m.attempt_seq()) {
+                    let pos = run.spec.prompt.len() + run.streamed.len();
+                    forged.push(NodeToCoord::Token {
+                        seq,
+                        pos,
+                        token: VOCAB - 1,
+                    });
+                    forged.push(NodeToCoord::Finished {
+                        seq,
+                        reason: FinishReason::Length,
+                        generated: 1,
+                        error: None,
+                    });
+                }
+            }
+        }
+        self.summary.forged += forged.len();
+        for msg in forged {
+            self.coord_receives(node, conn, msg)?;
+        }
         Ok(())
     }
 
