@@ -1,6 +1,9 @@
-//! The emulator over real UDP sockets on 127.0.0.1. Every loop is bounded in count and time;
-//! wall-clock assertions are lower bounds (the emulator adds at least what it is told) or
-//! generous upper bounds.
+//! The emulator over real UDP sockets on 127.0.0.1. Every loop is bounded in count and time.
+//! Wall-clock assertions are only lower bounds (the emulator adds at least the delay it is
+//! told; a bandwidth cap delivers at most rate x elapsed, counted from before the first send
+//! to after the last delivery): a busy machine can only make them truer. No test asserts
+//! that something was fast; the exact timings of the shaping are tested on virtual time in
+//! `src/shaper.rs`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,15 +33,13 @@ async fn echo_server() -> SocketAddr {
     addr
 }
 
-/// A UDP sink that counts datagrams and bytes and notes first and last arrival times.
+/// A UDP sink that counts datagrams and bytes and keeps the ids of 4-byte ones.
 #[derive(Default)]
 struct SinkStats {
     packets: AtomicU64,
     bytes: AtomicU64,
-    first_len: AtomicU64,
-    /// Nanoseconds after `start`.
-    first_ns: AtomicU64,
-    last_ns: AtomicU64,
+    /// The sequence numbers of the 4-byte datagrams received, in arrival order.
+    ids: std::sync::Mutex<Vec<u32>>,
 }
 
 async fn sink_server() -> (SocketAddr, Arc<SinkStats>) {
@@ -46,17 +47,15 @@ async fn sink_server() -> (SocketAddr, Arc<SinkStats>) {
     let addr = sock.local_addr().unwrap();
     let stats = Arc::new(SinkStats::default());
     let s = stats.clone();
-    let start = Instant::now();
     tokio::spawn(async move {
         let mut buf = vec![0u8; 65_535];
         while let Ok(n) = sock.recv(&mut buf).await {
-            let t = start.elapsed().as_nanos() as u64;
-            if s.packets.fetch_add(1, Ordering::SeqCst) == 0 {
-                s.first_ns.store(t, Ordering::SeqCst);
-                s.first_len.store(n as u64, Ordering::SeqCst);
+            if n == 4 {
+                let id = u32::from_be_bytes(buf[..4].try_into().unwrap());
+                s.ids.lock().unwrap().push(id);
             }
-            s.last_ns.store(t, Ordering::SeqCst);
             s.bytes.fetch_add(n as u64, Ordering::SeqCst);
+            s.packets.fetch_add(1, Ordering::SeqCst);
         }
     });
     (addr, stats)
@@ -99,10 +98,6 @@ async fn delay_adds_one_way_latency_to_the_round_trip() {
     }
     let min = *rtts.iter().min().unwrap();
     assert!(min >= ms(80), "RTT {min:?} below the configured 2 x 40 ms");
-    assert!(
-        min < ms(80) + Duration::from_secs(3),
-        "RTT {min:?} absurdly high"
-    );
 
     // Reshape at run time: 60 ms towards upstream only.
     emu.handle().set(LinkShape::asymmetric(
@@ -122,10 +117,6 @@ async fn delay_adds_one_way_latency_to_the_round_trip() {
         min >= ms(60),
         "RTT {min:?} below the configured 60 ms one way"
     );
-    assert!(
-        min < ms(60) + Duration::from_secs(3),
-        "RTT {min:?} absurdly high"
-    );
 
     let stats = emu.handle().stats();
     assert_eq!(stats.associations, 1);
@@ -137,77 +128,94 @@ async fn delay_adds_one_way_latency_to_the_round_trip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bandwidth_limit_caps_throughput() {
     const LIMIT: u64 = 400_000; // bytes/s
+    const QUEUE: usize = 48_000;
     const SIZE: usize = 1200;
+    const SENT: u64 = 150 * 8;
     let (sink, got) = sink_server().await;
-    let shape = LinkShape::symmetric(Impairment::default().bandwidth(LIMIT).queue_bytes(48_000));
+    let shape = LinkShape::symmetric(Impairment::default().bandwidth(LIMIT).queue_bytes(QUEUE));
     let (emu, addr) = LinkEmulator::start(local(), sink, shape).await.unwrap();
     let client = UdpSocket::bind(local()).await.unwrap();
 
-    // Offer about twice the limit for 1.5 s: 8 datagrams (9600 B) every 10 ms.
+    // Offer about twice the limit: 8 datagrams (9600 B) every 10 ms, 150 times.
     let payload = vec![0xA5u8; SIZE];
     let mut tick = tokio::time::interval(ms(10));
+    let start = Instant::now();
     for _ in 0..150 {
         tick.tick().await;
         for _ in 0..8 {
             client.send_to(&payload, addr).await.unwrap();
         }
     }
-    // Let the queue drain (at most 48 kB at 400 kB/s), bounded.
-    let settle = Instant::now();
-    let mut last = u64::MAX;
-    while settle.elapsed() < Duration::from_secs(5) {
-        tokio::time::sleep(ms(300)).await;
-        let now = got.packets.load(Ordering::SeqCst);
-        if now == last {
-            break;
+    // Wait until every datagram the emulator took in is accounted for (sent on or dropped),
+    // the sink has all that was sent on, and nothing more came in since the last look;
+    // bounded by the per-test timeout.
+    let mut last_in = u64::MAX;
+    let stats = loop {
+        tokio::time::sleep(ms(50)).await;
+        let s = emu.handle().stats();
+        let up = &s.to_upstream;
+        if up.packets_in == last_in
+            && up.packets_in == up.packets_out + up.dropped()
+            && got.packets.load(Ordering::SeqCst) == up.packets_out
+        {
+            break s;
         }
-        last = now;
-    }
-
-    let bytes = got.bytes.load(Ordering::SeqCst) - got.first_len.load(Ordering::SeqCst);
-    let span_ns = got.last_ns.load(Ordering::SeqCst) - got.first_ns.load(Ordering::SeqCst);
-    let rate = bytes as f64 / (span_ns as f64 / 1e9);
-    let stats = emu.handle().stats();
-    eprintln!("measured {rate:.0} B/s over {span_ns} ns, limit {LIMIT}; {stats}");
+        last_in = up.packets_in;
+    };
+    // Delivered bytes first, then the clock: the cap below is then taken at a later time
+    // than the count it bounds.
+    let delivered = got.bytes.load(Ordering::SeqCst);
+    let elapsed = start.elapsed();
+    let up = &stats.to_upstream;
+    assert!(up.packets_in <= SENT && up.packets_in > SENT / 2, "{stats}");
+    eprintln!("{delivered} B delivered in {elapsed:?}, limit {LIMIT} B/s; {stats}");
+    // What a token bucket of LIMIT B/s with a QUEUE-byte queue can have delivered by now, at
+    // most: the queue's content plus LIMIT x elapsed, plus one datagram of burst. A slow
+    // machine only raises `elapsed`, so this cannot fail for want of speed.
+    let cap = LIMIT as f64 * elapsed.as_secs_f64() + (QUEUE + SIZE) as f64;
     assert!(
-        span_ns > 500_000_000,
-        "transfer too short to measure: {span_ns} ns"
+        (delivered as f64) <= cap,
+        "{delivered} B delivered in {elapsed:?}: more than the {LIMIT} B/s cap allows ({cap:.0})"
+    );
+    assert!(delivered > 0, "nothing crossed the link");
+    assert_eq!(
+        up.bytes_out, delivered,
+        "the sink got what the emulator sent on"
     );
     assert!(
-        rate <= LIMIT as f64 * 1.2,
-        "measured {rate:.0} B/s exceeds the {LIMIT} B/s limit by more than 20%"
+        up.dropped_queue > 0,
+        "offered 2x the limit, yet no tail drop: {stats}"
     );
-    assert!(
-        rate >= LIMIT as f64 * 0.3,
-        "measured {rate:.0} B/s: the link barely flowed"
-    );
-    assert!(
-        stats.to_upstream.dropped_queue > 0,
-        "offered 2x the limit, yet no tail drop"
-    );
-    assert_eq!(stats.to_upstream.dropped_loss, 0);
+    assert_eq!(up.dropped_loss, 0);
+    assert_eq!(up.dropped_partition, 0);
 }
 
-/// Sends `n` paced datagrams through a fresh emulator with `loss` and `seed`; returns the
-/// emulator's counters once delivery has settled.
-async fn lossy_run(loss: f64, seed: u64, n: u32) -> (tessera_linkemu::LinkStats, u64) {
+/// Sends datagrams `0..n` through a fresh emulator with `loss` and `seed`, 20 at a time, each
+/// batch only once the emulator has read the previous one (so the kernel drops none on the
+/// way in: every run offers the emulator the same sequence). Returns the emulator's counters
+/// and the ids that reached the sink, once delivery has settled.
+async fn lossy_run(loss: f64, seed: u64, n: u32) -> (tessera_linkemu::LinkStats, Vec<u32>) {
     let (sink, got) = sink_server().await;
     let shape = LinkShape::symmetric(Impairment::default().loss(loss)).seed(seed);
     let (emu, addr) = LinkEmulator::start(local(), sink, shape).await.unwrap();
     let client = UdpSocket::bind(local()).await.unwrap();
+    let taken_in = |upto: u32| emu.handle().stats().to_upstream.packets_in == u64::from(upto);
     for i in 0..n {
         client.send_to(&i.to_be_bytes(), addr).await.unwrap();
-        if i % 20 == 19 {
-            tokio::time::sleep(ms(1)).await;
+        if i % 20 == 19 || i + 1 == n {
+            // Bounded by the per-test timeout.
+            while !taken_in(i + 1) {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let s = emu.handle().stats();
-        let settled = s.to_upstream.packets_in == u64::from(n)
-            && got.packets.load(Ordering::SeqCst) == s.to_upstream.packets_out;
-        if settled || Instant::now() > deadline {
-            return (s, got.packets.load(Ordering::SeqCst));
+        let up = &s.to_upstream;
+        let received = got.ids.lock().unwrap().clone();
+        if up.packets_out + up.dropped() == u64::from(n) && received.len() as u64 == up.packets_out
+        {
+            return (s, received);
         }
         tokio::time::sleep(ms(20)).await;
     }
@@ -218,33 +226,34 @@ async fn loss_drops_about_the_configured_fraction_deterministically() {
     const N: u32 = 2000;
     let (a, received) = lossy_run(0.25, 1234, N).await;
     let up = a.to_upstream;
-    assert!(
-        up.packets_in > u64::from(N) * 9 / 10,
-        "the kernel lost too much: {a}"
+    assert_eq!(up.packets_in, u64::from(N), "{a}");
+    assert_eq!(
+        up.dropped_other + up.dropped_queue + up.dropped_partition,
+        0,
+        "{a}"
     );
+    assert_eq!(up.packets_in, up.dropped_loss + up.packets_out);
     let fraction = up.dropped_loss as f64 / up.packets_in as f64;
     // Binomial sd at p = 0.25, n = 2000 is about 0.01: five of them.
     assert!(
         (fraction - 0.25).abs() < 0.05,
         "dropped {fraction:.3}, configured 0.25"
     );
-    assert_eq!(
-        up.packets_in,
-        up.dropped_loss + up.packets_out + up.dropped_other
-    );
-    assert!(received <= up.packets_out);
+    // Never reordered, and what arrived is exactly what the emulator sent on.
+    assert!(received.windows(2).all(|w| w[0] < w[1]), "reordered");
+    assert_eq!(received.len() as u64, up.packets_out);
 
-    // Same seed, same datagram sequence: the same drops.
-    let (b, _) = lossy_run(0.25, 1234, N).await;
-    if b.to_upstream.packets_in == up.packets_in {
-        assert_eq!(
-            b.to_upstream.dropped_loss, up.dropped_loss,
-            "same seed, other drops"
-        );
-    }
-    // No loss configured: nothing dropped by the emulator.
-    let (c, _) = lossy_run(0.0, 1234, 500).await;
+    // Same seed, same datagram sequence: the very same datagrams dropped.
+    let (b, received_b) = lossy_run(0.25, 1234, N).await;
+    assert_eq!(b.to_upstream.packets_in, u64::from(N), "{b}");
+    assert_eq!(received_b, received, "same seed, other drops");
+    // Another seed, other drops.
+    let (_, received_c) = lossy_run(0.25, 4321, N).await;
+    assert_ne!(received_c, received, "another seed, the same drops");
+    // No loss configured: nothing dropped by the emulator, everything arrives.
+    let (c, received) = lossy_run(0.0, 1234, 500).await;
     assert_eq!(c.to_upstream.dropped(), 0);
+    assert_eq!(received, (0..500).collect::<Vec<u32>>());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -401,14 +410,11 @@ mod quic {
         eprintln!("connection declared dead after {dead_after:?} ({err})");
         // QUIC restarts the idle timer on the first ack-eliciting packet sent after a receipt
         // (RFC 9000 10.1), e.g. a keep-alive: death comes idle to idle + keep-alive after the
-        // partition. Bounds: never before idle - keep-alive, and generously after.
+        // partition. It is never declared before idle - keep-alive; that it is declared at all
+        // is the timeout above (a hang guard, not a speed claim).
         assert!(
             dead_after >= idle - idle / 4 - ms(50),
             "declared dead after {dead_after:?}, before the idle timeout {idle:?}"
-        );
-        assert!(
-            dead_after <= idle + idle / 4 + Duration::from_secs(3),
-            "took {dead_after:?} to notice, idle timeout {idle:?}"
         );
         let s = link.stats();
         assert!(s.to_upstream.dropped_partition + s.to_client.dropped_partition > 0);

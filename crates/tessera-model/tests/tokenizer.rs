@@ -176,25 +176,22 @@ fn stream_decoder_holds_back_partial_utf8() {
     assert_eq!(d.finish(), "");
 }
 
+/// A megabyte of text round-trips; a quadratic encoder would take minutes here and be killed
+/// by the per-test timeout (`.config/nextest.toml`). How fast encoding is, is measured by
+/// `cargo run --release -p tessera-model --example tokenizer_bench`, not here.
 #[test]
-fn encoding_a_megabyte_is_fast() {
+fn a_megabyte_of_text_round_trips() {
     let t = stories();
     let unit = "Once upon a time, there was a little girl named Lily. 🎉 Ünïcödé\n";
     let text = unit.repeat(1_000_000 / unit.len() + 1);
-    let start = std::time::Instant::now();
     let ids = t.encode(&text, false);
-    let spent = start.elapsed();
     assert!(ids.len() > 100_000);
     assert_eq!(t.decode(&ids), format!(" {text}"));
-    // Debug builds on a shared CI core: generous, but catches quadratic behaviour (minutes).
-    assert!(spent.as_secs() < 20, "took {spent:?}");
-    // One long word without merges (worst case for the heap) also stays fast.
-    let start = std::time::Instant::now();
+    // One long word without merges (worst case for the heap): one token per byte.
     let word = "🦀".repeat(250_000);
     let ids = t.encode(&word, false);
     assert!(ids.len() >= 1_000_000);
     assert_eq!(t.decode(&ids), format!(" {word}"));
-    assert!(start.elapsed().as_secs() < 20);
 }
 
 // ---- errors ----
@@ -530,20 +527,18 @@ fn bpe_special_tokens() {
     assert!(!t.is_end_of_generation(think));
 }
 
+/// As `a_megabyte_of_text_round_trips`, for byte-level BPE (speed: `tokenizer_bench`).
 #[test]
-fn bpe_megabyte_is_fast() {
+fn bpe_megabyte_round_trips() {
     let t = bpe(PreTokenizer::Llama3);
     let unit = "the world's 12345 worlds, hello\n\n  🎉 ";
     let text = unit.repeat(1_000_000 / unit.len() + 1);
-    let start = std::time::Instant::now();
     let ids = t.encode(&text, false);
+    assert!(ids.len() < text.len(), "merges applied");
     assert_eq!(t.decode(&ids), text);
-    assert!(start.elapsed().as_secs() < 20, "{:?}", start.elapsed());
     // One huge word.
     let word = "the".repeat(200_000);
-    let start = std::time::Instant::now();
     assert_eq!(t.decode(&t.encode(&word, false)), word);
-    assert!(start.elapsed().as_secs() < 20);
 }
 
 #[test]

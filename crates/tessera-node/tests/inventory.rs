@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::TempDir;
 use tessera_node::inventory::{ProbeStatus, FALLBACK_COMPUTE_SOURCE};
@@ -16,11 +16,8 @@ fn measures_this_machine() {
         disk_dir: Some(dir.path().to_owned()),
         ..ProbeOptions::default()
     };
-    let t = Instant::now();
     let inv = measure(&opts);
-    let took = t.elapsed();
     println!("{}", serde_json::to_string_pretty(&inv).unwrap());
-    println!("whole probe: {took:?}");
 
     let mem = &inv.memory;
     assert!(mem.total_bytes.unwrap() > 0);
@@ -43,30 +40,58 @@ fn measures_this_machine() {
         .memory_bandwidth
         .as_ref()
         .expect("memory bandwidth measured");
+    // Figures, not speeds: how fast this machine is is not the test's business (a busy CI
+    // core may be slow); that each figure was measured, is a rate, and came from bounded work is.
     for (what, v) in [
         ("copy 1T", bw.copy_single_thread),
         ("read 1T", bw.read_single_thread),
         ("copy all", bw.copy_all_threads),
         ("read all", bw.read_all_threads),
     ] {
-        assert!(v > 100e6, "memory {what}: {v} B/s");
-        assert!(v < 10e12, "memory {what}: {v} B/s is implausibly high");
+        assert!(v.is_finite() && v > 0.0, "memory {what}: {v} B/s");
     }
-    assert!(bw.passes >= 1 && bw.threads >= 1);
+    let defaults = ProbeOptions::default();
+    assert_eq!(bw.buffer_bytes, defaults.memory_buffer_bytes as u64);
+    assert!(
+        (1..=defaults.memory_reps).contains(&bw.passes),
+        "{} passes, at most {} asked for",
+        bw.passes,
+        defaults.memory_reps
+    );
+    assert!(bw.threads >= 1 && bw.threads <= cpu.usable_cores.unwrap());
 
     let compute = inv.compute.as_ref().unwrap();
     assert_eq!(compute.source, FALLBACK_COMPUTE_SOURCE);
-    assert!(compute.ops_per_s > 100e6, "{compute:?}");
-    assert!(compute.single_thread_ops_per_s.unwrap() > 100e6);
+    assert!(
+        compute.ops_per_s.is_finite() && compute.ops_per_s > 0.0,
+        "{compute:?}"
+    );
+    let one = compute.single_thread_ops_per_s.unwrap();
+    assert!(one.is_finite() && one > 0.0, "{compute:?}");
 
     let disk = inv.disk.as_ref().unwrap();
     assert!(disk.free_bytes.unwrap() > 0);
     assert!(disk.total_bytes.unwrap() >= disk.free_bytes.unwrap());
     let read = disk.read.as_ref().expect("disk read measured");
     let write = disk.write.as_ref().expect("disk write measured");
-    assert!(read.bytes_per_s > 100e6, "{read:?}");
-    assert!(write.bytes_per_s > 1e6, "{write:?}");
-    assert!(read.bytes > 0 && !read.method.is_empty());
+    // Bounded work: the write stops at the test size (whole 4 MiB blocks), the read reads
+    // back no more than was written; each rate is its bytes over its time (the duration
+    // reported is read a moment after the rate's own clock, and the write's time leaves out
+    // generating the data, so each rate is at least bytes / duration).
+    assert!(write.bytes > 0 && write.bytes <= defaults.disk_test_bytes.next_multiple_of(4 << 20));
+    assert!(
+        read.bytes > 0 && read.bytes <= write.bytes,
+        "{read:?} {write:?}"
+    );
+    assert!(!read.method.is_empty() && !write.method.is_empty());
+    let rate = |r: &tessera_node::inventory::DiskRate| r.bytes as f64 / (r.duration_ms / 1e3);
+    for r in [read, write] {
+        assert!(r.bytes_per_s.is_finite(), "{r:?}");
+        assert!(
+            r.bytes_per_s >= rate(r) * 0.999,
+            "rate is not bytes over time: {r:?}"
+        );
+    }
     // The probe cleans up after itself.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 
@@ -77,9 +102,6 @@ fn measures_this_machine() {
         "{:?}",
         inv.probes
     );
-    // Bounded: a handful of probes of ~0.4 s each, generous for a busy shared machine.
-    assert!(took < Duration::from_secs(8), "probe took {took:?}");
-
     // JSON round trip (floats may lose their last digit in serde_json's default parser).
     let json = serde_json::to_string(&inv).unwrap();
     let back: Inventory = serde_json::from_str(&json).unwrap();

@@ -78,24 +78,35 @@ fn restarted_coordinator_keeps_members_refuses_strangers_and_continues_epochs() 
     let mut args = c.node_args("stranger");
     args[2] = stranger.display().to_string();
     let mut s = Proc::spawn("stranger", &args);
+    let stranger_id = s.wait_for("node id: ");
     s.wait_for("listening on ");
-    std::thread::sleep(Duration::from_secs(3));
-    s.drain();
+    // Two failed attempts (not a fixed sleep: the stranger's own report of each attempt ends
+    // the wait), never a join.
+    s.wait_for_nth("coordinator session: ", 2);
     assert_eq!(
         count(&s, "joined coordinator"),
         0,
         "an unenrolled key got in"
     );
-    assert!(
-        count(&s, "coordinator session:") > 0,
-        "the stranger's attempts fail: {:?}",
-        s.seen.iter().map(|(_, l)| l).collect::<Vec<_>>()
-    );
     c.coordinator.drain();
     assert_eq!(count(&c.coordinator, "enrolled node"), 0);
+    // The coordinator refused that key, for that reason: it tried to talk without enrolling.
+    let refusal = format!("refused enrolment of {stranger_id} ");
+    let why: Vec<&str> = c
+        .coordinator
+        .seen
+        .iter()
+        .map(|(_, l)| l.as_str())
+        .filter(|l| l.starts_with(&refusal))
+        .collect();
     assert!(
-        count(&c.coordinator, "refused") > 0,
-        "the coordinator refused the stranger"
+        !why.is_empty(),
+        "the coordinator did not refuse {stranger_id}"
+    );
+    assert!(
+        why.iter()
+            .all(|l| l.ends_with("expected an enrolment stream")),
+        "{why:?}"
     );
 }
 
