@@ -12,10 +12,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::{bin, model, reference_tokens, report_of, run_with_timeout, tokens_of, Proc};
+use common::{
+    bin, model, reference_boundaries, reference_tokens, report_of, run_with_timeout, tokens_of,
+    traces_of, Proc,
+};
 use serde_json::Value;
-use tessera_engine::{KvCache, KvType, LocalExperts, Model, SamplingParams, SeqStep};
-use tessera_model::{GgufFile, ModelConfig, Tokenizer};
+use tessera_engine::SamplingParams;
+use tessera_model::{GgufFile, Tokenizer};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -106,83 +109,6 @@ fn run_client(join: &str, client_dir: &Path, extra: &[&str]) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     run_with_timeout(cmd, TIMEOUT)
-}
-
-/// `(after_layer, start_pos, n_tokens) -> hash` of the hidden state after each boundary in
-/// `ends`, for the steps a ring runs: prompt chunks, then each generated token but the last.
-fn reference_boundaries(
-    path: &Path,
-    prompt: &[u32],
-    generated: &[u32],
-    chunk: usize,
-    ends: &[usize],
-) -> Vec<(usize, usize, usize, String)> {
-    let g = GgufFile::open(path).unwrap();
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let m = Model::load_full(&g, 1).unwrap();
-    let mut kv = KvCache::new(
-        &cfg,
-        0..cfg.n_layer,
-        prompt.len() + generated.len(),
-        KvType::default(),
-    )
-    .unwrap();
-    let mut steps: Vec<(usize, Vec<u32>)> = Vec::new();
-    for (i, c) in prompt.chunks(chunk).enumerate() {
-        steps.push((i * chunk, c.to_vec()));
-    }
-    for (i, &t) in generated
-        .iter()
-        .enumerate()
-        .take(generated.len().saturating_sub(1))
-    {
-        steps.push((prompt.len() + i, vec![t]));
-    }
-    let mut out = Vec::new();
-    for (pos, tokens) in steps {
-        let step = [SeqStep {
-            n_tokens: tokens.len(),
-            start_pos: pos,
-        }];
-        let mut h = m.embed(&tokens).unwrap();
-        let mut from = 0;
-        for &end in ends {
-            m.run_layers(
-                from..end,
-                &mut h,
-                &step,
-                &mut [&mut kv],
-                &mut LocalExperts(&m),
-            )
-            .unwrap();
-            out.push((
-                end,
-                pos,
-                tokens.len(),
-                tessera_node::protocol::hash_f32s(&h.data),
-            ));
-            from = end;
-        }
-    }
-    out.sort();
-    out
-}
-
-fn traces_of(msgs: &[Value]) -> Vec<(usize, usize, usize, String)> {
-    let mut v: Vec<_> = msgs
-        .iter()
-        .filter(|m| m["type"] == "trace")
-        .map(|m| {
-            (
-                m["after_layer"].as_u64().unwrap() as usize,
-                m["start_pos"].as_u64().unwrap() as usize,
-                m["n_tokens"].as_u64().unwrap() as usize,
-                m["hash"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 fn split_ends(split: &str) -> Vec<usize> {
@@ -587,6 +513,13 @@ fn assignment_beyond_the_memory_budget_is_refused() {
     assert!(err.contains("budget"), "{err}");
 }
 
+/// Runs `tessera` with `args` to its exit (it must exit: a refused node stops); its output.
+fn run_to_exit(args: &[String]) -> Output {
+    let mut cmd = Command::new(bin());
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    run_with_timeout(cmd, TIMEOUT)
+}
+
 #[test]
 fn node_with_a_wrong_token_is_refused() {
     let path = model("stories260K.gguf");
@@ -598,10 +531,16 @@ fn node_with_a_wrong_token_is_refused() {
     let forged = tessera_net::JoinToken::generate(Some(coordinator_id)).unwrap();
     let mut args = c.node_args("intruder", &[]);
     args.extend(["--join".into(), format!("{forged}@{addr}")]);
-    let mut p = Proc::spawn("intruder", &args, TIMEOUT);
-    let status = p.wait_exit();
-    assert!(!status.success());
-    assert!(!p.seen.iter().any(|l| l.starts_with("joined coordinator")));
+    let out = run_to_exit(&args);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success());
+    assert!(!stdout.contains("joined coordinator"), "{stdout}");
+    // The reason, as the coordinator sent it: the token, not a network error.
+    let want = format!("enrolment refused by {addr}: join token not accepted");
+    assert!(stderr.contains(&want), "expected {want:?} in:\n{stderr}");
 }
 
 #[test]
@@ -609,13 +548,25 @@ fn a_name_cannot_be_moved_to_another_key() {
     let path = model("stories260K.gguf");
     let mut c = Cluster::start(&path);
     c.add_node("alpha", &[]);
+    let alpha_id = c.nodes[0]
+        .seen
+        .iter()
+        .find_map(|l| l.strip_prefix("node id: "))
+        .expect("alpha printed its node id")
+        .to_string();
     // A second node (its own key) with the token, claiming the same name.
     let mut args = c.node_args("alpha", &[]);
     args[2] = c.dir.path().join("other").display().to_string();
     args.extend(["--join".into(), c.join.clone()]);
-    let mut p = Proc::spawn("impostor", &args, TIMEOUT);
-    assert!(!p.wait_exit().success());
-    assert!(!p.seen.iter().any(|l| l.starts_with("joined coordinator")));
+    let out = run_to_exit(&args);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success());
+    assert!(!stdout.contains("joined coordinator"), "{stdout}");
+    let want = format!("the name \"alpha\" belongs to node {alpha_id} (another key)");
+    assert!(stderr.contains(&want), "expected {want:?} in:\n{stderr}");
 }
 
 /// In-process clients over the real transport, against the coordinator process.
@@ -731,12 +682,62 @@ mod wire {
                 let conn = ep.connect(target.addr, coord).await?;
                 let mut s = conn.open_stream(stream::CONTROL).await?;
                 s.writer.write_message(frame::MSG, &hello("x", 1)).await?;
-                s.reader.read_message::<CoordToClient>(frame::MSG).await
+                let answer = s.reader.read_frame().await?;
+                let after = s.reader.read_frame().await;
+                Ok::<_, tessera_net::NetError>((answer, after))
             };
-            let r = tokio::time::timeout(Duration::from_secs(30), r)
+            let (answer, after) = tokio::time::timeout(Duration::from_secs(30), r)
                 .await
-                .unwrap();
-            assert!(r.is_err(), "an unenrolled key was answered: {r:?}");
+                .expect("the coordinator neither answered nor refused")
+                .expect("the refusal is readable");
+            // Admitted for enrolment only: anything but an enrolment claim is refused with an
+            // enrolment-refused frame (kind 0xFF22) carrying the reason, and nothing else
+            // follows: no welcome, no message.
+            let f = answer.expect("a refusal frame, not silence");
+            assert_eq!(f.kind, 0xFF22, "not an enrolment refusal: {f:?}");
+            assert_eq!(&f.payload[..], b"expected an enrolment stream");
+            assert!(
+                matches!(after, Ok(None) | Err(_)),
+                "more after the refusal: {after:?}"
+            );
+        });
+    }
+
+    /// A node's own port (ring and expert streams) admits only keys the coordinator placed
+    /// there: a fresh key, pinned to the node's id, gets no stream of either kind.
+    #[test]
+    fn unenrolled_key_is_refused_by_a_nodes_ring_and_expert_streams() {
+        let mut c = Cluster::start(&model("stories260K.gguf"));
+        c.add_node("a", &[]);
+        let line = |prefix: &str| {
+            c.nodes[0]
+                .seen
+                .iter()
+                .find_map(|l| l.strip_prefix(prefix))
+                .unwrap_or_else(|| panic!("node printed no {prefix:?}"))
+                .to_string()
+        };
+        let id: tessera_net::NodeId = line("node id: ").parse().unwrap();
+        let addr: std::net::SocketAddr = line("listening on ").parse().unwrap();
+        rt().block_on(async {
+            let ep = client_endpoint();
+            for kind in [stream::RING, stream::EXPERT] {
+                let r = async {
+                    let conn = ep.connect(addr, id).await?;
+                    let mut s = conn.open_stream(kind).await?;
+                    s.writer.write_frame(frame::MSG, b"{}").await?;
+                    s.reader.read_frame().await
+                };
+                let r = tokio::time::timeout(Duration::from_secs(30), r)
+                    .await
+                    .expect("the node neither answered nor refused");
+                let err = r.expect_err("an unenrolled key got a stream").to_string();
+                eprintln!("REFUSAL(node {kind}): {err}");
+                assert!(
+                    err.contains("unknown node key"),
+                    "stream {kind:#06x}: {err}"
+                );
+            }
         });
     }
 

@@ -2,14 +2,19 @@
 //! coordinator --experts ...`, `tessera node` agents (ring stages and expert-only nodes) and
 //! `tessera run` clients. The experts of every MoE layer are split across 2 and 3 node
 //! processes, alone and combined with a 2-stage split; greedy output must equal one process
-//! (`Generator`, what `tessera generate` runs) token for token, and the home stages must have
-//! sent at most one expert request per contacted node per MoE layer per step.
+//! (`Generator`, what `tessera generate` runs) token for token, the hidden state after every
+//! stage at every step must hash equal to one process's (`--trace`: bits, not only tokens), and
+//! the home stages must have sent at most one expert request per contacted node per MoE layer
+//! per step.
 
 mod common;
 
 use std::time::Duration;
 
-use common::{ids, model, reference_tokens, report_of, tokens_of, ExpertCluster};
+use common::{
+    ids, model, reference_boundaries, reference_tokens, report_of, tokens_of, traces_of,
+    ExpertCluster,
+};
 use serde_json::Value;
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 
@@ -47,10 +52,24 @@ fn expert_split_matches_one_process(
             "0",
             "--prefill-chunk",
             &chunk.to_string(),
+            "--trace",
         ],
     );
     let got = tokens_of(&msgs);
     assert_eq!(got, want, "{model_name} experts {experts}: tokens");
+    // Bit for bit: the hidden state each stage hands on (or ends with), at every step.
+    let ends: Vec<usize> = stages.iter().map(|(_, l)| l.end).collect();
+    let traces = traces_of(&msgs);
+    assert_eq!(
+        traces.len(),
+        ends.len() * (prompt.len().div_ceil(chunk) + want.len() - 1),
+        "a trace per stage per step"
+    );
+    assert_eq!(
+        traces,
+        reference_boundaries(&path, &prompt, &want, chunk, &ends),
+        "{model_name} experts {experts}: hidden-state hashes"
+    );
     let report = report_of(&msgs).clone();
     // Expert requests: at most one per contacted node per MoE layer per step, and some.
     let stats = report["stage_stats"].as_array().unwrap();

@@ -1,13 +1,14 @@
-//! Running a command under a deadline, reading a client's JSON messages, and the greedy tokens
-//! of one process.
+//! Running a command under a deadline, reading a client's JSON messages, the greedy tokens
+//! of one process, and the hidden-state hashes a ring's stages report (`--trace`) beside
+//! those of one process.
 
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tessera_engine::{Generator, Model, SamplingParams};
-use tessera_model::{GgufFile, Tokenizer};
+use tessera_engine::{Generator, KvCache, KvType, LocalExperts, Model, SamplingParams, SeqStep};
+use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 
 /// Runs `cmd` to the end; panics (with its stderr) if it takes longer than `timeout`.
 pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> Output {
@@ -57,4 +58,81 @@ pub fn reference_tokens(path: &Path, prompt: &[u32], n: usize, chunk: usize) -> 
     })
     .unwrap();
     out
+}
+
+/// `(after_layer, start_pos, n_tokens) -> hash` of the hidden state after each boundary in
+/// `ends`, for the steps a ring runs: prompt chunks, then each generated token but the last.
+pub fn reference_boundaries(
+    path: &Path,
+    prompt: &[u32],
+    generated: &[u32],
+    chunk: usize,
+    ends: &[usize],
+) -> Vec<(usize, usize, usize, String)> {
+    let g = GgufFile::open(path).unwrap();
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let m = Model::load_full(&g, 1).unwrap();
+    let mut kv = KvCache::new(
+        &cfg,
+        0..cfg.n_layer,
+        prompt.len() + generated.len(),
+        KvType::default(),
+    )
+    .unwrap();
+    let mut steps: Vec<(usize, Vec<u32>)> = Vec::new();
+    for (i, c) in prompt.chunks(chunk).enumerate() {
+        steps.push((i * chunk, c.to_vec()));
+    }
+    for (i, &t) in generated
+        .iter()
+        .enumerate()
+        .take(generated.len().saturating_sub(1))
+    {
+        steps.push((prompt.len() + i, vec![t]));
+    }
+    let mut out = Vec::new();
+    for (pos, tokens) in steps {
+        let step = [SeqStep {
+            n_tokens: tokens.len(),
+            start_pos: pos,
+        }];
+        let mut h = m.embed(&tokens).unwrap();
+        let mut from = 0;
+        for &end in ends {
+            m.run_layers(
+                from..end,
+                &mut h,
+                &step,
+                &mut [&mut kv],
+                &mut LocalExperts(&m),
+            )
+            .unwrap();
+            out.push((
+                end,
+                pos,
+                tokens.len(),
+                tessera_node::protocol::hash_f32s(&h.data),
+            ));
+            from = end;
+        }
+    }
+    out.sort();
+    out
+}
+
+pub fn traces_of(msgs: &[Value]) -> Vec<(usize, usize, usize, String)> {
+    let mut v: Vec<_> = msgs
+        .iter()
+        .filter(|m| m["type"] == "trace")
+        .map(|m| {
+            (
+                m["after_layer"].as_u64().unwrap() as usize,
+                m["start_pos"].as_u64().unwrap() as usize,
+                m["n_tokens"].as_u64().unwrap() as usize,
+                m["hash"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
 }
