@@ -385,6 +385,10 @@ impl StopMatcher {
 mod tests {
     use super::*;
 
+    /// `uniform(7, 3)` and `uniform(0, 0)` as f64 bits, as the generator gives them today.
+    const UNIFORM_7_3: u64 = 0x3fe8_bb4a_85ea_d133;
+    const UNIFORM_0_0: u64 = 0x3fe3_1793_6753_ec9b;
+
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
         SamplingParams {
             temperature,
@@ -398,20 +402,56 @@ mod tests {
         }
     }
 
+    /// Failover replays a request on other processes, possibly another build: the draw at a
+    /// position must depend on `(seed, position)` alone — not on what was drawn before, in
+    /// which order, or on the history when no penalty applies — and the generator must not
+    /// change under us (pinned values). The token drawn is the one an independent inverse-CDF
+    /// over the softmax gives for that draw.
     #[test]
     fn same_seed_and_position_give_same_draw() {
-        assert_eq!(uniform(7, 3), uniform(7, 3));
+        // Pinned: a changed generator would change every replayed sampled request.
+        assert_eq!(uniform(7, 3).to_bits(), UNIFORM_7_3);
+        assert_eq!(uniform(0, 0).to_bits(), UNIFORM_0_0);
         assert_ne!(uniform(7, 3), uniform(7, 4));
         assert_ne!(uniform(7, 3), uniform(8, 3));
+
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let p = params(1.0, 0, 1.0, 0.0);
-        for pos in 0..20 {
-            assert_eq!(sample(&logits, &p, &[], pos), sample(&logits, &p, &[], pos));
+        let p = params(0.7, 0, 1.0, 0.0);
+        // Independent reference: softmax of logits / T in f64, ids by logit descending (ties:
+        // lower id), first cumulative probability above u.
+        let reference = |u: f64| -> u32 {
+            let mut ids: Vec<usize> = (0..logits.len()).collect();
+            ids.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            let scaled: Vec<f64> = ids.iter().map(|&i| (logits[i] / 0.7) as f64).collect();
+            let e: Vec<f64> = scaled.iter().map(|l| (l - scaled[0]).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            let mut cum = 0.0;
+            for (k, v) in e.iter().enumerate() {
+                cum += v / sum;
+                if u < cum {
+                    return ids[k] as u32;
+                }
+            }
+            ids[ids.len() - 1] as u32
+        };
+        let forward: Vec<u32> = (0..64).map(|pos| sample(&logits, &p, &[], pos)).collect();
+        for (pos, &t) in forward.iter().enumerate() {
+            assert_eq!(t, reference(uniform(p.seed, pos as u64)), "position {pos}");
         }
-        // Different positions draw differently somewhere.
-        let draws: std::collections::HashSet<u32> =
-            (0..50).map(|pos| sample(&logits, &p, &[], pos)).collect();
-        assert!(draws.len() > 1);
+        // Drawn backwards, interleaved with another seed's draws, with a history: the same.
+        let other = SamplingParams {
+            seed: 99,
+            ..p.clone()
+        };
+        for pos in (0..64u64).rev() {
+            let _ = sample(&logits, &other, &[], pos);
+            let history: Vec<u32> = (0..pos as u32).collect();
+            assert_eq!(sample(&logits, &p, &history, pos), forward[pos as usize]);
+        }
+        // Different positions draw differently somewhere, and another seed differs somewhere.
+        let distinct: std::collections::HashSet<u32> = forward.iter().copied().collect();
+        assert!(distinct.len() > 1);
+        assert!((0..64).any(|pos| sample(&logits, &other, &[], pos) != forward[pos as usize]));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Guards the central promise: split execution is bit-identical to unsplit execution.
-//! Every layer cut point of a pipeline split, and MoE experts split across 2 and 3 separately
-//! loaded parts, over a prefill and several decode steps.
+//! Every layer cut point of a pipeline split, pipelines of 3 and more stages (every layer its
+//! own stage) on every weight type (F32, F16, BF16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K), and MoE
+//! experts split across 2 and 3 separately loaded parts, over a prefill and several decode
+//! steps.
 
 mod common;
 
@@ -139,6 +141,117 @@ fn pipeline_split_is_bit_identical_tiny_qwen3moe() {
 fn pipeline_split_is_bit_identical_quantized() {
     check_pipeline_cuts("tiny-qwen3-Q8_0.gguf");
     check_pipeline_cuts("tiny-qwen3moe-Q4_0.gguf");
+}
+
+/// A pipeline of separately loaded stages ending at `ends` (the last is `n_layer`): at every
+/// step, the hidden state each stage hands on equals bit for bit the full model's after the
+/// same layer, and the last stage's hidden state and logits equal one unsplit call's.
+fn check_stages(name: &str, ends: &[usize]) {
+    let g = common::open(name);
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let l = cfg.n_layer;
+    assert_eq!(
+        ends.last(),
+        Some(&l),
+        "{name}: the stages must end at layer {l}"
+    );
+    let full = common::full(&g, 2);
+    let steps = steps(&full);
+    let ranges: Vec<_> = std::iter::once(0)
+        .chain(ends.iter().copied())
+        .zip(ends.iter().copied())
+        .collect();
+    // Stages alternate between 1 and 2 threads: the split must not depend on either.
+    let stages: Vec<Model> = ranges
+        .iter()
+        .enumerate()
+        .map(|(i, &(a, b))| common::load(&g, LoadSpec::stage(&cfg, a..b), 1 + i % 2))
+        .collect();
+    let mut kvs: Vec<KvCache> = stages
+        .iter()
+        .map(|m| m.new_kv(cfg.context_length))
+        .collect();
+    let mut kv_full = common::kv_for(&full);
+    let mut kv_piece = common::kv_for(&full);
+    let mut pos = 0;
+    for (si, tokens) in steps.iter().enumerate() {
+        let step = [SeqStep {
+            n_tokens: tokens.len(),
+            start_pos: pos,
+        }];
+        let mut h_full = full.embed(tokens).unwrap();
+        full.run_layers(
+            0..l,
+            &mut h_full,
+            &step,
+            &mut [&mut kv_full],
+            &mut LocalExperts(&full),
+        )
+        .unwrap();
+        let logits_full = full.head(&h_full).unwrap();
+        let mut h = stages[0].embed(tokens).unwrap();
+        let mut h_piece = full.embed(tokens).unwrap();
+        for ((&(a, b), stage), kv) in ranges.iter().zip(&stages).zip(&mut kvs) {
+            stage
+                .run_layers(a..b, &mut h, &step, &mut [kv], &mut LocalExperts(stage))
+                .unwrap();
+            full.run_layers(
+                a..b,
+                &mut h_piece,
+                &step,
+                &mut [&mut kv_piece],
+                &mut LocalExperts(&full),
+            )
+            .unwrap();
+            assert_bits_eq(
+                &h.data,
+                &h_piece.data,
+                &format!("{name} {ends:?} step {si}: after layer {b}"),
+            );
+        }
+        let what = format!("{name} stages ending {ends:?}, step {si}");
+        assert_bits_eq(&h.data, &h_full.data, &format!("{what}: final hidden"));
+        let logits = stages.last().unwrap().head(&h).unwrap();
+        assert_bits_eq(&logits.data, &logits_full.data, &format!("{what}: logits"));
+        pos += tokens.len();
+    }
+}
+
+/// Every layer its own stage: as many stages as layers, every cut at once.
+fn every_layer_a_stage(name: &str) {
+    let l = ModelConfig::from_gguf(&common::open(name)).unwrap().n_layer;
+    assert!(l >= 3, "{name} has {l} layers: not a 3-stage pipeline");
+    check_stages(name, &(1..=l).collect::<Vec<_>>());
+}
+
+#[test]
+fn pipelines_of_3_and_more_stages_are_bit_identical_f32() {
+    every_layer_a_stage("stories260K.gguf");
+    every_layer_a_stage("tiny-qwen3moe-f32.gguf");
+    let l = ModelConfig::from_gguf(&common::open("stories260K.gguf"))
+        .unwrap()
+        .n_layer;
+    check_stages("stories260K.gguf", &[1, l / 2 + 1, l]);
+}
+
+#[test]
+fn pipelines_of_3_and_more_stages_are_bit_identical_f16_and_bf16() {
+    every_layer_a_stage("small-qwen3-F16.gguf");
+    every_layer_a_stage("small-qwen3-BF16.gguf");
+}
+
+#[test]
+fn pipelines_of_3_and_more_stages_are_bit_identical_q4_0_and_q8_0() {
+    every_layer_a_stage("tiny-qwen3-Q8_0.gguf");
+    every_layer_a_stage("tiny-qwen3moe-Q4_0.gguf");
+}
+
+#[test]
+fn pipelines_of_3_and_more_stages_are_bit_identical_k_quants() {
+    every_layer_a_stage("small-qwen3-Q4_K.gguf");
+    every_layer_a_stage("small-qwen3-Q5_K.gguf");
+    every_layer_a_stage("small-qwen3-Q6_K.gguf");
+    every_layer_a_stage("small-qwen3moe-Q4_K.gguf");
 }
 
 /// Runs every step with `parts` computing the experts (parts[0] holds the rest of the model).

@@ -390,6 +390,36 @@ fn the_dashboard_shows_the_expert_split_of_a_served_cluster() {
         .collect();
     assert!(!expert_only.is_empty(), "no expert-only node in {plan}");
 
+    // The dashboard page itself shows it: the strategy, the experts per layer, and each
+    // assignment's share of the experts as a bar of its own.
+    let page = common::get(&addr, "/", None);
+    assert_eq!(page.status, 200);
+    let html = &page.body;
+    assert!(
+        html.contains(r#"<span class="strategy">expert split</span>"#),
+        "{html}"
+    );
+    assert!(
+        html.contains(&format!(" · {} experts per layer", cfg.n_expert)),
+        "{html}"
+    );
+    for a in assignments {
+        let e = a["experts"].as_u64().unwrap();
+        let bar = format!(r#"title="{e} of {} experts per layer""#, cfg.n_expert);
+        assert!(
+            e == 0 || html.contains(&bar),
+            "no expert bar for {a} in the page"
+        );
+    }
+    assert_eq!(
+        html.matches(r#"<div class="experts c"#).count(),
+        assignments
+            .iter()
+            .filter(|a| a["experts"].as_u64() > Some(0))
+            .count(),
+        "one expert bar per assignment holding experts"
+    );
+
     // And the API answers through it.
     let reply = common::post(
         &addr,
