@@ -10,10 +10,12 @@
 //! - `serve`: a `tessera serve` on a loopback port, the cache directory and model paths.
 //! - `openai`: the official OpenAI Python client against a running server.
 //! - `browser`: headless Chromium.
+//! - `cdp`: headless Chromium driven over the DevTools protocol (JavaScript observed).
 
 #![allow(dead_code)]
 
 pub mod browser;
+pub mod cdp;
 pub mod chaos;
 pub mod http;
 pub mod moe;
