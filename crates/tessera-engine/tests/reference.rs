@@ -141,8 +141,10 @@ fn check_file(path: &std::path::Path, loose: bool, kv_type: KvType) -> (Vec<Stri
 /// activation rounding later turns that into a visible difference. The reference's generated
 /// positions come from its one-token path; this engine is batch-invariant and, on the checked
 /// position (small-qwen3-Q6_K, prompt 1, generated row 10), equals llama.cpp's *batch* result to
-/// 1e-6. These files are checked with a loose bound here and strictly by
-/// `strict_teacher_forcing_for_every_file` (ignored).
+/// 1e-6. These files are checked with a loose bound by
+/// `quantized_models_match_llama_cpp_by_teacher_forcing`, and by
+/// `drift_only_where_llama_cpp_disagrees_with_itself`, which pins the exact positions where
+/// the strict bound does not hold.
 const KNOWN_KERNEL_DRIFT: [&str; 2] = ["small-qwen3-Q4_K", "small-qwen3-Q6_K"];
 
 fn reference_files() -> Vec<std::path::PathBuf> {
@@ -212,11 +214,89 @@ fn quantized_models_match_llama_cpp_by_teacher_forcing() {
     assert!(failed.is_empty(), "files failing: {failed:?}");
 }
 
+/// The strict check on [`KNOWN_KERNEL_DRIFT`] files fails at exactly these checks (file, prompt,
+/// generated positions) — the positions downstream of llama.cpp's batch/one-token disagreement —
+/// and nowhere else; each stays within [`LOOSE_LOGPROB_TOL`] (the loose check). A new failing
+/// position (a real regression) or a vanished one (the drift understood and fixed) fails the
+/// test, so the list stays exact.
+const DRIFT_POSITIONS: &[(&str, usize, &[usize])] = &[
+    (
+        "small-qwen3-Q4_K",
+        0,
+        &[
+            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 18, 21, 23, 24, 25, 28, 29, 30,
+            31,
+        ],
+    ),
+    (
+        "small-qwen3-Q4_K",
+        2,
+        &[
+            0, 2, 3, 4, 5, 6, 8, 11, 12, 13, 14, 15, 16, 17, 19, 20, 21, 22, 23, 24, 25, 26, 27,
+            28, 29, 30, 31,
+        ],
+    ),
+    ("small-qwen3-Q6_K", 0, &[6]),
+    (
+        "small-qwen3-Q6_K",
+        1,
+        &[
+            10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+        ],
+    ),
+];
+
 #[test]
-#[ignore = "kernel rounding drift in some quantized files, see KNOWN_KERNEL_DRIFT"]
-fn strict_teacher_forcing_for_every_file() {
-    let failed = check_files(|_| true, |_| false, KvType::F32);
-    assert!(failed.is_empty(), "files failing: {failed:?}");
+fn drift_only_where_llama_cpp_disagrees_with_itself() {
+    let mut seen: Vec<(String, usize, usize)> = Vec::new();
+    for f in reference_files() {
+        let name = f.file_name().unwrap().to_string_lossy().to_string();
+        if !drifts(&name) {
+            continue;
+        }
+        let (loose_fails, _) = check_file(&f, true, KvType::F32);
+        assert!(
+            loose_fails.is_empty(),
+            "{name} beyond the loose bound: {loose_fails:?}"
+        );
+        let (strict_fails, worst) = check_file(&f, false, KvType::F32);
+        println!("{name}: worst log-prob diff {worst:.3e}");
+        let file = name.strip_suffix("-public.json").unwrap().to_string();
+        for x in &strict_fails {
+            println!("    {x}");
+            let (ri, i) = prompt_and_position(x);
+            if !seen.contains(&(file.clone(), ri, i)) {
+                seen.push((file.clone(), ri, i));
+            }
+        }
+    }
+    seen.sort();
+    let mut want: Vec<(String, usize, usize)> = DRIFT_POSITIONS
+        .iter()
+        .flat_map(|&(f, r, ps)| ps.iter().map(move |&p| (f.to_string(), r, p)))
+        .collect();
+    want.sort();
+    let listed: String = seen
+        .iter()
+        .map(|(f, r, p)| format!("    ({f}, prompt {r}, position {p})\n"))
+        .collect();
+    assert_eq!(
+        seen, want,
+        "the strict check now fails at other places than DRIFT_POSITIONS lists; they are:\n{listed}"
+    );
+}
+
+/// `(prompt, position)` of a failure line `"prompt R pos I: ..."`.
+fn prompt_and_position(line: &str) -> (usize, usize) {
+    let mut w = line.split_whitespace();
+    let (Some("prompt"), Some(r), Some("pos"), Some(i)) = (w.next(), w.next(), w.next(), w.next())
+    else {
+        panic!("not a per-position failure: {line}");
+    };
+    (
+        r.trim_end_matches(':').parse().unwrap(),
+        i.trim_end_matches(':').parse().unwrap(),
+    )
 }
 
 #[test]
