@@ -72,7 +72,7 @@ fn missing_file_is_an_io_error_with_the_path() {
 #[test]
 fn regression_huge_block_count_is_refused_without_allocating() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/regressions/gguf-block-count-16M");
+        .join("../../fuzz/regressions/gguf/block-count-16M");
     let bytes = std::fs::read(path).unwrap();
     let g = GgufFile::parse(&bytes).unwrap();
     let err = ModelProfile::from_gguf(&g).unwrap_err().to_string();
