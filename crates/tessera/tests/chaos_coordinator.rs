@@ -97,7 +97,7 @@ fn restarted_coordinator_keeps_members_refuses_strangers_and_continues_epochs() 
         .seen
         .iter()
         .map(|(_, l)| l.as_str())
-        .filter(|l| l.starts_with(&refusal))
+        .filter(|l| l.contains(&refusal))
         .collect();
     assert!(
         !why.is_empty(),
