@@ -28,7 +28,7 @@ use tessera_model::StreamDecoder;
 use tessera_net::{Connection, FramedStream, NodeId};
 use tessera_node::protocol::{
     frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, NodeToCoord, RunReport,
-    RunRequest, StagePlacement, StageSeqStats, StageSpec, PROTOCOL_VERSION,
+    RunRequest, StageSeqStats, StageSpec, PROTOCOL_VERSION,
 };
 use tokio::sync::mpsc;
 
@@ -242,29 +242,8 @@ async fn ensure_epoch(
         }
     }
     let st = shared.lock();
-    placement_of(&st, target).ok_or_else(|| CoordError::Run("the epoch was replaced".into()))
-}
-
-/// The stages of the current epoch if it is `epoch`.
-fn placement_of(st: &crate::server::State, epoch: u64) -> Option<Placement> {
-    let e = st.membership.epoch().filter(|e| e.id == epoch)?;
-    let stages = e
-        .stages
-        .iter()
-        .enumerate()
-        .map(|(i, s)| StagePlacement {
-            stage: i,
-            node_id: s.node_id,
-            name: st
-                .membership
-                .member(&s.node_id)
-                .map_or(String::new(), |m| m.name.clone()),
-            layers: s.layers.clone(),
-            load: s.loaded.clone().unwrap_or_default(),
-            link_to_next: s.link,
-        })
-        .collect();
-    Some(Placement { epoch, stages })
+    Placement::of(&st.membership, target)
+        .ok_or_else(|| CoordError::Run("the epoch was replaced".into()))
 }
 
 /// Removes a run's routes (its own id and every attempt's) when the run ends.
@@ -298,7 +277,7 @@ fn ready_epoch_other_than(shared: &Shared, lost: Option<u64>) -> Option<Placemen
         .membership
         .epoch()
         .filter(|e| e.phase == Phase::Ready && Some(e.id) != lost)?;
-    placement_of(&st, e.id)
+    Placement::of(&st.membership, e.id)
 }
 
 /// Runs one generation; streams tokens to `client`. The lifecycle — open, start, relay,

@@ -79,6 +79,28 @@ pub struct Placement {
 }
 
 impl Placement {
+    /// The stages of the membership's current epoch, if it is `epoch` (the coordinator's and
+    /// the simulator's view of a placement alike).
+    pub fn of(m: &crate::membership::Membership, epoch: u64) -> Option<Self> {
+        let e = m.epoch().filter(|e| e.id == epoch)?;
+        let stages = e
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| StagePlacement {
+                stage: i,
+                node_id: s.node_id,
+                name: m
+                    .member(&s.node_id)
+                    .map_or(String::new(), |m| m.name.clone()),
+                layers: s.layers.clone(),
+                load: s.loaded.clone().unwrap_or_default(),
+                link_to_next: s.link,
+            })
+            .collect();
+        Some(Self { epoch, stages })
+    }
+
     fn nodes(&self) -> Vec<NodeId> {
         self.stages.iter().map(|s| s.node_id).collect()
     }
@@ -348,7 +370,7 @@ impl RunMachine {
                     attempt_seq,
                 },
             ) if Some(placement.epoch) != lost => {
-                self.open(now, lost.is_some(), placement, attempt_seq, &mut out)
+                self.open(lost.is_some(), placement, attempt_seq, &mut out)
             }
             (State::WaitingEpoch { .. }, Input::Cancel) => {
                 self.finish(FinishReason::Cancelled, None, &mut out)
@@ -569,13 +591,11 @@ impl RunMachine {
 
     fn open(
         &mut self,
-        now: Duration,
         resuming: bool,
         placement: Placement,
         attempt_seq: u64,
         out: &mut Vec<Output>,
     ) -> State {
-        let _ = now;
         let mut history = self.generated.clone();
         if resuming && self.fault == Some(Fault::ResumeOneTokenShort) {
             history.pop();

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use tessera_net::NodeId;
-use tessera_node::protocol::{CoordToNode, FinishReason, LoadReport, NodeToCoord, StagePlacement};
+use tessera_node::protocol::{CoordToNode, FinishReason, NodeToCoord};
 
 use super::node::{NodeEffect, SimNode};
 use super::{next_token, Rng};
@@ -881,7 +881,8 @@ impl World {
                 match self.runs[run].awaiting {
                     Some(lost) if lost != Some(id) => {
                         self.runs[run].awaiting = None;
-                        let placement = self.placement(id);
+                        let placement =
+                            Placement::of(&self.membership, id).expect("the ready epoch");
                         let attempt_seq = self.next_seq;
                         self.next_seq += 1;
                         self.routes.insert(attempt_seq, run);
@@ -899,27 +900,6 @@ impl World {
             }
         }
         Ok(())
-    }
-
-    fn placement(&self, epoch: u64) -> Placement {
-        let e = self.membership.epoch().expect("the ready epoch");
-        debug_assert_eq!(e.id, epoch);
-        Placement {
-            epoch,
-            stages: e
-                .stages
-                .iter()
-                .enumerate()
-                .map(|(i, s)| StagePlacement {
-                    stage: i,
-                    node_id: s.node_id,
-                    name: String::new(),
-                    layers: s.layers.clone(),
-                    load: LoadReport::default(),
-                    link_to_next: None,
-                })
-                .collect(),
-        }
     }
 
     fn submit(&mut self, run: usize) -> Result<(), Violation> {
