@@ -113,12 +113,13 @@ pub struct KvShape {
 }
 
 impl KvShape {
-    /// Standard multi-head / grouped-query attention of `config`.
+    /// The cache `config`'s attention needs: its KV heads, keys `head_dim` wide, values
+    /// [`ModelConfig::v_head_dim`] wide (narrower than the keys with DeepSeek's MLA).
     pub fn from_config(config: &ModelConfig) -> Self {
         Self {
             n_head_kv: config.n_head_kv,
             k_head_dim: config.head_dim,
-            v_head_dim: config.head_dim,
+            v_head_dim: config.v_head_dim(),
         }
     }
 

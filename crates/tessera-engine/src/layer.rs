@@ -6,6 +6,9 @@
 //!          where n = rms_norm(h) * attn_norm      (bq/bk/bv: Qwen2; norm_q/norm_k: Qwen3)
 //! h' = x + FFN(rms_norm(x) * ffn_norm)            (dense SwiGLU, or routed experts)
 //! ```
+//!
+//! DeepSeek's latent attention makes q, k and v its own way (see [`tessera_model::Mla`]); its
+//! keys are wider than its values. Its MoE layers add shared experts to the routed ones.
 
 use crate::attention::{attend_fused, FusedScratch, HeadKv};
 use crate::error::Result;
@@ -14,10 +17,11 @@ use crate::kv::{KvCache, KvShape, LayerView};
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
 use crate::ops::{
-    add_assign, attend_group, rms_norm, rms_norm_into, rope_neox, rope_normal, softmax,
-    swiglu_rows, AttnScratch,
+    add_assign, attend_group, rms_norm, rms_norm_into, rope_neox, rope_normal, sigmoid, softmax,
+    swiglu_rows, AttnScratch, HeadRows,
 };
-use tessera_model::RopeStyle;
+use crate::weights::{AttnProj, Ffn, MlaProj};
+use tessera_model::{ExpertGating, RopeStyle};
 
 /// `&mut [f32]` written by attention tasks at disjoint places.
 struct SharedOut(*mut f32, usize);
@@ -50,8 +54,8 @@ impl Model {
         let w = self.core(layer)?;
         let pool = self.pool();
         let (n, e) = (hidden.n_tokens, cfg.n_embd);
-        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_head, cfg.n_head_kv);
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let hd = cfg.head_dim;
+        let (qd, kvd, vd) = (cfg.q_dim(), cfg.kv_dim(), cfg.v_dim());
 
         // Norm and Q/K/V projections (activations quantized once per weight type).
         sc.xn.resize(n * e, 0.0);
@@ -65,30 +69,32 @@ impl Model {
         }
         sc.q.resize(n * qd, 0.0);
         sc.k.resize(n * kvd, 0.0);
-        sc.v.resize(n * kvd, 0.0);
-        let acts = quantize_for(
-            pool,
-            &[w.wq.dtype(), w.wk.dtype(), w.wv.dtype()],
-            &sc.xn,
-            n,
-            e,
-        );
+        sc.v.resize(n * vd, 0.0);
+        let (wq, wk, wv) = match &w.proj {
+            AttnProj::Qkv { wq, wk, wv } => (wq, wk, wv),
+            AttnProj::Mla(m) => {
+                // Queries, keys and values, RoPE applied.
+                self.mla_qkv(m, n, sc);
+                return self.attend_and_project(layer, hidden, batch, kv, sc);
+            }
+        };
+        let acts = quantize_for(pool, &[wq.dtype(), wk.dtype(), wv.dtype()], &sc.xn, n, e);
         run_matmuls(
             pool,
             &mut [
                 MatmulJob {
-                    w: &w.wq,
-                    acts: pick(&acts, w.wq.dtype()),
+                    w: wq,
+                    acts: pick(&acts, wq.dtype()),
                     out: &mut sc.q,
                 },
                 MatmulJob {
-                    w: &w.wk,
-                    acts: pick(&acts, w.wk.dtype()),
+                    w: wk,
+                    acts: pick(&acts, wk.dtype()),
                     out: &mut sc.k,
                 },
                 MatmulJob {
-                    w: &w.wv,
-                    acts: pick(&acts, w.wv.dtype()),
+                    w: wv,
+                    acts: pick(&acts, wv.dtype()),
                     out: &mut sc.v,
                 },
             ],
@@ -97,7 +103,7 @@ impl Model {
         for (buf, bias, width) in [
             (&mut sc.q, &w.bq, qd),
             (&mut sc.k, &w.bk, kvd),
-            (&mut sc.v, &w.bv, kvd),
+            (&mut sc.v, &w.bv, vd),
         ] {
             if let Some(b) = bias {
                 for row in buf.chunks_exact_mut(width) {
@@ -130,17 +136,124 @@ impl Model {
                 rope(head, cos, sin);
             }
         }
+        self.attend_and_project(layer, hidden, batch, kv, sc)
+    }
+
+    /// Queries, keys and values of latent attention into `sc.q`, `sc.k`, `sc.v` (sized by the
+    /// caller), RoPE applied to their rotated parts. See [`tessera_model::Mla`].
+    fn mla_qkv(&self, m: &MlaProj, n: usize, sc: &mut Scratch) {
+        let cfg = self.config();
+        let pool = self.pool();
+        let mla = cfg.mla.expect("MLA weights are loaded for an MLA config");
+        let (e, eps) = (cfg.n_embd, cfg.rms_eps);
+        let (hd, r, dv, nh) = (cfg.head_dim, cfg.rope_dim, cfg.v_head_dim(), cfg.n_head);
+        let (nope, kvr) = (hd - r, mla.kv_lora_rank);
+        let (ca, qr) = (kvr + r, mla.q_lora_rank);
+        // From the normed input: the latent with the shared rotated key, and the query's first
+        // stage (or the whole query).
+        let first_q = m.q_a.as_ref().map_or(&m.wq, |(qa, _)| qa);
+        let acts = quantize_for(pool, &[m.kv_a.dtype(), first_q.dtype()], &sc.xn, n, e);
+        let mut latent = vec![0.0f32; n * ca];
+        let mut q_a = vec![0.0f32; n * qr];
+        run_matmuls(
+            pool,
+            &mut [
+                MatmulJob {
+                    w: &m.kv_a,
+                    acts: pick(&acts, m.kv_a.dtype()),
+                    out: &mut latent,
+                },
+                MatmulJob {
+                    w: first_q,
+                    acts: pick(&acts, first_q.dtype()),
+                    out: if m.q_a.is_some() { &mut q_a } else { &mut sc.q },
+                },
+            ],
+        );
+        if let Some((_, norm)) = &m.q_a {
+            for row in q_a.chunks_exact_mut(qr) {
+                rms_norm(row, norm, eps);
+            }
+            let acts = quantize_for(pool, &[m.wq.dtype()], &q_a, n, qr);
+            run_matmuls(
+                pool,
+                &mut [MatmulJob {
+                    w: &m.wq,
+                    acts: &acts[0],
+                    out: &mut sc.q,
+                }],
+            );
+        }
+        // Each head's non-rotated key and value, expanded from the normed latent.
+        let mut c = vec![0.0f32; n * kvr];
+        for t in 0..n {
+            rms_norm_into(
+                &mut c[t * kvr..(t + 1) * kvr],
+                &latent[t * ca..t * ca + kvr],
+                &m.kv_a_norm,
+                eps,
+            );
+        }
+        let per = nope + dv;
+        let mut kv = vec![0.0f32; n * nh * per];
+        let acts = quantize_for(pool, &[m.kv_b.dtype()], &c, n, kvr);
+        run_matmuls(
+            pool,
+            &mut [MatmulJob {
+                w: &m.kv_b,
+                acts: &acts[0],
+                out: &mut kv,
+            }],
+        );
+        let rope = match cfg.rope_style {
+            RopeStyle::Normal => rope_normal,
+            RopeStyle::Neox => rope_neox,
+        };
+        for t in 0..n {
+            let (cos, sin) = sc.rope.row(t);
+            let k_rope = &mut latent[t * ca + kvr..(t + 1) * ca];
+            rope(k_rope, cos, sin);
+            for h in 0..nh {
+                let (th, src) = (t * nh + h, &kv[(t * nh + h) * per..(t * nh + h + 1) * per]);
+                let k = &mut sc.k[th * hd..(th + 1) * hd];
+                k[..nope].copy_from_slice(&src[..nope]);
+                k[nope..].copy_from_slice(k_rope);
+                sc.v[th * dv..(th + 1) * dv].copy_from_slice(&src[nope..]);
+                rope(&mut sc.q[th * hd + nope..(th + 1) * hd], cos, sin);
+            }
+        }
+    }
+
+    /// The rest of the attention block from roped `sc.q`, `sc.k`, `sc.v`: the keys and values
+    /// appended to the caches, causal attention, the output projection and the residual.
+    fn attend_and_project(
+        &self,
+        layer: usize,
+        hidden: &mut Hidden,
+        batch: &[SeqStep],
+        kv: &mut [&mut KvCache],
+        sc: &mut Scratch,
+    ) -> Result<()> {
+        let cfg = self.config();
+        let w = self.core(layer)?;
+        let pool = self.pool();
+        let (n, e) = (hidden.n_tokens, cfg.n_embd);
+        let (hd, nh, nkv, dv) = (cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.v_head_dim());
+        let (qd, kvd, vd, od) = (cfg.q_dim(), cfg.kv_dim(), cfg.v_dim(), cfg.attn_out_dim());
         // Append this step's keys and values to each sequence's cache.
         let mut row = 0;
         for (s, c) in batch.iter().zip(kv.iter_mut()) {
-            let r = row * kvd..(row + s.n_tokens) * kvd;
-            c.append(layer, s.start_pos, &sc.k[r.clone()], &sc.v[r]);
+            let (rk, rv) = (
+                row * kvd..(row + s.n_tokens) * kvd,
+                row * vd..(row + s.n_tokens) * vd,
+            );
+            c.append(layer, s.start_pos, &sc.k[rk], &sc.v[rv]);
             row += s.n_tokens;
         }
         // Causal attention, in parallel: per (row, KV head) over an F32 cache (llama.cpp's
         // numerics), per (sequence, block of rows, KV head) fused over F16/Q8_0.
         let views: Vec<(LayerView<'_>, usize)> = kv.iter().map(|c| c.view(layer)).collect();
-        sc.attn.resize(n * qd, 0.0);
+        sc.attn.resize(n * od, 0.0);
         let out = SharedOut(sc.attn.as_mut_ptr(), sc.attn.len());
         let (q, rows) = (&sc.q, &sc.rows);
         let scale = 1.0 / (hd as f32).sqrt();
@@ -178,16 +291,23 @@ impl Model {
                     let pos = rows[t].1;
                     let o = t * qd + kh * group * hd;
                     // SAFETY: the group's heads of row t belong to this task only.
-                    let dst = unsafe { out.slice(o, group * hd) };
+                    let dst = unsafe { out.slice(t * od + kh * group * dv, group * dv) };
                     attend_group(
                         dst,
                         &q[o..o + group * hd],
-                        hd,
-                        k,
-                        v,
+                        HeadRows {
+                            data: k,
+                            stride: kvd,
+                            offset: kh * hd,
+                            width: hd,
+                        },
+                        HeadRows {
+                            data: v,
+                            stride: vd,
+                            offset: kh * dv,
+                            width: dv,
+                        },
                         pos + 1,
-                        kvd,
-                        kh * hd,
                         scale,
                         cfg.attention_start(layer, pos),
                         w.sinks.as_ref().map(|s| &s[kh * group..(kh + 1) * group]),
@@ -208,7 +328,7 @@ impl Model {
                         sinks.extend_from_slice(&s[kh * group..(kh + 1) * group]);
                     }
                 }
-                os.resize(qs.len(), 0.0);
+                os.resize(spans.len() * dv, 0.0);
                 let head = HeadKv {
                     view,
                     shape,
@@ -218,16 +338,15 @@ impl Model {
                 let head_sinks = w.sinks.as_ref().map(|_| &sinks[..]);
                 attend_fused(&mut os, &qs, &spans, head_sinks, head, scale, &mut fused);
                 for (j, t) in rs.clone().enumerate() {
-                    let o = t * qd + kh * group * hd;
                     // SAFETY: the group's heads of row t belong to this task only.
-                    let dst = unsafe { out.slice(o, group * hd) };
-                    dst.copy_from_slice(&os[j * group * hd..(j + 1) * group * hd]);
+                    let dst = unsafe { out.slice(t * od + kh * group * dv, group * dv) };
+                    dst.copy_from_slice(&os[j * group * dv..(j + 1) * group * dv]);
                 }
             }
         });
         // Output projection and residual.
         sc.proj.resize(n * e, 0.0);
-        let acts = quantize_for(pool, &[w.wo.dtype()], &sc.attn, n, qd);
+        let acts = quantize_for(pool, &[w.wo.dtype()], &sc.attn, n, od);
         run_matmuls(
             pool,
             &mut [MatmulJob {
@@ -255,7 +374,6 @@ impl Model {
     ) -> Result<()> {
         let cfg = self.config();
         let w = self.core(layer)?;
-        let pool = self.pool();
         let (n, e) = (hidden.n_tokens, cfg.n_embd);
         let normed = &mut sc.normed;
         normed.n_tokens = n;
@@ -267,43 +385,10 @@ impl Model {
         let normed = &sc.normed;
         match &w.ffn {
             Some(ffn) => {
-                let f = ffn.gate.rows();
-                sc.gate.resize(n * f, 0.0);
-                sc.up.resize(n * f, 0.0);
-                let acts = quantize_for(
-                    pool,
-                    &[ffn.gate.dtype(), ffn.up.dtype()],
-                    &normed.data,
-                    n,
-                    e,
-                );
-                run_matmuls(
-                    pool,
-                    &mut [
-                        MatmulJob {
-                            w: &ffn.gate,
-                            acts: pick(&acts, ffn.gate.dtype()),
-                            out: &mut sc.gate,
-                        },
-                        MatmulJob {
-                            w: &ffn.up,
-                            acts: pick(&acts, ffn.up.dtype()),
-                            out: &mut sc.up,
-                        },
-                    ],
-                );
-                swiglu_rows(&mut sc.gate, &sc.up, f);
-                let acts = quantize_for(pool, &[ffn.down.dtype()], &sc.gate, n, f);
-                sc.proj.resize(n * e, 0.0);
-                run_matmuls(
-                    pool,
-                    &mut [MatmulJob {
-                        w: &ffn.down,
-                        acts: &acts[0],
-                        out: &mut sc.proj,
-                    }],
-                );
-                add_assign(&mut hidden.data, &sc.proj);
+                let mut out = std::mem::take(&mut sc.proj);
+                self.dense_ffn(ffn, normed, &mut sc.gate, &mut sc.up, &mut out);
+                add_assign(&mut hidden.data, &out);
+                sc.proj = out;
             }
             None => {
                 let routing = self.moe_route(layer, normed)?;
@@ -321,11 +406,68 @@ impl Model {
                     }
                 }
                 let parts = experts.run(layer, normed, &routing)?;
-                let out = reduce_expert_outputs(&parts)?;
+                let mut out = reduce_expert_outputs(&parts)?;
+                // Shared experts beside the routed ones: (routed + shared) + residual, as
+                // llama.cpp adds them.
+                if let Some(shared) = &w.shared {
+                    let mut s = std::mem::take(&mut sc.proj);
+                    self.dense_ffn(shared, &sc.normed, &mut sc.gate, &mut sc.up, &mut s);
+                    add_assign(&mut out.data, &s);
+                    sc.proj = s;
+                }
                 add_assign(&mut hidden.data, &out.data);
             }
         }
         Ok(())
+    }
+
+    /// `out = down(silu(gate x) * up x)` for every row of `normed` (`gate`, `up`: scratch).
+    fn dense_ffn(
+        &self,
+        ffn: &Ffn,
+        normed: &Hidden,
+        gate: &mut Vec<f32>,
+        up: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        let pool = self.pool();
+        let (n, e) = (normed.n_tokens, normed.n_embd);
+        let f = ffn.gate.rows();
+        gate.resize(n * f, 0.0);
+        up.resize(n * f, 0.0);
+        let acts = quantize_for(
+            pool,
+            &[ffn.gate.dtype(), ffn.up.dtype()],
+            &normed.data,
+            n,
+            e,
+        );
+        run_matmuls(
+            pool,
+            &mut [
+                MatmulJob {
+                    w: &ffn.gate,
+                    acts: pick(&acts, ffn.gate.dtype()),
+                    out: gate,
+                },
+                MatmulJob {
+                    w: &ffn.up,
+                    acts: pick(&acts, ffn.up.dtype()),
+                    out: up,
+                },
+            ],
+        );
+        swiglu_rows(gate, up, f);
+        let acts = quantize_for(pool, &[ffn.down.dtype()], gate, n, f);
+        out.resize(n * e, 0.0);
+        run_matmuls(
+            pool,
+            &mut [MatmulJob {
+                w: &ffn.down,
+                acts: &acts[0],
+                out,
+            }],
+        );
     }
 
     /// Predicts the experts of layer `layer + 1` by applying its router early to `hidden` (the
@@ -355,7 +497,13 @@ impl Model {
         let mut best = vec![f32::NEG_INFINITY; ne];
         let mut order: Vec<usize> = Vec::with_capacity(ne);
         for p in probs.chunks_exact_mut(ne) {
-            softmax(p);
+            match cfg.gating {
+                ExpertGating::Sigmoid => p.iter_mut().for_each(|x| *x = sigmoid(*x)),
+                _ => softmax(p),
+            }
+            if let Some(b) = &core.selection_bias {
+                add_assign(p, b);
+            }
             order.clear();
             order.extend(0..ne);
             order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));

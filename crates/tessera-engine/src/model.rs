@@ -232,7 +232,7 @@ impl Model {
     pub fn holds_expert(&self, layer: usize, expert: usize) -> bool {
         if self.store.is_some() {
             return self.weights.spec.layers.contains(&layer)
-                && self.config.is_moe()
+                && self.config.is_moe_layer(layer)
                 && expert < self.config.n_expert
                 && self.weights.spec.experts.holds(layer, expert);
         }

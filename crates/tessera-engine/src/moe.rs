@@ -14,7 +14,7 @@ use crate::error::{EngineError, Result};
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
 use crate::kernels::QuantizedActs;
 use crate::model::{Hidden, Model};
-use crate::ops::{add_assign, softmax, swiglu_oai_rows, swiglu_rows};
+use crate::ops::{add_assign, sigmoid, softmax, swiglu_oai_rows, swiglu_rows};
 use crate::weights::{Ffn, FfnBias};
 use tessera_model::{ExpertGating, FfnActivation};
 
@@ -209,14 +209,46 @@ impl ExpertExecutor for PartExperts<'_> {
     }
 }
 
+/// Group-limited routing (DeepSeek-V3): the experts form `groups` equal groups of consecutive
+/// ids, each scored by the sum of its two best selection scores; all but the `used` best groups
+/// (ties: lower group) are masked to minus infinity.
+fn mask_groups(select: &mut [f32], groups: usize, used: usize) {
+    let per = select.len() / groups;
+    let score = |g: &[f32]| -> f32 {
+        let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for &x in g {
+            if x > a {
+                (a, b) = (x, a);
+            } else if x > b {
+                b = x;
+            }
+        }
+        if per == 1 {
+            a
+        } else {
+            a + b
+        }
+    };
+    let scores: Vec<f32> = select.chunks_exact(per).map(score).collect();
+    let mut order: Vec<usize> = (0..groups).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    for &g in &order[used..] {
+        select[g * per..(g + 1) * per].fill(f32::NEG_INFINITY);
+    }
+}
+
 /// Lower bound applied to the sum of the selected weights before renormalising (llama.cpp).
 const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
 
 impl Model {
-    /// The router of MoE layer `layer`: softmax over all experts' logits, the top `k` by
-    /// probability (ties: lower id), renormalised to sum to one when the model asks for it; or,
-    /// for gpt-oss ([`ExpertGating::SoftmaxWeight`]), the top `k` biased logits and the softmax
-    /// of those `k`.
+    /// The router of MoE layer `layer`: the gate's outputs (softmax over all experts' logits, or
+    /// each logit's sigmoid), the top `k` by those plus the selection bias when the model has
+    /// one (ties: lower id), within the best expert groups when routing is group-limited; their
+    /// weights are the gate's outputs, renormalised to sum to one when the model asks for it,
+    /// then scaled by [`ModelConfig::expert_weights_scale`]. For gpt-oss
+    /// ([`ExpertGating::SoftmaxWeight`]): the top `k` biased logits and the softmax of those `k`.
+    ///
+    /// [`ModelConfig::expert_weights_scale`]: tessera_model::ModelConfig::expert_weights_scale
     pub fn moe_route(&self, layer: usize, normed: &Hidden) -> Result<Routing> {
         let cfg = self.config();
         let core = self.core(layer)?;
@@ -229,16 +261,26 @@ impl Model {
         let mut experts = Vec::with_capacity(n * k);
         let mut weights = Vec::with_capacity(n * k);
         let mut order: Vec<usize> = Vec::with_capacity(ne);
+        let mut select = vec![0.0f32; ne];
         for p in probs.chunks_exact_mut(ne) {
             if let Some(b) = &core.router_bias {
                 add_assign(p, b);
             }
-            if cfg.gating == ExpertGating::Softmax {
-                softmax(p);
+            match cfg.gating {
+                ExpertGating::Softmax => softmax(p),
+                ExpertGating::Sigmoid => p.iter_mut().for_each(|x| *x = sigmoid(*x)),
+                ExpertGating::SoftmaxWeight => {}
+            }
+            select.copy_from_slice(p);
+            if let Some(b) = &core.selection_bias {
+                add_assign(&mut select, b);
+            }
+            if cfg.expert_groups > 1 {
+                mask_groups(&mut select, cfg.expert_groups, cfg.expert_groups_used);
             }
             order.clear();
             order.extend(0..ne);
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            order.sort_by(|&a, &b| select[b].total_cmp(&select[a]).then(a.cmp(&b)));
             let sel = &order[..k];
             let mut w: Vec<f32> = sel.iter().map(|&e| p[e]).collect();
             if cfg.gating == ExpertGating::SoftmaxWeight {
@@ -248,6 +290,11 @@ impl Model {
                 let sum = (w.iter().map(|&x| x as f64).sum::<f64>() as f32).max(MIN_WEIGHT_SUM);
                 for x in &mut w {
                     *x /= sum;
+                }
+            }
+            if cfg.expert_weights_scale != 1.0 && cfg.expert_weights_scale != 0.0 {
+                for x in &mut w {
+                    *x *= cfg.expert_weights_scale;
                 }
             }
             experts.extend(sel.iter().map(|&e| e as u32));

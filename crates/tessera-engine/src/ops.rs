@@ -148,6 +148,13 @@ fn rotate(x0: f32, x1: f32, cos: f32, sin: f32) -> (f32, f32) {
     (x0.mul_add(cos, -(x1 * sin)), x0.mul_add(sin, x1 * cos))
 }
 
+/// The logistic sigmoid `1 / (1 + e^-x)` with the C library's `expf` (ggml's
+/// `ggml_vec_sigmoid_f32`).
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// SiLU, `x / (1 + e^-x)` with the C library's `expf` (ggml's scalar `ggml_silu_f32`).
 #[inline]
 pub fn silu(x: f32) -> f32 {
@@ -365,12 +372,21 @@ fn dot_ggml(x: &[f32], y: &[f32]) -> f32 {
     sum
 }
 
+/// One KV head's keys or values in a position-major cache: position `j`'s `width` floats start
+/// at `data[j * stride + offset]`.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadRows<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+    pub offset: usize,
+    pub width: usize,
+}
+
 /// Causal attention of the query heads that share one KV head, over cached positions
 /// `0..n_kv` (each key and value row is read once for the whole group).
 ///
-/// `q` holds the group's heads back to back (`head_dim` each); `out` likewise. `keys`/`values`
-/// hold positions row-major with stride `kv_stride`, this KV head's slice starting at
-/// `kv_offset`. Per head this follows llama.cpp without flash attention: scores
+/// `q` holds the group's heads back to back (`keys.width` each); `out` holds their outputs
+/// (`values.width` each; keys and values may differ in width, as MLA's do). Per head this follows llama.cpp without flash attention: scores
 /// `dot(q, k) * scale`, a softmax over the (16-padded) row (positions before `first` masked, as
 /// a sliding window's are, and `sinks[h]` as head `h`'s sink logit), then each output dimension as
 /// `ggml_vec_dot_f32` of the scores and the transposed values over the padded KV length (what a
@@ -379,18 +395,15 @@ fn dot_ggml(x: &[f32], y: &[f32]) -> f32 {
 pub fn attend_group(
     out: &mut [f32],
     q: &[f32],
-    head_dim: usize,
-    keys: &[f32],
-    values: &[f32],
+    keys: HeadRows<'_>,
+    values: HeadRows<'_>,
     n_kv: usize,
-    kv_stride: usize,
-    kv_offset: usize,
     scale: f32,
     first: usize,
     sinks: Option<&[f32]>,
     scratch: &mut AttnScratch,
 ) {
-    let d = head_dim;
+    let d = keys.width;
     let g = q.len() / d;
     scratch.scores.resize(g * n_kv, 0.0);
     let (scores, lanes) = (&mut scratch.scores, &mut scratch.lanes);
@@ -399,7 +412,8 @@ pub fn attend_group(
     }
     with_fma(|| {
         for j in first..n_kv {
-            let k = &keys[j * kv_stride + kv_offset..j * kv_stride + kv_offset + d];
+            let at = j * keys.stride + keys.offset;
+            let k = &keys.data[at..at + d];
             for h in 0..g {
                 scores[h * n_kv + j] = dot_ggml(&q[h * d..(h + 1) * d], k) * scale;
             }
@@ -415,10 +429,11 @@ pub fn attend_group(
     // `(a0 + a2) + (a1 + a3)`, then [`reduce16`]. Masked cells add exact zeros.
     const _: () = assert!(KV_PAD.is_multiple_of(64));
     let v = ValueRows {
-        data: values,
-        stride: kv_stride,
-        offset: kv_offset,
+        data: values.data,
+        stride: values.stride,
+        offset: values.offset,
     };
+    let d = values.width;
     if d.is_multiple_of(64) {
         attend_values::<64>(out, scores, n_kv, g, d, v);
     } else if d.is_multiple_of(16) {

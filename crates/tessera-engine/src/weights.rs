@@ -88,13 +88,54 @@ impl LoadSpec {
     }
 }
 
-/// Attention and norms of one layer, plus its dense FFN or MoE router.
+/// The projections that make a layer's queries, keys and values.
+#[derive(Debug)]
+pub enum AttnProj {
+    /// Separate query, key and value projections.
+    Qkv { wq: Matrix, wk: Matrix, wv: Matrix },
+    /// DeepSeek's latent attention (see [`tessera_model::Mla`]).
+    Mla(MlaProj),
+}
+
+/// The matrices of multi-head latent attention.
+#[derive(Debug)]
+pub struct MlaProj {
+    /// The query's low-rank first stage (`attn_q_a`) and the norm of its output; `None` when
+    /// `wq` is a plain `attn_q`.
+    pub q_a: Option<(Matrix, Vec<f32>)>,
+    /// `attn_q_b` (or `attn_q`): every head's query.
+    pub wq: Matrix,
+    /// `attn_kv_a_mqa`: the compressed latent and the shared rotated key part.
+    pub kv_a: Matrix,
+    pub kv_a_norm: Vec<f32>,
+    /// `attn_kv_b`: each head's non-rotated key and value from the normed latent.
+    pub kv_b: Matrix,
+}
+
+impl AttnProj {
+    fn resident_bytes(&self) -> usize {
+        match self {
+            Self::Qkv { wq, wk, wv } => {
+                wq.resident_bytes() + wk.resident_bytes() + wv.resident_bytes()
+            }
+            Self::Mla(m) => {
+                m.q_a
+                    .as_ref()
+                    .map_or(0, |(w, n)| w.resident_bytes() + n.len() * 4)
+                    + m.wq.resident_bytes()
+                    + m.kv_a.resident_bytes()
+                    + m.kv_a_norm.len() * 4
+                    + m.kv_b.resident_bytes()
+            }
+        }
+    }
+}
+
+/// Attention and norms of one layer, plus its dense FFN or MoE router (and shared experts).
 #[derive(Debug)]
 pub struct LayerCore {
     pub attn_norm: Vec<f32>,
-    pub wq: Matrix,
-    pub wk: Matrix,
-    pub wv: Matrix,
+    pub proj: AttnProj,
     pub wo: Matrix,
     /// Projection biases (Qwen2, gpt-oss).
     pub bq: Option<Vec<f32>>,
@@ -114,6 +155,12 @@ pub struct LayerCore {
     pub router: Option<Matrix>,
     /// gpt-oss: router bias, added to the logits.
     pub router_bias: Option<Vec<f32>>,
+    /// DeepSeek-V3: the experts' selection bias (`exp_probs_b`), added to the gate's outputs
+    /// to choose experts, not to weigh them.
+    pub selection_bias: Option<Vec<f32>>,
+    /// Shared experts (DeepSeek), one FFN run on every token of a MoE layer. They stay with
+    /// the layer's dense weights, wherever its routed experts are.
+    pub shared: Option<Ffn>,
 }
 
 /// Per-expert biases of gpt-oss's experts: added to the gate and up projections before the
@@ -224,12 +271,47 @@ impl ModelWeights {
                 let k_norm = opt_vec(l("attn_k_norm.weight"), qk_norm)?;
                 let bo = opt_vec(l("attn_output.bias"), oss)?;
                 let sinks = opt_vec(l("attn_sinks.weight"), oss)?;
-                let router_bias = opt_vec(l("ffn_gate_inp.bias"), oss && config.is_moe())?;
+                let moe = config.is_moe_layer(il);
+                let router_bias = opt_vec(l("ffn_gate_inp.bias"), oss && moe)?;
+                let selection_bias =
+                    opt_vec(l("exp_probs_b.bias"), moe && config.expert_selection_bias)?;
+                let proj = match config.mla {
+                    None => AttnProj::Qkv {
+                        wq: loader.matrix(&l("attn_q.weight"))?,
+                        wk: loader.matrix(&l("attn_k.weight"))?,
+                        wv: loader.matrix(&l("attn_v.weight"))?,
+                    },
+                    Some(m) => AttnProj::Mla(MlaProj {
+                        q_a: if m.q_lora_rank > 0 {
+                            Some((
+                                loader.matrix(&l("attn_q_a.weight"))?,
+                                loader.vector(&l("attn_q_a_norm.weight"))?,
+                            ))
+                        } else {
+                            None
+                        },
+                        wq: loader.matrix(&l(if m.q_lora_rank > 0 {
+                            "attn_q_b.weight"
+                        } else {
+                            "attn_q.weight"
+                        }))?,
+                        kv_a: loader.matrix(&l("attn_kv_a_mqa.weight"))?,
+                        kv_a_norm: loader.vector(&l("attn_kv_a_norm.weight"))?,
+                        kv_b: loader.matrix(&l("attn_kv_b.weight"))?,
+                    }),
+                };
+                let shared = if moe && config.n_expert_shared > 0 {
+                    Some(Ffn {
+                        gate: loader.matrix(&l("ffn_gate_shexp.weight"))?,
+                        up: loader.matrix(&l("ffn_up_shexp.weight"))?,
+                        down: loader.matrix(&l("ffn_down_shexp.weight"))?,
+                    })
+                } else {
+                    None
+                };
                 Some(LayerCore {
                     attn_norm: loader.vector(&l("attn_norm.weight"))?,
-                    wq: loader.matrix(&l("attn_q.weight"))?,
-                    wk: loader.matrix(&l("attn_k.weight"))?,
-                    wv: loader.matrix(&l("attn_v.weight"))?,
+                    proj,
                     wo: loader.matrix(&l("attn_output.weight"))?,
                     bq,
                     bk,
@@ -239,7 +321,7 @@ impl ModelWeights {
                     bo,
                     sinks,
                     ffn_norm: loader.vector(&l(names::ffn_norm(config.arch)))?,
-                    ffn: if config.is_moe() {
+                    ffn: if moe {
                         None
                     } else {
                         Some(Ffn {
@@ -248,18 +330,20 @@ impl ModelWeights {
                             down: loader.matrix(&l("ffn_down.weight"))?,
                         })
                     },
-                    router: if config.is_moe() {
+                    router: if moe {
                         Some(loader.matrix(&l("ffn_gate_inp.weight"))?)
                     } else {
                         None
                     },
                     router_bias,
+                    selection_bias,
+                    shared,
                 })
             } else {
                 None
             };
             let mut experts = Vec::new();
-            if config.is_moe() {
+            if config.is_moe_layer(il) {
                 for e in 0..config.n_expert {
                     experts.push(if spec.experts.holds(il, e) {
                         let n = config.n_expert;
@@ -297,13 +381,11 @@ impl ModelWeights {
         for l in &self.layers {
             if let Some(c) = &l.core {
                 b += (c.attn_norm.len() + c.ffn_norm.len()) * 4;
-                b += [&c.wq, &c.wk, &c.wv, &c.wo]
-                    .iter()
-                    .map(|m| m.resident_bytes())
-                    .sum::<usize>();
+                b += c.proj.resident_bytes() + c.wo.resident_bytes();
                 b += v(&c.bq) + v(&c.bk) + v(&c.bv) + v(&c.q_norm) + v(&c.k_norm);
-                b += v(&c.bo) + v(&c.sinks) + v(&c.router_bias);
+                b += v(&c.bo) + v(&c.sinks) + v(&c.router_bias) + v(&c.selection_bias);
                 b += c.ffn.as_ref().map_or(0, Ffn::resident_bytes);
+                b += c.shared.as_ref().map_or(0, Ffn::resident_bytes);
                 b += m(&c.router);
             }
             b += l
@@ -331,7 +413,7 @@ pub(crate) fn load_expert_bias(
     held: &ExpertSelection,
     il: usize,
 ) -> Result<Vec<Option<FfnBias>>> {
-    if !(config.is_moe() && config.has_oss_biases()) {
+    if !(config.is_moe_layer(il) && config.has_oss_biases()) {
         return Ok(Vec::new());
     }
     let n = config.n_expert;

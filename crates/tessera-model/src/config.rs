@@ -25,6 +25,11 @@ pub enum Architecture {
     /// softmaxed, biased experts with a clamped SwiGLU.
     #[serde(rename = "gpt-oss")]
     GptOss,
+    /// DeepSeek-V2/V3 and Kimi K2 (`deepseek2` in llama.cpp): multi-head latent attention
+    /// ([`Mla`]), leading dense layers, routed experts beside shared ones, sigmoid or softmax
+    /// gating with a selection bias and group-limited routing.
+    #[serde(rename = "deepseek2")]
+    DeepSeek2,
 }
 
 impl Architecture {
@@ -35,6 +40,7 @@ impl Architecture {
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3moe",
             Self::GptOss => "gpt-oss",
+            Self::DeepSeek2 => "deepseek2",
         }
     }
 
@@ -45,6 +51,7 @@ impl Architecture {
             "qwen3" => Self::Qwen3,
             "qwen3moe" => Self::Qwen3Moe,
             "gpt-oss" => Self::GptOss,
+            "deepseek2" => Self::DeepSeek2,
             _ => return None,
         })
     }
@@ -89,6 +96,34 @@ pub enum ExpertGating {
     Softmax,
     /// The top k by logit, their weights the softmax of those k logits (gpt-oss).
     SoftmaxWeight,
+    /// The sigmoid of each logit; the top k by sigmoid plus the selection bias
+    /// (`exp_probs_b`, when the model has one), their weights the unbiased sigmoids
+    /// (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// DeepSeek's multi-head latent attention, as llama.cpp runs the `attn_kv_b` layout: the keys
+/// and values of every head are expanded from one compressed latent per position, and each
+/// head's key is its own non-rotated part followed by one rotated part shared by all heads.
+///
+/// ```text
+/// q           = Wq_b · rms_norm(Wq_a · n) * q_a_norm        (or Wq · n without a q rank)
+/// [c, k_rope] = Wkv_a · n                                   (c: kv_lora_rank wide)
+/// [k_nope_h, v_h] for each head h = Wkv_b · rms_norm(c) * kv_a_norm
+/// key_h       = [k_nope_h, rope(k_rope)],   query_h = [q_nope_h, rope(q_rope_h)]
+/// ```
+///
+/// Keys are [`ModelConfig::head_dim`] wide (`head_dim - rope_dim` non-rotated, then
+/// `rope_dim` rotated) and values `v_head_dim` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mla {
+    /// Rank of the query's low-rank projection (`attn_q_a`, `attn_q_b`); 0 for a plain
+    /// `attn_q` (DeepSeek-V2-Lite).
+    pub q_lora_rank: usize,
+    /// Width of the compressed KV latent.
+    pub kv_lora_rank: usize,
+    /// Width of each head's value.
+    pub v_head_dim: usize,
 }
 
 /// The gated activation of the feed-forward blocks.
@@ -144,6 +179,34 @@ pub struct ModelConfig {
     pub activation: FfnActivation,
     #[serde(default)]
     pub rope_scaling: RopeScaling,
+    /// Multi-head latent attention (DeepSeek).
+    #[serde(default)]
+    pub mla: Option<Mla>,
+    /// The first `n_layer_dense_lead` layers have a dense FFN (`n_ff` wide) in a MoE model.
+    #[serde(default)]
+    pub n_layer_dense_lead: usize,
+    /// Shared experts of each MoE layer, run on every token beside the routed ones, as one
+    /// dense FFN `n_expert_shared * n_ff_expert` wide.
+    #[serde(default)]
+    pub n_expert_shared: usize,
+    /// Routed experts' weights are multiplied by this (after any renormalisation).
+    #[serde(default = "one")]
+    pub expert_weights_scale: f32,
+    /// A selection bias per expert (`exp_probs_b`), added to the gate's outputs to choose the
+    /// experts but not to weigh them.
+    #[serde(default)]
+    pub expert_selection_bias: bool,
+    /// Group-limited routing: experts are split into `expert_groups` equal groups, each
+    /// scored by the sum of its two best selection scores, and only the `expert_groups_used`
+    /// best groups are chosen from (0: no groups).
+    #[serde(default)]
+    pub expert_groups: usize,
+    #[serde(default)]
+    pub expert_groups_used: usize,
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 /// Tensor names, in one place.
@@ -245,7 +308,7 @@ impl ModelConfig {
         let rope_dim = opt_usize(g, &key("rope.dimension_count"))?.unwrap_or(head_dim);
         let rms_eps = opt_f32(g, &key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6);
         let rope_style = match arch {
-            Architecture::Llama => RopeStyle::Normal,
+            Architecture::Llama | Architecture::DeepSeek2 => RopeStyle::Normal,
             _ => RopeStyle::Neox,
         };
         let gpt_oss = arch == Architecture::GptOss;
@@ -264,6 +327,55 @@ impl ModelConfig {
             (0, 0)
         };
         let rope_scaling = read_rope_scaling(g, &key, context_length)?;
+        let deepseek = arch == Architecture::DeepSeek2;
+        // DeepSeek pre-scales attention by YaRN's magnitude (llama.cpp's kq_scale): until that
+        // is done here, a scaled deepseek2 file is refused rather than run with the wrong one.
+        if deepseek && rope_scaling != RopeScaling::None {
+            return Err(bad_meta(
+                path,
+                &key("rope.scaling.type"),
+                "RoPE scaling is not supported for deepseek2 yet".into(),
+            ));
+        }
+        let mla = if deepseek {
+            Some(read_mla(g, &key, n_head, n_head_kv)?)
+        } else {
+            None
+        };
+        let n_layer_dense_lead = opt_usize(g, &key("leading_dense_block_count"))?.unwrap_or(0);
+        if n_layer_dense_lead > n_layer {
+            return Err(bad_meta(
+                path,
+                &key("leading_dense_block_count"),
+                format!("{n_layer_dense_lead} is more than the {n_layer} layers"),
+            ));
+        }
+        let n_expert_shared = opt_usize(g, &key("expert_shared_count"))?.unwrap_or(0);
+        let expert_weights_scale = opt_f32(g, &key("expert_weights_scale"))?.unwrap_or(1.0);
+        let (expert_groups, expert_groups_used) = read_expert_groups(g, &key, n_expert)?;
+        let gating = match (arch, opt_usize(g, &key("expert_gating_func"))?) {
+            (Architecture::GptOss, _) => ExpertGating::SoftmaxWeight,
+            // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*: 1 softmax, 2 sigmoid (0/absent:
+            // softmax, as older DeepSeek-V2 files have).
+            (_, None | Some(0 | 1)) => ExpertGating::Softmax,
+            (_, Some(2)) => ExpertGating::Sigmoid,
+            (_, Some(other)) => {
+                return Err(bad_meta(
+                    path,
+                    &key("expert_gating_func"),
+                    format!("gating function {other} is not supported (1 softmax, 2 sigmoid)"),
+                ))
+            }
+        };
+        let norm_topk_weights = match g.meta(&key("expert_weights_norm")) {
+            Some(v) => v.as_bool().ok_or_else(|| {
+                bad_meta(path, &key("expert_weights_norm"), "is not a boolean".into())
+            })?,
+            None => matches!(arch, Architecture::Qwen3Moe | Architecture::Llama),
+        };
+        let expert_selection_bias = n_expert > 0
+            && g.tensor(&names::layer(n_layer - 1, "exp_probs_b.bias"))
+                .is_some();
         // A different base for the sliding-window layers would need a second table: refuse it
         // rather than run them with the wrong one.
         if let Some(b) = opt_f32(g, &key("rope.freq_base_swa"))? {
@@ -293,15 +405,11 @@ impl ModelConfig {
             rope_dim,
             rms_eps,
             tied_embeddings: g.tensor(names::OUTPUT).is_none(),
-            norm_topk_weights: matches!(arch, Architecture::Qwen3Moe | Architecture::Llama),
+            norm_topk_weights,
             sliding_window,
             swa_pattern,
             rope_scaling,
-            gating: if gpt_oss {
-                ExpertGating::SoftmaxWeight
-            } else {
-                ExpertGating::Softmax
-            },
+            gating,
             activation: if gpt_oss {
                 // llama.cpp's constants for LLM_FFN_SWIGLU_OAI_MOE (not in the GGUF).
                 FfnActivation::SwigluOai {
@@ -311,8 +419,16 @@ impl ModelConfig {
             } else {
                 FfnActivation::Swiglu
             },
+            mla,
+            n_layer_dense_lead,
+            n_expert_shared,
+            expert_weights_scale,
+            expert_selection_bias,
+            expert_groups,
+            expert_groups_used,
         };
-        if rope_dim > head_dim || rope_dim % 2 != 0 {
+        // MLA keys are a non-rotated part and a rotated part: both must be there.
+        if rope_dim > head_dim || rope_dim % 2 != 0 || (mla.is_some() && rope_dim == head_dim) {
             return Err(bad_meta(
                 path,
                 &key("rope.dimension_count"),
@@ -325,6 +441,19 @@ impl ModelConfig {
 
     pub fn is_moe(&self) -> bool {
         self.n_expert > 0
+    }
+
+    /// Whether layer `il` routes to experts (a MoE model's leading dense layers do not).
+    pub fn is_moe_layer(&self, il: usize) -> bool {
+        self.is_moe() && il >= self.n_layer_dense_lead
+    }
+
+    /// The layers of `layers` that route to experts (the leading dense layers are a prefix).
+    pub fn moe_layers(&self, layers: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        if !self.is_moe() {
+            return layers.end..layers.end;
+        }
+        layers.start.max(self.n_layer_dense_lead).min(layers.end)..layers.end
     }
 
     /// Whether layer `il` attends through a sliding window.
@@ -359,9 +488,24 @@ impl ModelConfig {
         self.n_head * self.head_dim
     }
 
-    /// Width of the key (and value) projection output.
+    /// Width of the keys of one position (all KV heads).
     pub fn kv_dim(&self) -> usize {
         self.n_head_kv * self.head_dim
+    }
+
+    /// Width of one head's value: `head_dim`, except with MLA.
+    pub fn v_head_dim(&self) -> usize {
+        self.mla.map_or(self.head_dim, |m| m.v_head_dim)
+    }
+
+    /// Width of the values of one position (all KV heads).
+    pub fn v_dim(&self) -> usize {
+        self.n_head_kv * self.v_head_dim()
+    }
+
+    /// Width of the attention's output (all query heads' values), the output projection's input.
+    pub fn attn_out_dim(&self) -> usize {
+        self.n_head * self.v_head_dim()
     }
 
     /// Every tensor the architecture reads, with the shape (GGML order) the hyperparameters imply.
@@ -384,10 +528,30 @@ impl ModelConfig {
         for i in 0..self.n_layer {
             let l = |w: &str| names::layer(i, w);
             out.push((l("attn_norm.weight"), vec![e]));
-            out.push((l("attn_q.weight"), vec![e, q]));
-            out.push((l("attn_k.weight"), vec![e, kv]));
-            out.push((l("attn_v.weight"), vec![e, kv]));
-            out.push((l("attn_output.weight"), vec![q, e]));
+            if let Some(m) = self.mla {
+                let (qr, kvr) = (m.q_lora_rank as u64, m.kv_lora_rank as u64);
+                if qr > 0 {
+                    out.push((l("attn_q_a.weight"), vec![e, qr]));
+                    out.push((l("attn_q_a_norm.weight"), vec![qr]));
+                    out.push((l("attn_q_b.weight"), vec![qr, q]));
+                } else {
+                    out.push((l("attn_q.weight"), vec![e, q]));
+                }
+                let nope = (self.head_dim - self.rope_dim) as u64;
+                let kv_b = self.n_head as u64 * (nope + m.v_head_dim as u64);
+                out.push((
+                    l("attn_kv_a_mqa.weight"),
+                    vec![e, kvr + self.rope_dim as u64],
+                ));
+                out.push((l("attn_kv_a_norm.weight"), vec![kvr]));
+                out.push((l("attn_kv_b.weight"), vec![kvr, kv_b]));
+                out.push((l("attn_output.weight"), vec![self.attn_out_dim() as u64, e]));
+            } else {
+                out.push((l("attn_q.weight"), vec![e, q]));
+                out.push((l("attn_k.weight"), vec![e, kv]));
+                out.push((l("attn_v.weight"), vec![e, kv]));
+                out.push((l("attn_output.weight"), vec![q, e]));
+            }
             if self.has_qkv_bias() {
                 out.push((l("attn_q.bias"), vec![q]));
                 out.push((l("attn_k.bias"), vec![kv]));
@@ -402,12 +566,21 @@ impl ModelConfig {
                 out.push((l("attn_k_norm.weight"), vec![self.head_dim as u64]));
             }
             out.push((l(names::ffn_norm(self.arch)), vec![e]));
-            if self.is_moe() {
+            if self.is_moe_layer(i) {
                 let (n, f) = (self.n_expert as u64, self.n_ff_expert as u64);
                 out.push((l("ffn_gate_inp.weight"), vec![e, n]));
                 out.push((l("ffn_gate_exps.weight"), vec![e, f, n]));
                 out.push((l("ffn_up_exps.weight"), vec![e, f, n]));
                 out.push((l("ffn_down_exps.weight"), vec![f, e, n]));
+                if self.expert_selection_bias {
+                    out.push((l("exp_probs_b.bias"), vec![n]));
+                }
+                if self.n_expert_shared > 0 {
+                    let fs = f * self.n_expert_shared as u64;
+                    out.push((l("ffn_gate_shexp.weight"), vec![e, fs]));
+                    out.push((l("ffn_up_shexp.weight"), vec![e, fs]));
+                    out.push((l("ffn_down_shexp.weight"), vec![fs, e]));
+                }
                 if self.has_oss_biases() {
                     out.push((l("ffn_gate_inp.bias"), vec![n]));
                     out.push((l("ffn_gate_exps.bias"), vec![f, n]));
@@ -438,6 +611,67 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// `{arch}.attention.*` of DeepSeek's latent attention in the `attn_kv_b` layout (every head
+/// its own key and value; the absorbed layout, with `key_length_mla`, is refused by name).
+fn read_mla(
+    g: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    n_head: usize,
+    n_head_kv: usize,
+) -> Result<Mla> {
+    let path = g.path();
+    if g.meta(&key("attention.key_length_mla")).is_some() {
+        return Err(bad_meta(
+            path,
+            &key("attention.key_length_mla"),
+            "the absorbed MLA layout (attn_k_b/attn_v_b) is not supported; a file converted \
+             with attn_kv_b is"
+                .into(),
+        ));
+    }
+    if n_head_kv != n_head {
+        return Err(bad_meta(
+            path,
+            &key("attention.head_count_kv"),
+            format!("MLA expands a key and value for every head: {n_head_kv} is not {n_head}"),
+        ));
+    }
+    Ok(Mla {
+        q_lora_rank: opt_usize(g, &key("attention.q_lora_rank"))?.unwrap_or(0),
+        kv_lora_rank: meta_usize(g, &key("attention.kv_lora_rank"))?,
+        v_head_dim: meta_usize(g, &key("attention.value_length"))?,
+    })
+}
+
+/// `{arch}.expert_group_count` / `expert_group_used_count` (group-limited routing), checked as
+/// llama.cpp checks them: groups divide the experts, and fewer groups are used than exist.
+fn read_expert_groups(
+    g: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    n_expert: usize,
+) -> Result<(usize, usize)> {
+    let groups = opt_usize(g, &key("expert_group_count"))?.unwrap_or(0);
+    let used = opt_usize(g, &key("expert_group_used_count"))?.unwrap_or(0);
+    if groups <= 1 {
+        return Ok((0, 0));
+    }
+    if n_expert == 0 || !n_expert.is_multiple_of(groups) || groups >= n_expert {
+        return Err(bad_meta(
+            g.path(),
+            &key("expert_group_count"),
+            format!("{groups} groups do not divide the {n_expert} experts"),
+        ));
+    }
+    if used == 0 || used >= groups {
+        return Err(bad_meta(
+            g.path(),
+            &key("expert_group_used_count"),
+            format!("{used} must be between 1 and the group count {groups} (exclusive)"),
+        ));
+    }
+    Ok((groups, used))
 }
 
 /// `{arch}.rope.scaling.*`: none (also when the type is absent or the factor is 1), linear or

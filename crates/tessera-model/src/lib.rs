@@ -18,7 +18,9 @@ pub mod profile;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::{Architecture, ExpertGating, FfnActivation, ModelConfig, RopeScaling, RopeStyle};
+pub use config::{
+    Architecture, ExpertGating, FfnActivation, Mla, ModelConfig, RopeScaling, RopeStyle,
+};
 pub use dtype::GgmlType;
 pub use error::{ModelError, Result};
 pub use gguf::{GgufFile, MetaArray, MetaValue, TensorInfo};

@@ -120,7 +120,7 @@ impl ModelProfile {
         let growing = (0..config.n_layer)
             .filter(|&l| !config.is_swa_layer(l))
             .count();
-        let kv_bytes_per_token = (2 * growing * config.kv_dim() * 4) as u64;
+        let kv_bytes_per_token = (growing * (config.kv_dim() + config.v_dim()) * 4) as u64;
         let flops_per_token = Self::estimate_flops(&config);
         Ok(Self {
             file: g.path().to_owned(),
@@ -154,13 +154,33 @@ impl ModelProfile {
 
     fn estimate_flops(c: &ModelConfig) -> u64 {
         let e = c.n_embd as u64;
-        let attn = e * (c.q_dim() + 2 * c.kv_dim()) as u64 + c.q_dim() as u64 * e;
-        let ffn = if c.is_moe() {
-            3 * e * c.n_ff_expert as u64 * c.n_expert_used as u64 + e * c.n_expert as u64
-        } else {
-            3 * e * c.n_ff as u64
+        let attn = match c.mla {
+            None => e * (c.q_dim() + 2 * c.kv_dim()) as u64 + c.q_dim() as u64 * e,
+            Some(m) => {
+                let (qr, kvr) = (m.q_lora_rank as u64, m.kv_lora_rank as u64);
+                let q = if qr > 0 {
+                    e * qr + qr * c.q_dim() as u64
+                } else {
+                    e * c.q_dim() as u64
+                };
+                let kv_a = e * (kvr + c.rope_dim as u64);
+                let kv_b = kvr * (c.kv_dim() - c.n_head * c.rope_dim + c.v_dim()) as u64;
+                q + kv_a + kv_b + c.attn_out_dim() as u64 * e
+            }
         };
-        2 * (c.n_layer as u64 * (attn + ffn) + e * c.vocab_size as u64)
+        let routed = 3 * e * c.n_ff_expert as u64 * c.n_expert_used as u64 + e * c.n_expert as u64;
+        let shared = 3 * e * (c.n_ff_expert * c.n_expert_shared) as u64;
+        let dense = 3 * e * c.n_ff as u64;
+        let ffn: u64 = (0..c.n_layer)
+            .map(|l| {
+                if c.is_moe_layer(l) {
+                    routed + shared
+                } else {
+                    dense
+                }
+            })
+            .sum();
+        2 * (c.n_layer as u64 * attn + ffn + e * c.vocab_size as u64)
     }
 
     /// Total weight bytes.
@@ -280,6 +300,56 @@ impl fmt::Display for ModelProfile {
                 "attention     window of {} in layers {} (the others see the whole context)",
                 c.sliding_window,
                 swa.join(",")
+            )?;
+        }
+        if let Some(m) = c.mla {
+            let q = if m.q_lora_rank > 0 {
+                format!("queries through rank {}", m.q_lora_rank)
+            } else {
+                "a plain query projection".into()
+            };
+            writeln!(
+                f,
+                "attention     latent (MLA): KV latent of {}, keys {} ({} rotated), values {}, {q}",
+                m.kv_lora_rank, c.head_dim, c.rope_dim, m.v_head_dim
+            )?;
+        }
+        if c.is_moe() && (c.n_layer_dense_lead > 0 || c.n_expert_shared > 0) {
+            writeln!(
+                f,
+                "moe layers    {}..{} ({} dense first), {} shared expert(s) of FFN {}",
+                c.n_layer_dense_lead,
+                c.n_layer,
+                c.n_layer_dense_lead,
+                c.n_expert_shared,
+                c.n_ff_expert * c.n_expert_shared
+            )?;
+        }
+        if c.is_moe() && c.arch == crate::Architecture::DeepSeek2 {
+            let groups = if c.expert_groups > 1 {
+                format!(
+                    ", best {} of {} groups",
+                    c.expert_groups_used, c.expert_groups
+                )
+            } else {
+                String::new()
+            };
+            writeln!(
+                f,
+                "routing       {:?} gating{}{}{}, weights x{}",
+                c.gating,
+                if c.expert_selection_bias {
+                    ", selection bias"
+                } else {
+                    ""
+                },
+                groups,
+                if c.norm_topk_weights {
+                    ", normalised"
+                } else {
+                    ""
+                },
+                c.expert_weights_scale
             )?;
         }
         if c.has_oss_biases() {

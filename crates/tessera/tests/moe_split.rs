@@ -204,6 +204,18 @@ fn experts_split_with_2_stages_match_one_process_gpt_oss() {
     stages_and_experts("test/tiny-gpt-oss-MXFP4.gguf");
 }
 
+/// deepseek2: latent attention (keys wider than values), a dense first layer, sigmoid gating
+/// with a selection bias in expert groups, a shared expert that stays with the home stage.
+#[test]
+fn experts_split_across_3_nodes_match_one_process_deepseek2() {
+    three_nodes("test/tiny-deepseek2-Q8_0.gguf");
+}
+
+#[test]
+fn experts_split_with_2_stages_match_one_process_deepseek2() {
+    stages_and_experts("test/tiny-deepseek2-Q8_0.gguf");
+}
+
 #[test]
 fn experts_split_across_2_nodes_match_one_process_small() {
     two_nodes("test/small-qwen3moe-Q8_0.gguf");

@@ -13,12 +13,13 @@ use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 
-/// Bytes of one expert of layer 0 in the GGUF (gate, up and down).
-fn expert_bytes(g: &GgufFile, n_expert: usize) -> u64 {
+/// Bytes of one expert of the first MoE layer in the GGUF (gate, up and down).
+fn expert_bytes(g: &GgufFile, cfg: &ModelConfig) -> u64 {
+    let (first, n_expert) = (cfg.n_layer_dense_lead, cfg.n_expert);
     ["gate", "up", "down"]
         .iter()
         .map(|w| {
-            g.tensor(&format!("blk.0.ffn_{w}_exps.weight"))
+            g.tensor(&format!("blk.{first}.ffn_{w}_exps.weight"))
                 .unwrap_or_else(|| panic!("no ffn_{w}_exps"))
                 .n_bytes
         })
@@ -37,13 +38,19 @@ fn streamed_experts_on_a_node_match_one_process_gpt_oss() {
     streamed_experts_match_one_process("test/tiny-gpt-oss-MXFP4.gguf");
 }
 
+/// deepseek2: a dense first layer (no experts to stream there), a shared expert kept resident.
+#[test]
+fn streamed_experts_on_a_node_match_one_process_deepseek2() {
+    streamed_experts_match_one_process("test/tiny-deepseek2-Q8_0.gguf");
+}
+
 fn streamed_experts_match_one_process(name: &str) {
     let path = model(name);
     let g = GgufFile::open(&path).unwrap();
     let cfg = ModelConfig::from_gguf(&g).unwrap();
     let (l, n) = (cfg.n_layer, cfg.n_expert);
     assert!(n >= 4);
-    let budget = 2 * expert_bytes(&g, n);
+    let budget = 2 * expert_bytes(&g, &cfg);
     let prompt_text = "Once upon a time, in a quiet village";
     let prompt = Tokenizer::from_gguf(&g).unwrap().encode(prompt_text, true);
     let (steps, chunk) = (10, 4);
@@ -110,7 +117,7 @@ fn bench_with_an_expert_budget_reports_the_streaming_figures() {
     let path = model("test/small-qwen3moe-Q8_0.gguf");
     let g = GgufFile::open(&path).unwrap();
     let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let budget = 2 * expert_bytes(&g, cfg.n_expert) * cfg.n_layer as u64;
+    let budget = 2 * expert_bytes(&g, &cfg) * cfg.n_layer as u64;
     let out = std::process::Command::new(common::bin())
         .args(["bench", "-t", "1", "-p", "4", "-n", "12", "--json", "-m"])
         .arg(&path)

@@ -112,9 +112,11 @@ impl ExpertStore {
         streaming: ExpertStreaming,
     ) -> Result<Self> {
         let n_expert = config.n_expert;
-        let mut src = Vec::with_capacity(spec.layers.len());
+        // Only the layers that route to experts (a model's leading dense layers hold none).
+        let layers = config.moe_layers(spec.layers.clone());
+        let mut src = Vec::with_capacity(layers.len());
         let mut served = 0u64;
-        for il in spec.layers.clone() {
+        for il in layers.clone() {
             let mut mats = Vec::with_capacity(3);
             for w in [
                 "ffn_gate_exps.weight",
@@ -250,7 +252,7 @@ impl ExpertStore {
                 per_layer,
                 window_cap,
             },
-            layers: spec.layers.clone(),
+            layers,
             src,
             inner: Mutex::new(inner),
             ready: Condvar::new(),

@@ -1,0 +1,315 @@
+//! deepseek2 (DeepSeek-V2/V3, Kimi K2) on its committed synthetic fixtures (Q8_0 by
+//! llama-quantize): `tiny-deepseek2-Q8_0` has DeepSeek-V3's parts (low-rank queries, latent
+//! KV, a dense first layer, sigmoid gating with a selection bias in 4 groups of which 2 are
+//! used, normalised and scaled weights, a shared expert); `tiny-deepseek2-lite-Q8_0`
+//! DeepSeek-V2-Lite's (a plain query projection, softmax gating, two shared experts).
+//!
+//! Greedy tokens equal llama.cpp's; every pipeline cut and routed experts split in 2 and 3
+//! parts (the shared experts with the first part) are bit-identical to the whole model, and so
+//! is the model with its routed experts streamed from disk. (Teacher-forced agreement with
+//! llama.cpp is checked by `reference.rs`, which reads every file in `reference/`.)
+
+mod common;
+
+use common::assert_bits_eq;
+use tessera_engine::ops::argmax;
+use tessera_engine::{
+    ExpertSelection, ExpertStreaming, KvCache, KvType, LoadSpec, LocalExperts, Model, PartExperts,
+    SeqStep,
+};
+use tessera_model::{Architecture, ExpertGating, ModelConfig};
+
+const MODELS: [&str; 2] = ["tiny-deepseek2-Q8_0", "tiny-deepseek2-lite-Q8_0"];
+const PROMPT: [u32; 20] = [
+    1, 403, 407, 261, 378, 300, 42, 17, 99, 5, 260, 311, 290, 402, 356, 271, 284, 305, 330, 88,
+];
+const DECODE_STEPS: usize = 6;
+
+fn file(name: &str) -> String {
+    format!("{name}.gguf")
+}
+
+/// The token steps of a run: the prompt, then greedy tokens of the full model.
+fn steps(full: &Model) -> Vec<Vec<u32>> {
+    let mut kv = common::kv_for(full);
+    let mut out = vec![PROMPT.to_vec()];
+    let mut logits = full.forward_last(&PROMPT, &mut kv).unwrap();
+    for _ in 0..DECODE_STEPS {
+        let t = argmax(logits.last()) as u32;
+        out.push(vec![t]);
+        logits = full.forward_last(&[t], &mut kv).unwrap();
+    }
+    out
+}
+
+/// Logits of every step with `parts` computing the routed experts (`parts[0]` holds the rest).
+fn run_with_parts(parts: &[&Model], steps: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let main = parts[0];
+    let l = main.config().n_layer;
+    let mut kv: KvCache = common::kv_for(main);
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for tokens in steps {
+        let mut h = main.embed(tokens).unwrap();
+        let step = [SeqStep {
+            n_tokens: tokens.len(),
+            start_pos: pos,
+        }];
+        main.run_layers(
+            0..l,
+            &mut h,
+            &step,
+            &mut [&mut kv],
+            &mut PartExperts(parts.to_vec()),
+        )
+        .unwrap();
+        out.push(main.head(&h).unwrap().data);
+        pos += tokens.len();
+    }
+    out
+}
+
+#[test]
+fn fixtures_have_deepseek2_parts() {
+    let g = common::open(&file(MODELS[0]));
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    assert_eq!(cfg.arch, Architecture::DeepSeek2);
+    let mla = cfg.mla.unwrap();
+    assert_eq!(
+        (mla.q_lora_rank, mla.kv_lora_rank, mla.v_head_dim),
+        (64, 64, 32)
+    );
+    assert_eq!((cfg.head_dim, cfg.rope_dim, cfg.v_head_dim()), (48, 16, 32));
+    assert_eq!((cfg.n_layer_dense_lead, cfg.n_expert_shared), (1, 1));
+    assert_eq!(cfg.gating, ExpertGating::Sigmoid);
+    assert!(cfg.expert_selection_bias && cfg.norm_topk_weights);
+    assert_eq!(cfg.expert_weights_scale, 2.5);
+    assert_eq!((cfg.expert_groups, cfg.expert_groups_used), (4, 2));
+    let moe: Vec<bool> = (0..cfg.n_layer).map(|l| cfg.is_moe_layer(l)).collect();
+    assert_eq!(moe, [false, true, true, true]);
+    // Keys (48 wide) and values (32 wide) of every head are cached.
+    let m = common::full(&g, 1);
+    let shape = m.kv_shape();
+    assert_eq!(
+        (shape.n_head_kv, shape.k_head_dim, shape.v_head_dim),
+        (4, 48, 32)
+    );
+
+    let g = common::open(&file(MODELS[1]));
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    assert_eq!(cfg.mla.unwrap().q_lora_rank, 0);
+    assert_eq!(cfg.gating, ExpertGating::Softmax);
+    assert!(!cfg.expert_selection_bias && !cfg.norm_topk_weights);
+    assert_eq!((cfg.expert_groups, cfg.n_expert_shared), (0, 2));
+}
+
+/// Free-running greedy generation from each reference prompt reproduces llama.cpp's 32 tokens.
+#[test]
+fn greedy_tokens_equal_llama_cpp() {
+    for name in MODELS {
+        let path = common::repo_root().join(format!("reference/{name}-public.json"));
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let g = common::open(&file(name));
+        // The reference's numerics: an F32 KV cache, llama.cpp's non-flash attention.
+        let model = common::full_kv(&g, 2, KvType::F32);
+        let eos = g
+            .meta("tokenizer.ggml.eos_token_id")
+            .and_then(|v| v.as_u64())
+            .unwrap() as usize;
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        for (ri, r) in doc["results"].as_array().unwrap().iter().enumerate() {
+            let prompt = ids(&r["prompt_token_ids"]);
+            let want = ids(&r["generated_token_ids"]);
+            let mut kv = common::kv_for(&model);
+            let mut logits = model.forward_last(&prompt, &mut kv).unwrap();
+            let mut got = Vec::new();
+            for _ in 0..want.len() {
+                // The reference ran with `ignore_eos`: llama.cpp never picks the end token.
+                let mut row = logits.last().to_vec();
+                row[eos] = f32::NEG_INFINITY;
+                let t = argmax(&row) as u32;
+                got.push(t);
+                logits = model.forward_last(&[t], &mut kv).unwrap();
+            }
+            assert_eq!(got, want, "{name} prompt {ri}");
+        }
+    }
+}
+
+#[test]
+fn deepseek2_pipeline_split_is_bit_identical_at_every_cut() {
+    for name in MODELS {
+        let g = common::open(&file(name));
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        for t in common::kv_types(&g) {
+            pipeline_cuts(&g, &cfg, t);
+        }
+    }
+}
+
+/// Every cut of a two-stage split, each stage with a KV cache of type `t`.
+fn pipeline_cuts(g: &tessera_model::GgufFile, cfg: &ModelConfig, t: KvType) {
+    let full = common::full_kv(g, 2, t);
+    let steps = steps(&full);
+    let reference = run_with_parts(&[&full], &steps);
+    let l = cfg.n_layer;
+    for a in 1..l {
+        let first = common::load_kv(g, LoadSpec::stage(cfg, 0..a), 2, t);
+        let second = common::load_kv(g, LoadSpec::stage(cfg, a..l), 1, t);
+        let mut kv_a = common::kv_for(&first);
+        let mut kv_b = common::kv_for(&second);
+        let mut pos = 0;
+        for (si, tokens) in steps.iter().enumerate() {
+            let step = [SeqStep {
+                n_tokens: tokens.len(),
+                start_pos: pos,
+            }];
+            let mut h = first.embed(tokens).unwrap();
+            first
+                .run_layers(
+                    0..a,
+                    &mut h,
+                    &step,
+                    &mut [&mut kv_a],
+                    &mut LocalExperts(&first),
+                )
+                .unwrap();
+            second
+                .run_layers(
+                    a..l,
+                    &mut h,
+                    &step,
+                    &mut [&mut kv_b],
+                    &mut LocalExperts(&second),
+                )
+                .unwrap();
+            let logits = second.head(&h).unwrap();
+            assert_bits_eq(
+                &logits.data,
+                &reference[si],
+                &format!("{t:?} cut {a} step {si}"),
+            );
+            pos += tokens.len();
+        }
+    }
+}
+
+#[test]
+fn deepseek2_expert_split_in_2_and_3_is_bit_identical() {
+    for name in MODELS {
+        let g = common::open(&file(name));
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        let full = common::full(&g, 2);
+        let steps = steps(&full);
+        let reference = run_with_parts(&[&full], &steps);
+        let n = cfg.n_expert;
+        let all: Vec<usize> = (0..n).collect();
+        let splits: Vec<Vec<Vec<usize>>> = vec![
+            vec![all[..n / 2].to_vec(), all[n / 2..].to_vec()],
+            (0..3)
+                .map(|r| all.iter().copied().filter(|e| e % 3 == r).collect())
+                .collect(),
+        ];
+        for sets in splits {
+            let sel = |ids: &Vec<usize>| ExpertSelection::same_in_every_layer(ids, cfg.n_layer);
+            // The first part holds the dense weights, the shared experts and its routed set.
+            let mut spec0 = LoadSpec::full(&cfg);
+            spec0.experts = sel(&sets[0]);
+            let mut models = vec![common::load(&g, spec0, 2)];
+            for ids in &sets[1..] {
+                let spec = LoadSpec::experts_only(0..cfg.n_layer, sel(ids));
+                let part = common::load(&g, spec, 1);
+                // An expert-only part holds no shared expert, no router, no attention.
+                assert!(part.weights().layers.iter().all(|l| l.core.is_none()));
+                models.push(part);
+            }
+            let parts: Vec<&Model> = models.iter().collect();
+            let got = run_with_parts(&parts, &steps);
+            for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
+                assert_bits_eq(a, b, &format!("{name} experts {sets:?} step {i}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn deepseek2_streamed_experts_are_bit_identical() {
+    for name in MODELS {
+        let g = common::open(&file(name));
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        let full = common::full(&g, 2);
+        let steps = steps(&full);
+        let reference = run_with_parts(&[&full], &steps);
+        // Room for a few of the routed experts: most reads miss and evict.
+        let streaming = ExpertStreaming {
+            prefetch: false,
+            ..ExpertStreaming::with_budget(100 << 10)
+        };
+        let s =
+            Model::load_streaming(&g, LoadSpec::full(&cfg), streaming, 2, &mut |_, _| {}).unwrap();
+        let got = run_with_parts(&[&s], &steps);
+        for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
+            assert_bits_eq(a, b, &format!("{name} streamed step {i}"));
+        }
+        let stats = s.expert_stats().unwrap();
+        assert!(stats.misses > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn profile_counts_keys_and_values_of_their_own_widths_and_shows_the_parts() {
+    let g = common::open(&file(MODELS[0]));
+    let p = tessera_model::ModelProfile::from_gguf(&g).unwrap();
+    let cfg = &p.config;
+    // Every layer caches 4 heads' keys (48) and values (32), at F32.
+    assert_eq!(
+        p.kv_bytes_per_token,
+        (cfg.n_layer * 4 * (48 + 32) * 4) as u64
+    );
+    // What `tessera inspect` prints names deepseek2's parts.
+    let shown = p.to_string();
+    for part in [
+        "deepseek2",
+        "latent (MLA): KV latent of 64, keys 48 (16 rotated), values 32, queries through rank 64",
+        "1 dense first",
+        "1 shared expert(s) of FFN 64",
+        "Sigmoid gating, selection bias, best 2 of 4 groups, normalised, weights x2.5",
+    ] {
+        assert!(shown.contains(part), "{part} missing from\n{shown}");
+    }
+}
+
+/// A file in the absorbed MLA layout (`key_length_mla`, `attn_k_b`/`attn_v_b`, one KV head)
+/// is refused by name rather than run as if it were the expanded one.
+#[test]
+fn absorbed_mla_layout_is_refused_by_name() {
+    let bytes = std::fs::read(common::model_path(&file(MODELS[0]))).unwrap();
+    // One more key-value pair after the header's counts: u64 key length, key, type 8 (string),
+    // u64 value length, value; 64 bytes in all, so the data section keeps its 32-byte alignment.
+    let key = b"deepseek2.attention.key_length_mla";
+    let mut kv = Vec::new();
+    kv.extend_from_slice(&(key.len() as u64).to_le_bytes());
+    kv.extend_from_slice(key);
+    kv.extend_from_slice(&8u32.to_le_bytes());
+    kv.extend_from_slice(&10u64.to_le_bytes());
+    kv.extend_from_slice(b"absorbed!!");
+    assert_eq!(kv.len(), 64);
+    let mut edited = bytes[..24].to_vec();
+    let n_kv = u64::from_le_bytes(bytes[16..24].try_into().unwrap());
+    edited[16..24].copy_from_slice(&(n_kv + 1).to_le_bytes());
+    edited.extend_from_slice(&kv);
+    edited.extend_from_slice(&bytes[24..]);
+    let g = tessera_model::GgufFile::parse(&edited).unwrap();
+    let err = ModelConfig::from_gguf(&g).unwrap_err().to_string();
+    assert!(
+        err.contains("key_length_mla") && err.contains("absorbed MLA layout"),
+        "{err}"
+    );
+}
