@@ -312,6 +312,8 @@ pub(crate) async fn run(
     .map_err(|e| CoordError::Run(e.to_string()))?;
     spec.prefill_chunk = req.prefill_chunk.max(1);
     spec.trace = req.trace;
+    spec.grammar = req.grammar.clone();
+    spec.logprobs = req.logprobs;
     let first = ensure_epoch(shared, req.stages.as_ref()).await?;
 
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -369,11 +371,16 @@ pub(crate) async fn run(
                             prompt_tokens,
                             stages,
                         },
-                        RunEvent::Token { pos, token } => CoordToClient::Token {
+                        RunEvent::Token {
+                            pos,
+                            token,
+                            logprobs,
+                        } => CoordToClient::Token {
                             seq,
                             pos,
                             token,
                             text: decoder.as_mut().map_or_else(String::new, |d| d.push(token)),
+                            logprobs,
                         },
                         RunEvent::Trace(mut t) => {
                             t.seq = seq;
@@ -461,6 +468,7 @@ pub(crate) async fn run(
             pos: prompt.len() + generated,
             token: u32::MAX,
             text: tail,
+            logprobs: None,
         });
     }
     // A run that failed without an attempt running (it never started, or no epoch came back

@@ -28,9 +28,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tessera_gateway::backend::{
-    Assignment, Backend, BackendCounters, ClusterStatus, Event, EventSender, FinishReason,
-    GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle,
-    ServedModel, SubmitError, Usage,
+    Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, Event, EventSender,
+    FinishReason, GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus,
+    RequestHandle, ServedModel, SubmitError, Usage,
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
@@ -305,6 +305,15 @@ impl Backend for ClusterBackend {
     fn status(&self) -> ClusterStatus {
         status(&self.inner)
     }
+
+    /// The sampling stage applies grammars and reports log-probabilities (the wire carries
+    /// both, and a resumed run replays the grammar over its tokens so far).
+    fn features(&self) -> BackendFeatures {
+        BackendFeatures {
+            logprobs: true,
+            grammar: true,
+        }
+    }
 }
 
 /// Runs one request: waits for a slot, drives the sequence, relays tokens, accounts.
@@ -332,6 +341,10 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
         prefill_chunk: inner.config.prefill_chunk.max(1),
         trace: false,
         stop_at_eog: true,
+        // The sampling stage compiles the grammar anew (the gateway's compiled one checked
+        // the spec and is not sent).
+        grammar: req.grammar.as_ref().map(|g| g.spec().clone()),
+        logprobs: req.logprobs,
     };
     // Each token goes from the run's shell straight into this request's HTTP stream: one
     // channel, no text decoded here (the HTTP layer decodes what it sends).
@@ -350,13 +363,19 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
             };
             lock(&inner.books).live.insert(seq, live);
         }
-        CoordToClient::Token { token, .. } if token != u32::MAX => {
+        CoordToClient::Token {
+            token, logprobs, ..
+        } if token != u32::MAX => {
             if let Some(l) = lock(&inner.books).live.get_mut(&seq) {
                 l.positions += 1;
             }
             inner.generated_tokens.fetch_add(1, Ordering::Relaxed);
             if !gone {
-                if events.send(Event::Token(token)).is_ok() {
+                let event = match logprobs {
+                    Some(lp) => Event::TokenLogprobs(lp),
+                    None => Event::Token(token),
+                };
+                if events.send(event).is_ok() {
                     sent += 1;
                 } else {
                     gone = true;

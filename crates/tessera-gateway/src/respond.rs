@@ -165,8 +165,8 @@ pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, Api
     let spec = grammar_spec(req, format);
     if req.logprobs.is_some() && !features.logprobs {
         return Err(ApiError::invalid(
-            "'logprobs' is not supported by this backend (the cluster samples on its last \
-             stage and does not report log-probabilities yet); use `tessera serve`.",
+            "'logprobs' is not supported by this backend (it does not report \
+             log-probabilities).",
             Some("logprobs"),
         ));
     }
@@ -174,8 +174,8 @@ pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, Api
         if !features.grammar {
             return Err(ApiError::invalid(
                 format!(
-                    "'{param}' needs constrained decoding, which this backend does not support \
-                     yet (the cluster samples on its last stage); use `tessera serve`."
+                    "'{param}' needs constrained decoding, which this backend does not \
+                     support."
                 ),
                 Some(param),
             ));

@@ -13,9 +13,7 @@
 //! token budget on prompt chunks of sequences still prefilling (oldest first), so a long prompt
 //! never stalls the others for more than a chunk.
 
-use tessera_engine::sampling::{
-    process_logits, sample, sample_processed, token_logprobs, TokenLogprobs,
-};
+use tessera_engine::sampling::TokenLogprobs;
 use tessera_engine::SamplingParams;
 
 use crate::backend::{FinishReason, RequestId, Usage};
@@ -101,19 +99,14 @@ impl<T> Sequence<T> {
         row: &[f32],
         position: u64,
     ) -> Result<(u32, Option<TokenLogprobs>), GrammarError> {
-        if self.grammar.is_none() && self.logprobs.is_none() {
-            return Ok((sample(row, &self.params, &self.history, position), None));
-        }
-        let mut logits = row.to_vec();
-        process_logits(&mut logits, &self.params, &self.history);
-        if let Some(g) = &mut self.grammar {
-            g.mask(&mut logits)?;
-        }
-        let token = sample_processed(&logits, &self.params, position);
-        Ok((
-            token,
-            self.logprobs.map(|n| token_logprobs(&logits, token, n)),
-        ))
+        crate::grammar::choose(
+            row,
+            &self.params,
+            &self.history,
+            position,
+            self.grammar.as_mut(),
+            self.logprobs,
+        )
     }
 
     pub fn usage(&self) -> Usage {

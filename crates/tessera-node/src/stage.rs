@@ -15,18 +15,22 @@
 //! 2. every stage runs its layers on what arrives and passes it on; the final prefill chunk
 //!    carries [`StepEntry::SAMPLE`];
 //! 3. the last stage applies the head to the last row of a `SAMPLE` entry and samples with the
-//!    sequence's parameters and history (the draw depends only on seed and position), reports
-//!    the token to the coordinator and, unless the sequence is finished, sends it to the first
-//!    stage as a [`RingToken`];
+//!    sequence's parameters and history (the draw depends only on seed and position) — masked
+//!    by the sequence's grammar and with log-probabilities when it asked, through the same
+//!    [`tessera_grammar::choose`] as `tessera serve` — reports the token to the coordinator
+//!    and, unless the sequence is finished, sends it to the first stage as a [`RingToken`];
 //! 4. the first stage embeds the token and the ring turns again.
 //!
 //! Each stage holds the KV cache of its layers per sequence and frees it on [`Stage::close`].
 
 use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use tessera_engine::sampling::sample;
+use tessera_engine::sampling::TokenLogprobs;
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
+use tessera_grammar::{Grammar, GrammarCompiler};
+use tessera_model::Tokenizer;
 
 use crate::protocol::{
     hash_f32s, BoundaryTrace, FinishReason, NodeToCoord, OpenSeq, RingToken, StageAssignment,
@@ -61,6 +65,8 @@ pub enum StageError {
     },
     #[error("this stage does not {0}")]
     WrongStage(&'static str),
+    #[error("sequence {seq}: grammar: {reason}")]
+    Grammar { seq: u64, reason: String },
     #[error(transparent)]
     Engine(#[from] tessera_engine::EngineError),
 }
@@ -77,6 +83,15 @@ struct SeqState {
     /// First stage: when the last `SAMPLE` hidden state left (for ring timing).
     sent_at: Option<Instant>,
     finished: bool,
+    /// Last stage: the sequence's grammar, in the state its tokens so far left it.
+    grammar: Option<Grammar>,
+}
+
+/// The sampling stage's vocabulary for grammars: indexed on the first sequence that asks for
+/// one (a large vocabulary takes a while), then shared by all.
+struct Grammars {
+    tokenizer: Tokenizer,
+    compiler: OnceLock<Result<Arc<GrammarCompiler>, String>>,
 }
 
 /// One loaded stage and its sequences.
@@ -88,6 +103,8 @@ pub struct Stage {
     kv_budget: Option<u64>,
     /// Expert split: the workers owning the experts of this stage's layers not held here.
     remote: Option<crate::expert::RemotePeers>,
+    /// Last stage: what request grammars are compiled over (`None`: grammars are refused).
+    grammars: Option<Grammars>,
 }
 
 impl std::fmt::Debug for Stage {
@@ -109,7 +126,63 @@ impl Stage {
             seqs: HashMap::new(),
             kv_budget,
             remote: None,
+            grammars: None,
         }
+    }
+
+    /// The model's tokenizer, so that the sampling stage can compile request grammars.
+    pub fn set_tokenizer(&mut self, tokenizer: Tokenizer) {
+        self.grammars = Some(Grammars {
+            tokenizer,
+            compiler: OnceLock::new(),
+        });
+    }
+
+    /// Last stage: `open`'s grammar compiled and advanced over the tokens an earlier attempt
+    /// generated ([`OpenSeq::replayed`]); checks the log-probability count.
+    fn grammar_for(&self, open: &OpenSeq) -> Result<Option<Grammar>, StageError> {
+        let seq = open.seq;
+        if let Some(n) = open.logprobs.filter(|&n| n > OpenSeq::MAX_TOP_LOGPROBS) {
+            return Err(StageError::BadStep {
+                seq,
+                what: format!(
+                    "{n} alternatives asked (at most {})",
+                    OpenSeq::MAX_TOP_LOGPROBS
+                ),
+            });
+        }
+        if open.replayed > open.prompt.len() {
+            return Err(StageError::BadStep {
+                seq,
+                what: format!(
+                    "{} replayed tokens in a prompt of {}",
+                    open.replayed,
+                    open.prompt.len()
+                ),
+            });
+        }
+        let Some(spec) = open.grammar.as_ref().filter(|_| self.is_last()) else {
+            return Ok(None);
+        };
+        let refuse = |reason: String| StageError::Grammar { seq, reason };
+        let g = self
+            .grammars
+            .as_ref()
+            .ok_or_else(|| refuse("this stage has no tokenizer to compile it over".into()))?;
+        let compiler = g
+            .compiler
+            .get_or_init(|| {
+                GrammarCompiler::new(&g.tokenizer)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(refuse)?;
+        let mut grammar = compiler.compile(spec).map_err(|e| refuse(e.to_string()))?;
+        for &t in &open.prompt[open.prompt.len() - open.replayed..] {
+            grammar.accept(t).map_err(|e| refuse(e.to_string()))?;
+        }
+        Ok(Some(grammar))
     }
 
     /// Expert split: computes the experts of this stage's layers that the model does not hold
@@ -195,6 +268,7 @@ impl Stage {
                 });
             }
         }
+        let grammar = self.grammar_for(&open)?;
         let kv = self.model.new_kv(capacity);
         let history = if self.is_last() {
             open.prompt.clone()
@@ -215,6 +289,7 @@ impl Stage {
                 reserved: needed,
                 sent_at: None,
                 finished: false,
+                grammar,
             },
         );
         Ok(())
@@ -483,9 +558,7 @@ impl Stage {
             }
             if is_last && e.sample() {
                 let logits = self.model.head(&hidden.rows(rows.end - 1..rows.end))?;
-                let pos = s.history.len();
-                let token = sample(logits.last(), &s.open.sampling, &s.history, pos as u64);
-                outputs.extend(Self::after_sample(s, token));
+                outputs.extend(Self::sample_next(s, logits.last()));
             }
         }
         let compute_ns = started.elapsed().as_nanos() as u64;
@@ -533,8 +606,45 @@ impl Stage {
         Ok(())
     }
 
+    /// Last stage: draws the next token from `row` (under the grammar, with log-probabilities
+    /// when asked) and says what it leads to. A grammar with no way on fails the sequence.
+    fn sample_next(s: &mut SeqState, row: &[f32]) -> Vec<StageOutput> {
+        let pos = s.history.len() as u64;
+        let eog = &s.open.eog;
+        let chosen = tessera_grammar::choose(
+            row,
+            &s.open.sampling,
+            &s.history,
+            pos,
+            s.grammar.as_mut(),
+            s.open.logprobs,
+        )
+        .and_then(|(token, logprobs)| {
+            if let Some(g) = s.grammar.as_mut().filter(|_| !eog.contains(&token)) {
+                g.accept(token)?;
+            }
+            Ok((token, logprobs))
+        });
+        match chosen {
+            Ok((token, logprobs)) => Self::after_sample(s, token, logprobs),
+            Err(e) => {
+                s.finished = true;
+                vec![StageOutput::Control(NodeToCoord::Finished {
+                    seq: s.open.seq,
+                    reason: FinishReason::Error,
+                    generated: s.generated,
+                    error: Some(e.to_string()),
+                })]
+            }
+        }
+    }
+
     /// Last stage: what a sampled token leads to.
-    fn after_sample(s: &mut SeqState, token: u32) -> Vec<StageOutput> {
+    fn after_sample(
+        s: &mut SeqState,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+    ) -> Vec<StageOutput> {
         let seq = s.open.seq;
         let mut out = Vec::new();
         if s.open.eog.contains(&token) {
@@ -550,13 +660,27 @@ impl Stage {
         let pos = s.history.len();
         s.history.push(token);
         s.generated += 1;
-        out.push(StageOutput::Control(NodeToCoord::Token { seq, pos, token }));
+        out.push(StageOutput::Control(NodeToCoord::Token {
+            seq,
+            pos,
+            token,
+            logprobs,
+        }));
         // The token's own position must fit in the cache for the next step.
-        if s.generated >= s.open.max_new_tokens || pos >= s.kv.capacity() {
+        let reason = if s.generated >= s.open.max_new_tokens || pos >= s.kv.capacity() {
+            Some(FinishReason::Length)
+        } else {
+            // A complete grammar admits nothing more: the answer is done, as in one process.
+            s.grammar
+                .as_ref()
+                .is_some_and(Grammar::is_finished)
+                .then_some(FinishReason::EndOfGeneration)
+        };
+        if let Some(reason) = reason {
             s.finished = true;
             out.push(StageOutput::Control(NodeToCoord::Finished {
                 seq,
-                reason: FinishReason::Length,
+                reason,
                 generated: s.generated,
                 error: None,
             }));
@@ -610,6 +734,31 @@ mod tests {
 
     /// Runs a ring of in-process stages and returns the generated tokens.
     fn run_ring(path: &str, cuts: &[usize], prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
+        let open = OpenSeq {
+            seq: 1,
+            epoch: 1,
+            prompt: prompt.to_vec(),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: n,
+            eog: vec![],
+            prefill_chunk: chunk,
+            trace: false,
+            grammar: None,
+            logprobs: None,
+            replayed: 0,
+        };
+        let (tokens, _) = ring(path, cuts, open);
+        tokens.into_iter().map(|(t, _)| t).collect()
+    }
+
+    /// Runs `open` (as sequence 1) over a ring of in-process stages cut at `cuts`; the tokens
+    /// with their log-probabilities, and how the sequence finished.
+    fn ring(
+        path: &str,
+        cuts: &[usize],
+        open: OpenSeq,
+    ) -> (Vec<(u32, Option<TokenLogprobs>)>, Option<FinishReason>) {
+        let n = open.max_new_tokens;
         let g = GgufFile::open(model_path(path)).unwrap();
         let cfg = ModelConfig::from_gguf(&g).unwrap();
         let mut bounds = vec![0];
@@ -626,25 +775,18 @@ mod tests {
                     &mut |_, _| {},
                 )
                 .unwrap();
-                Stage::new(a, m, None)
+                let mut s = Stage::new(a, m, None);
+                s.set_tokenizer(tessera_model::Tokenizer::from_gguf(&g).unwrap());
+                s
             })
             .collect();
-        let open = OpenSeq {
-            seq: 1,
-            epoch: 1,
-            prompt: prompt.to_vec(),
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: n,
-            eog: vec![],
-            prefill_chunk: chunk,
-            trace: false,
-        };
         for s in &mut stages {
             s.open(open.clone()).unwrap();
         }
         // (stage index, output) queue.
         let mut queue: VecDeque<(usize, StageOutput)> = VecDeque::new();
         let mut tokens = Vec::new();
+        let mut finish = None;
         stages[0]
             .start(1, &mut |o| queue.push_back((0, o)))
             .unwrap();
@@ -661,8 +803,14 @@ mod tests {
                     stages[0].handle_token(t, &mut |o| out.push(o)).unwrap();
                     0
                 }
-                StageOutput::Control(NodeToCoord::Token { token, .. }) => {
-                    tokens.push(token);
+                StageOutput::Control(NodeToCoord::Token {
+                    token, logprobs, ..
+                }) => {
+                    tokens.push((token, logprobs));
+                    continue;
+                }
+                StageOutput::Control(NodeToCoord::Finished { reason, .. }) => {
+                    finish = Some(reason);
                     continue;
                 }
                 StageOutput::Control(_) => continue,
@@ -674,7 +822,72 @@ mod tests {
             assert!(stats.decode.steps > 0 || n <= 1);
             assert_eq!(s.open_seqs(), 0);
         }
-        tokens
+        (tokens, finish)
+    }
+
+    /// The sampling stage masks every draw with the sequence's grammar and reports
+    /// log-probabilities; a resumed attempt (prompt + the tokens so far, `replayed`) continues
+    /// with the same tokens, grammar state and log-probabilities.
+    #[test]
+    fn the_sampling_stage_follows_a_grammar_reports_logprobs_and_replays_both() {
+        let path = "stories260K.gguf";
+        let g = GgufFile::open(model_path(path)).unwrap();
+        let tok = tessera_model::Tokenizer::from_gguf(&g).unwrap();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {"pet": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["pet", "n"],
+            "additionalProperties": false
+        });
+        let prompt = tok.encode("Once upon a time", true);
+        let open = OpenSeq {
+            seq: 1,
+            epoch: 1,
+            prompt: prompt.clone(),
+            sampling: SamplingParams {
+                temperature: 1.0,
+                seed: 7,
+                ..SamplingParams::greedy()
+            },
+            max_new_tokens: 60,
+            eog: (0..tok.vocab_size() as u32)
+                .filter(|&t| tok.is_end_of_generation(t))
+                .collect(),
+            prefill_chunk: 8,
+            trace: false,
+            grammar: Some(tessera_grammar::GrammarSpec::JsonSchema(schema)),
+            logprobs: Some(2),
+            replayed: 0,
+        };
+        let (whole, finish) = ring(path, &[2], open.clone());
+        let ids: Vec<u32> = whole.iter().map(|(t, _)| *t).collect();
+        let text = tok.decode(&ids);
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(v["pet"] == "cat" || v["pet"] == "dog", "{v}");
+        assert!((0..=99).contains(&v["n"].as_i64().unwrap()), "{v}");
+        // The grammar ended the answer, not the length.
+        assert_eq!(finish, Some(FinishReason::EndOfGeneration));
+        for (t, lp) in &whole {
+            let lp = lp.as_ref().expect("log-probabilities asked for");
+            assert_eq!(lp.token, *t);
+            assert!(lp.logprob <= 0.0 && lp.top.len() <= 2, "{lp:?}");
+        }
+        // Resume after 5 tokens, as the coordinator does after a failover.
+        let k = 5;
+        let mut resumed = open.clone();
+        resumed.prompt.extend(&ids[..k]);
+        resumed.max_new_tokens -= k;
+        resumed.replayed = k;
+        let (rest, finish2) = ring(path, &[2], resumed);
+        assert_eq!(rest, whole[k..].to_vec());
+        assert_eq!(finish2, finish);
+        // Without replaying the grammar over those 5 tokens, it would restart the object.
+        let mut wrong = open;
+        wrong.prompt.extend(&ids[..k]);
+        wrong.max_new_tokens -= k;
+        let (other, _) = ring(path, &[2], wrong);
+        assert_ne!(other, whole[k..].to_vec());
     }
 
     fn reference(path: &str, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
@@ -732,6 +945,9 @@ mod tests {
                 eog: vec![],
                 prefill_chunk: 64,
                 trace: false,
+                grammar: None,
+                logprobs: None,
+                replayed: 0,
             })
             .unwrap();
         }
@@ -781,6 +997,9 @@ mod tests {
             eog: vec![],
             prefill_chunk: 64,
             trace: false,
+            grammar: None,
+            logprobs: None,
+            replayed: 0,
         };
         assert!(matches!(st.open(open), Err(StageError::OverBudget { .. })));
         assert!(matches!(

@@ -634,6 +634,8 @@ mod wire {
                 prefill_chunk: 64,
                 trace: false,
                 stop_at_eog: false,
+                grammar: None,
+                logprobs: None,
             };
             s.writer
                 .write_message(frame::MSG, &ClientToCoord::Run(Box::new(req)))

@@ -34,25 +34,23 @@ struct Up {
 
 impl Up {
     fn start(extra: &[&str]) -> Self {
+        Self::start_nodes(3, extra)
+    }
+
+    fn start_nodes(nodes: usize, extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-        cmd.args([
-            "up",
-            "--listen",
-            "127.0.0.1:0",
-            "--nodes",
-            "3",
-            "--threads",
-            "1",
-        ])
-        .arg("--run-dir")
-        .arg(dir.path())
-        .args(extra)
-        .env(
-            "TESSERA_CACHE_DIR",
-            PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache"),
-        )
-        .env("TESSERA_LOG", "warn");
+        cmd.args(["up", "--listen", "127.0.0.1:0", "--threads", "1"])
+            .arg("--nodes")
+            .arg(nodes.to_string())
+            .arg("--run-dir")
+            .arg(dir.path())
+            .args(extra)
+            .env(
+                "TESSERA_CACHE_DIR",
+                PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache"),
+            )
+            .env("TESSERA_LOG", "warn");
         let mut up = Self {
             proc: Proc::from_command("tessera up", cmd, START_TIMEOUT),
             addr: String::new(),
@@ -64,7 +62,7 @@ impl Up {
             .split_whitespace()
             .map(|p| p.parse().unwrap())
             .collect();
-        assert_eq!(up.node_pids.len(), 3, "{pids}");
+        assert_eq!(up.node_pids.len(), nodes, "{pids}");
         up.addr = up.proc.wait_for("listening on http://");
         up
     }
@@ -105,10 +103,21 @@ fn run_openai_script(url: &str) {
         return;
     }
     common::run_openai_script(url);
-    if common::python_modules_available(&["openai", "jsonschema"]) {
-        // What the cluster honours (n, penalties, tools) and refuses by name (logprobs,
-        // grammar-constrained output) for now.
-        common::run_python_script("api_features.py", &[url, "cluster"]);
+    run_agent_api_scripts(url);
+}
+
+/// What agents and apps use, through the ring: tools, grammar-constrained output, logprobs,
+/// n > 1, every parameter honoured or refused by name (`api_features.py`); Anthropic Messages
+/// and the Responses API (`anthropic_api.py`).
+fn run_agent_api_scripts(url: &str) {
+    if !common::python_modules_available(&["openai", "jsonschema", "anthropic"]) {
+        eprintln!("skipping the agent API checks: python3 with `openai`, `jsonschema` and `anthropic` is not available");
+        return;
+    }
+    common::run_python_script("api_features.py", &[url, "cluster"]);
+    common::run_python_script("anthropic_api.py", &[url]);
+    if common::python_modules_available(&["pydantic_ai"]) {
+        common::run_python_script("agent_loop.py", &[url]);
     }
 }
 
@@ -232,6 +241,20 @@ fn one_command_cluster_serves_openai_batches_shows_dashboard_and_stops_on_ctrl_c
     concurrent_streams_match_alone(&addr);
     dashboard_shows_the_cluster(&addr);
     sigint_stops_everything(&mut up);
+}
+
+/// The agent API on a synthetic qwen3 split over a 2-stage ring: the sampling stage (the
+/// second node) applies the grammars and reports the log-probabilities.
+#[test]
+fn agent_api_works_through_a_two_stage_ring_of_synthetic_qwen3() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let model = model_path("test/small-qwen3-Q8_0.gguf");
+    let up = Up::start_nodes(2, &["--model", &model, "--no-sample"]);
+    let status = get(&up.addr, "/api/status", None).json();
+    let plan = &status["cluster"]["plan"];
+    assert_eq!(plan["assignments"].as_array().unwrap().len(), 2, "{plan}");
+    assert_eq!(plan["strategy"], "stage split", "{plan}");
+    run_agent_api_scripts(&up.url());
 }
 
 #[test]

@@ -4,7 +4,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::membership::CoordToNodeEq;
+use tessera_engine::sampling::TokenLogprobs;
 use tessera_engine::SamplingParams;
+use tessera_grammar::GrammarSpec;
 use tessera_net::NodeId;
 use tessera_node::protocol::{
     BoundaryTrace, CoordToNode, FinishReason, NodeToCoord, OpenSeq, StagePlacement, StageSeqStats,
@@ -29,6 +31,11 @@ pub struct RunSpec {
     pub eog: Vec<u32>,
     pub prefill_chunk: usize,
     pub trace: bool,
+    /// Constrain the tokens to a grammar (the sampling stage applies it; a resumed attempt
+    /// replays it over the tokens generated so far).
+    pub grammar: Option<GrammarSpec>,
+    /// Report each token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// Why a request cannot become a run.
@@ -67,6 +74,8 @@ impl RunSpec {
             eog,
             prefill_chunk: 64,
             trace: false,
+            grammar: None,
+            logprobs: None,
         })
     }
 }
@@ -172,10 +181,12 @@ pub enum RunEvent {
         stages: Vec<StagePlacement>,
         prompt_tokens: Vec<u32>,
     },
-    /// The next token (`pos`: its position in the sequence).
+    /// The next token (`pos`: its position in the sequence), with its log-probabilities when
+    /// the run asked.
     Token {
         pos: usize,
         token: u32,
+        logprobs: Option<TokenLogprobs>,
     },
     Trace(BoundaryTrace),
     /// The epoch was lost; the run waits for the next one.
@@ -434,8 +445,13 @@ impl RunMachine {
                 if self.heard(&attempt, from, &msg) =>
             {
                 match msg {
-                    NodeToCoord::Token { pos, token, .. } => {
-                        self.token(now, pos, token, &mut out);
+                    NodeToCoord::Token {
+                        pos,
+                        token,
+                        logprobs,
+                        ..
+                    } => {
+                        self.token(now, pos, token, logprobs, &mut out);
                         self.arm(TimerKind::Step, STEP_TIMEOUT, &mut out);
                         State::Running { attempt }
                     }
@@ -610,6 +626,10 @@ impl RunMachine {
             eog: self.spec.eog.clone(),
             prefill_chunk: self.spec.prefill_chunk.max(1),
             trace: self.spec.trace,
+            grammar: self.spec.grammar.clone(),
+            logprobs: self.spec.logprobs,
+            // The grammar state is rebuilt from the tokens generated so far.
+            replayed: history.len(),
         };
         let attempt = Attempt {
             seq: attempt_seq,
@@ -654,7 +674,14 @@ impl RunMachine {
         State::Running { attempt }
     }
 
-    fn token(&mut self, now: Duration, pos: usize, token: u32, out: &mut Vec<Output>) {
+    fn token(
+        &mut self,
+        now: Duration,
+        pos: usize,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        out: &mut Vec<Output>,
+    ) {
         if self.first_token_at.is_none() {
             self.first_token_at = Some(now);
         } else {
@@ -662,7 +689,11 @@ impl RunMachine {
         }
         self.last_token_at = Some(now);
         self.generated.push(token);
-        out.push(Output::Event(RunEvent::Token { pos, token }));
+        out.push(Output::Event(RunEvent::Token {
+            pos,
+            token,
+            logprobs,
+        }));
     }
 
     fn pause(&mut self, attempt: Attempt, why: String, out: &mut Vec<Output>) -> State {

@@ -115,7 +115,12 @@ fn open_and_start(m: &mut RunMachine, epoch: u64, nodes: &[u8], seq: u64) -> Vec
 }
 
 fn token(seq: u64, pos: usize, token: u32) -> NodeToCoord {
-    NodeToCoord::Token { seq, pos, token }
+    NodeToCoord::Token {
+        seq,
+        pos,
+        token,
+        logprobs: None,
+    }
 }
 
 fn finished(seq: u64, reason: FinishReason, error: Option<&str>) -> NodeToCoord {
@@ -224,6 +229,98 @@ fn a_lost_epoch_pauses_the_run_and_the_next_resumes_it_from_prompt_plus_generate
     );
     msg(&mut m, 15, 1, token(11, 4, 43));
     assert_eq!(m.generated(), &[42, 43]);
+}
+
+/// A resumed attempt asks the stages for what the first asked — grammar, log-probabilities,
+/// sampling — and says how many of its prompt tokens were generated, so the sampling stage
+/// replays the grammar over them; log-probabilities reach the run's owner with each token.
+#[test]
+fn a_resumed_attempt_carries_the_grammar_and_logprobs_and_replays_the_generated_tokens() {
+    let mut spec = RunSpec::new(
+        vec![1, 2, 3],
+        100,
+        tessera_engine::SamplingParams {
+            temperature: 0.7,
+            seed: 9,
+            ..Default::default()
+        },
+        6,
+        vec![0],
+    )
+    .expect("valid");
+    spec.grammar = Some(tessera_grammar::GrammarSpec::JsonSchema(
+        serde_json::json!({"type": "object"}),
+    ));
+    spec.logprobs = Some(3);
+    let (mut m, _) = RunMachine::new(spec, LEASE);
+    let out = m.handle(
+        t(0),
+        Input::EpochReady {
+            placement: placement(5, &[1, 2]),
+            attempt_seq: 10,
+        },
+    );
+    let first = match &sends(&out)[..] {
+        [(_, CoordToNode::Open(a)), (_, CoordToNode::Open(b))] => {
+            assert_eq!(a, b, "every stage gets the same Open");
+            a.clone()
+        }
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(first.replayed, 0);
+    assert_eq!(first.logprobs, Some(3));
+    for n in [1, 2] {
+        msg(&mut m, 1, n, NodeToCoord::Opened { seq: 10 });
+    }
+    let lp = tessera_engine::sampling::TokenLogprobs {
+        token: 42,
+        logprob: -0.5,
+        top: vec![(42, -0.5), (7, -1.5)],
+    };
+    let out = msg(
+        &mut m,
+        10,
+        2,
+        NodeToCoord::Token {
+            seq: 10,
+            pos: 3,
+            token: 42,
+            logprobs: Some(lp.clone()),
+        },
+    );
+    assert_eq!(
+        events(&out),
+        vec![RunEvent::Token {
+            pos: 3,
+            token: 42,
+            logprobs: Some(lp)
+        }]
+    );
+    msg(&mut m, 11, 2, token(10, 4, 43));
+    m.handle(
+        t(12),
+        Input::EpochLost {
+            epoch: 5,
+            why: "stage node left".into(),
+        },
+    );
+    let out = m.handle(
+        t(13),
+        Input::EpochReady {
+            placement: placement(6, &[1]),
+            attempt_seq: 11,
+        },
+    );
+    let [(_, CoordToNode::Open(resumed))] = &sends(&out)[..] else {
+        panic!("{out:?}");
+    };
+    let mut expected = first;
+    expected.seq = 11;
+    expected.epoch = 6;
+    expected.prompt.extend([42, 43]);
+    expected.max_new_tokens -= 2;
+    expected.replayed = 2;
+    assert_eq!(resumed, &expected);
 }
 
 #[test]
@@ -370,7 +467,14 @@ fn only_the_sampling_stage_may_send_tokens_or_finish_the_run() {
     assert_eq!(m.refused(), 4);
     assert!(m.generated().is_empty());
     let out = msg(&mut m, 11, 2, token(10, 3, 42));
-    assert_eq!(events(&out), vec![RunEvent::Token { pos: 3, token: 42 }]);
+    assert_eq!(
+        events(&out),
+        vec![RunEvent::Token {
+            pos: 3,
+            token: 42,
+            logprobs: None
+        }]
+    );
 }
 
 #[test]
@@ -439,7 +543,14 @@ fn a_stale_timer_does_nothing() {
     // The open timer fires after the stage opened: the run goes on.
     assert!(m.handle(t(30_000), Input::Timer(open)).is_empty());
     let out = msg(&mut m, 30_001, 1, token(10, 3, 7));
-    assert_eq!(events(&out), vec![RunEvent::Token { pos: 3, token: 7 }]);
+    assert_eq!(
+        events(&out),
+        vec![RunEvent::Token {
+            pos: 3,
+            token: 7,
+            logprobs: None
+        }]
+    );
 }
 
 #[test]

@@ -496,6 +496,7 @@ impl World {
                         seq,
                         pos,
                         token: VOCAB - 1,
+                        logprobs: None,
                     });
                     forged.push(NodeToCoord::Finished {
                         seq,
@@ -684,7 +685,15 @@ impl World {
         s.history.push(token);
         s.remaining = s.remaining.saturating_sub(1);
         let remaining = s.remaining;
-        self.node_send(node, NodeToCoord::Token { seq, pos, token });
+        self.node_send(
+            node,
+            NodeToCoord::Token {
+                seq,
+                pos,
+                token,
+                logprobs: None,
+            },
+        );
         if remaining == 0 {
             let end = NodeToCoord::Finished {
                 seq,
@@ -951,7 +960,7 @@ impl World {
                     let life = self.coord_life;
                     self.after(after, Ev::RunTimer { run, timer, life });
                 }
-                Output::Event(RunEvent::Token { pos, token }) => {
+                Output::Event(RunEvent::Token { pos, token, .. }) => {
                     let r = &mut self.runs[run];
                     let i = r.streamed.len();
                     let want = r.reference.get(i).copied();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_engine::{ExpertSelection, ExpertStreaming, LoadSpec, Model};
-use tessera_model::GgufFile;
+use tessera_model::{GgufFile, Tokenizer};
 use tessera_net::Connection;
 
 use crate::error::FabricError;
@@ -166,9 +166,16 @@ pub(super) async fn load_assignment(
             .then(|| LoadSpec::experts_only(0..held.len(), ExpertSelection::PerLayer(held)))
     });
     let kv_type = a.kv_type;
-    let (model, serve_model) =
-        tokio::task::spawn_blocking(move || -> Result<(Model, Option<Model>), FabricError> {
+    let samples = a.head;
+    let (model, serve_model, tokenizer) = tokio::task::spawn_blocking(
+        move || -> Result<(Model, Option<Model>, Option<Tokenizer>), FabricError> {
             let g = GgufFile::open(&path)?;
+            // The sampling stage compiles request grammars over the vocabulary. A model whose
+            // tokenizer cannot be read still serves; a grammar request is refused at open.
+            let tokenizer = samples.then(|| Tokenizer::from_gguf(&g)).and_then(|t| {
+                t.map_err(|e| tracing::warn!("no tokenizer for grammars: {e}"))
+                    .ok()
+            });
             // An expert-only node's own model has no layers: nothing of it to stream.
             let load = |spec: LoadSpec, stream: bool| match streaming.filter(|_| stream) {
                 Some(b) => Model::load_streaming(
@@ -185,10 +192,11 @@ pub(super) async fn load_assignment(
                 Some(spec) => Some(load(spec, true)?),
                 None => None,
             };
-            Ok((m, s))
-        })
-        .await
-        .map_err(|e| FabricError::Stopped(format!("loading: {e}")))??;
+            Ok((m, s, tokenizer))
+        },
+    )
+    .await
+    .map_err(|e| FabricError::Stopped(format!("loading: {e}")))??;
     let resident = model.resident_bytes() as u64
         + serve_model.as_ref().map_or(0, |m| m.resident_bytes()) as u64;
     // Streamed experts are read from disk as needed: only what the engine keeps counts.
@@ -208,7 +216,10 @@ pub(super) async fn load_assignment(
         .map(|limit| limit.saturating_sub(held));
     let n_embd = model.config().n_embd;
     let stage_experts = model.expert_stats_source();
-    let stage = Stage::new(a.clone(), model, kv_budget);
+    let mut stage = Stage::new(a.clone(), model, kv_budget);
+    if let Some(t) = tokenizer {
+        stage.set_tokenizer(t);
+    }
     {
         let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
         // Under the lock, so that an assignment cannot be installed over a newer one.

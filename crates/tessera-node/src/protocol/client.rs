@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
+use tessera_engine::sampling::TokenLogprobs;
 use tessera_engine::SamplingParams;
+use tessera_grammar::GrammarSpec;
 use tessera_net::{LinkMeasurement, NodeId};
 
 use super::range_serde;
@@ -26,6 +28,12 @@ pub struct RunRequest {
     pub trace: bool,
     /// Stop at end-of-generation tokens (default true).
     pub stop_at_eog: bool,
+    /// Constrain the generated tokens to a grammar (see [`super::OpenSeq::grammar`]).
+    #[serde(default)]
+    pub grammar: Option<GrammarSpec>,
+    /// Report each token's log-probability and this many alternatives.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
 }
 
 /// One stage of a requested split: a layer range, optionally pinned to a node (by name, node
@@ -133,6 +141,9 @@ pub enum CoordToClient {
         pos: usize,
         token: u32,
         text: String,
+        /// When the run asked for them ([`RunRequest::logprobs`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logprobs: Option<TokenLogprobs>,
     },
     Trace(BoundaryTrace),
     /// The run's epoch was lost (a stage node left, or a better plan replaces it): the tokens

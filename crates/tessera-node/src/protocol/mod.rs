@@ -40,8 +40,10 @@ pub use experts::{ExpertAssignment, ExpertCacheStats, ExpertPeer};
 pub use model::{decode_chunk, encode_chunk, ModelReply, ModelRequest};
 pub use ring::{RingToken, StepEntry, StepHeader};
 
-/// Version of the message protocol in this module; both sides must agree.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version of the message protocol in this module; both sides must agree. 2: a sequence may
+/// carry a grammar and ask for log-probabilities ([`OpenSeq`]), which a version-1 node would
+/// silently ignore.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Stream kinds (first frame of every stream, see `tessera_net::Connection::open_stream`).
 pub mod stream {

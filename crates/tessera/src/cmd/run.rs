@@ -79,6 +79,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         prefill_chunk: args.prefill_chunk,
         trace: args.trace,
         stop_at_eog: true,
+        grammar: None,
+        logprobs: None,
     };
     std::fs::create_dir_all(&args.data_dir)?;
     let identity = NodeIdentity::load_or_create(&args.data_dir)?;
