@@ -574,7 +574,9 @@ mod wire {
     use super::*;
     use tessera_net::{Endpoint, NodeIdentity};
     use tessera_node::agent::JoinTarget;
-    use tessera_node::protocol::{frame, stream, ClientToCoord, CoordToClient, Hello, Role};
+    use tessera_node::protocol::{
+        frame, stream, ClientToCoord, CoordToClient, Hello, Role, PROTOCOL_VERSION,
+    };
 
     fn hello(name: &str, version: u32) -> ClientToCoord {
         ClientToCoord::Hello(Hello {
@@ -616,7 +618,7 @@ mod wire {
             let conn = ep.enroll(target.addr, &target.token).await.unwrap();
             let mut s = conn.open_stream(stream::CONTROL).await.unwrap();
             s.writer
-                .write_message(frame::MSG, &hello("canceller", 1))
+                .write_message(frame::MSG, &hello("canceller", PROTOCOL_VERSION))
                 .await
                 .unwrap();
             let w = s
@@ -683,7 +685,9 @@ mod wire {
             let r = async {
                 let conn = ep.connect(target.addr, coord).await?;
                 let mut s = conn.open_stream(stream::CONTROL).await?;
-                s.writer.write_message(frame::MSG, &hello("x", 1)).await?;
+                s.writer
+                    .write_message(frame::MSG, &hello("x", PROTOCOL_VERSION))
+                    .await?;
                 let answer = s.reader.read_frame().await?;
                 let after = s.reader.read_frame().await;
                 Ok::<_, tessera_net::NetError>((answer, after))
@@ -809,7 +813,7 @@ mod wire {
             // The same connection still serves a well-formed session.
             let mut s = conn.open_stream(stream::CONTROL).await.unwrap();
             s.writer
-                .write_message(frame::MSG, &hello("fine", 1))
+                .write_message(frame::MSG, &hello("fine", PROTOCOL_VERSION))
                 .await
                 .unwrap();
             let w = s
