@@ -310,6 +310,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     pending: String,
     stopped: bool,
+    /// Which of `stops` ended the text (Anthropic's `stop_sequence` names it).
+    matched: Option<usize>,
 }
 
 /// What [`StopMatcher::push`] allows.
@@ -342,14 +344,16 @@ impl StopMatcher {
             };
         }
         self.pending.push_str(text);
-        // The earliest complete stop string wins.
+        // The earliest complete stop string wins (the first listed, at the same place).
         let hit = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(i, s)| self.pending.find(s.as_str()).map(|at| (at, i)))
             .min();
-        if let Some(at) = hit {
+        if let Some((at, i)) = hit {
             self.stopped = true;
+            self.matched = Some(i);
             let emit = self.pending[..at].to_string();
             self.pending.clear();
             return StopStep {
@@ -378,6 +382,11 @@ impl StopMatcher {
     /// End of generation: the held-back text (empty after a stop).
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.pending)
+    }
+
+    /// The stop string that ended the text, once one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 }
 
@@ -575,9 +584,15 @@ mod tests {
         assert_eq!(m.push("b").emit, "<b");
         let s = m.push(" wor\n");
         assert_eq!(s.emit, " wor");
+        assert_eq!(m.matched(), None);
         let s = m.push("\nrest");
         assert!(s.stopped);
         assert_eq!(s.emit, "");
+        assert_eq!(
+            m.matched(),
+            Some("\n\n"),
+            "the stop string that ended it is named"
+        );
         assert!(m.push("more").stopped);
         let mut m = StopMatcher::new(["STOP"]);
         let s = m.push("abcST");
@@ -587,5 +602,10 @@ mod tests {
         let mut m = StopMatcher::new(["zz"]);
         assert_eq!(m.push("éz").emit, "é");
         assert_eq!(m.finish(), "z");
+        assert_eq!(m.matched(), None);
+        // The earliest in the text wins, whatever the list order.
+        let mut m = StopMatcher::new(["cd", "b"]);
+        assert!(m.push("abcd").stopped);
+        assert_eq!(m.matched(), Some("b"));
     }
 }

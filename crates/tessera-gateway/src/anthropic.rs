@@ -354,10 +354,13 @@ pub fn parse_messages(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     Ok(r)
 }
 
-fn stop_reason(finish: &str) -> &'static str {
+/// Anthropic's `stop_reason` for a choice's end (a stop string is `stop_sequence`, named in
+/// the message's `stop_sequence`).
+fn stop_reason(finish: &str, stop_sequence: Option<&str>) -> &'static str {
     match finish {
         "length" => "max_tokens",
         "tool_calls" => "tool_use",
+        _ if stop_sequence.is_some() => "stop_sequence",
         _ => "end_turn",
     }
 }
@@ -435,7 +438,12 @@ async fn whole_message(mut t: Tracker, mut c: Choice, id: String, model: String)
             Some(ChoicePiece::ToolCall { id, call, .. }) => {
                 blocks.push(tool_use_block(&tool_id(&id), &call.name, &call.arguments));
             }
-            Some(ChoicePiece::Done { finish, usage, .. }) => {
+            Some(ChoicePiece::Done {
+                finish,
+                usage,
+                stop_sequence,
+                ..
+            }) => {
                 t.record(200, usage, c.ttft(), finish.into());
                 let mut content = Vec::new();
                 if !text.is_empty() || blocks.is_empty() {
@@ -448,8 +456,8 @@ async fn whole_message(mut t: Tracker, mut c: Choice, id: String, model: String)
                     "role": "assistant",
                     "model": model,
                     "content": content,
-                    "stop_reason": stop_reason(finish),
-                    "stop_sequence": null,
+                    "stop_reason": stop_reason(finish, stop_sequence.as_deref()),
+                    "stop_sequence": stop_sequence,
                     "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens},
                 }))
                 .into_response();
@@ -533,7 +541,12 @@ impl MessageStream {
                                "delta": {"type": "input_json_delta", "partial_json": call.arguments}}),
                     ));
                 }
-                Some(ChoicePiece::Done { finish, usage, .. }) => {
+                Some(ChoicePiece::Done {
+                    finish,
+                    usage,
+                    stop_sequence,
+                    ..
+                }) => {
                     if self.next_block == 0 {
                         self.open_block("text", json!({"type": "text", "text": ""}));
                     }
@@ -542,7 +555,8 @@ impl MessageStream {
                     self.ready.push_back(event(
                         "message_delta",
                         json!({"type": "message_delta",
-                               "delta": {"stop_reason": stop_reason(finish), "stop_sequence": null},
+                               "delta": {"stop_reason": stop_reason(finish, stop_sequence.as_deref()),
+                                         "stop_sequence": stop_sequence},
                                "usage": {"output_tokens": usage.completion_tokens}}),
                     ));
                     self.ready

@@ -268,6 +268,8 @@ pub(crate) enum ChoicePiece {
         usage: Usage,
         /// Scores of tokens whose text never came out (held back, cut by a stop string).
         logprobs: Vec<TokenLogprobs>,
+        /// The stop string that ended the text (Anthropic reports it; OpenAI only says `stop`).
+        stop_sequence: Option<String>,
     },
     Failed(String),
 }
@@ -323,6 +325,7 @@ impl Choice {
                         finish,
                         usage,
                         logprobs: std::mem::take(&mut self.held),
+                        stop_sequence: self.text.stop_sequence().map(str::to_owned),
                     });
                 }
                 Piece::Failed(m) => self.queue.push_back(ChoicePiece::Failed(m)),
@@ -560,6 +563,7 @@ async fn whole_response(
                     finish,
                     usage,
                     mut logprobs,
+                    ..
                 }) => {
                     lps.append(&mut logprobs);
                     out.finish = finish;
@@ -735,6 +739,7 @@ async fn next_sse(st: &mut StreamState) -> Option<SseEvent> {
                         finish,
                         usage,
                         logprobs,
+                        ..
                     } => {
                         st.usages[index] = Some(usage);
                         let lp = st.lp(index, &logprobs, 0);

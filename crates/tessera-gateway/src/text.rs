@@ -86,6 +86,11 @@ impl TextStream {
         self.prompt_tokens
     }
 
+    /// The stop string that ended the text, if one did.
+    pub fn stop_sequence(&self) -> Option<&str> {
+        self.stop.matched()
+    }
+
     /// Whether a `Done` or `Failed` piece was returned.
     pub fn is_finished(&self) -> bool {
         self.finished

@@ -105,6 +105,26 @@ def check_messages():
     assert streamed == whole.content[0].text, (streamed, whole.content[0].text)
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
     print(f"message: {whole.content[0].text!r} ({whole.stop_reason})")
+    check_stop_sequence(whole.content[0].text)
+
+
+def check_stop_sequence(text):
+    """A stop string from the middle of the greedy text ends the message just before it, and
+    the message says so: `stop_reason` "stop_sequence" naming it, streamed and not."""
+    k = len(text) // 2
+    stop = text[k:k + 2]
+    assert len(stop) == 2, text
+    kw = dict(model=MODEL, max_tokens=32, system="You tell short stories.", messages=MSGS,
+              extra_body=T0, stop_sequences=["never-generated-zzzz", stop])
+    cut = client.messages.create(**kw)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop, cut
+    assert cut.content[0].text == text[:text.index(stop)], (cut.content[0].text, text, stop)
+    with client.messages.stream(**kw) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop, final
+    assert streamed == cut.content[0].text, (streamed, cut.content[0].text)
+    print(f"stop sequence {stop!r}: {cut.content[0].text!r}")
 
 
 def check_tools():
