@@ -14,8 +14,9 @@ use super::CHROMIUM;
 
 /// A headless Chromium with one page attached over the DevTools protocol; killed on drop.
 pub struct Browser {
-    child: Child,
     ws: WebSocket<TcpStream>,
+    /// Declared after `ws`, so the connection closes before the browser is killed.
+    _chromium: Chromium,
     /// The page's session on the browser connection (flat mode): commands carry it.
     session: Option<String>,
     next_id: u64,
@@ -28,7 +29,10 @@ impl Browser {
     pub fn start(profile: &Path) -> Self {
         let _ = std::fs::remove_dir_all(profile);
         std::fs::create_dir_all(profile).unwrap();
-        let child = Command::new(CHROMIUM)
+        let mut cmd = Command::new(CHROMIUM);
+        // Its own process group, so that its renderer and helper processes die with it.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let child = cmd
             .args([
                 "--headless",
                 "--no-sandbox",
@@ -46,9 +50,11 @@ impl Browser {
             .stderr(Stdio::null())
             .spawn()
             .expect("starting chromium");
+        // Guarded from here on: a panic while connecting or attaching kills it too.
+        let chromium = Chromium(child);
         let mut b = Self {
-            child,
             ws: connect_browser(profile),
+            _chromium: chromium,
             session: None,
             next_id: 0,
             errors: Vec::new(),
@@ -160,10 +166,18 @@ impl Browser {
     }
 }
 
-impl Drop for Browser {
+/// The Chromium process (and its process group), killed when dropped: on every path out of a
+/// test, a panic included.
+struct Chromium(Child);
+
+impl Drop for Chromium {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.0.id())])
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
