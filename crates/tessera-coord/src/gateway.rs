@@ -559,6 +559,7 @@ fn status(inner: &Inner) -> ClusterStatus {
                     disk_bytes: c.bytes_read,
                     read_wait_us: c.read_wait_us,
                     disk_busy_us: c.disk_busy_us,
+                    peak_bytes: c.peak_bytes,
                 }
             });
             let kv_bytes = kv.get(&m.node_id).copied().unwrap_or(0);

@@ -292,7 +292,11 @@ impl Coordinator {
         let (epoch_tx, _) = watch::channel(EpochStatus::None);
         let mut membership = Membership::new();
         if let Some(last) = last_epoch {
-            tracing::info!("plan epochs continue after {last}");
+            tracing::info!(
+                event = "epochs_continue",
+                after = last,
+                "plan epochs continue after {last}"
+            );
             membership.continue_epochs_after(last);
         }
         membership.set_model_bytes(Some(model_bytes(server.manifest(), model.config.n_expert)));
@@ -760,6 +764,13 @@ fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
                         .member(&id)
                         .map_or_else(|| id.short(), |m| m.name.clone());
                     tracing::info!(
+                        event = "expert_cache",
+                        node = %name,
+                        hits = c.hits,
+                        misses = c.misses,
+                        budget_bytes = c.budget_bytes,
+                        peak_bytes = c.peak_bytes,
+                        peak_read_buffer_bytes = c.peak_read_buffer_bytes,
                         "expert cache: {name} hits {} misses {} disk bytes {} read wait {:.1} ms \
                          disk busy {:.1} ms",
                         c.hits,

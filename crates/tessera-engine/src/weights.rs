@@ -181,6 +181,12 @@ pub struct Ffn {
 }
 
 impl Ffn {
+    /// Bytes of its three matrices' allocations.
+    pub(crate) fn allocated_bytes(&self) -> u64 {
+        (self.gate.allocated_bytes() + self.up.allocated_bytes() + self.down.allocated_bytes())
+            as u64
+    }
+
     fn resident_bytes(&self) -> usize {
         self.gate.resident_bytes() + self.up.resident_bytes() + self.down.resident_bytes()
     }

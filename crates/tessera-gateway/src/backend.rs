@@ -384,6 +384,10 @@ pub struct ExpertCacheStatus {
     /// Microseconds with at least one expert read in progress.
     #[serde(default)]
     pub disk_busy_us: u64,
+    /// High-water mark of the bytes of built experts the node kept alive at once (cache, read
+    /// window, reads in flight, spare allocations).
+    #[serde(default)]
+    pub peak_bytes: u64,
 }
 
 /// The measured hardware of a node, summarised for display.

@@ -447,6 +447,7 @@ mod tests {
                         disk_bytes: 4096,
                         read_wait_us: 1_500_000,
                         disk_busy_us: 250,
+                        peak_bytes: 1 << 20,
                     }),
                     ..Default::default()
                 },

@@ -1,17 +1,72 @@
 //! Expert streaming on a node of an expert split, with real processes on 127.0.0.1: a `tessera
 //! coordinator --experts ...` and two `tessera node` agents, the expert-only one given an
 //! `--expert-budget` of about two experts, so it streams its experts from disk (and the home
-//! stage too, for its own experts). Greedy output must equal one process, and the coordinator
-//! must hear both nodes' expert-cache misses.
+//! stage too, for its own experts). Greedy output must equal one process, the coordinator must
+//! hear both nodes' expert-cache misses, each node's high-water mark of expert memory stays
+//! within its budget plus one expert, and the expert node's resident set grows by no more than
+//! that plus its read buffers and a stated overhead.
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{ids, model, reference_tokens, report_of, tokens_of, ExpertCluster};
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 
 const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What a node's resident set may grow by, beyond its experts and read buffers, while it serves
+/// a run: the runtime's per-request allocations, new threads' stacks and allocator arenas, QUIC
+/// buffers. It does not depend on the model.
+const RSS_OVERHEAD: u64 = 8 << 20;
+
+/// Built (repacked) bytes of the largest expert: what the store counts against its budget.
+fn built_expert_bytes(g: &GgufFile) -> u64 {
+    let cfg = ModelConfig::from_gguf(g).unwrap();
+    let m = tessera_engine::Model::load_streaming(
+        g,
+        tessera_engine::LoadSpec::full(&cfg),
+        tessera_engine::ExpertStreaming::with_budget(u64::MAX / 2),
+        1,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    m.expert_stats().unwrap().expert_bytes
+}
+
+/// A process's anonymous resident memory (`RssAnon`: its heap and stacks) and its resident
+/// file pages (`RssFile`: mapped file pages, which the kernel may drop), in bytes; `None` once
+/// it is gone.
+fn rss(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = |key: &str| -> Option<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|k| k * 1024)
+    };
+    Some((kib("RssAnon:")?, kib("RssFile:")?))
+}
+
+/// Samples `pid`'s resident memory until `stop` is set; the largest of each figure.
+fn sample_rss(
+    pid: u32,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<(u64, u64, usize)> {
+    std::thread::spawn(move || {
+        let (mut anon, mut file, mut n) = (0, 0, 0);
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Some((a, f)) = rss(pid) {
+                anon = anon.max(a);
+                file = file.max(f);
+                n += 1;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        (anon, file, n)
+    })
+}
 
 /// Bytes of one expert of the first MoE layer in the GGUF (gate, up and down).
 fn expert_bytes(g: &GgufFile, cfg: &ModelConfig) -> u64 {
@@ -60,7 +115,22 @@ fn streamed_experts_match_one_process(name: &str) {
     let b: Vec<usize> = (n / 2..n).collect();
     let mut c = ExpertCluster::start(&path, &format!("{}@a,{}@b", ids(&a), ids(&b)), TIMEOUT);
     c.add_node("a", &["--expert-budget".into(), budget.to_string()]);
-    c.add_node("b", &["--expert-budget".into(), budget.to_string()]);
+    // b reads its local copy of the model (no transfer buffers in its memory).
+    c.add_node(
+        "b",
+        &[
+            "--expert-budget".into(),
+            budget.to_string(),
+            "--model".into(),
+            path.display().to_string(),
+        ],
+    );
+    // b's resident memory once it has joined, before it loads or reads anything, then sampled
+    // through the run.
+    let b_pid = c.nodes[1].child.id();
+    let (b_before, _) = rss(b_pid).expect("node b runs");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = sample_rss(b_pid, stop.clone());
     let msgs = c.run_json(
         &[("a", 0..l)],
         &[
@@ -74,6 +144,8 @@ fn streamed_experts_match_one_process(name: &str) {
             &chunk.to_string(),
         ],
     );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (b_anon_peak, b_file_peak, samples) = sampler.join().unwrap();
     assert_eq!(tokens_of(&msgs), want, "streamed experts: tokens");
     let report = report_of(&msgs);
     let trips: u64 = report["stage_stats"]
@@ -84,32 +156,49 @@ fn streamed_experts_match_one_process(name: &str) {
         .sum();
     assert!(trips > 0, "no expert requests in {report}");
 
-    // Heartbeats carry each node's expert-cache counters to the coordinator: the expert-only
-    // node's, and the home stage's for its own streamed experts. Wait for each to report misses
-    // (both read experts from disk: their budgets hold about two).
+    // Heartbeats carry each node's expert-cache counters to the coordinator (an `expert_cache`
+    // event whenever they change): the expert-only node's, and the home stage's for its own
+    // streamed experts. Both read experts from disk (their budgets hold about two), so each
+    // reports misses; every peak it reports (a high-water mark: cache, read window, reads in
+    // flight, experts a computation holds, spare allocations) stays within its budget plus the
+    // one expert a computation may hold outside the cache.
+    let built = built_expert_bytes(&g);
     for node in ["a", "b"] {
-        let prefix = format!("expert cache: {node} ");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let line = c.coordinator.wait_for(&prefix);
-            let misses: u64 = line
-                .split_whitespace()
-                .skip_while(|w| *w != "misses")
-                .nth(1)
-                .and_then(|m| m.parse().ok())
-                .unwrap_or_else(|| panic!("malformed line {line:?}"));
-            if misses > 0 {
-                eprintln!("coordinator saw: {prefix}{line}");
-                break;
-            }
-            // Look at later lines only.
-            c.coordinator.seen.retain(|s| !s.starts_with(&prefix));
+        let fields = [("event", "expert_cache"), ("node", node)];
+        c.coordinator
+            .wait_event_where(&fields, 1, |e| e["misses"].as_u64() > Some(0));
+        for e in c.coordinator.events(&fields) {
+            let peak = e["peak_bytes"].as_u64().unwrap();
+            assert_eq!(e["budget_bytes"].as_u64(), Some(budget), "{e}");
+            assert!(peak > 0, "{e}");
             assert!(
-                Instant::now() < deadline,
-                "no misses reported by {node}: {line}"
+                peak <= budget + built,
+                "{node} held {peak} bytes of experts, over its budget of {budget} plus one \
+                 expert of {built}: {e}"
             );
         }
     }
+    // b's anonymous resident memory, sampled through the run, grew by no more than its
+    // experts' bound, its read buffers and the stated overhead. (Its file pages are the model
+    // file's, mapped while it is received and checked: the page cache's, printed only.)
+    let last = c
+        .coordinator
+        .events(&[("event", "expert_cache"), ("node", "b")])
+        .pop()
+        .unwrap();
+    let buffers = last["peak_read_buffer_bytes"].as_u64().unwrap();
+    let grown = b_anon_peak.saturating_sub(b_before);
+    eprintln!(
+        "node b: anonymous resident {b_before} bytes after joining, {b_anon_peak} at its \
+         sampled peak (+{grown}, {samples} samples), file pages up to {b_file_peak}; expert \
+         budget {budget}, one expert {built}, read buffers {buffers}"
+    );
+    assert!(samples > 0, "node b was never sampled");
+    assert!(
+        grown <= budget + built + buffers + RSS_OVERHEAD,
+        "node b's anonymous resident memory grew by {grown} bytes: over its expert budget \
+         {budget} + one expert {built} + read buffers {buffers} + {RSS_OVERHEAD} overhead"
+    );
 }
 
 #[test]

@@ -56,6 +56,11 @@ impl Spare {
         }
     }
 
+    /// Bytes of the allocations kept.
+    pub(super) fn bytes(&self) -> u64 {
+        self.bufs.iter().map(|b| b.capacity() as u64).sum()
+    }
+
     /// Keeps the evicted expert's three allocations, if no computation still holds it.
     pub(super) fn recycle(&mut self, ffn: Arc<Ffn>) {
         let Ok(ffn) = Arc::try_unwrap(ffn) else {
@@ -207,7 +212,9 @@ impl Shared {
             .copied()
             .collect();
         for k in gone {
-            inner.pinned.remove(&k);
+            if let Some(f) = inner.pinned.remove(&k) {
+                Self::lend(inner, &f);
+            }
             inner.pinned_origin.remove(&k);
             inner.pinned_bytes -= self.src[k.0 - self.layers.start].packed;
         }

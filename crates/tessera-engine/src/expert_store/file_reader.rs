@@ -39,6 +39,11 @@ impl Reader {
         self.direct_ok.load(Ordering::Relaxed)
     }
 
+    /// Bytes of read buffers allocated now (in use by reads and kept for the next ones).
+    pub(super) fn buffer_bytes(&self) -> u64 {
+        self.bufs.allocated.load(Ordering::Relaxed) as u64
+    }
+
     /// Reads `len` bytes at `off` into a fresh buffer: `O_DIRECT` of the aligned superset when
     /// possible, else a buffered read (then dropped from the page cache if asked).
     pub(super) fn read_range(&self, off: u64, len: u64) -> std::io::Result<RawBuf> {
@@ -104,7 +109,11 @@ impl Drop for RawAlloc {
 /// Read buffers returned by dropped [`RawBuf`]s, reused by later reads (no allocation, zeroing
 /// or page faults per read).
 #[derive(Default)]
-struct BufPool(Mutex<Vec<RawAlloc>>);
+struct BufPool {
+    free: Mutex<Vec<RawAlloc>>,
+    /// Bytes of all buffers allocated and not freed (in use or in `free`).
+    allocated: AtomicUsize,
+}
 
 /// Buffers a pool keeps at most (three ranges for each of four readers).
 const POOL_MAX: usize = 12;
@@ -114,13 +123,17 @@ impl BufPool {
     fn take(self: &Arc<Self>, cap: usize, start: usize, len: usize) -> RawBuf {
         assert!(start + len <= cap);
         let reuse = {
-            let mut free = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
             free.iter()
                 .position(|a| a.cap >= cap)
                 .map(|i| free.swap_remove(i))
         };
+        let alloc = reuse.unwrap_or_else(|| {
+            self.allocated.fetch_add(cap, Ordering::Relaxed);
+            RawAlloc::zeroed(cap)
+        });
         RawBuf {
-            alloc: Some(reuse.unwrap_or_else(|| RawAlloc::zeroed(cap))),
+            alloc: Some(alloc),
             pool: Some(Arc::clone(self)),
             start,
             len,
@@ -163,9 +176,11 @@ impl AsRef<[u8]> for RawBuf {
 impl Drop for RawBuf {
     fn drop(&mut self) {
         if let (Some(a), Some(pool)) = (self.alloc.take(), &self.pool) {
-            let mut free = pool.0.lock().unwrap_or_else(|p| p.into_inner());
+            let mut free = pool.free.lock().unwrap_or_else(|p| p.into_inner());
             if free.len() < POOL_MAX {
                 free.push(a);
+            } else {
+                pool.allocated.fetch_sub(a.cap, Ordering::Relaxed);
             }
         }
     }

@@ -53,6 +53,15 @@ impl Flight {
     fn started(&self) -> bool {
         self.next_m > 0
     }
+
+    /// Bytes of its matrices built so far.
+    pub(super) fn built_bytes(&self) -> u64 {
+        self.mats
+            .iter()
+            .flatten()
+            .map(|m| m.allocated_bytes() as u64)
+            .sum()
+    }
 }
 
 impl Shared {
@@ -226,6 +235,9 @@ pub(super) fn reader_loop(sh: &Shared) {
             continue;
         };
         let buf = inner.spare.take(sh.built_len(key.0, m));
+        // The build's target, counted from now until the matrix joins its read (peak.rs).
+        let target = buf.capacity().max(sh.built_len(key.0, m)) as u64;
+        inner.building += target;
         let t_read = std::time::Instant::now();
         if inner.reading == 0 {
             inner.busy_since = Some(t_read);
@@ -243,6 +255,8 @@ pub(super) fn reader_loop(sh: &Shared) {
                 inner.stats.disk_busy_us += (t_built - t0).as_micros() as u64;
             }
         }
+        // The most this read holds at once: its raw bytes and its build target.
+        sh.note_peak(&mut inner);
         drop(inner);
         let built = match read {
             Ok(raw) => sh
@@ -253,6 +267,7 @@ pub(super) fn reader_loop(sh: &Shared) {
         let build_us = t_built.elapsed().as_micros() as u64;
         inner = lock(&sh.inner);
         inner.stats.build_us += build_us;
+        inner.building -= target;
         let fl = inner.inflight.get_mut(&key).expect("a read in flight");
         match built {
             Ok(mat) => fl.mats[m] = Some(mat),

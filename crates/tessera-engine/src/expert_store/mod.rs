@@ -27,7 +27,8 @@
 //!   its room when it is queued, so reads in flight never push the cache past its share. Experts
 //!   in use by a computation, and those the current layer's routing asked for, are never
 //!   evicted; `moe_experts` computes a layer's experts in chunks no larger than the layer's LRU,
-//!   so the built experts alive never exceed the budget.
+//!   so the built experts alive stay within the budget plus the one expert a computation may
+//!   hold outside the cache (see `peak.rs`, which measures the high-water mark).
 //! - **Read window**: when a layer's share of the cache cannot hold one routing's experts (small
 //!   budgets), `read_parallelism` experts of the budget are set aside, and the misses beyond the
 //!   layer's room are read ahead through them, in the order the computation takes them, instead
@@ -48,6 +49,7 @@
 mod cache;
 mod file_reader;
 mod io_queue;
+mod peak;
 mod settings;
 mod shared;
 mod stats;
@@ -236,6 +238,8 @@ impl ExpertStore {
             since_repin: 0,
             reading: 0,
             busy_since: None,
+            building: 0,
+            lent: Vec::new(),
             stats: ExpertStats {
                 budget_bytes: budget,
                 expert_bytes,
@@ -512,6 +516,8 @@ impl ExpertStore {
             let f = loop {
                 if let Some(f) = inner.orphans.remove(&key) {
                     missed[i] = true;
+                    // Out of the store's hands, alive until this computation drops it.
+                    inner.lent.push((Arc::downgrade(&f), f.allocated_bytes()));
                     if sh.orphan_taken(&mut inner, key) {
                         sh.work.notify_all();
                     }

@@ -74,6 +74,10 @@ pub(super) struct Inner {
     /// Reads in progress, and since when at least one has been (for the disk-busy time).
     pub(super) reading: usize,
     pub(super) busy_since: Option<std::time::Instant>,
+    /// Bytes of the matrices readers are building now (their targets, taken or to allocate).
+    pub(super) building: u64,
+    /// Experts out of the cache that computations may still hold, and their allocated bytes.
+    pub(super) lent: Vec<(std::sync::Weak<Ffn>, u64)>,
     pub(super) stats: ExpertStats,
 }
 

@@ -77,6 +77,15 @@ pub struct ExpertStats {
     pub cached_bytes: u64,
     /// Token routings observed (at the first held layer).
     pub tokens: u64,
+    /// High-water mark of the bytes of built experts the store kept alive at once: cached,
+    /// pinned, read-window orphans, experts computations took out of the cache, reads in flight
+    /// and spare allocations (see `peak.rs`). Within `budget_bytes`.
+    #[serde(default)]
+    pub peak_bytes: u64,
+    /// High-water mark of the raw read buffers (the file's bytes before repacking, in use and
+    /// pooled), outside the budget.
+    #[serde(default)]
+    pub peak_read_buffer_bytes: u64,
 }
 
 impl ExpertStats {
@@ -112,6 +121,9 @@ impl ExpertStats {
         self.cached_experts += other.cached_experts;
         self.cached_bytes += other.cached_bytes;
         self.tokens = self.tokens.max(other.tokens);
+        // A bound on the peak of the sum (the two peaks may not coincide).
+        self.peak_bytes += other.peak_bytes;
+        self.peak_read_buffer_bytes += other.peak_read_buffer_bytes;
     }
 
     pub fn hit_rate(&self) -> f64 {

@@ -223,6 +223,12 @@ impl Matrix {
         self.data.len()
     }
 
+    /// Bytes of its allocation (at least [`Matrix::resident_bytes`]: a matrix built into a
+    /// reused, larger buffer keeps all of it).
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        self.data.capacity()
+    }
+
     /// Bytes of one GGML row.
     pub(crate) fn row_bytes(&self) -> usize {
         self.cols / self.dtype.block_size() * self.dtype.block_bytes()

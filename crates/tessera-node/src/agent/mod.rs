@@ -114,6 +114,8 @@ impl Shared {
             bytes_read: st.bytes_read,
             read_wait_us: st.read_wait_us,
             disk_busy_us: st.disk_busy_us,
+            peak_bytes: st.peak_bytes,
+            peak_read_buffer_bytes: st.peak_read_buffer_bytes,
         })
     }
 }
@@ -160,7 +162,12 @@ pub async fn run_until(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), FabricError> {
     let identity = identity(&config.data_dir)?;
-    tracing::info!("node id: {}", identity.node_id());
+    tracing::info!(
+        event = "identity",
+        node_id = %identity.node_id(),
+        "node id: {}",
+        identity.node_id()
+    );
     if config.join.is_none() && CoordinatorRecord::load(&config.data_dir).is_none() {
         return Err(FabricError::NotEnrolled);
     }

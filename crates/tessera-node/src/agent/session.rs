@@ -76,7 +76,11 @@ pub(super) async fn serve_sessions(
             Err(e @ (FabricError::Refused(_) | FabricError::VersionMismatch { .. })) => {
                 return Err(e);
             }
-            Err(e) => tracing::warn!("coordinator session: {e}; retrying in {backoff:?}"),
+            Err(e) => tracing::warn!(
+                event = "session_failed",
+                error = %e,
+                "coordinator session: {e}; retrying in {backoff:?}"
+            ),
             Ok(()) => tracing::warn!("the coordinator ended the session; retrying in {backoff:?}"),
         }
         tokio::time::sleep(backoff).await;
@@ -149,6 +153,9 @@ async fn session(
                 });
             }
             tracing::info!(
+                event = "joined",
+                coordinator = %coordinator,
+                name = %hello.name,
                 "joined coordinator {coordinator} as {} ({observed_addr})",
                 hello.name
             );
@@ -231,6 +238,9 @@ async fn control_loop(
             CoordToNode::Assign(a) => {
                 let epoch = a.epoch;
                 tracing::info!(
+                    event = "assigned",
+                    epoch,
+                    stage = a.stage,
                     "assigned epoch {epoch}: stage {} of {}, layers {}..{}",
                     a.stage,
                     a.n_stages,
@@ -248,6 +258,8 @@ async fn control_loop(
                     let msg = match load_assignment(a, &ctx, &shared).await {
                         Ok(report) => {
                             tracing::info!(
+                                event = "loaded",
+                                epoch,
                                 "loaded epoch {epoch}: needed {} bytes, received {} bytes, {} bytes already present",
                                 report.bytes_needed, report.bytes_transferred, report.bytes_already_present
                             );

@@ -340,6 +340,8 @@ mod tests {
             bytes_read: 9,
             read_wait_us: 11,
             disk_busy_us: 7,
+            peak_bytes: 4,
+            peak_read_buffer_bytes: 8,
         };
         let s = serde_json::to_string(&NodeToCoord::Heartbeat {
             expert_cache: Some(c),

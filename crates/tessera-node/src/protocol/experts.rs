@@ -54,4 +54,12 @@ pub struct ExpertCacheStats {
     /// the store).
     #[serde(default)]
     pub disk_busy_us: u64,
+    /// High-water mark of the bytes of built experts kept alive at once (cache, read window,
+    /// reads in flight, experts computations took, spare allocations): within the budget plus
+    /// one expert per computation.
+    #[serde(default)]
+    pub peak_bytes: u64,
+    /// High-water mark of the raw read buffers (outside the budget).
+    #[serde(default)]
+    pub peak_read_buffer_bytes: u64,
 }

@@ -4,6 +4,7 @@
 //!   collected (killed on drop).
 //! - `run`: running a command under a deadline, reading client JSON messages, and the greedy
 //!   tokens of one process.
+//! - `events`: the cluster's JSON events (`TESSERA_LOG_FORMAT=json`), which tests wait on.
 //! - `moe`: a coordinator with an expert split and its nodes.
 //! - `http`: a few-line HTTP/1.1 client over `TcpStream` (`Connection: close`, chunked bodies
 //!   decoded), SSE parsing and Prometheus samples.
@@ -17,6 +18,7 @@
 pub mod browser;
 pub mod cdp;
 pub mod chaos;
+pub mod events;
 pub mod http;
 pub mod moe;
 pub mod openai;
@@ -26,6 +28,8 @@ pub mod serve;
 
 #[allow(unused_imports)]
 pub use browser::*;
+#[allow(unused_imports)]
+pub use events::{event_in, JSON_LOGS};
 #[allow(unused_imports)]
 pub use http::*;
 #[allow(unused_imports)]

@@ -20,7 +20,7 @@ pub struct ExpertCluster {
 impl ExpertCluster {
     pub fn start(model_path: &Path, experts: &str, timeout: Duration) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut coordinator = Proc::spawn(
+        let mut coordinator = Proc::spawn_with_events(
             "coordinator",
             &[
                 "coordinator".into(),
@@ -49,8 +49,8 @@ impl ExpertCluster {
         let mut args = super::node_args(self.dir.path(), name);
         args.extend(["--join".into(), self.join.clone()]);
         args.extend_from_slice(extra);
-        let mut p = Proc::spawn(name, &args, self.timeout);
-        p.wait_for("joined coordinator ");
+        let mut p = Proc::spawn_with_events(name, &args, self.timeout);
+        p.wait_event(&[("event", "joined")]);
         self.nodes.push(p);
     }
 

@@ -6,6 +6,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use serde_json::Value;
+
+use super::events::{describe, event_in, JSON_LOGS};
+
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_tessera")
 }
@@ -48,6 +52,13 @@ impl Proc {
     pub fn spawn(name: &str, args: &[String], timeout: Duration) -> Self {
         let mut cmd = Command::new(bin());
         cmd.args(args);
+        Self::from_command(name, cmd, timeout)
+    }
+
+    /// `tessera` with `args`, printing its events as JSON lines ([`Proc::wait_event`]).
+    pub fn spawn_with_events(name: &str, args: &[String], timeout: Duration) -> Self {
+        let mut cmd = Command::new(bin());
+        cmd.args(args).env(JSON_LOGS.0, JSON_LOGS.1);
         Self::from_command(name, cmd, timeout)
     }
 
@@ -98,6 +109,59 @@ impl Proc {
                 ),
             }
         }
+    }
+
+    /// Waits for an event (a JSON line) whose fields have the given values; the event.
+    pub fn wait_event(&mut self, fields: &[(&str, &str)]) -> Value {
+        self.wait_event_nth(fields, 1)
+    }
+
+    /// Waits until `n` events whose fields have the given values have been seen; the n-th.
+    pub fn wait_event_nth(&mut self, fields: &[(&str, &str)], n: usize) -> Value {
+        self.wait_event_where(fields, n, |_| true)
+    }
+
+    /// Waits until `n` events whose fields have the given values and that satisfy `pred` have
+    /// been seen; the n-th.
+    pub fn wait_event_where(
+        &mut self,
+        fields: &[(&str, &str)],
+        n: usize,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(e) = self
+                .seen
+                .iter()
+                .filter_map(|l| event_in(l, fields))
+                .filter(|e| pred(e))
+                .nth(n - 1)
+            {
+                return e;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!(
+                    "{}: fewer than {n} events {}; saw {:?}",
+                    self.name,
+                    describe(fields),
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// The events seen so far whose fields have the given values (takes the lines arrived).
+    pub fn events(&mut self, fields: &[(&str, &str)]) -> Vec<Value> {
+        while let Ok(l) = self.lines.try_recv() {
+            self.seen.push(l);
+        }
+        self.seen
+            .iter()
+            .filter_map(|l| event_in(l, fields))
+            .collect()
     }
 
     /// Waits until `n` stdout lines starting with `prefix` have been seen.
