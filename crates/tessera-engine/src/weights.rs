@@ -525,6 +525,8 @@ impl<'a> Loader<'a> {
         len: u64,
     ) -> Result<Matrix> {
         let dtype = info.dtype(self.g.path())?;
+        // A partial copy (a node's sparse file) refuses what it never received.
+        self.g.check_present(&info.name, offset..offset + len)?;
         let map = self.g.mapping().ok_or_else(|| EngineError::Tensor {
             tensor: info.name.clone(),
             what: "no file is mapped (header parsed from memory)".into(),

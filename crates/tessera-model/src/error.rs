@@ -26,14 +26,14 @@ pub enum ModelError {
         tensor: String,
         what: String,
     },
-    #[error("{path}: tensor '{tensor}' has type {type_name}, which Tessera cannot run (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS)")]
+    #[error("{path}: tensor '{tensor}' has type {type_name}, which Tessera cannot run (supported: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS)")]
     UnsupportedType {
         path: PathBuf,
         tensor: String,
         type_name: String,
     },
     #[error(
-        "{path}: architecture '{arch}' is not supported (supported: llama, qwen2, qwen3, qwen3moe, gpt-oss)"
+        "{path}: architecture '{arch}' is not supported (supported: llama, qwen2, qwen3, qwen3moe, gpt-oss, deepseek2)"
     )]
     UnsupportedArchitecture { path: PathBuf, arch: String },
     #[error("{path}: metadata key '{key}' {what}")]
@@ -50,6 +50,18 @@ pub enum ModelError {
         tensor: String,
         found: Vec<u64>,
         expected: Vec<u64>,
+    },
+    /// A read of a partial copy outside the ranges it holds (see
+    /// `GgufFile::with_present_ranges`): those bytes were never received.
+    #[error(
+        "{path}: bytes {start}..{end} of tensor '{tensor}' were never received (this copy holds \
+         only what its assignment fetched)"
+    )]
+    NotFetched {
+        path: PathBuf,
+        tensor: String,
+        start: u64,
+        end: u64,
     },
     #[error("tokenizer: {0}")]
     Tokenizer(String),

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -153,6 +154,10 @@ pub struct GgufFile {
     data_offset: u64,
     file_len: u64,
     map: Option<Arc<Mmap>>,
+    /// The byte ranges that hold the file's data, sorted and disjoint; `None`: all of it. A
+    /// partial copy (a node's sparse file, which holds only what its assignment fetched) reads
+    /// as zeros elsewhere, so reads outside these ranges are refused.
+    present: Option<Arc<Vec<Range<u64>>>>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -328,6 +333,7 @@ impl GgufFile {
             data_offset,
             file_len,
             map: None,
+            present: None,
         })
     }
 
@@ -382,6 +388,7 @@ impl GgufFile {
 
     /// The bytes of one tensor (touching only its pages).
     pub fn tensor_bytes(&self, info: &TensorInfo) -> Result<&[u8]> {
+        self.check_present(&info.name, info.offset..info.offset + info.n_bytes)?;
         let map = self.map.as_ref().ok_or_else(|| ModelError::BadTensor {
             path: self.path.clone(),
             tensor: info.name.clone(),
@@ -389,6 +396,61 @@ impl GgufFile {
         })?;
         // Extents were checked against the file length at parse time.
         Ok(&map[info.offset as usize..(info.offset + info.n_bytes) as usize])
+    }
+}
+
+impl GgufFile {
+    /// Declares this a partial copy whose data is only in `ranges` (absolute file offsets, in
+    /// any order, possibly touching): reads of tensor bytes elsewhere then fail with
+    /// [`ModelError::NotFetched`] instead of returning the zeros a hole holds.
+    pub fn with_present_ranges(mut self, mut ranges: Vec<Range<u64>>) -> Self {
+        ranges.retain(|r| r.start < r.end);
+        ranges.sort_by_key(|r| r.start);
+        let mut merged: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            match merged.last_mut() {
+                Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                _ => merged.push(r),
+            }
+        }
+        self.present = Some(Arc::new(merged));
+        self
+    }
+
+    /// Whether this is a partial copy (see [`GgufFile::with_present_ranges`]).
+    pub fn is_partial(&self) -> bool {
+        self.present.is_some()
+    }
+
+    /// Ok if the bytes `range` of the file (part of tensor `tensor`) are held; else
+    /// [`ModelError::NotFetched`] naming the tensor and the first missing byte range. Every
+    /// range is held in a complete file.
+    pub fn check_present(&self, tensor: &str, range: Range<u64>) -> Result<()> {
+        let Some(present) = &self.present else {
+            return Ok(());
+        };
+        let mut at = range.start;
+        // The first held range that ends after `at`, then on while they touch.
+        let i = present.partition_point(|r| r.end <= at);
+        for r in &present[i..] {
+            if at >= range.end || r.start > at {
+                break;
+            }
+            at = r.end;
+        }
+        if at >= range.end {
+            return Ok(());
+        }
+        let gap_end = present
+            .iter()
+            .find(|r| r.start > at)
+            .map_or(range.end, |r| r.start.min(range.end));
+        Err(ModelError::NotFetched {
+            path: self.path.clone(),
+            tensor: tensor.to_string(),
+            start: at,
+            end: gap_end,
+        })
     }
 }
 
@@ -637,6 +699,34 @@ pub(crate) mod tests {
         let b = g.tensor("b").unwrap();
         assert_eq!(b.n_bytes, 68);
         assert_eq!(b.offset, g.data_offset() + 256);
+    }
+
+    #[test]
+    fn a_partial_copy_names_the_first_missing_bytes() {
+        let g = GgufFile::parse(&sample()).unwrap();
+        assert!(!g.is_partial());
+        assert!(g.check_present("a", 0..u64::MAX).is_ok());
+        // Held: 100..200 and 200..300 (touching, merged), 400..500; given out of order.
+        let g = g.with_present_ranges(vec![400..500, 200..300, 100..200, 7..7]);
+        assert!(g.is_partial());
+        let gap = |r: std::ops::Range<u64>| match g.check_present("t", r) {
+            Ok(()) => None,
+            Err(ModelError::NotFetched {
+                tensor, start, end, ..
+            }) => {
+                assert_eq!(tensor, "t");
+                Some((start, end))
+            }
+            Err(e) => panic!("{e}"),
+        };
+        for held in [100..300, 150..250, 400..500, 120..121, 5..5] {
+            assert_eq!(gap(held.clone()), None, "{held:?}");
+        }
+        assert_eq!(gap(50..150), Some((50, 100)));
+        assert_eq!(gap(250..450), Some((300, 400)));
+        assert_eq!(gap(450..600), Some((500, 600)));
+        assert_eq!(gap(310..320), Some((310, 320)));
+        assert_eq!(gap(0..1000), Some((0, 100)));
     }
 
     #[test]

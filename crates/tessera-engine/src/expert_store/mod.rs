@@ -161,6 +161,16 @@ impl ExpertStore {
                     }
                 })? as u64;
             }
+            // Streamed experts are read later, by position: a partial copy must hold them now.
+            for e in (0..n_expert).filter(|&e| spec.experts.holds(il, e)) {
+                for (m, w) in mats.iter().zip(["gate", "up", "down"]) {
+                    let start = m.base + m.len * e as u64;
+                    g.check_present(
+                        &names::layer(il, &format!("ffn_{w}_exps.weight")),
+                        start..start + m.len,
+                    )?;
+                }
+            }
             served += (0..n_expert).filter(|&e| spec.experts.holds(il, e)).count() as u64;
             src.push(LayerSrc { mats, packed });
         }

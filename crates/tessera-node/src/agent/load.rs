@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_engine::{ExpertSelection, ExpertStreaming, LoadSpec, Model};
-use tessera_model::{GgufFile, Tokenizer};
+use tessera_model::Tokenizer;
 use tessera_net::Connection;
 
 use crate::error::FabricError;
@@ -134,7 +134,7 @@ pub(super) async fn load_assignment(
     let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
 
     let t1 = Instant::now();
-    let path = ctx.store.path_for(&manifest);
+    let store = ctx.store.clone();
     let threads = ctx.threads;
     let spec = LoadSpec {
         layers: if expert_only { 0..0 } else { a.layers.clone() },
@@ -169,7 +169,8 @@ pub(super) async fn load_assignment(
     let samples = a.head;
     let (model, serve_model, tokenizer) = tokio::task::spawn_blocking(
         move || -> Result<(Model, Option<Model>, Option<Tokenizer>), FabricError> {
-            let g = GgufFile::open(&path)?;
+            // What the store never received is refused by name, not read as zeros.
+            let g = store.open_model(&manifest)?;
             // The sampling stage compiles request grammars over the vocabulary. A model whose
             // tokenizer cannot be read still serves; a grammar request is refused at open.
             let tokenizer = samples.then(|| Tokenizer::from_gguf(&g)).and_then(|t| {

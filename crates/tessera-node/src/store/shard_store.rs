@@ -4,10 +4,12 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
+use tessera_model::GgufFile;
 
 use super::error::io_err;
 use super::files::write_at;
@@ -90,6 +92,37 @@ impl ShardStore {
             Ok(st) => lock(&st).path(),
             Err(_) => self.model_dir(&manifest.model_hash).join(MODEL_FILE),
         }
+    }
+
+    /// The file byte ranges this store holds for the model, verified (every byte of an adopted
+    /// original), in file order.
+    pub fn present_ranges(&self, manifest: &Manifest) -> Result<Vec<Range<u64>>, StoreError> {
+        let st = self.state(manifest)?;
+        let st = lock(&st);
+        if st.adopted.is_some() {
+            return Ok(std::iter::once(0..st.manifest.file_len).collect());
+        }
+        let m = Arc::clone(&st.manifest);
+        let mut out: Vec<Range<u64>> = Vec::new();
+        for id in (0..st.index.n_chunks).filter(|&id| st.has(id)) {
+            let (sec, i) = st.index.locate(id).expect("ids below n_chunks");
+            let c = m.chunk_ref(&st.index, sec, i);
+            let r = c.offset..c.offset + u64::from(c.len);
+            match out.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => out.push(r),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Opens the model's file for the engine ([`ShardStore::path_for`]) as a partial copy: its
+    /// tensors read as usual where this store holds them, and a read of bytes it never received
+    /// fails with [`tessera_model::ModelError::NotFetched`] naming the tensor, instead of
+    /// returning the zeros a hole of the sparse file holds.
+    pub fn open_model(&self, manifest: &Manifest) -> Result<GgufFile, StoreError> {
+        let g = GgufFile::open(self.path_for(manifest))?;
+        Ok(g.with_present_ranges(self.present_ranges(manifest)?))
     }
 
     /// Chunks of the header and the named tensors that this store does not hold, in manifest
