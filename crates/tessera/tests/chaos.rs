@@ -466,3 +466,87 @@ fn a_home_given_more_experts_than_its_budget_streams_them_after_a_loss() {
     let file = std::fs::metadata(&path).unwrap().len();
     assert!(resident <= budget && resident < file, "{a}");
 }
+
+/// A constrained, sampled generation with log-probabilities survives the loss of its sampling
+/// stage: the resumed attempt replays the grammar over the tokens so far, so its tokens and
+/// their log-probabilities equal an uninterrupted run's, and the text is the schema's JSON.
+#[test]
+fn kill_of_the_sampling_stage_mid_json_replays_the_grammar_and_logprobs() {
+    let path = model("test/small-qwen3-Q8_0.gguf");
+    let schema = r#"{"type": "object", "properties": {
+        "story": {"type": "string", "minLength": 300, "maxLength": 300},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["story", "n"], "additionalProperties": false}"#;
+    let flags = [
+        "-p",
+        "Once upon a time",
+        "-n",
+        "400",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "7",
+        "--json-schema",
+        schema,
+        "--top-logprobs",
+        "2",
+    ];
+    let mut c = Cluster::start(&path, "0..1,1..2,2..3");
+    for n in ["a", "b", "c"] {
+        c.add_node(n);
+    }
+    c.wait_ready();
+    let tokens = |msgs: &[(Instant, Value)]| -> Vec<(Value, Value)> {
+        msgs.iter()
+            .filter(|(_, m)| m["type"] == "token" && m["token"] != u32::MAX)
+            .map(|(_, m)| (m["token"].clone(), m["logprobs"].clone()))
+            .collect()
+    };
+    let want = tokens(&run_to_end(&c, "uninterrupted", &flags));
+    // Where the grammar allows one token only, it is the only alternative.
+    assert!(want.iter().all(|(t, lp)| lp["token"] == *t
+        && lp["top"]
+            .as_array()
+            .is_some_and(|top| (1..=2).contains(&top.len()))));
+    let mut p = c.client("interrupted", &flags);
+    let deadline = Instant::now() + TIMEOUT;
+    while tokens_seen(&p) < 2 {
+        assert!(Instant::now() < deadline, "no tokens");
+        p.drain();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let struck = Instant::now();
+    c.node("c").signal("-KILL");
+    let status = p.finish();
+    let msgs = messages(&p);
+    assert!(
+        status.success(),
+        "{:?}",
+        msgs.iter().map(|(_, m)| m).collect::<Vec<_>>()
+    );
+    let r = recovery(&msgs, struck);
+    assert!(
+        r.pauses > 0,
+        "the kill landed after the generation had finished"
+    );
+    assert_eq!(
+        tokens(&msgs),
+        want,
+        "tokens and log-probabilities after the replay"
+    );
+    let text: String = msgs
+        .iter()
+        .filter(|(_, m)| m["type"] == "token")
+        .map(|(_, m)| m["text"].as_str().unwrap_or(""))
+        .collect();
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert_eq!(
+        v["story"].as_str().map(|s| s.chars().count()),
+        Some(300),
+        "{v}"
+    );
+    eprintln!(
+        "chaos: kill -9 of the sampling stage mid-JSON: paused after {:?}, first token after resuming {:?}",
+        r.paused_after, r.resumed_token_after
+    );
+}

@@ -255,6 +255,55 @@ fn agent_api_works_through_a_two_stage_ring_of_synthetic_qwen3() {
     assert_eq!(plan["assignments"].as_array().unwrap().len(), 2, "{plan}");
     assert_eq!(plan["strategy"], "stage split", "{plan}");
     run_agent_api_scripts(&up.url());
+    constrained_output_is_the_same_alone_and_in_a_batch_of_16(&up.addr, "small-qwen3-Q8_0");
+}
+
+/// The sampling stage masks each sequence with its own grammar: a constrained request's output
+/// does not depend on what shares its ring steps.
+fn constrained_output_is_the_same_alone_and_in_a_batch_of_16(addr: &str, model: &str) {
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "pet": {"enum": ["cat", "dog", "bird"]}
+        },
+        "required": ["name", "age", "pet"],
+        "additionalProperties": false
+    });
+    let request = |i: usize| {
+        serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": format!("Person number {i}, who likes {}.",
+                ["dogs", "cats", "birds", "trees"][i % 4])}],
+            "temperature": if i.is_multiple_of(2) { 0.0 } else { 0.9 },
+            "seed": i,
+            "max_tokens": 80,
+            "stream": true,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "p", "schema": schema, "strict": true}},
+        })
+    };
+    let alone: Vec<(String, String)> = (0..16).map(|i| streamed_chat(addr, &request(i))).collect();
+    for (text, finish) in &alone {
+        let v: serde_json::Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {text:?} ({finish})"));
+        assert!(v["age"].as_u64().is_some_and(|a| a < 100), "{v}");
+        assert_eq!(finish, "stop");
+    }
+    let together: Vec<(String, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..16)
+            .map(|i| {
+                let req = request(i);
+                s.spawn(move || streamed_chat(addr, &req))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(
+        alone, together,
+        "constrained output differs alone and in a batch of 16"
+    );
 }
 
 #[test]

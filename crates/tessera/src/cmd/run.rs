@@ -53,6 +53,13 @@ pub struct RunArgs {
     /// Print the run's report (tokens/s, bytes per boundary, hop latency) to stderr.
     #[arg(long)]
     bench: bool,
+    /// Constrain the output to this JSON schema (inline JSON), as the API's `response_format`
+    /// does: the sampling stage masks every draw with it.
+    #[arg(long, value_name = "JSON")]
+    json_schema: Option<String>,
+    /// Report each token's log-probability and this many alternatives (0–20; in `--json`).
+    #[arg(long, value_name = "N")]
+    top_logprobs: Option<usize>,
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -79,8 +86,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         prefill_chunk: args.prefill_chunk,
         trace: args.trace,
         stop_at_eog: true,
-        grammar: None,
-        logprobs: None,
+        grammar: args
+            .json_schema
+            .as_deref()
+            .map(serde_json::from_str)
+            .transpose()
+            .context("--json-schema is not JSON")?
+            .map(tessera_gateway::grammar::GrammarSpec::JsonSchema),
+        logprobs: args.top_logprobs,
     };
     std::fs::create_dir_all(&args.data_dir)?;
     let identity = NodeIdentity::load_or_create(&args.data_dir)?;
