@@ -202,16 +202,25 @@ pub struct Candidates {
 }
 
 impl Candidates {
-    /// All tokens, sorted by logit descending (ties: lower id first).
+    /// The tokens that can be drawn, sorted by logit descending (ties: lower id first).
     ///
-    /// The order is total, so an unstable sort gives the same result as a stable one; sorting
-    /// (logit, id) pairs in place rather than ids looked up in the row keeps a 150k-token
-    /// vocabulary's sort in cache (measured by `grammar_bench`: the draw at temperature > 0 is
-    /// this sort).
+    /// Masked tokens (`-inf`: a grammar forbids them) are left out: their weight is 0, so no
+    /// draw changes, except the fallback to the last candidate when rounding leaves the
+    /// cumulative sum below `u` — which must not land on a forbidden token. It also keeps the
+    /// sort of a masked row to the few tokens allowed. A row with nothing finite keeps all.
     pub fn sorted(logits: &[f32]) -> Self {
-        let mut pairs: Vec<(f32, u32)> = logits.iter().copied().zip(0u32..).collect();
-        pairs.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let (logits, ids) = pairs.into_iter().unzip();
+        let mut ids: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&i| logits[i as usize] != f32::NEG_INFINITY)
+            .collect();
+        if ids.is_empty() {
+            ids = (0..logits.len() as u32).collect();
+        }
+        ids.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        let logits = ids.iter().map(|&i| logits[i as usize]).collect();
         Self { ids, logits }
     }
 
@@ -578,17 +587,19 @@ mod tests {
         assert_eq!(d.top_k, 40);
     }
 
-    /// The sort is the stable sort by (logit descending, id) it replaced, ties and -inf (masked
-    /// tokens) included.
+    /// Candidates are the finite tokens by (logit descending, id); masked ones (`-inf`) are
+    /// never drawn, not even as the fallback of a sum that rounding left short.
     #[test]
-    fn candidates_are_sorted_by_logit_then_id() {
+    fn candidates_leave_masked_tokens_out() {
         let logits: Vec<f32> = (0..5000u32)
             .map(|i| match splitmix64(u64::from(i)) % 7 {
                 0 => f32::NEG_INFINITY,
                 r => (splitmix64(u64::from(i) ^ 99) % 50) as f32 / (r as f32),
             })
             .collect();
-        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let mut ids: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&i| logits[i as usize].is_finite())
+            .collect();
         ids.sort_by(|&a, &b| {
             logits[b as usize]
                 .total_cmp(&logits[a as usize])
@@ -596,8 +607,14 @@ mod tests {
         });
         let c = Candidates::sorted(&logits);
         assert_eq!(c.ids, ids);
-        let want: Vec<f32> = ids.iter().map(|&i| logits[i as usize]).collect();
-        assert_eq!(c.logits, want);
+        // A `u` past the cumulative sum (as rounding can leave it) falls back to an allowed token.
+        assert!(logits[c.draw(1.0) as usize].is_finite());
+        let masked = [f32::NEG_INFINITY, 2.0, f32::NEG_INFINITY, 1.0];
+        assert_eq!(Candidates::sorted(&masked).ids, vec![1, 3]);
+        assert_eq!(
+            Candidates::sorted(&[f32::NEG_INFINITY; 3]).ids,
+            vec![0, 1, 2]
+        );
     }
 
     #[test]
