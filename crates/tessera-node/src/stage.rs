@@ -87,11 +87,24 @@ struct SeqState {
     grammar: Option<Grammar>,
 }
 
-/// The sampling stage's vocabulary for grammars: indexed on the first sequence that asks for
-/// one (a large vocabulary takes a while), then shared by all.
+/// The sampling stage's vocabulary for grammars, indexed once and shared by all sequences.
 struct Grammars {
-    tokenizer: Tokenizer,
-    compiler: OnceLock<Result<Arc<GrammarCompiler>, String>>,
+    tokenizer: Arc<Tokenizer>,
+    compiler: Arc<OnceLock<Result<Arc<GrammarCompiler>, String>>>,
+}
+
+impl Grammars {
+    /// The compiler, indexing the vocabulary here unless another thread is at it (then this
+    /// waits for it).
+    fn compiler(&self) -> Result<Arc<GrammarCompiler>, String> {
+        self.compiler
+            .get_or_init(|| {
+                GrammarCompiler::new(&self.tokenizer)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+    }
 }
 
 /// One loaded stage and its sequences.
@@ -130,12 +143,24 @@ impl Stage {
         }
     }
 
-    /// The model's tokenizer, so that the sampling stage can compile request grammars.
+    /// The model's tokenizer, so that the sampling stage can compile request grammars. The
+    /// vocabulary is indexed on a thread of its own (a 150k-token vocabulary takes about a
+    /// second), so the stage thread does not stall the ring for it; a grammar request that
+    /// comes before it is done waits for it.
     pub fn set_tokenizer(&mut self, tokenizer: Tokenizer) {
-        self.grammars = Some(Grammars {
-            tokenizer,
-            compiler: OnceLock::new(),
-        });
+        let g = Grammars {
+            tokenizer: Arc::new(tokenizer),
+            compiler: Arc::new(OnceLock::new()),
+        };
+        let early = Grammars {
+            tokenizer: g.tokenizer.clone(),
+            compiler: g.compiler.clone(),
+        };
+        // Without the thread, the first grammar request indexes it on the stage thread.
+        let _ = std::thread::Builder::new()
+            .name("grammar-index".into())
+            .spawn(move || early.compiler());
+        self.grammars = Some(g);
     }
 
     /// Last stage: `open`'s grammar compiled and advanced over the tokens an earlier attempt
@@ -169,15 +194,7 @@ impl Stage {
             .grammars
             .as_ref()
             .ok_or_else(|| refuse("this stage has no tokenizer to compile it over".into()))?;
-        let compiler = g
-            .compiler
-            .get_or_init(|| {
-                GrammarCompiler::new(&g.tokenizer)
-                    .map(Arc::new)
-                    .map_err(|e| e.to_string())
-            })
-            .clone()
-            .map_err(refuse)?;
+        let compiler = g.compiler().map_err(refuse)?;
         let mut grammar = compiler.compile(spec).map_err(|e| refuse(e.to_string()))?;
         for &t in &open.prompt[open.prompt.len() - open.replayed..] {
             grammar.accept(t).map_err(|e| refuse(e.to_string()))?;
