@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tessera_model::config::names;
-use tessera_model::{Architecture, GgmlType, GgufFile, ModelConfig, TensorInfo};
+use tessera_model::{GgmlType, GgufFile, ModelConfig, TensorInfo};
 
 use crate::error::{EngineError, Result};
 use crate::kernels::{dequantize, Matrix, MatrixBytes};
@@ -260,7 +260,7 @@ impl ModelWeights {
         for il in spec.layers.clone() {
             let l = |w: &str| names::layer(il, w);
             let core = if spec.dense {
-                let qk_norm = matches!(config.arch, Architecture::Qwen3 | Architecture::Qwen3Moe);
+                let qk_norm = config.has_qk_norm();
                 let bias = config.has_qkv_bias();
                 let oss = config.has_oss_biases();
                 let mut opt_vec = |name: String, on: bool| -> Result<Option<Vec<f32>>> {

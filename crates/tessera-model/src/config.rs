@@ -30,6 +30,11 @@ pub enum Architecture {
     /// gating with a selection bias and group-limited routing.
     #[serde(rename = "deepseek2")]
     DeepSeek2,
+    /// GLM-4.5/4.6 and GLM-4.5-Air (`glm4moe` in llama.cpp): grouped-query attention with
+    /// Q/K/V biases and partial RoPE (NeoX order), leading dense layers, routed experts with a
+    /// sigmoid gate and a selection bias beside a shared expert.
+    #[serde(rename = "glm4moe")]
+    Glm4Moe,
 }
 
 impl Architecture {
@@ -41,6 +46,7 @@ impl Architecture {
             Self::Qwen3Moe => "qwen3moe",
             Self::GptOss => "gpt-oss",
             Self::DeepSeek2 => "deepseek2",
+            Self::Glm4Moe => "glm4moe",
         }
     }
 
@@ -52,6 +58,7 @@ impl Architecture {
             "qwen3moe" => Self::Qwen3Moe,
             "gpt-oss" => Self::GptOss,
             "deepseek2" => Self::DeepSeek2,
+            "glm4moe" => Self::Glm4Moe,
             _ => return None,
         })
     }
@@ -203,6 +210,13 @@ pub struct ModelConfig {
     pub expert_groups: usize,
     #[serde(default)]
     pub expert_groups_used: usize,
+    /// glm4moe: whether the file has Q/K/V biases and per-head Q/K norms (other families'
+    /// are fixed by the architecture; see [`ModelConfig::has_qkv_bias`],
+    /// [`ModelConfig::has_qk_norm`]).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    #[serde(default)]
+    pub qk_norm: bool,
 }
 
 fn one() -> f32 {
@@ -219,7 +233,9 @@ pub mod names {
     /// `post_attention_norm` in gpt-oss.
     pub fn ffn_norm(arch: super::Architecture) -> &'static str {
         match arch {
-            super::Architecture::GptOss => "post_attention_norm.weight",
+            super::Architecture::GptOss | super::Architecture::Glm4Moe => {
+                "post_attention_norm.weight"
+            }
             _ => "ffn_norm.weight",
         }
     }
@@ -243,7 +259,19 @@ impl ModelConfig {
         })?;
         let a = arch.gguf_name();
         let key = |k: &str| format!("{a}.{k}");
+        // GLM's multi-token-prediction layers follow the model's own (llama.cpp skips them too).
+        let nextn = opt_usize(g, &key("nextn_predict_layers"))?.unwrap_or(0);
         let n_layer = meta_usize(g, &key("block_count"))?;
+        let n_layer = match n_layer.checked_sub(nextn) {
+            Some(n) if n > 0 => n,
+            _ => {
+                return Err(bad_meta(
+                    path,
+                    &key("nextn_predict_layers"),
+                    format!("{nextn} prediction layers leave none of the {n_layer} blocks"),
+                ))
+            }
+        };
         // Every layer has at least nine tensors (two norms, four attention projections, three
         // FFN matrices); refuse a count the file cannot back before building names for it.
         if n_layer.saturating_mul(9) > g.tensors().len() {
@@ -355,6 +383,7 @@ impl ModelConfig {
         let (expert_groups, expert_groups_used) = read_expert_groups(g, &key, n_expert)?;
         let gating = match (arch, opt_usize(g, &key("expert_gating_func"))?) {
             (Architecture::GptOss, _) => ExpertGating::SoftmaxWeight,
+            (Architecture::Glm4Moe, None | Some(0)) => ExpertGating::Sigmoid,
             // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*: 1 softmax, 2 sigmoid (0/absent:
             // softmax, as older DeepSeek-V2 files have).
             (_, None | Some(0 | 1)) => ExpertGating::Softmax,
@@ -373,6 +402,17 @@ impl ModelConfig {
             })?,
             None => matches!(arch, Architecture::Qwen3Moe | Architecture::Llama),
         };
+        // Multimodal RoPE sections (GLM-4.5V) would rotate by more than the position.
+        if g.meta(&key("rope.dimension_sections")).is_some() {
+            return Err(bad_meta(
+                path,
+                &key("rope.dimension_sections"),
+                "multimodal RoPE sections are not supported".into(),
+            ));
+        }
+        let glm = arch == Architecture::Glm4Moe;
+        let qkv_bias = glm && g.tensor(&names::layer(0, "attn_q.bias")).is_some();
+        let qk_norm = glm && g.tensor(&names::layer(0, "attn_q_norm.weight")).is_some();
         let expert_selection_bias = n_expert > 0
             && g.tensor(&names::layer(n_layer - 1, "exp_probs_b.bias"))
                 .is_some();
@@ -426,6 +466,8 @@ impl ModelConfig {
             expert_selection_bias,
             expert_groups,
             expert_groups_used,
+            qkv_bias,
+            qk_norm,
         };
         // MLA keys are a non-rotated part and a rotated part: both must be there.
         if rope_dim > head_dim || rope_dim % 2 != 0 || (mla.is_some() && rope_dim == head_dim) {
@@ -472,9 +514,22 @@ impl ModelConfig {
         }
     }
 
-    /// Biases on the Q/K/V projections (Qwen2, gpt-oss).
+    /// Biases on the Q/K/V projections (Qwen2, gpt-oss; glm4moe when the file has them).
     pub fn has_qkv_bias(&self) -> bool {
-        matches!(self.arch, Architecture::Qwen2 | Architecture::GptOss)
+        match self.arch {
+            Architecture::Qwen2 | Architecture::GptOss => true,
+            Architecture::Glm4Moe => self.qkv_bias,
+            _ => false,
+        }
+    }
+
+    /// A per-head RMS norm of queries and keys (Qwen3; glm4moe when the file has one).
+    pub fn has_qk_norm(&self) -> bool {
+        match self.arch {
+            Architecture::Qwen3 | Architecture::Qwen3Moe => true,
+            Architecture::Glm4Moe => self.qk_norm,
+            _ => false,
+        }
     }
 
     /// gpt-oss's extras: a bias on the attention output, a learned sink logit per head, a
@@ -561,7 +616,7 @@ impl ModelConfig {
                 out.push((l("attn_output.bias"), vec![e]));
                 out.push((l("attn_sinks.weight"), vec![self.n_head as u64]));
             }
-            if matches!(self.arch, Architecture::Qwen3 | Architecture::Qwen3Moe) {
+            if self.has_qk_norm() {
                 out.push((l("attn_q_norm.weight"), vec![self.head_dim as u64]));
                 out.push((l("attn_k_norm.weight"), vec![self.head_dim as u64]));
             }

@@ -33,7 +33,7 @@ pub enum ModelError {
         type_name: String,
     },
     #[error(
-        "{path}: architecture '{arch}' is not supported (supported: llama, qwen2, qwen3, qwen3moe, gpt-oss, deepseek2)"
+        "{path}: architecture '{arch}' is not supported (supported: llama, qwen2, qwen3, qwen3moe, gpt-oss, deepseek2, glm4moe)"
     )]
     UnsupportedArchitecture { path: PathBuf, arch: String },
     #[error("{path}: metadata key '{key}' {what}")]

@@ -325,7 +325,7 @@ impl fmt::Display for ModelProfile {
                 c.n_ff_expert * c.n_expert_shared
             )?;
         }
-        if c.is_moe() && c.arch == crate::Architecture::DeepSeek2 {
+        if c.is_moe() && (c.gating == crate::ExpertGating::Sigmoid || c.expert_groups > 1) {
             let groups = if c.expert_groups > 1 {
                 format!(
                     ", best {} of {} groups",

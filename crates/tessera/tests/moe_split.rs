@@ -216,6 +216,13 @@ fn experts_split_with_2_stages_match_one_process_deepseek2() {
     stages_and_experts("test/tiny-deepseek2-Q8_0.gguf");
 }
 
+/// glm4moe: Q/K/V biases, partial RoPE, a dense first layer, sigmoid gating with a selection
+/// bias, a shared expert.
+#[test]
+fn experts_split_with_2_stages_match_one_process_glm4moe() {
+    stages_and_experts("test/tiny-glm4moe-Q8_0.gguf");
+}
+
 #[test]
 fn experts_split_across_2_nodes_match_one_process_small() {
     two_nodes("test/small-qwen3moe-Q8_0.gguf");
