@@ -66,6 +66,7 @@ pub(crate) async fn client_session(
         let _ = writer.finish().await;
     });
     let mut mine: Vec<u64> = Vec::new();
+    let sender = crate::authz::client_facts(&shared, &conn)?;
     let result = async {
         while let Some(f) = reader.read_frame().await? {
             if f.kind != frame::MSG {
@@ -74,12 +75,28 @@ pub(crate) async fn client_session(
                     f.kind
                 )));
             }
-            match f.json::<ClientToCoord>() {
+            let parsed = f.json::<ClientToCoord>();
+            if let Ok(m) = &parsed {
+                if let Err(r) = shared.authz.check_client(&sender, m, &mine) {
+                    let _ = tx.send(CoordToClient::Error {
+                        message: r.to_string(),
+                    });
+                    continue;
+                }
+            }
+            match parsed {
                 Ok(ClientToCoord::Run(req)) => {
+                    let Some(permit) = shared.authz.admit_run(&sender) else {
+                        let _ = tx.send(CoordToClient::Error {
+                            message: crate::authz::Refusal::TooManyRuns.to_string(),
+                        });
+                        continue;
+                    };
                     let seq = shared.next_seq.fetch_add(1, Ordering::Relaxed);
                     mine.push(seq);
                     let (shared, tx) = (shared.clone(), tx.clone());
                     tokio::spawn(async move {
+                        let _permit = permit;
                         let mut sink = |m| {
                             let _ = tx.send(m);
                         };
@@ -100,6 +117,9 @@ pub(crate) async fn client_session(
                 Ok(ClientToCoord::Status) => {
                     let (members, epoch) = member_status(&shared);
                     let _ = tx.send(CoordToClient::Status { members, epoch });
+                }
+                Ok(ClientToCoord::Admin(req)) => {
+                    let _ = tx.send(CoordToClient::Admin(crate::admin::handle(&shared, req)));
                 }
                 Ok(ClientToCoord::Hello(_)) => {
                     let _ = tx.send(CoordToClient::Error {
@@ -403,6 +423,7 @@ pub(crate) async fn run(
                         }
                     });
                 }
+                Output::Refused { from, why } => shared.authz.refuse(from, &why),
                 Output::Done(o) => done = Some(o),
             }
         }

@@ -1,10 +1,15 @@
-//! Enrolment: who may connect, and how an unknown key becomes a member.
+//! Enrolment: who may connect, how an unknown key becomes a member, and as what.
 //!
 //! [`Enrolment`] is the coordinator's [`PeerPolicy`]: an enrolled key is a member; an unknown
-//! key is admitted to the enrolment handshake only (it can do nothing else until it proves the
-//! join token, see [`tessera_net::enroll`]); a known node id with another key is refused. On a
-//! successful proof the key is recorded in the persistent state before the session goes on.
-//! The join token is a cluster secret, usable by any number of nodes until it is rotated.
+//! key is admitted to the enrolment handshake only (it can do nothing else until it proves a
+//! join token, see [`tessera_net::enroll`]); a known node id with another key is refused; a
+//! revoked key is refused, whatever token it holds. On a successful proof the key is recorded
+//! with the role the token grants ([`Grant`]) before the session goes on: the role is fixed
+//! there, and a session's hello must announce that role ([`Enrolment::bind_name`]).
+//!
+//! Tokens have a life ([`crate::tokens`]): each expires, may be limited to a number of uses and
+//! can be revoked. At start the coordinator makes sure it has a valid node token and a valid
+//! operator token to print, issuing new ones when the old have expired or were revoked.
 
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -13,15 +18,22 @@ use tessera_net::{
     Admission, AllowList, Connection, EnrolmentRequest, JoinToken, NodeId, PeerPolicy, PublicKey,
     Refusal,
 };
-use tessera_node::protocol::Role;
+use tessera_node::protocol::{Role, TokenInfo};
 
+use crate::authz::Grant;
 use crate::error::CoordError;
 use crate::state::{EnrolledNode, EnrolmentState, Snapshot};
+use crate::tokens::{self, TokenRecord, TokenRefusal, DEFAULT_LIFETIME_MS};
 
-/// The enrolment records, the live allow-list and the token.
+/// Longest node or client name, bytes. Names go into logs, plan files and the dashboard.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// The enrolment records, the live allow-list and the tokens.
 pub struct Enrolment {
     allow: AllowList,
+    coordinator: NodeId,
     token: JoinToken,
+    operator_token: JoinToken,
     state: Box<dyn EnrolmentState>,
     snapshot: Mutex<Snapshot>,
 }
@@ -34,22 +46,89 @@ impl std::fmt::Debug for Enrolment {
     }
 }
 
+/// Milliseconds since the Unix epoch (the clock at the edge; the checks take it as input).
+pub fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Whether `name` may be a node's or client's name: 1..=[`MAX_NAME_LEN`] bytes, no control
+/// characters (a newline in a name would forge log lines).
+pub fn check_name(name: &str) -> Result<(), Refusal> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Err(Refusal::Other(format!(
+            "a name must be 1 to {MAX_NAME_LEN} bytes (this one is {})",
+            name.len()
+        )));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(Refusal::Other(
+            "a name may not contain control characters".into(),
+        ));
+    }
+    Ok(())
+}
+
 impl Enrolment {
-    /// Loads the state; makes (and persists) a join token naming `coordinator` if there is none.
+    /// Loads the state; makes sure a valid node token and operator token naming `coordinator`
+    /// exist (issuing and persisting new ones if not).
     pub fn open(
         state: Box<dyn EnrolmentState>,
         coordinator: NodeId,
     ) -> Result<Arc<Self>, CoordError> {
+        Self::open_at(state, coordinator, now_unix_ms())
+    }
+
+    /// [`Enrolment::open`] at a given time.
+    pub fn open_at(
+        state: Box<dyn EnrolmentState>,
+        coordinator: NodeId,
+        now: u64,
+    ) -> Result<Arc<Self>, CoordError> {
         let mut snap = state.load()?;
-        let token = match &snap.token {
-            Some(t) if t.coordinator() == Some(coordinator) => t.clone(),
-            _ => {
-                let t = JoinToken::generate(Some(coordinator))?;
-                snap.token = Some(t.clone());
-                state.save(&snap)?;
-                t
+        // A token from before tokens had records: it keeps working as a node token for a day.
+        if let Some(t) = snap.token.clone() {
+            if !snap.tokens.iter().any(|r| r.token == t) {
+                snap.tokens.push(TokenRecord {
+                    token: t,
+                    grant: Grant::Node,
+                    uses_left: None,
+                    expires_at_unix_ms: Some(now.saturating_add(DEFAULT_LIFETIME_MS)),
+                    revoked: false,
+                    created_at_unix_ms: now,
+                    enrolled: 0,
+                });
             }
+        }
+        let mut changed = false;
+        let mut printable = |current: &Option<JoinToken>,
+                             grant: Grant,
+                             snap: &mut Snapshot|
+         -> Result<JoinToken, CoordError> {
+            let valid = current.as_ref().filter(|t| {
+                t.coordinator() == Some(coordinator)
+                    && snap
+                        .tokens
+                        .iter()
+                        .any(|r| r.token == **t && r.grant == grant && r.check(now).is_ok())
+            });
+            if let Some(t) = valid {
+                return Ok(t.clone());
+            }
+            let r = TokenRecord::issue(coordinator, grant, None, Some(DEFAULT_LIFETIME_MS), now)?;
+            let t = r.token.clone();
+            snap.tokens.push(r);
+            changed = true;
+            Ok(t)
         };
+        let token = printable(&snap.token.clone(), Grant::Node, &mut snap)?;
+        let operator_token = printable(&snap.operator_token.clone(), Grant::Operator, &mut snap)?;
+        if changed || snap.token.as_ref() != Some(&token) {
+            snap.token = Some(token.clone());
+            snap.operator_token = Some(operator_token.clone());
+            state.save(&snap)?;
+        }
         let allow = AllowList::new();
         for n in snap
             .nodes
@@ -61,14 +140,26 @@ impl Enrolment {
         allow.set_enrolment_open(true);
         Ok(Arc::new(Self {
             allow,
+            coordinator,
             token,
+            operator_token,
             state,
             snapshot: Mutex::new(snap),
         }))
     }
 
+    fn snap(&self) -> std::sync::MutexGuard<'_, Snapshot> {
+        self.snapshot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The node join token the coordinator prints.
     pub fn token(&self) -> &JoinToken {
         &self.token
+    }
+
+    /// The operator token the coordinator prints (for `tessera run --split`, `tessera token`).
+    pub fn operator_token(&self) -> &JoinToken {
+        &self.operator_token
     }
 
     /// Whether `key` is enrolled.
@@ -76,24 +167,55 @@ impl Enrolment {
         self.allow.contains(key)
     }
 
-    /// Runs the enrolment handshake of an unknown key and records it on success.
-    pub async fn complete(&self, req: EnrolmentRequest) -> Result<Connection, CoordError> {
-        let token = self.token.clone();
-        let conn = req
-            .complete(move |claim| {
-                if claim.token_id == token.id() {
-                    Ok(token.clone())
-                } else {
-                    Err(Refusal::BadToken)
-                }
-            })
-            .await?;
-        self.record(conn.peer_key())?;
-        Ok(conn)
+    /// What an enrolled, unrevoked key may be.
+    pub fn grant_of(&self, key: &PublicKey) -> Option<Grant> {
+        let snap = self.snap();
+        if snap.revoked.contains(&key.node_id()) {
+            return None;
+        }
+        snap.nodes.iter().find(|n| n.key == *key).map(EnrolledNode::grant)
     }
 
-    fn record(&self, key: PublicKey) -> Result<(), CoordError> {
-        let mut snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+    /// Runs the enrolment handshake of an unknown key and records it, with the role its token
+    /// grants, on success.
+    pub async fn complete(&self, req: EnrolmentRequest) -> Result<Connection, CoordError> {
+        let now = now_unix_ms();
+        let mut taken = None;
+        let result = req
+            .complete(|claim| {
+                let mut snap = self.snap();
+                if snap.revoked.contains(&claim.node_id()) {
+                    return Err(Refusal::Revoked(claim.node_id()));
+                }
+                let Some(r) = tokens::find(&mut snap.tokens, &claim.token_id) else {
+                    return Err(Refusal::Other(TokenRefusal::Unknown.to_string()));
+                };
+                r.check(now).map_err(|e| Refusal::Other(e.to_string()))?;
+                // Taken now, so that two keys racing for a token's last use cannot both win.
+                r.take_use();
+                taken = Some((claim.token_id, r.grant));
+                Ok(r.token.clone())
+            })
+            .await;
+        match result {
+            Ok(conn) => {
+                let grant = taken.map_or(Grant::Node, |(_, g)| g);
+                self.record(conn.peer_key(), grant)?;
+                Ok(conn)
+            }
+            Err(e) => {
+                if let Some((id, _)) = taken {
+                    if let Some(r) = tokens::find(&mut self.snap().tokens, &id) {
+                        r.give_back_use();
+                    }
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    fn record(&self, key: PublicKey, grant: Grant) -> Result<(), CoordError> {
+        let mut snap = self.snap();
         if snap.revoked.contains(&key.node_id()) {
             return Err(CoordError::Run(format!(
                 "node {} is revoked",
@@ -105,21 +227,27 @@ impl Enrolment {
                 node_id: key.node_id(),
                 key,
                 name: None,
-                role: None,
-                enrolled_at_unix_ms: SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64),
+                role: Some(grant.role()),
+                enrolled_at_unix_ms: now_unix_ms(),
+                grant: Some(grant),
             });
-            self.state.save(&snap)?;
         }
+        // Saved even for a known key: the token's use count changed.
+        self.state.save(&snap)?;
         self.allow.insert(key);
         Ok(())
     }
 
-    /// Binds `name` and `role` to `key` on its first session. A name already bound to another
-    /// key is refused: a node cannot take over another's identity by announcing its name.
+    /// Binds `name` and `role` to `key` on its first session. The role must be the one the
+    /// key's credential grants (a hello cannot upgrade it); the name must be short and
+    /// printable, and a name already bound to another key is refused: a node cannot take over
+    /// another's identity by announcing its name.
     pub fn bind_name(&self, key: &PublicKey, name: &str, role: Role) -> Result<(), Refusal> {
-        let mut snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        check_name(name)?;
+        let mut snap = self.snap();
+        if snap.revoked.contains(&key.node_id()) {
+            return Err(Refusal::Revoked(key.node_id()));
+        }
         if let Some(other) = snap
             .nodes
             .iter()
@@ -133,9 +261,18 @@ impl Enrolment {
         let Some(me) = snap.nodes.iter_mut().find(|n| n.key == *key) else {
             return Err(Refusal::Unknown(key.node_id()));
         };
-        if me.name.as_deref() != Some(name) || me.role != Some(role) {
+        let grant = me.grant();
+        if grant.role() != role {
+            return Err(Refusal::Other(format!(
+                "this key enrolled with a {grant} credential: its hello cannot claim the {} role",
+                match role {
+                    Role::Node => "node",
+                    Role::Client => "client",
+                }
+            )));
+        }
+        if me.name.as_deref() != Some(name) {
             me.name = Some(name.to_string());
-            me.role = Some(role);
             let snap = snap.clone();
             self.state
                 .save(&snap)
@@ -144,9 +281,69 @@ impl Enrolment {
         Ok(())
     }
 
+    /// Issues a token granting `grant`, for `uses` keys (`None`: any number) and `lifetime_ms`
+    /// (`None`: it never expires).
+    pub fn create_token(
+        &self,
+        grant: Grant,
+        uses: Option<u32>,
+        lifetime_ms: Option<u64>,
+    ) -> Result<TokenRecord, CoordError> {
+        let r = TokenRecord::issue(self.coordinator, grant, uses, lifetime_ms, now_unix_ms())?;
+        let mut snap = self.snap();
+        snap.tokens.push(r.clone());
+        self.state.save(&snap)?;
+        Ok(r)
+    }
+
+    /// Every token issued (without secrets), oldest first.
+    pub fn tokens(&self) -> Vec<TokenInfo> {
+        self.snap().tokens.iter().map(TokenRecord::info).collect()
+    }
+
+    /// Revokes the one token whose id starts with `prefix`.
+    pub fn revoke_token(&self, prefix: &str) -> Result<TokenInfo, CoordError> {
+        let mut snap = self.snap();
+        let mut hits = snap
+            .tokens
+            .iter_mut()
+            .filter(|t| !prefix.is_empty() && t.id().to_string().starts_with(prefix));
+        let (Some(t), None) = (hits.next(), hits.next()) else {
+            return Err(CoordError::Run(
+                "give a prefix of exactly one token id (`tessera token list`)".into(),
+            ));
+        };
+        t.revoked = true;
+        let info = t.info();
+        self.state.save(&snap)?;
+        Ok(info)
+    }
+
+    /// Revokes the enrolled key named `name` (its name, node id or an id prefix).
+    pub fn revoke_named(&self, name: &str) -> Result<NodeId, CoordError> {
+        let id = {
+            let snap = self.snap();
+            let mut hits = snap.nodes.iter().filter(|n| {
+                n.name.as_deref() == Some(name)
+                    || (!name.is_empty() && n.node_id.to_string().starts_with(name))
+            });
+            match (hits.next(), hits.next()) {
+                (Some(n), None) => n.node_id,
+                _ => {
+                    return Err(CoordError::Run(
+                        "give the name, node id or an id prefix of exactly one enrolled key"
+                            .into(),
+                    ))
+                }
+            }
+        };
+        self.revoke(id)?;
+        Ok(id)
+    }
+
     /// Revokes a node: its key is refused from now on, and it cannot enrol again.
     pub fn revoke(&self, node: NodeId) -> Result<(), CoordError> {
-        let mut snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut snap = self.snap();
         if let Some(n) = snap.nodes.iter().find(|n| n.node_id == node) {
             self.allow.remove(&n.node_id);
         }
@@ -159,20 +356,12 @@ impl Enrolment {
 
     /// Whether `node` is revoked.
     pub fn is_revoked(&self, node: &NodeId) -> bool {
-        self.snapshot
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .revoked
-            .contains(node)
+        self.snap().revoked.contains(node)
     }
 
     /// The enrolled records.
     pub fn enrolled(&self) -> Vec<EnrolledNode> {
-        self.snapshot
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .nodes
-            .clone()
+        self.snap().nodes.clone()
     }
 }
 
@@ -196,8 +385,8 @@ mod tests {
         let a = NodeIdentity::generate().unwrap().public_key();
         let b = NodeIdentity::generate().unwrap().public_key();
         assert_eq!(e.allow(&a), Ok(Admission::Enrolment));
-        e.record(a).unwrap();
-        e.record(b).unwrap();
+        e.record(a, Grant::Node).unwrap();
+        e.record(b, Grant::Node).unwrap();
         assert_eq!(e.allow(&a), Ok(Admission::Member));
         e.bind_name(&a, "alpha", Role::Node).unwrap();
         // Another key cannot take the name.
@@ -217,7 +406,7 @@ mod tests {
                 me.node_id(),
             )
             .unwrap();
-            e.record(a).unwrap();
+            e.record(a, Grant::Node).unwrap();
             e.token().clone()
         };
         let e = Enrolment::open(
@@ -240,7 +429,7 @@ mod tests {
                 me.node_id(),
             )
             .unwrap();
-            e.record(a).unwrap();
+            e.record(a, Grant::Node).unwrap();
             e.revoke(a.node_id()).unwrap();
             assert_eq!(e.allow(&a), Ok(Admission::Enrolment));
         }
@@ -251,6 +440,72 @@ mod tests {
         .unwrap();
         assert!(e.is_revoked(&a.node_id()));
         assert_ne!(e.allow(&a), Ok(Admission::Member));
-        assert!(e.record(a).is_err(), "the token does not bring it back");
+        assert!(e.record(a, Grant::Node).is_err(), "the token does not bring it back");
+    }
+
+    #[test]
+    fn the_hello_cannot_upgrade_the_role_the_credential_grants() {
+        let me = NodeIdentity::generate().unwrap();
+        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let node = NodeIdentity::generate().unwrap().public_key();
+        let client = NodeIdentity::generate().unwrap().public_key();
+        e.record(node, Grant::Node).unwrap();
+        e.record(client, Grant::Client).unwrap();
+        let r = e.bind_name(&node, "n", Role::Client).unwrap_err();
+        assert!(r.to_string().contains("enrolled with a node credential"), "{r}");
+        let r = e.bind_name(&client, "c", Role::Node).unwrap_err();
+        assert!(r.to_string().contains("enrolled with a client credential"), "{r}");
+        e.bind_name(&node, "n", Role::Node).unwrap();
+        e.bind_name(&client, "c", Role::Client).unwrap();
+        assert_eq!(e.grant_of(&client), Some(Grant::Client));
+    }
+
+    #[test]
+    fn names_are_short_and_printable() {
+        let me = NodeIdentity::generate().unwrap();
+        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let a = NodeIdentity::generate().unwrap().public_key();
+        e.record(a, Grant::Node).unwrap();
+        let huge = "x".repeat(3 << 20);
+        let r = e.bind_name(&a, &huge, Role::Node).unwrap_err();
+        assert!(r.to_string().contains("1 to 64 bytes"), "{r}");
+        assert!(r.to_string().len() < 100, "the refusal does not echo the name");
+        let r = e.bind_name(&a, "a\nnode joined: evil", Role::Node).unwrap_err();
+        assert!(r.to_string().contains("control characters"), "{r}");
+        assert!(e.enrolled()[0].name.is_none(), "nothing was persisted");
+    }
+
+    #[test]
+    fn printed_tokens_rotate_when_revoked_or_expired_and_the_rotation_survives_a_restart() {
+        let me = NodeIdentity::generate().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let open = |now| {
+            Enrolment::open_at(
+                Box::new(crate::state::RedbState::open(dir.path()).unwrap()),
+                me.node_id(),
+                now,
+            )
+            .unwrap()
+        };
+        let (first, op) = {
+            let e = open(1_000);
+            assert_ne!(e.token(), e.operator_token());
+            (e.token().clone(), e.operator_token().clone())
+        };
+        // Within its lifetime the same tokens are printed again.
+        let e = open(2_000);
+        assert_eq!(e.token(), &first);
+        assert_eq!(e.operator_token(), &op);
+        e.revoke_token(&first.id().to_string()).unwrap();
+        drop(e);
+        let e = open(3_000);
+        assert_ne!(e.token(), &first, "a revoked token is replaced");
+        assert_eq!(e.operator_token(), &op);
+        let listed = e.tokens();
+        assert!(listed.iter().any(|t| t.id == first.id().to_string() && t.revoked));
+        drop(e);
+        // A day later both printed tokens have expired: new ones.
+        let e = open(3_000 + DEFAULT_LIFETIME_MS + 1);
+        assert_ne!(e.operator_token(), &op);
     }
 }

@@ -65,7 +65,9 @@
 
 #![forbid(unsafe_code)]
 
+mod admin;
 pub mod assignment;
+pub mod authz;
 #[cfg(feature = "mdns")]
 pub mod discovery;
 pub mod distribute;
@@ -81,6 +83,7 @@ pub mod server;
 #[cfg(test)]
 mod sim;
 pub mod state;
+pub mod tokens;
 
 pub use error::CoordError;
 pub use server::{Coordinator, CoordinatorConfig, EpochStatus, ModelInfo};

@@ -103,6 +103,8 @@ pub(crate) struct Shared {
     pub closing: std::sync::atomic::AtomicBool,
     /// The origin of the `now` given to the membership machine (leases).
     pub started: tokio::time::Instant,
+    /// Who may say what ([`crate::authz`]): open sequences' facts, refusal counts.
+    pub authz: crate::authz::Gate,
 }
 
 impl Shared {
@@ -150,6 +152,7 @@ impl Shared {
                     tracing::warn!(event = "epoch_failed", epoch, %reason, "epoch {epoch} failed: {reason}");
                 }
                 Action::Note(note) => tracing::info!("{note}"),
+                Action::Refused { node, why } => self.authz.refuse(node, &why),
             }
         }
         // The status drivers wait on follows the membership's current epoch.
@@ -321,6 +324,7 @@ impl Coordinator {
                 store,
                 closing: std::sync::atomic::AtomicBool::new(false),
                 started: tokio::time::Instant::now(),
+                authz: crate::authz::Gate::new(),
             }),
             endpoint,
         };
@@ -338,6 +342,16 @@ impl Coordinator {
 
     pub fn token(&self) -> &JoinToken {
         self.shared.enrol.token()
+    }
+
+    /// The operator token (clients that place stages and administer credentials).
+    pub fn operator_token(&self) -> &JoinToken {
+        self.shared.enrol.operator_token()
+    }
+
+    /// Messages refused by [`crate::authz`] so far.
+    pub fn refused_messages(&self) -> u64 {
+        self.shared.authz.refused()
     }
 
     pub fn model(&self) -> &ModelInfo {
@@ -568,6 +582,7 @@ async fn control_session(
         let _ = s.writer.finish().await;
         return Err(CoordError::Protocol(reason));
     }
+    shared.authz.track(&conn);
     match hello.role {
         Role::Node => node_session(shared, conn, s, hello).await,
         Role::Client => crate::driver::client_session(shared, conn, s).await,
@@ -750,6 +765,13 @@ async fn node_session(
 }
 
 fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
+    let sender = crate::authz::SenderFacts {
+        node: id,
+        grant: crate::authz::Grant::Node,
+    };
+    if shared.authz.check_node(&sender, &msg).is_err() {
+        return;
+    }
     let seq = match &msg {
         NodeToCoord::Hello(_) => {
             tracing::warn!("{}: a second hello; ignored", id.short());

@@ -15,6 +15,9 @@ use tessera_net::{JoinToken, LinkMeasurement, NodeId, PublicKey};
 use tessera_node::protocol::{LoadReport, Role};
 use tessera_node::ContentHash;
 
+use crate::authz::Grant;
+use crate::tokens::TokenRecord;
+
 /// One enrolled key.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EnrolledNode {
@@ -24,6 +27,21 @@ pub struct EnrolledNode {
     pub name: Option<String>,
     pub role: Option<Role>,
     pub enrolled_at_unix_ms: u64,
+    /// What the credential it enrolled with grants (`None`: enrolled before credentials had
+    /// roles; it is then what `role` says, a client never an operator).
+    #[serde(default)]
+    pub grant: Option<Grant>,
+}
+
+impl EnrolledNode {
+    /// What this key may be.
+    pub fn grant(&self) -> Grant {
+        match (self.grant, self.role) {
+            (Some(g), _) => g,
+            (None, Some(Role::Client)) => Grant::Client,
+            (None, _) => Grant::Node,
+        }
+    }
 }
 
 /// The persisted state.
@@ -35,6 +53,12 @@ pub struct Snapshot {
     /// Nodes whose keys are refused from now on (they cannot enrol again with the token).
     #[serde(default)]
     pub revoked: Vec<NodeId>,
+    /// Every token issued, with its role, uses, expiry and revocation.
+    #[serde(default)]
+    pub tokens: Vec<TokenRecord>,
+    /// The operator token the coordinator prints at start (its record is in `tokens`).
+    #[serde(default)]
+    pub operator_token: Option<JoinToken>,
 }
 
 /// One stage of a recorded epoch.
@@ -158,6 +182,7 @@ const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("met
 const NODES: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("nodes");
 const REVOKED: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("revoked");
 const EPOCHS: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("epochs");
+const TOKENS: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("tokens");
 
 impl RedbState {
     /// Opens (or creates, mode 0600: it holds the join token) `state.redb` in `data_dir`.
@@ -180,6 +205,7 @@ impl RedbState {
             tx.open_table(NODES).map_err(|e| me.err(e))?;
             tx.open_table(REVOKED).map_err(|e| me.err(e))?;
             tx.open_table(EPOCHS).map_err(|e| me.err(e))?;
+            tx.open_table(TOKENS).map_err(|e| me.err(e))?;
         }
         tx.commit().map_err(|e| me.err(e))?;
         Ok(me)
@@ -229,10 +255,26 @@ impl EnrolmentState for RedbState {
             let (_, v) = row.map_err(|e| self.err(e))?;
             revoked.push(serde_json::from_slice(v.value()).map_err(|e| self.corrupt(e))?);
         }
+        let operator_token = match meta.get("operator_token").map_err(|e| self.err(e))? {
+            Some(v) => Some(serde_json::from_slice(v.value()).map_err(|e| self.corrupt(e))?),
+            None => None,
+        };
+        let mut tokens = Vec::new();
+        for row in tx
+            .open_table(TOKENS)
+            .map_err(|e| self.err(e))?
+            .iter()
+            .map_err(|e| self.err(e))?
+        {
+            let (_, v) = row.map_err(|e| self.err(e))?;
+            tokens.push(serde_json::from_slice(v.value()).map_err(|e| self.corrupt(e))?);
+        }
         Ok(Snapshot {
             token,
             nodes,
             revoked,
+            tokens,
+            operator_token,
         })
     }
 
@@ -250,6 +292,23 @@ impl EnrolmentState for RedbState {
                 None => {
                     meta.remove("token").map_err(|e| self.err(e))?;
                 }
+            }
+            match &snapshot.operator_token {
+                Some(t) => {
+                    let v = serde_json::to_vec(t).expect("token serializes");
+                    meta.insert("operator_token", v.as_slice())
+                        .map_err(|e| self.err(e))?;
+                }
+                None => {
+                    meta.remove("operator_token").map_err(|e| self.err(e))?;
+                }
+            }
+            let mut tokens = tx.open_table(TOKENS).map_err(|e| self.err(e))?;
+            for t in &snapshot.tokens {
+                let v = serde_json::to_vec(t).expect("token record serializes");
+                tokens
+                    .insert(t.id().to_string().as_str(), v.as_slice())
+                    .map_err(|e| self.err(e))?;
             }
             let mut nodes = tx.open_table(NODES).map_err(|e| self.err(e))?;
             let old: Vec<String> = nodes
@@ -405,8 +464,10 @@ mod tests {
                 name: Some("a".into()),
                 role: Some(Role::Node),
                 enrolled_at_unix_ms: 1,
+                grant: Some(Grant::Node),
             }],
             revoked: Vec::new(),
+            ..Snapshot::default()
         };
         st.save(&snap).unwrap();
         let back = st.load().unwrap();
@@ -427,6 +488,7 @@ mod tests {
             name: Some(name.into()),
             role: Some(Role::Node),
             enrolled_at_unix_ms: 5,
+            grant: None,
         };
         let token = JoinToken::generate(None).unwrap();
         let epoch = |n: u64| EpochRecord {
@@ -450,6 +512,7 @@ mod tests {
                 token: Some(token.clone()),
                 nodes: vec![node(&a, "a"), node(&b, "b")],
                 revoked: vec![],
+                ..Snapshot::default()
             })
             .unwrap();
             // A later save replaces the node set.
@@ -457,6 +520,7 @@ mod tests {
                 token: Some(token.clone()),
                 nodes: vec![node(&a, "a")],
                 revoked: vec![b.node_id()],
+                ..Snapshot::default()
             })
             .unwrap();
             st.record_epoch(&epoch(3)).unwrap();

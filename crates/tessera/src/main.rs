@@ -52,6 +52,8 @@ enum Command {
     /// Emulated hosts on this machine (namespaces and a user-space switch; Linux, root):
     /// `selftest`, `run SCENARIO`, `clean`.
     Lab(cmd::lab::LabArgs),
+    /// Join tokens with a life: create (with a role, uses and expiry), list, revoke.
+    Token(cmd::token::TokenArgs),
 }
 
 fn main() -> ExitCode {
@@ -68,6 +70,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => cmd::serve::run(a),
         Command::Up(a) => cmd::up::run(a),
         Command::Lab(a) => cmd::lab::run(a),
+        Command::Token(a) => cmd::token::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -28,6 +28,8 @@ struct Cluster {
     coordinator: Proc,
     model: PathBuf,
     join: String,
+    /// The operator's credential: clients here name stages.
+    operator: String,
     nodes: Vec<Proc>,
 }
 
@@ -36,11 +38,13 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         let mut coordinator = Self::spawn_coordinator(dir.path(), model_path, "127.0.0.1:0");
         let join = coordinator.wait_for("join token: ");
+        let operator = coordinator.wait_for("operator token: ");
         Self {
             dir,
             coordinator,
             model: model_path.to_owned(),
             join,
+            operator,
             nodes: Vec::new(),
         }
     }
@@ -68,6 +72,8 @@ impl Cluster {
         self.coordinator = Self::spawn_coordinator(self.dir.path(), &self.model, &addr);
         let join = self.coordinator.wait_for("join token: ");
         assert_eq!(join, self.join, "the token and address survive a restart");
+        let operator = self.coordinator.wait_for("operator token: ");
+        assert_eq!(operator, self.operator);
     }
 
     fn node_args(&self, name: &str, extra: &[&str]) -> Vec<String> {
@@ -96,7 +102,7 @@ impl Cluster {
     }
 
     fn run(&self, extra: &[&str]) -> Output {
-        run_client(&self.join, &self.dir.path().join("client"), extra)
+        run_client(&self.operator, &self.dir.path().join("client"), extra)
     }
 }
 
@@ -253,7 +259,7 @@ fn concurrent_runs_share_the_ring_and_each_matches_one_process() {
     let mut c = Cluster::start(&path);
     c.add_node("a", &[]);
     c.add_node("b", &[]);
-    let (join, client_dir) = (c.join.as_str(), c.dir.path().join("client"));
+    let (join, client_dir) = (c.operator.as_str(), c.dir.path().join("client"));
     let client_dir = client_dir.as_path();
     let got: Vec<String> = std::thread::scope(|scope| {
         let handles: Vec<_> = prompts
@@ -612,7 +618,7 @@ mod wire {
         let mut c = Cluster::start(&model("stories260K.gguf"));
         c.add_node("a", &[]);
         c.add_node("b", &[]);
-        let target: JoinTarget = c.join.parse().unwrap();
+        let target: JoinTarget = c.operator.parse().unwrap();
         rt().block_on(async {
             let ep = client_endpoint();
             let conn = ep.enroll(target.addr, &target.token).await.unwrap();
@@ -750,7 +756,7 @@ mod wire {
     #[test]
     fn oversized_malformed_and_wrong_version_frames_fail_only_their_stream() {
         let c = Cluster::start(&model("stories260K.gguf"));
-        let target: JoinTarget = c.join.parse().unwrap();
+        let target: JoinTarget = c.operator.parse().unwrap();
         rt().block_on(async {
             let ep = client_endpoint();
             let conn = ep.enroll(target.addr, &target.token).await.unwrap();

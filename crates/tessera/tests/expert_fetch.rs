@@ -38,10 +38,12 @@ fn start_cluster(model_path: &Path, experts: &str) -> ExpertCluster {
         .args(["--chunk-size", &CHUNK.to_string()]);
     let mut coordinator = Proc::from_command("coordinator", cmd, TIMEOUT);
     let join = coordinator.wait_for("join token: ");
+    let operator = coordinator.wait_for("operator token: ");
     ExpertCluster {
         dir,
         coordinator,
         join,
+        operator,
         nodes: Vec::new(),
         timeout: TIMEOUT,
     }

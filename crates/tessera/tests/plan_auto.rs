@@ -20,8 +20,9 @@ fn parse_range(s: &str) -> (usize, usize) {
     (a.parse().unwrap(), b.parse().unwrap())
 }
 
-/// `tessera coordinator --plan auto --nodes-expected N` on `model`; its join token.
-fn auto_coordinator(dir: &Path, model: &Path, expected: usize) -> (Proc, String) {
+/// `tessera coordinator --plan auto --nodes-expected N` on `model`; its join and operator
+/// tokens.
+fn auto_coordinator(dir: &Path, model: &Path, expected: usize) -> (Proc, String, String) {
     let mut coordinator = Proc::spawn(
         "coordinator",
         &[
@@ -42,7 +43,8 @@ fn auto_coordinator(dir: &Path, model: &Path, expected: usize) -> (Proc, String)
         TIMEOUT,
     );
     let join = coordinator.wait_for("join token: ");
-    (coordinator, join)
+    let operator = coordinator.wait_for("operator token: ");
+    (coordinator, join, operator)
 }
 
 /// A node with a memory budget, started once it has joined (so that the probes of nodes on
@@ -110,7 +112,7 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
     let path = model("stories260K.gguf");
     let dir = tempfile::tempdir().unwrap();
     let budgets = [("small", 2u64 << 20), ("large", 5u64 << 19)]; // 2 MiB and 2.5 MiB
-    let (mut coordinator, join) = auto_coordinator(dir.path(), &path, 2);
+    let (mut coordinator, join, operator) = auto_coordinator(dir.path(), &path, 2);
     let nodes: Vec<Proc> = budgets
         .iter()
         .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
@@ -156,7 +158,7 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
     let n = 16;
     let chunk = 4;
     let want = reference_tokens(&path, &prompt, n, chunk);
-    let msgs = run_greedy(dir.path(), &join, prompt_text, n, chunk);
+    let msgs = run_greedy(dir.path(), &operator, prompt_text, n, chunk);
     assert_eq!(tokens_of(&msgs), want);
     let report = report_of(&msgs);
     let ran: Vec<(String, (usize, usize))> = report["stages"]
@@ -205,7 +207,7 @@ fn plan_auto_executes_an_expert_split_and_matches_one_process() {
         ("x", 13u64 << 18),    // 3.25 MiB
         ("y", 13u64 << 18),
     ];
-    let (mut coordinator, join) = auto_coordinator(dir.path(), &path, budgets.len());
+    let (mut coordinator, join, operator) = auto_coordinator(dir.path(), &path, budgets.len());
     let nodes: Vec<Proc> = budgets
         .iter()
         .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
@@ -265,7 +267,7 @@ fn plan_auto_executes_an_expert_split_and_matches_one_process() {
     let prompt = Tokenizer::from_gguf(&g).unwrap().encode(prompt_text, true);
     let (n, chunk) = (12, 4);
     let want = reference_tokens(&path, &prompt, n, chunk);
-    let msgs = run_greedy(dir.path(), &join, prompt_text, n, chunk);
+    let msgs = run_greedy(dir.path(), &operator, prompt_text, n, chunk);
     assert_eq!(
         tokens_of(&msgs),
         want,

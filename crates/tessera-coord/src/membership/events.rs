@@ -91,6 +91,12 @@ pub enum Action {
     },
     /// A decision worth a line in the log (experts re-placed after a loss).
     Note(String),
+    /// A member said something its assignment does not allow (a report about an epoch it is
+    /// not a stage of): nothing was done; the shell counts and logs it.
+    Refused {
+        node: NodeId,
+        why: crate::authz::Refusal,
+    },
 }
 
 /// [`CoordToNode`] with a structural equality for tests (compared as JSON).

@@ -229,7 +229,13 @@ mod tests {
                 reason: "forged".into(),
             },
         ] {
-            assert!(m.handle(e).is_empty());
+            assert_eq!(
+                m.handle(e),
+                vec![Action::Refused {
+                    node: outsider.node_id,
+                    why: crate::authz::Refusal::NotAStageOfEpoch { epoch }
+                }]
+            );
             assert_eq!(m.epoch().unwrap().phase, Phase::Ready);
         }
         // A stage's own report still counts.

@@ -273,14 +273,16 @@ impl Membership {
             } => {
                 // Only a stage of the epoch may say that the epoch cannot load or link: any other
                 // member saying so is ignored (it would stop the service with one message).
-                let stage_of_epoch = self
-                    .epoch
-                    .as_ref()
-                    .is_some_and(|e| e.id == epoch && e.stages.iter().any(|s| s.node_id == node));
-                if stage_of_epoch {
-                    self.fail(format!("node {}: {reason}", node.short()))
-                } else {
-                    Vec::new()
+                // A report about an epoch that is no longer current is late, not hostile.
+                match self.epoch.as_ref().filter(|e| e.id == epoch) {
+                    Some(e) if e.stages.iter().any(|s| s.node_id == node) => {
+                        self.fail(format!("node {}: {reason}", node.short()))
+                    }
+                    Some(_) => vec![Action::Refused {
+                        node,
+                        why: crate::authz::Refusal::NotAStageOfEpoch { epoch },
+                    }],
+                    None => Vec::new(),
                 }
             }
             Event::LinkMeasured { node, link } => {

@@ -7,6 +7,8 @@ use crate::membership::CoordToNodeEq;
 use tessera_engine::sampling::TokenLogprobs;
 use tessera_engine::SamplingParams;
 use tessera_grammar::GrammarSpec;
+
+use crate::authz::Refusal;
 use tessera_net::NodeId;
 use tessera_node::protocol::{
     BoundaryTrace, CoordToNode, FinishReason, NodeToCoord, OpenSeq, StagePlacement, StageSeqStats,
@@ -237,6 +239,12 @@ pub enum Output {
         timer: Timer,
         after: Duration,
     },
+    /// A node said something about this run that it may not say (it is not a stage of the
+    /// attempt, or not its sampler): not acted on; the shell counts and logs it.
+    Refused {
+        from: NodeId,
+        why: crate::authz::Refusal,
+    },
     /// The run is over; nothing more comes out of the machine.
     Done(Box<RunOutcome>),
 }
@@ -313,6 +321,8 @@ pub struct RunMachine {
     /// Messages from nodes the machine refused to hear (not a stage of the attempt, or not
     /// allowed to say that).
     refused: u64,
+    /// Refusals made while handling the current input, put out ahead of its other outputs.
+    refusals: Vec<Output>,
 }
 
 impl RunMachine {
@@ -333,6 +343,7 @@ impl RunMachine {
             timers: 0,
             fault: None,
             refused: 0,
+            refusals: Vec::new(),
         };
         (m, vec![Output::AwaitEpoch { lost: None }])
     }
@@ -552,7 +563,13 @@ impl RunMachine {
             // (or one refused by `heard`), a timer re-armed since, an epoch other than the run's.
             (state, _) => state,
         };
-        out
+        if self.refusals.is_empty() {
+            out
+        } else {
+            let mut all = std::mem::take(&mut self.refusals);
+            all.extend(out);
+            all
+        }
     }
 
     /// Whether `msg` from `from` is for the current attempt and `from` may say it: stages of
@@ -585,6 +602,12 @@ impl RunMachine {
             };
         if !allowed {
             self.refused += 1;
+            let why = if !attempt.nodes.contains(&from) {
+                Refusal::NotAStageOfSequence { seq }
+            } else {
+                Refusal::NotTheSampler { seq }
+            };
+            self.refusals.push(Output::Refused { from, why });
         }
         allowed
     }

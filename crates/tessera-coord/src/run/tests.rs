@@ -7,6 +7,8 @@ use tessera_node::protocol::{
     CoordToNode, FinishReason, LoadReport, NodeToCoord, StagePlacement, StageSeqStats,
 };
 
+use crate::authz::Refusal;
+
 use super::{Fault, Input, Output, Placement, RunEvent, RunMachine, RunSpec, Timer, TimerKind};
 
 const LEASE: Duration = Duration::from_secs(1);
@@ -453,17 +455,37 @@ fn a_message_in_flight_from_a_lost_attempt_is_ignored() {
 fn only_the_sampling_stage_may_send_tokens_or_finish_the_run() {
     let mut m = machine(4);
     open_and_start(&mut m, 5, &[1, 2], 10);
-    // Stage 0 is in the run but does not sample; node 9 is not in the run at all.
-    assert!(msg(&mut m, 10, 1, token(10, 3, 66)).is_empty());
-    assert!(msg(&mut m, 10, 9, token(10, 3, 66)).is_empty());
-    assert!(msg(&mut m, 10, 9, finished(10, FinishReason::Length, None)).is_empty());
-    assert!(msg(
-        &mut m,
-        10,
-        1,
-        finished(10, FinishReason::EndOfGeneration, None)
-    )
-    .is_empty());
+    // Stage 0 is in the run but does not sample; node 9 is not in the run at all. Each is
+    // refused with its reason and nothing else happens.
+    let refused = |from: u8, why: Refusal| {
+        vec![Output::Refused {
+            from: node(from),
+            why,
+        }]
+    };
+    let not_sampler = Refusal::NotTheSampler { seq: 10 };
+    let not_stage = Refusal::NotAStageOfSequence { seq: 10 };
+    assert_eq!(
+        msg(&mut m, 10, 1, token(10, 3, 66)),
+        refused(1, not_sampler.clone())
+    );
+    assert_eq!(
+        msg(&mut m, 10, 9, token(10, 3, 66)),
+        refused(9, not_stage.clone())
+    );
+    assert_eq!(
+        msg(&mut m, 10, 9, finished(10, FinishReason::Length, None)),
+        refused(9, not_stage)
+    );
+    assert_eq!(
+        msg(
+            &mut m,
+            10,
+            1,
+            finished(10, FinishReason::EndOfGeneration, None)
+        ),
+        refused(1, not_sampler)
+    );
     assert_eq!(m.refused(), 4);
     assert!(m.generated().is_empty());
     let out = msg(&mut m, 11, 2, token(10, 3, 42));

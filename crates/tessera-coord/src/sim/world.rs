@@ -853,7 +853,10 @@ impl World {
                         }
                     }
                 }
-                Action::EpochReady(_) | Action::EpochFailed { .. } | Action::Note(_) => {}
+                Action::EpochReady(_)
+                | Action::EpochFailed { .. }
+                | Action::Note(_)
+                | Action::Refused { .. } => {}
             }
         }
         self.epochs_changed()
@@ -974,7 +977,7 @@ impl World {
                     }
                     r.streamed.push(token);
                 }
-                Output::Event(_) => {}
+                Output::Event(_) | Output::Refused { .. } => {}
                 Output::Done(outcome) => {
                     let r = &mut self.runs[run];
                     r.awaiting = None;

@@ -57,6 +57,52 @@ pub enum ClientToCoord {
     },
     /// Ask for [`CoordToClient::Status`].
     Status,
+    /// Administer credentials (operator credentials only); answered with
+    /// [`CoordToClient::Admin`].
+    Admin(AdminRequest),
+}
+
+/// What an operator may ask of the coordinator about credentials.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum AdminRequest {
+    /// Issue a join token granting `role` (`node`, `client` or `operator`).
+    CreateToken {
+        role: String,
+        /// Keys that may enrol with it (`None`: any number).
+        uses: Option<u32>,
+        /// Lifetime, ms (`None`: never expires).
+        lifetime_ms: Option<u64>,
+    },
+    ListTokens,
+    /// Revoke the token whose id starts with `id`.
+    RevokeToken { id: String },
+    /// Revoke an enrolled key by name, node id or id prefix: its sessions end and it cannot
+    /// enrol again with any token.
+    RevokeNode { name: String },
+}
+
+/// A token as listed: everything but its secret.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenInfo {
+    pub id: String,
+    pub role: String,
+    pub uses_left: Option<u32>,
+    pub enrolled: u32,
+    pub expires_at_unix_ms: Option<u64>,
+    pub revoked: bool,
+    pub created_at_unix_ms: u64,
+}
+
+/// The answer to an [`AdminRequest`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum AdminReply {
+    /// A new token: its secret (`tsr1-…`, shown this once) and its listing.
+    Token { token: String, info: TokenInfo },
+    Tokens { tokens: Vec<TokenInfo> },
+    Revoked { what: String },
+    Refused { reason: String },
 }
 
 /// The plan the run used, as reported to the client.
@@ -167,4 +213,5 @@ pub enum CoordToClient {
         members: Vec<MemberStatus>,
         epoch: Option<u64>,
     },
+    Admin(AdminReply),
 }

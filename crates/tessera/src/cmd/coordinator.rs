@@ -131,6 +131,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         );
         println!("listening on {addr}");
         println!("join token: {}@{addr}", coordinator.token());
+        println!("operator token: {}@{addr}", coordinator.operator_token());
         let _advertisement = if args.mdns {
             advertise(coordinator.node_id(), addr.port())?
         } else {

@@ -12,6 +12,7 @@ mod progress;
 pub mod run;
 mod sampling;
 pub mod serve;
+pub mod token;
 pub mod up;
 
 /// Compute threads when the user does not say: every core the process may use.

@@ -9,15 +9,24 @@ use tessera_node::agent::{AgentConfig, JoinTarget, ProbeLevel};
 use tessera_node::MemoryBudget;
 
 #[derive(clap::Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct NodeArgs {
+    #[command(subcommand)]
+    action: Option<NodeAction>,
     /// Where the node keeps its identity key, its coordinator record and its model cache.
-    #[arg(long)]
-    data_dir: PathBuf,
+    #[arg(long, required = true)]
+    data_dir: Option<PathBuf>,
     /// Enrol with a coordinator: the `TOKEN@HOST:PORT` line it printed, or the token alone to
     /// find the coordinator the token names on the local network by mDNS. Later starts
     /// reconnect to the recorded coordinator without it.
-    #[arg(long, value_name = "TOKEN[@HOST:PORT]")]
+    #[arg(long, value_name = "TOKEN[@HOST:PORT]", conflicts_with = "join_file")]
     join: Option<String>,
+    /// Read the `--join` line from a file (keeps the token out of the process list).
+    #[arg(long, value_name = "PATH")]
+    join_file: Option<PathBuf>,
+    /// Accept a join token that names no coordinator, trusting whichever key answers.
+    #[arg(long)]
+    trust_on_first_use: bool,
     /// UDP address to listen on for other nodes (port 0: any).
     #[arg(long, default_value = "0.0.0.0:0")]
     listen: SocketAddr,
@@ -45,13 +54,37 @@ pub struct NodeArgs {
     inventory: bool,
 }
 
+/// What else `tessera node` does.
+#[derive(clap::Subcommand, Debug)]
+enum NodeAction {
+    /// Revoke an enrolled key (a node's or a client's) by name, node id or id prefix: its
+    /// sessions end and it cannot enrol again, with any token.
+    Revoke {
+        #[command(flatten)]
+        op: super::token::OperatorArgs,
+        name: String,
+    },
+}
+
 pub fn run(args: NodeArgs) -> anyhow::Result<()> {
-    let join = match args.join.as_deref() {
-        Some(j) if j.contains('@') => Some(
-            j.parse::<JoinTarget>()
-                .map_err(anyhow::Error::msg)
-                .context("--join")?,
+    if let Some(NodeAction::Revoke { op, name }) = &args.action {
+        return super::token::revoke_node(op, name.clone());
+    }
+    let data_dir = args.data_dir.context("--data-dir")?;
+    let join_line = match (&args.join, &args.join_file) {
+        (Some(j), _) => Some(j.clone()),
+        (None, Some(p)) => Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading {}", p.display()))?
+                .trim()
+                .to_string(),
         ),
+        (None, None) => None,
+    };
+    let join = match join_line.as_deref() {
+        Some(j) if j.contains('@') => {
+            Some(super::token::parse_target(j, args.trust_on_first_use).context("--join")?)
+        }
         Some(token) => Some(discover(token)?),
         None => None,
     };
@@ -73,7 +106,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         anyhow::ensure!(m.is_file(), "--model {}: no such file", m.display());
     }
     let config = AgentConfig {
-        data_dir: args.data_dir,
+        data_dir,
         join,
         listen: args.listen,
         name: args.name,

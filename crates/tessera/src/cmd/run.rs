@@ -60,13 +60,13 @@ pub struct RunArgs {
     /// Report each token's log-probability and this many alternatives (0–20; in `--json`).
     #[arg(long, value_name = "N")]
     top_logprobs: Option<usize>,
+    /// Accept a token that names no coordinator, trusting whichever key answers.
+    #[arg(long)]
+    trust_on_first_use: bool,
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let target: JoinTarget = args
-        .coordinator
-        .parse()
-        .map_err(anyhow::Error::msg)
+    let target = super::token::parse_target(&args.coordinator, args.trust_on_first_use)
         .context("--coordinator")?;
     let stages = match (&args.split, &args.plan) {
         (Some(s), _) => Some(parse_split(s).context("--split")?),
@@ -107,12 +107,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn drive(
+/// Enrols (or reconnects) as a client and opens a control session: the endpoint, the
+/// connection and the session's stream, past the coordinator's welcome.
+pub(crate) async fn connect_client(
     identity: &NodeIdentity,
     target: &JoinTarget,
-    request: RunRequest,
-    args: &RunArgs,
-) -> anyhow::Result<RunReport> {
+) -> anyhow::Result<(Endpoint, tessera_net::Connection, tessera_net::FramedStream)> {
     let bind: SocketAddr = if target.addr.is_ipv4() {
         "0.0.0.0:0".parse()?
     } else {
@@ -143,6 +143,16 @@ async fn drive(
         CoordToClient::Refused { reason } => bail!("the coordinator refused this client: {reason}"),
         other => bail!("unexpected first message {other:?}"),
     }
+    Ok((endpoint, conn, s))
+}
+
+async fn drive(
+    identity: &NodeIdentity,
+    target: &JoinTarget,
+    request: RunRequest,
+    args: &RunArgs,
+) -> anyhow::Result<RunReport> {
+    let (endpoint, conn, mut s) = connect_client(identity, target).await?;
     s.writer
         .write_message(frame::MSG, &ClientToCoord::Run(Box::new(request)))
         .await?;

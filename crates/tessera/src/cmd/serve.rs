@@ -359,6 +359,11 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
         println!("coordinator {}", cluster.coordinator.node_id());
         println!("join token: {}", cluster.join);
         println!(
+            "operator token: {}@{}",
+            cluster.coordinator.operator_token(),
+            cluster.coordinator.local_addr()?
+        );
+        println!(
             "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join {}",
             cluster.split, cluster.join
         );

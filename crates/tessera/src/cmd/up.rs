@@ -130,6 +130,10 @@ impl Drop for Nodes {
 
 fn spawn_nodes(run_dir: &Path, join: &str, n: usize, threads: usize) -> anyhow::Result<Nodes> {
     let exe = std::env::current_exe().context("finding this executable")?;
+    // The token goes to the nodes in a file only they and we can read, never on their
+    // command lines (visible to every user in `ps`).
+    let join_file = run_dir.join("join");
+    write_secret(&join_file, join)?;
     let mut nodes = Nodes {
         children: Vec::new(),
     };
@@ -144,7 +148,8 @@ fn spawn_nodes(run_dir: &Path, join: &str, n: usize, threads: usize) -> anyhow::
             .arg("--data-dir")
             .arg(&dir)
             .args(["--listen", "127.0.0.1:0", "--name", &name, "--quick-probe"])
-            .args(["--threads", &threads.to_string(), "--join", join])
+            .args(["--threads", &threads.to_string(), "--join-file"])
+            .arg(&join_file)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -159,6 +164,22 @@ fn spawn_nodes(run_dir: &Path, join: &str, n: usize, threads: usize) -> anyhow::
         nodes.children.push((name, child));
     }
     Ok(nodes)
+}
+
+/// Writes a secret to a new file readable by this user only.
+fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        o.mode(0o600);
+    }
+    let mut f = o
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    std::io::Write::write_all(&mut f, secret.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// A fresh run directory under the temp dir.

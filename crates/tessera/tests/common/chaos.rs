@@ -160,6 +160,8 @@ pub struct Cluster {
     /// Extra coordinator flags (an expert split).
     extra: Vec<String>,
     pub join: String,
+    /// The operator's credential, for clients.
+    pub operator: String,
     pub nodes: Vec<Proc>,
 }
 
@@ -174,6 +176,7 @@ impl Cluster {
         let mut coordinator =
             Self::spawn_coordinator(dir.path(), model_path, split, "127.0.0.1:0", &extra);
         let join = coordinator.wait_for("join token: ");
+        let operator = coordinator.wait_for("operator token: ");
         Self {
             dir,
             coordinator,
@@ -181,6 +184,7 @@ impl Cluster {
             split: split.to_string(),
             extra,
             join,
+            operator,
             nodes: Vec::new(),
         }
     }
@@ -256,6 +260,8 @@ impl Cluster {
         );
         let join = self.coordinator.wait_for("join token: ");
         assert_eq!(join, self.join, "the token and address survive a restart");
+        let operator = self.coordinator.wait_for("operator token: ");
+        assert_eq!(operator, self.operator);
     }
 
     pub fn node(&mut self, name: &str) -> &mut Proc {
@@ -266,7 +272,7 @@ impl Cluster {
         let mut args: Vec<String> = vec![
             "run".into(),
             "--coordinator".into(),
-            self.join.clone(),
+            self.operator.clone(),
             "--data-dir".into(),
             self.dir.path().join("client").display().to_string(),
             "--json".into(),

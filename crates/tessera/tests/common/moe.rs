@@ -13,6 +13,8 @@ pub struct ExpertCluster {
     pub dir: tempfile::TempDir,
     pub coordinator: Proc,
     pub join: String,
+    /// The operator's credential: the runs here pin stages to nodes.
+    pub operator: String,
     pub nodes: Vec<Proc>,
     pub timeout: Duration,
 }
@@ -36,10 +38,12 @@ impl ExpertCluster {
             timeout,
         );
         let join = coordinator.wait_for("join token: ");
+        let operator = coordinator.wait_for("operator token: ");
         Self {
             dir,
             coordinator,
             join,
+            operator,
             nodes: Vec::new(),
             timeout,
         }
@@ -67,7 +71,7 @@ impl ExpertCluster {
             .collect();
         std::fs::write(&plan, serde_json::json!({ "stages": stages }).to_string()).unwrap();
         let mut cmd = Command::new(bin());
-        cmd.args(["run", "--coordinator", &self.join, "--data-dir"])
+        cmd.args(["run", "--coordinator", &self.operator, "--data-dir"])
             .arg(self.dir.path().join("client"))
             .arg("--plan")
             .arg(&plan)

@@ -1,0 +1,496 @@
+//! Who may say what: every message from an enrolled peer is checked against the role its
+//! credential grants and the assignment it holds before the coordinator acts on it.
+//!
+//! Enrolment proves a key holds *some* credential; that is not permission to say anything. A
+//! node operator holds the node join token, and in a federation node operators are strangers,
+//! so the rules are written down here, as pure functions of (who sent it, what it says, what
+//! the sender is currently assigned):
+//!
+//! - the **role** comes from the credential the key enrolled with ([`Grant`]), never from the
+//!   hello: a node cannot act as a client, and a client cannot act as a node;
+//! - only a **stage of epoch E** may report E's load or link (its success or failure): one
+//!   `LoadFailed` from a bystander used to fail every request;
+//! - only a **stage of a sequence** may report on it, and only the **stage that samples** it may
+//!   send its tokens and its (non-error) finish: sequence ids are sequential, and routing by id
+//!   alone let any node write into another user's answer;
+//! - only the **client that started a run** may cancel it;
+//! - only an **operator** credential may name stages in a run (re-plan the cluster); a client's
+//!   run takes the placement the operator or the planner chose.
+//!
+//! The rules about roles and ownership are here, as pure functions ([`authorize_node`],
+//! [`authorize_client`]: facts in, `Ok(())` or a typed [`Refusal`] out). The rules that depend
+//! on an assignment live in the machines that hold it, so the simulator checks them too: the
+//! membership machine refuses an epoch report from a non-stage, the run machine a sequence
+//! message from a non-stage or a non-sampler; both answer with a [`Refusal`]. [`Gate`] is the
+//! thin edge the server calls: it counts every refusal and logs them at a bounded rate.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tessera_net::NodeId;
+use tessera_node::protocol::{ClientToCoord, NodeToCoord, Role};
+
+/// What a credential lets its holder be. Fixed when the key enrols (from the token it used)
+/// and recorded with the key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Grant {
+    /// A node agent: holds assignments, reports on them.
+    Node,
+    /// A client: runs generations on the current placement, cancels its own runs.
+    Client,
+    /// A client that may also choose placements (name stages) and administer credentials.
+    Operator,
+}
+
+impl Grant {
+    /// The wire role a session with this credential must announce.
+    pub fn role(self) -> Role {
+        match self {
+            Self::Node => Role::Node,
+            Self::Client | Self::Operator => Role::Client,
+        }
+    }
+}
+
+impl fmt::Display for Grant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Node => "node",
+            Self::Client => "client",
+            Self::Operator => "operator",
+        })
+    }
+}
+
+impl std::str::FromStr for Grant {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "node" => Ok(Self::Node),
+            "client" => Ok(Self::Client),
+            "operator" => Ok(Self::Operator),
+            _ => Err(format!("unknown role {s:?} (node, client or operator)")),
+        }
+    }
+}
+
+/// Who sent a message: the authenticated key's id and the credential it enrolled with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SenderFacts {
+    pub node: NodeId,
+    pub grant: Grant,
+}
+
+/// Why a message was not acted on. The membership machine refuses epoch reports with it and
+/// the run machine refuses sequence messages with it; [`authorize_node`] and
+/// [`authorize_client`] refuse by role and ownership.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("this message needs a {needs:?} credential; the sender enrolled as {has}")]
+    WrongRole { needs: Role, has: Grant },
+    #[error("only a stage of epoch {epoch} may report its load or link")]
+    NotAStageOfEpoch { epoch: u64 },
+    #[error("only a stage of sequence {seq} may report on it")]
+    NotAStageOfSequence { seq: u64 },
+    #[error("only the stage that samples sequence {seq} may send its tokens and its finish")]
+    NotTheSampler { seq: u64 },
+    #[error("only the client that started run {seq} may cancel it")]
+    NotTheOwner { seq: u64 },
+    #[error("naming stages re-plans the cluster: that needs an operator credential")]
+    PlacementNeedsOperator,
+    #[error("administering credentials needs an operator credential")]
+    AdminNeedsOperator,
+    #[error("a second hello")]
+    SecondHello,
+    #[error(
+        "too many runs in flight (at most {MAX_RUNS_PER_CLIENT} per client, \
+         {MAX_CLIENT_RUNS} for all clients); retry later"
+    )]
+    TooManyRuns,
+}
+
+/// Most runs QUIC clients may have in flight together (the HTTP gateway has its own slots and
+/// queue); more are refused with [`Refusal::TooManyRuns`].
+pub const MAX_CLIENT_RUNS: usize = 32;
+/// Most runs one client key may have in flight, so one client cannot take every place.
+pub const MAX_RUNS_PER_CLIENT: usize = 8;
+
+/// A client run's place ([`Gate::admit_run`]); given back when dropped.
+#[derive(Debug)]
+pub struct RunPermit {
+    _global: tokio::sync::OwnedSemaphorePermit,
+    per_client: Arc<Mutex<HashMap<NodeId, usize>>>,
+    client: NodeId,
+}
+
+impl Drop for RunPermit {
+    fn drop(&mut self) {
+        let mut m = self.per_client.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.client) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.client);
+            }
+        }
+    }
+}
+
+/// May `sender` (on a node control session) say `msg` at all? Only a node credential speaks
+/// on a node session, and only once hello. What a node may say about an epoch or a sequence
+/// depends on the assignment, which the machines that hold it check: the membership machine
+/// ([`crate::membership`]: only a stage of epoch E reports E's load or link) and the run
+/// machine ([`crate::run`]: only a stage of a sequence reports on it, only its sampler sends
+/// its tokens and its normal finish).
+pub fn authorize_node(sender: &SenderFacts, msg: &NodeToCoord) -> Result<(), Refusal> {
+    if sender.grant != Grant::Node {
+        return Err(Refusal::WrongRole {
+            needs: Role::Node,
+            has: sender.grant,
+        });
+    }
+    match msg {
+        NodeToCoord::Hello(_) => Err(Refusal::SecondHello),
+        _ => Ok(()),
+    }
+}
+
+/// May `sender` (on a client control session) say `msg`? `owned` are the runs this session
+/// started.
+pub fn authorize_client(
+    sender: &SenderFacts,
+    msg: &ClientToCoord,
+    owned: &[u64],
+) -> Result<(), Refusal> {
+    if sender.grant == Grant::Node {
+        return Err(Refusal::WrongRole {
+            needs: Role::Client,
+            has: sender.grant,
+        });
+    }
+    match msg {
+        ClientToCoord::Hello(_) => Err(Refusal::SecondHello),
+        ClientToCoord::Run(req) if req.stages.is_some() && sender.grant != Grant::Operator => {
+            Err(Refusal::PlacementNeedsOperator)
+        }
+        ClientToCoord::Run(_) | ClientToCoord::Status => Ok(()),
+        ClientToCoord::Admin(_) if sender.grant == Grant::Operator => Ok(()),
+        ClientToCoord::Admin(_) => Err(Refusal::AdminNeedsOperator),
+        ClientToCoord::Cancel { seq } if owned.contains(seq) => Ok(()),
+        ClientToCoord::Cancel { seq } => Err(Refusal::NotTheOwner { seq: *seq }),
+    }
+}
+
+/// Who a client session's peer is, from its credential.
+pub(crate) fn client_facts(
+    shared: &crate::server::Shared,
+    conn: &tessera_net::Connection,
+) -> Result<SenderFacts, crate::CoordError> {
+    let grant = shared
+        .enrol
+        .grant_of(&conn.peer_key())
+        .ok_or_else(|| crate::CoordError::Protocol("the key is not enrolled".into()))?;
+    Ok(SenderFacts {
+        node: conn.peer_id(),
+        grant,
+    })
+}
+
+/// The edge around the rules: the refusal counter, a log that cannot be flooded (a hostile
+/// peer can send refusable messages as fast as it likes), the admission of clients' runs, and
+/// each key's live connection (so a revocation ends it).
+#[derive(Debug)]
+pub struct Gate {
+    refused: AtomicU64,
+    log: Mutex<LogBudget>,
+    client_runs: Arc<tokio::sync::Semaphore>,
+    per_client: Arc<Mutex<HashMap<NodeId, usize>>>,
+    conns: Mutex<HashMap<NodeId, tessera_net::Connection>>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Gate {
+    pub fn new() -> Self {
+        Self {
+            refused: AtomicU64::new(0),
+            log: Mutex::default(),
+            client_runs: Arc::new(tokio::sync::Semaphore::new(MAX_CLIENT_RUNS)),
+            per_client: Arc::default(),
+            conns: Mutex::default(),
+        }
+    }
+
+    /// A place for one client run, or `None` (counted as a refusal) when the client has
+    /// [`MAX_RUNS_PER_CLIENT`] in flight or all clients [`MAX_CLIENT_RUNS`].
+    pub fn admit_run(&self, sender: &SenderFacts) -> Option<RunPermit> {
+        let permit = {
+            let mut m = self.per_client.lock().unwrap_or_else(|p| p.into_inner());
+            let n = m.entry(sender.node).or_insert(0);
+            match self.client_runs.clone().try_acquire_owned() {
+                Ok(g) if *n < MAX_RUNS_PER_CLIENT => {
+                    *n += 1;
+                    Some(RunPermit {
+                        _global: g,
+                        per_client: self.per_client.clone(),
+                        client: sender.node,
+                    })
+                }
+                _ => {
+                    if *n == 0 {
+                        m.remove(&sender.node);
+                    }
+                    None
+                }
+            }
+        };
+        if permit.is_none() {
+            self.refuse(sender.node, &Refusal::TooManyRuns);
+        }
+        permit
+    }
+
+    /// Remembers `conn` as its key's live connection.
+    pub fn track(&self, conn: &tessera_net::Connection) {
+        self.conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(conn.peer_id(), conn.clone());
+    }
+
+    /// Ends the live connection of a revoked key.
+    pub fn disconnect(&self, node: &NodeId, reason: &str) {
+        if let Some(c) = self
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(node)
+        {
+            c.close(reason);
+        }
+    }
+
+    /// Messages refused so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Checks a message on a node's control session; counts and logs a refusal.
+    pub(crate) fn check_node(&self, sender: &SenderFacts, msg: &NodeToCoord) -> Result<(), Refusal> {
+        authorize_node(sender, msg).inspect_err(|e| self.refuse(sender.node, e))
+    }
+
+    /// Checks a client's message; counts and logs a refusal.
+    pub(crate) fn check_client(
+        &self,
+        sender: &SenderFacts,
+        msg: &ClientToCoord,
+        owned: &[u64],
+    ) -> Result<(), Refusal> {
+        authorize_client(sender, msg, owned).inspect_err(|e| self.refuse(sender.node, e))
+    }
+
+    /// Counts a refusal (this gate's own, or one a machine made) and logs it within the
+    /// log's budget.
+    pub(crate) fn refuse(&self, from: NodeId, why: &Refusal) {
+        let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(skipped) = log.admit(Instant::now()) {
+            tracing::warn!(
+                event = "refused",
+                from = %from.short(),
+                refused = n,
+                "refused a message from {}: {why} [{n} refused in all{}]",
+                from.short(),
+                if skipped > 0 {
+                    format!(", {skipped} not logged")
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+}
+
+/// A token bucket for log lines: at most [`LogBudget::BURST`] lines, refilled at
+/// [`LogBudget::PER_SECOND`]; the lines it holds back are counted and reported with the next.
+#[derive(Debug)]
+pub(crate) struct LogBudget {
+    tokens: f64,
+    last: Option<Instant>,
+    skipped: u64,
+}
+
+impl Default for LogBudget {
+    fn default() -> Self {
+        Self {
+            tokens: Self::BURST,
+            last: None,
+            skipped: 0,
+        }
+    }
+}
+
+impl LogBudget {
+    const BURST: f64 = 10.0;
+    const PER_SECOND: f64 = 1.0;
+
+    /// `Some(lines held back since the last one)` if a line may be written at `now`.
+    pub(crate) fn admit(&mut self, now: Instant) -> Option<u64> {
+        if let Some(last) = self.last {
+            let dt = now.saturating_duration_since(last).min(Duration::from_secs(60));
+            self.tokens = (self.tokens + dt.as_secs_f64() * Self::PER_SECOND).min(Self::BURST);
+        }
+        self.last = Some(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            Some(std::mem::take(&mut self.skipped))
+        } else {
+            self.skipped += 1;
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_engine::SamplingParams;
+    use tessera_net::NodeIdentity;
+    use tessera_node::protocol::{RunRequest, StageSpec};
+
+    fn id() -> NodeId {
+        NodeIdentity::generate().unwrap().node_id()
+    }
+
+    fn node(n: NodeId) -> SenderFacts {
+        SenderFacts {
+            node: n,
+            grant: Grant::Node,
+        }
+    }
+
+    fn run(stages: Option<Vec<StageSpec>>) -> ClientToCoord {
+        ClientToCoord::Run(Box::new(RunRequest {
+            prompt: Some("hi".into()),
+            prompt_tokens: None,
+            max_new_tokens: 4,
+            sampling: SamplingParams::default(),
+            stages,
+            prefill_chunk: 8,
+            trace: false,
+            stop_at_eog: true,
+        }))
+    }
+
+    #[test]
+    fn only_the_runs_owner_may_cancel_it() {
+        let c = SenderFacts {
+            node: id(),
+            grant: Grant::Client,
+        };
+        assert_eq!(
+            authorize_client(&c, &ClientToCoord::Cancel { seq: 4 }, &[4]),
+            Ok(())
+        );
+        assert_eq!(
+            authorize_client(&c, &ClientToCoord::Cancel { seq: 5 }, &[4]),
+            Err(Refusal::NotTheOwner { seq: 5 })
+        );
+    }
+
+    #[test]
+    fn a_client_run_never_names_stages_unless_the_credential_is_operator() {
+        let spec = Some(vec![StageSpec {
+            node: Some("mine".into()),
+            layers: 0..5,
+        }]);
+        let client = SenderFacts {
+            node: id(),
+            grant: Grant::Client,
+        };
+        let operator = SenderFacts {
+            grant: Grant::Operator,
+            ..client
+        };
+        assert_eq!(authorize_client(&client, &run(None), &[]), Ok(()));
+        assert_eq!(
+            authorize_client(&client, &run(spec.clone()), &[]),
+            Err(Refusal::PlacementNeedsOperator)
+        );
+        assert_eq!(authorize_client(&operator, &run(spec), &[]), Ok(()));
+    }
+
+    #[test]
+    fn roles_come_from_the_credential_never_from_the_session() {
+        // A node's key on a client session (its hello said "client") is still a node.
+        let n = node(id());
+        assert_eq!(
+            authorize_client(&n, &run(None), &[]),
+            Err(Refusal::WrongRole {
+                needs: Role::Client,
+                has: Grant::Node
+            })
+        );
+        let c = SenderFacts {
+            node: id(),
+            grant: Grant::Client,
+        };
+        assert_eq!(
+            authorize_node(&c, &NodeToCoord::Heartbeat { expert_cache: None }),
+            Err(Refusal::WrongRole {
+                needs: Role::Node,
+                has: Grant::Client
+            })
+        );
+        assert_eq!(Grant::Operator.role(), Role::Client);
+        assert_eq!("operator".parse::<Grant>(), Ok(Grant::Operator));
+    }
+
+    #[test]
+    fn refusals_are_counted_and_their_log_lines_bounded() {
+        let gate = Gate::default();
+        let client = SenderFacts {
+            node: id(),
+            grant: Grant::Client,
+        };
+        let heartbeat = NodeToCoord::Heartbeat { expert_cache: None };
+        for _ in 0..999 {
+            assert!(gate.check_node(&client, &heartbeat).is_err());
+        }
+        // A machine's refusal is counted the same way.
+        gate.refuse(client.node, &Refusal::NotAStageOfEpoch { epoch: 2 });
+        assert_eq!(gate.refused(), 1000);
+        assert!(gate.check_node(&node(id()), &heartbeat).is_ok());
+        let before = gate.refused();
+        // One client holds at most its share of the run places; others still get theirs.
+        let greedy = SenderFacts {
+            node: id(),
+            grant: Grant::Client,
+        };
+        let held: Vec<_> = (0..100).filter_map(|_| gate.admit_run(&greedy)).collect();
+        assert_eq!(held.len(), MAX_RUNS_PER_CLIENT);
+        let other = SenderFacts {
+            node: id(),
+            grant: Grant::Client,
+        };
+        assert!(gate.admit_run(&other).is_some());
+        drop(held);
+        assert!(gate.admit_run(&greedy).is_some(), "places are given back");
+        assert_eq!(gate.refused(), before + 92);
+        let mut b = LogBudget::default();
+        let t0 = Instant::now();
+        let written = (0..1000).filter(|_| b.admit(t0).is_some()).count();
+        assert_eq!(written as f64, LogBudget::BURST);
+        // A second later one more line, which says how many were held back.
+        assert_eq!(b.admit(t0 + Duration::from_secs(1)), Some(990));
+    }
+}
