@@ -346,7 +346,9 @@ impl LogBudget {
     /// `Some(lines held back since the last one)` if a line may be written at `now`.
     pub(crate) fn admit(&mut self, now: Instant) -> Option<u64> {
         if let Some(last) = self.last {
-            let dt = now.saturating_duration_since(last).min(Duration::from_secs(60));
+            let dt = now
+                .saturating_duration_since(last)
+                .min(Duration::from_secs(60));
             self.tokens = (self.tokens + dt.as_secs_f64() * Self::PER_SECOND).min(Self::BURST);
         }
         self.last = Some(now);

@@ -173,7 +173,10 @@ impl Enrolment {
         if snap.revoked.contains(&key.node_id()) {
             return None;
         }
-        snap.nodes.iter().find(|n| n.key == *key).map(EnrolledNode::grant)
+        snap.nodes
+            .iter()
+            .find(|n| n.key == *key)
+            .map(EnrolledNode::grant)
     }
 
     /// Runs the enrolment handshake of an unknown key and records it, with the role its token
@@ -331,8 +334,7 @@ impl Enrolment {
                 (Some(n), None) => n.node_id,
                 _ => {
                     return Err(CoordError::Run(
-                        "give the name, node id or an id prefix of exactly one enrolled key"
-                            .into(),
+                        "give the name, node id or an id prefix of exactly one enrolled key".into(),
                     ))
                 }
             }
@@ -440,7 +442,10 @@ mod tests {
         .unwrap();
         assert!(e.is_revoked(&a.node_id()));
         assert_ne!(e.allow(&a), Ok(Admission::Member));
-        assert!(e.record(a, Grant::Node).is_err(), "the token does not bring it back");
+        assert!(
+            e.record(a, Grant::Node).is_err(),
+            "the token does not bring it back"
+        );
     }
 
     #[test]
@@ -452,9 +457,15 @@ mod tests {
         e.record(node, Grant::Node).unwrap();
         e.record(client, Grant::Client).unwrap();
         let r = e.bind_name(&node, "n", Role::Client).unwrap_err();
-        assert!(r.to_string().contains("enrolled with a node credential"), "{r}");
+        assert!(
+            r.to_string().contains("enrolled with a node credential"),
+            "{r}"
+        );
         let r = e.bind_name(&client, "c", Role::Node).unwrap_err();
-        assert!(r.to_string().contains("enrolled with a client credential"), "{r}");
+        assert!(
+            r.to_string().contains("enrolled with a client credential"),
+            "{r}"
+        );
         e.bind_name(&node, "n", Role::Node).unwrap();
         e.bind_name(&client, "c", Role::Client).unwrap();
         assert_eq!(e.grant_of(&client), Some(Grant::Client));
@@ -469,8 +480,13 @@ mod tests {
         let huge = "x".repeat(3 << 20);
         let r = e.bind_name(&a, &huge, Role::Node).unwrap_err();
         assert!(r.to_string().contains("1 to 64 bytes"), "{r}");
-        assert!(r.to_string().len() < 100, "the refusal does not echo the name");
-        let r = e.bind_name(&a, "a\nnode joined: evil", Role::Node).unwrap_err();
+        assert!(
+            r.to_string().len() < 100,
+            "the refusal does not echo the name"
+        );
+        let r = e
+            .bind_name(&a, "a\nnode joined: evil", Role::Node)
+            .unwrap_err();
         assert!(r.to_string().contains("control characters"), "{r}");
         assert!(e.enrolled()[0].name.is_none(), "nothing was persisted");
     }
@@ -502,7 +518,9 @@ mod tests {
         assert_ne!(e.token(), &first, "a revoked token is replaced");
         assert_eq!(e.operator_token(), &op);
         let listed = e.tokens();
-        assert!(listed.iter().any(|t| t.id == first.id().to_string() && t.revoked));
+        assert!(listed
+            .iter()
+            .any(|t| t.id == first.id().to_string() && t.revoked));
         drop(e);
         // A day later both printed tokens have expired: new ones.
         let e = open(3_000 + DEFAULT_LIFETIME_MS + 1);

@@ -20,8 +20,8 @@ use common::model;
 use tessera_net::{Connection, Endpoint, FramedStream, NodeIdentity};
 use tessera_node::agent::JoinTarget;
 use tessera_node::protocol::{
-    frame, stream, ClientToCoord, CoordToClient, FinishReason, Hello, NodeToCoord,
-    Role, RunRequest, PROTOCOL_VERSION,
+    frame, stream, ClientToCoord, CoordToClient, FinishReason, Hello, NodeToCoord, Role,
+    RunRequest, PROTOCOL_VERSION,
 };
 
 const SPLIT: &str = "0..2,2..5";
@@ -244,7 +244,10 @@ fn a_node_credential_cannot_act_as_a_client_and_names_are_bounded() {
 
         let (_e, _c, _s, first) = peer(&c.join, Role::Node, "x\nnode joined: forged").await;
         assert_eq!(first["type"], "refused");
-        assert!(first["reason"].as_str().unwrap().contains("control characters"));
+        assert!(first["reason"]
+            .as_str()
+            .unwrap()
+            .contains("control characters"));
     });
 }
 
@@ -253,11 +256,17 @@ fn create_token(c: &Cluster, flags: &[&str]) -> String {
     let out = common::run_with_timeout(
         {
             let mut cmd = std::process::Command::new(common::bin());
-            cmd.args(["token", "create", "--coordinator", &c.operator, "--data-dir"])
-                .arg(c.dir.path().join("operator"))
-                .args(flags)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
+            cmd.args([
+                "token",
+                "create",
+                "--coordinator",
+                &c.operator,
+                "--data-dir",
+            ])
+            .arg(c.dir.path().join("operator"))
+            .args(flags)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
             cmd
         },
         Duration::from_secs(60),

@@ -111,7 +111,7 @@ fn tokens_expire_run_out_are_revoked_and_survive_a_coordinator_restart() {
     let (multi, _) = create(&c, &["--role", "node"]);
     c.add_node_via("victim-of-revocation", &multi);
     ok(&operator(&c, &["node", "revoke", "victim-of-revocation"]));
-    let key = NodeIdentity::load_or_create(&c.dir.path().join("victim-of-revocation")).unwrap();
+    let key = NodeIdentity::load_or_create(c.dir.path().join("victim-of-revocation")).unwrap();
     let why = enrol(&multi, Some(&key)).unwrap_err();
     assert!(why.contains("revoked"), "{why}");
     let (fresh, _) = create(&c, &["--role", "node"]);
@@ -141,7 +141,9 @@ fn a_token_without_the_coordinator_id_is_refused_unless_trust_on_first_use() {
     let out = run_with_timeout(
         {
             let mut cmd = Command::new(bin());
-            cmd.args(&args).stdout(Stdio::piped()).stderr(Stdio::piped());
+            cmd.args(&args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
             cmd
         },
         Duration::from_secs(60),

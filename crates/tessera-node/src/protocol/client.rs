@@ -76,10 +76,14 @@ pub enum AdminRequest {
     },
     ListTokens,
     /// Revoke the token whose id starts with `id`.
-    RevokeToken { id: String },
+    RevokeToken {
+        id: String,
+    },
     /// Revoke an enrolled key by name, node id or id prefix: its sessions end and it cannot
     /// enrol again with any token.
-    RevokeNode { name: String },
+    RevokeNode {
+        name: String,
+    },
 }
 
 /// A token as listed: everything but its secret.
@@ -99,10 +103,19 @@ pub struct TokenInfo {
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum AdminReply {
     /// A new token: its secret (`tsr1-…`, shown this once) and its listing.
-    Token { token: String, info: TokenInfo },
-    Tokens { tokens: Vec<TokenInfo> },
-    Revoked { what: String },
-    Refused { reason: String },
+    Token {
+        token: String,
+        info: TokenInfo,
+    },
+    Tokens {
+        tokens: Vec<TokenInfo>,
+    },
+    Revoked {
+        what: String,
+    },
+    Refused {
+        reason: String,
+    },
 }
 
 /// The plan the run used, as reported to the client.

@@ -29,8 +29,8 @@ pub mod range_serde;
 mod ring;
 
 pub use client::{
-    AdminReply, AdminRequest, BoundaryReport, ClientToCoord, CoordToClient, MemberStatus, RunReport, RunRequest,
-    StagePlacement, StageSpec, TokenInfo,
+    AdminReply, AdminRequest, BoundaryReport, ClientToCoord, CoordToClient, MemberStatus,
+    RunReport, RunRequest, StagePlacement, StageSpec, TokenInfo,
 };
 pub use control::{
     hash_f32s, BoundaryTrace, CoordToNode, FinishReason, Hello, LoadReport, NodeToCoord, OpenSeq,

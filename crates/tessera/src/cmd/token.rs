@@ -17,7 +17,11 @@ use tessera_node::protocol::{frame, AdminReply, AdminRequest, ClientToCoord, Coo
 #[derive(clap::Args, Debug)]
 pub struct OperatorArgs {
     /// The coordinator's `OPERATOR_TOKEN@HOST:PORT` line.
-    #[arg(long, value_name = "TOKEN@HOST:PORT", required_unless_present = "coordinator_file")]
+    #[arg(
+        long,
+        value_name = "TOKEN@HOST:PORT",
+        required_unless_present = "coordinator_file"
+    )]
     coordinator: Option<String>,
     /// A file holding that line (keeps the secret out of the process list).
     #[arg(long, value_name = "PATH", conflicts_with = "coordinator")]
@@ -148,7 +152,10 @@ pub fn revoke_node(op: &OperatorArgs, name: String) -> anyhow::Result<()> {
 }
 
 /// Sends one request over an operator session; the coordinator's address and its reply.
-fn admin(op: &OperatorArgs, req: AdminRequest) -> anyhow::Result<(std::net::SocketAddr, AdminReply)> {
+fn admin(
+    op: &OperatorArgs,
+    req: AdminRequest,
+) -> anyhow::Result<(std::net::SocketAddr, AdminReply)> {
     let line = match (&op.coordinator, &op.coordinator_file) {
         (Some(l), _) => l.clone(),
         (None, Some(p)) => std::fs::read_to_string(p)
