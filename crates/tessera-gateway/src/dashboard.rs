@@ -101,7 +101,7 @@ async fn index(State(gw): State<Arc<Gateway>>) -> Response {
         .replace(
             "{{AUTH}}",
             if r.auth_required {
-                "API key required for /v1"
+                "API key required"
             } else {
                 "open on loopback"
             },

@@ -71,6 +71,8 @@ impl Tracker {
             return;
         }
         self.recorded = true;
+        // Outcomes may quote client text; the recent-requests list keeps only a bounded echo.
+        let outcome = crate::server::clip(&outcome, crate::server::MAX_ECHO_BYTES).into_owned();
         let duration_ms = self.arrived.elapsed().as_secs_f64() * 1000.0;
         tracing::info!(
             request = %self.id,
@@ -455,7 +457,11 @@ pub(crate) async fn generate(
         t.stream = req.stream;
         let served = gw.backend.model();
         if req.model != served.id {
-            return t.reject(ApiError::model_not_found(&req.model));
+            let model = crate::server::clip(&req.model, crate::server::MAX_ECHO_BYTES);
+            return t.reject(ApiError::model_not_found(&model));
+        }
+        if let Err(e) = crate::server::check_stop_bytes(&req.stop) {
+            return t.reject(e);
         }
         let prepared = match prepare_off_thread(&gw, &req, body.len()).await {
             Ok(p) => p,

@@ -1,9 +1,18 @@
-//! The axum application: OpenAI endpoints under `/v1` (behind the API key when one is set),
-//! `/health`, `/metrics`, and the dashboard (see [`crate::dashboard`]).
+//! The axum application: OpenAI endpoints under `/v1`, `/health`, `/metrics`, and the
+//! dashboard (see [`crate::dashboard`]). When an API key is set, everything but `/health`
+//! requires it (`Authorization: Bearer KEY`, or HTTP Basic with the key as password so a
+//! browser can open the dashboard): metrics, status and the dashboard show node addresses and
+//! recent requests.
+//!
+//! Hostile clients are bounded here: a request's headers must arrive within
+//! [`HEADER_READ_TIMEOUT`] (slowloris), at most [`MAX_CONNECTIONS`] are served at once, stop
+//! strings are limited to [`MAX_STOP_BYTES`], and client text echoed into an error or the
+//! recent-requests list is cut to [`MAX_ECHO_BYTES`].
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -105,9 +114,44 @@ impl Gateway {
     }
 }
 
+/// Longest a client may take to send a request's headers.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections served at once; more wait in the listen backlog.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Most bytes of stop strings one request may give (their matching runs on every token).
+pub const MAX_STOP_BYTES: usize = 1024;
+/// Most bytes of client text repeated in an error or a recent-request record.
+pub const MAX_ECHO_BYTES: usize = 256;
+
+/// `s` cut to at most `max` bytes at a character boundary, marked when cut.
+pub fn clip(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if s.len() <= max {
+        return s.into();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &s[..end], s.len()).into()
+}
+
+/// Refuses stop sequences beyond [`MAX_STOP_BYTES`] in all.
+pub(crate) fn check_stop_bytes(stop: &[String]) -> Result<(), ApiError> {
+    let n: usize = stop.iter().map(String::len).sum();
+    if n > MAX_STOP_BYTES {
+        return Err(ApiError::invalid(
+            format!(
+                "Invalid 'stop': {n} bytes of stop sequences; at most {MAX_STOP_BYTES} are allowed."
+            ),
+            Some("stop"),
+        ));
+    }
+    Ok(())
+}
+
 /// The whole application.
 pub fn router(gateway: Arc<Gateway>) -> Router {
-    let api = Router::new()
+    let guarded = Router::new()
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/v1/chat/completions", post(chat_completions))
@@ -120,15 +164,15 @@ pub fn router(gateway: Arc<Gateway>) -> Router {
             "/v1/messages/count_tokens",
             post(crate::anthropic::count_tokens),
         )
+        .route("/metrics", get(metrics))
+        .merge(crate::dashboard::routes())
         .route_layer(middleware::from_fn_with_state(
             gateway.clone(),
             require_api_key,
         ));
     Router::new()
-        .merge(api)
+        .merge(guarded)
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .merge(crate::dashboard::routes())
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(gateway.config.max_body_bytes))
         .with_state(gateway)
@@ -136,22 +180,67 @@ pub fn router(gateway: Arc<Gateway>) -> Router {
 
 /// Serves the gateway on `listener` until `shutdown` completes, then stops accepting, ends
 /// the dashboard's live streams and waits for requests in flight to finish.
+///
+/// Each connection is served by hyper with a [`HEADER_READ_TIMEOUT`]; at most
+/// [`MAX_CONNECTIONS`] at once.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     gateway: Arc<Gateway>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = router(gateway.clone());
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            gateway.shutdown.send_replace(true);
-        })
-        .await
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut conns = tokio::task::JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            () = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                // Out of descriptors and the like: wait instead of spinning.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut stop = stop_rx.clone();
+        conns.spawn(async move {
+            let _permit = permit;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = async { let _ = stop.wait_for(|v| *v).await; } => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+        });
+        while conns.try_join_next().is_some() {}
+    }
+    drop(listener);
+    gateway.shutdown.send_replace(true);
+    let _ = stop_tx.send(true);
+    while conns.join_next().await.is_some() {}
+    Ok(())
 }
 
 impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+    fn into_response(mut self) -> Response {
+        // Messages may quote what the client sent (a model name, a serde error's value).
+        if self.message.len() > MAX_ECHO_BYTES {
+            self.message = clip(&self.message, MAX_ECHO_BYTES).into_owned();
+        }
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_REQUEST);
         let mut r = (status, Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
@@ -171,26 +260,73 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The key a request presents: `Bearer KEY`, or HTTP Basic with the key as password (what a
+/// browser sends for the dashboard after its login prompt).
+fn presented_key(req: &Request) -> Option<Vec<u8>> {
+    // OpenAI clients send `Authorization: Bearer KEY`, Anthropic's send `x-api-key: KEY`.
+    if let Some(k) = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()) {
+        return Some(k.trim().as_bytes().to_vec());
+    }
+    let v = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    if let Some(k) = v.strip_prefix("Bearer ") {
+        return Some(k.trim().as_bytes().to_vec());
+    }
+    let decoded = base64_decode(v.strip_prefix("Basic ")?.trim())?;
+    let colon = decoded.iter().position(|&b| b == b':')?;
+    Some(decoded[colon + 1..].to_vec())
+}
+
+/// Standard base64 (with or without padding); `None` if malformed.
+fn base64_decode(s: &str) -> Option<Vec<u8>> {
+    let val = |c: u8| -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    };
+    let s = s.trim_end_matches('=').as_bytes();
+    let mut out = Vec::with_capacity(s.len() * 3 / 4);
+    for chunk in s.chunks(4) {
+        let mut n = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            n |= val(c)? << (18 - 6 * i);
+        }
+        let bytes = n.to_be_bytes();
+        match chunk.len() {
+            4 => out.extend_from_slice(&bytes[1..4]),
+            3 => out.extend_from_slice(&bytes[1..3]),
+            2 => out.push(bytes[1]),
+            _ => return None,
+        }
+    }
+    Some(out)
+}
+
 async fn require_api_key(State(gw): State<Arc<Gateway>>, req: Request, next: Next) -> Response {
     let Some(key) = gw.config.api_key.as_deref() else {
         return next.run(req).await;
     };
-    // OpenAI clients send `Authorization: Bearer KEY`, Anthropic's send `x-api-key: KEY`.
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()))
-        .map(str::trim);
-    match given {
-        Some(g) if same_secret(g.as_bytes(), key.as_bytes()) => next.run(req).await,
+    let api = req.uri().path().starts_with("/v1/");
+    let mut refused = match presented_key(&req) {
+        Some(g) if same_secret(&g, key.as_bytes()) => return next.run(req).await,
         Some(_) => ApiError::unauthorized("Incorrect API key provided.").into_response(),
         None => ApiError::unauthorized(
             "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
         )
         .into_response(),
+    };
+    if !api {
+        // A browser asks for the key (as the password) and sends it from then on.
+        refused.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Basic realm=\"tessera\", charset=\"UTF-8\""),
+        );
     }
+    refused
 }
 
 fn model_json(gw: &Gateway) -> serde_json::Value {
@@ -215,7 +351,7 @@ async fn get_model(
     if model == gw.backend.model().id {
         Json(model_json(&gw)).into_response()
     } else {
-        ApiError::model_not_found(&model).into_response()
+        ApiError::model_not_found(&clip(&model, MAX_ECHO_BYTES)).into_response()
     }
 }
 

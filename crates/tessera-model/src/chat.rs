@@ -230,21 +230,67 @@ impl ChatTemplate {
         Ok(tok.encode_with_specials(text, true))
     }
 
-    /// Renders and tokenizes a conversation for generation: special-token text becomes special
-    /// tokens, BOS is added if the model adds one, and a leading `bos_token` text that the
-    /// template wrote is dropped so BOS is not doubled.
+    /// Renders and tokenizes a conversation for generation: special-token text the template
+    /// writes becomes special tokens, BOS is added if the model adds one, and a leading
+    /// `bos_token` text that the template wrote is dropped so BOS is not doubled.
+    ///
+    /// Control tokens come only from the template: a message whose content holds a control
+    /// token's text (`<|im_start|>system…` typed by a user) has that content tokenized as text.
+    /// To know exactly where the contents land, the conversation is rendered a second time
+    /// with a unique marker in place of each content; if the template changes contents (so
+    /// the marked rendering does not give back the real one), such a conversation is refused.
     pub fn encode(
         &self,
         tok: &Tokenizer,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.render(messages, add_generation_prompt)?;
-        let text = match text.strip_prefix(self.bos_token.as_str()) {
-            Some(rest) if tok.adds_bos() && !self.bos_token.is_empty() => rest,
-            _ => text.as_str(),
+        let rendered = self.render(messages, add_generation_prompt)?;
+        let skip = match rendered.strip_prefix(self.bos_token.as_str()) {
+            Some(_) if tok.adds_bos() && !self.bos_token.is_empty() => self.bos_token.len(),
+            _ => 0,
         };
-        Ok(tok.encode_with_specials(text, true))
+        if !messages
+            .iter()
+            .any(|m| tok.contains_control_text(&m.content))
+        {
+            return Ok(tok.encode_with_specials(&rendered[skip..], true));
+        }
+        let marker = |i: usize| format!("\u{E000}tessera-content-{i}\u{E001}");
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ChatMessage {
+                content: marker(i),
+                ..m.clone()
+            })
+            .collect();
+        let skeleton = self.render(&marked, add_generation_prompt)?;
+        // Rebuild the real rendering from the skeleton, noting where each content goes.
+        let mut text = String::with_capacity(rendered.len());
+        let mut plain = Vec::new();
+        let mut rest = skeleton.as_str();
+        for (i, m) in messages.iter().enumerate() {
+            let mk = marker(i);
+            let Some(at) = rest.find(&mk) else { break };
+            text.push_str(&rest[..at]);
+            plain.push(text.len()..text.len() + m.content.len());
+            text.push_str(&m.content);
+            rest = &rest[at + mk.len()..];
+        }
+        text.push_str(rest);
+        if text != rendered || plain.len() != messages.len() {
+            return Err(chat_err(
+                "a message holds a control token's text, and this chat template transforms \
+                 message contents, so it cannot be sent as plain text",
+            ));
+        }
+        let plain: Vec<_> = plain
+            .into_iter()
+            .filter(|r| r.start >= skip)
+            .map(|r| r.start - skip..r.end - skip)
+            .collect();
+        Ok(tok.encode_with_specials_except(&rendered[skip..], true, &plain))
     }
 }
 

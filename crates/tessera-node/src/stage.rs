@@ -67,6 +67,17 @@ pub enum StageError {
     WrongStage(&'static str),
     #[error("sequence {seq}: grammar: {reason}")]
     Grammar { seq: u64, reason: String },
+    /// A peer sent NaN or infinite values: computing on them would sample garbage (token 0)
+    /// into a user's answer, so the step fails and names the sender.
+    #[error(
+        "the hidden state from {from} holds {count} non-finite values (NaN or infinity) of \
+         {len}: refusing to compute on it"
+    )]
+    NonFinite {
+        from: String,
+        count: usize,
+        len: usize,
+    },
     #[error(transparent)]
     Engine(#[from] tessera_engine::EngineError),
 }
@@ -458,6 +469,17 @@ impl Stage {
             return Err(StageError::WrongStage(
                 "take hidden states (it is the first stage)",
             ));
+        }
+        let count = data.iter().filter(|x| !x.is_finite()).count();
+        if count > 0 {
+            return Err(StageError::NonFinite {
+                from: self.assignment.prev.as_ref().map_or_else(
+                    || "the previous stage".to_string(),
+                    |p| format!("the previous stage (node {})", p.node_id),
+                ),
+                count,
+                len: data.len(),
+            });
         }
         let n_embd = self.model.config().n_embd;
         let hidden = Hidden {
@@ -1030,5 +1052,51 @@ mod tests {
             ),
             Err(StageError::UnknownSeq(3))
         ));
+    }
+
+    #[test]
+    fn a_hidden_state_with_nan_or_infinity_fails_the_step_and_names_the_sender() {
+        let g = GgufFile::open(model_path("stories260K.gguf")).unwrap();
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        let a = assignment(1, 2, 2..cfg.n_layer, cfg.n_layer);
+        let m = Model::load(
+            &g,
+            LoadSpec::stage(&cfg, a.layers.clone()),
+            1,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let mut st = Stage::new(a, m, None);
+        st.open(OpenSeq {
+            seq: 7,
+            epoch: 1,
+            prompt: vec![1, 2],
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 4,
+            eog: vec![],
+            prefill_chunk: 64,
+            trace: false,
+        })
+        .unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut data = vec![0.5f32; 2 * cfg.n_embd];
+            data[3] = bad;
+            let header = StepHeader {
+                n_embd: cfg.n_embd as u32,
+                entries: vec![crate::protocol::StepEntry {
+                    seq: 7,
+                    start_pos: 0,
+                    n_tokens: 2,
+                    flags: 0,
+                }],
+            };
+            let mut out = Vec::new();
+            let e = st
+                .handle_hidden(header, data, &mut |o| out.push(o))
+                .unwrap_err();
+            assert!(matches!(e, StageError::NonFinite { count: 1, .. }), "{e}");
+            assert!(e.to_string().contains("the previous stage"), "{e}");
+            assert!(out.is_empty(), "nothing was computed or sampled");
+        }
     }
 }

@@ -321,15 +321,30 @@ fn health_and_metrics_describe_the_served_plan() {
 }
 
 #[test]
-fn the_api_key_guards_v1_but_not_the_dashboard() {
+fn the_api_key_guards_everything_but_health() {
     let server = Server::start(&["--api-key", "s3cret"]);
     assert_eq!(get(&server.addr, "/v1/models", None).status, 401);
     let r = get(&server.addr, "/v1/models", Some("wrong"));
     assert_eq!(r.status, 401);
     assert_eq!(r.json()["error"]["code"], "invalid_api_key");
     assert_eq!(get(&server.addr, "/v1/models", Some("s3cret")).status, 200);
-    assert_eq!(get(&server.addr, "/", None).status, 200);
-    assert_eq!(get(&server.addr, "/api/status", None).status, 200);
+    // Metrics, status and the dashboard show node addresses and recent requests: keyed too.
+    for path in ["/", "/api/status", "/metrics"] {
+        let r = get(&server.addr, path, None);
+        assert_eq!(r.status, 401, "{path}");
+        // A browser is asked for the key (as the password of a login prompt).
+        assert!(
+            r.header("www-authenticate")
+                .is_some_and(|h| h.starts_with("Basic")),
+            "{path}"
+        );
+        assert_eq!(
+            get(&server.addr, path, Some("s3cret")).status,
+            200,
+            "{path}"
+        );
+    }
+    assert_eq!(get(&server.addr, "/health", None).status, 200);
 }
 
 #[test]

@@ -160,6 +160,8 @@ impl TokenizerParts {
 #[derive(Clone, Copy, Debug)]
 enum Fragment {
     Text(usize, usize),
+    /// Text never searched for control tokens (a chat message's content).
+    Plain(usize, usize),
     Token(u32),
 }
 
@@ -494,8 +496,36 @@ impl Tokenizer {
         self.encode_impl(text, add_special, true)
     }
 
+    /// [`Tokenizer::encode_with_specials`], except that the byte ranges `plain` (sorted, not
+    /// overlapping, on character boundaries) are tokenized as plain text: control-token strings
+    /// in them stay text. A chat template's own markup gives control tokens; what a user wrote
+    /// inside it never does.
+    pub fn encode_with_specials_except(
+        &self,
+        text: &str,
+        add_special: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Vec<u32> {
+        self.encode_fragments(text, add_special, self.partition(text, true, plain))
+    }
+
+    /// Whether `text` holds the text of a control (non-user-defined special) token.
+    pub fn contains_control_text(&self, text: &str) -> bool {
+        self.specials
+            .iter()
+            .any(|(s, _, user_defined)| !*user_defined && text.contains(s.as_str()))
+    }
+
     fn encode_impl(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
-        let fragments = self.partition(text, parse_special);
+        self.encode_fragments(text, add_special, self.partition(text, parse_special, &[]))
+    }
+
+    fn encode_fragments(
+        &self,
+        text: &str,
+        add_special: bool,
+        fragments: Vec<Fragment>,
+    ) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
             out.extend(self.bos_id);
@@ -509,7 +539,7 @@ impl Tokenizer {
                             out.push(id);
                             prev_special = true;
                         }
-                        Fragment::Text(a, b) => {
+                        Fragment::Text(a, b) | Fragment::Plain(a, b) => {
                             let mut s = String::with_capacity(b - a + 3);
                             if self.add_space_prefix && prev_special {
                                 s.push(' ');
@@ -526,7 +556,9 @@ impl Tokenizer {
                 for f in fragments {
                     match f {
                         Fragment::Token(id) => out.push(id),
-                        Fragment::Text(a, b) => self.bpe_text(&text[a..b], &mut out),
+                        Fragment::Text(a, b) | Fragment::Plain(a, b) => {
+                            self.bpe_text(&text[a..b], &mut out)
+                        }
                     }
                 }
             }
@@ -556,12 +588,34 @@ impl Tokenizer {
 
     /// llama.cpp's special-token partition: for each special token, longest first, cut every
     /// remaining text fragment at its occurrences.
-    fn partition(&self, text: &str, parse_special: bool) -> Vec<Fragment> {
+    /// `plain` ranges are cut at user-defined tokens only (as text is when `parse_special` is
+    /// false).
+    fn partition(
+        &self,
+        text: &str,
+        parse_special: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Vec<Fragment> {
         let mut frags = Vec::new();
         if text.is_empty() {
             return frags;
         }
-        frags.push(Fragment::Text(0, text.len()));
+        let mut at = 0;
+        for r in plain {
+            if r.start < at || r.end > text.len() {
+                continue;
+            }
+            if r.start > at {
+                frags.push(Fragment::Text(at, r.start));
+            }
+            if r.end > r.start {
+                frags.push(Fragment::Plain(r.start, r.end));
+            }
+            at = r.end;
+        }
+        if at < text.len() {
+            frags.push(Fragment::Text(at, text.len()));
+        }
         for (stext, id, user_defined) in &self.specials {
             if !parse_special && !*user_defined {
                 continue;
@@ -571,19 +625,30 @@ impl Tokenizer {
             }
             let mut next = Vec::with_capacity(frags.len() + 2);
             for f in frags {
-                let Fragment::Text(mut a, b) = f else {
-                    next.push(f);
-                    continue;
+                let (mut a, b, plain) = match f {
+                    Fragment::Text(a, b) => (a, b, false),
+                    Fragment::Plain(a, b) if *user_defined => (a, b, true),
+                    _ => {
+                        next.push(f);
+                        continue;
+                    }
+                };
+                let piece = |a, b| {
+                    if plain {
+                        Fragment::Plain(a, b)
+                    } else {
+                        Fragment::Text(a, b)
+                    }
                 };
                 while let Some(pos) = text[a..b].find(stext.as_str()) {
                     if pos > 0 {
-                        next.push(Fragment::Text(a, a + pos));
+                        next.push(piece(a, a + pos));
                     }
                     next.push(Fragment::Token(*id));
                     a += pos + stext.len();
                 }
                 if a < b {
-                    next.push(Fragment::Text(a, b));
+                    next.push(piece(a, b));
                 }
             }
             frags = next;
