@@ -120,6 +120,26 @@ pub const MAX_CLIENT_RUNS: usize = 32;
 /// Most runs one client key may have in flight, so one client cannot take every place.
 pub const MAX_RUNS_PER_CLIENT: usize = 8;
 
+/// Most enrolments (unknown keys proving a token) in progress at once; more are refused.
+pub const MAX_ENROLLING: usize = 32;
+
+/// A log line from a peer's input: one line (control characters escaped), at most 300 bytes.
+pub(crate) fn clip_line(s: &str) -> String {
+    let mut out = String::with_capacity(s.len().min(304));
+    for c in s.chars() {
+        if out.len() >= 300 {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A client run's place ([`Gate::admit_run`]); given back when dropped.
 #[derive(Debug)]
 pub struct RunPermit {
@@ -209,6 +229,9 @@ pub struct Gate {
     log: Mutex<LogBudget>,
     client_runs: Arc<tokio::sync::Semaphore>,
     per_client: Arc<Mutex<HashMap<NodeId, usize>>>,
+    enrolling: Arc<tokio::sync::Semaphore>,
+    net_refused: AtomicU64,
+    net_log: Mutex<LogBudget>,
     conns: Mutex<HashMap<NodeId, tessera_net::Connection>>,
 }
 
@@ -225,6 +248,9 @@ impl Gate {
             log: Mutex::default(),
             client_runs: Arc::new(tokio::sync::Semaphore::new(MAX_CLIENT_RUNS)),
             per_client: Arc::default(),
+            enrolling: Arc::new(tokio::sync::Semaphore::new(MAX_ENROLLING)),
+            net_refused: AtomicU64::new(0),
+            net_log: Mutex::default(),
             conns: Mutex::default(),
         }
     }
@@ -256,6 +282,42 @@ impl Gate {
             self.refuse(sender.node, &Refusal::TooManyRuns);
         }
         permit
+    }
+
+    /// A place for one enrolment in progress (unknown keys proving a token), or `None` when
+    /// [`MAX_ENROLLING`] are.
+    pub fn enrolment_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.enrolling.clone().try_acquire_owned().ok()
+    }
+
+    /// Connections and enrolments refused so far.
+    pub fn refused_connections(&self) -> u64 {
+        self.net_refused.load(Ordering::Relaxed)
+    }
+
+    /// Counts a refused connection or enrolment and logs `line` within the log budget (a
+    /// flood of failed handshakes costs a counter, not a log line each).
+    pub fn log_net(&self, line: impl FnOnce() -> String) {
+        let n = self.net_refused.fetch_add(1, Ordering::Relaxed) + 1;
+        let admitted = self
+            .net_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .admit(Instant::now());
+        if let Some(skipped) = admitted {
+            let line = line();
+            tracing::warn!(
+                event = "refused_connection",
+                refused = n,
+                "{} [{n} refused connections in all{}]",
+                clip_line(&line),
+                if skipped > 0 {
+                    format!(", {skipped} not logged")
+                } else {
+                    String::new()
+                }
+            );
+        }
     }
 
     /// Remembers `conn` as its key's live connection.
@@ -488,6 +550,8 @@ mod tests {
         drop(held);
         assert!(gate.admit_run(&greedy).is_some(), "places are given back");
         assert_eq!(gate.refused(), before + 92);
+        assert_eq!(clip_line("a\nb"), "a\\nb");
+        assert!(clip_line(&"x".repeat(1 << 20)).len() < 310);
         let mut b = LogBudget::default();
         let t0 = Instant::now();
         let written = (0..1000).filter(|_| b.admit(t0).is_some()).count();

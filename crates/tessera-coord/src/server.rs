@@ -397,19 +397,32 @@ impl Coordinator {
                     Ok(Accepted::Peer(c)) => c,
                     Ok(Accepted::Enrolment(req)) => {
                         let id = req.peer_id();
+                        // Bounded: unknown keys cannot hold more than a few enrolments open.
+                        let Some(_slot) = shared.authz.enrolment_slot() else {
+                            let why = "too many enrolments in progress; retry later";
+                            let _ = req.refuse(tessera_net::Refusal::Other(why.into()));
+                            shared
+                                .authz
+                                .log_net(|| format!("refused enrolment of {id}: {why}"));
+                            return;
+                        };
                         match shared.enrol.complete(req).await {
                             Ok(c) => {
                                 tracing::info!(event = "enrolled", node_id = %id, "enrolled node {id}");
                                 c
                             }
                             Err(e) => {
-                                tracing::warn!("refused enrolment of {id} from {from}: {e}");
+                                shared.authz.log_net(|| {
+                                    format!("refused enrolment of {id} from {from}: {e}")
+                                });
                                 return;
                             }
                         }
                     }
                     Err(e) => {
-                        tracing::warn!("refused a connection from {from}: {e}");
+                        shared
+                            .authz
+                            .log_net(|| format!("refused a connection from {from}: {e}"));
                         return;
                     }
                 };

@@ -32,6 +32,18 @@ const CLOSE_REFUSED: u32 = 1;
 const CLOSE_NORMAL: u32 = 0;
 /// QUIC stream error code for a stream reset after a framing error.
 const STREAM_BAD_FRAMING: u32 = 2;
+/// Bytes a peer may have in flight to us before it is admitted (the connection-level flow
+/// control window): an unknown key that never finishes enrolment cannot make us buffer more.
+/// Raised to [`MEMBER_RECEIVE_WINDOW`] once the peer is a member (or, dialing, once the
+/// server is authenticated).
+const UNADMITTED_RECEIVE_WINDOW: u32 = 256 << 10;
+/// The connection-level window of an admitted peer: no limit beyond the per-stream windows.
+const MEMBER_RECEIVE_WINDOW: quinn::VarInt = quinn::VarInt::MAX;
+/// Connection attempts queued before the application accepts them, and the bytes they may
+/// buffer (each, and all together).
+const MAX_INCOMING: usize = 256;
+const INCOMING_BUFFER: u64 = 64 << 10;
+const INCOMING_BUFFER_TOTAL: u64 = 4 << 20;
 
 /// Endpoint tuning.
 #[derive(Debug, Clone)]
@@ -121,6 +133,7 @@ impl Endpoint {
                     .map_err(|e| NetError::TlsSetup(format!("idle timeout: {e}")))?,
             ))
             .keep_alive_interval(Some(config.keep_alive))
+            .receive_window(UNADMITTED_RECEIVE_WINDOW.into())
             .max_concurrent_bidi_streams(config.max_concurrent_streams.into())
             .max_concurrent_uni_streams(0u32.into());
         let transport = Arc::new(transport);
@@ -129,7 +142,11 @@ impl Endpoint {
         let quic =
             QuicServerConfig::try_from(tls).map_err(|e| NetError::TlsSetup(e.to_string()))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(quic));
-        server.transport_config(transport.clone());
+        server
+            .transport_config(transport.clone())
+            .max_incoming(MAX_INCOMING)
+            .incoming_buffer_size(INCOMING_BUFFER)
+            .incoming_buffer_size_total(INCOMING_BUFFER_TOTAL);
         let inner = quinn::Endpoint::server(server, addr)
             .map_err(|e| NetError::io(format!("binding UDP {addr}"), e))?;
         Ok(Self {
@@ -209,20 +226,32 @@ impl Endpoint {
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+        // The server is the one we expected: no limit beyond the streams'.
+        conn.set_receive_window(MEMBER_RECEIVE_WINDOW);
         Connection::from_quinn(conn, self.config.max_frame_len, self.public)
     }
 
     /// Waits for the next inbound connection attempt; `None` once the endpoint is closed.
     ///
+    /// An attempt from an address not yet validated is answered with a stateless QUIC Retry
+    /// first (the client repeats it with the token, one round trip later): packets with a
+    /// spoofed source address never reach the application, cost no handshake and no state.
+    ///
     /// Run [`Incoming::handshake`] in its own task so a slow peer does not hold up others.
     pub async fn accept(&self) -> Option<Incoming> {
-        let inner = self.inner.accept().await?;
-        Some(Incoming {
-            inner,
-            local: self.public,
-            policy: self.policy.clone(),
-            config: self.config.clone(),
-        })
+        loop {
+            let inner = self.inner.accept().await?;
+            if !inner.remote_address_validated() && inner.may_retry() {
+                let _ = inner.retry();
+                continue;
+            }
+            return Some(Incoming {
+                inner,
+                local: self.public,
+                policy: self.policy.clone(),
+                config: self.config.clone(),
+            });
+        }
     }
 
     /// Closes every connection and stops accepting.
@@ -274,11 +303,20 @@ impl Incoming {
         // Ask again: the verifier's verdict cannot be carried out of rustls, and the policy may
         // have changed since; a refusal now closes the connection.
         match self.policy.allow(&conn.peer_key()) {
-            Ok(Admission::Member) => Ok(Accepted::Peer(conn)),
-            Ok(Admission::Enrolment) => Ok(Accepted::Enrolment(EnrolmentRequest::new(
-                conn,
-                self.config.handshake_timeout,
-            ))),
+            Ok(Admission::Member) => {
+                conn.admit(self.config.max_concurrent_streams);
+                Ok(Accepted::Peer(conn))
+            }
+            Ok(Admission::Enrolment) => {
+                // Until it has proved a token: one stream (the enrolment's), and the small
+                // window it already has.
+                conn.inner.set_max_concurrent_bi_streams(1u32.into());
+                Ok(Accepted::Enrolment(EnrolmentRequest::new(
+                    conn,
+                    self.config.handshake_timeout,
+                    self.config.max_concurrent_streams,
+                )))
+            }
             Err(refusal) => {
                 conn.inner
                     .close(CLOSE_REFUSED.into(), refusal.to_string().as_bytes());
@@ -309,6 +347,12 @@ pub struct Connection {
 }
 
 impl Connection {
+    /// Lifts the limits of an unadmitted peer: it is a member now.
+    pub(crate) fn admit(&self, max_streams: u32) {
+        self.inner.set_max_concurrent_bi_streams(max_streams.into());
+        self.inner.set_receive_window(MEMBER_RECEIVE_WINDOW);
+    }
+
     fn from_quinn(
         inner: quinn::Connection,
         max_frame_len: usize,

@@ -181,11 +181,17 @@ impl EnrolmentClaim {
 pub struct EnrolmentRequest {
     conn: Connection,
     timeout: Duration,
+    /// Streams the peer may open once enrolled.
+    max_streams: u32,
 }
 
 impl EnrolmentRequest {
-    pub(crate) fn new(conn: Connection, timeout: Duration) -> Self {
-        Self { conn, timeout }
+    pub(crate) fn new(conn: Connection, timeout: Duration, max_streams: u32) -> Self {
+        Self {
+            conn,
+            timeout,
+            max_streams,
+        }
     }
 
     /// The node's authenticated key.
@@ -263,6 +269,7 @@ impl EnrolmentRequest {
         }
         stream.writer.write_frame(KIND_ENROL_OK, b"").await?;
         stream.writer.finish().await?;
+        conn.admit(self.max_streams);
         Ok(conn)
     }
 

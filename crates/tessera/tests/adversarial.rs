@@ -315,20 +315,33 @@ fn a_client_cannot_cancel_others_runs_replan_the_cluster_or_flood_it() {
                     mut writer,
                     ..
                 } = s;
-                let answers = tokio::spawn(async move {
-                    let mut errors: Vec<String> = Vec::new();
-                    let mut done = 0usize;
-                    let mut admin = Vec::new();
-                    while let Ok(m) = reader.read_message::<CoordToClient>(frame::MSG).await {
-                        match m {
-                            CoordToClient::Error { message } => errors.push(message),
-                            CoordToClient::Done(_) => done += 1,
-                            CoordToClient::Admin(r) => admin.push(r),
-                            _ => {}
+                // Runs answered so far (done, or refused as too many).
+                let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                let answers = {
+                    let answered = answered.clone();
+                    tokio::spawn(async move {
+                        let mut errors: Vec<String> = Vec::new();
+                        let mut done = 0usize;
+                        let mut admin = Vec::new();
+                        while let Ok(m) = reader.read_message::<CoordToClient>(frame::MSG).await {
+                            match m {
+                                CoordToClient::Error { message } => {
+                                    if message.contains("too many runs") {
+                                        answered.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                    errors.push(message)
+                                }
+                                CoordToClient::Done(_) => {
+                                    answered.fetch_add(1, Ordering::Relaxed);
+                                    done += 1
+                                }
+                                CoordToClient::Admin(r) => admin.push(r),
+                                _ => {}
+                            }
                         }
-                    }
-                    (errors, done, admin)
-                });
+                        (errors, done, admin)
+                    })
+                };
                 let w = &mut writer;
                 w.write_message(frame::MSG, &run_request(Some("0..5"), 4))
                     .await
@@ -352,6 +365,11 @@ fn a_client_cannot_cancel_others_runs_replan_the_cluster_or_flood_it() {
                             .unwrap();
                         cancels += 1;
                     }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                // Every run is answered before the session ends (ending it cancels the rest).
+                let deadline = Instant::now() + Duration::from_secs(120);
+                while answered.load(Ordering::Relaxed) < 300 && Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 let _ = w.finish().await;
