@@ -169,6 +169,12 @@ fn a_node_given_only_the_token_finds_the_coordinator_by_mdns_across_the_switch()
             break j.to_string();
         }
     };
+    // Clients name stages: the operator's credential (printed on the next line).
+    let operator = lines
+        .recv_timeout(Duration::from_secs(60))
+        .ok()
+        .and_then(|l| l.strip_prefix("operator token: ").map(str::to_string))
+        .expect("the coordinator printed no operator token");
     let token = join.split('@').next().unwrap().to_string();
     assert!(
         join.ends_with(&listen),
@@ -204,7 +210,7 @@ fn a_node_given_only_the_token_finds_the_coordinator_by_mdns_across_the_switch()
         cmd.args([
             "run",
             "--coordinator",
-            &join,
+            &operator,
             "--split",
             &format!("0..{n_layer}"),
         ])
@@ -384,6 +390,7 @@ fn failover_in_the_lab_a_killed_node_and_a_partitioned_host_leave_the_text_uncha
     .arg(d.join("coord"));
     let mut coordinator = Lines::spawn("coordinator", cmd);
     let join = coordinator.wait_for("join token: ");
+    let operator = coordinator.wait_for("operator token: ");
     let mut nodes = Vec::new();
     for (i, name) in names.iter().enumerate().skip(1) {
         let mut cmd = lab.command(i, common::bin()).unwrap();
@@ -417,7 +424,7 @@ fn failover_in_the_lab_a_killed_node_and_a_partitioned_host_leave_the_text_uncha
     };
     let client = |name: &str| {
         let mut cmd = lab.command(0, common::bin()).unwrap();
-        cmd.args(["run", "--coordinator", &join, "--json"])
+        cmd.args(["run", "--coordinator", &operator, "--json"])
             .args(flags)
             .arg("--data-dir")
             .arg(d.join(name));
