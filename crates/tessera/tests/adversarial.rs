@@ -326,7 +326,12 @@ fn a_client_cannot_cancel_others_runs_replan_the_cluster_or_flood_it() {
                         while let Ok(m) = reader.read_message::<CoordToClient>(frame::MSG).await {
                             match m {
                                 CoordToClient::Error { message } => {
-                                    if message.contains("too many runs") {
+                                    // Refusals of a cancel, a placement or an admin request
+                                    // answer those; anything else answers a run (refused as
+                                    // too many, or one of its own runs its cancels hit).
+                                    let other =
+                                        ["only the client", "naming stages", "administering"];
+                                    if !other.iter().any(|o| message.contains(o)) {
                                         answered.fetch_add(1, Ordering::Relaxed);
                                     }
                                     errors.push(message)
@@ -399,9 +404,17 @@ fn a_client_cannot_cancel_others_runs_replan_the_cluster_or_flood_it() {
     assert_eq!(count("administering credentials needs an operator"), 1);
     assert!(count("only the client that started run") > 0);
     let too_many = count("too many runs in flight");
-    assert!(done <= 300 - too_many);
+    let other = ["only the client", "naming stages", "administering"];
+    let runs_failed = errors
+        .iter()
+        .filter(|e| !other.iter().any(|o| e.contains(o)))
+        .count();
     assert!(too_many > 0, "300 runs were all admitted");
-    assert_eq!(done + too_many, 300, "every run is answered");
+    assert!(
+        too_many >= 150,
+        "only {too_many} refused: one client got more than its share"
+    );
+    assert_eq!(done + runs_failed, 300, "every run is answered");
     println!(
         "attack table: client: {cancels} cancels of others' runs, 1 run naming stages, 1 admin \
          request, 300 runs ({done} admitted, {too_many} refused as too many)"
