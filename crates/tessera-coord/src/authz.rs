@@ -346,7 +346,11 @@ impl Gate {
     }
 
     /// Checks a message on a node's control session; counts and logs a refusal.
-    pub(crate) fn check_node(&self, sender: &SenderFacts, msg: &NodeToCoord) -> Result<(), Refusal> {
+    pub(crate) fn check_node(
+        &self,
+        sender: &SenderFacts,
+        msg: &NodeToCoord,
+    ) -> Result<(), Refusal> {
         authorize_node(sender, msg).inspect_err(|e| self.refuse(sender.node, e))
     }
 
