@@ -315,13 +315,64 @@ pub fn sample_processed(logits: &[f32], params: &SamplingParams, position: u64) 
 
 /// Watches streamed text for stop strings: says how much is safe to emit now, holding back any
 /// tail that could be the start of a stop string.
+///
+/// Each stop string keeps a Knuth–Morris–Pratt state (how much of it the text's tail already
+/// matches), so a pushed byte costs O(1) amortized per stop string: a token costs O(its bytes
+/// × stop strings), never a rescan of the pending text against every prefix. Clients choose
+/// the stop strings; their cost must not depend on how hostile they are.
 #[derive(Clone, Debug, Default)]
 pub struct StopMatcher {
-    stops: Vec<String>,
+    stops: Vec<StopString>,
     pending: String,
     stopped: bool,
     /// Which of `stops` ended the text (Anthropic's `stop_sequence` names it).
     matched: Option<usize>,
+}
+
+/// One stop string with its failure function and how much of it the text's tail matches.
+#[derive(Clone, Debug)]
+struct StopString {
+    text: String,
+    /// `fail[i]`: the longest proper prefix of `text[..=i]` that is also its suffix.
+    fail: Vec<usize>,
+    matched: usize,
+}
+
+impl StopString {
+    fn new(text: String) -> Self {
+        let bytes = text.as_bytes();
+        let mut fail = vec![0; bytes.len()];
+        let mut k = 0;
+        for i in 1..bytes.len() {
+            while k > 0 && bytes[i] != bytes[k] {
+                k = fail[k - 1];
+            }
+            if bytes[i] == bytes[k] {
+                k += 1;
+            }
+            fail[i] = k;
+        }
+        Self {
+            text,
+            fail,
+            matched: 0,
+        }
+    }
+
+    /// Advances over `b`; true when the whole string has just been matched.
+    fn step(&mut self, b: u8) -> bool {
+        let bytes = self.text.as_bytes();
+        if self.matched == bytes.len() {
+            self.matched = self.fail[self.matched - 1];
+        }
+        while self.matched > 0 && bytes[self.matched] != b {
+            self.matched = self.fail[self.matched - 1];
+        }
+        if bytes[self.matched] == b {
+            self.matched += 1;
+        }
+        self.matched == bytes.len()
+    }
 }
 
 /// What [`StopMatcher::push`] allows.
@@ -340,12 +391,14 @@ impl StopMatcher {
                 .into_iter()
                 .map(Into::into)
                 .filter(|s: &String| !s.is_empty())
+                .map(StopString::new)
                 .collect(),
             ..Self::default()
         }
     }
 
-    /// Feeds more generated text.
+    /// Feeds more generated text. The first stop string to be completed ends the text, just
+    /// before where it starts.
     pub fn push(&mut self, text: &str) -> StopStep {
         if self.stopped {
             return StopStep {
@@ -353,33 +406,31 @@ impl StopMatcher {
                 stopped: true,
             };
         }
+        let base = self.pending.len();
         self.pending.push_str(text);
-        // The earliest complete stop string wins (the first listed, at the same place).
-        let hit = self
-            .stops
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| self.pending.find(s.as_str()).map(|at| (at, i)))
-            .min();
-        if let Some((at, i)) = hit {
-            self.stopped = true;
-            self.matched = Some(i);
-            let emit = self.pending[..at].to_string();
-            self.pending.clear();
-            return StopStep {
-                emit,
-                stopped: true,
-            };
-        }
-        // Hold back the longest suffix that is a proper prefix of some stop string.
-        let mut hold = 0;
-        for s in &self.stops {
-            for (i, _) in s.char_indices().skip(1) {
-                if i > hold && self.pending.ends_with(&s[..i]) {
-                    hold = i;
+        for (i, &b) in text.as_bytes().iter().enumerate() {
+            let end = base + i + 1;
+            // Every state advances; of the strings that end here, the longest starts earliest
+            // (and the first listed among equals).
+            let mut hit: Option<(usize, usize)> = None;
+            for (k, s) in self.stops.iter_mut().enumerate() {
+                if s.step(b) && hit.is_none_or(|(_, len)| s.text.len() > len) {
+                    hit = Some((k, s.text.len()));
                 }
             }
+            if let Some((k, len)) = hit {
+                self.stopped = true;
+                self.matched = Some(k);
+                let emit = self.pending[..end - len].to_string();
+                self.pending.clear();
+                return StopStep {
+                    emit,
+                    stopped: true,
+                };
+            }
         }
+        // Hold back the longest tail that is a proper prefix of some stop string.
+        let hold = self.stops.iter().map(|s| s.matched).max().unwrap_or(0);
         let cut = self.pending.len() - hold;
         let emit = self.pending[..cut].to_string();
         self.pending.drain(..cut);
@@ -396,7 +447,7 @@ impl StopMatcher {
 
     /// The stop string that ended the text, once one did.
     pub fn matched(&self) -> Option<&str> {
-        self.matched.map(|i| self.stops[i].as_str())
+        self.matched.map(|i| self.stops[i].text.as_str())
     }
 }
 
@@ -647,5 +698,59 @@ mod tests {
         let mut m = StopMatcher::new(["cd", "b"]);
         assert!(m.push("abcd").stopped);
         assert_eq!(m.matched(), Some("b"));
+        // Overlapping starts: "aab" after "aaa" (the failure function, not a restart).
+        let mut m = StopMatcher::new(["aab"]);
+        assert_eq!(m.push("xaaa").emit, "xa");
+        let s = m.push("b!");
+        assert_eq!((s.emit.as_str(), s.stopped), ("", true));
+        // Several strings: the first to complete ends the text.
+        let mut m = StopMatcher::new(["abcd", "bc"]);
+        let s = m.push("zabcd");
+        assert_eq!((s.emit.as_str(), s.stopped), ("za", true));
+    }
+
+    /// The matcher against the obvious quadratic definition on many random streams.
+    #[test]
+    fn stop_matcher_agrees_with_a_rescan_of_the_whole_text() {
+        let mut seed = 7u64;
+        let mut next = move |n: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        let alphabet = ['a', 'b', 'é'];
+        for _ in 0..2000 {
+            let mut word =
+                |len: u64| -> String { (0..len).map(|_| alphabet[next(3) as usize]).collect() };
+            let n_stops = 1 + word(1).len() % 3;
+            let stops: Vec<String> = (0..n_stops)
+                .map(|i| word(1 + (i as u64 * 7 + 3) % 4))
+                .collect();
+            let pieces: Vec<String> = (0..5u64).map(|i| word(i % 4)).collect();
+            let mut m = StopMatcher::new(stops.iter().cloned());
+            let mut out = String::new();
+            let mut stopped = false;
+            for p in &pieces {
+                let s = m.push(p);
+                out.push_str(&s.emit);
+                if s.stopped {
+                    stopped = true;
+                    break;
+                }
+            }
+            if !stopped {
+                out.push_str(&m.finish());
+            }
+            // Reference: the earliest end of any stop string in the whole text.
+            let all: String = pieces.concat();
+            let first_end = stops
+                .iter()
+                .filter_map(|s| all.find(s.as_str()).map(|at| (at + s.len(), at)))
+                .min_by_key(|&(end, at)| (end, std::cmp::Reverse(end - at)));
+            let want = first_end.map_or(all.as_str(), |(_, at)| &all[..at]);
+            assert_eq!(out, want, "stops {stops:?} pieces {pieces:?}");
+            assert_eq!(stopped, first_end.is_some());
+        }
     }
 }

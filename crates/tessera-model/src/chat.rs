@@ -214,7 +214,9 @@ impl ChatTemplate {
             .map_err(|e| chat_err(format!("render failed: {e:#}")))
     }
 
-    /// [`ChatTemplate::encode`] for [`ChatTemplate::render_json`]'s inputs.
+    /// [`ChatTemplate::encode`] for [`ChatTemplate::render_json`]'s inputs. Every string in
+    /// the messages and the tools (contents, tool-call arguments, tool results, descriptions)
+    /// is client text: control-token text in any of them is tokenized as text.
     pub fn encode_json(
         &self,
         tok: &Tokenizer,
@@ -222,12 +224,27 @@ impl ChatTemplate {
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.render_json(messages, tools, add_generation_prompt)?;
-        let text = match text.strip_prefix(self.bos_token.as_str()) {
-            Some(rest) if tok.adds_bos() && !self.bos_token.is_empty() => rest,
-            _ => text.as_str(),
-        };
-        Ok(tok.encode_with_specials(text, true))
+        let rendered = self.render_json(messages, tools, add_generation_prompt)?;
+        let mut texts = Vec::new();
+        let marked_messages: Vec<_> = messages
+            .iter()
+            .map(|m| mark_control_text(m, tok, &mut texts))
+            .collect();
+        let marked_tools: Option<Vec<_>> = tools.map(|t| {
+            t.iter()
+                .map(|v| mark_control_text(v, tok, &mut texts))
+                .collect()
+        });
+        if texts.is_empty() {
+            return Ok(self.tokenize_rendered(tok, &rendered, &[]));
+        }
+        let skeleton = self.render_json(
+            &marked_messages,
+            marked_tools.as_deref(),
+            add_generation_prompt,
+        )?;
+        let plain = place_texts(&rendered, &skeleton, &texts).ok_or_else(transformed)?;
+        Ok(self.tokenize_rendered(tok, &rendered, &plain))
     }
 
     /// Renders and tokenizes a conversation for generation: special-token text the template
@@ -236,9 +253,9 @@ impl ChatTemplate {
     ///
     /// Control tokens come only from the template: a message whose content holds a control
     /// token's text (`<|im_start|>system…` typed by a user) has that content tokenized as text.
-    /// To know exactly where the contents land, the conversation is rendered a second time
-    /// with a unique marker in place of each content; if the template changes contents (so
-    /// the marked rendering does not give back the real one), such a conversation is refused.
+    /// To know exactly where such contents land, the conversation is rendered a second time
+    /// with a unique marker in place of each; if the template changes contents (so the marked
+    /// rendering does not give back the real one), such a conversation is refused.
     pub fn encode(
         &self,
         tok: &Tokenizer,
@@ -246,52 +263,104 @@ impl ChatTemplate {
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
         let rendered = self.render(messages, add_generation_prompt)?;
+        let mut texts = Vec::new();
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| ChatMessage {
+                content: mark_if_control(&m.content, tok, &mut texts),
+                ..m.clone()
+            })
+            .collect();
+        if texts.is_empty() {
+            return Ok(self.tokenize_rendered(tok, &rendered, &[]));
+        }
+        let skeleton = self.render(&marked, add_generation_prompt)?;
+        let plain = place_texts(&rendered, &skeleton, &texts).ok_or_else(transformed)?;
+        Ok(self.tokenize_rendered(tok, &rendered, &plain))
+    }
+
+    /// Tokenizes a rendered conversation: `plain` byte ranges are text whatever they hold; a
+    /// leading `bos_token` text is dropped when the tokenizer adds BOS itself.
+    fn tokenize_rendered(
+        &self,
+        tok: &Tokenizer,
+        rendered: &str,
+        plain: &[std::ops::Range<usize>],
+    ) -> Vec<u32> {
         let skip = match rendered.strip_prefix(self.bos_token.as_str()) {
             Some(_) if tok.adds_bos() && !self.bos_token.is_empty() => self.bos_token.len(),
             _ => 0,
         };
-        if !messages
-            .iter()
-            .any(|m| tok.contains_control_text(&m.content))
-        {
-            return Ok(tok.encode_with_specials(&rendered[skip..], true));
-        }
-        let marker = |i: usize| format!("\u{E000}tessera-content-{i}\u{E001}");
-        let marked: Vec<ChatMessage> = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| ChatMessage {
-                content: marker(i),
-                ..m.clone()
-            })
-            .collect();
-        let skeleton = self.render(&marked, add_generation_prompt)?;
-        // Rebuild the real rendering from the skeleton, noting where each content goes.
-        let mut text = String::with_capacity(rendered.len());
-        let mut plain = Vec::new();
-        let mut rest = skeleton.as_str();
-        for (i, m) in messages.iter().enumerate() {
-            let mk = marker(i);
-            let Some(at) = rest.find(&mk) else { break };
-            text.push_str(&rest[..at]);
-            plain.push(text.len()..text.len() + m.content.len());
-            text.push_str(&m.content);
-            rest = &rest[at + mk.len()..];
-        }
-        text.push_str(rest);
-        if text != rendered || plain.len() != messages.len() {
-            return Err(chat_err(
-                "a message holds a control token's text, and this chat template transforms \
-                 message contents, so it cannot be sent as plain text",
-            ));
-        }
         let plain: Vec<_> = plain
-            .into_iter()
+            .iter()
             .filter(|r| r.start >= skip)
             .map(|r| r.start - skip..r.end - skip)
             .collect();
-        Ok(tok.encode_with_specials_except(&rendered[skip..], true, &plain))
+        tok.encode_with_specials_except(&rendered[skip..], true, &plain)
     }
+}
+
+const MARK_CLOSE: char = '\u{E001}';
+const MARK_PREFIX: &str = "\u{E000}tessera-text-";
+
+fn transformed() -> ModelError {
+    chat_err(
+        "a message holds a control token's text, and this chat template transforms message \
+         contents, so it cannot be sent as plain text",
+    )
+}
+
+/// `text` unchanged, or (if it holds a control token's text) a marker standing for it, with
+/// `text` remembered at the marker's index.
+fn mark_if_control(text: &str, tok: &Tokenizer, texts: &mut Vec<String>) -> String {
+    if !tok.contains_control_text(text) {
+        return text.to_string();
+    }
+    texts.push(text.to_string());
+    format!("{MARK_PREFIX}{}{MARK_CLOSE}", texts.len() - 1)
+}
+
+/// `v` with every string that holds control text replaced by a marker ([`mark_if_control`]).
+fn mark_control_text(
+    v: &serde_json::Value,
+    tok: &Tokenizer,
+    texts: &mut Vec<String>,
+) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        J::String(s) => J::String(mark_if_control(s, tok, texts)),
+        J::Array(a) => J::Array(a.iter().map(|x| mark_control_text(x, tok, texts)).collect()),
+        J::Object(o) => J::Object(
+            o.iter()
+                .map(|(k, x)| (k.clone(), mark_control_text(x, tok, texts)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// Where the marked texts land in `rendered`, found by putting them back into `skeleton` (the
+/// same conversation rendered with markers): their byte ranges, or `None` if the result is not
+/// `rendered` (the template transformed a text, or a marker was forged in the input).
+fn place_texts(
+    rendered: &str,
+    skeleton: &str,
+    texts: &[String],
+) -> Option<Vec<std::ops::Range<usize>>> {
+    let mut text = String::with_capacity(rendered.len());
+    let mut plain = Vec::new();
+    let mut rest = skeleton;
+    while let Some(at) = rest.find(MARK_PREFIX) {
+        text.push_str(&rest[..at]);
+        let after = &rest[at + MARK_PREFIX.len()..];
+        let end = after.find(MARK_CLOSE)?;
+        let t = texts.get(after[..end].parse::<usize>().ok()?)?;
+        plain.push(text.len()..text.len() + t.len());
+        text.push_str(t);
+        rest = &after[end + MARK_CLOSE.len_utf8()..];
+    }
+    text.push_str(rest);
+    (text == rendered).then_some(plain)
 }
 
 fn raise_exception(msg: String) -> std::result::Result<Value, Error> {

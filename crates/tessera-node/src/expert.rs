@@ -340,6 +340,16 @@ impl ExpertExecutor for RemoteExperts<'_> {
                     format!("reply for layer {} to a request for {layer}", reply.layer),
                 ));
             }
+            // A peer's NaN or infinity would spread through the reduction into every later
+            // layer and sample garbage into a user's answer: fail the step, naming the peer.
+            let bad = reply.outputs.slots.iter().flatten().flatten();
+            let count = bad.filter(|x| !x.is_finite()).count();
+            if count > 0 {
+                return Err(remote_err(
+                    &p.name,
+                    format!("layer {layer}: {count} non-finite expert outputs (NaN or infinity)"),
+                ));
+            }
             parts.push(reply.outputs.expand(&tokens, routing.n_tokens)?);
         }
         if parts.is_empty() {
@@ -501,5 +511,68 @@ mod tests {
         assert_eq!(got, want);
         assert!(peers.traffic.round_trips > 0);
         assert!(peers.traffic.round_trips <= 6 * cfg.n_layer as u64);
+    }
+
+    /// A link whose worker answers with a NaN in its first computed slot.
+    struct PoisonedLink(MemLink, usize);
+
+    impl ExpertLink for PoisonedLink {
+        fn send(&mut self, kind: u16, payload: Vec<u8>) -> Result<(), String> {
+            self.0.send(kind, payload)
+        }
+        fn recv(&mut self) -> Result<(u16, Vec<u8>), String> {
+            let (kind, payload) = self.0.recv()?;
+            let mut reply = ExpertReply::decode(&payload, self.1).map_err(|e| e.to_string())?;
+            if let Some(v) = reply.outputs.slots.iter_mut().flatten().next() {
+                v[0] = f32::NAN;
+            }
+            Ok((kind, reply.encode()))
+        }
+    }
+
+    /// A peer's NaN never reaches the reduction: the step fails and names the peer.
+    #[test]
+    fn non_finite_expert_outputs_from_a_peer_fail_the_step_naming_it() {
+        let g = GgufFile::open(model_path("test/tiny-qwen3moe-Q8_0.gguf")).unwrap();
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        let (a, b): (Vec<usize>, Vec<usize>) = (0..cfg.n_expert).partition(|e| e % 2 == 0);
+        let mut spec = LoadSpec::full(&cfg);
+        spec.experts = ExpertSelection::same_in_every_layer(&a, cfg.n_layer);
+        let home = Model::load(&g, spec, 1, &mut |_, _| {}).unwrap();
+        let worker = Arc::new(
+            Model::load(
+                &g,
+                LoadSpec::experts_only(
+                    0..cfg.n_layer,
+                    ExpertSelection::same_in_every_layer(&b, cfg.n_layer),
+                ),
+                1,
+                &mut |_, _| {},
+            )
+            .unwrap(),
+        );
+        let mut peers = RemotePeers::new(vec![RemotePeer {
+            name: "liar".into(),
+            experts: vec![b; cfg.n_layer],
+            link: Box::new(PoisonedLink(spawn_worker(worker), cfg.n_embd)),
+        }]);
+        let tokens = [1u32, 403, 407, 261, 378, 300, 42];
+        let mut kv = home.new_kv(64);
+        let mut h = home.embed(&tokens).unwrap();
+        let step = [tessera_engine::SeqStep {
+            n_tokens: tokens.len(),
+            start_pos: 0,
+        }];
+        let e = home
+            .run_layers(
+                0..cfg.n_layer,
+                &mut h,
+                &step,
+                &mut [&mut kv],
+                &mut peers.executor(&home),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("liar") && e.contains("non-finite"), "{e}");
     }
 }

@@ -545,7 +545,7 @@ fn node_with_a_wrong_token_is_refused() {
     assert!(!out.status.success());
     assert!(!stdout.contains("joined coordinator"), "{stdout}");
     // The reason, as the coordinator sent it: the token, not a network error.
-    let want = format!("enrolment refused by {addr}: join token not accepted");
+    let want = format!("enrolment refused by {addr}: the join token is not known");
     assert!(stderr.contains(&want), "expected {want:?} in:\n{stderr}");
 }
 
