@@ -456,6 +456,8 @@ mod tests {
             prefill_chunk: 8,
             trace: false,
             stop_at_eog: true,
+            grammar: None,
+            logprobs: None,
         }))
     }
 

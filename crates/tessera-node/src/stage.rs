@@ -1076,6 +1076,9 @@ mod tests {
             eog: vec![],
             prefill_chunk: 64,
             trace: false,
+            grammar: None,
+            logprobs: None,
+            replayed: 0,
         })
         .unwrap();
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {

@@ -165,6 +165,7 @@ fn a_bystander_node_cannot_fail_the_epoch_or_write_into_another_users_answer() {
                             seq,
                             pos: 5,
                             token: 42,
+                            logprobs: None,
                         });
                         msgs.push(NodeToCoord::Finished {
                             seq,
@@ -289,6 +290,8 @@ fn run_request(stages: Option<&str>, n: usize) -> ClientToCoord {
         prefill_chunk: 64,
         trace: false,
         stop_at_eog: false,
+        grammar: None,
+        logprobs: None,
     }))
 }
 
