@@ -256,7 +256,7 @@ impl Model {
         sc.attn.resize(n * od, 0.0);
         let out = SharedOut(sc.attn.as_mut_ptr(), sc.attn.len());
         let (q, rows) = (&sc.q, &sc.rows);
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = cfg.attention_scale();
         let group = nh / nkv;
         let shape = kv.first().map_or(KvShape::from_config(cfg), |c| c.shape());
         let mut items = Vec::new();

@@ -66,6 +66,7 @@ impl RopeTable {
                 beta_fast,
                 beta_slow,
                 attn_factor,
+                log_mul,
             } => {
                 let freq_scale = 1.0f32 / factor;
                 // ggml_rope_yarn_corr_dims.
@@ -77,7 +78,14 @@ impl RopeTable {
                 let high = corr(beta_slow).ceil().min(rope_dim as f32 - 1.0);
                 // llama.cpp's context set-up: get_mscale(factor) cancelled by its inverse,
                 // times the file's attn_factor; ggml then applies 1 + 0.1·ln(1/freq_scale).
-                let m = 0.1f32 * factor.ln() + 1.0;
+                // With DeepSeek's log multiplier the context's factor is 1 instead of
+                // get_mscale(factor) (llama.cpp's mscale / mscale_all_dim ratio), so the
+                // rotation keeps magnitude attn_factor; the attention scale carries the rest.
+                let m = if log_mul != 0.0 {
+                    1.0
+                } else {
+                    0.1f32 * factor.ln() + 1.0
+                };
                 let attn = m * (1.0 / (1.0 + 0.1 * factor.ln())) * attn_factor;
                 let mscale = attn * (1.0 + 0.1 * (1.0 / freq_scale).ln());
                 (freq_scale, Some((low, high, mscale)))

@@ -17,7 +17,7 @@ use tessera_engine::{
     ExpertSelection, ExpertStreaming, KvCache, KvType, LoadSpec, LocalExperts, Model, PartExperts,
     SeqStep,
 };
-use tessera_model::{Architecture, ExpertGating, ModelConfig};
+use tessera_model::{Architecture, ExpertGating, ModelConfig, RopeScaling};
 
 const MODELS: [&str; 2] = ["tiny-deepseek2-Q8_0", "tiny-deepseek2-lite-Q8_0"];
 const PROMPT: [u32; 20] = [
@@ -85,6 +85,18 @@ fn fixtures_have_deepseek2_parts() {
     assert!(cfg.expert_selection_bias && cfg.norm_topk_weights);
     assert_eq!(cfg.expert_weights_scale, 2.5);
     assert_eq!((cfg.expert_groups, cfg.expert_groups_used), (4, 2));
+    // DeepSeek-V3's YaRN: factor 40 over 4096 positions, mscale_all_dim 1; the attention
+    // scale carries (1 + 0.1·ln 40)² as llama.cpp's kq_scale does.
+    assert!(
+        matches!(
+            cfg.rope_scaling,
+            RopeScaling::Yarn { factor, orig_ctx: 4096, log_mul, .. } if factor == 40.0 && log_mul == 1.0
+        ),
+        "{:?}",
+        cfg.rope_scaling
+    );
+    let m = 1.0 + 0.1 * 40f32.ln();
+    assert!((cfg.attention_scale() - m * m / 48f32.sqrt()).abs() < 1e-6);
     let moe: Vec<bool> = (0..cfg.n_layer).map(|l| cfg.is_moe_layer(l)).collect();
     assert_eq!(moe, [false, true, true, true]);
     // Keys (48 wide) and values (32 wide) of every head are cached.

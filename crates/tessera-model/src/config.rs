@@ -90,6 +90,12 @@ pub enum RopeScaling {
         beta_slow: f32,
         /// llama.cpp's `attn_factor` (from `rope.scaling.attn_factor`, 1 by default).
         attn_factor: f32,
+        /// DeepSeek's `mscale_all_dim` (`rope.scaling.yarn_log_multiplier` / 0.1, as llama.cpp
+        /// reads it; 0 when absent). With it the rotation keeps magnitude `attn_factor` and the
+        /// attention scores are scaled by `(attn_factor·(1 + 0.1·log_mul·ln factor))²` instead
+        /// (see [`ModelConfig::attention_scale`]).
+        #[serde(default)]
+        log_mul: f32,
     },
 }
 
@@ -356,14 +362,15 @@ impl ModelConfig {
         };
         let rope_scaling = read_rope_scaling(g, &key, context_length)?;
         let deepseek = arch == Architecture::DeepSeek2;
-        // DeepSeek pre-scales attention by YaRN's magnitude (llama.cpp's kq_scale): until that
-        // is done here, a scaled deepseek2 file is refused rather than run with the wrong one.
-        if deepseek && rope_scaling != RopeScaling::None {
-            return Err(bad_meta(
-                path,
-                &key("rope.scaling.type"),
-                "RoPE scaling is not supported for deepseek2 yet".into(),
-            ));
+        // YaRN's log multiplier is DeepSeek's (llama.cpp reads it for deepseek2 only).
+        if let RopeScaling::Yarn { log_mul, .. } = rope_scaling {
+            if log_mul != 0.0 && !deepseek {
+                return Err(bad_meta(
+                    path,
+                    &key("rope.scaling.yarn_log_multiplier"),
+                    format!("YaRN with a log multiplier is supported for deepseek2, not {a}"),
+                ));
+            }
         }
         let mla = if deepseek {
             Some(read_mla(g, &key, n_head, n_head_kv)?)
@@ -483,6 +490,29 @@ impl ModelConfig {
 
     pub fn is_moe(&self) -> bool {
         self.n_expert > 0
+    }
+
+    /// The factor attention scores are multiplied by: `1/√head_dim`, and for DeepSeek with
+    /// YaRN `mscale²/√head_dim` (llama.cpp's deepseek2 `kq_scale`, computed as it does).
+    pub fn attention_scale(&self) -> f32 {
+        let d = (self.head_dim as f32).sqrt();
+        match self.rope_scaling {
+            RopeScaling::Yarn {
+                factor,
+                attn_factor,
+                log_mul,
+                ..
+            } if self.arch == Architecture::DeepSeek2 => {
+                // llama.cpp: the context's attn_factor has (1 + 0.1·ln factor) divided out; the
+                // graph multiplies it back, then applies the log multiplier.
+                let freq_scale = 1.0 / factor;
+                let ctx_attn = attn_factor * (1.0 / (1.0 + 0.1 * (1.0 / freq_scale).ln()));
+                let org = ctx_attn * (1.0 + 0.1 * (1.0 / freq_scale).ln());
+                let mscale = org * (1.0 + 0.1 * log_mul * (1.0 / freq_scale).ln());
+                1.0 * mscale * mscale / d
+            }
+            _ => 1.0 / d,
+        }
     }
 
     /// Whether layer `il` routes to experts (a MoE model's leading dense layers do not).
@@ -749,13 +779,9 @@ fn read_rope_scaling(
         "linear" if factor == 1.0 => Ok(RopeScaling::None),
         "linear" => Ok(RopeScaling::Linear { factor }),
         "yarn" => {
-            if opt_f32(g, &key("rope.scaling.yarn_log_multiplier"))?.is_some() {
-                return Err(bad_meta(
-                    path,
-                    &key("rope.scaling.yarn_log_multiplier"),
-                    "YaRN with a log multiplier is not supported".into(),
-                ));
-            }
+            // The converter stores 0.1·mscale_all_dim; llama.cpp divides the factor out.
+            let log_mul =
+                opt_f32(g, &key("rope.scaling.yarn_log_multiplier"))?.map_or(0.0, |m| m / 0.1);
             let orig_ctx = opt_usize(g, &key("rope.scaling.original_context_length"))?
                 .unwrap_or(context_length);
             Ok(RopeScaling::Yarn {
@@ -764,6 +790,7 @@ fn read_rope_scaling(
                 beta_fast: opt_f32(g, &key("rope.scaling.yarn_beta_fast"))?.unwrap_or(32.0),
                 beta_slow: opt_f32(g, &key("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
                 attn_factor: opt_f32(g, &key("rope.scaling.attn_factor"))?.unwrap_or(1.0),
+                log_mul,
             })
         }
         other => Err(bad_meta(
