@@ -209,7 +209,7 @@ async fn ensure_epoch(
                         model: shared.server.manifest().model_hash,
                         stages,
                         n_layer,
-                        max_context: shared.config.max_context,
+                        max_context: shared.max_context(),
                     },
                 );
                 st.membership.epoch().map(|e| e.id).unwrap_or(0)

@@ -103,11 +103,19 @@ pub(crate) struct Shared {
     pub closing: std::sync::atomic::AtomicBool,
     /// The origin of the `now` given to the membership machine (leases).
     pub started: tokio::time::Instant,
-    /// Who may say what ([`crate::authz`]): open sequences' facts, refusal counts.
+    /// Who may say what ([`crate::authz`]): roles, client admission, refusal counts.
     pub authz: crate::authz::Gate,
+    /// Most positions per sequence in the plans made from now on: the configured
+    /// `max_context` until a planner chooses a context that fits
+    /// ([`Coordinator::set_max_context`]).
+    pub max_context: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
+    pub fn max_context(&self) -> usize {
+        self.max_context.load(Ordering::SeqCst)
+    }
+
     pub fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -291,6 +299,7 @@ impl Coordinator {
             .await
             .map_err(|e| CoordError::Protocol(format!("model task: {e}")))??;
         let server = ModelServer::new(&config.model, manifest, config.progress)?;
+        let max_context = config.max_context;
         let endpoint = Endpoint::bind(config.listen, &identity, enrol.clone())?;
         let (epoch_tx, _) = watch::channel(EpochStatus::None);
         let mut membership = Membership::new();
@@ -325,6 +334,7 @@ impl Coordinator {
                 closing: std::sync::atomic::AtomicBool::new(false),
                 started: tokio::time::Instant::now(),
                 authz: crate::authz::Gate::new(),
+                max_context: std::sync::atomic::AtomicUsize::new(max_context),
             }),
             endpoint,
         };
@@ -474,9 +484,19 @@ impl Coordinator {
             model: self.shared.server.manifest().model_hash,
             stages: placed.clone(),
             n_layer,
-            max_context: self.shared.config.max_context,
+            max_context: self.shared.max_context(),
         });
         Ok(placed)
+    }
+
+    /// Most positions per sequence in the plans made from now on (a planner's choice of the
+    /// context that fits; call before applying its stages).
+    pub fn set_max_context(&self, positions: usize) {
+        self.shared.max_context.store(positions, Ordering::SeqCst);
+    }
+
+    pub fn max_context(&self) -> usize {
+        self.shared.max_context()
     }
 
     /// The KV cache type stages are assigned from the next plan on (call before nodes join for
@@ -885,7 +905,7 @@ fn maybe_apply_initial_split(shared: &Shared) {
         model: shared.server.manifest().model_hash,
         stages,
         n_layer: shared.model.config.n_layer,
-        max_context: shared.config.max_context,
+        max_context: shared.max_context(),
     });
 }
 

@@ -26,16 +26,64 @@ pub fn policy(max_context: usize) -> Policy {
     }
 }
 
+/// Contexts the search for one that fits tries are multiples of this.
+const CONTEXT_STEP: usize = 256;
+
+/// The context a plan is made for.
+#[derive(Clone, Copy, Debug)]
+pub struct ContextChoice {
+    /// The most positions per sequence: `--ctx`, else the model's context length.
+    pub max: usize,
+    /// `--ctx` was given: plan for exactly `max`, do not search for a smaller one that fits.
+    pub fixed: bool,
+}
+
+/// The largest context up to `choice.max` (a multiple of [`CONTEXT_STEP`] below it) for which
+/// `try_plan` finds a plan, with that plan; `try_plan`'s error for the smallest context when
+/// none fits. Planning is pure and takes microseconds, so this simply bisects.
+pub fn fit_context<T, E>(
+    choice: ContextChoice,
+    mut try_plan: impl FnMut(usize) -> Result<T, E>,
+) -> Result<(usize, T), E> {
+    let first = try_plan(choice.max);
+    if choice.fixed || first.is_ok() || choice.max <= CONTEXT_STEP {
+        return first.map(|t| (choice.max, t));
+    }
+    // Invariant: lo fits (once checked), hi does not; both in steps.
+    let mut lo = 1;
+    let mut best = try_plan(lo * CONTEXT_STEP)?;
+    let mut hi = choice.max.div_ceil(CONTEXT_STEP);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        match try_plan(mid * CONTEXT_STEP) {
+            Ok(t) => {
+                lo = mid;
+                best = t;
+            }
+            Err(_) => hi = mid,
+        }
+    }
+    Ok((lo * CONTEXT_STEP, best))
+}
+
 /// Waits for `expected` connected nodes with inventories (and, for a few seconds, their links),
-/// plans, prints the explanation, writes `DATA_DIR/plan-auto.json` (graph and outcome) and
-/// applies the stages (and the expert split of an expert plan).
+/// plans for the largest context that fits (or `--ctx`'s), prints the explanation and the
+/// context chosen, writes `DATA_DIR/plan-auto.json` (graph and outcome) and applies the stages
+/// (and the expert split of an expert plan).
 pub async fn run(
     c: &Coordinator,
     model: &tessera_model::ModelProfile,
     expected: usize,
-    policy: &Policy,
+    context: ContextChoice,
     data_dir: &Path,
 ) -> anyhow::Result<()> {
+    // The KV cache as the stages will hold it: the coordinator's KV type, not the profile's F32.
+    let kv_type = c.kv_type();
+    let shape = tessera_engine::KvShape::from_config(&model.config);
+    let per_position = kv_type.bytes_per_position(shape) as u64;
+    let mut model = model.clone();
+    model.kv_bytes_per_token = per_position * model.config.n_layer as u64;
+    let model = &model;
     let expected = expected.max(1);
     let mut enough_since: Option<Instant> = None;
     let members = loop {
@@ -56,9 +104,37 @@ pub async fn run(
         .iter()
         .filter_map(|m| Some((m.name.as_str(), m.link?)))
         .collect();
-    let graph = resource_graph(&nodes, &links_via_coordinator(&coord_links), policy);
-    let outcome = plan_for(model, &graph, 1).context("planning")?;
+    let links = links_via_coordinator(&coord_links);
+    let (chosen, (graph, outcome)) = fit_context(context, |ctx| {
+        let graph = resource_graph(&nodes, &links, &policy(ctx));
+        plan_for(model, &graph, 1).map(|o| (graph, o))
+    })
+    .with_context(|| {
+        format!(
+            "planning (no plan fits even {} positions of context)",
+            context.max.min(CONTEXT_STEP)
+        )
+    })?;
     print!("{}", render_text(&outcome));
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let why = if context.fixed {
+        "as --ctx asked".to_string()
+    } else if chosen == context.max {
+        "the model's full context fits".to_string()
+    } else {
+        format!(
+            "the largest that fits the nodes' memory budgets: {} positions would need {:.0} MiB \
+             of {kv_type} KV cache per sequence ({:.1} KiB a position); --ctx overrides",
+            context.max,
+            mib(per_position * model.config.n_layer as u64 * context.max as u64),
+            per_position as f64 * model.config.n_layer as f64 / 1024.0
+        )
+    };
+    println!(
+        "plan auto: context {chosen} positions ({why}); KV cache {kv_type}, {:.0} MiB per sequence",
+        mib(model.kv_bytes_per_token * chosen as u64)
+    );
+    c.set_max_context(chosen);
     let doc = serde_json::json!({ "graph": graph, "outcome": outcome });
     let path = data_dir.join("plan-auto.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&doc)?)
@@ -88,4 +164,71 @@ pub async fn run(
             .join(" ")
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A planner that fits contexts up to `limit`, and counts its calls.
+    fn fits_up_to(
+        limit: usize,
+        calls: &mut usize,
+    ) -> impl FnMut(usize) -> Result<usize, String> + '_ {
+        move |ctx| {
+            *calls += 1;
+            if ctx <= limit {
+                Ok(ctx)
+            } else {
+                Err(format!("{ctx} does not fit"))
+            }
+        }
+    }
+
+    #[test]
+    fn the_full_context_is_kept_when_it_fits() {
+        let mut calls = 0;
+        let choice = ContextChoice {
+            max: 40960,
+            fixed: false,
+        };
+        assert_eq!(
+            fit_context(choice, fits_up_to(50_000, &mut calls)),
+            Ok((40960, 40960))
+        );
+        assert_eq!(calls, 1);
+    }
+
+    #[test]
+    fn the_largest_step_that_fits_is_chosen() {
+        let mut calls = 0;
+        let choice = ContextChoice {
+            max: 40960,
+            fixed: false,
+        };
+        let (ctx, _) = fit_context(choice, fits_up_to(9000, &mut calls)).unwrap();
+        assert_eq!(ctx, 8960, "the largest multiple of 256 not above 9000");
+        assert!(calls < 12, "bisected, not scanned: {calls} plans");
+    }
+
+    #[test]
+    fn a_given_context_is_not_shrunk_and_nothing_fitting_is_an_error() {
+        let mut calls = 0;
+        let fixed = ContextChoice {
+            max: 4096,
+            fixed: true,
+        };
+        assert_eq!(
+            fit_context(fixed, fits_up_to(1000, &mut calls)),
+            Err("4096 does not fit".to_string())
+        );
+        let free = ContextChoice {
+            max: 4096,
+            fixed: false,
+        };
+        assert_eq!(
+            fit_context(free, fits_up_to(100, &mut calls)),
+            Err("256 does not fit".to_string())
+        );
+    }
 }

@@ -145,10 +145,13 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         }
         let planning = async {
             if let Some(p) = &profile {
-                let policy = super::auto_plan::policy(max_context);
+                let context = super::auto_plan::ContextChoice {
+                    max: max_context,
+                    fixed: args.max_context.is_some(),
+                };
                 let expected = args.nodes_expected;
                 if let Err(e) =
-                    super::auto_plan::run(&coordinator, p, expected, &policy, &data_dir).await
+                    super::auto_plan::run(&coordinator, p, expected, context, &data_dir).await
                 {
                     eprintln!("--plan auto: {e:#}");
                 }

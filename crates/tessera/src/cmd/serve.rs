@@ -230,6 +230,7 @@ impl Cluster {
             )
         };
         let max_context = o.max_context.unwrap_or(ctx).min(ctx);
+        let fixed = o.max_context.is_some();
         let data_dir = o.data_dir.clone();
         let coordinator = Coordinator::bind(CoordinatorConfig {
             data_dir: o.data_dir,
@@ -259,8 +260,11 @@ impl Cluster {
             // The other engineer's planner: waits for the nodes, plans, applies the stages.
             let (c, nodes) = (coordinator.clone(), o.nodes);
             tokio::spawn(async move {
-                let policy = super::auto_plan::policy(max_context);
-                if let Err(e) = super::auto_plan::run(&c, &profile, nodes, &policy, &data_dir).await
+                let context = super::auto_plan::ContextChoice {
+                    max: max_context,
+                    fixed,
+                };
+                if let Err(e) = super::auto_plan::run(&c, &profile, nodes, context, &data_dir).await
                 {
                     eprintln!("plan auto: {e:#}");
                 }
