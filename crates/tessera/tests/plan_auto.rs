@@ -422,12 +422,18 @@ fn the_dashboard_shows_the_expert_split_of_a_served_cluster() {
         "one expert bar per assignment holding experts"
     );
 
-    // And the API answers through it.
-    let reply = common::post(
-        &addr,
-        "/v1/completions",
-        &serde_json::json!({"model": "small-qwen3moe-Q8_0", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}),
-    );
+    // And the API answers through it, once every stage has loaded (503 until then).
+    let reply = loop {
+        let reply = common::post(
+            &addr,
+            "/v1/completions",
+            &serde_json::json!({"model": "small-qwen3moe-Q8_0", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}),
+        );
+        if reply.status != 503 || std::time::Instant::now() > deadline {
+            break reply;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
     assert_eq!(reply.status, 200, "{}", reply.body);
     drop(nodes);
 }

@@ -131,7 +131,7 @@ pub async fn run(
         )
     };
     println!(
-        "plan auto: context {chosen} positions ({why}); KV cache {kv_type}, {:.0} MiB per sequence",
+        "context: {chosen} positions ({why}); KV cache {kv_type}, {:.0} MiB per sequence",
         mib(model.kv_bytes_per_token * chosen as u64)
     );
     c.set_max_context(chosen);
