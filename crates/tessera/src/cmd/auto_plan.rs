@@ -80,9 +80,13 @@ pub async fn run(
     // The KV cache as the stages will hold it: the coordinator's KV type, not the profile's F32.
     let kv_type = c.kv_type();
     let shape = tessera_engine::KvShape::from_config(&model.config);
-    let per_position = kv_type.bytes_per_position(shape) as u64;
+    // The profile counts F32 bytes (and only the layers whose cache grows): scaled by type.
+    let (typed, f32) = (
+        kv_type.bytes_per_position(shape) as u64,
+        tessera_engine::KvType::F32.bytes_per_position(shape).max(1) as u64,
+    );
     let mut model = model.clone();
-    model.kv_bytes_per_token = per_position * model.config.n_layer as u64;
+    model.kv_bytes_per_token = model.kv_bytes_per_token * typed / f32;
     let model = &model;
     let expected = expected.max(1);
     let mut enough_since: Option<Instant> = None;
@@ -126,8 +130,8 @@ pub async fn run(
             "the largest that fits the nodes' memory budgets: {} positions would need {:.0} MiB \
              of {kv_type} KV cache per sequence ({:.1} KiB a position); --ctx overrides",
             context.max,
-            mib(per_position * model.config.n_layer as u64 * context.max as u64),
-            per_position as f64 * model.config.n_layer as f64 / 1024.0
+            mib(model.kv_bytes_per_token * context.max as u64),
+            model.kv_bytes_per_token as f64 / 1024.0
         )
     };
     println!(
