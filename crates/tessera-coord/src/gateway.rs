@@ -420,6 +420,7 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
                     usage: Usage {
                         prompt_tokens: prompt_len,
                         completion_tokens: sent,
+                        cached_tokens: 0,
                     },
                 },
                 SeqFinish::EndOfGeneration => Event::Finished {
@@ -427,6 +428,7 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
                     usage: Usage {
                         prompt_tokens: prompt_len,
                         completion_tokens: sent,
+                        cached_tokens: 0,
                     },
                 },
                 SeqFinish::Cancelled | SeqFinish::Error => Event::Failed {

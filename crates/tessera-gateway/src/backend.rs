@@ -152,6 +152,10 @@ impl std::fmt::Display for FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose keys and values were reused from an earlier request (not
+    /// prefilled again).
+    #[serde(default)]
+    pub cached_tokens: usize,
 }
 
 /// What a backend streams back for one request, in order: any number of `Token`s, then exactly
@@ -163,6 +167,9 @@ pub enum Event {
     /// A generated token with its log-probabilities, sent instead of `Token` when the request
     /// asked for them.
     TokenLogprobs(TokenLogprobs),
+    /// The first `n` prompt tokens were already cached (sent before the first token, when a
+    /// backend reuses a prefix).
+    PromptCached(usize),
     Finished {
         reason: FinishReason,
         usage: Usage,

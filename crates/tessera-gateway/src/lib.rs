@@ -55,6 +55,7 @@ pub mod grammar;
 pub mod local;
 pub mod metrics;
 pub mod openai;
+pub mod prefix_cache;
 mod respond;
 pub mod responses;
 pub mod scheduler;

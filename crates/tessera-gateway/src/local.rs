@@ -22,6 +22,7 @@ use crate::backend::{
     GenerationRequest, Health, InventorySummary, NodeStatus, PlanStatus, RequestHandle,
     ServedModel, SubmitError,
 };
+use crate::prefix_cache::{PrefixCache, Reuse};
 use crate::scheduler::{Output, Scheduler, SchedulerConfig, Sequence, StepItem};
 
 /// How the local backend batches and queues.
@@ -32,6 +33,9 @@ pub struct LocalConfig {
     pub max_queue: usize,
     /// Positions per sequence (clamped to the model's context length).
     pub context_length: usize,
+    /// Finished sequences' KV caches kept for requests that start the same way (a chat's next
+    /// turn); 0 turns prefix reuse off. Each holds `context_length` positions of memory.
+    pub prefix_cache: usize,
 }
 
 impl Default for LocalConfig {
@@ -40,9 +44,13 @@ impl Default for LocalConfig {
             scheduler: SchedulerConfig::default(),
             max_queue: 64,
             context_length: usize::MAX,
+            prefix_cache: DEFAULT_PREFIX_CACHE,
         }
     }
 }
+
+/// Caches kept for prefix reuse unless configured: two conversations alternating keep theirs.
+pub const DEFAULT_PREFIX_CACHE: usize = 2;
 
 struct Waiting {
     req: GenerationRequest,
@@ -166,6 +174,7 @@ impl LocalBackend {
             shared: shared.clone(),
             scheduler: Scheduler::new(config.scheduler),
             capacity: config.context_length,
+            prefix_cache: PrefixCache::new(config.prefix_cache),
         };
         let thread = std::thread::Builder::new()
             .name("tessera-engine".into())
@@ -269,6 +278,7 @@ struct Engine {
     shared: Arc<Shared>,
     scheduler: Scheduler<Slot>,
     capacity: usize,
+    prefix_cache: PrefixCache<KvCache>,
 }
 
 impl Engine {
@@ -286,7 +296,7 @@ impl Engine {
                     );
                 }
                 lock(&self.shared.counters).cancelled_total += cancelled.len() as u64;
-                drop(cancelled);
+                self.keep_caches(cancelled);
             }
             if self.scheduler.is_idle() {
                 self.publish(0, 0, 0);
@@ -321,8 +331,15 @@ impl Engine {
                 let Some(w) = inbox.waiting.pop_front() else {
                     break;
                 };
-                let kv = self.model.new_kv(self.capacity);
-                tracing::debug!(request = w.req.id, "joins the batch");
+                let (kv, reused) = match self.prefix_cache.take(&w.req.prompt_tokens) {
+                    Some(Reuse { mut kv, reused }) => {
+                        kv.truncate(reused);
+                        let _ = w.events.send(Event::PromptCached(reused));
+                        (kv, reused)
+                    }
+                    None => (self.model.new_kv(self.capacity), 0),
+                };
+                tracing::debug!(request = w.req.id, reused, "joins the batch");
                 self.scheduler.admit(
                     Sequence::new(
                         w.req.id,
@@ -335,7 +352,8 @@ impl Engine {
                             events: w.events,
                         },
                     )
-                    .with_options(w.req.logprobs, w.req.grammar),
+                    .with_options(w.req.logprobs, w.req.grammar)
+                    .with_cached_prefix(reused),
                 );
             }
             lock(&self.shared.counters).queue_depth = inbox.waiting.len();
@@ -447,8 +465,16 @@ impl Engine {
                 let _ = tx.send(event);
             }
         }
-        drop(finished);
+        self.keep_caches(finished);
         self.publish(1, prompt_fed, generated);
+    }
+
+    /// Keeps ended sequences' caches for the next request that starts the same way.
+    fn keep_caches(&mut self, ended: Vec<Sequence<Slot>>) {
+        for s in ended {
+            let tokens = s.fed_tokens().to_vec();
+            self.prefix_cache.put(tokens, s.payload.kv);
+        }
     }
 
     fn fail_all(&mut self, message: &str) {

@@ -422,6 +422,7 @@ fn total(usages: &[Usage]) -> Usage {
     Usage {
         prompt_tokens: usages.first().map_or(0, |u| u.prompt_tokens),
         completion_tokens: usages.iter().map(|u| u.completion_tokens).sum(),
+        cached_tokens: usages.first().map_or(0, |u| u.cached_tokens),
     }
 }
 

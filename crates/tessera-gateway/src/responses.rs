@@ -315,7 +315,7 @@ fn response_json(
         "tools": [],
         "usage": usage.map(|u| json!({
             "input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens,

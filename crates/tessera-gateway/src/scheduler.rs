@@ -49,6 +49,8 @@ pub struct Sequence<T> {
     prompt_len: usize,
     /// Positions already in the KV cache (a prefix of `history`).
     fed: usize,
+    /// Prompt positions that were in the KV cache when the sequence was admitted.
+    cached: usize,
     generated: usize,
     max_tokens: usize,
     /// Positions the KV cache can hold.
@@ -76,6 +78,7 @@ impl<T> Sequence<T> {
             prompt_len: prompt.len(),
             history: prompt,
             fed: 0,
+            cached: 0,
             generated: 0,
             max_tokens,
             capacity,
@@ -91,6 +94,20 @@ impl<T> Sequence<T> {
         self.logprobs = logprobs;
         self.grammar = grammar;
         self
+    }
+
+    /// Starts with the first `n` prompt positions already in the KV cache (a reused prefix);
+    /// at least the last prompt token must still be fed, for its logits.
+    pub fn with_cached_prefix(mut self, n: usize) -> Self {
+        assert!(n < self.prompt_len, "the last prompt token must be fed");
+        self.fed = n;
+        self.cached = n;
+        self
+    }
+
+    /// The tokens whose positions are in the KV cache, in order.
+    pub fn fed_tokens(&self) -> &[u32] {
+        &self.history[..self.fed]
     }
 
     /// Draws the token at `position` from `row`, masked by the grammar if there is one.
@@ -113,6 +130,7 @@ impl<T> Sequence<T> {
         Usage {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.generated,
+            cached_tokens: self.cached,
         }
     }
 
@@ -443,7 +461,8 @@ mod tests {
             reason: FinishReason::Length,
             usage: Usage {
                 prompt_tokens: 3,
-                completion_tokens: 2
+                completion_tokens: 2,
+                cached_tokens: 0,
             },
         }));
         // Token 9 ends generation and is not emitted.
@@ -456,7 +475,8 @@ mod tests {
                 reason: FinishReason::Stop,
                 usage: Usage {
                     prompt_tokens: 3,
-                    completion_tokens: 2
+                    completion_tokens: 2,
+                    cached_tokens: 0,
                 },
             }]
         );

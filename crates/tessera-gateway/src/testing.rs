@@ -77,6 +77,7 @@ impl Backend for ScriptedBackend {
                 usage: Usage {
                     prompt_tokens,
                     completion_tokens: tokens.len(),
+                    cached_tokens: 0,
                 },
             });
         });

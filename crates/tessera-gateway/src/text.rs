@@ -33,6 +33,8 @@ pub struct TextStream {
     utf8: Utf8Assembler,
     stop: StopMatcher,
     prompt_tokens: usize,
+    /// Prompt tokens the backend did not prefill again ([`Event::PromptCached`]).
+    cached_tokens: usize,
     tokens: usize,
     started: Instant,
     first_token: Option<Duration>,
@@ -57,6 +59,7 @@ impl TextStream {
             utf8: Utf8Assembler::default(),
             stop: StopMatcher::new(stop.iter().cloned()),
             prompt_tokens,
+            cached_tokens: 0,
             tokens: 0,
             started,
             first_token: None,
@@ -115,6 +118,10 @@ impl TextStream {
             };
             let id = match event {
                 Event::Token(id) => id,
+                Event::PromptCached(n) => {
+                    self.cached_tokens = n;
+                    continue;
+                }
                 Event::TokenLogprobs(lp) => {
                     let id = lp.token;
                     self.logprobs.push(lp);
@@ -166,6 +173,7 @@ impl TextStream {
         let usage = Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.tokens,
+            cached_tokens: self.cached_tokens,
         };
         if text.is_empty() {
             self.finished = true;

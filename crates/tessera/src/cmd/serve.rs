@@ -55,6 +55,12 @@ pub struct ServeArgs {
     /// Context positions per sequence (default: the model's).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Finished requests' KV caches kept for requests that begin with the same tokens (a chat's
+    /// next turn re-sends its history: only the new tail is prefilled, and `usage` reports
+    /// the reused tokens as `cached_tokens`). Each cache holds --ctx positions of memory; 0
+    /// turns reuse off. Single-process serving only. [default: 2]
+    #[arg(long)]
+    pub prefix_cache: Option<usize>,
     /// KV cache element type: f16 (default), q8_0 (half the bytes again; heads of whole
     /// 32-blocks) or f32 (llama.cpp's non-flash numerics).
     #[arg(long, default_value = "f16")]
@@ -147,6 +153,9 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
             },
             max_queue: a.max_queue,
             context_length: a.ctx.unwrap_or(usize::MAX),
+            prefix_cache: a
+                .prefix_cache
+                .unwrap_or(tessera_gateway::local::DEFAULT_PREFIX_CACHE),
         },
     })
 }
@@ -316,6 +325,12 @@ pub async fn serve_cluster_until_signal(
 
 /// `tessera serve --nodes-expected N`: coordinator and gateway in this process.
 fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
+    if a.prefix_cache.is_some() {
+        bail!(
+            "--prefix-cache applies to single-process serving; the cluster's stages do not keep \
+             finished sequences' caches yet"
+        );
+    }
     let api_key = resolve_api_key(a.api_key.as_deref(), a.api_key_file.as_deref())?;
     check_exposure(a.listen, api_key.as_deref())?;
     let auto_plan = a.plan.is_some();
