@@ -365,7 +365,7 @@ fn binding_beyond_loopback_without_a_key_is_refused() {
 /// one a server without reuse gives.
 #[test]
 fn a_second_turn_reuses_the_first_turns_cache_and_answers_the_same() {
-    let history: String = (0..30)
+    let history: String = (0..15)
         .map(|i| format!("Lily saw {} birds in the park. ", i + 2))
         .collect();
     let turn = |addr: &str, messages: &serde_json::Value| {
@@ -402,7 +402,7 @@ fn a_second_turn_reuses_the_first_turns_cache_and_answers_the_same() {
     let reusing = Server::start(&[]);
     let (a1, a2, p1, c1, p2, c2) = conversation(&reusing.addr);
     assert_eq!(c1, 0, "nothing was cached before the first turn");
-    assert!(p1 > 200, "a long first turn ({p1} tokens)");
+    assert!(p1 > 150, "a long first turn ({p1} tokens)");
     // All of the first turn's prompt (but for where the template joins the turns) was reused.
     assert!(
         c2 + 4 >= p1 && c2 < p2,
