@@ -155,6 +155,31 @@ impl Shared {
                 }
                 Action::EpochReady(e) => {
                     tracing::info!(event = "epoch_ready", epoch = e, "epoch {e} is ready");
+                    // Who holds which experts in it (an expert split; after a loss the
+                    // survivors hold the departed owner's): one event per holder.
+                    for g in st
+                        .membership
+                        .epoch_expert_split()
+                        .map_or(&[][..], |x| &x.groups)
+                    {
+                        // A group names its node by name or by (a prefix of) its id.
+                        let name = st
+                            .membership
+                            .members()
+                            .find(|m| {
+                                m.name == g.node || m.node_id.to_string().starts_with(&g.node)
+                            })
+                            .map_or_else(|| g.node.clone(), |m| m.name.clone());
+                        let experts: Vec<String> = g.experts.iter().map(usize::to_string).collect();
+                        let experts = experts.join(",");
+                        tracing::info!(
+                            event = "experts_placed",
+                            epoch = e,
+                            node = %name,
+                            experts = %experts,
+                            "epoch {e}: {name} holds experts {experts}"
+                        );
+                    }
                 }
                 Action::EpochFailed { epoch, reason } => {
                     tracing::warn!(event = "epoch_failed", epoch, %reason, "epoch {epoch} failed: {reason}");

@@ -219,7 +219,12 @@ pub async fn run_until(
 
     let allow = Arc::new(AllowList::new());
     let endpoint = Endpoint::bind(config.listen, &identity, allow.clone())?;
-    tracing::info!("listening on {}", endpoint.local_addr()?);
+    let listening = endpoint.local_addr()?;
+    tracing::info!(
+        event = "listening",
+        addr = %listening,
+        "listening on {listening}"
+    );
 
     // The stage thread lives as long as the agent; sessions come and go.
     let (ctrl_tx, ctrl_rx) = mpsc::unbounded_channel::<NodeToCoord>();

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use super::events::{describe, event_in, JSON_LOGS};
 use super::{bin, run_with_timeout};
 
 pub const TIMEOUT: Duration = Duration::from_secs(120);
@@ -28,7 +29,20 @@ pub struct Proc {
 
 impl Proc {
     pub fn spawn(name: &str, args: &[String]) -> Self {
-        let mut child = Command::new(bin())
+        Self::start(name, args, false)
+    }
+
+    /// `tessera` with `args`, printing its events as JSON lines ([`Proc::wait_event`]).
+    pub fn spawn_with_events(name: &str, args: &[String]) -> Self {
+        Self::start(name, args, true)
+    }
+
+    fn start(name: &str, args: &[String], events: bool) -> Self {
+        let mut cmd = Command::new(bin());
+        if events {
+            cmd.env(JSON_LOGS.0, JSON_LOGS.1);
+        }
+        let mut child = cmd
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -82,6 +96,57 @@ impl Proc {
         while let Ok(l) = self.lines.try_recv() {
             self.seen.push(l);
         }
+    }
+
+    /// Waits for an event (a JSON line) whose fields have the given values; the event.
+    pub fn wait_event(&mut self, fields: &[(&str, &str)]) -> Value {
+        self.wait_event_where(fields, 1, |_| true)
+    }
+
+    /// Waits until `n` events whose fields have the given values have been seen; the n-th.
+    pub fn wait_event_nth(&mut self, fields: &[(&str, &str)], n: usize) -> Value {
+        self.wait_event_where(fields, n, |_| true)
+    }
+
+    /// Waits until `n` events whose fields have the given values and that satisfy `pred` have
+    /// been seen; the n-th.
+    pub fn wait_event_where(
+        &mut self,
+        fields: &[(&str, &str)],
+        n: usize,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(e) = self
+                .seen
+                .iter()
+                .filter_map(|(_, l)| event_in(l, fields))
+                .filter(|e| pred(e))
+                .nth(n - 1)
+            {
+                return e;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!(
+                    "{}: fewer than {n} events {}; saw {:?}",
+                    self.name,
+                    describe(fields),
+                    self.seen.iter().map(|(_, l)| l).collect::<Vec<_>>()
+                ),
+            }
+        }
+    }
+
+    /// The events seen so far whose fields have the given values (takes the lines arrived).
+    pub fn events(&mut self, fields: &[(&str, &str)]) -> Vec<Value> {
+        self.drain();
+        self.seen
+            .iter()
+            .filter_map(|(_, l)| event_in(l, fields))
+            .collect()
     }
 
     /// Waits for a stdout line starting with `prefix` (seen before or arriving); its rest.
@@ -210,7 +275,7 @@ impl Cluster {
             LEASE_MS.into(),
         ];
         args.extend_from_slice(extra);
-        Proc::spawn("coordinator", &args)
+        Proc::spawn_with_events("coordinator", &args)
     }
 
     /// The coordinator's `HOST:PORT`.
@@ -227,8 +292,8 @@ impl Cluster {
     pub fn add_node_via(&mut self, name: &str, join: &str) {
         let mut args = self.node_args(name);
         args.extend(["--join".to_string(), join.to_string()]);
-        let mut p = Proc::spawn(name, &args);
-        p.wait_for("joined coordinator ");
+        let mut p = Proc::spawn_with_events(name, &args);
+        p.wait_event(&[("event", "joined")]);
         self.nodes.push(p);
     }
 
@@ -240,10 +305,10 @@ impl Cluster {
     /// Waits until the coordinator has placed every stage of the split (`--split` applies as
     /// soon as enough nodes joined).
     pub fn wait_ready(&mut self) {
-        // Every node prints "loaded epoch" for the initial split.
+        // Every node reports a `loaded` event for the initial split.
         let n = self.split.split(',').count();
         for p in self.nodes.iter_mut().take(n) {
-            p.wait_for("loaded epoch ");
+            p.wait_event(&[("event", "loaded")]);
         }
     }
 
