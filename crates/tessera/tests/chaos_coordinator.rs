@@ -15,9 +15,9 @@ use common::chaos::{
 };
 use common::model;
 
-/// The lines of `p` seen so far that contain `what`.
-fn count(p: &Proc, what: &str) -> usize {
-    p.seen.iter().filter(|(_, l)| l.contains(what)).count()
+/// The events `event` that `p` printed so far.
+fn count(p: &mut Proc, event: &str) -> usize {
+    p.events(&[("event", event)]).len()
 }
 
 #[test]
@@ -32,24 +32,22 @@ fn restarted_coordinator_keeps_members_refuses_strangers_and_continues_epochs() 
     c.wait_ready();
     let msgs = run_to_end(&c, "before", &flags);
     assert_eq!(text_of(flags[1], &msgs), want);
-    c.coordinator.drain();
-    let enrolled = count(&c.coordinator, "enrolled node");
+    let enrolled = count(&mut c.coordinator, "enrolled");
     assert_eq!(enrolled, 4, "three nodes and the client enrolled");
     c.restart_coordinator();
     // The nodes come back on their own, with their recorded keys: no enrolment.
     for n in ["a", "b", "c"] {
-        c.node(n).wait_for_nth("joined coordinator ", 2);
+        c.node(n).wait_event_nth(&[("event", "joined")], 2);
     }
-    let last: u64 = c
+    let last = c
         .coordinator
-        .wait_for("plan epochs continue after ")
-        .trim()
-        .parse()
+        .wait_event(&[("event", "epochs_continue")])["after"]
+        .as_u64()
         .unwrap();
     assert_eq!(last, 1, "the coordinator's own shutdown planned nothing");
     // The split applies again as a new epoch: 2, never 1 again.
     for n in ["a", "b", "c"] {
-        c.node(n).wait_for("assigned epoch 2:");
+        c.node(n).wait_event(&[("event", "assigned"), ("epoch", "2")]);
     }
     let msgs = run_to_end(&c, "after", &flags);
     assert_eq!(text_of(flags[1], &msgs), want);
@@ -63,7 +61,7 @@ fn restarted_coordinator_keeps_members_refuses_strangers_and_continues_epochs() 
         "the epoch continues from the stored one"
     );
     assert_eq!(
-        count(&c.coordinator, "enrolled node"),
+        count(&mut c.coordinator, "enrolled"),
         0,
         "nobody re-enrolled"
     );
@@ -77,19 +75,17 @@ fn restarted_coordinator_keeps_members_refuses_strangers_and_continues_epochs() 
     .unwrap();
     let mut args = c.node_args("stranger");
     args[2] = stranger.display().to_string();
-    let mut s = Proc::spawn("stranger", &args);
-    let stranger_id = s.wait_for("node id: ");
-    s.wait_for("listening on ");
+    let mut s = Proc::spawn_with_events("stranger", &args);
+    let stranger_id = s.wait_event(&[("event", "identity")])["node_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    s.wait_event(&[("event", "listening")]);
     // Two failed attempts (not a fixed sleep: the stranger's own report of each attempt ends
     // the wait), never a join.
-    s.wait_for_nth("coordinator session: ", 2);
-    assert_eq!(
-        count(&s, "joined coordinator"),
-        0,
-        "an unenrolled key got in"
-    );
-    c.coordinator.drain();
-    assert_eq!(count(&c.coordinator, "enrolled node"), 0);
+    s.wait_event_nth(&[("event", "session_failed")], 2);
+    assert_eq!(count(&mut s, "joined"), 0, "an unenrolled key got in");
+    assert_eq!(count(&mut c.coordinator, "enrolled"), 0);
     // The coordinator refused that key, for that reason: it tried to talk without enrolling.
     let refusal = format!("refused enrolment of {stranger_id} ");
     let why: Vec<&str> = c
@@ -126,7 +122,8 @@ fn with_no_capacity_requests_get_a_reason_and_service_resumes_when_a_node_return
         std::thread::sleep(Duration::from_millis(1));
     }
     c.node("a").signal("-KILL");
-    c.coordinator.wait_for("lease expired: a ");
+    c.coordinator
+        .wait_event(&[("event", "lease_expired"), ("node", "a")]);
     // Nobody can hold the model: a new request is refused with the reason, at once.
     let mut refused = c.client("refused", &flags);
     assert!(!refused.finish().success());
@@ -145,8 +142,8 @@ fn with_no_capacity_requests_get_a_reason_and_service_resumes_when_a_node_return
     eprintln!("chaos: outage: {}", why.unwrap());
     // The node comes back (same key, no token): the waiting run resumes and completes.
     let args = c.node_args("a");
-    let mut back = Proc::spawn("a-again", &args);
-    back.wait_for("joined coordinator ");
+    let mut back = Proc::spawn_with_events("a-again", &args);
+    back.wait_event(&[("event", "joined")]);
     assert!(running.finish().success());
     let msgs = messages(&running);
     assert_eq!(text_of(flags[1], &msgs), want);
