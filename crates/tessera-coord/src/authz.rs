@@ -296,8 +296,14 @@ impl Gate {
     }
 
     /// Counts a refused connection or enrolment and logs `line` within the log budget (a
-    /// flood of failed handshakes costs a counter, not a log line each).
-    pub fn log_net(&self, line: impl FnOnce() -> String) {
+    /// flood of failed handshakes costs a counter, not a log line each), with the refused key
+    /// (when known) and the reason as the event's fields.
+    pub fn log_net(
+        &self,
+        peer: Option<NodeId>,
+        reason: &dyn fmt::Display,
+        line: impl FnOnce() -> String,
+    ) {
         let n = self.net_refused.fetch_add(1, Ordering::Relaxed) + 1;
         let admitted = self
             .net_log
@@ -309,6 +315,8 @@ impl Gate {
             tracing::warn!(
                 event = "refused_connection",
                 refused = n,
+                peer = %peer.map_or_else(String::new, |p| p.to_string()),
+                reason = %clip_line(&reason.to_string()),
                 "{} [{n} refused connections in all{}]",
                 clip_line(&line),
                 if skipped > 0 {

@@ -436,9 +436,9 @@ impl Coordinator {
                         let Some(_slot) = shared.authz.enrolment_slot() else {
                             let why = "too many enrolments in progress; retry later";
                             let _ = req.refuse(tessera_net::Refusal::Other(why.into()));
-                            shared
-                                .authz
-                                .log_net(|| format!("refused enrolment of {id}: {why}"));
+                            shared.authz.log_net(Some(id), &why, || {
+                                format!("refused enrolment of {id}: {why}")
+                            });
                             return;
                         };
                         match shared.enrol.complete(req).await {
@@ -447,7 +447,7 @@ impl Coordinator {
                                 c
                             }
                             Err(e) => {
-                                shared.authz.log_net(|| {
+                                shared.authz.log_net(Some(id), &e, || {
                                     format!("refused enrolment of {id} from {from}: {e}")
                                 });
                                 return;
@@ -455,9 +455,9 @@ impl Coordinator {
                         }
                     }
                     Err(e) => {
-                        shared
-                            .authz
-                            .log_net(|| format!("refused a connection from {from}: {e}"));
+                        shared.authz.log_net(None, &e, || {
+                            format!("refused a connection from {from}: {e}")
+                        });
                         return;
                     }
                 };
