@@ -13,8 +13,8 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use common::{
-    bin, model, reference_boundaries, reference_tokens, report_of, run_with_timeout, tokens_of,
-    traces_of, Proc,
+    bin, event_in, model, reference_boundaries, reference_tokens, report_of, run_with_timeout,
+    tokens_of, traces_of, Proc, JSON_LOGS,
 };
 use serde_json::Value;
 use tessera_engine::SamplingParams;
@@ -50,7 +50,7 @@ impl Cluster {
     }
 
     fn spawn_coordinator(dir: &Path, model_path: &Path, listen: &str) -> Proc {
-        Proc::spawn(
+        Proc::spawn_with_events(
             "coordinator",
             &[
                 "coordinator".into(),
@@ -86,8 +86,8 @@ impl Cluster {
     fn add_node(&mut self, name: &str, extra: &[&str]) {
         let mut args = self.node_args(name, extra);
         args.extend(["--join".to_string(), self.join.clone()]);
-        let mut p = Proc::spawn(name, &args, TIMEOUT);
-        p.wait_for("joined coordinator ");
+        let mut p = Proc::spawn_with_events(name, &args, TIMEOUT);
+        p.wait_event(&[("event", "joined")]);
         self.nodes.push(p);
     }
 
@@ -415,8 +415,8 @@ fn node_receives_only_its_share_and_its_cache_survives_a_restart() {
     // Restart node b without the token: it reconnects to the recorded coordinator and reads its
     // tensors from its cache.
     drop(c.nodes.pop());
-    let mut b = Proc::spawn("b-again", &c.node_args("b", &[]), TIMEOUT);
-    b.wait_for("joined coordinator ");
+    let mut b = Proc::spawn_with_events("b-again", &c.node_args("b", &[]), TIMEOUT);
+    b.wait_event(&[("event", "joined")]);
     c.nodes.push(b);
     let (out, msgs) = c.run_json(&args);
     assert!(
@@ -466,7 +466,7 @@ fn nodes_rejoin_a_restarted_coordinator_and_serve_again() {
     );
     c.restart_coordinator();
     for n in &mut c.nodes {
-        n.wait_for_nth("joined coordinator ", 2);
+        n.wait_event_nth(&[("event", "joined")], 2);
     }
     let (out, after) = c.run_json(&args);
     assert!(
@@ -519,11 +519,22 @@ fn assignment_beyond_the_memory_budget_is_refused() {
     assert!(err.contains("budget"), "{err}");
 }
 
-/// Runs `tessera` with `args` to its exit (it must exit: a refused node stops); its output.
+/// Runs `tessera` with `args` to its exit (it must exit: a refused node stops), its events as
+/// JSON lines on stdout; its output.
 fn run_to_exit(args: &[String]) -> Output {
     let mut cmd = Command::new(bin());
-    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.args(args)
+        .env(JSON_LOGS.0, JSON_LOGS.1)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     run_with_timeout(cmd, TIMEOUT)
+}
+
+/// Whether a process's stdout holds a `joined` event.
+fn joined(stdout: &str) -> bool {
+    stdout
+        .lines()
+        .any(|l| event_in(l, &[("event", "joined")]).is_some())
 }
 
 #[test]
@@ -543,7 +554,7 @@ fn node_with_a_wrong_token_is_refused() {
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(!out.status.success());
-    assert!(!stdout.contains("joined coordinator"), "{stdout}");
+    assert!(!joined(&stdout), "{stdout}");
     // The reason, as the coordinator sent it: the token, not a network error.
     let want = format!("enrolment refused by {addr}: the join token is not known");
     assert!(stderr.contains(&want), "expected {want:?} in:\n{stderr}");
@@ -554,11 +565,9 @@ fn a_name_cannot_be_moved_to_another_key() {
     let path = model("stories260K.gguf");
     let mut c = Cluster::start(&path);
     c.add_node("alpha", &[]);
-    let alpha_id = c.nodes[0]
-        .seen
-        .iter()
-        .find_map(|l| l.strip_prefix("node id: "))
-        .expect("alpha printed its node id")
+    let alpha_id = c.nodes[0].wait_event(&[("event", "identity")])["node_id"]
+        .as_str()
+        .expect("alpha's node id")
         .to_string();
     // A second node (its own key) with the token, claiming the same name.
     let mut args = c.node_args("alpha", &[]);
@@ -570,7 +579,7 @@ fn a_name_cannot_be_moved_to_another_key() {
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(!out.status.success());
-    assert!(!stdout.contains("joined coordinator"), "{stdout}");
+    assert!(!joined(&stdout), "{stdout}");
     let want = format!("the name \"alpha\" belongs to node {alpha_id} (another key)");
     assert!(stderr.contains(&want), "expected {want:?} in:\n{stderr}");
 }
@@ -721,16 +730,14 @@ mod wire {
     fn unenrolled_key_is_refused_by_a_nodes_ring_and_expert_streams() {
         let mut c = Cluster::start(&model("stories260K.gguf"));
         c.add_node("a", &[]);
-        let line = |prefix: &str| {
-            c.nodes[0]
-                .seen
-                .iter()
-                .find_map(|l| l.strip_prefix(prefix))
-                .unwrap_or_else(|| panic!("node printed no {prefix:?}"))
+        let mut field = |event: &str, field: &str| {
+            c.nodes[0].wait_event(&[("event", event)])[field]
+                .as_str()
+                .unwrap_or_else(|| panic!("no {field} in the node's {event} event"))
                 .to_string()
         };
-        let id: tessera_net::NodeId = line("node id: ").parse().unwrap();
-        let addr: std::net::SocketAddr = line("listening on ").parse().unwrap();
+        let id: tessera_net::NodeId = field("identity", "node_id").parse().unwrap();
+        let addr: std::net::SocketAddr = field("listening", "addr").parse().unwrap();
         rt().block_on(async {
             let ep = client_endpoint();
             for kind in [stream::RING, stream::EXPERT] {
