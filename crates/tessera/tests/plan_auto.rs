@@ -23,7 +23,7 @@ fn parse_range(s: &str) -> (usize, usize) {
 /// `tessera coordinator --plan auto --nodes-expected N` on `model`; its join and operator
 /// tokens.
 fn auto_coordinator(dir: &Path, model: &Path, expected: usize) -> (Proc, String, String) {
-    let mut coordinator = Proc::spawn(
+    let mut coordinator = Proc::spawn_with_events(
         "coordinator",
         &[
             "coordinator".into(),
@@ -69,8 +69,8 @@ fn budget_node(dir: &Path, join: &str, name: &str, budget: u64) -> Proc {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let mut p = Proc::spawn(name, &args, TIMEOUT);
-    p.wait_for("joined coordinator ");
+    let mut p = Proc::spawn_with_events(name, &args, TIMEOUT);
+    p.wait_event(&[("event", "joined")]);
     p
 }
 
@@ -117,8 +117,10 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
         .iter()
         .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
         .collect();
-    let placed = coordinator.wait_for("plan auto: ");
-    coordinator.wait_for("Chosen: stage");
+    let placed = coordinator.wait_event(&[("event", "plan_auto")])["ring"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     // The decision: both nodes, contiguous layers 0..5, ring order as planned.
     let stages: Vec<(String, (usize, usize))> = placed
@@ -212,8 +214,14 @@ fn plan_auto_executes_an_expert_split_and_matches_one_process() {
         .iter()
         .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
         .collect();
-    let split = coordinator.wait_for("plan auto experts: ");
-    let ring = coordinator.wait_for("plan auto: ");
+    let split = coordinator.wait_event(&[("event", "plan_auto_experts")])["experts"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ring = coordinator.wait_event(&[("event", "plan_auto")])["ring"]
+        .as_str()
+        .unwrap()
+        .to_string();
     eprintln!("plan auto: ring {ring}, experts {split}");
     assert_eq!(ring.trim(), format!("home=0..{}", cfg.n_layer));
 

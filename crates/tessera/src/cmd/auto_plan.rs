@@ -149,23 +149,35 @@ pub async fn run(
     c.set_expert_split(placement.experts.clone());
     c.apply_stages(&placement.ring.stages)
         .context("applying the plan")?;
+    // The decision as the coordinator's events (a plain line each, or JSON with
+    // TESSERA_LOG_FORMAT=json): what scripts and tests wait on.
     if let Some(x) = &placement.experts {
-        println!("plan auto experts: {x}");
+        tracing::info!(
+            target: "tessera_coord::plan_auto",
+            event = "plan_auto_experts",
+            experts = %x,
+            "plan auto experts: {x}"
+        );
     }
-    println!(
-        "plan auto: {}",
-        placement
-            .ring
-            .stages
-            .iter()
-            .map(|s| format!(
+    let ring = placement
+        .ring
+        .stages
+        .iter()
+        .map(|s| {
+            format!(
                 "{}={}..{}",
                 s.node.as_deref().unwrap_or("?"),
                 s.layers.start,
                 s.layers.end
-            ))
-            .collect::<Vec<_>>()
-            .join(" ")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    tracing::info!(
+        target: "tessera_coord::plan_auto",
+        event = "plan_auto",
+        ring = %ring,
+        "plan auto: {ring}"
     );
     Ok(())
 }
