@@ -315,6 +315,26 @@ impl Lines {
         }
     }
 
+    /// Waits for an event (a JSON line, `TESSERA_LOG_FORMAT=json`) whose fields have the given
+    /// values; the event.
+    fn wait_event(&mut self, fields: &[(&str, &str)]) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(e) = self
+                .seen
+                .iter()
+                .find_map(|(_, l)| common::event_in(l, fields))
+            {
+                return e;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!("{}: no event {fields:?}; saw {:?}", self.name, self.seen),
+            }
+        }
+    }
+
     /// Waits until `n` token messages have arrived.
     fn wait_tokens(&mut self, n: usize) {
         while self
@@ -387,7 +407,8 @@ fn failover_in_the_lab_a_killed_node_and_a_partitioned_host_leave_the_text_uncha
     .args(["--lease-ms", "1000", "--model"])
     .arg(&path)
     .arg("--data-dir")
-    .arg(d.join("coord"));
+    .arg(d.join("coord"))
+    .env(common::JSON_LOGS.0, common::JSON_LOGS.1);
     let mut coordinator = Lines::spawn("coordinator", cmd);
     let join = coordinator.wait_for("join token: ");
     let operator = coordinator.wait_for("operator token: ");
@@ -405,13 +426,14 @@ fn failover_in_the_lab_a_killed_node_and_a_partitioned_host_leave_the_text_uncha
             "--quick-probe",
         ])
         .args(["--listen", &format!("{}:0", lab.addr(i)), "--data-dir"])
-        .arg(d.join(name));
+        .arg(d.join(name))
+        .env(common::JSON_LOGS.0, common::JSON_LOGS.1);
         let mut p = Lines::spawn(name, cmd);
-        p.wait_for("joined coordinator ");
+        p.wait_event(&[("event", "joined")]);
         nodes.push(p);
     }
     for p in &mut nodes {
-        p.wait_for("loaded epoch ");
+        p.wait_event(&[("event", "loaded")]);
     }
     let flags = ["-p", "Once upon a time", "-n", "300", "--temperature", "0"];
     let want = common::chaos::reference_text(&path, &flags);
