@@ -245,14 +245,39 @@ fn cut_link_is_planned_around_and_the_healed_node_is_folded_back_in() {
     c.coordinator
         .wait_event(&[("event", "lease_expired"), ("node", "c")]);
     let detected = struck.elapsed();
+    let mut interrupted = 0;
     for (i, p) in clients.iter_mut().enumerate() {
         assert!(p.finish().success(), "client {i}");
         let msgs = messages(p);
         assert_eq!(text_of(loads[i][1], &msgs), want[i], "client {i}: text");
         let r = recovery(&msgs, struck);
+        if r.pauses > 0 {
+            // Paused, then resumed (the text above is whole): a token after the resumption.
+            assert!(r.resumed_token_after.is_some(), "client {i}: {r:?}");
+            interrupted += 1;
+        }
         eprintln!(
             "chaos: partition of c: client {i}: paused after {:?}, first token after resuming {:?}",
             r.paused_after, r.resumed_token_after
+        );
+    }
+    assert!(
+        interrupted > 0,
+        "the partition landed after every generation had finished; nothing was resumed"
+    );
+    // The coordinator says the same: runs paused on the lost epoch and resumed on another.
+    let paused = c.coordinator.events(&[("event", "run_paused")]);
+    let resumed = c.coordinator.events(&[("event", "run_resumed")]);
+    assert!(paused.len() >= interrupted, "{paused:?}");
+    for p in &paused {
+        let seq = p["seq"].to_string();
+        let r = resumed
+            .iter()
+            .find(|r| r["seq"].to_string() == seq)
+            .unwrap_or_else(|| panic!("seq {seq} paused and never resumed: {resumed:?}"));
+        assert_ne!(
+            r["epoch"], p["epoch"],
+            "resumed on the lost epoch: {r} after {p}"
         );
     }
     eprintln!("chaos: partition of c: the coordinator declared it gone after {detected:?}");
