@@ -170,7 +170,8 @@ fn streamed_experts_match_one_process(name: &str) {
         for e in c.coordinator.events(&fields) {
             let peak = e["peak_bytes"].as_u64().unwrap();
             assert_eq!(e["budget_bytes"].as_u64(), Some(budget), "{e}");
-            assert!(peak > 0, "{e}");
+            // A miss is a read, and every read is counted in the peak.
+            assert!(e["misses"].as_u64() == Some(0) || peak > 0, "{e}");
             assert!(
                 peak <= budget + built,
                 "{node} held {peak} bytes of experts, over its budget of {budget} plus one \
