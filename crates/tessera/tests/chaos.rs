@@ -270,11 +270,10 @@ fn cut_link_is_planned_around_and_the_healed_node_is_folded_back_in() {
     let resumed = c.coordinator.events(&[("event", "run_resumed")]);
     assert!(paused.len() >= interrupted, "{paused:?}");
     for p in &paused {
-        let seq = p["seq"].to_string();
         let r = resumed
             .iter()
-            .find(|r| r["seq"].to_string() == seq)
-            .unwrap_or_else(|| panic!("seq {seq} paused and never resumed: {resumed:?}"));
+            .find(|r| r["seq"] == p["seq"])
+            .unwrap_or_else(|| panic!("{p} and never resumed: {resumed:?}"));
         assert_ne!(
             r["epoch"], p["epoch"],
             "resumed on the lost epoch: {r} after {p}"
