@@ -382,6 +382,7 @@ impl Gate {
                 event = "refused",
                 from = %from.short(),
                 refused = n,
+                reason = %why,
                 "refused a message from {}: {why} [{n} refused in all{}]",
                 from.short(),
                 if skipped > 0 {

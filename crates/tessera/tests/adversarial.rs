@@ -185,7 +185,7 @@ fn a_bystander_node_cannot_fail_the_epoch_or_write_into_another_users_answer() {
         })
     };
     // Let the attack start before the victim does.
-    c.coordinator.wait_for("refused a message from ");
+    c.coordinator.wait_event(&[("event", "refused")]);
     let (text, under, msgs) = victim(&c, "victim");
     stop.store(true, Ordering::Relaxed);
     let sent = attacker.join().unwrap();
@@ -194,20 +194,19 @@ fn a_bystander_node_cannot_fail_the_epoch_or_write_into_another_users_answer() {
         !msgs.iter().any(|m| m["type"] == "paused"),
         "the victim's epoch was failed"
     );
-    let refused = c.coordinator.wait_for("refused a message from ");
-    assert!(refused.contains("only a stage of epoch"), "{refused}");
-    c.coordinator.drain();
-    let reasons: Vec<&str> = c
-        .coordinator
-        .seen
+    let refused = c.coordinator.events(&[("event", "refused")]);
+    let reasons: Vec<&str> = refused
         .iter()
-        .map(|(_, l)| l.as_str())
-        .filter(|l| l.starts_with("refused a message from "))
+        .map(|e| e["reason"].as_str().unwrap_or(""))
         .collect();
+    assert!(
+        reasons.iter().any(|r| r.contains("only a stage of epoch")),
+        "{reasons:?}"
+    );
     assert!(
         reasons
             .iter()
-            .any(|l| l.contains("only a stage of sequence")),
+            .any(|r| r.contains("only a stage of sequence")),
         "{reasons:?}"
     );
     // Log lines are bounded: a burst, then about one a second, however many were refused.
@@ -386,7 +385,7 @@ fn a_client_cannot_cancel_others_runs_replan_the_cluster_or_flood_it() {
             })
         })
     };
-    c.coordinator.wait_for("refused a message from ");
+    c.coordinator.wait_event(&[("event", "refused")]);
     let (text, under, msgs) = victim(&c, "victim");
     stop.store(true, Ordering::Relaxed);
     assert_eq!(text, want, "the victim's text was changed");

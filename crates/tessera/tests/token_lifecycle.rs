@@ -156,6 +156,6 @@ fn a_token_without_the_coordinator_id_is_refused_unless_trust_on_first_use() {
     );
     // Asked for, trust on first use enrols.
     args.push("--trust-on-first-use".into());
-    let mut p = common::chaos::Proc::spawn("tofu", &args);
-    p.wait_for("joined coordinator ");
+    let mut p = common::chaos::Proc::spawn_with_events("tofu", &args);
+    p.wait_event(&[("event", "joined")]);
 }
