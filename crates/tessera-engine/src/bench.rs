@@ -16,10 +16,10 @@ use crate::model::Model;
 use crate::ops::argmax;
 use crate::weights::LoadSpec;
 
-/// Timed runs per test; the best is reported.
+/// Timed runs per test; their mean is reported (llama-bench reports a mean too).
 pub const REPEATS: usize = 3;
 
-/// What one benchmark run measured (speeds: best of [`REPEATS`]).
+/// What one benchmark run measured (speeds: the mean over [`REPEATS`] timed runs).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchReport {
     pub model: String,
@@ -50,7 +50,7 @@ pub struct BenchReport {
     pub streaming: Option<StreamingReport>,
 }
 
-/// Expert streaming in a benchmark's decode test (its best run).
+/// Expert streaming in a benchmark's decode test (its last run).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StreamingReport {
     pub budget_bytes: u64,
@@ -194,7 +194,7 @@ pub struct BenchConfig {
     pub depth: usize,
     /// Tokens per forward pass while prefilling (llama.cpp's micro-batch).
     pub ubatch: usize,
-    /// Timed runs per test; the best is reported.
+    /// Timed runs per test; their mean is reported (llama-bench reports a mean too).
     pub repetitions: usize,
     pub kv_type: KvType,
     /// Stream the experts through a cache of this many bytes.
@@ -314,15 +314,20 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
     let mut base = model.new_kv(needed.max(1));
     let mut token = prefill(&mut base, &tokens(depth, 1))?.unwrap_or(1);
     let prompt = tokens(n_prompt, 2);
-    // Best of `repetitions` runs each (the machines are shared and noisy).
-    let (mut prefill_s, mut decode_s, mut kv_bytes) = (f64::INFINITY, f64::INFINITY, base.bytes());
-    let mut best_stats = None;
-    for rep in 0..repetitions.max(1) {
+    // The mean of `repetitions` runs each, the statistic llama-bench reports, so the two
+    // compare like for like (a best run flatters whichever side is noisier).
+    let runs = repetitions.max(1);
+    let (mut prefill_s, mut decode_s, mut kv_bytes) = (0.0f64, 0.0f64, base.bytes());
+    let mut last_stats = None;
+    for rep in 0..runs {
         if n_prompt > 0 {
-            let mut kv = base.clone();
+            // Back to the depth context: later positions are written over, so the test runs
+            // in the one cache (a copy would count a second cache in the peak RSS).
+            base.truncate(depth);
+            let kv = &mut base;
             let t = Instant::now();
-            let last = prefill(&mut kv, &prompt)?;
-            prefill_s = prefill_s.min(t.elapsed().as_secs_f64());
+            let last = prefill(kv, &prompt)?;
+            prefill_s += t.elapsed().as_secs_f64() / runs as f64;
             kv_bytes = kv_bytes.max(kv.bytes());
             if depth == 0 {
                 token = last.unwrap_or(token);
@@ -334,26 +339,24 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
         // Streamed: new tokens each run, so no run finds the previous one's experts waiting.
         let stream = tokens(n_gen, 3 + rep as u64);
         // Decode: n_gen greedy steps after `depth` tokens, as llama-bench's tg test.
-        let mut kv = base.clone();
+        base.truncate(depth);
+        let kv = &mut base;
         let mut tok = token;
         let before = model.expert_stats();
         let t = Instant::now();
         for &next in &stream {
-            let l = model.forward_last(&[tok], &mut kv)?;
+            let l = model.forward_last(&[tok], kv)?;
             tok = match expert_budget {
                 None => argmax(l.last()) as u32,
                 Some(_) => next,
             };
         }
-        let dt = t.elapsed().as_secs_f64();
-        if dt < decode_s {
-            decode_s = dt;
-            best_stats = before.zip(model.expert_stats());
-        }
+        decode_s += t.elapsed().as_secs_f64() / runs as f64;
+        last_stats = before.zip(model.expert_stats());
         kv_bytes = kv_bytes.max(kv.bytes());
     }
     drop(base);
-    let streaming = match (expert_budget, best_stats) {
+    let streaming = match (expert_budget, last_stats) {
         (Some(budget), Some((a, b))) => {
             Some(streaming_report(&g, &cfg, budget, &a, &b, n_gen, decode_s)?)
         }

@@ -27,7 +27,7 @@ pub struct BenchArgs {
     /// Tokens per forward pass while prefilling (llama-bench's `-ub`).
     #[arg(long, default_value_t = 512)]
     ubatch: usize,
-    /// Timed runs per test; the best is reported.
+    /// Timed runs per test; their mean is reported, as llama-bench reports a mean.
     #[arg(short = 'r', long, default_value_t = tessera_engine::bench::REPEATS)]
     repetitions: usize,
     /// KV cache element type: f16 (default), q8_0 or f32.
