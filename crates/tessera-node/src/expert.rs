@@ -445,15 +445,12 @@ mod tests {
         assert!(ExpertReply::decode(&bytes[..bytes.len() - 4], 4).is_err());
     }
 
-    /// A home model holding half the experts plus an expert-only worker (over an in-memory
-    /// link) generate exactly what one full model generates; every contacted worker gets one
-    /// message per MoE layer per step.
-    #[test]
-    fn remote_experts_over_memory_links_equal_one_model() {
+    /// The tiny MoE model split in two: a home model holding the even experts (and
+    /// everything else), and a worker holding the odd experts (returned with their indices).
+    fn home_and_worker() -> (GgufFile, ModelConfig, Model, Vec<usize>, Arc<Model>) {
         let g = GgufFile::open(model_path("test/tiny-qwen3moe-Q8_0.gguf")).unwrap();
         let cfg = ModelConfig::from_gguf(&g).unwrap();
-        let n = cfg.n_expert;
-        let (a, b): (Vec<usize>, Vec<usize>) = (0..n).partition(|e| e % 2 == 0);
+        let (a, b): (Vec<usize>, Vec<usize>) = (0..cfg.n_expert).partition(|e| e % 2 == 0);
         let mut spec = LoadSpec::full(&cfg);
         spec.experts = ExpertSelection::same_in_every_layer(&a, cfg.n_layer);
         let home = Model::load(&g, spec, 1, &mut |_, _| {}).unwrap();
@@ -469,9 +466,18 @@ mod tests {
             )
             .unwrap(),
         );
+        (g, cfg, home, b, worker)
+    }
+
+    /// A home model holding half the experts plus an expert-only worker (over an in-memory
+    /// link) generate exactly what one full model generates; every contacted worker gets one
+    /// message per MoE layer per step.
+    #[test]
+    fn remote_experts_over_memory_links_equal_one_model() {
+        let (g, cfg, home, b, worker) = home_and_worker();
         let mut peers = RemotePeers::new(vec![RemotePeer {
             name: "b".into(),
-            experts: vec![b.clone(); cfg.n_layer],
+            experts: vec![b; cfg.n_layer],
             link: Box::new(spawn_worker(worker)),
         }]);
         let prompt = [1u32, 403, 407, 261, 378, 300, 42];
@@ -533,24 +539,7 @@ mod tests {
     /// A peer's NaN never reaches the reduction: the step fails and names the peer.
     #[test]
     fn non_finite_expert_outputs_from_a_peer_fail_the_step_naming_it() {
-        let g = GgufFile::open(model_path("test/tiny-qwen3moe-Q8_0.gguf")).unwrap();
-        let cfg = ModelConfig::from_gguf(&g).unwrap();
-        let (a, b): (Vec<usize>, Vec<usize>) = (0..cfg.n_expert).partition(|e| e % 2 == 0);
-        let mut spec = LoadSpec::full(&cfg);
-        spec.experts = ExpertSelection::same_in_every_layer(&a, cfg.n_layer);
-        let home = Model::load(&g, spec, 1, &mut |_, _| {}).unwrap();
-        let worker = Arc::new(
-            Model::load(
-                &g,
-                LoadSpec::experts_only(
-                    0..cfg.n_layer,
-                    ExpertSelection::same_in_every_layer(&b, cfg.n_layer),
-                ),
-                1,
-                &mut |_, _| {},
-            )
-            .unwrap(),
-        );
+        let (_, cfg, home, b, worker) = home_and_worker();
         let mut peers = RemotePeers::new(vec![RemotePeer {
             name: "liar".into(),
             experts: vec![b; cfg.n_layer],
