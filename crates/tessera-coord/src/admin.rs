@@ -1,7 +1,7 @@
 //! Credential administration for operators: tokens with a life and revocation, asked for over
 //! an operator's control session ([`AdminRequest`], checked by [`crate::authz`] first).
 
-use tessera_node::protocol::{AdminReply, AdminRequest};
+use tessera_proto::{AdminReply, AdminRequest};
 
 use crate::authz::Grant;
 use crate::server::Shared;

@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 use tessera_net::NodeId;
-use tessera_node::protocol::{range_serde, StageSpec};
+use tessera_proto::{range_serde, StageSpec};
 
 /// A plan file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tessera_net::NodeId;
-use tessera_node::protocol::{ClientToCoord, NodeToCoord, Role};
+use tessera_proto::{ClientToCoord, NodeToCoord, Role};
 
 /// What a credential lets its holder be. Fixed when the key enrols (from the token it used)
 /// and recorded with the key.
@@ -440,9 +440,9 @@ impl LogBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tessera_engine::SamplingParams;
     use tessera_net::NodeIdentity;
-    use tessera_node::protocol::{RunRequest, StageSpec};
+    use tessera_proto::{RunRequest, StageSpec};
+    use tessera_sampling::SamplingParams;
 
     fn id() -> NodeId {
         NodeIdentity::generate().unwrap().node_id()

@@ -1,10 +1,10 @@
-//! Serving a model's tensors to nodes, over [`stream::MODEL`](tessera_node::protocol::stream::MODEL) streams.
+//! Serving a model's tensors to nodes, over [`stream::MODEL`](tessera_proto::stream::MODEL) streams.
 //!
 //! The coordinator describes its model file by content ([`Manifest`]: whole-file blake3 hash,
 //! per-chunk hashes) and answers two requests: the manifest, and a list of chunk ids, which it
 //! streams back in the order asked, each as a `CHUNK` frame, then `ChunksDone`. The node chooses
 //! the ids: whole tensors, or in an expert split only the chunks overlapping its experts' byte
-//! ranges (see [`tessera_node::store::Need`]); the chunk size is the manifest's (the
+//! ranges (see [`tessera_host::store::Need`]); the chunk size is the manifest's (the
 //! coordinator's `--chunk-size` sets it). The node verifies every chunk against the manifest
 //! before writing it. The coordinator reads chunks
 //! from disk as they are sent: serving a model does not load it into memory.
@@ -14,9 +14,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use tessera_host::{ChunkRef, ChunkSource, FileSource, Manifest};
 use tessera_net::FramedStream;
-use tessera_node::protocol::{encode_chunk, frame, ModelReply, ModelRequest};
-use tessera_node::{ChunkRef, ChunkSource, FileSource, Manifest};
+use tessera_proto::{encode_chunk, frame, ModelReply, ModelRequest};
 
 use crate::error::CoordError;
 

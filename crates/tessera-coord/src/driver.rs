@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use tessera_model::StreamDecoder;
 use tessera_net::{Connection, FramedStream, NodeId};
-use tessera_node::protocol::{
+use tessera_proto::{
     frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, NodeToCoord, RunReport,
     RunRequest, StageSeqStats, StageSpec, PROTOCOL_VERSION,
 };

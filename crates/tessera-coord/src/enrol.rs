@@ -18,7 +18,7 @@ use tessera_net::{
     Admission, AllowList, Connection, EnrolmentRequest, JoinToken, NodeId, PeerPolicy, PublicKey,
     Refusal,
 };
-use tessera_node::protocol::{Role, TokenInfo};
+use tessera_proto::{Role, TokenInfo};
 
 use crate::authz::Grant;
 use crate::error::CoordError;

@@ -6,7 +6,7 @@ pub enum CoordError {
     #[error(transparent)]
     Net(#[from] tessera_net::NetError),
     #[error(transparent)]
-    Store(#[from] tessera_node::StoreError),
+    Store(#[from] tessera_host::StoreError),
     #[error(transparent)]
     Model(#[from] tessera_model::ModelError),
     #[error(transparent)]

@@ -34,7 +34,7 @@ use tessera_gateway::backend::{
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
-use tessera_node::protocol::{
+use tessera_proto::{
     CoordToClient, FinishReason as SeqFinish, RunReport, RunRequest, StepEntry, StepHeader,
 };
 use tokio::sync::Semaphore;
@@ -151,7 +151,7 @@ impl ClusterBackend {
         let c = &shared.model.config;
         let kv_per_pos_layer = coordinator
             .kv_type()
-            .bytes_per_position(tessera_engine::KvShape::from_config(c))
+            .bytes_per_position(tessera_model::kv::KvShape::from_config(c))
             as u64;
         let one = StepHeader {
             n_embd: c.n_embd as u32,

@@ -16,7 +16,7 @@
 //!     split: None,
 //!     max_context: 4096,
 //!     progress: true,
-//!     chunk_size: tessera_node::store::DEFAULT_CHUNK_SIZE,
+//!     chunk_size: tessera_host::store::DEFAULT_CHUNK_SIZE,
 //! })
 //! .await?;
 //! // Nodes join with `tessera node --join TOKEN@ADDR`.
@@ -61,7 +61,7 @@
 //! each request streams exactly its fault-free text or ends with an explicit error, that epochs
 //! never go backwards, and that nothing is left held at the end.
 //!
-//! The wire contract is [`tessera_node::protocol`].
+//! The wire contract is [`tessera_proto`].
 
 #![forbid(unsafe_code)]
 

@@ -9,15 +9,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tessera_host::Manifest;
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 use tessera_net::{
     measure_link, Accepted, Connection, Endpoint, FramedStream, JoinToken, NodeId, NodeIdentity,
 };
-use tessera_node::protocol::{
+use tessera_proto::{
     frame, limits, stream, CoordToNode, Hello, MemberStatus, NodeToCoord, Role, StageSpec,
     PROTOCOL_VERSION,
 };
-use tessera_node::Manifest;
 use tokio::sync::{mpsc, watch};
 
 use crate::distribute::ModelServer;
@@ -74,7 +74,7 @@ pub(crate) struct State {
     sessions: u64,
     pub routes: HashMap<u64, mpsc::UnboundedSender<crate::driver::RouteMsg>>,
     /// The latest expert-cache counters each node streaming experts from disk reported.
-    pub expert_cache: HashMap<NodeId, tessera_node::protocol::ExpertCacheStats>,
+    pub expert_cache: HashMap<NodeId, tessera_proto::ExpertCacheStats>,
 }
 
 /// A node's current control session: its number, its outbox, and its connection (closed when
@@ -468,7 +468,7 @@ impl Coordinator {
     }
 
     /// The latest expert-cache counters of each node that streams its experts from disk.
-    pub fn expert_cache(&self) -> Vec<(NodeId, tessera_node::protocol::ExpertCacheStats)> {
+    pub fn expert_cache(&self) -> Vec<(NodeId, tessera_proto::ExpertCacheStats)> {
         let mut v: Vec<_> = self
             .shared
             .lock()
@@ -526,11 +526,11 @@ impl Coordinator {
 
     /// The KV cache type stages are assigned from the next plan on (call before nodes join for
     /// the first plan to use it).
-    pub fn set_kv_type(&self, kv_type: tessera_engine::KvType) {
+    pub fn set_kv_type(&self, kv_type: tessera_model::kv::KvType) {
         self.shared.lock().membership.set_kv_type(kv_type);
     }
 
-    pub fn kv_type(&self) -> tessera_engine::KvType {
+    pub fn kv_type(&self) -> tessera_model::kv::KvType {
         self.shared.lock().membership.kv_type()
     }
 

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
+use tessera_host::ContentHash;
 use tessera_net::{JoinToken, LinkMeasurement, NodeId, PublicKey};
-use tessera_node::protocol::{LoadReport, Role};
-use tessera_node::ContentHash;
+use tessera_proto::{LoadReport, Role};
 
 use crate::authz::Grant;
 use crate::tokens::TokenRecord;

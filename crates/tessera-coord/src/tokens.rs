@@ -111,7 +111,7 @@ impl TokenRecord {
     }
 }
 
-pub use tessera_node::protocol::TokenInfo;
+pub use tessera_proto::TokenInfo;
 
 /// Finds the token a claim names.
 pub fn find<'a>(tokens: &'a mut [TokenRecord], id: &TokenId) -> Option<&'a mut TokenRecord> {

@@ -33,3 +33,9 @@ pub enum EngineError {
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+impl From<tessera_model::kv::KvTypeUnfit> for EngineError {
+    fn from(e: tessera_model::kv::KvTypeUnfit) -> Self {
+        Self::BadInput(e.to_string())
+    }
+}

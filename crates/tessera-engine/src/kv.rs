@@ -15,13 +15,10 @@
 //! variants whose keys and values differ in width (DeepSeek's MLA caches one latent "head") fit
 //! the same cache.
 
-use std::fmt;
 use std::ops::Range;
-use std::str::FromStr;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use serde::{Deserialize, Serialize};
 use tessera_model::ModelConfig;
 
 use crate::error::{EngineError, Result};
@@ -35,104 +32,7 @@ pub const TILE: usize = 64;
 
 const _: () = assert!(GROW_CHUNK.is_multiple_of(TILE));
 
-/// Element type of a KV cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum KvType {
-    /// 4 bytes an element; attention equal to llama.cpp's non-flash path.
-    F32,
-    /// 2 bytes an element (llama.cpp's default); fused attention.
-    #[default]
-    F16,
-    /// 34 bytes per 32 elements; fused attention. Needs head widths that are multiples of 32.
-    Q8_0,
-}
-
-impl KvType {
-    /// Bytes of cache for `elements` values (a multiple of 32 for Q8_0).
-    pub const fn bytes_for(self, elements: usize) -> usize {
-        match self {
-            Self::F32 => elements * 4,
-            Self::F16 => elements * 2,
-            Self::Q8_0 => elements / 32 * 34,
-        }
-    }
-
-    /// Bytes per position per layer for keys and values together.
-    pub fn bytes_per_position(self, shape: KvShape) -> usize {
-        self.bytes_for(shape.k_width()) + self.bytes_for(shape.v_width())
-    }
-
-    /// Whether this type can hold a cache of `shape` (Q8_0 needs whole blocks per head).
-    pub fn check(self, shape: KvShape) -> Result<()> {
-        if self == Self::Q8_0
-            && !(shape.k_head_dim.is_multiple_of(32) && shape.v_head_dim.is_multiple_of(32))
-        {
-            return Err(EngineError::BadInput(format!(
-                "a q8_0 KV cache needs head widths that are multiples of 32; this model's are \
-                 {} (keys) and {} (values): use f16 or f32",
-                shape.k_head_dim, shape.v_head_dim
-            )));
-        }
-        Ok(())
-    }
-
-    pub const ALL: [Self; 3] = [Self::F32, Self::F16, Self::Q8_0];
-}
-
-impl fmt::Display for KvType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::F32 => "f32",
-            Self::F16 => "f16",
-            Self::Q8_0 => "q8_0",
-        })
-    }
-}
-
-impl FromStr for KvType {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" => Ok(Self::F32),
-            "f16" => Ok(Self::F16),
-            "q8_0" | "q8" => Ok(Self::Q8_0),
-            other => Err(format!(
-                "unknown KV cache type '{other}' (expected f16, q8_0 or f32)"
-            )),
-        }
-    }
-}
-
-/// Geometry of a layer's cache: KV heads and the width of each head's key and value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvShape {
-    pub n_head_kv: usize,
-    pub k_head_dim: usize,
-    pub v_head_dim: usize,
-}
-
-impl KvShape {
-    /// The cache `config`'s attention needs: its KV heads, keys `head_dim` wide, values
-    /// [`ModelConfig::v_head_dim`] wide (narrower than the keys with DeepSeek's MLA).
-    pub fn from_config(config: &ModelConfig) -> Self {
-        Self {
-            n_head_kv: config.n_head_kv,
-            k_head_dim: config.head_dim,
-            v_head_dim: config.v_head_dim(),
-        }
-    }
-
-    /// Key floats per position.
-    pub fn k_width(self) -> usize {
-        self.n_head_kv * self.k_head_dim
-    }
-
-    /// Value floats per position.
-    pub fn v_width(self) -> usize {
-        self.n_head_kv * self.v_head_dim
-    }
-}
+pub use tessera_model::kv::{KvShape, KvType, KvTypeUnfit};
 
 /// Storage of one layer's keys or values.
 #[derive(Debug, Clone)]

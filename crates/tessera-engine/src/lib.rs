@@ -55,7 +55,9 @@ mod layer;
 pub mod model;
 pub mod moe;
 pub mod ops;
-pub mod sampling;
+/// Token choice lives in its own crate (the gateway and the wire protocol use it without the
+/// kernels); re-exported here under its old path.
+pub use tessera_sampling as sampling;
 pub mod weights;
 
 pub use error::{EngineError, Result};

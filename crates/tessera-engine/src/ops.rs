@@ -570,16 +570,7 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&l| l as f64 - lse).collect()
 }
 
-/// Index of the largest value (the first on ties).
-pub fn argmax(x: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best
-}
+pub use tessera_sampling::argmax;
 
 #[cfg(test)]
 mod tests {

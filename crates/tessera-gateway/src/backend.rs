@@ -5,7 +5,7 @@
 //! chat templates, detokenization, stop strings, JSON — stays in the gateway, so a backend only
 //! has to schedule sequences and run forwards. Two implement it:
 //!
-//! * [`crate::LocalBackend`]: the whole model in this process, with a continuous-batching
+//! * `tessera_local::LocalBackend`: the whole model in this process, with a continuous-batching
 //!   scheduler thread.
 //! * the distributed coordinator (crates/tessera-coord), which fans each step out over the
 //!   stages of the current plan.
@@ -26,7 +26,7 @@
 //!   bounded queue; then `RequestHandle::channel(req.id)`, keep the sender with the sequence and
 //!   return the handle. Never block.
 //! * The driver advances every active sequence once per ring step (one forward per stage per
-//!   step, as [`crate::LocalBackend`] does in one process), sends each generated token as
+//!   step, as `tessera_local::LocalBackend` does in one process), sends each generated token as
 //!   [`Event::Token`] — stopping at [`ServedModel::is_end_of_generation`] without sending it —
 //!   and ends with [`Event::Finished`], or [`Event::Failed`] when a stage is lost and the
 //!   sequence cannot be resumed.
@@ -41,9 +41,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tessera_engine::sampling::TokenLogprobs;
-use tessera_engine::SamplingParams;
 use tessera_model::{ChatTemplate, GgufFile, ModelConfig, Tokenizer};
+use tessera_sampling::SamplingParams;
+use tessera_sampling::TokenLogprobs;
 use tokio::sync::mpsc;
 
 pub use crate::grammar::Grammar;
@@ -320,7 +320,7 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
 }
 
 /// Everything the dashboard shows about the machines and the plan. The coordinator fills it from
-/// its membership state and current plan; [`crate::LocalBackend`] reports one local node.
+/// its membership state and current plan; `tessera_local::LocalBackend` reports one local node.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ClusterStatus {
     /// The model's name.

@@ -39,7 +39,7 @@ mod tests {
                 .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ step ^ salt) % 1000) as f32)
                 .collect();
             g.mask(&mut logits).unwrap();
-            let t = tessera_engine::ops::argmax(&logits) as u32;
+            let t = tessera_sampling::argmax(&logits) as u32;
             if tok.is_end_of_generation(t) {
                 break;
             }

@@ -10,31 +10,18 @@
 //! 2. **Admission** ([`Backend::submit`]): the backend checks the context limit (400) and its
 //!    bounded queue (429 with `Retry-After`), or says it is not serving (503), and otherwise
 //!    returns a [`RequestHandle`] at once.
-//! 3. **Scheduling** ([`scheduler`], driven by [`LocalBackend`]'s engine thread): each step
-//!    puts every running sequence into *one* forward pass — one token for each decoding
-//!    sequence, prompt chunks for new ones — samples, and sends each its token as an [`Event`].
+//! 3. **Scheduling** ([`scheduler`], driven by the backend, e.g. `tessera_local`'s engine
+//!    thread): each step puts every running sequence into *one* forward pass — one token for
+//!    each decoding sequence, prompt chunks for new ones — samples, and sends each its token as
+//!    an [`Event`].
 //! 4. **Text** ([`text`]): the gateway assembles UTF-8 across tokens and cuts stop strings,
 //!    then answers with one JSON body or with SSE chunks ending `data: [DONE]`.
 //! 5. **Cancellation**: if the client goes away, the response stream is dropped, which drops
 //!    the handle and closes the event channel; the backend sees it closed before its next step
 //!    and drops the sequence with its KV cache.
 //!
-//! ```no_run
-//! use std::sync::Arc;
-//! use tessera_engine::Model;
-//! use tessera_gateway::{Gateway, GatewayConfig, LocalBackend, LocalConfig};
-//! use tessera_model::GgufFile;
-//!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let gguf = GgufFile::open("models/stories260K.gguf")?;
-//! let model = Model::load_full(&gguf, 2)?;
-//! let backend = LocalBackend::start("stories260K", &gguf, model, LocalConfig::default())?;
-//! let gateway = Gateway::new(Arc::new(backend), GatewayConfig::default());
-//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
-//! let ctrl_c = async { tokio::signal::ctrl_c().await.ok(); };
-//! tessera_gateway::serve(listener, gateway, ctrl_c).await?;
-//! # Ok(()) }
-//! ```
+//! `tessera_local`'s crate documentation shows the whole server in a dozen lines, over its
+//! single-process backend.
 //!
 //! The same path serves the other front ends: [`anthropic`] (Messages), [`responses`]
 //! (OpenAI's Responses API) and `/tokenize`/`/detokenize`. Each parses its body into one request
@@ -52,10 +39,8 @@ pub mod anthropic;
 pub mod backend;
 pub mod dashboard;
 pub mod grammar;
-pub mod local;
 pub mod metrics;
 pub mod openai;
-pub mod prefix_cache;
 mod respond;
 pub mod responses;
 pub mod scheduler;
@@ -69,6 +54,5 @@ pub use backend::{
     ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health, InventorySummary,
     LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel, SubmitError, Usage,
 };
-pub use local::{LocalBackend, LocalConfig};
 pub use scheduler::SchedulerConfig;
 pub use server::{check_exposure, router, serve, Gateway, GatewayConfig, KeyRequired};

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tessera_engine::SamplingParams;
+use tessera_sampling::SamplingParams;
 
 use crate::backend::Usage;
 
@@ -343,7 +343,7 @@ pub fn choice_seed(seed: u64, index: usize) -> u64 {
     if index == 0 {
         seed
     } else {
-        tessera_engine::sampling::splitmix64(seed ^ (index as u64).wrapping_mul(0x9E37_79B9))
+        tessera_sampling::splitmix64(seed ^ (index as u64).wrapping_mul(0x9E37_79B9))
     }
 }
 

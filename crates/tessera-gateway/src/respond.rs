@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, BoxStream, Stream, StreamExt};
 use serde_json::{json, Value};
-use tessera_engine::sampling::TokenLogprobs;
+use tessera_sampling::TokenLogprobs;
 use tracing::Instrument;
 
 use crate::backend::{GenerationRequest, Grammar, ServedModel, SubmitError, Usage};

@@ -13,8 +13,8 @@
 //! token budget on prompt chunks of sequences still prefilling (oldest first), so a long prompt
 //! never stalls the others for more than a chunk.
 
-use tessera_engine::sampling::TokenLogprobs;
-use tessera_engine::SamplingParams;
+use tessera_sampling::SamplingParams;
+use tessera_sampling::TokenLogprobs;
 
 use crate::backend::{FinishReason, RequestId, Usage};
 use crate::grammar::{Grammar, GrammarError};

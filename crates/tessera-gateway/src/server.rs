@@ -78,8 +78,7 @@ pub struct Gateway {
 
 impl Gateway {
     pub fn new(backend: Arc<dyn Backend>, config: GatewayConfig) -> Arc<Self> {
-        let salt =
-            tessera_engine::sampling::splitmix64(unix_ms() ^ (u64::from(std::process::id()) << 32));
+        let salt = tessera_sampling::splitmix64(unix_ms() ^ (u64::from(std::process::id()) << 32));
         Arc::new(Self {
             backend,
             metrics: GatewayMetrics::default(),
@@ -108,8 +107,8 @@ impl Gateway {
     /// A process-unique request number and its public id suffix (24 hex digits).
     pub(crate) fn new_id(&self) -> (u64, String) {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let a = tessera_engine::sampling::splitmix64(self.salt ^ n);
-        let b = tessera_engine::sampling::splitmix64(a);
+        let a = tessera_sampling::splitmix64(self.salt ^ n);
+        let b = tessera_sampling::splitmix64(a);
         (n, format!("{a:016x}{:08x}", b as u32))
     }
 }

@@ -7,9 +7,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_engine::sampling::TokenLogprobs;
-use tessera_engine::StopMatcher;
 use tessera_model::Utf8Assembler;
+use tessera_sampling::StopMatcher;
+use tessera_sampling::TokenLogprobs;
 
 use crate::backend::{Event, FinishReason, RequestHandle, ServedModel, Usage};
 

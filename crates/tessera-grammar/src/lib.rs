@@ -19,24 +19,14 @@ use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tessera_engine::sampling::{
-    process_logits, sample, sample_processed, token_logprobs, TokenLogprobs,
-};
-use tessera_engine::SamplingParams;
 use tessera_model::{TokenType, Tokenizer};
+use tessera_sampling::{
+    process_logits, sample, sample_processed, token_logprobs, SamplingParams, TokenLogprobs,
+};
 use toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 
-/// What a grammar is written in (serde: a cluster sends it to its sampling stage).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GrammarSpec {
-    /// A JSON schema; the output is one JSON value matching it.
-    JsonSchema(Value),
-    /// llguidance's lark dialect (`%json { … }` embeds a schema).
-    Lark(String),
-}
+pub use tessera_sampling::GrammarSpec;
 
 /// Why a grammar could not be built or followed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -275,7 +265,7 @@ mod tests {
                 .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ step) % 1000) as f32)
                 .collect();
             g.mask(&mut logits).unwrap();
-            let t = tessera_engine::ops::argmax(&logits) as u32;
+            let t = tessera_sampling::argmax(&logits) as u32;
             if tok.is_end_of_generation(t) {
                 break;
             }

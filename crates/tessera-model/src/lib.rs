@@ -14,6 +14,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
+pub mod kv;
 pub mod profile;
 pub mod tokenizer;
 

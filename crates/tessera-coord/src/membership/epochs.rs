@@ -9,8 +9,8 @@ use tessera_net::{LinkMeasurement, NodeId};
 
 use super::events::send;
 use super::{Action, Membership};
-use tessera_node::protocol::{CoordToNode, LoadReport, PeerInfo, StageAssignment};
-use tessera_node::ContentHash;
+use tessera_host::ContentHash;
+use tessera_proto::{CoordToNode, LoadReport, PeerInfo, StageAssignment};
 
 /// Where an epoch is.
 #[derive(Clone, Debug, PartialEq)]

@@ -8,8 +8,8 @@ use std::time::Duration;
 use tessera_net::{LinkMeasurement, NodeId};
 
 use super::Member;
-use tessera_node::protocol::{CoordToNode, LoadReport};
-use tessera_node::{ContentHash, Inventory};
+use tessera_host::{ContentHash, Inventory};
+use tessera_proto::{CoordToNode, LoadReport};
 
 /// Inputs.
 #[derive(Clone, Debug)]

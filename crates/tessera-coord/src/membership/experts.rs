@@ -9,7 +9,7 @@ use std::ops::Range;
 use tessera_net::NodeId;
 
 use super::Membership;
-use tessera_node::protocol::{ExpertAssignment, ExpertPeer, PeerInfo};
+use tessera_proto::{ExpertAssignment, ExpertPeer, PeerInfo};
 
 impl Membership {
     pub(crate) fn candidates(&self) -> Vec<crate::assignment::Candidate> {
@@ -216,7 +216,7 @@ mod tests {
     use crate::membership::test_support::*;
     use crate::membership::{Action, Event};
     use crate::replan::ModelBytes;
-    use tessera_node::protocol::CoordToNode;
+    use tessera_proto::CoordToNode;
 
     #[test]
     fn an_expert_split_places_experts_on_stages_and_expert_only_nodes() {

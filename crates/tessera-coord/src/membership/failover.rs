@@ -11,7 +11,7 @@ use tessera_net::NodeId;
 
 use super::{Action, Membership, Phase};
 use crate::replan::{even_split, Survivor};
-use tessera_node::ContentHash;
+use tessera_host::ContentHash;
 
 /// What re-planning needs: set by the last requested plan.
 #[derive(Clone, Debug, PartialEq)]
@@ -150,7 +150,7 @@ mod tests {
     use crate::membership::test_support::*;
     use crate::membership::Event;
     use crate::replan::ModelBytes;
-    use tessera_node::protocol::CoordToNode;
+    use tessera_proto::CoordToNode;
 
     #[test]
     fn a_lost_stage_is_replanned_onto_survivors_and_a_returning_node_folded_in() {

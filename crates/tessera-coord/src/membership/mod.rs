@@ -30,8 +30,8 @@ use std::net::SocketAddr;
 use tessera_net::{LinkMeasurement, NodeId, PublicKey};
 
 use crate::replan::ModelBytes;
-use tessera_node::protocol::CoordToNode;
-use tessera_node::{ContentHash, Inventory};
+use tessera_host::{ContentHash, Inventory};
+use tessera_proto::CoordToNode;
 
 mod epochs;
 mod events;
@@ -84,7 +84,7 @@ pub struct Membership {
     /// departed owners' experts re-placed.
     epoch_experts: Option<crate::assignment::ExpertSplit>,
     /// KV cache type every stage is assigned.
-    kv_type: tessera_engine::KvType,
+    kv_type: tessera_model::kv::KvType,
     /// Liveness: the lease and when each connected member was last heard from.
     leases: leases::Leases,
 }
@@ -100,11 +100,11 @@ impl Membership {
     }
 
     /// The KV cache type stages are assigned from the next plan on.
-    pub fn set_kv_type(&mut self, kv_type: tessera_engine::KvType) {
+    pub fn set_kv_type(&mut self, kv_type: tessera_model::kv::KvType) {
         self.kv_type = kv_type;
     }
 
-    pub fn kv_type(&self) -> tessera_engine::KvType {
+    pub fn kv_type(&self) -> tessera_model::kv::KvType {
         self.kv_type
     }
 

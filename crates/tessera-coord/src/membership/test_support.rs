@@ -6,8 +6,8 @@ use std::ops::Range;
 use tessera_net::{NodeId, NodeIdentity};
 
 use super::{Action, Event, Member, Membership, Phase};
-use tessera_node::protocol::{CoordToNode, LoadReport};
-use tessera_node::ContentHash;
+use tessera_host::ContentHash;
+use tessera_proto::{CoordToNode, LoadReport};
 
 pub(super) fn member(i: u8) -> Member {
     let id = NodeIdentity::from_seed([i; 32]);

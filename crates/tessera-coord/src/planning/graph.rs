@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 
+use tessera_host::Inventory;
 use tessera_net::LinkMeasurement;
-use tessera_node::Inventory;
 use tessera_plan::{
     Bytes, BytesPerSec, FlopsPerSec, LinkSpec, Node, Policy, ResourceGraph, Source, Tier,
     RUNTIME_OVERHEAD_RAM,

@@ -38,7 +38,7 @@ use tessera_plan::{plan, ModelProfile, Plan, PlanError, PlanOutcome, ResourceGra
 
 // Named in the documentation above.
 #[cfg(doc)]
-use {crate::assignment::PlanFile, tessera_node::Inventory, tessera_plan::RUNTIME_OVERHEAD_RAM};
+use {crate::assignment::PlanFile, tessera_host::Inventory, tessera_plan::RUNTIME_OVERHEAD_RAM};
 
 mod graph;
 mod model;
@@ -164,8 +164,8 @@ pub fn plan_executable(
 mod tests {
     use super::test_support::*;
     use super::*;
+    use tessera_host::Inventory;
     use tessera_net::LinkMeasurement;
-    use tessera_node::Inventory;
     use tessera_plan::{Bytes, BytesPerSec, Objective, Policy, Quant, Tier};
 
     fn model() -> ModelProfile {

@@ -3,8 +3,8 @@
 //! its `--experts` placement ([`to_expert_placement`]); [`to_placement`] picks between them and
 //! says why a plan cannot run.
 
-use tessera_node::protocol::StageSpec;
 use tessera_plan::{CellKind, Plan, StrategyKind};
+use tessera_proto::StageSpec;
 
 use crate::assignment::PlanFile;
 

@@ -1,11 +1,11 @@
 //! Test helpers shared by the planning tests: a node's measured inventory and a measured link.
 
 use std::time::Duration;
-use tessera_net::LinkMeasurement;
-use tessera_node::inventory::{
+use tessera_host::inventory::{
     ComputeRate, CpuInfo, HostInfo, MemoryBandwidth, MemoryInfo, ResolvedBudget,
 };
-use tessera_node::Inventory;
+use tessera_host::Inventory;
+use tessera_net::LinkMeasurement;
 
 pub(super) const GIB: u64 = 1 << 30;
 

@@ -4,13 +4,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::membership::CoordToNodeEq;
-use tessera_engine::sampling::TokenLogprobs;
-use tessera_engine::SamplingParams;
-use tessera_grammar::GrammarSpec;
+use tessera_sampling::GrammarSpec;
+use tessera_sampling::SamplingParams;
+use tessera_sampling::TokenLogprobs;
 
 use crate::authz::Refusal;
 use tessera_net::NodeId;
-use tessera_node::protocol::{
+use tessera_proto::{
     BoundaryTrace, CoordToNode, FinishReason, NodeToCoord, OpenSeq, StagePlacement, StageSeqStats,
 };
 

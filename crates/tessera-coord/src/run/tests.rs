@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use tessera_net::{NodeId, NodeIdentity};
-use tessera_node::protocol::{
+use tessera_proto::{
     CoordToNode, FinishReason, LoadReport, NodeToCoord, StagePlacement, StageSeqStats,
 };
 
@@ -241,7 +241,7 @@ fn a_resumed_attempt_carries_the_grammar_and_logprobs_and_replays_the_generated_
     let mut spec = RunSpec::new(
         vec![1, 2, 3],
         100,
-        tessera_engine::SamplingParams {
+        tessera_sampling::SamplingParams {
             temperature: 0.7,
             seed: 9,
             ..Default::default()
@@ -250,7 +250,7 @@ fn a_resumed_attempt_carries_the_grammar_and_logprobs_and_replays_the_generated_
         vec![0],
     )
     .expect("valid");
-    spec.grammar = Some(tessera_grammar::GrammarSpec::JsonSchema(
+    spec.grammar = Some(tessera_sampling::GrammarSpec::JsonSchema(
         serde_json::json!({"type": "object"}),
     ));
     spec.logprobs = Some(3);
@@ -274,7 +274,7 @@ fn a_resumed_attempt_carries_the_grammar_and_logprobs_and_replays_the_generated_
     for n in [1, 2] {
         msg(&mut m, 1, n, NodeToCoord::Opened { seq: 10 });
     }
-    let lp = tessera_engine::sampling::TokenLogprobs {
+    let lp = tessera_sampling::TokenLogprobs {
         token: 42,
         logprob: -0.5,
         top: vec![(42, -0.5), (7, -1.5)],

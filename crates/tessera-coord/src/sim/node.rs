@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tessera_net::{NodeId, NodeIdentity};
-use tessera_node::protocol::{CoordToNode, FinishReason, LoadReport, NodeToCoord, StageSeqStats};
+use tessera_proto::{CoordToNode, FinishReason, LoadReport, NodeToCoord, StageSeqStats};
 
 /// One open sequence on a node.
 #[derive(Clone, Debug)]

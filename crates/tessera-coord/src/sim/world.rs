@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use tessera_net::NodeId;
-use tessera_node::protocol::{CoordToNode, FinishReason, NodeToCoord};
+use tessera_proto::{CoordToNode, FinishReason, NodeToCoord};
 
 use super::node::{NodeEffect, SimNode};
 use super::{next_token, Rng};
@@ -263,7 +263,7 @@ impl World {
                 .map(|_| self.rng.range(1, u64::from(VOCAB)) as u32)
                 .collect();
             let max_new = self.rng.range(1, 24) as usize;
-            let sampling = tessera_engine::SamplingParams {
+            let sampling = tessera_sampling::SamplingParams {
                 seed: self.rng.next_u64(),
                 ..Default::default()
             };
@@ -822,7 +822,7 @@ impl World {
             .zip(crate::replan::even_ranges(N_LAYER, k))
             .collect();
         self.membership_event(Event::Plan {
-            model: tessera_node::ContentHash([7; 32]),
+            model: tessera_host::ContentHash([7; 32]),
             stages,
             n_layer: N_LAYER,
             max_context: 256,

@@ -4,11 +4,11 @@
 //!
 //! The numbers are the log-softmax of the logits the sampler drew from, after penalties, logit
 //! bias and any grammar mask, at temperature 1 and before top-k/top-p/min-p (see
-//! [`tessera_engine::sampling::token_logprobs`]).
+//! [`tessera_sampling::token_logprobs`]).
 
 use serde_json::{json, Map, Value};
-use tessera_engine::sampling::TokenLogprobs;
 use tessera_model::Tokenizer;
+use tessera_sampling::TokenLogprobs;
 
 /// A token's text as OpenAI shows it (invalid UTF-8 replaced; `bytes` keeps the truth).
 fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {

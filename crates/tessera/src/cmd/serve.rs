@@ -16,9 +16,8 @@ use tessera_coord::assignment::parse_split;
 use tessera_coord::gateway::{ClusterBackend, ClusterBackendConfig};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 use tessera_engine::Model;
-use tessera_gateway::{
-    check_exposure, Backend, Gateway, GatewayConfig, LocalBackend, LocalConfig, SchedulerConfig,
-};
+use tessera_gateway::{check_exposure, Backend, Gateway, GatewayConfig, SchedulerConfig};
+use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
 
 use crate::default_model;
@@ -155,7 +154,7 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
             context_length: a.ctx.unwrap_or(usize::MAX),
             prefix_cache: a
                 .prefix_cache
-                .unwrap_or(tessera_gateway::local::DEFAULT_PREFIX_CACHE),
+                .unwrap_or(tessera_local::DEFAULT_PREFIX_CACHE),
         },
     })
 }

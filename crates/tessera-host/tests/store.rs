@@ -8,12 +8,12 @@ use std::io;
 use std::path::Path;
 
 use common::{test_model, TempDir};
-use tessera_model::GgufFile;
-use tessera_node::store::{VerifyReport, DEFAULT_CHUNK_SIZE};
-use tessera_node::{
+use tessera_host::store::{VerifyReport, DEFAULT_CHUNK_SIZE};
+use tessera_host::{
     fetch, ChunkRef, ChunkSource, ContentHash, FetchReport, FileSource, Manifest, Part, ShardStore,
     StoreError,
 };
+use tessera_model::GgufFile;
 
 const MODEL: &str = "tiny-qwen3-Q8_0.gguf";
 /// Small chunks so that tensors span several and interruption lands mid-tensor.
@@ -30,7 +30,7 @@ fn stage0_names(m: &Manifest) -> Vec<String> {
     names
 }
 
-fn no_progress() -> impl FnMut(&tessera_node::FetchProgress<'_>) {
+fn no_progress() -> impl FnMut(&tessera_host::FetchProgress<'_>) {
     |_| {}
 }
 

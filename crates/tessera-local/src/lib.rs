@@ -1,4 +1,6 @@
-//! [`LocalBackend`]: the whole model in this process, driven by one scheduler thread.
+//! [`LocalBackend`]: the whole model in this process, driven by one scheduler thread — the
+//! engine behind `tessera serve`'s gateway. The gateway crate itself knows only the
+//! [`Backend`] trait, so the coordinator can serve through it without compiling the engine.
 //!
 //! `submit` (on an HTTP worker) checks the context limit and the queue bound, then pushes the
 //! request onto a bounded waiting queue and wakes the engine thread. The engine thread loops:
@@ -7,6 +9,28 @@
 //! forward pass (decode rows and prompt chunks together: embed → all layers → head on the rows
 //! that need logits), and send each sequence its token. Kernels are batch-invariant, so a
 //! sequence's tokens do not depend on what else shares its batch.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use tessera_engine::Model;
+//! use tessera_gateway::{Gateway, GatewayConfig};
+//! use tessera_local::{LocalBackend, LocalConfig};
+//! use tessera_model::GgufFile;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let gguf = GgufFile::open("models/stories260K.gguf")?;
+//! let model = Model::load_full(&gguf, 2)?;
+//! let backend = LocalBackend::start("stories260K", &gguf, model, LocalConfig::default())?;
+//! let gateway = Gateway::new(Arc::new(backend), GatewayConfig::default());
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! let ctrl_c = async { tokio::signal::ctrl_c().await.ok(); };
+//! tessera_gateway::serve(listener, gateway, ctrl_c).await?;
+//! # Ok(()) }
+//! ```
+
+#![forbid(unsafe_code)]
+
+pub mod prefix_cache;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,13 +41,13 @@ use std::time::Duration;
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
 use tessera_model::{human_bytes, GgufFile};
 
-use crate::backend::{
+use prefix_cache::{PrefixCache, Reuse};
+use tessera_gateway::backend::{
     Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, Event, EventSender,
     GenerationRequest, Health, InventorySummary, NodeStatus, PlanStatus, RequestHandle,
     ServedModel, SubmitError,
 };
-use crate::prefix_cache::{PrefixCache, Reuse};
-use crate::scheduler::{Output, Scheduler, SchedulerConfig, Sequence, StepItem};
+use tessera_gateway::scheduler::{Output, Scheduler, SchedulerConfig, Sequence, StepItem};
 
 /// How the local backend batches and queues.
 #[derive(Clone, Copy, Debug)]

@@ -1,5 +1,7 @@
 //! The fabric's wire contract: stream kinds, frame kinds, control messages and the binary
-//! hot-path frames, shared by node agents, the coordinator and clients.
+//! hot-path frames, shared by node agents, the coordinator and clients. Data only: it depends on
+//! the transport's identities ([`tessera_net`]) and the data types its messages carry (sampling
+//! parameters, the KV type, content hashes, inventories), never on the engine.
 //!
 //! Everything travels over [`tessera_net`] connections (QUIC, TLS 1.3 with pinned node keys),
 //! in its versioned length-prefixed frames. On top of that:
@@ -54,7 +56,7 @@ pub mod stream {
     /// Stage-to-stage hot path.
     pub const RING: u16 = 0x0003;
     /// Home stage → expert worker: MoE expert requests and their outputs
-    /// ([`super::frame::EXPERT_REQ`] / [`super::frame::EXPERT_OUT`]), see `crate::expert`.
+    /// ([`super::frame::EXPERT_REQ`] / [`super::frame::EXPERT_OUT`]), see `tessera_node::expert`.
     pub const EXPERT: u16 = 0x0004;
 }
 
@@ -69,9 +71,9 @@ pub mod frame {
     /// One model chunk: `u32` chunk id (LE), then its bytes.
     pub const CHUNK: u16 = 0x0030;
     /// One MoE layer's expert work for one worker: routed tokens' normed rows and routing
-    /// (`crate::expert::ExpertRequest`).
+    /// (`tessera_node::expert::ExpertRequest`).
     pub const EXPERT_REQ: u16 = 0x0040;
-    /// The worker's weighted slot outputs for a request (`crate::expert::ExpertReply`).
+    /// The worker's weighted slot outputs for a request (`tessera_node::expert::ExpertReply`).
     pub const EXPERT_OUT: u16 = 0x0041;
     /// The worker could not compute a request: a UTF-8 reason.
     pub const EXPERT_ERR: u16 = 0x0042;

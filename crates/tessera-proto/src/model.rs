@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 #[cfg(doc)]
 use super::frame;
 use super::FrameDecodeError;
-use crate::store::ContentHash;
+use tessera_host::ContentHash;
 
 /// Model-stream requests (node → coordinator).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -27,7 +27,7 @@ pub enum ModelRequest {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ModelReply {
-    Manifest(Box<crate::store::Manifest>),
+    Manifest(Box<tessera_host::Manifest>),
     ChunksDone { count: u64 },
     Error { message: String },
 }

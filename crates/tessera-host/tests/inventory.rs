@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::TempDir;
-use tessera_node::inventory::{ProbeStatus, FALLBACK_COMPUTE_SOURCE};
-use tessera_node::{measure, ComputeRate, Inventory, MemoryBudget, ProbeOptions};
+use tessera_host::inventory::{ProbeStatus, FALLBACK_COMPUTE_SOURCE};
+use tessera_host::{measure, ComputeRate, Inventory, MemoryBudget, ProbeOptions};
 
 #[test]
 fn measures_this_machine() {
@@ -84,7 +84,7 @@ fn measures_this_machine() {
         "{read:?} {write:?}"
     );
     assert!(!read.method.is_empty() && !write.method.is_empty());
-    let rate = |r: &tessera_node::inventory::DiskRate| r.bytes as f64 / (r.duration_ms / 1e3);
+    let rate = |r: &tessera_host::inventory::DiskRate| r.bytes as f64 / (r.duration_ms / 1e3);
     for r in [read, write] {
         assert!(r.bytes_per_s.is_finite(), "{r:?}");
         assert!(

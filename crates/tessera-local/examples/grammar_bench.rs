@@ -1,7 +1,7 @@
 //! What structured output costs per token: the grammar mask (llguidance) at batch 1 and 16.
 //!
 //! ```text
-//! cargo run --release -p tessera-gateway --example grammar_bench -- \
+//! cargo run --release -p tessera-local --example grammar_bench -- \
 //!     [--vocab GGUF] [--model GGUF] [--tokens N]
 //! ```
 //!
@@ -24,9 +24,8 @@ use std::time::{Duration, Instant};
 use tessera_engine::sampling::{process_logits, sample_processed};
 use tessera_engine::{Model, SamplingParams};
 use tessera_gateway::grammar::{GrammarCompiler, GrammarSpec};
-use tessera_gateway::{
-    Backend, Event, GenerationRequest, LocalBackend, LocalConfig, SchedulerConfig,
-};
+use tessera_gateway::{Backend, Event, GenerationRequest, SchedulerConfig};
+use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::{GgufFile, Tokenizer};
 
 fn schema() -> serde_json::Value {

@@ -6,15 +6,16 @@ use std::net::SocketAddr;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
-use tessera_engine::sampling::TokenLogprobs;
-use tessera_engine::{KvType, SamplingParams};
-use tessera_grammar::GrammarSpec;
+use tessera_model::kv::KvType;
 use tessera_net::{LinkMeasurement, NodeId, PublicKey};
+use tessera_sampling::GrammarSpec;
+use tessera_sampling::SamplingParams;
+use tessera_sampling::TokenLogprobs;
 
 use super::range_serde;
 use super::{ExpertAssignment, ExpertCacheStats};
-use crate::inventory::Inventory;
-use crate::store::ContentHash;
+use tessera_host::ContentHash;
+use tessera_host::Inventory;
 
 /// Which role a connecting party plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -324,7 +325,7 @@ pub fn hash_f32s(data: &[f32]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::StageSpec;
+    use crate::StageSpec;
 
     #[test]
     fn heartbeat_without_expert_stats_is_the_old_message() {

@@ -5,10 +5,10 @@ use std::net::SocketAddr;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
-use tessera_engine::sampling::TokenLogprobs;
-use tessera_engine::SamplingParams;
-use tessera_grammar::GrammarSpec;
 use tessera_net::{LinkMeasurement, NodeId};
+use tessera_sampling::GrammarSpec;
+use tessera_sampling::SamplingParams;
+use tessera_sampling::TokenLogprobs;
 
 use super::range_serde;
 use super::{BoundaryTrace, FinishReason, Hello, LoadReport, StageSeqStats};

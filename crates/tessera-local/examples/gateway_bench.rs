@@ -3,7 +3,7 @@
 //! engine alone.
 //!
 //! ```text
-//! cargo run --release -p tessera-gateway --example gateway_bench -- models/test/tiny-qwen3-Q4_0.gguf [THREADS] [TOKENS]
+//! cargo run --release -p tessera-local --example gateway_bench -- models/test/tiny-qwen3-Q4_0.gguf [THREADS] [TOKENS]
 //! ```
 //!
 //! The server runs in this process (LocalBackend + axum on 127.0.0.1:0); clients are plain
@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use tessera_engine::sampling::sample;
 use tessera_engine::{Model, SamplingParams};
-use tessera_gateway::{Gateway, GatewayConfig, LocalBackend, LocalConfig, ServedModel};
+use tessera_gateway::{Gateway, GatewayConfig, ServedModel};
+use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
 
 /// Streams one completion; returns (time to first token, tokens, total time).

@@ -164,7 +164,7 @@ impl RingToken {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::decode_chunk;
+    use crate::decode_chunk;
 
     fn header() -> StepHeader {
         StepHeader {

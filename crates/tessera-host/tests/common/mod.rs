@@ -16,7 +16,7 @@ impl TempDir {
             .unwrap()
             .subsec_nanos();
         let dir = std::env::temp_dir().join(format!(
-            "tessera-node-{tag}-{}-{}-{nanos}",
+            "tessera-host-{tag}-{}-{}-{nanos}",
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ));

@@ -6,9 +6,20 @@
 //! [`sample`] is [`process_logits`] then [`sample_processed`]; a caller that masks tokens
 //! (a grammar) or reports log-probabilities ([`token_logprobs`]) calls the two halves itself.
 
+#![forbid(unsafe_code)]
+
 use serde::{Deserialize, Serialize};
 
-use crate::ops::argmax;
+/// A grammar the output must follow, as written by the client (serde: a cluster sends it to
+/// its sampling stage, which compiles it with `tessera-grammar`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GrammarSpec {
+    /// A JSON schema; the output is one JSON value matching it.
+    JsonSchema(serde_json::Value),
+    /// llguidance's lark dialect (`%json { … }` embeds a schema).
+    Lark(String),
+}
 
 /// How to pick tokens. `temperature <= 0` is greedy.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -449,6 +460,17 @@ impl StopMatcher {
     pub fn matched(&self) -> Option<&str> {
         self.matched.map(|i| self.stops[i].text.as_str())
     }
+}
+
+/// Index of the largest value (the first one on ties): greedy decoding's choice.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
 }
 
 #[cfg(test)]
