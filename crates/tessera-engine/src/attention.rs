@@ -234,13 +234,14 @@ fn load_tile(
         n_head_kv: nkv,
         k_head_dim: dk,
         v_head_dim: dv,
+        shared_v,
     } = kv.shape;
     let h = kv.head;
     match kv.view {
         LayerView::F16 { k_tiles, v } => {
             let at = ((t0 / TILE) * nkv + h) * dk * TILE;
             k_tiles[at..at + dk * TILE].convert_to_f32_slice(kt);
-            for j in 0..valid {
+            for j in (0..valid).filter(|_| !shared_v) {
                 let at = ((t0 + j) * nkv + h) * dv;
                 v[at..at + dv].convert_to_f32_slice(&mut vt[j * dv..(j + 1) * dv]);
             }
@@ -263,7 +264,7 @@ fn load_tile(
                     }
                 }
             }
-            for j in 0..valid {
+            for j in (0..valid).filter(|_| !shared_v) {
                 let at = ((t0 + j) * nkv + h) * dv;
                 dequantize_q8_0(
                     &vd[at / 32..(at + dv) / 32],
@@ -273,6 +274,14 @@ fn load_tile(
             }
         }
         LayerView::F32 { .. } => unreachable!("the F32 cache uses ops::attend_group"),
+    }
+    if shared_v {
+        // The values are the keys' first `dv` floats, already converted (exactly) above.
+        for j in 0..valid {
+            for (i, x) in vt[j * dv..(j + 1) * dv].iter_mut().enumerate() {
+                *x = kt[i * TILE + j];
+            }
+        }
     }
 }
 
@@ -459,16 +468,19 @@ mod tests {
                     n_head_kv: 2,
                     k_head_dim: 64,
                     v_head_dim: 64,
+                    shared_v: false,
                 },
                 KvShape {
                     n_head_kv: 1,
                     k_head_dim: 96,
                     v_head_dim: 32,
+                    shared_v: false,
                 },
                 KvShape {
                     n_head_kv: 3,
                     k_head_dim: 128,
                     v_head_dim: 128,
+                    shared_v: false,
                 },
             ] {
                 for n in [1, 5, 64, 65, 200] {
@@ -543,6 +555,7 @@ mod tests {
             n_head_kv: 2,
             k_head_dim: 64,
             v_head_dim: 64,
+            shared_v: false,
         };
         for t in [KvType::F16, KvType::Q8_0] {
             let c = cache(t, shape, 190, &mut rng);
@@ -576,6 +589,52 @@ mod tests {
                     "{t} row {i}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn shared_values_read_from_the_keys_equal_values_stored_apart() {
+        // MLA's cache: one head whose value is the first 64 floats of its 96-float key. The
+        // same keys with those floats also stored as values give the same bits (Q8_0 blocks of
+        // the values are the keys' first blocks either way).
+        let mut rng = Rng(11);
+        let (dk, dv, n) = (96, 64, 150);
+        let shared = KvShape {
+            n_head_kv: 1,
+            k_head_dim: dk,
+            v_head_dim: dv,
+            shared_v: true,
+        };
+        let apart = KvShape {
+            shared_v: false,
+            ..shared
+        };
+        assert_eq!(shared.v_width(), 0);
+        let k: Vec<f32> = (0..n * dk).map(|_| rng.f()).collect();
+        let v: Vec<f32> = k.chunks_exact(dk).flat_map(|r| &r[..dv]).copied().collect();
+        let spans: Vec<Range<usize>> = vec![0..n, 0..1, 70..n, 0..65];
+        let q: Vec<f32> = (0..spans.len() * dk).map(|_| rng.f()).collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for t in [KvType::F16, KvType::Q8_0] {
+            let outs: Vec<Vec<f32>> = [(shared, &[][..]), (apart, &v[..])]
+                .into_iter()
+                .map(|(shape, v)| {
+                    let mut c = KvCache::with_shape(shape, 0..1, n, t).unwrap();
+                    c.append(0, 0, &k, v);
+                    let (view, len) = c.view(0);
+                    let kv = HeadKv {
+                        view,
+                        shape,
+                        head: 0,
+                        len,
+                    };
+                    let mut out = vec![0.0; spans.len() * dv];
+                    let mut sc = FusedScratch::default();
+                    attend_fused(&mut out, &q, &spans, None, kv, 0.1, &mut sc);
+                    out
+                })
+                .collect();
+            assert_eq!(bits(&outs[0]), bits(&outs[1]), "{t}");
         }
     }
 }

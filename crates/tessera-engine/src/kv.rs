@@ -12,8 +12,10 @@
 //!   and 32 signed bytes), each head's slice a whole number of blocks.
 //!
 //! The geometry is a [`KvShape`] (KV heads and the key/value widths per head), so attention
-//! variants whose keys and values differ in width (DeepSeek's MLA caches one latent "head") fit
-//! the same cache.
+//! variants whose keys and values differ in width fit the same cache. DeepSeek's MLA caches one
+//! "head" per position, its key the normed latent followed by the rotated key part, and its
+//! value the latent itself: the first `v_head_dim` floats of the key, read from the key storage
+//! rather than stored twice ([`KvShape::shared_v`]), as llama.cpp's MLA cache does.
 
 use std::ops::Range;
 
@@ -261,8 +263,8 @@ impl KvCache {
         Ok(())
     }
 
-    /// Stores keys (`n_tokens × k_width`) and values (`n_tokens × v_width`) at `start_pos..` of
-    /// `layer`. Call [`KvCache::check_step`] first.
+    /// Stores keys (`n_tokens × k_width`) and values (`n_tokens × v_width`, empty with
+    /// [`KvShape::shared_v`]) at `start_pos..` of `layer`. Call [`KvCache::check_step`] first.
     pub(crate) fn append(&mut self, layer: usize, start_pos: usize, k: &[f32], v: &[f32]) {
         let (kw, vw) = (self.shape.k_width(), self.shape.v_width());
         let (nkv, dk) = (self.shape.n_head_kv, self.shape.k_head_dim);
@@ -297,7 +299,9 @@ impl KvCache {
                 }
                 rows => rows.put(pos * kw, kr),
             }
-            e.v.put(pos * vw, vr);
+            if vw > 0 {
+                e.v.put(pos * vw, vr);
+            }
         }
         e.len = end;
     }
@@ -337,6 +341,7 @@ mod tests {
             n_head_kv: 2,
             k_head_dim: 32,
             v_head_dim: 64,
+            shared_v: false,
         }
     }
 
@@ -355,6 +360,7 @@ mod tests {
             n_head_kv: 4,
             k_head_dim: 8,
             v_head_dim: 8,
+            shared_v: false,
         };
         let err = KvCache::with_shape(s, 0..1, 16, KvType::Q8_0).unwrap_err();
         assert!(err.to_string().contains("multiples of 32"), "{err}");

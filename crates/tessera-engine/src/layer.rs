@@ -7,13 +7,15 @@
 //! h' = x + FFN(rms_norm(x) * ffn_norm)            (dense SwiGLU, or routed experts)
 //! ```
 //!
-//! DeepSeek's latent attention makes q, k and v its own way (see [`tessera_model::Mla`]); its
-//! keys are wider than its values. Its MoE layers add shared experts to the routed ones.
+//! DeepSeek's latent attention makes q, k and v its own way (see [`tessera_model::Mla`]): one
+//! cached latent per position that every head attends to through its own absorbed projections.
+//! Its MoE layers add shared experts to the routed ones.
 
 use crate::attention::{attend_fused, FusedScratch, HeadKv};
 use crate::error::Result;
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
-use crate::kv::{KvCache, KvShape, LayerView};
+use crate::kernels::QuantizedActs;
+use crate::kv::{KvCache, LayerView};
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
 use crate::ops::{
@@ -73,9 +75,8 @@ impl Model {
         let (wq, wk, wv) = match &w.proj {
             AttnProj::Qkv { wq, wk, wv } => (wq, wk, wv),
             AttnProj::Mla(m) => {
-                // Queries, keys and values, RoPE applied.
-                self.mla_qkv(m, n, sc);
-                return self.attend_and_project(layer, hidden, batch, kv, sc);
+                self.mla_attend(m, layer, batch, kv, sc);
+                return self.project(layer, hidden, sc);
             }
         };
         let acts = quantize_for(pool, &[wq.dtype(), wk.dtype(), wv.dtype()], &sc.xn, n, e);
@@ -136,15 +137,27 @@ impl Model {
                 rope(head, cos, sin);
             }
         }
-        self.attend_and_project(layer, hidden, batch, kv, sc)
+        self.attend(layer, batch, kv, sc);
+        self.project(layer, hidden, sc)
     }
 
-    /// Queries, keys and values of latent attention into `sc.q`, `sc.k`, `sc.v` (sized by the
-    /// caller), RoPE applied to their rotated parts. See [`tessera_model::Mla`].
-    fn mla_qkv(&self, m: &MlaProj, n: usize, sc: &mut Scratch) {
+    /// Latent attention (see [`tessera_model::Mla`]) as llama.cpp runs it for the absorbed
+    /// layout: attention with one KV head over the cached `[c', rope(k_rope)]`, whose values
+    /// are the latent `c'` itself. Each head's query is `[Wk_hᵀ · q_nope_h, rope(q_rope_h)]`, so
+    /// its score against a position is the expanded key's; its output `Wv_h · (attended c')`
+    /// is the expanded value's. Writes every head's output to `sc.attn`.
+    fn mla_attend(
+        &self,
+        m: &MlaProj,
+        layer: usize,
+        batch: &[SeqStep],
+        kv: &mut [&mut KvCache],
+        sc: &mut Scratch,
+    ) {
         let cfg = self.config();
         let pool = self.pool();
         let mla = cfg.mla.expect("MLA weights are loaded for an MLA config");
+        let n = sc.xn.len() / cfg.n_embd;
         let (e, eps) = (cfg.n_embd, cfg.rms_eps);
         let (hd, r, dv, nh) = (cfg.head_dim, cfg.rope_dim, cfg.v_head_dim(), cfg.n_head);
         let (nope, kvr) = (hd - r, mla.kv_lora_rank);
@@ -153,7 +166,9 @@ impl Model {
         // stage (or the whole query).
         let first_q = m.q_a.as_ref().map_or(&m.wq, |(qa, _)| qa);
         let acts = quantize_for(pool, &[m.kv_a.dtype(), first_q.dtype()], &sc.xn, n, e);
-        let mut latent = vec![0.0f32; n * ca];
+        sc.k.clear();
+        sc.k.resize(n * ca, 0.0);
+        let mut q = vec![0.0f32; n * nh * hd];
         let mut q_a = vec![0.0f32; n * qr];
         run_matmuls(
             pool,
@@ -161,12 +176,12 @@ impl Model {
                 MatmulJob {
                     w: &m.kv_a,
                     acts: pick(&acts, m.kv_a.dtype()),
-                    out: &mut latent,
+                    out: &mut sc.k,
                 },
                 MatmulJob {
                     w: first_q,
                     acts: pick(&acts, first_q.dtype()),
-                    out: if m.q_a.is_some() { &mut q_a } else { &mut sc.q },
+                    out: if m.q_a.is_some() { &mut q_a } else { &mut q },
                 },
             ],
         );
@@ -180,66 +195,122 @@ impl Model {
                 &mut [MatmulJob {
                     w: &m.wq,
                     acts: &acts[0],
-                    out: &mut sc.q,
+                    out: &mut q,
                 }],
             );
         }
-        // Each head's non-rotated key and value, expanded from the normed latent.
-        let mut c = vec![0.0f32; n * kvr];
-        for t in 0..n {
-            rms_norm_into(
-                &mut c[t * kvr..(t + 1) * kvr],
-                &latent[t * ca..t * ca + kvr],
-                &m.kv_a_norm,
-                eps,
-            );
-        }
-        let per = nope + dv;
-        let mut kv = vec![0.0f32; n * nh * per];
-        let acts = quantize_for(pool, &[m.kv_b.dtype()], &c, n, kvr);
-        run_matmuls(
-            pool,
-            &mut [MatmulJob {
-                w: &m.kv_b,
-                acts: &acts[0],
-                out: &mut kv,
-            }],
-        );
+        // The cached key of each position: the normed latent, then the rotated key part.
         let rope = match cfg.rope_style {
             RopeStyle::Normal => rope_normal,
             RopeStyle::Neox => rope_neox,
         };
         for t in 0..n {
             let (cos, sin) = sc.rope.row(t);
-            let k_rope = &mut latent[t * ca + kvr..(t + 1) * ca];
-            rope(k_rope, cos, sin);
+            let row = &mut sc.k[t * ca..(t + 1) * ca];
+            rms_norm(&mut row[..kvr], &m.kv_a_norm, eps);
+            rope(&mut row[kvr..], cos, sin);
+        }
+        if let Some(dtype) = m.latent_acts {
+            // An attn_kv_b file: the latent as its expanding matmul would have consumed it.
+            let mut c = Vec::with_capacity(n * kvr);
+            for row in sc.k.chunks_exact(ca) {
+                c.extend_from_slice(&row[..kvr]);
+            }
+            let seen = QuantizedActs::new(pool, dtype, &c, n, kvr).dequantized();
+            for (row, c) in sc.k.chunks_exact_mut(ca).zip(seen.chunks_exact(kvr)) {
+                row[..kvr].copy_from_slice(c);
+            }
+        }
+        // Queries in the latent's space: per head, the non-rotated parts of every row through
+        // that head's k_b (one parallel job for all heads), then the rotated part.
+        let mut q_nope = vec![0.0f32; nh * n * nope];
+        for t in 0..n {
             for h in 0..nh {
-                let (th, src) = (t * nh + h, &kv[(t * nh + h) * per..(t * nh + h + 1) * per]);
-                let k = &mut sc.k[th * hd..(th + 1) * hd];
-                k[..nope].copy_from_slice(&src[..nope]);
-                k[nope..].copy_from_slice(k_rope);
-                sc.v[th * dv..(th + 1) * dv].copy_from_slice(&src[nope..]);
-                rope(&mut sc.q[th * hd + nope..(th + 1) * hd], cos, sin);
+                let src = &q[(t * nh + h) * hd..(t * nh + h) * hd + nope];
+                q_nope[(h * n + t) * nope..(h * n + t + 1) * nope].copy_from_slice(src);
+            }
+        }
+        let q_acts: Vec<_> = (0..nh)
+            .map(|h| {
+                let x = &q_nope[h * n * nope..(h + 1) * n * nope];
+                quantize_for(pool, &[m.k_b[h].dtype()], x, n, nope)
+            })
+            .collect();
+        let mut q_lat = vec![0.0f32; nh * n * kvr];
+        let mut jobs: Vec<MatmulJob<'_>> = q_lat
+            .chunks_exact_mut(n * kvr)
+            .enumerate()
+            .map(|(h, out)| MatmulJob {
+                w: &m.k_b[h],
+                acts: &q_acts[h][0],
+                out,
+            })
+            .collect();
+        run_matmuls(pool, &mut jobs);
+        drop(jobs);
+        sc.q.clear();
+        sc.q.resize(n * nh * ca, 0.0);
+        for t in 0..n {
+            let (cos, sin) = sc.rope.row(t);
+            for h in 0..nh {
+                let dst = &mut sc.q[(t * nh + h) * ca..(t * nh + h + 1) * ca];
+                dst[..kvr].copy_from_slice(&q_lat[(h * n + t) * kvr..(h * n + t + 1) * kvr]);
+                dst[kvr..].copy_from_slice(&q[(t * nh + h) * hd + nope..(t * nh + h + 1) * hd]);
+                rope(&mut dst[kvr..], cos, sin);
+            }
+        }
+        sc.v.clear();
+        self.attend(layer, batch, kv, sc);
+        // Each head's attended latent through its v_b.
+        let mut o_lat = vec![0.0f32; nh * n * kvr];
+        for t in 0..n {
+            for h in 0..nh {
+                let src = &sc.attn[(t * nh + h) * kvr..(t * nh + h + 1) * kvr];
+                o_lat[(h * n + t) * kvr..(h * n + t + 1) * kvr].copy_from_slice(src);
+            }
+        }
+        let o_acts: Vec<_> = (0..nh)
+            .map(|h| {
+                let x = &o_lat[h * n * kvr..(h + 1) * n * kvr];
+                quantize_for(pool, &[m.v_b[h].dtype()], x, n, kvr)
+            })
+            .collect();
+        let mut o = vec![0.0f32; nh * n * dv];
+        let mut jobs: Vec<MatmulJob<'_>> = o
+            .chunks_exact_mut(n * dv)
+            .enumerate()
+            .map(|(h, out)| MatmulJob {
+                w: &m.v_b[h],
+                acts: &o_acts[h][0],
+                out,
+            })
+            .collect();
+        run_matmuls(pool, &mut jobs);
+        drop(jobs);
+        sc.attn.clear();
+        sc.attn.resize(n * nh * dv, 0.0);
+        for t in 0..n {
+            for h in 0..nh {
+                let src = &o[(h * n + t) * dv..(h * n + t + 1) * dv];
+                sc.attn[(t * nh + h) * dv..(t * nh + h + 1) * dv].copy_from_slice(src);
             }
         }
     }
 
-    /// The rest of the attention block from roped `sc.q`, `sc.k`, `sc.v`: the keys and values
-    /// appended to the caches, causal attention, the output projection and the residual.
-    fn attend_and_project(
-        &self,
-        layer: usize,
-        hidden: &mut Hidden,
-        batch: &[SeqStep],
-        kv: &mut [&mut KvCache],
-        sc: &mut Scratch,
-    ) -> Result<()> {
+    /// Appends this step's keys `sc.k` and values `sc.v` to the caches and attends with the
+    /// roped queries `sc.q`, writing every head's output to `sc.attn`. The widths are the
+    /// cache's ([`crate::kv::KvShape`]): keys `k_head_dim` per KV head, `n_head / n_head_kv` query heads
+    /// per KV head, `v_head_dim` of output per query head.
+    fn attend(&self, layer: usize, batch: &[SeqStep], kv: &mut [&mut KvCache], sc: &mut Scratch) {
         let cfg = self.config();
-        let w = self.core(layer)?;
         let pool = self.pool();
-        let (n, e) = (hidden.n_tokens, cfg.n_embd);
-        let (hd, nh, nkv, dv) = (cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.v_head_dim());
-        let (qd, kvd, vd, od) = (cfg.q_dim(), cfg.kv_dim(), cfg.v_dim(), cfg.attn_out_dim());
+        let shape = self.kv_shape();
+        let (nh, nkv) = (cfg.n_head, shape.n_head_kv);
+        let (hd, dv) = (shape.k_head_dim, shape.v_head_dim);
+        let (kvd, vd) = (shape.k_width(), shape.v_width());
+        let (qd, od) = (nh * hd, nh * dv);
+        let n = sc.q.len() / qd;
+        let sinks = self.core(layer).ok().and_then(|w| w.sinks.as_ref());
         // Append this step's keys and values to each sequence's cache.
         let mut row = 0;
         for (s, c) in batch.iter().zip(kv.iter_mut()) {
@@ -258,7 +329,10 @@ impl Model {
         let (q, rows) = (&sc.q, &sc.rows);
         let scale = cfg.attention_scale();
         let group = nh / nkv;
-        let shape = kv.first().map_or(KvShape::from_config(cfg), |c| c.shape());
+        // Work items: rows × KV head × a run of at most 16 of its query heads (MLA's one KV
+        // head serves every query head: split, a decode step still spreads over the threads).
+        // Each query vector's result is the same in any item (see `attention.rs`).
+        let heads = group.min(16);
         let mut items = Vec::new();
         let mut row = 0;
         let block = (16 / group).max(1);
@@ -269,7 +343,13 @@ impl Model {
             };
             for r0 in (row..row + st.n_tokens).step_by(step) {
                 let r1 = (r0 + step).min(row + st.n_tokens);
-                items.extend((0..nkv).map(|kh| (r0..r1, kh)));
+                for kh in 0..nkv {
+                    for h0 in (0..group).step_by(heads) {
+                        // Query heads `h..h + g` (absolute), all of KV head `kh`.
+                        let (h, g) = (kh * group + h0, heads.min(group - h0));
+                        items.push((r0..r1, kh, h, g));
+                    }
+                }
             }
             row += st.n_tokens;
         }
@@ -281,69 +361,87 @@ impl Model {
             );
             let mut scratch = AttnScratch::default();
             let mut fused = FusedScratch::default();
-            let (mut qs, mut os, mut spans, mut sinks) =
+            let (mut qs, mut os, mut spans, mut head_sinks) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for (rs, kh) in &items[i0..i1] {
+            for &(ref rs, kh, h, g) in &items[i0..i1] {
                 let (seq, _) = rows[rs.start];
                 let (view, len) = views[seq];
                 if let LayerView::F32 { k, v } = view {
                     let t = rs.start;
                     let pos = rows[t].1;
-                    let o = t * qd + kh * group * hd;
-                    // SAFETY: the group's heads of row t belong to this task only.
-                    let dst = unsafe { out.slice(t * od + kh * group * dv, group * dv) };
+                    let o = t * qd + h * hd;
+                    // SAFETY: heads h..h + g of row t belong to this task only.
+                    let dst = unsafe { out.slice(t * od + h * dv, g * dv) };
                     attend_group(
                         dst,
-                        &q[o..o + group * hd],
+                        &q[o..o + g * hd],
                         HeadRows {
                             data: k,
                             stride: kvd,
                             offset: kh * hd,
                             width: hd,
                         },
-                        HeadRows {
-                            data: v,
-                            stride: vd,
-                            offset: kh * dv,
-                            width: dv,
+                        // Shared values (MLA) are the first `dv` floats of each key.
+                        if shape.shared_v {
+                            HeadRows {
+                                data: k,
+                                stride: kvd,
+                                offset: kh * hd,
+                                width: dv,
+                            }
+                        } else {
+                            HeadRows {
+                                data: v,
+                                stride: vd,
+                                offset: kh * dv,
+                                width: dv,
+                            }
                         },
                         pos + 1,
                         scale,
                         cfg.attention_start(layer, pos),
-                        w.sinks.as_ref().map(|s| &s[kh * group..(kh + 1) * group]),
+                        sinks.map(|s| &s[h..h + g]),
                         &mut scratch,
                     );
                     continue;
                 }
                 qs.clear();
                 spans.clear();
-                sinks.clear();
+                head_sinks.clear();
                 for t in rs.clone() {
-                    let o = t * qd + kh * group * hd;
-                    qs.extend_from_slice(&q[o..o + group * hd]);
+                    let o = t * qd + h * hd;
+                    qs.extend_from_slice(&q[o..o + g * hd]);
                     let pos = rows[t].1;
                     let first = cfg.attention_start(layer, pos);
-                    spans.extend((0..group).map(|_| first..pos + 1));
-                    if let Some(s) = &w.sinks {
-                        sinks.extend_from_slice(&s[kh * group..(kh + 1) * group]);
+                    spans.extend((0..g).map(|_| first..pos + 1));
+                    if let Some(s) = sinks {
+                        head_sinks.extend_from_slice(&s[h..h + g]);
                     }
                 }
                 os.resize(spans.len() * dv, 0.0);
                 let head = HeadKv {
                     view,
                     shape,
-                    head: *kh,
+                    head: kh,
                     len,
                 };
-                let head_sinks = w.sinks.as_ref().map(|_| &sinks[..]);
-                attend_fused(&mut os, &qs, &spans, head_sinks, head, scale, &mut fused);
+                let these_sinks = sinks.map(|_| &head_sinks[..]);
+                attend_fused(&mut os, &qs, &spans, these_sinks, head, scale, &mut fused);
                 for (j, t) in rs.clone().enumerate() {
-                    // SAFETY: the group's heads of row t belong to this task only.
-                    let dst = unsafe { out.slice(t * od + kh * group * dv, group * dv) };
-                    dst.copy_from_slice(&os[j * group * dv..(j + 1) * group * dv]);
+                    // SAFETY: heads h..h + g of row t belong to this task only.
+                    let dst = unsafe { out.slice(t * od + h * dv, g * dv) };
+                    dst.copy_from_slice(&os[j * g * dv..(j + 1) * g * dv]);
                 }
             }
         });
+    }
+
+    /// The output projection of every head's output `sc.attn`, added to `hidden`.
+    fn project(&self, layer: usize, hidden: &mut Hidden, sc: &mut Scratch) -> Result<()> {
+        let cfg = self.config();
+        let w = self.core(layer)?;
+        let pool = self.pool();
+        let (n, e, od) = (hidden.n_tokens, cfg.n_embd, cfg.attn_out_dim());
         // Output projection and residual.
         sc.proj.resize(n * e, 0.0);
         let acts = quantize_for(pool, &[w.wo.dtype()], &sc.attn, n, od);

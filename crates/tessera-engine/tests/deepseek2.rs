@@ -2,7 +2,11 @@
 //! llama-quantize): `tiny-deepseek2-Q8_0` has DeepSeek-V3's parts (low-rank queries, latent
 //! KV, a dense first layer, sigmoid gating with a selection bias in 4 groups of which 2 are
 //! used, normalised and scaled weights, a shared expert); `tiny-deepseek2-lite-Q8_0`
-//! DeepSeek-V2-Lite's (a plain query projection, softmax gating, two shared experts).
+//! DeepSeek-V2-Lite's (a plain query projection, softmax gating, two shared experts);
+//! `tiny-deepseek2-mla-Q8_0` is the first's weights in the absorbed layout current converters
+//! write (`attn_k_b`/`attn_v_b`, one KV head over the latent).
+//!
+//! Every file runs as llama.cpp runs the absorbed layout, caching one latent per position.
 //!
 //! Greedy tokens equal llama.cpp's; every pipeline cut and routed experts split in 2 and 3
 //! parts (the shared experts with the first part) are bit-identical to the whole model, and so
@@ -19,7 +23,11 @@ use tessera_engine::{
 };
 use tessera_model::{Architecture, ExpertGating, ModelConfig, RopeScaling};
 
-const MODELS: [&str; 2] = ["tiny-deepseek2-Q8_0", "tiny-deepseek2-lite-Q8_0"];
+const MODELS: [&str; 3] = [
+    "tiny-deepseek2-Q8_0",
+    "tiny-deepseek2-lite-Q8_0",
+    "tiny-deepseek2-mla-Q8_0",
+];
 const PROMPT: [u32; 20] = [
     1, 403, 407, 261, 378, 300, 42, 17, 99, 5, 260, 311, 290, 402, 356, 271, 284, 305, 330, 88,
 ];
@@ -99,13 +107,26 @@ fn fixtures_have_deepseek2_parts() {
     assert!((cfg.attention_scale() - m * m / 48f32.sqrt()).abs() < 1e-6);
     let moe: Vec<bool> = (0..cfg.n_layer).map(|l| cfg.is_moe_layer(l)).collect();
     assert_eq!(moe, [false, true, true, true]);
-    // Keys (48 wide) and values (32 wide) of every head are cached.
+    // One latent per position is cached: the 64-wide latent and the 16 rotated dimensions,
+    // the values read from the latent.
     let m = common::full(&g, 1);
     let shape = m.kv_shape();
     assert_eq!(
         (shape.n_head_kv, shape.k_head_dim, shape.v_head_dim),
-        (4, 48, 32)
+        (1, 80, 64)
     );
+    assert!(shape.shared_v && shape.v_width() == 0);
+    assert_eq!(KvType::F16.bytes_per_position(shape), 80 * 2);
+    assert!(!mla.absorbed);
+
+    // The absorbed file reads as the same model.
+    let g2 = common::open(&file(MODELS[2]));
+    let cfg2 = ModelConfig::from_gguf(&g2).unwrap();
+    assert!(cfg2.mla.unwrap().absorbed);
+    let mut same = cfg2.clone();
+    same.mla.as_mut().unwrap().absorbed = false;
+    assert_eq!(same, cfg);
+    assert_eq!(common::full(&g2, 1).kv_shape(), shape);
 
     let g = common::open(&file(MODELS[1]));
     let cfg = ModelConfig::from_gguf(&g).unwrap();
@@ -276,52 +297,74 @@ fn deepseek2_streamed_experts_are_bit_identical() {
 }
 
 #[test]
-fn profile_counts_keys_and_values_of_their_own_widths_and_shows_the_parts() {
-    let g = common::open(&file(MODELS[0]));
-    let p = tessera_model::ModelProfile::from_gguf(&g).unwrap();
-    let cfg = &p.config;
-    // Every layer caches 4 heads' keys (48) and values (32), at F32.
-    assert_eq!(
-        p.kv_bytes_per_token,
-        (cfg.n_layer * 4 * (48 + 32) * 4) as u64
-    );
-    // What `tessera inspect` prints names deepseek2's parts.
-    let shown = p.to_string();
-    for part in [
-        "deepseek2",
-        "latent (MLA): KV latent of 64, keys 48 (16 rotated), values 32, queries through rank 64",
-        "1 dense first",
-        "1 shared expert(s) of FFN 64",
-        "Sigmoid gating, selection bias, best 2 of 4 groups, normalised, weights x2.5",
+fn profile_counts_the_latent_and_shows_the_parts() {
+    for (name, layout) in [
+        (MODELS[0], "attn_kv_b, 80 cached per position"),
+        (MODELS[2], "attn_k_b/attn_v_b, 80 cached per position"),
     ] {
-        assert!(shown.contains(part), "{part} missing from\n{shown}");
+        let g = common::open(&file(name));
+        let p = tessera_model::ModelProfile::from_gguf(&g).unwrap();
+        let cfg = &p.config;
+        // Every layer caches the 64-wide latent and 16 rotated dimensions, at F32: what the
+        // engine's cache holds.
+        assert_eq!(p.kv_bytes_per_token, (cfg.n_layer * (64 + 16) * 4) as u64);
+        let m = common::full(&g, 1).with_kv_type(KvType::F32).unwrap();
+        assert_eq!(
+            m.kv_bytes_for(64),
+            p.kv_bytes_per_token * 64,
+            "{name}: the engine's cache and the profile agree"
+        );
+        // What `tessera inspect` prints names deepseek2's parts.
+        let shown = p.to_string();
+        for part in [
+            "deepseek2",
+            "latent (MLA): KV latent of 64, keys 48 (16 rotated), values 32, queries through rank 64",
+            layout,
+            "1 dense first",
+            "1 shared expert(s) of FFN 64",
+            "Sigmoid gating, selection bias, best 2 of 4 groups, normalised, weights x2.5",
+        ] {
+            assert!(shown.contains(part), "{part} missing from\n{shown}");
+        }
     }
 }
 
-/// A file in the absorbed MLA layout (`key_length_mla`, `attn_k_b`/`attn_v_b`, one KV head)
-/// is refused by name rather than run as if it were the expanded one.
+/// A file that says it is in the absorbed layout (`key_length_mla`) but describes expanded
+/// heads is refused by name rather than run as either layout.
 #[test]
-fn absorbed_mla_layout_is_refused_by_name() {
+fn inconsistent_absorbed_mla_metadata_is_refused_by_name() {
     let bytes = std::fs::read(common::model_path(&file(MODELS[0]))).unwrap();
-    // One more key-value pair after the header's counts: u64 key length, key, type 8 (string),
-    // u64 value length, value; 64 bytes in all, so the data section keeps its 32-byte alignment.
-    let key = b"deepseek2.attention.key_length_mla";
+    // Three more key-value pairs after the header's counts (u64 key length, key, u32 type,
+    // value): key_length_mla and value_length_mla as u32 (type 4) and a u8 (type 0) filler, 128
+    // bytes in all, so the data section keeps its 32-byte alignment.
     let mut kv = Vec::new();
-    kv.extend_from_slice(&(key.len() as u64).to_le_bytes());
-    kv.extend_from_slice(key);
-    kv.extend_from_slice(&8u32.to_le_bytes());
-    kv.extend_from_slice(&10u64.to_le_bytes());
-    kv.extend_from_slice(b"absorbed!!");
-    assert_eq!(kv.len(), 64);
+    let mut put = |key: &[u8], ty: u32, value: &[u8]| {
+        kv.extend_from_slice(&(key.len() as u64).to_le_bytes());
+        kv.extend_from_slice(key);
+        kv.extend_from_slice(&ty.to_le_bytes());
+        kv.extend_from_slice(value);
+    };
+    put(
+        b"deepseek2.attention.key_length_mla",
+        4,
+        &48u32.to_le_bytes(),
+    );
+    put(
+        b"deepseek2.attention.value_length_mla",
+        4,
+        &32u32.to_le_bytes(),
+    );
+    put(b"general.dummy", 0, &[0]);
+    assert_eq!(kv.len(), 128);
     let mut edited = bytes[..24].to_vec();
     let n_kv = u64::from_le_bytes(bytes[16..24].try_into().unwrap());
-    edited[16..24].copy_from_slice(&(n_kv + 1).to_le_bytes());
+    edited[16..24].copy_from_slice(&(n_kv + 3).to_le_bytes());
     edited.extend_from_slice(&kv);
     edited.extend_from_slice(&bytes[24..]);
     let g = tessera_model::GgufFile::parse(&edited).unwrap();
     let err = ModelConfig::from_gguf(&g).unwrap_err().to_string();
     assert!(
-        err.contains("key_length_mla") && err.contains("absorbed MLA layout"),
+        err.contains("head_count_kv") && err.contains("absorbed MLA layout"),
         "{err}"
     );
 }

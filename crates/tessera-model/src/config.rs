@@ -115,19 +115,24 @@ pub enum ExpertGating {
     Sigmoid,
 }
 
-/// DeepSeek's multi-head latent attention, as llama.cpp runs the `attn_kv_b` layout: the keys
-/// and values of every head are expanded from one compressed latent per position, and each
-/// head's key is its own non-rotated part followed by one rotated part shared by all heads.
+/// DeepSeek's multi-head latent attention. Every head's key and value come from one compressed
+/// latent per position, and each head's key is its own non-rotated part followed by one rotated
+/// part shared by all heads:
 ///
 /// ```text
 /// q           = Wq_b · rms_norm(Wq_a · n) * q_a_norm        (or Wq · n without a q rank)
 /// [c, k_rope] = Wkv_a · n                                   (c: kv_lora_rank wide)
-/// [k_nope_h, v_h] for each head h = Wkv_b · rms_norm(c) * kv_a_norm
-/// key_h       = [k_nope_h, rope(k_rope)],   query_h = [q_nope_h, rope(q_rope_h)]
+/// c'          = rms_norm(c) * kv_a_norm
+/// key_h       = [Wk_h · c', rope(k_rope)],   value_h = Wv_h · c',   query_h = [q_nope_h, rope(q_rope_h)]
 /// ```
 ///
-/// Keys are [`ModelConfig::head_dim`] wide (`head_dim - rope_dim` non-rotated, then
-/// `rope_dim` rotated) and values `v_head_dim` wide.
+/// Files store `Wk_h`/`Wv_h` in one of two layouts: stacked row by row in `attn_kv_b` (older
+/// converters), or, as current llama.cpp converters write, split into `attn_k_b` (each head's
+/// `Wk_h` transposed: one row per latent dimension) and `attn_v_b` ([`Mla::absorbed`]); the
+/// absorbed files describe one KV head of the latent's width and keep the per-head widths in
+/// `key_length_mla`/`value_length_mla`. The config reads both the same way: [`ModelConfig::head_dim`]
+/// is the per-head key width (`head_dim - rope_dim` non-rotated, then `rope_dim` rotated),
+/// values are `v_head_dim` wide and [`ModelConfig::n_head_kv`] is the head count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mla {
     /// Rank of the query's low-rank projection (`attn_q_a`, `attn_q_b`); 0 for a plain
@@ -137,6 +142,9 @@ pub struct Mla {
     pub kv_lora_rank: usize,
     /// Width of each head's value.
     pub v_head_dim: usize,
+    /// The file holds `attn_k_b`/`attn_v_b` (the absorbed layout), not `attn_kv_b`.
+    #[serde(default)]
+    pub absorbed: bool,
 }
 
 /// The gated activation of the feed-forward blocks.
@@ -372,10 +380,12 @@ impl ModelConfig {
                 ));
             }
         }
-        let mla = if deepseek {
-            Some(read_mla(g, &key, n_head, n_head_kv)?)
+        // MLA's config describes every head's own key and value whichever layout the file has.
+        let (mla, head_dim, n_head_kv) = if deepseek {
+            let (m, hd) = read_mla(g, &key, n_head, n_head_kv, head_dim)?;
+            (Some(m), hd, n_head)
         } else {
-            None
+            (None, head_dim, n_head_kv)
         };
         let n_layer_dense_lead = opt_usize(g, &key("leading_dense_block_count"))?.unwrap_or(0);
         if n_layer_dense_lead > n_layer {
@@ -588,6 +598,16 @@ impl ModelConfig {
         self.n_head_kv * self.v_head_dim()
     }
 
+    /// Floats one attention layer caches per position: the keys and values of every KV head,
+    /// or with MLA the normed latent and the rotated key part, from which every head's key
+    /// and value are made (llama.cpp's MLA cache).
+    pub fn kv_cache_width(&self) -> usize {
+        match self.mla {
+            Some(m) => m.kv_lora_rank + self.rope_dim,
+            None => self.kv_dim() + self.v_dim(),
+        }
+    }
+
     /// Width of the attention's output (all query heads' values), the output projection's input.
     pub fn attn_out_dim(&self) -> usize {
         self.n_head * self.v_head_dim()
@@ -622,14 +642,19 @@ impl ModelConfig {
                 } else {
                     out.push((l("attn_q.weight"), vec![e, q]));
                 }
-                let nope = (self.head_dim - self.rope_dim) as u64;
-                let kv_b = self.n_head as u64 * (nope + m.v_head_dim as u64);
+                let (nope, nh) = ((self.head_dim - self.rope_dim) as u64, self.n_head as u64);
+                let dv = m.v_head_dim as u64;
                 out.push((
                     l("attn_kv_a_mqa.weight"),
                     vec![e, kvr + self.rope_dim as u64],
                 ));
                 out.push((l("attn_kv_a_norm.weight"), vec![kvr]));
-                out.push((l("attn_kv_b.weight"), vec![kvr, kv_b]));
+                if m.absorbed {
+                    out.push((l("attn_k_b.weight"), vec![nope, kvr, nh]));
+                    out.push((l("attn_v_b.weight"), vec![kvr, dv, nh]));
+                } else {
+                    out.push((l("attn_kv_b.weight"), vec![kvr, nh * (nope + dv)]));
+                }
                 out.push((l("attn_output.weight"), vec![self.attn_out_dim() as u64, e]));
             } else {
                 out.push((l("attn_q.weight"), vec![e, q]));
@@ -698,36 +723,68 @@ impl ModelConfig {
     }
 }
 
-/// `{arch}.attention.*` of DeepSeek's latent attention in the `attn_kv_b` layout (every head
-/// its own key and value; the absorbed layout, with `key_length_mla`, is refused by name).
+/// `{arch}.attention.*` of DeepSeek's latent attention, in either layout (see [`Mla`]), and
+/// the per-head key width. `head_dim` and `n_head_kv` are what the file says: in the absorbed
+/// layout the latent's single KV head, which is checked against the latent's widths.
 fn read_mla(
     g: &GgufFile,
     key: &dyn Fn(&str) -> String,
     n_head: usize,
     n_head_kv: usize,
-) -> Result<Mla> {
+    head_dim: usize,
+) -> Result<(Mla, usize)> {
     let path = g.path();
-    if g.meta(&key("attention.key_length_mla")).is_some() {
+    let kv_lora_rank = meta_usize(g, &key("attention.kv_lora_rank"))?;
+    let q_lora_rank = opt_usize(g, &key("attention.q_lora_rank"))?.unwrap_or(0);
+    let value_length = meta_usize(g, &key("attention.value_length"))?;
+    let Some(k_mla) = opt_usize(g, &key("attention.key_length_mla"))? else {
+        if n_head_kv != n_head {
+            return Err(bad_meta(
+                path,
+                &key("attention.head_count_kv"),
+                format!("MLA expands a key and value for every head: {n_head_kv} is not {n_head}"),
+            ));
+        }
+        let mla = Mla {
+            q_lora_rank,
+            kv_lora_rank,
+            v_head_dim: value_length,
+            absorbed: false,
+        };
+        return Ok((mla, head_dim));
+    };
+    let v_mla = meta_usize(g, &key("attention.value_length_mla"))?;
+    let rope = meta_usize(g, &key("rope.dimension_count"))?;
+    // The absorbed layout attends as one KV head over [latent, rotated key], the values being
+    // the latent: anything else is a layout this reading does not describe.
+    let checks = [
+        ("attention.head_count_kv", n_head_kv, 1),
+        ("attention.key_length", head_dim, kv_lora_rank + rope),
+        ("attention.value_length", value_length, kv_lora_rank),
+    ];
+    for (k, found, want) in checks {
+        if found != want {
+            return Err(bad_meta(
+                path,
+                &key(k),
+                format!("{found} is not {want}, as the absorbed MLA layout (key_length_mla) has"),
+            ));
+        }
+    }
+    if k_mla <= rope {
         return Err(bad_meta(
             path,
             &key("attention.key_length_mla"),
-            "the absorbed MLA layout (attn_k_b/attn_v_b) is not supported; a file converted \
-             with attn_kv_b is"
-                .into(),
+            format!("{k_mla} leaves no non-rotated part beside the {rope} rotated dimensions"),
         ));
     }
-    if n_head_kv != n_head {
-        return Err(bad_meta(
-            path,
-            &key("attention.head_count_kv"),
-            format!("MLA expands a key and value for every head: {n_head_kv} is not {n_head}"),
-        ));
-    }
-    Ok(Mla {
-        q_lora_rank: opt_usize(g, &key("attention.q_lora_rank"))?.unwrap_or(0),
-        kv_lora_rank: meta_usize(g, &key("attention.kv_lora_rank"))?,
-        v_head_dim: meta_usize(g, &key("attention.value_length"))?,
-    })
+    let mla = Mla {
+        q_lora_rank,
+        kv_lora_rank,
+        v_head_dim: v_mla,
+        absorbed: true,
+    };
+    Ok((mla, k_mla))
 }
 
 /// `{arch}.expert_group_count` / `expert_group_used_count` (group-limited routing), checked as

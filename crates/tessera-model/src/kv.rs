@@ -38,9 +38,9 @@ impl KvType {
 
     /// Whether this type can hold a cache of `shape` (Q8_0 needs whole blocks per head).
     pub fn check(self, shape: KvShape) -> Result<(), KvTypeUnfit> {
-        if self == Self::Q8_0
-            && !(shape.k_head_dim.is_multiple_of(32) && shape.v_head_dim.is_multiple_of(32))
-        {
+        // Shared values are read from the keys' blocks: only the keys must be whole blocks.
+        let v_ok = shape.shared_v || shape.v_head_dim.is_multiple_of(32);
+        if self == Self::Q8_0 && !(shape.k_head_dim.is_multiple_of(32) && v_ok) {
             return Err(KvTypeUnfit {
                 kv_type: self,
                 shape,
@@ -83,16 +83,30 @@ pub struct KvShape {
     pub n_head_kv: usize,
     pub k_head_dim: usize,
     pub v_head_dim: usize,
+    /// Each head's value is the first `v_head_dim` floats of its key, not stored separately
+    /// (MLA's latent).
+    #[serde(default)]
+    pub shared_v: bool,
 }
 
 impl KvShape {
     /// The cache `config`'s attention needs: its KV heads, keys `head_dim` wide, values
-    /// [`ModelConfig::v_head_dim`] wide (narrower than the keys with DeepSeek's MLA).
+    /// [`ModelConfig::v_head_dim`] wide; with MLA one head per position, the key
+    /// `[latent, rotated key]` and the value the latent (see [`ModelConfig::kv_cache_width`]).
     pub fn from_config(config: &ModelConfig) -> Self {
-        Self {
-            n_head_kv: config.n_head_kv,
-            k_head_dim: config.head_dim,
-            v_head_dim: config.v_head_dim(),
+        match config.mla {
+            Some(m) => Self {
+                n_head_kv: 1,
+                k_head_dim: m.kv_lora_rank + config.rope_dim,
+                v_head_dim: m.kv_lora_rank,
+                shared_v: true,
+            },
+            None => Self {
+                n_head_kv: config.n_head_kv,
+                k_head_dim: config.head_dim,
+                v_head_dim: config.v_head_dim(),
+                shared_v: false,
+            },
         }
     }
 
@@ -101,9 +115,13 @@ impl KvShape {
         self.n_head_kv * self.k_head_dim
     }
 
-    /// Value floats per position.
+    /// Value floats stored per position (none when the values are read from the keys).
     pub fn v_width(self) -> usize {
-        self.n_head_kv * self.v_head_dim
+        if self.shared_v {
+            0
+        } else {
+            self.n_head_kv * self.v_head_dim
+        }
     }
 }
 

@@ -64,7 +64,8 @@ pub struct ModelProfile {
     pub head_bytes: u64,
     pub output_norm_bytes: u64,
     /// K and V for one token across the layers whose cache grows with the context (all but
-    /// sliding-window layers, which hold a fixed window), at F32.
+    /// sliding-window layers, which hold a fixed window), at F32; with MLA the latent and the
+    /// rotated key part ([`ModelConfig::kv_cache_width`]).
     pub kv_bytes_per_token: u64,
     pub parameter_count: u64,
     /// Approximate FLOPs of one token's forward pass (2 per multiply-add of active weights).
@@ -120,7 +121,7 @@ impl ModelProfile {
         let growing = (0..config.n_layer)
             .filter(|&l| !config.is_swa_layer(l))
             .count();
-        let kv_bytes_per_token = (growing * (config.kv_dim() + config.v_dim()) * 4) as u64;
+        let kv_bytes_per_token = (growing * config.kv_cache_width() * 4) as u64;
         let flops_per_token = Self::estimate_flops(&config);
         Ok(Self {
             file: g.path().to_owned(),
@@ -308,10 +309,20 @@ impl fmt::Display for ModelProfile {
             } else {
                 "a plain query projection".into()
             };
+            let layout = if m.absorbed {
+                "attn_k_b/attn_v_b"
+            } else {
+                "attn_kv_b"
+            };
             writeln!(
                 f,
-                "attention     latent (MLA): KV latent of {}, keys {} ({} rotated), values {}, {q}",
-                m.kv_lora_rank, c.head_dim, c.rope_dim, m.v_head_dim
+                "attention     latent (MLA): KV latent of {}, keys {} ({} rotated), values {}, {q}; \
+                 {layout}, {} cached per position",
+                m.kv_lora_rank,
+                c.head_dim,
+                c.rope_dim,
+                m.v_head_dim,
+                c.kv_cache_width()
             )?;
         }
         if c.is_moe() && (c.n_layer_dense_lead > 0 || c.n_expert_shared > 0) {

@@ -217,8 +217,7 @@ impl QuantizedActs {
         self.kind == ActKind::for_weights(dtype)
     }
 
-    /// Dequantized activations (what the kernels effectively multiply with), for tests.
-    #[cfg(test)]
+    /// Dequantized activations: what the kernels effectively multiply with.
     pub(crate) fn dequantized(&self) -> Vec<f32> {
         match self.kind {
             ActKind::F32 | ActKind::F16 | ActKind::BF16 => self.f.clone(),
