@@ -4,7 +4,7 @@
 use tessera_proto::{AdminReply, AdminRequest};
 
 use crate::authz::Grant;
-use crate::server::Shared;
+use crate::shared::Shared;
 
 /// Carries out one request; every failure becomes [`AdminReply::Refused`] with its reason.
 pub(crate) fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {

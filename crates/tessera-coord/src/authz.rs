@@ -205,21 +205,6 @@ pub fn authorize_client(
     }
 }
 
-/// Who a client session's peer is, from its credential.
-pub(crate) fn client_facts(
-    shared: &crate::server::Shared,
-    conn: &tessera_net::Connection,
-) -> Result<SenderFacts, crate::CoordError> {
-    let grant = shared
-        .enrol
-        .grant_of(&conn.peer_key())
-        .ok_or_else(|| crate::CoordError::Protocol("the key is not enrolled".into()))?;
-    Ok(SenderFacts {
-        node: conn.peer_id(),
-        grant,
-    })
-}
-
 /// The edge around the rules: the refusal counter, a log that cannot be flooded (a hostile
 /// peer can send refusable messages as fast as it likes), the admission of clients' runs, and
 /// each key's live connection (so a revocation ends it).

@@ -25,10 +25,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_model::StreamDecoder;
-use tessera_net::{Connection, FramedStream, NodeId};
+use tessera_net::{Connection, FramedStream};
 use tessera_proto::{
-    frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, NodeToCoord, RunReport,
-    RunRequest, StageSeqStats, StageSpec, PROTOCOL_VERSION,
+    frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, RunReport, RunRequest,
+    StageSeqStats, StageSpec, PROTOCOL_VERSION,
 };
 use tokio::sync::mpsc;
 
@@ -36,7 +36,7 @@ use crate::assignment::resolve;
 use crate::error::CoordError;
 use crate::membership::{Event, Phase};
 use crate::run::{Input, Output, Placement, RunEvent, RunMachine, RunOutcome, RunSpec, Timer};
-use crate::server::{member_status, EpochStatus, Shared};
+use crate::shared::{member_status, EpochStatus, RouteMsg, Shared};
 
 /// How long a new epoch may take to load (model transfer included) and link.
 const EPOCH_TIMEOUT: Duration = Duration::from_secs(600);
@@ -66,7 +66,7 @@ pub(crate) async fn client_session(
         let _ = writer.finish().await;
     });
     let mut mine: Vec<u64> = Vec::new();
-    let sender = crate::authz::client_facts(&shared, &conn)?;
+    let sender = client_facts(&shared, &conn)?;
     let result = async {
         while let Some(f) = reader.read_frame().await? {
             if f.kind != frame::MSG {
@@ -154,11 +154,19 @@ pub(crate) fn cancel(shared: &Shared, seq: u64) {
     }
 }
 
-/// What reaches a run: a message from a node about one of its attempts, or its cancellation.
-#[derive(Debug)]
-pub(crate) enum RouteMsg {
-    Node(NodeId, NodeToCoord),
-    Cancel,
+/// Who a client session's peer is, from its credential.
+fn client_facts(
+    shared: &Shared,
+    conn: &tessera_net::Connection,
+) -> Result<crate::authz::SenderFacts, CoordError> {
+    let grant = shared
+        .enrol
+        .grant_of(&conn.peer_key())
+        .ok_or_else(|| CoordError::Protocol("the key is not enrolled".into()))?;
+    Ok(crate::authz::SenderFacts {
+        node: conn.peer_id(),
+        grant,
+    })
 }
 
 fn record_metrics(shared: &Shared, report: &RunReport) {

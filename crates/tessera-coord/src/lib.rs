@@ -36,8 +36,8 @@
 //! 3. **Generations** ([`run`], pure; [`driver`], its shell): a client (`tessera run`,
 //!    enrolled like a node) or the HTTP gateway asks for a run; a [`run::RunMachine`] decides
 //!    its whole lifecycle from inputs (a ready or lost epoch, a node's message, a timer, a
-//!    cancellation) and the driver carries out its outputs. The sequence is opened on every stage, the first stage prefills in chunks, the ring
-//!    turns one token per lap, the last stage reports each token, and at the end every stage
+//!    cancellation) and the driver carries out its outputs. The sequence is opened on every
+//!    stage, the first stage prefills in chunks, the ring turns one token per lap, the last stage reports each token, and at the end every stage
 //!    frees the sequence's KV cache and reports its traffic and time, which become the run's
 //!    report and a line of `metrics.jsonl` (bytes per boundary per token, hop latency).
 //! 4. **Failures** ([`membership`], [`replan`], [`run`]): every node holds a lease
@@ -62,28 +62,45 @@
 //! never go backwards, and that nothing is left held at the end.
 //!
 //! The wire contract is [`tessera_proto`].
+//!
+//! # The runtime around the pure machines
+//!
+//! - [`shared`]: the state every task holds (settings, the machines behind one lock, the routes
+//!   to runs, the [`authz::Gate`]).
+//! - [`driver`]: a run's async shell, and the CLI client's session.
+//! - `session`: a control session's hello, then a node's session (its messages become
+//!   membership events or go to the run they are about) or a client's (in [`driver`]).
+//! - [`server`]: the QUIC endpoint's accept loop, each connection's streams, and the lease
+//!   clock that feeds the membership its `Tick`s.
+//! - [`backend`]: the [`tessera_gateway::Backend`] the HTTP API serves through; it returns data
+//!   and the gateway words it.
+//!
+//! Each depends only on those listed before it (and the pure modules), never back.
 
 #![forbid(unsafe_code)]
 
 mod admin;
 pub mod assignment;
 pub mod authz;
+pub mod backend;
 #[cfg(feature = "mdns")]
 pub mod discovery;
 pub mod distribute;
 pub mod driver;
 pub mod enrol;
 pub mod error;
-pub mod gateway;
 pub mod membership;
 pub mod planning;
 pub mod replan;
 pub mod run;
 pub mod server;
+mod session;
+pub mod shared;
 #[cfg(test)]
 mod sim;
 pub mod state;
 pub mod tokens;
 
 pub use error::CoordError;
-pub use server::{Coordinator, CoordinatorConfig, EpochStatus, ModelInfo};
+pub use server::Coordinator;
+pub use shared::{CoordinatorConfig, EpochStatus, ModelInfo};

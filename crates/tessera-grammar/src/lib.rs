@@ -15,6 +15,8 @@
 //! [`Grammar::accept`]. A grammar depends only on the request's own tokens, so a constrained
 //! request's output is the same alone or in a batch.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;

@@ -86,21 +86,13 @@ pub struct UncachedRead {
 /// filesystems), falls back to asking the kernel to drop the file's cached pages
 /// (`posix_fadvise(DONTNEED)` after the caller's fsync) and labels the result as possibly cached.
 pub fn open_uncached(path: &Path) -> io::Result<UncachedRead> {
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        if let Ok(file) = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-        {
-            return Ok(UncachedRead {
-                file,
-                method: "O_DIRECT",
-                possibly_cached: false,
-                alignment: 4096,
-            });
-        }
+    if let Some(file) = open_direct(path) {
+        return Ok(UncachedRead {
+            file,
+            method: "O_DIRECT",
+            possibly_cached: false,
+            alignment: DIRECT_ALIGN,
+        });
     }
     let file = File::open(path)?;
     #[cfg(any(target_os = "macos", target_os = "ios"))]
@@ -130,19 +122,57 @@ pub fn open_uncached(path: &Path) -> io::Result<UncachedRead> {
     })
 }
 
+/// Alignment of `O_DIRECT` offsets, lengths and buffers (a page: enough for any logical block
+/// size up to 4 KiB).
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// Opens `path` for `O_DIRECT` reads: Linux only; `None` elsewhere or where the file system
+/// refuses it (tmpfs, some network file systems). Reads then need [`DIRECT_ALIGN`]ed offsets,
+/// lengths and buffers. Shared by the disk probe and the engine's expert streaming, so both
+/// read the way the other measured.
+pub fn open_direct(path: &Path) -> Option<File> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok()
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    {
+        let _ = path;
+        None
+    }
+}
+
 /// Asks the kernel to drop the file's clean cached pages. True if the request was accepted
 /// (which still does not guarantee every page left the cache).
 pub fn drop_cached_pages(file: &File) -> bool {
+    drop_cached_range(file, 0, 0)
+}
+
+/// Asks the kernel to drop the clean cached pages of `off..off + len` (`len` 0: to the end of
+/// the file). True if the advice was accepted; advice only, so callers go on either way.
+pub fn drop_cached_range(file: &File, off: u64, len: u64) -> bool {
     #[cfg(any(target_os = "linux", target_os = "android"))]
     {
         use std::os::unix::io::AsRawFd;
-        // SAFETY: posix_fadvise on a descriptor we own, with a whole-file range.
-        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
+        let rc = unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                off as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
         rc == 0
     }
     #[cfg(not(any(target_os = "linux", target_os = "android")))]
     {
-        let _ = file;
+        let _ = (file, off, len);
         false
     }
 }

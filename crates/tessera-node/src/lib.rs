@@ -13,6 +13,8 @@
 //! - [`fetch_net`]: the shard store's chunk source over the coordinator's model stream;
 //! - [`protocol`]: the wire contract, [`tessera_proto`], re-exported under its old path.
 
+#![forbid(unsafe_code)]
+
 pub use tessera_host::{inventory, store};
 pub use tessera_proto as protocol;
 

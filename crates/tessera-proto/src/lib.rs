@@ -23,6 +23,8 @@
 //! (23 bytes for one sequence) plus the 8-byte frame header. The header already lists several
 //! sequences so that continuous batching (a later issue) can send one frame per batch.
 
+#![forbid(unsafe_code)]
+
 mod client;
 mod control;
 mod experts;

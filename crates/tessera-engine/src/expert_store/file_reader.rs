@@ -7,6 +7,8 @@ use std::fs::File;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tessera_host::sys::{drop_cached_range, open_direct, DIRECT_ALIGN};
+
 /// Positioned reads of the model file, kept out of the page cache if asked.
 pub(super) struct Reader {
     file: File,
@@ -48,8 +50,8 @@ impl Reader {
     /// possible, else a buffered read (then dropped from the page cache if asked).
     pub(super) fn read_range(&self, off: u64, len: u64) -> std::io::Result<RawBuf> {
         if let (Some(d), true) = (&self.direct, self.direct()) {
-            let a0 = off & !(DIRECT_ALIGN - 1);
-            let end = (off + len).next_multiple_of(DIRECT_ALIGN);
+            let a0 = off & !(ALIGN - 1);
+            let end = (off + len).next_multiple_of(ALIGN);
             let mut buf = self
                 .bufs
                 .take((end - a0) as usize, (off - a0) as usize, len as usize);
@@ -65,15 +67,14 @@ impl Reader {
         let mut buf = self.bufs.take(len as usize, 0, len as usize);
         read_at(&self.file, &mut buf.all_mut()[..len as usize], off)?;
         if self.drop_page_cache {
-            drop_pages(&self.file, off, len);
+            drop_cached_range(&self.file, off, len);
         }
         Ok(buf)
     }
 }
 
-/// Alignment of `O_DIRECT` offsets, lengths and buffers (a page: enough for any logical block
-/// size up to 4 KiB).
-const DIRECT_ALIGN: u64 = 4096;
+/// [`DIRECT_ALIGN`] as a file offset.
+const ALIGN: u64 = DIRECT_ALIGN as u64;
 
 /// A [`DIRECT_ALIGN`]-aligned allocation of `cap` initialized bytes.
 struct RawAlloc {
@@ -86,7 +87,7 @@ unsafe impl Send for RawAlloc {}
 
 impl RawAlloc {
     fn layout(cap: usize) -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(cap.max(1), DIRECT_ALIGN as usize).expect("layout")
+        std::alloc::Layout::from_size_align(cap.max(1), DIRECT_ALIGN).expect("layout")
     }
 
     fn zeroed(cap: usize) -> Self {
@@ -224,22 +225,6 @@ pub fn measure_read_bandwidth(
     ))
 }
 
-/// Opens `path` for `O_DIRECT` reads (Linux; `None` elsewhere or if refused).
-#[cfg(target_os = "linux")]
-fn open_direct(path: &std::path::Path) -> Option<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .ok()
-}
-
-#[cfg(not(target_os = "linux"))]
-fn open_direct(_: &std::path::Path) -> Option<File> {
-    None
-}
-
 fn libc_einval() -> i32 {
     #[cfg(unix)]
     {
@@ -292,21 +277,3 @@ fn read_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
     f.seek(SeekFrom::Start(off))?;
     f.read_exact(buf)
 }
-
-/// Drops the file's pages in `off..off + len` from the page cache (advice; errors ignored).
-#[cfg(unix)]
-fn drop_pages(f: &File, off: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
-    unsafe {
-        libc::posix_fadvise(
-            f.as_raw_fd(),
-            off as libc::off_t,
-            len as libc::off_t,
-            libc::POSIX_FADV_DONTNEED,
-        );
-    }
-}
-
-#[cfg(not(unix))]
-fn drop_pages(_: &File, _: u64, _: u64) {}

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tessera_coord::assignment::parse_split;
-use tessera_coord::gateway::{ClusterBackend, ClusterBackendConfig};
+use tessera_coord::backend::{ClusterBackend, ClusterBackendConfig};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 use tessera_engine::Model;
 use tessera_gateway::{check_exposure, Backend, Gateway, GatewayConfig, SchedulerConfig};
@@ -210,12 +210,12 @@ impl Cluster {
     /// Starts the coordinator (it applies the split once enough nodes have joined) and the
     /// backend. Must run inside the runtime that will serve.
     pub async fn start(o: ClusterOptions) -> anyhow::Result<Self> {
-        let n_layer = tessera_coord::gateway::model_layers(&o.model)
+        let n_layer = tessera_coord::backend::model_layers(&o.model)
             .with_context(|| format!("reading {}", o.model.display()))?;
         let split = match (o.auto_plan, o.split) {
             (true, _) => "auto".to_string(),
             (false, Some(s)) => s,
-            (false, None) => tessera_coord::gateway::even_split(n_layer, o.nodes),
+            (false, None) => tessera_coord::backend::even_split(n_layer, o.nodes),
         };
         let stages = if o.auto_plan {
             None

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tessera_coord::gateway::ClusterBackendConfig;
+use tessera_coord::backend::ClusterBackendConfig;
 use tessera_engine::SamplingParams;
 use tessera_gateway::{Backend, Event, GenerationRequest};
 

@@ -41,7 +41,8 @@ use tokio::sync::Semaphore;
 
 use crate::error::CoordError;
 use crate::membership::Phase;
-use crate::server::{Coordinator, Shared};
+use crate::server::Coordinator;
+use crate::shared::Shared;
 
 /// Settings of the cluster backend.
 #[derive(Clone, Debug)]

@@ -1,0 +1,357 @@
+//! Control sessions: the hello, then either a node's session (its lease, its messages into the
+//! membership machine, routed to runs) or a client's (`driver::client_session`).
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_net::{measure_link, Connection, FramedStream, NodeId};
+use tessera_proto::{frame, limits, CoordToNode, Hello, NodeToCoord, Role, PROTOCOL_VERSION};
+use tokio::sync::mpsc;
+
+use crate::error::CoordError;
+use crate::membership::{Event, Member};
+
+use crate::shared::{RouteMsg, Shared};
+
+pub(crate) async fn control_session(
+    shared: Arc<Shared>,
+    conn: Connection,
+    mut s: FramedStream,
+) -> Result<(), CoordError> {
+    s.reader.set_max_len(limits::CONTROL);
+    let first = s.reader.recv_kind(frame::MSG, "a hello").await?;
+    let v: serde_json::Value = serde_json::from_slice(&first)
+        .map_err(|e| CoordError::Protocol(format!("malformed hello: {e}")))?;
+    let hello: Hello = match v.get("type").and_then(|t| t.as_str()) {
+        Some("hello") => serde_json::from_value(v)
+            .map_err(|e| CoordError::Protocol(format!("malformed hello: {e}")))?,
+        _ => {
+            return Err(CoordError::Protocol(
+                "the first message must be a hello".into(),
+            ))
+        }
+    };
+    if hello.protocol_version != PROTOCOL_VERSION {
+        let reason = format!(
+            "protocol version mismatch: the coordinator speaks {PROTOCOL_VERSION}, the peer {}",
+            hello.protocol_version
+        );
+        let msg = CoordToNode::Refused {
+            reason: reason.clone(),
+        };
+        let _ = s_write(&mut s.writer, &msg).await;
+        let _ = s.writer.finish().await;
+        return Err(CoordError::Protocol(reason));
+    }
+    if let Err(r) = shared
+        .enrol
+        .bind_name(&conn.peer_key(), &hello.name, hello.role)
+    {
+        let reason = r.to_string();
+        let _ = s_write(
+            &mut s.writer,
+            &CoordToNode::Refused {
+                reason: reason.clone(),
+            },
+        )
+        .await;
+        let _ = s.writer.finish().await;
+        return Err(CoordError::Protocol(reason));
+    }
+    shared.authz.track(&conn);
+    match hello.role {
+        Role::Node => node_session(shared, conn, s, hello).await,
+        Role::Client => crate::driver::client_session(shared, conn, s).await,
+    }
+}
+
+pub(crate) async fn s_write<T: serde::Serialize>(
+    w: &mut tessera_net::FrameWriter<tessera_net::quinn::SendStream>,
+    msg: &T,
+) -> Result<(), CoordError> {
+    Ok(w.write_message(frame::MSG, msg).await?)
+}
+
+async fn node_session(
+    shared: Arc<Shared>,
+    conn: Connection,
+    s: FramedStream,
+    hello: Hello,
+) -> Result<(), CoordError> {
+    let id = conn.peer_id();
+    let FramedStream {
+        mut reader,
+        mut writer,
+        ..
+    } = s;
+    let (tx, mut rx) = mpsc::unbounded_channel::<CoordToNode>();
+    let _ = tx.send(CoordToNode::Welcome {
+        protocol_version: PROTOCOL_VERSION,
+        coordinator: shared.id,
+        observed_addr: conn.remote_addr(),
+    });
+    let lease = shared.lease();
+    let lease_msg = CoordToNode::Lease {
+        heartbeat_ms: (lease.as_millis() as u64 / 4).max(1),
+        lease_ms: lease.as_millis() as u64,
+    };
+    let _ = tx.send(lease_msg.clone());
+    // The coordinator's own heartbeat: the lease, repeated.
+    let _beat = {
+        let tx = tx.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let mut tick = tokio::time::interval((lease / 4).max(Duration::from_millis(1)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if tx.send(lease_msg.clone()).is_err() {
+                    break;
+                }
+            }
+        }))
+    };
+    // The port the node listens on, sent right after its hello (see
+    // `NodeToCoord::Listening`); any other first message is handled after the join.
+    let mut addr = conn.remote_addr();
+    let mut early = None;
+    match tokio::time::timeout(lease, reader.read_frame()).await {
+        Ok(Ok(Some(f))) if f.kind == frame::MSG => match f.json::<NodeToCoord>() {
+            Ok(NodeToCoord::Listening { addr: a }) => addr = peer_addr(addr, a),
+            Ok(m) => early = Some(m),
+            Err(e) => return Err(e.into()),
+        },
+        Ok(Ok(Some(f))) => {
+            return Err(CoordError::Protocol(format!(
+                "unexpected frame kind {:#06x} on a control stream",
+                f.kind
+            )))
+        }
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => return Err(e.into()),
+        Err(_) => {}
+    }
+    let writer_task = tokio::spawn(async move {
+        while let Some(m) = rx.recv().await {
+            if writer.write_message(frame::MSG, &m).await.is_err() {
+                break;
+            }
+        }
+    });
+    let session = shared.lock().open_session(id, tx, conn.clone());
+    shared.apply(Event::Joined(Box::new(Member {
+        node_id: id,
+        key: conn.peer_key(),
+        name: hello.name.clone(),
+        addr,
+        connected: true,
+        joined: 0,
+        memory_budget_bytes: hello.memory_budget_bytes,
+        inventory: hello.inventory.map(|b| *b),
+        models: hello.models,
+        link: None,
+        session,
+    })));
+    tracing::info!(
+        event = "node_joined",
+        node = %hello.name,
+        node_id = %id,
+        session,
+        "node joined: {} {} at {addr}",
+        hello.name,
+        id
+    );
+    // Measure the link to the node in the background.
+    {
+        let (shared, conn) = (shared.clone(), conn.clone());
+        tokio::spawn(async move {
+            match measure_link(&conn, 8, 1 << 20).await {
+                Ok(link) => {
+                    tracing::info!(
+                        "link to {}: rtt {:?}, {:.1} MB/s",
+                        id.short(),
+                        link.rtt_median,
+                        link.bytes_per_s / 1e6
+                    );
+                    shared.apply(Event::LinkMeasured { node: id, link });
+                }
+                Err(e) => tracing::warn!("measuring the link to {}: {e}", id.short()),
+            }
+        });
+    }
+    maybe_apply_initial_split(&shared);
+    if let Some(m) = early {
+        handle_node_message(&shared, id, m);
+    }
+
+    let result = async {
+        loop {
+            // Every message renews the lease (the membership machine expires it: a node
+            // silent for a whole lease, dead, frozen or cut off, is declared gone and this
+            // session is closed under the read).
+            let Some(f) = reader.read_frame().await? else {
+                break;
+            };
+            shared.apply(Event::Heard {
+                node: id,
+                session,
+                now: shared.started.elapsed(),
+            });
+            if f.kind != frame::MSG {
+                return Err(CoordError::Protocol(format!(
+                    "unexpected frame kind {:#06x} on a control stream",
+                    f.kind
+                )));
+            }
+            let msg: NodeToCoord = f.json()?;
+            handle_node_message(&shared, id, msg);
+        }
+        Ok(())
+    }
+    .await;
+    writer_task.abort();
+    tracing::info!(event = "node_left", node = %hello.name, node_id = %id, "node left: {} {}", hello.name, id);
+    let current = shared.lock().close_session(id, session);
+    // If it held a stage, the membership fails the epoch and plans one on the survivors;
+    // drivers see the epoch change and resume their sequences on the new one.
+    if current && !shared.closing.load(Ordering::SeqCst) {
+        shared.apply(Event::Left { node: id, session });
+    }
+    result
+}
+
+fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
+    let sender = crate::authz::SenderFacts {
+        node: id,
+        grant: crate::authz::Grant::Node,
+    };
+    if shared.authz.check_node(&sender, &msg).is_err() {
+        return;
+    }
+    let seq = match &msg {
+        NodeToCoord::Hello(_) => {
+            tracing::warn!("{}: a second hello; ignored", id.short());
+            return;
+        }
+        NodeToCoord::Heartbeat { expert_cache } => {
+            if let Some(c) = expert_cache {
+                let mut st = shared.lock();
+                if st.expert_cache.insert(id, *c) != Some(*c) {
+                    let name = st
+                        .membership
+                        .member(&id)
+                        .map_or_else(|| id.short(), |m| m.name.clone());
+                    tracing::info!(
+                        event = "expert_cache",
+                        node = %name,
+                        hits = c.hits,
+                        misses = c.misses,
+                        budget_bytes = c.budget_bytes,
+                        peak_bytes = c.peak_bytes,
+                        peak_read_buffer_bytes = c.peak_read_buffer_bytes,
+                        "expert cache: {name} hits {} misses {} disk bytes {} read wait {:.1} ms \
+                         disk busy {:.1} ms",
+                        c.hits,
+                        c.misses,
+                        c.bytes_read,
+                        c.read_wait_us as f64 / 1e3,
+                        c.disk_busy_us as f64 / 1e3
+                    );
+                }
+            }
+            return;
+        }
+        NodeToCoord::Listening { .. } => return,
+        NodeToCoord::Loaded { epoch, report } => {
+            return shared.apply(Event::Loaded {
+                node: id,
+                epoch: *epoch,
+                report: report.clone(),
+            })
+        }
+        NodeToCoord::LoadFailed { epoch, reason } => {
+            return shared.apply(Event::LoadFailed {
+                node: id,
+                epoch: *epoch,
+                reason: reason.clone(),
+            })
+        }
+        NodeToCoord::Linked { epoch, link } => {
+            return shared.apply(Event::Linked {
+                node: id,
+                epoch: *epoch,
+                link: *link,
+            })
+        }
+        NodeToCoord::LinkFailed { epoch, reason } => {
+            return shared.apply(Event::LinkFailed {
+                node: id,
+                epoch: *epoch,
+                reason: reason.clone(),
+            })
+        }
+        NodeToCoord::Inventory(inv) => {
+            return shared.apply(Event::InventoryMeasured {
+                node: id,
+                inventory: inv.clone(),
+            })
+        }
+        NodeToCoord::Opened { seq }
+        | NodeToCoord::OpenFailed { seq, .. }
+        | NodeToCoord::Token { seq, .. }
+        | NodeToCoord::Finished { seq, .. }
+        | NodeToCoord::Closed { seq, .. } => *seq,
+        NodeToCoord::Trace(t) => t.seq,
+    };
+    if let Some(r) = shared.lock().routes.get(&seq) {
+        let _ = r.send(RouteMsg::Node(id, msg));
+    }
+}
+
+/// Applies `--split` once enough nodes are connected and no epoch exists yet.
+fn maybe_apply_initial_split(shared: &Shared) {
+    let Some(split) = &shared.config.split else {
+        return;
+    };
+    let stages = {
+        let st = shared.lock();
+        if st.membership.epoch().is_some() || !st.membership.expert_split_ready() {
+            return;
+        }
+        let nodes = st.membership.candidates();
+        match crate::assignment::resolve(split, shared.model.config.n_layer, &nodes) {
+            Ok(s) => s,
+            Err(_) => return,
+        }
+    };
+    shared.apply(Event::Plan {
+        model: shared.server.manifest().model_hash,
+        stages,
+        n_layer: shared.model.config.n_layer,
+        max_context: shared.max_context(),
+    });
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The address peers should dial for a node that listens on `advertised` and was seen at
+/// `observed`: the advertised port at the observed host when the hosts agree (or the node
+/// listens on every address), else what was observed (e.g. behind NAT).
+fn peer_addr(observed: SocketAddr, advertised: SocketAddr) -> SocketAddr {
+    if advertised.ip().is_unspecified() {
+        SocketAddr::new(observed.ip(), advertised.port())
+    } else if advertised.ip() == observed.ip() {
+        advertised
+    } else {
+        observed
+    }
+}

@@ -1,0 +1,352 @@
+//! The coordinator's shared state: its settings, the model it serves, the membership machine
+//! behind a lock, the per-node senders, the routes to running generations and the gate. Each
+//! session, run shell and the HTTP backend hold an `Arc<Shared>`; decisions stay in the pure
+//! machines ([`Membership`], `run::RunMachine`), this is only where their state lives.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tessera_host::Manifest;
+use tessera_model::{ModelConfig, Tokenizer};
+use tessera_net::{Connection, NodeId};
+use tessera_proto::{CoordToNode, MemberStatus, NodeToCoord, StageSpec};
+use tokio::sync::{mpsc, watch};
+
+use crate::distribute::ModelServer;
+use crate::enrol::Enrolment;
+use crate::membership::{Action, Event, Membership, Phase};
+use crate::replan::ModelBytes;
+use crate::state::{EnrolmentState, EpochRecord, EpochStageRecord};
+
+/// How long a node may stay silent before it is declared gone, by default.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(3);
+
+/// The coordinator's settings.
+#[derive(Clone, Debug)]
+pub struct CoordinatorConfig {
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    /// The model this cluster serves. The coordinator reads its metadata and tokenizer and
+    /// serves its chunks; it loads no weights.
+    pub model: PathBuf,
+    /// An assignment to apply as soon as enough nodes are connected.
+    pub split: Option<Vec<StageSpec>>,
+    /// Most positions per sequence.
+    pub max_context: usize,
+    pub progress: bool,
+    /// Bytes per chunk of the model's manifest (the unit nodes fetch and verify);
+    /// [`DEFAULT_CHUNK_SIZE`] unless a model's expert slices are not much larger than that.
+    pub chunk_size: u32,
+}
+
+/// The model as the coordinator knows it.
+#[derive(Debug)]
+pub struct ModelInfo {
+    pub name: String,
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    /// End-of-generation token ids.
+    pub eog: Vec<u32>,
+}
+
+/// Where the current epoch is, for drivers waiting on it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EpochStatus {
+    None,
+    Pending(u64),
+    Ready(u64),
+    Failed(u64, String),
+}
+
+/// What changes while the coordinator runs, behind [`Shared::lock`] (the persistent records are
+/// in [`crate::state`]).
+pub(crate) struct LiveState {
+    pub membership: Membership,
+    /// Each connected node's current control session and its outbox.
+    senders: HashMap<NodeId, NodeSender>,
+    sessions: u64,
+    pub routes: HashMap<u64, mpsc::UnboundedSender<RouteMsg>>,
+    /// The latest expert-cache counters each node streaming experts from disk reported.
+    pub expert_cache: HashMap<NodeId, tessera_proto::ExpertCacheStats>,
+}
+
+impl LiveState {
+    pub fn new(membership: Membership) -> Self {
+        Self {
+            membership,
+            senders: HashMap::new(),
+            sessions: 0,
+            routes: HashMap::new(),
+            expert_cache: HashMap::new(),
+        }
+    }
+
+    /// Makes `tx` and `conn` node `id`'s current control session (replacing an older one of a
+    /// node that reconnected) and returns the session's number.
+    pub fn open_session(
+        &mut self,
+        id: NodeId,
+        tx: mpsc::UnboundedSender<CoordToNode>,
+        conn: Connection,
+    ) -> u64 {
+        self.sessions += 1;
+        let session = self.sessions;
+        self.senders.insert(id, NodeSender { session, tx, conn });
+        session
+    }
+
+    /// Ends node `id`'s control session `session`; false when a newer session has replaced it
+    /// (then the node has not left).
+    pub fn close_session(&mut self, id: NodeId, session: u64) -> bool {
+        let current = self.senders.get(&id).is_some_and(|s| s.session == session);
+        if current {
+            self.senders.remove(&id);
+        }
+        current
+    }
+}
+
+/// A node's current control session: its number, its outbox, and its connection (closed when
+/// the membership says the lease expired).
+struct NodeSender {
+    session: u64,
+    tx: mpsc::UnboundedSender<CoordToNode>,
+    conn: Connection,
+}
+
+pub(crate) struct Shared {
+    pub id: NodeId,
+    pub config: CoordinatorConfig,
+    pub enrol: Arc<Enrolment>,
+    pub model: ModelInfo,
+    pub server: ModelServer,
+    pub state: Mutex<LiveState>,
+    pub epoch_tx: watch::Sender<EpochStatus>,
+    pub next_seq: AtomicU64,
+    /// Node lease, ms (see [`Coordinator::set_lease`]).
+    pub lease_ms: AtomicU64,
+    /// Where plan epochs are recorded.
+    pub store: Arc<dyn EnrolmentState>,
+    /// Set by [`Coordinator::close`]: sessions ending now are the coordinator's own shutdown,
+    /// not nodes leaving (nothing is re-planned).
+    pub closing: std::sync::atomic::AtomicBool,
+    /// The origin of the `now` given to the membership machine (leases).
+    pub started: tokio::time::Instant,
+    /// Who may say what ([`crate::authz`]): roles, client admission, refusal counts.
+    pub authz: crate::authz::Gate,
+    /// Most positions per sequence in the plans made from now on: the configured
+    /// `max_context` until a planner chooses a context that fits
+    /// ([`Coordinator::set_max_context`]).
+    pub max_context: std::sync::atomic::AtomicUsize,
+}
+
+impl Shared {
+    pub fn max_context(&self) -> usize {
+        self.max_context.load(Ordering::SeqCst)
+    }
+
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, LiveState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Feeds an event to the membership machine and carries out its actions.
+    pub fn apply(&self, event: Event) {
+        let mut st = self.lock();
+        self.apply_locked(&mut st, event);
+    }
+
+    /// [`Shared::apply`] with the state already locked (to decide and act atomically).
+    pub(crate) fn apply_locked(&self, st: &mut LiveState, event: Event) {
+        let before = st.membership.epoch().map(|e| (e.id, e.phase.clone()));
+        let actions = st.membership.handle(event);
+        for a in actions {
+            match a {
+                Action::Send { to, msg } => {
+                    if let Some(s) = st.senders.get(&to) {
+                        let _ = s.tx.send(msg.0);
+                    }
+                }
+                Action::LeaseExpired { node, session } => {
+                    // The node is already planned around; end its session so that it
+                    // reconnects (and starts afresh) if it is still there.
+                    if st.senders.get(&node).is_some_and(|s| s.session == session) {
+                        let s = st.senders.remove(&node).expect("checked");
+                        let name = st.membership.member(&node).map_or("", |m| &m.name);
+                        tracing::info!(
+                            event = "lease_expired",
+                            node = %name,
+                            node_id = %node,
+                            "lease expired: {name} {node} silent for {} ms",
+                            self.lease().as_millis()
+                        );
+                        s.conn.close("lease expired");
+                    }
+                }
+                Action::EpochReady(e) => {
+                    tracing::info!(event = "epoch_ready", epoch = e, "epoch {e} is ready");
+                    // Who holds which experts in it (an expert split; after a loss the
+                    // survivors hold the departed owner's): one event per holder.
+                    for g in st
+                        .membership
+                        .epoch_expert_split()
+                        .map_or(&[][..], |x| &x.groups)
+                    {
+                        // A group names its node by name or by (a prefix of) its id.
+                        let name = st
+                            .membership
+                            .members()
+                            .find(|m| {
+                                m.name == g.node || m.node_id.to_string().starts_with(&g.node)
+                            })
+                            .map_or_else(|| g.node.clone(), |m| m.name.clone());
+                        let experts: Vec<String> = g.experts.iter().map(usize::to_string).collect();
+                        let experts = experts.join(",");
+                        tracing::info!(
+                            event = "experts_placed",
+                            epoch = e,
+                            node = %name,
+                            experts = %experts,
+                            "epoch {e}: {name} holds experts {experts}"
+                        );
+                    }
+                }
+                Action::EpochFailed { epoch, reason } => {
+                    tracing::warn!(event = "epoch_failed", epoch, %reason, "epoch {epoch} failed: {reason}");
+                }
+                Action::Note(note) => tracing::info!("{note}"),
+                Action::Refused { node, why } => self.authz.refuse(node, &why),
+            }
+        }
+        // The status drivers wait on follows the membership's current epoch.
+        let after = st.membership.epoch().map(|e| (e.id, e.phase.clone()));
+        let status = match &after {
+            None => EpochStatus::None,
+            Some((id, Phase::Loading | Phase::Linking)) => EpochStatus::Pending(*id),
+            Some((id, Phase::Ready)) => EpochStatus::Ready(*id),
+            Some((id, Phase::Failed(r))) => EpochStatus::Failed(*id, r.clone()),
+            Some((id, Phase::Released)) => EpochStatus::Failed(*id, "released".into()),
+        };
+        self.epoch_tx.send_if_modified(|s| {
+            if *s == status {
+                false
+            } else {
+                *s = status;
+                true
+            }
+        });
+        if before != after {
+            self.record_epoch(&st.membership);
+        }
+    }
+
+    /// Records the current epoch (its placement, phase and load evidence) durably.
+    fn record_epoch(&self, m: &Membership) {
+        let Some(e) = m.epoch() else { return };
+        let rec = EpochRecord {
+            epoch: e.id,
+            model: e.model,
+            phase: match &e.phase {
+                Phase::Loading => "loading".into(),
+                Phase::Linking => "linking".into(),
+                Phase::Ready => "ready".into(),
+                Phase::Failed(r) => format!("failed: {r}"),
+                Phase::Released => "released".into(),
+            },
+            stages: e
+                .stages
+                .iter()
+                .map(|s| EpochStageRecord {
+                    node_id: s.node_id,
+                    name: m.member(&s.node_id).map(|m| m.name.clone()),
+                    layers: s.layers.clone(),
+                    load: s.loaded.clone(),
+                    link_to_next: s.link,
+                })
+                .collect(),
+            recorded_at_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        };
+        if let Err(e) = self.store.record_epoch(&rec) {
+            tracing::warn!("recording epoch {}: {e}", rec.epoch);
+        }
+    }
+
+    /// The node lease.
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms.load(Ordering::Relaxed).max(1))
+    }
+
+    /// Sends a message to a node, if it is connected.
+    pub fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
+        self.lock()
+            .senders
+            .get(&to)
+            .is_some_and(|s| s.tx.send(msg).is_ok())
+    }
+}
+
+/// What the model's weights weigh per layer, embedding and head, and one expert per layer (for
+/// budget checks when re-planning).
+pub(crate) fn model_bytes(manifest: &Manifest, n_expert: usize) -> ModelBytes {
+    let bytes = |names: &[String]| manifest.bytes_for(names).unwrap_or(0);
+    let n_layer = (0u32..)
+        .take_while(|&l| !manifest.layer_tensor_names(l..l + 1).is_empty())
+        .count() as u32;
+    let has = |n: &str| manifest.tensor(n).is_some();
+    let mut head = vec!["output_norm.weight".to_string()];
+    head.push(if has("output.weight") {
+        "output.weight".into()
+    } else {
+        "token_embd.weight".into()
+    });
+    // Tensor bytes without the header `bytes_for` counts in.
+    let tensor = |n: String| manifest.tensor(&n).map_or(0, |t| t.len);
+    let expert = (0..n_layer)
+        .map(|l| {
+            let packed: u64 = ["gate", "up", "down"]
+                .iter()
+                .map(|w| tensor(format!("blk.{l}.ffn_{w}_exps.weight")))
+                .sum();
+            packed / n_expert.max(1) as u64
+        })
+        .collect();
+    ModelBytes {
+        layers: (0..n_layer)
+            .map(|l| bytes(&manifest.layer_tensor_names(l..l + 1)))
+            .collect(),
+        embed: bytes(&["token_embd.weight".to_string()]),
+        head: bytes(&head),
+        expert,
+        n_expert,
+    }
+}
+
+/// Status of every member, for clients.
+pub(crate) fn member_status(shared: &Shared) -> (Vec<MemberStatus>, Option<u64>) {
+    let st = shared.lock();
+    let members = st
+        .membership
+        .members()
+        .map(|m| MemberStatus {
+            node_id: m.node_id,
+            name: m.name.clone(),
+            connected: m.connected,
+            addr: Some(m.addr),
+            memory_budget_bytes: m.memory_budget_bytes,
+            link: m.link,
+        })
+        .collect();
+    (members, st.membership.epoch().map(|e| e.id))
+}
+
+/// What reaches a run: a message from a node about one of its attempts, or its cancellation.
+#[derive(Debug)]
+pub(crate) enum RouteMsg {
+    Node(NodeId, NodeToCoord),
+    Cancel,
+}
