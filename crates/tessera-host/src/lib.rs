@@ -40,6 +40,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod direct_read;
 pub mod inventory;
 pub mod store;
 pub mod sys;

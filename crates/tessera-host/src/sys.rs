@@ -70,66 +70,28 @@ pub fn cpus_online() -> Option<usize> {
     None
 }
 
-/// How a file opened for a cache-bypassing read actually reads.
-pub struct UncachedRead {
-    pub file: File,
-    /// What was done to keep the page cache out of the figure.
-    pub method: &'static str,
-    /// True when nothing guarantees the reads come from the device rather than memory.
-    pub possibly_cached: bool,
-    /// Reads must use buffers and offsets aligned to this many bytes (O_DIRECT), or 1.
-    pub alignment: usize,
-}
-
-/// Opens `path` for reading so that reads bypass the page cache where the platform allows:
-/// `O_DIRECT` on Linux, `F_NOCACHE` on macOS. Where that fails (tmpfs, some network
-/// filesystems), falls back to asking the kernel to drop the file's cached pages
-/// (`posix_fadvise(DONTNEED)` after the caller's fsync) and labels the result as possibly cached.
-pub fn open_uncached(path: &Path) -> io::Result<UncachedRead> {
-    if let Some(file) = open_direct(path) {
-        return Ok(UncachedRead {
-            file,
-            method: "O_DIRECT",
-            possibly_cached: false,
-            alignment: DIRECT_ALIGN,
-        });
-    }
-    let file = File::open(path)?;
-    #[cfg(any(target_os = "macos", target_os = "ios"))]
-    {
-        use std::os::unix::io::AsRawFd;
-        // SAFETY: fcntl on a descriptor we own; F_NOCACHE takes an int argument.
-        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) };
-        if rc != -1 {
-            return Ok(UncachedRead {
-                file,
-                method: "F_NOCACHE",
-                possibly_cached: false,
-                alignment: 1,
-            });
-        }
-    }
-    let method = if drop_cached_pages(&file) {
-        "buffered read after posix_fadvise(DONTNEED) (O_DIRECT unavailable)"
-    } else {
-        "buffered read (no way to bypass the page cache here)"
-    };
-    Ok(UncachedRead {
-        file,
-        method,
-        possibly_cached: true,
-        alignment: 1,
-    })
-}
-
 /// Alignment of `O_DIRECT` offsets, lengths and buffers (a page: enough for any logical block
 /// size up to 4 KiB).
 pub const DIRECT_ALIGN: usize = 4096;
 
-/// Opens `path` for `O_DIRECT` reads: Linux only; `None` elsewhere or where the file system
-/// refuses it (tmpfs, some network file systems). Reads then need [`DIRECT_ALIGN`]ed offsets,
-/// lengths and buffers. Shared by the disk probe and the engine's expert streaming, so both
-/// read the way the other measured.
+/// How [`open_direct`] keeps reads out of the page cache on this platform.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+pub const DIRECT_METHOD: &str = "O_DIRECT";
+#[cfg(any(target_os = "macos", target_os = "ios"))]
+pub const DIRECT_METHOD: &str = "F_NOCACHE";
+#[cfg(not(any(
+    target_os = "linux",
+    target_os = "android",
+    target_os = "macos",
+    target_os = "ios"
+)))]
+pub const DIRECT_METHOD: &str = "none";
+
+/// Opens `path` for reads that bypass the page cache: `O_DIRECT` on Linux, `F_NOCACHE` on
+/// macOS; `None` elsewhere or where the file system refuses (tmpfs, some network file systems).
+/// Reads then use [`DIRECT_ALIGN`]ed offsets, lengths and buffers (which `F_NOCACHE` does not
+/// need but accepts). Shared by the disk probe and the engine's expert streaming
+/// ([`crate::direct_read`]), so both read the way the other measured.
 pub fn open_direct(path: &Path) -> Option<File> {
     #[cfg(any(target_os = "linux", target_os = "android"))]
     {
@@ -140,17 +102,24 @@ pub fn open_direct(path: &Path) -> Option<File> {
             .open(path)
             .ok()
     }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    #[cfg(any(target_os = "macos", target_os = "ios"))]
+    {
+        use std::os::unix::io::AsRawFd;
+        let file = File::open(path).ok()?;
+        // SAFETY: fcntl on a descriptor we own; F_NOCACHE takes an int argument.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) };
+        (rc != -1).then_some(file)
+    }
+    #[cfg(not(any(
+        target_os = "linux",
+        target_os = "android",
+        target_os = "macos",
+        target_os = "ios"
+    )))]
     {
         let _ = path;
         None
     }
-}
-
-/// Asks the kernel to drop the file's clean cached pages. True if the request was accepted
-/// (which still does not guarantee every page left the cache).
-pub fn drop_cached_pages(file: &File) -> bool {
-    drop_cached_range(file, 0, 0)
 }
 
 /// Asks the kernel to drop the clean cached pages of `off..off + len` (`len` 0: to the end of

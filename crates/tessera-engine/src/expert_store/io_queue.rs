@@ -12,8 +12,8 @@ use crate::kernels::{Matrix, MatrixBytes};
 use crate::weights::Ffn;
 
 use super::cache::Origin;
-use super::file_reader::RawBuf;
 use super::shared::{lock, Inner, Shared};
+use tessera_host::direct_read::RawBuf;
 
 /// Priority of a queued or running read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -47,7 +47,6 @@
 //! [`ExpertStats`] counts hits, misses, bytes read, prefetches and the pinned set.
 
 mod cache;
-mod file_reader;
 mod io_queue;
 mod peak;
 mod settings;
@@ -55,9 +54,9 @@ mod shared;
 mod stats;
 mod window;
 
-pub use file_reader::measure_read_bandwidth;
 pub use settings::ExpertStreaming;
 pub use stats::{ExpertStats, ExpertStatsSource};
+pub use tessera_host::direct_read::measure_read_bandwidth;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -72,10 +71,10 @@ use crate::kernels::{Matrix, ThreadPool};
 use crate::weights::{Ffn, LoadSpec};
 
 use cache::{Lru, Origin, Spare};
-use file_reader::Reader;
 use io_queue::{reader_loop, Flight, Kind};
 use settings::Settings;
 use shared::{lock, Inner, LayerSrc, MatSrc, Shared};
+use tessera_host::direct_read::Reader;
 
 /// The RAM cache of streamed experts and its I/O thread (see the module doc).
 pub struct ExpertStore {

@@ -10,10 +10,10 @@ use tessera_model::GgmlType;
 use crate::weights::Ffn;
 
 use super::cache::{Lru, Origin, Spare};
-use super::file_reader::Reader;
 use super::io_queue::Flight;
 use super::settings::Settings;
 use super::ExpertStats;
+use tessera_host::direct_read::Reader;
 
 /// Where one expert matrix lies in the file.
 #[derive(Clone, Copy, Debug)]

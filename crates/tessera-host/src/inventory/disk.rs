@@ -15,6 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tessera_model::human_bytes;
 
 use super::{ms, record, DiskInfo, DiskRate, ProbeOptions, ProbeRecord, ProbeStatus};
+use crate::direct_read::measure_read_bandwidth;
 use crate::sys;
 
 /// Removes the probe file however the probe ends.
@@ -103,7 +104,7 @@ pub(super) fn probe_disk(
     }
 
     let t = Instant::now();
-    match disk_read(&path, opts.probe_time_limit, virtualized) {
+    match disk_read(&path, virtualized) {
         Ok(rate) => {
             probes.push(record("disk read", t, ProbeStatus::Ok, None));
             info.read = Some(rate);
@@ -172,56 +173,31 @@ fn disk_write(path: &Path, size: u64, limit: Duration) -> std::io::Result<DiskRa
     })
 }
 
-fn disk_read(path: &Path, limit: Duration, virtualized: Option<bool>) -> std::io::Result<DiskRate> {
-    use std::io::Read;
-    let mut un = sys::open_uncached(path)?;
-    let mut storage = vec![0u8; DISK_BLOCK + un.alignment];
-    let off = storage.as_ptr().align_offset(un.alignment);
-    let buf = &mut storage[off..off + DISK_BLOCK];
+fn disk_read(path: &Path, virtualized: Option<bool>) -> std::io::Result<DiskRate> {
+    // The file just written, in the blocks it was written in, read the way expert streaming
+    // reads (the same reader), so the planner prices streaming with the rate streaming gets.
+    let len = std::fs::metadata(path)?.len();
+    let ranges: Vec<(u64, u64)> = (0..len)
+        .step_by(DISK_BLOCK)
+        .map(|off| (off, (len - off).min(DISK_BLOCK as u64)))
+        .collect();
     let start = Instant::now();
-    let mut read = 0u64;
-    loop {
-        let n = match un.file.read(buf) {
-            Ok(n) => n,
-            // Some filesystems accept O_DIRECT at open and refuse the read.
-            Err(e) if read == 0 && !un.possibly_cached && un.alignment > 1 => {
-                let file = std::fs::File::open(path)?;
-                let dropped = sys::drop_cached_pages(&file);
-                un = sys::UncachedRead {
-                    file,
-                    method: if dropped {
-                        "buffered read after posix_fadvise(DONTNEED) (O_DIRECT read refused)"
-                    } else {
-                        "buffered read (O_DIRECT read refused)"
-                    },
-                    possibly_cached: true,
-                    alignment: 1,
-                };
-                let _ = e;
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        if n == 0 {
-            break;
-        }
-        read += n as u64;
-        if start.elapsed() >= limit {
-            break;
-        }
-    }
-    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    let (gb_s, uncached) = measure_read_bandwidth(path, &ranges, 1, true)?;
     let mut method = format!(
         "sequential 4 MiB reads of the file just written, {}",
-        un.method
+        if uncached {
+            sys::DIRECT_METHOD
+        } else {
+            "buffered reads, each followed by posix_fadvise(DONTNEED) (direct reads unavailable)"
+        }
     );
     if virtualized == Some(true) {
         method.push_str("; this is a virtual machine, so the hypervisor's cache may serve reads");
     }
     Ok(DiskRate {
-        bytes_per_s: read as f64 / secs,
-        bytes: read,
-        possibly_cached: un.possibly_cached,
+        bytes_per_s: gb_s * 1e9,
+        bytes: len,
+        possibly_cached: !uncached,
         method,
         duration_ms: ms(start.elapsed()),
     })

@@ -1,4 +1,6 @@
-//! Positioned reads of the model file, kept out of the page cache if asked: on Linux `O_DIRECT`
+//! Positioned reads of a file, kept out of the page cache if asked — the engine's expert
+//! streaming reads a model's experts with it, and the host's disk probe measures with it, so
+//! the figure the planner prices streaming with is the one streaming gets: on Linux `O_DIRECT`
 //! reads of 4 KiB-aligned supersets of the ranges into aligned, pooled buffers; elsewhere, or
 //! where the file system refuses `O_DIRECT`, buffered reads followed by
 //! `posix_fadvise(DONTNEED)`.
@@ -7,10 +9,10 @@ use std::fs::File;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tessera_host::sys::{drop_cached_range, open_direct, DIRECT_ALIGN};
+use crate::sys::{drop_cached_range, open_direct, DIRECT_ALIGN};
 
 /// Positioned reads of the model file, kept out of the page cache if asked.
-pub(super) struct Reader {
+pub struct Reader {
     file: File,
     /// The same file opened with `O_DIRECT` (when asked for and allowed).
     direct: Option<File>,
@@ -21,7 +23,7 @@ pub(super) struct Reader {
 }
 
 impl Reader {
-    pub(super) fn open(path: &std::path::Path, drop_page_cache: bool) -> std::io::Result<Self> {
+    pub fn open(path: &std::path::Path, drop_page_cache: bool) -> std::io::Result<Self> {
         let file = File::open(path)?;
         let direct = if drop_page_cache {
             open_direct(path)
@@ -37,18 +39,18 @@ impl Reader {
         })
     }
 
-    pub(super) fn direct(&self) -> bool {
+    pub fn direct(&self) -> bool {
         self.direct_ok.load(Ordering::Relaxed)
     }
 
     /// Bytes of read buffers allocated now (in use by reads and kept for the next ones).
-    pub(super) fn buffer_bytes(&self) -> u64 {
+    pub fn buffer_bytes(&self) -> u64 {
         self.bufs.allocated.load(Ordering::Relaxed) as u64
     }
 
     /// Reads `len` bytes at `off` into a fresh buffer: `O_DIRECT` of the aligned superset when
     /// possible, else a buffered read (then dropped from the page cache if asked).
-    pub(super) fn read_range(&self, off: u64, len: u64) -> std::io::Result<RawBuf> {
+    pub fn read_range(&self, off: u64, len: u64) -> std::io::Result<RawBuf> {
         if let (Some(d), true) = (&self.direct, self.direct()) {
             let a0 = off & !(ALIGN - 1);
             let end = (off + len).next_multiple_of(ALIGN);
@@ -144,11 +146,11 @@ impl BufPool {
 
 /// An aligned byte buffer holding one range at `start..start + len` (returned to its pool when
 /// dropped).
-pub(super) struct RawBuf {
+pub struct RawBuf {
     alloc: Option<RawAlloc>,
     pool: Option<Arc<BufPool>>,
-    pub(super) start: usize,
-    pub(super) len: usize,
+    pub start: usize,
+    pub len: usize,
 }
 
 // SAFETY: shared access to the (owned) allocation is read-only.
@@ -187,8 +189,8 @@ impl Drop for RawBuf {
     }
 }
 
-/// Measures the read bandwidth (GB/s) this store's reader achieves on `ranges` (offset, length)
-/// of `path`, read by `parallelism` threads at once, the way the store reads experts
+/// Measures the read bandwidth (GB/s) a [`Reader`] achieves on `ranges` (offset, length) of
+/// `path`, read by `parallelism` threads at once, the way the expert store reads experts
 /// (`O_DIRECT` when `drop_page_cache` and allowed, else buffered reads followed by
 /// `posix_fadvise(DONTNEED)`). For benchmarks: the disk-bound limit of streaming.
 pub fn measure_read_bandwidth(
@@ -248,7 +250,7 @@ fn read_direct(f: &File, buf: &mut [u8], off: u64, need: usize) -> std::io::Resu
             Ok(0) => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
-                    "end of file inside an expert",
+                    "end of file inside the range",
                 ))
             }
             Ok(n) => done += n,
