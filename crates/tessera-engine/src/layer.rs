@@ -14,7 +14,6 @@
 use crate::attention::{attend_fused, FusedScratch, HeadKv};
 use crate::error::Result;
 use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
-use crate::kernels::QuantizedActs;
 use crate::kv::{KvCache, LayerView};
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
@@ -22,7 +21,7 @@ use crate::ops::{
     add_assign, attend_group, rms_norm, rms_norm_into, rope_neox, rope_normal, sigmoid, softmax,
     swiglu_rows, AttnScratch, HeadRows,
 };
-use crate::weights::{AttnProj, Ffn, MlaProj};
+use crate::weights::{AttnProj, Ffn};
 use tessera_model::{ExpertGating, RopeStyle};
 
 /// `&mut [f32]` written by attention tasks at disjoint places.
@@ -141,167 +140,17 @@ impl Model {
         self.project(layer, hidden, sc)
     }
 
-    /// Latent attention (see [`tessera_model::Mla`]) as llama.cpp runs it for the absorbed
-    /// layout: attention with one KV head over the cached `[c', rope(k_rope)]`, whose values
-    /// are the latent `c'` itself. Each head's query is `[Wk_hᵀ · q_nope_h, rope(q_rope_h)]`, so
-    /// its score against a position is the expanded key's; its output `Wv_h · (attended c')`
-    /// is the expanded value's. Writes every head's output to `sc.attn`.
-    fn mla_attend(
+    /// Appends this step's keys `sc.k` and values `sc.v` to the caches and attends with the
+    /// roped queries `sc.q`, writing every head's output to `sc.attn`. The widths are the
+    /// cache's ([`crate::kv::KvShape`]): keys `k_head_dim` per KV head, `n_head / n_head_kv` query heads
+    /// per KV head, `v_head_dim` of output per query head.
+    pub(crate) fn attend(
         &self,
-        m: &MlaProj,
         layer: usize,
         batch: &[SeqStep],
         kv: &mut [&mut KvCache],
         sc: &mut Scratch,
     ) {
-        let cfg = self.config();
-        let pool = self.pool();
-        let mla = cfg.mla.expect("MLA weights are loaded for an MLA config");
-        let n = sc.xn.len() / cfg.n_embd;
-        let (e, eps) = (cfg.n_embd, cfg.rms_eps);
-        let (hd, r, dv, nh) = (cfg.head_dim, cfg.rope_dim, cfg.v_head_dim(), cfg.n_head);
-        let (nope, kvr) = (hd - r, mla.kv_lora_rank);
-        let (ca, qr) = (kvr + r, mla.q_lora_rank);
-        // From the normed input: the latent with the shared rotated key, and the query's first
-        // stage (or the whole query).
-        let first_q = m.q_a.as_ref().map_or(&m.wq, |(qa, _)| qa);
-        let acts = quantize_for(pool, &[m.kv_a.dtype(), first_q.dtype()], &sc.xn, n, e);
-        sc.k.clear();
-        sc.k.resize(n * ca, 0.0);
-        let mut q = vec![0.0f32; n * nh * hd];
-        let mut q_a = vec![0.0f32; n * qr];
-        run_matmuls(
-            pool,
-            &mut [
-                MatmulJob {
-                    w: &m.kv_a,
-                    acts: pick(&acts, m.kv_a.dtype()),
-                    out: &mut sc.k,
-                },
-                MatmulJob {
-                    w: first_q,
-                    acts: pick(&acts, first_q.dtype()),
-                    out: if m.q_a.is_some() { &mut q_a } else { &mut q },
-                },
-            ],
-        );
-        if let Some((_, norm)) = &m.q_a {
-            for row in q_a.chunks_exact_mut(qr) {
-                rms_norm(row, norm, eps);
-            }
-            let acts = quantize_for(pool, &[m.wq.dtype()], &q_a, n, qr);
-            run_matmuls(
-                pool,
-                &mut [MatmulJob {
-                    w: &m.wq,
-                    acts: &acts[0],
-                    out: &mut q,
-                }],
-            );
-        }
-        // The cached key of each position: the normed latent, then the rotated key part.
-        let rope = match cfg.rope_style {
-            RopeStyle::Normal => rope_normal,
-            RopeStyle::Neox => rope_neox,
-        };
-        for t in 0..n {
-            let (cos, sin) = sc.rope.row(t);
-            let row = &mut sc.k[t * ca..(t + 1) * ca];
-            rms_norm(&mut row[..kvr], &m.kv_a_norm, eps);
-            rope(&mut row[kvr..], cos, sin);
-        }
-        if let Some(dtype) = m.latent_acts {
-            // An attn_kv_b file: the latent as its expanding matmul would have consumed it.
-            let mut c = Vec::with_capacity(n * kvr);
-            for row in sc.k.chunks_exact(ca) {
-                c.extend_from_slice(&row[..kvr]);
-            }
-            let seen = QuantizedActs::new(pool, dtype, &c, n, kvr).dequantized();
-            for (row, c) in sc.k.chunks_exact_mut(ca).zip(seen.chunks_exact(kvr)) {
-                row[..kvr].copy_from_slice(c);
-            }
-        }
-        // Queries in the latent's space: per head, the non-rotated parts of every row through
-        // that head's k_b (one parallel job for all heads), then the rotated part.
-        let mut q_nope = vec![0.0f32; nh * n * nope];
-        for t in 0..n {
-            for h in 0..nh {
-                let src = &q[(t * nh + h) * hd..(t * nh + h) * hd + nope];
-                q_nope[(h * n + t) * nope..(h * n + t + 1) * nope].copy_from_slice(src);
-            }
-        }
-        let q_acts: Vec<_> = (0..nh)
-            .map(|h| {
-                let x = &q_nope[h * n * nope..(h + 1) * n * nope];
-                quantize_for(pool, &[m.k_b[h].dtype()], x, n, nope)
-            })
-            .collect();
-        let mut q_lat = vec![0.0f32; nh * n * kvr];
-        let mut jobs: Vec<MatmulJob<'_>> = q_lat
-            .chunks_exact_mut(n * kvr)
-            .enumerate()
-            .map(|(h, out)| MatmulJob {
-                w: &m.k_b[h],
-                acts: &q_acts[h][0],
-                out,
-            })
-            .collect();
-        run_matmuls(pool, &mut jobs);
-        drop(jobs);
-        sc.q.clear();
-        sc.q.resize(n * nh * ca, 0.0);
-        for t in 0..n {
-            let (cos, sin) = sc.rope.row(t);
-            for h in 0..nh {
-                let dst = &mut sc.q[(t * nh + h) * ca..(t * nh + h + 1) * ca];
-                dst[..kvr].copy_from_slice(&q_lat[(h * n + t) * kvr..(h * n + t + 1) * kvr]);
-                dst[kvr..].copy_from_slice(&q[(t * nh + h) * hd + nope..(t * nh + h + 1) * hd]);
-                rope(&mut dst[kvr..], cos, sin);
-            }
-        }
-        sc.v.clear();
-        self.attend(layer, batch, kv, sc);
-        // Each head's attended latent through its v_b.
-        let mut o_lat = vec![0.0f32; nh * n * kvr];
-        for t in 0..n {
-            for h in 0..nh {
-                let src = &sc.attn[(t * nh + h) * kvr..(t * nh + h + 1) * kvr];
-                o_lat[(h * n + t) * kvr..(h * n + t + 1) * kvr].copy_from_slice(src);
-            }
-        }
-        let o_acts: Vec<_> = (0..nh)
-            .map(|h| {
-                let x = &o_lat[h * n * kvr..(h + 1) * n * kvr];
-                quantize_for(pool, &[m.v_b[h].dtype()], x, n, kvr)
-            })
-            .collect();
-        let mut o = vec![0.0f32; nh * n * dv];
-        let mut jobs: Vec<MatmulJob<'_>> = o
-            .chunks_exact_mut(n * dv)
-            .enumerate()
-            .map(|(h, out)| MatmulJob {
-                w: &m.v_b[h],
-                acts: &o_acts[h][0],
-                out,
-            })
-            .collect();
-        run_matmuls(pool, &mut jobs);
-        drop(jobs);
-        sc.attn.clear();
-        sc.attn.resize(n * nh * dv, 0.0);
-        for t in 0..n {
-            for h in 0..nh {
-                let src = &o[(h * n + t) * dv..(h * n + t + 1) * dv];
-                sc.attn[(t * nh + h) * dv..(t * nh + h + 1) * dv].copy_from_slice(src);
-            }
-        }
-    }
-
-    /// Appends this step's keys `sc.k` and values `sc.v` to the caches and attends with the
-    /// roped queries `sc.q`, writing every head's output to `sc.attn`. The widths are the
-    /// cache's ([`crate::kv::KvShape`]): keys `k_head_dim` per KV head, `n_head / n_head_kv` query heads
-    /// per KV head, `v_head_dim` of output per query head.
-    fn attend(&self, layer: usize, batch: &[SeqStep], kv: &mut [&mut KvCache], sc: &mut Scratch) {
         let cfg = self.config();
         let pool = self.pool();
         let shape = self.kv_shape();

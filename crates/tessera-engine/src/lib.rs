@@ -52,6 +52,7 @@ pub mod generate;
 pub mod kernels;
 pub mod kv;
 mod layer;
+mod mla;
 pub mod model;
 pub mod moe;
 pub mod ops;

@@ -97,9 +97,7 @@ pub enum AttnProj {
     Mla(MlaProj),
 }
 
-/// The matrices of multi-head latent attention, in the absorbed form llama.cpp runs (see
-/// [`tessera_model::Mla`]): the cache holds the latent, each head's query is carried into the
-/// latent's space by `k_b`, and each head's attention output out of it by `v_b`.
+/// The matrices of multi-head latent attention (see [`crate::mla`]).
 #[derive(Debug)]
 pub struct MlaProj {
     /// The query's low-rank first stage (`attn_q_a`) and the norm of its output; `None` when
@@ -110,18 +108,18 @@ pub struct MlaProj {
     /// `attn_kv_a_mqa`: the compressed latent and the shared rotated key part.
     pub kv_a: Matrix,
     pub kv_a_norm: Vec<f32>,
-    /// Per head, `kv_lora_rank × (head_dim - rope_dim)`: the non-rotated query part into the
-    /// latent's space (`attn_k_b`; from an `attn_kv_b` file, its key rows transposed).
-    pub k_b: Vec<Matrix>,
-    /// Per head, `v_head_dim × kv_lora_rank`: the value from the attended latent (`attn_v_b`;
-    /// from an `attn_kv_b` file, its value rows).
-    pub v_b: Vec<Matrix>,
-    /// From an `attn_kv_b` file: its weight type. There llama.cpp expands every head's key and
-    /// value by a matmul whose input, the latent, it first converts to that type's activation
-    /// encoding (8-bit blocks for quantized weights); caching the latent as so converted, with
-    /// `k_b` and `v_b` exact in F32, makes the absorbed products equal the expanded ones up to
-    /// float rounding.
-    pub latent_acts: Option<GgmlType>,
+    /// Each head's key and value projections of the latent.
+    pub heads: MlaHeads,
+}
+
+/// How a file stores each head's key and value projections of the latent.
+#[derive(Debug)]
+pub enum MlaHeads {
+    /// `attn_k_b` (per head `kv_lora_rank × nope`: the key projection transposed, which carries
+    /// a query into the latent's space) and `attn_v_b` (per head `v_head_dim × kv_lora_rank`).
+    Absorbed { k_b: Vec<Matrix>, v_b: Vec<Matrix> },
+    /// `attn_kv_b`: per head, `nope` key rows then `v_head_dim` value rows, `kv_lora_rank` wide.
+    Stacked(Matrix),
 }
 
 impl AttnProj {
@@ -137,11 +135,12 @@ impl AttnProj {
                     + m.wq.resident_bytes()
                     + m.kv_a.resident_bytes()
                     + m.kv_a_norm.len() * 4
-                    + m.k_b
-                        .iter()
-                        .chain(&m.v_b)
-                        .map(Matrix::resident_bytes)
-                        .sum::<usize>()
+                    + match &m.heads {
+                        MlaHeads::Absorbed { k_b, v_b } => {
+                            k_b.iter().chain(v_b).map(Matrix::resident_bytes).sum()
+                        }
+                        MlaHeads::Stacked(kv_b) => kv_b.resident_bytes(),
+                    }
             }
         }
     }
@@ -297,7 +296,7 @@ impl ModelWeights {
                 let router_bias = opt_vec(l("ffn_gate_inp.bias"), oss && moe)?;
                 let selection_bias =
                     opt_vec(l("exp_probs_b.bias"), moe && config.expert_selection_bias)?;
-                let mut proj = match config.mla {
+                let proj = match config.mla {
                     None => AttnProj::Qkv {
                         wq: loader.matrix(&l("attn_q.weight"))?,
                         wk: loader.matrix(&l("attn_k.weight"))?,
@@ -319,14 +318,9 @@ impl ModelWeights {
                         }))?,
                         kv_a: loader.matrix(&l("attn_kv_a_mqa.weight"))?,
                         kv_a_norm: loader.vector(&l("attn_kv_a_norm.weight"))?,
-                        k_b: Vec::new(),
-                        v_b: Vec::new(),
-                        latent_acts: None,
+                        heads: load_mla_heads(&mut loader, config, m, il)?,
                     }),
                 };
-                if let (AttnProj::Mla(p), Some(m)) = (&mut proj, config.mla) {
-                    (p.k_b, p.v_b, p.latent_acts) = load_mla_heads(&mut loader, config, m, il)?;
-                }
                 let shared = if moe && config.n_expert_shared > 0 {
                     Some(Ffn {
                         gate: loader.matrix(&l("ffn_gate_shexp.weight"))?,
@@ -432,56 +426,26 @@ impl ModelWeights {
     }
 }
 
-/// Each head's `k_b` and `v_b` of MLA layer `il`, and the latent's encoding (see
-/// [`MlaProj`]). From the absorbed layout they are the heads of `attn_k_b`/`attn_v_b` as stored.
-/// From `attn_kv_b` (per head, the key's `nope` rows, then the value's `v_head_dim` rows, each
-/// `kv_lora_rank` wide) they are owned F32 copies of the stored values: `k_b` the key rows
-/// transposed (what a converter writes as `attn_k_b`), `v_b` the value rows.
+/// The key and value projections of MLA layer `il`, as the file stores them.
 fn load_mla_heads(
     loader: &mut Loader<'_>,
     config: &ModelConfig,
     m: tessera_model::Mla,
     il: usize,
-) -> Result<(Vec<Matrix>, Vec<Matrix>, Option<GgmlType>)> {
+) -> Result<MlaHeads> {
     let l = |w: &str| names::layer(il, w);
+    if !m.absorbed {
+        return Ok(MlaHeads::Stacked(loader.matrix(&l("attn_kv_b.weight"))?));
+    }
     let nh = config.n_head;
-    if m.absorbed {
-        let k_b = (0..nh)
-            .map(|h| loader.expert(&l("attn_k_b.weight"), h, nh))
-            .collect::<Result<Vec<_>>>()?;
-        let v_b = (0..nh)
-            .map(|h| loader.expert(&l("attn_v_b.weight"), h, nh))
-            .collect::<Result<Vec<_>>>()?;
-        return Ok((k_b, v_b, None));
-    }
-    let (kvr, dv) = (m.kv_lora_rank, m.v_head_dim);
-    let nope = config.head_dim - config.rope_dim;
-    let name = l("attn_kv_b.weight");
-    let kv_b = loader.matrix(&name)?;
-    let f32_matrix = |rows: usize, cols: usize, values: Vec<f32>| -> Result<Matrix> {
-        let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-        Matrix::new(GgmlType::F32, rows, cols, MatrixBytes::Owned(bytes)).map_err(|e| {
-            EngineError::Tensor {
-                tensor: name.clone(),
-                what: e.to_string(),
-            }
-        })
+    let mut per_head = |name: &str| {
+        (0..nh)
+            .map(|h| loader.expert(&l(name), h, nh))
+            .collect::<Result<Vec<_>>>()
     };
-    let per = nope + dv;
-    let mut rows = vec![0.0f32; per * kvr];
-    let mut k_b = Vec::with_capacity(nh);
-    let mut v_b = Vec::with_capacity(nh);
-    for h in 0..nh {
-        for j in 0..per {
-            kv_b.dequantize_row(h * per + j, &mut rows[j * kvr..(j + 1) * kvr]);
-        }
-        let kt = (0..kvr * nope)
-            .map(|i| rows[(i % nope) * kvr + i / nope])
-            .collect();
-        k_b.push(f32_matrix(kvr, nope, kt)?);
-        v_b.push(f32_matrix(dv, kvr, rows[nope * kvr..].to_vec())?);
-    }
-    Ok((k_b, v_b, Some(kv_b.dtype())))
+    let k_b = per_head("attn_k_b.weight")?;
+    let v_b = per_head("attn_v_b.weight")?;
+    Ok(MlaHeads::Absorbed { k_b, v_b })
 }
 
 /// The biases of the experts `held` selects in layer `il` (gpt-oss); empty when the model has

@@ -6,7 +6,8 @@
 //! `tiny-deepseek2-mla-Q8_0` is the first's weights in the absorbed layout current converters
 //! write (`attn_k_b`/`attn_v_b`, one KV head over the latent).
 //!
-//! Every file runs as llama.cpp runs the absorbed layout, caching one latent per position.
+//! Each layout runs as llama.cpp runs it: the absorbed one caching one latent per position,
+//! `attn_kv_b` files every head's expanded key and value.
 //!
 //! Greedy tokens equal llama.cpp's; every pipeline cut and routed experts split in 2 and 3
 //! parts (the shared experts with the first part) are bit-identical to the whole model, and so
@@ -107,26 +108,31 @@ fn fixtures_have_deepseek2_parts() {
     assert!((cfg.attention_scale() - m * m / 48f32.sqrt()).abs() < 1e-6);
     let moe: Vec<bool> = (0..cfg.n_layer).map(|l| cfg.is_moe_layer(l)).collect();
     assert_eq!(moe, [false, true, true, true]);
-    // One latent per position is cached: the 64-wide latent and the 16 rotated dimensions,
-    // the values read from the latent.
+    // As llama.cpp runs an attn_kv_b file: keys (48 wide) and values (32 wide) of every head
+    // are expanded and cached.
     let m = common::full(&g, 1);
     let shape = m.kv_shape();
     assert_eq!(
         (shape.n_head_kv, shape.k_head_dim, shape.v_head_dim),
-        (1, 80, 64)
+        (4, 48, 32)
     );
-    assert!(shape.shared_v && shape.v_width() == 0);
-    assert_eq!(KvType::F16.bytes_per_position(shape), 80 * 2);
-    assert!(!mla.absorbed);
+    assert!(!mla.absorbed && !shape.shared_v);
 
-    // The absorbed file reads as the same model.
+    // The absorbed file reads as the same model, and caches one latent per position: the
+    // 64-wide latent and the 16 rotated dimensions, the values read from the latent.
     let g2 = common::open(&file(MODELS[2]));
     let cfg2 = ModelConfig::from_gguf(&g2).unwrap();
     assert!(cfg2.mla.unwrap().absorbed);
     let mut same = cfg2.clone();
     same.mla.as_mut().unwrap().absorbed = false;
     assert_eq!(same, cfg);
-    assert_eq!(common::full(&g2, 1).kv_shape(), shape);
+    let shape = common::full(&g2, 1).kv_shape();
+    assert_eq!(
+        (shape.n_head_kv, shape.k_head_dim, shape.v_head_dim),
+        (1, 80, 64)
+    );
+    assert!(shape.shared_v && shape.v_width() == 0);
+    assert_eq!(KvType::F16.bytes_per_position(shape), 80 * 2);
 
     let g = common::open(&file(MODELS[1]));
     let cfg = ModelConfig::from_gguf(&g).unwrap();
@@ -297,17 +303,26 @@ fn deepseek2_streamed_experts_are_bit_identical() {
 }
 
 #[test]
-fn profile_counts_the_latent_and_shows_the_parts() {
-    for (name, layout) in [
-        (MODELS[0], "attn_kv_b, 80 cached per position"),
-        (MODELS[2], "attn_k_b/attn_v_b, 80 cached per position"),
+fn profile_counts_what_the_engine_caches_and_shows_the_parts() {
+    // attn_kv_b: 4 heads' keys (48) and values (32); absorbed: the 64-wide latent and 16
+    // rotated dimensions.
+    for (name, layout, floats) in [
+        (
+            MODELS[0],
+            "attn_kv_b, 320 cached per position",
+            4 * (48 + 32),
+        ),
+        (
+            MODELS[2],
+            "attn_k_b/attn_v_b, 80 cached per position",
+            64 + 16,
+        ),
     ] {
         let g = common::open(&file(name));
         let p = tessera_model::ModelProfile::from_gguf(&g).unwrap();
         let cfg = &p.config;
-        // Every layer caches the 64-wide latent and 16 rotated dimensions, at F32: what the
-        // engine's cache holds.
-        assert_eq!(p.kv_bytes_per_token, (cfg.n_layer * (64 + 16) * 4) as u64);
+        // At F32, as the profile counts, and as the engine's cache holds.
+        assert_eq!(p.kv_bytes_per_token, (cfg.n_layer * floats * 4) as u64);
         let m = common::full(&g, 1).with_kv_type(KvType::F32).unwrap();
         assert_eq!(
             m.kv_bytes_for(64),

@@ -599,12 +599,13 @@ impl ModelConfig {
     }
 
     /// Floats one attention layer caches per position: the keys and values of every KV head,
-    /// or with MLA the normed latent and the rotated key part, from which every head's key
-    /// and value are made (llama.cpp's MLA cache).
+    /// or with MLA in the absorbed layout the normed latent and the rotated key part, from which
+    /// every head's key and value are made (llama.cpp's MLA cache; llama.cpp expands the heads
+    /// of `attn_kv_b` files, and so does this engine).
     pub fn kv_cache_width(&self) -> usize {
         match self.mla {
-            Some(m) => m.kv_lora_rank + self.rope_dim,
-            None => self.kv_dim() + self.v_dim(),
+            Some(m) if m.absorbed => m.kv_lora_rank + self.rope_dim,
+            _ => self.kv_dim() + self.v_dim(),
         }
     }
 

@@ -91,17 +91,18 @@ pub struct KvShape {
 
 impl KvShape {
     /// The cache `config`'s attention needs: its KV heads, keys `head_dim` wide, values
-    /// [`ModelConfig::v_head_dim`] wide; with MLA one head per position, the key
-    /// `[latent, rotated key]` and the value the latent (see [`ModelConfig::kv_cache_width`]).
+    /// [`ModelConfig::v_head_dim`] wide; with MLA in the absorbed layout one head per position,
+    /// the key `[latent, rotated key]` and the value the latent (see
+    /// [`ModelConfig::kv_cache_width`]).
     pub fn from_config(config: &ModelConfig) -> Self {
         match config.mla {
-            Some(m) => Self {
+            Some(m) if m.absorbed => Self {
                 n_head_kv: 1,
                 k_head_dim: m.kv_lora_rank + config.rope_dim,
                 v_head_dim: m.kv_lora_rank,
                 shared_v: true,
             },
-            None => Self {
+            _ => Self {
                 n_head_kv: config.n_head_kv,
                 k_head_dim: config.head_dim,
                 v_head_dim: config.v_head_dim(),

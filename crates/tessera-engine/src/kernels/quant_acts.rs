@@ -217,7 +217,8 @@ impl QuantizedActs {
         self.kind == ActKind::for_weights(dtype)
     }
 
-    /// Dequantized activations: what the kernels effectively multiply with.
+    /// Dequantized activations (what the kernels effectively multiply with), for tests.
+    #[cfg(test)]
     pub(crate) fn dequantized(&self) -> Vec<f32> {
         match self.kind {
             ActKind::F32 | ActKind::F16 | ActKind::BF16 => self.f.clone(),
