@@ -6,60 +6,10 @@
 
 mod common;
 
-use common::assert_bits_eq;
-use tessera_engine::ops::argmax;
-use tessera_engine::{
-    ExpertSelection, ExpertStreaming, KvCache, KvType, LoadSpec, LocalExperts, Model, PartExperts,
-    SeqStep,
-};
+use common::moe;
 use tessera_model::{Architecture, ModelConfig, RopeScaling};
 
 const MODEL: &str = "tiny-gpt-oss-MXFP4.gguf";
-/// 20 prompt tokens and 6 decode steps: past the fixture's window of 16.
-const PROMPT: [u32; 20] = [
-    1, 403, 407, 261, 378, 300, 42, 17, 99, 5, 260, 311, 290, 402, 356, 271, 284, 305, 330, 88,
-];
-const DECODE_STEPS: usize = 6;
-
-/// The token steps of a run: the prompt, then greedy tokens of the full model.
-fn steps(full: &Model) -> Vec<Vec<u32>> {
-    let mut kv = common::kv_for(full);
-    let mut out = vec![PROMPT.to_vec()];
-    let mut logits = full.forward_last(&PROMPT, &mut kv).unwrap();
-    for _ in 0..DECODE_STEPS {
-        let t = argmax(logits.last()) as u32;
-        out.push(vec![t]);
-        logits = full.forward_last(&[t], &mut kv).unwrap();
-    }
-    out
-}
-
-/// Logits of every step with `parts` computing the experts (`parts[0]` holds the rest).
-fn run_with_parts(parts: &[&Model], steps: &[Vec<u32>]) -> Vec<Vec<f32>> {
-    let main = parts[0];
-    let l = main.config().n_layer;
-    let mut kv: KvCache = common::kv_for(main);
-    let mut out = Vec::new();
-    let mut pos = 0;
-    for tokens in steps {
-        let mut h = main.embed(tokens).unwrap();
-        let step = [SeqStep {
-            n_tokens: tokens.len(),
-            start_pos: pos,
-        }];
-        main.run_layers(
-            0..l,
-            &mut h,
-            &step,
-            &mut [&mut kv],
-            &mut PartExperts(parts.to_vec()),
-        )
-        .unwrap();
-        out.push(main.head(&h).unwrap().data);
-        pos += tokens.len();
-    }
-    out
-}
 
 #[test]
 fn fixture_has_gpt_oss_parts() {
@@ -83,113 +33,21 @@ fn fixture_has_gpt_oss_parts() {
     assert_eq!(tessera_model::GgmlType::name_of_id(t.type_id), "MXFP4");
 }
 
+/// Over 20 prompt tokens and 6 decode steps ([`moe::PROMPT`]): past the fixture's window of 16.
 #[test]
 fn gpt_oss_pipeline_split_is_bit_identical_at_every_cut() {
-    let g = common::open(MODEL);
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    for t in common::kv_types(&g) {
-        pipeline_cuts(&g, &cfg, t);
-    }
-}
-
-/// Every cut of a two-stage split, each stage with a KV cache of type `t`.
-fn pipeline_cuts(g: &tessera_model::GgufFile, cfg: &ModelConfig, t: KvType) {
-    let full = common::full_kv(g, 2, t);
-    let steps = steps(&full);
-    let reference = run_with_parts(&[&full], &steps);
-    let l = cfg.n_layer;
-    for a in 1..l {
-        let first = common::load_kv(g, LoadSpec::stage(cfg, 0..a), 2, t);
-        let second = common::load_kv(g, LoadSpec::stage(cfg, a..l), 1, t);
-        let mut kv_a = common::kv_for(&first);
-        let mut kv_b = common::kv_for(&second);
-        let mut pos = 0;
-        for (si, tokens) in steps.iter().enumerate() {
-            let step = [SeqStep {
-                n_tokens: tokens.len(),
-                start_pos: pos,
-            }];
-            let mut h = first.embed(tokens).unwrap();
-            first
-                .run_layers(
-                    0..a,
-                    &mut h,
-                    &step,
-                    &mut [&mut kv_a],
-                    &mut LocalExperts(&first),
-                )
-                .unwrap();
-            second
-                .run_layers(
-                    a..l,
-                    &mut h,
-                    &step,
-                    &mut [&mut kv_b],
-                    &mut LocalExperts(&second),
-                )
-                .unwrap();
-            let logits = second.head(&h).unwrap();
-            assert_bits_eq(
-                &logits.data,
-                &reference[si],
-                &format!("{t:?} cut {a} step {si}"),
-            );
-            pos += tokens.len();
-        }
-    }
+    moe::pipeline_cuts_are_bit_identical(MODEL);
 }
 
 #[test]
 fn gpt_oss_expert_split_in_2_and_3_is_bit_identical() {
-    let g = common::open(MODEL);
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let full = common::full(&g, 2);
-    let steps = steps(&full);
-    let reference = run_with_parts(&[&full], &steps);
-    let n = cfg.n_expert;
-    let all: Vec<usize> = (0..n).collect();
-    let splits: Vec<Vec<Vec<usize>>> = vec![
-        vec![all[..n / 2].to_vec(), all[n / 2..].to_vec()],
-        (0..3)
-            .map(|r| all.iter().copied().filter(|e| e % 3 == r).collect())
-            .collect(),
-    ];
-    for sets in splits {
-        let sel = |ids: &Vec<usize>| ExpertSelection::same_in_every_layer(ids, cfg.n_layer);
-        let mut spec0 = LoadSpec::full(&cfg);
-        spec0.experts = sel(&sets[0]);
-        let mut models = vec![common::load(&g, spec0, 2)];
-        for ids in &sets[1..] {
-            let spec = LoadSpec::experts_only(0..cfg.n_layer, sel(ids));
-            models.push(common::load(&g, spec, 1));
-        }
-        let parts: Vec<&Model> = models.iter().collect();
-        let got = run_with_parts(&parts, &steps);
-        for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
-            assert_bits_eq(a, b, &format!("experts {sets:?} step {i}"));
-        }
-    }
+    moe::expert_splits_are_bit_identical(MODEL);
 }
 
 #[test]
 fn gpt_oss_streamed_experts_are_bit_identical() {
-    let g = common::open(MODEL);
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let full = common::full(&g, 2);
-    let steps = steps(&full);
-    let reference = run_with_parts(&[&full], &steps);
     // Room for a few experts of the 32: most reads miss and evict.
-    let streaming = ExpertStreaming {
-        prefetch: false,
-        ..ExpertStreaming::with_budget(200 << 10)
-    };
-    let s = Model::load_streaming(&g, LoadSpec::full(&cfg), streaming, 2, &mut |_, _| {}).unwrap();
-    let got = run_with_parts(&[&s], &steps);
-    for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
-        assert_bits_eq(a, b, &format!("streamed step {i}"));
-    }
-    let stats = s.expert_stats().unwrap();
-    assert!(stats.misses > 0, "{stats:?}");
+    moe::streamed_experts_are_bit_identical(MODEL, 200 << 10);
 }
 
 /// Free-running greedy generation from each reference prompt reproduces llama.cpp's 32 tokens, for
@@ -204,39 +62,7 @@ fn greedy_tokens_equal_llama_cpp_on_the_new_fixtures() {
         "small-qwen3-Q2_K",
         "small-qwen3-Q3_K_M",
     ] {
-        let path = common::repo_root().join(format!("reference/{name}-public.json"));
-        let doc: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let g = common::open(&format!("{name}.gguf"));
-        // The reference's numerics: an F32 KV cache, llama.cpp's non-flash attention.
-        let model = common::full_kv(&g, 2, KvType::F32);
-        let eos = g
-            .meta("tokenizer.ggml.eos_token_id")
-            .and_then(|v| v.as_u64())
-            .unwrap() as usize;
-        let ids = |v: &serde_json::Value| -> Vec<u32> {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect()
-        };
-        for (ri, r) in doc["results"].as_array().unwrap().iter().enumerate() {
-            let prompt = ids(&r["prompt_token_ids"]);
-            let want = ids(&r["generated_token_ids"]);
-            let mut kv = common::kv_for(&model);
-            let mut logits = model.forward_last(&prompt, &mut kv).unwrap();
-            let mut got = Vec::new();
-            for _ in 0..want.len() {
-                // The reference ran with `ignore_eos`: llama.cpp never picks the end token.
-                let mut row = logits.last().to_vec();
-                row[eos] = f32::NEG_INFINITY;
-                let t = argmax(&row) as u32;
-                got.push(t);
-                logits = model.forward_last(&[t], &mut kv).unwrap();
-            }
-            assert_eq!(got, want, "{name} prompt {ri}");
-        }
+        moe::greedy_tokens_equal_llama_cpp(name);
     }
 }
 

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::assert_bits_eq;
+use common::{assert_bits_eq, moe};
 use tessera_engine::ops::argmax;
 use tessera_engine::{
     ExpertExecutor, ExpertOutputs, ExpertSelection, Hidden, KvCache, KvType, LoadSpec,
@@ -254,33 +254,6 @@ fn pipelines_of_3_and_more_stages_are_bit_identical_k_quants() {
     every_layer_a_stage("small-qwen3moe-Q4_K.gguf");
 }
 
-/// Runs every step with `parts` computing the experts (parts[0] holds the rest of the model).
-fn run_with_parts(parts: &[&Model], steps: &[Vec<u32>]) -> Vec<Vec<f32>> {
-    let main = parts[0];
-    let l = main.config().n_layer;
-    let mut kv: KvCache = common::kv_for(main);
-    let mut out = Vec::new();
-    let mut pos = 0;
-    for tokens in steps {
-        let mut h = main.embed(tokens).unwrap();
-        let step = [SeqStep {
-            n_tokens: tokens.len(),
-            start_pos: pos,
-        }];
-        main.run_layers(
-            0..l,
-            &mut h,
-            &step,
-            &mut [&mut kv],
-            &mut PartExperts(parts.to_vec()),
-        )
-        .unwrap();
-        out.push(main.head(&h).unwrap().data);
-        pos += tokens.len();
-    }
-    out
-}
-
 fn check_expert_split(name: &str) {
     let g = common::open(name);
     for t in common::kv_types(&g) {
@@ -292,7 +265,7 @@ fn check_expert_split_with(g: &GgufFile, name: &str, kv_type: KvType) {
     let cfg = ModelConfig::from_gguf(g).unwrap();
     let full = common::full_kv(g, 2, kv_type);
     let steps = steps(&full);
-    let reference = run_with_parts(&[&full], &steps);
+    let reference = moe::run_with_parts(&[&full], &steps);
     let n = cfg.n_expert;
     let all: Vec<usize> = (0..n).collect();
     let splits: Vec<Vec<Vec<usize>>> = vec![
@@ -317,7 +290,7 @@ fn check_expert_split_with(g: &GgufFile, name: &str, kv_type: KvType) {
         }
         assert!(models[1].resident_bytes() < full.resident_bytes() / 2);
         let parts: Vec<&Model> = models.iter().collect();
-        let got = run_with_parts(&parts, &steps);
+        let got = moe::run_with_parts(&parts, &steps);
         for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
             assert_bits_eq(a, b, &format!("{name} experts {sets:?} step {i}"));
         }
@@ -384,7 +357,7 @@ fn expert_parts_fed_only_their_tokens_are_bit_identical() {
     let cfg = ModelConfig::from_gguf(&g).unwrap();
     let full = common::full(&g, 2);
     let steps = steps(&full);
-    let reference = run_with_parts(&[&full], &steps);
+    let reference = moe::run_with_parts(&[&full], &steps);
     let sel = |ids: &[usize]| ExpertSelection::same_in_every_layer(ids, cfg.n_layer);
     let mut spec = LoadSpec::full(&cfg);
     spec.experts = sel(&[0, 1, 2]);

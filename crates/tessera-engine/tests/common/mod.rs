@@ -1,6 +1,8 @@
 //! Shared helpers for the engine's model tests.
 #![allow(dead_code)]
 
+pub mod moe;
+
 use std::path::PathBuf;
 
 use tessera_engine::{KvCache, KvShape, KvType, LoadSpec, Model};
