@@ -216,6 +216,13 @@ fn experts_split_with_2_stages_match_one_process_deepseek2() {
     stages_and_experts("test/tiny-deepseek2-Q8_0.gguf");
 }
 
+/// deepseek2 in the absorbed layout (`attn_k_b`/`attn_v_b`): each stage caches one latent per
+/// position.
+#[test]
+fn experts_split_with_2_stages_match_one_process_deepseek2_absorbed() {
+    stages_and_experts("test/tiny-deepseek2-mla-Q8_0.gguf");
+}
+
 /// glm4moe: Q/K/V biases, partial RoPE, a dense first layer, sigmoid gating with a selection
 /// bias, a shared expert.
 #[test]
