@@ -73,13 +73,14 @@ pub fn render_text(o: &PlanOutcome) -> String {
     let _ = writeln!(
         out,
         "Objective {:?}: decode {:.2} tok/s at batch 1, time to first token {:.2} s for {} prompt tokens, \
-         {:.2} tok/s at {} concurrent requests; bound by {}",
+         {:.2} tok/s at {} concurrent requests ({:.2} each); bound by {}",
         e.objective,
         p.predicted.decode_tokens_per_s,
         p.predicted.ttft_s,
         p.predicted.prompt_tokens,
         p.predicted.throughput_tokens_per_s,
         p.predicted.concurrency,
+        p.predicted.per_request_tokens_per_s(),
         p.predicted.decode.binding()
     );
     let _ = writeln!(out, "\nAssignments");

@@ -226,12 +226,22 @@ pub struct Prediction {
 }
 
 impl Prediction {
-    /// The objective's score (higher is better).
+    /// Decode tokens/s each request sees while the endpoint serves `concurrency` at once: the
+    /// aggregate shared among them. At concurrency 1 this is [`Self::decode_tokens_per_s`]; above
+    /// it, one node batching every request slows each of them, while replicas split the load.
+    pub fn per_request_tokens_per_s(&self) -> f64 {
+        self.throughput_tokens_per_s / f64::from(self.concurrency.max(1))
+    }
+
+    /// The objective's score (higher is better), priced at the policy's concurrency: latency is
+    /// the speed each of the concurrent requests sees, throughput their aggregate.
     pub fn score(&self, objective: Objective) -> f64 {
         match objective {
-            Objective::Latency => self.decode_tokens_per_s,
+            Objective::Latency => self.per_request_tokens_per_s(),
             Objective::Throughput => self.throughput_tokens_per_s,
-            Objective::Balanced => (self.decode_tokens_per_s * self.throughput_tokens_per_s).sqrt(),
+            Objective::Balanced => {
+                (self.per_request_tokens_per_s() * self.throughput_tokens_per_s).sqrt()
+            }
         }
     }
 }

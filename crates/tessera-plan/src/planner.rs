@@ -15,7 +15,7 @@ const TIE: f64 = 1e-9;
 
 fn objective_label(o: Objective) -> &'static str {
     match o {
-        Objective::Latency => "decode tok/s",
+        Objective::Latency => "tok/s per request",
         Objective::Throughput => "aggregate tok/s",
         Objective::Balanced => "balanced score",
     }

@@ -85,9 +85,10 @@ pub struct Link {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Objective {
-    /// Decode tokens/s of one request.
+    /// Decode tokens/s of each request while the policy's concurrency is served (at concurrency
+    /// 1: one request alone).
     Latency,
-    /// Aggregate tokens/s at the policy's concurrency.
+    /// Aggregate tokens/s at the policy's concurrency: what the endpoint serves in all.
     Throughput,
     /// Geometric mean of the two.
     #[default]

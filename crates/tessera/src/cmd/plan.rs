@@ -23,7 +23,8 @@ pub struct PlanArgs {
     /// Cluster file (TOML): [[node]], [[link]], [defaults], [policy].
     #[arg(long, required_unless_present = "list_profiles")]
     pub nodes: Option<PathBuf>,
-    /// What to optimise: latency, throughput or balanced (overrides the cluster file's policy).
+    /// What to optimise (overrides the cluster file's policy): latency (tokens/s each request
+    /// sees while --concurrency requests are served), throughput (their aggregate) or balanced.
     #[arg(long)]
     pub objective: Option<String>,
     /// Context length each request's KV cache is sized for (overrides the policy).
@@ -32,7 +33,9 @@ pub struct PlanArgs {
     /// Prompt length for time to first token (overrides the policy).
     #[arg(long)]
     pub prompt_tokens: Option<u64>,
-    /// Concurrent requests to size memory and throughput for (overrides the policy).
+    /// Concurrent requests the endpoint serves, as its gateway batches them (`--max-batch`):
+    /// memory is sized and every objective priced at this many, so whole-request replicas win
+    /// where one node would batch them all (overrides the policy; default 1).
     #[arg(long)]
     pub concurrency: Option<u32>,
     /// Plan epoch to stamp on the plan.
