@@ -54,6 +54,8 @@ enum Command {
     Lab(cmd::lab::LabArgs),
     /// Join tokens with a life: create (with a role, uses and expiry), list, revoke.
     Token(cmd::token::TokenArgs),
+    // Its help (a walkthrough) is the doc comment of `ClientArgs`.
+    Client(cmd::client::ClientArgs),
 }
 
 fn main() -> ExitCode {
@@ -71,6 +73,7 @@ fn main() -> ExitCode {
         Command::Up(a) => cmd::up::run(a),
         Command::Lab(a) => cmd::lab::run(a),
         Command::Token(a) => cmd::token::run(a),
+        Command::Client(a) => cmd::client::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,6 +2,7 @@
 
 pub mod auto_plan;
 pub mod bench;
+pub mod client;
 pub mod coordinator;
 pub mod generate;
 pub mod inspect;
