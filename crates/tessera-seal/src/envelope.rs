@@ -16,6 +16,7 @@ use hpke::{Deserializable, OpModeR, OpModeS, Serializable};
 use crate::canonical::{hex, unhex, Reader, Writer, MAX_STR};
 use crate::error::{FormatError, SealError};
 use crate::keys::{serde_via_string, Kem, KeyId, PublicKey, SecretKey};
+use crate::verify::AnswerDigest;
 use crate::UnixMillis;
 
 type Aead = hpke::aead::ChaCha20Poly1305;
@@ -231,6 +232,9 @@ pub struct ResultHeader {
     pub attempt: u32,
     /// The key id of the worker that opened the job (and authenticates this result).
     pub worker: KeyId,
+    /// The answer's digest, keyed by the request: what verification compares, readable by the
+    /// coordinator without revealing the answer.
+    pub answer: AnswerDigest,
 }
 
 impl ResultHeader {
@@ -238,7 +242,8 @@ impl ResultHeader {
         let mut w = Writer::new(RESULT_HEADER_TAG);
         w.fixed(self.job.as_bytes())
             .u32(self.attempt)
-            .fixed(self.worker.as_bytes());
+            .fixed(self.worker.as_bytes())
+            .fixed(self.answer.as_bytes());
         w.finish()
     }
 
@@ -248,6 +253,7 @@ impl ResultHeader {
             job: JobId(r.fixed()?),
             attempt: r.u32()?,
             worker: KeyId::from_bytes(r.fixed()?),
+            answer: AnswerDigest::from_bytes(r.fixed()?),
         };
         r.finish()?;
         Ok(h)
@@ -264,10 +270,12 @@ pub struct ResultEnvelope {
 
 /// Seals a result for the job `job` (the header the worker opened) with the worker's key: HPKE
 /// auth mode, so the client knows the worker it sealed to wrote it, and a coordinator that knows
-/// the reply key cannot forge one.
+/// the reply key cannot forge one. `answer` is the digest verification compares
+/// ([`AnswerDigest::of_tokens`] of the request body and the generated token ids).
 pub fn seal_result(
     job: &JobHeader,
     worker: &SecretKey,
+    answer: AnswerDigest,
     body: &[u8],
 ) -> Result<ResultEnvelope, SealError> {
     check_body(body.len())?;
@@ -275,6 +283,7 @@ pub fn seal_result(
         job: job.job,
         attempt: job.attempt,
         worker: worker.key_id(),
+        answer,
     };
     let sender = (worker.hpke().clone(), worker.public_key().to_hpke()?);
     let (enc, ciphertext) = hpke::single_shot_seal::<Aead, Kdf, Kem, _>(
@@ -419,6 +428,10 @@ fn parse_wire<'a>(
 mod tests {
     use super::*;
 
+    fn digest() -> AnswerDigest {
+        AnswerDigest::of_tokens(b"body", &[1, 2, 3])
+    }
+
     fn header(worker: &SecretKey, client: &SecretKey) -> JobHeader {
         JobHeader {
             job: JobId::from_bytes([7; 16]),
@@ -438,7 +451,7 @@ mod tests {
         let env = seal_job(&h, b"{\"prompt\":\"hi\"}", &w.public_key()).unwrap();
         let env = JobEnvelope::from_bytes(&env.to_bytes()).unwrap();
         assert_eq!(env.open(&w).unwrap(), b"{\"prompt\":\"hi\"}");
-        let r = seal_result(&env.header, &w, b"hello").unwrap();
+        let r = seal_result(&env.header, &w, digest(), b"hello").unwrap();
         let r = ResultEnvelope::from_bytes(&r.to_bytes()).unwrap();
         assert_eq!(
             r.open(&c, &w.public_key(), h.job).unwrap(),
@@ -503,7 +516,7 @@ mod tests {
         let (w, c) = (SecretKey::derive(b"worker"), SecretKey::derive(b"client"));
         let forger = SecretKey::derive(b"coordinator");
         let h = header(&w, &c);
-        let mut forged = seal_result(&h, &forger, b"lies").unwrap();
+        let mut forged = seal_result(&h, &forger, digest(), b"lies").unwrap();
         assert_eq!(
             forged.open(&c, &w.public_key(), h.job),
             Err(SealError::Authentication { what: "result" })
@@ -513,16 +526,22 @@ mod tests {
             forged.open(&c, &w.public_key(), h.job),
             Err(SealError::Authentication { what: "result" })
         );
-        // A genuine result with its attempt rewritten fails too.
-        let mut r = seal_result(&h, &w, b"truth").unwrap();
+        // A genuine result with its attempt or answer digest rewritten fails too.
+        let mut r = seal_result(&h, &w, digest(), b"truth").unwrap();
         r.header.attempt = 9;
+        assert_eq!(
+            r.open(&c, &w.public_key(), h.job),
+            Err(SealError::Authentication { what: "result" })
+        );
+        let mut r = seal_result(&h, &w, digest(), b"truth").unwrap();
+        r.header.answer = AnswerDigest::of_tokens(b"body", &[1, 2, 4]);
         assert_eq!(
             r.open(&c, &w.public_key(), h.job),
             Err(SealError::Authentication { what: "result" })
         );
         let other_job = JobId::from_bytes([1; 16]);
         assert!(matches!(
-            seal_result(&h, &w, b"x")
+            seal_result(&h, &w, digest(), b"x")
                 .unwrap()
                 .open(&c, &w.public_key(), other_job),
             Err(SealError::WrongJob { .. })

@@ -42,8 +42,10 @@
 //! guard.admit(&envelope.header, now).expect("first time");
 //! assert!(matches!(guard.admit(&envelope.header, now), Err(ReplayRefusal::Replayed { .. })));
 //!
-//! // The answer goes back sealed to the client, and only the worker could have written it.
-//! let result = seal_result(&envelope.header, &worker, b"the answer")?;
+//! // The answer goes back sealed to the client, and only the worker could have written it. Its
+//! // digest (keyed by the request, so it reveals nothing) is what verification compares.
+//! let digest = AnswerDigest::of_tokens(&body, &[791, 4, 1033]);
+//! let result = seal_result(&envelope.header, &worker, digest, b"the answer")?;
 //! let (attempt, text) = result.open(&client, &worker.public_key(), header.job)?;
 //! assert_eq!((attempt, &text[..]), (1, &b"the answer"[..]));
 //! # assert_eq!(body, br#"{"prompt":"secret"}"#);
@@ -73,8 +75,8 @@ pub use lease::{DropReason, Holder, JobFailure, JobLeases, LeaseAction, LeaseCon
 pub use replay::ReplayGuard;
 pub use tier::{DeviceTier, TierPolicy};
 pub use verify::{
-    Inconclusive, Reputation, Verifier, VerifyAction, VerifyConfig, VerifyEvent, VerifyStats,
-    Worker,
+    AnswerDigest, Inconclusive, Reputation, Verifier, VerifyAction, VerifyConfig, VerifyEvent,
+    VerifyStats, Worker,
 };
 
 /// A point in time as milliseconds since the Unix epoch. Passed in by callers; nothing in this

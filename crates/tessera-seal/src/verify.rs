@@ -25,6 +25,58 @@ pub struct Worker {
     pub tier: DeviceTier,
 }
 
+/// What two answers are compared by: a keyed hash of the token ids, the key derived from the
+/// request body. Equal digests mean equal token ids (the comparison is exact); and since the key
+/// comes from the sealed request, a coordinator that sees digests (in a result's authenticated
+/// header, [`crate::ResultHeader::answer`]) learns whether two workers agreed and nothing about
+/// the tokens, so verification works in sealed mode too.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AnswerDigest([u8; 32]);
+
+const ANSWER_KEY_CONTEXT: &str = "tessera-seal 2026 answer digest key v1";
+
+impl AnswerDigest {
+    /// The digest of generated token ids for the request `request_body` (the bytes sealed).
+    pub fn of_tokens(request_body: &[u8], tokens: &[u32]) -> Self {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        Self::of_bytes(request_body, &bytes)
+    }
+
+    /// The digest of any answer bytes (where token ids are not at hand).
+    pub fn of_bytes(request_body: &[u8], answer: &[u8]) -> Self {
+        let key = blake3::derive_key(ANSWER_KEY_CONTEXT, request_body);
+        Self(*blake3::keyed_hash(&key, answer).as_bytes())
+    }
+
+    pub fn from_bytes(b: [u8; 32]) -> Self {
+        Self(b)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for AnswerDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AnswerDigest({})", crate::canonical::hex(&self.0[..8]))
+    }
+}
+
+impl std::fmt::Display for AnswerDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&crate::canonical::hex(&self.0))
+    }
+}
+
+impl std::str::FromStr for AnswerDigest {
+    type Err = crate::FormatError;
+    fn from_str(s: &str) -> Result<Self, crate::FormatError> {
+        crate::canonical::unhex(s, "answer digest").map(Self)
+    }
+}
+crate::keys::serde_via_string!(AnswerDigest);
+
 /// Inputs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VerifyEvent {
@@ -33,14 +85,14 @@ pub enum VerifyEvent {
     Answered {
         job: JobId,
         worker: Worker,
-        tokens: Vec<u32>,
+        answer: AnswerDigest,
         peers: Vec<Worker>,
     },
     /// A replica asked for by [`VerifyAction::Replicate`] answered.
     ReplicaAnswered {
         job: JobId,
         worker: NodeKey,
-        tokens: Vec<u32>,
+        answer: AnswerDigest,
     },
     /// A replica could not run (left, refused, timed out): another peer is tried.
     ReplicaFailed { job: JobId, worker: NodeKey },
@@ -49,7 +101,7 @@ pub enum VerifyEvent {
 /// Outputs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VerifyAction {
-    /// Run the same request (same seed and sampling) on `to`, and report its tokens. `round` is 2
+    /// Run the same request (same seed and sampling) on `to`, and report its answer. `round` is 2
     /// for the second opinion, 3 for the tie-break.
     Replicate { job: JobId, to: NodeKey, round: u8 },
     /// The replicas agreed with the answer.
@@ -130,7 +182,7 @@ struct Pending {
     kernel_path: KernelPath,
     peers: Vec<Worker>,
     /// Answers so far, in order: the primary's first.
-    answers: Vec<(NodeKey, Vec<u32>)>,
+    answers: Vec<(NodeKey, AnswerDigest)>,
     /// The replica being waited for, and its round.
     waiting: (NodeKey, u8),
     /// Everyone asked so far (answered or failed): not asked again.
@@ -182,7 +234,7 @@ impl Verifier {
             VerifyEvent::Answered {
                 job,
                 worker,
-                tokens,
+                answer,
                 peers,
             } => {
                 self.stats.answers += 1;
@@ -193,7 +245,7 @@ impl Verifier {
                 let mut p = Pending {
                     kernel_path: worker.kernel_path.clone(),
                     peers,
-                    answers: vec![(worker.node, tokens)],
+                    answers: vec![(worker.node, answer)],
                     waiting: (worker.node, 1),
                     asked: BTreeSet::from([worker.node]),
                 };
@@ -204,7 +256,7 @@ impl Verifier {
             VerifyEvent::ReplicaAnswered {
                 job,
                 worker,
-                tokens,
+                answer,
             } => {
                 let Some(mut p) = self.pending.remove(&job) else {
                     return out;
@@ -213,7 +265,7 @@ impl Verifier {
                     self.pending.insert(job, p);
                     return out;
                 }
-                p.answers.push((worker, tokens));
+                p.answers.push((worker, answer));
                 if self.conclude(job, &mut p, &mut out) {
                     return out;
                 }
@@ -342,6 +394,10 @@ mod tests {
         j.as_bytes().iter().map(|&b| u32::from(b) * 7 + 1).collect()
     }
 
+    fn digest(tokens: &[u32]) -> AnswerDigest {
+        AnswerDigest::of_tokens(b"{\"prompt\":\"p\"}", tokens)
+    }
+
     /// Runs verification to its end: replicas answer with `answer(worker, job)`.
     fn run(
         v: &mut Verifier,
@@ -354,7 +410,7 @@ mod tests {
         let mut next = v.handle(VerifyEvent::Answered {
             job,
             worker: primary.clone(),
-            tokens: answer(&primary.node, job),
+            answer: digest(&answer(&primary.node, job)),
             peers: peers.to_vec(),
         });
         while let Some(a) = next.first().cloned() {
@@ -363,7 +419,7 @@ mod tests {
                 VerifyAction::Replicate { job, to, .. } => v.handle(VerifyEvent::ReplicaAnswered {
                     job,
                     worker: to,
-                    tokens: answer(&to, job),
+                    answer: digest(&answer(&to, job)),
                 }),
                 _ => Vec::new(),
             };
@@ -494,7 +550,7 @@ mod tests {
         let a = v.handle(VerifyEvent::Answered {
             job,
             worker: ws[0].clone(),
-            tokens: honest(job),
+            answer: digest(&honest(job)),
             peers: ws.clone(),
         });
         let [VerifyAction::Replicate { to: first, .. }] = a[..] else {
@@ -511,6 +567,18 @@ mod tests {
         };
         assert_ne!(first, second);
         assert_ne!(second, ws[0].node);
+    }
+
+    #[test]
+    fn answer_digests_are_equal_for_equal_tokens_and_keyed_by_the_request() {
+        let t = [1u32, 2, 3];
+        assert_eq!(digest(&t), digest(&t));
+        assert_ne!(digest(&t), digest(&[1, 2, 4]));
+        // Without the sealed request, the coordinator cannot test a guess of the tokens.
+        assert_ne!(
+            AnswerDigest::of_tokens(b"request a", &t),
+            AnswerDigest::of_tokens(b"request b", &t)
+        );
     }
 
     #[test]

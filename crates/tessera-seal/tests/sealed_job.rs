@@ -28,7 +28,8 @@ fn run_job(w: &mut Worker, env: &JobEnvelope, now: UnixMillis) -> Result<ResultE
         body.len(),
         env.header.attempt
     );
-    seal_result(&env.header, &w.key, answer.as_bytes()).map_err(|e| e.to_string())
+    let digest = AnswerDigest::of_tokens(&body, &[1, 2, 3]);
+    seal_result(&env.header, &w.key, digest, answer.as_bytes()).map_err(|e| e.to_string())
 }
 
 #[test]
@@ -116,6 +117,8 @@ fn a_job_whose_holder_goes_silent_completes_on_the_next_holder_with_one_answer()
         .unwrap();
     assert_eq!(attempt, 2);
     assert_eq!(text, b"answer to 19 from attempt 2");
+    // Both workers ran the same request to the same tokens: their digests agree, for verification.
+    assert_eq!(late.header.answer, result.header.answer);
     // What the coordinator handled never held the prompt or the answer in clear.
     for bytes in [
         envelopes[0].to_bytes(),

@@ -11,8 +11,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
 use tessera_seal::{
-    seal_job, seal_result, JobEnvelope, JobHeader, JobId, PublicKey, ResultEnvelope, SecretKey,
-    UnixMillis,
+    seal_job, seal_result, AnswerDigest, JobEnvelope, JobHeader, JobId, PublicKey, ResultEnvelope,
+    SecretKey, UnixMillis,
 };
 
 /// Sealed requests to workers an untrusted coordinator routes but cannot read.
@@ -199,10 +199,12 @@ pub fn run(args: ClientArgs) -> anyhow::Result<()> {
                 fs::read(&envelope).with_context(|| format!("reading {}", envelope.display()))?;
             let key = read_key(&key)?;
             let env = JobEnvelope::from_bytes(&bytes)?;
-            env.open(&key)?;
+            let request = env.open(&key)?;
             let answer =
                 fs::read(&answer).with_context(|| format!("reading {}", answer.display()))?;
-            let r = seal_result(&env.header, &key, &answer)?;
+            // No token ids here: the digest covers the answer's bytes.
+            let digest = AnswerDigest::of_bytes(&request, &answer);
+            let r = seal_result(&env.header, &key, digest, &answer)?;
             write(&out, &r.to_bytes())
         }
     }
