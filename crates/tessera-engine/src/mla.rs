@@ -12,9 +12,10 @@
 //!
 //! **Stacked** (`attn_kv_b`, older files): every head's key and value are expanded from the
 //! latent by one matmul and cached, as llama.cpp does for these files. Running them absorbed
-//! would cache 1/30 as much for DeepSeek-V3, but the rounding differs from llama.cpp's expanded
-//! products: on the `tiny-deepseek2` fixture a teacher-forced log-prob moved by 2e-2 and greedy
-//! tokens diverged at a near tie, so these files keep llama.cpp's numerics.
+//! would cache 1/71 as much for DeepSeek-V3 (576 values a layer, not 40,960), but the rounding
+//! differs from llama.cpp's expanded products: on the `tiny-deepseek2` fixture a teacher-forced
+//! log-prob moved by 2e-2 and greedy tokens diverged at a near tie, so these files keep
+//! llama.cpp's numerics.
 
 use crate::exec::{quantize_for, run_matmuls, MatmulJob};
 use crate::kernels::{Matrix, ThreadPool};
