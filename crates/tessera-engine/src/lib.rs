@@ -37,10 +37,10 @@
 //! them. Numerics follow llama.cpp's CPU backend closely (see [`ops`]).
 //!
 //! Modules, in the order a reader meets them: [`weights`] (loading), [`model`] (the API),
-//! `layer` (one transformer layer), [`ops`], [`kv`], [`moe`], [`batch`], [`sampling`],
+//! `layer` (one transformer layer), [`ops`], [`kv`], [`moe`], [`batch`], [`sampling`] (the `tessera-sampling` crate),
 //! [`generate`], [`bench`](mod@bench); [`kernels`] holds the quantized matmuls and the thread pool;
 //! [`expert_store`] streams experts from the file when they exceed a memory budget
-//! ([`Model::load_streaming`]).
+//! ([`Model::load_streaming`]), reading with `tessera_host::direct_read`.
 
 mod attention;
 pub mod batch;

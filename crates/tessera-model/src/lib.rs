@@ -1,5 +1,6 @@
 //! Everything about a model that is not computing with it: the GGUF container, the model
-//! profile, the tokenizer and the chat template.
+//! profile, the tokenizer, the chat template, and the geometry and element type of its KV cache
+//! ([`kv`]: what a cache costs, which the engine stores and the coordinator sizes memory with).
 //!
 //! ```no_run
 //! use tessera_model::{GgufFile, ModelProfile};
