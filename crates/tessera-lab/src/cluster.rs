@@ -89,6 +89,8 @@ impl Cluster {
             .arg("--data-dir")
             .arg(o.dir.join("coordinator"))
             .env("TESSERA_CACHE_DIR", o.dir.join("cache"))
+            // The join token is read from its JSON announcement, not from wording.
+            .env("TESSERA_LOG_FORMAT", "json")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(file(&o.dir.join("coordinator.log"))?);
@@ -109,7 +111,10 @@ impl Cluster {
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             for line in out.lines().map_while(std::result::Result::ok) {
-                if let Some(j) = line.strip_prefix("join token: ") {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                if let (Some("join_token"), Some(j)) = (v["event"].as_str(), v["token"].as_str()) {
                     let _ = tx.send(j.to_string());
                 }
             }

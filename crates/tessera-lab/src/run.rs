@@ -72,6 +72,7 @@ impl Proc {
         let log = std::fs::File::create(log)
             .map_err(|e| LabError::io(format!("creating {}", log.display()), e))?;
         let mut child = cmd
+            .env("TESSERA_LOG_FORMAT", "json")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log)
@@ -93,19 +94,22 @@ impl Proc {
         })
     }
 
-    fn wait_for(&mut self, prefix: &str, timeout: Duration) -> Result<String> {
+    /// Waits for the child's JSON event `event` (it runs with `TESSERA_LOG_FORMAT=json`).
+    fn wait_event(&mut self, event: &str, timeout: Duration) -> Result<Value> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.rx.recv_timeout(left) {
                 Ok(l) => {
-                    if let Some(r) = l.strip_prefix(prefix) {
-                        return Ok(r.to_string());
+                    if let Ok(v) = serde_json::from_str::<Value>(&l) {
+                        if v["event"] == event {
+                            return Ok(v);
+                        }
                     }
                 }
                 Err(_) => {
                     return Err(LabError::Run(format!(
-                        "{} printed no {prefix:?} line within {timeout:?}",
+                        "{} reported no {event:?} event within {timeout:?}",
                         self.name
                     )))
                 }
@@ -156,7 +160,10 @@ pub fn run(
         .arg("--data-dir")
         .arg(dir.join("coordinator"));
     let mut coordinator = Proc::spawn("coordinator", cmd, &dir.join("coordinator.log"))?;
-    let join = coordinator.wait_for("join token: ", Duration::from_secs(60))?;
+    let join = coordinator.wait_event("join_token", Duration::from_secs(60))?["token"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let mut nodes = Vec::new();
     for (i, node) in scenario.graph.nodes.iter().enumerate() {
         let host = i + 1;
@@ -185,10 +192,10 @@ pub fn run(
             cmd,
             &dir.join(format!("node-{}.log", node.name)),
         )?;
-        p.wait_for("joined coordinator ", Duration::from_secs(120))?;
+        p.wait_event("joined", Duration::from_secs(120))?;
         nodes.push(p);
     }
-    coordinator.wait_for("plan auto: ", Duration::from_secs(120))?;
+    coordinator.wait_event("plan_auto", Duration::from_secs(120))?;
     let doc: Value = std::fs::read(dir.join("coordinator/plan-auto.json"))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())

@@ -90,6 +90,7 @@ impl Proc {
     fn spawn(bin: &Path, name: &str, args: &[String], log: &Path) -> anyhow::Result<Self> {
         let mut child = Command::new(bin)
             .args(args)
+            .env("TESSERA_LOG_FORMAT", "json")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(log)?)
             .spawn()
@@ -111,20 +112,26 @@ impl Proc {
         })
     }
 
-    fn wait_for(&mut self, prefix: &str) -> anyhow::Result<String> {
+    /// Waits for the child's JSON event `event` (children run with `TESSERA_LOG_FORMAT=json`).
+    fn wait_event(&mut self, event: &str) -> anyhow::Result<Value> {
         let deadline = Instant::now() + TIMEOUT;
-        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-            return Ok(l[prefix.len()..].to_string());
+        let of = |l: &str| {
+            serde_json::from_str::<Value>(l)
+                .ok()
+                .filter(|v| v["event"] == event)
+        };
+        if let Some(v) = self.seen.iter().find_map(|l| of(l)) {
+            return Ok(v);
         }
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let Ok(l) = self.lines.recv_timeout(left) else {
-                bail!("{}: no line {prefix:?}; saw {:?}", self.name, self.seen);
+                bail!("{}: no {event:?} event; saw {:?}", self.name, self.seen);
             };
-            let hit = l.starts_with(prefix).then(|| l[prefix.len()..].to_string());
+            let hit = of(&l);
             self.seen.push(l);
-            if let Some(h) = hit {
-                return Ok(h);
+            if let Some(v) = hit {
+                return Ok(v);
             }
         }
     }
@@ -307,7 +314,10 @@ fn bench_model(a: &Args, path: &Path, rows: &mut Vec<Row>) -> anyhow::Result<()>
         ],
         &d.join("coord.log"),
     )?;
-    let join = coord.wait_for("join token: ")?;
+    let join = coord.wait_event("join_token")?["token"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let mut nodes = Vec::new();
     for name in ["n1", "n2", "n3"] {
         let args: Vec<String> = [
@@ -329,10 +339,13 @@ fn bench_model(a: &Args, path: &Path, rows: &mut Vec<Row>) -> anyhow::Result<()>
         .map(|s| s.to_string())
         .collect();
         let mut p = Proc::spawn(&a.bin, name, &args, &d.join(format!("{name}.log")))?;
-        p.wait_for("joined coordinator ")?;
+        p.wait_event("joined")?;
         nodes.push(p);
     }
-    let auto = coord.wait_for("plan auto: ")?;
+    let auto = coord.wait_event("plan_auto")?["ring"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     println!(
         "\n== {} ==\ncoordinator --plan auto chose: {auto}",
         model.name

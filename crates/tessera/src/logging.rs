@@ -94,3 +94,25 @@ where
         writeln!(writer)
     }
 }
+
+/// Prints a line a person or a script needs in order to go on — an address to connect to, a
+/// token to join with: `line` as is, or, when `TESSERA_LOG_FORMAT=json`, one JSON object with
+/// `event`, `fields` and `line` as its `message`, so scripts and tests read fields instead of
+/// wording. Not an event of the log: `TESSERA_LOG` never filters it away.
+pub fn announce(event: &str, fields: &[(&str, &str)], line: &str) {
+    use std::io::Write as _;
+    let json = std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|v| v == "json");
+    let mut out = std::io::stdout().lock();
+    let _ = if json {
+        let mut o = serde_json::Map::new();
+        o.insert("event".into(), event.into());
+        for (k, v) in fields {
+            o.insert((*k).into(), (*v).into());
+        }
+        o.insert("message".into(), line.into());
+        writeln!(out, "{}", serde_json::Value::Object(o))
+    } else {
+        writeln!(out, "{line}")
+    };
+    let _ = out.flush();
+}

@@ -37,8 +37,8 @@ impl Cluster {
     fn start(model_path: &Path) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut coordinator = Self::spawn_coordinator(dir.path(), model_path, "127.0.0.1:0");
-        let join = coordinator.wait_for("join token: ");
-        let operator = coordinator.wait_for("operator token: ");
+        let join = coordinator.announced("join_token", "token");
+        let operator = coordinator.announced("operator_token", "token");
         Self {
             dir,
             coordinator,
@@ -70,9 +70,9 @@ impl Cluster {
         assert!(self.coordinator.terminate().success());
         let addr = self.join.rsplit_once('@').unwrap().1.to_string();
         self.coordinator = Self::spawn_coordinator(self.dir.path(), &self.model, &addr);
-        let join = self.coordinator.wait_for("join token: ");
+        let join = self.coordinator.announced("join_token", "token");
         assert_eq!(join, self.join, "the token and address survive a restart");
-        let operator = self.coordinator.wait_for("operator token: ");
+        let operator = self.coordinator.announced("operator_token", "token");
         assert_eq!(operator, self.operator);
     }
 

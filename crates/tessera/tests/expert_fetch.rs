@@ -35,10 +35,11 @@ fn start_cluster(model_path: &Path, experts: &str) -> ExpertCluster {
         .args(["--listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path().join("coord"))
         .args(["--experts", experts])
-        .args(["--chunk-size", &CHUNK.to_string()]);
+        .args(["--chunk-size", &CHUNK.to_string()])
+        .env(common::JSON_LOGS.0, common::JSON_LOGS.1);
     let mut coordinator = Proc::from_command("coordinator", cmd, TIMEOUT);
-    let join = coordinator.wait_for("join token: ");
-    let operator = coordinator.wait_for("operator token: ");
+    let join = coordinator.announced("join_token", "token");
+    let operator = coordinator.announced("operator_token", "token");
     ExpertCluster {
         dir,
         coordinator,

@@ -157,24 +157,22 @@ fn a_node_given_only_the_token_finds_the_coordinator_by_mdns_across_the_switch()
         .arg(d.join("coord"))
         .arg("--model")
         .arg(&stories)
+        .env(common::JSON_LOGS.0, common::JSON_LOGS.1)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null());
     let mut coordinator = Killed(cmd.spawn().unwrap());
     let lines = stdout_lines(&mut coordinator.0);
-    let join = loop {
+    let announced = |event: &str| loop {
         let l = lines
             .recv_timeout(Duration::from_secs(60))
-            .expect("the coordinator printed no join token");
-        if let Some(j) = l.strip_prefix("join token: ") {
-            break j.to_string();
+            .unwrap_or_else(|_| panic!("the coordinator announced no {event}"));
+        if let Some(e) = common::event_in(&l, &[("event", event)]) {
+            break e["token"].as_str().expect("a token").to_string();
         }
     };
-    // Clients name stages: the operator's credential (printed on the next line).
-    let operator = lines
-        .recv_timeout(Duration::from_secs(60))
-        .ok()
-        .and_then(|l| l.strip_prefix("operator token: ").map(str::to_string))
-        .expect("the coordinator printed no operator token");
+    let join = announced("join_token");
+    // Clients name stages: the operator's credential.
+    let operator = announced("operator_token");
     let token = join.split('@').next().unwrap().to_string();
     assert!(
         join.ends_with(&listen),
@@ -300,21 +298,6 @@ impl Lines {
         }
     }
 
-    /// Waits for a line starting with `prefix`; its rest.
-    fn wait_for(&mut self, prefix: &str) -> String {
-        let deadline = std::time::Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some((_, l)) = self.seen.iter().find(|(_, l)| l.starts_with(prefix)) {
-                return l[prefix.len()..].to_string();
-            }
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(l) => self.seen.push(l),
-                Err(_) => panic!("{}: no line {prefix:?}; saw {:?}", self.name, self.seen),
-            }
-        }
-    }
-
     /// Waits for an event (a JSON line, `TESSERA_LOG_FORMAT=json`) whose fields have the given
     /// values; the event.
     fn wait_event(&mut self, fields: &[(&str, &str)]) -> serde_json::Value {
@@ -333,6 +316,14 @@ impl Lines {
                 Err(_) => panic!("{}: no event {fields:?}; saw {:?}", self.name, self.seen),
             }
         }
+    }
+
+    /// The field `field` of the first `event` announced on stdout (see `Proc::announced`).
+    fn announced(&mut self, event: &str, field: &str) -> String {
+        self.wait_event(&[("event", event)])[field]
+            .as_str()
+            .unwrap_or_else(|| panic!("{event} has no {field}"))
+            .to_string()
     }
 
     /// Waits until `n` token messages have arrived.
@@ -410,8 +401,8 @@ fn failover_in_the_lab_a_killed_node_and_a_partitioned_host_leave_the_text_uncha
     .arg(d.join("coord"))
     .env(common::JSON_LOGS.0, common::JSON_LOGS.1);
     let mut coordinator = Lines::spawn("coordinator", cmd);
-    let join = coordinator.wait_for("join token: ");
-    let operator = coordinator.wait_for("operator token: ");
+    let join = coordinator.announced("join_token", "token");
+    let operator = coordinator.announced("operator_token", "token");
     let mut nodes = Vec::new();
     for (i, name) in names.iter().enumerate().skip(1) {
         let mut cmd = lab.command(i, common::bin()).unwrap();

@@ -42,8 +42,8 @@ fn auto_coordinator(dir: &Path, model: &Path, expected: usize) -> (Proc, String,
         ],
         TIMEOUT,
     );
-    let join = coordinator.wait_for("join token: ");
-    let operator = coordinator.wait_for("operator token: ");
+    let join = coordinator.announced("join_token", "token");
+    let operator = coordinator.announced("operator_token", "token");
     (coordinator, join, operator)
 }
 
@@ -358,13 +358,13 @@ fn the_dashboard_shows_the_expert_split_of_a_served_cluster() {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let mut serve = Proc::spawn("serve", &args, TIMEOUT);
-    let join = serve.wait_for("join token: ");
+    let mut serve = Proc::spawn_with_events("serve", &args, TIMEOUT);
+    let join = serve.announced("join_token", "token");
     let nodes: Vec<Proc> = budgets
         .iter()
         .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
         .collect();
-    let addr = serve.wait_for("listening on http://").trim().to_string();
+    let addr = serve.announced("listening", "addr").trim().to_string();
 
     // Poll the dashboard's status until the expert split's epoch is serving.
     let deadline = std::time::Instant::now() + TIMEOUT;

@@ -50,20 +50,21 @@ impl Up {
                 "TESSERA_CACHE_DIR",
                 PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tessera-cache"),
             )
-            .env("TESSERA_LOG", "warn");
+            .env("TESSERA_LOG", "warn")
+            .env(common::JSON_LOGS.0, common::JSON_LOGS.1);
         let mut up = Self {
             proc: Proc::from_command("tessera up", cmd, START_TIMEOUT),
             addr: String::new(),
             node_pids: Vec::new(),
             _dir: dir,
         };
-        let pids = up.proc.wait_for("  node pids  ");
+        let pids = up.proc.announced("nodes_started", "pids");
         up.node_pids = pids
             .split_whitespace()
             .map(|p| p.parse().unwrap())
             .collect();
         assert_eq!(up.node_pids.len(), nodes, "{pids}");
-        up.addr = up.proc.wait_for("listening on http://");
+        up.addr = up.proc.announced("listening", "addr");
         up
     }
 
@@ -228,7 +229,7 @@ fn one_command_cluster_serves_openai_batches_shows_dashboard_and_stops_on_ctrl_c
     let mut up = Up::start(&[]);
     assert!(
         up.proc
-            .wait_for("  sample     ")
+            .announced("sample", "text")
             .starts_with("Once upon a time"),
         "no sample completion"
     );
@@ -393,6 +394,7 @@ fn distributed_serve_says_why_it_is_not_serving_until_nodes_join() {
         .args(["--coordinator-listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path())
         .env("TESSERA_LOG", "warn")
+        .env(common::JSON_LOGS.0, common::JSON_LOGS.1)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -401,11 +403,11 @@ fn distributed_serve_says_why_it_is_not_serving_until_nodes_join() {
     let mut addr = None;
     let mut join = None;
     for l in lines.by_ref().map_while(Result::ok) {
-        if let Some(j) = l.strip_prefix("join token: ") {
-            join = Some(j.to_string());
+        if let Some(e) = common::event_in(&l, &[("event", "join_token")]) {
+            join = e["token"].as_str().map(str::to_string);
         }
-        if let Some(a) = l.strip_prefix("listening on http://") {
-            addr = Some(a.to_string());
+        if let Some(e) = common::event_in(&l, &[("event", "listening")]) {
+            addr = e["addr"].as_str().map(str::to_string);
             break;
         }
     }

@@ -129,9 +129,26 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             coordinator.model().config.arch,
             coordinator.manifest().model_hash
         );
-        println!("listening on {addr}");
-        println!("join token: {}@{addr}", coordinator.token());
-        println!("operator token: {}@{addr}", coordinator.operator_token());
+        let (addr_s, join, operator) = (
+            addr.to_string(),
+            format!("{}@{addr}", coordinator.token()),
+            format!("{}@{addr}", coordinator.operator_token()),
+        );
+        crate::logging::announce(
+            "listening",
+            &[("addr", &addr_s)],
+            &format!("listening on {addr}"),
+        );
+        crate::logging::announce(
+            "join_token",
+            &[("token", &join)],
+            &format!("join token: {join}"),
+        );
+        crate::logging::announce(
+            "operator_token",
+            &[("token", &operator)],
+            &format!("operator token: {operator}"),
+        );
         let _advertisement = if args.mdns {
             advertise(coordinator.node_id(), addr.port())?
         } else {

@@ -2,8 +2,9 @@
 //!
 //! Flags are checked before any work: a listen address beyond loopback needs an API key, the
 //! key file must be readable. The model loads, the gateway binds, and the bound address is
-//! printed on stdout as `listening on http://ADDR` (tests bind port 0 and read it back). Ctrl-C
-//! stops accepting, lets streams finish, and shuts the engine down.
+//! printed on stdout as `listening on http://ADDR` (with `TESSERA_LOG_FORMAT=json`, a `listening`
+//! event whose `addr` scripts and tests read back after binding port 0). Ctrl-C stops
+//! accepting, lets streams finish, and shuts the engine down.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -375,11 +376,20 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
         })
         .await?;
         println!("coordinator {}", cluster.coordinator.node_id());
-        println!("join token: {}", cluster.join);
-        println!(
-            "operator token: {}@{}",
+        crate::logging::announce(
+            "join_token",
+            &[("token", &cluster.join)],
+            &format!("join token: {}", cluster.join),
+        );
+        let operator = format!(
+            "{}@{}",
             cluster.coordinator.operator_token(),
             cluster.coordinator.local_addr()?
+        );
+        crate::logging::announce(
+            "operator_token",
+            &[("token", &operator)],
+            &format!("operator token: {operator}"),
         );
         println!(
             "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join {}",
@@ -451,7 +461,11 @@ pub async fn bind_and_print(
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
     let shown = shown_addr(addr);
-    println!("listening on http://{addr}");
+    crate::logging::announce(
+        "listening",
+        &[("addr", &addr.to_string())],
+        &format!("listening on http://{addr}"),
+    );
     println!("  model      {name}");
     println!("  API        http://{shown}/v1  (OpenAI-compatible)");
     println!("  dashboard  http://{shown}/");

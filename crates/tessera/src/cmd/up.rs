@@ -275,17 +275,23 @@ async fn up(
         "tessera up: {name} over {} local nodes (layers {})",
         args.nodes, cluster.split
     );
-    println!(
-        "  node pids  {}",
-        nodes
-            .children
-            .iter()
-            .map(|(_, c)| c.id().to_string())
-            .collect::<Vec<_>>()
-            .join(" ")
+    let pids = nodes
+        .children
+        .iter()
+        .map(|(_, c)| c.id().to_string())
+        .collect::<Vec<_>>()
+        .join(" ");
+    crate::logging::announce(
+        "nodes_started",
+        &[("pids", &pids)],
+        &format!("  node pids  {pids}"),
     );
     println!("  run dir    {}", run_dir.display());
-    println!("  join       {}", cluster.join);
+    crate::logging::announce(
+        "join_token",
+        &[("token", &cluster.join)],
+        &format!("  join       {}", cluster.join),
+    );
     flush();
 
     // Wait for every stage to join, fetch, load and link; give up if a node dies or on Ctrl-C.
@@ -340,7 +346,11 @@ async fn up(
     };
     if !args.no_sample {
         match sample(&*backend, "Once upon a time", 48).await {
-            Ok(text) => println!("  sample     {}", text.replace('\n', " ")),
+            Ok(text) => crate::logging::announce(
+                "sample",
+                &[("text", &text)],
+                &format!("  sample     {}", text.replace('\n', " ")),
+            ),
             Err(e) => eprintln!("  sample failed: {e}"),
         }
     }

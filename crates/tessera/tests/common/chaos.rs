@@ -98,6 +98,16 @@ impl Proc {
         }
     }
 
+    /// The field `field` of the first `event` announced on stdout (`listening`, `join_token`,
+    /// `operator_token`: what the command prints for people to go on with, as JSON).
+    pub fn announced(&mut self, event: &str, field: &str) -> String {
+        let e = self.wait_event(&[("event", event)]);
+        e[field]
+            .as_str()
+            .unwrap_or_else(|| panic!("{event} has no {field}: {e}"))
+            .to_string()
+    }
+
     /// Waits for an event (a JSON line) whose fields have the given values; the event.
     pub fn wait_event(&mut self, fields: &[(&str, &str)]) -> Value {
         self.wait_event_where(fields, 1, |_| true)
@@ -147,35 +157,6 @@ impl Proc {
             .iter()
             .filter_map(|(_, l)| event_in(l, fields))
             .collect()
-    }
-
-    /// Waits for a stdout line starting with `prefix` (seen before or arriving); its rest.
-    pub fn wait_for(&mut self, prefix: &str) -> String {
-        self.wait_for_nth(prefix, 1)
-    }
-
-    /// Waits until `n` lines starting with `prefix` have been seen; the rest of the n-th.
-    pub fn wait_for_nth(&mut self, prefix: &str, n: usize) -> String {
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            if let Some((_, l)) = self
-                .seen
-                .iter()
-                .filter(|(_, l)| l.starts_with(prefix))
-                .nth(n - 1)
-            {
-                return l[prefix.len()..].to_string();
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => self.seen.push(l),
-                Err(_) => panic!(
-                    "{}: fewer than {n} lines starting with {prefix:?}; saw {:?}",
-                    self.name,
-                    self.seen.iter().map(|(_, l)| l).collect::<Vec<_>>()
-                ),
-            }
-        }
     }
 
     /// Waits for the process to exit; its status.
@@ -240,8 +221,8 @@ impl Cluster {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let mut coordinator =
             Self::spawn_coordinator(dir.path(), model_path, split, "127.0.0.1:0", &extra);
-        let join = coordinator.wait_for("join token: ");
-        let operator = coordinator.wait_for("operator token: ");
+        let join = coordinator.announced("join_token", "token");
+        let operator = coordinator.announced("operator_token", "token");
         Self {
             dir,
             coordinator,
@@ -323,9 +304,9 @@ impl Cluster {
             &self.addr(),
             &self.extra,
         );
-        let join = self.coordinator.wait_for("join token: ");
+        let join = self.coordinator.announced("join_token", "token");
         assert_eq!(join, self.join, "the token and address survive a restart");
-        let operator = self.coordinator.wait_for("operator token: ");
+        let operator = self.coordinator.announced("operator_token", "token");
         assert_eq!(operator, self.operator);
     }
 

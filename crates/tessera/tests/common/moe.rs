@@ -37,8 +37,8 @@ impl ExpertCluster {
             ],
             timeout,
         );
-        let join = coordinator.wait_for("join token: ");
-        let operator = coordinator.wait_for("operator token: ");
+        let join = coordinator.announced("join_token", "token");
+        let operator = coordinator.announced("operator_token", "token");
         Self {
             dir,
             coordinator,

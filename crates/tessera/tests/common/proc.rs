@@ -87,28 +87,14 @@ impl Proc {
         }
     }
 
-    /// Waits for a stdout line starting with `prefix`; returns the rest of it.
-    pub fn wait_for(&mut self, prefix: &str) -> String {
-        let deadline = Instant::now() + self.timeout;
-        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-            return l[prefix.len()..].to_string();
-        }
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    let hit = l.starts_with(prefix).then(|| l[prefix.len()..].to_string());
-                    self.seen.push(l);
-                    if let Some(h) = hit {
-                        return h;
-                    }
-                }
-                Err(_) => panic!(
-                    "{}: no line starting with {prefix:?}; saw {:?}",
-                    self.name, self.seen
-                ),
-            }
-        }
+    /// The field `field` of the first `event` announced on stdout (`listening`, `join_token`,
+    /// `operator_token`: what the command prints for people to go on with, as JSON).
+    pub fn announced(&mut self, event: &str, field: &str) -> String {
+        let e = self.wait_event(&[("event", event)]);
+        e[field]
+            .as_str()
+            .unwrap_or_else(|| panic!("{event} has no {field}: {e}"))
+            .to_string()
     }
 
     /// Waits for an event (a JSON line) whose fields have the given values; the event.
@@ -162,21 +148,6 @@ impl Proc {
             .iter()
             .filter_map(|l| event_in(l, fields))
             .collect()
-    }
-
-    /// Waits until `n` stdout lines starting with `prefix` have been seen.
-    pub fn wait_for_nth(&mut self, prefix: &str, n: usize) {
-        let deadline = Instant::now() + self.timeout;
-        while self.seen.iter().filter(|l| l.starts_with(prefix)).count() < n {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => self.seen.push(l),
-                Err(_) => panic!(
-                    "{}: fewer than {n} lines {prefix:?}: {:?}",
-                    self.name, self.seen
-                ),
-            }
-        }
     }
 
     /// Asks the process to stop (SIGTERM) and waits for it.

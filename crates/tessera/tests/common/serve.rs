@@ -17,18 +17,18 @@ impl Server {
             .args(extra)
             .env("TESSERA_CACHE_DIR", cache_dir())
             .env("TESSERA_LOG", "warn")
+            .env(super::JSON_LOGS.0, super::JSON_LOGS.1)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("starting tessera serve");
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        out.read_line(&mut line).expect("reading the listen line");
-        let addr = line
-            .trim()
-            .strip_prefix("listening on http://")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
+        out.read_line(&mut line)
+            .expect("reading the listen announcement");
+        let addr = super::event_in(line.trim(), &[("event", "listening")])
+            .and_then(|e| e["addr"].as_str().map(str::to_string))
+            .unwrap_or_else(|| panic!("the first line announces no address: {line:?}"));
         // Keep draining stdout so the server never blocks on a full pipe.
         std::thread::spawn(move || {
             let mut sink = String::new();
