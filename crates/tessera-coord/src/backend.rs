@@ -509,29 +509,12 @@ fn status(inner: &Inner) -> ClusterStatus {
         .membership
         .epoch()
         .filter(|e| !matches!(e.phase, Phase::Released));
-    let holds = |id: &NodeId| -> (String, u64) {
-        let Some(e) = epoch else {
-            return ("nothing".into(), 0);
-        };
-        let n = e.stages.len();
-        match e.stages.iter().enumerate().find(|(_, s)| s.node_id == *id) {
-            Some((i, s)) => {
-                let mut words = format!(
-                    "stage {} of {n}: layers {}–{}",
-                    i + 1,
-                    s.layers.start,
-                    s.layers.end.saturating_sub(1)
-                );
-                if i == 0 {
-                    words.push_str(", embedding");
-                }
-                if s.layers.end == cfg.n_layer {
-                    words.push_str(", head");
-                }
-                (words, s.loaded.as_ref().map_or(0, |l| l.resident_bytes))
-            }
-            None => ("nothing".into(), 0),
-        }
+    // The weight bytes a node's stage keeps resident (the gateway words what it holds).
+    let weights_of = |id: &NodeId| -> u64 {
+        epoch
+            .and_then(|e| e.stages.iter().find(|s| s.node_id == *id))
+            .and_then(|s| s.loaded.as_ref())
+            .map_or(0, |l| l.resident_bytes)
     };
     // A node's budget: the one it set, else what it measured as available at start.
     let budget_of = |m: &crate::membership::Member| {
@@ -544,27 +527,19 @@ fn status(inner: &Inner) -> ClusterStatus {
     let nodes: Vec<NodeStatus> = members
         .into_iter()
         .map(|m| {
-            let (mut holds, weights) = holds(&m.node_id);
-            let expert_cache = st.expert_cache.get(&m.node_id).map(|c| {
-                holds.push_str(&format!(
-                    "; experts streamed from disk ({} in memory at most): {} hits, {} misses, \
-                     {} read, {:.1} s waiting for reads",
-                    tessera_model::profile::human_bytes(c.budget_bytes),
-                    c.hits,
-                    c.misses,
-                    tessera_model::profile::human_bytes(c.bytes_read),
-                    c.read_wait_us as f64 / 1e6
-                ));
-                tessera_gateway::ExpertCacheStatus {
-                    budget_bytes: c.budget_bytes,
-                    hits: c.hits,
-                    misses: c.misses,
-                    disk_bytes: c.bytes_read,
-                    read_wait_us: c.read_wait_us,
-                    disk_busy_us: c.disk_busy_us,
-                    peak_bytes: c.peak_bytes,
-                }
-            });
+            let weights = weights_of(&m.node_id);
+            let expert_cache =
+                st.expert_cache
+                    .get(&m.node_id)
+                    .map(|c| tessera_gateway::ExpertCacheStatus {
+                        budget_bytes: c.budget_bytes,
+                        hits: c.hits,
+                        misses: c.misses,
+                        disk_bytes: c.bytes_read,
+                        read_wait_us: c.read_wait_us,
+                        disk_busy_us: c.disk_busy_us,
+                        peak_bytes: c.peak_bytes,
+                    });
             let kv_bytes = kv.get(&m.node_id).copied().unwrap_or(0);
             let inventory = m
                 .inventory
@@ -604,7 +579,6 @@ fn status(inner: &Inner) -> ClusterStatus {
                 budget_bytes: budget_of(m),
                 used_bytes: weights + kv_bytes,
                 kv_bytes,
-                holds,
                 last_seen_ms: m.connected.then_some(0),
                 expert_cache,
             }
@@ -613,14 +587,7 @@ fn status(inner: &Inner) -> ClusterStatus {
     let budget = |id: &NodeId| st.membership.member(id).map_or(0, budget_of);
     // The current epoch's expert split (after a failover it differs from the configured one):
     // experts per layer each node holds, resolved against the members by name or id.
-    let members: Vec<crate::assignment::Candidate> = st
-        .membership
-        .members()
-        .map(|m| crate::assignment::Candidate {
-            node_id: m.node_id,
-            name: m.name.clone(),
-        })
-        .collect();
+    let members = st.membership.member_candidates();
     let expert_owners: Option<Vec<(NodeId, usize)>> =
         st.membership.epoch_expert_split().map(|split| {
             split

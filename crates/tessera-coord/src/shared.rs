@@ -190,18 +190,18 @@ impl Shared {
                     tracing::info!(event = "epoch_ready", epoch = e, "epoch {e} is ready");
                     // Who holds which experts in it (an expert split; after a loss the
                     // survivors hold the departed owner's): one event per holder.
+                    let candidates = st.membership.member_candidates();
                     for g in st
                         .membership
                         .epoch_expert_split()
                         .map_or(&[][..], |x| &x.groups)
                     {
-                        // A group names its node by name or by (a prefix of) its id.
-                        let name = st
-                            .membership
-                            .members()
-                            .find(|m| {
-                                m.name == g.node || m.node_id.to_string().starts_with(&g.node)
-                            })
+                        // A group names its node by name or by its id (or a 4+ character
+                        // prefix of it), resolved as placement resolved it: a one-letter
+                        // name must not match another node's id that starts with it.
+                        let name = crate::assignment::find_node(&g.node, &candidates)
+                            .ok()
+                            .and_then(|id| st.membership.member(&id))
                             .map_or_else(|| g.node.clone(), |m| m.name.clone());
                         let experts: Vec<String> = g.experts.iter().map(usize::to_string).collect();
                         let experts = experts.join(",");

@@ -365,8 +365,6 @@ pub struct NodeStatus {
     pub used_bytes: u64,
     /// Of which KV cache.
     pub kv_bytes: u64,
-    /// What the node holds under the current plan, in words ("layers 0–5, head").
-    pub holds: String,
     /// Milliseconds since the last heartbeat (`None` for the local node).
     pub last_seen_ms: Option<u64>,
     /// Counters of the node's expert cache when it streams its experts from disk.

@@ -22,7 +22,7 @@ use axum::{Json, Router};
 use serde::Serialize;
 use tessera_model::human_bytes;
 
-use crate::backend::{ClusterStatus, Health};
+use crate::backend::{Assignment, ClusterStatus, Health, NodeStatus, PlanStatus};
 use crate::metrics::GatewaySnapshot;
 use crate::server::Gateway;
 
@@ -310,14 +310,69 @@ fn render_nodes(c: &ClusterStatus) -> String {
             kv = human_bytes(n.kv_bytes),
             pw = bar_pct(weights, n.budget_bytes),
             pk = bar_pct(n.kv_bytes, n.budget_bytes),
-            holds = esc(if n.holds.is_empty() {
-                "nothing"
-            } else {
-                &n.holds
-            }),
+            holds = esc(&holds(n, c.plan.as_ref())),
         );
     }
     o
+}
+
+/// What a node holds under the plan, in words ("stage 2 of 3: layers 4–7, head"), from its
+/// assignment and its expert cache's counters: backends report data, the dashboard words it.
+pub fn holds(n: &NodeStatus, plan: Option<&PlanStatus>) -> String {
+    let Some(p) = plan else {
+        return "nothing".into();
+    };
+    let Some(a) = p.assignments.iter().find(|a| a.node_id == n.id) else {
+        return "nothing".into();
+    };
+    let [start, end] = a.layers;
+    let stages: Vec<&Assignment> = p
+        .assignments
+        .iter()
+        .filter(|a| a.layers[1] > a.layers[0])
+        .collect();
+    let mut words = if end <= start {
+        format!("experts only: {} per MoE layer", a.experts)
+    } else if stages.len() == 1 {
+        format!("all {} layers", p.n_layers)
+    } else {
+        let i = stages.iter().position(|s| s.node_id == n.id).unwrap_or(0);
+        format!(
+            "stage {} of {}: layers {start}–{}",
+            i + 1,
+            stages.len(),
+            end - 1
+        )
+    };
+    if a.embed {
+        words.push_str(", embedding");
+    }
+    if a.head {
+        words.push_str(", head");
+    }
+    if end > start && p.n_experts > 0 && a.experts < p.n_experts {
+        words.push_str(&format!(
+            ", {} of {} experts per layer",
+            a.experts, p.n_experts
+        ));
+    } else if end > start && p.n_experts > 0 && stages.len() == 1 {
+        words.push_str(&format!(", all {} experts per layer", p.n_experts));
+    }
+    if a.weight_bytes > 0 {
+        words.push_str(&format!(" ({})", human_bytes(a.weight_bytes)));
+    }
+    if let Some(c) = &n.expert_cache {
+        words.push_str(&format!(
+            "; experts streamed from disk ({} in memory at most): {} hits, {} misses, {} read, \
+             {:.1} s waiting for reads",
+            human_bytes(c.budget_bytes),
+            c.hits,
+            c.misses,
+            human_bytes(c.disk_bytes),
+            c.read_wait_us as f64 / 1e6
+        ));
+    }
+    words
 }
 
 fn render_plan(c: &ClusterStatus) -> String {
@@ -463,7 +518,69 @@ fn render_requests(g: &GatewaySnapshot) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Assignment, NodeStatus, PlanStatus};
+    use crate::backend::{Assignment, ExpertCacheStatus, NodeStatus, PlanStatus};
+
+    /// The words come from the plan's assignments: a stage's place in the ring, its layers
+    /// (inclusive), the embedding and head, a partial expert share, and streaming counters.
+    #[test]
+    fn what_a_node_holds_is_worded_from_its_assignment() {
+        let mut c = crate::testing::three_node_status("m", 12);
+        let plan = c.plan.clone().unwrap();
+        let words: Vec<String> = c.nodes.iter().map(|n| holds(n, Some(&plan))).collect();
+        let [l0, l1, l2] = plan
+            .assignments
+            .iter()
+            .map(|a| a.layers)
+            .collect::<Vec<_>>()[..]
+        else {
+            panic!("three assignments")
+        };
+        assert!(
+            words[0].starts_with(&format!("stage 1 of 3: layers 0–{}, embedding", l0[1] - 1)),
+            "{}",
+            words[0]
+        );
+        assert!(
+            words[1].starts_with(&format!("stage 2 of 3: layers {}–{} (", l1[0], l1[1] - 1)),
+            "{}",
+            words[1]
+        );
+        assert!(
+            words[2].starts_with(&format!("stage 3 of 3: layers {}–11, head", l2[0])),
+            "{}",
+            words[2]
+        );
+        assert_eq!(holds(&c.nodes[0], None), "nothing");
+        // An expert-only node, and a stage streaming its experts from disk.
+        let mut p = plan.clone();
+        p.n_experts = 8;
+        for a in &mut p.assignments {
+            a.experts = 8;
+        }
+        p.assignments[1].experts = 4;
+        p.assignments.push(Assignment {
+            node_id: "x".into(),
+            experts: 4,
+            ..Default::default()
+        });
+        c.nodes[1].expert_cache = Some(ExpertCacheStatus {
+            budget_bytes: 1 << 20,
+            hits: 7,
+            misses: 3,
+            ..Default::default()
+        });
+        let x = NodeStatus {
+            id: "x".into(),
+            ..c.nodes[0].clone()
+        };
+        assert_eq!(holds(&x, Some(&p)), "experts only: 4 per MoE layer");
+        let w = holds(&c.nodes[1], Some(&p));
+        assert!(w.contains(", 4 of 8 experts per layer"), "{w}");
+        assert!(
+            w.contains("experts streamed from disk (1.00 MiB in memory at most): 7 hits, 3 misses"),
+            "{w}"
+        );
+    }
 
     #[test]
     fn every_node_and_the_plan_are_rendered_escaped() {

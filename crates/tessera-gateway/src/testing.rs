@@ -149,13 +149,6 @@ pub fn three_node_status(model: &str, n_layers: usize) -> ClusterStatus {
             budget_bytes: budget,
             used_bytes: weight_bytes + kv,
             kv_bytes: kv,
-            holds: format!(
-                "layers {}–{}{}{}",
-                layers[0],
-                layers[1] - 1,
-                if i == 0 { ", embedding" } else { "" },
-                if i == 2 { ", head" } else { "" }
-            ),
             last_seen_ms: Some(120 + 40 * i as u64),
             expert_cache: None,
         });

@@ -138,11 +138,6 @@ impl LocalBackend {
         let threads = model.pool().n_threads();
         let inventory = local_inventory(threads);
         let budget = inventory.ram_bytes;
-        let mut holds = format!("all {} layers, embedding, head", mc.n_layer);
-        if mc.n_expert > 0 {
-            holds.push_str(&format!(", all {} experts per layer", mc.n_expert));
-        }
-        holds.push_str(&format!(" ({})", human_bytes(weight_bytes)));
         let node = NodeStatus {
             id: "local".into(),
             name: host_name(),
@@ -152,7 +147,6 @@ impl LocalBackend {
             budget_bytes: budget,
             used_bytes: weight_bytes,
             kv_bytes: 0,
-            holds,
             last_seen_ms: None,
             expert_cache: None,
         };

@@ -12,8 +12,20 @@ use super::Membership;
 use tessera_proto::{ExpertAssignment, ExpertPeer, PeerInfo};
 
 impl Membership {
+    /// The connected members, as placement resolves names against them.
     pub(crate) fn candidates(&self) -> Vec<crate::assignment::Candidate> {
-        self.connected()
+        Self::as_candidates(self.connected())
+    }
+
+    /// Every member, connected or not (to name the holders of an epoch already placed).
+    pub(crate) fn member_candidates(&self) -> Vec<crate::assignment::Candidate> {
+        Self::as_candidates(self.members())
+    }
+
+    fn as_candidates<'a>(
+        members: impl IntoIterator<Item = &'a super::Member>,
+    ) -> Vec<crate::assignment::Candidate> {
+        members
             .into_iter()
             .map(|m| crate::assignment::Candidate {
                 node_id: m.node_id,
