@@ -2,7 +2,7 @@
 //! tokens and 1 and 2 threads, next to this machine's measured read bandwidth.
 //!
 //! `cargo run --release -p tessera-engine --example kernel_bench [-- DTYPE... | --model]`
-//! (set `TESSERA_KERNEL_ISA=scalar|avx2|avx512` to force a path). Weights are random; each
+//! (set `TESSERA_MAX_ISA=scalar|avx2` to cap the path). Weights are random; each
 //! matrix is replicated so that a timed pass streams well over the last-level cache, like a
 //! decode step does. Times are the fastest of repeated calls (the machines are shared).
 

@@ -199,8 +199,10 @@ pub(crate) fn v_expf_lane(x: f32) -> f32 {
     }
 }
 
-/// Runs `f` with FMA instructions enabled when the CPU has them (`mul_add` is otherwise a slow
-/// library call); the results are identical either way.
+/// Runs `f` with FMA instructions enabled when the process runs AVX2 or better (`mul_add` is
+/// otherwise a slow library call); the results are identical either way (`mul_add` is fused
+/// in both), and a process capped to scalar kernels runs the library call like a CPU without
+/// FMA would.
 #[inline(always)]
 fn with_fma<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
@@ -209,8 +211,8 @@ fn with_fma<R>(f: impl FnOnce() -> R) -> R {
         unsafe fn fma_on<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports FMA (checked just above).
+        if crate::kernels::isa() >= crate::kernels::Isa::Avx2 {
+            // SAFETY: `isa()` only returns instruction sets this CPU has; AVX2 includes FMA.
             return unsafe { fma_on(f) };
         }
     }

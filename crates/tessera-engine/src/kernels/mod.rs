@@ -22,8 +22,9 @@
 //!   `e*rows..(e+1)*rows`. [`QuantizedActs::gather`] picks the tokens routed to an expert.
 //! - Outputs are token-major: `out[t * n_rows + r]`.
 //!
-//! The instruction set is chosen once per process ([`isa`]); aarch64 and other targets use the
-//! portable kernels (no NEON yet).
+//! The instruction set is chosen once per process ([`isa`]; `TESSERA_MAX_ISA` or [`set_max_isa`]
+//! cap it, so one machine can play a scalar, AVX2 or AVX-512 node); aarch64 and other targets use
+//! the portable kernels (no NEON yet).
 
 mod iq4xs;
 mod k23;
@@ -70,8 +71,9 @@ pub enum KernelError {
     BadRange,
 }
 
-/// Instruction set a kernel runs with; chosen once per process (see [`isa`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Instruction set a kernel runs with; chosen once per process (see [`isa`]). Ordered from
+/// least to most capable, so a cap is a `min`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
@@ -80,7 +82,23 @@ pub enum Isa {
     Avx512,
 }
 
+/// The environment variable that caps the instruction set of a process (see [`isa`]).
+pub const MAX_ISA_ENV: &str = "TESSERA_MAX_ISA";
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IsaError {
+    #[error("unknown instruction set {0:?}: expected scalar, avx2 or avx512")]
+    Unknown(String),
+    /// The kernels already dispatched with another instruction set; the choice is made once
+    /// per process so that every result of a process comes from one kernel path.
+    #[error("the kernels already run with {active}; a cap of {cap} would change that")]
+    AlreadyChosen { active: Isa, cap: Isa },
+}
+
 impl Isa {
+    /// Every instruction set, least capable first.
+    pub const ALL: [Self; 3] = [Self::Scalar, Self::Avx2, Self::Avx512];
+
     /// Whether this machine can run `self`.
     pub fn available(self) -> bool {
         match self {
@@ -93,27 +111,75 @@ impl Isa {
             _ => false,
         }
     }
+
+    /// The most capable instruction set of this machine that is not above `cap`.
+    pub fn best_up_to(cap: Self) -> Self {
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|i| *i <= cap && i.available())
+            .unwrap_or(Self::Scalar)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+        }
+    }
 }
 
-/// The best instruction set of this machine, or the one named by `TESSERA_KERNEL_ISA`
-/// (`scalar`, `avx2`, `avx512`) when it is available (for benchmarks).
-pub fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        let forced = match std::env::var("TESSERA_KERNEL_ISA").as_deref() {
-            Ok("scalar") => Some(Isa::Scalar),
-            Ok("avx2") => Some(Isa::Avx2),
-            Ok("avx512") => Some(Isa::Avx512),
-            _ => None,
-        };
-        if let Some(i) = forced.filter(|i| i.available()) {
-            return i;
-        }
-        [Isa::Avx512, Isa::Avx2]
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Isa {
+    type Err = IsaError;
+
+    fn from_str(s: &str) -> Result<Self, IsaError> {
+        Self::ALL
             .into_iter()
-            .find(|i| i.available())
-            .unwrap_or(Isa::Scalar)
+            .find(|i| i.as_str() == s)
+            .ok_or_else(|| IsaError::Unknown(s.to_string()))
+    }
+}
+
+static ISA: OnceLock<Isa> = OnceLock::new();
+
+/// The instruction set every kernel of this process runs with (so a node can report its path):
+/// the best one of this machine, capped by [`set_max_isa`] if that ran first, else by
+/// `TESSERA_MAX_ISA` (`scalar`, `avx2`, `avx512`). A cap above what the machine has is no
+/// error (the machine's best is used). Fixed at the first call.
+///
+/// # Panics
+/// At the first call, if `TESSERA_MAX_ISA` is set to anything else than those three names
+/// (a misspelt cap must not silently run another path).
+pub fn isa() -> Isa {
+    *ISA.get_or_init(|| {
+        let cap = match std::env::var(MAX_ISA_ENV) {
+            Ok(v) => v
+                .parse()
+                .unwrap_or_else(|e| panic!("{MAX_ISA_ENV}={v:?}: {e}")),
+            Err(_) => Isa::Avx512,
+        };
+        Isa::best_up_to(cap)
     })
+}
+
+/// Caps the instruction set of this process (overrides `TESSERA_MAX_ISA`) and returns the one
+/// the kernels will use. Call it before the first kernel runs; afterwards it only succeeds
+/// when the cap leaves the active instruction set unchanged.
+pub fn set_max_isa(cap: Isa) -> Result<Isa, IsaError> {
+    let want = Isa::best_up_to(cap);
+    let active = *ISA.get_or_init(|| want);
+    if active == want {
+        Ok(active)
+    } else {
+        Err(IsaError::AlreadyChosen { active, cap })
+    }
 }
 
 /// A `&mut [T]` handed to pool tasks that each write a disjoint part of it.

@@ -241,21 +241,23 @@ fn par_tokens(pool: &ThreadPool, n_tokens: usize, cols: usize, f: impl Fn(usize)
     }
 }
 
-/// [`quantize_row_q8_0`] with the AVX2 version when available (identical results).
+/// [`quantize_row_q8_0`] with the AVX2 version when the process runs AVX2 or better
+/// (identical results).
 fn quantize_q8_0(x: &[f32], d: &mut [f32], qs: &mut [i8], sums: &mut [i32]) {
     #[cfg(target_arch = "x86_64")]
-    if super::Isa::Avx2.available() {
-        // SAFETY: AVX2/FMA/F16C detected.
+    if super::isa() >= super::Isa::Avx2 {
+        // SAFETY: `isa()` only returns instruction sets this CPU has (AVX2/FMA/F16C here).
         return unsafe { super::x86::quant::quantize_row_q8_0(x, d, qs, sums) };
     }
     quantize_row_q8_0(x, d, qs, sums)
 }
 
-/// [`quantize_row_q8_k`] with the AVX2 version when available (identical results).
+/// [`quantize_row_q8_k`] with the AVX2 version when the process runs AVX2 or better
+/// (identical results).
 fn quantize_q8_k(x: &[f32], d: &mut [f32], qs: &mut [i8], bsums: &mut [i16]) {
     #[cfg(target_arch = "x86_64")]
-    if super::Isa::Avx2.available() {
-        // SAFETY: AVX2/FMA/F16C detected.
+    if super::isa() >= super::Isa::Avx2 {
+        // SAFETY: `isa()` only returns instruction sets this CPU has (AVX2/FMA/F16C here).
         return unsafe { super::x86::quant::quantize_row_q8_k(x, d, qs, bsums) };
     }
     quantize_row_q8_k(x, d, qs, bsums)

@@ -647,3 +647,43 @@ fn mxfp4_every_scale_byte_decodes_as_ggml_and_simd_equals_scalar() {
         assert_eq!(bits(&out), bits(&base), "{isa:?}");
     }
 }
+
+#[test]
+fn isa_names_parse_and_unknown_ones_are_refused() {
+    for i in Isa::ALL {
+        assert_eq!(i.as_str().parse::<Isa>(), Ok(i));
+    }
+    assert_eq!(
+        "AVX2".parse::<Isa>(),
+        Err(IsaError::Unknown("AVX2".to_string()))
+    );
+}
+
+#[test]
+fn a_cap_picks_the_best_available_isa_not_above_it() {
+    assert_eq!(Isa::best_up_to(Isa::Scalar), Isa::Scalar);
+    for cap in Isa::ALL {
+        let got = Isa::best_up_to(cap);
+        assert!(got <= cap && got.available());
+        assert!(Isa::ALL
+            .iter()
+            .all(|&i| i <= got || i > cap || !i.available()));
+    }
+}
+
+/// Once the kernels run, a cap that would change their path is refused; one that keeps it is
+/// accepted (the process's results all come from one path).
+#[test]
+fn set_max_isa_cannot_change_the_active_isa() {
+    let active = isa();
+    assert_eq!(set_max_isa(active), Ok(active));
+    if active != Isa::Scalar {
+        assert_eq!(
+            set_max_isa(Isa::Scalar),
+            Err(IsaError::AlreadyChosen {
+                active,
+                cap: Isa::Scalar
+            })
+        );
+    }
+}
