@@ -119,7 +119,10 @@ async fn node_session(
     let mut early = None;
     match tokio::time::timeout(lease, reader.read_frame()).await {
         Ok(Ok(Some(f))) if f.kind == frame::MSG => match f.json::<NodeToCoord>() {
-            Ok(NodeToCoord::Listening { addr: a }) => addr = peer_addr(addr, a),
+            Ok(NodeToCoord::Listening {
+                addr: a,
+                advertised,
+            }) => addr = if advertised { a } else { peer_addr(addr, a) },
             Ok(m) => early = Some(m),
             Err(e) => return Err(e.into()),
         },
@@ -285,11 +288,16 @@ fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
                 link: *link,
             })
         }
-        NodeToCoord::LinkFailed { epoch, reason } => {
+        NodeToCoord::LinkFailed {
+            epoch,
+            reason,
+            peer,
+        } => {
             return shared.apply(Event::LinkFailed {
                 node: id,
                 epoch: *epoch,
                 reason: reason.clone(),
+                peer: *peer,
             })
         }
         NodeToCoord::Inventory(inv) => {
@@ -345,7 +353,8 @@ impl Drop for AbortOnDrop {
 
 /// The address peers should dial for a node that listens on `advertised` and was seen at
 /// `observed`: the advertised port at the observed host when the hosts agree (or the node
-/// listens on every address), else what was observed (e.g. behind NAT).
+/// listens on every address), else what was observed (e.g. behind NAT). A node started with
+/// `--advertise` says so, and its address is taken as it is.
 fn peer_addr(observed: SocketAddr, advertised: SocketAddr) -> SocketAddr {
     if advertised.ip().is_unspecified() {
         SocketAddr::new(observed.ip(), advertised.port())

@@ -72,6 +72,30 @@ impl Default for EndpointConfig {
     }
 }
 
+/// How a connection notices that its peer stopped answering: QUIC closes it once nothing at
+/// all (not even an acknowledgement) has arrived for `idle_timeout`, and sends a keep-alive
+/// every `keep_alive` so that a quiet but live link is never idle that long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Liveness {
+    pub idle_timeout: Duration,
+    /// Must be below `idle_timeout`.
+    pub keep_alive: Duration,
+}
+
+fn transport_config(config: &EndpointConfig) -> Result<quinn::TransportConfig, NetError> {
+    let mut transport = quinn::TransportConfig::default();
+    transport
+        .max_idle_timeout(Some(
+            quinn::IdleTimeout::try_from(config.idle_timeout)
+                .map_err(|e| NetError::TlsSetup(format!("idle timeout: {e}")))?,
+        ))
+        .keep_alive_interval(Some(config.keep_alive))
+        .receive_window(UNADMITTED_RECEIVE_WINDOW.into())
+        .max_concurrent_bidi_streams(config.max_concurrent_streams.into())
+        .max_concurrent_uni_streams(0u32.into());
+    Ok(transport)
+}
+
 /// A bound UDP socket that dials and accepts authenticated, encrypted QUIC connections.
 ///
 /// Every connection is mutually authenticated with TLS 1.3: this endpoint presents its node
@@ -126,17 +150,7 @@ impl Endpoint {
         policy: Arc<dyn PeerPolicy>,
         config: EndpointConfig,
     ) -> Result<Self, NetError> {
-        let mut transport = quinn::TransportConfig::default();
-        transport
-            .max_idle_timeout(Some(
-                quinn::IdleTimeout::try_from(config.idle_timeout)
-                    .map_err(|e| NetError::TlsSetup(format!("idle timeout: {e}")))?,
-            ))
-            .keep_alive_interval(Some(config.keep_alive))
-            .receive_window(UNADMITTED_RECEIVE_WINDOW.into())
-            .max_concurrent_bidi_streams(config.max_concurrent_streams.into())
-            .max_concurrent_uni_streams(0u32.into());
-        let transport = Arc::new(transport);
+        let transport = Arc::new(transport_config(&config)?);
 
         let tls = tls::server_config(&certified, policy.clone())?;
         let quic =
@@ -157,6 +171,11 @@ impl Endpoint {
             config,
             transport,
         })
+    }
+
+    /// A fresh copy of this endpoint's transport settings.
+    fn transport_config(&self) -> Result<quinn::TransportConfig, NetError> {
+        transport_config(&self.config)
     }
 
     /// The bound address (with the real port when bound to port 0).
@@ -189,12 +208,46 @@ impl Endpoint {
         addr: SocketAddr,
         expected: impl Into<ExpectedPeer>,
     ) -> Result<Connection, NetError> {
-        let expected = expected.into();
+        self.dial(addr, expected.into(), self.transport.clone())
+            .await
+    }
+
+    /// [`Endpoint::connect`] with this connection's own [`Liveness`]: the idle timeout it
+    /// advertises (QUIC uses the smaller of both sides', so it binds the accepting side too)
+    /// and how often it sends keep-alives. The endpoint's other connections keep theirs.
+    pub async fn connect_with_liveness(
+        &self,
+        addr: SocketAddr,
+        expected: impl Into<ExpectedPeer>,
+        liveness: Liveness,
+    ) -> Result<Connection, NetError> {
+        if liveness.keep_alive >= liveness.idle_timeout {
+            return Err(NetError::TlsSetup(format!(
+                "keep-alive every {:?} cannot keep a {:?} idle timeout from expiring",
+                liveness.keep_alive, liveness.idle_timeout
+            )));
+        }
+        let mut transport = self.transport_config()?;
+        transport
+            .max_idle_timeout(Some(
+                quinn::IdleTimeout::try_from(liveness.idle_timeout)
+                    .map_err(|e| NetError::TlsSetup(format!("idle timeout: {e}")))?,
+            ))
+            .keep_alive_interval(Some(liveness.keep_alive));
+        self.dial(addr, expected.into(), Arc::new(transport)).await
+    }
+
+    async fn dial(
+        &self,
+        addr: SocketAddr,
+        expected: ExpectedPeer,
+        transport: Arc<quinn::TransportConfig>,
+    ) -> Result<Connection, NetError> {
         let tls = tls::client_config(&self.certified, expected)?;
         let quic =
             QuicClientConfig::try_from(tls).map_err(|e| NetError::TlsSetup(e.to_string()))?;
         let mut client = quinn::ClientConfig::new(Arc::new(quic));
-        client.transport_config(self.transport.clone());
+        client.transport_config(transport);
         let server_name = match expected {
             ExpectedPeer::Key(k) => tls::node_dns_name(&k.node_id()),
             ExpectedPeer::Id(id) => tls::node_dns_name(&id),

@@ -90,7 +90,7 @@ pub mod stats;
 pub mod tls;
 
 pub use endpoint::{
-    stream_kind, Accepted, Connection, Endpoint, EndpointConfig, FramedStream, Incoming,
+    stream_kind, Accepted, Connection, Endpoint, EndpointConfig, FramedStream, Incoming, Liveness,
 };
 pub use enroll::{EnrolmentClaim, EnrolmentRequest, JoinToken, TokenId};
 pub use error::{NetError, Refusal, StreamLabel};

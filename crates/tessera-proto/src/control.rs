@@ -265,9 +265,14 @@ pub enum NodeToCoord {
         epoch: u64,
         link: Option<LinkMeasurement>,
     },
+    /// A data link of the epoch cannot be made, or was lost mid-epoch (its peer stopped
+    /// answering): the ring link to the next or from the previous stage, or an expert link.
     LinkFailed {
         epoch: u64,
         reason: String,
+        /// The node at the other end of the link (`None`: not known, from an older node).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        peer: Option<NodeId>,
     },
     Opened {
         seq: u64,
@@ -310,6 +315,10 @@ pub enum NodeToCoord {
     /// source port it saw, which differs when the node reaches it through a proxy.
     Listening {
         addr: SocketAddr,
+        /// `addr` is what the operator told the node to advertise (`tessera node --advertise`):
+        /// peers dial exactly it, whatever address the coordinator observed.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        advertised: bool,
     },
 }
 

@@ -158,6 +158,7 @@ fn a_bystander_node_cannot_fail_the_epoch_or_write_into_another_users_answer() {
                         msgs.push(NodeToCoord::LinkFailed {
                             epoch,
                             reason: "forged".into(),
+                            peer: None,
                         });
                     }
                     for seq in 1..=64 {

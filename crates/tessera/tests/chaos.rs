@@ -590,3 +590,134 @@ fn kill_of_the_sampling_stage_mid_json_replays_the_grammar_and_logprobs() {
         r.paused_after, r.resumed_token_after
     );
 }
+
+/// Starts node `name` whose data listener peers reach only through a link emulator in this
+/// process (`--advertise` names the emulator; the coordinator link is direct), and waits until
+/// it joined. Cutting the emulator cuts exactly the links other nodes dial to it.
+fn add_node_behind_emulator(
+    c: &mut Cluster,
+    rt: &tokio::runtime::Runtime,
+    name: &str,
+    extra: &[&str],
+) -> tessera_linkemu::LinkEmulator {
+    // The node's UDP port, chosen here so that the emulator can forward to it.
+    let listen = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (emu, via) = rt
+        .block_on(tessera_linkemu::LinkEmulator::start(
+            "127.0.0.1:0".parse().unwrap(),
+            listen,
+            tessera_linkemu::LinkShape::default(),
+        ))
+        .unwrap();
+    let mut args = c.node_args(name);
+    let at = args.iter().position(|a| a == "--listen").unwrap();
+    args[at + 1] = listen.to_string();
+    args.extend(["--advertise".to_string(), via.to_string()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["--join".to_string(), c.join.clone()]);
+    let mut p = Proc::spawn_with_events(name, &args);
+    p.wait_event(&[("event", "joined")]);
+    c.nodes.push(p);
+    emu
+}
+
+/// After a data link was cut: the coordinator failed the epoch for the lost link (a stage
+/// reported it; no lease expired, the control links are intact), every run it paused was
+/// resumed on another epoch, and every client got the one-process text.
+fn recovered_from_the_lost_link(
+    c: &mut Cluster,
+    clients: &mut [Proc],
+    loads: &[Vec<&str>],
+    want: &[String],
+    struck: Instant,
+    link: &str,
+) {
+    let failed = c
+        .coordinator
+        .wait_event_where(&[("event", "epoch_failed")], 1, |e| {
+            e["reason"].as_str().is_some_and(|r| r.contains(link))
+        });
+    eprintln!(
+        "chaos: cut {link}: the epoch failed after {:?}: {}",
+        struck.elapsed(),
+        failed["reason"]
+    );
+    all_complete(clients, loads, want, struck, &format!("cut {link}"));
+    let paused = c.coordinator.events(&[("event", "run_paused")]);
+    let resumed = c.coordinator.events(&[("event", "run_resumed")]);
+    assert!(!paused.is_empty(), "no run was paused");
+    for p in &paused {
+        assert_eq!(p["epoch"], failed["epoch"], "paused on another epoch: {p}");
+        let r = resumed
+            .iter()
+            .find(|r| r["seq"] == p["seq"])
+            .unwrap_or_else(|| panic!("{p} and never resumed: {resumed:?}"));
+        assert_ne!(r["epoch"], p["epoch"], "resumed on the lost epoch: {r}");
+    }
+    let expired = c.coordinator.events(&[("event", "lease_expired")]);
+    assert!(expired.is_empty(), "{expired:?}");
+}
+
+/// A two-stage ring whose link from `a` to `b` (b's data listener sits behind a link
+/// emulator) is cut mid-generation: a stage reports the lost link, the epoch fails, the runs
+/// pause and resume on a plan without that link (one of the two alone), with the one-process
+/// text.
+#[test]
+fn cut_ring_link_between_two_stages_pauses_and_resumes_every_generation() {
+    let path = model("test/small-qwen3-Q8_0.gguf");
+    let all = workloads();
+    let loads = [all[0].clone(), all[2].clone()];
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut c = Cluster::start(&path, "0..1,1..3");
+    c.add_node("a");
+    let emu = add_node_behind_emulator(&mut c, &rt, "b", &[]);
+    c.wait_ready();
+    let mut clients = clients_under_way(&c, &loads);
+    let struck = Instant::now();
+    emu.handle().partition();
+    recovered_from_the_lost_link(&mut c, &mut clients, &loads, &want, struck, "ring link");
+    // Only the ring link went through the emulator: its traffic stopped at the cut.
+    let stats = emu.handle().stats();
+    assert!(stats.to_upstream.dropped_partition > 0, "{stats:?}");
+    drop(emu);
+    drop(rt);
+}
+
+/// An expert split: `a` holds every layer and experts 0-3, the expert node `b` (behind a link
+/// emulator) experts 4-7. The expert link a → b is cut mid-generation: a stage reports it,
+/// the epoch fails, a plan without that link gives b's experts to a (or the ring to b), and
+/// the runs resume with the one-process text.
+#[test]
+fn cut_expert_link_from_the_home_pauses_and_resumes_every_generation() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let all = workloads();
+    let loads = [all[0].clone(), all[2].clone()];
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut c = Cluster::start_with(&path, "0..3", &["--experts", "0-3@a,4-7@b"]);
+    add_expert_node(&mut c, "a", &[]);
+    let emu = add_node_behind_emulator(&mut c, &rt, "b", &[]);
+    for n in ["a", "b"] {
+        c.node(n).wait_event(&[("event", "loaded")]);
+    }
+    let mut clients = clients_under_way(&c, &loads);
+    let struck = Instant::now();
+    emu.handle().partition();
+    recovered_from_the_lost_link(&mut c, &mut clients, &loads, &want, struck, "expert link");
+    let stats = emu.handle().stats();
+    assert!(stats.to_upstream.dropped_partition > 0, "{stats:?}");
+    drop(emu);
+    drop(rt);
+}

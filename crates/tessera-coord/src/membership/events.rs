@@ -42,10 +42,13 @@ pub enum Event {
         epoch: u64,
         link: Option<LinkMeasurement>,
     },
+    /// A data link of the epoch could not be made, or was lost mid-epoch; `peer` is the node at
+    /// its other end when the reporter knows it.
     LinkFailed {
         node: NodeId,
         epoch: u64,
         reason: String,
+        peer: Option<NodeId>,
     },
     /// Something arrived from the node on its control session `session` (a heartbeat or any
     /// other message): its lease is renewed. `now` is the shell's clock, as for [`Event::Tick`].

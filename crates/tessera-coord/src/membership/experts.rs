@@ -17,6 +17,11 @@ impl Membership {
         Self::as_candidates(self.connected())
     }
 
+    /// Connected members a re-plan may use: those benched for a failed link left out.
+    pub(super) fn usable_candidates(&self) -> Vec<crate::assignment::Candidate> {
+        Self::as_candidates(self.usable())
+    }
+
     /// Every member, connected or not (to name the holders of an epoch already placed).
     pub(crate) fn member_candidates(&self) -> Vec<crate::assignment::Candidate> {
         Self::as_candidates(self.members())
@@ -43,7 +48,7 @@ impl Membership {
         ring: &[(NodeId, PeerInfo)],
         n_layer: usize,
     ) -> Result<(Vec<ExpertAssignment>, Vec<(PeerInfo, ExpertAssignment)>), String> {
-        let nodes = self.candidates();
+        let nodes = self.usable_candidates();
         let mut owners: Vec<(PeerInfo, Vec<usize>)> = Vec::new();
         for g in &split.groups {
             let id = crate::assignment::find_node(&g.node, &nodes).map_err(|e| e.to_string())?;
@@ -149,7 +154,7 @@ impl Membership {
         let Some(split) = &self.experts else {
             return Ok(None);
         };
-        let nodes = self.candidates();
+        let nodes = self.usable_candidates();
         // (the node as the split names it, what it holds)
         let mut holders: Vec<(String, crate::replan::ExpertHolder)> = Vec::new();
         let mut orphans = Vec::new();

@@ -25,6 +25,7 @@ pub struct AutoPlan {
 
 impl Membership {
     pub(super) fn stage_lost(&mut self, id: NodeId, what: &str) -> Vec<Action> {
+        self.forget_failed_links(id);
         match &self.epoch {
             Some(e)
                 if e.stages.iter().any(|s| s.node_id == id)
@@ -45,9 +46,9 @@ impl Membership {
         }
     }
 
-    /// Connected members as re-planning candidates, in join order.
+    /// Connected members as re-planning candidates, in join order, without those benched.
     fn survivors(&self) -> Vec<Survivor> {
-        self.connected()
+        self.usable()
             .into_iter()
             .map(|m| Survivor {
                 node_id: m.node_id,
@@ -66,10 +67,10 @@ impl Membership {
             .collect()
     }
 
-    /// The stage count a plan on the connected nodes aims for.
-    fn wanted_stages(&self, auto: &AutoPlan) -> usize {
+    /// The stage count a plan on the usable nodes aims for.
+    pub(super) fn wanted_stages(&self, auto: &AutoPlan) -> usize {
         auto.target_stages
-            .min(self.connected().len())
+            .min(self.usable().len())
             .min(auto.n_layer)
     }
 
@@ -78,14 +79,14 @@ impl Membership {
     fn surviving_ring(&self, auto: &AutoPlan) -> Option<Vec<(NodeId, Range<usize>)>> {
         self.experts.as_ref()?;
         let ring = self.ring();
-        let alive = ring
-            .iter()
-            .all(|(id, _)| self.members.get(id).is_some_and(|m| m.connected));
+        let alive = ring.iter().all(|(id, _)| {
+            self.members.get(id).is_some_and(|m| m.connected) && !self.benched.contains(id)
+        });
         (!ring.is_empty() && alive && ring.len() >= self.wanted_stages(auto)).then_some(ring)
     }
 
     /// Plans a new epoch on the connected nodes (after a loss, or to fold a node in).
-    fn replan(&mut self) -> Vec<Action> {
+    pub(super) fn replan(&mut self) -> Vec<Action> {
         let Some(auto) = self.auto.clone() else {
             return Vec::new();
         };
@@ -95,14 +96,29 @@ impl Membership {
             (Some(_), Some(b)) => Some(b.without_experts()),
             (_, b) => b.clone(),
         };
-        let ring = match self.surviving_ring(&auto) {
-            Some(ring) => Ok(ring),
-            None => even_split(
-                auto.n_layer,
-                &self.survivors(),
-                auto.target_stages,
-                dense.as_ref(),
-            ),
+        // Each round leaves out one more node of a failed link the plan would need; a plan on
+        // one node needs none, so this ends.
+        self.benched.clear();
+        let ring = loop {
+            let ring = match self.surviving_ring(&auto) {
+                Some(ring) => Ok(ring),
+                None => even_split(
+                    auto.n_layer,
+                    &self.ring_order(self.survivors(), self.wanted_stages(&auto)),
+                    auto.target_stages,
+                    dense.as_ref(),
+                ),
+            };
+            match ring
+                .as_ref()
+                .ok()
+                .and_then(|r| self.needs_failed_link(r, auto.n_layer))
+            {
+                Some(leave_out) => {
+                    self.benched.insert(leave_out);
+                }
+                None => break ring,
+            }
         };
         match ring {
             Ok(stages) => {

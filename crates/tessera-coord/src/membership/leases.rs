@@ -227,6 +227,7 @@ mod tests {
                 node: outsider.node_id,
                 epoch,
                 reason: "forged".into(),
+                peer: Some(a),
             },
         ] {
             assert_eq!(
@@ -243,6 +244,7 @@ mod tests {
             node: a,
             epoch,
             reason: "peer gone".into(),
+            peer: None,
         });
         assert!(matches!(
             m.epoch().unwrap().phase,

@@ -18,13 +18,19 @@
 //! while there is none) triggers a plan that folds it in. Sequences in flight are resumed on the
 //! new epoch by the driver, which re-prefills what they had generated.
 //!
+//! **Lost data links.** A stage that loses a data link of the epoch (the ring link to a
+//! neighbour, or an expert link between a home stage and an expert owner) reports it, naming
+//! the peer. The epoch fails and the machine plans around the pair ([`links`]): a ring order
+//! in which the two are not neighbours if one exists, else a plan without the node that did
+//! not report. The pair is remembered until either node leaves or joins again.
+//!
 //! **Expert splits.** An owner of experts that leaves (an expert-only node, or a stage) fails
 //! the epoch like a stage does. The new epoch keeps the ring if every ring stage survived, and
 //! hands the departed owner's experts to the surviving owners and ring stages by free memory
 //! ([`crate::replan::replace_experts`]); a node given more than its budget streams them from
 //! disk. The configured split is kept: when its nodes are all back, it is planned again.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
 use tessera_net::{LinkMeasurement, NodeId, PublicKey};
@@ -38,6 +44,7 @@ mod events;
 mod experts;
 mod failover;
 mod leases;
+mod links;
 #[cfg(test)]
 mod test_support;
 
@@ -87,6 +94,12 @@ pub struct Membership {
     kv_type: tessera_model::kv::KvType,
     /// Liveness: the lease and when each connected member was last heard from.
     leases: leases::Leases,
+    /// Data links reported lost, as (the stage that reported, the peer it named): plans do
+    /// not need them until either node leaves or joins again.
+    failed_links: BTreeSet<(NodeId, NodeId)>,
+    /// Connected nodes the last re-plan left out, because every plan with them needed a
+    /// failed link.
+    benched: BTreeSet<NodeId>,
 }
 
 impl Membership {
@@ -123,7 +136,7 @@ impl Membership {
         let Some(x) = &self.experts else {
             return true;
         };
-        let nodes = self.candidates();
+        let nodes = self.usable_candidates();
         x.groups
             .iter()
             .all(|g| crate::assignment::find_node(&g.node, &nodes).is_ok())
@@ -185,11 +198,12 @@ impl Membership {
                 // lost whatever it held.
                 let replaced = self.members.get(&id).is_some_and(|old| old.connected);
                 self.leases.forget(&id);
+                self.forget_failed_links(id);
                 self.members.insert(id, *m);
-                if replaced {
-                    self.stage_lost(id, "restarted")
-                } else {
-                    self.fold_in()
+                // (One that held nothing of the epoch is folded in like a new node.)
+                match replaced.then(|| self.stage_lost(id, "restarted")) {
+                    Some(out) if !out.is_empty() => out,
+                    _ => self.fold_in(),
                 }
             }
             Event::Left { node: id, session } => {
@@ -217,6 +231,8 @@ impl Membership {
                 n_layer,
                 max_context,
             } => {
+                // A plan asked for is placed as asked.
+                self.benched.clear();
                 self.auto = Some(AutoPlan {
                     model,
                     n_layer,
@@ -261,12 +277,13 @@ impl Membership {
                     Vec::new()
                 }
             }
-            Event::LoadFailed {
+            Event::LinkFailed {
                 node,
                 epoch,
                 reason,
-            }
-            | Event::LinkFailed {
+                peer,
+            } => self.link_failed(node, epoch, reason, peer),
+            Event::LoadFailed {
                 node,
                 epoch,
                 reason,

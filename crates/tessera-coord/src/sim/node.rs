@@ -105,6 +105,7 @@ impl SimNode {
                 _ => vec![Reply(NodeToCoord::LinkFailed {
                     epoch,
                     reason: "epoch not held".into(),
+                    peer: None,
                 })],
             },
             CoordToNode::Release { epoch } => {

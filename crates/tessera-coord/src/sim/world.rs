@@ -485,6 +485,7 @@ impl World {
             forged.push(NodeToCoord::LinkFailed {
                 epoch,
                 reason: "forged".into(),
+                peer: None,
             });
         }
         let samples = epoch.is_some_and(|(_, _, sampler)| sampler == Some(id));
@@ -570,6 +571,7 @@ impl World {
             node,
             NodeToCoord::Listening {
                 addr: "127.0.0.1:1".parse().expect("an address"),
+                advertised: false,
             },
         );
         self.after(self.cfg.lease / 4, Ev::Beat { node, life });
@@ -726,7 +728,7 @@ impl World {
         msg: NodeToCoord,
     ) -> Result<(), Violation> {
         let id = self.nodes[node].id;
-        if let NodeToCoord::Listening { addr } = msg {
+        if let NodeToCoord::Listening { addr, .. } = msg {
             // A new session: the hello, as the server takes it.
             if let Some(old) = self.coord_conn[node].replace(conn) {
                 if old != conn {
@@ -780,11 +782,16 @@ impl World {
                     link: *link,
                 })
             }
-            NodeToCoord::LinkFailed { epoch, reason } => {
+            NodeToCoord::LinkFailed {
+                epoch,
+                reason,
+                peer,
+            } => {
                 return self.membership_event(Event::LinkFailed {
                     node: id,
                     epoch: *epoch,
                     reason: reason.clone(),
+                    peer: *peer,
                 })
             }
             NodeToCoord::Opened { seq }

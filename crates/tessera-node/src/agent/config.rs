@@ -53,6 +53,10 @@ pub struct AgentConfig {
     pub join: Option<JoinTarget>,
     /// UDP address to bind (peers dial it; the coordinator is dialled from it).
     pub listen: SocketAddr,
+    /// The address peers are told to dial for this node's data links (ring and expert
+    /// streams), when it is not the one the coordinator sees: a port forward, a proxy, a link
+    /// emulator. `None`: the listening port at the address the coordinator observed.
+    pub advertise: Option<SocketAddr>,
     pub name: Option<String>,
     pub memory_budget: Option<MemoryBudget>,
     /// A local copy of a model: adopted (hashed) at start, never downloaded.

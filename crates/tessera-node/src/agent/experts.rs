@@ -10,6 +10,7 @@ use tessera_net::{Endpoint, FrameWriter};
 use crate::error::FabricError;
 use crate::protocol::{frame, limits, stream, ExpertAssignment};
 
+use super::ring::{watch_link, DataLink, LinkUpFailed, DATA_LINK_LIVENESS};
 use super::stage_thread::WorkerMsg;
 use super::Shared;
 
@@ -84,8 +85,8 @@ pub(super) fn release_experts(shared: &Shared, epoch: Option<u64>) {
 pub(super) async fn link_experts(
     epoch: u64,
     endpoint: &Endpoint,
-    shared: &Shared,
-) -> Result<(), FabricError> {
+    shared: &Arc<Shared>,
+) -> Result<(), LinkUpFailed> {
     let peers = shared
         .experts
         .lock()
@@ -99,9 +100,21 @@ pub(super) async fn link_experts(
     }
     let mut remote = Vec::with_capacity(peers.len());
     for p in peers {
-        let conn = endpoint.connect(p.peer.addr, p.peer.key).await?;
-        let mut s = conn.open_stream(stream::EXPERT).await?;
+        let up = async {
+            let conn = endpoint
+                .connect_with_liveness(p.peer.addr, p.peer.key, DATA_LINK_LIVENESS)
+                .await?;
+            let s = conn.open_stream(stream::EXPERT).await?;
+            Ok::<_, FabricError>((conn, s))
+        };
+        let (conn, mut s) = up.await.map_err(LinkUpFailed::to(p.peer.node_id))?;
         s.reader.set_max_len(limits::EXPERT);
+        watch_link(
+            conn.clone(),
+            epoch,
+            DataLink::ExpertToWorker,
+            shared.clone(),
+        );
         shared
             .expert_conns
             .lock()

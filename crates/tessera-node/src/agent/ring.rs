@@ -3,13 +3,15 @@
 //! ring streams from the current previous stage, read with a size limit (a malformed frame ends
 //! that stream), and expert streams from admitted clients.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
-use tessera_net::{measure_link, Connection, Endpoint, FrameWriter, LinkMeasurement};
+use tessera_net::{measure_link, Connection, Endpoint, FrameWriter, LinkMeasurement, Liveness};
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
-use crate::protocol::{frame, limits, stream, RingToken, StepHeader};
+use crate::protocol::{frame, limits, stream, NodeToCoord, RingToken, StepHeader};
 
 use super::experts::{link_experts, serve_experts};
 use super::stage_thread::WorkerMsg;
@@ -44,12 +46,109 @@ impl RingOut {
     }
 }
 
+/// How a data link (ring or expert) notices that its peer stopped answering, mid-epoch.
+///
+/// QUIC's idle timeout, shortened on data links only: the link is declared lost once *nothing*
+/// has arrived from the peer for this long — no data, and not even an acknowledgement of ours
+/// or an answer to a keep-alive, which the dialer sends every second so that a quiet ring (no
+/// sequence running) is never idle. This is the choice over a per-step deadline on the peer's
+/// reply: how long a step may take depends on the peer's compute, its batch, the stages after
+/// it and the link's bandwidth, and a deadline derived from those fires on a slow but live
+/// link or a busy peer; acknowledgements flow on a slow link as long as it carries anything,
+/// so only a link (or a peer) that went silent trips this. QUIC also never lets the timeout
+/// fall below three probe timeouts, so a high-latency link gets more. Both ends use it (QUIC
+/// takes the smaller of the two sides' timeouts), and both report the loss. The control
+/// link to the coordinator keeps the endpoint's longer timeout: its loss is the lease's
+/// business.
+pub(super) const DATA_LINK_LIVENESS: Liveness = Liveness {
+    idle_timeout: Duration::from_secs(5),
+    keep_alive: Duration::from_secs(1),
+};
+
+/// Which data link a connection is.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum DataLink {
+    RingToNext,
+    RingFromPrevious,
+    ExpertToWorker,
+    ExpertFromHome,
+}
+
+impl std::fmt::Display for DataLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::RingToNext => "the ring link to the next stage",
+            Self::RingFromPrevious => "the ring link from the previous stage",
+            Self::ExpertToWorker => "the expert link to a worker",
+            Self::ExpertFromHome => "the expert link from a home stage",
+        })
+    }
+}
+
+/// Reports a data link of `epoch` lost while that epoch is still this node's
+/// ([`NodeToCoord::LinkFailed`], naming the peer): the coordinator fails the epoch and plans
+/// around the pair. A link closed on purpose (an epoch released here or at the peer, a node
+/// shutting down) is not a failure; nor is any loss once a newer epoch was assigned.
+pub(super) fn report_lost_link(
+    shared: &Shared,
+    epoch: u64,
+    link: DataLink,
+    peer: tessera_net::NodeId,
+    error: &dyn std::fmt::Display,
+) {
+    if shared.assigned.load(Ordering::SeqCst) != epoch {
+        return;
+    }
+    tracing::warn!(
+        event = "link_lost",
+        epoch,
+        peer = %peer,
+        link = ?link,
+        error = %error,
+        "epoch {epoch}: {link} ({}) is lost: {error}",
+        peer.short()
+    );
+    let _ = shared.ctrl.send(NodeToCoord::LinkFailed {
+        epoch,
+        reason: format!("{link} ({}) is lost: {error}", peer.short()),
+        peer: Some(peer),
+    });
+}
+
+/// Watches a data link this node dialled for `epoch` and reports its loss.
+pub(super) fn watch_link(conn: Connection, epoch: u64, link: DataLink, shared: Arc<Shared>) {
+    tokio::spawn(async move {
+        let e = conn.quinn().closed().await;
+        use tessera_net::quinn::ConnectionError::{ApplicationClosed, LocallyClosed};
+        if !matches!(e, LocallyClosed | ApplicationClosed(_)) {
+            report_lost_link(&shared, epoch, link, conn.peer_id(), &e);
+        }
+    });
+}
+
+/// A data link of an epoch that could not be made, and to whom.
+#[derive(Debug)]
+pub(super) struct LinkUpFailed {
+    /// The node at the other end (`None`: the failure was not a link's).
+    pub(super) peer: Option<tessera_net::NodeId>,
+    pub(super) error: FabricError,
+}
+
+impl LinkUpFailed {
+    pub(super) fn to(peer: tessera_net::NodeId) -> impl FnOnce(FabricError) -> Self {
+        move |error| Self {
+            peer: Some(peer),
+            error,
+        }
+    }
+}
+
 /// Connects to the next stage of the current epoch, measures the link, opens the ring stream.
 pub(super) async fn link_next(
     epoch: u64,
     endpoint: &Endpoint,
-    shared: &Shared,
-) -> Result<Option<LinkMeasurement>, FabricError> {
+    shared: &Arc<Shared>,
+) -> Result<Option<LinkMeasurement>, LinkUpFailed> {
     let a = shared
         .current
         .lock()
@@ -57,8 +156,9 @@ pub(super) async fn link_next(
         .as_ref()
         .map(|c| c.assignment.clone())
         .filter(|a| a.epoch == epoch)
-        .ok_or_else(|| {
-            FabricError::Protocol(format!("link for epoch {epoch}, which is not loaded"))
+        .ok_or_else(|| LinkUpFailed {
+            peer: None,
+            error: FabricError::Protocol(format!("link for epoch {epoch}, which is not loaded")),
         })?;
     link_experts(epoch, endpoint, shared).await?;
     let Some(next) = a.next else {
@@ -67,24 +167,39 @@ pub(super) async fn link_next(
             .send(WorkerMsg::Ring(epoch, RingOut::Loopback));
         return Ok(None);
     };
-    let conn = endpoint.connect(next.addr, next.key).await?;
-    let link = measure_link(&conn, 8, 1 << 20).await?;
-    let mut s = conn.open_stream(stream::RING).await?;
+    let failed = LinkUpFailed::to(next.node_id);
+    let up = async {
+        let conn = endpoint
+            .connect_with_liveness(next.addr, next.key, DATA_LINK_LIVENESS)
+            .await?;
+        let link = measure_link(&conn, 8, 1 << 20).await?;
+        let s = conn.open_stream(stream::RING).await?;
+        Ok::<_, FabricError>((conn, link, s))
+    };
+    let (conn, link, mut s) = up.await.map_err(failed)?;
     s.reader.set_max_len(limits::RING);
+    watch_link(conn.clone(), epoch, DataLink::RingToNext, shared.clone());
     *shared.next_conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
     let out = RingOut::Stream(Box::new(s.writer), tokio::runtime::Handle::current());
     let _ = shared.worker.send(WorkerMsg::Ring(epoch, out));
     Ok(Some(link))
 }
 
-/// Serves a connection from another node: ring streams from the current previous stage.
+/// Serves a connection from another node: ring streams from the current previous stage, and
+/// expert streams from the homes this node serves. The loss of a connection that carried the
+/// current epoch's ring or expert stream is reported ([`report_lost_link`]).
 pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
+    // The epoch and link of the streams this connection carried.
+    let mut carried: Option<(u64, DataLink)> = None;
     loop {
         let mut s = match conn.accept_stream().await {
             Ok(Some(s)) => s,
             Ok(None) => return,
             Err(e) => {
                 tracing::warn!("peer {}: {e}", conn.peer_id().short());
+                if let Some((epoch, link)) = carried {
+                    report_lost_link(&shared, epoch, link, conn.peer_id(), &e);
+                }
                 return;
             }
         };
@@ -105,9 +220,10 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
                         .iter()
                         .any(|c| c.key == conn.peer_key())
                 })
-                .and_then(|e| e.model);
+                .and_then(|e| Some((e.epoch, e.model?)));
             match serving {
-                Some(model) => {
+                Some((epoch, model)) => {
+                    carried = Some((epoch, DataLink::ExpertFromHome));
                     let peer = conn.peer_id();
                     tokio::spawn(async move {
                         if let Err(e) = serve_experts(s, model).await {
@@ -137,6 +253,9 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             );
             let _ = s.writer.finish().await;
             continue;
+        }
+        if let Some(c) = &cur {
+            carried = Some((c.assignment.epoch, DataLink::RingFromPrevious));
         }
         let n_embd = cur.map_or(0, |c| c.n_embd);
         s.reader.set_max_len(limits::RING);

@@ -64,7 +64,16 @@ pub(super) async fn serve_sessions(
                     progress: config.progress,
                     expert_budget: config.expert_budget,
                 });
-                let r = session(&conn, hello, endpoint, shared, &ctx, ctrl_rx).await;
+                let r = session(
+                    &conn,
+                    hello,
+                    config.advertise,
+                    endpoint,
+                    shared,
+                    &ctx,
+                    ctrl_rx,
+                )
+                .await;
                 conn.close("session over");
                 r
             }
@@ -122,6 +131,7 @@ fn forget_epoch(shared: &Shared) {
 async fn session(
     conn: &Connection,
     hello: &Hello,
+    advertise: Option<std::net::SocketAddr>,
     endpoint: &Endpoint,
     shared: &Arc<Shared>,
     ctx: &Arc<LoadCtx>,
@@ -136,7 +146,11 @@ async fn session(
         .write_message(
             frame::MSG,
             &NodeToCoord::Listening {
-                addr: endpoint.local_addr()?,
+                addr: match advertise {
+                    Some(a) => a,
+                    None => endpoint.local_addr()?,
+                },
+                advertised: advertise.is_some(),
             },
         )
         .await?;
@@ -293,7 +307,8 @@ async fn control_loop(
                         Ok(link) => NodeToCoord::Linked { epoch, link },
                         Err(e) => NodeToCoord::LinkFailed {
                             epoch,
-                            reason: e.to_string(),
+                            reason: e.error.to_string(),
+                            peer: e.peer,
                         },
                     };
                     let _ = shared.ctrl.send(msg);

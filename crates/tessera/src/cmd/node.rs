@@ -30,6 +30,12 @@ pub struct NodeArgs {
     /// UDP address to listen on for other nodes (port 0: any).
     #[arg(long, default_value = "0.0.0.0:0")]
     listen: SocketAddr,
+    /// The address other nodes should dial for this node's ring and expert links, when it is
+    /// not `--listen`'s port at the address the coordinator sees: a port forwarded to this
+    /// node, a relay, or a link emulator placed in front of it (`tessera-linkemu`). The
+    /// coordinator hands it to peers as given; the coordinator link is not affected.
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_advertise)]
+    advertise: Option<SocketAddr>,
     /// Name shown in plans and logs (default: the host name). Bound to this node's key.
     #[arg(long)]
     name: Option<String>,
@@ -109,6 +115,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         data_dir,
         join,
         listen: args.listen,
+        advertise: args.advertise,
         name: args.name,
         memory_budget,
         model: args.model,
@@ -133,6 +140,22 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(tessera_node::agent::run_until(config, shutdown_signal()))?;
     Ok(())
+}
+
+/// `--advertise HOST:PORT`: resolved once, here; an address peers cannot dial is refused.
+fn parse_advertise(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    let addr = s
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {s}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{s} resolves to no address"))?;
+    if addr.ip().is_unspecified() || addr.port() == 0 {
+        return Err(format!(
+            "{addr} cannot be dialled: give the host and port peers should reach"
+        ));
+    }
+    Ok(addr)
 }
 
 /// Completes on Ctrl-C or SIGTERM, so connections are closed cleanly (peers see a departure at
