@@ -194,7 +194,7 @@ impl ClusterBackend {
     }
 
     /// `None` when an epoch is ready to serve; otherwise why not.
-    pub fn not_serving(&self) -> Option<String> {
+    pub fn not_serving(&self) -> Option<NotServing> {
         not_serving(&self.inner.shared)
     }
 
@@ -209,10 +209,9 @@ impl ClusterBackend {
         loop {
             match self.not_serving() {
                 None => return Ok(()),
+                Some(r @ NotServing::Failed { .. }) => return Err(r.to_string()),
                 Some(r) => {
-                    if r.starts_with("the plan failed") {
-                        return Err(r);
-                    }
+                    let r = r.to_string();
                     if r != last {
                         progress(&r);
                         last = r;
@@ -252,27 +251,70 @@ impl ClusterBackend {
     }
 }
 
-fn not_serving(shared: &Shared) -> Option<String> {
+/// Why the cluster is not serving yet (or any more): the gateway's 503 reason, `up`'s progress
+/// lines, and — [`NotServing::Failed`] — the end of waiting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotServing {
+    /// No plan yet: nodes are still joining.
+    NoPlan { connected: usize },
+    /// The epoch's stages are fetching and loading their shards.
+    Loading {
+        epoch: u64,
+        loaded: usize,
+        stages: usize,
+    },
+    /// Every stage is loaded; the ring is being linked.
+    Linking { epoch: u64 },
+    /// The plan cannot be carried out (a stage refused it): waiting will not help.
+    Failed { epoch: u64, reason: String },
+    /// The epoch was released and a new one is being planned.
+    Replanning { epoch: u64 },
+}
+
+impl std::fmt::Display for NotServing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NoPlan { connected } => {
+                write!(f, "waiting for nodes: {connected} connected, no plan yet")
+            }
+            Self::Loading {
+                epoch,
+                loaded,
+                stages,
+            } => write!(
+                f,
+                "loading shards: {loaded} of {stages} stages loaded (epoch {epoch})"
+            ),
+            Self::Linking { epoch } => write!(f, "linking the ring (epoch {epoch})"),
+            Self::Failed { epoch, reason } => {
+                write!(f, "the plan failed (epoch {epoch}): {reason}")
+            }
+            Self::Replanning { epoch } => write!(f, "replanning (epoch {epoch} released)"),
+        }
+    }
+}
+
+fn not_serving(shared: &Shared) -> Option<NotServing> {
     let st = shared.lock();
-    let connected = st.membership.connected().len();
     let Some(e) = st.membership.epoch() else {
-        return Some(format!(
-            "waiting for nodes: {connected} connected, no plan yet"
-        ));
+        return Some(NotServing::NoPlan {
+            connected: st.membership.connected().len(),
+        });
     };
+    let epoch = e.id;
     match &e.phase {
         Phase::Ready => None,
-        Phase::Loading => {
-            let loaded = e.stages.iter().filter(|s| s.loaded.is_some()).count();
-            Some(format!(
-                "loading shards: {loaded} of {} stages loaded (epoch {})",
-                e.stages.len(),
-                e.id
-            ))
-        }
-        Phase::Linking => Some(format!("linking the ring (epoch {})", e.id)),
-        Phase::Failed(r) => Some(format!("the plan failed (epoch {}): {r}", e.id)),
-        Phase::Released => Some(format!("replanning (epoch {} released)", e.id)),
+        Phase::Loading => Some(NotServing::Loading {
+            epoch,
+            loaded: e.stages.iter().filter(|s| s.loaded.is_some()).count(),
+            stages: e.stages.len(),
+        }),
+        Phase::Linking => Some(NotServing::Linking { epoch }),
+        Phase::Failed(r) => Some(NotServing::Failed {
+            epoch,
+            reason: r.to_string(),
+        }),
+        Phase::Released => Some(NotServing::Replanning { epoch }),
     }
 }
 
@@ -283,7 +325,9 @@ impl Backend for ClusterBackend {
 
     fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError> {
         if let Some(reason) = self.not_serving() {
-            return Err(SubmitError::NotServing { reason });
+            return Err(SubmitError::NotServing {
+                reason: reason.to_string(),
+            });
         }
         req.check(self.inner.model.context_length)?;
         let inner = &self.inner;
@@ -718,7 +762,7 @@ fn status(inner: &Inner) -> ClusterStatus {
     };
     ClusterStatus {
         model: inner.model.id.clone(),
-        not_serving,
+        not_serving: not_serving.map(|r| r.to_string()),
         nodes,
         plan,
         links,

@@ -301,8 +301,9 @@ async fn up(
         loop {
             match cluster.backend.not_serving() {
                 None => return Ok(()),
-                Some(r) if r.starts_with("the plan failed") => bail!("{r}"),
+                Some(r @ tessera_coord::backend::NotServing::Failed { .. }) => bail!("{r}"),
                 Some(r) => {
+                    let r = r.to_string();
                     if r != last {
                         eprintln!("  {r}");
                         last = r;
