@@ -1,0 +1,123 @@
+//! Carrying out the faults: killing, freezing and partitioning nodes, restarting the
+//! coordinator, and hostile members forging messages.
+
+use super::*;
+
+impl World {
+    pub(super) fn fault(&mut self, f: FaultKind) -> Result<(), Violation> {
+        match f {
+            FaultKind::Join(i) => {
+                self.nodes[i].enrolled = true;
+                self.connect(i);
+            }
+            FaultKind::Kill(i) => {
+                let n = &mut self.nodes[i];
+                n.alive = false;
+                n.incarnation += 1;
+                n.drop_state();
+            }
+            FaultKind::Restart(i) => {
+                let n = &mut self.nodes[i];
+                if !n.alive {
+                    n.alive = true;
+                    n.incarnation += 1;
+                    n.frozen_until = None;
+                    if n.enrolled {
+                        self.connect(i);
+                    }
+                }
+            }
+            FaultKind::Freeze(i, d) => self.nodes[i].frozen_until = Some(self.now + d),
+            FaultKind::Partition(i, d) => self.nodes[i].partitioned_until = Some(self.now + d),
+            FaultKind::SlowLinks(d) => self.extra_latency = d,
+            FaultKind::CoordinatorRestart => self.restart_coordinator()?,
+            FaultKind::Forge(i) => self.forge(i)?,
+        }
+        Ok(())
+    }
+
+    /// The coordinator process restarts: its runs end with an error (their clients' sessions
+    /// drop), every node session closes, and epoch numbers continue from the store.
+    pub(super) fn restart_coordinator(&mut self) -> Result<(), Violation> {
+        self.coord_life += 1;
+        for r in self.runs.iter_mut().filter(|r| r.machine.is_some()) {
+            if r.ended.is_none() {
+                r.ended = Some(Err("the coordinator restarted".into()));
+                self.summary.errors += 1;
+            }
+            r.machine = None;
+            r.awaiting = None;
+            r.epoch = None;
+        }
+        self.routes.clear();
+        let last = self.membership.last_epoch_id();
+        self.membership = Membership::new();
+        self.membership.set_lease(self.cfg.lease);
+        self.membership.continue_epochs_after(last);
+        for i in 0..self.nodes.len() {
+            if let Some(conn) = self.coord_conn[i].take() {
+                let d = self.latency(i);
+                self.after(d, Ev::Closed { node: i, conn });
+            }
+        }
+        let life = self.coord_life;
+        self.after(self.cfg.lease / 4, Ev::CoordTick { life });
+        Ok(())
+    }
+
+    /// What a hostile member may try; every one of these must be refused by the machines
+    /// (the invariants then show each victim's text unchanged and the service going on).
+    pub(super) fn forge(&mut self, node: usize) -> Result<(), Violation> {
+        let Some(conn) = self.coord_conn[node] else {
+            return Ok(());
+        };
+        let id = self.nodes[node].id;
+        let epoch = self.membership.epoch().map(|e| {
+            let sampler = e.stages.iter().rev().find(|s| !s.layers.is_empty());
+            (
+                e.id,
+                e.stages.iter().any(|s| s.node_id == id),
+                sampler.map(|s| s.node_id),
+            )
+        });
+        let mut forged = Vec::new();
+        if let Some((epoch, false, _)) = epoch {
+            forged.push(NodeToCoord::LoadFailed {
+                epoch,
+                reason: "forged".into(),
+            });
+            forged.push(NodeToCoord::LinkFailed {
+                epoch,
+                reason: "forged".into(),
+                peer: None,
+            });
+        }
+        let samples = epoch.is_some_and(|(_, _, sampler)| sampler == Some(id));
+        if !samples {
+            for run in &self.runs {
+                if let Some(seq) = run.machine.as_ref().and_then(|m| m.attempt_seq()) {
+                    let pos = run.spec.prompt.len() + run.streamed.len();
+                    forged.push(NodeToCoord::Token {
+                        seq,
+                        pos,
+                        token: VOCAB - 1,
+                        logprobs: None,
+                    });
+                    forged.push(NodeToCoord::Finished {
+                        seq,
+                        reason: FinishReason::Length,
+                        generated: 1,
+                        error: None,
+                    });
+                }
+            }
+        }
+        self.summary.forged += forged.len();
+        for msg in forged {
+            self.coord_receives(node, conn, msg)?;
+        }
+        Ok(())
+    }
+
+    // ---- the network ---------------------------------------------------------------------
+}
