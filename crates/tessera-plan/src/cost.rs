@@ -73,13 +73,79 @@ impl Chunk {
     }
 }
 
+/// What a node's attention layers cost per token of context: layers whose cache grows with the
+/// context, and sliding-window layers, which hold and attend to at most their window.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ContextCost {
+    /// KV bytes and attention FLOPs per context token of the full-attention layers.
+    kv_per_ctx: f64,
+    attn_per_ctx: f64,
+    /// (window in tokens, KV bytes per token, attention FLOPs per context token) of each
+    /// sliding-window layer.
+    windowed: Vec<(f64, f64, f64)>,
+}
+
+impl ContextCost {
+    fn add_layer(&mut self, l: &crate::model::LayerProfile) {
+        match l.kv_window {
+            Some(w) => self.windowed.push((
+                w as f64,
+                l.kv_per_token.as_f64(),
+                l.attn_flops_per_ctx_token,
+            )),
+            None => {
+                self.kv_per_ctx += l.kv_per_token.as_f64();
+                self.attn_per_ctx += l.attn_flops_per_ctx_token;
+            }
+        }
+    }
+
+    /// KV bytes one sequence holds at `ctx` tokens of context (also what a decode step at that
+    /// context reads).
+    fn kv_bytes(&self, ctx: f64) -> f64 {
+        self.kv_per_ctx * ctx
+            + self
+                .windowed
+                .iter()
+                .map(|(w, b, _)| ctx.min(*w) * b)
+                .sum::<f64>()
+    }
+
+    /// Attention-score FLOPs of one decode step at `ctx` tokens of context.
+    fn attn_flops(&self, ctx: f64) -> f64 {
+        self.attn_per_ctx * ctx
+            + self
+                .windowed
+                .iter()
+                .map(|(w, _, f)| ctx.min(*w) * f)
+                .sum::<f64>()
+    }
+
+    /// Attention-score FLOPs of a prefill of `p` tokens: each token attends to those before it
+    /// (about `p²/2` pairs), a windowed layer to at most its window.
+    fn prefill_attn_flops(&self, p: f64) -> f64 {
+        let pairs = |w: f64| {
+            if p <= w {
+                p * p / 2.0
+            } else {
+                w * w / 2.0 + (p - w) * w
+            }
+        };
+        self.attn_per_ctx * p * p / 2.0
+            + self
+                .windowed
+                .iter()
+                .map(|(w, _, f)| pairs(*w) * f)
+                .sum::<f64>()
+    }
+}
+
 /// A node's share of the model.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Load {
     /// [dense, head, experts, embedding]
     chunks: Vec<Chunk>,
-    kv_per_ctx: f64,
-    attn_per_ctx: f64,
+    context: ContextCost,
     activations: f64,
 }
 
@@ -111,8 +177,7 @@ pub(crate) fn load_for(model: &ModelProfile, a: &Assignment) -> Load {
         if a.layers.is_some_and(|r| r.contains(i)) {
             dense.resident += (l.attention + l.router).as_f64();
             dense.flops += ne_flops * attn_share;
-            load.kv_per_ctx += l.kv_per_token.as_f64();
-            load.attn_per_ctx += l.attn_flops_per_ctx_token;
+            load.context.add_layer(l);
         }
         if a.ffn.is_some_and(|r| r.contains(i)) {
             dense.resident += l.dense_ffn.as_f64();
@@ -193,8 +258,7 @@ struct TierUse {
 pub(crate) struct Placement {
     tiers: Vec<TierUse>,
     pub memory: MemoryUse,
-    kv_per_ctx: f64,
-    attn_per_ctx: f64,
+    context: ContextCost,
 }
 
 /// Places `load` on `node` with KV for `seqs` sequences of the policy's context. Fails with a
@@ -215,7 +279,7 @@ pub(crate) fn place(
         .filter(|t| t.capacity.as_f64() * share > RUNTIME_OVERHEAD_VRAM.as_f64());
     let vram_cap = vram.map_or(0.0, |t| (t.capacity.as_f64() * share).floor() - 1.0);
     let ram_cap = (node.ram.capacity.as_f64() * share).floor() - 1.0;
-    let kv = load.kv_per_ctx * policy.context_tokens as f64 * f64::from(seqs.max(1));
+    let kv = load.context.kv_bytes(policy.context_tokens as f64) * f64::from(seqs.max(1));
     let fixed_vram = if vram.is_some() {
         RUNTIME_OVERHEAD_VRAM.as_f64()
     } else {
@@ -324,8 +388,7 @@ pub(crate) fn place(
     Ok(Placement {
         tiers,
         memory,
-        kv_per_ctx: load.kv_per_ctx,
-        attn_per_ctx: load.attn_per_ctx,
+        context: load.context.clone(),
     })
 }
 
@@ -378,8 +441,8 @@ impl Placement {
                 }
             }
             if t.holds_kv {
-                db += batch * ctx * self.kv_per_ctx;
-                df += batch * ctx * self.attn_per_ctx;
+                db += batch * self.context.kv_bytes(ctx);
+                df += batch * self.context.attn_flops(ctx);
             }
             s.dense.add(&tier_terms(t, db, df));
             s.experts.add(&tier_terms(t, eb, ef));
@@ -404,8 +467,8 @@ impl Placement {
                 }
             }
             if t.holds_kv {
-                db += p * self.kv_per_ctx;
-                df += p * p / 2.0 * self.attn_per_ctx;
+                db += self.context.kv_bytes(p);
+                df += self.context.prefill_attn_flops(p);
             }
             s.dense.add(&tier_terms(t, db, df));
             s.experts.add(&tier_terms(t, eb, ef));
@@ -803,6 +866,48 @@ mod tests {
         assert!(p.step(1.0, 512.0).experts.disk_s > 0.0);
         let e = place(&node(700, 0, false), &load, &policy, 1).unwrap_err();
         assert!(e.starts_with("needs ") && e.contains(", budget "), "{e}");
+    }
+
+    #[test]
+    fn sliding_window_layers_cost_a_window_of_kv_memory_and_reads() {
+        let m = ModelProfile::from_hf_config(
+            include_str!("../models/gpt-oss-120b.config.json"),
+            Quant::Q4_K,
+        )
+        .unwrap();
+        let mut unwindowed = m.clone();
+        unwindowed
+            .layers
+            .iter_mut()
+            .for_each(|l| l.kv_window = None);
+        let policy = Policy {
+            context_tokens: 65_536,
+            ..Policy::default()
+        };
+        let big = node(512 * 1024, 0, false);
+        let place_for =
+            |m: &ModelProfile| place(&big, &load_for(m, &whole(m)), &policy, 2).unwrap();
+        let (p, full) = (place_for(&m), place_for(&unwindowed));
+        // Two sequences of 64K: 18 full layers hold every position, 18 sliding ones 128.
+        assert_eq!(p.memory.kv_cache, Bytes(2 * m.kv_bytes_at(65_536).0));
+        assert_eq!(
+            p.memory.kv_cache,
+            Bytes(2 * 2048 * (18 * 65_536 + 18 * 128))
+        );
+        assert_eq!(full.memory.kv_cache, Bytes(2 * 2048 * 36 * 65_536));
+        // A decode step at long context reads and scores about half the positions; within the
+        // window the two models are the same.
+        let kv_read = |p: &Placement, ctx: f64| p.context.kv_bytes(ctx);
+        assert_eq!(kv_read(&p, 100.0), kv_read(&full, 100.0));
+        let ratio = kv_read(&p, 65_536.0) / kv_read(&full, 65_536.0);
+        assert!((0.5..0.51).contains(&ratio), "{ratio}");
+        assert!(p.step(1.0, 65_536.0).dense.total_s < full.step(1.0, 65_536.0).dense.total_s);
+        // Prefill of 4,096 tokens: a windowed layer scores 128·64 + (4096-128)·128 pairs.
+        let pairs = 128.0 * 128.0 / 2.0 + (4096.0 - 128.0) * 128.0;
+        let f = m.layers[0].attn_flops_per_ctx_token;
+        let expected = 18.0 * f * 4096.0 * 4096.0 / 2.0 + 18.0 * f * pairs;
+        let got = p.context.prefill_attn_flops(4096.0);
+        assert!((got - expected).abs() < 1e-6 * expected, "{got} {expected}");
     }
 
     #[test]

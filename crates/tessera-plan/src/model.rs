@@ -121,12 +121,18 @@ pub struct LayerProfile {
     pub n_expert: u32,
     /// Experts each token uses in this layer.
     pub n_expert_used: u32,
-    /// KV-cache bytes this layer stores per token of context.
+    /// KV-cache bytes this layer stores per token of context (with latent attention, the
+    /// compressed latent and the rotary key).
     pub kv_per_token: Bytes,
+    /// A sliding-window layer's window in tokens: it caches and attends to at most this many
+    /// positions, however long the context. `None`: the whole context.
+    #[serde(default)]
+    pub kv_window: Option<u64>,
     /// Matrix FLOPs per token for this layer's active weights (2 per active weight), excluding the
     /// context-dependent attention scores.
     pub flops_per_token: f64,
-    /// Attention-score FLOPs per token per token of context (QK^T and AV).
+    /// Attention-score FLOPs per token per token of context (QK^T and AV; with latent attention
+    /// in the absorbed form, both over the latent).
     pub attn_flops_per_ctx_token: f64,
     /// FLOPs per token of one expert.
     pub expert_flops_per_token: f64,
@@ -147,6 +153,14 @@ impl LayerProfile {
     /// Weight bytes read per token at batch 1.
     pub fn active(&self) -> Bytes {
         self.non_expert() + Bytes(self.expert.0 * u64::from(self.n_expert_used))
+    }
+    /// Positions this layer caches at `ctx_tokens` of context.
+    pub fn kv_tokens(&self, ctx_tokens: u64) -> u64 {
+        self.kv_window.map_or(ctx_tokens, |w| ctx_tokens.min(w))
+    }
+    /// KV-cache bytes this layer holds for one sequence at `ctx_tokens` of context.
+    pub fn kv_bytes_at(&self, ctx_tokens: u64) -> Bytes {
+        Bytes(self.kv_per_token.0 * self.kv_tokens(ctx_tokens))
     }
 }
 
@@ -197,8 +211,15 @@ impl ModelProfile {
     pub fn active_weights(&self) -> Bytes {
         self.layers.iter().map(LayerProfile::active).sum::<Bytes>() + self.head
     }
+    /// KV bytes per cached position summed over the layers (sliding-window layers included: see
+    /// [`Self::kv_bytes_at`] for what a context actually holds).
     pub fn kv_per_token(&self) -> Bytes {
         self.layers.iter().map(|l| l.kv_per_token).sum()
+    }
+    /// KV-cache bytes of one sequence at `ctx_tokens` of context, sliding-window layers holding
+    /// at most their window.
+    pub fn kv_bytes_at(&self, ctx_tokens: u64) -> Bytes {
+        self.layers.iter().map(|l| l.kv_bytes_at(ctx_tokens)).sum()
     }
     /// Bytes of one token's hidden state on the wire (f32).
     pub fn hidden_wire_bytes(&self) -> f64 {
@@ -233,9 +254,11 @@ impl ModelProfile {
     /// gpt_oss, deepseek_v2/v3 and kimi_k2, glm4_moe) with every matrix stored in `quant`; norms,
     /// biases, sinks and the MoE router are counted as F32, as GGUF converters keep them. The KV
     /// cache is F16; multi-head latent attention (DeepSeek) caches one compressed latent and
-    /// rotary key per token and layer. Shared experts count as the MoE layer's dense FFN (they
-    /// run where the layer's attention does). Sliding-window layers are counted with a full
-    /// cache (an upper bound: they hold only their window).
+    /// rotary key per token and layer and attends in the absorbed form (scores and values over
+    /// the latent, as llama.cpp does). Shared experts count as the MoE layer's dense FFN (they
+    /// run where the layer's attention does). Sliding-window layers (`layer_types` entries
+    /// `sliding_attention`, or gpt-oss's even layers when the list is absent) hold and attend
+    /// to `sliding_window` positions.
     pub fn from_hf_config(config_json: &str, quant: Quant) -> Result<Self, ModelError> {
         let v: serde_json::Value = serde_json::from_str(config_json)?;
         let arch = v
@@ -365,8 +388,11 @@ impl ModelProfile {
                 + n_head * v_dim * hidden;
             attn_small = 2 * hidden + q_lora + kv_lora;
             kv_per_token = Bytes((kv_lora + rope) * 2);
-            attn_flops_ctx = (2 * n_head * (q_head + v_dim)) as f64;
+            // Absorbed: each head's query meets the latent and rotary key (kv_lora + rope wide)
+            // and its output is a weighted sum of latents (kv_lora wide), 2 FLOPs per product.
+            attn_flops_ctx = (2 * n_head * (2 * kv_lora + rope)) as f64;
         }
+        let window = sliding_layers(&v, &arch, n_layers)?;
         let attention = quant.bytes(attn_params) + f32b(attn_small);
         // Dense first layers (DeepSeek, GLM) and shared experts beside the routed ones.
         let first_dense = if shared_style {
@@ -426,6 +452,7 @@ impl ModelProfile {
                 n_expert: ne,
                 n_expert_used: nu,
                 kv_per_token,
+                kv_window: window.get(i as usize).copied().flatten(),
                 flops_per_token: 2.0 * active_params as f64,
                 attn_flops_per_ctx_token: attn_flops_ctx,
                 expert_flops_per_token: 2.0 * expert as f64,
@@ -454,6 +481,41 @@ impl ModelProfile {
         };
         profile.validate()?;
         Ok(profile)
+    }
+}
+
+/// Each layer's sliding window (`None` for full attention), from `sliding_window` and
+/// `layer_types`; gpt-oss without `layer_types` slides on even layers (llama.cpp's pattern).
+fn sliding_layers(
+    v: &serde_json::Value,
+    arch: &str,
+    n_layers: u64,
+) -> Result<Vec<Option<u64>>, ModelError> {
+    let window = v.get("sliding_window").and_then(serde_json::Value::as_u64);
+    let types = v.get("layer_types").and_then(|x| x.as_array());
+    let off = v
+        .get("use_sliding_window")
+        .and_then(serde_json::Value::as_bool)
+        == Some(false);
+    let Some(w) = window.filter(|&w| w > 0 && !off) else {
+        if arch == "gpt_oss" {
+            return Err(ModelError::Missing("sliding_window"));
+        }
+        return Ok(vec![None; n_layers as usize]);
+    };
+    match types {
+        Some(t) => {
+            if t.len() as u64 != n_layers {
+                return Err(ModelError::Invalid("layer_types"));
+            }
+            Ok(t.iter()
+                .map(|x| (x.as_str() == Some("sliding_attention")).then_some(w))
+                .collect())
+        }
+        None if arch == "gpt_oss" => Ok((0..n_layers).map(|i| (i % 2 == 0).then_some(w)).collect()),
+        // Other families name a window without saying which layers use it (Qwen2's
+        // `use_sliding_window` is off in the released models): full attention everywhere.
+        None => Ok(vec![None; n_layers as usize]),
     }
 }
 
@@ -528,6 +590,75 @@ mod tests {
         // 61 layers x (512 latent + 64 rotary) x 2 bytes, not 128 heads of K and V.
         assert_eq!(m.kv_per_token(), Bytes(61 * 576 * 2));
         assert_eq!(m.layers.iter().filter(|l| !l.is_moe()).count(), 3);
+    }
+
+    #[test]
+    fn latent_attention_flops_follow_the_absorbed_form() {
+        let m = ModelProfile::from_hf_config(
+            include_str!("../models/deepseek-v3.config.json"),
+            Quant::Q4_K,
+        )
+        .unwrap();
+        // 128 heads x 2 FLOPs x (576 wide scores + 512 wide value sums) per context token.
+        for l in &m.layers {
+            assert_eq!(l.attn_flops_per_ctx_token, (2 * 128 * (576 + 512)) as f64);
+            assert_eq!(l.kv_window, None);
+        }
+        // At 128K of context one sequence holds 61 x 576 x 2 bytes per token: about 8.6 GiB.
+        assert_eq!(m.kv_bytes_at(131_072), Bytes(61 * 576 * 2 * 131_072));
+    }
+
+    #[test]
+    fn gpt_oss_sliding_layers_hold_a_window_of_kv() {
+        let m = ModelProfile::from_hf_config(
+            include_str!("../models/gpt-oss-120b.config.json"),
+            Quant::Q4_K,
+        )
+        .unwrap();
+        let sliding: Vec<usize> = (0..36)
+            .filter(|i| m.layers[*i].kv_window.is_some())
+            .collect();
+        assert_eq!(sliding, (0..36).step_by(2).collect::<Vec<_>>());
+        assert!(m.layers.iter().all(|l| l.kv_window.unwrap_or(128) == 128));
+        // K and V, 8 heads of 64, f16: 2,048 bytes per position per layer.
+        let per_pos = 2 * 8 * 64 * 2;
+        assert_eq!(m.kv_per_token(), Bytes(36 * per_pos));
+        // At 128K: 18 full layers hold every position, 18 sliding ones hold 128.
+        assert_eq!(
+            m.kv_bytes_at(131_072),
+            Bytes(per_pos * (18 * 131_072 + 18 * 128))
+        );
+        // Short contexts fit in the window: every layer holds every position.
+        assert_eq!(m.kv_bytes_at(100), Bytes(per_pos * 36 * 100));
+    }
+
+    #[test]
+    fn gpt_oss_without_layer_types_slides_on_even_layers() {
+        let mut v: serde_json::Value =
+            serde_json::from_str(include_str!("../models/gpt-oss-120b.config.json")).unwrap();
+        v.as_object_mut().unwrap().remove("layer_types");
+        let m = ModelProfile::from_hf_config(&v.to_string(), Quant::Q8_0).unwrap();
+        for (i, l) in m.layers.iter().enumerate() {
+            assert_eq!(l.kv_window, (i % 2 == 0).then_some(128), "layer {i}");
+        }
+        v.as_object_mut().unwrap().remove("sliding_window");
+        let e = ModelProfile::from_hf_config(&v.to_string(), Quant::Q8_0).unwrap_err();
+        assert!(matches!(e, ModelError::Missing("sliding_window")), "{e}");
+    }
+
+    #[test]
+    fn glm_4_5_attends_to_the_whole_context_with_grouped_heads() {
+        let m = ModelProfile::from_hf_config(
+            include_str!("../models/glm-4.5.config.json"),
+            Quant::Q4_K,
+        )
+        .unwrap();
+        assert_eq!(m.n_layers(), 92);
+        assert_eq!(m.layers.iter().filter(|l| !l.is_moe()).count(), 3);
+        // 8 KV heads of 128, K and V, f16; no window.
+        assert!(m.layers.iter().all(|l| l.kv_window.is_none()));
+        assert_eq!(m.kv_bytes_at(1000), Bytes(92 * 2 * 8 * 128 * 2 * 1000));
+        assert_eq!(m.layers[0].attn_flops_per_ctx_token, (4 * 96 * 128) as f64);
     }
 
     #[test]
