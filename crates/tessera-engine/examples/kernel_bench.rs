@@ -12,7 +12,12 @@ use std::time::{Duration, Instant};
 use tessera_engine::kernels::{isa, matmul, Matrix, MatrixBytes, QuantizedActs, ThreadPool};
 use tessera_model::GgmlType;
 
-const DTYPES: [GgmlType; 13] = [
+const DTYPES: [GgmlType; 18] = [
+    GgmlType::Iq2Xxs,
+    GgmlType::Iq2Xs,
+    GgmlType::Iq2S,
+    GgmlType::Iq3Xxs,
+    GgmlType::Iq3S,
     GgmlType::Q2K,
     GgmlType::Q3K,
     GgmlType::Iq4Xs,
@@ -60,7 +65,13 @@ fn random_bytes(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec
             }
             GgmlType::Q6K => b[208..].copy_from_slice(&small_f16(rng.next())),
             GgmlType::Mxfp4 => b[0] = 118 + (rng.next() % 8) as u8,
-            GgmlType::Iq4Nl | GgmlType::Iq4Xs => b[..2].copy_from_slice(&small_f16(rng.next())),
+            GgmlType::Iq4Nl
+            | GgmlType::Iq4Xs
+            | GgmlType::Iq2Xxs
+            | GgmlType::Iq2Xs
+            | GgmlType::Iq2S
+            | GgmlType::Iq3Xxs
+            | GgmlType::Iq3S => b[..2].copy_from_slice(&small_f16(rng.next())),
             GgmlType::Q2K => {
                 b[80..82].copy_from_slice(&small_f16(rng.next()));
                 b[82..84].copy_from_slice(&small_f16(rng.next()));

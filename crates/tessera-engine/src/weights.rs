@@ -586,6 +586,11 @@ impl<'a> Loader<'a> {
                 | GgmlType::Iq4Xs
                 | GgmlType::Q2K
                 | GgmlType::Q3K
+                | GgmlType::Iq2Xxs
+                | GgmlType::Iq2Xs
+                | GgmlType::Iq2S
+                | GgmlType::Iq3Xxs
+                | GgmlType::Iq3S
         ) {
             // The kernels keep an owned, repacked copy of these types: let the source pages go
             // so they are not counted twice in the resident set.

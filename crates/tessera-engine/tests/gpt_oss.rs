@@ -61,6 +61,11 @@ fn greedy_tokens_equal_llama_cpp_on_the_new_fixtures() {
         "small-qwen3-IQ4_XS",
         "small-qwen3-Q2_K",
         "small-qwen3-Q3_K_M",
+        "small-qwen3-IQ2_XXS",
+        "small-qwen3-IQ2_XS",
+        "small-qwen3-IQ2_S",
+        "small-qwen3-IQ3_XXS",
+        "small-qwen3-IQ3_S",
     ] {
         moe::greedy_tokens_equal_llama_cpp(name);
     }

@@ -1,6 +1,7 @@
 //! Guards the central promise: split execution is bit-identical to unsplit execution.
 //! Every layer cut point of a pipeline split, pipelines of 3 and more stages (every layer its
-//! own stage) on every weight type (F32, F16, BF16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K), and MoE
+//! own stage) on every weight type (F32, F16, BF16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, the IQ2/IQ3
+//! family), and MoE
 //! experts split across 2 and 3 separately loaded parts, over a prefill and several decode
 //! steps.
 
@@ -252,6 +253,13 @@ fn pipelines_of_3_and_more_stages_are_bit_identical_k_quants() {
     every_layer_a_stage("small-qwen3-Q5_K.gguf");
     every_layer_a_stage("small-qwen3-Q6_K.gguf");
     every_layer_a_stage("small-qwen3moe-Q4_K.gguf");
+}
+
+#[test]
+fn pipelines_of_3_and_more_stages_are_bit_identical_iq2_and_iq3() {
+    for t in ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"] {
+        every_layer_a_stage(&format!("small-qwen3-{t}.gguf"));
+    }
 }
 
 fn check_expert_split(name: &str) {

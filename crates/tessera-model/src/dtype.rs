@@ -26,6 +26,18 @@ pub enum GgmlType {
     Q2K,
     /// 3-bit codes (2 bits + a high-bit mask) with 6-bit scales per 16 values.
     Q3K,
+    /// 2-bit lattice codes: 8 weights per grid index (256-entry grid), 7 sign bits and 4-bit
+    /// scales per 32, 256 per block.
+    Iq2Xxs,
+    /// As IQ2_XXS with a 512-entry grid and a 4-bit scale per 16 values.
+    Iq2Xs,
+    /// As IQ2_XS with a 1024-entry grid and explicit 8-bit signs.
+    Iq2S,
+    /// 3-bit lattice codes: 4 weights per grid index (256-entry grid), 7 sign bits and a 4-bit
+    /// scale per 32.
+    Iq3Xxs,
+    /// As IQ3_XXS with a 512-entry grid and explicit 8-bit signs.
+    Iq3S,
 }
 
 impl GgmlType {
@@ -45,6 +57,11 @@ impl GgmlType {
             20 => Self::Iq4Nl,
             23 => Self::Iq4Xs,
             39 => Self::Mxfp4,
+            16 => Self::Iq2Xxs,
+            17 => Self::Iq2Xs,
+            22 => Self::Iq2S,
+            18 => Self::Iq3Xxs,
+            21 => Self::Iq3S,
             _ => return None,
         })
     }
@@ -64,6 +81,11 @@ impl GgmlType {
             Self::Iq4Xs => 23,
             Self::Q2K => 10,
             Self::Q3K => 11,
+            Self::Iq2Xxs => 16,
+            Self::Iq2Xs => 17,
+            Self::Iq2S => 22,
+            Self::Iq3Xxs => 18,
+            Self::Iq3S => 21,
         }
     }
 
@@ -112,7 +134,17 @@ impl GgmlType {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
             Self::Q4_0 | Self::Q8_0 | Self::Mxfp4 | Self::Iq4Nl => 32,
-            Self::Q4K | Self::Q5K | Self::Q6K | Self::Iq4Xs | Self::Q2K | Self::Q3K => 256,
+            Self::Q4K
+            | Self::Q5K
+            | Self::Q6K
+            | Self::Iq4Xs
+            | Self::Q2K
+            | Self::Q3K
+            | Self::Iq2Xxs
+            | Self::Iq2Xs
+            | Self::Iq2S
+            | Self::Iq3Xxs
+            | Self::Iq3S => 256,
         }
     }
 
@@ -131,6 +163,11 @@ impl GgmlType {
             Self::Iq4Xs => 136, // f16 d, 2 + 4 bytes of 6-bit scales, 128 bytes of indices
             Self::Q2K => 84,    // 16 scale/min bytes, 64 bytes of codes, f16 d, f16 dmin
             Self::Q3K => 110,   // 32 bytes hmask, 64 bytes codes, 12 bytes scales, f16 d
+            Self::Iq2Xxs => 66, // f16 d, 8 × (4 index bytes + 4 × 7 sign bits + 4-bit scale)
+            Self::Iq2Xs => 74,  // f16 d, 32 u16 (9-bit index + 7 sign bits), 8 scale bytes
+            Self::Iq2S => 82,   // f16 d, 32 index bytes, 32 sign bytes, 8 qh, 8 scale bytes
+            Self::Iq3Xxs => 98, // f16 d, 64 index bytes, 8 × (4 × 7 sign bits + 4-bit scale)
+            Self::Iq3S => 110,  // f16 d, 64 index bytes, 8 qh, 32 sign bytes, 4 scale bytes
         }
     }
 

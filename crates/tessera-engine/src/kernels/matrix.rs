@@ -160,6 +160,11 @@ impl Matrix {
             GgmlType::Iq4Xs => super::iq4xs::interleave(src, rows, cols, buf),
             GgmlType::Q2K => super::k23::interleave(false, src, rows, cols, buf),
             GgmlType::Q3K => super::k23::interleave(true, src, rows, cols, buf),
+            GgmlType::Iq2Xxs
+            | GgmlType::Iq2Xs
+            | GgmlType::Iq2S
+            | GgmlType::Iq3Xxs
+            | GgmlType::Iq3S => super::iq23::interleave(dtype, src, rows, cols, buf),
             GgmlType::Mxfp4 | GgmlType::Iq4Nl => {
                 super::lut4::interleave(super::lut4::is_nl(dtype), src, rows, cols, buf)
             }
@@ -194,6 +199,13 @@ impl Matrix {
             GgmlType::Iq4Xs => (cols / 256).checked_mul(super::iq4xs::X16),
             GgmlType::Q2K => (cols / 256).checked_mul(super::k23::x16(false)),
             GgmlType::Q3K => (cols / 256).checked_mul(super::k23::x16(true)),
+            GgmlType::Iq2Xxs
+            | GgmlType::Iq2Xs
+            | GgmlType::Iq2S
+            | GgmlType::Iq3Xxs
+            | GgmlType::Iq3S => {
+                (cols / 256).checked_mul(super::iq23::Layout::for_dtype(dtype).x16())
+            }
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 cols.checked_mul(GROUP * dtype.block_bytes())
             }
@@ -243,6 +255,11 @@ impl Matrix {
             GgmlType::Iq4Xs => self.cols / 256 * super::iq4xs::X16,
             GgmlType::Q2K => self.cols / 256 * super::k23::x16(false),
             GgmlType::Q3K => self.cols / 256 * super::k23::x16(true),
+            GgmlType::Iq2Xxs
+            | GgmlType::Iq2Xs
+            | GgmlType::Iq2S
+            | GgmlType::Iq3Xxs
+            | GgmlType::Iq3S => self.cols / 256 * super::iq23::Layout::for_dtype(self.dtype).x16(),
             _ => self.row_bytes() * GROUP,
         };
         &self.data[g * gb..(g + 1) * gb]
@@ -312,6 +329,19 @@ impl Matrix {
                     let blk = &data[b * x16..(b + 1) * x16];
                     for (e, y) in y.iter_mut().enumerate() {
                         *y = super::k23::x16_value(three, blk, r, e);
+                    }
+                }
+            }
+            GgmlType::Iq2Xxs
+            | GgmlType::Iq2Xs
+            | GgmlType::Iq2S
+            | GgmlType::Iq3Xxs
+            | GgmlType::Iq3S => {
+                let x16 = super::iq23::Layout::for_dtype(self.dtype).x16();
+                for (b, y) in out.chunks_exact_mut(256).enumerate() {
+                    let blk = &data[b * x16..(b + 1) * x16];
+                    for (e, y) in y.iter_mut().enumerate() {
+                        *y = super::iq23::x16_value(self.dtype, blk, r, e);
                     }
                 }
             }

@@ -26,7 +26,9 @@
 //! cap it, so one machine can play a scalar, AVX2 or AVX-512 node); aarch64 and other targets use
 //! the portable kernels (no NEON yet).
 
+mod iq23;
 mod iq4xs;
+mod iq_grids;
 mod k23;
 mod lut4;
 mod matmul;
@@ -238,6 +240,11 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::Iq4Xs => iq4xs::iq4xs_group,
         GgmlType::Q2K => k23::k23_group::<false>,
         GgmlType::Q3K => k23::k23_group::<true>,
+        GgmlType::Iq2Xxs => iq23::iq23_group::<{ iq23::IQ2_XXS }>,
+        GgmlType::Iq2Xs => iq23::iq23_group::<{ iq23::IQ2_XS }>,
+        GgmlType::Iq2S => iq23::iq23_group::<{ iq23::IQ2_S }>,
+        GgmlType::Iq3Xxs => iq23::iq23_group::<{ iq23::IQ3_XXS }>,
+        GgmlType::Iq3S => iq23::iq23_group::<{ iq23::IQ3_S }>,
     }
 }
 

@@ -26,7 +26,12 @@ impl ActKind {
             | GgmlType::Q6K
             | GgmlType::Iq4Xs
             | GgmlType::Q2K
-            | GgmlType::Q3K => Self::Q8K,
+            | GgmlType::Q3K
+            | GgmlType::Iq2Xxs
+            | GgmlType::Iq2Xs
+            | GgmlType::Iq2S
+            | GgmlType::Iq3Xxs
+            | GgmlType::Iq3S => Self::Q8K,
             GgmlType::F16 => Self::F16,
             GgmlType::BF16 => Self::BF16,
             GgmlType::F32 => Self::F32,

@@ -50,6 +50,9 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], y: &mut [f32]) {
         GgmlType::Iq4Xs => super::iq4xs::dequantize_block(b, y),
         GgmlType::Q2K => super::k23::dequantize_block(false, b, y),
         GgmlType::Q3K => super::k23::dequantize_block(true, b, y),
+        GgmlType::Iq2Xxs | GgmlType::Iq2Xs | GgmlType::Iq2S | GgmlType::Iq3Xxs | GgmlType::Iq3S => {
+            super::iq23::dequantize_block(dtype, b, y)
+        }
         GgmlType::F16 => y[0] = f16_at(b, 0),
         GgmlType::BF16 => y[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
         GgmlType::Q4_0 => {

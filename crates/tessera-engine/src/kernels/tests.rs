@@ -75,6 +75,16 @@ pub(crate) fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, rng: &mut
                     v.push(rng.byte());
                 }
             }
+            GgmlType::Iq2Xxs
+            | GgmlType::Iq2Xs
+            | GgmlType::Iq2S
+            | GgmlType::Iq3Xxs
+            | GgmlType::Iq3S => {
+                push_f16(&mut v, rng.f() * 0.001);
+                for _ in 0..dtype.block_bytes() - 2 {
+                    v.push(rng.byte());
+                }
+            }
             GgmlType::Iq4Nl => {
                 push_f16(&mut v, rng.f() * 0.002);
                 for _ in 0..16 {
@@ -134,7 +144,12 @@ pub(crate) fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
     v
 }
 
-const ALL: [GgmlType; 13] = [
+const ALL: [GgmlType; 18] = [
+    GgmlType::Iq2Xxs,
+    GgmlType::Iq2Xs,
+    GgmlType::Iq2S,
+    GgmlType::Iq3Xxs,
+    GgmlType::Iq3S,
     GgmlType::Q2K,
     GgmlType::Q3K,
     GgmlType::Iq4Xs,
@@ -165,7 +180,12 @@ fn cols_for(dtype: GgmlType) -> usize {
         | GgmlType::Q6K
         | GgmlType::Iq4Xs
         | GgmlType::Q2K
-        | GgmlType::Q3K => 512,
+        | GgmlType::Q3K
+        | GgmlType::Iq2Xxs
+        | GgmlType::Iq2Xs
+        | GgmlType::Iq2S
+        | GgmlType::Iq3Xxs
+        | GgmlType::Iq3S => 512,
         _ => 100, // exercises the float tail
     }
 }

@@ -47,6 +47,10 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::Q2K => pick(k23::k23_group_avx2::<false>, k23::k23_group_avx512::<false>),
         GgmlType::Q3K => pick(k23::k23_group_avx2::<true>, k23::k23_group_avx512::<true>),
         GgmlType::Iq4Xs => pick(iq4xs::iq4xs_group_avx2, iq4xs::iq4xs_group_avx512),
+        // No SIMD kernels yet: the scalar ones on every path.
+        GgmlType::Iq2Xxs | GgmlType::Iq2Xs | GgmlType::Iq2S | GgmlType::Iq3Xxs | GgmlType::Iq3S => {
+            super::kernel(Isa::Scalar, dtype)
+        }
         GgmlType::Iq4Nl => pick(
             lut4::lut4_group_avx2::<true>,
             lut4::lut4_group_avx512::<true>,
