@@ -127,6 +127,18 @@ impl Layout {
         }
     }
 
+    /// The grid's first byte (for SIMD gathers of its 32-bit words).
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn grid_ptr(self) -> *const u8 {
+        match self.id {
+            IQ2_XXS => IQ2XXS_GRID.as_ptr() as *const u8,
+            IQ2_XS => IQ2XS_GRID.as_ptr() as *const u8,
+            IQ2_S => IQ2S_GRID.as_ptr() as *const u8,
+            IQ3_XXS => IQ3XXS_GRID.as_ptr() as *const u8,
+            _ => IQ3S_GRID.as_ptr() as *const u8,
+        }
+    }
+
     /// The sub-block scale of a 4-bit `ls`, computed as ggml's dequantization does.
     fn db(self, d: f32, ls: u8) -> f32 {
         match self.id {

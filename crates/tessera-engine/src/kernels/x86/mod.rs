@@ -3,6 +3,7 @@
 mod avx2;
 mod avx512;
 mod float;
+mod iq23;
 mod iq4xs;
 mod k23;
 mod lut4;
@@ -10,6 +11,7 @@ pub(super) mod quant;
 
 use tessera_model::GgmlType;
 
+use super::iq23::{IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS};
 use super::{scalar, GroupFn, Isa};
 
 pub(super) fn has_avx2() -> bool {
@@ -47,10 +49,26 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::Q2K => pick(k23::k23_group_avx2::<false>, k23::k23_group_avx512::<false>),
         GgmlType::Q3K => pick(k23::k23_group_avx2::<true>, k23::k23_group_avx512::<true>),
         GgmlType::Iq4Xs => pick(iq4xs::iq4xs_group_avx2, iq4xs::iq4xs_group_avx512),
-        // No SIMD kernels yet: the scalar ones on every path.
-        GgmlType::Iq2Xxs | GgmlType::Iq2Xs | GgmlType::Iq2S | GgmlType::Iq3Xxs | GgmlType::Iq3S => {
-            super::kernel(Isa::Scalar, dtype)
-        }
+        GgmlType::Iq2Xxs => pick(
+            iq23::iq23_group_avx2::<{ IQ2_XXS }>,
+            iq23::iq23_group_avx512::<{ IQ2_XXS }>,
+        ),
+        GgmlType::Iq2Xs => pick(
+            iq23::iq23_group_avx2::<{ IQ2_XS }>,
+            iq23::iq23_group_avx512::<{ IQ2_XS }>,
+        ),
+        GgmlType::Iq2S => pick(
+            iq23::iq23_group_avx2::<{ IQ2_S }>,
+            iq23::iq23_group_avx512::<{ IQ2_S }>,
+        ),
+        GgmlType::Iq3Xxs => pick(
+            iq23::iq23_group_avx2::<{ IQ3_XXS }>,
+            iq23::iq23_group_avx512::<{ IQ3_XXS }>,
+        ),
+        GgmlType::Iq3S => pick(
+            iq23::iq23_group_avx2::<{ IQ3_S }>,
+            iq23::iq23_group_avx512::<{ IQ3_S }>,
+        ),
         GgmlType::Iq4Nl => pick(
             lut4::lut4_group_avx2::<true>,
             lut4::lut4_group_avx512::<true>,

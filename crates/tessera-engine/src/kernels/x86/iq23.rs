@@ -1,0 +1,197 @@
+//! AVX2 and AVX-512 kernels for interleaved IQ2/IQ3 groups (`kernels/iq23.rs` has the layout
+//! and the numerical contract): one vector lane per row, each row's 4 grid bytes of a chunk
+//! fetched by a gather, the signs applied to the broadcast activations per row, exact integer
+//! lane sums and the scalar kernel's float steps, hence bit-identical results.
+
+use std::arch::x86_64::*;
+
+use super::super::iq23::Layout;
+use super::super::matrix::GROUP;
+use super::super::quant_acts::QuantizedActs;
+
+/// The 8 per-row lane accumulators summed as `hsum_float_8`.
+macro_rules! lanes_sum {
+    ($add:ident, $acc:expr) => {{
+        let a = $acc;
+        $add(
+            $add($add(a[0], a[4]), $add(a[2], a[6])),
+            $add($add(a[1], a[5]), $add(a[3], a[7])),
+        )
+    }};
+}
+
+fn check_group(lay: Layout, w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
+    let nb = a.cols / 256;
+    assert!(w.len() >= nb * lay.x16());
+    assert!((t0 + nt) * a.cols <= a.qs.len() && (t0 + nt) * nb <= a.f.len());
+    assert!(out.len() >= nt * GROUP);
+}
+
+/// The grid as 32-bit words (an IQ2 entry is two words: elements 0..4, then 4..8).
+fn grid_words(lay: Layout) -> *const i32 {
+    lay.grid_ptr() as *const i32
+}
+
+/// Sign-bit selectors for the 4 elements of a chunk: bits 0..4 (even chunk of an 8-value
+/// group) or 4..8 (odd), repeated per row.
+const SEL: [u32; 2] = [0x0804_0201, 0x8040_2010];
+/// Byte shuffle that copies each 32-bit lane's low byte (a row's sign mask) to its 4 bytes.
+const SPREAD: [u8; 16] = [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12];
+
+/// # Safety
+/// Requires AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn iq23_group_avx2<const ID: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    let lay = Layout::of(ID);
+    check_group(lay, w, a, t0, nt, out);
+    // SAFETY: bounds checked above; features guaranteed by the caller.
+    unsafe {
+        for j in 0..nt {
+            token_avx2(lay, w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn token_avx2(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let nb = a.cols / 256;
+    let x16 = lay.x16();
+    let grid = grid_words(lay);
+    let ones = _mm256_set1_epi16(1);
+    let high_mask = _mm256_set1_epi32((1 << lay.high_bits) - 1);
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t; grid
+    // indices are built from at most the table's index bits.
+    unsafe {
+        let spread = _mm256_broadcastsi128_si256(_mm_loadu_si128(SPREAD.as_ptr() as _));
+        for h8 in 0..2 {
+            let rows = |o: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(o + 8 * h8) as _));
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for b in 0..nb {
+                let blk = b * x16;
+                let y = a.qs.as_ptr().add(t * a.cols + b * 256);
+                let mut lanes = [_mm256_setzero_si256(); 8];
+                for c in 0..64 {
+                    let e = 4 * c;
+                    let g = e / lay.per_index;
+                    let mut idx = rows(blk + lay.index() + GROUP * g);
+                    if lay.high_bits > 0 {
+                        let bit = g * lay.high_bits;
+                        let hv = rows(blk + lay.high() + GROUP * (bit / 8));
+                        let hv = _mm256_srlv_epi32(hv, _mm256_set1_epi32((bit % 8) as i32));
+                        idx = _mm256_or_si256(
+                            idx,
+                            _mm256_slli_epi32(_mm256_and_si256(hv, high_mask), 8),
+                        );
+                    }
+                    if lay.per_index == 8 {
+                        let half = _mm256_set1_epi32((c % 2) as i32);
+                        idx = _mm256_add_epi32(_mm256_slli_epi32(idx, 1), half);
+                    }
+                    let wv = _mm256_i32gather_epi32::<4>(grid, idx);
+                    let sb = rows(blk + lay.signs() + GROUP * (e / 8));
+                    let sel = _mm256_set1_epi32(SEL[c % 2] as i32);
+                    let s = _mm256_and_si256(_mm256_shuffle_epi8(sb, spread), sel);
+                    let neg = _mm256_cmpeq_epi8(s, sel);
+                    let yv = _mm256_set1_epi32((y.add(e) as *const i32).read_unaligned());
+                    let ys = _mm256_sub_epi8(_mm256_xor_si256(yv, neg), neg);
+                    let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, ys), ones);
+                    let m = rows(blk + lay.scales() + GROUP * (e * lay.n_scales / 256));
+                    lanes[c % 8] = _mm256_add_epi32(lanes[c % 8], _mm256_mullo_epi32(m, dot));
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(w.add(blk + 16 * h8) as *const __m128i));
+                let d = _mm256_mul_ps(d, _mm256_set1_ps(*a.f.get_unchecked(t * nb + b)));
+                for (acc, l) in acc.iter_mut().zip(&lanes) {
+                    *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(*l), *acc);
+                }
+            }
+            let sum = lanes_sum!(_mm256_add_ps, acc);
+            _mm256_storeu_ps(
+                out.add(8 * h8),
+                _mm256_mul_ps(_mm256_set1_ps(lay.factor), sum),
+            );
+        }
+    }
+}
+
+/// # Safety
+/// Requires AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn iq23_group_avx512<const ID: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    let lay = Layout::of(ID);
+    check_group(lay, w, a, t0, nt, out);
+    // SAFETY: bounds checked above; features guaranteed by the caller.
+    unsafe {
+        for j in 0..nt {
+            token_avx512(lay, w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn token_avx512(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let nb = a.cols / 256;
+    let x16 = lay.x16();
+    let grid = grid_words(lay);
+    let high_mask = _mm512_set1_epi32((1 << lay.high_bits) - 1);
+    let zero = _mm512_setzero_si512();
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t; grid
+    // indices are built from at most the table's index bits.
+    unsafe {
+        let spread = _mm512_broadcast_i32x4(_mm_loadu_si128(SPREAD.as_ptr() as _));
+        let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
+        let mut acc = [_mm512_setzero_ps(); 8];
+        for b in 0..nb {
+            let blk = b * x16;
+            let y = a.qs.as_ptr().add(t * a.cols + b * 256);
+            let mut lanes = [_mm512_setzero_si512(); 8];
+            for c in 0..64 {
+                let e = 4 * c;
+                let g = e / lay.per_index;
+                let mut idx = rows(blk + lay.index() + GROUP * g);
+                if lay.high_bits > 0 {
+                    let bit = g * lay.high_bits;
+                    let hv = rows(blk + lay.high() + GROUP * (bit / 8));
+                    let hv = _mm512_srlv_epi32(hv, _mm512_set1_epi32((bit % 8) as i32));
+                    idx = _mm512_or_si512(
+                        idx,
+                        _mm512_slli_epi32::<8>(_mm512_and_si512(hv, high_mask)),
+                    );
+                }
+                if lay.per_index == 8 {
+                    let half = _mm512_set1_epi32((c % 2) as i32);
+                    idx = _mm512_add_epi32(_mm512_slli_epi32::<1>(idx), half);
+                }
+                let wv = _mm512_i32gather_epi32::<4>(idx, grid);
+                let sb = rows(blk + lay.signs() + GROUP * (e / 8));
+                let sel = _mm512_set1_epi32(SEL[c % 2] as i32);
+                let neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(sb, spread), sel);
+                let yv = _mm512_set1_epi32((y.add(e) as *const i32).read_unaligned());
+                let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
+                let dot = _mm512_dpbusd_epi32(zero, wv, ys);
+                let m = rows(blk + lay.scales() + GROUP * (e * lay.n_scales / 256));
+                lanes[c % 8] = _mm512_add_epi32(lanes[c % 8], _mm512_mullo_epi32(m, dot));
+            }
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
+            let d = _mm512_mul_ps(d, _mm512_set1_ps(*a.f.get_unchecked(t * nb + b)));
+            for (acc, l) in acc.iter_mut().zip(&lanes) {
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(*l), *acc);
+            }
+        }
+        let sum = lanes_sum!(_mm512_add_ps, acc);
+        _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(lay.factor), sum));
+    }
+}
