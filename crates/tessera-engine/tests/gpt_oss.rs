@@ -66,6 +66,7 @@ fn greedy_tokens_equal_llama_cpp_on_the_new_fixtures() {
         "small-qwen3-IQ2_S",
         "small-qwen3-IQ3_XXS",
         "small-qwen3-IQ3_S",
+        "small-qwen3moe-IQ2_XXS",
     ] {
         moe::greedy_tokens_equal_llama_cpp(name);
     }

@@ -15,7 +15,7 @@ use tessera_engine::kernels::{isa, Isa, MAX_ISA_ENV};
 use tessera_engine::ops::argmax;
 
 /// One fixture per weight type the kernels have (plus dense/MoE/latent-attention shapes).
-const FIXTURES: [&str; 20] = [
+const FIXTURES: [&str; 21] = [
     "tiny-qwen3-Q4_0.gguf",
     "tiny-qwen3-Q8_0.gguf",
     "tiny-qwen3-f32.gguf",
@@ -34,6 +34,7 @@ const FIXTURES: [&str; 20] = [
     "small-qwen3-IQ3_XXS.gguf",
     "small-qwen3-IQ3_S.gguf",
     "small-qwen3moe-Q4_K.gguf",
+    "small-qwen3moe-IQ2_XXS.gguf",
     "tiny-gpt-oss-MXFP4.gguf",
     "tiny-deepseek2-mla-Q8_0.gguf",
 ];

@@ -260,6 +260,7 @@ fn pipelines_of_3_and_more_stages_are_bit_identical_iq2_and_iq3() {
     for t in ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"] {
         every_layer_a_stage(&format!("small-qwen3-{t}.gguf"));
     }
+    every_layer_a_stage("small-qwen3moe-IQ2_XXS.gguf");
 }
 
 fn check_expert_split(name: &str) {
@@ -330,6 +331,8 @@ fn expert_split_is_bit_identical_f32() {
 fn expert_split_is_bit_identical_quantized() {
     check_expert_split("tiny-qwen3moe-Q4_0.gguf");
     check_expert_split("small-qwen3moe-Q6_K.gguf");
+    // The low-bit lattice types big MoE models ship in.
+    check_expert_split("small-qwen3moe-IQ2_XXS.gguf");
 }
 
 /// Sends each part only the hidden rows of the tokens routed to its experts, as a remote

@@ -17,10 +17,11 @@
 //!
 //! Every type is decoded at load into one interleaved layout per 16-row group and 256-column
 //! block ([`Layout`]): the 16 rows' `d` (f16), the integer scale multipliers `2ls + 1` as
-//! `[scale][row]` bytes, the full 8-bit sign masks as `[8-value group][row]` bytes, the low 8
-//! bits of the grid indices as `[index][row]` bytes, then the high index bits packed as in
-//! IQ2_S / IQ3_S (`hb` bits per index) as `[byte][row]`. It holds the same information as the
-//! GGML bytes in about as many (the 7-bit sign fields are stored expanded).
+//! `[scale][row]` bytes, the signs as one u64 per 4-value chunk `c` whose bit `4r + i` is the
+//! sign of element `4c + i` of row `r` (an AVX-512 byte mask as it is), the low 8 bits of the
+//! grid indices as `[index][row]` bytes, then the high index bits packed as in IQ2_S / IQ3_S
+//! (`hb` bits per index) as `[byte][row]`. It holds the same information as the GGML bytes in
+//! about as many (the 7-bit sign fields are stored with their parity bit).
 //!
 //! Numerical contract (all instruction sets, bit for bit), llama.cpp's AVX2 `vec_dot` order
 //! (the only x86 path these types have there; its batched path is the same `vec_dot`): 8 lanes
@@ -89,7 +90,7 @@ impl Layout {
     pub(crate) const fn scales(self) -> usize {
         2 * GROUP
     }
-    /// Offset of the sign masks `[8-value group][row]`.
+    /// Offset of the sign masks (a u64 per 4-value chunk, bit `4·row + i`).
     pub(crate) const fn signs(self) -> usize {
         self.scales() + GROUP * self.n_scales
     }
@@ -265,6 +266,13 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// The sign mask of chunk `c` (elements `4c..4c + 4`) of an interleaved block: bit `4r + i`.
+#[inline]
+fn chunk_signs(lay: Layout, blk: &[u8], c: usize) -> u64 {
+    let o = lay.signs() + 8 * c;
+    u64::from_le_bytes(blk[o..o + 8].try_into().expect("8 bytes"))
+}
+
 /// Grid index `g` of row `r` of an interleaved block.
 #[inline]
 fn x16_index(lay: Layout, blk: &[u8], r: usize, g: usize) -> usize {
@@ -282,7 +290,9 @@ pub(crate) fn x16_value(dtype: GgmlType, blk: &[u8], r: usize, e: usize) -> f32 
     let lay = Layout::for_dtype(dtype);
     let m = blk[lay.scales() + GROUP * lay.scale_of(e) + r];
     let index = x16_index(lay, blk, r, e / lay.per_index);
-    let signs = blk[lay.signs() + GROUP * (e / 8) + r];
+    let neg = (chunk_signs(lay, blk, e / 4) >> (4 * r + e % 4)) & 1;
+    // `value` takes the signs of the 8-value group; only element e's bit matters.
+    let signs = (neg as u8) << (e % 8);
     // m = 2·ls + 1.
     value(lay, f16_at(blk, 2 * r), m >> 1, index, signs, e)
 }
@@ -311,8 +321,11 @@ pub(crate) fn interleave(
                 for s in 0..lay.n_scales {
                     dst[lay.scales() + GROUP * s + r] = 2 * x.ls[s] + 1;
                 }
-                for k in 0..32 {
-                    dst[lay.signs() + GROUP * k + r] = x.signs[k];
+                for (k, &sb) in x.signs.iter().enumerate() {
+                    // Elements 8k..8k+4 are chunk 2k, 8k+4..8k+8 chunk 2k + 1.
+                    let at = |c: usize| lay.signs() + 8 * c + r / 2;
+                    dst[at(2 * k)] |= (sb & 0xF) << (4 * (r % 2));
+                    dst[at(2 * k + 1)] |= (sb >> 4) << (4 * (r % 2));
                 }
                 for i in 0..lay.n_index() {
                     dst[lay.index() + GROUP * i + r] = x.index[i] as u8;
@@ -353,7 +366,7 @@ pub(crate) fn iq23_group<const ID: u8>(
                     let e = 4 * c;
                     let grid = lay.grid(x16_index(lay, blk, r, e / lay.per_index));
                     let grid = (grid >> (8 * (e % lay.per_index))) as u32;
-                    let signs = blk[lay.signs() + GROUP * (e / 8) + r] >> (e % 8);
+                    let signs = (chunk_signs(lay, blk, c) >> (4 * r)) as u8;
                     let mut dot = 0i32;
                     for i in 0..4 {
                         let g = ((grid >> (8 * i)) & 0xFF) as i32;

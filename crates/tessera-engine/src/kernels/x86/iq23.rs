@@ -32,11 +32,16 @@ fn grid_words(lay: Layout) -> *const i32 {
     lay.grid_ptr() as *const i32
 }
 
-/// Sign-bit selectors for the 4 elements of a chunk: bits 0..4 (even chunk of an 8-value
-/// group) or 4..8 (odd), repeated per row.
-const SEL: [u32; 2] = [0x0804_0201, 0x8040_2010];
-/// Byte shuffle that copies each 32-bit lane's low byte (a row's sign mask) to its 4 bytes.
-const SPREAD: [u8; 16] = [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12];
+/// Byte shuffle spreading a broadcast u32 of 8 rows' 4 sign bits over 32 bytes: byte `j` takes
+/// source byte `j / 8` (each 128-bit half holds all 4).
+const SPREAD: [u8; 32] = [
+    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+];
+/// Each byte's own bit of the spread sign word (byte `j`: bit `j % 8`).
+const BIT_OF_BYTE: [u8; 32] = [
+    1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4,
+    8, 16, 32, 64, 128,
+];
 
 /// # Safety
 /// Requires AVX2, FMA and F16C.
@@ -66,10 +71,12 @@ unsafe fn token_avx2(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, out
     let grid = grid_words(lay);
     let ones = _mm256_set1_epi16(1);
     let high_mask = _mm256_set1_epi32((1 << lay.high_bits) - 1);
+    let per_sub = 32 / lay.per_index;
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t; grid
     // indices are built from at most the table's index bits.
     unsafe {
-        let spread = _mm256_broadcastsi128_si256(_mm_loadu_si128(SPREAD.as_ptr() as _));
+        let spread = _mm256_loadu_si256(SPREAD.as_ptr() as *const __m256i);
+        let bits = _mm256_loadu_si256(BIT_OF_BYTE.as_ptr() as *const __m256i);
         for h8 in 0..2 {
             let rows = |o: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(o + 8 * h8) as _));
             let mut acc = [_mm256_setzero_ps(); 8];
@@ -77,33 +84,51 @@ unsafe fn token_avx2(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, out
                 let blk = b * x16;
                 let y = a.qs.as_ptr().add(t * a.cols + b * 256);
                 let mut lanes = [_mm256_setzero_si256(); 8];
-                for c in 0..64 {
-                    let e = 4 * c;
-                    let g = e / lay.per_index;
-                    let mut idx = rows(blk + lay.index() + GROUP * g);
-                    if lay.high_bits > 0 {
-                        let bit = g * lay.high_bits;
-                        let hv = rows(blk + lay.high() + GROUP * (bit / 8));
-                        let hv = _mm256_srlv_epi32(hv, _mm256_set1_epi32((bit % 8) as i32));
-                        idx = _mm256_or_si256(
-                            idx,
-                            _mm256_slli_epi32(_mm256_and_si256(hv, high_mask), 8),
-                        );
+                for s in 0..8 {
+                    // Scale multipliers as i16 in the low half of each lane (madd: m·dot).
+                    let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
+                    let m1 = if lay.n_scales == 16 {
+                        rows(blk + lay.scales() + GROUP * (2 * s + 1))
+                    } else {
+                        m0
+                    };
+                    for q in 0..per_sub {
+                        let g = s * per_sub + q;
+                        let mut idx = rows(blk + lay.index() + GROUP * g);
+                        if lay.high_bits > 0 {
+                            let bit = g * lay.high_bits;
+                            let hv = rows(blk + lay.high() + GROUP * (bit / 8));
+                            let hv = _mm256_srlv_epi32(hv, _mm256_set1_epi32((bit % 8) as i32));
+                            let hv = _mm256_slli_epi32::<8>(_mm256_and_si256(hv, high_mask));
+                            idx = _mm256_or_si256(idx, hv);
+                        }
+                        for h in 0..lay.per_index / 4 {
+                            let c = 8 * s + q * (lay.per_index / 4) + h;
+                            let word = if lay.per_index == 8 {
+                                _mm256_add_epi32(
+                                    _mm256_slli_epi32::<1>(idx),
+                                    _mm256_set1_epi32(h as i32),
+                                )
+                            } else {
+                                idx
+                            };
+                            let wv = _mm256_i32gather_epi32::<4>(grid, word);
+                            let sg = (w.add(blk + lay.signs() + 8 * c + 4 * h8) as *const i32)
+                                .read_unaligned();
+                            let sg = _mm256_and_si256(
+                                _mm256_shuffle_epi8(_mm256_set1_epi32(sg), spread),
+                                bits,
+                            );
+                            let neg = _mm256_cmpeq_epi8(sg, bits);
+                            let yv =
+                                _mm256_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
+                            let ys = _mm256_sub_epi8(_mm256_xor_si256(yv, neg), neg);
+                            let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, ys), ones);
+                            let m = if c % 8 < 4 { m0 } else { m1 };
+                            let l = c % 8;
+                            lanes[l] = _mm256_add_epi32(lanes[l], _mm256_madd_epi16(dot, m));
+                        }
                     }
-                    if lay.per_index == 8 {
-                        let half = _mm256_set1_epi32((c % 2) as i32);
-                        idx = _mm256_add_epi32(_mm256_slli_epi32(idx, 1), half);
-                    }
-                    let wv = _mm256_i32gather_epi32::<4>(grid, idx);
-                    let sb = rows(blk + lay.signs() + GROUP * (e / 8));
-                    let sel = _mm256_set1_epi32(SEL[c % 2] as i32);
-                    let s = _mm256_and_si256(_mm256_shuffle_epi8(sb, spread), sel);
-                    let neg = _mm256_cmpeq_epi8(s, sel);
-                    let yv = _mm256_set1_epi32((y.add(e) as *const i32).read_unaligned());
-                    let ys = _mm256_sub_epi8(_mm256_xor_si256(yv, neg), neg);
-                    let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, ys), ones);
-                    let m = rows(blk + lay.scales() + GROUP * (e * lay.n_scales / 256));
-                    lanes[c % 8] = _mm256_add_epi32(lanes[c % 8], _mm256_mullo_epi32(m, dot));
                 }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(w.add(blk + 16 * h8) as *const __m128i));
                 let d = _mm256_mul_ps(d, _mm256_set1_ps(*a.f.get_unchecked(t * nb + b)));
@@ -148,42 +173,55 @@ unsafe fn token_avx512(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, o
     let grid = grid_words(lay);
     let high_mask = _mm512_set1_epi32((1 << lay.high_bits) - 1);
     let zero = _mm512_setzero_si512();
+    let per_sub = 32 / lay.per_index;
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t; grid
     // indices are built from at most the table's index bits.
     unsafe {
-        let spread = _mm512_broadcast_i32x4(_mm_loadu_si128(SPREAD.as_ptr() as _));
         let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
         let mut acc = [_mm512_setzero_ps(); 8];
         for b in 0..nb {
             let blk = b * x16;
             let y = a.qs.as_ptr().add(t * a.cols + b * 256);
             let mut lanes = [_mm512_setzero_si512(); 8];
-            for c in 0..64 {
-                let e = 4 * c;
-                let g = e / lay.per_index;
-                let mut idx = rows(blk + lay.index() + GROUP * g);
-                if lay.high_bits > 0 {
-                    let bit = g * lay.high_bits;
-                    let hv = rows(blk + lay.high() + GROUP * (bit / 8));
-                    let hv = _mm512_srlv_epi32(hv, _mm512_set1_epi32((bit % 8) as i32));
-                    idx = _mm512_or_si512(
-                        idx,
-                        _mm512_slli_epi32::<8>(_mm512_and_si512(hv, high_mask)),
-                    );
+            for s in 0..8 {
+                // Scale multipliers in the low i16 of each lane (vpdpwssd: m·dot).
+                let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
+                let m1 = if lay.n_scales == 16 {
+                    rows(blk + lay.scales() + GROUP * (2 * s + 1))
+                } else {
+                    m0
+                };
+                for q in 0..per_sub {
+                    let g = s * per_sub + q;
+                    let mut idx = rows(blk + lay.index() + GROUP * g);
+                    if lay.high_bits > 0 {
+                        let bit = g * lay.high_bits;
+                        let hv = rows(blk + lay.high() + GROUP * (bit / 8));
+                        let hv = _mm512_srlv_epi32(hv, _mm512_set1_epi32((bit % 8) as i32));
+                        let hv = _mm512_slli_epi32::<8>(_mm512_and_si512(hv, high_mask));
+                        idx = _mm512_or_si512(idx, hv);
+                    }
+                    for h in 0..lay.per_index / 4 {
+                        let c = 8 * s + q * (lay.per_index / 4) + h;
+                        let word = if lay.per_index == 8 {
+                            _mm512_add_epi32(
+                                _mm512_slli_epi32::<1>(idx),
+                                _mm512_set1_epi32(h as i32),
+                            )
+                        } else {
+                            idx
+                        };
+                        let wv = _mm512_i32gather_epi32::<4>(word, grid);
+                        let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
+                        let yv = _mm512_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
+                        let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
+                        // |dot| <= 4 * 62 * 127 fits the i16 vpdpwssd reads.
+                        let dot = _mm512_dpbusd_epi32(zero, wv, ys);
+                        let m = if c % 8 < 4 { m0 } else { m1 };
+                        let l = c % 8;
+                        lanes[l] = _mm512_dpwssd_epi32(lanes[l], dot, m);
+                    }
                 }
-                if lay.per_index == 8 {
-                    let half = _mm512_set1_epi32((c % 2) as i32);
-                    idx = _mm512_add_epi32(_mm512_slli_epi32::<1>(idx), half);
-                }
-                let wv = _mm512_i32gather_epi32::<4>(idx, grid);
-                let sb = rows(blk + lay.signs() + GROUP * (e / 8));
-                let sel = _mm512_set1_epi32(SEL[c % 2] as i32);
-                let neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(sb, spread), sel);
-                let yv = _mm512_set1_epi32((y.add(e) as *const i32).read_unaligned());
-                let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
-                let dot = _mm512_dpbusd_epi32(zero, wv, ys);
-                let m = rows(blk + lay.scales() + GROUP * (e * lay.n_scales / 256));
-                lanes[c % 8] = _mm512_add_epi32(lanes[c % 8], _mm512_mullo_epi32(m, dot));
             }
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
             let d = _mm512_mul_ps(d, _mm512_set1_ps(*a.f.get_unchecked(t * nb + b)));
