@@ -110,6 +110,36 @@ pub fn planner_part(text: &str) -> std::result::Result<String, String> {
     toml::to_string(&doc).map_err(|e| format!("{e}"))
 }
 
+/// The scenario's text with its planner part replaced by `planner` (a cluster file, e.g. a
+/// calibrated graph's [`ResourceGraph::to_toml`]) and its model path made absolute, so the
+/// result can be saved anywhere and read by `tessera plan --nodes` and `tessera lab run`.
+pub fn with_planner_part(scenario: &Scenario, planner: &str) -> Result<String> {
+    let bad = |e: &dyn std::fmt::Display| LabError::Spec(format!("writing the scenario: {e}"));
+    let old: toml::Table = scenario.text.parse().map_err(|e| bad(&e))?;
+    let mut doc: toml::Table = planner.parse().map_err(|e| bad(&e))?;
+    for k in LAB_SECTIONS {
+        if let Some(v) = old.get(k) {
+            doc.insert(k.to_string(), v.clone());
+        }
+    }
+    let model = scenario
+        .model
+        .canonicalize()
+        .unwrap_or_else(|_| scenario.model.clone());
+    doc.insert(
+        "model".into(),
+        toml::Value::Table(toml::Table::from_iter([(
+            "gguf".to_string(),
+            toml::Value::String(model.display().to_string()),
+        )])),
+    );
+    let body = toml::to_string(&doc).map_err(|e| bad(&e))?;
+    Ok(format!(
+        "# Scenario {} with its planner part calibrated by `tessera lab run`.\n{body}",
+        scenario.name
+    ))
+}
+
 /// A parsed scenario.
 #[derive(Debug, Clone)]
 pub struct Scenario {
@@ -120,6 +150,8 @@ pub struct Scenario {
     pub workload: Workload,
     pub threads: usize,
     lab: LabSection,
+    /// The file as read (for writing it back with a calibrated planner part).
+    text: String,
 }
 
 fn err(path: &Path, message: impl Into<String>) -> LabError {
@@ -195,7 +227,17 @@ impl Scenario {
             threads: lab.threads.unwrap_or(1).max(1),
             workload,
             lab,
+            text: text.to_string(),
         })
+    }
+
+    /// The CPU quota (cores) the lab imposes on `node`'s host, if any.
+    pub fn cpu_quota(&self, node: &str) -> Option<f64> {
+        self.lab
+            .node
+            .iter()
+            .find(|l| l.name == node)
+            .and_then(|l| l.cpu_quota)
     }
 
     /// The lab: the coordinator's host first, then one host per node; each pair's link from

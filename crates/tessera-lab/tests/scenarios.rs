@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
-use tessera_lab::scenario::Scenario;
+use tessera_lab::run::{describe, plans::candidates, Force};
+use tessera_lab::scenario::{with_planner_part, Scenario};
+use tessera_plan::StrategyKind;
 
 fn scenarios() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
@@ -16,15 +18,137 @@ fn scenarios() -> Vec<PathBuf> {
     v
 }
 
-fn planned(name: &str) -> tessera_plan::PlanOutcome {
+fn model(s: &Scenario) -> (tessera_model::ModelProfile, tessera_plan::ModelProfile) {
+    let g = tessera_model::GgufFile::open(&s.model).unwrap();
+    let profile = tessera_model::ModelProfile::from_gguf(&g).unwrap();
+    let model = tessera_coord::planning::planner_model(&profile, &s.name).unwrap();
+    (profile, model)
+}
+
+fn load(name: &str) -> Scenario {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("scenarios")
         .join(format!("{name}.toml"));
-    let s = Scenario::load(&path).unwrap();
-    let g = tessera_model::GgufFile::open(&s.model).unwrap();
-    let profile = tessera_model::ModelProfile::from_gguf(&g).unwrap();
-    let model = tessera_coord::planning::planner_model(&profile, name).unwrap();
-    tessera_plan::plan(&model, &s.graph, 1).unwrap()
+    Scenario::load(&path).unwrap()
+}
+
+fn planned(name: &str) -> tessera_plan::PlanOutcome {
+    let s = load(name);
+    tessera_plan::plan(&model(&s).1, &s.graph, 1).unwrap()
+}
+
+#[test]
+fn every_scenario_is_planned_and_its_runs_are_listed_with_their_placement_or_why_not() {
+    for p in scenarios() {
+        let s = Scenario::load(&p).unwrap();
+        let (profile, model) = model(&s);
+        let o = tessera_plan::plan(&model, &s.graph, 1)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        let c = candidates(&model, &profile, &s.graph, &o, &Force::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        assert_eq!(c[0].role, "choice");
+        assert!(
+            c.iter().any(|c| c.placement.is_ok()),
+            "{}: nothing the fabric can run",
+            p.display()
+        );
+        for x in &c {
+            if let Err(why) = &x.placement {
+                assert!(!why.is_empty());
+            }
+        }
+    }
+}
+
+#[test]
+fn the_slow_node_is_left_out() {
+    let o = planned("slow-node");
+    assert!(
+        !o.plan.nodes().contains(&"slow"),
+        "{}",
+        o.explanation.chosen.description
+    );
+}
+
+#[test]
+fn the_moe_is_ranked_as_expert_split_stage_ring_and_one_node_from_disk() {
+    let s = load("moe-experts");
+    let (profile, model) = model(&s);
+    let o = tessera_plan::plan(&model, &s.graph, 1).unwrap();
+    let c = candidates(&model, &profile, &s.graph, &o, &Force::default()).unwrap();
+    let kinds: Vec<StrategyKind> = c.iter().map(|c| c.plan.strategy).collect();
+    assert!(kinds.contains(&StrategyKind::Expert), "{kinds:?}");
+    assert!(kinds.contains(&StrategyKind::Stage), "{kinds:?}");
+    let expert = c
+        .iter()
+        .find(|c| c.plan.strategy == StrategyKind::Expert)
+        .unwrap();
+    assert!(
+        expert.placement.as_ref().is_ok_and(|p| p.experts.is_some()),
+        "the expert split executes with an expert split: {:?}",
+        expert.placement.as_ref().err()
+    );
+    let single = c
+        .iter()
+        .find(|c| c.plan.strategy == StrategyKind::Single)
+        .unwrap();
+    let Err(why) = &single.placement else {
+        panic!("one node streaming from disk cannot execute")
+    };
+    assert!(why.contains("disk"), "{why}");
+}
+
+#[test]
+fn a_forced_split_is_costed_as_given() {
+    let s = load("home-lan");
+    let (profile, model) = model(&s);
+    let o = tessera_plan::plan(&model, &s.graph, 1).unwrap();
+    let force = Force {
+        split: Some("mini=0..1,laptop=1..3".into()),
+        ..Force::default()
+    };
+    let c = candidates(&model, &profile, &s.graph, &o, &force).unwrap();
+    let forced = c.iter().find(|c| c.role == "forced").unwrap();
+    assert_eq!(describe(&forced.plan), "mini[0..1) -> laptop[1..3)");
+    let ring = &forced.placement.as_ref().unwrap().ring.stages;
+    assert_eq!(ring.len(), 2);
+    assert_eq!(ring[0].node.as_deref(), Some("mini"));
+    assert_eq!(ring[1].layers, 1..3);
+    let e = candidates(
+        &model,
+        &profile,
+        &s.graph,
+        &o,
+        &Force {
+            split: Some("nobody=0..3".into()),
+            ..Force::default()
+        },
+    )
+    .unwrap_err();
+    assert!(e.contains("not a node of the scenario"), "{e}");
+}
+
+#[test]
+fn a_calibrated_scenario_is_read_back_by_the_planner_and_the_lab() {
+    let s = load("home-lan");
+    let mut g = s.graph.clone();
+    g.token_overhead_s = 300e-6;
+    g.nodes[0].ram_compute.0 *= 0.5;
+    let text = with_planner_part(&s, &g.to_toml()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calibrated.toml");
+    std::fs::write(&path, &text).unwrap();
+    let back = Scenario::load(&path).unwrap();
+    assert_eq!(back.model, s.model.canonicalize().unwrap());
+    assert_eq!(back.workload.tokens, s.workload.tokens);
+    assert_eq!(back.graph.nodes[0].ram_compute, g.nodes[0].ram_compute);
+    assert!((back.graph.token_overhead_s - 300e-6).abs() < 1e-12);
+    let planner = tessera_lab::scenario::planner_part(&text).unwrap();
+    assert!(tessera_plan::ResourceGraph::from_toml(&planner).is_ok());
+    assert_eq!(
+        back.lab_spec().unwrap().hosts.len(),
+        s.lab_spec().unwrap().hosts.len()
+    );
 }
 
 #[test]

@@ -64,6 +64,7 @@
 #![forbid(unsafe_code)]
 
 pub mod calibrate;
+mod cluster_write;
 mod cost;
 pub mod explain;
 pub mod model;

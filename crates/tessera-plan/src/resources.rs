@@ -313,6 +313,14 @@ impl ResourceGraph {
     pub fn from_toml(text: &str) -> Result<Self, ClusterError> {
         let file: ClusterFile = toml::from_str(text)?;
         let mut g = Self::default();
+        if let Some(us) = file.token_overhead_us {
+            if !(us.is_finite() && us >= 0.0) {
+                return Err(ClusterError::Invalid(
+                    "token_overhead_us must be a finite number ≥ 0".into(),
+                ));
+            }
+            g.token_overhead_s = us / 1e6;
+        }
         if let Some(p) = file.policy {
             g.policy = p.into_policy()?;
         }
@@ -394,6 +402,9 @@ fn node_figures(n: &Node) -> Vec<(&'static str, String)> {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ClusterFile {
+    /// The runtime's fixed cost per generated token, µs (what calibration measured; see
+    /// [`ResourceGraph::token_overhead_s`]).
+    token_overhead_us: Option<f64>,
     defaults: Option<DefaultsFile>,
     policy: Option<PolicyFile>,
     #[serde(default)]

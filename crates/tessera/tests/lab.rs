@@ -520,3 +520,74 @@ fn tessera_lab_clean_removes_what_a_killed_lab_left_behind() {
     assert!(said.contains(&prefix), "{said}");
     assert!(tessera_lab::netns::list(&prefix).is_empty(), "left: {said}");
 }
+
+/// `tessera lab run` on the MoE scenario: the stage ring and the expert split (a coordinator
+/// restarted with `--experts`) are measured, the single nodes that would stream experts from
+/// disk are listed with why they cannot run, and the calibrated scenario it saves is planned by
+/// `tessera plan`.
+#[test]
+fn lab_run_measures_the_ring_and_the_expert_split_and_says_why_one_node_cannot_run() {
+    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
+    let Some(lab) = lab_or_skip(&probe) else {
+        return;
+    };
+    drop(lab);
+    let dir = tempfile::tempdir().unwrap();
+    let scenario =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-lab/scenarios/moe-experts.toml");
+    let saved = dir.path().join("calibrated.toml");
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(["lab", "run", "--json", "--dir"])
+        .arg(dir.path().join("run"))
+        .arg("--save-calibrated")
+        .arg(&saved)
+        .arg(&scenario)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = common::run_with_timeout(cmd, Duration::from_secs(150));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let measured = |strategy: &str| {
+        rows.iter()
+            .find(|r| r["strategy"] == strategy && r["measured"].is_object())
+            .unwrap_or_else(|| panic!("no measured {strategy} plan: {report:#}"))
+    };
+    for s in ["stage", "expert"] {
+        let r = measured(s);
+        let m = &r["measured"];
+        assert!(m["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{r:#}");
+        assert!(m["ttft_ms"].as_f64().unwrap() > 0.0, "{r:#}");
+        // Hidden states (ring) or expert activations (split) cross the switch every token.
+        assert!(m["wire_bytes_per_token"].as_f64().unwrap() > 0.0, "{r:#}");
+        assert!(r["measured_rank"].as_u64().is_some(), "{r:#}");
+        assert!(
+            r["calibrated"]["decode_tokens_per_s"].as_f64().is_some(),
+            "{r:#}"
+        );
+    }
+    let from_disk: Vec<&serde_json::Value> =
+        rows.iter().filter(|r| r["strategy"] == "single").collect();
+    assert!(!from_disk.is_empty(), "{report:#}");
+    for r in from_disk {
+        assert!(r["measured"].is_null(), "{r:#}");
+        assert!(r["note"].as_str().unwrap().contains("disk"), "{r:#}");
+    }
+    let mut plan = std::process::Command::new(common::bin());
+    plan.args(["plan", "--model"])
+        .arg(model("test/small-qwen3moe-Q8_0.gguf"))
+        .arg("--nodes")
+        .arg(&saved)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = common::run_with_timeout(plan, Duration::from_secs(30));
+    assert!(
+        out.status.success(),
+        "tessera plan on the calibrated scenario: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -24,8 +24,10 @@ enum LabCommand {
         transfer_s: f64,
     },
     /// Run a scenario (the planner's cluster file plus [model], [workload] and [lab]): the
-    /// planner's choice and each executable runner-up on emulated hosts, measured; prints
-    /// strategy, predicted, measured, error and ranks, before and after calibration.
+    /// planner's choice and each runner-up the fabric can execute, on emulated hosts, measured
+    /// (decode tokens/s, time to first token, throughput at the policy's concurrency, wire
+    /// bytes per token); prints strategy, predicted, measured, error and ranks, before and
+    /// after calibration, and lists the plans that cannot execute with why.
     Run {
         /// The scenario file (see crates/tessera-lab/scenarios/).
         scenario: std::path::PathBuf,
@@ -35,6 +37,18 @@ enum LabCommand {
         /// Keep logs and data here (default: a fresh directory under the temp dir).
         #[arg(long)]
         dir: Option<std::path::PathBuf>,
+        /// Run the best plan of this strategy (single, stage, expert) besides the planner's
+        /// choice, instead of the runners-up.
+        #[arg(long)]
+        strategy: Option<String>,
+        /// Run this stage split besides the planner's choice, instead of the runners-up:
+        /// `NODE=START..END,…` in ring order (one part: that node alone).
+        #[arg(long, value_name = "SPLIT")]
+        split: Option<String>,
+        /// Save the scenario with its planner part calibrated on this run (for `tessera plan
+        /// --nodes` and `tessera lab run`).
+        #[arg(long, value_name = "PATH")]
+        save_calibrated: Option<std::path::PathBuf>,
     },
     /// Remove the namespaces, devices and cgroups of labs whose process has gone (and kill the
     /// processes left inside them).
@@ -82,11 +96,26 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             scenario,
             json,
             dir,
+            strategy,
+            split,
+            save_calibrated,
         } => {
             let s = tessera_lab::scenario::Scenario::load(&scenario)?;
             let dir = dir.unwrap_or_else(|| tessera_lab::run::default_dir(&s));
             let exe = std::env::current_exe().context("finding this executable")?;
-            let report = tessera_lab::run::run(&s, &exe, &dir, |m| eprintln!("lab: {m}"))
+            let strategy = strategy
+                .map(|x| {
+                    tessera_plan::StrategyKind::ALL
+                        .into_iter()
+                        .find(|k| k.name() == x)
+                        .with_context(|| format!("--strategy {x:?}: single, stage or expert"))
+                })
+                .transpose()?;
+            let opts = tessera_lab::run::Options {
+                force: tessera_lab::run::Force { strategy, split },
+                save_calibrated,
+            };
+            let report = tessera_lab::run::run(&s, &exe, &dir, &opts, |m| eprintln!("lab: {m}"))
                 .with_context(|| {
                     format!("lab run {} (logs in {})", scenario.display(), dir.display())
                 })?;

@@ -1,0 +1,511 @@
+//! `tessera lab run SCENARIO`: the scenario's machines as lab hosts, real `tessera`
+//! processes on them, and every plan the planner ranks measured against its prediction.
+//!
+//! 1. The lab imposes what it can: each link's delay (half the round trip each way),
+//!    bandwidth, jitter and loss; each host's CPU share and memory cap.
+//! 2. A `tessera coordinator --plan auto` and one `tessera node` per host start; the nodes
+//!    measure themselves and the coordinator measures its links to them, so the resource graph
+//!    it writes (`plan-auto.json`) holds *measured* figures: what the lab cannot impose (memory
+//!    bandwidth, compute) is the host's. That graph, with the scenario's policy, is the one
+//!    predictions are made from.
+//! 3. The planner's choice on that graph and each runner-up ([`plans`]) run where the fabric
+//!    can execute them: single nodes and stage rings named by each `tessera run --plan FILE`
+//!    client, an expert split by a coordinator started with `--plan FILE --experts SPEC`
+//!    ([`session`]). Each gives decode tokens/s and time to first token (one request), the
+//!    aggregate tokens/s of the workload's concurrency of requests at once, and the bytes the
+//!    switch carried between the nodes per decoded token. The others are listed with why not.
+//! 4. `tessera_plan::calibrate` on every single-node run (else the first that ran) corrects the
+//!    graph; every plan's prediction is shown before and after, and the calibrated graph can be
+//!    saved as a scenario that `tessera plan --nodes` and `tessera lab run` read.
+
+pub mod plans;
+pub mod report;
+mod session;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::Value;
+use tessera_plan::{
+    calibrate, predict, HopMeasurement, Measurement, Plan, ResourceGraph, StageMeasurement,
+    StrategyKind,
+};
+
+use crate::error::{LabError, Result};
+use crate::lab::Lab;
+use crate::scenario::Scenario;
+pub use plans::{describe, Force};
+pub use report::{table, Figures, Report, Row};
+use session::{Mode, Session};
+
+/// Tokens of the warm-up request, and of the short request whose traffic is subtracted from
+/// the measured one's (so the bytes counted per token are the decode's, not the prefill's).
+const SHORT: usize = 4;
+
+/// Measured requests per plan: the median's figures are reported (this machine's other work
+/// makes single requests of a tiny model noisy).
+const REPEATS: usize = 3;
+
+/// What `tessera lab run` may be asked besides the scenario.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    pub force: Force,
+    /// Save the calibrated graph here, as a scenario (the planner's part calibrated, the
+    /// lab's part as given).
+    pub save_calibrated: Option<PathBuf>,
+}
+
+/// One executed plan's measurement: its figures and the single request's report.
+struct Measured {
+    figures: Figures,
+    report: Value,
+}
+
+/// Runs `scenario` with the `tessera` binary at `tessera`, keeping logs under `dir`.
+pub fn run(
+    scenario: &Scenario,
+    tessera: &Path,
+    dir: &Path,
+    opts: &Options,
+    mut progress: impl FnMut(&str),
+) -> Result<Report> {
+    let gguf = tessera_model::GgufFile::open(&scenario.model)
+        .map_err(|e| LabError::Run(format!("{}: {e}", scenario.model.display())))?;
+    let profile = tessera_model::ModelProfile::from_gguf(&gguf)
+        .map_err(|e| LabError::Run(format!("model profile: {e}")))?;
+    let model = tessera_coord::planning::planner_model(&profile, &scenario.name)
+        .map_err(|e| LabError::Run(format!("planner model: {e}")))?;
+    drop(gguf);
+    let spec = scenario.lab_spec()?;
+    let lab = Lab::start(&spec)?;
+    progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
+    std::fs::create_dir_all(dir)
+        .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
+
+    let mut session = Session::start(&lab, tessera, scenario, dir, &Mode::Auto)?;
+    session
+        .coordinator
+        .wait_event("plan_auto", Duration::from_secs(120))?;
+    let doc: Value = std::fs::read(session::coordinator_dir(dir).join("plan-auto.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .ok_or_else(|| LabError::Run("no readable plan-auto.json".into()))?;
+    let mut graph: ResourceGraph = serde_json::from_value(doc["graph"].clone())
+        .map_err(|e| LabError::Run(format!("plan-auto.json graph: {e}")))?;
+    graph.policy = scenario.graph.policy.clone();
+    let quotas = apply_cpu_quotas(scenario, &mut graph);
+    // The coordinator's own choice placed an expert split for every run: stage runs need a
+    // coordinator without it.
+    let mut experts_applied = doc["outcome"]["plan"]["strategy"] == "expert";
+    progress("nodes joined and measured; planning on the measured graph");
+
+    let outcome = tessera_plan::plan(&model, &graph, 1)
+        .map_err(|e| LabError::Run(format!("planning: {e}")))?;
+    let candidates = plans::candidates(&model, &profile, &graph, &outcome, &opts.force)
+        .map_err(LabError::Run)?;
+    let concurrency = graph.policy.concurrency.max(1) as usize;
+    let mut measured: Vec<Option<std::result::Result<Measured, String>>> =
+        candidates.iter().map(|_| None).collect();
+    // The plans a client names (single nodes, rings) in one session, measured in interleaved
+    // rounds so the machine's drift falls on all alike; then each expert split in a
+    // coordinator of its own.
+    let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+    for (k, c) in candidates.iter().enumerate() {
+        match &c.placement {
+            Ok(p) if p.experts.is_some() => groups.push(vec![k]),
+            Ok(_) => groups[0].push(k),
+            Err(_) => {}
+        }
+    }
+    for group in groups.into_iter().filter(|g| !g.is_empty()) {
+        let mut files = Vec::new();
+        for &k in &group {
+            let file = dir.join(format!("plan-{k}.json"));
+            let ring = &candidates[k].placement.as_ref().expect("executable").ring;
+            let text = serde_json::to_string(ring)
+                .map_err(|e| LabError::Run(format!("plan file: {e}")))?;
+            std::fs::write(&file, text)
+                .map_err(|e| LabError::io(format!("writing {}", file.display()), e))?;
+            files.push(file);
+        }
+        let experts = candidates[group[0]]
+            .placement
+            .as_ref()
+            .ok()
+            .and_then(|p| p.experts.as_ref());
+        if let Some(x) = experts {
+            drop(session);
+            progress(&format!(
+                "restarting the coordinator with the expert split {x}"
+            ));
+            let mode = Mode::Experts {
+                plan: files[0].clone(),
+                experts: x.to_string(),
+            };
+            session = Session::start(&lab, tessera, scenario, dir, &mode)?;
+            experts_applied = true;
+        } else if experts_applied {
+            drop(session);
+            progress("restarting the coordinator without an expert split");
+            session = Session::start(&lab, tessera, scenario, dir, &Mode::ByClient)?;
+            experts_applied = false;
+        }
+        let names: Vec<String> = group
+            .iter()
+            .map(|&k| describe(&candidates[k].plan))
+            .collect();
+        progress(&format!("measuring {}", names.join("; ")));
+        let results = measure(&session, &lab, scenario, &files, concurrency);
+        for (k, r) in group.into_iter().zip(results) {
+            measured[k] = Some(r);
+        }
+    }
+    drop(session);
+
+    // Calibrate on every single-node run, each the evidence on its own node (else on the first
+    // plan that ran): rings and expert splits are then predicted from what single nodes showed.
+    let ran: Vec<usize> = (0..candidates.len())
+        .filter(|&i| matches!(measured[i], Some(Ok(_))))
+        .collect();
+    let mut references: Vec<usize> = ran
+        .iter()
+        .copied()
+        .filter(|&i| candidates[i].plan.strategy == StrategyKind::Single)
+        .collect();
+    if references.is_empty() {
+        references.extend(ran.first());
+    }
+    let mut corrections = Vec::new();
+    let mut calibrated_graph = None;
+    let mut on = Vec::new();
+    // Each run implies its own runtime cost per token (the model has one for the cluster): the
+    // median of them, so one throttled node does not set it for all.
+    let mut overheads = Vec::new();
+    for &i in &references {
+        let Some(Ok(m)) = &measured[i] else {
+            unreachable!("a reference ran")
+        };
+        let base = calibrated_graph.as_ref().unwrap_or(&graph);
+        match calibrate(&model, base, &candidates[i].plan, &measurement(&m.report)) {
+            Ok(c) => {
+                corrections.extend(c.corrections.iter().map(|x| {
+                    format!(
+                        "{} {} ×{:.2}: {}",
+                        x.subject, x.quantity, x.factor, x.reason
+                    )
+                }));
+                overheads.push(c.graph.token_overhead_s);
+                calibrated_graph = Some(c.graph);
+                on.push(describe(&candidates[i].plan));
+            }
+            Err(e) => on.push(format!("not {} ({e})", describe(&candidates[i].plan))),
+        }
+    }
+    if let Some(g) = calibrated_graph.as_mut() {
+        overheads.sort_by(f64::total_cmp);
+        if overheads.len() > 1 {
+            g.token_overhead_s = overheads[overheads.len() / 2];
+            corrections.push(format!(
+                "runtime token_overhead: {:.1} µs, the median of the runs' ({})",
+                g.token_overhead_s * 1e6,
+                overheads
+                    .iter()
+                    .map(|x| format!("{:.1}", x * 1e6))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+    }
+    let calibrated_on = if on.is_empty() {
+        "nothing (no plan ran)".to_string()
+    } else {
+        on.join(", ")
+    };
+    let saved = match (&calibrated_graph, &opts.save_calibrated) {
+        (Some(g), Some(path)) => {
+            save_calibrated(scenario, g, path)?;
+            Some(path.display().to_string())
+        }
+        _ => None,
+    };
+    let figures =
+        |g: &ResourceGraph, p: &Plan| predict(&model, g, p).ok().map(|x| Figures::predicted(&x));
+    let rows = candidates
+        .iter()
+        .zip(measured)
+        .map(|(c, m)| {
+            let (measured, note) = match (&c.placement, m) {
+                (Err(why), _) => (None, Some(why.clone())),
+                (_, Some(Ok(m))) => (Some(m.figures), None),
+                (_, Some(Err(e))) => (None, Some(format!("its run failed: {e}"))),
+                (_, None) => (None, Some("not run".into())),
+            };
+            Row {
+                strategy: c.plan.strategy.name().to_string(),
+                description: describe(&c.plan),
+                role: c.role.to_string(),
+                predicted: figures(&graph, &c.plan)
+                    .unwrap_or_else(|| Figures::predicted(&c.plan.predicted)),
+                measured,
+                note,
+                error: None,
+                predicted_rank: None,
+                measured_rank: None,
+                calibrated: calibrated_graph.as_ref().and_then(|g| figures(g, &c.plan)),
+                calibrated_error: None,
+            }
+        })
+        .collect();
+    let mut provenance = vec![
+        "imposed by the lab: link delay, jitter, bandwidth and loss; CPU share and memory cap \
+         where [[lab.node]] sets them"
+            .to_string(),
+        "measured by the nodes: memory bandwidth, compute, RAM (the host's), and the \
+         coordinator's round trips over the switch: predictions use these"
+            .into(),
+    ];
+    provenance.extend(quotas);
+    for l in &graph.links {
+        if let Some(imposed) = scenario.graph.link(&l.a, &l.b) {
+            provenance.push(format!(
+                "link {}-{}: imposed {:.2} ms round trip, {:.0} Mbit/s; the coordinator measured \
+                 {:.2} ms, {:.0} Mbit/s (predictions use the measured)",
+                l.a,
+                l.b,
+                imposed.rtt_s * 1e3,
+                imposed.bandwidth.0 * 8e-6,
+                l.spec.rtt_s * 1e3,
+                l.spec.bandwidth.0 * 8e-6
+            ));
+        }
+    }
+    provenance.push(
+        "measured by the lab: tokens/s and time to first token in the clients' reports (median \
+         of 3 requests); wire bytes per token counted by the switch between the nodes' hosts \
+         (framing included)"
+            .into(),
+    );
+    let mut report = Report {
+        scenario: scenario.name.clone(),
+        objective: graph.policy.objective,
+        concurrency: concurrency as u32,
+        tokens: scenario.workload.tokens,
+        rows,
+        provenance,
+        calibrated_on,
+        corrections,
+        calibrated_graph: saved,
+    };
+    report.rank();
+    Ok(report)
+}
+
+/// Scales the measured compute and memory bandwidth of each node whose host the lab gives a
+/// CPU quota below its compute threads: the nodes' quick probe is shorter than the quota's
+/// period, so it measures the unthrottled host. One line per node, saying so.
+fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<String> {
+    let mut lines = Vec::new();
+    for n in &mut graph.nodes {
+        let Some(q) = scenario.cpu_quota(&n.name) else {
+            continue;
+        };
+        let f = (q / scenario.threads as f64).min(1.0);
+        if f < 1.0 {
+            n.ram_compute.0 *= f;
+            n.ram.bandwidth.0 *= f;
+            lines.push(format!(
+                "imposed on {}: a CPU quota of {q} cores for {} compute thread(s), so its measured \
+                 compute and memory bandwidth are scaled by {f:.2} (the nodes' quick probe is \
+                 shorter than the quota's period and sees the unthrottled host)",
+                n.name, scenario.threads
+            ));
+        }
+    }
+    lines
+}
+
+/// The node hosts' traffic among themselves so far, bytes (the coordinator's host excluded).
+fn node_bytes(lab: &Lab) -> u64 {
+    let mut total = 0;
+    for a in 1..lab.len() {
+        for b in 1..lab.len() {
+            if a != b {
+                total += lab.switch().stats(a, b).bytes_out;
+            }
+        }
+    }
+    total
+}
+
+/// A plan's requests so far.
+struct Partial {
+    runs: Vec<Value>,
+    wire: f64,
+}
+
+fn field(r: &Value, k: &str) -> f64 {
+    r[k].as_f64().unwrap_or(f64::NAN)
+}
+
+/// The figures of each plan in `plans` (plan files, all runnable in `session`): for each, a
+/// warm-up, a short and a measured request alone (the measured one's traffic less the short
+/// one's is the decode's); then [`REPEATS`]` - 1` more rounds of one measured request per plan;
+/// then the workload's concurrency of requests at once (their decode rates summed). A plan's
+/// failure is its own.
+fn measure(
+    session: &Session,
+    lab: &Lab,
+    scenario: &Scenario,
+    plans: &[PathBuf],
+    concurrency: usize,
+) -> Vec<std::result::Result<Measured, String>> {
+    let prompt = &scenario.workload.prompt;
+    let tokens = scenario.workload.tokens;
+    let one = |plan: &Path, n: usize| -> Result<Value> {
+        Ok(session.clients(lab, plan, prompt, n, 1)?.remove(0))
+    };
+    let first = |plan: &Path| -> Result<Partial> {
+        one(plan, SHORT)?;
+        let b0 = node_bytes(lab);
+        let short = one(plan, SHORT)?;
+        let b1 = node_bytes(lab);
+        let run = one(plan, tokens)?;
+        let b2 = node_bytes(lab);
+        let extra = field(&run, "generated") - field(&short, "generated");
+        let wire = if extra > 0.0 {
+            (b2 - b1).saturating_sub(b1 - b0) as f64 / extra
+        } else {
+            f64::NAN
+        };
+        Ok(Partial {
+            runs: vec![run],
+            wire,
+        })
+    };
+    let mut parts: Vec<std::result::Result<Partial, String>> = plans
+        .iter()
+        .map(|p| first(p).map_err(|e| e.to_string()))
+        .collect();
+    for _ in 1..REPEATS {
+        for (plan, part) in plans.iter().zip(parts.iter_mut()) {
+            if let Ok(p) = part {
+                match one(plan, tokens) {
+                    Ok(r) => p.runs.push(r),
+                    Err(e) => *part = Err(e.to_string()),
+                }
+            }
+        }
+    }
+    plans
+        .iter()
+        .zip(parts)
+        .map(|(plan, part)| {
+            let Partial { mut runs, wire } = part?;
+            let mut ttft: Vec<f64> = runs
+                .iter()
+                .map(|r| field(r, "time_to_first_token_ms"))
+                .collect();
+            ttft.sort_by(f64::total_cmp);
+            runs.sort_by(|a, b| {
+                field(a, "decode_tokens_per_s").total_cmp(&field(b, "decode_tokens_per_s"))
+            });
+            let report = runs.swap_remove(runs.len() / 2);
+            let decode = field(&report, "decode_tokens_per_s");
+            let throughput = if concurrency > 1 {
+                let at_once = || -> Result<f64> {
+                    session.clients(lab, plan, prompt, SHORT, concurrency)?;
+                    Ok(session
+                        .clients(lab, plan, prompt, tokens, concurrency)?
+                        .iter()
+                        .map(|r| field(r, "decode_tokens_per_s"))
+                        .sum())
+                };
+                at_once().map_err(|e| e.to_string())?
+            } else {
+                decode
+            };
+            Ok(Measured {
+                figures: Figures {
+                    decode_tokens_per_s: decode,
+                    ttft_ms: ttft[ttft.len() / 2],
+                    throughput_tokens_per_s: throughput,
+                    wire_bytes_per_token: wire,
+                },
+                report,
+            })
+        })
+        .collect()
+}
+
+/// Writes the scenario with its planner part replaced by the calibrated graph: `tessera plan
+/// --nodes` plans on it, `tessera lab run` runs it (the model path made absolute).
+fn save_calibrated(scenario: &Scenario, graph: &ResourceGraph, path: &Path) -> Result<()> {
+    let text = crate::scenario::with_planner_part(scenario, &graph.to_toml())?;
+    std::fs::write(path, text).map_err(|e| LabError::io(format!("writing {}", path.display()), e))
+}
+
+/// The planner's measurement of a run: decode tokens/s, per-hop time (the token time the
+/// stages' compute does not explain, over the ring's hops) with wire bytes, per-stage time.
+fn measurement(report: &Value) -> Measurement {
+    let names: Vec<String> = report["stages"]
+        .as_array()
+        .map(|v| {
+            v.iter()
+                .map(|s| s["name"].as_str().unwrap_or("?").to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    let tps = report["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
+    let per_stage: Vec<(String, f64)> = report["stage_stats"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| {
+            let d = &s["decode"];
+            let t = d["compute_ns"].as_f64()? / d["steps"].as_f64()?.max(1.0) / 1e9;
+            Some((names.get(s["stage"].as_u64()? as usize)?.clone(), t))
+        })
+        .collect();
+    let compute: f64 = per_stage.iter().map(|s| s.1).sum();
+    let hops = if names.len() > 1 && tps > 0.0 {
+        let lat = ((1.0 / tps - compute) / names.len() as f64).max(0.0);
+        report["boundaries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|b| {
+                Some(HopMeasurement {
+                    from: names.get(b["from"].as_u64()? as usize)?.clone(),
+                    to: names.get(b["to"].as_u64()? as usize)?.clone(),
+                    latency_s: lat,
+                    wire_bytes: b["decode_bytes_per_token"].as_f64()?,
+                })
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Measurement {
+        taken_at_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        decode_tokens_per_s: tps,
+        hops,
+        stages: per_stage
+            .into_iter()
+            .map(|(node, t)| StageMeasurement {
+                node,
+                seconds_per_token: t,
+            })
+            .collect(),
+    }
+}
+
+/// Where `lab run` keeps its logs by default.
+pub fn default_dir(scenario: &Scenario) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "tessera-lab-{}-{}",
+        scenario.name,
+        std::process::id()
+    ))
+}

@@ -1,0 +1,228 @@
+//! Which plans a scenario run measures: the planner's choice and each runner-up (or what the
+//! flags force), each with its placement on the fabric, or why the fabric cannot execute it.
+//! Pure: planning and re-costing only.
+
+use tessera_coord::planning::{plan_executable, to_placement, Placement};
+use tessera_plan::plan::{ExpertSlice, LayerRange};
+use tessera_plan::{
+    predict, CellKind, ModelProfile, Plan, PlanOutcome, ResourceGraph, StrategyKind,
+};
+
+/// What the flags of `tessera lab run` force.
+#[derive(Debug, Clone, Default)]
+pub struct Force {
+    /// Run the best plan of this strategy on the measured graph (and the planner's choice).
+    pub strategy: Option<StrategyKind>,
+    /// Run this stage split, `NODE=START..END,…` in ring order (one part: a single node), and
+    /// the planner's choice.
+    pub split: Option<String>,
+}
+
+/// One plan to measure, or to list with why it cannot run.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub plan: Plan,
+    /// "choice", "executable choice" (what the coordinator runs when the choice cannot
+    /// execute), "runner-up" (ranked by the planner), "rejected" (the best plan of a strategy
+    /// the policy allows that the planner ranked out) or "forced".
+    pub role: &'static str,
+    /// Its stages (and expert split) on the fabric, or why the fabric cannot execute it.
+    pub placement: Result<Placement, String>,
+}
+
+/// The plans a run measures, the planner's choice first. A runner-up is the planner's best plan
+/// of its strategy on its own nodes; a strategy with no feasible plan has no row.
+pub fn candidates(
+    model: &ModelProfile,
+    profile: &tessera_model::ModelProfile,
+    graph: &ResourceGraph,
+    outcome: &PlanOutcome,
+    force: &Force,
+) -> Result<Vec<Candidate>, String> {
+    let (n_layer, n_expert) = (profile.config.n_layer, profile.config.n_expert);
+    let place = |p: &Plan| to_placement(p, n_layer, n_expert).map_err(|e| e.to_string());
+    let mut out = vec![Candidate {
+        placement: place(&outcome.plan),
+        plan: outcome.plan.clone(),
+        role: "choice",
+    }];
+    let push = |plan: Plan, role, out: &mut Vec<Candidate>| {
+        if !out.iter().any(|c| c.plan.cells == plan.cells) {
+            out.push(Candidate {
+                placement: place(&plan),
+                plan,
+                role,
+            });
+        }
+    };
+    // What the coordinator's `--plan auto` would run when the choice cannot execute.
+    if out[0].placement.is_err() {
+        if let Ok(o) = plan_executable(model, graph, 1) {
+            push(o.plan, "executable choice", &mut out);
+        }
+    }
+    if let Some(s) = force.strategy {
+        let mut g = graph.clone();
+        g.policy.strategies = vec![s];
+        let o = tessera_plan::plan(model, &g, 1)
+            .map_err(|e| format!("--strategy {}: {e}", s.name()))?;
+        push(o.plan, "forced", &mut out);
+    }
+    if let Some(split) = &force.split {
+        push(forced_split(model, graph, split)?, "forced", &mut out);
+    }
+    if force.strategy.is_some() || force.split.is_some() {
+        return Ok(out);
+    }
+    for alt in &outcome.explanation.alternatives {
+        let mut g = graph.clone();
+        g.nodes.retain(|n| alt.nodes.contains(&n.name));
+        g.policy.strategies = vec![alt.strategy];
+        match tessera_plan::plan(model, &g, 1) {
+            Ok(o) => push(o.plan, "runner-up", &mut out),
+            // Listed by the planner but not re-plannable alone: keep its reason visible.
+            Err(e) => return Err(format!("re-planning {}: {e}", alt.description)),
+        }
+    }
+    // Every strategy the policy allows is measured (or listed), also those the planner ranked
+    // out, so the table shows whether ranking them out was right.
+    for &s in &graph.policy.strategies {
+        if out.iter().any(|c| c.plan.strategy == s) {
+            continue;
+        }
+        let mut g = graph.clone();
+        g.policy.strategies = vec![s];
+        let mut best = tessera_plan::plan(model, &g, 1);
+        if best.is_err() {
+            // As the coordinator does: an expert split with every weight in memory, where with
+            // disks the planner keeps every expert home and streams them.
+            for n in &mut g.nodes {
+                n.disk = None;
+            }
+            best = tessera_plan::plan(model, &g, 1);
+        }
+        if let Ok(o) = best {
+            push(o.plan, "rejected", &mut out);
+        }
+    }
+    Ok(out)
+}
+
+/// Parses `NODE=START..END,…` into (node, range) parts.
+pub fn parse_split(s: &str) -> Result<Vec<(String, LayerRange)>, String> {
+    let bad = |why: &str| format!("--split {s:?}: {why} (expected NODE=START..END,…)");
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|part| {
+            let (node, range) = part.split_once('=').ok_or_else(|| bad("no '='"))?;
+            let (a, b) = range.split_once("..").ok_or_else(|| bad("no '..'"))?;
+            let (a, b): (usize, usize) = (
+                a.trim().parse().map_err(|_| bad("bad start"))?,
+                b.trim().parse().map_err(|_| bad("bad end"))?,
+            );
+            if a >= b {
+                return Err(bad("empty range"));
+            }
+            Ok((node.trim().to_string(), LayerRange::new(a, b)))
+        })
+        .collect()
+}
+
+/// The plan of a given split, costed on `graph`: the planner's own plan for those nodes (a
+/// single node or a ring) with its stages' layers replaced by the split's.
+fn forced_split(model: &ModelProfile, graph: &ResourceGraph, split: &str) -> Result<Plan, String> {
+    let parts = parse_split(split)?;
+    for (n, _) in &parts {
+        if graph.node(n).is_none() {
+            return Err(format!(
+                "--split names {n:?}, which is not a node of the scenario"
+            ));
+        }
+    }
+    let (kind, strategy) = if parts.len() == 1 {
+        (CellKind::Single, StrategyKind::Single)
+    } else {
+        (CellKind::Stage, StrategyKind::Stage)
+    };
+    // A template of the right kind, for the shape of its assignments (which weights a stage
+    // holds for this model); its placement is then replaced.
+    let mut g = graph.clone();
+    g.policy.strategies = vec![strategy];
+    let mut plan = tessera_plan::plan(model, &g, 1)
+        .map_err(|e| format!("--split: no {} plan to start from: {e}", strategy.name()))?
+        .plan;
+    let cell = plan
+        .cells
+        .first_mut()
+        .filter(|c| c.kind == kind)
+        .ok_or_else(|| {
+            format!(
+                "--split: the planner's {} plan has no such cell",
+                strategy.name()
+            )
+        })?;
+    let shape = cell.assignments[0].clone();
+    let last = parts.len() - 1;
+    cell.assignments = parts
+        .iter()
+        .enumerate()
+        .map(|(i, (node, layers))| {
+            let mut a = shape.clone();
+            a.node = node.clone();
+            a.layers = Some(*layers);
+            a.ffn = shape.ffn.map(|_| *layers);
+            a.experts = shape.experts.map(|x| ExpertSlice {
+                layers: *layers,
+                experts: x.experts,
+            });
+            a.embedding = i == 0;
+            a.head = i == last;
+            a
+        })
+        .collect();
+    plan.strategy = strategy;
+    plan.predicted = predict(model, graph, &plan).map_err(|e| format!("--split {split}: {e}"))?;
+    Ok(plan)
+}
+
+/// The plan in one line: each node with its layers (or experts).
+pub fn describe(plan: &Plan) -> String {
+    let mut parts = Vec::new();
+    for (i, cell) in plan.cells.iter().enumerate() {
+        let nodes: Vec<String> = cell
+            .assignments
+            .iter()
+            .map(|a| match (a.layers, a.experts) {
+                (Some(l), _) => format!("{}[{}..{})", a.node, l.start, l.end),
+                (None, Some(x)) => format!("{}{{e{}..{}}}", a.node, x.experts.start, x.experts.end),
+                (None, None) => a.node.clone(),
+            })
+            .collect();
+        let sep = if cell.kind == CellKind::Expert {
+            " + "
+        } else {
+            " -> "
+        };
+        parts.push(if plan.cells.len() > 1 {
+            format!("#{i} {}", nodes.join(sep))
+        } else {
+            nodes.join(sep)
+        });
+    }
+    parts.join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_split_is_parsed_in_ring_order_and_bad_ones_say_why() {
+        let p = parse_split("a=0..2, b=2..3").unwrap();
+        assert_eq!(p[0], ("a".into(), LayerRange::new(0, 2)));
+        assert_eq!(p[1], ("b".into(), LayerRange::new(2, 3)));
+        assert!(parse_split("a:0..2").unwrap_err().contains("no '='"));
+        assert!(parse_split("a=2..2").unwrap_err().contains("empty range"));
+    }
+}

@@ -1,0 +1,291 @@
+//! What a scenario run found, as one table (or JSON): every plan the planner ranked, with its
+//! prediction and, where the fabric could execute it, what the lab measured. Pure.
+
+use serde::Serialize;
+use tessera_plan::{Objective, Prediction};
+
+/// The figures compared, predicted or measured.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct Figures {
+    /// Decode tokens/s of one request alone.
+    pub decode_tokens_per_s: f64,
+    /// Time to first token of the workload's prompt, ms.
+    pub ttft_ms: f64,
+    /// Aggregate decode tokens/s with the workload's concurrency of requests at once.
+    pub throughput_tokens_per_s: f64,
+    /// Bytes between the scenario's nodes per decoded token (the switch's count, framing
+    /// included; predicted: the planner's hops).
+    pub wire_bytes_per_token: f64,
+}
+
+impl Figures {
+    pub fn predicted(p: &Prediction) -> Self {
+        Self {
+            decode_tokens_per_s: p.decode_tokens_per_s,
+            ttft_ms: p.ttft_s * 1e3,
+            throughput_tokens_per_s: p.throughput_tokens_per_s,
+            wire_bytes_per_token: p.hops.iter().map(|h| h.wire_bytes_per_token).sum(),
+        }
+    }
+
+    /// The objective's score at `concurrency` (as [`Prediction::score`]).
+    pub fn score(&self, objective: Objective, concurrency: u32) -> f64 {
+        let per_request = self.throughput_tokens_per_s / f64::from(concurrency.max(1));
+        match objective {
+            Objective::Latency => per_request,
+            Objective::Throughput => self.throughput_tokens_per_s,
+            Objective::Balanced => (per_request * self.throughput_tokens_per_s).sqrt(),
+        }
+    }
+}
+
+/// One plan the planner ranked.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub strategy: String,
+    pub description: String,
+    /// See [`super::plans::Candidate::role`].
+    pub role: String,
+    pub predicted: Figures,
+    /// `None` where the fabric cannot execute the plan ([`Row::note`] says why) or its run failed.
+    pub measured: Option<Figures>,
+    /// Why it was not measured.
+    pub note: Option<String>,
+    /// (predicted − measured) / measured, of the objective's score.
+    pub error: Option<f64>,
+    /// Among the measured plans, by the objective's score (1 = best).
+    pub predicted_rank: Option<usize>,
+    pub measured_rank: Option<usize>,
+    /// The prediction after calibration on the reference run.
+    pub calibrated: Option<Figures>,
+    pub calibrated_error: Option<f64>,
+}
+
+/// What a scenario run found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub scenario: String,
+    pub objective: Objective,
+    pub concurrency: u32,
+    pub tokens: usize,
+    pub rows: Vec<Row>,
+    /// Which figures were imposed by the lab and which measured.
+    pub provenance: Vec<String>,
+    /// The run calibration used, or why there was none.
+    pub calibrated_on: String,
+    /// What calibration changed, one line each.
+    pub corrections: Vec<String>,
+    /// Where the calibrated graph was saved.
+    pub calibrated_graph: Option<String>,
+}
+
+impl Report {
+    /// Fills in ranks and errors from the rows' figures.
+    pub fn rank(&mut self) {
+        let (o, c) = (self.objective, self.concurrency);
+        let measured: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| self.rows[i].measured.is_some())
+            .collect();
+        let ranks = |score: &dyn Fn(&Row) -> f64| -> Vec<usize> {
+            measured
+                .iter()
+                .map(|&i| {
+                    let x = score(&self.rows[i]);
+                    1 + measured
+                        .iter()
+                        .filter(|&&j| score(&self.rows[j]) > x)
+                        .count()
+                })
+                .collect()
+        };
+        let pr = ranks(&|r: &Row| r.predicted.score(o, c));
+        let mr = ranks(&|r: &Row| r.measured.map_or(0.0, |m| m.score(o, c)));
+        for (k, &i) in measured.iter().enumerate() {
+            let row = &mut self.rows[i];
+            let m = row.measured.expect("measured").score(o, c);
+            row.predicted_rank = Some(pr[k]);
+            row.measured_rank = Some(mr[k]);
+            row.error = Some((row.predicted.score(o, c) - m) / m);
+            row.calibrated_error = row.calibrated.map(|x| (x.score(o, c) - m) / m);
+        }
+    }
+
+    /// Whether the planner's choice (else the executable one the coordinator would run) measured
+    /// best, or within `tolerance` of the best (by the objective's score); `None` when neither ran.
+    pub fn choice_is_best(&self, tolerance: f64) -> Option<bool> {
+        let (o, c) = (self.objective, self.concurrency);
+        let score = |r: &Row| r.measured.map(|m| m.score(o, c));
+        let chosen = self
+            .rows
+            .iter()
+            .filter(|r| r.role == "choice" || r.role == "executable choice")
+            .find_map(score)?;
+        let best = self.rows.iter().filter_map(score).fold(0.0, f64::max);
+        Some(chosen >= best * (1.0 - tolerance))
+    }
+}
+
+fn pct(x: Option<f64>) -> String {
+    x.map_or("-".into(), |e| format!("{:+.0}%", e * 100.0))
+}
+
+fn num(x: Option<f64>) -> String {
+    match x {
+        Some(v) if v.is_finite() => format!("{v:.1}"),
+        _ => "-".into(),
+    }
+}
+
+/// The report as a table.
+pub fn table(r: &Report) -> String {
+    let score = match r.objective {
+        Objective::Latency if r.concurrency == 1 => "decode tok/s".to_string(),
+        Objective::Latency => format!("tok/s per request at {} at once", r.concurrency),
+        Objective::Throughput => format!("aggregate tok/s at {} at once", r.concurrency),
+        Objective::Balanced => format!("balanced score at {} at once", r.concurrency),
+    };
+    let mut s = format!(
+        "scenario {} — objective {} ({score}), {} tokens a request\n",
+        r.scenario,
+        format!("{:?}", r.objective).to_lowercase(),
+        r.tokens
+    );
+    s.push_str(&format!(
+        "{:<9} {:<34} {:>9} {:>9} {:>6} {:>4} {:>4} {:>9} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
+        "strategy", "plan", "predicted", "measured", "error", "p.rk", "m.rk", "calibr.", "error",
+        "decode p", "decode m", "ttft p", "ttft m", "wire B p", "wire B m",
+    ));
+    let (o, c) = (r.objective, r.concurrency);
+    for row in &r.rows {
+        let m = row.measured;
+        s.push_str(&format!(
+            "{:<9} {:<34} {:>9} {:>9} {:>6} {:>4} {:>4} {:>9} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8.0} {:>8}{}\n",
+            row.strategy,
+            row.description,
+            num(Some(row.predicted.score(o, c))),
+            num(m.map(|m| m.score(o, c))),
+            pct(row.error),
+            row.predicted_rank.map_or("-".into(), |x| x.to_string()),
+            row.measured_rank.map_or("-".into(), |x| x.to_string()),
+            num(row.calibrated.map(|x| x.score(o, c))),
+            pct(row.calibrated_error),
+            num(Some(row.predicted.decode_tokens_per_s)),
+            num(m.map(|m| m.decode_tokens_per_s)),
+            num(Some(row.predicted.ttft_ms)),
+            num(m.map(|m| m.ttft_ms)),
+            row.predicted.wire_bytes_per_token.abs(),
+            m.map_or("-".into(), |m| format!("{:.0}", m.wire_bytes_per_token)),
+            match row.role.as_str() {
+                "choice" => "  <- planner's choice",
+                "executable choice" => "  <- what --plan auto runs instead",
+                "forced" => "  (forced)",
+                "rejected" => "  (ranked out by the planner)",
+                _ => "",
+            }
+        ));
+        if let Some(n) = &row.note {
+            s.push_str(&format!("{:<9} not measured: {n}\n", ""));
+        }
+    }
+    match r.choice_is_best(0.05) {
+        Some(true) => s.push_str("the planner's choice measured best (or within 5% of it)\n"),
+        Some(false) => s.push_str("the planner's choice did NOT measure best (nor within 5%)\n"),
+        None => s.push_str("the planner's choice did not run\n"),
+    }
+    s.push_str(&format!("calibrated on {}\n", r.calibrated_on));
+    for c in &r.corrections {
+        s.push_str(&format!("  {c}\n"));
+    }
+    if let Some(g) = &r.calibrated_graph {
+        s.push_str(&format!(
+            "calibrated graph saved to {g} (tessera plan --nodes, tessera lab run)\n"
+        ));
+    }
+    for p in &r.provenance {
+        s.push_str(&format!("{p}\n"));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figures(decode: f64, throughput: f64) -> Figures {
+        Figures {
+            decode_tokens_per_s: decode,
+            ttft_ms: 10.0,
+            throughput_tokens_per_s: throughput,
+            wire_bytes_per_token: 0.0,
+        }
+    }
+
+    fn row(role: &str, predicted: Figures, measured: Option<Figures>) -> Row {
+        Row {
+            strategy: "stage".into(),
+            description: String::new(),
+            role: role.into(),
+            predicted,
+            measured,
+            note: measured.is_none().then(|| "cannot run".into()),
+            error: None,
+            predicted_rank: None,
+            measured_rank: None,
+            calibrated: Some(predicted),
+            calibrated_error: None,
+        }
+    }
+
+    fn report(objective: Objective, concurrency: u32, rows: Vec<Row>) -> Report {
+        let mut r = Report {
+            scenario: "s".into(),
+            objective,
+            concurrency,
+            tokens: 8,
+            rows,
+            provenance: vec![],
+            calibrated_on: String::new(),
+            corrections: vec![],
+            calibrated_graph: None,
+        };
+        r.rank();
+        r
+    }
+
+    #[test]
+    fn ranks_and_errors_count_only_measured_plans_by_the_objective() {
+        let r = report(
+            Objective::Throughput,
+            4,
+            vec![
+                row("choice", figures(100.0, 400.0), Some(figures(50.0, 100.0))),
+                row(
+                    "runner-up",
+                    figures(200.0, 200.0),
+                    Some(figures(100.0, 200.0)),
+                ),
+                row("runner-up", figures(900.0, 900.0), None),
+            ],
+        );
+        assert_eq!(r.rows[0].predicted_rank, Some(1));
+        assert_eq!(r.rows[0].measured_rank, Some(2));
+        assert_eq!(r.rows[1].measured_rank, Some(1));
+        assert_eq!(r.rows[0].error, Some(3.0));
+        assert_eq!(r.rows[2].predicted_rank, None);
+        assert_eq!(r.choice_is_best(0.05), Some(false));
+        assert!(table(&r).contains("not measured: cannot run"));
+    }
+
+    #[test]
+    fn latency_at_concurrency_is_the_speed_each_request_sees() {
+        let f = figures(100.0, 240.0);
+        assert_eq!(f.score(Objective::Latency, 4), 60.0);
+        assert_eq!(f.score(Objective::Latency, 1), 240.0);
+        let r = report(
+            Objective::Latency,
+            1,
+            vec![row("choice", f, Some(figures(100.0, 228.0)))],
+        );
+        assert_eq!(r.choice_is_best(0.05), Some(true));
+    }
+}

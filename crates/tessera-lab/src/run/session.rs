@@ -1,0 +1,262 @@
+//! The processes of one placement: a `tessera coordinator` on the lab's first host and one
+//! `tessera node` per scenario node, and greedy `tessera run` clients against them.
+//!
+//! A session is started per coordinator configuration (`--plan auto` to measure the graph, no
+//! plan for single-node and stage rings named by each client, `--plan FILE --experts SPEC` for
+//! an expert split, which the coordinator applies for every run). The coordinator's and the
+//! nodes' data directories are kept between sessions, so a restarted node keeps its key, its
+//! enrolment and its fetched model.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::error::{LabError, Result};
+use crate::lab::Lab;
+use crate::scenario::Scenario;
+
+/// A child whose stdout lines are collected; killed on drop.
+pub(super) struct Proc {
+    child: Child,
+    rx: mpsc::Receiver<String>,
+    name: String,
+}
+
+impl Proc {
+    fn spawn(name: &str, mut cmd: std::process::Command, log: &Path) -> Result<Self> {
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|e| LabError::io(format!("opening {}", log.display()), e))?;
+        let mut child = cmd
+            .env("TESSERA_LOG_FORMAT", "json")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| LabError::io(format!("starting {name}"), e))?;
+        let out = BufReader::new(child.stdout.take().expect("piped"));
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in out.lines().map_while(std::result::Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self {
+            child,
+            rx,
+            name: name.into(),
+        })
+    }
+
+    /// Waits for the child's JSON event `event` (it runs with `TESSERA_LOG_FORMAT=json`).
+    pub(super) fn wait_event(&mut self, event: &str, timeout: Duration) -> Result<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(l) => {
+                    if let Ok(v) = serde_json::from_str::<Value>(&l) {
+                        if v["event"] == event {
+                            return Ok(v);
+                        }
+                    }
+                }
+                Err(_) => {
+                    return Err(LabError::Run(format!(
+                        "{} reported no {event:?} event within {timeout:?}",
+                        self.name
+                    )))
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How the coordinator of a session places the model.
+pub(super) enum Mode {
+    /// `--plan auto`: plan from the nodes' measured inventory (writes `plan-auto.json`).
+    Auto,
+    /// No plan: every client names its stages.
+    ByClient,
+    /// `--plan FILE --experts SPEC`: a home ring and an expert split, for every run.
+    Experts { plan: PathBuf, experts: String },
+}
+
+/// A running coordinator and its nodes.
+pub(super) struct Session {
+    pub(super) coordinator: Proc,
+    /// Dropped (killed) before the coordinator.
+    nodes: Vec<Proc>,
+    /// The operator's credential: clients here name stages.
+    pub(super) operator: String,
+    tessera: PathBuf,
+    dir: PathBuf,
+}
+
+/// Where the coordinator keeps its state (kept between sessions).
+pub(super) fn coordinator_dir(dir: &Path) -> PathBuf {
+    dir.join("coordinator")
+}
+
+impl Session {
+    /// Starts the coordinator, then every node, and waits until each has joined.
+    pub(super) fn start(
+        lab: &Lab,
+        tessera: &Path,
+        scenario: &Scenario,
+        dir: &Path,
+        mode: &Mode,
+    ) -> Result<Self> {
+        let n = scenario.graph.nodes.len();
+        let listen = format!("{}:7070", lab.addr(0));
+        let mut cmd = lab.command(0, tessera)?;
+        let context = scenario.graph.policy.context_tokens.to_string();
+        cmd.args([
+            "coordinator",
+            "--listen",
+            &listen,
+            "--max-context",
+            &context,
+        ])
+        .arg("--model")
+        .arg(&scenario.model)
+        .arg("--data-dir")
+        .arg(coordinator_dir(dir));
+        match mode {
+            Mode::Auto => {
+                cmd.args(["--plan", "auto", "--nodes-expected", &n.to_string()]);
+            }
+            Mode::ByClient => {}
+            Mode::Experts { plan, experts } => {
+                cmd.arg("--plan").arg(plan).args(["--experts", experts]);
+            }
+        }
+        let mut coordinator = Proc::spawn("coordinator", cmd, &dir.join("coordinator.log"))?;
+        let join = token(&mut coordinator, "join_token")?;
+        let operator = token(&mut coordinator, "operator_token")?;
+        let mut nodes = Vec::new();
+        for (i, node) in scenario.graph.nodes.iter().enumerate() {
+            let host = i + 1;
+            let mut cmd = lab.command(host, tessera)?;
+            cmd.args([
+                "node",
+                "--join",
+                &join,
+                "--name",
+                &node.name,
+                "--quick-probe",
+            ])
+            .args(["--threads", &scenario.threads.to_string()])
+            .args(["--listen", &format!("{}:0", lab.addr(host)), "--data-dir"])
+            .arg(dir.join(format!("node-{}", node.name)));
+            // The measured graph counts a node's budget plus the process's own overhead: give
+            // the node the declared budget less that overhead, so both describe the same machine.
+            if let Some(b) = node.memory_budget {
+                let own =
+                    b.0.saturating_sub(tessera_plan::RUNTIME_OVERHEAD_RAM.0)
+                        .max(1 << 20);
+                cmd.args(["--memory-budget", &own.to_string()]);
+            }
+            let mut p = Proc::spawn(
+                &node.name,
+                cmd,
+                &dir.join(format!("node-{}.log", node.name)),
+            )?;
+            p.wait_event("joined", Duration::from_secs(120))?;
+            nodes.push(p);
+        }
+        Ok(Self {
+            coordinator,
+            nodes,
+            operator,
+            tessera: tessera.to_path_buf(),
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// `count` greedy clients at once (each with its own key under `dir`), each asking for
+    /// `tokens` with `plan`'s stages; their reports.
+    pub(super) fn clients(
+        &self,
+        lab: &Lab,
+        plan: &Path,
+        prompt: &str,
+        tokens: usize,
+        count: usize,
+    ) -> Result<Vec<Value>> {
+        let mut running = Vec::new();
+        for i in 0..count.max(1) {
+            let mut cmd = lab.command(0, &self.tessera)?;
+            cmd.args(["run", "--coordinator", &self.operator, "--json"])
+                .args([
+                    "--temperature",
+                    "0",
+                    "-p",
+                    prompt,
+                    "-n",
+                    &tokens.to_string(),
+                ])
+                .arg("--plan")
+                .arg(plan)
+                .arg("--data-dir")
+                .arg(self.dir.join(format!("client-{i}")))
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            running.push(
+                cmd.spawn()
+                    .map_err(|e| LabError::io("starting tessera run", e))?,
+            );
+        }
+        running.into_iter().map(report).collect()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Nodes first: a node that outlives its coordinator only retries.
+        self.nodes.clear();
+    }
+}
+
+fn token(coordinator: &mut Proc, event: &str) -> Result<String> {
+    Ok(
+        coordinator.wait_event(event, Duration::from_secs(60))?["token"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+    )
+}
+
+/// A finished `tessera run --json`'s report (its `done` message).
+fn report(child: Child) -> Result<Value> {
+    let out = child
+        .wait_with_output()
+        .map_err(|e| LabError::io("waiting for tessera run", e))?;
+    if !out.status.success() {
+        return Err(LabError::Run(format!(
+            "tessera run failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|m| m["type"] == "done")
+        .ok_or_else(|| LabError::Run("tessera run printed no report".into()))
+}
