@@ -8,6 +8,10 @@
 //! { "stages": [ { "node": "alpha", "layers": "0..3" }, { "node": "beta", "layers": "3..5" } ] }
 //! ```
 //!
+//! **Cells.** Several whole copies of the model are given as one list in which each copy
+//! starts again at layer 0: `--split 0..5,0..5` is two single-node cells, `0..3,3..5,0..3,3..5`
+//! two rings of two. Every cell covers every layer once; no node is in two cells.
+//!
 //! A node is named by its `--name`, its full node id, or a unique prefix of the id.
 //! [`resolve`] checks that the ranges are contiguous, cover every layer once, and land on
 //! distinct connected nodes.
@@ -47,6 +51,19 @@ pub enum AssignmentError {
     AmbiguousNode(String),
     #[error("node {0} is given two stages")]
     DuplicateNode(NodeId),
+}
+
+/// The cells of a stage list, as index ranges into it: a stage (with layers) that starts at
+/// layer 0 after the first begins another cell.
+pub fn cells_of<T>(stages: &[(T, Range<usize>)]) -> Vec<Range<usize>> {
+    let mut cells: Vec<Range<usize>> = Vec::new();
+    for (i, (_, layers)) in stages.iter().enumerate() {
+        match cells.last_mut() {
+            Some(c) if layers.start != 0 || layers.is_empty() => c.end = i + 1,
+            _ => cells.push(i..i + 1),
+        }
+    }
+    cells
 }
 
 /// Parses `0..3,3..5` into unpinned stages.
@@ -199,6 +216,10 @@ pub fn resolve(
     }
     let mut expected = 0;
     for (i, s) in stages.iter().enumerate() {
+        // A stage starting at layer 0 after a complete ring begins another cell.
+        if i > 0 && s.layers.start == 0 && expected == n_layer {
+            expected = 0;
+        }
         if s.layers.start != expected {
             return Err(AssignmentError::NotContiguous {
                 stage: i,
@@ -301,6 +322,56 @@ mod tests {
         assert_eq!(r, vec![(ns[0].node_id, 0..3), (ns[1].node_id, 3..5)]);
         assert!(parse_split("0..3,x").is_err());
         assert!(parse_split("3..3").is_err());
+    }
+
+    #[test]
+    fn a_split_that_starts_again_at_layer_zero_is_several_cells() {
+        let ns = nodes(4);
+        let r = resolve(&parse_split("0..5,0..2,2..5").unwrap(), 5, &ns).unwrap();
+        assert_eq!(
+            r,
+            vec![
+                (ns[0].node_id, 0..5),
+                (ns[1].node_id, 0..2),
+                (ns[2].node_id, 2..5)
+            ]
+        );
+        assert_eq!(cells_of(&r), vec![0..1, 1..3]);
+        // Every cell covers every layer: a ring cut short is not another cell.
+        let short = resolve(&parse_split("0..3,0..5").unwrap(), 5, &ns);
+        assert!(matches!(
+            short,
+            Err(AssignmentError::NotContiguous {
+                stage: 1,
+                start: 0,
+                expected: 3
+            })
+        ));
+        let open = resolve(&parse_split("0..5,0..3").unwrap(), 5, &ns);
+        assert!(matches!(
+            open,
+            Err(AssignmentError::Coverage { covered: 3, .. })
+        ));
+        // Two cells on one node are refused like two stages on one node.
+        let pinned = [
+            StageSpec {
+                node: Some("n0".into()),
+                layers: 0..5,
+            },
+            StageSpec {
+                node: Some("n0".into()),
+                layers: 0..5,
+            },
+        ];
+        assert!(matches!(
+            resolve(&pinned, 5, &ns),
+            Err(AssignmentError::DuplicateNode(_))
+        ));
+        // Expert-only stages (no layers) follow their ring's cell.
+        assert_eq!(
+            cells_of(&[((), 0..5), ((), 0..0), ((), 0..5)]),
+            vec![0..2, 2..3]
+        );
     }
 
     #[test]

@@ -33,24 +33,32 @@ pub struct EpochStage {
     pub link: Option<LinkMeasurement>,
 }
 
-/// One placement of the model.
+/// One placement of the model: one cell's ring.
 #[derive(Clone, Debug)]
 pub struct Epoch {
     pub id: u64,
+    /// The cell slot it places (0 unless the plan holds several cells).
+    pub cell: usize,
     pub model: ContentHash,
     pub stages: Vec<EpochStage>,
     pub phase: Phase,
 }
 
+/// Whether an epoch still holds its nodes (it has not failed or been released).
+pub(super) fn is_live(e: &Epoch) -> bool {
+    !matches!(e.phase, Phase::Failed(_) | Phase::Released)
+}
+
 impl Membership {
     pub(super) fn current_mut(&mut self, epoch: u64, phase: Phase) -> Option<&mut Epoch> {
-        self.epoch
-            .as_mut()
-            .filter(|e| e.id == epoch && e.phase == phase)
+        self.cells
+            .iter_mut()
+            .find(|e| e.id == epoch && e.phase == phase)
     }
 
-    pub(super) fn fail(&mut self, reason: String) -> Vec<Action> {
-        let Some(e) = self.epoch.as_mut() else {
+    /// Fails cell `slot`'s epoch: its connected stages release it.
+    pub(super) fn fail(&mut self, slot: usize, reason: String) -> Vec<Action> {
+        let Some(e) = self.cells.get_mut(slot) else {
             return Vec::new();
         };
         e.phase = Phase::Failed(reason.clone());
@@ -67,16 +75,33 @@ impl Membership {
         out
     }
 
-    /// Records epoch `id` as failed before any stage was assigned, and says why.
+    /// Puts `epoch` in its cell's slot (slots are filled in order).
+    fn set_cell(&mut self, epoch: Epoch) {
+        match self.cells.get_mut(epoch.cell) {
+            Some(e) => *e = epoch,
+            None => {
+                debug_assert_eq!(
+                    epoch.cell,
+                    self.cells.len(),
+                    "cell slots are filled in order"
+                );
+                self.cells.push(epoch);
+            }
+        }
+    }
+
+    /// Records epoch `id` of cell `slot` as failed before any stage was assigned, and says why.
     fn fail_unstarted(
         &mut self,
+        slot: usize,
         id: u64,
         model: ContentHash,
         reason: String,
         out: &mut Vec<Action>,
     ) {
-        self.epoch = Some(Epoch {
+        self.set_cell(Epoch {
             id,
+            cell: slot,
             model,
             stages: Vec::new(),
             phase: Phase::Failed(reason.clone()),
@@ -84,8 +109,59 @@ impl Membership {
         out.push(Action::EpochFailed { epoch: id, reason });
     }
 
+    /// Releases cell `slot`'s epoch if it still holds its nodes.
+    fn release(&mut self, slot: usize, out: &mut Vec<Action>) {
+        let Some(old) = self.cells.get_mut(slot) else {
+            return;
+        };
+        if is_live(old) {
+            for s in &old.stages {
+                if self.members.get(&s.node_id).is_some_and(|m| m.connected) {
+                    out.push(send(s.node_id, CoordToNode::Release { epoch: old.id }));
+                }
+            }
+        }
+        old.phase = Phase::Released;
+    }
+
+    /// Places a requested plan: `stages` as the cells `cells` (index ranges into it) says,
+    /// releasing every cell of the previous plan.
+    pub(super) fn plan_cells(
+        &mut self,
+        model: ContentHash,
+        stages: Vec<(NodeId, Range<usize>)>,
+        cells: Vec<Range<usize>>,
+        n_layer: usize,
+        max_context: usize,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        for slot in 0..self.cells.len() {
+            self.release(slot, &mut out);
+        }
+        self.cells.truncate(cells.len().max(1));
+        if cells.len() > 1 && self.experts.is_some() {
+            // An expert split spreads one copy of the model's experts over nodes: one cell.
+            self.next_epoch += 1;
+            let reason = "an expert split runs as one cell: give one ring".to_string();
+            self.fail_unstarted(0, self.next_epoch, model, reason, &mut out);
+            self.cells.truncate(1);
+            return out;
+        }
+        if cells.is_empty() {
+            out.extend(self.plan(0, model, stages, n_layer, max_context, false));
+            return out;
+        }
+        for (slot, range) in cells.into_iter().enumerate() {
+            let ring = stages[range].to_vec();
+            out.extend(self.plan(slot, model, ring, n_layer, max_context, false));
+        }
+        out
+    }
+
+    /// Places `stages` as a new epoch of cell `slot`, releasing the cell's previous one.
     pub(super) fn plan(
         &mut self,
+        slot: usize,
         model: ContentHash,
         stages: Vec<(NodeId, Range<usize>)>,
         n_layer: usize,
@@ -93,16 +169,7 @@ impl Membership {
         reassign: bool,
     ) -> Vec<Action> {
         let mut out = Vec::new();
-        if let Some(old) = self.epoch.as_mut() {
-            if !matches!(old.phase, Phase::Released | Phase::Failed(_)) {
-                for s in &old.stages {
-                    if self.members.get(&s.node_id).is_some_and(|m| m.connected) {
-                        out.push(send(s.node_id, CoordToNode::Release { epoch: old.id }));
-                    }
-                }
-            }
-            old.phase = Phase::Released;
-        }
+        self.release(slot, &mut out);
         self.next_epoch += 1;
         let id = self.next_epoch;
         let peers: Vec<Option<PeerInfo>> = stages
@@ -120,7 +187,7 @@ impl Membership {
             .collect();
         if let Some(i) = peers.iter().position(Option::is_none) {
             let reason = format!("node {} is not connected", stages[i].0.short());
-            self.fail_unstarted(id, model, reason, &mut out);
+            self.fail_unstarted(slot, id, model, reason, &mut out);
             return out;
         }
         let peers: Vec<PeerInfo> = peers.into_iter().flatten().collect();
@@ -132,7 +199,7 @@ impl Membership {
             }),
             Err(reason) => {
                 self.epoch_experts = None;
-                self.fail_unstarted(id, model, format!("expert split: {reason}"), &mut out);
+                self.fail_unstarted(slot, id, model, format!("expert split: {reason}"), &mut out);
                 return out;
             }
         };
@@ -149,7 +216,7 @@ impl Membership {
                     Ok(p) => Some(p),
                     Err(reason) => {
                         let reason = format!("expert split: {reason}");
-                        self.fail_unstarted(id, model, reason, &mut out);
+                        self.fail_unstarted(slot, id, model, reason, &mut out);
                         return out;
                     }
                 }
@@ -221,8 +288,9 @@ impl Membership {
                 stages.push((p.node_id, 0..0));
             }
         }
-        self.epoch = Some(Epoch {
+        self.set_cell(Epoch {
             id,
+            cell: slot,
             model,
             stages: stages
                 .into_iter()

@@ -20,7 +20,9 @@ pub enum Event {
         node: NodeId,
         session: u64,
     },
-    /// Place `stages` (node, layers) in ring order as a new epoch.
+    /// Place `stages` (node, layers) in ring order as a new epoch; a stage that starts again
+    /// at layer 0 begins another cell (a whole copy of the model with a ring of its own), and
+    /// each cell becomes an epoch of its own.
     Plan {
         model: ContentHash,
         stages: Vec<(NodeId, Range<usize>)>,

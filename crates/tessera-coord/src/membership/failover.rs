@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use tessera_net::NodeId;
 
+use super::epochs::is_live;
 use super::{Action, Membership, Phase};
 use crate::replan::{even_split, Survivor};
 use tessera_host::ContentHash;
@@ -19,37 +20,53 @@ pub struct AutoPlan {
     pub model: ContentHash,
     pub n_layer: usize,
     pub max_context: usize,
-    /// The configured stage count (the requested plan's).
+    /// The configured stage count of a cell (the requested plan's largest ring).
     pub target_stages: usize,
+    /// The configured number of cells (whole copies of the model).
+    pub cells: usize,
 }
 
 impl Membership {
     pub(super) fn stage_lost(&mut self, id: NodeId, what: &str) -> Vec<Action> {
         self.forget_failed_links(id);
-        match &self.epoch {
-            Some(e)
-                if e.stages.iter().any(|s| s.node_id == id)
-                    && !matches!(e.phase, Phase::Failed(_) | Phase::Released) =>
-            {
-                let role = match e.stages.iter().find(|s| s.node_id == id) {
+        let holding = self
+            .cells
+            .iter()
+            .position(|e| is_live(e) && e.stages.iter().any(|s| s.node_id == id));
+        match holding {
+            Some(slot) => {
+                let role = match self.cells[slot].stages.iter().find(|s| s.node_id == id) {
                     Some(s) if s.layers.is_empty() => "expert node",
                     _ => "stage node",
                 };
-                let mut out = self.fail(format!("{role} {} {what}", id.short()));
-                out.extend(self.replan());
+                let mut out = self.fail(slot, format!("{role} {} {what}", id.short()));
+                out.extend(self.replan(slot));
                 out
             }
-            // The epoch had already failed (say a neighbour of this node could not link to it
+            // A cell had already failed (say a neighbour of this node could not link to it
             // before its lease ran out): try again with those left.
-            Some(e) if matches!(e.phase, Phase::Failed(_)) && self.auto.is_some() => self.replan(),
-            _ => Vec::new(),
+            None if self.auto.is_some() => {
+                let failed: Vec<usize> = (0..self.cells.len())
+                    .filter(|&c| matches!(self.cells[c].phase, Phase::Failed(_)))
+                    .collect();
+                failed.into_iter().flat_map(|c| self.replan(c)).collect()
+            }
+            None => Vec::new(),
         }
     }
 
-    /// Connected members as re-planning candidates, in join order, without those benched.
-    fn survivors(&self) -> Vec<Survivor> {
+    /// Connected members cell `slot` may be planned on, in join order: neither benched nor
+    /// held by another live cell.
+    fn survivors(&self, slot: usize) -> Vec<Survivor> {
+        let held: Vec<NodeId> = self
+            .cells
+            .iter()
+            .filter(|e| e.cell != slot && is_live(e))
+            .flat_map(|e| e.stages.iter().map(|s| s.node_id))
+            .collect();
         self.usable()
             .into_iter()
+            .filter(|m| !held.contains(&m.node_id))
             .map(|m| Survivor {
                 node_id: m.node_id,
                 memory_budget_bytes: m.memory_budget_bytes,
@@ -57,9 +74,10 @@ impl Membership {
             .collect()
     }
 
-    /// The ring stages (nodes with layers) of the current epoch.
-    fn ring(&self) -> Vec<(NodeId, Range<usize>)> {
-        self.epoch
+    /// The ring stages (nodes with layers) of cell `slot`'s epoch.
+    fn ring(&self, slot: usize) -> Vec<(NodeId, Range<usize>)> {
+        self.cells
+            .get(slot)
             .iter()
             .flat_map(|e| &e.stages)
             .filter(|s| !s.layers.is_empty())
@@ -67,26 +85,32 @@ impl Membership {
             .collect()
     }
 
-    /// The stage count a plan on the usable nodes aims for.
-    pub(super) fn wanted_stages(&self, auto: &AutoPlan) -> usize {
+    /// The stage count a plan of cell `slot` on the nodes it may use aims for.
+    pub(super) fn wanted_stages(&self, auto: &AutoPlan, slot: usize) -> usize {
         auto.target_stages
-            .min(self.usable().len())
+            .min(self.survivors(slot).len())
             .min(auto.n_layer)
     }
 
     /// With an expert split, the last epoch's ring when all of it is still connected and it
     /// has the stages wanted: an expert owner's loss (or return) moves experts, not layers.
-    fn surviving_ring(&self, auto: &AutoPlan) -> Option<Vec<(NodeId, Range<usize>)>> {
+    fn surviving_ring(&self, auto: &AutoPlan, slot: usize) -> Option<Vec<(NodeId, Range<usize>)>> {
         self.experts.as_ref()?;
-        let ring = self.ring();
+        let ring = self.ring(slot);
         let alive = ring.iter().all(|(id, _)| {
             self.members.get(id).is_some_and(|m| m.connected) && !self.benched.contains(id)
         });
-        (!ring.is_empty() && alive && ring.len() >= self.wanted_stages(auto)).then_some(ring)
+        (!ring.is_empty() && alive && ring.len() >= self.wanted_stages(auto, slot)).then_some(ring)
     }
 
-    /// Plans a new epoch on the connected nodes (after a loss, or to fold a node in).
-    pub(super) fn replan(&mut self) -> Vec<Action> {
+    /// Whether a cell other than `slot` is loading, linking or serving.
+    fn another_cell_live(&self, slot: usize) -> bool {
+        self.cells.iter().any(|e| e.cell != slot && is_live(e))
+    }
+
+    /// Plans a new epoch of cell `slot` on the nodes it may use (after a loss, or to fold a
+    /// node in). The other cells are not touched.
+    pub(super) fn replan(&mut self, slot: usize) -> Vec<Action> {
         let Some(auto) = self.auto.clone() else {
             return Vec::new();
         };
@@ -100,11 +124,11 @@ impl Membership {
         // one node needs none, so this ends.
         self.benched.clear();
         let ring = loop {
-            let ring = match self.surviving_ring(&auto) {
+            let ring = match self.surviving_ring(&auto, slot) {
                 Some(ring) => Ok(ring),
                 None => even_split(
                     auto.n_layer,
-                    &self.ring_order(self.survivors(), self.wanted_stages(&auto)),
+                    &self.ring_order(self.survivors(slot), self.wanted_stages(&auto, slot)),
                     auto.target_stages,
                     dense.as_ref(),
                 ),
@@ -123,40 +147,66 @@ impl Membership {
         match ring {
             Ok(stages) => {
                 self.outage = None;
-                self.plan(auto.model, stages, auto.n_layer, auto.max_context, true)
+                self.plan(
+                    slot,
+                    auto.model,
+                    stages,
+                    auto.n_layer,
+                    auto.max_context,
+                    true,
+                )
+            }
+            // Another cell still serves: this one waits for nodes, and the service goes on.
+            Err(reason) if self.another_cell_live(slot) => {
+                if let Some(e) = self.cells.get_mut(slot) {
+                    if is_live(e) {
+                        e.phase = Phase::Failed(format!("no feasible plan: {reason}"));
+                    }
+                }
+                vec![Action::Note(format!(
+                    "cell {slot} is not placed (no feasible plan: {reason}); the other cells serve"
+                ))]
             }
             Err(reason) => {
                 let reason = format!("no feasible plan: {reason}");
                 self.outage = Some(reason.clone());
-                let epoch = self.epoch.as_ref().map_or(0, |e| e.id);
+                let epoch = self.cells.get(slot).map_or(0, |e| e.id);
                 vec![Action::EpochFailed { epoch, reason }]
             }
         }
     }
 
-    /// A node joined: plan again when that restores the configured stage count, or ends an
-    /// outage. (A better plan by the planner's score is the planner's seam.)
+    /// A node joined: plan a cell again when that restores its configured stage count, places
+    /// a missing cell (the others keep serving), or ends an outage. (A better plan by the
+    /// planner's score is the planner's seam.)
     pub(super) fn fold_in(&mut self) -> Vec<Action> {
-        let Some(auto) = &self.auto else {
+        let Some(auto) = self.auto.clone() else {
             return Vec::new();
         };
-        let wanted = self.wanted_stages(auto);
-        // The configured expert split can be placed again (its owners are all back) while the
-        // epoch runs a re-placed one.
-        let restorable = self.experts.is_some()
-            && self.epoch_experts != self.experts
-            && self.expert_split_ready();
-        let better = match &self.epoch {
-            Some(e) if !matches!(e.phase, Phase::Failed(_) | Phase::Released) => {
-                self.ring().len() < wanted || restorable
+        let mut out = Vec::new();
+        for slot in 0..auto.cells {
+            let wanted = self.wanted_stages(&auto, slot);
+            // The configured expert split can be placed again (its owners are all back) while
+            // the epoch runs a re-placed one.
+            let restorable = slot == 0
+                && self.experts.is_some()
+                && self.epoch_experts != self.experts
+                && self.expert_split_ready();
+            let better = match self.cells.get(slot) {
+                Some(e) if is_live(e) => self.ring(slot).len() < wanted || restorable,
+                // The first cell is always tried (its failure is the outage's reason); a
+                // further cell only with nodes to place it on.
+                _ => slot == 0 || wanted > 0,
+            };
+            if better {
+                out.extend(self.replan(slot));
             }
-            _ => true,
-        };
-        if better {
-            self.replan()
-        } else {
-            Vec::new()
+            // Slots fill in order: a cell that could not be placed leaves no nodes for later.
+            if !self.cells.get(slot).is_some_and(is_live) {
+                break;
+            }
         }
+        out
     }
 }
 

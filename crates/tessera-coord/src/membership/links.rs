@@ -62,9 +62,10 @@ impl Membership {
         // Only a stage of the epoch may say that the epoch cannot link: any other member
         // saying so is ignored (it would stop the service with one message). A report about
         // an epoch that is no longer current is late, not hostile.
-        let Some(e) = self.epoch.as_ref().filter(|e| e.id == epoch) else {
+        let Some(slot) = self.cells.iter().position(|e| e.id == epoch) else {
             return Vec::new();
         };
+        let e = &self.cells[slot];
         let in_epoch = |n: NodeId| e.stages.iter().any(|s| s.node_id == n);
         if !in_epoch(node) {
             return vec![Action::Refused {
@@ -78,7 +79,7 @@ impl Membership {
         // A peer outside the epoch is no link of it: the epoch fails as reported, and no
         // pair is kept.
         let pair = peer.filter(|p| *p != node && in_epoch(*p));
-        let mut out = self.fail(format!("node {}: {reason}", node.short()));
+        let mut out = self.fail(slot, format!("node {}: {reason}", node.short()));
         if let Some(peer) = pair {
             self.failed_links.insert((node, peer));
             out.push(Action::Note(format!(
@@ -86,7 +87,7 @@ impl Membership {
                 self.name_of(node),
                 self.name_of(peer)
             )));
-            out.extend(self.replan());
+            out.extend(self.replan(slot));
         }
         out
     }

@@ -24,6 +24,14 @@
 //! in which the two are not neighbours if one exists, else a plan without the node that did
 //! not report. The pair is remembered until either node leaves or joins again.
 //!
+//! **Cells.** A plan may hold several cells: whole copies of the model, each a ring of its own
+//! (a single node, or stages), given as one list of stages in which every cell starts again at
+//! layer 0 (`--split 0..5,0..5`: two single-node cells). Each cell is an epoch of its own, so
+//! a cell loads, links, fails and is re-planned without touching the others: a node lost in one
+//! cell re-plans that cell on the nodes no other live cell holds, and a node that joins while a
+//! cell is missing is folded in as a new cell while the others keep serving (make before
+//! break). Requests are routed to ready cells by the driver ([`crate::cells`]).
+//!
 //! **Expert splits.** An owner of experts that leaves (an expert-only node, or a stage) fails
 //! the epoch like a stage does. The new epoch keeps the ring if every ring stage survived, and
 //! hands the departed owner's experts to the surviving owners and ring stages by free memory
@@ -39,6 +47,8 @@ use crate::replan::ModelBytes;
 use tessera_host::{ContentHash, Inventory};
 use tessera_proto::CoordToNode;
 
+#[cfg(test)]
+mod cells;
 mod epochs;
 mod events;
 mod experts;
@@ -80,7 +90,9 @@ pub struct Member {
 pub struct Membership {
     members: BTreeMap<NodeId, Member>,
     joins: u64,
-    epoch: Option<Epoch>,
+    /// Each cell's latest epoch, by cell slot (empty before the first plan). A slot's epoch may
+    /// be failed or released while others serve.
+    cells: Vec<Epoch>,
     next_epoch: u64,
     auto: Option<AutoPlan>,
     bytes: Option<ModelBytes>,
@@ -157,8 +169,24 @@ impl Membership {
         v
     }
 
+    /// The first cell's epoch: the only one unless the plan holds several cells.
     pub fn epoch(&self) -> Option<&Epoch> {
-        self.epoch.as_ref()
+        self.cells.first()
+    }
+
+    /// Every cell's latest epoch, by cell slot (failed and released ones included).
+    pub fn cells(&self) -> &[Epoch] {
+        &self.cells
+    }
+
+    /// The cell epoch numbered `id`, if it is a cell's latest.
+    pub fn epoch_with_id(&self, id: u64) -> Option<&Epoch> {
+        self.cells.iter().find(|e| e.id == id)
+    }
+
+    /// The cells ready to take requests.
+    pub fn ready_cells(&self) -> impl Iterator<Item = &Epoch> {
+        self.cells.iter().filter(|e| e.phase == Phase::Ready)
     }
 
     /// The last epoch number handed out (0 before the first).
@@ -233,13 +261,15 @@ impl Membership {
             } => {
                 // A plan asked for is placed as asked.
                 self.benched.clear();
+                let cells = crate::assignment::cells_of(&stages);
                 self.auto = Some(AutoPlan {
                     model,
                     n_layer,
                     max_context,
-                    target_stages: stages.len(),
+                    target_stages: cells.iter().map(|c| c.len()).max().unwrap_or(0),
+                    cells: cells.len().max(1),
                 });
-                self.plan(model, stages, n_layer, max_context, false)
+                self.plan_cells(model, stages, cells, n_layer, max_context)
             }
             Event::Loaded {
                 node,
@@ -291,9 +321,9 @@ impl Membership {
                 // Only a stage of the epoch may say that the epoch cannot load or link: any other
                 // member saying so is ignored (it would stop the service with one message).
                 // A report about an epoch that is no longer current is late, not hostile.
-                match self.epoch.as_ref().filter(|e| e.id == epoch) {
-                    Some(e) if e.stages.iter().any(|s| s.node_id == node) => {
-                        self.fail(format!("node {}: {reason}", node.short()))
+                match self.cells.iter().position(|e| e.id == epoch) {
+                    Some(slot) if self.cells[slot].stages.iter().any(|s| s.node_id == node) => {
+                        self.fail(slot, format!("node {}: {reason}", node.short()))
                     }
                     Some(_) => vec![Action::Refused {
                         node,
