@@ -28,9 +28,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tessera_gateway::backend::{
-    Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, Event, EventSender,
-    FinishReason, GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus,
-    RequestHandle, ServedModel, SubmitError, Usage,
+    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus, Event,
+    EventSender, FinishReason, GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus,
+    PlanStatus, RequestHandle, ServedModel, SubmitError, Usage,
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
@@ -296,11 +296,22 @@ impl std::fmt::Display for NotServing {
 
 fn not_serving(shared: &Shared) -> Option<NotServing> {
     let st = shared.lock();
-    let Some(e) = st.membership.epoch() else {
+    let cells = st.membership.cells();
+    if cells.is_empty() {
         return Some(NotServing::NoPlan {
             connected: st.membership.connected().len(),
         });
-    };
+    }
+    // One ready cell serves; otherwise the cell furthest along says why not yet, and with
+    // none under way the first cell's end says why not at all.
+    if cells.iter().any(|e| e.phase == Phase::Ready) {
+        return None;
+    }
+    let e = cells
+        .iter()
+        .find(|e| e.phase == Phase::Linking)
+        .or_else(|| cells.iter().find(|e| e.phase == Phase::Loading))
+        .unwrap_or(&cells[0]);
     let epoch = e.id;
     match &e.phase {
         Phase::Ready => None,
@@ -549,14 +560,23 @@ fn status(inner: &Inner) -> ClusterStatus {
     }
     let st = shared.lock();
     let cfg = &shared.model.config;
-    let epoch = st
+    // The cells that hold (or are taking) their nodes; the first describes the plan.
+    let held: Vec<&crate::membership::Epoch> = st
         .membership
-        .epoch()
-        .filter(|e| !matches!(e.phase, Phase::Released));
+        .cells()
+        .iter()
+        .filter(|e| !matches!(e.phase, Phase::Released | Phase::Failed(_)))
+        .collect();
+    let epoch = held.first().copied().or_else(|| {
+        st.membership
+            .epoch()
+            .filter(|e| !matches!(e.phase, Phase::Released))
+    });
+    let n_cells = st.membership.cells().len();
     // The weight bytes a node's stage keeps resident (the gateway words what it holds).
     let weights_of = |id: &NodeId| -> u64 {
-        epoch
-            .and_then(|e| e.stages.iter().find(|s| s.node_id == *id))
+        held.iter()
+            .find_map(|e| e.stages.iter().find(|s| s.node_id == *id))
             .and_then(|s| s.loaded.as_ref())
             .map_or(0, |l| l.resident_bytes)
     };
@@ -678,22 +698,25 @@ fn status(inner: &Inner) -> ClusterStatus {
             }
             x
         };
-        let held = |id: &NodeId| match &expert_owners {
+        let held_experts = |id: &NodeId| match &expert_owners {
             Some(owners) => owners.iter().filter(|(o, _)| o == id).map(|(_, k)| k).sum(),
             None => cfg.n_expert,
         };
-        let mut assignments: Vec<Assignment> = e
-            .stages
+        let cells: Vec<&crate::membership::Epoch> =
+            if n_cells > 1 { held.clone() } else { vec![e] };
+        let mut assignments: Vec<Assignment> = cells
             .iter()
-            .enumerate()
-            .map(|(i, s)| Assignment {
-                node_id: s.node_id.to_string(),
-                layers: [s.layers.start, s.layers.end],
-                experts: held(&s.node_id),
-                embed: i == 0,
-                head: s.layers.end == cfg.n_layer,
-                weight_bytes: s.loaded.as_ref().map_or(0, |l| l.resident_bytes),
-                budget_bytes: budget(&s.node_id),
+            .flat_map(|e| {
+                e.stages.iter().enumerate().map(|(i, s)| Assignment {
+                    node_id: s.node_id.to_string(),
+                    cell: e.cell,
+                    layers: [s.layers.start, s.layers.end],
+                    experts: held_experts(&s.node_id),
+                    embed: i == 0,
+                    head: s.layers.end == cfg.n_layer,
+                    weight_bytes: s.loaded.as_ref().map_or(0, |l| l.resident_bytes),
+                    budget_bytes: budget(&s.node_id),
+                })
             })
             .collect();
         // Expert-only nodes: no layers, their share of every MoE layer's experts.
@@ -701,6 +724,7 @@ fn status(inner: &Inner) -> ClusterStatus {
             if e.stages.iter().all(|s| s.node_id != *id) {
                 assignments.push(Assignment {
                     node_id: id.to_string(),
+                    cell: 0,
                     layers: [0, 0],
                     experts: *k,
                     embed: false,
@@ -716,18 +740,56 @@ fn status(inner: &Inner) -> ClusterStatus {
             (1, true) => "expert split",
             (_, true) => "stage + expert split",
         };
+        let cells: Vec<CellStatus> = if n_cells > 1 {
+            st.membership
+                .cells()
+                .iter()
+                .map(|e| CellStatus {
+                    cell: e.cell,
+                    epoch: e.id,
+                    state: match &e.phase {
+                        Phase::Loading => "loading".into(),
+                        Phase::Linking => "linking".into(),
+                        Phase::Ready => "ready".into(),
+                        Phase::Failed(r) => format!("failed: {r}"),
+                        Phase::Released => "released".into(),
+                    },
+                    nodes: e.stages.iter().map(|s| s.node_id.to_string()).collect(),
+                    active: st.cells.seated(e.id),
+                    decode_tokens_per_s: st.cells.speed(e.id).unwrap_or(0.0),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let (strategy, explanation) = if n_cells > 1 {
+            (
+                format!("{n_cells} cells, {strategy} each"),
+                format!(
+                    "{n_cells} cells, each a whole copy of the model that takes whole requests: \
+                     every request runs on one ready cell, chosen among those with room for its \
+                     KV cache by the requests each is running and its measured decode speed. \
+                     A cell is re-planned alone when it loses a node; the others keep serving. \
+                     {explanation}"
+                ),
+            )
+        } else {
+            (strategy.to_string(), explanation)
+        };
         PlanStatus {
             epoch: e.id,
-            strategy: strategy.into(),
+            strategy,
             n_layers: cfg.n_layer,
             n_experts: cfg.n_expert,
             assignments,
             explanation,
+            cells,
         }
     });
-    let links: Vec<LinkStatus> = epoch
+    let links: Vec<LinkStatus> = held
+        .iter()
         .filter(|e| e.stages.len() > 1)
-        .map(|e| {
+        .flat_map(|e| {
             let n = e.stages.len();
             e.stages
                 .iter()
@@ -745,9 +807,9 @@ fn status(inner: &Inner) -> ClusterStatus {
                         rtt_us: s.link.map_or(0, |l| l.rtt_median.as_micros() as u64),
                     }
                 })
-                .collect()
+                .collect::<Vec<_>>()
         })
-        .unwrap_or_default();
+        .collect();
     let kv_total = kv.values().sum();
     let counters = BackendCounters {
         queue_depth: inner.waiting.load(Ordering::Relaxed),

@@ -33,6 +33,7 @@ use tessera_proto::{
 use tokio::sync::mpsc;
 
 use crate::assignment::resolve;
+use crate::cells::{choose, NoCell};
 use crate::error::CoordError;
 use crate::membership::{Event, Phase};
 use crate::run::{Input, Output, Placement, RunEvent, RunMachine, RunOutcome, RunSpec, Timer};
@@ -179,86 +180,168 @@ fn record_metrics(shared: &Shared, report: &RunReport) {
         .and_then(|mut f| writeln!(f, "{line}"));
 }
 
-/// Makes sure an epoch placing `spec` is ready; plans one if needed and waits for it.
+/// Bytes of KV cache per position per layer, as the stages hold it.
+fn kv_bytes_per_position_layer(shared: &Shared, st: &crate::shared::LiveState) -> u64 {
+    let shape = tessera_model::kv::KvShape::from_config(&shared.model.config);
+    st.membership.kv_type().bytes_per_position(shape) as u64
+}
+
+/// Chooses a ready cell for run `seq` (never `exclude`, the cell it was lost on) and seats it
+/// there ([`crate::cells`]), under one lock so that requests arriving together see each
+/// other's seats.
+fn take_cell(
+    shared: &Shared,
+    seq: u64,
+    positions: u64,
+    exclude: Option<u64>,
+) -> Result<Placement, NoCell> {
+    let mut st = shared.lock();
+    let kv = kv_bytes_per_position_layer(shared, &st);
+    let loads = st.cells.loads(&st.membership);
+    let epoch = choose(&loads, positions, kv, exclude)?;
+    st.cells.seat(seq, epoch, positions);
+    Placement::of(&st.membership, epoch).ok_or(NoCell::NoneReady)
+}
+
+/// A run's seat on its cell: given up when the run ends, and the requests waiting for room
+/// look again.
+struct Seat<'a> {
+    shared: &'a Shared,
+    seq: u64,
+}
+
+impl Drop for Seat<'_> {
+    fn drop(&mut self) {
+        if self.shared.lock().cells.unseat(self.seq) {
+            self.shared.seats_freed.notify_waiters();
+        }
+    }
+}
+
+/// Why no cell can take a request now and none is coming: the refusal the client gets.
+fn unavailable(st: &crate::shared::LiveState) -> Option<CoordError> {
+    let m = &st.membership;
+    if m.cells()
+        .iter()
+        .any(|e| matches!(e.phase, Phase::Loading | Phase::Linking | Phase::Ready))
+    {
+        return None;
+    }
+    let failed = m.epoch().and_then(|e| match &e.phase {
+        Phase::Failed(r) => Some(format!("epoch {} failed: {r}", e.id)),
+        _ => None,
+    });
+    Some(CoordError::Run(
+        match (m.outage().map(str::to_string), failed) {
+            (Some(why), _) | (None, Some(why)) => format!("service unavailable: {why}"),
+            (None, None) => {
+                "no assignment is active: give the stages (e.g. --split 0..3,3..5)".into()
+            }
+        },
+    ))
+}
+
+/// Seats run `seq` on a ready cell and returns its placement: the cell placing `spec` when
+/// one is given (planning it if no cell does, and waiting for it), else the cell the router
+/// chooses, waiting while cells load or while none has room for `positions` of KV.
 async fn ensure_epoch(
     shared: &Shared,
     spec: Option<&Vec<StageSpec>>,
+    seq: u64,
+    positions: u64,
 ) -> Result<Placement, CoordError> {
-    let n_layer = shared.model.config.n_layer;
-    let wanted = {
-        let st = shared.lock();
-        match spec {
-            Some(spec) => Some(resolve(spec, n_layer, &st.membership.candidates())?),
-            None => None,
-        }
-    };
+    let deadline = tokio::time::Instant::now() + EPOCH_TIMEOUT;
     let mut rx = shared.epoch_tx.subscribe();
+    if let Some(spec) = spec {
+        let target = plan_spec(shared, spec)?;
+        wait_ready(shared, &mut rx, target, deadline).await?;
+        let mut st = shared.lock();
+        st.cells.seat(seq, target, positions);
+        return Placement::of(&st.membership, target)
+            .ok_or_else(|| CoordError::Run("the epoch was replaced".into()));
+    }
+    loop {
+        // Armed before looking, so that a seat freed in between is not missed.
+        let freed = shared.seats_freed.notified();
+        tokio::pin!(freed);
+        freed.as_mut().enable();
+        match take_cell(shared, seq, positions, None) {
+            Ok(p) => return Ok(p),
+            Err(NoCell::NoneReady) => {
+                if let Some(e) = unavailable(&shared.lock()) {
+                    return Err(e);
+                }
+            }
+            Err(NoCell::NoneFits { .. }) => {}
+        }
+        tokio::select! {
+            r = tokio::time::timeout_at(deadline, rx.changed()) => if r.is_err() {
+                return Err(CoordError::Timeout(format!(
+                    "no cell could take the request within {EPOCH_TIMEOUT:?}"
+                )));
+            },
+            () = &mut freed => {}
+        }
+    }
+}
+
+/// The live cell whose ring is `spec`, or a new plan of it (which replaces every cell), as
+/// its epoch number.
+fn plan_spec(shared: &Shared, spec: &[StageSpec]) -> Result<u64, CoordError> {
+    let n_layer = shared.model.config.n_layer;
     // Decide and plan under one lock, so concurrent runs asking for the same placement share
     // one epoch instead of replacing each other's.
-    let target = {
-        let mut st = shared.lock();
-        let current = st.membership.epoch().filter(|e| {
-            !matches!(e.phase, Phase::Failed(_) | Phase::Released)
-                && wanted.as_ref().is_none_or(|w| {
-                    // Expert-only nodes (no layers) follow the ring stages of an expert split.
-                    let ring: Vec<_> = e.stages.iter().filter(|s| !s.layers.is_empty()).collect();
-                    w.len() == ring.len()
-                        && w.iter()
-                            .zip(&ring)
-                            .all(|((n, l), s)| *n == s.node_id && *l == s.layers)
-                })
-        });
-        match (current.map(|e| e.id), wanted) {
-            (Some(id), _) => id,
-            (None, Some(stages)) => {
-                shared.apply_locked(
-                    &mut st,
-                    Event::Plan {
-                        model: shared.server.manifest().model_hash,
-                        stages,
-                        n_layer,
-                        max_context: shared.max_context(),
-                    },
-                );
-                st.membership.epoch().map(|e| e.id).unwrap_or(0)
-            }
-            (None, None) => {
-                let failed = st.membership.epoch().and_then(|e| match &e.phase {
-                    Phase::Failed(r) => Some(format!("epoch {} failed: {r}", e.id)),
-                    _ => None,
-                });
-                return Err(CoordError::Run(
-                    match (st.membership.outage().map(str::to_string), failed) {
-                        (Some(why), _) | (None, Some(why)) => {
-                            format!("service unavailable: {why}")
-                        }
-                        (None, None) => {
-                            "no assignment is active: give the stages (e.g. --split 0..3,3..5)"
-                                .into()
-                        }
-                    },
-                ));
-            }
+    let mut st = shared.lock();
+    let wanted = resolve(spec, n_layer, &st.membership.candidates())?;
+    let current = st.membership.cells().iter().find(|e| {
+        !matches!(e.phase, Phase::Failed(_) | Phase::Released) && {
+            // Expert-only nodes (no layers) follow the ring stages of an expert split.
+            let ring: Vec<_> = e.stages.iter().filter(|s| !s.layers.is_empty()).collect();
+            wanted.len() == ring.len()
+                && wanted
+                    .iter()
+                    .zip(&ring)
+                    .all(|((n, l), s)| *n == s.node_id && *l == s.layers)
         }
-    };
-    let deadline = tokio::time::Instant::now() + EPOCH_TIMEOUT;
+    });
+    if let Some(e) = current {
+        return Ok(e.id);
+    }
+    shared.apply_locked(
+        &mut st,
+        Event::Plan {
+            model: shared.server.manifest().model_hash,
+            stages: wanted,
+            n_layer,
+            max_context: shared.max_context(),
+        },
+    );
+    Ok(st.membership.epoch().map_or(0, |e| e.id))
+}
+
+/// Waits until epoch `target` is ready; its failure or replacement is the run's error.
+async fn wait_ready(
+    shared: &Shared,
+    rx: &mut tokio::sync::watch::Receiver<Vec<EpochStatus>>,
+    target: u64,
+    deadline: tokio::time::Instant,
+) -> Result<(), CoordError> {
     loop {
-        let status = rx.borrow_and_update().clone();
-        match status {
-            EpochStatus::Ready(e) if e == target => break,
-            EpochStatus::Failed(e, reason) if e == target => {
-                return Err(CoordError::Run(format!("epoch {e} failed: {reason}")))
+        rx.borrow_and_update();
+        match shared
+            .lock()
+            .membership
+            .epoch_with_id(target)
+            .map(|e| e.phase.clone())
+        {
+            Some(Phase::Ready) => return Ok(()),
+            Some(Phase::Failed(r)) => {
+                return Err(CoordError::Run(format!("epoch {target} failed: {r}")))
             }
-            _ => {}
-        }
-        // The status may have moved on before we subscribed: look at the membership too.
-        if let Some(e) = shared.lock().membership.epoch() {
-            if e.id == target && e.phase == Phase::Ready {
-                break;
+            Some(Phase::Released) | None => {
+                return Err(CoordError::Run(format!("epoch {target} was replaced")))
             }
-            if let (true, Phase::Failed(r)) = (e.id == target, &e.phase) {
-                return Err(CoordError::Run(format!("epoch {target} failed: {r}")));
-            }
+            Some(Phase::Loading | Phase::Linking) => {}
         }
         if tokio::time::timeout_at(deadline, rx.changed())
             .await
@@ -269,9 +352,6 @@ async fn ensure_epoch(
             )));
         }
     }
-    let st = shared.lock();
-    Placement::of(&st.membership, target)
-        .ok_or_else(|| CoordError::Run("the epoch was replaced".into()))
 }
 
 /// Removes a run's routes (its own id and every attempt's) when the run ends.
@@ -289,23 +369,13 @@ impl Drop for Route<'_> {
     }
 }
 
-/// Whether `epoch` is still the membership's current, ready epoch.
+/// Whether `epoch` is still a ready cell.
 fn epoch_live(shared: &Shared, epoch: u64) -> bool {
     shared
         .lock()
         .membership
-        .epoch()
-        .is_some_and(|e| e.id == epoch && e.phase == Phase::Ready)
-}
-
-/// The membership's current epoch if it is ready and not `lost`.
-fn ready_epoch_other_than(shared: &Shared, lost: Option<u64>) -> Option<Placement> {
-    let st = shared.lock();
-    let e = st
-        .membership
-        .epoch()
-        .filter(|e| e.phase == Phase::Ready && Some(e.id) != lost)?;
-    Placement::of(&st.membership, e.id)
+        .epoch_with_id(epoch)
+        .is_some_and(|e| e.phase == Phase::Ready)
 }
 
 /// Runs one generation; streams tokens to `client`. The lifecycle — open, start, relay,
@@ -342,7 +412,10 @@ pub(crate) async fn run(
     spec.trace = req.trace;
     spec.grammar = req.grammar.clone();
     spec.logprobs = req.logprobs;
-    let first = ensure_epoch(shared, req.stages.as_ref()).await?;
+    // KV the request reserves on its cell: the prompt and the most it may generate.
+    let positions = (prompt.len() + req.max_new_tokens).min(shared.max_context()) as u64;
+    let first = ensure_epoch(shared, req.stages.as_ref(), seq, positions).await?;
+    let _seat = Seat { shared, seq };
 
     let (tx, mut rx) = mpsc::unbounded_channel();
     shared.lock().routes.insert(seq, tx.clone());
@@ -449,7 +522,7 @@ pub(crate) async fn run(
         if let Some(lost) = awaiting {
             let ready = match (lost, first.take()) {
                 (None, Some(p)) => Some((p, seq)),
-                (lost, _) => ready_epoch_other_than(shared, lost).map(|p| {
+                (lost, _) => take_cell(shared, seq, positions, lost).ok().map(|p| {
                     let attempt = shared.next_seq.fetch_add(1, Ordering::Relaxed);
                     shared.lock().routes.insert(attempt, tx.clone());
                     route.seqs.push(attempt);
@@ -475,6 +548,7 @@ pub(crate) async fn run(
                     None => Some(Input::Cancel),
                 },
                 _ = epoch_rx.changed() => None,
+                () = shared.seats_freed.notified(), if awaiting.is_some() => None,
                 () = async {
                     match next_timer {
                         Some(t) => tokio::time::sleep_until(t).await,
@@ -489,6 +563,12 @@ pub(crate) async fn run(
         }
     };
     drop(route);
+    if let Some(p) = &outcome.placement {
+        if let Some((n, d)) = outcome.decode {
+            let speed = n as f64 / d.as_secs_f64().max(1e-9);
+            shared.lock().cells.measured(p.epoch, speed);
+        }
+    }
     let tail = decoder.map_or_else(String::new, |mut d| d.finish());
     let generated = outcome.generated.len();
     if !tail.is_empty() {

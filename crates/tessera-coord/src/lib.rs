@@ -83,6 +83,7 @@ mod admin;
 pub mod assignment;
 pub mod authz;
 pub mod backend;
+pub mod cells;
 #[cfg(feature = "mdns")]
 pub mod discovery;
 pub mod distribute;

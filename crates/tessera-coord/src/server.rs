@@ -20,9 +20,7 @@ use crate::membership::{Event, Membership};
 use crate::state::{EnrolmentState, RedbState};
 
 use crate::session::control_session;
-use crate::shared::{
-    model_bytes, CoordinatorConfig, EpochStatus, LiveState, ModelInfo, Shared, DEFAULT_LEASE,
-};
+use crate::shared::{model_bytes, CoordinatorConfig, LiveState, ModelInfo, Shared, DEFAULT_LEASE};
 /// A bound coordinator.
 pub struct Coordinator {
     shared: Arc<Shared>,
@@ -92,7 +90,7 @@ impl Coordinator {
         let server = ModelServer::new(&config.model, manifest, config.progress)?;
         let max_context = config.max_context;
         let endpoint = Endpoint::bind(config.listen, &identity, enrol.clone())?;
-        let (epoch_tx, _) = watch::channel(EpochStatus::None);
+        let (epoch_tx, _) = watch::channel(Vec::new());
         let mut membership = Membership::new();
         if let Some(last) = last_epoch {
             tracing::info!(
@@ -113,6 +111,7 @@ impl Coordinator {
                 server,
                 state: Mutex::new(LiveState::new(membership)),
                 epoch_tx,
+                seats_freed: tokio::sync::Notify::new(),
                 next_seq: AtomicU64::new(1),
                 lease_ms: AtomicU64::new(DEFAULT_LEASE.as_millis() as u64),
                 store,

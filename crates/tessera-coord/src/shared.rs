@@ -53,10 +53,9 @@ pub struct ModelInfo {
     pub eog: Vec<u32>,
 }
 
-/// Where the current epoch is, for drivers waiting on it.
+/// Where a cell's epoch is, for drivers waiting on it (the watch holds one per cell).
 #[derive(Clone, Debug, PartialEq)]
 pub enum EpochStatus {
-    None,
     Pending(u64),
     Ready(u64),
     Failed(u64, String),
@@ -72,6 +71,8 @@ pub(crate) struct LiveState {
     pub routes: HashMap<u64, mpsc::UnboundedSender<RouteMsg>>,
     /// The latest expert-cache counters each node streaming experts from disk reported.
     pub expert_cache: HashMap<NodeId, tessera_proto::ExpertCacheStats>,
+    /// Which requests are seated on which cell, and each cell's measured speed.
+    pub cells: crate::cells::CellBook,
 }
 
 impl LiveState {
@@ -82,6 +83,7 @@ impl LiveState {
             sessions: 0,
             routes: HashMap::new(),
             expert_cache: HashMap::new(),
+            cells: crate::cells::CellBook::default(),
         }
     }
 
@@ -125,7 +127,10 @@ pub(crate) struct Shared {
     pub model: ModelInfo,
     pub server: ModelServer,
     pub state: Mutex<LiveState>,
-    pub epoch_tx: watch::Sender<EpochStatus>,
+    /// Each cell's epoch status, by slot: changes whenever a cell's epoch or phase does.
+    pub epoch_tx: watch::Sender<Vec<EpochStatus>>,
+    /// Notified when a request leaves its cell: requests waiting for KV room look again.
+    pub seats_freed: tokio::sync::Notify,
     pub next_seq: AtomicU64,
     /// Node lease, ms (see [`Coordinator::set_lease`]).
     pub lease_ms: AtomicU64,
@@ -161,7 +166,7 @@ impl Shared {
 
     /// [`Shared::apply`] with the state already locked (to decide and act atomically).
     pub(crate) fn apply_locked(&self, st: &mut LiveState, event: Event) {
-        let before = st.membership.epoch().map(|e| (e.id, e.phase.clone()));
+        let before = cell_phases(&st.membership);
         let actions = st.membership.handle(event);
         for a in actions {
             match a {
@@ -221,15 +226,17 @@ impl Shared {
                 Action::Refused { node, why } => self.authz.refuse(node, &why),
             }
         }
-        // The status drivers wait on follows the membership's current epoch.
-        let after = st.membership.epoch().map(|e| (e.id, e.phase.clone()));
-        let status = match &after {
-            None => EpochStatus::None,
-            Some((id, Phase::Loading | Phase::Linking)) => EpochStatus::Pending(*id),
-            Some((id, Phase::Ready)) => EpochStatus::Ready(*id),
-            Some((id, Phase::Failed(r))) => EpochStatus::Failed(*id, r.clone()),
-            Some((id, Phase::Released)) => EpochStatus::Failed(*id, "released".into()),
-        };
+        // The status drivers wait on follows every cell's epoch.
+        let after = cell_phases(&st.membership);
+        let status: Vec<EpochStatus> = after
+            .iter()
+            .map(|(id, phase)| match phase {
+                Phase::Loading | Phase::Linking => EpochStatus::Pending(*id),
+                Phase::Ready => EpochStatus::Ready(*id),
+                Phase::Failed(r) => EpochStatus::Failed(*id, r.clone()),
+                Phase::Released => EpochStatus::Failed(*id, "released".into()),
+            })
+            .collect();
         self.epoch_tx.send_if_modified(|s| {
             if *s == status {
                 false
@@ -238,14 +245,19 @@ impl Shared {
                 true
             }
         });
+        for e in st.membership.cells() {
+            if !before.contains(&(e.id, e.phase.clone())) {
+                self.record_epoch(&st.membership, e);
+            }
+        }
         if before != after {
-            self.record_epoch(&st.membership);
+            let live: Vec<u64> = after.iter().map(|(id, _)| *id).collect();
+            st.cells.retain_cells(&live);
         }
     }
 
-    /// Records the current epoch (its placement, phase and load evidence) durably.
-    fn record_epoch(&self, m: &Membership) {
-        let Some(e) = m.epoch() else { return };
+    /// Records a cell's epoch (its placement, phase and load evidence) durably.
+    fn record_epoch(&self, m: &Membership, e: &crate::membership::Epoch) {
         let rec = EpochRecord {
             epoch: e.id,
             model: e.model,
@@ -324,6 +336,11 @@ pub(crate) fn model_bytes(manifest: &Manifest, n_expert: usize) -> ModelBytes {
         expert,
         n_expert,
     }
+}
+
+/// Each cell's epoch number and phase, by slot.
+fn cell_phases(m: &Membership) -> Vec<(u64, Phase)> {
+    m.cells().iter().map(|e| (e.id, e.phase.clone())).collect()
 }
 
 /// Status of every member, for clients.

@@ -422,12 +422,36 @@ pub struct PlanStatus {
     pub assignments: Vec<Assignment>,
     /// The planner's explanation of why this plan was chosen.
     pub explanation: String,
+    /// The plan's cells (whole copies of the model, each taking whole requests), when it
+    /// holds more than one; `epoch` is then the first cell's.
+    #[serde(default)]
+    pub cells: Vec<CellStatus>,
+}
+
+/// One cell of a plan: a whole copy of the model that takes whole requests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CellStatus {
+    /// Its slot in the plan (0, 1, ...).
+    pub cell: usize,
+    /// Its own epoch: a cell is re-planned without touching the others.
+    pub epoch: u64,
+    /// "ready", "loading", "linking", "failed: ..." or "released".
+    pub state: String,
+    /// Its nodes' ids, in ring order.
+    pub nodes: Vec<String>,
+    /// Requests it is running now.
+    pub active: usize,
+    /// Decode tokens/s its finished requests measured (a moving average; 0: none yet).
+    pub decode_tokens_per_s: f64,
 }
 
 /// What one node does under a plan.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Assignment {
     pub node_id: String,
+    /// The cell (whole copy of the model) it belongs to: 0 unless the plan holds several.
+    #[serde(default)]
+    pub cell: usize,
     /// Layers `start..end` (empty for a node holding only experts or nothing).
     pub layers: [usize; 2],
     /// Experts held per MoE layer (0: none or dense).

@@ -326,12 +326,18 @@ pub fn holds(n: &NodeStatus, plan: Option<&PlanStatus>) -> String {
         return "nothing".into();
     };
     let [start, end] = a.layers;
+    // Stages are counted within the node's own cell (a whole copy of the model).
     let stages: Vec<&Assignment> = p
         .assignments
         .iter()
-        .filter(|a| a.layers[1] > a.layers[0])
+        .filter(|s| s.layers[1] > s.layers[0] && s.cell == a.cell)
         .collect();
-    let mut words = if end <= start {
+    let mut words = if p.cells.len() > 1 {
+        format!("cell {}: ", a.cell)
+    } else {
+        String::new()
+    };
+    words += &if end <= start {
         format!("experts only: {} per MoE layer", a.experts)
     } else if stages.len() == 1 {
         format!("all {} layers", p.n_layers)
@@ -463,13 +469,51 @@ fn render_plan(c: &ClusterStatus) -> String {
             bb = human_bytes(a.budget_bytes),
         );
     }
+    let _ = write!(o, "</div>{}", render_cells(p, c));
     let _ = write!(
         o,
-        r#"</div>
-<div class="explain"><h4>Why this plan</h4><p>{}</p></div>
+        r#"<div class="explain"><h4>Why this plan</h4><p>{}</p></div>
 </div>"#,
         esc(&p.explanation).replace('\n', "<br>")
     );
+    o
+}
+
+/// The plan's cells, when it holds more than one: each cell's state, nodes, requests running
+/// and measured decode speed.
+fn render_cells(p: &PlanStatus, c: &ClusterStatus) -> String {
+    if p.cells.len() < 2 {
+        return String::new();
+    }
+    let name = |id: &String| {
+        c.nodes
+            .iter()
+            .find(|n| n.id == *id)
+            .map_or(id.as_str(), |n| n.name.as_str())
+            .to_string()
+    };
+    let mut o = String::from(
+        r#"<table id="cells"><thead><tr><th>Cell</th><th>Epoch</th><th>State</th><th>Nodes</th><th>Running</th><th>Decode tok/s</th></tr></thead><tbody>"#,
+    );
+    for cell in &p.cells {
+        let nodes: Vec<String> = cell.nodes.iter().map(name).collect();
+        let _ = write!(
+            o,
+            r#"<tr data-cell="{}"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"#,
+            cell.cell,
+            cell.cell,
+            cell.epoch,
+            esc(&cell.state),
+            esc(&nodes.join(" → ")),
+            cell.active,
+            if cell.decode_tokens_per_s > 0.0 {
+                format!("{:.1}", cell.decode_tokens_per_s)
+            } else {
+                "–".into()
+            },
+        );
+    }
+    o.push_str("</tbody></table>");
     o
 }
 
@@ -580,6 +624,71 @@ mod tests {
             w.contains("experts streamed from disk (1.00 MiB in memory at most): 7 hits, 3 misses"),
             "{w}"
         );
+    }
+
+    #[test]
+    fn cells_are_listed_and_each_node_is_worded_within_its_cell() {
+        use crate::backend::CellStatus;
+        let c = ClusterStatus {
+            nodes: vec![
+                NodeStatus {
+                    id: "n1".into(),
+                    name: "alpha".into(),
+                    ..NodeStatus::default()
+                },
+                NodeStatus {
+                    id: "n2".into(),
+                    name: "beta".into(),
+                    ..NodeStatus::default()
+                },
+            ],
+            plan: Some(PlanStatus {
+                epoch: 4,
+                strategy: "2 cells".into(),
+                n_layers: 8,
+                assignments: vec![
+                    Assignment {
+                        node_id: "n1".into(),
+                        layers: [0, 8],
+                        ..Assignment::default()
+                    },
+                    Assignment {
+                        node_id: "n2".into(),
+                        cell: 1,
+                        layers: [0, 8],
+                        ..Assignment::default()
+                    },
+                ],
+                cells: vec![
+                    CellStatus {
+                        cell: 0,
+                        epoch: 4,
+                        state: "ready".into(),
+                        nodes: vec!["n1".into()],
+                        active: 3,
+                        decode_tokens_per_s: 12.5,
+                    },
+                    CellStatus {
+                        cell: 1,
+                        epoch: 5,
+                        state: "loading".into(),
+                        nodes: vec!["n2".into()],
+                        ..CellStatus::default()
+                    },
+                ],
+                ..PlanStatus::default()
+            }),
+            ..ClusterStatus::default()
+        };
+        let plan = render_plan(&c);
+        assert!(plan.contains(
+            r#"<tr data-cell="0"><td>0</td><td>4</td><td>ready</td><td>alpha</td><td>3</td><td>12.5</td></tr>"#
+        ), "{plan}");
+        assert!(plan.contains(
+            r#"<tr data-cell="1"><td>1</td><td>5</td><td>loading</td><td>beta</td><td>0</td><td>–</td></tr>"#
+        ));
+        // Each node holds all layers of its own cell, not stage 2 of 2.
+        assert_eq!(holds(&c.nodes[1], c.plan.as_ref()), "cell 1: all 8 layers");
     }
 
     #[test]

@@ -50,9 +50,10 @@ pub mod text;
 mod tokens;
 
 pub use backend::{
-    Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, Event, EventSender,
-    ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health, InventorySummary,
-    LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel, SubmitError, Usage,
+    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus, Event,
+    EventSender, ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health,
+    InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel,
+    SubmitError, Usage,
 };
 pub use scheduler::SchedulerConfig;
 pub use server::{check_exposure, router, serve, Gateway, GatewayConfig, KeyRequired};

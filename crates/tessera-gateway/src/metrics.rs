@@ -328,6 +328,41 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
         "Epoch of the plan being served (0: none).",
         &one(c.plan.as_ref().map_or(0, |p| p.epoch).to_string()),
     );
+    let cells = c.plan.as_ref().map_or(&[][..], |p| &p.cells[..]);
+    let cell = |f: &dyn Fn(&crate::backend::CellStatus) -> String| -> Vec<(String, String)> {
+        cells
+            .iter()
+            .map(|x| {
+                (
+                    format!("{{cell=\"{}\",epoch=\"{}\"}}", x.cell, x.epoch),
+                    f(x),
+                )
+            })
+            .collect()
+    };
+    metric(
+        "tessera_cells_ready",
+        "gauge",
+        "Cells (whole copies of the model) ready to take requests.",
+        &one(if cells.is_empty() {
+            u8::from(c.not_serving.is_none()) as usize
+        } else {
+            cells.iter().filter(|x| x.state == "ready").count()
+        }
+        .to_string()),
+    );
+    metric(
+        "tessera_cell_active_sequences",
+        "gauge",
+        "Requests a cell is running.",
+        &cell(&|x| x.active.to_string()),
+    );
+    metric(
+        "tessera_cell_decode_tokens_per_second",
+        "gauge",
+        "A cell's measured decode speed per request (moving average; 0: not measured yet).",
+        &cell(&|x| format!("{:.3}", x.decode_tokens_per_s)),
+    );
     let node = |f: &dyn Fn(&crate::backend::NodeStatus) -> u64| -> Vec<(String, String)> {
         c.nodes
             .iter()
@@ -427,6 +462,40 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cells_are_counted_with_their_load_and_speed() {
+        let cell = |cell: usize, epoch: u64, state: &str, active: usize, speed: f64| {
+            crate::backend::CellStatus {
+                cell,
+                epoch,
+                state: state.into(),
+                active,
+                decode_tokens_per_s: speed,
+                ..Default::default()
+            }
+        };
+        let c = ClusterStatus {
+            plan: Some(crate::backend::PlanStatus {
+                cells: vec![cell(0, 3, "ready", 2, 9.5), cell(1, 6, "loading", 0, 0.0)],
+                ..Default::default()
+            }),
+            ..ClusterStatus::default()
+        };
+        let text = render_prometheus(&GatewayMetrics::default().snapshot(), &c);
+        assert!(text.contains("\ntessera_cells_ready 1\n"), "{text}");
+        assert!(text.contains("tessera_cell_active_sequences{cell=\"0\",epoch=\"3\"} 2\n"));
+        assert!(text.contains("tessera_cell_active_sequences{cell=\"1\",epoch=\"6\"} 0\n"));
+        assert!(
+            text.contains("tessera_cell_decode_tokens_per_second{cell=\"0\",epoch=\"3\"} 9.500\n")
+        );
+        // A plan of one cell is one cell, ready when the backend serves.
+        let text = render_prometheus(
+            &GatewayMetrics::default().snapshot(),
+            &ClusterStatus::default(),
+        );
+        assert!(text.contains("\ntessera_cells_ready 1\n"));
+    }
 
     #[test]
     fn expert_cache_counters_are_rendered_per_streaming_node() {

@@ -154,6 +154,7 @@ pub fn three_node_status(model: &str, n_layers: usize) -> ClusterStatus {
         });
         assignments.push(Assignment {
             node_id: id.into(),
+            cell: 0,
             layers,
             experts: 0,
             embed: i == 0,
@@ -176,6 +177,7 @@ pub fn three_node_status(model: &str, n_layers: usize) -> ClusterStatus {
                           memory bandwidth within its budget. A two-node split was rejected: \
                           the old server alone would hold 60% of the weights and set the pace."
                 .into(),
+            cells: Vec::new(),
         }),
         links: vec![
             LinkStatus {

@@ -157,6 +157,7 @@ impl LocalBackend {
             n_experts: mc.n_expert,
             assignments: vec![Assignment {
                 node_id: "local".into(),
+                cell: 0,
                 layers: [0, mc.n_layer],
                 experts: mc.n_expert,
                 embed: true,
@@ -172,6 +173,7 @@ impl LocalBackend {
                 mc.n_layer,
                 config.scheduler.max_active
             ),
+            cells: Vec::new(),
         };
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox {

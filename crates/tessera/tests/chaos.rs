@@ -17,7 +17,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::chaos::{
-    messages, reference_text, run_to_end, text_of, tokens_seen, Cluster, Proc, TIMEOUT,
+    clients_under_way, messages, reference_text, run_to_end, text_of, tokens_seen, Cluster, Proc,
+    TIMEOUT,
 };
 use common::model;
 use serde_json::Value;
@@ -312,26 +313,6 @@ fn add_expert_node(c: &mut Cluster, name: &str, extra: &[&str]) {
     let mut p = Proc::spawn_with_events(name, &args);
     p.wait_event(&[("event", "joined")]);
     c.nodes.push(p);
-}
-
-/// Starts one client per workload and waits until each has streamed its first tokens.
-fn clients_under_way(c: &Cluster, loads: &[Vec<&str>]) -> Vec<Proc> {
-    let mut clients: Vec<Proc> = loads
-        .iter()
-        .enumerate()
-        .map(|(i, f)| c.client(&format!("client{i}"), f))
-        .collect();
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        for p in clients.iter_mut() {
-            p.drain();
-        }
-        if clients.iter().all(|p| tokens_seen(p) >= 2) {
-            return clients;
-        }
-        assert!(Instant::now() < deadline, "no tokens from every client");
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 /// Waits for every client: each succeeds with its one-process text, and at least one was

@@ -9,8 +9,8 @@
 //!   `tessera plan` and the coordinator's `--plan auto` both use).
 //! - [`resource_graph`]: inventory and links → resource graph.
 //! - [`plan_for`]: plan, falling back to the best single-node, stage-ring or expert-split plan
-//!   when the best plan is one the fabric cannot execute yet (weight bank, replicas, or a ring
-//!   that would stream experts from disk: only an expert split's nodes do).
+//!   when the best plan is one the fabric cannot execute yet (a weight bank, or a ring that
+//!   would stream experts from disk: only an expert split's nodes do). Replicas run as cells.
 //! - [`to_placement`]: an executable plan → a [`PlanFile`] of pinned stages, plus the expert
 //!   split of an expert plan ([`to_assignment`], [`to_expert_placement`]).
 //!
@@ -53,21 +53,23 @@ pub use placement::{
 };
 
 /// The strategies the fabric executes today.
-pub const EXECUTABLE: [StrategyKind; 3] = [
+pub const EXECUTABLE: [StrategyKind; 4] = [
     StrategyKind::Single,
     StrategyKind::Stage,
     StrategyKind::Expert,
+    StrategyKind::Replica,
 ];
 
 /// Whether the fabric can run `plan` of a model with `n_layer` layers of `n_expert` experts:
-/// one cell, a single node or a ring of whole layers held in memory, or an expert split whose
+/// cells that are each a single node or a ring of whole layers held in memory (several are
+/// replicas, run as the coordinator's cells), or an expert split whose
 /// ring holds whole layers and whose every expert is held once ([`to_placement`]).
 pub fn executable(plan: &Plan, n_layer: usize, n_expert: usize) -> bool {
     to_placement(plan, n_layer, n_expert).is_ok()
 }
 
 /// Plans `model` on `graph`. When the best plan is one the fabric cannot execute yet (weight
-/// bank, replicas, a ring leaving weights on disk), plans again with expert splits, and with
+/// bank, a ring leaving weights on disk), plans again with expert splits, and with
 /// single nodes and rings holding everything in memory, takes the better, and says so in the
 /// explanation's notes (with the better plan's predicted figure).
 pub fn plan_for(
@@ -241,27 +243,27 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_the_fabric_cannot_run_falls_back_to_the_best_stage_plan() {
+    fn replicas_at_served_concurrency_run_as_cells_one_per_node() {
         let m = model();
         let (_, mut g) = cluster(&[4 * GIB, 4 * GIB]);
         g.policy.objective = Objective::Throughput;
         g.policy.concurrency = 8;
-        let best = tessera_plan::plan(&m, &g, 1).unwrap();
-        assert_eq!(best.plan.strategy, StrategyKind::Replica);
-        assert!(!executable(&best.plan, 28, 0));
-        assert!(matches!(
-            to_assignment(&best.plan),
-            Err(NotExecutable::Strategy(StrategyKind::Replica))
-        ));
         let out = plan_executable(&m, &g, 1).unwrap();
+        assert_eq!(out.plan.strategy, StrategyKind::Replica);
+        let ns: Vec<crate::assignment::Candidate> = (0..2)
+            .map(|i| crate::assignment::Candidate {
+                node_id: tessera_net::NodeIdentity::from_seed([i as u8 + 1; 32]).node_id(),
+                name: format!("n{i}"),
+            })
+            .collect();
         assert!(executable(&out.plan, 28, 0));
-        assert!(EXECUTABLE.contains(&out.plan.strategy));
-        assert!(
-            out.explanation.notes[0].contains("replica"),
-            "{:?}",
-            out.explanation.notes
-        );
-        assert!(to_assignment(&out.plan).is_ok());
+        // Two whole copies, each on its own node: a split that starts again at layer 0.
+        let file = to_assignment(&out.plan).unwrap();
+        let layers: Vec<_> = file.stages.iter().map(|s| s.layers.clone()).collect();
+        assert_eq!(layers, vec![0..28, 0..28]);
+        let placed = crate::assignment::resolve(&file.stages, 28, &ns).unwrap();
+        assert_eq!(crate::assignment::cells_of(&placed), vec![0..1, 1..2]);
+        assert_ne!(placed[0].0, placed[1].0);
     }
 
     fn moe_model() -> ModelProfile {

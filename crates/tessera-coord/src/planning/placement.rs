@@ -167,9 +167,13 @@ pub fn to_expert_placement(
 
 /// The stages of a single-node or stage-ring plan, pinned to their nodes by name, in ring order.
 pub fn to_assignment(plan: &Plan) -> Result<PlanFile, NotExecutable> {
-    // One cell, a single node or a ring of whole layers (of an MoE model, with their experts).
-    let ring = plan.cells.len() == 1
-        && matches!(plan.cells[0].kind, CellKind::Single | CellKind::Stage)
+    // Cells that are each a single node or a ring of whole layers (of an MoE model, with their
+    // experts): one, or several whole copies (replicas), each starting again at layer 0.
+    let ring = !plan.cells.is_empty()
+        && plan
+            .cells
+            .iter()
+            .all(|c| matches!(c.kind, CellKind::Single | CellKind::Stage))
         && plan.assignments().all(|a| {
             a.layers.is_some()
                 && a.layers == a.ffn
@@ -181,8 +185,21 @@ pub fn to_assignment(plan: &Plan) -> Result<PlanFile, NotExecutable> {
     }
     let mut stages = Vec::new();
     let mut expected = 0;
+    let starts: Vec<usize> = plan
+        .cells
+        .iter()
+        .scan(0, |n, c| {
+            let start = *n;
+            *n += c.assignments.len();
+            Some(start)
+        })
+        .collect();
     for (i, a) in plan.assignments().enumerate() {
         let l = a.layers.expect("executable plans hold whole layers");
+        if starts.contains(&i) {
+            // Another cell: a whole copy of the model, from layer 0 again.
+            expected = 0;
+        }
         if l.start as usize != expected {
             return Err(NotExecutable::NotContiguous {
                 stage: i,

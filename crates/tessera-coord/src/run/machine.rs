@@ -90,10 +90,10 @@ pub struct Placement {
 }
 
 impl Placement {
-    /// The stages of the membership's current epoch, if it is `epoch` (the coordinator's and
-    /// the simulator's view of a placement alike).
+    /// The stages of cell epoch `epoch`, if it is a cell's latest (the coordinator's and the
+    /// simulator's view of a placement alike).
     pub fn of(m: &crate::membership::Membership, epoch: u64) -> Option<Self> {
-        let e = m.epoch().filter(|e| e.id == epoch)?;
+        let e = m.epoch_with_id(epoch)?;
         let stages = e
             .stages
             .iter()

@@ -13,15 +13,17 @@ use tessera_plan::{render_text, Objective, Policy};
 /// How long to wait for the coordinator's link measurements once the nodes are in.
 const LINK_WAIT: Duration = Duration::from_secs(5);
 
-/// The policy the coordinator plans with: one request's decode speed, KV cache for the
-/// coordinator's context length, decode predicted a short prompt in.
-pub fn policy(max_context: usize) -> Policy {
+/// The policy the coordinator plans with: the decode speed each request gets while
+/// `concurrency` are served (the gateway's batch; 1 for a coordinator serving `tessera run`),
+/// KV cache for the coordinator's context length, decode predicted a short prompt in. At a
+/// concurrency above 1, whole-request replicas (cells) compete with one batching ring.
+pub fn policy(max_context: usize, concurrency: usize) -> Policy {
     let context = max_context.max(1) as u64;
     Policy {
         objective: Objective::Latency,
         context_tokens: context,
         prompt_tokens: context.min(128),
-        concurrency: 1,
+        concurrency: concurrency.clamp(1, u32::MAX as usize) as u32,
         ..Policy::default()
     }
 }
@@ -67,7 +69,7 @@ pub fn fit_context<T, E>(
 }
 
 /// Waits for `expected` connected nodes with inventories (and, for a few seconds, their links),
-/// plans for the largest context that fits (or `--ctx`'s), prints the explanation and the
+/// plans at `concurrency` ([`policy`]) for the largest context that fits (or `--ctx`'s), prints the explanation and the
 /// context chosen, writes `DATA_DIR/plan-auto.json` (graph and outcome) and applies the stages
 /// (and the expert split of an expert plan).
 pub async fn run(
@@ -75,6 +77,7 @@ pub async fn run(
     model: &tessera_model::ModelProfile,
     expected: usize,
     context: ContextChoice,
+    concurrency: usize,
     data_dir: &Path,
 ) -> anyhow::Result<()> {
     // The KV cache as the stages will hold it: the coordinator's KV type, not the profile's F32.
@@ -110,7 +113,7 @@ pub async fn run(
         .collect();
     let links = links_via_coordinator(&coord_links);
     let (chosen, (graph, outcome)) = fit_context(context, |ctx| {
-        let graph = resource_graph(&nodes, &links, &policy(ctx));
+        let graph = resource_graph(&nodes, &links, &policy(ctx, concurrency));
         plan_for(model, &graph, 1).map(|o| (graph, o))
     })
     .with_context(|| {

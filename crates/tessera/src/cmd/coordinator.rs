@@ -168,7 +168,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
                 };
                 let expected = args.nodes_expected;
                 if let Err(e) =
-                    super::auto_plan::run(&coordinator, p, expected, context, &data_dir).await
+                    super::auto_plan::run(&coordinator, p, expected, context, 1, &data_dir).await
                 {
                     eprintln!("--plan auto: {e:#}");
                 }

@@ -256,6 +256,8 @@ impl Cluster {
         let coordinator = Arc::new(coordinator);
         let addr = coordinator.local_addr()?;
         let join = format!("{}@{addr}", coordinator.token());
+        // Plans are priced at the concurrency the gateway serves: its batch.
+        let concurrency = o.backend.max_active;
         let backend = ClusterBackend::new(&coordinator, &o.name, o.backend)?;
         let accept = {
             let c = coordinator.clone();
@@ -273,8 +275,9 @@ impl Cluster {
                     max: max_context,
                     fixed,
                 };
-                if let Err(e) = super::auto_plan::run(&c, &profile, nodes, context, &data_dir).await
-                {
+                let planned =
+                    super::auto_plan::run(&c, &profile, nodes, context, concurrency, &data_dir);
+                if let Err(e) = planned.await {
                     eprintln!("plan auto: {e:#}");
                 }
             });

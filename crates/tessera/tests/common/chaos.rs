@@ -342,6 +342,26 @@ pub fn reference_text(path: &Path, flags: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Starts one client per workload and waits until each has streamed its first tokens.
+pub fn clients_under_way(c: &Cluster, loads: &[Vec<&str>]) -> Vec<Proc> {
+    let mut clients: Vec<Proc> = loads
+        .iter()
+        .enumerate()
+        .map(|(i, f)| c.client(&format!("client{i}"), f))
+        .collect();
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        for p in clients.iter_mut() {
+            p.drain();
+        }
+        if clients.iter().all(|p| tokens_seen(p) >= 2) {
+            return clients;
+        }
+        assert!(Instant::now() < deadline, "no tokens from every client");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A client's JSON messages with their arrival times.
 pub fn messages(p: &Proc) -> Vec<(Instant, Value)> {
     p.seen

@@ -1,0 +1,302 @@
+//! Routing whole requests to cells: pure.
+//!
+//! A cell is one complete copy of the model (a single node, a stage ring, or an expert split),
+//! an epoch of its own in the [`crate::membership`]. Each request is sent whole to one ready
+//! cell, which batches it with the others it serves; a request never starts a download (only
+//! ready cells are candidates) and never moves while it runs, unless its cell is lost (then it
+//! resumes on another, with identical text).
+//!
+//! The choice, for a request that needs `positions` of KV cache:
+//! 1. **Hard filter: free memory.** Every node of the cell must have room for the request's KV
+//!    on the layers it holds: its budget, less the weights it keeps resident, less the KV
+//!    reserved by the requests already seated on the cell (each at its full length, prompt plus
+//!    the most tokens it may generate, so a seated request never runs out). A node with no
+//!    known budget is not limited.
+//! 2. **Score: expected wait.** `(seated + 1) / speed`, where speed is the cell's measured
+//!    decode tokens/s (a moving average over its finished requests), or the mean of the
+//!    measured cells for a cell not measured yet (1 when none is). Ties go to the fewer seated,
+//!    then to the older cell.
+//!
+//! [`CellBook`] keeps the seats and speeds; [`choose`] decides from a snapshot of both.
+
+use std::collections::BTreeMap;
+
+use tessera_net::NodeId;
+
+use crate::membership::{Member, Membership};
+
+/// Weight of a new measurement in a cell's speed average.
+const SPEED_WEIGHT: f64 = 0.3;
+
+/// One node of a candidate cell, as the filter sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CellNode {
+    pub node_id: NodeId,
+    /// Layers of the model it holds (KV grows on these).
+    pub layers: usize,
+    /// Bytes it may use (`None`: unknown, not limited).
+    pub budget_bytes: Option<u64>,
+    /// Weights it keeps resident.
+    pub resident_bytes: u64,
+}
+
+/// A ready cell, with the load on it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CellLoad {
+    pub epoch: u64,
+    pub nodes: Vec<CellNode>,
+    /// Requests seated on it now.
+    pub seated: usize,
+    /// KV positions those requests reserved.
+    pub reserved_positions: u64,
+    /// Measured decode tokens/s (`None`: no request has finished on it yet).
+    pub speed: Option<f64>,
+}
+
+impl CellLoad {
+    /// Whether every node has room for `positions` more of KV at `kv_bytes` per position per
+    /// layer.
+    pub fn fits(&self, positions: u64, kv_bytes: u64) -> bool {
+        self.nodes.iter().all(|n| match n.budget_bytes {
+            None | Some(0) => true,
+            Some(budget) => {
+                let per_position = n.layers as u64 * kv_bytes;
+                let used = n.resident_bytes + self.reserved_positions * per_position;
+                used + positions * per_position <= budget
+            }
+        })
+    }
+}
+
+/// Why no cell was chosen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NoCell {
+    /// No cell is ready (or the only ready ones were excluded).
+    NoneReady,
+    /// Cells are ready, but none has room for the request's KV now: it waits for one to free.
+    NoneFits { positions: u64 },
+}
+
+/// The cell to send a request needing `positions` of KV to, among `cells` (see the module
+/// docs), never `exclude` (the cell a resumed request was lost on).
+pub fn choose(
+    cells: &[CellLoad],
+    positions: u64,
+    kv_bytes: u64,
+    exclude: Option<u64>,
+) -> Result<u64, NoCell> {
+    let candidates: Vec<&CellLoad> = cells.iter().filter(|c| Some(c.epoch) != exclude).collect();
+    if candidates.is_empty() {
+        return Err(NoCell::NoneReady);
+    }
+    let measured: Vec<f64> = candidates.iter().filter_map(|c| c.speed).collect();
+    let default_speed = if measured.is_empty() {
+        1.0
+    } else {
+        measured.iter().sum::<f64>() / measured.len() as f64
+    };
+    let wait = |c: &CellLoad| (c.seated + 1) as f64 / c.speed.unwrap_or(default_speed).max(1e-9);
+    candidates
+        .into_iter()
+        .filter(|c| c.fits(positions, kv_bytes))
+        .min_by(|a, b| {
+            wait(a)
+                .total_cmp(&wait(b))
+                .then(a.seated.cmp(&b.seated))
+                .then(a.epoch.cmp(&b.epoch))
+        })
+        .map(|c| c.epoch)
+        .ok_or(NoCell::NoneFits { positions })
+}
+
+/// A request seated on a cell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Seat {
+    epoch: u64,
+    positions: u64,
+}
+
+/// The requests seated on each cell and each cell's measured speed.
+#[derive(Debug, Default)]
+pub struct CellBook {
+    seats: BTreeMap<u64, Seat>,
+    speed: BTreeMap<u64, f64>,
+}
+
+impl CellBook {
+    /// Seats request `seq` on cell `epoch`, reserving `positions` of KV (moving it if it was
+    /// seated elsewhere).
+    pub fn seat(&mut self, seq: u64, epoch: u64, positions: u64) {
+        self.seats.insert(seq, Seat { epoch, positions });
+    }
+
+    /// Request `seq` left its cell (it ended, or its cell was lost).
+    pub fn unseat(&mut self, seq: u64) -> bool {
+        self.seats.remove(&seq).is_some()
+    }
+
+    /// Requests seated on cell `epoch`.
+    pub fn seated(&self, epoch: u64) -> usize {
+        self.seats.values().filter(|s| s.epoch == epoch).count()
+    }
+
+    /// KV positions reserved on cell `epoch`.
+    pub fn reserved_positions(&self, epoch: u64) -> u64 {
+        self.seats
+            .values()
+            .filter(|s| s.epoch == epoch)
+            .map(|s| s.positions)
+            .sum()
+    }
+
+    /// A request on cell `epoch` decoded at `tokens_per_s`.
+    pub fn measured(&mut self, epoch: u64, tokens_per_s: f64) {
+        if !(tokens_per_s.is_finite() && tokens_per_s > 0.0) {
+            return;
+        }
+        let s = self.speed.entry(epoch).or_insert(tokens_per_s);
+        *s += SPEED_WEIGHT * (tokens_per_s - *s);
+    }
+
+    /// Cell `epoch`'s measured decode tokens/s.
+    pub fn speed(&self, epoch: u64) -> Option<f64> {
+        self.speed.get(&epoch).copied()
+    }
+
+    /// Forgets the speeds of cells that are no longer in `live` (their epochs ended).
+    pub fn retain_cells(&mut self, live: &[u64]) {
+        self.speed.retain(|e, _| live.contains(e));
+    }
+
+    /// The ready cells of `m` with their loads.
+    pub fn loads(&self, m: &Membership) -> Vec<CellLoad> {
+        m.ready_cells()
+            .map(|e| CellLoad {
+                epoch: e.id,
+                nodes: e
+                    .stages
+                    .iter()
+                    .map(|s| CellNode {
+                        node_id: s.node_id,
+                        layers: s.layers.len(),
+                        budget_bytes: m.member(&s.node_id).and_then(budget_of),
+                        resident_bytes: s.loaded.as_ref().map_or(0, |l| l.resident_bytes),
+                    })
+                    .collect(),
+                seated: self.seated(e.id),
+                reserved_positions: self.reserved_positions(e.id),
+                speed: self.speed(e.id),
+            })
+            .collect()
+    }
+}
+
+/// A node's budget: the one it set, else what it measured as available when it started.
+pub fn budget_of(m: &Member) -> Option<u64> {
+    m.memory_budget_bytes
+        .or_else(|| m.inventory.as_ref().and_then(|i| i.memory.available_bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(i: u8, layers: usize, budget: Option<u64>, resident: u64) -> CellNode {
+        CellNode {
+            node_id: tessera_net::NodeIdentity::from_seed([i; 32]).node_id(),
+            layers,
+            budget_bytes: budget,
+            resident_bytes: resident,
+        }
+    }
+
+    fn cell(epoch: u64, seated: usize, speed: Option<f64>) -> CellLoad {
+        CellLoad {
+            epoch,
+            nodes: vec![node(epoch as u8, 4, None, 0)],
+            seated,
+            reserved_positions: 0,
+            speed,
+        }
+    }
+
+    #[test]
+    fn requests_spread_over_equal_cells_by_what_is_seated() {
+        let mut book = CellBook::default();
+        let cells = |book: &CellBook| -> Vec<CellLoad> {
+            [1, 2, 3]
+                .iter()
+                .map(|&e| cell(e, book.seated(e), None))
+                .collect()
+        };
+        let mut chosen = Vec::new();
+        for seq in 0..6 {
+            let e = choose(&cells(&book), 10, 1, None).unwrap();
+            book.seat(seq, e, 10);
+            chosen.push(e);
+        }
+        assert_eq!(chosen, vec![1, 2, 3, 1, 2, 3]);
+        assert!(book.unseat(1));
+        assert!(!book.unseat(1), "a request leaves once");
+        assert_eq!(choose(&cells(&book), 10, 1, None), Ok(2));
+    }
+
+    #[test]
+    fn a_faster_cell_takes_more_requests() {
+        // Cell 2 decodes three times as fast: it is worth seating up to three there per one
+        // on cell 1.
+        let cells = [cell(1, 1, Some(10.0)), cell(2, 2, Some(30.0))];
+        assert_eq!(choose(&cells, 1, 1, None), Ok(2));
+        let cells = [cell(1, 1, Some(10.0)), cell(2, 6, Some(30.0))];
+        assert_eq!(choose(&cells, 1, 1, None), Ok(1));
+        // A cell not measured yet is taken to be as fast as the mean of the others.
+        let cells = [cell(1, 1, Some(10.0)), cell(2, 0, None)];
+        assert_eq!(choose(&cells, 1, 1, None), Ok(2));
+    }
+
+    #[test]
+    fn free_kv_is_a_hard_filter_whatever_the_score() {
+        // Node budgets of 1,000 bytes, 100 resident, 4 layers at 10 bytes a position-layer:
+        // 40 bytes a position, room for 22 positions.
+        let small = |epoch: u64, reserved: u64| CellLoad {
+            epoch,
+            nodes: vec![node(epoch as u8, 4, Some(1000), 100)],
+            seated: 0,
+            reserved_positions: reserved,
+            speed: Some(100.0),
+        };
+        assert!(small(1, 0).fits(22, 10));
+        assert!(!small(1, 0).fits(23, 10));
+        assert!(!small(1, 10).fits(13, 10));
+        // The idle fast cell has no room left: the busy slow one is chosen.
+        let cells = [small(1, 20), cell(2, 5, Some(1.0))];
+        assert_eq!(choose(&cells, 5, 10, None), Ok(2));
+        // No cell with room: the request waits.
+        assert_eq!(
+            choose(&[small(1, 20)], 5, 10, None),
+            Err(NoCell::NoneFits { positions: 5 })
+        );
+    }
+
+    #[test]
+    fn a_resumed_request_never_goes_back_to_the_cell_it_lost() {
+        let cells = [cell(1, 0, None), cell(2, 9, None)];
+        assert_eq!(choose(&cells, 1, 1, Some(1)), Ok(2));
+        assert_eq!(choose(&cells[..1], 1, 1, Some(1)), Err(NoCell::NoneReady));
+        assert_eq!(choose(&[], 1, 1, None), Err(NoCell::NoneReady));
+    }
+
+    #[test]
+    fn speeds_are_a_moving_average_of_sane_measurements() {
+        let mut book = CellBook::default();
+        book.measured(7, 10.0);
+        assert_eq!(book.speed(7), Some(10.0));
+        book.measured(7, 20.0);
+        assert!((book.speed(7).unwrap() - 13.0).abs() < 1e-9);
+        book.measured(7, f64::NAN);
+        book.measured(7, 0.0);
+        assert!((book.speed(7).unwrap() - 13.0).abs() < 1e-9);
+        book.retain_cells(&[8]);
+        assert_eq!(book.speed(7), None);
+    }
+}

@@ -1,0 +1,190 @@
+//! Cells with real processes on 127.0.0.1: a `tessera coordinator` whose `--split` holds
+//! several whole copies of the model (`0..3,0..3`: two single-node cells), its nodes, and
+//! concurrent `tessera run --json` clients. Each run is sent whole to one cell (its `started`
+//! message names the cell's epoch and nodes) and must stream the one-process text.
+//!
+//! - Runs in flight together are spread over the cells.
+//! - A cell that loses its node hands its runs to another cell, which resumes them with the
+//!   same text; runs on the other cell are never paused.
+//! - A node that joins while a cell is missing places that cell, and the runs in flight on the
+//!   serving cell go on untouched (make before break).
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use common::chaos::{clients_under_way, messages, reference_text, text_of, Cluster, Proc};
+use common::model;
+use serde_json::Value;
+
+const MODEL: &str = "test/small-qwen3-Q8_0.gguf";
+
+/// Greedy and seeded generations, long enough to be in flight together.
+fn workloads(n: usize) -> Vec<Vec<String>> {
+    let prompts = ["Once upon a time", "The cat sat", "Lily and Ben", "A dog"];
+    (0..n)
+        .map(|i| {
+            let mut f: Vec<String> = ["-p", prompts[i % prompts.len()], "-n", "300"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+            if i < prompts.len() {
+                f.extend(["--temperature".into(), "0".into()]);
+            } else {
+                f.extend([
+                    "--temperature".into(),
+                    "0.8".into(),
+                    "--seed".into(),
+                    (i * 7).to_string(),
+                ]);
+            }
+            f
+        })
+        .collect()
+}
+
+fn refs(v: &[Vec<String>]) -> Vec<Vec<&str>> {
+    v.iter()
+        .map(|f| f.iter().map(String::as_str).collect())
+        .collect()
+}
+
+/// The epochs a client's run was started or resumed on, in order.
+fn epochs_of(msgs: &[(Instant, Value)]) -> Vec<u64> {
+    msgs.iter()
+        .filter(|(_, m)| m["type"] == "started" || m["type"] == "resumed")
+        .filter_map(|(_, m)| m["epoch"].as_u64())
+        .collect()
+}
+
+/// The node names of the cell a client's run started on.
+fn started_on(msgs: &[(Instant, Value)]) -> Vec<String> {
+    let started = msgs
+        .iter()
+        .find(|(_, m)| m["type"] == "started")
+        .map(|(_, m)| m)
+        .expect("a started message");
+    started["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Waits for every client; each must succeed with its one-process text. Returns each one's
+/// messages.
+fn finish_all(
+    clients: &mut [Proc],
+    loads: &[Vec<&str>],
+    want: &[String],
+) -> Vec<Vec<(Instant, Value)>> {
+    clients
+        .iter_mut()
+        .enumerate()
+        .map(|(i, p)| {
+            let status = p.finish();
+            let msgs = messages(p);
+            assert!(
+                status.success(),
+                "client {i} failed: {:?}",
+                msgs.iter().map(|(_, m)| m).collect::<Vec<_>>()
+            );
+            assert_eq!(text_of(loads[i][1], &msgs), want[i], "client {i}: text");
+            msgs
+        })
+        .collect()
+}
+
+fn cluster(cells: usize) -> Cluster {
+    let path = model(MODEL);
+    let split = vec!["0..3"; cells].join(",");
+    let mut c = Cluster::start(&path, &split);
+    for i in 0..cells {
+        c.add_node(&format!("n{i}"));
+    }
+    c.wait_ready();
+    c
+}
+
+#[test]
+fn runs_in_flight_together_are_spread_over_the_cells_with_the_text_of_one_process() {
+    let path = model(MODEL);
+    let owned = workloads(8);
+    let loads = refs(&owned);
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let c = cluster(4);
+    let mut clients = clients_under_way(&c, &loads);
+    let msgs = finish_all(&mut clients, &loads, &want);
+    let cells: BTreeSet<Vec<String>> = msgs.iter().map(|m| started_on(m)).collect();
+    // Eight runs seated together on four equal cells: two each, so every cell serves.
+    assert_eq!(cells.len(), 4, "cells used: {cells:?}");
+    for m in &msgs {
+        assert_eq!(epochs_of(m).len(), 1, "no run moved: {:?}", epochs_of(m));
+    }
+}
+
+#[test]
+fn a_cell_that_loses_its_node_hands_its_runs_to_another_cell_and_the_others_are_untouched() {
+    let path = model(MODEL);
+    let owned = workloads(4);
+    let loads = refs(&owned);
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let mut c = cluster(2);
+    let mut clients = clients_under_way(&c, &loads);
+    // Kill the node serving the first run.
+    for p in clients.iter_mut() {
+        p.drain();
+    }
+    let victim = started_on(&messages(&clients[0]))[0].clone();
+    c.node(&victim).signal("-KILL");
+    let msgs = finish_all(&mut clients, &loads, &want);
+    let mut moved = 0;
+    for (i, m) in msgs.iter().enumerate() {
+        let epochs = epochs_of(m);
+        let paused = m.iter().filter(|(_, x)| x["type"] == "paused").count();
+        if started_on(m) == [victim.clone()] {
+            // Resumed once, on the surviving cell (checked below).
+            assert_eq!(epochs.len(), 2, "client {i}: {epochs:?}");
+            moved += 1;
+        } else {
+            assert_eq!(paused, 0, "client {i} on the surviving cell was paused");
+            assert_eq!(epochs.len(), 1, "client {i}: {epochs:?}");
+        }
+    }
+    assert!(moved >= 1, "the first run was on the victim's cell");
+    // Every resumed run went to the one cell left, whose epoch the untouched runs name.
+    let survivors: BTreeSet<u64> = msgs.iter().map(|m| *epochs_of(m).last().unwrap()).collect();
+    assert_eq!(survivors.len(), 1, "{survivors:?}");
+}
+
+#[test]
+fn a_node_joining_while_a_cell_is_missing_places_it_and_runs_in_flight_are_not_paused() {
+    let path = model(MODEL);
+    let owned = workloads(4);
+    let loads = refs(&owned);
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let mut c = cluster(2);
+    // n1 goes: its cell cannot be placed (no spare node), n0's cell serves alone.
+    c.node("n1").signal("-KILL");
+    c.coordinator.wait_event(&[("event", "epoch_failed")]);
+    let mut clients = clients_under_way(&c, &loads);
+    // A new node joins under load: the missing cell is placed on it.
+    c.add_node("n2");
+    c.coordinator.wait_event_nth(&[("event", "epoch_ready")], 3);
+    let msgs = finish_all(&mut clients, &loads, &want);
+    for (i, m) in msgs.iter().enumerate() {
+        assert!(
+            m.iter().all(|(_, x)| x["type"] != "paused"),
+            "client {i} was paused by the join"
+        );
+        assert_eq!(started_on(m), ["n0"], "client {i}");
+    }
+    // The new cell serves: a run alone now goes to either cell, and two together to both.
+    let more = refs(&owned[..2]);
+    let mut pair = clients_under_way(&c, &more);
+    let msgs = finish_all(&mut pair, &more, &want[..2]);
+    let cells: BTreeSet<Vec<String>> = msgs.iter().map(|m| started_on(m)).collect();
+    assert_eq!(cells.len(), 2, "cells used: {cells:?}");
+}
