@@ -31,10 +31,12 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.resumes += s.resumes;
         total.events += s.events;
         total.forged += s.forged;
+        total.cells += usize::from(s.cells > 1);
     }
     println!(
         "simulated {} schedules: {} requests ({} with the fault-free text, {} explicit errors), \
-         {} faults, {} resumptions, {} forged messages refused, {} events",
+         {} faults, {} resumptions, {} forged messages refused, {} events, {} schedules \
+         with several cells",
         seeds.len(),
         total.requests,
         total.completed,
@@ -42,13 +44,15 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.faults,
         total.resumes,
         total.forged,
-        total.events
+        total.events,
+        total.cells
     );
     assert_eq!(total.completed + total.errors, total.requests);
     if seeds.len() as u64 >= SCHEDULES {
         // The schedules must exercise what they claim to: failures, and runs that survive them.
         assert!(total.resumes > 400, "{total:?}");
         assert!(total.forged > 500, "{total:?}");
+        assert!(total.cells > 150, "{total:?}");
         assert!(total.completed * 10 > total.requests * 8, "{total:?}");
     }
 }

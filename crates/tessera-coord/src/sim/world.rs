@@ -79,6 +79,8 @@ pub struct Summary {
     pub events: u64,
     /// Messages a hostile member sent that it had no right to send.
     pub forged: usize,
+    /// Cells the first plan placed (whole copies of the model).
+    pub cells: usize,
 }
 
 #[derive(Debug)]
@@ -178,6 +180,10 @@ struct World {
     /// Incarnation of the coordinator (a restart makes earlier timers stale).
     coord_life: u64,
     stages: usize,
+    /// Whole copies of the model the first plan asks for (each a ring of `stages`).
+    cells: usize,
+    /// Which run is seated on which cell, as the driver keeps it.
+    book: crate::cells::CellBook,
     runs: Vec<SimRun>,
     /// Stage-side id → run.
     routes: BTreeMap<u64, usize>,
@@ -202,6 +208,13 @@ impl World {
         let mut rng = Rng::new(seed);
         let n_nodes = rng.range(1, 5) as usize;
         let stages = rng.range(1, n_nodes as u64 + 1) as usize;
+        // Several cells in about half the schedules where the nodes allow it.
+        let most = n_nodes / stages;
+        let cells = if most >= 2 && rng.range(0, 2) == 1 {
+            rng.range(2, most as u64 + 1) as usize
+        } else {
+            1
+        };
         let mut membership = Membership::new();
         membership.set_lease(cfg.lease);
         Self {
@@ -218,6 +231,8 @@ impl World {
             membership,
             coord_life: 0,
             stages,
+            cells,
+            book: crate::cells::CellBook::default(),
             runs: Vec::new(),
             routes: BTreeMap::new(),
             next_seq: 1,

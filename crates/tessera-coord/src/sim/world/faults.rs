@@ -72,44 +72,58 @@ impl World {
             return Ok(());
         };
         let id = self.nodes[node].id;
-        let epoch = self.membership.epoch().map(|e| {
-            let sampler = e.stages.iter().rev().find(|s| !s.layers.is_empty());
-            (
-                e.id,
-                e.stages.iter().any(|s| s.node_id == id),
-                sampler.map(|s| s.node_id),
-            )
-        });
+        // Every cell's epoch: whether this node is a stage of it, and its sampler.
+        let cells: Vec<(u64, bool, Option<NodeId>)> = self
+            .membership
+            .cells()
+            .iter()
+            .map(|e| {
+                let sampler = e.stages.iter().rev().find(|s| !s.layers.is_empty());
+                (
+                    e.id,
+                    e.stages.iter().any(|s| s.node_id == id),
+                    sampler.map(|s| s.node_id),
+                )
+            })
+            .collect();
         let mut forged = Vec::new();
-        if let Some((epoch, false, _)) = epoch {
-            forged.push(NodeToCoord::LoadFailed {
-                epoch,
-                reason: "forged".into(),
-            });
-            forged.push(NodeToCoord::LinkFailed {
-                epoch,
-                reason: "forged".into(),
-                peer: None,
-            });
+        for &(epoch, member, _) in &cells {
+            if !member {
+                forged.push(NodeToCoord::LoadFailed {
+                    epoch,
+                    reason: "forged".into(),
+                });
+                forged.push(NodeToCoord::LinkFailed {
+                    epoch,
+                    reason: "forged".into(),
+                    peer: None,
+                });
+            }
         }
-        let samples = epoch.is_some_and(|(_, _, sampler)| sampler == Some(id));
-        if !samples {
-            for run in &self.runs {
-                if let Some(seq) = run.machine.as_ref().and_then(|m| m.attempt_seq()) {
-                    let pos = run.spec.prompt.len() + run.streamed.len();
-                    forged.push(NodeToCoord::Token {
-                        seq,
-                        pos,
-                        token: VOCAB - 1,
-                        logprobs: None,
-                    });
-                    forged.push(NodeToCoord::Finished {
-                        seq,
-                        reason: FinishReason::Length,
-                        generated: 1,
-                        error: None,
-                    });
-                }
+        for run in &self.runs {
+            // The sampler of a run's own cell may say anything about it (verification is the
+            // answer to that): forge only for runs this node does not sample.
+            let sampler = run
+                .epoch
+                .and_then(|e| cells.iter().find(|c| c.0 == e))
+                .and_then(|c| c.2);
+            if run.epoch.is_none() || sampler == Some(id) {
+                continue;
+            }
+            if let Some(seq) = run.machine.as_ref().and_then(|m| m.attempt_seq()) {
+                let pos = run.spec.prompt.len() + run.streamed.len();
+                forged.push(NodeToCoord::Token {
+                    seq,
+                    pos,
+                    token: VOCAB - 1,
+                    logprobs: None,
+                });
+                forged.push(NodeToCoord::Finished {
+                    seq,
+                    reason: FinishReason::Length,
+                    generated: 1,
+                    error: None,
+                });
             }
         }
         self.summary.forged += forged.len();

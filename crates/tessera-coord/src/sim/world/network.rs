@@ -203,11 +203,10 @@ impl World {
         Ok(())
     }
 
-    /// How many stages epoch `epoch` has (from the membership, when it is the current one).
+    /// How many stages epoch `epoch` has (from the membership, when it is a cell's latest).
     pub(super) fn stage_count_of(&self, epoch: u64) -> usize {
         self.membership
-            .epoch()
-            .filter(|e| e.id == epoch)
+            .epoch_with_id(epoch)
             .map_or(0, |e| e.stages.len())
     }
 

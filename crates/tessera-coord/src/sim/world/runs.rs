@@ -4,8 +4,8 @@
 use super::*;
 
 impl World {
-    /// The first plan: the configured stage count over the connected nodes, once enough
-    /// have joined (later plans are the membership's own re-planning).
+    /// The first plan: the configured cells of the configured stage count over the connected
+    /// nodes, once enough have joined (later plans are the membership's own re-planning).
     pub(super) fn maybe_plan(&mut self) -> Result<(), Violation> {
         if self.membership.auto_plan().is_some() || self.membership.epoch().is_some() {
             return Ok(());
@@ -17,13 +17,17 @@ impl World {
             .map(|m| m.node_id)
             .collect();
         let alive = self.nodes.iter().filter(|n| n.alive && n.enrolled).count();
-        if connected.len() < self.stages.min(alive.max(1)) {
+        if connected.len() < (self.stages * self.cells).min(alive.max(1)) {
             return Ok(());
         }
         let k = self.stages.min(connected.len());
+        let cells = (connected.len() / k).clamp(1, self.cells);
+        self.summary.cells = cells;
+        let ranges = crate::replan::even_ranges(N_LAYER, k);
         let stages = connected
-            .into_iter()
-            .zip(crate::replan::even_ranges(N_LAYER, k))
+            .chunks(k)
+            .take(cells)
+            .flat_map(|nodes| nodes.iter().copied().zip(ranges.iter().cloned()))
             .collect();
         self.membership_event(Event::Plan {
             model: tessera_host::ContentHash([7; 32]),
@@ -66,54 +70,53 @@ impl World {
         self.epochs_changed()
     }
 
-    /// Tells runs about the epoch as it now is: lost under them, or ready for those waiting.
+    /// Tells runs about the cells as they now are: lost under them, or ready for those
+    /// waiting (each seated on the cell the router chooses, as the driver does).
     pub(super) fn epochs_changed(&mut self) -> Result<(), Violation> {
-        let current = self.membership.epoch().map(|e| (e.id, e.phase.clone()));
-        if let Some((id, _)) = &current {
-            if *id < self.highest_epoch {
+        // Epoch numbers only grow, whichever cell takes the next.
+        if let Some(id) = self.membership.cells().iter().map(|e| e.id).max() {
+            if id < self.highest_epoch {
                 return Err(self.violation(format!(
                     "epoch went backwards: {id} after {}",
                     self.highest_epoch
                 )));
             }
-            self.highest_epoch = *id;
-            self.summary.epochs = self.summary.epochs.max(*id);
+            self.highest_epoch = id;
+            self.summary.epochs = self.summary.epochs.max(id);
         }
-        let ready = match &current {
-            Some((id, Phase::Ready)) => Some(*id),
-            _ => None,
-        };
+        let ready: Vec<u64> = self.membership.ready_cells().map(|e| e.id).collect();
         for run in 0..self.runs.len() {
             if let Some(e) = self.runs[run].epoch {
-                if ready != Some(e) {
+                if !ready.contains(&e) {
                     self.runs[run].epoch = None;
+                    self.book.unseat(run as u64);
                     let why = format!("epoch {e} was lost");
                     self.run_input(run, Input::EpochLost { epoch: e, why })?;
                 }
             }
         }
-        if let Some(id) = ready {
-            for run in 0..self.runs.len() {
-                match self.runs[run].awaiting {
-                    Some(lost) if lost != Some(id) => {
-                        self.runs[run].awaiting = None;
-                        let placement =
-                            Placement::of(&self.membership, id).expect("the ready epoch");
-                        let attempt_seq = self.next_seq;
-                        self.next_seq += 1;
-                        self.routes.insert(attempt_seq, run);
-                        self.runs[run].epoch = Some(id);
-                        self.run_input(
-                            run,
-                            Input::EpochReady {
-                                placement,
-                                attempt_seq,
-                            },
-                        )?;
-                    }
-                    _ => {}
-                }
-            }
+        for run in 0..self.runs.len() {
+            let Some(lost) = self.runs[run].awaiting else {
+                continue;
+            };
+            let loads = self.book.loads(&self.membership);
+            let Ok(id) = crate::cells::choose(&loads, 1, 1, lost) else {
+                continue;
+            };
+            self.runs[run].awaiting = None;
+            self.book.seat(run as u64, id, 1);
+            let placement = Placement::of(&self.membership, id).expect("a ready cell");
+            let attempt_seq = self.next_seq;
+            self.next_seq += 1;
+            self.routes.insert(attempt_seq, run);
+            self.runs[run].epoch = Some(id);
+            self.run_input(
+                run,
+                Input::EpochReady {
+                    placement,
+                    attempt_seq,
+                },
+            )?;
         }
         Ok(())
     }
@@ -162,6 +165,7 @@ impl World {
                     }
                     self.runs[run].awaiting = Some(lost);
                     self.runs[run].epoch = None;
+                    self.book.unseat(run as u64);
                 }
                 Output::ArmTimer { timer, after } => {
                     let life = self.coord_life;
@@ -183,6 +187,7 @@ impl World {
                 }
                 Output::Event(_) | Output::Refused { .. } => {}
                 Output::Done(outcome) => {
+                    self.book.unseat(run as u64);
                     let r = &mut self.runs[run];
                     r.awaiting = None;
                     r.epoch = None;
