@@ -9,7 +9,7 @@ use tessera_proto::{CoordToNode, FinishReason, NodeToCoord};
 
 use super::node::{NodeEffect, SimNode};
 use super::{next_token, Rng};
-use crate::membership::{Action, Event, Member, Membership, Phase};
+use crate::membership::{Action, Event, Member, Membership};
 use crate::run::{Fault, Input, Output, Placement, RunEvent, RunMachine, RunSpec, Timer};
 
 mod faults;

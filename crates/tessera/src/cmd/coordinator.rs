@@ -21,7 +21,8 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     data_dir: PathBuf,
     /// Apply this split as soon as enough nodes have joined, e.g. `0..3,3..5` (stages take nodes
-    /// in the order they joined).
+    /// in the order they joined). Starting again at layer 0 adds a cell, a whole copy of the
+    /// model taking whole requests: `0..5,0..5` is two single-node cells.
     #[arg(long, conflicts_with = "plan")]
     split: Option<String>,
     /// Apply this plan file (JSON: `{"stages":[{"node":"NAME","layers":"0..3"},...]}`), or

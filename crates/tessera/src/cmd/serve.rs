@@ -71,7 +71,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub nodes_expected: Option<usize>,
     /// Distributed mode: the layer split in ring order, e.g. `0..3,3..5` (stages take nodes in
-    /// the order they join). Default: an even split over --nodes-expected.
+    /// the order they join). Starting again at layer 0 adds a cell, a whole copy of the model
+    /// taking whole requests: `0..5,0..5` is two single-node cells. Default: an even split over
+    /// --nodes-expected.
     #[arg(long)]
     pub split: Option<String>,
     /// Distributed mode: `auto` plans from the joined nodes' measured inventory and links

@@ -35,7 +35,9 @@ pub struct UpArgs {
     /// Node processes to start.
     #[arg(long, default_value_t = 3)]
     nodes: usize,
-    /// Layer split in ring order, e.g. `0..2,2..4,4..5` (default: even over --nodes).
+    /// Layer split in ring order, e.g. `0..2,2..4,4..5` (default: even over --nodes). Starting
+    /// again at layer 0 adds a cell (a whole copy of the model taking whole requests):
+    /// `0..5,0..5,0..5` is three single-node cells.
     #[arg(long)]
     split: Option<String>,
     /// `auto`: plan from the nodes' measured inventory and links (the planner may use fewer
