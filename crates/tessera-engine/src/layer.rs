@@ -7,6 +7,9 @@
 //! h' = x + FFN(rms_norm(x) * ffn_norm)            (dense SwiGLU, or routed experts)
 //! ```
 //!
+//! Llama 4 skips RoPE in every fourth layer (NoPE, whose queries get a temperature at long
+//! context) and RMS-normalises the rotated queries and keys without a weight.
+//!
 //! DeepSeek's latent attention makes q, k and v its own way (see [`tessera_model::Mla`]): one
 //! cached latent per position that every head attends to through its own absorbed projections.
 //! Its MoE layers add shared experts to the routed ones.
@@ -18,8 +21,8 @@ use crate::kv::{KvCache, LayerView};
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
 use crate::ops::{
-    add_assign, attend_group, rms_norm, rms_norm_into, rope_neox, rope_normal, sigmoid, softmax,
-    swiglu_rows, AttnScratch, HeadRows,
+    add_assign, attend_group, rms_norm, rms_norm_into, rms_norm_unweighted, rope_neox, rope_normal,
+    sigmoid, softmax, swiglu_rows, AttnScratch, HeadRows,
 };
 use crate::weights::{AttnProj, Ffn};
 use tessera_model::{ExpertGating, RopeStyle};
@@ -122,18 +125,32 @@ impl Model {
                 rms_norm(head, kn, cfg.rms_eps);
             }
         }
-        // RoPE at each row's position.
-        let rope = match cfg.rope_style {
-            RopeStyle::Normal => rope_normal,
-            RopeStyle::Neox => rope_neox,
-        };
-        for t in 0..n {
-            let (cos, sin) = sc.rope.row(t);
-            for head in sc.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
-                rope(head, cos, sin);
+        if cfg.uses_rope(layer) {
+            // RoPE at each row's position.
+            let rope = match cfg.rope_style {
+                RopeStyle::Normal => rope_normal,
+                RopeStyle::Neox => rope_neox,
+            };
+            for t in 0..n {
+                let (cos, sin) = sc.rope.row(t);
+                for head in sc.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
+                    rope(head, cos, sin);
+                }
+                for head in sc.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
+                    rope(head, cos, sin);
+                }
             }
-            for head in sc.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
-                rope(head, cos, sin);
+            // Llama 4: an unweighted RMS norm of each rotated head.
+            if cfg.rope_qk_rms_norm {
+                for head in sc.q.chunks_exact_mut(hd).chain(sc.k.chunks_exact_mut(hd)) {
+                    rms_norm_unweighted(head, cfg.rms_eps);
+                }
+            }
+        } else if let Some(temp) = cfg.attn_temperature {
+            // Llama 4's NoPE layers: queries warmed by the position's temperature.
+            for t in 0..n {
+                let f = temp.factor(sc.rows[t].1);
+                sc.q[t * qd..(t + 1) * qd].iter_mut().for_each(|x| *x *= f);
             }
         }
         self.attend(layer, batch, kv, sc);
@@ -445,8 +462,10 @@ impl Model {
         let mut order: Vec<usize> = Vec::with_capacity(ne);
         for p in probs.chunks_exact_mut(ne) {
             match cfg.gating {
-                ExpertGating::Sigmoid => p.iter_mut().for_each(|x| *x = sigmoid(*x)),
-                _ => softmax(p),
+                ExpertGating::Sigmoid | ExpertGating::SigmoidInput => {
+                    p.iter_mut().for_each(|x| *x = sigmoid(*x))
+                }
+                ExpertGating::Softmax | ExpertGating::SoftmaxWeight => softmax(p),
             }
             if let Some(b) = &core.selection_bias {
                 add_assign(p, b);

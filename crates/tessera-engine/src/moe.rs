@@ -237,6 +237,9 @@ fn mask_groups(select: &mut [f32], groups: usize, used: usize) {
     }
 }
 
+/// An expert and the (row, slot) pairs it computes, in row order.
+type ExpertGroup = (usize, Vec<(usize, usize)>);
+
 /// Lower bound applied to the sum of the selected weights before renormalising (llama.cpp).
 const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
 
@@ -247,6 +250,8 @@ impl Model {
     /// weights are the gate's outputs, renormalised to sum to one when the model asks for it,
     /// then scaled by [`ModelConfig::expert_weights_scale`]. For gpt-oss
     /// ([`ExpertGating::SoftmaxWeight`]): the top `k` biased logits and the softmax of those `k`.
+    /// For Llama 4 ([`ExpertGating::SigmoidInput`]): the top `k` logits and their sigmoids
+    /// (which [`Model::moe_experts`] applies to the experts' inputs).
     ///
     /// [`ModelConfig::expert_weights_scale`]: tessera_model::ModelConfig::expert_weights_scale
     pub fn moe_route(&self, layer: usize, normed: &Hidden) -> Result<Routing> {
@@ -266,12 +271,20 @@ impl Model {
             if let Some(b) = &core.router_bias {
                 add_assign(p, b);
             }
+            // Llama 4 selects by the logits themselves (its sigmoid comes after the top k).
+            if cfg.gating == ExpertGating::SigmoidInput {
+                select.copy_from_slice(p);
+            }
             match cfg.gating {
                 ExpertGating::Softmax => softmax(p),
-                ExpertGating::Sigmoid => p.iter_mut().for_each(|x| *x = sigmoid(*x)),
+                ExpertGating::Sigmoid | ExpertGating::SigmoidInput => {
+                    p.iter_mut().for_each(|x| *x = sigmoid(*x))
+                }
                 ExpertGating::SoftmaxWeight => {}
             }
-            select.copy_from_slice(p);
+            if cfg.gating != ExpertGating::SigmoidInput {
+                select.copy_from_slice(p);
+            }
             if let Some(b) = &core.selection_bias {
                 add_assign(&mut select, b);
             }
@@ -310,7 +323,10 @@ impl Model {
 
     /// Computes the slots of `routing` whose expert satisfies `owned` (each such expert once,
     /// for all the tokens routed to it, reading its weights once). An owned expert that this
-    /// part does not hold is an error.
+    /// part does not hold is an error. A slot's output is its weight times the expert's output,
+    /// or, for Llama 4 ([`ExpertGating::SigmoidInput`]), the expert's output of its input times
+    /// the weight; either way it depends only on the token's row and its slot, so the parts of
+    /// a split compute what the whole layer would.
     pub fn moe_experts(
         &self,
         layer: usize,
@@ -358,13 +374,39 @@ impl Model {
             }
             groups.push((e, members));
         }
+        // Llama 4: every (token, slot) has its own input row, the token's row times the slot's
+        // weight; the experts run on those rows (member `i` of the rewritten groups is row `i`
+        // of `weighted`) and their outputs are the slots' as they are.
+        let weight_input = cfg.gating == ExpertGating::SigmoidInput;
+        let (weighted_rows, regrouped);
+        let (normed, run): (&Hidden, &[ExpertGroup]) = if weight_input {
+            let mut rows = Hidden::zeros(groups.iter().map(|(_, m)| m.len()).sum(), d);
+            let mut rg = Vec::with_capacity(groups.len());
+            let mut r = 0;
+            for (e, members) in &groups {
+                let mut rm = Vec::with_capacity(members.len());
+                for &(t, s) in members {
+                    let wt = routing.weights[t * k + s];
+                    for (o, &x) in rows.row_mut(r).iter_mut().zip(normed.row(t)) {
+                        *o = x * wt;
+                    }
+                    rm.push((r, s));
+                    r += 1;
+                }
+                rg.push((*e, rm));
+            }
+            (weighted_rows, regrouped) = (rows, rg);
+            (&weighted_rows, &regrouped)
+        } else {
+            (normed, &groups)
+        };
         let down: Vec<Vec<f32>> = match store {
             None => {
                 let ffns: Vec<&Ffn> = groups
                     .iter()
                     .map(|(e, _)| lw.experts[*e].as_ref().expect("checked above"))
                     .collect();
-                self.expert_ffns(normed, &groups, &ffns, &lw.expert_bias)
+                self.expert_ffns(normed, run, &ffns, &lw.expert_bias)
             }
             Some(store) => {
                 let slots_owned: Vec<u32> = routing
@@ -398,7 +440,7 @@ impl Model {
                 let mut outs: Vec<Option<Vec<f32>>> = vec![None; groups.len()];
                 for batch in batches {
                     let part: Vec<(usize, Vec<(usize, usize)>)> =
-                        batch.iter().map(|&i| groups[i].clone()).collect();
+                        batch.iter().map(|&i| run[i].clone()).collect();
                     let part_ids: Vec<usize> = part.iter().map(|(e, _)| *e).collect();
                     let held = store.get_many(layer, &part_ids)?;
                     let ffns: Vec<&Ffn> = held.iter().map(|f| &**f).collect();
@@ -415,8 +457,13 @@ impl Model {
         let mut slots: Vec<Option<Vec<f32>>> = vec![None; n * k];
         for ((_, members), out) in groups.iter().zip(&down) {
             for (i, &(t, s)) in members.iter().enumerate() {
-                let wt = routing.weights[t * k + s];
-                slots[t * k + s] = Some(out[i * d..(i + 1) * d].iter().map(|&v| v * wt).collect());
+                let out = &out[i * d..(i + 1) * d];
+                slots[t * k + s] = Some(if weight_input {
+                    out.to_vec()
+                } else {
+                    let wt = routing.weights[t * k + s];
+                    out.iter().map(|&v| v * wt).collect()
+                });
             }
         }
         Ok(ExpertOutputs {

@@ -19,6 +19,19 @@ pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// [`rms_norm`] without a weight (ggml's `rms_norm` alone: Llama 4's query and key norm).
+pub fn rms_norm_unweighted(x: &mut [f32], eps: f32) {
+    let mut sum = 0.0f64;
+    for &v in x.iter() {
+        sum += (v * v) as f64;
+    }
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0f32 / (mean + eps).sqrt();
+    for v in x.iter_mut() {
+        *v *= scale;
+    }
+}
+
 /// [`rms_norm`] of `src` written to `dst`.
 pub fn rms_norm_into(dst: &mut [f32], src: &[f32], weight: &[f32], eps: f32) {
     dst.copy_from_slice(src);

@@ -35,6 +35,14 @@ pub enum Architecture {
     /// sigmoid gate and a selection bias beside a shared expert.
     #[serde(rename = "glm4moe")]
     Glm4Moe,
+    /// Llama 4 Scout/Maverick (`llama4` in llama.cpp): MoE layers every
+    /// [`ModelConfig::moe_layer_step`] layers beside dense ones, one shared expert beside
+    /// top-k routed ones whose sigmoid weight scales the expert's input
+    /// ([`ExpertGating::SigmoidInput`]), and iRoPE: three of every four layers use RoPE with
+    /// chunked attention (and an unweighted RMS norm of queries and keys), the fourth has no
+    /// position encoding and sees the whole context.
+    #[serde(rename = "llama4")]
+    Llama4,
 }
 
 impl Architecture {
@@ -47,6 +55,7 @@ impl Architecture {
             Self::GptOss => "gpt-oss",
             Self::DeepSeek2 => "deepseek2",
             Self::Glm4Moe => "glm4moe",
+            Self::Llama4 => "llama4",
         }
     }
 
@@ -59,6 +68,7 @@ impl Architecture {
             "gpt-oss" => Self::GptOss,
             "deepseek2" => Self::DeepSeek2,
             "glm4moe" => Self::Glm4Moe,
+            "llama4" => Self::Llama4,
             _ => return None,
         })
     }
@@ -113,6 +123,9 @@ pub enum ExpertGating {
     /// (`exp_probs_b`, when the model has one), their weights the unbiased sigmoids
     /// (DeepSeek-V3).
     Sigmoid,
+    /// Llama 4: the top k by logit, each weight the sigmoid of its logit, multiplied into the
+    /// expert's input instead of its output (llama.cpp's `weight_before_ffn`).
+    SigmoidInput,
 }
 
 /// DeepSeek's multi-head latent attention. Every head's key and value come from one compressed
@@ -231,6 +244,46 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     #[serde(default)]
     pub qk_norm: bool,
+    /// Llama 4: a MoE layer every `moe_layer_step` layers (layer `il` routes iff
+    /// `(il + 1) % moe_layer_step == 0`), dense ones between; 0 or 1: every layer past the
+    /// leading dense ones.
+    #[serde(default)]
+    pub moe_layer_step: usize,
+    /// Llama 4's chunked attention: a query at `pos` of a [`Self::is_swa_layer`] layer attends
+    /// to the positions of its own chunk of `attention_chunk` (from `pos / chunk * chunk`); 0:
+    /// no chunks.
+    #[serde(default)]
+    pub attention_chunk: usize,
+    /// Layer `il` has no position encoding (NoPE) iff `(il + 1) % no_rope_layer_step == 0`
+    /// (Llama 4; 0: every layer uses RoPE).
+    #[serde(default)]
+    pub no_rope_layer_step: usize,
+    /// Llama 4: the RoPE layers' queries and keys are RMS-normed per head, without a weight,
+    /// after RoPE (llama.cpp's `use_kq_norm`, on for all but the 128-expert Maverick).
+    #[serde(default)]
+    pub rope_qk_rms_norm: bool,
+    /// Llama 4's attention temperature on NoPE layers: queries at `pos` are multiplied by
+    /// `ln(floor((pos + offset) / floor_scale) + 1) · scale + 1`.
+    #[serde(default)]
+    pub attn_temperature: Option<AttnTemperature>,
+}
+
+/// Llama 4's temperature tuning of NoPE layers' queries at long context (see
+/// [`ModelConfig::attn_temperature`]); llama.cpp's constants, not read from the file.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttnTemperature {
+    pub floor_scale: usize,
+    pub scale: f32,
+    pub offset: f32,
+}
+
+impl AttnTemperature {
+    /// The factor a query at `pos` is multiplied by (computed as llama.cpp does: the floor in
+    /// f32, the rest in f64, rounded to f32).
+    pub fn factor(&self, pos: usize) -> f32 {
+        let steps = ((pos as f32 + self.offset) / self.floor_scale as f32).floor();
+        ((f64::from(steps) + 1.0).ln() * f64::from(self.scale) + 1.0) as f32
+    }
 }
 
 fn one() -> f32 {
@@ -350,10 +403,18 @@ impl ModelConfig {
         let rope_dim = opt_usize(g, &key("rope.dimension_count"))?.unwrap_or(head_dim);
         let rms_eps = opt_f32(g, &key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6);
         let rope_style = match arch {
-            Architecture::Llama | Architecture::DeepSeek2 => RopeStyle::Normal,
+            Architecture::Llama | Architecture::DeepSeek2 | Architecture::Llama4 => {
+                RopeStyle::Normal
+            }
             _ => RopeStyle::Neox,
         };
         let gpt_oss = arch == Architecture::GptOss;
+        let llama4 = arch == Architecture::Llama4;
+        let l4 = if llama4 {
+            read_llama4(g, &key, n_layer, n_expert)?
+        } else {
+            Llama4Attn::default()
+        };
         let (sliding_window, swa_pattern) = if gpt_oss {
             let window = meta_usize(g, &key("attention.sliding_window"))?;
             let pattern = opt_usize(g, &key("attention.sliding_window_pattern"))?.unwrap_or(2);
@@ -365,6 +426,8 @@ impl ModelConfig {
                 ));
             }
             (window, pattern)
+        } else if llama4 {
+            (0, l4.swa_pattern)
         } else {
             (0, 0)
         };
@@ -395,11 +458,17 @@ impl ModelConfig {
                 format!("{n_layer_dense_lead} is more than the {n_layer} layers"),
             ));
         }
-        let n_expert_shared = opt_usize(g, &key("expert_shared_count"))?.unwrap_or(0);
+        // Llama 4's one shared expert is not in the metadata: llama.cpp always loads it.
+        let n_expert_shared = if llama4 {
+            1
+        } else {
+            opt_usize(g, &key("expert_shared_count"))?.unwrap_or(0)
+        };
         let expert_weights_scale = opt_f32(g, &key("expert_weights_scale"))?.unwrap_or(1.0);
         let (expert_groups, expert_groups_used) = read_expert_groups(g, &key, n_expert)?;
         let gating = match (arch, opt_usize(g, &key("expert_gating_func"))?) {
             (Architecture::GptOss, _) => ExpertGating::SoftmaxWeight,
+            (Architecture::Llama4, _) => ExpertGating::SigmoidInput,
             (Architecture::Glm4Moe, None | Some(0)) => ExpertGating::Sigmoid,
             // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*: 1 softmax, 2 sigmoid (0/absent:
             // softmax, as older DeepSeek-V2 files have).
@@ -485,6 +554,11 @@ impl ModelConfig {
             expert_groups_used,
             qkv_bias,
             qk_norm,
+            moe_layer_step: l4.moe_layer_step,
+            attention_chunk: l4.chunk,
+            no_rope_layer_step: l4.no_rope_layer_step,
+            rope_qk_rms_norm: l4.rope_qk_rms_norm,
+            attn_temperature: l4.temperature,
         };
         // MLA keys are a non-rotated part and a rotated part: both must be there.
         if rope_dim > head_dim || rope_dim % 2 != 0 || (mla.is_some() && rope_dim == head_dim) {
@@ -525,33 +599,65 @@ impl ModelConfig {
         }
     }
 
-    /// Whether layer `il` routes to experts (a MoE model's leading dense layers do not).
+    /// Whether layer `il` routes to experts (a MoE model's leading dense layers do not, nor
+    /// Llama 4's dense layers between MoE ones).
     pub fn is_moe_layer(&self, il: usize) -> bool {
-        self.is_moe() && il >= self.n_layer_dense_lead
+        self.is_moe()
+            && il >= self.n_layer_dense_lead
+            && (self.moe_layer_step <= 1 || (il + 1).is_multiple_of(self.moe_layer_step))
     }
 
-    /// The layers of `layers` that route to experts (the leading dense layers are a prefix).
+    /// Whether MoE and dense layers alternate (Llama 4 with a step above 1), so the MoE
+    /// layers of a range are not one contiguous run.
+    pub fn interleaves_moe(&self) -> bool {
+        self.is_moe() && self.moe_layer_step > 1
+    }
+
+    /// The layers of `layers` that route to experts, when they are contiguous (the leading
+    /// dense layers are a prefix); with interleaved MoE layers ([`Self::interleaves_moe`]),
+    /// the span from the first to the last of them.
     pub fn moe_layers(&self, layers: std::ops::Range<usize>) -> std::ops::Range<usize> {
-        if !self.is_moe() {
-            return layers.end..layers.end;
+        let mut moe = layers.clone().filter(|&l| self.is_moe_layer(l));
+        match moe.next() {
+            None => layers.end..layers.end,
+            Some(first) => first..moe.next_back().unwrap_or(first) + 1,
         }
-        layers.start.max(self.n_layer_dense_lead).min(layers.end)..layers.end
     }
 
-    /// Whether layer `il` attends through a sliding window.
+    /// Whether layer `il` attends through a sliding window (gpt-oss) or in chunks (Llama 4).
     pub fn is_swa_layer(&self, il: usize) -> bool {
-        self.sliding_window > 0
+        (self.sliding_window > 0 || self.attention_chunk > 0)
             && self.swa_pattern > 0
             && il % self.swa_pattern < self.swa_pattern - 1
     }
 
+    /// The most positions layer `il` attends to and needs cached at any context: its window
+    /// or chunk (`None`: the whole context).
+    pub fn layer_window(&self, il: usize) -> Option<usize> {
+        if !self.is_swa_layer(il) {
+            None
+        } else if self.attention_chunk > 0 {
+            Some(self.attention_chunk)
+        } else {
+            Some(self.sliding_window)
+        }
+    }
+
     /// The first position that a query at `pos` of layer `il` attends to.
     pub fn attention_start(&self, il: usize, pos: usize) -> usize {
-        if self.is_swa_layer(il) {
-            (pos + 1).saturating_sub(self.sliding_window)
-        } else {
-            0
+        if !self.is_swa_layer(il) {
+            return 0;
         }
+        match pos.checked_div(self.attention_chunk) {
+            Some(chunk) => chunk * self.attention_chunk,
+            None => (pos + 1).saturating_sub(self.sliding_window),
+        }
+    }
+
+    /// Whether layer `il` rotates queries and keys (all but Llama 4's NoPE layers).
+    pub fn uses_rope(&self, il: usize) -> bool {
+        // `is_multiple_of(0)` holds only for 0: with no step every layer rotates.
+        !(il + 1).is_multiple_of(self.no_rope_layer_step)
     }
 
     /// Biases on the Q/K/V projections (Qwen2, gpt-oss; glm4moe when the file has them).
@@ -786,6 +892,84 @@ fn read_mla(
         absorbed: true,
     };
     Ok((mla, k_mla))
+}
+
+/// Llama 4's attention and layer pattern, as llama.cpp's `llama4` sets them up.
+#[derive(Default)]
+struct Llama4Attn {
+    moe_layer_step: usize,
+    swa_pattern: usize,
+    chunk: usize,
+    no_rope_layer_step: usize,
+    rope_qk_rms_norm: bool,
+    temperature: Option<AttnTemperature>,
+}
+
+/// Reads Llama 4's keys. llama.cpp ignores the file's chunk size: a `sliding_window` of 0
+/// turns chunks (and the temperature) off, any other value or none means chunks of 8192 in
+/// three of every four layers (`sliding_window_pattern`, 4 by default), and the fourth layers
+/// have no RoPE. Keys and features this engine does not implement are refused.
+fn read_llama4(
+    g: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    n_layer: usize,
+    n_expert: usize,
+) -> Result<Llama4Attn> {
+    let path = g.path();
+    if n_expert == 0 {
+        return Err(bad_meta(
+            path,
+            &key("expert_count"),
+            "llama4 needs experts (llama.cpp refuses a model without)".into(),
+        ));
+    }
+    let moe_layer_step = meta_usize(g, &key("interleave_moe_layer_step"))?;
+    for k in ["attention.scale", "attention.temperature_scale"] {
+        if let Some(v) = opt_f32(g, &key(k))? {
+            if v != 0.0 {
+                return Err(bad_meta(path, &key(k), format!("{v} is not supported")));
+            }
+        }
+    }
+    if g.tensor(&names::layer(0, "rope_freqs.weight")).is_some()
+        || g.tensor("rope_freqs.weight").is_some()
+    {
+        return Err(ModelError::BadTensor {
+            path: path.to_owned(),
+            tensor: "rope_freqs.weight".into(),
+            what: "RoPE frequency factors are not supported".into(),
+        });
+    }
+    let chunked = opt_usize(g, &key("attention.sliding_window"))? != Some(0);
+    if !chunked {
+        // llama.cpp: "always use rope", by a step of n_layer (so its last layer has none).
+        return Ok(Llama4Attn {
+            moe_layer_step,
+            no_rope_layer_step: n_layer,
+            rope_qk_rms_norm: n_expert != 128,
+            ..Llama4Attn::default()
+        });
+    }
+    let pattern = opt_usize(g, &key("attention.sliding_window_pattern"))?.unwrap_or(4);
+    if pattern == 0 {
+        return Err(bad_meta(
+            path,
+            &key("attention.sliding_window_pattern"),
+            "must be positive".into(),
+        ));
+    }
+    Ok(Llama4Attn {
+        moe_layer_step,
+        swa_pattern: pattern,
+        chunk: 8192,
+        no_rope_layer_step: 4,
+        rope_qk_rms_norm: n_expert != 128,
+        temperature: Some(AttnTemperature {
+            floor_scale: 8192,
+            scale: 0.1,
+            offset: 1.0,
+        }),
+    })
 }
 
 /// `{arch}.expert_group_count` / `expert_group_used_count` (group-limited routing), checked as

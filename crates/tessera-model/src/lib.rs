@@ -21,7 +21,8 @@ pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{
-    Architecture, ExpertGating, FfnActivation, Mla, ModelConfig, RopeScaling, RopeStyle,
+    Architecture, AttnTemperature, ExpertGating, FfnActivation, Mla, ModelConfig, RopeScaling,
+    RopeStyle,
 };
 pub use dtype::GgmlType;
 pub use error::{ModelError, Result};

@@ -291,6 +291,38 @@ impl fmt::Display for ModelProfile {
         if c.rope_scaling != crate::RopeScaling::None {
             writeln!(f, "rope scaling  {:?}", c.rope_scaling)?;
         }
+        let list = |keep: &dyn Fn(usize) -> bool| -> String {
+            (0..c.n_layer)
+                .filter(|&l| keep(l))
+                .map(|l| l.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        if c.attention_chunk > 0 {
+            writeln!(
+                f,
+                "attention     chunks of {} in layers {} (the others see the whole context)",
+                c.attention_chunk,
+                list(&|l| c.is_swa_layer(l))
+            )?;
+        }
+        if (0..c.n_layer).any(|l| !c.uses_rope(l)) {
+            let rms = if c.rope_qk_rms_norm {
+                "; rotated queries and keys RMS-normed without a weight"
+            } else {
+                ""
+            };
+            let temp = if c.attn_temperature.is_some() {
+                ", their queries temperature-tuned"
+            } else {
+                ""
+            };
+            writeln!(
+                f,
+                "position      no RoPE in layers {}{temp}{rms}",
+                list(&|l| !c.uses_rope(l))
+            )?;
+        }
         if c.sliding_window > 0 {
             let swa: Vec<String> = (0..c.n_layer)
                 .filter(|&l| c.is_swa_layer(l))
@@ -325,7 +357,17 @@ impl fmt::Display for ModelProfile {
                 c.kv_cache_width()
             )?;
         }
-        if c.is_moe() && (c.n_layer_dense_lead > 0 || c.n_expert_shared > 0) {
+        if c.interleaves_moe() {
+            writeln!(
+                f,
+                "moe layers    {} (dense {} of FFN {}), {} shared expert(s) of FFN {}",
+                list(&|l| c.is_moe_layer(l)),
+                list(&|l| !c.is_moe_layer(l)),
+                c.n_ff,
+                c.n_expert_shared,
+                c.n_ff_expert * c.n_expert_shared
+            )?;
+        } else if c.is_moe() && (c.n_layer_dense_lead > 0 || c.n_expert_shared > 0) {
             writeln!(
                 f,
                 "moe layers    {}..{} ({} dense first), {} shared expert(s) of FFN {}",
@@ -336,7 +378,11 @@ impl fmt::Display for ModelProfile {
                 c.n_ff_expert * c.n_expert_shared
             )?;
         }
-        if c.is_moe() && (c.gating == crate::ExpertGating::Sigmoid || c.expert_groups > 1) {
+        let sigmoid = matches!(
+            c.gating,
+            crate::ExpertGating::Sigmoid | crate::ExpertGating::SigmoidInput
+        );
+        if c.is_moe() && (sigmoid || c.expert_groups > 1) {
             let groups = if c.expert_groups > 1 {
                 format!(
                     ", best {} of {} groups",

@@ -9,7 +9,7 @@ use tessera_plan::{Bytes, LayerProfile, ModelError, ModelProfile};
 /// names the model when its header does not.
 ///
 /// Each layer's cache is what the engine keeps (F32, as the header profile counts it): a
-/// sliding-window layer holds its window only, and multi-head latent attention in the absorbed
+/// sliding-window or chunked layer (Llama 4) holds its window or chunk only, and multi-head latent attention in the absorbed
 /// layout caches the compressed latent and the rotated key (`kv_lora_rank + rope_dim` per
 /// position) and attends over it in the absorbed form.
 pub fn planner_model(
@@ -43,7 +43,7 @@ pub fn planner_model(
                 n_expert: if moe { l.experts.len() as u32 } else { 0 },
                 n_expert_used: used as u32,
                 kv_per_token,
-                kv_window: c.is_swa_layer(il).then_some(c.sliding_window as u64),
+                kv_window: c.layer_window(il).map(|w| w as u64),
                 flops_per_token: 2.0
                     * (attn_params + dense_params + router_params + used * expert_params) as f64,
                 attn_flops_per_ctx_token: attn_flops_ctx,
@@ -155,6 +155,21 @@ mod tests {
             m.kv_bytes_at(w / 2),
             Bytes(per_pos * c.n_layer as u64 * (w / 2))
         );
+    }
+
+    #[test]
+    fn llama4_chunked_layers_hold_a_chunk_and_dense_layers_alternate() {
+        let m = fixture("tiny-llama4-Q8_0.gguf");
+        let windows: Vec<Option<u64>> = m.layers.iter().map(|l| l.kv_window).collect();
+        assert_eq!(windows, [Some(8192), Some(8192), Some(8192), None]);
+        let moe: Vec<bool> = m.layers.iter().map(LayerProfile::is_moe).collect();
+        assert_eq!(moe, [false, true, false, true]);
+        // 2 KV heads of 32, K and V, F32: 512 bytes per position per layer; past a chunk
+        // only the NoPE layer grows.
+        assert_eq!(m.layers[0].kv_per_token, Bytes(512));
+        assert_eq!(m.kv_bytes_at(100_000), Bytes(512 * (3 * 8192 + 100_000)));
+        // The shared expert runs beside the routed one: in the MoE layers' dense FFN.
+        assert!(m.layers[1].dense_ffn.0 > 0 && m.layers[1].n_expert_used == 1);
     }
 
     #[test]

@@ -113,6 +113,16 @@ impl ExpertStore {
         streaming: ExpertStreaming,
     ) -> Result<Self> {
         let n_expert = config.n_expert;
+        // The store serves one contiguous run of MoE layers; Llama 4's dense layers between
+        // them hold no experts to stream.
+        if config.interleaves_moe() {
+            return Err(EngineError::BadInput(format!(
+                "expert streaming needs contiguous MoE layers; this {} model routes every {} \
+                 layers: load its experts in memory",
+                config.arch.gguf_name(),
+                config.moe_layer_step
+            )));
+        }
         // Only the layers that route to experts (a model's leading dense layers hold none).
         let layers = config.moe_layers(spec.layers.clone());
         let mut src = Vec::with_capacity(layers.len());

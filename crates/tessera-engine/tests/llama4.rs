@@ -1,0 +1,111 @@
+//! llama4 (Llama 4 Scout/Maverick) on its committed synthetic fixture (`tiny-llama4-Q8_0`, Q8_0
+//! by llama-quantize): MoE every second layer with dense layers between, one shared expert
+//! beside 8 routed ones with top-1 sigmoid routing whose weight scales the expert's input, and
+//! iRoPE: layers 0-2 rotate (chunked attention, an unweighted RMS norm of the rotated queries
+//! and keys), layer 3 has no position encoding.
+//!
+//! Greedy tokens equal llama.cpp's; every pipeline cut and routed experts split in 2 and 3
+//! parts (the shared expert with the first part) are bit-identical to the whole model.
+//! (Teacher-forced agreement with llama.cpp is checked by `reference.rs`, which reads every file
+//! in `reference/`.) llama.cpp fixes the chunk at 8192 positions and the NoPE temperature only
+//! departs from 1 past position 8190, beyond the references' prompts: both are checked here
+//! against llama.cpp's formulas.
+
+mod common;
+
+use common::moe;
+use tessera_engine::{ExpertStreaming, LoadSpec, Model};
+use tessera_model::{Architecture, ExpertGating, ModelConfig, RopeStyle};
+
+const NAME: &str = "tiny-llama4-Q8_0";
+fn file() -> String {
+    format!("{NAME}.gguf")
+}
+
+#[test]
+fn fixture_has_llama4_parts() {
+    let g = common::open(&file());
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    assert_eq!(cfg.arch, Architecture::Llama4);
+    assert_eq!(cfg.rope_style, RopeStyle::Normal);
+    assert_eq!(cfg.gating, ExpertGating::SigmoidInput);
+    assert_eq!(
+        (cfg.n_expert, cfg.n_expert_used, cfg.n_expert_shared),
+        (8, 1, 1)
+    );
+    assert!(!cfg.norm_topk_weights && cfg.rope_qk_rms_norm && !cfg.has_qk_norm());
+    let moe: Vec<bool> = (0..cfg.n_layer).map(|l| cfg.is_moe_layer(l)).collect();
+    assert_eq!(moe, [false, true, false, true]);
+    assert!(cfg.interleaves_moe());
+    let rope: Vec<bool> = (0..cfg.n_layer).map(|l| cfg.uses_rope(l)).collect();
+    assert_eq!(rope, [true, true, true, false]);
+    let chunked: Vec<Option<usize>> = (0..cfg.n_layer).map(|l| cfg.layer_window(l)).collect();
+    assert_eq!(chunked, [Some(8192), Some(8192), Some(8192), None]);
+    let shown = tessera_model::ModelProfile::from_gguf(&g)
+        .unwrap()
+        .to_string();
+    for part in [
+        "llama4",
+        "moe layers    1,3 (dense 0,2 of FFN 256), 1 shared expert(s) of FFN 64",
+        "chunks of 8192 in layers 0,1,2",
+        "no RoPE in layers 3",
+        "SigmoidInput gating",
+    ] {
+        assert!(shown.contains(part), "{part} missing from\n{shown}");
+    }
+}
+
+/// Chunked layers attend from the start of their query's chunk of 8192 (llama.cpp's
+/// `LLAMA_SWA_TYPE_CHUNKED` mask), the NoPE layer to everything before; the NoPE queries'
+/// temperature is `ln(floor((pos + 1) / 8192) + 1) · 0.1 + 1`.
+#[test]
+fn chunks_and_temperature_follow_llama_cpp() {
+    let g = common::open(&file());
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    for (pos, start) in [(0, 0), (8191, 0), (8192, 8192), (20000, 16384)] {
+        assert_eq!(cfg.attention_start(0, pos), start, "pos {pos}");
+        assert_eq!(cfg.attention_start(3, pos), 0, "pos {pos}");
+    }
+    let t = cfg.attn_temperature.unwrap();
+    assert_eq!(t.factor(0), 1.0);
+    assert_eq!(t.factor(8190), 1.0);
+    assert_eq!(t.factor(8191), (2f64.ln() * 0.1 + 1.0) as f32);
+    assert_eq!(t.factor(3 * 8192 - 1), (4f64.ln() * 0.1 + 1.0) as f32);
+}
+
+/// Free-running greedy generation from each reference prompt reproduces llama.cpp's 32 tokens.
+#[test]
+fn greedy_tokens_equal_llama_cpp() {
+    moe::greedy_tokens_equal_llama_cpp(NAME);
+}
+
+#[test]
+fn llama4_pipeline_split_is_bit_identical_at_every_cut() {
+    moe::pipeline_cuts_are_bit_identical(&file());
+}
+
+#[test]
+fn llama4_expert_split_in_2_and_3_is_bit_identical() {
+    moe::expert_splits_are_bit_identical(&file());
+}
+
+/// The expert store streams one contiguous run of MoE layers: with dense layers between, it
+/// refuses and says why.
+#[test]
+fn streaming_interleaved_experts_is_refused_with_the_reason() {
+    let g = common::open(&file());
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let e = Model::load_streaming(
+        &g,
+        LoadSpec::full(&cfg),
+        ExpertStreaming::with_budget(1 << 20),
+        1,
+        &mut |_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("contiguous MoE layers") && e.contains("every 2"),
+        "{e}"
+    );
+}
