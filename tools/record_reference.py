@@ -7,6 +7,11 @@ CPU, 2 threads, F32 KV cache, flash attention off, greedy (temperature 0, top_k 
 reference/<model stem>-public.json in the same format as the existing files.
 
     python3 tools/record_reference.py models/test/tiny-gpt-oss-MXFP4.gguf [...]
+    python3 tools/record_reference.py --long 8300 models/test/tiny-llama4-Q8_0.gguf
+
+With `--long N`, one prompt of N seeded pseudo-random token ids (BOS first; numpy-free LCG, so
+the test can rebuild it) and 8 greedy tokens, recorded in reference/long/<stem>-<N>.json (same
+format; a subdirectory, so reference.rs's sweep over reference/*.json does not pay for it).
 
 Only the standard library is used.
 """
@@ -59,19 +64,33 @@ def version():
     return line[0] if line else "unknown"
 
 
-def record(model):
+def long_prompt(n, vocab=512):
+    """BOS, then n - 1 ids in 3..vocab from a 64-bit LCG seeded with 0 (Knuth's MMIX
+    constants, the high bits taken)."""
+    x, out = 0, [1]
+    while len(out) < n:
+        x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append(3 + (x >> 33) % (vocab - 3))
+    return out
+
+
+def record(model, long_n=None):
     port = free_port()
+    ctx = str(long_n + 64) if long_n else "512"
     cmd = [f"{BUILD}/llama-server", "-m", model, "-t", "2", "-tb", "2", "--port", str(port),
-           "--host", "127.0.0.1", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-c", "512",
+           "--host", "127.0.0.1", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-c", ctx,
            "-np", "1", "--no-warmup"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, proc)
         results = []
-        for prompt in PROMPTS:
-            toks = post(port, "/tokenize", {"content": prompt, "add_special": True})["tokens"]
+        for prompt in ([f"{long_n} pseudo-random tokens"] if long_n else PROMPTS):
+            if long_n:
+                toks = long_prompt(long_n)
+            else:
+                toks = post(port, "/tokenize", {"content": prompt, "add_special": True})["tokens"]
             r = post(port, "/completion", {
-                "prompt": toks, "n_predict": N_PREDICT, "temperature": 0, "top_k": 1,
+                "prompt": toks, "n_predict": 8 if long_n else N_PREDICT, "temperature": 0, "top_k": 1,
                 "ignore_eos": True, "n_probs": 5, "cache_prompt": False, "return_tokens": True,
                 "samplers": ["top_k"],
             })
@@ -91,10 +110,14 @@ def record(model):
         sha = hashlib.sha256(f.read()).hexdigest()
     doc = {"model": os.path.basename(model), "model_sha256": sha,
            "engine": f"llama.cpp llama-server {version()}, CPU, 2 threads, F32 KV cache, flash attention off",
-           "sampling": {"temperature": 0, "top_k": 1, "n_predict": N_PREDICT, "ignore_eos": True},
+           "sampling": {"temperature": 0, "top_k": 1, "n_predict": 8 if long_n else N_PREDICT,
+                        "ignore_eos": True},
            "results": results}
     stem = os.path.splitext(os.path.basename(model))[0]
     out = os.path.join(ROOT, "reference", f"{stem}-public.json")
+    if long_n:
+        os.makedirs(os.path.join(ROOT, "reference", "long"), exist_ok=True)
+        out = os.path.join(ROOT, "reference", "long", f"{stem}-{long_n}.json")
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
@@ -102,7 +125,11 @@ def record(model):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    long_n = None
+    if args[:1] == ["--long"]:
+        long_n, args = int(args[1]), args[2:]
+    if not args:
         sys.exit(__doc__)
-    for m in sys.argv[1:]:
-        record(m)
+    for m in args:
+        record(m, long_n)
