@@ -43,6 +43,12 @@ const BIT_OF_BYTE: [u8; 32] = [
     8, 16, 32, 64, 128,
 ];
 
+/// Dword indices of two 16-dword vectors picking the even (then the odd) dwords of both.
+const EVEN_ODD: [[u32; 16]; 2] = [
+    [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30],
+    [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31],
+];
+
 /// # Safety
 /// Requires AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -58,14 +64,15 @@ pub(super) unsafe fn iq23_group_avx2<const ID: u8>(
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
         for j in 0..nt {
-            token_avx2(lay, w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+            token_avx2::<ID>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn token_avx2(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+unsafe fn token_avx2<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let lay = Layout::of(ID);
     let nb = a.cols / 256;
     let x16 = lay.x16();
     let grid = grid_words(lay);
@@ -160,14 +167,15 @@ pub(super) unsafe fn iq23_group_avx512<const ID: u8>(
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
         for j in 0..nt {
-            token_avx512(lay, w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+            token_avx512::<ID>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn token_avx512(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+unsafe fn token_avx512<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let lay = Layout::of(ID);
     let nb = a.cols / 256;
     let x16 = lay.x16();
     let grid = grid_words(lay);
@@ -177,6 +185,8 @@ unsafe fn token_avx512(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, o
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t; grid
     // indices are built from at most the table's index bits.
     unsafe {
+        let even = _mm512_loadu_si512(EVEN_ODD[0].as_ptr() as *const _);
+        let odd = _mm512_loadu_si512(EVEN_ODD[1].as_ptr() as *const _);
         let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
         let mut acc = [_mm512_setzero_ps(); 8];
         for b in 0..nb {
@@ -201,17 +211,24 @@ unsafe fn token_avx512(lay: Layout, w: *const u8, a: &QuantizedActs, t: usize, o
                         let hv = _mm512_slli_epi32::<8>(_mm512_and_si512(hv, high_mask));
                         idx = _mm512_or_si512(idx, hv);
                     }
-                    for h in 0..lay.per_index / 4 {
+                    // IQ2: each row's whole 8-byte entry by two 8-row qword gathers, split
+                    // into the chunks' 4-byte halves (half the loads of dword gathers).
+                    let halves = if lay.per_index == 8 {
+                        let lo =
+                            _mm512_i32gather_epi64::<8>(_mm512_castsi512_si256(idx), grid as _);
+                        let hi = _mm512_i32gather_epi64::<8>(
+                            _mm512_extracti64x4_epi64::<1>(idx),
+                            grid as _,
+                        );
+                        [
+                            _mm512_permutex2var_epi32(lo, even, hi),
+                            _mm512_permutex2var_epi32(lo, odd, hi),
+                        ]
+                    } else {
+                        [_mm512_i32gather_epi32::<4>(idx, grid), zero]
+                    };
+                    for (h, &wv) in halves.iter().enumerate().take(lay.per_index / 4) {
                         let c = 8 * s + q * (lay.per_index / 4) + h;
-                        let word = if lay.per_index == 8 {
-                            _mm512_add_epi32(
-                                _mm512_slli_epi32::<1>(idx),
-                                _mm512_set1_epi32(h as i32),
-                            )
-                        } else {
-                            idx
-                        };
-                        let wv = _mm512_i32gather_epi32::<4>(word, grid);
                         let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
                         let yv = _mm512_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
                         let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
