@@ -173,6 +173,13 @@ fn streamed_experts_are_bit_identical_small() {
     check("small-qwen3moe-Q8_0.gguf");
 }
 
+/// Experts in IQ2_XXS, the type big MoE files ship in: its repacked size is what the cache
+/// budgets, and a streamed expert builds into an evicted one's buffer.
+#[test]
+fn streamed_experts_are_bit_identical_iq2_xxs() {
+    check("small-qwen3moe-IQ2_XXS.gguf");
+}
+
 #[test]
 fn budget_below_one_expert_is_refused() {
     let g = common::open("tiny-qwen3moe-Q8_0.gguf");

@@ -84,6 +84,8 @@ unsafe fn token_avx2<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, ou
     unsafe {
         let spread = _mm256_loadu_si256(SPREAD.as_ptr() as *const __m256i);
         let bits = _mm256_loadu_si256(BIT_OF_BYTE.as_ptr() as *const __m256i);
+        // 4 rows' (low, high) dword pairs to the 4 lows, then the 4 highs.
+        let even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
         for h8 in 0..2 {
             let rows = |o: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(o + 8 * h8) as _));
             let mut acc = [_mm256_setzero_ps(); 8];
@@ -109,17 +111,24 @@ unsafe fn token_avx2<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, ou
                             let hv = _mm256_slli_epi32::<8>(_mm256_and_si256(hv, high_mask));
                             idx = _mm256_or_si256(idx, hv);
                         }
-                        for h in 0..lay.per_index / 4 {
-                            let c = 8 * s + q * (lay.per_index / 4) + h;
-                            let word = if lay.per_index == 8 {
-                                _mm256_add_epi32(
-                                    _mm256_slli_epi32::<1>(idx),
-                                    _mm256_set1_epi32(h as i32),
-                                )
-                            } else {
-                                idx
+                        // IQ2: each row's whole 8-byte entry by two 4-row qword gathers, split
+                        // into the chunks' 4-byte halves (half the loads of dword gathers).
+                        let halves = if lay.per_index == 8 {
+                            let g4 = |i: __m128i| {
+                                let v = _mm256_i32gather_epi64::<8>(grid as _, i);
+                                _mm256_permutevar8x32_epi32(v, even_odd)
                             };
-                            let wv = _mm256_i32gather_epi32::<4>(grid, word);
+                            let lo = g4(_mm256_castsi256_si128(idx));
+                            let hi = g4(_mm256_extracti128_si256::<1>(idx));
+                            [
+                                _mm256_permute2x128_si256::<0x20>(lo, hi),
+                                _mm256_permute2x128_si256::<0x31>(lo, hi),
+                            ]
+                        } else {
+                            [_mm256_i32gather_epi32::<4>(grid, idx), idx]
+                        };
+                        for (h, &wv) in halves.iter().enumerate().take(lay.per_index / 4) {
+                            let c = 8 * s + q * (lay.per_index / 4) + h;
                             let sg = (w.add(blk + lay.signs() + 8 * c + 4 * h8) as *const i32)
                                 .read_unaligned();
                             let sg = _mm256_and_si256(
