@@ -63,6 +63,80 @@ pub struct Calibration {
     pub relative_error_before: f64,
 }
 
+/// Carries a calibrated graph's rates onto a freshly measured one: for every node and link the
+/// calibrated graph names, its rates (memory and disk bandwidth, compute; round trip and
+/// bandwidth) replace the measured ones, while capacities and budgets stay as measured now; the
+/// runtime's cost per token is taken too. Returns what it applied, one line each (nodes and
+/// links the calibrated graph does not name keep their measured figures).
+pub fn apply_calibrated(graph: &mut ResourceGraph, calibrated: &ResourceGraph) -> Vec<String> {
+    let mut applied = Vec::new();
+    let src = Source::Measured {
+        at_unix_s: 0,
+        method: "calibrated graph".into(),
+    };
+    for n in &mut graph.nodes {
+        let Some(c) = calibrated.node(&n.name) else {
+            continue;
+        };
+        n.ram.bandwidth = c.ram.bandwidth;
+        n.ram_compute = c.ram_compute;
+        if let (Some(t), Some(ct)) = (n.vram.as_mut(), c.vram) {
+            t.bandwidth = ct.bandwidth;
+            n.gpu_compute = c.gpu_compute;
+        }
+        if let (Some(t), Some(ct)) = (n.disk.as_mut(), c.disk) {
+            t.bandwidth = ct.bandwidth;
+        }
+        applied.push(format!(
+            "node {}: memory bandwidth {}, compute {}",
+            n.name, n.ram.bandwidth, n.ram_compute
+        ));
+    }
+    let names: Vec<String> = graph.nodes.iter().map(|n| n.name.clone()).collect();
+    for (i, a) in names.iter().enumerate() {
+        for b in &names[i + 1..] {
+            let Some(spec) = calibrated
+                .links
+                .iter()
+                .find(|l| (&l.a == a && &l.b == b) || (&l.a == b && &l.b == a))
+                .map(|l| l.spec)
+            else {
+                continue;
+            };
+            match graph
+                .links
+                .iter_mut()
+                .find(|l| (&l.a == a && &l.b == b) || (&l.a == b && &l.b == a))
+            {
+                Some(l) => {
+                    l.spec = spec;
+                    let subject = link_subject(a, b);
+                    graph.set_evidence(
+                        &subject,
+                        "rtt",
+                        format!("{:.3} ms", spec.rtt_s * 1e3),
+                        src.clone(),
+                    );
+                }
+                None => graph.add_link(a, b, spec, None, src.clone()),
+            }
+            applied.push(format!(
+                "link {a}-{b}: {:.3} ms round trip, {}",
+                spec.rtt_s * 1e3,
+                spec.bandwidth
+            ));
+        }
+    }
+    if calibrated.token_overhead_s > 0.0 {
+        graph.token_overhead_s = calibrated.token_overhead_s;
+        applied.push(format!(
+            "runtime: {:.1} µs per token",
+            calibrated.token_overhead_s * 1e6
+        ));
+    }
+    applied
+}
+
 /// Re-costs a plan's cells on a (possibly corrected) graph.
 pub fn predict(
     model: &ModelProfile,
@@ -298,4 +372,53 @@ pub fn calibrate(
         relative_error_before: (before.decode_tokens_per_s - m.decode_tokens_per_s)
             / m.decode_tokens_per_s,
     })
+}
+
+#[cfg(test)]
+mod apply_tests {
+    use super::*;
+
+    #[test]
+    fn calibrated_rates_replace_measured_ones_for_the_nodes_and_links_they_name() {
+        let measured = ResourceGraph::from_toml(
+            r#"
+[[node]]
+name = "a"
+ram = "8GiB"
+mem_bandwidth = "10GB/s"
+compute = "100GFLOPS"
+memory_budget = "2GiB"
+[[node]]
+name = "b"
+ram = "8GiB"
+mem_bandwidth = "10GB/s"
+compute = "100GFLOPS"
+[[link]]
+nodes = ["a", "b"]
+rtt_ms = 1
+bandwidth = "1Gbit/s"
+"#,
+        )
+        .unwrap();
+        let mut calibrated = measured.clone();
+        calibrated.nodes[0].ram.bandwidth = BytesPerSec(5e9);
+        calibrated.nodes[0].ram_compute = FlopsPerSec(50e9);
+        calibrated.nodes[0].memory_budget = None;
+        calibrated.links[0].spec.rtt_s = 0.002;
+        calibrated.nodes.remove(1);
+        calibrated.token_overhead_s = 1e-4;
+        let mut g = measured.clone();
+        let applied = apply_calibrated(&mut g, &calibrated);
+        assert_eq!(g.nodes[0].ram.bandwidth, BytesPerSec(5e9));
+        assert_eq!(g.nodes[0].ram_compute, FlopsPerSec(50e9));
+        assert_eq!(
+            g.nodes[0].memory_budget, measured.nodes[0].memory_budget,
+            "kept"
+        );
+        assert_eq!(g.nodes[1], measured.nodes[1], "not named: as measured");
+        assert_eq!(g.links.len(), 1);
+        assert_eq!(g.link("a", "b").unwrap().rtt_s, 0.002);
+        assert_eq!(g.token_overhead_s, 1e-4);
+        assert_eq!(applied.len(), 3, "{applied:?}");
+    }
 }

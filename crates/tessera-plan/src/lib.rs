@@ -76,7 +76,8 @@ mod strategies;
 pub mod units;
 
 pub use calibrate::{
-    calibrate, predict, Calibration, HopMeasurement, Measurement, StageMeasurement,
+    apply_calibrated, calibrate, predict, Calibration, HopMeasurement, Measurement,
+    StageMeasurement,
 };
 pub use cost::{usable_memory, PREFILL_UBATCH, RUNTIME_OVERHEAD_RAM, RUNTIME_OVERHEAD_VRAM};
 pub use explain::render_text;

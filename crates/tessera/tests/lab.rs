@@ -523,8 +523,8 @@ fn tessera_lab_clean_removes_what_a_killed_lab_left_behind() {
 
 /// `tessera lab run` on the MoE scenario: the stage ring and the expert split (a coordinator
 /// restarted with `--experts`) are measured, the single nodes that would stream experts from
-/// disk are listed with why they cannot run, and the calibrated scenario it saves is planned by
-/// `tessera plan`.
+/// disk are listed with why they cannot run, and the calibrated scenario it saves predicts the
+/// ring as calibration did when given back to `--plan auto`, and is planned by `tessera plan`.
 #[test]
 fn lab_run_measures_the_ring_and_the_expert_split_and_says_why_one_node_cannot_run() {
     let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
@@ -577,6 +577,48 @@ fn lab_run_measures_the_ring_and_the_expert_split_and_says_why_one_node_cannot_r
         assert!(r["measured"].is_null(), "{r:#}");
         assert!(r["note"].as_str().unwrap().contains("disk"), "{r:#}");
     }
+    // The loop closed: the saved graph given back to the coordinator's `--plan auto`
+    // (`--calibrated`) predicts the ring as calibration did.
+    let ring = measured("stage");
+    // "home[0..2) -> owner[2..3)" as a split: "home=0..2,owner=2..3".
+    let split = ring["description"]
+        .as_str()
+        .unwrap()
+        .replace('[', "=")
+        .replace(')', "")
+        .replace(" -> ", ",");
+    let mut again = std::process::Command::new(common::bin());
+    again
+        .args(["lab", "run", "--json", "--split", &split, "--dir"])
+        .arg(dir.path().join("again"))
+        .arg("--calibrated")
+        .arg(&saved)
+        .arg(&scenario)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = common::run_with_timeout(again, Duration::from_secs(150));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let second: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ring_again = second["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["description"] == ring["description"])
+        .unwrap_or_else(|| panic!("the same ring again: {second:#}"));
+    let (was, now) = (
+        ring["calibrated"]["decode_tokens_per_s"].as_f64().unwrap(),
+        ring_again["predicted"]["decode_tokens_per_s"]
+            .as_f64()
+            .unwrap(),
+    );
+    assert!(
+        (now - was).abs() <= 0.01 * was,
+        "calibrated {was} tok/s, predicted from the calibrated graph {now}"
+    );
     let mut plan = std::process::Command::new(common::bin());
     plan.args(["plan", "--model"])
         .arg(model("test/small-qwen3moe-Q8_0.gguf"))

@@ -53,6 +53,9 @@ pub struct Options {
     /// Save the calibrated graph here, as a scenario (the planner's part calibrated, the
     /// lab's part as given).
     pub save_calibrated: Option<PathBuf>,
+    /// Give the coordinator's `--plan auto` this calibrated graph (a saved scenario): the
+    /// predictions are then made from its rates.
+    pub calibrated: Option<PathBuf>,
 }
 
 /// One executed plan's measurement: its figures and the single request's report.
@@ -82,7 +85,8 @@ pub fn run(
     std::fs::create_dir_all(dir)
         .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
 
-    let mut session = Session::start(&lab, tessera, scenario, dir, &Mode::Auto)?;
+    let auto = Mode::Auto(opts.calibrated.clone());
+    let mut session = Session::start(&lab, tessera, scenario, dir, &auto)?;
     session
         .coordinator
         .wait_event("plan_auto", Duration::from_secs(120))?;
@@ -93,7 +97,15 @@ pub fn run(
     let mut graph: ResourceGraph = serde_json::from_value(doc["graph"].clone())
         .map_err(|e| LabError::Run(format!("plan-auto.json graph: {e}")))?;
     graph.policy = scenario.graph.policy.clone();
-    let quotas = apply_cpu_quotas(scenario, &mut graph);
+    // A calibrated graph's rates are what the hosts showed, quota included.
+    let quotas = match &opts.calibrated {
+        None => apply_cpu_quotas(scenario, &mut graph),
+        Some(c) => vec![format!(
+            "the coordinator planned with the rates of the calibrated graph {} in place of the \
+             measured ones",
+            c.display()
+        )],
+    };
     // The coordinator's own choice placed an expert split for every run: stage runs need a
     // coordinator without it.
     let mut experts_applied = doc["outcome"]["plan"]["strategy"] == "expert";

@@ -89,8 +89,9 @@ impl Drop for Proc {
 
 /// How the coordinator of a session places the model.
 pub(super) enum Mode {
-    /// `--plan auto`: plan from the nodes' measured inventory (writes `plan-auto.json`).
-    Auto,
+    /// `--plan auto`: plan from the nodes' measured inventory (writes `plan-auto.json`), with
+    /// a calibrated graph's rates in place of the measured ones when given (`--calibrated`).
+    Auto(Option<PathBuf>),
     /// No plan: every client names its stages.
     ByClient,
     /// `--plan FILE --experts SPEC`: a home ring and an expert split, for every run.
@@ -138,8 +139,11 @@ impl Session {
         .arg("--data-dir")
         .arg(coordinator_dir(dir));
         match mode {
-            Mode::Auto => {
+            Mode::Auto(calibrated) => {
                 cmd.args(["--plan", "auto", "--nodes-expected", &n.to_string()]);
+                if let Some(c) = calibrated {
+                    cmd.arg("--calibrated").arg(c);
+                }
             }
             Mode::ByClient => {}
             Mode::Experts { plan, experts } => {

@@ -80,6 +80,20 @@ pub async fn run(
     concurrency: usize,
     data_dir: &Path,
 ) -> anyhow::Result<()> {
+    run_calibrated(c, model, expected, context, concurrency, data_dir, None).await
+}
+
+/// [`run`], with the rates of a calibrated graph (`tessera lab run --save-calibrated`) in place
+/// of the measured ones for the nodes and links it names.
+pub async fn run_calibrated(
+    c: &Coordinator,
+    model: &tessera_model::ModelProfile,
+    expected: usize,
+    context: ContextChoice,
+    concurrency: usize,
+    data_dir: &Path,
+    calibrated: Option<&tessera_plan::ResourceGraph>,
+) -> anyhow::Result<()> {
     // The KV cache as the stages will hold it: the coordinator's KV type, not the profile's F32.
     let kv_type = c.kv_type();
     let shape = tessera_engine::KvShape::from_config(&model.config);
@@ -112,8 +126,17 @@ pub async fn run(
         .filter_map(|m| Some((m.name.as_str(), m.link?)))
         .collect();
     let links = links_via_coordinator(&coord_links);
+    if let Some(cal) = calibrated {
+        let mut g = resource_graph(&nodes, &links, &policy(context.max, concurrency));
+        for line in tessera_plan::apply_calibrated(&mut g, cal) {
+            println!("calibrated: {line}");
+        }
+    }
     let (chosen, (graph, outcome)) = fit_context(context, |ctx| {
-        let graph = resource_graph(&nodes, &links, &policy(ctx, concurrency));
+        let mut graph = resource_graph(&nodes, &links, &policy(ctx, concurrency));
+        if let Some(cal) = calibrated {
+            tessera_plan::apply_calibrated(&mut graph, cal);
+        }
         plan_for(model, &graph, 1).map(|o| (graph, o))
     })
     .with_context(|| {

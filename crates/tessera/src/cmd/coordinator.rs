@@ -31,6 +31,11 @@ pub struct CoordinatorArgs {
     /// the chosen stage split or expert split.
     #[arg(long)]
     plan: Option<PathBuf>,
+    /// With `--plan auto`: plan with this calibrated graph's rates (a cluster file or scenario,
+    /// e.g. `tessera lab run --save-calibrated`) in place of the measured ones, for the nodes
+    /// and links it names.
+    #[arg(long, value_name = "FILE")]
+    calibrated: Option<PathBuf>,
     /// With `--plan auto`: how many nodes to wait for before planning.
     #[arg(long, default_value_t = 1, value_name = "N")]
     nodes_expected: usize,
@@ -80,6 +85,21 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             Some(plan.stages)
         }
         (None, None) => None,
+    };
+    if args.calibrated.is_some() && !auto {
+        anyhow::bail!("--calibrated is for --plan auto");
+    }
+    let calibrated = match &args.calibrated {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let text = tessera_lab::scenario::planner_part(&text).map_err(anyhow::Error::msg)?;
+            Some(
+                tessera_plan::ResourceGraph::from_toml(&text)
+                    .with_context(|| format!("in calibrated graph {}", p.display()))?,
+            )
+        }
+        None => None,
     };
     if auto && args.experts.is_some() {
         anyhow::bail!("--experts with --plan auto: the plan chooses the expert split");
@@ -168,8 +188,16 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
                     fixed: args.max_context.is_some(),
                 };
                 let expected = args.nodes_expected;
-                if let Err(e) =
-                    super::auto_plan::run(&coordinator, p, expected, context, 1, &data_dir).await
+                if let Err(e) = super::auto_plan::run_calibrated(
+                    &coordinator,
+                    p,
+                    expected,
+                    context,
+                    1,
+                    &data_dir,
+                    calibrated.as_ref(),
+                )
+                .await
                 {
                     eprintln!("--plan auto: {e:#}");
                 }

@@ -49,6 +49,10 @@ enum LabCommand {
         /// --nodes` and `tessera lab run`).
         #[arg(long, value_name = "PATH")]
         save_calibrated: Option<std::path::PathBuf>,
+        /// Plan with a calibrated graph (a scenario saved by --save-calibrated) given to the
+        /// coordinator's `--plan auto --calibrated`, in place of the nodes' measured rates.
+        #[arg(long, value_name = "PATH")]
+        calibrated: Option<std::path::PathBuf>,
     },
     /// Remove the namespaces, devices and cgroups of labs whose process has gone (and kill the
     /// processes left inside them).
@@ -99,6 +103,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             strategy,
             split,
             save_calibrated,
+            calibrated,
         } => {
             let s = tessera_lab::scenario::Scenario::load(&scenario)?;
             let dir = dir.unwrap_or_else(|| tessera_lab::run::default_dir(&s));
@@ -114,6 +119,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             let opts = tessera_lab::run::Options {
                 force: tessera_lab::run::Force { strategy, split },
                 save_calibrated,
+                calibrated,
             };
             let report = tessera_lab::run::run(&s, &exe, &dir, &opts, |m| eprintln!("lab: {m}"))
                 .with_context(|| {
