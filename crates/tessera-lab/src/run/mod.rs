@@ -119,12 +119,12 @@ pub fn run(
     let mut measured: Vec<Option<std::result::Result<Measured, String>>> =
         candidates.iter().map(|_| None).collect();
     // The plans a client names (single nodes, rings) in one session, measured in interleaved
-    // rounds so the machine's drift falls on all alike; then each expert split in a
-    // coordinator of its own.
+    // rounds so the machine's drift falls on all alike; then each expert split and each set of
+    // cells (replicas) on a coordinator started with it, whose requests it places itself.
     let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
     for (k, c) in candidates.iter().enumerate() {
         match &c.placement {
-            Ok(p) if p.experts.is_some() => groups.push(vec![k]),
+            Ok(p) if p.experts.is_some() || c.plan.cells.len() > 1 => groups.push(vec![k]),
             Ok(_) => groups[0].push(k),
             Err(_) => {}
         }
@@ -140,19 +140,22 @@ pub fn run(
                 .map_err(|e| LabError::io(format!("writing {}", file.display()), e))?;
             files.push(file);
         }
-        let experts = candidates[group[0]]
+        let first = &candidates[group[0]];
+        let experts = first
             .placement
             .as_ref()
             .ok()
-            .and_then(|p| p.experts.as_ref());
-        if let Some(x) = experts {
+            .and_then(|p| p.experts.as_ref())
+            .map(ToString::to_string);
+        if experts.is_some() || first.plan.cells.len() > 1 {
             drop(session);
             progress(&format!(
-                "restarting the coordinator with the expert split {x}"
+                "restarting the coordinator with {}",
+                describe(&first.plan)
             ));
-            let mode = Mode::Experts {
+            let mode = Mode::Fixed {
                 plan: files[0].clone(),
-                experts: x.to_string(),
+                experts,
             };
             session = Session::start(&lab, tessera, scenario, dir, &mode)?;
             experts_applied = true;

@@ -2,8 +2,8 @@
 //! `tessera node` per scenario node, and greedy `tessera run` clients against them.
 //!
 //! A session is started per coordinator configuration (`--plan auto` to measure the graph, no
-//! plan for single-node and stage rings named by each client, `--plan FILE --experts SPEC` for
-//! an expert split, which the coordinator applies for every run). The coordinator's and the
+//! plan for single-node and stage rings named by each client, `--plan FILE [--experts SPEC]`
+//! for an expert split or cells, which the coordinator holds for every run). The coordinator's and the
 //! nodes' data directories are kept between sessions, so a restarted node keeps its key, its
 //! enrolment and its fetched model.
 
@@ -94,8 +94,13 @@ pub(super) enum Mode {
     Auto(Option<PathBuf>),
     /// No plan: every client names its stages.
     ByClient,
-    /// `--plan FILE --experts SPEC`: a home ring and an expert split, for every run.
-    Experts { plan: PathBuf, experts: String },
+    /// `--plan FILE [--experts SPEC]`: a placement the coordinator holds for every run (a home
+    /// ring and its expert split, or cells); clients name no stages, so the coordinator routes
+    /// each request (to a cell).
+    Fixed {
+        plan: PathBuf,
+        experts: Option<String>,
+    },
 }
 
 /// A running coordinator and its nodes.
@@ -107,6 +112,8 @@ pub(super) struct Session {
     pub(super) operator: String,
     tessera: PathBuf,
     dir: PathBuf,
+    /// The coordinator holds a placement: clients name no stages.
+    fixed: bool,
 }
 
 /// Where the coordinator keeps its state (kept between sessions).
@@ -146,8 +153,11 @@ impl Session {
                 }
             }
             Mode::ByClient => {}
-            Mode::Experts { plan, experts } => {
-                cmd.arg("--plan").arg(plan).args(["--experts", experts]);
+            Mode::Fixed { plan, experts } => {
+                cmd.arg("--plan").arg(plan);
+                if let Some(x) = experts {
+                    cmd.args(["--experts", x]);
+                }
             }
         }
         let mut coordinator = Proc::spawn("coordinator", cmd, &dir.join("coordinator.log"))?;
@@ -190,11 +200,13 @@ impl Session {
             operator,
             tessera: tessera.to_path_buf(),
             dir: dir.to_path_buf(),
+            fixed: matches!(mode, Mode::Fixed { .. }),
         })
     }
 
     /// `count` greedy clients at once (each with its own key under `dir`), each asking for
-    /// `tokens` with `plan`'s stages; their reports.
+    /// `tokens` with `plan`'s stages (or the coordinator's own placement, in a fixed session);
+    /// their reports.
     pub(super) fn clients(
         &self,
         lab: &Lab,
@@ -215,13 +227,14 @@ impl Session {
                     "-n",
                     &tokens.to_string(),
                 ])
-                .arg("--plan")
-                .arg(plan)
                 .arg("--data-dir")
                 .arg(self.dir.join(format!("client-{i}")))
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
+            if !self.fixed {
+                cmd.arg("--plan").arg(plan);
+            }
             running.push(
                 cmd.spawn()
                     .map_err(|e| LabError::io("starting tessera run", e))?,
