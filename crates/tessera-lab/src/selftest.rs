@@ -151,14 +151,33 @@ pub fn run(opts: &Options, mut each: impl FnMut(&Check)) -> Result<Vec<Check>> {
 
 /// Median and 90th percentile of `n` sequential UDP round trips from host 0 to host 1, s.
 fn rtt(lab: &Lab, n: usize) -> Result<(f64, f64)> {
-    let server_addr = SocketAddr::new(lab.addr(1).into(), 7001);
-    let server = lab.run_in(1, || UdpSocket::bind(server_addr))?;
+    rtt_between(lab, 0, 1, n)
+}
+
+/// Median and 90th percentile of `n` sequential UDP round trips from host `from` to host
+/// `to`, s.
+pub(crate) fn rtt_between(lab: &Lab, from: usize, to: usize, n: usize) -> Result<(f64, f64)> {
+    let server_addr = SocketAddr::new(lab.addr(to).into(), 7001);
+    let server = lab.run_in(to, || UdpSocket::bind(server_addr))?;
+    let client = lab.run_in(from, || {
+        UdpSocket::bind(SocketAddr::new(lab.addr(from).into(), 0))
+    })?;
+    echo_rtt(server, client, n)
+}
+
+/// [`rtt_between`] two sockets of this machine's loopback.
+pub(crate) fn loopback_rtt(n: usize) -> Result<(f64, f64)> {
+    let server = UdpSocket::bind("127.0.0.1:0").map_err(io("binding a socket"))?;
+    let client = UdpSocket::bind("127.0.0.1:0").map_err(io("binding a socket"))?;
+    echo_rtt(server, client, n)
+}
+
+/// `n` round trips from `client` to an echo on `server`: median and 90th percentile, s.
+fn echo_rtt(server: UdpSocket, client: UdpSocket, n: usize) -> Result<(f64, f64)> {
+    let server_addr = server.local_addr().map_err(io("socket address"))?;
     server
         .set_read_timeout(Some(Duration::from_millis(100)))
         .map_err(io("socket timeout"))?;
-    let client = lab.run_in(0, || {
-        UdpSocket::bind(SocketAddr::new(lab.addr(0).into(), 0))
-    })?;
     client
         .set_read_timeout(Some(Duration::from_secs(2)))
         .map_err(io("socket timeout"))?;

@@ -633,3 +633,44 @@ fn lab_run_measures_the_ring_and_the_expert_split_and_says_why_one_node_cannot_r
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `tessera lab hop` gives the hop figure on a switched link and on loopback: each from a
+/// single node and a two-node ring that both ran, and the link's measured round trip.
+#[test]
+fn lab_hop_reports_what_a_hop_adds_on_a_switched_link_and_on_loopback() {
+    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
+    let Some(lab) = lab_or_skip(&probe) else {
+        return;
+    };
+    drop(lab);
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args([
+        "lab", "hop", "--json", "--tokens", "32", "--rounds", "2", "--dir",
+    ])
+    .arg(dir.path())
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped());
+    let out = common::run_with_timeout(cmd, Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let figures: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(figures.len(), 2, "{figures:?}");
+    assert_eq!(figures[0]["requested_rtt_ms"], 0.5);
+    assert!(figures[1]["requested_rtt_ms"].is_null(), "loopback");
+    for f in &figures {
+        for k in [
+            "measured_rtt_ms",
+            "single_ms_per_token",
+            "ring_ms_per_token",
+            "added_per_hop_us",
+        ] {
+            assert!(f[k].as_f64().is_some_and(f64::is_finite), "{k}: {f}");
+        }
+        assert!(f["measured_rtt_ms"].as_f64().unwrap() > 0.0, "{f}");
+        assert_eq!(f["goal_us"], 50.0);
+    }
+}

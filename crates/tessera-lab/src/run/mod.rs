@@ -18,6 +18,7 @@
 //!    graph; every plan's prediction is shown before and after, and the calibrated graph can be
 //!    saved as a scenario that `tessera plan --nodes` and `tessera lab run` read.
 
+pub mod hop;
 pub mod plans;
 pub mod report;
 mod session;

@@ -19,6 +19,36 @@ use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::scenario::Scenario;
 
+/// Where a session's processes run: host 0 the coordinator's (and clients'), host `i` the
+/// scenario's node `i - 1`.
+pub(crate) trait Hosts {
+    /// A command that runs `program` on host `i`.
+    fn command(&self, i: usize, program: &Path) -> Result<std::process::Command>;
+    /// Host `i`'s address.
+    fn addr(&self, i: usize) -> std::net::Ipv4Addr;
+}
+
+impl Hosts for Lab {
+    fn command(&self, i: usize, program: &Path) -> Result<std::process::Command> {
+        Self::command(self, i, program)
+    }
+    fn addr(&self, i: usize) -> std::net::Ipv4Addr {
+        Self::addr(self, i)
+    }
+}
+
+/// Every host is this machine's loopback: processes started as they are, on 127.0.0.1.
+pub(crate) struct Loopback;
+
+impl Hosts for Loopback {
+    fn command(&self, _: usize, program: &Path) -> Result<std::process::Command> {
+        Ok(std::process::Command::new(program))
+    }
+    fn addr(&self, _: usize) -> std::net::Ipv4Addr {
+        std::net::Ipv4Addr::LOCALHOST
+    }
+}
+
 /// A child whose stdout lines are collected; killed on drop.
 pub(super) struct Proc {
     child: Child,
@@ -124,14 +154,15 @@ pub(super) fn coordinator_dir(dir: &Path) -> PathBuf {
 impl Session {
     /// Starts the coordinator, then every node, and waits until each has joined.
     pub(super) fn start(
-        lab: &Lab,
+        lab: &impl Hosts,
         tessera: &Path,
         scenario: &Scenario,
         dir: &Path,
         mode: &Mode,
     ) -> Result<Self> {
         let n = scenario.graph.nodes.len();
-        let listen = format!("{}:7070", lab.addr(0));
+        // Port 0: the join token names the port the coordinator got.
+        let listen = format!("{}:0", lab.addr(0));
         let mut cmd = lab.command(0, tessera)?;
         let context = scenario.graph.policy.context_tokens.to_string();
         cmd.args([
@@ -209,7 +240,7 @@ impl Session {
     /// their reports.
     pub(super) fn clients(
         &self,
-        lab: &Lab,
+        lab: &impl Hosts,
         plan: &Path,
         prompt: &str,
         tokens: usize,

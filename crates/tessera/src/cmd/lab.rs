@@ -54,6 +54,28 @@ enum LabCommand {
         #[arg(long, value_name = "PATH")]
         calibrated: Option<std::path::PathBuf>,
     },
+    /// The time a hop of a stage ring adds beyond the link's round trip: a model alone on one
+    /// node and as a two-node ring, alternating, on a link through the switch and on loopback.
+    Hop {
+        /// The model (default: the built-in stories260K).
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+        /// Round trip of the switched link, ms.
+        #[arg(long, default_value_t = 0.5)]
+        rtt_ms: f64,
+        /// Tokens per measured request.
+        #[arg(long, default_value_t = 128)]
+        tokens: usize,
+        /// Requests per placement (alternating); medians are reported.
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Print the figures as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Keep logs and data here (default: a fresh directory under the temp dir).
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+    },
     /// Remove the namespaces, devices and cgroups of labs whose process has gone (and kill the
     /// processes left inside them).
     Clean {
@@ -129,6 +151,35 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", tessera_lab::run::table(&report));
+            }
+            Ok(())
+        }
+        LabCommand::Hop {
+            model,
+            rtt_ms,
+            tokens,
+            rounds,
+            json,
+            dir,
+        } => {
+            anyhow::ensure!(rtt_ms >= 0.0, "--rtt-ms must be ≥ 0");
+            let opts = tessera_lab::run::hop::Options {
+                model: crate::default_model::resolve(model)?,
+                rtt_ms,
+                tokens,
+                rounds,
+                threads: 1,
+            };
+            let dir = dir.unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("tessera-lab-hop-{}", std::process::id()))
+            });
+            let exe = std::env::current_exe().context("finding this executable")?;
+            let figures = tessera_lab::run::hop::run(&opts, &exe, &dir, |m| eprintln!("lab: {m}"))
+                .with_context(|| format!("lab hop (logs in {})", dir.display()))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&figures)?);
+            } else {
+                print!("{}", tessera_lab::run::hop::table(&figures));
             }
             Ok(())
         }
