@@ -175,15 +175,28 @@ pub(super) unsafe fn iq23_group_avx512<const ID: u8>(
     check_group(lay, w, a, t0, nt, out);
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
-        for j in 0..nt {
-            token_avx512::<ID>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+        // Tiles of tokens share each gathered chunk of weights; per token the float steps are
+        // the same whatever the tile.
+        let mut j = 0;
+        while j < nt {
+            let o = out.as_mut_ptr().add(j * GROUP);
+            j += match nt - j {
+                1 => tile_avx512::<ID, 1>(w.as_ptr(), a, t0 + j, o),
+                2 | 3 => tile_avx512::<ID, 2>(w.as_ptr(), a, t0 + j, o),
+                _ => tile_avx512::<ID, 4>(w.as_ptr(), a, t0 + j, o),
+            };
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn token_avx512<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+unsafe fn tile_avx512<const ID: u8, const T: usize>(
+    w: *const u8,
+    a: &QuantizedActs,
+    t: usize,
+    out: *mut f32,
+) -> usize {
     let lay = Layout::of(ID);
     let nb = a.cols / 256;
     let x16 = lay.x16();
@@ -197,11 +210,12 @@ unsafe fn token_avx512<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, 
         let even = _mm512_loadu_si512(EVEN_ODD[0].as_ptr() as *const _);
         let odd = _mm512_loadu_si512(EVEN_ODD[1].as_ptr() as *const _);
         let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
-        let mut acc = [_mm512_setzero_ps(); 8];
+        let mut acc = [[_mm512_setzero_ps(); 8]; T];
         for b in 0..nb {
             let blk = b * x16;
-            let y = a.qs.as_ptr().add(t * a.cols + b * 256);
-            let mut lanes = [_mm512_setzero_si512(); 8];
+            let y: [*const i8; T] =
+                std::array::from_fn(|k| a.qs.as_ptr().add((t + k) * a.cols + b * 256));
+            let mut lanes = [[_mm512_setzero_si512(); 8]; T];
             for s in 0..8 {
                 // Scale multipliers in the low i16 of each lane (vpdpwssd: m·dot).
                 let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
@@ -239,23 +253,32 @@ unsafe fn token_avx512<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, 
                     for (h, &wv) in halves.iter().enumerate().take(lay.per_index / 4) {
                         let c = 8 * s + q * (lay.per_index / 4) + h;
                         let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
-                        let yv = _mm512_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
-                        let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
-                        // |dot| <= 4 * 62 * 127 fits the i16 vpdpwssd reads.
-                        let dot = _mm512_dpbusd_epi32(zero, wv, ys);
                         let m = if c % 8 < 4 { m0 } else { m1 };
                         let l = c % 8;
-                        lanes[l] = _mm512_dpwssd_epi32(lanes[l], dot, m);
+                        for (y, lanes) in y.iter().zip(lanes.iter_mut()) {
+                            let yv =
+                                _mm512_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
+                            let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
+                            // |dot| <= 4 * 62 * 127 fits the i16 vpdpwssd reads.
+                            let dot = _mm512_dpbusd_epi32(zero, wv, ys);
+                            lanes[l] = _mm512_dpwssd_epi32(lanes[l], dot, m);
+                        }
                     }
                 }
             }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
-            let d = _mm512_mul_ps(d, _mm512_set1_ps(*a.f.get_unchecked(t * nb + b)));
-            for (acc, l) in acc.iter_mut().zip(&lanes) {
-                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(*l), *acc);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
+            for (k, (acc, lanes)) in acc.iter_mut().zip(&lanes).enumerate() {
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*a.f.get_unchecked((t + k) * nb + b)));
+                for (acc, l) in acc.iter_mut().zip(lanes) {
+                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(*l), *acc);
+                }
             }
         }
-        let sum = lanes_sum!(_mm512_add_ps, acc);
-        _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(lay.factor), sum));
+        for (k, acc) in acc.iter().enumerate() {
+            let sum = lanes_sum!(_mm512_add_ps, acc);
+            let o = out.add(k * GROUP);
+            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(lay.factor), sum));
+        }
     }
+    T
 }
