@@ -391,6 +391,7 @@ impl Model {
             self.config.rope_dim,
             self.config.rope_theta,
             self.config.rope_scaling,
+            self.weights.rope_freqs.as_deref(),
         );
         for l in layers {
             self.attention(l, hidden, batch, kv, &mut sc)?;

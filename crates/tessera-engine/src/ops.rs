@@ -52,19 +52,22 @@ pub struct RopeTable {
 impl RopeTable {
     /// Fills the table for `positions` (one row each), reusing the buffers.
     pub fn fill(&mut self, positions: impl Iterator<Item = usize>, rope_dim: usize, base: f32) {
-        self.fill_scaled(positions, rope_dim, base, RopeScaling::None);
+        self.fill_scaled(positions, rope_dim, base, RopeScaling::None, None);
     }
 
     /// [`RopeTable::fill`] with the angles scaled as ggml's `rope_yarn` does: linear scaling
     /// multiplies each angle by `freq_scale = 1/factor`; YaRN mixes that with the unscaled
     /// angle by a ramp over the dimensions between its correction bounds and multiplies cos and
-    /// sin by `mscale` (llama.cpp's `attn_factor` times `1 + 0.1·ln factor`).
+    /// sin by `mscale` (llama.cpp's `attn_factor` times `1 + 0.1·ln factor`). With
+    /// `freq_factors` (llama3-style scaling, `rope_dim / 2` of them) pair `i`'s unscaled angle
+    /// is divided by factor `i` first, as ggml's rope cache does.
     pub fn fill_scaled(
         &mut self,
         positions: impl Iterator<Item = usize>,
         rope_dim: usize,
         base: f32,
         scaling: RopeScaling,
+        freq_factors: Option<&[f32]>,
     ) {
         self.half = rope_dim / 2;
         self.cos.clear();
@@ -107,13 +110,14 @@ impl RopeTable {
         for p in positions {
             let mut theta_extrap = p as f32;
             for i in 0..self.half {
-                let theta_interp = freq_scale * theta_extrap;
+                let theta_extrap_i = freq_factors.map_or(theta_extrap, |f| theta_extrap / f[i]);
+                let theta_interp = freq_scale * theta_extrap_i;
                 let (theta, mscale) = match yarn {
                     None => (theta_interp, 1.0),
                     Some((low, high, mscale)) => {
                         let y = (i as f32 - low) / (high - low).max(0.001);
                         let mix = 1.0 - y.clamp(0.0, 1.0);
-                        (theta_interp * (1.0 - mix) + theta_extrap * mix, mscale)
+                        (theta_interp * (1.0 - mix) + theta_extrap_i * mix, mscale)
                     }
                 };
                 if yarn.is_some() {

@@ -226,6 +226,9 @@ pub struct ModelWeights {
     pub output_norm: Option<Vec<f32>>,
     /// Untied head.
     pub output: Option<Matrix>,
+    /// RoPE frequency factors (llama3-style scaling), when the model has them; loaded by
+    /// every part that holds a layer (they are `rope_dim / 2` floats).
+    pub rope_freqs: Option<Vec<f32>>,
     /// `layers[i]` is layer `spec.layers.start + i`.
     pub layers: Vec<LayerWeights>,
 }
@@ -270,6 +273,11 @@ impl ModelWeights {
             (Some(norm), out)
         } else {
             (None, None)
+        };
+        let rope_freqs = if config.rope_freq_factors && spec.dense && !spec.layers.is_empty() {
+            Some(loader.vector(names::ROPE_FREQS)?)
+        } else {
+            None
         };
         let mut layers = Vec::with_capacity(spec.layers.len());
         for il in spec.layers.clone() {
@@ -390,6 +398,7 @@ impl ModelWeights {
             token_embd,
             output_norm,
             output,
+            rope_freqs,
             layers,
         })
     }
@@ -503,6 +512,9 @@ fn plan(g: &GgufFile, config: &ModelConfig, spec: &LoadSpec) -> Result<Vec<(Stri
         if !config.tied_embeddings {
             add(names::OUTPUT, 1, 1)?;
         }
+    }
+    if config.rope_freq_factors && spec.dense && !spec.layers.is_empty() {
+        add(names::ROPE_FREQS, 1, 1)?;
     }
     let expected = config.expected_tensors();
     for il in spec.layers.clone() {

@@ -266,6 +266,11 @@ pub struct ModelConfig {
     /// `ln(floor((pos + offset) / floor_scale) + 1) · scale + 1`.
     #[serde(default)]
     pub attn_temperature: Option<AttnTemperature>,
+    /// The file has `rope_freqs.weight` (`rope_dim / 2` factors, llama3-style RoPE scaling as
+    /// converters write it for Llama 3.1+ and Llama 4): pair `i`'s angle is divided by factor
+    /// `i`, as ggml's rope does with `freq_factors`.
+    #[serde(default)]
+    pub rope_freq_factors: bool,
 }
 
 /// Llama 4's temperature tuning of NoPE layers' queries at long context (see
@@ -295,6 +300,8 @@ pub mod names {
     pub const TOKEN_EMBD: &str = "token_embd.weight";
     pub const OUTPUT_NORM: &str = "output_norm.weight";
     pub const OUTPUT: &str = "output.weight";
+    /// llama3-style RoPE frequency factors, one per rotated pair (optional).
+    pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
     /// The norm before a layer's feed-forward block: `ffn_norm` in most families,
     /// `post_attention_norm` in gpt-oss.
@@ -559,6 +566,9 @@ impl ModelConfig {
             no_rope_layer_step: l4.no_rope_layer_step,
             rope_qk_rms_norm: l4.rope_qk_rms_norm,
             attn_temperature: l4.temperature,
+            // llama.cpp reads the factors for llama and llama4 (other families' files lack them).
+            rope_freq_factors: matches!(arch, Architecture::Llama | Architecture::Llama4)
+                && g.tensor(names::ROPE_FREQS).is_some(),
         };
         // MLA keys are a non-rotated part and a rotated part: both must be there.
         if rope_dim > head_dim || rope_dim % 2 != 0 || (mla.is_some() && rope_dim == head_dim) {
@@ -734,6 +744,12 @@ impl ModelConfig {
             ),
             (names::OUTPUT_NORM.to_string(), vec![e]),
         ];
+        if self.rope_freq_factors {
+            out.push((
+                names::ROPE_FREQS.to_string(),
+                vec![self.rope_dim as u64 / 2],
+            ));
+        }
         if !self.tied_embeddings {
             out.push((names::OUTPUT.to_string(), vec![e, self.vocab_size as u64]));
         }
@@ -930,15 +946,6 @@ fn read_llama4(
                 return Err(bad_meta(path, &key(k), format!("{v} is not supported")));
             }
         }
-    }
-    if g.tensor(&names::layer(0, "rope_freqs.weight")).is_some()
-        || g.tensor("rope_freqs.weight").is_some()
-    {
-        return Err(ModelError::BadTensor {
-            path: path.to_owned(),
-            tensor: "rope_freqs.weight".into(),
-            what: "RoPE frequency factors are not supported".into(),
-        });
     }
     let chunked = opt_usize(g, &key("attention.sliding_window"))? != Some(0);
     if !chunked {

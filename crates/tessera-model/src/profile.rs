@@ -285,8 +285,17 @@ impl fmt::Display for ModelProfile {
         }
         writeln!(
             f,
-            "rope          {:?}, theta {}, {} dims    rms eps {:e}    tied embeddings {}",
-            c.rope_style, c.rope_theta, c.rope_dim, c.rms_eps, c.tied_embeddings
+            "rope          {:?}, theta {}, {} dims{}    rms eps {:e}    tied embeddings {}",
+            c.rope_style,
+            c.rope_theta,
+            c.rope_dim,
+            if c.rope_freq_factors {
+                ", frequency factors (rope_freqs)"
+            } else {
+                ""
+            },
+            c.rms_eps,
+            c.tied_embeddings
         )?;
         if c.rope_scaling != crate::RopeScaling::None {
             writeln!(f, "rope scaling  {:?}", c.rope_scaling)?;
