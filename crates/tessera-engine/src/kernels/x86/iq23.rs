@@ -63,15 +63,26 @@ pub(super) unsafe fn iq23_group_avx2<const ID: u8>(
     check_group(lay, w, a, t0, nt, out);
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
-        for j in 0..nt {
-            token_avx2::<ID>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+        // Pairs of tokens share each gathered chunk of weights (as on AVX-512).
+        let mut j = 0;
+        while j < nt {
+            let o = out.as_mut_ptr().add(j * GROUP);
+            j += match nt - j {
+                1 => tile_avx2::<ID, 1>(w.as_ptr(), a, t0 + j, o),
+                _ => tile_avx2::<ID, 2>(w.as_ptr(), a, t0 + j, o),
+            };
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn token_avx2<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+unsafe fn tile_avx2<const ID: u8, const T: usize>(
+    w: *const u8,
+    a: &QuantizedActs,
+    t: usize,
+    out: *mut f32,
+) -> usize {
     let lay = Layout::of(ID);
     let nb = a.cols / 256;
     let x16 = lay.x16();
@@ -88,11 +99,12 @@ unsafe fn token_avx2<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, ou
         let even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
         for h8 in 0..2 {
             let rows = |o: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(o + 8 * h8) as _));
-            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut acc = [[_mm256_setzero_ps(); 8]; T];
             for b in 0..nb {
                 let blk = b * x16;
-                let y = a.qs.as_ptr().add(t * a.cols + b * 256);
-                let mut lanes = [_mm256_setzero_si256(); 8];
+                let y: [*const i8; T] =
+                    std::array::from_fn(|k| a.qs.as_ptr().add((t + k) * a.cols + b * 256));
+                let mut lanes = [[_mm256_setzero_si256(); 8]; T];
                 for s in 0..8 {
                     // Scale multipliers as i16 in the low half of each lane (madd: m·dot).
                     let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
@@ -136,29 +148,36 @@ unsafe fn token_avx2<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, ou
                                 bits,
                             );
                             let neg = _mm256_cmpeq_epi8(sg, bits);
-                            let yv =
-                                _mm256_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
-                            let ys = _mm256_sub_epi8(_mm256_xor_si256(yv, neg), neg);
-                            let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, ys), ones);
                             let m = if c % 8 < 4 { m0 } else { m1 };
                             let l = c % 8;
-                            lanes[l] = _mm256_add_epi32(lanes[l], _mm256_madd_epi16(dot, m));
+                            for (y, lanes) in y.iter().zip(lanes.iter_mut()) {
+                                let yv = _mm256_set1_epi32(
+                                    (y.add(4 * c) as *const i32).read_unaligned(),
+                                );
+                                let ys = _mm256_sub_epi8(_mm256_xor_si256(yv, neg), neg);
+                                let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, ys), ones);
+                                lanes[l] = _mm256_add_epi32(lanes[l], _mm256_madd_epi16(dot, m));
+                            }
                         }
                     }
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(w.add(blk + 16 * h8) as *const __m128i));
-                let d = _mm256_mul_ps(d, _mm256_set1_ps(*a.f.get_unchecked(t * nb + b)));
-                for (acc, l) in acc.iter_mut().zip(&lanes) {
-                    *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(*l), *acc);
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(w.add(blk + 16 * h8) as *const __m128i));
+                for (k, (acc, lanes)) in acc.iter_mut().zip(&lanes).enumerate() {
+                    let dy = *a.f.get_unchecked((t + k) * nb + b);
+                    let d = _mm256_mul_ps(dw, _mm256_set1_ps(dy));
+                    for (acc, l) in acc.iter_mut().zip(lanes) {
+                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(*l), *acc);
+                    }
                 }
             }
-            let sum = lanes_sum!(_mm256_add_ps, acc);
-            _mm256_storeu_ps(
-                out.add(8 * h8),
-                _mm256_mul_ps(_mm256_set1_ps(lay.factor), sum),
-            );
+            for (k, acc) in acc.iter().enumerate() {
+                let sum = lanes_sum!(_mm256_add_ps, acc);
+                let o = out.add(k * GROUP + 8 * h8);
+                _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(lay.factor), sum));
+            }
         }
     }
+    T
 }
 
 /// # Safety
