@@ -93,7 +93,7 @@ pub enum ModelError {
     Json(#[from] serde_json::Error),
     #[error(
         "unsupported model_type {0:?} (supported: llama, qwen2, qwen3, qwen3_moe, mixtral, \
-         gpt_oss, deepseek_v2, deepseek_v3, kimi_k2, glm4_moe)"
+         gpt_oss, deepseek_v2, deepseek_v3, kimi_k2, glm4_moe, llama4)"
     )]
     UnsupportedArch(String),
     #[error("config.json lacks {0:?}")]
@@ -260,12 +260,27 @@ impl ModelProfile {
     /// `sliding_attention`, or gpt-oss's even layers when the list is absent) hold and attend
     /// to `sliding_window` positions.
     pub fn from_hf_config(config_json: &str, quant: Quant) -> Result<Self, ModelError> {
-        let v: serde_json::Value = serde_json::from_str(config_json)?;
-        let arch = v
+        let top: serde_json::Value = serde_json::from_str(config_json)?;
+        let mut arch = top
             .get("model_type")
             .and_then(|x| x.as_str())
             .ok_or(ModelError::Missing("model_type"))?
             .to_string();
+        // Llama 4's checkpoints nest the language model's config in `text_config` (beside the
+        // vision encoder's, which is not planned).
+        let v = match (arch.as_str(), top.get("text_config")) {
+            ("llama4", Some(text)) => {
+                let mut text = text.clone();
+                if let (Some(t), Some(name)) = (text.as_object_mut(), top.get("_name_or_path")) {
+                    t.insert("_name_or_path".into(), name.clone());
+                }
+                text
+            }
+            _ => top.clone(),
+        };
+        if arch == "llama4_text" {
+            arch = "llama4".into();
+        }
         if !matches!(
             arch.as_str(),
             "llama"
@@ -278,10 +293,12 @@ impl ModelProfile {
                 | "deepseek_v3"
                 | "kimi_k2"
                 | "glm4_moe"
+                | "llama4"
         ) {
             return Err(ModelError::UnsupportedArch(arch));
         }
         let deepseek = matches!(arch.as_str(), "deepseek_v2" | "deepseek_v3" | "kimi_k2");
+        let llama4 = arch == "llama4";
         let shared_style = deepseek || arch == "glm4_moe";
         let get = |k: &'static str| v.get(k).and_then(serde_json::Value::as_u64);
         let need = |k: &'static str| get(k).ok_or(ModelError::Missing(k));
@@ -333,12 +350,24 @@ impl ModelProfile {
                 need("intermediate_size")?,
                 0,
             ),
+            // Llama 4: `intermediate_size` is an expert's, `intermediate_size_mlp` the dense
+            // layers'.
+            "llama4" => (
+                need("num_local_experts")?,
+                need("num_experts_per_tok")?,
+                need("intermediate_size")?,
+                need("intermediate_size_mlp")?,
+            ),
             _ => (0, 0, 0, need("intermediate_size")?),
         };
         if n_expert > 0 && (n_used == 0 || n_used > n_expert || expert_ffn == 0) {
             return Err(ModelError::Invalid("num_experts_per_tok"));
         }
-        let sparse_step = get("decoder_sparse_step").unwrap_or(1).max(1);
+        let sparse_step = if llama4 {
+            get("interleave_moe_layer_step").unwrap_or(1).max(1)
+        } else {
+            get("decoder_sparse_step").unwrap_or(1).max(1)
+        };
         let mlp_only: Vec<u64> = v
             .get("mlp_only_layers")
             .and_then(|x| x.as_array())
@@ -392,7 +421,11 @@ impl ModelProfile {
             // and its output is a weighted sum of latents (kv_lora wide), 2 FLOPs per product.
             attn_flops_ctx = (2 * n_head * (2 * kv_lora + rope)) as f64;
         }
-        let window = sliding_layers(&v, &arch, n_layers)?;
+        let window = if llama4 {
+            chunked_layers(&v, n_layers)?
+        } else {
+            sliding_layers(&v, &arch, n_layers)?
+        };
         let attention = quant.bytes(attn_params) + f32b(attn_small);
         // Dense first layers (DeepSeek, GLM) and shared experts beside the routed ones.
         let first_dense = if shared_style {
@@ -402,6 +435,8 @@ impl ModelProfile {
         };
         let shared_ffn = if shared_style {
             get("n_shared_experts").unwrap_or(0) * expert_ffn
+        } else if llama4 {
+            expert_ffn // one shared expert as wide as a routed one
         } else {
             0
         };
@@ -482,6 +517,32 @@ impl ModelProfile {
         profile.validate()?;
         Ok(profile)
     }
+}
+
+/// Llama 4's chunked layers, each holding `attention_chunk_size` positions: those whose
+/// `layer_types` entry is `chunked_attention`, or else those that use RoPE (`no_rope_layers`
+/// entry 1; by default all but every fourth layer), as `transformers` decides.
+fn chunked_layers(v: &serde_json::Value, n_layers: u64) -> Result<Vec<Option<u64>>, ModelError> {
+    let Some(chunk) = v
+        .get("attention_chunk_size")
+        .and_then(serde_json::Value::as_u64)
+        .filter(|&c| c > 0)
+    else {
+        return Ok(vec![None; n_layers as usize]);
+    };
+    let flags: Vec<bool> = if let Some(t) = v.get("layer_types").and_then(|x| x.as_array()) {
+        t.iter()
+            .map(|x| x.as_str() == Some("chunked_attention"))
+            .collect()
+    } else if let Some(t) = v.get("no_rope_layers").and_then(|x| x.as_array()) {
+        t.iter().map(|x| x.as_u64() == Some(1)).collect()
+    } else {
+        (0..n_layers).map(|i| (i + 1) % 4 != 0).collect()
+    };
+    if flags.len() as u64 != n_layers {
+        return Err(ModelError::Invalid("layer_types"));
+    }
+    Ok(flags.into_iter().map(|c| c.then_some(chunk)).collect())
 }
 
 /// Each layer's sliding window (`None` for full attention), from `sliding_window` and
@@ -659,6 +720,67 @@ mod tests {
         assert!(m.layers.iter().all(|l| l.kv_window.is_none()));
         assert_eq!(m.kv_bytes_at(1000), Bytes(92 * 2 * 8 * 128 * 2 * 1000));
         assert_eq!(m.layers[0].attn_flops_per_ctx_token, (4 * 96 * 128) as f64);
+    }
+
+    #[test]
+    fn bundled_llama_4_configs_have_their_published_sizes() {
+        // Scout: 109 B total with its vision encoder (~1 B, not planned), 17 B active.
+        let (t, a) = params_b(include_str!("../models/llama-4-scout.config.json"));
+        assert!(
+            (105.0..110.0).contains(&t) && (15.5..17.5).contains(&a),
+            "{t} {a}"
+        );
+        // Maverick: 400 B total, 17 B active; MoE every second layer, dense ones between.
+        let (t, a) = params_b(include_str!("../models/llama-4-maverick.config.json"));
+        assert!(
+            (395.0..402.0).contains(&t) && (15.5..17.5).contains(&a),
+            "{t} {a}"
+        );
+        let m = ModelProfile::from_hf_config(
+            include_str!("../models/llama-4-maverick.config.json"),
+            Quant::Q4_K,
+        )
+        .unwrap();
+        assert_eq!(m.name, "meta-llama/Llama-4-Maverick-17B-128E-Instruct");
+        let moe: Vec<bool> = m.layers.iter().map(LayerProfile::is_moe).collect();
+        assert_eq!(moe, (0..48).map(|i| i % 2 == 1).collect::<Vec<_>>());
+        assert!(m.layers.iter().all(|l| l.n_expert_used <= 1));
+    }
+
+    #[test]
+    fn llama_4_chunked_layers_hold_a_chunk_and_nope_layers_the_context() {
+        let m = ModelProfile::from_hf_config(
+            include_str!("../models/llama-4-scout.config.json"),
+            Quant::Q4_K,
+        )
+        .unwrap();
+        // Three of every four layers are chunked (8192); every fourth (NoPE) sees everything.
+        for (i, l) in m.layers.iter().enumerate() {
+            assert_eq!(l.kv_window, ((i + 1) % 4 != 0).then_some(8192), "layer {i}");
+        }
+        // 8 KV heads of 128, K and V, f16: 4 KiB per position per layer. At 1M tokens of
+        // context 12 layers hold every position and 36 hold a chunk.
+        let per_pos = 2 * 8 * 128 * 2;
+        assert_eq!(
+            m.kv_bytes_at(1 << 20),
+            Bytes(per_pos * (12 * (1 << 20) + 36 * 8192))
+        );
+        // `layer_types` (newer configs) decides the same way.
+        let mut v: serde_json::Value =
+            serde_json::from_str(include_str!("../models/llama-4-scout.config.json")).unwrap();
+        let types: Vec<&str> = (0..48)
+            .map(|i| {
+                if i % 2 == 0 {
+                    "chunked_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect();
+        v["text_config"]["layer_types"] = serde_json::json!(types);
+        let m = ModelProfile::from_hf_config(&v.to_string(), Quant::Q4_K).unwrap();
+        assert_eq!(m.layers[0].kv_window, Some(8192));
+        assert_eq!(m.layers[1].kv_window, None);
     }
 
     #[test]

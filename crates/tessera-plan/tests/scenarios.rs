@@ -496,7 +496,7 @@ fn example_cluster_files_parse_and_plan() {
 /// The bundled configs of the MoE models people pool machines for plan on the mixed home
 /// cluster: split by experts (too large for any one machine), within every budget.
 #[test]
-fn bundled_gpt_oss_deepseek_and_glm_configs_plan_as_expert_splits() {
+fn bundled_gpt_oss_deepseek_glm_and_llama_4_configs_plan_as_expert_splits() {
     let g = ResourceGraph::from_toml(include_str!("../clusters/home-mixed.toml")).unwrap();
     for (name, text) in [
         (
@@ -508,6 +508,14 @@ fn bundled_gpt_oss_deepseek_and_glm_configs_plan_as_expert_splits() {
             include_str!("../models/deepseek-v3.config.json"),
         ),
         ("glm-4.5", include_str!("../models/glm-4.5.config.json")),
+        (
+            "llama-4-scout",
+            include_str!("../models/llama-4-scout.config.json"),
+        ),
+        (
+            "llama-4-maverick",
+            include_str!("../models/llama-4-maverick.config.json"),
+        ),
     ] {
         let m = tessera_plan::ModelProfile::from_hf_config(text, Quant::Q4_K).unwrap();
         let o = plan(&m, &g, 1).unwrap_or_else(|e| panic!("{name}: {e}"));
