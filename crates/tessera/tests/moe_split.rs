@@ -244,3 +244,11 @@ fn experts_split_across_3_nodes_match_one_process_small() {
 fn experts_split_with_2_stages_match_one_process_small() {
     stages_and_experts("test/small-qwen3moe-Q8_0.gguf");
 }
+
+/// llama4: MoE every second layer with dense ones between, a shared expert at home, top-1
+/// routing weighting the expert's input, iRoPE and RoPE frequency factors (which every stage
+/// fetches with its layers).
+#[test]
+fn experts_split_with_2_stages_match_one_process_llama4() {
+    stages_and_experts("test/tiny-llama4-Q8_0.gguf");
+}

@@ -30,11 +30,15 @@ pub(super) struct LoadCtx {
     pub(super) expert_budget: Option<u64>,
 }
 
-/// The tensors a stage needs: its layers' `blk.N.*`, plus the embedding (first stage, or the
-/// last with tied embeddings) and the output norm and head (last stage).
+/// The tensors a stage needs: its layers' `blk.N.*` (and the RoPE frequency factors every
+/// layer rotates with, where the model has them), plus the embedding (first stage, or the last
+/// with tied embeddings) and the output norm and head (last stage).
 pub fn stage_tensor_names(manifest: &Manifest, a: &StageAssignment) -> Vec<String> {
     let mut names = manifest.layer_tensor_names(a.layers.start as u32..a.layers.end as u32);
     let has = |n: &str| manifest.tensor(n).is_some();
+    if !a.layers.is_empty() && has("rope_freqs.weight") {
+        names.push("rope_freqs.weight".into());
+    }
     let tied = !has("output.weight");
     if a.embed || (a.head && tied) {
         names.push("token_embd.weight".into());
