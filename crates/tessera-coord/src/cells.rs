@@ -12,10 +12,11 @@
 //!    reserved by the requests already seated on the cell (each at its full length, prompt plus
 //!    the most tokens it may generate, so a seated request never runs out). A node with no
 //!    known budget is not limited.
-//! 2. **Score: expected wait.** `(seated + 1) / speed`, where speed is the cell's measured
-//!    decode tokens/s (a moving average over its finished requests), or the mean of the
-//!    measured cells for a cell not measured yet (1 when none is). Ties go to the fewer seated,
-//!    then to the older cell.
+//! 2. **Score: expected wait.** `(seated + 1) / speed + latency`, where speed is the cell's
+//!    measured decode tokens/s (a moving average over its finished requests), or the mean of
+//!    the measured cells for a cell not measured yet (1 when none is), and latency is the
+//!    coordinator's measured round trip to the cell's farthest node (what every token of the
+//!    request pays to reach the client). Ties go to the fewer seated, then to the older cell.
 //!
 //! [`CellBook`] keeps the seats and speeds; [`choose`] decides from a snapshot of both.
 
@@ -51,6 +52,8 @@ pub struct CellLoad {
     pub reserved_positions: u64,
     /// Measured decode tokens/s (`None`: no request has finished on it yet).
     pub speed: Option<f64>,
+    /// Seconds of the coordinator's round trip to its farthest node (0: not measured).
+    pub latency_s: f64,
 }
 
 impl CellLoad {
@@ -75,6 +78,26 @@ pub enum NoCell {
     NoneReady,
     /// Cells are ready, but none has room for the request's KV now: it waits for one to free.
     NoneFits { positions: u64 },
+    /// No ready cell would have room for the request's KV even with nothing else seated on it.
+    TooBig { positions: u64 },
+}
+
+impl std::fmt::Display for NoCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NoneReady => f.write_str("no cell is ready"),
+            Self::NoneFits { positions } => write!(
+                f,
+                "no cell has room for {positions} positions of KV cache until a request ends"
+            ),
+            Self::TooBig { positions } => write!(
+                f,
+                "the request needs {positions} positions of KV cache (its prompt and max \
+                 tokens), more than any cell's memory budget leaves room for; ask for fewer \
+                 tokens"
+            ),
+        }
+    }
 }
 
 /// The cell to send a request needing `positions` of KV to, among `cells` (see the module
@@ -95,7 +118,19 @@ pub fn choose(
     } else {
         measured.iter().sum::<f64>() / measured.len() as f64
     };
-    let wait = |c: &CellLoad| (c.seated + 1) as f64 / c.speed.unwrap_or(default_speed).max(1e-9);
+    let wait = |c: &CellLoad| {
+        (c.seated + 1) as f64 / c.speed.unwrap_or(default_speed).max(1e-9) + c.latency_s
+    };
+    let idle_fit = |c: &CellLoad| {
+        CellLoad {
+            reserved_positions: 0,
+            ..c.clone()
+        }
+        .fits(positions, kv_bytes)
+    };
+    if !candidates.iter().any(|c| idle_fit(c)) {
+        return Err(NoCell::TooBig { positions });
+    }
     candidates
         .into_iter()
         .filter(|c| c.fits(positions, kv_bytes))
@@ -168,8 +203,15 @@ impl CellBook {
         self.speed.retain(|e, _| live.contains(e));
     }
 
-    /// The ready cells of `m` with their loads.
+    /// The ready cells of `m` with their loads (one pass over the seats: this runs for every
+    /// request).
     pub fn loads(&self, m: &Membership) -> Vec<CellLoad> {
+        let mut seats: BTreeMap<u64, (usize, u64)> = BTreeMap::new();
+        for s in self.seats.values() {
+            let e = seats.entry(s.epoch).or_default();
+            e.0 += 1;
+            e.1 += s.positions;
+        }
         m.ready_cells()
             .map(|e| CellLoad {
                 epoch: e.id,
@@ -183,9 +225,15 @@ impl CellBook {
                         resident_bytes: s.loaded.as_ref().map_or(0, |l| l.resident_bytes),
                     })
                     .collect(),
-                seated: self.seated(e.id),
-                reserved_positions: self.reserved_positions(e.id),
+                seated: seats.get(&e.id).map_or(0, |s| s.0),
+                reserved_positions: seats.get(&e.id).map_or(0, |s| s.1),
                 speed: self.speed(e.id),
+                latency_s: e
+                    .stages
+                    .iter()
+                    .filter_map(|s| m.member(&s.node_id)?.link)
+                    .map(|l| l.rtt_median.as_secs_f64())
+                    .fold(0.0, f64::max),
             })
             .collect()
     }
@@ -217,6 +265,7 @@ mod tests {
             seated,
             reserved_positions: 0,
             speed,
+            latency_s: 0.0,
         }
     }
 
@@ -255,6 +304,19 @@ mod tests {
     }
 
     #[test]
+    fn a_far_cell_is_worth_fewer_requests_than_a_near_one() {
+        // Equal speeds (10 tok/s); cell 2 is 200 ms away: one more request seated on cell 1
+        // costs 100 ms of expected wait, so cell 1 takes the next two before cell 2 takes one.
+        let far = |seated| CellLoad {
+            latency_s: 0.2,
+            ..cell(2, seated, Some(10.0))
+        };
+        assert_eq!(choose(&[cell(1, 0, Some(10.0)), far(0)], 1, 1, None), Ok(1));
+        assert_eq!(choose(&[cell(1, 1, Some(10.0)), far(0)], 1, 1, None), Ok(1));
+        assert_eq!(choose(&[cell(1, 3, Some(10.0)), far(0)], 1, 1, None), Ok(2));
+    }
+
+    #[test]
     fn free_kv_is_a_hard_filter_whatever_the_score() {
         // Node budgets of 1,000 bytes, 100 resident, 4 layers at 10 bytes a position-layer:
         // 40 bytes a position, room for 22 positions.
@@ -264,6 +326,7 @@ mod tests {
             seated: 0,
             reserved_positions: reserved,
             speed: Some(100.0),
+            latency_s: 0.0,
         };
         assert!(small(1, 0).fits(22, 10));
         assert!(!small(1, 0).fits(23, 10));
@@ -276,6 +339,10 @@ mod tests {
             choose(&[small(1, 20)], 5, 10, None),
             Err(NoCell::NoneFits { positions: 5 })
         );
+        // Room for no request that long even on an idle cell: it is refused, not kept waiting.
+        let refused = choose(&[small(1, 20)], 23, 10, None);
+        assert_eq!(refused, Err(NoCell::TooBig { positions: 23 }));
+        assert!(refused.unwrap_err().to_string().contains("fewer tokens"));
     }
 
     #[test]

@@ -273,6 +273,7 @@ async fn ensure_epoch(
                 }
             }
             Err(NoCell::NoneFits { .. }) => {}
+            Err(e @ NoCell::TooBig { .. }) => return Err(CoordError::Run(e.to_string())),
         }
         tokio::select! {
             r = tokio::time::timeout_at(deadline, rx.changed()) => if r.is_err() {
