@@ -105,6 +105,9 @@ fn cluster(cells: usize) -> Cluster {
         c.add_node(&format!("n{i}"));
     }
     c.wait_ready();
+    // Every cell is an epoch of its own: all of them serving.
+    c.coordinator
+        .wait_event_nth(&[("event", "epoch_ready")], cells);
     c
 }
 
