@@ -180,6 +180,10 @@ unsafe fn tile_avx2<const ID: u8, const T: usize>(
     T
 }
 
+/// Tokens whose accumulators one AVX-512 pass keeps (each block's weights are gathered once
+/// per pass).
+const TILE: usize = 16;
+
 /// # Safety
 /// Requires AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -194,110 +198,94 @@ pub(super) unsafe fn iq23_group_avx512<const ID: u8>(
     check_group(lay, w, a, t0, nt, out);
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
-        // Tiles of tokens share each gathered chunk of weights; per token the float steps are
-        // the same whatever the tile.
-        let mut j = 0;
-        while j < nt {
+        for j in (0..nt).step_by(TILE) {
             let o = out.as_mut_ptr().add(j * GROUP);
-            j += match nt - j {
-                1 => tile_avx512::<ID, 1>(w.as_ptr(), a, t0 + j, o),
-                2 | 3 => tile_avx512::<ID, 2>(w.as_ptr(), a, t0 + j, o),
-                _ => tile_avx512::<ID, 4>(w.as_ptr(), a, t0 + j, o),
-            };
+            tile_avx512::<ID>(w.as_ptr(), a, t0 + j, TILE.min(nt - j), o);
         }
     }
 }
 
+/// Tokens `t..t + n` (`n <= TILE`): per block, the 64 chunks' grid bytes of the 16 rows are
+/// gathered once into a buffer, then each token runs over it with its own lanes (the float
+/// steps per token are those of one token alone).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_avx512<const ID: u8, const T: usize>(
+unsafe fn tile_avx512<const ID: u8>(
     w: *const u8,
     a: &QuantizedActs,
     t: usize,
+    n: usize,
     out: *mut f32,
-) -> usize {
+) {
     let lay = Layout::of(ID);
     let nb = a.cols / 256;
     let x16 = lay.x16();
     let grid = grid_words(lay);
     let high_mask = _mm512_set1_epi32((1 << lay.high_bits) - 1);
     let zero = _mm512_setzero_si512();
-    let per_sub = 32 / lay.per_index;
-    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t; grid
-    // indices are built from at most the table's index bits.
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
+    // t..t + n; grid indices are built from at most the table's index bits.
     unsafe {
         let even = _mm512_loadu_si512(EVEN_ODD[0].as_ptr() as *const _);
         let odd = _mm512_loadu_si512(EVEN_ODD[1].as_ptr() as *const _);
         let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
-        let mut acc = [[_mm512_setzero_ps(); 8]; T];
+        let mut acc = [[_mm512_setzero_ps(); 8]; TILE];
+        let mut wbuf = [zero; 64];
         for b in 0..nb {
             let blk = b * x16;
-            let y: [*const i8; T] =
-                std::array::from_fn(|k| a.qs.as_ptr().add((t + k) * a.cols + b * 256));
-            let mut lanes = [[_mm512_setzero_si512(); 8]; T];
-            for s in 0..8 {
-                // Scale multipliers in the low i16 of each lane (vpdpwssd: m·dot).
-                let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
-                let m1 = if lay.n_scales == 16 {
-                    rows(blk + lay.scales() + GROUP * (2 * s + 1))
-                } else {
-                    m0
-                };
-                for q in 0..per_sub {
-                    let g = s * per_sub + q;
-                    let mut idx = rows(blk + lay.index() + GROUP * g);
-                    if lay.high_bits > 0 {
-                        let bit = g * lay.high_bits;
-                        let hv = rows(blk + lay.high() + GROUP * (bit / 8));
-                        let hv = _mm512_srlv_epi32(hv, _mm512_set1_epi32((bit % 8) as i32));
-                        let hv = _mm512_slli_epi32::<8>(_mm512_and_si512(hv, high_mask));
-                        idx = _mm512_or_si512(idx, hv);
-                    }
+            for g in 0..lay.n_index() {
+                let mut idx = rows(blk + lay.index() + GROUP * g);
+                if lay.high_bits > 0 {
+                    let bit = g * lay.high_bits;
+                    let hv = rows(blk + lay.high() + GROUP * (bit / 8));
+                    let hv = _mm512_srlv_epi32(hv, _mm512_set1_epi32((bit % 8) as i32));
+                    let hv = _mm512_slli_epi32::<8>(_mm512_and_si512(hv, high_mask));
+                    idx = _mm512_or_si512(idx, hv);
+                }
+                if lay.per_index == 8 {
                     // IQ2: each row's whole 8-byte entry by two 8-row qword gathers, split
-                    // into the chunks' 4-byte halves (half the loads of dword gathers).
-                    let halves = if lay.per_index == 8 {
-                        let lo =
-                            _mm512_i32gather_epi64::<8>(_mm512_castsi512_si256(idx), grid as _);
-                        let hi = _mm512_i32gather_epi64::<8>(
-                            _mm512_extracti64x4_epi64::<1>(idx),
-                            grid as _,
-                        );
-                        [
-                            _mm512_permutex2var_epi32(lo, even, hi),
-                            _mm512_permutex2var_epi32(lo, odd, hi),
-                        ]
-                    } else {
-                        [_mm512_i32gather_epi32::<4>(idx, grid), zero]
-                    };
-                    for (h, &wv) in halves.iter().enumerate().take(lay.per_index / 4) {
-                        let c = 8 * s + q * (lay.per_index / 4) + h;
-                        let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
-                        let m = if c % 8 < 4 { m0 } else { m1 };
-                        let l = c % 8;
-                        for (y, lanes) in y.iter().zip(lanes.iter_mut()) {
-                            let yv =
-                                _mm512_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
-                            let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
-                            // |dot| <= 4 * 62 * 127 fits the i16 vpdpwssd reads.
-                            let dot = _mm512_dpbusd_epi32(zero, wv, ys);
-                            lanes[l] = _mm512_dpwssd_epi32(lanes[l], dot, m);
-                        }
-                    }
+                    // into the two chunks' 4-byte halves (half the loads of dword gathers).
+                    let lo = _mm512_i32gather_epi64::<8>(_mm512_castsi512_si256(idx), grid as _);
+                    let hi =
+                        _mm512_i32gather_epi64::<8>(_mm512_extracti64x4_epi64::<1>(idx), grid as _);
+                    wbuf[2 * g] = _mm512_permutex2var_epi32(lo, even, hi);
+                    wbuf[2 * g + 1] = _mm512_permutex2var_epi32(lo, odd, hi);
+                } else {
+                    wbuf[g] = _mm512_i32gather_epi32::<4>(idx, grid);
                 }
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
-            for (k, (acc, lanes)) in acc.iter_mut().zip(&lanes).enumerate() {
+            for (k, acc) in acc.iter_mut().enumerate().take(n) {
+                let y = a.qs.as_ptr().add((t + k) * a.cols + b * 256);
+                let mut lanes = [zero; 8];
+                for s in 0..8 {
+                    // Scale multipliers in the low i16 of each lane (vpdpwssd: m·dot).
+                    let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
+                    let m1 = if lay.n_scales == 16 {
+                        rows(blk + lay.scales() + GROUP * (2 * s + 1))
+                    } else {
+                        m0
+                    };
+                    for (l, lane) in lanes.iter_mut().enumerate() {
+                        let c = 8 * s + l;
+                        let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
+                        let yv = _mm512_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
+                        let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
+                        // |dot| <= 4 * 62 * 127 fits the i16 vpdpwssd reads.
+                        let dot = _mm512_dpbusd_epi32(zero, wbuf[c], ys);
+                        *lane = _mm512_dpwssd_epi32(*lane, dot, if l < 4 { m0 } else { m1 });
+                    }
+                }
                 let d = _mm512_mul_ps(dw, _mm512_set1_ps(*a.f.get_unchecked((t + k) * nb + b)));
-                for (acc, l) in acc.iter_mut().zip(lanes) {
+                for (acc, l) in acc.iter_mut().zip(&lanes) {
                     *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(*l), *acc);
                 }
             }
         }
-        for (k, acc) in acc.iter().enumerate() {
+        for (k, acc) in acc.iter().enumerate().take(n) {
             let sum = lanes_sum!(_mm512_add_ps, acc);
             let o = out.add(k * GROUP);
             _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(lay.factor), sum));
         }
     }
-    T
 }
