@@ -747,13 +747,7 @@ fn status(inner: &Inner) -> ClusterStatus {
                 .map(|e| CellStatus {
                     cell: e.cell,
                     epoch: e.id,
-                    state: match &e.phase {
-                        Phase::Loading => "loading".into(),
-                        Phase::Linking => "linking".into(),
-                        Phase::Ready => "ready".into(),
-                        Phase::Failed(r) => format!("failed: {r}"),
-                        Phase::Released => "released".into(),
-                    },
+                    state: e.phase.to_string(),
                     nodes: e.stages.iter().map(|s| s.node_id.to_string()).collect(),
                     active: st.cells.seated(e.id),
                     decode_tokens_per_s: st.cells.speed(e.id).unwrap_or(0.0),

@@ -261,13 +261,7 @@ impl Shared {
         let rec = EpochRecord {
             epoch: e.id,
             model: e.model,
-            phase: match &e.phase {
-                Phase::Loading => "loading".into(),
-                Phase::Linking => "linking".into(),
-                Phase::Ready => "ready".into(),
-                Phase::Failed(r) => format!("failed: {r}"),
-                Phase::Released => "released".into(),
-            },
+            phase: e.phase.to_string(),
             stages: e
                 .stages
                 .iter()

@@ -14,7 +14,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use common::chaos::{clients_under_way, messages, reference_text, text_of, Cluster, Proc};
+use common::chaos::{clients_under_way, finish_all, messages, reference_text, Cluster};
 use common::model;
 use serde_json::Value;
 
@@ -70,30 +70,6 @@ fn started_on(msgs: &[(Instant, Value)]) -> Vec<String> {
         .unwrap()
         .iter()
         .map(|s| s["name"].as_str().unwrap().to_string())
-        .collect()
-}
-
-/// Waits for every client; each must succeed with its one-process text. Returns each one's
-/// messages.
-fn finish_all(
-    clients: &mut [Proc],
-    loads: &[Vec<&str>],
-    want: &[String],
-) -> Vec<Vec<(Instant, Value)>> {
-    clients
-        .iter_mut()
-        .enumerate()
-        .map(|(i, p)| {
-            let status = p.finish();
-            let msgs = messages(p);
-            assert!(
-                status.success(),
-                "client {i} failed: {:?}",
-                msgs.iter().map(|(_, m)| m).collect::<Vec<_>>()
-            );
-            assert_eq!(text_of(loads[i][1], &msgs), want[i], "client {i}: text");
-            msgs
-        })
         .collect()
 }
 

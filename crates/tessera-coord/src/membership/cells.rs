@@ -4,33 +4,6 @@
 
 use super::test_support::*;
 use super::*;
-use tessera_proto::LoadReport;
-
-/// Drives epoch `id` to ready (every stage loads, then links).
-fn ready_epoch(m: &mut Membership, id: u64) {
-    let nodes: Vec<NodeId> = m
-        .epoch_with_id(id)
-        .unwrap()
-        .stages
-        .iter()
-        .map(|s| s.node_id)
-        .collect();
-    for n in &nodes {
-        m.handle(Event::Loaded {
-            node: *n,
-            epoch: id,
-            report: LoadReport::default(),
-        });
-    }
-    for n in &nodes {
-        m.handle(Event::Linked {
-            node: *n,
-            epoch: id,
-            link: None,
-        });
-    }
-    assert_eq!(m.epoch_with_id(id).unwrap().phase, Phase::Ready);
-}
 
 fn joined(m: &mut Membership, n: &Member) -> Vec<Action> {
     m.handle(Event::Joined(Box::new(n.clone())))

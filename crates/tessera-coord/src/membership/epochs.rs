@@ -22,6 +22,20 @@ pub enum Phase {
     Released,
 }
 
+/// As recorded in `state.redb` and shown on `/api/status`: `loading`, `linking`, `ready`,
+/// `failed: REASON` or `released`.
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Loading => f.write_str("loading"),
+            Self::Linking => f.write_str("linking"),
+            Self::Ready => f.write_str("ready"),
+            Self::Failed(r) => write!(f, "failed: {r}"),
+            Self::Released => f.write_str("released"),
+        }
+    }
+}
+
 /// One stage of an epoch.
 #[derive(Clone, Debug)]
 pub struct EpochStage {

@@ -41,8 +41,20 @@ pub(super) fn sends(actions: &[Action]) -> Vec<(NodeId, CoordToNode)> {
 pub(super) const MODEL: ContentHash = ContentHash([7; 32]);
 
 pub(super) fn ready(m: &mut Membership) -> u64 {
-    let e = m.epoch().unwrap();
-    let (id, nodes): (u64, Vec<NodeId>) = (e.id, e.stages.iter().map(|s| s.node_id).collect());
+    let id = m.epoch().unwrap().id;
+    ready_epoch(m, id);
+    id
+}
+
+/// Drives epoch `id` (any cell's) to ready: every stage loads, then links.
+pub(super) fn ready_epoch(m: &mut Membership, id: u64) {
+    let nodes: Vec<NodeId> = m
+        .epoch_with_id(id)
+        .unwrap()
+        .stages
+        .iter()
+        .map(|s| s.node_id)
+        .collect();
     for n in &nodes {
         m.handle(Event::Loaded {
             node: *n,
@@ -57,8 +69,7 @@ pub(super) fn ready(m: &mut Membership) -> u64 {
             link: None,
         });
     }
-    assert_eq!(m.epoch().unwrap().phase, Phase::Ready);
-    id
+    assert_eq!(m.epoch_with_id(id).unwrap().phase, Phase::Ready);
 }
 
 pub(super) fn layers(m: &Membership) -> Vec<(NodeId, Range<usize>)> {

@@ -362,6 +362,30 @@ pub fn clients_under_way(c: &Cluster, loads: &[Vec<&str>]) -> Vec<Proc> {
     }
 }
 
+/// Waits for every client; each must succeed with its one-process text. Returns each one's
+/// messages.
+pub fn finish_all(
+    clients: &mut [Proc],
+    loads: &[Vec<&str>],
+    want: &[String],
+) -> Vec<Vec<(Instant, Value)>> {
+    clients
+        .iter_mut()
+        .enumerate()
+        .map(|(i, p)| {
+            let status = p.finish();
+            let msgs = messages(p);
+            assert!(
+                status.success(),
+                "client {i} failed: {:?}",
+                msgs.iter().map(|(_, m)| m).collect::<Vec<_>>()
+            );
+            assert_eq!(text_of(loads[i][1], &msgs), want[i], "client {i}: text");
+            msgs
+        })
+        .collect()
+}
+
 /// A client's JSON messages with their arrival times.
 pub fn messages(p: &Proc) -> Vec<(Instant, Value)> {
     p.seen
