@@ -6,9 +6,12 @@ the mean aggregate completion tokens/s of each configuration (over ROUNDS altern
 ratio, and whether every text is identical across configurations. A benchmark, not a test.
 
     tools/cells_ab.py TESSERA_BIN MODEL.gguf N_LAYER CELLS [ROUNDS] [TOKENS] [STREAMS] [THREADS]
+                      [ONE_CELL_THREADS]
 
-THREADS is each node's thread count (default 1). On a machine with fewer cores than CELLS x
-THREADS the cells share cores and the ratio shows that, not the cells' independence."""
+THREADS is each node's thread count (default 1); ONE_CELL_THREADS the single cell's (default
+THREADS). Give the one cell CELLS x THREADS threads to compare on the same cores. On a machine
+with fewer cores than CELLS x THREADS the cells share cores and the ratio shows that, not the
+cells' independence."""
 import json, os, signal, subprocess, sys, time, urllib.request, tempfile, statistics
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +22,7 @@ ROUNDS = int(sys.argv[5]) if len(sys.argv) > 5 else 3
 TOKENS = int(sys.argv[6]) if len(sys.argv) > 6 else 64
 STREAMS = int(sys.argv[7]) if len(sys.argv) > 7 else 8
 THREADS = sys.argv[8] if len(sys.argv) > 8 else "1"
+ONE_THREADS = sys.argv[9] if len(sys.argv) > 9 else THREADS
 PORT = 18787
 PROMPTS = ["Tell me a story about a dragon.", "Once upon a time", "The cat sat on the mat",
            "Lily and Ben went to the park", "A dog found a ball", "The sun was hot",
@@ -42,7 +46,8 @@ def complete(i):
 def run(cells):
     d = tempfile.mkdtemp(prefix="bench-cells-")
     split = ",".join([f"0..{N_LAYER}"] * cells)
-    cmd = [BIN, "up", "-m", MODEL, "--nodes", str(cells), "--split", split, "--threads", THREADS,
+    threads = ONE_THREADS if cells == 1 else THREADS
+    cmd = [BIN, "up", "-m", MODEL, "--nodes", str(cells), "--split", split, "--threads", threads,
            "--max-batch", str(STREAMS), "--listen", f"127.0.0.1:{PORT}", "--no-sample",
            "--ctx", "512", "--run-dir", d]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -85,5 +90,6 @@ for r in range(ROUNDS):
               flush=True)
 one, many = statistics.mean(rates[1]), statistics.mean(rates[CELLS])
 print(f"mean: 1 cell {one:.1f} tok/s, {CELLS} cells {many:.1f} tok/s, ratio {many / one:.2f}x "
-      f"({ROUNDS} alternated rounds, {STREAMS} streams of {TOKENS} tokens, {THREADS} thread(s) a node)")
+      f"({ROUNDS} alternated rounds, {STREAMS} streams of {TOKENS} tokens, {ONE_THREADS} thread(s) "
+      f"for the one cell, {THREADS} a node for the {CELLS})")
 print("texts identical across configurations:", texts[1] == texts[CELLS])
