@@ -66,7 +66,7 @@ pub struct Calibration {
 /// Carries a calibrated graph's rates onto a freshly measured one: for every node and link the
 /// calibrated graph names, its rates (memory and disk bandwidth, compute; round trip and
 /// bandwidth) replace the measured ones, while capacities and budgets stay as measured now; the
-/// runtime's cost per token is taken too. Returns what it applied, one line each (nodes and
+/// runtime's cost per token and per hop are taken too. Returns what it applied, one line each (nodes and
 /// links the calibrated graph does not name keep their measured figures).
 pub fn apply_calibrated(graph: &mut ResourceGraph, calibrated: &ResourceGraph) -> Vec<String> {
     let mut applied = Vec::new();
@@ -126,6 +126,13 @@ pub fn apply_calibrated(graph: &mut ResourceGraph, calibrated: &ResourceGraph) -
                 spec.bandwidth
             ));
         }
+    }
+    if graph.hop_overhead_s != calibrated.hop_overhead_s {
+        graph.hop_overhead_s = calibrated.hop_overhead_s;
+        applied.push(format!(
+            "runtime: {:.1} µs per hop",
+            calibrated.hop_overhead_s * 1e6
+        ));
     }
     if calibrated.token_overhead_s > 0.0 {
         graph.token_overhead_s = calibrated.token_overhead_s;
@@ -249,8 +256,9 @@ pub fn calibrate(
         let old = g
             .link(&h.from, &h.to)
             .ok_or_else(|| PlanError::Recost(format!("no link between {} and {}", h.from, h.to)))?;
+        // A crossing is half the round trip, the transfer and the software's cost of a hop.
         let wire = old.bandwidth.secs(h.wire_bytes);
-        let rtt = (2.0 * (h.latency_s - wire)).max(0.0);
+        let rtt = (2.0 * (h.latency_s - wire - g.hop_overhead_s)).max(0.0);
         let spec = LinkSpec {
             rtt_s: rtt,
             bandwidth: old.bandwidth,
@@ -371,6 +379,99 @@ pub fn calibrate(
         predicted_after: after.decode_tokens_per_s,
         relative_error_before: (before.decode_tokens_per_s - m.decode_tokens_per_s)
             / m.decode_tokens_per_s,
+    })
+}
+
+/// What a ring's run taught about the software cost of a hop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HopCalibration {
+    /// The graph with [`ResourceGraph::hop_overhead_s`] set to what the run implies.
+    pub graph: ResourceGraph,
+    pub correction: Correction,
+    /// The hop cost before and after, seconds per crossing.
+    pub hop_overhead_before_s: f64,
+    pub hop_overhead_after_s: f64,
+    /// Crossings between distinct nodes on one token's critical path.
+    pub crossings_per_token: f64,
+    /// The plan's decode tokens/s predicted before and after.
+    pub predicted_before: f64,
+    pub predicted_after: f64,
+    /// True when the run was faster than even a free hop predicts, so the cost stays at zero
+    /// (the nodes' rates, not the hops, are then what is off).
+    pub clamped: bool,
+}
+
+/// Learns the software cost of a hop from a plan with hops (a stage ring, an expert split)
+/// whose decode rate was measured, on a graph whose nodes already carry their own calibrated
+/// rates (from single-node runs: a ring's own stages cannot tell their time from the hops'):
+/// the token time the nodes, the links and the runtime do not explain, over the crossings on one
+/// token's critical path. The prediction is linear in the hop cost, so the crossings are its
+/// slope.
+pub fn calibrate_hop_overhead(
+    model: &ModelProfile,
+    graph: &ResourceGraph,
+    plan: &Plan,
+    measured_tokens_per_s: f64,
+    taken_at_unix_s: u64,
+) -> Result<HopCalibration, PlanError> {
+    if !(measured_tokens_per_s.is_finite() && measured_tokens_per_s > 0.0) {
+        return Err(PlanError::Recost(
+            "measured tokens/s must be positive".into(),
+        ));
+    }
+    let token_s = |overhead: f64| -> Result<f64, PlanError> {
+        let mut g = graph.clone();
+        g.hop_overhead_s = overhead;
+        Ok(predict(model, &g, plan)?.decode.total_s)
+    };
+    let free = token_s(0.0)?;
+    const PROBE_S: f64 = 1e-3;
+    let crossings = (token_s(PROBE_S)? - free) / PROBE_S;
+    if crossings < 0.5 {
+        return Err(PlanError::Recost(
+            "the plan has no hop between nodes to learn a hop's cost from".into(),
+        ));
+    }
+    let before = graph.hop_overhead_s;
+    let implied = (1.0 / measured_tokens_per_s - free) / crossings;
+    let after = implied.max(0.0);
+    let mut g = graph.clone();
+    g.hop_overhead_s = after;
+    g.set_evidence(
+        "runtime",
+        "hop_overhead",
+        format!("{:.1} µs", after * 1e6),
+        Source::Measured {
+            at_unix_s: taken_at_unix_s,
+            method: "calibration: a ring's token time its nodes and links do not explain".into(),
+        },
+    );
+    let predicted_before = 1.0 / (free + crossings * before);
+    let predicted_after = 1.0 / (free + crossings * after);
+    Ok(HopCalibration {
+        graph: g,
+        correction: Correction {
+            subject: "runtime".into(),
+            quantity: "hop_overhead".into(),
+            factor: if before > 0.0 { after / before } else { 1.0 },
+            reason: format!(
+                "token time measured {:.3} ms; nodes, links and runtime predict {:.3} ms with                  free hops; {:.0} crossings per token{}",
+                1e3 / measured_tokens_per_s,
+                free * 1e3,
+                crossings,
+                if implied < 0.0 {
+                    " (faster than free hops: kept at zero)"
+                } else {
+                    ""
+                }
+            ),
+        },
+        hop_overhead_before_s: before,
+        hop_overhead_after_s: after,
+        crossings_per_token: crossings,
+        predicted_before,
+        predicted_after,
+        clamped: implied < 0.0,
     })
 }
 

@@ -36,6 +36,7 @@ impl ResourceGraph {
                 float(self.token_overhead_s * 1e6),
             );
         }
+        doc.insert("hop_overhead_us".into(), float(self.hop_overhead_s * 1e6));
         let p = &self.policy;
         let mut policy = table(vec![
             (
@@ -166,6 +167,7 @@ bandwidth = "1Gbit/s"
 "#;
         let mut g = ResourceGraph::from_toml(text).unwrap();
         g.token_overhead_s = 250e-6;
+        g.hop_overhead_s = 80e-6;
         let back = ResourceGraph::from_toml(&g.to_toml()).unwrap();
         assert_eq!(back.nodes.len(), 2);
         for (x, y) in g.nodes.iter().zip(&back.nodes) {
@@ -179,6 +181,7 @@ bandwidth = "1Gbit/s"
         assert_eq!(back.default_link, g.default_link);
         assert_eq!(back.policy, g.policy);
         assert!((back.token_overhead_s - 250e-6).abs() < 1e-12);
+        assert!((back.hop_overhead_s - 80e-6).abs() < 1e-12);
         let b = back
             .evidence
             .iter()

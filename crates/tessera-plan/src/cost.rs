@@ -41,6 +41,14 @@ impl Ctx<'_> {
             self.graph.link(a, b)
         }
     }
+    /// The software cost of one crossing from `a` to `b` (none within a node).
+    pub fn hop_overhead(&self, a: &str, b: &str) -> f64 {
+        if a == b {
+            0.0
+        } else {
+            self.graph.hop_overhead_s
+        }
+    }
 }
 
 /// The memory a node may give the plan: its budget, capped by the policy's share of its tiers.
@@ -486,8 +494,10 @@ pub(crate) fn place_assignment(ctx: &Ctx, a: &Assignment, seqs: u32) -> Result<P
         .map_err(|e| format!("node {} {e}", a.node))
 }
 
-fn hop_terms(link: LinkSpec, bytes: f64, crossings: f64) -> Terms {
-    let latency = link.rtt_s / 2.0 * crossings;
+/// A hop's time: per crossing, half the link's round trip, the software's cost of a hop
+/// (`overhead`, see [`ResourceGraph::hop_overhead_s`]) and the transfer of `bytes`.
+fn hop_terms(link: LinkSpec, overhead: f64, bytes: f64, crossings: f64) -> Terms {
+    let latency = (link.rtt_s / 2.0 + overhead) * crossings;
     let transfer = link.bandwidth.secs(bytes) * crossings;
     Terms {
         latency_s: latency,
@@ -550,6 +560,7 @@ fn pass(
         ctx.link(x, y)
             .ok_or_else(|| format!("no link between {x} and {y}"))
     };
+    let overhead = |x: &str, y: &str| ctx.hop_overhead(x, y);
     let mut out = Pass {
         total: Terms::default(),
         stages: vec![],
@@ -584,7 +595,7 @@ fn pass(
                 } else {
                     hidden * n
                 };
-                let t = hop_terms(l, bytes, 1.0);
+                let t = hop_terms(l, overhead(&a[i].node, &a[j].node), bytes, 1.0);
                 out.total.add(&t);
                 out.hops.push(HopTerms {
                     from: a[i].node.clone(),
@@ -606,7 +617,7 @@ fn pass(
             for (i, p) in pl.iter().enumerate().skip(1) {
                 let l = link(&a[0].node, &a[i].node)?;
                 let e = scaled(&mode.run(p).experts, 1.0 / n_moe);
-                let h = hop_terms(l, hidden * n, 2.0);
+                let h = hop_terms(l, overhead(&a[0].node, &a[i].node), hidden * n, 2.0);
                 let mut t = e;
                 t.add(&h);
                 if t.total_s > worst.total_s {
@@ -640,7 +651,7 @@ fn pass(
             stage(&mut out, &a[0].node, "layers", mode.run(&pl[0]).total());
             stage(&mut out, &a[1].node, "bank", mode.run(&pl[1]).total());
             let l = link(&a[0].node, &a[1].node)?;
-            let h = hop_terms(l, hidden * n, 2.0 * k);
+            let h = hop_terms(l, overhead(&a[0].node, &a[1].node), hidden * n, 2.0 * k);
             out.total.add(&h);
             out.hops.push(HopTerms {
                 from: a[0].node.clone(),

@@ -76,8 +76,8 @@ mod strategies;
 pub mod units;
 
 pub use calibrate::{
-    apply_calibrated, calibrate, predict, Calibration, HopMeasurement, Measurement,
-    StageMeasurement,
+    apply_calibrated, calibrate, calibrate_hop_overhead, predict, Calibration, HopCalibration,
+    HopMeasurement, Measurement, StageMeasurement,
 };
 pub use cost::{usable_memory, PREFILL_UBATCH, RUNTIME_OVERHEAD_RAM, RUNTIME_OVERHEAD_VRAM};
 pub use explain::render_text;
@@ -89,7 +89,7 @@ pub use plan::{
 pub use planner::plan;
 pub use resources::{
     ClusterError, Evidence, Link, LinkSpec, Node, Objective, Policy, ResourceGraph, Source,
-    StrategyKind, Tier,
+    StrategyKind, Tier, DEFAULT_HOP_OVERHEAD_S,
 };
 pub use units::{Bytes, BytesPerSec, FlopsPerSec, UnitError};
 

@@ -210,8 +210,20 @@ pub struct Evidence {
     pub source: Source,
 }
 
+/// Software time one hop between two nodes adds to a crossing beyond the link's one-way latency
+/// and transfer, seconds: serialising the activation, the QUIC stack on both ends, handing the
+/// message to the stage's compute thread and waking it. The default is what `tessera lab hop`
+/// measured on loopback on the project's 2-core VM (dev build with optimisations, shared with
+/// other jobs): 120 µs a hop (173 µs on a 0.5 ms switched link, where the switch's own
+/// forwarding adds to it). Calibration learns a cluster's own figure from a ring's run.
+pub const DEFAULT_HOP_OVERHEAD_S: f64 = 120e-6;
+
+fn default_hop_overhead() -> f64 {
+    DEFAULT_HOP_OVERHEAD_S
+}
+
 /// Nodes, links, policy and the evidence for every figure.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ResourceGraph {
     pub nodes: Vec<Node>,
     pub links: Vec<Link>,
@@ -224,6 +236,24 @@ pub struct ResourceGraph {
     /// calibration measured it (or the caller knows it).
     #[serde(default)]
     pub token_overhead_s: f64,
+    /// What each hop between distinct nodes adds beyond the link (see [`DEFAULT_HOP_OVERHEAD_S`]),
+    /// seconds per crossing.
+    #[serde(default = "default_hop_overhead")]
+    pub hop_overhead_s: f64,
+}
+
+impl Default for ResourceGraph {
+    fn default() -> Self {
+        Self {
+            nodes: Vec::new(),
+            links: Vec::new(),
+            default_link: None,
+            policy: Policy::default(),
+            evidence: Vec::new(),
+            token_overhead_s: 0.0,
+            hop_overhead_s: DEFAULT_HOP_OVERHEAD_S,
+        }
+    }
 }
 
 /// Errors reading a cluster file.
@@ -321,6 +351,14 @@ impl ResourceGraph {
             }
             g.token_overhead_s = us / 1e6;
         }
+        if let Some(us) = file.hop_overhead_us {
+            if !(us.is_finite() && us >= 0.0) {
+                return Err(ClusterError::Invalid(
+                    "hop_overhead_us must be a finite number ≥ 0".into(),
+                ));
+            }
+            g.hop_overhead_s = us / 1e6;
+        }
         if let Some(p) = file.policy {
             g.policy = p.into_policy()?;
         }
@@ -405,6 +443,8 @@ struct ClusterFile {
     /// The runtime's fixed cost per generated token, µs (what calibration measured; see
     /// [`ResourceGraph::token_overhead_s`]).
     token_overhead_us: Option<f64>,
+    /// Software time per hop beyond the link, µs (see [`ResourceGraph::hop_overhead_s`]).
+    hop_overhead_us: Option<f64>,
     defaults: Option<DefaultsFile>,
     policy: Option<PolicyFile>,
     #[serde(default)]

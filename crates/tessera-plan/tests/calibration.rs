@@ -151,3 +151,81 @@ fn token_time_the_stages_and_hops_do_not_explain_becomes_the_runtime_overhead() 
     let after = predict(&m, &c.graph, &o.plan).unwrap();
     assert!((after.decode.total_s - measured_s).abs() < 1e-9);
 }
+
+/// Every crossing of a ring between distinct nodes costs the graph's hop overhead on top of
+/// the link; a ring's run measured slower than its nodes and links explain teaches that cost.
+#[test]
+fn a_rings_unexplained_token_time_becomes_the_cost_of_a_hop() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let mut g = loopback();
+    g.hop_overhead_s = 0.0;
+    let o = plan(&m, &g, 1).unwrap();
+    assert_eq!(o.plan.strategy, StrategyKind::Stage);
+    let free = predict(&m, &g, &o.plan).unwrap();
+    assert_eq!(free.hops.len(), 2, "a two-stage ring: there and back");
+    // The same plan on a graph whose hops cost 100 µs: two crossings per token more.
+    let mut costly = g.clone();
+    costly.hop_overhead_s = 100e-6;
+    let slow = predict(&m, &costly, &o.plan).unwrap();
+    assert!((slow.decode.total_s - free.decode.total_s - 200e-6).abs() < 1e-12);
+    assert!(slow.hops.iter().all(|h| h.terms.latency_s >= 100e-6));
+
+    // Measured 2 × 150 µs slower than free hops predict: each hop costs 150 µs.
+    let measured = 1.0 / (free.decode.total_s + 300e-6);
+    let c = tessera_plan::calibrate_hop_overhead(&m, &g, &o.plan, measured, 9).unwrap();
+    assert!((c.crossings_per_token - 2.0).abs() < 1e-6);
+    assert!((c.hop_overhead_after_s - 150e-6).abs() < 1e-9);
+    assert!((c.graph.hop_overhead_s - 150e-6).abs() < 1e-9);
+    assert!((c.predicted_after / measured - 1.0).abs() < 1e-9);
+    assert!(!c.clamped);
+    let e = c
+        .graph
+        .evidence
+        .iter()
+        .find(|e| e.subject == "runtime" && e.quantity == "hop_overhead")
+        .unwrap();
+    assert!(matches!(e.source, Source::Measured { at_unix_s: 9, .. }));
+    // What it learned predicts the ring from now on, and travels in the cluster file.
+    let after = predict(&m, &c.graph, &o.plan).unwrap();
+    assert!((after.decode_tokens_per_s / measured - 1.0).abs() < 1e-9);
+    let back = ResourceGraph::from_toml(&c.graph.to_toml()).unwrap();
+    assert!((back.hop_overhead_s - 150e-6).abs() < 1e-12);
+}
+
+#[test]
+fn a_ring_faster_than_free_hops_keeps_the_hop_cost_at_zero_and_says_so() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let g = loopback();
+    let o = plan(&m, &g, 1).unwrap();
+    let mut free = g.clone();
+    free.hop_overhead_s = 0.0;
+    let fastest = predict(&m, &free, &o.plan).unwrap().decode_tokens_per_s;
+    let c = tessera_plan::calibrate_hop_overhead(&m, &g, &o.plan, fastest * 1.5, 1).unwrap();
+    assert!(c.clamped);
+    assert_eq!(c.hop_overhead_after_s, 0.0);
+    assert_eq!(c.hop_overhead_before_s, g.hop_overhead_s);
+    assert!(c.correction.reason.contains("kept at zero"), "{c:?}");
+}
+
+#[test]
+fn a_plan_without_hops_cannot_teach_the_cost_of_a_hop() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let mut g = loopback();
+    g.nodes[0].memory_budget = None;
+    g.policy.strategies = vec![StrategyKind::Single];
+    let o = plan(&m, &g, 1).unwrap();
+    assert_eq!(o.plan.strategy, StrategyKind::Single);
+    let e = tessera_plan::calibrate_hop_overhead(&m, &g, &o.plan, 10.0, 1).unwrap_err();
+    assert!(e.to_string().contains("no hop between nodes"), "{e}");
+}
+
+#[test]
+fn cluster_files_carry_the_hop_cost_and_refuse_a_negative_one() {
+    let base = include_str!("../clusters/loopback.toml");
+    let g = ResourceGraph::from_toml(base).unwrap();
+    assert_eq!(g.hop_overhead_s, tessera_plan::DEFAULT_HOP_OVERHEAD_S);
+    let g = ResourceGraph::from_toml(&format!("hop_overhead_us = 40\n{base}")).unwrap();
+    assert!((g.hop_overhead_s - 40e-6).abs() < 1e-12);
+    let e = ResourceGraph::from_toml(&format!("hop_overhead_us = -1\n{base}")).unwrap_err();
+    assert!(e.to_string().contains("hop_overhead_us"), "{e}");
+}

@@ -246,6 +246,13 @@ pub fn table(figures: &[HopFigure]) -> String {
         "hop adds: ((ring − single) − measured round trip) / 2 hops, per decode token (medians); \
          reported: the fabric's own per-hop estimate (RunReport.hop_latency_us)\n",
     );
+    for f in figures {
+        s.push_str(&format!(
+            "as a cluster file's figure for {}: hop_overhead_us = {:.0}\n",
+            f.link,
+            f.added_per_hop_us.max(0.0)
+        ));
+    }
     s
 }
 

@@ -100,7 +100,12 @@ pub fn run(
     graph.policy = scenario.graph.policy.clone();
     // A calibrated graph's rates are what the hosts showed, quota included.
     let quotas = match &opts.calibrated {
-        None => apply_cpu_quotas(scenario, &mut graph),
+        None => {
+            // The software cost of a hop is the scenario's (its `hop_overhead_us`, else the
+            // planner's default): the coordinator cannot measure it before a ring runs.
+            graph.hop_overhead_s = scenario.graph.hop_overhead_s;
+            apply_cpu_quotas(scenario, &mut graph)
+        }
         Some(c) => vec![format!(
             "the coordinator planned with the rates of the calibrated graph {} in place of the \
              measured ones",
@@ -232,6 +237,40 @@ pub fn run(
             ));
         }
     }
+    // The rings that ran, on a graph whose nodes single-node runs calibrated, each imply a cost
+    // per hop: the saved graph takes their median; each ring's own row is predicted with the
+    // others' (else the prior figure), so its error is not fitted to itself.
+    let singles_only = references
+        .iter()
+        .all(|&i| candidates[i].plan.strategy == StrategyKind::Single);
+    let mut ring_hop: Vec<(usize, f64)> = Vec::new();
+    if let (Some(g), true) = (calibrated_graph.as_mut(), singles_only) {
+        let prior = g.hop_overhead_s;
+        let learned = learn_hop_overhead(&model, g, &candidates, &measured, &mut corrections);
+        if !learned.is_empty() {
+            let values: Vec<f64> = learned.iter().map(|x| x.1).collect();
+            g.hop_overhead_s = median(values.clone());
+            corrections.push(format!(
+                "runtime hop_overhead: {:.1} µs per hop, the median of the rings' (was {:.1})",
+                g.hop_overhead_s * 1e6,
+                prior * 1e6
+            ));
+            for (k, &(i, _)) in learned.iter().enumerate() {
+                let others: Vec<f64> = values
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| j != k)
+                    .map(|(_, &v)| v)
+                    .collect();
+                let v = if others.is_empty() {
+                    prior
+                } else {
+                    median(others)
+                };
+                ring_hop.push((i, v));
+            }
+        }
+    }
     let calibrated_on = if on.is_empty() {
         "nothing (no plan ran)".to_string()
     } else {
@@ -249,7 +288,8 @@ pub fn run(
     let rows = candidates
         .iter()
         .zip(measured)
-        .map(|(c, m)| {
+        .enumerate()
+        .map(|(k, (c, m))| {
             let (measured, note) = match (&c.placement, m) {
                 (Err(why), _) => (None, Some(why.clone())),
                 (_, Some(Ok(m))) => (Some(m.figures), None),
@@ -267,7 +307,16 @@ pub fn run(
                 error: None,
                 predicted_rank: None,
                 measured_rank: None,
-                calibrated: calibrated_graph.as_ref().and_then(|g| figures(g, &c.plan)),
+                calibrated: calibrated_graph.as_ref().and_then(|g| {
+                    match ring_hop.iter().find(|x| x.0 == k) {
+                        Some(&(_, hop)) => {
+                            let mut g = g.clone();
+                            g.hop_overhead_s = hop;
+                            figures(&g, &c.plan)
+                        }
+                        None => figures(g, &c.plan),
+                    }
+                }),
                 calibrated_error: None,
             }
         })
@@ -281,6 +330,12 @@ pub fn run(
             .into(),
     ];
     provenance.extend(quotas);
+    provenance.push(format!(
+        "cost of a hop beyond the link: {:.0} µs before calibration (the scenario's \
+         hop_overhead_us, else the planner's default); after, each ring is predicted with the \
+         figure the other rings taught (else that one), never its own",
+        graph.hop_overhead_s * 1e6
+    ));
     for l in &graph.links {
         if let Some(imposed) = scenario.graph.link(&l.a, &l.b) {
             provenance.push(format!(
@@ -314,6 +369,53 @@ pub fn run(
     };
     report.rank();
     Ok(report)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The cost per hop each ring that ran implies on `graph` (its nodes calibrated on single-node
+/// runs), with one line per ring in `corrections`: (candidate, seconds per hop).
+fn learn_hop_overhead(
+    model: &tessera_plan::ModelProfile,
+    graph: &ResourceGraph,
+    candidates: &[plans::Candidate],
+    measured: &[Option<std::result::Result<Measured, String>>],
+    corrections: &mut Vec<String>,
+) -> Vec<(usize, f64)> {
+    let mut out = Vec::new();
+    for (i, c) in candidates.iter().enumerate() {
+        let Some(Ok(m)) = &measured[i] else {
+            continue;
+        };
+        if c.plan.strategy != StrategyKind::Stage || c.plan.nodes().len() < 2 {
+            continue;
+        }
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        match tessera_plan::calibrate_hop_overhead(
+            model,
+            graph,
+            &c.plan,
+            m.figures.decode_tokens_per_s,
+            at,
+        ) {
+            Ok(h) => {
+                corrections.push(format!(
+                    "{}: {:.1} µs per hop ({})",
+                    describe(&c.plan),
+                    h.hop_overhead_after_s * 1e6,
+                    h.correction.reason
+                ));
+                out.push((i, h.hop_overhead_after_s));
+            }
+            Err(e) => corrections.push(format!("{}: no hop cost ({e})", describe(&c.plan))),
+        }
+    }
+    out
 }
 
 /// Scales the measured compute and memory bandwidth of each node whose host the lab gives a

@@ -48,7 +48,8 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
             let Some(link) = ctx.link(&main.name, &bank.name) else {
                 continue;
             };
-            let visit = link.rtt_s + 2.0 * link.bandwidth.secs(hidden);
+            let visit =
+                link.rtt_s + 2.0 * ctx.graph.hop_overhead_s + 2.0 * link.bandwidth.secs(hidden);
             for k in 1..=l {
                 let (m, b) = split(ctx, &main.name, &bank.name, k);
                 let Some(tb) = stage_time(ctx, bank, &b, seqs, 1.0) else {

@@ -60,8 +60,10 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
                 if n.name == home.name {
                     Some((i, 0.0))
                 } else {
-                    ctx.link(&home.name, &n.name)
-                        .map(|l| (i, l.rtt_s + 2.0 * l.bandwidth.secs(hidden)))
+                    ctx.link(&home.name, &n.name).map(|l| {
+                        let o = 2.0 * ctx.graph.hop_overhead_s;
+                        (i, l.rtt_s + o + 2.0 * l.bandwidth.secs(hidden))
+                    })
                 }
             })
             .collect();

@@ -113,8 +113,9 @@ pub(crate) fn solve(ctx: &Ctx, nodes: &[usize], seqs: u32, metric: Metric) -> So
             if let Some(lk) = ctx.link(&ctx.graph.nodes[gu].name, &ctx.graph.nodes[gv].name) {
                 match metric {
                     Metric::Latency => {
-                        hop[u * n + v] = lk.one_way_s(hidden);
-                        close[u * n + v] = lk.one_way_s(TOKEN_WIRE_BYTES * batch);
+                        let o = ctx.graph.hop_overhead_s;
+                        hop[u * n + v] = lk.one_way_s(hidden) + o;
+                        close[u * n + v] = lk.one_way_s(TOKEN_WIRE_BYTES * batch) + o;
                     }
                     Metric::Bottleneck => {
                         hop[u * n + v] = lk.bandwidth.secs(hidden);
@@ -467,6 +468,7 @@ mod tests {
                             .link(name(z), name(f))
                             .unwrap()
                             .one_way_s(TOKEN_WIRE_BYTES)
+                            + ctx.graph.hop_overhead_s
                     }
                     _ => acc,
                 };
@@ -479,7 +481,7 @@ mod tests {
                 }
                 let hidden = ctx.model.hidden_wire_bytes();
                 let hop = order.last().map_or(0.0, |&v| {
-                    ctx.link(name(v), name(u)).unwrap().one_way_s(hidden)
+                    ctx.link(name(v), name(u)).unwrap().one_way_s(hidden) + ctx.graph.hop_overhead_s
                 });
                 for b in at + 1..=l {
                     let node = &ctx.graph.nodes[u];
