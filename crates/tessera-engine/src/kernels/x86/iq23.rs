@@ -1,7 +1,13 @@
 //! AVX2 and AVX-512 kernels for interleaved IQ2/IQ3 groups (`kernels/iq23.rs` has the layout
 //! and the numerical contract): one vector lane per row, each row's 4 grid bytes of a chunk
-//! fetched by a gather, the signs applied to the broadcast activations per row, exact integer
-//! lane sums and the scalar kernel's float steps, hence bit-identical results.
+//! fetched by a gather, exact integer lane sums and the scalar kernel's float steps, hence
+//! bit-identical results whatever the batch.
+//!
+//! One token (decode) applies the rows' signs to its broadcast activations. Several tokens
+//! (prefill) decode each block once to 8-bit weights with their signs (a tile of 64 chunks ×
+//! 16 rows, 4 KiB), then run an 8-bit integer loop over the tokens: per chunk and token one
+//! `vpdpbusd` (AVX2: sign, `maddubs`) and one multiply-add by the scale, each token's lane kept
+//! in a register across the block's 8 sub-blocks.
 
 use std::arch::x86_64::*;
 
@@ -63,18 +69,177 @@ pub(super) unsafe fn iq23_group_avx2<const ID: u8>(
     check_group(lay, w, a, t0, nt, out);
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
-        // Pairs of tokens share each gathered chunk of weights (as on AVX-512).
-        let mut j = 0;
-        while j < nt {
+        if nt == 1 {
+            tile_avx2::<ID, 1>(w.as_ptr(), a, t0, out.as_mut_ptr());
+            return;
+        }
+        for j in (0..nt).step_by(TILE) {
             let o = out.as_mut_ptr().add(j * GROUP);
-            j += match nt - j {
-                1 => tile_avx2::<ID, 1>(w.as_ptr(), a, t0 + j, o),
-                _ => tile_avx2::<ID, 2>(w.as_ptr(), a, t0 + j, o),
-            };
+            multi_avx2::<ID>(w.as_ptr(), a, t0 + j, TILE.min(nt - j), o);
         }
     }
 }
 
+/// What a pass over `K` tokens of one block reads (8 rows).
+struct Block256<'a> {
+    /// Chunk `c`'s grid bytes (`|w|`, 8 rows × 4).
+    abs: &'a [__m256i; 64],
+    /// Chunk `c`'s weights with their signs (`grid·±1`; only their signs are used).
+    sgn: &'a [__m256i; 64],
+    /// Per sub-block `s`, the scale multipliers of its first and second 16 values, as i16
+    /// in both halves of each row's dword (madd: `m·(p0 + p1)`).
+    m: &'a [__m256i; 16],
+    /// Per token, `d · dy` of the 8 rows.
+    d: &'a [__m256],
+    /// Per token, its 256 activations of this block.
+    y: &'a [*const i8],
+}
+
+/// Tokens `t..t + n` (`2 <= n <= TILE`), 8 rows at a time: per block the rows' grid bytes of
+/// all 64 chunks are gathered once with their signs, then each token's chunk is one
+/// sign-applied broadcast, `maddubs` (exact: `2·62·127` fits i16) and one `madd` by the scale:
+/// the same exact integer lanes as the one-token kernel, and its float steps.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn multi_avx2<const ID: u8>(
+    w: *const u8,
+    a: &QuantizedActs,
+    t: usize,
+    n: usize,
+    out: *mut f32,
+) {
+    let lay = Layout::of(ID);
+    let nb = a.cols / 256;
+    let x16 = lay.x16();
+    let grid = grid_words(lay);
+    let high_mask = _mm256_set1_epi32((1 << lay.high_bits) - 1);
+    let per_sub = 32 / lay.per_index;
+    let zero = _mm256_setzero_si256();
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
+    // t..t + n (n <= TILE); grid indices are built from at most the table's index bits.
+    unsafe {
+        let spread = _mm256_loadu_si256(SPREAD.as_ptr() as *const __m256i);
+        let bits = _mm256_loadu_si256(BIT_OF_BYTE.as_ptr() as *const __m256i);
+        let even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        let mut abs = [zero; 64];
+        let mut sgn = [zero; 64];
+        let mut m = [zero; 16];
+        let mut d = [_mm256_setzero_ps(); TILE];
+        let mut y = [std::ptr::null::<i8>(); TILE];
+        for h8 in 0..2 {
+            let rows = |o: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(o + 8 * h8) as _));
+            let both = |v: __m256i| _mm256_or_si256(v, _mm256_slli_epi32::<16>(v));
+            let mut acc = [[_mm256_setzero_ps(); 8]; TILE];
+            for b in 0..nb {
+                let blk = b * x16;
+                for s in 0..8 {
+                    m[2 * s] = both(rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8)));
+                    m[2 * s + 1] = if lay.n_scales == 16 {
+                        both(rows(blk + lay.scales() + GROUP * (2 * s + 1)))
+                    } else {
+                        m[2 * s]
+                    };
+                    for q in 0..per_sub {
+                        let g = s * per_sub + q;
+                        let mut idx = rows(blk + lay.index() + GROUP * g);
+                        if lay.high_bits > 0 {
+                            let bit = g * lay.high_bits;
+                            let hv = rows(blk + lay.high() + GROUP * (bit / 8));
+                            let hv = _mm256_srlv_epi32(hv, _mm256_set1_epi32((bit % 8) as i32));
+                            let hv = _mm256_slli_epi32::<8>(_mm256_and_si256(hv, high_mask));
+                            idx = _mm256_or_si256(idx, hv);
+                        }
+                        let halves = if lay.per_index == 8 {
+                            let g4 = |i: __m128i| {
+                                let v = _mm256_i32gather_epi64::<8>(grid as _, i);
+                                _mm256_permutevar8x32_epi32(v, even_odd)
+                            };
+                            let lo = g4(_mm256_castsi256_si128(idx));
+                            let hi = g4(_mm256_extracti128_si256::<1>(idx));
+                            [
+                                _mm256_permute2x128_si256::<0x20>(lo, hi),
+                                _mm256_permute2x128_si256::<0x31>(lo, hi),
+                            ]
+                        } else {
+                            [_mm256_i32gather_epi32::<4>(grid, idx), idx]
+                        };
+                        for (h, &wv) in halves.iter().enumerate().take(lay.per_index / 4) {
+                            let c = 8 * s + q * (lay.per_index / 4) + h;
+                            let sg = (w.add(blk + lay.signs() + 8 * c + 4 * h8) as *const i32)
+                                .read_unaligned();
+                            let sg = _mm256_and_si256(
+                                _mm256_shuffle_epi8(_mm256_set1_epi32(sg), spread),
+                                bits,
+                            );
+                            let neg = _mm256_cmpeq_epi8(sg, bits);
+                            abs[c] = wv;
+                            sgn[c] = _mm256_sub_epi8(_mm256_xor_si256(wv, neg), neg);
+                        }
+                    }
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(w.add(blk + 16 * h8) as *const __m128i));
+                for k in 0..n {
+                    y[k] = a.qs.as_ptr().add((t + k) * a.cols + b * 256);
+                    d[k] = _mm256_mul_ps(dw, _mm256_set1_ps(*a.f.get_unchecked((t + k) * nb + b)));
+                }
+                let blk = Block256 {
+                    abs: &abs,
+                    sgn: &sgn,
+                    m: &m,
+                    d: &d,
+                    y: &y,
+                };
+                let mut k = 0;
+                while k < n {
+                    k += match n - k {
+                        4.. => pass_avx2::<4>(&blk, k, &mut acc[k..]),
+                        2.. => pass_avx2::<2>(&blk, k, &mut acc[k..]),
+                        _ => pass_avx2::<1>(&blk, k, &mut acc[k..]),
+                    };
+                }
+            }
+            for (k, acc) in acc.iter().enumerate().take(n) {
+                let sum = lanes_sum!(_mm256_add_ps, acc);
+                let o = out.add(k * GROUP + 8 * h8);
+                _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(lay.factor), sum));
+            }
+        }
+    }
+}
+
+/// Tokens `k0..k0 + K` of a block (8 rows): lane by lane, each token's lane in a register
+/// across the 8 sub-blocks, then its float step.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pass_avx2<const K: usize>(
+    blk: &Block256<'_>,
+    k0: usize,
+    acc: &mut [[__m256; 8]],
+) -> usize {
+    // SAFETY: each y pointer holds this block's 256 activations of its token.
+    unsafe {
+        for l in 0..8 {
+            let mut lanes = [_mm256_setzero_si256(); K];
+            for s in 0..8 {
+                let c = 8 * s + l;
+                let (wa, ws, m) = (blk.abs[c], blk.sgn[c], blk.m[2 * s + l / 4]);
+                for (k, lane) in lanes.iter_mut().enumerate() {
+                    let y = (blk.y[k0 + k].add(4 * c) as *const i32).read_unaligned();
+                    let ys = _mm256_sign_epi8(_mm256_set1_epi32(y), ws);
+                    let p = _mm256_maddubs_epi16(wa, ys);
+                    *lane = _mm256_add_epi32(*lane, _mm256_madd_epi16(p, m));
+                }
+            }
+            for (k, lane) in lanes.iter().enumerate() {
+                let acc = &mut acc[k][l];
+                *acc = _mm256_fmadd_ps(blk.d[k0 + k], _mm256_cvtepi32_ps(*lane), *acc);
+            }
+        }
+    }
+    K
+}
+
+/// `T` tokens sharing each gathered chunk (called with one: decode).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_avx2<const ID: u8, const T: usize>(
@@ -180,7 +345,7 @@ unsafe fn tile_avx2<const ID: u8, const T: usize>(
     T
 }
 
-/// Tokens whose accumulators one AVX-512 pass keeps (each block's weights are gathered once
+/// Tokens whose accumulators one multi-token pass keeps (each block's weights are decoded once
 /// per pass).
 const TILE: usize = 16;
 
@@ -198,6 +363,10 @@ pub(super) unsafe fn iq23_group_avx512<const ID: u8>(
     check_group(lay, w, a, t0, nt, out);
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
+        if nt == 1 {
+            token_avx512::<ID>(w.as_ptr(), a, t0, out.as_mut_ptr());
+            return;
+        }
         for j in (0..nt).step_by(TILE) {
             let o = out.as_mut_ptr().add(j * GROUP);
             tile_avx512::<ID>(w.as_ptr(), a, t0 + j, TILE.min(nt - j), o);
@@ -205,9 +374,111 @@ pub(super) unsafe fn iq23_group_avx512<const ID: u8>(
     }
 }
 
-/// Tokens `t..t + n` (`n <= TILE`): per block, the 64 chunks' grid bytes of the 16 rows are
-/// gathered once into a buffer, then each token runs over it with its own lanes (the float
-/// steps per token are those of one token alone).
+/// Gathers the 16 rows' grid bytes of the block at `blk` into `wbuf` (chunk `c`: the 4 bytes
+/// of each row, row-major).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gather_avx512<const ID: u8>(w: *const u8, blk: usize, wbuf: &mut [__m512i; 64]) {
+    let lay = Layout::of(ID);
+    let grid = grid_words(lay);
+    let high_mask = _mm512_set1_epi32((1 << lay.high_bits) - 1);
+    // SAFETY: the caller checked that w holds the block; grid indices are built from at most
+    // the table's index bits.
+    unsafe {
+        let even = _mm512_loadu_si512(EVEN_ODD[0].as_ptr() as *const _);
+        let odd = _mm512_loadu_si512(EVEN_ODD[1].as_ptr() as *const _);
+        let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
+        for g in 0..lay.n_index() {
+            let mut idx = rows(blk + lay.index() + GROUP * g);
+            if lay.high_bits > 0 {
+                let bit = g * lay.high_bits;
+                let hv = rows(blk + lay.high() + GROUP * (bit / 8));
+                let hv = _mm512_srlv_epi32(hv, _mm512_set1_epi32((bit % 8) as i32));
+                let hv = _mm512_slli_epi32::<8>(_mm512_and_si512(hv, high_mask));
+                idx = _mm512_or_si512(idx, hv);
+            }
+            if lay.per_index == 8 {
+                // IQ2: each row's whole 8-byte entry by two 8-row qword gathers, split into
+                // the two chunks' 4-byte halves (half the loads of dword gathers).
+                let lo = _mm512_i32gather_epi64::<8>(_mm512_castsi512_si256(idx), grid as _);
+                let hi =
+                    _mm512_i32gather_epi64::<8>(_mm512_extracti64x4_epi64::<1>(idx), grid as _);
+                wbuf[2 * g] = _mm512_permutex2var_epi32(lo, even, hi);
+                wbuf[2 * g + 1] = _mm512_permutex2var_epi32(lo, odd, hi);
+            } else {
+                wbuf[g] = _mm512_i32gather_epi32::<4>(idx, grid);
+            }
+        }
+    }
+}
+
+/// One token (decode): per chunk, the gathered grid bytes times the activations with the
+/// rows' signs applied (a masked subtract), `vpdpbusd` then `vpdpwssd` by the scale.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn token_avx512<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let lay = Layout::of(ID);
+    let nb = a.cols / 256;
+    let x16 = lay.x16();
+    let zero = _mm512_setzero_si512();
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t.
+    unsafe {
+        let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
+        let mut acc = [_mm512_setzero_ps(); 8];
+        let mut wbuf = [zero; 64];
+        for b in 0..nb {
+            let blk = b * x16;
+            gather_avx512::<ID>(w, blk, &mut wbuf);
+            let y = a.qs.as_ptr().add(t * a.cols + b * 256);
+            let mut lanes = [zero; 8];
+            for s in 0..8 {
+                // Scale multipliers in the low i16 of each lane (vpdpwssd: m·dot).
+                let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
+                let m1 = if lay.n_scales == 16 {
+                    rows(blk + lay.scales() + GROUP * (2 * s + 1))
+                } else {
+                    m0
+                };
+                for (l, lane) in lanes.iter_mut().enumerate() {
+                    let c = 8 * s + l;
+                    let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
+                    let yv = _mm512_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
+                    let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
+                    // |dot| <= 4 * 62 * 127 fits the i16 vpdpwssd reads.
+                    let dot = _mm512_dpbusd_epi32(zero, wbuf[c], ys);
+                    *lane = _mm512_dpwssd_epi32(*lane, dot, if l < 4 { m0 } else { m1 });
+                }
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
+            let d = _mm512_mul_ps(dw, _mm512_set1_ps(*a.f.get_unchecked(t * nb + b)));
+            for (acc, l) in acc.iter_mut().zip(&lanes) {
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(*l), *acc);
+            }
+        }
+        let sum = lanes_sum!(_mm512_add_ps, acc);
+        _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(lay.factor), sum));
+    }
+}
+
+/// What a pass over `K` tokens of one block reads: the decoded weights, the scales and the
+/// tokens' corrections and float scales.
+struct Block512<'a> {
+    /// Chunk `c`'s 16 rows × 4 weights as `grid·±1 + 128` (vpdpbusd's unsigned operand).
+    wu: &'a [__m512i; 64],
+    /// Per sub-block `s`, the scale multipliers of its first and second 16 values.
+    m: &'a [__m512i; 16],
+    /// Per token, `−128 · Σ` of each chunk's 4 activations.
+    corr: &'a [[i32; 64]],
+    /// Per token, `d · dy`.
+    d: &'a [__m512],
+    /// Per token, its 256 activations of this block.
+    y: &'a [*const i8],
+}
+
+/// Tokens `t..t + n` (`2 <= n <= TILE`): per block, the 16 rows' weights of all 64 chunks are
+/// decoded once to signed bytes (signs applied, plus 128), then each token's exact chunk dot
+/// is one `vpdpbusd` started from `−128·Σy` and one `vpdpwssd` applies the scale, as in the
+/// one-token kernel; the float steps per token are those of one token alone.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile_avx512<const ID: u8>(
@@ -220,66 +491,59 @@ unsafe fn tile_avx512<const ID: u8>(
     let lay = Layout::of(ID);
     let nb = a.cols / 256;
     let x16 = lay.x16();
-    let grid = grid_words(lay);
-    let high_mask = _mm512_set1_epi32((1 << lay.high_bits) - 1);
     let zero = _mm512_setzero_si512();
+    let flip = _mm512_set1_epi8(-128);
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
-    // t..t + n; grid indices are built from at most the table's index bits.
+    // t..t + n (n <= TILE).
     unsafe {
-        let even = _mm512_loadu_si512(EVEN_ODD[0].as_ptr() as *const _);
-        let odd = _mm512_loadu_si512(EVEN_ODD[1].as_ptr() as *const _);
         let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
         let mut acc = [[_mm512_setzero_ps(); 8]; TILE];
-        let mut wbuf = [zero; 64];
+        let mut wu = [zero; 64];
+        let mut m = [zero; 16];
+        let mut corr = [[0i32; 64]; TILE];
+        let mut d = [_mm512_setzero_ps(); TILE];
+        let mut y = [std::ptr::null::<i8>(); TILE];
         for b in 0..nb {
             let blk = b * x16;
-            for g in 0..lay.n_index() {
-                let mut idx = rows(blk + lay.index() + GROUP * g);
-                if lay.high_bits > 0 {
-                    let bit = g * lay.high_bits;
-                    let hv = rows(blk + lay.high() + GROUP * (bit / 8));
-                    let hv = _mm512_srlv_epi32(hv, _mm512_set1_epi32((bit % 8) as i32));
-                    let hv = _mm512_slli_epi32::<8>(_mm512_and_si512(hv, high_mask));
-                    idx = _mm512_or_si512(idx, hv);
-                }
-                if lay.per_index == 8 {
-                    // IQ2: each row's whole 8-byte entry by two 8-row qword gathers, split
-                    // into the two chunks' 4-byte halves (half the loads of dword gathers).
-                    let lo = _mm512_i32gather_epi64::<8>(_mm512_castsi512_si256(idx), grid as _);
-                    let hi =
-                        _mm512_i32gather_epi64::<8>(_mm512_extracti64x4_epi64::<1>(idx), grid as _);
-                    wbuf[2 * g] = _mm512_permutex2var_epi32(lo, even, hi);
-                    wbuf[2 * g + 1] = _mm512_permutex2var_epi32(lo, odd, hi);
+            gather_avx512::<ID>(w, blk, &mut wu);
+            for (c, wu) in wu.iter_mut().enumerate() {
+                let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
+                *wu = _mm512_xor_si512(_mm512_mask_sub_epi8(*wu, neg, zero, *wu), flip);
+            }
+            for s in 0..8 {
+                m[2 * s] = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
+                m[2 * s + 1] = if lay.n_scales == 16 {
+                    rows(blk + lay.scales() + GROUP * (2 * s + 1))
                 } else {
-                    wbuf[g] = _mm512_i32gather_epi32::<4>(idx, grid);
-                }
+                    m[2 * s]
+                };
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
-            for (k, acc) in acc.iter_mut().enumerate().take(n) {
-                let y = a.qs.as_ptr().add((t + k) * a.cols + b * 256);
-                let mut lanes = [zero; 8];
-                for s in 0..8 {
-                    // Scale multipliers in the low i16 of each lane (vpdpwssd: m·dot).
-                    let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
-                    let m1 = if lay.n_scales == 16 {
-                        rows(blk + lay.scales() + GROUP * (2 * s + 1))
-                    } else {
-                        m0
-                    };
-                    for (l, lane) in lanes.iter_mut().enumerate() {
-                        let c = 8 * s + l;
-                        let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
-                        let yv = _mm512_set1_epi32((y.add(4 * c) as *const i32).read_unaligned());
-                        let ys = _mm512_mask_sub_epi8(yv, neg, zero, yv);
-                        // |dot| <= 4 * 62 * 127 fits the i16 vpdpwssd reads.
-                        let dot = _mm512_dpbusd_epi32(zero, wbuf[c], ys);
-                        *lane = _mm512_dpwssd_epi32(*lane, dot, if l < 4 { m0 } else { m1 });
-                    }
+            for k in 0..n {
+                y[k] = a.qs.as_ptr().add((t + k) * a.cols + b * 256);
+                d[k] = _mm512_mul_ps(dw, _mm512_set1_ps(*a.f.get_unchecked((t + k) * nb + b)));
+                for q in 0..4 {
+                    let yv = _mm512_loadu_si512(y[k].add(64 * q) as *const _);
+                    let s128 = _mm512_dpbusd_epi32(zero, flip, yv);
+                    let neg = _mm512_sub_epi32(zero, s128);
+                    _mm512_storeu_si512(corr[k].as_mut_ptr().add(16 * q) as *mut _, neg);
                 }
-                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*a.f.get_unchecked((t + k) * nb + b)));
-                for (acc, l) in acc.iter_mut().zip(&lanes) {
-                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(*l), *acc);
-                }
+            }
+            let blk = Block512 {
+                wu: &wu,
+                m: &m,
+                corr: &corr,
+                d: &d,
+                y: &y,
+            };
+            let mut k = 0;
+            while k < n {
+                k += match n - k {
+                    8.. => pass_avx512::<8>(&blk, k, &mut acc[k..]),
+                    4.. => pass_avx512::<4>(&blk, k, &mut acc[k..]),
+                    2.. => pass_avx512::<2>(&blk, k, &mut acc[k..]),
+                    _ => pass_avx512::<1>(&blk, k, &mut acc[k..]),
+                };
             }
         }
         for (k, acc) in acc.iter().enumerate().take(n) {
@@ -288,4 +552,37 @@ unsafe fn tile_avx512<const ID: u8>(
             _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(lay.factor), sum));
         }
     }
+}
+
+/// Tokens `k0..k0 + K` of a block: lane by lane, each token's lane in a register across the
+/// 8 sub-blocks, then its float step.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn pass_avx512<const K: usize>(
+    blk: &Block512<'_>,
+    k0: usize,
+    acc: &mut [[__m512; 8]],
+) -> usize {
+    // SAFETY: each y pointer holds this block's 256 activations of its token.
+    unsafe {
+        for l in 0..8 {
+            let mut lanes = [_mm512_setzero_si512(); K];
+            for s in 0..8 {
+                let c = 8 * s + l;
+                let (wv, m) = (blk.wu[c], blk.m[2 * s + l / 4]);
+                for (k, lane) in lanes.iter_mut().enumerate() {
+                    let y = (blk.y[k0 + k].add(4 * c) as *const i32).read_unaligned();
+                    let start = _mm512_set1_epi32(blk.corr[k0 + k][c]);
+                    // Σ (w + 128)·y − 128·Σy: the exact dot, |dot| <= 4 * 62 * 127 (i16).
+                    let dot = _mm512_dpbusd_epi32(start, wv, _mm512_set1_epi32(y));
+                    *lane = _mm512_dpwssd_epi32(*lane, dot, m);
+                }
+            }
+            for (k, lane) in lanes.iter().enumerate() {
+                let acc = &mut acc[k][l];
+                *acc = _mm512_fmadd_ps(blk.d[k0 + k], _mm512_cvtepi32_ps(*lane), *acc);
+            }
+        }
+    }
+    K
 }
