@@ -4,10 +4,12 @@
 `json.dumps(ensure_ascii=False)`), to produce the expected strings of
 crates/tessera-model/tests/chat.rs. Only jinja2 is needed (not transformers).
 
-    python3 tools/render_chat_template.py TEMPLATE.jinja BOS EOS [--date YYYY-MM-DD]
+    python3 tools/render_chat_template.py TEMPLATE.jinja BOS EOS [--date YYYY-MM-DD] [--transformers]
 
 prints, as JSON, the rendering of each conversation of CONVERSATIONS with and without the
 generation prompt. `--date` fixes `strftime_now` (the test masks the date it renders).
+`--transformers` renders with `transformers`' own `render_jinja_template` instead (needs it
+installed; `--date` does not apply there), to check that this script agrees with it.
 """
 import datetime
 import json
@@ -35,7 +37,21 @@ def main():
         i = args.index("--date")
         date = datetime.datetime.strptime(args[i + 1], "%Y-%m-%d")
         args = args[:i] + args[i + 2:]
+    use_transformers = "--transformers" in args
+    args = [a for a in args if a != "--transformers"]
     path, bos, eos = args
+    if use_transformers:
+        from transformers.utils.chat_template_utils import render_jinja_template
+        src = open(path).read()
+        out = {}
+        for name, msgs in CONVERSATIONS.items():
+            for agp in (True, False):
+                rendered, _ = render_jinja_template([msgs], chat_template=src,
+                                                    add_generation_prompt=agp, bos_token=bos,
+                                                    eos_token=eos)
+                out[f"{name}/{agp}"] = rendered[0]
+        print(json.dumps(out, ensure_ascii=False, indent=1))
+        return
 
     def raise_exception(msg):
         raise TemplateError(msg)

@@ -1,13 +1,13 @@
-//! The chat templates of the MoE families Tessera runs — gpt-oss's harmony format, DeepSeek's
-//! and GLM's — render exactly as Hugging Face's `transformers` renders them (Jinja2 under its
-//! conventions; expected strings by `tools/render_chat_template.py`, see
+//! The chat templates of the MoE families Tessera runs — gpt-oss's harmony format, DeepSeek's,
+//! GLM's and Llama 4's — render exactly as Hugging Face's `transformers` renders them (Jinja2
+//! under its conventions; expected strings by `tools/render_chat_template.py`, see
 //! `tests/templates/README.md`). gpt-oss's names the current date: the rendering is checked
 //! with that date put back to the one the expected strings were made with.
 
 use tessera_model::{ChatMessage, ChatTemplate};
 
 /// (template, BOS, EOS, expected renderings as JSON)
-const FAMILIES: [(&str, &str, &str, &str); 3] = [
+const FAMILIES: [(&str, &str, &str, &str); 4] = [
     (
         include_str!("templates/openai-gpt-oss-120b.jinja"),
         "<|startoftext|>",
@@ -25,6 +25,12 @@ const FAMILIES: [(&str, &str, &str, &str); 3] = [
         "[gMASK]<sop>",
         "<|endoftext|>",
         include_str!("templates/GLM-4.6.expected.json"),
+    ),
+    (
+        include_str!("templates/meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"),
+        "<|begin_of_text|>",
+        "<|eot|>",
+        include_str!("templates/meta-llama-Llama-4-Scout-17B-16E-Instruct.expected.json"),
     ),
 ];
 
@@ -84,13 +90,15 @@ fn moe_family_templates_render_exactly_as_transformers() {
 }
 
 /// The turn markers each family's model reads, where a conversation ends in a generation
-/// prompt: harmony's assistant start, DeepSeek's assistant tag (non-thinking mode), GLM's.
+/// prompt: harmony's assistant start, DeepSeek's assistant tag (non-thinking mode), GLM's,
+/// Llama 4's assistant header.
 #[test]
 fn generation_prompts_end_in_each_familys_assistant_turn() {
     let ends = [
         "<|end|><|start|>assistant",
         "<｜Assistant｜><think></think>",
         "<|user|>\nBye<|assistant|>",
+        "Bye<|eot|><|header_start|>assistant<|header_end|>\n\n",
     ];
     for ((src, bos, eos, _), end) in FAMILIES.into_iter().zip(ends) {
         let t = ChatTemplate::with_tokens(src, bos, eos).unwrap();
