@@ -434,14 +434,14 @@ impl Model {
         );
     }
 
-    /// Predicts the experts of layer `layer + 1` by applying its router early to `hidden` (the
-    /// input of layer `layer`'s FFN, normed with layer `layer + 1`'s FFN norm), and hands the
-    /// prediction to the expert store: every expert in some token's top k, with its predicted
-    /// probability (the most any token gives it), most probable first. The store reads the most
-    /// probable ones ahead while this layer computes.
+    /// Predicts the experts of the next MoE layer (`layer + 1`, or past Llama 4's dense layer
+    /// between) by applying its router early to `hidden` (the input of layer `layer`'s FFN,
+    /// normed with the next MoE layer's FFN norm), and hands the prediction to the expert store:
+    /// every expert in some token's top k, with its predicted probability (the most any token
+    /// gives it), most probable first. The store reads the most probable ones ahead while this
+    /// layer computes.
     fn prefetch_next(&self, layer: usize, hidden: &Hidden) -> Result<()> {
-        let next = layer + 1;
-        let (Some(store), true) = (self.expert_store(), self.spec().layers.contains(&next)) else {
+        let (Some(store), Some(next)) = (self.expert_store(), self.next_moe_layer(layer)) else {
             return Ok(());
         };
         let Ok(core) = self.core(next) else {

@@ -196,6 +196,12 @@ impl Model {
         self.store.as_ref()
     }
 
+    /// The first layer after `layer` in this part that routes to experts (`layer + 1`, or
+    /// past Llama 4's dense layers between MoE ones): the one whose experts to read ahead.
+    pub(crate) fn next_moe_layer(&self, layer: usize) -> Option<usize> {
+        (layer + 1..self.spec().layers.end).find(|&l| self.config().is_moe_layer(l))
+    }
+
     /// The whole model.
     pub fn load_full(g: &GgufFile, threads: usize) -> Result<Self> {
         let config = ModelConfig::from_gguf(g)?;

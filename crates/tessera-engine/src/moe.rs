@@ -417,9 +417,8 @@ impl Model {
                     .collect();
                 store.observe(layer, n, &slots_owned);
                 if !self.spec().dense {
-                    // No router here to predict the next layer with: use its last routing.
-                    let next = layer + 1;
-                    if self.spec().layers.contains(&next) {
+                    // No router here to predict the next MoE layer with: use its last routing.
+                    if let Some(next) = self.next_moe_layer(layer) {
                         store.prefetch(next, store.last_used(next));
                     }
                 }

@@ -14,7 +14,6 @@
 mod common;
 
 use common::moe;
-use tessera_engine::{ExpertStreaming, LoadSpec, Model};
 use tessera_model::{Architecture, ExpertGating, ModelConfig, RopeStyle};
 
 const NAME: &str = "tiny-llama4-Q8_0";
@@ -88,27 +87,6 @@ fn llama4_pipeline_split_is_bit_identical_at_every_cut() {
 #[test]
 fn llama4_expert_split_in_2_and_3_is_bit_identical() {
     moe::expert_splits_are_bit_identical(&file());
-}
-
-/// The expert store streams one contiguous run of MoE layers: with dense layers between, it
-/// refuses and says why.
-#[test]
-fn streaming_interleaved_experts_is_refused_with_the_reason() {
-    let g = common::open(&file());
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let e = Model::load_streaming(
-        &g,
-        LoadSpec::full(&cfg),
-        ExpertStreaming::with_budget(1 << 20),
-        1,
-        &mut |_, _| {},
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(
-        e.contains("contiguous MoE layers") && e.contains("every 2"),
-        "{e}"
-    );
 }
 
 /// Past the first chunk (`reference/long/tiny-llama4-Q8_0-8300.json`: 8,300 pseudo-random

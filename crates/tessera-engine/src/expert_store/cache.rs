@@ -110,7 +110,7 @@ impl Lru {
 impl Shared {
     pub(super) fn part(&self, layer: usize) -> usize {
         if self.cfg.per_layer {
-            layer - self.layers.start
+            self.layers.index(layer)
         } else {
             0
         }
@@ -122,7 +122,7 @@ impl Shared {
             .inflight
             .iter()
             .filter(|(k, f)| f.reserved == 0 && inner.pin_wanted.contains(k))
-            .map(|(k, _)| self.src[k.0 - self.layers.start].packed)
+            .map(|(k, _)| self.src[self.layers.index(k.0)].packed)
             .sum()
     }
 
@@ -135,7 +135,7 @@ impl Shared {
         ffn: &Arc<Ffn>,
         o: Origin,
     ) -> bool {
-        let bytes = self.src[key.0 - self.layers.start].packed;
+        let bytes = self.src[self.layers.index(key.0)].packed;
         if inner.pin_wanted.contains(&key) && inner.pinned_bytes + bytes <= self.cfg.pinned_cap {
             inner.pinned.insert(key, Arc::clone(ffn));
             inner.pinned_bytes += bytes;
@@ -172,7 +172,7 @@ impl Shared {
         ffn: &Arc<Ffn>,
         part: usize,
     ) {
-        let bytes = self.src[key.0 - self.layers.start].packed;
+        let bytes = self.src[self.layers.index(key.0)].packed;
         if inner.pinned_bytes + bytes > self.cfg.pinned_cap {
             return;
         }
@@ -202,7 +202,7 @@ impl Shared {
                 break;
             }
             bytes += b;
-            wanted.insert((self.layers.start + li, e));
+            wanted.insert((self.layers.at(li), e));
         }
         // Unpin what is no longer wanted; pin what is wanted and already cached.
         let gone: Vec<_> = inner
@@ -216,7 +216,7 @@ impl Shared {
                 Self::lend(inner, &f);
             }
             inner.pinned_origin.remove(&k);
-            inner.pinned_bytes -= self.src[k.0 - self.layers.start].packed;
+            inner.pinned_bytes -= self.src[self.layers.index(k.0)].packed;
         }
         for &k in &wanted {
             if inner.pinned.contains_key(&k) {

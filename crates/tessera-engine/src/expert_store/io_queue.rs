@@ -84,7 +84,7 @@ impl Shared {
             }
             return false;
         }
-        let bytes = self.src[key.0 - self.layers.start].packed;
+        let bytes = self.src[self.layers.index(key.0)].packed;
         let part = self.part(key.0);
         let to_pin = inner.pin_wanted.contains(&key)
             && inner.pinned_bytes + bytes + self.pin_reserved(inner) <= self.cfg.pinned_cap;
@@ -192,14 +192,14 @@ impl Shared {
 
     /// The file offset and length of range `m` (gate, up, down) of expert `e` of `layer`.
     fn range(&self, layer: usize, e: usize, m: usize) -> (u64, u64) {
-        let ms = &self.src[layer - self.layers.start].mats[m];
+        let ms = &self.src[self.layers.index(layer)].mats[m];
         (ms.base + ms.len * e as u64, ms.len)
     }
 
     /// Builds (repacks) matrix `m` of expert `e` of `layer` from its bytes, into `buf`'s
     /// allocation, as a full load does.
     fn build(&self, layer: usize, e: usize, m: usize, raw: RawBuf, buf: Vec<u8>) -> Result<Matrix> {
-        let ms = &self.src[layer - self.layers.start].mats[m];
+        let ms = &self.src[self.layers.index(layer)].mats[m];
         let (offset, len) = (raw.start, raw.len);
         let bytes = MatrixBytes::Shared {
             bytes: Arc::new(raw),
@@ -214,7 +214,7 @@ impl Shared {
 
     /// Bytes of the built matrix `m` of `layer`'s experts.
     fn built_len(&self, layer: usize, m: usize) -> usize {
-        let ms = &self.src[layer - self.layers.start].mats[m];
+        let ms = &self.src[self.layers.index(layer)].mats[m];
         Matrix::packed_len(ms.dtype, ms.rows, ms.cols).unwrap_or(0)
     }
 }

@@ -73,7 +73,7 @@ use crate::weights::{Ffn, LoadSpec};
 use cache::{Lru, Origin, Spare};
 use io_queue::{reader_loop, Flight, Kind};
 use settings::Settings;
-use shared::{lock, Inner, LayerSrc, MatSrc, Shared};
+use shared::{lock, Inner, LayerSrc, MatSrc, Served, Shared};
 use tessera_host::direct_read::Reader;
 
 /// The RAM cache of streamed experts and its I/O thread (see the module doc).
@@ -113,21 +113,16 @@ impl ExpertStore {
         streaming: ExpertStreaming,
     ) -> Result<Self> {
         let n_expert = config.n_expert;
-        // The store serves one contiguous run of MoE layers; Llama 4's dense layers between
-        // them hold no experts to stream.
-        if config.interleaves_moe() {
-            return Err(EngineError::BadInput(format!(
-                "expert streaming needs contiguous MoE layers; this {} model routes every {} \
-                 layers: load its experts in memory",
-                config.arch.gguf_name(),
-                config.moe_layer_step
-            )));
-        }
-        // Only the layers that route to experts (a model's leading dense layers hold none).
-        let layers = config.moe_layers(spec.layers.clone());
+        // Only the layers that route to experts: a model's leading dense layers hold none, nor
+        // do Llama 4's dense layers between its MoE ones.
+        let layers: Vec<usize> = spec
+            .layers
+            .clone()
+            .filter(|&l| config.is_moe_layer(l))
+            .collect();
         let mut src = Vec::with_capacity(layers.len());
         let mut served = 0u64;
-        for il in layers.clone() {
+        for &il in &layers {
             let mut mats = Vec::with_capacity(3);
             for w in [
                 "ffn_gate_exps.weight",
@@ -275,7 +270,7 @@ impl ExpertStore {
                 per_layer,
                 window_cap,
             },
-            layers,
+            layers: Served(layers),
             src,
             inner: Mutex::new(inner),
             ready: Condvar::new(),
@@ -323,7 +318,7 @@ impl ExpertStore {
     pub(crate) fn chunk_limit(&self, layer: usize) -> usize {
         let sh = &self.shared;
         let inner = lock(&sh.inner);
-        let per = sh.src[layer - sh.layers.start].packed.max(1);
+        let per = sh.src[sh.layers.index(layer)].packed.max(1);
         (inner.parts[sh.part(layer)].cap / per).max(1) as usize
     }
 
@@ -332,7 +327,7 @@ impl ExpertStore {
     /// (as [`ExpertStore::fetch`]).
     pub(crate) fn observe(&self, layer: usize, n_tokens: usize, slots: &[u32]) {
         let sh = &self.shared;
-        let li = layer - sh.layers.start;
+        let li = sh.layers.index(layer);
         let mut used: Vec<usize> = slots.iter().map(|&e| e as usize).collect();
         used.sort_unstable();
         used.dedup();
@@ -409,7 +404,7 @@ impl ExpertStore {
         if !sh.layers.contains(&layer) {
             return Vec::new();
         }
-        lock(&sh.inner).last_used[layer - sh.layers.start].clone()
+        lock(&sh.inner).last_used[sh.layers.index(layer)].clone()
     }
 
     /// A prediction for `layer` without probabilities (e.g. the experts it used last): as
@@ -427,7 +422,7 @@ impl ExpertStore {
         if !sh.layers.contains(&layer) || predicted.is_empty() {
             return;
         }
-        let li = layer - sh.layers.start;
+        let li = sh.layers.index(layer);
         let st = &sh.cfg.streaming;
         let mut guard = lock(&sh.inner);
         let inner = &mut *guard;

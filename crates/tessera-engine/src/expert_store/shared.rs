@@ -34,6 +34,33 @@ pub(super) struct LayerSrc {
     pub(super) packed: u64,
 }
 
+/// The MoE layers a store serves, ascending: a contiguous run, or (Llama 4) every
+/// `moe_layer_step`-th layer with dense ones between. Per-layer state is indexed by position
+/// in this list.
+pub(super) struct Served(pub(super) Vec<usize>);
+
+impl Served {
+    pub(super) fn contains(&self, layer: &usize) -> bool {
+        self.0.binary_search(layer).is_ok()
+    }
+
+    /// The position of a served layer.
+    ///
+    /// # Panics
+    /// If the store does not serve `layer` (callers check [`Served::contains`] or only pass
+    /// layers they were handed experts of).
+    pub(super) fn index(&self, layer: usize) -> usize {
+        self.0
+            .binary_search(&layer)
+            .unwrap_or_else(|_| panic!("layer {layer} is not one the expert store serves"))
+    }
+
+    /// The served layer at position `li`.
+    pub(super) fn at(&self, li: usize) -> usize {
+        self.0[li]
+    }
+}
+
 pub(super) struct Inner {
     /// LRU partitions (one per held layer, or one).
     pub(super) parts: Vec<Lru>,
@@ -63,11 +90,11 @@ pub(super) struct Inner {
     pub(super) failed: HashMap<(usize, usize), String>,
     /// Experts the current layer's routing needs: never evicted while it computes.
     pub(super) needed: HashSet<(usize, usize)>,
-    /// `counts[layer - first][e]`: slots routed to the expert.
+    /// `counts[li][e]` (`li`: the layer's [`Served::index`]): slots routed to the expert.
     pub(super) counts: Vec<Vec<u64>>,
-    /// `last_used[layer - first]`: distinct experts of the layer's last routing.
+    /// `last_used[li]`: distinct experts of the layer's last routing.
     pub(super) last_used: Vec<Vec<usize>>,
-    /// `predicted[layer - first]`: the pending prediction for the layer.
+    /// `predicted[li]`: the pending prediction for the layer.
     pub(super) predicted: Vec<Option<Vec<usize>>>,
     pub(super) tick: u64,
     pub(super) since_repin: u64,
@@ -84,7 +111,7 @@ pub(super) struct Inner {
 pub(super) struct Shared {
     pub(super) reader: Reader,
     pub(super) cfg: Settings,
-    pub(super) layers: std::ops::Range<usize>,
+    pub(super) layers: Served,
     pub(super) src: Vec<LayerSrc>,
     pub(super) inner: Mutex<Inner>,
     /// Signalled when a read has arrived.

@@ -30,7 +30,7 @@ impl Shared {
                 inner.late.pop_front();
                 continue;
             }
-            let bytes = self.src[key.0 - self.layers.start].packed;
+            let bytes = self.src[self.layers.index(key.0)].packed;
             if inner.window_used + bytes > self.cfg.window_cap {
                 break;
             }
