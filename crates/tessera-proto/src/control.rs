@@ -189,6 +189,36 @@ pub struct StageSeqStats {
     pub ring_waits: u64,
     /// KV cache bytes held for the sequence at its end.
     pub kv_bytes: u64,
+    /// Where this stage's decode frames spent their time in the fabric's software.
+    #[serde(default)]
+    pub hop: HopTimes,
+}
+
+/// Where a stage's decode frames (every entry one token: decode steps and the ring's tokens)
+/// spent their time in the fabric's software, summed over the sequence's frames. A frame that
+/// carries several sequences counts once for each, its times shared among them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct HopTimes {
+    /// Frames sent on to the next stage.
+    pub frames_out: u64,
+    /// Encoding them (header and hidden state into one payload), ns.
+    pub encode_ns: u64,
+    /// Handing them to QUIC on the stage thread (until the write returns), ns.
+    pub send_ns: u64,
+    /// Wall-clock time (ns since the UNIX epoch) at which each write began, summed with
+    /// wrap-around: on one host (the lab, loopback) the next stage's `arrived_wall_ns` less this,
+    /// over the frames, is the mean time from the write to the frame being read there.
+    pub sent_wall_ns: u64,
+    /// Frames received from the previous stage.
+    pub frames_in: u64,
+    /// Decoding them (payload into header and hidden state) on the reader task, ns.
+    pub decode_ns: u64,
+    /// From the reader task's hand-off to the stage thread's taking the frame (the queue and
+    /// the stage thread's wake-up), ns.
+    pub handoff_ns: u64,
+    /// Wall-clock time at which each frame had been read, before decoding (see
+    /// `sent_wall_ns`), summed with wrap-around.
+    pub arrived_wall_ns: u64,
 }
 
 /// What a node reports after loading its assignment.

@@ -37,8 +37,8 @@ pub use client::{
     RunReport, RunRequest, StagePlacement, StageSpec, TokenInfo,
 };
 pub use control::{
-    hash_f32s, BoundaryTrace, CoordToNode, FinishReason, Hello, LoadReport, NodeToCoord, OpenSeq,
-    PeerInfo, PhaseStats, Role, StageAssignment, StageSeqStats,
+    hash_f32s, BoundaryTrace, CoordToNode, FinishReason, Hello, HopTimes, LoadReport, NodeToCoord,
+    OpenSeq, PeerInfo, PhaseStats, Role, StageAssignment, StageSeqStats,
 };
 pub use experts::{ExpertAssignment, ExpertCacheStats, ExpertPeer};
 pub use model::{decode_chunk, encode_chunk, ModelReply, ModelRequest};

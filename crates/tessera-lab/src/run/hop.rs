@@ -47,6 +47,85 @@ pub struct HopFigure {
     pub reported_hop_us: Option<f64>,
     /// The issue's goal for `added_per_hop_us`, µs.
     pub goal_us: f64,
+    /// Where a hop's time goes, from the nodes' own stamps (medians over the ring's runs).
+    pub breakdown: Option<HopBreakdown>,
+}
+
+/// Where one hop of a ring spends its time, from the stages' [`HopTimes`] of a run: µs per
+/// decode frame, averaged over the ring's hops.
+///
+/// [`HopTimes`]: tessera_proto::HopTimes
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct HopBreakdown {
+    /// Encoding the frame (header and hidden state into one payload) on the sender's stage
+    /// thread.
+    pub serialise_us: f64,
+    /// The stage thread's write (until it returns; part of `transit_us`, which starts with it).
+    pub send_us: f64,
+    /// From the write's start to the frame being read at the next stage: the write, both QUIC
+    /// stacks, the kernel, the link and the wake-ups of the sender's QUIC driver and the
+    /// receiver's reader (same-host wall clock).
+    pub transit_us: f64,
+    /// Decoding the payload on the reader task.
+    pub decode_us: f64,
+    /// From the reader task to the stage thread taking the frame: the queue and the stage
+    /// thread's wake-up.
+    pub handoff_us: f64,
+}
+
+impl HopBreakdown {
+    pub fn total_us(&self) -> f64 {
+        self.serialise_us + self.transit_us + self.decode_us + self.handoff_us
+    }
+
+    /// The breakdown of a ring's run report (`stage_stats[i].hop` of every ring stage); `None`
+    /// when a hop's sent and received frames do not pair up (a stage without the stamps).
+    pub fn of_report(report: &Value) -> Option<Self> {
+        let stats = report["stage_stats"].as_array()?;
+        let n = report["boundaries"].as_array()?.len();
+        if n < 2 || stats.len() < n {
+            return None;
+        }
+        let hop = |i: usize, k: &str| stats[i]["hop"][k].as_u64().unwrap_or(0);
+        let mut sum = Self::default();
+        for i in 0..n {
+            let j = (i + 1) % n;
+            let frames = hop(i, "frames_out");
+            if frames == 0 || hop(j, "frames_in") != frames {
+                return None;
+            }
+            let f = frames as f64 * 1e3;
+            let transit = hop(j, "arrived_wall_ns").wrapping_sub(hop(i, "sent_wall_ns")) as i64;
+            sum.serialise_us += hop(i, "encode_ns") as f64 / f;
+            sum.send_us += hop(i, "send_ns") as f64 / f;
+            sum.transit_us += transit as f64 / f;
+            sum.decode_us += hop(j, "decode_ns") as f64 / f;
+            sum.handoff_us += hop(j, "handoff_ns") as f64 / f;
+        }
+        let k = n as f64;
+        Some(Self {
+            serialise_us: sum.serialise_us / k,
+            send_us: sum.send_us / k,
+            transit_us: sum.transit_us / k,
+            decode_us: sum.decode_us / k,
+            handoff_us: sum.handoff_us / k,
+        })
+    }
+
+    /// Component-wise medians.
+    fn median_of(v: &[Self]) -> Option<Self> {
+        if v.is_empty() {
+            return None;
+        }
+        let m = |f: fn(&Self) -> f64| median(v.iter().map(f).collect());
+        Some(Self {
+            serialise_us: m(|b| b.serialise_us),
+            send_us: m(|b| b.send_us),
+            transit_us: m(|b| b.transit_us),
+            decode_us: m(|b| b.decode_us),
+            handoff_us: m(|b| b.handoff_us),
+        })
+    }
 }
 
 /// The goal: a hop adds at most this beyond the link's round trip.
@@ -86,8 +165,8 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// Single node and ring, alternating, on `hosts`: medians of ms per token, and the ring's
-/// reported hop time.
+/// Single node and ring, alternating, on `hosts`: medians of ms per token, the ring's reported
+/// hop time and where a hop's time goes.
 fn single_and_ring(
     hosts: &impl Hosts,
     tessera: &Path,
@@ -95,7 +174,7 @@ fn single_and_ring(
     dir: &Path,
     n_layer: usize,
     rounds: usize,
-) -> Result<(f64, f64, Option<f64>)> {
+) -> Result<(f64, f64, Option<f64>, Option<HopBreakdown>)> {
     let session = Session::start(hosts, tessera, s, dir, &Mode::ByClient)?;
     let k = n_layer.div_ceil(2);
     let single = dir.join("single.json");
@@ -121,16 +200,22 @@ fn single_and_ring(
     };
     one(&single, 4)?;
     one(&ring, 4)?;
-    let (mut a, mut b, mut hop) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut a, mut b, mut hop, mut parts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let ms = |r: &Value| 1e3 / r["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
     for _ in 0..rounds.max(1) {
         a.push(ms(&one(&single, s.workload.tokens)?));
         let r = one(&ring, s.workload.tokens)?;
         b.push(ms(&r));
         hop.extend(r["hop_latency_us"].as_f64());
+        parts.extend(HopBreakdown::of_report(&r));
     }
     let reported = (!hop.is_empty()).then(|| median(hop));
-    Ok((median(a), median(b), reported))
+    Ok((
+        median(a),
+        median(b),
+        reported,
+        HopBreakdown::median_of(&parts),
+    ))
 }
 
 /// Measures the hop figure on a `rtt_ms` link through the switch and on loopback.
@@ -160,17 +245,20 @@ pub fn run(
     let sub = dir.join("switched");
     std::fs::create_dir_all(&sub)
         .map_err(|e| LabError::io(format!("creating {}", sub.display()), e))?;
-    let (single, ring, reported) =
+    let (single, ring, reported, parts) =
         single_and_ring(&lab, tessera, &switched, &sub, n_layer, o.rounds)?;
     drop(lab);
-    out.push(figure(
-        format!("{} ms link through the switch", o.rtt_ms),
-        Some(o.rtt_ms),
-        rtt,
-        single,
-        ring,
-        reported,
-    ));
+    out.push(HopFigure {
+        breakdown: parts,
+        ..figure(
+            format!("{} ms link through the switch", o.rtt_ms),
+            Some(o.rtt_ms),
+            rtt,
+            single,
+            ring,
+            reported,
+        )
+    });
 
     progress("loopback");
     let local = scenario(o, 0.0)?;
@@ -178,16 +266,19 @@ pub fn run(
     let sub = dir.join("loopback");
     std::fs::create_dir_all(&sub)
         .map_err(|e| LabError::io(format!("creating {}", sub.display()), e))?;
-    let (single, ring, reported) =
+    let (single, ring, reported, parts) =
         single_and_ring(&Loopback, tessera, &local, &sub, n_layer, o.rounds)?;
-    out.push(figure(
-        "loopback (127.0.0.1)".into(),
-        None,
-        rtt,
-        single,
-        ring,
-        reported,
-    ));
+    out.push(HopFigure {
+        breakdown: parts,
+        ..figure(
+            "loopback (127.0.0.1)".into(),
+            None,
+            rtt,
+            single,
+            ring,
+            reported,
+        )
+    });
     Ok(out)
 }
 
@@ -208,6 +299,7 @@ fn figure(
         added_per_hop_us: added_per_hop_us(single_ms, ring_ms, rtt_s * 1e3),
         reported_hop_us,
         goal_us: GOAL_US,
+        breakdown: None,
     }
 }
 
@@ -247,6 +339,23 @@ pub fn table(figures: &[HopFigure]) -> String {
          reported: the fabric's own per-hop estimate (RunReport.hop_latency_us)\n",
     );
     for f in figures {
+        let Some(b) = f.breakdown else { continue };
+        s.push_str(&format!(
+            "{}: a hop's {:.0} µs from the sender's layers to the receiver's = serialise {:.0} \
+             + transit {:.0} (the link's {:.0} one way; the stage thread's write {:.0}; QUIC, \
+             kernel and wake-ups {:.0}) + decode {:.0} + hand-off to the stage thread {:.0} µs\n",
+            f.link,
+            b.total_us(),
+            b.serialise_us,
+            b.transit_us,
+            f.measured_rtt_ms * 1e3 / 2.0,
+            b.send_us,
+            b.transit_us - f.measured_rtt_ms * 1e3 / 2.0,
+            b.decode_us,
+            b.handoff_us,
+        ));
+    }
+    for f in figures {
         s.push_str(&format!(
             "as a cluster file's figure for {}: hop_overhead_us = {:.0}\n",
             f.link,
@@ -266,5 +375,37 @@ mod tests {
         assert!((added_per_hop_us(0.6, 1.2, 0.5) - 50.0).abs() < 1e-9);
         let t = table(&[figure("x".into(), Some(0.5), 0.0005, 0.6, 1.2, Some(300.0))]);
         assert!(t.contains("≤50"), "{t}");
+    }
+
+    #[test]
+    fn a_hops_breakdown_pairs_each_stages_sends_with_the_next_stages_arrivals() {
+        // Two stages, 10 decode frames each way; stage 0's frames reach stage 1 300 µs after
+        // their writes return, stage 1's tokens reach stage 0 100 µs after theirs.
+        let hop = |out: u64, sent: u64, arrived: u64, enc: u64, dec: u64| {
+            serde_json::json!({
+                "frames_out": 10, "encode_ns": enc, "send_ns": 10 * 20_000,
+                "sent_wall_ns": sent, "frames_in": 10, "decode_ns": dec,
+                "handoff_ns": 10 * 40_000, "arrived_wall_ns": arrived, "out": out,
+            })
+        };
+        let base = u64::MAX - 1_000; // the sums wrap
+        let report = serde_json::json!({
+            "boundaries": [{}, {}],
+            "stage_stats": [
+                { "hop": hop(0, base, base.wrapping_add(10 * 100_000), 10 * 5_000, 10 * 1_000) },
+                { "hop": hop(1, base.wrapping_add(7), base.wrapping_add(7 + 10 * 300_000),
+                    10 * 1_000, 10 * 6_000) },
+            ],
+        });
+        let b = HopBreakdown::of_report(&report).unwrap();
+        assert!((b.transit_us - 200.0).abs() < 1e-9, "{b:?}");
+        assert!((b.serialise_us - 3.0).abs() < 1e-9, "{b:?}");
+        assert!((b.decode_us - 3.5).abs() < 1e-9, "{b:?}");
+        assert!((b.send_us - 20.0).abs() < 1e-9 && (b.handoff_us - 40.0).abs() < 1e-9);
+        assert!((b.total_us() - 246.5).abs() < 1e-9);
+        // A stage without stamps: no breakdown rather than a wrong one.
+        let mut partial = report.clone();
+        partial["stage_stats"][1]["hop"]["frames_in"] = 0.into();
+        assert_eq!(HopBreakdown::of_report(&partial), None);
     }
 }

@@ -41,6 +41,7 @@ use crate::store::ShardStore;
 
 mod config;
 mod experts;
+mod hop_ledger;
 mod load;
 mod ring;
 mod session;

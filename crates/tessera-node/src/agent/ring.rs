@@ -14,6 +14,7 @@ use crate::error::FabricError;
 use crate::protocol::{frame, limits, stream, NodeToCoord, RingToken, StepHeader};
 
 use super::experts::{link_experts, serve_experts};
+use super::hop_ledger::Arrival;
 use super::stage_thread::WorkerMsg;
 use super::Shared;
 
@@ -281,10 +282,14 @@ async fn read_ring<R: tokio::io::AsyncRead + Unpin>(
     while let Some(f) = reader.read_frame().await? {
         let msg = match f.kind {
             frame::HIDDEN => {
-                let (h, d) = StepHeader::decode(&f.payload, n_embd)?;
-                WorkerMsg::Hidden(h, d)
+                let (r, a) = Arrival::stamp(|| StepHeader::decode(&f.payload, n_embd));
+                let (h, d) = r?;
+                WorkerMsg::Hidden(h, d, Some(a))
             }
-            frame::TOKEN => WorkerMsg::Token(RingToken::decode(&f.payload)?),
+            frame::TOKEN => {
+                let (r, a) = Arrival::stamp(|| RingToken::decode(&f.payload));
+                WorkerMsg::Token(r?, Some(a))
+            }
             k => {
                 return Err(FabricError::Protocol(format!(
                     "unexpected frame kind {k:#06x} on a ring stream"
@@ -345,7 +350,7 @@ mod tests {
         let err = read_ring(&mut r, 4, &tx).await.unwrap_err();
         assert!(matches!(err, FabricError::Frame(_)), "{err}");
         assert!(matches!(rx.try_recv(), Ok(WorkerMsg::Hidden(..))));
-        assert!(matches!(rx.try_recv(), Ok(WorkerMsg::Token(_))));
+        assert!(matches!(rx.try_recv(), Ok(WorkerMsg::Token(..))));
         assert!(rx.try_recv().is_err(), "nothing after the bad frame");
     }
 

@@ -2,11 +2,14 @@
 //! order, batching queued tokens or hidden states of different sequences into one step, and
 //! routes the stage's outputs to the ring and the coordinator.
 
+use std::time::Instant;
+
 use tokio::sync::mpsc;
 
 use crate::protocol::{frame, FinishReason, NodeToCoord, OpenSeq, RingToken, StepHeader};
 use crate::stage::{Stage, StageOutput};
 
+use super::hop_ledger::{is_decode, wall_ns, Arrival, HopLedger};
 use super::ring::RingOut;
 
 /// Messages for the stage thread.
@@ -17,8 +20,9 @@ pub(super) enum WorkerMsg {
     Open(OpenSeq),
     Start(u64),
     Close(u64),
-    Hidden(StepHeader, Vec<f32>),
-    Token(RingToken),
+    /// From the previous stage (with how it arrived; none when it did not cross a hop).
+    Hidden(StepHeader, Vec<f32>, Option<Arrival>),
+    Token(RingToken, Option<Arrival>),
     /// Expert split: the links to the workers owning the rest of this stage's experts.
     Experts(u64, crate::expert::RemotePeers),
 }
@@ -38,6 +42,7 @@ pub(super) fn worker_loop(
     let mut stage: Option<Stage> = None;
     let mut ring: Option<RingOut> = None;
     let mut pending: std::collections::VecDeque<WorkerMsg> = std::collections::VecDeque::new();
+    let mut ledger = HopLedger::default();
     let fail = |seq: u64, e: &dyn std::fmt::Display| {
         let _ = ctrl.send(NodeToCoord::Finished {
             seq,
@@ -62,6 +67,7 @@ pub(super) fn worker_loop(
             WorkerMsg::Install(s) => {
                 stage = Some(*s);
                 ring = None;
+                ledger.clear();
             }
             WorkerMsg::Release(epoch) => {
                 if stage
@@ -70,6 +76,7 @@ pub(super) fn worker_loop(
                 {
                     stage = None;
                     ring = None;
+                    ledger.clear();
                 }
             }
             WorkerMsg::Experts(epoch, peers) => {
@@ -103,10 +110,11 @@ pub(super) fn worker_loop(
                 let _ = ctrl.send(reply);
             }
             WorkerMsg::Close(seq) => {
-                let stats = stage
+                let mut stats = stage
                     .as_mut()
                     .and_then(|s| s.close(seq))
                     .unwrap_or_default();
+                stats.hop = ledger.take(seq);
                 let _ = ctrl.send(NodeToCoord::Closed { seq, stats });
             }
             WorkerMsg::Start(seq) => {
@@ -114,16 +122,22 @@ pub(super) fn worker_loop(
                     fail(seq, &"no stage loaded");
                     continue;
                 };
-                let mut sink = sink(&mut ring, &me, &ctrl);
+                let mut sink = sink(&mut ring, &mut ledger, &me, &ctrl);
                 if let Err(e) = s.start(seq, &mut sink) {
                     fail(seq, &e);
                 }
             }
-            WorkerMsg::Token(t) => {
+            WorkerMsg::Token(t, a) => {
+                if let Some(a) = a {
+                    ledger.arrived(&[t.seq], &a, Instant::now());
+                }
                 let mut batch = vec![t];
                 while batch.len() < MAX_BATCH {
                     match next_ready(&mut pending) {
-                        Some(WorkerMsg::Token(t)) if !batch.iter().any(|b| b.seq == t.seq) => {
+                        Some(WorkerMsg::Token(t, a)) if !batch.iter().any(|b| b.seq == t.seq) => {
+                            if let Some(a) = a {
+                                ledger.arrived(&[t.seq], &a, Instant::now());
+                            }
                             batch.push(t)
                         }
                         Some(other) => {
@@ -134,21 +148,29 @@ pub(super) fn worker_loop(
                     }
                 }
                 let Some(s) = stage.as_mut() else { continue };
-                let mut sink = sink(&mut ring, &me, &ctrl);
+                let mut sink = sink(&mut ring, &mut ledger, &me, &ctrl);
                 for (seq, e) in s.handle_tokens(batch, &mut sink) {
                     fail(seq, &e);
                 }
             }
-            WorkerMsg::Hidden(mut h, mut d) => {
+            WorkerMsg::Hidden(mut h, mut d, a) => {
+                let mut arrived = |h: &StepHeader, a: Option<Arrival>| {
+                    if let Some(a) = a.filter(|_| is_decode(&h.entries)) {
+                        let seqs: Vec<u64> = h.entries.iter().map(|e| e.seq).collect();
+                        ledger.arrived(&seqs, &a, Instant::now());
+                    }
+                };
+                arrived(&h, a);
                 while h.entries.len() < MAX_BATCH {
                     match next_ready(&mut pending) {
-                        Some(WorkerMsg::Hidden(h2, d2))
+                        Some(WorkerMsg::Hidden(h2, d2, a2))
                             if h2.n_embd == h.n_embd
                                 && !h2
                                     .entries
                                     .iter()
                                     .any(|e| h.entries.iter().any(|x| x.seq == e.seq)) =>
                         {
+                            arrived(&h2, a2);
                             h.entries.extend(h2.entries);
                             d.extend(d2);
                         }
@@ -161,7 +183,7 @@ pub(super) fn worker_loop(
                 }
                 let Some(s) = stage.as_mut() else { continue };
                 let seqs: Vec<u64> = h.entries.iter().map(|e| e.seq).collect();
-                let mut sink = sink(&mut ring, &me, &ctrl);
+                let mut sink = sink(&mut ring, &mut ledger, &me, &ctrl);
                 match s.handle_hidden(h, d, &mut sink) {
                     Ok(()) => {}
                     // A closed sequence's state still in flight (after a cancel).
@@ -177,9 +199,11 @@ pub(super) fn worker_loop(
     }
 }
 
-/// Routes a stage's outputs: hidden states and tokens to the ring, messages to the coordinator.
+/// Routes a stage's outputs: hidden states and tokens to the ring (decode frames timed in
+/// `ledger`), messages to the coordinator.
 fn sink<'a>(
     ring: &'a mut Option<RingOut>,
+    ledger: &'a mut HopLedger,
     me: &'a mpsc::WeakUnboundedSender<WorkerMsg>,
     ctrl: &'a mpsc::UnboundedSender<NodeToCoord>,
 ) -> impl FnMut(StageOutput) + 'a {
@@ -195,7 +219,17 @@ fn sink<'a>(
         }
         StageOutput::Hidden(h, d) => {
             let sent = match ring.as_mut() {
-                Some(r @ RingOut::Stream(..)) => r.send(frame::HIDDEN, &h.encode_with(&d)),
+                Some(r @ RingOut::Stream(..)) => {
+                    let t0 = Instant::now();
+                    let payload = h.encode_with(&d);
+                    let (t1, wall) = (Instant::now(), wall_ns());
+                    let sent = r.send(frame::HIDDEN, &payload);
+                    if sent && is_decode(&h.entries) {
+                        let seqs: Vec<u64> = h.entries.iter().map(|e| e.seq).collect();
+                        ledger.sent(&seqs, t1 - t0, t1.elapsed(), wall);
+                    }
+                    sent
+                }
                 _ => false,
             };
             if !sent {
@@ -206,8 +240,17 @@ fn sink<'a>(
             let sent = match ring.as_mut() {
                 Some(RingOut::Loopback) => me
                     .upgrade()
-                    .is_some_and(|me| me.send(WorkerMsg::Token(t)).is_ok()),
-                Some(r @ RingOut::Stream(..)) => r.send(frame::TOKEN, &t.encode()),
+                    .is_some_and(|me| me.send(WorkerMsg::Token(t, None)).is_ok()),
+                Some(r @ RingOut::Stream(..)) => {
+                    let t0 = Instant::now();
+                    let payload = t.encode();
+                    let (t1, wall) = (Instant::now(), wall_ns());
+                    let sent = r.send(frame::TOKEN, &payload);
+                    if sent {
+                        ledger.sent(&[t.seq], t1 - t0, t1.elapsed(), wall);
+                    }
+                    sent
+                }
                 None => false,
             };
             if !sent {
