@@ -223,7 +223,7 @@ fn sink<'a>(
                     let t0 = Instant::now();
                     let payload = h.encode_with(&d);
                     let (t1, wall) = (Instant::now(), wall_ns());
-                    let sent = r.send(frame::HIDDEN, &payload);
+                    let sent = r.send(frame::HIDDEN, payload);
                     if sent && is_decode(&h.entries) {
                         let seqs: Vec<u64> = h.entries.iter().map(|e| e.seq).collect();
                         ledger.sent(&seqs, t1 - t0, t1.elapsed(), wall);
@@ -243,9 +243,9 @@ fn sink<'a>(
                     .is_some_and(|me| me.send(WorkerMsg::Token(t, None)).is_ok()),
                 Some(r @ RingOut::Stream(..)) => {
                     let t0 = Instant::now();
-                    let payload = t.encode();
+                    let payload = t.encode().to_vec();
                     let (t1, wall) = (Instant::now(), wall_ns());
-                    let sent = r.send(frame::TOKEN, &payload);
+                    let sent = r.send(frame::TOKEN, payload);
                     if sent {
                         ledger.sent(&[t.seq], t1 - t0, t1.elapsed(), wall);
                     }
