@@ -189,9 +189,10 @@ pub struct StageSeqStats {
     pub ring_waits: u64,
     /// KV cache bytes held for the sequence at its end.
     pub kv_bytes: u64,
-    /// Where this stage's decode frames spent their time in the fabric's software.
+    /// Where this stage's decode frames spent their time in the fabric's software (boxed: it
+    /// rides in every `Closed` message, which should stay small).
     #[serde(default)]
-    pub hop: HopTimes,
+    pub hop: Box<HopTimes>,
 }
 
 /// Where a stage's decode frames (every entry one token: decode steps and the ring's tokens)

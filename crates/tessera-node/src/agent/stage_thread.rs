@@ -114,7 +114,7 @@ pub(super) fn worker_loop(
                     .as_mut()
                     .and_then(|s| s.close(seq))
                     .unwrap_or_default();
-                stats.hop = ledger.take(seq);
+                stats.hop = Box::new(ledger.take(seq));
                 let _ = ctrl.send(NodeToCoord::Closed { seq, stats });
             }
             WorkerMsg::Start(seq) => {
