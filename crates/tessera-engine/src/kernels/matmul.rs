@@ -221,7 +221,9 @@ impl<'a> Plan<'a> {
             ..(self.u0 + (ut + 1) * self.units_per_task).min(self.u1);
         let tokens = tt * self.tokens_per_task..((tt + 1) * self.tokens_per_task).min(nt);
         let f = self.kernel;
-        const TCHUNK: usize = 16;
+        // Tokens per kernel call: kernels that unpack a group's weights before their token
+        // loop (IQ2/IQ3) do it once per call.
+        const TCHUNK: usize = 64;
         let mut buf = [0f32; GROUP * TCHUNK];
         for g in units {
             let data = w.group(g);

@@ -4,12 +4,14 @@
 //! bit-identical results whatever the batch.
 //!
 //! One token (decode) applies the rows' signs to its broadcast activations. Several tokens
-//! (prefill) decode each block once to 8-bit weights with their signs (a tile of 64 chunks ×
-//! 16 rows, 4 KiB), then run an 8-bit integer loop over the tokens: per chunk and token one
-//! `vpdpbusd` (AVX2: sign, `maddubs`) and one multiply-add by the scale, each token's lane kept
-//! in a register across the block's 8 sub-blocks.
+//! (prefill) decode the group's blocks once per call to 8-bit weights with their signs (64
+//! chunks × 16 rows a block, 4 KiB, in a per-thread buffer; a call holds up to 64 tokens),
+//! then run an 8-bit integer loop over the tokens: per chunk and token one `vpdpbusd` (AVX2:
+//! sign, `maddubs`) and one multiply-add by the scale, each token's lane kept in a register
+//! across the block's 8 sub-blocks.
 
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 
 use super::super::iq23::Layout;
 use super::super::matrix::GROUP;
@@ -73,12 +75,20 @@ pub(super) unsafe fn iq23_group_avx2<const ID: u8>(
             tile_avx2::<ID, 1>(w.as_ptr(), a, t0, out.as_mut_ptr());
             return;
         }
-        for j in (0..nt).step_by(TILE) {
-            let o = out.as_mut_ptr().add(j * GROUP);
-            multi_avx2::<ID>(w.as_ptr(), a, t0 + j, TILE.min(nt - j), o);
-        }
+        multi_avx2::<ID>(w.as_ptr(), a, t0, nt, out.as_mut_ptr());
     }
 }
+
+thread_local! {
+    /// The decoded blocks of the group a multi-token call works on (reused across calls).
+    static DECODED_256: RefCell<Vec<__m256i>> = const { RefCell::new(Vec::new()) };
+    static DECODED_512: RefCell<Vec<__m512i>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Decoded vectors of one block, 8 rows (AVX2): 64 `|w|`, 64 signed, 16 scales.
+const DEC256: usize = 144;
+/// Decoded vectors of one block, 16 rows (AVX-512): 64 `w + 128`, 16 scales.
+const DEC512: usize = 80;
 
 /// What a pass over `K` tokens of one block reads (8 rows).
 struct Block256<'a> {
@@ -95,10 +105,11 @@ struct Block256<'a> {
     y: &'a [*const i8],
 }
 
-/// Tokens `t..t + n` (`2 <= n <= TILE`), 8 rows at a time: per block the rows' grid bytes of
-/// all 64 chunks are gathered once with their signs, then each token's chunk is one
-/// sign-applied broadcast, `maddubs` (exact: `2·62·127` fits i16) and one `madd` by the scale:
-/// the same exact integer lanes as the one-token kernel, and its float steps.
+/// Tokens `t..t + n` (`n >= 2`), 8 rows at a time: the rows' grid bytes of all 64 chunks of
+/// every block are gathered once per call with their signs, then, 16 tokens at a time, each
+/// token's chunk is one sign-applied broadcast, `maddubs` (exact: `2·62·127` fits i16) and one
+/// `madd` by the scale: the same exact integer lanes as the one-token kernel, and its float
+/// steps.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn multi_avx2<const ID: u8>(
@@ -111,97 +122,118 @@ unsafe fn multi_avx2<const ID: u8>(
     let lay = Layout::of(ID);
     let nb = a.cols / 256;
     let x16 = lay.x16();
+    let mut dec = DECODED_256.with(|c| c.take());
+    dec.clear();
+    dec.resize(nb * DEC256, _mm256_setzero_si256());
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
+    // t..t + n.
+    unsafe {
+        let mut d = [_mm256_setzero_ps(); TILE];
+        let mut y = [std::ptr::null::<i8>(); TILE];
+        for h8 in 0..2 {
+            for (b, dec) in dec.chunks_exact_mut(DEC256).enumerate() {
+                decode_avx2::<ID>(w, b * x16, h8, dec);
+            }
+            for j in (0..n).step_by(TILE) {
+                let nn = TILE.min(n - j);
+                let mut acc = [[_mm256_setzero_ps(); 8]; TILE];
+                for (b, dec) in dec.chunks_exact(DEC256).enumerate() {
+                    let blk = b * x16;
+                    let dw =
+                        _mm256_cvtph_ps(_mm_loadu_si128(w.add(blk + 16 * h8) as *const __m128i));
+                    for k in 0..nn {
+                        let tk = t + j + k;
+                        y[k] = a.qs.as_ptr().add(tk * a.cols + b * 256);
+                        d[k] = _mm256_mul_ps(dw, _mm256_set1_ps(*a.f.get_unchecked(tk * nb + b)));
+                    }
+                    let blk = Block256 {
+                        abs: dec[..64].try_into().expect("64"),
+                        sgn: dec[64..128].try_into().expect("64"),
+                        m: dec[128..].try_into().expect("16"),
+                        d: &d,
+                        y: &y,
+                    };
+                    let mut k = 0;
+                    while k < nn {
+                        k += match nn - k {
+                            4.. => pass_avx2::<4>(&blk, k, &mut acc[k..]),
+                            2.. => pass_avx2::<2>(&blk, k, &mut acc[k..]),
+                            _ => pass_avx2::<1>(&blk, k, &mut acc[k..]),
+                        };
+                    }
+                }
+                for (k, acc) in acc.iter().enumerate().take(nn) {
+                    let sum = lanes_sum!(_mm256_add_ps, acc);
+                    let o = out.add((j + k) * GROUP + 8 * h8);
+                    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(lay.factor), sum));
+                }
+            }
+        }
+    }
+    DECODED_256.with(|c| c.replace(dec));
+}
+
+/// Rows `8·h8..8·h8 + 8` of the block at `blk`, decoded into `dec` ([`DEC256`] vectors): per
+/// chunk the grid bytes, then the same with their signs, then the scale multipliers as i16 in
+/// both halves of each row's dword.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_avx2<const ID: u8>(w: *const u8, blk: usize, h8: usize, dec: &mut [__m256i]) {
+    let lay = Layout::of(ID);
     let grid = grid_words(lay);
     let high_mask = _mm256_set1_epi32((1 << lay.high_bits) - 1);
     let per_sub = 32 / lay.per_index;
-    let zero = _mm256_setzero_si256();
-    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
-    // t..t + n (n <= TILE); grid indices are built from at most the table's index bits.
+    let (abs, rest) = dec.split_at_mut(64);
+    let (sgn, m) = rest.split_at_mut(64);
+    // SAFETY: the caller checked that w holds the block; grid indices are built from at most
+    // the table's index bits.
     unsafe {
         let spread = _mm256_loadu_si256(SPREAD.as_ptr() as *const __m256i);
         let bits = _mm256_loadu_si256(BIT_OF_BYTE.as_ptr() as *const __m256i);
         let even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-        let mut abs = [zero; 64];
-        let mut sgn = [zero; 64];
-        let mut m = [zero; 16];
-        let mut d = [_mm256_setzero_ps(); TILE];
-        let mut y = [std::ptr::null::<i8>(); TILE];
-        for h8 in 0..2 {
-            let rows = |o: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(o + 8 * h8) as _));
-            let both = |v: __m256i| _mm256_or_si256(v, _mm256_slli_epi32::<16>(v));
-            let mut acc = [[_mm256_setzero_ps(); 8]; TILE];
-            for b in 0..nb {
-                let blk = b * x16;
-                for s in 0..8 {
-                    m[2 * s] = both(rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8)));
-                    m[2 * s + 1] = if lay.n_scales == 16 {
-                        both(rows(blk + lay.scales() + GROUP * (2 * s + 1)))
-                    } else {
-                        m[2 * s]
+        let rows = |o: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(o + 8 * h8) as _));
+        let both = |v: __m256i| _mm256_or_si256(v, _mm256_slli_epi32::<16>(v));
+        for s in 0..8 {
+            m[2 * s] = both(rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8)));
+            m[2 * s + 1] = if lay.n_scales == 16 {
+                both(rows(blk + lay.scales() + GROUP * (2 * s + 1)))
+            } else {
+                m[2 * s]
+            };
+            for q in 0..per_sub {
+                let g = s * per_sub + q;
+                let mut idx = rows(blk + lay.index() + GROUP * g);
+                if lay.high_bits > 0 {
+                    let bit = g * lay.high_bits;
+                    let hv = rows(blk + lay.high() + GROUP * (bit / 8));
+                    let hv = _mm256_srlv_epi32(hv, _mm256_set1_epi32((bit % 8) as i32));
+                    let hv = _mm256_slli_epi32::<8>(_mm256_and_si256(hv, high_mask));
+                    idx = _mm256_or_si256(idx, hv);
+                }
+                let halves = if lay.per_index == 8 {
+                    let g4 = |i: __m128i| {
+                        let v = _mm256_i32gather_epi64::<8>(grid as _, i);
+                        _mm256_permutevar8x32_epi32(v, even_odd)
                     };
-                    for q in 0..per_sub {
-                        let g = s * per_sub + q;
-                        let mut idx = rows(blk + lay.index() + GROUP * g);
-                        if lay.high_bits > 0 {
-                            let bit = g * lay.high_bits;
-                            let hv = rows(blk + lay.high() + GROUP * (bit / 8));
-                            let hv = _mm256_srlv_epi32(hv, _mm256_set1_epi32((bit % 8) as i32));
-                            let hv = _mm256_slli_epi32::<8>(_mm256_and_si256(hv, high_mask));
-                            idx = _mm256_or_si256(idx, hv);
-                        }
-                        let halves = if lay.per_index == 8 {
-                            let g4 = |i: __m128i| {
-                                let v = _mm256_i32gather_epi64::<8>(grid as _, i);
-                                _mm256_permutevar8x32_epi32(v, even_odd)
-                            };
-                            let lo = g4(_mm256_castsi256_si128(idx));
-                            let hi = g4(_mm256_extracti128_si256::<1>(idx));
-                            [
-                                _mm256_permute2x128_si256::<0x20>(lo, hi),
-                                _mm256_permute2x128_si256::<0x31>(lo, hi),
-                            ]
-                        } else {
-                            [_mm256_i32gather_epi32::<4>(grid, idx), idx]
-                        };
-                        for (h, &wv) in halves.iter().enumerate().take(lay.per_index / 4) {
-                            let c = 8 * s + q * (lay.per_index / 4) + h;
-                            let sg = (w.add(blk + lay.signs() + 8 * c + 4 * h8) as *const i32)
-                                .read_unaligned();
-                            let sg = _mm256_and_si256(
-                                _mm256_shuffle_epi8(_mm256_set1_epi32(sg), spread),
-                                bits,
-                            );
-                            let neg = _mm256_cmpeq_epi8(sg, bits);
-                            abs[c] = wv;
-                            sgn[c] = _mm256_sub_epi8(_mm256_xor_si256(wv, neg), neg);
-                        }
-                    }
-                }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(w.add(blk + 16 * h8) as *const __m128i));
-                for k in 0..n {
-                    y[k] = a.qs.as_ptr().add((t + k) * a.cols + b * 256);
-                    d[k] = _mm256_mul_ps(dw, _mm256_set1_ps(*a.f.get_unchecked((t + k) * nb + b)));
-                }
-                let blk = Block256 {
-                    abs: &abs,
-                    sgn: &sgn,
-                    m: &m,
-                    d: &d,
-                    y: &y,
+                    let lo = g4(_mm256_castsi256_si128(idx));
+                    let hi = g4(_mm256_extracti128_si256::<1>(idx));
+                    [
+                        _mm256_permute2x128_si256::<0x20>(lo, hi),
+                        _mm256_permute2x128_si256::<0x31>(lo, hi),
+                    ]
+                } else {
+                    [_mm256_i32gather_epi32::<4>(grid, idx), idx]
                 };
-                let mut k = 0;
-                while k < n {
-                    k += match n - k {
-                        4.. => pass_avx2::<4>(&blk, k, &mut acc[k..]),
-                        2.. => pass_avx2::<2>(&blk, k, &mut acc[k..]),
-                        _ => pass_avx2::<1>(&blk, k, &mut acc[k..]),
-                    };
+                for (h, &wv) in halves.iter().enumerate().take(lay.per_index / 4) {
+                    let c = 8 * s + q * (lay.per_index / 4) + h;
+                    let sg =
+                        (w.add(blk + lay.signs() + 8 * c + 4 * h8) as *const i32).read_unaligned();
+                    let sg =
+                        _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(sg), spread), bits);
+                    let neg = _mm256_cmpeq_epi8(sg, bits);
+                    abs[c] = wv;
+                    sgn[c] = _mm256_sub_epi8(_mm256_xor_si256(wv, neg), neg);
                 }
-            }
-            for (k, acc) in acc.iter().enumerate().take(n) {
-                let sum = lanes_sum!(_mm256_add_ps, acc);
-                let o = out.add(k * GROUP + 8 * h8);
-                _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(lay.factor), sum));
             }
         }
     }
@@ -345,8 +377,8 @@ unsafe fn tile_avx2<const ID: u8, const T: usize>(
     T
 }
 
-/// Tokens whose accumulators one multi-token pass keeps (each block's weights are decoded once
-/// per pass).
+/// Tokens whose accumulators a multi-token call keeps at once (its blocks are decoded once for
+/// all its tokens).
 const TILE: usize = 16;
 
 /// # Safety
@@ -367,10 +399,7 @@ pub(super) unsafe fn iq23_group_avx512<const ID: u8>(
             token_avx512::<ID>(w.as_ptr(), a, t0, out.as_mut_ptr());
             return;
         }
-        for j in (0..nt).step_by(TILE) {
-            let o = out.as_mut_ptr().add(j * GROUP);
-            tile_avx512::<ID>(w.as_ptr(), a, t0 + j, TILE.min(nt - j), o);
-        }
+        multi_avx512::<ID>(w.as_ptr(), a, t0, nt, out.as_mut_ptr());
     }
 }
 
@@ -475,13 +504,14 @@ struct Block512<'a> {
     y: &'a [*const i8],
 }
 
-/// Tokens `t..t + n` (`2 <= n <= TILE`): per block, the 16 rows' weights of all 64 chunks are
-/// decoded once to signed bytes (signs applied, plus 128), then each token's exact chunk dot
-/// is one `vpdpbusd` started from `−128·Σy` and one `vpdpwssd` applies the scale, as in the
-/// one-token kernel; the float steps per token are those of one token alone.
+/// Tokens `t..t + n` (`n >= 2`): the 16 rows' weights of all 64 chunks of every block are
+/// decoded once per call to signed bytes (signs applied, plus 128), then, 16 tokens at a time,
+/// each token's exact chunk dot is one `vpdpbusd` started from `−128·Σy` and one `vpdpwssd`
+/// applies the scale, as in the one-token kernel; the float steps per token are those of one
+/// token alone.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_avx512<const ID: u8>(
+unsafe fn multi_avx512<const ID: u8>(
     w: *const u8,
     a: &QuantizedActs,
     t: usize,
@@ -493,19 +523,18 @@ unsafe fn tile_avx512<const ID: u8>(
     let x16 = lay.x16();
     let zero = _mm512_setzero_si512();
     let flip = _mm512_set1_epi8(-128);
+    let mut dec = DECODED_512.with(|c| c.take());
+    dec.clear();
+    dec.resize(nb * DEC512, zero);
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
-    // t..t + n (n <= TILE).
+    // t..t + n.
     unsafe {
         let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
-        let mut acc = [[_mm512_setzero_ps(); 8]; TILE];
-        let mut wu = [zero; 64];
-        let mut m = [zero; 16];
-        let mut corr = [[0i32; 64]; TILE];
-        let mut d = [_mm512_setzero_ps(); TILE];
-        let mut y = [std::ptr::null::<i8>(); TILE];
-        for b in 0..nb {
+        for (b, dec) in dec.chunks_exact_mut(DEC512).enumerate() {
             let blk = b * x16;
-            gather_avx512::<ID>(w, blk, &mut wu);
+            let (wu, m) = dec.split_at_mut(64);
+            let wu: &mut [__m512i; 64] = wu.try_into().expect("64");
+            gather_avx512::<ID>(w, blk, wu);
             for (c, wu) in wu.iter_mut().enumerate() {
                 let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
                 *wu = _mm512_xor_si512(_mm512_mask_sub_epi8(*wu, neg, zero, *wu), flip);
@@ -518,40 +547,52 @@ unsafe fn tile_avx512<const ID: u8>(
                     m[2 * s]
                 };
             }
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
-            for k in 0..n {
-                y[k] = a.qs.as_ptr().add((t + k) * a.cols + b * 256);
-                d[k] = _mm512_mul_ps(dw, _mm512_set1_ps(*a.f.get_unchecked((t + k) * nb + b)));
-                for q in 0..4 {
-                    let yv = _mm512_loadu_si512(y[k].add(64 * q) as *const _);
-                    let s128 = _mm512_dpbusd_epi32(zero, flip, yv);
-                    let neg = _mm512_sub_epi32(zero, s128);
-                    _mm512_storeu_si512(corr[k].as_mut_ptr().add(16 * q) as *mut _, neg);
+        }
+        let mut corr = [[0i32; 64]; TILE];
+        let mut d = [_mm512_setzero_ps(); TILE];
+        let mut y = [std::ptr::null::<i8>(); TILE];
+        for j in (0..n).step_by(TILE) {
+            let nn = TILE.min(n - j);
+            let mut acc = [[_mm512_setzero_ps(); 8]; TILE];
+            for (b, dec) in dec.chunks_exact(DEC512).enumerate() {
+                let blk = b * x16;
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
+                for k in 0..nn {
+                    let tk = t + j + k;
+                    y[k] = a.qs.as_ptr().add(tk * a.cols + b * 256);
+                    d[k] = _mm512_mul_ps(dw, _mm512_set1_ps(*a.f.get_unchecked(tk * nb + b)));
+                    for q in 0..4 {
+                        let yv = _mm512_loadu_si512(y[k].add(64 * q) as *const _);
+                        let s128 = _mm512_dpbusd_epi32(zero, flip, yv);
+                        let neg = _mm512_sub_epi32(zero, s128);
+                        _mm512_storeu_si512(corr[k].as_mut_ptr().add(16 * q) as *mut _, neg);
+                    }
+                }
+                let blk = Block512 {
+                    wu: dec[..64].try_into().expect("64"),
+                    m: dec[64..].try_into().expect("16"),
+                    corr: &corr,
+                    d: &d,
+                    y: &y,
+                };
+                let mut k = 0;
+                while k < nn {
+                    k += match nn - k {
+                        8.. => pass_avx512::<8>(&blk, k, &mut acc[k..]),
+                        4.. => pass_avx512::<4>(&blk, k, &mut acc[k..]),
+                        2.. => pass_avx512::<2>(&blk, k, &mut acc[k..]),
+                        _ => pass_avx512::<1>(&blk, k, &mut acc[k..]),
+                    };
                 }
             }
-            let blk = Block512 {
-                wu: &wu,
-                m: &m,
-                corr: &corr,
-                d: &d,
-                y: &y,
-            };
-            let mut k = 0;
-            while k < n {
-                k += match n - k {
-                    8.. => pass_avx512::<8>(&blk, k, &mut acc[k..]),
-                    4.. => pass_avx512::<4>(&blk, k, &mut acc[k..]),
-                    2.. => pass_avx512::<2>(&blk, k, &mut acc[k..]),
-                    _ => pass_avx512::<1>(&blk, k, &mut acc[k..]),
-                };
+            for (k, acc) in acc.iter().enumerate().take(nn) {
+                let sum = lanes_sum!(_mm512_add_ps, acc);
+                let o = out.add((j + k) * GROUP);
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(lay.factor), sum));
             }
         }
-        for (k, acc) in acc.iter().enumerate().take(n) {
-            let sum = lanes_sum!(_mm512_add_ps, acc);
-            let o = out.add(k * GROUP);
-            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(lay.factor), sum));
-        }
     }
+    DECODED_512.with(|c| c.replace(dec));
 }
 
 /// Tokens `k0..k0 + K` of a block: lane by lane, each token's lane in a register across the
