@@ -197,7 +197,10 @@ pub fn authorize_client(
         ClientToCoord::Run(req) if req.stages.is_some() && sender.grant != Grant::Operator => {
             Err(Refusal::PlacementNeedsOperator)
         }
-        ClientToCoord::Run(_) | ClientToCoord::Status => Ok(()),
+        ClientToCoord::Run(_)
+        | ClientToCoord::Status
+        | ClientToCoord::Holders { .. }
+        | ClientToCoord::SealedSubmit(_) => Ok(()),
         ClientToCoord::Admin(_) if sender.grant == Grant::Operator => Ok(()),
         ClientToCoord::Admin(_) => Err(Refusal::AdminNeedsOperator),
         ClientToCoord::Cancel { seq } if owned.contains(seq) => Ok(()),

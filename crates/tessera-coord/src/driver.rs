@@ -67,6 +67,8 @@ pub(crate) async fn client_session(
         let _ = writer.finish().await;
     });
     let mut mine: Vec<u64> = Vec::new();
+    // This session's id at the sealed desk, from its first sealed job.
+    let mut sealed_id = None;
     let sender = client_facts(&shared, &conn)?;
     let result = async {
         while let Some(f) = reader.read_frame().await? {
@@ -122,6 +124,16 @@ pub(crate) async fn client_session(
                 Ok(ClientToCoord::Admin(req)) => {
                     let _ = tx.send(CoordToClient::Admin(crate::admin::handle(&shared, req)));
                 }
+                Ok(ClientToCoord::Holders { model }) => {
+                    let holders = crate::sealed::edge::holders(&shared, model.as_deref());
+                    let _ = tx.send(CoordToClient::Holders { holders });
+                }
+                Ok(ClientToCoord::SealedSubmit(s)) => {
+                    let client = *sealed_id.get_or_insert_with(|| {
+                        crate::sealed::edge::client_joined(&shared, tx.clone())
+                    });
+                    crate::sealed::edge::submit(&shared, client, s.envelopes);
+                }
                 Ok(ClientToCoord::Hello(_)) => {
                     let _ = tx.send(CoordToClient::Error {
                         message: "a second hello".into(),
@@ -142,6 +154,9 @@ pub(crate) async fn client_session(
     // A client that goes away cancels what it started.
     for seq in mine {
         cancel(&shared, seq);
+    }
+    if let Some(client) = sealed_id {
+        crate::sealed::edge::client_left(&shared, client);
     }
     drop(tx);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer_task).await;

@@ -94,6 +94,7 @@ pub mod membership;
 pub mod planning;
 pub mod replan;
 pub mod run;
+pub mod sealed;
 pub mod server;
 mod session;
 pub mod shared;

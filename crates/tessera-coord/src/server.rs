@@ -119,6 +119,7 @@ impl Coordinator {
                 started: tokio::time::Instant::now(),
                 authz: crate::authz::Gate::new(),
                 max_context: std::sync::atomic::AtomicUsize::new(max_context),
+                sealed: Mutex::new(crate::sealed::SealedEdge::new(&Default::default())),
             }),
             endpoint,
         };
@@ -275,6 +276,12 @@ impl Coordinator {
 
     /// Most positions per sequence in the plans made from now on (a planner's choice of the
     /// context that fits; call before applying its stages).
+    /// How sealed jobs are verified, and (tests only) how this coordinator misbehaves with them.
+    /// Call before clients connect.
+    pub fn set_sealed(&self, settings: &crate::sealed::SealedSettings) {
+        *self.shared.sealed() = crate::sealed::SealedEdge::new(settings);
+    }
+
     pub fn set_max_context(&self, positions: usize) {
         self.shared.max_context.store(positions, Ordering::SeqCst);
     }
@@ -366,6 +373,7 @@ fn spawn_lease_clock(shared: std::sync::Weak<Shared>) {
                         s.apply(Event::Tick {
                             now: s.started.elapsed(),
                         });
+                        crate::sealed::edge::tick(&s);
                     }
                     (s.lease() / 4).max(Duration::from_millis(1))
                 }

@@ -81,6 +81,7 @@ async fn node_session(
     hello: Hello,
 ) -> Result<(), CoordError> {
     let id = conn.peer_id();
+    let key = crate::sealed::edge::node_key(&conn.peer_key());
     let FramedStream {
         mut reader,
         mut writer,
@@ -186,7 +187,7 @@ async fn node_session(
     }
     maybe_apply_initial_split(&shared);
     if let Some(m) = early {
-        handle_node_message(&shared, id, m);
+        handle_node_message(&shared, id, key, m);
     }
 
     let result = async {
@@ -209,7 +210,7 @@ async fn node_session(
                 )));
             }
             let msg: NodeToCoord = f.json()?;
-            handle_node_message(&shared, id, msg);
+            handle_node_message(&shared, id, key, msg);
         }
         Ok(())
     }
@@ -221,16 +222,25 @@ async fn node_session(
     // drivers see the epoch change and resume their sequences on the new one.
     if current && !shared.closing.load(Ordering::SeqCst) {
         shared.apply(Event::Left { node: id, session });
+        crate::sealed::edge::node_left(&shared, key);
     }
     result
 }
 
-fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
+fn handle_node_message(
+    shared: &Shared,
+    id: NodeId,
+    key: tessera_seal::NodeKey,
+    msg: NodeToCoord,
+) {
     let sender = crate::authz::SenderFacts {
         node: id,
         grant: crate::authz::Grant::Node,
     };
     if shared.authz.check_node(&sender, &msg).is_err() {
+        return;
+    }
+    if crate::sealed::edge::node_message(shared, key, &msg) {
         return;
     }
     let seq = match &msg {
@@ -267,6 +277,10 @@ fn handle_node_message(shared: &Shared, id: NodeId, msg: NodeToCoord) {
             return;
         }
         NodeToCoord::Listening { .. } => return,
+        NodeToCoord::Claims(_)
+        | NodeToCoord::SealedProgress { .. }
+        | NodeToCoord::SealedResult { .. }
+        | NodeToCoord::SealedRefused { .. } => return,
         NodeToCoord::Loaded { epoch, report } => {
             return shared.apply(Event::Loaded {
                 node: id,

@@ -147,11 +147,18 @@ pub(crate) struct Shared {
     /// `max_context` until a planner chooses a context that fits
     /// ([`Coordinator::set_max_context`]).
     pub max_context: std::sync::atomic::AtomicUsize,
+    /// Sealed jobs: the desk that routes them, and the clients waiting for them.
+    pub sealed: Mutex<crate::sealed::SealedEdge>,
 }
 
 impl Shared {
     pub fn max_context(&self) -> usize {
         self.max_context.load(Ordering::SeqCst)
+    }
+
+    /// The sealed-job desk. Never held while taking [`Shared::lock`] (nor the other way).
+    pub fn sealed(&self) -> std::sync::MutexGuard<'_, crate::sealed::SealedEdge> {
+        self.sealed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn lock(&self) -> std::sync::MutexGuard<'_, LiveState> {

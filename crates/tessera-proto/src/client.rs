@@ -11,6 +11,8 @@ use tessera_sampling::SamplingParams;
 use tessera_sampling::TokenLogprobs;
 
 use super::range_serde;
+use super::{Holders, SealedNews, SealedSubmit};
+use tessera_seal::JobId;
 use super::{BoundaryTrace, FinishReason, Hello, LoadReport, StageSeqStats};
 
 /// A generation request from a client.
@@ -60,6 +62,11 @@ pub enum ClientToCoord {
     /// Administer credentials (operator credentials only); answered with
     /// [`CoordToClient::Admin`].
     Admin(AdminRequest),
+    /// Ask for the workers' current signed claims ([`CoordToClient::Holders`]), of those that
+    /// hold `model` whole (any model when `None`).
+    Holders { model: Option<String> },
+    /// Route a sealed job: news comes back as [`CoordToClient::Sealed`].
+    SealedSubmit(SealedSubmit),
 }
 
 /// What an operator may ask of the coordinator about credentials.
@@ -227,4 +234,8 @@ pub enum CoordToClient {
         epoch: Option<u64>,
     },
     Admin(AdminReply),
+    /// Workers' signed claims: the client checks each signature itself.
+    Holders { holders: Holders },
+    /// News of a sealed job this session submitted.
+    Sealed { job: JobId, news: SealedNews },
 }

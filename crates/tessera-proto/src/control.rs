@@ -13,6 +13,8 @@ use tessera_sampling::SamplingParams;
 use tessera_sampling::TokenLogprobs;
 
 use super::range_serde;
+use super::SealedRefusal;
+use tessera_seal::{JobEnvelope, JobId, ResultEnvelope, SignedClaims};
 use super::{ExpertAssignment, ExpertCacheStats};
 use tessera_host::ContentHash;
 use tessera_host::Inventory;
@@ -275,6 +277,9 @@ pub enum CoordToNode {
     /// coordinator repeats it every `heartbeat_ms` as its own heartbeat: a node that hears
     /// nothing for `lease_ms` drops the session and reconnects.
     Lease { heartbeat_ms: u64, lease_ms: u64 },
+    /// Run a sealed job on the whole copy of its model this node holds, and answer with
+    /// [`NodeToCoord::SealedResult`] or [`NodeToCoord::SealedRefused`].
+    SealedJob { envelope: JobEnvelope },
 }
 
 /// Node → coordinator control messages.
@@ -350,6 +355,23 @@ pub enum NodeToCoord {
         /// peers dial exactly it, whatever address the coordinator observed.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         advertised: bool,
+    },
+    /// The node's signed claims: its sealing key, the models it holds whole, its kernel path and
+    /// device tier, at a claim epoch (a higher one revokes the older claims and key).
+    Claims(Box<SignedClaims>),
+    /// A sealed job's holder is making progress (renews its lease).
+    SealedProgress {
+        job: JobId,
+        attempt: u32,
+        tokens: usize,
+    },
+    /// A sealed job's answer, sealed to the client.
+    SealedResult { result: ResultEnvelope },
+    /// The node did not run a sealed job.
+    SealedRefused {
+        job: JobId,
+        attempt: u32,
+        reason: SealedRefusal,
     },
 }
 

@@ -31,6 +31,7 @@ mod experts;
 mod model;
 pub mod range_serde;
 mod ring;
+mod sealed;
 
 pub use client::{
     AdminReply, AdminRequest, BoundaryReport, ClientToCoord, CoordToClient, MemberStatus,
@@ -43,11 +44,13 @@ pub use control::{
 pub use experts::{ExpertAssignment, ExpertCacheStats, ExpertPeer};
 pub use model::{decode_chunk, encode_chunk, ModelReply, ModelRequest};
 pub use ring::{RingToken, StepEntry, StepHeader};
+pub use sealed::{Holders, SealedAnswer, SealedNews, SealedRefusal, SealedRequest, SealedSubmit};
 
 /// Version of the message protocol in this module; both sides must agree. 2: a sequence may
 /// carry a grammar and ask for log-probabilities ([`OpenSeq`]), which a version-1 node would
-/// silently ignore.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// silently ignore. 3: sealed jobs ([`CoordToNode::SealedJob`]) and signed claims
+/// ([`NodeToCoord::Claims`]).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Stream kinds (first frame of every stream, see `tessera_net::Connection::open_stream`).
 pub mod stream {

@@ -265,6 +265,11 @@ impl ClaimBook {
         Ok(change)
     }
 
+    /// Every node's current signed claims, in key order.
+    pub fn signed(&self) -> impl Iterator<Item = &SignedClaims> + '_ {
+        self.current.values()
+    }
+
     /// The node's current claims.
     pub fn get(&self, node: &NodeKey) -> Option<&Claims> {
         self.current.get(node).map(|s| &s.claims)

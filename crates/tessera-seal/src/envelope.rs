@@ -578,3 +578,23 @@ mod tests {
             .contains("magic"));
     }
 }
+
+/// The wire form as hex: how envelopes travel inside the JSON control messages.
+macro_rules! hex_wire_form {
+    ($t:ty, $what:literal) => {
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&hex(&self.to_bytes()))
+            }
+        }
+        impl FromStr for $t {
+            type Err = FormatError;
+            fn from_str(s: &str) -> Result<Self, FormatError> {
+                Self::from_bytes(&crate::canonical::unhex_vec(s, $what)?)
+            }
+        }
+        serde_via_string!($t);
+    };
+}
+hex_wire_form!(JobEnvelope, "job envelope");
+hex_wire_form!(ResultEnvelope, "result envelope");

@@ -4,9 +4,11 @@
 //!
 //! A job goes to the first of its candidate holders under a lease as long as that holder's tier
 //! allows ([`crate::DeviceTier::policy`]); progress reports renew it. When a lease runs out (seen
-//! at a [`LeaseEvent::Tick`]) or the holder leaves, the job goes to the next candidate with the
-//! attempt number raised, and the client's sealed request for that attempt is needed (the header
-//! binds the attempt and recipient, so the coordinator cannot re-address the old envelope). The
+//! at a [`LeaseEvent::Tick`]), the holder leaves or refuses the job, the job goes to the next
+//! candidate still present. Candidate `k` (counting from 1) is attempt `k`: the client seals the
+//! request once per candidate, attempt `k` to candidate `k`, and the header binds the attempt and
+//! recipient, so the coordinator cannot re-address an envelope; a candidate that left before its
+//! turn is skipped with its attempt number. The
 //! first result of the current attempt from its holder is delivered; every other result — a
 //! duplicate, or a late one from an expired attempt — is dropped, so the client gets exactly one
 //! answer. With no candidate left the job fails with an explicit reason.
@@ -50,6 +52,14 @@ pub enum LeaseEvent {
     },
     /// The node left (its connection closed, or membership declared it dead).
     HolderLeft { node: NodeKey, now: UnixMillis },
+    /// The holder of `attempt` will not run it (the envelope did not open, was replayed or
+    /// expired, or the node cannot run the model): the next candidate is tried.
+    Refused {
+        job: JobId,
+        attempt: u32,
+        from: NodeKey,
+        now: UnixMillis,
+    },
     /// Time passed: leases that ran out are expired.
     Tick { now: UnixMillis },
 }
@@ -103,9 +113,9 @@ pub enum DropReason {
 /// Why a job failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JobFailure {
-    /// Every candidate holder was tried (or none was given).
+    /// Every candidate holder was tried (or none was given); `attempts` counts the tries.
     NoHolderLeft { attempts: u32 },
-    /// The job reached the attempt cap.
+    /// The job reached the cap on tries.
     TooManyAttempts { attempts: u32 },
     /// A job with this id is already in flight or answered.
     DuplicateSubmit,
@@ -114,7 +124,7 @@ pub enum JobFailure {
 /// Settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseConfig {
-    /// Most attempts per job.
+    /// Most holders tried per job.
     pub max_attempts: u32,
     /// How long a finished (answered or failed) job is remembered, so a late duplicate is told
     /// apart from an unknown job and its id is not dispatched again.
@@ -135,7 +145,10 @@ struct Live {
     attempt: u32,
     holder: Holder,
     lease_until: UnixMillis,
-    untried: VecDeque<Holder>,
+    /// Holders tried so far, this one included.
+    tries: u32,
+    /// The candidates not tried yet, with their attempt numbers.
+    untried: VecDeque<(u32, Holder)>,
 }
 
 /// All jobs in flight, and recently answered ones.
@@ -176,7 +189,8 @@ impl JobLeases {
                         reason: JobFailure::DuplicateSubmit,
                     });
                 } else {
-                    self.dispatch(job, 1, holders.into(), now, &mut out);
+                    let untried = (1..).zip(holders).collect();
+                    self.dispatch(job, 0, untried, now, &mut out);
                 }
             }
             LeaseEvent::Progress {
@@ -205,9 +219,23 @@ impl JobLeases {
                     .map(|(j, _)| *j)
                     .collect();
                 for l in self.live.values_mut() {
-                    l.untried.retain(|h| h.node != node);
+                    l.untried.retain(|(_, h)| h.node != node);
                 }
                 for job in held {
+                    self.expire(job, now, &mut out);
+                }
+            }
+            LeaseEvent::Refused {
+                job,
+                attempt,
+                from,
+                now,
+            } => {
+                if self
+                    .live
+                    .get(&job)
+                    .is_some_and(|l| l.attempt == attempt && l.holder.node == from)
+                {
                     self.expire(job, now, &mut out);
                 }
             }
@@ -271,27 +299,26 @@ impl JobLeases {
             attempt: l.attempt,
             holder: l.holder.node,
         });
-        self.dispatch(job, l.attempt + 1, l.untried, now, out);
+        self.dispatch(job, l.tries, l.untried, now, out);
     }
 
+    /// Dispatches to the next untried candidate, `tries` holders having been tried.
     fn dispatch(
         &mut self,
         job: JobId,
-        attempt: u32,
-        mut untried: VecDeque<Holder>,
+        tries: u32,
+        mut untried: VecDeque<(u32, Holder)>,
         now: UnixMillis,
         out: &mut Vec<LeaseAction>,
     ) {
         let holder = match untried.pop_front() {
-            _ if attempt > self.config.max_attempts => Err(JobFailure::TooManyAttempts {
-                attempts: attempt - 1,
-            }),
-            None => Err(JobFailure::NoHolderLeft {
-                attempts: attempt - 1,
-            }),
+            _ if tries >= self.config.max_attempts => {
+                Err(JobFailure::TooManyAttempts { attempts: tries })
+            }
+            None => Err(JobFailure::NoHolderLeft { attempts: tries }),
             Some(h) => Ok(h),
         };
-        let holder = match holder {
+        let (attempt, holder) = match holder {
             Ok(h) => h,
             Err(reason) => {
                 self.finished
@@ -313,6 +340,7 @@ impl JobLeases {
                 attempt,
                 holder,
                 lease_until,
+                tries: tries + 1,
                 untried,
             },
         );
@@ -567,7 +595,8 @@ mod tests {
         let a = l.handle(LeaseEvent::Tick {
             now: UnixMillis(5_000),
         });
-        assert!(matches!(a[1], LeaseAction::Dispatch { to, attempt: 2, .. } if to == node(3)));
+        // Node 3 was sealed attempt 3: node 2's turn is skipped, its number with it.
+        assert!(matches!(a[1], LeaseAction::Dispatch { to, attempt: 3, .. } if to == node(3)));
         let a = l.handle(LeaseEvent::Tick {
             now: UnixMillis(10_000),
         });

@@ -162,7 +162,8 @@ impl SimNode {
             | CoordToNode::Refused { .. }
             | CoordToNode::AssignExperts { .. }
             | CoordToNode::MeasureInventory
-            | CoordToNode::Lease { .. } => Vec::new(),
+            | CoordToNode::Lease { .. }
+            | CoordToNode::SealedJob { .. } => Vec::new(),
         }
     }
 

@@ -1,0 +1,236 @@
+//! The desk's edge: the wall clock, client sessions' outboxes, node sessions, and the test-only
+//! faults of a coordinator that misbehaves.
+
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tessera_net::NodeId;
+use tessera_proto::{CoordToClient, CoordToNode, NodeToCoord};
+use tessera_seal::{JobEnvelope, KeyId, LeaseConfig, NodeKey, UnixMillis};
+use tokio::sync::mpsc;
+
+use super::{verify_config, ClientId, SealedConfig, SealedDesk, SealedInput, SealedOutput};
+use crate::shared::Shared;
+
+/// A coordinator that misbehaves on purpose, so tests can show what the workers make of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SealedFault {
+    /// Re-address each envelope to another worker (or an unknown key) and deliver it there.
+    RewriteRecipient,
+    /// Push each envelope's expiry an hour later.
+    RewriteTtl,
+    /// Deliver each envelope twice.
+    Replay,
+}
+
+impl std::str::FromStr for SealedFault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "rewrite-recipient" => Ok(Self::RewriteRecipient),
+            "rewrite-ttl" => Ok(Self::RewriteTtl),
+            "replay" => Ok(Self::Replay),
+            _ => Err(format!(
+                "unknown fault {s:?} (rewrite-recipient, rewrite-ttl or replay)"
+            )),
+        }
+    }
+}
+
+/// How the coordinator treats sealed jobs.
+#[derive(Clone, Debug, Default)]
+pub struct SealedSettings {
+    /// Share of answers re-run on a second worker, in thousandths, for every device tier
+    /// (`None`: each tier's own rate).
+    pub verify_per_mille: Option<u32>,
+    pub fault: Option<SealedFault>,
+}
+
+/// The desk, the clients' outboxes, and the settings.
+pub(crate) struct SealedEdge {
+    desk: SealedDesk,
+    clients: HashMap<ClientId, mpsc::UnboundedSender<CoordToClient>>,
+    next_client: ClientId,
+    fault: Option<SealedFault>,
+}
+
+impl SealedEdge {
+    pub fn new(settings: &SealedSettings) -> Self {
+        let mut seed = [0u8; 32];
+        seed[..16].copy_from_slice(tessera_seal::JobId::random().as_bytes());
+        seed[16..].copy_from_slice(tessera_seal::JobId::random().as_bytes());
+        Self {
+            desk: SealedDesk::new(SealedConfig {
+                leases: LeaseConfig::default(),
+                // Logits are bit-identical across the scalar, AVX2 and AVX-512 kernel paths
+                // (tessera-engine's `isa_paths` test), so answers of any two paths compare.
+                verify: verify_config(seed, settings.verify_per_mille, true),
+            }),
+            clients: HashMap::new(),
+            next_client: 1,
+            fault: settings.fault,
+        }
+    }
+}
+
+fn now() -> UnixMillis {
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    UnixMillis(u64::try_from(ms).unwrap_or(u64::MAX))
+}
+
+pub(crate) fn node_key(id: &tessera_net::PublicKey) -> NodeKey {
+    NodeKey::from_bytes(*id.as_bytes())
+}
+
+fn node_id(key: &NodeKey) -> NodeId {
+    tessera_net::PublicKey::from_bytes(*key.as_bytes()).node_id()
+}
+
+/// Registers a client session's outbox for sealed news.
+pub(crate) fn client_joined(shared: &Shared, tx: mpsc::UnboundedSender<CoordToClient>) -> ClientId {
+    let mut e = shared.sealed();
+    let id = e.next_client;
+    e.next_client += 1;
+    e.clients.insert(id, tx);
+    id
+}
+
+pub(crate) fn client_left(shared: &Shared, client: ClientId) {
+    let mut e = shared.sealed();
+    e.clients.remove(&client);
+    e.desk.handle(SealedInput::ClientLeft { client });
+}
+
+/// The workers' current claims for a client.
+pub(crate) fn holders(shared: &Shared, model: Option<&str>) -> Vec<tessera_seal::SignedClaims> {
+    shared.sealed().desk.holders(model)
+}
+
+pub(crate) fn submit(shared: &Shared, client: ClientId, envelopes: Vec<JobEnvelope>) {
+    feed(
+        shared,
+        SealedInput::Submit {
+            client,
+            envelopes,
+            now: now(),
+        },
+    );
+}
+
+/// A node's sealed-job message; false when `msg` is not one.
+pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) -> bool {
+    let input = match msg {
+        NodeToCoord::Claims(c) => {
+            let r = shared.sealed().desk.offer_claims(from, (**c).clone());
+            match r {
+                Ok(change) => tracing::info!(
+                    event = "claims",
+                    node = %from,
+                    epoch = c.claims.epoch,
+                    models = c.claims.models.len(),
+                    "claims of {from}: epoch {} ({change:?})",
+                    c.claims.epoch
+                ),
+                Err(e) => tracing::warn!("claims of {from} refused: {e}"),
+            }
+            return true;
+        }
+        NodeToCoord::SealedProgress {
+            job,
+            attempt,
+            tokens,
+        } => SealedInput::Progress {
+            job: *job,
+            attempt: *attempt,
+            from,
+            tokens: *tokens,
+            now: now(),
+        },
+        NodeToCoord::SealedResult { result } => SealedInput::Result {
+            result: result.clone(),
+            from,
+            now: now(),
+        },
+        NodeToCoord::SealedRefused {
+            job,
+            attempt,
+            reason,
+        } => SealedInput::Refused {
+            job: *job,
+            attempt: *attempt,
+            from,
+            reason: reason.clone(),
+            now: now(),
+        },
+        _ => return false,
+    };
+    feed(shared, input);
+    true
+}
+
+pub(crate) fn node_left(shared: &Shared, node: NodeKey) {
+    feed(shared, SealedInput::NodeLeft { node, now: now() });
+}
+
+/// Moves jobs whose leases ran out (the coordinator's clock calls this).
+pub(crate) fn tick(shared: &Shared) {
+    if shared.sealed().desk.in_flight() > 0 {
+        feed(shared, SealedInput::Tick { now: now() });
+    }
+}
+
+fn feed(shared: &Shared, input: SealedInput) {
+    let (outputs, fault, other_keys) = {
+        let mut e = shared.sealed();
+        let outputs = e.desk.handle(input);
+        let others: Vec<(NodeKey, KeyId)> = if e.fault == Some(SealedFault::RewriteRecipient) {
+            e.desk
+                .holders(None)
+                .iter()
+                .map(|s| (s.claims.node, s.claims.seal_key.key_id()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        (outputs, e.fault, others)
+    };
+    for o in outputs {
+        match o {
+            SealedOutput::Dispatch { to, mut envelope } => {
+                let mut to = to;
+                let mut copies = 1;
+                match fault {
+                    None => {}
+                    Some(SealedFault::RewriteTtl) => {
+                        envelope.header.expires_at = envelope.header.expires_at.plus(3_600_000);
+                    }
+                    Some(SealedFault::Replay) => copies = 2,
+                    Some(SealedFault::RewriteRecipient) => {
+                        match other_keys.iter().find(|(n, _)| *n != to) {
+                            Some((n, k)) => {
+                                envelope.header.recipient = *k;
+                                to = *n;
+                            }
+                            None => envelope.header.recipient = KeyId::from_bytes([0xee; 16]),
+                        }
+                    }
+                }
+                for _ in 0..copies {
+                    shared.send(
+                        node_id(&to),
+                        CoordToNode::SealedJob {
+                            envelope: envelope.clone(),
+                        },
+                    );
+                }
+            }
+            SealedOutput::Tell { client, job, news } => {
+                if let Some(tx) = shared.sealed().clients.get(&client) {
+                    let _ = tx.send(CoordToClient::Sealed { job, news });
+                }
+            }
+        }
+    }
+}

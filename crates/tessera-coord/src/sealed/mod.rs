@@ -1,0 +1,585 @@
+//! Sealed jobs at the coordinator, as a pure machine: [`SealedDesk::handle`] takes an input (with
+//! the time inside it) and returns what to send; no clock, no sockets.
+//!
+//! The coordinator routes whole requests it cannot read. A client asks for the workers' signed
+//! claims, seals its request once per candidate worker (attempt `k` to candidate `k`), and
+//! submits all the envelopes of the job. The desk checks them against the claims (each is sealed
+//! to a worker's *current* key, and that worker claims the model), leases the job to the first
+//! candidate ([`JobLeases`]) and moves it on when the lease runs out, the holder leaves or refuses.
+//! The first result of the live attempt is the job's one answer.
+//!
+//! A share of answers ([`Verifier`], by the holder's device tier) is checked before the client
+//! gets it: the same request runs on a second candidate (the client already sealed it one), and
+//! the result headers' digests are compared (equal token ids, whatever the sampling). A mismatch
+//! goes to a third; the odd one out is quarantined and gets no more jobs, and the client gets
+//! the majority's answer. Everything the desk reads is routing metadata: envelope headers, result
+//! headers and claims.
+
+use std::collections::BTreeMap;
+
+use tessera_proto::{SealedNews, SealedRefusal};
+use tessera_seal::{
+    ClaimBook, ClaimChange, ClaimRefusal, Claims, DeviceTier, Holder, JobEnvelope, JobId,
+    JobLeases, LeaseAction, LeaseConfig, LeaseEvent, NodeKey, ResultEnvelope, SignedClaims,
+    UnixMillis, Verifier, VerifyAction, VerifyConfig, VerifyEvent, Worker,
+};
+
+pub(crate) mod edge;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use edge::SealedEdge;
+pub use edge::{SealedFault, SealedSettings};
+
+/// Most candidate workers (envelopes) one job may carry.
+pub const MAX_CANDIDATES: usize = 8;
+
+/// A client control session, as the desk names it.
+pub type ClientId = u64;
+
+/// Inputs.
+#[derive(Debug, Clone)]
+pub enum SealedInput {
+    /// A client's job: one envelope per candidate worker.
+    Submit {
+        client: ClientId,
+        envelopes: Vec<JobEnvelope>,
+        now: UnixMillis,
+    },
+    /// A worker reports progress on a job it holds.
+    Progress {
+        job: JobId,
+        attempt: u32,
+        from: NodeKey,
+        tokens: usize,
+        now: UnixMillis,
+    },
+    /// A worker's sealed result.
+    Result {
+        result: ResultEnvelope,
+        from: NodeKey,
+        now: UnixMillis,
+    },
+    /// A worker would not run an envelope.
+    Refused {
+        job: JobId,
+        attempt: u32,
+        from: NodeKey,
+        reason: SealedRefusal,
+        now: UnixMillis,
+    },
+    /// A worker's session ended.
+    NodeLeft { node: NodeKey, now: UnixMillis },
+    /// A client's session ended: its jobs have nobody to answer.
+    ClientLeft { client: ClientId },
+    /// Time passed: leases that ran out move their jobs on.
+    Tick { now: UnixMillis },
+}
+
+/// Outputs, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SealedOutput {
+    /// Send this envelope to the node it is sealed to.
+    Dispatch { to: NodeKey, envelope: JobEnvelope },
+    /// Tell the client that submitted `job`.
+    Tell {
+        client: ClientId,
+        job: JobId,
+        news: SealedNews,
+    },
+}
+
+/// Settings.
+#[derive(Debug, Clone)]
+pub struct SealedConfig {
+    pub leases: LeaseConfig,
+    pub verify: VerifyConfig,
+}
+
+#[derive(Debug)]
+struct Job {
+    client: ClientId,
+    /// The client's envelopes by attempt.
+    envelopes: BTreeMap<u32, JobEnvelope>,
+    /// Whom each attempt is sealed to.
+    holders: BTreeMap<u32, NodeKey>,
+    /// The answer, held back while it is checked, and who gave it.
+    held: Option<(ResultEnvelope, NodeKey)>,
+    /// Replicas asked for, by node: the attempt sealed to it.
+    replicas: BTreeMap<NodeKey, u32>,
+    /// Replicas' results, by node.
+    replica_results: BTreeMap<NodeKey, ResultEnvelope>,
+}
+
+/// The coordinator's sealed jobs, the workers' claims and their reputations.
+#[derive(Debug)]
+pub struct SealedDesk {
+    leases: JobLeases,
+    claims: ClaimBook,
+    verifier: Verifier,
+    jobs: BTreeMap<JobId, Job>,
+}
+
+impl SealedDesk {
+    pub fn new(config: SealedConfig) -> Self {
+        Self {
+            leases: JobLeases::new(config.leases),
+            claims: ClaimBook::new(),
+            verifier: Verifier::new(config.verify),
+            jobs: BTreeMap::new(),
+        }
+    }
+
+    /// Records a node's signed claims. Only the node itself may claim for itself: `from` is the
+    /// key its session authenticated.
+    pub fn offer_claims(
+        &mut self,
+        from: NodeKey,
+        claims: SignedClaims,
+    ) -> Result<ClaimChange, ClaimRefusal> {
+        if claims.claims.node != from {
+            return Err(ClaimRefusal::BadSignature);
+        }
+        self.claims.offer(claims)
+    }
+
+    /// Current claims of the workers holding `model` (every worker's when `None`), quarantined
+    /// ones left out.
+    pub fn holders(&self, model: Option<&str>) -> Vec<SignedClaims> {
+        self.claims
+            .signed()
+            .filter(|s| model.is_none_or(|m| s.claims.models.iter().any(|x| x == m)))
+            .filter(|s| !self.verifier.is_quarantined(&s.claims.node))
+            .cloned()
+            .collect()
+    }
+
+    pub fn is_quarantined(&self, node: &NodeKey) -> bool {
+        self.verifier.is_quarantined(node)
+    }
+
+    /// Jobs waiting for an answer.
+    pub fn in_flight(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// How much verification has cost so far.
+    pub fn verify_stats(&self) -> tessera_seal::VerifyStats {
+        self.verifier.stats()
+    }
+
+    pub fn handle(&mut self, input: SealedInput) -> Vec<SealedOutput> {
+        let mut out = Vec::new();
+        match input {
+            SealedInput::Submit {
+                client,
+                envelopes,
+                now,
+            } => self.submit(client, envelopes, now, &mut out),
+            SealedInput::Progress {
+                job,
+                attempt,
+                from,
+                tokens,
+                now,
+            } => {
+                if self.leases.current(job) == Some((attempt, from)) {
+                    self.leases.handle(LeaseEvent::Progress {
+                        job,
+                        attempt,
+                        from,
+                        now,
+                    });
+                    self.tell(job, SealedNews::Progress { attempt, tokens }, &mut out);
+                }
+            }
+            SealedInput::Result { result, from, now } => self.result(result, from, now, &mut out),
+            SealedInput::Refused {
+                job,
+                attempt,
+                from,
+                reason,
+                now,
+            } => {
+                let Some(j) = self.jobs.get(&job) else {
+                    return out;
+                };
+                if j.holders.get(&attempt) != Some(&from) {
+                    return out;
+                }
+                let replica = j.replicas.get(&from) == Some(&attempt);
+                self.tell(
+                    job,
+                    SealedNews::Refused {
+                        attempt,
+                        from,
+                        reason: reason.clone(),
+                    },
+                    &mut out,
+                );
+                if replica {
+                    let acts = self.verifier.handle(VerifyEvent::ReplicaFailed {
+                        job,
+                        worker: from,
+                    });
+                    self.verified(acts, &mut out);
+                } else if reason != SealedRefusal::Replayed {
+                    // A replay refusal means the worker already opened this attempt (and is
+                    // running it): the job stays with it.
+                    let acts = self.leases.handle(LeaseEvent::Refused {
+                        job,
+                        attempt,
+                        from,
+                        now,
+                    });
+                    self.leased(acts, now, &mut out);
+                }
+            }
+            SealedInput::NodeLeft { node, now } => {
+                let replicas: Vec<JobId> = self
+                    .jobs
+                    .iter()
+                    .filter(|(_, j)| j.replicas.contains_key(&node))
+                    .map(|(id, _)| *id)
+                    .collect();
+                for job in replicas {
+                    let acts = self
+                        .verifier
+                        .handle(VerifyEvent::ReplicaFailed { job, worker: node });
+                    self.verified(acts, &mut out);
+                }
+                let acts = self.leases.handle(LeaseEvent::HolderLeft { node, now });
+                self.leased(acts, now, &mut out);
+            }
+            SealedInput::ClientLeft { client } => self.jobs.retain(|_, j| j.client != client),
+            SealedInput::Tick { now } => {
+                let acts = self.leases.handle(LeaseEvent::Tick { now });
+                self.leased(acts, now, &mut out);
+            }
+        }
+        out
+    }
+
+    fn submit(
+        &mut self,
+        client: ClientId,
+        envelopes: Vec<JobEnvelope>,
+        now: UnixMillis,
+        out: &mut Vec<SealedOutput>,
+    ) {
+        let Some(first) = envelopes.first() else {
+            return;
+        };
+        let job = first.header.job;
+        if self.jobs.contains_key(&job) {
+            out.push(SealedOutput::Tell {
+                client,
+                job,
+                news: SealedNews::Failed {
+                    reason: format!("job {job} was already submitted"),
+                },
+            });
+            return;
+        }
+        let holders = match self.check_envelopes(&envelopes, now) {
+            Ok(h) => h,
+            Err(reason) => {
+                out.push(SealedOutput::Tell {
+                    client,
+                    job,
+                    news: SealedNews::Failed { reason },
+                });
+                return;
+            }
+        };
+        self.jobs.insert(
+            job,
+            Job {
+                client,
+                holders: holders.iter().map(|(a, h)| (*a, h.node)).collect(),
+                envelopes: envelopes
+                    .into_iter()
+                    .map(|e| (e.header.attempt, e))
+                    .collect(),
+                held: None,
+                replicas: BTreeMap::new(),
+                replica_results: BTreeMap::new(),
+            },
+        );
+        let acts = self.leases.handle(LeaseEvent::Submit {
+            job,
+            holders: holders.into_iter().map(|(_, h)| h).collect(),
+            now,
+        });
+        self.leased(acts, now, out);
+    }
+
+    /// The candidates of a job in attempt order, or why the envelopes cannot be routed.
+    fn check_envelopes(
+        &self,
+        envelopes: &[JobEnvelope],
+        now: UnixMillis,
+    ) -> Result<Vec<(u32, Holder)>, String> {
+        if envelopes.len() > MAX_CANDIDATES {
+            return Err(format!(
+                "{} envelopes (at most {MAX_CANDIDATES} candidates a job)",
+                envelopes.len()
+            ));
+        }
+        let job = envelopes[0].header.job;
+        let mut holders: Vec<(u32, Holder)> = Vec::with_capacity(envelopes.len());
+        for (i, e) in envelopes.iter().enumerate() {
+            let h = &e.header;
+            let attempt = i as u32 + 1;
+            if h.job != job {
+                return Err(format!("envelopes of two jobs ({job} and {})", h.job));
+            }
+            if h.attempt != attempt {
+                return Err(format!(
+                    "envelope {attempt} carries attempt {} (attempts count 1, 2, … in order)",
+                    h.attempt
+                ));
+            }
+            if h.expires_at <= now {
+                return Err(format!("attempt {attempt} expired at {}", h.expires_at));
+            }
+            let claims = self
+                .claims
+                .signed()
+                .map(|s| &s.claims)
+                .find(|c| c.seal_key.key_id() == h.recipient)
+                .ok_or_else(|| {
+                    format!(
+                        "attempt {attempt} is sealed to key {}, which no worker claims now",
+                        h.recipient
+                    )
+                })?;
+            if !claims.models.iter().any(|m| *m == h.model) {
+                return Err(format!(
+                    "attempt {attempt}'s worker {} does not hold model {}",
+                    claims.node, h.model
+                ));
+            }
+            if holders.iter().any(|(_, x)| x.node == claims.node) {
+                return Err(format!(
+                    "two attempts are sealed to worker {}",
+                    claims.node
+                ));
+            }
+            holders.push((
+                attempt,
+                Holder {
+                    node: claims.node,
+                    tier: claims.tier,
+                },
+            ));
+        }
+        Ok(holders)
+    }
+
+    /// Carries out the lease machine's actions.
+    fn leased(&mut self, acts: Vec<LeaseAction>, now: UnixMillis, out: &mut Vec<SealedOutput>) {
+        for a in acts {
+            match a {
+                LeaseAction::Dispatch {
+                    job, attempt, to, ..
+                } => {
+                    if self.verifier.is_quarantined(&to) {
+                        // Caught altering answers since the job was submitted: skip it.
+                        let acts = self.leases.handle(LeaseEvent::Refused {
+                            job,
+                            attempt,
+                            from: to,
+                            now,
+                        });
+                        self.leased(acts, now, out);
+                        continue;
+                    }
+                    let Some(envelope) = self
+                        .jobs
+                        .get(&job)
+                        .and_then(|j| j.envelopes.get(&attempt))
+                        .cloned()
+                    else {
+                        continue;
+                    };
+                    out.push(SealedOutput::Dispatch { to, envelope });
+                    self.tell(job, SealedNews::Dispatched { attempt, to }, out);
+                }
+                LeaseAction::Expired {
+                    job,
+                    attempt,
+                    holder,
+                } => self.tell(job, SealedNews::Expired { attempt, holder }, out),
+                LeaseAction::Deliver { .. } | LeaseAction::DropResult { .. } => {}
+                LeaseAction::Failed { job, reason } => {
+                    self.tell(
+                        job,
+                        SealedNews::Failed {
+                            reason: format!("{reason:?}"),
+                        },
+                        out,
+                    );
+                    self.jobs.remove(&job);
+                }
+            }
+        }
+    }
+
+    fn result(
+        &mut self,
+        result: ResultEnvelope,
+        from: NodeKey,
+        now: UnixMillis,
+        out: &mut Vec<SealedOutput>,
+    ) {
+        let (job, attempt) = (result.header.job, result.header.attempt);
+        let Some(j) = self.jobs.get_mut(&job) else {
+            return;
+        };
+        let candidates: Vec<NodeKey> = j.holders.values().copied().collect();
+        if j.replicas.get(&from) == Some(&attempt) && !j.replica_results.contains_key(&from) {
+            let answer = result.header.answer;
+            j.replica_results.insert(from, result);
+            let acts = self.verifier.handle(VerifyEvent::ReplicaAnswered {
+                job,
+                worker: from,
+                answer,
+            });
+            self.verified(acts, out);
+            return;
+        }
+        let acts = self.leases.handle(LeaseEvent::Result {
+            job,
+            attempt,
+            from,
+            now,
+        });
+        if !acts
+            .iter()
+            .any(|a| matches!(a, LeaseAction::Deliver { .. }))
+        {
+            return;
+        }
+        let Some(worker) = self.worker(&from) else {
+            return self.deliver(job, result, false, out);
+        };
+        let peers: Vec<Worker> = candidates
+            .iter()
+            .filter(|n| **n != from)
+            .filter_map(|n| self.worker(n))
+            .collect();
+        let answer = result.header.answer;
+        let acts = self.verifier.handle(VerifyEvent::Answered {
+            job,
+            worker,
+            answer,
+            peers,
+        });
+        if acts.is_empty() {
+            return self.deliver(job, result, false, out);
+        }
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.held = Some((result, from));
+        }
+        self.verified(acts, out);
+    }
+
+    /// Carries out the verifier's actions.
+    fn verified(&mut self, acts: Vec<VerifyAction>, out: &mut Vec<SealedOutput>) {
+        for a in acts {
+            match a {
+                VerifyAction::Replicate { job, to, .. } => {
+                    let Some(j) = self.jobs.get_mut(&job) else {
+                        continue;
+                    };
+                    let Some((attempt, envelope)) = j
+                        .holders
+                        .iter()
+                        .find(|(_, n)| **n == to)
+                        .and_then(|(a, _)| Some((*a, j.envelopes.get(a)?.clone())))
+                    else {
+                        continue;
+                    };
+                    j.replicas.insert(to, attempt);
+                    out.push(SealedOutput::Dispatch { to, envelope });
+                    self.tell(job, SealedNews::Verifying { attempt, on: to }, out);
+                }
+                VerifyAction::Agreed { job, .. } => {
+                    if let Some((r, _)) = self.jobs.get_mut(&job).and_then(|j| j.held.take()) {
+                        self.deliver(job, r, true, out);
+                    }
+                }
+                VerifyAction::Quarantine { job, node, .. } => {
+                    let Some(j) = self.jobs.get_mut(&job) else {
+                        continue;
+                    };
+                    // The primary was the odd one out: the client gets a majority answer,
+                    // which a replica sealed to it as well.
+                    if j.held.as_ref().is_some_and(|(_, n)| *n == node) {
+                        j.held = j
+                            .replica_results
+                            .iter()
+                            .find(|(n, _)| **n != node)
+                            .map(|(n, r)| (r.clone(), *n));
+                    }
+                }
+                VerifyAction::Inconclusive { job, .. } => {
+                    if let Some((r, _)) = self.jobs.get_mut(&job).and_then(|j| j.held.take()) {
+                        self.deliver(job, r, false, out);
+                    }
+                }
+            }
+        }
+    }
+
+    fn deliver(
+        &mut self,
+        job: JobId,
+        result: ResultEnvelope,
+        verified: bool,
+        out: &mut Vec<SealedOutput>,
+    ) {
+        self.tell(job, SealedNews::Result { result, verified }, out);
+        self.jobs.remove(&job);
+    }
+
+    fn worker(&self, node: &NodeKey) -> Option<Worker> {
+        self.claims.get(node).map(worker_of)
+    }
+
+    fn tell(&self, job: JobId, news: SealedNews, out: &mut Vec<SealedOutput>) {
+        if let Some(j) = self.jobs.get(&job) {
+            out.push(SealedOutput::Tell {
+                client: j.client,
+                job,
+                news,
+            });
+        }
+    }
+}
+
+fn worker_of(c: &Claims) -> Worker {
+    Worker {
+        node: c.node,
+        kernel_path: c.kernel_path.clone(),
+        tier: c.tier,
+    }
+}
+
+/// The verification settings: `per_mille` for every tier when given (else each tier's policy),
+/// and whether answers of different kernel paths are compared.
+pub fn verify_config(
+    seed: [u8; 32],
+    per_mille: Option<u32>,
+    cross_kernel: bool,
+) -> VerifyConfig {
+    let mut c = VerifyConfig::new(seed);
+    if let Some(p) = per_mille {
+        for t in DeviceTier::ALL {
+            c.per_mille.insert(t, p.min(1000));
+        }
+    }
+    c.cross_kernel_comparable = cross_kernel;
+    c
+}
