@@ -227,12 +227,7 @@ async fn node_session(
     result
 }
 
-fn handle_node_message(
-    shared: &Shared,
-    id: NodeId,
-    key: tessera_seal::NodeKey,
-    msg: NodeToCoord,
-) {
+fn handle_node_message(shared: &Shared, id: NodeId, key: tessera_seal::NodeKey, msg: NodeToCoord) {
     let sender = crate::authz::SenderFacts {
         node: id,
         grant: crate::authz::Grant::Node,

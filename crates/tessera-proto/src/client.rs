@@ -11,9 +11,9 @@ use tessera_sampling::SamplingParams;
 use tessera_sampling::TokenLogprobs;
 
 use super::range_serde;
+use super::{BoundaryTrace, FinishReason, Hello, LoadReport, StageSeqStats};
 use super::{Holders, SealedNews, SealedSubmit};
 use tessera_seal::JobId;
-use super::{BoundaryTrace, FinishReason, Hello, LoadReport, StageSeqStats};
 
 /// A generation request from a client.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -64,7 +64,9 @@ pub enum ClientToCoord {
     Admin(AdminRequest),
     /// Ask for the workers' current signed claims ([`CoordToClient::Holders`]), of those that
     /// hold `model` whole (any model when `None`).
-    Holders { model: Option<String> },
+    Holders {
+        model: Option<String>,
+    },
     /// Route a sealed job: news comes back as [`CoordToClient::Sealed`].
     SealedSubmit(SealedSubmit),
 }
@@ -235,7 +237,12 @@ pub enum CoordToClient {
     },
     Admin(AdminReply),
     /// Workers' signed claims: the client checks each signature itself.
-    Holders { holders: Holders },
+    Holders {
+        holders: Holders,
+    },
     /// News of a sealed job this session submitted.
-    Sealed { job: JobId, news: SealedNews },
+    Sealed {
+        job: JobId,
+        news: SealedNews,
+    },
 }

@@ -14,10 +14,10 @@ use tessera_sampling::TokenLogprobs;
 
 use super::range_serde;
 use super::SealedRefusal;
-use tessera_seal::{JobEnvelope, JobId, ResultEnvelope, SignedClaims};
 use super::{ExpertAssignment, ExpertCacheStats};
 use tessera_host::ContentHash;
 use tessera_host::Inventory;
+use tessera_seal::{JobEnvelope, JobId, ResultEnvelope, SignedClaims};
 
 /// Which role a connecting party plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -366,7 +366,9 @@ pub enum NodeToCoord {
         tokens: usize,
     },
     /// A sealed job's answer, sealed to the client.
-    SealedResult { result: ResultEnvelope },
+    SealedResult {
+        result: ResultEnvelope,
+    },
     /// The node did not run a sealed job.
     SealedRefused {
         job: JobId,

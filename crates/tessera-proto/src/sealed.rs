@@ -48,9 +48,13 @@ pub enum SealedRefusal {
 impl std::fmt::Display for SealedRefusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Authentication => f.write_str("authentication failed: the envelope was not sealed to this worker, or was altered"),
+            Self::Authentication => f.write_str(
+                "authentication failed: the envelope was not sealed to this worker, or was altered",
+            ),
             Self::Replayed => f.write_str("replayed: this job attempt was opened before"),
-            Self::Expired => f.write_str("expired, or its expiry is further ahead than this worker accepts"),
+            Self::Expired => {
+                f.write_str("expired, or its expiry is further ahead than this worker accepts")
+            }
             Self::CannotRun(why) => write!(f, "cannot run it: {why}"),
         }
     }

@@ -52,6 +52,9 @@ pub(crate) struct SealedEdge {
     clients: HashMap<ClientId, mpsc::UnboundedSender<CoordToClient>>,
     next_client: ClientId,
     fault: Option<SealedFault>,
+    /// [`SealedFault::RewriteRecipient`]: where each re-addressed attempt really went, and
+    /// whose it was; the refusal of the node it went to is the job's holder's refusal.
+    redirected: HashMap<(tessera_seal::JobId, u32), (NodeKey, NodeKey)>,
 }
 
 impl SealedEdge {
@@ -69,6 +72,7 @@ impl SealedEdge {
             clients: HashMap::new(),
             next_client: 1,
             fault: settings.fault,
+            redirected: HashMap::new(),
         }
     }
 }
@@ -86,6 +90,15 @@ pub(crate) fn node_key(id: &tessera_net::PublicKey) -> NodeKey {
 
 fn node_id(key: &NodeKey) -> NodeId {
     tessera_net::PublicKey::from_bytes(*key.as_bytes()).node_id()
+}
+
+/// A node's name in the membership (its key when it has none).
+fn name_of(shared: &Shared, node: &NodeKey) -> String {
+    shared
+        .lock()
+        .membership
+        .member(&node_id(node))
+        .map_or_else(|| node.to_string(), |m| m.name.clone())
 }
 
 /// Registers a client session's outbox for sealed news.
@@ -128,6 +141,7 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
                 Ok(change) => tracing::info!(
                     event = "claims",
                     node = %from,
+                    name = %name_of(shared, &from),
                     epoch = c.claims.epoch,
                     models = c.claims.models.len(),
                     "claims of {from}: epoch {} ({change:?})",
@@ -160,7 +174,10 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
         } => SealedInput::Refused {
             job: *job,
             attempt: *attempt,
-            from,
+            from: match shared.sealed().redirected.remove(&(*job, *attempt)) {
+                Some((went_to, holder)) if went_to == from => holder,
+                _ => from,
+            },
             reason: reason.clone(),
             now: now(),
         },
@@ -211,6 +228,11 @@ fn feed(shared: &Shared, input: SealedInput) {
                         match other_keys.iter().find(|(n, _)| *n != to) {
                             Some((n, k)) => {
                                 envelope.header.recipient = *k;
+                                let h = &envelope.header;
+                                shared
+                                    .sealed()
+                                    .redirected
+                                    .insert((h.job, h.attempt), (*n, to));
                                 to = *n;
                             }
                             None => envelope.header.recipient = KeyId::from_bytes([0xee; 16]),
@@ -225,6 +247,16 @@ fn feed(shared: &Shared, input: SealedInput) {
                         },
                     );
                 }
+            }
+            SealedOutput::Quarantined { node, job } => {
+                let name = name_of(shared, &node);
+                tracing::warn!(
+                    event = "quarantined",
+                    node = %node,
+                    name = %name,
+                    job = %job,
+                    "{name} ({node}) answered job {job} unlike two other workers: quarantined"
+                );
             }
             SealedOutput::Tell { client, job, news } => {
                 if let Some(tx) = shared.sealed().clients.get(&client) {

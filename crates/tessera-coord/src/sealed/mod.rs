@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 
 use tessera_proto::{SealedNews, SealedRefusal};
 use tessera_seal::{
-    ClaimBook, ClaimChange, ClaimRefusal, Claims, DeviceTier, Holder, JobEnvelope, JobId,
-    JobLeases, LeaseAction, LeaseConfig, LeaseEvent, NodeKey, ResultEnvelope, SignedClaims,
+    ClaimBook, ClaimChange, ClaimRefusal, Claims, DeviceTier, Holder, JobEnvelope, JobFailure,
+    JobId, JobLeases, LeaseAction, LeaseConfig, LeaseEvent, NodeKey, ResultEnvelope, SignedClaims,
     UnixMillis, Verifier, VerifyAction, VerifyConfig, VerifyEvent, Worker,
 };
 
@@ -87,6 +87,8 @@ pub enum SealedOutput {
         job: JobId,
         news: SealedNews,
     },
+    /// `node` was caught giving another answer than two others: it gets no more jobs.
+    Quarantined { node: NodeKey, job: JobId },
 }
 
 /// Settings.
@@ -218,10 +220,9 @@ impl SealedDesk {
                     &mut out,
                 );
                 if replica {
-                    let acts = self.verifier.handle(VerifyEvent::ReplicaFailed {
-                        job,
-                        worker: from,
-                    });
+                    let acts = self
+                        .verifier
+                        .handle(VerifyEvent::ReplicaFailed { job, worker: from });
                     self.verified(acts, &mut out);
                 } else if reason != SealedRefusal::Replayed {
                     // A replay refusal means the worker already opened this attempt (and is
@@ -354,17 +355,14 @@ impl SealedDesk {
                         h.recipient
                     )
                 })?;
-            if !claims.models.iter().any(|m| *m == h.model) {
+            if !claims.models.contains(&h.model) {
                 return Err(format!(
                     "attempt {attempt}'s worker {} does not hold model {}",
                     claims.node, h.model
                 ));
             }
             if holders.iter().any(|(_, x)| x.node == claims.node) {
-                return Err(format!(
-                    "two attempts are sealed to worker {}",
-                    claims.node
-                ));
+                return Err(format!("two attempts are sealed to worker {}", claims.node));
             }
             holders.push((
                 attempt,
@@ -413,13 +411,18 @@ impl SealedDesk {
                 } => self.tell(job, SealedNews::Expired { attempt, holder }, out),
                 LeaseAction::Deliver { .. } | LeaseAction::DropResult { .. } => {}
                 LeaseAction::Failed { job, reason } => {
-                    self.tell(
-                        job,
-                        SealedNews::Failed {
-                            reason: format!("{reason:?}"),
-                        },
-                        out,
-                    );
+                    let reason = match reason {
+                        JobFailure::NoHolderLeft { attempts } => {
+                            format!("no candidate worker left after {attempts} tries")
+                        }
+                        JobFailure::TooManyAttempts { attempts } => {
+                            format!("gave up after {attempts} tries")
+                        }
+                        JobFailure::DuplicateSubmit => {
+                            format!("job {job} was already submitted")
+                        }
+                    };
+                    self.tell(job, SealedNews::Failed { reason }, out);
                     self.jobs.remove(&job);
                 }
             }
@@ -511,6 +514,7 @@ impl SealedDesk {
                     }
                 }
                 VerifyAction::Quarantine { job, node, .. } => {
+                    out.push(SealedOutput::Quarantined { node, job });
                     let Some(j) = self.jobs.get_mut(&job) else {
                         continue;
                     };
@@ -569,11 +573,7 @@ fn worker_of(c: &Claims) -> Worker {
 
 /// The verification settings: `per_mille` for every tier when given (else each tier's policy),
 /// and whether answers of different kernel paths are compared.
-pub fn verify_config(
-    seed: [u8; 32],
-    per_mille: Option<u32>,
-    cross_kernel: bool,
-) -> VerifyConfig {
+pub fn verify_config(seed: [u8; 32], per_mille: Option<u32>, cross_kernel: bool) -> VerifyConfig {
     let mut c = VerifyConfig::new(seed);
     if let Some(p) = per_mille {
         for t in DeviceTier::ALL {

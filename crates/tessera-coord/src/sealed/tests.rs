@@ -169,7 +169,9 @@ fn envelopes_the_claims_do_not_back_are_refused_with_the_reason() {
     }));
     assert!(reason.contains("attempts count"), "{reason}");
     // A node may not claim for another.
-    assert!(d.offer_claims(a.node(), stranger.claims(1, &[MODEL])).is_err());
+    assert!(d
+        .offer_claims(a.node(), stranger.claims(1, &[MODEL]))
+        .is_err());
 }
 
 #[test]
@@ -280,7 +282,11 @@ fn a_worker_that_alters_its_tokens_is_quarantined_and_the_client_gets_the_majori
     };
     let (r, verified) = verified_job(&mut d, 10, &[&a, &b, &c], &tokens);
     assert!(verified);
-    assert_ne!(r.header.worker, a.seal.key_id(), "the liar's answer was delivered");
+    assert_ne!(
+        r.header.worker,
+        a.seal.key_id(),
+        "the liar's answer was delivered"
+    );
     assert!(d.is_quarantined(&liar));
     assert!(!d.is_quarantined(&b.node()) && !d.is_quarantined(&c.node()));
     // It gets no more jobs, and is no longer offered to clients.
@@ -301,5 +307,8 @@ fn honest_workers_are_never_quarantined_in_200_verified_jobs() {
     }
     assert!(ws.iter().all(|w| !d.is_quarantined(&w.node())));
     let s = d.verify_stats();
-    assert_eq!((s.answers, s.selected, s.agreed, s.quarantined), (200, 200, 200, 0));
+    assert_eq!(
+        (s.answers, s.selected, s.agreed, s.quarantined),
+        (200, 200, 200, 0)
+    );
 }

@@ -69,6 +69,8 @@ pub struct AgentConfig {
     /// Stream assigned experts from disk with at most this many bytes of them in memory
     /// (`None`: only when the assigned experts exceed the memory budget).
     pub expert_budget: Option<u64>,
+    /// How this node takes sealed jobs (its device tier; test-only faults).
+    pub sealed: super::sealed::SealedOptions,
 }
 
 /// The coordinator this node enrolled with, pinned from then on.

@@ -44,11 +44,13 @@ mod experts;
 mod hop_ledger;
 mod load;
 mod ring;
+mod sealed;
 mod session;
 mod stage_thread;
 
 pub use config::{AgentConfig, CoordinatorRecord, JoinTarget, ProbeLevel};
 pub use load::stage_tensor_names;
+pub use sealed::SealedOptions;
 
 use experts::ExpertServing;
 use ring::serve_peer;
@@ -79,12 +81,30 @@ struct Shared {
     /// The counters of the current stage's own streamed experts (the stage's model lives on the
     /// worker thread; the handle reads them from here, and reads nothing once it is dropped).
     stage_experts: Mutex<Option<tessera_engine::expert_store::ExpertStatsSource>>,
+    /// Sealed jobs: this node's sealing key, replay guard and local sequences.
+    sealed: sealed::SealedWorker,
     /// The latest epoch assigned and not released (0: none). A load that finishes after a
     /// newer assignment (or the release of its own) is discarded, never installed.
     assigned: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
+    /// What this node holds that a sealed job can run on: the current assignment, unless its
+    /// experts are shared with other nodes.
+    fn sealed_holding(&self) -> Option<StageAssignment> {
+        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let experts = self.experts.lock().unwrap_or_else(|p| p.into_inner());
+        cur.as_ref()
+            .filter(|_| experts.is_none())
+            .map(|c| c.assignment.clone())
+    }
+
+    /// Tells the coordinator what this node can run sealed jobs on now, in new signed claims.
+    fn publish_claims(&self) {
+        let claims = self.sealed.claims(self.sealed_holding().as_ref());
+        let _ = self.ctrl.send(NodeToCoord::Claims(Box::new(claims)));
+    }
+
     /// Counters of this node's streamed experts: the stage's own and those of the model serving
     /// other homes' experts, summed (`None` when neither streams experts).
     fn expert_cache(&self) -> Option<ExpertCacheStats> {
@@ -250,6 +270,12 @@ pub async fn run_until(
         stage_experts: Mutex::new(None),
         expert_conns: Mutex::new(Vec::new()),
         assigned: std::sync::atomic::AtomicU64::new(0),
+        sealed: sealed::SealedWorker::open(
+            &config.data_dir,
+            &identity,
+            config.sealed,
+            budget.unwrap_or(0),
+        )?,
     });
 
     // Peers (the previous stage) dial us.

@@ -185,14 +185,23 @@ async fn session(
     let mut rx = ctrl_rx.clone().lock_owned().await;
     while rx.try_recv().is_ok() {}
     let mut ctrl_writer = ctrl.writer;
+    let sh = shared.clone();
     let writer_task = tokio::spawn(async move {
         while let Some(m) = rx.recv().await {
-            if let Err(e) = ctrl_writer.write_message(frame::MSG, &m).await {
-                tracing::warn!("control stream: {e}");
-                break;
+            // A sealed job's own sequence reports to the job, not to the coordinator.
+            let out = match sh.sealed.intercept(m, &sh.worker) {
+                Ok(m) => vec![m],
+                Err(follow) => follow,
+            };
+            for m in out {
+                if let Err(e) = ctrl_writer.write_message(frame::MSG, &m).await {
+                    tracing::warn!("control stream: {e}");
+                    return;
+                }
             }
         }
     });
+    shared.publish_claims();
     // Answer the coordinator's measurement streams.
     let measure_task = {
         let conn = conn.clone();
@@ -277,7 +286,9 @@ async fn control_loop(
                                 "loaded epoch {epoch}: needed {} bytes, received {} bytes, {} bytes already present",
                                 report.bytes_needed, report.bytes_transferred, report.bytes_already_present
                             );
-                            NodeToCoord::Loaded { epoch, report }
+                            let _ = shared.ctrl.send(NodeToCoord::Loaded { epoch, report });
+                            shared.publish_claims();
+                            return;
                         }
                         Err(e) => {
                             tracing::warn!("cannot take epoch {epoch}: {e}");
@@ -369,12 +380,22 @@ async fn control_loop(
                 drop(cur);
                 release_experts(shared, Some(epoch));
                 let _ = shared.worker.send(WorkerMsg::Release(epoch));
+                shared.publish_claims();
             }
             CoordToNode::Open(o) => {
                 let _ = shared.worker.send(WorkerMsg::Open(o));
             }
             CoordToNode::Start { seq } => {
                 let _ = shared.worker.send(WorkerMsg::Start(seq));
+            }
+            CoordToNode::SealedJob { envelope } => {
+                let holding = shared.sealed_holding();
+                if let Err(refusal) = shared
+                    .sealed
+                    .take(envelope, holding.as_ref(), &shared.worker)
+                {
+                    let _ = shared.ctrl.send(*refusal);
+                }
             }
             CoordToNode::Close { seq } => {
                 let _ = shared.worker.send(WorkerMsg::Close(seq));

@@ -25,6 +25,10 @@ use tessera_seal::{
 ///   ... the coordinator routes job.sealed to the worker, which answers with result.sealed ...
 ///   tessera client open result.sealed --key reply.key --from WORKER_PUBLIC_KEY --job JOB_ID
 ///
+/// Or all of it through a coordinator in one step (workers publish their keys in signed claims):
+///
+///   tessera client submit --coordinator TOKEN@HOST:PORT --data-dir client -m model.gguf -p "Hi"
+///
 /// A worker's key is made the same way (`keygen`) and published in its signed claims. `open`
 /// also opens a job envelope with the worker's key, and `reply` seals an answer to a job, which is
 /// what a worker does (useful for trying the exchange by hand).
@@ -96,6 +100,9 @@ enum ClientAction {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Run a generation sealed end to end through a coordinator that routes it without reading
+    /// it (tokenized here, sealed to each candidate worker, the answer opened here).
+    Submit(Box<super::submit::SubmitArgs>),
     /// As a worker: open a job envelope with the worker's key and seal `--answer` back to the
     /// job's reply key, bound to its job id and attempt.
     Reply {
@@ -116,6 +123,7 @@ enum ClientAction {
 pub fn run(args: ClientArgs) -> anyhow::Result<()> {
     match args.action {
         ClientAction::Keygen { out, force } => keygen(&out, force),
+        ClientAction::Submit(a) => super::submit::run(*a),
         ClientAction::Seal {
             request,
             to,

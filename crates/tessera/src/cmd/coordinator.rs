@@ -69,6 +69,16 @@ pub struct CoordinatorArgs {
     /// the model is re-planned onto the others. Nodes heartbeat four times per lease.
     #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(100..))]
     lease_ms: u64,
+    /// Sealed jobs (`tessera client submit`): re-run this share of answers, in thousandths, on a
+    /// second worker and compare the token ids before the client gets them (a third worker
+    /// breaks a tie; the odd one out is quarantined). Default: each device tier's own rate
+    /// (phones 200, laptops 100, workstations 50, servers 20).
+    #[arg(long, value_name = "PER_MILLE", value_parser = clap::value_parser!(u32).range(0..=1000))]
+    verify_per_mille: Option<u32>,
+    /// Test only: misbehave with sealed jobs (rewrite-recipient, rewrite-ttl, replay), to show
+    /// that workers refuse what a coordinator altered.
+    #[arg(long, hide = true, value_name = "FAULT")]
+    fault_sealed: Option<tessera_coord::sealed::SealedFault>,
 }
 
 pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
@@ -142,6 +152,10 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         coordinator.set_lease(std::time::Duration::from_millis(args.lease_ms));
         coordinator.set_expert_split(experts);
         coordinator.set_kv_type(args.kv_type);
+        coordinator.set_sealed(&tessera_coord::sealed::SealedSettings {
+            verify_per_mille: args.verify_per_mille,
+            fault: args.fault_sealed,
+        });
         let addr = coordinator.local_addr()?;
         println!("coordinator {}", coordinator.node_id());
         println!(

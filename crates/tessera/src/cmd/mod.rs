@@ -13,6 +13,7 @@ mod progress;
 pub mod run;
 mod sampling;
 pub mod serve;
+pub mod submit;
 pub mod token;
 pub mod up;
 

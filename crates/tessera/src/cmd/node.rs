@@ -58,6 +58,14 @@ pub struct NodeArgs {
     /// Measure the node, print its inventory as JSON, and exit.
     #[arg(long)]
     inventory: bool,
+    /// What kind of machine this is, for sealed jobs: phone, laptop, workstation or server.
+    /// Less dependable tiers get shorter leases and more of their answers checked.
+    #[arg(long, default_value = "workstation")]
+    device_tier: tessera_seal::DeviceTier,
+    /// Test only: alter the tokens of every sealed answer (a lying worker), so verification
+    /// has something to catch.
+    #[arg(long, hide = true)]
+    fault_alter_tokens: bool,
 }
 
 /// What else `tessera node` does.
@@ -127,6 +135,10 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         },
         progress: true,
         expert_budget,
+        sealed: tessera_node::agent::SealedOptions {
+            tier: args.device_tier,
+            fault_alter_tokens: args.fault_alter_tokens,
+        },
     };
     if args.inventory {
         std::fs::create_dir_all(&config.data_dir)?;

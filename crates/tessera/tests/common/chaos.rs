@@ -271,8 +271,14 @@ impl Cluster {
     /// Starts a node that enrols with `join` (the coordinator's line, or one naming a proxy)
     /// and waits until it has joined.
     pub fn add_node_via(&mut self, name: &str, join: &str) {
+        self.add_node_with(name, join, &[]);
+    }
+
+    /// [`Cluster::add_node_via`] with extra node flags.
+    pub fn add_node_with(&mut self, name: &str, join: &str, extra: &[&str]) {
         let mut args = self.node_args(name);
         args.extend(["--join".to_string(), join.to_string()]);
+        args.extend(extra.iter().map(|s| s.to_string()));
         let mut p = Proc::spawn_with_events(name, &args);
         p.wait_event(&[("event", "joined")]);
         self.nodes.push(p);

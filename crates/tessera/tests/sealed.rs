@@ -1,0 +1,351 @@
+//! Sealed jobs with real processes on 127.0.0.1: a `tessera coordinator` whose `--split` holds
+//! single-node cells, their nodes (each publishes a sealing key in signed claims), and
+//! `tessera client submit`, which tokenizes, seals the request to each candidate worker and
+//! opens the one answer.
+//!
+//! - The answer is the one-process text, and the coordinator's memory, logs and data never
+//!   hold the prompt or the answer.
+//! - A coordinator that rewrites an envelope's recipient or expiry gets an authentication error
+//!   from the worker, never an answer; one that delivers an envelope twice gets a replay
+//!   refusal; a resubmitted job is refused.
+//! - Killing the worker that holds a job hands it to the next candidate; the client gets one
+//!   answer.
+//! - A worker that alters its tokens is caught by verification and quarantined, and the client
+//!   gets the honest answer; honest workers are never quarantined in 200 verified jobs.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::Path;
+
+use common::chaos::{messages, reference_text, Cluster, Proc};
+use common::model;
+use serde_json::Value;
+
+const MODEL: &str = "test/small-qwen3-Q8_0.gguf";
+
+/// A cluster of single-node cells, one per node (`name`, extra node flags), every node's claims
+/// for the model received by the coordinator. Returns it with each node's key → name.
+fn cluster(nodes: &[(&str, &[&str])], coordinator: &[&str]) -> (Cluster, BTreeMap<String, String>) {
+    let path = model(MODEL);
+    let split = vec!["0..3"; nodes.len()].join(",");
+    let mut c = Cluster::start_with(&path, &split, coordinator);
+    for (name, extra) in nodes {
+        let join = c.join.clone();
+        c.add_node_with(name, &join, extra);
+    }
+    c.wait_ready();
+    let holding = |e: &Value| e["models"].as_u64() == Some(1);
+    c.coordinator
+        .wait_event_where(&[("event", "claims")], nodes.len(), holding);
+    let keys = c
+        .coordinator
+        .events(&[("event", "claims")])
+        .into_iter()
+        .filter(|e| holding(e))
+        .map(|e| {
+            let s = |k: &str| e[k].as_str().unwrap().to_string();
+            (s("node"), s("name"))
+        })
+        .collect();
+    (c, keys)
+}
+
+/// `tessera client submit --json` against `c`, with its own client key.
+fn submit(c: &Cluster, name: &str, flags: &[&str]) -> Proc {
+    let mut args: Vec<String> = vec![
+        "client".into(),
+        "submit".into(),
+        "--coordinator".into(),
+        c.operator.clone(),
+        "--data-dir".into(),
+        c.dir.path().join(name).display().to_string(),
+        "-m".into(),
+        model(MODEL).display().to_string(),
+        "--json".into(),
+    ];
+    args.extend(flags.iter().map(|s| s.to_string()));
+    Proc::spawn(name, &args)
+}
+
+/// The client's news lines of kind `event`.
+fn news(msgs: &[Value], event: &str) -> Vec<Value> {
+    msgs.iter()
+        .filter(|m| m["news"]["event"] == event)
+        .map(|m| m["news"].clone())
+        .collect()
+}
+
+fn answers(msgs: &[Value]) -> Vec<Value> {
+    msgs.iter()
+        .filter(|m| m["type"] == "answer")
+        .cloned()
+        .collect()
+}
+
+fn finished(p: &mut Proc) -> (bool, Vec<Value>) {
+    let ok = p.finish().success();
+    (ok, messages(p).into_iter().map(|(_, v)| v).collect())
+}
+
+/// The text `tessera generate` gives: the prompt and the completion.
+fn one_process(prompt: &str, n: &str) -> String {
+    reference_text(
+        &model(MODEL),
+        &["-p", prompt, "-n", n, "--temperature", "0"],
+    )
+}
+
+#[test]
+fn a_sealed_job_gives_the_one_process_text_and_the_coordinator_never_holds_prompt_or_answer() {
+    let marker = "Zanzibar quokkas negotiate";
+    let (mut c, _) = cluster(&[("n0", &[]), ("n1", &[])], &[]);
+    let mut p = submit(
+        &c,
+        "client",
+        &["-p", marker, "-n", "48", "--temperature", "0"],
+    );
+    let (ok, msgs) = finished(&mut p);
+    assert!(ok, "{msgs:?}");
+    let a = answers(&msgs);
+    assert_eq!(a.len(), 1, "{msgs:?}");
+    let text = a[0]["text"].as_str().unwrap();
+    assert_eq!(format!("{marker}{text}\n"), one_process(marker, "48"));
+    assert!(
+        text.len() >= 24,
+        "a completion long enough to search for: {text:?}"
+    );
+
+    // Search everything the coordinator has: its memory, its output, its data directory.
+    let secrets = [marker.as_bytes(), text.trim().as_bytes()];
+    let pid: u32 = c.coordinator.pid().parse().unwrap();
+    let memory = process_memory(pid);
+    assert!(
+        memory.len() > 1 << 20,
+        "read {} bytes of memory",
+        memory.len()
+    );
+    c.coordinator.drain();
+    let logs: Vec<u8> = c
+        .coordinator
+        .seen
+        .iter()
+        .flat_map(|(_, l)| l.bytes().chain([b'\n']))
+        .collect();
+    let mut data = Vec::new();
+    read_tree(&c.dir.path().join("coord"), &mut data);
+    assert!(!data.is_empty());
+    for s in secrets {
+        for (what, hay) in [("memory", &memory), ("logs", &logs), ("data", &data)] {
+            assert!(
+                find(hay, s).is_none(),
+                "the coordinator's {what} holds {:?}",
+                String::from_utf8_lossy(s)
+            );
+        }
+    }
+    // The search finds what is there: the model's file name, which the coordinator holds.
+    assert!(find(&memory, b"small-qwen3-Q8_0").is_some());
+}
+
+#[test]
+fn a_coordinator_that_rewrites_the_recipient_or_the_expiry_gets_an_authentication_error() {
+    for fault in ["rewrite-recipient", "rewrite-ttl"] {
+        let (c, _) = cluster(&[("n0", &[]), ("n1", &[])], &["--fault-sealed", fault]);
+        let mut p = submit(&c, "client", &["-p", "Once upon a time", "-n", "8"]);
+        let (ok, msgs) = finished(&mut p);
+        assert!(!ok, "{fault}: the job must fail: {msgs:?}");
+        assert!(answers(&msgs).is_empty(), "{fault}: {msgs:?}");
+        let refused = news(&msgs, "refused");
+        assert_eq!(
+            refused.len(),
+            2,
+            "{fault}: one refusal per envelope: {msgs:?}"
+        );
+        for r in &refused {
+            assert_eq!(r["reason"], "authentication", "{fault}: {r}");
+        }
+    }
+}
+
+#[test]
+fn a_replayed_envelope_is_refused_by_the_worker_and_a_resubmitted_job_by_the_coordinator() {
+    let (c, _) = cluster(&[("n0", &[]), ("n1", &[])], &["--fault-sealed", "replay"]);
+    let mut p = submit(
+        &c,
+        "client",
+        &[
+            "-p",
+            "Once upon a time",
+            "-n",
+            "16",
+            "--temperature",
+            "0",
+            "--resubmit",
+        ],
+    );
+    let (ok, msgs) = finished(&mut p);
+    assert!(ok, "{msgs:?}");
+    let refused = news(&msgs, "refused");
+    assert_eq!(refused.len(), 1, "{msgs:?}");
+    assert_eq!(refused[0]["reason"], "replayed");
+    assert_eq!(refused[0]["attempt"], 1);
+    // The replay did not move the job: attempt 1 answered, once.
+    let a = answers(&msgs);
+    assert_eq!(a.len(), 1);
+    assert_eq!(a[0]["attempt"], 1);
+    let resubmitted: Vec<&Value> = msgs.iter().filter(|m| m["type"] == "resubmitted").collect();
+    assert_eq!(resubmitted.len(), 1, "{msgs:?}");
+    assert!(
+        resubmitted[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("already submitted"),
+        "{}",
+        resubmitted[0]
+    );
+}
+
+#[test]
+fn killing_the_worker_holding_a_job_hands_it_to_the_next_and_the_client_gets_one_answer() {
+    let (mut c, names) = cluster(&[("n0", &[]), ("n1", &[])], &[]);
+    let prompt = "Lily and Ben";
+    let mut p = submit(
+        &c,
+        "client",
+        &["-p", prompt, "-n", "300", "--temperature", "0"],
+    );
+    // Wait until the first holder reports progress, then kill it.
+    let first = p.wait_event_where(&[], 1, |m| m["news"]["event"] == "progress");
+    assert_eq!(first["news"]["attempt"], 1);
+    let dispatched = messages(&p)
+        .into_iter()
+        .find(|(_, m)| m["news"]["event"] == "dispatched")
+        .map(|(_, m)| m)
+        .unwrap();
+    let holder = &names[dispatched["news"]["to"].as_str().unwrap()];
+    c.node(holder).signal("-KILL");
+    let (ok, msgs) = finished(&mut p);
+    assert!(ok, "{msgs:?}");
+    assert_eq!(news(&msgs, "expired").len(), 1, "{msgs:?}");
+    let a = answers(&msgs);
+    assert_eq!(a.len(), 1, "one answer: {msgs:?}");
+    assert_eq!(a[0]["attempt"], 2);
+    let want = one_process(prompt, "300");
+    assert_eq!(
+        format!("{prompt}{}\n", a[0]["text"].as_str().unwrap()),
+        want
+    );
+}
+
+#[test]
+fn a_worker_that_alters_its_tokens_is_quarantined_and_the_client_gets_the_honest_answer() {
+    let (mut c, names) = cluster(
+        &[
+            ("n0", &[]),
+            ("liar", &["--fault-alter-tokens"]),
+            ("n2", &[]),
+        ],
+        &["--verify-per-mille", "1000"],
+    );
+    let prompt = "The cat sat";
+    // Three jobs: the first candidate rotates, so the liar answers first once.
+    let mut p = submit(
+        &c,
+        "client",
+        &[
+            "-p",
+            prompt,
+            "-n",
+            "12",
+            "--temperature",
+            "0",
+            "--jobs",
+            "3",
+            "--workers",
+            "3",
+        ],
+    );
+    let (ok, msgs) = finished(&mut p);
+    assert!(ok, "{msgs:?}");
+    let want = one_process(prompt, "12");
+    let a = answers(&msgs);
+    assert_eq!(a.len(), 3);
+    for x in &a {
+        assert_eq!(x["verified"], true, "{x}");
+        assert_eq!(format!("{prompt}{}\n", x["text"].as_str().unwrap()), want);
+    }
+    let q = c.coordinator.wait_event(&[("event", "quarantined")]);
+    assert_eq!(names[q["node"].as_str().unwrap()], "liar");
+    assert_eq!(c.coordinator.events(&[("event", "quarantined")]).len(), 1);
+}
+
+#[test]
+fn honest_workers_are_never_quarantined_in_200_verified_jobs() {
+    let (mut c, _) = cluster(&[("n0", &[]), ("n1", &[])], &["--verify-per-mille", "1000"]);
+    let mut p = submit(
+        &c,
+        "client",
+        &[
+            "-p",
+            "A dog",
+            "-n",
+            "3",
+            "--temperature",
+            "0.9",
+            "--seed",
+            "5",
+            "--jobs",
+            "200",
+        ],
+    );
+    let (ok, msgs) = finished(&mut p);
+    assert!(ok, "{msgs:?}");
+    let a = answers(&msgs);
+    assert_eq!(a.len(), 200);
+    assert!(a.iter().all(|x| x["verified"] == true));
+    assert_eq!(news(&msgs, "verifying").len(), 200);
+    assert!(c.coordinator.events(&[("event", "quarantined")]).is_empty());
+}
+
+/// The readable memory of process `pid` (every mapping /proc/PID/maps marks readable).
+fn process_memory(pid: u32) -> Vec<u8> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let mut out = Vec::new();
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else {
+            continue;
+        };
+        if !perms.starts_with('r') || line.ends_with("[vvar]") {
+            continue;
+        }
+        let (a, b) = range.split_once('-').unwrap();
+        let (a, b) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
+        let mut buf = vec![0u8; (b - a) as usize];
+        if mem.seek(SeekFrom::Start(a)).is_ok() && mem.read_exact(&mut buf).is_ok() {
+            out.extend_from_slice(&buf);
+        }
+    }
+    out
+}
+
+fn read_tree(dir: &Path, out: &mut Vec<u8>) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            read_tree(&p, out);
+        } else if let Ok(b) = std::fs::read(&p) {
+            out.extend_from_slice(&b);
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
