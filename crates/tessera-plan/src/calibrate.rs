@@ -455,7 +455,8 @@ pub fn calibrate_hop_overhead(
             quantity: "hop_overhead".into(),
             factor: if before > 0.0 { after / before } else { 1.0 },
             reason: format!(
-                "token time measured {:.3} ms; nodes, links and runtime predict {:.3} ms with                  free hops; {:.0} crossings per token{}",
+                "token time measured {:.3} ms; nodes, links and runtime predict {:.3} ms with \
+                 free hops; {:.0} crossings per token{}",
                 1e3 / measured_tokens_per_s,
                 free * 1e3,
                 crossings,
