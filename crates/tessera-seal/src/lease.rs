@@ -581,6 +581,33 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_by_the_holder_moves_the_job_on_and_one_by_anyone_else_is_ignored() {
+        let mut l = JobLeases::new(LeaseConfig::default());
+        let hs = (1..=2).map(|i| holder(i, DeviceTier::Server)).collect();
+        submit(&mut l, hs);
+        let refuse = |l: &mut JobLeases, attempt, from| {
+            l.handle(LeaseEvent::Refused {
+                job: JOB,
+                attempt,
+                from,
+                now: UnixMillis(1),
+            })
+        };
+        assert!(refuse(&mut l, 1, node(2)).is_empty());
+        assert!(refuse(&mut l, 2, node(1)).is_empty());
+        let a = refuse(&mut l, 1, node(1));
+        assert!(matches!(a[1], LeaseAction::Dispatch { to, attempt: 2, .. } if to == node(2)));
+        let a = refuse(&mut l, 2, node(2));
+        assert_eq!(
+            a[1],
+            LeaseAction::Failed {
+                job: JOB,
+                reason: JobFailure::NoHolderLeft { attempts: 2 }
+            }
+        );
+    }
+
+    #[test]
     fn a_departed_node_is_not_tried_later_and_attempts_are_capped() {
         let mut l = JobLeases::new(LeaseConfig {
             max_attempts: 2,

@@ -11,7 +11,8 @@
 //! can do in signed, epoch-stamped claims ([`ClaimBook`]); their device tier ([`DeviceTier`]) sets
 //! lease lengths and verification rates.
 //!
-//! Every machine here takes events and the time as values and returns actions: no clock, no I/O.
+//! Every machine here takes events and the time as values and returns actions: no clock, no I/O
+//! (the edges read the clock with [`UnixMillis::now`] and pass it in).
 //!
 //! ```
 //! use tessera_seal::*;
@@ -79,7 +80,7 @@ pub use verify::{
     VerifyStats, Worker,
 };
 
-/// A point in time as milliseconds since the Unix epoch. Passed in by callers; nothing in this
+/// A point in time as milliseconds since the Unix epoch. Passed in by callers; no machine in this
 /// crate reads a clock.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
@@ -88,6 +89,14 @@ pub use verify::{
 pub struct UnixMillis(pub u64);
 
 impl UnixMillis {
+    /// The wall clock now: for the edges that feed the machines (which never call it).
+    pub fn now() -> Self {
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        Self(u64::try_from(ms).unwrap_or(u64::MAX))
+    }
+
     /// `self` plus `ms`, saturating.
     pub fn plus(self, ms: u64) -> Self {
         Self(self.0.saturating_add(ms))

@@ -2,7 +2,6 @@
 //! faults of a coordinator that misbehaves.
 
 use std::collections::HashMap;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use tessera_net::NodeId;
 use tessera_proto::{CoordToClient, CoordToNode, NodeToCoord};
@@ -77,13 +76,6 @@ impl SealedEdge {
     }
 }
 
-fn now() -> UnixMillis {
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    UnixMillis(u64::try_from(ms).unwrap_or(u64::MAX))
-}
-
 pub(crate) fn node_key(id: &tessera_net::PublicKey) -> NodeKey {
     NodeKey::from_bytes(*id.as_bytes())
 }
@@ -127,7 +119,7 @@ pub(crate) fn submit(shared: &Shared, client: ClientId, envelopes: Vec<JobEnvelo
         SealedInput::Submit {
             client,
             envelopes,
-            now: now(),
+            now: UnixMillis::now(),
         },
     );
 }
@@ -160,12 +152,12 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
             attempt: *attempt,
             from,
             tokens: *tokens,
-            now: now(),
+            now: UnixMillis::now(),
         },
         NodeToCoord::SealedResult { result } => SealedInput::Result {
             result: result.clone(),
             from,
-            now: now(),
+            now: UnixMillis::now(),
         },
         NodeToCoord::SealedRefused {
             job,
@@ -179,7 +171,7 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
                 _ => from,
             },
             reason: reason.clone(),
-            now: now(),
+            now: UnixMillis::now(),
         },
         _ => return false,
     };
@@ -188,13 +180,24 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
 }
 
 pub(crate) fn node_left(shared: &Shared, node: NodeKey) {
-    feed(shared, SealedInput::NodeLeft { node, now: now() });
+    feed(
+        shared,
+        SealedInput::NodeLeft {
+            node,
+            now: UnixMillis::now(),
+        },
+    );
 }
 
 /// Moves jobs whose leases ran out (the coordinator's clock calls this).
 pub(crate) fn tick(shared: &Shared) {
     if shared.sealed().desk.in_flight() > 0 {
-        feed(shared, SealedInput::Tick { now: now() });
+        feed(
+            shared,
+            SealedInput::Tick {
+                now: UnixMillis::now(),
+            },
+        );
     }
 }
 

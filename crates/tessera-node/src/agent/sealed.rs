@@ -16,7 +16,6 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use tessera_net::NodeIdentity;
 use tessera_seal::{
@@ -79,13 +78,6 @@ pub(super) struct SealedWorker {
     memory_bytes: u64,
 }
 
-fn now() -> UnixMillis {
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    UnixMillis(u64::try_from(ms).unwrap_or(u64::MAX))
-}
-
 impl SealedWorker {
     /// Loads `seal.key` from `data_dir`, or makes it.
     pub fn open(
@@ -122,7 +114,7 @@ impl SealedWorker {
     /// copy on this node alone (the only kind a sealed job can run on). Each call is a new,
     /// higher epoch.
     pub fn claims(&self, holding: Option<&StageAssignment>) -> SignedClaims {
-        let issued_at = now();
+        let issued_at = UnixMillis::now();
         let epoch = {
             let mut e = self.claims_epoch.load(Ordering::SeqCst);
             loop {
@@ -179,7 +171,7 @@ impl SealedWorker {
         self.guard
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .admit(&header, now())
+            .admit(&header, UnixMillis::now())
             .map_err(|r| {
                 refuse(match r {
                     ReplayRefusal::Replayed { .. } => SealedRefusal::Replayed,

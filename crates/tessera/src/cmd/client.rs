@@ -7,7 +7,6 @@
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
 use tessera_seal::{
@@ -149,7 +148,7 @@ pub fn run(args: ClientArgs) -> anyhow::Result<()> {
                 recipient: to.key_id(),
                 model,
                 context_tokens,
-                expires_at: now().plus(ttl.saturating_mul(1000)),
+                expires_at: UnixMillis::now().plus(ttl.saturating_mul(1000)),
                 reply_to: reply.public_key(),
             };
             let env = seal_job(&header, &body, &to)?;
@@ -183,7 +182,7 @@ pub fn run(args: ClientArgs) -> anyhow::Result<()> {
                     )
                 })?;
                 let body = env.open(&key)?;
-                if env.header.expires_at <= now() {
+                if env.header.expires_at <= UnixMillis::now() {
                     bail!(
                         "job {} expired at {} (a worker refuses it)",
                         env.header.job,
@@ -233,13 +232,6 @@ fn read_key(path: &Path) -> anyhow::Result<SecretKey> {
     let text =
         fs::read_to_string(path).with_context(|| format!("reading key {}", path.display()))?;
     SecretKey::from_file_text(&text).with_context(|| format!("in {}", path.display()))
-}
-
-fn now() -> UnixMillis {
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    UnixMillis(u64::try_from(ms).unwrap_or(u64::MAX))
 }
 
 fn write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {

@@ -7,7 +7,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tessera_model::{GgufFile, Tokenizer};
@@ -224,9 +224,7 @@ fn seal_to(
     ttl_s: u64,
 ) -> anyhow::Result<Vec<JobEnvelope>> {
     let job = JobId::random();
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let now = UnixMillis::now();
     order
         .iter()
         .enumerate()
@@ -237,7 +235,7 @@ fn seal_to(
                 recipient: c.claims.seal_key.key_id(),
                 model: c.claims.models[0].clone(),
                 context_tokens: (request.prompt_tokens.len() + request.max_new_tokens) as u64,
-                expires_at: UnixMillis(now).plus(ttl_s.saturating_mul(1000)),
+                expires_at: now.plus(ttl_s.saturating_mul(1000)),
                 reply_to: reply.public_key(),
             };
             Ok(seal_job(&header, body, &c.claims.seal_key)?)
