@@ -107,8 +107,9 @@ struct Job {
     holders: BTreeMap<u32, NodeKey>,
     /// The answer, held back while it is checked, and who gave it.
     held: Option<(ResultEnvelope, NodeKey)>,
-    /// Replicas asked for, by node: the attempt sealed to it.
-    replicas: BTreeMap<NodeKey, u32>,
+    /// Replicas asked for, by node: the attempt sealed to it, and when the replica counts as
+    /// failed unless it reports (its tier's lease, renewed by progress).
+    replicas: BTreeMap<NodeKey, (u32, UnixMillis)>,
     /// Replicas' results, by node.
     replica_results: BTreeMap<NodeKey, ResultEnvelope>,
 }
@@ -185,7 +186,20 @@ impl SealedDesk {
                 tokens,
                 now,
             } => {
-                if self.leases.current(job) == Some((attempt, from)) {
+                if let Some(r) = self
+                    .jobs
+                    .get_mut(&job)
+                    .and_then(|j| j.replicas.get_mut(&from))
+                    .filter(|r| r.0 == attempt)
+                {
+                    let lease = self
+                        .claims
+                        .get(&from)
+                        .map_or(DeviceTier::Phone, |c| c.tier)
+                        .policy()
+                        .lease_ms;
+                    r.1 = now.plus(lease);
+                } else if self.leases.current(job) == Some((attempt, from)) {
                     self.leases.handle(LeaseEvent::Progress {
                         job,
                         attempt,
@@ -209,7 +223,7 @@ impl SealedDesk {
                 if j.holders.get(&attempt) != Some(&from) {
                     return out;
                 }
-                let replica = j.replicas.get(&from) == Some(&attempt);
+                let replica = j.replicas.get(&from).is_some_and(|r| r.0 == attempt);
                 self.tell(
                     job,
                     SealedNews::Refused {
@@ -223,7 +237,7 @@ impl SealedDesk {
                     let acts = self
                         .verifier
                         .handle(VerifyEvent::ReplicaFailed { job, worker: from });
-                    self.verified(acts, &mut out);
+                    self.verified(acts, now, &mut out);
                 } else if reason != SealedRefusal::Replayed {
                     // A replay refusal means the worker already opened this attempt (and is
                     // running it): the job stays with it.
@@ -247,7 +261,7 @@ impl SealedDesk {
                     let acts = self
                         .verifier
                         .handle(VerifyEvent::ReplicaFailed { job, worker: node });
-                    self.verified(acts, &mut out);
+                    self.verified(acts, now, &mut out);
                 }
                 let acts = self.leases.handle(LeaseEvent::HolderLeft { node, now });
                 self.leased(acts, now, &mut out);
@@ -256,6 +270,26 @@ impl SealedDesk {
             SealedInput::Tick { now } => {
                 let acts = self.leases.handle(LeaseEvent::Tick { now });
                 self.leased(acts, now, &mut out);
+                // A replica that went silent fails: another peer is asked, or the check ends.
+                let silent: Vec<(JobId, NodeKey)> = self
+                    .jobs
+                    .iter()
+                    .flat_map(|(id, j)| {
+                        j.replicas
+                            .iter()
+                            .filter(|(n, r)| r.1 <= now && !j.replica_results.contains_key(n))
+                            .map(|(n, _)| (*id, *n))
+                    })
+                    .collect();
+                for (job, worker) in silent {
+                    if let Some(j) = self.jobs.get_mut(&job) {
+                        j.replicas.remove(&worker);
+                    }
+                    let acts = self
+                        .verifier
+                        .handle(VerifyEvent::ReplicaFailed { job, worker });
+                    self.verified(acts, now, &mut out);
+                }
             }
         }
         out
@@ -441,7 +475,8 @@ impl SealedDesk {
             return;
         };
         let candidates: Vec<NodeKey> = j.holders.values().copied().collect();
-        if j.replicas.get(&from) == Some(&attempt) && !j.replica_results.contains_key(&from) {
+        let is_replica = j.replicas.get(&from).is_some_and(|r| r.0 == attempt);
+        if is_replica && !j.replica_results.contains_key(&from) {
             let answer = result.header.answer;
             j.replica_results.insert(from, result);
             let acts = self.verifier.handle(VerifyEvent::ReplicaAnswered {
@@ -449,7 +484,7 @@ impl SealedDesk {
                 worker: from,
                 answer,
             });
-            self.verified(acts, out);
+            self.verified(acts, now, out);
             return;
         }
         let acts = self.leases.handle(LeaseEvent::Result {
@@ -485,11 +520,11 @@ impl SealedDesk {
         if let Some(j) = self.jobs.get_mut(&job) {
             j.held = Some((result, from));
         }
-        self.verified(acts, out);
+        self.verified(acts, now, out);
     }
 
     /// Carries out the verifier's actions.
-    fn verified(&mut self, acts: Vec<VerifyAction>, out: &mut Vec<SealedOutput>) {
+    fn verified(&mut self, acts: Vec<VerifyAction>, now: UnixMillis, out: &mut Vec<SealedOutput>) {
         for a in acts {
             match a {
                 VerifyAction::Replicate { job, to, .. } => {
@@ -504,7 +539,13 @@ impl SealedDesk {
                     else {
                         continue;
                     };
-                    j.replicas.insert(to, attempt);
+                    let lease = self
+                        .claims
+                        .get(&to)
+                        .map_or(DeviceTier::Phone, |c| c.tier)
+                        .policy()
+                        .lease_ms;
+                    j.replicas.insert(to, (attempt, now.plus(lease)));
                     out.push(SealedOutput::Dispatch { to, envelope });
                     self.tell(job, SealedNews::Verifying { attempt, on: to }, out);
                 }

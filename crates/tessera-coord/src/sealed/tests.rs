@@ -312,3 +312,44 @@ fn honest_workers_are_never_quarantined_in_200_verified_jobs() {
         (200, 200, 200, 0)
     );
 }
+
+#[test]
+fn a_silent_replica_does_not_hold_the_answer_back_past_its_lease() {
+    let (a, b) = (W::new(1), W::new(2));
+    let mut d = desk(Some(1000), &[&a, &b]);
+    let client = SecretKey::derive(b"client");
+    let job = JobId::from_bytes([12; 16]);
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        envelopes: envelopes(job, &[&a, &b], &client.public_key()),
+        now: T0,
+    });
+    let r = a.answer(&envelope_to(&out, a.node()), &[3]);
+    let out = d.handle(SealedInput::Result {
+        result: r.clone(),
+        from: a.node(),
+        now: T0,
+    });
+    assert_eq!(dispatched(&out), vec![(b.node(), 2)], "checked on b");
+    assert!(results(&out).is_empty(), "held back while checked");
+    let lease = DeviceTier::Server.policy().lease_ms;
+    // Progress renews the replica's lease.
+    d.handle(SealedInput::Progress {
+        job,
+        attempt: 2,
+        from: b.node(),
+        tokens: 8,
+        now: T0.plus(lease - 1),
+    });
+    assert!(d
+        .handle(SealedInput::Tick {
+            now: T0.plus(lease + 1)
+        })
+        .is_empty());
+    // Then silence: no other peer to ask, so the answer goes out unverified.
+    let out = d.handle(SealedInput::Tick {
+        now: T0.plus(2 * lease),
+    });
+    assert_eq!(results(&out), vec![(r, false)]);
+    assert_eq!(d.in_flight(), 0);
+}
