@@ -12,6 +12,7 @@
 //!   answer.
 //! - A worker that alters its tokens is caught by verification and quarantined, and the client
 //!   gets the honest answer; honest workers are never quarantined in 200 verified jobs.
+//! - A gateway (`tessera serve --sealed-via`) seals plain OpenAI requests the same way.
 
 mod common;
 
@@ -307,6 +308,50 @@ fn honest_workers_are_never_quarantined_in_200_verified_jobs() {
     assert!(a.iter().all(|x| x["verified"] == true));
     assert_eq!(news(&msgs, "verifying").len(), 200);
     assert!(c.coordinator.events(&[("event", "quarantined")]).is_empty());
+}
+
+#[test]
+fn a_gateway_seals_plain_openai_requests_to_the_workers_of_an_untrusted_coordinator() {
+    let (c, _) = cluster(&[("n0", &[]), ("n1", &[])], &[]);
+    let args: Vec<String> = [
+        "serve",
+        "-m",
+        &model(MODEL).display().to_string(),
+        "--model-name",
+        "m",
+        "--sealed-via",
+        &c.operator,
+        "--data-dir",
+        &c.dir.path().join("gateway").display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut gw = Proc::spawn_with_events("gateway", &args);
+    let addr = gw.announced("listening", "addr");
+    let prompt = "Once upon a time";
+    let want = one_process(prompt, "24");
+    for _ in 0..2 {
+        let r = common::http::post(
+            &addr,
+            "/v1/completions",
+            &serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 24,
+                                "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        assert_eq!(format!("{prompt}{text}\n"), want);
+    }
+    // What a sealed job cannot do is refused, not ignored.
+    let r = common::http::post(
+        &addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 4, "logprobs": 2}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
 }
 
 /// The readable memory of process `pid` (every mapping /proc/PID/maps marks readable).

@@ -24,12 +24,16 @@ use tessera_seal::{
     UnixMillis, Verifier, VerifyAction, VerifyConfig, VerifyEvent, Worker,
 };
 
+pub mod client;
 pub(crate) mod edge;
+mod gateway;
 #[cfg(test)]
 mod tests;
 
+pub use client::{SealedClient, SealedOutcome};
 pub(crate) use edge::SealedEdge;
 pub use edge::{SealedFault, SealedSettings};
+pub use gateway::{SealedBackend, SealedBackendConfig};
 
 /// Most candidate workers (envelopes) one job may carry.
 pub const MAX_CANDIDATES: usize = 8;

@@ -7,17 +7,13 @@
 //! `--bench` a report: decode tokens/s, bytes per token on each boundary, hop latency.
 
 use std::io::Write;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use tessera_coord::assignment::{parse_split, PlanFile};
 use tessera_net::{Endpoint, NodeIdentity};
 use tessera_node::agent::JoinTarget;
-use tessera_node::protocol::{
-    frame, limits, stream, ClientToCoord, CoordToClient, Hello, Role, RunReport, RunRequest,
-    PROTOCOL_VERSION,
-};
+use tessera_node::protocol::{frame, ClientToCoord, CoordToClient, RunReport, RunRequest};
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -113,37 +109,9 @@ pub(crate) async fn connect_client(
     identity: &NodeIdentity,
     target: &JoinTarget,
 ) -> anyhow::Result<(Endpoint, tessera_net::Connection, tessera_net::FramedStream)> {
-    let bind: SocketAddr = if target.addr.is_ipv4() {
-        "0.0.0.0:0".parse()?
-    } else {
-        "[::]:0".parse()?
-    };
-    let endpoint = Endpoint::bind(bind, identity, tessera_net::AllowList::new())?;
-    let conn = endpoint
-        .enroll(target.addr, &target.token)
+    tessera_coord::sealed::client::connect_client(identity, target.addr, &target.token)
         .await
-        .context("connecting to the coordinator")?;
-    let mut s = conn.open_stream(stream::CONTROL).await?;
-    s.reader.set_max_len(limits::CONTROL);
-    s.writer
-        .write_message(
-            frame::MSG,
-            &ClientToCoord::Hello(Hello {
-                protocol_version: PROTOCOL_VERSION,
-                role: Role::Client,
-                name: format!("client-{}", identity.node_id().short()),
-                inventory: None,
-                memory_budget_bytes: None,
-                models: Vec::new(),
-            }),
-        )
-        .await?;
-    match s.reader.read_message::<CoordToClient>(frame::MSG).await? {
-        CoordToClient::Welcome { .. } => {}
-        CoordToClient::Refused { reason } => bail!("the coordinator refused this client: {reason}"),
-        other => bail!("unexpected first message {other:?}"),
-    }
-    Ok((endpoint, conn, s))
+        .context("connecting to the coordinator")
 }
 
 async fn drive(

@@ -87,6 +87,18 @@ pub struct ServeArgs {
     /// (default: `tessera-coordinator` under the cache directory).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// Sealed mode: serve this API from workers behind a coordinator you do not trust (its
+    /// `TOKEN@HOST:PORT` line, a client or operator token). This gateway tokenizes with
+    /// --model's tokenizer and seals every request to the workers' published keys; the
+    /// coordinator routes it without reading it. Answers come back whole (a stream gets its
+    /// tokens at the end). The client key lives in --data-dir.
+    #[arg(long, value_name = "TOKEN@HOST:PORT", conflicts_with_all = ["nodes_expected", "split", "plan"])]
+    pub sealed_via: Option<String>,
+    /// Sealed mode: seal each request to at most this many workers (the first runs it; the
+    /// others take over if it fails, or check its answer).
+    #[arg(long, default_value_t = 3, requires = "sealed_via",
+          value_parser = clap::value_parser!(u64).range(1..=tessera_coord::sealed::MAX_CANDIDATES as u64))]
+    pub sealed_workers: u64,
 }
 
 /// Validated settings.
@@ -166,6 +178,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if args.nodes_expected.is_some() || args.split.is_some() || args.plan.is_some() {
         return run_distributed(args);
     }
+    if args.sealed_via.is_some() {
+        return run_sealed(args);
+    }
     let cfg = validate(args)?;
     let gguf =
         GgufFile::open(&cfg.model).with_context(|| format!("opening {}", cfg.model.display()))?;
@@ -176,6 +191,45 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let backend = LocalBackend::start(&cfg.name, &gguf, model, cfg.local)
         .context("reading the tokenizer and chat template")?;
     serve_backend(Arc::new(backend), cfg.listen, cfg.api_key, |_| {})
+}
+
+/// Sealed mode: the gateway as the sealing client of an untrusted coordinator's workers.
+fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
+    let via = args.sealed_via.clone().expect("sealed mode");
+    let target = super::token::parse_target(&via, false).context("--sealed-via")?;
+    let data_dir = args
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| state_root().join("tessera-sealed-client"));
+    let workers = args.sealed_workers as usize;
+    let cfg = validate(args)?;
+    let gguf =
+        GgufFile::open(&cfg.model).with_context(|| format!("opening {}", cfg.model.display()))?;
+    let model = tessera_gateway::ServedModel::from_gguf(&cfg.name, &gguf, cfg.local.context_length)
+        .context("reading the tokenizer and chat template")?;
+    std::fs::create_dir_all(&data_dir)?;
+    let identity = tessera_net::NodeIdentity::load_or_create(&data_dir)?;
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let client =
+            tessera_coord::sealed::SealedClient::connect(&identity, target.addr, &target.token)
+                .await
+                .context("connecting to the coordinator")?;
+        let backend: Arc<dyn Backend> = Arc::new(tessera_coord::sealed::SealedBackend::new(
+            model,
+            client,
+            tessera_coord::sealed::SealedBackendConfig {
+                workers,
+                ttl_ms: 10 * 60_000,
+            },
+        ));
+        let listener = bind_and_print(cfg.listen, &backend, cfg.api_key.is_some()).await?;
+        serve_until(backend, listener, cfg.api_key, async {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("shutting down");
+        })
+        .await
+    })
 }
 
 /// What a coordinator-backed gateway needs.

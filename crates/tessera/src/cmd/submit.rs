@@ -7,18 +7,14 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{bail, Context};
+use tessera_coord::sealed::client::seal;
+use tessera_coord::sealed::{SealedClient, MAX_CANDIDATES};
 use tessera_model::{GgufFile, Tokenizer};
 use tessera_net::NodeIdentity;
-use tessera_node::protocol::{
-    frame, ClientToCoord, CoordToClient, SealedAnswer, SealedNews, SealedRequest, SealedSubmit,
-};
-use tessera_seal::{seal_job, JobEnvelope, JobHeader, JobId, SecretKey, SignedClaims, UnixMillis};
-
-/// Most candidate workers one job is sealed to (the coordinator's cap).
-const MAX_CANDIDATES: usize = 8;
+use tessera_node::protocol::{SealedNews, SealedRequest};
+use tessera_seal::{JobId, SecretKey};
 
 #[derive(clap::Args, Debug)]
 pub struct SubmitArgs {
@@ -103,65 +99,48 @@ async fn drive(
     tokenizer: &Tokenizer,
     args: &SubmitArgs,
 ) -> anyhow::Result<()> {
-    let (endpoint, conn, mut s) = super::run::connect_client(identity, target).await?;
-    s.writer
-        .write_message(frame::MSG, &ClientToCoord::Holders { model: None })
-        .await?;
-    let holders = match s.reader.read_message::<CoordToClient>(frame::MSG).await? {
-        CoordToClient::Holders { holders } => holders,
-        CoordToClient::Error { message } => bail!("{message}"),
-        other => bail!("unexpected answer {other:?}"),
-    };
-    let holders = checked_holders(holders)?;
-    let body = serde_json::to_vec(request)?;
+    let client = SealedClient::connect(identity, target.addr, &target.token).await?;
+    let holders = client.holders().await?;
     let mut out = std::io::stdout().lock();
     for n in 0..args.jobs {
         let mut order = holders.clone();
         let first = n % order.len();
         order.rotate_left(first);
         order.truncate(args.workers as usize);
-        let reply = SecretKey::generate();
-        let envelopes = seal_to(&order, &body, request, &reply, args.ttl)?;
-        let job = envelopes[0].header.job;
-        let submit = ClientToCoord::SealedSubmit(SealedSubmit {
-            envelopes: envelopes.clone(),
-        });
-        s.writer.write_message(frame::MSG, &submit).await?;
-        let (attempt, verified, answer) = loop {
-            let msg: CoordToClient = s.reader.read_message(frame::MSG).await?;
-            let news = match msg {
-                CoordToClient::Sealed { job: j, news } if j == job => news,
-                CoordToClient::Error { message } => bail!("{message}"),
-                _ => continue,
-            };
+        let ttl_ms = args.ttl.saturating_mul(1000);
+        let mut print_news = |job: JobId, news: &SealedNews| {
             if args.json {
-                writeln!(out, "{}", serde_json::json!({ "job": job, "news": news }))?;
-                out.flush()?;
-            }
-            match news {
-                SealedNews::Result { result, verified } => {
-                    let worker = order
-                        .iter()
-                        .find(|c| c.claims.seal_key.key_id() == result.header.worker)
-                        .context("an answer from a worker the job was not sealed to")?;
-                    let (attempt, plain) = result.open(&reply, &worker.claims.seal_key, job)?;
-                    let answer: SealedAnswer =
-                        serde_json::from_slice(&plain).context("a malformed sealed answer")?;
-                    break (attempt, verified, answer);
-                }
-                SealedNews::Failed { reason } => bail!("job {job} failed: {reason}"),
-                _ => {}
+                let _ = writeln!(out, "{}", serde_json::json!({ "job": job, "news": news }));
+                let _ = out.flush();
             }
         };
-        let text = tokenizer.decode(&answer.tokens);
+        // With --resubmit, the envelopes are kept to be sent again.
+        let outcome = if args.resubmit {
+            let reply = SecretKey::generate();
+            let envelopes = seal(request, &order, &reply, ttl_ms)?;
+            let o = client
+                .answer(envelopes.clone(), &order, &reply, &mut print_news)
+                .await?;
+            let mut again = client.submit(envelopes).await?;
+            let reason = match again.recv().await {
+                Some(SealedNews::Failed { reason }) => reason,
+                other => bail!("the coordinator took a resubmitted job: {other:?}"),
+            };
+            let line = serde_json::json!({ "type": "resubmitted", "job": o.job, "reason": reason });
+            writeln!(out, "{line}")?;
+            o
+        } else {
+            client.run(request, &order, ttl_ms, &mut print_news).await?
+        };
+        let text = tokenizer.decode(&outcome.answer.tokens);
         if args.json {
             let line = serde_json::json!({
                 "type": "answer",
-                "job": job,
-                "attempt": attempt,
-                "verified": verified,
-                "tokens": answer.tokens,
-                "finish_reason": answer.finish_reason,
+                "job": outcome.job,
+                "attempt": outcome.attempt,
+                "verified": outcome.verified,
+                "tokens": outcome.answer.tokens,
+                "finish_reason": outcome.answer.finish_reason,
                 "text": text,
             });
             writeln!(out, "{line}")?;
@@ -169,76 +148,7 @@ async fn drive(
             writeln!(out, "{}{text}", args.prompt)?;
         }
         out.flush()?;
-        if args.resubmit {
-            s.writer.write_message(frame::MSG, &submit).await?;
-            let reason = loop {
-                match s.reader.read_message::<CoordToClient>(frame::MSG).await? {
-                    CoordToClient::Sealed {
-                        job: j,
-                        news: SealedNews::Failed { reason },
-                    } if j == job => break reason,
-                    CoordToClient::Sealed {
-                        job: j,
-                        news: SealedNews::Result { .. },
-                    } if j == job => bail!("the coordinator answered a resubmitted job"),
-                    _ => {}
-                }
-            };
-            let line = serde_json::json!({ "type": "resubmitted", "job": job, "reason": reason });
-            writeln!(out, "{line}")?;
-        }
     }
-    let _ = s.writer.finish().await;
-    conn.close("done");
-    endpoint.close();
-    let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+    client.close().await;
     Ok(())
-}
-
-/// The claims whose signatures hold and that name a model, best first (the coordinator's
-/// order); all must name the same model.
-fn checked_holders(holders: Vec<SignedClaims>) -> anyhow::Result<Vec<SignedClaims>> {
-    let valid: Vec<SignedClaims> = holders
-        .into_iter()
-        .filter(|c| c.verify().is_ok() && !c.claims.models.is_empty())
-        .collect();
-    let Some(first) = valid.first() else {
-        bail!(
-            "no worker holds a whole copy of the model now (sealed jobs run on single-node cells)"
-        );
-    };
-    let model = first.claims.models[0].clone();
-    let same: Vec<SignedClaims> = valid
-        .into_iter()
-        .filter(|c| c.claims.models.contains(&model))
-        .collect();
-    Ok(same)
-}
-
-/// One envelope per candidate: attempt `k` sealed to candidate `k`.
-fn seal_to(
-    order: &[SignedClaims],
-    body: &[u8],
-    request: &SealedRequest,
-    reply: &SecretKey,
-    ttl_s: u64,
-) -> anyhow::Result<Vec<JobEnvelope>> {
-    let job = JobId::random();
-    let now = UnixMillis::now();
-    order
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let header = JobHeader {
-                job,
-                attempt: i as u32 + 1,
-                recipient: c.claims.seal_key.key_id(),
-                model: c.claims.models[0].clone(),
-                context_tokens: (request.prompt_tokens.len() + request.max_new_tokens) as u64,
-                expires_at: now.plus(ttl_s.saturating_mul(1000)),
-                reply_to: reply.public_key(),
-            };
-            Ok(seal_job(&header, body, &c.claims.seal_key)?)
-        })
-        .collect()
 }

@@ -1,0 +1,314 @@
+//! The sealing client, as a library: `tessera client submit` and the gateway's sealed backend
+//! ([`super::SealedBackend`]) both use it. It holds one control session with a coordinator,
+//! fetches the workers' signed claims and checks them, seals a request to each candidate worker
+//! (attempt `k` to candidate `k`, each job with a fresh reply key), submits the envelopes and
+//! opens the one answer. Several jobs may be in flight on one session.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use tessera_net::{Connection, Endpoint, FrameWriter, JoinToken, NodeIdentity};
+use tessera_proto::{
+    frame, limits, stream, ClientToCoord, CoordToClient, Hello, Role, SealedAnswer, SealedNews,
+    SealedRequest, SealedSubmit, PROTOCOL_VERSION,
+};
+use tessera_seal::{seal_job, JobEnvelope, JobHeader, JobId, SecretKey, SignedClaims, UnixMillis};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::CoordError;
+
+/// What the reader task routes: each job's news, and the answers to `holders` in order.
+#[derive(Default)]
+struct Routes {
+    jobs: HashMap<JobId, mpsc::UnboundedSender<SealedNews>>,
+    holders: VecDeque<oneshot::Sender<Vec<SignedClaims>>>,
+}
+
+/// One control session with a coordinator, for sealed jobs.
+pub struct SealedClient {
+    endpoint: Endpoint,
+    conn: Connection,
+    writer: tokio::sync::Mutex<FrameWriter<tessera_net::quinn::SendStream>>,
+    routes: Arc<Mutex<Routes>>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+/// A job's outcome.
+#[derive(Debug, Clone)]
+pub struct SealedOutcome {
+    pub job: JobId,
+    /// The attempt whose answer it is.
+    pub attempt: u32,
+    /// A second worker's tokens agreed with it.
+    pub verified: bool,
+    pub answer: SealedAnswer,
+}
+
+/// Enrols (or reconnects) as a client and opens a control session past the coordinator's
+/// welcome: the endpoint, the connection and the session's stream.
+pub async fn connect_client(
+    identity: &NodeIdentity,
+    addr: SocketAddr,
+    token: &JoinToken,
+) -> Result<(Endpoint, Connection, tessera_net::FramedStream), CoordError> {
+    let bind: SocketAddr = if addr.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let endpoint = Endpoint::bind(bind, identity, tessera_net::AllowList::new())?;
+    let conn = endpoint.enroll(addr, token).await?;
+    let mut s = conn.open_stream(stream::CONTROL).await?;
+    s.reader.set_max_len(limits::CONTROL);
+    s.writer
+        .write_message(
+            frame::MSG,
+            &ClientToCoord::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION,
+                role: Role::Client,
+                name: format!("client-{}", identity.node_id().short()),
+                inventory: None,
+                memory_budget_bytes: None,
+                models: Vec::new(),
+            }),
+        )
+        .await?;
+    match s.reader.read_message::<CoordToClient>(frame::MSG).await? {
+        CoordToClient::Welcome { .. } => Ok((endpoint, conn, s)),
+        CoordToClient::Refused { reason } => Err(CoordError::Protocol(format!(
+            "the coordinator refused this client: {reason}"
+        ))),
+        other => Err(CoordError::Protocol(format!(
+            "unexpected first message {other:?}"
+        ))),
+    }
+}
+
+impl SealedClient {
+    pub async fn connect(
+        identity: &NodeIdentity,
+        addr: SocketAddr,
+        token: &JoinToken,
+    ) -> Result<Self, CoordError> {
+        let (endpoint, conn, s) = connect_client(identity, addr, token).await?;
+        let tessera_net::FramedStream {
+            mut reader, writer, ..
+        } = s;
+        let routes = Arc::new(Mutex::new(Routes::default()));
+        let r = routes.clone();
+        let reader = tokio::spawn(async move {
+            while let Ok(msg) = reader.read_message::<CoordToClient>(frame::MSG).await {
+                let mut routes = r.lock().unwrap_or_else(|p| p.into_inner());
+                match msg {
+                    CoordToClient::Sealed { job, news } => {
+                        let last =
+                            matches!(news, SealedNews::Result { .. } | SealedNews::Failed { .. });
+                        if let Some(tx) = routes.jobs.get(&job) {
+                            let _ = tx.send(news);
+                        }
+                        if last {
+                            routes.jobs.remove(&job);
+                        }
+                    }
+                    CoordToClient::Holders { holders } => {
+                        if let Some(tx) = routes.holders.pop_front() {
+                            let _ = tx.send(holders);
+                        }
+                    }
+                    // A refusal of one of this session's messages: it cannot be told which,
+                    // so every job waiting hears it.
+                    CoordToClient::Error { message } => {
+                        for (_, tx) in routes.jobs.drain() {
+                            let _ = tx.send(SealedNews::Failed {
+                                reason: message.clone(),
+                            });
+                        }
+                        routes.holders.clear();
+                    }
+                    _ => {}
+                }
+            }
+            // The session is over: whoever waits hears nothing more.
+            let mut routes = r.lock().unwrap_or_else(|p| p.into_inner());
+            routes.jobs.clear();
+            routes.holders.clear();
+        });
+        Ok(Self {
+            endpoint,
+            conn,
+            writer: tokio::sync::Mutex::new(writer),
+            routes,
+            reader,
+        })
+    }
+
+    async fn send(&self, msg: &ClientToCoord) -> Result<(), CoordError> {
+        Ok(self
+            .writer
+            .lock()
+            .await
+            .write_message(frame::MSG, msg)
+            .await?)
+    }
+
+    /// The workers that hold a model whole now, whose claims' signatures hold, all of the first
+    /// one's model, in the coordinator's order.
+    pub async fn holders(&self) -> Result<Vec<SignedClaims>, CoordError> {
+        let (tx, rx) = oneshot::channel();
+        self.routes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .holders
+            .push_back(tx);
+        self.send(&ClientToCoord::Holders { model: None }).await?;
+        let all = rx
+            .await
+            .map_err(|_| CoordError::Protocol("the coordinator did not list workers".into()))?;
+        let valid: Vec<SignedClaims> = all
+            .into_iter()
+            .filter(|c| c.verify().is_ok() && !c.claims.models.is_empty())
+            .collect();
+        let Some(model) = valid.first().map(|c| c.claims.models[0].clone()) else {
+            return Err(CoordError::Protocol(
+                "no worker holds a whole copy of the model now (sealed jobs run on single-node \
+                 cells)"
+                    .into(),
+            ));
+        };
+        Ok(valid
+            .into_iter()
+            .filter(|c| c.claims.models.contains(&model))
+            .collect())
+    }
+
+    /// Submits a job's envelopes; its news arrive on the receiver, the last one a result or a
+    /// failure.
+    pub async fn submit(
+        &self,
+        envelopes: Vec<JobEnvelope>,
+    ) -> Result<mpsc::UnboundedReceiver<SealedNews>, CoordError> {
+        let job = envelopes
+            .first()
+            .ok_or_else(|| CoordError::Protocol("a job needs an envelope".into()))?
+            .header
+            .job;
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.routes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .jobs
+            .insert(job, tx);
+        self.send(&ClientToCoord::SealedSubmit(SealedSubmit { envelopes }))
+            .await?;
+        Ok(rx)
+    }
+
+    /// Seals `request` to each candidate, submits it and waits for the answer; `on_news` sees
+    /// every piece of news on the way.
+    pub async fn run(
+        &self,
+        request: &SealedRequest,
+        candidates: &[SignedClaims],
+        ttl_ms: u64,
+        on_news: impl FnMut(JobId, &SealedNews),
+    ) -> Result<SealedOutcome, CoordError> {
+        let reply = SecretKey::generate();
+        let envelopes = seal(request, candidates, &reply, ttl_ms)?;
+        self.answer(envelopes, candidates, &reply, on_news).await
+    }
+
+    /// Submits envelopes sealed with [`seal`] to `candidates` under `reply`, and opens the answer.
+    pub async fn answer(
+        &self,
+        envelopes: Vec<JobEnvelope>,
+        candidates: &[SignedClaims],
+        reply: &SecretKey,
+        mut on_news: impl FnMut(JobId, &SealedNews),
+    ) -> Result<SealedOutcome, CoordError> {
+        let job = envelopes
+            .first()
+            .ok_or_else(|| CoordError::Protocol("a job needs an envelope".into()))?
+            .header
+            .job;
+        let mut news = self.submit(envelopes).await?;
+        while let Some(n) = news.recv().await {
+            on_news(job, &n);
+            match n {
+                SealedNews::Result { result, verified } => {
+                    let worker = candidates
+                        .iter()
+                        .find(|c| c.claims.seal_key.key_id() == result.header.worker)
+                        .ok_or_else(|| {
+                            CoordError::Protocol(
+                                "an answer from a worker the job was not sealed to".into(),
+                            )
+                        })?;
+                    let (attempt, plain) = result
+                        .open(reply, &worker.claims.seal_key, job)
+                        .map_err(|e| CoordError::Protocol(format!("the answer: {e}")))?;
+                    let answer = serde_json::from_slice(&plain).map_err(|e| {
+                        CoordError::Protocol(format!("a malformed sealed answer: {e}"))
+                    })?;
+                    return Ok(SealedOutcome {
+                        job,
+                        attempt,
+                        verified,
+                        answer,
+                    });
+                }
+                SealedNews::Failed { reason } => {
+                    return Err(CoordError::Protocol(format!("job {job} failed: {reason}")))
+                }
+                _ => {}
+            }
+        }
+        Err(CoordError::Protocol(format!(
+            "the coordinator session ended before job {job} was answered"
+        )))
+    }
+
+    /// Ends the session.
+    pub async fn close(self) {
+        let _ = self.writer.lock().await.finish().await;
+        self.reader.abort();
+        self.conn.close("done");
+        self.endpoint.close();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), self.endpoint.wait_idle())
+            .await;
+    }
+}
+
+/// One envelope per candidate, attempt `k` sealed to candidate `k`, all with `reply`'s key.
+pub fn seal(
+    request: &SealedRequest,
+    candidates: &[SignedClaims],
+    reply: &SecretKey,
+    ttl_ms: u64,
+) -> Result<Vec<JobEnvelope>, CoordError> {
+    if candidates.is_empty() {
+        return Err(CoordError::Protocol(
+            "no candidate worker to seal to".into(),
+        ));
+    }
+    let job = JobId::random();
+    let body = serde_json::to_vec(request).expect("a request serializes");
+    let expires_at = UnixMillis::now().plus(ttl_ms);
+    candidates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let header = JobHeader {
+                job,
+                attempt: i as u32 + 1,
+                recipient: c.claims.seal_key.key_id(),
+                model: c.claims.models[0].clone(),
+                context_tokens: (request.prompt_tokens.len() + request.max_new_tokens) as u64,
+                expires_at,
+                reply_to: reply.public_key(),
+            };
+            seal_job(&header, &body, &c.claims.seal_key)
+                .map_err(|e| CoordError::Protocol(format!("sealing: {e}")))
+        })
+        .collect()
+}
