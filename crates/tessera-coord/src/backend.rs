@@ -406,11 +406,13 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
     // channel, no text decoded here (the HTTP layer decodes what it sends).
     let shared = inner.shared.clone();
     let mut sent = 0usize;
+    let mut cached = 0usize;
     let mut gone = false;
     let mut sink = |m: CoordToClient| match m {
         CoordToClient::Started {
             stages,
             prompt_tokens,
+            cached_tokens,
             ..
         } => {
             let live = LiveSeq {
@@ -418,6 +420,10 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
                 positions: prompt_tokens.len(),
             };
             lock(&inner.books).live.insert(seq, live);
+            cached = cached_tokens;
+            if cached_tokens > 0 && !gone {
+                gone = events.send(Event::PromptCached(cached_tokens)).is_err();
+            }
         }
         CoordToClient::Token {
             token, logprobs, ..
@@ -476,7 +482,7 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
                     usage: Usage {
                         prompt_tokens: prompt_len,
                         completion_tokens: sent,
-                        cached_tokens: 0,
+                        cached_tokens: cached,
                     },
                 },
                 SeqFinish::EndOfGeneration => Event::Finished {
@@ -484,7 +490,7 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
                     usage: Usage {
                         prompt_tokens: prompt_len,
                         completion_tokens: sent,
-                        cached_tokens: 0,
+                        cached_tokens: cached,
                     },
                 },
                 SeqFinish::Cancelled | SeqFinish::Error => Event::Failed {

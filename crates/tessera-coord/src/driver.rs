@@ -482,11 +482,13 @@ pub(crate) async fn run(
                             epoch,
                             stages,
                             prompt_tokens,
+                            cached_tokens,
                         } => CoordToClient::Started {
                             seq,
                             epoch,
                             prompt_tokens,
                             stages,
+                            cached_tokens,
                         },
                         RunEvent::Token {
                             pos,

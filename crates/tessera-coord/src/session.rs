@@ -315,7 +315,7 @@ fn handle_node_message(shared: &Shared, id: NodeId, key: tessera_seal::NodeKey, 
                 inventory: inv.clone(),
             })
         }
-        NodeToCoord::Opened { seq }
+        NodeToCoord::Opened { seq, .. }
         | NodeToCoord::OpenFailed { seq, .. }
         | NodeToCoord::Token { seq, .. }
         | NodeToCoord::Finished { seq, .. }

@@ -210,6 +210,20 @@ impl KvCache {
         self.capacity
     }
 
+    /// Lets the cache hold up to `capacity` positions from now on (never fewer than it holds):
+    /// a cache kept for prefix reuse serves a sequence that may run longer than its first.
+    /// Memory still grows only as positions are written.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        let held = self.entries.iter().map(|e| e.len).max().unwrap_or(0);
+        self.capacity = capacity.max(held);
+    }
+
+    /// Positions every layer holds: what can be kept of a cache after a step that failed
+    /// part-way (its first layers written, the rest not).
+    pub fn len_in_every_layer(&self) -> usize {
+        self.entries.iter().map(|e| e.len).min().unwrap_or(0)
+    }
+
     /// Positions cached (of the first layer held; all layers agree after a full step).
     pub fn len(&self) -> usize {
         self.entries.first().map_or(0, |e| e.len)

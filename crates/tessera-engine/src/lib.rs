@@ -56,6 +56,7 @@ mod mla;
 pub mod model;
 pub mod moe;
 pub mod ops;
+pub mod prefix_cache;
 /// Token choice lives in its own crate (the gateway and the wire protocol use it without the
 /// kernels); re-exported here under its old path.
 pub use tessera_sampling as sampling;

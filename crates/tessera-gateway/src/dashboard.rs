@@ -215,7 +215,14 @@ fn render_kpis(r: &StatusReport) -> String {
         "tps",
         "Tokens / s",
         format!("{:.1}", g.tokens_per_s),
-        format!("{} tokens served", g.completion_tokens_total),
+        if g.cached_tokens_total > 0 {
+            format!(
+                "{} tokens served · {} prompt tokens reused",
+                g.completion_tokens_total, g.cached_tokens_total
+            )
+        } else {
+            format!("{} tokens served", g.completion_tokens_total)
+        },
     );
     kpi(
         "ttft",
@@ -539,7 +546,7 @@ fn render_requests(g: &GatewaySnapshot) -> String {
         };
         let _ = write!(
             o,
-            r#"<tr class="{cls}"><td>{time}</td><td class="mono">{id}</td><td>{ep}{st}</td><td><span class="code s{s100}">{status}</span></td><td class="num">{pt} → {ct}</td><td class="num">{ttft}</td><td class="num">{dur:.0} ms</td><td class="outcome">{outcome}</td></tr>"#,
+            r#"<tr class="{cls}"><td>{time}</td><td class="mono">{id}</td><td>{ep}{st}</td><td><span class="code s{s100}">{status}</span></td><td class="num">{pt}{cached} → {ct}</td><td class="num">{ttft}</td><td class="num">{dur:.0} ms</td><td class="outcome">{outcome}</td></tr>"#,
             id = esc(&r.id),
             ep = esc(&r.endpoint),
             st = if r.stream {
@@ -550,6 +557,11 @@ fn render_requests(g: &GatewaySnapshot) -> String {
             s100 = r.status / 100,
             status = r.status,
             pt = r.prompt_tokens,
+            cached = if r.cached_tokens > 0 {
+                format!(" <small>({} reused)</small>", r.cached_tokens)
+            } else {
+                String::new()
+            },
             ct = r.completion_tokens,
             ttft = r.ttft_ms.map_or("–".into(), |t| format!("{t:.0} ms")),
             dur = r.duration_ms,

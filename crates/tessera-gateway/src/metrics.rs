@@ -33,6 +33,9 @@ pub struct RequestRecord {
     pub status: u16,
     pub stream: bool,
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from a kept cache instead of prefilled (prefix reuse).
+    #[serde(default)]
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub ttft_ms: Option<f64>,
     pub duration_ms: f64,
@@ -59,6 +62,9 @@ pub struct GatewaySnapshot {
     /// Cumulative counts per bucket of [`TTFT_BUCKETS`].
     pub ttft_buckets: Vec<u64>,
     pub completion_tokens_total: u64,
+    /// Prompt tokens of finished requests taken from kept caches (prefix reuse), all told.
+    #[serde(default)]
+    pub cached_tokens_total: u64,
     pub recent: Vec<RequestRecord>,
 }
 
@@ -74,6 +80,7 @@ struct Inner {
     ttft_count: u64,
     ttft_sum: f64,
     completion_tokens_total: u64,
+    cached_tokens_total: u64,
     recent: VecDeque<RequestRecord>,
 }
 
@@ -96,6 +103,7 @@ impl Default for GatewayMetrics {
                 ttft_count: 0,
                 ttft_sum: 0.0,
                 completion_tokens_total: 0,
+                cached_tokens_total: 0,
                 recent: VecDeque::new(),
             }),
         }
@@ -121,6 +129,7 @@ impl GatewayMetrics {
             m.in_flight = m.in_flight.saturating_sub(1);
         }
         m.requests_total += 1;
+        m.cached_tokens_total += record.cached_tokens as u64;
         *m.by_status.entry(record.status).or_default() += 1;
         if m.recent.len() == RECENT {
             m.recent.pop_front();
@@ -197,6 +206,7 @@ impl GatewayMetrics {
             ttft_sum_s: m.ttft_sum,
             ttft_buckets: m.ttft_buckets.to_vec(),
             completion_tokens_total: m.completion_tokens_total,
+            cached_tokens_total: m.cached_tokens_total,
             recent: m.recent.iter().rev().cloned().collect(),
         }
     }
@@ -252,6 +262,12 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
         "counter",
         "Tokens streamed to clients.",
         &one(g.completion_tokens_total.to_string()),
+    );
+    metric(
+        "tessera_prompt_cached_tokens_total",
+        "counter",
+        "Prompt tokens taken from kept KV caches instead of prefilled (prefix reuse).",
+        &one(g.cached_tokens_total.to_string()),
     );
     let mut h: Vec<(String, String)> = TTFT_BUCKETS
         .iter()
@@ -560,7 +576,8 @@ mod tests {
                     endpoint: "/v1/completions".into(),
                     status: 200,
                     stream: false,
-                    prompt_tokens: 1,
+                    prompt_tokens: 3,
+                    cached_tokens: 2,
                     completion_tokens: 1,
                     ttft_ms: None,
                     duration_ms: 1.0,
@@ -573,5 +590,10 @@ mod tests {
         assert_eq!(s.recent.len(), RECENT);
         assert_eq!(s.recent[0].id, (RECENT + 4).to_string());
         assert_eq!(s.by_status[&200], (RECENT + 5) as u64);
+        // Reused prompt tokens are counted over every request, not only the recent ones.
+        assert_eq!(s.cached_tokens_total, 2 * (RECENT + 5) as u64);
+        let text = render_prometheus(&s, &ClusterStatus::default());
+        let want = format!("tessera_prompt_cached_tokens_total {}", 2 * (RECENT + 5));
+        assert!(text.contains(&want), "{text}");
     }
 }

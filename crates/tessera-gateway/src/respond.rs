@@ -91,6 +91,7 @@ impl Tracker {
                 status,
                 stream: self.stream,
                 prompt_tokens: usage.prompt_tokens,
+                cached_tokens: usage.cached_tokens,
                 completion_tokens: usage.completion_tokens,
                 ttft_ms: ttft.map(|d| d.as_secs_f64() * 1000.0),
                 duration_ms,

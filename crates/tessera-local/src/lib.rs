@@ -30,7 +30,8 @@
 
 #![forbid(unsafe_code)]
 
-pub mod prefix_cache;
+/// Kept in the engine, where the node's stages use it too; re-exported under its old path.
+pub use tessera_engine::prefix_cache;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,7 +75,7 @@ impl Default for LocalConfig {
 }
 
 /// Caches kept for prefix reuse unless configured: two conversations alternating keep theirs.
-pub const DEFAULT_PREFIX_CACHE: usize = 2;
+pub const DEFAULT_PREFIX_CACHE: usize = prefix_cache::DEFAULT_KEPT;
 
 struct Waiting {
     req: GenerationRequest,

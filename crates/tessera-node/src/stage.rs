@@ -22,11 +22,20 @@
 //! 4. the first stage embeds the token and the ring turns again.
 //!
 //! Each stage holds the KV cache of its layers per sequence and frees it on [`Stage::close`].
+//!
+//! Prompt-prefix reuse: a close that names the tokens the sequence fed keeps its cache
+//! ([`PrefixCache`], LRU, within the KV budget: kept caches are dropped first when a new
+//! sequence needs the room). [`Stage::open`] takes the kept cache sharing the longest prefix
+//! with the new prompt and says how many positions it holds; the coordinator starts the
+//! sequence at the fewest any stage holds ([`Stage::start`]'s `reuse`), and every other stage
+//! cuts its cache to the position the first step arrives at. Kernels are batch-invariant, so
+//! the positions kept equal those a fresh prefill computes: reuse changes no bit of the output.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
+use tessera_engine::prefix_cache::{PrefixCache, Reuse};
 use tessera_engine::sampling::TokenLogprobs;
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
 use tessera_grammar::{Grammar, GrammarCompiler};
@@ -96,6 +105,12 @@ struct SeqState {
     finished: bool,
     /// Last stage: the sequence's grammar, in the state its tokens so far left it.
     grammar: Option<Grammar>,
+    /// No step has run yet: `kv` holds the positions of a kept cache that match the prompt,
+    /// and the first step's start position says how many of them the ring uses.
+    unstarted: bool,
+    /// A step failed part-way: the cache may hold some layers' positions and not others',
+    /// so it is not kept.
+    broken: bool,
 }
 
 /// The sampling stage's vocabulary for grammars, indexed once and shared by all sequences.
@@ -129,6 +144,8 @@ pub struct Stage {
     remote: Option<crate::expert::RemotePeers>,
     /// Last stage: what request grammars are compiled over (`None`: grammars are refused).
     grammars: Option<Grammars>,
+    /// Finished sequences' caches of this stage's layers, kept for prompts that begin the same.
+    kept: PrefixCache<KvCache>,
 }
 
 impl std::fmt::Debug for Stage {
@@ -151,7 +168,22 @@ impl Stage {
             kv_budget,
             remote: None,
             grammars: None,
+            kept: PrefixCache::new(0),
         }
+    }
+
+    /// Keeps up to `n` closed sequences' caches for prefix reuse (0, the default: none).
+    pub fn set_prefix_cache(&mut self, n: usize) {
+        self.kept = PrefixCache::new(n);
+    }
+
+    /// Caches kept for prefix reuse now.
+    pub fn kept_caches(&self) -> usize {
+        self.kept.len()
+    }
+
+    fn kept_bytes(&self) -> u64 {
+        self.kept.values().map(|kv| kv.bytes() as u64).sum()
     }
 
     /// The model's tokenizer, so that the sampling stage can compile request grammars. The
@@ -237,9 +269,9 @@ impl Stage {
         self.seqs.len()
     }
 
-    /// KV bytes allocated now, over all sequences.
+    /// KV bytes allocated now, over all sequences and the caches kept for reuse.
     pub fn kv_bytes(&self) -> u64 {
-        self.seqs.values().map(|s| s.kv.bytes() as u64).sum()
+        self.seqs.values().map(|s| s.kv.bytes() as u64).sum::<u64>() + self.kept_bytes()
     }
 
     fn is_first(&self) -> bool {
@@ -260,8 +292,11 @@ impl Stage {
         )
     }
 
-    /// Opens a sequence: allocates (lazily) its KV cache, within the budget.
-    pub fn open(&mut self, open: OpenSeq) -> Result<(), StageError> {
+    /// Opens a sequence: allocates (lazily) its KV cache, within the budget, starting from the
+    /// kept cache that shares the longest prefix with the prompt. Returns how many prompt
+    /// positions that cache holds (0: none), for the coordinator to agree on with the other
+    /// stages.
+    pub fn open(&mut self, open: OpenSeq) -> Result<usize, StageError> {
         let seq = open.seq;
         if self.seqs.contains_key(&seq) {
             return Err(StageError::AlreadyOpen(seq));
@@ -286,7 +321,18 @@ impl Stage {
         }
         let needed = self.kv_bytes_for(capacity);
         let reserved: u64 = self.seqs.values().map(|s| s.reserved).sum();
+        let grammar = self.grammar_for(&open)?;
+        // An expert-only node holds no layers, hence no positions to reuse.
+        let reuse = if self.assignment.layers.is_empty() {
+            None
+        } else {
+            self.kept.take(&open.prompt)
+        };
         if let Some(budget) = self.kv_budget {
+            // Kept caches give way to sequences, the least recently used first.
+            while reserved + needed + self.kept_bytes() > budget && self.kept.pop_oldest().is_some()
+            {
+            }
             let available = budget.saturating_sub(reserved);
             if needed > available {
                 return Err(StageError::OverBudget {
@@ -296,8 +342,14 @@ impl Stage {
                 });
             }
         }
-        let grammar = self.grammar_for(&open)?;
-        let kv = self.model.new_kv(capacity);
+        let (kv, cached) = match reuse {
+            Some(Reuse { mut kv, reused }) => {
+                kv.truncate(reused);
+                kv.set_capacity(capacity);
+                (kv, reused)
+            }
+            None => (self.model.new_kv(capacity), 0),
+        };
         let history = if self.is_last() {
             open.prompt.clone()
         } else {
@@ -318,39 +370,63 @@ impl Stage {
                 sent_at: None,
                 finished: false,
                 grammar,
+                unstarted: true,
+                broken: false,
             },
         );
-        Ok(())
+        Ok(cached)
     }
 
-    /// Ends a sequence and frees its KV cache; its statistics, if it was open.
-    pub fn close(&mut self, seq: u64) -> Option<StageSeqStats> {
-        self.seqs.remove(&seq).map(|mut s| {
-            s.stats.kv_bytes = s.kv.bytes() as u64;
-            s.stats
-        })
+    /// Ends a sequence and frees its KV cache; its statistics, if it was open. With `keep` (the
+    /// tokens the sequence fed, in order) the cache is kept for reuse instead, cut to the
+    /// positions it holds of them.
+    pub fn close(&mut self, seq: u64, keep: &[u32]) -> Option<StageSeqStats> {
+        let mut s = self.seqs.remove(&seq)?;
+        s.stats.kv_bytes = s.kv.bytes() as u64;
+        let n = s.kv.len_in_every_layer().min(keep.len());
+        if n > 0 && !s.broken && !self.assignment.layers.is_empty() {
+            s.kv.truncate(n);
+            self.kept.put(keep[..n].to_vec(), s.kv);
+        }
+        Some(s.stats)
     }
 
-    /// First stage: prefills the prompt in chunks, emitting each chunk's output as it is ready.
-    pub fn start(&mut self, seq: u64, sink: &mut dyn FnMut(StageOutput)) -> Result<(), StageError> {
+    /// First stage: prefills the prompt from position `reuse` on (the positions before it
+    /// come from the kept cache [`Stage::open`] found) in chunks, emitting each chunk's output
+    /// as it is ready.
+    pub fn start(
+        &mut self,
+        seq: u64,
+        reuse: usize,
+        sink: &mut dyn FnMut(StageOutput),
+    ) -> Result<(), StageError> {
         if !self.is_first() {
             return Err(StageError::WrongStage("embed (it is not the first stage)"));
         }
         let (prompt, chunk) = {
             let s = self.seqs.get(&seq).ok_or(StageError::UnknownSeq(seq))?;
-            if !s.kv.is_empty() {
+            if !s.unstarted {
                 return Err(StageError::BadStep {
                     seq,
                     what: "already started".into(),
                 });
             }
-            (s.open.prompt.clone(), s.open.prefill_chunk.max(1))
+            if reuse > s.kv.len() || reuse >= s.open.prompt.len() {
+                return Err(StageError::BadStep {
+                    seq,
+                    what: format!(
+                        "start at position {reuse}, but {} prompt positions are cached here",
+                        s.kv.len()
+                    ),
+                });
+            }
+            (s.open.prompt[reuse..].to_vec(), s.open.prefill_chunk.max(1))
         };
         let n_chunks = prompt.len().div_ceil(chunk);
         for (i, tokens) in prompt.chunks(chunk).enumerate() {
             let entry = StepEntry {
                 seq,
-                start_pos: (i * chunk) as u32,
+                start_pos: (reuse + i * chunk) as u32,
                 n_tokens: tokens.len() as u32,
                 flags: if i + 1 == n_chunks {
                     StepEntry::SAMPLE
@@ -504,7 +580,12 @@ impl Stage {
         let mut refused = None;
         for e in &entries {
             match self.seqs.remove(&e.seq) {
-                Some(s) if !s.finished => {
+                Some(mut s) if !s.finished => {
+                    if s.unstarted && e.start_pos as usize <= s.kv.len() {
+                        // The ring starts past the positions every stage has kept.
+                        s.kv.truncate(e.start_pos as usize);
+                        s.unstarted = false;
+                    }
                     let expected = s.kv.len();
                     if e.start_pos as usize != expected || e.n_tokens == 0 {
                         refused = Some(StageError::BadStep {
@@ -571,7 +652,8 @@ impl Stage {
             )
         };
         if let Err(e) = result {
-            for s in states {
+            for mut s in states {
+                s.broken = true;
                 self.seqs.insert(s.open.seq, s);
             }
             return Err(e.into());
@@ -797,14 +879,19 @@ mod tests {
         cuts: &[usize],
         open: OpenSeq,
     ) -> (Vec<(u32, Option<TokenLogprobs>)>, Option<FinishReason>) {
-        let n = open.max_new_tokens;
+        let mut stages = load_stages(path, cuts);
+        drive(&mut stages, open, false)
+    }
+
+    /// In-process stages of `path` cut at `cuts`, in ring order.
+    fn load_stages(path: &str, cuts: &[usize]) -> Vec<Stage> {
         let g = GgufFile::open(model_path(path)).unwrap();
         let cfg = ModelConfig::from_gguf(&g).unwrap();
         let mut bounds = vec![0];
         bounds.extend_from_slice(cuts);
         bounds.push(cfg.n_layer);
         let n_stages = bounds.len() - 1;
-        let mut stages: Vec<Stage> = (0..n_stages)
+        (0..n_stages)
             .map(|i| {
                 let a = assignment(i, n_stages, bounds[i]..bounds[i + 1], cfg.n_layer);
                 let m = Model::load(
@@ -818,16 +905,31 @@ mod tests {
                 s.set_tokenizer(tessera_model::Tokenizer::from_gguf(&g).unwrap());
                 s
             })
-            .collect();
-        for s in &mut stages {
-            s.open(open.clone()).unwrap();
-        }
+            .collect()
+    }
+
+    /// Runs `open` over `stages` as the coordinator does: opens it everywhere, starts it at
+    /// the fewest cached positions any stage reported, relays, closes (keeping the caches when
+    /// `keep`). The tokens with their log-probabilities, and how the sequence finished.
+    fn drive(
+        stages: &mut [Stage],
+        open: OpenSeq,
+        keep: bool,
+    ) -> (Vec<(u32, Option<TokenLogprobs>)>, Option<FinishReason>) {
+        let seq = open.seq;
+        let n = open.max_new_tokens;
+        let prompt = open.prompt.clone();
+        let reuse = stages
+            .iter_mut()
+            .map(|s| s.open(open.clone()).unwrap())
+            .min()
+            .unwrap();
         // (stage index, output) queue.
         let mut queue: VecDeque<(usize, StageOutput)> = VecDeque::new();
         let mut tokens = Vec::new();
         let mut finish = None;
         stages[0]
-            .start(1, &mut |o| queue.push_back((0, o)))
+            .start(seq, reuse, &mut |o| queue.push_back((0, o)))
             .unwrap();
         while let Some((from, o)) = queue.pop_front() {
             let mut out = Vec::new();
@@ -856,12 +958,83 @@ mod tests {
             };
             queue.extend(out.into_iter().map(|o| (handler, o)));
         }
-        for s in &mut stages {
-            let stats = s.close(1).unwrap();
+        let fed: Vec<u32> = prompt
+            .iter()
+            .copied()
+            .chain(tokens.iter().map(|(t, _)| *t))
+            .collect();
+        for s in stages.iter_mut() {
+            let stats = s.close(seq, if keep { &fed } else { &[] }).unwrap();
             assert!(stats.decode.steps > 0 || n <= 1);
+            assert_eq!(
+                stats.prefill.tokens as usize,
+                prompt.len() - reuse,
+                "only the positions past the reused prefix are prefilled"
+            );
             assert_eq!(s.open_seqs(), 0);
         }
         (tokens, finish)
+    }
+
+    /// A chat's next turn on a ring whose stages kept the first turn's caches: every stage
+    /// starts from the same prefix (the fewest positions any stage kept), prefills only the
+    /// rest, and the tokens equal one process computing everything from scratch.
+    #[test]
+    fn a_ring_reuses_kept_prefixes_and_answers_as_from_scratch() {
+        let path = "test/tiny-qwen3-Q8_0.gguf";
+        let mut stages = load_stages(path, &[1]);
+        for s in &mut stages {
+            s.set_prefix_cache(2);
+        }
+        let first: Vec<u32> = (0..40).map(|i| 1 + (i * 37) % 400).collect();
+        let open = |seq: u64, prompt: &[u32]| OpenSeq {
+            seq,
+            epoch: 1,
+            prompt: prompt.to_vec(),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 6,
+            eog: vec![],
+            prefill_chunk: 16,
+            trace: false,
+            grammar: None,
+            logprobs: None,
+            replayed: 0,
+        };
+        let ids = |r: (Vec<(u32, Option<TokenLogprobs>)>, _)| -> Vec<u32> {
+            r.0.into_iter().map(|(t, _)| t).collect()
+        };
+        let answer = ids(drive(&mut stages, open(1, &first), true));
+        assert_eq!(answer, reference(path, &first, 6, 16));
+        assert!(stages.iter().all(|s| s.kept_caches() == 1));
+        // The next turn: the first prompt, the answer but its last token (never fed), more.
+        let mut second = first.clone();
+        second.extend(&answer[..5]);
+        second.extend([7, 8, 9, 10]);
+        let cached: Vec<usize> = stages
+            .iter_mut()
+            .map(|s| s.open(open(2, &second)).unwrap())
+            .collect();
+        assert_eq!(cached, [45, 45], "the first turn's 40 + 5 fed positions");
+        for s in &mut stages {
+            s.close(2, &[]);
+        }
+        // That probe dropped the kept caches (taken, then closed without keeping): run the
+        // first turn again, then let the second stage keep less than the first.
+        ids(drive(&mut stages, open(3, &first), true));
+        let got = ids(drive(&mut stages, open(4, &second), true));
+        assert_eq!(got, reference(path, &second, 6, 16));
+        let mut third = second.clone();
+        third.extend(&got[..3]);
+        third.push(11);
+        let mut cut = stages[1].kept.pop_oldest().unwrap();
+        cut.truncate(20);
+        stages[1].kept.put(third[..20].to_vec(), cut);
+        let got = ids(drive(&mut stages, open(5, &third), true));
+        assert_eq!(
+            got,
+            reference(path, &third, 6, 16),
+            "started at position 20"
+        );
     }
 
     /// The sampling stage masks every draw with the sequence's grammar and reports
@@ -1000,7 +1173,7 @@ mod tests {
             _ => {}
         };
         for i in 0..2 {
-            st.start(i, &mut |o| collect(o, &mut ring, &mut got))
+            st.start(i, 0, &mut |o| collect(o, &mut ring, &mut got))
                 .unwrap();
         }
         while !ring.is_empty() {

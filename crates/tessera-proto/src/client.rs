@@ -202,6 +202,10 @@ pub enum CoordToClient {
         epoch: u64,
         prompt_tokens: Vec<u32>,
         stages: Vec<StagePlacement>,
+        /// Prompt tokens whose keys and values every stage took from a kept cache (not
+        /// prefilled again).
+        #[serde(default)]
+        cached_tokens: usize,
     },
     /// A generated token and the text it completes.
     Token {

@@ -266,10 +266,23 @@ pub enum CoordToNode {
     Release { epoch: u64 },
     /// Prepare a sequence.
     Open(OpenSeq),
-    /// Start the prefill of an opened sequence (first stage only).
-    Start { seq: u64 },
-    /// End a sequence and free its KV cache; answered with [`NodeToCoord::Closed`].
-    Close { seq: u64 },
+    /// Start the prefill of an opened sequence (first stage only) at position `reuse`: the
+    /// first `reuse` prompt positions come from a kept cache, on every stage (each said in
+    /// [`NodeToCoord::Opened`] how many it holds; this is the fewest).
+    Start {
+        seq: u64,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        reuse: usize,
+    },
+    /// End a sequence and free its KV cache; answered with [`NodeToCoord::Closed`]. When
+    /// `keep` is not empty, the cache is kept for a later sequence that begins with the same
+    /// tokens: `keep` are the tokens whose positions the sequence fed (prompt, then
+    /// generated), of which the stage keeps those its cache holds.
+    Close {
+        seq: u64,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        keep: Vec<u32>,
+    },
     /// Measure the inventory again and report it.
     MeasureInventory,
     /// The node's lease: send [`NodeToCoord::Heartbeat`] every `heartbeat_ms`; a node silent
@@ -312,6 +325,10 @@ pub enum NodeToCoord {
     },
     Opened {
         seq: u64,
+        /// Prompt positions this stage holds in a kept cache (a prefix of the prompt, never
+        /// all of it: its last token's logits start the answer); 0 without one.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        cached: usize,
     },
     OpenFailed {
         seq: u64,
@@ -377,6 +394,10 @@ pub enum NodeToCoord {
     },
 }
 
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
 /// blake3 of `f32`s as little-endian bytes, hex: the boundary trace hash.
 pub fn hash_f32s(data: &[f32]) -> String {
     let mut h = blake3::Hasher::new();
@@ -390,6 +411,28 @@ pub fn hash_f32s(data: &[f32]) -> String {
 mod tests {
     use super::*;
     use crate::StageSpec;
+
+    /// Prefix reuse adds fields that are left out when unused, so the messages without reuse
+    /// are the old ones, both ways.
+    #[test]
+    fn sequence_messages_without_reuse_are_the_old_messages() {
+        let start = serde_json::to_string(&CoordToNode::Start { seq: 4, reuse: 0 }).unwrap();
+        assert_eq!(start, r#"{"type":"start","seq":4}"#);
+        let close = serde_json::to_string(&CoordToNode::Close {
+            seq: 4,
+            keep: vec![],
+        })
+        .unwrap();
+        assert_eq!(close, r#"{"type":"close","seq":4}"#);
+        let opened = serde_json::to_string(&NodeToCoord::Opened { seq: 4, cached: 0 }).unwrap();
+        assert_eq!(opened, r#"{"type":"opened","seq":4}"#);
+        let m: CoordToNode =
+            serde_json::from_str(r#"{"type":"close","seq":4,"keep":[1,2]}"#).unwrap();
+        assert!(matches!(m, CoordToNode::Close { seq: 4, keep } if keep == [1, 2]));
+        let m: NodeToCoord =
+            serde_json::from_str(r#"{"type":"opened","seq":4,"cached":9}"#).unwrap();
+        assert!(matches!(m, NodeToCoord::Opened { seq: 4, cached: 9 }));
+    }
 
     #[test]
     fn heartbeat_without_expert_stats_is_the_old_message() {
@@ -418,7 +461,7 @@ mod tests {
 
     #[test]
     fn messages_are_tagged_json() {
-        let m = CoordToNode::Start { seq: 4 };
+        let m = CoordToNode::Start { seq: 4, reuse: 0 };
         let s = serde_json::to_string(&m).unwrap();
         assert_eq!(s, r#"{"type":"start","seq":4}"#);
         let spec: StageSpec = serde_json::from_str(r#"{"node":"a","layers":"0..3"}"#).unwrap();

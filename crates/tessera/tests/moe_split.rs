@@ -12,8 +12,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    ids, model, reference_boundaries, reference_tokens, report_of, tokens_of, traces_of,
-    ExpertCluster,
+    ids, model, reference_boundaries, reference_boundaries_from, reference_tokens, report_of,
+    tokens_of, traces_of, ExpertCluster,
 };
 use serde_json::Value;
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
@@ -251,4 +251,95 @@ fn experts_split_with_2_stages_match_one_process_small() {
 #[test]
 fn experts_split_with_2_stages_match_one_process_llama4() {
     stages_and_experts("test/tiny-llama4-Q8_0.gguf");
+}
+
+/// Prefix reuse on expert-split homes: two home stages (each computing its layers' experts
+/// with the others' owners) and an expert-only node. A second run whose prompt begins with the
+/// first run's prompt and answer starts, on both homes, from the caches they kept: only the
+/// new tail is prefilled, and every hidden state each stage hands on is bit-identical to one
+/// process computing the whole prompt from scratch.
+#[test]
+fn expert_split_homes_reuse_a_kept_prefix_bit_for_bit() {
+    let name = "test/tiny-qwen3moe-Q8_0.gguf";
+    let path = model(name);
+    let (l, n) = shape(name);
+    let [a, b, c] = thirds(n);
+    let mut cluster = ExpertCluster::start(
+        &path,
+        &format!("{}@a,{}@b,{}@c", ids(&a), ids(&b), ids(&c)),
+        TIMEOUT,
+    );
+    for node in ["a", "b", "c"] {
+        cluster.add_node(node, &[]);
+    }
+    let stages = [("a", 0..l / 2), ("b", l / 2..l)];
+    let g = GgufFile::open(&path).unwrap();
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    let chunk = 4;
+    let run = |text: &str| {
+        cluster.run_json(
+            &stages,
+            &[
+                "-p",
+                text,
+                "-n",
+                "6",
+                "--temperature",
+                "0",
+                "--prefill-chunk",
+                &chunk.to_string(),
+                "--trace",
+            ],
+        )
+    };
+    let started = |msgs: &[Value]| {
+        msgs.iter()
+            .find(|m| m["type"] == "started")
+            .unwrap_or_else(|| panic!("no start in {msgs:?}"))["cached_tokens"]
+            .as_u64()
+            .unwrap() as usize
+    };
+    let first_text = "Once upon a time, in a quiet village";
+    let first = run(first_text);
+    assert_eq!(started(&first), 0, "nothing was kept before");
+    let answer = tokens_of(&first);
+    let text = format!("{first_text}{} and then the end", tok.decode(&answer));
+    let prompt = tok.encode(&text, true);
+    // What the stages kept: the first prompt and the answer, but for its last token when the
+    // length ended it (that token was never fed; an end-of-generation token follows the last
+    // one fed).
+    let fed_answer = if answer.len() == 6 {
+        &answer[..5]
+    } else {
+        &answer[..]
+    };
+    let fed: Vec<u32> = tok
+        .encode(first_text, true)
+        .into_iter()
+        .chain(fed_answer.iter().copied())
+        .collect();
+    let shared = fed.iter().zip(&prompt).take_while(|(x, y)| x == y).count();
+    assert!(
+        shared > 8,
+        "the second prompt re-sends the first ({shared} shared)"
+    );
+    let second = run(&text);
+    let cached = started(&second);
+    assert_eq!(cached, shared.min(prompt.len() - 1));
+    let want = reference_tokens(&path, &prompt, 6, chunk);
+    assert_eq!(tokens_of(&second), want);
+    assert_eq!(
+        traces_of(&second),
+        reference_boundaries_from(&path, &prompt, &want, chunk, &[l / 2, l], cached),
+        "hidden-state hashes of the steps after the reused prefix"
+    );
+    for st in report_of(&second)["stage_stats"].as_array().unwrap() {
+        if st["prefill"]["steps"].as_u64().unwrap_or(0) > 0 {
+            assert_eq!(
+                st["prefill"]["tokens"].as_u64().unwrap() as usize,
+                prompt.len() - cached,
+                "only the tail is prefilled: {st}"
+            );
+        }
+    }
 }

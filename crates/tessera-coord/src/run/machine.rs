@@ -177,11 +177,13 @@ pub enum Input {
 /// What a run streams to whoever started it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RunEvent {
-    /// The first attempt started: on this epoch and placement, with these prompt tokens.
+    /// The first attempt started: on this epoch and placement, with these prompt tokens, the
+    /// first `cached_tokens` of them taken from caches the stages kept.
     Started {
         epoch: u64,
         stages: Vec<StagePlacement>,
         prompt_tokens: Vec<u32>,
+        cached_tokens: usize,
     },
     /// The next token (`pos`: its position in the sequence), with its log-probabilities when
     /// the run asked.
@@ -275,7 +277,8 @@ enum State {
     },
     Opening {
         attempt: Attempt,
-        opened: Vec<NodeId>,
+        /// The stages that opened it, with the prompt positions each holds in a kept cache.
+        opened: Vec<(NodeId, usize)>,
     },
     Running {
         attempt: Attempt,
@@ -418,12 +421,13 @@ impl RunMachine {
                 },
                 Input::Node { from, msg },
             ) if self.heard(&attempt, from, &msg) => match msg {
-                NodeToCoord::Opened { .. } => {
-                    if !opened.contains(&from) {
-                        opened.push(from);
+                NodeToCoord::Opened { cached, .. } => {
+                    if !opened.iter().any(|(n, _)| *n == from) {
+                        opened.push((from, cached));
                     }
                     if opened.len() == attempt.nodes.len() {
-                        self.start(now, attempt, &mut out)
+                        let reuse = agreed_reuse(&attempt.placement, &opened);
+                        self.start(now, attempt, reuse, &mut out)
                     } else {
                         State::Opening { attempt, opened }
                     }
@@ -577,7 +581,7 @@ impl RunMachine {
     /// finishes it normally. Counts refusals.
     fn heard(&mut self, attempt: &Attempt, from: NodeId, msg: &NodeToCoord) -> bool {
         let seq = match msg {
-            NodeToCoord::Opened { seq }
+            NodeToCoord::Opened { seq, .. }
             | NodeToCoord::OpenFailed { seq, .. }
             | NodeToCoord::Token { seq, .. }
             | NodeToCoord::Finished { seq, .. }
@@ -680,18 +684,28 @@ impl RunMachine {
         }
     }
 
-    fn start(&mut self, now: Duration, attempt: Attempt, out: &mut Vec<Output>) -> State {
+    fn start(
+        &mut self,
+        now: Duration,
+        attempt: Attempt,
+        reuse: usize,
+        out: &mut Vec<Output>,
+    ) -> State {
         if self.started_at.is_none() {
             self.started_at = Some(now);
             out.push(Output::Event(RunEvent::Started {
                 epoch: attempt.placement.epoch,
                 stages: attempt.placement.stages.clone(),
                 prompt_tokens: self.spec.prompt.clone(),
+                cached_tokens: reuse,
             }));
         }
         out.push(Output::Send {
             to: attempt.nodes[0],
-            msg: Box::new(CoordToNodeEq(CoordToNode::Start { seq: attempt.seq })),
+            msg: Box::new(CoordToNodeEq(CoordToNode::Start {
+                seq: attempt.seq,
+                reuse,
+            })),
         });
         self.arm(TimerKind::Step, STEP_TIMEOUT, out);
         State::Running { attempt }
@@ -724,7 +738,10 @@ impl RunMachine {
         for n in &attempt.nodes {
             out.push(Output::Send {
                 to: *n,
-                msg: Box::new(CoordToNodeEq(CoordToNode::Close { seq: attempt.seq })),
+                msg: Box::new(CoordToNodeEq(CoordToNode::Close {
+                    seq: attempt.seq,
+                    keep: Vec::new(),
+                })),
             });
         }
         if self.generated.len() >= self.spec.max_new_tokens {
@@ -745,10 +762,25 @@ impl RunMachine {
         out: &mut Vec<Output>,
     ) -> State {
         self.stats.clear();
+        // A sequence that ended well leaves its caches for a prompt that begins the same (a
+        // chat's next turn): the stages keep the positions they hold of what it fed.
+        let keep: Vec<u32> = if reason == FinishReason::Error {
+            Vec::new()
+        } else {
+            self.spec
+                .prompt
+                .iter()
+                .chain(&self.generated)
+                .copied()
+                .collect()
+        };
         for n in &attempt.nodes {
             out.push(Output::Send {
                 to: *n,
-                msg: Box::new(CoordToNodeEq(CoordToNode::Close { seq: attempt.seq })),
+                msg: Box::new(CoordToNodeEq(CoordToNode::Close {
+                    seq: attempt.seq,
+                    keep: keep.clone(),
+                })),
             });
         }
         self.arm(TimerKind::Close, CLOSE_TIMEOUT, out);
@@ -794,4 +826,21 @@ impl RunMachine {
         })));
         State::Done
     }
+}
+
+/// The prompt positions a sequence starts from: the fewest any stage holding layers has kept
+/// (expert-only nodes keep no positions and do not count), so every stage has them.
+fn agreed_reuse(placement: &Placement, opened: &[(NodeId, usize)]) -> usize {
+    placement
+        .stages
+        .iter()
+        .filter(|s| !s.layers.is_empty())
+        .map(|s| {
+            opened
+                .iter()
+                .find(|(n, _)| *n == s.node_id)
+                .map_or(0, |(_, c)| *c)
+        })
+        .min()
+        .unwrap_or(0)
 }

@@ -111,7 +111,7 @@ fn open_and_start(m: &mut RunMachine, epoch: u64, nodes: &[u8], seq: u64) -> Vec
     assert_eq!(opens.len(), nodes.len(), "an Open to every stage");
     let mut last = Vec::new();
     for n in nodes {
-        last = msg(m, 1, *n, NodeToCoord::Opened { seq });
+        last = msg(m, 1, *n, NodeToCoord::Opened { seq, cached: 0 });
     }
     last
 }
@@ -148,7 +148,9 @@ fn closed(seq: u64, stage: usize) -> NodeToCoord {
 fn a_run_opens_on_every_stage_starts_the_first_and_closes_everywhere() {
     let mut m = machine(2);
     let out = open_and_start(&mut m, 5, &[1, 2], 10);
-    assert!(matches!(&sends(&out)[..], [(n, CoordToNode::Start { seq: 10 })] if *n == node(1)));
+    assert!(
+        matches!(&sends(&out)[..], [(n, CoordToNode::Start { seq: 10, reuse: 0 })] if *n == node(1))
+    );
     assert!(matches!(
         events(&out)[0],
         RunEvent::Started { epoch: 5, .. }
@@ -160,7 +162,7 @@ fn a_run_opens_on_every_stage_starts_the_first_and_closes_everywhere() {
     assert_eq!(closes.len(), 2);
     assert!(closes
         .iter()
-        .all(|(_, c)| matches!(c, CoordToNode::Close { seq: 10 })));
+        .all(|(_, c)| matches!(c, CoordToNode::Close { seq: 10, .. })));
     assert!(msg(&mut m, 22, 1, closed(10, 0))
         .iter()
         .all(|o| !matches!(o, Output::Done(_))));
@@ -192,7 +194,7 @@ fn a_lost_epoch_pauses_the_run_and_the_next_resumes_it_from_prompt_plus_generate
     // The survivors free the lost attempt's sequence.
     assert!(sends(&out)
         .iter()
-        .all(|(_, c)| matches!(c, CoordToNode::Close { seq: 10 })));
+        .all(|(_, c)| matches!(c, CoordToNode::Close { seq: 10, .. })));
     // The lost epoch itself is not taken again.
     assert!(m
         .handle(
@@ -223,8 +225,10 @@ fn a_lost_epoch_pauses_the_run_and_the_next_resumes_it_from_prompt_plus_generate
         }
         other => panic!("{other:?}"),
     }
-    let out = msg(&mut m, 14, 1, NodeToCoord::Opened { seq: 11 });
-    assert!(matches!(&sends(&out)[..], [(n, CoordToNode::Start { seq: 11 })] if *n == node(1)));
+    let out = msg(&mut m, 14, 1, NodeToCoord::Opened { seq: 11, cached: 0 });
+    assert!(
+        matches!(&sends(&out)[..], [(n, CoordToNode::Start { seq: 11, reuse: 0 })] if *n == node(1))
+    );
     assert!(
         events(&out).is_empty(),
         "Started is said once, for the first attempt"
@@ -272,7 +276,7 @@ fn a_resumed_attempt_carries_the_grammar_and_logprobs_and_replays_the_generated_
     assert_eq!(first.replayed, 0);
     assert_eq!(first.logprobs, Some(3));
     for n in [1, 2] {
-        msg(&mut m, 1, n, NodeToCoord::Opened { seq: 10 });
+        msg(&mut m, 1, n, NodeToCoord::Opened { seq: 10, cached: 0 });
     }
     let lp = tessera_sampling::TokenLogprobs {
         token: 42,
@@ -402,7 +406,7 @@ fn a_lost_epoch_during_resume_waits_for_the_next_one() {
             attempt_seq: 11,
         },
     );
-    msg(&mut m, 13, 1, NodeToCoord::Opened { seq: 11 });
+    msg(&mut m, 13, 1, NodeToCoord::Opened { seq: 11, cached: 0 });
     // Epoch 6 goes before node 3 opened the resumed sequence.
     let out = m.handle(
         t(14),
@@ -561,7 +565,7 @@ fn a_stale_timer_does_nothing() {
         },
     );
     let open = timer(&out, TimerKind::Open);
-    msg(&mut m, 1, 1, NodeToCoord::Opened { seq: 10 });
+    msg(&mut m, 1, 1, NodeToCoord::Opened { seq: 10, cached: 0 });
     // The open timer fires after the stage opened: the run goes on.
     assert!(m.handle(t(30_000), Input::Timer(open)).is_empty());
     let out = msg(&mut m, 30_001, 1, token(10, 3, 7));
@@ -646,4 +650,70 @@ fn a_request_is_validated_once_with_a_typed_reason() {
     assert_eq!(spec(vec![], 1), Err(InvalidRun::EmptyPrompt));
     assert_eq!(spec(vec![1, 10], 1), Err(InvalidRun::OutsideVocabulary(10)));
     assert_eq!(spec(vec![1, 9], 1), Ok(()));
+}
+
+/// Prefix reuse: every stage says how many prompt positions it kept; the run starts at the
+/// fewest (so every stage has them), an expert-only node (no layers) does not count, the
+/// start reports them, and a run that ends well asks the stages to keep what it fed while one
+/// that fails does not.
+#[test]
+fn a_run_starts_at_the_fewest_kept_positions_and_keeps_what_it_fed() {
+    let mut m = machine(2);
+    let mut p = placement(5, &[1, 2, 3]);
+    p.stages[2].layers = 0..0;
+    m.handle(
+        t(0),
+        Input::EpochReady {
+            placement: p,
+            attempt_seq: 10,
+        },
+    );
+    msg(&mut m, 1, 1, NodeToCoord::Opened { seq: 10, cached: 2 });
+    msg(&mut m, 1, 3, NodeToCoord::Opened { seq: 10, cached: 0 });
+    let out = msg(&mut m, 1, 2, NodeToCoord::Opened { seq: 10, cached: 1 });
+    assert!(
+        matches!(&sends(&out)[..], [(n, CoordToNode::Start { seq: 10, reuse: 1 })] if *n == node(1)),
+        "{out:?}"
+    );
+    assert!(matches!(
+        events(&out)[0],
+        RunEvent::Started {
+            cached_tokens: 1,
+            ..
+        }
+    ));
+    msg(&mut m, 10, 2, token(10, 3, 42));
+    let out = msg(
+        &mut m,
+        11,
+        2,
+        finished(10, FinishReason::EndOfGeneration, None),
+    );
+    let closes = sends(&out);
+    assert_eq!(closes.len(), 3);
+    for (_, c) in closes {
+        assert!(
+            matches!(&c, CoordToNode::Close { seq: 10, keep } if keep == &[1, 2, 3, 42]),
+            "{c:?}"
+        );
+    }
+
+    let mut m = machine(2);
+    let out = open_and_start(&mut m, 5, &[1, 2], 10);
+    assert!(matches!(
+        &sends(&out)[..],
+        [(_, CoordToNode::Start { reuse: 0, .. })]
+    ));
+    let out = msg(
+        &mut m,
+        5,
+        2,
+        finished(10, FinishReason::Error, Some("boom")),
+    );
+    let out = m.handle(t(5000), Input::Timer(timer(&out, TimerKind::LossGrace)));
+    let closes = sends(&out);
+    assert_eq!(closes.len(), 2);
+    assert!(closes
+        .iter()
+        .all(|(_, c)| matches!(c, CoordToNode::Close { keep, .. } if keep.is_empty())));
 }

@@ -128,14 +128,17 @@ impl SimNode {
                             seed: o.sampling.seed,
                         },
                     );
-                    vec![Reply(NodeToCoord::Opened { seq: o.seq })]
+                    vec![Reply(NodeToCoord::Opened {
+                        seq: o.seq,
+                        cached: 0,
+                    })]
                 }
                 _ => vec![Reply(NodeToCoord::OpenFailed {
                     seq: o.seq,
                     reason: format!("epoch {} is not held here", o.epoch),
                 })],
             },
-            CoordToNode::Start { seq } => {
+            CoordToNode::Start { seq, .. } => {
                 if self.seqs.contains_key(&seq) {
                     vec![RingStart(seq)]
                 } else {
@@ -147,7 +150,7 @@ impl SimNode {
                     })]
                 }
             }
-            CoordToNode::Close { seq } => {
+            CoordToNode::Close { seq, .. } => {
                 let stage = self.holding.as_ref().map_or(0, |h| h.stage);
                 self.seqs.remove(&seq);
                 vec![Reply(NodeToCoord::Closed {

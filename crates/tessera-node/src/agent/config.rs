@@ -71,6 +71,9 @@ pub struct AgentConfig {
     pub expert_budget: Option<u64>,
     /// How this node takes sealed jobs (its device tier; test-only faults).
     pub sealed: super::sealed::SealedOptions,
+    /// Closed sequences' caches each stage keeps for prompts that begin with the same tokens
+    /// (a chat's next turn), within the memory budget; 0: none.
+    pub prefix_cache: usize,
 }
 
 /// The coordinator this node enrolled with, pinned from then on.

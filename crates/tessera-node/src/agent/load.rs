@@ -28,6 +28,7 @@ pub(super) struct LoadCtx {
     pub(super) threads: usize,
     pub(super) progress: bool,
     pub(super) expert_budget: Option<u64>,
+    pub(super) prefix_cache: usize,
 }
 
 /// The tensors a stage needs: its layers' `blk.N.*` (and the RoPE frequency factors every
@@ -222,6 +223,7 @@ pub(super) async fn load_assignment(
     let n_embd = model.config().n_embd;
     let stage_experts = model.expert_stats_source();
     let mut stage = Stage::new(a.clone(), model, kv_budget);
+    stage.set_prefix_cache(ctx.prefix_cache);
     if let Some(t) = tokenizer {
         stage.set_tokenizer(t);
     }

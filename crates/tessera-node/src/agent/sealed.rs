@@ -235,7 +235,7 @@ impl SealedWorker {
         worker: &mpsc::UnboundedSender<WorkerMsg>,
     ) -> Result<NodeToCoord, Vec<NodeToCoord>> {
         let seq = match &msg {
-            NodeToCoord::Opened { seq }
+            NodeToCoord::Opened { seq, .. }
             | NodeToCoord::OpenFailed { seq, .. }
             | NodeToCoord::Token { seq, .. }
             | NodeToCoord::Finished { seq, .. }
@@ -257,7 +257,9 @@ impl SealedWorker {
         };
         match msg {
             NodeToCoord::Opened { .. } => {
-                let _ = worker.send(WorkerMsg::Start(seq));
+                // From the first position: a sealed job neither reuses nor leaves a cache
+                // (another client's timing must not tell what it sent).
+                let _ = worker.send(WorkerMsg::Start(seq, 0));
                 Err(Vec::new())
             }
             NodeToCoord::OpenFailed { reason, .. } => {
@@ -276,7 +278,7 @@ impl SealedWorker {
                 Err(Vec::new())
             }
             NodeToCoord::Finished { reason, error, .. } => {
-                let _ = worker.send(WorkerMsg::Close(seq));
+                let _ = worker.send(WorkerMsg::Close(seq, Vec::new()));
                 let mut run = runs.remove(&seq).expect("present");
                 if reason == FinishReason::Error || reason == FinishReason::Cancelled {
                     let why = error.unwrap_or_else(|| format!("{reason:?}"));

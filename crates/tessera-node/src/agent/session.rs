@@ -63,6 +63,7 @@ pub(super) async fn serve_sessions(
                     threads: config.threads,
                     progress: config.progress,
                     expert_budget: config.expert_budget,
+                    prefix_cache: config.prefix_cache,
                 });
                 let r = session(
                     &conn,
@@ -385,8 +386,8 @@ async fn control_loop(
             CoordToNode::Open(o) => {
                 let _ = shared.worker.send(WorkerMsg::Open(o));
             }
-            CoordToNode::Start { seq } => {
-                let _ = shared.worker.send(WorkerMsg::Start(seq));
+            CoordToNode::Start { seq, reuse } => {
+                let _ = shared.worker.send(WorkerMsg::Start(seq, reuse));
             }
             CoordToNode::SealedJob { envelope } => {
                 let holding = shared.sealed_holding();
@@ -397,8 +398,8 @@ async fn control_loop(
                     let _ = shared.ctrl.send(*refusal);
                 }
             }
-            CoordToNode::Close { seq } => {
-                let _ = shared.worker.send(WorkerMsg::Close(seq));
+            CoordToNode::Close { seq, keep } => {
+                let _ = shared.worker.send(WorkerMsg::Close(seq, keep));
             }
             CoordToNode::MeasureInventory => {
                 let shared = shared.clone();

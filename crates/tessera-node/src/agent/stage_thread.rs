@@ -18,8 +18,10 @@ pub(super) enum WorkerMsg {
     Release(u64),
     Ring(u64, RingOut),
     Open(OpenSeq),
-    Start(u64),
-    Close(u64),
+    /// Start a sequence at this many reused positions.
+    Start(u64, usize),
+    /// Close a sequence, keeping its cache for the tokens given (none: free it).
+    Close(u64, Vec<u32>),
     /// From the previous stage (with how it arrived; none when it did not cross a hop).
     Hidden(StepHeader, Vec<f32>, Option<Arrival>),
     Token(RingToken, Option<Arrival>),
@@ -96,7 +98,7 @@ pub(super) fn worker_loop(
                 let seq = o.seq;
                 let reply = match stage.as_mut() {
                     Some(s) if s.assignment().epoch == o.epoch => match s.open(o) {
-                        Ok(()) => NodeToCoord::Opened { seq },
+                        Ok(cached) => NodeToCoord::Opened { seq, cached },
                         Err(e) => NodeToCoord::OpenFailed {
                             seq,
                             reason: e.to_string(),
@@ -109,21 +111,21 @@ pub(super) fn worker_loop(
                 };
                 let _ = ctrl.send(reply);
             }
-            WorkerMsg::Close(seq) => {
+            WorkerMsg::Close(seq, keep) => {
                 let mut stats = stage
                     .as_mut()
-                    .and_then(|s| s.close(seq))
+                    .and_then(|s| s.close(seq, &keep))
                     .unwrap_or_default();
                 stats.hop = Box::new(ledger.take(seq));
                 let _ = ctrl.send(NodeToCoord::Closed { seq, stats });
             }
-            WorkerMsg::Start(seq) => {
+            WorkerMsg::Start(seq, reuse) => {
                 let Some(s) = stage.as_mut() else {
                     fail(seq, &"no stage loaded");
                     continue;
                 };
                 let mut sink = sink(&mut ring, &mut ledger, &me, &ctrl);
-                if let Err(e) = s.start(seq, &mut sink) {
+                if let Err(e) = s.start(seq, reuse, &mut sink) {
                     fail(seq, &e);
                 }
             }

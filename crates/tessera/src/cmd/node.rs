@@ -46,6 +46,11 @@ pub struct NodeArgs {
     /// memory, e.g. `200MiB` (default: only when they exceed the memory budget).
     #[arg(long)]
     expert_budget: Option<String>,
+    /// Finished sequences' KV caches each stage keeps for requests that begin with the same
+    /// tokens (a chat's next turn re-sends its history: only the new tail is prefilled). They
+    /// live within the memory budget and give way to new sequences; 0 turns reuse off.
+    #[arg(long, default_value_t = tessera_engine::prefix_cache::DEFAULT_KEPT)]
+    prefix_cache: usize,
     /// A local copy of the model: read from here (after checking its hash), never downloaded.
     #[arg(long)]
     model: Option<PathBuf>,
@@ -139,6 +144,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             tier: args.device_tier,
             fault_alter_tokens: args.fault_alter_tokens,
         },
+        prefix_cache: args.prefix_cache,
     };
     if args.inventory {
         std::fs::create_dir_all(&config.data_dir)?;

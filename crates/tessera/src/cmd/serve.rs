@@ -58,7 +58,8 @@ pub struct ServeArgs {
     /// Finished requests' KV caches kept for requests that begin with the same tokens (a chat's
     /// next turn re-sends its history: only the new tail is prefilled, and `usage` reports
     /// the reused tokens as `cached_tokens`). Each cache holds --ctx positions of memory; 0
-    /// turns reuse off. Single-process serving only. [default: 2]
+    /// turns reuse off. Single-process serving only (cluster nodes take `tessera node
+    /// --prefix-cache`). [default: 2]
     #[arg(long)]
     pub prefix_cache: Option<usize>,
     /// KV cache element type: f16 (default), q8_0 (half the bytes again; heads of whole
@@ -386,8 +387,8 @@ pub async fn serve_cluster_until_signal(
 fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
     if a.prefix_cache.is_some() {
         bail!(
-            "--prefix-cache applies to single-process serving; the cluster's stages do not keep \
-             finished sequences' caches yet"
+            "--prefix-cache applies to single-process serving; in a cluster each node keeps \
+             its stage's caches within its memory budget: `tessera node --prefix-cache N`"
         );
     }
     let api_key = resolve_api_key(a.api_key.as_deref(), a.api_key_file.as_deref())?;

@@ -69,6 +69,19 @@ pub fn reference_boundaries(
     chunk: usize,
     ends: &[usize],
 ) -> Vec<(usize, usize, usize, String)> {
+    reference_boundaries_from(path, prompt, generated, chunk, ends, 0)
+}
+
+/// [`reference_boundaries`] of a ring that starts at prompt position `from` (the positions
+/// before it reused from kept caches): those are computed here too, in one step not reported.
+pub fn reference_boundaries_from(
+    path: &Path,
+    prompt: &[u32],
+    generated: &[u32],
+    chunk: usize,
+    ends: &[usize],
+    from: usize,
+) -> Vec<(usize, usize, usize, String)> {
     let g = GgufFile::open(path).unwrap();
     let cfg = ModelConfig::from_gguf(&g).unwrap();
     let m = Model::load_full(&g, 1).unwrap();
@@ -80,8 +93,11 @@ pub fn reference_boundaries(
     )
     .unwrap();
     let mut steps: Vec<(usize, Vec<u32>)> = Vec::new();
-    for (i, c) in prompt.chunks(chunk).enumerate() {
-        steps.push((i * chunk, c.to_vec()));
+    if from > 0 {
+        steps.push((0, prompt[..from].to_vec()));
+    }
+    for (i, c) in prompt[from..].chunks(chunk).enumerate() {
+        steps.push((from + i * chunk, c.to_vec()));
     }
     for (i, &t) in generated
         .iter()
@@ -92,6 +108,7 @@ pub fn reference_boundaries(
     }
     let mut out = Vec::new();
     for (pos, tokens) in steps {
+        let reused = from > 0 && pos == 0;
         let step = [SeqStep {
             n_tokens: tokens.len(),
             start_pos: pos,
@@ -107,12 +124,14 @@ pub fn reference_boundaries(
                 &mut LocalExperts(&m),
             )
             .unwrap();
-            out.push((
-                end,
-                pos,
-                tokens.len(),
-                tessera_node::protocol::hash_f32s(&h.data),
-            ));
+            if !reused {
+                out.push((
+                    end,
+                    pos,
+                    tokens.len(),
+                    tessera_node::protocol::hash_f32s(&h.data),
+                ));
+            }
             from = end;
         }
     }

@@ -285,7 +285,7 @@ impl World {
                     peer: *peer,
                 })
             }
-            NodeToCoord::Opened { seq }
+            NodeToCoord::Opened { seq, .. }
             | NodeToCoord::OpenFailed { seq, .. }
             | NodeToCoord::Token { seq, .. }
             | NodeToCoord::Finished { seq, .. }

@@ -7,9 +7,14 @@
 //! batch-invariant, so keys and values computed then equal those a fresh prefill would compute:
 //! the answer is the same with or without reuse.
 //!
-//! Generic over the cache type so the policy is tested without a model.
+//! Generic over the cache type so the policy is tested without a model. `tessera serve` keeps
+//! one of whole-model caches; each stage of a cluster keeps one of its layers' caches, and the
+//! coordinator starts a sequence from the shortest prefix its stages found (so they agree).
 
 use std::collections::VecDeque;
+
+/// Caches kept unless configured: two conversations alternating keep theirs.
+pub const DEFAULT_KEPT: usize = 2;
 
 /// Finished sequences' caches, most recently used first, at most `capacity` of them.
 #[derive(Debug)]
@@ -47,6 +52,16 @@ impl<K> PrefixCache<K> {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+
+    /// The caches kept, most recently used first.
+    pub fn values(&self) -> impl Iterator<Item = &K> {
+        self.entries.iter().map(|e| &e.kv)
+    }
+
+    /// Drops the least recently used cache (to make room for a new sequence); it, if any.
+    pub fn pop_oldest(&mut self) -> Option<K> {
+        self.entries.pop_back().map(|e| e.kv)
     }
 
     /// Keeps `kv`, which holds the positions of `tokens`. The least recently used cache is
@@ -116,6 +131,9 @@ mod tests {
         assert_eq!(c.len(), 2);
         // 'a' was dropped; among equal prefixes the most recent is taken.
         assert_eq!(c.take(&[1, 1, 7]).unwrap().kv, 'c');
+        assert_eq!(c.values().collect::<Vec<_>>(), [&'b']);
+        assert_eq!(c.pop_oldest(), Some('b'));
+        assert_eq!(c.pop_oldest(), None);
         let mut off = PrefixCache::new(0);
         off.put(vec![1, 2], 'x');
         assert!(off.is_empty());
