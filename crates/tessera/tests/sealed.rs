@@ -311,6 +311,58 @@ fn honest_workers_are_never_quarantined_in_200_verified_jobs() {
 }
 
 #[test]
+fn workers_on_the_scalar_avx2_and_avx512_paths_agree_on_every_verified_answer() {
+    let (mut c, _) = cluster(
+        &[
+            ("scalar", &["--max-isa", "scalar"]),
+            ("avx2", &["--max-isa", "avx2"]),
+            ("avx512", &["--max-isa", "avx512"]),
+        ],
+        &["--verify-per-mille", "1000"],
+    );
+    let paths: std::collections::BTreeSet<String> = c
+        .coordinator
+        .events(&[("event", "claims")])
+        .iter()
+        .filter(|e| e["models"] == 1)
+        .map(|e| e["kernel_path"].as_str().unwrap().to_string())
+        .collect();
+    // A machine without AVX-512 runs its best below the cap: two paths then.
+    assert!(
+        paths.contains("scalar") && paths.contains("avx2"),
+        "{paths:?}"
+    );
+    let mut p = submit(
+        &c,
+        "client",
+        &[
+            "-p",
+            "Lily and Ben",
+            "-n",
+            "24",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "11",
+            "--jobs",
+            "9",
+            "--workers",
+            "3",
+        ],
+    );
+    let (ok, msgs) = finished(&mut p);
+    assert!(ok, "{msgs:?}");
+    let a = answers(&msgs);
+    assert_eq!(a.len(), 9);
+    assert!(a.iter().all(|x| x["verified"] == true), "{a:?}");
+    // Seeded sampling on three kernel paths: one text.
+    let texts: std::collections::BTreeSet<&str> =
+        a.iter().map(|x| x["text"].as_str().unwrap()).collect();
+    assert_eq!(texts.len(), 1, "{texts:?}");
+    assert!(c.coordinator.events(&[("event", "quarantined")]).is_empty());
+}
+
+#[test]
 fn a_gateway_seals_plain_openai_requests_to_the_workers_of_an_untrusted_coordinator() {
     let (c, _) = cluster(&[("n0", &[]), ("n1", &[])], &[]);
     let args: Vec<String> = [

@@ -134,6 +134,7 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
                     event = "claims",
                     node = %from,
                     name = %name_of(shared, &from),
+                    kernel_path = %c.claims.kernel_path,
                     epoch = c.claims.epoch,
                     models = c.claims.models.len(),
                     "claims of {from}: epoch {} ({change:?})",

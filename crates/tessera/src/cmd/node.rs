@@ -67,6 +67,11 @@ pub struct NodeArgs {
     /// Less dependable tiers get shorter leases and more of their answers checked.
     #[arg(long, default_value = "workstation")]
     device_tier: tessera_seal::DeviceTier,
+    /// Cap the instruction set the kernels use (scalar, avx2, avx512; default: the machine's
+    /// best). Logits are bit-identical on every path, so one machine can play all three (the
+    /// path is published in the node's claims). Overrides `TESSERA_MAX_ISA`.
+    #[arg(long, value_name = "ISA")]
+    max_isa: Option<tessera_engine::kernels::Isa>,
     /// Test only: alter the tokens of every sealed answer (a lying worker), so verification
     /// has something to catch.
     #[arg(long, hide = true)]
@@ -123,6 +128,10 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
     };
     if let Some(m) = &args.model {
         anyhow::ensure!(m.is_file(), "--model {}: no such file", m.display());
+    }
+    if let Some(cap) = args.max_isa {
+        let isa = tessera_engine::kernels::set_max_isa(cap).context("--max-isa")?;
+        tracing::info!("kernels: {isa} (capped at {cap})");
     }
     let config = AgentConfig {
         data_dir,
