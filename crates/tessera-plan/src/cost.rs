@@ -507,6 +507,28 @@ fn hop_terms(link: LinkSpec, overhead: f64, bytes: f64, crossings: f64) -> Terms
     }
 }
 
+/// The chance that a step of `tokens` tokens, each routed to `used` of `n` experts (uniformly,
+/// without repeats), needs at least one of `owned` experts: the chance the home must contact
+/// their owner in a MoE layer (the fabric sends an owner nothing when no token needs it).
+pub(crate) fn contact_probability(n: u32, used: u32, owned: usize, tokens: f64) -> f64 {
+    let (n, used, owned) = (f64::from(n), f64::from(used), owned as f64);
+    if owned <= 0.0 || n <= 0.0 {
+        return 0.0;
+    }
+    // None of the token's `used` picks falls on an owned expert.
+    let mut miss = 1.0;
+    for j in 0..used as u32 {
+        let j = f64::from(j);
+        miss *= ((n - owned - j) / (n - j)).max(0.0);
+    }
+    1.0 - miss.powf(tokens.max(1.0))
+}
+
+/// The expected share of a step's token rows an owner of `owned` experts receives.
+fn routed_share(n: u32, used: u32, owned: usize) -> f64 {
+    contact_probability(n, used, owned, 1.0)
+}
+
 fn scaled(t: &Terms, k: f64) -> Terms {
     Terms {
         compute_s: t.compute_s * k,
@@ -614,10 +636,18 @@ fn pass(
             // Per MoE layer the home waits for the slowest owner (its own experts need no hop).
             let mut worst = scaled(&home.experts, 1.0 / n_moe);
             let mut per_owner = vec![(scaled(&home.experts, 1.0 / n_moe), Terms::default(), 0.0)];
+            let (n_exp, used) = (ctx.model.n_expert, ctx.model.n_expert_used);
             for (i, p) in pl.iter().enumerate().skip(1) {
                 let l = link(&a[0].node, &a[i].node)?;
                 let e = scaled(&mode.run(p).experts, 1.0 / n_moe);
-                let h = hop_terms(l, overhead(&a[0].node, &a[i].node), hidden * n, 2.0);
+                // An owner is contacted only in the layers where some token needs one of its
+                // experts, and is sent only those tokens' rows.
+                let owned = a[i].experts.map_or(0, |x| x.experts.len());
+                let rows = n * routed_share(n_exp, used, owned);
+                let mut h = hop_terms(l, overhead(&a[0].node, &a[i].node), hidden * rows, 2.0);
+                let q = contact_probability(n_exp, used, owned, n);
+                h.total_s -= h.latency_s * (1.0 - q);
+                h.latency_s *= q;
                 let mut t = e;
                 t.add(&h);
                 if t.total_s > worst.total_s {
@@ -627,6 +657,11 @@ fn pass(
             }
             out.total.add(&scaled(&worst, n_moe));
             for (i, (e, h, rtt)) in per_owner.into_iter().enumerate() {
+                let share = routed_share(
+                    ctx.model.n_expert,
+                    ctx.model.n_expert_used,
+                    a[i].experts.map_or(0, |x| x.experts.len()),
+                );
                 out.stages.push(StageTerms {
                     node: a[i].node.clone(),
                     part: "experts".into(),
@@ -638,7 +673,7 @@ fn pass(
                         to: a[i].node.clone(),
                         per_token: (2.0 * n_moe) as u32,
                         rtt_s: rtt,
-                        wire_bytes_per_token: 2.0 * hidden * n_moe,
+                        wire_bytes_per_token: 2.0 * hidden * n_moe * share,
                         terms: scaled(&h, n_moe),
                     });
                 }
@@ -952,6 +987,20 @@ mod tests {
         );
         let flops: f64 = load_for(&m, &both).chunks.iter().map(|c| c.flops).sum();
         assert!(flops >= m.head_flops_per_token);
+    }
+
+    #[test]
+    fn an_owner_is_contacted_only_when_a_token_needs_one_of_its_experts() {
+        // 2 of 8 experts per token, 3 owned: C(5,2)/C(8,2) = 10/28 of tokens miss them.
+        let p = contact_probability(8, 2, 3, 1.0);
+        assert!((p - 18.0 / 28.0).abs() < 1e-12, "{p}");
+        // Four tokens: contacted unless all four miss.
+        let p4 = contact_probability(8, 2, 3, 4.0);
+        assert!((p4 - (1.0 - (10.0f64 / 28.0).powi(4))).abs() < 1e-12);
+        // Every expert, or more picks than the others can take: always; none: never.
+        assert_eq!(contact_probability(8, 2, 8, 1.0), 1.0);
+        assert_eq!(contact_probability(8, 2, 7, 1.0), 1.0);
+        assert_eq!(contact_probability(8, 2, 0, 1.0), 0.0);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! one at a time to the owner that would finish soonest is optimal for that min-max.
 
 use super::{ms, Generated};
-use crate::cost::{evaluate, expert_layer_time, place_assignment, Ctx};
+use crate::cost::{contact_probability, evaluate, expert_layer_time, place_assignment, Ctx};
 use crate::plan::{Assignment, CellKind, ExpertSlice, LayerRange};
 use crate::resources::StrategyKind;
 
@@ -78,7 +78,9 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
                 Assignment::empty(&node.name)
             };
             let a = with_experts(a, ctx, 0, k);
-            expert_layer_time(ctx, node, &a, seqs).map_or(f64::INFINITY, |t| t + hop)
+            // Its hop is paid only in the layers where a token needs one of its `k` experts.
+            let q = contact_probability(ctx.model.n_expert, ctx.model.n_expert_used, k, 1.0);
+            expert_layer_time(ctx, node, &a, seqs).map_or(f64::INFINITY, |t| t + hop * q)
         };
         let mut k = vec![0usize; owners.len()];
         let mut next: Vec<f64> = (0..owners.len()).map(|o| time(o, 1)).collect();
