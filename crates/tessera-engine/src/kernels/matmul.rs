@@ -234,15 +234,17 @@ impl<'a> Plan<'a> {
                 // SAFETY: the ISA is available (checked in `new`); the kernel reads
                 // `data` (one whole group) and acts for tokens t..t+n, all in bounds.
                 unsafe { f(data, acts, t, n, &mut buf[..n * GROUP]) };
+                let (r0, len) = (rows.start, rows.len());
                 for j in 0..n {
-                    for r in rows.clone() {
-                        // SAFETY: each (token, row) belongs to exactly one task.
-                        unsafe {
-                            out.write(
-                                (t + j) * n_rows + r - row_start,
-                                buf[j * GROUP + r - g * GROUP],
-                            )
-                        };
+                    // SAFETY: each (token, row) belongs to exactly one task.
+                    let dst = unsafe { out.range((t + j) * n_rows + r0 - row_start, len) };
+                    let src = &buf[j * GROUP + r0 - g * GROUP..][..len];
+                    if len == GROUP {
+                        // A whole group: a fixed 64-byte copy, inlined (not a memmove call).
+                        let d: &mut [f32; GROUP] = dst.try_into().expect("GROUP long");
+                        *d = src.try_into().expect("GROUP long");
+                    } else {
+                        dst.copy_from_slice(src);
                     }
                 }
                 t += n;

@@ -205,14 +205,6 @@ impl<T> SharedMut<T> {
         // SAFETY: in bounds (checked) and exclusive (guaranteed by the caller).
         unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
     }
-
-    /// # Safety
-    /// No other task may access element `i` at the same time.
-    pub(crate) unsafe fn write(&self, i: usize, v: T) {
-        assert!(i < self.1, "SharedMut index out of bounds");
-        // SAFETY: in bounds (checked) and exclusive (guaranteed by the caller).
-        unsafe { self.0.add(i).write(v) }
-    }
 }
 
 /// 16 rows × `nt` tokens of an interleaved group (acts of tokens `t0..t0+nt`), written to

@@ -123,21 +123,23 @@ unsafe fn multi_avx2<const ID: u8>(
     let nb = a.cols / 256;
     let x16 = lay.x16();
     let mut dec = DECODED_256.with(|c| c.take());
-    dec.clear();
-    dec.resize(nb * DEC256, _mm256_setzero_si256());
+    // Every vector is written before it is read: grown, never cleared.
+    if dec.len() < nb * DEC256 {
+        dec.resize(nb * DEC256, _mm256_setzero_si256());
+    }
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
     // t..t + n.
     unsafe {
         let mut d = [_mm256_setzero_ps(); TILE];
         let mut y = [std::ptr::null::<i8>(); TILE];
         for h8 in 0..2 {
-            for (b, dec) in dec.chunks_exact_mut(DEC256).enumerate() {
+            for (b, dec) in dec[..nb * DEC256].chunks_exact_mut(DEC256).enumerate() {
                 decode_avx2::<ID>(w, b * x16, h8, dec);
             }
             for j in (0..n).step_by(TILE) {
                 let nn = TILE.min(n - j);
                 let mut acc = [[_mm256_setzero_ps(); 8]; TILE];
-                for (b, dec) in dec.chunks_exact(DEC256).enumerate() {
+                for (b, dec) in dec[..nb * DEC256].chunks_exact(DEC256).enumerate() {
                     let blk = b * x16;
                     let dw =
                         _mm256_cvtph_ps(_mm_loadu_si128(w.add(blk + 16 * h8) as *const __m128i));
@@ -524,13 +526,15 @@ unsafe fn multi_avx512<const ID: u8>(
     let zero = _mm512_setzero_si512();
     let flip = _mm512_set1_epi8(-128);
     let mut dec = DECODED_512.with(|c| c.take());
-    dec.clear();
-    dec.resize(nb * DEC512, zero);
+    // Every vector is written before it is read: grown, never cleared.
+    if dec.len() < nb * DEC512 {
+        dec.resize(nb * DEC512, zero);
+    }
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
     // t..t + n.
     unsafe {
         let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
-        for (b, dec) in dec.chunks_exact_mut(DEC512).enumerate() {
+        for (b, dec) in dec[..nb * DEC512].chunks_exact_mut(DEC512).enumerate() {
             let blk = b * x16;
             let (wu, m) = dec.split_at_mut(64);
             let wu: &mut [__m512i; 64] = wu.try_into().expect("64");
@@ -554,7 +558,7 @@ unsafe fn multi_avx512<const ID: u8>(
         for j in (0..n).step_by(TILE) {
             let nn = TILE.min(n - j);
             let mut acc = [[_mm512_setzero_ps(); 8]; TILE];
-            for (b, dec) in dec.chunks_exact(DEC512).enumerate() {
+            for (b, dec) in dec[..nb * DEC512].chunks_exact(DEC512).enumerate() {
                 let blk = b * x16;
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(blk) as *const __m256i));
                 for k in 0..nn {
