@@ -25,8 +25,9 @@ pub(super) enum RingOut {
     /// Frames for the next stage, written to its stream by a task on the agent's runtime
     /// ([`RingOut::stream`]). The stage thread only queues them. Written from the stage
     /// thread (through `Handle::block_on`), the write woke the connection's driver from
-    /// outside the runtime while holding the connection's lock; from a worker, that wake is a
-    /// push onto the worker's own queue and the driver runs right after the write, unlocked.
+    /// outside the runtime; the likely cost (not confirmed: the queue send alone still reads
+    /// 60–140 µs, so scheduling may be most of it) is that wake under the connection's lock,
+    /// which from a worker is a push onto its own queue with the driver running right after.
     /// `tessera lab hop`, interleaved runs on the loaded 2-core VM: a hop added 112 → 79 µs
     /// (medians of 8 and 9 runs) on a 0.5 ms link, 143 → 99 µs on loopback. The queue is
     /// bounded, so QUIC flow control still holds the stage thread back.
