@@ -315,12 +315,11 @@ fn handle_node_message(shared: &Shared, id: NodeId, key: tessera_seal::NodeKey, 
                 inventory: inv.clone(),
             })
         }
-        NodeToCoord::Opened { seq, .. }
-        | NodeToCoord::OpenFailed { seq, .. }
-        | NodeToCoord::Token { seq, .. }
-        | NodeToCoord::Finished { seq, .. }
-        | NodeToCoord::Closed { seq, .. } => *seq,
-        NodeToCoord::Trace(t) => t.seq,
+        // The rest are a sequence's, for its run.
+        m => match m.seq() {
+            Some(seq) => seq,
+            None => return,
+        },
     };
     if let Some(r) = shared.lock().routes.get(&seq) {
         let _ = r.send(RouteMsg::Node(id, msg));

@@ -398,6 +398,32 @@ fn is_zero(n: &usize) -> bool {
     *n == 0
 }
 
+impl NodeToCoord {
+    /// The sequence a message is about (`None`: it is about the node, an epoch or a sealed job).
+    pub fn seq(&self) -> Option<u64> {
+        match self {
+            Self::Opened { seq, .. }
+            | Self::OpenFailed { seq, .. }
+            | Self::Token { seq, .. }
+            | Self::Finished { seq, .. }
+            | Self::Closed { seq, .. } => Some(*seq),
+            Self::Trace(t) => Some(t.seq),
+            Self::Hello(_)
+            | Self::Loaded { .. }
+            | Self::LoadFailed { .. }
+            | Self::Linked { .. }
+            | Self::LinkFailed { .. }
+            | Self::Inventory(_)
+            | Self::Heartbeat { .. }
+            | Self::Listening { .. }
+            | Self::Claims(_)
+            | Self::SealedProgress { .. }
+            | Self::SealedResult { .. }
+            | Self::SealedRefused { .. } => None,
+        }
+    }
+}
+
 /// blake3 of `f32`s as little-endian bytes, hex: the boundary trace hash.
 pub fn hash_f32s(data: &[f32]) -> String {
     let mut h = blake3::Hasher::new();

@@ -580,14 +580,8 @@ impl RunMachine {
     /// the attempt may open, fail, trace and close it; only the sampler sends tokens or
     /// finishes it normally. Counts refusals.
     fn heard(&mut self, attempt: &Attempt, from: NodeId, msg: &NodeToCoord) -> bool {
-        let seq = match msg {
-            NodeToCoord::Opened { seq, .. }
-            | NodeToCoord::OpenFailed { seq, .. }
-            | NodeToCoord::Token { seq, .. }
-            | NodeToCoord::Finished { seq, .. }
-            | NodeToCoord::Closed { seq, .. } => *seq,
-            NodeToCoord::Trace(t) => t.seq,
-            _ => return false,
+        let Some(seq) = msg.seq() else {
+            return false;
         };
         if seq != attempt.seq {
             // A late message of an earlier attempt: stale, not hostile.

@@ -234,14 +234,8 @@ impl SealedWorker {
         msg: NodeToCoord,
         worker: &mpsc::UnboundedSender<WorkerMsg>,
     ) -> Result<NodeToCoord, Vec<NodeToCoord>> {
-        let seq = match &msg {
-            NodeToCoord::Opened { seq, .. }
-            | NodeToCoord::OpenFailed { seq, .. }
-            | NodeToCoord::Token { seq, .. }
-            | NodeToCoord::Finished { seq, .. }
-            | NodeToCoord::Closed { seq, .. } => *seq,
-            NodeToCoord::Trace(t) => t.seq,
-            _ => return Ok(msg),
+        let Some(seq) = msg.seq() else {
+            return Ok(msg);
         };
         if seq & LOCAL_SEQ == 0 {
             return Ok(msg);
