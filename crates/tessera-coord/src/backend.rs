@@ -340,7 +340,14 @@ impl Backend for ClusterBackend {
                 reason: reason.to_string(),
             });
         }
-        req.check(self.inner.model.context_length)?;
+        // The context the plan was made for (`--plan auto` chooses it after this backend is
+        // made): a longer request is refused here, saying the limit, not by a stage.
+        let context = self
+            .inner
+            .model
+            .context_length
+            .min(self.inner.shared.max_context().max(1));
+        req.check(context)?;
         let inner = &self.inner;
         // Waiting requests are those that found no free slot; reserve a place atomically.
         let free = inner.slots.available_permits();

@@ -445,3 +445,72 @@ fn the_dashboard_shows_the_expert_split_of_a_served_cluster() {
     assert_eq!(reply.status, 200, "{}", reply.body);
     drop(nodes);
 }
+
+/// `tessera serve --nodes-expected 2 --plan auto` without `--ctx`, on two nodes whose budgets
+/// hold the model but not its full context (512 positions) at the gateway's batch: the
+/// coordinator chooses the largest context that fits, says which (the `plan_auto` event), and
+/// serves a request within it; a prompt longer than it is refused, saying the limit.
+#[test]
+fn serve_without_ctx_chooses_the_largest_context_the_budgets_hold() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let cfg = ModelConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let args: Vec<String> = [
+        "serve",
+        "--model",
+        &path.display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+        "--coordinator-listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        &dir.path().join("coord").display().to_string(),
+        "--nodes-expected",
+        "2",
+        "--plan",
+        "auto",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut serve = Proc::spawn_with_events("serve", &args, TIMEOUT);
+    let join = serve.announced("join_token", "token");
+    let _nodes: Vec<Proc> = ["a", "b"]
+        .iter()
+        .map(|name| budget_node(dir.path(), &join, name, 16 << 20))
+        .collect();
+    let addr = serve.announced("listening", "addr").trim().to_string();
+    let planned = serve.wait_event(&[("event", "plan_auto")]);
+    let context = planned["context"].as_u64().unwrap() as usize;
+    assert!(
+        context > 0 && context < cfg.context_length && context.is_multiple_of(256),
+        "context {context} of the model's {}: {planned}",
+        cfg.context_length
+    );
+
+    // It serves within that context, once the plan has loaded (503 until then).
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let complete = |prompt: &str| {
+        common::post(
+            &addr,
+            "/v1/completions",
+            &serde_json::json!({"model": "small-qwen3moe-Q8_0", "prompt": prompt, "max_tokens": 4, "temperature": 0}),
+        )
+    };
+    let reply = loop {
+        let reply = complete("Once upon a time");
+        if reply.status != 503 || std::time::Instant::now() > deadline {
+            break reply;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let long = "Once upon a time there was a cat. ".repeat(context / 4);
+    let refused = complete(&long);
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(
+        refused.body.contains(&context.to_string()),
+        "the refusal names the context limit: {}",
+        refused.body
+    );
+}

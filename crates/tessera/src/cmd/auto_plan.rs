@@ -203,7 +203,8 @@ pub async fn run_calibrated(
         target: "tessera_coord::plan_auto",
         event = "plan_auto",
         ring = %ring,
-        "plan auto: {ring}"
+        context = chosen,
+        "plan auto: {ring} (context {chosen})"
     );
     Ok(())
 }
