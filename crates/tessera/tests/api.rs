@@ -365,42 +365,9 @@ fn binding_beyond_loopback_without_a_key_is_refused() {
 /// one a server without reuse gives.
 #[test]
 fn a_second_turn_reuses_the_first_turns_cache_and_answers_the_same() {
-    let history: String = (0..15)
-        .map(|i| format!("Lily saw {} birds in the park. ", i + 2))
-        .collect();
-    let turn = |addr: &str, messages: &serde_json::Value| {
-        let r = post(
-            addr,
-            "/v1/chat/completions",
-            &serde_json::json!({"model": "stories260K", "messages": messages,
-                                "max_tokens": 16, "temperature": 0}),
-        );
-        assert_eq!(r.status, 200, "{}", r.body);
-        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-        let text = v["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        let usage = &v["usage"];
-        let prompt = usage["prompt_tokens"].as_u64().unwrap();
-        let cached = usage["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
-        (text, prompt, cached)
-    };
-    let conversation = |addr: &str| {
-        let first = serde_json::json!([{"role": "user", "content": history}]);
-        let (answer, p1, c1) = turn(addr, &first);
-        let second = serde_json::json!([
-            {"role": "user", "content": history},
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": "What happened next?"},
-        ]);
-        let (text, p2, c2) = turn(addr, &second);
-        (answer, text, p1, c1, p2, c2)
-    };
     let reusing = Server::start(&[]);
-    let (a1, a2, p1, c1, p2, c2) = conversation(&reusing.addr);
+    let a = common::http::two_turn_chat(&reusing.addr, "stories260K");
+    let ([p1, p2], [c1, c2]) = (a.prompt, a.cached);
     assert_eq!(c1, 0, "nothing was cached before the first turn");
     assert!(p1 > 150, "a long first turn ({p1} tokens)");
     // All of the first turn's prompt (but for where the template joins the turns) was reused.
@@ -409,7 +376,11 @@ fn a_second_turn_reuses_the_first_turns_cache_and_answers_the_same() {
         "cached {c2} of {p2}; the first prompt was {p1}"
     );
     let plain = Server::start(&["--prefix-cache", "0"]);
-    let (b1, b2, _, _, q2, d2) = conversation(&plain.addr);
-    assert_eq!(d2, 0, "--prefix-cache 0 reuses nothing");
-    assert_eq!((q2, &b1, &b2), (p2, &a1, &a2), "reuse changed the answer");
+    let b = common::http::two_turn_chat(&plain.addr, "stories260K");
+    assert_eq!(b.cached[1], 0, "--prefix-cache 0 reuses nothing");
+    assert_eq!(
+        (b.prompt[1], &b.first, &b.second),
+        (p2, &a.first, &a.second),
+        "reuse changed the answer"
+    );
 }

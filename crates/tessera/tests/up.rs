@@ -447,42 +447,11 @@ fn distributed_serve_says_why_it_is_not_serving_until_nodes_join() {
 #[test]
 fn a_rings_second_chat_turn_reuses_the_kept_prefix_and_answers_as_one_process() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let history: String = (0..15)
-        .map(|i| format!("Lily saw {} birds in the park. ", i + 2))
-        .collect();
-    let turn = |addr: &str, messages: &serde_json::Value| {
-        let r = post(
-            addr,
-            "/v1/chat/completions",
-            &serde_json::json!({"model": "stories260K", "messages": messages,
-                                "max_tokens": 16, "temperature": 0}),
-        );
-        assert_eq!(r.status, 200, "{}", r.body);
-        let v = r.json();
-        let text = v["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
-        (text, v["usage"]["prompt_tokens"].as_u64().unwrap(), cached)
-    };
-    let conversation = |addr: &str| {
-        let first = serde_json::json!([{"role": "user", "content": history}]);
-        let (answer, p1, c1) = turn(addr, &first);
-        let second = serde_json::json!([
-            {"role": "user", "content": history},
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": "What happened next?"},
-        ]);
-        let (text, p2, c2) = turn(addr, &second);
-        (answer, text, p1, c1, p2, c2)
-    };
     let up = Up::start_nodes(2, &["--no-sample"]);
     let plan = &get(&up.addr, "/api/status", None).json()["cluster"]["plan"];
     assert_eq!(plan["assignments"].as_array().unwrap().len(), 2, "{plan}");
-    let (a1, a2, p1, c1, p2, c2) = conversation(&up.addr);
+    let a = common::http::two_turn_chat(&up.addr, "stories260K");
+    let ([p1, p2], [c1, c2]) = (a.prompt, a.cached);
     assert_eq!(c1, 0, "nothing was kept before the first turn");
     assert!(
         c2 + 4 >= p1 && c2 < p2,
@@ -498,7 +467,11 @@ fn a_rings_second_chat_turn_reuses_the_kept_prefix_and_answers_as_one_process() 
         "the dashboard does not show the reused tokens"
     );
     let plain = common::Server::start(&["--prefix-cache", "0"]);
-    let (b1, b2, _, _, q2, d2) = conversation(&plain.addr);
-    assert_eq!(d2, 0);
-    assert_eq!((q2, &b1, &b2), (p2, &a1, &a2), "reuse changed the answer");
+    let b = common::http::two_turn_chat(&plain.addr, "stories260K");
+    assert_eq!(b.cached[1], 0);
+    assert_eq!(
+        (b.prompt[1], &b.first, &b.second),
+        (p2, &a.first, &a.second),
+        "reuse changed the answer"
+    );
 }

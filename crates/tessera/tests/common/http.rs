@@ -190,3 +190,52 @@ pub fn stream_until(addr: &str, path: &str, body: &str, n: usize) -> BufReader<T
     }
     r
 }
+
+/// What a two-turn chat gave: both answers, and each turn's prompt and cached token counts.
+#[derive(Debug)]
+pub struct TwoTurns {
+    pub first: String,
+    pub second: String,
+    pub prompt: [u64; 2],
+    pub cached: [u64; 2],
+}
+
+/// A chat whose second turn re-sends the first (a long history, its answer, a follow-up), greedy,
+/// 16 tokens a turn, against `model` at `addr`.
+pub fn two_turn_chat(addr: &str, model: &str) -> TwoTurns {
+    let history: String = (0..15)
+        .map(|i| format!("Lily saw {} birds in the park. ", i + 2))
+        .collect();
+    let turn = |messages: &serde_json::Value| {
+        let r = post(
+            addr,
+            "/v1/chat/completions",
+            &serde_json::json!({"model": model, "messages": messages,
+                                "max_tokens": 16, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let usage = &v["usage"];
+        let prompt = usage["prompt_tokens"].as_u64().unwrap();
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        (text, prompt, cached)
+    };
+    let (first, p1, c1) = turn(&serde_json::json!([{"role": "user", "content": history}]));
+    let (second, p2, c2) = turn(&serde_json::json!([
+        {"role": "user", "content": history},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "What happened next?"},
+    ]));
+    TwoTurns {
+        first,
+        second,
+        prompt: [p1, p2],
+        cached: [c1, c2],
+    }
+}
