@@ -58,7 +58,9 @@ fn random_bytes(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec
     let bb = dtype.block_bytes();
     for b in v.chunks_exact_mut(bb) {
         match dtype {
-            GgmlType::Q4_0 | GgmlType::Q8_0 => b[..2].copy_from_slice(&small_f16(rng.next())),
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
+                b[..2].copy_from_slice(&small_f16(rng.next()))
+            }
             GgmlType::Q4K | GgmlType::Q5K => {
                 b[..2].copy_from_slice(&small_f16(rng.next()));
                 b[2..4].copy_from_slice(&small_f16(rng.next()));

@@ -592,6 +592,7 @@ impl<'a> Loader<'a> {
         if matches!(
             dtype,
             GgmlType::Q4_0
+                | GgmlType::Q5_0
                 | GgmlType::Q8_0
                 | GgmlType::Mxfp4
                 | GgmlType::Iq4Nl

@@ -26,7 +26,7 @@ pub enum ModelError {
         tensor: String,
         what: String,
     },
-    #[error("{path}: tensor '{tensor}' has type {type_name}, which Tessera cannot run (supported: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS)")]
+    #[error("{path}: tensor '{tensor}' has type {type_name}, which Tessera cannot run (supported: F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)")]
     UnsupportedType {
         path: PathBuf,
         tensor: String,

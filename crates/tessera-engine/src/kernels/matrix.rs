@@ -152,8 +152,32 @@ impl Matrix {
                 got: src.len(),
             });
         }
-        let data = match dtype {
+        let (dtype, data) = match dtype {
+            // Q5_0 is widened to Q8_0 (exact: a 5-bit code minus 16 fits an i8 under the same
+            // scale) and runs Q8_0's kernels, whose float steps are those of ggml's Q5_0
+            // `vec_dot` (per block `d·dy` times 8 lanes of 4 products, summed as
+            // `hsum_float_8`). It is a fallback type for a few small matrices, so the wider
+            // copy costs little.
+            GgmlType::Q5_0 => {
+                let q8 = widen_q5_0(src);
+                let q8 = interleave(GgmlType::Q8_0, &q8, rows, cols, buf);
+                (GgmlType::Q8_0, q8)
+            }
+            _ => (dtype, Self::repack(dtype, src, rows, cols, buf)),
+        };
+        Ok(Self {
+            dtype,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    /// The row-interleaved copy of `src` (the layouts above); not for Q5_0 (widened first).
+    fn repack(dtype: GgmlType, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+        match dtype {
             GgmlType::Q4_0 | GgmlType::Q8_0 => interleave(dtype, src, rows, cols, buf),
+            GgmlType::Q5_0 => unreachable!("Q5_0 is widened to Q8_0 before the repack"),
             GgmlType::Q4K => interleave_q45k(src, rows, cols, false, buf),
             GgmlType::Q5K => interleave_q45k(src, rows, cols, true, buf),
             GgmlType::Q6K => interleave_q6k(src, rows, cols, buf),
@@ -171,13 +195,7 @@ impl Matrix {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 interleave_float(dtype.block_bytes(), src, rows, cols, buf)
             }
-        };
-        Ok(Self {
-            dtype,
-            rows,
-            cols,
-            data,
-        })
+        }
     }
 
     /// Bytes the repacked copy of a `rows` × `cols` matrix of `dtype` takes (what
@@ -193,6 +211,8 @@ impl Matrix {
             GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => {
                 (cols / 32).checked_mul(GROUP * dtype.block_bytes())
             }
+            // Widened to Q8_0 at load.
+            GgmlType::Q5_0 => (cols / 32).checked_mul(GROUP * GgmlType::Q8_0.block_bytes()),
             GgmlType::Q4K => (cols / 256).checked_mul(kx16_bytes(false)),
             GgmlType::Q5K => (cols / 256).checked_mul(kx16_bytes(true)),
             GgmlType::Q6K => (cols / 256).checked_mul(Q6K_X16),
@@ -364,6 +384,7 @@ impl Matrix {
                     }
                 }
             }
+            GgmlType::Q5_0 => unreachable!("a Q5_0 matrix is held as Q8_0"),
             GgmlType::Q4_0 | GgmlType::Q8_0 => {
                 let bb = self.dtype.block_bytes();
                 let qb = bb - 2;
@@ -380,6 +401,21 @@ impl Matrix {
             }
         }
     }
+}
+
+/// GGML Q5_0 blocks (f16 `d`, 32 high bits, 16 bytes of nibbles: element `j < 16` is the low
+/// nibble of byte `j` with bit `j`, element `16 + j` the high nibble with bit `16 + j`) as the
+/// Q8_0 blocks of the same values: the same `d`, the codes minus 16 as i8.
+fn widen_q5_0(src: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(src.len() / 22 * 34);
+    for b in src.chunks_exact(22) {
+        out.extend_from_slice(&b[..2]);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let code = |j: usize, nib: u8| ((nib | (((qh >> j) & 1) as u8) << 4) as i8 - 16) as u8;
+        out.extend((0..16).map(|j| code(j, b[6 + j] & 0xF)));
+        out.extend((0..16).map(|j| code(16 + j, b[6 + j] >> 4)));
+    }
+    out
 }
 
 /// Repacks GGML Q4_0/Q8_0 rows into the interleaved group layout described above.

@@ -220,7 +220,8 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
     let _ = isa;
     match dtype {
         GgmlType::Q4_0 => scalar::q4_0_group,
-        GgmlType::Q8_0 => scalar::q8_0_group,
+        // A Q5_0 matrix is held as Q8_0 (`Matrix::new`).
+        GgmlType::Q8_0 | GgmlType::Q5_0 => scalar::q8_0_group,
         GgmlType::Q4K => scalar::q45k_group::<false>,
         GgmlType::Q5K => scalar::q45k_group::<true>,
         GgmlType::Q6K => scalar::q6k_group,

@@ -20,7 +20,11 @@ pub(crate) enum ActKind {
 impl ActKind {
     pub(crate) fn for_weights(dtype: GgmlType) -> Self {
         match dtype {
-            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => Self::Q8_0,
+            GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::Q8_0
+            | GgmlType::Mxfp4
+            | GgmlType::Iq4Nl => Self::Q8_0,
             GgmlType::Q4K
             | GgmlType::Q5K
             | GgmlType::Q6K

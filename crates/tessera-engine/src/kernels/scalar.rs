@@ -62,6 +62,16 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], y: &mut [f32]) {
                 y[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * d;
             }
         }
+        GgmlType::Q5_0 => {
+            let d = f16_at(b, 0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for j in 0..16 {
+                let lo = (b[6 + j] & 0xF) as u32 | ((qh >> j) & 1) << 4;
+                let hi = (b[6 + j] >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
+                y[j] = (lo as i32 - 16) as f32 * d;
+                y[j + 16] = (hi as i32 - 16) as f32 * d;
+            }
+        }
         GgmlType::Q8_0 => {
             let d = f16_at(b, 0);
             for j in 0..32 {

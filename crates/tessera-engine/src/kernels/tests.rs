@@ -43,7 +43,7 @@ pub(crate) fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, rng: &mut
             GgmlType::F32 => v.extend_from_slice(&rng.f().to_le_bytes()),
             GgmlType::F16 => push_f16(&mut v, rng.f()),
             GgmlType::BF16 => v.extend_from_slice(&bf16::from_f32(rng.f()).to_le_bytes()),
-            GgmlType::Q4_0 | GgmlType::Q8_0 => {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
                 push_f16(&mut v, rng.f() * 0.05);
                 for _ in 0..dtype.block_bytes() - 2 {
                     v.push(rng.byte());
@@ -144,7 +144,7 @@ pub(crate) fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
     v
 }
 
-const ALL: [GgmlType; 18] = [
+const ALL: [GgmlType; 19] = [
     GgmlType::Iq2Xxs,
     GgmlType::Iq2Xs,
     GgmlType::Iq2S,
@@ -156,6 +156,7 @@ const ALL: [GgmlType; 18] = [
     GgmlType::Iq4Nl,
     GgmlType::Mxfp4,
     GgmlType::Q4_0,
+    GgmlType::Q5_0,
     GgmlType::Q8_0,
     GgmlType::Q4K,
     GgmlType::Q5K,
@@ -174,7 +175,7 @@ fn isas() -> Vec<Isa> {
 
 fn cols_for(dtype: GgmlType) -> usize {
     match dtype {
-        GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => 320,
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Mxfp4 | GgmlType::Iq4Nl => 320,
         GgmlType::Q4K
         | GgmlType::Q5K
         | GgmlType::Q6K

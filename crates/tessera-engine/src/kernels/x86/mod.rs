@@ -33,7 +33,8 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
     let pick = |a2: GroupFn, a5: GroupFn| if avx512 { a5 } else { a2 };
     match dtype {
         GgmlType::Q4_0 => pick(avx2::q4_0_group, avx512::q4_0_group),
-        GgmlType::Q8_0 => pick(avx2::q8_0_group, avx512::q8_0_group),
+        // A Q5_0 matrix is held as Q8_0 (`Matrix::new`).
+        GgmlType::Q8_0 | GgmlType::Q5_0 => pick(avx2::q8_0_group, avx512::q8_0_group),
         // K-quants follow llama.cpp's lane order; without AVX-512 they use the scalar kernels.
         GgmlType::Q4K => pick(scalar::q45k_group::<false>, avx512::q45k_group::<false>),
         GgmlType::Q5K => pick(scalar::q45k_group::<true>, avx512::q45k_group::<true>),
