@@ -697,3 +697,94 @@ fn json_chat_strings_are_tokenized_as_text_wherever_they_are() {
         tok.encode_with_specials(&t.render_json(&honest, None, true).unwrap(), true)
     );
 }
+
+/// Merges that cross the word boundaries where GPT-4o's pre-tokenizer (`llama4`, `gpt-4o`)
+/// differs from Llama 3's or from plain Unicode case classes: a merge applies only inside a
+/// word, so the ids show where the text was split.
+const GPT4O_MERGES: &[&str] = &[
+    "o W", "t '", "' s", "1 2", "12 3", "3 4", "! Ċ", "Ġ Ġ", "! /", "E '", "' L", "'L L", "o Ã",
+    "Ã ©", "e Ã", "l Ã©", "£ Ù", "¸ à", "x Â", "ł y",
+];
+
+#[test]
+fn llama4_pre_tokenizer_splits_as_llama_cpp() {
+    // Expected ids from llama.cpp (llama_tokenize, no specials, ggml 0.25.3 as vendored by
+    // llama-cpp-python 0.3.36) on a vocab-only GGUF with `tokenizer.ggml.pre` = "llama4" and
+    // this vocabulary: the byte alphabet in byte order, then the merges' results in order.
+    let mut tokens = byte_alphabet();
+    tokens.extend(GPT4O_MERGES.iter().map(|m| m.replace(' ', "")));
+    let mut p = TokenizerParts::new(TokenizerKind::Bpe, tokens);
+    p.merges = GPT4O_MERGES.iter().map(|s| s.to_string()).collect();
+    p.pre = PreTokenizer::from_name("llama4");
+    let t = Tokenizer::from_parts(p).unwrap();
+    assert_eq!(PreTokenizer::from_name("gpt-4o"), PreTokenizer::Gpt4o);
+    let cases: &[(&str, &[u32])] = &[
+        (
+            "helloWorld it's HERE'LL 1234567 wow!!\n\nend",
+            &[
+                104, 101, 108, 108, 111, 87, 111, 114, 108, 100, 32, 105, 257, 115, 32, 72, 69, 82,
+                265, 76, 76, 32, 260, 52, 53, 54, 55, 32, 119, 111, 119, 33, 262, 10, 101, 110,
+                100,
+            ],
+        ),
+        (
+            "camelCaseXMLParser's IT'S",
+            &[
+                99, 97, 109, 101, 108, 67, 97, 115, 101, 88, 77, 76, 80, 97, 114, 115, 101, 114,
+                258, 32, 73, 84, 39, 83,
+            ],
+        ),
+        (
+            // llama.cpp counts a non-ASCII capital as a small letter too: "helloÉcole" is one word.
+            "helloÉcole helloécole ÉCOLE naïve",
+            &[
+                104, 101, 108, 108, 268, 137, 99, 111, 108, 101, 32, 104, 101, 108, 108, 268, 169,
+                99, 111, 108, 101, 32, 195, 137, 67, 79, 76, 69, 32, 110, 97, 195, 175, 118, 101,
+            ],
+        ),
+        (
+            "path/to/file!!/\n x",
+            &[
+                112, 97, 116, 104, 47, 116, 111, 47, 102, 105, 108, 101, 33, 264, 10, 32, 120,
+            ],
+        ),
+        (
+            "  leading\n\n  trailing  ",
+            &[
+                32, 32, 108, 101, 97, 100, 105, 110, 103, 10, 10, 32, 32, 116, 114, 97, 105, 108,
+                105, 110, 103, 263,
+            ],
+        ),
+        ("a\r\n\r\nb", &[97, 13, 10, 13, 10, 98]),
+        (
+            "¿Qué tal? 你好世界 🎉🎉!!",
+            &[
+                194, 191, 81, 117, 269, 32, 116, 97, 108, 63, 32, 228, 189, 160, 229, 165, 189,
+                228, 184, 150, 231, 149, 140, 32, 240, 159, 142, 137, 240, 159, 142, 137, 33, 33,
+            ],
+        ),
+        (
+            "नमस्ते दुनिया",
+            &[
+                224, 164, 168, 224, 164, 174, 224, 164, 184, 224, 165, 141, 224, 164, 164, 224,
+                165, 135, 32, 224, 164, 166, 224, 165, 129, 224, 164, 168, 224, 164, 191, 224, 164,
+                175, 224, 164, 190,
+            ],
+        ),
+        (
+            "Ⅻ ²³ ١٢٣٤ x²",
+            &[
+                226, 133, 171, 32, 194, 178, 194, 179, 32, 217, 161, 217, 162, 217, 163, 217, 164,
+                32, 120, 194, 178,
+            ],
+        ),
+        ("\tTab x  \t y", &[9, 84, 97, 98, 32, 120, 263, 9, 32, 121]),
+        (
+            "x\u{a0}y a \u{a0} b",
+            &[120, 194, 275, 32, 97, 32, 194, 160, 32, 98],
+        ),
+    ];
+    for (text, ids) in cases {
+        assert_eq!(t.encode(text, false), *ids, "{text:?}");
+    }
+}

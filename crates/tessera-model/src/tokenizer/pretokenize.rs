@@ -21,18 +21,30 @@ pub enum PreTokenizer {
     Llama3,
     /// Qwen2/Qwen3 (`qwen2`): single digits.
     Qwen2,
+    /// GPT-4o's (`gpt-4o`, `llama4`: gpt-oss and Llama 4): a word is a run of capitals then a
+    /// run of small letters (or capitals alone), with an optional leading non-letter and a
+    /// trailing contraction; digits in groups of up to three; punctuation runs take trailing
+    /// newlines and slashes. As llama.cpp rewrites the pattern for `std::regex`: a "capital" is
+    /// any letter but `a-z`, a "small letter" any letter but `A-Z` (so non-ASCII letters are
+    /// both), and marks (`\p{M}`) are not letters.
+    Gpt4o,
     /// llama.cpp's fallback for unknown names (`default`): punctuation runs, GPT-2, digit runs,
     /// then groups of three ASCII digits, applied one after another.
     Default,
 }
 
 const CONTRACTIONS: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])";
+/// GPT-4o's letter classes as llama.cpp matches them (see [`PreTokenizer::Gpt4o`]).
+const UPPER: &str = r"[\p{L}&&[^a-z]]";
+const LOWER: &str = r"[\p{L}&&[^A-Z]]";
+const LEAD: &str = r"[^\r\n\p{L}\p{N}]";
 const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
 
 struct Compiled {
     gpt2: Regex,
     llama3: Regex,
     qwen2: Regex,
+    gpt4o: Regex,
     default_punct: Regex,
     default_digits: Regex,
     default_three: Regex,
@@ -52,6 +64,12 @@ fn compiled() -> &'static Compiled {
             qwen2: re(&format!(
                 r"{CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{tail}"
             )),
+            gpt4o: re(&[
+                format!(r"{LEAD}?{UPPER}*{LOWER}+{CONTRACTIONS}?"),
+                format!(r"{LEAD}?{UPPER}+{LOWER}*{CONTRACTIONS}?"),
+                r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+".to_string(),
+            ]
+            .join("|")),
             default_punct: re(r"[\p{P}\$\+<=>\^~\|]+"),
             default_digits: re(r"\p{N}+"),
             default_three: re(r"[0-9][0-9][0-9]"),
@@ -67,6 +85,7 @@ impl PreTokenizer {
             "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "dbrx" | "smaug-bpe" => Self::Llama3,
             "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "hunyuan" => Self::Qwen2,
             "gpt-2" | "gpt2" | "mpt" | "olmo" | "jais" | "trillion" => Self::Gpt2,
+            "gpt-4o" | "llama4" | "kanana2" | "minimax-m2" => Self::Gpt4o,
             _ => Self::Default,
         }
     }
@@ -79,6 +98,7 @@ impl PreTokenizer {
             Self::Gpt2 => split_one(&c.gpt2, text, Lookahead::AnySpace, &mut out),
             Self::Llama3 => split_one(&c.llama3, text, Lookahead::NoNewline, &mut out),
             Self::Qwen2 => split_one(&c.qwen2, text, Lookahead::NoNewline, &mut out),
+            Self::Gpt4o => split_one(&c.gpt4o, text, Lookahead::NoNewline, &mut out),
             Self::Default => {
                 let mut words = vec![text];
                 for (re, fix) in [
@@ -107,7 +127,7 @@ enum Lookahead {
     Off,
     /// Any whitespace-only match comes from it (GPT-2: no newline alternative before it).
     AnySpace,
-    /// Whitespace-only matches without `\r`/`\n` come from it (Llama 3, Qwen2: `\s*[\r\n]+`
+    /// Whitespace-only matches without `\r`/`\n` come from it (Llama 3, Qwen2, GPT-4o: `\s*[\r\n]+`
     /// comes first and takes every run that contains a newline).
     NoNewline,
 }
