@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Writes the five benchmark-size synthetic models (random weights, real geometry) into
-# bench-models/ (ignored by git): 254 MiB to 1.33 GiB each, 10–30 s each.
+# Writes the benchmark-size synthetic models (random weights, real geometry) into
+# bench-models/ (ignored by git): five by synth_gguf.py (254 MiB to 1.33 GiB each, 10–30 s
+# each), then a deepseek2 (DeepSeek-V3's geometry scaled down, F16, 1.34 GiB) that llama.cpp's
+# llama-quantize turns into Q4_K_M (420 MiB) and IQ2_XXS (with an importance matrix from
+# llama-imatrix on this repository's READMEs), a few minutes each on 2 cores.
 # Then: tessera bench -t 2 -m bench-models/bench-qwen3-dense-q4_0.gguf -m ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +15,20 @@ for spec in "qwen3-dense q4_0" "qwen3-dense q8_0" "qwen3moe q4_0" "qwen3moe q8_0
   [ -f "$out" ] || python3 tools/synth_gguf.py --preset "$1" --outtype "$2" \
       --tokenizer models/stories260K.gguf --out "$out"
 done
+# IQ2_XXS rather than IQ4_XS: the 2-bit IQ files are what people download for the largest
+# MoE models (DeepSeek-V3/R1, Kimi K2), and llama-quantize's IQ2_XXS mix also brings in the
+# other types those files hold (Q2_K / Q4_K for some matrices, IQ4_NL where rows are 128 wide).
+LLAMA_BIN=${LLAMA_BIN:-/tmp/llama.cpp-build/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin}
+ds=bench-models/bench-deepseek2
+if [ ! -f "$ds-q4_k_m.gguf" ] || [ ! -f "$ds-iq2_xxs.gguf" ]; then
+  [ -x "$LLAMA_BIN/llama-quantize" ] || { echo "build llama.cpp first: tools/llama-cpp.sh build" >&2; exit 1; }
+  [ -f "$ds-f16.gguf" ] || python3 tools/synth_gguf.py --preset deepseek2 --outtype f16 \
+      --tokenizer models/stories260K.gguf --out "$ds-f16.gguf"
+  [ -f "$ds-q4_k_m.gguf" ] || "$LLAMA_BIN/llama-quantize" "$ds-f16.gguf" "$ds-q4_k_m.gguf" Q4_K_M
+  if [ ! -f "$ds-iq2_xxs.gguf" ]; then
+    cat README.md models/README.md crates/*/README.md | head -c 200000 > "$ds.txt"
+    "$LLAMA_BIN/llama-imatrix" -m "$ds-f16.gguf" -f "$ds.txt" -c 256 --chunks 8 -o "$ds.imatrix"
+    "$LLAMA_BIN/llama-quantize" --imatrix "$ds.imatrix" "$ds-f16.gguf" "$ds-iq2_xxs.gguf" IQ2_XXS
+  fi
+fi
 ls -l bench-models

@@ -4,7 +4,9 @@
 //! used, normalised and scaled weights, a shared expert); `tiny-deepseek2-lite-Q8_0`
 //! DeepSeek-V2-Lite's (a plain query projection, softmax gating, two shared experts);
 //! `tiny-deepseek2-mla-Q8_0` is the first's weights in the absorbed layout current converters
-//! write (`attn_k_b`/`attn_v_b`, one KV head over the latent).
+//! write (`attn_k_b`/`attn_v_b`, one KV head over the latent); `tiny-deepseek2-mla-Q5_0` the
+//! same file quantized to Q5_0 (the type llama-quantize gives `attn_k_b` in a Q4_K_M file,
+//! whose 128-wide rows K-quants cannot hold).
 //!
 //! Each layout runs as llama.cpp runs it: the absorbed one caching one latent per position,
 //! `attn_kv_b` files every head's expanded key and value.
@@ -20,10 +22,11 @@ use common::moe;
 use tessera_engine::{KvShape, KvType};
 use tessera_model::{Architecture, ExpertGating, ModelConfig, RopeScaling};
 
-const MODELS: [&str; 3] = [
+const MODELS: [&str; 4] = [
     "tiny-deepseek2-Q8_0",
     "tiny-deepseek2-lite-Q8_0",
     "tiny-deepseek2-mla-Q8_0",
+    "tiny-deepseek2-mla-Q5_0",
 ];
 fn file(name: &str) -> String {
     format!("{name}.gguf")
