@@ -8,13 +8,14 @@ use common::assert_bits_eq;
 use tessera_engine::ops::argmax;
 use tessera_engine::{Generator, KvCache, KvType, Model, SamplingParams};
 
-const MODELS: [&str; 5] = [
+const MODELS: [&str; 6] = [
     "stories260K.gguf",
     "tiny-qwen3moe-f32.gguf",
     "tiny-qwen3-Q8_0.gguf",
     "small-qwen3moe-Q4_K.gguf",
     // Latent attention: one cached latent per position read by every head.
     "test/tiny-deepseek2-mla-Q8_0.gguf",
+    "test/tiny-deepseek2-mla-Q5_0.gguf",
 ];
 
 fn prompts() -> Vec<Vec<u32>> {

@@ -15,7 +15,7 @@ use tessera_engine::kernels::{isa, Isa, MAX_ISA_ENV};
 use tessera_engine::ops::argmax;
 
 /// One fixture per weight type the kernels have (plus dense/MoE/latent-attention shapes).
-const FIXTURES: [&str; 21] = [
+const FIXTURES: [&str; 22] = [
     "tiny-qwen3-Q4_0.gguf",
     "tiny-qwen3-Q8_0.gguf",
     "tiny-qwen3-f32.gguf",
@@ -37,6 +37,7 @@ const FIXTURES: [&str; 21] = [
     "small-qwen3moe-IQ2_XXS.gguf",
     "tiny-gpt-oss-MXFP4.gguf",
     "tiny-deepseek2-mla-Q8_0.gguf",
+    "tiny-deepseek2-mla-Q5_0.gguf",
 ];
 
 const PROMPT: [u32; 6] = [1, 317, 391, 266, 267, 290];
