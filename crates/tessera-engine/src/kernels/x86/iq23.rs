@@ -405,11 +405,16 @@ pub(super) unsafe fn iq23_group_avx512<const ID: u8>(
     }
 }
 
-/// Gathers the 16 rows' grid bytes of the block at `blk` into `wbuf` (chunk `c`: the 4 bytes
-/// of each row, row-major).
+/// Gathers the 16 rows' grid bytes of grid indices `gs` of the block at `blk` into `wbuf`
+/// (chunk `c`: the 4 bytes of each row, row-major).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gather_avx512<const ID: u8>(w: *const u8, blk: usize, wbuf: &mut [__m512i; 64]) {
+unsafe fn gather_avx512<const ID: u8>(
+    w: *const u8,
+    blk: usize,
+    gs: std::ops::Range<usize>,
+    wbuf: &mut [__m512i; 64],
+) {
     let lay = Layout::of(ID);
     let grid = grid_words(lay);
     let high_mask = _mm512_set1_epi32((1 << lay.high_bits) - 1);
@@ -419,7 +424,7 @@ unsafe fn gather_avx512<const ID: u8>(w: *const u8, blk: usize, wbuf: &mut [__m5
         let even = _mm512_loadu_si512(EVEN_ODD[0].as_ptr() as *const _);
         let odd = _mm512_loadu_si512(EVEN_ODD[1].as_ptr() as *const _);
         let rows = |o: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(o) as *const __m128i));
-        for g in 0..lay.n_index() {
+        for g in gs {
             let mut idx = rows(blk + lay.index() + GROUP * g);
             if lay.high_bits > 0 {
                 let bit = g * lay.high_bits;
@@ -459,10 +464,14 @@ unsafe fn token_avx512<const ID: u8>(w: *const u8, a: &QuantizedActs, t: usize, 
         let mut wbuf = [zero; 64];
         for b in 0..nb {
             let blk = b * x16;
-            gather_avx512::<ID>(w, blk, &mut wbuf);
             let y = a.qs.as_ptr().add(t * a.cols + b * 256);
             let mut lanes = [zero; 8];
+            let per_sub = 32 / lay.per_index;
             for s in 0..8 {
+                // Each sub-block's gathers just before its products (not all 64 chunks
+                // first), so the core overlaps one sub-block's gathers with the previous
+                // one's arithmetic.
+                gather_avx512::<ID>(w, blk, s * per_sub..(s + 1) * per_sub, &mut wbuf);
                 // Scale multipliers in the low i16 of each lane (vpdpwssd: m·dot).
                 let m0 = rows(blk + lay.scales() + GROUP * (s * lay.n_scales / 8));
                 let m1 = if lay.n_scales == 16 {
@@ -538,7 +547,7 @@ unsafe fn multi_avx512<const ID: u8>(
             let blk = b * x16;
             let (wu, m) = dec.split_at_mut(64);
             let wu: &mut [__m512i; 64] = wu.try_into().expect("64");
-            gather_avx512::<ID>(w, blk, wu);
+            gather_avx512::<ID>(w, blk, 0..lay.n_index(), wu);
             for (c, wu) in wu.iter_mut().enumerate() {
                 let neg = (w.add(blk + lay.signs() + 8 * c) as *const u64).read_unaligned();
                 *wu = _mm512_xor_si512(_mm512_mask_sub_epi8(*wu, neg, zero, *wu), flip);
