@@ -688,6 +688,7 @@ impl Stage {
             let phase = if (e.start_pos as usize) < s.open.prompt.len() {
                 &mut s.stats.prefill
             } else {
+                s.stats.decode_step_share_micro += 1_000_000 / entries.len() as u64;
                 &mut s.stats.decode
             };
             phase.steps += 1;

@@ -191,6 +191,11 @@ pub struct StageSeqStats {
     pub ring_waits: u64,
     /// KV cache bytes held for the sequence at its end.
     pub kv_bytes: u64,
+    /// This sequence's share of the decode steps it took part in, in millionths: a step that
+    /// carried `b` sequences adds `1_000_000 / b` to each. Summed over a stage's sequences it
+    /// is the decode steps the stage ran, so `decode.steps` over it is the mean batch.
+    #[serde(default)]
+    pub decode_step_share_micro: u64,
     /// Where this stage's decode frames spent their time in the fabric's software (boxed: it
     /// rides in every `Closed` message, which should stay small).
     #[serde(default)]

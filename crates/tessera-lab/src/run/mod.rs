@@ -19,6 +19,7 @@
 //!    saved as a scenario that `tessera plan --nodes` and `tessera lab run` read.
 
 pub mod hop;
+pub mod pipeline;
 pub mod plans;
 pub mod report;
 mod session;

@@ -248,6 +248,87 @@ impl Session {
     ) -> Result<Vec<Value>> {
         let mut running = Vec::new();
         for i in 0..count.max(1) {
+            running.push(self.spawn_client(lab, plan, prompt, tokens, i, None)?);
+        }
+        running.into_iter().map(report).collect()
+    }
+
+    /// Like [`Session::clients`], and when each client's generated tokens reached it: the
+    /// instant each `token` message was read from its output.
+    pub(super) fn timed_clients(
+        &self,
+        lab: &impl Hosts,
+        plan: &Path,
+        prompt: &str,
+        tokens: usize,
+        count: usize,
+    ) -> Result<Vec<(Value, Vec<Instant>)>> {
+        let mut readers = Vec::new();
+        for i in 0..count.max(1) {
+            let mut child = self.spawn_client(lab, plan, prompt, tokens, i, None)?;
+            let out = BufReader::new(child.stdout.take().expect("piped"));
+            readers.push((
+                child,
+                std::thread::spawn(move || {
+                    let (mut arrivals, mut done) = (Vec::new(), None);
+                    for l in out.lines().map_while(std::result::Result::ok) {
+                        let now = Instant::now();
+                        let Ok(m) = serde_json::from_str::<Value>(&l) else {
+                            continue;
+                        };
+                        match m["type"].as_str() {
+                            Some("token") => arrivals.push(now),
+                            Some("done") => done = Some(m),
+                            _ => {}
+                        }
+                    }
+                    (done, arrivals)
+                }),
+            ));
+        }
+        readers
+            .into_iter()
+            .map(|(child, reader)| {
+                let (done, arrivals) = reader.join().unwrap_or((None, Vec::new()));
+                let out = child
+                    .wait_with_output()
+                    .map_err(|e| LabError::io("waiting for tessera run", e))?;
+                if !out.status.success() {
+                    return Err(LabError::Run(format!(
+                        "tessera run failed: {}",
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )));
+                }
+                let done =
+                    done.ok_or_else(|| LabError::Run("tessera run printed no report".into()))?;
+                Ok((done, arrivals))
+            })
+            .collect()
+    }
+
+    /// One greedy client with prompt tokens per prefill step `chunk`; its report.
+    pub(super) fn one_with(
+        &self,
+        lab: &impl Hosts,
+        plan: &Path,
+        prompt: &str,
+        tokens: usize,
+        chunk: usize,
+    ) -> Result<Value> {
+        report(self.spawn_client(lab, plan, prompt, tokens, 0, Some(chunk))?)
+    }
+
+    /// Starts client `i` (its own key under the session's directory), stdout piped.
+    fn spawn_client(
+        &self,
+        lab: &impl Hosts,
+        plan: &Path,
+        prompt: &str,
+        tokens: usize,
+        i: usize,
+        chunk: Option<usize>,
+    ) -> Result<Child> {
+        {
             let mut cmd = lab.command(0, &self.tessera)?;
             cmd.args(["run", "--coordinator", &self.operator, "--json"])
                 .args([
@@ -266,12 +347,12 @@ impl Session {
             if !self.fixed {
                 cmd.arg("--plan").arg(plan);
             }
-            running.push(
-                cmd.spawn()
-                    .map_err(|e| LabError::io("starting tessera run", e))?,
-            );
+            if let Some(c) = chunk {
+                cmd.args(["--prefill-chunk", &c.to_string()]);
+            }
+            cmd.spawn()
+                .map_err(|e| LabError::io("starting tessera run", e))
         }
-        running.into_iter().map(report).collect()
     }
 }
 

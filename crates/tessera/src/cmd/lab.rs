@@ -76,6 +76,42 @@ enum LabCommand {
         #[arg(long)]
         dir: Option<std::path::PathBuf>,
     },
+    /// Whether a stage ring pipelines: on loopback, a ring of equal stages decoding 1, 4 and 8
+    /// streams at once (aggregate tokens/s, each stage's busy share, sequences per step), and
+    /// the time to first token of a long prompt on the ring against one node.
+    Pipeline {
+        /// The model (default: the built-in stories260K; use one with enough layers that
+        /// compute dominates).
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+        /// Stages of the ring.
+        #[arg(long, default_value_t = 3)]
+        stages: usize,
+        /// Concurrent streams to measure at.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+        streams: Vec<usize>,
+        /// Tokens each stream decodes.
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        /// Rounds over every figure (alternating); medians are reported.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Prompt length of the prefill figure (0: none).
+        #[arg(long, default_value_t = 1024)]
+        prompt_tokens: usize,
+        /// Prompt tokens per prefill step.
+        #[arg(long, default_value_t = 64)]
+        prefill_chunk: usize,
+        /// Compute threads per node.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Print the figures as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Keep logs and data here (default: a fresh directory under the temp dir).
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+    },
     /// Remove the namespaces, devices and cgroups of labs whose process has gone (and kill the
     /// processes left inside them).
     Clean {
@@ -180,6 +216,47 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&figures)?);
             } else {
                 print!("{}", tessera_lab::run::hop::table(&figures));
+            }
+            Ok(())
+        }
+        LabCommand::Pipeline {
+            model,
+            stages,
+            streams,
+            tokens,
+            rounds,
+            prompt_tokens,
+            prefill_chunk,
+            threads,
+            json,
+            dir,
+        } => {
+            anyhow::ensure!(
+                !streams.is_empty() && !streams.contains(&0),
+                "--streams: one or more counts of at least 1"
+            );
+            anyhow::ensure!(prefill_chunk > 0, "--prefill-chunk must be at least 1");
+            let opts = tessera_lab::run::pipeline::Options {
+                model: crate::default_model::resolve(model)?,
+                stages,
+                streams,
+                tokens,
+                rounds,
+                prompt_tokens,
+                prefill_chunk,
+                threads: threads.max(1),
+            };
+            let dir = dir.unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("tessera-lab-pipeline-{}", std::process::id()))
+            });
+            let exe = std::env::current_exe().context("finding this executable")?;
+            let report =
+                tessera_lab::run::pipeline::run(&opts, &exe, &dir, |m| eprintln!("lab: {m}"))
+                    .with_context(|| format!("lab pipeline (logs in {})", dir.display()))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", tessera_lab::run::pipeline::table(&report));
             }
             Ok(())
         }

@@ -1,0 +1,473 @@
+//! `tessera lab pipeline`: whether a stage ring keeps its stages busy together.
+//!
+//! Three nodes on this machine's loopback serve one model as a ring of `stages` equal layer
+//! ranges (and, for the prefill figure, one of them alone):
+//!
+//! - **Decode at several streams.** `n` greedy clients at once (for each `n` of `streams`),
+//!   each decoding `tokens`. The aggregate rate is every token after each stream's first over
+//!   the window from the earliest first token to the last token (the instants the clients read
+//!   them); a stage's busy share is the decode compute its run reports summed over the streams
+//!   (a batched step's time is shared among its sequences, so the sum is the stage's) over that
+//!   window. A ring that pipelines keeps several stages busy at once, so the shares add up to
+//!   more than one and the aggregate grows with the streams; one whose sequences travel as one
+//!   batch keeps one stage busy at a time.
+//! - **Prefill across stages.** The time to first token of a `prompt_tokens` prompt on the
+//!   ring against one node holding every layer, alternating (the coordinator's figure).
+//!
+//! Every host is this machine, so the stages share its cores: on fewer cores than stages the
+//! busy shares cannot all reach one. The machine's load average is reported beside the figures.
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::session::{Loopback, Mode, Session};
+use crate::error::{LabError, Result};
+use crate::scenario::Scenario;
+
+/// What `tessera lab pipeline` measures.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub model: std::path::PathBuf,
+    /// Stages of the ring (one node each).
+    pub stages: usize,
+    /// Concurrent streams to measure at, e.g. 1, 4, 8.
+    pub streams: Vec<usize>,
+    /// Tokens each stream decodes.
+    pub tokens: usize,
+    /// Rounds over every figure (alternating); medians are reported.
+    pub rounds: usize,
+    /// Prompt length of the prefill figure (0: no prefill figure).
+    pub prompt_tokens: usize,
+    /// Prompt tokens per prefill step.
+    pub prefill_chunk: usize,
+    /// Compute threads per node.
+    pub threads: usize,
+}
+
+/// The ring's decode at one number of concurrent streams (medians over rounds).
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamsFigure {
+    pub streams: usize,
+    /// Tokens per second over every stream together.
+    pub aggregate_tokens_per_s: f64,
+    /// `aggregate_tokens_per_s` over the one-stream figure of the same run.
+    pub against_one_stream: Option<f64>,
+    /// Each stage's decode compute over the window, in ring order.
+    pub busy_share: Vec<f64>,
+    /// Sequences per decode step, averaged over the stages' steps.
+    pub mean_batch: f64,
+}
+
+/// Time to first token of a long prompt, one node against the ring (medians over rounds).
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillFigure {
+    pub prompt_tokens: usize,
+    pub prefill_chunk: usize,
+    pub single_ttft_ms: f64,
+    pub ring_ttft_ms: f64,
+    /// `ring_ttft_ms / single_ttft_ms`; the issue's goal is at most [`PREFILL_GOAL`].
+    pub ratio: f64,
+}
+
+/// The issue's goal for [`PrefillFigure::ratio`].
+pub const PREFILL_GOAL: f64 = 1.2;
+
+/// Everything `tessera lab pipeline` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct PipelineReport {
+    pub model: String,
+    /// The ring's layer ranges, in order.
+    pub layers: Vec<String>,
+    pub tokens: usize,
+    pub rounds: usize,
+    pub threads: usize,
+    pub streams: Vec<StreamsFigure>,
+    pub prefill: Option<PrefillFigure>,
+    /// The machine's 1-minute load average before and after.
+    pub load_before: Option<f64>,
+    pub load_after: Option<f64>,
+    pub cores: usize,
+}
+
+/// Tokens decoded by every stream together and the window they took: each stream's tokens
+/// after its first, from the earliest first token to the last token. `None` without any.
+pub fn decode_window(arrivals: &[Vec<Instant>]) -> Option<(usize, f64)> {
+    let start = arrivals.iter().filter_map(|a| a.first()).min()?;
+    let end = arrivals.iter().filter_map(|a| a.last()).max()?;
+    let tokens: usize = arrivals.iter().map(|a| a.len().saturating_sub(1)).sum();
+    let secs = end.duration_since(*start).as_secs_f64();
+    (tokens > 0 && secs > 0.0).then_some((tokens, secs))
+}
+
+/// Per stage, in stage order (`stages` entries): decode compute (ns), sequence-steps (each
+/// sequence counts every step it took part in) and the stage's own steps (millionths), summed
+/// over the runs' reports.
+pub fn decode_compute(reports: &[Value], stages: usize) -> Vec<(u64, u64, u64)> {
+    let mut out = vec![(0u64, 0u64, 0u64); stages];
+    for r in reports {
+        for s in r["stage_stats"].as_array().into_iter().flatten() {
+            let Some(i) = s["stage"].as_u64().map(|i| i as usize) else {
+                continue;
+            };
+            if let Some(o) = out.get_mut(i) {
+                let d = &s["decode"];
+                o.0 += d["compute_ns"].as_u64().unwrap_or(0);
+                o.1 += d["steps"].as_u64().unwrap_or(0);
+                o.2 += s["decode_step_share_micro"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+/// Busy share of each stage over a window of `secs`, and the sequences per decode step
+/// averaged over every stage's steps (`NaN` when the stages report no step shares).
+pub fn shares(compute: &[(u64, u64, u64)], secs: f64) -> (Vec<f64>, f64) {
+    let busy = compute
+        .iter()
+        .map(|&(ns, _, _)| ns as f64 / 1e9 / secs)
+        .collect();
+    let seq_steps: u64 = compute.iter().map(|c| c.1).sum();
+    let steps = compute.iter().map(|c| c.2).sum::<u64>() as f64 / 1e6;
+    let mean = if steps > 0.0 {
+        seq_steps as f64 / steps
+    } else {
+        f64::NAN
+    };
+    (busy, mean)
+}
+
+/// Equal contiguous layer ranges for `stages` stages of `n_layer` layers.
+pub fn split(n_layer: usize, stages: usize) -> Vec<std::ops::Range<usize>> {
+    let stages = stages.clamp(1, n_layer.max(1));
+    (0..stages)
+        .map(|i| (i * n_layer / stages)..((i + 1) * n_layer / stages))
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn scenario(o: &Options, context: usize) -> Result<Scenario> {
+    let mut nodes = String::new();
+    for i in 0..o.stages {
+        nodes.push_str(&format!(
+            "[[node]]\nname = \"s{i}\"\nprofile = \"laptop-16gb\"\n"
+        ));
+    }
+    let text = format!(
+        r#"
+[defaults]
+link = {{ rtt_ms = 0.0, bandwidth = "10Gbit/s" }}
+[policy]
+strategies = ["single", "stage"]
+context = {context}
+{nodes}
+[model]
+gguf = {model:?}
+[workload]
+tokens = {tokens}
+[lab]
+threads = {threads}
+"#,
+        model = o.model.display().to_string(),
+        tokens = o.tokens,
+        threads = o.threads,
+    );
+    Scenario::parse(Path::new("pipeline.toml"), &text)
+}
+
+/// A prompt of `words` words of plain prose.
+fn prose(words: usize) -> String {
+    const TEXT: &str = "The old lighthouse keeper climbed the stairs every evening to light the \
+        lamp while the sea moved below and the gulls turned over the harbour and the boats came \
+        home one by one with their nets full of silver fish for the market in the morning";
+    TEXT.split_whitespace()
+        .cycle()
+        .take(words.max(1))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Measures the pipelining and prefill figures on loopback.
+pub fn run(
+    o: &Options,
+    tessera: &Path,
+    dir: &Path,
+    mut progress: impl FnMut(&str),
+) -> Result<PipelineReport> {
+    let gguf = tessera_model::GgufFile::open(&o.model)
+        .map_err(|e| LabError::Run(format!("{}: {e}", o.model.display())))?;
+    let config = tessera_model::ModelConfig::from_gguf(&gguf)
+        .map_err(|e| LabError::Run(format!("model config: {e}")))?;
+    drop(gguf);
+    if o.stages < 2 || config.n_layer < o.stages {
+        return Err(LabError::Run(format!(
+            "a ring of {} stages needs two stages or more and a model of as many layers (it has {})",
+            o.stages, config.n_layer
+        )));
+    }
+    // Room for the prompt-length probes, which may overshoot (see `prefill`).
+    let context = (2 * o.prompt_tokens + o.tokens + 64).max(512);
+    if o.prompt_tokens > 0 && o.prompt_tokens + o.tokens > config.context_length {
+        return Err(LabError::Run(format!(
+            "a prompt of {} tokens does not fit the model's context of {}",
+            o.prompt_tokens, config.context_length
+        )));
+    }
+    let load_before = load_average();
+    let s = scenario(o, context)?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
+    let session = Session::start(&Loopback, tessera, &s, dir, &Mode::ByClient)?;
+    progress(&format!("{} nodes up on loopback", o.stages));
+    let ranges = split(config.n_layer, o.stages);
+    let write = |name: &str, v: Value| -> Result<std::path::PathBuf> {
+        let path = dir.join(name);
+        std::fs::write(&path, v.to_string())
+            .map_err(|e| LabError::io(format!("writing {}", path.display()), e))?;
+        Ok(path)
+    };
+    let ring = write(
+        "ring.json",
+        serde_json::json!({ "stages": ranges.iter().enumerate().map(|(i, r)| serde_json::json!({
+            "node": format!("s{i}"), "layers": format!("{}..{}", r.start, r.end),
+        })).collect::<Vec<_>>() }),
+    )?;
+    let single = write(
+        "single.json",
+        serde_json::json!({ "stages": [ { "node": "s0", "layers": format!("0..{}", config.n_layer) } ] }),
+    )?;
+    let prompt = &s.workload.prompt;
+    session.clients(&Loopback, &ring, prompt, 4, 1)?;
+
+    // Decode at each number of streams, the order alternating between rounds.
+    let mut per: Vec<Vec<(f64, Vec<f64>, f64)>> = vec![Vec::new(); o.streams.len()];
+    for round in 0..o.rounds.max(1) {
+        let mut order: Vec<usize> = (0..o.streams.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            let n = o.streams[i];
+            let runs = session.timed_clients(&Loopback, &ring, prompt, o.tokens, n)?;
+            let arrivals: Vec<Vec<Instant>> = runs.iter().map(|r| r.1.clone()).collect();
+            let reports: Vec<Value> = runs.into_iter().map(|r| r.0).collect();
+            let Some((tokens, secs)) = decode_window(&arrivals) else {
+                return Err(LabError::Run(format!("{n} streams decoded nothing")));
+            };
+            let (busy, batch) = shares(&decode_compute(&reports, o.stages), secs);
+            progress(&format!(
+                "round {}: {n} streams: {:.1} tok/s, busy {:?}, batch {batch:.2}",
+                round + 1,
+                tokens as f64 / secs,
+                busy.iter()
+                    .map(|b| format!("{:.0}%", b * 100.0))
+                    .collect::<Vec<_>>()
+            ));
+            per[i].push((tokens as f64 / secs, busy, batch));
+        }
+    }
+    let aggregate: Vec<f64> = per
+        .iter()
+        .map(|v| median(v.iter().map(|x| x.0).collect()))
+        .collect();
+    let one = o.streams.iter().position(|&n| n == 1).map(|i| aggregate[i]);
+    let streams = o
+        .streams
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| StreamsFigure {
+            streams: n,
+            aggregate_tokens_per_s: aggregate[i],
+            against_one_stream: one.map(|one| aggregate[i] / one),
+            busy_share: (0..o.stages)
+                .map(|k| median(per[i].iter().map(|x| x.1[k]).collect()))
+                .collect(),
+            mean_batch: median(per[i].iter().map(|x| x.2).collect()),
+        })
+        .collect();
+
+    let prefill = if o.prompt_tokens == 0 {
+        None
+    } else {
+        Some(prefill(o, &session, &single, &ring, dir, &mut progress)?)
+    };
+    Ok(PipelineReport {
+        model: o.model.display().to_string(),
+        layers: ranges
+            .iter()
+            .map(|r| format!("{}..{}", r.start, r.end))
+            .collect(),
+        tokens: o.tokens,
+        rounds: o.rounds.max(1),
+        threads: o.threads,
+        streams,
+        prefill,
+        load_before,
+        load_after: load_average(),
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    })
+}
+
+/// Time to first token of a `prompt_tokens` prompt, one node against the ring, alternating.
+fn prefill(
+    o: &Options,
+    session: &Session,
+    single: &Path,
+    ring: &Path,
+    session_dir: &Path,
+    progress: &mut impl FnMut(&str),
+) -> Result<PrefillFigure> {
+    // Words for the prompt length asked, from what the tokenizer made of a first guess.
+    // Start low: a word is one token or more.
+    let mut words = o.prompt_tokens / 3;
+    let mut got = 0;
+    for _ in 0..3 {
+        let r = session.one_with(&Loopback, single, &prose(words), 1, o.prefill_chunk)?;
+        got = r["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+        if got == 0 || got.abs_diff(o.prompt_tokens) <= o.prompt_tokens / 100 {
+            break;
+        }
+        words = (words * o.prompt_tokens / got).max(1);
+    }
+    let text = prose(words);
+    let ttft = |r: &Value| r["time_to_first_token_ms"].as_f64().unwrap_or(f64::NAN);
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for round in 0..o.rounds.max(1) {
+        let first_single = round % 2 == 0;
+        for on_ring in [!first_single, first_single] {
+            let plan = if on_ring { ring } else { single };
+            // A prompt of its own per request: a kept cache of an earlier one must not serve it.
+            let text = format!("{round}{}. {text}", u8::from(on_ring));
+            let r = session.one_with(&Loopback, plan, &text, 1, o.prefill_chunk)?;
+            got = r["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+            let name = format!(
+                "prefill-{round}-{}.json",
+                if on_ring { "ring" } else { "single" }
+            );
+            let _ = std::fs::write(session_dir.join(name), r.to_string());
+            if on_ring { &mut b } else { &mut a }.push(ttft(&r));
+        }
+        progress(&format!(
+            "round {}: prefill of {got} tokens: one node {:.0} ms, ring {:.0} ms",
+            round + 1,
+            a.last().copied().unwrap_or(f64::NAN),
+            b.last().copied().unwrap_or(f64::NAN)
+        ));
+    }
+    let (single_ttft_ms, ring_ttft_ms) = (median(a), median(b));
+    Ok(PrefillFigure {
+        prompt_tokens: got,
+        prefill_chunk: o.prefill_chunk,
+        single_ttft_ms,
+        ring_ttft_ms,
+        ratio: ring_ttft_ms / single_ttft_ms,
+    })
+}
+
+/// The figures as a table.
+pub fn table(r: &PipelineReport) -> String {
+    let mut s = format!(
+        "{}-stage ring {} of {} on loopback, {} thread(s) a node, {} tokens a stream, medians of \
+         {} rounds; {} cores, load average {} → {}\n",
+        r.layers.len(),
+        r.layers.join(" → "),
+        r.model,
+        r.threads,
+        r.tokens,
+        r.rounds,
+        r.cores,
+        r.load_before.map_or("?".into(), |l| format!("{l:.2}")),
+        r.load_after.map_or("?".into(), |l| format!("{l:.2}")),
+    );
+    s.push_str(&format!(
+        "{:>7} {:>12} {:>10} {:>10} {:>}\n",
+        "streams", "aggr tok/s", "vs 1", "batch", "busy share per stage (sum)"
+    ));
+    for f in &r.streams {
+        let sum: f64 = f.busy_share.iter().sum();
+        s.push_str(&format!(
+            "{:>7} {:>12.1} {:>10} {:>10.2} {} ({:.0}%)\n",
+            f.streams,
+            f.aggregate_tokens_per_s,
+            f.against_one_stream
+                .map_or("-".into(), |x| format!("{x:.2}x")),
+            f.mean_batch,
+            f.busy_share
+                .iter()
+                .map(|b| format!("{:.0}%", b * 100.0))
+                .collect::<Vec<_>>()
+                .join(" / "),
+            sum * 100.0
+        ));
+    }
+    if let Some(p) = &r.prefill {
+        s.push_str(&format!(
+            "prefill of {} tokens (chunks of {}): time to first token one node {:.0} ms, ring \
+             {:.0} ms = {:.2}x (goal ≤ {PREFILL_GOAL}x)\n",
+            p.prompt_tokens, p.prefill_chunk, p.single_ttft_ms, p.ring_ttft_ms, p.ratio
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_window_runs_from_the_earliest_first_token_to_the_last_token() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // Two streams: one's tokens at 100..=400, the other's at 250..=500.
+        let a = vec![at(100), at(200), at(300), at(400)];
+        let b = vec![at(250), at(500)];
+        let (tokens, secs) = decode_window(&[a, b]).unwrap();
+        assert_eq!(tokens, 3 + 1);
+        assert!((secs - 0.4).abs() < 1e-9);
+        assert_eq!(decode_window(&[vec![at(1)]]), None);
+    }
+
+    #[test]
+    fn busy_shares_sum_each_stages_decode_compute_over_the_streams() {
+        let report = |stage0: u64, stage1: u64| {
+            serde_json::json!({ "stage_stats": [
+                { "stage": 0, "decode": { "compute_ns": stage0, "steps": 10 },
+                    "decode_step_share_micro": 5_000_000 },
+                { "stage": 1, "decode": { "compute_ns": stage1, "steps": 10 },
+                    "decode_step_share_micro": 5_000_000 },
+            ] })
+        };
+        let c = decode_compute(
+            &[report(100_000_000, 50_000_000), report(100_000_000, 0)],
+            2,
+        );
+        assert_eq!(c[0], (200_000_000, 20, 10_000_000));
+        let (busy, batch) = shares(&c, 0.5);
+        assert!((busy[0] - 0.4).abs() < 1e-9 && (busy[1] - 0.1).abs() < 1e-9);
+        // Two sequences, every step carrying both: a batch of two.
+        assert!((batch - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_ring_splits_the_layers_into_equal_contiguous_ranges() {
+        assert_eq!(split(28, 3), vec![0..9, 9..18, 18..28]);
+        assert_eq!(split(2, 3), vec![0..1, 1..2]);
+    }
+}
