@@ -174,7 +174,11 @@ pub fn predict(
         })
         .ok_or(PlanError::Recost("plan has no cells".into()))?;
     Ok(Prediction {
-        throughput_tokens_per_s: combined_throughput(&cells, policy.concurrency.max(1)),
+        throughput_tokens_per_s: combined_throughput(
+            &cells,
+            policy.concurrency.max(1),
+            &graph.machines,
+        ),
         concurrency: policy.concurrency.max(1),
         ..cells[best].predicted.clone()
     })
@@ -380,6 +384,48 @@ pub fn calibrate(
         relative_error_before: (before.decode_tokens_per_s - m.decode_tokens_per_s)
             / m.decode_tokens_per_s,
     })
+}
+
+/// Calibrates only the nodes `stages` names, each from its own stage's measured time per
+/// token against what `graph` predicts for it in `plan`: the way to correct a node that no
+/// single-node run covered from whichever executed plan did (a ring's or an expert split's
+/// per-stage figures), leaving the links, the runtime's costs and every other node as they are.
+/// Returns the corrected graph and what changed.
+pub fn calibrate_nodes(
+    model: &ModelProfile,
+    graph: &ResourceGraph,
+    plan: &Plan,
+    stages: &[StageMeasurement],
+    taken_at_unix_s: u64,
+) -> Result<(ResourceGraph, Vec<Correction>), PlanError> {
+    let now = predict(model, graph, plan)?;
+    let mut g = graph.clone();
+    let mut corrections = Vec::new();
+    for s in stages {
+        let predicted: f64 = now
+            .stages
+            .iter()
+            .filter(|x| x.node == s.node)
+            .map(|x| x.terms.total_s)
+            .sum();
+        if predicted > 0.0 && s.seconds_per_token > 0.0 {
+            let why = format!(
+                "its stage of {} measured {:.3} ms/token, predicted {:.3}",
+                plan.nodes().join("→"),
+                s.seconds_per_token * 1e3,
+                predicted * 1e3
+            );
+            scale_node(
+                &mut g,
+                &s.node,
+                predicted / s.seconds_per_token,
+                taken_at_unix_s,
+                &why,
+                &mut corrections,
+            );
+        }
+    }
+    Ok((g, corrections))
 }
 
 /// What a ring's run taught about the software cost of a hop.

@@ -130,6 +130,26 @@ impl ResourceGraph {
                 .collect();
             doc.insert("link".into(), toml::Value::Array(links));
         }
+        if !self.machines.is_empty() {
+            let machines = self
+                .machines
+                .iter()
+                .map(|m| {
+                    toml::Value::Table(table(vec![
+                        ("name", toml::Value::String(m.name.clone())),
+                        ("cores", float(m.cores)),
+                        ("node_cores", float(m.node_cores)),
+                        (
+                            "nodes",
+                            toml::Value::Array(
+                                m.nodes.iter().cloned().map(toml::Value::String).collect(),
+                            ),
+                        ),
+                    ]))
+                })
+                .collect();
+            doc.insert("machine".into(), toml::Value::Array(machines));
+        }
         toml::to_string(&doc).expect("a TOML table always serialises")
     }
 }
@@ -164,6 +184,11 @@ measured_at = 1700000000
 nodes = ["a", "b"]
 rtt_ms = 0.3
 bandwidth = "1Gbit/s"
+[[machine]]
+name = "vm"
+cores = 2
+node_cores = 1.5
+nodes = ["a", "b"]
 "#;
         let mut g = ResourceGraph::from_toml(text).unwrap();
         g.token_overhead_s = 250e-6;
@@ -178,6 +203,7 @@ bandwidth = "1Gbit/s"
             assert_eq!((x.disk, x.memory_budget), (y.disk, y.memory_budget));
         }
         assert_eq!(back.links, g.links);
+        assert_eq!(back.machines, g.machines);
         assert_eq!(back.default_link, g.default_link);
         assert_eq!(back.policy, g.policy);
         assert!((back.token_overhead_s - 250e-6).abs() < 1e-12);

@@ -76,8 +76,8 @@ mod strategies;
 pub mod units;
 
 pub use calibrate::{
-    apply_calibrated, calibrate, calibrate_hop_overhead, predict, Calibration, HopCalibration,
-    HopMeasurement, Measurement, StageMeasurement,
+    apply_calibrated, calibrate, calibrate_hop_overhead, calibrate_nodes, predict, Calibration,
+    HopCalibration, HopMeasurement, Measurement, StageMeasurement,
 };
 pub use cost::{usable_memory, PREFILL_UBATCH, RUNTIME_OVERHEAD_RAM, RUNTIME_OVERHEAD_VRAM};
 pub use explain::render_text;
@@ -88,8 +88,8 @@ pub use plan::{
 };
 pub use planner::plan;
 pub use resources::{
-    ClusterError, Evidence, Link, LinkSpec, Node, Objective, Policy, ResourceGraph, Source,
-    StrategyKind, Tier, DEFAULT_HOP_OVERHEAD_S,
+    ClusterError, Evidence, Link, LinkSpec, Node, Objective, Policy, ResourceGraph, SharedMachine,
+    Source, StrategyKind, Tier, DEFAULT_HOP_OVERHEAD_S,
 };
 pub use units::{Bytes, BytesPerSec, FlopsPerSec, UnitError};
 

@@ -240,6 +240,36 @@ pub struct ResourceGraph {
     /// seconds per crossing.
     #[serde(default = "default_hop_overhead")]
     pub hop_overhead_s: f64,
+    /// Nodes that share one machine's cores (emulated hosts, several nodes started on one
+    /// computer): when several of them compute at once they divide its cores.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub machines: Vec<SharedMachine>,
+}
+
+/// Nodes that compute on one machine's cores. Each node's figures are what it computes alone,
+/// on `node_cores` cores (the threads it computes with); when nodes of the machine compute at
+/// once and want more than its `cores`, each gets its share: every rate of theirs scales by
+/// `cores / cores wanted`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SharedMachine {
+    pub name: String,
+    pub cores: f64,
+    /// Cores one node's figures were measured on.
+    pub node_cores: f64,
+    pub nodes: Vec<String>,
+}
+
+impl SharedMachine {
+    /// The share of its own speed each of `busy` nodes computing at once on this machine gets
+    /// (1: no contention).
+    pub fn share(&self, busy: usize) -> f64 {
+        let wanted = busy as f64 * self.node_cores;
+        if wanted <= self.cores || wanted <= 0.0 {
+            1.0
+        } else {
+            self.cores / wanted
+        }
+    }
 }
 
 impl Default for ResourceGraph {
@@ -252,6 +282,7 @@ impl Default for ResourceGraph {
             evidence: Vec::new(),
             token_overhead_s: 0.0,
             hop_overhead_s: DEFAULT_HOP_OVERHEAD_S,
+            machines: Vec::new(),
         }
     }
 }
@@ -285,6 +316,13 @@ impl ResourceGraph {
             .find(|l| (l.a == a && l.b == b) || (l.a == b && l.b == a))
             .map(|l| l.spec)
             .or(self.default_link)
+    }
+
+    /// The machine whose cores `node` shares with other nodes, if any.
+    pub fn machine_of(&self, node: &str) -> Option<&SharedMachine> {
+        self.machines
+            .iter()
+            .find(|m| m.nodes.iter().any(|n| n == node))
     }
 
     /// Adds a node with evidence for each of its figures.
@@ -380,6 +418,9 @@ impl ResourceGraph {
             }
             n.apply(&mut g)?;
         }
+        for m in file.machine {
+            m.apply(&mut g)?;
+        }
         for l in file.link {
             let [a, b] = l.nodes.clone();
             for x in [&a, &b] {
@@ -451,6 +492,54 @@ struct ClusterFile {
     node: Vec<NodeFile>,
     #[serde(default)]
     link: Vec<LinkFile>,
+    #[serde(default)]
+    machine: Vec<MachineFile>,
+}
+
+/// `[[machine]]`: nodes that share one machine's cores.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MachineFile {
+    name: String,
+    cores: f64,
+    /// Cores each node computes with (its threads); 1 unless said.
+    node_cores: Option<f64>,
+    nodes: Vec<String>,
+}
+
+impl MachineFile {
+    fn apply(self, g: &mut ResourceGraph) -> Result<(), ClusterError> {
+        let invalid =
+            |what: String| ClusterError::Invalid(format!("machine {:?}: {what}", self.name));
+        let node_cores = self.node_cores.unwrap_or(1.0);
+        if !(self.cores.is_finite() && self.cores > 0.0) {
+            return Err(invalid("cores must be a number > 0".into()));
+        }
+        if !(node_cores.is_finite() && node_cores > 0.0) {
+            return Err(invalid("node_cores must be a number > 0".into()));
+        }
+        for n in &self.nodes {
+            if g.node(n).is_none() {
+                return Err(ClusterError::UnknownNode(n.clone()));
+            }
+            if let Some(other) = g.machine_of(n) {
+                return Err(invalid(format!(
+                    "node {n:?} is already on machine {:?}",
+                    other.name
+                )));
+            }
+        }
+        if g.machines.iter().any(|m| m.name == self.name) {
+            return Err(invalid("listed twice".into()));
+        }
+        g.machines.push(SharedMachine {
+            name: self.name,
+            cores: self.cores,
+            node_cores,
+            nodes: self.nodes,
+        });
+        Ok(())
+    }
 }
 
 #[derive(Deserialize)]

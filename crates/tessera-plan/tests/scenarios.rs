@@ -310,6 +310,46 @@ fn four_32gib_hosts_over_a_40ms_wan_serving_8_streams_choose_replicas_under_ever
         .any(|r| r.starts_with("4 whole-request replicas") && r.contains("on fewer nodes")));
 }
 
+/// Four hosts that each hold the model but are processes on one machine of two cores (emulated
+/// hosts, `[[machine]]`): four requests at once run on four cells that divide two cores, so the
+/// replicas serve half what four machines would; one request alone is as fast as before.
+#[test]
+fn replicas_on_one_machines_cores_divide_them() {
+    let m = model(LLAMA_3_1_8B, Quant::Q4_K);
+    let mut toml = String::from(
+        "[defaults]\nlink = \"wan-40ms\"\n[policy]\nconcurrency = 4\nstrategies = [\"replica\"]\n",
+    );
+    for i in 1..=4 {
+        toml += &format!("[[node]]\nname = \"h{i}\"\nprofile = \"laptop-16gb\"\n");
+    }
+    let apart = plan(&m, &cluster(&toml), 1).unwrap().plan.predicted;
+    let shared = toml.clone()
+        + "[[machine]]\nname = \"vm\"\ncores = 2\nnodes = [\"h1\", \"h2\", \"h3\", \"h4\"]\n";
+    let g = cluster(&shared);
+    assert_eq!(g.machine_of("h3").map(|m| m.cores), Some(2.0));
+    let together = plan(&m, &g, 1).unwrap().plan.predicted;
+    let ratio = together.throughput_tokens_per_s / apart.throughput_tokens_per_s;
+    assert!((ratio - 0.5).abs() < 1e-9, "{ratio}");
+    assert!((together.decode_tokens_per_s - apart.decode_tokens_per_s).abs() < 1e-9);
+    // Two cores for two nodes: no contention.
+    let roomy = shared.replace("cores = 2", "cores = 4");
+    let roomy = plan(&m, &cluster(&roomy), 1).unwrap().plan.predicted;
+    assert!((roomy.throughput_tokens_per_s - apart.throughput_tokens_per_s).abs() < 1e-6);
+}
+
+#[test]
+fn a_machine_must_name_known_nodes_once_and_have_cores() {
+    let base = "[[node]]\nname = \"a\"\nprofile = \"laptop-16gb\"\n";
+    let bad = |extra: &str| ResourceGraph::from_toml(&format!("{base}{extra}")).unwrap_err();
+    let e = bad("[[machine]]\nname = \"m\"\ncores = 2\nnodes = [\"b\"]\n");
+    assert!(e.to_string().contains("\"b\""), "{e}");
+    let e = bad("[[machine]]\nname = \"m\"\ncores = 0\nnodes = [\"a\"]\n");
+    assert!(e.to_string().contains("cores must be"), "{e}");
+    let e = bad("[[machine]]\nname = \"m\"\ncores = 2\nnodes = [\"a\"]\n\
+         [[machine]]\nname = \"n\"\ncores = 2\nnodes = [\"a\"]\n");
+    assert!(e.to_string().contains("already on machine"), "{e}");
+}
+
 const TWO_GPUS: &str = r#"
 [[node]]
 name = "gpu0"

@@ -15,7 +15,8 @@
 //!    aggregate tokens/s of the workload's concurrency of requests at once, and the bytes the
 //!    switch carried between the nodes per decoded token. The others are listed with why not.
 //! 4. `tessera_plan::calibrate` on every single-node run (else the first that ran) corrects the
-//!    graph; every plan's prediction is shown before and after, and the calibrated graph can be
+//!    graph, and each node none of those ran on is corrected from its own stage in the first
+//!    other plan that ran on it (`tessera_plan::calibrate_nodes`); every plan's prediction is shown before and after, and the calibrated graph can be
 //!    saved as a scenario that `tessera plan --nodes` and `tessera lab run` read.
 
 pub mod hop;
@@ -113,6 +114,7 @@ pub fn run(
             c.display()
         )],
     };
+    let quotas = [quotas, apply_shared_machine(scenario, &mut graph)].concat();
     // The coordinator's own choice placed an expert split for every run: stage runs need a
     // coordinator without it.
     let mut experts_applied = doc["outcome"]["plan"]["strategy"] == "expert";
@@ -223,6 +225,47 @@ pub fn run(
             Err(e) => on.push(format!("not {} ({e})", describe(&candidates[i].plan))),
         }
     }
+    // Nodes no reference ran on: each is calibrated from the first other plan that ran on it,
+    // by its own stage's figures (a ring's stage, an expert split's home), so that every node
+    // an executed plan covered carries what it showed — not only the reference's.
+    let mut covered: Vec<String> = references
+        .iter()
+        .flat_map(|&i| candidates[i].plan.nodes())
+        .map(str::to_string)
+        .collect();
+    for &i in &ran {
+        let Some(Ok(m)) = &measured[i] else {
+            continue;
+        };
+        let Some(base) = calibrated_graph.as_ref() else {
+            break;
+        };
+        let m = measurement(&m.report);
+        let fresh: Vec<StageMeasurement> = m
+            .stages
+            .into_iter()
+            .filter(|s| !covered.contains(&s.node))
+            .collect();
+        if fresh.is_empty() {
+            continue;
+        }
+        let plan = &candidates[i].plan;
+        match tessera_plan::calibrate_nodes(&model, base, plan, &fresh, m.taken_at_unix_s) {
+            Ok((g, c)) => {
+                corrections.extend(c.iter().map(|x| {
+                    format!(
+                        "{} {} ×{:.2}: {}",
+                        x.subject, x.quantity, x.factor, x.reason
+                    )
+                }));
+                covered.extend(fresh.iter().map(|s| s.node.clone()));
+                let nodes: Vec<&str> = fresh.iter().map(|s| s.node.as_str()).collect();
+                on.push(format!("{} (for {})", describe(plan), nodes.join(", ")));
+                calibrated_graph = Some(g);
+            }
+            Err(e) => on.push(format!("not {} ({e})", describe(plan))),
+        }
+    }
     if let Some(g) = calibrated_graph.as_mut() {
         overheads.sort_by(f64::total_cmp);
         if overheads.len() > 1 {
@@ -331,6 +374,27 @@ pub fn run(
             .into(),
     ];
     provenance.extend(quotas);
+    // What sharing the machine's cores changes: each plan with several cells, predicted as if
+    // every host were a machine of its own.
+    if !graph.machines.is_empty() {
+        let apart = ResourceGraph {
+            machines: Vec::new(),
+            ..graph.clone()
+        };
+        for c in candidates.iter().filter(|c| c.plan.cells.len() > 1) {
+            if let (Ok(a), Ok(t)) = (
+                predict(&model, &apart, &c.plan),
+                predict(&model, &graph, &c.plan),
+            ) {
+                provenance.push(format!(
+                    "{}: aggregate {:.0} tok/s predicted sharing the machine's cores, {:.0} as                      if each host were a machine of its own",
+                    describe(&c.plan),
+                    t.throughput_tokens_per_s,
+                    a.throughput_tokens_per_s
+                ));
+            }
+        }
+    }
     provenance.push(format!(
         "cost of a hop beyond the link: {:.0} µs before calibration (the scenario's \
          hop_overhead_us, else the planner's default); after, each ring is predicted with the \
@@ -441,6 +505,30 @@ fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<Strin
         }
     }
     lines
+}
+
+/// Says in the graph that the lab's hosts are one machine: its cores (those this process may
+/// run on) are shared by every node, each computing with the scenario's threads, so cells or
+/// stages busy at once divide them. One line saying so; none when the graph already names
+/// machines.
+fn apply_shared_machine(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<String> {
+    if !graph.machines.is_empty() || graph.nodes.len() < 2 {
+        return Vec::new();
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let m = tessera_plan::SharedMachine {
+        name: "this machine".into(),
+        cores,
+        node_cores: scenario.threads.max(1) as f64,
+        nodes: graph.nodes.iter().map(|n| n.name.clone()).collect(),
+    };
+    let line = format!(
+        "imposed on every host: one machine of {cores} cores, shared by the {} nodes at {}          thread(s) each (nodes computing at once divide its cores)",
+        m.nodes.len(),
+        m.node_cores
+    );
+    graph.machines.push(m);
+    vec![line]
 }
 
 /// The node hosts' traffic among themselves so far, bytes (the coordinator's host excluded).

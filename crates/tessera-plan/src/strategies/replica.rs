@@ -7,32 +7,71 @@ use super::stage::{ring_cell, solve, Metric, MAX_DP_NODES};
 use super::{stage_assignment, Generated};
 use crate::cost::{evaluate, Ctx};
 use crate::plan::{Candidate, Cell, CellKind, Prediction};
-use crate::resources::StrategyKind;
+use crate::resources::{SharedMachine, StrategyKind};
 
 /// Spreads `c` requests over the cells, each step to the cell that adds the most tokens/s.
-pub(crate) fn combined_throughput(cells: &[Cell], c: u32) -> f64 {
+/// Cells whose nodes share a machine's cores ([`SharedMachine`]) slow each other down while
+/// they are busy together, so a request's gain counts what it takes from its neighbours.
+pub(crate) fn combined_throughput(cells: &[Cell], c: u32, machines: &[SharedMachine]) -> f64 {
     let mut alloc = vec![0usize; cells.len()];
-    let at = |cell: &Cell, k: usize| {
-        if k == 0 {
-            0.0
-        } else {
-            cell.throughput_curve[k - 1]
-        }
-    };
     for _ in 0..c {
-        let best = (0..cells.len())
-            .filter(|&i| alloc[i] < cells[i].throughput_curve.len())
-            .max_by(|&a, &b| {
-                let ga = at(&cells[a], alloc[a] + 1) - at(&cells[a], alloc[a]);
-                let gb = at(&cells[b], alloc[b] + 1) - at(&cells[b], alloc[b]);
-                ga.total_cmp(&gb).then(b.cmp(&a))
-            });
+        let now = total(cells, &alloc, machines);
+        let mut best: Option<(usize, f64)> = None;
+        for i in 0..cells.len() {
+            if alloc[i] >= cells[i].throughput_curve.len() {
+                continue;
+            }
+            alloc[i] += 1;
+            let gain = total(cells, &alloc, machines) - now;
+            alloc[i] -= 1;
+            // Ties go to the earlier cell.
+            if best.is_none_or(|(_, g)| gain > g) {
+                best = Some((i, gain));
+            }
+        }
         match best {
-            Some(i) => alloc[i] += 1,
+            Some((i, _)) => alloc[i] += 1,
             None => break,
         }
     }
-    cells.iter().zip(&alloc).map(|(cell, &k)| at(cell, k)).sum()
+    total(cells, &alloc, machines)
+}
+
+/// The cells' tokens/s with `alloc[i]` requests on cell `i`: each busy cell's curve, scaled by
+/// the share of its slowest shared machine.
+fn total(cells: &[Cell], alloc: &[usize], machines: &[SharedMachine]) -> f64 {
+    // Nodes computing at once on each machine: a busy cell's nodes there, at most one per
+    // request it serves (a ring's stages take turns on one request).
+    let busy_on = |m: &SharedMachine| -> usize {
+        cells
+            .iter()
+            .zip(alloc)
+            .filter(|(_, &k)| k > 0)
+            .map(|(cell, &k)| {
+                let here = cell
+                    .nodes()
+                    .iter()
+                    .filter(|n| m.nodes.iter().any(|x| x == *n))
+                    .count();
+                here.min(k)
+            })
+            .sum()
+    };
+    let shares: Vec<f64> = machines.iter().map(|m| m.share(busy_on(m))).collect();
+    cells
+        .iter()
+        .zip(alloc)
+        .filter(|(_, &k)| k > 0)
+        .map(|(cell, &k)| {
+            let share = machines
+                .iter()
+                .zip(&shares)
+                .filter(|(m, _)| cell.nodes().iter().any(|n| m.nodes.iter().any(|x| x == n)))
+                .map(|(_, &s)| s)
+                .fold(1.0, f64::min);
+            cell.throughput_curve[k - 1] * share
+        })
+        .sum()
 }
 
 pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
@@ -122,7 +161,7 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
         .expect("cells");
     let c = ctx.policy.concurrency.max(1);
     let predicted = Prediction {
-        throughput_tokens_per_s: combined_throughput(&cells, c),
+        throughput_tokens_per_s: combined_throughput(&cells, c, &ctx.graph.machines),
         concurrency: c,
         ..cells[best].predicted.clone()
     };
