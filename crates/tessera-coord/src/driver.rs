@@ -215,6 +215,8 @@ fn take_cell(
     let loads = st.cells.loads(&st.membership);
     let epoch = choose(&loads, positions, kv, exclude)?;
     st.cells.seat(seq, epoch, positions);
+    // A resumed run may have been the last on a draining epoch.
+    shared.release_drained(&mut st);
     Placement::of(&st.membership, epoch).ok_or(NoCell::NoneReady)
 }
 
@@ -227,8 +229,10 @@ struct Seat<'a> {
 
 impl Drop for Seat<'_> {
     fn drop(&mut self) {
-        if self.shared.lock().cells.unseat(self.seq) {
+        let mut st = self.shared.lock();
+        if st.cells.unseat(self.seq) {
             self.shared.seats_freed.notify_waiters();
+            self.shared.release_drained(&mut st);
         }
     }
 }
@@ -385,13 +389,10 @@ impl Drop for Route<'_> {
     }
 }
 
-/// Whether `epoch` is still a ready cell.
+/// Whether a run on `epoch` may go on: a ready cell, or one draining after a new split took
+/// its place.
 fn epoch_live(shared: &Shared, epoch: u64) -> bool {
-    shared
-        .lock()
-        .membership
-        .epoch_with_id(epoch)
-        .is_some_and(|e| e.phase == Phase::Ready)
+    shared.lock().membership.serves(epoch)
 }
 
 /// Runs one generation; streams tokens to `client`. The lifecycle — open, start, relay,

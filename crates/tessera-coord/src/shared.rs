@@ -261,6 +261,27 @@ impl Shared {
             let live: Vec<u64> = after.iter().map(|(id, _)| *id).collect();
             st.cells.retain_cells(&live);
         }
+        self.release_drained(st);
+    }
+
+    /// Releases the draining epochs no run is seated on any more (make before break: a new
+    /// split took their cell, and their last runs ended).
+    pub(crate) fn release_drained(&self, st: &mut LiveState) {
+        let drained = st
+            .membership
+            .draining()
+            .iter()
+            .map(|e| e.id)
+            .find(|&e| st.cells.seated(e) == 0);
+        if let Some(epoch) = drained {
+            tracing::info!(
+                event = "epoch_drained",
+                epoch,
+                "epoch {epoch} drained: releasing it"
+            );
+            // Applying it looks again for the next.
+            self.apply_locked(st, Event::Drained { epoch });
+        }
     }
 
     /// Records a cell's epoch (its placement, phase and load evidence) durably.
@@ -340,8 +361,13 @@ pub(crate) fn model_bytes(manifest: &Manifest, n_expert: usize) -> ModelBytes {
 }
 
 /// Each cell's epoch number and phase, by slot.
+/// Every cell's epoch and every draining one (runs on those wait for their changes too).
 fn cell_phases(m: &Membership) -> Vec<(u64, Phase)> {
-    m.cells().iter().map(|e| (e.id, e.phase.clone())).collect()
+    m.cells()
+        .iter()
+        .chain(m.draining())
+        .map(|e| (e.id, e.phase.clone()))
+        .collect()
 }
 
 /// Status of every member, for clients.

@@ -8,13 +8,16 @@
 //!   same text; runs on the other cell are never paused.
 //! - A node that joins while a cell is missing places that cell, and the runs in flight on the
 //!   serving cell go on untouched (make before break).
+//! - A node that joins a serving ring with fewer stages than configured gets a new split made
+//!   beside it: the runs in flight finish on the old one, unpaused, new runs go to the new one,
+//!   and the old one is released once drained (make before break for re-splits).
 
 mod common;
 
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use common::chaos::{clients_under_way, finish_all, messages, reference_text, Cluster};
+use common::chaos::{clients_under_way, finish_all, messages, reference_text, text_of, Cluster};
 use common::model;
 use serde_json::Value;
 
@@ -166,4 +169,112 @@ fn a_node_joining_while_a_cell_is_missing_places_it_and_runs_in_flight_are_not_p
     let msgs = finish_all(&mut pair, &more, &want[..2]);
     let cells: BTreeSet<Vec<String>> = msgs.iter().map(|m| started_on(m)).collect();
     assert_eq!(cells.len(), 2, "cells used: {cells:?}");
+}
+
+/// The instant the coordinator printed its `n`-th event with these fields.
+fn seen_at(p: &mut common::chaos::Proc, fields: &[(&str, &str)], n: usize) -> Option<Instant> {
+    p.drain();
+    p.seen
+        .iter()
+        .filter(|(_, l)| {
+            serde_json::from_str::<Value>(l)
+                .is_ok_and(|v| fields.iter().all(|(k, want)| v[*k] == *want))
+        })
+        .nth(n - 1)
+        .map(|(t, _)| *t)
+}
+
+#[test]
+fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_flight_finish_unpaused(
+) {
+    let path = model(MODEL);
+    let owned = workloads(4);
+    let loads = refs(&owned);
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let mut c = Cluster::start(&path, "0..1,1..3");
+    c.add_node("n0");
+    c.add_node("n1");
+    c.wait_ready();
+    c.coordinator.wait_event(&[("event", "epoch_ready")]);
+    // n1 stops: the ring is re-planned on n0 alone.
+    c.node("n1").signal("-TERM");
+    c.coordinator.wait_event_nth(&[("event", "epoch_ready")], 2);
+    // Four streams, each started again as soon as it ends, while n2 joins: a two-stage split
+    // is made beside the serving one and switched to once ready. Streams go on until the
+    // switch and the runs in flight at it have ended.
+    let ready = &[("event", "epoch_ready")];
+    let mut streams: Vec<(usize, Instant, common::chaos::Proc)> = (0..loads.len())
+        .map(|i| {
+            (
+                i,
+                Instant::now(),
+                c.client(&format!("client{i}"), &loads[i]),
+            )
+        })
+        .collect();
+    c.start_node("n2");
+    let deadline = Instant::now() + std::time::Duration::from_secs(120);
+    // Per ended run: its stream, when its client started, its messages.
+    type Ended = (usize, Instant, Vec<(Instant, Value)>);
+    let mut ended: Vec<Ended> = Vec::new();
+    let mut k = loads.len();
+    while !streams.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the new split never became ready"
+        );
+        let switched = seen_at(&mut c.coordinator, ready, 3).is_some();
+        let mut i = 0;
+        while i < streams.len() {
+            if !streams[i].2.exited() {
+                i += 1;
+                continue;
+            }
+            let (w, started, mut p) = streams.swap_remove(i);
+            assert!(p.finish().success(), "stream {w} failed: {:?}", p.seen);
+            let msgs = messages(&p);
+            assert_eq!(text_of(loads[w][1], &msgs), want[w], "stream {w}: text");
+            ended.push((w, started, msgs));
+            // Until the switch, and once after it, the stream goes on.
+            let after = ended
+                .iter()
+                .filter(|(_, t, _)| seen_at(&mut c.coordinator, ready, 3).is_some_and(|s| *t > s));
+            if !switched || after.count() < loads.len() {
+                streams.push((
+                    w,
+                    Instant::now(),
+                    c.client(&format!("client{k}"), &loads[w]),
+                ));
+                k += 1;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let switch = seen_at(&mut c.coordinator, ready, 3).unwrap();
+    let old = epochs_of(&ended[0].2)[0];
+    let mut spanned = 0;
+    for (w, started, m) in &ended {
+        assert!(
+            m.iter().all(|(_, x)| x["type"] != "paused"),
+            "a run of stream {w} was paused by the re-split"
+        );
+        assert_eq!(epochs_of(m).len(), 1, "a run moved: {:?}", epochs_of(m));
+        if epochs_of(m)[0] == old {
+            assert_eq!(started_on(m), ["n0"]);
+            spanned += usize::from(m.last().is_some_and(|(t, _)| *t > switch));
+        } else {
+            assert!(epochs_of(m)[0] > old);
+            assert_eq!(started_on(m), ["n0", "n2"], "the new split");
+        }
+        if *started > switch {
+            assert_ne!(
+                epochs_of(m)[0],
+                old,
+                "a run started after the switch went to the old split"
+            );
+        }
+    }
+    assert!(spanned > 0, "no run was in flight at the switch");
+    // The old split was released once its last run ended.
+    c.coordinator.wait_event(&[("event", "epoch_drained")]);
 }

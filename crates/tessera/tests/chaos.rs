@@ -163,7 +163,7 @@ fn survive(victim: &str, fault: Fault) {
     if let Fault::Freeze = fault {
         // The thawed node rejoined and is folded back in: three stages again.
         c.node(victim).wait_event_nth(&[("event", "joined")], 2);
-        c.node(victim).wait_event_nth(&[("event", "loaded")], 2);
+        folded_in(&mut c, victim);
         let msgs = run_to_end(&c, "after", &loads[0]);
         assert_eq!(text_of(loads[0][1], &msgs), want[0]);
         assert_eq!(
@@ -192,6 +192,15 @@ fn kill_of_the_last_stage_resumes_every_generation_with_the_same_text() {
 #[test]
 fn frozen_stage_is_declared_gone_planned_around_and_folded_back_in() {
     survive("b", Fault::Freeze);
+}
+
+/// Waits until the epoch `node` loaded after rejoining is ready: the new split is made beside
+/// the serving one and takes requests only then (make before break).
+fn folded_in(c: &mut Cluster, node: &str) {
+    let loaded = c.node(node).wait_event_nth(&[("event", "loaded")], 2);
+    let epoch = loaded["epoch"].clone();
+    c.coordinator
+        .wait_event_where(&[("event", "epoch_ready")], 1, |e| e["epoch"] == epoch);
 }
 
 fn started_stages(msgs: &[(Instant, Value)]) -> usize {
@@ -289,7 +298,7 @@ fn cut_link_is_planned_around_and_the_healed_node_is_folded_back_in() {
     emu.handle().heal();
     let healed = Instant::now();
     c.node("c").wait_event_nth(&[("event", "joined")], 2);
-    c.node("c").wait_event_nth(&[("event", "loaded")], 2);
+    folded_in(&mut c, "c");
     eprintln!(
         "chaos: partition of c: rejoined and loaded {:?} after the heal",
         healed.elapsed()

@@ -64,10 +64,74 @@ pub(super) fn is_live(e: &Epoch) -> bool {
 }
 
 impl Membership {
+    /// Epoch `epoch` in `phase`: a cell's, or a successor being made beside one.
     pub(super) fn current_mut(&mut self, epoch: u64, phase: Phase) -> Option<&mut Epoch> {
         self.cells
             .iter_mut()
+            .chain(self.successors.iter_mut())
             .find(|e| e.id == epoch && e.phase == phase)
+    }
+
+    /// Sends `Release` for `e` to its connected nodes.
+    fn release_nodes(&self, e: &Epoch, out: &mut Vec<Action>) {
+        for s in &e.stages {
+            if self.members.get(&s.node_id).is_some_and(|m| m.connected) {
+                out.push(send(s.node_id, CoordToNode::Release { epoch: e.id }));
+            }
+        }
+    }
+
+    /// Drops the successor being made for cell `slot`, if any, releasing what it assigned.
+    pub(super) fn discard_successor(&mut self, slot: usize, out: &mut Vec<Action>) {
+        let (gone, kept): (Vec<Epoch>, Vec<Epoch>) = std::mem::take(&mut self.successors)
+            .into_iter()
+            .partition(|e| e.cell == slot);
+        self.successors = kept;
+        for e in gone {
+            self.release_nodes(&e, out);
+        }
+    }
+
+    /// Releases every draining epoch that `keep` rejects.
+    pub(super) fn release_draining(
+        &mut self,
+        keep: impl Fn(&Epoch) -> bool,
+        out: &mut Vec<Action>,
+    ) {
+        let (kept, gone): (Vec<Epoch>, Vec<Epoch>) = std::mem::take(&mut self.draining)
+            .into_iter()
+            .partition(|e| keep(e));
+        self.draining = kept;
+        for e in gone {
+            self.release_nodes(&e, out);
+        }
+    }
+
+    /// A successor became ready: it takes its cell's slot, and the epoch it replaces drains
+    /// (its runs finish on it; new ones go to the successor).
+    pub(super) fn promote(&mut self, epoch: u64) -> Vec<Action> {
+        let Some(i) = self.successors.iter().position(|e| e.id == epoch) else {
+            return Vec::new();
+        };
+        let new = self.successors.remove(i);
+        let slot = new.cell;
+        let mut out = Vec::new();
+        match self.cells.get_mut(slot) {
+            Some(old) => {
+                let old = std::mem::replace(old, new);
+                if old.phase == Phase::Ready {
+                    out.push(Action::Note(format!(
+                        "epoch {epoch} replaces epoch {} in cell {slot}: epoch {} drains",
+                        old.id, old.id
+                    )));
+                    self.draining.push(old);
+                } else if is_live(&old) {
+                    self.release_nodes(&old, &mut out);
+                }
+            }
+            None => self.set_cell(new),
+        }
+        out
     }
 
     /// Fails cell `slot`'s epoch: its connected stages release it.
@@ -151,7 +215,9 @@ impl Membership {
         let mut out = Vec::new();
         for slot in 0..self.cells.len() {
             self.release(slot, &mut out);
+            self.discard_successor(slot, &mut out);
         }
+        self.release_draining(|_| false, &mut out);
         self.cells.truncate(cells.len().max(1));
         if cells.len() > 1 && self.experts.is_some() {
             // An expert split spreads one copy of the model's experts over nodes: one cell.
@@ -182,8 +248,41 @@ impl Membership {
         max_context: usize,
         reassign: bool,
     ) -> Vec<Action> {
+        self.place(slot, model, stages, n_layer, max_context, reassign, false)
+    }
+
+    /// Places `stages` as a new epoch of cell `slot` beside its serving one (make before
+    /// break): the new epoch loads and links while the old one serves, and takes the slot once
+    /// ready ([`Membership::promote`]). A placement that cannot start leaves the old one
+    /// serving.
+    pub(super) fn plan_beside(
+        &mut self,
+        slot: usize,
+        model: ContentHash,
+        stages: Vec<(NodeId, Range<usize>)>,
+        n_layer: usize,
+        max_context: usize,
+    ) -> Vec<Action> {
+        self.place(slot, model, stages, n_layer, max_context, true, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn place(
+        &mut self,
+        slot: usize,
+        model: ContentHash,
+        stages: Vec<(NodeId, Range<usize>)>,
+        n_layer: usize,
+        max_context: usize,
+        reassign: bool,
+        beside: bool,
+    ) -> Vec<Action> {
         let mut out = Vec::new();
-        self.release(slot, &mut out);
+        // A newer placement replaces a successor still being made.
+        self.discard_successor(slot, &mut out);
+        if !beside {
+            self.release(slot, &mut out);
+        }
         self.next_epoch += 1;
         let id = self.next_epoch;
         let peers: Vec<Option<PeerInfo>> = stages
@@ -201,7 +300,7 @@ impl Membership {
             .collect();
         if let Some(i) = peers.iter().position(Option::is_none) {
             let reason = format!("node {} is not connected", stages[i].0.short());
-            self.fail_unstarted(slot, id, model, reason, &mut out);
+            self.unstarted(slot, id, model, reason, beside, &mut out);
             return out;
         }
         let peers: Vec<PeerInfo> = peers.into_iter().flatten().collect();
@@ -213,7 +312,8 @@ impl Membership {
             }),
             Err(reason) => {
                 self.epoch_experts = None;
-                self.fail_unstarted(slot, id, model, format!("expert split: {reason}"), &mut out);
+                let reason = format!("expert split: {reason}");
+                self.unstarted(slot, id, model, reason, beside, &mut out);
                 return out;
             }
         };
@@ -230,7 +330,7 @@ impl Membership {
                     Ok(p) => Some(p),
                     Err(reason) => {
                         let reason = format!("expert split: {reason}");
-                        self.fail_unstarted(slot, id, model, reason, &mut out);
+                        self.unstarted(slot, id, model, reason, beside, &mut out);
                         return out;
                     }
                 }
@@ -302,7 +402,7 @@ impl Membership {
                 stages.push((p.node_id, 0..0));
             }
         }
-        self.set_cell(Epoch {
+        let epoch = Epoch {
             id,
             cell: slot,
             model,
@@ -317,8 +417,33 @@ impl Membership {
                 })
                 .collect(),
             phase: Phase::Loading,
-        });
+        };
+        if beside {
+            self.successors.push(epoch);
+        } else {
+            self.set_cell(epoch);
+        }
         out
+    }
+
+    /// Epoch `id` of cell `slot` could not start: recorded as failed in the slot, or, beside
+    /// a serving epoch, only said (the serving one goes on).
+    fn unstarted(
+        &mut self,
+        slot: usize,
+        id: u64,
+        model: ContentHash,
+        reason: String,
+        beside: bool,
+        out: &mut Vec<Action>,
+    ) {
+        if beside {
+            out.push(Action::Note(format!(
+                "a new split of cell {slot} (epoch {id}) cannot start: {reason}; its epoch serves on"
+            )));
+        } else {
+            self.fail_unstarted(slot, id, model, reason, out);
+        }
     }
 }
 

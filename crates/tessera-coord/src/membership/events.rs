@@ -52,6 +52,11 @@ pub enum Event {
         reason: String,
         peer: Option<NodeId>,
     },
+    /// No run is seated on draining epoch `epoch` any more (the driver's seats say so): it is
+    /// released.
+    Drained {
+        epoch: u64,
+    },
     /// Something arrived from the node on its control session `session` (a heartbeat or any
     /// other message): its lease is renewed. `now` is the shell's clock, as for [`Event::Tick`].
     Heard {

@@ -10,7 +10,7 @@ use std::ops::Range;
 use tessera_net::NodeId;
 
 use super::epochs::is_live;
-use super::{Action, Membership, Phase};
+use super::{Action, Epoch, Membership, Phase};
 use crate::replan::{even_split, Survivor};
 use tessera_host::ContentHash;
 
@@ -29,6 +29,26 @@ pub struct AutoPlan {
 impl Membership {
     pub(super) fn stage_lost(&mut self, id: NodeId, what: &str) -> Vec<Action> {
         self.forget_failed_links(id);
+        let mut early = Vec::new();
+        // A new split being made on the node is dropped (the serving epoch goes on); a draining
+        // epoch on it is lost, and its runs resume on a ready cell.
+        let has = |e: &Epoch| e.stages.iter().any(|s| s.node_id == id);
+        let slots: Vec<usize> = self
+            .successors
+            .iter()
+            .filter(|e| has(e))
+            .map(|e| e.cell)
+            .collect();
+        for slot in slots {
+            self.discard_successor(slot, &mut early);
+        }
+        self.release_draining(|e| !has(e), &mut early);
+        let mut out = self.stage_lost_from_cells(id, what);
+        early.append(&mut out);
+        early
+    }
+
+    fn stage_lost_from_cells(&mut self, id: NodeId, what: &str) -> Vec<Action> {
         let holding = self
             .cells
             .iter()
@@ -61,6 +81,8 @@ impl Membership {
         let held: Vec<NodeId> = self
             .cells
             .iter()
+            .chain(&self.successors)
+            .chain(&self.draining)
             .filter(|e| e.cell != slot && is_live(e))
             .flat_map(|e| e.stages.iter().map(|s| s.node_id))
             .collect();
@@ -111,6 +133,12 @@ impl Membership {
     /// Plans a new epoch of cell `slot` on the nodes it may use (after a loss, or to fold a
     /// node in). The other cells are not touched.
     pub(super) fn replan(&mut self, slot: usize) -> Vec<Action> {
+        self.replan_with(slot, false)
+    }
+
+    /// [`Membership::replan`]; `beside`: the new epoch is made beside the cell's serving one,
+    /// which keeps serving until it is ready (and on, if no plan is found).
+    fn replan_with(&mut self, slot: usize, beside: bool) -> Vec<Action> {
         let Some(auto) = self.auto.clone() else {
             return Vec::new();
         };
@@ -145,6 +173,9 @@ impl Membership {
             }
         };
         match ring {
+            Ok(stages) if beside => {
+                self.plan_beside(slot, auto.model, stages, auto.n_layer, auto.max_context)
+            }
             Ok(stages) => {
                 self.outage = None;
                 self.plan(
@@ -156,6 +187,9 @@ impl Membership {
                     true,
                 )
             }
+            Err(reason) if beside => vec![Action::Note(format!(
+                "cell {slot} keeps its split: no better one is feasible ({reason})"
+            ))],
             // Another cell still serves: this one waits for nodes, and the service goes on.
             Err(reason) if self.another_cell_live(slot) => {
                 if let Some(e) = self.cells.get_mut(slot) {
@@ -192,14 +226,27 @@ impl Membership {
                 && self.experts.is_some()
                 && self.epoch_experts != self.experts
                 && self.expert_split_ready();
+            // A new split already being made with the stages wanted is left to finish.
+            let making = self.successors.iter().any(|e| {
+                e.cell == slot && e.stages.iter().filter(|s| !s.layers.is_empty()).count() >= wanted
+            });
             let better = match self.cells.get(slot) {
+                Some(_) if making => false,
                 Some(e) if is_live(e) => self.ring(slot).len() < wanted || restorable,
                 // The first cell is always tried (its failure is the outage's reason); a
                 // further cell only with nodes to place it on.
                 _ => slot == 0 || wanted > 0,
             };
             if better {
-                out.extend(self.replan(slot));
+                // A serving ring is switched to the new split once that is ready (make before
+                // break): its runs finish where they are. An expert split is re-placed the
+                // plain way (its nodes' expert links are per epoch).
+                let serving = self
+                    .cells
+                    .get(slot)
+                    .is_some_and(|e| e.phase == Phase::Ready);
+                let beside = serving && self.experts.is_none();
+                out.extend(self.replan_with(slot, beside));
             }
             // Slots fill in order: a cell that could not be placed leaves no nodes for later.
             if !self.cells.get(slot).is_some_and(is_live) {
@@ -259,16 +306,131 @@ mod tests {
         let mut b2 = b.clone();
         b2.session = 2;
         let acts = m.handle(Event::Joined(Box::new(b2)));
-        assert_eq!(sends(&acts).len(), 2 + 3, "release two, assign three");
+        // Made beside the serving epoch: three assigned, nothing released yet.
+        assert_eq!(sends(&acts).len(), 3, "assign three, release none");
+        assert_eq!(
+            m.epoch().unwrap().id,
+            first + 1,
+            "the serving epoch serves on"
+        );
+        ready_epoch(&mut m, first + 2);
         assert_eq!(m.epoch().unwrap().id, first + 2);
         assert_eq!(
             layers(&m),
             vec![(a.node_id, 0..1), (c.node_id, 1..2), (b.node_id, 2..3)]
         );
-        ready(&mut m);
+        // The replaced epoch drains, then is released on its two nodes.
+        assert!(m.serves(first + 1));
+        let s = sends(&m.handle(Event::Drained { epoch: first + 1 }));
+        assert_eq!(s.len(), 2);
+        assert!(s
+            .iter()
+            .all(|(_, x)| matches!(x, CoordToNode::Release { epoch } if *epoch == first + 1)));
+        assert!(!m.serves(first + 1));
         // A join that does not restore anything plans nothing.
         let d = member(4);
         assert!(m.handle(Event::Joined(Box::new(d))).is_empty());
+    }
+
+    /// A join that re-splits a serving ring makes the new epoch beside it; what goes wrong
+    /// while it is made never stops the serving one.
+    #[test]
+    fn a_new_split_is_made_beside_the_serving_ring_and_its_failures_fall_back() {
+        let mut m = Membership::new();
+        let (a, b, c) = (member(1), member(2), member(3));
+        m.handle(Event::Joined(Box::new(a.clone())));
+        m.handle(Event::Joined(Box::new(b.clone())));
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..2), (b.node_id, 2..4)],
+            n_layer: 4,
+            max_context: 64,
+        });
+        ready(&mut m);
+        // b goes: re-planned on a alone (break: the ring lost a stage).
+        m.handle(Event::Left {
+            node: b.node_id,
+            session: 1,
+        });
+        let serving = ready(&mut m);
+        assert_eq!(m.epoch().unwrap().stages.len(), 1);
+        // b returns: a two-stage successor is made beside the one-node ring.
+        let mut b2 = b.clone();
+        b2.session = 2;
+        m.handle(Event::Joined(Box::new(b2)));
+        let succ = m.successors()[0].id;
+        assert!(m.serves(serving));
+        // Another join while it is made does not restart it (it already has the stages).
+        assert!(m.handle(Event::Joined(Box::new(c.clone()))).is_empty());
+        assert_eq!(m.successors()[0].id, succ);
+        // It cannot load beside the old one on a: dropped, and the cell re-planned the plain
+        // way (the serving epoch released first).
+        let acts = m.handle(Event::LoadFailed {
+            node: a.node_id,
+            epoch: succ,
+            reason: "does not fit beside the epoch still installed".into(),
+        });
+        let s = sends(&acts);
+        assert!(s.iter().any(|(n, x)| *n == b.node_id
+            && matches!(x, CoordToNode::Release { epoch } if *epoch == succ)));
+        assert!(s.iter().any(|(n, x)| *n == a.node_id
+            && matches!(x, CoordToNode::Release { epoch } if *epoch == serving)));
+        assert!(m.successors().is_empty());
+        let plain = m.epoch().unwrap().id;
+        assert!(plain > succ && !m.serves(serving));
+        ready(&mut m);
+        assert!(m.draining().is_empty());
+    }
+
+    #[test]
+    fn a_node_lost_while_a_new_split_is_made_or_drained_loses_only_that() {
+        let mut m = Membership::new();
+        let (a, b, c) = (member(1), member(2), member(3));
+        for x in [&a, &b, &c] {
+            m.handle(Event::Joined(Box::new(x.clone())));
+        }
+        m.handle(Event::Plan {
+            model: MODEL,
+            stages: vec![(a.node_id, 0..1), (b.node_id, 1..2), (c.node_id, 2..3)],
+            n_layer: 3,
+            max_context: 64,
+        });
+        ready(&mut m);
+        m.handle(Event::Left {
+            node: c.node_id,
+            session: 1,
+        });
+        let two = ready(&mut m);
+        assert_eq!(m.epoch().unwrap().stages.len(), 2);
+        // c returns: a three-stage successor; c leaves before it is ready: dropped, the
+        // two-stage ring serves on untouched.
+        let mut c2 = c.clone();
+        c2.session = 2;
+        m.handle(Event::Joined(Box::new(c2)));
+        let succ = m.successors()[0].id;
+        let acts = m.handle(Event::Left {
+            node: c.node_id,
+            session: 2,
+        });
+        assert!(m.successors().is_empty());
+        assert!(!acts.iter().any(|x| matches!(x, Action::EpochFailed { .. })));
+        assert!(sends(&acts)
+            .iter()
+            .all(|(_, x)| matches!(x, CoordToNode::Release { epoch } if *epoch == succ)));
+        assert!(m.serves(two));
+        // c returns; the successor is ready and the old ring drains; b (in both) leaves: the
+        // draining epoch is gone with it and the new one is re-planned.
+        let mut c3 = c.clone();
+        c3.session = 3;
+        m.handle(Event::Joined(Box::new(c3)));
+        let three = m.successors()[0].id;
+        ready_epoch(&mut m, three);
+        assert_eq!(m.draining()[0].id, two);
+        m.handle(Event::Left {
+            node: b.node_id,
+            session: 1,
+        });
+        assert!(m.draining().is_empty() && !m.serves(two) && !m.serves(three));
     }
 
     #[test]

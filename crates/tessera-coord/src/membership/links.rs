@@ -62,6 +62,16 @@ impl Membership {
         // Only a stage of the epoch may say that the epoch cannot link: any other member
         // saying so is ignored (it would stop the service with one message). A report about
         // an epoch that is no longer current is late, not hostile.
+        if let Some(e) = self.successors.iter().find(|e| e.id == epoch) {
+            if e.stages.iter().any(|s| s.node_id == node) {
+                let slot = e.cell;
+                let pair = peer.filter(|p| *p != node && e.stages.iter().any(|s| s.node_id == *p));
+                if let Some(peer) = pair {
+                    self.failed_links.insert((node, peer));
+                }
+                return self.successor_failed(slot, node, &reason);
+            }
+        }
         let Some(slot) = self.cells.iter().position(|e| e.id == epoch) else {
             return Vec::new();
         };

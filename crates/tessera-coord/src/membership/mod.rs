@@ -14,9 +14,16 @@
 //! fails the epoch, and the machine at once plans a new one from the connected survivors
 //! ([`crate::replan`]: the configured stage count, or fewer when fewer nodes are left, within
 //! their budgets). With no feasible placement the cluster is in an outage ([`Membership::outage`])
-//! until a node joins. A node that joins while the epoch has fewer stages than configured (or
-//! while there is none) triggers a plan that folds it in. Sequences in flight are resumed on the
-//! new epoch by the driver, which re-prefills what they had generated.
+//! until a node joins. Sequences in flight are resumed on the new epoch by the driver, which
+//! re-prefills what they had generated.
+//!
+//! **Joining.** A node that joins while a serving ring has fewer stages than configured gets the
+//! new split made beside it (make before break): the new epoch is a *successor* that loads and
+//! links while the old one serves; once ready it takes the cell's slot and the old one
+//! *drains* — it keeps its runs, takes no new ones, and is released when the driver reports
+//! no run seated on it ([`Event::Drained`]). A successor that cannot load or link falls back to
+//! the plain re-plan. (Expert splits, and cells with no serving epoch, are re-planned the plain
+//! way.)
 //!
 //! **Lost data links.** A stage that loses a data link of the epoch (the ring link to a
 //! neighbour, or an expert link between a home stage and an expert owner) reports it, naming
@@ -93,6 +100,12 @@ pub struct Membership {
     /// Each cell's latest epoch, by cell slot (empty before the first plan). A slot's epoch may
     /// be failed or released while others serve.
     cells: Vec<Epoch>,
+    /// New epochs made beside a serving cell epoch (a node joined and a better split exists):
+    /// they load and link while the old one serves, then take its slot.
+    successors: Vec<Epoch>,
+    /// Epochs a successor replaced: still ready, serving the runs seated on them and taking
+    /// no new ones, until the driver reports them drained ([`Event::Drained`]).
+    draining: Vec<Epoch>,
     next_epoch: u64,
     auto: Option<AutoPlan>,
     bytes: Option<ModelBytes>,
@@ -179,9 +192,31 @@ impl Membership {
         &self.cells
     }
 
-    /// The cell epoch numbered `id`, if it is a cell's latest.
+    /// The epoch numbered `id`, if it is a cell's latest, draining, or being made beside one.
     pub fn epoch_with_id(&self, id: u64) -> Option<&Epoch> {
-        self.cells.iter().find(|e| e.id == id)
+        self.cells
+            .iter()
+            .chain(&self.draining)
+            .chain(&self.successors)
+            .find(|e| e.id == id)
+    }
+
+    /// Epochs replaced by a new split whose runs are finishing on them.
+    pub fn draining(&self) -> &[Epoch] {
+        &self.draining
+    }
+
+    /// New splits being made beside serving cells.
+    pub fn successors(&self) -> &[Epoch] {
+        &self.successors
+    }
+
+    /// Whether a run on epoch `id` may go on: it is a ready cell, or draining.
+    pub fn serves(&self, id: u64) -> bool {
+        self.cells
+            .iter()
+            .chain(&self.draining)
+            .any(|e| e.id == id && e.phase == Phase::Ready)
     }
 
     /// The cells ready to take requests.
@@ -212,6 +247,26 @@ impl Membership {
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes).
     pub fn outage(&self) -> Option<&str> {
         self.outage.as_deref()
+    }
+
+    /// A successor of cell `slot` could not load or link (say it does not fit beside the
+    /// epoch its nodes still hold): it is dropped and the cell is re-planned the plain way,
+    /// releasing the serving epoch first (its runs resume on the new one).
+    pub(super) fn successor_failed(
+        &mut self,
+        slot: usize,
+        node: NodeId,
+        reason: &str,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.discard_successor(slot, &mut out);
+        out.push(Action::Note(format!(
+            "the new split of cell {slot} failed beside the serving one (node {}: {reason}); \
+             re-planning it after releasing the serving one",
+            node.short()
+        )));
+        out.extend(self.replan(slot));
+        out
     }
 
     /// Applies one event; returns what to do.
@@ -302,7 +357,9 @@ impl Membership {
                 }
                 if e.stages.iter().all(|s| s.linked) {
                     e.phase = Phase::Ready;
-                    vec![Action::EpochReady(epoch)]
+                    let mut out = self.promote(epoch);
+                    out.push(Action::EpochReady(epoch));
+                    out
                 } else {
                     Vec::new()
                 }
@@ -321,6 +378,12 @@ impl Membership {
                 // Only a stage of the epoch may say that the epoch cannot load or link: any other
                 // member saying so is ignored (it would stop the service with one message).
                 // A report about an epoch that is no longer current is late, not hostile.
+                if let Some(e) = self.successors.iter().find(|e| e.id == epoch) {
+                    if e.stages.iter().any(|s| s.node_id == node) {
+                        let slot = e.cell;
+                        return self.successor_failed(slot, node, &reason);
+                    }
+                }
                 match self.cells.iter().position(|e| e.id == epoch) {
                     Some(slot) if self.cells[slot].stages.iter().any(|s| s.node_id == node) => {
                         self.fail(slot, format!("node {}: {reason}", node.short()))
@@ -331,6 +394,11 @@ impl Membership {
                     }],
                     None => Vec::new(),
                 }
+            }
+            Event::Drained { epoch } => {
+                let mut out = Vec::new();
+                self.release_draining(|e| e.id != epoch, &mut out);
+                out
             }
             Event::LinkMeasured { node, link } => {
                 if let Some(m) = self.members.get_mut(&node) {

@@ -38,7 +38,9 @@ pub struct SimNode {
     pub conn: Option<u64>,
     pub frozen_until: Option<Duration>,
     pub partitioned_until: Option<Duration>,
-    pub holding: Option<Holding>,
+    /// The epochs it holds, oldest first: two while a new split is switched to (the node
+    /// agent holds both until the old one is released).
+    pub holding: Vec<Holding>,
     pub seqs: BTreeMap<u64, SeqState>,
     /// Has joined the cluster at least once.
     pub enrolled: bool,
@@ -65,7 +67,7 @@ impl SimNode {
             conn: None,
             frozen_until: None,
             partitioned_until: None,
-            holding: None,
+            holding: Vec::new(),
             seqs: BTreeMap::new(),
             enrolled: false,
         }
@@ -74,7 +76,7 @@ impl SimNode {
     /// The session ended (or the process died): whatever it held is gone.
     pub fn drop_state(&mut self) {
         self.conn = None;
-        self.holding = None;
+        self.holding.clear();
         self.seqs.clear();
     }
 
@@ -87,9 +89,14 @@ impl SimNode {
         use NodeEffect::*;
         match msg {
             CoordToNode::Assign(a) => {
-                // One assignment at a time: a new epoch replaces the old and its sequences.
-                self.seqs.retain(|_, s| s.epoch == a.epoch);
-                self.holding = Some(Holding {
+                // The agent holds at most two epochs: a third drops the oldest and its
+                // sequences.
+                self.holding.retain(|h| h.epoch != a.epoch);
+                if self.holding.len() >= 2 {
+                    let old = self.holding.remove(0).epoch;
+                    self.seqs.retain(|_, s| s.epoch != old);
+                }
+                self.holding.push(Holding {
                     epoch: a.epoch,
                     stage: a.stage,
                     head: a.head,
@@ -97,8 +104,9 @@ impl SimNode {
                 });
                 vec![LoadLater(a.epoch)]
             }
-            CoordToNode::Link { epoch } => match &mut self.holding {
-                Some(h) if h.epoch == epoch => {
+            CoordToNode::Link { epoch } => match self.holding.iter_mut().find(|h| h.epoch == epoch)
+            {
+                Some(h) => {
                     h.linked = true;
                     vec![Reply(NodeToCoord::Linked { epoch, link: None })]
                 }
@@ -109,14 +117,12 @@ impl SimNode {
                 })],
             },
             CoordToNode::Release { epoch } => {
-                if self.holding.as_ref().is_some_and(|h| h.epoch == epoch) {
-                    self.holding = None;
-                }
+                self.holding.retain(|h| h.epoch != epoch);
                 self.seqs.retain(|_, s| s.epoch != epoch);
                 Vec::new()
             }
-            CoordToNode::Open(o) => match &self.holding {
-                Some(h) if h.epoch == o.epoch && h.linked => {
+            CoordToNode::Open(o) => match self.held(o.epoch) {
+                Some(h) if h.linked => {
                     self.seqs.insert(
                         o.seq,
                         SeqState {
@@ -151,7 +157,11 @@ impl SimNode {
                 }
             }
             CoordToNode::Close { seq, .. } => {
-                let stage = self.holding.as_ref().map_or(0, |h| h.stage);
+                let stage = self
+                    .seqs
+                    .get(&seq)
+                    .and_then(|s| self.held(s.epoch))
+                    .map_or(0, |h| h.stage);
                 self.seqs.remove(&seq);
                 vec![Reply(NodeToCoord::Closed {
                     seq,
@@ -170,14 +180,16 @@ impl SimNode {
         }
     }
 
+    /// What it holds of `epoch`.
+    pub fn held(&self, epoch: u64) -> Option<&Holding> {
+        self.holding.iter().find(|h| h.epoch == epoch)
+    }
+
     /// The node finished loading `epoch` (if it still holds it).
     pub fn loaded(&self, epoch: u64) -> Option<NodeToCoord> {
-        self.holding
-            .as_ref()
-            .filter(|h| h.epoch == epoch)
-            .map(|_| NodeToCoord::Loaded {
-                epoch,
-                report: LoadReport::default(),
-            })
+        self.held(epoch).map(|_| NodeToCoord::Loaded {
+            epoch,
+            report: LoadReport::default(),
+        })
     }
 }

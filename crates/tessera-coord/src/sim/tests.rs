@@ -32,11 +32,12 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.events += s.events;
         total.forged += s.forged;
         total.cells += usize::from(s.cells > 1);
+        total.drained += s.drained;
     }
     println!(
         "simulated {} schedules: {} requests ({} with the fault-free text, {} explicit errors), \
          {} faults, {} resumptions, {} forged messages refused, {} events, {} schedules \
-         with several cells",
+         with several cells, {} epochs drained after a new split replaced them",
         seeds.len(),
         total.requests,
         total.completed,
@@ -45,7 +46,8 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.resumes,
         total.forged,
         total.events,
-        total.cells
+        total.cells,
+        total.drained
     );
     assert_eq!(total.completed + total.errors, total.requests);
     if seeds.len() as u64 >= SCHEDULES {
@@ -53,6 +55,7 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         assert!(total.resumes > 400, "{total:?}");
         assert!(total.forged > 500, "{total:?}");
         assert!(total.cells > 150, "{total:?}");
+        assert!(total.drained > 50, "{total:?}");
         assert!(total.completed * 10 > total.requests * 8, "{total:?}");
     }
 }

@@ -81,6 +81,8 @@ pub struct Summary {
     pub forged: usize,
     /// Cells the first plan placed (whole copies of the model).
     pub cells: usize,
+    /// Epochs replaced by a new split made beside them and released once drained.
+    pub drained: usize,
 }
 
 #[derive(Debug)]

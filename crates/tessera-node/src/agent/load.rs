@@ -211,7 +211,27 @@ pub(super) async fn load_assignment(
     } else {
         resident.max(weight_bytes)
     };
-    ctx.inventory.accepts(held)?;
+    // An epoch still installed (the split being switched from) holds its weights until it is
+    // released: the two together must fit.
+    let beside: u64 = shared
+        .current
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|c| c.assignment.epoch != a.epoch)
+        .map(|c| c.resident)
+        .sum();
+    ctx.inventory.accepts(held + beside).map_err(|e| {
+        if beside == 0 {
+            FabricError::from(e)
+        } else {
+            FabricError::Stopped(format!(
+                "epoch {} does not fit beside the epoch still installed ({} held): {e}",
+                a.epoch,
+                tessera_model::human_bytes(beside)
+            ))
+        }
+    })?;
     // The same limit `Inventory::accepts` applies: the budget, else the RAM available at start.
     let kv_budget = ctx
         .inventory
@@ -219,7 +239,7 @@ pub(super) async fn load_assignment(
         .as_ref()
         .map(|b| b.bytes)
         .or(ctx.inventory.memory.available_bytes)
-        .map(|limit| limit.saturating_sub(held));
+        .map(|limit| limit.saturating_sub(held + beside));
     let n_embd = model.config().n_embd;
     let stage_experts = model.expert_stats_source();
     let mut stage = Stage::new(a.clone(), model, kv_budget);
@@ -246,9 +266,11 @@ pub(super) async fn load_assignment(
             .stage_experts
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = stage_experts;
-        *cur = Some(Current {
+        cur.retain(|c| c.assignment.epoch != a.epoch);
+        cur.push(Current {
             assignment: a,
             n_embd,
+            resident: held,
         });
         let _ = shared.worker.send(WorkerMsg::Install(Box::new(stage)));
     }

@@ -57,20 +57,24 @@ use ring::serve_peer;
 use session::serve_sessions;
 use stage_thread::{worker_loop, WorkerMsg};
 
-/// What the accept loop needs to know about the current epoch.
+/// What the accept loop needs to know about an installed epoch.
 #[derive(Clone, Debug)]
 struct Current {
     assignment: StageAssignment,
     n_embd: usize,
+    /// Memory its weights hold, counted against the budget when another epoch loads beside it.
+    resident: u64,
 }
 
 struct Shared {
     allow: Arc<AllowList>,
-    current: Mutex<Option<Current>>,
+    /// The installed epochs, oldest first: one, or two while the coordinator switches to a new
+    /// split (the old one finishes its sequences; make before break).
+    current: Mutex<Vec<Current>>,
     worker: mpsc::UnboundedSender<WorkerMsg>,
     ctrl: mpsc::UnboundedSender<NodeToCoord>,
-    /// Keeps the connection to the next stage open.
-    next_conn: Mutex<Option<Connection>>,
+    /// Keeps each installed epoch's connection to its next stage open.
+    next_conn: Mutex<Vec<(u64, Connection)>>,
     /// Expert placements received for epochs not yet loaded.
     pending_experts: Mutex<std::collections::HashMap<u64, ExpertAssignment>>,
     /// Expert split: this node's expert placement and the model serving other homes' requests
@@ -92,11 +96,27 @@ impl Shared {
     /// What this node holds that a sealed job can run on: the current assignment, unless its
     /// experts are shared with other nodes.
     fn sealed_holding(&self) -> Option<StageAssignment> {
-        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         let experts = self.experts.lock().unwrap_or_else(|p| p.into_inner());
-        cur.as_ref()
+        self.latest()
             .filter(|_| experts.is_none())
-            .map(|c| c.assignment.clone())
+            .map(|c| c.assignment)
+    }
+
+    /// The newest installed epoch.
+    fn latest(&self) -> Option<Current> {
+        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        cur.last().cloned()
+    }
+
+    /// Whether `epoch` is assigned here (loading) or installed: a lost link of it matters.
+    fn holds_epoch(&self, epoch: u64) -> bool {
+        self.assigned.load(std::sync::atomic::Ordering::SeqCst) == epoch
+            || self
+                .current
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(|c| c.assignment.epoch == epoch)
     }
 
     /// Tells the coordinator what this node can run sealed jobs on now, in new signed claims.
@@ -261,10 +281,10 @@ pub async fn run_until(
     }
     let shared = Arc::new(Shared {
         allow,
-        current: Mutex::new(None),
+        current: Mutex::new(Vec::new()),
         worker: worker_tx,
         ctrl: ctrl_tx,
-        next_conn: Mutex::new(None),
+        next_conn: Mutex::new(Vec::new()),
         pending_experts: Mutex::new(Default::default()),
         experts: Mutex::new(None),
         stage_experts: Mutex::new(None),

@@ -3,7 +3,6 @@
 //! ring streams from the current previous stage, read with a size limit (a malformed frame ends
 //! that stream), and expert streams from admitted clients.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -111,7 +110,7 @@ pub(super) fn report_lost_link(
     peer: tessera_net::NodeId,
     error: &dyn std::fmt::Display,
 ) {
-    if shared.assigned.load(Ordering::SeqCst) != epoch {
+    if !shared.holds_epoch(epoch) {
         return;
     }
     tracing::warn!(
@@ -168,9 +167,9 @@ pub(super) async fn link_next(
         .current
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .as_ref()
+        .iter()
+        .find(|c| c.assignment.epoch == epoch)
         .map(|c| c.assignment.clone())
-        .filter(|a| a.epoch == epoch)
         .ok_or_else(|| LinkUpFailed {
             peer: None,
             error: FabricError::Protocol(format!("link for epoch {epoch}, which is not loaded")),
@@ -194,7 +193,11 @@ pub(super) async fn link_next(
     let (conn, link, mut s) = up.await.map_err(failed)?;
     s.reader.set_max_len(limits::RING);
     watch_link(conn.clone(), epoch, DataLink::RingToNext, shared.clone());
-    *shared.next_conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
+    {
+        let mut conns = shared.next_conn.lock().unwrap_or_else(|p| p.into_inner());
+        conns.retain(|(e, _)| *e != epoch);
+        conns.push((epoch, conn));
+    }
     let out = RingOut::stream(s.writer);
     let _ = shared.worker.send(WorkerMsg::Ring(epoch, out));
     Ok(Some(link))
@@ -218,11 +221,21 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
                 return;
             }
         };
+        // The newest installed epoch whose previous stage is this peer (while a new split is
+        // switched to, both epochs' previous stages may dial in).
         let cur = shared
             .current
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone();
+            .iter()
+            .rev()
+            .find(|c| {
+                c.assignment
+                    .prev
+                    .as_ref()
+                    .is_some_and(|p| p.key == conn.peer_key())
+            })
+            .cloned();
         if s.kind == stream::EXPERT {
             let serving = shared
                 .experts
@@ -256,11 +269,7 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             }
             continue;
         }
-        let expected = cur
-            .as_ref()
-            .and_then(|c| c.assignment.prev.as_ref())
-            .is_some_and(|p| p.key == conn.peer_key());
-        if s.kind != stream::RING || !expected {
+        if s.kind != stream::RING || cur.is_none() {
             tracing::info!(
                 "peer {}: refusing a stream of kind {:#06x}",
                 conn.peer_id().short(),

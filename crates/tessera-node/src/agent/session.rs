@@ -118,13 +118,17 @@ fn forget_epoch(shared: &Shared) {
     shared
         .assigned
         .store(0, std::sync::atomic::Ordering::SeqCst);
-    if let Some(c) = cur.take() {
+    for c in cur.drain(..) {
         if let Some(prev) = &c.assignment.prev {
             shared.allow.remove(&prev.node_id);
         }
         let _ = shared.worker.send(WorkerMsg::Release(c.assignment.epoch));
     }
-    *shared.next_conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    shared
+        .next_conn
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clear();
     release_experts(shared, None);
 }
 
@@ -363,20 +367,25 @@ async fn control_loop(
                     std::sync::atomic::Ordering::SeqCst,
                 );
                 let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
-                if cur.as_ref().is_some_and(|c| c.assignment.epoch == epoch) {
-                    if let Some(prev) = cur.as_ref().and_then(|c| c.assignment.prev.clone()) {
-                        shared.allow.remove(&prev.node_id);
+                if let Some(i) = cur.iter().position(|c| c.assignment.epoch == epoch) {
+                    let c = cur.remove(i);
+                    // The previous stage stays admitted while another installed epoch has it.
+                    if let Some(prev) = c.assignment.prev {
+                        let still = cur.iter().any(|o| {
+                            o.assignment.prev.as_ref().map(|p| p.node_id) == Some(prev.node_id)
+                        });
+                        if !still {
+                            shared.allow.remove(&prev.node_id);
+                        }
                     }
-                    *cur = None;
                     // The released epoch's ring link goes with it.
-                    if let Some(c) = shared
-                        .next_conn
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .take()
-                    {
-                        c.close("epoch released");
-                    }
+                    let mut conns = shared.next_conn.lock().unwrap_or_else(|p| p.into_inner());
+                    conns.retain(|(e, c)| {
+                        if *e == epoch {
+                            c.close("epoch released");
+                        }
+                        *e != epoch
+                    });
                 }
                 drop(cur);
                 release_experts(shared, Some(epoch));

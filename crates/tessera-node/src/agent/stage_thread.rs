@@ -1,6 +1,7 @@
-//! The stage thread: it receives [`WorkerMsg`]s and applies them to the current [`Stage`] in
-//! order, batching queued tokens or hidden states of different sequences into one step, and
-//! routes the stage's outputs to the ring and the coordinator.
+//! The stage thread: it receives [`WorkerMsg`]s and applies them in order to the [`Stage`] of
+//! the epoch each sequence was opened on (two while a new split is switched to), batching
+//! queued tokens or hidden states of different sequences into one step, and routes the stage's
+//! outputs to the ring and the coordinator.
 
 use std::time::Instant;
 
@@ -32,17 +33,81 @@ pub(super) enum WorkerMsg {
 /// Most sequences the stage thread puts in one step.
 const MAX_BATCH: usize = 64;
 
-/// The stage thread: applies messages to the current [`Stage`] in order. Tokens (first stage)
-/// or hidden states (other stages) of different sequences that are queued together run as one
-/// batch: one forward pass and one frame on to the next stage. Kernels are batch-invariant, so
-/// every sequence gets the bits it would get alone.
+/// Most epochs' stages a node holds at once: the serving one and the one being switched to
+/// (make before break). A third install drops the oldest.
+const MAX_EPOCHS: usize = 2;
+
+/// One epoch's loaded stage and where its ring outputs go.
+struct Held {
+    stage: Stage,
+    ring: Option<RingOut>,
+}
+
+/// The stages this node holds, by epoch, and which epoch each open sequence runs on. Two
+/// epochs are held while the coordinator switches to a new split: sequences opened on the old
+/// one finish there while new ones open on the new one.
+#[derive(Default)]
+struct Stages {
+    by_epoch: std::collections::BTreeMap<u64, Held>,
+    seq_epoch: std::collections::HashMap<u64, u64>,
+}
+
+impl Stages {
+    /// The held epoch sequence `seq` was opened on.
+    fn opened_on(&self, seq: u64) -> Option<u64> {
+        self.seq_epoch
+            .get(&seq)
+            .copied()
+            .filter(|e| self.by_epoch.contains_key(e))
+    }
+
+    /// [`Stages::opened_on`], else the newest held (whose stage then refuses the unknown
+    /// sequence, as a single stage did).
+    fn epoch_for(&self, seq: u64) -> Option<u64> {
+        self.opened_on(seq)
+            .or_else(|| self.by_epoch.keys().next_back().copied())
+    }
+
+    /// Whether work for `next` may join a batch led by `first`: both open on the same epoch.
+    /// (A sequence open nowhere, such as a released epoch's frame still in flight, runs
+    /// alone, so that its refusal fails only itself.)
+    fn batchable(&self, first: u64, next: u64) -> bool {
+        self.opened_on(first)
+            .is_some_and(|e| self.opened_on(next) == Some(e))
+    }
+
+    fn install(&mut self, stage: Stage) {
+        let epoch = stage.assignment().epoch;
+        self.by_epoch.insert(epoch, Held { stage, ring: None });
+        while self.by_epoch.len() > MAX_EPOCHS {
+            if let Some((old, _)) = self.by_epoch.pop_first() {
+                tracing::warn!("dropping the stage of epoch {old}: a third epoch was installed");
+                self.forget(old);
+            }
+        }
+    }
+
+    fn release(&mut self, epoch: u64) -> bool {
+        let held = self.by_epoch.remove(&epoch).is_some();
+        self.forget(epoch);
+        held
+    }
+
+    fn forget(&mut self, epoch: u64) {
+        self.seq_epoch.retain(|_, e| *e != epoch);
+    }
+}
+
+/// The stage thread: applies messages to the stage of the sequence's epoch, in order. Tokens
+/// (first stage) or hidden states (other stages) of different sequences of one epoch that are
+/// queued together run as one batch: one forward pass and one frame on to the next stage.
+/// Kernels are batch-invariant, so every sequence gets the bits it would get alone.
 pub(super) fn worker_loop(
     mut rx: mpsc::UnboundedReceiver<WorkerMsg>,
     me: mpsc::WeakUnboundedSender<WorkerMsg>,
     ctrl: mpsc::UnboundedSender<NodeToCoord>,
 ) {
-    let mut stage: Option<Stage> = None;
-    let mut ring: Option<RingOut> = None;
+    let mut stages = Stages::default();
     let mut pending: std::collections::VecDeque<WorkerMsg> = std::collections::VecDeque::new();
     let mut ledger = HopLedger::default();
     let fail = |seq: u64, e: &dyn std::fmt::Display| {
@@ -66,66 +131,62 @@ pub(super) fn worker_loop(
             pending.pop_front().or_else(|| rx.try_recv().ok())
         };
         match msg {
-            WorkerMsg::Install(s) => {
-                stage = Some(*s);
-                ring = None;
-                ledger.clear();
-            }
+            WorkerMsg::Install(s) => stages.install(*s),
             WorkerMsg::Release(epoch) => {
-                if stage
-                    .as_ref()
-                    .is_some_and(|s| s.assignment().epoch == epoch)
-                {
-                    stage = None;
-                    ring = None;
+                if stages.release(epoch) && stages.by_epoch.is_empty() {
                     ledger.clear();
                 }
             }
             WorkerMsg::Experts(epoch, peers) => {
-                if let Some(s) = stage.as_mut().filter(|s| s.assignment().epoch == epoch) {
-                    s.set_remote_experts(peers);
+                if let Some(h) = stages.by_epoch.get_mut(&epoch) {
+                    h.stage.set_remote_experts(peers);
                 }
             }
             WorkerMsg::Ring(epoch, r) => {
-                if stage
-                    .as_ref()
-                    .is_some_and(|s| s.assignment().epoch == epoch)
-                {
-                    ring = Some(r);
+                if let Some(h) = stages.by_epoch.get_mut(&epoch) {
+                    h.ring = Some(r);
                 }
             }
             WorkerMsg::Open(o) => {
-                let seq = o.seq;
-                let reply = match stage.as_mut() {
-                    Some(s) if s.assignment().epoch == o.epoch => match s.open(o) {
-                        Ok(cached) => NodeToCoord::Opened { seq, cached },
+                let (seq, epoch) = (o.seq, o.epoch);
+                let reply = match stages.by_epoch.get_mut(&epoch) {
+                    Some(h) => match h.stage.open(o) {
+                        Ok(cached) => {
+                            stages.seq_epoch.insert(seq, epoch);
+                            NodeToCoord::Opened { seq, cached }
+                        }
                         Err(e) => NodeToCoord::OpenFailed {
                             seq,
                             reason: e.to_string(),
                         },
                     },
-                    _ => NodeToCoord::OpenFailed {
+                    None => NodeToCoord::OpenFailed {
                         seq,
-                        reason: format!("no stage loaded for epoch {}", o.epoch),
+                        reason: format!("no stage loaded for epoch {epoch}"),
                     },
                 };
                 let _ = ctrl.send(reply);
             }
             WorkerMsg::Close(seq, keep) => {
-                let mut stats = stage
-                    .as_mut()
-                    .and_then(|s| s.close(seq, &keep))
+                let held = stages.epoch_for(seq);
+                stages.seq_epoch.remove(&seq);
+                let mut stats = held
+                    .and_then(|e| stages.by_epoch.get_mut(&e))
+                    .and_then(|h| h.stage.close(seq, &keep))
                     .unwrap_or_default();
                 stats.hop = Box::new(ledger.take(seq));
                 let _ = ctrl.send(NodeToCoord::Closed { seq, stats });
             }
             WorkerMsg::Start(seq, reuse) => {
-                let Some(s) = stage.as_mut() else {
+                let Some(h) = stages
+                    .epoch_for(seq)
+                    .and_then(|e| stages.by_epoch.get_mut(&e))
+                else {
                     fail(seq, &"no stage loaded");
                     continue;
                 };
-                let mut sink = sink(&mut ring, &mut ledger, &me, &ctrl);
-                if let Err(e) = s.start(seq, reuse, &mut sink) {
+                let mut sink = sink(&mut h.ring, &mut ledger, &me, &ctrl);
+                if let Err(e) = h.stage.start(seq, reuse, &mut sink) {
                     fail(seq, &e);
                 }
             }
@@ -133,10 +194,15 @@ pub(super) fn worker_loop(
                 if let Some(a) = a {
                     ledger.arrived(&[t.seq], &a, Instant::now());
                 }
+                let epoch = stages.epoch_for(t.seq);
+                let lead = t.seq;
                 let mut batch = vec![t];
                 while batch.len() < MAX_BATCH {
                     match next_ready(&mut pending) {
-                        Some(WorkerMsg::Token(t, a)) if !batch.iter().any(|b| b.seq == t.seq) => {
+                        Some(WorkerMsg::Token(t, a))
+                            if !batch.iter().any(|b| b.seq == t.seq)
+                                && stages.batchable(lead, t.seq) =>
+                        {
                             if let Some(a) = a {
                                 ledger.arrived(&[t.seq], &a, Instant::now());
                             }
@@ -149,9 +215,11 @@ pub(super) fn worker_loop(
                         None => break,
                     }
                 }
-                let Some(s) = stage.as_mut() else { continue };
-                let mut sink = sink(&mut ring, &mut ledger, &me, &ctrl);
-                for (seq, e) in s.handle_tokens(batch, &mut sink) {
+                let Some(h) = epoch.and_then(|e| stages.by_epoch.get_mut(&e)) else {
+                    continue;
+                };
+                let mut sink = sink(&mut h.ring, &mut ledger, &me, &ctrl);
+                for (seq, e) in h.stage.handle_tokens(batch, &mut sink) {
                     fail(seq, &e);
                 }
             }
@@ -163,10 +231,13 @@ pub(super) fn worker_loop(
                     }
                 };
                 arrived(&h, a);
+                let lead = h.entries.first().map_or(0, |e| e.seq);
+                let epoch = stages.epoch_for(lead);
                 while h.entries.len() < MAX_BATCH {
                     match next_ready(&mut pending) {
                         Some(WorkerMsg::Hidden(h2, d2, a2))
                             if h2.n_embd == h.n_embd
+                                && h2.entries.iter().all(|e| stages.batchable(lead, e.seq))
                                 && !h2
                                     .entries
                                     .iter()
@@ -183,10 +254,12 @@ pub(super) fn worker_loop(
                         None => break,
                     }
                 }
-                let Some(s) = stage.as_mut() else { continue };
+                let Some(held) = epoch.and_then(|e| stages.by_epoch.get_mut(&e)) else {
+                    continue;
+                };
                 let seqs: Vec<u64> = h.entries.iter().map(|e| e.seq).collect();
-                let mut sink = sink(&mut ring, &mut ledger, &me, &ctrl);
-                match s.handle_hidden(h, d, &mut sink) {
+                let mut sink = sink(&mut held.ring, &mut ledger, &me, &ctrl);
+                match held.stage.handle_hidden(h, d, &mut sink) {
                     Ok(()) => {}
                     // A closed sequence's state still in flight (after a cancel).
                     Err(crate::stage::StageError::UnknownSeq(_)) if seqs.len() == 1 => {}

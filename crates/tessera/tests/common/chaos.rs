@@ -171,6 +171,11 @@ impl Proc {
         }
     }
 
+    /// Whether the process has exited (without waiting).
+    pub fn exited(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_some()
+    }
+
     /// Waits for the exit and every stdout line.
     pub fn finish(&mut self) -> std::process::ExitStatus {
         let status = self.wait_exit();
@@ -282,6 +287,13 @@ impl Cluster {
         let mut p = Proc::spawn_with_events(name, &args);
         p.wait_event(&[("event", "joined")]);
         self.nodes.push(p);
+    }
+
+    /// Starts a node that enrols with the coordinator, without waiting for it to join.
+    pub fn start_node(&mut self, name: &str) {
+        let mut args = self.node_args(name);
+        args.extend(["--join".to_string(), self.join.clone()]);
+        self.nodes.push(Proc::spawn_with_events(name, &args));
     }
 
     pub fn add_node(&mut self, name: &str) {

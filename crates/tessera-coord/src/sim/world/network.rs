@@ -111,11 +111,9 @@ impl World {
     /// The node that samples `seq` in the epoch `node` holds it under.
     pub(super) fn sampler_of(&self, node: usize, seq: u64) -> Option<usize> {
         let epoch = self.nodes[node].seqs.get(&seq)?.epoch;
-        self.nodes.iter().position(|n| {
-            n.holding
-                .as_ref()
-                .is_some_and(|h| h.epoch == epoch && h.head)
-        })
+        self.nodes
+            .iter()
+            .position(|n| n.held(epoch).is_some_and(|h| h.head))
     }
 
     /// One lap of the ring for `seq`, computed at its sampler.
@@ -130,12 +128,7 @@ impl World {
         let epoch = s.epoch;
         // Every stage of the epoch must be up and reachable for the lap to complete.
         let ring: Vec<usize> = (0..self.nodes.len())
-            .filter(|&i| {
-                self.nodes[i]
-                    .holding
-                    .as_ref()
-                    .is_some_and(|h| h.epoch == epoch)
-            })
+            .filter(|&i| self.nodes[i].held(epoch).is_some())
             .collect();
         let stalled = ring
             .iter()

@@ -84,10 +84,9 @@ impl World {
             self.highest_epoch = id;
             self.summary.epochs = self.summary.epochs.max(id);
         }
-        let ready: Vec<u64> = self.membership.ready_cells().map(|e| e.id).collect();
         for run in 0..self.runs.len() {
             if let Some(e) = self.runs[run].epoch {
-                if !ready.contains(&e) {
+                if !self.membership.serves(e) {
                     self.runs[run].epoch = None;
                     self.book.unseat(run as u64);
                     let why = format!("epoch {e} was lost");
@@ -118,7 +117,7 @@ impl World {
                 },
             )?;
         }
-        Ok(())
+        self.release_drained()
     }
 
     pub(super) fn submit(&mut self, run: usize) -> Result<(), Violation> {
@@ -229,7 +228,24 @@ impl World {
         if self.runs[run].awaiting.is_some() {
             self.epochs_changed()?;
         }
-        Ok(())
+        self.release_drained()
+    }
+
+    /// Releases a draining epoch no run is seated on any more, as the driver does.
+    fn release_drained(&mut self) -> Result<(), Violation> {
+        let drained = self
+            .membership
+            .draining()
+            .iter()
+            .map(|e| e.id)
+            .find(|&e| self.book.seated(e) == 0);
+        match drained {
+            Some(epoch) => {
+                self.summary.drained += 1;
+                self.membership_event(Event::Drained { epoch })
+            }
+            None => Ok(()),
+        }
     }
 
     // ---- invariants ----------------------------------------------------------------------
