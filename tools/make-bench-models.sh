@@ -3,7 +3,9 @@
 # bench-models/ (ignored by git): five by synth_gguf.py (254 MiB to 1.33 GiB each, 10–30 s
 # each), then a deepseek2 (DeepSeek-V3's geometry scaled down, F16, 1.34 GiB) that llama.cpp's
 # llama-quantize turns into Q4_K_M (420 MiB) and IQ2_XXS (with an importance matrix from
-# llama-imatrix on this repository's READMEs), a few minutes each on 2 cores.
+# llama-imatrix on this repository's READMEs), a few minutes each on 2 cores; and
+# bench-qwen3-dense-q4_k_m: the dense bench weights written as F16 and quantized to Q4_K_M (Q4_K
+# with Q6_K for attn_v and half of ffn_down, as for a real checkpoint; ~2 min).
 # Then: tessera bench -t 2 -m bench-models/bench-qwen3-dense-q4_0.gguf -m ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,5 +32,12 @@ if [ ! -f "$ds-q4_k_m.gguf" ] || [ ! -f "$ds-iq2_xxs.gguf" ]; then
     "$LLAMA_BIN/llama-imatrix" -m "$ds-f16.gguf" -f "$ds.txt" -c 256 --chunks 8 -o "$ds.imatrix"
     "$LLAMA_BIN/llama-quantize" --imatrix "$ds.imatrix" "$ds-f16.gguf" "$ds-iq2_xxs.gguf" IQ2_XXS
   fi
+fi
+qd=bench-models/bench-qwen3-dense
+if [ ! -f "$qd-q4_k_m.gguf" ]; then
+  [ -x "$LLAMA_BIN/llama-quantize" ] || { echo "build llama.cpp first: tools/llama-cpp.sh build" >&2; exit 1; }
+  [ -f "$qd-f16.gguf" ] || python3 tools/synth_gguf.py --preset qwen3-dense --outtype f16 \
+      --tokenizer models/stories260K.gguf --out "$qd-f16.gguf"
+  "$LLAMA_BIN/llama-quantize" "$qd-f16.gguf" "$qd-q4_k_m.gguf" Q4_K_M
 fi
 ls -l bench-models
