@@ -5,6 +5,12 @@
 #
 #   tools/llama-cpp.sh build [DIR]            # default DIR: /tmp/llama.cpp-build
 #   tools/llama-cpp.sh bench MODEL.gguf...    # llama-bench and `tessera bench`, alternately
+#   tools/llama-cpp.sh long MODEL.gguf...     # long context: prefill of 2,048 and 8,192 tokens
+#                                             # and decode of 32 at depth 4,096, both sides with
+#                                             # 2 threads and an F16 cache (llama.cpp -fa 1),
+#                                             # alternately; prints each side's mean and the
+#                                             # ratio per test. ROUNDS=N (default 1) repeats
+#                                             # each model's tests N times, alternating again.
 #
 # llama-cpp-python 0.3.36 vendors ggml 0.25.3, the version reference/ was made with.
 set -euo pipefail
@@ -45,8 +51,59 @@ bench() {
     done
 }
 
+# One run per prefill length (-r 1; the 8,192-token prefill takes a minute or two per side on two
+# cores), three per decode (32 tokens each; the depth is filled once, untimed, on both sides).
+# llama-bench's warmup would prefill each prompt once more untimed (minutes at 8,192), so it is
+# skipped and a 64-token test run first warms its weights instead (not reported). Both sides
+# start each prefill with an empty cache and fill it as they go.
+long() {
+    local lb=$SRC/build/bin/llama-bench
+    [ -x "$lb" ] || { echo "run '$0 build' first" >&2; exit 1; }
+    cargo build --release -q -p tessera
+    local out; out=$(mktemp -d)
+    local rounds=${ROUNDS:-1}
+    for m in "$@"; do
+        for r in $(seq "$rounds"); do
+            echo "== $(date -u +%H:%M:%S) $m round $r ($(uptime | sed 's/.*load/load/'))"
+            target/release/tessera bench -t 2 -m "$m" -p 2048,8192 -n 0 -r 1 --json \
+                | sed "s|^|$m\ttessera\t|" >>"$out/runs"
+            "$lb" -m "$m" -t 2 -fa 1 -ctk f16 -ctv f16 -p 64,2048,8192 -n 0 -r 1 --no-warmup \
+                -o jsonl | sed "s|^|$m\tllama.cpp\t|" >>"$out/runs"
+            "$lb" -m "$m" -t 2 -fa 1 -ctk f16 -ctv f16 -p 0 -n 32 -d 4096 -r 3 -o jsonl \
+                | sed "s|^|$m\tllama.cpp\t|" >>"$out/runs"
+            target/release/tessera bench -t 2 -m "$m" -p 0 -n 32 -d 4096 -r 3 --json \
+                | sed "s|^|$m\ttessera\t|" >>"$out/runs"
+        done
+    done
+    echo "== $(date -u +%H:%M:%S) done ($(uptime | sed 's/.*load/load/'))"
+    python3 - "$out/runs" <<'PY'
+import collections, json, os, sys
+runs = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    model, side, rec = line.rstrip("\n").split("\t", 2)
+    r = json.loads(rec)
+    if side == "tessera":
+        p, n, d = r["n_prompt"], r["n_gen"], r["depth"]
+        ts = r["prefill_tok_s"] if p else r["decode_tok_s"]
+    else:
+        p, n, d, ts = r["n_prompt"], r["n_gen"], r["n_depth"], r["avg_ts"]
+    if p == 64:
+        continue
+    test = f"pp{p}" if p else f"tg{n} @ d{d}"
+    runs[(os.path.basename(model), test, side)].append(ts)
+print(f"{'model':34} {'test':14} {'tessera tok/s':>14} {'llama.cpp tok/s':>16} {'ratio':>7}")
+for model, test in dict.fromkeys((m, t) for m, t, _ in runs):
+    a, b = runs[(model, test, "tessera")], runs[(model, test, "llama.cpp")]
+    if a and b:
+        ma, mb = sum(a) / len(a), sum(b) / len(b)
+        print(f"{model:34} {test:14} {ma:14.1f} {mb:16.1f} {ma / mb:6.2f}x")
+PY
+    rm -r "$out"
+}
+
 case "${1:-}" in
     build) build ;;
     bench) shift; DIR=/tmp/llama.cpp-build; SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp; bench "$@" ;;
-    *) sed -n '2,10p' "$0"; exit 2 ;;
+    long) shift; DIR=/tmp/llama.cpp-build; SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp; long "$@" ;;
+    *) sed -n '2,16p' "$0"; exit 2 ;;
 esac
