@@ -20,8 +20,9 @@
 //!   value; the output is `acc · (1 / sum)`.
 //!
 //! The SIMD builds are this same Rust compiled with the target's features enabled
-//! (`#[target_feature]` wrappers): Rust never reassociates float operations and `mul_add` is
-//! always fused, so vectorising across positions and dimensions cannot change a bit.
+//! (`#[target_feature]` wrappers; only the exact F16 conversion names its instructions): Rust
+//! never reassociates float operations and `mul_add` is always fused, so vectorising across
+//! positions, dimensions and query vectors cannot change a bit.
 
 use std::ops::Range;
 
@@ -56,6 +57,10 @@ pub struct FusedScratch {
     /// Per query vector: `v_head_dim` accumulators.
     acc: Vec<f32>,
     row: Vec<f32>,
+    /// The query vectors whose span meets the current tile, and their scores (then
+    /// probabilities) against it: `TILE` each.
+    live: Vec<usize>,
+    p: Vec<f32>,
 }
 
 /// Attention of `spans.len()` query vectors (`q`: back to back, `k_head_dim` each) over one KV
@@ -103,7 +108,7 @@ pub(crate) fn attend_fused_on(
         _ => {}
     }
     let _ = isa;
-    attend_impl(a)
+    attend_impl::<NARROW, SCALAR>(a)
 }
 
 struct Args<'a, 'b> {
@@ -116,23 +121,41 @@ struct Args<'a, 'b> {
     scratch: &'b mut FusedScratch,
 }
 
+/// Register blocking of the tile loops: query vectors per block, and positions (scores) or
+/// value dimensions (accumulation) held in registers per vector. Only the speed depends on it:
+/// each score and each accumulator is its own chain of operations whatever the blocking.
+/// 32 vector registers (AVX-512) hold 4 vectors × 64 floats; 16 (AVX2) hold 4 × 16.
+const WIDE: usize = 64;
+const NARROW: usize = 16;
+
+/// The instruction set an [`attend_impl`] is compiled for, as far as it uses intrinsics (the
+/// F16 keys' and values' conversion, exact on every path).
+const SCALAR: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const AVX2: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const AVX512: u8 = 2;
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{attend_impl, Args};
+    use super::{attend_impl, Args, AVX2, AVX512, NARROW, WIDE};
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn avx512(a: Args<'_, '_>) {
-        attend_impl(a)
+        attend_impl::<WIDE, AVX512>(a)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2(a: Args<'_, '_>) {
-        attend_impl(a)
+        attend_impl::<NARROW, AVX2>(a)
     }
 }
 
+/// Query vectors per register block (see [`WIDE`]).
+const NV: usize = 4;
+
 #[inline(always)]
-fn attend_impl(a: Args<'_, '_>) {
+fn attend_impl<const R: usize, const L: u8>(a: Args<'_, '_>) {
     let Args {
         out,
         q,
@@ -155,46 +178,64 @@ fn attend_impl(a: Args<'_, '_>) {
     sc.s.resize(nq, 0.0);
     sc.acc.clear();
     sc.acc.resize(nq * dv, 0.0);
+    sc.p.resize(nq * TILE, 0.0);
     let lo = spans.iter().map(|s| s.start).min().unwrap_or(0);
     let hi = spans.iter().map(|s| s.end).max().unwrap_or(0).min(kv.len);
-    let mut scores = [[0.0f32; TILE]; 2];
+    // The positions of the tile at `t0` in vector `i`'s span, relative to `t0`.
+    let part = |i: usize, t0: usize| {
+        let s = &spans[i];
+        s.start.max(t0) - t0..s.end.min(kv.len).min(t0 + TILE) - t0
+    };
     let mut t0 = lo / TILE * TILE;
     while t0 < hi {
         let valid = (hi - t0).min(TILE);
-        load_tile(kv, t0, valid, &mut sc.kt, &mut sc.vt, &mut sc.row);
-        // Query vectors whose span meets this tile, two at a time (independent FMA chains).
-        let mut live = (0..nq).filter(|&i| {
+        load_tile::<L>(kv, t0, valid, &mut sc.kt, &mut sc.vt, &mut sc.row);
+        sc.live.clear();
+        sc.live.extend((0..nq).filter(|&i| {
             let s = &spans[i];
             s.start < t0 + TILE && s.end.min(kv.len) > t0 && s.start < s.end
-        });
-        while let Some(i0) = live.next() {
-            let i1 = live.next();
-            match i1 {
-                Some(i1) => {
-                    let [s0, s1] = &mut scores;
-                    tile_scores2(
-                        &q[i0 * dk..(i0 + 1) * dk],
-                        &q[i1 * dk..(i1 + 1) * dk],
-                        &sc.kt,
-                        s0,
-                        s1,
-                    );
-                }
-                None => tile_scores(&q[i0 * dk..(i0 + 1) * dk], &sc.kt, &mut scores[0]),
+        }));
+        let live = &sc.live[..];
+        let p = &mut sc.p[..live.len() * TILE];
+        // Scores of the live vectors, a block of vectors at a time (each key row loaded once
+        // per block).
+        for (b, p) in live.chunks(NV).zip(p.chunks_mut(NV * TILE)) {
+            let qv = |k: usize| &q[b[k] * dk..(b[k] + 1) * dk];
+            match b.len() {
+                4 => tile_scores::<4, R>([qv(0), qv(1), qv(2), qv(3)], &sc.kt, p),
+                3 => tile_scores::<3, R>([qv(0), qv(1), qv(2)], &sc.kt, p),
+                2 => tile_scores::<2, R>([qv(0), qv(1)], &sc.kt, p),
+                _ => tile_scores::<1, R>([qv(0)], &sc.kt, p),
             }
-            for (slot, i) in [Some(i0), i1].into_iter().flatten().enumerate() {
-                let s = &spans[i];
-                let a = s.start.max(t0) - t0;
-                let b = s.end.min(kv.len).min(t0 + TILE) - t0;
-                update(
-                    &mut scores[slot][a..b],
-                    scale,
-                    &mut sc.m[i],
-                    &mut sc.s[i],
-                    &mut sc.acc[i * dv..(i + 1) * dv],
-                    &sc.vt[a * dv..b * dv],
-                );
+        }
+        // Each vector's softmax step: its probabilities replace its scores.
+        for (&i, p) in live.iter().zip(p.chunks_exact_mut(TILE)) {
+            let r = part(i, t0);
+            softmax_step(
+                &mut p[r],
+                scale,
+                &mut sc.m[i],
+                &mut sc.s[i],
+                &mut sc.acc[i * dv..(i + 1) * dv],
+            );
+        }
+        // Values, for runs of vectors with the same positions in this tile (each value row
+        // loaded once per block of vectors).
+        let mut k = 0;
+        while k < live.len() {
+            let r = part(live[k], t0);
+            let mut e = k + 1;
+            while e < live.len() && e - k < NV && part(live[e], t0) == r {
+                e += 1;
             }
+            let (b, pb) = (&live[k..e], &p[k * TILE..e * TILE]);
+            match b.len() {
+                4 => accumulate_block::<4, R>(b, pb, r, &sc.vt, &mut sc.acc, dv),
+                3 => accumulate_block::<3, R>(b, pb, r, &sc.vt, &mut sc.acc, dv),
+                2 => accumulate_block::<2, R>(b, pb, r, &sc.vt, &mut sc.acc, dv),
+                _ => accumulate_block::<1, R>(b, pb, r, &sc.vt, &mut sc.acc, dv),
+            }
+            k = e;
         }
         t0 += TILE;
     }
@@ -222,7 +263,7 @@ fn attend_impl(a: Args<'_, '_>) {
 /// (`valid × dv`). Columns of `kt` past `valid` hold finite values (zeros or older entries) and
 /// are never used.
 #[inline(always)]
-fn load_tile(
+fn load_tile<const L: u8>(
     kv: HeadKv<'_>,
     t0: usize,
     valid: usize,
@@ -238,12 +279,12 @@ fn load_tile(
     } = kv.shape;
     let h = kv.head;
     match kv.view {
-        LayerView::F16 { k_tiles, v } => {
+        LayerView::F16 { k_tiles, v_tiles } => {
             let at = ((t0 / TILE) * nkv + h) * dk * TILE;
-            k_tiles[at..at + dk * TILE].convert_to_f32_slice(kt);
-            for j in (0..valid).filter(|_| !shared_v) {
-                let at = ((t0 + j) * nkv + h) * dv;
-                v[at..at + dv].convert_to_f32_slice(&mut vt[j * dv..(j + 1) * dv]);
+            widen::<L>(&k_tiles[at..at + dk * TILE], kt);
+            if !shared_v {
+                let at = ((t0 / TILE) * nkv + h) * TILE * dv;
+                widen::<L>(&v_tiles[at..at + valid * dv], &mut vt[..valid * dv]);
             }
         }
         LayerView::Q8_0 { kd, kq, vd, vq } => {
@@ -285,6 +326,44 @@ fn load_tile(
     }
 }
 
+/// `dst = src` as f32 (exact), 16 or 8 values per instruction on the SIMD paths (inlined into
+/// them: the `half` crate's slice conversion is a call that converts 8 at a time).
+#[inline(always)]
+fn widen<const L: u8>(src: &[f16], dst: &mut [f32]) {
+    let n = src.len();
+    assert_eq!(dst.len(), n);
+    #[allow(unused_mut)]
+    let mut i = 0;
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        let (s, d) = (src.as_ptr() as *const u16, dst.as_mut_ptr());
+        if L == AVX512 {
+            while i + 16 <= n {
+                // SAFETY: i + 16 <= n for both slices; AVX-512 F is enabled in every caller
+                // compiled with L = AVX512.
+                unsafe {
+                    let x = _mm256_loadu_si256(s.add(i) as *const __m256i);
+                    _mm512_storeu_ps(d.add(i), _mm512_cvtph_ps(x));
+                }
+                i += 16;
+            }
+        }
+        if L >= AVX2 {
+            while i + 8 <= n {
+                // SAFETY: i + 8 <= n for both slices; F16C and AVX are enabled in every caller
+                // compiled with L >= AVX2.
+                unsafe {
+                    let x = _mm_loadu_si128(s.add(i) as *const __m128i);
+                    _mm256_storeu_ps(d.add(i), _mm256_cvtph_ps(x));
+                }
+                i += 8;
+            }
+        }
+    }
+    src[i..].convert_to_f32_slice(&mut dst[i..]);
+}
+
 #[inline(always)]
 fn dequantize_q8_0(d: &[f16], q: &[i8], out: &mut [f32]) {
     for ((o, q), d) in out.chunks_exact_mut(32).zip(q.chunks_exact(32)).zip(d) {
@@ -295,86 +374,108 @@ fn dequantize_q8_0(d: &[f16], q: &[i8], out: &mut [f32]) {
     }
 }
 
-/// Unscaled scores of one query vector against a transposed key tile.
+/// Unscaled scores of `V` query vectors against a transposed key tile, into `p` (`TILE` per
+/// vector): `P` positions at a time, each score a chain of fused multiply-adds in dimension
+/// order.
 #[inline(always)]
-fn tile_scores(q: &[f32], kt: &[f32], s: &mut [f32; TILE]) {
-    let mut acc = [0.0f32; TILE];
-    for (i, &qi) in q.iter().enumerate() {
-        let k: &[f32; TILE] = kt[i * TILE..(i + 1) * TILE].try_into().expect("a tile row");
-        for j in 0..TILE {
-            acc[j] = qi.mul_add(k[j], acc[j]);
+fn tile_scores<const V: usize, const P: usize>(q: [&[f32]; V], kt: &[f32], p: &mut [f32]) {
+    for j0 in (0..TILE).step_by(P) {
+        let mut acc = [[0.0f32; P]; V];
+        for i in 0..q[0].len() {
+            let k: &[f32; P] = kt[i * TILE + j0..i * TILE + j0 + P]
+                .try_into()
+                .expect("P positions");
+            for v in 0..V {
+                let x = q[v][i];
+                for j in 0..P {
+                    acc[v][j] = x.mul_add(k[j], acc[v][j]);
+                }
+            }
+        }
+        for v in 0..V {
+            p[v * TILE + j0..v * TILE + j0 + P].copy_from_slice(&acc[v]);
         }
     }
-    *s = acc;
 }
 
-/// [`tile_scores`] of two query vectors (each key row loaded once).
+/// One tile's online-softmax step for one query vector: `p` holds its unscaled scores of the
+/// positions in its span (in order), replaced by their probabilities; its running max `m`, sum
+/// `s` and accumulators `acc` are rescaled to the new max.
 #[inline(always)]
-fn tile_scores2(q0: &[f32], q1: &[f32], kt: &[f32], s0: &mut [f32; TILE], s1: &mut [f32; TILE]) {
-    let (mut a0, mut a1) = ([0.0f32; TILE], [0.0f32; TILE]);
-    for (i, (&x0, &x1)) in q0.iter().zip(q1).enumerate() {
-        let k: &[f32; TILE] = kt[i * TILE..(i + 1) * TILE].try_into().expect("a tile row");
-        for j in 0..TILE {
-            a0[j] = x0.mul_add(k[j], a0[j]);
-            a1[j] = x1.mul_add(k[j], a1[j]);
-        }
-    }
-    *s0 = a0;
-    *s1 = a1;
-}
-
-/// One tile's online-softmax step for one query vector: `scores` are its unscaled scores of the
-/// positions in its span (in order), `vt` their values (`dv` each).
-#[inline(always)]
-fn update(scores: &mut [f32], scale: f32, m: &mut f32, s: &mut f32, acc: &mut [f32], vt: &[f32]) {
-    let dv = acc.len();
+fn softmax_step(p: &mut [f32], scale: f32, m: &mut f32, s: &mut f32, acc: &mut [f32]) {
     let mut mt = f32::NEG_INFINITY;
-    for x in scores.iter_mut() {
+    for x in p.iter_mut() {
         *x *= scale;
         mt = mt.max(*x);
     }
     let m2 = m.max(mt);
     let c = v_expf_lane(*m - m2);
     let mut sum = *s * c;
-    for x in scores.iter_mut() {
+    for x in p.iter_mut() {
         *x = v_expf_lane(*x - m2);
     }
-    for &p in scores.iter() {
-        sum += p;
+    for &x in p.iter() {
+        sum += x;
     }
     *s = sum;
     *m = m2;
     for a in acc.iter_mut() {
         *a *= c;
     }
-    // Accumulate in blocks of dimensions held in registers across the tile's positions.
+}
+
+/// `acc[i] = fma(v_j[i], p_j, acc[i])` over the tile's positions `r` in order, for the `V` query
+/// vectors `b` (probabilities `p`, `TILE` each), `H` value dimensions at a time.
+#[inline(always)]
+fn accumulate_block<const V: usize, const H: usize>(
+    b: &[usize],
+    p: &[f32],
+    r: Range<usize>,
+    vt: &[f32],
+    acc: &mut [f32],
+    dv: usize,
+) {
     let mut c0 = 0;
-    while c0 + 64 <= dv {
-        accumulate::<64>(&mut acc[c0..c0 + 64], scores, vt, dv, c0);
-        c0 += 64;
-    }
-    while c0 + 16 <= dv {
-        accumulate::<16>(&mut acc[c0..c0 + 16], scores, vt, dv, c0);
-        c0 += 16;
+    while c0 + H <= dv {
+        accumulate::<V, H>(b, p, r.clone(), vt, acc, dv, c0);
+        c0 += H;
     }
     while c0 < dv {
-        accumulate::<1>(&mut acc[c0..c0 + 1], scores, vt, dv, c0);
+        accumulate::<V, 1>(b, p, r.clone(), vt, acc, dv, c0);
         c0 += 1;
     }
 }
 
 #[inline(always)]
-fn accumulate<const H: usize>(acc: &mut [f32], p: &[f32], vt: &[f32], dv: usize, c0: usize) {
-    let mut a: [f32; H] = acc.try_into().expect("H accumulators");
-    for (j, &pj) in p.iter().enumerate() {
-        let v: &[f32; H] = vt[j * dv + c0..j * dv + c0 + H]
+fn accumulate<const V: usize, const H: usize>(
+    b: &[usize],
+    p: &[f32],
+    r: Range<usize>,
+    vt: &[f32],
+    acc: &mut [f32],
+    dv: usize,
+    c0: usize,
+) {
+    let mut a = [[0.0f32; H]; V];
+    for v in 0..V {
+        let at = b[v] * dv + c0;
+        a[v].copy_from_slice(&acc[at..at + H]);
+    }
+    for j in r {
+        let x: &[f32; H] = vt[j * dv + c0..j * dv + c0 + H]
             .try_into()
             .expect("H values");
-        for i in 0..H {
-            a[i] = v[i].mul_add(pj, a[i]);
+        for v in 0..V {
+            let pj = p[v * TILE + j];
+            for i in 0..H {
+                a[v][i] = x[i].mul_add(pj, a[v][i]);
+            }
         }
     }
-    acc.copy_from_slice(&a);
+    for v in 0..V {
+        let at = b[v] * dv + c0;
+        acc[at..at + H].copy_from_slice(&a[v]);
+    }
 }
 
 #[cfg(test)]
@@ -430,7 +531,7 @@ mod tests {
         let mut values = Vec::new();
         for p in span.clone() {
             let t0 = p / TILE * TILE;
-            load_tile(kv, t0, (kv.len - t0).min(TILE), &mut kt, &mut vt, &mut row);
+            load_tile::<SCALAR>(kv, t0, (kv.len - t0).min(TILE), &mut kt, &mut vt, &mut row);
             let j = p - t0;
             let s: f64 = (0..dk).map(|i| q[i] as f64 * kt[i * TILE + j] as f64).sum();
             scores.push(s * scale as f64);

@@ -7,7 +7,10 @@
 //!   reference tests against llama.cpp run on it.
 //! - **F16**: keys in tiles of [`TILE`] positions, transposed within the tile (for each KV head,
 //!   `head_dim` rows of `TILE` positions), so the fused attention reads a tile of one head's keys
-//!   as one contiguous run and scores `TILE` positions per vector lane; values position-major.
+//!   as one contiguous run and scores `TILE` positions per vector lane; values in the same tiles,
+//!   position-major within the tile (for each KV head, `TILE` rows of `v_head_dim`), so a tile
+//!   of one head's values is one contiguous run too (a head's rows `kv_width` apart, 2 KiB on a
+//!   Qwen3, stalled the value loads: a new page every other row).
 //! - **Q8_0**: keys and values position-major in blocks of 32 (llama.cpp's `q8_0`: an f16 scale
 //!   and 32 signed bytes), each head's slice a whole number of blocks.
 //!
@@ -139,7 +142,8 @@ pub(crate) enum LayerView<'a> {
     F16 {
         /// Tiles of [`TILE`] positions: `[tile][kv head][k_head_dim][TILE]`.
         k_tiles: &'a [f16],
-        v: &'a [f16],
+        /// Tiles of [`TILE`] positions: `[tile][kv head][TILE][v_head_dim]`.
+        v_tiles: &'a [f16],
     },
     Q8_0 {
         kd: &'a [f16],
@@ -281,7 +285,11 @@ impl KvCache {
     /// [`KvShape::shared_v`]) at `start_pos..` of `layer`. Call [`KvCache::check_step`] first.
     pub(crate) fn append(&mut self, layer: usize, start_pos: usize, k: &[f32], v: &[f32]) {
         let (kw, vw) = (self.shape.k_width(), self.shape.v_width());
-        let (nkv, dk) = (self.shape.n_head_kv, self.shape.k_head_dim);
+        let (nkv, dk, dv) = (
+            self.shape.n_head_kv,
+            self.shape.k_head_dim,
+            self.shape.v_head_dim,
+        );
         let n = k.len() / kw;
         debug_assert_eq!(v.len(), n * vw);
         let end = start_pos + n;
@@ -313,8 +321,17 @@ impl KvCache {
                 }
                 rows => rows.put(pos * kw, kr),
             }
-            if vw > 0 {
-                e.v.put(pos * vw, vr);
+            match &mut e.v {
+                _ if vw == 0 => {}
+                Rows::F16(vt) => {
+                    // [tile][head][slot][dim].
+                    let (tile, slot) = (pos / TILE, pos % TILE);
+                    for h in 0..nkv {
+                        let at = ((tile * nkv + h) * TILE + slot) * dv;
+                        vt[at..at + dv].convert_from_f32_slice(&vr[h * dv..(h + 1) * dv]);
+                    }
+                }
+                rows => rows.put(pos * vw, vr),
             }
         }
         e.len = end;
@@ -332,7 +349,7 @@ impl KvCache {
             },
             (Rows::F16(k), Rows::F16(v)) => LayerView::F16 {
                 k_tiles: &k[..n.div_ceil(TILE) * TILE * kw],
-                v: &v[..n * vw],
+                v_tiles: &v[..n.div_ceil(TILE) * TILE * vw],
             },
             (Rows::Q8_0 { d: kd, q: kq }, Rows::Q8_0 { d: vd, q: vq }) => LayerView::Q8_0 {
                 kd: &kd[..n * kw / 32],
@@ -407,13 +424,15 @@ mod tests {
         let k: Vec<f32> = (0..70 * s.k_width()).map(|i| (i % 1000) as f32).collect();
         let v: Vec<f32> = (0..70 * s.v_width()).map(|i| -((i % 999) as f32)).collect();
         c.append(3, 0, &k, &v);
-        let (LayerView::F16 { k_tiles, v: vv }, 70) = c.view(3) else {
+        let (LayerView::F16 { k_tiles, v_tiles }, 70) = c.view(3) else {
             panic!("f16 view of 70 positions")
         };
         // Position 65, head 1, dim 5: tile 1, slot 1.
         let (pos, h, i) = (65, 1, 5);
         let at = ((pos / TILE) * 2 + h) * 32 * TILE + i * TILE + pos % TILE;
         assert_eq!(k_tiles[at].to_f32(), k[pos * 64 + h * 32 + i]);
-        assert_eq!(vv[pos * 128 + 7].to_f32(), v[pos * 128 + 7]);
+        // Position 65, head 1, dim 7 of the values: tile 1, slot 1.
+        let at = ((pos / TILE) * 2 + h) * TILE * 64 + (pos % TILE) * 64 + 7;
+        assert_eq!(v_tiles[at].to_f32(), v[pos * 128 + 64 + 7]);
     }
 }
