@@ -261,7 +261,25 @@ fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_fli
         assert_eq!(epochs_of(m).len(), 1, "a run moved: {:?}", epochs_of(m));
         if epochs_of(m)[0] == old {
             assert_eq!(started_on(m), ["n0"]);
-            spanned += usize::from(m.last().is_some_and(|(t, _)| *t > switch));
+            if m.last().is_some_and(|(t, _)| *t > switch) {
+                spanned += 1;
+                // For the record (not a threshold): the longest gap between two tokens of a
+                // run in flight across the switch, against its median gap.
+                let mut gaps: Vec<_> = m
+                    .iter()
+                    .filter(|(_, x)| x["type"] == "token")
+                    .map(|(t, _)| *t)
+                    .collect::<Vec<_>>()
+                    .windows(2)
+                    .map(|w| w[1] - w[0])
+                    .collect();
+                gaps.sort();
+                eprintln!(
+                    "stream {w} across the switch: longest token gap {:?}, median {:?}",
+                    gaps.last().unwrap_or(&Default::default()),
+                    gaps.get(gaps.len() / 2).unwrap_or(&Default::default())
+                );
+            }
         } else {
             assert!(epochs_of(m)[0] > old);
             assert_eq!(started_on(m), ["n0", "n2"], "the new split");
