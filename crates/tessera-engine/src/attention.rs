@@ -208,19 +208,8 @@ fn attend_impl<const R: usize, const L: u8>(a: Args<'_, '_>) {
                 _ => tile_scores::<1, R>([qv(0)], &sc.kt, p),
             }
         }
-        // Each vector's softmax step: its probabilities replace its scores.
-        for (&i, p) in live.iter().zip(p.chunks_exact_mut(TILE)) {
-            let r = part(i, t0);
-            softmax_step(
-                &mut p[r],
-                scale,
-                &mut sc.m[i],
-                &mut sc.s[i],
-                &mut sc.acc[i * dv..(i + 1) * dv],
-            );
-        }
-        // Values, for runs of vectors with the same positions in this tile (each value row
-        // loaded once per block of vectors).
+        // Softmax steps and values, for runs of vectors with the same positions in this tile
+        // (their sums' chains interleaved, each value row loaded once per run).
         let mut k = 0;
         while k < live.len() {
             let r = part(live[k], t0);
@@ -228,12 +217,18 @@ fn attend_impl<const R: usize, const L: u8>(a: Args<'_, '_>) {
             while e < live.len() && e - k < NV && part(live[e], t0) == r {
                 e += 1;
             }
-            let (b, pb) = (&live[k..e], &p[k * TILE..e * TILE]);
+            let (b, pb) = (&live[k..e], &mut p[k * TILE..e * TILE]);
+            let st = State {
+                m: &mut sc.m,
+                s: &mut sc.s,
+                acc: &mut sc.acc,
+                dv,
+            };
             match b.len() {
-                4 => accumulate_block::<4, R>(b, pb, r, &sc.vt, &mut sc.acc, dv),
-                3 => accumulate_block::<3, R>(b, pb, r, &sc.vt, &mut sc.acc, dv),
-                2 => accumulate_block::<2, R>(b, pb, r, &sc.vt, &mut sc.acc, dv),
-                _ => accumulate_block::<1, R>(b, pb, r, &sc.vt, &mut sc.acc, dv),
+                4 => run_block::<4, R>(b, pb, r, scale, st, &sc.vt),
+                3 => run_block::<3, R>(b, pb, r, scale, st, &sc.vt),
+                2 => run_block::<2, R>(b, pb, r, scale, st, &sc.vt),
+                _ => run_block::<1, R>(b, pb, r, scale, st, &sc.vt),
             }
             k = e;
         }
@@ -398,30 +393,75 @@ fn tile_scores<const V: usize, const P: usize>(q: [&[f32]; V], kt: &[f32], p: &m
     }
 }
 
-/// One tile's online-softmax step for one query vector: `p` holds its unscaled scores of the
-/// positions in its span (in order), replaced by their probabilities; its running max `m`, sum
-/// `s` and accumulators `acc` are rescaled to the new max.
+/// Every query vector's running softmax state: max, sum, and `dv` accumulators.
+struct State<'a> {
+    m: &'a mut [f32],
+    s: &'a mut [f32],
+    acc: &'a mut [f32],
+    dv: usize,
+}
+
+/// One tile's online-softmax step and values for `V` query vectors `b` whose span covers the
+/// same positions `r` of the tile: `p` holds their unscaled scores (`TILE` each), replaced by
+/// their probabilities.
 #[inline(always)]
-fn softmax_step(p: &mut [f32], scale: f32, m: &mut f32, s: &mut f32, acc: &mut [f32]) {
-    let mut mt = f32::NEG_INFINITY;
-    for x in p.iter_mut() {
-        *x *= scale;
-        mt = mt.max(*x);
+fn run_block<const V: usize, const H: usize>(
+    b: &[usize],
+    p: &mut [f32],
+    r: Range<usize>,
+    scale: f32,
+    st: State<'_>,
+    vt: &[f32],
+) {
+    let dv = st.dv;
+    let mut sum = [0.0f32; V];
+    for v in 0..V {
+        let i = b[v];
+        let pv = &mut p[v * TILE..(v + 1) * TILE][r.clone()];
+        for x in pv.iter_mut() {
+            *x *= scale;
+        }
+        let m2 = st.m[i].max(max_of(pv));
+        let c = v_expf_lane(st.m[i] - m2);
+        sum[v] = st.s[i] * c;
+        for x in pv.iter_mut() {
+            *x = v_expf_lane(*x - m2);
+        }
+        st.m[i] = m2;
+        for a in st.acc[i * dv..(i + 1) * dv].iter_mut() {
+            *a *= c;
+        }
     }
-    let m2 = m.max(mt);
-    let c = v_expf_lane(*m - m2);
-    let mut sum = *s * c;
-    for x in p.iter_mut() {
-        *x = v_expf_lane(*x - m2);
+    // `sum = sum·c + p_0 + p_1 + …` in position order, the vectors' chains side by side.
+    for j in r.clone() {
+        for v in 0..V {
+            sum[v] += p[v * TILE + j];
+        }
     }
-    for &x in p.iter() {
-        sum += x;
+    for v in 0..V {
+        st.s[b[v]] = sum[v];
     }
-    *s = sum;
-    *m = m2;
-    for a in acc.iter_mut() {
-        *a *= c;
+    accumulate_block::<V, H>(b, p, r, vt, st.acc, dv);
+}
+
+/// The largest of `xs` (`-inf` if empty), 16 lanes at a time. Any order gives the same
+/// maximum, up to the sign of a zero, which no result depends on (`x - m` and `exp(m - m')`
+/// are the same for either zero).
+#[inline(always)]
+fn max_of(xs: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = xs.chunks_exact(16);
+    for c in &mut chunks {
+        for k in 0..16 {
+            lanes[k] = if c[k] > lanes[k] { c[k] } else { lanes[k] };
+        }
     }
+    for &x in chunks.remainder() {
+        lanes[0] = if x > lanes[0] { x } else { lanes[0] };
+    }
+    lanes
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &x| if x > a { x } else { a })
 }
 
 /// `acc[i] = fma(v_j[i], p_j, acc[i])` over the tile's positions `r` in order, for the `V` query
@@ -435,13 +475,22 @@ fn accumulate_block<const V: usize, const H: usize>(
     acc: &mut [f32],
     dv: usize,
 ) {
+    // The probabilities position-major (`V` per position), and the positions' value rows: one
+    // slice each, so the loops below index nothing they must check.
+    let mut pt = [[0.0f32; V]; TILE];
+    for (j, pj) in pt[r.clone()].iter_mut().enumerate() {
+        for v in 0..V {
+            pj[v] = p[v * TILE + r.start + j];
+        }
+    }
+    let (pt, rows) = (&pt[r.clone()], &vt[r.start * dv..r.end * dv]);
     let mut c0 = 0;
     while c0 + H <= dv {
-        accumulate::<V, H>(b, p, r.clone(), vt, acc, dv, c0);
+        accumulate::<V, H>(b, pt, rows, acc, dv, c0);
         c0 += H;
     }
     while c0 < dv {
-        accumulate::<V, 1>(b, p, r.clone(), vt, acc, dv, c0);
+        accumulate::<V, 1>(b, pt, rows, acc, dv, c0);
         c0 += 1;
     }
 }
@@ -449,9 +498,8 @@ fn accumulate_block<const V: usize, const H: usize>(
 #[inline(always)]
 fn accumulate<const V: usize, const H: usize>(
     b: &[usize],
-    p: &[f32],
-    r: Range<usize>,
-    vt: &[f32],
+    pt: &[[f32; V]],
+    rows: &[f32],
     acc: &mut [f32],
     dv: usize,
     c0: usize,
@@ -461,14 +509,12 @@ fn accumulate<const V: usize, const H: usize>(
         let at = b[v] * dv + c0;
         a[v].copy_from_slice(&acc[at..at + H]);
     }
-    for j in r {
-        let x: &[f32; H] = vt[j * dv + c0..j * dv + c0 + H]
-            .try_into()
-            .expect("H values");
+    for (pj, row) in pt.iter().zip(rows.chunks_exact(dv)) {
+        // One load of the row's `H` values for all `V` vectors.
+        let x: [f32; H] = row[c0..c0 + H].try_into().expect("H values");
         for v in 0..V {
-            let pj = p[v * TILE + j];
             for i in 0..H {
-                a[v][i] = x[i].mul_add(pj, a[v][i]);
+                a[v][i] = x[i].mul_add(pj[v], a[v][i]);
             }
         }
     }

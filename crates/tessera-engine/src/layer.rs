@@ -209,12 +209,14 @@ impl Model {
                 LayerView::F32 { .. } => 1,
                 _ => block,
             };
-            for r0 in (row..row + st.n_tokens).step_by(step) {
-                let r1 = (r0 + step).min(row + st.n_tokens);
-                for kh in 0..nkv {
-                    for h0 in (0..group).step_by(heads) {
-                        // Query heads `h..h + g` (absolute), all of KV head `kh`.
-                        let (h, g) = (kh * group + h0, heads.min(group - h0));
+            // Head-major: a task's consecutive items read the same head's keys and values
+            // (from cache, not memory, after the first).
+            for kh in 0..nkv {
+                for h0 in (0..group).step_by(heads) {
+                    // Query heads `h..h + g` (absolute), all of KV head `kh`.
+                    let (h, g) = (kh * group + h0, heads.min(group - h0));
+                    for r0 in (row..row + st.n_tokens).step_by(step) {
+                        let r1 = (r0 + step).min(row + st.n_tokens);
                         items.push((r0..r1, kh, h, g));
                     }
                 }
