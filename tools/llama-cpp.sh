@@ -11,6 +11,8 @@
 #                                             # alternately; prints each side's mean and the
 #                                             # ratio per test. ROUNDS=N (default 1) repeats
 #                                             # each model's tests N times, alternating again.
+#                                             # PROMPTS=512,2048 and DEPTH=1024 change the
+#                                             # lengths (a quick check of the setup).
 #
 # llama-cpp-python 0.3.36 vendors ggml 0.25.3, the version reference/ was made with.
 set -euo pipefail
@@ -61,17 +63,17 @@ long() {
     [ -x "$lb" ] || { echo "run '$0 build' first" >&2; exit 1; }
     cargo build --release -q -p tessera
     local out; out=$(mktemp -d)
-    local rounds=${ROUNDS:-1}
+    local rounds=${ROUNDS:-1} prompts=${PROMPTS:-2048,8192} depth=${DEPTH:-4096}
     for m in "$@"; do
         for r in $(seq "$rounds"); do
             echo "== $(date -u +%H:%M:%S) $m round $r ($(uptime | sed 's/.*load/load/'))"
-            target/release/tessera bench -t 2 -m "$m" -p 2048,8192 -n 0 -r 1 --json \
+            target/release/tessera bench -t 2 -m "$m" -p "$prompts" -n 0 -r 1 --json \
                 | sed "s|^|$m\ttessera\t|" >>"$out/runs"
-            "$lb" -m "$m" -t 2 -fa 1 -ctk f16 -ctv f16 -p 64,2048,8192 -n 0 -r 1 --no-warmup \
+            "$lb" -m "$m" -t 2 -fa 1 -ctk f16 -ctv f16 -p "64,$prompts" -n 0 -r 1 --no-warmup \
                 -o jsonl | sed "s|^|$m\tllama.cpp\t|" >>"$out/runs"
-            "$lb" -m "$m" -t 2 -fa 1 -ctk f16 -ctv f16 -p 0 -n 32 -d 4096 -r 3 -o jsonl \
+            "$lb" -m "$m" -t 2 -fa 1 -ctk f16 -ctv f16 -p 0 -n 32 -d "$depth" -r 3 -o jsonl \
                 | sed "s|^|$m\tllama.cpp\t|" >>"$out/runs"
-            target/release/tessera bench -t 2 -m "$m" -p 0 -n 32 -d 4096 -r 3 --json \
+            target/release/tessera bench -t 2 -m "$m" -p 0 -n 32 -d "$depth" -r 3 --json \
                 | sed "s|^|$m\ttessera\t|" >>"$out/runs"
         done
     done
@@ -87,7 +89,7 @@ for line in open(sys.argv[1]):
         ts = r["prefill_tok_s"] if p else r["decode_tok_s"]
     else:
         p, n, d, ts = r["n_prompt"], r["n_gen"], r["n_depth"], r["avg_ts"]
-    if p == 64:
+    if p == 64 and side == "llama.cpp":
         continue
     test = f"pp{p}" if p else f"tg{n} @ d{d}"
     runs[(os.path.basename(model), test, side)].append(ts)
