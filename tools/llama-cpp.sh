@@ -64,6 +64,7 @@ long() {
     cargo build --release -q -p tessera
     local out; out=$(mktemp -d)
     local rounds=${ROUNDS:-1} prompts=${PROMPTS:-2048,8192} depth=${DEPTH:-4096}
+    echo "raw results (JSON lines, one per test and side): $out/runs"
     for m in "$@"; do
         for r in $(seq "$rounds"); do
             echo "== $(date -u +%H:%M:%S) $m round $r ($(uptime | sed 's/.*load/load/'))"
