@@ -221,8 +221,8 @@ pub fn run(
             o.stages, config.n_layer
         )));
     }
-    // Room for the prompt-length probes, which may overshoot (see `prefill`).
-    let context = (2 * o.prompt_tokens + o.tokens + 64).max(512);
+    // The prompt (counted here, a few tokens of numbering aside) and the answer.
+    let context = (o.prompt_tokens + o.tokens + 64).max(512);
     if o.prompt_tokens > 0 && o.prompt_tokens + o.tokens > config.context_length {
         return Err(LabError::Run(format!(
             "a prompt of {} tokens does not fit the model's context of {}",
@@ -333,18 +333,28 @@ fn prefill(
     session_dir: &Path,
     progress: &mut impl FnMut(&str),
 ) -> Result<PrefillFigure> {
-    // Words for the prompt length asked, from what the tokenizer made of a first guess.
-    // Start low: a word is one token or more.
-    let mut words = o.prompt_tokens / 3;
-    let mut got = 0;
-    for _ in 0..3 {
-        let r = session.one_with(&Loopback, single, &prose(words), 1, o.prefill_chunk)?;
-        got = r["prompt_tokens"].as_u64().unwrap_or(0) as usize;
-        if got == 0 || got.abs_diff(o.prompt_tokens) <= o.prompt_tokens / 100 {
-            break;
-        }
-        words = (words * o.prompt_tokens / got).max(1);
+    // Words for the prompt length asked, counted with the model's own tokenizer here (a
+    // probe through the ring would prefill the whole prompt each time).
+    let gguf = tessera_model::GgufFile::open(&o.model)
+        .map_err(|e| LabError::Run(format!("{}: {e}", o.model.display())))?;
+    let tokenizer = tessera_model::Tokenizer::from_gguf(&gguf)
+        .map_err(|e| LabError::Run(format!("the model's tokenizer: {e}")))?;
+    drop(gguf);
+    let count = |words: usize| {
+        tokenizer
+            .encode(&format!("00. {}", prose(words)), true)
+            .len()
+    };
+    let mut words = o.prompt_tokens.max(1);
+    while words > 1 && count(words) > o.prompt_tokens {
+        words = (words * o.prompt_tokens / count(words))
+            .min(words - 1)
+            .max(1);
     }
+    while count(words + 1) <= o.prompt_tokens {
+        words += 1;
+    }
+    let mut got = count(words);
     let text = prose(words);
     let ttft = |r: &Value| r["time_to_first_token_ms"].as_f64().unwrap_or(f64::NAN);
     let (mut a, mut b) = (Vec::new(), Vec::new());
