@@ -228,10 +228,17 @@ pub fn run(
     // Nodes no reference ran on: each is calibrated from the first other plan that ran on it,
     // by its own stage's figures (a ring's stage, an expert split's home), so that every node
     // an executed plan covered carries what it showed — not only the reference's.
+    // (A node covered is one whose stage reported compute: an expert split's owners report
+    // none, their expert work being done outside a stage.)
     let mut covered: Vec<String> = references
         .iter()
-        .flat_map(|&i| candidates[i].plan.nodes())
-        .map(str::to_string)
+        .filter_map(|&i| match &measured[i] {
+            Some(Ok(m)) => Some(measurement(&m.report).stages),
+            _ => None,
+        })
+        .flatten()
+        .filter(|s| s.seconds_per_token > 0.0)
+        .map(|s| s.node)
         .collect();
     for &i in &ran {
         let Some(Ok(m)) = &measured[i] else {
@@ -244,7 +251,7 @@ pub fn run(
         let fresh: Vec<StageMeasurement> = m
             .stages
             .into_iter()
-            .filter(|s| !covered.contains(&s.node))
+            .filter(|s| s.seconds_per_token > 0.0 && !covered.contains(&s.node))
             .collect();
         if fresh.is_empty() {
             continue;
@@ -387,7 +394,8 @@ pub fn run(
                 predict(&model, &graph, &c.plan),
             ) {
                 provenance.push(format!(
-                    "{}: aggregate {:.0} tok/s predicted sharing the machine's cores, {:.0} as                      if each host were a machine of its own",
+                    "{}: aggregate {:.0} tok/s predicted sharing the machine's cores, {:.0} as if \
+                     each host were a machine of its own",
                     describe(&c.plan),
                     t.throughput_tokens_per_s,
                     a.throughput_tokens_per_s
@@ -523,7 +531,8 @@ fn apply_shared_machine(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<S
         nodes: graph.nodes.iter().map(|n| n.name.clone()).collect(),
     };
     let line = format!(
-        "imposed on every host: one machine of {cores} cores, shared by the {} nodes at {}          thread(s) each (nodes computing at once divide its cores)",
+        "imposed on every host: one machine of {cores} cores, shared by the {} nodes at {} \
+         thread(s) each (nodes computing at once divide its cores)",
         m.nodes.len(),
         m.node_cores
     );
