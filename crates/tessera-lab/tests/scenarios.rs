@@ -21,7 +21,8 @@ fn scenarios() -> Vec<PathBuf> {
 fn model(s: &Scenario) -> (tessera_model::ModelProfile, tessera_plan::ModelProfile) {
     let g = tessera_model::GgufFile::open(&s.model).unwrap();
     let profile = tessera_model::ModelProfile::from_gguf(&g).unwrap();
-    let model = tessera_coord::planning::planner_model(&profile, &s.name).unwrap();
+    let model =
+        tessera_coord::planning::planner_model(&profile, Default::default(), &s.name).unwrap();
     (profile, model)
 }
 

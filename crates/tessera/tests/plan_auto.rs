@@ -111,7 +111,7 @@ fn run_greedy(dir: &Path, join: &str, prompt_text: &str, n: usize, chunk: usize)
 fn plan_auto_splits_within_budgets_and_matches_one_process() {
     let path = model("stories260K.gguf");
     let dir = tempfile::tempdir().unwrap();
-    let budgets = [("small", 2u64 << 20), ("large", 5u64 << 19)]; // 2 MiB and 2.5 MiB
+    let budgets = [("small", 5u64 << 18), ("large", 3u64 << 19)]; // 1.25 MiB and 1.5 MiB
     let (mut coordinator, join, operator) = auto_coordinator(dir.path(), &path, 2);
     let nodes: Vec<Proc> = budgets
         .iter()
@@ -477,7 +477,7 @@ fn serve_without_ctx_chooses_the_largest_context_the_budgets_hold() {
     let join = serve.announced("join_token", "token");
     let _nodes: Vec<Proc> = ["a", "b"]
         .iter()
-        .map(|name| budget_node(dir.path(), &join, name, 16 << 20))
+        .map(|name| budget_node(dir.path(), &join, name, 12 << 20))
         .collect();
     let addr = serve.announced("listening", "addr").trim().to_string();
     let planned = serve.wait_event(&[("event", "plan_auto")]);

@@ -74,10 +74,11 @@ pub fn executable(plan: &Plan, n_layer: usize, n_expert: usize) -> bool {
 /// explanation's notes (with the better plan's predicted figure).
 pub fn plan_for(
     model: &tessera_model::ModelProfile,
+    kv_type: tessera_model::kv::KvType,
     graph: &ResourceGraph,
     epoch: u64,
 ) -> Result<PlanOutcome, PlanError> {
-    plan_executable(&planner_model(model, "model")?, graph, epoch)
+    plan_executable(&planner_model(model, kv_type, "model")?, graph, epoch)
 }
 
 /// [`plan_for`] with the planner's model profile.

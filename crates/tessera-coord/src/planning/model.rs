@@ -1,6 +1,7 @@
 //! The planner's view of a GGUF model (the one conversion the CLI's `tessera plan` and the
 //! coordinator's `--plan auto` both use).
 
+use tessera_model::kv::{KvShape, KvType};
 use tessera_model::ModelConfig;
 use tessera_plan::{Bytes, LayerProfile, ModelError, ModelProfile};
 
@@ -8,18 +9,20 @@ use tessera_plan::{Bytes, LayerProfile, ModelError, ModelProfile};
 /// per-tensor bytes (the file's quantisation mix), KV bytes and FLOPs per token. `fallback_name`
 /// names the model when its header does not.
 ///
-/// Each layer's cache is what the engine keeps (F32, as the header profile counts it): a
-/// sliding-window or chunked layer (Llama 4) holds its window or chunk only, and multi-head latent attention in the absorbed
-/// layout caches the compressed latent and the rotated key (`kv_lora_rank + rope_dim` per
-/// position) and attends over it in the absorbed form.
+/// Each layer's cache is what the engine keeps in elements of `kv_type` (the nodes' `--kv-type`;
+/// the header profile counts F32, twice what the default F16 cache holds): a sliding-window or
+/// chunked layer (Llama 4) holds its window or chunk only, and multi-head latent attention in
+/// the absorbed layout caches the compressed latent and the rotated key
+/// (`kv_lora_rank + rope_dim` per position) and attends over it in the absorbed form.
 pub fn planner_model(
     p: &tessera_model::ModelProfile,
+    kv_type: KvType,
     fallback_name: &str,
 ) -> Result<ModelProfile, ModelError> {
     let c = &p.config;
     let h = c.n_embd as u64;
     let attn_params = attention_params(c);
-    let kv_per_token = Bytes(c.kv_cache_width() as u64 * 4);
+    let kv_per_token = Bytes(kv_type.bytes_per_position(KvShape::from_config(c)) as u64);
     let attn_flops_ctx = attention_flops_per_ctx_token(c);
     let layers = p
         .layers
@@ -120,7 +123,12 @@ mod tests {
     fn fixture(name: &str) -> ModelProfile {
         let path = format!("{}/../../models/test/{name}", env!("CARGO_MANIFEST_DIR"));
         let g = GgufFile::open(&path).unwrap();
-        planner_model(&tessera_model::ModelProfile::from_gguf(&g).unwrap(), name).unwrap()
+        planner_model(
+            &tessera_model::ModelProfile::from_gguf(&g).unwrap(),
+            KvType::F32,
+            name,
+        )
+        .unwrap()
     }
 
     #[test]

@@ -79,8 +79,9 @@ pub fn run(
         .map_err(|e| LabError::Run(format!("{}: {e}", scenario.model.display())))?;
     let profile = tessera_model::ModelProfile::from_gguf(&gguf)
         .map_err(|e| LabError::Run(format!("model profile: {e}")))?;
-    let model = tessera_coord::planning::planner_model(&profile, &scenario.name)
-        .map_err(|e| LabError::Run(format!("planner model: {e}")))?;
+    let model =
+        tessera_coord::planning::planner_model(&profile, Default::default(), &scenario.name)
+            .map_err(|e| LabError::Run(format!("planner model: {e}")))?;
     drop(gguf);
     let spec = scenario.lab_spec()?;
     let lab = Lab::start(&spec)?;
@@ -566,7 +567,8 @@ fn field(r: &Value, k: &str) -> f64 {
 /// The figures of each plan in `plans` (plan files, all runnable in `session`): for each, a
 /// warm-up, a short and a measured request alone (the measured one's traffic less the short
 /// one's is the decode's); then [`REPEATS`]` - 1` more rounds of one measured request per plan;
-/// then the workload's concurrency of requests at once (their decode rates summed). A plan's
+/// then the workload's concurrency of requests at once (tokens over the window all were
+/// decoding, [`pipeline::overlap_window`]). A plan's
 /// failure is its own.
 fn measure(
     session: &Session,
@@ -628,13 +630,20 @@ fn measure(
             let report = runs.swap_remove(runs.len() / 2);
             let decode = field(&report, "decode_tokens_per_s");
             let throughput = if concurrency > 1 {
+                // Tokens over the time every request was decoding: a sum of each request's own
+                // rate counts as concurrent what staggered starts ran alone.
                 let at_once = || -> Result<f64> {
                     session.clients(lab, plan, prompt, SHORT, concurrency)?;
-                    Ok(session
-                        .clients(lab, plan, prompt, tokens, concurrency)?
-                        .iter()
-                        .map(|r| field(r, "decode_tokens_per_s"))
-                        .sum())
+                    let runs = session.timed_clients(lab, plan, prompt, tokens, concurrency)?;
+                    let arrivals: Vec<Vec<std::time::Instant>> =
+                        runs.into_iter().map(|(_, a)| a).collect();
+                    let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
+                        LabError::Run(format!(
+                            "the {concurrency} requests never decoded at the same time \
+                             (raise the workload's tokens)"
+                        ))
+                    })?;
+                    Ok(n as f64 / secs)
                 };
                 at_once().map_err(|e| e.to_string())?
             } else {

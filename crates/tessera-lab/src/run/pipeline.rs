@@ -102,6 +102,29 @@ pub fn decode_window(arrivals: &[Vec<Instant>]) -> Option<(usize, f64)> {
     (tokens > 0 && secs > 0.0).then_some((tokens, secs))
 }
 
+/// Tokens decoded by every stream together while all of them were decoding, and that window:
+/// from the last stream's first token to the first stream's last token, counting the tokens
+/// that arrived after its start. An aggregate rate that a request running alone before the
+/// others start (or after they end) does not inflate. `None` when the streams never overlap.
+pub fn overlap_window(arrivals: &[Vec<Instant>]) -> Option<(usize, f64)> {
+    let start = arrivals
+        .iter()
+        .map(|a| a.first())
+        .collect::<Option<Vec<_>>>()?;
+    let end = arrivals
+        .iter()
+        .map(|a| a.last())
+        .collect::<Option<Vec<_>>>()?;
+    let (start, end) = (**start.iter().max()?, **end.iter().min()?);
+    let tokens = arrivals
+        .iter()
+        .flatten()
+        .filter(|&&t| t > start && t <= end)
+        .count();
+    let secs = end.saturating_duration_since(start).as_secs_f64();
+    (tokens > 0 && secs > 0.0).then_some((tokens, secs))
+}
+
 /// Per stage, in stage order (`stages` entries): decode compute (ns), sequence-steps (each
 /// sequence counts every step it took part in) and the stage's own steps (millionths), summed
 /// over the runs' reports.
@@ -452,6 +475,20 @@ mod tests {
         assert_eq!(tokens, 3 + 1);
         assert!((secs - 0.4).abs() < 1e-9);
         assert_eq!(decode_window(&[vec![at(1)]]), None);
+    }
+
+    #[test]
+    fn the_overlap_counts_only_tokens_while_every_stream_decodes() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // Overlap from 250 (b's first) to 400 (a's last): a's 300 and 400, b's none yet.
+        let a = vec![at(100), at(200), at(300), at(400)];
+        let b = vec![at(250), at(350), at(500)];
+        let (tokens, secs) = overlap_window(&[a.clone(), b]).unwrap();
+        assert_eq!(tokens, 3, "a's 300 and 400, b's 350");
+        assert!((secs - 0.15).abs() < 1e-9);
+        // One stream ends before the other starts: no overlap to measure.
+        assert_eq!(overlap_window(&[a, vec![at(450), at(600)]]), None);
     }
 
     #[test]

@@ -97,14 +97,13 @@ pub async fn run_calibrated(
     // The KV cache as the stages will hold it: the coordinator's KV type, not the profile's F32.
     let kv_type = c.kv_type();
     let shape = tessera_engine::KvShape::from_config(&model.config);
-    // The profile counts F32 bytes (and only the layers whose cache grows): scaled by type.
+    // The planner sizes each layer's cache in this type; the profile's per-sequence figure the
+    // context line prints counts F32 bytes (and only the layers whose cache grows): scaled.
     let (typed, f32) = (
         kv_type.bytes_per_position(shape) as u64,
         tessera_engine::KvType::F32.bytes_per_position(shape).max(1) as u64,
     );
-    let mut model = model.clone();
-    model.kv_bytes_per_token = model.kv_bytes_per_token * typed / f32;
-    let model = &model;
+    let kv_bytes_per_token = model.kv_bytes_per_token * typed / f32;
     let expected = expected.max(1);
     let mut enough_since: Option<Instant> = None;
     let members = loop {
@@ -137,7 +136,7 @@ pub async fn run_calibrated(
         if let Some(cal) = calibrated {
             tessera_plan::apply_calibrated(&mut graph, cal);
         }
-        plan_for(model, &graph, 1).map(|o| (graph, o))
+        plan_for(model, kv_type, &graph, 1).map(|o| (graph, o))
     })
     .with_context(|| {
         format!(
@@ -156,13 +155,13 @@ pub async fn run_calibrated(
             "the largest that fits the nodes' memory budgets: {} positions would need {:.0} MiB \
              of {kv_type} KV cache per sequence ({:.1} KiB a position); --ctx overrides",
             context.max,
-            mib(model.kv_bytes_per_token * context.max as u64),
-            model.kv_bytes_per_token as f64 / 1024.0
+            mib(kv_bytes_per_token * context.max as u64),
+            kv_bytes_per_token as f64 / 1024.0
         )
     };
     println!(
         "context: {chosen} positions ({why}); KV cache {kv_type}, {:.0} MiB per sequence",
-        mib(model.kv_bytes_per_token * chosen as u64)
+        mib(kv_bytes_per_token * chosen as u64)
     );
     c.set_max_context(chosen);
     let doc = serde_json::json!({ "graph": graph, "outcome": outcome });

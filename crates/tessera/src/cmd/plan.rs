@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use tessera_model::kv::KvType;
 use tessera_plan::{
     plan, profiles, render_text, ModelProfile, Objective, PlanError, Quant, ResourceGraph,
 };
@@ -38,6 +39,10 @@ pub struct PlanArgs {
     /// where one node would batch them all (overrides the policy; default 1).
     #[arg(long)]
     pub concurrency: Option<u32>,
+    /// Element type of the KV cache the nodes keep (`tessera node --kv-type`): f16 (the
+    /// default), q8_0 or f32. The memory each node needs for the context is sized in it.
+    #[arg(long)]
+    pub kv_type: Option<KvType>,
     /// Plan epoch to stamp on the plan.
     #[arg(long, default_value_t = 1)]
     pub epoch: u64,
@@ -56,7 +61,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let (Some(model_path), Some(nodes_path)) = (&args.model, &args.nodes) else {
         bail!("--model and --nodes are required");
     };
-    let model = load_model(model_path, &args.quant)?;
+    let model = load_model(model_path, &args.quant, args.kv_type)?;
     let text = std::fs::read_to_string(nodes_path)
         .with_context(|| format!("reading cluster file {}", nodes_path.display()))?;
     // A lab scenario is a cluster file plus the lab's own sections.
@@ -107,7 +112,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     }
 }
 
-fn load_model(path: &Path, quant: &str) -> anyhow::Result<ModelProfile> {
+/// The planner's model: a GGUF file's cache sized in `kv_type` exactly; a Hugging Face config's
+/// (which the planner library counts in F16) scaled to it; a saved profile as it was saved.
+fn load_model(path: &Path, quant: &str, kv_type: Option<KvType>) -> anyhow::Result<ModelProfile> {
     let path = if path.is_dir() {
         path.join("config.json")
     } else {
@@ -117,28 +124,43 @@ fn load_model(path: &Path, quant: &str) -> anyhow::Result<ModelProfile> {
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
     if is_gguf {
-        return from_gguf(&path);
+        return from_gguf(&path, kv_type.unwrap_or_default());
     }
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
     if value.get("layers").is_some_and(serde_json::Value::is_array) {
+        if let Some(t) = kv_type {
+            bail!(
+                "--kv-type {t}: {} is a saved planner profile, whose KV bytes per position are \
+                 fixed in it; save it again from the GGUF file with the KV type wanted",
+                path.display()
+            );
+        }
         let profile: ModelProfile = serde_json::from_value(value)
             .with_context(|| format!("{} is not a planner model profile", path.display()))?;
         profile.validate()?;
         return Ok(profile);
     }
     let q: Quant = quant.parse()?;
-    ModelProfile::from_hf_config(&text, q).with_context(|| format!("reading {}", path.display()))
+    let mut profile = ModelProfile::from_hf_config(&text, q)
+        .with_context(|| format!("reading {}", path.display()))?;
+    // Per 32 elements: F16 64 bytes, Q8_0 34, F32 128 (every head width is whole blocks).
+    let per_block = kv_type.unwrap_or_default().bytes_for(32) as u64;
+    for l in &mut profile.layers {
+        l.kv_per_token = tessera_plan::Bytes(l.kv_per_token.0 * per_block / 64);
+    }
+    Ok(profile)
 }
 
 /// The planner's view of a GGUF model: the conversion `--plan auto` on the coordinator uses too.
-fn from_gguf(path: &Path) -> anyhow::Result<ModelProfile> {
+fn from_gguf(path: &Path, kv_type: KvType) -> anyhow::Result<ModelProfile> {
     let gguf = tessera_model::GgufFile::open(path)?;
     let p = tessera_model::ModelProfile::from_gguf(&gguf).context("reading the model profile")?;
     Ok(tessera_coord::planning::planner_model(
         &p,
+        kv_type,
         &path.display().to_string(),
     )?)
 }
