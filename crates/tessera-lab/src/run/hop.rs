@@ -1,13 +1,15 @@
 //! `tessera lab hop`: the time a hop of a stage ring adds beyond the link's round trip, on a
 //! link through the lab's switch and on this machine's loopback.
 //!
-//! Two nodes serve the same model alone (`a[0..n)`) and as a two-stage ring
-//! (`a[0..k) -> b[k..n)`); both do the same layers' work, so the ring's extra time per token is
-//! its two hops: two one-way link crossings (one round trip) plus what the software adds per hop
-//! (thread wake-ups, copies, framing, the QUIC stack). That is
-//! `((ring − single) − round trip) / 2`, with the round trip measured by UDP echo between the
-//! same two hosts just before. Requests alternate between the two placements for `rounds`
-//! rounds; medians are taken.
+//! The same model alone on one node (`a[0..n)`) and as a ring of `stages` equal stages
+//! (`a[0..k) -> b[k..2k) -> …`, two by default); both do the same layers' work, so the ring's
+//! extra time per token is its hops: one one-way link crossing per stage (a token goes round the
+//! ring once) plus what the software adds per hop (thread wake-ups, copies, framing, the QUIC
+//! stack). That is `((ring − single) − hops × round trip / 2) / hops`, with the round trip
+//! measured by UDP echo between two of the hosts just before. Requests alternate between the
+//! two placements for `rounds` rounds; medians are taken. The figure also gives the issue's
+//! ring goals: the ring's speed against one process, and its cost per token against the link
+//! crossings alone.
 
 use std::path::Path;
 
@@ -25,6 +27,8 @@ pub struct Options {
     pub model: std::path::PathBuf,
     /// Round trip of the switched link, ms.
     pub rtt_ms: f64,
+    /// Stages of the ring (and nodes): 2 or more.
+    pub stages: usize,
     pub tokens: usize,
     pub rounds: usize,
     pub threads: usize,
@@ -41,6 +45,13 @@ pub struct HopFigure {
     /// Median decode time per token, alone and as a ring, ms.
     pub single_ms_per_token: f64,
     pub ring_ms_per_token: f64,
+    /// Stages of the ring, so hops per token.
+    pub stages: usize,
+    /// The ring's decode speed against one process's: `single / ring` time per token.
+    pub ring_vs_single: f64,
+    /// The ring's cost per token (`ring − single`) against its link crossings alone
+    /// (`hops × round trip / 2`): 1.0 when the software adds nothing.
+    pub cost_vs_crossings: f64,
     /// What one hop adds beyond its share of the round trip, µs.
     pub added_per_hop_us: f64,
     /// The fabric's own estimate of one hop's time per token (its report), µs.
@@ -131,8 +142,26 @@ impl HopBreakdown {
 /// The goal: a hop adds at most this beyond the link's round trip.
 pub const GOAL_US: f64 = 50.0;
 
-/// The two-node scenario the figure is measured on.
+/// Name of the `i`th node of the ring: a, b, c, …
+fn node_name(i: usize) -> String {
+    let letter = (b'a' + (i % 26) as u8) as char;
+    if i < 26 {
+        letter.to_string()
+    } else {
+        format!("{letter}{}", i / 26)
+    }
+}
+
+/// The scenario the figure is measured on: `o.stages` nodes.
 fn scenario(o: &Options, rtt_ms: f64) -> Result<Scenario> {
+    let nodes: String = (0..o.stages.max(2))
+        .map(|i| {
+            format!(
+                "[[node]]\nname = \"{}\"\nprofile = \"laptop-16gb\"\n",
+                node_name(i)
+            )
+        })
+        .collect();
     let text = format!(
         r#"
 [defaults]
@@ -140,13 +169,7 @@ link = {{ rtt_ms = {rtt_ms}, bandwidth = "10Gbit/s" }}
 [policy]
 strategies = ["single", "stage"]
 context = 512
-[[node]]
-name = "a"
-profile = "laptop-16gb"
-[[node]]
-name = "b"
-profile = "laptop-16gb"
-[model]
+{nodes}[model]
 gguf = {model:?}
 [workload]
 tokens = {tokens}
@@ -173,10 +196,10 @@ fn single_and_ring(
     s: &Scenario,
     dir: &Path,
     n_layer: usize,
+    stages: usize,
     rounds: usize,
 ) -> Result<(f64, f64, Option<f64>, Option<HopBreakdown>)> {
     let session = Session::start(hosts, tessera, s, dir, &Mode::ByClient)?;
-    let k = n_layer.div_ceil(2);
     let single = dir.join("single.json");
     let ring = dir.join("ring.json");
     let write = |path: &Path, v: Value| {
@@ -187,13 +210,14 @@ fn single_and_ring(
         &single,
         serde_json::json!({ "stages": [ { "node": "a", "layers": format!("0..{n_layer}") } ] }),
     )?;
-    write(
-        &ring,
-        serde_json::json!({ "stages": [
-            { "node": "a", "layers": format!("0..{k}") },
-            { "node": "b", "layers": format!("{k}..{n_layer}") },
-        ] }),
-    )?;
+    let ring_stages: Vec<Value> = super::pipeline::split(n_layer, stages)
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            serde_json::json!({ "node": node_name(i), "layers": format!("{}..{}", r.start, r.end) })
+        })
+        .collect();
+    write(&ring, serde_json::json!({ "stages": ring_stages }))?;
     let prompt = &s.workload.prompt;
     let one = |plan: &Path, n: usize| -> Result<Value> {
         Ok(session.clients(hosts, plan, prompt, n, 1)?.remove(0))
@@ -231,10 +255,12 @@ pub fn run(
         .map_err(|e| LabError::Run(format!("model config: {e}")))?
         .n_layer;
     drop(gguf);
-    if n_layer < 2 {
-        return Err(LabError::Run(
-            "a ring needs a model of two layers or more".into(),
-        ));
+    if o.stages < 2 || n_layer < o.stages {
+        return Err(LabError::Run(format!(
+            "a ring of {} stages needs at least 2 stages and a model of as many layers (this one \
+             has {n_layer})",
+            o.stages
+        )));
     }
     let mut out = Vec::new();
 
@@ -246,7 +272,7 @@ pub fn run(
     std::fs::create_dir_all(&sub)
         .map_err(|e| LabError::io(format!("creating {}", sub.display()), e))?;
     let (single, ring, reported, parts) =
-        single_and_ring(&lab, tessera, &switched, &sub, n_layer, o.rounds)?;
+        single_and_ring(&lab, tessera, &switched, &sub, n_layer, o.stages, o.rounds)?;
     drop(lab);
     out.push(HopFigure {
         breakdown: parts,
@@ -254,8 +280,7 @@ pub fn run(
             format!("{} ms link through the switch", o.rtt_ms),
             Some(o.rtt_ms),
             rtt,
-            single,
-            ring,
+            (single, ring, o.stages),
             reported,
         )
     });
@@ -266,77 +291,89 @@ pub fn run(
     let sub = dir.join("loopback");
     std::fs::create_dir_all(&sub)
         .map_err(|e| LabError::io(format!("creating {}", sub.display()), e))?;
-    let (single, ring, reported, parts) =
-        single_and_ring(&Loopback, tessera, &local, &sub, n_layer, o.rounds)?;
+    let (single, ring, reported, parts) = single_and_ring(
+        &Loopback, tessera, &local, &sub, n_layer, o.stages, o.rounds,
+    )?;
     out.push(HopFigure {
         breakdown: parts,
         ..figure(
             "loopback (127.0.0.1)".into(),
             None,
             rtt,
-            single,
-            ring,
+            (single, ring, o.stages),
             reported,
         )
     });
     Ok(out)
 }
 
+/// The figure of one link from its medians: ms per token alone and as a ring of `stages`.
 fn figure(
     link: String,
     requested_rtt_ms: Option<f64>,
     rtt_s: f64,
-    single_ms: f64,
-    ring_ms: f64,
+    (single_ms, ring_ms, stages): (f64, f64, usize),
     reported_hop_us: Option<f64>,
 ) -> HopFigure {
+    let rtt_ms = rtt_s * 1e3;
     HopFigure {
         link,
         requested_rtt_ms,
-        measured_rtt_ms: rtt_s * 1e3,
+        measured_rtt_ms: rtt_ms,
         single_ms_per_token: single_ms,
         ring_ms_per_token: ring_ms,
-        added_per_hop_us: added_per_hop_us(single_ms, ring_ms, rtt_s * 1e3),
+        stages,
+        ring_vs_single: single_ms / ring_ms,
+        cost_vs_crossings: (ring_ms - single_ms) / (stages as f64 * rtt_ms / 2.0),
+        added_per_hop_us: added_per_hop_us(single_ms, ring_ms, rtt_ms, stages),
         reported_hop_us,
         goal_us: GOAL_US,
         breakdown: None,
     }
 }
 
-/// What each of a two-stage ring's two hops adds beyond its share of the round trip, µs.
-pub fn added_per_hop_us(single_ms: f64, ring_ms: f64, rtt_ms: f64) -> f64 {
-    ((ring_ms - single_ms) - rtt_ms) / 2.0 * 1e3
+/// What each hop of a ring of `stages` adds beyond its one-way share of the round trip, µs.
+pub fn added_per_hop_us(single_ms: f64, ring_ms: f64, rtt_ms: f64, stages: usize) -> f64 {
+    let hops = stages.max(1) as f64;
+    ((ring_ms - single_ms) - hops * rtt_ms / 2.0) / hops * 1e3
 }
 
 /// The figures as a table.
 pub fn table(figures: &[HopFigure]) -> String {
     let mut s = format!(
-        "{:<32} {:>9} {:>9} {:>10} {:>9} {:>12} {:>11} {:>6}\n",
+        "{:<32} {:>9} {:>9} {:>10} {:>9} {:>8} {:>10} {:>12} {:>11} {:>6}\n",
         "link",
         "rtt asked",
         "rtt meas",
         "single ms",
         "ring ms",
+        "ring/one",
+        "cost/link",
         "hop adds µs",
         "reported µs",
         "goal"
     );
     for f in figures {
         s.push_str(&format!(
-            "{:<32} {:>9} {:>9.3} {:>10.3} {:>9.3} {:>12.0} {:>11} {:>6}\n",
+            "{:<32} {:>9} {:>9.3} {:>10.3} {:>9.3} {:>7.3}× {:>9.2}× {:>12.0} {:>11} {:>6}\n",
             f.link,
             f.requested_rtt_ms.map_or("-".into(), |r| format!("{r:.3}")),
             f.measured_rtt_ms,
             f.single_ms_per_token,
             f.ring_ms_per_token,
+            f.ring_vs_single,
+            f.cost_vs_crossings,
             f.added_per_hop_us,
             f.reported_hop_us.map_or("-".into(), |r| format!("{r:.0}")),
             format!("≤{:.0}", f.goal_us),
         ));
     }
     s.push_str(
-        "hop adds: ((ring − single) − measured round trip) / 2 hops, per decode token (medians); \
-         reported: the fabric's own per-hop estimate (RunReport.hop_latency_us)\n",
+        "ring/one: the ring's decode speed against one process (goal ≥ 0.95× on loopback); \
+         cost/link: (ring − single) against the link crossings, hops × round trip / 2 (goal \
+         within 10% on a 1 ms link); hop adds: ((ring − single) − hops × round trip / 2) / \
+         hops, per decode token (medians; a ring of N stages makes N hops a token); reported: \
+         the fabric's own per-hop estimate (RunReport.hop_latency_us)\n",
     );
     for f in figures {
         let Some(b) = f.breakdown else { continue };
@@ -372,9 +409,14 @@ mod tests {
     #[test]
     fn a_hop_is_what_the_ring_adds_beyond_the_round_trip_over_its_two_hops() {
         // Ring 1.2 ms/token, alone 0.6: 0.6 ms for two hops over a 0.5 ms round trip.
-        assert!((added_per_hop_us(0.6, 1.2, 0.5) - 50.0).abs() < 1e-9);
-        let t = table(&[figure("x".into(), Some(0.5), 0.0005, 0.6, 1.2, Some(300.0))]);
-        assert!(t.contains("≤50"), "{t}");
+        assert!((added_per_hop_us(0.6, 1.2, 0.5, 2) - 50.0).abs() < 1e-9);
+        // Three stages, three crossings of a 1 ms round trip's one way: 1.5 ms, plus 3 × 100 µs.
+        assert!((added_per_hop_us(10.0, 11.8, 1.0, 3) - 100.0).abs() < 1e-9);
+        let f = figure("x".into(), Some(1.0), 0.001, (10.0, 11.8, 3), Some(300.0));
+        assert!((f.cost_vs_crossings - 1.2).abs() < 1e-9);
+        assert!((f.ring_vs_single - 10.0 / 11.8).abs() < 1e-12);
+        let t = table(&[f]);
+        assert!(t.contains("≤50") && t.contains("1.20×"), "{t}");
     }
 
     #[test]

@@ -55,7 +55,9 @@ enum LabCommand {
         calibrated: Option<std::path::PathBuf>,
     },
     /// The time a hop of a stage ring adds beyond the link's round trip: a model alone on one
-    /// node and as a two-node ring, alternating, on a link through the switch and on loopback.
+    /// node and as a ring (two nodes, or --stages), alternating, on a link through the switch
+    /// and on loopback; with the ring's speed against one process and its cost against the
+    /// link crossings.
     Hop {
         /// The model (default: the built-in stories260K).
         #[arg(long)]
@@ -63,6 +65,11 @@ enum LabCommand {
         /// Round trip of the switched link, ms.
         #[arg(long, default_value_t = 0.5)]
         rtt_ms: f64,
+        /// Stages of the ring (one node each, equal layer ranges): 3 with `--rtt-ms 1` on a model
+        /// of real size checks the ring's goals (≥ 0.95× one process on loopback, cost within 10%
+        /// of its link crossings).
+        #[arg(long, default_value_t = 2)]
+        stages: usize,
         /// Tokens per measured request.
         #[arg(long, default_value_t = 128)]
         tokens: usize,
@@ -193,6 +200,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
         LabCommand::Hop {
             model,
             rtt_ms,
+            stages,
             tokens,
             rounds,
             json,
@@ -202,6 +210,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             let opts = tessera_lab::run::hop::Options {
                 model: crate::default_model::resolve(model)?,
                 rtt_ms,
+                stages,
                 tokens,
                 rounds,
                 threads: 1,
