@@ -178,6 +178,7 @@ pub fn predict(
             &cells,
             policy.concurrency.max(1),
             &graph.machines,
+            graph.token_overhead_s,
         ),
         concurrency: policy.concurrency.max(1),
         ..cells[best].predicted.clone()
@@ -426,6 +427,99 @@ pub fn calibrate_nodes(
         }
     }
     Ok((g, corrections))
+}
+
+/// Corrects the compute rates of a one-cell plan's nodes from its aggregate tokens/s measured
+/// at the plan's concurrency, on a graph already calibrated at batch 1 (by [`calibrate`]).
+///
+/// A step of a batch is bound by the larger of the bytes it reads and the work it does; batch-1
+/// calibration scales both rates together and so cannot tell them apart. A batch of `c` does
+/// `c` times the work and reads the weights once: where the prediction at `c` is faster than
+/// measured, the compute rate is too high (a model that fits in the caches is bound by work,
+/// not by memory bandwidth). It is lowered until the prediction at `c` meets the measurement;
+/// the memory rates, and so batch 1 where memory binds, stay. A prediction already at or
+/// below the measurement is left alone (returns no correction).
+pub fn calibrate_batching(
+    model: &ModelProfile,
+    graph: &ResourceGraph,
+    plan: &Plan,
+    measured_tokens_per_s: f64,
+    taken_at_unix_s: u64,
+) -> Result<(ResourceGraph, Option<Correction>), PlanError> {
+    let c = plan.policy.concurrency.max(1);
+    if plan.cells.len() != 1 || c < 2 {
+        return Err(PlanError::Recost(
+            "batching is calibrated on one cell serving two requests or more".into(),
+        ));
+    }
+    if !(measured_tokens_per_s.is_finite() && measured_tokens_per_s > 0.0) {
+        return Err(PlanError::Recost(
+            "measured tokens/s must be positive".into(),
+        ));
+    }
+    let mut nodes: Vec<&str> = plan.nodes();
+    nodes.sort_unstable();
+    nodes.dedup();
+    let with_compute = |k: f64| -> ResourceGraph {
+        let mut g = graph.clone();
+        for n in g
+            .nodes
+            .iter_mut()
+            .filter(|n| nodes.contains(&n.name.as_str()))
+        {
+            n.ram_compute = FlopsPerSec(n.ram_compute.0 * k);
+            n.gpu_compute = FlopsPerSec(n.gpu_compute.0 * k);
+        }
+        g
+    };
+    let at = |k: f64| -> Result<f64, PlanError> {
+        Ok(predict(model, &with_compute(k), plan)?.throughput_tokens_per_s)
+    };
+    let before = at(1.0)?;
+    if before <= measured_tokens_per_s {
+        return Ok((graph.clone(), None));
+    }
+    // The prediction grows with the compute rate: bisect the factor in [MIN_FACTOR, 1].
+    let (mut lo, mut hi) = (MIN_FACTOR, 1.0);
+    if at(lo)? >= measured_tokens_per_s {
+        hi = lo;
+    } else {
+        for _ in 0..40 {
+            let mid = (lo * hi).sqrt();
+            if at(mid)? > measured_tokens_per_s {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+    }
+    let k = hi;
+    let mut g = with_compute(k);
+    for name in &nodes {
+        let Some(n) = g.nodes.iter().find(|n| n.name == *name) else {
+            continue;
+        };
+        let v = n.ram_compute.to_string();
+        g.set_evidence(
+            &format!("node {name}"),
+            "ram_compute",
+            v,
+            Source::Measured {
+                at_unix_s: taken_at_unix_s,
+                method: format!("calibration: {c} requests at once"),
+            },
+        );
+    }
+    let correction = Correction {
+        subject: format!("node {}", nodes.join(", node ")),
+        quantity: "compute".into(),
+        factor: k,
+        reason: format!(
+            "{c} requests at once measured {measured_tokens_per_s:.1} tok/s together, predicted \
+             {before:.1}: a batch's work binds, not the weights' bytes"
+        ),
+    };
+    Ok((g, Some(correction)))
 }
 
 /// What a ring's run taught about the software cost of a hop.

@@ -229,3 +229,56 @@ fn cluster_files_carry_the_hop_cost_and_refuse_a_negative_one() {
     let e = ResourceGraph::from_toml(&format!("hop_overhead_us = -1\n{base}")).unwrap_err();
     assert!(e.to_string().contains("hop_overhead_us"), "{e}");
 }
+
+/// One node serving four requests at once, as `tessera lab run` measures it.
+fn one_node_at_four() -> ResourceGraph {
+    ResourceGraph::from_toml(
+        "[policy]\nstrategies = [\"single\"]\nconcurrency = 4\n\
+         [[node]]\nname = \"a\"\nprofile = \"laptop-16gb\"\n",
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_batch_slower_than_predicted_lowers_the_compute_rate_and_keeps_batch_one() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let g = one_node_at_four();
+    let o = plan(&m, &g, 1).unwrap();
+    let p = &o.plan.predicted;
+    assert!(
+        p.throughput_tokens_per_s > 2.0 * p.decode_tokens_per_s,
+        "{p:?}"
+    );
+    // Four at once measured only 1.5× one: the batch's work binds, not the weights' bytes.
+    let measured = 1.5 * p.decode_tokens_per_s;
+    let (cal, correction) =
+        tessera_plan::calibrate_batching(&m, &g, &o.plan, measured, 1_764_500_000).unwrap();
+    let c = correction.expect("over-predicted, so corrected");
+    assert_eq!(
+        (c.subject.as_str(), c.quantity.as_str()),
+        ("node a", "compute")
+    );
+    assert!(c.factor < 1.0, "{c:?}");
+    let after = predict(&m, &cal, &o.plan).unwrap();
+    assert!(
+        (after.throughput_tokens_per_s - measured).abs() / measured < 1e-3,
+        "{after:?}"
+    );
+    // Memory bandwidth is untouched.
+    assert_eq!(cal.nodes[0].ram.bandwidth, g.nodes[0].ram.bandwidth);
+    // Already at or below the measurement: nothing to correct.
+    let (same, none) = tessera_plan::calibrate_batching(
+        &m,
+        &g,
+        &o.plan,
+        p.throughput_tokens_per_s * 1.1,
+        1_764_500_000,
+    )
+    .unwrap();
+    assert!(none.is_none());
+    assert_eq!(same, g);
+    // A plan at concurrency 1 has no batch to learn from.
+    let mut one = o.plan.clone();
+    one.policy.concurrency = 1;
+    assert!(tessera_plan::calibrate_batching(&m, &g, &one, measured, 0).is_err());
+}

@@ -15,9 +15,12 @@
 //!    aggregate tokens/s of the workload's concurrency of requests at once, and the bytes the
 //!    switch carried between the nodes per decoded token. The others are listed with why not.
 //! 4. `tessera_plan::calibrate` on every single-node run (else the first that ran) corrects the
-//!    graph, and each node none of those ran on is corrected from its own stage in the first
-//!    other plan that ran on it (`tessera_plan::calibrate_nodes`); every plan's prediction is shown before and after, and the calibrated graph can be
-//!    saved as a scenario that `tessera plan --nodes` and `tessera lab run` read.
+//!    graph; each node none of those ran on is corrected from its own stage in the first other
+//!    plan that ran on it (`tessera_plan::calibrate_nodes`); at a concurrency above 1, each
+//!    single node's requests at once correct its compute rate where the batch was slower than
+//!    predicted (`tessera_plan::calibrate_batching`). Every plan's prediction is shown before
+//!    and after, and the calibrated graph can be saved as a scenario that `tessera plan
+//!    --nodes` and `tessera lab run` read.
 
 pub mod hop;
 pub mod pipeline;
@@ -287,6 +290,33 @@ pub fn run(
                     .collect::<Vec<_>>()
                     .join(", ")
             ));
+        }
+    }
+    // Each single node's requests at once, on its batch-1 calibration: where the batch was
+    // slower than predicted, the node's work binds at that batch, and its compute rate is set
+    // from it (the memory rates stay as batch 1 set them).
+    if concurrency > 1 {
+        for &i in &references {
+            let (Some(Ok(m)), Some(g)) = (&measured[i], calibrated_graph.as_ref()) else {
+                continue;
+            };
+            let plan = &candidates[i].plan;
+            if plan.strategy != StrategyKind::Single {
+                continue;
+            }
+            let at = measurement(&m.report).taken_at_unix_s;
+            let throughput = m.figures.throughput_tokens_per_s;
+            match tessera_plan::calibrate_batching(&model, g, plan, throughput, at) {
+                Ok((g, Some(x))) => {
+                    corrections.push(format!(
+                        "{} {} ×{:.2}: {}",
+                        x.subject, x.quantity, x.factor, x.reason
+                    ));
+                    calibrated_graph = Some(g);
+                }
+                Ok((_, None)) => {}
+                Err(e) => on.push(format!("not the batch of {} ({e})", describe(plan))),
+            }
         }
     }
     // The rings that ran, on a graph whose nodes single-node runs calibrated, each imply a cost
@@ -567,8 +597,8 @@ fn field(r: &Value, k: &str) -> f64 {
 /// The figures of each plan in `plans` (plan files, all runnable in `session`): for each, a
 /// warm-up, a short and a measured request alone (the measured one's traffic less the short
 /// one's is the decode's); then [`REPEATS`]` - 1` more rounds of one measured request per plan;
-/// then the workload's concurrency of requests at once (tokens over the window all were
-/// decoding, [`pipeline::overlap_window`]). A plan's
+/// then the workload's concurrency of requests at once, [`REPEATS`] times (the median of the
+/// tokens over the window all were decoding, [`pipeline::overlap_window`]). A plan's
 /// failure is its own.
 fn measure(
     session: &Session,
@@ -632,18 +662,24 @@ fn measure(
             let throughput = if concurrency > 1 {
                 // Tokens over the time every request was decoding: a sum of each request's own
                 // rate counts as concurrent what staggered starts ran alone.
+                // The median of REPEATS rounds: one round on a shared machine varies by a
+                // third from the next.
                 let at_once = || -> Result<f64> {
                     session.clients(lab, plan, prompt, SHORT, concurrency)?;
-                    let runs = session.timed_clients(lab, plan, prompt, tokens, concurrency)?;
-                    let arrivals: Vec<Vec<std::time::Instant>> =
-                        runs.into_iter().map(|(_, a)| a).collect();
-                    let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
-                        LabError::Run(format!(
-                            "the {concurrency} requests never decoded at the same time \
-                             (raise the workload's tokens)"
-                        ))
-                    })?;
-                    Ok(n as f64 / secs)
+                    let mut rates = Vec::with_capacity(REPEATS);
+                    for _ in 0..REPEATS {
+                        let runs = session.timed_clients(lab, plan, prompt, tokens, concurrency)?;
+                        let arrivals: Vec<Vec<std::time::Instant>> =
+                            runs.into_iter().map(|(_, a)| a).collect();
+                        let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
+                            LabError::Run(format!(
+                                "the {concurrency} requests never decoded at the same time \
+                                 (raise the workload's tokens)"
+                            ))
+                        })?;
+                        rates.push(n as f64 / secs);
+                    }
+                    Ok(median(rates))
                 };
                 at_once().map_err(|e| e.to_string())?
             } else {

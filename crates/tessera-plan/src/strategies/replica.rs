@@ -12,17 +12,25 @@ use crate::resources::{SharedMachine, StrategyKind};
 /// Spreads `c` requests over the cells, each step to the cell that adds the most tokens/s.
 /// Cells whose nodes share a machine's cores ([`SharedMachine`]) slow each other down while
 /// they are busy together, so a request's gain counts what it takes from its neighbours.
-pub(crate) fn combined_throughput(cells: &[Cell], c: u32, machines: &[SharedMachine]) -> f64 {
+///
+/// `token_overhead_s` is the runtime's fixed time per step (waiting on hand-offs, not computing):
+/// cells that share a machine's cores stretch only their work by the share, not that.
+pub(crate) fn combined_throughput(
+    cells: &[Cell],
+    c: u32,
+    machines: &[SharedMachine],
+    token_overhead_s: f64,
+) -> f64 {
     let mut alloc = vec![0usize; cells.len()];
     for _ in 0..c {
-        let now = total(cells, &alloc, machines);
+        let now = total(cells, &alloc, machines, token_overhead_s);
         let mut best: Option<(usize, f64)> = None;
         for i in 0..cells.len() {
             if alloc[i] >= cells[i].throughput_curve.len() {
                 continue;
             }
             alloc[i] += 1;
-            let gain = total(cells, &alloc, machines) - now;
+            let gain = total(cells, &alloc, machines, token_overhead_s) - now;
             alloc[i] -= 1;
             // Ties go to the earlier cell.
             if best.is_none_or(|(_, g)| gain > g) {
@@ -34,12 +42,18 @@ pub(crate) fn combined_throughput(cells: &[Cell], c: u32, machines: &[SharedMach
             None => break,
         }
     }
-    total(cells, &alloc, machines)
+    total(cells, &alloc, machines, token_overhead_s)
 }
 
-/// The cells' tokens/s with `alloc[i]` requests on cell `i`: each busy cell's curve, scaled by
-/// the share of its slowest shared machine.
-fn total(cells: &[Cell], alloc: &[usize], machines: &[SharedMachine]) -> f64 {
+/// The cells' tokens/s with `alloc[i]` requests on cell `i`: each busy cell's curve, its work
+/// per step stretched by the share of its slowest shared machine (the runtime's fixed
+/// `token_overhead_s` a step is not).
+fn total(
+    cells: &[Cell],
+    alloc: &[usize],
+    machines: &[SharedMachine],
+    token_overhead_s: f64,
+) -> f64 {
     // Nodes computing at once on each machine: a busy cell's nodes there, at most one per
     // request it serves (a ring's stages take turns on one request).
     let busy_on = |m: &SharedMachine| -> usize {
@@ -69,9 +83,20 @@ fn total(cells: &[Cell], alloc: &[usize], machines: &[SharedMachine]) -> f64 {
                 .filter(|(m, _)| cell.nodes().iter().any(|n| m.nodes.iter().any(|x| x == n)))
                 .map(|(_, &s)| s)
                 .fold(1.0, f64::min);
-            cell.throughput_curve[k - 1] * share
+            shared_rate(cell.throughput_curve[k - 1], k, share, token_overhead_s)
         })
         .sum()
+}
+
+/// Tokens/s of a cell running `k` requests at `rate` alone, given `share` of its machine's
+/// cores: a step's work takes `1 / share` as long, its fixed overhead the same.
+fn shared_rate(rate: f64, k: usize, share: f64, overhead_s: f64) -> f64 {
+    if rate.is_nan() || rate <= 0.0 || share >= 1.0 {
+        return rate * share.min(1.0);
+    }
+    let step = k as f64 / rate;
+    let fixed = overhead_s.clamp(0.0, step);
+    k as f64 / ((step - fixed) / share.max(1e-9) + fixed)
 }
 
 pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
@@ -161,7 +186,12 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
         .expect("cells");
     let c = ctx.policy.concurrency.max(1);
     let predicted = Prediction {
-        throughput_tokens_per_s: combined_throughput(&cells, c, &ctx.graph.machines),
+        throughput_tokens_per_s: combined_throughput(
+            &cells,
+            c,
+            &ctx.graph.machines,
+            ctx.graph.token_overhead_s,
+        ),
         concurrency: c,
         ..cells[best].predicted.clone()
     };
@@ -176,4 +206,20 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
         cells,
         predicted,
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_rate;
+
+    #[test]
+    fn sharing_cores_stretches_a_steps_work_but_not_its_fixed_overhead() {
+        // 1,000 tok/s alone: 1 ms a token, 0.4 ms of it the runtime's fixed overhead.
+        let half = shared_rate(1000.0, 1, 0.5, 0.4e-3);
+        // Work 0.6 ms → 1.2 ms at half the cores, plus 0.4: 1.6 ms a token.
+        assert!((half - 1.0 / 1.6e-3).abs() < 1e-6, "{half}");
+        // Without a fixed overhead the whole step stretches; with the whole machine nothing does.
+        assert!((shared_rate(1000.0, 1, 0.5, 0.0) - 500.0).abs() < 1e-9);
+        assert_eq!(shared_rate(1000.0, 4, 1.0, 0.4e-3), 1000.0);
+    }
 }
