@@ -166,6 +166,24 @@ mod tests {
     }
 
     #[test]
+    fn the_cache_is_sized_in_the_nodes_kv_type() {
+        let path = format!(
+            "{}/../../models/test/tiny-qwen3-Q8_0.gguf",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let p = tessera_model::ModelProfile::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+        let per_pos = |t: KvType| planner_model(&p, t, "m").unwrap().layers[0].kv_per_token.0;
+        let c = &p.config;
+        let elems = (2 * c.n_head_kv * c.head_dim) as u64;
+        assert_eq!(per_pos(KvType::F32), elems * 4);
+        assert_eq!(per_pos(KvType::F16), elems * 2, "the nodes' default");
+        assert_eq!(per_pos(KvType::Q8_0), elems / 32 * 34);
+        // Memory at a context follows: half of F32's for the default F16 cache.
+        let at = |t: KvType| planner_model(&p, t, "m").unwrap().kv_bytes_at(4096).0;
+        assert_eq!(2 * at(KvType::F16), at(KvType::F32));
+    }
+
+    #[test]
     fn llama4_chunked_layers_hold_a_chunk_and_dense_layers_alternate() {
         let m = fixture("tiny-llama4-Q8_0.gguf");
         let windows: Vec<Option<u64>> = m.layers.iter().map(|l| l.kv_window).collect();

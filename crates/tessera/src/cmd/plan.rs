@@ -203,3 +203,45 @@ fn list_profiles(json: bool) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn repo(path: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(path)
+    }
+
+    fn kv_per_position(m: &ModelProfile) -> u64 {
+        m.layers[0].kv_per_token.0
+    }
+
+    #[test]
+    fn the_kv_type_sizes_the_cache_of_a_gguf_file_and_a_config_and_a_saved_profile_refuses_it() {
+        let gguf = repo("models/test/tiny-qwen3-Q8_0.gguf");
+        let f16 = kv_per_position(&load_model(&gguf, "Q4_K", None).unwrap());
+        let f32 = kv_per_position(&load_model(&gguf, "Q4_K", Some(KvType::F32)).unwrap());
+        assert_eq!(2 * f16, f32, "F16 is the default");
+
+        let config = repo("crates/tessera-plan/models/qwen3-30b-a3b.config.json");
+        let hf = |t| kv_per_position(&load_model(&config, "Q4_K", t).unwrap());
+        assert_eq!(hf(Some(KvType::F32)), 2 * hf(None));
+        assert_eq!(hf(Some(KvType::Q8_0)) * 32, hf(None) * 17);
+
+        let dir = tempfile::tempdir().unwrap();
+        let saved = dir.path().join("profile.json");
+        let profile = load_model(&gguf, "Q4_K", None).unwrap();
+        std::fs::write(&saved, serde_json::to_vec(&profile).unwrap()).unwrap();
+        assert_eq!(
+            kv_per_position(&load_model(&saved, "Q4_K", None).unwrap()),
+            f16
+        );
+        let refused = load_model(&saved, "Q4_K", Some(KvType::Q8_0)).unwrap_err();
+        assert!(
+            refused.to_string().contains("saved planner profile"),
+            "{refused}"
+        );
+    }
+}
