@@ -60,6 +60,25 @@ pub struct HopFigure {
     pub goal_us: f64,
     /// Where a hop's time goes, from the nodes' own stamps (medians over the ring's runs).
     pub breakdown: Option<HopBreakdown>,
+    /// The stages' own decode compute per token, summed over the stages (medians), ms: alone
+    /// and in the ring. Their difference is the part of the ring's extra time that is not hops.
+    pub compute: Option<(f64, f64)>,
+}
+
+/// Decode compute per token summed over a run's stages (each stage's compute over its steps),
+/// ms; `None` without stage figures.
+fn compute_ms_per_token(report: &Value) -> Option<f64> {
+    let stats = report["stage_stats"].as_array()?;
+    let mut sum = 0.0;
+    for s in stats {
+        let d = &s["decode"];
+        let (ns, steps) = (d["compute_ns"].as_u64()?, d["steps"].as_u64()?);
+        if steps == 0 {
+            return None;
+        }
+        sum += ns as f64 / steps as f64;
+    }
+    (!stats.is_empty()).then_some(sum / 1e6)
 }
 
 /// Where one hop of a ring spends its time, from the stages' [`HopTimes`] of a run: µs per
@@ -198,7 +217,7 @@ fn single_and_ring(
     n_layer: usize,
     stages: usize,
     rounds: usize,
-) -> Result<(f64, f64, Option<f64>, Option<HopBreakdown>)> {
+) -> Result<RingRuns> {
     let session = Session::start(hosts, tessera, s, dir, &Mode::ByClient)?;
     let single = dir.join("single.json");
     let ring = dir.join("ring.json");
@@ -225,21 +244,34 @@ fn single_and_ring(
     one(&single, 4)?;
     one(&ring, 4)?;
     let (mut a, mut b, mut hop, mut parts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut ca, mut cb) = (Vec::new(), Vec::new());
     let ms = |r: &Value| 1e3 / r["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
     for _ in 0..rounds.max(1) {
-        a.push(ms(&one(&single, s.workload.tokens)?));
+        let r = one(&single, s.workload.tokens)?;
+        a.push(ms(&r));
+        ca.extend(compute_ms_per_token(&r));
         let r = one(&ring, s.workload.tokens)?;
         b.push(ms(&r));
+        cb.extend(compute_ms_per_token(&r));
         hop.extend(r["hop_latency_us"].as_f64());
         parts.extend(HopBreakdown::of_report(&r));
     }
-    let reported = (!hop.is_empty()).then(|| median(hop));
-    Ok((
-        median(a),
-        median(b),
-        reported,
-        HopBreakdown::median_of(&parts),
-    ))
+    Ok(RingRuns {
+        single_ms: median(a),
+        ring_ms: median(b),
+        reported_hop_us: (!hop.is_empty()).then(|| median(hop)),
+        breakdown: HopBreakdown::median_of(&parts),
+        compute: (!ca.is_empty() && !cb.is_empty()).then(|| (median(ca), median(cb))),
+    })
+}
+
+/// The medians of one placement pair's runs.
+struct RingRuns {
+    single_ms: f64,
+    ring_ms: f64,
+    reported_hop_us: Option<f64>,
+    breakdown: Option<HopBreakdown>,
+    compute: Option<(f64, f64)>,
 }
 
 /// Measures the hop figure on a `rtt_ms` link through the switch and on loopback.
@@ -271,17 +303,17 @@ pub fn run(
     let sub = dir.join("switched");
     std::fs::create_dir_all(&sub)
         .map_err(|e| LabError::io(format!("creating {}", sub.display()), e))?;
-    let (single, ring, reported, parts) =
-        single_and_ring(&lab, tessera, &switched, &sub, n_layer, o.stages, o.rounds)?;
+    let r = single_and_ring(&lab, tessera, &switched, &sub, n_layer, o.stages, o.rounds)?;
     drop(lab);
     out.push(HopFigure {
-        breakdown: parts,
+        breakdown: r.breakdown,
+        compute: r.compute,
         ..figure(
             format!("{} ms link through the switch", o.rtt_ms),
             Some(o.rtt_ms),
             rtt,
-            (single, ring, o.stages),
-            reported,
+            (r.single_ms, r.ring_ms, o.stages),
+            r.reported_hop_us,
         )
     });
 
@@ -291,17 +323,18 @@ pub fn run(
     let sub = dir.join("loopback");
     std::fs::create_dir_all(&sub)
         .map_err(|e| LabError::io(format!("creating {}", sub.display()), e))?;
-    let (single, ring, reported, parts) = single_and_ring(
+    let r = single_and_ring(
         &Loopback, tessera, &local, &sub, n_layer, o.stages, o.rounds,
     )?;
     out.push(HopFigure {
-        breakdown: parts,
+        breakdown: r.breakdown,
+        compute: r.compute,
         ..figure(
             "loopback (127.0.0.1)".into(),
             None,
             rtt,
-            (single, ring, o.stages),
-            reported,
+            (r.single_ms, r.ring_ms, o.stages),
+            r.reported_hop_us,
         )
     });
     Ok(out)
@@ -329,6 +362,7 @@ fn figure(
         reported_hop_us,
         goal_us: GOAL_US,
         breakdown: None,
+        compute: None,
     }
 }
 
@@ -393,6 +427,20 @@ pub fn table(figures: &[HopFigure]) -> String {
         ));
     }
     for f in figures {
+        let Some((alone, ring)) = f.compute else {
+            continue;
+        };
+        let extra = f.ring_ms_per_token - f.single_ms_per_token;
+        s.push_str(&format!(
+            "{}: the stages' decode compute is {ring:.3} ms a token in the ring against {alone:.3} \
+             alone, so {:.3} of the ring's {extra:.3} ms extra is compute and {:.3} the {} hops\n",
+            f.link,
+            ring - alone,
+            extra - (ring - alone),
+            f.stages,
+        ));
+    }
+    for f in figures {
         s.push_str(&format!(
             "as a cluster file's figure for {}: hop_overhead_us = {:.0}\n",
             f.link,
@@ -405,6 +453,20 @@ pub fn table(figures: &[HopFigure]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runs_compute_per_token_sums_each_stages_compute_over_its_steps() {
+        let report = serde_json::json!({ "stage_stats": [
+            { "stage": 0, "decode": { "compute_ns": 4_000_000u64, "steps": 2 } },
+            { "stage": 1, "decode": { "compute_ns": 3_000_000u64, "steps": 3 } },
+        ] });
+        assert!((compute_ms_per_token(&report).unwrap() - 3.0).abs() < 1e-12);
+        let none = serde_json::json!({ "stage_stats": [
+            { "stage": 0, "decode": { "compute_ns": 1u64, "steps": 0 } },
+        ] });
+        assert_eq!(compute_ms_per_token(&none), None);
+        assert_eq!(compute_ms_per_token(&serde_json::json!({})), None);
+    }
 
     #[test]
     fn a_hop_is_what_the_ring_adds_beyond_the_round_trip_over_its_two_hops() {
