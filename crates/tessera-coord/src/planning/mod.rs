@@ -8,7 +8,7 @@
 //! - [`planner_model`]: the planner's view of a GGUF model (the one conversion the CLI's
 //!   `tessera plan` and the coordinator's `--plan auto` both use).
 //! - [`resource_graph`]: inventory and links → resource graph.
-//! - [`plan_for`]: plan, falling back to the best single-node, stage-ring or expert-split plan
+//! - [`plan_executable`]: plan, falling back to the best single-node, stage-ring or expert-split plan
 //!   when the best plan is one the fabric cannot execute yet (a weight bank, or a ring that
 //!   would stream experts from disk: only an expert split's nodes do). Replicas run as cells.
 //! - [`to_placement`]: an executable plan → a [`PlanFile`] of pinned stages, plus the expert
@@ -68,20 +68,11 @@ pub fn executable(plan: &Plan, n_layer: usize, n_expert: usize) -> bool {
     to_placement(plan, n_layer, n_expert).is_ok()
 }
 
-/// Plans `model` on `graph`. When the best plan is one the fabric cannot execute yet (weight
-/// bank, a ring leaving weights on disk), plans again with expert splits, and with
-/// single nodes and rings holding everything in memory, takes the better, and says so in the
-/// explanation's notes (with the better plan's predicted figure).
-pub fn plan_for(
-    model: &tessera_model::ModelProfile,
-    kv_type: tessera_model::kv::KvType,
-    graph: &ResourceGraph,
-    epoch: u64,
-) -> Result<PlanOutcome, PlanError> {
-    plan_executable(&planner_model(model, kv_type, "model")?, graph, epoch)
-}
-
-/// [`plan_for`] with the planner's model profile.
+/// Plans `m` (the planner's view of the model, [`planner_model`]) on `graph`. When the best
+/// plan is one the fabric cannot execute yet (weight bank, a ring leaving weights on disk),
+/// plans again with expert splits, and with single nodes and rings holding everything in
+/// memory, takes the better, and says so in the explanation's notes (with the better plan's
+/// predicted figure).
 pub fn plan_executable(
     m: &ModelProfile,
     graph: &ResourceGraph,

@@ -6,7 +6,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tessera_coord::planning::{links_via_coordinator, plan_for, resource_graph, to_placement};
+use tessera_coord::planning::{
+    links_via_coordinator, plan_executable, planner_model, resource_graph, to_placement,
+};
 use tessera_coord::Coordinator;
 use tessera_plan::{render_text, Objective, Policy};
 
@@ -96,14 +98,9 @@ pub async fn run_calibrated(
 ) -> anyhow::Result<()> {
     // The KV cache as the stages will hold it: the coordinator's KV type, not the profile's F32.
     let kv_type = c.kv_type();
-    let shape = tessera_engine::KvShape::from_config(&model.config);
-    // The planner sizes each layer's cache in this type; the profile's per-sequence figure the
-    // context line prints counts F32 bytes (and only the layers whose cache grows): scaled.
-    let (typed, f32) = (
-        kv_type.bytes_per_position(shape) as u64,
-        tessera_engine::KvType::F32.bytes_per_position(shape).max(1) as u64,
-    );
-    let kv_bytes_per_token = model.kv_bytes_per_token * typed / f32;
+    let planner = planner_model(model, kv_type, "model").context("the planner's model")?;
+    // One sequence's cache at a context, as the planner sizes it.
+    let kv_bytes = |ctx: usize| planner.kv_bytes_at(ctx as u64).0;
     let expected = expected.max(1);
     let mut enough_since: Option<Instant> = None;
     let members = loop {
@@ -136,7 +133,7 @@ pub async fn run_calibrated(
         if let Some(cal) = calibrated {
             tessera_plan::apply_calibrated(&mut graph, cal);
         }
-        plan_for(model, kv_type, &graph, 1).map(|o| (graph, o))
+        plan_executable(&planner, &graph, 1).map(|o| (graph, o))
     })
     .with_context(|| {
         format!(
@@ -155,13 +152,13 @@ pub async fn run_calibrated(
             "the largest that fits the nodes' memory budgets: {} positions would need {:.0} MiB \
              of {kv_type} KV cache per sequence ({:.1} KiB a position); --ctx overrides",
             context.max,
-            mib(kv_bytes_per_token * context.max as u64),
-            kv_bytes_per_token as f64 / 1024.0
+            mib(kv_bytes(context.max)),
+            kv_bytes(context.max) as f64 / context.max.max(1) as f64 / 1024.0
         )
     };
     println!(
         "context: {chosen} positions ({why}); KV cache {kv_type}, {:.0} MiB per sequence",
-        mib(kv_bytes_per_token * chosen as u64)
+        mib(kv_bytes(chosen))
     );
     c.set_max_context(chosen);
     let doc = serde_json::json!({ "graph": graph, "outcome": outcome });
