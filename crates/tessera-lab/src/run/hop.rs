@@ -1,8 +1,8 @@
 //! `tessera lab hop`: the time a hop of a stage ring adds beyond the link's round trip, on a
 //! link through the lab's switch and on this machine's loopback.
 //!
-//! The same model alone on one node (`a[0..n)`) and as a ring of `stages` equal stages
-//! (`a[0..k) -> b[k..2k) -> …`, two by default); both do the same layers' work, so the ring's
+//! The same model alone on one node (`s0[0..n)`) and as a ring of `stages` equal stages
+//! (`s0[0..k) -> s1[k..2k) -> …`, two by default); both do the same layers' work, so the ring's
 //! extra time per token is its hops: one one-way link crossing per stage (a token goes round the
 //! ring once) plus what the software adds per hop (thread wake-ups, copies, framing, the QUIC
 //! stack). That is `((ring − single) − hops × round trip / 2) / hops`, with the round trip
@@ -16,6 +16,7 @@ use std::path::Path;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::ring::{median, placements, EqualHosts};
 use super::session::{Hosts, Loopback, Mode, Session};
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
@@ -161,50 +162,18 @@ impl HopBreakdown {
 /// The goal: a hop adds at most this beyond the link's round trip.
 pub const GOAL_US: f64 = 50.0;
 
-/// Name of the `i`th node of the ring: a, b, c, …
-fn node_name(i: usize) -> String {
-    let letter = (b'a' + (i % 26) as u8) as char;
-    if i < 26 {
-        letter.to_string()
-    } else {
-        format!("{letter}{}", i / 26)
-    }
-}
-
-/// The scenario the figure is measured on: `o.stages` nodes.
+/// The scenario the figure is measured on: `o.stages` equal hosts on `rtt_ms` links.
 fn scenario(o: &Options, rtt_ms: f64) -> Result<Scenario> {
-    let nodes: String = (0..o.stages.max(2))
-        .map(|i| {
-            format!(
-                "[[node]]\nname = \"{}\"\nprofile = \"laptop-16gb\"\n",
-                node_name(i)
-            )
-        })
-        .collect();
-    let text = format!(
-        r#"
-[defaults]
-link = {{ rtt_ms = {rtt_ms}, bandwidth = "10Gbit/s" }}
-[policy]
-strategies = ["single", "stage"]
-context = 512
-{nodes}[model]
-gguf = {model:?}
-[workload]
-tokens = {tokens}
-[lab]
-threads = {threads}
-"#,
-        model = o.model.display().to_string(),
-        tokens = o.tokens,
-        threads = o.threads,
-    );
-    Scenario::parse(Path::new("hop.toml"), &text)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    EqualHosts {
+        file: "hop.toml",
+        model: &o.model,
+        nodes: o.stages.max(2),
+        rtt_ms,
+        context: 512,
+        tokens: o.tokens,
+        threads: o.threads,
+    }
+    .scenario()
 }
 
 /// Single node and ring, alternating, on `hosts`: medians of ms per token, the ring's reported
@@ -219,24 +188,7 @@ fn single_and_ring(
     rounds: usize,
 ) -> Result<RingRuns> {
     let session = Session::start(hosts, tessera, s, dir, &Mode::ByClient)?;
-    let single = dir.join("single.json");
-    let ring = dir.join("ring.json");
-    let write = |path: &Path, v: Value| {
-        std::fs::write(path, v.to_string())
-            .map_err(|e| LabError::io(format!("writing {}", path.display()), e))
-    };
-    write(
-        &single,
-        serde_json::json!({ "stages": [ { "node": "a", "layers": format!("0..{n_layer}") } ] }),
-    )?;
-    let ring_stages: Vec<Value> = super::pipeline::split(n_layer, stages)
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            serde_json::json!({ "node": node_name(i), "layers": format!("{}..{}", r.start, r.end) })
-        })
-        .collect();
-    write(&ring, serde_json::json!({ "stages": ring_stages }))?;
+    let (single, ring) = placements(dir, n_layer, stages)?;
     let prompt = &s.workload.prompt;
     let one = |plan: &Path, n: usize| -> Result<Value> {
         Ok(session.clients(hosts, plan, prompt, n, 1)?.remove(0))

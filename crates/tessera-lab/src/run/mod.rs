@@ -26,6 +26,7 @@ pub mod hop;
 pub mod pipeline;
 pub mod plans;
 pub mod report;
+mod ring;
 mod session;
 
 use std::path::{Path, PathBuf};
@@ -42,6 +43,7 @@ use crate::lab::Lab;
 use crate::scenario::Scenario;
 pub use plans::{describe, Force};
 pub use report::{table, Figures, Report, Row};
+use ring::median;
 use session::{Mode, Session};
 
 /// Tokens of the warm-up request, and of the short request whose traffic is subtracted from
@@ -473,11 +475,6 @@ pub fn run(
     };
     report.rank();
     Ok(report)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// The cost per hop each ring that ran implies on `graph` (its nodes calibrated on single-node

@@ -23,9 +23,9 @@ use std::time::Instant;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::ring::{median, placements, split, EqualHosts};
 use super::session::{Loopback, Mode, Session};
 use crate::error::{LabError, Result};
-use crate::scenario::Scenario;
 
 /// What `tessera lab pipeline` measures.
 #[derive(Debug, Clone)]
@@ -163,19 +163,6 @@ pub fn shares(compute: &[(u64, u64, u64)], secs: f64) -> (Vec<f64>, f64) {
     (busy, mean)
 }
 
-/// Equal contiguous layer ranges for `stages` stages of `n_layer` layers.
-pub fn split(n_layer: usize, stages: usize) -> Vec<std::ops::Range<usize>> {
-    let stages = stages.clamp(1, n_layer.max(1));
-    (0..stages)
-        .map(|i| (i * n_layer / stages)..((i + 1) * n_layer / stages))
-        .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg")
         .ok()?
@@ -183,35 +170,6 @@ fn load_average() -> Option<f64> {
         .next()?
         .parse()
         .ok()
-}
-
-fn scenario(o: &Options, context: usize) -> Result<Scenario> {
-    let mut nodes = String::new();
-    for i in 0..o.stages {
-        nodes.push_str(&format!(
-            "[[node]]\nname = \"s{i}\"\nprofile = \"laptop-16gb\"\n"
-        ));
-    }
-    let text = format!(
-        r#"
-[defaults]
-link = {{ rtt_ms = 0.0, bandwidth = "10Gbit/s" }}
-[policy]
-strategies = ["single", "stage"]
-context = {context}
-{nodes}
-[model]
-gguf = {model:?}
-[workload]
-tokens = {tokens}
-[lab]
-threads = {threads}
-"#,
-        model = o.model.display().to_string(),
-        tokens = o.tokens,
-        threads = o.threads,
-    );
-    Scenario::parse(Path::new("pipeline.toml"), &text)
 }
 
 /// A prompt of `words` words of plain prose.
@@ -253,28 +211,22 @@ pub fn run(
         )));
     }
     let load_before = load_average();
-    let s = scenario(o, context)?;
+    let s = EqualHosts {
+        file: "pipeline.toml",
+        model: &o.model,
+        nodes: o.stages,
+        rtt_ms: 0.0,
+        context,
+        tokens: o.tokens,
+        threads: o.threads,
+    }
+    .scenario()?;
     std::fs::create_dir_all(dir)
         .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
     let session = Session::start(&Loopback, tessera, &s, dir, &Mode::ByClient)?;
     progress(&format!("{} nodes up on loopback", o.stages));
     let ranges = split(config.n_layer, o.stages);
-    let write = |name: &str, v: Value| -> Result<std::path::PathBuf> {
-        let path = dir.join(name);
-        std::fs::write(&path, v.to_string())
-            .map_err(|e| LabError::io(format!("writing {}", path.display()), e))?;
-        Ok(path)
-    };
-    let ring = write(
-        "ring.json",
-        serde_json::json!({ "stages": ranges.iter().enumerate().map(|(i, r)| serde_json::json!({
-            "node": format!("s{i}"), "layers": format!("{}..{}", r.start, r.end),
-        })).collect::<Vec<_>>() }),
-    )?;
-    let single = write(
-        "single.json",
-        serde_json::json!({ "stages": [ { "node": "s0", "layers": format!("0..{}", config.n_layer) } ] }),
-    )?;
+    let (single, ring) = placements(dir, config.n_layer, o.stages)?;
     let prompt = &s.workload.prompt;
     session.clients(&Loopback, &ring, prompt, 4, 1)?;
 
@@ -510,11 +462,5 @@ mod tests {
         assert!((busy[0] - 0.4).abs() < 1e-9 && (busy[1] - 0.1).abs() < 1e-9);
         // Two sequences, every step carrying both: a batch of two.
         assert!((batch - 2.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn a_ring_splits_the_layers_into_equal_contiguous_ranges() {
-        assert_eq!(split(28, 3), vec![0..9, 9..18, 18..28]);
-        assert_eq!(split(2, 3), vec![0..1, 1..2]);
     }
 }

@@ -1,0 +1,140 @@
+//! What `tessera lab hop` and `tessera lab pipeline` share: a scenario of equal hosts, the two
+//! placements they compare (one node holding every layer, a ring of equal stages) and medians.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{LabError, Result};
+use crate::scenario::Scenario;
+
+/// Name of the `i`th node of a ring: `s0`, `s1`, …
+pub(crate) fn node(i: usize) -> String {
+    format!("s{i}")
+}
+
+/// The scenario of `nodes` equal hosts ([`node`] names) joined by links of `rtt_ms` round
+/// trip at 10 Gbit/s, planning single nodes and stage rings for `context` positions; `file`
+/// names it in errors.
+pub(crate) struct EqualHosts<'a> {
+    pub file: &'a str,
+    pub model: &'a Path,
+    pub nodes: usize,
+    pub rtt_ms: f64,
+    pub context: usize,
+    pub tokens: usize,
+    pub threads: usize,
+}
+
+impl EqualHosts<'_> {
+    pub(crate) fn scenario(&self) -> Result<Scenario> {
+        let nodes: String = (0..self.nodes)
+            .map(|i| {
+                format!(
+                    "[[node]]\nname = \"{}\"\nprofile = \"laptop-16gb\"\n",
+                    node(i)
+                )
+            })
+            .collect();
+        let text = format!(
+            r#"
+[defaults]
+link = {{ rtt_ms = {rtt_ms}, bandwidth = "10Gbit/s" }}
+[policy]
+strategies = ["single", "stage"]
+context = {context}
+{nodes}[model]
+gguf = {model:?}
+[workload]
+tokens = {tokens}
+[lab]
+threads = {threads}
+"#,
+            rtt_ms = self.rtt_ms,
+            context = self.context,
+            model = self.model.display().to_string(),
+            tokens = self.tokens,
+            threads = self.threads,
+        );
+        Scenario::parse(Path::new(self.file), &text)
+    }
+}
+
+/// Writes the two placements into `dir`: `single.json` (node 0 holding all `n_layer` layers)
+/// and `ring.json` (`stages` equal stages, [`split`]); their paths.
+pub(crate) fn placements(dir: &Path, n_layer: usize, stages: usize) -> Result<(PathBuf, PathBuf)> {
+    let write = |name: &str, v: serde_json::Value| -> Result<PathBuf> {
+        let path = dir.join(name);
+        std::fs::write(&path, v.to_string())
+            .map_err(|e| LabError::io(format!("writing {}", path.display()), e))?;
+        Ok(path)
+    };
+    let single = write(
+        "single.json",
+        serde_json::json!({ "stages": [ { "node": node(0), "layers": format!("0..{n_layer}") } ] }),
+    )?;
+    let ring: Vec<serde_json::Value> = split(n_layer, stages)
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            serde_json::json!({ "node": node(i), "layers": format!("{}..{}", r.start, r.end) })
+        })
+        .collect();
+    let ring = write("ring.json", serde_json::json!({ "stages": ring }))?;
+    Ok((single, ring))
+}
+
+/// `n_layer` layers in `stages` equal contiguous ranges.
+pub fn split(n_layer: usize, stages: usize) -> Vec<std::ops::Range<usize>> {
+    let stages = stages.clamp(1, n_layer.max(1));
+    (0..stages)
+        .map(|i| (i * n_layer / stages)..((i + 1) * n_layer / stages))
+        .collect()
+}
+
+/// The middle value (the upper of the two middle ones), NaN for none.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ring_splits_the_layers_into_equal_contiguous_ranges() {
+        assert_eq!(split(28, 3), vec![0..9, 9..18, 18..28]);
+        assert_eq!(split(2, 3), vec![0..1, 1..2]);
+    }
+
+    #[test]
+    fn the_placements_are_node_0_alone_and_the_ring_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let (single, ring) = placements(dir.path(), 5, 2).unwrap();
+        let read = |p: &Path| -> serde_json::Value {
+            serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+        };
+        assert_eq!(
+            read(&single),
+            serde_json::json!({ "stages": [ { "node": "s0", "layers": "0..5" } ] })
+        );
+        assert_eq!(
+            read(&ring),
+            serde_json::json!({ "stages": [
+                { "node": "s0", "layers": "0..2" },
+                { "node": "s1", "layers": "2..5" },
+            ] })
+        );
+        let s = EqualHosts {
+            file: "t.toml",
+            model: Path::new("m.gguf"),
+            nodes: 3,
+            rtt_ms: 1.0,
+            context: 64,
+            tokens: 8,
+            threads: 1,
+        }
+        .scenario()
+        .unwrap();
+        assert_eq!(s.workload.tokens, 8);
+    }
+}
