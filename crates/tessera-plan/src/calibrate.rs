@@ -185,6 +185,16 @@ pub fn predict(
     })
 }
 
+/// Seconds per token `prediction` gives `node` across its stages (all its parts in the plan).
+fn node_time(prediction: &Prediction, node: &str) -> f64 {
+    prediction
+        .stages
+        .iter()
+        .filter(|x| x.node == node)
+        .map(|x| x.terms.total_s)
+        .sum()
+}
+
 const MIN_FACTOR: f64 = 0.05;
 const MAX_FACTOR: f64 = 20.0;
 
@@ -309,12 +319,7 @@ pub fn calibrate(
     let mid = predict(model, &g, plan)?;
     if !m.stages.is_empty() {
         for s in &m.stages {
-            let predicted: f64 = mid
-                .stages
-                .iter()
-                .filter(|x| x.node == s.node)
-                .map(|x| x.terms.total_s)
-                .sum();
+            let predicted = node_time(&mid, &s.node);
             if predicted > 0.0 && s.seconds_per_token > 0.0 {
                 let f = predicted / s.seconds_per_token;
                 let why = format!(
@@ -403,12 +408,7 @@ pub fn calibrate_nodes(
     let mut g = graph.clone();
     let mut corrections = Vec::new();
     for s in stages {
-        let predicted: f64 = now
-            .stages
-            .iter()
-            .filter(|x| x.node == s.node)
-            .map(|x| x.terms.total_s)
-            .sum();
+        let predicted = node_time(&now, &s.node);
         if predicted > 0.0 && s.seconds_per_token > 0.0 {
             let why = format!(
                 "its stage of {} measured {:.3} ms/token, predicted {:.3}",
