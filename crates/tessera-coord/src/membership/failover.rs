@@ -267,17 +267,7 @@ mod tests {
 
     #[test]
     fn a_lost_stage_is_replanned_onto_survivors_and_a_returning_node_folded_in() {
-        let mut m = Membership::new();
-        let (a, b, c) = (member(1), member(2), member(3));
-        for x in [&a, &b, &c] {
-            m.handle(Event::Joined(Box::new(x.clone())));
-        }
-        m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(a.node_id, 0..1), (b.node_id, 1..2), (c.node_id, 2..3)],
-            n_layer: 3,
-            max_context: 64,
-        });
+        let (mut m, a, b, c) = three_stage_ring();
         let first = ready(&mut m);
         // The middle stage goes: epoch failed, survivors released, a new 2-stage epoch placed.
         let acts = m.handle(Event::Left {
@@ -384,17 +374,7 @@ mod tests {
 
     #[test]
     fn a_node_lost_while_a_new_split_is_made_or_drained_loses_only_that() {
-        let mut m = Membership::new();
-        let (a, b, c) = (member(1), member(2), member(3));
-        for x in [&a, &b, &c] {
-            m.handle(Event::Joined(Box::new(x.clone())));
-        }
-        m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(a.node_id, 0..1), (b.node_id, 1..2), (c.node_id, 2..3)],
-            n_layer: 3,
-            max_context: 64,
-        });
+        let (mut m, _, b, c) = three_stage_ring();
         ready(&mut m);
         m.handle(Event::Left {
             node: c.node_id,

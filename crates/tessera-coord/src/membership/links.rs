@@ -282,17 +282,7 @@ mod tests {
     #[test]
     fn with_no_ring_that_avoids_the_pair_the_node_that_did_not_report_is_left_out_until_it_rejoins()
     {
-        let mut m = Membership::new();
-        let (a, b, c) = (member(1), member(2), member(3));
-        for x in [&a, &b, &c] {
-            m.handle(Event::Joined(Box::new(x.clone())));
-        }
-        m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(a.node_id, 0..1), (b.node_id, 1..2), (c.node_id, 2..3)],
-            n_layer: 3,
-            max_context: 64,
-        });
+        let (mut m, a, b, c) = three_stage_ring();
         ready(&mut m);
         // In a ring of three every pair are neighbours: c reported, so b is left out.
         let acts = link_failed(&mut m, c.node_id, b.node_id);

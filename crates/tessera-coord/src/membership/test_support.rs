@@ -40,6 +40,23 @@ pub(super) fn sends(actions: &[Action]) -> Vec<(NodeId, CoordToNode)> {
 
 pub(super) const MODEL: ContentHash = ContentHash([7; 32]);
 
+/// Members 1, 2 and 3 joined and planned as a ring of one layer each (3 layers, 64 positions),
+/// not yet loaded.
+pub(super) fn three_stage_ring() -> (Membership, Member, Member, Member) {
+    let mut m = Membership::new();
+    let (a, b, c) = (member(1), member(2), member(3));
+    for x in [&a, &b, &c] {
+        m.handle(Event::Joined(Box::new(x.clone())));
+    }
+    m.handle(Event::Plan {
+        model: MODEL,
+        stages: vec![(a.node_id, 0..1), (b.node_id, 1..2), (c.node_id, 2..3)],
+        n_layer: 3,
+        max_context: 64,
+    });
+    (m, a, b, c)
+}
+
 pub(super) fn ready(m: &mut Membership) -> u64 {
     let id = m.epoch().unwrap().id;
     ready_epoch(m, id);
