@@ -73,7 +73,7 @@ fn main() {
                 book.seat(seq, e.id, 1024);
                 seq += 1;
             }
-            book.measured(e.id, 20.0 + (e.id % 5) as f64);
+            book.measured(e.id, 64, 64.0 / (20.0 + (e.id % 5) as f64));
         }
         let loads = book.loads(&m);
         let t = Instant::now();

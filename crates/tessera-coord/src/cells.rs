@@ -26,8 +26,15 @@ use tessera_net::NodeId;
 
 use crate::membership::{Member, Membership};
 
-/// Weight of a new measurement in a cell's speed average.
+/// Weight of a new measurement in a cell's speed average, for a request of at least
+/// [`FULL_SAMPLE_TOKENS`] decoded tokens.
 const SPEED_WEIGHT: f64 = 0.3;
+
+/// Decoded tokens a request needs for its speed to count fully; a shorter one counts in
+/// proportion. A few tokens' rate is mostly the first step's and the scheduler's noise (on a
+/// host with a CPU quota, whether the request met a throttled period), and equal cells whose
+/// short warm-up requests measured 7 and 12 tok/s would be sent requests 1 : 3 for it.
+const FULL_SAMPLE_TOKENS: f64 = 32.0;
 
 /// One node of a candidate cell, as the filter sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -184,13 +191,15 @@ impl CellBook {
             .sum()
     }
 
-    /// A request on cell `epoch` decoded at `tokens_per_s`.
-    pub fn measured(&mut self, epoch: u64, tokens_per_s: f64) {
+    /// A request on cell `epoch` decoded `tokens` in `secs`.
+    pub fn measured(&mut self, epoch: u64, tokens: usize, secs: f64) {
+        let tokens_per_s = tokens as f64 / secs;
         if !(tokens_per_s.is_finite() && tokens_per_s > 0.0) {
             return;
         }
+        let weight = SPEED_WEIGHT * (tokens as f64 / FULL_SAMPLE_TOKENS).min(1.0);
         let s = self.speed.entry(epoch).or_insert(tokens_per_s);
-        *s += SPEED_WEIGHT * (tokens_per_s - *s);
+        *s += weight * (tokens_per_s - *s);
     }
 
     /// Cell `epoch`'s measured decode tokens/s.
@@ -356,13 +365,16 @@ mod tests {
     #[test]
     fn speeds_are_a_moving_average_of_sane_measurements() {
         let mut book = CellBook::default();
-        book.measured(7, 10.0);
+        book.measured(7, 40, 4.0);
         assert_eq!(book.speed(7), Some(10.0));
-        book.measured(7, 20.0);
+        book.measured(7, 40, 2.0);
         assert!((book.speed(7).unwrap() - 13.0).abs() < 1e-9);
-        book.measured(7, f64::NAN);
-        book.measured(7, 0.0);
+        book.measured(7, 0, 0.0);
+        book.measured(7, 0, 1.0);
         assert!((book.speed(7).unwrap() - 13.0).abs() < 1e-9);
+        // Four tokens count an eighth of a full sample.
+        book.measured(7, 4, 4.0 / 53.0);
+        assert!((book.speed(7).unwrap() - (13.0 + 0.3 / 8.0 * 40.0)).abs() < 1e-9);
         book.retain_cells(&[8]);
         assert_eq!(book.speed(7), None);
     }

@@ -584,8 +584,10 @@ pub(crate) async fn run(
     drop(route);
     if let Some(p) = &outcome.placement {
         if let Some((n, d)) = outcome.decode {
-            let speed = n as f64 / d.as_secs_f64().max(1e-9);
-            shared.lock().cells.measured(p.epoch, speed);
+            shared
+                .lock()
+                .cells
+                .measured(p.epoch, n, d.as_secs_f64().max(1e-9));
         }
     }
     let tail = decoder.map_or_else(String::new, |mut d| d.finish());

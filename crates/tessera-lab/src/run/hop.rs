@@ -172,6 +172,7 @@ fn scenario(o: &Options, rtt_ms: f64) -> Result<Scenario> {
         context: 512,
         tokens: o.tokens,
         threads: o.threads,
+        cpu_quota: None,
     }
     .scenario()
 }

@@ -22,6 +22,7 @@
 //!    and after, and the calibrated graph can be saved as a scenario that `tessera plan
 //!    --nodes` and `tessera lab run` read.
 
+pub mod cells;
 pub mod hop;
 pub mod pipeline;
 pub mod plans;
@@ -665,9 +666,10 @@ fn measure(
                     session.clients(lab, plan, prompt, SHORT, concurrency)?;
                     let mut rates = Vec::with_capacity(REPEATS);
                     for _ in 0..REPEATS {
-                        let runs = session.timed_clients(lab, plan, prompt, tokens, concurrency)?;
+                        let prompts = vec![prompt.as_str(); concurrency];
+                        let runs = session.timed_clients(lab, plan, &prompts, tokens)?;
                         let arrivals: Vec<Vec<std::time::Instant>> =
-                            runs.into_iter().map(|(_, a)| a).collect();
+                            runs.into_iter().map(|r| r.arrivals).collect();
                         let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
                             LabError::Run(format!(
                                 "the {concurrency} requests never decoded at the same time \

@@ -23,7 +23,7 @@ use std::time::Instant;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::ring::{median, placements, split, EqualHosts};
+use super::ring::{load_average, median, placements, split, EqualHosts};
 use super::session::{Loopback, Mode, Session};
 use crate::error::{LabError, Result};
 
@@ -163,15 +163,6 @@ pub fn shares(compute: &[(u64, u64, u64)], secs: f64) -> (Vec<f64>, f64) {
     (busy, mean)
 }
 
-fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
-}
-
 /// A prompt of `words` words of plain prose.
 fn prose(words: usize) -> String {
     const TEXT: &str = "The old lighthouse keeper climbed the stairs every evening to light the \
@@ -219,6 +210,7 @@ pub fn run(
         context,
         tokens: o.tokens,
         threads: o.threads,
+        cpu_quota: None,
     }
     .scenario()?;
     std::fs::create_dir_all(dir)
@@ -239,9 +231,10 @@ pub fn run(
         }
         for i in order {
             let n = o.streams[i];
-            let runs = session.timed_clients(&Loopback, &ring, prompt, o.tokens, n)?;
-            let arrivals: Vec<Vec<Instant>> = runs.iter().map(|r| r.1.clone()).collect();
-            let reports: Vec<Value> = runs.into_iter().map(|r| r.0).collect();
+            let runs =
+                session.timed_clients(&Loopback, &ring, &vec![prompt.as_str(); n], o.tokens)?;
+            let arrivals: Vec<Vec<Instant>> = runs.iter().map(|r| r.arrivals.clone()).collect();
+            let reports: Vec<Value> = runs.into_iter().map(|r| r.report).collect();
             let Some((tokens, secs)) = decode_window(&arrivals) else {
                 return Err(LabError::Run(format!("{n} streams decoded nothing")));
             };

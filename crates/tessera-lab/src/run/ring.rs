@@ -1,5 +1,6 @@
-//! What `tessera lab hop` and `tessera lab pipeline` share: a scenario of equal hosts, the two
-//! placements they compare (one node holding every layer, a ring of equal stages) and medians.
+//! What `tessera lab hop`, `pipeline` and `cells` share: a scenario of equal hosts, the two
+//! placements hop and pipeline compare (one node holding every layer, a ring of equal stages),
+//! medians and the load average.
 
 use std::path::{Path, PathBuf};
 
@@ -12,8 +13,8 @@ pub(crate) fn node(i: usize) -> String {
 }
 
 /// The scenario of `nodes` equal hosts ([`node`] names) joined by links of `rtt_ms` round
-/// trip at 10 Gbit/s, planning single nodes and stage rings for `context` positions; `file`
-/// names it in errors.
+/// trip at 10 Gbit/s, each capped at `cpu_quota` cores when given, planning single nodes and
+/// stage rings for `context` positions; `file` names it in errors.
 pub(crate) struct EqualHosts<'a> {
     pub file: &'a str,
     pub model: &'a Path,
@@ -22,6 +23,7 @@ pub(crate) struct EqualHosts<'a> {
     pub context: usize,
     pub tokens: usize,
     pub threads: usize,
+    pub cpu_quota: Option<f64>,
 }
 
 impl EqualHosts<'_> {
@@ -34,6 +36,14 @@ impl EqualHosts<'_> {
                 )
             })
             .collect();
+        let quotas: String = self
+            .cpu_quota
+            .map(|q| {
+                (0..self.nodes)
+                    .map(|i| format!("[[lab.node]]\nname = \"{}\"\ncpu_quota = {q}\n", node(i)))
+                    .collect()
+            })
+            .unwrap_or_default();
         let text = format!(
             r#"
 [defaults]
@@ -47,7 +57,7 @@ gguf = {model:?}
 tokens = {tokens}
 [lab]
 threads = {threads}
-"#,
+{quotas}"#,
             rtt_ms = self.rtt_ms,
             context = self.context,
             model = self.model.display().to_string(),
@@ -88,6 +98,16 @@ pub fn split(n_layer: usize, stages: usize) -> Vec<std::ops::Range<usize>> {
     (0..stages)
         .map(|i| (i * n_layer / stages)..((i + 1) * n_layer / stages))
         .collect()
+}
+
+/// The machine's 1-minute load average.
+pub(crate) fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The middle value (the upper of the two middle ones), NaN for none.
@@ -132,9 +152,11 @@ mod tests {
             context: 64,
             tokens: 8,
             threads: 1,
+            cpu_quota: Some(0.5),
         }
         .scenario()
         .unwrap();
         assert_eq!(s.workload.tokens, 8);
+        assert_eq!(s.cpu_quota("s2"), Some(0.5));
     }
 }

@@ -117,6 +117,16 @@ impl Drop for Proc {
     }
 }
 
+/// What one timed client read.
+pub(super) struct TimedRun {
+    /// Its `done` message.
+    pub(super) report: Value,
+    /// When each generated token was read.
+    pub(super) arrivals: Vec<Instant>,
+    /// The generated text (the tokens' text in order).
+    pub(super) text: String,
+}
+
 /// How the coordinator of a session places the model.
 pub(super) enum Mode {
     /// `--plan auto`: plan from the nodes' measured inventory (writes `plan-auto.json`), with
@@ -253,43 +263,46 @@ impl Session {
         running.into_iter().map(report).collect()
     }
 
-    /// Like [`Session::clients`], and when each client's generated tokens reached it: the
-    /// instant each `token` message was read from its output.
+    /// Like [`Session::clients`], one client per prompt of `prompts`, and what each client read:
+    /// the instant each `token` message was read from its output, and the text they carried.
     pub(super) fn timed_clients(
         &self,
         lab: &impl Hosts,
         plan: &Path,
-        prompt: &str,
+        prompts: &[&str],
         tokens: usize,
-        count: usize,
-    ) -> Result<Vec<(Value, Vec<Instant>)>> {
+    ) -> Result<Vec<TimedRun>> {
         let mut readers = Vec::new();
-        for i in 0..count.max(1) {
+        for (i, prompt) in prompts.iter().enumerate() {
             let mut child = self.spawn_client(lab, plan, prompt, tokens, i, None)?;
             let out = BufReader::new(child.stdout.take().expect("piped"));
             readers.push((
                 child,
                 std::thread::spawn(move || {
-                    let (mut arrivals, mut done) = (Vec::new(), None);
+                    let (mut arrivals, mut text, mut done) = (Vec::new(), String::new(), None);
                     for l in out.lines().map_while(std::result::Result::ok) {
                         let now = Instant::now();
                         let Ok(m) = serde_json::from_str::<Value>(&l) else {
                             continue;
                         };
                         match m["type"].as_str() {
-                            Some("token") => arrivals.push(now),
+                            Some("token") => {
+                                arrivals.push(now);
+                                text.push_str(m["text"].as_str().unwrap_or_default());
+                            }
                             Some("done") => done = Some(m),
                             _ => {}
                         }
                     }
-                    (done, arrivals)
+                    (done, arrivals, text)
                 }),
             ));
         }
         readers
             .into_iter()
             .map(|(child, reader)| {
-                let (done, arrivals) = reader.join().unwrap_or((None, Vec::new()));
+                let (done, arrivals, text) =
+                    reader.join().unwrap_or((None, Vec::new(), String::new()));
                 let out = child
                     .wait_with_output()
                     .map_err(|e| LabError::io("waiting for tessera run", e))?;
@@ -299,9 +312,13 @@ impl Session {
                         String::from_utf8_lossy(&out.stderr).trim()
                     )));
                 }
-                let done =
+                let report =
                     done.ok_or_else(|| LabError::Run("tessera run printed no report".into()))?;
-                Ok((done, arrivals))
+                Ok(TimedRun {
+                    report,
+                    arrivals,
+                    text,
+                })
             })
             .collect()
     }

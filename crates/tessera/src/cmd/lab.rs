@@ -1,7 +1,8 @@
 //! `tessera lab`: emulated hosts on this machine (network namespaces joined by a user-space
 //! switch that imposes each link's delay, jitter, bandwidth, loss and partitions), for
-//! checking the switch (`selftest`), running scenarios (`run`) and removing what a crashed lab
-//! left behind (`clean`). Linux, root. The work is in `tessera-lab`.
+//! checking the switch (`selftest`), running scenarios (`run`), measuring hops, pipelining and
+//! cells (`hop`, `pipeline`, `cells`) and removing what a crashed lab left behind (`clean`).
+//! Linux, root. The work is in `tessera-lab`.
 
 use anyhow::Context;
 
@@ -109,6 +110,43 @@ enum LabCommand {
         /// Prompt tokens per prefill step.
         #[arg(long, default_value_t = 64)]
         prefill_chunk: usize,
+        /// Compute threads per node.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Print the figures as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Keep logs and data here (default: a fresh directory under the temp dir).
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+    },
+    /// What whole-request cells add: emulated hosts, each capped at --cpu-quota cores and each
+    /// able to hold the model, serve concurrent requests as one cell (the first host alone)
+    /// and as one cell a host, alternating; prints each one's aggregate tokens/s, their ratio,
+    /// which node served each request, and whether every text equals one process's.
+    Cells {
+        /// The model (default: the built-in stories260K).
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+        /// Hosts (each a cell of its own in the cells' placement).
+        #[arg(long, default_value_t = 4)]
+        hosts: usize,
+        /// Concurrent requests (8 at most have prompts of their own; more repeat them).
+        #[arg(long, default_value_t = 8)]
+        streams: usize,
+        /// Tokens each request decodes.
+        #[arg(long, default_value_t = 256)]
+        tokens: usize,
+        /// Rounds (the placements alternating); medians are reported.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Each host's CPU time, in cores, by cgroup quota (0: no cap). Hosts × quota should
+        /// leave the coordinator and the clients a share of this machine's cores.
+        #[arg(long, default_value_t = 0.4)]
+        cpu_quota: f64,
+        /// Round trip of the links between the hosts, ms.
+        #[arg(long, default_value_t = 0.3)]
+        rtt_ms: f64,
         /// Compute threads per node.
         #[arg(long, default_value_t = 1)]
         threads: usize,
@@ -266,6 +304,45 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", tessera_lab::run::pipeline::table(&report));
+            }
+            Ok(())
+        }
+        LabCommand::Cells {
+            model,
+            hosts,
+            streams,
+            tokens,
+            rounds,
+            cpu_quota,
+            rtt_ms,
+            threads,
+            json,
+            dir,
+        } => {
+            anyhow::ensure!(hosts >= 2, "--hosts must be at least 2");
+            anyhow::ensure!(streams >= 1, "--streams must be at least 1");
+            anyhow::ensure!(cpu_quota >= 0.0, "--cpu-quota must be ≥ 0");
+            anyhow::ensure!(rtt_ms >= 0.0, "--rtt-ms must be ≥ 0");
+            let opts = tessera_lab::run::cells::Options {
+                model: crate::default_model::resolve(model)?,
+                hosts,
+                streams,
+                tokens,
+                rounds,
+                cpu_quota: (cpu_quota > 0.0).then_some(cpu_quota),
+                rtt_ms,
+                threads: threads.max(1),
+            };
+            let dir = dir.unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("tessera-lab-cells-{}", std::process::id()))
+            });
+            let exe = std::env::current_exe().context("finding this executable")?;
+            let report = tessera_lab::run::cells::run(&opts, &exe, &dir, |m| eprintln!("lab: {m}"))
+                .with_context(|| format!("lab cells (logs in {})", dir.display()))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", tessera_lab::run::cells::table(&report));
             }
             Ok(())
         }
