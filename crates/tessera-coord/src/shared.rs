@@ -205,7 +205,8 @@ impl Shared {
                     let candidates = st.membership.member_candidates();
                     for g in st
                         .membership
-                        .epoch_expert_split()
+                        .epoch_with_id(e)
+                        .and_then(|x| x.experts.as_ref())
                         .map_or(&[][..], |x| &x.groups)
                     {
                         // A group names its node by name or by its id (or a 4+ character

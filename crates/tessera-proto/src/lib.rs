@@ -11,7 +11,7 @@
 //! | [`stream::CONTROL`] | node or client → coordinator | JSON messages ([`frame::MSG`]), both ways |
 //! | [`stream::MODEL`] | node → coordinator | manifest request/reply (JSON), then [`frame::CHUNK`] frames |
 //! | [`stream::RING`] | stage *i* → stage *i+1* (last → first) | [`frame::HIDDEN`] and [`frame::TOKEN`] |
-//! | [`stream::EXPERT`] | home stage → expert worker (expert split) | [`frame::EXPERT_REQ`] out, [`frame::EXPERT_OUT`] / [`frame::EXPERT_ERR`] back |
+//! | [`stream::EXPERT`] | home stage → expert worker (expert split) | [`frame::EXPERT_EPOCH`], then [`frame::EXPERT_REQ`] out, [`frame::EXPERT_OUT`] / [`frame::EXPERT_ERR`] back |
 //!
 //! A control session starts with [`Hello`] carrying [`PROTOCOL_VERSION`]; a coordinator that
 //! speaks another version answers [`CoordToNode::Refused`] naming both, and the frame layer below
@@ -49,8 +49,10 @@ pub use sealed::{Holders, SealedAnswer, SealedNews, SealedRefusal, SealedRequest
 /// Version of the message protocol in this module; both sides must agree. 2: a sequence may
 /// carry a grammar and ask for log-probabilities ([`OpenSeq`]), which a version-1 node would
 /// silently ignore. 3: sealed jobs ([`CoordToNode::SealedJob`]) and signed claims
-/// ([`NodeToCoord::Claims`]).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// ([`NodeToCoord::Claims`]). 4: an expert stream opens with the epoch it serves
+/// ([`frame::EXPERT_EPOCH`]), since a node may serve two epochs' experts while a new split is
+/// switched to.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Stream kinds (first frame of every stream, see `tessera_net::Connection::open_stream`).
 pub mod stream {
@@ -82,6 +84,10 @@ pub mod frame {
     pub const EXPERT_OUT: u16 = 0x0041;
     /// The worker could not compute a request: a UTF-8 reason.
     pub const EXPERT_ERR: u16 = 0x0042;
+    /// The first frame of an expert stream: the epoch (`u64`, LE) whose experts it asks for.
+    /// A worker may hold two epochs' experts while a new split is switched to (make before
+    /// break), and the same home may ask it for both.
+    pub const EXPERT_EPOCH: u16 = 0x0043;
 }
 
 /// Frame size limits per stream kind, enforced by readers before allocation.

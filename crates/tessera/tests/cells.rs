@@ -11,6 +11,9 @@
 //! - A node that joins a serving ring with fewer stages than configured gets a new split made
 //!   beside it: the runs in flight finish on the old one, unpaused, new runs go to the new one,
 //!   and the old one is released once drained (make before break for re-splits).
+//! - So does an expert owner that returns to an expert split running with its experts
+//!   re-placed: the home and the other owners hold both epochs' experts until the old split
+//!   drains.
 
 mod common;
 
@@ -184,24 +187,20 @@ fn seen_at(p: &mut common::chaos::Proc, fields: &[(&str, &str)], n: usize) -> Op
         .map(|(t, _)| *t)
 }
 
-#[test]
-fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_flight_finish_unpaused(
-) {
-    let path = model(MODEL);
-    let owned = workloads(4);
-    let loads = refs(&owned);
-    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
-    let mut c = Cluster::start(&path, "0..1,1..3");
-    c.add_node("n0");
-    c.add_node("n1");
-    c.wait_ready();
-    c.coordinator.wait_event(&[("event", "epoch_ready")]);
-    // n1 stops: the ring is re-planned on n0 alone.
-    c.node("n1").signal("-TERM");
-    c.coordinator.wait_event_nth(&[("event", "epoch_ready")], 2);
-    // Four streams, each started again as soon as it ends, while n2 joins: a two-stage split
-    // is made beside the serving one and switched to once ready. Streams go on until the
-    // switch and the runs in flight at it have ended.
+/// Per ended run: its stream, when its client started, its messages.
+type Ended = (usize, Instant, Vec<(Instant, Value)>);
+
+/// Four streams of `loads`, each started again as soon as it ends, while node `joining`
+/// starts: the streams go on until the coordinator's `switch_at`th `epoch_ready` (the new
+/// split made beside the serving one) and the runs in flight at it have ended. Every run's
+/// text is checked against `want`. Returns the ended runs and when the switch was seen.
+fn streams_across_a_switch(
+    c: &mut Cluster,
+    loads: &[Vec<&str>],
+    want: &[String],
+    joining: &str,
+    switch_at: usize,
+) -> (Vec<Ended>, Instant) {
     let ready = &[("event", "epoch_ready")];
     let mut streams: Vec<(usize, Instant, common::chaos::Proc)> = (0..loads.len())
         .map(|i| {
@@ -212,10 +211,8 @@ fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_fli
             )
         })
         .collect();
-    c.start_node("n2");
+    c.start_node(joining);
     let deadline = Instant::now() + std::time::Duration::from_secs(120);
-    // Per ended run: its stream, when its client started, its messages.
-    type Ended = (usize, Instant, Vec<(Instant, Value)>);
     let mut ended: Vec<Ended> = Vec::new();
     let mut k = loads.len();
     while !streams.is_empty() {
@@ -223,7 +220,7 @@ fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_fli
             Instant::now() < deadline,
             "the new split never became ready"
         );
-        let switched = seen_at(&mut c.coordinator, ready, 3).is_some();
+        let switched = seen_at(&mut c.coordinator, ready, switch_at).is_some();
         let mut i = 0;
         while i < streams.len() {
             if !streams[i].2.exited() {
@@ -236,9 +233,9 @@ fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_fli
             assert_eq!(text_of(loads[w][1], &msgs), want[w], "stream {w}: text");
             ended.push((w, started, msgs));
             // Until the switch, and once after it, the stream goes on.
-            let after = ended
-                .iter()
-                .filter(|(_, t, _)| seen_at(&mut c.coordinator, ready, 3).is_some_and(|s| *t > s));
+            let after = ended.iter().filter(|(_, t, _)| {
+                seen_at(&mut c.coordinator, ready, switch_at).is_some_and(|s| *t > s)
+            });
             if !switched || after.count() < loads.len() {
                 streams.push((
                     w,
@@ -250,17 +247,29 @@ fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_fli
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
-    let switch = seen_at(&mut c.coordinator, ready, 3).unwrap();
-    let old = epochs_of(&ended[0].2)[0];
+    let switch = seen_at(&mut c.coordinator, ready, switch_at).unwrap();
+    (ended, switch)
+}
+
+/// No run was paused or moved; runs on the old epoch `old` started on `old_stages`, runs after
+/// the switch went to a newer epoch (on `new_stages`), and at least one run was in flight
+/// across the switch (its longest token gap is printed, for the record).
+fn unpaused_across_the_switch(
+    ended: &[Ended],
+    switch: Instant,
+    old: u64,
+    old_stages: &[&str],
+    new_stages: &[&str],
+) {
     let mut spanned = 0;
-    for (w, started, m) in &ended {
+    for (w, started, m) in ended {
         assert!(
             m.iter().all(|(_, x)| x["type"] != "paused"),
             "a run of stream {w} was paused by the re-split"
         );
         assert_eq!(epochs_of(m).len(), 1, "a run moved: {:?}", epochs_of(m));
         if epochs_of(m)[0] == old {
-            assert_eq!(started_on(m), ["n0"]);
+            assert_eq!(started_on(m), old_stages);
             if m.last().is_some_and(|(t, _)| *t > switch) {
                 spanned += 1;
                 // For the record (not a threshold): the longest gap between two tokens of a
@@ -282,7 +291,7 @@ fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_fli
             }
         } else {
             assert!(epochs_of(m)[0] > old);
-            assert_eq!(started_on(m), ["n0", "n2"], "the new split");
+            assert_eq!(started_on(m), new_stages, "the new split");
         }
         if *started > switch {
             assert_ne!(
@@ -293,6 +302,58 @@ fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_fli
         }
     }
     assert!(spanned > 0, "no run was in flight at the switch");
+}
+
+#[test]
+fn a_node_joining_a_serving_ring_gets_a_new_split_made_beside_it_and_runs_in_flight_finish_unpaused(
+) {
+    let path = model(MODEL);
+    let owned = workloads(4);
+    let loads = refs(&owned);
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let mut c = Cluster::start(&path, "0..1,1..3");
+    c.add_node("n0");
+    c.add_node("n1");
+    c.wait_ready();
+    c.coordinator.wait_event(&[("event", "epoch_ready")]);
+    // n1 stops: the ring is re-planned on n0 alone.
+    c.node("n1").signal("-TERM");
+    c.coordinator.wait_event_nth(&[("event", "epoch_ready")], 2);
+    // n2 joins under four streams: a two-stage split is made beside the serving one and
+    // switched to once ready.
+    let (ended, switch) = streams_across_a_switch(&mut c, &loads, &want, "n2", 3);
+    let old = epochs_of(&ended[0].2)[0];
+    unpaused_across_the_switch(&ended, switch, old, &["n0"], &["n0", "n2"]);
     // The old split was released once its last run ended.
     c.coordinator.wait_event(&[("event", "epoch_drained")]);
+}
+
+#[test]
+fn an_expert_owner_returning_gets_its_experts_back_beside_the_serving_split_and_runs_finish_unpaused(
+) {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let owned = workloads(4);
+    let loads = refs(&owned);
+    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let mut c = Cluster::start_with(&path, "0..3", &["--experts", "0-2@n0,3-5@n1,6-7@n2"]);
+    for n in ["n0", "n1", "n2"] {
+        c.add_node(n);
+    }
+    c.coordinator.wait_event(&[("event", "epoch_ready")]);
+    // n2 stops: its experts go to the home n0 and the expert node n1.
+    c.node("n2").signal("-TERM");
+    c.coordinator.wait_event_nth(&[("event", "epoch_ready")], 2);
+    // n2 returns under four streams: the configured split is made beside the serving one and
+    // switched to once ready. Meanwhile n0 and n1 hold both epochs' experts, and n1 serves the
+    // home n0 in both (each expert stream names its epoch).
+    let (ended, switch) = streams_across_a_switch(&mut c, &loads, &want, "n2", 3);
+    let old = epochs_of(&ended[0].2)[0];
+    // (A run's stages list the expert-only nodes too.)
+    unpaused_across_the_switch(&ended, switch, old, &["n0", "n1"], &["n0", "n1", "n2"]);
+    c.coordinator.wait_event(&[("event", "epoch_drained")]);
+    // The new split asks n2 for its experts again.
+    let back =
+        c.coordinator
+            .wait_event_where(&[("event", "experts_placed"), ("node", "n2")], 2, |_| true);
+    assert_eq!(back["experts"], "6,7", "{back}");
 }

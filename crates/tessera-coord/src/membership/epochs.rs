@@ -56,6 +56,9 @@ pub struct Epoch {
     pub model: ContentHash,
     pub stages: Vec<EpochStage>,
     pub phase: Phase,
+    /// The expert split it runs (`None`: each stage holds all its layers' experts): the
+    /// configured one, or after a loss the one with the departed owners' experts re-placed.
+    pub experts: Option<crate::assignment::ExpertSplit>,
 }
 
 /// Whether an epoch still holds its nodes (it has not failed or been released).
@@ -183,6 +186,7 @@ impl Membership {
             model,
             stages: Vec::new(),
             phase: Phase::Failed(reason.clone()),
+            experts: None,
         });
         out.push(Action::EpochFailed { epoch: id, reason });
     }
@@ -311,13 +315,11 @@ impl Membership {
                 split
             }),
             Err(reason) => {
-                self.epoch_experts = None;
                 let reason = format!("expert split: {reason}");
                 self.unstarted(slot, id, model, reason, beside, &mut out);
                 return out;
             }
         };
-        self.epoch_experts = split.clone();
         let expert_plan = match &split {
             None => None,
             Some(split) => {
@@ -417,6 +419,7 @@ impl Membership {
                 })
                 .collect(),
             phase: Phase::Loading,
+            experts: split,
         };
         if beside {
             self.successors.push(epoch);

@@ -368,8 +368,9 @@ mod tests {
         );
         assert_eq!(layers(&m), vec![(a.node_id, 0..2), (b.node_id, 0..0)]);
         assert_eq!(m.epoch_expert_split().unwrap().to_string(), "0-1@n1,2-7@n2");
-        ready(&mut m);
-        // c comes back: the configured split is placed again.
+        let replaced = ready(&mut m);
+        // c comes back: the configured split is made again, beside the serving one (make
+        // before break): nothing of the serving epoch is released yet.
         let mut c2 = c.clone();
         c2.session = 2;
         let acts = m.handle(Event::Joined(Box::new(c2)));
@@ -381,8 +382,27 @@ mod tests {
                 (c.node_id, vec![5, 6, 7], true)
             ]
         );
+        assert!(!sends(&acts)
+            .iter()
+            .any(|(_, x)| matches!(x, CoordToNode::Release { .. })));
+        assert_eq!(m.epoch().unwrap().id, replaced);
+        assert_eq!(m.epoch_expert_split().unwrap().to_string(), "0-1@n1,2-7@n2");
+        let restored = m.successors()[0].id;
+        // Once it is ready it serves new runs, and the replaced split drains its own.
+        ready_epoch(&mut m, restored);
+        assert_eq!(m.epoch().unwrap().id, restored);
         assert_eq!(m.epoch_expert_split(), m.expert_split());
-        ready(&mut m);
+        assert!(m.serves(replaced) && m.draining()[0].id == replaced);
+        let acts = m.handle(Event::Drained { epoch: replaced });
+        let mut released: Vec<NodeId> = sends(&acts)
+            .iter()
+            .filter(|(_, x)| matches!(x, CoordToNode::Release { epoch } if *epoch == replaced))
+            .map(|(n, _)| *n)
+            .collect();
+        released.sort();
+        let mut holders = vec![a.node_id, b.node_id];
+        holders.sort();
+        assert_eq!(released, holders);
         // Both expert nodes go: the home takes everything, beyond its budget (it streams).
         m.handle(Event::Left {
             node: b.node_id,

@@ -224,7 +224,10 @@ impl Membership {
             // the epoch runs a re-placed one.
             let restorable = slot == 0
                 && self.experts.is_some()
-                && self.epoch_experts != self.experts
+                && self
+                    .cells
+                    .first()
+                    .is_some_and(|e| e.experts != self.experts)
                 && self.expert_split_ready();
             // A new split already being made with the stages wanted is left to finish.
             let making = self.successors.iter().any(|e| {
@@ -238,15 +241,13 @@ impl Membership {
                 _ => slot == 0 || wanted > 0,
             };
             if better {
-                // A serving ring is switched to the new split once that is ready (make before
-                // break): its runs finish where they are. An expert split is re-placed the
-                // plain way (its nodes' expert links are per epoch).
+                // A serving cell (a ring, or an expert split) is switched to the new split once
+                // that is ready (make before break): its runs finish where they are.
                 let serving = self
                     .cells
                     .get(slot)
                     .is_some_and(|e| e.phase == Phase::Ready);
-                let beside = serving && self.experts.is_none();
-                out.extend(self.replan_with(slot, beside));
+                out.extend(self.replan_with(slot, serving));
             }
             // Slots fill in order: a cell that could not be placed leaves no nodes for later.
             if !self.cells.get(slot).is_some_and(is_live) {

@@ -17,12 +17,13 @@
 //! until a node joins. Sequences in flight are resumed on the new epoch by the driver, which
 //! re-prefills what they had generated.
 //!
-//! **Joining.** A node that joins while a serving ring has fewer stages than configured gets the
-//! new split made beside it (make before break): the new epoch is a *successor* that loads and
-//! links while the old one serves; once ready it takes the cell's slot and the old one
-//! *drains* — it keeps its runs, takes no new ones, and is released when the driver reports
-//! no run seated on it ([`Event::Drained`]). A successor that cannot load or link falls back to
-//! the plain re-plan. (Expert splits, and cells with no serving epoch, are re-planned the plain
+//! **Joining.** A node that joins while a serving cell has fewer stages than configured, or
+//! while an expert split runs with a departed owner's experts re-placed and every configured
+//! owner is back, gets the new split made beside it (make before break): the new epoch is a
+//! *successor* that loads and links while the old one serves; once ready it takes the cell's
+//! slot and the old one *drains* — it keeps its runs, takes no new ones, and is released when
+//! the driver reports no run seated on it ([`Event::Drained`]). A successor that cannot load or
+//! link falls back to the plain re-plan. (A cell with no serving epoch is planned the plain
 //! way.)
 //!
 //! **Lost data links.** A stage that loses a data link of the epoch (the ring link to a
@@ -112,9 +113,6 @@ pub struct Membership {
     outage: Option<String>,
     /// Expert split applied to every plan (`None`: each stage holds all its layers' experts).
     experts: Option<crate::assignment::ExpertSplit>,
-    /// The split the current epoch runs: the configured one, or after a loss the one with the
-    /// departed owners' experts re-placed.
-    epoch_experts: Option<crate::assignment::ExpertSplit>,
     /// KV cache type every stage is assigned.
     kv_type: tessera_model::kv::KvType,
     /// Liveness: the lease and when each connected member was last heard from.
@@ -153,7 +151,7 @@ impl Membership {
     /// The expert split of the current epoch (differs from [`Membership::expert_split`] while
     /// a departed owner's experts are held by others).
     pub fn epoch_expert_split(&self) -> Option<&crate::assignment::ExpertSplit> {
-        self.epoch_experts.as_ref()
+        self.cells.first()?.experts.as_ref()
     }
 
     /// Whether every node the expert split names is connected (a plan would resolve).

@@ -1,6 +1,6 @@
-//! Expert split: this node's expert serving state for the current epoch, the links to the
-//! workers owning the rest of its stage's experts, serving expert streams for other homes, and
-//! releasing all of it with its epoch.
+//! Expert split: this node's expert serving state per installed epoch, the links to the
+//! workers owning the rest of its stage's experts, serving expert streams for other homes (each
+//! stream names its epoch), and releasing all of it with its epoch.
 
 use std::sync::Arc;
 
@@ -14,7 +14,7 @@ use super::ring::{watch_link, DataLink, LinkUpFailed, DATA_LINK_LIVENESS};
 use super::stage_thread::WorkerMsg;
 use super::Shared;
 
-/// Expert split state of the current epoch.
+/// Expert split state of one installed epoch.
 #[derive(Clone)]
 pub(super) struct ExpertServing {
     pub(super) epoch: u64,
@@ -46,38 +46,50 @@ impl crate::expert::ExpertLink for NetExpertLink {
     }
 }
 
-/// Drops the expert split state of `epoch` (or of any epoch): its serving model, its worker
-/// connections and the admission of its clients.
+/// Drops the expert split state of `epoch` (or of every epoch): its serving model, its worker
+/// connections and the admission of its clients (a home another installed epoch still serves,
+/// or whose ring stream an installed epoch takes, stays admitted).
 pub(super) fn release_experts(shared: &Shared, epoch: Option<u64>) {
-    let mut ex = shared.experts.lock().unwrap_or_else(|p| p.into_inner());
-    if ex
-        .as_ref()
-        .is_some_and(|e| epoch.is_none_or(|epoch| e.epoch == epoch))
-    {
-        if let Some(e) = ex.take() {
-            for c in &e.assignment.clients {
-                shared.allow.remove(&c.node_id);
-            }
-        }
-        for c in shared
-            .expert_conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
-            c.close("epoch released");
+    let released = |e: u64| epoch.is_none_or(|x| x == e);
+    let (gone, kept_clients) = {
+        let mut ex = shared.experts.lock().unwrap_or_else(|p| p.into_inner());
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *ex)
+            .into_iter()
+            .partition(|x| released(x.epoch));
+        *ex = kept;
+        let kept_clients: Vec<_> = ex
+            .iter()
+            .flat_map(|x| x.assignment.clients.iter().map(|c| c.node_id))
+            .collect();
+        (gone, kept_clients)
+    };
+    let prevs: Vec<_> = shared
+        .current
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter_map(|c| c.assignment.prev.as_ref().map(|p| p.node_id))
+        .collect();
+    for c in gone.iter().flat_map(|x| &x.assignment.clients) {
+        if !kept_clients.contains(&c.node_id) && !prevs.contains(&c.node_id) {
+            shared.allow.remove(&c.node_id);
         }
     }
+    shared
+        .expert_conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|(e, c)| {
+            if released(*e) {
+                c.close("epoch released");
+            }
+            !released(*e)
+        });
     let mut pending = shared
         .pending_experts
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    match epoch {
-        Some(epoch) => {
-            pending.remove(&epoch);
-        }
-        None => pending.clear(),
-    }
+    pending.retain(|e, _| !released(*e));
 }
 
 /// Expert split: opens one expert stream to every worker owning experts of this stage's layers
@@ -91,8 +103,8 @@ pub(super) async fn link_experts(
         .experts
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .as_ref()
-        .filter(|e| e.epoch == epoch && !e.assignment.expert_only)
+        .iter()
+        .find(|e| e.epoch == epoch && !e.assignment.expert_only)
         .map(|e| e.assignment.peers.clone())
         .unwrap_or_default();
     if peers.is_empty() {
@@ -104,7 +116,11 @@ pub(super) async fn link_experts(
             let conn = endpoint
                 .connect_with_liveness(p.peer.addr, p.peer.key, DATA_LINK_LIVENESS)
                 .await?;
-            let s = conn.open_stream(stream::EXPERT).await?;
+            let mut s = conn.open_stream(stream::EXPERT).await?;
+            // The worker may serve two epochs' experts (a split being switched to): say which.
+            s.writer
+                .write_frame(frame::EXPERT_EPOCH, &epoch.to_le_bytes())
+                .await?;
             Ok::<_, FabricError>((conn, s))
         };
         let (conn, mut s) = up.await.map_err(LinkUpFailed::to(p.peer.node_id))?;
@@ -119,7 +135,7 @@ pub(super) async fn link_experts(
             .expert_conns
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(conn);
+            .push((epoch, conn));
         remote.push(crate::expert::RemotePeer {
             name: p.peer.node_id.short(),
             experts: p.experts,

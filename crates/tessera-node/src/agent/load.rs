@@ -256,12 +256,15 @@ pub(super) async fn load_assignment(
                 a.epoch
             )));
         }
-        *shared.experts.lock().unwrap_or_else(|p| p.into_inner()) =
-            experts.map(|x| ExpertServing {
+        {
+            let mut serving = shared.experts.lock().unwrap_or_else(|p| p.into_inner());
+            serving.retain(|x| x.epoch != a.epoch);
+            serving.extend(experts.map(|x| ExpertServing {
                 epoch: a.epoch,
                 assignment: x,
                 model: serve_model.map(Arc::new),
-            });
+            }));
+        }
         *shared
             .stage_experts
             .lock()

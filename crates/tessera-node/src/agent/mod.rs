@@ -78,10 +78,11 @@ struct Shared {
     /// Expert placements received for epochs not yet loaded.
     pending_experts: Mutex<std::collections::HashMap<u64, ExpertAssignment>>,
     /// Expert split: this node's expert placement and the model serving other homes' requests
-    /// (experts of layers outside its stage), for the current epoch.
-    experts: Mutex<Option<ExpertServing>>,
-    /// Keeps the connections to expert workers open.
-    expert_conns: Mutex<Vec<Connection>>,
+    /// (experts of layers outside its stage), per installed epoch (two while a new split is
+    /// switched to).
+    experts: Mutex<Vec<ExpertServing>>,
+    /// Keeps each installed epoch's connections to its expert workers open.
+    expert_conns: Mutex<Vec<(u64, Connection)>>,
     /// The counters of the current stage's own streamed experts (the stage's model lives on the
     /// worker thread; the handle reads them from here, and reads nothing once it is dropped).
     stage_experts: Mutex<Option<tessera_engine::expert_store::ExpertStatsSource>>,
@@ -98,7 +99,7 @@ impl Shared {
     fn sealed_holding(&self) -> Option<StageAssignment> {
         let experts = self.experts.lock().unwrap_or_else(|p| p.into_inner());
         self.latest()
-            .filter(|_| experts.is_none())
+            .filter(|_| experts.is_empty())
             .map(|c| c.assignment)
     }
 
@@ -134,19 +135,16 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
             .and_then(|s| s.stats());
-        let serving = {
+        let serving: Vec<_> = {
             let x = self.experts.lock().unwrap_or_else(|p| p.into_inner());
-            x.as_ref()
-                .and_then(|x| x.model.as_ref())
-                .and_then(|m| m.expert_stats())
+            x.iter()
+                .filter_map(|x| x.model.as_ref()?.expert_stats())
+                .collect()
         };
-        let st = match (stage, serving) {
-            (Some(mut a), Some(b)) => {
-                a.add(&b);
-                a
-            }
-            (a, b) => a.or(b)?,
-        };
+        let st = stage.into_iter().chain(serving).reduce(|mut a, b| {
+            a.add(&b);
+            a
+        })?;
         Some(ExpertCacheStats {
             budget_bytes: st.budget_bytes,
             lookups: st.lookups,
@@ -286,7 +284,7 @@ pub async fn run_until(
         ctrl: ctrl_tx,
         next_conn: Mutex::new(Vec::new()),
         pending_experts: Mutex::new(Default::default()),
-        experts: Mutex::new(None),
+        experts: Mutex::new(Vec::new()),
         stage_experts: Mutex::new(None),
         expert_conns: Mutex::new(Vec::new()),
         assigned: std::sync::atomic::AtomicU64::new(0),

@@ -36,6 +36,10 @@ pub(super) enum RingOut {
 /// Frames queued for the next stage before the stage thread waits: a few prefill chunks.
 const RING_QUEUE: usize = 4;
 
+/// How long a worker waits for an expert stream's first frame (its epoch): the home writes it
+/// as it opens the stream.
+const EXPERT_EPOCH_WAIT: Duration = Duration::from_secs(5);
+
 impl RingOut {
     /// A writer task for `writer` on the current runtime, and the stage thread's end of it.
     pub(super) fn stream(mut writer: FrameWriter<tessera_net::quinn::SendStream>) -> Self {
@@ -237,18 +241,30 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             })
             .cloned();
         if s.kind == stream::EXPERT {
+            // The stream's first frame names its epoch; a home that does not send it at once
+            // is not waited for.
+            s.reader.set_max_len(limits::EXPERT);
+            let epoch = match tokio::time::timeout(EXPERT_EPOCH_WAIT, s.reader.read_frame()).await {
+                Ok(Ok(Some(f))) if f.kind == frame::EXPERT_EPOCH => {
+                    <[u8; 8]>::try_from(&f.payload[..])
+                        .ok()
+                        .map(u64::from_le_bytes)
+                }
+                _ => None,
+            };
             let serving = shared
                 .experts
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .clone()
-                .filter(|e| {
-                    e.assignment
-                        .clients
-                        .iter()
-                        .any(|c| c.key == conn.peer_key())
+                .iter()
+                .find(|e| {
+                    Some(e.epoch) == epoch
+                        && e.assignment
+                            .clients
+                            .iter()
+                            .any(|c| c.key == conn.peer_key())
                 })
-                .and_then(|e| Some((e.epoch, e.model?)));
+                .and_then(|e| Some((e.epoch, e.model.clone()?)));
             match serving {
                 Some((epoch, model)) => {
                     carried = Some((epoch, DataLink::ExpertFromHome));
@@ -261,7 +277,8 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
                 }
                 None => {
                     tracing::info!(
-                        "peer {}: refusing an expert stream (no experts served to it)",
+                        "peer {}: refusing an expert stream (no experts of epoch {epoch:?} served \
+                         to it)",
                         conn.peer_id().short()
                     );
                     let _ = s.writer.finish().await;
