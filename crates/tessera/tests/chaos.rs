@@ -424,6 +424,8 @@ fn kill_of_an_expert_node_moves_its_experts_and_resumes_every_generation() {
     let mut back = Proc::spawn_with_events("c-again", &args);
     back.wait_event(&[("event", "joined")]);
     back.wait_event(&[("event", "loaded")]);
+    // It is made beside the serving split and serves new runs once ready (the third epoch).
+    c.coordinator.wait_event_nth(&[("event", "epoch_ready")], 3);
     let msgs = run_to_end(&c, "after", &loads[1]);
     assert_eq!(text_of(loads[1][1], &msgs), want[1]);
     assert_eq!(started_stages(&msgs), 3, "c is folded back in");

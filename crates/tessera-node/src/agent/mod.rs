@@ -97,9 +97,14 @@ impl Shared {
     /// What this node holds that a sealed job can run on: the current assignment, unless its
     /// experts are shared with other nodes.
     fn sealed_holding(&self) -> Option<StageAssignment> {
-        let experts = self.experts.lock().unwrap_or_else(|p| p.into_inner());
+        // Not under the experts lock: an install locks the epochs, then the experts.
+        let shares_experts = !self
+            .experts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty();
         self.latest()
-            .filter(|_| experts.is_empty())
+            .filter(|_| !shares_experts)
             .map(|c| c.assignment)
     }
 

@@ -114,16 +114,19 @@ async fn with_timeout(
 }
 
 fn forget_epoch(shared: &Shared) {
-    let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
-    shared
-        .assigned
-        .store(0, std::sync::atomic::Ordering::SeqCst);
-    for c in cur.drain(..) {
-        if let Some(prev) = &c.assignment.prev {
-            shared.allow.remove(&prev.node_id);
+    {
+        let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
+        shared
+            .assigned
+            .store(0, std::sync::atomic::Ordering::SeqCst);
+        for c in cur.drain(..) {
+            if let Some(prev) = &c.assignment.prev {
+                shared.allow.remove(&prev.node_id);
+            }
+            let _ = shared.worker.send(WorkerMsg::Release(c.assignment.epoch));
         }
-        let _ = shared.worker.send(WorkerMsg::Release(c.assignment.epoch));
     }
+    // (After the lock: releasing the experts reads the installed epochs.)
     shared
         .next_conn
         .lock()
