@@ -59,6 +59,9 @@ pub struct PlacementFigure {
     pub rounds: Vec<f64>,
     /// Requests each node served, over every round.
     pub requests_per_node: BTreeMap<String, usize>,
+    /// CPU each cell's host used while the streams ran, in cores (medians over rounds): at
+    /// its quota, the quota bounds the host, not this machine.
+    pub host_cores: Vec<f64>,
 }
 
 /// Everything `tessera lab cells` measured.
@@ -142,12 +145,31 @@ fn placement(dir: &Path, n_layer: usize, cells: usize) -> Result<std::path::Path
     Ok(path)
 }
 
-/// One round of one placement: the aggregate, which node served each stream, and each
-/// stream's text.
+/// One round of one placement: the aggregate, which node served each stream, each stream's
+/// text, and the CPU each cell's host used while the streams ran, in cores.
 struct Round {
     aggregate: f64,
     served_by: Vec<String>,
     texts: Vec<String>,
+    host_cores: Vec<f64>,
+}
+
+/// CPU seconds used so far by the processes `pids` (user and system, all threads), from
+/// `/proc/PID/stat`; a process that is gone counts nothing.
+fn cpu_seconds(pids: &[u32]) -> f64 {
+    // Clock ticks per second: 100 on every Linux this runs on (USER_HZ).
+    const TICKS: f64 = 100.0;
+    pids.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .filter_map(|s| {
+            // The fields after the command name (which may hold spaces), from field 3 on.
+            let rest = &s[s.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let utime: u64 = f.get(11)?.parse().ok()?;
+            let stime: u64 = f.get(12)?.parse().ok()?;
+            Some((utime + stime) as f64 / TICKS)
+        })
+        .sum()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -187,7 +209,15 @@ fn round(
     session.clients(lab, &plan, &prompt(0), o.tokens.min(32), cells)?;
     let prompts: Vec<String> = (0..o.streams).map(prompt).collect();
     let prompts: Vec<&str> = prompts.iter().map(String::as_str).collect();
+    let cpu = || -> Vec<f64> { (1..=cells).map(|i| cpu_seconds(&lab.pids(i))).collect() };
+    let (cpu0, t0) = (cpu(), std::time::Instant::now());
     let runs = session.timed_clients(lab, &plan, &prompts, o.tokens)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let host_cores = cpu()
+        .iter()
+        .zip(&cpu0)
+        .map(|(b, a)| (b - a) / secs)
+        .collect();
     let arrivals: Vec<_> = runs.iter().map(|r| r.arrivals.clone()).collect();
     let (tokens, secs) = overlap_window(&arrivals).ok_or_else(|| {
         LabError::Run(format!(
@@ -207,6 +237,7 @@ fn round(
             })
             .collect(),
         texts: runs.into_iter().map(|r| r.text).collect(),
+        host_cores,
     })
 }
 
@@ -265,15 +296,15 @@ pub fn run(
     std::fs::create_dir_all(dir)
         .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
 
-    let mut figures = [
-        (1usize, Vec::new(), BTreeMap::new()),
+    let mut figures: [(usize, Vec<Round>, BTreeMap<String, usize>); 2] = [
+        (1, Vec::new(), BTreeMap::new()),
         (o.hosts, Vec::new(), BTreeMap::new()),
     ];
     let (mut identical, mut checked) = (0, 0);
     for r in 0..o.rounds.max(1) {
         let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
         for k in order {
-            let (cells, aggregates, served) = &mut figures[k];
+            let (cells, rounds, served) = &mut figures[k];
             let got = round(&lab, tessera, o, dir, config.n_layer, *cells, context)?;
             for name in &got.served_by {
                 *served.entry(name.clone()).or_insert(0) += 1;
@@ -282,24 +313,26 @@ pub fn run(
             identical += same;
             checked += got.texts.len();
             progress(&format!(
-                "round {}: {cells} cell(s): {:.1} tok/s, texts equal to one process {same}/{}",
+                "round {}: {cells} cell(s): {:.1} tok/s, texts equal to one process {same}/{}, \
+                 hosts' CPU {} cores",
                 r + 1,
                 got.aggregate,
-                got.texts.len()
+                got.texts.len(),
+                joined(&got.host_cores, 2)
             ));
-            aggregates.push(got.aggregate);
+            rounds.push(got);
         }
     }
     drop(lab);
-    let figure =
-        |(cells, rounds, requests_per_node): (usize, Vec<f64>, BTreeMap<String, usize>)| {
-            PlacementFigure {
-                cells,
-                aggregate_tokens_per_s: median(rounds.clone()),
-                rounds,
-                requests_per_node,
-            }
-        };
+    let figure = |(cells, rounds, requests_per_node): (usize, Vec<Round>, _)| PlacementFigure {
+        cells,
+        aggregate_tokens_per_s: median(rounds.iter().map(|r| r.aggregate).collect()),
+        host_cores: (0..cells)
+            .map(|h| median(rounds.iter().map(|r| r.host_cores[h]).collect()))
+            .collect(),
+        rounds: rounds.iter().map(|r| r.aggregate).collect(),
+        requests_per_node,
+    };
     let [one, many] = figures;
     let (one_cell, cells) = (figure(one), figure(many));
     Ok(CellsReport {
@@ -319,6 +352,14 @@ pub fn run(
         load_after: load_average(),
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
     })
+}
+
+/// `v`'s values with `digits` decimals, joined by " / ".
+fn joined(v: &[f64], digits: usize) -> String {
+    v.iter()
+        .map(|x| format!("{x:.digits$}"))
+        .collect::<Vec<_>>()
+        .join(" / ")
 }
 
 /// The figures as a table.
@@ -341,19 +382,16 @@ pub fn table(r: &CellsReport) -> String {
         r.load_after.map_or("?".into(), |l| format!("{l:.2}")),
     );
     s.push_str(&format!(
-        "{:>6} {:>12} {:>24} {}\n",
-        "cells", "aggr tok/s", "rounds", "requests per node"
+        "{:>6} {:>12} {:>24} {:>24} {}\n",
+        "cells", "aggr tok/s", "rounds", "hosts' CPU (cores)", "requests per node"
     ));
     for f in [&r.one_cell, &r.cells] {
         s.push_str(&format!(
-            "{:>6} {:>12.1} {:>24} {}\n",
+            "{:>6} {:>12.1} {:>24} {:>24} {}\n",
             f.cells,
             f.aggregate_tokens_per_s,
-            f.rounds
-                .iter()
-                .map(|x| format!("{x:.0}"))
-                .collect::<Vec<_>>()
-                .join(" / "),
+            joined(&f.rounds, 0),
+            joined(&f.host_cores, 2),
             f.requests_per_node
                 .iter()
                 .map(|(n, c)| format!("{n}:{c}"))
@@ -385,6 +423,16 @@ mod tests {
                 { "node": "s1", "layers": "0..5" },
             ] })
         );
+    }
+
+    #[test]
+    fn this_process_has_used_some_cpu_and_a_gone_one_none() {
+        let spin = std::time::Instant::now();
+        while spin.elapsed() < std::time::Duration::from_millis(30) {
+            std::hint::black_box(0u64);
+        }
+        assert!(cpu_seconds(&[std::process::id()]) > 0.0);
+        assert_eq!(cpu_seconds(&[u32::MAX]), 0.0);
     }
 
     #[test]
