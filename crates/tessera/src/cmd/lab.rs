@@ -32,6 +32,10 @@ enum LabCommand {
     Run {
         /// The scenario file (see crates/tessera-lab/scenarios/).
         scenario: std::path::PathBuf,
+        /// Run the scenario with this model in place of its [model] (a larger one than the
+        /// repo carries, say, so that each request decodes for seconds).
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -201,6 +205,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
         }
         LabCommand::Run {
             scenario,
+            model,
             json,
             dir,
             strategy,
@@ -208,7 +213,12 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             save_calibrated,
             calibrated,
         } => {
-            let s = tessera_lab::scenario::Scenario::load(&scenario)?;
+            let mut s = tessera_lab::scenario::Scenario::load(&scenario)?;
+            if let Some(m) = model {
+                anyhow::ensure!(m.is_file(), "--model {}: no such file", m.display());
+                s.model = std::fs::canonicalize(&m)
+                    .with_context(|| format!("--model {}", m.display()))?;
+            }
             let dir = dir.unwrap_or_else(|| tessera_lab::run::default_dir(&s));
             let exe = std::env::current_exe().context("finding this executable")?;
             let strategy = strategy
