@@ -133,6 +133,21 @@ fn one_process(tessera: &Path, o: &Options, prompt: &str) -> Result<String> {
         .to_string())
 }
 
+/// The scenario of the first `hosts` equal hosts, each with the quota asked.
+fn scenario(o: &Options, hosts: usize, context: usize) -> Result<crate::scenario::Scenario> {
+    EqualHosts {
+        file: "cells.toml",
+        model: &o.model,
+        nodes: hosts,
+        rtt_ms: o.rtt_ms,
+        context,
+        tokens: o.tokens,
+        threads: o.threads,
+        cpu_quota: o.cpu_quota,
+    }
+    .scenario()
+}
+
 /// The placement of `cells` single-node cells, each holding all `n_layer` layers, written to
 /// `dir`; its path.
 fn placement(dir: &Path, n_layer: usize, cells: usize) -> Result<std::path::PathBuf> {
@@ -182,17 +197,7 @@ fn round(
     cells: usize,
     context: usize,
 ) -> Result<Round> {
-    let s = EqualHosts {
-        file: "cells.toml",
-        model: &o.model,
-        nodes: cells,
-        rtt_ms: o.rtt_ms,
-        context,
-        tokens: o.tokens,
-        threads: o.threads,
-        cpu_quota: o.cpu_quota,
-    }
-    .scenario()?;
+    let s = scenario(o, cells, context)?;
     let plan = placement(dir, n_layer, cells)?;
     let mode = Mode::Fixed {
         plan: plan.clone(),
@@ -274,17 +279,7 @@ pub fn run(
         .map(|i| one_process(tessera, o, &prompt(i)))
         .collect::<Result<_>>()?;
 
-    let all = EqualHosts {
-        file: "cells.toml",
-        model: &o.model,
-        nodes: o.hosts,
-        rtt_ms: o.rtt_ms,
-        context,
-        tokens: o.tokens,
-        threads: o.threads,
-        cpu_quota: o.cpu_quota,
-    }
-    .scenario()?;
+    let all = scenario(o, o.hosts, context)?;
     let lab = Lab::start(&all.lab_spec()?)?;
     progress(&format!(
         "lab {} up: {} hosts{}",

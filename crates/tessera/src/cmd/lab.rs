@@ -263,18 +263,13 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                 rounds,
                 threads: 1,
             };
-            let dir = dir.unwrap_or_else(|| {
-                std::env::temp_dir().join(format!("tessera-lab-hop-{}", std::process::id()))
-            });
-            let exe = std::env::current_exe().context("finding this executable")?;
-            let figures = tessera_lab::run::hop::run(&opts, &exe, &dir, |m| eprintln!("lab: {m}"))
-                .with_context(|| format!("lab hop (logs in {})", dir.display()))?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&figures)?);
-            } else {
-                print!("{}", tessera_lab::run::hop::table(&figures));
-            }
-            Ok(())
+            measure(
+                "hop",
+                dir,
+                json,
+                |exe, dir, progress| tessera_lab::run::hop::run(&opts, exe, dir, progress),
+                |f| tessera_lab::run::hop::table(f),
+            )
         }
         LabCommand::Pipeline {
             model,
@@ -303,19 +298,13 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                 prefill_chunk,
                 threads: threads.max(1),
             };
-            let dir = dir.unwrap_or_else(|| {
-                std::env::temp_dir().join(format!("tessera-lab-pipeline-{}", std::process::id()))
-            });
-            let exe = std::env::current_exe().context("finding this executable")?;
-            let report =
-                tessera_lab::run::pipeline::run(&opts, &exe, &dir, |m| eprintln!("lab: {m}"))
-                    .with_context(|| format!("lab pipeline (logs in {})", dir.display()))?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{}", tessera_lab::run::pipeline::table(&report));
-            }
-            Ok(())
+            measure(
+                "pipeline",
+                dir,
+                json,
+                |exe, dir, progress| tessera_lab::run::pipeline::run(&opts, exe, dir, progress),
+                tessera_lab::run::pipeline::table,
+            )
         }
         LabCommand::Cells {
             model,
@@ -343,18 +332,13 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                 rtt_ms,
                 threads: threads.max(1),
             };
-            let dir = dir.unwrap_or_else(|| {
-                std::env::temp_dir().join(format!("tessera-lab-cells-{}", std::process::id()))
-            });
-            let exe = std::env::current_exe().context("finding this executable")?;
-            let report = tessera_lab::run::cells::run(&opts, &exe, &dir, |m| eprintln!("lab: {m}"))
-                .with_context(|| format!("lab cells (logs in {})", dir.display()))?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{}", tessera_lab::run::cells::table(&report));
-            }
-            Ok(())
+            measure(
+                "cells",
+                dir,
+                json,
+                |exe, dir, progress| tessera_lab::run::cells::run(&opts, exe, dir, progress),
+                tessera_lab::run::cells::table,
+            )
         }
         LabCommand::Clean { all } => {
             let c = tessera_lab::clean(all);
@@ -370,4 +354,32 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// What `lab hop`, `pipeline` and `cells` share: the directory (default a fresh one under the
+/// temp dir), this executable for the lab's processes, progress on stderr, and the result as
+/// JSON or as `table` prints it.
+fn measure<T: serde::Serialize>(
+    kind: &str,
+    dir: Option<std::path::PathBuf>,
+    json: bool,
+    run: impl FnOnce(
+        &std::path::Path,
+        &std::path::Path,
+        &mut dyn FnMut(&str),
+    ) -> Result<T, tessera_lab::LabError>,
+    table: impl FnOnce(&T) -> String,
+) -> anyhow::Result<()> {
+    let dir = dir.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("tessera-lab-{kind}-{}", std::process::id()))
+    });
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let result = run(&exe, &dir, &mut |m| eprintln!("lab: {m}"))
+        .with_context(|| format!("lab {kind} (logs in {})", dir.display()))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+    } else {
+        print!("{}", table(&result));
+    }
+    Ok(())
 }
