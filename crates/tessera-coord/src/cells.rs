@@ -34,7 +34,20 @@ const SPEED_WEIGHT: f64 = 0.3;
 /// proportion. A few tokens' rate is mostly the first step's and the scheduler's noise (on a
 /// host with a CPU quota, whether the request met a throttled period), and equal cells whose
 /// short warm-up requests measured 7 and 12 tok/s would be sent requests 1 : 3 for it.
+///
+/// The same weights make a cell's *confidence*: the sum of its requests' weights, up to 1. The
+/// score uses a cell's speed only in proportion to its confidence and the mean of the measured
+/// cells for the rest, so a cell known from one short request is taken as an average cell.
 const FULL_SAMPLE_TOKENS: f64 = 32.0;
+
+/// A cell's measured decode speed and how much evidence it rests on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Speed {
+    tokens_per_s: f64,
+    /// Sum of the measurements' weights (a request of [`FULL_SAMPLE_TOKENS`] or more weighs
+    /// 1), at most 1.
+    confidence: f64,
+}
 
 /// One node of a candidate cell, as the filter sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,7 +70,8 @@ pub struct CellLoad {
     pub seated: usize,
     /// KV positions those requests reserved.
     pub reserved_positions: u64,
-    /// Measured decode tokens/s (`None`: no request has finished on it yet).
+    /// Measured decode tokens/s, drawn towards the measured cells' mean while it rests on
+    /// little evidence (`None`: no request has finished on it yet).
     pub speed: Option<f64>,
     /// Seconds of the coordinator's round trip to its farthest node (0: not measured).
     pub latency_s: f64,
@@ -162,7 +176,7 @@ struct Seat {
 #[derive(Debug, Default)]
 pub struct CellBook {
     seats: BTreeMap<u64, Seat>,
-    speed: BTreeMap<u64, f64>,
+    speed: BTreeMap<u64, Speed>,
 }
 
 impl CellBook {
@@ -197,14 +211,37 @@ impl CellBook {
         if !(tokens_per_s.is_finite() && tokens_per_s > 0.0) {
             return;
         }
-        let weight = SPEED_WEIGHT * (tokens as f64 / FULL_SAMPLE_TOKENS).min(1.0);
-        let s = self.speed.entry(epoch).or_insert(tokens_per_s);
-        *s += weight * (tokens_per_s - *s);
+        let sample = (tokens as f64 / FULL_SAMPLE_TOKENS).min(1.0);
+        let s = self.speed.entry(epoch).or_insert(Speed {
+            tokens_per_s,
+            confidence: 0.0,
+        });
+        s.tokens_per_s += SPEED_WEIGHT * sample * (tokens_per_s - s.tokens_per_s);
+        s.confidence = (s.confidence + sample).min(1.0);
     }
 
     /// Cell `epoch`'s measured decode tokens/s.
     pub fn speed(&self, epoch: u64) -> Option<f64> {
-        self.speed.get(&epoch).copied()
+        self.speed.get(&epoch).map(|s| s.tokens_per_s)
+    }
+
+    /// The speeds the score uses: each measured cell's own in proportion to its confidence,
+    /// the mean of the measured cells' for the rest.
+    fn scored_speeds(&self) -> BTreeMap<u64, f64> {
+        if self.speed.is_empty() {
+            return BTreeMap::new();
+        }
+        let mean =
+            self.speed.values().map(|s| s.tokens_per_s).sum::<f64>() / self.speed.len() as f64;
+        self.speed
+            .iter()
+            .map(|(&e, s)| {
+                (
+                    e,
+                    s.confidence * s.tokens_per_s + (1.0 - s.confidence) * mean,
+                )
+            })
+            .collect()
     }
 
     /// Forgets the speeds of cells that are no longer in `live` (their epochs ended).
@@ -221,6 +258,7 @@ impl CellBook {
             e.0 += 1;
             e.1 += s.positions;
         }
+        let speeds = self.scored_speeds();
         m.ready_cells()
             .map(|e| CellLoad {
                 epoch: e.id,
@@ -236,7 +274,7 @@ impl CellBook {
                     .collect(),
                 seated: seats.get(&e.id).map_or(0, |s| s.0),
                 reserved_positions: seats.get(&e.id).map_or(0, |s| s.1),
-                speed: self.speed(e.id),
+                speed: speeds.get(&e.id).copied(),
                 latency_s: e
                     .stages
                     .iter()
@@ -360,6 +398,25 @@ mod tests {
         assert_eq!(choose(&cells, 1, 1, Some(1)), Ok(2));
         assert_eq!(choose(&cells[..1], 1, 1, Some(1)), Err(NoCell::NoneReady));
         assert_eq!(choose(&[], 1, 1, None), Err(NoCell::NoneReady));
+    }
+
+    #[test]
+    fn a_cell_known_from_short_requests_is_scored_near_the_mean_of_the_cells() {
+        let mut book = CellBook::default();
+        // Equal cells whose 4-token warm-ups measured 7 and 12 tok/s.
+        book.measured(1, 4, 4.0 / 7.0);
+        book.measured(2, 4, 4.0 / 12.0);
+        let s = book.scored_speeds();
+        // An eighth of each own figure, the rest the mean (9.5).
+        assert!((s[&1] - (7.0 / 8.0 + 9.5 * 7.0 / 8.0)).abs() < 1e-9);
+        assert!((s[&2] - (12.0 / 8.0 + 9.5 * 7.0 / 8.0)).abs() < 1e-9);
+        // Full requests make a cell's own figure count fully.
+        for _ in 0..8 {
+            book.measured(1, 64, 64.0 / 7.0);
+        }
+        let s = book.scored_speeds();
+        assert!((s[&1] - book.speed(1).unwrap()).abs() < 1e-9);
+        assert!(s[&1] < s[&2]);
     }
 
     #[test]
