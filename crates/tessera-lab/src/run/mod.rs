@@ -186,7 +186,7 @@ pub fn run(
             .map(|&k| describe(&candidates[k].plan))
             .collect();
         progress(&format!("measuring {}", names.join("; ")));
-        let results = measure(&session, &lab, scenario, &files, concurrency);
+        let results = measure(&session, &lab, scenario, &files, concurrency, &mut progress);
         for (k, r) in group.into_iter().zip(results) {
             measured[k] = Some(r);
         }
@@ -604,6 +604,7 @@ fn measure(
     scenario: &Scenario,
     plans: &[PathBuf],
     concurrency: usize,
+    progress: &mut dyn FnMut(&str),
 ) -> Vec<std::result::Result<Measured, String>> {
     let prompt = &scenario.workload.prompt;
     let tokens = scenario.workload.tokens;
@@ -662,12 +663,18 @@ fn measure(
                 // rate counts as concurrent what staggered starts ran alone.
                 // The median of REPEATS rounds: one round on a shared machine varies by a
                 // third from the next.
-                let at_once = || -> Result<f64> {
+                let mut at_once = || -> Result<f64> {
                     session.clients(lab, plan, prompt, SHORT, concurrency)?;
                     let mut rates = Vec::with_capacity(REPEATS);
                     for _ in 0..REPEATS {
                         let prompts = vec![prompt.as_str(); concurrency];
                         let runs = session.timed_clients(lab, plan, &prompts, tokens)?;
+                        // Where the requests went: the first stage of each one's placement.
+                        let mut went = std::collections::BTreeMap::<String, usize>::new();
+                        for r in &runs {
+                            let first = r.report["stages"][0]["name"].as_str().unwrap_or("?");
+                            *went.entry(first.to_string()).or_default() += 1;
+                        }
                         let arrivals: Vec<Vec<std::time::Instant>> =
                             runs.into_iter().map(|r| r.arrivals).collect();
                         let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
@@ -677,6 +684,14 @@ fn measure(
                             ))
                         })?;
                         rates.push(n as f64 / secs);
+                        progress(&format!(
+                            "{concurrency} at once: {:.1} tok/s, requests by first stage: {}",
+                            n as f64 / secs,
+                            went.iter()
+                                .map(|(k, v)| format!("{k}:{v}"))
+                                .collect::<Vec<_>>()
+                                .join(" ")
+                        ));
                     }
                     Ok(median(rates))
                 };
