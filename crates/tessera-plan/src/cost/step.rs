@@ -41,38 +41,32 @@ fn tier_terms(t: &TierUse, bytes: f64, flops: f64) -> Terms {
 impl Placement {
     /// One decode step of `batch` sequences, each at context position `ctx`.
     pub fn step(&self, batch: f64, ctx: f64) -> Split {
-        let mut s = Split::default();
-        for t in &self.tiers {
-            let (mut db, mut df, mut eb, mut ef) = (0.0, 0.0, 0.0, 0.0);
-            for (c, f) in &t.parts {
-                let bytes = c.resident * f * c.touched(batch);
-                let flops = c.flops * f * batch;
-                if c.expert_p.is_some() {
-                    eb += bytes;
-                    ef += flops;
-                } else {
-                    db += bytes;
-                    df += flops;
-                }
-            }
-            if t.holds_kv {
-                db += batch * self.context.kv_bytes(ctx);
-                df += batch * self.context.attn_flops(ctx);
-            }
-            s.dense.add(&tier_terms(t, db, df));
-            s.experts.add(&tier_terms(t, eb, ef));
-        }
-        s
+        self.split(
+            batch,
+            batch * self.context.kv_bytes(ctx),
+            batch * self.context.attn_flops(ctx),
+        )
     }
 
     /// Prefill of one prompt of `p` tokens.
     pub fn prefill(&self, p: f64) -> Split {
+        self.split(
+            p,
+            self.context.kv_bytes(p),
+            self.context.prefill_attn_flops(p),
+        )
+    }
+
+    /// The time of `tokens` tokens' work on every tier, dense and expert apart: each chunk's
+    /// bytes touched and flops, plus `kv_bytes` and `attn_flops` of attention on the tier that
+    /// holds the KV cache.
+    fn split(&self, tokens: f64, kv_bytes: f64, attn_flops: f64) -> Split {
         let mut s = Split::default();
         for t in &self.tiers {
             let (mut db, mut df, mut eb, mut ef) = (0.0, 0.0, 0.0, 0.0);
             for (c, f) in &t.parts {
-                let bytes = c.resident * f * c.touched(p);
-                let flops = c.flops * f * p;
+                let bytes = c.resident * f * c.touched(tokens);
+                let flops = c.flops * f * tokens;
                 if c.expert_p.is_some() {
                     eb += bytes;
                     ef += flops;
@@ -82,8 +76,8 @@ impl Placement {
                 }
             }
             if t.holds_kv {
-                db += self.context.kv_bytes(p);
-                df += self.context.prefill_attn_flops(p);
+                db += kv_bytes;
+                df += attn_flops;
             }
             s.dense.add(&tier_terms(t, db, df));
             s.experts.add(&tier_terms(t, eb, ef));
