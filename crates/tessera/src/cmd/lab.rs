@@ -12,6 +12,17 @@ pub struct LabArgs {
     command: LabCommand,
 }
 
+/// Where a measuring command (`hop`, `pipeline`, `cells`) keeps its logs and how it prints.
+#[derive(clap::Args, Debug)]
+struct Measurement {
+    /// Print the figures as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Keep logs and data here (default: a fresh directory under the temp dir).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+}
+
 #[derive(clap::Subcommand, Debug)]
 enum LabCommand {
     /// Measure the switch: round trip at 0.5/2/20/80 ms, bandwidth at 10/100/1000 Mbit/s, loss,
@@ -81,12 +92,8 @@ enum LabCommand {
         /// Requests per placement (alternating); medians are reported.
         #[arg(long, default_value_t = 5)]
         rounds: usize,
-        /// Print the figures as JSON.
-        #[arg(long)]
-        json: bool,
-        /// Keep logs and data here (default: a fresh directory under the temp dir).
-        #[arg(long)]
-        dir: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        out: Measurement,
     },
     /// Whether a stage ring pipelines: on loopback, a ring of equal stages decoding 1, 4 and 8
     /// streams at once (aggregate tokens/s, each stage's busy share, sequences per step), and
@@ -117,12 +124,8 @@ enum LabCommand {
         /// Compute threads per node.
         #[arg(long, default_value_t = 1)]
         threads: usize,
-        /// Print the figures as JSON.
-        #[arg(long)]
-        json: bool,
-        /// Keep logs and data here (default: a fresh directory under the temp dir).
-        #[arg(long)]
-        dir: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        out: Measurement,
     },
     /// What whole-request cells add: emulated hosts, each capped at --cpu-quota cores and each
     /// able to hold the model, serve concurrent requests as one cell (the first host alone)
@@ -154,12 +157,8 @@ enum LabCommand {
         /// Compute threads per node.
         #[arg(long, default_value_t = 1)]
         threads: usize,
-        /// Print the figures as JSON.
-        #[arg(long)]
-        json: bool,
-        /// Keep logs and data here (default: a fresh directory under the temp dir).
-        #[arg(long)]
-        dir: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        out: Measurement,
     },
     /// Remove the namespaces, devices and cgroups of labs whose process has gone (and kill the
     /// processes left inside them).
@@ -251,8 +250,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             stages,
             tokens,
             rounds,
-            json,
-            dir,
+            out,
         } => {
             anyhow::ensure!(rtt_ms >= 0.0, "--rtt-ms must be ≥ 0");
             let opts = tessera_lab::run::hop::Options {
@@ -265,8 +263,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             };
             measure(
                 "hop",
-                dir,
-                json,
+                out,
                 |exe, dir, progress| tessera_lab::run::hop::run(&opts, exe, dir, progress),
                 |f| tessera_lab::run::hop::table(f),
             )
@@ -280,8 +277,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             prompt_tokens,
             prefill_chunk,
             threads,
-            json,
-            dir,
+            out,
         } => {
             anyhow::ensure!(
                 !streams.is_empty() && !streams.contains(&0),
@@ -300,8 +296,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             };
             measure(
                 "pipeline",
-                dir,
-                json,
+                out,
                 |exe, dir, progress| tessera_lab::run::pipeline::run(&opts, exe, dir, progress),
                 tessera_lab::run::pipeline::table,
             )
@@ -315,8 +310,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             cpu_quota,
             rtt_ms,
             threads,
-            json,
-            dir,
+            out,
         } => {
             anyhow::ensure!(hosts >= 2, "--hosts must be at least 2");
             anyhow::ensure!(streams >= 1, "--streams must be at least 1");
@@ -334,8 +328,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             };
             measure(
                 "cells",
-                dir,
-                json,
+                out,
                 |exe, dir, progress| tessera_lab::run::cells::run(&opts, exe, dir, progress),
                 tessera_lab::run::cells::table,
             )
@@ -361,8 +354,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
 /// JSON or as `table` prints it.
 fn measure<T: serde::Serialize>(
     kind: &str,
-    dir: Option<std::path::PathBuf>,
-    json: bool,
+    Measurement { json, dir }: Measurement,
     run: impl FnOnce(
         &std::path::Path,
         &std::path::Path,
