@@ -4,119 +4,17 @@
 //! the few bookkeeping ones OpenAI itself documents as having no effect on output (`user`,
 //! `metadata`...): see [`CHAT_PARAMS`] and [`COMPLETION_PARAMS`]. This file parses and validates
 //! requests (`messages`: a chat message's roles and content, `response_format`); `response`
-//! builds what we send back, `tools` and [`logprobs`] their parts.
+//! builds what we send back, `tools` and [`logprobs`] their parts, `params` the table of
+//! parameters and `error` the error shape.
 
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use tessera_sampling::SamplingParams;
 
-/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` plus the status.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ApiError {
-    pub status: u16,
-    pub message: String,
-    pub kind: &'static str,
-    pub param: Option<String>,
-    pub code: Option<&'static str>,
-    /// Seconds for `Retry-After` (429, 503).
-    pub retry_after: Option<u64>,
-}
-
-impl ApiError {
-    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
-        Self {
-            status: 400,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: param.map(str::to_string),
-            code: None,
-            retry_after: None,
-        }
-    }
-
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
-        self
-    }
-
-    pub fn model_not_found(model: &str) -> Self {
-        Self {
-            status: 404,
-            message: format!("The model `{model}` does not exist or you do not have access to it."),
-            kind: "invalid_request_error",
-            param: Some("model".into()),
-            code: Some("model_not_found"),
-            retry_after: None,
-        }
-    }
-
-    pub fn not_found(path: &str) -> Self {
-        Self {
-            status: 404,
-            message: format!("Unknown request URL: {path}."),
-            kind: "invalid_request_error",
-            param: None,
-            code: Some("unknown_url"),
-            retry_after: None,
-        }
-    }
-
-    pub fn unauthorized(message: &str) -> Self {
-        Self {
-            status: 401,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: None,
-            code: Some("invalid_api_key"),
-            retry_after: None,
-        }
-    }
-
-    pub fn queue_full(message: String, retry_after: u64) -> Self {
-        Self {
-            status: 429,
-            message,
-            kind: "rate_limit_error",
-            param: None,
-            code: Some("rate_limit_exceeded"),
-            retry_after: Some(retry_after),
-        }
-    }
-
-    pub fn unavailable(message: String) -> Self {
-        Self {
-            status: 503,
-            message,
-            kind: "server_error",
-            param: None,
-            code: Some("service_unavailable"),
-            retry_after: Some(5),
-        }
-    }
-
-    pub fn internal(message: String) -> Self {
-        Self {
-            status: 500,
-            message,
-            kind: "server_error",
-            param: None,
-            code: None,
-            retry_after: None,
-        }
-    }
-
-    pub fn body(&self) -> Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
-    }
-}
-
+mod error;
 pub mod logprobs;
 mod messages;
+mod params;
 mod response;
 pub mod tools;
 
@@ -128,118 +26,9 @@ pub use response::{
 
 use tools::{Tool, ToolChoice};
 
-/// How the server treats a request parameter. Every parameter of OpenAI's reference request
-/// schemas is in [`CHAT_PARAMS`] or [`COMPLETION_PARAMS`]; anything else is refused with a 400
-/// naming it, as OpenAI does ("Unrecognized request argument supplied").
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Support {
-    /// Acted on (within the values the parser accepts; others are a 400 naming it).
-    Honoured,
-    /// Accepted and ignored, as OpenAI documents for `user` (bookkeeping only).
-    Ignored,
-    /// A 400 naming the parameter unless it is `null`.
-    Refused,
-}
-
-use Support::{Honoured, Ignored, Refused};
-
-/// `/v1/chat/completions` parameters. `top_k`, `min_p`, `repetition_penalty` and
-/// `repeat_last_n` are extensions (llama-server's names).
-pub const CHAT_PARAMS: &[(&str, Support)] = &[
-    ("model", Honoured),
-    ("messages", Honoured),
-    ("stream", Honoured),
-    ("stream_options", Honoured),
-    ("max_tokens", Honoured),
-    ("max_completion_tokens", Honoured),
-    ("temperature", Honoured),
-    ("top_p", Honoured),
-    ("seed", Honoured),
-    ("stop", Honoured),
-    ("n", Honoured),
-    ("logprobs", Honoured),
-    ("top_logprobs", Honoured),
-    ("logit_bias", Honoured),
-    ("presence_penalty", Honoured),
-    ("frequency_penalty", Honoured),
-    ("response_format", Honoured),
-    ("tools", Honoured),
-    ("tool_choice", Honoured),
-    ("parallel_tool_calls", Honoured),
-    // Only ["text"].
-    ("modalities", Honoured),
-    // Only false: nothing is stored.
-    ("store", Honoured),
-    ("top_k", Honoured),
-    ("min_p", Honoured),
-    ("repetition_penalty", Honoured),
-    ("repeat_last_n", Honoured),
-    ("user", Ignored),
-    ("safety_identifier", Ignored),
-    ("prompt_cache_key", Ignored),
-    ("metadata", Ignored),
-    ("service_tier", Ignored),
-    ("audio", Refused),
-    ("functions", Refused),
-    ("function_call", Refused),
-    ("prediction", Refused),
-    ("reasoning_effort", Refused),
-    ("verbosity", Refused),
-    ("web_search_options", Refused),
-    ("prompt_cache_retention", Refused),
-];
-
-/// `/v1/completions` parameters (extensions as for chat).
-pub const COMPLETION_PARAMS: &[(&str, Support)] = &[
-    ("model", Honoured),
-    ("prompt", Honoured),
-    ("stream", Honoured),
-    ("stream_options", Honoured),
-    ("max_tokens", Honoured),
-    ("temperature", Honoured),
-    ("top_p", Honoured),
-    ("seed", Honoured),
-    ("stop", Honoured),
-    ("n", Honoured),
-    ("logprobs", Honoured),
-    ("echo", Honoured),
-    // Only equal to n (each choice is its own sample; nothing is ranked).
-    ("best_of", Honoured),
-    ("logit_bias", Honoured),
-    ("presence_penalty", Honoured),
-    ("frequency_penalty", Honoured),
-    ("top_k", Honoured),
-    ("min_p", Honoured),
-    ("repetition_penalty", Honoured),
-    ("repeat_last_n", Honoured),
-    ("user", Ignored),
-    ("suffix", Refused),
-];
-
-/// Refuses parameters the table does not list, or lists as refused.
-pub(crate) fn check_params(v: &Value, table: &[(&str, Support)]) -> Result<(), ApiError> {
-    let Value::Object(map) = v else {
-        return Ok(());
-    };
-    for (k, val) in map {
-        match table.iter().find(|(n, _)| n == k).map(|(_, s)| *s) {
-            None => {
-                return Err(ApiError::invalid(
-                    format!("Unrecognized request argument supplied: {k}"),
-                    Some(k),
-                ))
-            }
-            Some(Refused) if !val.is_null() => {
-                return Err(ApiError::invalid(
-                    format!("'{k}' is not supported by this server."),
-                    Some(k),
-                ))
-            }
-            Some(_) => {}
-        }
-    }
-    Ok(())
-}
+pub use error::ApiError;
+pub(crate) use params::check_params;
+pub use params::{Support, CHAT_PARAMS, COMPLETION_PARAMS};
 
 /// `stop`: one string or up to four.
 #[derive(Clone, Debug, Deserialize)]
@@ -708,6 +497,7 @@ pub fn parse_completion(body: &[u8]) -> Result<ParsedRequest, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn chat_request_parses_with_openai_defaults() {
