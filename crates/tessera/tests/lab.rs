@@ -551,6 +551,13 @@ fn lab_run_measures_the_ring_and_the_expert_split_and_says_why_one_node_cannot_r
         String::from_utf8_lossy(&out.stderr)
     );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // The two hosts share this machine: what its cores compute at once was measured, one
+    // decoder alone and then one per host.
+    let machine = &report["machine"];
+    assert_eq!(machine["copies"], 2, "{report:#}");
+    for rate in ["alone_tok_s", "together_tok_s"] {
+        assert!(machine[rate].as_f64().unwrap() > 0.0, "{report:#}");
+    }
     let rows = report["rows"].as_array().unwrap();
     let measured = |strategy: &str| {
         rows.iter()

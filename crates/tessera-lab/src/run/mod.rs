@@ -2,7 +2,9 @@
 //! processes on them, and every plan the planner ranks measured against its prediction.
 //!
 //! 1. The lab imposes what it can: each link's delay (half the round trip each way),
-//!    bandwidth, jitter and loss; each host's CPU share and memory cap.
+//!    bandwidth, jitter and loss; each host's CPU share and memory cap. Its hosts are one
+//!    machine, so before any starts it measures what that machine's cores compute at once
+//!    ([`machine`]), which the planner divides among the nodes busy together.
 //! 2. A `tessera coordinator --plan auto` and one `tessera node` per host start; the nodes
 //!    measure themselves and the coordinator measures its links to them, so the resource graph
 //!    it writes (`plan-auto.json`) holds *measured* figures: what the lab cannot impose (memory
@@ -24,6 +26,7 @@
 
 pub mod cells;
 pub mod hop;
+pub mod machine;
 pub mod pipeline;
 pub mod plans;
 pub mod report;
@@ -89,6 +92,19 @@ pub fn run(
         tessera_coord::planning::planner_model(&profile, Default::default(), &scenario.name)
             .map_err(|e| LabError::Run(format!("planner model: {e}")))?;
     drop(gguf);
+    // Measured before any host starts, on a quiet machine.
+    let parallelism = if shares_one_machine(&scenario.graph) {
+        progress("measuring what this machine's cores compute at once");
+        let copies = scenario.graph.nodes.len();
+        Some(machine::measure(
+            tessera,
+            &scenario.model,
+            scenario.threads.max(1),
+            copies,
+        )?)
+    } else {
+        None
+    };
     let spec = scenario.lab_spec()?;
     let lab = Lab::start(&spec)?;
     progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
@@ -121,7 +137,11 @@ pub fn run(
             c.display()
         )],
     };
-    let quotas = [quotas, apply_shared_machine(scenario, &mut graph)].concat();
+    let quotas = [
+        quotas,
+        apply_shared_machine(scenario, parallelism, &mut graph),
+    ]
+    .concat();
     // The coordinator's own choice placed an expert split for every run: stage runs need a
     // coordinator without it.
     let mut experts_applied = doc["outcome"]["plan"]["strategy"] == "expert";
@@ -470,6 +490,7 @@ pub fn run(
         tokens: scenario.workload.tokens,
         rows,
         provenance,
+        machine: parallelism,
         calibrated_on,
         corrections,
         calibrated_graph: saved,
@@ -544,26 +565,47 @@ fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<Strin
     lines
 }
 
-/// Says in the graph that the lab's hosts are one machine: its cores (those this process may
-/// run on) are shared by every node, each computing with the scenario's threads, so cells or
-/// stages busy at once divide them. One line saying so; none when the graph already names
-/// machines.
-fn apply_shared_machine(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<String> {
-    if !graph.machines.is_empty() || graph.nodes.len() < 2 {
+/// Whether the lab's hosts share this machine in the planner's eyes: two or more, and the
+/// scenario names no machines of its own.
+fn shares_one_machine(graph: &ResourceGraph) -> bool {
+    graph.machines.is_empty() && graph.nodes.len() >= 2
+}
+
+/// Says in the graph that the lab's hosts are one machine, shared by every node computing with
+/// the scenario's threads, so cells or stages busy at once divide it. Its cores are what
+/// `parallelism` measured them to deliver (see [`machine`]), else the cores this process may
+/// run on. One line saying so; none when the graph already names machines.
+fn apply_shared_machine(
+    scenario: &Scenario,
+    parallelism: Option<machine::Parallelism>,
+    graph: &mut ResourceGraph,
+) -> Vec<String> {
+    if !shares_one_machine(graph) {
         return Vec::new();
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let threads = scenario.threads.max(1);
+    let counted = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let (cores, how) = match parallelism {
+        Some(p) => (
+            p.effective_cores(threads).min(counted),
+            format!(
+                "measured: {} decoder(s) of {threads} thread(s) at once made {:.1} tok/s, one \
+                 alone {:.1}; {counted} cores counted",
+                p.copies, p.together_tok_s, p.alone_tok_s
+            ),
+        ),
+        None => (counted, "counted, not measured".to_string()),
+    };
     let m = tessera_plan::SharedMachine {
         name: "this machine".into(),
         cores,
-        node_cores: scenario.threads.max(1) as f64,
+        node_cores: threads as f64,
         nodes: graph.nodes.iter().map(|n| n.name.clone()).collect(),
     };
     let line = format!(
-        "imposed on every host: one machine of {cores} cores, shared by the {} nodes at {} \
-         thread(s) each (nodes computing at once divide its cores)",
+        "imposed on every host: one machine of {cores:.2} cores ({how}), shared by the {} nodes \
+         at {threads} thread(s) each (nodes computing at once divide its cores)",
         m.nodes.len(),
-        m.node_cores
     );
     graph.machines.push(m);
     vec![line]

@@ -71,6 +71,9 @@ pub struct Report {
     pub rows: Vec<Row>,
     /// Which figures were imposed by the lab and which measured.
     pub provenance: Vec<String>,
+    /// What the lab's machine computed alone and with one decoder per host at once, where its
+    /// hosts share it (the planner divides the cores this says it has).
+    pub machine: Option<super::machine::Parallelism>,
     /// The run calibration used, or why there was none.
     pub calibrated_on: String,
     /// What calibration changed, one line each.
@@ -238,6 +241,7 @@ mod tests {
 
     fn report(objective: Objective, concurrency: u32, rows: Vec<Row>) -> Report {
         let mut r = Report {
+            machine: None,
             scenario: "s".into(),
             objective,
             concurrency,

@@ -258,6 +258,9 @@ pub struct ResourceGraph {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SharedMachine {
     pub name: String,
+    /// What the machine's cores compute at once, in units of one core computing alone: its
+    /// core count where they add up, less where they share caches, memory or physical cores
+    /// (the lab measures it: see `tessera_lab::run::machine`).
     pub cores: f64,
     /// Cores one node's figures were measured on.
     pub node_cores: f64,

@@ -39,7 +39,9 @@ enum LabCommand {
     /// planner's choice and each runner-up the fabric can execute, on emulated hosts, measured
     /// (decode tokens/s, time to first token, throughput at the policy's concurrency, wire
     /// bytes per token); prints strategy, predicted, measured, error and ranks, before and
-    /// after calibration, and lists the plans that cannot execute with why.
+    /// after calibration, and lists the plans that cannot execute with why. The hosts share
+    /// this machine, so it first measures what its cores deliver at once (one `tessera bench`
+    /// decoder alone, then one per host), and the planner divides that among busy hosts.
     Run {
         /// The scenario file (see crates/tessera-lab/scenarios/).
         scenario: std::path::PathBuf,

@@ -1,0 +1,123 @@
+//! How much the lab's machine computes when its emulated hosts compute at once, measured with
+//! the scenario's model: the lab's hosts are namespaces of one machine, so hosts busy together
+//! divide its cores, and that machine's cores do not add up to their count.
+//!
+//! On this project's 2-core VM, two decoders at once each ran at 0.84× one alone, where
+//! counting cores says 1.0× (`tessera generate`, one thread, 256 tokens, alternated). Whether
+//! its two vCPUs share a physical core, its caches or something else the guest cannot see,
+//! the machine's own figure is what it delivers, so that is what the lab measures: one
+//! decoder alone, then one per host at once, each `tessera bench` with the scenario's threads.
+//! The engine's compute probe is no substitute: it splits one matmul over a thread pool, and
+//! its all-threads over one-thread ratio read 1.18–1.90 in four runs of the same minute.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::{LabError, Result};
+
+/// Decode tokens each measurement decodes: long enough for copies started together to overlap
+/// for nearly all of their run.
+const TOKENS: &str = "96";
+
+/// What the machine computed alone and with `copies` decoders at once.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Parallelism {
+    /// One decoder alone, decode tokens/s.
+    pub alone_tok_s: f64,
+    /// The decoders at once, their tokens/s summed.
+    pub together_tok_s: f64,
+    pub copies: usize,
+}
+
+impl Parallelism {
+    /// The machine's cores as one node counts them: what `copies` decoders at once deliver in
+    /// units of one alone, times the threads each computes with. Never above the cores the
+    /// copies asked for.
+    pub fn effective_cores(&self, threads: usize) -> f64 {
+        let ratio = self.together_tok_s / self.alone_tok_s;
+        (ratio * threads as f64).min((self.copies * threads) as f64)
+    }
+}
+
+/// Measures one `tessera bench` decoder of `model` alone, then `copies` at once, each with
+/// `threads` compute threads.
+pub fn measure(tessera: &Path, model: &Path, threads: usize, copies: usize) -> Result<Parallelism> {
+    let alone = run_together(tessera, model, threads, 1)?;
+    let together = run_together(tessera, model, threads, copies.max(1))?;
+    Ok(Parallelism {
+        alone_tok_s: alone,
+        together_tok_s: together,
+        copies: copies.max(1),
+    })
+}
+
+/// `n` bench processes started together; their decode tokens/s summed.
+fn run_together(tessera: &Path, model: &Path, threads: usize, n: usize) -> Result<f64> {
+    let threads = threads.to_string();
+    let mut children = Vec::with_capacity(n);
+    for _ in 0..n {
+        let child = Command::new(tessera)
+            .args(["bench", "--json", "-p", "1", "-r", "1", "-n", TOKENS, "-t"])
+            .arg(&threads)
+            .arg("-m")
+            .arg(model)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| LabError::io(format!("starting {}", tessera.display()), e))?;
+        children.push(child);
+    }
+    let mut sum = 0.0;
+    for child in children {
+        let out = child
+            .wait_with_output()
+            .map_err(|e| LabError::io("waiting for tessera bench".to_string(), e))?;
+        sum += decode_rate(&out)?;
+    }
+    Ok(sum)
+}
+
+fn decode_rate(out: &std::process::Output) -> Result<f64> {
+    let fail = |why: String| LabError::Run(format!("measuring the machine: {why}"));
+    if !out.status.success() {
+        return Err(fail(format!(
+            "tessera bench failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let v: Value = line
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .ok_or_else(|| fail("tessera bench printed no report".into()))?;
+    v["decode_tok_s"]
+        .as_f64()
+        .filter(|r| *r > 0.0)
+        .ok_or_else(|| fail("tessera bench reported no decode rate".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Parallelism;
+
+    #[test]
+    fn effective_cores_are_what_the_copies_delivered_in_units_of_one_alone() {
+        let p = Parallelism {
+            alone_tok_s: 60.0,
+            together_tok_s: 100.0,
+            copies: 2,
+        };
+        assert!((p.effective_cores(1) - 100.0 / 60.0).abs() < 1e-9);
+        assert!((p.effective_cores(2) - 200.0 / 60.0).abs() < 1e-9);
+        // Noise can make copies look faster than one alone each: never more cores than asked.
+        let fast = Parallelism {
+            together_tok_s: 130.0,
+            ..p
+        };
+        assert_eq!(fast.effective_cores(1), 2.0);
+    }
+}
