@@ -429,6 +429,49 @@ pub fn calibrate_nodes(
     Ok((g, corrections))
 }
 
+/// Charges a single-node plan's node with the token time its run left beyond the graph's
+/// runtime cost per token (`token_overhead_s`, typically the median of several runs'): the
+/// runtime's part is common to all nodes, so what one node's run took beyond it is that node's
+/// (a host under a CPU quota stalls between steps once its period's share is spent, outside
+/// the compute its stage times). The node's rates are scaled until the plan predicts the
+/// measured `tokens_per_s`. A run that left no more than the graph's figure is left alone
+/// (returns no correction).
+pub fn calibrate_node_to_token_time(
+    model: &ModelProfile,
+    graph: &ResourceGraph,
+    plan: &Plan,
+    tokens_per_s: f64,
+    taken_at_unix_s: u64,
+) -> Result<(ResourceGraph, Option<Correction>), PlanError> {
+    let nodes = plan.nodes();
+    let [node] = nodes.as_slice() else {
+        return Err(PlanError::Recost(
+            "a node's token time is calibrated on a plan of one node".into(),
+        ));
+    };
+    if !(tokens_per_s.is_finite() && tokens_per_s > 0.0) {
+        return Err(PlanError::Recost(
+            "measured tokens/s must be positive".into(),
+        ));
+    }
+    let now = predict(model, graph, plan)?;
+    let stage = 1.0 / tokens_per_s - graph.token_overhead_s;
+    if stage <= node_time(&now, node) {
+        return Ok((graph.clone(), None));
+    }
+    let (g, mut c) = calibrate_nodes(
+        model,
+        graph,
+        plan,
+        &[StageMeasurement {
+            node: node.to_string(),
+            seconds_per_token: stage,
+        }],
+        taken_at_unix_s,
+    )?;
+    Ok((g, c.pop()))
+}
+
 /// Corrects the compute rates of a one-cell plan's nodes from its aggregate tokens/s measured
 /// at the plan's concurrency, on a graph already calibrated at batch 1 (by [`calibrate`]).
 ///

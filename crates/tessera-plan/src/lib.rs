@@ -76,8 +76,9 @@ mod strategies;
 pub mod units;
 
 pub use calibrate::{
-    apply_calibrated, calibrate, calibrate_batching, calibrate_hop_overhead, calibrate_nodes,
-    predict, Calibration, HopCalibration, HopMeasurement, Measurement, StageMeasurement,
+    apply_calibrated, calibrate, calibrate_batching, calibrate_hop_overhead,
+    calibrate_node_to_token_time, calibrate_nodes, predict, Calibration, HopCalibration,
+    HopMeasurement, Measurement, StageMeasurement,
 };
 pub use cost::{usable_memory, PREFILL_UBATCH, RUNTIME_OVERHEAD_RAM, RUNTIME_OVERHEAD_VRAM};
 pub use explain::render_text;

@@ -282,3 +282,48 @@ fn a_batch_slower_than_predicted_lowers_the_compute_rate_and_keeps_batch_one() {
     one.policy.concurrency = 1;
     assert!(tessera_plan::calibrate_batching(&m, &g, &one, measured, 0).is_err());
 }
+
+/// A single node whose run took longer per token than its stage and the runtime's common cost
+/// explain: the rest is charged to the node, so its plan predicts its own run again.
+#[test]
+fn a_single_nodes_token_time_beyond_the_runtimes_cost_is_charged_to_the_node() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let mut g = one_node_at_four();
+    g.token_overhead_s = 1e-4;
+    let mut single = plan(&m, &g, 1).unwrap().plan;
+    single.policy.concurrency = 1;
+    let p = predict(&m, &g, &single).unwrap();
+    let measured_s = 1.0 / p.decode_tokens_per_s + 2e-3;
+    let (cal, c) = tessera_plan::calibrate_node_to_token_time(
+        &m,
+        &g,
+        &single,
+        1.0 / measured_s,
+        1_764_500_000,
+    )
+    .unwrap();
+    let c = c.expect("slower than explained, so charged");
+    assert_eq!(c.subject, "node a");
+    assert!(c.factor < 1.0, "{c:?}");
+    assert_eq!(cal.token_overhead_s, 1e-4, "the runtime's figure stays");
+    let after = predict(&m, &cal, &single).unwrap();
+    assert!(
+        (after.decode_tokens_per_s * measured_s - 1.0).abs() < 1e-6,
+        "{after:?}"
+    );
+    // A run the graph already explains (or over-explains) changes nothing.
+    let (same, none) = tessera_plan::calibrate_node_to_token_time(
+        &m,
+        &g,
+        &single,
+        p.decode_tokens_per_s * 1.05,
+        0,
+    )
+    .unwrap();
+    assert!(none.is_none());
+    assert_eq!(same, g);
+    // Only a plan of one node says whose the time is.
+    let ring = plan(&m, &loopback(), 1).unwrap().plan;
+    assert_eq!(ring.nodes().len(), 2);
+    assert!(tessera_plan::calibrate_node_to_token_time(&m, &loopback(), &ring, 10.0, 0).is_err());
+}

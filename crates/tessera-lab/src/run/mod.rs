@@ -313,6 +313,10 @@ pub fn run(
                     .collect::<Vec<_>>()
                     .join(", ")
             ));
+            let (g2, lines) =
+                charge_excess_overhead_to_nodes(&model, g, &candidates, &measured, &references);
+            *g = g2;
+            corrections.extend(lines);
         }
     }
     // Each single node's requests at once, on its batch-1 calibration: where the batch was
@@ -565,6 +569,45 @@ fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<Strin
     lines
 }
 
+/// Charges each single-node reference run with what its token time left beyond the runtime's
+/// median cost per token ([`tessera_plan::calibrate_node_to_token_time`]): one throttled host
+/// does not set the runtime's figure for all, and its own run is still predicted.
+fn charge_excess_overhead_to_nodes(
+    model: &tessera_plan::ModelProfile,
+    graph: &ResourceGraph,
+    candidates: &[plans::Candidate],
+    measured: &[Option<std::result::Result<Measured, String>>],
+    references: &[usize],
+) -> (ResourceGraph, Vec<String>) {
+    let mut g = graph.clone();
+    let mut lines = Vec::new();
+    for &i in references {
+        let (Some(Ok(m)), plan) = (&measured[i], &candidates[i].plan) else {
+            continue;
+        };
+        let m = measurement(&m.report);
+        if let Ok((next, Some(c))) = tessera_plan::calibrate_node_to_token_time(
+            model,
+            &g,
+            plan,
+            m.decode_tokens_per_s,
+            m.taken_at_unix_s,
+        ) {
+            lines.push(format!(
+                "{} {} ×{:.2}: {:.3} ms a token measured on it alone, beyond the runtime's \
+                 median {:.1} µs: the rest is the node's",
+                c.subject,
+                c.quantity,
+                c.factor,
+                1e3 / m.decode_tokens_per_s,
+                g.token_overhead_s * 1e6
+            ));
+            g = next;
+        }
+    }
+    (g, lines)
+}
+
 /// Whether the lab's hosts share this machine in the planner's eyes: two or more, and the
 /// scenario names no machines of its own.
 fn shares_one_machine(graph: &ResourceGraph) -> bool {
@@ -685,10 +728,19 @@ fn measure(
             }
         }
     }
-    plans
-        .iter()
-        .zip(parts)
-        .map(|(plan, part)| {
+    // The workload's concurrency of requests at once, in rounds that go through every plan in
+    // turn (as the single requests above do), so the machine's drift falls on all alike: the
+    // median of REPEATS rounds, since one round on a shared machine varies by a third from the
+    // next.
+    let at_once = if concurrency > 1 {
+        at_once_interleaved(session, lab, scenario, plans, &parts, concurrency, progress)
+    } else {
+        Vec::new()
+    };
+    parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, part)| {
             let Partial { mut runs, wire } = part?;
             let mut ttft: Vec<f64> = runs
                 .iter()
@@ -700,46 +752,9 @@ fn measure(
             });
             let report = runs.swap_remove(runs.len() / 2);
             let decode = field(&report, "decode_tokens_per_s");
-            let throughput = if concurrency > 1 {
-                // Tokens over the time every request was decoding: a sum of each request's own
-                // rate counts as concurrent what staggered starts ran alone.
-                // The median of REPEATS rounds: one round on a shared machine varies by a
-                // third from the next.
-                let mut at_once = || -> Result<f64> {
-                    session.clients(lab, plan, prompt, SHORT, concurrency)?;
-                    let mut rates = Vec::with_capacity(REPEATS);
-                    for _ in 0..REPEATS {
-                        let prompts = vec![prompt.as_str(); concurrency];
-                        let runs = session.timed_clients(lab, plan, &prompts, tokens)?;
-                        // Where the requests went: the first stage of each one's placement.
-                        let mut went = std::collections::BTreeMap::<String, usize>::new();
-                        for r in &runs {
-                            let first = r.report["stages"][0]["name"].as_str().unwrap_or("?");
-                            *went.entry(first.to_string()).or_default() += 1;
-                        }
-                        let arrivals: Vec<Vec<std::time::Instant>> =
-                            runs.into_iter().map(|r| r.arrivals).collect();
-                        let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
-                            LabError::Run(format!(
-                                "the {concurrency} requests never decoded at the same time \
-                                 (raise the workload's tokens)"
-                            ))
-                        })?;
-                        rates.push(n as f64 / secs);
-                        progress(&format!(
-                            "{concurrency} at once: {:.1} tok/s, requests by first stage: {}",
-                            n as f64 / secs,
-                            went.iter()
-                                .map(|(k, v)| format!("{k}:{v}"))
-                                .collect::<Vec<_>>()
-                                .join(" ")
-                        ));
-                    }
-                    Ok(median(rates))
-                };
-                at_once().map_err(|e| e.to_string())?
-            } else {
-                decode
+            let throughput = match at_once.get(i) {
+                Some(r) => r.clone()?,
+                None => decode,
             };
             Ok(Measured {
                 figures: Figures {
@@ -763,6 +778,81 @@ fn save_calibrated(scenario: &Scenario, graph: &ResourceGraph, path: &Path) -> R
 
 /// The planner's measurement of a run: decode tokens/s, per-hop time (the token time the
 /// stages' compute does not explain, over the ring's hops) with wire bytes, per-stage time.
+/// Aggregate tokens/s of `concurrency` requests at once on each plan whose single requests
+/// succeeded: a warm-up each, then [`REPEATS`] rounds through the plans in turn; each plan's
+/// median. A plan whose requests fail keeps the error.
+fn at_once_interleaved(
+    session: &Session,
+    lab: &Lab,
+    scenario: &Scenario,
+    plans: &[PathBuf],
+    parts: &[std::result::Result<Partial, String>],
+    concurrency: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Vec<std::result::Result<f64, String>> {
+    let prompt = scenario.workload.prompt.as_str();
+    let tokens = scenario.workload.tokens;
+    let mut rates: Vec<std::result::Result<Vec<f64>, String>> = parts
+        .iter()
+        .zip(plans)
+        .map(|(part, plan)| match part {
+            Ok(_) => session
+                .clients(lab, plan, prompt, SHORT, concurrency)
+                .map(|_| Vec::with_capacity(REPEATS))
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.clone()),
+        })
+        .collect();
+    for _ in 0..REPEATS {
+        for (plan, r) in plans.iter().zip(rates.iter_mut()) {
+            let Ok(v) = r else { continue };
+            match round_at_once(session, lab, plan, prompt, tokens, concurrency) {
+                Ok((rate, went)) => {
+                    progress(&format!(
+                        "{concurrency} at once: {rate:.1} tok/s, requests by first stage: {went}"
+                    ));
+                    v.push(rate);
+                }
+                Err(e) => *r = Err(e.to_string()),
+            }
+        }
+    }
+    rates.into_iter().map(|r| r.map(median)).collect()
+}
+
+/// One round of `concurrency` requests at once on `plan`: tokens over the time every request
+/// was decoding (a sum of each request's own rate counts as concurrent what staggered starts
+/// ran alone), and where the requests went (the first stage of each one's placement).
+fn round_at_once(
+    session: &Session,
+    lab: &Lab,
+    plan: &Path,
+    prompt: &str,
+    tokens: usize,
+    concurrency: usize,
+) -> Result<(f64, String)> {
+    let prompts = vec![prompt; concurrency];
+    let runs = session.timed_clients(lab, plan, &prompts, tokens)?;
+    let mut went = std::collections::BTreeMap::<String, usize>::new();
+    for r in &runs {
+        let first = r.report["stages"][0]["name"].as_str().unwrap_or("?");
+        *went.entry(first.to_string()).or_default() += 1;
+    }
+    let arrivals: Vec<Vec<std::time::Instant>> = runs.into_iter().map(|r| r.arrivals).collect();
+    let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
+        LabError::Run(format!(
+            "the {concurrency} requests never decoded at the same time (raise the workload's \
+             tokens)"
+        ))
+    })?;
+    let went = went
+        .iter()
+        .map(|(k, v)| format!("{k}:{v}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    Ok((n as f64 / secs, went))
+}
+
 fn measurement(report: &Value) -> Measurement {
     let names: Vec<String> = report["stages"]
         .as_array()
