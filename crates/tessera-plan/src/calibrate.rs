@@ -429,13 +429,13 @@ pub fn calibrate_nodes(
     Ok((g, corrections))
 }
 
-/// Charges a single-node plan's node with the token time its run left beyond the graph's
-/// runtime cost per token (`token_overhead_s`, typically the median of several runs'): the
-/// runtime's part is common to all nodes, so what one node's run took beyond it is that node's
-/// (a host under a CPU quota stalls between steps once its period's share is spent, outside
-/// the compute its stage times). The node's rates are scaled until the plan predicts the
-/// measured `tokens_per_s`. A run that left no more than the graph's figure is left alone
-/// (returns no correction).
+/// Gives a single-node plan's node the token time its run took, beside the graph's runtime
+/// cost per token (`token_overhead_s`, typically the median of several runs'): the runtime's
+/// part is common to all nodes, so what one node's run took beyond it, or saved below it, is
+/// that node's (a host under a CPU quota stalls between steps once its period's share is spent,
+/// outside the compute its stage times). The node's rates are scaled until the plan predicts
+/// the measured `tokens_per_s`. A run the graph already predicts (within one part in a
+/// million) is left alone (returns no correction).
 pub fn calibrate_node_to_token_time(
     model: &ModelProfile,
     graph: &ResourceGraph,
@@ -456,7 +456,8 @@ pub fn calibrate_node_to_token_time(
     }
     let now = predict(model, graph, plan)?;
     let stage = 1.0 / tokens_per_s - graph.token_overhead_s;
-    if stage <= node_time(&now, node) {
+    let predicted = node_time(&now, node);
+    if stage <= 0.0 || (stage - predicted).abs() <= 1e-6 * predicted {
         return Ok((graph.clone(), None));
     }
     let (g, mut c) = calibrate_nodes(

@@ -283,8 +283,8 @@ fn a_batch_slower_than_predicted_lowers_the_compute_rate_and_keeps_batch_one() {
     assert!(tessera_plan::calibrate_batching(&m, &g, &one, measured, 0).is_err());
 }
 
-/// A single node whose run took longer per token than its stage and the runtime's common cost
-/// explain: the rest is charged to the node, so its plan predicts its own run again.
+/// A single node whose run took longer (or shorter) per token than its stage and the runtime's
+/// common cost explain: the difference is the node's, so its plan predicts its own run again.
 #[test]
 fn a_single_nodes_token_time_beyond_the_runtimes_cost_is_charged_to_the_node() {
     let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
@@ -311,15 +311,17 @@ fn a_single_nodes_token_time_beyond_the_runtimes_cost_is_charged_to_the_node() {
         (after.decode_tokens_per_s * measured_s - 1.0).abs() < 1e-6,
         "{after:?}"
     );
-    // A run the graph already explains (or over-explains) changes nothing.
-    let (same, none) = tessera_plan::calibrate_node_to_token_time(
-        &m,
-        &g,
-        &single,
-        p.decode_tokens_per_s * 1.05,
-        0,
-    )
-    .unwrap();
+    // A run faster than the graph explains makes the node faster, the same way.
+    let quick_s = 1.0 / p.decode_tokens_per_s - 5e-5;
+    let (cal, c) =
+        tessera_plan::calibrate_node_to_token_time(&m, &g, &single, 1.0 / quick_s, 0).unwrap();
+    assert!(c.expect("faster than explained").factor > 1.0);
+    let after = predict(&m, &cal, &single).unwrap();
+    assert!((after.decode_tokens_per_s * quick_s - 1.0).abs() < 1e-6);
+    // A run the graph already predicts changes nothing.
+    let (same, none) =
+        tessera_plan::calibrate_node_to_token_time(&m, &g, &single, p.decode_tokens_per_s, 0)
+            .unwrap();
     assert!(none.is_none());
     assert_eq!(same, g);
     // Only a plan of one node says whose the time is.

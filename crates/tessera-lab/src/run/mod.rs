@@ -569,9 +569,9 @@ fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<Strin
     lines
 }
 
-/// Charges each single-node reference run with what its token time left beyond the runtime's
+/// Gives each single-node reference run's node what its token time took beside the runtime's
 /// median cost per token ([`tessera_plan::calibrate_node_to_token_time`]): one throttled host
-/// does not set the runtime's figure for all, and its own run is still predicted.
+/// does not set the runtime's figure for all, and each node's own run is still predicted.
 fn charge_excess_overhead_to_nodes(
     model: &tessera_plan::ModelProfile,
     graph: &ResourceGraph,
@@ -594,8 +594,8 @@ fn charge_excess_overhead_to_nodes(
             m.taken_at_unix_s,
         ) {
             lines.push(format!(
-                "{} {} ×{:.2}: {:.3} ms a token measured on it alone, beyond the runtime's \
-                 median {:.1} µs: the rest is the node's",
+                "{} {} ×{:.2}: {:.3} ms a token measured on it alone, beside the runtime's \
+                 median {:.1} µs: the difference is the node's",
                 c.subject,
                 c.quantity,
                 c.factor,

@@ -126,6 +126,23 @@ impl Report {
         let best = self.rows.iter().filter_map(score).fold(0.0, f64::max);
         Some(chosen >= best * (1.0 - tolerance))
     }
+
+    /// The measured best plan, where it is not the choice but was predicted to score the same
+    /// (within 0.5%): a tie the planner could not break, identical hosts on this machine, which
+    /// the measurement's spread decided.
+    pub fn best_tied_with_choice(&self) -> Option<&Row> {
+        let (o, c) = (self.objective, self.concurrency);
+        let choice = self.rows.iter().find(|r| {
+            r.measured.is_some() && (r.role == "choice" || r.role == "executable choice")
+        })?;
+        let best = self
+            .rows
+            .iter()
+            .filter(|r| r.measured_rank == Some(1))
+            .find(|r| !std::ptr::eq(*r, choice))?;
+        let (a, b) = (choice.predicted.score(o, c), best.predicted.score(o, c));
+        ((a - b).abs() <= 0.005 * a.abs().max(b.abs())).then_some(best)
+    }
 }
 
 fn pct(x: Option<f64>) -> String {
@@ -192,7 +209,17 @@ pub fn table(r: &Report) -> String {
     }
     match r.choice_is_best(0.05) {
         Some(true) => s.push_str("the planner's choice measured best (or within 5% of it)\n"),
-        Some(false) => s.push_str("the planner's choice did NOT measure best (nor within 5%)\n"),
+        Some(false) => {
+            s.push_str("the planner's choice did NOT measure best (nor within 5%)");
+            if let Some(best) = r.best_tied_with_choice() {
+                s.push_str(&format!(
+                    "; the best, {}, was predicted the same as the choice: a tie the planner \
+                     cannot break (hosts it sees as identical), decided by the measurement",
+                    best.description
+                ));
+            }
+            s.push('\n');
+        }
         None => s.push_str("the planner's choice did not run\n"),
     }
     s.push_str(&format!("calibrated on {}\n", r.calibrated_on));
@@ -277,7 +304,33 @@ mod tests {
         assert_eq!(r.rows[0].error, Some(3.0));
         assert_eq!(r.rows[2].predicted_rank, None);
         assert_eq!(r.choice_is_best(0.05), Some(false));
+        assert!(
+            r.best_tied_with_choice().is_none(),
+            "predicted 400 against 200"
+        );
         assert!(table(&r).contains("not measured: cannot run"));
+    }
+
+    #[test]
+    fn a_best_plan_predicted_the_same_as_the_choice_is_called_a_tie() {
+        let r = report(
+            Objective::Latency,
+            1,
+            vec![
+                row("choice", figures(100.0, 400.0), Some(figures(50.0, 300.0))),
+                row(
+                    "runner-up",
+                    figures(100.0, 400.0),
+                    Some(figures(50.0, 360.0)),
+                ),
+            ],
+        );
+        assert_eq!(r.choice_is_best(0.05), Some(false));
+        assert_eq!(
+            r.best_tied_with_choice().map(|b| b.role.as_str()),
+            Some("runner-up")
+        );
+        assert!(table(&r).contains("a tie the planner cannot break"));
     }
 
     #[test]
