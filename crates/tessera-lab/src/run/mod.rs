@@ -27,6 +27,7 @@
 pub mod cells;
 pub mod hop;
 pub mod machine;
+mod measure;
 pub mod pipeline;
 pub mod plans;
 pub mod report;
@@ -165,6 +166,7 @@ pub fn run(
             Err(_) => {}
         }
     }
+    let mut before_cells = None;
     for group in groups.into_iter().filter(|g| !g.is_empty()) {
         let mut files = Vec::new();
         for &k in &group {
@@ -185,6 +187,15 @@ pub fn run(
             .map(ToString::to_string);
         if experts.is_some() || first.plan.cells.len() > 1 {
             drop(session);
+            // Cells busy together divide the machine, and what it delivers drifts over the
+            // minutes a run takes: measured again just before the cells run, for their
+            // calibrated prediction.
+            if first.plan.cells.len() > 1 && parallelism.is_some() {
+                progress("measuring what this machine's cores compute at once, again");
+                let copies = scenario.graph.nodes.len();
+                let threads = scenario.threads.max(1);
+                before_cells = Some(machine::measure(tessera, &scenario.model, threads, copies)?);
+            }
             progress(&format!(
                 "restarting the coordinator with {}",
                 describe(&first.plan)
@@ -206,7 +217,8 @@ pub fn run(
             .map(|&k| describe(&candidates[k].plan))
             .collect();
         progress(&format!("measuring {}", names.join("; ")));
-        let results = measure(&session, &lab, scenario, &files, concurrency, &mut progress);
+        let results =
+            measure::measure(&session, &lab, scenario, &files, concurrency, &mut progress);
         for (k, r) in group.into_iter().zip(results) {
             measured[k] = Some(r);
         }
@@ -314,7 +326,7 @@ pub fn run(
                     .join(", ")
             ));
             let (g2, lines) =
-                charge_excess_overhead_to_nodes(&model, g, &candidates, &measured, &references);
+                fit_single_nodes_to_their_runs(&model, g, &candidates, &measured, &references);
             *g = g2;
             corrections.extend(lines);
         }
@@ -378,6 +390,18 @@ pub fn run(
                 };
                 ring_hop.push((i, v));
             }
+        }
+    }
+    if let (Some(g), Some(p)) = (calibrated_graph.as_mut(), before_cells) {
+        let threads = scenario.threads.max(1);
+        for m in &mut g.machines {
+            let was = m.cores;
+            m.cores = p.effective_cores(threads).min(counted_cores());
+            corrections.push(format!(
+                "machine {} cores {:.2} → {:.2}: measured again before the cells ran ({} \
+                 decoder(s) at once made {:.1} tok/s, one alone {:.1})",
+                m.name, was, m.cores, p.copies, p.together_tok_s, p.alone_tok_s
+            ));
         }
     }
     let calibrated_on = if on.is_empty() {
@@ -572,7 +596,7 @@ fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<Strin
 /// Gives each single-node reference run's node what its token time took beside the runtime's
 /// median cost per token ([`tessera_plan::calibrate_node_to_token_time`]): one throttled host
 /// does not set the runtime's figure for all, and each node's own run is still predicted.
-fn charge_excess_overhead_to_nodes(
+fn fit_single_nodes_to_their_runs(
     model: &tessera_plan::ModelProfile,
     graph: &ResourceGraph,
     candidates: &[plans::Candidate],
@@ -608,6 +632,11 @@ fn charge_excess_overhead_to_nodes(
     (g, lines)
 }
 
+/// The cores this process may run on.
+fn counted_cores() -> f64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
+}
+
 /// Whether the lab's hosts share this machine in the planner's eyes: two or more, and the
 /// scenario names no machines of its own.
 fn shares_one_machine(graph: &ResourceGraph) -> bool {
@@ -627,7 +656,7 @@ fn apply_shared_machine(
         return Vec::new();
     }
     let threads = scenario.threads.max(1);
-    let counted = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let counted = counted_cores();
     let (cores, how) = match parallelism {
         Some(p) => (
             p.effective_cores(threads).min(counted),
@@ -654,121 +683,6 @@ fn apply_shared_machine(
     vec![line]
 }
 
-/// The node hosts' traffic among themselves so far, bytes (the coordinator's host excluded).
-fn node_bytes(lab: &Lab) -> u64 {
-    let mut total = 0;
-    for a in 1..lab.len() {
-        for b in 1..lab.len() {
-            if a != b {
-                total += lab.switch().stats(a, b).bytes_out;
-            }
-        }
-    }
-    total
-}
-
-/// A plan's requests so far.
-struct Partial {
-    runs: Vec<Value>,
-    wire: f64,
-}
-
-fn field(r: &Value, k: &str) -> f64 {
-    r[k].as_f64().unwrap_or(f64::NAN)
-}
-
-/// The figures of each plan in `plans` (plan files, all runnable in `session`): for each, a
-/// warm-up, a short and a measured request alone (the measured one's traffic less the short
-/// one's is the decode's); then [`REPEATS`]` - 1` more rounds of one measured request per plan;
-/// then the workload's concurrency of requests at once, [`REPEATS`] times (the median of the
-/// tokens over the window all were decoding, [`pipeline::overlap_window`]). A plan's
-/// failure is its own.
-fn measure(
-    session: &Session,
-    lab: &Lab,
-    scenario: &Scenario,
-    plans: &[PathBuf],
-    concurrency: usize,
-    progress: &mut dyn FnMut(&str),
-) -> Vec<std::result::Result<Measured, String>> {
-    let prompt = &scenario.workload.prompt;
-    let tokens = scenario.workload.tokens;
-    let one = |plan: &Path, n: usize| -> Result<Value> {
-        Ok(session.clients(lab, plan, prompt, n, 1)?.remove(0))
-    };
-    let first = |plan: &Path| -> Result<Partial> {
-        one(plan, SHORT)?;
-        let b0 = node_bytes(lab);
-        let short = one(plan, SHORT)?;
-        let b1 = node_bytes(lab);
-        let run = one(plan, tokens)?;
-        let b2 = node_bytes(lab);
-        let extra = field(&run, "generated") - field(&short, "generated");
-        let wire = if extra > 0.0 {
-            (b2 - b1).saturating_sub(b1 - b0) as f64 / extra
-        } else {
-            f64::NAN
-        };
-        Ok(Partial {
-            runs: vec![run],
-            wire,
-        })
-    };
-    let mut parts: Vec<std::result::Result<Partial, String>> = plans
-        .iter()
-        .map(|p| first(p).map_err(|e| e.to_string()))
-        .collect();
-    for _ in 1..REPEATS {
-        for (plan, part) in plans.iter().zip(parts.iter_mut()) {
-            if let Ok(p) = part {
-                match one(plan, tokens) {
-                    Ok(r) => p.runs.push(r),
-                    Err(e) => *part = Err(e.to_string()),
-                }
-            }
-        }
-    }
-    // The workload's concurrency of requests at once, in rounds that go through every plan in
-    // turn (as the single requests above do), so the machine's drift falls on all alike: the
-    // median of REPEATS rounds, since one round on a shared machine varies by a third from the
-    // next.
-    let at_once = if concurrency > 1 {
-        at_once_interleaved(session, lab, scenario, plans, &parts, concurrency, progress)
-    } else {
-        Vec::new()
-    };
-    parts
-        .into_iter()
-        .enumerate()
-        .map(|(i, part)| {
-            let Partial { mut runs, wire } = part?;
-            let mut ttft: Vec<f64> = runs
-                .iter()
-                .map(|r| field(r, "time_to_first_token_ms"))
-                .collect();
-            ttft.sort_by(f64::total_cmp);
-            runs.sort_by(|a, b| {
-                field(a, "decode_tokens_per_s").total_cmp(&field(b, "decode_tokens_per_s"))
-            });
-            let report = runs.swap_remove(runs.len() / 2);
-            let decode = field(&report, "decode_tokens_per_s");
-            let throughput = match at_once.get(i) {
-                Some(r) => r.clone()?,
-                None => decode,
-            };
-            Ok(Measured {
-                figures: Figures {
-                    decode_tokens_per_s: decode,
-                    ttft_ms: ttft[ttft.len() / 2],
-                    throughput_tokens_per_s: throughput,
-                    wire_bytes_per_token: wire,
-                },
-                report,
-            })
-        })
-        .collect()
-}
-
 /// Writes the scenario with its planner part replaced by the calibrated graph: `tessera plan
 /// --nodes` plans on it, `tessera lab run` runs it (the model path made absolute).
 fn save_calibrated(scenario: &Scenario, graph: &ResourceGraph, path: &Path) -> Result<()> {
@@ -778,81 +692,6 @@ fn save_calibrated(scenario: &Scenario, graph: &ResourceGraph, path: &Path) -> R
 
 /// The planner's measurement of a run: decode tokens/s, per-hop time (the token time the
 /// stages' compute does not explain, over the ring's hops) with wire bytes, per-stage time.
-/// Aggregate tokens/s of `concurrency` requests at once on each plan whose single requests
-/// succeeded: a warm-up each, then [`REPEATS`] rounds through the plans in turn; each plan's
-/// median. A plan whose requests fail keeps the error.
-fn at_once_interleaved(
-    session: &Session,
-    lab: &Lab,
-    scenario: &Scenario,
-    plans: &[PathBuf],
-    parts: &[std::result::Result<Partial, String>],
-    concurrency: usize,
-    progress: &mut dyn FnMut(&str),
-) -> Vec<std::result::Result<f64, String>> {
-    let prompt = scenario.workload.prompt.as_str();
-    let tokens = scenario.workload.tokens;
-    let mut rates: Vec<std::result::Result<Vec<f64>, String>> = parts
-        .iter()
-        .zip(plans)
-        .map(|(part, plan)| match part {
-            Ok(_) => session
-                .clients(lab, plan, prompt, SHORT, concurrency)
-                .map(|_| Vec::with_capacity(REPEATS))
-                .map_err(|e| e.to_string()),
-            Err(e) => Err(e.clone()),
-        })
-        .collect();
-    for _ in 0..REPEATS {
-        for (plan, r) in plans.iter().zip(rates.iter_mut()) {
-            let Ok(v) = r else { continue };
-            match round_at_once(session, lab, plan, prompt, tokens, concurrency) {
-                Ok((rate, went)) => {
-                    progress(&format!(
-                        "{concurrency} at once: {rate:.1} tok/s, requests by first stage: {went}"
-                    ));
-                    v.push(rate);
-                }
-                Err(e) => *r = Err(e.to_string()),
-            }
-        }
-    }
-    rates.into_iter().map(|r| r.map(median)).collect()
-}
-
-/// One round of `concurrency` requests at once on `plan`: tokens over the time every request
-/// was decoding (a sum of each request's own rate counts as concurrent what staggered starts
-/// ran alone), and where the requests went (the first stage of each one's placement).
-fn round_at_once(
-    session: &Session,
-    lab: &Lab,
-    plan: &Path,
-    prompt: &str,
-    tokens: usize,
-    concurrency: usize,
-) -> Result<(f64, String)> {
-    let prompts = vec![prompt; concurrency];
-    let runs = session.timed_clients(lab, plan, &prompts, tokens)?;
-    let mut went = std::collections::BTreeMap::<String, usize>::new();
-    for r in &runs {
-        let first = r.report["stages"][0]["name"].as_str().unwrap_or("?");
-        *went.entry(first.to_string()).or_default() += 1;
-    }
-    let arrivals: Vec<Vec<std::time::Instant>> = runs.into_iter().map(|r| r.arrivals).collect();
-    let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
-        LabError::Run(format!(
-            "the {concurrency} requests never decoded at the same time (raise the workload's \
-             tokens)"
-        ))
-    })?;
-    let went = went
-        .iter()
-        .map(|(k, v)| format!("{k}:{v}"))
-        .collect::<Vec<_>>()
-        .join(" ");
-    Ok((n as f64 / secs, went))
-}
-
 fn measurement(report: &Value) -> Measurement {
     let names: Vec<String> = report["stages"]
         .as_array()
