@@ -96,13 +96,7 @@ pub fn run(
     // Measured before any host starts, on a quiet machine.
     let parallelism = if shares_one_machine(&scenario.graph) {
         progress("measuring what this machine's cores compute at once");
-        let copies = scenario.graph.nodes.len();
-        Some(machine::measure(
-            tessera,
-            &scenario.model,
-            scenario.threads.max(1),
-            copies,
-        )?)
+        Some(measure_machine(tessera, scenario)?)
     } else {
         None
     };
@@ -192,9 +186,7 @@ pub fn run(
             // calibrated prediction.
             if first.plan.cells.len() > 1 && parallelism.is_some() {
                 progress("measuring what this machine's cores compute at once, again");
-                let copies = scenario.graph.nodes.len();
-                let threads = scenario.threads.max(1);
-                before_cells = Some(machine::measure(tessera, &scenario.model, threads, copies)?);
+                before_cells = Some(measure_machine(tessera, scenario)?);
             }
             progress(&format!(
                 "restarting the coordinator with {}",
@@ -393,10 +385,9 @@ pub fn run(
         }
     }
     if let (Some(g), Some(p)) = (calibrated_graph.as_mut(), before_cells) {
-        let threads = scenario.threads.max(1);
         for m in &mut g.machines {
             let was = m.cores;
-            m.cores = p.effective_cores(threads).min(counted_cores());
+            m.cores = machine_cores(p, scenario);
             corrections.push(format!(
                 "machine {} cores {:.2} → {:.2}: measured again before the cells ran ({} \
                  decoder(s) at once made {:.1} tok/s, one alone {:.1})",
@@ -637,6 +628,24 @@ fn counted_cores() -> f64 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
 }
 
+/// One `tessera bench` decoder of the scenario's model alone, then one per host at once, each
+/// with the scenario's threads ([`machine::measure`]).
+fn measure_machine(tessera: &Path, scenario: &Scenario) -> Result<machine::Parallelism> {
+    let threads = scenario.threads.max(1);
+    machine::measure(
+        tessera,
+        &scenario.model,
+        threads,
+        scenario.graph.nodes.len(),
+    )
+}
+
+/// The machine's cores for the planner from what `p` measured: never more than are counted.
+fn machine_cores(p: machine::Parallelism, scenario: &Scenario) -> f64 {
+    p.effective_cores(scenario.threads.max(1))
+        .min(counted_cores())
+}
+
 /// Whether the lab's hosts share this machine in the planner's eyes: two or more, and the
 /// scenario names no machines of its own.
 fn shares_one_machine(graph: &ResourceGraph) -> bool {
@@ -659,7 +668,7 @@ fn apply_shared_machine(
     let counted = counted_cores();
     let (cores, how) = match parallelism {
         Some(p) => (
-            p.effective_cores(threads).min(counted),
+            machine_cores(p, scenario),
             format!(
                 "measured: {} decoder(s) of {threads} thread(s) at once made {:.1} tok/s, one \
                  alone {:.1}; {counted} cores counted",
