@@ -125,6 +125,8 @@ impl Cluster {
                 log_tail(&o.dir.join("coordinator.log"))
             ))
         })?;
+        // Each node's probe measures its host unthrottled; the quotas bind once all joined.
+        lab.set_cpu_quotas(false)?;
         for (k, &host) in o.nodes.iter().enumerate() {
             let name = lab.name(host).to_string();
             let listen = SocketAddr::new(lab.addr(host).into(), 0);
@@ -152,6 +154,8 @@ impl Cluster {
                 cluster.wait_joined(lab, k + 1, Duration::from_secs(60))?;
             }
         }
+        cluster.wait_joined(lab, o.nodes.len(), Duration::from_secs(60))?;
+        lab.set_cpu_quotas(true)?;
         cluster.wait_serving(lab, o.timeout)?;
         Ok(cluster)
     }

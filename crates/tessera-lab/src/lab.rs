@@ -249,6 +249,18 @@ impl Lab {
         Ok(cmd)
     }
 
+    /// Imposes every host's CPU quota (`on`), or lifts them all. A cluster lifts them while
+    /// its nodes start, so that each node's probe measures the unthrottled host and the lab
+    /// scales the measured figures by exactly the quota it imposes.
+    pub fn set_cpu_quotas(&self, on: bool) -> Result<()> {
+        for h in &self.hosts {
+            if let Some(cg) = &h.cgroup {
+                cg.set_cpu_quota(on)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `f` on a thread inside host `i`'s namespace: sockets it makes belong to host `i`.
     pub fn run_in<T: Send>(
         &self,

@@ -561,8 +561,9 @@ fn learn_hop_overhead(
 }
 
 /// Scales the measured compute and memory bandwidth of each node whose host the lab gives a
-/// CPU quota below its compute threads: the nodes' quick probe is shorter than the quota's
-/// period, so it measures the unthrottled host. One line per node, saying so.
+/// CPU quota below its compute threads: the nodes probe their hosts before the quotas bind
+/// ([`Session::start`]), so the figures are the unthrottled host's and the quota is applied
+/// exactly once. One line per node, saying so.
 fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<String> {
     let mut lines = Vec::new();
     for n in &mut graph.nodes {
@@ -575,8 +576,8 @@ fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<Strin
             n.ram.bandwidth.0 *= f;
             lines.push(format!(
                 "imposed on {}: a CPU quota of {q} cores for {} compute thread(s), so its measured \
-                 compute and memory bandwidth are scaled by {f:.2} (the nodes' quick probe is \
-                 shorter than the quota's period and sees the unthrottled host)",
+                 compute and memory bandwidth are scaled by {f:.2} (its node probed the host \
+                 before the quota bound)",
                 n.name, scenario.threads
             ));
         }

@@ -26,6 +26,8 @@ pub(crate) trait Hosts {
     fn command(&self, i: usize, program: &Path) -> Result<std::process::Command>;
     /// Host `i`'s address.
     fn addr(&self, i: usize) -> std::net::Ipv4Addr;
+    /// Imposes (`on`) or lifts the hosts' CPU quotas ([`Lab::set_cpu_quotas`]).
+    fn set_cpu_quotas(&self, on: bool) -> Result<()>;
 }
 
 impl Hosts for Lab {
@@ -34,6 +36,9 @@ impl Hosts for Lab {
     }
     fn addr(&self, i: usize) -> std::net::Ipv4Addr {
         Self::addr(self, i)
+    }
+    fn set_cpu_quotas(&self, on: bool) -> Result<()> {
+        Self::set_cpu_quotas(self, on)
     }
 }
 
@@ -46,6 +51,9 @@ impl Hosts for Loopback {
     }
     fn addr(&self, _: usize) -> std::net::Ipv4Addr {
         std::net::Ipv4Addr::LOCALHOST
+    }
+    fn set_cpu_quotas(&self, _: bool) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -204,6 +212,9 @@ impl Session {
         let mut coordinator = Proc::spawn("coordinator", cmd, &dir.join("coordinator.log"))?;
         let join = token(&mut coordinator, "join_token")?;
         let operator = token(&mut coordinator, "operator_token")?;
+        // The nodes' probes measure the hosts unthrottled; the quotas bind once all have
+        // joined (and the lab scales what they measured by each quota).
+        lab.set_cpu_quotas(false)?;
         let mut nodes = Vec::new();
         for (i, node) in scenario.graph.nodes.iter().enumerate() {
             let host = i + 1;
@@ -235,6 +246,7 @@ impl Session {
             p.wait_event("joined", Duration::from_secs(120))?;
             nodes.push(p);
         }
+        lab.set_cpu_quotas(true)?;
         Ok(Self {
             coordinator,
             nodes,
