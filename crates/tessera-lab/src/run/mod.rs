@@ -16,14 +16,13 @@
 //!    ([`session`]). Each gives decode tokens/s and time to first token (one request), the
 //!    aggregate tokens/s of the workload's concurrency of requests at once, and the bytes the
 //!    switch carried between the nodes per decoded token. The others are listed with why not.
-//! 4. `tessera_plan::calibrate` on every single-node run (else the first that ran) corrects the
-//!    graph; each node none of those ran on is corrected from its own stage in the first other
-//!    plan that ran on it (`tessera_plan::calibrate_nodes`); at a concurrency above 1, each
-//!    single node's requests at once correct its compute rate where the batch was slower than
-//!    predicted (`tessera_plan::calibrate_batching`). Every plan's prediction is shown before
-//!    and after, and the calibrated graph can be saved as a scenario that `tessera plan
-//!    --nodes` and `tessera lab run` read.
+//! 4. What ran corrects the graph ([`calibrate`]: every single-node run, else the first that
+//!    ran; then nodes no reference covered, the runtime's costs per token and per hop, batches
+//!    at the workload's concurrency). Every plan's prediction is shown before and after, and
+//!    the calibrated graph can be saved as a scenario that `tessera plan --nodes` and `tessera
+//!    lab run` read.
 
+mod calibrate;
 pub mod cells;
 pub mod hop;
 pub mod machine;
@@ -38,17 +37,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::Value;
-use tessera_plan::{
-    calibrate, predict, HopMeasurement, Measurement, Plan, ResourceGraph, StageMeasurement,
-    StrategyKind,
-};
+use tessera_plan::{predict, Plan, ResourceGraph};
 
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::scenario::Scenario;
 pub use plans::{describe, Force};
 pub use report::{table, Figures, Report, Row};
-use ring::median;
 use session::{Mode, Session};
 
 /// Tokens of the warm-up request, and of the short request whose traffic is subtracted from
@@ -217,184 +212,18 @@ pub fn run(
     }
     drop(session);
 
-    // Calibrate on every single-node run, each the evidence on its own node (else on the first
-    // plan that ran): rings and expert splits are then predicted from what single nodes showed.
-    let ran: Vec<usize> = (0..candidates.len())
-        .filter(|&i| matches!(measured[i], Some(Ok(_))))
-        .collect();
-    let mut references: Vec<usize> = ran
-        .iter()
-        .copied()
-        .filter(|&i| candidates[i].plan.strategy == StrategyKind::Single)
-        .collect();
-    if references.is_empty() {
-        references.extend(ran.first());
-    }
-    let mut corrections = Vec::new();
-    let mut calibrated_graph = None;
-    let mut on = Vec::new();
-    // Each run implies its own runtime cost per token (the model has one for the cluster): the
-    // median of them, so one throttled node does not set it for all.
-    let mut overheads = Vec::new();
-    for &i in &references {
-        let Some(Ok(m)) = &measured[i] else {
-            unreachable!("a reference ran")
-        };
-        let base = calibrated_graph.as_ref().unwrap_or(&graph);
-        match calibrate(&model, base, &candidates[i].plan, &measurement(&m.report)) {
-            Ok(c) => {
-                corrections.extend(c.corrections.iter().map(|x| {
-                    format!(
-                        "{} {} ×{:.2}: {}",
-                        x.subject, x.quantity, x.factor, x.reason
-                    )
-                }));
-                overheads.push(c.graph.token_overhead_s);
-                calibrated_graph = Some(c.graph);
-                on.push(describe(&candidates[i].plan));
-            }
-            Err(e) => on.push(format!("not {} ({e})", describe(&candidates[i].plan))),
-        }
-    }
-    // Nodes no reference ran on: each is calibrated from the first other plan that ran on it,
-    // by its own stage's figures (a ring's stage, an expert split's home), so that every node
-    // an executed plan covered carries what it showed — not only the reference's.
-    // (A node covered is one whose stage reported compute: an expert split's owners report
-    // none, their expert work being done outside a stage.)
-    let mut covered: Vec<String> = references
-        .iter()
-        .filter_map(|&i| match &measured[i] {
-            Some(Ok(m)) => Some(measurement(&m.report).stages),
-            _ => None,
-        })
-        .flatten()
-        .filter(|s| s.seconds_per_token > 0.0)
-        .map(|s| s.node)
-        .collect();
-    for &i in &ran {
-        let Some(Ok(m)) = &measured[i] else {
-            continue;
-        };
-        let Some(base) = calibrated_graph.as_ref() else {
-            break;
-        };
-        let m = measurement(&m.report);
-        let fresh: Vec<StageMeasurement> = m
-            .stages
-            .into_iter()
-            .filter(|s| s.seconds_per_token > 0.0 && !covered.contains(&s.node))
-            .collect();
-        if fresh.is_empty() {
-            continue;
-        }
-        let plan = &candidates[i].plan;
-        match tessera_plan::calibrate_nodes(&model, base, plan, &fresh, m.taken_at_unix_s) {
-            Ok((g, c)) => {
-                corrections.extend(c.iter().map(|x| {
-                    format!(
-                        "{} {} ×{:.2}: {}",
-                        x.subject, x.quantity, x.factor, x.reason
-                    )
-                }));
-                covered.extend(fresh.iter().map(|s| s.node.clone()));
-                let nodes: Vec<&str> = fresh.iter().map(|s| s.node.as_str()).collect();
-                on.push(format!("{} (for {})", describe(plan), nodes.join(", ")));
-                calibrated_graph = Some(g);
-            }
-            Err(e) => on.push(format!("not {} ({e})", describe(plan))),
-        }
-    }
-    if let Some(g) = calibrated_graph.as_mut() {
-        overheads.sort_by(f64::total_cmp);
-        if overheads.len() > 1 {
-            g.token_overhead_s = overheads[overheads.len() / 2];
-            corrections.push(format!(
-                "runtime token_overhead: {:.1} µs, the median of the runs' ({})",
-                g.token_overhead_s * 1e6,
-                overheads
-                    .iter()
-                    .map(|x| format!("{:.1}", x * 1e6))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ));
-            let (g2, lines) =
-                fit_single_nodes_to_their_runs(&model, g, &candidates, &measured, &references);
-            *g = g2;
-            corrections.extend(lines);
-        }
-    }
-    // Each single node's requests at once, on its batch-1 calibration: where the batch was
-    // slower than predicted, the node's work binds at that batch, and its compute rate is set
-    // from it (the memory rates stay as batch 1 set them).
-    if concurrency > 1 {
-        for &i in &references {
-            let (Some(Ok(m)), Some(g)) = (&measured[i], calibrated_graph.as_ref()) else {
-                continue;
-            };
-            let plan = &candidates[i].plan;
-            if plan.strategy != StrategyKind::Single {
-                continue;
-            }
-            let at = measurement(&m.report).taken_at_unix_s;
-            let throughput = m.figures.throughput_tokens_per_s;
-            match tessera_plan::calibrate_batching(&model, g, plan, throughput, at) {
-                Ok((g, Some(x))) => {
-                    corrections.push(format!(
-                        "{} {} ×{:.2}: {}",
-                        x.subject, x.quantity, x.factor, x.reason
-                    ));
-                    calibrated_graph = Some(g);
-                }
-                Ok((_, None)) => {}
-                Err(e) => on.push(format!("not the batch of {} ({e})", describe(plan))),
-            }
-        }
-    }
-    // The rings that ran, on a graph whose nodes single-node runs calibrated, each imply a cost
-    // per hop: the saved graph takes their median; each ring's own row is predicted with the
-    // others' (else the prior figure), so its error is not fitted to itself.
-    let singles_only = references
-        .iter()
-        .all(|&i| candidates[i].plan.strategy == StrategyKind::Single);
-    let mut ring_hop: Vec<(usize, f64)> = Vec::new();
-    if let (Some(g), true) = (calibrated_graph.as_mut(), singles_only) {
-        let prior = g.hop_overhead_s;
-        let learned = learn_hop_overhead(&model, g, &candidates, &measured, &mut corrections);
-        if !learned.is_empty() {
-            let values: Vec<f64> = learned.iter().map(|x| x.1).collect();
-            g.hop_overhead_s = median(values.clone());
-            corrections.push(format!(
-                "runtime hop_overhead: {:.1} µs per hop, the median of the rings' (was {:.1})",
-                g.hop_overhead_s * 1e6,
-                prior * 1e6
-            ));
-            for (k, &(i, _)) in learned.iter().enumerate() {
-                let others: Vec<f64> = values
-                    .iter()
-                    .enumerate()
-                    .filter(|&(j, _)| j != k)
-                    .map(|(_, &v)| v)
-                    .collect();
-                let v = if others.is_empty() {
-                    prior
-                } else {
-                    median(others)
-                };
-                ring_hop.push((i, v));
-            }
-        }
-    }
-    if let (Some(g), Some(p)) = (calibrated_graph.as_mut(), before_cells) {
-        for m in &mut g.machines {
-            let was = m.cores;
-            m.cores = machine_cores(p, scenario);
-            corrections.push(format!(
-                "machine {} cores {:.2} → {:.2}: measured again before the cells ran ({} \
-                 decoder(s) at once made {:.1} tok/s, one alone {:.1})",
-                m.name, was, m.cores, p.copies, p.together_tok_s, p.alone_tok_s
-            ));
-        }
-    }
+    let runs = calibrate::Runs {
+        model: &model,
+        candidates: &candidates,
+        measured: &measured,
+    };
+    let machine_again = before_cells.map(|p| (p, machine_cores(p, scenario)));
+    let calibrate::Calibration {
+        graph: calibrated_graph,
+        corrections,
+        on,
+        ring_hop,
+    } = calibrate::on_runs(&runs, &graph, concurrency, machine_again);
     let calibrated_on = if on.is_empty() {
         "nothing (no plan ran)".to_string()
     } else {
@@ -407,9 +236,45 @@ pub fn run(
         }
         _ => None,
     };
+    let rows = rows(
+        &model,
+        &graph,
+        &candidates,
+        measured,
+        calibrated_graph.as_ref(),
+        &ring_hop,
+    );
+    let provenance = provenance(scenario, &model, &graph, &candidates, quotas);
+    let mut report = Report {
+        scenario: scenario.name.clone(),
+        objective: graph.policy.objective,
+        concurrency: concurrency as u32,
+        tokens: scenario.workload.tokens,
+        rows,
+        provenance,
+        machine: parallelism,
+        calibrated_on,
+        corrections,
+        calibrated_graph: saved,
+    };
+    report.rank();
+    Ok(report)
+}
+
+/// The report's rows: each candidate predicted on the measured `graph` and, where calibration
+/// gave one, on the `calibrated` graph (a ring with the cost per hop `ring_hop` gives it);
+/// measured, or why not.
+fn rows(
+    model: &tessera_plan::ModelProfile,
+    graph: &ResourceGraph,
+    candidates: &[plans::Candidate],
+    measured: Vec<Option<std::result::Result<Measured, String>>>,
+    calibrated_graph: Option<&ResourceGraph>,
+    ring_hop: &[(usize, f64)],
+) -> Vec<Row> {
     let figures =
-        |g: &ResourceGraph, p: &Plan| predict(&model, g, p).ok().map(|x| Figures::predicted(&x));
-    let rows = candidates
+        |g: &ResourceGraph, p: &Plan| predict(model, g, p).ok().map(|x| Figures::predicted(&x));
+    candidates
         .iter()
         .zip(measured)
         .enumerate()
@@ -424,14 +289,14 @@ pub fn run(
                 strategy: c.plan.strategy.name().to_string(),
                 description: describe(&c.plan),
                 role: c.role.to_string(),
-                predicted: figures(&graph, &c.plan)
+                predicted: figures(graph, &c.plan)
                     .unwrap_or_else(|| Figures::predicted(&c.plan.predicted)),
                 measured,
                 note,
                 error: None,
                 predicted_rank: None,
                 measured_rank: None,
-                calibrated: calibrated_graph.as_ref().and_then(|g| {
+                calibrated: calibrated_graph.and_then(|g| {
                     match ring_hop.iter().find(|x| x.0 == k) {
                         Some(&(_, hop)) => {
                             let mut g = g.clone();
@@ -444,7 +309,17 @@ pub fn run(
                 calibrated_error: None,
             }
         })
-        .collect();
+        .collect()
+}
+
+/// What the lab imposed and what was measured, one line each, for the report.
+fn provenance(
+    scenario: &Scenario,
+    model: &tessera_plan::ModelProfile,
+    graph: &ResourceGraph,
+    candidates: &[plans::Candidate],
+    quotas: Vec<String>,
+) -> Vec<String> {
     let mut provenance = vec![
         "imposed by the lab: link delay, jitter, bandwidth and loss; CPU share and memory cap \
          where [[lab.node]] sets them"
@@ -463,8 +338,8 @@ pub fn run(
         };
         for c in candidates.iter().filter(|c| c.plan.cells.len() > 1) {
             if let (Ok(a), Ok(t)) = (
-                predict(&model, &apart, &c.plan),
-                predict(&model, &graph, &c.plan),
+                predict(model, &apart, &c.plan),
+                predict(model, graph, &c.plan),
             ) {
                 provenance.push(format!(
                     "{}: aggregate {:.0} tok/s predicted sharing the machine's cores, {:.0} as if \
@@ -502,62 +377,7 @@ pub fn run(
          (framing included)"
             .into(),
     );
-    let mut report = Report {
-        scenario: scenario.name.clone(),
-        objective: graph.policy.objective,
-        concurrency: concurrency as u32,
-        tokens: scenario.workload.tokens,
-        rows,
-        provenance,
-        machine: parallelism,
-        calibrated_on,
-        corrections,
-        calibrated_graph: saved,
-    };
-    report.rank();
-    Ok(report)
-}
-
-/// The cost per hop each ring that ran implies on `graph` (its nodes calibrated on single-node
-/// runs), with one line per ring in `corrections`: (candidate, seconds per hop).
-fn learn_hop_overhead(
-    model: &tessera_plan::ModelProfile,
-    graph: &ResourceGraph,
-    candidates: &[plans::Candidate],
-    measured: &[Option<std::result::Result<Measured, String>>],
-    corrections: &mut Vec<String>,
-) -> Vec<(usize, f64)> {
-    let mut out = Vec::new();
-    for (i, c) in candidates.iter().enumerate() {
-        let Some(Ok(m)) = &measured[i] else {
-            continue;
-        };
-        if c.plan.strategy != StrategyKind::Stage || c.plan.nodes().len() < 2 {
-            continue;
-        }
-        let at = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        match tessera_plan::calibrate_hop_overhead(
-            model,
-            graph,
-            &c.plan,
-            m.figures.decode_tokens_per_s,
-            at,
-        ) {
-            Ok(h) => {
-                corrections.push(format!(
-                    "{}: {:.1} µs per hop ({})",
-                    describe(&c.plan),
-                    h.hop_overhead_after_s * 1e6,
-                    h.correction.reason
-                ));
-                out.push((i, h.hop_overhead_after_s));
-            }
-            Err(e) => corrections.push(format!("{}: no hop cost ({e})", describe(&c.plan))),
-        }
-    }
-    out
+    provenance
 }
 
 /// Scales the measured compute and memory bandwidth of each node whose host the lab gives a
@@ -583,45 +403,6 @@ fn apply_cpu_quotas(scenario: &Scenario, graph: &mut ResourceGraph) -> Vec<Strin
         }
     }
     lines
-}
-
-/// Gives each single-node reference run's node what its token time took beside the runtime's
-/// median cost per token ([`tessera_plan::calibrate_node_to_token_time`]): one throttled host
-/// does not set the runtime's figure for all, and each node's own run is still predicted.
-fn fit_single_nodes_to_their_runs(
-    model: &tessera_plan::ModelProfile,
-    graph: &ResourceGraph,
-    candidates: &[plans::Candidate],
-    measured: &[Option<std::result::Result<Measured, String>>],
-    references: &[usize],
-) -> (ResourceGraph, Vec<String>) {
-    let mut g = graph.clone();
-    let mut lines = Vec::new();
-    for &i in references {
-        let (Some(Ok(m)), plan) = (&measured[i], &candidates[i].plan) else {
-            continue;
-        };
-        let m = measurement(&m.report);
-        if let Ok((next, Some(c))) = tessera_plan::calibrate_node_to_token_time(
-            model,
-            &g,
-            plan,
-            m.decode_tokens_per_s,
-            m.taken_at_unix_s,
-        ) {
-            lines.push(format!(
-                "{} {} ×{:.2}: {:.3} ms a token measured on it alone, beside the runtime's \
-                 median {:.1} µs: the difference is the node's",
-                c.subject,
-                c.quantity,
-                c.factor,
-                1e3 / m.decode_tokens_per_s,
-                g.token_overhead_s * 1e6
-            ));
-            g = next;
-        }
-    }
-    (g, lines)
 }
 
 /// The cores this process may run on.
@@ -698,63 +479,6 @@ fn apply_shared_machine(
 fn save_calibrated(scenario: &Scenario, graph: &ResourceGraph, path: &Path) -> Result<()> {
     let text = crate::scenario::with_planner_part(scenario, &graph.to_toml())?;
     std::fs::write(path, text).map_err(|e| LabError::io(format!("writing {}", path.display()), e))
-}
-
-/// The planner's measurement of a run: decode tokens/s, per-hop time (the token time the
-/// stages' compute does not explain, over the ring's hops) with wire bytes, per-stage time.
-fn measurement(report: &Value) -> Measurement {
-    let names: Vec<String> = report["stages"]
-        .as_array()
-        .map(|v| {
-            v.iter()
-                .map(|s| s["name"].as_str().unwrap_or("?").to_string())
-                .collect()
-        })
-        .unwrap_or_default();
-    let tps = report["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
-    let per_stage: Vec<(String, f64)> = report["stage_stats"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|s| {
-            let d = &s["decode"];
-            let t = d["compute_ns"].as_f64()? / d["steps"].as_f64()?.max(1.0) / 1e9;
-            Some((names.get(s["stage"].as_u64()? as usize)?.clone(), t))
-        })
-        .collect();
-    let compute: f64 = per_stage.iter().map(|s| s.1).sum();
-    let hops = if names.len() > 1 && tps > 0.0 {
-        let lat = ((1.0 / tps - compute) / names.len() as f64).max(0.0);
-        report["boundaries"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|b| {
-                Some(HopMeasurement {
-                    from: names.get(b["from"].as_u64()? as usize)?.clone(),
-                    to: names.get(b["to"].as_u64()? as usize)?.clone(),
-                    latency_s: lat,
-                    wire_bytes: b["decode_bytes_per_token"].as_f64()?,
-                })
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    Measurement {
-        taken_at_unix_s: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        decode_tokens_per_s: tps,
-        hops,
-        stages: per_stage
-            .into_iter()
-            .map(|(node, t)| StageMeasurement {
-                node,
-                seconds_per_token: t,
-            })
-            .collect(),
-    }
 }
 
 /// Where `lab run` keeps its logs by default.

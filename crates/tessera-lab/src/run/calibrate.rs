@@ -1,0 +1,414 @@
+//! Calibration on a `lab run`'s measurements: the planner's graph corrected by what the plans
+//! that ran showed, in steps, each on the graph the steps before it left.
+//!
+//! 1. Every single-node run (else the first plan that ran) calibrates the graph
+//!    (`tessera_plan::calibrate`): each is the evidence on its own node.
+//! 2. Each node no reference ran on is calibrated from its own stage in the first other plan
+//!    that ran on it (`tessera_plan::calibrate_nodes`).
+//! 3. The runtime's cost per token is the median of the references' (one throttled host does
+//!    not set it for all), and each reference's node then takes what its own run took beside
+//!    it (`tessera_plan::calibrate_node_to_token_time`).
+//! 4. At a concurrency above 1, each single node's requests at once correct its compute rate
+//!    where the batch was slower than predicted (`tessera_plan::calibrate_batching`).
+//! 5. The rings that ran each imply a cost per hop (`tessera_plan::calibrate_hop_overhead`):
+//!    the graph takes their median, and each ring's own row the others' figure.
+//! 6. Where the machine was measured again just before the cells ran, its cores are that.
+
+use tessera_plan::{
+    calibrate, HopMeasurement, Measurement, ResourceGraph, StageMeasurement, StrategyKind,
+};
+
+use super::machine::Parallelism;
+use super::plans::{describe, Candidate};
+use super::ring::median;
+use super::Measured;
+
+/// The plans a run executed and what each measured (`None`: not run).
+pub(super) struct Runs<'a> {
+    pub model: &'a tessera_plan::ModelProfile,
+    pub candidates: &'a [Candidate],
+    pub measured: &'a [Option<std::result::Result<Measured, String>>],
+}
+
+/// What calibration gives.
+#[derive(Default)]
+pub(super) struct Calibration {
+    /// The calibrated graph (`None` where no plan ran or none could calibrate it).
+    pub graph: Option<ResourceGraph>,
+    /// One line per correction made, saying why.
+    pub corrections: Vec<String>,
+    /// The runs calibrated on (and those that could not be, with why).
+    pub on: Vec<String>,
+    /// Each ring's cost per hop for its own calibrated row (candidate, seconds): the other
+    /// rings' figure, so that no ring's error is fitted to itself.
+    pub ring_hop: Vec<(usize, f64)>,
+}
+
+fn line(x: &tessera_plan::calibrate::Correction) -> String {
+    format!(
+        "{} {} ×{:.2}: {}",
+        x.subject, x.quantity, x.factor, x.reason
+    )
+}
+
+impl Runs<'_> {
+    /// The run of candidate `i`, where it succeeded.
+    fn ok(&self, i: usize) -> Option<&Measured> {
+        match &self.measured[i] {
+            Some(Ok(m)) => Some(m),
+            _ => None,
+        }
+    }
+
+    fn is_single(&self, i: usize) -> bool {
+        self.candidates[i].plan.strategy == StrategyKind::Single
+    }
+}
+
+/// Calibrates `graph` on `runs` (the steps in the module's doc); `machine_again` is the
+/// machine's measurement just before the cells ran, with the cores it gives.
+pub(super) fn on_runs(
+    runs: &Runs,
+    graph: &ResourceGraph,
+    concurrency: usize,
+    machine_again: Option<(Parallelism, f64)>,
+) -> Calibration {
+    let ran: Vec<usize> = (0..runs.candidates.len())
+        .filter(|&i| runs.ok(i).is_some())
+        .collect();
+    let mut references: Vec<usize> = ran.iter().copied().filter(|&i| runs.is_single(i)).collect();
+    if references.is_empty() {
+        references.extend(ran.first());
+    }
+    let mut c = Calibration::default();
+    let overheads = c.on_references(runs, graph, &references);
+    c.on_uncovered_nodes(runs, &ran, &references);
+    c.runtime_overhead_median(runs, overheads, &references);
+    if concurrency > 1 {
+        c.on_batches(runs, &references);
+    }
+    if references.iter().all(|&i| runs.is_single(i)) {
+        c.learn_hops(runs);
+    }
+    if let Some((p, cores)) = machine_again {
+        c.machine_measured_again(p, cores);
+    }
+    c
+}
+
+impl Calibration {
+    /// Step 1: each reference run calibrates the graph in turn; the runtime cost per token
+    /// each implied.
+    fn on_references(
+        &mut self,
+        runs: &Runs,
+        graph: &ResourceGraph,
+        references: &[usize],
+    ) -> Vec<f64> {
+        let mut overheads = Vec::new();
+        for &i in references {
+            let m = runs.ok(i).expect("a reference ran");
+            let plan = &runs.candidates[i].plan;
+            let base = self.graph.as_ref().unwrap_or(graph);
+            match calibrate(runs.model, base, plan, &measurement(&m.report)) {
+                Ok(c) => {
+                    self.corrections.extend(c.corrections.iter().map(line));
+                    overheads.push(c.graph.token_overhead_s);
+                    self.graph = Some(c.graph);
+                    self.on.push(describe(plan));
+                }
+                Err(e) => self.on.push(format!("not {} ({e})", describe(plan))),
+            }
+        }
+        overheads
+    }
+
+    /// Step 2: nodes no reference ran on, each from the first other plan that ran on it, by
+    /// its own stage's figures (a ring's stage, an expert split's home), so that every node an
+    /// executed plan covered carries what it showed. (A node covered is one whose stage
+    /// reported compute: an expert split's owners report none, their expert work being done
+    /// outside a stage.)
+    fn on_uncovered_nodes(&mut self, runs: &Runs, ran: &[usize], references: &[usize]) {
+        let mut covered: Vec<String> = references
+            .iter()
+            .filter_map(|&i| runs.ok(i).map(|m| measurement(&m.report).stages))
+            .flatten()
+            .filter(|s| s.seconds_per_token > 0.0)
+            .map(|s| s.node)
+            .collect();
+        for &i in ran {
+            let Some(m) = runs.ok(i) else {
+                continue;
+            };
+            let Some(base) = self.graph.as_ref() else {
+                break;
+            };
+            let m = measurement(&m.report);
+            let fresh: Vec<StageMeasurement> = m
+                .stages
+                .into_iter()
+                .filter(|s| s.seconds_per_token > 0.0 && !covered.contains(&s.node))
+                .collect();
+            if fresh.is_empty() {
+                continue;
+            }
+            let plan = &runs.candidates[i].plan;
+            match tessera_plan::calibrate_nodes(runs.model, base, plan, &fresh, m.taken_at_unix_s) {
+                Ok((g, c)) => {
+                    self.corrections.extend(c.iter().map(line));
+                    covered.extend(fresh.iter().map(|s| s.node.clone()));
+                    let nodes: Vec<&str> = fresh.iter().map(|s| s.node.as_str()).collect();
+                    self.on
+                        .push(format!("{} (for {})", describe(plan), nodes.join(", ")));
+                    self.graph = Some(g);
+                }
+                Err(e) => self.on.push(format!("not {} ({e})", describe(plan))),
+            }
+        }
+    }
+
+    /// Step 3: each run implies its own runtime cost per token (the model has one for the
+    /// cluster): the median of them, so one throttled node does not set it for all; then each
+    /// reference's node is fitted to its own run beside that median.
+    fn runtime_overhead_median(
+        &mut self,
+        runs: &Runs,
+        mut overheads: Vec<f64>,
+        references: &[usize],
+    ) {
+        let Some(g) = self.graph.as_mut() else {
+            return;
+        };
+        if overheads.len() < 2 {
+            return;
+        }
+        overheads.sort_by(f64::total_cmp);
+        g.token_overhead_s = overheads[overheads.len() / 2];
+        self.corrections.push(format!(
+            "runtime token_overhead: {:.1} µs, the median of the runs' ({})",
+            g.token_overhead_s * 1e6,
+            overheads
+                .iter()
+                .map(|x| format!("{:.1}", x * 1e6))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        let (fitted, lines) = fit_single_nodes_to_their_runs(runs, g, references);
+        *g = fitted;
+        self.corrections.extend(lines);
+    }
+
+    /// Step 4: each single node's requests at once, on its batch-1 calibration: where the
+    /// batch was slower than predicted, the node's work binds at that batch, and its compute
+    /// rate is set from it (the memory rates stay as batch 1 set them).
+    fn on_batches(&mut self, runs: &Runs, references: &[usize]) {
+        for &i in references {
+            let (Some(m), Some(g)) = (runs.ok(i), self.graph.as_ref()) else {
+                continue;
+            };
+            let plan = &runs.candidates[i].plan;
+            if !runs.is_single(i) {
+                continue;
+            }
+            let at = measurement(&m.report).taken_at_unix_s;
+            let throughput = m.figures.throughput_tokens_per_s;
+            match tessera_plan::calibrate_batching(runs.model, g, plan, throughput, at) {
+                Ok((g, Some(x))) => {
+                    self.corrections.push(line(&x));
+                    self.graph = Some(g);
+                }
+                Ok((_, None)) => {}
+                Err(e) => self
+                    .on
+                    .push(format!("not the batch of {} ({e})", describe(plan))),
+            }
+        }
+    }
+
+    /// Step 5: the rings that ran, on a graph whose nodes single-node runs calibrated, each
+    /// imply a cost per hop: the graph takes their median; each ring's own row is predicted
+    /// with the others' (else the prior figure), so its error is not fitted to itself.
+    fn learn_hops(&mut self, runs: &Runs) {
+        let Some(g) = self.graph.as_mut() else {
+            return;
+        };
+        let prior = g.hop_overhead_s;
+        let learned = learn_hop_overhead(runs, g, &mut self.corrections);
+        if learned.is_empty() {
+            return;
+        }
+        let values: Vec<f64> = learned.iter().map(|x| x.1).collect();
+        g.hop_overhead_s = median(values.clone());
+        self.corrections.push(format!(
+            "runtime hop_overhead: {:.1} µs per hop, the median of the rings' (was {:.1})",
+            g.hop_overhead_s * 1e6,
+            prior * 1e6
+        ));
+        for (k, &(i, _)) in learned.iter().enumerate() {
+            let others: Vec<f64> = values
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != k)
+                .map(|(_, &v)| v)
+                .collect();
+            let v = if others.is_empty() {
+                prior
+            } else {
+                median(others)
+            };
+            self.ring_hop.push((i, v));
+        }
+    }
+
+    /// Step 6: the machine's cores as measured again just before the cells ran.
+    fn machine_measured_again(&mut self, p: Parallelism, cores: f64) {
+        let Some(g) = self.graph.as_mut() else {
+            return;
+        };
+        for m in &mut g.machines {
+            let was = m.cores;
+            m.cores = cores;
+            self.corrections.push(format!(
+                "machine {} cores {:.2} → {:.2}: measured again before the cells ran ({} \
+                 decoder(s) at once made {:.1} tok/s, one alone {:.1})",
+                m.name, was, m.cores, p.copies, p.together_tok_s, p.alone_tok_s
+            ));
+        }
+    }
+}
+
+/// The cost per hop each ring that ran implies on `graph` (its nodes calibrated on single-node
+/// runs), with one line per ring in `corrections`: (candidate, seconds per hop).
+fn learn_hop_overhead(
+    runs: &Runs,
+    graph: &ResourceGraph,
+    corrections: &mut Vec<String>,
+) -> Vec<(usize, f64)> {
+    let (model, candidates, measured) = (runs.model, runs.candidates, runs.measured);
+    let mut out = Vec::new();
+    for (i, c) in candidates.iter().enumerate() {
+        let Some(Ok(m)) = &measured[i] else {
+            continue;
+        };
+        if c.plan.strategy != StrategyKind::Stage || c.plan.nodes().len() < 2 {
+            continue;
+        }
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        match tessera_plan::calibrate_hop_overhead(
+            model,
+            graph,
+            &c.plan,
+            m.figures.decode_tokens_per_s,
+            at,
+        ) {
+            Ok(h) => {
+                corrections.push(format!(
+                    "{}: {:.1} µs per hop ({})",
+                    describe(&c.plan),
+                    h.hop_overhead_after_s * 1e6,
+                    h.correction.reason
+                ));
+                out.push((i, h.hop_overhead_after_s));
+            }
+            Err(e) => corrections.push(format!("{}: no hop cost ({e})", describe(&c.plan))),
+        }
+    }
+    out
+}
+
+/// Gives each single-node reference run's node what its token time took beside the runtime's
+/// median cost per token ([`tessera_plan::calibrate_node_to_token_time`]): one throttled host
+/// does not set the runtime's figure for all, and each node's own run is still predicted.
+fn fit_single_nodes_to_their_runs(
+    runs: &Runs,
+    graph: &ResourceGraph,
+    references: &[usize],
+) -> (ResourceGraph, Vec<String>) {
+    let (model, candidates, measured) = (runs.model, runs.candidates, runs.measured);
+    let mut g = graph.clone();
+    let mut lines = Vec::new();
+    for &i in references {
+        let (Some(Ok(m)), plan) = (&measured[i], &candidates[i].plan) else {
+            continue;
+        };
+        let m = measurement(&m.report);
+        if let Ok((next, Some(c))) = tessera_plan::calibrate_node_to_token_time(
+            model,
+            &g,
+            plan,
+            m.decode_tokens_per_s,
+            m.taken_at_unix_s,
+        ) {
+            lines.push(format!(
+                "{} {} ×{:.2}: {:.3} ms a token measured on it alone, beside the runtime's \
+                 median {:.1} µs: the difference is the node's",
+                c.subject,
+                c.quantity,
+                c.factor,
+                1e3 / m.decode_tokens_per_s,
+                g.token_overhead_s * 1e6
+            ));
+            g = next;
+        }
+    }
+    (g, lines)
+}
+
+/// The planner's measurement of a run: decode tokens/s, per-hop time (the token time the
+/// stages' compute does not explain, over the ring's hops) with wire bytes, per-stage time.
+pub(super) fn measurement(report: &serde_json::Value) -> Measurement {
+    let names: Vec<String> = report["stages"]
+        .as_array()
+        .map(|v| {
+            v.iter()
+                .map(|s| s["name"].as_str().unwrap_or("?").to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    let tps = report["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
+    let per_stage: Vec<(String, f64)> = report["stage_stats"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| {
+            let d = &s["decode"];
+            let t = d["compute_ns"].as_f64()? / d["steps"].as_f64()?.max(1.0) / 1e9;
+            Some((names.get(s["stage"].as_u64()? as usize)?.clone(), t))
+        })
+        .collect();
+    let compute: f64 = per_stage.iter().map(|s| s.1).sum();
+    let hops = if names.len() > 1 && tps > 0.0 {
+        let lat = ((1.0 / tps - compute) / names.len() as f64).max(0.0);
+        report["boundaries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|b| {
+                Some(HopMeasurement {
+                    from: names.get(b["from"].as_u64()? as usize)?.clone(),
+                    to: names.get(b["to"].as_u64()? as usize)?.clone(),
+                    latency_s: lat,
+                    wire_bytes: b["decode_bytes_per_token"].as_f64()?,
+                })
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Measurement {
+        taken_at_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        decode_tokens_per_s: tps,
+        hops,
+        stages: per_stage
+            .into_iter()
+            .map(|(node, t)| StageMeasurement {
+                node,
+                seconds_per_token: t,
+            })
+            .collect(),
+    }
+}
