@@ -166,10 +166,13 @@ fn a_node_joining_while_a_cell_is_missing_places_it_and_runs_in_flight_are_not_p
         );
         assert_eq!(started_on(m), ["n0"], "client {i}");
     }
-    // The new cell serves: a run alone now goes to either cell, and two together to both.
-    let more = refs(&owned[..2]);
-    let mut pair = clients_under_way(&c, &more);
-    let msgs = finish_all(&mut pair, &more, &want[..2]);
+    // The new cell serves: four runs together go to both cells. (Not two: a request's score is
+    // seated-plus-one over the cell's speed plus its round trip, and this tiny model decodes
+    // so fast that one more seat on the measured cell can weigh less than the new node's round
+    // trip, and CI once saw both of two go to the old cell. Three seats outweigh it here.)
+    let more = refs(&owned[..4]);
+    let mut four = clients_under_way(&c, &more);
+    let msgs = finish_all(&mut four, &more, &want[..4]);
     let cells: BTreeSet<Vec<String>> = msgs.iter().map(|m| started_on(m)).collect();
     assert_eq!(cells.len(), 2, "cells used: {cells:?}");
 }
