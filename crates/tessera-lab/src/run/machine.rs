@@ -6,7 +6,8 @@
 //! counting cores says 1.0× (`tessera generate`, one thread, 256 tokens, alternated). Whether
 //! its two vCPUs share a physical core, its caches or something else the guest cannot see,
 //! the machine's own figure is what it delivers, so that is what the lab measures: one
-//! decoder alone, then one per host at once, each `tessera bench` with the scenario's threads.
+//! decoder alone, then one per host at once, each `tessera bench` with the scenario's threads,
+//! alternated over a few rounds.
 //! The engine's compute probe is no substitute: it splits one matmul over a thread pool, and
 //! its all-threads over one-thread ratio read 1.18–1.90 in four runs of the same minute.
 
@@ -42,15 +43,25 @@ impl Parallelism {
     }
 }
 
+/// Rounds of one decoder alone then the copies at once; the medians are kept. One reading of
+/// each was not enough: on this VM a decoder alone read 62.0 tok/s at a run's start and 93.7
+/// ten minutes later, and that one reading set the machine's cores for the cells (−19% after
+/// calibration). Alternating puts the machine's drift on both sides alike.
+const ROUNDS: usize = 3;
+
 /// Measures one `tessera bench` decoder of `model` alone, then `copies` at once, each with
-/// `threads` compute threads.
+/// `threads` compute threads, alternating for [`ROUNDS`] rounds: the median of each.
 pub fn measure(tessera: &Path, model: &Path, threads: usize, copies: usize) -> Result<Parallelism> {
-    let alone = run_together(tessera, model, threads, 1)?;
-    let together = run_together(tessera, model, threads, copies.max(1))?;
+    let copies = copies.max(1);
+    let (mut alone, mut together) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        alone.push(run_together(tessera, model, threads, 1)?);
+        together.push(run_together(tessera, model, threads, copies)?);
+    }
     Ok(Parallelism {
-        alone_tok_s: alone,
-        together_tok_s: together,
-        copies: copies.max(1),
+        alone_tok_s: super::ring::median(alone),
+        together_tok_s: super::ring::median(together),
+        copies,
     })
 }
 

@@ -453,7 +453,7 @@ fn apply_shared_machine(
             machine_cores(p, scenario),
             format!(
                 "measured: {} decoder(s) of {threads} thread(s) at once made {:.1} tok/s, one \
-                 alone {:.1}; {counted} cores counted",
+                 alone {:.1} (medians of rounds alternating the two); {counted} cores counted",
                 p.copies, p.together_tok_s, p.alone_tok_s
             ),
         ),
