@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::Value;
 use tessera_plan::{
-    calibrate, predict, Bytes, HopMeasurement, Measurement, ModelProfile, Plan, PlanOutcome,
-    ResourceGraph, StageMeasurement, StrategyKind, RUNTIME_OVERHEAD_RAM,
+    calibrate, predict, Bytes, ModelProfile, Plan, PlanOutcome, ResourceGraph, StrategyKind,
+    RUNTIME_OVERHEAD_RAM,
 };
 
 const PROMPT: &str = "Once upon a time, in a small village by the sea, there lived";
@@ -209,70 +209,6 @@ fn run_once(bin: &Path, join: &str, dir: &Path, plan: &Path, n: usize) -> anyhow
         .context("no report")
 }
 
-/// The planner's measurement of a run: decode tokens/s, each boundary's hop (the report's
-/// per-hop latency and wire bytes per decode token) and each stage's decode compute per token.
-fn measurement(report: &Value, at: u64) -> Measurement {
-    let names: Vec<String> = report["stages"]
-        .as_array()
-        .map(|v| {
-            v.iter()
-                .map(|s| s["name"].as_str().unwrap_or("?").to_string())
-                .collect()
-        })
-        .unwrap_or_default();
-    // Per hop: the token time the stages' compute does not explain, over the ring's hops (the
-    // report's own `hop_latency_us` is printed alongside).
-    let tps = report["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
-    let compute: f64 = report["stage_stats"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|s| {
-            let d = &s["decode"];
-            Some(d["compute_ns"].as_f64()? / d["steps"].as_f64()?.max(1.0) / 1e9)
-        })
-        .sum();
-    let hop_s = (names.len() > 1 && tps > 0.0)
-        .then(|| ((1.0 / tps - compute) / names.len() as f64).max(0.0));
-    let hops = match hop_s {
-        Some(lat) => report["boundaries"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|b| {
-                let from = names.get(b["from"].as_u64()? as usize)?.clone();
-                let to = names.get(b["to"].as_u64()? as usize)?.clone();
-                Some(HopMeasurement {
-                    from,
-                    to,
-                    latency_s: lat,
-                    wire_bytes: b["decode_bytes_per_token"].as_f64()?,
-                })
-            })
-            .collect(),
-        None => Vec::new(),
-    };
-    let stages = report["stage_stats"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|s| {
-            let d = &s["decode"];
-            let steps = d["steps"].as_f64()?.max(1.0);
-            Some(StageMeasurement {
-                node: names.get(s["stage"].as_u64()? as usize)?.clone(),
-                seconds_per_token: d["compute_ns"].as_f64()? / steps / 1e9,
-            })
-        })
-        .collect();
-    Measurement {
-        taken_at_unix_s: at,
-        decode_tokens_per_s: report["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
-        hops,
-        stages,
-    }
-}
-
 struct Row {
     model: String,
     ring: String,
@@ -398,7 +334,7 @@ fn bench_model(a: &Args, path: &Path, rows: &mut Vec<Row>) -> anyhow::Result<()>
         let at = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
             .as_secs();
-        let m = measurement(&report, at);
+        let m = tessera_lab::run::measurement(&report, at);
         let cal = calibrate(&model, &graph, &plan, &m)?;
         if k == 1 {
             single_graph = Some(cal.graph.clone());

@@ -23,11 +23,13 @@ use super::plans::{describe, Candidate};
 use super::ring::median;
 use super::Measured;
 
-/// The plans a run executed and what each measured (`None`: not run).
+/// The plans a run executed, what each measured (`None`: not run), and each successful
+/// run's report as the planner reads it (parsed once, at one time).
 pub(super) struct Runs<'a> {
-    pub model: &'a tessera_plan::ModelProfile,
-    pub candidates: &'a [Candidate],
-    pub measured: &'a [Option<std::result::Result<Measured, String>>],
+    model: &'a tessera_plan::ModelProfile,
+    candidates: &'a [Candidate],
+    measured: &'a [Option<std::result::Result<Measured, String>>],
+    measurements: Vec<Option<Measurement>>,
 }
 
 /// What calibration gives.
@@ -51,7 +53,35 @@ fn line(x: &tessera_plan::calibrate::Correction) -> String {
     )
 }
 
-impl Runs<'_> {
+impl<'a> Runs<'a> {
+    pub fn new(
+        model: &'a tessera_plan::ModelProfile,
+        candidates: &'a [Candidate],
+        measured: &'a [Option<std::result::Result<Measured, String>>],
+    ) -> Self {
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let measurements = measured
+            .iter()
+            .map(|m| match m {
+                Some(Ok(m)) => Some(measurement(&m.report, at)),
+                _ => None,
+            })
+            .collect();
+        Self {
+            model,
+            candidates,
+            measured,
+            measurements,
+        }
+    }
+
+    /// The planner's measurement of candidate `i`'s run, where it succeeded.
+    fn measurement(&self, i: usize) -> Option<&Measurement> {
+        self.measurements[i].as_ref()
+    }
+
     /// The run of candidate `i`, where it succeeded.
     fn ok(&self, i: usize) -> Option<&Measured> {
         match &self.measured[i] {
@@ -107,10 +137,10 @@ impl Calibration {
     ) -> Vec<f64> {
         let mut overheads = Vec::new();
         for &i in references {
-            let m = runs.ok(i).expect("a reference ran");
+            let m = runs.measurement(i).expect("a reference ran");
             let plan = &runs.candidates[i].plan;
             let base = self.graph.as_ref().unwrap_or(graph);
-            match calibrate(runs.model, base, plan, &measurement(&m.report)) {
+            match calibrate(runs.model, base, plan, m) {
                 Ok(c) => {
                     self.corrections.extend(c.corrections.iter().map(line));
                     overheads.push(c.graph.token_overhead_s);
@@ -131,23 +161,23 @@ impl Calibration {
     fn on_uncovered_nodes(&mut self, runs: &Runs, ran: &[usize], references: &[usize]) {
         let mut covered: Vec<String> = references
             .iter()
-            .filter_map(|&i| runs.ok(i).map(|m| measurement(&m.report).stages))
-            .flatten()
+            .filter_map(|&i| runs.measurement(i))
+            .flat_map(|m| &m.stages)
             .filter(|s| s.seconds_per_token > 0.0)
-            .map(|s| s.node)
+            .map(|s| s.node.clone())
             .collect();
         for &i in ran {
-            let Some(m) = runs.ok(i) else {
+            let Some(m) = runs.measurement(i) else {
                 continue;
             };
             let Some(base) = self.graph.as_ref() else {
                 break;
             };
-            let m = measurement(&m.report);
             let fresh: Vec<StageMeasurement> = m
                 .stages
-                .into_iter()
+                .iter()
                 .filter(|s| s.seconds_per_token > 0.0 && !covered.contains(&s.node))
+                .cloned()
                 .collect();
             if fresh.is_empty() {
                 continue;
@@ -203,14 +233,16 @@ impl Calibration {
     /// rate is set from it (the memory rates stay as batch 1 set them).
     fn on_batches(&mut self, runs: &Runs, references: &[usize]) {
         for &i in references {
-            let (Some(m), Some(g)) = (runs.ok(i), self.graph.as_ref()) else {
+            let (Some(m), Some(x), Some(g)) =
+                (runs.ok(i), runs.measurement(i), self.graph.as_ref())
+            else {
                 continue;
             };
             let plan = &runs.candidates[i].plan;
             if !runs.is_single(i) {
                 continue;
             }
-            let at = measurement(&m.report).taken_at_unix_s;
+            let at = x.taken_at_unix_s;
             let throughput = m.figures.throughput_tokens_per_s;
             match tessera_plan::calibrate_batching(runs.model, g, plan, throughput, at) {
                 Ok((g, Some(x))) => {
@@ -284,24 +316,20 @@ fn learn_hop_overhead(
     graph: &ResourceGraph,
     corrections: &mut Vec<String>,
 ) -> Vec<(usize, f64)> {
-    let (model, candidates, measured) = (runs.model, runs.candidates, runs.measured);
     let mut out = Vec::new();
-    for (i, c) in candidates.iter().enumerate() {
-        let Some(Ok(m)) = &measured[i] else {
+    for (i, c) in runs.candidates.iter().enumerate() {
+        let (Some(m), Some(at)) = (runs.ok(i), runs.measurement(i)) else {
             continue;
         };
         if c.plan.strategy != StrategyKind::Stage || c.plan.nodes().len() < 2 {
             continue;
         }
-        let at = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
         match tessera_plan::calibrate_hop_overhead(
-            model,
+            runs.model,
             graph,
             &c.plan,
             m.figures.decode_tokens_per_s,
-            at,
+            at.taken_at_unix_s,
         ) {
             Ok(h) => {
                 corrections.push(format!(
@@ -326,16 +354,14 @@ fn fit_single_nodes_to_their_runs(
     graph: &ResourceGraph,
     references: &[usize],
 ) -> (ResourceGraph, Vec<String>) {
-    let (model, candidates, measured) = (runs.model, runs.candidates, runs.measured);
     let mut g = graph.clone();
     let mut lines = Vec::new();
     for &i in references {
-        let (Some(Ok(m)), plan) = (&measured[i], &candidates[i].plan) else {
+        let (Some(m), plan) = (runs.measurement(i), &runs.candidates[i].plan) else {
             continue;
         };
-        let m = measurement(&m.report);
         if let Ok((next, Some(c))) = tessera_plan::calibrate_node_to_token_time(
-            model,
+            runs.model,
             &g,
             plan,
             m.decode_tokens_per_s,
@@ -356,9 +382,10 @@ fn fit_single_nodes_to_their_runs(
     (g, lines)
 }
 
-/// The planner's measurement of a run: decode tokens/s, per-hop time (the token time the
-/// stages' compute does not explain, over the ring's hops) with wire bytes, per-stage time.
-pub(super) fn measurement(report: &serde_json::Value) -> Measurement {
+/// The planner's measurement of a run's report (`tessera run --json`'s `done` message), taken
+/// at `at` (Unix seconds): decode tokens/s, per-hop time (the token time the stages' compute
+/// does not explain, over the ring's hops) with wire bytes, per-stage time.
+pub fn measurement(report: &serde_json::Value, at: u64) -> Measurement {
     let names: Vec<String> = report["stages"]
         .as_array()
         .map(|v| {
@@ -398,9 +425,7 @@ pub(super) fn measurement(report: &serde_json::Value) -> Measurement {
         Vec::new()
     };
     Measurement {
-        taken_at_unix_s: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        taken_at_unix_s: at,
         decode_tokens_per_s: tps,
         hops,
         stages: per_stage

@@ -23,6 +23,7 @@
 //!    lab run` read.
 
 mod calibrate;
+pub use calibrate::measurement;
 pub mod cells;
 pub mod hop;
 pub mod machine;
@@ -212,11 +213,7 @@ pub fn run(
     }
     drop(session);
 
-    let runs = calibrate::Runs {
-        model: &model,
-        candidates: &candidates,
-        measured: &measured,
-    };
+    let runs = calibrate::Runs::new(&model, &candidates, &measured);
     let machine_again = before_cells.map(|p| (p, machine_cores(p, scenario)));
     let calibrate::Calibration {
         graph: calibrated_graph,
