@@ -113,16 +113,20 @@ impl Report {
         }
     }
 
+    /// The planner's choice, else the executable one the coordinator would run: the first of
+    /// them that was measured.
+    fn measured_choice(&self) -> Option<&Row> {
+        self.rows
+            .iter()
+            .find(|r| r.measured.is_some() && (r.role == "choice" || r.role == "executable choice"))
+    }
+
     /// Whether the planner's choice (else the executable one the coordinator would run) measured
     /// best, or within `tolerance` of the best (by the objective's score); `None` when neither ran.
     pub fn choice_is_best(&self, tolerance: f64) -> Option<bool> {
         let (o, c) = (self.objective, self.concurrency);
         let score = |r: &Row| r.measured.map(|m| m.score(o, c));
-        let chosen = self
-            .rows
-            .iter()
-            .filter(|r| r.role == "choice" || r.role == "executable choice")
-            .find_map(score)?;
+        let chosen = score(self.measured_choice()?)?;
         let best = self.rows.iter().filter_map(score).fold(0.0, f64::max);
         Some(chosen >= best * (1.0 - tolerance))
     }
@@ -132,9 +136,7 @@ impl Report {
     /// the measurement's spread decided.
     pub fn best_tied_with_choice(&self) -> Option<&Row> {
         let (o, c) = (self.objective, self.concurrency);
-        let choice = self.rows.iter().find(|r| {
-            r.measured.is_some() && (r.role == "choice" || r.role == "executable choice")
-        })?;
+        let choice = self.measured_choice()?;
         let best = self
             .rows
             .iter()
