@@ -427,6 +427,12 @@ pub(crate) async fn run(
     .map_err(|e| CoordError::Run(e.to_string()))?;
     spec.prefill_chunk = req.prefill_chunk.max(1);
     spec.trace = req.trace;
+    if let Some(g) = &req.grammar {
+        // Refused here, before any node sees it: a grammar past the limits is the client's
+        // error, not a node's failure to fail over from.
+        tessera_gateway::grammar::check(g, &tessera_gateway::grammar::GrammarLimits::DEFAULT)
+            .map_err(|e| CoordError::Run(format!("the grammar was refused: {e}")))?;
+    }
     spec.grammar = req.grammar.clone();
     spec.logprobs = req.logprobs;
     // KV the request reserves on its cell: the prompt and the most it may generate.

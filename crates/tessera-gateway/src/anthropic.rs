@@ -220,6 +220,7 @@ fn tools(v: &Value) -> Result<(Vec<Tool>, ToolChoice, bool), ApiError> {
         let list = list
             .as_array()
             .ok_or_else(|| bad("tools", "tools: expected a list"))?;
+        crate::limits::check_tool_count(list.len())?;
         for (i, t) in list.iter().enumerate() {
             if let Some(kind) = t.get("type").and_then(Value::as_str) {
                 if kind != "custom" {
@@ -400,7 +401,7 @@ pub(crate) async fn messages(
             );
         }
     };
-    let req = match parse_messages(&body) {
+    let req = match respond::parse_off_thread(&body, parse_messages).await {
         Ok(r) => r,
         Err(e) => return reject(&mut t, e),
     };
@@ -610,7 +611,8 @@ pub(crate) async fn count_tokens(
         Ok(b) => b,
         Err(e) => return AnthropicError(ApiError::invalid(e.body_text(), None)).into_response(),
     };
-    let counted = (|| {
+    let len = body.len();
+    let counted = respond::off_thread_if_big(len, move || {
         let v = openai::parse_value(&body)?;
         openai::check_params(&v, COUNT_PARAMS)?;
         let model = openai::field::<String>(&v, "model")?
@@ -625,7 +627,8 @@ pub(crate) async fn count_tokens(
         r.tool_choice = choice;
         r.parallel_tool_calls = parallel;
         respond::prompt_tokens(&gw, &r)
-    })();
+    })
+    .await;
     match counted {
         Ok(n) => Json(json!({"input_tokens": n})).into_response(),
         Err(e) => AnthropicError(e).into_response(),

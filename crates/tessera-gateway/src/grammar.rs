@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-pub use tessera_grammar::{choose, compact, Grammar, GrammarCompiler, GrammarError, GrammarSpec};
+pub use tessera_grammar::{
+    check, choose, compact, Grammar, GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec,
+};
 
 impl crate::backend::ServedModel {
     /// The grammar compiler for this model's vocabulary (indexed on first use, then shared).

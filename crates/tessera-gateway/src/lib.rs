@@ -39,6 +39,7 @@ pub mod anthropic;
 pub mod backend;
 pub mod dashboard;
 pub mod grammar;
+pub mod limits;
 pub mod metrics;
 pub mod openai;
 mod respond;

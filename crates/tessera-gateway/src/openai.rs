@@ -230,10 +230,10 @@ pub(crate) fn count(v: &Value, name: &str, max: i64) -> Result<Option<usize>, Ap
     }
 }
 
-/// Most choices per request.
-pub const MAX_N: i64 = 16;
-/// Most alternatives per token (`top_logprobs`), as OpenAI.
-pub const MAX_TOP_LOGPROBS: i64 = 20;
+/// Most choices per request ([`crate::limits::LIMITS`]).
+pub const MAX_N: i64 = crate::limits::LIMITS.max_n as i64;
+/// Most alternatives per token (`top_logprobs`), as OpenAI ([`crate::limits::LIMITS`]).
+pub const MAX_TOP_LOGPROBS: i64 = crate::limits::LIMITS.max_top_logprobs as i64;
 
 /// The fields both endpoints share.
 fn common(

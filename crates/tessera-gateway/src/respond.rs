@@ -162,6 +162,7 @@ fn grammar_spec(req: &ParsedRequest, format: ToolFormat) -> Option<(GrammarSpec,
 /// Tokenizes, compiles the grammar and checks the request against the backend's features.
 /// CPU work (templates, grammar compilation): call it off the async workers for big inputs.
 pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, ApiError> {
+    crate::limits::check(req)?;
     let m = gw.backend.model();
     let features = gw.backend.features();
     let format = ToolFormat::of(&m.template);
@@ -225,6 +226,7 @@ pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, Api
 
 /// How many tokens the request's prompt is (tools included), without generating.
 pub(crate) fn prompt_tokens(gw: &Gateway, req: &ParsedRequest) -> Result<usize, ApiError> {
+    crate::limits::check(req)?;
     let m = gw.backend.model();
     let use_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
     tokenize(&m, &req.prompt, if use_tools { &req.tools } else { &[] }).map(|t| t.len())
@@ -448,10 +450,11 @@ pub(crate) async fn generate(
                 });
             }
         };
-        let parsed = match endpoint {
-            Endpoint::Chat => openai::parse_chat(&body),
-            Endpoint::Completion => openai::parse_completion(&body),
+        let parser = match endpoint {
+            Endpoint::Chat => openai::parse_chat,
+            Endpoint::Completion => openai::parse_completion,
         };
+        let parsed = parse_off_thread(&body, parser).await;
         let req = match parsed {
             Ok(r) => r,
             Err(e) => return t.reject(e),
@@ -461,9 +464,6 @@ pub(crate) async fn generate(
         if req.model != served.id {
             let model = crate::server::clip(&req.model, crate::server::MAX_ECHO_BYTES);
             return t.reject(ApiError::model_not_found(&model));
-        }
-        if let Err(e) = crate::server::check_stop_bytes(&req.stop) {
-            return t.reject(e);
         }
         let prepared = match prepare_off_thread(&gw, &req, body.len()).await {
             Ok(p) => p,
@@ -512,13 +512,40 @@ pub(crate) async fn generate(
     .await
 }
 
+/// A body parsed by `parse` (a front end's parser), on a blocking thread when it is larger
+/// than [`crate::limits::RequestLimits::inline_bytes`]: parsing is linear, but a few MiB of
+/// JSON still take milliseconds the async workers owe to every other connection.
+pub(crate) async fn parse_off_thread(
+    body: &Bytes,
+    parse: fn(&[u8]) -> Result<ParsedRequest, ApiError>,
+) -> Result<ParsedRequest, ApiError> {
+    let b = body.clone();
+    off_thread_if_big(body.len(), move || parse(&b)).await
+}
+
+/// `work` for a body of `body_len` bytes: inline when small, otherwise on a blocking thread
+/// (anything that grows with the input: parsing, templates, tokenizing, grammars).
+pub(crate) async fn off_thread_if_big<T: Send + 'static>(
+    body_len: usize,
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    if body_len <= crate::limits::LIMITS.inline_bytes {
+        return work();
+    }
+    tokio::task::spawn_blocking(work).await.unwrap_or_else(|e| {
+        Err(ApiError::internal(format!(
+            "the request's work failed: {e}"
+        )))
+    })
+}
+
 /// [`prepare`], on a blocking thread when it may take a while (big bodies, grammars).
 pub(crate) async fn prepare_off_thread(
     gw: &Arc<Gateway>,
     req: &ParsedRequest,
     body_len: usize,
 ) -> Result<Prepared, ApiError> {
-    let heavy = body_len > 16 << 10
+    let heavy = body_len > crate::limits::LIMITS.inline_bytes
         || req.response_format != ResponseFormat::Text
         || matches!(req.tool_choice, ToolChoice::Required | ToolChoice::Named(_));
     if !heavy {

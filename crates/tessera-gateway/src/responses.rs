@@ -172,7 +172,8 @@ fn parse_tools(v: &Value) -> Result<(Vec<Tool>, ToolChoice), ApiError> {
     // Flat function tools, turned into the chat form and parsed the same way.
     let chat_tools: Option<Value> = match v.get("tools").filter(|t| !t.is_null()) {
         None => None,
-        Some(Value::Array(list)) => Some(
+        Some(Value::Array(list)) => Some({
+            crate::limits::check_tool_count(list.len())?;
             list.iter()
                 .map(|t| {
                     if t["type"] == "function" {
@@ -182,8 +183,8 @@ fn parse_tools(v: &Value) -> Result<(Vec<Tool>, ToolChoice), ApiError> {
                         t.clone()
                     }
                 })
-                .collect(),
-        ),
+                .collect()
+        }),
         Some(_) => return Err(bad("tools", "Invalid type for 'tools'.")),
     };
     let tools = match &chat_tools {
@@ -354,7 +355,7 @@ pub(crate) async fn create(
             });
         }
     };
-    let req = match parse_responses(&body) {
+    let req = match crate::respond::parse_off_thread(&body, parse_responses).await {
         Ok(r) => r,
         Err(e) => return t.reject(e),
     };

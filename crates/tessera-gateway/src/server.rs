@@ -5,9 +5,10 @@
 //! recent requests.
 //!
 //! Hostile clients are bounded here: a request's headers must arrive within
-//! [`HEADER_READ_TIMEOUT`] (slowloris), at most [`MAX_CONNECTIONS`] are served at once, stop
-//! strings are limited to [`MAX_STOP_BYTES`], and client text echoed into an error or the
-//! recent-requests list is cut to [`MAX_ECHO_BYTES`].
+//! [`HEADER_READ_TIMEOUT`] (slowloris), at most [`MAX_CONNECTIONS`] are served at once and
+//! [`MAX_CONNECTIONS_PER_ADDRESS`] from one address, bodies parse off the async workers past
+//! a few KiB, every front end's requests are held to one table ([`crate::limits`]), and client
+//! text echoed into an error or the recent-requests list is cut to [`MAX_ECHO_BYTES`].
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,7 +42,7 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
             api_key: None,
-            max_body_bytes: 4 << 20,
+            max_body_bytes: crate::limits::LIMITS.max_body_bytes,
         }
     }
 }
@@ -117,8 +118,41 @@ impl Gateway {
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most connections served at once; more wait in the listen backlog.
 pub const MAX_CONNECTIONS: usize = 1024;
-/// Most bytes of stop strings one request may give (their matching runs on every token).
-pub const MAX_STOP_BYTES: usize = 1024;
+/// Most connections one client address holds at once; more are closed as they arrive, so one
+/// host's idle sockets cannot take the slots every other client needs.
+pub const MAX_CONNECTIONS_PER_ADDRESS: usize = 128;
+
+/// Connections open per client address.
+#[derive(Default)]
+struct PerAddress(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+impl PerAddress {
+    /// A slot for one more connection from `ip`, unless it holds its share already.
+    fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<AddressSlot> {
+        let mut open = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = open.entry(ip).or_insert(0);
+        if *n >= MAX_CONNECTIONS_PER_ADDRESS {
+            return None;
+        }
+        *n += 1;
+        Some(AddressSlot(self.clone(), ip))
+    }
+}
+
+/// One connection's share of its address; given back when dropped.
+struct AddressSlot(Arc<PerAddress>, std::net::IpAddr);
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut open = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = open.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.1);
+            }
+        }
+    }
+}
 /// Most bytes of client text repeated in an error or a recent-request record.
 pub const MAX_ECHO_BYTES: usize = 256;
 
@@ -132,20 +166,6 @@ pub fn clip(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
         end -= 1;
     }
     format!("{}… ({} bytes)", &s[..end], s.len()).into()
-}
-
-/// Refuses stop sequences beyond [`MAX_STOP_BYTES`] in all.
-pub(crate) fn check_stop_bytes(stop: &[String]) -> Result<(), ApiError> {
-    let n: usize = stop.iter().map(String::len).sum();
-    if n > MAX_STOP_BYTES {
-        return Err(ApiError::invalid(
-            format!(
-                "Invalid 'stop': {n} bytes of stop sequences; at most {MAX_STOP_BYTES} are allowed."
-            ),
-            Some("stop"),
-        ));
-    }
-    Ok(())
 }
 
 /// The whole application.
@@ -189,6 +209,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let app = router(gateway.clone());
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let per_address = Arc::new(PerAddress::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut conns = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
@@ -197,9 +218,13 @@ pub async fn serve(
             p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
             () = &mut shutdown => break,
         };
-        let stream = tokio::select! {
+        let (stream, address_slot) = tokio::select! {
             r = listener.accept() => match r {
-                Ok((s, _)) => s,
+                Ok((s, peer)) => match per_address.admit(peer.ip()) {
+                    Some(slot) => (s, slot),
+                    // Dropping the socket closes it: this address has its share.
+                    None => continue,
+                },
                 // Out of descriptors and the like: wait instead of spinning.
                 Err(_) => {
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -212,6 +237,7 @@ pub async fn serve(
         let mut stop = stop_rx.clone();
         conns.spawn(async move {
             let _permit = permit;
+            let _address_slot = address_slot;
             let mut http = hyper::server::conn::http1::Builder::new();
             http.timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT);

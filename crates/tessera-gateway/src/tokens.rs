@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use crate::limits::LIMITS;
 use crate::openai::{self, ApiError, Support};
 use crate::server::Gateway;
 
@@ -48,12 +49,17 @@ pub(crate) async fn tokenize(
     State(gw): State<Arc<Gateway>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let len = body.as_ref().map_or(0, Bytes::len);
+    let run = move || -> Result<Value, ApiError> {
         let v = body_value(body, TOKENIZE_PARAMS)?;
         check_model(&gw, &v)?;
         let content = openai::field::<String>(&v, "content")?.ok_or_else(|| {
             ApiError::invalid("Missing required parameter: 'content'.", Some("content"))
         })?;
+        let max = LIMITS.max_tokenize_bytes;
+        if content.len() > max {
+            return Err(crate::limits::over("content", "bytes", content.len(), max));
+        }
         let add_special = openai::field::<bool>(&v, "add_special")?.unwrap_or(false);
         let parse_special = openai::field::<bool>(&v, "parse_special")?.unwrap_or(true);
         let with_pieces = openai::field::<bool>(&v, "with_pieces")?.unwrap_or(false);
@@ -79,7 +85,7 @@ pub(crate) async fn tokenize(
         };
         Ok(json!({"tokens": tokens}))
     };
-    match run() {
+    match crate::respond::off_thread_if_big(len, run).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
@@ -90,7 +96,8 @@ pub(crate) async fn detokenize(
     State(gw): State<Arc<Gateway>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let len = body.as_ref().map_or(0, Bytes::len);
+    let run = move || -> Result<Value, ApiError> {
         let v = body_value(body, DETOKENIZE_PARAMS)?;
         check_model(&gw, &v)?;
         let ids = openai::field::<Vec<u32>>(&v, "tokens")?.ok_or_else(|| {
@@ -106,7 +113,7 @@ pub(crate) async fn detokenize(
         }
         Ok(json!({"content": m.tokenizer.decode(&ids)}))
     };
-    match run() {
+    match crate::respond::off_thread_if_big(len, run).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }

@@ -17,7 +17,10 @@
 
 #![forbid(unsafe_code)]
 
+mod bounds;
+
 use std::sync::Arc;
+use std::time::Duration;
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
@@ -28,6 +31,7 @@ use tessera_sampling::{
 };
 use toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 
+pub use bounds::{check, GrammarLimits};
 pub use tessera_sampling::GrammarSpec;
 
 /// Why a grammar could not be built or followed.
@@ -42,7 +46,26 @@ pub enum GrammarError {
     /// The grammar rejected the state it reached (no token can continue it).
     #[error("the grammar cannot continue: {0}")]
     Dead(String),
+    /// The grammar is larger than a limit allows ([`GrammarLimits`]); `limit` names it.
+    #[error("the grammar exceeds the limit '{limit}' (at most {max}, found {found} or more)")]
+    Limit {
+        limit: &'static str,
+        max: usize,
+        found: usize,
+    },
+    /// Compiling took longer than [`COMPILE_BUDGET`].
+    #[error("the grammar took longer than {} s to compile", COMPILE_BUDGET.as_secs())]
+    TooSlow,
 }
+
+/// The longest a grammar may take to compile. llguidance bounds its own work with fuel; this
+/// is the wall-clock backstop, so a request that slips past both fails instead of holding a
+/// sampling thread.
+pub const COMPILE_BUDGET: Duration = Duration::from_secs(10);
+
+/// The stack a compile runs on. llguidance recurses over a schema; the bounds keep its depth
+/// far below what this holds (it is reserved address space, touched only as deep as used).
+const COMPILE_STACK: usize = 256 * 1024 * 1024;
 
 /// `schema` with llguidance's layout options set, unless it sets them itself: no free
 /// whitespace (a model, above all a random one, could otherwise emit whitespace until
@@ -63,7 +86,9 @@ pub fn compact(schema: &Value) -> Value {
 
 /// Compiles grammars over one vocabulary.
 pub struct GrammarCompiler {
-    factory: ParserFactory,
+    /// Shared with the compile threads, which may outlive a call that gave up waiting.
+    factory: Arc<ParserFactory>,
+    limits: GrammarLimits,
     vocab_size: usize,
 }
 
@@ -112,26 +137,56 @@ impl GrammarCompiler {
         let mut factory =
             ParserFactory::new_simple(&env).map_err(|e| GrammarError::Vocabulary(e.to_string()))?;
         factory.quiet();
+        let limits = GrammarLimits::DEFAULT;
+        factory.limits_mut().max_grammar_size = limits.max_grammar_symbols;
         Ok(Self {
-            factory,
+            factory: Arc::new(factory),
+            limits,
             vocab_size: n,
         })
     }
 
-    /// A fresh matcher for `spec`.
+    /// The limits this compiler holds every grammar to.
+    pub fn limits(&self) -> &GrammarLimits {
+        &self.limits
+    }
+
+    /// A fresh matcher for `spec`, once it is within [`GrammarLimits`]: compiled on a thread
+    /// of its own with a large stack, waited for at most [`COMPILE_BUDGET`]. Whatever the spec,
+    /// this returns; it cannot take the process down.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Grammar, GrammarError> {
+        check(spec, &self.limits)?;
         let top = match spec {
             GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(compact(schema)),
             GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
         };
-        let parser = self
-            .factory
-            .create_parser(top)
-            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(GrammarError::Invalid(e));
-        }
+        let factory = self.factory.clone();
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name("grammar-compile".into())
+            .stack_size(COMPILE_STACK)
+            .spawn(move || {
+                let made = factory
+                    .create_parser(top)
+                    .map_err(|e| GrammarError::Invalid(e.to_string()))
+                    .and_then(|parser| {
+                        let matcher = Matcher::new(Ok(parser));
+                        match matcher.get_error() {
+                            Some(e) => Err(GrammarError::Invalid(e)),
+                            None => Ok(matcher),
+                        }
+                    });
+                // The caller may have stopped waiting: nothing to tell it then.
+                let _ = tx.send(made);
+            })
+            .map_err(|e| GrammarError::Invalid(format!("no thread to compile on: {e}")))?;
+        let matcher = match rx.recv_timeout(COMPILE_BUDGET) {
+            Ok(made) => made?,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Err(GrammarError::TooSlow),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(GrammarError::Invalid("the grammar compiler failed".into()))
+            }
+        };
         Ok(Grammar {
             matcher,
             vocab_size: self.vocab_size,
@@ -331,6 +386,31 @@ mod tests {
             .unwrap();
         let (t, _) = choose(&row, &params, &history, 3, Some(&mut g), None).unwrap();
         assert!(tok.decode(&[t]).trim_start().starts_with('{'), "{t}");
+    }
+
+    /// The schema that aborted `serve` (a chain of 300 `$ref`s in 20 KB) and one just within
+    /// the depth limit: the first is refused naming the limit, the second compiles and the
+    /// process is still here for both.
+    #[test]
+    fn a_chain_of_references_is_refused_not_a_crash() {
+        let c = GrammarCompiler::new(&tokenizer()).unwrap();
+        let e = c
+            .compile(&GrammarSpec::JsonSchema(bounds::tests::ref_chain(300)))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                GrammarError::Limit {
+                    limit: "schema_depth",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("schema_depth"), "{e}");
+        // d0 → … → d19: each link is a property of an object (three levels), within 64.
+        c.compile(&GrammarSpec::JsonSchema(bounds::tests::ref_chain(19)))
+            .unwrap();
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Attacks on the HTTP API of a real `tessera serve` on 127.0.0.1: client text echoed back in
-//! bulk, megabyte stop strings, and slowloris connections. Each is refused (or bounded) for its
+//! bulk, megabyte stop strings, slowloris connections, grammars built to exhaust the compiler
+//! (recursive, deep, huge), oversized lists on every front end, and idle connections from one
+//! address. Each is refused (or bounded) for its
 //! reason, a concurrent normal request gets the text an undisturbed one gets, and the server
 //! keeps serving. What each attack cost (the server's peak RSS, the size of `/api/status` and
 //! the dashboard, the normal request's latency beside an undisturbed one) is printed for the
@@ -154,6 +156,189 @@ fn slowloris_connections_are_closed_and_others_are_served() {
     println!(
         "attack table: 400 slowloris connections: all closed by the header-read timeout; peak \
          RSS {} KiB, normal request {under:?} (undisturbed {base:?})",
+        peak_rss_kib(&server)
+    );
+}
+
+/// `$defs` d0 → d1 → … → d{n-1}, each a property of the one before: a few bytes a link and
+/// shallow as JSON, but as deep as it is long once its references are followed. 300 links
+/// in 20 KB overflowed the compiling thread's stack and aborted `serve`.
+fn ref_chain(n: usize) -> serde_json::Value {
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        let next = if i + 1 < n {
+            json!({"type": "object", "properties": {"x": {"$ref": format!("#/$defs/d{}", i + 1)}}})
+        } else {
+            json!({"type": "integer"})
+        };
+        defs.insert(format!("d{i}"), next);
+    }
+    json!({"$defs": defs, "$ref": "#/$defs/d0"})
+}
+
+/// Recursive, deep and huge schemas, as `response_format` (OpenAI chat) and as a forced tool's
+/// `input_schema` (Anthropic, where the schema travels inside a lark grammar): each is a 400
+/// naming the limit it broke, the server process never exits, and a normal request in the
+/// middle of it all gets its usual text.
+#[test]
+fn grammars_past_the_limits_are_refused_and_the_server_lives() {
+    let mut server = Server::start(&[]);
+    let (want, base) = normal(&server.addr);
+    let mut nested = json!({"type": "string"});
+    for _ in 0..100 {
+        nested = json!({"type": "array", "items": nested});
+    }
+    let cases = [
+        ("schema_depth", ref_chain(300)),
+        ("schema_depth", ref_chain(2000)),
+        ("schema_depth", nested),
+        (
+            "enum_values",
+            json!({"enum": (0..10_000).collect::<Vec<_>>()}),
+        ),
+        (
+            "grammar_bytes",
+            json!({"type": "string", "description": "x".repeat(1 << 20)}),
+        ),
+    ];
+    let t0 = Instant::now();
+    for (limit, schema) in &cases {
+        let chat = json!({"model": "stories260K", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "s", "schema": schema}}});
+        let r = post(&server.addr, "/v1/chat/completions", &chat);
+        assert_eq!(r.status, 400, "{limit}: {}", r.body);
+        let e = r.json();
+        assert_eq!(e["error"]["param"], "response_format", "{e}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(limit),
+            "{limit}: {e}"
+        );
+        let messages = json!({"model": "stories260K", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": schema}],
+            "tool_choice": {"type": "any"}});
+        let r = post(&server.addr, "/v1/messages", &messages);
+        assert_eq!(r.status, 400, "{limit}: {}", r.body);
+        assert!(r.body.contains(limit), "{limit}: {}", r.body);
+        assert!(
+            server.child.try_wait().unwrap().is_none(),
+            "the server exited"
+        );
+    }
+    let attack = t0.elapsed();
+    let (text, under) = normal(&server.addr);
+    assert_eq!(text, want);
+    println!(
+        "attack table: {} hostile schemas on two front ends ({attack:?}): refused 400 naming \
+         the limit; peak RSS {} KiB, normal request {under:?} (undisturbed {base:?})",
+        cases.len() * 2,
+        peak_rss_kib(&server)
+    );
+}
+
+/// The lists and texts that were bounded on one front end and not another: 80k tools (a
+/// quadratic name check once held an async worker for seconds), 300,000 stop sequences and a
+/// 3 MB stop string on Anthropic's Messages, and 4 MB given to `/tokenize`. Each is refused,
+/// with a normal request served beside them.
+#[test]
+fn oversized_lists_and_texts_are_refused_on_every_front_end() {
+    let server = Server::start(&[]);
+    let (want, base) = normal(&server.addr);
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let chat_tools: Vec<_> = (0..80_000)
+        .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
+        .collect();
+    let claude_tools: Vec<_> = (0..80_000)
+        .map(|i| json!({"name": format!("f{i}")}))
+        .collect();
+    let attacks = [
+        (
+            "/v1/chat/completions",
+            json!({"model": "stories260K", "messages": user, "tools": chat_tools}),
+            "tools",
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "stories260K", "max_tokens": 8, "messages": user,
+                   "tools": claude_tools}),
+            "tools",
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "stories260K", "max_tokens": 8, "messages": user,
+                   "stop_sequences": vec!["s"; 300_000]}),
+            "stop",
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "stories260K", "max_tokens": 8, "messages": user,
+                   "stop_sequences": ["s".repeat(3_000_000)]}),
+            "stop",
+        ),
+        (
+            "/tokenize",
+            json!({"content": "a".repeat(4_000_000)}),
+            "content",
+        ),
+    ];
+    let attacker = {
+        let addr = server.addr.clone();
+        std::thread::spawn(move || {
+            attacks
+                .iter()
+                .map(|(path, body, param)| {
+                    let t0 = Instant::now();
+                    (*path, *param, post(&addr, path, body), t0.elapsed())
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let (text, under) = normal(&server.addr);
+    assert_eq!(text, want);
+    for (path, param, r, took) in attacker.join().unwrap() {
+        assert_eq!(r.status, 400, "{path} {param}: {}", r.body);
+        assert!(r.body.contains(&format!("'{param}'")), "{path}: {}", r.body);
+        println!("attack table: {path} with an oversized '{param}': refused 400 in {took:?}");
+    }
+    assert_eq!(normal(&server.addr).0, want);
+    println!(
+        "attack table: oversized lists and texts: peak RSS {} KiB, normal request {under:?} \
+         (undisturbed {base:?})",
+        peak_rss_kib(&server)
+    );
+}
+
+/// 1,100 idle connections from one address (127.0.0.2) hold at most their address's share of
+/// the server's connection slots; a client from another address is served at once.
+#[test]
+fn idle_connections_from_one_address_leave_room_for_others() {
+    let server = Server::start(&[]);
+    let (want, base) = normal(&server.addr);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let target: std::net::SocketAddr = server.addr.parse().unwrap();
+    let idle: Vec<tokio::net::TcpStream> = rt.block_on(async {
+        let mut held = Vec::new();
+        for _ in 0..1100 {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            if let Ok(c) = s.connect(target).await {
+                held.push(c);
+            }
+        }
+        held
+    });
+    assert!(idle.len() > 1024, "only {} connections opened", idle.len());
+    let (text, under) = normal(&server.addr);
+    assert_eq!(text, want);
+    drop(idle);
+    println!(
+        "attack table: 1,100 idle connections from one address: the normal request from \
+         another took {under:?} (undisturbed {base:?}); peak RSS {} KiB",
         peak_rss_kib(&server)
     );
 }

@@ -2,7 +2,8 @@
 //! a thousand connections from unknown keys that push data and never enrol, handshakes that
 //! fail by the thousand, and junk UDP datagrams. The coordinator must buffer little, log a
 //! bounded number of lines (counting the rest), and keep serving: a victim's text is the
-//! undisturbed one. Costs are printed for the note, never asserted.
+//! undisturbed one; and a grammar built to exhaust the compiler is refused before any node
+//! compiles it. Costs are printed for the note, never asserted.
 
 mod common;
 
@@ -163,4 +164,42 @@ fn unenrolled_floods_and_failed_handshakes_cost_little_and_log_little() {
          {rss_before} KiB before, peak {rss_flood} KiB during the flood, log +{log} B \
          ({refusal_lines} lines), victim {under:?} (undisturbed {base:?})"
     );
+}
+
+/// A client's grammar built to exhaust the compiler (a chain of 1,000 `$ref`s, each a property
+/// of the one before), sent over QUIC by `tessera run --json-schema`: the coordinator refuses
+/// it naming the limit before any node sees it, no process exits, and the next run gets its
+/// usual text. Such a grammar once aborted all three nodes in turn, as failover re-sent it to
+/// each next node.
+#[test]
+fn a_hostile_grammar_over_quic_is_refused_and_every_node_lives() {
+    let want = reference_text(&model("stories260K.gguf"), &flags());
+    let mut c = Cluster::start(&model("stories260K.gguf"), "0..2,2..4,4..5");
+    for n in ["a", "b", "c"] {
+        c.add_node(n);
+    }
+    c.wait_ready();
+    let mut defs = serde_json::Map::new();
+    for i in 0..1000 {
+        let link = serde_json::json!({"type": "object",
+            "properties": {"x": {"$ref": format!("#/$defs/d{}", i + 1)}}});
+        defs.insert(format!("d{i}"), link);
+    }
+    defs.insert("d1000".into(), serde_json::json!({"type": "integer"}));
+    let schema = serde_json::json!({"$defs": defs, "$ref": "#/$defs/d0"}).to_string();
+    let mut hostile = flags();
+    hostile.extend(["--json-schema", schema.as_str()]);
+    let mut p = c.client("hostile", &hostile);
+    assert!(!p.finish().success(), "a hostile grammar ran");
+    assert!(
+        p.seen.iter().any(|(_, l)| l.contains("schema_depth")),
+        "the refusal does not name the limit: {:?}",
+        p.seen
+    );
+    for n in ["a", "b", "c"] {
+        assert!(!c.node(n).exited(), "node {n} exited");
+    }
+    assert!(!c.coordinator.exited(), "the coordinator exited");
+    let (text, _) = victim(&c, "after");
+    assert_eq!(text, want);
 }

@@ -105,7 +105,9 @@ pub fn parse_tools(v: &Value) -> Result<Vec<Tool>, ApiError> {
             Some("tools"),
         ));
     };
+    crate::limits::check_tool_count(items.len())?;
     let mut tools = Vec::with_capacity(items.len());
+    let mut names = std::collections::HashSet::with_capacity(items.len());
     for (i, t) in items.iter().enumerate() {
         match t.get("type").and_then(Value::as_str) {
             Some("function") => {}
@@ -130,7 +132,7 @@ pub fn parse_tools(v: &Value) -> Result<Vec<Tool>, ApiError> {
             Some(p @ Value::Object(_)) => p.clone(),
             Some(_) => return Err(bad(i, "'function.parameters' must be a JSON schema object")),
         };
-        if tools.iter().any(|t: &Tool| t.name == name) {
+        if !names.insert(name) {
             return Err(bad(i, &format!("the name '{name}' is used twice")));
         }
         tools.push(Tool {
