@@ -6,13 +6,14 @@ mod float;
 mod iq23;
 mod iq4xs;
 mod k23;
+mod kquant_avx2;
 mod lut4;
 pub(super) mod quant;
 
 use tessera_model::GgmlType;
 
 use super::iq23::{IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS};
-use super::{scalar, GroupFn, Isa};
+use super::{GroupFn, Isa};
 
 pub(super) fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2")
@@ -35,14 +36,15 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::Q4_0 => pick(avx2::q4_0_group, avx512::q4_0_group),
         // A Q5_0 matrix is held as Q8_0 (`Matrix::new`).
         GgmlType::Q8_0 | GgmlType::Q5_0 => pick(avx2::q8_0_group, avx512::q8_0_group),
-        // K-quants follow llama.cpp's lane order; without AVX-512 they use the scalar kernels.
-        GgmlType::Q4K => pick(scalar::q45k_group::<false>, avx512::q45k_group::<false>),
-        GgmlType::Q5K => pick(scalar::q45k_group::<true>, avx512::q45k_group::<true>),
-        GgmlType::Q6K => pick(scalar::q6k_group, avx512::q6k_group),
-        // Float weights: the scalar kernel where there is no AVX-512.
-        GgmlType::F32 => pick(scalar::f32_group, float::f32_avx512),
-        GgmlType::F16 => pick(scalar::f16_group, float::f16_avx512),
-        GgmlType::BF16 => pick(scalar::bf16_group, float::bf16_avx512),
+        GgmlType::Q4K => pick(
+            kquant_avx2::q45k_group::<false>,
+            avx512::q45k_group::<false>,
+        ),
+        GgmlType::Q5K => pick(kquant_avx2::q45k_group::<true>, avx512::q45k_group::<true>),
+        GgmlType::Q6K => pick(kquant_avx2::q6k_group, avx512::q6k_group),
+        GgmlType::F32 => pick(float::f32_avx2, float::f32_avx512),
+        GgmlType::F16 => pick(float::f16_avx2, float::f16_avx512),
+        GgmlType::BF16 => pick(float::bf16_avx2, float::bf16_avx512),
         GgmlType::Mxfp4 => pick(
             lut4::lut4_group_avx2::<false>,
             lut4::lut4_group_avx512::<false>,
