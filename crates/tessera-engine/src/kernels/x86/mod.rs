@@ -29,13 +29,18 @@ pub(super) fn has_avx512() -> bool {
         && is_x86_feature_detected!("avx512vnni")
 }
 
-pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
+/// The SIMD group kernel for `dtype` on `isa` (AVX2 or AVX-512); `None` where the type has
+/// none (it would run the portable kernel). Only SIMD kernels live in this table, so
+/// `kernels::kernel_path` can report a scalar fallback honestly.
+pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<GroupFn> {
     let avx512 = isa == Isa::Avx512;
-    let pick = |a2: GroupFn, a5: GroupFn| if avx512 { a5 } else { a2 };
+    let pick = |a2: GroupFn, a5: GroupFn| Some(if avx512 { a5 } else { a2 });
     match dtype {
         GgmlType::Q4_0 => pick(avx2::q4_0_group, avx512::q4_0_group),
         // A Q5_0 matrix is held as Q8_0 (`Matrix::new`).
         GgmlType::Q8_0 | GgmlType::Q5_0 => pick(avx2::q8_0_group, avx512::q8_0_group),
+        // Held widened (`matrix::Q1_X16`).
+        GgmlType::Q4_1 | GgmlType::Q5_1 => pick(avx2::q1_group, avx512::q1_group),
         GgmlType::Q4K => pick(
             kquant_avx2::q45k_group::<false>,
             avx512::q45k_group::<false>,
