@@ -105,6 +105,8 @@ pub(super) unsafe fn q45k_group<const FIVE: bool>(
 /// adds its 8 lanes as integers), so its nibble products are summed in i16 over a whole
 /// 64-element chunk first (8 pairs of at most 2·15·128: exact) and scaled once; Q5_K keeps the
 /// 8 lanes apart, as its float steps use them.
+// `k` indexes the weight runs, the activation offsets and the lanes alike.
+#[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q45k_tile<const T: usize, const FIVE: bool>(
