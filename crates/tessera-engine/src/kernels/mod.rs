@@ -24,7 +24,19 @@
 //!
 //! The instruction set is chosen once per process ([`isa`]; `TESSERA_MAX_ISA` or [`set_max_isa`]
 //! cap it, so one machine can play a scalar, AVX2 or AVX-512 node); aarch64 and other targets use
-//! the portable kernels (no NEON yet).
+//! the portable kernels (no NEON yet: this toolchain has no aarch64 standard library installed).
+//! Every weight type has an AVX2 and an AVX-512 kernel ([`kernel_path`] says which one a type
+//! takes; the portable kernels are the reference and the path of CPUs without AVX2).
+//!
+//! GGML types Tessera does not run, and whether real files use them:
+//! - IQ1_S, IQ1_M: yes, the smallest "1-bit" quants of very large models (e.g. the dynamic
+//!   1.58-bit DeepSeek-R1 files mix them with IQ2/Q4_K).
+//! - TQ1_0, TQ2_0 (ternary): a few BitNet / TriLM conversions.
+//! - NVFP4: new; a few files.
+//! - Q8_1, Q8_K: activation types only (ggml's `vec_dot_type`s), never stored in a model file.
+//! - I8, I16, I32, I64, F64: integer/double tensors, not used for weight matrices.
+//! - Q4_0_4_4, Q4_0_4_8, Q4_0_8_8, IQ4_NL_4_4 … (ids 31–33, 36–38): repacked layouts llama.cpp
+//!   itself no longer loads from files.
 
 mod iq23;
 mod iq4xs;
