@@ -61,7 +61,7 @@ fn random_bytes(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec
             GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
                 b[..2].copy_from_slice(&small_f16(rng.next()))
             }
-            GgmlType::Q4K | GgmlType::Q5K => {
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q4_1 | GgmlType::Q5_1 => {
                 b[..2].copy_from_slice(&small_f16(rng.next()));
                 b[2..4].copy_from_slice(&small_f16(rng.next()));
             }

@@ -48,6 +48,9 @@ pub struct BenchReport {
     /// With an expert budget: how the streamed experts did in the decode test.
     #[serde(default)]
     pub streaming: Option<StreamingReport>,
+    /// Each weight type of the file and the kernel path it took (`kernels::type_paths`).
+    #[serde(default)]
+    pub kernels: Vec<crate::kernels::TypePath>,
 }
 
 /// Expert streaming in a benchmark's decode test (its last run).
@@ -79,6 +82,10 @@ impl fmt::Display for BenchReport {
             self.threads, self.kv_type, self.depth
         )?;
         writeln!(f, "load         {:.2} s", self.load_s)?;
+        if !self.kernels.is_empty() {
+            let paths: Vec<String> = self.kernels.iter().map(|p| p.to_string()).collect();
+            writeln!(f, "kernels      {}", paths.join(", "))?;
+        }
         if self.n_prompt > 0 {
             writeln!(
                 f,
@@ -390,6 +397,7 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
         mem_read_gb_s,
         decode_bound_tok_s: mem_read_gb_s * 1e9 / (active + kv_read) as f64,
         streaming,
+        kernels: crate::kernels::type_paths(g.tensors()),
     })
 }
 

@@ -592,7 +592,9 @@ impl<'a> Loader<'a> {
         if matches!(
             dtype,
             GgmlType::Q4_0
+                | GgmlType::Q4_1
                 | GgmlType::Q5_0
+                | GgmlType::Q5_1
                 | GgmlType::Q8_0
                 | GgmlType::Mxfp4
                 | GgmlType::Iq4Nl

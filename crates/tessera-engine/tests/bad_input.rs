@@ -106,10 +106,10 @@ fn set_tensor_type(bytes: &mut [u8], name: &str, type_id: u32) {
 #[test]
 fn unsupported_tensor_type_is_an_error_naming_the_tensor() {
     let mut bytes = std::fs::read(common::model_path("tiny-qwen3-f32.gguf")).unwrap();
-    set_tensor_type(&mut bytes, "blk.1.attn_k.weight", 3); // Q4_1: not supported
+    set_tensor_type(&mut bytes, "blk.1.attn_k.weight", 9); // Q8_1: not supported
     let dir = std::env::temp_dir().join(format!("tessera-bad-input-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("q4_1.gguf");
+    let path = dir.join("q8_1.gguf");
     std::fs::write(&path, &bytes).unwrap();
     let result = GgufFile::open(&path)
         .map_err(EngineError::from)
@@ -117,7 +117,7 @@ fn unsupported_tensor_type_is_an_error_naming_the_tensor() {
     let err = result.unwrap_err();
     let msg = err.to_string();
     assert!(
-        msg.contains("blk.1.attn_k.weight") && msg.contains("Q4_1"),
+        msg.contains("blk.1.attn_k.weight") && msg.contains("Q8_1"),
         "{msg}"
     );
     // A part that does not hold layer 1 loads fine: the bad tensor is never read.

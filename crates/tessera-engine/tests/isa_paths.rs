@@ -15,8 +15,10 @@ use tessera_engine::kernels::{isa, Isa, MAX_ISA_ENV};
 use tessera_engine::ops::argmax;
 
 /// One fixture per weight type the kernels have (plus dense/MoE/latent-attention shapes).
-const FIXTURES: [&str; 22] = [
+const FIXTURES: [&str; 24] = [
     "tiny-qwen3-Q4_0.gguf",
+    "tiny-qwen3-Q4_1.gguf",
+    "tiny-qwen3-Q5_1.gguf",
     "tiny-qwen3-Q8_0.gguf",
     "tiny-qwen3-f32.gguf",
     "small-qwen3-F16.gguf",

@@ -11,10 +11,14 @@ pub enum GgmlType {
     F32,
     F16,
     Q4_0,
+    /// 4-bit codes with an f16 scale and an f16 offset (min) per 32 values.
+    Q4_1,
     /// 5-bit codes (4 bits + a high-bit mask) with an f16 scale per 32 values: what
     /// llama-quantize writes for Q4_K matrices whose rows are not a multiple of 256 wide (the
     /// absorbed MLA's `attn_k_b`).
     Q5_0,
+    /// 5-bit codes (4 bits + a high-bit mask) with an f16 scale and an f16 offset per 32 values.
+    Q5_1,
     Q8_0,
     Q4K,
     Q5K,
@@ -51,7 +55,9 @@ impl GgmlType {
             0 => Self::F32,
             1 => Self::F16,
             2 => Self::Q4_0,
+            3 => Self::Q4_1,
             6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
             12 => Self::Q4K,
             13 => Self::Q5K,
@@ -76,7 +82,9 @@ impl GgmlType {
             Self::F32 => 0,
             Self::F16 => 1,
             Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
             Self::Q5_0 => 6,
+            Self::Q5_1 => 7,
             Self::Q8_0 => 8,
             Self::Q4K => 12,
             Self::Q5K => 13,
@@ -139,7 +147,13 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::Mxfp4 | Self::Iq4Nl => 32,
+            Self::Q4_0
+            | Self::Q4_1
+            | Self::Q5_0
+            | Self::Q5_1
+            | Self::Q8_0
+            | Self::Mxfp4
+            | Self::Iq4Nl => 32,
             Self::Q4K
             | Self::Q5K
             | Self::Q6K
@@ -160,7 +174,9 @@ impl GgmlType {
             Self::F32 => 4,
             Self::F16 | Self::BF16 => 2,
             Self::Q4_0 => 18,   // f16 scale + 16 bytes of nibbles
+            Self::Q4_1 => 20,   // f16 scale, f16 min + 16 bytes of nibbles
             Self::Q5_0 => 22,   // f16 scale + 32 high bits + 16 bytes of nibbles
+            Self::Q5_1 => 24,   // f16 scale, f16 min + 32 high bits + 16 bytes of nibbles
             Self::Q8_0 => 34,   // f16 scale + 32 i8
             Self::Q4K => 144,   // f16 d, f16 dmin, 12 bytes scales, 128 bytes nibbles
             Self::Q5K => 176,   // as Q4_K + 32 bytes of high bits

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use tessera_model::GgmlType;
 
-use super::scalar::{dequantize_block, f16_at, scales_mins_k4};
+use super::scalar::{dequantize_block, f16_at, q1_codes, scales_mins_k4};
 use super::KernelError;
 
 /// Rows per interleaved group.
@@ -34,6 +34,14 @@ pub(crate) const Q4K_DMIN: usize = 32;
 pub(crate) const Q4K_SCALES: usize = 64;
 pub(crate) const Q4K_MINS: usize = 192;
 pub(crate) const Q5K_QH: usize = 320;
+
+/// Q4_1 / Q5_1 are held widened, per 32-column block of 16 rows ([`Q1_X16`] bytes): the 16
+/// f16 `d`, the 16 f16 `m` (at [`Q1_MIN`]), then the codes (0..31, one byte each, at
+/// [`Q1_QS`]) as 8 runs of 4 × 16 rows like Q8_0's, so `pmaddubsw`/`vpdpbusd` take them as
+/// unsigned bytes directly.
+pub(crate) const Q1_X16: usize = GROUP * 36;
+pub(crate) const Q1_MIN: usize = 32;
+pub(crate) const Q1_QS: usize = 64;
 
 /// Offset of the quants in an interleaved Q4_K (`five` = false) or Q5_K block.
 pub(crate) const fn kx16_qs(five: bool) -> usize {
@@ -178,6 +186,8 @@ impl Matrix {
         match dtype {
             GgmlType::Q4_0 | GgmlType::Q8_0 => interleave(dtype, src, rows, cols, buf),
             GgmlType::Q5_0 => unreachable!("Q5_0 is widened to Q8_0 before the repack"),
+            GgmlType::Q4_1 => interleave_q1(false, src, rows, cols, buf),
+            GgmlType::Q5_1 => interleave_q1(true, src, rows, cols, buf),
             GgmlType::Q4K => interleave_q45k(src, rows, cols, false, buf),
             GgmlType::Q5K => interleave_q45k(src, rows, cols, true, buf),
             GgmlType::Q6K => interleave_q6k(src, rows, cols, buf),
@@ -213,6 +223,7 @@ impl Matrix {
             }
             // Widened to Q8_0 at load.
             GgmlType::Q5_0 => (cols / 32).checked_mul(GROUP * GgmlType::Q8_0.block_bytes()),
+            GgmlType::Q4_1 | GgmlType::Q5_1 => (cols / 32).checked_mul(Q1_X16),
             GgmlType::Q4K => (cols / 256).checked_mul(kx16_bytes(false)),
             GgmlType::Q5K => (cols / 256).checked_mul(kx16_bytes(true)),
             GgmlType::Q6K => (cols / 256).checked_mul(Q6K_X16),
@@ -269,6 +280,7 @@ impl Matrix {
     /// Bytes of interleaved group `g`.
     pub(crate) fn group(&self, g: usize) -> &[u8] {
         let gb = match self.dtype {
+            GgmlType::Q4_1 | GgmlType::Q5_1 => self.cols / 32 * Q1_X16,
             GgmlType::Q4K => self.cols / 256 * kx16_bytes(false),
             GgmlType::Q5K => self.cols / 256 * kx16_bytes(true),
             GgmlType::Q6K => self.cols / 256 * Q6K_X16,
@@ -385,6 +397,17 @@ impl Matrix {
                 }
             }
             GgmlType::Q5_0 => unreachable!("a Q5_0 matrix is held as Q8_0"),
+            GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                for (b, y) in out.chunks_exact_mut(32).enumerate() {
+                    let blk = &data[b * Q1_X16..(b + 1) * Q1_X16];
+                    let (d, m) = (f16_at(blk, 2 * r), f16_at(blk, Q1_MIN + 2 * r));
+                    for (e, y) in y.iter_mut().enumerate() {
+                        let q = blk[Q1_QS + 64 * (e / 4) + 4 * r + e % 4];
+                        // Same float ops as the GGML-layout decoder, so identical values.
+                        *y = q as f32 * d + m;
+                    }
+                }
+            }
             GgmlType::Q4_0 | GgmlType::Q8_0 => {
                 let bb = self.dtype.block_bytes();
                 let qb = bb - 2;
@@ -414,6 +437,34 @@ fn widen_q5_0(src: &[u8]) -> Vec<u8> {
         let code = |j: usize, nib: u8| ((nib | (((qh >> j) & 1) as u8) << 4) as i8 - 16) as u8;
         out.extend((0..16).map(|j| code(j, b[6 + j] & 0xF)));
         out.extend((0..16).map(|j| code(16 + j, b[6 + j] >> 4)));
+    }
+    out
+}
+
+/// Repacks GGML Q4_1 (`five` = false) / Q5_1 rows into the widened layout of [`Q1_X16`].
+fn interleave_q1(five: bool, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+    let bb = if five { 24 } else { 20 };
+    let nb = cols / 32;
+    let row_bytes = nb * bb;
+    assert!(
+        src.len() >= rows * row_bytes,
+        "source shorter than its shape"
+    );
+    // Padding rows stay zero: d = m = 0 contributes nothing.
+    let mut out = zeroed(buf, rows.div_ceil(GROUP) * nb * Q1_X16);
+    for (g, gdst) in out.chunks_exact_mut(nb * Q1_X16).enumerate() {
+        for r in 0..GROUP.min(rows - g * GROUP) {
+            let row = &src[(g * GROUP + r) * row_bytes..][..row_bytes];
+            for (s, dst) in row.chunks_exact(bb).zip(gdst.chunks_exact_mut(Q1_X16)) {
+                dst[2 * r..2 * r + 2].copy_from_slice(&s[..2]);
+                dst[Q1_MIN + 2 * r..Q1_MIN + 2 * r + 2].copy_from_slice(&s[2..4]);
+                let codes = q1_codes(five, s);
+                for (k, c) in codes.chunks_exact(4).enumerate() {
+                    let o = Q1_QS + 64 * k + 4 * r;
+                    dst[o..o + 4].copy_from_slice(c);
+                }
+            }
+        }
     }
     out
 }

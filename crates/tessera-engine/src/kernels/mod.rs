@@ -24,7 +24,19 @@
 //!
 //! The instruction set is chosen once per process ([`isa`]; `TESSERA_MAX_ISA` or [`set_max_isa`]
 //! cap it, so one machine can play a scalar, AVX2 or AVX-512 node); aarch64 and other targets use
-//! the portable kernels (no NEON yet).
+//! the portable kernels (no NEON yet: this toolchain has no aarch64 standard library installed).
+//! Every weight type has an AVX2 and an AVX-512 kernel ([`kernel_path`] says which one a type
+//! takes; the portable kernels are the reference and the path of CPUs without AVX2).
+//!
+//! GGML types Tessera does not run, and whether real files use them:
+//! - IQ1_S, IQ1_M: yes, the smallest "1-bit" quants of very large models (e.g. the dynamic
+//!   1.58-bit DeepSeek-R1 files mix them with IQ2/Q4_K).
+//! - TQ1_0, TQ2_0 (ternary): a few BitNet / TriLM conversions.
+//! - NVFP4: new; a few files.
+//! - Q8_1, Q8_K: activation types only (ggml's `vec_dot_type`s), never stored in a model file.
+//! - I8, I16, I32, I64, F64: integer/double tensors, not used for weight matrices.
+//! - Q4_0_4_4, Q4_0_4_8, Q4_0_8_8, IQ4_NL_4_4 … (ids 31–33, 36–38): repacked layouts llama.cpp
+//!   itself no longer loads from files.
 
 mod iq23;
 mod iq4xs;
@@ -213,15 +225,24 @@ pub(crate) type GroupFn = unsafe fn(&[u8], &QuantizedActs, usize, usize, &mut [f
 
 /// The group kernel for `dtype` on `isa`.
 fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
+    kernel_and_path(isa, dtype).0
+}
+
+/// The group kernel for `dtype` on `isa` and the instruction set that kernel is written for:
+/// `isa`'s own where the type has one, else the portable kernel ([`Isa::Scalar`]).
+fn kernel_and_path(isa: Isa, dtype: GgmlType) -> (GroupFn, Isa) {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Scalar {
-        return x86::kernel(isa, dtype);
+        if let Some(f) = x86::kernel(isa, dtype) {
+            return (f, isa);
+        }
     }
     let _ = isa;
-    match dtype {
+    let f: GroupFn = match dtype {
         GgmlType::Q4_0 => scalar::q4_0_group,
         // A Q5_0 matrix is held as Q8_0 (`Matrix::new`).
         GgmlType::Q8_0 | GgmlType::Q5_0 => scalar::q8_0_group,
+        GgmlType::Q4_1 | GgmlType::Q5_1 => scalar::q1_group,
         GgmlType::Q4K => scalar::q45k_group::<false>,
         GgmlType::Q5K => scalar::q45k_group::<true>,
         GgmlType::Q6K => scalar::q6k_group,
@@ -238,6 +259,56 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
         GgmlType::Iq2S => iq23::iq23_group::<{ iq23::IQ2_S }>,
         GgmlType::Iq3Xxs => iq23::iq23_group::<{ iq23::IQ3_XXS }>,
         GgmlType::Iq3S => iq23::iq23_group::<{ iq23::IQ3_S }>,
+    };
+    (f, Isa::Scalar)
+}
+
+/// The kernel path a `dtype` weight matrix takes in this process: the instruction set of the
+/// kernel it runs with under [`isa`]. [`Isa::Scalar`] on a SIMD machine means the type has
+/// no kernel for it (slow); `tessera bench` and `tessera inspect` print this per type.
+pub fn kernel_path(dtype: GgmlType) -> Isa {
+    kernel_path_on(isa(), dtype)
+}
+
+/// [`kernel_path`] for a process running with `isa` (whether or not this machine has it).
+pub fn kernel_path_on(isa: Isa, dtype: GgmlType) -> Isa {
+    kernel_and_path(isa, dtype).1
+}
+
+/// One weight type of a model file and the kernel path its matrices take in this process.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TypePath {
+    /// GGML's name of the type.
+    pub dtype: String,
+    /// Matrices of the type (tensors of two or more dimensions: weights, experts).
+    pub matrices: usize,
+    /// [`kernel_path`]'s instruction set (`avx512`, `avx2`, `scalar`), or `unsupported`.
+    pub path: String,
+}
+
+/// The kernel path of each weight type among `tensors` (a file's tensor table), in order of
+/// first appearance, so that a slow path is visible to a user.
+pub fn type_paths(tensors: &[tessera_model::TensorInfo]) -> Vec<TypePath> {
+    let mut out: Vec<TypePath> = Vec::new();
+    for t in tensors.iter().filter(|t| t.shape.len() >= 2) {
+        let dtype = GgmlType::name_of_id(t.type_id);
+        match out.iter_mut().find(|p| p.dtype == dtype) {
+            Some(p) => p.matrices += 1,
+            None => out.push(TypePath {
+                dtype: dtype.to_string(),
+                matrices: 1,
+                path: GgmlType::from_id(t.type_id)
+                    .map_or("unsupported", |d| kernel_path(d).as_str())
+                    .to_string(),
+            }),
+        }
+    }
+    out
+}
+
+impl std::fmt::Display for TypePath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} ({})", self.dtype, self.path, self.matrices)
     }
 }
 

@@ -1,5 +1,5 @@
 //! Activations converted to the type ggml pairs with each weight type (its `vec_dot_type`):
-//! Q8_0 for Q4_0/Q8_0 weights, Q8_K for K-quants, F16/BF16-rounded floats for F16/BF16.
+//! Q8_0 for Q4_0/Q8_0 weights (and Q4_1/Q5_1, whose Q8_1 block sum is derived in their kernel), Q8_K for K-quants, F16/BF16-rounded floats for F16/BF16.
 
 use half::{bf16, f16};
 use tessera_model::GgmlType;
@@ -21,7 +21,9 @@ impl ActKind {
     pub(crate) fn for_weights(dtype: GgmlType) -> Self {
         match dtype {
             GgmlType::Q4_0
+            | GgmlType::Q4_1
             | GgmlType::Q5_0
+            | GgmlType::Q5_1
             | GgmlType::Q8_0
             | GgmlType::Mxfp4
             | GgmlType::Iq4Nl => Self::Q8_0,

@@ -8,8 +8,8 @@ use half::{bf16, f16};
 use tessera_model::GgmlType;
 
 use super::matrix::{
-    kx16_bytes, kx16_qs, q6k_x16_quant, GROUP, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_QH, Q6K_SCALES,
-    Q6K_X16,
+    kx16_bytes, kx16_qs, q6k_x16_quant, GROUP, Q1_MIN, Q1_QS, Q1_X16, Q4K_DMIN, Q4K_MINS,
+    Q4K_SCALES, Q5K_QH, Q6K_SCALES, Q6K_X16,
 };
 use super::quant_acts::QuantizedActs;
 
@@ -60,6 +60,13 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], y: &mut [f32]) {
             for j in 0..16 {
                 y[j] = ((b[2 + j] & 0xF) as i32 - 8) as f32 * d;
                 y[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+        GgmlType::Q4_1 | GgmlType::Q5_1 => {
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            let codes = q1_codes(dtype == GgmlType::Q5_1, b);
+            for (y, &q) in y.iter_mut().zip(&codes) {
+                *y = q as f32 * d + m;
             }
         }
         GgmlType::Q5_0 => {
@@ -119,6 +126,22 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], y: &mut [f32]) {
             }
         }
     }
+}
+
+/// The 32 unsigned codes of a GGML Q4_1 (`five` = false: f16 `d`, f16 `m`, 16 bytes of
+/// nibbles) or Q5_1 block (`d`, `m`, 32 high bits, nibbles), in element order: element `j < 16`
+/// is the low nibble of byte `j`, element `16 + j` its high nibble; Q5_1 adds bit `e` of the
+/// high bits as bit 4 of element `e`.
+pub(crate) fn q1_codes(five: bool, b: &[u8]) -> [u8; 32] {
+    let (qh, qs) = if five {
+        (u32::from_le_bytes([b[4], b[5], b[6], b[7]]), &b[8..24])
+    } else {
+        (0, &b[4..20])
+    };
+    std::array::from_fn(|e| {
+        let nib = if e < 16 { qs[e] & 0xF } else { qs[e - 16] >> 4 };
+        nib | (((qh >> e) & 1) as u8) << 4
+    })
 }
 
 /// The four signed 6-bit quants at offsets l, l+32, l+64, l+96 of a Q6_K half-block.
@@ -199,6 +222,47 @@ pub(crate) fn q8_0_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out:
         }
         for (r, acc) in acc.iter().enumerate() {
             out[j * GROUP + r] = q8_0_lanes_sum(acc);
+        }
+    }
+}
+
+/// The block sum ggml's Q8_1 activations carry for Q4_1/Q5_1 weights: `d·Σq`, rounded to f16.
+/// (ggml multiplies the unrounded scale; the activations here keep only the f16-rounded `d`,
+/// so `s` can differ from ggml's in its last f16 bit.)
+#[inline(always)]
+pub(crate) fn q8_1_s(d: f32, sum: i32) -> f32 {
+    f16::from_f32(d * sum as f32).to_f32()
+}
+
+/// 16 rows × `nt` tokens of a (widened) Q4_1/Q5_1 row group; `out[j*16 + r]`.
+///
+/// Follows llama.cpp's AVX2 `ggml_vec_dot_q4_1_q8_1` / `ggml_vec_dot_q5_1_q8_1`: 8 lanes per
+/// row, lane `k` accumulating `fma(dx·dy, Σ of elements 4k..4k+4, lane)` over blocks, the
+/// offsets as `summs += m·s` (product, then sum), and `q8_0_lanes_sum(lanes) + summs`.
+pub(crate) fn q1_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
+    let nb = a.cols / 32;
+    for j in 0..nt {
+        let t = t0 + j;
+        let mut acc = [[0f32; 8]; GROUP];
+        let mut summs = [0f32; GROUP];
+        for b in 0..nb {
+            let blk = &w[b * Q1_X16..(b + 1) * Q1_X16];
+            let y = &a.qs[t * a.cols + b * 32..][..32];
+            let dy = a.f[t * nb + b];
+            let sy = q8_1_s(dy, a.sums[t * nb + b]);
+            for r in 0..GROUP {
+                let d = f16_at(blk, 2 * r) * dy;
+                for (k, acc) in acc[r].iter_mut().enumerate() {
+                    let s: i32 = (0..4)
+                        .map(|i| blk[Q1_QS + 64 * k + 4 * r + i] as i32 * y[4 * k + i] as i32)
+                        .sum();
+                    *acc = d.mul_add(s as f32, *acc);
+                }
+                summs[r] += f16_at(blk, Q1_MIN + 2 * r) * sy;
+            }
+        }
+        for r in 0..GROUP {
+            out[j * GROUP + r] = q8_0_lanes_sum(&acc[r]) + summs[r];
         }
     }
 }

@@ -26,6 +26,10 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     print!("{profile}");
+    // Which kernel path each weight type would take in this process (a scalar one is slow).
+    let paths = tessera_engine::kernels::type_paths(gguf.tensors());
+    let paths: Vec<String> = paths.iter().map(|p| p.to_string()).collect();
+    println!("kernels: {}", paths.join(", "));
     if args.tensors {
         println!();
         println!(

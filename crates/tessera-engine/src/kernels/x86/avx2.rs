@@ -1,9 +1,9 @@
-//! AVX2 kernels for Q4_0 and Q8_0 (other types use the scalar kernels without AVX-512). Same
-//! arithmetic as `scalar.rs`, hence bit-identical results.
+//! AVX2 kernels for Q4_0, Q8_0 and the widened Q4_1/Q5_1. Same arithmetic as `scalar.rs`,
+//! hence bit-identical results.
 
 use std::arch::x86_64::*;
 
-use super::super::matrix::GROUP;
+use super::super::matrix::{GROUP, Q1_MIN, Q1_QS, Q1_X16};
 use super::super::quant_acts::QuantizedActs;
 
 /// Checks the bounds every group kernel relies on.
@@ -139,6 +139,59 @@ unsafe fn q8_0_token(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
                 _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])),
             );
             _mm256_storeu_ps(out.add(8 * h), r);
+        }
+    }
+}
+
+/// Widened Q4_1/Q5_1 group × `nt` tokens, in `scalar::q1_group`'s (llama.cpp's) order.
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q1_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
+    check_group(w, Q1_X16 / GROUP, a, t0, nt, out);
+    // SAFETY: bounds checked above; features guaranteed by the caller.
+    unsafe {
+        for j in 0..nt {
+            q1_token(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q1_token(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let nb = a.cols / 32;
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold token t.
+    unsafe {
+        for h in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut summs = _mm256_setzero_ps();
+            for b in 0..nb {
+                let blk = w.add(b * Q1_X16);
+                let idx = t * nb + b;
+                let dy = *a.f.get_unchecked(idx);
+                let sy = super::super::scalar::q8_1_s(dy, *a.sums.get_unchecked(idx));
+                let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
+                let mx =
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(Q1_MIN + 16 * h) as *const __m128i));
+                let d = _mm256_mul_ps(dx, _mm256_set1_ps(dy));
+                let y = a.qs.as_ptr().add(t * a.cols + b * 32);
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    let wk = _mm256_loadu_si256(blk.add(Q1_QS + 64 * k + 32 * h) as *const __m256i);
+                    let yk = _mm256_set1_epi32((y.add(4 * k) as *const i32).read_unaligned());
+                    // Codes 0..31 unsigned: pairs at most 2·31·128, exact in i16.
+                    let s = _mm256_madd_epi16(_mm256_maddubs_epi16(wk, yk), ones);
+                    *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *acc);
+                }
+                summs = _mm256_add_ps(summs, _mm256_mul_ps(mx, _mm256_set1_ps(sy)));
+            }
+            let r = _mm256_add_ps(
+                _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+                _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])),
+            );
+            _mm256_storeu_ps(out.add(8 * h), _mm256_add_ps(r, summs));
         }
     }
 }

@@ -5,8 +5,8 @@
 use std::arch::x86_64::*;
 
 use super::super::matrix::{
-    kx16_bytes, kx16_qs, q6k_runs, GROUP, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_QH, Q6K_SCALES,
-    Q6K_X16,
+    kx16_bytes, kx16_qs, q6k_runs, GROUP, Q1_MIN, Q1_QS, Q1_X16, Q4K_DMIN, Q4K_MINS, Q4K_SCALES,
+    Q5K_QH, Q6K_SCALES, Q6K_X16,
 };
 use super::super::quant_acts::QuantizedActs;
 
@@ -366,5 +366,65 @@ unsafe fn q6k_token(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
             _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])),
         );
         _mm512_storeu_ps(out, r);
+    }
+}
+
+/// Widened Q4_1/Q5_1 group × `nt` tokens, in `scalar::q1_group`'s (llama.cpp's) order: the
+/// codes are unsigned bytes, so `vpdpbusd` takes them as they are.
+///
+/// # Safety
+/// Requires AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q1_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
+    check_group(w, Q1_X16 / GROUP, a, t0, nt, out);
+    // SAFETY: bounds checked above; features guaranteed by the caller.
+    unsafe {
+        let mut j = 0;
+        while j + 2 <= nt {
+            q1_tile::<2>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+            j += 2;
+        }
+        if j < nt {
+            q1_tile::<1>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q1_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let nb = a.cols / 32;
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); 8]; T];
+    let mut summs = [_mm512_setzero_ps(); T];
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens t..t+T.
+    unsafe {
+        for b in 0..nb {
+            let blk = w.add(b * Q1_X16);
+            let dx = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+            let mx = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q1_MIN) as *const __m256i));
+            let wk: [__m512i; 8] =
+                std::array::from_fn(|k| _mm512_loadu_si512(blk.add(Q1_QS + 64 * k) as *const _));
+            for j in 0..T {
+                let idx = (t + j) * nb + b;
+                let dy = *a.f.get_unchecked(idx);
+                let sy = super::super::scalar::q8_1_s(dy, *a.sums.get_unchecked(idx));
+                let y = a.qs.as_ptr().add((t + j) * a.cols + b * 32);
+                let d = _mm512_mul_ps(dx, _mm512_set1_ps(dy));
+                for (k, acc) in acc[j].iter_mut().enumerate() {
+                    let yk = _mm512_set1_epi32((y.add(4 * k) as *const i32).read_unaligned());
+                    let s = _mm512_dpbusd_epi32(zero, wk[k], yk);
+                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *acc);
+                }
+                summs[j] = _mm512_add_ps(summs[j], _mm512_mul_ps(mx, _mm512_set1_ps(sy)));
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            let r = _mm512_add_ps(
+                _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])),
+            );
+            _mm512_storeu_ps(out.add(j * GROUP), _mm512_add_ps(r, summs[j]));
+        }
     }
 }

@@ -6,13 +6,14 @@ mod float;
 mod iq23;
 mod iq4xs;
 mod k23;
+mod kquant_avx2;
 mod lut4;
 pub(super) mod quant;
 
 use tessera_model::GgmlType;
 
 use super::iq23::{IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS};
-use super::{scalar, GroupFn, Isa};
+use super::{GroupFn, Isa};
 
 pub(super) fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2")
@@ -28,21 +29,27 @@ pub(super) fn has_avx512() -> bool {
         && is_x86_feature_detected!("avx512vnni")
 }
 
-pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
+/// The SIMD group kernel for `dtype` on `isa` (AVX2 or AVX-512); `None` where the type has
+/// none (it would run the portable kernel). Only SIMD kernels live in this table, so
+/// `kernels::kernel_path` can report a scalar fallback honestly.
+pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<GroupFn> {
     let avx512 = isa == Isa::Avx512;
-    let pick = |a2: GroupFn, a5: GroupFn| if avx512 { a5 } else { a2 };
+    let pick = |a2: GroupFn, a5: GroupFn| Some(if avx512 { a5 } else { a2 });
     match dtype {
         GgmlType::Q4_0 => pick(avx2::q4_0_group, avx512::q4_0_group),
         // A Q5_0 matrix is held as Q8_0 (`Matrix::new`).
         GgmlType::Q8_0 | GgmlType::Q5_0 => pick(avx2::q8_0_group, avx512::q8_0_group),
-        // K-quants follow llama.cpp's lane order; without AVX-512 they use the scalar kernels.
-        GgmlType::Q4K => pick(scalar::q45k_group::<false>, avx512::q45k_group::<false>),
-        GgmlType::Q5K => pick(scalar::q45k_group::<true>, avx512::q45k_group::<true>),
-        GgmlType::Q6K => pick(scalar::q6k_group, avx512::q6k_group),
-        // Float weights: the scalar kernel where there is no AVX-512.
-        GgmlType::F32 => pick(scalar::f32_group, float::f32_avx512),
-        GgmlType::F16 => pick(scalar::f16_group, float::f16_avx512),
-        GgmlType::BF16 => pick(scalar::bf16_group, float::bf16_avx512),
+        // Held widened (`matrix::Q1_X16`).
+        GgmlType::Q4_1 | GgmlType::Q5_1 => pick(avx2::q1_group, avx512::q1_group),
+        GgmlType::Q4K => pick(
+            kquant_avx2::q45k_group::<false>,
+            avx512::q45k_group::<false>,
+        ),
+        GgmlType::Q5K => pick(kquant_avx2::q45k_group::<true>, avx512::q45k_group::<true>),
+        GgmlType::Q6K => pick(kquant_avx2::q6k_group, avx512::q6k_group),
+        GgmlType::F32 => pick(float::f32_avx2, float::f32_avx512),
+        GgmlType::F16 => pick(float::f16_avx2, float::f16_avx512),
+        GgmlType::BF16 => pick(float::bf16_avx2, float::bf16_avx512),
         GgmlType::Mxfp4 => pick(
             lut4::lut4_group_avx2::<false>,
             lut4::lut4_group_avx512::<false>,

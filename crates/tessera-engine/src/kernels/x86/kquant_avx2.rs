@@ -1,0 +1,313 @@
+//! AVX2 (+FMA, F16C) kernels for the interleaved Q4_K, Q5_K and Q6_K groups (layouts in
+//! `matrix.rs`, numerical contract in `scalar::q45k_group` / `scalar::q6k_group`).
+//!
+//! A 256-bit load holds 4 quant bytes of 8 of the group's 16 rows, so each 16-row group runs
+//! as two halves of 8 rows, one i32/f32 lane per row. AVX2 has no `vpdpbusd`: `pmaddubsw`
+//! multiplies the unsigned quants by a broadcast activation word into exact i16 pair sums, and
+//! `pmaddwd` with the row's sub-block scale (held as an `(s, s)` i16 pair per lane) multiplies
+//! and adds each pair into an exact i32. Every integer sum is exact and the float steps per row
+//! are the scalar kernel's, in its order, so the results equal the scalar and AVX-512 ones bit
+//! for bit. Tiles of up to [`TILE`] tokens share each unpack of the weights (prefill).
+
+use std::arch::x86_64::*;
+
+use super::super::matrix::{
+    kx16_bytes, kx16_qs, q6k_runs, GROUP, Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_QH, Q6K_SCALES,
+    Q6K_X16,
+};
+use super::super::quant_acts::QuantizedActs;
+
+/// Tokens per tile.
+const TILE: usize = 4;
+
+/// The 8 per-row lane accumulators summed as `scalar::q8_0_lanes_sum`.
+macro_rules! lanes_sum {
+    ($acc:expr) => {{
+        let a = $acc;
+        _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
+            _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])),
+        )
+    }};
+}
+
+/// Runs `$tile::<T, ..>` over `nt` tokens in tiles of [`TILE`], then single tokens.
+macro_rules! tiles {
+    ($tile:ident $(, $c:expr)?; $w:expr, $a:expr, $t0:expr, $nt:expr, $out:expr) => {{
+        let (w, a, t0, nt, out) = ($w, $a, $t0, $nt, $out);
+        let mut j = 0;
+        while j + TILE <= nt {
+            $tile::<TILE $(, $c)?>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+            j += TILE;
+        }
+        while j < nt {
+            $tile::<1 $(, $c)?>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+            j += 1;
+        }
+    }};
+}
+
+fn check_k(w: &[u8], x16: usize, a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
+    let nb = a.cols / 256;
+    assert!(w.len() >= nb * x16);
+    assert!((t0 + nt) * a.cols <= a.qs.len() && (t0 + nt) * a.cols / 16 <= a.bsums.len());
+    assert!((t0 + nt) * nb <= a.f.len() && out.len() >= nt * GROUP);
+}
+
+/// The activation word (4 i8) at `p`, broadcast.
+#[inline(always)]
+unsafe fn yword(p: *const i8) -> __m256i {
+    // SAFETY: the caller guarantees 4 readable bytes and AVX.
+    unsafe { _mm256_set1_epi32((p as *const i32).read_unaligned()) }
+}
+
+/// 8 unsigned 6-bit scales (one per row) at `p` as an `(s, s)` i16 pair per i32 lane.
+#[inline(always)]
+unsafe fn scales_u8(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 8 readable bytes and AVX2.
+    unsafe {
+        let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        _mm256_or_si256(v, _mm256_slli_epi32(v, 16))
+    }
+}
+
+/// 8 signed scales (one per row) at `p` as an `(s, s)` i16 pair per i32 lane.
+#[inline(always)]
+unsafe fn scales_i8(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 8 readable bytes and AVX2.
+    unsafe {
+        let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        _mm256_or_si256(
+            _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+            _mm256_slli_epi32(v, 16),
+        )
+    }
+}
+
+/// Q4_K (`FIVE` = false) / Q5_K interleaved group × `nt` tokens.
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q45k_group<const FIVE: bool>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    check_k(w, kx16_bytes(FIVE), a, t0, nt, out);
+    // SAFETY: bounds checked above; features guaranteed by the caller.
+    unsafe { tiles!(q45k_tile, FIVE; w, a, t0, nt, out) }
+}
+
+/// `T` tokens of a Q4_K / Q5_K group. Q4_K only needs each row's block sum (the scalar kernel
+/// adds its 8 lanes as integers), so its nibble products are summed in i16 over a whole
+/// 64-element chunk first (8 pairs of at most 2·15·128: exact) and scaled once; Q5_K keeps the
+/// 8 lanes apart, as its float steps use them.
+// `k` indexes the weight runs, the activation offsets and the lanes alike.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q45k_tile<const T: usize, const FIVE: bool>(
+    w: *const u8,
+    a: &QuantizedActs,
+    t: usize,
+    out: *mut f32,
+) {
+    let nb = a.cols / 256;
+    let (x16, qs) = (kx16_bytes(FIVE), kx16_qs(FIVE));
+    // SAFETY: the caller checked that w holds nb interleaved blocks and acts hold tokens
+    // t..t+T; AVX2/FMA/F16C enabled.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let one = _mm256_set1_epi8(1);
+        let zero = _mm256_setzero_si256();
+        for h8 in 0..2 {
+            let mut acc = [[_mm256_setzero_ps(); 8]; T];
+            let mut accm = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
+                let blk = w.add(b * x16);
+                let ys: [*const i8; T] =
+                    std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
+                // Q5_K: lanes[j][k]; Q4_K: the block sum in lanes[j][0].
+                let mut lanes = [[zero; 8]; T];
+                for c in 0..4 {
+                    let sc_lo = scales_u8(blk.add(Q4K_SCALES + 32 * c + 8 * h8));
+                    let sc_hi = scales_u8(blk.add(Q4K_SCALES + 32 * c + 16 + 8 * h8));
+                    let sh_lo = _mm_cvtsi32_si128(2 * c as i32);
+                    let sh_hi = _mm_cvtsi32_si128(2 * c as i32 + 1);
+                    let mut s_lo = [zero; T];
+                    let mut s_hi = [zero; T];
+                    for k in 0..8 {
+                        let v = _mm256_loadu_si256(
+                            blk.add(qs + 512 * c + 64 * k + 32 * h8) as *const __m256i
+                        );
+                        let mut lo = _mm256_and_si256(v, m4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        if FIVE {
+                            let h = _mm256_loadu_si256(
+                                blk.add(Q5K_QH + 64 * k + 32 * h8) as *const __m256i
+                            );
+                            // Bit 0 of each byte after a 16-bit shift by 2c / 2c+1 (< 8).
+                            let bl = _mm256_and_si256(_mm256_srl_epi16(h, sh_lo), one);
+                            let bh = _mm256_and_si256(_mm256_srl_epi16(h, sh_hi), one);
+                            lo = _mm256_or_si256(lo, _mm256_slli_epi16(bl, 4));
+                            hi = _mm256_or_si256(hi, _mm256_slli_epi16(bh, 4));
+                        }
+                        for j in 0..T {
+                            let pl = _mm256_maddubs_epi16(lo, yword(ys[j].add(64 * c + 4 * k)));
+                            let ph =
+                                _mm256_maddubs_epi16(hi, yword(ys[j].add(64 * c + 32 + 4 * k)));
+                            if FIVE {
+                                let p = _mm256_add_epi32(
+                                    _mm256_madd_epi16(pl, sc_lo),
+                                    _mm256_madd_epi16(ph, sc_hi),
+                                );
+                                lanes[j][k] = _mm256_add_epi32(lanes[j][k], p);
+                            } else {
+                                s_lo[j] = _mm256_add_epi16(s_lo[j], pl);
+                                s_hi[j] = _mm256_add_epi16(s_hi[j], ph);
+                            }
+                        }
+                    }
+                    if !FIVE {
+                        for j in 0..T {
+                            let p = _mm256_add_epi32(
+                                _mm256_madd_epi16(s_lo[j], sc_lo),
+                                _mm256_madd_epi16(s_hi[j], sc_hi),
+                            );
+                            lanes[j][0] = _mm256_add_epi32(lanes[j][0], p);
+                        }
+                    }
+                }
+                let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
+                let dmx = _mm256_cvtph_ps(_mm_loadu_si128(
+                    blk.add(Q4K_DMIN + 16 * h8) as *const __m128i
+                ));
+                let mins: [__m256i; 8] =
+                    std::array::from_fn(|s| scales_u8(blk.add(Q4K_MINS + 16 * s + 8 * h8)));
+                for j in 0..T {
+                    let dy = *a.f.get_unchecked((t + j) * nb + b);
+                    if FIVE {
+                        let d = _mm256_mul_ps(_mm256_set1_ps(dy), dx);
+                        for (acc, &l) in acc[j].iter_mut().zip(&lanes[j]) {
+                            *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(l), *acc);
+                        }
+                    } else {
+                        let dd = _mm256_mul_ps(dx, _mm256_set1_ps(dy));
+                        acc[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[j][0]), dd, acc[j][0]);
+                    }
+                    // Σ_s min_s · (bsum_2s + bsum_2s+1): the bsum pair read as one i32.
+                    let bs = a.bsums.as_ptr().add(((t + j) * a.cols + b * 256) / 16);
+                    let mut msum = zero;
+                    for (s, &m) in mins.iter().enumerate() {
+                        let pair =
+                            _mm256_set1_epi32((bs.add(2 * s) as *const i32).read_unaligned());
+                        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, pair));
+                    }
+                    let msum = _mm256_cvtepi32_ps(msum);
+                    if FIVE {
+                        // `summs += dmin * msum` in llama.cpp: product, then sum (not fused).
+                        let dmin = _mm256_mul_ps(_mm256_set1_ps(-dy), dmx);
+                        accm[j] = _mm256_add_ps(accm[j], _mm256_mul_ps(dmin, msum));
+                    } else {
+                        let dm = _mm256_mul_ps(dmx, _mm256_set1_ps(dy));
+                        accm[j] = _mm256_fmadd_ps(msum, dm, accm[j]);
+                    }
+                }
+            }
+            for j in 0..T {
+                let r = if FIVE {
+                    _mm256_add_ps(lanes_sum!(acc[j]), accm[j])
+                } else {
+                    _mm256_sub_ps(acc[j][0], accm[j])
+                };
+                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), r);
+            }
+        }
+    }
+}
+
+/// Q6_K interleaved group × `nt` tokens.
+///
+/// # Safety
+/// Requires AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
+    check_k(w, Q6K_X16, a, t0, nt, out);
+    // SAFETY: bounds checked above; features guaranteed by the caller.
+    unsafe { tiles!(q6k_tile; w, a, t0, nt, out) }
+}
+
+/// `T` tokens of a Q6_K group: `pmaddubsw` of the unsigned quants (q + 32) per 4-element run,
+/// minus the same of 32 (exact i16 pairs of `(q − 32)·y`), times the row's sub-block scale
+/// into lane `run % 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let nb = a.cols / 256;
+    // SAFETY: the caller checked that w holds nb interleaved blocks and acts hold tokens
+    // t..t+T; AVX2/FMA/F16C enabled.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m3 = _mm256_set1_epi8(3);
+        let c32 = _mm256_set1_epi8(32);
+        let zero = _mm256_setzero_si256();
+        let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
+        let hb = |x: __m256i| _mm256_slli_epi16(_mm256_and_si256(x, m3), 4);
+        for h8 in 0..2 {
+            let mut acc = [[_mm256_setzero_ps(); 8]; T];
+            for b in 0..nb {
+                let blk = w.add(b * Q6K_X16);
+                let ys: [*const i8; T] =
+                    std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
+                let sc: [__m256i; 16] =
+                    std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
+                let mut lanes = [[zero; 8]; T];
+                for n in 0..2 {
+                    for l4 in 0..8 {
+                        let run = blk.add(q6k_runs(n, l4) + 32 * h8);
+                        let (qa, qb, h) = (load(run), load(run.add(64)), load(run.add(128)));
+                        let q = [
+                            _mm256_or_si256(_mm256_and_si256(qa, m4), hb(h)),
+                            _mm256_or_si256(_mm256_and_si256(qb, m4), hb(_mm256_srli_epi16(h, 2))),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
+                                hb(_mm256_srli_epi16(h, 4)),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                                hb(_mm256_srli_epi16(h, 6)),
+                            ),
+                        ];
+                        for (k, &qk) in q.iter().enumerate() {
+                            let o = 128 * n + 32 * k + 4 * l4;
+                            let s = sc[8 * n + 2 * k + l4 / 4];
+                            for j in 0..T {
+                                let yk = yword(ys[j].add(o));
+                                let p = _mm256_sub_epi16(
+                                    _mm256_maddubs_epi16(qk, yk),
+                                    _mm256_maddubs_epi16(c32, yk),
+                                );
+                                lanes[j][l4] =
+                                    _mm256_add_epi32(lanes[j][l4], _mm256_madd_epi16(p, s));
+                            }
+                        }
+                    }
+                }
+                let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
+                for j in 0..T {
+                    let dy = *a.f.get_unchecked((t + j) * nb + b);
+                    let d = _mm256_mul_ps(_mm256_set1_ps(dy), dx);
+                    for (acc, &l) in acc[j].iter_mut().zip(&lanes[j]) {
+                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(l), *acc);
+                    }
+                }
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), lanes_sum!(acc));
+            }
+        }
+    }
+}
