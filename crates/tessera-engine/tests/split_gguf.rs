@@ -27,7 +27,10 @@ fn run(model: &Model) -> Vec<Vec<f32>> {
 /// `name` split into three parts (the first metadata only, when asked) in `dir`, opened.
 fn split_in_three(dir: &std::path::Path, name: &str, metadata_only_first: bool) -> GgufFile {
     let whole = common::open(name);
-    let per_part = whole.tensors().len().div_ceil(3 - usize::from(metadata_only_first));
+    let per_part = whole
+        .tensors()
+        .len()
+        .div_ceil(3 - usize::from(metadata_only_first));
     let options = SplitOptions {
         max_tensors: per_part,
         metadata_only_first,

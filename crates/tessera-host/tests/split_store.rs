@@ -29,7 +29,11 @@ fn a_split_model_is_described_and_fetched_as_its_merged_file() {
     let joined = GgufFile::open(&first).unwrap();
     // The manifest of the parts is the manifest of the merged file written out.
     let merged_path = dir.path().join("merged.gguf");
-    std::fs::write(&merged_path, joined.image_range(0..joined.file_len()).unwrap()).unwrap();
+    std::fs::write(
+        &merged_path,
+        joined.image_range(0..joined.file_len()).unwrap(),
+    )
+    .unwrap();
     let m = Manifest::from_gguf_with(&first, CHUNK, &mut |_, _| {}).unwrap();
     let m_merged = Manifest::from_gguf_with(&merged_path, CHUNK, &mut |_, _| {}).unwrap();
     assert_eq!(m, m_merged);
