@@ -95,9 +95,8 @@ impl HubCache {
         }
         target.push("blobs");
         target.push(sha256);
-        match std::fs::symlink_metadata(&at) {
-            Ok(_) => std::fs::remove_file(&at).map_err(io_err(&at))?,
-            Err(_) => {}
+        if std::fs::symlink_metadata(&at).is_ok() {
+            std::fs::remove_file(&at).map_err(io_err(&at))?;
         }
         symlink(&target, &at).map_err(io_err(&at))?;
         Ok(at)

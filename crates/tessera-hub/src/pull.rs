@@ -376,7 +376,32 @@ impl<'a> Client<'a> {
         }
         let status = resp.status().as_u16();
         check_status(&url, status, &[200, 206, 416])?;
-        if status == 200 || status == 416 && file.size != Some(have) {
+        if status == 206 {
+            // The part must start where ours ends, or the bytes would land in the wrong place.
+            let start = resp
+                .headers()
+                .get("content-range")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("bytes "))
+                .and_then(|v| v.split('-').next())
+                .and_then(|v| v.parse::<u64>().ok());
+            if start != Some(have) {
+                return Err(HubError::Network {
+                    url,
+                    what: format!("asked for bytes from {have}, the answer starts at {start:?}"),
+                });
+            }
+        }
+        if status == 416 && file.size != Some(have) {
+            // Our partial file does not fit the file served: start again on the next try.
+            drop(out);
+            let _ = std::fs::remove_file(&part);
+            return Err(HubError::Network {
+                url,
+                what: format!("{} bytes held do not fit the file; starting again", have),
+            });
+        }
+        if status == 200 {
             // The whole file (the server ignored the range, or the range was wrong): restart.
             have = 0;
         }

@@ -38,8 +38,8 @@ struct State {
     repos: HashMap<String, (String, Vec<(String, Arc<Vec<u8>>, String)>)>,
     /// sha256 → bytes.
     blobs: HashMap<String, Arc<Vec<u8>>>,
-    /// sha256 → bytes after which the next transfer of it is cut.
-    cut_after: HashMap<String, u64>,
+    /// sha256 → bytes after which the next transfer of it is cut (or stalls, `true`).
+    cut_after: HashMap<String, (u64, bool)>,
     /// sha256 → offset of a byte served changed.
     corrupt_at: HashMap<String, u64>,
     token: Option<String>,
@@ -126,7 +126,15 @@ impl StandIn {
     pub fn cut_next_transfer(&self, content: &[u8], bytes: u64) {
         lock(&self.state)
             .cut_after
-            .insert(sha256_hex(content), bytes);
+            .insert(sha256_hex(content), (bytes, false));
+    }
+
+    /// The next transfer of the file with this content sends `bytes` bytes, then nothing more
+    /// while its connection stays open: a download in progress, for a test to kill its client.
+    pub fn stall_next_transfer(&self, content: &[u8], bytes: u64) {
+        lock(&self.state)
+            .cut_after
+            .insert(sha256_hex(content), (bytes, true));
     }
 
     /// Transfers of the file with this content change the byte at `offset` (the listing keeps
@@ -202,8 +210,8 @@ struct Reply {
     status: u16,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
-    /// Send only this many body bytes, then close (a cut transfer).
-    cut: Option<u64>,
+    /// Send only this many body bytes, then close (a cut transfer) or stall (`true`).
+    cut: Option<(u64, bool)>,
 }
 
 impl Reply {
@@ -242,9 +250,15 @@ impl Reply {
         conn.write_all(out.as_bytes())?;
         let n = self
             .cut
-            .map_or(self.body.len(), |c| (c as usize).min(self.body.len()));
+            .map_or(self.body.len(), |(c, _)| (c as usize).min(self.body.len()));
         conn.write_all(&self.body[..n])?;
         conn.flush()?;
+        if let Some((_, true)) = self.cut {
+            // Hold the connection open, sending nothing, until the client is gone.
+            let mut probe = [0u8; 1];
+            let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(300)));
+            let _ = std::io::Read::read(&mut conn, &mut probe);
+        }
         if self.cut.is_some() {
             // Drop the connection with the body unfinished.
             let _ = conn.shutdown(std::net::Shutdown::Both);
