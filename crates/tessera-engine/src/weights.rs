@@ -574,15 +574,12 @@ impl<'a> Loader<'a> {
         len: u64,
     ) -> Result<Matrix> {
         let dtype = info.dtype(self.g.path())?;
-        // A partial copy (a node's sparse file) refuses what it never received.
-        self.g.check_present(&info.name, offset..offset + len)?;
-        let map = self.g.mapping().ok_or_else(|| EngineError::Tensor {
-            tensor: info.name.clone(),
-            what: "no file is mapped (header parsed from memory)".into(),
-        })?;
+        // A partial copy (a node's sparse file) refuses what it never received; a split model's
+        // bytes lie in the mapping of the part that holds the tensor, at that part's offset.
+        let (map, offset) = self.g.mapped_range(&info.name, offset..offset + len)?;
         let bytes = MatrixBytes::Shared {
-            bytes: Arc::clone(map) as Arc<dyn AsRef<[u8]> + Send + Sync>,
-            offset: offset as usize,
+            bytes: Arc::clone(&map) as Arc<dyn AsRef<[u8]> + Send + Sync>,
+            offset,
             len: len as usize,
         };
         let m = Matrix::new(dtype, rows, cols, bytes).map_err(|e| EngineError::Tensor {
@@ -615,7 +612,7 @@ impl<'a> Loader<'a> {
             unsafe {
                 let _ = map.unchecked_advise_range(
                     memmap2::UncheckedAdvice::DontNeed,
-                    offset as usize,
+                    offset,
                     len as usize,
                 );
             }

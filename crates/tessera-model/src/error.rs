@@ -63,6 +63,10 @@ pub enum ModelError {
         start: u64,
         end: u64,
     },
+    /// Parts of a gguf-split model that cannot be read as one: a part missing, opened other
+    /// than from the first, or parts that do not belong together.
+    #[error("{path}: {what}")]
+    Split { path: PathBuf, what: String },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("chat template: {0}")]

@@ -5,6 +5,7 @@
 //! 2^60-byte string is an error, not an allocation. Tensor extents are checked against the file
 //! size, so a later read of a tensor's bytes can never run off the end.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
@@ -15,6 +16,11 @@ use memmap2::Mmap;
 
 use crate::dtype::GgmlType;
 use crate::error::{ModelError, Result};
+
+pub mod split;
+mod write;
+
+pub use split::{write_parts, PartName, SplitOptions};
 
 /// Default data alignment when `general.alignment` is absent (GGUF spec).
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -153,11 +159,21 @@ pub struct GgufFile {
     tensor_index: HashMap<String, usize>,
     data_offset: u64,
     file_len: u64,
-    map: Option<Arc<Mmap>>,
+    backing: Backing,
     /// The byte ranges that hold the file's data, sorted and disjoint; `None`: all of it. A
     /// partial copy (a node's sparse file, which holds only what its assignment fetched) reads
     /// as zeros elsewhere, so reads outside these ranges are refused.
     present: Option<Arc<Vec<Range<u64>>>>,
+}
+
+/// Where a file's bytes come from.
+enum Backing {
+    /// A header parsed from memory: no tensor bytes.
+    Header,
+    /// One file, memory-mapped.
+    File(Arc<Mmap>),
+    /// gguf-split parts, read as the one file `gguf-split --merge` would write ([`split`]).
+    Split(Arc<split::SplitImage>),
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -174,8 +190,17 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     /// Opens and memory-maps `path`, parsing the header. Weights are not read: pages of the
     /// mapping are only touched when a tensor's bytes are asked for.
+    ///
+    /// The first part of a gguf-split model (`NAME-00001-of-00003.gguf`) opens the whole model:
+    /// every part is mapped and the parts read as one file ([`split`]). Another part, a missing
+    /// part or parts that do not belong together are refused with [`ModelError::Split`].
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_owned();
+        split::assemble(Self::open_one(path.as_ref())?)
+    }
+
+    /// Opens one file, a part of a split model read alone.
+    fn open_one(path: &Path) -> Result<Self> {
+        let path = path.to_owned();
         let io = |source| ModelError::Io {
             path: path.clone(),
             source,
@@ -184,17 +209,19 @@ impl GgufFile {
         // SAFETY: the mapping is read-only; Tessera never writes model files while serving them.
         // A file truncated underneath us by another process is outside what we can defend.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let mut gguf = Self::parse_named(&map, path.clone())?;
-        gguf.map = Some(Arc::new(map));
+        let mut gguf = Self::parse_header(&map, path.clone(), map.len() as u64)?;
+        gguf.backing = Backing::File(Arc::new(map));
         Ok(gguf)
     }
 
     /// Parses a GGUF image held in memory (tests, fuzzing). Tensor bytes are not available.
     pub fn parse(bytes: &[u8]) -> Result<Self> {
-        Self::parse_named(bytes, PathBuf::from("<memory>"))
+        Self::parse_header(bytes, PathBuf::from("<memory>"), bytes.len() as u64)
     }
 
-    fn parse_named(bytes: &[u8], path: PathBuf) -> Result<Self> {
+    /// Parses the header at the start of `bytes`, a file of `file_len` bytes (tensor extents
+    /// are checked against it).
+    fn parse_header(bytes: &[u8], path: PathBuf, file_len: u64) -> Result<Self> {
         let mut r = Reader {
             bytes,
             pos: 0,
@@ -264,7 +291,6 @@ impl GgufFile {
             },
             None => DEFAULT_ALIGNMENT,
         };
-        let file_len = bytes.len() as u64;
         let data_offset = (r.pos as u64).div_ceil(alignment) * alignment;
 
         let mut tensors = Vec::with_capacity(raw.len());
@@ -332,7 +358,7 @@ impl GgufFile {
             tensor_index,
             data_offset,
             file_len,
-            map: None,
+            backing: Backing::Header,
             present: None,
         })
     }
@@ -380,22 +406,97 @@ impl GgufFile {
         })
     }
 
-    /// The shared mapping of the file, for loaders that keep tensors zero-copy.
-    /// `None` for a header parsed from memory.
+    /// The shared mapping of a single file, whose offsets are the tensor index's. `None` for a
+    /// header parsed from memory and for a split model (see [`GgufFile::mapped_range`]).
     pub fn mapping(&self) -> Option<&Arc<Mmap>> {
-        self.map.as_ref()
+        match &self.backing {
+            Backing::File(map) => Some(map),
+            _ => None,
+        }
+    }
+
+    /// Whether this model was opened from gguf-split parts.
+    pub fn is_split(&self) -> bool {
+        matches!(self.backing, Backing::Split(_))
+    }
+
+    /// The files this model is read from: the file, or every part of a split model in order.
+    pub fn part_paths(&self) -> Vec<&Path> {
+        match &self.backing {
+            Backing::Split(image) => image.part_paths().collect(),
+            _ => vec![self.path.as_path()],
+        }
+    }
+
+    /// The mapping that holds bytes `range` of tensor `tensor` (offsets in the file, or in a
+    /// split model's merged image) and where they start in it, for loaders that keep tensors
+    /// zero-copy. Refuses bytes a partial copy never received.
+    pub fn mapped_range(&self, tensor: &str, range: Range<u64>) -> Result<(Arc<Mmap>, usize)> {
+        self.check_present(tensor, range.clone())?;
+        let bad = |what: &str| ModelError::BadTensor {
+            path: self.path.clone(),
+            tensor: tensor.to_string(),
+            what: what.into(),
+        };
+        if range.start > range.end || range.end > self.file_len {
+            return Err(bad("range lies outside the file"));
+        }
+        match &self.backing {
+            Backing::Header => Err(bad("no file is mapped (header parsed from memory)")),
+            Backing::File(map) => Ok((Arc::clone(map), range.start as usize)),
+            Backing::Split(image) => image
+                .locate(&range)
+                .map(|(map, at)| (Arc::clone(map), at))
+                .ok_or_else(|| bad("range does not lie inside one tensor of the split parts")),
+        }
     }
 
     /// The bytes of one tensor (touching only its pages).
     pub fn tensor_bytes(&self, info: &TensorInfo) -> Result<&[u8]> {
-        self.check_present(&info.name, info.offset..info.offset + info.n_bytes)?;
-        let map = self.map.as_ref().ok_or_else(|| ModelError::BadTensor {
+        let range = info.offset..info.offset + info.n_bytes;
+        self.check_present(&info.name, range.clone())?;
+        let bad = |what: &str| ModelError::BadTensor {
             path: self.path.clone(),
             tensor: info.name.clone(),
-            what: "no file is mapped (header parsed from memory)".into(),
-        })?;
+            what: what.into(),
+        };
         // Extents were checked against the file length at parse time.
-        Ok(&map[info.offset as usize..(info.offset + info.n_bytes) as usize])
+        match &self.backing {
+            Backing::Header => Err(bad("no file is mapped (header parsed from memory)")),
+            Backing::File(map) => Ok(&map[range.start as usize..range.end as usize]),
+            Backing::Split(image) => image
+                .locate(&range)
+                .map(|(map, at)| &map[at..at + info.n_bytes as usize])
+                .ok_or_else(|| bad("not found in the split parts")),
+        }
+    }
+
+    /// The file's bytes `range` (for a split model, the merged image's: the synthesized header,
+    /// tensor bytes from the parts, zero padding between), for hashing and serving the file by
+    /// content. Borrowed from the mapping where possible.
+    pub fn image_range(&self, range: Range<u64>) -> Result<Cow<'_, [u8]>> {
+        let outside = || ModelError::Corrupt {
+            path: self.path.clone(),
+            offset: range.start,
+            what: format!(
+                "bytes {}..{} lie outside the file ({} bytes)",
+                range.start, range.end, self.file_len
+            ),
+        };
+        if range.start > range.end || range.end > self.file_len {
+            return Err(outside());
+        }
+        match &self.backing {
+            Backing::Header => Err(ModelError::BadTensor {
+                path: self.path.clone(),
+                tensor: "<file>".into(),
+                what: "no file is mapped (header parsed from memory)".into(),
+            }),
+            Backing::File(map) => Ok(Cow::Borrowed(
+                &map[range.start as usize..range.end as usize],
+            )),
+            Backing::Split(image) => image.range(range.clone()).ok_or_else(outside),
+        }
     }
 }
 

@@ -26,7 +26,7 @@ pub use config::{
 };
 pub use dtype::GgmlType;
 pub use error::{ModelError, Result};
-pub use gguf::{GgufFile, MetaArray, MetaValue, TensorInfo};
+pub use gguf::{GgufFile, MetaArray, MetaValue, PartName, SplitOptions, TensorInfo};
 pub use profile::{human_bytes, LayerBytes, ModelProfile};
 pub use tokenizer::{
     PreTokenizer, StreamDecoder, TokenType, Tokenizer, TokenizerKind, TokenizerParts, Utf8Assembler,

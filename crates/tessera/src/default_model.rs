@@ -40,10 +40,14 @@ fn cache_dir() -> PathBuf {
     std::env::temp_dir().join("tessera")
 }
 
-/// The model to use: the one given, or the built-in one.
+/// The model to use: the one given (`hf:ORG/NAME[:QUANT]` pulled from the Hub first), or the
+/// built-in one.
 pub fn resolve(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     match model {
-        Some(p) => Ok(p),
+        Some(p) => match p.to_str().and_then(tessera_hub::ModelName::from_model_arg) {
+            Some(name) => crate::cmd::pull::pull(&name?),
+            None => Ok(p),
+        },
         None => path(),
     }
 }

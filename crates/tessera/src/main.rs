@@ -31,6 +31,9 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming tokens as they are produced.
     Generate(cmd::generate::GenerateArgs),
+    /// Bring a model from the Hugging Face Hub into its cache, by name (ORG/NAME[:QUANT]); print
+    /// its path. `--model hf:ORG/NAME[:QUANT]` does the same wherever a model is taken.
+    Pull(cmd::pull::PullArgs),
     /// Print a model's profile: architecture, geometry, and bytes per layer, expert and token.
     Inspect(cmd::inspect::InspectArgs),
     /// Measure load time, prefill and decode tokens/s, and peak memory.
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
     logging::init();
     let result = match cli.command {
         Command::Generate(a) => cmd::generate::run(a),
+        Command::Pull(a) => cmd::pull::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Plan(a) => cmd::plan::run(a),

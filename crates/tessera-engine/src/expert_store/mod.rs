@@ -226,6 +226,14 @@ impl ExpertStore {
             tensor: "experts".into(),
             what: format!("cannot open {}: {e}", g.path().display()),
         };
+        // The reader reads one file by offset; a split model's experts lie in several.
+        if g.is_split() {
+            return Err(EngineError::BadInput(format!(
+                "{} is a split model: experts cannot be streamed from its parts yet (merge them \
+                 with llama-gguf-split --merge, or load without an expert budget)",
+                g.path().display()
+            )));
+        }
         let reader = Reader::open(g.path(), streaming.drop_page_cache).map_err(open_err)?;
         let nl = src.len();
         let inner = Inner {

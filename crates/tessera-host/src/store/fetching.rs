@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use tessera_model::{human_bytes, GgufFile};
+use tessera_model::{human_bytes, GgufFile, PartName};
 
 use super::files::read_at;
 use super::shard_store::lock;
@@ -28,18 +28,37 @@ pub trait ChunkSource {
 #[derive(Debug)]
 pub struct FileSource {
     path: PathBuf,
-    file: Mutex<File>,
+    bytes: SourceBytes,
     len: u64,
+}
+
+/// Where a [`FileSource`]'s bytes are read from.
+#[derive(Debug)]
+enum SourceBytes {
+    File(Mutex<File>),
+    /// The first part of a gguf-split model: the merged image of its parts, which is the file
+    /// its manifest describes.
+    Split(GgufFile),
 }
 
 impl FileSource {
     pub fn open(path: impl AsRef<Path>) -> io::Result<Self> {
         let path = path.as_ref().to_owned();
+        if PartName::parse(&path).is_some() {
+            let g = GgufFile::open(&path).map_err(io::Error::other)?;
+            if g.is_split() {
+                return Ok(Self {
+                    path,
+                    len: g.file_len(),
+                    bytes: SourceBytes::Split(g),
+                });
+            }
+        }
         let file = File::open(&path)?;
         let len = file.metadata()?.len();
         Ok(Self {
             path,
-            file: Mutex::new(file),
+            bytes: SourceBytes::File(Mutex::new(file)),
             len,
         })
     }
@@ -61,9 +80,17 @@ impl ChunkSource for FileSource {
                 ),
             ));
         }
-        let mut buf = vec![0u8; chunk.len as usize];
-        read_at(&lock(&self.file), chunk.offset, &mut buf)?;
-        Ok(buf)
+        match &self.bytes {
+            SourceBytes::File(file) => {
+                let mut buf = vec![0u8; chunk.len as usize];
+                read_at(&lock(file), chunk.offset, &mut buf)?;
+                Ok(buf)
+            }
+            SourceBytes::Split(g) => g
+                .image_range(chunk.offset..chunk.end())
+                .map(|b| b.into_owned())
+                .map_err(io::Error::other),
+        }
     }
 }
 

@@ -208,12 +208,9 @@ impl Manifest {
                 "chunk size {chunk_size} must be between 1 and {MAX_CHUNK_SIZE} bytes"
             )));
         }
+        // A split model is described as the one file its parts make (its merged image).
         let gguf = GgufFile::open(path)?;
-        let map = gguf
-            .mapping()
-            .ok_or_else(|| StoreError::BadManifest("GGUF file is not mapped".into()))?;
-        let data: &[u8] = &map[..];
-        let total = data.len() as u64;
+        let total = gguf.file_len();
         let data_offset = gguf.data_offset();
         if data_offset > total {
             return Err(StoreError::BadManifest(format!(
@@ -237,14 +234,16 @@ impl Manifest {
         let feed = |hasher: &mut blake3::Hasher,
                     from: u64,
                     to: u64,
-                    progress: &mut dyn FnMut(u64, u64)| {
+                    progress: &mut dyn FnMut(u64, u64)|
+         -> Result<(), StoreError> {
             let mut p = from;
             while p < to {
                 let q = to.min(p + (16 << 20));
-                hasher.update(&data[p as usize..q as usize]);
+                hasher.update(&gguf.image_range(p..q)?);
                 p = q;
                 progress(p, total);
             }
+            Ok(())
         };
         for &ri in &order {
             let (offset, len, ref name, _) = regions[ri];
@@ -254,8 +253,8 @@ impl Manifest {
                     path.display()
                 )));
             }
-            feed(&mut file_hasher, pos, offset, progress);
-            let bytes = &data[offset as usize..(offset + len) as usize];
+            feed(&mut file_hasher, pos, offset, progress)?;
+            let bytes = gguf.image_range(offset..offset + len)?;
             let mut section_hasher = blake3::Hasher::new();
             let mut chunks = Vec::with_capacity(bytes.len().div_ceil(chunk_size as usize));
             let mut done = offset;
@@ -275,7 +274,7 @@ impl Manifest {
             });
             pos = offset + len;
         }
-        feed(&mut file_hasher, pos, total, progress);
+        feed(&mut file_hasher, pos, total, progress)?;
         progress(total, total);
 
         let mut sections = sections

@@ -12,9 +12,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::error::io_err;
-use super::files::{read_at, write_atomic};
+use super::files::write_atomic;
 use super::manifest::Index;
-use super::{ContentHash, Manifest, StoreError};
+use super::{ChunkSource, ContentHash, FileSource, Manifest, StoreError};
 
 pub(super) const MODEL_FILE: &str = "model.gguf";
 pub(super) const STATE_FILE: &str = "state.json";
@@ -205,8 +205,9 @@ impl ModelState {
     pub(super) fn scan(&self, path: &Path, all: bool) -> Result<Vec<u64>, StoreError> {
         let m = &self.manifest;
         let mut bits = vec![0u64; (self.index.n_chunks as usize).div_ceil(64)];
-        let file = File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
-        let mut buf = vec![0u8; m.chunk_size as usize];
+        // Through a FileSource, which reads an adopted split model's parts as its one file.
+        let source =
+            FileSource::open(path).map_err(io_err(format!("opening {}", path.display())))?;
         for sec in 0..=m.tensors.len() {
             let s = m.section(sec);
             for (i, expected) in s.chunks.iter().enumerate() {
@@ -214,10 +215,10 @@ impl ModelState {
                 if !all && !self.has(c.id) {
                     continue;
                 }
-                let buf = &mut buf[..c.len as usize];
-                read_at(&file, c.offset, buf)
+                let buf = source
+                    .read_chunk(&c)
                     .map_err(io_err(format!("reading {c} from {}", path.display())))?;
-                if ContentHash::of(buf) == *expected {
+                if ContentHash::of(&buf) == *expected {
                     bits[(c.id / 64) as usize] |= 1 << (c.id % 64);
                 }
             }

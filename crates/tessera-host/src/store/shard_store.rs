@@ -248,8 +248,9 @@ impl ShardStore {
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Manifest, StoreError> {
         let path = path.as_ref();
-        let path = path
-            .canonicalize()
+        // Absolute, but links kept: a split model's parts are found by the first part's name,
+        // which a link into a cache's blobs (the Hub's snapshots) would lose.
+        let path = std::path::absolute(path)
             .map_err(io_err(format!("resolving {}", path.display())))?;
         let stamp_err = io_err(format!("reading metadata of {}", path.display()));
         let before = FileStamp::of(&path).map_err(stamp_err)?;

@@ -7,7 +7,8 @@ use tessera_model::{GgufFile, ModelProfile};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
-    /// GGUF model file (default: the built-in stories260K).
+    /// GGUF model file, the first part of a split one, or hf:ORG/NAME[:QUANT] (default: the
+    /// built-in stories260K).
     model: Option<PathBuf>,
     /// Print the profile as JSON (every tensor included).
     #[arg(long)]
@@ -30,6 +31,13 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     let paths = tessera_engine::kernels::type_paths(gguf.tensors());
     let paths: Vec<String> = paths.iter().map(|p| p.to_string()).collect();
     println!("kernels: {}", paths.join(", "));
+    if gguf.is_split() {
+        let parts = gguf.part_paths();
+        println!("read from {} gguf-split parts:", parts.len());
+        for p in parts {
+            println!("  {}", p.display());
+        }
+    }
     if args.tensors {
         println!();
         println!(

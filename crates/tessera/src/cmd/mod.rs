@@ -10,6 +10,7 @@ pub mod lab;
 pub mod node;
 pub mod plan;
 mod progress;
+pub mod pull;
 pub mod run;
 mod sampling;
 pub mod serve;

@@ -142,13 +142,9 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
         bail!("--max-batch and --max-batch-tokens must be at least 1");
     }
     let model = default_model::resolve(a.model.clone())?;
-    let name = match (&a.model_name, &a.model) {
-        (Some(n), _) => n.clone(),
-        (None, Some(p)) => p
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into()),
-        (None, None) => default_model::NAME.to_string(),
+    let name = match &a.model_name {
+        Some(n) => n.clone(),
+        None => model_name(a.model.as_deref()),
     };
     let threads = a.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
@@ -489,15 +485,22 @@ pub fn state_root() -> PathBuf {
     std::env::temp_dir().join("tessera")
 }
 
-/// The name clients use for a model file.
+/// The name clients use for a model file: its stem (a split model's without the part
+/// numbers), or `ORG/NAME[:QUANT]` for a model given by name.
 pub fn model_name(model: Option<&std::path::Path>) -> String {
-    match model {
-        Some(p) => p
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into()),
-        None => default_model::NAME.to_string(),
+    let Some(p) = model else {
+        return default_model::NAME.to_string();
+    };
+    if let Some(Ok(name)) = p.to_str().and_then(tessera_hub::ModelName::from_model_arg) {
+        return name.to_string();
     }
+    let p = tessera_model::PartName::parse(p).map_or(p.to_owned(), |n| n.prefix);
+    p.file_name()
+        .map(|s| {
+            let s = s.to_string_lossy();
+            s.strip_suffix(".gguf").unwrap_or(&s).to_string()
+        })
+        .unwrap_or_else(|| "model".into())
 }
 
 /// The runtime every serving mode runs on.
