@@ -46,6 +46,16 @@ fn official_anthropic_client_messages_streams_tools_and_counts_tokens() {
 }
 
 #[test]
+fn official_ollama_client_chats_generates_lists_and_uses_tools_and_formats() {
+    if !python_modules_available(&["ollama", "jsonschema"]) {
+        eprintln!("skipping: python3 with `ollama` and `jsonschema` is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    run_python_script("ollama_api.py", &[&server.url(), "serve"]);
+}
+
+#[test]
 fn an_agent_framework_drives_a_tool_loop() {
     if !python_modules_available(&["pydantic_ai", "openai"]) {
         eprintln!("skipping: python3 with `pydantic-ai` is not available");

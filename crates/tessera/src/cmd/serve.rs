@@ -40,6 +40,10 @@ pub struct ServeArgs {
     /// File holding the API key (first line).
     #[arg(long, conflicts_with = "api_key")]
     pub api_key_file: Option<PathBuf>,
+    /// A web page origin (`https://app.example.com`, or `*`) allowed to call the API from a
+    /// browser, besides pages on loopback origins; repeatable.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    pub cors_origins: Vec<String>,
     /// Compute threads (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
@@ -107,7 +111,7 @@ struct Config {
     model: PathBuf,
     name: String,
     listen: SocketAddr,
-    api_key: Option<String>,
+    http: GatewayConfig,
     threads: usize,
     kv_type: tessera_engine::KvType,
     local: LocalConfig,
@@ -115,6 +119,15 @@ struct Config {
 
 /// The API key from `--api-key` or the first line of `--api-key-file` (shared with `tessera
 /// up`); `None` when neither is given.
+/// The gateway's settings from the key and the `--cors-origin` list.
+pub fn http_config(api_key: Option<String>, cors_origins: &[String]) -> GatewayConfig {
+    GatewayConfig {
+        api_key,
+        cors_origins: cors_origins.to_vec(),
+        ..GatewayConfig::default()
+    }
+}
+
 pub fn resolve_api_key(
     key: Option<&str>,
     file: Option<&std::path::Path>,
@@ -157,7 +170,7 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
         model,
         name,
         listen: a.listen,
-        api_key,
+        http: http_config(api_key, &a.cors_origins),
         threads: threads.max(1),
         kv_type: a.kv_type,
         local: LocalConfig {
@@ -191,7 +204,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("--kv-type")?;
     let backend = LocalBackend::start(&cfg.name, &gguf, model, cfg.local)
         .context("reading the tokenizer and chat template")?;
-    serve_backend(Arc::new(backend), cfg.listen, cfg.api_key, |_| {})
+    serve_backend(Arc::new(backend), cfg.listen, cfg.http, |_| {})
 }
 
 /// Sealed mode: the gateway as the sealing client of an untrusted coordinator's workers.
@@ -224,8 +237,8 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
                 ttl_ms: 10 * 60_000,
             },
         ));
-        let listener = bind_and_print(cfg.listen, &backend, cfg.api_key.is_some()).await?;
-        serve_until(backend, listener, cfg.api_key, async {
+        let listener = bind_and_print(cfg.listen, &backend, cfg.http.api_key.is_some()).await?;
+        serve_until(backend, listener, cfg.http, async {
             let _ = tokio::signal::ctrl_c().await;
             eprintln!("shutting down");
         })
@@ -364,7 +377,7 @@ impl Cluster {
 pub async fn serve_cluster_until_signal(
     backend: &ClusterBackend,
     listener: tokio::net::TcpListener,
-    api_key: Option<String>,
+    http: GatewayConfig,
 ) -> anyhow::Result<()> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let b = backend.clone();
@@ -374,7 +387,7 @@ pub async fn serve_cluster_until_signal(
             b.drain(Duration::from_secs(10)).await;
         }
     });
-    let served = serve_until(Arc::new(backend.clone()), listener, api_key, async move {
+    let served = serve_until(Arc::new(backend.clone()), listener, http, async move {
         super::node::shutdown_signal().await;
         let _ = tx.send(());
     })
@@ -393,6 +406,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
     }
     let api_key = resolve_api_key(a.api_key.as_deref(), a.api_key_file.as_deref())?;
     check_exposure(a.listen, api_key.as_deref())?;
+    let http = http_config(api_key, &a.cors_origins);
     let auto_plan = a.plan.is_some();
     let nodes = match (&a.split, a.nodes_expected) {
         (Some(s), _) => parse_split(s).context("--split")?.len(),
@@ -466,8 +480,8 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             }
         });
         let backend: Arc<dyn Backend> = Arc::new(cluster.backend.clone());
-        let listener = bind_and_print(a.listen, &backend, api_key.is_some()).await?;
-        serve_cluster_until_signal(&cluster.backend, listener, api_key).await?;
+        let listener = bind_and_print(a.listen, &backend, http.api_key.is_some()).await?;
+        serve_cluster_until_signal(&cluster.backend, listener, http).await?;
         eprintln!("shutting down");
         cluster.stop().await;
         anyhow::Ok(())
@@ -552,16 +566,10 @@ pub fn shown_addr(addr: SocketAddr) -> SocketAddr {
 pub async fn serve_until(
     backend: Arc<dyn Backend>,
     listener: tokio::net::TcpListener,
-    api_key: Option<String>,
+    http: GatewayConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let gateway = Gateway::new(
-        backend,
-        GatewayConfig {
-            api_key,
-            ..GatewayConfig::default()
-        },
-    );
+    let gateway = Gateway::new(backend, http);
     tessera_gateway::serve(listener, gateway, shutdown)
         .await
         .context("serving")
@@ -574,15 +582,15 @@ pub async fn serve_until(
 pub fn serve_backend(
     backend: Arc<dyn Backend>,
     listen: SocketAddr,
-    api_key: Option<String>,
+    http: GatewayConfig,
     on_ready: impl FnOnce(SocketAddr) + Send + 'static,
 ) -> anyhow::Result<()> {
-    check_exposure(listen, api_key.as_deref())?;
+    check_exposure(listen, http.api_key.as_deref())?;
     let rt = runtime()?;
     rt.block_on(async move {
-        let listener = bind_and_print(listen, &backend, api_key.is_some()).await?;
+        let listener = bind_and_print(listen, &backend, http.api_key.is_some()).await?;
         on_ready(shown_addr(listener.local_addr()?));
-        serve_until(backend, listener, api_key, async {
+        serve_until(backend, listener, http, async {
             let _ = tokio::signal::ctrl_c().await;
             eprintln!("shutting down");
         })

@@ -50,6 +50,10 @@ pub struct UpArgs {
     /// API key clients must send as `Authorization: Bearer KEY` on /v1.
     #[arg(long, env = "TESSERA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// A web page origin (`https://app.example.com`, or `*`) allowed to call the API from a
+    /// browser, besides pages on loopback origins; repeatable.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     /// Compute threads per node (default: the cores shared out among the nodes).
     #[arg(short, long)]
     threads: Option<usize>,
@@ -215,7 +219,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         .threads
         .unwrap_or_else(|| (super::default_threads() / args.nodes).max(1));
     let rt = runtime()?;
-    let result = rt.block_on(up(args, api_key, model, name, run_dir.clone(), threads));
+    let http = super::serve::http_config(api_key, &args.cors_origins);
+    let result = rt.block_on(up(args, http, model, name, run_dir.clone(), threads));
     drop(rt);
     if temporary {
         let _ = std::fs::remove_dir_all(&run_dir);
@@ -225,7 +230,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
 
 async fn up(
     args: UpArgs,
-    api_key: Option<String>,
+    http: tessera_gateway::GatewayConfig,
     model: PathBuf,
     name: String,
     run_dir: PathBuf,
@@ -339,7 +344,7 @@ async fn up(
     );
 
     let backend: Arc<dyn Backend> = Arc::new(cluster.backend.clone());
-    let listener = match bind_and_print(args.listen, &backend, api_key.is_some()).await {
+    let listener = match bind_and_print(args.listen, &backend, http.api_key.is_some()).await {
         Ok(l) => l,
         Err(e) => {
             cluster.stop().await;
@@ -359,7 +364,7 @@ async fn up(
     }
     println!("Ctrl-C stops the cluster.");
     flush();
-    let served = serve_cluster_until_signal(&cluster.backend, listener, api_key).await;
+    let served = serve_cluster_until_signal(&cluster.backend, listener, http).await;
     println!(
         "stopping: gateway closed; closing sequences and stopping {} nodes",
         args.nodes
