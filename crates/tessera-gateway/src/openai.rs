@@ -101,6 +101,9 @@ pub struct ParsedRequest {
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
     pub parallel_tool_calls: bool,
+    /// The last message is the start of the assistant's reply, to be continued rather than
+    /// closed (Anthropic's prefill; vLLM's `continue_final_message`).
+    pub continue_final_message: bool,
 }
 
 impl ParsedRequest {
@@ -130,6 +133,7 @@ impl ParsedRequest {
             tools: Vec::new(),
             tool_choice: ToolChoice::None,
             parallel_tool_calls: true,
+            continue_final_message: false,
         }
     }
 }
@@ -382,6 +386,7 @@ fn common(
         tools: Vec::new(),
         tool_choice: ToolChoice::None,
         parallel_tool_calls: true,
+        continue_final_message: false,
     })
 }
 
@@ -446,6 +451,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     }
     r.tool_choice = tools::parse_tool_choice(v.get("tool_choice"), &r.tools)?;
     r.parallel_tool_calls = field::<bool>(&v, "parallel_tool_calls")?.unwrap_or(true);
+    r.continue_final_message = field::<bool>(&v, "continue_final_message")?.unwrap_or(false);
     if r.response_format != ResponseFormat::Text
         && matches!(r.tool_choice, ToolChoice::Required | ToolChoice::Named(_))
     {
@@ -565,7 +571,9 @@ mod tests {
             "model" => json!("m"),
             "messages" => json!([{"role": "user", "content": "Hi"}]),
             "prompt" => json!("Hi"),
-            "stream" | "logprobs" | "parallel_tool_calls" | "echo" => json!(true),
+            "stream" | "logprobs" | "parallel_tool_calls" | "echo" | "continue_final_message" => {
+                json!(true)
+            }
             "stream_options" => json!({"include_usage": true}),
             "max_tokens" | "max_completion_tokens" | "n_predict" => json!(7),
             "temperature" => json!(0.5),

@@ -55,6 +55,8 @@ pub const CHAT_PARAMS: &[(&str, Support)] = &[
     ("repeat_penalty", Honoured),
     ("n_predict", Honoured),
     ("cache_prompt", Ignored),
+    // vLLM's: the last (assistant) message is continued, not closed.
+    ("continue_final_message", Honoured),
     ("user", Ignored),
     ("safety_identifier", Ignored),
     ("prompt_cache_key", Ignored),
