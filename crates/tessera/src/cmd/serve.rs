@@ -22,6 +22,7 @@ use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
 
 use crate::default_model;
+use crate::output::Stream;
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
@@ -239,8 +240,8 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
         ));
         let listener = bind_and_print(cfg.listen, &backend, cfg.http.api_key.is_some()).await?;
         serve_until(backend, listener, cfg.http, async {
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("shutting down");
+            super::node::shutdown_signal().await;
+            crate::output::line(Stream::Stderr, "shutting down");
         })
         .await
     })
@@ -333,7 +334,7 @@ impl Cluster {
             let c = coordinator.clone();
             tokio::spawn(async move {
                 if let Err(e) = c.run().await {
-                    eprintln!("coordinator: {e}");
+                    say_err!("coordinator: {e}");
                 }
             })
         };
@@ -348,7 +349,7 @@ impl Cluster {
                 let planned =
                     super::auto_plan::run(&c, &profile, nodes, context, concurrency, &data_dir);
                 if let Err(e) = planned.await {
-                    eprintln!("plan auto: {e:#}");
+                    say_err!("plan auto: {e:#}");
                 }
             });
         }
@@ -449,7 +450,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             auto_plan,
         })
         .await?;
-        println!("coordinator {}", cluster.coordinator.node_id());
+        say!("coordinator {}", cluster.coordinator.node_id());
         crate::logging::announce(
             "join_token",
             &[("token", &cluster.join)],
@@ -465,24 +466,24 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             &[("token", &operator)],
             &format!("operator token: {operator}"),
         );
-        println!(
+        say!(
             "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join {}",
             cluster.split, cluster.join
         );
         let backend = cluster.backend.clone();
         tokio::spawn(async move {
             match backend
-                .wait_ready(Duration::from_secs(24 * 3600), |r| eprintln!("  {r}"))
+                .wait_ready(Duration::from_secs(24 * 3600), |r| say_err!("  {r}"))
                 .await
             {
-                Ok(()) => println!("serving: every stage is loaded and linked"),
-                Err(e) => eprintln!("not serving: {e}"),
+                Ok(()) => say!("serving: every stage is loaded and linked"),
+                Err(e) => say_err!("not serving: {e}"),
             }
         });
         let backend: Arc<dyn Backend> = Arc::new(cluster.backend.clone());
         let listener = bind_and_print(a.listen, &backend, http.api_key.is_some()).await?;
         serve_cluster_until_signal(&cluster.backend, listener, http).await?;
-        eprintln!("shutting down");
+        say_err!("shutting down");
         cluster.stop().await;
         anyhow::Ok(())
     })
@@ -540,15 +541,13 @@ pub async fn bind_and_print(
         &[("addr", &addr.to_string())],
         &format!("listening on http://{addr}"),
     );
-    println!("  model      {name}");
-    println!("  API        http://{shown}/v1  (OpenAI-compatible)");
-    println!("  dashboard  http://{shown}/");
-    println!("  metrics    http://{shown}/metrics");
+    say!("  model      {name}");
+    say!("  API        http://{shown}/v1  (OpenAI-compatible)");
+    say!("  dashboard  http://{shown}/");
+    say!("  metrics    http://{shown}/metrics");
     if key_required {
-        println!("  API key    required on /v1 (Authorization: Bearer ...)");
+        say!("  API key    required on /v1 (Authorization: Bearer ...)");
     }
-    use std::io::Write as _;
-    let _ = std::io::stdout().flush();
     Ok(listener)
 }
 
@@ -591,8 +590,8 @@ pub fn serve_backend(
         let listener = bind_and_print(listen, &backend, http.api_key.is_some()).await?;
         on_ready(shown_addr(listener.local_addr()?));
         serve_until(backend, listener, http, async {
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("shutting down");
+            super::node::shutdown_signal().await;
+            crate::output::line(Stream::Stderr, "shutting down");
         })
         .await
     })

@@ -26,6 +26,7 @@ use super::serve::{
     ClusterOptions,
 };
 use crate::default_model;
+use crate::output::Stream;
 
 #[derive(clap::Args, Debug)]
 pub struct UpArgs {
@@ -278,7 +279,7 @@ async fn up(
         );
     }
     let mut nodes = spawn_nodes(&run_dir, &cluster.join, args.nodes, threads)?;
-    println!(
+    say!(
         "tessera up: {name} over {} local nodes (layers {})",
         args.nodes, cluster.split
     );
@@ -293,13 +294,12 @@ async fn up(
         &[("pids", &pids)],
         &format!("  node pids  {pids}"),
     );
-    println!("  run dir    {}", run_dir.display());
+    say!("  run dir    {}", run_dir.display());
     crate::logging::announce(
         "join_token",
         &[("token", &cluster.join)],
         &format!("  join       {}", cluster.join),
     );
-    flush();
 
     // Wait for every stage to join, fetch, load and link; give up if a node dies or on Ctrl-C.
     let ready = async {
@@ -312,7 +312,7 @@ async fn up(
                 Some(r) => {
                     let r = r.to_string();
                     if r != last {
-                        eprintln!("  {r}");
+                        say_err!("  {r}");
                         last = r;
                     }
                 }
@@ -338,7 +338,7 @@ async fn up(
         nodes.terminate(Duration::from_secs(10));
         return Err(e);
     }
-    println!(
+    say!(
         "  ready in   {:.1}s: every node holds its layers and the ring is linked",
         started.elapsed().as_secs_f64()
     );
@@ -359,21 +359,23 @@ async fn up(
                 &[("text", &text)],
                 &format!("  sample     {}", text.replace('\n', " ")),
             ),
-            Err(e) => eprintln!("  sample failed: {e}"),
+            Err(e) => say_err!("  sample failed: {e}"),
         }
     }
-    println!("Ctrl-C stops the cluster.");
-    flush();
+    say!("Ctrl-C stops the cluster.");
     let served = serve_cluster_until_signal(&cluster.backend, listener, http).await;
-    println!(
-        "stopping: gateway closed; closing sequences and stopping {} nodes",
-        args.nodes
+    // Queued, never written here: stdout may be a pipe nobody reads (crate::output).
+    crate::output::line(
+        Stream::Stdout,
+        &format!(
+            "stopping: gateway closed; closing sequences and stopping {} nodes",
+            args.nodes
+        ),
     );
-    flush();
     cluster.stop().await;
     let grace = Duration::from_secs(10);
     tokio::task::block_in_place(|| nodes.terminate(grace));
-    println!("stopped");
+    crate::output::line(Stream::Stdout, "stopped");
     served
 }
 
@@ -404,9 +406,4 @@ async fn sample(backend: &dyn Backend, prompt: &str, max_tokens: usize) -> anyho
     }
     text.push_str(&decoder.finish());
     Ok(text.trim_end().to_string())
-}
-
-fn flush() {
-    use std::io::Write as _;
-    let _ = std::io::stdout().flush();
 }
