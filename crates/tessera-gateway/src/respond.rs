@@ -265,7 +265,9 @@ fn continue_final_message(
     tools: &[Tool],
 ) -> Result<Vec<u32>, ApiError> {
     let (last, earlier) = match messages.split_last() {
-        Some((l, e)) if l["role"] == "assistant" && l.get("tool_calls").is_none_or(Value::is_null) => {
+        Some((l, e))
+            if l["role"] == "assistant" && l.get("tool_calls").is_none_or(Value::is_null) =>
+        {
             (l, e)
         }
         _ => {

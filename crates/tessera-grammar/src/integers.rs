@@ -86,6 +86,9 @@ mod tests {
         assert_eq!(p["list"]["items"]["maximum"], MAX_UNBOUNDED_INTEGER);
         assert!(p["type"].get("maximum").is_none());
         assert_eq!(p["c"]["const"], json!({"type": "integer"}));
-        assert_eq!(s["$defs"]["d"]["anyOf"][0]["minimum"], -MAX_UNBOUNDED_INTEGER);
+        assert_eq!(
+            s["$defs"]["d"]["anyOf"][0]["minimum"],
+            -MAX_UNBOUNDED_INTEGER
+        );
     }
 }

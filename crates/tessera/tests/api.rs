@@ -60,6 +60,16 @@ fn api_defects_are_fixed_through_the_official_clients() {
 }
 
 #[test]
+fn the_openai_agents_sdk_runs_an_agent_with_a_tool_through_responses() {
+    if !python_modules_available(&["agents", "openai"]) {
+        eprintln!("skipping: python3 with `openai-agents` is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    run_python_script("agents_sdk.py", &[&server.url(), "serve"]);
+}
+
+#[test]
 fn official_ollama_client_chats_generates_lists_and_uses_tools_and_formats() {
     if !python_modules_available(&["ollama", "jsonschema"]) {
         eprintln!("skipping: python3 with `ollama` and `jsonschema` is not available");

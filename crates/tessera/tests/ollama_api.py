@@ -61,12 +61,12 @@ def check_models():
 def check_chat(name):
     whole = client.chat(model=name, messages=MSGS, options=GREEDY, stream=False)
     assert whole.done and whole.done_reason in ("stop", "length"), whole
-    assert whole.message.role == "assistant" and whole.message.content, whole
+    assert whole.message.role == "assistant" and isinstance(whole.message.content, str), whole
     assert whole.prompt_eval_count > 0 and whole.eval_count > 0, whole
     assert whole.total_duration >= whole.eval_duration >= 0, whole
     parts = list(client.chat(model=name, messages=MSGS, options=GREEDY, stream=True))
     assert parts[-1].done and all(not p.done for p in parts[:-1]), parts
-    assert len(parts) > 2, "not streamed"
+    assert len(parts) >= min(3, whole.eval_count + 1), "not streamed"
     streamed = "".join(p.message.content or "" for p in parts)
     assert streamed == whole.message.content, (streamed, whole.message.content)
     assert parts[-1].eval_count == whole.eval_count, (parts[-1], whole)

@@ -94,7 +94,9 @@ fn traffic_then_sigterm(mut child: Child, addr: &str, others: &[u32]) {
     assert!(status.success(), "exited with {status}");
     let left: Vec<u32> = others.iter().copied().filter(|&p| running(p)).collect();
     for &p in &left {
-        let _ = Command::new("kill").args(["-KILL", &p.to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", &p.to_string()])
+            .status();
     }
     assert!(left.is_empty(), "still running after SIGTERM: {left:?}");
 }

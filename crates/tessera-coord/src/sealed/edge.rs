@@ -162,7 +162,9 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
                     c.claims.epoch,
                     claim_change_words(&change)
                 ),
-                Err(e) => tracing::warn!(node = %from, "the sealed-job claims of {} were refused: {e}", name_of(shared, &from)),
+                Err(e) => {
+                    tracing::warn!(node = %from, "the sealed-job claims of {} were refused: {e}", name_of(shared, &from))
+                }
             }
             return true;
         }

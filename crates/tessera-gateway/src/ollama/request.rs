@@ -183,12 +183,14 @@ fn apply_options(v: &Value, r: &mut ParsedRequest) -> Result<(), ApiError> {
         }
         match OFF_OPTIONS.iter().find(|(name, _)| name == k) {
             Some((_, off)) if val.is_null() || val.as_f64() == Some(*off) => {}
-            Some((_, off)) => return Err(bad(
-                &format!("options.{k}"),
-                format!(
+            Some((_, off)) => {
+                return Err(bad(
+                    &format!("options.{k}"),
+                    format!(
                     "options.{k} is not supported by this server (only {off}, which turns it off)"
                 ),
-            )),
+                ))
+            }
             None => {
                 return Err(bad(
                     &format!("options.{k}"),

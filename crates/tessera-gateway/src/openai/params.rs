@@ -191,7 +191,10 @@ mod tests {
         }
         for (body, name) in [
             (json!({"functions": [{"name": "f"}]}), "functions"),
-            (json!({"include": ["reasoning.encrypted_content"]}), "include"),
+            (
+                json!({"include": ["reasoning.encrypted_content"]}),
+                "include",
+            ),
             (json!({"reasoning": {"effort": "high"}}), "reasoning"),
             (json!({"verbosity": "low"}), "verbosity"),
         ] {

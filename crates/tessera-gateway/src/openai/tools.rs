@@ -454,11 +454,20 @@ impl ToolCallParser {
         if !self.names.iter().any(|n| n == name) {
             return None;
         }
-        let arguments = ["\"arguments\"", "\"parameters\""]
+        let rest = ["\"arguments\"", "\"parameters\""]
             .iter()
             .find_map(|k| text.find(k).map(|at| &text[at + k.len()..]))
             .and_then(|a| a.trim_start().strip_prefix(':'))
-            .map_or_else(String::new, |a| a.trim().to_string());
+            .map_or("", str::trim);
+        // Arguments that are whole (the cut fell after them) are kept as they are, without
+        // what followed; otherwise the text as far as it got.
+        let arguments = match serde_json::Deserializer::from_str(rest)
+            .into_iter::<Value>()
+            .next()
+        {
+            Some(Ok(whole)) => whole.to_string(),
+            _ => rest.to_string(),
+        };
         Some(ToolCall {
             name: name.to_string(),
             arguments,

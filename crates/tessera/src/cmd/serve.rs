@@ -468,7 +468,8 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
         );
         say!(
             "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join {}",
-            cluster.split, cluster.join
+            cluster.split,
+            cluster.join
         );
         let backend = cluster.backend.clone();
         tokio::spawn(async move {

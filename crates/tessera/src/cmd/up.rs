@@ -281,7 +281,8 @@ async fn up(
     let mut nodes = spawn_nodes(&run_dir, &cluster.join, args.nodes, threads)?;
     say!(
         "tessera up: {name} over {} local nodes (layers {})",
-        args.nodes, cluster.split
+        args.nodes,
+        cluster.split
     );
     let pids = nodes
         .children
