@@ -337,7 +337,13 @@ pub fn parse_messages(body: &[u8]) -> Result<ParsedRequest, ApiError> {
         return Err(bad("max_tokens", "max_tokens: must be at least 1"));
     }
     check_thinking(&v)?;
-    let mut r = ParsedRequest::new(model, Prompt::Chat(chat_messages(&v)?));
+    let messages = chat_messages(&v)?;
+    // A conversation ending in an assistant turn is a prefill: the reply continues it.
+    let prefill = messages
+        .last()
+        .is_some_and(|m| m["role"] == "assistant" && m.get("tool_calls").is_none());
+    let mut r = ParsedRequest::new(model, Prompt::Chat(messages));
+    r.continue_final_message = prefill;
     r.max_tokens = Some(max as usize);
     r.stream = openai::field::<bool>(&v, "stream")?.unwrap_or(false);
     r.temperature = openai::ranged(&v, "temperature", 0.0..=1.0, 1.0)?;
@@ -431,12 +437,16 @@ pub(crate) async fn messages(
 }
 
 async fn whole_message(mut t: Tracker, mut c: Choice, id: String, model: String) -> Response {
+    // Blocks in the order they were generated: text, then a call, then text again...
     let mut text = String::new();
     let mut blocks = Vec::new();
     loop {
         match c.next().await {
             Some(ChoicePiece::Content { text: s, .. }) => text.push_str(&s),
             Some(ChoicePiece::ToolCall { id, call, .. }) => {
+                if !text.is_empty() {
+                    blocks.push(json!({"type": "text", "text": std::mem::take(&mut text)}));
+                }
                 blocks.push(tool_use_block(&tool_id(&id), &call.name, &call.arguments));
             }
             Some(ChoicePiece::Done {
@@ -446,11 +456,10 @@ async fn whole_message(mut t: Tracker, mut c: Choice, id: String, model: String)
                 ..
             }) => {
                 t.record(200, usage, c.ttft(), finish.into());
-                let mut content = Vec::new();
-                if !text.is_empty() || blocks.is_empty() {
+                let mut content = blocks;
+                if !text.is_empty() || content.is_empty() {
                     content.push(json!({"type": "text", "text": text}));
                 }
-                content.extend(blocks);
                 return Json(json!({
                     "id": id,
                     "type": "message",

@@ -24,8 +24,8 @@
 //! single-process backend.
 //!
 //! The same path serves the other front ends: [`anthropic`] (Messages), [`responses`]
-//! (OpenAI's Responses API) and `/tokenize`/`/detokenize`. Each parses its body into one request
-//! form, whose `n` choices, tool calls ([`openai::tools`]), log-probabilities and grammar
+//! (OpenAI's Responses API), [`ollama`] (Ollama's `/api/chat` and `/api/generate`) and
+//! `/tokenize`/`/detokenize`. Each parses its body into one request form, whose `n` choices, tool calls ([`openai::tools`]), log-probabilities and grammar
 //! ([`grammar`], llguidance masks applied by the [`scheduler`] before each draw) are handled
 //! once; every parameter is honoured or refused with a 400 naming it.
 //!
@@ -37,10 +37,12 @@
 
 pub mod anthropic;
 pub mod backend;
+pub mod cors;
 pub mod dashboard;
 pub mod grammar;
 pub mod limits;
 pub mod metrics;
+pub mod ollama;
 pub mod openai;
 mod respond;
 pub mod responses;

@@ -28,7 +28,7 @@ use tools::{Tool, ToolChoice};
 
 pub use error::ApiError;
 pub(crate) use params::check_params;
-pub use params::{Support, CHAT_PARAMS, COMPLETION_PARAMS};
+pub use params::{asks_for_nothing, Support, CHAT_PARAMS, COMPLETION_PARAMS, LLAMA_CPP_ALIASES};
 
 /// `stop`: one string or up to four.
 #[derive(Clone, Debug, Deserialize)]
@@ -101,6 +101,9 @@ pub struct ParsedRequest {
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
     pub parallel_tool_calls: bool,
+    /// The last message is the start of the assistant's reply, to be continued rather than
+    /// closed (Anthropic's prefill; vLLM's `continue_final_message`).
+    pub continue_final_message: bool,
 }
 
 impl ParsedRequest {
@@ -130,6 +133,7 @@ impl ParsedRequest {
             tools: Vec::new(),
             tool_choice: ToolChoice::None,
             parallel_tool_calls: true,
+            continue_final_message: false,
         }
     }
 }
@@ -274,7 +278,13 @@ fn common(
     };
     let max = match field::<i64>(v, "max_completion_tokens")? {
         Some(m) => Some((m, "max_completion_tokens")),
-        None => field::<i64>(v, "max_tokens")?.map(|m| (m, "max_tokens")),
+        None => match field::<i64>(v, "max_tokens")? {
+            Some(m) => Some((m, "max_tokens")),
+            // llama.cpp's spelling; its -1 means "until the context is full", our default.
+            None => field::<i64>(v, "n_predict")?
+                .filter(|&m| m != -1)
+                .map(|m| (m, "n_predict")),
+        },
     };
     let max_tokens = match max {
         Some((m, name)) if m < 1 => {
@@ -284,6 +294,8 @@ fn common(
             ))
         }
         Some((m, _)) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+        // `n_predict: -1` asks for no limit, even where OpenAI's default is 16.
+        None if field::<i64>(v, "n_predict")? == Some(-1) => None,
         None => default_max,
     };
     let temperature = ranged(v, "temperature", 0.0..=2.0, 1.0)?;
@@ -340,7 +352,10 @@ fn common(
         }
     };
     let top_k = count(v, "top_k", i64::from(u32::MAX))?.unwrap_or(0);
-    let repetition_penalty = field::<f32>(v, "repetition_penalty")?.unwrap_or(1.0);
+    let repetition_penalty = match field::<f32>(v, "repetition_penalty")? {
+        Some(p) => p,
+        None => field::<f32>(v, "repeat_penalty")?.unwrap_or(1.0),
+    };
     if repetition_penalty <= 0.0 || !repetition_penalty.is_finite() {
         return Err(ApiError::invalid(
             format!("Invalid 'repetition_penalty': {repetition_penalty} must be positive."),
@@ -371,6 +386,7 @@ fn common(
         tools: Vec::new(),
         tool_choice: ToolChoice::None,
         parallel_tool_calls: true,
+        continue_final_message: false,
     })
 }
 
@@ -435,6 +451,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     }
     r.tool_choice = tools::parse_tool_choice(v.get("tool_choice"), &r.tools)?;
     r.parallel_tool_calls = field::<bool>(&v, "parallel_tool_calls")?.unwrap_or(true);
+    r.continue_final_message = field::<bool>(&v, "continue_final_message")?.unwrap_or(false);
     if r.response_format != ResponseFormat::Text
         && matches!(r.tool_choice, ToolChoice::Required | ToolChoice::Named(_))
     {
@@ -554,9 +571,11 @@ mod tests {
             "model" => json!("m"),
             "messages" => json!([{"role": "user", "content": "Hi"}]),
             "prompt" => json!("Hi"),
-            "stream" | "logprobs" | "parallel_tool_calls" | "echo" => json!(true),
+            "stream" | "logprobs" | "parallel_tool_calls" | "echo" | "continue_final_message" => {
+                json!(true)
+            }
             "stream_options" => json!({"include_usage": true}),
-            "max_tokens" | "max_completion_tokens" => json!(7),
+            "max_tokens" | "max_completion_tokens" | "n_predict" => json!(7),
             "temperature" => json!(0.5),
             "top_p" => json!(0.9),
             "seed" => json!(11),
@@ -573,7 +592,7 @@ mod tests {
             "store" => json!(false),
             "top_k" => json!(5),
             "min_p" => json!(0.1),
-            "repetition_penalty" => json!(1.3),
+            "repetition_penalty" | "repeat_penalty" => json!(1.3),
             "repeat_last_n" => json!(32),
             _ => json!("x"),
         }

@@ -193,7 +193,7 @@ pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, Api
         ));
     }
     let use_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
-    let prompt_tokens = tokenize(&m, &req.prompt, if use_tools { &req.tools } else { &[] })?;
+    let prompt_tokens = tokenize(&m, req, use_tools)?;
     if prompt_tokens.is_empty() {
         return Err(ApiError::invalid("The prompt is empty.", Some("prompt")));
     }
@@ -229,11 +229,15 @@ pub(crate) fn prompt_tokens(gw: &Gateway, req: &ParsedRequest) -> Result<usize, 
     crate::limits::check(req)?;
     let m = gw.backend.model();
     let use_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
-    tokenize(&m, &req.prompt, if use_tools { &req.tools } else { &[] }).map(|t| t.len())
+    tokenize(&m, req, use_tools).map(|t| t.len())
 }
 
-fn tokenize(m: &ServedModel, prompt: &Prompt, tools: &[Tool]) -> Result<Vec<u32>, ApiError> {
-    match prompt {
+fn tokenize(m: &ServedModel, req: &ParsedRequest, use_tools: bool) -> Result<Vec<u32>, ApiError> {
+    let tools: &[Tool] = if use_tools { &req.tools } else { &[] };
+    match &req.prompt {
+        Prompt::Chat(messages) if req.continue_final_message => {
+            continue_final_message(m, messages, tools)
+        }
         Prompt::Chat(messages) => {
             let (messages, defs) = tools::prepare_messages(messages.clone(), tools, &m.template);
             m.template
@@ -252,6 +256,39 @@ fn tokenize(m: &ServedModel, prompt: &Prompt, tools: &[Tool]) -> Result<Vec<u32>
             }
         }
     }
+}
+
+/// The conversation up to its last message, an assistant turn begun by the client, rendered
+/// for generation with that turn's text after the assistant's opening: the model continues
+/// the reply instead of starting a new one (the template would close the turn).
+fn continue_final_message(
+    m: &ServedModel,
+    messages: &[Value],
+    tools: &[Tool],
+) -> Result<Vec<u32>, ApiError> {
+    let (last, earlier) = match messages.split_last() {
+        Some((l, e))
+            if l["role"] == "assistant" && l.get("tool_calls").is_none_or(Value::is_null) =>
+        {
+            (l, e)
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "To continue the final message it must be an assistant message without tool \
+                 calls.",
+                Some("messages"),
+            ))
+        }
+    };
+    let (earlier, defs) = tools::prepare_messages(earlier.to_vec(), tools, &m.template);
+    let mut tokens = m
+        .template
+        .encode_json(&m.tokenizer, &earlier, defs.as_deref(), true)
+        .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+    // The begun reply is client text: tokenized as text, without a BOS.
+    let begun = last["content"].as_str().unwrap_or_default();
+    tokens.extend(m.tokenizer.encode(begun, false));
+    Ok(tokens)
 }
 
 /// What a choice produces, in order: content and tool calls, then `Done` or `Failed`.

@@ -44,8 +44,11 @@ pub const RESPONSES_PARAMS: &[(&str, Support)] = &[
     ("text", Support::Honoured),
     // Only false: nothing is stored.
     ("store", Support::Honoured),
-    // Only "disabled".
+    // "disabled", or "auto": a request that does not fit is refused either way (400), so
+    // "auto" never drops input from an answer.
     ("truncation", Support::Honoured),
+    // At least 1: calls past it are dropped (1 also asks for one call at a time).
+    ("max_tool_calls", Support::Honoured),
     // Only false.
     ("background", Support::Honoured),
     ("user", Support::Ignored),
@@ -58,7 +61,6 @@ pub const RESPONSES_PARAMS: &[(&str, Support)] = &[
     ("include", Support::Refused),
     ("reasoning", Support::Refused),
     ("prompt", Support::Refused),
-    ("max_tool_calls", Support::Refused),
     ("top_logprobs", Support::Refused),
     ("prompt_cache_retention", Support::Refused),
 ];
@@ -233,13 +235,73 @@ fn text_format(v: &Value) -> Result<ResponseFormat, ApiError> {
 
 /// Parses a Responses body into the shared request form.
 pub fn parse_responses(body: &[u8]) -> Result<ParsedRequest, ApiError> {
-    let v = openai::parse_value(body)?;
-    openai::check_params(&v, RESPONSES_PARAMS)?;
-    let model = openai::field::<String>(&v, "model")?
+    parse_request(&openai::parse_value(body)?).map(|(r, _)| r)
+}
+
+/// What a response object repeats of its request (OpenAI echoes these settings), and the
+/// request's `max_tool_calls`.
+#[derive(Clone, Debug, Default)]
+struct Echo {
+    fields: serde_json::Map<String, Value>,
+    max_tool_calls: Option<usize>,
+}
+
+/// The request fields a response object shows, with OpenAI's values where a request leaves
+/// them out.
+fn echo_of(v: &Value, r: &ParsedRequest) -> Result<Echo, ApiError> {
+    let max_tool_calls = match openai::field::<i64>(v, "max_tool_calls")? {
+        None => None,
+        Some(n) if n >= 1 => Some(n as usize),
+        Some(n) => {
+            return Err(bad(
+                "max_tool_calls",
+                format!("Invalid 'max_tool_calls': {n} is below 1."),
+            ))
+        }
+    };
+    let given = |k: &str, default: Value| {
+        v.get(k)
+            .filter(|x| !x.is_null())
+            .cloned()
+            .unwrap_or(default)
+    };
+    let mut fields = serde_json::Map::new();
+    fields.insert("tools".into(), given("tools", json!([])));
+    fields.insert("tool_choice".into(), given("tool_choice", json!("auto")));
+    fields.insert("parallel_tool_calls".into(), r.parallel_tool_calls.into());
+    fields.insert(
+        "max_tool_calls".into(),
+        given("max_tool_calls", Value::Null),
+    );
+    fields.insert("instructions".into(), given("instructions", Value::Null));
+    fields.insert(
+        "max_output_tokens".into(),
+        given("max_output_tokens", Value::Null),
+    );
+    fields.insert("temperature".into(), given("temperature", json!(1.0)));
+    fields.insert("top_p".into(), given("top_p", json!(1.0)));
+    fields.insert("truncation".into(), given("truncation", json!("disabled")));
+    fields.insert(
+        "text".into(),
+        given("text", json!({"format": {"type": "text"}})),
+    );
+    fields.insert("metadata".into(), given("metadata", json!({})));
+    fields.insert("store".into(), false.into());
+    Ok(Echo {
+        fields,
+        max_tool_calls,
+    })
+}
+
+/// Parses a Responses body (as JSON) into the shared request form and what its response
+/// echoes.
+fn parse_request(v: &Value) -> Result<(ParsedRequest, Echo), ApiError> {
+    openai::check_params(v, RESPONSES_PARAMS)?;
+    let model = openai::field::<String>(v, "model")?
         .ok_or_else(|| bad("model", "Missing required parameter: 'model'."))?;
-    let mut r = ParsedRequest::new(model, Prompt::Chat(messages(&v)?));
-    r.stream = openai::field::<bool>(&v, "stream")?.unwrap_or(false);
-    r.max_tokens = match openai::field::<i64>(&v, "max_output_tokens")? {
+    let mut r = ParsedRequest::new(model, Prompt::Chat(messages(v)?));
+    r.stream = openai::field::<bool>(v, "stream")?.unwrap_or(false);
+    r.max_tokens = match openai::field::<i64>(v, "max_output_tokens")? {
         None => None,
         Some(m) if m >= 1 => Some(m as usize),
         Some(m) => {
@@ -249,30 +311,30 @@ pub fn parse_responses(body: &[u8]) -> Result<ParsedRequest, ApiError> {
             ))
         }
     };
-    r.temperature = openai::ranged(&v, "temperature", 0.0..=2.0, 1.0)?;
-    r.top_p = openai::ranged(&v, "top_p", 0.0..=1.0, 1.0)?;
+    r.temperature = openai::ranged(v, "temperature", 0.0..=2.0, 1.0)?;
+    r.top_p = openai::ranged(v, "top_p", 0.0..=1.0, 1.0)?;
     if r.top_p == 0.0 {
         return Err(bad("top_p", "Invalid 'top_p': must be above 0."));
     }
-    let (tools, choice) = parse_tools(&v)?;
+    let (tools, choice) = parse_tools(v)?;
     r.tools = tools;
     r.tool_choice = choice;
-    r.parallel_tool_calls = openai::field::<bool>(&v, "parallel_tool_calls")?.unwrap_or(true);
-    r.response_format = text_format(&v)?;
-    if openai::field::<bool>(&v, "store")? == Some(true) {
+    r.parallel_tool_calls = openai::field::<bool>(v, "parallel_tool_calls")?.unwrap_or(true);
+    r.response_format = text_format(v)?;
+    if openai::field::<bool>(v, "store")? == Some(true) {
         return Err(bad(
             "store",
             "'store' is not supported: this server is stateless.",
         ));
     }
-    if openai::field::<bool>(&v, "background")? == Some(true) {
+    if openai::field::<bool>(v, "background")? == Some(true) {
         return Err(bad("background", "'background' is not supported."));
     }
-    if let Some(t) = openai::field::<String>(&v, "truncation")? {
-        if t != "disabled" {
+    if let Some(t) = openai::field::<String>(v, "truncation")? {
+        if t != "disabled" && t != "auto" {
             return Err(bad(
                 "truncation",
-                "Only 'truncation': 'disabled' is supported.",
+                "Invalid 'truncation': expected 'auto' or 'disabled'.",
             ));
         }
     }
@@ -289,11 +351,17 @@ pub fn parse_responses(body: &[u8]) -> Result<ParsedRequest, ApiError> {
             ));
         }
     }
-    Ok(r)
+    let echo = echo_of(v, &r)?;
+    if echo.max_tool_calls == Some(1) {
+        r.parallel_tool_calls = false;
+    }
+    Ok((r, echo))
 }
 
 /// The response object (`status` `in_progress` while streaming starts).
+#[allow(clippy::too_many_arguments)]
 fn response_json(
+    echo: &Echo,
     id: &str,
     model: &str,
     created: u64,
@@ -302,7 +370,7 @@ fn response_json(
     usage: Option<Usage>,
     incomplete: bool,
 ) -> Value {
-    json!({
+    let mut r = json!({
         "id": id,
         "object": "response",
         "created_at": created,
@@ -311,9 +379,6 @@ fn response_json(
         "output": output,
         "error": null,
         "incomplete_details": if incomplete { json!({"reason": "max_output_tokens"}) } else { Value::Null },
-        "parallel_tool_calls": true,
-        "tool_choice": "auto",
-        "tools": [],
         "usage": usage.map(|u| json!({
             "input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens},
@@ -321,7 +386,11 @@ fn response_json(
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens,
         })),
-    })
+    });
+    if let Some(o) = r.as_object_mut() {
+        o.extend(echo.fields.clone());
+    }
+    r
 }
 
 fn message_item(id: &str, text: &str, status: &str) -> Value {
@@ -355,7 +424,12 @@ pub(crate) async fn create(
             });
         }
     };
-    let req = match crate::respond::parse_off_thread(&body, parse_responses).await {
+    let b = body.clone();
+    let parsed = crate::respond::off_thread_if_big(body.len(), move || {
+        openai::parse_value(&b).and_then(|v| parse_request(&v))
+    })
+    .await;
+    let (req, echo) = match parsed {
         Ok(r) => r,
         Err(e) => return t.reject(e),
     };
@@ -381,6 +455,8 @@ pub(crate) async fn create(
     let st = ResponseStream {
         t,
         c: choices.remove(0),
+        echo,
+        calls: 0,
         id,
         model: served.id.clone(),
         created: crate::backend::unix_now(),
@@ -406,6 +482,9 @@ pub(crate) async fn create(
 struct ResponseStream {
     t: Tracker,
     c: Choice,
+    echo: Echo,
+    /// Tool calls reported so far (those past `max_tool_calls` are dropped).
+    calls: usize,
     id: String,
     model: String,
     created: u64,
@@ -475,6 +554,10 @@ impl ResponseStream {
                 self.text.push_str(&text);
             }
             ChoicePiece::ToolCall { id, call, .. } => {
+                if self.echo.max_tool_calls.is_some_and(|m| self.calls >= m) {
+                    return;
+                }
+                self.calls += 1;
                 self.close_text();
                 let index = self.output.len();
                 let item = format!("fc_{}", id.trim_start_matches("call_"));
@@ -504,6 +587,7 @@ impl ResponseStream {
                 };
                 self.t.record(200, usage, self.c.ttft(), finish.into());
                 let r = response_json(
+                    &self.echo,
                     &self.id,
                     &self.model,
                     self.created,
@@ -525,6 +609,7 @@ impl ResponseStream {
                 self.t
                     .record(500, Usage::default(), None, e.message.clone());
                 let mut r = response_json(
+                    &self.echo,
                     &self.id,
                     &self.model,
                     self.created,
@@ -543,6 +628,7 @@ impl ResponseStream {
     async fn next(&mut self) -> Option<SseEvent> {
         if self.seq == 0 {
             let r = response_json(
+                &self.echo,
                 &self.id,
                 &self.model,
                 self.created,
@@ -597,6 +683,7 @@ impl ResponseStream {
             "completed"
         };
         Json(response_json(
+            &self.echo,
             &self.id,
             &self.model,
             self.created,

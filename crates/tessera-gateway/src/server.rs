@@ -36,6 +36,9 @@ pub struct GatewayConfig {
     pub api_key: Option<String>,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// Web page origins (`https://app.example.com`, or `*`) allowed to call the API besides
+    /// loopback pages ([`crate::cors`]).
+    pub cors_origins: Vec<String>,
 }
 
 impl Default for GatewayConfig {
@@ -43,6 +46,7 @@ impl Default for GatewayConfig {
         Self {
             api_key: None,
             max_body_bytes: crate::limits::LIMITS.max_body_bytes,
+            cors_origins: Vec::new(),
         }
     }
 }
@@ -184,6 +188,7 @@ pub fn router(gateway: Arc<Gateway>) -> Router {
             post(crate::anthropic::count_tokens),
         )
         .route("/metrics", get(metrics))
+        .merge(crate::ollama::routes())
         .merge(crate::dashboard::routes())
         .route_layer(middleware::from_fn_with_state(
             gateway.clone(),
@@ -194,6 +199,11 @@ pub fn router(gateway: Arc<Gateway>) -> Router {
         .route("/health", get(health))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(gateway.config.max_body_bytes))
+        // Outermost: a browser's preflight carries no API key.
+        .layer(middleware::from_fn_with_state(
+            gateway.clone(),
+            crate::cors::layer,
+        ))
         .with_state(gateway)
 }
 

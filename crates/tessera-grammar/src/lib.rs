@@ -34,6 +34,9 @@ use toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 pub use bounds::{check, GrammarLimits};
 pub use tessera_sampling::GrammarSpec;
 
+mod integers;
+pub use integers::{bound_integers, MAX_UNBOUNDED_INTEGER};
+
 /// Why a grammar could not be built or followed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum GrammarError {
@@ -157,7 +160,9 @@ impl GrammarCompiler {
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Grammar, GrammarError> {
         check(spec, &self.limits)?;
         let top = match spec {
-            GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(compact(schema)),
+            GrammarSpec::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(compact(&bound_integers(schema)))
+            }
             GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
         };
         let factory = self.factory.clone();
@@ -336,6 +341,33 @@ mod tests {
         let v: Value =
             serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{text:?}: {e}"));
         assert!(v["name"].is_string() && v["age"].is_i64(), "{v}");
+    }
+
+    /// A "model" that only ever wants another digit still ends an unbounded integer after
+    /// 16 digits, as llama.cpp's grammars do.
+    #[test]
+    fn an_unbounded_integer_ends_after_sixteen_digits() {
+        let tok = tokenizer();
+        let c = GrammarCompiler::new(&tok).unwrap();
+        let nine = (0..tok.vocab_size() as u32)
+            .find(|&t| tok.decode(&[t]) == "9")
+            .expect("a token for the digit 9");
+        let schema = serde_json::json!({"type": "integer"});
+        let mut g = c.compile(&GrammarSpec::JsonSchema(schema)).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..64 {
+            let mut logits = vec![0.0f32; tok.vocab_size()];
+            logits[nine as usize] = 10.0;
+            g.mask(&mut logits).unwrap();
+            let t = tessera_sampling::argmax(&logits) as u32;
+            if tok.is_end_of_generation(t) || g.is_finished() {
+                break;
+            }
+            g.accept(t).unwrap();
+            out.push(t);
+        }
+        let text = tok.decode(&out);
+        assert_eq!(text.trim(), "9".repeat(16), "{text:?}");
     }
 
     /// A spec survives the wire (JSON) unchanged, and a compiled grammar remembers it.

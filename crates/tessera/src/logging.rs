@@ -18,6 +18,8 @@ use tracing_subscriber::prelude::*;
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::{filter, EnvFilter};
 
+use crate::output::QueuedWriter;
+
 /// Targets whose events are the cluster's story, printed plain (or as JSON).
 fn cluster_event(meta: &Metadata<'_>) -> bool {
     let t = meta.target();
@@ -36,7 +38,7 @@ pub fn init() {
     let env = EnvFilter::try_from_env("TESSERA_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|v| v == "json");
     let others = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
+        .with_writer(QueuedWriter::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_filter(filter::filter_fn(|m| !cluster_event(m)));
     let registry = tracing_subscriber::registry().with(env).with(others);
@@ -46,19 +48,19 @@ pub fn init() {
             .flatten_event(true)
             .with_current_span(false)
             .with_span_list(false)
-            .with_writer(std::io::stdout)
+            .with_writer(QueuedWriter::stdout)
             .with_filter(filter::filter_fn(cluster_event));
         registry.with(events).try_init()
     } else {
         let info = tracing_subscriber::fmt::layer()
             .event_format(Plain)
-            .with_writer(std::io::stdout)
+            .with_writer(QueuedWriter::stdout)
             .with_filter(filter::filter_fn(|m| {
                 cluster_event(m) && *m.level() >= Level::INFO
             }));
         let warnings = tracing_subscriber::fmt::layer()
             .event_format(Plain)
-            .with_writer(std::io::stderr)
+            .with_writer(QueuedWriter::stderr)
             .with_filter(filter::filter_fn(|m| {
                 cluster_event(m) && *m.level() < Level::INFO
             }));
@@ -100,19 +102,18 @@ where
 /// `event`, `fields` and `line` as its `message`, so scripts and tests read fields instead of
 /// wording. Not an event of the log: `TESSERA_LOG` never filters it away.
 pub fn announce(event: &str, fields: &[(&str, &str)], line: &str) {
-    use std::io::Write as _;
     let json = std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let mut out = std::io::stdout().lock();
-    let _ = if json {
+    // Through the same queue as the log, so lines keep their order and a stdout nobody reads
+    // never blocks the caller (crate::output).
+    if json {
         let mut o = serde_json::Map::new();
         o.insert("event".into(), event.into());
         for (k, v) in fields {
             o.insert((*k).into(), (*v).into());
         }
         o.insert("message".into(), line.into());
-        writeln!(out, "{}", serde_json::Value::Object(o))
+        say!("{}", serde_json::Value::Object(o));
     } else {
-        writeln!(out, "{line}")
-    };
-    let _ = out.flush();
+        say!("{line}");
+    }
 }

@@ -5,6 +5,8 @@
 
 #![forbid(unsafe_code)]
 
+#[macro_use]
+mod output;
 mod cmd;
 mod default_model;
 mod logging;
@@ -79,6 +81,8 @@ fn main() -> ExitCode {
         Command::Token(a) => cmd::token::run(a),
         Command::Client(a) => cmd::client::run(a),
     };
+    // Log lines still queued (bounded: stdout may be a pipe nobody reads).
+    output::drain(std::time::Duration::from_secs(2));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -45,6 +45,40 @@ fn official_anthropic_client_messages_streams_tools_and_counts_tokens() {
     run_python_script("anthropic_api.py", &[&server.url()]);
 }
 
+/// Issue 36's API defects, each through the official client: parameters that ask for nothing,
+/// llama.cpp's spellings, the Responses echo, a forced call cut by `max_tokens`, assistant
+/// prefill and CORS.
+#[test]
+fn api_defects_are_fixed_through_the_official_clients() {
+    if !python_modules_available(&["openai", "anthropic"]) {
+        eprintln!("skipping: python3 with `openai` and `anthropic` is not available");
+        return;
+    }
+    let origin = "https://app.example.com";
+    let server = Server::start(&["--cors-origin", origin]);
+    run_python_script("api_fixes.py", &[&server.url(), origin]);
+}
+
+#[test]
+fn the_openai_agents_sdk_runs_an_agent_with_a_tool_through_responses() {
+    if !python_modules_available(&["agents", "openai"]) {
+        eprintln!("skipping: python3 with `openai-agents` is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    run_python_script("agents_sdk.py", &[&server.url(), "serve"]);
+}
+
+#[test]
+fn official_ollama_client_chats_generates_lists_and_uses_tools_and_formats() {
+    if !python_modules_available(&["ollama", "jsonschema"]) {
+        eprintln!("skipping: python3 with `ollama` and `jsonschema` is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    run_python_script("ollama_api.py", &[&server.url(), "serve"]);
+}
+
 #[test]
 fn an_agent_framework_drives_a_tool_loop() {
     if !python_modules_available(&["pydantic_ai", "openai"]) {

@@ -109,7 +109,8 @@ fn run_openai_script(url: &str) {
 
 /// What agents and apps use, through the ring: tools, grammar-constrained output, logprobs,
 /// n > 1, every parameter honoured or refused by name (`api_features.py`); Anthropic Messages
-/// and the Responses API (`anthropic_api.py`).
+/// and the Responses API (`anthropic_api.py`); Ollama's API (`ollama_api.py`); an OpenAI Agents
+/// SDK agent with a tool (`agents_sdk.py`).
 fn run_agent_api_scripts(url: &str) {
     if !common::python_modules_available(&["openai", "jsonschema", "anthropic"]) {
         eprintln!("skipping the agent API checks: python3 with `openai`, `jsonschema` and `anthropic` is not available");
@@ -117,6 +118,12 @@ fn run_agent_api_scripts(url: &str) {
     }
     common::run_python_script("api_features.py", &[url, "cluster"]);
     common::run_python_script("anthropic_api.py", &[url]);
+    if common::python_modules_available(&["ollama"]) {
+        common::run_python_script("ollama_api.py", &[url, "cluster"]);
+    }
+    if common::python_modules_available(&["agents"]) {
+        common::run_python_script("agents_sdk.py", &[url, "cluster"]);
+    }
     if common::python_modules_available(&["pydantic_ai"]) {
         common::run_python_script("agent_loop.py", &[url]);
     }

@@ -124,6 +124,26 @@ pub(crate) fn submit(shared: &Shared, client: ClientId, envelopes: Vec<JobEnvelo
     );
 }
 
+/// What a claim changed, as words for a log line ("" for a node's first claim).
+fn claim_change_words(change: &tessera_seal::claims::ClaimChange) -> String {
+    use tessera_seal::claims::ClaimChange;
+    match change {
+        ClaimChange::New => String::new(),
+        ClaimChange::Unchanged => ", unchanged".into(),
+        ClaimChange::Superseded {
+            old_epoch,
+            revoked_seal_key,
+        } => format!(
+            ", replacing epoch {old_epoch}{}",
+            if revoked_seal_key.is_some() {
+                " and its sealing key"
+            } else {
+                ""
+            }
+        ),
+    }
+}
+
 /// A node's sealed-job message; false when `msg` is not one.
 pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) -> bool {
     let input = match msg {
@@ -137,10 +157,14 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
                     kernel_path = %c.claims.kernel_path,
                     epoch = c.claims.epoch,
                     models = c.claims.models.len(),
-                    "claims of {from}: epoch {} ({change:?})",
-                    c.claims.epoch
+                    "{} announced what it runs for sealed jobs (claim epoch {}{})",
+                    name_of(shared, &from),
+                    c.claims.epoch,
+                    claim_change_words(&change)
                 ),
-                Err(e) => tracing::warn!("claims of {from} refused: {e}"),
+                Err(e) => {
+                    tracing::warn!(node = %from, "the sealed-job claims of {} were refused: {e}", name_of(shared, &from))
+                }
             }
             return true;
         }

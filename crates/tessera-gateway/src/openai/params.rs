@@ -14,14 +14,15 @@ pub enum Support {
     Honoured,
     /// Accepted and ignored, as OpenAI documents for `user` (bookkeeping only).
     Ignored,
-    /// A 400 naming the parameter unless it is `null`.
+    /// A 400 naming the parameter unless its value asks for nothing: `null`, or the value
+    /// [`asks_for_nothing`] names (`functions: []`, `verbosity: "medium"`...).
     Refused,
 }
 
 use Support::{Honoured, Ignored, Refused};
 
 /// `/v1/chat/completions` parameters. `top_k`, `min_p`, `repetition_penalty` and
-/// `repeat_last_n` are extensions (llama-server's names).
+/// `repeat_last_n` are extensions, as are llama.cpp's spellings [`LLAMA_CPP_ALIASES`].
 pub const CHAT_PARAMS: &[(&str, Support)] = &[
     ("model", Honoured),
     ("messages", Honoured),
@@ -51,6 +52,11 @@ pub const CHAT_PARAMS: &[(&str, Support)] = &[
     ("min_p", Honoured),
     ("repetition_penalty", Honoured),
     ("repeat_last_n", Honoured),
+    ("repeat_penalty", Honoured),
+    ("n_predict", Honoured),
+    ("cache_prompt", Ignored),
+    // vLLM's: the last (assistant) message is continued, not closed.
+    ("continue_final_message", Honoured),
     ("user", Ignored),
     ("safety_identifier", Ignored),
     ("prompt_cache_key", Ignored),
@@ -89,11 +95,49 @@ pub const COMPLETION_PARAMS: &[(&str, Support)] = &[
     ("min_p", Honoured),
     ("repetition_penalty", Honoured),
     ("repeat_last_n", Honoured),
+    ("repeat_penalty", Honoured),
+    ("n_predict", Honoured),
+    ("cache_prompt", Ignored),
     ("user", Ignored),
     ("suffix", Refused),
 ];
 
-/// Refuses parameters the table does not list, or lists as refused.
+/// llama.cpp's (llama-server's) names for parameters honoured under OpenAI's or our own name:
+/// `(llama.cpp's, ours)`. When both are given, ours wins. `cache_prompt` is accepted and
+/// ignored: prompt caching changes no output.
+pub const LLAMA_CPP_ALIASES: &[(&str, &str)] = &[
+    ("repeat_penalty", "repetition_penalty"),
+    ("n_predict", "max_tokens"),
+];
+
+/// Whether `value` of the refused parameter `name` asks for nothing this server would have
+/// to do: the empty list or object, or the documented default. Clients and agent SDKs send
+/// these on every request (the OpenAI Agents SDK sends `include: []` to Responses), so
+/// refusing them would refuse requests whose answer would be the same.
+pub fn asks_for_nothing(name: &str, value: &Value) -> bool {
+    let empty = match value {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.values().all(Value::is_null),
+        _ => false,
+    };
+    empty
+        || match (name, value) {
+            ("verbosity", Value::String(s)) => s == "medium",
+            ("reasoning_effort", Value::String(s)) => s == "none",
+            // With no `functions` (else refused by their own name) there is nothing to call.
+            ("function_call", Value::String(s)) => s == "none" || s == "auto",
+            ("reasoning", Value::Object(o)) => o
+                .iter()
+                .all(|(k, v)| v.is_null() || (k == "effort" && v == "none")),
+            ("top_logprobs", Value::Number(n)) => n.as_u64() == Some(0),
+            ("prompt_cache_retention", Value::String(s)) => s == "in_memory",
+            _ => false,
+        }
+}
+
+/// Refuses parameters the table does not list, or lists as refused (unless their value
+/// [`asks_for_nothing`]).
 pub(crate) fn check_params(v: &Value, table: &[(&str, Support)]) -> Result<(), ApiError> {
     let Value::Object(map) = v else {
         return Ok(());
@@ -106,9 +150,12 @@ pub(crate) fn check_params(v: &Value, table: &[(&str, Support)]) -> Result<(), A
                     Some(k),
                 ))
             }
-            Some(Refused) if !val.is_null() => {
+            Some(Refused) if !asks_for_nothing(k, val) => {
                 return Err(ApiError::invalid(
-                    format!("'{k}' is not supported by this server."),
+                    format!(
+                        "'{k}' is not supported by this server (only a value that asks for \
+                         nothing is accepted: null, [] or {{}}, or the default)."
+                    ),
                     Some(k),
                 ))
             }
@@ -116,4 +163,43 @@ pub(crate) fn check_params(v: &Value, table: &[(&str, Support)]) -> Result<(), A
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn refused_parameters_are_accepted_when_they_ask_for_nothing() {
+        let table = &[
+            ("functions", Refused),
+            ("include", Refused),
+            ("reasoning", Refused),
+            ("verbosity", Refused),
+            ("reasoning_effort", Refused),
+        ];
+        for body in [
+            json!({"functions": []}),
+            json!({"include": []}),
+            json!({"reasoning": {}}),
+            json!({"reasoning": {"effort": null, "summary": null}}),
+            json!({"verbosity": "medium"}),
+            json!({"reasoning_effort": "none"}),
+        ] {
+            assert!(check_params(&body, table).is_ok(), "{body}");
+        }
+        for (body, name) in [
+            (json!({"functions": [{"name": "f"}]}), "functions"),
+            (
+                json!({"include": ["reasoning.encrypted_content"]}),
+                "include",
+            ),
+            (json!({"reasoning": {"effort": "high"}}), "reasoning"),
+            (json!({"verbosity": "low"}), "verbosity"),
+        ] {
+            let e = check_params(&body, table).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(name));
+        }
+    }
 }

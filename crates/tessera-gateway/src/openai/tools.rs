@@ -405,7 +405,9 @@ impl ToolCallParser {
         })
     }
 
-    /// End of the reply: whatever is held, as calls if it parses, else as content.
+    /// End of the reply: whatever is held, as calls if it parses. A call cut short (by
+    /// `max_tokens`) is still a call, its arguments as far as they got, when its tool's name
+    /// is complete, and is dropped otherwise: call syntax is never let out as content.
     pub fn finish(&mut self) -> Vec<ToolEvent> {
         let rest = std::mem::take(&mut self.buf);
         let mut out = Vec::new();
@@ -413,21 +415,65 @@ impl ToolCallParser {
             return out;
         }
         if self.format == ToolFormat::Llama3 && self.in_calls {
-            // One object, or several separated by `;` or newlines.
-            let calls: Option<Vec<ToolCall>> = rest
+            // One object, or several separated by `;` or newlines; the last may be cut.
+            let parts: Vec<&str> = rest
                 .split([';', '\n'])
                 .filter(|p| !p.trim().is_empty())
-                .map(|p| self.parse_call(p))
                 .collect();
-            match calls {
-                Some(c) if !c.is_empty() => out.extend(c.into_iter().map(ToolEvent::Call)),
-                _ => out.push(ToolEvent::Content(rest)),
+            for (i, p) in parts.iter().enumerate() {
+                match self.parse_call(p) {
+                    Some(c) => out.push(ToolEvent::Call(c)),
+                    None if i + 1 == parts.len() => {
+                        out.extend(self.cut_call(p).map(ToolEvent::Call))
+                    }
+                    // Not a call after all: the reply is text.
+                    None => return vec![ToolEvent::Content(rest)],
+                }
             }
             return out;
         }
-        // An unclosed call is text.
+        if self.format == ToolFormat::Hermes {
+            if let Some(inner) = rest.trim_start().strip_prefix(OPEN) {
+                out.extend(self.cut_call(inner).map(ToolEvent::Call));
+                return out;
+            }
+            // A held tail that can only be the start of a call opening.
+            if rest.len() >= 2 && OPEN.starts_with(rest.as_str()) {
+                return out;
+            }
+        }
         out.push(ToolEvent::Content(rest));
         out
+    }
+
+    /// A call whose text ends early (`{"name": "f", "arguments": {"city": "Pa`): the call with
+    /// its arguments as far as they got (not valid JSON), if the name is complete and known.
+    fn cut_call(&self, text: &str) -> Option<ToolCall> {
+        let after_key = &text[text.find("\"name\"")? + "\"name\"".len()..];
+        let value = after_key.trim_start().strip_prefix(':')?.trim_start();
+        let value = value.strip_prefix('"')?;
+        let name = &value[..value.find('"')?];
+        if !self.names.iter().any(|n| n == name) {
+            return None;
+        }
+        let rest = ["\"arguments\"", "\"parameters\""]
+            .iter()
+            .find_map(|k| text.find(k).map(|at| &text[at + k.len()..]))
+            .and_then(|a| a.trim_start().strip_prefix(':'))
+            .map_or("", str::trim);
+        // Arguments that are whole (the cut fell after them) are kept as they are, without
+        // what followed; otherwise the text as far as it got.
+        let arguments = match serde_json::Deserializer::from_str(rest)
+            .into_iter::<Value>()
+            .next()
+        {
+            Some(Ok(whole)) => whole.to_string(),
+            _ => rest.to_string(),
+        };
+        Some(ToolCall {
+            name: name.to_string(),
+            arguments,
+        })
     }
 }
 
@@ -508,6 +554,42 @@ mod tests {
             {"type": "function", "function": {"name": "add"}}
         ]))
         .unwrap()
+    }
+
+    #[test]
+    fn a_call_cut_short_is_a_call_or_nothing_never_content() {
+        let cut = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa";
+        let mut p = ToolCallParser::new(ToolFormat::Hermes, &tools());
+        let mut events = p.push(cut);
+        events.extend(p.finish());
+        assert_eq!(
+            events,
+            vec![ToolEvent::Call(ToolCall {
+                name: "get_weather".into(),
+                arguments: "{\"city\": \"Pa".into()
+            })]
+        );
+        for cut in [
+            "<tool_call>\n{\"name\": \"get_wea",
+            "<tool_c",
+            "<tool_call>{\"name\": \"nope\"",
+        ] {
+            let mut p = ToolCallParser::new(ToolFormat::Hermes, &tools());
+            let mut events = p.push(cut);
+            events.extend(p.finish());
+            assert!(events.is_empty(), "{cut}: {events:?}");
+        }
+        let mut p = ToolCallParser::new(ToolFormat::Llama3, &tools());
+        let mut events = p.push("{\"name\": \"add\", \"parameters\": {}};{\"name\": \"get_weather\", \"parameters\": {\"ci");
+        events.extend(p.finish());
+        let names: Vec<_> = events
+            .iter()
+            .map(|e| match e {
+                ToolEvent::Call(c) => c.name.as_str(),
+                ToolEvent::Content(_) => "content",
+            })
+            .collect();
+        assert_eq!(names, ["add", "get_weather"]);
     }
 
     #[test]

@@ -157,8 +157,8 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             fault: args.fault_sealed,
         });
         let addr = coordinator.local_addr()?;
-        println!("coordinator {}", coordinator.node_id());
-        println!(
+        say!("coordinator {}", coordinator.node_id());
+        say!(
             "model {} ({:?}), hash {}",
             model.display(),
             coordinator.model().config.arch,
@@ -190,7 +190,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             None
         };
         if addr.ip().is_unspecified() {
-            println!(
+            say!(
                 "(nodes on other machines use this machine's address in place of {})",
                 addr.ip()
             );
@@ -213,7 +213,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
                 )
                 .await
                 {
-                    eprintln!("--plan auto: {e:#}");
+                    say_err!("--plan auto: {e:#}");
                 }
             }
             std::future::pending::<()>().await
@@ -222,7 +222,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             r = coordinator.run() => r?,
             () = planning => {}
             () = super::node::shutdown_signal() => {
-                println!("shutting down");
+                say!("shutting down");
                 coordinator.close();
                 coordinator.wait_idle().await;
             }
@@ -237,7 +237,7 @@ fn advertise(
     port: u16,
 ) -> anyhow::Result<Option<tessera_coord::discovery::Advertisement>> {
     let a = tessera_coord::discovery::advertise(id, port).context("advertising by mDNS")?;
-    println!(
+    say!(
         "advertised by mDNS as {}",
         tessera_coord::discovery::SERVICE_TYPE
     );

@@ -22,6 +22,7 @@ use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
 
 use crate::default_model;
+use crate::output::Stream;
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
@@ -40,6 +41,10 @@ pub struct ServeArgs {
     /// File holding the API key (first line).
     #[arg(long, conflicts_with = "api_key")]
     pub api_key_file: Option<PathBuf>,
+    /// A web page origin (`https://app.example.com`, or `*`) allowed to call the API from a
+    /// browser, besides pages on loopback origins; repeatable.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    pub cors_origins: Vec<String>,
     /// Compute threads (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
@@ -107,7 +112,7 @@ struct Config {
     model: PathBuf,
     name: String,
     listen: SocketAddr,
-    api_key: Option<String>,
+    http: GatewayConfig,
     threads: usize,
     kv_type: tessera_engine::KvType,
     local: LocalConfig,
@@ -115,6 +120,15 @@ struct Config {
 
 /// The API key from `--api-key` or the first line of `--api-key-file` (shared with `tessera
 /// up`); `None` when neither is given.
+/// The gateway's settings from the key and the `--cors-origin` list.
+pub fn http_config(api_key: Option<String>, cors_origins: &[String]) -> GatewayConfig {
+    GatewayConfig {
+        api_key,
+        cors_origins: cors_origins.to_vec(),
+        ..GatewayConfig::default()
+    }
+}
+
 pub fn resolve_api_key(
     key: Option<&str>,
     file: Option<&std::path::Path>,
@@ -153,7 +167,7 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
         model,
         name,
         listen: a.listen,
-        api_key,
+        http: http_config(api_key, &a.cors_origins),
         threads: threads.max(1),
         kv_type: a.kv_type,
         local: LocalConfig {
@@ -187,7 +201,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("--kv-type")?;
     let backend = LocalBackend::start(&cfg.name, &gguf, model, cfg.local)
         .context("reading the tokenizer and chat template")?;
-    serve_backend(Arc::new(backend), cfg.listen, cfg.api_key, |_| {})
+    serve_backend(Arc::new(backend), cfg.listen, cfg.http, |_| {})
 }
 
 /// Sealed mode: the gateway as the sealing client of an untrusted coordinator's workers.
@@ -220,10 +234,10 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
                 ttl_ms: 10 * 60_000,
             },
         ));
-        let listener = bind_and_print(cfg.listen, &backend, cfg.api_key.is_some()).await?;
-        serve_until(backend, listener, cfg.api_key, async {
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("shutting down");
+        let listener = bind_and_print(cfg.listen, &backend, cfg.http.api_key.is_some()).await?;
+        serve_until(backend, listener, cfg.http, async {
+            super::node::shutdown_signal().await;
+            crate::output::line(Stream::Stderr, "shutting down");
         })
         .await
     })
@@ -316,7 +330,7 @@ impl Cluster {
             let c = coordinator.clone();
             tokio::spawn(async move {
                 if let Err(e) = c.run().await {
-                    eprintln!("coordinator: {e}");
+                    say_err!("coordinator: {e}");
                 }
             })
         };
@@ -331,7 +345,7 @@ impl Cluster {
                 let planned =
                     super::auto_plan::run(&c, &profile, nodes, context, concurrency, &data_dir);
                 if let Err(e) = planned.await {
-                    eprintln!("plan auto: {e:#}");
+                    say_err!("plan auto: {e:#}");
                 }
             });
         }
@@ -360,7 +374,7 @@ impl Cluster {
 pub async fn serve_cluster_until_signal(
     backend: &ClusterBackend,
     listener: tokio::net::TcpListener,
-    api_key: Option<String>,
+    http: GatewayConfig,
 ) -> anyhow::Result<()> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let b = backend.clone();
@@ -370,7 +384,7 @@ pub async fn serve_cluster_until_signal(
             b.drain(Duration::from_secs(10)).await;
         }
     });
-    let served = serve_until(Arc::new(backend.clone()), listener, api_key, async move {
+    let served = serve_until(Arc::new(backend.clone()), listener, http, async move {
         super::node::shutdown_signal().await;
         let _ = tx.send(());
     })
@@ -389,6 +403,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
     }
     let api_key = resolve_api_key(a.api_key.as_deref(), a.api_key_file.as_deref())?;
     check_exposure(a.listen, api_key.as_deref())?;
+    let http = http_config(api_key, &a.cors_origins);
     let auto_plan = a.plan.is_some();
     let nodes = match (&a.split, a.nodes_expected) {
         (Some(s), _) => parse_split(s).context("--split")?.len(),
@@ -431,7 +446,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             auto_plan,
         })
         .await?;
-        println!("coordinator {}", cluster.coordinator.node_id());
+        say!("coordinator {}", cluster.coordinator.node_id());
         crate::logging::announce(
             "join_token",
             &[("token", &cluster.join)],
@@ -447,24 +462,25 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             &[("token", &operator)],
             &format!("operator token: {operator}"),
         );
-        println!(
+        say!(
             "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join {}",
-            cluster.split, cluster.join
+            cluster.split,
+            cluster.join
         );
         let backend = cluster.backend.clone();
         tokio::spawn(async move {
             match backend
-                .wait_ready(Duration::from_secs(24 * 3600), |r| eprintln!("  {r}"))
+                .wait_ready(Duration::from_secs(24 * 3600), |r| say_err!("  {r}"))
                 .await
             {
-                Ok(()) => println!("serving: every stage is loaded and linked"),
-                Err(e) => eprintln!("not serving: {e}"),
+                Ok(()) => say!("serving: every stage is loaded and linked"),
+                Err(e) => say_err!("not serving: {e}"),
             }
         });
         let backend: Arc<dyn Backend> = Arc::new(cluster.backend.clone());
-        let listener = bind_and_print(a.listen, &backend, api_key.is_some()).await?;
-        serve_cluster_until_signal(&cluster.backend, listener, api_key).await?;
-        eprintln!("shutting down");
+        let listener = bind_and_print(a.listen, &backend, http.api_key.is_some()).await?;
+        serve_cluster_until_signal(&cluster.backend, listener, http).await?;
+        say_err!("shutting down");
         cluster.stop().await;
         anyhow::Ok(())
     })
@@ -529,15 +545,13 @@ pub async fn bind_and_print(
         &[("addr", &addr.to_string())],
         &format!("listening on http://{addr}"),
     );
-    println!("  model      {name}");
-    println!("  API        http://{shown}/v1  (OpenAI-compatible)");
-    println!("  dashboard  http://{shown}/");
-    println!("  metrics    http://{shown}/metrics");
+    say!("  model      {name}");
+    say!("  API        http://{shown}/v1  (OpenAI-compatible)");
+    say!("  dashboard  http://{shown}/");
+    say!("  metrics    http://{shown}/metrics");
     if key_required {
-        println!("  API key    required on /v1 (Authorization: Bearer ...)");
+        say!("  API key    required on /v1 (Authorization: Bearer ...)");
     }
-    use std::io::Write as _;
-    let _ = std::io::stdout().flush();
     Ok(listener)
 }
 
@@ -555,16 +569,10 @@ pub fn shown_addr(addr: SocketAddr) -> SocketAddr {
 pub async fn serve_until(
     backend: Arc<dyn Backend>,
     listener: tokio::net::TcpListener,
-    api_key: Option<String>,
+    http: GatewayConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let gateway = Gateway::new(
-        backend,
-        GatewayConfig {
-            api_key,
-            ..GatewayConfig::default()
-        },
-    );
+    let gateway = Gateway::new(backend, http);
     tessera_gateway::serve(listener, gateway, shutdown)
         .await
         .context("serving")
@@ -577,17 +585,17 @@ pub async fn serve_until(
 pub fn serve_backend(
     backend: Arc<dyn Backend>,
     listen: SocketAddr,
-    api_key: Option<String>,
+    http: GatewayConfig,
     on_ready: impl FnOnce(SocketAddr) + Send + 'static,
 ) -> anyhow::Result<()> {
-    check_exposure(listen, api_key.as_deref())?;
+    check_exposure(listen, http.api_key.as_deref())?;
     let rt = runtime()?;
     rt.block_on(async move {
-        let listener = bind_and_print(listen, &backend, api_key.is_some()).await?;
+        let listener = bind_and_print(listen, &backend, http.api_key.is_some()).await?;
         on_ready(shown_addr(listener.local_addr()?));
-        serve_until(backend, listener, api_key, async {
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("shutting down");
+        serve_until(backend, listener, http, async {
+            super::node::shutdown_signal().await;
+            crate::output::line(Stream::Stderr, "shutting down");
         })
         .await
     })

@@ -26,6 +26,7 @@ use super::serve::{
     ClusterOptions,
 };
 use crate::default_model;
+use crate::output::Stream;
 
 #[derive(clap::Args, Debug)]
 pub struct UpArgs {
@@ -50,6 +51,10 @@ pub struct UpArgs {
     /// API key clients must send as `Authorization: Bearer KEY` on /v1.
     #[arg(long, env = "TESSERA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// A web page origin (`https://app.example.com`, or `*`) allowed to call the API from a
+    /// browser, besides pages on loopback origins; repeatable.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     /// Compute threads per node (default: the cores shared out among the nodes).
     #[arg(short, long)]
     threads: Option<usize>,
@@ -215,7 +220,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         .threads
         .unwrap_or_else(|| (super::default_threads() / args.nodes).max(1));
     let rt = runtime()?;
-    let result = rt.block_on(up(args, api_key, model, name, run_dir.clone(), threads));
+    let http = super::serve::http_config(api_key, &args.cors_origins);
+    let result = rt.block_on(up(args, http, model, name, run_dir.clone(), threads));
     drop(rt);
     if temporary {
         let _ = std::fs::remove_dir_all(&run_dir);
@@ -225,7 +231,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
 
 async fn up(
     args: UpArgs,
-    api_key: Option<String>,
+    http: tessera_gateway::GatewayConfig,
     model: PathBuf,
     name: String,
     run_dir: PathBuf,
@@ -273,9 +279,10 @@ async fn up(
         );
     }
     let mut nodes = spawn_nodes(&run_dir, &cluster.join, args.nodes, threads)?;
-    println!(
+    say!(
         "tessera up: {name} over {} local nodes (layers {})",
-        args.nodes, cluster.split
+        args.nodes,
+        cluster.split
     );
     let pids = nodes
         .children
@@ -288,13 +295,12 @@ async fn up(
         &[("pids", &pids)],
         &format!("  node pids  {pids}"),
     );
-    println!("  run dir    {}", run_dir.display());
+    say!("  run dir    {}", run_dir.display());
     crate::logging::announce(
         "join_token",
         &[("token", &cluster.join)],
         &format!("  join       {}", cluster.join),
     );
-    flush();
 
     // Wait for every stage to join, fetch, load and link; give up if a node dies or on Ctrl-C.
     let ready = async {
@@ -307,7 +313,7 @@ async fn up(
                 Some(r) => {
                     let r = r.to_string();
                     if r != last {
-                        eprintln!("  {r}");
+                        say_err!("  {r}");
                         last = r;
                     }
                 }
@@ -333,13 +339,13 @@ async fn up(
         nodes.terminate(Duration::from_secs(10));
         return Err(e);
     }
-    println!(
+    say!(
         "  ready in   {:.1}s: every node holds its layers and the ring is linked",
         started.elapsed().as_secs_f64()
     );
 
     let backend: Arc<dyn Backend> = Arc::new(cluster.backend.clone());
-    let listener = match bind_and_print(args.listen, &backend, api_key.is_some()).await {
+    let listener = match bind_and_print(args.listen, &backend, http.api_key.is_some()).await {
         Ok(l) => l,
         Err(e) => {
             cluster.stop().await;
@@ -354,21 +360,23 @@ async fn up(
                 &[("text", &text)],
                 &format!("  sample     {}", text.replace('\n', " ")),
             ),
-            Err(e) => eprintln!("  sample failed: {e}"),
+            Err(e) => say_err!("  sample failed: {e}"),
         }
     }
-    println!("Ctrl-C stops the cluster.");
-    flush();
-    let served = serve_cluster_until_signal(&cluster.backend, listener, api_key).await;
-    println!(
-        "stopping: gateway closed; closing sequences and stopping {} nodes",
-        args.nodes
+    say!("Ctrl-C stops the cluster.");
+    let served = serve_cluster_until_signal(&cluster.backend, listener, http).await;
+    // Queued, never written here: stdout may be a pipe nobody reads (crate::output).
+    crate::output::line(
+        Stream::Stdout,
+        &format!(
+            "stopping: gateway closed; closing sequences and stopping {} nodes",
+            args.nodes
+        ),
     );
-    flush();
     cluster.stop().await;
     let grace = Duration::from_secs(10);
     tokio::task::block_in_place(|| nodes.terminate(grace));
-    println!("stopped");
+    crate::output::line(Stream::Stdout, "stopped");
     served
 }
 
@@ -399,9 +407,4 @@ async fn sample(backend: &dyn Backend, prompt: &str, max_tokens: usize) -> anyho
     }
     text.push_str(&decoder.finish());
     Ok(text.trim_end().to_string())
-}
-
-fn flush() {
-    use std::io::Write as _;
-    let _ = std::io::stdout().flush();
 }
