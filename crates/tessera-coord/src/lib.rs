@@ -89,6 +89,7 @@ pub mod discovery;
 pub mod distribute;
 pub mod driver;
 pub mod enrol;
+pub mod enrolling;
 pub mod error;
 pub mod membership;
 pub mod planning;

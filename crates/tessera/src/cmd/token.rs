@@ -62,11 +62,19 @@ enum TokenAction {
         #[command(flatten)]
         op: OperatorArgs,
     },
-    /// Revoke a token by id (or a unique prefix): no key enrols with it any more.
+    /// Revoke a token by id (or a unique prefix): no key enrols with it any more. With
+    /// `--with-keys` (the default for a single-use token) the keys it enrolled are revoked
+    /// too: every connection of theirs closes and their runs end.
     Revoke {
         #[command(flatten)]
         op: OperatorArgs,
         id: String,
+        /// Also revoke the keys that enrolled with it.
+        #[arg(long, conflicts_with = "keep_keys")]
+        with_keys: bool,
+        /// Leave the keys it enrolled enrolled, even for a single-use token.
+        #[arg(long)]
+        keep_keys: bool,
     },
 }
 
@@ -105,7 +113,19 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
             )
         }
         TokenAction::List { op } => (op, AdminRequest::ListTokens),
-        TokenAction::Revoke { op, id } => (op, AdminRequest::RevokeToken { id }),
+        TokenAction::Revoke {
+            op,
+            id,
+            with_keys,
+            keep_keys,
+        } => {
+            let with_keys = match (with_keys, keep_keys) {
+                (true, _) => Some(true),
+                (_, true) => Some(false),
+                _ => None,
+            };
+            (op, AdminRequest::RevokeToken { id, with_keys })
+        }
     };
     let (addr, reply) = admin(&op, req)?;
     match reply {
