@@ -107,6 +107,8 @@ pub enum Refusal {
     AdminNeedsOperator,
     #[error("a second hello")]
     SecondHello,
+    #[error("{0}")]
+    ModelBytes(crate::model_access::ModelRefusal),
     #[error(
         "too many runs in flight (at most {MAX_RUNS_PER_CLIENT} per client, \
          {MAX_CLIENT_RUNS} for all clients); retry later"

@@ -92,6 +92,7 @@ pub mod enrol;
 pub mod enrolling;
 pub mod error;
 pub mod membership;
+pub mod model_access;
 pub mod planning;
 pub mod replan;
 pub mod run;

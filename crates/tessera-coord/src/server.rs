@@ -385,7 +385,11 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
                     let peer = conn.peer_id().short();
                     let mut s = s;
                     s.reader.set_max_len(limits::CONTROL);
-                    if let Err(e) = shared.server.serve(s, peer.clone()).await {
+                    let key = conn.peer_key();
+                    let authorize = |req: &tessera_proto::ModelRequest| {
+                        authorize_model_request(&shared, &key, req)
+                    };
+                    if let Err(e) = shared.server.serve(s, peer.clone(), &authorize).await {
                         tracing::warn!("model stream of {peer}: {e}");
                     }
                 });
@@ -400,6 +404,37 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
             }
         }
     }
+}
+
+/// Whether `key` may have what `req` asks for now ([`crate::model_access`]): the manifest
+/// with a node credential, chunks only of the tensors its live assignments need. A refusal is
+/// counted and logged within the gate's budget.
+fn authorize_model_request(
+    shared: &Shared,
+    key: &tessera_net::PublicKey,
+    req: &tessera_proto::ModelRequest,
+) -> Result<(), String> {
+    use crate::model_access::{assigned_tensors, check_chunks, check_manifest};
+    let node = key.node_id();
+    let Some(grant) = shared.enrol.grant_of(key) else {
+        return Err("this key is revoked".into());
+    };
+    let verdict = match req {
+        tessera_proto::ModelRequest::Manifest { .. } => check_manifest(grant),
+        tessera_proto::ModelRequest::Chunks { ids, .. } => {
+            let parts = assigned_tensors(
+                &shared.lock().membership,
+                shared.model.config.n_layer,
+                &node,
+            );
+            check_chunks(grant, &parts.chunks(shared.server.manifest()), ids)
+        }
+    };
+    verdict.map_err(|e| {
+        let why = crate::authz::Refusal::ModelBytes(e);
+        shared.authz.refuse(node, &why);
+        why.to_string()
+    })
 }
 
 /// The membership's clock: a [`Event::Tick`] four times per lease, until the coordinator is
