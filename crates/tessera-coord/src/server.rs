@@ -124,6 +124,7 @@ impl Coordinator {
             endpoint,
         };
         spawn_lease_clock(Arc::downgrade(&coordinator.shared));
+        crate::sealed::edge::spawn_clock(Arc::downgrade(&coordinator.shared));
         Ok(coordinator)
     }
 
@@ -449,7 +450,6 @@ fn spawn_lease_clock(shared: std::sync::Weak<Shared>) {
                         s.apply(Event::Tick {
                             now: s.started.elapsed(),
                         });
-                        crate::sealed::edge::tick(&s);
                     }
                     (s.lease() / 4).max(Duration::from_millis(1))
                 }
