@@ -143,7 +143,11 @@ impl AssignedParts {
 }
 
 /// May a key with `grant` whose assignments allow `allowed` receive `ids`?
-pub fn check_chunks(grant: Grant, allowed: &BTreeSet<u32>, ids: &[u32]) -> Result<(), ModelRefusal> {
+pub fn check_chunks(
+    grant: Grant,
+    allowed: &BTreeSet<u32>,
+    ids: &[u32],
+) -> Result<(), ModelRefusal> {
     if grant != Grant::Node {
         return Err(ModelRefusal::NotANode(grant));
     }

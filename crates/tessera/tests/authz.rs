@@ -40,12 +40,17 @@ fn rt() -> tokio::runtime::Runtime {
 
 /// `tessera ARGS --coordinator-file COORD/operator.token --data-dir DIR/operator`.
 fn operator(c: &Cluster, args: &[&str]) -> Output {
+    operator_in(c.dir.path(), args)
+}
+
+/// [`operator`] for the cluster in `dir`.
+fn operator_in(dir: &std::path::Path, args: &[&str]) -> Output {
     let mut cmd = Command::new(bin());
     cmd.args(args)
         .arg("--coordinator-file")
-        .arg(c.dir.path().join("coord/operator.token"))
+        .arg(dir.join("coord/operator.token"))
         .arg("--data-dir")
-        .arg(c.dir.path().join("operator"))
+        .arg(dir.join("operator"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     run_with_timeout(cmd, Duration::from_secs(60))
@@ -72,8 +77,12 @@ fn create(c: &Cluster, flags: &[&str]) -> (String, String) {
 /// Enrols `id` with `line`'s token over the real transport: `Ok` or the coordinator's reason.
 async fn enrol_as(line: &str, id: &NodeIdentity) -> Result<(), String> {
     let target: JoinTarget = line.parse().unwrap();
-    let ep = Endpoint::bind("127.0.0.1:0".parse().unwrap(), id, tessera_net::AllowList::new())
-        .unwrap();
+    let ep = Endpoint::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        id,
+        tessera_net::AllowList::new(),
+    )
+    .unwrap();
     let r = ep.enroll(target.addr, &target.token).await;
     ep.close();
     match r {
@@ -87,14 +96,21 @@ fn enrol(line: &str) -> Result<(), String> {
     rt().block_on(enrol_as(line, &NodeIdentity::generate().unwrap()))
 }
 
-/// When the first line of `p` holding the event arrived (after waiting for it).
-fn event_time(p: &mut Proc, fields: &[(&str, &str)]) -> Instant {
-    p.wait_event(fields);
-    p.seen
+/// Runs `act`, then waits for the next event of `p` with these fields (one not seen before
+/// `act`): the time `act` returned and the time the event's line arrived.
+fn next_event(p: &mut Proc, fields: &[(&str, &str)], act: impl FnOnce()) -> (Instant, Instant) {
+    let before = p.events(fields).len();
+    act();
+    let acted = Instant::now();
+    p.wait_event_nth(fields, before + 1);
+    let at = p
+        .seen
         .iter()
-        .find(|(_, l)| event_in(l, fields).is_some())
+        .filter(|(_, l)| event_in(l, fields).is_some())
+        .nth(before)
         .map(|(t, _)| *t)
-        .unwrap()
+        .unwrap();
+    (acted, at)
 }
 
 #[test]
@@ -105,14 +121,21 @@ fn a_zero_proof_claim_does_not_use_up_a_single_use_token_and_a_huge_claim_is_ref
     let coordinator = target.token.coordinator().unwrap();
     rt().block_on(async {
         let id = NodeIdentity::generate().unwrap();
-        let ep = Endpoint::bind("127.0.0.1:0".parse().unwrap(), &id, tessera_net::AllowList::new())
-            .unwrap();
+        let ep = Endpoint::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &id,
+            tessera_net::AllowList::new(),
+        )
+        .unwrap();
         // The right token id, a proof of zeros.
         let conn = ep.connect(target.addr, coordinator).await.unwrap();
         let mut s = conn.open_stream(stream_kind::ENROL).await.unwrap();
         let mut claim = target.token.id().0.to_vec();
         claim.extend_from_slice(&[0u8; 32]);
-        s.writer.write_frame(KIND_ENROL_CLAIM, &claim).await.unwrap();
+        s.writer
+            .write_frame(KIND_ENROL_CLAIM, &claim)
+            .await
+            .unwrap();
         let reply = tokio::time::timeout(Duration::from_secs(10), s.reader.recv())
             .await
             .expect("an answer")
@@ -141,7 +164,10 @@ fn a_zero_proof_claim_does_not_use_up_a_single_use_token_and_a_huge_claim_is_ref
     // The token was not used up by either: its holder enrols, once.
     let list = ok(&operator(&c, &["token", "list"]));
     let row = list.lines().find(|l| l.starts_with(&once_id)).unwrap();
-    assert!(row.split_whitespace().nth(2) == Some("1"), "uses left: {row}");
+    assert!(
+        row.split_whitespace().nth(2) == Some("1"),
+        "uses left: {row}"
+    );
     enrol(&once).unwrap();
     let why = enrol(&once).unwrap_err();
     assert!(why.contains("used as many times"), "{why}");
@@ -159,8 +185,12 @@ fn forty_idle_half_open_enrolments_do_not_stop_a_real_token_holder() {
         .map(|_| {
             let id = NodeIdentity::generate().unwrap();
             let _g = rt.enter();
-            Endpoint::bind("127.0.0.1:0".parse().unwrap(), &id, tessera_net::AllowList::new())
-                .unwrap()
+            Endpoint::bind(
+                "127.0.0.1:0".parse().unwrap(),
+                &id,
+                tessera_net::AllowList::new(),
+            )
+            .unwrap()
         })
         .collect();
     let idle = rt.block_on(async {
@@ -172,7 +202,11 @@ fn forty_idle_half_open_enrolments_do_not_stop_a_real_token_holder() {
         }
         held
     });
-    assert!(idle.len() >= 32, "only {} idle connections opened", idle.len());
+    assert!(
+        idle.len() >= 32,
+        "only {} idle connections opened",
+        idle.len()
+    );
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let reopener = {
         let (ep, stop) = (strangers[0].clone(), stop.clone());
@@ -207,7 +241,10 @@ fn forty_idle_half_open_enrolments_do_not_stop_a_real_token_holder() {
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let reopened = rt.block_on(reopener).unwrap();
-    println!("attack table: {} idle held, {reopened} re-opened during", idle.len());
+    println!(
+        "attack table: {} idle held, {reopened} re-opened during",
+        idle.len()
+    );
     drop(idle);
 }
 
@@ -287,14 +324,20 @@ fn revoked_keys_lose_every_connection_within_a_second_and_their_runs_with_them()
     let out = operator(&c, &["token", "revoke", &client_token[..8]]);
     let revoked_at = Instant::now();
     let said = ok(&out);
-    assert!(said.contains("and the keys"), "single-use: its key too: {said}");
+    assert!(
+        said.contains("and the keys"),
+        "single-use: its key too: {said}"
+    );
     for (n, h) in [(1, closed1), (2, closed2)] {
         let at = rt
             .block_on(async { tokio::time::timeout(Duration::from_secs(5), h).await })
             .unwrap_or_else(|_| panic!("connection {n} still open 5 s after the revocation"))
             .unwrap();
         let after = at.saturating_duration_since(revoked_at);
-        assert!(after < Duration::from_secs(1), "connection {n} closed {after:?} after");
+        assert!(
+            after < Duration::from_secs(1),
+            "connection {n} closed {after:?} after"
+        );
         println!("attack table: revoked client's connection {n} closed {after:?} after the CLI");
     }
     c.node("a").signal("-CONT");
@@ -309,7 +352,10 @@ fn revoked_keys_lose_every_connection_within_a_second_and_their_runs_with_them()
         client_target.addr,
         &client_target.token,
     ));
-    let why = again.err().expect("a revoked key connected again").to_string();
+    let why = again
+        .err()
+        .expect("a revoked key connected again")
+        .to_string();
     assert!(why.contains("revoked"), "{why}");
     ep1.close();
     ep2.close();
@@ -318,16 +364,26 @@ fn revoked_keys_lose_every_connection_within_a_second_and_their_runs_with_them()
     // connection closes within a second.
     let (node_line, node_token) = create(&c, &["--role", "node"]);
     c.add_node_via("b", &node_line);
-    let out = operator(&c, &["token", "revoke", &node_token[..8], "--with-keys"]);
-    let cli_done = Instant::now();
-    ok(&out);
-    let left = event_time(&mut c.coordinator, &[("event", "node_left"), ("node", "b")]);
+    let dir = c.dir.path().to_path_buf();
+    let (cli_done, left) = next_event(
+        &mut c.coordinator,
+        &[("event", "node_left"), ("node", "b")],
+        || {
+            ok(&operator_in(
+                &dir,
+                &["token", "revoke", &node_token[..8], "--with-keys"],
+            ));
+        },
+    );
     let after = left.saturating_duration_since(cli_done);
     assert!(after < Duration::from_secs(1), "b left {after:?} after");
-    let out = operator(&c, &["node", "revoke", "a"]);
-    let cli_done = Instant::now();
-    ok(&out);
-    let left = event_time(&mut c.coordinator, &[("event", "node_left"), ("node", "a")]);
+    let (cli_done, left) = next_event(
+        &mut c.coordinator,
+        &[("event", "node_left"), ("node", "a")],
+        || {
+            ok(&operator_in(&dir, &["node", "revoke", "a"]));
+        },
+    );
     let after = left.saturating_duration_since(cli_done);
     assert!(after < Duration::from_secs(1), "a left {after:?} after");
 }
@@ -364,13 +420,10 @@ fn a_client_credential_gets_no_model_bytes() {
         let target: JoinTarget = line.parse().unwrap();
         let me = NodeIdentity::generate().unwrap();
         let replies = rt.block_on(async {
-            let (ep, conn, _s) = tessera_coord::sealed::client::connect_client(
-                &me,
-                target.addr,
-                &target.token,
-            )
-            .await
-            .unwrap();
+            let (ep, conn, _s) =
+                tessera_coord::sealed::client::connect_client(&me, target.addr, &target.token)
+                    .await
+                    .unwrap();
             let r = ask_model(&conn).await;
             ep.close();
             r
@@ -388,8 +441,12 @@ fn a_client_credential_gets_no_model_bytes() {
     let target: JoinTarget = c.join.parse().unwrap();
     let me = NodeIdentity::generate().unwrap();
     let replies = rt.block_on(async {
-        let ep = Endpoint::bind("127.0.0.1:0".parse().unwrap(), &me, tessera_net::AllowList::new())
-            .unwrap();
+        let ep = Endpoint::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &me,
+            tessera_net::AllowList::new(),
+        )
+        .unwrap();
         let conn = ep.enroll(target.addr, &target.token).await.unwrap();
         let r = ask_model(&conn).await;
         ep.close();
@@ -464,7 +521,10 @@ fn the_documented_cluster_commands_run_with_no_token_in_argv() {
     let out = run(&["--coordinator", &c.operator], None);
     assert_eq!(ok(&out), text);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("visible to every user in the process list"), "{err}");
+    assert!(
+        err.contains("visible to every user in the process list"),
+        "{err}"
+    );
     // `tessera token create|list|revoke` and `tessera node revoke` with the operator file.
     let (_, id) = create(&c, &["--role", "client", "--uses", "1"]);
     let list = ok(&operator(&c, &["token", "list"]));

@@ -94,7 +94,10 @@ fn a_killed_workers_sealed_job_moves_to_another_within_the_node_lease() {
     let (again, moved) = news_at(&mut p, "dispatched", 2);
     assert_ne!(moved["to"].as_str().unwrap(), dead_key);
     let handover = again.saturating_duration_since(killed);
-    assert!(handover < Duration::from_secs(6), "moved {handover:?} after the kill");
+    assert!(
+        handover < Duration::from_secs(6),
+        "moved {handover:?} after the kill"
+    );
     assert!(expired <= again);
     assert!(p.finish().success(), "{:?}", p.seen);
     let answered = messages(&p)
@@ -104,8 +107,13 @@ fn a_killed_workers_sealed_job_moves_to_another_within_the_node_lease() {
     assert_eq!(answered.len(), 1, "one answer");
     assert_eq!(answered[0].1["attempt"], 2);
     let done = answered[0].0.saturating_duration_since(killed);
-    assert!(done < Duration::from_secs(20), "answered {done:?} after the kill");
-    println!("attack table: kill -9 of the holder: moved after {handover:?}, answered after {done:?}");
+    assert!(
+        done < Duration::from_secs(20),
+        "answered {done:?} after the kill"
+    );
+    println!(
+        "attack table: kill -9 of the holder: moved after {handover:?}, answered after {done:?}"
+    );
 
     // A job submitted now goes only to the live worker: the dead one is not listed.
     let mut q = submit(&c, "client2", "8");

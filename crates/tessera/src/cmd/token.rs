@@ -53,7 +53,11 @@ pub fn secret_line(
 pub struct CoordinatorLine {
     /// The coordinator's `TOKEN@HOST:PORT` line (visible to every user in the process list:
     /// prefer --coordinator-file or the TESSERA_TOKEN environment variable).
-    #[arg(long, value_name = "TOKEN@HOST:PORT", conflicts_with = "coordinator_file")]
+    #[arg(
+        long,
+        value_name = "TOKEN@HOST:PORT",
+        conflicts_with = "coordinator_file"
+    )]
     coordinator: Option<String>,
     /// A file holding that line (keeps the secret out of the process list).
     #[arg(long, value_name = "PATH")]
