@@ -38,19 +38,29 @@ pub(crate) fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {
         AdminRequest::ListTokens => AdminReply::Tokens {
             tokens: shared.enrol.tokens(),
         },
-        AdminRequest::RevokeToken { id } => match shared.enrol.revoke_token(&id) {
-            Ok(info) => {
-                eprintln!("revoked token {}", info.id);
-                AdminReply::Revoked {
-                    what: format!("token {}", info.id),
+        AdminRequest::RevokeToken { id, with_keys } => {
+            match shared.enrol.revoke_token(&id, with_keys) {
+                Ok((info, keys)) => {
+                    // The keys it let in: every connection of each ends now.
+                    for k in &keys {
+                        revoked_key(shared, k);
+                    }
+                    eprintln!("revoked token {} and {} keys", info.id, keys.len());
+                    AdminReply::Revoked {
+                        what: if keys.is_empty() {
+                            format!("token {}", info.id)
+                        } else {
+                            let ids: Vec<String> = keys.iter().map(ToString::to_string).collect();
+                            format!("token {} and the keys {}", info.id, ids.join(", "))
+                        },
+                    }
                 }
+                Err(e) => refused(&e),
             }
-            Err(e) => refused(&e),
-        },
+        }
         AdminRequest::RevokeNode { name } => match shared.enrol.revoke_named(&name) {
             Ok(id) => {
-                // Its sessions end now; it is planned around like a node that left.
-                shared.authz.disconnect(&id, "revoked");
+                revoked_key(shared, &id);
                 eprintln!("revoked key {id}");
                 AdminReply::Revoked {
                     what: format!("key {id}"),
@@ -59,4 +69,17 @@ pub(crate) fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {
             Err(e) => refused(&e),
         },
     }
+}
+
+/// A key was revoked: every connection it has ends now (its sessions with them: a node is
+/// planned around like one that left, a client's runs are cancelled). A request that raced
+/// the close is refused too: sessions check the key's rights on every message.
+fn revoked_key(shared: &Shared, key: &tessera_net::NodeId) {
+    let closed = shared.authz.disconnect(key, "revoked");
+    tracing::info!(
+        event = "key_revoked",
+        node_id = %key,
+        connections = closed,
+        "revoked key {key}: {closed} connections closed"
+    );
 }

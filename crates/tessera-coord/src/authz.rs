@@ -107,6 +107,8 @@ pub enum Refusal {
     AdminNeedsOperator,
     #[error("a second hello")]
     SecondHello,
+    #[error("{0}")]
+    ModelBytes(crate::model_access::ModelRefusal),
     #[error(
         "too many runs in flight (at most {MAX_RUNS_PER_CLIENT} per client, \
          {MAX_CLIENT_RUNS} for all clients); retry later"
@@ -120,8 +122,7 @@ pub const MAX_CLIENT_RUNS: usize = 32;
 /// Most runs one client key may have in flight, so one client cannot take every place.
 pub const MAX_RUNS_PER_CLIENT: usize = 8;
 
-/// Most enrolments (unknown keys proving a token) in progress at once; more are refused.
-pub const MAX_ENROLLING: usize = 32;
+pub use crate::enrolling::{MAX_ENROLLING, MAX_ENROLLING_PER_ADDRESS};
 
 /// A log line from a peer's input: one line (control characters escaped), at most 300 bytes.
 pub(crate) fn clip_line(s: &str) -> String {
@@ -217,10 +218,12 @@ pub struct Gate {
     log: Mutex<LogBudget>,
     client_runs: Arc<tokio::sync::Semaphore>,
     per_client: Arc<Mutex<HashMap<NodeId, usize>>>,
-    enrolling: Arc<tokio::sync::Semaphore>,
+    enrolling: crate::enrolling::SlotTable,
     net_refused: AtomicU64,
     net_log: Mutex<LogBudget>,
-    conns: Mutex<HashMap<NodeId, tessera_net::Connection>>,
+    /// Every open connection of each key (a key may hold several: a node's and a client's
+    /// sessions, a client run twice), so that a revocation ends them all.
+    conns: Mutex<HashMap<NodeId, Vec<tessera_net::Connection>>>,
 }
 
 impl Default for Gate {
@@ -236,7 +239,7 @@ impl Gate {
             log: Mutex::default(),
             client_runs: Arc::new(tokio::sync::Semaphore::new(MAX_CLIENT_RUNS)),
             per_client: Arc::default(),
-            enrolling: Arc::new(tokio::sync::Semaphore::new(MAX_ENROLLING)),
+            enrolling: crate::enrolling::SlotTable::default(),
             net_refused: AtomicU64::new(0),
             net_log: Mutex::default(),
             conns: Mutex::default(),
@@ -272,10 +275,11 @@ impl Gate {
         permit
     }
 
-    /// A place for one enrolment in progress (unknown keys proving a token), or `None` when
-    /// [`MAX_ENROLLING`] are.
-    pub fn enrolment_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        self.enrolling.clone().try_acquire_owned().ok()
+    /// A place for one enrolment in progress (an unknown key proving a token) from `ip`, or
+    /// `None` when every place it could take is being judged ([`crate::enrolling`]: silent
+    /// enrolments give way to newcomers).
+    pub fn enrolment_slot(&self, ip: std::net::IpAddr) -> Option<crate::enrolling::EnrolmentSlot> {
+        self.enrolling.open(ip)
     }
 
     /// Connections and enrolments refused so far.
@@ -316,24 +320,28 @@ impl Gate {
         }
     }
 
-    /// Remembers `conn` as its key's live connection.
+    /// Remembers `conn` among its key's open connections (the closed ones are forgotten).
     pub fn track(&self, conn: &tessera_net::Connection) {
-        self.conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(conn.peer_id(), conn.clone());
+        let mut m = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+        m.retain(|_, v| {
+            v.retain(|c| c.quinn().close_reason().is_none());
+            !v.is_empty()
+        });
+        m.entry(conn.peer_id()).or_default().push(conn.clone());
     }
 
-    /// Ends the live connection of a revoked key.
-    pub fn disconnect(&self, node: &NodeId, reason: &str) {
-        if let Some(c) = self
+    /// Ends every open connection of a revoked key; how many there were.
+    pub fn disconnect(&self, node: &NodeId, reason: &str) -> usize {
+        let conns = self
             .conns
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(node)
-        {
+            .unwrap_or_default();
+        for c in &conns {
             c.close(reason);
         }
+        conns.len()
     }
 
     /// Messages refused so far.

@@ -64,8 +64,15 @@ impl ModelServer {
         &self.manifest
     }
 
-    /// Answers one model stream until the node finishes it.
-    pub async fn serve(&self, mut s: FramedStream, peer: String) -> Result<(), CoordError> {
+    /// Answers one model stream until the node finishes it. Each request is first put to
+    /// `authorize` (who may receive what: [`crate::model_access`]); a refusal is answered
+    /// with its reason and no bytes.
+    pub async fn serve(
+        &self,
+        mut s: FramedStream,
+        peer: String,
+        authorize: &(dyn Fn(&ModelRequest) -> Result<(), String> + Send + Sync),
+    ) -> Result<(), CoordError> {
         while let Some(f) = s.reader.read_frame().await? {
             if f.kind != frame::MSG {
                 return Err(CoordError::Protocol(format!(
@@ -74,6 +81,12 @@ impl ModelServer {
                 )));
             }
             let req: ModelRequest = f.json()?;
+            if let Err(message) = authorize(&req) {
+                s.writer
+                    .write_message(frame::MSG, &ModelReply::Error { message })
+                    .await?;
+                continue;
+            }
             match req {
                 ModelRequest::Manifest { model } if model == self.manifest.model_hash => {
                     s.writer

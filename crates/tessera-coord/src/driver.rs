@@ -69,9 +69,21 @@ pub(crate) async fn client_session(
     let mut mine: Vec<u64> = Vec::new();
     // This session's id at the sealed desk, from its first sealed job.
     let mut sealed_id = None;
-    let sender = client_facts(&shared, &conn)?;
+    let mut sender = client_facts(&shared, &conn)?;
     let result = async {
         while let Some(f) = reader.read_frame().await? {
+            // Rights are the key's now, not at the session's start: a revoked key's session
+            // ends at its next message, and its runs are cancelled below.
+            sender = match client_facts(&shared, &conn) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = tx.send(CoordToClient::Error {
+                        message: "this key has been revoked".into(),
+                    });
+                    conn.close("revoked");
+                    return Err(e);
+                }
+            };
             if f.kind != frame::MSG {
                 return Err(CoordError::Protocol(format!(
                     "unexpected frame kind {:#06x}",

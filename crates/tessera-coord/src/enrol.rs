@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tessera_net::{
-    Admission, AllowList, Connection, EnrolmentRequest, JoinToken, NodeId, PeerPolicy, PublicKey,
-    Refusal,
+    Admission, AllowList, ClaimedEnrolment, JoinToken, NodeId, PeerPolicy, PublicKey, Refusal,
+    TokenId,
 };
 use tessera_proto::{Role, TokenInfo};
 
@@ -179,52 +179,48 @@ impl Enrolment {
             .map(EnrolledNode::grant)
     }
 
-    /// Runs the enrolment handshake of an unknown key and records it, with the role its token
-    /// grants, on success.
-    pub async fn complete(&self, req: EnrolmentRequest) -> Result<Connection, CoordError> {
-        let now = now_unix_ms();
-        let mut taken = None;
-        let result = req
-            .complete(|claim| {
-                let mut snap = self.snap();
-                if snap.revoked.contains(&claim.node_id()) {
-                    return Err(Refusal::Revoked(claim.node_id()));
-                }
-                let Some(r) = tokens::find(&mut snap.tokens, &claim.token_id) else {
-                    return Err(Refusal::Other(TokenRefusal::Unknown.to_string()));
-                };
-                r.check(now).map_err(|e| Refusal::Other(e.to_string()))?;
-                // Taken now, so that two keys racing for a token's last use cannot both win.
-                r.take_use();
-                taken = Some((claim.token_id, r.grant));
-                Ok(r.token.clone())
-            })
-            .await;
-        match result {
-            Ok(conn) => {
-                let grant = taken.map_or(Grant::Node, |(_, g)| g);
-                self.record(conn.peer_key(), grant)?;
-                Ok(conn)
-            }
-            Err(e) => {
-                if let Some((id, _)) = taken {
-                    if let Some(r) = tokens::find(&mut self.snap().tokens, &id) {
-                        r.give_back_use();
-                    }
-                }
-                Err(e.into())
-            }
-        }
+    /// Judges an enrolment whose claim has been read, under one lock: the claimed token must
+    /// be one this coordinator still honours, and the claim must prove it on this session.
+    /// Only then is a use of the token taken and the key recorded, with the role the token
+    /// grants and the token's id, so a claim that fails its proof costs the token nothing.
+    /// The caller answers the node ([`ClaimedEnrolment::accept`] or `refuse`).
+    pub fn judge_now(&self, claimed: &ClaimedEnrolment) -> Result<(), Refusal> {
+        self.judge(claimed, now_unix_ms())
     }
 
-    fn record(&self, key: PublicKey, grant: Grant) -> Result<(), CoordError> {
+    fn judge(&self, claimed: &ClaimedEnrolment, now: u64) -> Result<(), Refusal> {
+        let claim = claimed.claim();
         let mut snap = self.snap();
-        if snap.revoked.contains(&key.node_id()) {
-            return Err(CoordError::Run(format!(
-                "node {} is revoked",
-                key.node_id()
-            )));
+        if snap.revoked.contains(&claim.node_id()) {
+            return Err(Refusal::Revoked(claim.node_id()));
         }
+        let Some(r) = tokens::find(&mut snap.tokens, &claim.token_id) else {
+            return Err(Refusal::Other(TokenRefusal::Unknown.to_string()));
+        };
+        r.check(now).map_err(|e| Refusal::Other(e.to_string()))?;
+        let proved = claimed
+            .proves(&r.token)
+            .map_err(|e| Refusal::Other(format!("cannot check the proof: {e}")))?;
+        if !proved {
+            return Err(Refusal::BadToken);
+        }
+        r.take_use();
+        let (grant, token) = (r.grant, r.id());
+        Self::record_in(&mut snap, claim.peer, grant, Some(token));
+        if let Err(e) = self.state.save(&snap) {
+            // Not recorded durably: undo, so that memory and disk agree.
+            if let Some(r) = tokens::find(&mut snap.tokens, &token) {
+                r.give_back_use();
+            }
+            snap.nodes.retain(|n| n.key != claim.peer);
+            return Err(Refusal::Other(format!("cannot record the node: {e}")));
+        }
+        self.allow.insert(claim.peer);
+        Ok(())
+    }
+
+    /// Adds `key` to the enrolled records (a known key keeps its record).
+    fn record_in(snap: &mut Snapshot, key: PublicKey, grant: Grant, token: Option<TokenId>) {
         if !snap.nodes.iter().any(|n| n.key == key) {
             snap.nodes.push(EnrolledNode {
                 node_id: key.node_id(),
@@ -233,9 +229,21 @@ impl Enrolment {
                 role: Some(grant.role()),
                 enrolled_at_unix_ms: now_unix_ms(),
                 grant: Some(grant),
+                token,
             });
         }
-        // Saved even for a known key: the token's use count changed.
+    }
+
+    #[cfg(test)]
+    fn record(&self, key: PublicKey, grant: Grant) -> Result<(), CoordError> {
+        let mut snap = self.snap();
+        if snap.revoked.contains(&key.node_id()) {
+            return Err(CoordError::Run(format!(
+                "node {} is revoked",
+                key.node_id()
+            )));
+        }
+        Self::record_in(&mut snap, key, grant, None);
         self.state.save(&snap)?;
         self.allow.insert(key);
         Ok(())
@@ -304,8 +312,14 @@ impl Enrolment {
         self.snap().tokens.iter().map(TokenRecord::info).collect()
     }
 
-    /// Revokes the one token whose id starts with `prefix`.
-    pub fn revoke_token(&self, prefix: &str) -> Result<TokenInfo, CoordError> {
+    /// Revokes the one token whose id starts with `prefix`, and with `with_keys` the keys that
+    /// enrolled with it (`None`: only for a single-use token, whose one key is the one it was
+    /// made for). Returns the token and the keys revoked now.
+    pub fn revoke_token(
+        &self,
+        prefix: &str,
+        with_keys: Option<bool>,
+    ) -> Result<(TokenInfo, Vec<NodeId>), CoordError> {
         let mut snap = self.snap();
         let mut hits = snap
             .tokens
@@ -318,8 +332,28 @@ impl Enrolment {
         };
         t.revoked = true;
         let info = t.info();
+        let id = t.id();
+        let keys: Vec<NodeId> = if with_keys.unwrap_or_else(|| t.single_use()) {
+            let enrolled: Vec<NodeId> = snap
+                .nodes
+                .iter()
+                .filter(|n| n.token == Some(id))
+                .map(|n| n.node_id)
+                .collect();
+            let fresh: Vec<NodeId> = enrolled
+                .into_iter()
+                .filter(|n| !snap.revoked.contains(n))
+                .collect();
+            snap.revoked.extend(fresh.iter().copied());
+            fresh
+        } else {
+            Vec::new()
+        };
         self.state.save(&snap)?;
-        Ok(info)
+        for n in &keys {
+            self.allow.remove(n);
+        }
+        Ok((info, keys))
     }
 
     /// Revokes the enrolled key named `name` (its name, node id or an id prefix).
@@ -512,7 +546,7 @@ mod tests {
         let e = open(2_000);
         assert_eq!(e.token(), &first);
         assert_eq!(e.operator_token(), &op);
-        e.revoke_token(&first.id().to_string()).unwrap();
+        e.revoke_token(&first.id().to_string(), None).unwrap();
         drop(e);
         let e = open(3_000);
         assert_ne!(e.token(), &first, "a revoked token is replaced");

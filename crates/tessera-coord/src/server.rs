@@ -124,6 +124,7 @@ impl Coordinator {
             endpoint,
         };
         spawn_lease_clock(Arc::downgrade(&coordinator.shared));
+        crate::sealed::edge::spawn_clock(Arc::downgrade(&coordinator.shared));
         Ok(coordinator)
     }
 
@@ -190,30 +191,10 @@ impl Coordinator {
                 let from = incoming.remote_addr();
                 let conn = match incoming.handshake().await {
                     Ok(Accepted::Peer(c)) => c,
-                    Ok(Accepted::Enrolment(req)) => {
-                        let id = req.peer_id();
-                        // Bounded: unknown keys cannot hold more than a few enrolments open.
-                        let Some(_slot) = shared.authz.enrolment_slot() else {
-                            let why = "too many enrolments in progress; retry later";
-                            let _ = req.refuse(tessera_net::Refusal::Other(why.into()));
-                            shared.authz.log_net(Some(id), &why, || {
-                                format!("refused enrolment of {id}: {why}")
-                            });
-                            return;
-                        };
-                        match shared.enrol.complete(req).await {
-                            Ok(c) => {
-                                tracing::info!(event = "enrolled", node_id = %id, "enrolled node {id}");
-                                c
-                            }
-                            Err(e) => {
-                                shared.authz.log_net(Some(id), &e, || {
-                                    format!("refused enrolment of {id} from {from}: {e}")
-                                });
-                                return;
-                            }
-                        }
-                    }
+                    Ok(Accepted::Enrolment(req)) => match enrol_stranger(&shared, req).await {
+                        Some(c) => c,
+                        None => return,
+                    },
                     Err(e) => {
                         shared.authz.log_net(None, &e, || {
                             format!("refused a connection from {from}: {e}")
@@ -319,7 +300,68 @@ impl Coordinator {
     }
 }
 
+/// Takes an unknown key through enrolment: a place among the enrolments in progress (bounded
+/// per source address; a silent one gives way to a newcomer, [`crate::enrolling`]), its claim
+/// within the first-message deadline, then the token and the proof judged
+/// ([`Enrolment::judge_now`]). The connection, enrolled, or `None` (refused and logged).
+async fn enrol_stranger(shared: &Shared, req: tessera_net::EnrolmentRequest) -> Option<Connection> {
+    let id = req.peer_id();
+    let from = req.remote_addr();
+    let Some(mut slot) = shared.authz.enrolment_slot(from.ip()) else {
+        let why = "too many enrolments in progress; retry later";
+        let _ = req.refuse(tessera_net::Refusal::Other(why.into()));
+        shared.authz.log_net(Some(id), &why, || {
+            format!("refused enrolment of {id} from {from}: {why}")
+        });
+        return None;
+    };
+    let claimed = tokio::select! {
+        r = req.read_claim() => r,
+        () = slot.evicted() => {
+            // Dropping the request closes its connection.
+            let why = "silent enrolment gave way to a newcomer";
+            shared.authz.log_net(Some(id), &why, || {
+                format!("ended enrolment of {id} from {from}: {why}")
+            });
+            return None;
+        }
+    };
+    let result: Result<Connection, CoordError> = match claimed {
+        Ok(c) => {
+            slot.claimed();
+            let verdict = shared.enrol.judge_now(&c);
+            // Judged: the place is free before the answer's I/O (a refusal waits for the peer
+            // to read it, and must not hold a place meanwhile).
+            drop(slot);
+            match verdict {
+                Ok(()) => c.accept().await.map_err(Into::into),
+                Err(r) => Err(c.refuse(r).await.into()),
+            }
+        }
+        Err(e) => Err(e.into()),
+    };
+    match result {
+        Ok(c) => {
+            tracing::info!(event = "enrolled", node_id = %id, "enrolled node {id}");
+            Some(c)
+        }
+        Err(e) => {
+            shared.authz.log_net(Some(id), &e, || {
+                format!("refused enrolment of {id} from {from}: {e}")
+            });
+            None
+        }
+    }
+}
+
 async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
+    // Every connection of a key is known, so that revoking the key ends them all; one that
+    // raced a revocation ends here.
+    shared.authz.track(&conn);
+    if shared.enrol.grant_of(&conn.peer_key()).is_none() {
+        conn.close("revoked");
+        return;
+    }
     loop {
         let s = match conn.accept_stream().await {
             Ok(Some(s)) => s,
@@ -344,7 +386,11 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
                     let peer = conn.peer_id().short();
                     let mut s = s;
                     s.reader.set_max_len(limits::CONTROL);
-                    if let Err(e) = shared.server.serve(s, peer.clone()).await {
+                    let key = conn.peer_key();
+                    let authorize = |req: &tessera_proto::ModelRequest| {
+                        authorize_model_request(&shared, &key, req)
+                    };
+                    if let Err(e) = shared.server.serve(s, peer.clone(), &authorize).await {
                         tracing::warn!("model stream of {peer}: {e}");
                     }
                 });
@@ -361,6 +407,37 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
     }
 }
 
+/// Whether `key` may have what `req` asks for now ([`crate::model_access`]): the manifest
+/// with a node credential, chunks only of the tensors its live assignments need. A refusal is
+/// counted and logged within the gate's budget.
+fn authorize_model_request(
+    shared: &Shared,
+    key: &tessera_net::PublicKey,
+    req: &tessera_proto::ModelRequest,
+) -> Result<(), String> {
+    use crate::model_access::{assigned_tensors, check_chunks, check_manifest};
+    let node = key.node_id();
+    let Some(grant) = shared.enrol.grant_of(key) else {
+        return Err("this key is revoked".into());
+    };
+    let verdict = match req {
+        tessera_proto::ModelRequest::Manifest { .. } => check_manifest(grant),
+        tessera_proto::ModelRequest::Chunks { ids, .. } => {
+            let parts = assigned_tensors(
+                &shared.lock().membership,
+                shared.model.config.n_layer,
+                &node,
+            );
+            check_chunks(grant, &parts.chunks(shared.server.manifest()), ids)
+        }
+    };
+    verdict.map_err(|e| {
+        let why = crate::authz::Refusal::ModelBytes(e);
+        shared.authz.refuse(node, &why);
+        why.to_string()
+    })
+}
+
 /// The membership's clock: a [`Event::Tick`] four times per lease, until the coordinator is
 /// dropped.
 fn spawn_lease_clock(shared: std::sync::Weak<Shared>) {
@@ -373,7 +450,6 @@ fn spawn_lease_clock(shared: std::sync::Weak<Shared>) {
                         s.apply(Event::Tick {
                             now: s.started.elapsed(),
                         });
-                        crate::sealed::edge::tick(&s);
                     }
                     (s.lease() / 4).max(Duration::from_millis(1))
                 }

@@ -60,7 +60,6 @@ pub(crate) async fn control_session(
         let _ = s.writer.finish().await;
         return Err(CoordError::Protocol(reason));
     }
-    shared.authz.track(&conn);
     match hello.role {
         Role::Node => node_session(shared, conn, s, hello).await,
         Role::Client => crate::driver::client_session(shared, conn, s).await,
@@ -208,6 +207,12 @@ async fn node_session(
                     "unexpected frame kind {:#06x} on a control stream",
                     f.kind
                 )));
+            }
+            // Rights are the key's now, not at the session's start: a revoked key's
+            // session ends at its next message.
+            if shared.enrol.grant_of(&conn.peer_key()) != Some(crate::authz::Grant::Node) {
+                conn.close("revoked");
+                return Err(CoordError::Protocol(format!("{} is revoked", id.short())));
             }
             let msg: NodeToCoord = f.json()?;
             handle_node_message(&shared, id, key, msg);

@@ -73,6 +73,9 @@ pub(crate) struct LiveState {
     pub expert_cache: HashMap<NodeId, tessera_proto::ExpertCacheStats>,
     /// Which requests are seated on which cell, and each cell's measured speed.
     pub cells: crate::cells::CellBook,
+    /// Keys whose lease expired in the last step: the sealed desk hears of them once the lock
+    /// is released ([`Shared::apply`]).
+    lease_expired: Vec<tessera_net::PublicKey>,
 }
 
 impl LiveState {
@@ -84,6 +87,7 @@ impl LiveState {
             routes: HashMap::new(),
             expert_cache: HashMap::new(),
             cells: crate::cells::CellBook::default(),
+            lease_expired: Vec::new(),
         }
     }
 
@@ -165,10 +169,20 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Feeds an event to the membership machine and carries out its actions.
+    /// Feeds an event to the membership machine and carries out its actions. A node whose
+    /// lease expired leaves the sealed desk in the same step (its jobs move on at once, its
+    /// claims are unlisted): the session it had ends under the lease, and is no longer the
+    /// node's current one when its reader stops, so the session's own ending cannot say so.
     pub fn apply(&self, event: Event) {
-        let mut st = self.lock();
-        self.apply_locked(&mut st, event);
+        let expired = {
+            let mut st = self.lock();
+            self.apply_locked(&mut st, event);
+            std::mem::take(&mut st.lease_expired)
+        };
+        // The desk's lock is never taken under the state's.
+        for key in expired {
+            crate::sealed::edge::node_left(self, crate::sealed::edge::node_key(&key));
+        }
     }
 
     /// [`Shared::apply`] with the state already locked (to decide and act atomically).
@@ -196,6 +210,7 @@ impl Shared {
                             self.lease().as_millis()
                         );
                         s.conn.close("lease expired");
+                        st.lease_expired.push(s.conn.peer_key());
                     }
                 }
                 Action::EpochReady(e) => {

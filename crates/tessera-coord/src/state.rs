@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tessera_host::ContentHash;
-use tessera_net::{JoinToken, LinkMeasurement, NodeId, PublicKey};
+use tessera_net::{JoinToken, LinkMeasurement, NodeId, PublicKey, TokenId};
 use tessera_proto::{LoadReport, Role};
 
 use crate::authz::Grant;
@@ -31,6 +31,10 @@ pub struct EnrolledNode {
     /// roles; it is then what `role` says, a client never an operator).
     #[serde(default)]
     pub grant: Option<Grant>,
+    /// The token it enrolled with (`None`: enrolled before this was recorded), so that
+    /// revoking a token can revoke the keys it let in.
+    #[serde(default)]
+    pub token: Option<TokenId>,
 }
 
 impl EnrolledNode {
@@ -465,6 +469,7 @@ mod tests {
                 role: Some(Role::Node),
                 enrolled_at_unix_ms: 1,
                 grant: Some(Grant::Node),
+                token: Some(tessera_net::TokenId([7; 8])),
             }],
             revoked: Vec::new(),
             ..Snapshot::default()
@@ -489,6 +494,7 @@ mod tests {
             role: Some(Role::Node),
             enrolled_at_unix_ms: 5,
             grant: None,
+            token: None,
         };
         let token = JoinToken::generate(None).unwrap();
         let epoch = |n: u64| EpochRecord {

@@ -81,6 +81,12 @@ impl TokenRecord {
         }
     }
 
+    /// Whether it was made for one key (`--uses 1`).
+    pub fn single_use(&self) -> bool {
+        self.uses_left
+            .is_some_and(|u| u64::from(u) + u64::from(self.enrolled) == 1)
+    }
+
     /// Takes one use (after [`TokenRecord::check`] passed).
     pub fn take_use(&mut self) {
         if let Some(u) = &mut self.uses_left {

@@ -58,6 +58,9 @@ pub struct EndpointConfig {
     pub handshake_timeout: Duration,
     /// How many bidirectional streams a peer may have open at once.
     pub max_concurrent_streams: u32,
+    /// How long an unknown key has, once its handshake is done, to send its enrolment claim
+    /// (a real node sends it at once; a connection that stays silent is closed).
+    pub enrol_first_message: Duration,
 }
 
 impl Default for EndpointConfig {
@@ -68,6 +71,7 @@ impl Default for EndpointConfig {
             keep_alive: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(10),
             max_concurrent_streams: 256,
+            enrol_first_message: Duration::from_secs(3),
         }
     }
 }
@@ -366,7 +370,7 @@ impl Incoming {
                 conn.inner.set_max_concurrent_bi_streams(1u32.into());
                 Ok(Accepted::Enrolment(EnrolmentRequest::new(
                     conn,
-                    self.config.handshake_timeout,
+                    self.config.enrol_first_message,
                     self.config.max_concurrent_streams,
                 )))
             }

@@ -176,20 +176,26 @@ impl EnrolmentClaim {
     }
 }
 
+/// Longest enrolment claim frame accepted, payload bytes. A claim is 40 bytes; a frame that
+/// announces more is refused from its header, before any of its payload is read.
+pub const MAX_CLAIM_LEN: usize = CLAIM_LEN;
+
 /// An inbound connection from an unknown key that may enrol.
 #[derive(Debug)]
 pub struct EnrolmentRequest {
     conn: Connection,
-    timeout: Duration,
+    /// How long the node has, from the end of the handshake, to open its enrolment stream and
+    /// send its claim (its first message).
+    first_message: Duration,
     /// Streams the peer may open once enrolled.
     max_streams: u32,
 }
 
 impl EnrolmentRequest {
-    pub(crate) fn new(conn: Connection, timeout: Duration, max_streams: u32) -> Self {
+    pub(crate) fn new(conn: Connection, first_message: Duration, max_streams: u32) -> Self {
         Self {
             conn,
-            timeout,
+            first_message,
             max_streams,
         }
     }
@@ -209,68 +215,92 @@ impl EnrolmentRequest {
         self.conn.remote_addr()
     }
 
-    /// Reads the node's claim, asks `token_for` which token it must prove (or whether to
-    /// refuse), verifies the proof, and answers the node.
-    ///
-    /// On `Ok` the connection is a full peer connection and the caller should record
-    /// `conn.peer_key()` as enrolled (and consume the token if it is single-use). On any
-    /// failure the node is told why and the connection is closed.
-    pub async fn complete<F>(self, token_for: F) -> Result<Connection, NetError>
-    where
-        F: FnOnce(&EnrolmentClaim) -> Result<JoinToken, Refusal>,
-    {
+    /// Reads the node's claim: the enrolment stream and its one claim frame, within the first
+    /// message deadline ([`crate::EndpointConfig::enrol_first_message`]), the frame refused
+    /// from its header when it announces more than [`MAX_CLAIM_LEN`] bytes. Nothing is
+    /// verified yet: [`ClaimedEnrolment::proves`] checks the proof.
+    pub async fn read_claim(self) -> Result<ClaimedEnrolment, NetError> {
         let conn = self.conn;
         let peer = conn.peer_id();
         let step = |what: &str| NetError::Timeout(format!("enrolment of {}: {what}", peer.short()));
-        let mut stream = tokio::time::timeout(self.timeout, conn.accept_any_stream())
-            .await
-            .map_err(|_| step("no enrolment stream"))??
-            .ok_or_else(|| step("closed before enrolling"))?;
+        let deadline = tokio::time::Instant::now() + self.first_message;
+        let mut stream = match tokio::time::timeout_at(deadline, conn.accept_any_stream()).await {
+            Ok(Ok(Some(s))) => s,
+            Ok(Ok(None)) => return Err(step("closed before enrolling")),
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                conn.close("no enrolment claim in time");
+                return Err(step("no enrolment stream"));
+            }
+        };
         if stream.kind != stream_kind::ENROL {
-            return refuse(
+            return Err(refuse(
                 conn,
                 stream,
                 Refusal::Other("expected an enrolment stream".into()),
             )
-            .await;
+            .await);
         }
-        let payload = tokio::time::timeout(
-            self.timeout,
+        stream.reader.set_max_len(MAX_CLAIM_LEN);
+        let payload = match tokio::time::timeout_at(
+            deadline,
             stream
                 .reader
                 .recv_kind(KIND_ENROL_CLAIM, "an enrolment claim"),
         )
         .await
-        .map_err(|_| step("no claim"))??;
+        {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                conn.close("malformed enrolment claim");
+                return Err(e);
+            }
+            Err(_) => {
+                conn.close("no enrolment claim in time");
+                return Err(step("no claim"));
+            }
+        };
         let Some((id, proof)) = payload
             .get(..CLAIM_LEN)
             .filter(|_| payload.len() == CLAIM_LEN)
             .map(|p| p.split_at(8))
         else {
-            return refuse(conn, stream, Refusal::Other("malformed claim".into())).await;
+            return Err(refuse(conn, stream, Refusal::Other("malformed claim".into())).await);
         };
         let claim = EnrolmentClaim {
             peer: conn.peer_key(),
             token_id: TokenId(id.try_into().expect("8 bytes")),
             remote_addr: conn.remote_addr(),
         };
-        let token = match token_for(&claim) {
+        Ok(ClaimedEnrolment {
+            conn,
+            stream,
+            claim,
+            proof: proof.try_into().expect("32 bytes"),
+            max_streams: self.max_streams,
+        })
+    }
+
+    /// Reads the node's claim, asks `token_for` which token it must prove (or whether to
+    /// refuse), verifies the proof, and answers the node.
+    ///
+    /// On `Ok` the connection is a full peer connection and the caller should record
+    /// `conn.peer_key()` as enrolled. On any failure the node is told why and the connection
+    /// is closed. A caller that counts a token's uses should use [`Self::read_claim`] and
+    /// take the use only once [`ClaimedEnrolment::proves`] holds.
+    pub async fn complete<F>(self, token_for: F) -> Result<Connection, NetError>
+    where
+        F: FnOnce(&EnrolmentClaim) -> Result<JoinToken, Refusal>,
+    {
+        let claimed = self.read_claim().await?;
+        let token = match token_for(claimed.claim()) {
             Ok(t) => t,
-            Err(r) => return refuse(conn, stream, r).await,
+            Err(r) => return Err(claimed.refuse(r).await),
         };
-        let exporter = conn.export_keying_material(EXPORTER_LABEL, b"")?;
-        // The server key is ours: the one the node saw in this handshake.
-        let ours = conn.local_key();
-        let expected = token.proof(&exporter, &conn.peer_key(), &ours);
-        let got = blake3::Hash::from_bytes(proof.try_into().expect("32 bytes"));
-        // blake3::Hash equality is constant-time.
-        if token.id() != claim.token_id || expected != got {
-            return refuse(conn, stream, Refusal::BadToken).await;
+        if !claimed.proves(&token)? {
+            return Err(claimed.refuse(Refusal::BadToken).await);
         }
-        stream.writer.write_frame(KIND_ENROL_OK, b"").await?;
-        stream.writer.finish().await?;
-        conn.admit(self.max_streams);
-        Ok(conn)
+        claimed.accept().await
     }
 
     /// Refuses without reading a claim; the node sees the connection closed with the reason.
@@ -281,11 +311,48 @@ impl EnrolmentRequest {
     }
 }
 
-async fn refuse(
+/// An enrolment whose claim has been read but not yet judged: the caller looks the token up,
+/// checks the proof ([`Self::proves`]), and then accepts or refuses.
+#[derive(Debug)]
+pub struct ClaimedEnrolment {
     conn: Connection,
-    mut stream: FramedStream,
-    refusal: Refusal,
-) -> Result<Connection, NetError> {
+    stream: FramedStream,
+    claim: EnrolmentClaim,
+    proof: [u8; 32],
+    max_streams: u32,
+}
+
+impl ClaimedEnrolment {
+    /// What the node claims (its token id is not yet verified).
+    pub fn claim(&self) -> &EnrolmentClaim {
+        &self.claim
+    }
+
+    /// Whether the claim proves `token` on this very session (constant-time comparison).
+    pub fn proves(&self, token: &JoinToken) -> Result<bool, NetError> {
+        let exporter = self.conn.export_keying_material(EXPORTER_LABEL, b"")?;
+        // The server key is ours: the one the node saw in this handshake.
+        let ours = self.conn.local_key();
+        let expected = token.proof(&exporter, &self.conn.peer_key(), &ours);
+        // blake3::Hash equality is constant-time.
+        Ok(token.id() == self.claim.token_id && expected == blake3::Hash::from_bytes(self.proof))
+    }
+
+    /// Tells the node it is enrolled; the connection is a full peer connection from now on.
+    pub async fn accept(mut self) -> Result<Connection, NetError> {
+        self.stream.writer.write_frame(KIND_ENROL_OK, b"").await?;
+        self.stream.writer.finish().await?;
+        self.conn.admit(self.max_streams);
+        Ok(self.conn)
+    }
+
+    /// Tells the node why it is refused and closes the connection.
+    pub async fn refuse(self, refusal: Refusal) -> NetError {
+        refuse(self.conn, self.stream, refusal).await
+    }
+}
+
+async fn refuse(conn: Connection, mut stream: FramedStream, refusal: Refusal) -> NetError {
     let peer = conn.peer_id();
     let reason = refusal.to_string();
     let _ = stream
@@ -296,7 +363,7 @@ async fn refuse(
     // Give the node a moment to read the reason and close; then close ourselves.
     let _ = tokio::time::timeout(Duration::from_secs(2), conn.inner.closed()).await;
     conn.close(&reason);
-    Err(NetError::Refused { peer, refusal })
+    NetError::Refused { peer, refusal }
 }
 
 /// Answers an enrolment stream from a peer that is already a member: nothing to prove.

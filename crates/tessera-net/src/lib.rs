@@ -92,7 +92,9 @@ pub mod tls;
 pub use endpoint::{
     stream_kind, Accepted, Connection, Endpoint, EndpointConfig, FramedStream, Incoming, Liveness,
 };
-pub use enroll::{EnrolmentClaim, EnrolmentRequest, JoinToken, TokenId};
+pub use enroll::{
+    ClaimedEnrolment, EnrolmentClaim, EnrolmentRequest, JoinToken, TokenId, MAX_CLAIM_LEN,
+};
 pub use error::{NetError, Refusal, StreamLabel};
 pub use frame::{
     decode_frame, decode_frame_header, Frame, FrameHeader, FrameReader, FrameWriter, HeaderError,

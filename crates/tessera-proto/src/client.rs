@@ -84,9 +84,12 @@ pub enum AdminRequest {
         lifetime_ms: Option<u64>,
     },
     ListTokens,
-    /// Revoke the token whose id starts with `id`.
+    /// Revoke the token whose id starts with `id`, and with `with_keys` the keys that
+    /// enrolled with it (their sessions end; `None`: only for a single-use token).
     RevokeToken {
         id: String,
+        #[serde(default)]
+        with_keys: Option<bool>,
     },
     /// Revoke an enrolled key by name, node id or id prefix: its sessions end and it cannot
     /// enrol again with any token.

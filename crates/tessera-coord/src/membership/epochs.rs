@@ -45,6 +45,9 @@ pub struct EpochStage {
     pub linked: bool,
     /// Link from this stage to the next, measured by this stage.
     pub link: Option<LinkMeasurement>,
+    /// In an expert split, the experts it loads, by layer (`None`: every expert of its own
+    /// layers). With its layers, what it may receive of the model ([`crate::model_access`]).
+    pub held_experts: Option<Vec<Vec<usize>>>,
 }
 
 /// One placement of the model: one cell's ring.
@@ -376,8 +379,13 @@ impl Membership {
         // Expert-only nodes: not in the ring, but part of the epoch (they load, link, open and
         // close sequences like stages, with no layers).
         let mut stages = stages;
+        let mut held: Vec<Option<Vec<Vec<usize>>>> = match &expert_plan {
+            Some((parts, _)) => parts.iter().map(|x| Some(x.held.clone())).collect(),
+            None => vec![None; stages.len()],
+        };
         if let Some((_, only)) = expert_plan {
             for (j, (p, x)) in only.into_iter().enumerate() {
+                let x_held = x.held.clone();
                 out.push(send(
                     p.node_id,
                     CoordToNode::AssignExperts {
@@ -401,6 +409,7 @@ impl Membership {
                         kv_type: self.kv_type,
                     }),
                 ));
+                held.push(Some(x_held));
                 stages.push((p.node_id, 0..0));
             }
         }
@@ -410,12 +419,14 @@ impl Membership {
             model,
             stages: stages
                 .into_iter()
-                .map(|(node_id, layers)| EpochStage {
+                .zip(held)
+                .map(|((node_id, layers), held_experts)| EpochStage {
                     node_id,
                     layers,
                     loaded: None,
                     linked: false,
                     link: None,
+                    held_experts,
                 })
                 .collect(),
             phase: Phase::Loading,

@@ -214,7 +214,7 @@ pub(crate) fn node_left(shared: &Shared, node: NodeKey) {
     );
 }
 
-/// Moves jobs whose leases ran out (the coordinator's clock calls this).
+/// Moves jobs whose leases ran out (the sealed desk's own clock calls this, [`spawn_clock`]).
 pub(crate) fn tick(shared: &Shared) {
     if shared.sealed().desk.in_flight() > 0 {
         feed(
@@ -241,6 +241,7 @@ fn feed(shared: &Shared, input: SealedInput) {
         };
         (outputs, e.fault, others)
     };
+    let mut undeliverable: Vec<NodeKey> = Vec::new();
     for o in outputs {
         match o {
             SealedOutput::Dispatch { to, mut envelope } => {
@@ -267,13 +268,19 @@ fn feed(shared: &Shared, input: SealedInput) {
                         }
                     }
                 }
+                let mut delivered = false;
                 for _ in 0..copies {
-                    shared.send(
+                    delivered |= shared.send(
                         node_id(&to),
                         CoordToNode::SealedJob {
                             envelope: envelope.clone(),
                         },
                     );
+                }
+                if !delivered {
+                    // No session to send it on: the node is gone, whatever the desk last
+                    // heard. Said at once (the job moves on now), never dropped silently.
+                    undeliverable.push(to);
                 }
             }
             SealedOutput::Quarantined { node, job } => {
@@ -293,4 +300,33 @@ fn feed(shared: &Shared, input: SealedInput) {
             }
         }
     }
+    for node in undeliverable {
+        tracing::info!(
+            event = "sealed_undeliverable",
+            node = %node,
+            "a sealed job for {node} has no session to go on: the node counts as gone"
+        );
+        node_left(shared, node);
+    }
+}
+
+/// How often the sealed desk's clock ticks: job leases are timed to this, whatever the node
+/// lease (which has its own clock in `server.rs`).
+pub(crate) const SEALED_TICK: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The sealed desk's clock: a tick every [`SEALED_TICK`] until the coordinator is dropped.
+pub(crate) fn spawn_clock(shared: std::sync::Weak<Shared>) {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(SEALED_TICK);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let Some(s) = shared.upgrade() else {
+                return;
+            };
+            if !s.closing.load(std::sync::atomic::Ordering::SeqCst) {
+                tick(&s);
+            }
+        }
+    });
 }

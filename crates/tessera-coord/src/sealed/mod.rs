@@ -15,7 +15,7 @@
 //! the majority's answer. Everything the desk reads is routing metadata: envelope headers, result
 //! headers and claims.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use tessera_proto::{SealedNews, SealedRefusal};
 use tessera_seal::{
@@ -125,6 +125,9 @@ pub struct SealedDesk {
     claims: ClaimBook,
     verifier: Verifier,
     jobs: BTreeMap<JobId, Job>,
+    /// Workers whose session ended (left, or their lease expired): their claims are not
+    /// listed and nothing is dispatched to them until they claim again from a new session.
+    departed: BTreeSet<NodeKey>,
 }
 
 impl SealedDesk {
@@ -134,6 +137,7 @@ impl SealedDesk {
             claims: ClaimBook::new(),
             verifier: Verifier::new(config.verify),
             jobs: BTreeMap::new(),
+            departed: BTreeSet::new(),
         }
     }
 
@@ -147,16 +151,20 @@ impl SealedDesk {
         if claims.claims.node != from {
             return Err(ClaimRefusal::BadSignature);
         }
-        self.claims.offer(claims)
+        let change = self.claims.offer(claims)?;
+        // Claimed from a live session: back in the list.
+        self.departed.remove(&from);
+        Ok(change)
     }
 
     /// Current claims of the workers holding `model` (every worker's when `None`), quarantined
-    /// ones left out.
+    /// and departed ones left out.
     pub fn holders(&self, model: Option<&str>) -> Vec<SignedClaims> {
         self.claims
             .signed()
             .filter(|s| model.is_none_or(|m| s.claims.models.iter().any(|x| x == m)))
             .filter(|s| !self.verifier.is_quarantined(&s.claims.node))
+            .filter(|s| !self.departed.contains(&s.claims.node))
             .cloned()
             .collect()
     }
@@ -255,6 +263,7 @@ impl SealedDesk {
                 }
             }
             SealedInput::NodeLeft { node, now } => {
+                self.departed.insert(node);
                 let replicas: Vec<JobId> = self
                     .jobs
                     .iter()
@@ -420,8 +429,9 @@ impl SealedDesk {
                 LeaseAction::Dispatch {
                     job, attempt, to, ..
                 } => {
-                    if self.verifier.is_quarantined(&to) {
-                        // Caught altering answers since the job was submitted: skip it.
+                    if self.verifier.is_quarantined(&to) || self.departed.contains(&to) {
+                        // Caught altering answers since the job was submitted, or gone: skip
+                        // it.
                         let acts = self.leases.handle(LeaseEvent::Refused {
                             job,
                             attempt,

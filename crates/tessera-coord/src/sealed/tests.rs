@@ -353,3 +353,30 @@ fn a_silent_replica_does_not_hold_the_answer_back_past_its_lease() {
     assert_eq!(results(&out), vec![(r, false)]);
     assert_eq!(d.in_flight(), 0);
 }
+
+#[test]
+fn a_departed_worker_is_unlisted_skipped_at_dispatch_and_listed_again_when_it_claims() {
+    let (a, b) = (W::new(1), W::new(2));
+    let mut d = desk(None, &[&a, &b]);
+    d.handle(SealedInput::NodeLeft {
+        node: a.node(),
+        now: T0,
+    });
+    let listed: Vec<NodeKey> = d
+        .holders(Some(MODEL))
+        .iter()
+        .map(|s| s.claims.node)
+        .collect();
+    assert_eq!(listed, vec![b.node()], "its claims are withdrawn");
+    // A job sealed to it first (the client's list was older) goes to the next at once.
+    let client = SecretKey::derive(b"client");
+    let out = d.handle(SealedInput::Submit {
+        client: 9,
+        envelopes: envelopes(JobId::from_bytes([3; 16]), &[&a, &b], &client.public_key()),
+        now: T0,
+    });
+    assert_eq!(dispatched(&out), vec![(b.node(), 2)]);
+    // Back from a new session, it claims again and is listed.
+    d.offer_claims(a.node(), a.claims(1, &[MODEL])).unwrap();
+    assert_eq!(d.holders(Some(MODEL)).len(), 2);
+}

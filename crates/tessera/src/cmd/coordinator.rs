@@ -8,6 +8,11 @@ use anyhow::Context;
 use tessera_coord::assignment::{parse_experts, parse_split, PlanFile};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 
+/// Where in its data directory the coordinator writes the node join line.
+pub const JOIN_TOKEN_FILE: &str = "join.token";
+/// Where in its data directory the coordinator writes the operator line.
+pub const OPERATOR_TOKEN_FILE: &str = "operator.token";
+
 #[derive(clap::Args, Debug)]
 pub struct CoordinatorArgs {
     /// The GGUF model the cluster serves (default: the built-in stories260K). The coordinator
@@ -183,6 +188,23 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             "operator_token",
             &[("token", &operator)],
             &format!("operator token: {operator}"),
+        );
+        // The same lines in owner-only files, for `--join-file` and `--coordinator-file`
+        // (a token on a command line is visible to every user in the process list).
+        let (join_file, operator_file) = (
+            data_dir.join(JOIN_TOKEN_FILE),
+            data_dir.join(OPERATOR_TOKEN_FILE),
+        );
+        super::up::write_secret(&join_file, &format!("{join}\n"))?;
+        super::up::write_secret(&operator_file, &format!("{operator}\n"))?;
+        let (jf, of) = (
+            join_file.display().to_string(),
+            operator_file.display().to_string(),
+        );
+        crate::logging::announce(
+            "token_files",
+            &[("join", &jf), ("operator", &of)],
+            &format!("token files: {jf} (nodes: --join-file), {of} (--coordinator-file)"),
         );
         let _advertisement = if args.mdns {
             advertise(coordinator.node_id(), addr.port())?

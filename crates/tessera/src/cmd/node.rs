@@ -18,7 +18,8 @@ pub struct NodeArgs {
     data_dir: Option<PathBuf>,
     /// Enrol with a coordinator: the `TOKEN@HOST:PORT` line it printed, or the token alone to
     /// find the coordinator the token names on the local network by mDNS. Later starts
-    /// reconnect to the recorded coordinator without it.
+    /// reconnect to the recorded coordinator without it. Visible to every user in the process
+    /// list: prefer --join-file or the TESSERA_TOKEN environment variable.
     #[arg(long, value_name = "TOKEN[@HOST:PORT]", conflicts_with = "join_file")]
     join: Option<String>,
     /// Read the `--join` line from a file (keeps the token out of the process list).
@@ -95,16 +96,12 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         return super::token::revoke_node(op, name.clone());
     }
     let data_dir = args.data_dir.context("--data-dir")?;
-    let join_line = match (&args.join, &args.join_file) {
-        (Some(j), _) => Some(j.clone()),
-        (None, Some(p)) => Some(
-            std::fs::read_to_string(p)
-                .with_context(|| format!("reading {}", p.display()))?
-                .trim()
-                .to_string(),
-        ),
-        (None, None) => None,
-    };
+    let join_line = super::token::secret_line(
+        args.join.as_deref(),
+        args.join_file.as_deref(),
+        "--join",
+        "--join-file",
+    )?;
     let join = match join_line.as_deref() {
         Some(j) if j.contains('@') => {
             Some(super::token::parse_target(j, args.trust_on_first_use).context("--join")?)

@@ -17,9 +17,9 @@ use tessera_node::protocol::{frame, ClientToCoord, CoordToClient, RunReport, Run
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    /// The coordinator's `TOKEN@HOST:PORT` line.
-    #[arg(long, value_name = "TOKEN@HOST:PORT")]
-    coordinator: String,
+    // The coordinator's `TOKEN@HOST:PORT` line.
+    #[command(flatten)]
+    coordinator: super::token::CoordinatorLine,
     /// Where this client keeps its identity key.
     #[arg(long)]
     data_dir: PathBuf,
@@ -62,7 +62,7 @@ pub struct RunArgs {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let target = super::token::parse_target(&args.coordinator, args.trust_on_first_use)
+    let target = super::token::parse_target(&args.coordinator.line()?, args.trust_on_first_use)
         .context("--coordinator")?;
     let stages = match (&args.split, &args.plan) {
         (Some(s), _) => Some(parse_split(s).context("--split")?),

@@ -421,6 +421,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
     };
     let rt = runtime()?;
     rt.block_on(async move {
+        let token_dir = data_dir.clone();
         let cluster = Cluster::start(ClusterOptions {
             model,
             name,
@@ -462,10 +463,18 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             &[("token", &operator)],
             &format!("operator token: {operator}"),
         );
+        // The same lines in owner-only files (a token on a command line is visible to every
+        // user in the process list).
+        let join_file = token_dir.join(super::coordinator::JOIN_TOKEN_FILE);
+        super::up::write_secret(&join_file, &format!("{}\n", cluster.join))?;
+        super::up::write_secret(
+            &token_dir.join(super::coordinator::OPERATOR_TOKEN_FILE),
+            &format!("{operator}\n"),
+        )?;
         say!(
-            "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join {}",
+            "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join-file {}",
             cluster.split,
-            cluster.join
+            join_file.display()
         );
         let backend = cluster.backend.clone();
         tokio::spawn(async move {

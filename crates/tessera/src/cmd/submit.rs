@@ -18,9 +18,9 @@ use tessera_seal::{JobId, SecretKey};
 
 #[derive(clap::Args, Debug)]
 pub struct SubmitArgs {
-    /// The coordinator's `TOKEN@HOST:PORT` line (a client or operator token).
-    #[arg(long, value_name = "TOKEN@HOST:PORT")]
-    coordinator: String,
+    // The coordinator's `TOKEN@HOST:PORT` line (a client or operator token).
+    #[command(flatten)]
+    coordinator: super::token::CoordinatorLine,
     /// Where this client keeps its identity key.
     #[arg(long)]
     data_dir: PathBuf,
@@ -63,7 +63,7 @@ pub struct SubmitArgs {
 }
 
 pub fn run(args: SubmitArgs) -> anyhow::Result<()> {
-    let target = super::token::parse_target(&args.coordinator, args.trust_on_first_use)
+    let target = super::token::parse_target(&args.coordinator.line()?, args.trust_on_first_use)
         .context("--coordinator")?;
     let model = crate::default_model::resolve(args.model.clone())?;
     let g = GgufFile::open(&model).with_context(|| format!("reading {}", model.display()))?;

@@ -6,26 +6,83 @@
 //! with `tessera token create --role operator`); give it with `--coordinator-file` to keep it
 //! out of the process list.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use tessera_net::NodeIdentity;
 use tessera_node::agent::JoinTarget;
 use tessera_node::protocol::{frame, AdminReply, AdminRequest, ClientToCoord, CoordToClient};
 
-/// How to reach the coordinator as an operator.
+/// The environment variable that may hold a `TOKEN@HOST:PORT` line (or, for `tessera node`,
+/// a join token alone), in place of a flag: a secret in argv is visible to every user in the
+/// process list.
+pub const TOKEN_ENV: &str = "TESSERA_TOKEN";
+
+/// A secret line from (in this order) the command line, where it is visible to every user in
+/// the process list (so a warning says so), a file, or [`TOKEN_ENV`]; `None` when none gives
+/// one.
+pub fn secret_line(
+    given: Option<&str>,
+    file: Option<&Path>,
+    flag: &str,
+    file_flag: &str,
+) -> anyhow::Result<Option<String>> {
+    if let Some(line) = given {
+        eprintln!(
+            "warning: a token given with {flag} is visible to every user in the process list; \
+             use {file_flag} or {TOKEN_ENV}"
+        );
+        return Ok(Some(line.trim().to_string()));
+    }
+    if let Some(p) = file {
+        let line = std::fs::read_to_string(p)
+            .with_context(|| format!("reading {}", p.display()))?
+            .trim()
+            .to_string();
+        return Ok(Some(line));
+    }
+    Ok(std::env::var(TOKEN_ENV)
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty()))
+}
+
+/// The coordinator's `TOKEN@HOST:PORT` line: from a file, [`TOKEN_ENV`], or (visible in the
+/// process list, with a warning) the command line.
 #[derive(clap::Args, Debug)]
-pub struct OperatorArgs {
-    /// The coordinator's `OPERATOR_TOKEN@HOST:PORT` line.
+pub struct CoordinatorLine {
+    /// The coordinator's `TOKEN@HOST:PORT` line (visible to every user in the process list:
+    /// prefer --coordinator-file or the TESSERA_TOKEN environment variable).
     #[arg(
         long,
         value_name = "TOKEN@HOST:PORT",
-        required_unless_present = "coordinator_file"
+        conflicts_with = "coordinator_file"
     )]
     coordinator: Option<String>,
     /// A file holding that line (keeps the secret out of the process list).
-    #[arg(long, value_name = "PATH", conflicts_with = "coordinator")]
+    #[arg(long, value_name = "PATH")]
     coordinator_file: Option<PathBuf>,
+}
+
+impl CoordinatorLine {
+    /// The line, wherever it was given.
+    pub fn line(&self) -> anyhow::Result<String> {
+        secret_line(
+            self.coordinator.as_deref(),
+            self.coordinator_file.as_deref(),
+            "--coordinator",
+            "--coordinator-file",
+        )?
+        .with_context(|| format!("give --coordinator-file PATH or set {TOKEN_ENV}"))
+    }
+}
+
+/// How to reach the coordinator as an operator.
+#[derive(clap::Args, Debug)]
+pub struct OperatorArgs {
+    // The coordinator's `OPERATOR_TOKEN@HOST:PORT` line.
+    #[command(flatten)]
+    coordinator: CoordinatorLine,
     /// Where this operator client keeps its identity key.
     #[arg(long)]
     data_dir: PathBuf,
@@ -62,11 +119,19 @@ enum TokenAction {
         #[command(flatten)]
         op: OperatorArgs,
     },
-    /// Revoke a token by id (or a unique prefix): no key enrols with it any more.
+    /// Revoke a token by id (or a unique prefix): no key enrols with it any more. With
+    /// `--with-keys` (the default for a single-use token) the keys it enrolled are revoked
+    /// too: every connection of theirs closes and their runs end.
     Revoke {
         #[command(flatten)]
         op: OperatorArgs,
         id: String,
+        /// Also revoke the keys that enrolled with it.
+        #[arg(long, conflicts_with = "keep_keys")]
+        with_keys: bool,
+        /// Leave the keys it enrolled enrolled, even for a single-use token.
+        #[arg(long)]
+        keep_keys: bool,
     },
 }
 
@@ -105,7 +170,19 @@ pub fn run(args: TokenArgs) -> anyhow::Result<()> {
             )
         }
         TokenAction::List { op } => (op, AdminRequest::ListTokens),
-        TokenAction::Revoke { op, id } => (op, AdminRequest::RevokeToken { id }),
+        TokenAction::Revoke {
+            op,
+            id,
+            with_keys,
+            keep_keys,
+        } => {
+            let with_keys = match (with_keys, keep_keys) {
+                (true, _) => Some(true),
+                (_, true) => Some(false),
+                _ => None,
+            };
+            (op, AdminRequest::RevokeToken { id, with_keys })
+        }
     };
     let (addr, reply) = admin(&op, req)?;
     match reply {
@@ -156,14 +233,7 @@ fn admin(
     op: &OperatorArgs,
     req: AdminRequest,
 ) -> anyhow::Result<(std::net::SocketAddr, AdminReply)> {
-    let line = match (&op.coordinator, &op.coordinator_file) {
-        (Some(l), _) => l.clone(),
-        (None, Some(p)) => std::fs::read_to_string(p)
-            .with_context(|| format!("reading {}", p.display()))?
-            .trim()
-            .to_string(),
-        (None, None) => bail!("give --coordinator or --coordinator-file"),
-    };
+    let line = op.coordinator.line()?;
     let target = parse_target(&line, op.trust_on_first_use).context("--coordinator")?;
     std::fs::create_dir_all(&op.data_dir)?;
     let identity = NodeIdentity::load_or_create(&op.data_dir)?;

@@ -174,7 +174,7 @@ fn spawn_nodes(run_dir: &Path, join: &str, n: usize, threads: usize) -> anyhow::
 }
 
 /// Writes a secret to a new file readable by this user only.
-fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
+pub(crate) fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
     let mut o = std::fs::OpenOptions::new();
     o.write(true).create(true).truncate(true);
     #[cfg(unix)]
