@@ -70,6 +70,12 @@ pub struct StreamingReport {
     pub disk_busy: f64,
     /// Share of the decode the computation waited for reads.
     pub read_wait: f64,
+    /// Milliseconds each decode step waited for reads, on average.
+    #[serde(default)]
+    pub read_wait_ms_per_step: f64,
+    /// Milliseconds a decode step took, on average.
+    #[serde(default)]
+    pub step_ms: f64,
 }
 
 impl fmt::Display for BenchReport {
@@ -122,7 +128,8 @@ impl fmt::Display for BenchReport {
                 f,
                 "\nstreaming    budget {:.1} MiB: hit rate {:.1}%, {:.2} MiB of missed experts per \
                  token, disk {:.2} GB/s; disk-bound {:.1} tok/s, decode reaches {:.0}% of it \
-                 (disk busy {:.0}%, waiting for reads {:.0}% of the decode)",
+                 (disk busy {:.0}%, waiting for reads {:.0}% of the decode: {:.2} of each \
+                 step's {:.2} ms)",
                 mib(s.budget_bytes),
                 100.0 * s.hit_rate,
                 s.missed_bytes_per_token / (1024.0 * 1024.0),
@@ -130,7 +137,9 @@ impl fmt::Display for BenchReport {
                 s.disk_bound_tok_s,
                 100.0 * self.decode_tok_s / s.disk_bound_tok_s,
                 100.0 * s.disk_busy,
-                100.0 * s.read_wait
+                100.0 * s.read_wait,
+                s.read_wait_ms_per_step,
+                s.step_ms
             )?;
         }
         Ok(())
@@ -436,6 +445,9 @@ fn streaming_report(
         disk_bound_tok_s: disk_gb_s * 1e9 / missed_per_token.max(1.0),
         disk_busy: (b.disk_busy_us - a.disk_busy_us) as f64 / 1e6 / decode_s,
         read_wait: (b.read_wait_us - a.read_wait_us) as f64 / 1e6 / decode_s,
+        // The counters cover the last run; `decode_s` is the mean over runs, as is a step.
+        read_wait_ms_per_step: (b.read_wait_us - a.read_wait_us) as f64 / 1e3 / n,
+        step_ms: decode_s * 1e3 / n,
     })
 }
 

@@ -1,5 +1,5 @@
-//! Per-host memory caps and CPU shares with cgroups, v1 (one hierarchy per controller, as on
-//! the machines here) or v2 (one unified hierarchy).
+//! Per-host memory caps, CPU shares and disk read caps with cgroups, v1 (one hierarchy per
+//! controller, as on the machines here) or v2 (one unified hierarchy).
 //!
 //! A host's processes join its cgroup between fork and exec (writing `0`, "this process", to
 //! each `cgroup.procs`), so they are capped from their first allocation.
@@ -10,6 +10,7 @@ use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::disk::DiskCap;
 use crate::error::{LabError, Result};
 
 /// Where cgroup hierarchies are mounted.
@@ -25,12 +26,17 @@ pub struct Limits {
     /// CPU time per wall-clock second, in cores (`0.5`: half a core), by CFS quota over a
     /// short period ([`quota_period_us`]), so that it binds within a request of milliseconds.
     pub cpu_quota: Option<f64>,
+    /// Read bandwidth and IOPS on the disks that hold the lab's data (see [`crate::disk`]).
+    pub disk: Option<DiskCap>,
 }
 
 impl Limits {
     /// Whether any limit is set.
     pub fn any(&self) -> bool {
-        self.memory.is_some() || self.cpus.is_some() || self.cpu_quota.is_some()
+        self.memory.is_some()
+            || self.cpus.is_some()
+            || self.cpu_quota.is_some()
+            || self.disk.is_some()
     }
 }
 
@@ -121,13 +127,28 @@ impl Cgroup {
             self.cpu = Some((d, cores));
             self.set_cpu_quota(true)?;
         }
+        if let Some(disk) = &l.disk {
+            let d = root.join("blkio").join(name);
+            mkdir(&d)?;
+            self.dirs.push(d.clone());
+            let (bps, iops) = disk.v1_rules();
+            for rule in bps {
+                write(&d.join("blkio.throttle.read_bps_device"), &rule)?;
+            }
+            for rule in iops {
+                write(&d.join("blkio.throttle.read_iops_device"), &rule)?;
+            }
+        }
         Ok(())
     }
 
     fn create_v2(&mut self, name: &str, l: &Limits) -> Result<()> {
         let root = Path::new(ROOT);
         // Children get a controller only when the parent delegates it.
-        let _ = write(&root.join("cgroup.subtree_control"), "+memory +cpu +cpuset");
+        let _ = write(
+            &root.join("cgroup.subtree_control"),
+            "+memory +cpu +cpuset +io",
+        );
         let d = root.join(name);
         mkdir(&d)?;
         self.dirs.push(d.clone());
@@ -138,8 +159,13 @@ impl Cgroup {
             write(&d.join("cpuset.cpus"), cpus)?;
         }
         if let Some(cores) = l.cpu_quota {
-            self.cpu = Some((d, cores));
+            self.cpu = Some((d.clone(), cores));
             self.set_cpu_quota(true)?;
+        }
+        if let Some(disk) = &l.disk {
+            for rule in disk.v2_rules() {
+                write(&d.join("io.max"), &rule)?;
+            }
         }
         Ok(())
     }
@@ -189,10 +215,58 @@ impl Cgroup {
         Ok(())
     }
 
+    /// Moves the calling thread into this cgroup until the guard is dropped (cgroup v1, whose
+    /// `tasks` file takes single threads; v2 moves whole processes only). The lab's own
+    /// measurements use it to read from inside a host, as the host's processes would.
+    pub fn enter_thread(&self) -> std::io::Result<ThreadInCgroup> {
+        if version() != Version::V1 {
+            return Err(std::io::Error::other(
+                "moving one thread into a cgroup needs cgroup v1",
+            ));
+        }
+        let mut guard = ThreadInCgroup { left: Vec::new() };
+        for d in &self.dirs {
+            std::fs::write(d.join("tasks"), "0")?;
+            if let Some(parent) = d.parent() {
+                guard.left.push(parent.join("tasks"));
+            }
+        }
+        Ok(guard)
+    }
+
+    /// The page cache charged to this cgroup, bytes (v1 `cache`, v2 `file` of `memory.stat`);
+    /// `None` without a memory controller.
+    pub fn page_cache(&self) -> Option<u64> {
+        let (file, key) = match version() {
+            Version::V1 => ("memory.stat", "cache"),
+            Version::V2 => ("memory.stat", "file"),
+        };
+        self.dirs.iter().find_map(|d| {
+            let text = std::fs::read_to_string(d.join(file)).ok()?;
+            crate::disk::measure::field(&text, key)
+        })
+    }
+
     /// Kills what is left inside and removes the directories.
     pub fn destroy(self) {
         for d in &self.dirs {
             remove(d);
+        }
+    }
+}
+
+/// A thread inside a host's cgroup ([`Cgroup::enter_thread`]); dropping it moves the thread
+/// back to each hierarchy's root, so that the host's cgroup can be removed without it (removal
+/// kills the processes inside).
+#[derive(Debug)]
+pub struct ThreadInCgroup {
+    left: Vec<PathBuf>,
+}
+
+impl Drop for ThreadInCgroup {
+    fn drop(&mut self) {
+        for tasks in &self.left {
+            let _ = std::fs::write(tasks, "0");
         }
     }
 }
@@ -226,6 +300,8 @@ pub(crate) fn remove(d: &Path) {
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.trim().parse().ok())
+        // A lab's own thread measuring from inside a host must never take the lab down.
+        .filter(|&p| p != std::process::id())
         .collect();
     crate::netns::kill_all(&pids);
     for _ in 0..100 {
@@ -241,7 +317,7 @@ pub fn list(prefix: &str) -> Vec<PathBuf> {
     let root = Path::new(ROOT);
     let parents: Vec<PathBuf> = match version() {
         Version::V2 => vec![root.to_path_buf()],
-        Version::V1 => ["memory", "cpuset", "cpu"]
+        Version::V1 => ["memory", "cpuset", "cpu", "blkio"]
             .iter()
             .map(|c| root.join(c))
             .collect(),

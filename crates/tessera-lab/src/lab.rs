@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use tessera_linkemu::Impairment;
 
 use crate::cgroup::{Cgroup, Limits};
+use crate::disk::{BlockDevice, DiskCap, DiskProfile};
 use crate::error::{LabError, Result};
 use crate::netns::Netns;
 use crate::packet::{Subnet, MAX_HOSTS};
@@ -21,6 +22,8 @@ use crate::switch::Switch;
 
 /// The prefix of every namespace and cgroup a lab makes.
 pub const PREFIX: &str = "tlab-";
+/// Round trips measured for the switch's floor at start (~0.2 ms each).
+const FLOOR_PINGS: usize = 200;
 /// Default MTU of the hosts' devices: jumbo frames, so a 1 Gbit/s link is ~14k packets/s
 /// through the switch rather than ~83k (QUIC keeps to ~1.2–1.5 kB datagrams whatever it is).
 pub const DEFAULT_MTU: u32 = 9000;
@@ -32,6 +35,9 @@ pub struct HostSpec {
     pub name: String,
     /// What its cgroup imposes.
     pub limits: Limits,
+    /// The disk it reads at: its cgroup caps reads on the devices holding
+    /// [`LabSpec::disk_paths`].
+    pub disk: Option<DiskProfile>,
 }
 
 impl HostSpec {
@@ -40,7 +46,14 @@ impl HostSpec {
         Self {
             name: name.into(),
             limits: Limits::default(),
+            disk: None,
         }
+    }
+
+    /// Gives the host a disk of `profile`'s rates.
+    pub fn disk(mut self, profile: DiskProfile) -> Self {
+        self.disk = Some(profile);
+        self
     }
 }
 
@@ -62,6 +75,12 @@ pub struct LabSpec {
     pub mtu: u32,
     /// Seeds the switch's loss and jitter draws.
     pub seed: u64,
+    /// Where the hosts' data lives (their data directories, the model): a host with a
+    /// [`HostSpec::disk`] has its reads capped on each of these paths' disks.
+    pub disk_paths: Vec<std::path::PathBuf>,
+    /// Shorten every link's delay by the switch's own round trip ([`Lab::switch_floor`]), so
+    /// that a round trip measures what was asked for (none can be shorter than the floor).
+    pub compensate_switch: bool,
 }
 
 impl LabSpec {
@@ -73,6 +92,8 @@ impl LabSpec {
             links: Vec::new(),
             mtu: DEFAULT_MTU,
             seed: 1,
+            disk_paths: vec![std::env::temp_dir()],
+            compensate_switch: true,
         }
     }
 
@@ -131,6 +152,7 @@ struct Host {
     name: String,
     ns: Option<Netns>,
     cgroup: Option<Cgroup>,
+    disk: Option<DiskProfile>,
 }
 
 /// A running lab; everything it made is removed when it is dropped.
@@ -139,6 +161,10 @@ pub struct Lab {
     net: Subnet,
     hosts: Vec<Host>,
     switch: Option<Switch>,
+    /// The disks hosts' reads are capped on (empty when no host has a disk).
+    disks: Vec<BlockDevice>,
+    /// The switch's own round trip, measured at start (two hosts or more).
+    floor: Option<std::time::Duration>,
 }
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -161,7 +187,17 @@ impl Lab {
             net,
             hosts: Vec::new(),
             switch: None,
+            disks: Vec::new(),
+            floor: None,
         };
+        if spec.hosts.iter().any(|h| h.disk.is_some()) {
+            for p in &spec.disk_paths {
+                let d = crate::disk::device_of(p)?;
+                if !lab.disks.iter().any(|x| x.id == d.id) {
+                    lab.disks.push(d);
+                }
+            }
+        }
         let mut ports: Vec<File> = Vec::new();
         for (i, h) in spec.hosts.iter().enumerate() {
             let name = format!("{}-{i}", lab.id);
@@ -170,6 +206,7 @@ impl Lab {
                 name: h.name.clone(),
                 ns: Some(ns),
                 cgroup: None,
+                disk: h.disk,
             });
             let ns = lab.hosts[i].ns.as_ref().expect("just made");
             ports.push(crate::tun::create(
@@ -179,14 +216,61 @@ impl Lab {
                 Subnet::PREFIX,
                 spec.mtu,
             )?);
-            lab.hosts[i].cgroup = Cgroup::create(&name, &h.limits)?;
+            let mut limits = h.limits.clone();
+            if let Some(p) = h.disk {
+                limits.disk = Some(DiskCap {
+                    devices: lab.disks.iter().map(|d| d.id).collect(),
+                    read_bps: p.read_bps,
+                    read_iops: p.read_iops,
+                });
+            }
+            lab.hosts[i].cgroup = Cgroup::create(&name, &limits)?;
         }
-        let switch = Switch::start(ports, spec.default_link, spec.seed)?;
+        let switch = Switch::start(ports, Impairment::default(), spec.seed)?;
+        lab.switch = Some(switch);
+        if spec.compensate_switch && lab.hosts.len() >= 2 {
+            // The median of sequential round trips through the switch with no delay: what it
+            // costs on its own, on this machine, now.
+            let (median, _) = crate::selftest::rtt_between(&lab, 0, 1, FLOOR_PINGS)?;
+            let floor = std::time::Duration::from_secs_f64(median);
+            lab.switch().set_compensation(floor / 2);
+            lab.floor = Some(floor);
+        }
+        let switch = lab.switch();
+        for a in 0..spec.hosts.len() {
+            for b in 0..spec.hosts.len() {
+                if a != b {
+                    switch.set_one_way(a, b, spec.default_link);
+                }
+            }
+        }
         for l in &spec.links {
             switch.set_link(spec.index(&l.a)?, spec.index(&l.b)?, l.each_way);
         }
-        lab.switch = Some(switch);
         Ok(lab)
+    }
+
+    /// The switch's own round trip with no delay asked for, measured when the lab started
+    /// (`None` with one host, or when [`LabSpec::compensate_switch`] is off). Each link's
+    /// delay is shortened by half of it each way, so a round trip measures what was asked
+    /// for; a round trip below it cannot be emulated.
+    pub fn switch_floor(&self) -> Option<std::time::Duration> {
+        self.floor
+    }
+
+    /// The disks the hosts' reads are capped on, as resolved from [`LabSpec::disk_paths`].
+    pub fn disks(&self) -> &[BlockDevice] {
+        &self.disks
+    }
+
+    /// Host `i`'s disk profile, if it has one.
+    pub fn disk(&self, i: usize) -> Option<DiskProfile> {
+        self.hosts[i].disk
+    }
+
+    /// Host `i`'s cgroup, if it has limits.
+    pub fn cgroup(&self, i: usize) -> Option<&Cgroup> {
+        self.hosts[i].cgroup.as_ref()
     }
 
     /// This lab's id (the prefix of its namespaces' and cgroups' names).

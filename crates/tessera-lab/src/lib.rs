@@ -29,6 +29,7 @@
 
 pub mod cgroup;
 pub mod cluster;
+pub mod disk;
 mod error;
 pub mod http;
 pub mod lab;

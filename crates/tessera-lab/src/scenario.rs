@@ -21,6 +21,7 @@
 //! name = "slow"
 //! cpu_quota = 0.25                # cores
 //! memory = "512MiB"
+//! disk = "emmc"                   # reads capped at a profile's rates (tessera_lab::disk)
 //! ```
 //!
 //! [`Scenario::parse`] splits the file: the planner's part is handed to
@@ -35,6 +36,7 @@ use tessera_linkemu::Impairment;
 use tessera_plan::ResourceGraph;
 
 use crate::cgroup::Limits;
+use crate::disk::DiskProfile;
 use crate::error::{LabError, Result};
 use crate::lab::{HostSpec, LabSpec};
 
@@ -91,6 +93,7 @@ struct LabNode {
     cpus: Option<String>,
     cpu_quota: Option<f64>,
     memory: Option<String>,
+    disk: Option<String>,
 }
 
 /// The sections of a scenario that are the lab's, not the planner's.
@@ -210,6 +213,18 @@ impl Scenario {
                     format!("[[lab.node]] names unknown node {:?}", n.name),
                 ));
             }
+            if let Some(d) = &n.disk {
+                if DiskProfile::named(d).is_none() {
+                    return Err(err(
+                        path,
+                        format!(
+                            "[[lab.node]] {}: no disk profile {d:?} (one of {})",
+                            n.name,
+                            DiskProfile::names()
+                        ),
+                    ));
+                }
+            }
         }
         if names.contains(&COORDINATOR_HOST) {
             return Err(err(
@@ -257,11 +272,16 @@ impl Scenario {
                         .map(|b| b.0),
                     cpus: l.cpus.clone(),
                     cpu_quota: l.cpu_quota,
+                    disk: None,
                 };
+                h.disk = l.disk.as_deref().and_then(DiskProfile::named);
             }
             hosts.push(h);
         }
         let mut spec = LabSpec::new(hosts);
+        // A capped host reads its data directory (under the temp dir) and the model at its
+        // disk's rate, wherever the two are.
+        spec.disk_paths.push(self.model.clone());
         if let Some(d) = self.graph.default_link {
             spec = spec.default_link(impairment(d.rtt_s, d.bandwidth.0, 0.0, 0.0));
         }
@@ -336,6 +356,7 @@ loss = 0.001
 name = "b"
 cpu_quota = 0.5
 memory = "1GiB"
+disk = "emmc"
 "#;
 
     #[test]
@@ -353,6 +374,16 @@ memory = "1GiB"
         assert_eq!(l.each_way.loss, 0.001);
         assert_eq!(spec.hosts[2].limits.cpu_quota, Some(0.5));
         assert_eq!(spec.hosts[2].limits.memory, Some(1 << 30));
+        assert_eq!(spec.hosts[2].disk, DiskProfile::named("emmc"));
+        assert_eq!(spec.hosts[1].disk, None);
+        assert!(spec.disk_paths.contains(&s.model));
+    }
+
+    #[test]
+    fn a_disk_without_a_profile_is_refused_with_the_profiles_named() {
+        let bad = WIFI.replace("disk = \"emmc\"", "disk = \"floppy\"");
+        let e = Scenario::parse(Path::new("w.toml"), &bad).unwrap_err();
+        assert!(e.to_string().contains("floppy") && e.to_string().contains("emmc"), "{e}");
     }
 
     #[test]

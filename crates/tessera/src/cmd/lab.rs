@@ -25,8 +25,11 @@ struct Measurement {
 
 #[derive(clap::Subcommand, Debug)]
 enum LabCommand {
-    /// Measure the switch: round trip at 0.5/2/20/80 ms, bandwidth at 10/100/1000 Mbit/s, loss,
-    /// and a partition; print the table. Exits non-zero when a figure is out of tolerance.
+    /// Measure the switch: its floor (its own round trip, taken off every delay), round trip at
+    /// 0.5/2/20/80 ms, bandwidth at 10/100/1000 Mbit/s, loss, and a partition; then the disks:
+    /// each profile's read caps measured with O_DIRECT reads from inside a capped host, and
+    /// whether a host's page cache stays within its memory cap. Print the table. Exits
+    /// non-zero when a figure is out of tolerance.
     Selftest {
         /// Print the table as JSON.
         #[arg(long)]
@@ -34,6 +37,15 @@ enum LabCommand {
         /// Seconds of transfer per bandwidth figure.
         #[arg(long, default_value_t = 4.0)]
         transfer_s: f64,
+        /// Measure the disk caps on the disk holding this directory (default: the temp dir).
+        #[arg(long)]
+        disk_dir: Option<std::path::PathBuf>,
+        /// Leave the disks out.
+        #[arg(long, conflicts_with = "disk_dir")]
+        no_disk: bool,
+        /// Only the disks (leave the switch out).
+        #[arg(long, conflicts_with = "no_disk")]
+        disk_only: bool,
     },
     /// Run a scenario (the planner's cluster file plus [model], [workload] and [lab]): the
     /// planner's choice and each runner-up the fabric can execute, on emulated hosts, measured
@@ -162,6 +174,28 @@ enum LabCommand {
         #[command(flatten)]
         out: Measurement,
     },
+    /// Run a command on one emulated host capped like a scenario's node: its disk's read rates
+    /// (a profile: nvme-gen4, nvme-gen3, sata-ssd, usb, emmc, sd), memory and CPU. E.g.
+    /// `tessera lab exec --disk emmc --memory 1GiB -- tessera bench --expert-budget 200MiB -m M`.
+    /// Exits with the command's status.
+    Exec {
+        /// Disk profile whose read bandwidth and IOPS cap the host's reads.
+        #[arg(long)]
+        disk: Option<String>,
+        /// Memory cap (page cache included), e.g. `1GiB`.
+        #[arg(long)]
+        memory: Option<String>,
+        /// CPU time in cores.
+        #[arg(long)]
+        cpu_quota: Option<f64>,
+        /// Paths whose disks the cap applies to (default: the temp dir and each existing
+        /// path among the command's arguments).
+        #[arg(long)]
+        disk_path: Vec<std::path::PathBuf>,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        command: Vec<std::ffi::OsString>,
+    },
     /// Remove the namespaces, devices and cgroups of labs whose process has gone (and kill the
     /// processes left inside them).
     Clean {
@@ -173,12 +207,26 @@ enum LabCommand {
 
 pub fn run(args: LabArgs) -> anyhow::Result<()> {
     match args.command {
-        LabCommand::Selftest { json, transfer_s } => {
+        LabCommand::Selftest {
+            json,
+            transfer_s,
+            disk_dir,
+            no_disk,
+            disk_only,
+        } => {
             anyhow::ensure!(transfer_s >= 1.0, "--transfer-s must be at least 1");
-            let opts = tessera_lab::selftest::Options {
+            let mut opts = tessera_lab::selftest::Options {
                 transfer_s,
                 ..Default::default()
             };
+            if no_disk {
+                opts.disk_dir = None;
+            } else if let Some(d) = disk_dir {
+                opts.disk_dir = Some(d);
+            }
+            if disk_only {
+                opts = opts.disk_only();
+            }
             if !json {
                 print!("{}", tessera_lab::selftest::table(&[]));
             }
@@ -335,6 +383,13 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                 tessera_lab::run::cells::table,
             )
         }
+        LabCommand::Exec {
+            disk,
+            memory,
+            cpu_quota,
+            disk_path,
+            command,
+        } => exec(disk, memory, cpu_quota, disk_path, command),
         LabCommand::Clean { all } => {
             let c = tessera_lab::clean(all);
             for n in &c.namespaces {
@@ -349,6 +404,52 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `lab exec`: one host with the caps asked for, the command run inside, its status passed on.
+fn exec(
+    disk: Option<String>,
+    memory: Option<String>,
+    cpu_quota: Option<f64>,
+    disk_path: Vec<std::path::PathBuf>,
+    command: Vec<std::ffi::OsString>,
+) -> anyhow::Result<()> {
+    use tessera_lab::disk::DiskProfile;
+    let mut host = tessera_lab::HostSpec::new("host");
+    if let Some(d) = disk {
+        let p = DiskProfile::named(&d).with_context(|| {
+            format!("--disk {d:?}: one of {}", DiskProfile::names())
+        })?;
+        host = host.disk(p);
+    }
+    host.limits.memory = memory
+        .map(|m| tessera_plan::units::parse_bytes(&m).map(|b| b.0))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--memory: {e}"))?;
+    host.limits.cpu_quota = cpu_quota;
+    let mut spec = tessera_lab::LabSpec::new(vec![host]);
+    if disk_path.is_empty() {
+        spec.disk_paths.extend(
+            command[1..]
+                .iter()
+                .map(std::path::PathBuf::from)
+                .filter(|p| p.exists()),
+        );
+    } else {
+        spec.disk_paths = disk_path;
+    }
+    let lab = tessera_lab::Lab::start(&spec).context("starting the host")?;
+    for d in lab.disks() {
+        eprintln!("lab: reads capped on {} ({}): {}", d.name, d.id, d.how);
+    }
+    let status = lab
+        .command(0, &command[0])?
+        .args(&command[1..])
+        .status()
+        .with_context(|| format!("running {:?}", command[0]))?;
+    drop(lab);
+    anyhow::ensure!(status.success(), "the command exited with {status}");
+    Ok(())
 }
 
 /// What `lab hop`, `pipeline` and `cells` share: the directory (default a fresh one under the
