@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use tessera_engine::kernels::{isa, matmul, Matrix, MatrixBytes, QuantizedActs, ThreadPool};
 use tessera_model::GgmlType;
 
-const DTYPES: [GgmlType; 18] = [
+const DTYPES: [GgmlType; 20] = [
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
     GgmlType::Iq2Xxs,
     GgmlType::Iq2Xs,
     GgmlType::Iq2S,
