@@ -265,7 +265,10 @@ mod tests {
 
     #[test]
     fn fields_are_read_from_both_listing_styles() {
-        assert_eq!(field("rchar: 5\nread_bytes: 4096\n", "read_bytes"), Some(4096));
+        assert_eq!(
+            field("rchar: 5\nread_bytes: 4096\n", "read_bytes"),
+            Some(4096)
+        );
         assert_eq!(field("cache 123\nrss 9\n", "cache"), Some(123));
         assert_eq!(field("total_cache 7\n", "cache"), None);
     }
