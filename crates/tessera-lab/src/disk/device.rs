@@ -236,9 +236,14 @@ mod tests {
     fn dev_t_splits_as_glibc_does() {
         assert_eq!(DevId::from_dev_t(0xfe00), DevId::new(254, 0));
         assert_eq!(DevId::from_dev_t(0x0801), DevId::new(8, 1));
-        // Large numbers use the high bits on both sides.
-        let dev = (0x1234u64 << 32) | (0x56 << 12) | (0xabc << 8) | 0x78;
-        assert_eq!(DevId::from_dev_t(dev), DevId::new(0x1234abc, 0x5678));
+        // Large numbers keep their high bits above glibc's makedev layout.
+        let makedev = |ma: u64, mi: u64| {
+            ((ma & 0xfff) << 8) | ((ma & !0xfff) << 32) | (mi & 0xff) | ((mi & !0xff) << 12)
+        };
+        assert_eq!(
+            DevId::from_dev_t(makedev(0x1234abc, 0x5678)),
+            DevId::new(0x1234abc, 0x5678)
+        );
     }
 
     #[test]
