@@ -76,6 +76,10 @@ pub struct StreamingReport {
     /// Milliseconds a decode step took, on average.
     #[serde(default)]
     pub step_ms: f64,
+    /// Milliseconds per decode step the I/O thread spent building (repacking) read experts:
+    /// one thread builds them all, so this bounds how fast misses can be served.
+    #[serde(default)]
+    pub build_ms_per_step: f64,
 }
 
 impl fmt::Display for BenchReport {
@@ -129,7 +133,7 @@ impl fmt::Display for BenchReport {
                 "\nstreaming    budget {:.1} MiB: hit rate {:.1}%, {:.2} MiB of missed experts per \
                  token, disk {:.2} GB/s; disk-bound {:.1} tok/s, decode reaches {:.0}% of it \
                  (disk busy {:.0}%, waiting for reads {:.0}% of the decode: {:.2} of each \
-                 step's {:.2} ms)",
+                 step's {:.2} ms; building read experts {:.2} ms a step)",
                 mib(s.budget_bytes),
                 100.0 * s.hit_rate,
                 s.missed_bytes_per_token / (1024.0 * 1024.0),
@@ -139,7 +143,8 @@ impl fmt::Display for BenchReport {
                 100.0 * s.disk_busy,
                 100.0 * s.read_wait,
                 s.read_wait_ms_per_step,
-                s.step_ms
+                s.step_ms,
+                s.build_ms_per_step
             )?;
         }
         Ok(())
@@ -448,6 +453,7 @@ fn streaming_report(
         // The counters cover the last run; `decode_s` is the mean over runs, as is a step.
         read_wait_ms_per_step: (b.read_wait_us - a.read_wait_us) as f64 / 1e3 / n,
         step_ms: decode_s * 1e3 / n,
+        build_ms_per_step: (b.build_us - a.build_us) as f64 / 1e3 / n,
     })
 }
 

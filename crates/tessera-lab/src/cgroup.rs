@@ -247,6 +247,25 @@ impl Cgroup {
         })
     }
 
+    /// The read caps in force, as the kernel lists them: v1 `read_bps_device` then
+    /// `read_iops_device`, v2 `io.max`; `None` without a disk cap.
+    pub fn read_caps(&self) -> Option<String> {
+        let files: &[&str] = match version() {
+            Version::V1 => &[
+                "blkio.throttle.read_bps_device",
+                "blkio.throttle.read_iops_device",
+            ],
+            Version::V2 => &["io.max"],
+        };
+        let text: String = self
+            .dirs
+            .iter()
+            .flat_map(|d| files.iter().map(move |f| d.join(f)))
+            .filter_map(|p| std::fs::read_to_string(p).ok())
+            .collect();
+        (!text.trim().is_empty()).then_some(text)
+    }
+
     /// Kills what is left inside and removes the directories.
     pub fn destroy(self) {
         for d in &self.dirs {

@@ -5,8 +5,9 @@
 //! into its destination's after the link's one-way delay (± jitter), through its bandwidth
 //! queue, unless lost or partitioned. Real `tessera` processes run inside the hosts
 //! ([`Lab::command`]), unchanged: QUIC between nodes, the HTTP API and mDNS multicast all
-//! cross the switch like any IP traffic. Hosts may be capped in memory and CPU by cgroups
-//! (v1 or v2). Everything is removed when the [`Lab`] is dropped, and after a crash by
+//! cross the switch like any IP traffic. Hosts may be capped in memory, CPU and disk reads
+//! by cgroups (v1 or v2; disks: [`disk`]). The switch's own round trip is measured when the
+//! lab starts and taken off every delay ([`Lab::switch_floor`]). Everything is removed when the [`Lab`] is dropped, and after a crash by
 //! [`clean`] (`tessera lab clean`).
 //!
 //! ```no_run

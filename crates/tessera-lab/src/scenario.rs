@@ -383,7 +383,10 @@ disk = "emmc"
     fn a_disk_without_a_profile_is_refused_with_the_profiles_named() {
         let bad = WIFI.replace("disk = \"emmc\"", "disk = \"floppy\"");
         let e = Scenario::parse(Path::new("w.toml"), &bad).unwrap_err();
-        assert!(e.to_string().contains("floppy") && e.to_string().contains("emmc"), "{e}");
+        assert!(
+            e.to_string().contains("floppy") && e.to_string().contains("emmc"),
+            "{e}"
+        );
     }
 
     #[test]

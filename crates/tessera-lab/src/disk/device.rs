@@ -153,9 +153,8 @@ fn resolve(path: &Path, depth: usize) -> Result<BlockDevice> {
     let text = std::fs::read_to_string("/proc/self/mountinfo")
         .map_err(|e| LabError::io("reading /proc/self/mountinfo", e))?;
     let mounts = parse_mountinfo(&text);
-    let m = mount_of(&mounts, path).ok_or_else(|| {
-        LabError::Spec(format!("{}: no mount holds it", path.display()))
-    })?;
+    let m = mount_of(&mounts, path)
+        .ok_or_else(|| LabError::Spec(format!("{}: no mount holds it", path.display())))?;
     let via = format!(
         "{} is on {} ({} from {:?})",
         path.display(),
@@ -203,9 +202,9 @@ fn whole_disk(id: DevId, how: String) -> Result<BlockDevice> {
             how: format!("{how} ({}, a whole disk)", name_of(&sys)),
         });
     }
-    let parent = sys.parent().ok_or_else(|| {
-        LabError::Spec(format!("partition {id} has no parent disk in sysfs"))
-    })?;
+    let parent = sys
+        .parent()
+        .ok_or_else(|| LabError::Spec(format!("partition {id} has no parent disk in sysfs")))?;
     let dev = std::fs::read_to_string(parent.join("dev"))
         .map_err(|e| LabError::io(format!("reading {}/dev", parent.display()), e))?;
     let disk = DevId::parse(&dev)
@@ -237,9 +236,14 @@ mod tests {
     fn dev_t_splits_as_glibc_does() {
         assert_eq!(DevId::from_dev_t(0xfe00), DevId::new(254, 0));
         assert_eq!(DevId::from_dev_t(0x0801), DevId::new(8, 1));
-        // Large numbers use the high bits on both sides.
-        let dev = (0x1234u64 << 32) | (0x56 << 12) | (0xabc << 8) | 0x78;
-        assert_eq!(DevId::from_dev_t(dev), DevId::new(0x1234abc, 0x5678));
+        // Large numbers keep their high bits above glibc's makedev layout.
+        let makedev = |ma: u64, mi: u64| {
+            ((ma & 0xfff) << 8) | ((ma & !0xfff) << 32) | (mi & 0xff) | ((mi & !0xff) << 12)
+        };
+        assert_eq!(
+            DevId::from_dev_t(makedev(0x1234abc, 0x5678)),
+            DevId::new(0x1234abc, 0x5678)
+        );
     }
 
     #[test]
@@ -260,8 +264,15 @@ mod tests {
         let at = |p: &str| mount_of(&m, Path::new(p)).map(|m| m.mount_point.clone());
         assert_eq!(at("/home/x"), Some("/".into()));
         assert_eq!(at("/tmp/a/b"), Some("/tmp".into()));
-        assert_eq!(at("/tmpx"), Some("/".into()), "a prefix of a name is not a parent");
-        assert_eq!(at("/mnt/my disk/inner/f"), Some("/mnt/my disk/inner".into()));
+        assert_eq!(
+            at("/tmpx"),
+            Some("/".into()),
+            "a prefix of a name is not a parent"
+        );
+        assert_eq!(
+            at("/mnt/my disk/inner/f"),
+            Some("/mnt/my disk/inner".into())
+        );
         assert_eq!(at("/mnt/my disk/f"), Some("/mnt/my disk".into()));
     }
 

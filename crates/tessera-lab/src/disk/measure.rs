@@ -117,7 +117,7 @@ pub fn direct_reads<G>(
     load: &ReadLoad,
     enter: &(dyn Fn() -> std::io::Result<G> + Sync),
 ) -> std::io::Result<Rate> {
-    assert!(load.block % ALIGN == 0 && load.block > 0 && load.depth > 0);
+    assert!(load.block.is_multiple_of(ALIGN) && load.block > 0 && load.depth > 0);
     let blocks = (file.len / load.block as u64).max(1);
     let (bytes, ops) = (AtomicU64::new(0), AtomicU64::new(0));
     let stop = AtomicBool::new(false);
@@ -265,7 +265,10 @@ mod tests {
 
     #[test]
     fn fields_are_read_from_both_listing_styles() {
-        assert_eq!(field("rchar: 5\nread_bytes: 4096\n", "read_bytes"), Some(4096));
+        assert_eq!(
+            field("rchar: 5\nread_bytes: 4096\n", "read_bytes"),
+            Some(4096)
+        );
         assert_eq!(field("cache 123\nrss 9\n", "cache"), Some(123));
         assert_eq!(field("total_cache 7\n", "cache"), None);
     }

@@ -83,10 +83,7 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
             p.read_bps as f64,
             bw.bytes_per_s,
             |mb| format!("{:.0} MB/s", mb / 1e6),
-            || {
-                measure::direct_reads(&file, &ReadLoad::bandwidth(), &enter)
-                    .map(|r| r.bytes_per_s)
-            },
+            || measure::direct_reads(&file, &ReadLoad::bandwidth(), &enter).map(|r| r.bytes_per_s),
         )?);
         push(cap_check(
             p,

@@ -318,8 +318,9 @@ fn provenance(
     quotas: Vec<String>,
 ) -> Vec<String> {
     let mut provenance = vec![
-        "imposed by the lab: link delay, jitter, bandwidth and loss; CPU share and memory cap \
-         where [[lab.node]] sets them"
+        "imposed by the lab: link delay, jitter, bandwidth and loss (each delay shortened by \
+         the switch's own round trip); CPU share, memory cap (page cache included) and disk \
+         read caps where [[lab.node]] sets them"
             .to_string(),
         "measured by the nodes: memory bandwidth, compute, RAM (the host's), and the \
          coordinator's round trips over the switch: predictions use these"

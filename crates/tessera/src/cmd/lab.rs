@@ -417,9 +417,8 @@ fn exec(
     use tessera_lab::disk::DiskProfile;
     let mut host = tessera_lab::HostSpec::new("host");
     if let Some(d) = disk {
-        let p = DiskProfile::named(&d).with_context(|| {
-            format!("--disk {d:?}: one of {}", DiskProfile::names())
-        })?;
+        let p = DiskProfile::named(&d)
+            .with_context(|| format!("--disk {d:?}: one of {}", DiskProfile::names()))?;
         host = host.disk(p);
     }
     host.limits.memory = memory
