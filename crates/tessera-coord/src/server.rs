@@ -203,7 +203,7 @@ impl Coordinator {
                         };
                         match shared.enrol.complete(req).await {
                             Ok(c) => {
-                                tracing::info!(event = "enrolled", node_id = %id, "enrolled node {id}");
+                                tracing::info!(event = "enrolled", node_id = %id, "enrolled node {}", id.short());
                                 c
                             }
                             Err(e) => {

@@ -1,11 +1,16 @@
-//! Long-running commands stop on SIGTERM as a supervisor starts them: a child process whose
-//! stdout and stderr are pipes nobody reads (Python's `subprocess.Popen(stdout=PIPE)`, a
-//! script's background job), not the leader of its process group. Their logs fill the pipes
-//! first (`TESSERA_LOG=trace`), which once stalled every thread that logged and left `tessera
-//! up` and its nodes running after SIGTERM.
+//! Long-running commands as a supervisor runs them.
+//!
+//! - They stop on SIGTERM when started as a child process whose stdout and stderr are pipes
+//!   nobody reads (Python's `subprocess.Popen(stdout=PIPE)`, a script's background job), not
+//!   the leader of its process group. Their logs fill the pipes first (`TESSERA_LOG=trace`),
+//!   which once stalled every thread that logged and left `tessera up` and its nodes running
+//!   after SIGTERM.
+//! - What `tessera up` prints for a person is sentences: no `Name { field: … }` debug
+//!   structures and no hashes or keys longer than 12 characters.
 
 mod common;
 
+use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -135,4 +140,78 @@ fn up_with_unread_pipes_stops_with_every_node_on_sigterm() {
     let nodes = children_of(pid);
     assert_eq!(nodes.len(), 2, "node processes: {nodes:?}");
     traffic_then_sigterm(child, &addr, &nodes);
+}
+
+/// A word of 13 or more letters and digits mixing both: a hash, a key or a token.
+fn long_hash(line: &str) -> Option<&str> {
+    line.split(|c: char| !c.is_ascii_alphanumeric()).find(|w| {
+        w.len() > 12
+            && w.chars().any(|c| c.is_ascii_digit())
+            && w.chars().any(|c| c.is_ascii_alphabetic())
+    })
+}
+
+#[test]
+fn up_prints_sentences_without_debug_structures_or_long_hashes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args([
+            "up",
+            "--listen",
+            "127.0.0.1:0",
+            "--threads",
+            "1",
+            "--run-dir",
+        ])
+        .arg(dir.path())
+        .env("TESSERA_CACHE_DIR", cache_dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting tessera up");
+    // Both streams, in the order lines arrive, until the cluster says how to stop it.
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    for out in [
+        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stderr.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    let mut lines = Vec::new();
+    while lines.len() < 40 {
+        match rx.recv_timeout(Duration::from_secs(180)) {
+            Ok(l) => {
+                let last = l.starts_with("Ctrl-C stops");
+                lines.push(l);
+                if last {
+                    break;
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    let text = lines.join("\n");
+    assert!(
+        lines.iter().any(|l| l.starts_with("listening on")),
+        "up did not start:\n{text}"
+    );
+    for l in &lines {
+        assert!(
+            !l.contains(" { ") && !l.contains("{ "),
+            "a debug structure: {l}\n{text}"
+        );
+        assert_eq!(long_hash(l), None, "a long hash in: {l}\n{text}");
+    }
 }
