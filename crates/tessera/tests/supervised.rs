@@ -75,28 +75,11 @@ fn children_of(pid: u32) -> Vec<u32> {
 
 /// Serves some traffic so the logs overflow the pipes, then sends SIGTERM and checks that
 /// the process exits cleanly, and `others` are gone, within [`STOP_WITHIN`].
-fn traffic_then_sigterm(mut child: Child, addr: &str, others: &[u32]) {
+fn traffic_then_sigterm(child: Child, addr: &str, others: &[u32]) {
     for _ in 0..50 {
         assert_eq!(get(addr, "/v1/models", None).status, 200);
     }
-    let ok = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if t0.elapsed() > STOP_WITHIN {
-            let _ = child.kill();
-            panic!("still running {STOP_WITHIN:?} after SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(status.success(), "exited with {status}");
+    sigterm_stops(child, "tessera");
     let left: Vec<u32> = others.iter().copied().filter(|&p| running(p)).collect();
     for &p in &left {
         let _ = Command::new("kill")
@@ -140,6 +123,84 @@ fn up_with_unread_pipes_stops_with_every_node_on_sigterm() {
     let nodes = children_of(pid);
     assert_eq!(nodes.len(), 2, "node processes: {nodes:?}");
     traffic_then_sigterm(child, &addr, &nodes);
+}
+
+/// Waits for `child` to exit after SIGTERM: cleanly, within [`STOP_WITHIN`].
+fn sigterm_stops(mut child: Child, what: &str) {
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > STOP_WITHIN {
+            let _ = child.kill();
+            panic!("{what} still running {STOP_WITHIN:?} after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{what} exited with {status}");
+}
+
+#[test]
+fn a_coordinator_and_a_node_with_unread_pipes_stop_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut coordinator = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["coordinator", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("coordinator"))
+        .env("TESSERA_CACHE_DIR", cache_dir())
+        .env("TESSERA_LOG", "trace")
+        .env(common::JSON_LOGS.0, common::JSON_LOGS.1)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the coordinator");
+    // Read stdout only as far as the join token; nobody reads either pipe after that.
+    let mut out = BufReader::new(coordinator.stdout.take().unwrap());
+    let mut line = String::new();
+    let join = loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "no join token");
+        if let Some(e) = common::event_in(line.trim(), &[("event", "join_token")]) {
+            break e["token"].as_str().unwrap().to_string();
+        }
+    };
+    let join_file = dir.path().join("join");
+    std::fs::write(&join_file, &join).unwrap();
+    let node_dir = dir.path().join("node");
+    let node = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args([
+            "node",
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            "n1",
+            "--quick-probe",
+        ])
+        .args(["--threads", "1", "--data-dir"])
+        .arg(&node_dir)
+        .arg("--join-file")
+        .arg(&join_file)
+        .env("TESSERA_CACHE_DIR", cache_dir())
+        .env("TESSERA_LOG", "trace")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the node");
+    // The node pins the coordinator once enrolled.
+    wait_for("the node to enrol", Duration::from_secs(60), || {
+        node_dir.join("coordinator.json").exists()
+    });
+    sigterm_stops(node, "the node");
+    sigterm_stops(coordinator, "the coordinator");
+    drop(out);
 }
 
 /// A word of 13 or more letters and digits mixing both: a hash, a key or a token.
