@@ -159,10 +159,11 @@ impl ModelServer {
                     }
                     bar.finish_and_clear();
                     tracing::info!(
-                        "sent {} chunks ({} bytes) of model {} to {peer}",
+                        "sent {} chunks ({:.1} MiB) of model {} to {}",
                         refs.len(),
-                        total,
-                        self.manifest.model_hash.short()
+                        total as f64 / f64::from(1u32 << 20),
+                        self.manifest.model_hash.short(),
+                        peer
                     );
                     s.writer
                         .write_message(

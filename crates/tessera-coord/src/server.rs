@@ -342,7 +342,7 @@ async fn enrol_stranger(shared: &Shared, req: tessera_net::EnrolmentRequest) -> 
     };
     match result {
         Ok(c) => {
-            tracing::info!(event = "enrolled", node_id = %id, "enrolled node {id}");
+            tracing::info!(event = "enrolled", node_id = %id, "enrolled node {}", id.short());
             Some(c)
         }
         Err(e) => {

@@ -162,20 +162,20 @@ async fn node_session(
         node = %hello.name,
         node_id = %id,
         session,
-        "node joined: {} {} at {addr}",
+        "node joined: {} ({}) at {addr}",
         hello.name,
-        id
+        id.short()
     );
     // Measure the link to the node in the background.
     {
-        let (shared, conn) = (shared.clone(), conn.clone());
+        let (shared, conn, name) = (shared.clone(), conn.clone(), hello.name.clone());
         tokio::spawn(async move {
             match measure_link(&conn, 8, 1 << 20).await {
                 Ok(link) => {
                     tracing::info!(
-                        "link to {}: rtt {:?}, {:.1} MB/s",
-                        id.short(),
-                        link.rtt_median,
+                        "link to {}: round trip {:.2} ms, {:.1} MB/s",
+                        name,
+                        link.rtt_median.as_secs_f64() * 1e3,
                         link.bytes_per_s / 1e6
                     );
                     shared.apply(Event::LinkMeasured { node: id, link });

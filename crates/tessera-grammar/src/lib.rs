@@ -356,11 +356,15 @@ mod tests {
         let mut g = c.compile(&GrammarSpec::JsonSchema(schema)).unwrap();
         let mut out = Vec::new();
         for _ in 0..64 {
+            // The 16th digit completes the grammar: nothing may follow.
+            if g.is_finished() {
+                break;
+            }
             let mut logits = vec![0.0f32; tok.vocab_size()];
             logits[nine as usize] = 10.0;
             g.mask(&mut logits).unwrap();
             let t = tessera_sampling::argmax(&logits) as u32;
-            if tok.is_end_of_generation(t) || g.is_finished() {
+            if tok.is_end_of_generation(t) {
                 break;
             }
             g.accept(t).unwrap();

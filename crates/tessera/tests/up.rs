@@ -109,8 +109,8 @@ fn run_openai_script(url: &str) {
 
 /// What agents and apps use, through the ring: tools, grammar-constrained output, logprobs,
 /// n > 1, every parameter honoured or refused by name (`api_features.py`); Anthropic Messages
-/// and the Responses API (`anthropic_api.py`); Ollama's API (`ollama_api.py`); an OpenAI Agents
-/// SDK agent with a tool (`agents_sdk.py`).
+/// and the Responses API (`anthropic_api.py`); issue 36's API fixes (`api_fixes.py`); Ollama's
+/// API (`ollama_api.py`); an OpenAI Agents SDK agent with a tool (`agents_sdk.py`).
 fn run_agent_api_scripts(url: &str) {
     if !common::python_modules_available(&["openai", "jsonschema", "anthropic"]) {
         eprintln!("skipping the agent API checks: python3 with `openai`, `jsonschema` and `anthropic` is not available");
@@ -118,6 +118,8 @@ fn run_agent_api_scripts(url: &str) {
     }
     common::run_python_script("api_features.py", &[url, "cluster"]);
     common::run_python_script("anthropic_api.py", &[url]);
+    // A loopback page's origin: the cluster is started without --cors-origin.
+    common::run_python_script("api_fixes.py", &[url, "http://localhost:5173"]);
     if common::python_modules_available(&["ollama"]) {
         common::run_python_script("ollama_api.py", &[url, "cluster"]);
     }

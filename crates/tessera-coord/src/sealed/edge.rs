@@ -124,23 +124,21 @@ pub(crate) fn submit(shared: &Shared, client: ClientId, envelopes: Vec<JobEnvelo
     );
 }
 
-/// What a claim changed, as words for a log line ("" for a node's first claim).
-fn claim_change_words(change: &tessera_seal::claims::ClaimChange) -> String {
+/// What a claim changed, as words for a log line (the claim epochs, unix milliseconds, are
+/// in the event's fields).
+fn claim_change_words(change: &tessera_seal::claims::ClaimChange) -> &'static str {
     use tessera_seal::claims::ClaimChange;
     match change {
-        ClaimChange::New => String::new(),
-        ClaimChange::Unchanged => ", unchanged".into(),
+        ClaimChange::New => "announced what it runs for sealed jobs",
+        ClaimChange::Unchanged => "announced its sealed-job claim again, unchanged",
         ClaimChange::Superseded {
-            old_epoch,
-            revoked_seal_key,
-        } => format!(
-            ", replacing epoch {old_epoch}{}",
-            if revoked_seal_key.is_some() {
-                " and its sealing key"
-            } else {
-                ""
-            }
-        ),
+            revoked_seal_key: None,
+            ..
+        } => "renewed its sealed-job claim",
+        ClaimChange::Superseded {
+            revoked_seal_key: Some(_),
+            ..
+        } => "renewed its sealed-job claim with a new sealing key",
     }
 }
 
@@ -157,9 +155,8 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
                     kernel_path = %c.claims.kernel_path,
                     epoch = c.claims.epoch,
                     models = c.claims.models.len(),
-                    "{} announced what it runs for sealed jobs (claim epoch {}{})",
+                    "{} {}",
                     name_of(shared, &from),
-                    c.claims.epoch,
                     claim_change_words(&change)
                 ),
                 Err(e) => {

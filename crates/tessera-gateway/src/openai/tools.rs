@@ -580,7 +580,10 @@ mod tests {
             assert!(events.is_empty(), "{cut}: {events:?}");
         }
         let mut p = ToolCallParser::new(ToolFormat::Llama3, &tools());
-        let mut events = p.push("{\"name\": \"add\", \"parameters\": {}};{\"name\": \"get_weather\", \"parameters\": {\"ci");
+        let mut events = p.push(concat!(
+            "{\"name\": \"add\", \"parameters\": {}};",
+            "{\"name\": \"get_weather\", \"parameters\": {\"ci"
+        ));
         events.extend(p.finish());
         let names: Vec<_> = events
             .iter()

@@ -167,7 +167,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             "model {} ({:?}), hash {}",
             model.display(),
             coordinator.model().config.arch,
-            coordinator.manifest().model_hash
+            coordinator.manifest().model_hash.short()
         );
         let (addr_s, join, operator) = (
             addr.to_string(),

@@ -299,7 +299,12 @@ async fn up(
     crate::logging::announce(
         "join_token",
         &[("token", &cluster.join)],
-        &format!("  join       {}", cluster.join),
+        // The token is a secret and unreadable: the line says where it is (the JSON event
+        // carries it).
+        &format!(
+            "  join       tessera node --join-file {}  (the token for more nodes)",
+            run_dir.join("join").display()
+        ),
     );
 
     // Wait for every stage to join, fetch, load and link; give up if a node dies or on Ctrl-C.
