@@ -225,8 +225,12 @@ fn forty_idle_half_open_enrolments_do_not_stop_a_real_token_holder() {
             opened
         })
     };
-    // Four real token holders, one after another, each in within 2 s.
+    // Four real token holders, spread over 4 s (the last ones after the first idle ones' 3 s
+    // first-message deadline, among re-opened ones), each in within 2 s.
     for i in 0..4 {
+        if i > 0 {
+            std::thread::sleep(Duration::from_millis(1200));
+        }
         let id = NodeIdentity::generate().unwrap();
         let t0 = Instant::now();
         let r = rt.block_on(async {
