@@ -245,6 +245,14 @@ fn forty_idle_half_open_enrolments_do_not_stop_a_real_token_holder() {
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let reopened = rt.block_on(reopener).unwrap();
+    // The idle ones hold nothing: each was evicted or closed at its first-message deadline.
+    rt.block_on(async {
+        for (i, conn) in idle.iter().enumerate() {
+            tokio::time::timeout(Duration::from_secs(5), conn.closed())
+                .await
+                .unwrap_or_else(|_| panic!("idle connection {i} still open"));
+        }
+    });
     println!(
         "attack table: {} idle held, {reopened} re-opened during",
         idle.len()
