@@ -358,21 +358,32 @@ impl Enrolment {
 
     /// Revokes the enrolled key named `name` (its name, node id or an id prefix).
     pub fn revoke_named(&self, name: &str) -> Result<NodeId, CoordError> {
-        let id = {
-            let snap = self.snap();
-            let mut hits = snap.nodes.iter().filter(|n| {
-                n.name.as_deref() == Some(name)
-                    || (!name.is_empty() && n.node_id.to_string().starts_with(name))
-            });
-            match (hits.next(), hits.next()) {
-                (Some(n), None) => n.node_id,
-                _ => {
-                    return Err(CoordError::Run(
-                        "give the name, node id or an id prefix of exactly one enrolled key".into(),
-                    ))
+        let id =
+            {
+                let snap = self.snap();
+                // A name or a whole id first: a short name must not match another key whose id
+                // happens to start with it. Then an id prefix of 4 characters or more.
+                let exact: Vec<NodeId> = snap
+                    .nodes
+                    .iter()
+                    .filter(|n| n.name.as_deref() == Some(name) || n.node_id.to_string() == name)
+                    .map(|n| n.node_id)
+                    .collect();
+                let prefixed: Vec<NodeId> = snap
+                    .nodes
+                    .iter()
+                    .filter(|n| name.len() >= 4 && n.node_id.to_string().starts_with(name))
+                    .map(|n| n.node_id)
+                    .collect();
+                match (exact.as_slice(), prefixed.as_slice()) {
+                    ([one], _) | ([], [one]) => *one,
+                    _ => return Err(CoordError::Run(
+                        "give the name, node id or an id prefix (4+ characters) of exactly one \
+                         enrolled key"
+                            .into(),
+                    )),
                 }
-            }
-        };
+            };
         self.revoke(id)?;
         Ok(id)
     }
@@ -503,6 +514,24 @@ mod tests {
         e.bind_name(&node, "n", Role::Node).unwrap();
         e.bind_name(&client, "c", Role::Client).unwrap();
         assert_eq!(e.grant_of(&client), Some(Grant::Client));
+    }
+
+    #[test]
+    fn a_short_name_revokes_its_key_not_another_whose_id_starts_with_it() {
+        let me = NodeIdentity::generate().unwrap();
+        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let a = NodeIdentity::generate().unwrap().public_key();
+        let b = NodeIdentity::generate().unwrap().public_key();
+        e.record(a, Grant::Node).unwrap();
+        e.record(b, Grant::Node).unwrap();
+        let short = b.node_id().to_string()[..1].to_string();
+        e.bind_name(&a, &short, Role::Node).unwrap();
+        assert_eq!(e.revoke_named(&short).unwrap(), a.node_id());
+        assert!(!e.is_revoked(&b.node_id()));
+        // An id prefix shorter than 4 characters names nobody.
+        assert!(e.revoke_named(&b.node_id().to_string()[..3]).is_err());
+        let id = b.node_id().to_string();
+        assert_eq!(e.revoke_named(&id[..6]).unwrap(), b.node_id());
     }
 
     #[test]

@@ -152,8 +152,11 @@ impl EnrolmentSlots {
 /// [`EnrolmentSlot::evicted`] resolves when a newcomer takes its place.
 #[derive(Debug, Clone, Default)]
 pub struct SlotTable {
-    inner: Arc<Mutex<(EnrolmentSlots, HashMap<SlotId, oneshot::Sender<()>>)>>,
+    inner: Arc<Mutex<Table>>,
 }
+
+/// The pure table and, for each silent place, how to tell its task it was evicted.
+type Table = (EnrolmentSlots, HashMap<SlotId, oneshot::Sender<()>>);
 
 impl SlotTable {
     /// A place for an enrolment from `ip`, or `None` when every place it could take is being

@@ -2,7 +2,7 @@
 //! processes on 127.0.0.1: a `tessera coordinator` (3 s node lease) with two single-node
 //! cells, and `tessera client submit`.
 //!
-//! The worker holding a job is killed (`kill -9`): its lease expires within the node lease,
+//! The worker holding a job is killed (`kill -9`) or frozen (`SIGSTOP`): its lease expires within the node lease,
 //! the sealed desk hears of it in the same step, and the job is dispatched to the other worker
 //! at once, long before the tier's job lease (about 20 s) would have moved it; the client gets
 //! one answer. A job submitted after that never goes to the dead worker: its claims are no
@@ -81,13 +81,23 @@ fn news_at(p: &mut Proc, event: &str, attempt: u64) -> (Instant, Value) {
 
 #[test]
 fn a_killed_workers_sealed_job_moves_to_another_within_the_node_lease() {
+    holder_lost("-KILL");
+}
+
+#[test]
+fn a_frozen_workers_sealed_job_moves_to_another_within_the_node_lease() {
+    holder_lost("-STOP");
+}
+
+/// Signals the holder of a sealed job with `signal` and checks the handover.
+fn holder_lost(signal: &str) {
     let (mut c, names) = cluster();
     let mut p = submit(&c, "client", "200");
     let (_, dispatched) = news_at(&mut p, "dispatched", 1);
     p.wait_event_where(&[], 1, |m| m["news"]["event"] == "progress");
     let dead_key = dispatched["to"].as_str().unwrap().to_string();
     let dead = names[&dead_key].clone();
-    c.node(&dead).signal("-KILL");
+    c.node(&dead).signal(signal);
     let killed = Instant::now();
     // Moved within the 3 s node lease and a tick, not the tier's ~20 s job lease.
     let (expired, _) = news_at(&mut p, "expired", 1);
@@ -112,7 +122,7 @@ fn a_killed_workers_sealed_job_moves_to_another_within_the_node_lease() {
         "answered {done:?} after the kill"
     );
     println!(
-        "attack table: kill -9 of the holder: moved after {handover:?}, answered after {done:?}"
+        "attack table: kill {signal} of the holder: moved after {handover:?}, answered after {done:?}"
     );
 
     // A job submitted now goes only to the live worker: the dead one is not listed.
