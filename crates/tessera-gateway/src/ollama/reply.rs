@@ -76,10 +76,12 @@ async fn run(gw: Arc<Gateway>, body: Result<Bytes, BytesRejection>, kind: Kind) 
             );
         }
     };
-    let parsed = match kind {
-        Kind::Chat => parse_chat(&body),
-        Kind::Generate => parse_generate(&body),
+    let parse = match kind {
+        Kind::Chat => parse_chat,
+        Kind::Generate => parse_generate,
     };
+    let b = body.clone();
+    let parsed = respond::off_thread_if_big(body.len(), move || parse(&b)).await;
     let OllamaRequest { req, load_only } = match parsed {
         Ok(r) => r,
         Err(e) => return reject(&mut t, e),
@@ -101,9 +103,7 @@ async fn run(gw: Arc<Gateway>, body: Result<Bytes, BytesRejection>, kind: Kind) 
         v["done_reason"] = "load".into();
         return Json(v).into_response();
     }
-    if let Err(e) = crate::server::check_stop_bytes(&req.stop) {
-        return reject(&mut t, e);
-    }
+    // The limits table (stop strings, tools, …) is applied in `prepare`, as on every front end.
     let prepared = match respond::prepare_off_thread(&gw, &req, body.len()).await {
         Ok(p) => p,
         Err(e) => return reject(&mut t, e),
