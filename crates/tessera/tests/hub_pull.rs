@@ -94,11 +94,18 @@ fn pull_killed_mid_file_resumes_verifies_and_reuses_the_cache() {
     let out = tessera(&hub, &cache).args(["pull", NAME]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    assert_eq!(storage_requests(&hub)[before..], [Some(AT), None], "{stderr}");
+    assert_eq!(
+        storage_requests(&hub)[before..],
+        [Some(AT), None],
+        "{stderr}"
+    );
     assert!(stderr.contains("resuming at"), "{stderr}");
     assert!(stderr.contains("SHA-256 verified"), "{stderr}");
     let path = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-    assert!(path.ends_with("small-qwen3-Q4_K_M-00001-of-00003.gguf"), "{path:?}");
+    assert!(
+        path.ends_with("small-qwen3-Q4_K_M-00001-of-00003.gguf"),
+        "{path:?}"
+    );
     assert!(path.starts_with(&cache));
     let pulled = GgufFile::open(&path).unwrap();
     let original = GgufFile::open(model_path(FIXTURE)).unwrap();
@@ -114,9 +121,17 @@ fn pull_killed_mid_file_resumes_verifies_and_reuses_the_cache() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("read from 3 gguf-split parts"), "{stdout}");
-    assert_eq!(storage_requests(&hub).len(), before, "nothing downloaded again");
+    assert_eq!(
+        storage_requests(&hub).len(),
+        before,
+        "nothing downloaded again"
+    );
 }
 
 #[test]
@@ -145,13 +160,21 @@ fn up_serves_a_split_model_by_name_as_one_process_serves_the_whole_file() {
     let hub = StandIn::start().unwrap();
     hub.add_repo(REPO, repository(work.path()));
     let mut cmd = tessera(&hub, &cache);
-    cmd.args(["up", "--listen", "127.0.0.1:0", "--threads", "1", "--nodes", "3"])
-        .arg("--no-sample")
-        .arg("--run-dir")
-        .arg(work.path().join("run"))
-        .arg("--model")
-        .arg(format!("hf:{NAME}"))
-        .env(common::JSON_LOGS.0, common::JSON_LOGS.1);
+    cmd.args([
+        "up",
+        "--listen",
+        "127.0.0.1:0",
+        "--threads",
+        "1",
+        "--nodes",
+        "3",
+    ])
+    .arg("--no-sample")
+    .arg("--run-dir")
+    .arg(work.path().join("run"))
+    .arg("--model")
+    .arg(format!("hf:{NAME}"))
+    .env(common::JSON_LOGS.0, common::JSON_LOGS.1);
     let mut up = Proc::from_command("tessera up", cmd, Duration::from_secs(300));
     let pids: Vec<u32> = up
         .announced("nodes_started", "pids")
@@ -168,17 +191,25 @@ fn up_serves_a_split_model_by_name_as_one_process_serves_the_whole_file() {
         let r = post(addr, "/v1/completions", &body);
         assert_eq!(r.status, 200, "{}", r.body);
         let j = r.json();
-        (j["choices"][0]["text"].clone(), j["choices"][0]["logprobs"].clone())
+        (
+            j["choices"][0]["text"].clone(),
+            j["choices"][0]["logprobs"].clone(),
+        )
     };
     let cluster = request(&addr, NAME);
     let _ = up.child.kill();
     let _ = up.child.wait();
     for p in pids {
-        let _ = Command::new("kill").args(["-KILL", &p.to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", &p.to_string()])
+            .status();
     }
     let whole = model_path(FIXTURE);
     let server = Server::start(&["--model", &whole, "--threads", "1"]);
     let alone = request(&server.addr, "small-qwen3-Q4_K");
     assert!(cluster.1.is_object(), "{}", cluster.1);
-    assert_eq!(cluster, alone, "the split model over 3 nodes answers as the whole file");
+    assert_eq!(
+        cluster, alone,
+        "the split model over 3 nodes answers as the whole file"
+    );
 }

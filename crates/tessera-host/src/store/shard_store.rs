@@ -250,8 +250,8 @@ impl ShardStore {
         let path = path.as_ref();
         // Absolute, but links kept: a split model's parts are found by the first part's name,
         // which a link into a cache's blobs (the Hub's snapshots) would lose.
-        let path = std::path::absolute(path)
-            .map_err(io_err(format!("resolving {}", path.display())))?;
+        let path =
+            std::path::absolute(path).map_err(io_err(format!("resolving {}", path.display())))?;
         let stamp_err = io_err(format!("reading metadata of {}", path.display()));
         let before = FileStamp::of(&path).map_err(stamp_err)?;
         let manifest = Manifest::from_gguf_with(&path, chunk_size, progress)?;

@@ -46,10 +46,7 @@ pub fn pull(name: &ModelName) -> anyhow::Result<PathBuf> {
             eprintln!("  {file}: already in the cache ({})", human_bytes(bytes));
         }
         PullEvent::Downloading { file, from, total } => {
-            let b = ProgressBar::with_draw_target(
-                total,
-                indicatif::ProgressDrawTarget::stderr(),
-            );
+            let b = ProgressBar::with_draw_target(total, indicatif::ProgressDrawTarget::stderr());
             b.set_style(
                 ProgressStyle::with_template(
                     "  {msg} {bar:30} {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
