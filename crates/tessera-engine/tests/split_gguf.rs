@@ -74,8 +74,7 @@ fn streaming_experts_from_a_split_model_is_refused_by_name() {
         1,
         &mut |_, _| {},
     )
-    .err()
-    .expect("refused")
+    .expect_err("refused")
     .to_string();
     assert!(err.contains("split model"), "{err}");
 }

@@ -32,10 +32,13 @@ pub struct Seen {
     pub status: u16,
 }
 
+/// A file the stand-in serves: (path in the repository, bytes, SHA-256).
+type ServedFile = (String, Arc<Vec<u8>>, String);
+
 #[derive(Default)]
 struct State {
-    /// repo → (commit, files as (path, bytes, sha256)).
-    repos: HashMap<String, (String, Vec<(String, Arc<Vec<u8>>, String)>)>,
+    /// repo → (commit, files).
+    repos: HashMap<String, (String, Vec<ServedFile>)>,
     /// sha256 → bytes.
     blobs: HashMap<String, Arc<Vec<u8>>>,
     /// sha256 → bytes after which the next transfer of it is cut (or stalls, `true`).

@@ -38,7 +38,7 @@ enum SourceBytes {
     File(Mutex<File>),
     /// The first part of a gguf-split model: the merged image of its parts, which is the file
     /// its manifest describes.
-    Split(GgufFile),
+    Split(Box<GgufFile>),
 }
 
 impl FileSource {
@@ -50,7 +50,7 @@ impl FileSource {
                 return Ok(Self {
                     path,
                     len: g.file_len(),
-                    bytes: SourceBytes::Split(g),
+                    bytes: SourceBytes::Split(Box::new(g)),
                 });
             }
         }

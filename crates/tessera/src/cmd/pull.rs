@@ -56,7 +56,8 @@ pub fn pull(name: &ModelName) -> anyhow::Result<PathBuf> {
             b.set_message(file.to_string());
             b.set_position(from);
             if from > 0 {
-                b.println(format!("  {file}: resuming at {}", human_bytes(from)));
+                // Said plainly: a bar is drawn only on a terminal.
+                eprintln!("  {file}: resuming at {}", human_bytes(from));
             }
             bar = Some(b);
         }
