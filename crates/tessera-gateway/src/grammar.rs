@@ -54,6 +54,32 @@ mod tests {
         tok.decode(&out)
     }
 
+    /// Parameters with their own `$defs` (as Pydantic writes nested models) compile once
+    /// nested in the call object, and the referenced definition constrains the arguments.
+    #[test]
+    fn tool_parameters_with_definitions_compile_as_calls() {
+        use crate::openai::tools::{parse_tools, tool_grammar, ToolChoice, ToolFormat};
+        let tok = tokenizer();
+        let c = GrammarCompiler::new(&tok).unwrap();
+        let tools = parse_tools(&serde_json::json!([
+            {"type": "function", "function": {"name": "book", "parameters": {
+                "$defs": {"City": {"enum": ["Paris", "Rome"]}},
+                "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
+                "required": ["city"], "additionalProperties": false}}},
+            {"type": "function", "function": {"name": "noop"}}
+        ]))
+        .unwrap();
+        for choice in [ToolChoice::Required, ToolChoice::Named("book".into())] {
+            let spec = tool_grammar(&tools, &choice, false, ToolFormat::Hermes).unwrap();
+            let mut g = c.compile(&spec).unwrap();
+            let text = decode(&tok, &mut g, 7);
+            assert!(text.contains("<tool_call>"), "{text:?}");
+            if text.contains("\"book\"") {
+                assert!(text.contains("Paris") || text.contains("Rome"), "{text:?}");
+            }
+        }
+    }
+
     #[test]
     fn a_forced_tool_call_parses_back_into_a_valid_call() {
         use crate::openai::tools::{

@@ -122,9 +122,10 @@ impl Gateway {
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most connections served at once; more wait in the listen backlog.
 pub const MAX_CONNECTIONS: usize = 1024;
-/// Most connections one client address holds at once; more are closed as they arrive, so one
-/// host's idle sockets cannot take the slots every other client needs.
-pub const MAX_CONNECTIONS_PER_ADDRESS: usize = 128;
+/// Most connections one client address holds at once (half of [`MAX_CONNECTIONS`]); more are
+/// closed as they arrive, so one host's idle sockets cannot take the slots every other client
+/// needs, while a busy host (or every local client, on loopback) still has hundreds.
+pub const MAX_CONNECTIONS_PER_ADDRESS: usize = MAX_CONNECTIONS / 2;
 
 /// Connections open per client address.
 #[derive(Default)]

@@ -223,26 +223,56 @@ pub fn compact_tools_text(tools: &[Tool]) -> String {
 }
 
 /// The JSON schema of one call to `tool` in `format`.
-fn call_schema(tool: &Tool, format: ToolFormat) -> Value {
+fn call_schema(parameters: Value, name: &str, format: ToolFormat) -> Value {
     let args = match format {
         ToolFormat::Hermes => "arguments",
         ToolFormat::Llama3 => "parameters",
     };
     json!({
         "type": "object",
-        "properties": {"name": {"const": tool.name}, args: tool.parameters},
+        "properties": {"name": {"const": name}, args: parameters},
         "required": ["name", args],
         "additionalProperties": false,
     })
 }
 
 /// The schema `%json` embeds: one call, or any of several, laid out compactly.
+///
+/// A tool's parameters are nested inside the call object, but their local references
+/// (`#/$defs/…`, `#/definitions/…`, as Pydantic writes them) point at the parameters' own
+/// root; so their definitions move up to the root of the call schema, where those references
+/// look. Tools that define the same name keep the first tool's definition.
 fn calls_schema(allowed: &[&Tool], format: ToolFormat) -> Value {
-    let schema = if allowed.len() == 1 {
-        call_schema(allowed[0], format)
+    let mut hoisted: [(&str, serde_json::Map<String, Value>); 2] = [
+        ("$defs", serde_json::Map::new()),
+        ("definitions", serde_json::Map::new()),
+    ];
+    let mut calls: Vec<Value> = allowed
+        .iter()
+        .map(|t| {
+            let mut parameters = t.parameters.clone();
+            if let Value::Object(p) = &mut parameters {
+                for (key, defs) in hoisted.iter_mut() {
+                    if let Some(Value::Object(d)) = p.remove(*key) {
+                        for (name, def) in d {
+                            defs.entry(name).or_insert(def);
+                        }
+                    }
+                }
+            }
+            call_schema(parameters, &t.name, format)
+        })
+        .collect();
+    let mut schema = if calls.len() == 1 {
+        calls.remove(0)
     } else {
-        json!({"anyOf": allowed.iter().map(|t| call_schema(t, format)).collect::<Vec<_>>()})
+        json!({ "anyOf": calls })
     };
+    for (key, defs) in hoisted {
+        if !defs.is_empty() {
+            schema[key] = Value::Object(defs);
+        }
+    }
     crate::grammar::compact(&schema)
 }
 
