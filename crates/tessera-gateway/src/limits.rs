@@ -90,7 +90,9 @@ pub fn check(req: &ParsedRequest) -> Result<(), ApiError> {
         .tools
         .iter()
         .map(|t| {
-            t.name.len() + t.description.as_ref().map_or(0, String::len) + json_bytes(&t.parameters)
+            t.name.len()
+                + t.description.as_ref().map_or(0, String::len)
+                + tessera_grammar::json_size(&t.parameters, l.max_tools_bytes)
         })
         .sum();
     if tool_bytes > l.max_tools_bytes {
@@ -132,23 +134,6 @@ pub fn check_message_count(n: usize) -> Result<(), ApiError> {
         return Err(over("messages", "messages", n, LIMITS.max_messages));
     }
     Ok(())
-}
-
-/// `v`'s size as compact JSON, without writing it out.
-fn json_bytes(v: &serde_json::Value) -> usize {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0 += b.len();
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut c = Count(0);
-    let _ = serde_json::to_writer(&mut c, v);
-    c.0
 }
 
 #[cfg(test)]

@@ -86,10 +86,10 @@ pub fn check(spec: &GrammarSpec, limits: &GrammarLimits) -> Result<(), GrammarEr
     }
 }
 
-/// The bytes of `v` as compact JSON, counted without building the string, stopping early
-/// once past `cap` (the JSON itself was bounded when parsed; a schema built in code may be
-/// deeper than serde's parser allows, so this walk keeps its own stack).
-fn json_size(v: &Value, cap: usize) -> usize {
+/// The bytes of `v` as compact JSON (what `serde_json::to_string` writes), counted without
+/// building the string and stopping early once past `cap`. It keeps its own stack: a value
+/// built in code may nest deeper than serde's parser (or its serializer's recursion) allows.
+pub fn json_size(v: &Value, cap: usize) -> usize {
     let mut total = 0usize;
     let mut stack = vec![v];
     while let Some(v) = stack.pop() {
@@ -97,14 +97,15 @@ fn json_size(v: &Value, cap: usize) -> usize {
             Value::Null => 4,
             Value::Bool(b) => 4 + usize::from(!b),
             Value::Number(n) => n.to_string().len(),
-            Value::String(s) => s.len() + 2,
+            Value::String(s) => string_size(s),
             Value::Array(a) => {
                 stack.extend(a.iter());
-                2 + a.len()
+                2 + a.len().saturating_sub(1)
             }
             Value::Object(o) => {
                 stack.extend(o.values());
-                2 + o.keys().map(|k| k.len() + 4).sum::<usize>()
+                let keys: usize = o.keys().map(|k| string_size(k) + 1).sum();
+                2 + keys + o.len().saturating_sub(1)
             }
         };
         if total > cap {
@@ -112,6 +113,19 @@ fn json_size(v: &Value, cap: usize) -> usize {
         }
     }
     total
+}
+
+/// A JSON string's bytes, quotes and escapes included.
+fn string_size(s: &str) -> usize {
+    let escaped: usize = s
+        .bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | b'\n' | b'\r' | b'\t' | 0x08 | 0x0c => 2,
+            0..=0x1f => 6,
+            _ => 1,
+        })
+        .sum();
+    2 + escaped
 }
 
 /// The depth walk over one schema: structural nesting plus `$ref`s followed, memoized per
@@ -342,6 +356,15 @@ pub(crate) mod tests {
             defs.insert(format!("d{i}"), next);
         }
         json!({"$defs": defs, "$ref": "#/$defs/d0"})
+    }
+
+    #[test]
+    fn json_size_is_what_serde_writes() {
+        let v = json!({"a\"b": [1, 2.5, -3e40, null, true, false, "x\n\u{1}\\é"], "": {}, "e": []});
+        assert_eq!(
+            json_size(&v, usize::MAX),
+            serde_json::to_string(&v).unwrap().len()
+        );
     }
 
     #[test]

@@ -31,7 +31,7 @@ use tessera_sampling::{
 };
 use toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 
-pub use bounds::{check, GrammarLimits};
+pub use bounds::{check, json_size, GrammarLimits};
 pub use tessera_sampling::GrammarSpec;
 
 mod integers;
