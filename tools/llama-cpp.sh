@@ -5,6 +5,10 @@
 #
 #   tools/llama-cpp.sh build [DIR]            # default DIR: /tmp/llama.cpp-build
 #   tools/llama-cpp.sh bench MODEL.gguf...    # llama-bench and `tessera bench`, alternately
+#   tools/llama-cpp.sh matrix MODEL.gguf...   # prefill 512 and decode 128, both sides with 2
+#                                             # threads, alternately, ROUNDS=N times (default
+#                                             # 3); prints each side's mean and the ratio per
+#                                             # model and test.
 #   tools/llama-cpp.sh long MODEL.gguf...     # long context: prefill of 2,048 and 8,192 tokens
 #                                             # and decode of 32 at depth 4,096, both sides with
 #                                             # 2 threads and an F16 cache (llama.cpp -fa 1),
@@ -14,11 +18,22 @@
 #                                             # PROMPTS=512,2048 and DEPTH=1024 change the
 #                                             # lengths (a quick check of the setup).
 #
+# ISA=avx2 (for build, bench, long and matrix) uses a second llama.cpp build made with
+# -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF and runs tessera with TESSERA_MAX_ISA=avx2:
+# the fair comparison for the laptops and desktops that have no AVX-512. Without it both sides
+# use everything the CPU has.
+#
 # llama-cpp-python 0.3.36 vendors ggml 0.25.3, the version reference/ was made with.
 set -euo pipefail
 VERSION=0.3.36
 DIR=${2:-/tmp/llama.cpp-build}
 SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp
+case "${ISA:-native}" in
+    native) BUILD=build; ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    avx2) BUILD=build-avx2; ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+        -DGGML_F16C=ON -DGGML_AVX512=OFF); export TESSERA_MAX_ISA=avx2 ;;
+    *) echo "ISA must be native or avx2" >&2; exit 2 ;;
+esac
 
 build() {
     mkdir -p "$DIR"
@@ -35,15 +50,17 @@ print(urllib.parse.urljoin(sys.argv[1], [f["url"] for f in files if f["filename"
         tar xzf "$DIR/src.tar.gz" -C "$DIR"
     fi
     command -v cmake >/dev/null || python3 -m pip install -q cmake
-    cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >/dev/null
-    cmake --build "$SRC/build" -j"$(nproc)" --target llama-bench llama-server llama-eval-callback \
-        llama-quantize llama-imatrix
-    echo "built: $SRC/build/bin"
+    cmake -S "$SRC" -B "$SRC/$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF "${ISA_FLAGS[@]}" >/dev/null
+    # TARGETS=llama-bench builds only what `bench`, `long` and `matrix` need.
+    # shellcheck disable=SC2086
+    cmake --build "$SRC/$BUILD" -j"$(nproc)" --target \
+        ${TARGETS:-llama-bench llama-server llama-eval-callback llama-quantize llama-imatrix}
+    echo "built: $SRC/$BUILD/bin"
 }
 
 bench() {
-    local lb=$SRC/build/bin/llama-bench
+    local lb=$SRC/$BUILD/bin/llama-bench
     [ -x "$lb" ] || { echo "run '$0 build' first" >&2; exit 1; }
     cargo build --release -q -p tessera
     for m in "$@"; do
@@ -59,7 +76,7 @@ bench() {
 # skipped and a 64-token test run first warms its weights instead (not reported). Both sides
 # start each prefill with an empty cache and fill it as they go.
 long() {
-    local lb=$SRC/build/bin/llama-bench
+    local lb=$SRC/$BUILD/bin/llama-bench
     [ -x "$lb" ] || { echo "run '$0 build' first" >&2; exit 1; }
     cargo build --release -q -p tessera
     local out; out=$(mktemp -d)
@@ -79,7 +96,41 @@ long() {
         done
     done
     echo "== $(date -u +%H:%M:%S) done ($(uptime | sed 's/.*load/load/'))"
-    python3 - "$out/runs" <<'PY'
+    summarize "$out/runs"
+    rm -r "$out"
+}
+
+# Prefill 512 and decode 128 tokens on both sides, alternating which goes first each round, so
+# that the VM's minute-to-minute drift falls on both alike. Each side reports a mean of 3 runs per
+# round; the summary is the mean over rounds.
+matrix() {
+    local lb=$SRC/$BUILD/bin/llama-bench
+    [ -x "$lb" ] || { echo "run 'ISA=${ISA:-native} $0 build' first" >&2; exit 1; }
+    cargo build --release -q -p tessera
+    local out; out=$(mktemp -d)
+    local rounds=${ROUNDS:-3}
+    echo "ISA=${ISA:-native} (tessera: TESSERA_MAX_ISA=${TESSERA_MAX_ISA:-unset}; llama.cpp: $BUILD)"
+    for r in $(seq "$rounds"); do
+        for m in "$@"; do
+            echo "== $(date -u +%H:%M:%S) $m round $r ($(uptime | sed 's/.*load/load/'))"
+            run_tessera() {
+                target/release/tessera bench -t 2 -m "$m" -p 512 -n 128 -r 3 --json \
+                    | sed "s|^|$m\ttessera\t|" >>"$out/runs"
+            }
+            run_llama() {
+                "$lb" -m "$m" -t 2 -p 512 -n 128 -r 3 -o jsonl \
+                    | sed "s|^|$m\tllama.cpp\t|" >>"$out/runs"
+            }
+            if [ $((r % 2)) = 1 ]; then run_tessera; run_llama; else run_llama; run_tessera; fi
+        done
+    done
+    summarize "$out/runs"
+    rm -r "$out"
+}
+
+# Reads JSON lines tagged "model<TAB>side<TAB>" and prints each side's mean per model and test.
+summarize() {
+    python3 - "$1" <<'PY'
 import collections, json, os, sys
 runs = collections.defaultdict(list)
 for line in open(sys.argv[1]):
@@ -92,7 +143,7 @@ for line in open(sys.argv[1]):
         p, n, d, ts = r["n_prompt"], r["n_gen"], r["n_depth"], r["avg_ts"]
     if p == 64 and side == "llama.cpp":
         continue
-    test = f"pp{p}" if p else f"tg{n} @ d{d}"
+    test = f"pp{p}" if p else (f"tg{n} @ d{d}" if d else f"tg{n}")
     runs[(os.path.basename(model), test, side)].append(ts)
 print(f"{'model':34} {'test':14} {'tessera tok/s':>14} {'llama.cpp tok/s':>16} {'ratio':>7}")
 for model, test in dict.fromkeys((m, t) for m, t, _ in runs):
@@ -101,12 +152,12 @@ for model, test in dict.fromkeys((m, t) for m, t, _ in runs):
         ma, mb = sum(a) / len(a), sum(b) / len(b)
         print(f"{model:34} {test:14} {ma:14.1f} {mb:16.1f} {ma / mb:6.2f}x")
 PY
-    rm -r "$out"
 }
 
 case "${1:-}" in
     build) build ;;
     bench) shift; DIR=/tmp/llama.cpp-build; SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp; bench "$@" ;;
     long) shift; DIR=/tmp/llama.cpp-build; SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp; long "$@" ;;
-    *) sed -n '2,16p' "$0"; exit 2 ;;
+    matrix) shift; DIR=/tmp/llama.cpp-build; SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp; matrix "$@" ;;
+    *) sed -n '2,28p' "$0"; exit 2 ;;
 esac

@@ -346,8 +346,8 @@ pub fn parse_messages(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     r.continue_final_message = prefill;
     r.max_tokens = Some(max as usize);
     r.stream = openai::field::<bool>(&v, "stream")?.unwrap_or(false);
-    r.temperature = openai::ranged(&v, "temperature", 0.0..=1.0, 1.0)?;
-    r.top_p = openai::ranged(&v, "top_p", 0.0..=1.0, 1.0)?;
+    r.temperature = openai::field(&v, "temperature")?.unwrap_or(1.0);
+    r.top_p = openai::field(&v, "top_p")?.unwrap_or(1.0);
     if r.top_p == 0.0 {
         return Err(bad("top_p", "top_p: must be above 0"));
     }
@@ -385,11 +385,12 @@ fn tool_id(id: &str) -> String {
 /// `POST /v1/messages`.
 pub(crate) async fn messages(
     State(gw): State<Arc<Gateway>>,
+    axum::Extension(client): axum::Extension<crate::admission::ClientId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let (seq, suffix) = gw.new_id();
     let id = format!("msg_{suffix}");
-    let mut t = Tracker::new(gw.clone(), id.clone(), "/v1/messages");
+    let mut t = Tracker::new(gw.clone(), id.clone(), "/v1/messages", client);
     let reject = |t: &mut Tracker, e: ApiError| {
         t.record(e.status, Usage::default(), None, e.message.clone());
         AnthropicError(e).into_response()

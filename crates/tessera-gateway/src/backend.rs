@@ -229,6 +229,10 @@ pub enum SubmitError {
     /// The request cannot be run as given (400), e.g. an empty prompt.
     #[error("{0}")]
     Invalid(String),
+    /// The client already holds its fair share of the server (429, with `Retry-After`; the
+    /// gateway's [`crate::admission`], before the backend sees the request).
+    #[error("{0}")]
+    OverShare(crate::admission::OverShare),
 }
 
 /// The model a backend serves, with what the gateway needs to turn text into tokens and back.

@@ -69,7 +69,7 @@ fn report(gw: &Gateway) -> StatusReport {
     StatusReport {
         model: m.id.clone(),
         context_length: m.context_length,
-        auth_required: gw.config.api_key.is_some(),
+        auth_required: !gw.config.api_keys.is_empty(),
         cluster: gw.backend.status(),
         gateway: gw.metrics.snapshot(),
     }

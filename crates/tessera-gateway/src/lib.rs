@@ -35,7 +35,9 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod anthropic;
+pub mod api_keys;
 pub mod backend;
 pub mod cors;
 pub mod dashboard;
@@ -52,6 +54,7 @@ pub mod testing;
 pub mod text;
 mod tokens;
 
+pub use api_keys::{ApiKeys, KeyFileError};
 pub use backend::{
     Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus, Event,
     EventSender, ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health,

@@ -203,26 +203,6 @@ pub(crate) fn field<T: serde::de::DeserializeOwned>(
 }
 
 /// A number in `range`, or a 400 naming it.
-pub(crate) fn ranged(
-    v: &Value,
-    name: &str,
-    range: std::ops::RangeInclusive<f32>,
-    default: f32,
-) -> Result<f32, ApiError> {
-    let x = field::<f32>(v, name)?.unwrap_or(default);
-    if !range.contains(&x) {
-        return Err(ApiError::invalid(
-            format!(
-                "Invalid '{name}': {x} is not between {} and {}.",
-                range.start(),
-                range.end()
-            ),
-            Some(name),
-        ));
-    }
-    Ok(x)
-}
-
 pub(crate) fn count(v: &Value, name: &str, max: i64) -> Result<Option<usize>, ApiError> {
     match field::<i64>(v, name)? {
         None => Ok(None),
@@ -298,14 +278,10 @@ fn common(
         None if field::<i64>(v, "n_predict")? == Some(-1) => None,
         None => default_max,
     };
-    let temperature = ranged(v, "temperature", 0.0..=2.0, 1.0)?;
+    // Types are checked here, ranges once for every front end by `SamplingParams::validate`
+    // (in `respond::prepare`).
+    let temperature = field::<f32>(v, "temperature")?.unwrap_or(1.0);
     let top_p = field::<f32>(v, "top_p")?.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid(
-            format!("Invalid 'top_p': {top_p} is not in (0, 1]."),
-            Some("top_p"),
-        ));
-    }
     let stop = match field::<StopSpec>(v, "stop")? {
         None => Vec::new(),
         Some(StopSpec::One(s)) => vec![s],
@@ -338,14 +314,6 @@ fn common(
                         Some("logit_bias"),
                     )
                 })?;
-                if !(-100.0..=100.0).contains(&b) {
-                    return Err(ApiError::invalid(
-                        format!(
-                            "Invalid 'logit_bias': {b} for token {id} is not between -100 and 100."
-                        ),
-                        Some("logit_bias"),
-                    ));
-                }
                 out.push((id, b));
             }
             out
@@ -356,12 +324,6 @@ fn common(
         Some(p) => p,
         None => field::<f32>(v, "repeat_penalty")?.unwrap_or(1.0),
     };
-    if repetition_penalty <= 0.0 || !repetition_penalty.is_finite() {
-        return Err(ApiError::invalid(
-            format!("Invalid 'repetition_penalty': {repetition_penalty} must be positive."),
-            Some("repetition_penalty"),
-        ));
-    }
     Ok(ParsedRequest {
         model,
         prompt,
@@ -376,11 +338,11 @@ fn common(
         logprobs: None,
         echo: false,
         top_k,
-        min_p: ranged(v, "min_p", 0.0..=1.0, 0.0)?,
+        min_p: field::<f32>(v, "min_p")?.unwrap_or(0.0),
         repetition_penalty,
         repeat_last_n: count(v, "repeat_last_n", i64::from(u32::MAX))?.unwrap_or(64),
-        presence_penalty: ranged(v, "presence_penalty", -2.0..=2.0, 0.0)?,
-        frequency_penalty: ranged(v, "frequency_penalty", -2.0..=2.0, 0.0)?,
+        presence_penalty: field::<f32>(v, "presence_penalty")?.unwrap_or(0.0),
+        frequency_penalty: field::<f32>(v, "frequency_penalty")?.unwrap_or(0.0),
         logit_bias,
         response_format: ResponseFormat::Text,
         tools: Vec::new(),

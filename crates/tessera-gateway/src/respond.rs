@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use tessera_sampling::TokenLogprobs;
 use tracing::Instrument;
 
+use crate::admission::ClientId;
 use crate::backend::{GenerationRequest, Grammar, ServedModel, SubmitError, Usage};
 use crate::grammar::{GrammarError, GrammarSpec};
 use crate::metrics::{unix_ms, RequestRecord};
@@ -44,14 +45,17 @@ pub(crate) struct Tracker {
     at_ms: u64,
     pub(crate) started: bool,
     pub(crate) recorded: bool,
+    /// Whom its sequences count against ([`crate::admission`]).
+    pub(crate) client: ClientId,
 }
 
 impl Tracker {
-    pub(crate) fn new(gw: Arc<Gateway>, id: String, path: &'static str) -> Self {
+    pub(crate) fn new(gw: Arc<Gateway>, id: String, path: &'static str, client: ClientId) -> Self {
         Self {
             gw,
             id,
             path,
+            client,
             stream: false,
             arrived: Instant::now(),
             at_ms: unix_ms(),
@@ -123,6 +127,8 @@ pub(crate) fn submit_error(e: SubmitError, prompt_param: &str) -> ApiError {
             .with_code("context_length_exceeded"),
         SubmitError::NotServing { .. } => ApiError::unavailable(e.to_string()),
         SubmitError::Invalid(m) => ApiError::invalid(m, None),
+        // One of its own sequences finishing frees a place; a second is a fair guess.
+        SubmitError::OverShare(_) => ApiError::queue_full(e.to_string(), 1),
     }
 }
 
@@ -163,6 +169,10 @@ fn grammar_spec(req: &ParsedRequest, format: ToolFormat) -> Option<(GrammarSpec,
 /// CPU work (templates, grammar compilation): call it off the async workers for big inputs.
 pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, ApiError> {
     crate::limits::check(req)?;
+    // The one range check of every front end: the same value gets the same error everywhere.
+    req.sampling(0, 0)
+        .validate()
+        .map_err(|e| ApiError::invalid(e.to_string(), Some(e.param.name())))?;
     let m = gw.backend.model();
     let features = gw.backend.features();
     let format = ToolFormat::of(&m.template);
@@ -227,6 +237,10 @@ pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, Api
 /// How many tokens the request's prompt is (tools included), without generating.
 pub(crate) fn prompt_tokens(gw: &Gateway, req: &ParsedRequest) -> Result<usize, ApiError> {
     crate::limits::check(req)?;
+    // The one range check of every front end: the same value gets the same error everywhere.
+    req.sampling(0, 0)
+        .validate()
+        .map_err(|e| ApiError::invalid(e.to_string(), Some(e.param.name())))?;
     let m = gw.backend.model();
     let use_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
     tokenize(&m, req, use_tools).map(|t| t.len())
@@ -329,6 +343,8 @@ pub(crate) struct Choice {
     /// The request asked for log-probabilities (an empty list is shown rather than `null`).
     pub wants_logprobs: bool,
     count: Box<dyn FnMut(bool) + Send>,
+    /// Its place in the client's fair share, given back when the choice is dropped.
+    _admitted: Option<crate::admission::Permit>,
 }
 
 impl Choice {
@@ -423,6 +439,12 @@ pub(crate) fn submit_choices(
     let default_seed = seq ^ gw.salt();
     let mut choices = Vec::with_capacity(req.n);
     for i in 0..req.n {
+        // A place first: a refused choice never reaches the backend, and the places of the
+        // choices before it are given back as `choices` drops.
+        let admitted = match &gw.admission {
+            Some(a) => Some(a.admit(&t.client).map_err(SubmitError::OverShare)?),
+            None => None,
+        };
         let id = if i == 0 { seq } else { gw.new_id().0 };
         let mut g = GenerationRequest::new(
             id,
@@ -452,6 +474,7 @@ pub(crate) fn submit_choices(
             held: Vec::new(),
             wants_logprobs: req.logprobs.is_some(),
             count: token_counter(gw, t.arrived),
+            _admitted: admitted,
         });
     }
     Ok(choices)
@@ -470,12 +493,13 @@ fn total(usages: &[Usage]) -> Usage {
 pub(crate) async fn generate(
     gw: Arc<Gateway>,
     endpoint: Endpoint,
+    client: ClientId,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let (seq, suffix) = gw.new_id();
     let id = format!("{}{suffix}", endpoint.id_prefix());
     let span = tracing::info_span!("request", id = %id);
-    let mut t = Tracker::new(gw.clone(), id.clone(), endpoint.path());
+    let mut t = Tracker::new(gw.clone(), id.clone(), endpoint.path(), client);
     async move {
         let body = match body {
             Ok(b) => b,

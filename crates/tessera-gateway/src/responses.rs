@@ -311,8 +311,8 @@ fn parse_request(v: &Value) -> Result<(ParsedRequest, Echo), ApiError> {
             ))
         }
     };
-    r.temperature = openai::ranged(v, "temperature", 0.0..=2.0, 1.0)?;
-    r.top_p = openai::ranged(v, "top_p", 0.0..=1.0, 1.0)?;
+    r.temperature = openai::field(v, "temperature")?.unwrap_or(1.0);
+    r.top_p = openai::field(v, "top_p")?.unwrap_or(1.0);
     if r.top_p == 0.0 {
         return Err(bad("top_p", "Invalid 'top_p': must be above 0."));
     }
@@ -409,11 +409,12 @@ fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str)
 /// `POST /v1/responses`.
 pub(crate) async fn create(
     State(gw): State<Arc<Gateway>>,
+    axum::Extension(client): axum::Extension<crate::admission::ClientId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let (seq, suffix) = gw.new_id();
     let id = format!("resp_{suffix}");
-    let mut t = Tracker::new(gw.clone(), id.clone(), "/v1/responses");
+    let mut t = Tracker::new(gw.clone(), id.clone(), "/v1/responses", client);
     let body = match body {
         Ok(b) => b,
         Err(e) => {

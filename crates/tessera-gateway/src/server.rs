@@ -22,9 +22,11 @@ use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde_json::json;
 
+use crate::admission::{Admission, ClientId};
+use crate::api_keys::ApiKeys;
 use crate::backend::Backend;
 use crate::metrics::{render_prometheus, unix_ms, GatewayMetrics};
 use crate::openai::{ApiError, Endpoint};
@@ -32,8 +34,12 @@ use crate::openai::{ApiError, Endpoint};
 /// How the gateway is exposed.
 #[derive(Clone, Debug)]
 pub struct GatewayConfig {
-    /// Required as `Authorization: Bearer KEY` on `/v1/*` when set.
-    pub api_key: Option<String>,
+    /// One of these is required as `Authorization: Bearer KEY` on `/v1/*` when any is set.
+    pub api_keys: ApiKeys,
+    /// Sequences the backend can hold, running and waiting: each client (key, or address
+    /// without keys) gets a fair share of them ([`crate::admission`]). `None`: no shares,
+    /// only the backend's own queue limit.
+    pub fair_share_of: Option<usize>,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
     /// Web page origins (`https://app.example.com`, or `*`) allowed to call the API besides
@@ -44,7 +50,8 @@ pub struct GatewayConfig {
 impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
-            api_key: None,
+            api_keys: ApiKeys::default(),
+            fair_share_of: None,
             max_body_bytes: crate::limits::LIMITS.max_body_bytes,
             cors_origins: Vec::new(),
         }
@@ -62,8 +69,8 @@ pub struct KeyRequired {
 }
 
 /// Checks the rule of the issue: an API key whenever the bind address is not loopback.
-pub fn check_exposure(addr: SocketAddr, api_key: Option<&str>) -> Result<(), KeyRequired> {
-    if addr.ip().is_loopback() || api_key.is_some_and(|k| !k.is_empty()) {
+pub fn check_exposure(addr: SocketAddr, api_keys: &ApiKeys) -> Result<(), KeyRequired> {
+    if addr.ip().is_loopback() || !api_keys.is_empty() {
         Ok(())
     } else {
         Err(KeyRequired { addr })
@@ -75,6 +82,7 @@ pub struct Gateway {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) metrics: GatewayMetrics,
     pub(crate) config: GatewayConfig,
+    pub(crate) admission: Option<Arc<Admission>>,
     next_id: AtomicU64,
     salt: u64,
     /// Flips to `true` when the server starts shutting down (ends the dashboard's streams).
@@ -87,6 +95,7 @@ impl Gateway {
         Arc::new(Self {
             backend,
             metrics: GatewayMetrics::default(),
+            admission: config.fair_share_of.map(Admission::new),
             config,
             next_id: AtomicU64::new(1),
             salt,
@@ -229,10 +238,10 @@ pub async fn serve(
             p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
             () = &mut shutdown => break,
         };
-        let (stream, address_slot) = tokio::select! {
+        let (stream, address_slot, peer_ip) = tokio::select! {
             r = listener.accept() => match r {
                 Ok((s, peer)) => match per_address.admit(peer.ip()) {
-                    Some(slot) => (s, slot),
+                    Some(slot) => (s, slot, peer.ip()),
                     // Dropping the socket closes it: this address has its share.
                     None => continue,
                 },
@@ -244,7 +253,14 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        // The peer's address rides on every request, for fair admission without keys.
+        let svc = hyper_util::service::TowerToHyperService::new(tower::ServiceExt::map_request(
+            app.clone(),
+            move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(PeerAddress(peer_ip));
+                req
+            },
+        ));
         let mut stop = stop_rx.clone();
         conns.spawn(async move {
             let _permit = permit;
@@ -289,11 +305,6 @@ impl IntoResponse for ApiError {
 
 async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
-}
-
-/// Compares without an early exit, so timing does not reveal the key.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The key a request presents: `Bearer KEY`, or HTTP Basic with the key as password (what a
@@ -342,14 +353,30 @@ fn base64_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-async fn require_api_key(State(gw): State<Arc<Gateway>>, req: Request, next: Next) -> Response {
-    let Some(key) = gw.config.api_key.as_deref() else {
+/// The address a connection came from (set by [`serve`] on each of its requests).
+#[derive(Clone, Copy, Debug)]
+struct PeerAddress(std::net::IpAddr);
+
+/// Checks the key, and tells the handlers whom the request counts against ([`ClientId`]).
+async fn require_api_key(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next) -> Response {
+    if gw.config.api_keys.is_empty() {
+        let client = match req.extensions().get::<PeerAddress>() {
+            Some(p) => ClientId::Address(p.0),
+            None => ClientId::Unknown,
+        };
+        req.extensions_mut().insert(client);
         return next.run(req).await;
-    };
+    }
     let api = req.uri().path().starts_with("/v1/");
     let mut refused = match presented_key(&req) {
-        Some(g) if same_secret(&g, key.as_bytes()) => return next.run(req).await,
-        Some(_) => ApiError::unauthorized("Incorrect API key provided.").into_response(),
+        Some(g) => match gw.config.api_keys.find(&g) {
+            Some(k) => {
+                let client = ClientId::Key(k.name.clone());
+                req.extensions_mut().insert(client);
+                return next.run(req).await;
+            }
+            None => ApiError::unauthorized("Incorrect API key provided.").into_response(),
+        },
         None => ApiError::unauthorized(
             "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
         )
@@ -423,14 +450,16 @@ async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
 
 async fn chat_completions(
     State(gw): State<Arc<Gateway>>,
+    Extension(client): Extension<ClientId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    crate::respond::generate(gw, Endpoint::Chat, body).await
+    crate::respond::generate(gw, Endpoint::Chat, client, body).await
 }
 
 async fn completions(
     State(gw): State<Arc<Gateway>>,
+    Extension(client): Extension<ClientId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    crate::respond::generate(gw, Endpoint::Completion, body).await
+    crate::respond::generate(gw, Endpoint::Completion, client, body).await
 }

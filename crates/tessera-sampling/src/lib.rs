@@ -10,6 +10,9 @@
 
 use serde::{Deserialize, Serialize};
 
+mod validate;
+pub use validate::{OutOfRange, SamplingParam};
+
 /// A grammar the output must follow, as written by the client (serde: a cluster sends it to
 /// its sampling stage, which compiles it with `tessera-grammar`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -345,3 +345,101 @@ fn idle_connections_from_one_address_leave_room_for_others() {
         peak_rss_kib(&server)
     );
 }
+
+/// `GET /metrics` with a key (the server has keys, so every route but `/health` wants one).
+fn metrics_with(addr: &str, key: &str) -> String {
+    common::read_response(common::send(addr, "GET", "/metrics", None, Some(key))).body
+}
+
+fn sample(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+#[test]
+fn one_keys_flood_leaves_another_key_served() {
+    let keys = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fair-keys");
+    std::fs::write(&keys, "alice sk-alice\nbob sk-bob\n").unwrap();
+    // Room for 8 sequences: 1 running, 7 waiting; alice alone may hold 6 of them.
+    let server = Server::start(&[
+        "--api-key-file",
+        keys.to_str().unwrap(),
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "7",
+    ]);
+    let chat = |max_tokens: u32, never_end: bool| {
+        let mut body = json!({"model": "stories260K", "max_tokens": max_tokens, "temperature": 0,
+                              "messages": [{"role": "user", "content": "Once upon a time"}]});
+        if never_end {
+            // No end of story (EOS 2, and BOS 1, which ends a stories260K text): alice's
+            // sequences run to their length, so her share stays full while bob asks.
+            body["logit_bias"] = json!({"1": -100, "2": -100});
+        }
+        body.to_string()
+    };
+    let bob = |body: &str| {
+        common::read_response(common::send(
+            &server.addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(body),
+            Some("sk-bob"),
+        ))
+    };
+    let undisturbed = bob(&chat(60, false));
+    assert_eq!(undisturbed.status, 200, "{}", undisturbed.body);
+
+    let long = chat(480, true);
+    let flood: Vec<_> = (0..300)
+        .map(|_| {
+            common::send(
+                &server.addr,
+                "POST",
+                "/v1/chat/completions",
+                Some(&long),
+                Some("sk-alice"),
+            )
+        })
+        .collect();
+    common::wait_for(
+        "alice's flood to be answered",
+        Duration::from_secs(60),
+        || {
+            sample(
+                &metrics_with(&server.addr, "sk-alice"),
+                "tessera_requests_total{status=\"429\"}",
+            ) >= 294.0
+        },
+    );
+    let in_flight = sample(
+        &metrics_with(&server.addr, "sk-alice"),
+        "tessera_requests_in_flight",
+    );
+    assert_eq!(in_flight, 6.0, "alice holds her share while bob asks");
+
+    let t0 = Instant::now();
+    let served = bob(&chat(60, false));
+    let under = t0.elapsed();
+    assert_eq!(served.status, 200, "{}", served.body);
+    assert_eq!(
+        served.json()["choices"][0]["message"]["content"],
+        undisturbed.json()["choices"][0]["message"]["content"]
+    );
+
+    let statuses: Vec<u16> = flood
+        .into_iter()
+        .map(|s| common::read_response(s).status)
+        .collect();
+    let ok = statuses.iter().filter(|&&s| s == 200).count();
+    let refused = statuses.iter().filter(|&&s| s == 429).count();
+    assert_eq!((ok, refused), (6, 294), "alice's 300: {statuses:?}");
+    println!(
+        "attack table: 300 requests from one key: 6 served, 294 refused 429 (its share); \
+         another key's request was served in {under:?} with its usual text; peak RSS {} KiB",
+        peak_rss_kib(&server)
+    );
+}

@@ -418,3 +418,92 @@ fn a_second_turn_reuses_the_first_turns_cache_and_answers_the_same() {
         "reuse changed the answer"
     );
 }
+
+/// One range check serves every front end: five out-of-range sampling values get the same
+/// error, word for word, from OpenAI's chat and completions, Anthropic's Messages, Responses,
+/// Ollama's chat and `tessera run` (which refuses before it dials the coordinator).
+#[test]
+fn out_of_range_sampling_gets_one_error_from_every_front_end() {
+    let server = Server::start(&[]);
+    let cases = [
+        (
+            "temperature",
+            2.5,
+            "Invalid 'temperature': 2.5 is not between 0 and 2.",
+        ),
+        (
+            "temperature",
+            -1.0,
+            "Invalid 'temperature': -1 is not between 0 and 2.",
+        ),
+        ("top_p", 1.5, "Invalid 'top_p': 1.5 is not between 0 and 1."),
+        (
+            "top_p",
+            -0.5,
+            "Invalid 'top_p': -0.5 is not between 0 and 1.",
+        ),
+        (
+            "temperature",
+            1e6,
+            "Invalid 'temperature': 1000000 is not between 0 and 2.",
+        ),
+    ];
+    let user = serde_json::json!([{"role": "user", "content": "hi"}]);
+    let dir = tempfile_dir("validation");
+    for (param, value, want) in cases {
+        let mut errors = Vec::new();
+        for (path, mut body) in [
+            (
+                "/v1/chat/completions",
+                serde_json::json!({"messages": user}),
+            ),
+            ("/v1/completions", serde_json::json!({"prompt": "hi"})),
+            (
+                "/v1/messages",
+                serde_json::json!({"messages": user, "max_tokens": 4}),
+            ),
+            ("/v1/responses", serde_json::json!({"input": "hi"})),
+            (
+                "/api/chat",
+                serde_json::json!({"messages": user, "stream": false}),
+            ),
+        ] {
+            body["model"] = "stories260K".into();
+            if path == "/api/chat" {
+                body["options"] = serde_json::json!({ param: value });
+            } else {
+                body[param] = value.into();
+            }
+            let r = post(&server.addr, path, &body);
+            assert_eq!(r.status, 400, "{path}: {}", r.body);
+            let e = r.json();
+            let message = e["error"]["message"]
+                .as_str()
+                .or_else(|| e["error"].as_str())
+                .unwrap_or_else(|| panic!("{path}: no message in {e}"));
+            errors.push((path, message.to_string()));
+        }
+        let cli = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["run", "--coordinator", "x@127.0.0.1:9", "--prompt", "hi"])
+            .arg("--data-dir")
+            .arg(&dir)
+            .arg(format!("--{}={value}", param.replace('_', "-")))
+            .output()
+            .unwrap();
+        assert!(!cli.status.success());
+        let stderr = String::from_utf8_lossy(&cli.stderr);
+        errors.push((
+            "tessera run",
+            stderr.trim().trim_start_matches("error: ").into(),
+        ));
+        for (front, got) in errors {
+            assert_eq!(got, want, "{front}, {param} = {value}");
+        }
+    }
+}
+
+fn tempfile_dir(name: &str) -> std::path::PathBuf {
+    let d = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}

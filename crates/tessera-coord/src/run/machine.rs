@@ -41,7 +41,7 @@ pub struct RunSpec {
 }
 
 /// Why a request cannot become a run.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum InvalidRun {
     #[error("max_new_tokens must be at least 1")]
     NoTokensWanted,
@@ -49,6 +49,9 @@ pub enum InvalidRun {
     EmptyPrompt,
     #[error("token {0} is outside the vocabulary")]
     OutsideVocabulary(u32),
+    /// The same check, and the same words, as every HTTP front end's.
+    #[error("{0}")]
+    Sampling(#[from] tessera_sampling::OutOfRange),
 }
 
 impl RunSpec {
@@ -69,6 +72,7 @@ impl RunSpec {
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(InvalidRun::OutsideVocabulary(bad));
         }
+        sampling.validate()?;
         Ok(Self {
             prompt,
             sampling,

@@ -650,6 +650,16 @@ fn a_request_is_validated_once_with_a_typed_reason() {
     assert_eq!(spec(vec![], 1), Err(InvalidRun::EmptyPrompt));
     assert_eq!(spec(vec![1, 10], 1), Err(InvalidRun::OutsideVocabulary(10)));
     assert_eq!(spec(vec![1, 9], 1), Ok(()));
+    let hot = tessera_sampling::SamplingParams {
+        temperature: 2.5,
+        ..Default::default()
+    };
+    match RunSpec::new(vec![1], 10, hot, 1, vec![]) {
+        Err(InvalidRun::Sampling(e)) => {
+            assert_eq!(e.param, tessera_sampling::SamplingParam::Temperature)
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 /// Prefix reuse: every stage says how many prompt positions it kept; the run starts at the

@@ -11,12 +11,13 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value};
 
 use super::request::{parse_chat, parse_generate, OllamaRequest};
 use super::{names_served, not_found, now_rfc3339, OllamaError};
+use crate::admission::ClientId;
 use crate::backend::Usage;
 use crate::openai::tools::ToolCall;
 use crate::openai::ApiError;
@@ -42,17 +43,19 @@ impl Kind {
 /// `POST /api/chat`.
 pub(crate) async fn chat(
     State(gw): State<Arc<Gateway>>,
+    Extension(client): Extension<ClientId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    run(gw, body, Kind::Chat).await
+    run(gw, client, body, Kind::Chat).await
 }
 
 /// `POST /api/generate`.
 pub(crate) async fn generate(
     State(gw): State<Arc<Gateway>>,
+    Extension(client): Extension<ClientId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    run(gw, body, Kind::Generate).await
+    run(gw, client, body, Kind::Generate).await
 }
 
 fn reject(t: &mut Tracker, e: ApiError) -> Response {
@@ -60,9 +63,14 @@ fn reject(t: &mut Tracker, e: ApiError) -> Response {
     OllamaError(e).into_response()
 }
 
-async fn run(gw: Arc<Gateway>, body: Result<Bytes, BytesRejection>, kind: Kind) -> Response {
+async fn run(
+    gw: Arc<Gateway>,
+    client: ClientId,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Response {
     let (seq, suffix) = gw.new_id();
-    let mut t = Tracker::new(gw.clone(), format!("ollama-{suffix}"), kind.path());
+    let mut t = Tracker::new(gw.clone(), format!("ollama-{suffix}"), kind.path(), client);
     let body = match body {
         Ok(b) => b,
         Err(e) => {

@@ -210,13 +210,8 @@ fn apply_options(v: &Value, r: &mut ParsedRequest) -> Result<(), ApiError> {
             ))
         }
     }
+    // Ranges are checked once for every front end, by `SamplingParams::validate`.
     if let Some(t) = number(o, "temperature")? {
-        if !(0.0..=100.0).contains(&t) {
-            return Err(bad(
-                "options.temperature",
-                format!("options.temperature must be between 0 and 100 (got {t})"),
-            ));
-        }
         r.temperature = t as f32;
     }
     if let Some(k) = whole(o, "top_k")? {
@@ -225,33 +220,15 @@ fn apply_options(v: &Value, r: &mut ParsedRequest) -> Result<(), ApiError> {
             .map_err(|_| bad("options.top_k", "options.top_k must not be negative"))?;
     }
     if let Some(p) = number(o, "top_p")? {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(bad(
-                "options.top_p",
-                format!("options.top_p must be in (0, 1] (got {p})"),
-            ));
-        }
         r.top_p = p as f32;
     }
     if let Some(p) = number(o, "min_p")? {
-        if !(0.0..=1.0).contains(&p) {
-            return Err(bad(
-                "options.min_p",
-                format!("options.min_p must be between 0 and 1 (got {p})"),
-            ));
-        }
         r.min_p = p as f32;
     }
     if let Some(s) = whole(o, "seed")? {
         r.seed = Some(s as u64);
     }
     if let Some(p) = number(o, "repeat_penalty")? {
-        if !(p > 0.0 && p.is_finite()) {
-            return Err(bad(
-                "options.repeat_penalty",
-                "options.repeat_penalty must be positive",
-            ));
-        }
         r.repetition_penalty = p as f32;
     }
     if let Some(n) = whole(o, "repeat_last_n")? {
@@ -271,12 +248,6 @@ fn apply_options(v: &Value, r: &mut ParsedRequest) -> Result<(), ApiError> {
         ("frequency_penalty", &mut r.frequency_penalty),
     ] {
         if let Some(p) = number(o, key)? {
-            if !(-2.0..=2.0).contains(&p) {
-                return Err(bad(
-                    &format!("options.{key}"),
-                    format!("options.{key} must be between -2 and 2 (got {p})"),
-                ));
-            }
             *slot = p as f32;
         }
     }

@@ -40,6 +40,7 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let params = args.sampling.params()?;
     let path = crate::default_model::resolve(args.model)?;
     let gguf = GgufFile::open(&path)?;
     let config = ModelConfig::from_gguf(&gguf)?;
@@ -71,7 +72,6 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     .context("--kv-type")?;
     progress.finish();
 
-    let params = args.sampling.params();
     let mut eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
         .filter(|&t| tokenizer.is_end_of_generation(t))
         .collect();

@@ -62,6 +62,7 @@ pub struct RunArgs {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    let sampling = args.sampling.params()?;
     let target = super::token::parse_target(&args.coordinator.line()?, args.trust_on_first_use)
         .context("--coordinator")?;
     let stages = match (&args.split, &args.plan) {
@@ -77,7 +78,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         prompt: Some(args.prompt.clone()),
         prompt_tokens: None,
         max_new_tokens: args.max_tokens,
-        sampling: args.sampling.params(),
+        sampling,
         stages,
         prefill_chunk: args.prefill_chunk,
         trace: args.trace,

@@ -17,7 +17,7 @@ use tessera_coord::assignment::parse_split;
 use tessera_coord::backend::{ClusterBackend, ClusterBackendConfig};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 use tessera_engine::Model;
-use tessera_gateway::{check_exposure, Backend, Gateway, GatewayConfig, SchedulerConfig};
+use tessera_gateway::{check_exposure, ApiKeys, Backend, Gateway, GatewayConfig, SchedulerConfig};
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
 
@@ -38,7 +38,8 @@ pub struct ServeArgs {
     /// API key clients must send as `Authorization: Bearer KEY` on /v1.
     #[arg(long, env = "TESSERA_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// File holding the API key (first line).
+    /// File of API keys, one per line as `KEY` or `NAME KEY` (`#` starts a comment). Each key
+    /// gets a fair share of the server: one key's flood leaves room for the others.
     #[arg(long, conflicts_with = "api_key")]
     pub api_key_file: Option<PathBuf>,
     /// A web page origin (`https://app.example.com`, or `*`) allowed to call the API from a
@@ -118,40 +119,37 @@ struct Config {
     local: LocalConfig,
 }
 
-/// The API key from `--api-key` or the first line of `--api-key-file` (shared with `tessera
-/// up`); `None` when neither is given.
-/// The gateway's settings from the key and the `--cors-origin` list.
-pub fn http_config(api_key: Option<String>, cors_origins: &[String]) -> GatewayConfig {
+/// The gateway's settings: the keys, the `--cors-origin` list, and the sequences the backend
+/// holds (running and waiting), which each client shares fairly.
+pub fn http_config(api_keys: ApiKeys, cors_origins: &[String], capacity: usize) -> GatewayConfig {
     GatewayConfig {
-        api_key,
+        api_keys,
+        fair_share_of: Some(capacity),
         cors_origins: cors_origins.to_vec(),
         ..GatewayConfig::default()
     }
 }
 
-pub fn resolve_api_key(
+/// The API keys from `--api-key` or `--api-key-file` (shared with `tessera up`); none when
+/// neither is given.
+pub fn resolve_api_keys(
     key: Option<&str>,
     file: Option<&std::path::Path>,
-) -> anyhow::Result<Option<String>> {
-    let key = match (key, file) {
-        (Some(k), _) => Some(k.trim().to_string()),
+) -> anyhow::Result<ApiKeys> {
+    Ok(match (key, file) {
+        (Some(k), _) => ApiKeys::single(k),
         (None, Some(f)) => {
             let text = std::fs::read_to_string(f)
                 .with_context(|| format!("reading the API key file {}", f.display()))?;
-            let key = text.lines().next().unwrap_or_default().trim().to_string();
-            if key.is_empty() {
-                bail!("the API key file {} is empty", f.display());
-            }
-            Some(key)
+            ApiKeys::parse(&text).with_context(|| format!("the API key file {}", f.display()))?
         }
-        (None, None) => None,
-    };
-    Ok(key.filter(|k| !k.is_empty()))
+        (None, None) => ApiKeys::default(),
+    })
 }
 
 fn validate(a: ServeArgs) -> anyhow::Result<Config> {
-    let api_key = resolve_api_key(a.api_key.as_deref(), a.api_key_file.as_deref())?;
-    check_exposure(a.listen, api_key.as_deref())?;
+    let api_keys = resolve_api_keys(a.api_key.as_deref(), a.api_key_file.as_deref())?;
+    check_exposure(a.listen, &api_keys)?;
     if a.max_batch == 0 || a.max_batch_tokens == 0 {
         bail!("--max-batch and --max-batch-tokens must be at least 1");
     }
@@ -167,7 +165,7 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
         model,
         name,
         listen: a.listen,
-        http: http_config(api_key, &a.cors_origins),
+        http: http_config(api_keys, &a.cors_origins, a.max_batch + a.max_queue),
         threads: threads.max(1),
         kv_type: a.kv_type,
         local: LocalConfig {
@@ -234,7 +232,7 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
                 ttl_ms: 10 * 60_000,
             },
         ));
-        let listener = bind_and_print(cfg.listen, &backend, cfg.http.api_key.is_some()).await?;
+        let listener = bind_and_print(cfg.listen, &backend, !cfg.http.api_keys.is_empty()).await?;
         serve_until(backend, listener, cfg.http, async {
             super::node::shutdown_signal().await;
             crate::output::line(Stream::Stderr, "shutting down");
@@ -401,9 +399,9 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
              its stage's caches within its memory budget: `tessera node --prefix-cache N`"
         );
     }
-    let api_key = resolve_api_key(a.api_key.as_deref(), a.api_key_file.as_deref())?;
-    check_exposure(a.listen, api_key.as_deref())?;
-    let http = http_config(api_key, &a.cors_origins);
+    let api_keys = resolve_api_keys(a.api_key.as_deref(), a.api_key_file.as_deref())?;
+    check_exposure(a.listen, &api_keys)?;
+    let http = http_config(api_keys, &a.cors_origins, a.max_batch.max(1) + a.max_queue);
     let auto_plan = a.plan.is_some();
     let nodes = match (&a.split, a.nodes_expected) {
         (Some(s), _) => parse_split(s).context("--split")?.len(),
@@ -487,7 +485,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             }
         });
         let backend: Arc<dyn Backend> = Arc::new(cluster.backend.clone());
-        let listener = bind_and_print(a.listen, &backend, http.api_key.is_some()).await?;
+        let listener = bind_and_print(a.listen, &backend, !http.api_keys.is_empty()).await?;
         serve_cluster_until_signal(&cluster.backend, listener, http).await?;
         say_err!("shutting down");
         cluster.stop().await;
@@ -597,10 +595,10 @@ pub fn serve_backend(
     http: GatewayConfig,
     on_ready: impl FnOnce(SocketAddr) + Send + 'static,
 ) -> anyhow::Result<()> {
-    check_exposure(listen, http.api_key.as_deref())?;
+    check_exposure(listen, &http.api_keys)?;
     let rt = runtime()?;
     rt.block_on(async move {
-        let listener = bind_and_print(listen, &backend, http.api_key.is_some()).await?;
+        let listener = bind_and_print(listen, &backend, !http.api_keys.is_empty()).await?;
         on_ready(shown_addr(listener.local_addr()?));
         serve_until(backend, listener, http, async {
             super::node::shutdown_signal().await;
@@ -636,16 +634,16 @@ mod tests {
     }
 
     #[test]
-    fn the_key_file_gives_its_first_line() {
+    fn the_key_file_gives_every_key_it_lists() {
         let f = std::env::temp_dir().join(format!("tessera-key-{}", std::process::id()));
-        std::fs::write(&f, "  k3y \nrest\n").unwrap();
-        assert_eq!(
-            resolve_api_key(None, Some(&f)).unwrap().as_deref(),
-            Some("k3y")
-        );
+        std::fs::write(&f, "  k3y \nbob other\n").unwrap();
+        let keys = resolve_api_keys(None, Some(&f)).unwrap();
+        assert_eq!(keys.len(), 2);
+        assert_eq!(&*keys.find(b"other").unwrap().name, "bob");
         std::fs::write(&f, "\n").unwrap();
-        assert!(resolve_api_key(None, Some(&f)).is_err());
+        let e = resolve_api_keys(None, Some(&f)).unwrap_err();
+        assert!(format!("{e:#}").contains("holds no key"), "{e:#}");
         let _ = std::fs::remove_file(&f);
-        assert_eq!(resolve_api_key(None, None).unwrap(), None);
+        assert!(resolve_api_keys(None, None).unwrap().is_empty());
     }
 }

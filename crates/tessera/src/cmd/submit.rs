@@ -63,6 +63,7 @@ pub struct SubmitArgs {
 }
 
 pub fn run(args: SubmitArgs) -> anyhow::Result<()> {
+    let sampling = args.sampling.params()?;
     let target = super::token::parse_target(&args.coordinator.line()?, args.trust_on_first_use)
         .context("--coordinator")?;
     let model = crate::default_model::resolve(args.model.clone())?;
@@ -81,7 +82,7 @@ pub fn run(args: SubmitArgs) -> anyhow::Result<()> {
     let request = SealedRequest {
         prompt_tokens,
         max_new_tokens: args.max_tokens,
-        sampling: args.sampling.params(),
+        sampling,
         eog,
     };
     std::fs::create_dir_all(&args.data_dir)?;

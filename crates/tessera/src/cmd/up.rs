@@ -22,7 +22,7 @@ use tessera_engine::SamplingParams;
 use tessera_gateway::{Backend, Event, GenerationRequest};
 
 use super::serve::{
-    bind_and_print, model_name, resolve_api_key, runtime, serve_cluster_until_signal, Cluster,
+    bind_and_print, model_name, resolve_api_keys, runtime, serve_cluster_until_signal, Cluster,
     ClusterOptions,
 };
 use crate::default_model;
@@ -51,6 +51,10 @@ pub struct UpArgs {
     /// API key clients must send as `Authorization: Bearer KEY` on /v1.
     #[arg(long, env = "TESSERA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// File of API keys, one per line as `KEY` or `NAME KEY` (`#` starts a comment). Each key
+    /// gets a fair share of the cluster: one key's flood leaves room for the others.
+    #[arg(long, conflicts_with = "api_key")]
+    api_key_file: Option<PathBuf>,
     /// A web page origin (`https://app.example.com`, or `*`) allowed to call the API from a
     /// browser, besides pages on loopback origins; repeatable.
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
@@ -201,8 +205,8 @@ fn fresh_run_dir() -> anyhow::Result<PathBuf> {
 }
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
-    let api_key = resolve_api_key(args.api_key.as_deref(), None)?;
-    tessera_gateway::check_exposure(args.listen, api_key.as_deref())?;
+    let api_keys = resolve_api_keys(args.api_key.as_deref(), args.api_key_file.as_deref())?;
+    tessera_gateway::check_exposure(args.listen, &api_keys)?;
     if args.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
@@ -220,7 +224,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         .threads
         .unwrap_or_else(|| (super::default_threads() / args.nodes).max(1));
     let rt = runtime()?;
-    let http = super::serve::http_config(api_key, &args.cors_origins);
+    let capacity = args.max_batch.max(1) + args.max_queue;
+    let http = super::serve::http_config(api_keys, &args.cors_origins, capacity);
     let result = rt.block_on(up(args, http, model, name, run_dir.clone(), threads));
     drop(rt);
     if temporary {
@@ -350,7 +355,7 @@ async fn up(
     );
 
     let backend: Arc<dyn Backend> = Arc::new(cluster.backend.clone());
-    let listener = match bind_and_print(args.listen, &backend, http.api_key.is_some()).await {
+    let listener = match bind_and_print(args.listen, &backend, !http.api_keys.is_empty()).await {
         Ok(l) => l,
         Err(e) => {
             cluster.stop().await;
