@@ -7,6 +7,8 @@
 //!   after SIGTERM.
 //! - What `tessera up` prints for a person is sentences: no `Name { field: … }` debug
 //!   structures and no hashes or keys longer than 12 characters.
+//! - The systemd units in `packaging/systemd/` verify, and every flag they and their example
+//!   environment files pass is one `tessera` accepts.
 
 mod common;
 
@@ -274,5 +276,87 @@ fn up_prints_sentences_without_debug_structures_or_long_hashes() {
             "a debug structure: {l}\n{text}"
         );
         assert_eq!(long_hash(l), None, "a long hash in: {l}\n{text}");
+    }
+}
+
+fn packaging() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../packaging/systemd")
+}
+
+/// `systemd-analyze verify` on each unit, with this build's binary where the unit expects
+/// `/usr/local/bin/tessera` (verify checks that the command exists).
+#[test]
+fn the_systemd_units_verify() {
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipping: systemd-analyze is not installed");
+        return;
+    }
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("units");
+    std::fs::create_dir_all(&dir).unwrap();
+    for unit in ["tessera-serve.service", "tessera-node.service"] {
+        let text = std::fs::read_to_string(packaging().join(unit)).unwrap();
+        assert!(text.contains("ExecStart=/usr/local/bin/tessera "), "{unit}");
+        let here = dir.join(unit);
+        std::fs::write(
+            &here,
+            text.replace("/usr/local/bin/tessera", env!("CARGO_BIN_EXE_tessera")),
+        )
+        .unwrap();
+        let out = Command::new("systemd-analyze")
+            .args(["verify", "--man=no"])
+            .arg(&here)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && said.trim().is_empty(),
+            "{unit}: {said}"
+        );
+    }
+}
+
+/// The flags in each unit's `ExecStart` and in its example environment file (every example
+/// line, commented or not) parse: `tessera` would start with them, not stop at a typo.
+#[test]
+fn the_units_pass_flags_tessera_accepts() {
+    for (command, env, var, fixed) in [
+        (
+            "serve",
+            "serve.env",
+            "TESSERA_SERVE_ARGS",
+            vec!["--api-key-file", "/k"],
+        ),
+        (
+            "node",
+            "node.env",
+            "TESSERA_NODE_ARGS",
+            vec!["--data-dir", "/d", "--join-file", "/j"],
+        ),
+    ] {
+        let text = std::fs::read_to_string(packaging().join(env)).unwrap();
+        let examples: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.trim_start_matches("# ").strip_prefix(var))
+            .filter_map(|l| l.strip_prefix('='))
+            .collect();
+        assert!(!examples.is_empty(), "{env} has no {var} line");
+        for args in examples {
+            let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+                .arg(command)
+                .args(&fixed)
+                .args(args.split_whitespace())
+                .arg("--help")
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "tessera {command} {args}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     }
 }
