@@ -144,7 +144,7 @@ pub(crate) async fn client_session(
                     let client = *sealed_id.get_or_insert_with(|| {
                         crate::sealed::edge::client_joined(&shared, tx.clone())
                     });
-                    crate::sealed::edge::submit(&shared, client, s.envelopes);
+                    crate::sealed::edge::submit(&shared, client, s);
                 }
                 Ok(ClientToCoord::Hello(_)) => {
                     let _ = tx.send(CoordToClient::Error {

@@ -27,4 +27,8 @@ pub enum CoordError {
     Run(String),
     #[error("timed out: {0}")]
     Timeout(String),
+    /// The sealing client would not release an answer (it does not match its digest, or it is
+    /// not verified and only verified answers were asked for), or would not seal to a worker.
+    #[error("refused: {0}")]
+    Refused(String),
 }

@@ -457,6 +457,52 @@ fn verify_finds_damaged_bytes_and_the_next_fetch_repairs_them() {
 }
 
 #[test]
+fn altered_bytes_in_the_cache_are_refused_at_load_with_the_tensor_named() {
+    let m = manifest(CHUNK);
+    let names = stage0_names(&m);
+    let needs = tessera_host::store::Need::whole_tensors(&names);
+    let dir = TempDir::new("check-needs");
+    {
+        let store = ShardStore::open(dir.path()).unwrap();
+        fetch_all_from_file(&store, &m, &names);
+        let n = m.chunks_for(&names).unwrap().len() as u64;
+        assert_eq!(store.check_needs(&m, &needs).unwrap(), n);
+    }
+    // Edit a byte of blk.1.attn_k.weight in the cache while no store has it open: the state
+    // file still says every chunk is here and good.
+    let t = m.tensor("blk.1.attn_k.weight").unwrap();
+    let path = {
+        let store = ShardStore::open(dir.path()).unwrap();
+        store.path_for(&m)
+    };
+    {
+        use std::io::{Read, Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let mut b = [0u8];
+        f.seek(SeekFrom::Start(t.offset + 9)).unwrap();
+        f.read_exact(&mut b).unwrap();
+        f.seek(SeekFrom::Start(t.offset + 9)).unwrap();
+        f.write_all(&[!b[0]]).unwrap();
+    }
+    let store = ShardStore::open(dir.path()).unwrap();
+    assert!(store.missing_chunks(&m, &names).unwrap().is_empty());
+    let e = store.check_needs(&m, &needs).unwrap_err();
+    assert!(matches!(e, StoreError::HashMismatch { .. }), "{e}");
+    assert!(e.to_string().contains("blk.1.attn_k.weight"), "{e}");
+    // The bad chunk is missing now: the next fetch brings it back, and the check passes.
+    let missing = store.missing_chunks(&m, &names).unwrap();
+    assert_eq!(missing.len(), 1);
+    assert_eq!(missing[0].part, Part::Tensor("blk.1.attn_k.weight".into()));
+    fetch_all_from_file(&store, &m, &names);
+    store.check_needs(&m, &needs).unwrap();
+    assert_tensors_equal_original(&store.path_for(&m), &names);
+}
+
+#[test]
 fn a_new_chunking_of_the_same_model_reuses_the_bytes_on_disk() {
     let small = manifest(CHUNK);
     let big = manifest(3 * CHUNK);

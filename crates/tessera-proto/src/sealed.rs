@@ -78,10 +78,17 @@ pub enum SealedNews {
     Expired { attempt: u32, holder: NodeKey },
     /// The answer was re-run on another worker to be checked.
     Verifying { attempt: u32, on: NodeKey },
-    /// The job's one answer. `verified`: a second worker's tokens agreed with it.
+    /// A candidate was left out before any dispatch (its key is no longer current, it does
+    /// not hold the model, the job does not fit its memory or tier), and why.
+    Skipped { attempt: u32, reason: String },
+    /// The job's one answer. `verified`: a second worker's tokens agreed with it, and then
+    /// `witness` is that worker's result, sealed to the client too, so the client can compare
+    /// the two itself rather than take the coordinator's word.
     Result {
         result: ResultEnvelope,
         verified: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        witness: Option<ResultEnvelope>,
     },
     /// The job cannot complete.
     Failed { reason: String },
@@ -94,6 +101,10 @@ pub struct SealedSubmit {
     /// worker, so the coordinator can move the job on (or have it checked) without reading it
     /// or re-addressing an envelope.
     pub envelopes: Vec<JobEnvelope>,
+    /// The client takes verified answers only: the desk checks this job's answer on a second
+    /// worker whatever the tier's rate.
+    #[serde(default)]
+    pub verified_only: bool,
 }
 
 /// Workers' current signed claims, for the client to choose and seal to.

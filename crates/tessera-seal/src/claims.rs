@@ -20,7 +20,7 @@ use crate::keys::{serde_via_string, PublicKey};
 use crate::tier::DeviceTier;
 use crate::UnixMillis;
 
-const CLAIMS_TAG: &str = "tessera-seal claims v1";
+const CLAIMS_TAG: &str = "tessera-seal claims v2";
 
 /// A node's ed25519 public key (the bytes of tessera-net's `PublicKey`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -89,6 +89,9 @@ pub struct Claims {
     pub seal_key: PublicKey,
     pub models: Vec<String>,
     pub memory_bytes: u64,
+    /// KV positions (prompt plus new tokens) one job may use on the model held: the sealed
+    /// desk sends a job only to workers that claim room for it. 0 when nothing is held.
+    pub max_context: u64,
     pub features: Vec<String>,
     /// Instruction set the node runs ("x86_64", "aarch64"…).
     pub isa: String,
@@ -106,6 +109,7 @@ impl Claims {
             .fixed(self.seal_key.as_bytes())
             .strs(&self.models)
             .u64(self.memory_bytes)
+            .u64(self.max_context)
             .strs(&self.features)
             .str(&self.isa)
             .str(&self.kernel_path.0)
@@ -123,6 +127,7 @@ impl Claims {
             seal_key: PublicKey::from_bytes(r.fixed()?),
             models: r.strs()?,
             memory_bytes: r.u64()?,
+            max_context: r.u64()?,
             features: r.strs()?,
             isa: r.str()?,
             kernel_path: KernelPath(r.str()?),
@@ -175,6 +180,7 @@ impl Claims {
         Ok(SignedClaims {
             claims: self,
             signature: hex(&signature),
+            certificate: None,
         })
     }
 
@@ -190,14 +196,24 @@ impl Claims {
     }
 }
 
-/// Claims with the node's signature (hex, so the JSON form is readable).
+/// Claims with the node's signature (hex, so the JSON form is readable), and the certificate of
+/// the operator who vouches for the node, when one does ([`crate::cert`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SignedClaims {
     pub claims: Claims,
     pub signature: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<crate::cert::SignedCertificate>,
 }
 
 impl SignedClaims {
+    /// These claims with an operator's certificate attached (it is checked by whoever relies
+    /// on it: [`SignedClaims::certified_by`]).
+    pub fn with_certificate(mut self, c: crate::cert::SignedCertificate) -> Self {
+        self.certificate = Some(c);
+        self
+    }
+
     /// Checks the signature under the node key the claims name, and the fields.
     pub fn verify(&self) -> Result<(), ClaimRefusal> {
         self.claims.validate()?;
@@ -302,6 +318,7 @@ mod tests {
             seal_key: seal.public_key(),
             models: vec!["qwen3-0.6b".into()],
             memory_bytes: 16 << 30,
+            max_context: 4096,
             features: vec!["kv-q8".into()],
             isa: "x86_64".into(),
             kernel_path: KernelPath::new("avx2"),

@@ -30,10 +30,17 @@ pub struct Holder {
 /// Inputs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseEvent {
-    /// A new job and its candidate holders, best first.
+    /// A new job and its candidate holders, best first: candidate `k` is attempt `k`.
     Submit {
         job: JobId,
         holders: Vec<Holder>,
+        now: UnixMillis,
+    },
+    /// A new job whose candidates carry their attempt numbers, in the order to try them: the
+    /// router left out candidates unfit for the job, or put more dependable ones first.
+    SubmitAttempts {
+        job: JobId,
+        holders: Vec<(u32, Holder)>,
         now: UnixMillis,
     },
     /// The holder reports progress (a token, a heartbeat): its lease starts over.
@@ -183,14 +190,17 @@ impl JobLeases {
         let mut out = Vec::new();
         match event {
             LeaseEvent::Submit { job, holders, now } => {
+                let holders = (1..).zip(holders).collect();
+                return self.handle(LeaseEvent::SubmitAttempts { job, holders, now });
+            }
+            LeaseEvent::SubmitAttempts { job, holders, now } => {
                 if self.live.contains_key(&job) || self.finished.contains_key(&job) {
                     out.push(LeaseAction::Failed {
                         job,
                         reason: JobFailure::DuplicateSubmit,
                     });
                 } else {
-                    let untried = (1..).zip(holders).collect();
-                    self.dispatch(job, 0, untried, now, &mut out);
+                    self.dispatch(job, 0, holders.into(), now, &mut out);
                 }
             }
             LeaseEvent::Progress {

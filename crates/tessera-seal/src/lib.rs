@@ -55,6 +55,7 @@
 #![forbid(unsafe_code)]
 
 mod canonical;
+pub mod cert;
 pub mod claims;
 pub mod envelope;
 mod error;
@@ -66,6 +67,7 @@ pub mod verify;
 
 use serde::{Deserialize, Serialize};
 
+pub use cert::{Certificate, SignedCertificate, Uncertified};
 pub use claims::{ClaimBook, ClaimChange, Claims, KernelPath, NodeKey, SignedClaims};
 pub use envelope::{
     seal_job, seal_result, JobEnvelope, JobHeader, JobId, ResultEnvelope, ResultHeader,
@@ -74,7 +76,7 @@ pub use error::{ClaimRefusal, FormatError, ReplayRefusal, SealError};
 pub use keys::{KeyId, PublicKey, SecretKey};
 pub use lease::{DropReason, Holder, JobFailure, JobLeases, LeaseAction, LeaseConfig, LeaseEvent};
 pub use replay::ReplayGuard;
-pub use tier::{DeviceTier, TierPolicy};
+pub use tier::{DeviceTier, TierPolicy, LONG_JOB_POSITIONS};
 pub use verify::{
     AnswerDigest, Inconclusive, Reputation, Verifier, VerifyAction, VerifyConfig, VerifyEvent,
     VerifyStats, Worker,

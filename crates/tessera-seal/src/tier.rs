@@ -28,10 +28,18 @@ pub struct TierPolicy {
     pub lease_ms: u64,
     /// Share of its answers re-run on a second worker, in thousandths.
     pub verify_per_mille: u32,
-    /// Whether the node is expected to leave mid-job (battery, lid, network change): routing
-    /// prefers nodes that are not when it has the choice.
+    /// Whether the node is expected to leave mid-job (battery, lid, network change): a long
+    /// job ([`LONG_JOB_POSITIONS`]) goes first to candidates that are not, and so do checks of
+    /// other workers' answers.
     pub expected_to_leave: bool,
+    /// Most KV positions (prompt plus new tokens) of a job sent to the node, whatever it
+    /// claims room for: short jobs only where memory and battery are scarce.
+    pub max_job_positions: Option<u64>,
 }
+
+/// A job at least this many positions long (prompt plus new tokens) is long: it is dispatched
+/// first to candidates whose tier is not expected to leave mid-job.
+pub const LONG_JOB_POSITIONS: u64 = 2048;
 
 impl DeviceTier {
     pub const ALL: [Self; 4] = [Self::Phone, Self::Laptop, Self::Workstation, Self::Server];
@@ -45,21 +53,25 @@ impl DeviceTier {
                 lease_ms: 5_000,
                 verify_per_mille: 200,
                 expected_to_leave: true,
+                max_job_positions: Some(4096),
             },
             Self::Laptop => TierPolicy {
                 lease_ms: 10_000,
                 verify_per_mille: 100,
                 expected_to_leave: true,
+                max_job_positions: None,
             },
             Self::Workstation => TierPolicy {
                 lease_ms: 20_000,
                 verify_per_mille: 50,
                 expected_to_leave: false,
+                max_job_positions: None,
             },
             Self::Server => TierPolicy {
                 lease_ms: 30_000,
                 verify_per_mille: 20,
                 expected_to_leave: false,
+                max_job_positions: None,
             },
         }
     }

@@ -23,6 +23,9 @@ pub struct Worker {
     pub node: NodeKey,
     pub kernel_path: KernelPath,
     pub tier: DeviceTier,
+    /// The operator who certified it, where known: an answer is never checked by a machine of
+    /// the same operator (who could make both answers alike).
+    pub operator: Option<NodeKey>,
 }
 
 /// What two answers are compared by: a keyed hash of the token ids, the key derived from the
@@ -87,6 +90,8 @@ pub enum VerifyEvent {
         worker: Worker,
         answer: AnswerDigest,
         peers: Vec<Worker>,
+        /// Check it whatever the tier's rate (the client asked for verified answers only).
+        always: bool,
     },
     /// A replica asked for by [`VerifyAction::Replicate`] answered.
     ReplicaAnswered {
@@ -180,6 +185,7 @@ pub struct VerifyStats {
 #[derive(Debug, Clone)]
 struct Pending {
     kernel_path: KernelPath,
+    operator: Option<NodeKey>,
     peers: Vec<Worker>,
     /// Answers so far, in order: the primary's first.
     answers: Vec<(NodeKey, AnswerDigest)>,
@@ -236,14 +242,16 @@ impl Verifier {
                 worker,
                 answer,
                 peers,
+                always,
             } => {
                 self.stats.answers += 1;
-                if self.pending.contains_key(&job) || !self.selects(job, worker.tier) {
+                if self.pending.contains_key(&job) || !(always || self.selects(job, worker.tier)) {
                     return out;
                 }
                 self.stats.selected += 1;
                 let mut p = Pending {
                     kernel_path: worker.kernel_path.clone(),
+                    operator: worker.operator,
                     peers,
                     answers: vec![(worker.node, answer)],
                     waiting: (worker.node, 1),
@@ -348,7 +356,12 @@ impl Verifier {
             .iter()
             .filter(|w| !p.asked.contains(&w.node) && !self.is_quarantined(&w.node))
             .filter(|w| self.config.cross_kernel_comparable || w.kernel_path == p.kernel_path)
+            .filter(|w| p.operator.is_none() || w.operator != p.operator)
             .collect();
+        // Checks go to machines that stay (workstations, servers) when there are any.
+        if eligible.iter().any(|w| !w.tier.policy().expected_to_leave) {
+            eligible.retain(|w| !w.tier.policy().expected_to_leave);
+        }
         eligible.sort_by_key(|w| w.node);
         eligible.dedup_by_key(|w| w.node);
         if eligible.is_empty() {
@@ -386,6 +399,7 @@ mod tests {
             node: NodeKey::from_bytes([i; 32]),
             kernel_path: KernelPath::new(path),
             tier: DeviceTier::Phone,
+            operator: None,
         }
     }
 
@@ -412,6 +426,7 @@ mod tests {
             worker: primary.clone(),
             answer: digest(&answer(&primary.node, job)),
             peers: peers.to_vec(),
+            always: false,
         });
         while let Some(a) = next.first().cloned() {
             all.extend(next.iter().cloned());
@@ -543,6 +558,102 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_the_client_wants_verified_is_checked_whatever_the_rate() {
+        let mut v = Verifier::new(VerifyConfig::new([1; 32]));
+        let ws: Vec<Worker> = (1..=2).map(|i| worker(i, "avx2")).collect();
+        for j in 0..50u8 {
+            let job = JobId::from_bytes([j; 16]);
+            let mut c = VerifyConfig::new([1; 32]);
+            c.per_mille.insert(DeviceTier::Phone, 0);
+            let mut v0 = Verifier::new(c);
+            let ev = |always| VerifyEvent::Answered {
+                job,
+                worker: ws[0].clone(),
+                answer: digest(&honest(job)),
+                peers: ws.clone(),
+                always,
+            };
+            assert!(v0.handle(ev(false)).is_empty(), "rate 0 checks nothing");
+            let a = v.handle(ev(true));
+            assert!(
+                matches!(a[..], [VerifyAction::Replicate { to, .. }] if to == ws[1].node),
+                "{a:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_answer_is_never_checked_by_a_worker_of_the_same_operator() {
+        let op = |w: Worker, o: u8| Worker {
+            operator: Some(NodeKey::from_bytes([o; 32])),
+            ..w
+        };
+        let primary = op(worker(1, "avx2"), 9);
+        let same = op(worker(2, "avx2"), 9);
+        let other = op(worker(3, "avx2"), 8);
+        for j in 0..40u8 {
+            let mut v = Verifier::new(all_verified());
+            let job = JobId::from_bytes([j; 16]);
+            let a = v.handle(VerifyEvent::Answered {
+                job,
+                worker: primary.clone(),
+                answer: digest(&honest(job)),
+                peers: vec![same.clone(), other.clone()],
+                always: false,
+            });
+            assert!(
+                matches!(a[..], [VerifyAction::Replicate { to, .. }] if to == other.node),
+                "{a:?}"
+            );
+            // With only a peer of the same operator, the check cannot conclude.
+            let mut v = Verifier::new(all_verified());
+            let a = v.handle(VerifyEvent::Answered {
+                job,
+                worker: primary.clone(),
+                answer: digest(&honest(job)),
+                peers: vec![same.clone()],
+                always: false,
+            });
+            assert!(
+                matches!(a[..], [VerifyAction::Inconclusive { .. }]),
+                "{a:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn answers_are_checked_on_workstations_and_servers_when_there_are_any() {
+        let tiered = |i: u8, tier| Worker {
+            tier,
+            ..worker(i, "avx2")
+        };
+        let primary = tiered(1, DeviceTier::Phone);
+        let peers = vec![
+            tiered(2, DeviceTier::Phone),
+            tiered(3, DeviceTier::Laptop),
+            tiered(4, DeviceTier::Workstation),
+            tiered(5, DeviceTier::Server),
+        ];
+        let mut chosen = BTreeSet::new();
+        for j in 0..60u8 {
+            let mut v = Verifier::new(all_verified());
+            let job = JobId::from_bytes([j; 16]);
+            let a = v.handle(VerifyEvent::Answered {
+                job,
+                worker: primary.clone(),
+                answer: digest(&honest(job)),
+                peers: peers.clone(),
+                always: false,
+            });
+            let [VerifyAction::Replicate { to, .. }] = a[..] else {
+                panic!("{a:?}")
+            };
+            chosen.insert(to);
+        }
+        assert_eq!(chosen, BTreeSet::from([peers[2].node, peers[3].node]));
+    }
+
+    #[test]
     fn a_failed_replica_is_replaced_by_another_peer() {
         let mut v = Verifier::new(all_verified());
         let ws: Vec<Worker> = (1..=3).map(|i| worker(i, "avx2")).collect();
@@ -552,6 +663,7 @@ mod tests {
             worker: ws[0].clone(),
             answer: digest(&honest(job)),
             peers: ws.clone(),
+            always: false,
         });
         let [VerifyAction::Replicate { to: first, .. }] = a[..] else {
             panic!("{a:?}")

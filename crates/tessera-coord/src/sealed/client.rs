@@ -3,6 +3,15 @@
 //! fetches the workers' signed claims and checks them, seals a request to each candidate worker
 //! (attempt `k` to candidate `k`, each job with a fresh reply key), submits the envelopes and
 //! opens the one answer. Several jobs may be in flight on one session.
+//!
+//! The client trusts the coordinator with nothing it can check itself ([`ClientPolicy`]):
+//! - with operator keys pinned (`--trust`), it seals only to workers whose claims carry a
+//!   certificate from one of those operators, and names every key it refuses;
+//! - it re-derives each answer's digest from the tokens it opened, so a worker that reports the
+//!   honest digest (which the coordinator compares) but ships other tokens is caught;
+//! - an answer counts as verified only when the second worker's own result (the witness, sealed
+//!   to this client too) opens, binds its tokens, comes from another worker (and operator,
+//!   where known) and holds the same tokens; with `verified_only`, nothing else is released.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -13,7 +22,10 @@ use tessera_proto::{
     frame, limits, stream, ClientToCoord, CoordToClient, Hello, Role, SealedAnswer, SealedNews,
     SealedRequest, SealedSubmit, PROTOCOL_VERSION,
 };
-use tessera_seal::{seal_job, JobEnvelope, JobHeader, JobId, SecretKey, SignedClaims, UnixMillis};
+use tessera_seal::{
+    seal_job, AnswerDigest, JobEnvelope, JobHeader, JobId, NodeKey, ResultEnvelope, SecretKey,
+    SignedClaims, Uncertified, UnixMillis,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::CoordError;
@@ -34,13 +46,24 @@ pub struct SealedClient {
     reader: tokio::task::JoinHandle<()>,
 }
 
+/// What the client takes on trust, and what it insists on.
+#[derive(Debug, Clone, Default)]
+pub struct ClientPolicy {
+    /// Operator keys whose certificates make a worker one to seal to. Empty: every worker with
+    /// validly self-signed claims (the coordinator is trusted to list only real workers).
+    pub trust: Vec<NodeKey>,
+    /// Release only answers a second worker agreed with (checked here, on its witness).
+    pub verified_only: bool,
+}
+
 /// A job's outcome.
 #[derive(Debug, Clone)]
 pub struct SealedOutcome {
     pub job: JobId,
     /// The attempt whose answer it is.
     pub attempt: u32,
-    /// A second worker's tokens agreed with it.
+    /// A second worker's tokens agreed with it: the client opened that worker's own result
+    /// and compared the tokens.
     pub verified: bool,
     pub answer: SealedAnswer,
 }
@@ -152,6 +175,35 @@ impl SealedClient {
             .await?)
     }
 
+    /// [`SealedClient::holders`] that `trust` (operator keys) vouches for, and why each other
+    /// one was refused. With no trusted key, every holder passes. None left is an error naming
+    /// each refused key.
+    pub async fn trusted_holders(
+        &self,
+        trust: &[NodeKey],
+    ) -> Result<(Vec<SignedClaims>, Vec<Uncertified>), CoordError> {
+        let all = self.holders().await?;
+        if trust.is_empty() {
+            return Ok((all, Vec::new()));
+        }
+        let (mut ok, mut refused) = (Vec::new(), Vec::new());
+        for c in all {
+            match c.certified_by(trust) {
+                Ok(_) => ok.push(c),
+                Err(why) => refused.push(why),
+            }
+        }
+        if ok.is_empty() {
+            let why: Vec<String> = refused.iter().map(ToString::to_string).collect();
+            return Err(CoordError::Refused(format!(
+                "no listed worker is certified by an operator this client trusts, so nothing \
+                 was sealed: {}",
+                why.join("; ")
+            )));
+        }
+        Ok((ok, refused))
+    }
+
     /// The workers that hold a model whole now, whose claims' signatures hold, all of the first
     /// one's model, in the coordinator's order.
     pub async fn holders(&self) -> Result<Vec<SignedClaims>, CoordError> {
@@ -187,6 +239,7 @@ impl SealedClient {
     pub async fn submit(
         &self,
         envelopes: Vec<JobEnvelope>,
+        verified_only: bool,
     ) -> Result<mpsc::UnboundedReceiver<SealedNews>, CoordError> {
         let job = envelopes
             .first()
@@ -199,8 +252,11 @@ impl SealedClient {
             .unwrap_or_else(|p| p.into_inner())
             .jobs
             .insert(job, tx);
-        self.send(&ClientToCoord::SealedSubmit(SealedSubmit { envelopes }))
-            .await?;
+        self.send(&ClientToCoord::SealedSubmit(SealedSubmit {
+            envelopes,
+            verified_only,
+        }))
+        .await?;
         Ok(rx)
     }
 
@@ -211,19 +267,25 @@ impl SealedClient {
         request: &SealedRequest,
         candidates: &[SignedClaims],
         ttl_ms: u64,
+        policy: &ClientPolicy,
         on_news: impl FnMut(JobId, &SealedNews),
     ) -> Result<SealedOutcome, CoordError> {
         let reply = SecretKey::generate();
         let envelopes = seal(request, candidates, &reply, ttl_ms)?;
-        self.answer(envelopes, candidates, &reply, on_news).await
+        self.answer(request, envelopes, candidates, &reply, policy, on_news)
+            .await
     }
 
-    /// Submits envelopes sealed with [`seal`] to `candidates` under `reply`, and opens the answer.
+    /// Submits envelopes of `request` sealed with [`seal`] to `candidates` under `reply`, and
+    /// opens the answer, releasing it only if it binds its digest (and, under
+    /// `policy.verified_only`, was verified).
     pub async fn answer(
         &self,
+        request: &SealedRequest,
         envelopes: Vec<JobEnvelope>,
         candidates: &[SignedClaims],
         reply: &SecretKey,
+        policy: &ClientPolicy,
         mut on_news: impl FnMut(JobId, &SealedNews),
     ) -> Result<SealedOutcome, CoordError> {
         let job = envelopes
@@ -231,25 +293,35 @@ impl SealedClient {
             .ok_or_else(|| CoordError::Protocol("a job needs an envelope".into()))?
             .header
             .job;
-        let mut news = self.submit(envelopes).await?;
+        let body = request_body(request);
+        let mut news = self.submit(envelopes, policy.verified_only).await?;
         while let Some(n) = news.recv().await {
             on_news(job, &n);
             match n {
-                SealedNews::Result { result, verified } => {
-                    let worker = candidates
-                        .iter()
-                        .find(|c| c.claims.seal_key.key_id() == result.header.worker)
-                        .ok_or_else(|| {
-                            CoordError::Protocol(
-                                "an answer from a worker the job was not sealed to".into(),
-                            )
-                        })?;
-                    let (attempt, plain) = result
-                        .open(reply, &worker.claims.seal_key, job)
-                        .map_err(|e| CoordError::Protocol(format!("the answer: {e}")))?;
-                    let answer = serde_json::from_slice(&plain).map_err(|e| {
-                        CoordError::Protocol(format!("a malformed sealed answer: {e}"))
-                    })?;
+                SealedNews::Result {
+                    result, witness, ..
+                } => {
+                    let (attempt, worker, answer) = open_answer(&result, candidates, reply, &body)?;
+                    // Verified only on the witness's own evidence, not the coordinator's word.
+                    let verified = match &witness {
+                        Some(w) => match open_answer(w, candidates, reply, &body) {
+                            Ok((_, by, second)) => {
+                                let other_worker = by.claims.node != worker.claims.node;
+                                let other_operator =
+                                    by.operator().is_none() || by.operator() != worker.operator();
+                                other_worker && other_operator && second.tokens == answer.tokens
+                            }
+                            Err(_) => false,
+                        },
+                        None => false,
+                    };
+                    if policy.verified_only && !verified {
+                        return Err(CoordError::Refused(format!(
+                            "job {job}: the answer of worker {} was not verified by a second \
+                             worker, and only verified answers were asked for",
+                            worker.claims.node
+                        )));
+                    }
                     return Ok(SealedOutcome {
                         job,
                         attempt,
@@ -279,6 +351,41 @@ impl SealedClient {
     }
 }
 
+/// The bytes sealed for `request` (the key of its answers' digests).
+fn request_body(request: &SealedRequest) -> Vec<u8> {
+    serde_json::to_vec(request).expect("a request serializes")
+}
+
+/// Opens a sealed result from one of `candidates` and checks that its tokens are the ones its
+/// digest names (the digest the coordinator compared): the attempt, the worker and the answer.
+fn open_answer<'a>(
+    result: &ResultEnvelope,
+    candidates: &'a [SignedClaims],
+    reply: &SecretKey,
+    body: &[u8],
+) -> Result<(u32, &'a SignedClaims, SealedAnswer), CoordError> {
+    let job = result.header.job;
+    let worker = candidates
+        .iter()
+        .find(|c| c.claims.seal_key.key_id() == result.header.worker)
+        .ok_or_else(|| {
+            CoordError::Protocol("an answer from a worker the job was not sealed to".into())
+        })?;
+    let (attempt, plain) = result
+        .open(reply, &worker.claims.seal_key, job)
+        .map_err(|e| CoordError::Protocol(format!("the answer: {e}")))?;
+    let answer: SealedAnswer = serde_json::from_slice(&plain)
+        .map_err(|e| CoordError::Protocol(format!("a malformed sealed answer: {e}")))?;
+    if AnswerDigest::of_tokens(body, &answer.tokens) != result.header.answer {
+        return Err(CoordError::Refused(format!(
+            "job {job}: worker {}'s answer does not match the digest it reported (its tokens \
+             were altered after the digest was taken)",
+            worker.claims.node
+        )));
+    }
+    Ok((attempt, worker, answer))
+}
+
 /// One envelope per candidate, attempt `k` sealed to candidate `k`, all with `reply`'s key.
 pub fn seal(
     request: &SealedRequest,
@@ -292,7 +399,7 @@ pub fn seal(
         ));
     }
     let job = JobId::random();
-    let body = serde_json::to_vec(request).expect("a request serializes");
+    let body = request_body(request);
     let expires_at = UnixMillis::now().plus(ttl_ms);
     candidates
         .iter()

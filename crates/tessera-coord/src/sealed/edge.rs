@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use tessera_net::NodeId;
 use tessera_proto::{CoordToClient, CoordToNode, NodeToCoord};
-use tessera_seal::{JobEnvelope, KeyId, LeaseConfig, NodeKey, UnixMillis};
+use tessera_seal::{KeyId, LeaseConfig, NodeKey, UnixMillis};
 use tokio::sync::mpsc;
 
 use super::{verify_config, ClientId, SealedConfig, SealedDesk, SealedInput, SealedOutput};
@@ -20,6 +20,9 @@ pub enum SealedFault {
     RewriteTtl,
     /// Deliver each envelope twice.
     Replay,
+    /// List a worker of the coordinator's own making first among the holders: a node key and a
+    /// sealing key it holds, claims signed with it, vouched for by no operator.
+    ListOwnWorker,
 }
 
 impl std::str::FromStr for SealedFault {
@@ -29,8 +32,9 @@ impl std::str::FromStr for SealedFault {
             "rewrite-recipient" => Ok(Self::RewriteRecipient),
             "rewrite-ttl" => Ok(Self::RewriteTtl),
             "replay" => Ok(Self::Replay),
+            "list-own-worker" => Ok(Self::ListOwnWorker),
             _ => Err(format!(
-                "unknown fault {s:?} (rewrite-recipient, rewrite-ttl or replay)"
+                "unknown fault {s:?} (rewrite-recipient, rewrite-ttl, replay or list-own-worker)"
             )),
         }
     }
@@ -110,15 +114,35 @@ pub(crate) fn client_left(shared: &Shared, client: ClientId) {
 
 /// The workers' current claims for a client.
 pub(crate) fn holders(shared: &Shared, model: Option<&str>) -> Vec<tessera_seal::SignedClaims> {
-    shared.sealed().desk.holders(model)
+    let e = shared.sealed();
+    let mut holders = e.desk.holders(model);
+    if e.fault == Some(SealedFault::ListOwnWorker) {
+        if let Some(own) = holders.first().map(own_worker) {
+            holders.insert(0, own);
+        }
+    }
+    holders
 }
 
-pub(crate) fn submit(shared: &Shared, client: ClientId, envelopes: Vec<JobEnvelope>) {
+/// [`SealedFault::ListOwnWorker`]: the claims of a worker the coordinator made up, like
+/// `like`'s but with keys of its own (a real attacker would keep the secrets and read what is
+/// sealed to them).
+fn own_worker(like: &tessera_seal::SignedClaims) -> tessera_seal::SignedClaims {
+    let seed = [0x5e; 32];
+    let mut c = like.claims.clone();
+    c.node = NodeKey::of_seed(&seed);
+    c.seal_key = tessera_seal::SecretKey::derive(b"its sealing key").public_key();
+    c.epoch = 1;
+    c.sign(&seed).expect("valid claims")
+}
+
+pub(crate) fn submit(shared: &Shared, client: ClientId, s: tessera_proto::SealedSubmit) {
     feed(
         shared,
         SealedInput::Submit {
             client,
-            envelopes,
+            envelopes: s.envelopes,
+            verified_only: s.verified_only,
             now: UnixMillis::now(),
         },
     );
@@ -245,7 +269,7 @@ fn feed(shared: &Shared, input: SealedInput) {
                 let mut to = to;
                 let mut copies = 1;
                 match fault {
-                    None => {}
+                    None | Some(SealedFault::ListOwnWorker) => {}
                     Some(SealedFault::RewriteTtl) => {
                         envelope.header.expires_at = envelope.header.expires_at.plus(3_600_000);
                     }

@@ -1,7 +1,9 @@
 //! The gateway as a sealing client: plain OpenAI clients talk to a gateway they trust, and the
 //! gateway seals each request to workers behind a coordinator it does not trust
 //! (`tessera serve --sealed-via TOKEN@HOST:PORT`). The answer comes back whole (a sealed job is
-//! answered once), so a stream gets all its tokens at the end.
+//! answered once), so a stream gets all its tokens at the end. Each response says whether its
+//! answer was verified (`ServedExtra::verified`, the `tessera` object of the response body);
+//! under [`ClientPolicy::verified_only`] an unverified answer is not released at all.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -12,16 +14,18 @@ use tessera_gateway::{
 };
 use tessera_proto::{FinishReason as SeqFinish, SealedRequest};
 
-use super::client::SealedClient;
+use super::client::{ClientPolicy, SealedClient};
 
 /// Settings of a sealed backend.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct SealedBackendConfig {
     /// Seal each request to at most this many workers (the first holds it; the others take
     /// over or check the answer).
     pub workers: usize,
     /// How long each envelope stays valid, ms.
     pub ttl_ms: u64,
+    /// Whom to seal to, and whether unverified answers are released.
+    pub policy: ClientPolicy,
 }
 
 /// A [`Backend`] that runs every request as a sealed job.
@@ -70,7 +74,7 @@ impl Backend for SealedBackend {
             sampling: req.params,
             eog: self.eog.to_vec(),
         };
-        let (client, config) = (self.client.clone(), self.config);
+        let (client, config) = (self.client.clone(), self.config.clone());
         let first = self.next.fetch_add(1, Ordering::Relaxed);
         let active = self.active.clone();
         let (prompt_total, generated_total) =
@@ -78,12 +82,18 @@ impl Backend for SealedBackend {
         active.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             let outcome = async {
-                let mut candidates = client.holders().await?;
+                let (mut candidates, _) = client.trusted_holders(&config.policy.trust).await?;
                 let n = candidates.len();
                 candidates.rotate_left(first % n);
                 candidates.truncate(config.workers.max(1));
                 client
-                    .run(&request, &candidates, config.ttl_ms, |_, _| {})
+                    .run(
+                        &request,
+                        &candidates,
+                        config.ttl_ms,
+                        &config.policy,
+                        |_, _| {},
+                    )
                     .await
             }
             .await;

@@ -19,9 +19,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tessera_proto::{SealedNews, SealedRefusal};
 use tessera_seal::{
-    ClaimBook, ClaimChange, ClaimRefusal, Claims, DeviceTier, Holder, JobEnvelope, JobFailure,
-    JobId, JobLeases, LeaseAction, LeaseConfig, LeaseEvent, NodeKey, ResultEnvelope, SignedClaims,
-    UnixMillis, Verifier, VerifyAction, VerifyConfig, VerifyEvent, Worker,
+    ClaimBook, ClaimChange, ClaimRefusal, DeviceTier, Holder, JobEnvelope, JobFailure, JobId,
+    JobLeases, LeaseAction, LeaseConfig, LeaseEvent, NodeKey, ResultEnvelope, SignedClaims,
+    UnixMillis, Verifier, VerifyAction, VerifyConfig, VerifyEvent, Worker, LONG_JOB_POSITIONS,
 };
 
 pub mod client;
@@ -30,7 +30,7 @@ mod gateway;
 #[cfg(test)]
 mod tests;
 
-pub use client::{SealedClient, SealedOutcome};
+pub use client::{ClientPolicy, SealedClient, SealedOutcome};
 pub(crate) use edge::SealedEdge;
 pub use edge::{SealedFault, SealedSettings};
 pub use gateway::{SealedBackend, SealedBackendConfig};
@@ -48,6 +48,8 @@ pub enum SealedInput {
     Submit {
         client: ClientId,
         envelopes: Vec<JobEnvelope>,
+        /// Check the answer on a second worker whatever the tier's rate.
+        verified_only: bool,
         now: UnixMillis,
     },
     /// A worker reports progress on a job it holds.
@@ -116,6 +118,10 @@ struct Job {
     replicas: BTreeMap<NodeKey, (u32, UnixMillis)>,
     /// Replicas' results, by node.
     replica_results: BTreeMap<NodeKey, ResultEnvelope>,
+    /// The client asked for a verified answer.
+    verified_only: bool,
+    /// Why candidates were passed over (skipped, refused, gone), for the failure's reason.
+    passed_over: Vec<String>,
 }
 
 /// The coordinator's sealed jobs, the workers' claims and their reputations.
@@ -189,8 +195,9 @@ impl SealedDesk {
             SealedInput::Submit {
                 client,
                 envelopes,
+                verified_only,
                 now,
-            } => self.submit(client, envelopes, now, &mut out),
+            } => self.submit(client, envelopes, verified_only, now, &mut out),
             SealedInput::Progress {
                 job,
                 attempt,
@@ -236,6 +243,9 @@ impl SealedDesk {
                     return out;
                 }
                 let replica = j.replicas.get(&from).is_some_and(|r| r.0 == attempt);
+                if !replica && reason != SealedRefusal::Replayed {
+                    self.passed_over(job, format!("attempt {attempt}: {from} refused: {reason}"));
+                }
                 self.tell(
                     job,
                     SealedNews::Refused {
@@ -312,6 +322,7 @@ impl SealedDesk {
         &mut self,
         client: ClientId,
         envelopes: Vec<JobEnvelope>,
+        verified_only: bool,
         now: UnixMillis,
         out: &mut Vec<SealedOutput>,
     ) {
@@ -329,7 +340,7 @@ impl SealedDesk {
             });
             return;
         }
-        let holders = match self.check_envelopes(&envelopes, now) {
+        let (holders, skipped) = match self.check_envelopes(&envelopes, now) {
             Ok(h) => h,
             Err(reason) => {
                 out.push(SealedOutput::Tell {
@@ -340,6 +351,30 @@ impl SealedDesk {
                 return;
             }
         };
+        for (attempt, reason) in &skipped {
+            out.push(SealedOutput::Tell {
+                client,
+                job,
+                news: SealedNews::Skipped {
+                    attempt: *attempt,
+                    reason: reason.clone(),
+                },
+            });
+        }
+        if holders.is_empty() {
+            let why: Vec<String> = skipped
+                .iter()
+                .map(|(a, r)| format!("attempt {a}: {r}"))
+                .collect();
+            out.push(SealedOutput::Tell {
+                client,
+                job,
+                news: SealedNews::Failed {
+                    reason: format!("no worker fits this job: {}", why.join("; ")),
+                },
+            });
+            return;
+        }
         self.jobs.insert(
             job,
             Job {
@@ -352,22 +387,39 @@ impl SealedDesk {
                 held: None,
                 replicas: BTreeMap::new(),
                 replica_results: BTreeMap::new(),
+                verified_only,
+                passed_over: skipped
+                    .iter()
+                    .map(|(a, r)| format!("attempt {a}: {r}"))
+                    .collect(),
             },
         );
-        let acts = self.leases.handle(LeaseEvent::Submit {
-            job,
-            holders: holders.into_iter().map(|(_, h)| h).collect(),
-            now,
-        });
+        let acts = self
+            .leases
+            .handle(LeaseEvent::SubmitAttempts { job, holders, now });
         self.leased(acts, now, out);
     }
 
-    /// The candidates of a job in attempt order, or why the envelopes cannot be routed.
+    fn passed_over(&mut self, job: JobId, why: String) {
+        if let Some(j) = self.jobs.get_mut(&job) {
+            if j.passed_over.len() < MAX_CANDIDATES * 2 {
+                j.passed_over.push(why);
+            }
+        }
+    }
+
+    /// The candidates of a job that fit it, in the order to try them, with the attempt sealed
+    /// to each, and the candidates left out with why; or why the envelopes cannot be routed at
+    /// all. A candidate is left out when its key is no longer current (rotated, or the worker
+    /// gone), it does not hold the model, the job needs more positions than it claims room
+    /// for or its tier takes, or another attempt is sealed to the same worker. A long job
+    /// ([`LONG_JOB_POSITIONS`]) goes first to tiers not expected to leave mid-job.
+    #[allow(clippy::type_complexity)]
     fn check_envelopes(
         &self,
         envelopes: &[JobEnvelope],
         now: UnixMillis,
-    ) -> Result<Vec<(u32, Holder)>, String> {
+    ) -> Result<(Vec<(u32, Holder)>, Vec<(u32, String)>), String> {
         if envelopes.len() > MAX_CANDIDATES {
             return Err(format!(
                 "{} envelopes (at most {MAX_CANDIDATES} candidates a job)",
@@ -376,6 +428,7 @@ impl SealedDesk {
         }
         let job = envelopes[0].header.job;
         let mut holders: Vec<(u32, Holder)> = Vec::with_capacity(envelopes.len());
+        let mut skipped = Vec::new();
         for (i, e) in envelopes.iter().enumerate() {
             let h = &e.header;
             let attempt = i as u32 + 1;
@@ -391,35 +444,61 @@ impl SealedDesk {
             if h.expires_at <= now {
                 return Err(format!("attempt {attempt} expired at {}", h.expires_at));
             }
-            let claims = self
-                .claims
-                .signed()
-                .map(|s| &s.claims)
-                .find(|c| c.seal_key.key_id() == h.recipient)
-                .ok_or_else(|| {
-                    format!(
-                        "attempt {attempt} is sealed to key {}, which no worker claims now",
-                        h.recipient
-                    )
-                })?;
-            if !claims.models.contains(&h.model) {
-                return Err(format!(
-                    "attempt {attempt}'s worker {} does not hold model {}",
-                    claims.node, h.model
-                ));
+            match self.fits(h, &holders) {
+                Ok(holder) => holders.push((attempt, holder)),
+                Err(why) => skipped.push((attempt, why)),
             }
-            if holders.iter().any(|(_, x)| x.node == claims.node) {
-                return Err(format!("two attempts are sealed to worker {}", claims.node));
-            }
-            holders.push((
-                attempt,
-                Holder {
-                    node: claims.node,
-                    tier: claims.tier,
-                },
+        }
+        let positions = envelopes[0].header.context_tokens;
+        if positions >= LONG_JOB_POSITIONS {
+            // Stable: the client's order stands among equals.
+            holders.sort_by_key(|(_, h)| h.tier.policy().expected_to_leave);
+        }
+        Ok((holders, skipped))
+    }
+
+    /// The worker an envelope is sealed to, if the job fits it; else why not.
+    fn fits(&self, h: &tessera_seal::JobHeader, taken: &[(u32, Holder)]) -> Result<Holder, String> {
+        let claims = self
+            .claims
+            .signed()
+            .map(|s| &s.claims)
+            .find(|c| c.seal_key.key_id() == h.recipient)
+            .ok_or_else(|| {
+                format!(
+                    "sealed to key {}, which no worker claims now (rotated, or the worker left)",
+                    h.recipient
+                )
+            })?;
+        let node = claims.node;
+        if self.departed.contains(&node) {
+            return Err(format!("worker {node} has left"));
+        }
+        if !claims.models.contains(&h.model) {
+            return Err(format!("worker {node} does not hold model {}", h.model));
+        }
+        if claims.max_context > 0 && h.context_tokens > claims.max_context {
+            return Err(format!(
+                "the job needs {} positions; worker {node} claims room for {}",
+                h.context_tokens, claims.max_context
             ));
         }
-        Ok(holders)
+        if let Some(max) = claims.tier.policy().max_job_positions {
+            if h.context_tokens > max {
+                return Err(format!(
+                    "the job needs {} positions; worker {node} is a {}, which takes jobs of at \
+                     most {max}",
+                    h.context_tokens, claims.tier
+                ));
+            }
+        }
+        if taken.iter().any(|(_, x)| x.node == node) {
+            return Err(format!("another attempt is sealed to worker {node}"));
+        }
+        Ok(Holder {
+            node,
+            tier: claims.tier,
+        })
     }
 
     /// Carries out the lease machine's actions.
@@ -432,6 +511,12 @@ impl SealedDesk {
                     if self.verifier.is_quarantined(&to) || self.departed.contains(&to) {
                         // Caught altering answers since the job was submitted, or gone: skip
                         // it.
+                        let why = if self.departed.contains(&to) {
+                            "has left"
+                        } else {
+                            "is quarantined"
+                        };
+                        self.passed_over(job, format!("attempt {attempt}: worker {to} {why}"));
                         let acts = self.leases.handle(LeaseEvent::Refused {
                             job,
                             attempt,
@@ -456,15 +541,26 @@ impl SealedDesk {
                     job,
                     attempt,
                     holder,
-                } => self.tell(job, SealedNews::Expired { attempt, holder }, out),
+                } => {
+                    self.passed_over(
+                        job,
+                        format!("attempt {attempt}: {holder} went silent or left"),
+                    );
+                    self.tell(job, SealedNews::Expired { attempt, holder }, out)
+                }
                 LeaseAction::Deliver { .. } | LeaseAction::DropResult { .. } => {}
                 LeaseAction::Failed { job, reason } => {
+                    let why = self
+                        .jobs
+                        .get(&job)
+                        .map(|j| j.passed_over.join("; "))
+                        .unwrap_or_default();
                     let reason = match reason {
                         JobFailure::NoHolderLeft { attempts } => {
-                            format!("no candidate worker left after {attempts} tries")
+                            format!("no candidate worker left after {attempts} tries: {why}")
                         }
                         JobFailure::TooManyAttempts { attempts } => {
-                            format!("gave up after {attempts} tries")
+                            format!("gave up after {attempts} tries: {why}")
                         }
                         JobFailure::DuplicateSubmit => {
                             format!("job {job} was already submitted")
@@ -489,6 +585,7 @@ impl SealedDesk {
             return;
         };
         let candidates: Vec<NodeKey> = j.holders.values().copied().collect();
+        let always = j.verified_only;
         let is_replica = j.replicas.get(&from).is_some_and(|r| r.0 == attempt);
         if is_replica && !j.replica_results.contains_key(&from) {
             let answer = result.header.answer;
@@ -514,7 +611,7 @@ impl SealedDesk {
             return;
         }
         let Some(worker) = self.worker(&from) else {
-            return self.deliver(job, result, false, out);
+            return self.deliver(job, result, None, out);
         };
         let peers: Vec<Worker> = candidates
             .iter()
@@ -527,9 +624,10 @@ impl SealedDesk {
             worker,
             answer,
             peers,
+            always,
         });
         if acts.is_empty() {
-            return self.deliver(job, result, false, out);
+            return self.deliver(job, result, None, out);
         }
         if let Some(j) = self.jobs.get_mut(&job) {
             j.held = Some((result, from));
@@ -563,9 +661,17 @@ impl SealedDesk {
                     out.push(SealedOutput::Dispatch { to, envelope });
                     self.tell(job, SealedNews::Verifying { attempt, on: to }, out);
                 }
-                VerifyAction::Agreed { job, .. } => {
-                    if let Some((r, _)) = self.jobs.get_mut(&job).and_then(|j| j.held.take()) {
-                        self.deliver(job, r, true, out);
+                VerifyAction::Agreed { job, workers } => {
+                    let Some(j) = self.jobs.get_mut(&job) else {
+                        continue;
+                    };
+                    if let Some((r, by)) = j.held.take() {
+                        // The agreeing worker's own result, for the client to compare.
+                        let witness = workers
+                            .iter()
+                            .filter(|w| **w != by)
+                            .find_map(|w| j.replica_results.get(w).cloned());
+                        self.deliver(job, r, witness, out);
                     }
                 }
                 VerifyAction::Quarantine { job, node, .. } => {
@@ -585,26 +691,36 @@ impl SealedDesk {
                 }
                 VerifyAction::Inconclusive { job, .. } => {
                     if let Some((r, _)) = self.jobs.get_mut(&job).and_then(|j| j.held.take()) {
-                        self.deliver(job, r, false, out);
+                        self.deliver(job, r, None, out);
                     }
                 }
             }
         }
     }
 
+    /// The job's one answer; verified when a second worker's result agreed with it (that
+    /// result goes along as the witness).
     fn deliver(
         &mut self,
         job: JobId,
         result: ResultEnvelope,
-        verified: bool,
+        witness: Option<ResultEnvelope>,
         out: &mut Vec<SealedOutput>,
     ) {
-        self.tell(job, SealedNews::Result { result, verified }, out);
+        let news = SealedNews::Result {
+            result,
+            verified: witness.is_some(),
+            witness,
+        };
+        self.tell(job, news, out);
         self.jobs.remove(&job);
     }
 
     fn worker(&self, node: &NodeKey) -> Option<Worker> {
-        self.claims.get(node).map(worker_of)
+        self.claims
+            .signed()
+            .find(|s| s.claims.node == *node)
+            .map(worker_of)
     }
 
     fn tell(&self, job: JobId, news: SealedNews, out: &mut Vec<SealedOutput>) {
@@ -618,11 +734,13 @@ impl SealedDesk {
     }
 }
 
-fn worker_of(c: &Claims) -> Worker {
+fn worker_of(s: &SignedClaims) -> Worker {
+    let c = &s.claims;
     Worker {
         node: c.node,
         kernel_path: c.kernel_path.clone(),
         tier: c.tier,
+        operator: s.operator(),
     }
 }
 

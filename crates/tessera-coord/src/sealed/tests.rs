@@ -1,6 +1,6 @@
 use super::*;
 use tessera_seal::{
-    seal_job, seal_result, AnswerDigest, JobHeader, KernelPath, PublicKey, SecretKey,
+    seal_job, seal_result, AnswerDigest, Claims, JobHeader, KernelPath, PublicKey, SecretKey,
 };
 
 const MODEL: &str = "m0";
@@ -29,6 +29,7 @@ impl W {
             seal_key: self.seal.public_key(),
             models: models.iter().map(|m| m.to_string()).collect(),
             memory_bytes: 1 << 30,
+            max_context: 4096,
             features: vec![],
             isa: "x86_64".into(),
             kernel_path: KernelPath::new("avx2"),
@@ -86,7 +87,10 @@ fn results(out: &[SealedOutput]) -> Vec<(ResultEnvelope, bool)> {
     out.iter()
         .filter_map(|o| match o {
             SealedOutput::Tell {
-                news: SealedNews::Result { result, verified },
+                news:
+                    SealedNews::Result {
+                        result, verified, ..
+                    },
                 ..
             } => Some((result.clone(), *verified)),
             _ => None,
@@ -113,6 +117,7 @@ fn a_job_goes_to_its_first_candidate_and_its_result_to_the_client_once() {
     let job = JobId::from_bytes([1; 16]);
     let out = d.handle(SealedInput::Submit {
         client: 9,
+        verified_only: false,
         envelopes: envelopes(job, &[&a, &b], &client.public_key()),
         now: T0,
     });
@@ -140,38 +145,266 @@ fn envelopes_the_claims_do_not_back_are_refused_with_the_reason() {
     let (a, stranger) = (W::new(1), W::new(3));
     let mut d = desk(None, &[&a]);
     let client = SecretKey::derive(b"client");
-    let fail = |out: Vec<SealedOutput>| match &out[..] {
-        [SealedOutput::Tell {
-            news: SealedNews::Failed { reason },
-            ..
-        }] => reason.clone(),
-        other => panic!("expected a failure, got {other:?}"),
-    };
     let job = JobId::from_bytes([2; 16]);
-    let reason = fail(d.handle(SealedInput::Submit {
+    let reason = failure(&d.handle(SealedInput::Submit {
         client: 1,
+        verified_only: false,
         envelopes: envelopes(job, &[&stranger], &client.public_key()),
         now: T0,
     }));
+    assert!(reason.contains("no worker fits"), "{reason}");
     assert!(reason.contains("no worker claims"), "{reason}");
-    let reason = fail(d.handle(SealedInput::Submit {
-        client: 1,
-        envelopes: envelopes(job, &[&a, &a], &client.public_key()),
-        now: T0,
-    }));
-    assert!(reason.contains("two attempts"), "{reason}");
     let mut late = envelopes(job, &[&a], &client.public_key());
     late[0].header.attempt = 2;
-    let reason = fail(d.handle(SealedInput::Submit {
+    let reason = failure(&d.handle(SealedInput::Submit {
         client: 1,
+        verified_only: false,
         envelopes: late,
         now: T0,
     }));
     assert!(reason.contains("attempts count"), "{reason}");
+    // Two attempts sealed to one worker: the second is skipped, the first runs.
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: false,
+        envelopes: envelopes(job, &[&a, &a], &client.public_key()),
+        now: T0,
+    });
+    assert_eq!(dispatched(&out), vec![(a.node(), 1)]);
+    assert_eq!(skipped(&out).len(), 1);
+    assert!(skipped(&out)[0].1.contains("another attempt"), "{out:?}");
     // A node may not claim for another.
     assert!(d
         .offer_claims(a.node(), stranger.claims(1, &[MODEL]))
         .is_err());
+}
+
+fn failure(out: &[SealedOutput]) -> String {
+    out.iter()
+        .find_map(|o| match o {
+            SealedOutput::Tell {
+                news: SealedNews::Failed { reason },
+                ..
+            } => Some(reason.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("expected a failure, got {out:?}"))
+}
+
+fn skipped(out: &[SealedOutput]) -> Vec<(u32, String)> {
+    out.iter()
+        .filter_map(|o| match o {
+            SealedOutput::Tell {
+                news: SealedNews::Skipped { attempt, reason },
+                ..
+            } => Some((*attempt, reason.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Envelopes of `positions` KV positions each.
+fn sized(job: JobId, to: &[&W], positions: u64) -> Vec<JobEnvelope> {
+    let reply = SecretKey::derive(b"client").public_key();
+    to.iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let h = JobHeader {
+                job,
+                attempt: i as u32 + 1,
+                recipient: w.seal.key_id(),
+                model: MODEL.into(),
+                context_tokens: positions,
+                expires_at: UnixMillis(1_000_000),
+                reply_to: reply,
+            };
+            seal_job(&h, BODY, &w.seal.public_key()).unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn a_candidate_whose_key_was_rotated_is_skipped_and_the_next_runs_the_job() {
+    let (a, b) = (W::new(1), W::new(2));
+    let mut d = desk(None, &[&a, &b]);
+    let job = JobId::from_bytes([40; 16]);
+    let env = sized(job, &[&a, &b], 64);
+    // `a` rotates its sealing key after the client sealed to the old one.
+    let rotated = W {
+        seed: a.seed,
+        seal: SecretKey::derive(b"a's new key"),
+    };
+    d.offer_claims(a.node(), rotated.claims(2, &[MODEL]))
+        .unwrap();
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: false,
+        envelopes: env,
+        now: T0,
+    });
+    assert_eq!(dispatched(&out), vec![(b.node(), 2)]);
+    let s = skipped(&out);
+    assert_eq!(s.len(), 1, "{out:?}");
+    assert_eq!(s[0].0, 1);
+    assert!(s[0].1.contains("rotated"), "{}", s[0].1);
+}
+
+#[test]
+fn a_job_too_big_for_a_workers_claimed_context_goes_to_one_with_room_or_fails_saying_why() {
+    let (small, big) = (W::new(1), W::new(2));
+    let mut d = desk(None, &[]);
+    let mut c = small.claims(1, &[MODEL]).claims;
+    c.max_context = 512;
+    d.offer_claims(small.node(), c.sign(&small.seed).unwrap())
+        .unwrap();
+    d.offer_claims(big.node(), big.claims(1, &[MODEL])).unwrap();
+    let job = JobId::from_bytes([41; 16]);
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: false,
+        envelopes: sized(job, &[&small, &big], 606),
+        now: T0,
+    });
+    assert_eq!(dispatched(&out), vec![(big.node(), 2)]);
+    assert!(skipped(&out)[0].1.contains("606 positions"), "{out:?}");
+    // Only the small one: the job fails at once, and the reason names the sizes.
+    let job = JobId::from_bytes([42; 16]);
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: false,
+        envelopes: sized(job, &[&small], 606),
+        now: T0,
+    });
+    assert!(dispatched(&out).is_empty());
+    let reason = failure(&out);
+    assert!(
+        reason.contains("no worker fits") && reason.contains("room for 512"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn when_every_candidate_refuses_the_failure_says_what_each_said() {
+    let (a, b) = (W::new(1), W::new(2));
+    let mut d = desk(None, &[&a, &b]);
+    let job = JobId::from_bytes([43; 16]);
+    d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: false,
+        envelopes: sized(job, &[&a, &b], 64),
+        now: T0,
+    });
+    let out = d.handle(SealedInput::Refused {
+        job,
+        attempt: 1,
+        from: a.node(),
+        reason: SealedRefusal::Authentication,
+        now: T0,
+    });
+    assert_eq!(dispatched(&out), vec![(b.node(), 2)]);
+    let out = d.handle(SealedInput::Refused {
+        job,
+        attempt: 2,
+        from: b.node(),
+        reason: SealedRefusal::CannotRun("out of memory".into()),
+        now: T0,
+    });
+    let reason = failure(&out);
+    assert!(
+        reason.contains("authentication failed") && reason.contains("out of memory"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn phones_get_short_jobs_and_long_jobs_go_first_to_tiers_that_stay() {
+    let (phone, laptop, server) = (W::new(1), W::new(2), W::new(3));
+    let mut d = desk(None, &[]);
+    for (w, tier) in [
+        (&phone, DeviceTier::Phone),
+        (&laptop, DeviceTier::Laptop),
+        (&server, DeviceTier::Server),
+    ] {
+        let mut c = w.claims(1, &[MODEL]).claims;
+        c.tier = tier;
+        c.max_context = 1 << 20;
+        d.offer_claims(w.node(), c.sign(&w.seed).unwrap()).unwrap();
+    }
+    // A short job keeps the client's order.
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: false,
+        envelopes: sized(
+            JobId::from_bytes([50; 16]),
+            &[&phone, &laptop, &server],
+            100,
+        ),
+        now: T0,
+    });
+    assert_eq!(dispatched(&out), vec![(phone.node(), 1)]);
+    // A long one goes to the server first (the laptop is expected to leave), and a job past
+    // the phone tier's limit never goes to the phone.
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: false,
+        envelopes: sized(
+            JobId::from_bytes([51; 16]),
+            &[&phone, &laptop, &server],
+            LONG_JOB_POSITIONS,
+        ),
+        now: T0,
+    });
+    assert_eq!(dispatched(&out), vec![(server.node(), 3)]);
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: false,
+        envelopes: sized(JobId::from_bytes([52; 16]), &[&phone], 5000),
+        now: T0,
+    });
+    assert!(failure(&out).contains("phone"), "{out:?}");
+}
+
+#[test]
+fn a_client_that_wants_verified_answers_gets_every_one_checked_with_the_witness() {
+    let (a, b) = (W::new(1), W::new(2));
+    // Rate 0: nothing is checked unless the client asks.
+    let mut d = desk(Some(0), &[&a, &b]);
+    let job = JobId::from_bytes([60; 16]);
+    let out = d.handle(SealedInput::Submit {
+        client: 1,
+        verified_only: true,
+        envelopes: sized(job, &[&a, &b], 64),
+        now: T0,
+    });
+    let first = a.answer(&envelope_to(&out, a.node()), &[7, 8]);
+    let out = d.handle(SealedInput::Result {
+        result: first.clone(),
+        from: a.node(),
+        now: T0,
+    });
+    assert!(results(&out).is_empty(), "held while checked: {out:?}");
+    let second = b.answer(&envelope_to(&out, b.node()), &[7, 8]);
+    let out = d.handle(SealedInput::Result {
+        result: second.clone(),
+        from: b.node(),
+        now: T0,
+    });
+    let delivered: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            SealedOutput::Tell {
+                news:
+                    SealedNews::Result {
+                        result,
+                        verified,
+                        witness,
+                    },
+                ..
+            } => Some((result.clone(), *verified, witness.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(delivered, vec![(first, true, Some(second))]);
 }
 
 #[test]
@@ -182,6 +415,7 @@ fn a_refusal_moves_the_job_on_but_a_replay_refusal_does_not() {
     let job = JobId::from_bytes([3; 16]);
     d.handle(SealedInput::Submit {
         client: 1,
+        verified_only: false,
         envelopes: envelopes(job, &[&a, &b], &client.public_key()),
         now: T0,
     });
@@ -211,6 +445,7 @@ fn a_holder_that_leaves_mid_job_hands_it_to_the_next_and_its_late_result_is_drop
     let job = JobId::from_bytes([4; 16]);
     let first = d.handle(SealedInput::Submit {
         client: 1,
+        verified_only: false,
         envelopes: envelopes(job, &[&a, &b], &client.public_key()),
         now: T0,
     });
@@ -247,6 +482,7 @@ fn verified_job(
     let job = JobId::from_bytes([n; 16]);
     let mut out = d.handle(SealedInput::Submit {
         client: 1,
+        verified_only: false,
         envelopes: envelopes(job, order, &client.public_key()),
         now: T0,
     });
@@ -321,6 +557,7 @@ fn a_silent_replica_does_not_hold_the_answer_back_past_its_lease() {
     let job = JobId::from_bytes([12; 16]);
     let out = d.handle(SealedInput::Submit {
         client: 1,
+        verified_only: false,
         envelopes: envelopes(job, &[&a, &b], &client.public_key()),
         now: T0,
     });
@@ -372,6 +609,7 @@ fn a_departed_worker_is_unlisted_skipped_at_dispatch_and_listed_again_when_it_cl
     let client = SecretKey::derive(b"client");
     let out = d.handle(SealedInput::Submit {
         client: 9,
+        verified_only: false,
         envelopes: envelopes(JobId::from_bytes([3; 16]), &[&a, &b], &client.public_key()),
         now: T0,
     });

@@ -18,7 +18,9 @@ use super::model_state::{
     bitmap_from_hex, Adopted, FileStamp, ModelState, StateFile, MANIFEST_FILE, MODEL_FILE,
     STATE_FILE, STATE_FORMAT,
 };
-use super::{ChunkRef, ContentHash, Manifest, Need, StoreError, DEFAULT_CHUNK_SIZE};
+use super::{
+    ChunkRef, ChunkSource, ContentHash, FileSource, Manifest, Need, StoreError, DEFAULT_CHUNK_SIZE,
+};
 
 /// Chunks written between two persists of the presence state, by default.
 pub const DEFAULT_FLUSH_EVERY: u32 = 64;
@@ -314,6 +316,61 @@ impl ShardStore {
             chunks_checked: checked,
             chunks_bad: checked - good,
         })
+    }
+
+    /// Re-reads and re-hashes the held chunks that `needs` covers (and the header) against the
+    /// manifest, before they are loaded: bytes changed in the cache since they were received
+    /// (a disk fault, or someone editing the file) are refused, naming the first bad chunk's
+    /// tensor. Every bad chunk is marked missing (an adopted file that fails is no longer
+    /// adopted), so the next fetch receives it again. Returns the chunks checked.
+    pub fn check_needs(&self, manifest: &Manifest, needs: &[Need]) -> Result<u64, StoreError> {
+        let st = self.state(manifest)?;
+        let mut st = lock(&st);
+        let m = Arc::clone(&st.manifest);
+        let chunks: Vec<ChunkRef> = m
+            .chunks_for_needs(needs)?
+            .into_iter()
+            .filter(|c| st.has(c.id))
+            .collect();
+        if chunks.is_empty() {
+            return Ok(0);
+        }
+        let path = st.path();
+        let source =
+            FileSource::open(&path).map_err(io_err(format!("opening {}", path.display())))?;
+        let mut first_bad = None;
+        let mut bad = Vec::new();
+        for c in &chunks {
+            let bytes = source
+                .read_chunk(c)
+                .map_err(io_err(format!("reading {c} from {}", path.display())))?;
+            let (sec, i) = st.index.locate(c.id).expect("ids come from the index");
+            let expected = m.section(sec).chunks[i as usize];
+            let actual = ContentHash::of(&bytes);
+            if actual != expected {
+                bad.push(c.id);
+                first_bad.get_or_insert_with(|| StoreError::HashMismatch {
+                    part: c.part.clone(),
+                    index: c.index,
+                    offset: c.offset,
+                    end: c.end(),
+                    expected,
+                    actual,
+                });
+            }
+        }
+        let Some(err) = first_bad else {
+            return Ok(chunks.len() as u64);
+        };
+        if st.adopted.take().is_some() {
+            st.rebuild_from_sparse_file();
+        }
+        for id in bad {
+            st.present[(id / 64) as usize] &= !(1 << (id % 64));
+        }
+        st.dirty += 1;
+        st.persist()?;
+        Err(err)
     }
 
     /// The state of a model, loaded from disk on first use.

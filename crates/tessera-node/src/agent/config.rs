@@ -74,6 +74,9 @@ pub struct AgentConfig {
     /// Closed sequences' caches each stage keeps for prompts that begin with the same tokens
     /// (a chat's next turn), within the memory budget; 0: none.
     pub prefix_cache: usize,
+    /// Test only: load cached model bytes without re-hashing them against the manifest (a
+    /// node whose weights were altered on disk), so verification has something to catch.
+    pub fault_unchecked_weights: bool,
 }
 
 /// The coordinator this node enrolled with, pinned from then on.

@@ -29,6 +29,8 @@ pub(super) struct LoadCtx {
     pub(super) progress: bool,
     pub(super) expert_budget: Option<u64>,
     pub(super) prefix_cache: usize,
+    /// Test only: load cached bytes without re-hashing them (a node whose weights were altered).
+    pub(super) fault_unchecked_weights: bool,
 }
 
 /// The tensors a stage needs: its layers' `blk.N.*` (and the RoPE frequency factors every
@@ -119,6 +121,25 @@ pub(super) async fn load_assignment(
     };
     if streaming.is_none() {
         ctx.inventory.accepts(weight_bytes)?;
+    }
+
+    // What the cache holds is re-hashed against the manifest before it is loaded: bytes
+    // altered since they were received are refused by tensor, and received again.
+    if !ctx.fault_unchecked_weights {
+        let (store, m, n) = (ctx.store.clone(), manifest.clone(), needs.clone());
+        let checked = tokio::task::spawn_blocking(move || store.check_needs(&m, &n))
+            .await
+            .map_err(|e| FabricError::Stopped(format!("checking the cache: {e}")))?;
+        match checked {
+            Ok(_) => {}
+            Err(e @ crate::store::StoreError::HashMismatch { .. }) => tracing::warn!(
+                event = "cache_refused",
+                epoch = a.epoch,
+                error = %e,
+                "the model cache was altered and is refused: {e}; receiving it again"
+            ),
+            Err(e) => return Err(e.into()),
+        }
     }
 
     let bar = progress_bar(ctx.progress, "receiving");

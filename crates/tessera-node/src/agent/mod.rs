@@ -296,8 +296,9 @@ pub async fn run_until(
         sealed: sealed::SealedWorker::open(
             &config.data_dir,
             &identity,
-            config.sealed,
+            config.sealed.clone(),
             budget.unwrap_or(0),
+            &serde_json::to_vec(&inventory).unwrap_or_default(),
         )?,
     });
 

@@ -19,8 +19,8 @@ use std::sync::Mutex;
 
 use tessera_net::NodeIdentity;
 use tessera_seal::{
-    seal_result, AnswerDigest, Claims, DeviceTier, JobEnvelope, JobHeader, KernelPath, NodeKey,
-    ReplayGuard, ReplayRefusal, SecretKey, SignedClaims, UnixMillis,
+    seal_result, AnswerDigest, Certificate, Claims, DeviceTier, JobEnvelope, JobHeader, KernelPath,
+    NodeKey, ReplayGuard, ReplayRefusal, SecretKey, SignedCertificate, SignedClaims, UnixMillis,
 };
 use tokio::sync::mpsc;
 
@@ -43,19 +43,28 @@ const PROGRESS_EVERY: usize = 8;
 const PREFILL_CHUNK: usize = 256;
 
 /// How this node takes sealed jobs.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct SealedOptions {
     pub tier: DeviceTier,
+    /// The operator's key directory (a `node.key` of its own): this node's sealing key, tier
+    /// and measured inventory are certified with it, so clients that trust the operator seal
+    /// to this node.
+    pub operator_dir: Option<std::path::PathBuf>,
     /// Test only: change every answer's tokens (a worker that lies), so verification has
     /// something to catch.
     pub fault_alter_tokens: bool,
+    /// Test only: report the honest tokens' digest but ship altered tokens (a worker that lies
+    /// to the client only, so the coordinator's comparison of digests agrees).
+    pub fault_ship_altered_tokens: bool,
 }
 
 impl Default for SealedOptions {
     fn default() -> Self {
         Self {
             tier: DeviceTier::Workstation,
+            operator_dir: None,
             fault_alter_tokens: false,
+            fault_ship_altered_tokens: false,
         }
     }
 }
@@ -76,6 +85,8 @@ pub(super) struct SealedWorker {
     claims_epoch: AtomicU64,
     /// The memory this node commits to work (claimed).
     memory_bytes: u64,
+    /// The operator's certificate of this node's sealing key, tier and capabilities.
+    certificate: Option<SignedCertificate>,
 }
 
 impl SealedWorker {
@@ -85,6 +96,7 @@ impl SealedWorker {
         identity: &NodeIdentity,
         options: SealedOptions,
         memory_bytes: u64,
+        inventory: &[u8],
     ) -> Result<Self, FabricError> {
         let path = data_dir.join("seal.key");
         let key = match std::fs::read_to_string(&path) {
@@ -98,6 +110,34 @@ impl SealedWorker {
             }
             Err(e) => return Err(FabricError::io(format!("reading {}", path.display()), e)),
         };
+        let certificate = match &options.operator_dir {
+            None => None,
+            Some(dir) => {
+                let operator = NodeIdentity::load_or_create(dir).map_err(|e| {
+                    FabricError::Protocol(format!("the operator key in {}: {e}", dir.display()))
+                })?;
+                let cert = Certificate {
+                    operator: NodeKey::from_bytes(*operator.public_key().as_bytes()),
+                    node: NodeKey::from_bytes(*identity.public_key().as_bytes()),
+                    seal_key: key.public_key(),
+                    tier: options.tier,
+                    memory_bytes,
+                    isa: std::env::consts::ARCH.into(),
+                    kernel_path: KernelPath::new(tessera_engine::kernels::isa().to_string()),
+                    inventory: Certificate::inventory_digest(inventory),
+                    issued_at: UnixMillis::now(),
+                };
+                tracing::info!(
+                    event = "certified",
+                    operator = %cert.operator,
+                    seal_key = %cert.seal_key,
+                    tier = %cert.tier,
+                    "this node's sealing key, tier and inventory are certified by operator {}",
+                    cert.operator
+                );
+                Some(cert.sign_with(|m| operator.sign(m)))
+            }
+        };
         Ok(Self {
             key,
             identity: identity.clone(),
@@ -107,6 +147,7 @@ impl SealedWorker {
             next: AtomicU64::new(1),
             claims_epoch: AtomicU64::new(0),
             memory_bytes,
+            certificate,
         })
     }
 
@@ -130,10 +171,9 @@ impl SealedWorker {
                 }
             }
         };
-        let models = holding
-            .filter(|a| whole(a))
-            .map(|a| vec![a.model.to_string()])
-            .unwrap_or_default();
+        let held = holding.filter(|a| whole(a));
+        let models = held.map(|a| vec![a.model.to_string()]).unwrap_or_default();
+        let max_context = held.map_or(0, |a| a.max_context as u64);
         Claims {
             node: NodeKey::from_bytes(*self.identity.public_key().as_bytes()),
             epoch,
@@ -141,12 +181,17 @@ impl SealedWorker {
             seal_key: self.key.public_key(),
             models,
             memory_bytes: self.memory_bytes,
+            max_context,
             features: vec!["sealed-jobs-v1".into()],
             isa: std::env::consts::ARCH.into(),
             kernel_path: KernelPath::new(tessera_engine::kernels::isa().to_string()),
             tier: self.options.tier,
         }
         .sign_with(|m| self.identity.sign(m))
+        .map(|s| match &self.certificate {
+            Some(c) => s.with_certificate(c.clone()),
+            None => s,
+        })
         .expect("claims of this node are valid")
     }
 
@@ -290,8 +335,13 @@ impl SealedWorker {
         }
     }
 
-    fn answer(&self, run: Run, reason: FinishReason) -> NodeToCoord {
+    fn answer(&self, mut run: Run, reason: FinishReason) -> NodeToCoord {
         let digest = AnswerDigest::of_tokens(&run.body, &run.tokens);
+        if self.options.fault_ship_altered_tokens {
+            for t in &mut run.tokens {
+                *t ^= 1;
+            }
+        }
         let body = serde_json::to_vec(&SealedAnswer {
             tokens: run.tokens,
             finish_reason: reason,

@@ -64,6 +64,7 @@ pub(super) async fn serve_sessions(
                     progress: config.progress,
                     expert_budget: config.expert_budget,
                     prefix_cache: config.prefix_cache,
+                    fault_unchecked_weights: config.fault_unchecked_weights,
                 });
                 let r = session(
                     &conn,

@@ -102,6 +102,13 @@ enum ClientAction {
     /// Run a generation sealed end to end through a coordinator that routes it without reading
     /// it (tokenized here, sealed to each candidate worker, the answer opened here).
     Submit(Box<super::submit::SubmitArgs>),
+    /// Print an operator's public key (making the key in --dir on first use): nodes started
+    /// with `--operator-dir DIR` are certified with it, and clients pin it with `--trust KEY`.
+    OperatorKey {
+        /// The operator's key directory (keep it off the coordinator's machine).
+        #[arg(long)]
+        dir: PathBuf,
+    },
     /// As a worker: open a job envelope with the worker's key and seal `--answer` back to the
     /// job's reply key, bound to its job id and attempt.
     Reply {
@@ -123,6 +130,15 @@ pub fn run(args: ClientArgs) -> anyhow::Result<()> {
     match args.action {
         ClientAction::Keygen { out, force } => keygen(&out, force),
         ClientAction::Submit(a) => super::submit::run(*a),
+        ClientAction::OperatorKey { dir } => {
+            let id = tessera_net::NodeIdentity::load_or_create(&dir)
+                .with_context(|| format!("the operator key in {}", dir.display()))?;
+            println!(
+                "{}",
+                tessera_seal::NodeKey::from_bytes(*id.public_key().as_bytes())
+            );
+            Ok(())
+        }
         ClientAction::Seal {
             request,
             to,

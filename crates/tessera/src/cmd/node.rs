@@ -73,10 +73,22 @@ pub struct NodeArgs {
     /// path is published in the node's claims). Overrides `TESSERA_MAX_ISA`.
     #[arg(long, value_name = "ISA")]
     max_isa: Option<tessera_engine::kernels::Isa>,
+    /// The operator's key directory (its `node.key`, made on first use; `tessera client
+    /// operator-key` prints the public half): this node's sealing key, device tier and measured
+    /// inventory are certified with it, so clients that trust the operator
+    /// (`tessera client submit --trust KEY`) seal jobs to this node.
+    #[arg(long, value_name = "DIR")]
+    operator_dir: Option<PathBuf>,
     /// Test only: alter the tokens of every sealed answer (a lying worker), so verification
     /// has something to catch.
     #[arg(long, hide = true)]
     fault_alter_tokens: bool,
+    /// Test only: report the honest tokens' digest of a sealed answer but ship altered tokens.
+    #[arg(long, hide = true)]
+    fault_ship_altered_tokens: bool,
+    /// Test only: load cached model bytes without re-hashing them (altered weights load).
+    #[arg(long, hide = true)]
+    fault_unchecked_weights: bool,
 }
 
 /// What else `tessera node` does.
@@ -148,9 +160,12 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         expert_budget,
         sealed: tessera_node::agent::SealedOptions {
             tier: args.device_tier,
+            operator_dir: args.operator_dir,
             fault_alter_tokens: args.fault_alter_tokens,
+            fault_ship_altered_tokens: args.fault_ship_altered_tokens,
         },
         prefix_cache: args.prefix_cache,
+        fault_unchecked_weights: args.fault_unchecked_weights,
     };
     if args.inventory {
         std::fs::create_dir_all(&config.data_dir)?;

@@ -106,6 +106,13 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 3, requires = "sealed_via",
           value_parser = clap::value_parser!(u64).range(1..=tessera_coord::sealed::MAX_CANDIDATES as u64))]
     pub sealed_workers: u64,
+    /// Sealed mode: seal only to workers certified by this operator key (repeat for several).
+    #[arg(long, value_name = "KEY", requires = "sealed_via")]
+    pub trust: Vec<tessera_seal::NodeKey>,
+    /// Sealed mode: answer only with answers a second worker agreed with; an unverified one
+    /// is an error response. Otherwise each response says whether it was verified.
+    #[arg(long, requires = "sealed_via")]
+    pub verified_only: bool,
 }
 
 /// Validated settings.
@@ -211,6 +218,10 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| state_root().join("tessera-sealed-client"));
     let workers = args.sealed_workers as usize;
+    let policy = tessera_coord::sealed::ClientPolicy {
+        trust: args.trust.clone(),
+        verified_only: args.verified_only,
+    };
     let cfg = validate(args)?;
     let gguf =
         GgufFile::open(&cfg.model).with_context(|| format!("opening {}", cfg.model.display()))?;
@@ -230,6 +241,7 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
             tessera_coord::sealed::SealedBackendConfig {
                 workers,
                 ttl_ms: 10 * 60_000,
+                policy,
             },
         ));
         let listener = bind_and_print(cfg.listen, &backend, !cfg.http.api_keys.is_empty()).await?;

@@ -4,17 +4,23 @@
 //! candidate `k`, each with the job's fresh reply key) and submits them together. The
 //! coordinator leases the job to one worker at a time and forwards one sealed answer, which only
 //! this client can open and only the worker it was sealed to can have written.
+//!
+//! With `--trust KEY` the client seals only to workers an operator it trusts has certified; it
+//! checks every answer's tokens against the digest the worker reported, and an answer counts as
+//! verified only on the second worker's own result. `--verified-only` releases nothing else;
+//! otherwise an unverified answer is marked so.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use tessera_coord::sealed::client::seal;
-use tessera_coord::sealed::{SealedClient, MAX_CANDIDATES};
+use tessera_coord::sealed::{ClientPolicy, SealedClient, MAX_CANDIDATES};
+use tessera_coord::CoordError;
 use tessera_model::{GgufFile, Tokenizer};
 use tessera_net::NodeIdentity;
 use tessera_node::protocol::{SealedNews, SealedRequest};
-use tessera_seal::{JobId, SecretKey};
+use tessera_seal::{JobId, NodeKey, SecretKey};
 
 #[derive(clap::Args, Debug)]
 pub struct SubmitArgs {
@@ -60,6 +66,15 @@ pub struct SubmitArgs {
     /// Accept a token that names no coordinator, trusting whichever key answers.
     #[arg(long)]
     trust_on_first_use: bool,
+    /// Seal only to workers certified by this operator key (64 hex digits, as `tessera client
+    /// operator-key` prints it; repeat for several operators). A listed worker without such a
+    /// certificate is refused by key, whoever the coordinator says it is.
+    #[arg(long, value_name = "KEY")]
+    trust: Vec<NodeKey>,
+    /// Release only answers a second worker agreed with (the check is asked for on every job,
+    /// and done here on the second worker's own sealed result); any other answer is refused.
+    #[arg(long)]
+    verified_only: bool,
 }
 
 pub fn run(args: SubmitArgs) -> anyhow::Result<()> {
@@ -101,8 +116,27 @@ async fn drive(
     args: &SubmitArgs,
 ) -> anyhow::Result<()> {
     let client = SealedClient::connect(identity, target.addr, &target.token).await?;
-    let holders = client.holders().await?;
+    let policy = ClientPolicy {
+        trust: args.trust.clone(),
+        verified_only: args.verified_only,
+    };
     let mut out = std::io::stdout().lock();
+    let holders = match client.trusted_holders(&policy.trust).await {
+        Ok((holders, refused)) => {
+            for why in refused {
+                say_uncertified(&mut out, args.json, &why)?;
+            }
+            holders
+        }
+        Err(e) => {
+            if args.json {
+                let line = serde_json::json!({ "type": "refused", "reason": e.to_string() });
+                writeln!(out, "{line}")?;
+            }
+            return Err(e.into());
+        }
+    };
+    let mut refused_answers = 0usize;
     for n in 0..args.jobs {
         let mut order = holders.clone();
         let first = n % order.len();
@@ -120,9 +154,16 @@ async fn drive(
             let reply = SecretKey::generate();
             let envelopes = seal(request, &order, &reply, ttl_ms)?;
             let o = client
-                .answer(envelopes.clone(), &order, &reply, &mut print_news)
+                .answer(
+                    request,
+                    envelopes.clone(),
+                    &order,
+                    &reply,
+                    &policy,
+                    &mut print_news,
+                )
                 .await?;
-            let mut again = client.submit(envelopes).await?;
+            let mut again = client.submit(envelopes, false).await?;
             let reason = match again.recv().await {
                 Some(SealedNews::Failed { reason }) => reason,
                 other => bail!("the coordinator took a resubmitted job: {other:?}"),
@@ -131,7 +172,25 @@ async fn drive(
             writeln!(out, "{line}")?;
             o
         } else {
-            client.run(request, &order, ttl_ms, &mut print_news).await?
+            match client
+                .run(request, &order, ttl_ms, &policy, &mut print_news)
+                .await
+            {
+                Ok(o) => o,
+                // An answer this client would not release: said, and the next job goes on.
+                Err(CoordError::Refused(reason)) => {
+                    refused_answers += 1;
+                    if args.json {
+                        let line =
+                            serde_json::json!({ "type": "refused_answer", "reason": reason });
+                        writeln!(out, "{line}")?;
+                    } else {
+                        eprintln!("refused an answer: {reason}");
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
         };
         let text = tokenizer.decode(&outcome.answer.tokens);
         if args.json {
@@ -147,9 +206,33 @@ async fn drive(
             writeln!(out, "{line}")?;
         } else {
             writeln!(out, "{}{text}", args.prompt)?;
+            if !outcome.verified {
+                eprintln!(
+                    "unverified: no second worker checked this answer (--verified-only \
+                     releases verified answers only)"
+                );
+            }
         }
         out.flush()?;
     }
     client.close().await;
+    if refused_answers > 0 {
+        bail!("{refused_answers} of {} answers were refused", args.jobs);
+    }
+    Ok(())
+}
+
+/// Says that a listed worker was not sealed to, and why (naming its keys).
+fn say_uncertified(
+    out: &mut impl Write,
+    json: bool,
+    why: &tessera_seal::Uncertified,
+) -> anyhow::Result<()> {
+    if json {
+        let line = serde_json::json!({ "type": "uncertified", "reason": why.to_string() });
+        writeln!(out, "{line}")?;
+    } else {
+        eprintln!("not sealing to an uncertified worker: {why}");
+    }
     Ok(())
 }
