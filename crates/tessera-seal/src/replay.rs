@@ -71,6 +71,34 @@ impl ReplayGuard {
         Ok(())
     }
 
+    /// Takes back an entry a previous run recorded (a worker's seen-file after a restart), so
+    /// a replay across the restart is still refused. Expired entries are dropped; at capacity,
+    /// the entry is not taken (false) and the caller must refuse new work rather than forget.
+    pub fn restore(
+        &mut self,
+        job: JobId,
+        attempt: u32,
+        expires_at: UnixMillis,
+        now: UnixMillis,
+    ) -> bool {
+        self.forget_expired(now);
+        if expires_at <= now || self.seen.contains_key(&(job, attempt)) {
+            return true;
+        }
+        if self.seen.len() >= self.capacity {
+            return false;
+        }
+        self.seen.insert((job, attempt), expires_at);
+        self.by_expiry.insert((expires_at, job, attempt));
+        true
+    }
+
+    /// The unexpired entries, as (job, attempt, expiry): what a worker writes down to refuse
+    /// replays after a restart.
+    pub fn entries(&self) -> impl Iterator<Item = (JobId, u32, UnixMillis)> + '_ {
+        self.seen.iter().map(|(&(j, a), &e)| (j, a, e))
+    }
+
     /// Entries held (unexpired as of the last call).
     pub fn len(&self) -> usize {
         self.seen.len()
@@ -163,6 +191,24 @@ mod tests {
         ));
         // Once they expire, room returns.
         g.admit(&header(3, 1, 20_000), UnixMillis(9_000)).unwrap();
+    }
+
+    #[test]
+    fn a_guard_restored_from_its_entries_refuses_the_same_replays() {
+        let mut g = ReplayGuard::new(60_000, 100);
+        g.admit(&header(1, 1, 10_000), UnixMillis(1_000)).unwrap();
+        g.admit(&header(2, 1, 3_000), UnixMillis(1_000)).unwrap();
+        let saved: Vec<_> = g.entries().collect();
+        // A restart at 5 s: job 2 has expired, job 1 has not.
+        let mut again = ReplayGuard::new(60_000, 100);
+        for (j, a, e) in saved {
+            assert!(again.restore(j, a, e, UnixMillis(5_000)));
+        }
+        assert_eq!(again.len(), 1);
+        assert!(matches!(
+            again.admit(&header(1, 1, 10_000), UnixMillis(5_000)),
+            Err(ReplayRefusal::Replayed { .. })
+        ));
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //! - Model bytes altered in a node's cache are refused at load, naming the tensor.
 //! - With `--verified-only`, no wrong answer from a node with altered weights reaches the
 //!   client in 200 jobs.
+//! - A job resubmitted after the coordinator restarted is refused by it, and an envelope
+//!   replayed to a restarted worker is refused by the worker.
+//! - A job longer than every worker's context fails at once, naming the sizes.
 
 mod common;
 
@@ -356,4 +359,85 @@ fn with_verified_only_no_wrong_answer_from_a_node_with_altered_weights_reaches_t
     assert!(answers.len() >= 190, "{} answered", answers.len());
     let q = c.coordinator.wait_event(&[("event", "quarantined")]);
     assert_eq!(names[q["node"].as_str().unwrap()], "bad");
+}
+
+#[test]
+fn a_coordinator_and_a_worker_refuse_a_replay_after_a_restart() {
+    let (mut c, _) = cluster(&[("n0", &[])], &["--verify-per-mille", "0"]);
+    let saved = c.dir.path().join("job.envelopes").display().to_string();
+    let mut p = submit(
+        &c,
+        "client",
+        &[
+            "-p",
+            "Once",
+            "-n",
+            "4",
+            "--resubmit",
+            "--save-envelopes",
+            &saved,
+        ],
+    );
+    let (ok, msgs) = finished(&mut p);
+    assert!(ok, "{msgs:?}");
+    assert_eq!(of_type(&msgs, "answer").len(), 1);
+
+    // The coordinator restarts: the job id is still refused.
+    c.restart_coordinator();
+    c.coordinator
+        .wait_event_where(&[("event", "claims")], 1, |e| e["models"] == 1);
+    let mut p = submit(&c, "again", &["-p", "x", "--submit-saved", &saved]);
+    let (ok, msgs) = finished(&mut p);
+    assert!(ok, "{msgs:?}");
+    let r = of_type(&msgs, "resubmitted");
+    assert!(
+        r[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("already submitted"),
+        "{msgs:?}"
+    );
+    assert!(news(&msgs, "dispatched").is_empty(), "{msgs:?}");
+
+    // The worker restarts, and a coordinator that forgot the job (its record deleted) passes
+    // the same envelope on: the worker refuses it as a replay.
+    let i = c.nodes.iter().position(|p| p.name == "n0").unwrap();
+    let mut old = c.nodes.remove(i);
+    old.signal("-TERM");
+    old.wait_exit();
+    let mut n0 = Proc::spawn_with_events("n0", &c.node_args("n0"));
+    n0.wait_event(&[("event", "joined")]);
+    c.nodes.push(n0);
+    // Unlinked while it runs: the restarted coordinator starts a new, empty record.
+    std::fs::remove_file(c.dir.path().join("coord").join("sealed.redb")).unwrap();
+    c.restart_coordinator();
+    c.coordinator
+        .wait_event_where(&[("event", "claims")], 1, |e| e["models"] == 1);
+    let _p = submit(&c, "third", &["-p", "x", "--submit-saved", &saved]);
+    let refused = c.node("n0").wait_event(&[("event", "sealed_refused")]);
+    assert!(
+        refused["reason"].as_str().unwrap().contains("replayed"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn a_job_longer_than_every_workers_context_fails_at_once_naming_the_sizes() {
+    let (c, _) = cluster(&[("n0", &[]), ("n1", &[])], &[]);
+    let mut p = submit(
+        &c,
+        "client",
+        &["-p", "Once upon a time", "-n", "100000", "--ignore-eos"],
+    );
+    let (ok, msgs) = finished(&mut p);
+    assert!(!ok, "{msgs:?}");
+    assert!(news(&msgs, "dispatched").is_empty(), "{msgs:?}");
+    let skipped = news(&msgs, "skipped");
+    assert_eq!(skipped.len(), 2, "{msgs:?}");
+    let failed = news(&msgs, "failed");
+    let reason = failed[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("no worker fits") && reason.contains("claims room for"),
+        "{reason}"
+    );
 }

@@ -47,6 +47,9 @@ pub struct SealedSettings {
     /// (`None`: each tier's own rate).
     pub verify_per_mille: Option<u32>,
     pub fault: Option<SealedFault>,
+    /// Where submitted job ids are kept across restarts (`sealed.redb`); `None`: in memory
+    /// only.
+    pub data_dir: Option<std::path::PathBuf>,
 }
 
 /// The desk, the clients' outboxes, and the settings.
@@ -58,6 +61,8 @@ pub(crate) struct SealedEdge {
     /// [`SealedFault::RewriteRecipient`]: where each re-addressed attempt really went, and
     /// whose it was; the refusal of the node it went to is the job's holder's refusal.
     redirected: HashMap<(tessera_seal::JobId, u32), (NodeKey, NodeKey)>,
+    /// Job ids submitted before, kept on disk: a resubmission after a restart is refused.
+    seen: Option<super::seen::SeenJobs>,
 }
 
 impl SealedEdge {
@@ -76,6 +81,11 @@ impl SealedEdge {
             next_client: 1,
             fault: settings.fault,
             redirected: HashMap::new(),
+            seen: settings.data_dir.as_deref().and_then(|d| {
+                super::seen::SeenJobs::open(d, UnixMillis::now())
+                    .map_err(|e| tracing::warn!("sealed job ids will not survive a restart: {e}"))
+                    .ok()
+            }),
         }
     }
 }
@@ -137,6 +147,36 @@ fn own_worker(like: &tessera_seal::SignedClaims) -> tessera_seal::SignedClaims {
 }
 
 pub(crate) fn submit(shared: &Shared, client: ClientId, s: tessera_proto::SealedSubmit) {
+    let now = UnixMillis::now();
+    if let Some(first) = s.envelopes.first() {
+        let job = first.header.job;
+        let e = shared.sealed();
+        if let Some(seen) = &e.seen {
+            if seen.contains(job, now) {
+                tracing::info!(
+                    event = "sealed_resubmitted",
+                    job = %job,
+                    "job {job} was submitted before (it is on disk): refused"
+                );
+                if let Some(tx) = e.clients.get(&client) {
+                    let _ = tx.send(CoordToClient::Sealed {
+                        job,
+                        news: tessera_proto::SealedNews::Failed {
+                            reason: format!("job {job} was already submitted"),
+                        },
+                    });
+                }
+                return;
+            }
+            let expires = s
+                .envelopes
+                .iter()
+                .map(|e| e.header.expires_at)
+                .max()
+                .unwrap_or(now);
+            seen.insert(job, expires);
+        }
+    }
     feed(
         shared,
         SealedInput::Submit {

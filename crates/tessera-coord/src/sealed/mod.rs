@@ -27,6 +27,7 @@ use tessera_seal::{
 pub mod client;
 pub(crate) mod edge;
 mod gateway;
+mod seen;
 #[cfg(test)]
 mod tests;
 

@@ -80,6 +80,10 @@ pub(super) struct SealedWorker {
     identity: NodeIdentity,
     options: SealedOptions,
     guard: Mutex<ReplayGuard>,
+    /// The opened (job, attempt) pairs written down, so a replay after a restart is refused.
+    seen: Mutex<SeenFile>,
+    /// Refusals logged, at a bounded rate.
+    refusals: Mutex<LogBudget>,
     runs: Mutex<HashMap<u64, Run>>,
     next: AtomicU64,
     claims_epoch: AtomicU64,
@@ -138,11 +142,16 @@ impl SealedWorker {
                 Some(cert.sign_with(|m| operator.sign(m)))
             }
         };
+        let mut guard = ReplayGuard::new(MAX_TTL_MS, REPLAY_CAPACITY);
+        let seen = SeenFile::open(&data_dir.join(SEEN_FILE), &mut guard, UnixMillis::now())
+            .map_err(|e| FabricError::io(format!("reading {SEEN_FILE}"), e))?;
         Ok(Self {
             key,
             identity: identity.clone(),
             options,
-            guard: Mutex::new(ReplayGuard::new(MAX_TTL_MS, REPLAY_CAPACITY)),
+            guard: Mutex::new(guard),
+            seen: Mutex::new(seen),
+            refusals: Mutex::new(LogBudget::default()),
             runs: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             claims_epoch: AtomicU64::new(0),
@@ -203,7 +212,29 @@ impl SealedWorker {
         worker: &mpsc::UnboundedSender<WorkerMsg>,
     ) -> Result<(), Box<NodeToCoord>> {
         let header = envelope.header.clone();
-        let refuse = |reason| {
+        let refuse = |reason: SealedRefusal| {
+            if let Some(suppressed) = self
+                .refusals
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(std::time::Instant::now())
+            {
+                tracing::warn!(
+                    event = "sealed_refused",
+                    job = %header.job,
+                    attempt = header.attempt,
+                    reason = %reason,
+                    suppressed,
+                    "refused job {} attempt {}: {reason}{}",
+                    header.job,
+                    header.attempt,
+                    if suppressed > 0 {
+                        format!(" ({suppressed} refusals before it not logged)")
+                    } else {
+                        String::new()
+                    }
+                );
+            }
             Box::new(NodeToCoord::SealedRefused {
                 job: header.job,
                 attempt: header.attempt,
@@ -213,11 +244,9 @@ impl SealedWorker {
         let body = envelope
             .open(&self.key)
             .map_err(|_| refuse(SealedRefusal::Authentication))?;
-        self.guard
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .admit(&header, UnixMillis::now())
-            .map_err(|r| {
+        {
+            let mut guard = self.guard.lock().unwrap_or_else(|p| p.into_inner());
+            guard.admit(&header, UnixMillis::now()).map_err(|r| {
                 refuse(match r {
                     ReplayRefusal::Replayed { .. } => SealedRefusal::Replayed,
                     ReplayRefusal::Expired { .. } | ReplayRefusal::TtlTooLong { .. } => {
@@ -226,6 +255,17 @@ impl SealedWorker {
                     other => SealedRefusal::CannotRun(other.to_string()),
                 })
             })?;
+            // Written down before the job runs: a restart must not forget it was opened.
+            self.seen
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .record(header.job, header.attempt, header.expires_at, &guard)
+                .map_err(|e| {
+                    refuse(SealedRefusal::CannotRun(format!(
+                        "recording the job against replay: {e}"
+                    )))
+                })?;
+        }
         let req: SealedRequest = serde_json::from_slice(&body)
             .map_err(|e| refuse(SealedRefusal::CannotRun(format!("malformed request: {e}"))))?;
         let a = holding
@@ -358,6 +398,116 @@ impl SealedWorker {
     }
 }
 
+/// The file in the data directory where opened (job, attempt) pairs are written down.
+const SEEN_FILE: &str = "sealed-seen.log";
+
+/// Opened (job, attempt) pairs on disk, one `JOB ATTEMPT EXPIRY_MS` line each, appended and
+/// synced before a job runs; rewritten with only the unexpired entries at start and whenever
+/// the lines outgrow the guard, so it stays bounded by the envelopes' lifetime.
+struct SeenFile {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+    lines: usize,
+}
+
+impl SeenFile {
+    /// Reads what an earlier run wrote into `guard` (expired lines dropped), and rewrites it.
+    fn open(path: &Path, guard: &mut ReplayGuard, now: UnixMillis) -> std::io::Result<Self> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                for line in text.lines() {
+                    let mut f = line.split_whitespace();
+                    let parsed = (|| {
+                        let job = f.next()?.parse().ok()?;
+                        let attempt = f.next()?.parse().ok()?;
+                        let expires = f.next()?.parse().ok()?;
+                        Some((job, attempt, UnixMillis(expires)))
+                    })();
+                    // A torn last line (a crash mid-write) is skipped.
+                    if let Some((job, attempt, expires)) = parsed {
+                        guard.restore(job, attempt, expires, now);
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        Self::rewrite(path, guard)
+    }
+
+    fn rewrite(path: &Path, guard: &ReplayGuard) -> std::io::Result<Self> {
+        use std::io::Write;
+        let tmp = path.with_extension("tmp");
+        let mut text = String::new();
+        for (job, attempt, expires) in guard.entries() {
+            text.push_str(&format!("{job} {attempt} {}\n", expires.0));
+        }
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_data()?;
+        }
+        std::fs::rename(&tmp, path)?;
+        let file = std::fs::OpenOptions::new().append(true).open(path)?;
+        Ok(Self {
+            path: path.to_owned(),
+            file,
+            lines: guard.len(),
+        })
+    }
+
+    /// Writes down one opened pair (durably), compacting when expired lines dominate.
+    fn record(
+        &mut self,
+        job: tessera_seal::JobId,
+        attempt: u32,
+        expires: UnixMillis,
+        guard: &ReplayGuard,
+    ) -> std::io::Result<()> {
+        use std::io::Write;
+        if self.lines > 2 * guard.len() + 64 {
+            *self = Self::rewrite(&self.path, guard)?;
+            return Ok(());
+        }
+        self.file
+            .write_all(format!("{job} {attempt} {}\n", expires.0).as_bytes())?;
+        self.file.sync_data()?;
+        self.lines += 1;
+        Ok(())
+    }
+}
+
+/// At most [`LogBudget::PER_WINDOW`] log lines per [`LogBudget::WINDOW`]; the count of those
+/// not logged goes with the next line that is.
+#[derive(Default)]
+struct LogBudget {
+    window_start: Option<std::time::Instant>,
+    logged: u32,
+    suppressed: u64,
+}
+
+impl LogBudget {
+    const WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+    const PER_WINDOW: u32 = 10;
+
+    /// Whether to log now; `Some(n)`: yes, `n` lines having been suppressed since the last.
+    fn take(&mut self, now: std::time::Instant) -> Option<u64> {
+        if self
+            .window_start
+            .is_none_or(|s| now.duration_since(s) >= Self::WINDOW)
+        {
+            self.window_start = Some(now);
+            self.logged = 0;
+        }
+        if self.logged >= Self::PER_WINDOW {
+            self.suppressed += 1;
+            return None;
+        }
+        self.logged += 1;
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
 /// A whole copy of the model on this node alone, not sharing experts with others.
 fn whole(a: &StageAssignment) -> bool {
     a.n_stages == 1 && a.embed && a.head && a.next.is_none()
@@ -370,4 +520,61 @@ fn write_secret(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
     opts.open(path)?.write_all(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_seal::JobId;
+
+    #[test]
+    fn opened_jobs_written_down_are_refused_as_replays_after_a_restart() {
+        let dir = std::env::temp_dir().join(format!("tessera-seen-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(SEEN_FILE);
+        let now = UnixMillis(1_000_000);
+        let header = |j: u8, expires: u64| tessera_seal::JobHeader {
+            job: JobId::from_bytes([j; 16]),
+            attempt: 1,
+            recipient: SecretKey::derive(b"w").key_id(),
+            model: "m".into(),
+            context_tokens: 8,
+            expires_at: UnixMillis(expires),
+            reply_to: SecretKey::derive(b"c").public_key(),
+        };
+        {
+            let mut guard = ReplayGuard::new(MAX_TTL_MS, 100);
+            let mut seen = SeenFile::open(&path, &mut guard, now).unwrap();
+            for (j, expires) in [(1, now.0 + 60_000), (2, now.0 + 1_000)] {
+                let h = header(j, expires);
+                guard.admit(&h, now).unwrap();
+                seen.record(h.job, h.attempt, h.expires_at, &guard).unwrap();
+            }
+        }
+        // The restart comes 5 s later: job 2's envelope has expired (refused on that ground
+        // anyway), job 1's is remembered.
+        let later = UnixMillis(now.0 + 5_000);
+        let mut guard = ReplayGuard::new(MAX_TTL_MS, 100);
+        SeenFile::open(&path, &mut guard, later).unwrap();
+        assert_eq!(guard.len(), 1);
+        assert!(matches!(
+            guard.admit(&header(1, now.0 + 60_000), later),
+            Err(ReplayRefusal::Replayed { .. })
+        ));
+        // The file holds what is still needed, nothing more.
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn refusals_are_logged_at_a_bounded_rate_and_the_rest_counted() {
+        let mut b = LogBudget::default();
+        let t0 = std::time::Instant::now();
+        let logged = (0..25).filter(|_| b.take(t0).is_some()).count();
+        assert_eq!(logged, LogBudget::PER_WINDOW as usize);
+        // The next window's first line carries the count of those not logged.
+        assert_eq!(b.take(t0 + LogBudget::WINDOW), Some(15));
+        assert_eq!(b.take(t0 + LogBudget::WINDOW), Some(0));
+    }
 }

@@ -160,6 +160,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         coordinator.set_sealed(&tessera_coord::sealed::SealedSettings {
             verify_per_mille: args.verify_per_mille,
             fault: args.fault_sealed,
+            data_dir: Some(data_dir.clone()),
         });
         let addr = coordinator.local_addr()?;
         say!("coordinator {}", coordinator.node_id());

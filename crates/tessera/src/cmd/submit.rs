@@ -63,6 +63,13 @@ pub struct SubmitArgs {
     /// (it refuses a job id it has seen).
     #[arg(long, hide = true)]
     resubmit: bool,
+    /// Test only: with --resubmit, also write the job's envelopes to this file.
+    #[arg(long, hide = true, requires = "resubmit")]
+    save_envelopes: Option<PathBuf>,
+    /// Test only: submit the envelopes saved in this file again (after a restart, say) and
+    /// report what the coordinator says, instead of a new job.
+    #[arg(long, hide = true)]
+    submit_saved: Option<PathBuf>,
     /// Accept a token that names no coordinator, trusting whichever key answers.
     #[arg(long)]
     trust_on_first_use: bool,
@@ -116,6 +123,28 @@ async fn drive(
     args: &SubmitArgs,
 ) -> anyhow::Result<()> {
     let client = SealedClient::connect(identity, target.addr, &target.token).await?;
+    if let Some(path) = &args.submit_saved {
+        let envelopes: Vec<tessera_seal::JobEnvelope> = serde_json::from_slice(
+            &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
+        )?;
+        let job = envelopes.first().map(|e| e.header.job);
+        let mut news = client.submit(envelopes, false).await?;
+        while let Some(n) = news.recv().await {
+            println!("{}", serde_json::json!({ "job": job, "news": n }));
+            match n {
+                SealedNews::Failed { reason } => {
+                    let line =
+                        serde_json::json!({ "type": "resubmitted", "job": job, "reason": reason });
+                    println!("{line}");
+                    client.close().await;
+                    return Ok(());
+                }
+                SealedNews::Result { .. } => bail!("a resubmitted job was answered again"),
+                _ => {}
+            }
+        }
+        bail!("the session ended before the resubmitted job was settled");
+    }
     let policy = ClientPolicy {
         trust: args.trust.clone(),
         verified_only: args.verified_only,
@@ -153,6 +182,10 @@ async fn drive(
         let outcome = if args.resubmit {
             let reply = SecretKey::generate();
             let envelopes = seal(request, &order, &reply, ttl_ms)?;
+            if let Some(path) = &args.save_envelopes {
+                std::fs::write(path, serde_json::to_vec(&envelopes)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             let o = client
                 .answer(
                     request,
