@@ -36,6 +36,8 @@ impl SeenJobs {
 
     /// Whether `job` was submitted and its envelopes have not expired by `now`.
     pub(crate) fn contains(&self, job: JobId, now: UnixMillis) -> bool {
+        // redb's error is large, and lives only until it is logged here.
+        #[allow(clippy::result_large_err)]
         let read = || -> Result<bool, redb::Error> {
             let tx = self.db.begin_read()?;
             let t = tx.open_table(SEEN)?;
@@ -50,6 +52,7 @@ impl SeenJobs {
 
     /// Records `job` until `expires`.
     pub(crate) fn insert(&self, job: JobId, expires: UnixMillis) {
+        #[allow(clippy::result_large_err)]
         let write = || -> Result<(), redb::Error> {
             let tx = self.db.begin_write()?;
             tx.open_table(SEEN)?
