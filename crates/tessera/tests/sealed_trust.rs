@@ -441,3 +441,46 @@ fn a_job_longer_than_every_workers_context_fails_at_once_naming_the_sizes() {
         "{reason}"
     );
 }
+
+#[test]
+fn a_gateway_with_verified_only_answers_with_verified_answers_and_refuses_the_rest() {
+    let (c, _) = cluster(&[("n0", &[]), ("n1", &[])], &["--verify-per-mille", "0"]);
+    let gateway = |name: &str, workers: &str| {
+        let args: Vec<String> = [
+            "serve",
+            "-m",
+            &model(MODEL).display().to_string(),
+            "--model-name",
+            "m",
+            "--sealed-via",
+            &c.operator,
+            "--sealed-workers",
+            workers,
+            "--verified-only",
+            "--data-dir",
+            &c.dir.path().join(name).display().to_string(),
+            "--listen",
+            "127.0.0.1:0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut gw = Proc::spawn_with_events(name, &args);
+        let addr = gw.announced("listening", "addr");
+        (gw, addr)
+    };
+    let prompt = "Once upon a time";
+    let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 8,
+                                  "temperature": 0});
+    // Sealed to both workers: every answer is checked on the second (whatever the rate).
+    let (_gw, addr) = gateway("gw2", "2");
+    let r = common::http::post(&addr, "/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let text = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(format!("{prompt}{text}\n"), one_process(prompt, "8"));
+    // Sealed to one worker only: nobody can check it, so it is not released.
+    let (_gw1, addr) = gateway("gw1", "1");
+    let r = common::http::post(&addr, "/v1/completions", &body);
+    assert_ne!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("not verified"), "{}", r.body);
+}

@@ -1,9 +1,9 @@
 //! The gateway as a sealing client: plain OpenAI clients talk to a gateway they trust, and the
 //! gateway seals each request to workers behind a coordinator it does not trust
 //! (`tessera serve --sealed-via TOKEN@HOST:PORT`). The answer comes back whole (a sealed job is
-//! answered once), so a stream gets all its tokens at the end. Each response says whether its
-//! answer was verified (`ServedExtra::verified`, the `tessera` object of the response body);
-//! under [`ClientPolicy::verified_only`] an unverified answer is not released at all.
+//! answered once), so a stream gets all its tokens at the end. Under
+//! [`ClientPolicy::verified_only`] an unverified answer is not released (the request fails);
+//! otherwise the response does not yet say whether it was verified.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
