@@ -1,9 +1,10 @@
 //! Capability claims: what a node says it can do (models held, memory, features, ISA and kernel
 //! path, device tier, the key to seal jobs to), signed by its node key and stamped with an epoch.
 //!
-//! There is no certificate authority: the node key *is* the identity (the same ed25519 key that
-//! tessera-net's pinned-key QUIC authenticates, so [`Claims::sign_with`] takes
-//! `NodeIdentity::sign` directly). A [`ClaimBook`] keeps each node's newest claim: a claim from an
+//! The node key *is* the identity (the same ed25519 key that tessera-net's pinned-key QUIC
+//! authenticates, so [`Claims::sign_with`] takes `NodeIdentity::sign` directly); self-signed
+//! claims say only that a key claims something. Whether anyone vouches for the node is the
+//! operator certificate the signed claims may carry ([`crate::cert`]). A [`ClaimBook`] keeps each node's newest claim: a claim from an
 //! older epoch is refused, and a higher epoch supersedes the old claim and revokes its sealing
 //! key, which is how a node rotates keys or withdraws a model.
 

@@ -8,8 +8,10 @@
 //! ([`JobEnvelope::open`]), refuses a replay or an expired one ([`ReplayGuard`]), runs it and seals
 //! the result back to the reply key ([`seal_result`]); the coordinator forwards exactly one result;
 //! a share of answers is re-run elsewhere and compared ([`Verifier`]). Workers announce what they
-//! can do in signed, epoch-stamped claims ([`ClaimBook`]); their device tier ([`DeviceTier`]) sets
-//! lease lengths and verification rates.
+//! can do in signed, epoch-stamped claims ([`ClaimBook`]), which an operator's certificate may
+//! vouch for ([`cert`]: a client that pins operator keys seals to nothing else); their device
+//! tier ([`DeviceTier`]) sets lease lengths, verification rates, the longest job a phone takes
+//! and which workers long jobs and checks go to first.
 //!
 //! Every machine here takes events and the time as values and returns actions: no clock, no I/O
 //! (the edges read the clock with [`UnixMillis::now`] and pass it in).
