@@ -5,7 +5,7 @@
 #
 #   tools/llama-cpp.sh build [DIR]            # default DIR: /tmp/llama.cpp-build
 #   tools/llama-cpp.sh bench MODEL.gguf...    # llama-bench and `tessera bench`, alternately
-#   tools/llama-cpp.sh matrix MODEL.gguf...   # prefill 512 and decode 128, both sides with 2
+#   tools/llama-cpp.sh matrix MODEL.gguf...   # prefill 512 and decode 64, both sides with 2
 #                                             # threads, alternately, ROUNDS=N times (default
 #                                             # 3); prints each side's mean and the ratio per
 #                                             # model and test.
@@ -100,7 +100,7 @@ long() {
     rm -r "$out"
 }
 
-# Prefill 512 and decode 128 tokens on both sides, alternating which goes first each round, so
+# Prefill 512 and decode 64 tokens on both sides, alternating which goes first each round, so
 # that the VM's minute-to-minute drift falls on both alike. Each side reports a mean of 3 runs per
 # round; the summary is the mean over rounds.
 matrix() {
@@ -114,11 +114,11 @@ matrix() {
         for m in "$@"; do
             echo "== $(date -u +%H:%M:%S) $m round $r ($(uptime | sed 's/.*load/load/'))"
             run_tessera() {
-                target/release/tessera bench -t 2 -m "$m" -p 512 -n 128 -r 3 --json \
+                target/release/tessera bench -t 2 -m "$m" -p 512 -n 64 -r 3 --json \
                     | sed "s|^|$m\ttessera\t|" >>"$out/runs"
             }
             run_llama() {
-                "$lb" -m "$m" -t 2 -p 512 -n 128 -r 3 -o jsonl \
+                "$lb" -m "$m" -t 2 -p 512 -n 64 -r 3 -o jsonl \
                     | sed "s|^|$m\tllama.cpp\t|" >>"$out/runs"
             }
             if [ $((r % 2)) = 1 ]; then run_tessera; run_llama; else run_llama; run_tessera; fi
