@@ -8,6 +8,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod speculate;
+
 use serde::{Deserialize, Serialize};
 
 /// A grammar the output must follow, as written by the client (serde: a cluster sends it to
