@@ -113,6 +113,68 @@ fn a_wrong_draft_is_cut_at_the_right_position_and_the_cache_truncated() {
     }
 }
 
+/// Two stages, as a ring runs them: stage 0 embeds and runs its layers, stage 1 runs the rest
+/// and the head. Verification is the same `k + 1` rows through both, and each stage's cache is
+/// cut back the same way.
+#[test]
+fn a_stage_split_verifies_and_truncates_like_the_whole_model() {
+    use tessera_engine::{LoadSpec, LocalExperts, SeqStep};
+    use tessera_model::ModelConfig;
+    for name in ["tiny-qwen3-Q8_0.gguf", "tiny-qwen3moe-f32.gguf"] {
+        let g = common::open(name);
+        let config = ModelConfig::from_gguf(&g).unwrap();
+        let whole = common::full(&g, 2);
+        let (tokens, rows) = reference(&whole, 8);
+        let mid = config.n_layer / 2;
+        let parts = [
+            common::load(&g, LoadSpec::stage(&config, 0..mid), 2),
+            common::load(&g, LoadSpec::stage(&config, mid..config.n_layer), 2),
+        ];
+        let ranges = [0..mid, mid..config.n_layer];
+        let mut kvs: Vec<_> = parts.iter().map(common::kv_for).collect();
+        let run = |tokens: &[u32], kvs: &mut [tessera_engine::KvCache]| {
+            let step = [SeqStep {
+                n_tokens: tokens.len(),
+                start_pos: kvs[0].len(),
+            }];
+            let mut h = parts[0].embed(tokens).unwrap();
+            for (i, part) in parts.iter().enumerate() {
+                part.run_layers(
+                    ranges[i].clone(),
+                    &mut h,
+                    &step,
+                    &mut [&mut kvs[i]],
+                    &mut LocalExperts(part),
+                )
+                .unwrap();
+            }
+            parts[1].head(&h).unwrap()
+        };
+        run(&PROMPT, &mut kvs);
+        let before = kvs[0].len();
+        let wrong = (tokens[2] + 1) % config.vocab_size as u32;
+        let drafts = [tokens[1], wrong, tokens[3]];
+        let mut verify = vec![tokens[0]];
+        verify.extend_from_slice(&drafts);
+        let v = run(&verify, &mut kvs);
+        for i in 0..2 {
+            assert_bits_eq(v.row(i), &rows[i + 1], &format!("{name} stage row {i}"));
+        }
+        let s = settle::<()>(&drafts, |i| Ok(Some(argmax(v.row(i)) as u32))).unwrap();
+        assert_eq!(s.accepted, 1, "{name}");
+        for kv in &mut kvs {
+            keep_accepted(kv, before, s.accepted);
+            assert_eq!(kv.len(), before + 2);
+        }
+        let next = run(&[tokens[2]], &mut kvs);
+        assert_bits_eq(
+            next.last(),
+            &rows[3],
+            &format!("{name} stage after the cut"),
+        );
+    }
+}
+
 fn generate(
     m: &Model,
     params: &SamplingParams,
