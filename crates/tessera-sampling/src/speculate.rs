@@ -169,7 +169,10 @@ pub struct AdaptiveK {
 /// How much each new verification weighs against the past ones.
 const DECAY: f64 = 0.9;
 const FIRST_PROBE: u32 = 8;
+/// Longest interval between probes of a cheap draft (prompt lookup), and of a costly one
+/// (a draft model costing more than a tenth of a step per token).
 const LAST_PROBE: u32 = 64;
+const LAST_PROBE_COSTLY: u32 = 256;
 
 impl AdaptiveK {
     /// Starts optimistic (half the drafts accepted), so speculation is tried.
@@ -224,8 +227,13 @@ impl AdaptiveK {
         self.off_for += 1;
         if self.off_for >= self.probe_after {
             // Probe with one draft, less often each time a probe was not worth it.
+            let last = if costs.draft_token_secs > 0.1 * costs.step_secs {
+                LAST_PROBE_COSTLY
+            } else {
+                LAST_PROBE
+            };
             self.off_for = 0;
-            self.probe_after = (self.probe_after * 2).min(LAST_PROBE);
+            self.probe_after = (self.probe_after * 2).min(last);
             return 1;
         }
         0

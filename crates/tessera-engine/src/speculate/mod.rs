@@ -87,15 +87,21 @@ pub fn check_same_vocabulary(
     Ok(())
 }
 
-/// Tokens per forward pass when the draft model catches up with the history.
-const CATCH_UP_CHUNK: usize = 256;
+/// Most tokens the draft model catches up on before a draft. While drafts are asked for every
+/// step it is behind by a few tokens; after speculation was off for a while (adaptive k
+/// probing a poor draft), it restarts on the last this-many tokens instead, so a probe costs a
+/// bounded prefill, not one over everything generated since the last.
+pub const MAX_CATCH_UP: usize = 64;
 
-/// One sequence's drafting with a draft model: greedy tokens from its own KV cache.
+/// One sequence's drafting with a draft model: greedy tokens from its own KV cache, which
+/// holds a window of the history starting at `offset` (drafts need not be good to be correct:
+/// every one is verified).
 pub struct ModelDraft {
     model: Arc<Model>,
     kv: KvCache,
-    /// The tokens whose positions are in `kv`.
+    /// The tokens whose positions are in `kv`: `history[offset..]`'s prefix, when it matches.
     fed: Vec<u32>,
+    offset: usize,
 }
 
 impl std::fmt::Debug for ModelDraft {
@@ -114,25 +120,39 @@ impl ModelDraft {
             kv: model.new_kv(capacity),
             model,
             fed: Vec::new(),
+            offset: 0,
         }
     }
 
     fn try_propose(&mut self, history: &[u32], k: usize) -> Result<Vec<u32>> {
-        if k == 0 || history.is_empty() || history.len() + k > self.kv.capacity() {
+        if k == 0 || history.is_empty() {
             return Ok(Vec::new());
         }
+        let mut window = history.get(self.offset..).unwrap_or_default();
         // Keep what still matches the history; at least one token is fed, for its logits.
-        let common = self
+        let mut common = self
             .fed
             .iter()
-            .zip(history)
+            .zip(window)
             .take_while(|(a, b)| a == b)
             .count()
-            .min(history.len() - 1);
+            .min(window.len().saturating_sub(1));
+        if window.is_empty()
+            || window.len() - common > MAX_CATCH_UP
+            || window.len() + k > self.kv.capacity()
+        {
+            // Restart on the last tokens (see MAX_CATCH_UP).
+            self.offset = history.len() - MAX_CATCH_UP.min(history.len());
+            window = &history[self.offset..];
+            common = 0;
+            if window.len() + k > self.kv.capacity() {
+                return Ok(Vec::new());
+            }
+        }
         self.kv.truncate(common);
         self.fed.truncate(common);
         let mut logits = None;
-        for chunk in history[common..].chunks(CATCH_UP_CHUNK) {
+        for chunk in window[common..].chunks(MAX_CATCH_UP) {
             logits = Some(self.model.forward_last(chunk, &mut self.kv)?);
             self.fed.extend_from_slice(chunk);
         }
@@ -157,6 +177,7 @@ impl DraftSource for ModelDraft {
         self.try_propose(history, k).unwrap_or_else(|_| {
             self.kv.truncate(0);
             self.fed.clear();
+            self.offset = 0;
             Vec::new()
         })
     }
