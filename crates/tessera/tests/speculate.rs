@@ -113,6 +113,46 @@ fn speculation_keeps_every_answer_and_reports_its_acceptance() {
     }
 }
 
+/// `tessera generate` in one process prints the same text with and without speculation.
+#[test]
+fn generate_prints_the_same_text_with_speculation() {
+    let stories = model_path("stories260K.gguf");
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args([
+                "generate",
+                "-m",
+                stories.as_str(),
+                "-p",
+                COPY,
+                "-n",
+                "60",
+                "-t",
+                "1",
+            ])
+            .args(extra)
+            .env("TESSERA_LOG", "warn")
+            .output()
+            .expect("running tessera generate");
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    for sampling in [&["--temperature", "0"][..], &["--seed", "9"][..]] {
+        let plain = run(sampling);
+        for spec in [
+            &["--speculate", "lookup"][..],
+            &["--draft-model", stories.as_str(), "--draft-max", "3"][..],
+        ] {
+            let args: Vec<&str> = sampling.iter().chain(spec).copied().collect();
+            assert_eq!(run(&args), plain, "{args:?}");
+        }
+    }
+}
+
 #[test]
 fn speculation_flags_are_refused_where_they_would_be_ignored() {
     let stories = model_path("stories260K.gguf");
