@@ -266,6 +266,30 @@ fn speculation_never_changes_the_tokens() {
     }
 }
 
+/// Regression: a prompt longer than the draft model's catch-up limit is fed whole on the first
+/// draft, so the model as its own draft still agrees with every greedy token.
+#[test]
+fn the_model_as_its_own_draft_agrees_after_a_long_prompt() {
+    for name in ["tiny-qwen3-Q8_0.gguf", "small-qwen3moe-Q4_K.gguf"] {
+        let g = common::open(name);
+        let m = Arc::new(common::full(&g, 2));
+        let prompt: Vec<u32> = copy_prompt().iter().cycle().take(150).copied().collect();
+        let greedy = SamplingParams::greedy();
+        let (plain, _) = generate(&m, &greedy, &prompt, 30, None);
+        let source = Box::new(ModelDraft::new(m.clone(), 256));
+        let (fast, stats) = generate(
+            &m,
+            &greedy,
+            &prompt,
+            30,
+            Some((source, AdaptiveK::fixed(4))),
+        );
+        assert_eq!(fast, plain, "{name}");
+        assert!(stats.drafted > 0, "{name}");
+        assert_eq!(stats.accepted, stats.drafted, "{name}: {stats:?}");
+    }
+}
+
 #[test]
 fn a_smaller_draft_model_with_the_same_vocabulary_keeps_the_tokens() {
     // The Q4_0 file is the same tiny model, quantized harder: a typical draft.

@@ -87,10 +87,11 @@ pub fn check_same_vocabulary(
     Ok(())
 }
 
-/// Most tokens the draft model catches up on before a draft. While drafts are asked for every
-/// step it is behind by a few tokens; after speculation was off for a while (adaptive k
-/// probing a poor draft), it restarts on the last this-many tokens instead, so a probe costs a
-/// bounded prefill, not one over everything generated since the last.
+/// Most tokens the draft model catches up on before a draft, after its first (which feeds the
+/// whole prompt). While drafts are asked for every step it is behind by a few tokens; after
+/// speculation was off for a while (adaptive k probing a poor draft), it restarts on the last
+/// this-many tokens instead, so a probe costs a bounded prefill, not one over everything
+/// generated since the last.
 pub const MAX_CATCH_UP: usize = 64;
 
 /// One sequence's drafting with a draft model: greedy tokens from its own KV cache, which
@@ -137,10 +138,10 @@ impl ModelDraft {
             .take_while(|(a, b)| a == b)
             .count()
             .min(window.len().saturating_sub(1));
-        if window.is_empty()
-            || window.len() - common > MAX_CATCH_UP
-            || window.len() + k > self.kv.capacity()
-        {
+        // The first feed takes the whole history (the prompt's one prefill); later ones at
+        // most MAX_CATCH_UP tokens.
+        let far_behind = !self.fed.is_empty() && window.len() - common > MAX_CATCH_UP;
+        if window.is_empty() || far_behind || window.len() + k > self.kv.capacity() {
             // Restart on the last tokens (see MAX_CATCH_UP).
             self.offset = history.len() - MAX_CATCH_UP.min(history.len());
             window = &history[self.offset..];
