@@ -38,7 +38,7 @@
 //!
 //! Modules, in the order a reader meets them: [`weights`] (loading), [`model`] (the API),
 //! `layer` (one transformer layer), [`ops`], [`kv`], [`moe`], [`batch`], [`sampling`] (the `tessera-sampling` crate),
-//! [`generate`], [`bench`](mod@bench); [`kernels`] holds the quantized matmuls and the thread pool;
+//! [`generate`], [`speculate`] (verifying drafts, a draft model), [`bench`](mod@bench); [`kernels`] holds the quantized matmuls and the thread pool;
 //! [`expert_store`] streams experts from the file when they exceed a memory budget
 //! ([`Model::load_streaming`]), reading with `tessera_host::direct_read`.
 
@@ -57,6 +57,7 @@ pub mod model;
 pub mod moe;
 pub mod ops;
 pub mod prefix_cache;
+pub mod speculate;
 /// Token choice lives in its own crate (the gateway and the wire protocol use it without the
 /// kernels); re-exported here under its old path.
 pub use tessera_sampling as sampling;
@@ -64,7 +65,7 @@ pub mod weights;
 
 pub use error::{EngineError, Result};
 pub use expert_store::{ExpertStats, ExpertStore, ExpertStreaming};
-pub use generate::{GenerationStats, Generator, StopReason};
+pub use generate::{GenerationStats, Generator, SpeculationStats, StopReason};
 pub use kv::{KvCache, KvShape, KvType};
 pub use model::{Hidden, Logits, Model, SeqStep};
 pub use moe::{

@@ -306,6 +306,11 @@ pub trait Backend: Send + Sync + 'static {
     fn features(&self) -> BackendFeatures {
         BackendFeatures::default()
     }
+
+    /// Speculative decoding's totals, when this backend speculates (`/metrics` shows them).
+    fn speculation(&self) -> Option<crate::scheduler::SpeculationTotals> {
+        None
+    }
 }
 
 impl<B: Backend + ?Sized> Backend for Arc<B> {
@@ -320,6 +325,9 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn features(&self) -> BackendFeatures {
         (**self).features()
+    }
+    fn speculation(&self) -> Option<crate::scheduler::SpeculationTotals> {
+        (**self).speculation()
     }
 }
 

@@ -226,6 +226,63 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// The Prometheus text of speculative decoding's totals (empty when the backend does not
+/// speculate).
+pub fn render_speculation(t: Option<crate::scheduler::SpeculationTotals>) -> String {
+    let Some(t) = t else {
+        return String::new();
+    };
+    let rate = if t.drafted == 0 {
+        0.0
+    } else {
+        t.accepted as f64 / t.drafted as f64
+    };
+    let per_verification = if t.verifications == 0 {
+        0.0
+    } else {
+        (t.accepted + t.verifications) as f64 / t.verifications as f64
+    };
+    let mut o = String::new();
+    for (name, kind, help, value) in [
+        (
+            "tessera_speculation_verifications_total",
+            "counter",
+            "Decode rows that carried draft tokens to verify.",
+            t.verifications.to_string(),
+        ),
+        (
+            "tessera_speculation_draft_tokens_total",
+            "counter",
+            "Draft tokens verified.",
+            t.drafted.to_string(),
+        ),
+        (
+            "tessera_speculation_accepted_tokens_total",
+            "counter",
+            "Draft tokens accepted (equal to the token drawn at their position).",
+            t.accepted.to_string(),
+        ),
+        (
+            "tessera_speculation_acceptance_rate",
+            "gauge",
+            "Accepted over verified draft tokens since start.",
+            format!("{rate:.4}"),
+        ),
+        (
+            "tessera_speculation_tokens_per_verification",
+            "gauge",
+            "Tokens produced per verification with drafts (accepted drafts plus the draw).",
+            format!("{per_verification:.4}"),
+        ),
+    ] {
+        let _ = writeln!(
+            o,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+        );
+    }
+    o
+}
+
 /// The Prometheus text exposition of everything.
 pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
     let mut o = String::new();

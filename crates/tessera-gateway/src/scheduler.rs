@@ -12,7 +12,16 @@
 //! Each step advances every decoding sequence by one token and spends what is left of the
 //! token budget on prompt chunks of sequences still prefilling (oldest first), so a long prompt
 //! never stalls the others for more than a chunk.
+//!
+//! Speculation: a sequence admitted [`Sequence::with_speculation`] gets drafts from the caller
+//! before a step ([`Scheduler::draft`]); its decode row then carries them too, the forward pass
+//! returns a logits row for each, and [`Scheduler::handle_logits`] keeps the drafts that equal
+//! what one-token decoding draws ([`settle`]), so the tokens (and log-probabilities) are the
+//! same as without. The caller then truncates each KV cache to [`Sequence::fed`]. Drafts are
+//! cut where the grammar would refuse them; the grammar itself advances only over the tokens
+//! drawn.
 
+use tessera_sampling::speculate::{settle, AdaptiveK, DraftCosts};
 use tessera_sampling::SamplingParams;
 use tessera_sampling::TokenLogprobs;
 
@@ -60,6 +69,10 @@ pub struct Sequence<T> {
     logprobs: Option<usize>,
     /// Constrains every draw.
     grammar: Option<Grammar>,
+    /// Drafts to verify in the next step (after the history).
+    drafts: Vec<u32>,
+    /// Drafts how many tokens, when this sequence speculates.
+    speculation: Option<AdaptiveK>,
     pub payload: T,
 }
 
@@ -85,8 +98,32 @@ impl<T> Sequence<T> {
             params,
             logprobs: None,
             grammar: None,
+            drafts: Vec::new(),
+            speculation: None,
             payload,
         }
+    }
+
+    /// Speculates: [`Scheduler::draft`] asks the caller for drafts, `k` says how many.
+    pub fn with_speculation(mut self, k: AdaptiveK) -> Self {
+        self.speculation = Some(k);
+        self
+    }
+
+    /// Prompt and generated tokens so far.
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// Positions that stay in the KV cache: after [`Scheduler::handle_logits`], the caller
+    /// truncates the cache to this (rejected drafts' positions go).
+    pub fn fed(&self) -> usize {
+        self.fed
+    }
+
+    /// The measured acceptance rate of this sequence's drafts, when it speculates.
+    pub fn acceptance(&self) -> Option<f64> {
+        self.speculation.as_ref().map(AdaptiveK::acceptance)
     }
 
     /// Reports log-probabilities (`Some(top_n)`) and/or follows a grammar.
@@ -140,7 +177,8 @@ impl<T> Sequence<T> {
     }
 }
 
-/// Rows of one sequence in the next forward pass: `history[start_pos..start_pos + n_tokens]`.
+/// Rows of one sequence in the next forward pass: `history[start_pos..start_pos + n_tokens]`
+/// (whose last `drafts` tokens are drafts, past the history).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepItem {
     /// Index into [`Scheduler::active_mut`] (items come in increasing order).
@@ -149,6 +187,28 @@ pub struct StepItem {
     pub n_tokens: usize,
     /// The last row's logits are needed (a decode step, or the last chunk of a prompt).
     pub wants_logits: bool,
+    /// Drafts at the end of the rows: their rows' logits are needed too.
+    pub drafts: usize,
+}
+
+impl StepItem {
+    /// Logits rows this item needs: the last `1 + drafts` rows, or none.
+    pub fn logits_rows(&self) -> usize {
+        if self.wants_logits {
+            1 + self.drafts
+        } else {
+            0
+        }
+    }
+}
+
+/// Totals of speculative decoding since the scheduler started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpeculationTotals {
+    /// Decode rows that carried drafts.
+    pub verifications: u64,
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 /// What a step produced for one sequence.
@@ -174,6 +234,7 @@ pub enum Output {
 pub struct Scheduler<T> {
     config: SchedulerConfig,
     active: Vec<Sequence<T>>,
+    speculation: SpeculationTotals,
 }
 
 impl<T> Scheduler<T> {
@@ -185,6 +246,47 @@ impl<T> Scheduler<T> {
                 prefill_chunk: config.prefill_chunk.max(1),
             },
             active: Vec::new(),
+            speculation: SpeculationTotals::default(),
+        }
+    }
+
+    pub fn speculation(&self) -> SpeculationTotals {
+        self.speculation
+    }
+
+    /// Asks for drafts for every decoding sequence that speculates: `propose(history, k,
+    /// payload)` returns up to `k` tokens to follow `history` (`k` from the sequence's
+    /// [`AdaptiveK`] and `costs`, within its token and context limits). Drafts the grammar
+    /// refuses are cut off.
+    pub fn draft(
+        &mut self,
+        costs: &DraftCosts,
+        mut propose: impl FnMut(&[u32], usize, &mut T) -> Vec<u32>,
+    ) {
+        for s in &mut self.active {
+            s.drafts.clear();
+            if s.is_prefilling() {
+                continue;
+            }
+            let Some(spec) = &mut s.speculation else {
+                continue;
+            };
+            // The draw after the drafts is a token too; every draft takes a position.
+            let room = s
+                .max_tokens
+                .saturating_sub(s.generated + 1)
+                .min(s.capacity.saturating_sub(s.history.len()));
+            let k = spec.next_k(costs).min(room);
+            if k == 0 {
+                continue;
+            }
+            let mut drafts = propose(&s.history, k, &mut s.payload);
+            drafts.truncate(k);
+            if let Some(g) = &mut s.grammar {
+                let ok = g.valid_prefix(&drafts);
+                drafts.truncate(ok);
+            }
+            s.drafts = drafts;
         }
     }
 
@@ -234,13 +336,15 @@ impl<T> Scheduler<T> {
         let mut budget = self.config.max_batch_tokens;
         for (i, s) in self.active.iter().enumerate() {
             if !s.is_prefilling() {
+                let n_tokens = s.history.len() - s.fed + s.drafts.len();
                 items.push(StepItem {
                     seq: i,
                     start_pos: s.fed,
-                    n_tokens: s.history.len() - s.fed,
+                    n_tokens,
                     wants_logits: true,
+                    drafts: s.drafts.len(),
                 });
-                budget = budget.saturating_sub(1);
+                budget = budget.saturating_sub(n_tokens);
             }
         }
         for (i, s) in self.active.iter().enumerate() {
@@ -263,6 +367,7 @@ impl<T> Scheduler<T> {
                 start_pos: s.fed,
                 n_tokens: n,
                 wants_logits: s.fed + n == s.prompt_len,
+                drafts: 0,
             });
             budget = budget.saturating_sub(n);
         }
@@ -270,14 +375,21 @@ impl<T> Scheduler<T> {
         items
     }
 
-    /// The tokens of `item`.
-    pub fn tokens(&self, item: &StepItem) -> &[u32] {
-        &self.active[item.seq].history[item.start_pos..item.start_pos + item.n_tokens]
+    /// The tokens of `item` (history, then drafts).
+    pub fn tokens(&self, item: &StepItem) -> impl Iterator<Item = u32> + '_ {
+        let s = &self.active[item.seq];
+        let real = item.n_tokens - item.drafts;
+        s.history[item.start_pos..item.start_pos + real]
+            .iter()
+            .chain(&s.drafts[..item.drafts])
+            .copied()
     }
 
     /// Takes the result of the forward pass for `items` (from the last [`Scheduler::plan_step`]):
-    /// `logits[k]` is the last row of the `k`-th item that wanted logits. Samples, and returns
-    /// the outputs in item order plus the sequences that finished (their payloads to drop).
+    /// `logits` holds each item's [`StepItem::logits_rows`] last rows, in item order. Samples
+    /// (settling drafts), and returns the outputs in item order plus the sequences that
+    /// finished (their payloads to drop). The caller truncates each KV cache to
+    /// [`Sequence::fed`].
     pub fn handle_logits(
         &mut self,
         items: &[StepItem],
@@ -286,39 +398,43 @@ impl<T> Scheduler<T> {
     ) -> (Vec<Output>, Vec<Sequence<T>>) {
         let mut outputs = Vec::new();
         let mut done = Vec::new();
-        let mut rows = logits.iter();
+        let mut next_row = 0;
         for it in items {
             let s = &mut self.active[it.seq];
-            s.fed = it.start_pos + it.n_tokens;
+            let drafts = std::mem::take(&mut s.drafts);
+            debug_assert_eq!(drafts.len(), it.drafts, "drafts changed since plan_step");
+            s.fed = it.start_pos + it.n_tokens - it.drafts;
             if !it.wants_logits {
                 continue;
             }
-            let row = rows
-                .next()
-                .expect("one logits row per item that wants logits");
-            let position = s.history.len() as u64;
-            let chosen = s.choose(row, position).and_then(|(token, logprobs)| {
-                if !is_end_of_generation(token) {
-                    if let Some(g) = &mut s.grammar {
-                        g.accept(token)?;
+            let rows = &logits[next_row..next_row + 1 + it.drafts];
+            next_row += rows.len();
+            let mut finish = None;
+            let mut failed = None;
+            let settled = settle::<()>(&drafts[..it.drafts], |i| {
+                if finish.is_some() || failed.is_some() {
+                    return Ok(None);
+                }
+                let position = s.history.len() as u64;
+                let chosen = s.choose(rows[i], position).and_then(|(token, logprobs)| {
+                    if !is_end_of_generation(token) {
+                        if let Some(g) = &mut s.grammar {
+                            g.accept(token)?;
+                        }
                     }
+                    Ok((token, logprobs))
+                });
+                let (token, logprobs) = match chosen {
+                    Ok(c) => c,
+                    Err(e) => {
+                        failed = Some(e.to_string());
+                        return Ok(None);
+                    }
+                };
+                if is_end_of_generation(token) {
+                    finish = Some(FinishReason::Stop);
+                    return Ok(None);
                 }
-                Ok((token, logprobs))
-            });
-            let (token, logprobs) = match chosen {
-                Ok(c) => c,
-                Err(e) => {
-                    outputs.push(Output::Failed {
-                        id: s.id,
-                        message: e.to_string(),
-                    });
-                    done.push(s.id);
-                    continue;
-                }
-            };
-            let finish = if is_end_of_generation(token) {
-                Some(FinishReason::Stop)
-            } else {
                 s.history.push(token);
                 s.generated += 1;
                 outputs.push(Output::Token {
@@ -326,8 +442,9 @@ impl<T> Scheduler<T> {
                     token,
                     logprobs,
                 });
-                // The new token needs one more position to be fed.
-                if s.generated >= s.max_tokens || s.fed >= s.capacity {
+                // The new token needs one more position to be fed (the `i` drafts accepted
+                // before it hold theirs).
+                finish = if s.generated >= s.max_tokens || s.fed + i >= s.capacity {
                     Some(FinishReason::Length)
                 } else {
                     // A complete grammar admits nothing more: the answer is done.
@@ -335,9 +452,23 @@ impl<T> Scheduler<T> {
                         .as_ref()
                         .is_some_and(Grammar::is_finished)
                         .then_some(FinishReason::Stop)
+                };
+                Ok(Some(token))
+            })
+            .expect("drawing does not fail");
+            s.fed += settled.accepted;
+            if it.drafts > 0 {
+                self.speculation.verifications += 1;
+                self.speculation.drafted += it.drafts as u64;
+                self.speculation.accepted += settled.accepted as u64;
+                if let Some(k) = &mut s.speculation {
+                    k.record(settled);
                 }
-            };
-            if let Some(reason) = finish {
+            }
+            if let Some(message) = failed {
+                outputs.push(Output::Failed { id: s.id, message });
+                done.push(s.id);
+            } else if let Some(reason) = finish {
                 outputs.push(Output::Finished {
                     id: s.id,
                     reason,
@@ -410,13 +541,15 @@ mod tests {
                     seq: 0,
                     start_pos: 2,
                     n_tokens: 1,
-                    wants_logits: true
+                    wants_logits: true,
+                    drafts: 0,
                 },
                 StepItem {
                     seq: 1,
                     start_pos: 0,
                     n_tokens: 6,
-                    wants_logits: false
+                    wants_logits: false,
+                    drafts: 0,
                 },
             ]
         );
@@ -438,7 +571,8 @@ mod tests {
                 seq: 1,
                 start_pos: 18,
                 n_tokens: 2,
-                wants_logits: true
+                wants_logits: true,
+                drafts: 0,
             }
         );
         assert!(out.contains(&Output::Token {
@@ -507,6 +641,66 @@ mod tests {
         }
         // Positions 0..5 hold the prompt and two generated tokens; the third is emitted last.
         assert_eq!(tokens, 3);
+    }
+
+    #[test]
+    fn drafts_ride_the_decode_row_and_stand_up_to_the_first_mismatch() {
+        let mut s = Scheduler::new(SchedulerConfig::default());
+        s.admit(seq(1, 3, 10).with_speculation(AdaptiveK::fixed(3)));
+        step(&mut s, 3);
+        let costs = DraftCosts {
+            step_secs: 1.0,
+            row_secs: 0.0,
+            draft_token_secs: 0.0,
+        };
+        s.draft(&costs, |history, k, _| {
+            assert_eq!((history, k), (&[0, 1, 2, 3][..], 3));
+            vec![4, 5, 6]
+        });
+        let items = s.plan_step();
+        assert_eq!(
+            items,
+            vec![StepItem {
+                seq: 0,
+                start_pos: 3,
+                n_tokens: 4,
+                wants_logits: true,
+                drafts: 3,
+            }]
+        );
+        assert_eq!(s.tokens(&items[0]).collect::<Vec<_>>(), vec![3, 4, 5, 6]);
+        // The model draws 4, 5, then 7 where the draft said 6: two drafts stand.
+        let rows = [peak(4), peak(5), peak(7), peak(8)];
+        let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+        let (out, fin) = s.handle_logits(&items, &refs, &|_| false);
+        assert!(fin.is_empty());
+        let tokens: Vec<u32> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Token { token, .. } => Some(*token),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tokens, vec![4, 5, 7]);
+        let q = &s.active()[0];
+        assert_eq!(q.history(), &[0, 1, 2, 3, 4, 5, 7]);
+        // Positions of 3, 4 and 5 stay in the cache; 6's is dropped and 7 is fed next.
+        assert_eq!(q.fed(), 6);
+        assert_eq!(
+            s.speculation(),
+            SpeculationTotals {
+                verifications: 1,
+                drafted: 3,
+                accepted: 2
+            }
+        );
+        // Drafts never run past max_tokens: 4 generated of 10, so at most 5 drafts.
+        s.draft(&costs, |_, k, _| {
+            assert!(k <= 3);
+            vec![9; k]
+        });
+        let items = s.plan_step();
+        assert_eq!((items[0].start_pos, items[0].n_tokens), (6, 4));
     }
 
     #[test]

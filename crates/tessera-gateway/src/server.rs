@@ -437,7 +437,10 @@ async fn health(State(gw): State<Arc<Gateway>>) -> Response {
 }
 
 async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
-    let text = render_prometheus(&gw.metrics.snapshot(), &gw.backend.status());
+    let mut text = render_prometheus(&gw.metrics.snapshot(), &gw.backend.status());
+    text.push_str(&crate::metrics::render_speculation(
+        gw.backend.speculation(),
+    ));
     (
         [(
             header::CONTENT_TYPE,

@@ -228,6 +228,16 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
+    /// How many of `tokens`, in order from the current state, the grammar allows; the state
+    /// does not move (drafts are cut here before they are verified; the state then advances
+    /// only over the tokens drawn).
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        if tokens.is_empty() || self.matcher.is_stopped() {
+            return 0;
+        }
+        self.matcher.validate_tokens(tokens).unwrap_or(0)
+    }
+
     /// Sets the logits of every token the grammar forbids now to `-inf`.
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
         let allowed = self
@@ -306,6 +316,41 @@ mod tests {
     fn tokenizer() -> Tokenizer {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/stories260K.gguf");
         Tokenizer::from_gguf(&GgufFile::open(path).unwrap()).unwrap()
+    }
+
+    /// Drafts are checked against the grammar without moving it: the valid prefix is counted,
+    /// and the state afterwards accepts exactly what it accepted before.
+    #[test]
+    fn valid_prefix_counts_allowed_drafts_and_leaves_the_state() {
+        let tok = tokenizer();
+        let c = GrammarCompiler::new(&tok).unwrap();
+        let schema = serde_json::json!({"enum": ["cat", "dog", "bird"]});
+        let mut g = c.compile(&GrammarSpec::JsonSchema(schema)).unwrap();
+        // Tokens the grammar allows, drawn on a copy; and one it forbids after the first.
+        let mut probe = g.clone();
+        let mut allowed = Vec::new();
+        let mut forbidden = None;
+        while !probe.is_finished() && allowed.len() < 20 {
+            let mut logits: Vec<f32> = (0..tok.vocab_size()).map(|i| i as f32).collect();
+            probe.mask(&mut logits).unwrap();
+            if allowed.len() == 1 {
+                forbidden = logits.iter().position(|l| *l == f32::NEG_INFINITY);
+            }
+            let t = tessera_sampling::argmax(&logits) as u32;
+            if tok.is_end_of_generation(t) {
+                break;
+            }
+            probe.accept(t).unwrap();
+            allowed.push(t);
+        }
+        assert!(allowed.len() >= 2, "{allowed:?}");
+        assert_eq!(g.valid_prefix(&allowed), allowed.len());
+        let bad = forbidden.expect("something is forbidden") as u32;
+        assert_eq!(g.valid_prefix(&[allowed[0], bad]), 1);
+        // Unmoved: the same tokens are accepted from the start.
+        for &t in &allowed {
+            g.accept(t).unwrap();
+        }
     }
 
     /// Greedy decoding over made-up logits that prefer the highest id: whatever the "model"

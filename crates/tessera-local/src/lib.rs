@@ -10,6 +10,12 @@
 //! that need logits), and send each sequence its token. Kernels are batch-invariant, so a
 //! sequence's tokens do not depend on what else shares its batch.
 //!
+//! With [`Speculation`] on ([`LocalBackend::start_speculative`]), each decoding sequence first
+//! gets drafts (prompt lookup or a draft model, as many as its adaptive k says); its decode row
+//! carries them, the head runs on each of them, the scheduler keeps the drafts equal to what
+//! one-token decoding draws, and the KV cache is truncated past the first rejection. The
+//! tokens are those of plain decoding.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use tessera_engine::Model;
@@ -37,8 +43,10 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use tessera_engine::sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLookup};
+use tessera_engine::speculate::ModelDraft;
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
 use tessera_model::{human_bytes, GgufFile};
 
@@ -48,7 +56,9 @@ use tessera_gateway::backend::{
     GenerationRequest, Health, InventorySummary, NodeStatus, PlanStatus, RequestHandle,
     ServedModel, SubmitError,
 };
-use tessera_gateway::scheduler::{Output, Scheduler, SchedulerConfig, Sequence, StepItem};
+use tessera_gateway::scheduler::{
+    Output, Scheduler, SchedulerConfig, Sequence, SpeculationTotals, StepItem,
+};
 
 /// How the local backend batches and queues.
 #[derive(Clone, Copy, Debug)]
@@ -74,6 +84,50 @@ impl Default for LocalConfig {
     }
 }
 
+/// Where drafts come from, for speculative decoding (same text, fewer forward passes).
+#[derive(Clone, Default)]
+pub enum Speculation {
+    /// One token per forward pass.
+    #[default]
+    Off,
+    /// Prompt lookup: drafts copied from earlier in the sequence; up to `max_k` per step.
+    Lookup { max_k: usize },
+    /// A smaller model with the target's vocabulary
+    /// ([`tessera_engine::speculate::check_same_vocabulary`]) drafts greedily; up to `max_k`
+    /// per step.
+    DraftModel { model: Arc<Model>, max_k: usize },
+}
+
+impl std::fmt::Debug for Speculation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Off => write!(f, "Off"),
+            Self::Lookup { max_k } => write!(f, "Lookup {{ max_k: {max_k} }}"),
+            Self::DraftModel { max_k, .. } => write!(f, "DraftModel {{ max_k: {max_k} }}"),
+        }
+    }
+}
+
+impl Speculation {
+    fn max_k(&self) -> usize {
+        match self {
+            Self::Off => 0,
+            Self::Lookup { max_k } | Self::DraftModel { max_k, .. } => *max_k,
+        }
+    }
+
+    /// A drafter for one sequence of up to `capacity` positions.
+    fn drafter(&self, capacity: usize) -> Option<Box<dyn DraftSource>> {
+        match self {
+            Self::Off => None,
+            Self::Lookup { .. } => Some(Box::new(PromptLookup::default())),
+            Self::DraftModel { model, .. } => {
+                Some(Box::new(ModelDraft::new(model.clone(), capacity)))
+            }
+        }
+    }
+}
+
 /// Caches kept for prefix reuse unless configured: two conversations alternating keep theirs.
 pub const DEFAULT_PREFIX_CACHE: usize = prefix_cache::DEFAULT_KEPT;
 
@@ -91,6 +145,8 @@ struct Shared {
     inbox: Mutex<Inbox>,
     wake: Condvar,
     counters: Mutex<BackendCounters>,
+    /// Speculation's totals, when speculating.
+    speculation: Mutex<Option<SpeculationTotals>>,
     /// The engine thread has exited (shutdown).
     stopped: AtomicBool,
 }
@@ -99,6 +155,8 @@ struct Shared {
 struct Slot {
     kv: KvCache,
     events: EventSender,
+    /// Proposes drafts, when speculating.
+    drafter: Option<Box<dyn DraftSource>>,
 }
 
 /// The single-process backend. Dropping it stops the engine thread.
@@ -128,6 +186,18 @@ impl LocalBackend {
         gguf: &GgufFile,
         model: Model,
         config: LocalConfig,
+    ) -> tessera_model::Result<Self> {
+        Self::start_speculative(id, gguf, model, config, Speculation::Off)
+    }
+
+    /// As [`LocalBackend::start`], drafting with `speculation` (the caller has checked a draft
+    /// model's vocabulary).
+    pub fn start_speculative(
+        id: &str,
+        gguf: &GgufFile,
+        model: Model,
+        config: LocalConfig,
+        speculation: Speculation,
     ) -> tessera_model::Result<Self> {
         let served = Arc::new(ServedModel::from_gguf(id, gguf, config.context_length)?);
         let config = LocalConfig {
@@ -187,6 +257,9 @@ impl LocalBackend {
                 max_active_sequences: config.scheduler.max_active,
                 ..BackendCounters::default()
             }),
+            speculation: Mutex::new(
+                (!matches!(speculation, Speculation::Off)).then(SpeculationTotals::default),
+            ),
             stopped: AtomicBool::new(false),
         });
         let engine = Engine {
@@ -196,6 +269,8 @@ impl LocalBackend {
             scheduler: Scheduler::new(config.scheduler),
             capacity: config.context_length,
             prefix_cache: PrefixCache::new(config.prefix_cache),
+            speculation,
+            meter: CostMeter::default(),
         };
         let thread = std::thread::Builder::new()
             .name("tessera-engine".into())
@@ -268,6 +343,10 @@ impl Backend for LocalBackend {
         }
     }
 
+    fn speculation(&self) -> Option<SpeculationTotals> {
+        *lock(&self.shared.speculation)
+    }
+
     fn status(&self) -> ClusterStatus {
         let counters = lock(&self.shared.counters).clone();
         let mut node = self.node.clone();
@@ -300,6 +379,9 @@ struct Engine {
     scheduler: Scheduler<Slot>,
     capacity: usize,
     prefix_cache: PrefixCache<KvCache>,
+    speculation: Speculation,
+    /// Measured forward and drafting costs, for each sequence's adaptive k.
+    meter: CostMeter,
 }
 
 impl Engine {
@@ -323,9 +405,15 @@ impl Engine {
                 self.publish(0, 0, 0);
                 continue;
             }
+            self.draft();
             let items = self.scheduler.plan_step();
+            let t = Instant::now();
             match self.forward(&items) {
-                Ok(logits) => self.deliver(&items, &logits),
+                Ok(logits) => {
+                    let rows = items.iter().map(|it| it.n_tokens).sum();
+                    self.meter.record_forward(rows, t.elapsed().as_secs_f64());
+                    self.deliver(&items, &logits);
+                }
                 Err(e) => self.fail_all(&e.to_string()),
             }
         }
@@ -337,6 +425,31 @@ impl Engine {
             });
         }
         self.shared.stopped.store(true, Ordering::Relaxed);
+    }
+
+    /// Asks each speculating sequence's drafter for drafts (none when speculation is off).
+    fn draft(&mut self) {
+        if matches!(self.speculation, Speculation::Off) {
+            return;
+        }
+        let decoding = self
+            .scheduler
+            .active()
+            .iter()
+            .filter(|s| !s.is_prefilling())
+            .count();
+        let costs = self.meter.costs(decoding);
+        let t = Instant::now();
+        let mut drafted = 0;
+        self.scheduler.draft(&costs, |history, k, slot| {
+            let d = slot
+                .drafter
+                .as_mut()
+                .map_or_else(Vec::new, |x| x.propose(history, k));
+            drafted += d.len();
+            d
+        });
+        self.meter.record_draft(drafted, t.elapsed().as_secs_f64());
     }
 
     /// Moves waiting requests into the batch while there is room; sleeps while there is nothing
@@ -361,21 +474,24 @@ impl Engine {
                     None => (self.model.new_kv(self.capacity), 0),
                 };
                 tracing::debug!(request = w.req.id, reused, "joins the batch");
-                self.scheduler.admit(
-                    Sequence::new(
-                        w.req.id,
-                        w.req.prompt_tokens,
-                        w.req.params,
-                        w.req.max_tokens,
-                        self.capacity,
-                        Slot {
-                            kv,
-                            events: w.events,
-                        },
-                    )
-                    .with_options(w.req.logprobs, w.req.grammar)
-                    .with_cached_prefix(reused),
-                );
+                let mut seq = Sequence::new(
+                    w.req.id,
+                    w.req.prompt_tokens,
+                    w.req.params,
+                    w.req.max_tokens,
+                    self.capacity,
+                    Slot {
+                        kv,
+                        events: w.events,
+                        drafter: self.speculation.drafter(self.capacity),
+                    },
+                )
+                .with_options(w.req.logprobs, w.req.grammar)
+                .with_cached_prefix(reused);
+                if seq.payload.drafter.is_some() {
+                    seq = seq.with_speculation(AdaptiveK::new(self.speculation.max_k()));
+                }
+                self.scheduler.admit(seq);
             }
             lock(&self.shared.counters).queue_depth = inbox.waiting.len();
             if !self.scheduler.is_idle() {
@@ -394,7 +510,7 @@ impl Engine {
     fn forward(&mut self, items: &[StepItem]) -> tessera_engine::Result<Vec<Vec<f32>>> {
         let mut tokens = Vec::new();
         for it in items {
-            tokens.extend_from_slice(self.scheduler.tokens(it));
+            tokens.extend(self.scheduler.tokens(it));
         }
         let batch: Vec<SeqStep> = items
             .iter()
@@ -422,15 +538,14 @@ impl Engine {
                 &mut LocalExperts(model),
             )?;
         }
-        // The head only on the last row of each item that samples.
+        // The head only on the rows that sample: the last of each item that wants logits, and
+        // the drafts' rows before it.
         let n_embd = hidden.n_embd;
         let mut rows = Vec::new();
         let mut end = 0;
         for it in items {
             end += it.n_tokens;
-            if it.wants_logits {
-                rows.push(end - 1);
-            }
+            rows.extend(end - it.logits_rows()..end);
         }
         if rows.is_empty() {
             return Ok(Vec::new());
@@ -451,9 +566,21 @@ impl Engine {
             .sum();
         let rows: Vec<&[f32]> = logits.iter().map(Vec::as_slice).collect();
         let served = &self.served;
-        let (outputs, finished) = self
+        let (outputs, mut finished) = self
             .scheduler
             .handle_logits(items, &rows, &|t| served.is_end_of_generation(t));
+        // Rejected drafts' positions leave the caches.
+        for s in self.scheduler.active_mut() {
+            let fed = s.fed();
+            s.payload.kv.truncate(fed);
+        }
+        for s in &mut finished {
+            let fed = s.fed();
+            s.payload.kv.truncate(fed);
+        }
+        if let Some(t) = lock(&self.shared.speculation).as_mut() {
+            *t = self.scheduler.speculation();
+        }
         let mut generated = 0;
         for out in outputs {
             let (id, event) = match out {

@@ -5,8 +5,13 @@
 //!
 //! [`sample`] is [`process_logits`] then [`sample_processed`]; a caller that masks tokens
 //! (a grammar) or reports log-probabilities ([`token_logprobs`]) calls the two halves itself.
+//!
+//! [`speculate`] holds speculative decoding's pure parts: the acceptance rule that keeps the
+//! text of one-token decoding, prompt lookup, and the adaptive draft length.
 
 #![forbid(unsafe_code)]
+
+pub mod speculate;
 
 use serde::{Deserialize, Serialize};
 

@@ -1,7 +1,8 @@
 //! `tessera bench`: prefill and decode speed, peak memory, and the memory-bandwidth bound on
 //! decode measured in the same run — so the figures can be read as a fraction of what the
 //! machine allows. With `--expert-budget`, the experts are streamed from disk and the decode is
-//! also read against the disk-bound rate.
+//! also read against the disk-bound rate. With `--draft`, speculative decoding is measured
+//! against plain decoding in the same run instead (`bench_draft`).
 
 use std::path::PathBuf;
 
@@ -43,6 +44,24 @@ pub struct BenchArgs {
     /// model's repeated greedy token does not route the same way every step.
     #[arg(long, value_name = "SIZE")]
     expert_budget: Option<String>,
+    /// Measure speculative decoding against plain decoding, in the same run, on a text prompt
+    /// (--draft-task): `lookup` (prompt lookup), `self` (the model as its own draft: every
+    /// draft agrees, so this measures the mechanism's ceiling; k is fixed at --draft-max), or
+    /// a GGUF draft model with the same vocabulary. Reports the acceptance rate, tokens per
+    /// verification, the draft's cost and the speedup; -n tokens are generated greedily.
+    #[arg(long, value_name = "lookup|self|FILE",
+          conflicts_with_all = ["expert_budget", "depth", "n_prompt", "ubatch"])]
+    draft: Option<String>,
+    /// Most drafts per verification with --draft (1..=64). [default: 8]
+    #[arg(long, value_name = "K", requires = "draft")]
+    draft_max: Option<usize>,
+    /// Always draft --draft-max tokens instead of adapting k to the measured acceptance.
+    #[arg(long, requires = "draft")]
+    draft_fixed: bool,
+    /// The prompt for --draft: `copy` (a paragraph to write out again: prompt lookup's case)
+    /// or `story` (a story opening to continue).
+    #[arg(long, value_enum, default_value = "copy", requires = "draft")]
+    draft_task: super::bench_draft::DraftTask,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -52,6 +71,23 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.model
     };
     let threads = args.threads.unwrap_or_else(super::default_threads);
+    if let Some(draft) = &args.draft {
+        let opts = super::bench_draft::Options {
+            draft: draft.clone(),
+            max_k: args.draft_max,
+            fixed: args.draft_fixed,
+            task: args.draft_task,
+            n_gen: args.n_gen,
+            repetitions: args.repetitions,
+            threads,
+            kv_type: args.kv_type,
+            json: args.json,
+        };
+        for path in &models {
+            super::bench_draft::run(path, &opts)?;
+        }
+        return Ok(());
+    }
     let expert_budget = match args
         .expert_budget
         .as_deref()

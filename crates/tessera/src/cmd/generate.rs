@@ -37,6 +37,8 @@ pub struct GenerateArgs {
     /// Print timing figures to stderr at the end.
     #[arg(long)]
     stats: bool,
+    #[command(flatten)]
+    speculate: super::speculate::SpeculateArgs,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -60,6 +62,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     let threads = args.threads.unwrap_or_else(super::default_threads);
+    let speculation = args.speculate.load(&gguf, threads, args.kv_type)?;
     let mut progress = LoadProgress::new(&gguf);
     let model = Model::load(
         &gguf,
@@ -81,6 +84,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
 
     let capacity = (prompt.len() + args.max_tokens).min(config.context_length);
     let mut generator = Generator::new(&model, params, capacity);
+    if let Some((source, k)) = super::speculate::drafter(&speculation, capacity, false) {
+        generator = generator.with_speculation(source, k);
+    }
     let mut decoder = StreamDecoder::new(&tokenizer);
     let mut stops = StopMatcher::new(args.stop);
     let mut out = std::io::stdout().lock();
@@ -120,6 +126,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             s.generated_tokens as f64 / s.decode_time.as_secs_f64().max(1e-9),
             s.stop
         );
+        let sp = &s.speculation;
+        if sp.drafted > 0 {
+            eprintln!(
+                "speculation: {} of {} drafts accepted ({:.1}%), {:.2} tokens per verification, drafting {:.3} s",
+                sp.accepted,
+                sp.drafted,
+                100.0 * sp.acceptance_rate(),
+                s.generated_tokens as f64 / sp.verifications.max(1) as f64,
+                sp.draft_time.as_secs_f64()
+            );
+        }
     }
     Ok(())
 }

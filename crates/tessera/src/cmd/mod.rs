@@ -2,6 +2,7 @@
 
 pub mod auto_plan;
 pub mod bench;
+mod bench_draft;
 pub mod client;
 pub mod coordinator;
 pub mod generate;
@@ -14,6 +15,7 @@ pub mod pull;
 pub mod run;
 mod sampling;
 pub mod serve;
+pub mod speculate;
 pub mod submit;
 pub mod token;
 pub mod up;

@@ -72,6 +72,9 @@ pub struct ServeArgs {
     /// 32-blocks) or f32 (llama.cpp's non-flash numerics).
     #[arg(long, default_value = "f16")]
     pub kv_type: tessera_engine::KvType,
+    /// Speculative decoding (single-process serving only).
+    #[command(flatten)]
+    pub speculate: super::speculate::SpeculateArgs,
     /// Distributed mode: run a coordinator in this process and serve the model over this many
     /// nodes, once they have joined (`tessera node --join TOKEN@HOST:PORT`, as printed) and
     /// loaded their layers.
@@ -191,20 +194,31 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    if args.nodes_expected.is_some() || args.split.is_some() || args.plan.is_some() {
+    let distributed = args.nodes_expected.is_some() || args.split.is_some() || args.plan.is_some();
+    if (distributed || args.sealed_via.is_some()) && args.speculate.given() {
+        bail!(
+            "--speculate, --draft-model and --draft-max are for single-process serving; \
+             distributed and sealed modes do not speculate yet"
+        );
+    }
+    // Flags first: a wrong combination is refused before any model loads.
+    args.speculate.mode()?;
+    if distributed {
         return run_distributed(args);
     }
     if args.sealed_via.is_some() {
         return run_sealed(args);
     }
+    let speculate = args.speculate.clone();
     let cfg = validate(args)?;
     let gguf =
         GgufFile::open(&cfg.model).with_context(|| format!("opening {}", cfg.model.display()))?;
+    let speculation = speculate.load(&gguf, cfg.threads, cfg.kv_type)?;
     let model = Model::load_full(&gguf, cfg.threads)
         .with_context(|| format!("loading {}", cfg.model.display()))?
         .with_kv_type(cfg.kv_type)
         .context("--kv-type")?;
-    let backend = LocalBackend::start(&cfg.name, &gguf, model, cfg.local)
+    let backend = LocalBackend::start_speculative(&cfg.name, &gguf, model, cfg.local, speculation)
         .context("reading the tokenizer and chat template")?;
     serve_backend(Arc::new(backend), cfg.listen, cfg.http, |_| {})
 }
