@@ -16,87 +16,13 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
-use common::chaos::{messages, reference_text, Cluster, Proc};
+use common::chaos::{messages, Proc};
 use common::model;
+use common::sealed::{cluster, finished, news, of_type, one_process, submit, MODEL};
 use serde_json::Value;
-
-const MODEL: &str = "test/small-qwen3-Q8_0.gguf";
-
-/// A cluster of single-node cells, one per node (`name`, extra node flags), every node's claims
-/// for the model received by the coordinator. Returns it with each node's key → name.
-fn cluster(nodes: &[(&str, &[&str])], coordinator: &[&str]) -> (Cluster, BTreeMap<String, String>) {
-    let path = model(MODEL);
-    let split = vec!["0..3"; nodes.len()].join(",");
-    let mut c = Cluster::start_with(&path, &split, coordinator);
-    for (name, extra) in nodes {
-        let join = c.join.clone();
-        c.add_node_with(name, &join, extra);
-    }
-    c.wait_ready();
-    let holding = |e: &Value| e["models"].as_u64() == Some(1);
-    c.coordinator
-        .wait_event_where(&[("event", "claims")], nodes.len(), holding);
-    let keys = c
-        .coordinator
-        .events(&[("event", "claims")])
-        .into_iter()
-        .filter(|e| holding(e))
-        .map(|e| {
-            let s = |k: &str| e[k].as_str().unwrap().to_string();
-            (s("node"), s("name"))
-        })
-        .collect();
-    (c, keys)
-}
-
-/// `tessera client submit --json` against `c`, with its own client key.
-fn submit(c: &Cluster, name: &str, flags: &[&str]) -> Proc {
-    let mut args: Vec<String> = vec![
-        "client".into(),
-        "submit".into(),
-        "--coordinator".into(),
-        c.operator.clone(),
-        "--data-dir".into(),
-        c.dir.path().join(name).display().to_string(),
-        "-m".into(),
-        model(MODEL).display().to_string(),
-        "--json".into(),
-    ];
-    args.extend(flags.iter().map(|s| s.to_string()));
-    Proc::spawn(name, &args)
-}
-
-/// The client's news lines of kind `event`.
-fn news(msgs: &[Value], event: &str) -> Vec<Value> {
-    msgs.iter()
-        .filter(|m| m["news"]["event"] == event)
-        .map(|m| m["news"].clone())
-        .collect()
-}
-
-fn answers(msgs: &[Value]) -> Vec<Value> {
-    msgs.iter()
-        .filter(|m| m["type"] == "answer")
-        .cloned()
-        .collect()
-}
-
-fn finished(p: &mut Proc) -> (bool, Vec<Value>) {
-    let ok = p.finish().success();
-    (ok, messages(p).into_iter().map(|(_, v)| v).collect())
-}
-
-/// The text `tessera generate` gives: the prompt and the completion.
-fn one_process(prompt: &str, n: &str) -> String {
-    reference_text(
-        &model(MODEL),
-        &["-p", prompt, "-n", n, "--temperature", "0"],
-    )
-}
 
 #[test]
 fn a_sealed_job_gives_the_one_process_text_and_the_coordinator_never_holds_prompt_or_answer() {
@@ -109,7 +35,7 @@ fn a_sealed_job_gives_the_one_process_text_and_the_coordinator_never_holds_promp
     );
     let (ok, msgs) = finished(&mut p);
     assert!(ok, "{msgs:?}");
-    let a = answers(&msgs);
+    let a = of_type(&msgs, "answer");
     assert_eq!(a.len(), 1, "{msgs:?}");
     let text = a[0]["text"].as_str().unwrap();
     assert_eq!(format!("{marker}{text}\n"), one_process(marker, "48"));
@@ -157,7 +83,7 @@ fn a_coordinator_that_rewrites_the_recipient_or_the_expiry_gets_an_authenticatio
         let mut p = submit(&c, "client", &["-p", "Once upon a time", "-n", "8"]);
         let (ok, msgs) = finished(&mut p);
         assert!(!ok, "{fault}: the job must fail: {msgs:?}");
-        assert!(answers(&msgs).is_empty(), "{fault}: {msgs:?}");
+        assert!(of_type(&msgs, "answer").is_empty(), "{fault}: {msgs:?}");
         let refused = news(&msgs, "refused");
         assert_eq!(
             refused.len(),
@@ -198,7 +124,7 @@ fn a_replayed_envelope_is_refused_by_the_worker_and_a_resubmitted_job_by_the_coo
     assert_eq!(refused[0]["reason"], "replayed");
     assert_eq!(refused[0]["attempt"], 1);
     // The replay did not move the job: attempt 1 answered, once.
-    let a = answers(&msgs);
+    let a = of_type(&msgs, "answer");
     assert_eq!(a.len(), 1);
     assert_eq!(a[0]["attempt"], 1);
     let resubmitted: Vec<&Value> = msgs.iter().filter(|m| m["type"] == "resubmitted").collect();
@@ -237,7 +163,7 @@ fn killing_the_worker_holding_a_job_hands_it_to_the_next_and_the_client_gets_one
     let (ok, msgs) = finished(&mut p);
     assert!(ok, "{msgs:?}");
     assert_eq!(news(&msgs, "expired").len(), 1, "{msgs:?}");
-    let a = answers(&msgs);
+    let a = of_type(&msgs, "answer");
     assert_eq!(a.len(), 1, "one answer: {msgs:?}");
     assert_eq!(a[0]["attempt"], 2);
     let want = one_process(prompt, "300");
@@ -278,7 +204,7 @@ fn a_worker_that_alters_its_tokens_is_quarantined_and_the_client_gets_the_honest
     let (ok, msgs) = finished(&mut p);
     assert!(ok, "{msgs:?}");
     let want = one_process(prompt, "12");
-    let a = answers(&msgs);
+    let a = of_type(&msgs, "answer");
     assert_eq!(a.len(), 3);
     for x in &a {
         assert_eq!(x["verified"], true, "{x}");
@@ -310,7 +236,7 @@ fn honest_workers_are_never_quarantined_in_200_verified_jobs() {
     );
     let (ok, msgs) = finished(&mut p);
     assert!(ok, "{msgs:?}");
-    let a = answers(&msgs);
+    let a = of_type(&msgs, "answer");
     assert_eq!(a.len(), 200);
     assert!(a.iter().all(|x| x["verified"] == true));
     assert_eq!(news(&msgs, "verifying").len(), 200);
@@ -359,7 +285,7 @@ fn workers_on_the_scalar_avx2_and_avx512_paths_agree_on_every_verified_answer() 
     );
     let (ok, msgs) = finished(&mut p);
     assert!(ok, "{msgs:?}");
-    let a = answers(&msgs);
+    let a = of_type(&msgs, "answer");
     assert_eq!(a.len(), 9);
     assert!(a.iter().all(|x| x["verified"] == true), "{a:?}");
     // Seeded sampling on three kernel paths: one text.

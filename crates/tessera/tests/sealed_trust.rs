@@ -14,86 +14,14 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::chaos::{messages, reference_text, Cluster, Proc};
+use common::chaos::{Cluster, Proc};
 use common::model;
+use common::sealed::{
+    cluster, finished, news, node_names, of_type, one_process, submit, wait_claims, MODEL,
+};
 use serde_json::Value;
-
-const MODEL: &str = "test/small-qwen3-Q8_0.gguf";
-
-/// A cluster of single-node cells, one per node (`name`, extra node flags), every node's claims
-/// for the model received. Returns it with each node's key → name.
-fn cluster(nodes: &[(&str, &[&str])], coordinator: &[&str]) -> (Cluster, BTreeMap<String, String>) {
-    let split = vec!["0..3"; nodes.len()].join(",");
-    let mut c = Cluster::start_with(&model(MODEL), &split, coordinator);
-    for (name, extra) in nodes {
-        let join = c.join.clone();
-        c.add_node_with(name, &join, extra);
-    }
-    c.wait_ready();
-    wait_claims(&mut c, nodes.len());
-    let keys = node_names(&mut c);
-    (c, keys)
-}
-
-/// Waits until the coordinator has had `n` claims holding the model.
-fn wait_claims(c: &mut Cluster, n: usize) {
-    c.coordinator
-        .wait_event_where(&[("event", "claims")], n, |e| e["models"] == 1);
-}
-
-fn node_names(c: &mut Cluster) -> BTreeMap<String, String> {
-    c.coordinator
-        .events(&[("event", "claims")])
-        .into_iter()
-        .map(|e| {
-            let s = |k: &str| e[k].as_str().unwrap().to_string();
-            (s("node"), s("name"))
-        })
-        .collect()
-}
-
-/// `tessera client submit --json` against `c`, with its own client key.
-fn submit(c: &Cluster, name: &str, flags: &[&str]) -> Proc {
-    let mut args: Vec<String> = vec![
-        "client".into(),
-        "submit".into(),
-        "--coordinator".into(),
-        c.operator.clone(),
-        "--data-dir".into(),
-        c.dir.path().join(name).display().to_string(),
-        "-m".into(),
-        model(MODEL).display().to_string(),
-        "--json".into(),
-    ];
-    args.extend(flags.iter().map(|s| s.to_string()));
-    Proc::spawn(name, &args)
-}
-
-fn finished(p: &mut Proc) -> (bool, Vec<Value>) {
-    let ok = p.finish().success();
-    (ok, messages(p).into_iter().map(|(_, v)| v).collect())
-}
-
-fn of_type(msgs: &[Value], t: &str) -> Vec<Value> {
-    msgs.iter().filter(|m| m["type"] == t).cloned().collect()
-}
-
-fn news(msgs: &[Value], event: &str) -> Vec<Value> {
-    msgs.iter()
-        .filter(|m| m["news"]["event"] == event)
-        .map(|m| m["news"].clone())
-        .collect()
-}
-
-fn one_process(prompt: &str, n: &str) -> String {
-    reference_text(
-        &model(MODEL),
-        &["-p", prompt, "-n", n, "--temperature", "0"],
-    )
-}
 
 /// `tessera client operator-key --dir DIR`: the operator's public key.
 fn operator_key(dir: &Path) -> String {

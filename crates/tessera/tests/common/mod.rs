@@ -11,6 +11,7 @@
 //! - `serve`: a `tessera serve` on a loopback port, the cache directory and model paths.
 //! - `openai`: the official OpenAI Python client against a running server.
 //! - `browser`: headless Chromium.
+//! - `sealed`: a coordinator of single-node cells, its nodes and a sealing client.
 //! - `cdp`: headless Chromium driven over the DevTools protocol (JavaScript observed).
 
 #![allow(dead_code)]
@@ -24,6 +25,7 @@ pub mod moe;
 pub mod openai;
 pub mod proc;
 pub mod run;
+pub mod sealed;
 pub mod serve;
 
 #[allow(unused_imports)]
