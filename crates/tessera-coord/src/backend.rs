@@ -295,11 +295,12 @@ impl std::fmt::Display for NotServing {
 }
 
 fn not_serving(shared: &Shared) -> Option<NotServing> {
-    let st = shared.lock();
-    let cells = st.membership.cells();
+    let core = shared.lock();
+    let m = core.cluster.membership();
+    let cells = m.cells();
     if cells.is_empty() {
         return Some(NotServing::NoPlan {
-            connected: st.membership.connected().len(),
+            connected: m.connected().len(),
         });
     }
     // One ready cell serves; otherwise the cell furthest along says why not yet, and with
@@ -571,21 +572,22 @@ fn status(inner: &Inner) -> ClusterStatus {
                 *layers as u64 * inner.kv_per_pos_layer * l.positions as u64;
         }
     }
-    let st = shared.lock();
+    let core = shared.lock();
+    let st = &core.cluster;
     let cfg = &shared.model.config;
     // The cells that hold (or are taking) their nodes; the first describes the plan.
     let held: Vec<&crate::membership::Epoch> = st
-        .membership
+        .membership()
         .cells()
         .iter()
         .filter(|e| !matches!(e.phase, Phase::Released | Phase::Failed(_)))
         .collect();
     let epoch = held.first().copied().or_else(|| {
-        st.membership
+        st.membership()
             .epoch()
             .filter(|e| !matches!(e.phase, Phase::Released))
     });
-    let n_cells = st.membership.cells().len();
+    let n_cells = st.membership().cells().len();
     // The weight bytes a node's stage keeps resident (the gateway words what it holds).
     let weights_of = |id: &NodeId| -> u64 {
         held.iter()
@@ -599,14 +601,14 @@ fn status(inner: &Inner) -> ClusterStatus {
             .or_else(|| m.inventory.as_ref().and_then(|i| i.memory.available_bytes))
             .unwrap_or(0)
     };
-    let mut members: Vec<&crate::membership::Member> = st.membership.members().collect();
+    let mut members: Vec<&crate::membership::Member> = st.membership().members().collect();
     members.sort_by_key(|m| (!m.connected, m.joined));
     let nodes: Vec<NodeStatus> = members
         .into_iter()
         .map(|m| {
             let weights = weights_of(&m.node_id);
             let expert_cache =
-                st.expert_cache
+                st.expert_cache()
                     .get(&m.node_id)
                     .map(|c| tessera_gateway::ExpertCacheStatus {
                         budget_bytes: c.budget_bytes,
@@ -661,12 +663,12 @@ fn status(inner: &Inner) -> ClusterStatus {
             }
         })
         .collect();
-    let budget = |id: &NodeId| st.membership.member(id).map_or(0, budget_of);
+    let budget = |id: &NodeId| st.membership().member(id).map_or(0, budget_of);
     // The current epoch's expert split (after a failover it differs from the configured one):
     // experts per layer each node holds, resolved against the members by name or id.
-    let members = st.membership.member_candidates();
+    let members = st.membership().member_candidates();
     let expert_owners: Option<Vec<(NodeId, usize)>> =
-        st.membership.epoch_expert_split().map(|split| {
+        st.membership().epoch_expert_split().map(|split| {
             split
                 .groups
                 .iter()
@@ -687,7 +689,7 @@ fn status(inner: &Inner) -> ClusterStatus {
                 .filter(|s| !s.layers.is_empty())
                 .map(|s| {
                     let name = st
-                        .membership
+                        .membership()
                         .member(&s.node_id)
                         .map_or_else(|| s.node_id.short(), |m| m.name.clone());
                     format!("{name} {}..{}", s.layers.start, s.layers.end)
@@ -699,7 +701,7 @@ fn status(inner: &Inner) -> ClusterStatus {
                 cfg.n_layer,
                 ranges.join(", ")
             );
-            if let Some(split) = st.membership.epoch_expert_split() {
+            if let Some(split) = st.membership().epoch_expert_split() {
                 x.push_str(&format!(
                     " Each MoE layer's experts are split by owner ({split}): the home stage \
                      routes and sends each owner only its experts' tokens."
@@ -754,7 +756,7 @@ fn status(inner: &Inner) -> ClusterStatus {
             (_, true) => "stage + expert split",
         };
         let cells: Vec<CellStatus> = if n_cells > 1 {
-            st.membership
+            st.membership()
                 .cells()
                 .iter()
                 .map(|e| CellStatus {
@@ -762,8 +764,8 @@ fn status(inner: &Inner) -> ClusterStatus {
                     epoch: e.id,
                     state: e.phase.to_string(),
                     nodes: e.stages.iter().map(|s| s.node_id.to_string()).collect(),
-                    active: st.cells.seated(e.id),
-                    decode_tokens_per_s: st.cells.speed(e.id).unwrap_or(0.0),
+                    active: st.cells().seated(e.id),
+                    decode_tokens_per_s: st.cells().speed(e.id).unwrap_or(0.0),
                 })
                 .collect()
         } else {

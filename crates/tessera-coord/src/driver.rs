@@ -28,19 +28,14 @@ use tessera_model::StreamDecoder;
 use tessera_net::{Connection, FramedStream};
 use tessera_proto::{
     frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, RunReport, RunRequest,
-    StageSeqStats, StageSpec, PROTOCOL_VERSION,
+    StageSeqStats, PROTOCOL_VERSION,
 };
 use tokio::sync::mpsc;
 
-use crate::assignment::resolve;
-use crate::cells::{choose, NoCell};
+use crate::cluster::{ClusterInput, RunNews};
 use crate::error::CoordError;
-use crate::membership::{Event, Phase};
-use crate::run::{Input, Output, Placement, RunEvent, RunMachine, RunOutcome, RunSpec, Timer};
-use crate::shared::{member_status, EpochStatus, RouteMsg, Shared};
-
-/// How long a new epoch may take to load (model transfer included) and link.
-const EPOCH_TIMEOUT: Duration = Duration::from_secs(600);
+use crate::run::{Placement, RunEvent, RunOutcome, RunSpec};
+use crate::shared::{member_status, Shared};
 
 pub(crate) async fn client_session(
     shared: Arc<Shared>,
@@ -177,9 +172,7 @@ pub(crate) async fn client_session(
 
 /// Cancels run `seq` (its owner gave up): an input to its machine, not a message from a node.
 pub(crate) fn cancel(shared: &Shared, seq: u64) {
-    if let Some(r) = shared.lock().routes.get(&seq) {
-        let _ = r.send(RouteMsg::Cancel);
-    }
+    shared.handle(ClusterInput::Cancel { run: seq });
 }
 
 /// Who a client session's peer is, from its credential.
@@ -207,210 +200,10 @@ fn record_metrics(shared: &Shared, report: &RunReport) {
         .and_then(|mut f| writeln!(f, "{line}"));
 }
 
-/// Bytes of KV cache per position per layer, as the stages hold it.
-fn kv_bytes_per_position_layer(shared: &Shared, st: &crate::shared::LiveState) -> u64 {
-    let shape = tessera_model::kv::KvShape::from_config(&shared.model.config);
-    st.membership.kv_type().bytes_per_position(shape) as u64
-}
-
-/// Chooses a ready cell for run `seq` (never `exclude`, the cell it was lost on) and seats it
-/// there ([`crate::cells`]), under one lock so that requests arriving together see each
-/// other's seats.
-fn take_cell(
-    shared: &Shared,
-    seq: u64,
-    positions: u64,
-    exclude: Option<u64>,
-) -> Result<Placement, NoCell> {
-    let mut st = shared.lock();
-    let kv = kv_bytes_per_position_layer(shared, &st);
-    let loads = st.cells.loads(&st.membership);
-    let epoch = choose(&loads, positions, kv, exclude)?;
-    st.cells.seat(seq, epoch, positions);
-    // A resumed run may have been the last on a draining epoch.
-    shared.release_drained(&mut st);
-    Placement::of(&st.membership, epoch).ok_or(NoCell::NoneReady)
-}
-
-/// A run's seat on its cell: given up when the run ends, and the requests waiting for room
-/// look again.
-struct Seat<'a> {
-    shared: &'a Shared,
-    seq: u64,
-}
-
-impl Drop for Seat<'_> {
-    fn drop(&mut self) {
-        let mut st = self.shared.lock();
-        if st.cells.unseat(self.seq) {
-            self.shared.seats_freed.notify_waiters();
-            self.shared.release_drained(&mut st);
-        }
-    }
-}
-
-/// Why no cell can take a request now and none is coming: the refusal the client gets.
-fn unavailable(st: &crate::shared::LiveState) -> Option<CoordError> {
-    let m = &st.membership;
-    if m.cells()
-        .iter()
-        .any(|e| matches!(e.phase, Phase::Loading | Phase::Linking | Phase::Ready))
-    {
-        return None;
-    }
-    let failed = m.epoch().and_then(|e| match &e.phase {
-        Phase::Failed(r) => Some(format!("epoch {} failed: {r}", e.id)),
-        _ => None,
-    });
-    Some(CoordError::Run(
-        match (m.outage().map(str::to_string), failed) {
-            (Some(why), _) | (None, Some(why)) => format!("service unavailable: {why}"),
-            (None, None) => {
-                "no assignment is active: give the stages (e.g. --split 0..3,3..5)".into()
-            }
-        },
-    ))
-}
-
-/// Seats run `seq` on a ready cell and returns its placement: the cell placing `spec` when
-/// one is given (planning it if no cell does, and waiting for it), else the cell the router
-/// chooses, waiting while cells load or while none has room for `positions` of KV.
-async fn ensure_epoch(
-    shared: &Shared,
-    spec: Option<&Vec<StageSpec>>,
-    seq: u64,
-    positions: u64,
-) -> Result<Placement, CoordError> {
-    let deadline = tokio::time::Instant::now() + EPOCH_TIMEOUT;
-    let mut rx = shared.epoch_tx.subscribe();
-    if let Some(spec) = spec {
-        let target = plan_spec(shared, spec)?;
-        wait_ready(shared, &mut rx, target, deadline).await?;
-        let mut st = shared.lock();
-        st.cells.seat(seq, target, positions);
-        return Placement::of(&st.membership, target)
-            .ok_or_else(|| CoordError::Run("the epoch was replaced".into()));
-    }
-    loop {
-        // Armed before looking, so that a seat freed in between is not missed.
-        let freed = shared.seats_freed.notified();
-        tokio::pin!(freed);
-        freed.as_mut().enable();
-        match take_cell(shared, seq, positions, None) {
-            Ok(p) => return Ok(p),
-            Err(NoCell::NoneReady) => {
-                if let Some(e) = unavailable(&shared.lock()) {
-                    return Err(e);
-                }
-            }
-            Err(NoCell::NoneFits { .. }) => {}
-            Err(e @ NoCell::TooBig { .. }) => return Err(CoordError::Run(e.to_string())),
-        }
-        tokio::select! {
-            r = tokio::time::timeout_at(deadline, rx.changed()) => if r.is_err() {
-                return Err(CoordError::Timeout(format!(
-                    "no cell could take the request within {EPOCH_TIMEOUT:?}"
-                )));
-            },
-            () = &mut freed => {}
-        }
-    }
-}
-
-/// The live cell whose ring is `spec`, or a new plan of it (which replaces every cell), as
-/// its epoch number.
-fn plan_spec(shared: &Shared, spec: &[StageSpec]) -> Result<u64, CoordError> {
-    let n_layer = shared.model.config.n_layer;
-    // Decide and plan under one lock, so concurrent runs asking for the same placement share
-    // one epoch instead of replacing each other's.
-    let mut st = shared.lock();
-    let wanted = resolve(spec, n_layer, &st.membership.candidates())?;
-    let current = st.membership.cells().iter().find(|e| {
-        !matches!(e.phase, Phase::Failed(_) | Phase::Released) && {
-            // Expert-only nodes (no layers) follow the ring stages of an expert split.
-            let ring: Vec<_> = e.stages.iter().filter(|s| !s.layers.is_empty()).collect();
-            wanted.len() == ring.len()
-                && wanted
-                    .iter()
-                    .zip(&ring)
-                    .all(|((n, l), s)| *n == s.node_id && *l == s.layers)
-        }
-    });
-    if let Some(e) = current {
-        return Ok(e.id);
-    }
-    shared.apply_locked(
-        &mut st,
-        Event::Plan {
-            model: shared.server.manifest().model_hash,
-            stages: wanted,
-            n_layer,
-            max_context: shared.max_context(),
-        },
-    );
-    Ok(st.membership.epoch().map_or(0, |e| e.id))
-}
-
-/// Waits until epoch `target` is ready; its failure or replacement is the run's error.
-async fn wait_ready(
-    shared: &Shared,
-    rx: &mut tokio::sync::watch::Receiver<Vec<EpochStatus>>,
-    target: u64,
-    deadline: tokio::time::Instant,
-) -> Result<(), CoordError> {
-    loop {
-        rx.borrow_and_update();
-        match shared
-            .lock()
-            .membership
-            .epoch_with_id(target)
-            .map(|e| e.phase.clone())
-        {
-            Some(Phase::Ready) => return Ok(()),
-            Some(Phase::Failed(r)) => {
-                return Err(CoordError::Run(format!("epoch {target} failed: {r}")))
-            }
-            Some(Phase::Released) | None => {
-                return Err(CoordError::Run(format!("epoch {target} was replaced")))
-            }
-            Some(Phase::Loading | Phase::Linking) => {}
-        }
-        if tokio::time::timeout_at(deadline, rx.changed())
-            .await
-            .is_err()
-        {
-            return Err(CoordError::Timeout(format!(
-                "epoch {target} did not become ready"
-            )));
-        }
-    }
-}
-
-/// Removes a run's routes (its own id and every attempt's) when the run ends.
-struct Route<'a> {
-    shared: &'a Shared,
-    seqs: Vec<u64>,
-}
-
-impl Drop for Route<'_> {
-    fn drop(&mut self) {
-        let mut st = self.shared.lock();
-        for s in &self.seqs {
-            st.routes.remove(s);
-        }
-    }
-}
-
-/// Whether a run on `epoch` may go on: a ready cell, or one draining after a new split took
-/// its place.
-fn epoch_live(shared: &Shared, epoch: u64) -> bool {
-    shared.lock().membership.serves(epoch)
-}
-
-/// Runs one generation; streams tokens to `client`. The lifecycle — open, start, relay,
-/// pause on a lost epoch, resume on the next, cancel, close — is [`RunMachine`]'s; this shell
-/// feeds it node messages, epoch changes, cancellation and timers, and carries out what it
-/// says. Text is decoded here, once, as tokens arrive.
+/// Runs one generation; streams tokens to `client`. The lifecycle — placement, open, start,
+/// relay, pause on a lost epoch, resume on the next, cancel, close — is decided in the
+/// [`crate::cluster::Cluster`] (one `RunMachine` per run); this shell builds the spec, hands it
+/// in, and turns the run's news into the client's messages. Text is decoded here, once, as tokens arrive.
 pub(crate) async fn run(
     shared: &Shared,
     seq: u64,
@@ -449,165 +242,62 @@ pub(crate) async fn run(
     spec.logprobs = req.logprobs;
     // KV the request reserves on its cell: the prompt and the most it may generate.
     let positions = (prompt.len() + req.max_new_tokens).min(shared.max_context()) as u64;
-    let first = ensure_epoch(shared, req.stages.as_ref(), seq, positions).await?;
-    let _seat = Seat { shared, seq };
-
     let (tx, mut rx) = mpsc::unbounded_channel();
-    shared.lock().routes.insert(seq, tx.clone());
-    let mut route = Route {
+    // A shell dropped before its run ended cancels it (the owner gave up).
+    let mut guard = CancelOnDrop {
         shared,
-        seqs: vec![seq],
+        seq,
+        armed: true,
     };
-    let mut epoch_rx = shared.epoch_tx.subscribe();
+    shared.submit(seq, spec, req.stages.clone(), positions, tx);
     // Text is decoded once, where it is wanted (the HTTP gateway decodes its own).
     let mut decoder = decode_text.then(|| StreamDecoder::new(&model.tokenizer));
-    let mut timers: Vec<(tokio::time::Instant, Timer)> = Vec::new();
-    let (mut machine, mut out) = RunMachine::new(spec, shared.lease());
-    // Which epoch the run waits for (`Some(lost)`), and which one its attempt is on.
-    let mut awaiting: Option<Option<u64>> = None;
-    let mut on_epoch: Option<u64> = None;
-    let mut first = Some(first);
-    let now = || shared.started.elapsed();
-    let outcome = loop {
-        // Carry out what the machine said; feed back what cannot be delivered.
-        let mut inputs = Vec::new();
-        let mut done = None;
-        for o in out.drain(..) {
-            match o {
-                Output::Send { to, msg } => {
-                    if !shared.send(to, msg.0) {
-                        inputs.push(Input::Undeliverable { to });
-                    }
-                }
-                Output::AwaitEpoch { lost } => {
-                    awaiting = Some(lost);
-                    on_epoch = None;
-                    if let Some(lost) = lost {
-                        tracing::info!(
-                            event = "run_paused",
-                            seq,
-                            epoch = lost,
-                            "seq {seq}: paused after {} tokens on epoch {lost}",
-                            machine.generated().len()
-                        );
-                    }
-                }
-                Output::ArmTimer { timer, after } => {
-                    timers.push((tokio::time::Instant::now() + after, timer));
-                }
-                Output::Event(e) => {
-                    client(match e {
-                        RunEvent::Started {
-                            epoch,
-                            stages,
-                            prompt_tokens,
-                            cached_tokens,
-                        } => CoordToClient::Started {
-                            seq,
-                            epoch,
-                            prompt_tokens,
-                            stages,
-                            cached_tokens,
-                        },
-                        RunEvent::Token {
-                            pos,
-                            token,
-                            logprobs,
-                        } => CoordToClient::Token {
-                            seq,
-                            pos,
-                            token,
-                            text: decoder.as_mut().map_or_else(String::new, |d| d.push(token)),
-                            logprobs,
-                        },
-                        RunEvent::Trace(mut t) => {
-                            t.seq = seq;
-                            CoordToClient::Trace(t)
-                        }
-                        RunEvent::Paused { reason } => CoordToClient::Paused { seq, reason },
-                        RunEvent::Resumed { epoch, generated } => {
-                            tracing::info!(
-                                event = "run_resumed",
-                                seq,
-                                epoch,
-                                generated,
-                                "seq {seq}: resuming on epoch {epoch} after {generated} tokens"
-                            );
-                            CoordToClient::Resumed {
-                                seq,
-                                epoch,
-                                generated,
-                            }
-                        }
-                    });
-                }
-                Output::Refused { from, why } => shared.authz.refuse(from, &why),
-                Output::Done(o) => done = Some(o),
+    let ended = loop {
+        let Some(news) = rx.recv().await else {
+            break Err(CoordError::Run("the run was dropped".into()));
+        };
+        let e = match news {
+            RunNews::Ended(r) => break r.map_err(CoordError::from),
+            RunNews::Event(e) => e,
+        };
+        client(match e {
+            RunEvent::Started {
+                epoch,
+                stages,
+                prompt_tokens,
+                cached_tokens,
+            } => CoordToClient::Started {
+                seq,
+                epoch,
+                prompt_tokens,
+                stages,
+                cached_tokens,
+            },
+            RunEvent::Token {
+                pos,
+                token,
+                logprobs,
+            } => CoordToClient::Token {
+                seq,
+                pos,
+                token,
+                text: decoder.as_mut().map_or_else(String::new, |d| d.push(token)),
+                logprobs,
+            },
+            RunEvent::Trace(mut t) => {
+                t.seq = seq;
+                CoordToClient::Trace(t)
             }
-        }
-        if let Some(o) = done {
-            break o;
-        }
-        // Epoch changes the machine must hear about.
-        if let Some(e) = on_epoch.filter(|e| !epoch_live(shared, *e)) {
-            on_epoch = None;
-            inputs.push(Input::EpochLost {
-                epoch: e,
-                why: format!("epoch {e} was lost"),
-            });
-        }
-        if let Some(lost) = awaiting {
-            let ready = match (lost, first.take()) {
-                (None, Some(p)) => Some((p, seq)),
-                (lost, _) => take_cell(shared, seq, positions, lost).ok().map(|p| {
-                    let attempt = shared.next_seq.fetch_add(1, Ordering::Relaxed);
-                    shared.lock().routes.insert(attempt, tx.clone());
-                    route.seqs.push(attempt);
-                    (p, attempt)
-                }),
-            };
-            if let Some((placement, attempt_seq)) = ready {
-                awaiting = None;
-                on_epoch = Some(placement.epoch);
-                inputs.push(Input::EpochReady {
-                    placement,
-                    attempt_seq,
-                });
-            }
-        }
-        if inputs.is_empty() {
-            timers.sort_by_key(|(t, _)| *t);
-            let next_timer = timers.first().map(|(t, _)| *t);
-            let input = tokio::select! {
-                m = rx.recv() => match m {
-                    Some(RouteMsg::Node(from, msg)) => Some(Input::Node { from, msg }),
-                    Some(RouteMsg::Cancel) => Some(Input::Cancel),
-                    None => Some(Input::Cancel),
-                },
-                _ = epoch_rx.changed() => None,
-                () = shared.seats_freed.notified(), if awaiting.is_some() => None,
-                () = async {
-                    match next_timer {
-                        Some(t) => tokio::time::sleep_until(t).await,
-                        None => std::future::pending().await,
-                    }
-                } => Some(Input::Timer(timers.remove(0).1)),
-            };
-            inputs.extend(input);
-        }
-        for input in inputs {
-            out.extend(machine.handle(now(), input));
-        }
+            RunEvent::Paused { reason } => CoordToClient::Paused { seq, reason },
+            RunEvent::Resumed { epoch, generated } => CoordToClient::Resumed {
+                seq,
+                epoch,
+                generated,
+            },
+        });
     };
-    drop(route);
-    if let Some(p) = &outcome.placement {
-        if let Some((n, d)) = outcome.decode {
-            shared
-                .lock()
-                .cells
-                .measured(p.epoch, n, d.as_secs_f64().max(1e-9));
-        }
-    }
+    guard.armed = false;
+    let outcome = ended?;
     let tail = decoder.map_or_else(String::new, |mut d| d.finish());
     let generated = outcome.generated.len();
     if !tail.is_empty() {
@@ -625,6 +315,21 @@ pub(crate) async fn run(
         return Err(CoordError::Run(outcome.error.unwrap_or_default()));
     }
     Ok(report(shared, seq, prompt.len(), *outcome))
+}
+
+/// Cancels a run whose shell is dropped before it ended.
+struct CancelOnDrop<'a> {
+    shared: &'a Shared,
+    seq: u64,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            cancel(self.shared, self.seq);
+        }
+    }
 }
 
 /// The accounting of a finished run, from its outcome.

@@ -84,6 +84,7 @@ pub mod assignment;
 pub mod authz;
 pub mod backend;
 pub mod cells;
+pub mod cluster;
 #[cfg(feature = "mdns")]
 pub mod discovery;
 pub mod distribute;
@@ -107,4 +108,4 @@ pub mod tokens;
 
 pub use error::CoordError;
 pub use server::Coordinator;
-pub use shared::{CoordinatorConfig, EpochStatus, ModelInfo};
+pub use shared::{CoordinatorConfig, ModelInfo};
