@@ -765,11 +765,12 @@ impl Cluster {
                 }
                 Output::AwaitEpoch { lost } => {
                     if let Some(Run {
-                        state: RunState::Running {
-                            machine,
-                            awaiting,
-                            on_epoch,
-                        },
+                        state:
+                            RunState::Running {
+                                machine,
+                                awaiting,
+                                on_epoch,
+                            },
                         ..
                     }) = self.runs.get_mut(&run)
                     {
@@ -812,8 +813,7 @@ impl Cluster {
                 }
                 Output::Done(o) => {
                     if let (Some(p), Some((n, d))) = (&o.placement, o.decode) {
-                        self.cells
-                            .measured(p.epoch, n, d.as_secs_f64().max(1e-9));
+                        self.cells.measured(p.epoch, n, d.as_secs_f64().max(1e-9));
                     }
                     self.forget_run(run);
                     out.push(ClusterOutput::Run {
@@ -876,7 +876,9 @@ impl Cluster {
         };
         let positions = r.positions;
         match &r.state {
-            RunState::Placing { target: Some(t), .. } => {
+            RunState::Placing {
+                target: Some(t), ..
+            } => {
                 let t = *t;
                 let phase = self.membership.epoch_with_id(t).map(|e| e.phase.clone());
                 match phase {
@@ -904,8 +906,7 @@ impl Cluster {
                     Some(Phase::Loading | Phase::Linking) => {}
                 }
             }
-            RunState::Placing { target: None, .. } => match self.take_cell(run, positions, None)
-            {
+            RunState::Placing { target: None, .. } => match self.take_cell(run, positions, None) {
                 Ok(p) => self.start(now, run, p, out),
                 Err(NoCell::NoneReady) => {
                     if let Some(why) = self.unavailable() {
@@ -982,7 +983,13 @@ impl Cluster {
     }
 
     /// Makes run `run`'s machine and starts its first attempt on `placement`.
-    fn start(&mut self, now: Duration, run: u64, placement: Placement, out: &mut Vec<ClusterOutput>) {
+    fn start(
+        &mut self,
+        now: Duration,
+        run: u64,
+        placement: Placement,
+        out: &mut Vec<ClusterOutput>,
+    ) {
         let r = self.runs.get_mut(&run).expect("a placing run");
         let RunState::Placing { spec, .. } = &r.state else {
             return;
@@ -1062,3 +1069,6 @@ fn epoch_record(m: &Membership, e: &crate::membership::Epoch) -> EpochRecord {
         recorded_at_unix_ms: 0,
     }
 }
+
+#[cfg(test)]
+mod tests;

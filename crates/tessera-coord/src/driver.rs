@@ -1,13 +1,14 @@
-//! Driving generations: a client's control session, and one generation over the ring.
+//! Driving generations: a client's control session, and one generation's shell.
 //!
-//! For a [`RunRequest`] the driver makes sure an epoch with the requested placement is ready
-//! (planning a new one if needed and waiting for every stage to load and link), tokenizes the
-//! prompt, opens the sequence on every stage, starts the first stage, and relays what the last
-//! stage reports — each token, as text, to the client — until the sequence finishes. Then it
-//! closes the sequence everywhere (each stage frees its KV cache and reports its traffic and
-//! time) and sends the client a [`RunReport`].
+//! For a [`RunRequest`] the shell tokenizes the prompt and checks the request once into a
+//! `RunSpec`, and hands it to the [`crate::cluster::Cluster`], which seats it on a ready cell
+//! (planning the requested placement if needed and waiting for it to load and link), opens the
+//! sequence on every stage, starts the first stage, relays what the last stage reports — each
+//! token, to the run's owner — until the sequence finishes, then closes the sequence everywhere
+//! (each stage frees its KV cache and reports its traffic and time). The shell turns the
+//! outcome into a [`RunReport`].
 //!
-//! **Surviving failures.** The driver keeps every run's prompt, sampling parameters and the
+//! **Surviving failures.** The run's machine keeps its prompt, sampling parameters and the
 //! tokens it has streamed. When the run's epoch is lost (a stage node declared gone, or a better
 //! plan replacing it) the client is sent [`CoordToClient::Paused`]; once the membership has a
 //! new ready epoch the run is opened there under a fresh stage-side id with prompt + generated
@@ -32,10 +33,10 @@ use tessera_proto::{
 };
 use tokio::sync::mpsc;
 
-use crate::cluster::{ClusterInput, RunNews};
+use crate::cluster::{ClusterInput, RunNews, RunRefused};
 use crate::error::CoordError;
 use crate::run::{Placement, RunEvent, RunOutcome, RunSpec};
-use crate::shared::{member_status, Shared};
+use crate::shared::{member_status, RunOwner, Shared};
 
 pub(crate) async fn client_session(
     shared: Arc<Shared>,
@@ -200,17 +201,12 @@ fn record_metrics(shared: &Shared, report: &RunReport) {
         .and_then(|mut f| writeln!(f, "{line}"));
 }
 
-/// Runs one generation; streams tokens to `client`. The lifecycle — placement, open, start,
-/// relay, pause on a lost epoch, resume on the next, cancel, close — is decided in the
-/// [`crate::cluster::Cluster`] (one `RunMachine` per run); this shell builds the spec, hands it
-/// in, and turns the run's news into the client's messages. Text is decoded here, once, as tokens arrive.
-pub(crate) async fn run(
-    shared: &Shared,
-    seq: u64,
-    req: RunRequest,
-    decode_text: bool,
-    client: &mut (dyn FnMut(CoordToClient) + Send),
-) -> Result<RunReport, CoordError> {
+/// How a run ended, as its owner receives it (once, when it ends).
+pub(crate) type Ending = tokio::sync::oneshot::Receiver<Result<Box<RunOutcome>, RunRefused>>;
+
+/// Checks a request and builds its [`RunSpec`], once, off the cluster (tokenizing and the
+/// grammar's bounds are work); with the KV positions it reserves on its cell.
+fn spec_of(shared: &Shared, req: &RunRequest) -> Result<(RunSpec, u64), CoordError> {
     let model = &shared.model;
     let prompt = match (&req.prompt_tokens, &req.prompt) {
         (Some(t), _) => t.clone(),
@@ -223,7 +219,7 @@ pub(crate) async fn run(
         Vec::new()
     };
     let mut spec = RunSpec::new(
-        prompt.clone(),
+        prompt,
         model.config.vocab_size,
         req.sampling.clone(),
         req.max_new_tokens,
@@ -241,25 +237,78 @@ pub(crate) async fn run(
     spec.grammar = req.grammar.clone();
     spec.logprobs = req.logprobs;
     // KV the request reserves on its cell: the prompt and the most it may generate.
-    let positions = (prompt.len() + req.max_new_tokens).min(shared.max_context()) as u64;
+    let positions = (spec.prompt.len() + req.max_new_tokens).min(shared.max_context()) as u64;
+    Ok((spec, positions))
+}
+
+/// Starts run `seq`: the cluster decides its whole lifecycle — placement, open, start,
+/// relay, pause on a lost epoch, resume on the next, cancel, close ([`crate::cluster`], one
+/// `RunMachine` per run) — and calls `on_event` with each of its events where the node's
+/// message is handled (no channel in between: the owner's own sink is the one hop). Returns
+/// the prompt's length and the run's ending.
+pub(crate) fn start(
+    shared: &Shared,
+    seq: u64,
+    req: &RunRequest,
+    mut on_event: impl FnMut(RunEvent) + Send + 'static,
+) -> Result<(usize, Ending), CoordError> {
+    let (spec, positions) = spec_of(shared, req)?;
+    let prompt_len = spec.prompt.len();
+    let (done, ending) = tokio::sync::oneshot::channel();
+    let mut done = Some(done);
+    let owner: RunOwner = Box::new(move |news| match news {
+        RunNews::Event(e) => on_event(e),
+        RunNews::Ended(r) => {
+            if let Some(done) = done.take() {
+                let _ = done.send(r);
+            }
+        }
+    });
+    shared.submit(seq, spec, req.stages.clone(), positions, owner);
+    Ok((prompt_len, ending))
+}
+
+/// A run's report from its ending: a run that failed without an attempt running (it never
+/// started, or no epoch came back after a loss) is a refusal; one that failed while running
+/// has a report.
+pub(crate) async fn finish(
+    shared: &Shared,
+    seq: u64,
+    prompt_len: usize,
+    ending: Ending,
+) -> Result<RunReport, CoordError> {
+    let outcome = ending
+        .await
+        .map_err(|_| CoordError::Run("the run was dropped".into()))??;
+    if outcome.reason == FinishReason::Error && outcome.stranded {
+        return Err(CoordError::Run(outcome.error.unwrap_or_default()));
+    }
+    Ok(report(shared, seq, prompt_len, *outcome))
+}
+
+/// Runs one generation for a CLI client; streams its events to `client` as the client's
+/// messages, with text decoded here, once, as tokens arrive.
+pub(crate) async fn run(
+    shared: &Shared,
+    seq: u64,
+    req: RunRequest,
+    decode_text: bool,
+    client: &mut (dyn FnMut(CoordToClient) + Send),
+) -> Result<RunReport, CoordError> {
     let (tx, mut rx) = mpsc::unbounded_channel();
+    let (prompt_len, ending) = start(shared, seq, &req, move |e| {
+        let _ = tx.send(e);
+    })?;
     // A shell dropped before its run ended cancels it (the owner gave up).
     let mut guard = CancelOnDrop {
         shared,
         seq,
         armed: true,
     };
-    shared.submit(seq, spec, req.stages.clone(), positions, tx);
-    // Text is decoded once, where it is wanted (the HTTP gateway decodes its own).
-    let mut decoder = decode_text.then(|| StreamDecoder::new(&model.tokenizer));
-    let ended = loop {
-        let Some(news) = rx.recv().await else {
-            break Err(CoordError::Run("the run was dropped".into()));
-        };
-        let e = match news {
-            RunNews::Ended(r) => break r.map_err(CoordError::from),
-            RunNews::Event(e) => e,
-        };
+    let mut decoder = decode_text.then(|| StreamDecoder::new(&shared.model.tokenizer));
+    let mut generated = 0;
+    // The sender is dropped with the owner, when the run ends.
+    while let Some(e) = rx.recv().await {
         client(match e {
             RunEvent::Started {
                 epoch,
@@ -277,13 +326,16 @@ pub(crate) async fn run(
                 pos,
                 token,
                 logprobs,
-            } => CoordToClient::Token {
-                seq,
-                pos,
-                token,
-                text: decoder.as_mut().map_or_else(String::new, |d| d.push(token)),
-                logprobs,
-            },
+            } => {
+                generated += 1;
+                CoordToClient::Token {
+                    seq,
+                    pos,
+                    token,
+                    text: decoder.as_mut().map_or_else(String::new, |d| d.push(token)),
+                    logprobs,
+                }
+            }
             RunEvent::Trace(mut t) => {
                 t.seq = seq;
                 CoordToClient::Trace(t)
@@ -295,26 +347,19 @@ pub(crate) async fn run(
                 generated,
             },
         });
-    };
+    }
     guard.armed = false;
-    let outcome = ended?;
     let tail = decoder.map_or_else(String::new, |mut d| d.finish());
-    let generated = outcome.generated.len();
     if !tail.is_empty() {
         client(CoordToClient::Token {
             seq,
-            pos: prompt.len() + generated,
+            pos: prompt_len + generated,
             token: u32::MAX,
             text: tail,
             logprobs: None,
         });
     }
-    // A run that failed without an attempt running (it never started, or no epoch came back
-    // after a loss) is a refusal to the client; one that failed while running has a report.
-    if outcome.reason == FinishReason::Error && outcome.stranded {
-        return Err(CoordError::Run(outcome.error.unwrap_or_default()));
-    }
-    Ok(report(shared, seq, prompt.len(), *outcome))
+    finish(shared, seq, prompt_len, ending).await
 }
 
 /// Cancels a run whose shell is dropped before it ended.

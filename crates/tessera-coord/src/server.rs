@@ -11,10 +11,10 @@ use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 use tessera_net::{Accepted, Connection, Endpoint, JoinToken, NodeId, NodeIdentity};
 use tessera_proto::{limits, stream, StageSpec};
 
+use crate::cluster::{Cluster, ClusterConfig, ClusterInput};
 use crate::distribute::ModelServer;
 use crate::enrol::Enrolment;
 use crate::error::CoordError;
-use crate::cluster::{Cluster, ClusterConfig, ClusterInput};
 use crate::membership::Membership;
 use crate::state::{EnrolmentState, RedbState};
 
@@ -186,7 +186,12 @@ impl Coordinator {
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes), for a
     /// front end to answer "503 Service Unavailable" with; `None` when the cluster has capacity.
     pub fn outage(&self) -> Option<String> {
-        self.shared.lock().cluster.membership().outage().map(str::to_string)
+        self.shared
+            .lock()
+            .cluster
+            .membership()
+            .outage()
+            .map(str::to_string)
     }
 
     /// The shared state, for the gateway backend in this crate.

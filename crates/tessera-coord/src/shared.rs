@@ -63,7 +63,7 @@ pub(crate) struct Core {
     /// Each connected node's current control session and its outbox.
     outboxes: HashMap<NodeId, NodeOutbox>,
     /// Where each run's news goes.
-    owners: HashMap<u64, mpsc::UnboundedSender<RunNews>>,
+    owners: HashMap<u64, RunOwner>,
 }
 
 impl Core {
@@ -158,16 +158,20 @@ impl Shared {
                         }
                     }
                     ClusterOutput::Run { run, news } => {
-                        let ended = matches!(news, RunNews::Ended(_));
-                        if let Some(tx) = core.owners.get(&run) {
-                            let _ = tx.send(news);
-                        }
-                        if ended {
-                            core.owners.remove(&run);
+                        if matches!(news, RunNews::Ended(_)) {
+                            if let Some(mut owner) = core.owners.remove(&run) {
+                                owner(news);
+                            }
+                        } else if let Some(owner) = core.owners.get_mut(&run) {
+                            owner(news);
                         }
                     }
                     ClusterOutput::LeaseExpired { node, session } => {
-                        if core.outboxes.get(&node).is_some_and(|s| s.session == session) {
+                        if core
+                            .outboxes
+                            .get(&node)
+                            .is_some_and(|s| s.session == session)
+                        {
                             let s = core.outboxes.remove(&node).expect("checked");
                             later.push(Later::Expired(s.conn));
                         }
@@ -187,7 +191,10 @@ impl Shared {
             match l {
                 Later::Expired(conn) => {
                     conn.close("lease expired");
-                    crate::sealed::edge::node_left(self, crate::sealed::edge::node_key(&conn.peer_key()));
+                    crate::sealed::edge::node_left(
+                        self,
+                        crate::sealed::edge::node_key(&conn.peer_key()),
+                    );
                 }
                 Later::Left(key) => {
                     crate::sealed::edge::node_left(self, crate::sealed::edge::node_key(&key));
@@ -239,7 +246,7 @@ impl Shared {
         spec: RunSpec,
         stages: Option<Vec<StageSpec>>,
         positions: u64,
-        owner: mpsc::UnboundedSender<RunNews>,
+        owner: RunOwner,
     ) {
         let input = ClusterInput::Submit {
             run,
@@ -265,6 +272,10 @@ impl Shared {
             .is_some_and(|s| s.tx.send(msg).is_ok())
     }
 }
+
+/// A run's owner: called with each piece of its news where the cluster decides it. It must
+/// only hand the news on (a channel send, a counter), never call back into the cluster.
+pub(crate) type RunOwner = Box<dyn FnMut(RunNews) + Send>;
 
 /// What is done after the core's lock is released.
 enum Later {
@@ -359,4 +370,3 @@ pub(crate) fn member_status(shared: &Shared) -> (Vec<MemberStatus>, Option<u64>)
         .collect();
     (members, m.epoch().map(|e| e.id))
 }
-
