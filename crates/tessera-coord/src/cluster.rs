@@ -82,7 +82,7 @@ pub enum ClusterInput {
 #[derive(Debug)]
 pub enum ClusterOutput {
     /// Send on node `to`'s current control session.
-    ToNode { to: NodeId, msg: CoordToNode },
+    ToNode { to: NodeId, msg: Box<CoordToNode> },
     /// Node `node` was silent for a lease: close its session `session` (it reconnects afresh
     /// if it is still there) and tell the sealed desk it is gone, both now.
     LeaseExpired { node: NodeId, session: u64 },
@@ -517,7 +517,10 @@ impl Cluster {
             match a {
                 Action::Send { to, msg } => {
                     if self.sessions.contains_key(&to) {
-                        out.push(ClusterOutput::ToNode { to, msg: msg.0 });
+                        out.push(ClusterOutput::ToNode {
+                            to,
+                            msg: Box::new(msg.0),
+                        });
                     }
                 }
                 Action::LeaseExpired { node, session } => {
@@ -758,7 +761,10 @@ impl Cluster {
             match o {
                 Output::Send { to, msg } => {
                     if self.sessions.contains_key(&to) {
-                        out.push(ClusterOutput::ToNode { to, msg: msg.0 });
+                        out.push(ClusterOutput::ToNode {
+                            to,
+                            msg: Box::new(msg.0),
+                        });
                     } else {
                         follow.push(Input::Undeliverable { to });
                     }

@@ -154,7 +154,7 @@ impl Shared {
                 match o {
                     ClusterOutput::ToNode { to, msg } => {
                         if let Some(s) = core.outboxes.get(&to) {
-                            let _ = s.tx.send(msg);
+                            let _ = s.tx.send(*msg);
                         }
                     }
                     ClusterOutput::Run { run, news } => {

@@ -105,7 +105,7 @@ fn spec(max_new_tokens: usize) -> Box<RunSpec> {
 fn sent(out: &[ClusterOutput]) -> Vec<(NodeId, CoordToNode)> {
     out.iter()
         .filter_map(|o| match o {
-            ClusterOutput::ToNode { to, msg } => Some((*to, msg.clone())),
+            ClusterOutput::ToNode { to, msg } => Some((*to, (**msg).clone())),
             _ => None,
         })
         .collect()

@@ -73,7 +73,7 @@ impl World {
             match o {
                 ClusterOutput::ToNode { to, msg } => {
                     let Some(i) = self.index(to) else { continue };
-                    if let CoordToNode::Open(open) = &msg {
+                    if let CoordToNode::Open(open) = &*msg {
                         if !self.given.contains(&(to, open.epoch)) {
                             return Err(self.violation(format!(
                                 "opened a sequence on {} for epoch {}, which it was not given",
@@ -81,7 +81,7 @@ impl World {
                             )));
                         }
                     }
-                    self.coord_send(i, msg);
+                    self.coord_send(i, *msg);
                 }
                 ClusterOutput::LeaseExpired { node, session } => {
                     if let Some(i) = self.index(node) {
