@@ -1,5 +1,5 @@
-//! Control sessions: the hello, then either a node's session (its lease, its messages into the
-//! membership machine, routed to runs) or a client's (`driver::client_session`).
+//! Control sessions: the hello, then either a node's session (its outbox, its messages turned
+//! into the cluster's inputs) or a client's (`driver::client_session`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
