@@ -69,9 +69,8 @@
 //!   membership, cells, node sessions, one run machine per request, a timer table — with
 //!   `handle(now, input) -> outputs` and `poll_timeout()`. The runtime and the simulator
 //!   (`src/sim`) drive this same type.
-//! - [`shared`]: the settings, the one task that owns the cluster with the I/O handles its
-//!   outputs go to (each node's outbox, each run's owner) and fires its timeouts, the view of
-//!   the cluster that task publishes for readers, and the [`authz::Gate`].
+//! - [`shared`]: the settings, the cluster with the I/O handles its outputs go to (each node's
+//!   outbox, each run's owner), the cluster's clock, and the [`authz::Gate`].
 //! - [`driver`]: a run's shell (a request checked and built into a `RunSpec` once, its events
 //!   to its owner, its report), and the CLI client's session.
 //! - `session`: a control session's hello, then a node's session (its messages become the

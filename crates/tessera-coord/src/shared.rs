@@ -204,35 +204,23 @@ async fn drive_cluster(
     effects: mpsc::UnboundedSender<Vec<Later>>,
     started: tokio::time::Instant,
 ) {
-    // One timer, moved only when the cluster's next timeout does.
-    let far = || tokio::time::Instant::now() + Duration::from_secs(86_400);
-    let sleep = tokio::time::sleep_until(far());
-    tokio::pin!(sleep);
-    let mut armed: Option<Duration> = None;
     loop {
         let next = core.cluster.poll_timeout();
-        if next != armed {
-            sleep.as_mut().reset(next.map_or_else(far, |t| started + t));
-            armed = next;
-        }
-        let first = tokio::select! {
-            biased;
+        let timeout = async {
+            match next {
+                Some(t) => tokio::time::sleep_until(started + t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let command = tokio::select! {
             c = commands.recv() => match c {
                 Some(c) => c,
                 // Every sender is gone: the coordinator was dropped.
                 None => return,
             },
-            () = &mut sleep, if next.is_some() => {
-                armed = None;
-                Command::Input(ClusterInput::Timeout)
-            }
+            () = timeout => Command::Input(ClusterInput::Timeout),
         };
-        // What has queued meanwhile is taken in the same turn: one view published for all.
-        let mut later = core.step(started.elapsed(), first);
-        for _ in 0..256 {
-            let Ok(c) = commands.try_recv() else { break };
-            later.extend(core.step(started.elapsed(), c));
-        }
+        let later = core.step(started.elapsed(), command);
         if core.cluster.take_changed() {
             view.send_replace(Arc::new(core.cluster.view()));
         }

@@ -171,7 +171,6 @@ fn tokens_touch_only_their_run_and_leave_the_timer_table_its_size() {
     let (a, _) = one_node_ready(&mut c);
     running(&mut c, &a, 500);
     let armed = c.timers_armed();
-    c.take_changed();
     for i in 0..400u64 {
         let out = msg(
             &mut c,
