@@ -306,8 +306,8 @@ impl std::fmt::Display for NotServing {
 }
 
 fn not_serving(shared: &Shared) -> Option<NotServing> {
-    let view = shared.view();
-    let m = view.membership();
+    let core = shared.lock();
+    let m = core.cluster.membership();
     let cells = m.cells();
     if cells.is_empty() {
         return Some(NotServing::NoPlan {
@@ -586,6 +586,8 @@ fn account(inner: &Inner, report: &RunReport, live: Option<&LiveSeq>) {
 fn status(inner: &Inner) -> ClusterStatus {
     let shared = &inner.shared;
     let not_serving = not_serving(shared);
+    // The books are read and let go before the cluster is locked: a run's sink takes them
+    // (once, when it starts) where the cluster hands it its news.
     let (kv, link_bytes, batching) = {
         let books = lock(&inner.books);
         let mut kv: HashMap<NodeId, u64> = books.unconfirmed_kv.clone();
@@ -598,8 +600,8 @@ fn status(inner: &Inner) -> ClusterStatus {
         }
         (kv, books.link_bytes.clone(), books.batching)
     };
-    let view = shared.view();
-    let st = &*view;
+    let core = shared.lock();
+    let st = &core.cluster;
     let cfg = &shared.model.config;
     // The cells that hold (or are taking) their nodes; the first describes the plan.
     let held: Vec<&crate::membership::Epoch> = st

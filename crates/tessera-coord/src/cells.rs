@@ -173,7 +173,7 @@ struct Seat {
 }
 
 /// The requests seated on each cell and each cell's measured speed.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct CellBook {
     seats: BTreeMap<u64, Seat>,
     speed: BTreeMap<u64, Speed>,

@@ -141,34 +141,6 @@ pub struct ClusterConfig {
     pub initial_split: Option<Vec<StageSpec>>,
 }
 
-/// The cluster as readers outside it see it (published by its owner when it changes).
-#[derive(Clone, Debug, Default)]
-pub struct ClusterView {
-    membership: Membership,
-    cells: CellBook,
-    expert_cache: HashMap<NodeId, ExpertCacheStats>,
-    sessions: std::collections::HashSet<NodeId>,
-}
-
-impl ClusterView {
-    pub fn membership(&self) -> &Membership {
-        &self.membership
-    }
-
-    pub fn cells(&self) -> &CellBook {
-        &self.cells
-    }
-
-    pub fn expert_cache(&self) -> &HashMap<NodeId, ExpertCacheStats> {
-        &self.expert_cache
-    }
-
-    /// Whether node `node` has a control session.
-    pub fn has_session(&self, node: &NodeId) -> bool {
-        self.sessions.contains(node)
-    }
-}
-
 /// Which timer: at most one armed per key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum TimerKey {
@@ -282,8 +254,6 @@ pub struct Cluster {
     closing: bool,
     /// Cells or seats changed: runs waiting may be placed, drained epochs released.
     unsettled: bool,
-    /// Something a reader of the [`ClusterView`] sees changed (not set by a token).
-    changed: bool,
     drained: u64,
     fault: Option<Fault>,
 }
@@ -308,30 +278,12 @@ impl Cluster {
             expert_cache: HashMap::new(),
             closing: false,
             unsettled: false,
-            changed: true,
             drained: 0,
             fault: None,
         }
     }
 
     // ---- settings and views --------------------------------------------------------------
-
-    /// Whether anything a [`ClusterView`] shows changed since the last call (a token changes
-    /// nothing there).
-    pub fn take_changed(&mut self) -> bool {
-        std::mem::take(&mut self.changed)
-    }
-
-    /// What readers outside the cluster see: the membership, the cells' seats and speeds, the
-    /// expert caches, who has a session.
-    pub fn view(&self) -> ClusterView {
-        ClusterView {
-            membership: self.membership.clone(),
-            cells: self.cells.clone(),
-            expert_cache: self.expert_cache.clone(),
-            sessions: self.sessions.keys().copied().collect(),
-        }
-    }
 
     pub fn membership(&self) -> &Membership {
         &self.membership
@@ -350,7 +302,6 @@ impl Cluster {
     }
 
     pub fn set_lease(&mut self, lease: Duration) {
-        self.changed = true;
         self.lease = lease;
         self.membership.set_lease(lease);
     }
@@ -360,12 +311,10 @@ impl Cluster {
     }
 
     pub fn set_kv_type(&mut self, kv: tessera_model::kv::KvType) {
-        self.changed = true;
         self.membership.set_kv_type(kv);
     }
 
     pub fn set_expert_split(&mut self, split: Option<crate::assignment::ExpertSplit>) {
-        self.changed = true;
         self.membership.set_expert_split(split);
     }
 
@@ -420,14 +369,12 @@ impl Cluster {
         match input {
             ClusterInput::Joined(member) => {
                 self.sessions.insert(member.node_id, member.session);
-                self.changed = true;
                 self.apply(Event::Joined(member), &mut out);
                 self.maybe_initial_split(&mut out);
             }
             ClusterInput::Left { node, session } => {
                 if self.sessions.get(&node) == Some(&session) {
                     self.sessions.remove(&node);
-                    self.changed = true;
                     // If it held a stage, the epoch fails and one is planned on the survivors;
                     // runs on it pause and resume there.
                     if !self.closing {
@@ -500,7 +447,6 @@ impl Cluster {
                 expert_cache: Some(c),
             } => {
                 if self.expert_cache.insert(node, c) != Some(c) {
-                    self.changed = true;
                     let name = self.name_of(&node);
                     tracing::info!(
                         event = "expert_cache",
@@ -566,7 +512,6 @@ impl Cluster {
     /// Feeds the membership one event and carries out its actions; when the cells changed,
     /// records them and marks the runs for settling.
     fn apply(&mut self, event: Event, out: &mut Vec<ClusterOutput>) {
-        self.changed = true;
         let before = cell_phases(&self.membership);
         for a in self.membership.handle(event) {
             match a {
@@ -873,7 +818,6 @@ impl Cluster {
                     out.push(ClusterOutput::Refused { node: from, why })
                 }
                 Output::Done(o) => {
-                    self.changed = true;
                     if let (Some(p), Some((n, d))) = (&o.placement, o.decode) {
                         self.cells.measured(p.epoch, n, d.as_secs_f64().max(1e-9));
                     }
@@ -923,8 +867,6 @@ impl Cluster {
     /// run for a token (nothing changes then).
     fn settle(&mut self, now: Duration, out: &mut Vec<ClusterOutput>) {
         while std::mem::take(&mut self.unsettled) {
-            // Seats and cells move only here and in what marked it: readers see it.
-            self.changed = true;
             let mut ids: Vec<u64> = self.runs.keys().copied().collect();
             ids.sort_unstable();
             for run in ids {

@@ -2,8 +2,8 @@
 //! (control sessions in [`crate::session`], model streams in [`crate::distribute`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tessera_host::Manifest;
@@ -20,8 +20,7 @@ use crate::state::{EnrolmentState, RedbState};
 
 use crate::session::control_session;
 use crate::shared::{
-    kv_code, kv_of, model_bytes, spawn_cluster, Command, CoordinatorConfig, ModelInfo, Setting,
-    Shared, SharedParts, DEFAULT_LEASE,
+    model_bytes, spawn_clock, CoordinatorConfig, Core, ModelInfo, Shared, DEFAULT_LEASE,
 };
 /// A bound coordinator.
 pub struct Coordinator {
@@ -114,21 +113,27 @@ impl Coordinator {
             DEFAULT_LEASE,
         );
         let coordinator = Self {
-            shared: spawn_cluster(
-                cluster,
-                SharedParts {
-                    id: identity.node_id(),
-                    config,
-                    enrol,
-                    model,
-                    server,
-                    store,
-                    max_context,
-                    sealed: crate::sealed::SealedEdge::new(&Default::default()),
-                },
-            ),
+            shared: Arc::new(Shared {
+                id: identity.node_id(),
+                config,
+                enrol,
+                model,
+                server,
+                core: Mutex::new(Core::new(cluster)),
+                clock: Arc::new(tokio::sync::Notify::new()),
+                next_seq: AtomicU64::new(1),
+                next_session: AtomicU64::new(1),
+                lease_ms: AtomicU64::new(DEFAULT_LEASE.as_millis() as u64),
+                store,
+                closing: std::sync::atomic::AtomicBool::new(false),
+                started: tokio::time::Instant::now(),
+                authz: crate::authz::Gate::new(),
+                max_context: std::sync::atomic::AtomicUsize::new(max_context),
+                sealed: Mutex::new(crate::sealed::SealedEdge::new(&Default::default())),
+            }),
             endpoint,
         };
+        spawn_clock(&coordinator.shared);
         crate::sealed::edge::spawn_clock(Arc::downgrade(&coordinator.shared));
         Ok(coordinator)
     }
@@ -166,7 +171,8 @@ impl Coordinator {
     /// Sets the node lease: a node silent this long (no heartbeat, no message) is declared gone
     /// and planned around. Nodes heartbeat four times per lease. Default [`DEFAULT_LEASE`].
     pub fn set_lease(&self, lease: Duration) {
-        self.shared.command(Command::Set(Setting::Lease(lease)));
+        self.shared.lock().cluster.set_lease(lease);
+        self.shared.clock.notify_one();
         self.shared
             .lease_ms
             .store(lease.as_millis().max(1) as u64, Ordering::Relaxed);
@@ -174,13 +180,18 @@ impl Coordinator {
 
     /// The last plan epoch handed out (continues across restarts).
     pub fn last_epoch(&self) -> u64 {
-        self.shared.view().membership().last_epoch_id()
+        self.shared.lock().cluster.membership().last_epoch_id()
     }
 
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes), for a
     /// front end to answer "503 Service Unavailable" with; `None` when the cluster has capacity.
     pub fn outage(&self) -> Option<String> {
-        self.shared.view().membership().outage().map(str::to_string)
+        self.shared
+            .lock()
+            .cluster
+            .membership()
+            .outage()
+            .map(str::to_string)
     }
 
     /// The shared state, for the gateway backend in this crate.
@@ -217,7 +228,8 @@ impl Coordinator {
     pub fn expert_cache(&self) -> Vec<(NodeId, tessera_proto::ExpertCacheStats)> {
         let mut v: Vec<_> = self
             .shared
-            .view()
+            .lock()
+            .cluster
             .expert_cache()
             .iter()
             .map(|(id, c)| (*id, *c))
@@ -230,7 +242,8 @@ impl Coordinator {
     /// planning from measured inventory, [`crate::planning`]).
     pub fn connected_members(&self) -> Vec<crate::membership::Member> {
         self.shared
-            .view()
+            .lock()
+            .cluster
             .membership()
             .connected()
             .into_iter()
@@ -247,7 +260,8 @@ impl Coordinator {
     ) -> Result<Vec<(NodeId, std::ops::Range<usize>)>, crate::assignment::AssignmentError> {
         let n_layer = self.shared.model.config.n_layer;
         let placed = {
-            let nodes = self.shared.view().membership().candidates();
+            let core = self.shared.lock();
+            let nodes = core.cluster.membership().candidates();
             crate::assignment::resolve(stages, n_layer, &nodes)?
         };
         self.shared.handle(ClusterInput::Plan {
@@ -266,8 +280,7 @@ impl Coordinator {
 
     pub fn set_max_context(&self, positions: usize) {
         self.shared.max_context.store(positions, Ordering::SeqCst);
-        self.shared
-            .command(Command::Set(Setting::MaxContext(positions)));
+        self.shared.lock().cluster.set_max_context(positions);
     }
 
     pub fn max_context(&self) -> usize {
@@ -277,27 +290,23 @@ impl Coordinator {
     /// The KV cache type stages are assigned from the next plan on (call before nodes join for
     /// the first plan to use it).
     pub fn set_kv_type(&self, kv_type: tessera_model::kv::KvType) {
-        self.shared
-            .kv_type
-            .store(kv_code(kv_type), Ordering::SeqCst);
-        self.shared.command(Command::Set(Setting::KvType(kv_type)));
+        self.shared.lock().cluster.set_kv_type(kv_type);
     }
 
     pub fn kv_type(&self) -> tessera_model::kv::KvType {
-        kv_of(self.shared.kv_type.load(Ordering::SeqCst))
+        self.shared.lock().cluster.membership().kv_type()
     }
 
     /// Splits every MoE layer's experts across nodes in the plans made from now on (call before
     /// nodes join for the initial split to use it).
     pub fn set_expert_split(&self, split: Option<crate::assignment::ExpertSplit>) {
-        self.shared
-            .command(Command::Set(Setting::ExpertSplit(split)));
+        self.shared.lock().cluster.set_expert_split(split);
     }
 
     /// Closes every connection (peers are told at once) and stops accepting.
     pub fn close(&self) {
         self.shared.closing.store(true, Ordering::SeqCst);
-        self.shared.command(Command::Set(Setting::Closing));
+        self.shared.lock().cluster.set_closing();
         self.endpoint.close();
     }
 
@@ -432,7 +441,7 @@ fn authorize_model_request(
         tessera_proto::ModelRequest::Manifest { .. } => check_manifest(grant),
         tessera_proto::ModelRequest::Chunks { ids, .. } => {
             let parts = assigned_tensors(
-                shared.view().membership(),
+                shared.lock().cluster.membership(),
                 shared.model.config.n_layer,
                 &node,
             );

@@ -1,8 +1,7 @@
-//! The coordinator's shared state: its settings, the model it serves, the inbox of the one task
-//! that owns the [`Cluster`] (every decision) with the I/O handles its outputs go to, the view
-//! that task publishes, and the gate. Each session, run shell and the HTTP backend hold an
-//! `Arc<Shared>` and only translate I/O into the cluster's inputs ([`Shared::handle`]) and its
-//! outputs into I/O (on the cluster's task).
+//! The coordinator's shared state: its settings, the model it serves, the [`Cluster`] (every
+//! decision) with the I/O handles its outputs go to, and the gate. Each session, run shell and
+//! the HTTP backend hold an `Arc<Shared>` and only translate I/O into the cluster's inputs and
+//! its outputs into I/O ([`Shared::handle`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -15,9 +14,9 @@ use tessera_host::Manifest;
 use tessera_model::{ModelConfig, Tokenizer};
 use tessera_net::{Connection, NodeId};
 use tessera_proto::{CoordToNode, MemberStatus, StageSpec};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
-use crate::cluster::{Cluster, ClusterInput, ClusterOutput, ClusterView, RunNews};
+use crate::cluster::{Cluster, ClusterInput, ClusterOutput, RunNews};
 use crate::distribute::ModelServer;
 use crate::enrol::Enrolment;
 use crate::membership::Member;
@@ -56,61 +55,33 @@ pub struct ModelInfo {
     pub eog: Vec<u32>,
 }
 
-/// What one task owns while the coordinator runs ([`spawn_cluster`]): the [`Cluster`] that
+/// What changes while the coordinator runs, behind [`Shared::lock`]: the [`Cluster`] that
 /// decides, and the I/O handles its outputs go to (each node's control session, each run's
 /// owner). The persistent records are in [`crate::state`].
-struct Core {
-    cluster: Cluster,
+pub(crate) struct Core {
+    pub cluster: Cluster,
     /// Each connected node's current control session and its outbox.
     outboxes: HashMap<NodeId, NodeOutbox>,
     /// Where each run's news goes.
     owners: HashMap<u64, RunOwner>,
 }
 
+impl Core {
+    pub fn new(cluster: Cluster) -> Self {
+        Self {
+            cluster,
+            outboxes: HashMap::new(),
+            owners: HashMap::new(),
+        }
+    }
+}
+
 /// A node's current control session: its number, its outbox, and its connection (closed when
 /// the cluster says the lease expired).
-pub(crate) struct NodeOutbox {
+struct NodeOutbox {
     session: u64,
     tx: mpsc::UnboundedSender<CoordToNode>,
     conn: Connection,
-}
-
-/// What the cluster's task is asked: an input for the cluster, with the I/O handle it needs
-/// where there is one, or a setting.
-pub(crate) enum Command {
-    Input(ClusterInput),
-    /// A node's new control session (it joined).
-    Open {
-        member: Box<Member>,
-        outbox: NodeOutbox,
-    },
-    /// A node's control session ended.
-    Close {
-        node: NodeId,
-        session: u64,
-    },
-    /// A request, and where its news goes.
-    Submit {
-        run: u64,
-        input: ClusterInput,
-        owner: RunOwner,
-    },
-    /// Send on a node's current session (the sealed desk's dispatch).
-    ToNode {
-        to: NodeId,
-        msg: Box<CoordToNode>,
-    },
-    Set(Setting),
-}
-
-/// The cluster's settings, changed from outside.
-pub(crate) enum Setting {
-    Lease(Duration),
-    MaxContext(usize),
-    KvType(tessera_model::kv::KvType),
-    ExpertSplit(Option<crate::assignment::ExpertSplit>),
-    /// The coordinator is shutting down.
-    Closing,
 }
 
 pub(crate) struct Shared {
@@ -119,22 +90,21 @@ pub(crate) struct Shared {
     pub enrol: Arc<Enrolment>,
     pub model: ModelInfo,
     pub server: ModelServer,
-    /// The cluster's task's inbox: every input goes through it, in order.
-    inbox: mpsc::UnboundedSender<Command>,
-    /// The cluster as its task last published it (whenever something readers see changed).
-    view: watch::Receiver<Arc<ClusterView>>,
+    pub core: Mutex<Core>,
+    /// Woken when the cluster's next timeout may have come closer ([`spawn_clock`]).
+    pub clock: Arc<tokio::sync::Notify>,
     pub next_seq: AtomicU64,
     /// Control session numbers.
     pub next_session: AtomicU64,
     /// Node lease, ms (see [`Coordinator::set_lease`]).
     pub lease_ms: AtomicU64,
-    /// The KV type plans use (see [`Coordinator::set_kv_type`]), read back at once.
-    pub kv_type: std::sync::atomic::AtomicU8,
     /// Where plan epochs are recorded.
     pub store: Arc<dyn EnrolmentState>,
     /// Set by [`Coordinator::close`]: sessions ending now are the coordinator's own shutdown,
     /// not nodes leaving (nothing is re-planned).
     pub closing: std::sync::atomic::AtomicBool,
+    /// The origin of the `now` given to the cluster.
+    pub started: tokio::time::Instant,
     /// Who may say what ([`crate::authz`]): roles, client admission, refusal counts.
     pub authz: crate::authz::Gate,
     /// Most positions per sequence in the plans made from now on: the configured
@@ -145,237 +115,105 @@ pub(crate) struct Shared {
     pub sealed: Mutex<crate::sealed::SealedEdge>,
 }
 
-/// What [`Shared`] is made of besides the cluster (which [`spawn_cluster`] starts).
-pub(crate) struct SharedParts {
-    pub id: NodeId,
-    pub config: CoordinatorConfig,
-    pub enrol: Arc<Enrolment>,
-    pub model: ModelInfo,
-    pub server: ModelServer,
-    pub store: Arc<dyn EnrolmentState>,
-    pub max_context: usize,
-    pub sealed: crate::sealed::SealedEdge,
-}
-
-/// Starts the task that owns `cluster` and returns the state every session shares.
-pub(crate) fn spawn_cluster(cluster: Cluster, parts: SharedParts) -> Arc<Shared> {
-    let (inbox, commands) = mpsc::unbounded_channel();
-    let (view_tx, view) = watch::channel(Arc::new(cluster.view()));
-    let started = tokio::time::Instant::now();
-    let shared = Arc::new(Shared {
-        id: parts.id,
-        config: parts.config,
-        enrol: parts.enrol,
-        model: parts.model,
-        server: parts.server,
-        inbox,
-        view,
-        next_seq: AtomicU64::new(1),
-        next_session: AtomicU64::new(1),
-        lease_ms: AtomicU64::new(cluster.lease().as_millis() as u64),
-        kv_type: std::sync::atomic::AtomicU8::new(kv_code(cluster.membership().kv_type())),
-        store: parts.store,
-        closing: std::sync::atomic::AtomicBool::new(false),
-        authz: crate::authz::Gate::new(),
-        max_context: std::sync::atomic::AtomicUsize::new(parts.max_context),
-        sealed: Mutex::new(parts.sealed),
-    });
-    let core = Core {
-        cluster,
-        outboxes: HashMap::new(),
-        owners: HashMap::new(),
-    };
-    let (effects_tx, effects) = mpsc::unbounded_channel();
-    tokio::spawn(drive_cluster(core, commands, view_tx, effects_tx, started));
-    tokio::spawn(carry_out_effects(Arc::downgrade(&shared), effects));
-    shared
-}
-
-/// The one task that owns the cluster: it takes each command in order, and the cluster's
-/// timeouts when they come; carries out sends and run news itself (channel sends, the owners'
-/// sinks), publishes the view when it changed, and hands the rest (closing a connection, the
-/// sealed desk, writing a record) to [`carry_out_effects`]. Nothing heavy runs here: requests
-/// come parsed, tokenized and checked; grammars compile on the nodes; model bytes are served by
-/// their own streams.
-async fn drive_cluster(
-    mut core: Core,
-    mut commands: mpsc::UnboundedReceiver<Command>,
-    view: watch::Sender<Arc<ClusterView>>,
-    effects: mpsc::UnboundedSender<Vec<Later>>,
-    started: tokio::time::Instant,
-) {
-    loop {
-        let next = core.cluster.poll_timeout();
-        let timeout = async {
-            match next {
-                Some(t) => tokio::time::sleep_until(started + t).await,
-                None => std::future::pending().await,
-            }
-        };
-        let command = tokio::select! {
-            c = commands.recv() => match c {
-                Some(c) => c,
-                // Every sender is gone: the coordinator was dropped.
-                None => return,
-            },
-            () = timeout => Command::Input(ClusterInput::Timeout),
-        };
-        let later = core.step(started.elapsed(), command);
-        if core.cluster.take_changed() {
-            view.send_replace(Arc::new(core.cluster.view()));
-        }
-        if !later.is_empty() {
-            let _ = effects.send(later);
-        }
-    }
-}
-
-/// Carries out, in order, what the cluster said that is not a send: closing a connection, the
-/// sealed desk, a durable record, a refusal.
-async fn carry_out_effects(
-    shared: std::sync::Weak<Shared>,
-    mut effects: mpsc::UnboundedReceiver<Vec<Later>>,
-) {
-    while let Some(batch) = effects.recv().await {
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        for l in batch {
-            match l {
-                Later::Expired(conn) => {
-                    conn.close("lease expired");
-                    crate::sealed::edge::node_left(
-                        &shared,
-                        crate::sealed::edge::node_key(&conn.peer_key()),
-                    );
-                }
-                Later::Left(key) => {
-                    crate::sealed::edge::node_left(&shared, crate::sealed::edge::node_key(&key));
-                }
-                Later::Record(mut rec) => {
-                    rec.recorded_at_unix_ms = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_millis() as u64);
-                    let store = shared.store.clone();
-                    let written = tokio::task::spawn_blocking(move || store.record_epoch(&rec));
-                    if let Ok(Err(e)) = written.await {
-                        tracing::warn!("recording an epoch: {e}");
-                    }
-                }
-                Later::Refused(node, why) => shared.authz.refuse(node, &why),
-            }
-        }
-    }
-}
-
-impl Core {
-    fn step(&mut self, now: Duration, command: Command) -> Vec<Later> {
-        match command {
-            Command::Input(input) => self.handle(now, input),
-            Command::Open { member, outbox } => {
-                self.outboxes.insert(member.node_id, outbox);
-                self.handle(now, ClusterInput::Joined(member))
-            }
-            Command::Close { node, session } => {
-                if self
-                    .outboxes
-                    .get(&node)
-                    .is_some_and(|s| s.session == session)
-                {
-                    self.outboxes.remove(&node);
-                }
-                self.handle(now, ClusterInput::Left { node, session })
-            }
-            Command::Submit { run, input, owner } => {
-                self.owners.insert(run, owner);
-                self.handle(now, input)
-            }
-            Command::ToNode { to, msg } => {
-                if let Some(s) = self.outboxes.get(&to) {
-                    let _ = s.tx.send(*msg);
-                }
-                Vec::new()
-            }
-            Command::Set(setting) => {
-                match setting {
-                    Setting::Lease(l) => self.cluster.set_lease(l),
-                    Setting::MaxContext(n) => self.cluster.set_max_context(n),
-                    Setting::KvType(k) => self.cluster.set_kv_type(k),
-                    Setting::ExpertSplit(x) => self.cluster.set_expert_split(x),
-                    Setting::Closing => self.cluster.set_closing(),
-                }
-                Vec::new()
-            }
-        }
-    }
-
-    /// Feeds the cluster one input; carries out sends and run news at once and returns the
-    /// rest.
-    fn handle(&mut self, now: Duration, input: ClusterInput) -> Vec<Later> {
-        let mut later = Vec::new();
-        for o in self.cluster.handle(now, input) {
-            match o {
-                ClusterOutput::ToNode { to, msg } => {
-                    if let Some(s) = self.outboxes.get(&to) {
-                        let _ = s.tx.send(*msg);
-                    }
-                }
-                ClusterOutput::Run { run, news } => {
-                    if matches!(news, RunNews::Ended(_)) {
-                        if let Some(mut owner) = self.owners.remove(&run) {
-                            owner(news);
-                        }
-                    } else if let Some(owner) = self.owners.get_mut(&run) {
-                        owner(news);
-                    }
-                }
-                ClusterOutput::LeaseExpired { node, session } => {
-                    if self
-                        .outboxes
-                        .get(&node)
-                        .is_some_and(|s| s.session == session)
-                    {
-                        let s = self.outboxes.remove(&node).expect("checked");
-                        later.push(Later::Expired(s.conn));
-                    }
-                }
-                ClusterOutput::NodeLeft { key, .. } => later.push(Later::Left(key)),
-                ClusterOutput::RecordEpoch(r) => later.push(Later::Record(r)),
-                ClusterOutput::Refused { node, why } => later.push(Later::Refused(node, why)),
-            }
-        }
-        later
-    }
-}
-
 impl Shared {
     pub fn max_context(&self) -> usize {
         self.max_context.load(Ordering::SeqCst)
     }
 
-    /// The sealed-job desk.
+    /// The sealed-job desk. Never held while taking [`Shared::lock`] (nor the other way).
     pub fn sealed(&self) -> std::sync::MutexGuard<'_, crate::sealed::SealedEdge> {
         self.sealed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The cluster as its task last published it.
-    pub fn view(&self) -> Arc<ClusterView> {
-        self.view.borrow().clone()
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Hands the cluster's task a command (dropped if the coordinator is going away).
-    pub fn command(&self, command: Command) {
-        let _ = self.inbox.send(command);
+    /// The time since the coordinator started, as the cluster counts it.
+    pub fn now(&self) -> Duration {
+        self.started.elapsed()
     }
 
-    /// Feeds the cluster one input.
+    /// Feeds the cluster one input and carries out its outputs: sends and news under the
+    /// lock (channel sends), the rest (records, refusals, the sealed desk, closing a
+    /// connection) after it.
     pub fn handle(&self, input: ClusterInput) {
-        self.command(Command::Input(input));
+        self.handle_with(input, |_| {});
+    }
+
+    /// [`Shared::handle`], after `prepare` (under the same lock: a new session's outbox, a
+    /// run's owner).
+    pub fn handle_with(&self, input: ClusterInput, prepare: impl FnOnce(&mut Core)) {
+        let mut later = Vec::new();
+        {
+            let mut core = self.lock();
+            prepare(&mut core);
+            let before = core.cluster.poll_timeout();
+            let outputs = core.cluster.handle(self.now(), input);
+            for o in outputs {
+                match o {
+                    ClusterOutput::ToNode { to, msg } => {
+                        if let Some(s) = core.outboxes.get(&to) {
+                            let _ = s.tx.send(*msg);
+                        }
+                    }
+                    ClusterOutput::Run { run, news } => {
+                        if matches!(news, RunNews::Ended(_)) {
+                            if let Some(mut owner) = core.owners.remove(&run) {
+                                owner(news);
+                            }
+                        } else if let Some(owner) = core.owners.get_mut(&run) {
+                            owner(news);
+                        }
+                    }
+                    ClusterOutput::LeaseExpired { node, session } => {
+                        if core
+                            .outboxes
+                            .get(&node)
+                            .is_some_and(|s| s.session == session)
+                        {
+                            let s = core.outboxes.remove(&node).expect("checked");
+                            later.push(Later::Expired(s.conn));
+                        }
+                    }
+                    ClusterOutput::NodeLeft { key, .. } => later.push(Later::Left(key)),
+                    ClusterOutput::RecordEpoch(r) => later.push(Later::Record(r)),
+                    ClusterOutput::Refused { node, why } => later.push(Later::Refused(node, why)),
+                }
+            }
+            let after = core.cluster.poll_timeout();
+            if after.is_some() && (before.is_none() || after < before) {
+                self.clock.notify_one();
+            }
+        }
+        // The desk's lock is never taken under the core's.
+        for l in later {
+            match l {
+                Later::Expired(conn) => {
+                    conn.close("lease expired");
+                    crate::sealed::edge::node_left(
+                        self,
+                        crate::sealed::edge::node_key(&conn.peer_key()),
+                    );
+                }
+                Later::Left(key) => {
+                    crate::sealed::edge::node_left(self, crate::sealed::edge::node_key(&key));
+                }
+                Later::Record(mut rec) => {
+                    rec.recorded_at_unix_ms = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64);
+                    if let Err(e) = self.store.record_epoch(&rec) {
+                        tracing::warn!("recording epoch {}: {e}", rec.epoch);
+                    }
+                }
+                Later::Refused(node, why) => self.authz.refuse(node, &why),
+            }
+        }
     }
 
     /// Makes `tx` and `conn` node `member`'s current control session (replacing an older one
-    /// of a node that reconnected) and tells the cluster it joined; returns the session's
-    /// number.
+    /// of a node that reconnected) and tells the cluster it joined.
     pub fn open_session(
         &self,
         mut member: Member,
@@ -384,9 +222,9 @@ impl Shared {
     ) -> u64 {
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         member.session = session;
-        self.command(Command::Open {
-            member: Box::new(member),
-            outbox: NodeOutbox { session, tx, conn },
+        let id = member.node_id;
+        self.handle_with(ClusterInput::Joined(Box::new(member)), |core| {
+            core.outboxes.insert(id, NodeOutbox { session, tx, conn });
         });
         session
     }
@@ -394,7 +232,11 @@ impl Shared {
     /// Ends node `id`'s control session `session` (a newer session may have replaced it: then
     /// the node has not left).
     pub fn close_session(&self, id: NodeId, session: u64) {
-        self.command(Command::Close { node: id, session });
+        self.handle_with(ClusterInput::Left { node: id, session }, |core| {
+            if core.outboxes.get(&id).is_some_and(|s| s.session == session) {
+                core.outboxes.remove(&id);
+            }
+        });
     }
 
     /// Starts run `run`: its news goes to `owner`.
@@ -412,7 +254,9 @@ impl Shared {
             stages,
             positions,
         };
-        self.command(Command::Submit { run, input, owner });
+        self.handle_with(input, |core| {
+            core.owners.insert(run, owner);
+        });
     }
 
     /// The node lease.
@@ -420,48 +264,57 @@ impl Shared {
         Duration::from_millis(self.lease_ms.load(Ordering::Relaxed).max(1))
     }
 
-    /// Sends a message to a node, if it has a session.
+    /// Sends a message to a node, if it is connected.
     pub fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
-        let connected = self.view().has_session(&to);
-        if connected {
-            self.command(Command::ToNode {
-                to,
-                msg: Box::new(msg),
-            });
-        }
-        connected
+        self.lock()
+            .outboxes
+            .get(&to)
+            .is_some_and(|s| s.tx.send(msg).is_ok())
     }
 }
 
-/// The KV type as a number, and back ([`Shared::kv_type`]).
-pub(crate) fn kv_code(k: tessera_model::kv::KvType) -> u8 {
-    use tessera_model::kv::KvType;
-    match k {
-        KvType::F32 => 0,
-        KvType::F16 => 1,
-        KvType::Q8_0 => 2,
-    }
-}
-
-pub(crate) fn kv_of(code: u8) -> tessera_model::kv::KvType {
-    use tessera_model::kv::KvType;
-    match code {
-        0 => KvType::F32,
-        2 => KvType::Q8_0,
-        _ => KvType::F16,
-    }
-}
-
-/// A run's owner: called with each piece of its news on the cluster's task, where the node's
-/// message is handled. It must only hand the news on (a channel send, a counter).
+/// A run's owner: called with each piece of its news where the cluster decides it. It must
+/// only hand the news on (a channel send, a counter), never call back into the cluster.
 pub(crate) type RunOwner = Box<dyn FnMut(RunNews) + Send>;
 
-/// What the cluster's task hands on.
+/// What is done after the core's lock is released.
 enum Later {
     Expired(Connection),
     Left(tessera_net::PublicKey),
     Record(Box<crate::state::EpochRecord>),
     Refused(NodeId, crate::authz::Refusal),
+}
+
+/// The cluster's clock: sleeps until its next timeout (or until a nearer one is armed) and
+/// feeds it `Timeout`, until the coordinator is dropped.
+pub(crate) fn spawn_clock(shared: &Arc<Shared>) {
+    let weak = Arc::downgrade(shared);
+    let nearer = shared.clock.clone();
+    let started = shared.started;
+    tokio::spawn(async move {
+        loop {
+            let notified = nearer.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let next = match weak.upgrade() {
+                Some(s) => s.lock().cluster.poll_timeout(),
+                None => return,
+            };
+            let sleep = async {
+                match next {
+                    Some(t) => tokio::time::sleep_until(started + t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = sleep => match weak.upgrade() {
+                    Some(s) => s.handle(ClusterInput::Timeout),
+                    None => return,
+                },
+                () = &mut notified => {}
+            }
+        }
+    });
 }
 
 /// What the model's weights weigh per layer, embedding and head, and one expert per layer (for
@@ -502,8 +355,8 @@ pub(crate) fn model_bytes(manifest: &Manifest, n_expert: usize) -> ModelBytes {
 
 /// Status of every member, for clients.
 pub(crate) fn member_status(shared: &Shared) -> (Vec<MemberStatus>, Option<u64>) {
-    let view = shared.view();
-    let m = view.membership();
+    let core = shared.lock();
+    let m = core.cluster.membership();
     let members = m
         .members()
         .map(|m| MemberStatus {

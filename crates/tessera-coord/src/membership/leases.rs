@@ -17,7 +17,7 @@ use tessera_net::NodeId;
 use super::{Action, Membership};
 
 /// The lease, and when each member was last heard from.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub(super) struct Leases {
     /// `None`: leases are not enforced (no shell has set one).
     lease: Option<Duration>,

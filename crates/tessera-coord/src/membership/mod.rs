@@ -94,7 +94,7 @@ pub struct Member {
 }
 
 /// The membership and epoch state.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct Membership {
     members: BTreeMap<NodeId, Member>,
     joins: u64,

@@ -87,7 +87,8 @@ fn node_id(key: &NodeKey) -> NodeId {
 /// A node's name in the membership (its key when it has none).
 fn name_of(shared: &Shared, node: &NodeKey) -> String {
     shared
-        .view()
+        .lock()
+        .cluster
         .membership()
         .member(&node_id(node))
         .map_or_else(|| node.to_string(), |m| m.name.clone())
