@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,13 +34,12 @@ use tessera_gateway::backend::{
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
-use tessera_proto::{
-    CoordToClient, FinishReason as SeqFinish, RunReport, RunRequest, StepEntry, StepHeader,
-};
+use tessera_proto::{FinishReason as SeqFinish, RunReport, RunRequest, StepEntry, StepHeader};
 use tokio::sync::Semaphore;
 
 use crate::error::CoordError;
 use crate::membership::Phase;
+use crate::run::RunEvent;
 use crate::server::Coordinator;
 use crate::shared::Shared;
 
@@ -85,7 +84,19 @@ pub struct BatchingStats {
 struct LiveSeq {
     /// (node, layers held) per stage.
     stages: Vec<(NodeId, usize)>,
-    positions: usize,
+    positions: Arc<Tally>,
+}
+
+/// One request's counts, kept by its sink as tokens arrive and read when it ends.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Positions the sequence has reached.
+    positions: AtomicUsize,
+    /// Tokens sent into the HTTP stream.
+    sent: AtomicUsize,
+    cached: AtomicUsize,
+    /// The HTTP stream is closed.
+    gone: AtomicBool,
 }
 
 #[derive(Default)]
@@ -295,11 +306,12 @@ impl std::fmt::Display for NotServing {
 }
 
 fn not_serving(shared: &Shared) -> Option<NotServing> {
-    let st = shared.lock();
-    let cells = st.membership.cells();
+    let core = shared.lock();
+    let m = core.cluster.membership();
+    let cells = m.cells();
     if cells.is_empty() {
         return Some(NotServing::NoPlan {
-            connected: st.membership.connected().len(),
+            connected: m.connected().len(),
         });
     }
     // One ready cell serves; otherwise the cell furthest along says why not yet, and with
@@ -409,71 +421,80 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
         grammar: req.grammar.as_ref().map(|g| g.spec().clone()),
         logprobs: req.logprobs,
     };
-    // Each token goes from the run's shell straight into this request's HTTP stream: one
-    // channel, no text decoded here (the HTTP layer decodes what it sends).
-    let shared = inner.shared.clone();
-    let mut sent = 0usize;
-    let mut cached = 0usize;
-    let mut gone = false;
-    let mut sink = |m: CoordToClient| match m {
-        CoordToClient::Started {
-            stages,
-            prompt_tokens,
-            cached_tokens,
-            ..
-        } => {
-            let live = LiveSeq {
-                stages: stages.iter().map(|s| (s.node_id, s.layers.len())).collect(),
-                positions: prompt_tokens.len(),
-            };
-            lock(&inner.books).live.insert(seq, live);
-            cached = cached_tokens;
-            if cached_tokens > 0 && !gone {
-                gone = events.send(Event::PromptCached(cached_tokens)).is_err();
-            }
-        }
-        CoordToClient::Token {
-            token, logprobs, ..
-        } if token != u32::MAX => {
-            if let Some(l) = lock(&inner.books).live.get_mut(&seq) {
-                l.positions += 1;
-            }
-            inner.generated_tokens.fetch_add(1, Ordering::Relaxed);
-            if !gone {
-                let event = match logprobs {
-                    Some(lp) => Event::TokenLogprobs(lp),
-                    None => Event::Token(token),
+    // Each token goes from where the cluster hears it straight into this request's HTTP
+    // stream: that stream is the one channel, and the sink takes no lock another run takes
+    // (its position count is its own).
+    let tally = Arc::new(Tally::default());
+    let sink = {
+        let (inner, tally, events) = (inner.clone(), tally.clone(), events.clone());
+        move |e: RunEvent| match e {
+            RunEvent::Started {
+                stages,
+                prompt_tokens,
+                cached_tokens,
+                ..
+            } => {
+                tally
+                    .positions
+                    .store(prompt_tokens.len(), Ordering::Relaxed);
+                let live = LiveSeq {
+                    stages: stages.iter().map(|s| (s.node_id, s.layers.len())).collect(),
+                    positions: tally.clone(),
                 };
-                if events.send(event).is_ok() {
-                    sent += 1;
-                } else {
-                    gone = true;
-                    crate::driver::cancel(&inner.shared, seq);
+                lock(&inner.books).live.insert(seq, live);
+                tally.cached.store(cached_tokens, Ordering::Relaxed);
+                if cached_tokens > 0 && events.send(Event::PromptCached(cached_tokens)).is_err() {
+                    tally.gone.store(true, Ordering::Relaxed);
                 }
             }
+            RunEvent::Token {
+                token, logprobs, ..
+            } => {
+                tally.positions.fetch_add(1, Ordering::Relaxed);
+                inner.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                if !tally.gone.load(Ordering::Relaxed) {
+                    let event = match logprobs {
+                        Some(lp) => Event::TokenLogprobs(lp),
+                        None => Event::Token(token),
+                    };
+                    if events.send(event).is_ok() {
+                        tally.sent.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        // The client left: the drive below sees the stream closed and
+                        // cancels (never from here, where the cluster is deciding).
+                        tally.gone.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+            _ => {}
         }
-        _ => {}
     };
-    let result = {
-        let run = crate::driver::run(&shared, seq, run_req, false, &mut sink);
-        tokio::pin!(run);
-        tokio::select! {
-        r = &mut run => r,
-        () = events.closed() => {
-            // The client left: the run's machine takes the cancellation as an input (a run
-            // still waiting for its epoch has no route yet and ends when it gets one).
-            crate::driver::cancel(&inner.shared, seq);
-            loop {
-                tokio::select! {
-                    r = &mut run => break r,
-                    () = tokio::time::sleep(Duration::from_millis(50)) => {
-                        crate::driver::cancel(&inner.shared, seq);
+    let shared = inner.shared.clone();
+    let result = match crate::driver::start(&shared, seq, &run_req, sink) {
+        Err(e) => Err(e),
+        Ok((prompt_len, ending)) => {
+            let run = crate::driver::finish(&shared, seq, prompt_len, ending);
+            tokio::pin!(run);
+            tokio::select! {
+                r = &mut run => r,
+                () = events.closed() => {
+                    // The client left: the run's machine takes the cancellation as an input.
+                    crate::driver::cancel(&shared, seq);
+                    loop {
+                        tokio::select! {
+                            r = &mut run => break r,
+                            () = tokio::time::sleep(Duration::from_millis(50)) => {
+                                crate::driver::cancel(&shared, seq);
+                            }
+                        }
                     }
                 }
             }
         }
-        }
     };
+    let gone = tally.gone.load(Ordering::Relaxed);
+    let sent = tally.sent.load(Ordering::Relaxed);
+    let cached = tally.cached.load(Ordering::Relaxed);
     let cancelled = gone || events.is_closed();
     let result = Some(result);
     if cancelled {
@@ -530,7 +551,9 @@ fn account(inner: &Inner, report: &RunReport, live: Option<&LiveSeq>) {
         let confirmed =
             st.stage == i && (i > 0 || st.prefill.steps > 0 || n == 1 || st.kv_bytes > 0);
         if !confirmed {
-            let positions = live.map_or(report.prompt_tokens + report.generated, |l| l.positions);
+            let positions = live.map_or(report.prompt_tokens + report.generated, |l| {
+                l.positions.positions.load(Ordering::Relaxed)
+            });
             *b.unconfirmed_kv.entry(node).or_default() +=
                 report.stages[i].layers.len() as u64 * inner.kv_per_pos_layer * positions as u64;
         }
@@ -563,29 +586,36 @@ fn account(inner: &Inner, report: &RunReport, live: Option<&LiveSeq>) {
 fn status(inner: &Inner) -> ClusterStatus {
     let shared = &inner.shared;
     let not_serving = not_serving(shared);
-    let books = lock(&inner.books);
-    let mut kv: HashMap<NodeId, u64> = books.unconfirmed_kv.clone();
-    for l in books.live.values() {
-        for (node, layers) in &l.stages {
-            *kv.entry(*node).or_default() +=
-                *layers as u64 * inner.kv_per_pos_layer * l.positions as u64;
+    // The books are read and let go before the cluster is locked: a run's sink takes them
+    // (once, when it starts) where the cluster hands it its news.
+    let (kv, link_bytes, batching) = {
+        let books = lock(&inner.books);
+        let mut kv: HashMap<NodeId, u64> = books.unconfirmed_kv.clone();
+        for l in books.live.values() {
+            for (node, layers) in &l.stages {
+                *kv.entry(*node).or_default() += *layers as u64
+                    * inner.kv_per_pos_layer
+                    * l.positions.positions.load(Ordering::Relaxed) as u64;
+            }
         }
-    }
-    let st = shared.lock();
+        (kv, books.link_bytes.clone(), books.batching)
+    };
+    let core = shared.lock();
+    let st = &core.cluster;
     let cfg = &shared.model.config;
     // The cells that hold (or are taking) their nodes; the first describes the plan.
     let held: Vec<&crate::membership::Epoch> = st
-        .membership
+        .membership()
         .cells()
         .iter()
         .filter(|e| !matches!(e.phase, Phase::Released | Phase::Failed(_)))
         .collect();
     let epoch = held.first().copied().or_else(|| {
-        st.membership
+        st.membership()
             .epoch()
             .filter(|e| !matches!(e.phase, Phase::Released))
     });
-    let n_cells = st.membership.cells().len();
+    let n_cells = st.membership().cells().len();
     // The weight bytes a node's stage keeps resident (the gateway words what it holds).
     let weights_of = |id: &NodeId| -> u64 {
         held.iter()
@@ -599,14 +629,14 @@ fn status(inner: &Inner) -> ClusterStatus {
             .or_else(|| m.inventory.as_ref().and_then(|i| i.memory.available_bytes))
             .unwrap_or(0)
     };
-    let mut members: Vec<&crate::membership::Member> = st.membership.members().collect();
+    let mut members: Vec<&crate::membership::Member> = st.membership().members().collect();
     members.sort_by_key(|m| (!m.connected, m.joined));
     let nodes: Vec<NodeStatus> = members
         .into_iter()
         .map(|m| {
             let weights = weights_of(&m.node_id);
             let expert_cache =
-                st.expert_cache
+                st.expert_cache()
                     .get(&m.node_id)
                     .map(|c| tessera_gateway::ExpertCacheStatus {
                         budget_bytes: c.budget_bytes,
@@ -661,12 +691,12 @@ fn status(inner: &Inner) -> ClusterStatus {
             }
         })
         .collect();
-    let budget = |id: &NodeId| st.membership.member(id).map_or(0, budget_of);
+    let budget = |id: &NodeId| st.membership().member(id).map_or(0, budget_of);
     // The current epoch's expert split (after a failover it differs from the configured one):
     // experts per layer each node holds, resolved against the members by name or id.
-    let members = st.membership.member_candidates();
+    let members = st.membership().member_candidates();
     let expert_owners: Option<Vec<(NodeId, usize)>> =
-        st.membership.epoch_expert_split().map(|split| {
+        st.membership().epoch_expert_split().map(|split| {
             split
                 .groups
                 .iter()
@@ -687,7 +717,7 @@ fn status(inner: &Inner) -> ClusterStatus {
                 .filter(|s| !s.layers.is_empty())
                 .map(|s| {
                     let name = st
-                        .membership
+                        .membership()
                         .member(&s.node_id)
                         .map_or_else(|| s.node_id.short(), |m| m.name.clone());
                     format!("{name} {}..{}", s.layers.start, s.layers.end)
@@ -699,7 +729,7 @@ fn status(inner: &Inner) -> ClusterStatus {
                 cfg.n_layer,
                 ranges.join(", ")
             );
-            if let Some(split) = st.membership.epoch_expert_split() {
+            if let Some(split) = st.membership().epoch_expert_split() {
                 x.push_str(&format!(
                     " Each MoE layer's experts are split by owner ({split}): the home stage \
                      routes and sends each owner only its experts' tokens."
@@ -754,7 +784,7 @@ fn status(inner: &Inner) -> ClusterStatus {
             (_, true) => "stage + expert split",
         };
         let cells: Vec<CellStatus> = if n_cells > 1 {
-            st.membership
+            st.membership()
                 .cells()
                 .iter()
                 .map(|e| CellStatus {
@@ -762,8 +792,8 @@ fn status(inner: &Inner) -> ClusterStatus {
                     epoch: e.id,
                     state: e.phase.to_string(),
                     nodes: e.stages.iter().map(|s| s.node_id.to_string()).collect(),
-                    active: st.cells.seated(e.id),
-                    decode_tokens_per_s: st.cells.speed(e.id).unwrap_or(0.0),
+                    active: st.cells().seated(e.id),
+                    decode_tokens_per_s: st.cells().speed(e.id).unwrap_or(0.0),
                 })
                 .collect()
         } else {
@@ -806,11 +836,7 @@ fn status(inner: &Inner) -> ClusterStatus {
                     LinkStatus {
                         from: s.node_id.to_string(),
                         to: next.to_string(),
-                        bytes_total: books
-                            .link_bytes
-                            .get(&(s.node_id, next))
-                            .copied()
-                            .unwrap_or(0),
+                        bytes_total: link_bytes.get(&(s.node_id, next)).copied().unwrap_or(0),
                         rtt_us: s.link.map_or(0, |l| l.rtt_median.as_micros() as u64),
                     }
                 })
@@ -824,7 +850,7 @@ fn status(inner: &Inner) -> ClusterStatus {
         active_sequences: inner.active.load(Ordering::Relaxed),
         max_active_sequences: inner.config.max_active,
         kv_bytes: kv_total,
-        steps_total: books.batching.steps_at_most + books.batching.prefill_steps,
+        steps_total: batching.steps_at_most + batching.prefill_steps,
         prompt_tokens_total: inner.prompt_tokens.load(Ordering::Relaxed),
         generated_tokens_total: inner.generated_tokens.load(Ordering::Relaxed),
         cancelled_total: inner.cancelled.load(Ordering::Relaxed),

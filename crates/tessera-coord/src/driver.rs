@@ -1,13 +1,14 @@
-//! Driving generations: a client's control session, and one generation over the ring.
+//! Driving generations: a client's control session, and one generation's shell.
 //!
-//! For a [`RunRequest`] the driver makes sure an epoch with the requested placement is ready
-//! (planning a new one if needed and waiting for every stage to load and link), tokenizes the
-//! prompt, opens the sequence on every stage, starts the first stage, and relays what the last
-//! stage reports — each token, as text, to the client — until the sequence finishes. Then it
-//! closes the sequence everywhere (each stage frees its KV cache and reports its traffic and
-//! time) and sends the client a [`RunReport`].
+//! For a [`RunRequest`] the shell tokenizes the prompt and checks the request once into a
+//! `RunSpec`, and hands it to the [`crate::cluster::Cluster`], which seats it on a ready cell
+//! (planning the requested placement if needed and waiting for it to load and link), opens the
+//! sequence on every stage, starts the first stage, relays what the last stage reports — each
+//! token, to the run's owner — until the sequence finishes, then closes the sequence everywhere
+//! (each stage frees its KV cache and reports its traffic and time). The shell turns the
+//! outcome into a [`RunReport`].
 //!
-//! **Surviving failures.** The driver keeps every run's prompt, sampling parameters and the
+//! **Surviving failures.** The run's machine keeps its prompt, sampling parameters and the
 //! tokens it has streamed. When the run's epoch is lost (a stage node declared gone, or a better
 //! plan replacing it) the client is sent [`CoordToClient::Paused`]; once the membership has a
 //! new ready epoch the run is opened there under a fresh stage-side id with prompt + generated
@@ -28,19 +29,14 @@ use tessera_model::StreamDecoder;
 use tessera_net::{Connection, FramedStream};
 use tessera_proto::{
     frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, RunReport, RunRequest,
-    StageSeqStats, StageSpec, PROTOCOL_VERSION,
+    StageSeqStats, PROTOCOL_VERSION,
 };
 use tokio::sync::mpsc;
 
-use crate::assignment::resolve;
-use crate::cells::{choose, NoCell};
+use crate::cluster::{ClusterInput, RunNews, RunRefused};
 use crate::error::CoordError;
-use crate::membership::{Event, Phase};
-use crate::run::{Input, Output, Placement, RunEvent, RunMachine, RunOutcome, RunSpec, Timer};
-use crate::shared::{member_status, EpochStatus, RouteMsg, Shared};
-
-/// How long a new epoch may take to load (model transfer included) and link.
-const EPOCH_TIMEOUT: Duration = Duration::from_secs(600);
+use crate::run::{Placement, RunEvent, RunOutcome, RunSpec};
+use crate::shared::{member_status, RunOwner, Shared};
 
 pub(crate) async fn client_session(
     shared: Arc<Shared>,
@@ -177,9 +173,7 @@ pub(crate) async fn client_session(
 
 /// Cancels run `seq` (its owner gave up): an input to its machine, not a message from a node.
 pub(crate) fn cancel(shared: &Shared, seq: u64) {
-    if let Some(r) = shared.lock().routes.get(&seq) {
-        let _ = r.send(RouteMsg::Cancel);
-    }
+    shared.handle(ClusterInput::Cancel { run: seq });
 }
 
 /// Who a client session's peer is, from its credential.
@@ -207,217 +201,12 @@ fn record_metrics(shared: &Shared, report: &RunReport) {
         .and_then(|mut f| writeln!(f, "{line}"));
 }
 
-/// Bytes of KV cache per position per layer, as the stages hold it.
-fn kv_bytes_per_position_layer(shared: &Shared, st: &crate::shared::LiveState) -> u64 {
-    let shape = tessera_model::kv::KvShape::from_config(&shared.model.config);
-    st.membership.kv_type().bytes_per_position(shape) as u64
-}
+/// How a run ended, as its owner receives it (once, when it ends).
+pub(crate) type Ending = tokio::sync::oneshot::Receiver<Result<Box<RunOutcome>, RunRefused>>;
 
-/// Chooses a ready cell for run `seq` (never `exclude`, the cell it was lost on) and seats it
-/// there ([`crate::cells`]), under one lock so that requests arriving together see each
-/// other's seats.
-fn take_cell(
-    shared: &Shared,
-    seq: u64,
-    positions: u64,
-    exclude: Option<u64>,
-) -> Result<Placement, NoCell> {
-    let mut st = shared.lock();
-    let kv = kv_bytes_per_position_layer(shared, &st);
-    let loads = st.cells.loads(&st.membership);
-    let epoch = choose(&loads, positions, kv, exclude)?;
-    st.cells.seat(seq, epoch, positions);
-    // A resumed run may have been the last on a draining epoch.
-    shared.release_drained(&mut st);
-    Placement::of(&st.membership, epoch).ok_or(NoCell::NoneReady)
-}
-
-/// A run's seat on its cell: given up when the run ends, and the requests waiting for room
-/// look again.
-struct Seat<'a> {
-    shared: &'a Shared,
-    seq: u64,
-}
-
-impl Drop for Seat<'_> {
-    fn drop(&mut self) {
-        let mut st = self.shared.lock();
-        if st.cells.unseat(self.seq) {
-            self.shared.seats_freed.notify_waiters();
-            self.shared.release_drained(&mut st);
-        }
-    }
-}
-
-/// Why no cell can take a request now and none is coming: the refusal the client gets.
-fn unavailable(st: &crate::shared::LiveState) -> Option<CoordError> {
-    let m = &st.membership;
-    if m.cells()
-        .iter()
-        .any(|e| matches!(e.phase, Phase::Loading | Phase::Linking | Phase::Ready))
-    {
-        return None;
-    }
-    let failed = m.epoch().and_then(|e| match &e.phase {
-        Phase::Failed(r) => Some(format!("epoch {} failed: {r}", e.id)),
-        _ => None,
-    });
-    Some(CoordError::Run(
-        match (m.outage().map(str::to_string), failed) {
-            (Some(why), _) | (None, Some(why)) => format!("service unavailable: {why}"),
-            (None, None) => {
-                "no assignment is active: give the stages (e.g. --split 0..3,3..5)".into()
-            }
-        },
-    ))
-}
-
-/// Seats run `seq` on a ready cell and returns its placement: the cell placing `spec` when
-/// one is given (planning it if no cell does, and waiting for it), else the cell the router
-/// chooses, waiting while cells load or while none has room for `positions` of KV.
-async fn ensure_epoch(
-    shared: &Shared,
-    spec: Option<&Vec<StageSpec>>,
-    seq: u64,
-    positions: u64,
-) -> Result<Placement, CoordError> {
-    let deadline = tokio::time::Instant::now() + EPOCH_TIMEOUT;
-    let mut rx = shared.epoch_tx.subscribe();
-    if let Some(spec) = spec {
-        let target = plan_spec(shared, spec)?;
-        wait_ready(shared, &mut rx, target, deadline).await?;
-        let mut st = shared.lock();
-        st.cells.seat(seq, target, positions);
-        return Placement::of(&st.membership, target)
-            .ok_or_else(|| CoordError::Run("the epoch was replaced".into()));
-    }
-    loop {
-        // Armed before looking, so that a seat freed in between is not missed.
-        let freed = shared.seats_freed.notified();
-        tokio::pin!(freed);
-        freed.as_mut().enable();
-        match take_cell(shared, seq, positions, None) {
-            Ok(p) => return Ok(p),
-            Err(NoCell::NoneReady) => {
-                if let Some(e) = unavailable(&shared.lock()) {
-                    return Err(e);
-                }
-            }
-            Err(NoCell::NoneFits { .. }) => {}
-            Err(e @ NoCell::TooBig { .. }) => return Err(CoordError::Run(e.to_string())),
-        }
-        tokio::select! {
-            r = tokio::time::timeout_at(deadline, rx.changed()) => if r.is_err() {
-                return Err(CoordError::Timeout(format!(
-                    "no cell could take the request within {EPOCH_TIMEOUT:?}"
-                )));
-            },
-            () = &mut freed => {}
-        }
-    }
-}
-
-/// The live cell whose ring is `spec`, or a new plan of it (which replaces every cell), as
-/// its epoch number.
-fn plan_spec(shared: &Shared, spec: &[StageSpec]) -> Result<u64, CoordError> {
-    let n_layer = shared.model.config.n_layer;
-    // Decide and plan under one lock, so concurrent runs asking for the same placement share
-    // one epoch instead of replacing each other's.
-    let mut st = shared.lock();
-    let wanted = resolve(spec, n_layer, &st.membership.candidates())?;
-    let current = st.membership.cells().iter().find(|e| {
-        !matches!(e.phase, Phase::Failed(_) | Phase::Released) && {
-            // Expert-only nodes (no layers) follow the ring stages of an expert split.
-            let ring: Vec<_> = e.stages.iter().filter(|s| !s.layers.is_empty()).collect();
-            wanted.len() == ring.len()
-                && wanted
-                    .iter()
-                    .zip(&ring)
-                    .all(|((n, l), s)| *n == s.node_id && *l == s.layers)
-        }
-    });
-    if let Some(e) = current {
-        return Ok(e.id);
-    }
-    shared.apply_locked(
-        &mut st,
-        Event::Plan {
-            model: shared.server.manifest().model_hash,
-            stages: wanted,
-            n_layer,
-            max_context: shared.max_context(),
-        },
-    );
-    Ok(st.membership.epoch().map_or(0, |e| e.id))
-}
-
-/// Waits until epoch `target` is ready; its failure or replacement is the run's error.
-async fn wait_ready(
-    shared: &Shared,
-    rx: &mut tokio::sync::watch::Receiver<Vec<EpochStatus>>,
-    target: u64,
-    deadline: tokio::time::Instant,
-) -> Result<(), CoordError> {
-    loop {
-        rx.borrow_and_update();
-        match shared
-            .lock()
-            .membership
-            .epoch_with_id(target)
-            .map(|e| e.phase.clone())
-        {
-            Some(Phase::Ready) => return Ok(()),
-            Some(Phase::Failed(r)) => {
-                return Err(CoordError::Run(format!("epoch {target} failed: {r}")))
-            }
-            Some(Phase::Released) | None => {
-                return Err(CoordError::Run(format!("epoch {target} was replaced")))
-            }
-            Some(Phase::Loading | Phase::Linking) => {}
-        }
-        if tokio::time::timeout_at(deadline, rx.changed())
-            .await
-            .is_err()
-        {
-            return Err(CoordError::Timeout(format!(
-                "epoch {target} did not become ready"
-            )));
-        }
-    }
-}
-
-/// Removes a run's routes (its own id and every attempt's) when the run ends.
-struct Route<'a> {
-    shared: &'a Shared,
-    seqs: Vec<u64>,
-}
-
-impl Drop for Route<'_> {
-    fn drop(&mut self) {
-        let mut st = self.shared.lock();
-        for s in &self.seqs {
-            st.routes.remove(s);
-        }
-    }
-}
-
-/// Whether a run on `epoch` may go on: a ready cell, or one draining after a new split took
-/// its place.
-fn epoch_live(shared: &Shared, epoch: u64) -> bool {
-    shared.lock().membership.serves(epoch)
-}
-
-/// Runs one generation; streams tokens to `client`. The lifecycle — open, start, relay,
-/// pause on a lost epoch, resume on the next, cancel, close — is [`RunMachine`]'s; this shell
-/// feeds it node messages, epoch changes, cancellation and timers, and carries out what it
-/// says. Text is decoded here, once, as tokens arrive.
-pub(crate) async fn run(
-    shared: &Shared,
-    seq: u64,
-    req: RunRequest,
-    decode_text: bool,
-    client: &mut (dyn FnMut(CoordToClient) + Send),
-) -> Result<RunReport, CoordError> {
+/// Checks a request and builds its [`RunSpec`], once, off the cluster (tokenizing and the
+/// grammar's bounds are work); with the KV positions it reserves on its cell.
+fn spec_of(shared: &Shared, req: &RunRequest) -> Result<(RunSpec, u64), CoordError> {
     let model = &shared.model;
     let prompt = match (&req.prompt_tokens, &req.prompt) {
         (Some(t), _) => t.clone(),
@@ -430,7 +219,7 @@ pub(crate) async fn run(
         Vec::new()
     };
     let mut spec = RunSpec::new(
-        prompt.clone(),
+        prompt,
         model.config.vocab_size,
         req.sampling.clone(),
         req.max_new_tokens,
@@ -448,183 +237,144 @@ pub(crate) async fn run(
     spec.grammar = req.grammar.clone();
     spec.logprobs = req.logprobs;
     // KV the request reserves on its cell: the prompt and the most it may generate.
-    let positions = (prompt.len() + req.max_new_tokens).min(shared.max_context()) as u64;
-    let first = ensure_epoch(shared, req.stages.as_ref(), seq, positions).await?;
-    let _seat = Seat { shared, seq };
+    let positions = (spec.prompt.len() + req.max_new_tokens).min(shared.max_context()) as u64;
+    Ok((spec, positions))
+}
 
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    shared.lock().routes.insert(seq, tx.clone());
-    let mut route = Route {
-        shared,
-        seqs: vec![seq],
-    };
-    let mut epoch_rx = shared.epoch_tx.subscribe();
-    // Text is decoded once, where it is wanted (the HTTP gateway decodes its own).
-    let mut decoder = decode_text.then(|| StreamDecoder::new(&model.tokenizer));
-    let mut timers: Vec<(tokio::time::Instant, Timer)> = Vec::new();
-    let (mut machine, mut out) = RunMachine::new(spec, shared.lease());
-    // Which epoch the run waits for (`Some(lost)`), and which one its attempt is on.
-    let mut awaiting: Option<Option<u64>> = None;
-    let mut on_epoch: Option<u64> = None;
-    let mut first = Some(first);
-    let now = || shared.started.elapsed();
-    let outcome = loop {
-        // Carry out what the machine said; feed back what cannot be delivered.
-        let mut inputs = Vec::new();
-        let mut done = None;
-        for o in out.drain(..) {
-            match o {
-                Output::Send { to, msg } => {
-                    if !shared.send(to, msg.0) {
-                        inputs.push(Input::Undeliverable { to });
-                    }
-                }
-                Output::AwaitEpoch { lost } => {
-                    awaiting = Some(lost);
-                    on_epoch = None;
-                    if let Some(lost) = lost {
-                        tracing::info!(
-                            event = "run_paused",
-                            seq,
-                            epoch = lost,
-                            "seq {seq}: paused after {} tokens on epoch {lost}",
-                            machine.generated().len()
-                        );
-                    }
-                }
-                Output::ArmTimer { timer, after } => {
-                    timers.push((tokio::time::Instant::now() + after, timer));
-                }
-                Output::Event(e) => {
-                    client(match e {
-                        RunEvent::Started {
-                            epoch,
-                            stages,
-                            prompt_tokens,
-                            cached_tokens,
-                        } => CoordToClient::Started {
-                            seq,
-                            epoch,
-                            prompt_tokens,
-                            stages,
-                            cached_tokens,
-                        },
-                        RunEvent::Token {
-                            pos,
-                            token,
-                            logprobs,
-                        } => CoordToClient::Token {
-                            seq,
-                            pos,
-                            token,
-                            text: decoder.as_mut().map_or_else(String::new, |d| d.push(token)),
-                            logprobs,
-                        },
-                        RunEvent::Trace(mut t) => {
-                            t.seq = seq;
-                            CoordToClient::Trace(t)
-                        }
-                        RunEvent::Paused { reason } => CoordToClient::Paused { seq, reason },
-                        RunEvent::Resumed { epoch, generated } => {
-                            tracing::info!(
-                                event = "run_resumed",
-                                seq,
-                                epoch,
-                                generated,
-                                "seq {seq}: resuming on epoch {epoch} after {generated} tokens"
-                            );
-                            CoordToClient::Resumed {
-                                seq,
-                                epoch,
-                                generated,
-                            }
-                        }
-                    });
-                }
-                Output::Refused { from, why } => shared.authz.refuse(from, &why),
-                Output::Done(o) => done = Some(o),
+/// Starts run `seq`: the cluster decides its whole lifecycle — placement, open, start,
+/// relay, pause on a lost epoch, resume on the next, cancel, close ([`crate::cluster`], one
+/// `RunMachine` per run) — and calls `on_event` with each of its events where the node's
+/// message is handled (no channel in between: the owner's own sink is the one hop). Returns
+/// the prompt's length and the run's ending.
+pub(crate) fn start(
+    shared: &Shared,
+    seq: u64,
+    req: &RunRequest,
+    mut on_event: impl FnMut(RunEvent) + Send + 'static,
+) -> Result<(usize, Ending), CoordError> {
+    let (spec, positions) = spec_of(shared, req)?;
+    let prompt_len = spec.prompt.len();
+    let (done, ending) = tokio::sync::oneshot::channel();
+    let mut done = Some(done);
+    let owner: RunOwner = Box::new(move |news| match news {
+        RunNews::Event(e) => on_event(e),
+        RunNews::Ended(r) => {
+            if let Some(done) = done.take() {
+                let _ = done.send(r);
             }
         }
-        if let Some(o) = done {
-            break o;
-        }
-        // Epoch changes the machine must hear about.
-        if let Some(e) = on_epoch.filter(|e| !epoch_live(shared, *e)) {
-            on_epoch = None;
-            inputs.push(Input::EpochLost {
-                epoch: e,
-                why: format!("epoch {e} was lost"),
-            });
-        }
-        if let Some(lost) = awaiting {
-            let ready = match (lost, first.take()) {
-                (None, Some(p)) => Some((p, seq)),
-                (lost, _) => take_cell(shared, seq, positions, lost).ok().map(|p| {
-                    let attempt = shared.next_seq.fetch_add(1, Ordering::Relaxed);
-                    shared.lock().routes.insert(attempt, tx.clone());
-                    route.seqs.push(attempt);
-                    (p, attempt)
-                }),
-            };
-            if let Some((placement, attempt_seq)) = ready {
-                awaiting = None;
-                on_epoch = Some(placement.epoch);
-                inputs.push(Input::EpochReady {
-                    placement,
-                    attempt_seq,
-                });
-            }
-        }
-        if inputs.is_empty() {
-            timers.sort_by_key(|(t, _)| *t);
-            let next_timer = timers.first().map(|(t, _)| *t);
-            let input = tokio::select! {
-                m = rx.recv() => match m {
-                    Some(RouteMsg::Node(from, msg)) => Some(Input::Node { from, msg }),
-                    Some(RouteMsg::Cancel) => Some(Input::Cancel),
-                    None => Some(Input::Cancel),
-                },
-                _ = epoch_rx.changed() => None,
-                () = shared.seats_freed.notified(), if awaiting.is_some() => None,
-                () = async {
-                    match next_timer {
-                        Some(t) => tokio::time::sleep_until(t).await,
-                        None => std::future::pending().await,
-                    }
-                } => Some(Input::Timer(timers.remove(0).1)),
-            };
-            inputs.extend(input);
-        }
-        for input in inputs {
-            out.extend(machine.handle(now(), input));
-        }
-    };
-    drop(route);
-    if let Some(p) = &outcome.placement {
-        if let Some((n, d)) = outcome.decode {
-            shared
-                .lock()
-                .cells
-                .measured(p.epoch, n, d.as_secs_f64().max(1e-9));
-        }
+    });
+    shared.submit(seq, spec, req.stages.clone(), positions, owner);
+    Ok((prompt_len, ending))
+}
+
+/// A run's report from its ending: a run that failed without an attempt running (it never
+/// started, or no epoch came back after a loss) is a refusal; one that failed while running
+/// has a report.
+pub(crate) async fn finish(
+    shared: &Shared,
+    seq: u64,
+    prompt_len: usize,
+    ending: Ending,
+) -> Result<RunReport, CoordError> {
+    let outcome = ending
+        .await
+        .map_err(|_| CoordError::Run("the run was dropped".into()))??;
+    if outcome.reason == FinishReason::Error && outcome.stranded {
+        return Err(CoordError::Run(outcome.error.unwrap_or_default()));
     }
+    Ok(report(shared, seq, prompt_len, *outcome))
+}
+
+/// Runs one generation for a CLI client; streams its events to `client` as the client's
+/// messages, with text decoded here, once, as tokens arrive.
+pub(crate) async fn run(
+    shared: &Shared,
+    seq: u64,
+    req: RunRequest,
+    decode_text: bool,
+    client: &mut (dyn FnMut(CoordToClient) + Send),
+) -> Result<RunReport, CoordError> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (prompt_len, ending) = start(shared, seq, &req, move |e| {
+        let _ = tx.send(e);
+    })?;
+    // A shell dropped before its run ended cancels it (the owner gave up).
+    let mut guard = CancelOnDrop {
+        shared,
+        seq,
+        armed: true,
+    };
+    let mut decoder = decode_text.then(|| StreamDecoder::new(&shared.model.tokenizer));
+    let mut generated = 0;
+    // The sender is dropped with the owner, when the run ends.
+    while let Some(e) = rx.recv().await {
+        client(match e {
+            RunEvent::Started {
+                epoch,
+                stages,
+                prompt_tokens,
+                cached_tokens,
+            } => CoordToClient::Started {
+                seq,
+                epoch,
+                prompt_tokens,
+                stages,
+                cached_tokens,
+            },
+            RunEvent::Token {
+                pos,
+                token,
+                logprobs,
+            } => {
+                generated += 1;
+                CoordToClient::Token {
+                    seq,
+                    pos,
+                    token,
+                    text: decoder.as_mut().map_or_else(String::new, |d| d.push(token)),
+                    logprobs,
+                }
+            }
+            RunEvent::Trace(mut t) => {
+                t.seq = seq;
+                CoordToClient::Trace(t)
+            }
+            RunEvent::Paused { reason } => CoordToClient::Paused { seq, reason },
+            RunEvent::Resumed { epoch, generated } => CoordToClient::Resumed {
+                seq,
+                epoch,
+                generated,
+            },
+        });
+    }
+    guard.armed = false;
     let tail = decoder.map_or_else(String::new, |mut d| d.finish());
-    let generated = outcome.generated.len();
     if !tail.is_empty() {
         client(CoordToClient::Token {
             seq,
-            pos: prompt.len() + generated,
+            pos: prompt_len + generated,
             token: u32::MAX,
             text: tail,
             logprobs: None,
         });
     }
-    // A run that failed without an attempt running (it never started, or no epoch came back
-    // after a loss) is a refusal to the client; one that failed while running has a report.
-    if outcome.reason == FinishReason::Error && outcome.stranded {
-        return Err(CoordError::Run(outcome.error.unwrap_or_default()));
+    finish(shared, seq, prompt_len, ending).await
+}
+
+/// Cancels a run whose shell is dropped before it ended.
+struct CancelOnDrop<'a> {
+    shared: &'a Shared,
+    seq: u64,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            cancel(self.shared, self.seq);
+        }
     }
-    Ok(report(shared, seq, prompt.len(), *outcome))
 }
 
 /// The accounting of a finished run, from its outcome.

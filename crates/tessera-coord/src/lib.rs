@@ -33,7 +33,7 @@
 //!    ([`assignment`]: `--split 0..3,3..5` or a plan file) becomes an epoch; every stage node
 //!    loads its layer range (receiving tensors it lacks from [`distribute`]), then links to the
 //!    next stage of the ring; the epoch is ready.
-//! 3. **Generations** ([`run`], pure; [`driver`], its shell): a client (`tessera run`,
+//! 3. **Generations** ([`run`], pure, composed in [`cluster`]; [`driver`], its shell): a client (`tessera run`,
 //!    enrolled like a node) or the HTTP gateway asks for a run; a [`run::RunMachine`] decides
 //!    its whole lifecycle from inputs (a ready or lost epoch, a node's message, a timer, a
 //!    cancellation) and the driver carries out its outputs. The sequence is opened on every
@@ -56,22 +56,26 @@
 //!
 //! Only a run's own stages are heard about it, and only its sampling stage may send its tokens
 //! or finish it. A deterministic simulator (`src/sim`, run by `cargo test`) drives the
-//! membership and run machines through thousands of seeded fault schedules — kills, freezes,
+//! [`cluster::Cluster`] itself through thousands of seeded fault schedules — kills, freezes,
 //! partitions, slow links, late joins, coordinator restarts — checking after every event that
 //! each request streams exactly its fault-free text or ends with an explicit error, that epochs
 //! never go backwards, and that nothing is left held at the end.
 //!
 //! The wire contract is [`tessera_proto`].
 //!
-//! # The runtime around the pure machines
+//! # The composition, and the runtime around it
 //!
-//! - [`shared`]: the state every task holds (settings, the machines behind one lock, the routes
-//!   to runs, the [`authz::Gate`]).
-//! - [`driver`]: a run's async shell, and the CLI client's session.
-//! - `session`: a control session's hello, then a node's session (its messages become
-//!   membership events or go to the run they are about) or a client's (in [`driver`]).
-//! - [`server`]: the QUIC endpoint's accept loop, each connection's streams, and the lease
-//!   clock that feeds the membership its `Tick`s.
+//! - [`cluster`]: the pure machines composed into one synchronous [`cluster::Cluster`] —
+//!   membership, cells, node sessions, one run machine per request, a timer table — with
+//!   `handle(now, input) -> outputs` and `poll_timeout()`. The runtime and the simulator
+//!   (`src/sim`) drive this same type.
+//! - [`shared`]: the settings, the cluster with the I/O handles its outputs go to (each node's
+//!   outbox, each run's owner), the cluster's clock, and the [`authz::Gate`].
+//! - [`driver`]: a run's shell (a request checked and built into a `RunSpec` once, its events
+//!   to its owner, its report), and the CLI client's session.
+//! - `session`: a control session's hello, then a node's session (its messages become the
+//!   cluster's inputs) or a client's (in [`driver`]).
+//! - [`server`]: the QUIC endpoint's accept loop and each connection's streams.
 //! - [`backend`]: the [`tessera_gateway::Backend`] the HTTP API serves through; it returns data
 //!   and the gateway words it.
 //!
@@ -84,6 +88,7 @@ pub mod assignment;
 pub mod authz;
 pub mod backend;
 pub mod cells;
+pub mod cluster;
 #[cfg(feature = "mdns")]
 pub mod discovery;
 pub mod distribute;
@@ -107,4 +112,4 @@ pub mod tokens;
 
 pub use error::CoordError;
 pub use server::Coordinator;
-pub use shared::{CoordinatorConfig, EpochStatus, ModelInfo};
+pub use shared::{CoordinatorConfig, ModelInfo};

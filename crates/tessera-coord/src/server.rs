@@ -1,6 +1,5 @@
 //! The coordinator's I/O loop: the QUIC endpoint and its accept loop, each connection's streams
-//! (control sessions in [`crate::session`], model streams in [`crate::distribute`]), and the
-//! lease clock that feeds the membership machine its ticks.
+//! (control sessions in [`crate::session`], model streams in [`crate::distribute`]).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,16 +10,18 @@ use tessera_host::Manifest;
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
 use tessera_net::{Accepted, Connection, Endpoint, JoinToken, NodeId, NodeIdentity};
 use tessera_proto::{limits, stream, StageSpec};
-use tokio::sync::watch;
 
+use crate::cluster::{Cluster, ClusterConfig, ClusterInput};
 use crate::distribute::ModelServer;
 use crate::enrol::Enrolment;
 use crate::error::CoordError;
-use crate::membership::{Event, Membership};
+use crate::membership::Membership;
 use crate::state::{EnrolmentState, RedbState};
 
 use crate::session::control_session;
-use crate::shared::{model_bytes, CoordinatorConfig, LiveState, ModelInfo, Shared, DEFAULT_LEASE};
+use crate::shared::{
+    model_bytes, spawn_clock, CoordinatorConfig, Core, ModelInfo, Shared, DEFAULT_LEASE,
+};
 /// A bound coordinator.
 pub struct Coordinator {
     shared: Arc<Shared>,
@@ -90,7 +91,6 @@ impl Coordinator {
         let server = ModelServer::new(&config.model, manifest, config.progress)?;
         let max_context = config.max_context;
         let endpoint = Endpoint::bind(config.listen, &identity, enrol.clone())?;
-        let (epoch_tx, _) = watch::channel(Vec::new());
         let mut membership = Membership::new();
         if let Some(last) = last_epoch {
             tracing::info!(
@@ -101,7 +101,17 @@ impl Coordinator {
             membership.continue_epochs_after(last);
         }
         membership.set_model_bytes(Some(model_bytes(server.manifest(), model.config.n_expert)));
-        membership.set_lease(DEFAULT_LEASE);
+        let cluster = Cluster::new(
+            ClusterConfig {
+                model: server.manifest().model_hash,
+                n_layer: model.config.n_layer,
+                kv_shape: tessera_model::kv::KvShape::from_config(&model.config),
+                max_context,
+                initial_split: config.split.clone(),
+            },
+            membership,
+            DEFAULT_LEASE,
+        );
         let coordinator = Self {
             shared: Arc::new(Shared {
                 id: identity.node_id(),
@@ -109,10 +119,10 @@ impl Coordinator {
                 enrol,
                 model,
                 server,
-                state: Mutex::new(LiveState::new(membership)),
-                epoch_tx,
-                seats_freed: tokio::sync::Notify::new(),
+                core: Mutex::new(Core::new(cluster)),
+                clock: Arc::new(tokio::sync::Notify::new()),
                 next_seq: AtomicU64::new(1),
+                next_session: AtomicU64::new(1),
                 lease_ms: AtomicU64::new(DEFAULT_LEASE.as_millis() as u64),
                 store,
                 closing: std::sync::atomic::AtomicBool::new(false),
@@ -123,7 +133,7 @@ impl Coordinator {
             }),
             endpoint,
         };
-        spawn_lease_clock(Arc::downgrade(&coordinator.shared));
+        spawn_clock(&coordinator.shared);
         crate::sealed::edge::spawn_clock(Arc::downgrade(&coordinator.shared));
         Ok(coordinator)
     }
@@ -161,7 +171,8 @@ impl Coordinator {
     /// Sets the node lease: a node silent this long (no heartbeat, no message) is declared gone
     /// and planned around. Nodes heartbeat four times per lease. Default [`DEFAULT_LEASE`].
     pub fn set_lease(&self, lease: Duration) {
-        self.shared.lock().membership.set_lease(lease);
+        self.shared.lock().cluster.set_lease(lease);
+        self.shared.clock.notify_one();
         self.shared
             .lease_ms
             .store(lease.as_millis().max(1) as u64, Ordering::Relaxed);
@@ -169,13 +180,18 @@ impl Coordinator {
 
     /// The last plan epoch handed out (continues across restarts).
     pub fn last_epoch(&self) -> u64 {
-        self.shared.lock().membership.last_epoch_id()
+        self.shared.lock().cluster.membership().last_epoch_id()
     }
 
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes), for a
     /// front end to answer "503 Service Unavailable" with; `None` when the cluster has capacity.
     pub fn outage(&self) -> Option<String> {
-        self.shared.lock().membership.outage().map(str::to_string)
+        self.shared
+            .lock()
+            .cluster
+            .membership()
+            .outage()
+            .map(str::to_string)
     }
 
     /// The shared state, for the gateway backend in this crate.
@@ -213,7 +229,8 @@ impl Coordinator {
         let mut v: Vec<_> = self
             .shared
             .lock()
-            .expert_cache
+            .cluster
+            .expert_cache()
             .iter()
             .map(|(id, c)| (*id, *c))
             .collect();
@@ -226,7 +243,8 @@ impl Coordinator {
     pub fn connected_members(&self) -> Vec<crate::membership::Member> {
         self.shared
             .lock()
-            .membership
+            .cluster
+            .membership()
             .connected()
             .into_iter()
             .cloned()
@@ -242,15 +260,12 @@ impl Coordinator {
     ) -> Result<Vec<(NodeId, std::ops::Range<usize>)>, crate::assignment::AssignmentError> {
         let n_layer = self.shared.model.config.n_layer;
         let placed = {
-            let st = self.shared.lock();
-            let nodes = st.membership.candidates();
+            let core = self.shared.lock();
+            let nodes = core.cluster.membership().candidates();
             crate::assignment::resolve(stages, n_layer, &nodes)?
         };
-        self.shared.apply(Event::Plan {
-            model: self.shared.server.manifest().model_hash,
+        self.shared.handle(ClusterInput::Plan {
             stages: placed.clone(),
-            n_layer,
-            max_context: self.shared.max_context(),
         });
         Ok(placed)
     }
@@ -265,6 +280,7 @@ impl Coordinator {
 
     pub fn set_max_context(&self, positions: usize) {
         self.shared.max_context.store(positions, Ordering::SeqCst);
+        self.shared.lock().cluster.set_max_context(positions);
     }
 
     pub fn max_context(&self) -> usize {
@@ -274,22 +290,23 @@ impl Coordinator {
     /// The KV cache type stages are assigned from the next plan on (call before nodes join for
     /// the first plan to use it).
     pub fn set_kv_type(&self, kv_type: tessera_model::kv::KvType) {
-        self.shared.lock().membership.set_kv_type(kv_type);
+        self.shared.lock().cluster.set_kv_type(kv_type);
     }
 
     pub fn kv_type(&self) -> tessera_model::kv::KvType {
-        self.shared.lock().membership.kv_type()
+        self.shared.lock().cluster.membership().kv_type()
     }
 
     /// Splits every MoE layer's experts across nodes in the plans made from now on (call before
     /// nodes join for the initial split to use it).
     pub fn set_expert_split(&self, split: Option<crate::assignment::ExpertSplit>) {
-        self.shared.lock().membership.set_expert_split(split);
+        self.shared.lock().cluster.set_expert_split(split);
     }
 
     /// Closes every connection (peers are told at once) and stops accepting.
     pub fn close(&self) {
         self.shared.closing.store(true, Ordering::SeqCst);
+        self.shared.lock().cluster.set_closing();
         self.endpoint.close();
     }
 
@@ -424,7 +441,7 @@ fn authorize_model_request(
         tessera_proto::ModelRequest::Manifest { .. } => check_manifest(grant),
         tessera_proto::ModelRequest::Chunks { ids, .. } => {
             let parts = assigned_tensors(
-                &shared.lock().membership,
+                shared.lock().cluster.membership(),
                 shared.model.config.n_layer,
                 &node,
             );
@@ -436,26 +453,4 @@ fn authorize_model_request(
         shared.authz.refuse(node, &why);
         why.to_string()
     })
-}
-
-/// The membership's clock: a [`Event::Tick`] four times per lease, until the coordinator is
-/// dropped.
-fn spawn_lease_clock(shared: std::sync::Weak<Shared>) {
-    tokio::spawn(async move {
-        loop {
-            let period = match shared.upgrade() {
-                Some(s) => {
-                    // A coordinator shutting down declares no one gone.
-                    if !s.closing.load(Ordering::SeqCst) {
-                        s.apply(Event::Tick {
-                            now: s.started.elapsed(),
-                        });
-                    }
-                    (s.lease() / 4).max(Duration::from_millis(1))
-                }
-                None => return,
-            };
-            tokio::time::sleep(period).await;
-        }
-    });
 }

@@ -1,8 +1,7 @@
-//! Control sessions: the hello, then either a node's session (its lease, its messages into the
-//! membership machine, routed to runs) or a client's (`driver::client_session`).
+//! Control sessions: the hello, then either a node's session (its outbox, its messages turned
+//! into the cluster's inputs) or a client's (`driver::client_session`).
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,10 +9,10 @@ use tessera_net::{measure_link, Connection, FramedStream, NodeId};
 use tessera_proto::{frame, limits, CoordToNode, Hello, NodeToCoord, Role, PROTOCOL_VERSION};
 use tokio::sync::mpsc;
 
+use crate::cluster::ClusterInput;
 use crate::error::CoordError;
-use crate::membership::{Event, Member};
-
-use crate::shared::{RouteMsg, Shared};
+use crate::membership::Member;
+use crate::shared::Shared;
 
 pub(crate) async fn control_session(
     shared: Arc<Shared>,
@@ -143,20 +142,23 @@ async fn node_session(
             }
         }
     });
-    let session = shared.lock().open_session(id, tx, conn.clone());
-    shared.apply(Event::Joined(Box::new(Member {
-        node_id: id,
-        key: conn.peer_key(),
-        name: hello.name.clone(),
-        addr,
-        connected: true,
-        joined: 0,
-        memory_budget_bytes: hello.memory_budget_bytes,
-        inventory: hello.inventory.map(|b| *b),
-        models: hello.models,
-        link: None,
-        session,
-    })));
+    let session = shared.open_session(
+        Member {
+            node_id: id,
+            key: conn.peer_key(),
+            name: hello.name.clone(),
+            addr,
+            connected: true,
+            joined: 0,
+            memory_budget_bytes: hello.memory_budget_bytes,
+            inventory: hello.inventory.map(|b| *b),
+            models: hello.models,
+            link: None,
+            session: 0,
+        },
+        tx,
+        conn.clone(),
+    );
     tracing::info!(
         event = "node_joined",
         node = %hello.name,
@@ -178,15 +180,14 @@ async fn node_session(
                         link.rtt_median.as_secs_f64() * 1e3,
                         link.bytes_per_s / 1e6
                     );
-                    shared.apply(Event::LinkMeasured { node: id, link });
+                    shared.handle(ClusterInput::LinkMeasured { node: id, link });
                 }
                 Err(e) => tracing::warn!("measuring the link to {}: {e}", id.short()),
             }
         });
     }
-    maybe_apply_initial_split(&shared);
     if let Some(m) = early {
-        handle_node_message(&shared, id, key, m);
+        handle_node_message(&shared, id, session, key, m);
     }
 
     let result = async {
@@ -197,11 +198,6 @@ async fn node_session(
             let Some(f) = reader.read_frame().await? else {
                 break;
             };
-            shared.apply(Event::Heard {
-                node: id,
-                session,
-                now: shared.started.elapsed(),
-            });
             if f.kind != frame::MSG {
                 return Err(CoordError::Protocol(format!(
                     "unexpected frame kind {:#06x} on a control stream",
@@ -215,143 +211,46 @@ async fn node_session(
                 return Err(CoordError::Protocol(format!("{} is revoked", id.short())));
             }
             let msg: NodeToCoord = f.json()?;
-            handle_node_message(&shared, id, key, msg);
+            handle_node_message(&shared, id, session, key, msg);
         }
         Ok(())
     }
     .await;
     writer_task.abort();
     tracing::info!(event = "node_left", node = %hello.name, node_id = %id, "node left: {} {}", hello.name, id);
-    let current = shared.lock().close_session(id, session);
-    // If it held a stage, the membership fails the epoch and plans one on the survivors;
-    // drivers see the epoch change and resume their sequences on the new one.
-    if current && !shared.closing.load(Ordering::SeqCst) {
-        shared.apply(Event::Left { node: id, session });
-        crate::sealed::edge::node_left(&shared, key);
-    }
+    // If it held a stage, the cluster fails the epoch and plans one on the survivors, and
+    // runs on it resume there; the sealed desk moves its jobs on.
+    shared.close_session(id, session);
     result
 }
 
-fn handle_node_message(shared: &Shared, id: NodeId, key: tessera_seal::NodeKey, msg: NodeToCoord) {
+/// A node's message: refused if it may not say it, the sealed desk's if it is about a sealed
+/// job, else the cluster's (every message renews the lease there).
+fn handle_node_message(
+    shared: &Shared,
+    id: NodeId,
+    session: u64,
+    key: tessera_seal::NodeKey,
+    msg: NodeToCoord,
+) {
     let sender = crate::authz::SenderFacts {
         node: id,
         grant: crate::authz::Grant::Node,
     };
-    if shared.authz.check_node(&sender, &msg).is_err() {
-        return;
-    }
-    if crate::sealed::edge::node_message(shared, key, &msg) {
-        return;
-    }
-    let seq = match &msg {
-        NodeToCoord::Hello(_) => {
+    let refused = shared.authz.check_node(&sender, &msg).is_err();
+    let msg = if refused || crate::sealed::edge::node_message(shared, key, &msg) {
+        // Heard all the same: the lease is about liveness, not manners.
+        NodeToCoord::Heartbeat { expert_cache: None }
+    } else {
+        if let NodeToCoord::Hello(_) = msg {
             tracing::warn!("{}: a second hello; ignored", id.short());
-            return;
         }
-        NodeToCoord::Heartbeat { expert_cache } => {
-            if let Some(c) = expert_cache {
-                let mut st = shared.lock();
-                if st.expert_cache.insert(id, *c) != Some(*c) {
-                    let name = st
-                        .membership
-                        .member(&id)
-                        .map_or_else(|| id.short(), |m| m.name.clone());
-                    tracing::info!(
-                        event = "expert_cache",
-                        node = %name,
-                        hits = c.hits,
-                        misses = c.misses,
-                        budget_bytes = c.budget_bytes,
-                        peak_bytes = c.peak_bytes,
-                        peak_read_buffer_bytes = c.peak_read_buffer_bytes,
-                        "expert cache: {name} hits {} misses {} disk bytes {} read wait {:.1} ms \
-                         disk busy {:.1} ms",
-                        c.hits,
-                        c.misses,
-                        c.bytes_read,
-                        c.read_wait_us as f64 / 1e3,
-                        c.disk_busy_us as f64 / 1e3
-                    );
-                }
-            }
-            return;
-        }
-        NodeToCoord::Listening { .. } => return,
-        NodeToCoord::Claims(_)
-        | NodeToCoord::SealedProgress { .. }
-        | NodeToCoord::SealedResult { .. }
-        | NodeToCoord::SealedRefused { .. } => return,
-        NodeToCoord::Loaded { epoch, report } => {
-            return shared.apply(Event::Loaded {
-                node: id,
-                epoch: *epoch,
-                report: report.clone(),
-            })
-        }
-        NodeToCoord::LoadFailed { epoch, reason } => {
-            return shared.apply(Event::LoadFailed {
-                node: id,
-                epoch: *epoch,
-                reason: reason.clone(),
-            })
-        }
-        NodeToCoord::Linked { epoch, link } => {
-            return shared.apply(Event::Linked {
-                node: id,
-                epoch: *epoch,
-                link: *link,
-            })
-        }
-        NodeToCoord::LinkFailed {
-            epoch,
-            reason,
-            peer,
-        } => {
-            return shared.apply(Event::LinkFailed {
-                node: id,
-                epoch: *epoch,
-                reason: reason.clone(),
-                peer: *peer,
-            })
-        }
-        NodeToCoord::Inventory(inv) => {
-            return shared.apply(Event::InventoryMeasured {
-                node: id,
-                inventory: inv.clone(),
-            })
-        }
-        // The rest are a sequence's, for its run.
-        m => match m.seq() {
-            Some(seq) => seq,
-            None => return,
-        },
+        msg
     };
-    if let Some(r) = shared.lock().routes.get(&seq) {
-        let _ = r.send(RouteMsg::Node(id, msg));
-    }
-}
-
-/// Applies `--split` once enough nodes are connected and no epoch exists yet.
-fn maybe_apply_initial_split(shared: &Shared) {
-    let Some(split) = &shared.config.split else {
-        return;
-    };
-    let stages = {
-        let st = shared.lock();
-        if st.membership.epoch().is_some() || !st.membership.expert_split_ready() {
-            return;
-        }
-        let nodes = st.membership.candidates();
-        match crate::assignment::resolve(split, shared.model.config.n_layer, &nodes) {
-            Ok(s) => s,
-            Err(_) => return,
-        }
-    };
-    shared.apply(Event::Plan {
-        model: shared.server.manifest().model_hash,
-        stages,
-        n_layer: shared.model.config.n_layer,
-        max_context: shared.max_context(),
+    shared.handle(ClusterInput::Node {
+        node: id,
+        session,
+        msg,
     });
 }
 

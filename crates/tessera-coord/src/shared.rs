@@ -1,7 +1,7 @@
-//! The coordinator's shared state: its settings, the model it serves, the membership machine
-//! behind a lock, the per-node senders, the routes to running generations and the gate. Each
-//! session, run shell and the HTTP backend hold an `Arc<Shared>`; decisions stay in the pure
-//! machines ([`Membership`], `run::RunMachine`), this is only where their state lives.
+//! The coordinator's shared state: its settings, the model it serves, the [`Cluster`] (every
+//! decision) with the I/O handles its outputs go to, and the gate. Each session, run shell and
+//! the HTTP backend hold an `Arc<Shared>` and only translate I/O into the cluster's inputs and
+//! its outputs into I/O ([`Shared::handle`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,14 +13,16 @@ use std::time::Duration;
 use tessera_host::Manifest;
 use tessera_model::{ModelConfig, Tokenizer};
 use tessera_net::{Connection, NodeId};
-use tessera_proto::{CoordToNode, MemberStatus, NodeToCoord, StageSpec};
-use tokio::sync::{mpsc, watch};
+use tessera_proto::{CoordToNode, MemberStatus, StageSpec};
+use tokio::sync::mpsc;
 
+use crate::cluster::{Cluster, ClusterInput, ClusterOutput, RunNews};
 use crate::distribute::ModelServer;
 use crate::enrol::Enrolment;
-use crate::membership::{Action, Event, Membership, Phase};
+use crate::membership::Member;
 use crate::replan::ModelBytes;
-use crate::state::{EnrolmentState, EpochRecord, EpochStageRecord};
+use crate::run::RunSpec;
+use crate::state::EnrolmentState;
 
 /// How long a node may stay silent before it is declared gone, by default.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(3);
@@ -53,72 +55,30 @@ pub struct ModelInfo {
     pub eog: Vec<u32>,
 }
 
-/// Where a cell's epoch is, for drivers waiting on it (the watch holds one per cell).
-#[derive(Clone, Debug, PartialEq)]
-pub enum EpochStatus {
-    Pending(u64),
-    Ready(u64),
-    Failed(u64, String),
-}
-
-/// What changes while the coordinator runs, behind [`Shared::lock`] (the persistent records are
-/// in [`crate::state`]).
-pub(crate) struct LiveState {
-    pub membership: Membership,
+/// What changes while the coordinator runs, behind [`Shared::lock`]: the [`Cluster`] that
+/// decides, and the I/O handles its outputs go to (each node's control session, each run's
+/// owner). The persistent records are in [`crate::state`].
+pub(crate) struct Core {
+    pub cluster: Cluster,
     /// Each connected node's current control session and its outbox.
-    senders: HashMap<NodeId, NodeSender>,
-    sessions: u64,
-    pub routes: HashMap<u64, mpsc::UnboundedSender<RouteMsg>>,
-    /// The latest expert-cache counters each node streaming experts from disk reported.
-    pub expert_cache: HashMap<NodeId, tessera_proto::ExpertCacheStats>,
-    /// Which requests are seated on which cell, and each cell's measured speed.
-    pub cells: crate::cells::CellBook,
-    /// Keys whose lease expired in the last step: the sealed desk hears of them once the lock
-    /// is released ([`Shared::apply`]).
-    lease_expired: Vec<tessera_net::PublicKey>,
+    outboxes: HashMap<NodeId, NodeOutbox>,
+    /// Where each run's news goes.
+    owners: HashMap<u64, RunOwner>,
 }
 
-impl LiveState {
-    pub fn new(membership: Membership) -> Self {
+impl Core {
+    pub fn new(cluster: Cluster) -> Self {
         Self {
-            membership,
-            senders: HashMap::new(),
-            sessions: 0,
-            routes: HashMap::new(),
-            expert_cache: HashMap::new(),
-            cells: crate::cells::CellBook::default(),
-            lease_expired: Vec::new(),
+            cluster,
+            outboxes: HashMap::new(),
+            owners: HashMap::new(),
         }
-    }
-
-    /// Makes `tx` and `conn` node `id`'s current control session (replacing an older one of a
-    /// node that reconnected) and returns the session's number.
-    pub fn open_session(
-        &mut self,
-        id: NodeId,
-        tx: mpsc::UnboundedSender<CoordToNode>,
-        conn: Connection,
-    ) -> u64 {
-        self.sessions += 1;
-        let session = self.sessions;
-        self.senders.insert(id, NodeSender { session, tx, conn });
-        session
-    }
-
-    /// Ends node `id`'s control session `session`; false when a newer session has replaced it
-    /// (then the node has not left).
-    pub fn close_session(&mut self, id: NodeId, session: u64) -> bool {
-        let current = self.senders.get(&id).is_some_and(|s| s.session == session);
-        if current {
-            self.senders.remove(&id);
-        }
-        current
     }
 }
 
 /// A node's current control session: its number, its outbox, and its connection (closed when
-/// the membership says the lease expired).
-struct NodeSender {
+/// the cluster says the lease expired).
+struct NodeOutbox {
     session: u64,
     tx: mpsc::UnboundedSender<CoordToNode>,
     conn: Connection,
@@ -130,12 +90,12 @@ pub(crate) struct Shared {
     pub enrol: Arc<Enrolment>,
     pub model: ModelInfo,
     pub server: ModelServer,
-    pub state: Mutex<LiveState>,
-    /// Each cell's epoch status, by slot: changes whenever a cell's epoch or phase does.
-    pub epoch_tx: watch::Sender<Vec<EpochStatus>>,
-    /// Notified when a request leaves its cell: requests waiting for KV room look again.
-    pub seats_freed: tokio::sync::Notify,
+    pub core: Mutex<Core>,
+    /// Woken when the cluster's next timeout may have come closer ([`spawn_clock`]).
+    pub clock: Arc<tokio::sync::Notify>,
     pub next_seq: AtomicU64,
+    /// Control session numbers.
+    pub next_session: AtomicU64,
     /// Node lease, ms (see [`Coordinator::set_lease`]).
     pub lease_ms: AtomicU64,
     /// Where plan epochs are recorded.
@@ -143,7 +103,7 @@ pub(crate) struct Shared {
     /// Set by [`Coordinator::close`]: sessions ending now are the coordinator's own shutdown,
     /// not nodes leaving (nothing is re-planned).
     pub closing: std::sync::atomic::AtomicBool,
-    /// The origin of the `now` given to the membership machine (leases).
+    /// The origin of the `now` given to the cluster.
     pub started: tokio::time::Instant,
     /// Who may say what ([`crate::authz`]): roles, client admission, refusal counts.
     pub authz: crate::authz::Gate,
@@ -165,165 +125,138 @@ impl Shared {
         self.sealed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, LiveState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Feeds an event to the membership machine and carries out its actions. A node whose
-    /// lease expired leaves the sealed desk in the same step (its jobs move on at once, its
-    /// claims are unlisted): the session it had ends under the lease, and is no longer the
-    /// node's current one when its reader stops, so the session's own ending cannot say so.
-    pub fn apply(&self, event: Event) {
-        let expired = {
-            let mut st = self.lock();
-            self.apply_locked(&mut st, event);
-            std::mem::take(&mut st.lease_expired)
-        };
-        // The desk's lock is never taken under the state's.
-        for key in expired {
-            crate::sealed::edge::node_left(self, crate::sealed::edge::node_key(&key));
-        }
+    /// The time since the coordinator started, as the cluster counts it.
+    pub fn now(&self) -> Duration {
+        self.started.elapsed()
     }
 
-    /// [`Shared::apply`] with the state already locked (to decide and act atomically).
-    pub(crate) fn apply_locked(&self, st: &mut LiveState, event: Event) {
-        let before = cell_phases(&st.membership);
-        let actions = st.membership.handle(event);
-        for a in actions {
-            match a {
-                Action::Send { to, msg } => {
-                    if let Some(s) = st.senders.get(&to) {
-                        let _ = s.tx.send(msg.0);
+    /// Feeds the cluster one input and carries out its outputs: sends and news under the
+    /// lock (channel sends), the rest (records, refusals, the sealed desk, closing a
+    /// connection) after it.
+    pub fn handle(&self, input: ClusterInput) {
+        self.handle_with(input, |_| {});
+    }
+
+    /// [`Shared::handle`], after `prepare` (under the same lock: a new session's outbox, a
+    /// run's owner).
+    pub fn handle_with(&self, input: ClusterInput, prepare: impl FnOnce(&mut Core)) {
+        let mut later = Vec::new();
+        {
+            let mut core = self.lock();
+            prepare(&mut core);
+            let before = core.cluster.poll_timeout();
+            let outputs = core.cluster.handle(self.now(), input);
+            for o in outputs {
+                match o {
+                    ClusterOutput::ToNode { to, msg } => {
+                        if let Some(s) = core.outboxes.get(&to) {
+                            let _ = s.tx.send(*msg);
+                        }
                     }
-                }
-                Action::LeaseExpired { node, session } => {
-                    // The node is already planned around; end its session so that it
-                    // reconnects (and starts afresh) if it is still there.
-                    if st.senders.get(&node).is_some_and(|s| s.session == session) {
-                        let s = st.senders.remove(&node).expect("checked");
-                        let name = st.membership.member(&node).map_or("", |m| &m.name);
-                        tracing::info!(
-                            event = "lease_expired",
-                            node = %name,
-                            node_id = %node,
-                            "lease expired: {name} {node} silent for {} ms",
-                            self.lease().as_millis()
-                        );
-                        s.conn.close("lease expired");
-                        st.lease_expired.push(s.conn.peer_key());
+                    ClusterOutput::Run { run, news } => {
+                        if matches!(news, RunNews::Ended(_)) {
+                            if let Some(mut owner) = core.owners.remove(&run) {
+                                owner(news);
+                            }
+                        } else if let Some(owner) = core.owners.get_mut(&run) {
+                            owner(news);
+                        }
                     }
-                }
-                Action::EpochReady(e) => {
-                    tracing::info!(event = "epoch_ready", epoch = e, "epoch {e} is ready");
-                    // Who holds which experts in it (an expert split; after a loss the
-                    // survivors hold the departed owner's): one event per holder.
-                    let candidates = st.membership.member_candidates();
-                    for g in st
-                        .membership
-                        .epoch_with_id(e)
-                        .and_then(|x| x.experts.as_ref())
-                        .map_or(&[][..], |x| &x.groups)
-                    {
-                        // A group names its node by name or by its id (or a 4+ character
-                        // prefix of it), resolved as placement resolved it: a one-letter
-                        // name must not match another node's id that starts with it.
-                        let name = crate::assignment::find_node(&g.node, &candidates)
-                            .ok()
-                            .and_then(|id| st.membership.member(&id))
-                            .map_or_else(|| g.node.clone(), |m| m.name.clone());
-                        let experts: Vec<String> = g.experts.iter().map(usize::to_string).collect();
-                        let experts = experts.join(",");
-                        tracing::info!(
-                            event = "experts_placed",
-                            epoch = e,
-                            node = %name,
-                            experts = %experts,
-                            "epoch {e}: {name} holds experts {experts}"
-                        );
+                    ClusterOutput::LeaseExpired { node, session } => {
+                        if core
+                            .outboxes
+                            .get(&node)
+                            .is_some_and(|s| s.session == session)
+                        {
+                            let s = core.outboxes.remove(&node).expect("checked");
+                            later.push(Later::Expired(s.conn));
+                        }
                     }
+                    ClusterOutput::NodeLeft { key, .. } => later.push(Later::Left(key)),
+                    ClusterOutput::RecordEpoch(r) => later.push(Later::Record(r)),
+                    ClusterOutput::Refused { node, why } => later.push(Later::Refused(node, why)),
                 }
-                Action::EpochFailed { epoch, reason } => {
-                    tracing::warn!(event = "epoch_failed", epoch, %reason, "epoch {epoch} failed: {reason}");
-                }
-                Action::Note(note) => tracing::info!("{note}"),
-                Action::Refused { node, why } => self.authz.refuse(node, &why),
+            }
+            let after = core.cluster.poll_timeout();
+            if after.is_some() && (before.is_none() || after < before) {
+                self.clock.notify_one();
             }
         }
-        // The status drivers wait on follows every cell's epoch.
-        let after = cell_phases(&st.membership);
-        let status: Vec<EpochStatus> = after
-            .iter()
-            .map(|(id, phase)| match phase {
-                Phase::Loading | Phase::Linking => EpochStatus::Pending(*id),
-                Phase::Ready => EpochStatus::Ready(*id),
-                Phase::Failed(r) => EpochStatus::Failed(*id, r.clone()),
-                Phase::Released => EpochStatus::Failed(*id, "released".into()),
-            })
-            .collect();
-        self.epoch_tx.send_if_modified(|s| {
-            if *s == status {
-                false
-            } else {
-                *s = status;
-                true
+        // The desk's lock is never taken under the core's.
+        for l in later {
+            match l {
+                Later::Expired(conn) => {
+                    conn.close("lease expired");
+                    crate::sealed::edge::node_left(
+                        self,
+                        crate::sealed::edge::node_key(&conn.peer_key()),
+                    );
+                }
+                Later::Left(key) => {
+                    crate::sealed::edge::node_left(self, crate::sealed::edge::node_key(&key));
+                }
+                Later::Record(mut rec) => {
+                    rec.recorded_at_unix_ms = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64);
+                    if let Err(e) = self.store.record_epoch(&rec) {
+                        tracing::warn!("recording epoch {}: {e}", rec.epoch);
+                    }
+                }
+                Later::Refused(node, why) => self.authz.refuse(node, &why),
+            }
+        }
+    }
+
+    /// Makes `tx` and `conn` node `member`'s current control session (replacing an older one
+    /// of a node that reconnected) and tells the cluster it joined.
+    pub fn open_session(
+        &self,
+        mut member: Member,
+        tx: mpsc::UnboundedSender<CoordToNode>,
+        conn: Connection,
+    ) -> u64 {
+        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        member.session = session;
+        let id = member.node_id;
+        self.handle_with(ClusterInput::Joined(Box::new(member)), |core| {
+            core.outboxes.insert(id, NodeOutbox { session, tx, conn });
+        });
+        session
+    }
+
+    /// Ends node `id`'s control session `session` (a newer session may have replaced it: then
+    /// the node has not left).
+    pub fn close_session(&self, id: NodeId, session: u64) {
+        self.handle_with(ClusterInput::Left { node: id, session }, |core| {
+            if core.outboxes.get(&id).is_some_and(|s| s.session == session) {
+                core.outboxes.remove(&id);
             }
         });
-        for e in st.membership.cells() {
-            if !before.contains(&(e.id, e.phase.clone())) {
-                self.record_epoch(&st.membership, e);
-            }
-        }
-        if before != after {
-            let live: Vec<u64> = after.iter().map(|(id, _)| *id).collect();
-            st.cells.retain_cells(&live);
-        }
-        self.release_drained(st);
     }
 
-    /// Releases the draining epochs no run is seated on any more (make before break: a new
-    /// split took their cell, and their last runs ended).
-    pub(crate) fn release_drained(&self, st: &mut LiveState) {
-        let drained = st
-            .membership
-            .draining()
-            .iter()
-            .map(|e| e.id)
-            .find(|&e| st.cells.seated(e) == 0);
-        if let Some(epoch) = drained {
-            tracing::info!(
-                event = "epoch_drained",
-                epoch,
-                "epoch {epoch} drained: releasing it"
-            );
-            // Applying it looks again for the next.
-            self.apply_locked(st, Event::Drained { epoch });
-        }
-    }
-
-    /// Records a cell's epoch (its placement, phase and load evidence) durably.
-    fn record_epoch(&self, m: &Membership, e: &crate::membership::Epoch) {
-        let rec = EpochRecord {
-            epoch: e.id,
-            model: e.model,
-            phase: e.phase.to_string(),
-            stages: e
-                .stages
-                .iter()
-                .map(|s| EpochStageRecord {
-                    node_id: s.node_id,
-                    name: m.member(&s.node_id).map(|m| m.name.clone()),
-                    layers: s.layers.clone(),
-                    load: s.loaded.clone(),
-                    link_to_next: s.link,
-                })
-                .collect(),
-            recorded_at_unix_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
+    /// Starts run `run`: its news goes to `owner`.
+    pub fn submit(
+        &self,
+        run: u64,
+        spec: RunSpec,
+        stages: Option<Vec<StageSpec>>,
+        positions: u64,
+        owner: RunOwner,
+    ) {
+        let input = ClusterInput::Submit {
+            run,
+            spec: Box::new(spec),
+            stages,
+            positions,
         };
-        if let Err(e) = self.store.record_epoch(&rec) {
-            tracing::warn!("recording epoch {}: {e}", rec.epoch);
-        }
+        self.handle_with(input, |core| {
+            core.owners.insert(run, owner);
+        });
     }
 
     /// The node lease.
@@ -334,10 +267,54 @@ impl Shared {
     /// Sends a message to a node, if it is connected.
     pub fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
         self.lock()
-            .senders
+            .outboxes
             .get(&to)
             .is_some_and(|s| s.tx.send(msg).is_ok())
     }
+}
+
+/// A run's owner: called with each piece of its news where the cluster decides it. It must
+/// only hand the news on (a channel send, a counter), never call back into the cluster.
+pub(crate) type RunOwner = Box<dyn FnMut(RunNews) + Send>;
+
+/// What is done after the core's lock is released.
+enum Later {
+    Expired(Connection),
+    Left(tessera_net::PublicKey),
+    Record(Box<crate::state::EpochRecord>),
+    Refused(NodeId, crate::authz::Refusal),
+}
+
+/// The cluster's clock: sleeps until its next timeout (or until a nearer one is armed) and
+/// feeds it `Timeout`, until the coordinator is dropped.
+pub(crate) fn spawn_clock(shared: &Arc<Shared>) {
+    let weak = Arc::downgrade(shared);
+    let nearer = shared.clock.clone();
+    let started = shared.started;
+    tokio::spawn(async move {
+        loop {
+            let notified = nearer.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let next = match weak.upgrade() {
+                Some(s) => s.lock().cluster.poll_timeout(),
+                None => return,
+            };
+            let sleep = async {
+                match next {
+                    Some(t) => tokio::time::sleep_until(started + t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = sleep => match weak.upgrade() {
+                    Some(s) => s.handle(ClusterInput::Timeout),
+                    None => return,
+                },
+                () = &mut notified => {}
+            }
+        }
+    });
 }
 
 /// What the model's weights weigh per layer, embedding and head, and one expert per layer (for
@@ -376,21 +353,11 @@ pub(crate) fn model_bytes(manifest: &Manifest, n_expert: usize) -> ModelBytes {
     }
 }
 
-/// Each cell's epoch number and phase, by slot.
-/// Every cell's epoch and every draining one (runs on those wait for their changes too).
-fn cell_phases(m: &Membership) -> Vec<(u64, Phase)> {
-    m.cells()
-        .iter()
-        .chain(m.draining())
-        .map(|e| (e.id, e.phase.clone()))
-        .collect()
-}
-
 /// Status of every member, for clients.
 pub(crate) fn member_status(shared: &Shared) -> (Vec<MemberStatus>, Option<u64>) {
-    let st = shared.lock();
-    let members = st
-        .membership
+    let core = shared.lock();
+    let m = core.cluster.membership();
+    let members = m
         .members()
         .map(|m| MemberStatus {
             node_id: m.node_id,
@@ -401,12 +368,5 @@ pub(crate) fn member_status(shared: &Shared) -> (Vec<MemberStatus>, Option<u64>)
             link: m.link,
         })
         .collect();
-    (members, st.membership.epoch().map(|e| e.id))
-}
-
-/// What reaches a run: a message from a node about one of its attempts, or its cancellation.
-#[derive(Debug)]
-pub(crate) enum RouteMsg {
-    Node(NodeId, NodeToCoord),
-    Cancel,
+    (members, m.epoch().map(|e| e.id))
 }

@@ -102,7 +102,8 @@ fn node_id(key: &NodeKey) -> NodeId {
 fn name_of(shared: &Shared, node: &NodeKey) -> String {
     shared
         .lock()
-        .membership
+        .cluster
+        .membership()
         .member(&node_id(node))
         .map_or_else(|| node.to_string(), |m| m.name.clone())
 }

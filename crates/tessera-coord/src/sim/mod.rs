@@ -1,6 +1,7 @@
-//! A deterministic cluster simulator: the coordinator's pure machines ([`Membership`] with its
-//! leases, one [`RunMachine`] per request) driven over an in-memory network of simulated nodes,
-//! in virtual time, from a seed.
+//! A deterministic cluster simulator: the coordinator's own composition, the very
+//! [`crate::cluster::Cluster`] the runtime drives (membership with its leases, cells, sessions,
+//! one run machine per request, its timer table), driven over an in-memory network of simulated
+//! nodes, in virtual time, from a seed.
 //!
 //! Each seed draws a schedule — nodes, a stage count, requests arriving over time, and faults:
 //! kills and restarts, freezes longer or shorter than a lease, partitions of one node, slow
@@ -15,7 +16,9 @@
 //! - at the end, once every fault has healed: every request has ended, no node that enrolled is
 //!   missing from the membership, and no node holds a sequence (KV accounting back to zero).
 //!
-//! What is simulated and what is real: the coordinator's decisions are the real code; the nodes
+//! What is simulated and what is real: the coordinator's decisions and their wiring are the real
+//! code (the world only carries the cluster's outputs over its network and fires its timeouts
+//! at [`crate::cluster::Cluster::poll_timeout`]); the nodes
 //! are a model of the node agent's control protocol (assign, load, link, open, start, close,
 //! release, heartbeats; a node whose session ends drops its assignment and sequences, as the
 //! agent does), and the ring computes tokens with a deterministic stand-in for a model whose

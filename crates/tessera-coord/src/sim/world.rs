@@ -9,8 +9,9 @@ use tessera_proto::{CoordToNode, FinishReason, NodeToCoord};
 
 use super::node::{NodeEffect, SimNode};
 use super::{next_token, Rng};
-use crate::membership::{Action, Event, Member, Membership};
-use crate::run::{Fault, Input, Output, Placement, RunEvent, RunMachine, RunSpec, Timer};
+use crate::cluster::{Cluster, ClusterConfig, ClusterInput, ClusterOutput, RunNews};
+use crate::membership::{Member, Membership};
+use crate::run::{Fault, RunEvent, RunSpec};
 
 mod faults;
 mod invariants;
@@ -123,12 +124,8 @@ enum Ev {
         node: usize,
         life: u64,
     },
-    CoordTick {
-        life: u64,
-    },
-    RunTimer {
-        run: usize,
-        timer: Timer,
+    /// The coordinator's next timeout ([`Cluster::poll_timeout`]).
+    CoordTimeout {
         life: u64,
     },
     Submit {
@@ -153,14 +150,11 @@ enum FaultKind {
 
 struct SimRun {
     spec: RunSpec,
-    machine: Option<RunMachine>,
+    /// Handed to the coordinator (as run `index + 1`).
+    submitted: bool,
     /// The fault-free text.
     reference: Vec<u32>,
     streamed: Vec<u32>,
-    /// Waiting for a ready epoch other than this one (`Some(None)`: any).
-    awaiting: Option<Option<u64>>,
-    /// The epoch of the attempt in flight.
-    epoch: Option<u64>,
     ended: Option<Result<(), String>>,
 }
 
@@ -178,18 +172,18 @@ struct World {
     /// Per-direction delivery horizon, so each control stream stays in order.
     stream_clock: BTreeMap<(usize, bool), Duration>,
     extra_latency: Duration,
-    membership: Membership,
+    /// The coordinator: the very type the runtime drives.
+    cluster: Cluster,
+    /// When the coordinator's next timeout is scheduled.
+    coord_wake: Option<Duration>,
+    /// Epochs drained by the coordinator's earlier incarnations.
+    drained_before: usize,
     /// Incarnation of the coordinator (a restart makes earlier timers stale).
     coord_life: u64,
     stages: usize,
     /// Whole copies of the model the first plan asks for (each a ring of `stages`).
     cells: usize,
-    /// Which run is seated on which cell, as the driver keeps it.
-    book: crate::cells::CellBook,
     runs: Vec<SimRun>,
-    /// Stage-side id → run.
-    routes: BTreeMap<u64, usize>,
-    next_seq: u64,
     /// Epochs the coordinator gave each node (Assign sent).
     given: BTreeSet<(NodeId, u64)>,
     highest_epoch: u64,
@@ -217,8 +211,7 @@ impl World {
         } else {
             1
         };
-        let mut membership = Membership::new();
-        membership.set_lease(cfg.lease);
+        let cluster = new_cluster(&cfg, None);
         Self {
             seed,
             rng,
@@ -230,14 +223,13 @@ impl World {
             next_conn: 0,
             stream_clock: BTreeMap::new(),
             extra_latency: Duration::ZERO,
-            membership,
+            cluster,
+            coord_wake: None,
+            drained_before: 0,
             coord_life: 0,
             stages,
             cells,
-            book: crate::cells::CellBook::default(),
             runs: Vec::new(),
-            routes: BTreeMap::new(),
-            next_seq: 1,
             given: BTreeSet::new(),
             highest_epoch: 0,
             summary: Summary::default(),
@@ -307,13 +299,14 @@ impl World {
                 self.after(self.cfg.lease / 4, Ev::Beat { node, life });
                 Ok(())
             }
-            Ev::CoordTick { life } => {
+            Ev::CoordTimeout { life } => {
                 if life != self.coord_life {
                     return Ok(());
                 }
-                self.membership_event(Event::Tick { now: self.now })?;
-                self.after(self.cfg.lease / 4, Ev::CoordTick { life });
-                Ok(())
+                if self.coord_wake.is_some_and(|t| t <= self.now) {
+                    self.coord_wake = None;
+                }
+                self.coord(ClusterInput::Timeout)
             }
             Ev::ToNode { node, conn, msg } => self.node_receives(node, conn, msg),
             Ev::ToCoord { node, conn, msg } => self.coord_receives(node, conn, msg),
@@ -345,15 +338,32 @@ impl World {
                 Ok(())
             }
             Ev::RingStep { node, life, seq } => self.ring_step(node, life, seq),
-            Ev::RunTimer { run, timer, life } => {
-                if life == self.coord_life {
-                    self.run_input(run, Input::Timer(timer))?;
-                }
-                Ok(())
-            }
             Ev::Submit { run } => self.submit(run),
         }
     }
+}
+
+/// A coordinator for the simulated model, continuing epoch numbers after `last`.
+fn new_cluster(cfg: &Config, last: Option<u64>) -> Cluster {
+    let mut membership = Membership::new();
+    if let Some(last) = last {
+        membership.continue_epochs_after(last);
+    }
+    let config = ClusterConfig {
+        model: tessera_host::ContentHash([7; 32]),
+        n_layer: N_LAYER,
+        kv_shape: tessera_model::kv::KvShape {
+            n_head_kv: 1,
+            k_head_dim: 1,
+            v_head_dim: 1,
+            shared_v: false,
+        },
+        max_context: 256,
+        initial_split: None,
+    };
+    let mut cluster = Cluster::new(config, membership, cfg.lease);
+    cluster.inject_fault(cfg.fault);
+    cluster
 }
 
 /// The fault-free text of a request: the stand-in model run from its prompt.

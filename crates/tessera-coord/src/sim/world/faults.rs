@@ -40,28 +40,23 @@ impl World {
     /// drop), every node session closes, and epoch numbers continue from the store.
     pub(super) fn restart_coordinator(&mut self) -> Result<(), Violation> {
         self.coord_life += 1;
-        for r in self.runs.iter_mut().filter(|r| r.machine.is_some()) {
+        for r in self.runs.iter_mut().filter(|r| r.submitted) {
             if r.ended.is_none() {
                 r.ended = Some(Err("the coordinator restarted".into()));
                 self.summary.errors += 1;
             }
-            r.machine = None;
-            r.awaiting = None;
-            r.epoch = None;
         }
-        self.routes.clear();
-        let last = self.membership.last_epoch_id();
-        self.membership = Membership::new();
-        self.membership.set_lease(self.cfg.lease);
-        self.membership.continue_epochs_after(last);
+        let last = self.cluster.membership().last_epoch_id();
+        self.drained_before += self.cluster.drained() as usize;
+        self.cluster = new_cluster(&self.cfg, Some(last));
+        self.coord_wake = None;
         for i in 0..self.nodes.len() {
             if let Some(conn) = self.coord_conn[i].take() {
                 let d = self.latency(i);
                 self.after(d, Ev::Closed { node: i, conn });
             }
         }
-        let life = self.coord_life;
-        self.after(self.cfg.lease / 4, Ev::CoordTick { life });
+        self.schedule_wake();
         Ok(())
     }
 
@@ -74,7 +69,8 @@ impl World {
         let id = self.nodes[node].id;
         // Every cell's epoch: whether this node is a stage of it, and its sampler.
         let cells: Vec<(u64, bool, Option<NodeId>)> = self
-            .membership
+            .cluster
+            .membership()
             .cells()
             .iter()
             .map(|e| {
@@ -100,17 +96,14 @@ impl World {
                 });
             }
         }
-        for run in &self.runs {
+        for (i, run) in self.runs.iter().enumerate() {
             // The sampler of a run's own cell may say anything about it (verification is the
             // answer to that): forge only for runs this node does not sample.
-            let sampler = run
-                .epoch
-                .and_then(|e| cells.iter().find(|c| c.0 == e))
-                .and_then(|c| c.2);
-            if run.epoch.is_none() || sampler == Some(id) {
+            let Some((epoch, seq)) = self.cluster.attempt(i as u64 + 1) else {
                 continue;
-            }
-            if let Some(seq) = run.machine.as_ref().and_then(|m| m.attempt_seq()) {
+            };
+            let sampler = cells.iter().find(|c| c.0 == epoch).and_then(|c| c.2);
+            if sampler != Some(id) {
                 let pos = run.spec.prompt.len() + run.streamed.len();
                 forged.push(NodeToCoord::Token {
                     seq,

@@ -28,7 +28,7 @@ impl World {
             return Err(self.violation(format!("request {i} never ended")));
         }
         for n in self.nodes.iter().filter(|n| n.alive && n.enrolled) {
-            let member = self.membership.member(&n.id);
+            let member = self.cluster.membership().member(&n.id);
             if !member.is_some_and(|m| m.connected) {
                 return Err(self.violation(format!(
                     "{} is up and enrolled but not a connected member",

@@ -198,7 +198,8 @@ impl World {
 
     /// How many stages epoch `epoch` has (from the membership, when it is a cell's latest).
     pub(super) fn stage_count_of(&self, epoch: u64) -> usize {
-        self.membership
+        self.cluster
+            .membership()
             .epoch_with_id(epoch)
             .map_or(0, |e| e.stages.len())
     }
@@ -233,61 +234,16 @@ impl World {
                 link: None,
                 session: conn,
             };
-            self.membership_event(Event::Joined(Box::new(member)))?;
+            self.coord(ClusterInput::Joined(Box::new(member)))?;
             return self.maybe_plan();
         }
         if self.coord_conn[node] != Some(conn) {
             return Ok(()); // that session is closed
         }
-        self.membership_event(Event::Heard {
+        self.coord(ClusterInput::Node {
             node: id,
             session: conn,
-            now: self.now,
-        })?;
-        let seq = match &msg {
-            NodeToCoord::Loaded { epoch, report } => {
-                return self.membership_event(Event::Loaded {
-                    node: id,
-                    epoch: *epoch,
-                    report: report.clone(),
-                })
-            }
-            NodeToCoord::LoadFailed { epoch, reason } => {
-                return self.membership_event(Event::LoadFailed {
-                    node: id,
-                    epoch: *epoch,
-                    reason: reason.clone(),
-                })
-            }
-            NodeToCoord::Linked { epoch, link } => {
-                return self.membership_event(Event::Linked {
-                    node: id,
-                    epoch: *epoch,
-                    link: *link,
-                })
-            }
-            NodeToCoord::LinkFailed {
-                epoch,
-                reason,
-                peer,
-            } => {
-                return self.membership_event(Event::LinkFailed {
-                    node: id,
-                    epoch: *epoch,
-                    reason: reason.clone(),
-                    peer: *peer,
-                })
-            }
-            NodeToCoord::Opened { seq, .. }
-            | NodeToCoord::OpenFailed { seq, .. }
-            | NodeToCoord::Token { seq, .. }
-            | NodeToCoord::Finished { seq, .. }
-            | NodeToCoord::Closed { seq, .. } => *seq,
-            _ => return Ok(()),
-        };
-        match self.routes.get(&seq) {
-            Some(&run) => self.run_input(run, Input::Node { from: id, msg }),
-            None => Ok(()),
-        }
+            msg,
+        })
     }
 }

@@ -15,7 +15,7 @@ impl World {
             };
             self.at(t, Ev::Fault(FaultKind::Join(i)));
         }
-        self.at(self.cfg.lease / 4, Ev::CoordTick { life: 0 });
+        self.schedule_wake();
         let requests = self.rng.range(1, 6) as usize;
         for r in 0..requests {
             let prompt: Vec<u32> = (0..self.rng.range(1, 8))
@@ -36,11 +36,9 @@ impl World {
             let reference = reference(&spec);
             self.runs.push(SimRun {
                 spec,
-                machine: None,
+                submitted: false,
                 reference,
                 streamed: Vec::new(),
-                awaiting: None,
-                epoch: None,
                 ended: None,
             });
             let t = self.ms(100, 12_000);
