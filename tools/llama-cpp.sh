@@ -125,7 +125,7 @@ matrix() {
         done
     done
     summarize "$out/runs"
-    rm -r "$out"
+    echo "raw results (JSON lines, one per test and side): $out/runs"
 }
 
 # Reads JSON lines tagged "model<TAB>side<TAB>" and prints each side's mean per model and test.
@@ -137,14 +137,20 @@ for line in open(sys.argv[1]):
     model, side, rec = line.rstrip("\n").split("\t", 2)
     r = json.loads(rec)
     if side == "tessera":
-        p, n, d = r["n_prompt"], r["n_gen"], r["depth"]
-        ts = r["prefill_tok_s"] if p else r["decode_tok_s"]
+        # One record holds a run's prefill and decode figures; either may be absent (0).
+        tests = []
+        if r["n_prompt"]:
+            tests.append((f"pp{r['n_prompt']}", r["prefill_tok_s"]))
+        if r["n_gen"]:
+            d = r["depth"]
+            tests.append((f"tg{r['n_gen']}" + (f" @ d{d}" if d else ""), r["decode_tok_s"]))
     else:
         p, n, d, ts = r["n_prompt"], r["n_gen"], r["n_depth"], r["avg_ts"]
-    if p == 64 and side == "llama.cpp":
-        continue
-    test = f"pp{p}" if p else (f"tg{n} @ d{d}" if d else f"tg{n}")
-    runs[(os.path.basename(model), test, side)].append(ts)
+        if p == 64:
+            continue  # the long test's warm-up
+        tests = [(f"pp{p}" if p else (f"tg{n} @ d{d}" if d else f"tg{n}"), ts)]
+    for test, ts in tests:
+        runs[(os.path.basename(model), test, side)].append(ts)
 print(f"{'model':34} {'test':14} {'tessera tok/s':>14} {'llama.cpp tok/s':>16} {'ratio':>7}")
 for model, test in dict.fromkeys((m, t) for m, t, _ in runs):
     a, b = runs[(model, test, "tessera")], runs[(model, test, "llama.cpp")]
