@@ -3,10 +3,10 @@
 //! others into 429s.
 //!
 //! The share is max-min fair and needs no weights: a client alone may hold all but a reserve
-//! (so a newcomer always finds room); once others hold sequences too, each may hold
-//! `capacity / clients`. Sequences already admitted are never preempted; a client over its share
-//! just gets 429 until its own sequences finish. A choice of an `n`-choice request is one
-//! sequence, so `n: 16` costs sixteen.
+//! of a quarter (so a newcomer finds room on any server of 4 places or more); once others hold
+//! sequences too, each may hold `capacity / clients`. Sequences already admitted are never
+//! preempted; a client over its share just gets 429 until its own sequences finish. A choice
+//! of an `n`-choice request is one sequence, so `n: 16` costs sixteen.
 //!
 //! [`FairShare`] is the pure rule; [`Admission`] puts it behind a lock and hands out
 //! [`Permit`]s that give their sequence back when dropped (with the response stream).
@@ -79,13 +79,9 @@ impl FairShare {
     pub fn share(&self, client: &ClientId) -> usize {
         let others = self.held.keys().filter(|c| *c != client).count();
         if others == 0 {
-            // A quarter (at least one) stays free for whoever comes next; a capacity of 1
-            // keeps nothing back.
-            let reserve = if self.capacity > 1 {
-                (self.capacity / 4).max(1)
-            } else {
-                0
-            };
+            // A quarter, rounded down, stays free for whoever comes next (a server of fewer
+            // than 4 places is too small to keep one back).
+            let reserve = self.capacity / 4;
             self.capacity - reserve
         } else {
             (self.capacity / (others + 1)).max(1)
@@ -217,10 +213,10 @@ mod tests {
 
     #[test]
     fn permits_give_their_sequence_back_when_dropped() {
-        let adm = Admission::new(2);
+        let adm = Admission::new(1);
         let a = ClientId::Address("127.0.0.1".parse().unwrap());
         let p = adm.admit(&a).unwrap();
-        assert!(adm.admit(&a).is_err(), "alone: 2 minus a reserve of 1");
+        assert!(adm.admit(&a).is_err(), "one place, taken");
         drop(p);
         assert!(adm.admit(&a).is_ok());
     }
