@@ -113,7 +113,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "KEY", requires = "sealed_via")]
     pub trust: Vec<tessera_seal::NodeKey>,
     /// Sealed mode: answer only with answers a second worker agreed with; an unverified one
-    /// is an error response. Otherwise each response says whether it was verified.
+    /// is an error response. Without it, unverified answers are released, and the HTTP
+    /// response does not yet say which they are (`tessera client submit` does).
     #[arg(long, requires = "sealed_via")]
     pub verified_only: bool,
 }
