@@ -454,6 +454,7 @@ async fn whole_message(mut t: Tracker, mut c: Choice, id: String, model: String)
                 finish,
                 usage,
                 stop_sequence,
+                check,
                 ..
             }) => {
                 t.record(200, usage, c.ttft(), finish.into());
@@ -461,7 +462,7 @@ async fn whole_message(mut t: Tracker, mut c: Choice, id: String, model: String)
                 if !text.is_empty() || content.is_empty() {
                     content.push(json!({"type": "text", "text": text}));
                 }
-                return Json(json!({
+                let mut message = json!({
                     "id": id,
                     "type": "message",
                     "role": "assistant",
@@ -470,8 +471,9 @@ async fn whole_message(mut t: Tracker, mut c: Choice, id: String, model: String)
                     "stop_reason": stop_reason(finish, stop_sequence.as_deref()),
                     "stop_sequence": stop_sequence,
                     "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens},
-                }))
-                .into_response();
+                });
+                respond::mark(&mut message, check);
+                return respond::with_check_header(Json(message).into_response(), check);
             }
             Some(ChoicePiece::Failed(m)) => {
                 let e = ApiError::internal(format!("generation failed: {m}"));
@@ -556,6 +558,7 @@ impl MessageStream {
                     finish,
                     usage,
                     stop_sequence,
+                    check,
                     ..
                 }) => {
                     if self.next_block == 0 {
@@ -563,13 +566,12 @@ impl MessageStream {
                     }
                     self.close_block();
                     self.t.record(200, usage, self.c.ttft(), finish.into());
-                    self.ready.push_back(event(
-                        "message_delta",
-                        json!({"type": "message_delta",
-                               "delta": {"stop_reason": stop_reason(finish, stop_sequence.as_deref()),
-                                         "stop_sequence": stop_sequence},
-                               "usage": {"output_tokens": usage.completion_tokens}}),
-                    ));
+                    let mut delta = json!({"type": "message_delta",
+                           "delta": {"stop_reason": stop_reason(finish, stop_sequence.as_deref()),
+                                     "stop_sequence": stop_sequence},
+                           "usage": {"output_tokens": usage.completion_tokens}});
+                    respond::mark(&mut delta, check);
+                    self.ready.push_back(event("message_delta", delta));
                     self.ready
                         .push_back(event("message_stop", json!({"type": "message_stop"})));
                     self.done = true;

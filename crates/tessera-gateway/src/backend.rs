@@ -158,6 +158,35 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
+/// Whether an answer was verified: a second, independent worker produced the same tokens.
+/// Only backends that run on machines nobody vouches for report it; an answer from a backend
+/// that does not carries no mark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Check {
+    Verified,
+    Unverified,
+}
+
+impl Check {
+    pub fn is_verified(self) -> bool {
+        self == Self::Verified
+    }
+
+    /// The mark of several choices: verified only if every one was.
+    pub fn all(checks: impl IntoIterator<Item = Option<Self>>) -> Option<Self> {
+        let mut out = None;
+        for c in checks {
+            out = match (out, c) {
+                (_, None) => return None,
+                (None | Some(Self::Verified), Some(c)) => Some(c),
+                (Some(Self::Unverified), Some(_)) => Some(Self::Unverified),
+            };
+        }
+        out
+    }
+}
+
 /// What a backend streams back for one request, in order: any number of `Token`s, then exactly
 /// one `Finished` or `Failed`.
 #[derive(Clone, Debug, PartialEq)]
@@ -170,6 +199,9 @@ pub enum Event {
     /// The first `n` prompt tokens were already cached (sent before the first token, when a
     /// backend reuses a prefix).
     PromptCached(usize),
+    /// Whether a second worker reproduced the answer, sent before `Finished` by a backend whose
+    /// workers are strangers (sealed mode). The front ends mark the answer with it.
+    Checked(Check),
     Finished {
         reason: FinishReason,
         usage: Usage,

@@ -56,7 +56,7 @@ mod tokens;
 
 pub use api_keys::{ApiKeys, KeyFileError};
 pub use backend::{
-    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus, Event,
+    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, Check, ClusterStatus, Event,
     EventSender, ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health,
     InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel,
     SubmitError, Usage,

@@ -23,7 +23,7 @@ use tessera_sampling::TokenLogprobs;
 use tracing::Instrument;
 
 use crate::admission::ClientId;
-use crate::backend::{GenerationRequest, Grammar, ServedModel, SubmitError, Usage};
+use crate::backend::{Check, GenerationRequest, Grammar, ServedModel, SubmitError, Usage};
 use crate::grammar::{GrammarError, GrammarSpec};
 use crate::metrics::{unix_ms, RequestRecord};
 use crate::openai::tools::{
@@ -326,6 +326,8 @@ pub(crate) enum ChoicePiece {
         logprobs: Vec<TokenLogprobs>,
         /// The stop string that ended the text (Anthropic reports it; OpenAI only says `stop`).
         stop_sequence: Option<String>,
+        /// Whether a second worker reproduced the answer, where the backend checks ([`mark`]).
+        check: Option<Check>,
     },
     Failed(String),
 }
@@ -368,7 +370,11 @@ impl Choice {
                         self.push_tool_events(events);
                     }
                 },
-                Piece::Done { reason, usage } => {
+                Piece::Done {
+                    reason,
+                    usage,
+                    check,
+                } => {
                     if let Some(parser) = &mut self.tools {
                         let events = parser.finish();
                         self.push_tool_events(events);
@@ -384,6 +390,7 @@ impl Choice {
                         usage,
                         logprobs: std::mem::take(&mut self.held),
                         stop_sequence: self.text.stop_sequence().map(str::to_owned),
+                        check,
                     });
                 }
                 Piece::Failed(m) => self.queue.push_back(ChoicePiece::Failed(m)),
@@ -478,6 +485,29 @@ pub(crate) fn submit_choices(
         });
     }
     Ok(choices)
+}
+
+/// Marks an answer object with its [`Check`]: `"verified": true|false` where the backend
+/// checks its workers' answers (sealed mode), nothing where it does not. Every front end marks
+/// its final object (and the last event of a stream) this way.
+pub(crate) fn mark(object: &mut Value, check: Option<Check>) {
+    if let Some(c) = check {
+        object["verified"] = c.is_verified().into();
+    }
+}
+
+/// The header that marks a whole (non-streamed) response the same way as [`mark`].
+pub(crate) const VERIFIED_HEADER: &str = "x-tessera-verified";
+
+/// `response` with the [`VERIFIED_HEADER`] of `check`, where there is one.
+pub(crate) fn with_check_header(mut response: Response, check: Option<Check>) -> Response {
+    if let Some(c) = check {
+        let v = if c.is_verified() { "true" } else { "false" };
+        response
+            .headers_mut()
+            .insert(VERIFIED_HEADER, axum::http::HeaderValue::from_static(v));
+    }
+    response
 }
 
 /// The usage of a request: the prompt once, completions summed over choices.
@@ -659,10 +689,12 @@ async fn whole_response(
                     finish,
                     usage,
                     mut logprobs,
+                    check,
                     ..
                 }) => {
                     lps.append(&mut logprobs);
                     out.finish = finish;
+                    out.check = check;
                     usages.push(usage);
                     break;
                 }
@@ -686,7 +718,11 @@ async fn whole_response(
     let usage = total(&usages);
     let reasons: Vec<&str> = outs.iter().map(|o| o.finish).collect();
     t.record(200, usage, ttft, reasons.join(","));
-    Json(openai::full_response(&meta, &outs, usage)).into_response()
+    let check = Check::all(outs.iter().map(|o| o.check));
+    with_check_header(
+        Json(openai::full_response(&meta, &outs, usage)).into_response(),
+        check,
+    )
 }
 
 /// The SSE body of a streamed response.
@@ -835,11 +871,13 @@ async fn next_sse(st: &mut StreamState) -> Option<SseEvent> {
                         finish,
                         usage,
                         logprobs,
+                        check,
                         ..
                     } => {
                         st.usages[index] = Some(usage);
                         let lp = st.lp(index, &logprobs, 0);
-                        let c = openai::chunk(&st.meta, index, Delta::Finish(finish), lp);
+                        let mut c = openai::chunk(&st.meta, index, Delta::Finish(finish), lp);
+                        mark(&mut c["choices"][0], check);
                         st.ready.push_back(data(&c));
                     }
                     ChoicePiece::Failed(m) => {

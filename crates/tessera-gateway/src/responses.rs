@@ -578,7 +578,12 @@ impl ResponseStream {
                 );
                 self.output.push(done);
             }
-            ChoicePiece::Done { finish, usage, .. } => {
+            ChoicePiece::Done {
+                finish,
+                usage,
+                check,
+                ..
+            } => {
                 self.close_text();
                 let incomplete = finish == "length";
                 let status = if incomplete {
@@ -587,7 +592,7 @@ impl ResponseStream {
                     "completed"
                 };
                 self.t.record(200, usage, self.c.ttft(), finish.into());
-                let r = response_json(
+                let mut r = response_json(
                     &self.echo,
                     &self.id,
                     &self.model,
@@ -597,6 +602,7 @@ impl ResponseStream {
                     Some(usage),
                     incomplete,
                 );
+                crate::respond::mark(&mut r, check);
                 let kind = if incomplete {
                     "response.incomplete"
                 } else {
@@ -664,15 +670,21 @@ impl ResponseStream {
                     .t
                     .reject(ApiError::internal(format!("generation failed: {m}")));
             }
-            if let ChoicePiece::Done { finish, usage, .. } = &p {
-                last = Some((*finish, *usage));
+            if let ChoicePiece::Done {
+                finish,
+                usage,
+                check,
+                ..
+            } = &p
+            {
+                last = Some((*finish, *usage, *check));
             }
             self.handle(p);
             if end {
                 break;
             }
         }
-        let Some((finish, usage)) = last else {
+        let Some((finish, usage, check)) = last else {
             return self.t.reject(ApiError::internal(
                 "generation ended without a result".into(),
             ));
@@ -683,7 +695,7 @@ impl ResponseStream {
         } else {
             "completed"
         };
-        Json(response_json(
+        let mut r = response_json(
             &self.echo,
             &self.id,
             &self.model,
@@ -692,7 +704,8 @@ impl ResponseStream {
             self.output.clone(),
             Some(usage),
             incomplete,
-        ))
-        .into_response()
+        );
+        crate::respond::mark(&mut r, check);
+        crate::respond::with_check_header(Json(r).into_response(), check)
     }
 }

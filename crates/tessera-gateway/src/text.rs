@@ -11,7 +11,7 @@ use tessera_model::Utf8Assembler;
 use tessera_sampling::StopMatcher;
 use tessera_sampling::TokenLogprobs;
 
-use crate::backend::{Event, FinishReason, RequestHandle, ServedModel, Usage};
+use crate::backend::{Check, Event, FinishReason, RequestHandle, ServedModel, Usage};
 
 /// A step of a request's text.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,6 +21,8 @@ pub enum Piece {
     Done {
         reason: FinishReason,
         usage: Usage,
+        /// The backend's [`Check`] of the answer, where it makes one.
+        check: Option<Check>,
     },
     Failed(String),
 }
@@ -39,6 +41,8 @@ pub struct TextStream {
     started: Instant,
     first_token: Option<Duration>,
     finished: bool,
+    /// The backend's [`Event::Checked`], once it came.
+    check: Option<Check>,
     /// A `Done` to return after the text that preceded it.
     deferred: Option<Piece>,
     /// Log-probabilities of tokens received and not yet taken ([`TextStream::take_logprobs`]).
@@ -64,6 +68,7 @@ impl TextStream {
             started,
             first_token: None,
             finished: false,
+            check: None,
             deferred: None,
             logprobs: Vec::new(),
         }
@@ -122,6 +127,10 @@ impl TextStream {
                     self.cached_tokens = n;
                     continue;
                 }
+                Event::Checked(c) => {
+                    self.check = Some(c);
+                    continue;
+                }
                 Event::TokenLogprobs(lp) => {
                     let id = lp.token;
                     self.logprobs.push(lp);
@@ -175,11 +184,16 @@ impl TextStream {
             completion_tokens: self.tokens,
             cached_tokens: self.cached_tokens,
         };
+        let done = Piece::Done {
+            reason,
+            usage,
+            check: self.check,
+        };
         if text.is_empty() {
             self.finished = true;
-            Piece::Done { reason, usage }
+            done
         } else {
-            self.deferred = Some(Piece::Done { reason, usage });
+            self.deferred = Some(done);
             Piece::Text(text)
         }
     }

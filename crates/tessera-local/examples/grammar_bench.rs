@@ -185,7 +185,7 @@ fn end_to_end(model_path: &str, batch: usize, grammar: bool, max_tokens: usize) 
             while let Some(e) = h.next_event().await {
                 match e {
                     Event::Token(_) | Event::TokenLogprobs(_) => total += 1,
-                    Event::PromptCached(_) => {}
+                    Event::PromptCached(_) | Event::Checked(_) => {}
                     Event::Finished { .. } => break,
                     Event::Failed { message } => panic!("{message}"),
                 }

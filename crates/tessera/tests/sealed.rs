@@ -12,7 +12,7 @@
 //!   answer.
 //! - A worker that alters its tokens is caught by verification and quarantined, and the client
 //!   gets the honest answer; honest workers are never quarantined in 200 verified jobs.
-//! - A gateway (`tessera serve --sealed-via`) seals plain OpenAI requests the same way.
+//! - A gateway (`tessera serve --sealed-via-file`) seals plain OpenAI requests the same way.
 
 mod common;
 
@@ -306,24 +306,11 @@ fn workers_on_the_scalar_avx2_and_avx512_paths_agree_on_every_verified_answer() 
 #[test]
 fn a_gateway_seals_plain_openai_requests_to_the_workers_of_an_untrusted_coordinator() {
     let (c, _) = cluster(&[("n0", &[]), ("n1", &[])], &[]);
-    let args: Vec<String> = [
-        "serve",
-        "-m",
-        &model(MODEL).display().to_string(),
-        "--model-name",
-        "m",
-        "--sealed-via",
-        &c.operator,
-        "--data-dir",
-        &c.dir.path().join("gateway").display().to_string(),
-        "--listen",
-        "127.0.0.1:0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut gw = Proc::spawn_with_events("gateway", &args);
-    let addr = gw.announced("listening", "addr");
+    // The line is a secret: from a file, it stays out of the process list.
+    let (gw, addr) = gateway(&c, "gateway", &[]);
+    let argv = std::fs::read(format!("/proc/{}/cmdline", gw.pid())).unwrap();
+    let token = c.operator.split('@').next().unwrap();
+    assert!(!String::from_utf8_lossy(&argv).contains(token));
     let prompt = "Once upon a time";
     let want = one_process(prompt, "24");
     for _ in 0..2 {
@@ -345,6 +332,143 @@ fn a_gateway_seals_plain_openai_requests_to_the_workers_of_an_untrusted_coordina
         &serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 4, "logprobs": 2}),
     );
     assert_eq!(r.status, 400, "{}", r.body);
+}
+
+/// A sealed gateway in front of `c`'s coordinator, with `flags`; its address.
+fn gateway(c: &common::chaos::Cluster, name: &str, flags: &[&str]) -> (Proc, String) {
+    let via = c.dir.path().join(format!("{name}.token"));
+    std::fs::write(&via, &c.operator).unwrap();
+    let mut args: Vec<String> = [
+        "serve",
+        "-m",
+        &model(MODEL).display().to_string(),
+        "--model-name",
+        "m",
+        "--sealed-via-file",
+        &via.display().to_string(),
+        "--data-dir",
+        &c.dir.path().join(name).display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(flags.iter().map(|s| s.to_string()));
+    let mut gw = Proc::spawn_with_events(name, &args);
+    let addr = gw.announced("listening", "addr");
+    (gw, addr)
+}
+
+/// How each front end marked one answer, whole and streamed: `(what, verified)`, with `None`
+/// where the mark is missing. A whole response's header must agree with its body.
+fn marks(addr: &str) -> Vec<(&'static str, Option<bool>)> {
+    use common::http::{post, sse_data};
+    let msgs = serde_json::json!([{"role": "user", "content": "Once upon a time"}]);
+    let whole = |path: &str, body: Value, at: fn(&Value) -> &Value| {
+        let r = post(addr, path, &body);
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+        let v = r.json();
+        let mark = at(&v).as_bool();
+        let header = r.header("x-tessera-verified").map(|h| h == "true");
+        assert_eq!(header, mark, "{path}: the header and the body disagree");
+        mark
+    };
+    let streamed = |path: &str, mut body: Value, last: fn(&[Value]) -> Option<&Value>| {
+        body["stream"] = true.into();
+        let r = post(addr, path, &body);
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+        let events: Vec<Value> = if path == "/api/chat" {
+            r.body
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect()
+        } else {
+            sse_data(&r.body)
+                .iter()
+                .filter(|d| *d != "[DONE]")
+                .map(|d| serde_json::from_str(d).unwrap())
+                .collect()
+        };
+        last(&events).and_then(|e| e["verified"].as_bool())
+    };
+    let chat = serde_json::json!({"model": "m", "messages": msgs, "max_tokens": 8});
+    let completion = serde_json::json!({"model": "m", "prompt": "Once", "max_tokens": 8});
+    let responses = serde_json::json!({"model": "m", "input": "Once upon a time",
+                                       "max_output_tokens": 8});
+    let ollama = serde_json::json!({"model": "m", "messages": msgs, "stream": false,
+                                    "options": {"num_predict": 8}});
+    let ollama_streamed = serde_json::json!({"model": "m", "messages": msgs,
+                                             "options": {"num_predict": 8}});
+    vec![
+        (
+            "chat",
+            whole("/v1/chat/completions", chat.clone(), |v| {
+                &v["choices"][0]["verified"]
+            }),
+        ),
+        (
+            "chat stream",
+            streamed("/v1/chat/completions", chat.clone(), |es| {
+                es.iter()
+                    .map(|e| &e["choices"][0])
+                    .find(|c| !c["finish_reason"].is_null())
+            }),
+        ),
+        (
+            "completion",
+            whole("/v1/completions", completion, |v| {
+                &v["choices"][0]["verified"]
+            }),
+        ),
+        (
+            "messages",
+            whole("/v1/messages", chat.clone(), |v| &v["verified"]),
+        ),
+        (
+            "messages stream",
+            streamed("/v1/messages", chat.clone(), |es| {
+                es.iter().find(|e| e["type"] == "message_delta")
+            }),
+        ),
+        (
+            "responses",
+            whole("/v1/responses", responses.clone(), |v| &v["verified"]),
+        ),
+        (
+            "responses stream",
+            streamed("/v1/responses", responses, |es| {
+                es.iter()
+                    .find(|e| {
+                        e["type"] == "response.completed" || e["type"] == "response.incomplete"
+                    })
+                    .map(|e| &e["response"])
+            }),
+        ),
+        (
+            "ollama chat",
+            whole("/api/chat", ollama, |v| &v["verified"]),
+        ),
+        (
+            "ollama chat stream",
+            streamed("/api/chat", ollama_streamed, |es| es.last()),
+        ),
+    ]
+}
+
+#[test]
+fn every_front_end_marks_whether_a_second_worker_verified_the_answer() {
+    let (c, _) = cluster(&[("n0", &[]), ("n1", &[])], &[]);
+    // One worker per job: nobody checks it, and every answer says so.
+    let (_alone, addr) = gateway(&c, "alone", &["--sealed-workers", "1"]);
+    for (what, mark) in marks(&addr) {
+        assert_eq!(mark, Some(false), "{what}");
+    }
+    // Verified only: every answer was checked by the other worker, and says so.
+    let (_checked, addr) = gateway(&c, "checked", &["--verified-only"]);
+    for (what, mark) in marks(&addr) {
+        assert_eq!(mark, Some(true), "{what}");
+    }
 }
 
 /// The readable memory of process `pid` (every mapping /proc/PID/maps marks readable).

@@ -76,6 +76,7 @@ impl SealedEdge {
                 // Logits are bit-identical across the scalar, AVX2 and AVX-512 kernel paths
                 // (tessera-engine's `isa_paths` test), so answers of any two paths compare.
                 verify: verify_config(seed, settings.verify_per_mille, true),
+                fault: None,
             }),
             clients: HashMap::new(),
             next_client: 1,

@@ -3,14 +3,15 @@
 //! (`tessera serve --sealed-via TOKEN@HOST:PORT`). The answer comes back whole (a sealed job is
 //! answered once), so a stream gets all its tokens at the end. Under
 //! [`ClientPolicy::verified_only`] an unverified answer is not released (the request fails);
-//! otherwise the response does not yet say whether it was verified.
+//! otherwise every answer is marked: `"verified": true|false` on its final object (and on a
+//! stream's last event) and an `x-tessera-verified` header on a whole response.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tessera_gateway::{
-    Backend, BackendCounters, ClusterStatus, Event, FinishReason, GenerationRequest, RequestHandle,
-    ServedModel, SubmitError, Usage,
+    Backend, BackendCounters, Check, ClusterStatus, Event, FinishReason, GenerationRequest,
+    RequestHandle, ServedModel, SubmitError, Usage,
 };
 use tessera_proto::{FinishReason as SeqFinish, SealedRequest};
 
@@ -100,6 +101,12 @@ impl Backend for SealedBackend {
             match outcome {
                 Ok(o) => {
                     let completion_tokens = o.answer.tokens.len();
+                    let check = if o.verified {
+                        Check::Verified
+                    } else {
+                        Check::Unverified
+                    };
+                    let _ = tx.send(Event::Checked(check));
                     for t in o.answer.tokens {
                         let _ = tx.send(Event::Token(t));
                     }

@@ -34,6 +34,7 @@ mod tests;
 pub use client::{ClientPolicy, SealedClient, SealedOutcome};
 pub(crate) use edge::SealedEdge;
 pub use edge::{SealedFault, SealedSettings};
+
 pub use gateway::{SealedBackend, SealedBackendConfig};
 
 /// Most candidate workers (envelopes) one job may carry.
@@ -103,6 +104,17 @@ pub enum SealedOutput {
 pub struct SealedConfig {
     pub leases: LeaseConfig,
     pub verify: VerifyConfig,
+    /// A deliberate bug (`None` outside the simulator's own tests).
+    pub fault: Option<DeskFault>,
+}
+
+/// A deliberate bug in the desk, so the simulator can show it catches a broken one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeskFault {
+    /// Forget that a worker left: keep listing it and dispatching to it.
+    ForgetDeparted,
+    /// Leave a departed holder's jobs to their job leases instead of moving them at once.
+    IgnoreHolderLeft,
 }
 
 #[derive(Debug)]
@@ -135,6 +147,7 @@ pub struct SealedDesk {
     /// Workers whose session ended (left, or their lease expired): their claims are not
     /// listed and nothing is dispatched to them until they claim again from a new session.
     departed: BTreeSet<NodeKey>,
+    fault: Option<DeskFault>,
 }
 
 impl SealedDesk {
@@ -145,6 +158,7 @@ impl SealedDesk {
             verifier: Verifier::new(config.verify),
             jobs: BTreeMap::new(),
             departed: BTreeSet::new(),
+            fault: config.fault,
         }
     }
 
@@ -274,7 +288,9 @@ impl SealedDesk {
                 }
             }
             SealedInput::NodeLeft { node, now } => {
-                self.departed.insert(node);
+                if self.fault != Some(DeskFault::ForgetDeparted) {
+                    self.departed.insert(node);
+                }
                 let replicas: Vec<JobId> = self
                     .jobs
                     .iter()
@@ -287,8 +303,10 @@ impl SealedDesk {
                         .handle(VerifyEvent::ReplicaFailed { job, worker: node });
                     self.verified(acts, now, &mut out);
                 }
-                let acts = self.leases.handle(LeaseEvent::HolderLeft { node, now });
-                self.leased(acts, now, &mut out);
+                if self.fault != Some(DeskFault::IgnoreHolderLeft) {
+                    let acts = self.leases.handle(LeaseEvent::HolderLeft { node, now });
+                    self.leased(acts, now, &mut out);
+                }
             }
             SealedInput::ClientLeft { client } => self.jobs.retain(|_, j| j.client != client),
             SealedInput::Tick { now } => {
@@ -614,9 +632,11 @@ impl SealedDesk {
         let Some(worker) = self.worker(&from) else {
             return self.deliver(job, result, None, out);
         };
+        // A worker that left is no peer: a check sent to it would hold the answer back until
+        // its replica lease ran out (the sealed simulator found this).
         let peers: Vec<Worker> = candidates
             .iter()
-            .filter(|n| **n != from)
+            .filter(|n| **n != from && !self.departed.contains(n))
             .filter_map(|n| self.worker(n))
             .collect();
         let answer = result.header.answer;
@@ -641,6 +661,14 @@ impl SealedDesk {
         for a in acts {
             match a {
                 VerifyAction::Replicate { job, to, .. } => {
+                    if self.departed.contains(&to) {
+                        // Gone since the check began: the next peer, or the check ends.
+                        let acts = self
+                            .verifier
+                            .handle(VerifyEvent::ReplicaFailed { job, worker: to });
+                        self.verified(acts, now, out);
+                        continue;
+                    }
                     let Some(j) = self.jobs.get_mut(&job) else {
                         continue;
                     };

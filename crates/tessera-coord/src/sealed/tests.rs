@@ -49,6 +49,7 @@ fn desk(per_mille: Option<u32>, workers: &[&W]) -> SealedDesk {
     let mut d = SealedDesk::new(SealedConfig {
         leases: LeaseConfig::default(),
         verify: verify_config([7; 32], per_mille.or(Some(0)), true),
+        fault: None,
     });
     for w in workers {
         d.offer_claims(w.node(), w.claims(1, &[MODEL])).unwrap();

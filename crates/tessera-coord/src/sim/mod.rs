@@ -29,11 +29,13 @@
 //! A failing seed replays exactly: `TESSERA_SIM_SEED=N cargo test -p tessera-coord sim::`.
 
 mod node;
+mod sealed;
 #[cfg(test)]
 mod tests;
 mod world;
 
-pub use world::{simulate, Config, Summary};
+pub use sealed::{simulate_sealed, SealedSimConfig, SealedSummary};
+pub use world::{simulate, Config, Summary, Violation};
 
 /// splitmix64: a small, seedable generator (the simulator must not depend on the OS).
 #[derive(Clone, Debug)]

@@ -1,7 +1,8 @@
 //! Thousands of seeded fault schedules against the coordinator's machines.
 
-use super::{simulate, Config, Summary};
+use super::{simulate, simulate_sealed, Config, SealedSimConfig, SealedSummary, Summary};
 use crate::run::Fault;
+use crate::sealed::DeskFault;
 
 /// Schedules run by CI (each is a few milliseconds of real time).
 const SCHEDULES: u64 = 5_000;
@@ -92,4 +93,83 @@ fn a_schedule_replays_exactly() {
             simulate(seed, Config::default())
         );
     }
+}
+
+/// Sealed-job schedules run by CI, beside the ring and cell schedules above.
+const SEALED_SCHEDULES: u64 = 2_000;
+
+fn sealed_seeds() -> Vec<u64> {
+    if std::env::var("TESSERA_SIM_SEED").is_ok() {
+        return seeds();
+    }
+    (0..SEALED_SCHEDULES).collect()
+}
+
+#[test]
+fn thousands_of_sealed_job_schedules_break_no_invariant() {
+    let seeds = sealed_seeds();
+    let mut t = SealedSummary::default();
+    for &seed in &seeds {
+        let s = simulate_sealed(seed, SealedSimConfig::default()).unwrap_or_else(|v| panic!("{v}"));
+        t.jobs += s.jobs;
+        t.answered += s.answered;
+        t.verified += s.verified;
+        t.failed += s.failed;
+        t.unsealed += s.unsealed;
+        t.refused_by_client += s.refused_by_client;
+        t.handed_over += s.handed_over;
+        t.kills += s.kills;
+        t.freezes += s.freezes;
+        t.quarantined += s.quarantined;
+        t.events += s.events;
+    }
+    println!(
+        "simulated {} sealed schedules: {} jobs ({} answered, {} of them verified; {} failed \
+         with a reason; {} not sealed for want of a listed worker; {} unverified answers \
+         refused by clients that asked for verified ones), {} handed over from a dead or \
+         frozen holder, {} kills, {} freezes, {} liars quarantined, {} events",
+        seeds.len(),
+        t.jobs,
+        t.answered,
+        t.verified,
+        t.failed,
+        t.unsealed,
+        t.refused_by_client,
+        t.handed_over,
+        t.kills,
+        t.freezes,
+        t.quarantined,
+        t.events
+    );
+    assert_eq!(t.answered + t.failed + t.unsealed, t.jobs, "{t:?}");
+    if seeds.len() as u64 >= SEALED_SCHEDULES {
+        // The schedules exercise what they claim to.
+        assert!(t.handed_over > 100, "{t:?}");
+        assert!(t.quarantined > 20, "{t:?}");
+        assert!(t.verified > 500, "{t:?}");
+        assert!(t.failed > 20, "{t:?}");
+        assert!(t.answered > t.failed * 2, "{t:?}");
+    }
+}
+
+fn caught(fault: DeskFault) -> super::Violation {
+    let cfg = SealedSimConfig { fault: Some(fault) };
+    let v = (0..SEALED_SCHEDULES)
+        .find_map(|seed| simulate_sealed(seed, cfg.clone()).err())
+        .expect("some schedule shows the planted bug");
+    // And the failing seed replays exactly.
+    assert_eq!(simulate_sealed(v.seed, cfg).err(), Some(v.clone()));
+    v
+}
+
+#[test]
+fn the_sealed_simulator_catches_a_desk_that_dispatches_to_a_worker_that_left() {
+    let v = caught(DeskFault::ForgetDeparted);
+    assert!(v.what.contains("saw leave"), "{v}");
+}
+
+#[test]
+fn the_sealed_simulator_catches_a_desk_that_leaves_a_dead_holders_job_to_its_lease() {
+    let v = caught(DeskFault::IgnoreHolderLeft);
+    assert!(v.what.contains("still with worker"), "{v}");
 }

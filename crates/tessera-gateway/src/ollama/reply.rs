@@ -207,10 +207,17 @@ async fn whole_answer(mut t: Tracker, mut c: Choice, answer: Answer) -> Response
         match c.next().await {
             Some(ChoicePiece::Content { text: s, .. }) => text.push_str(&s),
             Some(ChoicePiece::ToolCall { call, .. }) => calls.push(tool_call_json(&call)),
-            Some(ChoicePiece::Done { finish, usage, .. }) => {
+            Some(ChoicePiece::Done {
+                finish,
+                usage,
+                check,
+                ..
+            }) => {
                 t.record(200, usage, c.ttft(), finish.into());
                 let last = answer.last(&t, c.ttft(), finish, usage);
-                return Json(merged(answer.line(&text, &calls), last)).into_response();
+                let mut whole = merged(answer.line(&text, &calls), last);
+                crate::respond::mark(&mut whole, check);
+                return crate::respond::with_check_header(Json(whole).into_response(), check);
             }
             Some(ChoicePiece::Failed(m)) => {
                 return reject(
@@ -246,11 +253,18 @@ impl LineStream {
             Some(ChoicePiece::ToolCall { call, .. }) => {
                 self.answer.line("", &[tool_call_json(&call)])
             }
-            Some(ChoicePiece::Done { finish, usage, .. }) => {
+            Some(ChoicePiece::Done {
+                finish,
+                usage,
+                check,
+                ..
+            }) => {
                 self.done = true;
                 self.t.record(200, usage, self.c.ttft(), finish.into());
                 let last = self.answer.last(&self.t, self.c.ttft(), finish, usage);
-                merged(self.answer.line("", &[]), last)
+                let mut line = merged(self.answer.line("", &[]), last);
+                crate::respond::mark(&mut line, check);
+                line
             }
             Some(ChoicePiece::Failed(m)) => {
                 self.done = true;

@@ -60,6 +60,8 @@ pub struct ChoiceOut {
     pub logprobs: Option<Value>,
     /// `stop`, `length` or `tool_calls`.
     pub finish: &'static str,
+    /// Marked on the choice as `verified` ([`crate::respond::mark`]).
+    pub check: Option<crate::backend::Check>,
 }
 
 /// The JSON of one tool call (`index` for stream deltas).
@@ -118,6 +120,11 @@ pub fn full_response(m: &ResponseMeta, choices: &[ChoiceOut], usage: Usage) -> V
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish,
             }),
+        })
+        .zip(choices)
+        .map(|(mut v, c)| {
+            crate::respond::mark(&mut v, c.check);
+            v
         })
         .collect();
     json!({

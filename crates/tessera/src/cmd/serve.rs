@@ -25,6 +25,7 @@ use crate::default_model;
 use crate::output::Stream;
 
 #[derive(clap::Args, Debug)]
+#[command(group = clap::ArgGroup::new("sealed").args(["sealed_via", "sealed_via_file"]))]
 pub struct ServeArgs {
     /// GGUF model to serve (default: the built-in stories260K).
     #[arg(short, long)]
@@ -101,21 +102,26 @@ pub struct ServeArgs {
     /// `TOKEN@HOST:PORT` line, a client or operator token). This gateway tokenizes with
     /// --model's tokenizer and seals every request to the workers' published keys; the
     /// coordinator routes it without reading it. Answers come back whole (a stream gets its
-    /// tokens at the end). The client key lives in --data-dir.
+    /// tokens at the end). The client key lives in --data-dir. The line is a secret, visible
+    /// to every user in the process list here: prefer --sealed-via-file.
     #[arg(long, value_name = "TOKEN@HOST:PORT", conflicts_with_all = ["nodes_expected", "split", "plan"])]
     pub sealed_via: Option<String>,
+    /// Sealed mode, with the `TOKEN@HOST:PORT` line read from this file.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["nodes_expected", "split", "plan"])]
+    pub sealed_via_file: Option<PathBuf>,
     /// Sealed mode: seal each request to at most this many workers (the first runs it; the
     /// others take over if it fails, or check its answer).
-    #[arg(long, default_value_t = 3, requires = "sealed_via",
+    #[arg(long, default_value_t = 3, requires = "sealed",
           value_parser = clap::value_parser!(u64).range(1..=tessera_coord::sealed::MAX_CANDIDATES as u64))]
     pub sealed_workers: u64,
     /// Sealed mode: seal only to workers certified by this operator key (repeat for several).
-    #[arg(long, value_name = "KEY", requires = "sealed_via")]
+    #[arg(long, value_name = "KEY", requires = "sealed")]
     pub trust: Vec<tessera_seal::NodeKey>,
     /// Sealed mode: answer only with answers a second worker agreed with; an unverified one
-    /// is an error response. Without it, unverified answers are released, and the HTTP
-    /// response does not yet say which they are (`tessera client submit` does).
-    #[arg(long, requires = "sealed_via")]
+    /// is an error response. Without it, unverified answers are released, marked
+    /// `"verified": false` on the answer (the choice, message or final stream event) and with
+    /// the header `x-tessera-verified: false`.
+    #[arg(long, requires = "sealed")]
     pub verified_only: bool,
 }
 
@@ -196,7 +202,8 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let distributed = args.nodes_expected.is_some() || args.split.is_some() || args.plan.is_some();
-    if (distributed || args.sealed_via.is_some()) && args.speculate.given() {
+    let sealed = args.sealed_via.is_some() || args.sealed_via_file.is_some();
+    if (distributed || sealed) && args.speculate.given() {
         bail!(
             "--speculate, --draft-model and --draft-max are for single-process serving; \
              distributed and sealed modes do not speculate yet"
@@ -207,7 +214,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if distributed {
         return run_distributed(args);
     }
-    if args.sealed_via.is_some() {
+    if sealed {
         return run_sealed(args);
     }
     let speculate = args.speculate.clone();
@@ -226,7 +233,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 
 /// Sealed mode: the gateway as the sealing client of an untrusted coordinator's workers.
 fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
-    let via = args.sealed_via.clone().expect("sealed mode");
+    let via = super::token::secret_line(
+        args.sealed_via.as_deref(),
+        args.sealed_via_file.as_deref(),
+        "--sealed-via",
+        "--sealed-via-file",
+    )?
+    .filter(|l| !l.is_empty())
+    .context("--sealed-via-file is empty")?;
     let target = super::token::parse_target(&via, false).context("--sealed-via")?;
     let data_dir = args
         .data_dir

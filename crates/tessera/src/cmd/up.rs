@@ -409,7 +409,7 @@ async fn sample(backend: &dyn Backend, prompt: &str, max_tokens: usize) -> anyho
         match tokio::time::timeout(deadline, handle.next_event()).await {
             Ok(Some(Event::Token(t))) => text.push_str(&decoder.push(t)),
             Ok(Some(Event::TokenLogprobs(lp))) => text.push_str(&decoder.push(lp.token)),
-            Ok(Some(Event::PromptCached(_))) => {}
+            Ok(Some(Event::PromptCached(_) | Event::Checked(_))) => {}
             Ok(Some(Event::Finished { .. })) | Ok(None) => break,
             Ok(Some(Event::Failed { message })) => bail!("{message}"),
             Err(_) => bail!("no token for {deadline:?}"),
