@@ -13,6 +13,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use common::up::Up;
 use common::{get, post, Server};
 use serde_json::json;
 
@@ -184,6 +185,26 @@ fn ref_chain(n: usize) -> serde_json::Value {
 fn grammars_past_the_limits_are_refused_and_the_server_lives() {
     let mut server = Server::start(&[]);
     let (want, base) = normal(&server.addr);
+    let t0 = Instant::now();
+    let n = hostile_schemas(&server.addr, &mut || {
+        assert!(
+            server.child.try_wait().unwrap().is_none(),
+            "the server exited"
+        );
+    });
+    let attack = t0.elapsed();
+    let (text, under) = normal(&server.addr);
+    assert_eq!(text, want);
+    println!(
+        "attack table: {n} hostile schemas on two front ends ({attack:?}): refused 400 naming \
+         the limit; peak RSS {} KiB, normal request {under:?} (undisturbed {base:?})",
+        peak_rss_kib(&server)
+    );
+}
+
+/// Sends the recursive, deep and huge schemas to `addr` on both front ends, checking each
+/// refusal and calling `alive` after each; how many were sent.
+fn hostile_schemas(addr: &str, alive: &mut dyn FnMut()) -> usize {
     let mut nested = json!({"type": "string"});
     for _ in 0..100 {
         nested = json!({"type": "array", "items": nested});
@@ -201,13 +222,12 @@ fn grammars_past_the_limits_are_refused_and_the_server_lives() {
             json!({"type": "string", "description": "x".repeat(1 << 20)}),
         ),
     ];
-    let t0 = Instant::now();
     for (limit, schema) in &cases {
         let chat = json!({"model": "stories260K", "max_tokens": 8,
             "messages": [{"role": "user", "content": "hi"}],
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "s", "schema": schema}}});
-        let r = post(&server.addr, "/v1/chat/completions", &chat);
+        let r = post(addr, "/v1/chat/completions", &chat);
         assert_eq!(r.status, 400, "{limit}: {}", r.body);
         let e = r.json();
         assert_eq!(e["error"]["param"], "response_format", "{e}");
@@ -219,26 +239,15 @@ fn grammars_past_the_limits_are_refused_and_the_server_lives() {
             "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"name": "f", "input_schema": schema}],
             "tool_choice": {"type": "any"}});
-        let r = post(&server.addr, "/v1/messages", &messages);
+        let r = post(addr, "/v1/messages", &messages);
         assert_eq!(r.status, 400, "{limit}: {}", r.body);
         // A schema too big as a grammar is too big as a tool definition first.
         let named =
             r.body.contains(limit) || (*limit == "grammar_bytes" && r.body.contains("'tools'"));
         assert!(named, "{limit}: {}", r.body);
-        assert!(
-            server.child.try_wait().unwrap().is_none(),
-            "the server exited"
-        );
+        alive();
     }
-    let attack = t0.elapsed();
-    let (text, under) = normal(&server.addr);
-    assert_eq!(text, want);
-    println!(
-        "attack table: {} hostile schemas on two front ends ({attack:?}): refused 400 naming \
-         the limit; peak RSS {} KiB, normal request {under:?} (undisturbed {base:?})",
-        cases.len() * 2,
-        peak_rss_kib(&server)
-    );
+    cases.len() * 2
 }
 
 /// The lists and texts that were bounded on one front end and not another: 80k tools (a
@@ -249,6 +258,24 @@ fn grammars_past_the_limits_are_refused_and_the_server_lives() {
 fn oversized_lists_and_texts_are_refused_on_every_front_end() {
     let server = Server::start(&[]);
     let (want, base) = normal(&server.addr);
+    let attacker = {
+        let addr = server.addr.clone();
+        std::thread::spawn(move || oversized(&addr))
+    };
+    let (text, under) = normal(&server.addr);
+    assert_eq!(text, want);
+    attacker.join().unwrap();
+    assert_eq!(normal(&server.addr).0, want);
+    println!(
+        "attack table: oversized lists and texts: peak RSS {} KiB, normal request {under:?} \
+         (undisturbed {base:?})",
+        peak_rss_kib(&server)
+    );
+}
+
+/// Sends the oversized lists and texts to `addr`, checking that each is refused for its
+/// parameter.
+fn oversized(addr: &str) {
     let user = json!([{"role": "user", "content": "hi"}]);
     let chat_tools: Vec<_> = (0..80_000)
         .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
@@ -286,30 +313,79 @@ fn oversized_lists_and_texts_are_refused_on_every_front_end() {
             "content",
         ),
     ];
-    let attacker = {
-        let addr = server.addr.clone();
-        std::thread::spawn(move || {
-            attacks
-                .iter()
-                .map(|(path, body, param)| {
-                    let t0 = Instant::now();
-                    (*path, *param, post(&addr, path, body), t0.elapsed())
-                })
-                .collect::<Vec<_>>()
-        })
-    };
-    let (text, under) = normal(&server.addr);
-    assert_eq!(text, want);
-    for (path, param, r, took) in attacker.join().unwrap() {
+    for (path, body, param) in &attacks {
+        let t0 = Instant::now();
+        let r = post(addr, path, body);
+        let took = t0.elapsed();
         assert_eq!(r.status, 400, "{path} {param}: {}", r.body);
         assert!(r.body.contains(&format!("'{param}'")), "{path}: {}", r.body);
         println!("attack table: {path} with an oversized '{param}': refused 400 in {took:?}");
     }
-    assert_eq!(normal(&server.addr).0, want);
+}
+
+/// The same attacks on a cluster's gateway (`tessera up`, three node processes), all at once
+/// and three 4 MB `/tokenize` beside them: each refused, a normal request served with its
+/// usual text in the middle of it, and no node missed its lease: the epoch and its nodes are
+/// the same afterwards (a missed lease would have replanned the cluster).
+#[test]
+fn attacks_on_a_clusters_gateway_cost_no_node_its_lease() {
+    let up = Up::start(&[]);
+    let status = |addr: &str| {
+        let s = get(addr, "/api/status", None).json()["cluster"].take();
+        let mut nodes: Vec<String> = s["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["id"].as_str().unwrap().to_string())
+            .collect();
+        nodes.sort();
+        (s["plan"]["epoch"].as_u64().unwrap(), nodes)
+    };
+    let before = status(&up.addr);
+    assert_eq!(before.1.len(), 3, "{before:?}");
+    let (want, base) = normal(&up.addr);
+    let t0 = Instant::now();
+    let attackers: Vec<_> = (0..5)
+        .map(|k| {
+            let addr = up.addr.clone();
+            std::thread::spawn(move || match k {
+                0 => {
+                    hostile_schemas(&addr, &mut || {});
+                }
+                1 => oversized(&addr),
+                _ => {
+                    let r = post(
+                        &addr,
+                        "/tokenize",
+                        &json!({"content": "a".repeat(4_000_000)}),
+                    );
+                    assert_eq!(r.status, 400, "{}", r.body);
+                }
+            })
+        })
+        .collect();
+    let (text, under) = normal(&up.addr);
+    assert_eq!(text, want);
+    for a in attackers {
+        a.join().unwrap();
+    }
+    let attack = t0.elapsed();
+    assert_eq!(normal(&up.addr).0, want, "served after the attacks");
+    let after = status(&up.addr);
+    assert_eq!(
+        after, before,
+        "a node missed its lease: the cluster was replanned"
+    );
+    let rss = std::fs::read_to_string(format!("/proc/{}/status", up.proc.child.id()))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:").map(|v| v.trim().to_string()))
+        .unwrap_or_default();
     println!(
-        "attack table: oversized lists and texts: peak RSS {} KiB, normal request {under:?} \
-         (undisturbed {base:?})",
-        peak_rss_kib(&server)
+        "attack table: every HTTP attack at once on `up` with three nodes ({attack:?}): all \
+         refused; epoch {} and its 3 nodes unchanged; up's peak RSS {rss}; normal request \
+         {under:?} (undisturbed {base:?})",
+        after.0
     );
 }
 

@@ -13,6 +13,7 @@
 //! - `browser`: headless Chromium.
 //! - `sealed`: a coordinator of single-node cells, its nodes and a sealing client.
 //! - `cdp`: headless Chromium driven over the DevTools protocol (JavaScript observed).
+//! - `up`: a running `tessera up` with its nodes, killed on drop.
 
 #![allow(dead_code)]
 
@@ -27,6 +28,7 @@ pub mod proc;
 pub mod run;
 pub mod sealed;
 pub mod serve;
+pub mod up;
 
 #[allow(unused_imports)]
 pub use browser::*;
