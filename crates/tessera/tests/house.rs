@@ -1,0 +1,92 @@
+//! The house's own rules, checked: README's exact crate graph ("How it is built") is the one
+//! the `Cargo.toml` files declare.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+type Graph = BTreeMap<String, Vec<String>>;
+
+/// The workspace crates each crate's `[dependencies]` names (dev- and build-dependencies are
+/// not part of the architecture).
+fn declared(root: &Path) -> Graph {
+    let mut graph = Graph::new();
+    for entry in std::fs::read_dir(root.join("crates")).unwrap() {
+        let manifest = entry.unwrap().path().join("Cargo.toml");
+        let Ok(text) = std::fs::read_to_string(&manifest) else {
+            continue;
+        };
+        let mut name = None;
+        let mut section = String::new();
+        let mut deps = Vec::new();
+        for line in text.lines().map(str::trim) {
+            if line.starts_with('[') {
+                section = line.to_string();
+                continue;
+            }
+            if section == "[package]" {
+                if let Some(v) = line.strip_prefix("name = ") {
+                    name = Some(v.trim_matches('"').to_string());
+                }
+            }
+            if section == "[dependencies]" && line.starts_with("tessera") {
+                let dep = line.split(['.', ' ', '=']).next().unwrap();
+                deps.push(dep.to_string());
+            }
+        }
+        deps.sort();
+        graph.insert(name.expect("a package name"), deps);
+    }
+    graph
+}
+
+/// The graph README states: the lines of the block after `<!-- crate-graph -->`, where a
+/// line that starts with a space continues the one before.
+fn stated(readme: &str) -> Graph {
+    let block = readme
+        .split("<!-- crate-graph -->")
+        .nth(1)
+        .expect("README has the crate-graph marker");
+    let body = block.split("```").nth(1).expect("a fenced block after it");
+    let mut graph = Graph::new();
+    let mut current: Option<String> = None;
+    for line in body.lines().skip(1) {
+        let (uses, continued) = match line.split_once('→') {
+            Some((name, uses)) => {
+                current = Some(name.trim().to_string());
+                (uses, false)
+            }
+            None => (line, true),
+        };
+        let Some(name) = &current else { continue };
+        let entry = graph.entry(name.clone()).or_insert_with(Vec::new);
+        if !continued || !uses.trim().is_empty() {
+            entry.extend(
+                uses.split(',')
+                    .map(str::trim)
+                    .filter(|d| !d.is_empty())
+                    .map(str::to_string),
+            );
+        }
+    }
+    for deps in graph.values_mut() {
+        deps.sort();
+    }
+    graph
+}
+
+#[test]
+fn readmes_crate_graph_is_the_one_the_manifests_declare() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let (stated, declared) = (stated(&readme), declared(&root));
+    for (name, deps) in &declared {
+        assert_eq!(
+            stated.get(name),
+            Some(deps),
+            "README's crate graph says {name} uses {:?}; its Cargo.toml says {deps:?}",
+            stated.get(name)
+        );
+    }
+    let extra: Vec<_> = stated.keys().filter(|k| !declared.contains_key(*k)).collect();
+    assert!(extra.is_empty(), "README names crates that do not exist: {extra:?}");
+}
