@@ -58,7 +58,7 @@ fn stated(readme: &str) -> Graph {
             None => (line, true),
         };
         let Some(name) = &current else { continue };
-        let entry = graph.entry(name.clone()).or_insert_with(Vec::new);
+        let entry = graph.entry(name.clone()).or_default();
         if !continued || !uses.trim().is_empty() {
             entry.extend(
                 uses.split(',')
@@ -87,6 +87,12 @@ fn readmes_crate_graph_is_the_one_the_manifests_declare() {
             stated.get(name)
         );
     }
-    let extra: Vec<_> = stated.keys().filter(|k| !declared.contains_key(*k)).collect();
-    assert!(extra.is_empty(), "README names crates that do not exist: {extra:?}");
+    let extra: Vec<_> = stated
+        .keys()
+        .filter(|k| !declared.contains_key(*k))
+        .collect();
+    assert!(
+        extra.is_empty(),
+        "README names crates that do not exist: {extra:?}"
+    );
 }
