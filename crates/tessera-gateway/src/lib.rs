@@ -44,6 +44,7 @@ pub mod dashboard;
 pub mod grammar;
 pub mod limits;
 pub mod metrics;
+pub mod models;
 pub mod ollama;
 pub mod openai;
 mod respond;
@@ -62,4 +63,4 @@ pub use backend::{
     SubmitError, Usage,
 };
 pub use scheduler::SchedulerConfig;
-pub use server::{check_exposure, router, serve, Gateway, GatewayConfig, KeyRequired};
+pub use server::{check_exposure, router, serve, serve_app, Gateway, GatewayConfig, KeyRequired};

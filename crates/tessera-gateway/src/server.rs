@@ -103,6 +103,12 @@ impl Gateway {
         })
     }
 
+    /// Ends the dashboard's streams: the server is stopping (or this model is being
+    /// unloaded, [`crate::models`]).
+    pub fn begin_shutdown(&self) {
+        self.shutdown.send_replace(true);
+    }
+
     /// Resolves once shutdown has begun.
     pub(crate) async fn shutting_down(&self) {
         let mut rx = self.shutdown.subscribe();
@@ -228,6 +234,17 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = router(gateway.clone());
+    serve_app(listener, app, shutdown, move || gateway.begin_shutdown()).await
+}
+
+/// [`serve`] for any router (several models' [`crate::models::pool_router`]): `on_stop` runs
+/// once the listener is closed, before the open connections finish.
+pub async fn serve_app(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    on_stop: impl FnOnce(),
+) -> std::io::Result<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let per_address = Arc::new(PerAddress::default());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -281,7 +298,7 @@ pub async fn serve(
         while conns.try_join_next().is_some() {}
     }
     drop(listener);
-    gateway.shutdown.send_replace(true);
+    on_stop();
     let _ = stop_tx.send(true);
     while conns.join_next().await.is_some() {}
     Ok(())
@@ -358,6 +375,23 @@ fn base64_decode(s: &str) -> Option<Vec<u8>> {
 struct PeerAddress(std::net::IpAddr);
 
 /// Checks the key, and tells the handlers whom the request counts against ([`ClientId`]).
+/// The refusal of `req` when it presents none of `config`'s keys (and keys are required).
+pub(crate) fn refuse_without_key(config: &GatewayConfig, req: &Request) -> Option<Response> {
+    if config.api_keys.is_empty() {
+        return None;
+    }
+    match presented_key(req) {
+        Some(g) if config.api_keys.find(&g).is_some() => None,
+        Some(_) => Some(ApiError::unauthorized("Incorrect API key provided.").into_response()),
+        None => Some(
+            ApiError::unauthorized(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
+            )
+            .into_response(),
+        ),
+    }
+}
+
 async fn require_api_key(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next) -> Response {
     if gw.config.api_keys.is_empty() {
         let client = match req.extensions().get::<PeerAddress>() {

@@ -17,6 +17,7 @@ use tessera_coord::assignment::parse_split;
 use tessera_coord::backend::{ClusterBackend, ClusterBackendConfig};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 use tessera_engine::Model;
+use tessera_gateway::models::{ModelPool, ModelSpec};
 use tessera_gateway::{check_exposure, ApiKeys, Backend, Gateway, GatewayConfig, SchedulerConfig};
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
@@ -27,12 +28,19 @@ use crate::output::Stream;
 #[derive(clap::Args, Debug)]
 #[command(group = clap::ArgGroup::new("sealed").args(["sealed_via", "sealed_via_file"]))]
 pub struct ServeArgs {
-    /// GGUF model to serve (default: the built-in stories260K).
+    /// GGUF model to serve (default: the built-in stories260K). Repeat it to serve several:
+    /// each request runs on the model its `model` field names (the file name without
+    /// `.gguf`), loaded when first asked for, within --models-memory.
     #[arg(short, long)]
-    pub model: Option<PathBuf>,
-    /// Name clients use in `model` (default: the file name without `.gguf`).
+    pub model: Vec<PathBuf>,
+    /// Name clients use in `model` (default: the file name without `.gguf`); one model only.
     #[arg(long)]
     pub model_name: Option<String>,
+    /// Several models: the memory their weights may hold at once (`8GiB`, `512MiB`). A model
+    /// that does not fit beside the loaded ones unloads the least recently used idle ones
+    /// first; while busy models hold the room, its requests get 503. Default: room for all.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub models_memory: Option<u64>,
     /// Address to listen on. Anything but loopback requires an API key.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
@@ -170,10 +178,10 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
     if a.max_batch == 0 || a.max_batch_tokens == 0 {
         bail!("--max-batch and --max-batch-tokens must be at least 1");
     }
-    let model = default_model::resolve(a.model.clone())?;
+    let model = default_model::resolve(a.model.first().cloned())?;
     let name = match &a.model_name {
         Some(n) => n.clone(),
-        None => model_name(a.model.as_deref()),
+        None => model_name(a.model.first().map(PathBuf::as_path)),
     };
     let threads = a.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
@@ -211,6 +219,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     // Flags first: a wrong combination is refused before any model loads.
     args.speculate.mode()?;
+    if args.model.len() > 1 {
+        if distributed || sealed || args.speculate.given() || args.model_name.is_some() {
+            bail!(
+                "several --model files are served by one process only, each under its file \
+                 name: not with distributed or sealed modes, --speculate or --model-name"
+            );
+        }
+        return run_models(args);
+    }
+    if args.models_memory.is_some() {
+        bail!("--models-memory is for serving several models (repeat --model)");
+    }
     if distributed {
         return run_distributed(args);
     }
@@ -229,6 +249,82 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let backend = LocalBackend::start_speculative(&cfg.name, &gguf, model, cfg.local, speculation)
         .context("reading the tokenizer and chat template")?;
     serve_backend(Arc::new(backend), cfg.listen, cfg.http, |_| {})
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    tessera_plan::units::parse_bytes(s)
+        .map(|b| b.0)
+        .map_err(|e| e.to_string())
+}
+
+/// Several models in one process, each loaded on first use within `--models-memory`.
+fn run_models(args: ServeArgs) -> anyhow::Result<()> {
+    let paths = args.model.clone();
+    let budget = args.models_memory;
+    let cfg = validate(args)?;
+    let mut specs = Vec::with_capacity(paths.len());
+    for p in &paths {
+        let path = default_model::resolve(Some(p.clone()))?;
+        let name = model_name(Some(p));
+        if specs.iter().any(|s: &ModelSpec| s.name == name) {
+            bail!("two --model files are both named {name}");
+        }
+        let gguf = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        let bytes = gguf.file_len();
+        let (threads, kv_type, local, id) = (cfg.threads, cfg.kv_type, cfg.local, name.clone());
+        let load: tessera_gateway::models::Loader = Arc::new(move || {
+            let gguf = GgufFile::open(&path).map_err(|e| e.to_string())?;
+            let model = Model::load_full(&gguf, threads)
+                .map_err(|e| e.to_string())?
+                .with_kv_type(kv_type)
+                .map_err(|e| format!("--kv-type: {e}"))?;
+            let backend =
+                LocalBackend::start(&id, &gguf, model, local).map_err(|e| e.to_string())?;
+            Ok(Arc::new(backend) as Arc<dyn Backend>)
+        });
+        specs.push(ModelSpec { name, bytes, load });
+    }
+    let budget = budget.unwrap_or_else(|| specs.iter().map(|s| s.bytes).sum());
+    if let Some(s) = specs.iter().find(|s| s.bytes > budget) {
+        bail!(
+            "--models-memory {budget} is smaller than {} alone ({} bytes of weights)",
+            s.name,
+            s.bytes
+        );
+    }
+    check_exposure(cfg.listen, &cfg.http.api_keys)?;
+    let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+    let pool = ModelPool::new(specs, budget, cfg.http);
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(cfg.listen)
+            .await
+            .with_context(|| format!("binding {}", cfg.listen))?;
+        let addr = listener.local_addr()?;
+        let shown = shown_addr(addr);
+        crate::logging::announce(
+            "listening",
+            &[("addr", &addr.to_string())],
+            &format!("listening on http://{addr}"),
+        );
+        say!(
+            "  models     {} (each loaded when first asked for)",
+            names.join(", ")
+        );
+        say!("  API        http://{shown}/v1  (OpenAI-compatible)");
+        let stop = pool.clone();
+        tessera_gateway::serve_app(
+            listener,
+            tessera_gateway::models::pool_router(pool),
+            async {
+                super::node::shutdown_signal().await;
+                crate::output::line(Stream::Stderr, "shutting down");
+            },
+            move || stop.begin_shutdown(),
+        )
+        .await
+        .context("serving")
+    })
 }
 
 /// Sealed mode: the gateway as the sealing client of an untrusted coordinator's workers.
@@ -449,11 +545,11 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
         (None, Some(n)) if n >= 1 => n,
         _ => bail!("--nodes-expected must be at least 1"),
     };
-    let model = default_model::resolve(a.model.clone())?;
+    let model = default_model::resolve(a.model.first().cloned())?;
     let name = a
         .model_name
         .clone()
-        .unwrap_or_else(|| model_name(a.model.as_deref()));
+        .unwrap_or_else(|| model_name(a.model.first().map(PathBuf::as_path)));
     let data_dir = match a.data_dir {
         Some(d) => d,
         None => state_root().join("coordinator"),
