@@ -1,6 +1,6 @@
-//! Expert split: this node's expert serving state per installed epoch, the links to the
-//! workers owning the rest of its stage's experts, serving expert streams for other homes (each
-//! stream names its epoch), and releasing all of it with its epoch.
+//! Expert split: the links to the workers owning the rest of this node's stage's experts, and
+//! serving expert streams for other homes (each stream names its epoch). Which epoch serves
+//! whom, and what goes with a release, is the epoch machine's ([`super::epochs`]).
 
 use std::sync::Arc;
 
@@ -8,20 +8,11 @@ use tessera_engine::Model;
 use tessera_net::{Endpoint, FrameWriter};
 
 use crate::error::FabricError;
-use crate::protocol::{frame, limits, stream, ExpertAssignment};
+use crate::protocol::{frame, limits, stream};
 
-use super::ring::{watch_link, DataLink, LinkUpFailed, DATA_LINK_LIVENESS};
+use super::ring::{keep_link, LinkUpFailed, DATA_LINK_LIVENESS};
 use super::stage_thread::WorkerMsg;
-use super::Shared;
-
-/// Expert split state of one installed epoch.
-#[derive(Clone)]
-pub(super) struct ExpertServing {
-    pub(super) epoch: u64,
-    pub(super) assignment: ExpertAssignment,
-    /// Experts this node computes for other homes (`None`: it serves none).
-    pub(super) model: Option<Arc<Model>>,
-}
+use super::{DataLink, Shared};
 
 /// A blocking expert link over a network stream, driven by the agent's runtime from the stage
 /// thread (like the ring).
@@ -46,52 +37,6 @@ impl crate::expert::ExpertLink for NetExpertLink {
     }
 }
 
-/// Drops the expert split state of `epoch` (or of every epoch): its serving model, its worker
-/// connections and the admission of its clients (a home another installed epoch still serves,
-/// or whose ring stream an installed epoch takes, stays admitted).
-pub(super) fn release_experts(shared: &Shared, epoch: Option<u64>) {
-    let released = |e: u64| epoch.is_none_or(|x| x == e);
-    let (gone, kept_clients) = {
-        let mut ex = shared.experts.lock().unwrap_or_else(|p| p.into_inner());
-        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *ex)
-            .into_iter()
-            .partition(|x| released(x.epoch));
-        *ex = kept;
-        let kept_clients: Vec<_> = ex
-            .iter()
-            .flat_map(|x| x.assignment.clients.iter().map(|c| c.node_id))
-            .collect();
-        (gone, kept_clients)
-    };
-    let prevs: Vec<_> = shared
-        .current
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .filter_map(|c| c.assignment.prev.as_ref().map(|p| p.node_id))
-        .collect();
-    for c in gone.iter().flat_map(|x| &x.assignment.clients) {
-        if !kept_clients.contains(&c.node_id) && !prevs.contains(&c.node_id) {
-            shared.allow.remove(&c.node_id);
-        }
-    }
-    shared
-        .expert_conns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .retain(|(e, c)| {
-            if released(*e) {
-                c.close("epoch released");
-            }
-            !released(*e)
-        });
-    let mut pending = shared
-        .pending_experts
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    pending.retain(|e, _| !released(*e));
-}
-
 /// Expert split: opens one expert stream to every worker owning experts of this stage's layers
 /// and hands the links to the stage thread.
 pub(super) async fn link_experts(
@@ -99,14 +44,7 @@ pub(super) async fn link_experts(
     endpoint: &Endpoint,
     shared: &Arc<Shared>,
 ) -> Result<(), LinkUpFailed> {
-    let peers = shared
-        .experts
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .find(|e| e.epoch == epoch && !e.assignment.expert_only)
-        .map(|e| e.assignment.peers.clone())
-        .unwrap_or_default();
+    let peers = shared.lock_epochs().machine.expert_peers(epoch);
     if peers.is_empty() {
         return Ok(());
     }
@@ -125,17 +63,9 @@ pub(super) async fn link_experts(
         };
         let (conn, mut s) = up.await.map_err(LinkUpFailed::to(p.peer.node_id))?;
         s.reader.set_max_len(limits::EXPERT);
-        watch_link(
-            conn.clone(),
-            epoch,
-            DataLink::ExpertToWorker,
-            shared.clone(),
-        );
-        shared
-            .expert_conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((epoch, conn));
+        if !keep_link(shared, epoch, DataLink::ExpertToWorker, &conn) {
+            return Err(LinkUpFailed::released(epoch));
+        }
         remote.push(crate::expert::RemotePeer {
             name: p.peer.node_id.short(),
             experts: p.experts,

@@ -13,13 +13,13 @@ use tessera_net::Connection;
 use crate::error::FabricError;
 use crate::fetch_net::{assignment_needs, fetch_manifest, fetch_needs};
 use crate::inventory::Inventory;
-use crate::protocol::{LoadReport, StageAssignment};
+use crate::protocol::{ExpertAssignment, LoadReport, NodeToCoord, StageAssignment};
 use crate::stage::Stage;
 use crate::store::{Manifest, ShardStore};
 
-use super::experts::ExpertServing;
+use super::epochs::Ticket;
 use super::stage_thread::WorkerMsg;
-use super::{Current, Shared};
+use super::{EpochAction, EpochEvent, Shared};
 
 pub(super) struct LoadCtx {
     pub(super) conn: Connection,
@@ -82,18 +82,17 @@ fn expert_tensor_names(
     names
 }
 
+/// Loads `a` (load `ticket` of the epoch machine, with its expert placement) and hands the
+/// result to the machine, which installs it or drops it; an error is the caller's to report.
 pub(super) async fn load_assignment(
+    ticket: Ticket,
     a: StageAssignment,
+    experts: Option<ExpertAssignment>,
     ctx: &LoadCtx,
     shared: &Shared,
-) -> Result<LoadReport, FabricError> {
+) -> Result<(), FabricError> {
     let t0 = Instant::now();
     let manifest = Arc::new(fetch_manifest(&ctx.conn, a.model).await?);
-    let experts = shared
-        .pending_experts
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&a.epoch);
     let expert_only = experts.as_ref().is_some_and(|x| x.expert_only);
     let mut names = if expert_only {
         Vec::new()
@@ -232,80 +231,64 @@ pub(super) async fn load_assignment(
     } else {
         resident.max(weight_bytes)
     };
-    // An epoch still installed (the split being switched from) holds its weights until it is
-    // released: the two together must fit.
-    let beside: u64 = shared
-        .current
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .filter(|c| c.assignment.epoch != a.epoch)
-        .map(|c| c.resident)
-        .sum();
-    ctx.inventory.accepts(held + beside).map_err(|e| {
-        if beside == 0 {
-            FabricError::from(e)
-        } else {
-            FabricError::Stopped(format!(
-                "epoch {} does not fit beside the epoch still installed ({} held): {e}",
-                a.epoch,
-                tessera_model::human_bytes(beside)
-            ))
-        }
-    })?;
-    // The same limit `Inventory::accepts` applies: the budget, else the RAM available at start.
-    let kv_budget = ctx
-        .inventory
-        .memory_budget
-        .as_ref()
-        .map(|b| b.bytes)
-        .or(ctx.inventory.memory.available_bytes)
-        .map(|limit| limit.saturating_sub(held + beside));
-    let n_embd = model.config().n_embd;
-    let stage_experts = model.expert_stats_source();
-    let mut stage = Stage::new(a.clone(), model, kv_budget);
-    stage.set_prefix_cache(ctx.prefix_cache);
-    if let Some(t) = tokenizer {
-        stage.set_tokenizer(t);
-    }
-    {
-        let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
-        // Under the lock, so that an assignment cannot be installed over a newer one.
-        if shared.assigned.load(std::sync::atomic::Ordering::SeqCst) != a.epoch {
-            return Err(FabricError::Stopped(format!(
-                "epoch {} was superseded or released while it loaded",
-                a.epoch
-            )));
-        }
-        {
-            let mut serving = shared.experts.lock().unwrap_or_else(|p| p.into_inner());
-            serving.retain(|x| x.epoch != a.epoch);
-            serving.extend(experts.map(|x| ExpertServing {
-                epoch: a.epoch,
-                assignment: x,
-                model: serve_model.map(Arc::new),
-            }));
-        }
-        *shared
-            .stage_experts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = stage_experts;
-        cur.retain(|c| c.assignment.epoch != a.epoch);
-        cur.push(Current {
-            assignment: a,
-            n_embd,
-            resident: held,
-        });
-        let _ = shared.worker.send(WorkerMsg::Install(Box::new(stage)));
-    }
-    Ok(LoadReport {
+    let report = LoadReport {
         bytes_needed: fetched.bytes_needed,
         bytes_transferred: fetched.bytes_transferred,
         bytes_already_present: fetched.bytes_already_present,
         resident_bytes: resident,
         fetch_ms,
         load_ms: t1.elapsed().as_secs_f64() * 1e3,
-    })
+    };
+    let n_embd = model.config().n_embd;
+    let stage_experts = model.expert_stats_source();
+    let mut loaded = Some((model, serve_model, tokenizer, stage_experts));
+    let event = EpochEvent::Loaded {
+        ticket,
+        held,
+        n_embd,
+    };
+    // Whether it fits beside an epoch still installed, and whether it is still wanted, is the
+    // machine's call; the stage is built and handed over under its lock, so that a release
+    // cannot come between.
+    shared.handle_epochs(event, |g, action| match action {
+        EpochAction::Install {
+            epoch, kv_budget, ..
+        } => {
+            let Some((model, serve_model, tokenizer, stage_experts)) = loaded.take() else {
+                return;
+            };
+            let mut stage = Stage::new(a.clone(), model, kv_budget);
+            stage.set_prefix_cache(ctx.prefix_cache);
+            if let Some(t) = tokenizer {
+                stage.set_tokenizer(t);
+            }
+            if let Some(m) = serve_model {
+                g.serving.insert(epoch, Arc::new(m));
+            }
+            *shared
+                .stage_experts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = stage_experts;
+            let _ = shared.worker.send(WorkerMsg::Install(Box::new(stage)));
+            tracing::info!(
+                event = "loaded",
+                epoch,
+                "loaded epoch {epoch}: needed {} bytes, received {} bytes, {} bytes already present",
+                report.bytes_needed,
+                report.bytes_transferred,
+                report.bytes_already_present
+            );
+            let _ = shared.ctrl.send(NodeToCoord::Loaded {
+                epoch,
+                report: report.clone(),
+            });
+        }
+        EpochAction::Discard { why, .. } => tracing::info!("dropping a load: {why}"),
+        _ => {}
+    });
+    // A load not installed drops its weights here.
+    drop(loaded);
+    Ok(())
 }
 
 fn progress_bar(show: bool, what: &str) -> indicatif::ProgressBar {

@@ -17,6 +17,11 @@
 //!    the link, open a [`stream::RING`] stream; the [`Stage`] runs on its own thread and its
 //!    outputs go to the ring and the coordinator.
 //!
+//! 7. **Epochs**: which epoch is assigned, whether a finished load is installed, the two epochs
+//!    held while the coordinator switches splits, who is admitted, which lost links matter and
+//!    what a release takes are decided by one pure machine (`NodeEpochs`, in `epochs.rs`) behind
+//!    one lock; the rest of this module carries out its actions.
+//!
 //! Every stream is read with a size limit for its kind; a malformed frame on a ring stream ends
 //! that stream (and is logged), never the node.
 //!
@@ -25,21 +30,24 @@
 //! [`stream::RING`]: crate::protocol::stream::RING
 //! [`Stage`]: crate::stage::Stage
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tessera_engine::Model;
 use tessera_net::{Accepted, AllowList, Connection, Endpoint, NodeIdentity};
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
 use crate::inventory::{measure, Inventory, ProbeOptions};
 use crate::protocol::{
-    ExpertAssignment, ExpertCacheStats, Hello, NodeToCoord, Role, StageAssignment, PROTOCOL_VERSION,
+    ExpertCacheStats, Hello, NodeToCoord, Role, StageAssignment, PROTOCOL_VERSION,
 };
 use crate::store::ShardStore;
 
 mod config;
+mod epochs;
 mod experts;
 mod hop_ledger;
 mod load;
@@ -52,77 +60,101 @@ pub use config::{AgentConfig, CoordinatorRecord, JoinTarget, ProbeLevel};
 pub use load::stage_tensor_names;
 pub use sealed::SealedOptions;
 
-use experts::ExpertServing;
+use epochs::{DataLink, EpochAction, EpochEvent, MemoryLimit, NodeEpochs};
 use ring::serve_peer;
 use session::serve_sessions;
 use stage_thread::{worker_loop, WorkerMsg};
 
-/// What the accept loop needs to know about an installed epoch.
-#[derive(Clone, Debug)]
-struct Current {
-    assignment: StageAssignment,
-    n_embd: usize,
-    /// Memory its weights hold, counted against the budget when another epoch loads beside it.
-    resident: u64,
+/// The epoch machine and what the shell keeps for its installed epochs, behind one lock.
+struct Epochs {
+    machine: NodeEpochs,
+    /// Data links of installed epochs this node dialled: the ring to the next stage (one per
+    /// epoch) and the expert links to workers.
+    links: Vec<(u64, DataLink, Connection)>,
+    /// Expert split: the model serving other homes' requests (experts of layers outside this
+    /// node's stage), per installed epoch that has one.
+    serving: BTreeMap<u64, Arc<Model>>,
+}
+
+impl Epochs {
+    /// Closes every data link of `epoch` and drops its expert serving model.
+    fn close_links(&mut self, epoch: u64) {
+        self.links.retain(|(e, _, c)| {
+            if *e == epoch {
+                c.close("epoch released");
+            }
+            *e != epoch
+        });
+        self.serving.remove(&epoch);
+    }
 }
 
 struct Shared {
     allow: Arc<AllowList>,
-    /// The installed epochs, oldest first: one, or two while the coordinator switches to a new
-    /// split (the old one finishes its sequences; make before break).
-    current: Mutex<Vec<Current>>,
     worker: mpsc::UnboundedSender<WorkerMsg>,
     ctrl: mpsc::UnboundedSender<NodeToCoord>,
-    /// Keeps each installed epoch's connection to its next stage open.
-    next_conn: Mutex<Vec<(u64, Connection)>>,
-    /// Expert placements received for epochs not yet loaded.
-    pending_experts: Mutex<std::collections::HashMap<u64, ExpertAssignment>>,
-    /// Expert split: this node's expert placement and the model serving other homes' requests
-    /// (experts of layers outside its stage), per installed epoch (two while a new split is
-    /// switched to).
-    experts: Mutex<Vec<ExpertServing>>,
-    /// Keeps each installed epoch's connections to its expert workers open.
-    expert_conns: Mutex<Vec<(u64, Connection)>>,
+    /// The node's epochs ([`NodeEpochs`]: assignments, loads, installed epochs, admissions)
+    /// with the connections and models kept for them. Every decision about them is the
+    /// machine's; the shell only carries out its actions ([`Shared::handle_epochs`]).
+    epochs: Mutex<Epochs>,
     /// The counters of the current stage's own streamed experts (the stage's model lives on the
     /// worker thread; the handle reads them from here, and reads nothing once it is dropped).
     stage_experts: Mutex<Option<tessera_engine::expert_store::ExpertStatsSource>>,
     /// Sealed jobs: this node's sealing key, replay guard and local sequences.
     sealed: sealed::SealedWorker,
-    /// The latest epoch assigned and not released (0: none). A load that finishes after a
-    /// newer assignment (or the release of its own) is discarded, never installed.
-    assigned: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
+    fn lock_epochs(&self) -> std::sync::MutexGuard<'_, Epochs> {
+        self.epochs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Feeds the epoch machine one event and carries out its actions, all under the epochs'
+    /// lock (so the stage thread sees installs and releases in the machine's order). The
+    /// actions that need what only the caller holds (a load to start, a loaded stage to
+    /// install, a link just made, a lost link's error) go to `edge`. New sealed claims are
+    /// published after the lock is let go.
+    fn handle_epochs(&self, event: EpochEvent, mut edge: impl FnMut(&mut Epochs, EpochAction)) {
+        let mut claims = false;
+        {
+            let mut g = self.lock_epochs();
+            let actions = g.machine.handle(event);
+            for action in actions {
+                match action {
+                    EpochAction::Admit(key) => self.allow.insert(key),
+                    EpochAction::Unadmit(id) => {
+                        self.allow.remove(&id);
+                    }
+                    EpochAction::CloseLinks { epoch } => g.close_links(epoch),
+                    EpochAction::ReleaseStage { epoch } => {
+                        let _ = self.worker.send(WorkerMsg::Release(epoch));
+                    }
+                    EpochAction::Refuse { epoch, why } => {
+                        tracing::warn!("cannot take epoch {epoch}: {why}");
+                        let _ = self.ctrl.send(NodeToCoord::LoadFailed {
+                            epoch,
+                            reason: why.to_string(),
+                        });
+                    }
+                    EpochAction::PublishClaims => claims = true,
+                    other => edge(&mut g, other),
+                }
+            }
+        }
+        if claims {
+            self.publish_claims();
+        }
+    }
+
     /// What this node holds that a sealed job can run on: the current assignment, unless its
     /// experts are shared with other nodes.
     fn sealed_holding(&self) -> Option<StageAssignment> {
-        // Not under the experts lock: an install locks the epochs, then the experts.
-        let shares_experts = !self
-            .experts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty();
-        self.latest()
-            .filter(|_| !shares_experts)
-            .map(|c| c.assignment)
+        self.lock_epochs().machine.sealed_holding()
     }
 
-    /// The newest installed epoch.
-    fn latest(&self) -> Option<Current> {
-        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        cur.last().cloned()
-    }
-
-    /// Whether `epoch` is assigned here (loading) or installed: a lost link of it matters.
+    /// Whether a lost link of `epoch` matters (it is assigned or installed here).
     fn holds_epoch(&self, epoch: u64) -> bool {
-        self.assigned.load(std::sync::atomic::Ordering::SeqCst) == epoch
-            || self
-                .current
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .any(|c| c.assignment.epoch == epoch)
+        self.lock_epochs().machine.holds(epoch)
     }
 
     /// Tells the coordinator what this node can run sealed jobs on now, in new signed claims.
@@ -141,9 +173,10 @@ impl Shared {
             .as_ref()
             .and_then(|s| s.stats());
         let serving: Vec<_> = {
-            let x = self.experts.lock().unwrap_or_else(|p| p.into_inner());
-            x.iter()
-                .filter_map(|x| x.model.as_ref()?.expert_stats())
+            let g = self.lock_epochs();
+            g.serving
+                .values()
+                .filter_map(|m| m.expert_stats())
                 .collect()
         };
         let st = stage.into_iter().chain(serving).reduce(|mut a, b| {
@@ -284,15 +317,14 @@ pub async fn run_until(
     }
     let shared = Arc::new(Shared {
         allow,
-        current: Mutex::new(Vec::new()),
         worker: worker_tx,
         ctrl: ctrl_tx,
-        next_conn: Mutex::new(Vec::new()),
-        pending_experts: Mutex::new(Default::default()),
-        experts: Mutex::new(Vec::new()),
+        epochs: Mutex::new(Epochs {
+            machine: NodeEpochs::new(MemoryLimit::of(&inventory)),
+            links: Vec::new(),
+            serving: BTreeMap::new(),
+        }),
         stage_experts: Mutex::new(None),
-        expert_conns: Mutex::new(Vec::new()),
-        assigned: std::sync::atomic::AtomicU64::new(0),
         sealed: sealed::SealedWorker::open(
             &config.data_dir,
             &identity,

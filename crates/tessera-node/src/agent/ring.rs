@@ -15,7 +15,7 @@ use crate::protocol::{frame, limits, stream, NodeToCoord, RingToken, StepHeader}
 use super::experts::{link_experts, serve_experts};
 use super::hop_ledger::Arrival;
 use super::stage_thread::WorkerMsg;
-use super::Shared;
+use super::{DataLink, EpochAction, EpochEvent, Shared};
 
 /// Where the stage's ring outputs go.
 pub(super) enum RingOut {
@@ -83,26 +83,6 @@ pub(super) const DATA_LINK_LIVENESS: Liveness = Liveness {
     keep_alive: Duration::from_secs(1),
 };
 
-/// Which data link a connection is.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum DataLink {
-    RingToNext,
-    RingFromPrevious,
-    ExpertToWorker,
-    ExpertFromHome,
-}
-
-impl std::fmt::Display for DataLink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::RingToNext => "the ring link to the next stage",
-            Self::RingFromPrevious => "the ring link from the previous stage",
-            Self::ExpertToWorker => "the expert link to a worker",
-            Self::ExpertFromHome => "the expert link from a home stage",
-        })
-    }
-}
-
 /// Reports a data link of `epoch` lost while that epoch is still this node's
 /// ([`NodeToCoord::LinkFailed`], naming the peer): the coordinator fails the epoch and plans
 /// around the pair. A link closed on purpose (an epoch released here or at the peer, a node
@@ -114,27 +94,29 @@ pub(super) fn report_lost_link(
     peer: tessera_net::NodeId,
     error: &dyn std::fmt::Display,
 ) {
-    if !shared.holds_epoch(epoch) {
-        return;
-    }
-    tracing::warn!(
-        event = "link_lost",
-        epoch,
-        peer = %peer,
-        link = ?link,
-        error = %error,
-        "epoch {epoch}: {link} ({}) is lost: {error}",
-        peer.short()
-    );
-    let _ = shared.ctrl.send(NodeToCoord::LinkFailed {
-        epoch,
-        reason: format!("{link} ({}) is lost: {error}", peer.short()),
-        peer: Some(peer),
+    let lost = EpochEvent::LinkLost { epoch, link, peer };
+    shared.handle_epochs(lost, |_, action| {
+        if let EpochAction::ReportLinkLost { epoch, link, peer } = action {
+            tracing::warn!(
+                event = "link_lost",
+                epoch,
+                peer = %peer,
+                link = ?link,
+                error = %error,
+                "epoch {epoch}: {link} ({}) is lost: {error}",
+                peer.short()
+            );
+            let _ = shared.ctrl.send(NodeToCoord::LinkFailed {
+                epoch,
+                reason: format!("{link} ({}) is lost: {error}", peer.short()),
+                peer: Some(peer),
+            });
+        }
     });
 }
 
 /// Watches a data link this node dialled for `epoch` and reports its loss.
-pub(super) fn watch_link(conn: Connection, epoch: u64, link: DataLink, shared: Arc<Shared>) {
+fn watch_link(conn: Connection, epoch: u64, link: DataLink, shared: Arc<Shared>) {
     tokio::spawn(async move {
         let e = conn.quinn().closed().await;
         use tessera_net::quinn::ConnectionError::{ApplicationClosed, LocallyClosed};
@@ -153,12 +135,48 @@ pub(super) struct LinkUpFailed {
 }
 
 impl LinkUpFailed {
+    /// The epoch went while its links were made.
+    pub(super) fn released(epoch: u64) -> Self {
+        Self {
+            peer: None,
+            error: FabricError::Stopped(format!("epoch {epoch} was released while it linked")),
+        }
+    }
+
     pub(super) fn to(peer: tessera_net::NodeId) -> impl FnOnce(FabricError) -> Self {
         move |error| Self {
             peer: Some(peer),
             error,
         }
     }
+}
+
+/// Keeps `conn`, a data link of `epoch` just made, and watches it, if the epoch is still
+/// installed; else closes it (the epoch went while it linked) and says so. A new ring link of
+/// an epoch replaces its old one.
+pub(super) fn keep_link(
+    shared: &Arc<Shared>,
+    epoch: u64,
+    link: DataLink,
+    conn: &Connection,
+) -> bool {
+    let mut kept = false;
+    shared.handle_epochs(EpochEvent::LinkUp { epoch }, |g, action| match action {
+        EpochAction::KeepLink { .. } => {
+            if matches!(link, DataLink::RingToNext) {
+                g.links
+                    .retain(|(e, l, _)| !(*e == epoch && matches!(l, DataLink::RingToNext)));
+            }
+            g.links.push((epoch, link, conn.clone()));
+            kept = true;
+        }
+        EpochAction::DropLink { .. } => conn.close("epoch released"),
+        _ => {}
+    });
+    if kept {
+        watch_link(conn.clone(), epoch, link, shared.clone());
+    }
+    kept
 }
 
 /// Connects to the next stage of the current epoch, measures the link, opens the ring stream.
@@ -168,12 +186,10 @@ pub(super) async fn link_next(
     shared: &Arc<Shared>,
 ) -> Result<Option<LinkMeasurement>, LinkUpFailed> {
     let a = shared
-        .current
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .find(|c| c.assignment.epoch == epoch)
-        .map(|c| c.assignment.clone())
+        .lock_epochs()
+        .machine
+        .installed(epoch)
+        .cloned()
         .ok_or_else(|| LinkUpFailed {
             peer: None,
             error: FabricError::Protocol(format!("link for epoch {epoch}, which is not loaded")),
@@ -196,11 +212,8 @@ pub(super) async fn link_next(
     };
     let (conn, link, mut s) = up.await.map_err(failed)?;
     s.reader.set_max_len(limits::RING);
-    watch_link(conn.clone(), epoch, DataLink::RingToNext, shared.clone());
-    {
-        let mut conns = shared.next_conn.lock().unwrap_or_else(|p| p.into_inner());
-        conns.retain(|(e, _)| *e != epoch);
-        conns.push((epoch, conn));
+    if !keep_link(shared, epoch, DataLink::RingToNext, &conn) {
+        return Err(LinkUpFailed::released(epoch));
     }
     let out = RingOut::stream(s.writer);
     let _ = shared.worker.send(WorkerMsg::Ring(epoch, out));
@@ -226,20 +239,8 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             }
         };
         // The newest installed epoch whose previous stage is this peer (while a new split is
-        // switched to, both epochs' previous stages may dial in).
-        let cur = shared
-            .current
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .rev()
-            .find(|c| {
-                c.assignment
-                    .prev
-                    .as_ref()
-                    .is_some_and(|p| p.key == conn.peer_key())
-            })
-            .cloned();
+        // switched to, both epochs' previous stages may dial in), and its hidden width.
+        let ring = shared.lock_epochs().machine.ring_from(&conn.peer_key());
         if s.kind == stream::EXPERT {
             // The stream's first frame names its epoch; a home that does not send it at once
             // is not waited for.
@@ -252,19 +253,13 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
                 }
                 _ => None,
             };
-            let serving = shared
-                .experts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .find(|e| {
-                    Some(e.epoch) == epoch
-                        && e.assignment
-                            .clients
-                            .iter()
-                            .any(|c| c.key == conn.peer_key())
-                })
-                .and_then(|e| Some((e.epoch, e.model.clone()?)));
+            let serving = epoch.and_then(|epoch| {
+                let g = shared.lock_epochs();
+                g.machine
+                    .serves_experts_to(epoch, &conn.peer_key())
+                    .then(|| Some((epoch, g.serving.get(&epoch)?.clone())))
+                    .flatten()
+            });
             match serving {
                 Some((epoch, model)) => {
                     carried = Some((epoch, DataLink::ExpertFromHome));
@@ -286,7 +281,7 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             }
             continue;
         }
-        if s.kind != stream::RING || cur.is_none() {
+        let Some((epoch, n_embd)) = ring.filter(|_| s.kind == stream::RING) else {
             tracing::info!(
                 "peer {}: refusing a stream of kind {:#06x}",
                 conn.peer_id().short(),
@@ -294,11 +289,8 @@ pub(super) async fn serve_peer(conn: Connection, shared: Arc<Shared>) {
             );
             let _ = s.writer.finish().await;
             continue;
-        }
-        if let Some(c) = &cur {
-            carried = Some((c.assignment.epoch, DataLink::RingFromPrevious));
-        }
-        let n_embd = cur.map_or(0, |c| c.n_embd);
+        };
+        carried = Some((epoch, DataLink::RingFromPrevious));
         s.reader.set_max_len(limits::RING);
         let worker = shared.worker.clone();
         let peer = conn.peer_id();

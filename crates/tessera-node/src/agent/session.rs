@@ -14,11 +14,10 @@ use crate::inventory::{measure, Inventory, ProbeOptions};
 use crate::protocol::{frame, limits, stream, CoordToNode, Hello, NodeToCoord, PROTOCOL_VERSION};
 use crate::store::ShardStore;
 
-use super::experts::release_experts;
 use super::load::{load_assignment, LoadCtx};
 use super::ring::link_next;
 use super::stage_thread::WorkerMsg;
-use super::{AgentConfig, CoordinatorRecord, Shared};
+use super::{AgentConfig, CoordinatorRecord, EpochAction, EpochEvent, Shared};
 
 /// Connects (enrolling the first time), serves a session, and reconnects with backoff.
 pub(super) async fn serve_sessions(
@@ -115,25 +114,7 @@ async fn with_timeout(
 }
 
 fn forget_epoch(shared: &Shared) {
-    {
-        let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
-        shared
-            .assigned
-            .store(0, std::sync::atomic::Ordering::SeqCst);
-        for c in cur.drain(..) {
-            if let Some(prev) = &c.assignment.prev {
-                shared.allow.remove(&prev.node_id);
-            }
-            let _ = shared.worker.send(WorkerMsg::Release(c.assignment.epoch));
-        }
-    }
-    // (After the lock: releasing the experts reads the installed epochs.)
-    shared
-        .next_conn
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clear();
-    release_experts(shared, None);
+    shared.handle_epochs(EpochEvent::SessionEnded, |_, _| {});
 }
 
 /// One control session with the coordinator: hello, welcome, then its messages until it ends.
@@ -279,52 +260,43 @@ async fn control_loop(
                     a.layers.start,
                     a.layers.end
                 );
-                if let Some(prev) = &a.prev {
-                    shared.allow.insert(prev.key);
-                }
-                shared
-                    .assigned
-                    .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
-                let (shared, ctx) = (shared.clone(), ctx.clone());
-                tokio::spawn(async move {
-                    let msg = match load_assignment(a, &ctx, &shared).await {
-                        Ok(report) => {
-                            tracing::info!(
-                                event = "loaded",
-                                epoch,
-                                "loaded epoch {epoch}: needed {} bytes, received {} bytes, {} bytes already present",
-                                report.bytes_needed, report.bytes_transferred, report.bytes_already_present
-                            );
-                            let _ = shared.ctrl.send(NodeToCoord::Loaded { epoch, report });
-                            shared.publish_claims();
-                            return;
-                        }
-                        Err(e) => {
-                            tracing::warn!("cannot take epoch {epoch}: {e}");
-                            NodeToCoord::LoadFailed {
-                                epoch,
-                                reason: e.to_string(),
+                shared.handle_epochs(EpochEvent::Assign(a), |_, action| {
+                    if let EpochAction::Load {
+                        ticket,
+                        assignment,
+                        experts,
+                    } = action
+                    {
+                        let (shared, ctx) = (shared.clone(), ctx.clone());
+                        tokio::spawn(async move {
+                            let epoch = assignment.epoch;
+                            let loaded =
+                                load_assignment(ticket, *assignment, experts, &ctx, &shared).await;
+                            if let Err(e) = loaded {
+                                tracing::warn!("cannot take epoch {epoch}: {e}");
+                                let _ = shared.ctrl.send(NodeToCoord::LoadFailed {
+                                    epoch,
+                                    reason: e.to_string(),
+                                });
+                                shared.handle_epochs(EpochEvent::LoadFailed { ticket }, |_, _| {});
                             }
-                        }
-                    };
-                    let _ = shared.ctrl.send(msg);
+                        });
+                    }
                 });
             }
             CoordToNode::AssignExperts { epoch, experts } => {
-                for c in &experts.clients {
-                    shared.allow.insert(c.key);
-                }
-                shared
-                    .pending_experts
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(epoch, experts);
+                shared.handle_epochs(EpochEvent::AssignExperts { epoch, experts }, |_, _| {});
             }
             CoordToNode::Link { epoch } => {
                 let (shared, endpoint) = (shared.clone(), endpoint.clone());
                 tokio::spawn(async move {
                     let msg = match link_next(epoch, &endpoint, &shared).await {
                         Ok(link) => NodeToCoord::Linked { epoch, link },
+                        // An epoch released while it linked wants no answer.
+                        Err(e) if !shared.holds_epoch(epoch) => {
+                            tracing::info!("epoch {epoch} went while it linked: {}", e.error);
+                            return;
+                        }
                         Err(e) => NodeToCoord::LinkFailed {
                             epoch,
                             reason: e.error.to_string(),
@@ -364,37 +336,7 @@ async fn control_loop(
                 }
             }
             CoordToNode::Release { epoch } => {
-                let _ = shared.assigned.compare_exchange(
-                    epoch,
-                    0,
-                    std::sync::atomic::Ordering::SeqCst,
-                    std::sync::atomic::Ordering::SeqCst,
-                );
-                let mut cur = shared.current.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(i) = cur.iter().position(|c| c.assignment.epoch == epoch) {
-                    let c = cur.remove(i);
-                    // The previous stage stays admitted while another installed epoch has it.
-                    if let Some(prev) = c.assignment.prev {
-                        let still = cur.iter().any(|o| {
-                            o.assignment.prev.as_ref().map(|p| p.node_id) == Some(prev.node_id)
-                        });
-                        if !still {
-                            shared.allow.remove(&prev.node_id);
-                        }
-                    }
-                    // The released epoch's ring link goes with it.
-                    let mut conns = shared.next_conn.lock().unwrap_or_else(|p| p.into_inner());
-                    conns.retain(|(e, c)| {
-                        if *e == epoch {
-                            c.close("epoch released");
-                        }
-                        *e != epoch
-                    });
-                }
-                drop(cur);
-                release_experts(shared, Some(epoch));
-                let _ = shared.worker.send(WorkerMsg::Release(epoch));
-                shared.publish_claims();
+                shared.handle_epochs(EpochEvent::Release { epoch }, |_, _| {});
             }
             CoordToNode::Open(o) => {
                 let _ = shared.worker.send(WorkerMsg::Open(o));

@@ -33,9 +33,9 @@ pub(super) enum WorkerMsg {
 /// Most sequences the stage thread puts in one step.
 const MAX_BATCH: usize = 64;
 
-/// Most epochs' stages a node holds at once: the serving one and the one being switched to
-/// (make before break). A third install drops the oldest.
-const MAX_EPOCHS: usize = 2;
+// A third install drops the oldest held stage (the epoch machine releases it first; this keeps
+// the thread's own bound).
+use super::epochs::MAX_EPOCHS;
 
 /// One epoch's loaded stage and where its ring outputs go.
 struct Held {
