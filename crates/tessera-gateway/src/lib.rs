@@ -41,6 +41,7 @@ pub mod api_keys;
 pub mod backend;
 pub mod cors;
 pub mod dashboard;
+pub mod embeddings;
 pub mod grammar;
 pub mod limits;
 pub mod metrics;
@@ -56,8 +57,8 @@ mod tokens;
 
 pub use api_keys::{ApiKeys, KeyFileError};
 pub use backend::{
-    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus, Event,
-    EventSender, ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health,
+    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus,
+    EmbeddingHandle, EmbeddingRequest, EmbeddingSender, Embeddings, Event, EventSender, ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health,
     InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel,
     SubmitError, Usage,
 };
