@@ -29,8 +29,9 @@ use std::time::Duration;
 
 use tessera_gateway::backend::{
     Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus,
-    EmbeddingHandle, EmbeddingRequest, Event, EventSender, FinishReason, GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus,
-    PlanStatus, RequestHandle, ServedModel, SubmitError, Usage,
+    EmbeddingHandle, EmbeddingRequest, Event, EventSender, FinishReason, GenerationRequest, Health,
+    InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, ServedModel, SubmitError,
+    Usage,
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
@@ -398,9 +399,7 @@ impl Backend for ClusterBackend {
 
     /// No stage returns final hidden states yet; `tessera serve` (one process) computes them.
     fn embed(&self, _req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
-        Err(SubmitError::Unsupported(
-            NO_CLUSTER_EMBEDDINGS.into(),
-        ))
+        Err(SubmitError::Unsupported(NO_CLUSTER_EMBEDDINGS.into()))
     }
 }
 

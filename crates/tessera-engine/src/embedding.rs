@@ -227,7 +227,11 @@ mod tests {
         for pooling in [Pooling::Mean, Pooling::First, Pooling::Last] {
             let whole = pooled(pooling, &all, 7);
             for chunk in 1..7 {
-                assert_eq!(pooled(pooling, &all, chunk), whole, "{pooling:?} by {chunk}");
+                assert_eq!(
+                    pooled(pooling, &all, chunk),
+                    whole,
+                    "{pooling:?} by {chunk}"
+                );
             }
         }
     }

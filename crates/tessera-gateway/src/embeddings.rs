@@ -283,7 +283,12 @@ pub(crate) async fn create(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let (seq, suffix) = gw.new_id();
-    let mut t = Tracker::new(gw.clone(), format!("embd-{suffix}"), "/v1/embeddings", client);
+    let mut t = Tracker::new(
+        gw.clone(),
+        format!("embd-{suffix}"),
+        "/v1/embeddings",
+        client,
+    );
     let body = match body {
         Ok(b) => b,
         Err(e) => {
@@ -369,7 +374,13 @@ mod tests {
             p(json!([[1], [2, 3]])),
             Ok(EmbedInputs::Tokens(vec![vec![1], vec![2, 3]]))
         );
-        for bad in [json!([]), json!(3), json!(["a", 1]), json!([-1]), json!([[1], 2])] {
+        for bad in [
+            json!([]),
+            json!(3),
+            json!(["a", 1]),
+            json!([-1]),
+            json!([[1], 2]),
+        ] {
             let e = p(bad.clone()).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("input"), "{bad}");
         }
@@ -379,7 +390,10 @@ mod tests {
 
     #[test]
     fn too_many_inputs_are_refused_before_they_are_read() {
-        let many = Value::Array(vec![json!(0); crate::limits::LIMITS.max_embedding_inputs + 1]);
+        let many = Value::Array(vec![
+            json!(0);
+            crate::limits::LIMITS.max_embedding_inputs + 1
+        ]);
         let e = parse_inputs(Some(&many), "input", true).unwrap_err();
         assert!(e.message.contains("inputs"), "{}", e.message);
     }

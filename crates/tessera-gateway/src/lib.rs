@@ -58,9 +58,9 @@ mod tokens;
 pub use api_keys::{ApiKeys, KeyFileError};
 pub use backend::{
     Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus,
-    EmbeddingHandle, EmbeddingRequest, EmbeddingSender, Embeddings, Event, EventSender, ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health,
-    InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel,
-    SubmitError, Usage,
+    EmbeddingHandle, EmbeddingRequest, EmbeddingSender, Embeddings, Event, EventSender,
+    ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health, InventorySummary,
+    LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel, SubmitError, Usage,
 };
 pub use scheduler::SchedulerConfig;
 pub use server::{check_exposure, router, serve, Gateway, GatewayConfig, KeyRequired};

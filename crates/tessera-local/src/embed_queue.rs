@@ -150,7 +150,9 @@ impl EmbedQueue {
             let held = segments.last().map_or(0, |s| s.job + 1);
             self.partial = None;
             for j in self.jobs.drain(..held) {
-                let _ = j.reply.send(Err(format!("computing embeddings failed: {e}")));
+                let _ = j
+                    .reply
+                    .send(Err(format!("computing embeddings failed: {e}")));
             }
             return 0;
         }

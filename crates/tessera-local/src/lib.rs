@@ -383,7 +383,11 @@ impl Backend for LocalBackend {
             });
         }
         let (handle, reply) = EmbeddingHandle::channel(req.id);
-        tracing::debug!(request = req.id, inputs = req.inputs.len(), "embeddings queued");
+        tracing::debug!(
+            request = req.id,
+            inputs = req.inputs.len(),
+            "embeddings queued"
+        );
         inbox.embeds.push_back(EmbedJob::new(req, reply));
         drop(inbox);
         self.shared.wake.notify_one();

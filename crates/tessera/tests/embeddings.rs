@@ -7,8 +7,11 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
 use base64::Engine as _;
-use common::{model_path, post, Server};
+use common::{metric, model_path, post, wait_for, Server};
 use serde_json::{json, Value};
 use tessera_engine::{Model, Pooling};
 use tessera_gateway::embeddings::l2_normalize;
@@ -17,7 +20,7 @@ use tessera_model::{GgufFile, Tokenizer};
 /// Texts to embed: short ones, and one of more than 256 tokens (the server's default rows
 /// per pass), so it is run over two passes with its cache kept between them.
 fn texts() -> Vec<String> {
-    let long = "The little dog ran to the park and played with a red ball. ".repeat(30);
+    let long = "The little dog ran to the park and played with a red ball. ".repeat(20);
     vec![
         "Once upon a time".into(),
         "The cat sat on the mat.".into(),
@@ -38,7 +41,11 @@ fn reference(model_file: &str, texts: &[String]) -> Reference {
     let tokenizer = Tokenizer::from_gguf(&gguf).unwrap();
     let model = Model::load_full(&gguf, 2).unwrap();
     let pooling = Pooling::from_gguf(&gguf).unwrap();
-    assert_eq!(pooling, Pooling::Mean, "a causal LM's file has no pooling key");
+    assert_eq!(
+        pooling,
+        Pooling::Mean,
+        "a causal LM's file has no pooling key"
+    );
     let tokens: Vec<Vec<u32>> = texts.iter().map(|t| tokenizer.encode(t, true)).collect();
     assert!(
         tokens.last().unwrap().len() > 256,
@@ -147,14 +154,26 @@ fn served_equals_reference(model_file: &str, model: &str) {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for i in 0..texts.len() {
-        assert_eq!(bits(&alone[i]), bits(&want.normalized[i]), "{model}: {i} alone");
-        assert_eq!(bits(&concurrent[i]), bits(&want.normalized[i]), "{model}: {i} at once");
+        assert_eq!(
+            bits(&alone[i]),
+            bits(&want.normalized[i]),
+            "{model}: {i} alone"
+        );
+        assert_eq!(
+            bits(&concurrent[i]),
+            bits(&want.normalized[i]),
+            "{model}: {i} at once"
+        );
     }
 
     // Token ids are run as given.
     let ids: Vec<Value> = want.tokens.iter().map(|t| json!(t)).collect();
     let (by_ids, _) = openai(&addr, model, json!(ids), "float");
-    assert_eq!(bits(&by_ids[1]), bits(&want.normalized[1]), "{model}: token ids");
+    assert_eq!(
+        bits(&by_ids[1]),
+        bits(&want.normalized[1]),
+        "{model}: token ids"
+    );
 
     // Ollama's /api/embed: unit vectors; /api/embeddings: the pooled vector as is.
     let r = post(&addr, "/api/embed", &json!({"model": model, "input": all}));
@@ -162,7 +181,11 @@ fn served_equals_reference(model_file: &str, model: &str) {
     let body = r.json();
     assert_eq!(body["prompt_eval_count"], total, "{body}");
     for (i, v) in body["embeddings"].as_array().unwrap().iter().enumerate() {
-        assert_eq!(bits(&floats(v)), bits(&want.normalized[i]), "{model}: /api/embed {i}");
+        assert_eq!(
+            bits(&floats(v)),
+            bits(&want.normalized[i]),
+            "{model}: /api/embed {i}"
+        );
     }
     let r = post(
         &addr,
@@ -227,7 +250,11 @@ fn embedding_limits_and_unhonoured_parameters_are_refused_naming_them() {
         "int8",
     );
     refused(&ask(json!({"model": m, "input": ""})), "input", "empty");
-    refused(&ask(json!({"model": m, "input": [99999]})), "input", "vocabulary");
+    refused(
+        &ask(json!({"model": m, "input": [99999]})),
+        "input",
+        "vocabulary",
+    );
     let r = ask(json!({"model": "other", "input": "a"}));
     assert_eq!(r.status, 404, "{}", r.body);
 
@@ -259,4 +286,47 @@ fn embedding_limits_and_unhonoured_parameters_are_refused_naming_them() {
     // Still serving after every refusal.
     let r = post(&addr, "/api/embed", &json!({"model": m, "input": "a"}));
     assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// Large embedding requests do not hold generation back until they end: the engine runs one
+/// bounded embedding pass between generation steps, so a chat sent while ~80 passes are
+/// queued (it needs about ten steps) finishes before they do (an order of events, not a
+/// timing).
+#[test]
+fn a_chat_finishes_while_large_embedding_requests_run() {
+    let server = Server::start(&[]);
+    let addr = server.addr.clone();
+    let done = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        let big: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    // 20 inputs of 500 tokens: 10,000 tokens, about 40 passes of 256 rows.
+                    let input = vec![json!(vec![100u32; 500]); 20];
+                    let body = json!({"model": "stories260K", "input": input});
+                    let r = post(&addr, "/v1/embeddings", &body);
+                    done.fetch_add(1, Ordering::SeqCst);
+                    r
+                })
+            })
+            .collect();
+        // The passes have begun once the engine counts their rows as prompt tokens.
+        wait_for("embedding passes", Duration::from_secs(300), || {
+            metric(&addr, "tessera_prompt_tokens_total") > 0.0
+        });
+        let chat = json!({"model": "stories260K", "max_tokens": 8, "temperature": 0,
+                          "messages": [{"role": "user", "content": "Once upon a time"}]});
+        let r = post(&addr, "/v1/chat/completions", &chat);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(r.json()["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+        assert!(
+            done.load(Ordering::SeqCst) < 2,
+            "the chat waited for every embedding request to finish"
+        );
+        for h in big {
+            let r = h.join().unwrap();
+            assert_eq!(r.status, 200, "{}", r.body);
+            assert_eq!(r.json()["data"].as_array().unwrap().len(), 20);
+        }
+    });
 }

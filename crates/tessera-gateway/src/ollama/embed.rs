@@ -25,8 +25,8 @@ use serde_json::Value;
 use super::{names_served, not_found, tagged, OllamaError};
 use crate::admission::ClientId;
 use crate::backend::Usage;
-use crate::embeddings::{compute, json_response, l2_normalize, parse_inputs, tokenize};
 use crate::embeddings::EmbedInputs;
+use crate::embeddings::{compute, json_response, l2_normalize, parse_inputs, tokenize};
 use crate::openai::{self, ApiError};
 use crate::respond::{off_thread_if_big, Tracker};
 
@@ -72,8 +72,8 @@ fn common(gw: &super::Gateway, v: &Value, fields: &[&str]) -> Result<String, Api
             ));
         }
     }
-    let model = openai::field::<String>(v, "model")?
-        .ok_or_else(|| bad("model", "model is required"))?;
+    let model =
+        openai::field::<String>(v, "model")?.ok_or_else(|| bad("model", "model is required"))?;
     let served = gw.backend.model();
     if !names_served(&model, &served.id) {
         return Err(not_found(&model));
@@ -163,7 +163,12 @@ async fn run(
         prompt_tokens: out.prompt_tokens,
         ..Usage::default()
     };
-    t.record(200, usage, None, format!("{} embeddings", out.vectors.len()));
+    t.record(
+        200,
+        usage,
+        None,
+        format!("{} embeddings", out.vectors.len()),
+    );
     Ok((parsed.model, out.vectors, out.prompt_tokens))
 }
 
