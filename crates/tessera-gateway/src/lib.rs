@@ -25,7 +25,8 @@
 //!
 //! The same path serves the other front ends: [`anthropic`] (Messages), [`responses`]
 //! (OpenAI's Responses API), [`ollama`] (Ollama's `/api/chat` and `/api/generate`) and
-//! `/tokenize`/`/detokenize`. Each parses its body into one request form, whose `n` choices, tool calls ([`openai::tools`]), log-probabilities and grammar
+//! `/tokenize`/`/detokenize`. Embeddings ([`embeddings`]: `/v1/embeddings`, Ollama's
+//! `/api/embed`) take their own path to the backend, [`Backend::embed`]. Each parses its body into one request form, whose `n` choices, tool calls ([`openai::tools`]), log-probabilities and grammar
 //! ([`grammar`], llguidance masks applied by the [`scheduler`] before each draw) are handled
 //! once; every parameter is honoured or refused with a 400 naming it.
 //!

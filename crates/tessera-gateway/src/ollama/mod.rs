@@ -12,7 +12,7 @@
 //!   the counts) unless `stream` is false ([`reply`]).
 //! - `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `GET /api/version`: the served model
 //!   and this server, in Ollama's shapes.
-//! - `POST /api/embed` and `/api/embeddings`: sequence embeddings ([`embed`]), where the
+//! - `POST /api/embed` and `/api/embeddings`: sequence embeddings (`embed.rs`), where the
 //!   backend computes them (one process; a cluster answers 501). `POST /api/pull` of the
 //!   served model says it is there; any other model is a 501 (models are chosen when the
 //!   server starts).
