@@ -236,6 +236,48 @@ mod tests {
         }
     }
 
+    /// A header of string and u32 metadata, no tensors.
+    fn header(kvs: &[(&str, Result<&str, u32>)]) -> GgufFile {
+        fn put_str(out: &mut Vec<u8>, s: &str) {
+            out.extend((s.len() as u64).to_le_bytes());
+            out.extend(s.as_bytes());
+        }
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(0u64.to_le_bytes());
+        out.extend((kvs.len() as u64).to_le_bytes());
+        for (k, v) in kvs {
+            put_str(&mut out, k);
+            match v {
+                Ok(s) => {
+                    out.extend(8u32.to_le_bytes());
+                    put_str(&mut out, s);
+                }
+                Err(n) => {
+                    out.extend(4u32.to_le_bytes());
+                    out.extend(n.to_le_bytes());
+                }
+            }
+        }
+        GgufFile::parse(&out).unwrap()
+    }
+
+    #[test]
+    fn the_pooling_key_is_read_under_the_architecture_and_mean_is_the_default() {
+        let arch = ("general.architecture", Ok("qwen3"));
+        assert_eq!(Pooling::from_gguf(&header(&[arch])), Ok(Pooling::Mean));
+        let last = header(&[arch, ("qwen3.pooling_type", Err(3))]);
+        assert_eq!(Pooling::from_gguf(&last), Ok(Pooling::Last));
+        let cls = header(&[arch, ("qwen3.pooling_type", Err(2))]);
+        assert_eq!(Pooling::from_gguf(&cls), Ok(Pooling::First));
+        // Another architecture's key is not this model's.
+        let other = header(&[arch, ("bert.pooling_type", Err(3))]);
+        assert_eq!(Pooling::from_gguf(&other), Ok(Pooling::Mean));
+        let rank = header(&[arch, ("qwen3.pooling_type", Err(4))]);
+        let e = Pooling::from_gguf(&rank).unwrap_err();
+        assert!(e.to_string().contains("qwen3.pooling_type = 4"), "{e}");
+    }
+
     #[test]
     fn pooling_types_follow_llama_cpp_and_refuse_what_is_not_one_vector() {
         assert_eq!(Pooling::from_type(1), Ok(Pooling::Mean));
