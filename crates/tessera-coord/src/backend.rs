@@ -28,9 +28,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tessera_gateway::backend::{
-    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus, Event,
-    EventSender, FinishReason, GenerationRequest, Health, InventorySummary, LinkStatus, NodeStatus,
-    PlanStatus, RequestHandle, ServedModel, SubmitError, Usage,
+    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus,
+    EmbeddingHandle, EmbeddingRequest, Event, EventSender, FinishReason, GenerationRequest, Health,
+    InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, ServedModel, SubmitError,
+    Usage,
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
@@ -341,6 +342,11 @@ fn not_serving(shared: &Shared) -> Option<NotServing> {
     }
 }
 
+/// The 501 a cluster (and a sealed federation) answers to embeddings: its stages return
+/// tokens, not final hidden states, so far.
+pub const NO_CLUSTER_EMBEDDINGS: &str = "embeddings are not served by a distributed cluster yet \
+     (serve the model in one process with `tessera serve --model FILE` to compute them)";
+
 impl Backend for ClusterBackend {
     fn model(&self) -> Arc<ServedModel> {
         self.inner.model.clone()
@@ -387,7 +393,13 @@ impl Backend for ClusterBackend {
         BackendFeatures {
             logprobs: true,
             grammar: true,
+            embeddings: false,
         }
+    }
+
+    /// No stage returns final hidden states yet; `tessera serve` (one process) computes them.
+    fn embed(&self, _req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
+        Err(SubmitError::Unsupported(NO_CLUSTER_EMBEDDINGS.into()))
     }
 }
 

@@ -38,13 +38,15 @@
 //!
 //! Modules, in the order a reader meets them: [`weights`] (loading), [`model`] (the API),
 //! `layer` (one transformer layer), [`ops`], [`kv`], [`moe`], [`batch`], [`sampling`] (the `tessera-sampling` crate),
-//! [`generate`], [`speculate`] (verifying drafts, a draft model), [`bench`](mod@bench); [`kernels`] holds the quantized matmuls and the thread pool;
+//! [`generate`], [`speculate`] (verifying drafts, a draft model), [`embedding`] (a sequence's
+//! final hidden states pooled into one vector), [`bench`](mod@bench); [`kernels`] holds the quantized matmuls and the thread pool;
 //! [`expert_store`] streams experts from the file when they exceed a memory budget
 //! ([`Model::load_streaming`]), reading with `tessera_host::direct_read`.
 
 mod attention;
 pub mod batch;
 pub mod bench;
+pub mod embedding;
 pub mod error;
 pub mod exec;
 pub mod expert_store;
@@ -63,6 +65,7 @@ pub mod speculate;
 pub use tessera_sampling as sampling;
 pub mod weights;
 
+pub use embedding::{Pooler, Pooling};
 pub use error::{EngineError, Result};
 pub use expert_store::{ExpertStats, ExpertStore, ExpertStreaming};
 pub use generate::{GenerationStats, Generator, SpeculationStats, StopReason};

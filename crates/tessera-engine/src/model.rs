@@ -406,20 +406,30 @@ impl Model {
         Ok(())
     }
 
+    /// The output norm of every row of `hidden`: the final hidden states, what the head
+    /// multiplies and what embeddings pool ([`crate::embedding`]).
+    pub fn output_norm(&self, hidden: &Hidden) -> Result<Hidden> {
+        let norm = self
+            .weights
+            .output_norm
+            .as_ref()
+            .ok_or(EngineError::NotLoaded { what: "the head" })?;
+        let mut x = hidden.clone();
+        for row in x.data.chunks_exact_mut(self.config.n_embd) {
+            rms_norm(row, norm, self.config.rms_eps);
+        }
+        Ok(x)
+    }
+
     /// Output norm and head: logits for every row of `hidden`.
     pub fn head(&self, hidden: &Hidden) -> Result<Logits> {
-        let not_loaded = EngineError::NotLoaded { what: "the head" };
-        let norm = self.weights.output_norm.as_ref().ok_or(not_loaded)?;
+        let x = self.output_norm(hidden)?.data;
         let w = self
             .weights
             .output
             .as_ref()
             .or(self.weights.token_embd.as_ref())
             .ok_or(EngineError::NotLoaded { what: "the head" })?;
-        let mut x = hidden.data.clone();
-        for row in x.chunks_exact_mut(self.config.n_embd) {
-            rms_norm(row, norm, self.config.rms_eps);
-        }
         let v = self.config.vocab_size;
         let mut data = vec![0.0f32; hidden.n_tokens * v];
         matmul_once(&self.pool, w, &x, hidden.n_tokens, &mut data);

@@ -95,6 +95,78 @@ pub struct BackendFeatures {
     pub logprobs: bool,
     /// [`GenerationRequest::grammar`] is honoured.
     pub grammar: bool,
+    /// [`Backend::embed`] computes sequence embeddings (otherwise it answers
+    /// [`SubmitError::Unsupported`]).
+    pub embeddings: bool,
+}
+
+/// Sequence embeddings, tokenized: one pooled vector per input.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EmbeddingRequest {
+    pub id: RequestId,
+    /// Each input's tokens (BOS included where the model wants one). None is empty, each fits
+    /// the context, and the gateway has held their number and total to its limits.
+    pub inputs: Vec<Vec<u32>>,
+}
+
+impl EmbeddingRequest {
+    /// The checks every backend makes before taking embeddings: at least one input, none
+    /// empty, each within `context_length` positions.
+    pub fn check(&self, context_length: usize) -> Result<(), SubmitError> {
+        if self.inputs.is_empty() {
+            return Err(SubmitError::Invalid("no input to embed".into()));
+        }
+        for (i, t) in self.inputs.iter().enumerate() {
+            if t.is_empty() {
+                return Err(SubmitError::Invalid(format!("input {i} has no tokens")));
+            }
+            if t.len() > context_length {
+                return Err(SubmitError::ContextTooLong {
+                    limit: context_length,
+                    got: t.len(),
+                    prompt: t.len(),
+                    completion: 0,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What [`Backend::embed`] answers: each input's pooled final hidden state, in input order,
+/// not normalized (the front end normalizes where its API says so).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Embeddings {
+    pub vectors: Vec<Vec<f32>>,
+    /// Tokens run, all inputs together.
+    pub prompt_tokens: usize,
+}
+
+/// The backend's end of an embedding request: send the answer, or why there is none.
+pub type EmbeddingSender = tokio::sync::oneshot::Sender<Result<Embeddings, String>>;
+
+/// A submitted embedding request. Await [`EmbeddingHandle::result`]; drop it to cancel (the
+/// backend sees [`EmbeddingSender::is_closed`] and drops the work).
+#[derive(Debug)]
+pub struct EmbeddingHandle {
+    pub id: RequestId,
+    answer: tokio::sync::oneshot::Receiver<Result<Embeddings, String>>,
+}
+
+impl EmbeddingHandle {
+    /// A handle and the sender the backend keeps for it.
+    pub fn channel(id: RequestId) -> (Self, EmbeddingSender) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (Self { id, answer: rx }, tx)
+    }
+
+    /// The vectors, or why the backend could not compute them (also when it dropped the
+    /// request without answering).
+    pub async fn result(self) -> Result<Embeddings, String> {
+        self.answer
+            .await
+            .unwrap_or_else(|_| Err("the backend dropped the request".into()))
+    }
 }
 
 impl GenerationRequest {
@@ -265,6 +337,9 @@ pub enum SubmitError {
     /// gateway's [`crate::admission`], before the backend sees the request).
     #[error("{0}")]
     OverShare(crate::admission::OverShare),
+    /// This backend does not do what was asked (501), with what and why.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// The model a backend serves, with what the gateway needs to turn text into tokens and back.
@@ -339,6 +414,16 @@ pub trait Backend: Send + Sync + 'static {
         BackendFeatures::default()
     }
 
+    /// Admits sequence embeddings, as [`Backend::submit`] admits a generation: checks
+    /// ([`EmbeddingRequest::check`]) and queues, never blocks. A backend whose
+    /// [`BackendFeatures::embeddings`] is false keeps this refusal.
+    fn embed(&self, req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
+        let _ = req;
+        Err(SubmitError::Unsupported(
+            "embeddings are not served by this backend".into(),
+        ))
+    }
+
     /// Speculative decoding's totals, when this backend speculates (`/metrics` shows them).
     fn speculation(&self) -> Option<crate::scheduler::SpeculationTotals> {
         None
@@ -357,6 +442,9 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn features(&self) -> BackendFeatures {
         (**self).features()
+    }
+    fn embed(&self, req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
+        (**self).embed(req)
     }
     fn speculation(&self) -> Option<crate::scheduler::SpeculationTotals> {
         (**self).speculation()

@@ -25,7 +25,8 @@
 //!
 //! The same path serves the other front ends: [`anthropic`] (Messages), [`responses`]
 //! (OpenAI's Responses API), [`ollama`] (Ollama's `/api/chat` and `/api/generate`) and
-//! `/tokenize`/`/detokenize`. Each parses its body into one request form, whose `n` choices, tool calls ([`openai::tools`]), log-probabilities and grammar
+//! `/tokenize`/`/detokenize`. Embeddings ([`embeddings`]: `/v1/embeddings`, Ollama's
+//! `/api/embed`) take their own path to the backend, [`Backend::embed`]. Each parses its body into one request form, whose `n` choices, tool calls ([`openai::tools`]), log-probabilities and grammar
 //! ([`grammar`], llguidance masks applied by the [`scheduler`] before each draw) are handled
 //! once; every parameter is honoured or refused with a 400 naming it.
 //!
@@ -41,6 +42,7 @@ pub mod api_keys;
 pub mod backend;
 pub mod cors;
 pub mod dashboard;
+pub mod embeddings;
 pub mod grammar;
 pub mod limits;
 pub mod metrics;
@@ -57,10 +59,10 @@ mod tokens;
 
 pub use api_keys::{ApiKeys, KeyFileError};
 pub use backend::{
-    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, Check, ClusterStatus, Event,
-    EventSender, ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health,
-    InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel,
-    SubmitError, Usage,
+    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, Check, ClusterStatus,
+    EmbeddingHandle, EmbeddingRequest, EmbeddingSender, Embeddings, Event, EventSender,
+    ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health, InventorySummary,
+    LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel, SubmitError, Usage,
 };
 pub use scheduler::SchedulerConfig;
 pub use server::{check_exposure, router, serve, serve_app, Gateway, GatewayConfig, KeyRequired};

@@ -1,7 +1,7 @@
 //! The one table of request limits, for every front end.
 //!
 //! Each front end (OpenAI chat and completions, Responses, Anthropic Messages, `/tokenize`,
-//! anything added later) parses its body into a [`ParsedRequest`]; [`check`] then holds that
+//! embeddings ([`check_embedding_inputs`], [`check_embedding_tokens`]), anything added later) parses its body into a [`ParsedRequest`]; [`check`] then holds that
 //! request to [`LIMITS`] before any work that grows with it (chat templates, tokenizing,
 //! grammar compilation, stop-string matching), so a cap cannot exist on one front end and be
 //! missing on another. The grammar's own limits ([`GrammarLimits`]) are part of the table and
@@ -34,6 +34,12 @@ pub struct RequestLimits {
     pub max_top_logprobs: usize,
     /// Bytes of text `/tokenize` takes.
     pub max_tokenize_bytes: usize,
+    /// Inputs in one embeddings request (`input`), as OpenAI's.
+    pub max_embedding_inputs: usize,
+    /// Tokens of all inputs of one embeddings request together (each input is also held to
+    /// the model's context). Below OpenAI's 300,000: a CPU spends seconds per 10,000 tokens
+    /// of even a small model, and a request is answered whole.
+    pub max_embedding_tokens: usize,
     /// Bodies larger than this are parsed and prepared on a blocking thread, never on the
     /// async workers the server (and a coordinator's leases) run on.
     pub inline_bytes: usize,
@@ -53,6 +59,8 @@ pub const LIMITS: RequestLimits = RequestLimits {
     max_n: 16,
     max_top_logprobs: 20,
     max_tokenize_bytes: 1 << 20,
+    max_embedding_inputs: 2048,
+    max_embedding_tokens: 65_536,
     inline_bytes: 16 << 10,
     grammar: GrammarLimits::DEFAULT,
 };
@@ -136,6 +144,27 @@ pub fn check_message_count(n: usize) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The number of embedding inputs, checked before they are read one by one.
+pub fn check_embedding_inputs(n: usize) -> Result<(), ApiError> {
+    if n > LIMITS.max_embedding_inputs {
+        return Err(over("input", "inputs", n, LIMITS.max_embedding_inputs));
+    }
+    Ok(())
+}
+
+/// The tokens of an embedding request's inputs so far, checked as each input is tokenized.
+pub fn check_embedding_tokens(n: usize) -> Result<(), ApiError> {
+    if n > LIMITS.max_embedding_tokens {
+        return Err(over(
+            "input",
+            "tokens in all inputs together (at least)",
+            n,
+            LIMITS.max_embedding_tokens,
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,5 +207,17 @@ mod tests {
         let mut r = chat();
         r.logprobs = Some(21);
         assert_eq!(refused_param(&r).as_deref(), Some("top_logprobs"));
+    }
+
+    #[test]
+    fn embedding_limits_name_the_input_and_the_limit() {
+        assert!(check_embedding_inputs(LIMITS.max_embedding_inputs).is_ok());
+        let e = check_embedding_inputs(LIMITS.max_embedding_inputs + 1).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("input")));
+        assert!(e.message.contains("2048"), "{}", e.message);
+        assert!(check_embedding_tokens(LIMITS.max_embedding_tokens).is_ok());
+        let e = check_embedding_tokens(LIMITS.max_embedding_tokens + 1).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("input")));
+        assert!(e.message.contains("65536"), "{}", e.message);
     }
 }

@@ -129,6 +129,10 @@ pub(crate) fn submit_error(e: SubmitError, prompt_param: &str) -> ApiError {
         SubmitError::Invalid(m) => ApiError::invalid(m, None),
         // One of its own sequences finishing frees a place; a second is a fair guess.
         SubmitError::OverShare(_) => ApiError::queue_full(e.to_string(), 1),
+        SubmitError::Unsupported(m) => ApiError {
+            status: 501,
+            ..ApiError::invalid(m, None)
+        },
     }
 }
 

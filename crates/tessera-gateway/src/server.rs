@@ -195,6 +195,7 @@ pub fn router(gateway: Arc<Gateway>) -> Router {
         .route("/v1/models/{model}", get(get_model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(crate::embeddings::create))
         .route("/v1/messages", post(crate::anthropic::messages))
         .route("/v1/responses", post(crate::responses::create))
         .route("/tokenize", post(crate::tokens::tokenize))

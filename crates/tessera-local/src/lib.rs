@@ -16,6 +16,10 @@
 //! one-token decoding draws, and the KV cache is truncated past the first rejection. The
 //! tokens are those of plain decoding.
 //!
+//! Embeddings ([`Backend::embed`]) wait in the same inbox and run on the same thread: one
+//! bounded pass between generation steps ([`embed_queue`]), pooled as the GGUF's
+//! `{arch}.pooling_type` says (mean when it has none).
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use tessera_engine::Model;
@@ -39,6 +43,8 @@
 /// Kept in the engine, where the node's stages use it too; re-exported under its old path.
 pub use tessera_engine::prefix_cache;
 
+mod embed_queue;
+
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -47,14 +53,15 @@ use std::time::{Duration, Instant};
 
 use tessera_engine::sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLookup};
 use tessera_engine::speculate::ModelDraft;
-use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
+use tessera_engine::{Hidden, KvCache, LocalExperts, Model, Pooling, SeqStep};
 use tessera_model::{human_bytes, GgufFile};
 
+use embed_queue::{EmbedJob, EmbedQueue};
 use prefix_cache::{PrefixCache, Reuse};
 use tessera_gateway::backend::{
-    Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, Event, EventSender,
-    GenerationRequest, Health, InventorySummary, NodeStatus, PlanStatus, RequestHandle,
-    ServedModel, SubmitError,
+    Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, EmbeddingHandle,
+    EmbeddingRequest, Event, EventSender, GenerationRequest, Health, InventorySummary, NodeStatus,
+    PlanStatus, RequestHandle, ServedModel, SubmitError,
 };
 use tessera_gateway::scheduler::{
     Output, Scheduler, SchedulerConfig, Sequence, SpeculationTotals, StepItem,
@@ -138,8 +145,14 @@ struct Waiting {
 
 struct Inbox {
     waiting: VecDeque<Waiting>,
+    /// Embedding requests not yet taken by the engine thread.
+    embeds: VecDeque<EmbedJob>,
     shutdown: bool,
 }
+
+/// Embedding requests the engine thread holds at once; the rest wait in the inbox (bounded by
+/// `max_queue`).
+const EMBED_JOBS_HELD: usize = 16;
 
 struct Shared {
     inbox: Mutex<Inbox>,
@@ -167,6 +180,8 @@ pub struct LocalBackend {
     node: NodeStatus,
     plan: PlanStatus,
     weight_bytes: u64,
+    /// How embeddings pool, or why this model's are not served.
+    pooling: Result<Pooling, String>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -205,6 +220,7 @@ impl LocalBackend {
             ..config
         };
         let mc = model.config().clone();
+        let pooling = Pooling::from_gguf(gguf).map_err(|e| e.to_string());
         let weight_bytes = model.resident_bytes() as u64;
         let threads = model.pool().n_threads();
         let inventory = local_inventory(threads);
@@ -249,6 +265,7 @@ impl LocalBackend {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox {
                 waiting: VecDeque::new(),
+                embeds: VecDeque::new(),
                 shutdown: false,
             }),
             wake: Condvar::new(),
@@ -271,6 +288,8 @@ impl LocalBackend {
             prefix_cache: PrefixCache::new(config.prefix_cache),
             speculation,
             meter: CostMeter::default(),
+            embeds: EmbedQueue::new(*pooling.as_ref().unwrap_or(&Pooling::Mean)),
+            embed_budget: config.scheduler.max_batch_tokens,
         };
         let thread = std::thread::Builder::new()
             .name("tessera-engine".into())
@@ -283,6 +302,7 @@ impl LocalBackend {
             node,
             plan,
             weight_bytes,
+            pooling,
             thread: Some(thread),
         })
     }
@@ -340,7 +360,38 @@ impl Backend for LocalBackend {
         BackendFeatures {
             logprobs: true,
             grammar: true,
+            embeddings: self.pooling.is_ok(),
         }
+    }
+
+    fn embed(&self, req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
+        if self.shared.stopped.load(Ordering::Relaxed) {
+            return Err(SubmitError::NotServing {
+                reason: "the engine is shutting down".into(),
+            });
+        }
+        if let Err(why) = &self.pooling {
+            return Err(SubmitError::Unsupported(why.clone()));
+        }
+        req.check(self.config.context_length)?;
+        let mut inbox = lock(&self.shared.inbox);
+        inbox.embeds.retain(|j| !j.reply.is_closed());
+        if inbox.embeds.len() >= self.config.max_queue {
+            return Err(SubmitError::QueueFull {
+                capacity: self.config.max_queue,
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        let (handle, reply) = EmbeddingHandle::channel(req.id);
+        tracing::debug!(
+            request = req.id,
+            inputs = req.inputs.len(),
+            "embeddings queued"
+        );
+        inbox.embeds.push_back(EmbedJob::new(req, reply));
+        drop(inbox);
+        self.shared.wake.notify_one();
+        Ok(handle)
     }
 
     fn speculation(&self) -> Option<SpeculationTotals> {
@@ -382,6 +433,10 @@ struct Engine {
     speculation: Speculation,
     /// Measured forward and drafting costs, for each sequence's adaptive k.
     meter: CostMeter,
+    /// Embedding requests taken from the inbox.
+    embeds: EmbedQueue,
+    /// Rows per embedding pass.
+    embed_budget: usize,
 }
 
 impl Engine {
@@ -401,6 +456,7 @@ impl Engine {
                 lock(&self.shared.counters).cancelled_total += cancelled.len() as u64;
                 self.keep_caches(cancelled);
             }
+            self.embed_pass();
             if self.scheduler.is_idle() {
                 self.publish(0, 0, 0);
                 continue;
@@ -418,6 +474,10 @@ impl Engine {
             }
         }
         // Shutting down: whoever is still waiting gets told.
+        self.embeds.fail_all("the server is shutting down");
+        for j in lock(&self.shared.inbox).embeds.drain(..) {
+            let _ = j.reply.send(Err("the server is shutting down".into()));
+        }
         let left = self.scheduler.take_where(|_| true);
         for s in left {
             let _ = s.payload.events.send(Event::Failed {
@@ -425,6 +485,22 @@ impl Engine {
             });
         }
         self.shared.stopped.store(true, Ordering::Relaxed);
+    }
+
+    /// One embedding pass, when embeddings wait (cancelled ones dropped first).
+    fn embed_pass(&mut self) {
+        let cancelled = self.embeds.drop_cancelled();
+        if cancelled > 0 {
+            tracing::info!(cancelled, "embedding requests cancelled");
+            lock(&self.shared.counters).cancelled_total += cancelled as u64;
+        }
+        if self.embeds.is_empty() {
+            return;
+        }
+        let rows = self.embeds.step(&self.model, self.embed_budget);
+        let mut c = lock(&self.shared.counters);
+        c.steps_total += 1;
+        c.prompt_tokens_total += rows as u64;
     }
 
     /// Asks each speculating sequence's drafter for drafts (none when speculation is off).
@@ -461,6 +537,12 @@ impl Engine {
                 return false;
             }
             inbox.waiting.retain(|w| !w.events.is_closed());
+            while self.embeds.len() < EMBED_JOBS_HELD {
+                let Some(j) = inbox.embeds.pop_front() else {
+                    break;
+                };
+                self.embeds.push(j);
+            }
             while self.scheduler.has_room() {
                 let Some(w) = inbox.waiting.pop_front() else {
                     break;
@@ -493,8 +575,8 @@ impl Engine {
                 }
                 self.scheduler.admit(seq);
             }
-            lock(&self.shared.counters).queue_depth = inbox.waiting.len();
-            if !self.scheduler.is_idle() {
+            lock(&self.shared.counters).queue_depth = inbox.waiting.len() + inbox.embeds.len();
+            if !self.scheduler.is_idle() || !self.embeds.is_empty() {
                 return true;
             }
             inbox = self
@@ -642,7 +724,8 @@ impl Engine {
             .active()
             .iter()
             .map(|s| s.payload.kv.bytes())
-            .sum();
+            .sum::<usize>()
+            + self.embeds.kv_bytes();
         let mut c = lock(&self.shared.counters);
         c.steps_total += steps;
         c.prompt_tokens_total += prompt_tokens as u64;

@@ -79,6 +79,17 @@ fn official_ollama_client_chats_generates_lists_and_uses_tools_and_formats() {
     run_python_script("ollama_api.py", &[&server.url(), "serve"]);
 }
 
+/// `client.embeddings.create` and `ollama.embed` against `tessera serve`.
+#[test]
+fn official_clients_get_embeddings() {
+    if !python_modules_available(&["openai", "ollama"]) {
+        eprintln!("skipping: python3 with `openai` and `ollama` is not available");
+        return;
+    }
+    let server = Server::start(&[]);
+    run_python_script("embeddings_api.py", &[&server.url(), "serve"]);
+}
+
 #[test]
 fn an_agent_framework_drives_a_tool_loop() {
     if !python_modules_available(&["pydantic_ai", "openai"]) {

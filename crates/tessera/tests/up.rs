@@ -35,7 +35,8 @@ fn run_openai_script(url: &str) {
 /// What agents and apps use, through the ring: tools, grammar-constrained output, logprobs,
 /// n > 1, every parameter honoured or refused by name (`api_features.py`); Anthropic Messages
 /// and the Responses API (`anthropic_api.py`); issue 36's API fixes (`api_fixes.py`); Ollama's
-/// API (`ollama_api.py`); an OpenAI Agents SDK agent with a tool (`agents_sdk.py`).
+/// API (`ollama_api.py`); embeddings refused with a 501 on both (`embeddings_api.py`); an
+/// OpenAI Agents SDK agent with a tool (`agents_sdk.py`).
 fn run_agent_api_scripts(url: &str) {
     if !common::python_modules_available(&["openai", "jsonschema", "anthropic"]) {
         eprintln!("skipping the agent API checks: python3 with `openai`, `jsonschema` and `anthropic` is not available");
@@ -47,6 +48,7 @@ fn run_agent_api_scripts(url: &str) {
     common::run_python_script("api_fixes.py", &[url, "http://localhost:5173"]);
     if common::python_modules_available(&["ollama"]) {
         common::run_python_script("ollama_api.py", &[url, "cluster"]);
+        common::run_python_script("embeddings_api.py", &[url, "cluster"]);
     }
     if common::python_modules_available(&["agents"]) {
         common::run_python_script("agents_sdk.py", &[url, "cluster"]);

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tessera_gateway::{
-    Backend, BackendCounters, Check, ClusterStatus, Event, FinishReason, GenerationRequest,
-    RequestHandle, ServedModel, SubmitError, Usage,
+    Backend, BackendCounters, Check, ClusterStatus, EmbeddingHandle, EmbeddingRequest, Event,
+    FinishReason, GenerationRequest, RequestHandle, ServedModel, SubmitError, Usage,
 };
 use tessera_proto::{FinishReason as SeqFinish, SealedRequest};
 
@@ -64,6 +64,13 @@ impl SealedBackend {
 impl Backend for SealedBackend {
     fn model(&self) -> Arc<ServedModel> {
         self.model.clone()
+    }
+
+    /// A sealed job carries tokens out, not final hidden states.
+    fn embed(&self, _req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
+        Err(SubmitError::Unsupported(
+            crate::backend::NO_CLUSTER_EMBEDDINGS.into(),
+        ))
     }
 
     fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError> {

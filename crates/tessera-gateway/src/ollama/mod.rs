@@ -12,13 +12,15 @@
 //!   the counts) unless `stream` is false ([`reply`]).
 //! - `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `GET /api/version`: the served model
 //!   and this server, in Ollama's shapes.
-//! - `POST /api/embed` and `/api/embeddings`: 501, no embeddings are served. `POST /api/pull`
-//!   of the served model says it is there; any other model is a 501 (models are chosen when
-//!   the server starts).
+//! - `POST /api/embed` and `/api/embeddings`: sequence embeddings (`embed.rs`), where the
+//!   backend computes them (one process; a cluster answers 501). `POST /api/pull` of the
+//!   served model says it is there; any other model is a 501 (models are chosen when the
+//!   server starts).
 //!
 //! Errors are Ollama's `{"error": "..."}` with the HTTP status; the served model answers to its
 //! name with or without the `:latest` tag.
 
+mod embed;
 mod reply;
 pub mod request;
 
@@ -48,8 +50,8 @@ pub fn routes() -> Router<Arc<Gateway>> {
         .route("/api/show", post(show))
         .route("/api/ps", get(ps))
         .route("/api/version", get(version))
-        .route("/api/embed", post(no_embeddings))
-        .route("/api/embeddings", post(no_embeddings))
+        .route("/api/embed", post(embed::embed))
+        .route("/api/embeddings", post(embed::embeddings))
         .route("/api/pull", post(pull))
 }
 
@@ -194,7 +196,10 @@ async fn show(State(gw): State<Arc<Gateway>>, body: Result<Bytes, BytesRejection
     let m = gw.backend.model();
     // Tool calls are read out of the text whatever the template (one without tool support
     // gets the tools described in a system message).
-    let capabilities = ["completion", "tools"];
+    let mut capabilities = vec!["completion", "tools"];
+    if gw.backend.features().embeddings {
+        capabilities.push("embedding");
+    }
     Json(json!({
         "modelfile": "",
         "parameters": "",
@@ -223,18 +228,6 @@ async fn pull(State(gw): State<Arc<Gateway>>, body: Result<Bytes, BytesRejection
         .into_response(),
         Err(e) => OllamaError(e).into_response(),
     }
-}
-
-/// `POST /api/embed` and `/api/embeddings`.
-async fn no_embeddings() -> Response {
-    OllamaError(ApiError {
-        status: 501,
-        ..ApiError::invalid(
-            "embeddings are not served by this server (it serves text generation only)",
-            None,
-        )
-    })
-    .into_response()
 }
 
 #[cfg(test)]

@@ -46,7 +46,7 @@ const GENERATE_FIELDS: &[&str] = &[
 
 /// `options` that tune loading, memory or threads: they change no output, so they are
 /// accepted and ignored.
-const RUNTIME_OPTIONS: &[&str] = &[
+pub(crate) const RUNTIME_OPTIONS: &[&str] = &[
     "num_ctx",
     "num_batch",
     "num_gpu",
