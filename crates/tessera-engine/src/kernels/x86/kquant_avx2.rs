@@ -240,9 +240,10 @@ pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize
     unsafe { tiles!(q6k_tile; w, a, t0, nt, out) }
 }
 
-/// `T` tokens of a Q6_K group: `pmaddubsw` of the unsigned quants (q + 32) per 4-element run,
-/// minus the same of 32 (exact i16 pairs of `(q − 32)·y`), times the row's sub-block scale
-/// into lane `run % 8`.
+/// `T` tokens of a Q6_K group: `pmaddubsw` of `|y|` and the signed quants `q − 32` given
+/// `y`'s sign (`psignb`; exact i16 pairs of `(q − 32)·y`, at most 2·128·32 in size) per
+/// 4-element run, times the row's sub-block scale into lane `run % 8`. One multiply per run
+/// and token where `q·y − 32·y` took two; the integers, and so the results, are the same.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
@@ -256,12 +257,21 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
         let zero = _mm256_setzero_si256();
         let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
         let hb = |x: __m256i| _mm256_slli_epi16(_mm256_and_si256(x, m3), 4);
+        // |y| of the block's activations, per token.
+        let mut ya = [[0i8; 256]; T];
         for h8 in 0..2 {
             let mut acc = [[_mm256_setzero_ps(); 8]; T];
             for b in 0..nb {
                 let blk = w.add(b * Q6K_X16);
                 let ys: [*const i8; T] =
                     std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
+                for (ya, &y) in ya.iter_mut().zip(&ys) {
+                    for i in 0..8 {
+                        let v = _mm256_loadu_si256(y.add(32 * i) as *const __m256i);
+                        let d = ya.as_mut_ptr().add(32 * i) as *mut __m256i;
+                        _mm256_storeu_si256(d, _mm256_abs_epi8(v));
+                    }
+                }
                 let sc: [__m256i; 16] =
                     std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
                 let mut lanes = [[zero; 8]; T];
@@ -284,11 +294,11 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                         for (k, &qk) in q.iter().enumerate() {
                             let o = 128 * n + 32 * k + 4 * l4;
                             let s = sc[8 * n + 2 * k + l4 / 4];
+                            let qm = _mm256_sub_epi8(qk, c32);
                             for j in 0..T {
-                                let yk = yword(ys[j].add(o));
-                                let p = _mm256_sub_epi16(
-                                    _mm256_maddubs_epi16(qk, yk),
-                                    _mm256_maddubs_epi16(c32, yk),
+                                let p = _mm256_maddubs_epi16(
+                                    yword(ya[j].as_ptr().add(o)),
+                                    _mm256_sign_epi8(qm, yword(ys[j].add(o))),
                                 );
                                 lanes[j][l4] =
                                     _mm256_add_epi32(lanes[j][l4], _mm256_madd_epi16(p, s));
