@@ -178,8 +178,8 @@ entry!(bf16_avx512, FLOAT_BF16);
 // registers and walks the columns once. AVX2 has half the registers of half the width:
 // - prefill (3 or more tokens): one lane at a time ("a lane pass", `lane_pass`) for both
 //   8-row halves and a tile of up to `TILE` tokens, so each weight load feeds `TILE` FMAs
-//   per half instead of one; lanes run in order, so consecutive passes read the same
-//   activation and weight cache lines;
+//   per half instead of one; rows wider than `CHUNK` run chunk by chunk (`lanes_by_pass`)
+//   so that a pass's cache lines stay in L1;
 // - decode (1 or 2 tokens): the columns in address order (`sweep`), every lane's accumulator
 //   kept in a buffer, so that the weights, read once, stream from memory in order.
 
@@ -432,6 +432,8 @@ unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
 }
 
 /// `T` tokens of a group: `out[j*16 + r]` for token `t + j`.
+// `h8` indexes the halves of the lanes and of the output alike.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn tile_avx2<const K: u8, const T: usize>(
     w: *const u8,
@@ -507,7 +509,13 @@ unsafe fn weight<const K: u8>(w: *const u8, e: usize, r: usize) -> f32 {
 /// A group × `nt` tokens in tiles of [`TILE`], the last tile as wide as the tokens left.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_avx2<const K: u8>(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
+unsafe fn group_avx2<const K: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
     let n = a.cols;
     assert!(w.len() >= n * GROUP * esize(K));
     assert!((t0 + nt) * n <= a.f.len() && out.len() >= nt * GROUP);
