@@ -1,7 +1,7 @@
-//! F32/F16/BF16 weights on the column-interleaved layout (AVX-512): one load holds one column
-//! of 16 rows, multiplied by a broadcast activation, so each lane of an accumulator is one row
-//! and each accumulator one of `scalar::float_row`'s lanes. Results equal the scalar kernel's
-//! bit for bit. (AVX2 machines use the scalar kernel for float weights.)
+//! F32/F16/BF16 weights on the column-interleaved layout: one load holds one column of 16 rows
+//! (AVX-512) or of 8 (AVX2), multiplied by a broadcast activation, so each lane of an
+//! accumulator is one row and each accumulator one of `scalar::float_row`'s lanes. Results
+//! equal the scalar kernel's bit for bit.
 
 use std::arch::x86_64::*;
 
@@ -171,6 +171,21 @@ entry!(f16_avx512, FLOAT_F16);
 entry!(bf16_avx512, FLOAT_BF16);
 
 // ---- AVX2: 8 rows per load ----
+//
+// A row's 64 (BF16: 32) lane sums are independent chains, each over every 64th column in
+// column order, so they may be computed in any order; only each chain's own order and the
+// final combination are fixed (`scalar::float_row`). AVX-512 holds 16 lanes of 16 rows in
+// registers and walks the columns once. AVX2 has half the registers of half the width:
+// - prefill (3 or more tokens): one lane at a time ("a lane pass", `lane_pass`) for both
+//   8-row halves and a tile of up to `TILE` tokens, so each weight load feeds `TILE` FMAs
+//   per half instead of one; rows wider than `CHUNK` run chunk by chunk (`lanes_by_pass`)
+//   so that a pass's cache lines stay in L1;
+// - decode (1 or 2 tokens): the columns in address order (`sweep`), every lane's accumulator
+//   kept in a buffer, so that the weights, read once, stream from memory in order.
+
+/// Tokens per prefill tile: 2 halves × 6 tokens = 12 accumulators, plus two weight registers
+/// and a broadcast, within AVX2's 16.
+const TILE: usize = 6;
 
 /// The 8 rows `8·h8..8·h8 + 8` of column `e`.
 #[inline(always)]
@@ -199,45 +214,81 @@ const fn n_lanes(k: u8) -> usize {
     }
 }
 
-/// Every lane accumulator of both row halves over the first `np` columns (a multiple of 64):
-/// `acc[h8][L]`. Computed 4 lanes × 2 halves at a time, so the 8 accumulators stay in
-/// registers; each lane sees its columns in the scalar order.
+/// Lane `l`'s chain step at the 64-column block starting at `base`: `f(column)` in the
+/// lane's order.
 #[inline(always)]
-unsafe fn lanes_avx2<const K: u8>(w: *const u8, x: *const f32, np: usize) -> [[__m256; 64]; 2] {
-    // SAFETY: columns below `np` are in bounds (caller); AVX2/FMA/F16C enabled (caller).
+fn lane_columns<const K: u8>(base: usize, l: usize, mut f: impl FnMut(usize)) {
+    if K == FLOAT_BF16 {
+        f(base + 2 * l + 1);
+        f(base + 2 * l);
+    } else {
+        f(base + l);
+    }
+}
+
+/// Lane `l`'s accumulators of both row halves for `T` tokens, `acc` carried on over the
+/// 64-column blocks from `start` to `end` (multiples of 64): `[token][h8]`.
+#[inline(always)]
+unsafe fn lane_pass<const K: u8, const T: usize>(
+    w: *const u8,
+    xs: &[*const f32; T],
+    l: usize,
+    (start, end): (usize, usize),
+    mut acc: [[__m256; 2]; T],
+) -> [[__m256; 2]; T] {
+    // SAFETY: columns below `end` are in bounds of `w` and of every token's activations
+    // (caller); AVX2/FMA/F16C enabled (caller).
     unsafe {
-        let mut out = [[_mm256_setzero_ps(); 64]; 2];
-        for l0 in (0..n_lanes(K)).step_by(4) {
-            let mut acc = [[_mm256_setzero_ps(); 4]; 2];
-            let mut base = 0;
-            while base < np {
-                for i in 0..4 {
-                    let l = l0 + i;
-                    let cols = if K == FLOAT_BF16 {
-                        [base + 2 * l + 1, base + 2 * l]
-                    } else {
-                        [base + l, usize::MAX]
-                    };
-                    for e in cols.into_iter().filter(|&e| e != usize::MAX) {
-                        let xe = _mm256_set1_ps(*x.add(e));
-                        for (h8, acc) in acc.iter_mut().enumerate() {
-                            acc[i] = _mm256_fmadd_ps(load8::<K>(w, e, h8), xe, acc[i]);
-                        }
-                    }
+        let mut base = start;
+        while base < end {
+            lane_columns::<K>(base, l, |e| {
+                let w0 = load8::<K>(w, e, 0);
+                let w1 = load8::<K>(w, e, 1);
+                for (acc, x) in acc.iter_mut().zip(xs) {
+                    let xe = _mm256_broadcast_ss(&*x.add(e));
+                    acc[0] = _mm256_fmadd_ps(w0, xe, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(w1, xe, acc[1]);
                 }
-                base += 64;
-            }
-            for h8 in 0..2 {
-                out[h8][l0..l0 + 4].copy_from_slice(&acc[h8]);
-            }
+            });
+            base += 64;
         }
-        out
+        acc
+    }
+}
+
+/// Every lane's accumulators of both row halves for `T` tokens over the first `np` columns,
+/// the columns taken in address order: `acc[token][h8][lane]`.
+#[inline(always)]
+unsafe fn sweep<const K: u8, const T: usize>(
+    w: *const u8,
+    xs: &[*const f32; T],
+    np: usize,
+) -> [[[__m256; 64]; 2]; T] {
+    // SAFETY: as `lane_pass`.
+    unsafe {
+        let mut acc = [[[_mm256_setzero_ps(); 64]; 2]; T];
+        let mut base = 0;
+        while base < np {
+            for l in 0..n_lanes(K) {
+                lane_columns::<K>(base, l, |e| {
+                    let w0 = load8::<K>(w, e, 0);
+                    let w1 = load8::<K>(w, e, 1);
+                    for (acc, x) in acc.iter_mut().zip(xs) {
+                        let xe = _mm256_broadcast_ss(&*x.add(e));
+                        acc[0][l] = _mm256_fmadd_ps(w0, xe, acc[0][l]);
+                        acc[1][l] = _mm256_fmadd_ps(w1, xe, acc[1][l]);
+                    }
+                });
+            }
+            base += 64;
+        }
+        acc
     }
 }
 
 /// `scalar::reduce16` on 16 lane vectors.
 #[inline(always)]
-fn reduce_avx2(a: &[__m256]) -> __m256 {
+fn reduce_avx2(a: &[__m256; 16]) -> __m256 {
     // SAFETY: AVX is enabled in every caller.
     unsafe {
         let s8: [__m256; 8] = std::array::from_fn(|i| _mm256_add_ps(a[i], a[i + 8]));
@@ -246,63 +297,244 @@ fn reduce_avx2(a: &[__m256]) -> __m256 {
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn token_avx2<const K: u8>(w: *const u8, x: &[f32], out: &mut [f32; GROUP]) {
-    let n = x.len();
-    let np = n / 64 * 64;
-    let wr = |e: usize, r: usize| -> f32 {
-        // SAFETY: e < n and r < 16 lie inside the group.
-        unsafe {
-            let p = w.add((e * GROUP + r) * esize(K));
-            match K {
-                FLOAT_F32 => (p as *const f32).read_unaligned(),
-                FLOAT_F16 => half::f16::from_bits((p as *const u16).read_unaligned()).to_f32(),
-                _ => f32::from_bits(((p as *const u16).read_unaligned() as u32) << 16),
+/// 16 vectors per token and half (`[token][h8]`) for `scalar::reduce16`.
+type Lanes16<const T: usize> = [[[__m256; 16]; 2]; T];
+
+/// What `scalar::float_row` reduces, from every lane's accumulator `lane(token, h8, lane)`:
+/// F32/F16 `(lane i + lane 32+i) + (lane 16+i + lane 48+i)` (the second result unused);
+/// BF16 the lanes `16h..16h + 16` of the two halves `h` of its step, `(c[0], c[1])`.
+#[inline(always)]
+fn combine<const K: u8, const T: usize>(
+    lane: impl Fn(usize, usize, usize) -> __m256,
+) -> (Lanes16<T>, Lanes16<T>) {
+    let by = |f: &dyn Fn(usize, usize, usize) -> __m256| -> Lanes16<T> {
+        std::array::from_fn(|j| std::array::from_fn(|h8| std::array::from_fn(|i| f(j, h8, i))))
+    };
+    if K == FLOAT_BF16 {
+        return (
+            by(&|j, h8, p| lane(j, h8, p)),
+            by(&|j, h8, p| lane(j, h8, 16 + p)),
+        );
+    }
+    // SAFETY: AVX is enabled in every caller.
+    let v = by(&|j, h8, i| unsafe {
+        _mm256_add_ps(
+            _mm256_add_ps(lane(j, h8, i), lane(j, h8, 32 + i)),
+            _mm256_add_ps(lane(j, h8, 16 + i), lane(j, h8, 48 + i)),
+        )
+    });
+    (v, v)
+}
+
+/// Columns per chunk of the lane passes. A pass reads a line every 2 KiB of weights and every
+/// 256 bytes of each token's activations, so all its lines fall in a few L1 sets; 16 of them
+/// per pass fit those sets, the 48 of a 3,072-column row evict each other (measured: half the
+/// speed without chunks, with `kernel_bench`).
+const CHUNK: usize = 1024;
+
+/// The order lanes run in within a chunk: 16 lanes apart (F32/F16 `i, 32+i, 16+i, 48+i`; BF16
+/// `i, 16+i`), which spreads consecutive passes over more sets (measured: a third faster than
+/// lanes in order at 1,024 columns).
+const fn lane_order(k: u8) -> [usize; 64] {
+    let mut o = [0; 64];
+    let mut i = 0;
+    while i < 16 {
+        if k == FLOAT_BF16 {
+            o[2 * i] = i;
+            o[2 * i + 1] = 16 + i;
+        } else {
+            o[4 * i] = i;
+            o[4 * i + 1] = 32 + i;
+            o[4 * i + 2] = 16 + i;
+            o[4 * i + 3] = 48 + i;
+        }
+        i += 1;
+    }
+    o
+}
+
+/// `T ≥ 3` tokens by lane passes, chunk by chunk, each lane's accumulators kept between
+/// chunks.
+#[inline(always)]
+unsafe fn lanes_by_pass<const K: u8, const T: usize>(
+    w: *const u8,
+    xs: &[*const f32; T],
+    np: usize,
+) -> (Lanes16<T>, Lanes16<T>) {
+    // SAFETY: as `lane_pass`.
+    unsafe {
+        let zero = [[_mm256_setzero_ps(); 2]; T];
+        if np <= CHUNK {
+            return lanes_in_one_chunk::<K, T>(w, xs, np);
+        }
+        let mut acc = [zero; 64];
+        let order = const { lane_order(K) };
+        let mut start = 0;
+        while start < np {
+            let end = (start + CHUNK).min(np);
+            for &l in &order[..n_lanes(K)] {
+                acc[l] = lane_pass::<K, T>(w, xs, l, (start, end), acc[l]);
+            }
+            start = end;
+        }
+        combine::<K, T>(|j, h8, l| acc[l][j][h8])
+    }
+}
+
+/// [`lanes_by_pass`] of a row of one chunk: each quartet (BF16: pair) of lanes goes straight
+/// into what [`combine`] builds, without a buffer of every lane (`T · 1.5` KiB that would
+/// share L1 with the weights; measured a third slower).
+#[inline(always)]
+unsafe fn lanes_in_one_chunk<const K: u8, const T: usize>(
+    w: *const u8,
+    xs: &[*const f32; T],
+    np: usize,
+) -> (Lanes16<T>, Lanes16<T>) {
+    // SAFETY: as `lane_pass`.
+    unsafe {
+        let zero = [[_mm256_setzero_ps(); 2]; T];
+        let pass = |l: usize| lane_pass::<K, T>(w, xs, l, (0, np), zero);
+        let add = |a: [[__m256; 2]; T], b: [[__m256; 2]; T]| -> [[__m256; 2]; T] {
+            std::array::from_fn(|j| std::array::from_fn(|h| _mm256_add_ps(a[j][h], b[j][h])))
+        };
+        let mut v = [[[_mm256_setzero_ps(); 16]; 2]; T];
+        let mut c2 = v;
+        for i in 0..16 {
+            let (a, b) = if K == FLOAT_BF16 {
+                (pass(i), pass(16 + i))
+            } else {
+                let s02 = add(pass(i), pass(32 + i));
+                (add(s02, add(pass(16 + i), pass(48 + i))), zero)
+            };
+            for j in 0..T {
+                for h8 in 0..2 {
+                    v[j][h8][i] = a[j][h8];
+                    c2[j][h8][i] = b[j][h8];
+                }
             }
         }
-    };
+        (v, c2)
+    }
+}
+
+/// `T ≤ 2` tokens by a [`sweep`].
+#[inline(always)]
+unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
+    w: *const u8,
+    xs: &[*const f32; T],
+    np: usize,
+) -> (Lanes16<T>, Lanes16<T>) {
+    // SAFETY: as `lane_pass`.
+    unsafe {
+        let acc = sweep::<K, T>(w, xs, np);
+        combine::<K, T>(|j, h8, l| acc[j][h8][l])
+    }
+}
+
+/// `T` tokens of a group: `out[j*16 + r]` for token `t + j`.
+// `h8` indexes the halves of the lanes and of the output alike.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn tile_avx2<const K: u8, const T: usize>(
+    w: *const u8,
+    a: &QuantizedActs,
+    t: usize,
+    out: &mut [f32],
+) {
+    let n = a.cols;
+    let np = n / 64 * 64;
+    // SAFETY: the caller checked that tokens t..t+T are in `a.f`.
+    let xs: [*const f32; T] = std::array::from_fn(|j| unsafe { a.f.as_ptr().add((t + j) * n) });
     // SAFETY: the caller checked the group holds n columns; features enabled.
     unsafe {
-        let acc = lanes_avx2::<K>(w, x.as_ptr(), np);
-        if K == FLOAT_BF16 {
-            let (mut c1, mut c2) = ([0f32; GROUP], [0f32; GROUP]);
-            for (h8, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(c1.as_mut_ptr().add(8 * h8), reduce_avx2(&a[..16]));
-                _mm256_storeu_ps(c2.as_mut_ptr().add(8 * h8), reduce_avx2(&a[16..32]));
-            }
-            for (r, o) in out.iter_mut().enumerate() {
-                let mut s = c1[r] as f64 + c2[r] as f64;
-                for (e, &xe) in x.iter().enumerate().skip(np) {
-                    s += (wr(e, r) * xe) as f64;
+        let (v, c2) = if T <= 2 {
+            lanes_by_sweep::<K, T>(w, &xs, np)
+        } else {
+            lanes_by_pass::<K, T>(w, &xs, np)
+        };
+        for j in 0..T {
+            let x = &a.f[(t + j) * n..(t + j + 1) * n];
+            let o: &mut [f32; GROUP] = (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
+            if K == FLOAT_BF16 {
+                let (mut s1, mut s2) = ([0f32; GROUP], [0f32; GROUP]);
+                for h8 in 0..2 {
+                    _mm256_storeu_ps(s1.as_mut_ptr().add(8 * h8), reduce_avx2(&v[j][h8]));
+                    _mm256_storeu_ps(s2.as_mut_ptr().add(8 * h8), reduce_avx2(&c2[j][h8]));
                 }
-                *o = s as f32;
+                for (r, o) in o.iter_mut().enumerate() {
+                    let mut s = s1[r] as f64 + s2[r] as f64;
+                    for (e, &xe) in x.iter().enumerate().skip(np) {
+                        s += (weight::<K>(w, e, r) * xe) as f64;
+                    }
+                    *o = s as f32;
+                }
+                continue;
             }
-            return;
+            for h8 in 0..2 {
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * h8), reduce_avx2(&v[j][h8]));
+            }
+            if np < n && K == FLOAT_F32 {
+                for (r, o) in o.iter_mut().enumerate() {
+                    for (e, &xe) in x.iter().enumerate().skip(np) {
+                        *o = weight::<K>(w, e, r).mul_add(xe, *o);
+                    }
+                }
+            } else if np < n {
+                for (r, o) in o.iter_mut().enumerate() {
+                    let mut s = *o as f64;
+                    for (e, &xe) in x.iter().enumerate().skip(np) {
+                        s += (weight::<K>(w, e, r) * xe) as f64;
+                    }
+                    *o = s as f32;
+                }
+            }
         }
-        for (h8, a) in acc.iter().enumerate() {
-            let v: [__m256; 16] = std::array::from_fn(|i| {
-                _mm256_add_ps(
-                    _mm256_add_ps(a[i], a[32 + i]),
-                    _mm256_add_ps(a[16 + i], a[48 + i]),
-                )
-            });
-            _mm256_storeu_ps(out.as_mut_ptr().add(8 * h8), reduce_avx2(&v));
+    }
+}
+
+/// Weight `e` of row `r` of a group, for the scalar remainders.
+#[inline(always)]
+unsafe fn weight<const K: u8>(w: *const u8, e: usize, r: usize) -> f32 {
+    // SAFETY: the caller guarantees e < n and r < 16 lie inside the group.
+    unsafe {
+        let p = w.add((e * GROUP + r) * esize(K));
+        match K {
+            FLOAT_F32 => (p as *const f32).read_unaligned(),
+            FLOAT_F16 => half::f16::from_bits((p as *const u16).read_unaligned()).to_f32(),
+            _ => f32::from_bits(((p as *const u16).read_unaligned() as u32) << 16),
         }
-        if np < n && K == FLOAT_F32 {
-            for (r, o) in out.iter_mut().enumerate() {
-                for (e, &xe) in x.iter().enumerate().skip(np) {
-                    *o = wr(e, r).mul_add(xe, *o);
-                }
+    }
+}
+
+/// A group × `nt` tokens in tiles of [`TILE`], the last tile as wide as the tokens left.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_avx2<const K: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    let n = a.cols;
+    assert!(w.len() >= n * GROUP * esize(K));
+    assert!((t0 + nt) * n <= a.f.len() && out.len() >= nt * GROUP);
+    let wp = w.as_ptr();
+    // SAFETY: bounds checked above; features guaranteed by the caller.
+    unsafe {
+        let mut j = 0;
+        while j < nt {
+            let o = &mut out[j * GROUP..];
+            let t = t0 + j;
+            match nt - j {
+                1 => tile_avx2::<K, 1>(wp, a, t, o),
+                2 => tile_avx2::<K, 2>(wp, a, t, o),
+                3 => tile_avx2::<K, 3>(wp, a, t, o),
+                4 => tile_avx2::<K, 4>(wp, a, t, o),
+                5 => tile_avx2::<K, 5>(wp, a, t, o),
+                _ => tile_avx2::<K, TILE>(wp, a, t, o),
             }
-        } else if np < n {
-            for (r, o) in out.iter_mut().enumerate() {
-                let mut s = *o as f64;
-                for (e, &xe) in x.iter().enumerate().skip(np) {
-                    s += (wr(e, r) * xe) as f64;
-                }
-                *o = s as f32;
-            }
+            j += TILE.min(nt - j);
         }
     }
 }
@@ -319,16 +551,8 @@ macro_rules! entry_avx2 {
             nt: usize,
             out: &mut [f32],
         ) {
-            let n = a.cols;
-            assert!(w.len() >= n * GROUP * esize($k));
-            assert!((t0 + nt) * n <= a.f.len() && out.len() >= nt * GROUP);
-            for j in 0..nt {
-                let x = &a.f[(t0 + j) * n..(t0 + j + 1) * n];
-                let o: &mut [f32; GROUP] =
-                    (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
-                // SAFETY: bounds checked above; features guaranteed by the caller.
-                unsafe { token_avx2::<{ $k }>(w.as_ptr(), x, o) };
-            }
+            // SAFETY: features guaranteed by the caller; group_avx2 checks the bounds.
+            unsafe { group_avx2::<{ $k }>(w, a, t0, nt, out) }
         }
     };
 }

@@ -98,25 +98,26 @@ pub(super) unsafe fn q45k_group<const FIVE: bool>(
 ) {
     check_k(w, kx16_bytes(FIVE), a, t0, nt, out);
     // SAFETY: bounds checked above; features guaranteed by the caller.
-    unsafe { tiles!(q45k_tile, FIVE; w, a, t0, nt, out) }
+    unsafe {
+        if FIVE {
+            tiles!(q5k_tile; w, a, t0, nt, out)
+        } else {
+            tiles!(q4k_tile; w, a, t0, nt, out)
+        }
+    }
 }
 
-/// `T` tokens of a Q4_K / Q5_K group. Q4_K only needs each row's block sum (the scalar kernel
-/// adds its 8 lanes as integers), so its nibble products are summed in i16 over a whole
-/// 64-element chunk first (8 pairs of at most 2·15·128: exact) and scaled once; Q5_K keeps the
-/// 8 lanes apart, as its float steps use them.
+/// `T` tokens of a Q5_K group, lane by lane: lane `k`'s runs of the 4 chunks (whose high bits
+/// share one load) are summed in registers and its float step taken at once, so no lane sum
+/// goes through memory. The integer sums and the float steps (each lane's in block order) are
+/// the scalar kernel's.
 // `k` indexes the weight runs, the activation offsets and the lanes alike.
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q45k_tile<const T: usize, const FIVE: bool>(
-    w: *const u8,
-    a: &QuantizedActs,
-    t: usize,
-    out: *mut f32,
-) {
+unsafe fn q5k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
     let nb = a.cols / 256;
-    let (x16, qs) = (kx16_bytes(FIVE), kx16_qs(FIVE));
+    let (x16, qs) = (kx16_bytes(true), kx16_qs(true));
     // SAFETY: the caller checked that w holds nb interleaved blocks and acts hold tokens
     // t..t+T; AVX2/FMA/F16C enabled.
     unsafe {
@@ -130,55 +131,123 @@ unsafe fn q45k_tile<const T: usize, const FIVE: bool>(
                 let blk = w.add(b * x16);
                 let ys: [*const i8; T] =
                     std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
-                // Q5_K: lanes[j][k]; Q4_K: the block sum in lanes[j][0].
-                let mut lanes = [[zero; 8]; T];
+                let sc: [[__m256i; 2]; 4] = std::array::from_fn(|c| {
+                    [
+                        scales_u8(blk.add(Q4K_SCALES + 32 * c + 8 * h8)),
+                        scales_u8(blk.add(Q4K_SCALES + 32 * c + 16 + 8 * h8)),
+                    ]
+                });
+                let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
+                let d: [__m256; T] = std::array::from_fn(|j| {
+                    _mm256_mul_ps(_mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
+                });
+                for k in 0..8 {
+                    let h =
+                        _mm256_loadu_si256(blk.add(Q5K_QH + 64 * k + 32 * h8) as *const __m256i);
+                    let mut lane = [zero; T];
+                    for (c, sc) in sc.iter().enumerate() {
+                        let v = _mm256_loadu_si256(
+                            blk.add(qs + 512 * c + 64 * k + 32 * h8) as *const __m256i
+                        );
+                        // Bit 0 of each byte after a 16-bit shift by 2c / 2c+1 (< 8).
+                        let sh_lo = _mm_cvtsi32_si128(2 * c as i32);
+                        let sh_hi = _mm_cvtsi32_si128(2 * c as i32 + 1);
+                        let bl = _mm256_and_si256(_mm256_srl_epi16(h, sh_lo), one);
+                        let bh = _mm256_and_si256(_mm256_srl_epi16(h, sh_hi), one);
+                        let lo = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_slli_epi16(bl, 4));
+                        let hi = _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                            _mm256_slli_epi16(bh, 4),
+                        );
+                        for (lane, y) in lane.iter_mut().zip(&ys) {
+                            let pl = _mm256_maddubs_epi16(lo, yword(y.add(64 * c + 4 * k)));
+                            let ph = _mm256_maddubs_epi16(hi, yword(y.add(64 * c + 32 + 4 * k)));
+                            let p = _mm256_add_epi32(
+                                _mm256_madd_epi16(pl, sc[0]),
+                                _mm256_madd_epi16(ph, sc[1]),
+                            );
+                            *lane = _mm256_add_epi32(*lane, p);
+                        }
+                    }
+                    for j in 0..T {
+                        acc[j][k] = _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(lane[j]), acc[j][k]);
+                    }
+                }
+                let dmx = _mm256_cvtph_ps(_mm_loadu_si128(
+                    blk.add(Q4K_DMIN + 16 * h8) as *const __m128i
+                ));
+                let mins: [__m256i; 8] =
+                    std::array::from_fn(|s| scales_u8(blk.add(Q4K_MINS + 16 * s + 8 * h8)));
+                for (j, accm) in accm.iter_mut().enumerate() {
+                    let dy = *a.f.get_unchecked((t + j) * nb + b);
+                    // Σ_s min_s · (bsum_2s + bsum_2s+1): the bsum pair read as one i32.
+                    let bs = a.bsums.as_ptr().add(((t + j) * a.cols + b * 256) / 16);
+                    let mut msum = zero;
+                    for (s, &m) in mins.iter().enumerate() {
+                        let pair =
+                            _mm256_set1_epi32((bs.add(2 * s) as *const i32).read_unaligned());
+                        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, pair));
+                    }
+                    // `summs += dmin * msum` in llama.cpp: product, then sum (not fused).
+                    let dmin = _mm256_mul_ps(_mm256_set1_ps(-dy), dmx);
+                    *accm = _mm256_add_ps(*accm, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(msum)));
+                }
+            }
+            for j in 0..T {
+                let r = _mm256_add_ps(lanes_sum!(acc[j]), accm[j]);
+                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), r);
+            }
+        }
+    }
+}
+
+/// `T` tokens of a Q4_K group. Q4_K only needs each row's block sum (the scalar kernel adds
+/// its 8 lanes as integers), so its nibble products are summed in i16 over a whole 64-element
+/// chunk first (8 pairs of at most 2·15·128: exact) and scaled once.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let nb = a.cols / 256;
+    let (x16, qs) = (kx16_bytes(false), kx16_qs(false));
+    // SAFETY: the caller checked that w holds nb interleaved blocks and acts hold tokens
+    // t..t+T; AVX2/FMA/F16C enabled.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let zero = _mm256_setzero_si256();
+        for h8 in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); T];
+            let mut accm = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
+                let blk = w.add(b * x16);
+                let ys: [*const i8; T] =
+                    std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
+                // The block sum per token.
+                let mut sums = [zero; T];
                 for c in 0..4 {
                     let sc_lo = scales_u8(blk.add(Q4K_SCALES + 32 * c + 8 * h8));
                     let sc_hi = scales_u8(blk.add(Q4K_SCALES + 32 * c + 16 + 8 * h8));
-                    let sh_lo = _mm_cvtsi32_si128(2 * c as i32);
-                    let sh_hi = _mm_cvtsi32_si128(2 * c as i32 + 1);
                     let mut s_lo = [zero; T];
                     let mut s_hi = [zero; T];
                     for k in 0..8 {
                         let v = _mm256_loadu_si256(
                             blk.add(qs + 512 * c + 64 * k + 32 * h8) as *const __m256i
                         );
-                        let mut lo = _mm256_and_si256(v, m4);
-                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                        if FIVE {
-                            let h = _mm256_loadu_si256(
-                                blk.add(Q5K_QH + 64 * k + 32 * h8) as *const __m256i
-                            );
-                            // Bit 0 of each byte after a 16-bit shift by 2c / 2c+1 (< 8).
-                            let bl = _mm256_and_si256(_mm256_srl_epi16(h, sh_lo), one);
-                            let bh = _mm256_and_si256(_mm256_srl_epi16(h, sh_hi), one);
-                            lo = _mm256_or_si256(lo, _mm256_slli_epi16(bl, 4));
-                            hi = _mm256_or_si256(hi, _mm256_slli_epi16(bh, 4));
-                        }
+                        let lo = _mm256_and_si256(v, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                         for j in 0..T {
                             let pl = _mm256_maddubs_epi16(lo, yword(ys[j].add(64 * c + 4 * k)));
                             let ph =
                                 _mm256_maddubs_epi16(hi, yword(ys[j].add(64 * c + 32 + 4 * k)));
-                            if FIVE {
-                                let p = _mm256_add_epi32(
-                                    _mm256_madd_epi16(pl, sc_lo),
-                                    _mm256_madd_epi16(ph, sc_hi),
-                                );
-                                lanes[j][k] = _mm256_add_epi32(lanes[j][k], p);
-                            } else {
-                                s_lo[j] = _mm256_add_epi16(s_lo[j], pl);
-                                s_hi[j] = _mm256_add_epi16(s_hi[j], ph);
-                            }
+                            s_lo[j] = _mm256_add_epi16(s_lo[j], pl);
+                            s_hi[j] = _mm256_add_epi16(s_hi[j], ph);
                         }
                     }
-                    if !FIVE {
-                        for j in 0..T {
-                            let p = _mm256_add_epi32(
-                                _mm256_madd_epi16(s_lo[j], sc_lo),
-                                _mm256_madd_epi16(s_hi[j], sc_hi),
-                            );
-                            lanes[j][0] = _mm256_add_epi32(lanes[j][0], p);
-                        }
+                    for j in 0..T {
+                        let p = _mm256_add_epi32(
+                            _mm256_madd_epi16(s_lo[j], sc_lo),
+                            _mm256_madd_epi16(s_hi[j], sc_hi),
+                        );
+                        sums[j] = _mm256_add_epi32(sums[j], p);
                     }
                 }
                 let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
@@ -189,15 +258,8 @@ unsafe fn q45k_tile<const T: usize, const FIVE: bool>(
                     std::array::from_fn(|s| scales_u8(blk.add(Q4K_MINS + 16 * s + 8 * h8)));
                 for j in 0..T {
                     let dy = *a.f.get_unchecked((t + j) * nb + b);
-                    if FIVE {
-                        let d = _mm256_mul_ps(_mm256_set1_ps(dy), dx);
-                        for (acc, &l) in acc[j].iter_mut().zip(&lanes[j]) {
-                            *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(l), *acc);
-                        }
-                    } else {
-                        let dd = _mm256_mul_ps(dx, _mm256_set1_ps(dy));
-                        acc[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[j][0]), dd, acc[j][0]);
-                    }
+                    let dd = _mm256_mul_ps(dx, _mm256_set1_ps(dy));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), dd, acc[j]);
                     // Σ_s min_s · (bsum_2s + bsum_2s+1): the bsum pair read as one i32.
                     let bs = a.bsums.as_ptr().add(((t + j) * a.cols + b * 256) / 16);
                     let mut msum = zero;
@@ -206,24 +268,12 @@ unsafe fn q45k_tile<const T: usize, const FIVE: bool>(
                             _mm256_set1_epi32((bs.add(2 * s) as *const i32).read_unaligned());
                         msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, pair));
                     }
-                    let msum = _mm256_cvtepi32_ps(msum);
-                    if FIVE {
-                        // `summs += dmin * msum` in llama.cpp: product, then sum (not fused).
-                        let dmin = _mm256_mul_ps(_mm256_set1_ps(-dy), dmx);
-                        accm[j] = _mm256_add_ps(accm[j], _mm256_mul_ps(dmin, msum));
-                    } else {
-                        let dm = _mm256_mul_ps(dmx, _mm256_set1_ps(dy));
-                        accm[j] = _mm256_fmadd_ps(msum, dm, accm[j]);
-                    }
+                    let dm = _mm256_mul_ps(dmx, _mm256_set1_ps(dy));
+                    accm[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), dm, accm[j]);
                 }
             }
             for j in 0..T {
-                let r = if FIVE {
-                    _mm256_add_ps(lanes_sum!(acc[j]), accm[j])
-                } else {
-                    _mm256_sub_ps(acc[j][0], accm[j])
-                };
-                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), r);
+                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), _mm256_sub_ps(acc[j], accm[j]));
             }
         }
     }
@@ -242,7 +292,9 @@ pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize
 
 /// `T` tokens of a Q6_K group: `pmaddubsw` of the unsigned quants (q + 32) per 4-element run,
 /// minus the same of 32 (exact i16 pairs of `(q − 32)·y`), times the row's sub-block scale
-/// into lane `run % 8`.
+/// into lane `run % 8`. Lane by lane: a lane's 8 runs (2 halves × 4 quants) are summed in
+/// registers and its float step taken at once, so no lane sum goes through memory (the float
+/// steps are the scalar kernel's, each lane's in block order).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
@@ -264,9 +316,13 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                     std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
                 let sc: [__m256i; 16] =
                     std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
-                let mut lanes = [[zero; 8]; T];
-                for n in 0..2 {
-                    for l4 in 0..8 {
+                let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
+                let d: [__m256; T] = std::array::from_fn(|j| {
+                    _mm256_mul_ps(_mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
+                });
+                for l4 in 0..8 {
+                    let mut lane = [zero; T];
+                    for n in 0..2 {
                         let run = blk.add(q6k_runs(n, l4) + 32 * h8);
                         let (qa, qb, h) = (load(run), load(run.add(64)), load(run.add(128)));
                         let q = [
@@ -284,24 +340,18 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                         for (k, &qk) in q.iter().enumerate() {
                             let o = 128 * n + 32 * k + 4 * l4;
                             let s = sc[8 * n + 2 * k + l4 / 4];
-                            for j in 0..T {
-                                let yk = yword(ys[j].add(o));
+                            for (lane, y) in lane.iter_mut().zip(&ys) {
+                                let yk = yword(y.add(o));
                                 let p = _mm256_sub_epi16(
                                     _mm256_maddubs_epi16(qk, yk),
                                     _mm256_maddubs_epi16(c32, yk),
                                 );
-                                lanes[j][l4] =
-                                    _mm256_add_epi32(lanes[j][l4], _mm256_madd_epi16(p, s));
+                                *lane = _mm256_add_epi32(*lane, _mm256_madd_epi16(p, s));
                             }
                         }
                     }
-                }
-                let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
-                for j in 0..T {
-                    let dy = *a.f.get_unchecked((t + j) * nb + b);
-                    let d = _mm256_mul_ps(_mm256_set1_ps(dy), dx);
-                    for (acc, &l) in acc[j].iter_mut().zip(&lanes[j]) {
-                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(l), *acc);
+                    for j in 0..T {
+                        acc[j][l4] = _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(lane[j]), acc[j][l4]);
                     }
                 }
             }
