@@ -268,7 +268,7 @@ impl ShardStore {
         let index = Index::new(&manifest);
         let n = index.n_chunks;
         let mut present = vec![u64::MAX; (n as usize).div_ceil(64)];
-        if n % 64 != 0 {
+        if !n.is_multiple_of(64) {
             *present.last_mut().expect("n > 0") = (1u64 << (n % 64)) - 1;
         }
         let mut st = ModelState {
