@@ -125,6 +125,7 @@ struct Args<'a, 'b> {
 /// value dimensions (accumulation) held in registers per vector. Only the speed depends on it:
 /// each score and each accumulator is its own chain of operations whatever the blocking.
 /// 32 vector registers (AVX-512) hold 4 vectors × 64 floats; 16 (AVX2) hold 4 × 16.
+#[cfg(target_arch = "x86_64")]
 const WIDE: usize = 64;
 const NARROW: usize = 16;
 
