@@ -398,9 +398,29 @@ pub fn seal(
             "no candidate worker to seal to".into(),
         ));
     }
-    let job = JobId::random();
     let body = request_body(request);
-    let expires_at = UnixMillis::now().plus(ttl_ms);
+    seal_attempts(
+        JobId::random(),
+        &body,
+        candidates,
+        (request.prompt_tokens.len() + request.max_new_tokens) as u64,
+        UnixMillis::now().plus(ttl_ms),
+        &reply.public_key(),
+    )
+    .map_err(|e| CoordError::Protocol(format!("sealing: {e}")))
+}
+
+/// Job `job`'s envelopes: attempt `k` sealed to candidate `k` (for the model it claims first),
+/// each answering to `reply_to`. [`seal`] with its id, size and expiry chosen; the sealed-job
+/// simulator calls it with its own, in virtual time.
+pub(crate) fn seal_attempts(
+    job: JobId,
+    body: &[u8],
+    candidates: &[SignedClaims],
+    context_tokens: u64,
+    expires_at: UnixMillis,
+    reply_to: &tessera_seal::PublicKey,
+) -> Result<Vec<JobEnvelope>, tessera_seal::SealError> {
     candidates
         .iter()
         .enumerate()
@@ -410,12 +430,11 @@ pub fn seal(
                 attempt: i as u32 + 1,
                 recipient: c.claims.seal_key.key_id(),
                 model: c.claims.models[0].clone(),
-                context_tokens: (request.prompt_tokens.len() + request.max_new_tokens) as u64,
+                context_tokens,
                 expires_at,
-                reply_to: reply.public_key(),
+                reply_to: *reply_to,
             };
-            seal_job(&header, &body, &c.claims.seal_key)
-                .map_err(|e| CoordError::Protocol(format!("sealing: {e}")))
+            seal_job(&header, body, &c.claims.seal_key)
         })
         .collect()
 }

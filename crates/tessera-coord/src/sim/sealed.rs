@@ -22,12 +22,13 @@ use std::time::Duration;
 
 use tessera_proto::{SealedNews, SealedRefusal};
 use tessera_seal::{
-    seal_job, seal_result, AnswerDigest, Claims, DeviceTier, JobEnvelope, JobHeader, JobId,
-    KernelPath, LeaseConfig, NodeKey, SecretKey, SignedClaims, UnixMillis,
+    seal_result, AnswerDigest, Claims, DeviceTier, JobEnvelope, JobId, KernelPath, LeaseConfig,
+    NodeKey, SecretKey, SignedClaims, UnixMillis,
 };
 
 use super::world::Violation;
 use super::Rng;
+use crate::sealed::client::seal_attempts;
 use crate::sealed::{
     verify_config, DeskFault, SealedConfig, SealedDesk, SealedInput, SealedOutput,
 };
@@ -541,22 +542,15 @@ impl SealedWorld {
         }
         listed.truncate(self.rng.range(1, 5) as usize);
         let long = self.rng.range(0, 5) == 0;
-        let envelopes: Vec<JobEnvelope> = listed
-            .iter()
-            .enumerate()
-            .map(|(k, s)| {
-                let h = JobHeader {
-                    job,
-                    attempt: k as u32 + 1,
-                    recipient: s.claims.seal_key.key_id(),
-                    model: MODEL.into(),
-                    context_tokens: if long { 6_000 } else { 64 },
-                    expires_at: UnixMillis(self.now + 60 * 60_000),
-                    reply_to: self.client.public_key(),
-                };
-                seal_job(&h, BODY, &s.claims.seal_key).expect("sealing")
-            })
-            .collect();
+        let envelopes = seal_attempts(
+            job,
+            BODY,
+            &listed,
+            if long { 6_000 } else { 64 },
+            UnixMillis(self.now + 60 * 60_000),
+            &self.client.public_key(),
+        )
+        .map_err(|e| self.violation(format!("sealing: {e}")))?;
         self.truth.insert(
             job,
             JobTruth {
