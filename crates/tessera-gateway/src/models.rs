@@ -291,14 +291,18 @@ async fn dispatch(State(pool): State<Arc<ModelPool>>, req: Request) -> Response 
     let (parts, body) = req.into_parts();
     let bytes: Bytes = match axum::body::to_bytes(body, pool.config.max_body_bytes).await {
         Ok(b) => b,
+        // As a single model's gateway answers a body over its limit: 413.
         Err(_) => {
-            return ApiError::invalid(
-                format!(
-                    "the request body is larger than {} bytes",
-                    pool.config.max_body_bytes
-                ),
-                None,
-            )
+            return ApiError {
+                status: 413,
+                ..ApiError::invalid(
+                    format!(
+                        "the request body is larger than {} bytes",
+                        pool.config.max_body_bytes
+                    ),
+                    None,
+                )
+            }
             .into_response()
         }
     };
