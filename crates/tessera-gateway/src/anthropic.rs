@@ -398,14 +398,7 @@ pub(crate) async fn messages(
     let body = match body {
         Ok(b) => b,
         Err(e) => {
-            let status = e.status().as_u16();
-            return reject(
-                &mut t,
-                ApiError {
-                    status,
-                    ..ApiError::invalid(e.body_text(), None)
-                },
-            );
+            return reject(&mut t, ApiError::body_rejected(&e));
         }
     };
     let req = match respond::parse_off_thread(&body, parse_messages).await {

@@ -538,11 +538,7 @@ pub(crate) async fn generate(
         let body = match body {
             Ok(b) => b,
             Err(e) => {
-                let status = e.status().as_u16();
-                return t.reject(ApiError {
-                    status,
-                    ..ApiError::invalid(e.body_text(), None)
-                });
+                return t.reject(ApiError::body_rejected(&e));
             }
         };
         let parser = match endpoint {

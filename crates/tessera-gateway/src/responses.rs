@@ -418,11 +418,7 @@ pub(crate) async fn create(
     let body = match body {
         Ok(b) => b,
         Err(e) => {
-            let status = e.status().as_u16();
-            return t.reject(ApiError {
-                status,
-                ..ApiError::invalid(e.body_text(), None)
-            });
+            return t.reject(ApiError::body_rejected(&e));
         }
     };
     let b = body.clone();

@@ -138,16 +138,7 @@ async fn run(
         t.record(e.status, Usage::default(), None, e.message.clone());
         OllamaError(e).into_response()
     };
-    let body = body.map_err(|e| {
-        let status = e.status().as_u16();
-        reject(
-            &mut t,
-            ApiError {
-                status,
-                ..ApiError::invalid(e.body_text(), None)
-            },
-        )
-    })?;
+    let body = body.map_err(|e| reject(&mut t, ApiError::body_rejected(&e)))?;
     let (g, b) = (gw.clone(), body.clone());
     let parsed = off_thread_if_big(body.len(), move || parse(&g, &b, legacy))
         .await

@@ -74,14 +74,7 @@ async fn run(
     let body = match body {
         Ok(b) => b,
         Err(e) => {
-            let status = e.status().as_u16();
-            return reject(
-                &mut t,
-                ApiError {
-                    status,
-                    ..ApiError::invalid(e.body_text(), None)
-                },
-            );
+            return reject(&mut t, ApiError::body_rejected(&e));
         }
     };
     let parse = match kind {

@@ -76,6 +76,14 @@ impl ApiError {
         }
     }
 
+    /// A body axum could not read (too large, not bytes), with the status it chose.
+    pub fn body_rejected(e: &axum::extract::rejection::BytesRejection) -> Self {
+        Self {
+            status: e.status().as_u16(),
+            ..Self::invalid(e.body_text(), None)
+        }
+    }
+
     pub fn unavailable(message: String) -> Self {
         Self {
             status: 503,
