@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tessera_net::{LinkMeasurement, NodeId};
 
-use super::Member;
+use super::member::Member;
 use tessera_host::{ContentHash, Inventory};
 use tessera_proto::{CoordToNode, LoadReport};
 

@@ -47,12 +47,10 @@
 //! disk. The configured split is kept: when its nodes are all back, it is planned again.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 
-use tessera_net::{LinkMeasurement, NodeId, PublicKey};
+use tessera_net::NodeId;
 
 use crate::replan::ModelBytes;
-use tessera_host::{ContentHash, Inventory};
 use tessera_proto::CoordToNode;
 
 #[cfg(test)]
@@ -63,35 +61,16 @@ mod experts;
 mod failover;
 mod leases;
 mod links;
+mod member;
 #[cfg(test)]
 mod test_support;
 
 pub use epochs::{Epoch, EpochStage, Phase};
 pub use events::{Action, CoordToNodeEq, Event};
 pub use failover::AutoPlan;
+pub use member::Member;
 
 use events::send;
-
-/// A node known to the coordinator in this run.
-#[derive(Clone, Debug)]
-pub struct Member {
-    pub node_id: NodeId,
-    pub key: PublicKey,
-    pub name: String,
-    /// Where the node's endpoint is, as the coordinator sees it (peers dial this).
-    pub addr: SocketAddr,
-    pub connected: bool,
-    /// Order of joining (unpinned stages are placed in this order).
-    pub joined: u64,
-    pub memory_budget_bytes: Option<u64>,
-    pub inventory: Option<Inventory>,
-    /// Models held whole on disk.
-    pub models: Vec<ContentHash>,
-    /// The link coordinator → node.
-    pub link: Option<LinkMeasurement>,
-    /// Which control session of the node this is (a node that reconnects gets a new one).
-    pub session: u64,
-}
 
 /// The membership and epoch state.
 #[derive(Debug, Default)]

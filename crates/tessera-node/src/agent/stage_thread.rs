@@ -11,7 +11,7 @@ use crate::protocol::{frame, FinishReason, NodeToCoord, OpenSeq, RingToken, Step
 use crate::stage::{Stage, StageOutput};
 
 use super::hop_ledger::{is_decode, wall_ns, Arrival, HopLedger};
-use super::ring::RingOut;
+use super::ring_out::RingOut;
 
 /// Messages for the stage thread.
 pub(super) enum WorkerMsg {
