@@ -327,6 +327,7 @@ impl Cluster {
     #[cfg(test)]
     pub fn inject_fault(&mut self, fault: Option<Fault>) {
         self.fault = fault;
+        self.membership.inject_fault(fault);
     }
 
     /// Runs in flight (placing or running).

@@ -176,7 +176,10 @@ impl Membership {
                 Err(e) => return Err(e.to_string()),
             }
         }
-        if orphans.is_empty() {
+        if self.fault == Some(crate::fault::Fault::DropDepartedOwnersExperts) {
+            orphans.clear();
+        }
+        if orphans.is_empty() && gone.is_empty() {
             return Ok(Some((split.clone(), None)));
         }
         // Ring stages that held no experts may take some too.

@@ -102,11 +102,18 @@ pub struct Membership {
     /// Connected nodes the last re-plan left out, because every plan with them needed a
     /// failed link.
     benched: BTreeSet<NodeId>,
+    /// A test-only fault ([`crate::fault::Fault::DropDepartedOwnersExperts`]).
+    fault: Option<crate::fault::Fault>,
 }
 
 impl Membership {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Plants a deliberate bug, so the simulator can show it catches it.
+    pub fn inject_fault(&mut self, fault: Option<crate::fault::Fault>) {
+        self.fault = fault;
     }
 
     /// Splits the experts of every MoE layer across nodes in the plans made from now on.
