@@ -8,7 +8,7 @@ use std::ops::Range;
 use tessera_net::{LinkMeasurement, NodeId};
 
 use super::events::send;
-use super::{Action, Membership};
+use super::{Action, EpochFailure, Membership};
 use tessera_host::ContentHash;
 use tessera_proto::{CoordToNode, LoadReport, PeerInfo, StageAssignment};
 
@@ -18,7 +18,7 @@ pub enum Phase {
     Loading,
     Linking,
     Ready,
-    Failed(String),
+    Failed(EpochFailure),
     Released,
 }
 
@@ -141,7 +141,7 @@ impl Membership {
     }
 
     /// Fails cell `slot`'s epoch: its connected stages release it.
-    pub(super) fn fail(&mut self, slot: usize, reason: String) -> Vec<Action> {
+    pub(super) fn fail(&mut self, slot: usize, reason: EpochFailure) -> Vec<Action> {
         let Some(e) = self.cells.get_mut(slot) else {
             return Vec::new();
         };
@@ -180,7 +180,7 @@ impl Membership {
         slot: usize,
         id: u64,
         model: ContentHash,
-        reason: String,
+        reason: EpochFailure,
         out: &mut Vec<Action>,
     ) {
         self.set_cell(Epoch {
@@ -229,7 +229,7 @@ impl Membership {
         if cells.len() > 1 && self.experts.is_some() {
             // An expert split spreads one copy of the model's experts over nodes: one cell.
             self.next_epoch += 1;
-            let reason = "an expert split runs as one cell: give one ring".to_string();
+            let reason = EpochFailure::ExpertSplitIsOneCell;
             self.fail_unstarted(0, self.next_epoch, model, reason, &mut out);
             self.cells.truncate(1);
             return out;
@@ -456,7 +456,7 @@ impl Membership {
                 "a new split of cell {slot} (epoch {id}) cannot start: {reason}; its epoch serves on"
             )));
         } else {
-            self.fail_unstarted(slot, id, model, reason, out);
+            self.fail_unstarted(slot, id, model, EpochFailure::CannotStart(reason), out);
         }
     }
 }

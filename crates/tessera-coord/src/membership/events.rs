@@ -91,7 +91,7 @@ pub enum Action {
     EpochReady(u64),
     EpochFailed {
         epoch: u64,
-        reason: String,
+        reason: super::EpochFailure,
     },
     /// The node's lease expired on control session `session`: the shell ends that session (the
     /// node has already been declared gone; it must join again).

@@ -346,10 +346,14 @@ mod tests {
             node: c.node_id,
             session: 1,
         });
-        assert!(acts
-            .iter()
-            .any(|x| matches!(x, Action::EpochFailed { epoch, reason }
-            if *epoch == first && reason.contains("expert node"))));
+        assert!(acts.iter().any(|x| matches!(x, Action::EpochFailed {
+                epoch,
+                reason: crate::membership::EpochFailure::NodeGone {
+                    node,
+                    expert_only: true,
+                    how: crate::membership::Departure::Left,
+                },
+            } if *epoch == first && *node == c.node_id)));
         let note = acts
             .iter()
             .find_map(|x| match x {

@@ -59,6 +59,7 @@ mod epochs;
 mod events;
 mod experts;
 mod failover;
+mod failure;
 mod leases;
 mod links;
 mod member;
@@ -68,6 +69,7 @@ mod test_support;
 pub use epochs::{Epoch, EpochStage, Phase};
 pub use events::{Action, CoordToNodeEq, Event};
 pub use failover::AutoPlan;
+pub use failure::{Departure, EpochFailure};
 pub use member::Member;
 
 use events::send;
@@ -268,7 +270,7 @@ impl Membership {
                 self.forget_failed_links(id);
                 self.members.insert(id, *m);
                 // (One that held nothing of the epoch is folded in like a new node.)
-                match replaced.then(|| self.stage_lost(id, "restarted")) {
+                match replaced.then(|| self.stage_lost(id, Departure::Restarted)) {
                     Some(out) if !out.is_empty() => out,
                     _ => self.fold_in(),
                 }
@@ -279,7 +281,7 @@ impl Membership {
                     Some(m) if m.session == session && m.connected => m.connected = false,
                     _ => return Vec::new(),
                 }
-                self.stage_lost(id, "left")
+                self.stage_lost(id, Departure::Left)
             }
             Event::Heard { node, session, now } => {
                 if self
@@ -370,7 +372,7 @@ impl Membership {
                 }
                 match self.cells.iter().position(|e| e.id == epoch) {
                     Some(slot) if self.cells[slot].stages.iter().any(|s| s.node_id == node) => {
-                        self.fail(slot, format!("node {}: {reason}", node.short()))
+                        self.fail(slot, EpochFailure::Reported { node, reason })
                     }
                     Some(_) => vec![Action::Refused {
                         node,
