@@ -143,3 +143,93 @@ fn the_handoff_flags_are_refused_where_they_mean_nothing() {
         assert!(said.contains(want), "{args:?}: {said}");
     }
 }
+
+/// The `command:` of each service in `packaging/compose.yaml`, folded (`>`) onto one line, with
+/// `${NAME:-default}` read as its default.
+fn compose_commands() -> Vec<(String, Vec<String>)> {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/compose.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim() != "command: >" {
+            continue;
+        }
+        let service = lines[..i]
+            .iter()
+            .rev()
+            .find(|l| l.starts_with("  ") && !l.starts_with("   "))
+            .and_then(|l| l.trim().split_once(':'))
+            .map(|(name, _)| name.to_string())
+            .unwrap();
+        let indent = line.len() - line.trim_start().len();
+        let folded: Vec<&str> = lines[i + 1..]
+            .iter()
+            .take_while(|l| l.len() - l.trim_start().len() > indent)
+            .map(|l| l.trim())
+            .collect();
+        let mut command = folded.join(" ");
+        while let Some(start) = command.find("${") {
+            let end = start + command[start..].find('}').unwrap();
+            let default = command[start..end].split_once(":-").unwrap().1.to_string();
+            command.replace_range(start..=end, &default);
+        }
+        out.push((
+            service,
+            command.split_whitespace().map(str::to_string).collect(),
+        ));
+    }
+    out
+}
+
+fn flag<'a>(args: &'a [String], name: &str) -> &'a str {
+    let at = args
+        .iter()
+        .position(|a| a == name)
+        .unwrap_or_else(|| panic!("no {name}"));
+    &args[at + 1]
+}
+
+/// Every service's flags parse (the container would start, not stop at a typo), and the
+/// pieces of the handoff meet: the nodes wait on the file the head copies its line to, and the
+/// head advertises its own service name.
+#[test]
+fn the_compose_file_passes_flags_tessera_accepts() {
+    let commands = compose_commands();
+    let names: Vec<&str> = commands.iter().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(names, ["head", "node-a", "node-b"]);
+    for (service, args) in &commands {
+        let mut with_help: Vec<&str> = args.iter().map(String::as_str).collect();
+        with_help.push("--help");
+        let out = tessera(&with_help);
+        assert!(
+            out.status.success(),
+            "{service}: tessera {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let head = &commands[0].1;
+    let copy = flag(head, "--join-copy");
+    let (host, _) = flag(head, "--coordinator-advertise")
+        .rsplit_once(':')
+        .unwrap();
+    assert_eq!(host, "head", "the head advertises its service name");
+    for (service, args) in &commands[1..] {
+        assert_eq!(
+            flag(args, "--join-file"),
+            copy,
+            "{service} reads the head's copy"
+        );
+        assert!(
+            args.iter().any(|a| a == "--join-wait"),
+            "{service} waits for it"
+        );
+        assert_eq!(
+            flag(args, "--name"),
+            service,
+            "{service} is named after its service"
+        );
+    }
+}
