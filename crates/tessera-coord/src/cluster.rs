@@ -855,7 +855,7 @@ impl Cluster {
             Phase::Failed(r) => Some(format!("epoch {} failed: {r}", e.id)),
             _ => None,
         });
-        Some(match (m.outage().map(str::to_string), failed) {
+        Some(match (m.outage().map(ToString::to_string), failed) {
             (Some(why), _) | (None, Some(why)) => format!("service unavailable: {why}"),
             (None, None) => {
                 "no assignment is active: give the stages (e.g. --split 0..3,3..5)".into()

@@ -185,13 +185,8 @@ impl Coordinator {
 
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes), for a
     /// front end to answer "503 Service Unavailable" with; `None` when the cluster has capacity.
-    pub fn outage(&self) -> Option<String> {
-        self.shared
-            .lock()
-            .cluster
-            .membership()
-            .outage()
-            .map(str::to_string)
+    pub fn outage(&self) -> Option<crate::replan::NoPlacement> {
+        self.shared.lock().cluster.membership().outage().cloned()
     }
 
     /// The shared state, for the gateway backend in this crate.

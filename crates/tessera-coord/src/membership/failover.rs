@@ -208,8 +208,8 @@ impl Membership {
                 ))]
             }
             Err(reason) => {
+                self.outage = Some(reason.clone());
                 let reason = EpochFailure::NoFeasiblePlan(reason);
-                self.outage = Some(reason.to_string());
                 let epoch = self.cells.get(slot).map_or(0, |e| e.id);
                 vec![Action::EpochFailed { epoch, reason }]
             }
@@ -442,7 +442,7 @@ mod tests {
             node: a.node_id,
             session: 1,
         });
-        assert!(m.outage().unwrap().contains("no node is connected"));
+        assert_eq!(m.outage(), Some(&crate::replan::NoPlacement::NoNode));
         assert!(matches!(m.epoch().unwrap().phase, Phase::Failed(_)));
         let b = member(2);
         let acts = m.handle(Event::Joined(Box::new(b.clone())));
@@ -479,6 +479,13 @@ mod tests {
             session: 1,
         });
         // a alone would need 420 bytes: no feasible plan, and the reason names the budget.
-        assert!(m.outage().unwrap().contains("budget"), "{:?}", m.outage());
+        assert!(
+            matches!(
+                m.outage(),
+                Some(crate::replan::NoPlacement::OverBudget { .. })
+            ),
+            "{:?}",
+            m.outage()
+        );
     }
 }

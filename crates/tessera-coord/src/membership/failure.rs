@@ -35,8 +35,8 @@ pub enum EpochFailure {
         expert_only: bool,
         how: Departure,
     },
-    /// Re-planning found no split of the nodes left (the planner's reason).
-    NoFeasiblePlan(String),
+    /// Re-planning found no split of the nodes left.
+    NoFeasiblePlan(crate::replan::NoPlacement),
     /// Its plan could not start (the placement's reason).
     CannotStart(String),
     /// Several cells were asked for with an expert split, which spreads one copy of the

@@ -91,7 +91,7 @@ pub struct Membership {
     next_epoch: u64,
     auto: Option<AutoPlan>,
     bytes: Option<ModelBytes>,
-    outage: Option<String>,
+    outage: Option<crate::replan::NoPlacement>,
     /// Expert split applied to every plan (`None`: each stage holds all its layers' experts).
     experts: Option<crate::assignment::ExpertSplit>,
     /// KV cache type every stage is assigned.
@@ -231,8 +231,8 @@ impl Membership {
     }
 
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes).
-    pub fn outage(&self) -> Option<&str> {
-        self.outage.as_deref()
+    pub fn outage(&self) -> Option<&crate::replan::NoPlacement> {
+        self.outage.as_ref()
     }
 
     /// A successor of cell `slot` could not load or link (say it does not fit beside the
