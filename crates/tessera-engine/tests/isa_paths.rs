@@ -9,7 +9,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use tessera_engine::kernels::{isa, Isa, MAX_ISA_ENV};
 use tessera_engine::ops::argmax;
@@ -79,7 +78,7 @@ fn child(dir: &Path) {
 fn run_child(cap: Isa) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tessera-isa-{}-{cap}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
+    let out = common::self_command()
         .args([
             "--exact",
             "logits_are_bit_identical_on_every_isa",
@@ -141,7 +140,7 @@ fn an_unknown_isa_name_is_refused() {
     if std::env::var_os(CHILD_OUT).is_some() {
         return;
     }
-    let out = Command::new(std::env::current_exe().unwrap())
+    let out = common::self_command()
         .args(["--exact", "logits_are_bit_identical_on_every_isa"])
         .env(MAX_ISA_ENV, "avx3")
         .env(CHILD_OUT, std::env::temp_dir())
