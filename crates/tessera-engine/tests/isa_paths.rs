@@ -3,8 +3,12 @@
 //! set is fixed once per process, so the test runs itself again as a child per path with
 //! `TESSERA_MAX_ISA` set, and compares the children's logits bit for bit.
 //!
-//! Finding: the scalar, AVX2 and AVX-512 paths give bit-identical logits (prefill and decode)
-//! for every quantized type the fixtures cover, so replicas may be compared across paths.
+//! Finding: the scalar, AVX2 and AVX-512 paths (x86-64), and the scalar, NEON and
+//! NEON + dotprod paths (aarch64, run under qemu-user in CI), give bit-identical logits
+//! (prefill and decode) for every quantized type the fixtures cover, so replicas may be
+//! compared across paths.
+//!
+//! The children are started through the cargo runner when one is set (`common::self_command`).
 
 mod common;
 
@@ -110,9 +114,21 @@ fn logits_are_bit_identical_on_every_isa() {
         return child(Path::new(&dir));
     }
     let paths: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.available()).collect();
-    // On x86-64 CI machines (AVX2 at least) there is always a pair to compare.
-    #[cfg(target_arch = "x86_64")]
+    // On x86-64 CI machines (AVX2 at least) there is always a pair to compare, and on
+    // aarch64 (NEON is part of the architecture) too; under qemu, whose default CPU has the
+    // dot-product extension, all three aarch64 paths.
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     assert!(paths.len() >= 2, "this machine has only {paths:?}");
+    println!("kernel paths compared: {paths:?}");
+    // CI's aarch64 step runs under `qemu-aarch64 -cpu max`: the dotprod path must be among
+    // them there, or its kernels would go untested without a word.
+    #[cfg(target_arch = "aarch64")]
+    if std::env::var_os("CI").is_some() {
+        assert!(
+            paths.contains(&Isa::Dotprod),
+            "CI without dotprod: {paths:?}"
+        );
+    }
     let dirs: Vec<(Isa, PathBuf)> = paths.iter().map(|&i| (i, run_child(i))).collect();
     let (base, base_dir) = &dirs[0];
     for name in FIXTURES {
@@ -149,7 +165,7 @@ fn an_unknown_isa_name_is_refused() {
     assert!(!out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.contains(r#"TESSERA_MAX_ISA="avx3": unknown instruction set "avx3": expected scalar, avx2 or avx512"#),
+        text.contains(r#"TESSERA_MAX_ISA="avx3": unknown instruction set "avx3": expected scalar, neon, dotprod, avx2 or avx512"#),
         "{text}"
     );
 }

@@ -23,10 +23,19 @@
 //! - Outputs are token-major: `out[t * n_rows + r]`.
 //!
 //! The instruction set is chosen once per process ([`isa`]; `TESSERA_MAX_ISA` or [`set_max_isa`]
-//! cap it, so one machine can play a scalar, AVX2 or AVX-512 node); aarch64 and other targets use
-//! the portable kernels (no NEON yet: this toolchain has no aarch64 standard library installed).
-//! Every weight type has an AVX2 and an AVX-512 kernel ([`kernel_path`] says which one a type
-//! takes; the portable kernels are the reference and the path of CPUs without AVX2).
+//! cap it, so one machine can play a scalar, AVX2 or AVX-512 node, or a scalar, NEON or
+//! NEON + dotprod one). [`kernel_path`] says which kernel a type takes; the portable kernels
+//! (`scalar.rs` and the types' own files) are the reference and every other path equals them
+//! bit for bit. The kernel paths:
+//! - x86-64 (`x86/`): every weight type has an AVX2 (+FMA, F16C) and an AVX-512 (F/BW/VL +
+//!   VNNI) kernel; CPUs without AVX2 run the portable kernels.
+//! - aarch64 (`neon/`): NEON kernels for Q4_0, Q8_0 (and Q5_0, held as Q8_0), Q4_1, Q5_1, Q4_K,
+//!   Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS, each also built with the dot-product extension
+//!   (`sdot`, taken when the CPU has it: path `dotprod`), and for F32, F16, BF16 (one NEON
+//!   kernel, no integer dot products). Q2_K, Q3_K and the IQ2/IQ3 types run the portable
+//!   kernels there (path `scalar`), as does the F16/Q8_0 KV cache's attention. Tested bit for
+//!   bit under qemu-user in CI (`.ci/run`); no speed has been measured on ARM hardware.
+//! - other targets: the portable kernels.
 //!
 //! GGML types Tessera does not run, and whether real files use them:
 //! - IQ1_S, IQ1_M: yes, the smallest "1-bit" quants of very large models (e.g. the dynamic

@@ -11,6 +11,7 @@
 
 mod float;
 mod kquant;
+mod lut;
 mod quant;
 
 use std::arch::aarch64::*;
@@ -51,6 +52,9 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<(GroupFn, Isa)> {
         GgmlType::Q4K => pick(kquant::q4k_neon, kquant::q4k_dotprod),
         GgmlType::Q5K => pick(kquant::q5k_neon, kquant::q5k_dotprod),
         GgmlType::Q6K => pick(kquant::q6k_neon, kquant::q6k_dotprod),
+        GgmlType::Mxfp4 => pick(lut::mxfp4_neon, lut::mxfp4_dotprod),
+        GgmlType::Iq4Nl => pick(lut::iq4nl_neon, lut::iq4nl_dotprod),
+        GgmlType::Iq4Xs => pick(lut::iq4xs_neon, lut::iq4xs_dotprod),
         GgmlType::F32 => neon(float::f32_group),
         GgmlType::F16 => neon(float::f16_group),
         GgmlType::BF16 => neon(float::bf16_group),
