@@ -14,7 +14,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use tessera_engine::kernels::{isa, Isa, MAX_ISA_ENV};
+use tessera_engine::kernels::{isa, kernel_path, Isa, MAX_ISA_ENV};
 use tessera_engine::ops::argmax;
 
 /// One fixture per weight type the kernels have (plus dense/MoE/latent-attention shapes).
@@ -72,6 +72,9 @@ fn child(dir: &Path) {
     let want: Isa = std::env::var(MAX_ISA_ENV).unwrap().parse().unwrap();
     // The cap took effect (the machine has every path this test asks for).
     assert_eq!(active, want);
+    // What `tessera bench` and `inspect` print follows the cap: Q4_0 has a kernel on every
+    // SIMD path, so it reports the active one.
+    assert_eq!(kernel_path(tessera_model::GgmlType::Q4_0), active);
     for name in FIXTURES {
         let bytes: Vec<u8> = logits(name).iter().flat_map(|v| v.to_le_bytes()).collect();
         std::fs::write(dir.join(name), bytes).unwrap();
