@@ -29,12 +29,13 @@
 //! bit for bit. The kernel paths:
 //! - x86-64 (`x86/`): every weight type has an AVX2 (+FMA, F16C) and an AVX-512 (F/BW/VL +
 //!   VNNI) kernel; CPUs without AVX2 run the portable kernels.
-//! - aarch64 (`neon/`): NEON kernels for Q4_0, Q8_0 (and Q5_0, held as Q8_0), Q4_1, Q5_1, Q4_K,
-//!   Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS, each also built with the dot-product extension
-//!   (`sdot`, taken when the CPU has it: path `dotprod`), and for F32, F16, BF16 (one NEON
-//!   kernel, no integer dot products). Q2_K, Q3_K and the IQ2/IQ3 types run the portable
-//!   kernels there (path `scalar`), as does the F16/Q8_0 KV cache's attention. Tested bit for
-//!   bit under qemu-user in CI (`.ci/run`); no speed has been measured on ARM hardware.
+//! - aarch64 (`neon/`): NEON kernels for Q4_0, Q8_0 (and Q5_0, held as Q8_0), Q4_1, Q5_1, Q2_K,
+//!   Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS, each also built with the dot-product
+//!   extension (`sdot`, taken when the CPU has it: path `dotprod`), and for F32, F16, BF16 (one
+//!   NEON kernel, no integer dot products). The IQ2/IQ3 types run the portable kernels there
+//!   (path `scalar`), as do the KV cache's attention and the activations' quantization. Tested
+//!   bit for bit under qemu-user in CI (`.ci/aarch64`); no speed has been measured on ARM
+//!   hardware.
 //! - other targets: the portable kernels.
 //!
 //! GGML types Tessera does not run, and whether real files use them:

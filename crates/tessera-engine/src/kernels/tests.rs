@@ -765,7 +765,7 @@ fn no_weight_type_runs_the_scalar_kernel_on_avx2_or_avx512() {
 fn the_common_weight_types_run_neon_kernels_on_aarch64() {
     use GgmlType::*;
     let integer = [
-        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K, Mxfp4, Iq4Nl, Iq4Xs,
+        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, Mxfp4, Iq4Nl, Iq4Xs,
     ];
     let float = [F16, BF16, F32];
     for dtype in ALL {

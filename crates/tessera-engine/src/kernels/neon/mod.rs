@@ -10,6 +10,7 @@
 //! multiply-adds where it fuses — the results equal the scalar ones bit for bit.
 
 mod float;
+mod k23;
 mod kquant;
 mod lut;
 mod quant;
@@ -52,6 +53,8 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<(GroupFn, Isa)> {
         GgmlType::Q4K => pick(kquant::q4k_neon, kquant::q4k_dotprod),
         GgmlType::Q5K => pick(kquant::q5k_neon, kquant::q5k_dotprod),
         GgmlType::Q6K => pick(kquant::q6k_neon, kquant::q6k_dotprod),
+        GgmlType::Q2K => pick(k23::q2k_neon, k23::q2k_dotprod),
+        GgmlType::Q3K => pick(k23::q3k_neon, k23::q3k_dotprod),
         GgmlType::Mxfp4 => pick(lut::mxfp4_neon, lut::mxfp4_dotprod),
         GgmlType::Iq4Nl => pick(lut::iq4nl_neon, lut::iq4nl_dotprod),
         GgmlType::Iq4Xs => pick(lut::iq4xs_neon, lut::iq4xs_dotprod),
