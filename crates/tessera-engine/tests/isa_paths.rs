@@ -118,8 +118,8 @@ fn logits_are_bit_identical_on_every_isa() {
     }
     let paths: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.available()).collect();
     // On x86-64 CI machines (AVX2 at least) there is always a pair to compare, and on
-    // aarch64 (NEON is part of the architecture) too; under qemu, whose default CPU has the
-    // dot-product extension, all three aarch64 paths.
+    // aarch64 (NEON is part of the architecture) too; under CI's `qemu-aarch64 -cpu max`,
+    // which has the dot-product extension, all three aarch64 paths.
     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     assert!(paths.len() >= 2, "this machine has only {paths:?}");
     println!("kernel paths compared: {paths:?}");
