@@ -75,9 +75,10 @@ pub struct NodeArgs {
     /// Less dependable tiers get shorter leases and more of their answers checked.
     #[arg(long, default_value = "workstation")]
     device_tier: tessera_seal::DeviceTier,
-    /// Cap the instruction set the kernels use (scalar, avx2, avx512; default: the machine's
-    /// best). Logits are bit-identical on every path, so one machine can play all three (the
-    /// path is published in the node's claims). Overrides `TESSERA_MAX_ISA`.
+    /// Cap the instruction set the kernels use (scalar, avx2, avx512 on x86-64; scalar, neon,
+    /// dotprod on aarch64; default: the machine's best). Logits are bit-identical on every
+    /// path, so one machine can play each of them (the path is published in the node's
+    /// claims). Overrides `TESSERA_MAX_ISA`.
     #[arg(long, value_name = "ISA")]
     max_isa: Option<tessera_engine::kernels::Isa>,
     /// The operator's key directory (its `node.key`, made on first use; `tessera client
