@@ -137,9 +137,16 @@ fn the_import_check_finds_cycles_through_paths_uses_and_reexports() {
     assert_eq!(cycle_names(planted.path()), vec![vec!["a", "b"]]);
     // A parent that only re-exports its child, and a child using its parent's items, is a
     // facade, not a cycle; neither is a test module naming its own file's items.
+    // A name the root imports from another crate is no edge to the root either.
     let facade = crate_with(&[
-        ("lib.rs", "pub mod p;"),
-        ("p/mod.rs", "mod q; pub use q::Q; pub struct P;"),
+        (
+            "lib.rs",
+            "pub mod p; use std::collections; fn f() -> crate::p::P { todo!() }",
+        ),
+        (
+            "p/mod.rs",
+            "mod q; pub use q::Q; pub struct P; fn g(_: crate::collections::HashSet<u8>) {}",
+        ),
         (
             "p/q.rs",
             "pub struct Q(super::P); mod tests { use super::*; }",

@@ -187,11 +187,11 @@ impl Resolver {
                 module = child;
                 continue;
             }
-            if depth < 16 {
-                if let Some(target) = self.reexports.get(&module).and_then(|r| r.get(segment)) {
-                    return self
-                        .defining_module(&module, target, depth + 1)
-                        .or(Some(module));
+            if let Some(target) = self.reexports.get(&module).and_then(|r| r.get(segment)) {
+                // A name imported from another crate is no edge (`None`); a chain of
+                // re-exports longer than any real one stops where it is.
+                if depth < 16 {
+                    return self.defining_module(&module, target, depth + 1);
                 }
             }
             break;
