@@ -17,11 +17,14 @@ use std::path::{Path, PathBuf};
 use tessera_engine::kernels::{isa, kernel_path, Isa, MAX_ISA_ENV};
 use tessera_engine::ops::argmax;
 
-/// One fixture per weight type the kernels have (plus dense/MoE/latent-attention shapes).
-const FIXTURES: [&str; 24] = [
+/// One fixture per weight type the kernels have (plus dense/MoE/latent-attention shapes; Q4_1
+/// and Q5_1 in two widths: 2 and 8 blocks per row).
+const FIXTURES: [&str; 26] = [
     "tiny-qwen3-Q4_0.gguf",
     "tiny-qwen3-Q4_1.gguf",
     "tiny-qwen3-Q5_1.gguf",
+    "small-qwen3-Q4_1.gguf",
+    "small-qwen3-Q5_1.gguf",
     "tiny-qwen3-Q8_0.gguf",
     "tiny-qwen3-f32.gguf",
     "small-qwen3-F16.gguf",

@@ -246,7 +246,7 @@ fn matches_f64_reference() {
                 .map(|b| {
                     let m = scalar::f16_at(&bytes, (r * nb + b) * bb + 2) as f64;
                     let (dy, sum) = (acts.f[t * nb + b], acts.sums[t * nb + b]);
-                    let s = scalar::q8_1_s(dy, sum) as f64;
+                    let s = acts.q8_1_s[t * nb + b] as f64;
                     m.abs() * (s - dy as f64 * sum as f64).abs()
                 })
                 .sum()

@@ -5,7 +5,6 @@ use std::arch::aarch64::*;
 
 use super::super::matrix::{GROUP, Q1_MIN, Q1_QS, Q1_X16};
 use super::super::quant_acts::QuantizedActs;
-use super::super::scalar::q8_1_s;
 use super::{dot4, f16x4, lanes_sum, neon_and_dotprod, yword};
 
 /// Checks the bounds every group kernel relies on (`bb`: bytes per row and block).
@@ -125,6 +124,7 @@ unsafe fn q1_group<const DOT: bool>(
 ) {
     check_group(w, Q1_X16 / GROUP, a, t0, nt, out);
     let nb = a.cols / 32;
+    assert!((t0 + nt) * nb <= a.q8_1_s.len());
     // SAFETY: bounds checked above; `dot4::<true>` only in the dotprod entry.
     unsafe {
         for j in 0..nt {
@@ -136,7 +136,7 @@ unsafe fn q1_group<const DOT: bool>(
                     let blk = w.as_ptr().add(b * Q1_X16);
                     let idx = t * nb + b;
                     let dy = *a.f.get_unchecked(idx);
-                    let sy = q8_1_s(dy, *a.sums.get_unchecked(idx));
+                    let sy = *a.q8_1_s.get_unchecked(idx);
                     let d = vmulq_n_f32(f16x4(blk.add(8 * q)), dy);
                     let y = a.qs.as_ptr().add(t * a.cols + b * 32);
                     for (k, acc) in acc.iter_mut().enumerate() {
@@ -145,9 +145,9 @@ unsafe fn q1_group<const DOT: bool>(
                         let s = dot4::<DOT>(vdupq_n_s32(0), wk, yword(y.add(4 * k)));
                         *acc = vfmaq_f32(*acc, d, vcvtq_f32_s32(s));
                     }
-                    // `summs += m·s`: product, then sum (not fused), as the scalar kernel.
+                    // `summs += m·s`, fused, as the scalar kernel.
                     let mx = f16x4(blk.add(Q1_MIN + 8 * q));
-                    summs = vaddq_f32(summs, vmulq_n_f32(mx, sy));
+                    summs = vfmaq_f32(summs, mx, vdupq_n_f32(sy));
                 }
                 let r = vaddq_f32(lanes_sum(&acc), summs);
                 vst1q_f32(out.as_mut_ptr().add(j * GROUP + 4 * q), r);
