@@ -23,7 +23,7 @@ pub enum RunRefused {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Unavailable {
     /// No split of the connected nodes fits the model.
-    #[error("service unavailable: {0}")]
+    #[error("service unavailable: no feasible plan: {0}")]
     Outage(NoPlacement),
     /// The epoch it would run on failed.
     #[error("service unavailable: epoch {epoch} failed: {why}")]
