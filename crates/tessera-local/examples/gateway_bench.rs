@@ -14,11 +14,12 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_engine::sampling::sample;
-use tessera_engine::{Model, SamplingParams};
+use tessera_engine::Model;
 use tessera_gateway::{Gateway, GatewayConfig, ServedModel};
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
+use tessera_sampling::sample;
+use tessera_sampling::SamplingParams;
 
 /// Streams one completion; returns (time to first token, tokens, total time).
 fn stream(

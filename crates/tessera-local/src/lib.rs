@@ -51,10 +51,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tessera_engine::sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLookup};
 use tessera_engine::speculate::ModelDraft;
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, Pooling, SeqStep};
 use tessera_model::{human_bytes, GgufFile};
+use tessera_sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLookup};
 
 use embed_queue::{EmbedJob, EmbedQueue};
 use prefix_cache::{PrefixCache, Reuse};

@@ -22,7 +22,7 @@ use common::chaos::{Cluster, Proc};
 use common::{bin, event_in, model, run_with_timeout};
 use tessera_net::{stream_kind, Endpoint, FrameHeader, NetError, NodeIdentity};
 use tessera_node::agent::JoinTarget;
-use tessera_node::protocol::{
+use tessera_proto::{
     frame, stream, ClientToCoord, CoordToClient, ModelReply, ModelRequest, RunRequest,
 };
 
@@ -266,7 +266,7 @@ fn long_run(n: usize) -> ClientToCoord {
         prompt: Some("Once upon a time".into()),
         prompt_tokens: None,
         max_new_tokens: n,
-        sampling: tessera_engine::SamplingParams::greedy(),
+        sampling: tessera_sampling::SamplingParams::greedy(),
         stages: None,
         prefill_chunk: 16,
         trace: false,

@@ -10,7 +10,7 @@ use tessera_net::{measure_link, Connection, Endpoint, FrameWriter, LinkMeasureme
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
-use crate::protocol::{frame, limits, stream, NodeToCoord, RingToken, StepHeader};
+use tessera_proto::{frame, limits, stream, NodeToCoord, RingToken, StepHeader};
 
 use super::experts::{link_experts, serve_experts};
 use super::hop_ledger::Arrival;
@@ -338,8 +338,8 @@ async fn read_ring<R: tokio::io::AsyncRead + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::StepEntry;
     use tessera_net::frame::FrameWriter;
+    use tessera_proto::StepEntry;
 
     #[tokio::test]
     async fn a_malformed_ring_frame_ends_that_stream_after_the_good_ones() {

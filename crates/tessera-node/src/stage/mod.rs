@@ -47,7 +47,7 @@ mod sampling;
 
 use sampling::Grammars;
 
-use crate::protocol::{
+use tessera_proto::{
     hash_f32s, BoundaryTrace, NodeToCoord, OpenSeq, RingToken, StageAssignment, StageSeqStats,
     StepEntry, StepHeader,
 };

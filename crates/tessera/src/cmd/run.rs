@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use tessera_coord::assignment::{parse_split, PlanFile};
 use tessera_net::{Endpoint, NodeIdentity};
 use tessera_node::agent::JoinTarget;
-use tessera_node::protocol::{frame, ClientToCoord, CoordToClient, RunReport, RunRequest};
+use tessera_proto::{frame, ClientToCoord, CoordToClient, RunReport, RunRequest};
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {

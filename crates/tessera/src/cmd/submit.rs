@@ -19,7 +19,7 @@ use tessera_coord::sealed::{ClientPolicy, SealedClient, MAX_CANDIDATES};
 use tessera_coord::CoordError;
 use tessera_model::{GgufFile, Tokenizer};
 use tessera_net::NodeIdentity;
-use tessera_node::protocol::{SealedNews, SealedRequest};
+use tessera_proto::{SealedNews, SealedRequest};
 use tessera_seal::{JobId, NodeKey, SecretKey};
 
 #[derive(clap::Args, Debug)]

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use tessera_net::NodeIdentity;
 use tessera_node::agent::JoinTarget;
-use tessera_node::protocol::{frame, AdminReply, AdminRequest, ClientToCoord, CoordToClient};
+use tessera_proto::{frame, AdminReply, AdminRequest, ClientToCoord, CoordToClient};
 
 /// The environment variable that may hold a `TOKEN@HOST:PORT` line (or, for `tessera node`,
 /// a join token alone), in place of a flag: a secret in argv is visible to every user in the

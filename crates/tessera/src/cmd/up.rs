@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tessera_coord::backend::ClusterBackendConfig;
-use tessera_engine::SamplingParams;
 use tessera_gateway::{Backend, Event, GenerationRequest};
+use tessera_sampling::SamplingParams;
 
 use super::serve::{
     bind_and_print, model_name, resolve_api_keys, runtime, serve_cluster_until_signal, Cluster,
