@@ -1,4 +1,4 @@
-//! The coordinator as a [`tessera_gateway::Backend`]: one OpenAI endpoint in front of the ring.
+//! The coordinator as a [`tessera_api::Backend`]: one OpenAI endpoint in front of the ring.
 //!
 //! Each HTTP request becomes a sequence driven over the current epoch's stages by the same code
 //! that serves `tessera run` ([`crate::driver`]): opened on every stage, prefilled, decoded
@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tessera_gateway::backend::{
+use tessera_api::{
     Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus,
     EmbeddingHandle, EmbeddingRequest, Event, EventSender, FinishReason, GenerationRequest, Health,
     InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, ServedModel, SubmitError,
@@ -650,7 +650,7 @@ fn status(inner: &Inner) -> ClusterStatus {
             let expert_cache =
                 st.expert_cache()
                     .get(&m.node_id)
-                    .map(|c| tessera_gateway::ExpertCacheStatus {
+                    .map(|c| tessera_api::ExpertCacheStatus {
                         budget_bytes: c.budget_bytes,
                         hits: c.hits,
                         misses: c.misses,

@@ -76,7 +76,7 @@
 //! - `session`: a control session's hello, then a node's session (its messages become the
 //!   cluster's inputs) or a client's (in [`driver`]).
 //! - [`server`]: the QUIC endpoint's accept loop and each connection's streams.
-//! - [`backend`]: the [`tessera_gateway::Backend`] the HTTP API serves through; it returns data
+//! - [`backend`]: the [`tessera_api::Backend`] the HTTP API serves through; it returns data
 //!   and the gateway words it.
 //!
 //! Each depends only on those listed before it (and the pure modules), never back.

@@ -22,9 +22,9 @@ use axum::{Json, Router};
 use serde::Serialize;
 use tessera_model::human_bytes;
 
-use crate::backend::{Assignment, ClusterStatus, Health, NodeStatus, PlanStatus};
 use crate::metrics::GatewaySnapshot;
 use crate::server::Gateway;
+use tessera_api::{Assignment, ClusterStatus, Health, NodeStatus, PlanStatus};
 
 const INDEX: &str = include_str!("../assets/index.html");
 const STYLE: &str = include_str!("../assets/style.css");
@@ -574,7 +574,7 @@ fn render_requests(g: &GatewaySnapshot) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Assignment, ExpertCacheStatus, NodeStatus, PlanStatus};
+    use tessera_api::{Assignment, ExpertCacheStatus, NodeStatus, PlanStatus};
 
     /// The words come from the plan's assignments: a stage's place in the ring, its layers
     /// (inclusive), the embedding and head, a partial expert share, and streaming counters.
@@ -640,7 +640,7 @@ mod tests {
 
     #[test]
     fn cells_are_listed_and_each_node_is_worded_within_its_cell() {
-        use crate::backend::CellStatus;
+        use tessera_api::CellStatus;
         let c = ClusterStatus {
             nodes: vec![
                 NodeStatus {

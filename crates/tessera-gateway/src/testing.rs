@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::backend::{
+use tessera_api::{
     Assignment, Backend, BackendCounters, ClusterStatus, Event, FinishReason, GenerationRequest,
     Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, ServedModel,
     SubmitError, Usage,

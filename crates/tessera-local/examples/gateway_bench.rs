@@ -14,8 +14,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tessera_api::ServedModel;
 use tessera_engine::Model;
-use tessera_gateway::{Gateway, GatewayConfig, ServedModel};
+use tessera_gateway::{Gateway, GatewayConfig};
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
 use tessera_sampling::sample;

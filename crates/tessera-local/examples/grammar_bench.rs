@@ -21,9 +21,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tessera_api::{Backend, Event, GenerationRequest};
 use tessera_engine::Model;
 use tessera_gateway::grammar::{GrammarCompiler, GrammarSpec};
-use tessera_gateway::{Backend, Event, GenerationRequest, SchedulerConfig};
+use tessera_gateway::SchedulerConfig;
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::{GgufFile, Tokenizer};
 use tessera_sampling::SamplingParams;

@@ -58,14 +58,13 @@ use tessera_sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLooku
 
 use embed_queue::{EmbedJob, EmbedQueue};
 use prefix_cache::{PrefixCache, Reuse};
-use tessera_gateway::backend::{
+use tessera_api::SpeculationTotals;
+use tessera_api::{
     Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, EmbeddingHandle,
     EmbeddingRequest, Event, EventSender, GenerationRequest, Health, InventorySummary, NodeStatus,
     PlanStatus, RequestHandle, ServedModel, SubmitError,
 };
-use tessera_gateway::scheduler::{
-    Output, Scheduler, SchedulerConfig, Sequence, SpeculationTotals, StepItem,
-};
+use tessera_gateway::scheduler::{Output, Scheduler, SchedulerConfig, Sequence, StepItem};
 
 /// How the local backend batches and queues.
 #[derive(Clone, Copy, Debug)]

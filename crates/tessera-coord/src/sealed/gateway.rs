@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use tessera_gateway::{
+use tessera_api::{
     Backend, BackendCounters, Check, ClusterStatus, EmbeddingHandle, EmbeddingRequest, Event,
     FinishReason, GenerationRequest, RequestHandle, ServedModel, SubmitError, Usage,
 };

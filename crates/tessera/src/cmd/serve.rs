@@ -13,12 +13,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use tessera_api::Backend;
 use tessera_coord::assignment::parse_split;
 use tessera_coord::backend::{ClusterBackend, ClusterBackendConfig};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 use tessera_engine::Model;
 use tessera_gateway::models::{ModelPool, ModelSpec};
-use tessera_gateway::{check_exposure, ApiKeys, Backend, Gateway, GatewayConfig, SchedulerConfig};
+use tessera_gateway::{check_exposure, ApiKeys, Gateway, GatewayConfig, SchedulerConfig};
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
 
@@ -350,7 +351,7 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = validate(args)?;
     let gguf =
         GgufFile::open(&cfg.model).with_context(|| format!("opening {}", cfg.model.display()))?;
-    let model = tessera_gateway::ServedModel::from_gguf(&cfg.name, &gguf, cfg.local.context_length)
+    let model = tessera_api::ServedModel::from_gguf(&cfg.name, &gguf, cfg.local.context_length)
         .context("reading the tokenizer and chat template")?;
     std::fs::create_dir_all(&data_dir)?;
     let identity = tessera_net::NodeIdentity::load_or_create(&data_dir)?;

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tessera_api::{Backend, Event, GenerationRequest};
 use tessera_coord::backend::ClusterBackendConfig;
-use tessera_gateway::{Backend, Event, GenerationRequest};
 use tessera_sampling::SamplingParams;
 
 use super::serve::{
