@@ -83,8 +83,11 @@
 
 #![forbid(unsafe_code)]
 
+// Stage assignments are data the coordinator seats; they live in `tessera-placement` with the
+// planning adapter, so the lab and the CLI plan without a coordinator.
+use tessera_placement::assignment;
+
 mod admin;
-pub mod assignment;
 pub mod authz;
 pub mod backend;
 pub mod cells;
@@ -98,7 +101,6 @@ pub mod enrolling;
 pub mod error;
 pub mod membership;
 pub mod model_access;
-pub mod planning;
 pub mod replan;
 pub mod run;
 pub mod sealed;

@@ -227,7 +227,7 @@ fn bench_model(a: &Args, path: &Path, rows: &mut Vec<Row>) -> anyhow::Result<()>
     let d = dir.path();
     let gguf = tessera_model::GgufFile::open(path)?;
     let profile = tessera_model::ModelProfile::from_gguf(&gguf)?;
-    let model = tessera_coord::planning::planner_model(
+    let model = tessera_placement::planning::planner_model(
         &profile,
         Default::default(),
         &path.display().to_string(),

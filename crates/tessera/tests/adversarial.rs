@@ -286,7 +286,7 @@ fn run_request(stages: Option<&str>, n: usize) -> ClientToCoord {
         prompt_tokens: None,
         max_new_tokens: n,
         sampling: tessera_sampling::SamplingParams::greedy(),
-        stages: stages.map(|s| tessera_coord::assignment::parse_split(s).unwrap()),
+        stages: stages.map(|s| tessera_placement::assignment::parse_split(s).unwrap()),
         prefill_chunk: 64,
         trace: false,
         stop_at_eog: false,

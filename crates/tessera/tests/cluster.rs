@@ -647,7 +647,7 @@ mod wire {
                 prompt_tokens: None,
                 max_new_tokens: 400,
                 sampling: SamplingParams::greedy(),
-                stages: Some(tessera_coord::assignment::parse_split("0..2,2..5").unwrap()),
+                stages: Some(tessera_placement::assignment::parse_split("0..2,2..5").unwrap()),
                 prefill_chunk: 64,
                 trace: false,
                 stop_at_eog: false,

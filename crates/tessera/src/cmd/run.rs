@@ -10,9 +10,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use tessera_coord::assignment::{parse_split, PlanFile};
 use tessera_net::{Endpoint, NodeIdentity};
 use tessera_node::agent::JoinTarget;
+use tessera_placement::assignment::{parse_split, PlanFile};
 use tessera_proto::{frame, ClientToCoord, CoordToClient, RunReport, RunRequest};
 
 #[derive(clap::Args, Debug)]

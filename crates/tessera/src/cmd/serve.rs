@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tessera_api::Backend;
-use tessera_coord::assignment::parse_split;
 use tessera_coord::backend::{ClusterBackend, ClusterBackendConfig};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 use tessera_engine::Model;
@@ -22,6 +21,7 @@ use tessera_gateway::models::{ModelPool, ModelSpec};
 use tessera_gateway::{check_exposure, ApiKeys, Gateway, GatewayConfig, SchedulerConfig};
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
+use tessera_placement::assignment::parse_split;
 
 use crate::default_model;
 use crate::output::Stream;

@@ -275,7 +275,7 @@ async fn up(
     .await?;
     let n_stages = match args.plan {
         Some(_) => 0,
-        None => tessera_coord::assignment::parse_split(&cluster.split)?.len(),
+        None => tessera_placement::assignment::parse_split(&cluster.split)?.len(),
     };
     if n_stages > args.nodes {
         bail!(
