@@ -345,6 +345,11 @@ pub enum SubmitError {
     Unsupported(String),
 }
 
+/// The 501 a cluster (and a sealed federation) answers to embeddings: its stages return
+/// tokens, not final hidden states, so far.
+pub const NO_CLUSTER_EMBEDDINGS: &str = "embeddings are not served by a distributed cluster yet \
+     (serve the model in one process with `tessera serve --model FILE` to compute them)";
+
 /// The model a backend serves, with what the gateway needs to turn text into tokens and back.
 #[derive(Debug)]
 pub struct ServedModel {

@@ -342,11 +342,6 @@ fn not_serving(shared: &Shared) -> Option<NotServing> {
     }
 }
 
-/// The 501 a cluster (and a sealed federation) answers to embeddings: its stages return
-/// tokens, not final hidden states, so far.
-pub const NO_CLUSTER_EMBEDDINGS: &str = "embeddings are not served by a distributed cluster yet \
-     (serve the model in one process with `tessera serve --model FILE` to compute them)";
-
 impl Backend for ClusterBackend {
     fn model(&self) -> Arc<ServedModel> {
         self.inner.model.clone()
@@ -399,7 +394,9 @@ impl Backend for ClusterBackend {
 
     /// No stage returns final hidden states yet; `tessera serve` (one process) computes them.
     fn embed(&self, _req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
-        Err(SubmitError::Unsupported(NO_CLUSTER_EMBEDDINGS.into()))
+        Err(SubmitError::Unsupported(
+            tessera_api::NO_CLUSTER_EMBEDDINGS.into(),
+        ))
     }
 }
 

@@ -110,7 +110,7 @@ pub(crate) async fn connect_client(
     identity: &NodeIdentity,
     target: &JoinTarget,
 ) -> anyhow::Result<(Endpoint, tessera_net::Connection, tessera_net::FramedStream)> {
-    tessera_coord::sealed::client::connect_client(identity, target.addr, &target.token)
+    tessera_client::sealed::client::connect_client(identity, target.addr, &target.token)
         .await
         .context("connecting to the coordinator")
 }

@@ -344,7 +344,7 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| state_root().join("tessera-sealed-client"));
     let workers = args.sealed_workers as usize;
-    let policy = tessera_coord::sealed::ClientPolicy {
+    let policy = tessera_client::sealed::ClientPolicy {
         trust: args.trust.clone(),
         verified_only: args.verified_only,
     };
@@ -358,13 +358,13 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
     let rt = runtime()?;
     rt.block_on(async move {
         let client =
-            tessera_coord::sealed::SealedClient::connect(&identity, target.addr, &target.token)
+            tessera_client::sealed::SealedClient::connect(&identity, target.addr, &target.token)
                 .await
                 .context("connecting to the coordinator")?;
-        let backend: Arc<dyn Backend> = Arc::new(tessera_coord::sealed::SealedBackend::new(
+        let backend: Arc<dyn Backend> = Arc::new(tessera_client::sealed::SealedBackend::new(
             model,
             client,
-            tessera_coord::sealed::SealedBackendConfig {
+            tessera_client::sealed::SealedBackendConfig {
                 workers,
                 ttl_ms: 10 * 60_000,
                 policy,

@@ -69,7 +69,7 @@ impl Backend for SealedBackend {
     /// A sealed job carries tokens out, not final hidden states.
     fn embed(&self, _req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
         Err(SubmitError::Unsupported(
-            crate::backend::NO_CLUSTER_EMBEDDINGS.into(),
+            tessera_api::NO_CLUSTER_EMBEDDINGS.into(),
         ))
     }
 
