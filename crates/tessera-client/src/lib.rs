@@ -2,14 +2,15 @@
 //! side): it connects to a coordinator as an enrolled client and speaks `tessera_proto`'s client
 //! messages.
 //!
-//! - [`sealed::client`]: a control session ([`sealed::client::connect_client`], also the
-//!   session `tessera run --coordinator` and `tessera token` open) and the sealing client,
-//!   [`sealed::SealedClient`];
+//! - [`session`]: a control session with a coordinator ([`session::ClusterSession`]), as
+//!   `tessera run --coordinator` and `tessera token` open it;
+//! - [`sealed::client`]: the sealing client, [`sealed::SealedClient`], over such a session;
 //! - [`sealed::SealedBackend`]: a gateway `Backend` that runs every request as a sealed job.
 
 #![forbid(unsafe_code)]
 
 pub mod error;
 pub mod sealed;
+pub mod session;
 
 pub use error::ClientError;

@@ -19,8 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use tessera_net::{Connection, Endpoint, FrameWriter, JoinToken, NodeIdentity};
 use tessera_proto::{
-    frame, limits, stream, ClientToCoord, CoordToClient, Hello, Role, SealedAnswer, SealedNews,
-    SealedRequest, SealedSubmit, PROTOCOL_VERSION,
+    frame, ClientToCoord, CoordToClient, SealedAnswer, SealedNews, SealedRequest, SealedSubmit,
 };
 use tessera_seal::{
     AnswerDigest, JobEnvelope, JobId, NodeKey, ResultEnvelope, SecretKey, SignedClaims,
@@ -68,53 +67,13 @@ pub struct SealedOutcome {
     pub answer: SealedAnswer,
 }
 
-/// Enrols (or reconnects) as a client and opens a control session past the coordinator's
-/// welcome: the endpoint, the connection and the session's stream.
-pub async fn connect_client(
-    identity: &NodeIdentity,
-    addr: SocketAddr,
-    token: &JoinToken,
-) -> Result<(Endpoint, Connection, tessera_net::FramedStream), ClientError> {
-    let bind: SocketAddr = if addr.is_ipv4() {
-        ([0, 0, 0, 0], 0).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-    };
-    let endpoint = Endpoint::bind(bind, identity, tessera_net::AllowList::new())?;
-    let conn = endpoint.enroll(addr, token).await?;
-    let mut s = conn.open_stream(stream::CONTROL).await?;
-    s.reader.set_max_len(limits::CONTROL);
-    s.writer
-        .write_message(
-            frame::MSG,
-            &ClientToCoord::Hello(Hello {
-                protocol_version: PROTOCOL_VERSION,
-                role: Role::Client,
-                name: format!("client-{}", identity.node_id().short()),
-                inventory: None,
-                memory_budget_bytes: None,
-                models: Vec::new(),
-            }),
-        )
-        .await?;
-    match s.reader.read_message::<CoordToClient>(frame::MSG).await? {
-        CoordToClient::Welcome { .. } => Ok((endpoint, conn, s)),
-        CoordToClient::Refused { reason } => Err(ClientError::Protocol(format!(
-            "the coordinator refused this client: {reason}"
-        ))),
-        other => Err(ClientError::Protocol(format!(
-            "unexpected first message {other:?}"
-        ))),
-    }
-}
-
 impl SealedClient {
     pub async fn connect(
         identity: &NodeIdentity,
         addr: SocketAddr,
         token: &JoinToken,
     ) -> Result<Self, ClientError> {
-        let (endpoint, conn, s) = connect_client(identity, addr, token).await?;
+        let (endpoint, conn, s) = crate::session::connect_client(identity, addr, token).await?;
         let tessera_net::FramedStream {
             mut reader, writer, ..
         } = s;
