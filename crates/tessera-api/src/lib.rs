@@ -589,6 +589,32 @@ pub struct PlanStatus {
     /// holds more than one; `epoch` is then the first cell's.
     #[serde(default)]
     pub cells: Vec<CellStatus>,
+    /// The plan's shape as data, from a backend that leaves the words to the gateway (the
+    /// coordinator): the dashboard then words `strategy` and `explanation` from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<PlanShape>,
+}
+
+/// What a distributed plan is, as data: its ring, its expert split, its cells and what the
+/// operator or planner said of it. The gateway's dashboard words it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlanShape {
+    /// The stages that hold layers, in ring order (of the first cell when there are several).
+    pub ring: Vec<RingStage>,
+    /// Each MoE layer's experts split by owner, in `--experts` syntax (`0-3@a,4-7@b`), when
+    /// they are split.
+    pub expert_split: Option<String>,
+    /// Whole copies of the model; above 1 the plan runs as cells.
+    pub cells: usize,
+    /// What the operator or the planner said about the choice (empty: nothing).
+    pub note: String,
+}
+
+/// One stage of a ring: the node's name and the layers `start..end` it runs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingStage {
+    pub node: String,
+    pub layers: [usize; 2],
 }
 
 /// One cell of a plan: a whole copy of the model that takes whole requests.

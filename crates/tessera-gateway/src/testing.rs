@@ -178,6 +178,7 @@ pub fn three_node_status(model: &str, n_layers: usize) -> ClusterStatus {
                           the old server alone would hold 60% of the weights and set the pace."
                 .into(),
             cells: Vec::new(),
+            shape: None,
         }),
         links: vec![
             LinkStatus {

@@ -260,6 +260,7 @@ impl LocalBackend {
                 config.scheduler.max_active
             ),
             cells: Vec::new(),
+            shape: None,
         };
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox {
