@@ -13,6 +13,9 @@ With `--long N`, one prompt of N seeded pseudo-random token ids (BOS first; nump
 the test can rebuild it) and 8 greedy tokens, recorded in reference/long/<stem>-<N>.json (same
 format; a subdirectory, so reference.rs's sweep over reference/*.json does not pay for it).
 
+LLAMA_CPP_BIN picks another build's bin/ (e.g. `ISA=avx2 tools/llama-cpp.sh build`'s build-avx2);
+the build folder's name is written into the `engine` field.
+
 Only the standard library is used.
 """
 import hashlib
@@ -109,7 +112,8 @@ def record(model, long_n=None):
     with open(model, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     doc = {"model": os.path.basename(model), "model_sha256": sha,
-           "engine": f"llama.cpp llama-server {version()}, CPU, 2 threads, F32 KV cache, flash attention off",
+           "engine": f"llama.cpp llama-server {version()} ({os.path.basename(os.path.dirname(BUILD))}), "
+                     "CPU, 2 threads, F32 KV cache, flash attention off",
            "sampling": {"temperature": 0, "top_k": 1, "n_predict": 8 if long_n else N_PREDICT,
                         "ignore_eos": True},
            "results": results}

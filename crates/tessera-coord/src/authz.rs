@@ -108,12 +108,22 @@ pub enum Refusal {
     #[error("a second hello")]
     SecondHello,
     #[error("{0}")]
-    ModelBytes(crate::model_access::ModelRefusal),
+    ModelBytes(ModelRefusal),
     #[error(
         "too many runs in flight (at most {MAX_RUNS_PER_CLIENT} per client, \
          {MAX_CLIENT_RUNS} for all clients); retry later"
     )]
     TooManyRuns,
+}
+
+/// Why a MODEL stream request was refused ([`crate::model_access`] decides which bytes an
+/// assignment needs; the refusal is one of the gate's words, so it lives here).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ModelRefusal {
+    #[error("model bytes go only to node credentials (this key enrolled as {0})")]
+    NotANode(Grant),
+    #[error("this node holds no assignment that needs chunk {chunk}")]
+    NotAssigned { chunk: u32 },
 }
 
 /// Most runs QUIC clients may have in flight together (the HTTP gateway has its own slots and

@@ -107,27 +107,6 @@ pub enum RunNews {
     Ended(Result<Box<RunOutcome>, RunRefused>),
 }
 
-/// Why a request never became a run.
-#[derive(Debug)]
-pub enum RunRefused {
-    /// The stages it asked for do not resolve against the model and the nodes.
-    Assignment(AssignmentError),
-    /// No cell can take it, and none is coming (with the reason).
-    Unavailable(String),
-    /// No cell took it in time.
-    Timeout(String),
-}
-
-impl From<RunRefused> for crate::CoordError {
-    fn from(r: RunRefused) -> Self {
-        match r {
-            RunRefused::Assignment(e) => Self::Assignment(e),
-            RunRefused::Unavailable(m) => Self::Run(m),
-            RunRefused::Timeout(m) => Self::Timeout(m),
-        }
-    }
-}
-
 /// What the cluster needs to know about the model it serves.
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
@@ -327,6 +306,7 @@ impl Cluster {
     #[cfg(test)]
     pub fn inject_fault(&mut self, fault: Option<Fault>) {
         self.fault = fault;
+        self.membership.inject_fault(fault);
     }
 
     /// Runs in flight (placing or running).
@@ -615,10 +595,8 @@ impl Cluster {
                         _ => continue,
                     };
                     let why = match target {
-                        Some(t) => format!("epoch {t} did not become ready"),
-                        None => {
-                            format!("no cell could take the request within {PLACEMENT_TIMEOUT:?}")
-                        }
+                        Some(t) => PlacementTimeout::EpochNotReady(t),
+                        None => PlacementTimeout::NoCell(PLACEMENT_TIMEOUT),
                     };
                     self.refuse_run(run, RunRefused::Timeout(why), out);
                 }
@@ -842,7 +820,7 @@ impl Cluster {
     }
 
     /// Why no cell can take a request now and none is coming.
-    fn unavailable(&self) -> Option<String> {
+    fn unavailable(&self) -> Option<Unavailable> {
         let m = &self.membership;
         if m.cells()
             .iter()
@@ -851,14 +829,16 @@ impl Cluster {
             return None;
         }
         let failed = m.epoch().and_then(|e| match &e.phase {
-            Phase::Failed(r) => Some(format!("epoch {} failed: {r}", e.id)),
+            Phase::Failed(why) => Some(Unavailable::EpochFailed {
+                epoch: e.id,
+                why: why.clone(),
+            }),
             _ => None,
         });
-        Some(match (m.outage().map(str::to_string), failed) {
-            (Some(why), _) | (None, Some(why)) => format!("service unavailable: {why}"),
-            (None, None) => {
-                "no assignment is active: give the stages (e.g. --split 0..3,3..5)".into()
-            }
+        Some(match (m.outage(), failed) {
+            (Some(why), _) => Unavailable::Outage(why.clone()),
+            (None, Some(failed)) => failed,
+            (None, None) => Unavailable::NoAssignment,
         })
     }
 
@@ -894,19 +874,22 @@ impl Cluster {
                             Some(p) => self.start(now, run, p, out),
                             None => self.refuse_run(
                                 run,
-                                RunRefused::Unavailable("the epoch was replaced".into()),
+                                RunRefused::Unavailable(Unavailable::EpochReplaced(None)),
                                 out,
                             ),
                         }
                     }
                     Some(Phase::Failed(r)) => self.refuse_run(
                         run,
-                        RunRefused::Unavailable(format!("epoch {t} failed: {r}")),
+                        RunRefused::Unavailable(Unavailable::EpochFailed {
+                            epoch: t,
+                            why: r.clone(),
+                        }),
                         out,
                     ),
                     Some(Phase::Released) | None => self.refuse_run(
                         run,
-                        RunRefused::Unavailable(format!("epoch {t} was replaced")),
+                        RunRefused::Unavailable(Unavailable::EpochReplaced(Some(t))),
                         out,
                     ),
                     Some(Phase::Loading | Phase::Linking) => {}
@@ -921,7 +904,7 @@ impl Cluster {
                 }
                 Err(NoCell::NoneFits { .. }) => {}
                 Err(e @ NoCell::TooBig { .. }) => {
-                    self.refuse_run(run, RunRefused::Unavailable(e.to_string()), out)
+                    self.refuse_run(run, RunRefused::Unavailable(Unavailable::NoCell(e)), out)
                 }
             },
             RunState::Running {
@@ -1076,5 +1059,8 @@ fn epoch_record(m: &Membership, e: &crate::membership::Epoch) -> EpochRecord {
     }
 }
 
+mod refusal;
 #[cfg(test)]
 mod tests;
+
+pub use refusal::{PlacementTimeout, RunRefused, Unavailable};

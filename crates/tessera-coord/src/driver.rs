@@ -133,14 +133,14 @@ pub(crate) async fn client_session(
                     let _ = tx.send(CoordToClient::Admin(crate::admin::handle(&shared, req)));
                 }
                 Ok(ClientToCoord::Holders { model }) => {
-                    let holders = crate::sealed::edge::holders(&shared, model.as_deref());
+                    let holders = crate::sealed::edge::holders(&*shared, model.as_deref());
                     let _ = tx.send(CoordToClient::Holders { holders });
                 }
                 Ok(ClientToCoord::SealedSubmit(s)) => {
                     let client = *sealed_id.get_or_insert_with(|| {
-                        crate::sealed::edge::client_joined(&shared, tx.clone())
+                        crate::sealed::edge::client_joined(&*shared, tx.clone())
                     });
-                    crate::sealed::edge::submit(&shared, client, s);
+                    crate::sealed::edge::submit(&*shared, client, s);
                 }
                 Ok(ClientToCoord::Hello(_)) => {
                     let _ = tx.send(CoordToClient::Error {
@@ -164,7 +164,7 @@ pub(crate) async fn client_session(
         cancel(&shared, seq);
     }
     if let Some(client) = sealed_id {
-        crate::sealed::edge::client_left(&shared, client);
+        crate::sealed::edge::client_left(&*shared, client);
     }
     drop(tx);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer_task).await;

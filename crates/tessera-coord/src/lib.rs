@@ -99,6 +99,7 @@ pub mod driver;
 pub mod enrol;
 pub mod enrolling;
 pub mod error;
+pub mod fault;
 pub mod membership;
 pub mod model_access;
 pub mod replan;

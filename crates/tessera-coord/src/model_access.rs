@@ -22,17 +22,8 @@ use std::ops::Range;
 use tessera_host::Manifest;
 use tessera_net::NodeId;
 
-use crate::authz::Grant;
+use crate::authz::{Grant, ModelRefusal};
 use crate::membership::{Epoch, Membership, Phase};
-
-/// Why a MODEL stream request was refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum ModelRefusal {
-    #[error("model bytes go only to node credentials (this key enrolled as {0})")]
-    NotANode(Grant),
-    #[error("this node holds no assignment that needs chunk {chunk}")]
-    NotAssigned { chunk: u32 },
-}
 
 /// The tensors a stage needs: its layers' `blk.N.*` (and the RoPE frequency factors, where the
 /// model has them), the embedding (first stage, or the last with tied embeddings), the output

@@ -169,6 +169,31 @@ pub fn even_ranges(n_layer: usize, n: usize) -> Vec<Range<usize>> {
     out
 }
 
+/// Why no even split could be made.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NoPlacement {
+    #[error("no node is connected")]
+    NoNode,
+    #[error("the model has no layers")]
+    NoLayers,
+    /// Every stage count tried left some node a share beyond its budget; this is the last
+    /// one that did not fit.
+    #[error(
+        "no placement on {nodes} node(s) fits: node {} cannot hold layers {}..{} ({needed} \
+         bytes) within its budget of {budget} bytes",
+        node.short(),
+        layers.start,
+        layers.end
+    )]
+    OverBudget {
+        nodes: usize,
+        node: NodeId,
+        layers: Range<usize>,
+        needed: u64,
+        budget: u64,
+    },
+}
+
 /// An even split of `n_layer` layers over at most `target` of `nodes` (in order), within their
 /// budgets where `bytes` tells what a stage weighs. Tries `min(target, nodes)` stages first,
 /// then more nodes (smaller shares) up to all of them, before giving up; the error says why.
@@ -177,26 +202,28 @@ pub fn even_split(
     nodes: &[Survivor],
     target: usize,
     bytes: Option<&ModelBytes>,
-) -> Result<Vec<(NodeId, Range<usize>)>, String> {
+) -> Result<Vec<(NodeId, Range<usize>)>, NoPlacement> {
     if nodes.is_empty() {
-        return Err("no node is connected".into());
+        return Err(NoPlacement::NoNode);
     }
     if n_layer == 0 {
-        return Err("the model has no layers".into());
+        return Err(NoPlacement::NoLayers);
     }
     let first = target.clamp(1, nodes.len()).min(n_layer);
-    let mut last_err = String::new();
+    let mut last_err = None;
     for n in first..=nodes.len().min(n_layer) {
         let ranges = even_ranges(n_layer, n);
         let fits = ranges.iter().zip(nodes).try_for_each(|(r, node)| {
             match (bytes, node.memory_budget_bytes) {
-                (Some(b), Some(budget)) if b.stage(r, n_layer) > budget => Err(format!(
-                    "node {} cannot hold layers {}..{} ({} bytes) within its budget of {budget} bytes",
-                    node.node_id.short(),
-                    r.start,
-                    r.end,
-                    b.stage(r, n_layer)
-                )),
+                (Some(b), Some(budget)) if b.stage(r, n_layer) > budget => {
+                    Err(NoPlacement::OverBudget {
+                        nodes: nodes.len(),
+                        node: node.node_id,
+                        layers: r.clone(),
+                        needed: b.stage(r, n_layer),
+                        budget,
+                    })
+                }
                 _ => Ok(()),
             }
         });
@@ -208,13 +235,10 @@ pub fn even_split(
                     .map(|(n, r)| (n.node_id, r))
                     .collect())
             }
-            Err(e) => last_err = e,
+            Err(e) => last_err = Some(e),
         }
     }
-    Err(format!(
-        "no placement on {} node(s) fits: {last_err}",
-        nodes.len()
-    ))
+    Err(last_err.expect("at least one stage count was tried"))
 }
 
 #[cfg(test)]
@@ -256,7 +280,10 @@ mod tests {
         let s = even_split(6, &tight, 2, Some(&bytes)).unwrap();
         assert_eq!(s.len(), 3);
         let err = even_split(6, &tight[..2], 2, Some(&bytes)).unwrap_err();
-        assert!(err.contains("budget"), "{err}");
+        assert!(
+            matches!(err, NoPlacement::OverBudget { nodes: 2, .. }),
+            "{err}"
+        );
         assert!(even_split(6, &[], 2, None).is_err());
     }
 

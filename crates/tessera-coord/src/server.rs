@@ -185,13 +185,8 @@ impl Coordinator {
 
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes), for a
     /// front end to answer "503 Service Unavailable" with; `None` when the cluster has capacity.
-    pub fn outage(&self) -> Option<String> {
-        self.shared
-            .lock()
-            .cluster
-            .membership()
-            .outage()
-            .map(str::to_string)
+    pub fn outage(&self) -> Option<crate::replan::NoPlacement> {
+        self.shared.lock().cluster.membership().outage().cloned()
     }
 
     /// The shared state, for the gateway backend in this crate.
@@ -270,14 +265,15 @@ impl Coordinator {
         Ok(placed)
     }
 
-    /// Most positions per sequence in the plans made from now on (a planner's choice of the
-    /// context that fits; call before applying its stages).
     /// How sealed jobs are verified, and (tests only) how this coordinator misbehaves with them.
     /// Call before clients connect.
     pub fn set_sealed(&self, settings: &crate::sealed::SealedSettings) {
+        use crate::sealed::edge::SealedHost;
         *self.shared.sealed() = crate::sealed::SealedEdge::new(settings);
     }
 
+    /// Most positions per sequence in the plans made from now on (a planner's choice of the
+    /// context that fits; call before applying its stages).
     pub fn set_max_context(&self, positions: usize) {
         self.shared.max_context.store(positions, Ordering::SeqCst);
         self.shared.lock().cluster.set_max_context(positions);

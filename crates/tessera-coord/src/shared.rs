@@ -120,11 +120,6 @@ impl Shared {
         self.max_context.load(Ordering::SeqCst)
     }
 
-    /// The sealed-job desk. Never held while taking [`Shared::lock`] (nor the other way).
-    pub fn sealed(&self) -> std::sync::MutexGuard<'_, crate::sealed::SealedEdge> {
-        self.sealed.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     pub fn lock(&self) -> std::sync::MutexGuard<'_, Core> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -270,6 +265,29 @@ impl Shared {
             .outboxes
             .get(&to)
             .is_some_and(|s| s.tx.send(msg).is_ok())
+    }
+}
+
+impl crate::sealed::edge::SealedHost for Shared {
+    /// The sealed-job desk. Never held while taking [`Shared::lock`] (nor the other way).
+    fn sealed(&self) -> std::sync::MutexGuard<'_, crate::sealed::SealedEdge> {
+        self.sealed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
+        Self::send(self, to, msg)
+    }
+
+    fn member_name(&self, id: &NodeId) -> Option<String> {
+        self.lock()
+            .cluster
+            .membership()
+            .member(id)
+            .map(|m| m.name.clone())
+    }
+
+    fn closing(&self) -> bool {
+        self.closing.load(Ordering::SeqCst)
     }
 }
 

@@ -3,22 +3,28 @@
 //! set is fixed once per process, so the test runs itself again as a child per path with
 //! `TESSERA_MAX_ISA` set, and compares the children's logits bit for bit.
 //!
-//! Finding: the scalar, AVX2 and AVX-512 paths give bit-identical logits (prefill and decode)
-//! for every quantized type the fixtures cover, so replicas may be compared across paths.
+//! Finding: the scalar, AVX2 and AVX-512 paths (x86-64), and the scalar, NEON and
+//! NEON + dotprod paths (aarch64, run under qemu-user in CI), give bit-identical logits
+//! (prefill and decode) for every quantized type the fixtures cover, so replicas may be
+//! compared across paths.
+//!
+//! The children are started through the cargo runner when one is set (`common::self_command`).
 
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use tessera_engine::kernels::{isa, Isa, MAX_ISA_ENV};
+use tessera_engine::kernels::{isa, kernel_path, Isa, MAX_ISA_ENV};
 use tessera_engine::ops::argmax;
 
-/// One fixture per weight type the kernels have (plus dense/MoE/latent-attention shapes).
-const FIXTURES: [&str; 24] = [
+/// One fixture per weight type the kernels have (plus dense/MoE/latent-attention shapes; Q4_1
+/// and Q5_1 in two widths: 2 and 8 blocks per row).
+const FIXTURES: [&str; 26] = [
     "tiny-qwen3-Q4_0.gguf",
     "tiny-qwen3-Q4_1.gguf",
     "tiny-qwen3-Q5_1.gguf",
+    "small-qwen3-Q4_1.gguf",
+    "small-qwen3-Q5_1.gguf",
     "tiny-qwen3-Q8_0.gguf",
     "tiny-qwen3-f32.gguf",
     "small-qwen3-F16.gguf",
@@ -69,6 +75,9 @@ fn child(dir: &Path) {
     let want: Isa = std::env::var(MAX_ISA_ENV).unwrap().parse().unwrap();
     // The cap took effect (the machine has every path this test asks for).
     assert_eq!(active, want);
+    // What `tessera bench` and `inspect` print follows the cap: Q4_0 has a kernel on every
+    // SIMD path, so it reports the active one.
+    assert_eq!(kernel_path(tessera_model::GgmlType::Q4_0), active);
     for name in FIXTURES {
         let bytes: Vec<u8> = logits(name).iter().flat_map(|v| v.to_le_bytes()).collect();
         std::fs::write(dir.join(name), bytes).unwrap();
@@ -79,7 +88,7 @@ fn child(dir: &Path) {
 fn run_child(cap: Isa) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tessera-isa-{}-{cap}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
+    let out = common::self_command()
         .args([
             "--exact",
             "logits_are_bit_identical_on_every_isa",
@@ -111,9 +120,21 @@ fn logits_are_bit_identical_on_every_isa() {
         return child(Path::new(&dir));
     }
     let paths: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.available()).collect();
-    // On x86-64 CI machines (AVX2 at least) there is always a pair to compare.
-    #[cfg(target_arch = "x86_64")]
+    // On x86-64 CI machines (AVX2 at least) there is always a pair to compare, and on
+    // aarch64 (NEON is part of the architecture) too; under CI's `qemu-aarch64 -cpu max`,
+    // which has the dot-product extension, all three aarch64 paths.
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     assert!(paths.len() >= 2, "this machine has only {paths:?}");
+    println!("kernel paths compared: {paths:?}");
+    // CI's aarch64 step runs under `qemu-aarch64 -cpu max`: the dotprod path must be among
+    // them there, or its kernels would go untested without a word.
+    #[cfg(target_arch = "aarch64")]
+    if std::env::var_os("CI").is_some() {
+        assert!(
+            paths.contains(&Isa::Dotprod),
+            "CI without dotprod: {paths:?}"
+        );
+    }
     let dirs: Vec<(Isa, PathBuf)> = paths.iter().map(|&i| (i, run_child(i))).collect();
     let (base, base_dir) = &dirs[0];
     for name in FIXTURES {
@@ -141,7 +162,7 @@ fn an_unknown_isa_name_is_refused() {
     if std::env::var_os(CHILD_OUT).is_some() {
         return;
     }
-    let out = Command::new(std::env::current_exe().unwrap())
+    let out = common::self_command()
         .args(["--exact", "logits_are_bit_identical_on_every_isa"])
         .env(MAX_ISA_ENV, "avx3")
         .env(CHILD_OUT, std::env::temp_dir())
@@ -150,7 +171,7 @@ fn an_unknown_isa_name_is_refused() {
     assert!(!out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.contains(r#"TESSERA_MAX_ISA="avx3": unknown instruction set "avx3": expected scalar, avx2 or avx512"#),
+        text.contains(r#"TESSERA_MAX_ISA="avx3": unknown instruction set "avx3": expected scalar, neon, dotprod, avx2 or avx512"#),
         "{text}"
     );
 }

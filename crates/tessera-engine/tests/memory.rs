@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use tessera_engine::LoadSpec;
 use tessera_model::ModelConfig;
 
@@ -57,7 +55,7 @@ fn memory_child(case: &str) {
 }
 
 fn run_child(case: &str) -> (u64, u64) {
-    let out = Command::new(std::env::current_exe().unwrap())
+    let out = common::self_command()
         .args(["--exact", TEST, "--nocapture"])
         .env("TESSERA_MEMORY_CASE", case)
         .output()

@@ -247,7 +247,11 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
 /// `CAP_SYS_NICE`). The kernel's real-time throttling still keeps 5% of each second for
 /// everything else.
 pub fn realtime() -> bool {
-    let param = libc::sched_param { sched_priority: 10 };
+    // Zeroed, then the priority set: musl's `sched_param` has sporadic-server fields
+    // glibc's lacks, and zero is their "unused" value.
+    // SAFETY: `sched_param` is plain integers, for which all-zero bytes are valid.
+    let mut param: libc::sched_param = unsafe { std::mem::zeroed() };
+    param.sched_priority = 10;
     // SAFETY: changes only the calling thread's scheduling policy.
     unsafe { libc::pthread_setschedparam(libc::pthread_self(), libc::SCHED_FIFO, &param) == 0 }
 }

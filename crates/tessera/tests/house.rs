@@ -1,5 +1,9 @@
-//! The house's own rules, checked: README's exact crate graph ("How it is built") is the one
-//! the `Cargo.toml` files declare.
+//! The house's own rules, checked:
+//! - README's exact crate graph ("How it is built") is the one the `Cargo.toml` files declare;
+//! - the coordinator's and the node's files read bottom-up: no file-level import cycle.
+
+#[path = "house/imports.rs"]
+mod imports;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -95,4 +99,90 @@ fn readmes_crate_graph_is_the_one_the_manifests_declare() {
         extra.is_empty(),
         "README names crates that do not exist: {extra:?}"
     );
+}
+
+/// Writes a small crate's sources (`(path under src, text)`) into a temporary directory.
+fn crate_with(files: &[(&str, &str)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (path, text) in files {
+        let path = dir.path().join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+    dir
+}
+
+fn cycle_names(src: &Path) -> Vec<Vec<String>> {
+    imports::cycles(&imports::graph(src))
+        .iter()
+        .map(|c| c.iter().map(imports::name).collect())
+        .collect()
+}
+
+#[test]
+fn the_import_check_finds_cycles_through_paths_uses_and_reexports() {
+    // a names b's item in code, b imports a's through the crate root's re-export.
+    let planted = crate_with(&[
+        ("lib.rs", "mod a; mod b; mod c; pub use a::Alpha;"),
+        (
+            "a.rs",
+            "pub struct Alpha; fn f() -> crate::b::Beta { todo!() }",
+        ),
+        ("b.rs", "use crate::Alpha; pub struct Beta(Alpha);"),
+        (
+            "c.rs",
+            "use super::a::Alpha; mod tests { use super::super::b::*; }",
+        ),
+    ]);
+    assert_eq!(cycle_names(planted.path()), vec![vec!["a", "b"]]);
+    // A parent that only re-exports its child, and a child using its parent's items, is a
+    // facade, not a cycle; neither is a test module naming its own file's items.
+    // A name the root imports from another crate is no edge to the root either.
+    let facade = crate_with(&[
+        (
+            "lib.rs",
+            "pub mod p; use std::collections; fn f() -> crate::p::P { todo!() }",
+        ),
+        (
+            "p/mod.rs",
+            "mod q; pub use q::Q; pub struct P; fn g(_: crate::collections::HashSet<u8>) {}",
+        ),
+        (
+            "p/q.rs",
+            "pub struct Q(super::P); mod tests { use super::*; }",
+        ),
+    ]);
+    assert!(cycle_names(facade.path()).is_empty());
+}
+
+#[test]
+fn the_coordinator_and_the_node_have_no_file_level_import_cycle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for krate in ["tessera-coord", "tessera-node"] {
+        let src = root.join("crates").join(krate).join("src");
+        let graph = imports::graph(&src);
+        let cycles = imports::cycles(&graph);
+        let described: Vec<String> = cycles
+            .iter()
+            .map(|cycle| {
+                let edges: Vec<String> = cycle
+                    .iter()
+                    .flat_map(|from| {
+                        graph[from]
+                            .iter()
+                            .filter(|to| cycle.contains(to))
+                            .map(move |to| {
+                                format!("{} -> {}", imports::name(from), imports::name(to))
+                            })
+                    })
+                    .collect();
+                edges.join(", ")
+            })
+            .collect();
+        assert!(
+            cycles.is_empty(),
+            "{krate} has file-level import cycles: {}",
+            described.join("; ")
+        );
+    }
 }

@@ -1,5 +1,6 @@
 //! The composition's behaviour, as specs: inputs in, outputs read.
 
+use crate::cluster::{RunRefused, Unavailable};
 use std::time::Duration;
 
 use tessera_net::{NodeId, NodeIdentity};
@@ -274,10 +275,13 @@ fn a_request_with_no_cell_and_none_coming_is_refused_with_the_reason() {
         ClusterOutput::Run {
             run: 1,
             news: RunNews::Ended(Err(r)),
-        } => Some(crate::CoordError::from(r).to_string()),
+        } => Some(r),
         _ => None,
     });
-    assert!(why.unwrap().contains("no assignment is active"));
+    assert!(matches!(
+        why,
+        Some(RunRefused::Unavailable(Unavailable::NoAssignment))
+    ));
     assert_eq!(c.runs(), 0);
 }
 

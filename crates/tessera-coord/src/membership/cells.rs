@@ -186,7 +186,11 @@ fn an_expert_split_is_one_cell() {
         max_context: 64,
     });
     assert!(sends(&acts).is_empty());
-    assert!(acts
-        .iter()
-        .any(|x| matches!(x, Action::EpochFailed { reason, .. } if reason.contains("one cell"))));
+    assert!(acts.iter().any(|x| matches!(
+        x,
+        Action::EpochFailed {
+            reason: crate::membership::EpochFailure::ExpertSplitIsOneCell,
+            ..
+        }
+    )));
 }

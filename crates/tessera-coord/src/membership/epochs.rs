@@ -8,7 +8,7 @@ use std::ops::Range;
 use tessera_net::{LinkMeasurement, NodeId};
 
 use super::events::send;
-use super::{Action, Membership};
+use super::{Action, EpochFailure, Membership};
 use tessera_host::ContentHash;
 use tessera_proto::{CoordToNode, LoadReport, PeerInfo, StageAssignment};
 
@@ -18,7 +18,7 @@ pub enum Phase {
     Loading,
     Linking,
     Ready,
-    Failed(String),
+    Failed(EpochFailure),
     Released,
 }
 
@@ -141,7 +141,7 @@ impl Membership {
     }
 
     /// Fails cell `slot`'s epoch: its connected stages release it.
-    pub(super) fn fail(&mut self, slot: usize, reason: String) -> Vec<Action> {
+    pub(super) fn fail(&mut self, slot: usize, reason: EpochFailure) -> Vec<Action> {
         let Some(e) = self.cells.get_mut(slot) else {
             return Vec::new();
         };
@@ -180,7 +180,7 @@ impl Membership {
         slot: usize,
         id: u64,
         model: ContentHash,
-        reason: String,
+        reason: EpochFailure,
         out: &mut Vec<Action>,
     ) {
         self.set_cell(Epoch {
@@ -229,7 +229,7 @@ impl Membership {
         if cells.len() > 1 && self.experts.is_some() {
             // An expert split spreads one copy of the model's experts over nodes: one cell.
             self.next_epoch += 1;
-            let reason = "an expert split runs as one cell: give one ring".to_string();
+            let reason = EpochFailure::ExpertSplitIsOneCell;
             self.fail_unstarted(0, self.next_epoch, model, reason, &mut out);
             self.cells.truncate(1);
             return out;
@@ -456,124 +456,10 @@ impl Membership {
                 "a new split of cell {slot} (epoch {id}) cannot start: {reason}; its epoch serves on"
             )));
         } else {
-            self.fail_unstarted(slot, id, model, reason, out);
+            self.fail_unstarted(slot, id, model, EpochFailure::CannotStart(reason), out);
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::membership::test_support::*;
-    use crate::membership::Event;
-
-    #[test]
-    fn epoch_goes_loading_linking_ready_as_a_ring() {
-        let mut m = Membership::new();
-        let (a, b) = (member(1), member(2));
-        m.handle(Event::Joined(Box::new(a.clone())));
-        m.handle(Event::Joined(Box::new(b.clone())));
-        assert_eq!(m.connected()[0].node_id, a.node_id);
-        let acts = m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(a.node_id, 0..3), (b.node_id, 3..5)],
-            n_layer: 5,
-            max_context: 128,
-        });
-        let s = sends(&acts);
-        assert_eq!(s.len(), 2);
-        let CoordToNode::Assign(first) = &s[0].1 else {
-            panic!()
-        };
-        let CoordToNode::Assign(last) = &s[1].1 else {
-            panic!()
-        };
-        assert!(first.embed && !first.head && last.head && !last.embed);
-        // A ring: the last stage's next is the first.
-        assert_eq!(first.next.as_ref().unwrap().node_id, b.node_id);
-        assert_eq!(last.next.as_ref().unwrap().node_id, a.node_id);
-        assert_eq!(first.prev.as_ref().unwrap().key, b.key);
-        let epoch = first.epoch;
-        let loaded = |n: NodeId| Event::Loaded {
-            node: n,
-            epoch,
-            report: LoadReport::default(),
-        };
-        assert!(m.handle(loaded(a.node_id)).is_empty());
-        let links = sends(&m.handle(loaded(b.node_id)));
-        assert_eq!(links.len(), 2);
-        assert!(matches!(links[0].1, CoordToNode::Link { .. }));
-        assert!(m
-            .handle(Event::Linked {
-                node: a.node_id,
-                epoch,
-                link: None
-            })
-            .is_empty());
-        assert_eq!(
-            m.handle(Event::Linked {
-                node: b.node_id,
-                epoch,
-                link: None
-            }),
-            vec![Action::EpochReady(epoch)]
-        );
-        assert_eq!(m.epoch().unwrap().phase, Phase::Ready);
-    }
-
-    #[test]
-    fn a_departed_stage_fails_the_epoch_and_a_new_plan_releases_the_old() {
-        let mut m = Membership::new();
-        let (a, b) = (member(1), member(2));
-        m.handle(Event::Joined(Box::new(a.clone())));
-        m.handle(Event::Joined(Box::new(b.clone())));
-        m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(a.node_id, 0..5)],
-            n_layer: 5,
-            max_context: 128,
-        });
-        let acts = m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(b.node_id, 0..5)],
-            n_layer: 5,
-            max_context: 128,
-        });
-        let s = sends(&acts);
-        assert!(matches!(s[0], (n, CoordToNode::Release { epoch: 1 }) if n == a.node_id));
-        assert!(matches!(&s[1].1, CoordToNode::Assign(x) if x.epoch == 2 && x.next.is_none()));
-        let acts = m.handle(Event::Left {
-            node: b.node_id,
-            session: 1,
-        });
-        assert!(acts
-            .iter()
-            .any(|x| matches!(x, Action::EpochFailed { epoch: 2, .. })));
-        // Stale reports of an old epoch change nothing.
-        assert!(m
-            .handle(Event::Loaded {
-                node: a.node_id,
-                epoch: 1,
-                report: LoadReport::default()
-            })
-            .is_empty());
-    }
-
-    #[test]
-    fn a_plan_on_a_disconnected_node_fails_at_once() {
-        let mut m = Membership::new();
-        let a = member(1);
-        m.handle(Event::Joined(Box::new(a.clone())));
-        m.handle(Event::Left {
-            node: a.node_id,
-            session: 1,
-        });
-        let acts = m.handle(Event::Plan {
-            model: MODEL,
-            stages: vec![(a.node_id, 0..5)],
-            n_layer: 5,
-            max_context: 128,
-        });
-        assert!(matches!(acts.last(), Some(Action::EpochFailed { .. })));
-    }
-}
+mod tests;

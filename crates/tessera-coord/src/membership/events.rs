@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tessera_net::{LinkMeasurement, NodeId};
 
-use super::Member;
+use super::member::Member;
 use tessera_host::{ContentHash, Inventory};
 use tessera_proto::{CoordToNode, LoadReport};
 
@@ -91,7 +91,7 @@ pub enum Action {
     EpochReady(u64),
     EpochFailed {
         epoch: u64,
-        reason: String,
+        reason: super::EpochFailure,
     },
     /// The node's lease expired on control session `session`: the shell ends that session (the
     /// node has already been declared gone; it must join again).

@@ -176,7 +176,10 @@ impl Membership {
                 Err(e) => return Err(e.to_string()),
             }
         }
-        if orphans.is_empty() {
+        if self.fault == Some(crate::fault::Fault::DropDepartedOwnersExperts) {
+            orphans.clear();
+        }
+        if orphans.is_empty() && gone.is_empty() {
             return Ok(Some((split.clone(), None)));
         }
         // Ring stages that held no experts may take some too.
@@ -343,10 +346,14 @@ mod tests {
             node: c.node_id,
             session: 1,
         });
-        assert!(acts
-            .iter()
-            .any(|x| matches!(x, Action::EpochFailed { epoch, reason }
-            if *epoch == first && reason.contains("expert node"))));
+        assert!(acts.iter().any(|x| matches!(x, Action::EpochFailed {
+                epoch,
+                reason: crate::membership::EpochFailure::NodeGone {
+                    node,
+                    expert_only: true,
+                    how: crate::membership::Departure::Left,
+                },
+            } if *epoch == first && *node == c.node_id)));
         let note = acts
             .iter()
             .find_map(|x| match x {

@@ -10,7 +10,7 @@ use std::ops::Range;
 use tessera_net::NodeId;
 
 use super::epochs::is_live;
-use super::{Action, Epoch, Membership, Phase};
+use super::{Action, Departure, Epoch, EpochFailure, Membership, Phase};
 use crate::replan::{even_split, Survivor};
 use tessera_host::ContentHash;
 
@@ -27,7 +27,7 @@ pub struct AutoPlan {
 }
 
 impl Membership {
-    pub(super) fn stage_lost(&mut self, id: NodeId, what: &str) -> Vec<Action> {
+    pub(super) fn stage_lost(&mut self, id: NodeId, how: Departure) -> Vec<Action> {
         self.forget_failed_links(id);
         let mut early = Vec::new();
         // A new split being made on the node is dropped (the serving epoch goes on); a draining
@@ -43,23 +43,29 @@ impl Membership {
             self.discard_successor(slot, &mut early);
         }
         self.release_draining(|e| !has(e), &mut early);
-        let mut out = self.stage_lost_from_cells(id, what);
+        let mut out = self.stage_lost_from_cells(id, how);
         early.append(&mut out);
         early
     }
 
-    fn stage_lost_from_cells(&mut self, id: NodeId, what: &str) -> Vec<Action> {
+    fn stage_lost_from_cells(&mut self, id: NodeId, how: Departure) -> Vec<Action> {
         let holding = self
             .cells
             .iter()
             .position(|e| is_live(e) && e.stages.iter().any(|s| s.node_id == id));
         match holding {
             Some(slot) => {
-                let role = match self.cells[slot].stages.iter().find(|s| s.node_id == id) {
-                    Some(s) if s.layers.is_empty() => "expert node",
-                    _ => "stage node",
+                let expert_only = self.cells[slot]
+                    .stages
+                    .iter()
+                    .find(|s| s.node_id == id)
+                    .is_some_and(|s| s.layers.is_empty());
+                let gone = EpochFailure::NodeGone {
+                    node: id,
+                    expert_only,
+                    how,
                 };
-                let mut out = self.fail(slot, format!("{role} {} {what}", id.short()));
+                let mut out = self.fail(slot, gone);
                 out.extend(self.replan(slot));
                 out
             }
@@ -194,7 +200,7 @@ impl Membership {
             Err(reason) if self.another_cell_live(slot) => {
                 if let Some(e) = self.cells.get_mut(slot) {
                     if is_live(e) {
-                        e.phase = Phase::Failed(format!("no feasible plan: {reason}"));
+                        e.phase = Phase::Failed(EpochFailure::NoFeasiblePlan(reason.clone()));
                     }
                 }
                 vec![Action::Note(format!(
@@ -202,8 +208,8 @@ impl Membership {
                 ))]
             }
             Err(reason) => {
-                let reason = format!("no feasible plan: {reason}");
                 self.outage = Some(reason.clone());
+                let reason = EpochFailure::NoFeasiblePlan(reason);
                 let epoch = self.cells.get(slot).map_or(0, |e| e.id);
                 vec![Action::EpochFailed { epoch, reason }]
             }
@@ -436,7 +442,7 @@ mod tests {
             node: a.node_id,
             session: 1,
         });
-        assert!(m.outage().unwrap().contains("no node is connected"));
+        assert_eq!(m.outage(), Some(&crate::replan::NoPlacement::NoNode));
         assert!(matches!(m.epoch().unwrap().phase, Phase::Failed(_)));
         let b = member(2);
         let acts = m.handle(Event::Joined(Box::new(b.clone())));
@@ -473,6 +479,13 @@ mod tests {
             session: 1,
         });
         // a alone would need 420 bytes: no feasible plan, and the reason names the budget.
-        assert!(m.outage().unwrap().contains("budget"), "{:?}", m.outage());
+        assert!(
+            matches!(
+                m.outage(),
+                Some(crate::replan::NoPlacement::OverBudget { .. })
+            ),
+            "{:?}",
+            m.outage()
+        );
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tessera_net::NodeId;
 
-use super::{Action, Membership};
+use super::{Action, Departure, Membership};
 
 /// The lease, and when each member was last heard from.
 #[derive(Debug, Default)]
@@ -66,7 +66,7 @@ impl Membership {
             }
             self.leases.forget(&node);
             out.push(Action::LeaseExpired { node, session });
-            out.extend(self.stage_lost(node, "missed its lease"));
+            out.extend(self.stage_lost(node, Departure::MissedLease));
         }
         out
     }

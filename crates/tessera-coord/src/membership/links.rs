@@ -8,7 +8,7 @@
 
 use tessera_net::NodeId;
 
-use super::{Action, Member, Membership, Phase};
+use super::{Action, EpochFailure, Member, Membership, Phase};
 use crate::replan::Survivor;
 
 /// Most orders tried when looking for a ring that avoids the failed links (the search is
@@ -89,7 +89,13 @@ impl Membership {
         // A peer outside the epoch is no link of it: the epoch fails as reported, and no
         // pair is kept.
         let pair = peer.filter(|p| *p != node && in_epoch(*p));
-        let mut out = self.fail(slot, format!("node {}: {reason}", node.short()));
+        let mut out = self.fail(
+            slot,
+            EpochFailure::Reported {
+                node,
+                reason: reason.to_string(),
+            },
+        );
         if let Some(peer) = pair {
             self.failed_links.insert((node, peer));
             out.push(Action::Note(format!(
@@ -250,10 +256,10 @@ mod tests {
         let first = ready(&mut m);
         // a's link to b (its next stage) is lost mid-epoch.
         let acts = link_failed(&mut m, a.node_id, b.node_id);
-        assert!(acts.iter().any(
-            |x| matches!(x, Action::EpochFailed { epoch, reason } if *epoch == first
-                && reason.contains("ring link"))
-        ));
+        assert!(acts.iter().any(|x| matches!(x, Action::EpochFailed {
+                epoch,
+                reason: EpochFailure::Reported { node, reason },
+            } if *epoch == first && *node == a.node_id)));
         assert!(sends(&acts).iter().any(|(n, x)| *n == b.node_id
             && matches!(x, CoordToNode::Release { epoch } if *epoch == first)));
         // Every node keeps a stage: a, c, b, d is the first ring in join order in which a

@@ -47,12 +47,10 @@
 //! disk. The configured split is kept: when its nodes are all back, it is planned again.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 
-use tessera_net::{LinkMeasurement, NodeId, PublicKey};
+use tessera_net::NodeId;
 
 use crate::replan::ModelBytes;
-use tessera_host::{ContentHash, Inventory};
 use tessera_proto::CoordToNode;
 
 #[cfg(test)]
@@ -61,37 +59,20 @@ mod epochs;
 mod events;
 mod experts;
 mod failover;
+mod failure;
 mod leases;
 mod links;
+mod member;
 #[cfg(test)]
 mod test_support;
 
 pub use epochs::{Epoch, EpochStage, Phase};
 pub use events::{Action, CoordToNodeEq, Event};
 pub use failover::AutoPlan;
+pub use failure::{Departure, EpochFailure};
+pub use member::Member;
 
 use events::send;
-
-/// A node known to the coordinator in this run.
-#[derive(Clone, Debug)]
-pub struct Member {
-    pub node_id: NodeId,
-    pub key: PublicKey,
-    pub name: String,
-    /// Where the node's endpoint is, as the coordinator sees it (peers dial this).
-    pub addr: SocketAddr,
-    pub connected: bool,
-    /// Order of joining (unpinned stages are placed in this order).
-    pub joined: u64,
-    pub memory_budget_bytes: Option<u64>,
-    pub inventory: Option<Inventory>,
-    /// Models held whole on disk.
-    pub models: Vec<ContentHash>,
-    /// The link coordinator → node.
-    pub link: Option<LinkMeasurement>,
-    /// Which control session of the node this is (a node that reconnects gets a new one).
-    pub session: u64,
-}
 
 /// The membership and epoch state.
 #[derive(Debug, Default)]
@@ -110,7 +91,7 @@ pub struct Membership {
     next_epoch: u64,
     auto: Option<AutoPlan>,
     bytes: Option<ModelBytes>,
-    outage: Option<String>,
+    outage: Option<crate::replan::NoPlacement>,
     /// Expert split applied to every plan (`None`: each stage holds all its layers' experts).
     experts: Option<crate::assignment::ExpertSplit>,
     /// KV cache type every stage is assigned.
@@ -123,11 +104,18 @@ pub struct Membership {
     /// Connected nodes the last re-plan left out, because every plan with them needed a
     /// failed link.
     benched: BTreeSet<NodeId>,
+    /// A test-only fault ([`crate::fault::Fault::DropDepartedOwnersExperts`]).
+    fault: Option<crate::fault::Fault>,
 }
 
 impl Membership {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Plants a deliberate bug, so the simulator can show it catches it.
+    pub fn inject_fault(&mut self, fault: Option<crate::fault::Fault>) {
+        self.fault = fault;
     }
 
     /// Splits the experts of every MoE layer across nodes in the plans made from now on.
@@ -243,8 +231,8 @@ impl Membership {
     }
 
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes).
-    pub fn outage(&self) -> Option<&str> {
-        self.outage.as_deref()
+    pub fn outage(&self) -> Option<&crate::replan::NoPlacement> {
+        self.outage.as_ref()
     }
 
     /// A successor of cell `slot` could not load or link (say it does not fit beside the
@@ -282,7 +270,7 @@ impl Membership {
                 self.forget_failed_links(id);
                 self.members.insert(id, *m);
                 // (One that held nothing of the epoch is folded in like a new node.)
-                match replaced.then(|| self.stage_lost(id, "restarted")) {
+                match replaced.then(|| self.stage_lost(id, Departure::Restarted)) {
                     Some(out) if !out.is_empty() => out,
                     _ => self.fold_in(),
                 }
@@ -293,7 +281,7 @@ impl Membership {
                     Some(m) if m.session == session && m.connected => m.connected = false,
                     _ => return Vec::new(),
                 }
-                self.stage_lost(id, "left")
+                self.stage_lost(id, Departure::Left)
             }
             Event::Heard { node, session, now } => {
                 if self
@@ -384,7 +372,7 @@ impl Membership {
                 }
                 match self.cells.iter().position(|e| e.id == epoch) {
                     Some(slot) if self.cells[slot].stages.iter().any(|s| s.node_id == node) => {
-                        self.fail(slot, format!("node {}: {reason}", node.short()))
+                        self.fail(slot, EpochFailure::Reported { node, reason })
                     }
                     Some(_) => vec![Action::Refused {
                         node,

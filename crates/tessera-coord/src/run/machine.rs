@@ -255,14 +255,7 @@ pub enum Output {
     Done(Box<RunOutcome>),
 }
 
-/// A test-only fault, so the simulator can show it catches a broken machine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fault {
-    /// On resumption, re-prefill one generated token too few (resume from the wrong position).
-    ResumeOneTokenShort,
-    /// Hear tokens and finishes from any node (drop the rule that only the sampler sends them).
-    HearAnySender,
-}
+pub use crate::fault::Fault;
 
 /// One attempt: the run on one epoch under one stage-side id.
 #[derive(Clone, Debug)]

@@ -9,7 +9,6 @@ use tessera_seal::{KeyId, LeaseConfig, NodeKey, UnixMillis};
 use tokio::sync::mpsc;
 
 use super::{verify_config, ClientId, SealedConfig, SealedDesk, SealedInput, SealedOutput};
-use crate::shared::Shared;
 
 /// A coordinator that misbehaves on purpose, so tests can show what the workers make of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +49,21 @@ pub struct SealedSettings {
     /// Where submitted job ids are kept across restarts (`sealed.redb`); `None`: in memory
     /// only.
     pub data_dir: Option<std::path::PathBuf>,
+}
+
+/// What the desk's edge needs of the coordinator around it: the desk's own state, the node
+/// sessions it sends envelopes on, and the members' names for its log lines. The coordinator's
+/// shared state implements it (`shared.rs`); the edge names no type of the shell, so the
+/// layers read bottom-up.
+pub(crate) trait SealedHost {
+    /// The desk and its clients (a short lock, never held across the host's other calls).
+    fn sealed(&self) -> std::sync::MutexGuard<'_, SealedEdge>;
+    /// Sends `msg` on node `to`'s control session; false when it has none.
+    fn send(&self, to: NodeId, msg: CoordToNode) -> bool;
+    /// Node `id`'s name in the membership, if it is a member.
+    fn member_name(&self, id: &NodeId) -> Option<String>;
+    /// Whether the coordinator is shutting down (its clock then stops moving jobs).
+    fn closing(&self) -> bool;
 }
 
 /// The desk, the clients' outboxes, and the settings.
@@ -100,17 +114,17 @@ fn node_id(key: &NodeKey) -> NodeId {
 }
 
 /// A node's name in the membership (its key when it has none).
-fn name_of(shared: &Shared, node: &NodeKey) -> String {
+fn name_of(shared: &impl SealedHost, node: &NodeKey) -> String {
     shared
-        .lock()
-        .cluster
-        .membership()
-        .member(&node_id(node))
-        .map_or_else(|| node.to_string(), |m| m.name.clone())
+        .member_name(&node_id(node))
+        .unwrap_or_else(|| node.to_string())
 }
 
 /// Registers a client session's outbox for sealed news.
-pub(crate) fn client_joined(shared: &Shared, tx: mpsc::UnboundedSender<CoordToClient>) -> ClientId {
+pub(crate) fn client_joined(
+    shared: &impl SealedHost,
+    tx: mpsc::UnboundedSender<CoordToClient>,
+) -> ClientId {
     let mut e = shared.sealed();
     let id = e.next_client;
     e.next_client += 1;
@@ -118,14 +132,17 @@ pub(crate) fn client_joined(shared: &Shared, tx: mpsc::UnboundedSender<CoordToCl
     id
 }
 
-pub(crate) fn client_left(shared: &Shared, client: ClientId) {
+pub(crate) fn client_left(shared: &impl SealedHost, client: ClientId) {
     let mut e = shared.sealed();
     e.clients.remove(&client);
     e.desk.handle(SealedInput::ClientLeft { client });
 }
 
 /// The workers' current claims for a client.
-pub(crate) fn holders(shared: &Shared, model: Option<&str>) -> Vec<tessera_seal::SignedClaims> {
+pub(crate) fn holders(
+    shared: &impl SealedHost,
+    model: Option<&str>,
+) -> Vec<tessera_seal::SignedClaims> {
     let e = shared.sealed();
     let mut holders = e.desk.holders(model);
     if e.fault == Some(SealedFault::ListOwnWorker) {
@@ -148,7 +165,7 @@ fn own_worker(like: &tessera_seal::SignedClaims) -> tessera_seal::SignedClaims {
     c.sign(&seed).expect("valid claims")
 }
 
-pub(crate) fn submit(shared: &Shared, client: ClientId, s: tessera_proto::SealedSubmit) {
+pub(crate) fn submit(shared: &impl SealedHost, client: ClientId, s: tessera_proto::SealedSubmit) {
     let now = UnixMillis::now();
     if let Some(first) = s.envelopes.first() {
         let job = first.header.job;
@@ -209,7 +226,7 @@ fn claim_change_words(change: &tessera_seal::claims::ClaimChange) -> &'static st
 }
 
 /// A node's sealed-job message; false when `msg` is not one.
-pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) -> bool {
+pub(crate) fn node_message(shared: &impl SealedHost, from: NodeKey, msg: &NodeToCoord) -> bool {
     let input = match msg {
         NodeToCoord::Claims(c) => {
             let r = shared.sealed().desk.offer_claims(from, (**c).clone());
@@ -267,7 +284,7 @@ pub(crate) fn node_message(shared: &Shared, from: NodeKey, msg: &NodeToCoord) ->
     true
 }
 
-pub(crate) fn node_left(shared: &Shared, node: NodeKey) {
+pub(crate) fn node_left(shared: &impl SealedHost, node: NodeKey) {
     feed(
         shared,
         SealedInput::NodeLeft {
@@ -278,7 +295,7 @@ pub(crate) fn node_left(shared: &Shared, node: NodeKey) {
 }
 
 /// Moves jobs whose leases ran out (the sealed desk's own clock calls this, [`spawn_clock`]).
-pub(crate) fn tick(shared: &Shared) {
+pub(crate) fn tick(shared: &impl SealedHost) {
     if shared.sealed().desk.in_flight() > 0 {
         feed(
             shared,
@@ -289,7 +306,7 @@ pub(crate) fn tick(shared: &Shared) {
     }
 }
 
-fn feed(shared: &Shared, input: SealedInput) {
+fn feed(shared: &impl SealedHost, input: SealedInput) {
     let (outputs, fault, other_keys) = {
         let mut e = shared.sealed();
         let outputs = e.desk.handle(input);
@@ -378,7 +395,7 @@ fn feed(shared: &Shared, input: SealedInput) {
 pub(crate) const SEALED_TICK: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The sealed desk's clock: a tick every [`SEALED_TICK`] until the coordinator is dropped.
-pub(crate) fn spawn_clock(shared: std::sync::Weak<Shared>) {
+pub(crate) fn spawn_clock<H: SealedHost + Send + Sync + 'static>(shared: std::sync::Weak<H>) {
     tokio::spawn(async move {
         let mut every = tokio::time::interval(SEALED_TICK);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -387,8 +404,8 @@ pub(crate) fn spawn_clock(shared: std::sync::Weak<Shared>) {
             let Some(s) = shared.upgrade() else {
                 return;
             };
-            if !s.closing.load(std::sync::atomic::Ordering::SeqCst) {
-                tick(&s);
+            if !s.closing() {
+                tick(&*s);
             }
         }
     });

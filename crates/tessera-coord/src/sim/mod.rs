@@ -3,7 +3,9 @@
 //! one run machine per request, its timer table), driven over an in-memory network of simulated
 //! nodes, in virtual time, from a seed.
 //!
-//! Each seed draws a schedule — nodes, a stage count, requests arriving over time, and faults:
+//! Each seed draws a schedule — nodes, a stage count, in about a fifth of them an expert split
+//! (every node owns a share of each MoE layer's experts; nodes outside the ring hold experts
+//! only), requests arriving over time, and faults:
 //! kills and restarts, freezes longer or shorter than a lease, partitions of one node, slow
 //! links, late joins, coordinator restarts, and enrolled members that forge tokens, finishes and
 //! load failures for runs and epochs that are not theirs — and the world runs it event by event. After every
@@ -12,6 +14,8 @@
 //! - every token a request streams is the next token of a fault-free run of it, at the right
 //!   position; every request ends with exactly that text, or an explicit error;
 //! - epoch numbers never go backwards (coordinator restarts included);
+//! - every epoch of an expert split links with each expert of every layer held by exactly one
+//!   of its nodes, however many owners left before it was planned;
 //! - the coordinator never opens a sequence on a node for an epoch it did not give that node;
 //! - at the end, once every fault has healed: every request has ended, no node that enrolled is
 //!   missing from the membership, and no node holds a sequence (KV accounting back to zero).

@@ -34,11 +34,14 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.forged += s.forged;
         total.cells += usize::from(s.cells > 1);
         total.drained += s.drained;
+        total.expert_owners += usize::from(s.expert_owners > 0);
+        total.experts_replaced += s.experts_replaced;
     }
     println!(
         "simulated {} schedules: {} requests ({} with the fault-free text, {} explicit errors), \
          {} faults, {} resumptions, {} forged messages refused, {} events, {} schedules \
-         with several cells, {} epochs drained after a new split replaced them",
+         with several cells, {} epochs drained after a new split replaced them, {} schedules \
+         with an expert split, {} epochs whose experts were re-placed after an owner left",
         seeds.len(),
         total.requests,
         total.completed,
@@ -48,7 +51,9 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.forged,
         total.events,
         total.cells,
-        total.drained
+        total.drained,
+        total.expert_owners,
+        total.experts_replaced
     );
     assert_eq!(total.completed + total.errors, total.requests);
     if seeds.len() as u64 >= SCHEDULES {
@@ -57,6 +62,8 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         assert!(total.forged > 500, "{total:?}");
         assert!(total.cells > 150, "{total:?}");
         assert!(total.drained > 50, "{total:?}");
+        assert!(total.expert_owners > 500, "{total:?}");
+        assert!(total.experts_replaced > 50, "{total:?}");
         assert!(total.completed * 10 > total.requests * 8, "{total:?}");
     }
 }
@@ -172,4 +179,16 @@ fn the_sealed_simulator_catches_a_desk_that_dispatches_to_a_worker_that_left() {
 fn the_sealed_simulator_catches_a_desk_that_leaves_a_dead_holders_job_to_its_lease() {
     let v = caught(DeskFault::IgnoreHolderLeft);
     assert!(v.what.contains("still with worker"), "{v}");
+}
+
+#[test]
+fn the_simulator_catches_an_expert_split_that_loses_a_departed_owners_experts() {
+    let cfg = Config {
+        fault: Some(Fault::DropDepartedOwnersExperts),
+        ..Config::default()
+    };
+    let caught = (0..SCHEDULES).find_map(|seed| simulate(seed, cfg.clone()).err());
+    let v = caught.expect("some schedule loses an owner of experts, and the bug shows");
+    assert!(v.what.contains("must be held exactly once"), "{v}");
+    assert_eq!(simulate(v.seed, cfg).err(), Some(v));
 }

@@ -9,6 +9,7 @@ use tessera_proto::{CoordToNode, FinishReason, NodeToCoord};
 
 use super::node::{NodeEffect, SimNode};
 use super::{next_token, Rng};
+use crate::assignment::ExpertSplit;
 use crate::cluster::{Cluster, ClusterConfig, ClusterInput, ClusterOutput, RunNews};
 use crate::membership::{Member, Membership};
 use crate::run::{Fault, RunEvent, RunSpec};
@@ -23,6 +24,11 @@ const VOCAB: u32 = 48;
 /// The stand-in model's end-of-generation token.
 const EOG: u32 = 0;
 const N_LAYER: usize = 6;
+/// Experts per MoE layer of the stand-in model, in schedules with an expert split.
+const N_EXPERT: usize = 8;
+
+/// The experts a node holds, per layer.
+type LayersExperts = Vec<Vec<usize>>;
 
 /// What a schedule may contain.
 #[derive(Clone, Debug)]
@@ -84,6 +90,10 @@ pub struct Summary {
     pub cells: usize,
     /// Epochs replaced by a new split made beside them and released once drained.
     pub drained: usize,
+    /// Owners of experts in this schedule's expert split (0: no expert split).
+    pub expert_owners: usize,
+    /// Epochs whose experts were re-placed because an owner had left.
+    pub experts_replaced: usize,
 }
 
 #[derive(Debug)]
@@ -186,6 +196,12 @@ struct World {
     runs: Vec<SimRun>,
     /// Epochs the coordinator gave each node (Assign sent).
     given: BTreeSet<(NodeId, u64)>,
+    /// The expert split every plan places (`None`: each stage holds its layers' experts).
+    experts: Option<ExpertSplit>,
+    /// Per epoch, the experts of each layer the coordinator gave each node
+    /// ([`CoordToNode::AssignExperts`]), checked once the epoch links.
+    experts_given: BTreeMap<u64, Vec<(NodeId, LayersExperts)>>,
+    experts_checked: BTreeSet<u64>,
     highest_epoch: u64,
     summary: Summary,
 }
@@ -211,7 +227,8 @@ impl World {
         } else {
             1
         };
-        let cluster = new_cluster(&cfg, None);
+        let experts = draw_expert_split(seed, n_nodes, cells);
+        let cluster = new_cluster(&cfg, None, experts.as_ref());
         Self {
             seed,
             rng,
@@ -231,8 +248,14 @@ impl World {
             cells,
             runs: Vec::new(),
             given: BTreeSet::new(),
+            experts_given: BTreeMap::new(),
+            experts_checked: BTreeSet::new(),
             highest_epoch: 0,
-            summary: Summary::default(),
+            summary: Summary {
+                expert_owners: experts.as_ref().map_or(0, |x| x.groups.len()),
+                ..Summary::default()
+            },
+            experts,
             cfg,
         }
     }
@@ -343,9 +366,30 @@ impl World {
     }
 }
 
-/// A coordinator for the simulated model, continuing epoch numbers after `last`.
-fn new_cluster(cfg: &Config, last: Option<u64>) -> Cluster {
+/// An expert split over every node in about a third of the schedules with one cell and two
+/// nodes or more: node `i` owns a contiguous share of the experts, so the nodes the ring does
+/// not take hold experts only. Drawn from its own generator, so that the rest of each seed's
+/// schedule is what it was before expert splits were simulated.
+fn draw_expert_split(seed: u64, n_nodes: usize, cells: usize) -> Option<ExpertSplit> {
+    let mut rng = Rng::new(seed ^ 0xE8E8_7A11_0C8E_5EED);
+    if cells != 1 || n_nodes < 2 || !rng.chance(35) {
+        return None;
+    }
+    let owners = rng.range(2, n_nodes as u64 + 1) as usize;
+    let ranges = crate::replan::even_ranges(N_EXPERT, owners);
+    let spec: Vec<String> = ranges
+        .iter()
+        .enumerate()
+        .map(|(i, r)| format!("{}-{}@n{i}", r.start, r.end - 1))
+        .collect();
+    Some(crate::assignment::parse_experts(&spec.join(",")).expect("a valid split"))
+}
+
+/// A coordinator for the simulated model, continuing epoch numbers after `last`, placing
+/// `experts` in every plan.
+fn new_cluster(cfg: &Config, last: Option<u64>, experts: Option<&ExpertSplit>) -> Cluster {
     let mut membership = Membership::new();
+    membership.set_expert_split(experts.cloned());
     if let Some(last) = last {
         membership.continue_epochs_after(last);
     }

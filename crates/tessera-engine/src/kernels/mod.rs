@@ -23,10 +23,20 @@
 //! - Outputs are token-major: `out[t * n_rows + r]`.
 //!
 //! The instruction set is chosen once per process ([`isa`]; `TESSERA_MAX_ISA` or [`set_max_isa`]
-//! cap it, so one machine can play a scalar, AVX2 or AVX-512 node); aarch64 and other targets use
-//! the portable kernels (no NEON yet: this toolchain has no aarch64 standard library installed).
-//! Every weight type has an AVX2 and an AVX-512 kernel ([`kernel_path`] says which one a type
-//! takes; the portable kernels are the reference and the path of CPUs without AVX2).
+//! cap it, so one machine can play a scalar, AVX2 or AVX-512 node, or a scalar, NEON or
+//! NEON + dotprod one). [`kernel_path`] says which kernel a type takes; the portable kernels
+//! (`scalar.rs` and the types' own files) are the reference and every other path equals them
+//! bit for bit. The kernel paths:
+//! - x86-64 (`x86/`): every weight type has an AVX2 (+FMA, F16C) and an AVX-512 (F/BW/VL +
+//!   VNNI) kernel; CPUs without AVX2 run the portable kernels.
+//! - aarch64 (`neon/`): NEON kernels for Q4_0, Q8_0 (and Q5_0, held as Q8_0), Q4_1, Q5_1, Q2_K,
+//!   Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS, each also built with the dot-product
+//!   extension (`sdot`, taken when the CPU has it: path `dotprod`), and for F32, F16, BF16 (one
+//!   NEON kernel, no integer dot products). The IQ2/IQ3 types run the portable kernels there
+//!   (path `scalar`), as do the KV cache's attention and the activations' quantization. Tested
+//!   bit for bit under qemu-user in CI (`.ci/aarch64`); no speed has been measured on ARM
+//!   hardware.
+//! - other targets: the portable kernels.
 //!
 //! GGML types Tessera does not run, and whether real files use them:
 //! - IQ1_S, IQ1_M: yes, the smallest "1-bit" quants of very large models (e.g. the dynamic
@@ -45,6 +55,8 @@ mod k23;
 mod lut4;
 mod matmul;
 mod matrix;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod pool;
 mod quant_acts;
 mod scalar;
@@ -86,10 +98,17 @@ pub enum KernelError {
 }
 
 /// Instruction set a kernel runs with; chosen once per process (see [`isa`]). Ordered from
-/// least to most capable, so a cap is a `min`.
+/// least to most capable within each architecture, the aarch64 ones below the x86-64 ones, so
+/// a cap is a `min` and one order serves both: on aarch64 a cap of `avx2` or `avx512` is above
+/// everything the machine has (its best is used), on x86-64 a cap of `neon` or `dotprod` leaves
+/// only the portable kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
+    /// aarch64 Advanced SIMD (every aarch64 CPU has it).
+    Neon,
+    /// NEON with the dot-product extension (`sdot`; Cortex-A55/A76 and later, Apple M1).
+    Dotprod,
     /// AVX2 + FMA + F16C.
     Avx2,
     /// AVX-512 F/BW/VL + VNNI.
@@ -101,7 +120,7 @@ pub const MAX_ISA_ENV: &str = "TESSERA_MAX_ISA";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IsaError {
-    #[error("unknown instruction set {0:?}: expected scalar, avx2 or avx512")]
+    #[error("unknown instruction set {0:?}: expected scalar, neon, dotprod, avx2 or avx512")]
     Unknown(String),
     /// The kernels already dispatched with another instruction set; the choice is made once
     /// per process so that every result of a process comes from one kernel path.
@@ -111,7 +130,13 @@ pub enum IsaError {
 
 impl Isa {
     /// Every instruction set, least capable first.
-    pub const ALL: [Self; 3] = [Self::Scalar, Self::Avx2, Self::Avx512];
+    pub const ALL: [Self; 5] = [
+        Self::Scalar,
+        Self::Neon,
+        Self::Dotprod,
+        Self::Avx2,
+        Self::Avx512,
+    ];
 
     /// Whether this machine can run `self`.
     pub fn available(self) -> bool {
@@ -121,7 +146,10 @@ impl Isa {
             Self::Avx2 => x86::has_avx2(),
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => x86::has_avx512(),
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Self::Neon => true,
+            #[cfg(target_arch = "aarch64")]
+            Self::Dotprod => neon::has_dotprod(),
             _ => false,
         }
     }
@@ -138,6 +166,8 @@ impl Isa {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Scalar => "scalar",
+            Self::Neon => "neon",
+            Self::Dotprod => "dotprod",
             Self::Avx2 => "avx2",
             Self::Avx512 => "avx512",
         }
@@ -165,11 +195,11 @@ static ISA: OnceLock<Isa> = OnceLock::new();
 
 /// The instruction set every kernel of this process runs with (so a node can report its path):
 /// the best one of this machine, capped by [`set_max_isa`] if that ran first, else by
-/// `TESSERA_MAX_ISA` (`scalar`, `avx2`, `avx512`). A cap above what the machine has is no
-/// error (the machine's best is used). Fixed at the first call.
+/// `TESSERA_MAX_ISA` (`scalar`, `neon`, `dotprod`, `avx2`, `avx512`). A cap above what the
+/// machine has is no error (the machine's best is used). Fixed at the first call.
 ///
 /// # Panics
-/// At the first call, if `TESSERA_MAX_ISA` is set to anything else than those three names
+/// At the first call, if `TESSERA_MAX_ISA` is set to anything else than those five names
 /// (a misspelt cap must not silently run another path).
 pub fn isa() -> Isa {
     *ISA.get_or_init(|| {
@@ -237,6 +267,12 @@ fn kernel_and_path(isa: Isa, dtype: GgmlType) -> (GroupFn, Isa) {
             return (f, isa);
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa != Isa::Scalar {
+        if let Some(picked) = neon::kernel(isa, dtype) {
+            return picked;
+        }
+    }
     let _ = isa;
     let f: GroupFn = match dtype {
         GgmlType::Q4_0 => scalar::q4_0_group,
@@ -282,7 +318,8 @@ pub struct TypePath {
     pub dtype: String,
     /// Matrices of the type (tensors of two or more dimensions: weights, experts).
     pub matrices: usize,
-    /// [`kernel_path`]'s instruction set (`avx512`, `avx2`, `scalar`), or `unsupported`.
+    /// [`kernel_path`]'s instruction set (`avx512`, `avx2`, `dotprod`, `neon`, `scalar`), or
+    /// `unsupported`.
     pub path: String,
 }
 

@@ -1,5 +1,6 @@
 //! Activations converted to the type ggml pairs with each weight type (its `vec_dot_type`):
-//! Q8_0 for Q4_0/Q8_0 weights (and Q4_1/Q5_1, whose Q8_1 block sum is derived in their kernel), Q8_K for K-quants, F16/BF16-rounded floats for F16/BF16.
+//! Q8_0 for Q4_0/Q8_0 weights (and Q4_1/Q5_1, which also read each block's Q8_1 sum `s`), Q8_K
+//! for K-quants, F16/BF16-rounded floats for F16/BF16.
 
 use half::{bf16, f16};
 use tessera_model::GgmlType;
@@ -66,6 +67,12 @@ pub struct QuantizedActs {
     pub(crate) qs: Vec<i8>,
     /// Q8_0: sum of the 32 quants of each block (folds the weights' zero point in exactly).
     pub(crate) sums: Vec<i32>,
+    /// Q8_0: each block's `s` as ggml's `quantize_row_q8_1` stores it for Q4_1/Q5_1 weights,
+    /// f16(d·Σq) with the *unrounded* d = amax/127. (From the f16-rounded d the product rounds
+    /// to a neighbouring f16 in some blocks; the offset term `m·s` then moves a row's result by
+    /// ~1e-4 of its size, enough to flip later 8-bit activation roundings: teacher-forced
+    /// log-probs were 0.2 away from llama.cpp's.)
+    pub(crate) q8_1_s: Vec<f32>,
     /// Q8_K: sums of each 16 quants, as ggml's `bsums`.
     pub(crate) bsums: Vec<i16>,
     /// Q8_0: 128 × the sum of each 4 quants (removes the +128 of unsigned weights per lane).
@@ -100,6 +107,7 @@ impl QuantizedActs {
             f: Vec::new(),
             qs: Vec::new(),
             sums: Vec::new(),
+            q8_1_s: Vec::new(),
             bsums: Vec::new(),
             corr4: Vec::new(),
         };
@@ -111,22 +119,27 @@ impl QuantizedActs {
                 a.f = vec![0.0; n / 32];
                 a.qs = vec![0; n];
                 a.sums = vec![0; n / 32];
-                let (f, qs, sums) = (
+                a.q8_1_s = vec![0.0; n / 32];
+                let (f, qs, sums, q8_1_s) = (
                     SharedMut::new(&mut a.f),
                     SharedMut::new(&mut a.qs),
                     SharedMut::new(&mut a.sums),
+                    SharedMut::new(&mut a.q8_1_s),
                 );
                 par_tokens(pool, n_tokens, cols, |t| {
                     let nb = cols / 32;
                     // SAFETY: each token writes only its own disjoint ranges.
-                    let (d, q, s) = unsafe {
+                    let (d, q, s, s1) = unsafe {
                         (
                             f.range(t * nb, nb),
                             qs.range(t * cols, cols),
                             sums.range(t * nb, nb),
+                            q8_1_s.range(t * nb, nb),
                         )
                     };
-                    quantize_q8_0(&x[t * cols..(t + 1) * cols], d, q, s);
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    quantize_q8_0(xt, d, q, s);
+                    q8_1_block_sums(xt, s, s1);
                 });
                 a.corr4 =
                     a.qs.chunks_exact(4)
@@ -188,6 +201,7 @@ impl QuantizedActs {
             f: Vec::new(),
             qs: Vec::new(),
             sums: Vec::new(),
+            q8_1_s: Vec::new(),
             bsums: Vec::new(),
             corr4: Vec::new(),
         };
@@ -206,6 +220,11 @@ impl QuantizedActs {
                 g.sums = tokens
                     .iter()
                     .flat_map(|&t| self.sums.get(t * kb..(t + 1) * kb).unwrap_or(&[]))
+                    .copied()
+                    .collect();
+                g.q8_1_s = tokens
+                    .iter()
+                    .flat_map(|&t| self.q8_1_s.get(t * kb..(t + 1) * kb).unwrap_or(&[]))
                     .copied()
                     .collect();
                 g.corr4 = tokens
@@ -290,6 +309,15 @@ pub(crate) fn quantize_row_q8_0(x: &[f32], d: &mut [f32], qs: &mut [i8], sums: &
     }
 }
 
+/// ggml's Q8_1 block sums (`quantize_row_q8_1`, every one of its paths): `s` = f16(d·Σq) with
+/// d = amax/127 before its f16 rounding; `sums` are the blocks' quant sums.
+fn q8_1_block_sums(x: &[f32], sums: &[i32], out: &mut [f32]) {
+    for ((xb, &sum), s) in x.chunks_exact(32).zip(sums).zip(out) {
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        *s = f16::from_f32(amax / 127.0 * sum as f32).to_f32();
+    }
+}
+
 /// ggml's `quantize_row_q8_K` (reference): scale from the signed value of largest magnitude,
 /// quants = min(127, round-half-even(x * -127/max)), d = 1/iscale, plus 16-element sums.
 pub(crate) fn quantize_row_q8_k(x: &[f32], d: &mut [f32], qs: &mut [i8], bsums: &mut [i16]) {
@@ -358,6 +386,40 @@ mod tests {
         // SAFETY: AVX2 detected above.
         unsafe { crate::kernels::x86::quant::quantize_row_q8_k(&x, &mut d2, &mut q2, &mut b2) };
         assert_eq!((d1, q1, b1), (d2, q2, b2));
+    }
+
+    /// Regression: Q4_1/Q5_1 weights read ggml's Q8_1 `s`, made from the scale *before* its
+    /// f16 rounding. From the rounded scale `s` lands on a neighbouring f16 in some blocks, and
+    /// teacher-forced log-probs of the llama-quantize Q4_1/Q5_1 fixtures were 0.2 away from
+    /// llama.cpp's (`tests/reference.rs`).
+    #[test]
+    fn q8_1_block_sums_use_the_unrounded_scale() {
+        let mut seed = 7u64;
+        let x: Vec<f32> = (0..32 * 256)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.3
+            })
+            .collect();
+        let pool = ThreadPool::new(1);
+        let a = QuantizedActs::new(&pool, GgmlType::Q5_1, &x, 1, x.len());
+        let mut differs = 0;
+        for (b, xb) in x.chunks_exact(32).enumerate() {
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let sum: i32 = a.qs[b * 32..(b + 1) * 32].iter().map(|&q| q as i32).sum();
+            let ggml = f16::from_f32(amax / 127.0 * sum as f32).to_f32();
+            assert_eq!(a.q8_1_s[b].to_bits(), ggml.to_bits(), "block {b}");
+            let from_rounded = f16::from_f32(a.f[b] * sum as f32).to_f32();
+            differs += usize::from(from_rounded != ggml);
+        }
+        // The input has blocks where the two differ, so the test tells them apart.
+        assert!(differs > 0);
+        // Picking rows of tokens keeps each token's sums.
+        let two = QuantizedActs::new(&pool, GgmlType::Q4_1, &x, 2, x.len() / 2);
+        let g = two.gather(&[1]);
+        assert_eq!(g.q8_1_s, two.q8_1_s[128..]);
     }
 
     #[test]

@@ -226,19 +226,13 @@ pub(crate) fn q8_0_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out:
     }
 }
 
-/// The block sum ggml's Q8_1 activations carry for Q4_1/Q5_1 weights: `d·Σq`, rounded to f16.
-/// (ggml multiplies the unrounded scale; the activations here keep only the f16-rounded `d`,
-/// so `s` can differ from ggml's in its last f16 bit.)
-#[inline(always)]
-pub(crate) fn q8_1_s(d: f32, sum: i32) -> f32 {
-    f16::from_f32(d * sum as f32).to_f32()
-}
-
 /// 16 rows × `nt` tokens of a (widened) Q4_1/Q5_1 row group; `out[j*16 + r]`.
 ///
 /// Follows llama.cpp's AVX2 `ggml_vec_dot_q4_1_q8_1` / `ggml_vec_dot_q5_1_q8_1`: 8 lanes per
 /// row, lane `k` accumulating `fma(dx·dy, Σ of elements 4k..4k+4, lane)` over blocks, the
-/// offsets as `summs += m·s` (product, then sum), and `q8_0_lanes_sum(lanes) + summs`.
+/// offsets as `summs = fma(m, s, summs)` (gcc contracts ggml's `summs += m*s` into one FMA:
+/// `vfmadd231ss` in the reference build's `libggml-cpu.so`), and
+/// `q8_0_lanes_sum(lanes) + summs`. `s` is ggml's Q8_1 block sum (`QuantizedActs::q8_1_s`).
 pub(crate) fn q1_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
     let nb = a.cols / 32;
     for j in 0..nt {
@@ -249,7 +243,7 @@ pub(crate) fn q1_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &
             let blk = &w[b * Q1_X16..(b + 1) * Q1_X16];
             let y = &a.qs[t * a.cols + b * 32..][..32];
             let dy = a.f[t * nb + b];
-            let sy = q8_1_s(dy, a.sums[t * nb + b]);
+            let sy = a.q8_1_s[t * nb + b];
             for r in 0..GROUP {
                 let d = f16_at(blk, 2 * r) * dy;
                 for (k, acc) in acc[r].iter_mut().enumerate() {
@@ -258,7 +252,7 @@ pub(crate) fn q1_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &
                         .sum();
                     *acc = d.mul_add(s as f32, *acc);
                 }
-                summs[r] += f16_at(blk, Q1_MIN + 2 * r) * sy;
+                summs[r] = f16_at(blk, Q1_MIN + 2 * r).mul_add(sy, summs[r]);
             }
         }
         for r in 0..GROUP {

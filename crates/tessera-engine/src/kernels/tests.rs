@@ -176,10 +176,7 @@ const ALL: [GgmlType; 21] = [
 ];
 
 fn isas() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
-        .into_iter()
-        .filter(|i| i.available())
-        .collect()
+    Isa::ALL.into_iter().filter(|i| i.available()).collect()
 }
 
 fn cols_for(dtype: GgmlType) -> usize {
@@ -249,7 +246,7 @@ fn matches_f64_reference() {
                 .map(|b| {
                     let m = scalar::f16_at(&bytes, (r * nb + b) * bb + 2) as f64;
                     let (dy, sum) = (acts.f[t * nb + b], acts.sums[t * nb + b]);
-                    let s = scalar::q8_1_s(dy, sum) as f64;
+                    let s = acts.q8_1_s[t * nb + b] as f64;
                     m.abs() * (s - dy as f64 * sum as f64).abs()
                 })
                 .sum()
@@ -758,6 +755,34 @@ fn no_weight_type_runs_the_scalar_kernel_on_avx2_or_avx512() {
             assert_eq!(kernel_path_on(simd, dtype), simd, "{dtype} on {simd}");
         }
     }
+}
+
+/// Issue #30: on aarch64 the types real files use most take a NEON kernel, with the
+/// dot-product extension for the integer ones where the process runs with it; the rest keep
+/// the portable kernel, and `kernel_path` says so.
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn the_common_weight_types_run_neon_kernels_on_aarch64() {
+    use GgmlType::*;
+    let integer = [
+        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, Mxfp4, Iq4Nl, Iq4Xs,
+    ];
+    let float = [F16, BF16, F32];
+    for dtype in ALL {
+        let (neon, dot) = (
+            kernel_path_on(Isa::Neon, dtype),
+            kernel_path_on(Isa::Dotprod, dtype),
+        );
+        if integer.contains(&dtype) {
+            assert_eq!((neon, dot), (Isa::Neon, Isa::Dotprod), "{dtype}");
+        } else if float.contains(&dtype) {
+            assert_eq!((neon, dot), (Isa::Neon, Isa::Neon), "{dtype}");
+        } else {
+            assert_eq!((neon, dot), (Isa::Scalar, Isa::Scalar), "{dtype}");
+        }
+    }
+    // Every aarch64 CPU has NEON, so a process never runs the portable kernels unless capped.
+    assert!(Isa::Neon.available());
 }
 
 /// Q4_1 and Q5_1 blocks built by hand decode to `code·d + m` with ggml's element order (low

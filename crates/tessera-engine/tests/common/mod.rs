@@ -4,9 +4,58 @@
 pub mod moe;
 
 use std::path::PathBuf;
+use std::process::Command;
 
 use tessera_engine::{KvCache, KvShape, KvType, LoadSpec, Model};
 use tessera_model::{GgufFile, ModelConfig};
+
+/// A command that runs this test binary again (for tests that need a fresh process per case).
+///
+/// Under a cargo runner (`CARGO_TARGET_<TRIPLE>_RUNNER`, e.g. `qemu-aarch64 -L /usr/aarch64-linux-gnu`
+/// for CI's aarch64 step), the child is started through that runner too: qemu-user does not
+/// catch `execve`, and without `binfmt_misc` the kernel cannot run an aarch64 file itself, so
+/// starting the binary directly fails. The runner is split on whitespace, as cargo splits it.
+/// Natively (no runner set) the binary is started directly.
+pub fn self_command() -> Command {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let runner = std::env::var(runner_env()).unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    match words.next() {
+        Some(program) => {
+            let mut c = Command::new(program);
+            c.args(words).arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    }
+}
+
+/// `CARGO_TARGET_<TRIPLE>_RUNNER` for the triple this binary was compiled for.
+fn runner_env() -> String {
+    let env = if cfg!(target_env = "gnu") {
+        "-gnu"
+    } else if cfg!(target_env = "musl") {
+        "-musl"
+    } else {
+        ""
+    };
+    let vendor = if cfg!(target_vendor = "apple") {
+        "apple"
+    } else if cfg!(target_vendor = "pc") {
+        "pc"
+    } else {
+        "unknown"
+    };
+    let triple = format!(
+        "{}-{vendor}-{}{env}",
+        std::env::consts::ARCH,
+        std::env::consts::OS
+    );
+    format!(
+        "CARGO_TARGET_{}_RUNNER",
+        triple.to_uppercase().replace('-', "_")
+    )
+}
 
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")

@@ -385,39 +385,29 @@ fn fit_single_nodes_to_their_runs(
 /// The planner's measurement of a run's report (`tessera run --json`'s `done` message), taken
 /// at `at` (Unix seconds): decode tokens/s, per-hop time (the token time the stages' compute
 /// does not explain, over the ring's hops) with wire bytes, per-stage time.
-pub fn measurement(report: &serde_json::Value, at: u64) -> Measurement {
-    let names: Vec<String> = report["stages"]
-        .as_array()
-        .map(|v| {
-            v.iter()
-                .map(|s| s["name"].as_str().unwrap_or("?").to_string())
-                .collect()
-        })
-        .unwrap_or_default();
-    let tps = report["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
-    let per_stage: Vec<(String, f64)> = report["stage_stats"]
-        .as_array()
-        .into_iter()
-        .flatten()
+pub fn measurement(report: &tessera_proto::RunReport, at: u64) -> Measurement {
+    let names: Vec<String> = report.stages.iter().map(|s| s.name.clone()).collect();
+    let tps = report.decode_tokens_per_s;
+    let per_stage: Vec<(String, f64)> = report
+        .stage_stats
+        .iter()
         .filter_map(|s| {
-            let d = &s["decode"];
-            let t = d["compute_ns"].as_f64()? / d["steps"].as_f64()?.max(1.0) / 1e9;
-            Some((names.get(s["stage"].as_u64()? as usize)?.clone(), t))
+            let t = s.decode.compute_ns as f64 / s.decode.steps.max(1) as f64 / 1e9;
+            Some((names.get(s.stage)?.clone(), t))
         })
         .collect();
     let compute: f64 = per_stage.iter().map(|s| s.1).sum();
     let hops = if names.len() > 1 && tps > 0.0 {
         let lat = ((1.0 / tps - compute) / names.len() as f64).max(0.0);
-        report["boundaries"]
-            .as_array()
-            .into_iter()
-            .flatten()
+        report
+            .boundaries
+            .iter()
             .filter_map(|b| {
                 Some(HopMeasurement {
-                    from: names.get(b["from"].as_u64()? as usize)?.clone(),
-                    to: names.get(b["to"].as_u64()? as usize)?.clone(),
+                    from: names.get(b.from)?.clone(),
+                    to: names.get(b.to)?.clone(),
                     latency_s: lat,
-                    wire_bytes: b["decode_bytes_per_token"].as_f64()?,
+                    wire_bytes: b.decode_bytes_per_token,
                 })
             })
             .collect()

@@ -235,10 +235,10 @@ fn round(
         served_by: runs
             .iter()
             .map(|r| {
-                r.report["stages"][0]["name"]
-                    .as_str()
-                    .unwrap_or("?")
-                    .to_string()
+                r.report
+                    .stages
+                    .first()
+                    .map_or_else(|| "?".to_string(), |s| s.name.clone())
             })
             .collect(),
         texts: runs.into_iter().map(|r| r.text).collect(),

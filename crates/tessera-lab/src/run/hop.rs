@@ -14,7 +14,7 @@
 use std::path::Path;
 
 use serde::Serialize;
-use serde_json::Value;
+use tessera_proto::RunReport;
 
 use super::ring::{median, placements, EqualHosts};
 use super::session::{Hosts, Loopback, Mode, Session};
@@ -68,16 +68,14 @@ pub struct HopFigure {
 
 /// Decode compute per token summed over a run's stages (each stage's compute over its steps),
 /// ms; `None` without stage figures.
-fn compute_ms_per_token(report: &Value) -> Option<f64> {
-    let stats = report["stage_stats"].as_array()?;
+fn compute_ms_per_token(report: &RunReport) -> Option<f64> {
+    let stats = &report.stage_stats;
     let mut sum = 0.0;
     for s in stats {
-        let d = &s["decode"];
-        let (ns, steps) = (d["compute_ns"].as_u64()?, d["steps"].as_u64()?);
-        if steps == 0 {
+        if s.decode.steps == 0 {
             return None;
         }
-        sum += ns as f64 / steps as f64;
+        sum += s.decode.compute_ns as f64 / s.decode.steps as f64;
     }
     (!stats.is_empty()).then_some(sum / 1e6)
 }
@@ -111,27 +109,26 @@ impl HopBreakdown {
 
     /// The breakdown of a ring's run report (`stage_stats[i].hop` of every ring stage); `None`
     /// when a hop's sent and received frames do not pair up (a stage without the stamps).
-    pub fn of_report(report: &Value) -> Option<Self> {
-        let stats = report["stage_stats"].as_array()?;
-        let n = report["boundaries"].as_array()?.len();
+    pub fn of_report(report: &RunReport) -> Option<Self> {
+        let stats = &report.stage_stats;
+        let n = report.boundaries.len();
         if n < 2 || stats.len() < n {
             return None;
         }
-        let hop = |i: usize, k: &str| stats[i]["hop"][k].as_u64().unwrap_or(0);
         let mut sum = Self::default();
         for i in 0..n {
-            let j = (i + 1) % n;
-            let frames = hop(i, "frames_out");
-            if frames == 0 || hop(j, "frames_in") != frames {
+            let (sent, got) = (&stats[i].hop, &stats[(i + 1) % n].hop);
+            let frames = sent.frames_out;
+            if frames == 0 || got.frames_in != frames {
                 return None;
             }
             let f = frames as f64 * 1e3;
-            let transit = hop(j, "arrived_wall_ns").wrapping_sub(hop(i, "sent_wall_ns")) as i64;
-            sum.serialise_us += hop(i, "encode_ns") as f64 / f;
-            sum.send_us += hop(i, "send_ns") as f64 / f;
+            let transit = got.arrived_wall_ns.wrapping_sub(sent.sent_wall_ns) as i64;
+            sum.serialise_us += sent.encode_ns as f64 / f;
+            sum.send_us += sent.send_ns as f64 / f;
             sum.transit_us += transit as f64 / f;
-            sum.decode_us += hop(j, "decode_ns") as f64 / f;
-            sum.handoff_us += hop(j, "handoff_ns") as f64 / f;
+            sum.decode_us += got.decode_ns as f64 / f;
+            sum.handoff_us += got.handoff_ns as f64 / f;
         }
         let k = n as f64;
         Some(Self {
@@ -191,14 +188,14 @@ fn single_and_ring(
     let session = Session::start(hosts, tessera, s, dir, &Mode::ByClient)?;
     let (single, ring) = placements(dir, n_layer, stages)?;
     let prompt = &s.workload.prompt;
-    let one = |plan: &Path, n: usize| -> Result<Value> {
+    let one = |plan: &Path, n: usize| -> Result<RunReport> {
         Ok(session.clients(hosts, plan, prompt, n, 1)?.remove(0))
     };
     one(&single, 4)?;
     one(&ring, 4)?;
     let (mut a, mut b, mut hop, mut parts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut ca, mut cb) = (Vec::new(), Vec::new());
-    let ms = |r: &Value| 1e3 / r["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+    let ms = |r: &RunReport| 1e3 / r.decode_tokens_per_s;
     for _ in 0..rounds.max(1) {
         let r = one(&single, s.workload.tokens)?;
         a.push(ms(&r));
@@ -206,7 +203,7 @@ fn single_and_ring(
         let r = one(&ring, s.workload.tokens)?;
         b.push(ms(&r));
         cb.extend(compute_ms_per_token(&r));
-        hop.extend(r["hop_latency_us"].as_f64());
+        hop.extend(r.hop_latency_us);
         parts.extend(HopBreakdown::of_report(&r));
     }
     Ok(RingRuns {
@@ -407,18 +404,16 @@ pub fn table(figures: &[HopFigure]) -> String {
 mod tests {
     use super::*;
 
+    use super::super::test_reports::{decode, report};
+    use tessera_proto::{HopTimes, StageSeqStats};
+
     #[test]
     fn a_runs_compute_per_token_sums_each_stages_compute_over_its_steps() {
-        let report = serde_json::json!({ "stage_stats": [
-            { "stage": 0, "decode": { "compute_ns": 4_000_000u64, "steps": 2 } },
-            { "stage": 1, "decode": { "compute_ns": 3_000_000u64, "steps": 3 } },
-        ] });
-        assert!((compute_ms_per_token(&report).unwrap() - 3.0).abs() < 1e-12);
-        let none = serde_json::json!({ "stage_stats": [
-            { "stage": 0, "decode": { "compute_ns": 1u64, "steps": 0 } },
-        ] });
+        let two = report(vec![decode(0, 4_000_000, 2), decode(1, 3_000_000, 3)], 2);
+        assert!((compute_ms_per_token(&two).unwrap() - 3.0).abs() < 1e-12);
+        let none = report(vec![decode(0, 1, 0)], 1);
         assert_eq!(compute_ms_per_token(&none), None);
-        assert_eq!(compute_ms_per_token(&serde_json::json!({})), None);
+        assert_eq!(compute_ms_per_token(&report(Vec::new(), 0)), None);
     }
 
     #[test]
@@ -438,22 +433,37 @@ mod tests {
     fn a_hops_breakdown_pairs_each_stages_sends_with_the_next_stages_arrivals() {
         // Two stages, 10 decode frames each way; stage 0's frames reach stage 1 300 µs after
         // their writes return, stage 1's tokens reach stage 0 100 µs after theirs.
-        let hop = |out: u64, sent: u64, arrived: u64, enc: u64, dec: u64| {
-            serde_json::json!({
-                "frames_out": 10, "encode_ns": enc, "send_ns": 10 * 20_000,
-                "sent_wall_ns": sent, "frames_in": 10, "decode_ns": dec,
-                "handoff_ns": 10 * 40_000, "arrived_wall_ns": arrived, "out": out,
-            })
+        let hop = |sent: u64, arrived: u64, enc: u64, dec: u64| StageSeqStats {
+            hop: Box::new(HopTimes {
+                frames_out: 10,
+                encode_ns: enc,
+                send_ns: 10 * 20_000,
+                sent_wall_ns: sent,
+                frames_in: 10,
+                decode_ns: dec,
+                handoff_ns: 10 * 40_000,
+                arrived_wall_ns: arrived,
+            }),
+            ..StageSeqStats::default()
         };
         let base = u64::MAX - 1_000; // the sums wrap
-        let report = serde_json::json!({
-            "boundaries": [{}, {}],
-            "stage_stats": [
-                { "hop": hop(0, base, base.wrapping_add(10 * 100_000), 10 * 5_000, 10 * 1_000) },
-                { "hop": hop(1, base.wrapping_add(7), base.wrapping_add(7 + 10 * 300_000),
-                    10 * 1_000, 10 * 6_000) },
+        let report = report(
+            vec![
+                hop(
+                    base,
+                    base.wrapping_add(10 * 100_000),
+                    10 * 5_000,
+                    10 * 1_000,
+                ),
+                hop(
+                    base.wrapping_add(7),
+                    base.wrapping_add(7 + 10 * 300_000),
+                    10 * 1_000,
+                    10 * 6_000,
+                ),
             ],
-        });
+            2,
+        );
         let b = HopBreakdown::of_report(&report).unwrap();
         assert!((b.transit_us - 200.0).abs() < 1e-9, "{b:?}");
         assert!((b.serialise_us - 3.0).abs() < 1e-9, "{b:?}");
@@ -462,7 +472,7 @@ mod tests {
         assert!((b.total_us() - 246.5).abs() < 1e-9);
         // A stage without stamps: no breakdown rather than a wrong one.
         let mut partial = report.clone();
-        partial["stage_stats"][1]["hop"]["frames_in"] = 0.into();
+        partial.stage_stats[1].hop.frames_in = 0;
         assert_eq!(HopBreakdown::of_report(&partial), None);
     }
 }

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
+use tessera_proto::RunReport;
 
 use super::report::Figures;
 use super::ring::median;
@@ -30,12 +30,8 @@ fn node_bytes(lab: &Lab) -> u64 {
 
 /// A plan's requests so far.
 struct Partial {
-    runs: Vec<Value>,
+    runs: Vec<RunReport>,
     wire: f64,
-}
-
-fn field(r: &Value, k: &str) -> f64 {
-    r[k].as_f64().unwrap_or(f64::NAN)
 }
 
 /// The figures of each plan in `plans` (plan files, all runnable in `session`): for each, a
@@ -54,7 +50,7 @@ pub(super) fn measure(
 ) -> Vec<std::result::Result<Measured, String>> {
     let prompt = &scenario.workload.prompt;
     let tokens = scenario.workload.tokens;
-    let one = |plan: &Path, n: usize| -> Result<Value> {
+    let one = |plan: &Path, n: usize| -> Result<RunReport> {
         Ok(session.clients(lab, plan, prompt, n, 1)?.remove(0))
     };
     let first = |plan: &Path| -> Result<Partial> {
@@ -64,7 +60,7 @@ pub(super) fn measure(
         let b1 = node_bytes(lab);
         let run = one(plan, tokens)?;
         let b2 = node_bytes(lab);
-        let extra = field(&run, "generated") - field(&short, "generated");
+        let extra = run.generated as f64 - short.generated as f64;
         let wire = if extra > 0.0 {
             (b2 - b1).saturating_sub(b1 - b0) as f64 / extra
         } else {
@@ -103,16 +99,11 @@ pub(super) fn measure(
         .enumerate()
         .map(|(i, part)| {
             let Partial { mut runs, wire } = part?;
-            let mut ttft: Vec<f64> = runs
-                .iter()
-                .map(|r| field(r, "time_to_first_token_ms"))
-                .collect();
+            let mut ttft: Vec<f64> = runs.iter().map(|r| r.time_to_first_token_ms).collect();
             ttft.sort_by(f64::total_cmp);
-            runs.sort_by(|a, b| {
-                field(a, "decode_tokens_per_s").total_cmp(&field(b, "decode_tokens_per_s"))
-            });
+            runs.sort_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s));
             let report = runs.swap_remove(runs.len() / 2);
-            let decode = field(&report, "decode_tokens_per_s");
+            let decode = report.decode_tokens_per_s;
             let throughput = match at_once.get(i) {
                 Some(r) => r.clone()?,
                 None => decode,
@@ -187,7 +178,7 @@ fn round_at_once(
     let runs = session.timed_clients(lab, plan, &prompts, tokens)?;
     let mut went = std::collections::BTreeMap::<String, usize>::new();
     for r in &runs {
-        let first = r.report["stages"][0]["name"].as_str().unwrap_or("?");
+        let first = r.report.stages.first().map_or("?", |s| s.name.as_str());
         *went.entry(first.to_string()).or_default() += 1;
     }
     let arrivals: Vec<Vec<std::time::Instant>> = runs.into_iter().map(|r| r.arrivals).collect();

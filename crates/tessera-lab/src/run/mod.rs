@@ -33,6 +33,8 @@ pub mod plans;
 pub mod report;
 mod ring;
 mod session;
+#[cfg(test)]
+mod test_reports;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -70,7 +72,7 @@ pub struct Options {
 /// One executed plan's measurement: its figures and the single request's report.
 struct Measured {
     figures: Figures,
-    report: Value,
+    report: tessera_proto::RunReport,
 }
 
 /// Runs `scenario` with the `tessera` binary at `tessera`, keeping logs under `dir`.

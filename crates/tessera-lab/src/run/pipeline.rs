@@ -21,7 +21,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use serde::Serialize;
-use serde_json::Value;
+use tessera_proto::RunReport;
 
 use super::ring::{load_average, median, placements, split, EqualHosts};
 use super::session::{Loopback, Mode, Session};
@@ -128,19 +128,13 @@ pub fn overlap_window(arrivals: &[Vec<Instant>]) -> Option<(usize, f64)> {
 /// Per stage, in stage order (`stages` entries): decode compute (ns), sequence-steps (each
 /// sequence counts every step it took part in) and the stage's own steps (millionths), summed
 /// over the runs' reports.
-pub fn decode_compute(reports: &[Value], stages: usize) -> Vec<(u64, u64, u64)> {
+pub fn decode_compute(reports: &[RunReport], stages: usize) -> Vec<(u64, u64, u64)> {
     let mut out = vec![(0u64, 0u64, 0u64); stages];
-    for r in reports {
-        for s in r["stage_stats"].as_array().into_iter().flatten() {
-            let Some(i) = s["stage"].as_u64().map(|i| i as usize) else {
-                continue;
-            };
-            if let Some(o) = out.get_mut(i) {
-                let d = &s["decode"];
-                o.0 += d["compute_ns"].as_u64().unwrap_or(0);
-                o.1 += d["steps"].as_u64().unwrap_or(0);
-                o.2 += s["decode_step_share_micro"].as_u64().unwrap_or(0);
-            }
+    for s in reports.iter().flat_map(|r| &r.stage_stats) {
+        if let Some(o) = out.get_mut(s.stage) {
+            o.0 += s.decode.compute_ns;
+            o.1 += s.decode.steps;
+            o.2 += s.decode_step_share_micro;
         }
     }
     out
@@ -234,7 +228,7 @@ pub fn run(
             let runs =
                 session.timed_clients(&Loopback, &ring, &vec![prompt.as_str(); n], o.tokens)?;
             let arrivals: Vec<Vec<Instant>> = runs.iter().map(|r| r.arrivals.clone()).collect();
-            let reports: Vec<Value> = runs.into_iter().map(|r| r.report).collect();
+            let reports: Vec<RunReport> = runs.into_iter().map(|r| r.report).collect();
             let Some((tokens, secs)) = decode_window(&arrivals) else {
                 return Err(LabError::Run(format!("{n} streams decoded nothing")));
             };
@@ -324,7 +318,6 @@ fn prefill(
     }
     let mut got = count(words);
     let text = prose(words);
-    let ttft = |r: &Value| r["time_to_first_token_ms"].as_f64().unwrap_or(f64::NAN);
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for round in 0..o.rounds.max(1) {
         let first_single = round % 2 == 0;
@@ -333,13 +326,15 @@ fn prefill(
             // A prompt of its own per request: a kept cache of an earlier one must not serve it.
             let text = format!("{round}{}. {text}", u8::from(on_ring));
             let r = session.one_with(&Loopback, plan, &text, 1, o.prefill_chunk)?;
-            got = r["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+            got = r.prompt_tokens;
             let name = format!(
                 "prefill-{round}-{}.json",
                 if on_ring { "ring" } else { "single" }
             );
-            let _ = std::fs::write(session_dir.join(name), r.to_string());
-            if on_ring { &mut b } else { &mut a }.push(ttft(&r));
+            if let Ok(json) = serde_json::to_string(&r) {
+                let _ = std::fs::write(session_dir.join(name), json);
+            }
+            if on_ring { &mut b } else { &mut a }.push(r.time_to_first_token_ms);
         }
         progress(&format!(
             "round {}: prefill of {got} tokens: one node {:.0} ms, ring {:.0} ms",
@@ -406,6 +401,7 @@ pub fn table(r: &PipelineReport) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_reports::{decode, report};
     use super::*;
     use std::time::Duration;
 
@@ -439,12 +435,11 @@ mod tests {
     #[test]
     fn busy_shares_sum_each_stages_decode_compute_over_the_streams() {
         let report = |stage0: u64, stage1: u64| {
-            serde_json::json!({ "stage_stats": [
-                { "stage": 0, "decode": { "compute_ns": stage0, "steps": 10 },
-                    "decode_step_share_micro": 5_000_000 },
-                { "stage": 1, "decode": { "compute_ns": stage1, "steps": 10 },
-                    "decode_step_share_micro": 5_000_000 },
-            ] })
+            let mut stats = vec![decode(0, stage0, 10), decode(1, stage1, 10)];
+            for s in &mut stats {
+                s.decode_step_share_micro = 5_000_000;
+            }
+            report(stats, 2)
         };
         let c = decode_compute(
             &[report(100_000_000, 50_000_000), report(100_000_000, 0)],

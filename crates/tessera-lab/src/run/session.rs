@@ -14,6 +14,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tessera_proto::{CoordToClient, RunReport};
 
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
@@ -128,7 +129,7 @@ impl Drop for Proc {
 /// What one timed client read.
 pub(super) struct TimedRun {
     /// Its `done` message.
-    pub(super) report: Value,
+    pub(super) report: RunReport,
     /// When each generated token was read.
     pub(super) arrivals: Vec<Instant>,
     /// The generated text (the tokens' text in order).
@@ -267,7 +268,7 @@ impl Session {
         prompt: &str,
         tokens: usize,
         count: usize,
-    ) -> Result<Vec<Value>> {
+    ) -> Result<Vec<RunReport>> {
         let mut running = Vec::new();
         for i in 0..count.max(1) {
             running.push(self.spawn_client(lab, plan, prompt, tokens, i, None)?);
@@ -294,15 +295,12 @@ impl Session {
                     let (mut arrivals, mut text, mut done) = (Vec::new(), String::new(), None);
                     for l in out.lines().map_while(std::result::Result::ok) {
                         let now = Instant::now();
-                        let Ok(m) = serde_json::from_str::<Value>(&l) else {
-                            continue;
-                        };
-                        match m["type"].as_str() {
-                            Some("token") => {
+                        match serde_json::from_str::<CoordToClient>(&l) {
+                            Ok(CoordToClient::Token { text: t, .. }) => {
                                 arrivals.push(now);
-                                text.push_str(m["text"].as_str().unwrap_or_default());
+                                text.push_str(&t);
                             }
-                            Some("done") => done = Some(m),
+                            Ok(CoordToClient::Done(r)) => done = Some(*r),
                             _ => {}
                         }
                     }
@@ -343,7 +341,7 @@ impl Session {
         prompt: &str,
         tokens: usize,
         chunk: usize,
-    ) -> Result<Value> {
+    ) -> Result<RunReport> {
         report(self.spawn_client(lab, plan, prompt, tokens, 0, Some(chunk))?)
     }
 
@@ -402,7 +400,7 @@ fn token(coordinator: &mut Proc, event: &str) -> Result<String> {
 }
 
 /// A finished `tessera run --json`'s report (its `done` message).
-fn report(child: Child) -> Result<Value> {
+fn report(child: Child) -> Result<RunReport> {
     let out = child
         .wait_with_output()
         .map_err(|e| LabError::io("waiting for tessera run", e))?;
@@ -414,7 +412,9 @@ fn report(child: Child) -> Result<Value> {
     }
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|m| m["type"] == "done")
+        .find_map(|l| match serde_json::from_str::<CoordToClient>(l) {
+            Ok(CoordToClient::Done(r)) => Some(*r),
+            _ => None,
+        })
         .ok_or_else(|| LabError::Run("tessera run printed no report".into()))
 }

@@ -10,9 +10,10 @@ use tessera_net::{Endpoint, FrameWriter};
 use crate::error::FabricError;
 use tessera_proto::{frame, limits, stream};
 
-use super::ring::{keep_link, LinkUpFailed, DATA_LINK_LIVENESS};
+use super::data_links::{keep_link, LinkUpFailed, DATA_LINK_LIVENESS};
+use super::shared::Shared;
 use super::stage_thread::WorkerMsg;
-use super::{DataLink, Shared};
+use super::DataLink;
 
 /// A blocking expert link over a network stream, driven by the agent's runtime from the stage
 /// thread (like the ring).

@@ -35,25 +35,25 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tessera_engine::Model;
-use tessera_net::{Accepted, AllowList, Connection, Endpoint, NodeIdentity};
+use tessera_net::{Accepted, AllowList, Endpoint, NodeIdentity};
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
 use crate::inventory::{measure, Inventory, ProbeOptions};
 use crate::store::ShardStore;
-use tessera_proto::{
-    ExpertCacheStats, Hello, NodeToCoord, Role, StageAssignment, PROTOCOL_VERSION,
-};
+use tessera_proto::{Hello, NodeToCoord, Role, PROTOCOL_VERSION};
 
 mod config;
+mod data_links;
 mod epochs;
 mod experts;
 mod hop_ledger;
 mod load;
 mod ring;
+mod ring_out;
 mod sealed;
 mod session;
+mod shared;
 mod stage_thread;
 
 pub use config::{AgentConfig, CoordinatorRecord, JoinTarget, ProbeLevel};
@@ -63,139 +63,8 @@ pub use sealed::SealedOptions;
 use epochs::{DataLink, EpochAction, EpochEvent, MemoryLimit, NodeEpochs};
 use ring::serve_peer;
 use session::serve_sessions;
-use stage_thread::{worker_loop, WorkerMsg};
-
-/// The epoch machine and what the shell keeps for its installed epochs, behind one lock.
-struct Epochs {
-    machine: NodeEpochs,
-    /// Data links of installed epochs this node dialled: the ring to the next stage (one per
-    /// epoch) and the expert links to workers.
-    links: Vec<(u64, DataLink, Connection)>,
-    /// Expert split: the model serving other homes' requests (experts of layers outside this
-    /// node's stage), per installed epoch that has one.
-    serving: BTreeMap<u64, Arc<Model>>,
-}
-
-impl Epochs {
-    /// Closes every data link of `epoch` and drops its expert serving model.
-    fn close_links(&mut self, epoch: u64) {
-        self.links.retain(|(e, _, c)| {
-            if *e == epoch {
-                c.close("epoch released");
-            }
-            *e != epoch
-        });
-        self.serving.remove(&epoch);
-    }
-}
-
-struct Shared {
-    allow: Arc<AllowList>,
-    worker: mpsc::UnboundedSender<WorkerMsg>,
-    ctrl: mpsc::UnboundedSender<NodeToCoord>,
-    /// The node's epochs ([`NodeEpochs`]: assignments, loads, installed epochs, admissions)
-    /// with the connections and models kept for them. Every decision about them is the
-    /// machine's; the shell only carries out its actions ([`Shared::handle_epochs`]).
-    epochs: Mutex<Epochs>,
-    /// The counters of the current stage's own streamed experts (the stage's model lives on the
-    /// worker thread; the handle reads them from here, and reads nothing once it is dropped).
-    stage_experts: Mutex<Option<tessera_engine::expert_store::ExpertStatsSource>>,
-    /// Sealed jobs: this node's sealing key, replay guard and local sequences.
-    sealed: sealed::SealedWorker,
-}
-
-impl Shared {
-    fn lock_epochs(&self) -> std::sync::MutexGuard<'_, Epochs> {
-        self.epochs.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Feeds the epoch machine one event and carries out its actions, all under the epochs'
-    /// lock (so the stage thread sees installs and releases in the machine's order). The
-    /// actions that need what only the caller holds (a load to start, a loaded stage to
-    /// install, a link just made, a lost link's error) go to `edge`. New sealed claims are
-    /// published after the lock is let go.
-    fn handle_epochs(&self, event: EpochEvent, mut edge: impl FnMut(&mut Epochs, EpochAction)) {
-        let mut claims = false;
-        {
-            let mut g = self.lock_epochs();
-            let actions = g.machine.handle(event);
-            for action in actions {
-                match action {
-                    EpochAction::Admit(key) => self.allow.insert(key),
-                    EpochAction::Unadmit(id) => {
-                        self.allow.remove(&id);
-                    }
-                    EpochAction::CloseLinks { epoch } => g.close_links(epoch),
-                    EpochAction::ReleaseStage { epoch } => {
-                        let _ = self.worker.send(WorkerMsg::Release(epoch));
-                    }
-                    EpochAction::Refuse { epoch, why } => {
-                        tracing::warn!("cannot take epoch {epoch}: {why}");
-                        let _ = self.ctrl.send(NodeToCoord::LoadFailed {
-                            epoch,
-                            reason: why.to_string(),
-                        });
-                    }
-                    EpochAction::PublishClaims => claims = true,
-                    other => edge(&mut g, other),
-                }
-            }
-        }
-        if claims {
-            self.publish_claims();
-        }
-    }
-
-    /// What this node holds that a sealed job can run on: the current assignment, unless its
-    /// experts are shared with other nodes.
-    fn sealed_holding(&self) -> Option<StageAssignment> {
-        self.lock_epochs().machine.sealed_holding()
-    }
-
-    /// Whether a lost link of `epoch` matters (it is assigned or installed here).
-    fn holds_epoch(&self, epoch: u64) -> bool {
-        self.lock_epochs().machine.holds(epoch)
-    }
-
-    /// Tells the coordinator what this node can run sealed jobs on now, in new signed claims.
-    fn publish_claims(&self) {
-        let claims = self.sealed.claims(self.sealed_holding().as_ref());
-        let _ = self.ctrl.send(NodeToCoord::Claims(Box::new(claims)));
-    }
-
-    /// Counters of this node's streamed experts: the stage's own and those of the model serving
-    /// other homes' experts, summed (`None` when neither streams experts).
-    fn expert_cache(&self) -> Option<ExpertCacheStats> {
-        let stage = self
-            .stage_experts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .and_then(|s| s.stats());
-        let serving: Vec<_> = {
-            let g = self.lock_epochs();
-            g.serving
-                .values()
-                .filter_map(|m| m.expert_stats())
-                .collect()
-        };
-        let st = stage.into_iter().chain(serving).reduce(|mut a, b| {
-            a.add(&b);
-            a
-        })?;
-        Some(ExpertCacheStats {
-            budget_bytes: st.budget_bytes,
-            lookups: st.lookups,
-            hits: st.hits,
-            misses: st.misses,
-            bytes_read: st.bytes_read,
-            read_wait_us: st.read_wait_us,
-            disk_busy_us: st.disk_busy_us,
-            peak_bytes: st.peak_bytes,
-            peak_read_buffer_bytes: st.peak_read_buffer_bytes,
-        })
-    }
-}
+use shared::{Epochs, Shared};
+use stage_thread::worker_loop;
 
 /// Loads or creates the node identity and prints its id. Also the first thing [`run`] does.
 pub fn identity(data_dir: &Path) -> Result<NodeIdentity, FabricError> {

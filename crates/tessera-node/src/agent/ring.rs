@@ -1,183 +1,28 @@
-//! The stage ring: where the stage's ring outputs go ([`RingOut`]), linking to the next stage
-//! (dial, measure the link, open the ring stream), and serving connections from other nodes —
-//! ring streams from the current previous stage, read with a size limit (a malformed frame ends
-//! that stream), and expert streams from admitted clients.
+//! The stage ring: linking to the next stage (dial, measure the link, open the ring stream),
+//! and serving connections from other nodes — ring streams from the current previous stage,
+//! read with a size limit (a malformed frame ends that stream), and expert streams from
+//! admitted clients.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_net::{measure_link, Connection, Endpoint, FrameWriter, LinkMeasurement, Liveness};
+use tessera_net::{measure_link, Connection, Endpoint, LinkMeasurement};
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
-use tessera_proto::{frame, limits, stream, NodeToCoord, RingToken, StepHeader};
+use tessera_proto::{frame, limits, stream, RingToken, StepHeader};
 
+use super::data_links::{keep_link, report_lost_link, LinkUpFailed, DATA_LINK_LIVENESS};
 use super::experts::{link_experts, serve_experts};
 use super::hop_ledger::Arrival;
+use super::ring_out::RingOut;
+use super::shared::Shared;
 use super::stage_thread::WorkerMsg;
-use super::{DataLink, EpochAction, EpochEvent, Shared};
-
-/// Where the stage's ring outputs go.
-pub(super) enum RingOut {
-    /// A one-stage ring: tokens come straight back to this stage.
-    Loopback,
-    /// Frames for the next stage, written to its stream by a task on the agent's runtime
-    /// ([`RingOut::stream`]). The stage thread only queues them. Written from the stage
-    /// thread (through `Handle::block_on`), the write woke the connection's driver from
-    /// outside the runtime; the likely cost (not confirmed: the queue send alone still reads
-    /// 60–140 µs, so scheduling may be most of it) is that wake under the connection's lock,
-    /// which from a worker is a push onto its own queue with the driver running right after.
-    /// `tessera lab hop`, interleaved runs on the loaded 2-core VM: a hop added 112 → 79 µs
-    /// (medians of 8 and 9 runs) on a 0.5 ms link, 143 → 99 µs on loopback. The queue is
-    /// bounded, so QUIC flow control still holds the stage thread back.
-    Stream(mpsc::Sender<(u16, Vec<u8>)>),
-}
-
-/// Frames queued for the next stage before the stage thread waits: a few prefill chunks.
-const RING_QUEUE: usize = 4;
+use super::DataLink;
 
 /// How long a worker waits for an expert stream's first frame (its epoch): the home writes it
 /// as it opens the stream.
 const EXPERT_EPOCH_WAIT: Duration = Duration::from_secs(5);
-
-impl RingOut {
-    /// A writer task for `writer` on the current runtime, and the stage thread's end of it.
-    pub(super) fn stream(mut writer: FrameWriter<tessera_net::quinn::SendStream>) -> Self {
-        let (tx, mut rx) = mpsc::channel::<(u16, Vec<u8>)>(RING_QUEUE);
-        tokio::spawn(async move {
-            while let Some((kind, payload)) = rx.recv().await {
-                if let Err(e) = writer.write_frame(kind, &payload).await {
-                    tracing::warn!("ring stream to the next stage: {e}");
-                    break;
-                }
-            }
-        });
-        Self::Stream(tx)
-    }
-
-    /// Queues one frame for the next stage; false if the stream is gone.
-    pub(super) fn send(&mut self, kind: u16, payload: Vec<u8>) -> bool {
-        match self {
-            Self::Stream(tx) => tx.blocking_send((kind, payload)).is_ok(),
-            Self::Loopback => false,
-        }
-    }
-}
-
-/// How a data link (ring or expert) notices that its peer stopped answering, mid-epoch.
-///
-/// QUIC's idle timeout, shortened on data links only: the link is declared lost once *nothing*
-/// has arrived from the peer for this long — no data, and not even an acknowledgement of ours
-/// or an answer to a keep-alive, which the dialer sends every second so that a quiet ring (no
-/// sequence running) is never idle. This is the choice over a per-step deadline on the peer's
-/// reply: how long a step may take depends on the peer's compute, its batch, the stages after
-/// it and the link's bandwidth, and a deadline derived from those fires on a slow but live
-/// link or a busy peer; acknowledgements flow on a slow link as long as it carries anything,
-/// so only a link (or a peer) that went silent trips this. QUIC also never lets the timeout
-/// fall below three probe timeouts, so a high-latency link gets more. Both ends use it (QUIC
-/// takes the smaller of the two sides' timeouts), and both report the loss. The control
-/// link to the coordinator keeps the endpoint's longer timeout: its loss is the lease's
-/// business.
-pub(super) const DATA_LINK_LIVENESS: Liveness = Liveness {
-    idle_timeout: Duration::from_secs(5),
-    keep_alive: Duration::from_secs(1),
-};
-
-/// Reports a data link of `epoch` lost while that epoch is still this node's
-/// ([`NodeToCoord::LinkFailed`], naming the peer): the coordinator fails the epoch and plans
-/// around the pair. A link closed on purpose (an epoch released here or at the peer, a node
-/// shutting down) is not a failure; nor is any loss once a newer epoch was assigned.
-pub(super) fn report_lost_link(
-    shared: &Shared,
-    epoch: u64,
-    link: DataLink,
-    peer: tessera_net::NodeId,
-    error: &dyn std::fmt::Display,
-) {
-    let lost = EpochEvent::LinkLost { epoch, link, peer };
-    shared.handle_epochs(lost, |_, action| {
-        if let EpochAction::ReportLinkLost { epoch, link, peer } = action {
-            tracing::warn!(
-                event = "link_lost",
-                epoch,
-                peer = %peer,
-                link = ?link,
-                error = %error,
-                "epoch {epoch}: {link} ({}) is lost: {error}",
-                peer.short()
-            );
-            let _ = shared.ctrl.send(NodeToCoord::LinkFailed {
-                epoch,
-                reason: format!("{link} ({}) is lost: {error}", peer.short()),
-                peer: Some(peer),
-            });
-        }
-    });
-}
-
-/// Watches a data link this node dialled for `epoch` and reports its loss.
-fn watch_link(conn: Connection, epoch: u64, link: DataLink, shared: Arc<Shared>) {
-    tokio::spawn(async move {
-        let e = conn.quinn().closed().await;
-        use tessera_net::quinn::ConnectionError::{ApplicationClosed, LocallyClosed};
-        if !matches!(e, LocallyClosed | ApplicationClosed(_)) {
-            report_lost_link(&shared, epoch, link, conn.peer_id(), &e);
-        }
-    });
-}
-
-/// A data link of an epoch that could not be made, and to whom.
-#[derive(Debug)]
-pub(super) struct LinkUpFailed {
-    /// The node at the other end (`None`: the failure was not a link's).
-    pub(super) peer: Option<tessera_net::NodeId>,
-    pub(super) error: FabricError,
-}
-
-impl LinkUpFailed {
-    /// The epoch went while its links were made.
-    pub(super) fn released(epoch: u64) -> Self {
-        Self {
-            peer: None,
-            error: FabricError::Stopped(format!("epoch {epoch} was released while it linked")),
-        }
-    }
-
-    pub(super) fn to(peer: tessera_net::NodeId) -> impl FnOnce(FabricError) -> Self {
-        move |error| Self {
-            peer: Some(peer),
-            error,
-        }
-    }
-}
-
-/// Keeps `conn`, a data link of `epoch` just made, and watches it, if the epoch is still
-/// installed; else closes it (the epoch went while it linked) and says so. A new ring link of
-/// an epoch replaces its old one.
-pub(super) fn keep_link(
-    shared: &Arc<Shared>,
-    epoch: u64,
-    link: DataLink,
-    conn: &Connection,
-) -> bool {
-    let mut kept = false;
-    shared.handle_epochs(EpochEvent::LinkUp { epoch }, |g, action| match action {
-        EpochAction::KeepLink { .. } => {
-            if matches!(link, DataLink::RingToNext) {
-                g.links
-                    .retain(|(e, l, _)| !(*e == epoch && matches!(l, DataLink::RingToNext)));
-            }
-            g.links.push((epoch, link, conn.clone()));
-            kept = true;
-        }
-        EpochAction::DropLink { .. } => conn.close("epoch released"),
-        _ => {}
-    });
-    if kept {
-        watch_link(conn.clone(), epoch, link, shared.clone());
-    }
-    kept
-}
 
 /// Connects to the next stage of the current epoch, measures the link, opens the ring stream.
 pub(super) async fn link_next(

@@ -11,7 +11,7 @@ use crate::stage::{Stage, StageOutput};
 use tessera_proto::{frame, FinishReason, NodeToCoord, OpenSeq, RingToken, StepHeader};
 
 use super::hop_ledger::{is_decode, wall_ns, Arrival, HopLedger};
-use super::ring::RingOut;
+use super::ring_out::RingOut;
 
 /// Messages for the stage thread.
 pub(super) enum WorkerMsg {

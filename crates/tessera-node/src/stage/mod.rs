@@ -40,84 +40,19 @@ use std::time::Instant;
 
 use tessera_engine::prefix_cache::{PrefixCache, Reuse};
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, SeqStep};
-use tessera_grammar::Grammar;
 use tessera_model::Tokenizer;
 
 mod sampling;
+mod seq;
 
 use sampling::Grammars;
+use seq::SeqState;
+pub use seq::{StageError, StageOutput};
 
 use tessera_proto::{
     hash_f32s, BoundaryTrace, NodeToCoord, OpenSeq, RingToken, StageAssignment, StageSeqStats,
     StepEntry, StepHeader,
 };
-
-/// What a stage emits.
-#[derive(Debug, Clone)]
-pub enum StageOutput {
-    /// Hidden states for the next stage.
-    Hidden(StepHeader, Vec<f32>),
-    /// A token for the first stage (from the last).
-    Token(RingToken),
-    /// A message for the coordinator.
-    Control(NodeToCoord),
-}
-
-/// Why a stage refused an input.
-#[derive(Debug, thiserror::Error)]
-pub enum StageError {
-    #[error("sequence {0} is not open on this stage")]
-    UnknownSeq(u64),
-    #[error("sequence {0} is already open")]
-    AlreadyOpen(u64),
-    #[error("sequence {seq}: {what}")]
-    BadStep { seq: u64, what: String },
-    #[error("sequence {seq} needs {needed} bytes of KV cache but only {available} of the memory budget are left")]
-    OverBudget {
-        seq: u64,
-        needed: u64,
-        available: u64,
-    },
-    #[error("this stage does not {0}")]
-    WrongStage(&'static str),
-    #[error("sequence {seq}: grammar: {reason}")]
-    Grammar { seq: u64, reason: String },
-    /// A peer sent NaN or infinite values: computing on them would sample garbage (token 0)
-    /// into a user's answer, so the step fails and names the sender.
-    #[error(
-        "the hidden state from {from} holds {count} non-finite values (NaN or infinity) of \
-         {len}: refusing to compute on it"
-    )]
-    NonFinite {
-        from: String,
-        count: usize,
-        len: usize,
-    },
-    #[error(transparent)]
-    Engine(#[from] tessera_engine::EngineError),
-}
-
-struct SeqState {
-    open: OpenSeq,
-    kv: KvCache,
-    /// Last stage: every token of the sequence so far (prompt and generated).
-    history: Vec<u32>,
-    generated: usize,
-    /// KV bytes reserved against the budget.
-    reserved: u64,
-    stats: StageSeqStats,
-    /// First stage: when the last `SAMPLE` hidden state left (for ring timing).
-    sent_at: Option<Instant>,
-    finished: bool,
-    /// Last stage: the sequence's grammar, in the state its tokens so far left it.
-    grammar: Option<Grammar>,
-    /// No step has run yet: `kv` holds the positions of a kept cache that match the prompt,
-    /// and the first step's start position says how many of them the ring uses.
-    unstarted: bool,
-    /// A step failed part-way: the cache may hold some layers' positions and not others',
-    /// so it is not kept.
-    broken: bool,
-}
 
 /// One loaded stage and its sequences.
 pub struct Stage {
@@ -268,7 +203,7 @@ impl Stage {
         }
         let needed = self.kv_bytes_for(capacity);
         let reserved: u64 = self.seqs.values().map(|s| s.reserved).sum();
-        let grammar = self.grammar_for(&open)?;
+        let grammar = sampling::grammar_for(self.grammars.as_ref(), self.is_last(), &open)?;
         // An expert-only node holds no layers, hence no positions to reuse.
         let reuse = if self.assignment.layers.is_empty() {
             None
@@ -626,7 +561,7 @@ impl Stage {
             }
             if is_last && e.sample() {
                 let logits = self.model.head(&hidden.rows(rows.end - 1..rows.end))?;
-                outputs.extend(Self::sample_next(s, logits.last()));
+                outputs.extend(sampling::sample_next(s, logits.last()));
             }
         }
         let compute_ns = started.elapsed().as_nanos() as u64;

@@ -22,6 +22,15 @@ pub struct CoordinatorArgs {
     /// UDP address to listen on.
     #[arg(long, default_value = "0.0.0.0:7070")]
     listen: SocketAddr,
+    /// The address nodes and operators dial, written in the join and operator lines in place
+    /// of --listen's: a name or address reachable from them (a compose service name, a port
+    /// forward). Kept as written; each node resolves a name itself.
+    #[arg(long, value_name = "HOST:PORT", value_parser = super::join_line::parse_advertise)]
+    advertise: Option<String>,
+    /// Also write the node join line to this file (owner-only, replaced whole): e.g. on a
+    /// volume the nodes mount for `tessera node --join-file`, apart from --data-dir.
+    #[arg(long, value_name = "PATH")]
+    join_copy: Option<PathBuf>,
     /// Where the coordinator keeps its key, the join token and the enrolled nodes.
     #[arg(long)]
     data_dir: PathBuf,
@@ -170,10 +179,11 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             coordinator.model().config.arch,
             coordinator.manifest().model_hash.short()
         );
+        let advertised = args.advertise.as_deref();
         let (addr_s, join, operator) = (
             addr.to_string(),
-            format!("{}@{addr}", coordinator.token()),
-            format!("{}@{addr}", coordinator.operator_token()),
+            super::join_line::line(coordinator.token(), addr, advertised),
+            super::join_line::line(coordinator.operator_token(), addr, advertised),
         );
         crate::logging::announce(
             "listening",
@@ -198,6 +208,9 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         );
         super::up::write_secret(&join_file, &format!("{join}\n"))?;
         super::up::write_secret(&operator_file, &format!("{operator}\n"))?;
+        if let Some(copy) = &args.join_copy {
+            super::join_line::write_copy(copy, &join)?;
+        }
         let (jf, of) = (
             join_file.display().to_string(),
             operator_file.display().to_string(),
@@ -212,7 +225,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         } else {
             None
         };
-        if addr.ip().is_unspecified() {
+        if addr.ip().is_unspecified() && advertised.is_none() {
             say!(
                 "(nodes on other machines use this machine's address in place of {})",
                 addr.ip()

@@ -7,6 +7,7 @@ pub mod client;
 pub mod coordinator;
 pub mod generate;
 pub mod inspect;
+mod join_line;
 pub mod lab;
 pub mod node;
 pub mod plan;

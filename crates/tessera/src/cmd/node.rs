@@ -2,7 +2,8 @@
 //! coordinator, receives and loads the layers it is assigned, and runs its stage of the ring.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tessera_node::agent::{AgentConfig, JoinTarget, ProbeLevel};
@@ -25,6 +26,12 @@ pub struct NodeArgs {
     /// Read the `--join` line from a file (keeps the token out of the process list).
     #[arg(long, value_name = "PATH")]
     join_file: Option<PathBuf>,
+    /// Wait up to this many seconds for --join-file to appear, for a head started at the same
+    /// time that writes it (`serve --join-copy` on a shared volume). Without it a missing file
+    /// is an error at once.
+    #[arg(long, value_name = "SECONDS", requires = "join_file",
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    join_wait: Option<u64>,
     /// Accept a join token that names no coordinator, trusting whichever key answers.
     #[arg(long)]
     trust_on_first_use: bool,
@@ -68,9 +75,10 @@ pub struct NodeArgs {
     /// Less dependable tiers get shorter leases and more of their answers checked.
     #[arg(long, default_value = "workstation")]
     device_tier: tessera_seal::DeviceTier,
-    /// Cap the instruction set the kernels use (scalar, avx2, avx512; default: the machine's
-    /// best). Logits are bit-identical on every path, so one machine can play all three (the
-    /// path is published in the node's claims). Overrides `TESSERA_MAX_ISA`.
+    /// Cap the instruction set the kernels use (scalar, avx2, avx512 on x86-64; scalar, neon,
+    /// dotprod on aarch64; default: the machine's best). Logits are bit-identical on every
+    /// path, so one machine can play each of them (the path is published in the node's
+    /// claims). Overrides `TESSERA_MAX_ISA`.
     #[arg(long, value_name = "ISA")]
     max_isa: Option<tessera_engine::kernels::Isa>,
     /// The operator's key directory (its `node.key`, made on first use; `tessera client
@@ -108,6 +116,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         return super::token::revoke_node(op, name.clone());
     }
     let data_dir = args.data_dir.context("--data-dir")?;
+    if let (Some(path), Some(secs)) = (&args.join_file, args.join_wait) {
+        wait_for_file(path, Duration::from_secs(secs))?;
+    }
     let join_line = super::token::secret_line(
         args.join.as_deref(),
         args.join_file.as_deref(),
@@ -179,6 +190,32 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(tessera_node::agent::run_until(config, shutdown_signal()))?;
     Ok(())
+}
+
+/// `--join-wait`: returns once `path` holds something (the head replaces it whole, so
+/// anything there is a complete line), or fails after `limit`.
+fn wait_for_file(path: &Path, limit: Duration) -> anyhow::Result<()> {
+    let has_line = || std::fs::metadata(path).is_ok_and(|m| m.len() > 0);
+    if has_line() {
+        return Ok(());
+    }
+    say!(
+        "waiting up to {} s for the join line in {}",
+        limit.as_secs(),
+        path.display()
+    );
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        if has_line() {
+            return Ok(());
+        }
+    }
+    anyhow::bail!(
+        "--join-file {}: no join line appeared within {} s (--join-wait)",
+        path.display(),
+        limit.as_secs()
+    )
 }
 
 /// `--advertise HOST:PORT`: resolved once, here; an address peers cannot dial is refused.

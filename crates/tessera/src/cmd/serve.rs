@@ -103,6 +103,14 @@ pub struct ServeArgs {
     /// Distributed mode: the coordinator's UDP address (nodes join here).
     #[arg(long, default_value = "0.0.0.0:7070")]
     pub coordinator_listen: SocketAddr,
+    /// Distributed mode: the address nodes dial, written in the join line in place of
+    /// --coordinator-listen's (`tessera coordinator --advertise`): e.g. a compose service name.
+    #[arg(long, value_name = "HOST:PORT", value_parser = super::join_line::parse_advertise)]
+    pub coordinator_advertise: Option<String>,
+    /// Distributed mode: also write the node join line to this file (owner-only, replaced
+    /// whole), e.g. on a volume the nodes mount for `tessera node --join-file`.
+    #[arg(long, value_name = "PATH")]
+    pub join_copy: Option<PathBuf>,
     /// Distributed mode: where the coordinator keeps its key, join token and enrolled nodes
     /// (default: `tessera-coordinator` under the cache directory).
     #[arg(long)]
@@ -231,6 +239,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     if args.models_memory.is_some() {
         bail!("--models-memory is for serving several models (repeat --model)");
+    }
+    if !distributed && (args.coordinator_advertise.is_some() || args.join_copy.is_some()) {
+        bail!(
+            "--coordinator-advertise and --join-copy are for distributed mode \
+             (--nodes-expected, --split or --plan)"
+        );
     }
     if distributed {
         return run_distributed(args);
@@ -385,6 +399,9 @@ pub struct ClusterOptions {
     pub name: String,
     /// The coordinator's UDP address.
     pub coordinator_listen: SocketAddr,
+    /// The address nodes dial, for the join line (`--coordinator-advertise`); `None`: the
+    /// bound one.
+    pub advertise: Option<String>,
     pub data_dir: PathBuf,
     /// `--split` syntax; `None`: an even split over `nodes`.
     pub split: Option<String>,
@@ -458,7 +475,7 @@ impl Cluster {
         coordinator.set_kv_type(o.kv_type);
         let coordinator = Arc::new(coordinator);
         let addr = coordinator.local_addr()?;
-        let join = format!("{}@{addr}", coordinator.token());
+        let join = super::join_line::line(coordinator.token(), addr, o.advertise.as_deref());
         // Plans are priced at the concurrency the gateway serves: its batch.
         let concurrency = o.backend.max_active;
         let backend = ClusterBackend::new(&coordinator, &o.name, o.backend)?;
@@ -562,6 +579,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             model,
             name,
             coordinator_listen: a.coordinator_listen,
+            advertise: a.coordinator_advertise.clone(),
             data_dir,
             split: a.split,
             nodes,
@@ -589,10 +607,10 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             &[("token", &cluster.join)],
             &format!("join token: {}", cluster.join),
         );
-        let operator = format!(
-            "{}@{}",
+        let operator = super::join_line::line(
             cluster.coordinator.operator_token(),
-            cluster.coordinator.local_addr()?
+            cluster.coordinator.local_addr()?,
+            a.coordinator_advertise.as_deref(),
         );
         crate::logging::announce(
             "operator_token",
@@ -607,6 +625,9 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             &token_dir.join(super::coordinator::OPERATOR_TOKEN_FILE),
             &format!("{operator}\n"),
         )?;
+        if let Some(copy) = &a.join_copy {
+            super::join_line::write_copy(copy, &cluster.join)?;
+        }
         say!(
             "waiting for {nodes} node(s) (split {}): tessera node --data-dir DIR --join-file {}",
             cluster.split,

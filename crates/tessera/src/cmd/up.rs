@@ -177,8 +177,17 @@ fn spawn_nodes(run_dir: &Path, join: &str, n: usize, threads: usize) -> anyhow::
     Ok(nodes)
 }
 
-/// Writes a secret to a new file readable by this user only.
+/// Writes a secret to a file readable by this user only. It is written beside `path` and
+/// renamed over it, so a reader (a node waiting on `--join-file`) sees the old line or the
+/// whole new one, never a partial write.
 pub(crate) fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} names no file", path.display()))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
     let mut o = std::fs::OpenOptions::new();
     o.write(true).create(true).truncate(true);
     #[cfg(unix)]
@@ -187,10 +196,12 @@ pub(crate) fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
         o.mode(0o600);
     }
     let mut f = o
-        .open(path)
-        .with_context(|| format!("creating {}", path.display()))?;
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
     std::io::Write::write_all(&mut f, secret.as_bytes())
-        .with_context(|| format!("writing {}", path.display()))
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    drop(f);
+    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
 }
 
 /// A fresh run directory under the temp dir.
@@ -247,6 +258,7 @@ async fn up(
         model: model.clone(),
         name: name.clone(),
         coordinator_listen: "127.0.0.1:0".parse().expect("an address"),
+        advertise: None,
         data_dir: run_dir.join("coordinator"),
         split: args.split.clone(),
         nodes: args.nodes,

@@ -48,7 +48,7 @@ impl World {
         }
         let last = self.cluster.membership().last_epoch_id();
         self.drained_before += self.cluster.drained() as usize;
-        self.cluster = new_cluster(&self.cfg, Some(last));
+        self.cluster = new_cluster(&self.cfg, Some(last), self.experts.as_ref());
         self.coord_wake = None;
         for i in 0..self.nodes.len() {
             if let Some(conn) = self.coord_conn[i].take() {

@@ -17,6 +17,10 @@ impl World {
         if connected.len() < (self.stages * self.cells).min(alive.max(1)) {
             return Ok(());
         }
+        // An expert split's first plan waits for every owner it names (as `--experts` does).
+        if self.experts.is_some() && !m.expert_split_ready() {
+            return Ok(());
+        }
         let k = self.stages.min(connected.len());
         let cells = (connected.len() / k).clamp(1, self.cells);
         self.summary.cells = cells;
@@ -73,13 +77,21 @@ impl World {
             match o {
                 ClusterOutput::ToNode { to, msg } => {
                     let Some(i) = self.index(to) else { continue };
-                    if let CoordToNode::Open(open) = &*msg {
-                        if !self.given.contains(&(to, open.epoch)) {
+                    match &*msg {
+                        CoordToNode::Open(open) if !self.given.contains(&(to, open.epoch)) => {
                             return Err(self.violation(format!(
                                 "opened a sequence on {} for epoch {}, which it was not given",
                                 self.nodes[i].name, open.epoch
                             )));
                         }
+                        CoordToNode::AssignExperts { epoch, experts } => {
+                            self.experts_given
+                                .entry(*epoch)
+                                .or_default()
+                                .push((to, experts.held.clone()));
+                        }
+                        CoordToNode::Link { epoch } => self.check_experts(*epoch)?,
+                        _ => {}
                     }
                     self.coord_send(i, *msg);
                 }
@@ -163,6 +175,41 @@ impl World {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// An epoch of an expert split, once it links: every expert of every MoE layer is held by
+    /// exactly one of its nodes, whoever left before it was planned.
+    fn check_experts(&mut self, epoch: u64) -> Result<(), Violation> {
+        if self.experts.is_none() || !self.experts_checked.insert(epoch) {
+            return Ok(());
+        }
+        let given = self.experts_given.get(&epoch).cloned().unwrap_or_default();
+        for layer in 0..N_LAYER {
+            let mut held: Vec<usize> = given
+                .iter()
+                .flat_map(|(_, h)| h.get(layer).into_iter().flatten().copied())
+                .collect();
+            held.sort_unstable();
+            if held != (0..N_EXPERT).collect::<Vec<_>>() {
+                return Err(self.violation(format!(
+                    "epoch {epoch} links with experts {held:?} of layer {layer} held; every one of \
+                     0..{N_EXPERT} must be held exactly once"
+                )));
+            }
+        }
+        let owners: BTreeSet<NodeId> = given
+            .iter()
+            .filter(|(_, h)| h.iter().any(|l| !l.is_empty()))
+            .map(|(n, _)| *n)
+            .collect();
+        let configured: BTreeSet<NodeId> = self.nodes[..self.summary.expert_owners]
+            .iter()
+            .map(|n| n.id)
+            .collect();
+        if owners != configured {
+            self.summary.experts_replaced += 1;
         }
         Ok(())
     }

@@ -150,6 +150,7 @@ unsafe fn q8_0_token(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q1_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
     check_group(w, Q1_X16 / GROUP, a, t0, nt, out);
+    assert!((t0 + nt) * (a.cols / 32) <= a.q8_1_s.len());
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
         for j in 0..nt {
@@ -172,7 +173,7 @@ unsafe fn q1_token(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
                 let blk = w.add(b * Q1_X16);
                 let idx = t * nb + b;
                 let dy = *a.f.get_unchecked(idx);
-                let sy = super::super::scalar::q8_1_s(dy, *a.sums.get_unchecked(idx));
+                let sy = *a.q8_1_s.get_unchecked(idx);
                 let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
                 let mx =
                     _mm256_cvtph_ps(_mm_loadu_si128(blk.add(Q1_MIN + 16 * h) as *const __m128i));
@@ -185,7 +186,7 @@ unsafe fn q1_token(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
                     let s = _mm256_madd_epi16(_mm256_maddubs_epi16(wk, yk), ones);
                     *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *acc);
                 }
-                summs = _mm256_add_ps(summs, _mm256_mul_ps(mx, _mm256_set1_ps(sy)));
+                summs = _mm256_fmadd_ps(mx, _mm256_set1_ps(sy), summs);
             }
             let r = _mm256_add_ps(
                 _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),

@@ -377,6 +377,7 @@ unsafe fn q6k_token(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn q1_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
     check_group(w, Q1_X16 / GROUP, a, t0, nt, out);
+    assert!((t0 + nt) * (a.cols / 32) <= a.q8_1_s.len());
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
         let mut j = 0;
@@ -408,7 +409,7 @@ unsafe fn q1_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out
             for j in 0..T {
                 let idx = (t + j) * nb + b;
                 let dy = *a.f.get_unchecked(idx);
-                let sy = super::super::scalar::q8_1_s(dy, *a.sums.get_unchecked(idx));
+                let sy = *a.q8_1_s.get_unchecked(idx);
                 let y = a.qs.as_ptr().add((t + j) * a.cols + b * 32);
                 let d = _mm512_mul_ps(dx, _mm512_set1_ps(dy));
                 for (k, acc) in acc[j].iter_mut().enumerate() {
@@ -416,7 +417,7 @@ unsafe fn q1_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out
                     let s = _mm512_dpbusd_epi32(zero, wk[k], yk);
                     *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *acc);
                 }
-                summs[j] = _mm512_add_ps(summs[j], _mm512_mul_ps(mx, _mm512_set1_ps(sy)));
+                summs[j] = _mm512_fmadd_ps(mx, _mm512_set1_ps(sy), summs[j]);
             }
         }
         for (j, a) in acc.iter().enumerate() {
