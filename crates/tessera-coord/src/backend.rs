@@ -1,4 +1,4 @@
-//! The coordinator as a [`tessera_gateway::Backend`]: one OpenAI endpoint in front of the ring.
+//! The coordinator as a [`tessera_api::Backend`]: one OpenAI endpoint in front of the ring.
 //!
 //! Each HTTP request becomes a sequence driven over the current epoch's stages by the same code
 //! that serves `tessera run` ([`crate::driver`]): opened on every stage, prefilled, decoded
@@ -27,11 +27,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tessera_gateway::backend::{
+use tessera_api::{
     Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus,
     EmbeddingHandle, EmbeddingRequest, Event, EventSender, FinishReason, GenerationRequest, Health,
-    InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, ServedModel, SubmitError,
-    Usage,
+    InventorySummary, LinkStatus, NodeStatus, PlanShape, PlanStatus, RequestHandle, RingStage,
+    ServedModel, SubmitError, Usage,
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
@@ -342,11 +342,6 @@ fn not_serving(shared: &Shared) -> Option<NotServing> {
     }
 }
 
-/// The 501 a cluster (and a sealed federation) answers to embeddings: its stages return
-/// tokens, not final hidden states, so far.
-pub const NO_CLUSTER_EMBEDDINGS: &str = "embeddings are not served by a distributed cluster yet \
-     (serve the model in one process with `tessera serve --model FILE` to compute them)";
-
 impl Backend for ClusterBackend {
     fn model(&self) -> Arc<ServedModel> {
         self.inner.model.clone()
@@ -399,7 +394,9 @@ impl Backend for ClusterBackend {
 
     /// No stage returns final hidden states yet; `tessera serve` (one process) computes them.
     fn embed(&self, _req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
-        Err(SubmitError::Unsupported(NO_CLUSTER_EMBEDDINGS.into()))
+        Err(SubmitError::Unsupported(
+            tessera_api::NO_CLUSTER_EMBEDDINGS.into(),
+        ))
     }
 }
 
@@ -650,7 +647,7 @@ fn status(inner: &Inner) -> ClusterStatus {
             let expert_cache =
                 st.expert_cache()
                     .get(&m.node_id)
-                    .map(|c| tessera_gateway::ExpertCacheStatus {
+                    .map(|c| tessera_api::ExpertCacheStatus {
                         budget_bytes: c.budget_bytes,
                         hits: c.hits,
                         misses: c.misses,
@@ -720,38 +717,27 @@ fn status(inner: &Inner) -> ClusterStatus {
                 .collect()
         });
     let plan = epoch.map(|e| {
-        // Expert-only nodes sit in the ring as stages of no layers: count and name the others.
-        let n = e.stages.iter().filter(|s| !s.layers.is_empty()).count();
-        let explanation = {
-            let ranges: Vec<String> = e
+        // The plan's shape as data (expert-only nodes sit in the ring as stages of no layers:
+        // only the others are named); the gateway's dashboard words it.
+        let shape = PlanShape {
+            ring: e
                 .stages
                 .iter()
                 .filter(|s| !s.layers.is_empty())
-                .map(|s| {
-                    let name = st
+                .map(|s| RingStage {
+                    node: st
                         .membership()
                         .member(&s.node_id)
-                        .map_or_else(|| s.node_id.short(), |m| m.name.clone());
-                    format!("{name} {}..{}", s.layers.start, s.layers.end)
+                        .map_or_else(|| s.node_id.short(), |m| m.name.clone()),
+                    layers: [s.layers.start, s.layers.end],
                 })
-                .collect();
-            let mut x = format!(
-                "Stage split of {} layers over {n} node(s) in ring order: {}. The last stage \
-                 samples and hands each token to the first.",
-                cfg.n_layer,
-                ranges.join(", ")
-            );
-            if let Some(split) = st.membership().epoch_expert_split() {
-                x.push_str(&format!(
-                    " Each MoE layer's experts are split by owner ({split}): the home stage \
-                     routes and sends each owner only its experts' tokens."
-                ));
-            }
-            if !inner.config.explanation.is_empty() {
-                x.push(' ');
-                x.push_str(&inner.config.explanation);
-            }
-            x
+                .collect(),
+            expert_split: st
+                .membership()
+                .epoch_expert_split()
+                .map(|split| split.to_string()),
+            cells: n_cells.max(1),
+            note: inner.config.explanation.clone(),
         };
         let held_experts = |id: &NodeId| match &expert_owners {
             Some(owners) => owners.iter().filter(|(o, _)| o == id).map(|(_, k)| k).sum(),
@@ -789,12 +775,6 @@ fn status(inner: &Inner) -> ClusterStatus {
                 });
             }
         }
-        let strategy = match (n, expert_owners.is_some()) {
-            (1, false) => "single node",
-            (_, false) => "stage split",
-            (1, true) => "expert split",
-            (_, true) => "stage + expert split",
-        };
         let cells: Vec<CellStatus> = if n_cells > 1 {
             st.membership()
                 .cells()
@@ -811,28 +791,16 @@ fn status(inner: &Inner) -> ClusterStatus {
         } else {
             Vec::new()
         };
-        let (strategy, explanation) = if n_cells > 1 {
-            (
-                format!("{n_cells} cells, {strategy} each"),
-                format!(
-                    "{n_cells} cells, each a whole copy of the model that takes whole requests: \
-                     every request runs on one ready cell, chosen among those with room for its \
-                     KV cache by the requests each is running and its measured decode speed. \
-                     A cell is re-planned alone when it loses a node; the others keep serving. \
-                     {explanation}"
-                ),
-            )
-        } else {
-            (strategy.to_string(), explanation)
-        };
         PlanStatus {
             epoch: e.id,
-            strategy,
+            // Worded by the gateway from `shape`.
+            strategy: String::new(),
             n_layers: cfg.n_layer,
             n_experts: cfg.n_expert,
             assignments,
-            explanation,
+            explanation: String::new(),
             cells,
+            shape: Some(shape),
         }
     });
     let links: Vec<LinkStatus> = held

@@ -231,7 +231,7 @@ fn spec_of(shared: &Shared, req: &RunRequest) -> Result<(RunSpec, u64), CoordErr
     if let Some(g) = &req.grammar {
         // Refused here, before any node sees it: a grammar past the limits is the client's
         // error, not a node's failure to fail over from.
-        tessera_gateway::grammar::check(g, &tessera_gateway::grammar::GrammarLimits::DEFAULT)
+        tessera_grammar::check(g, &tessera_grammar::GrammarLimits::DEFAULT)
             .map_err(|e| CoordError::Run(format!("the grammar was refused: {e}")))?;
     }
     spec.grammar = req.grammar.clone();

@@ -76,15 +76,18 @@
 //! - `session`: a control session's hello, then a node's session (its messages become the
 //!   cluster's inputs) or a client's (in [`driver`]).
 //! - [`server`]: the QUIC endpoint's accept loop and each connection's streams.
-//! - [`backend`]: the [`tessera_gateway::Backend`] the HTTP API serves through; it returns data
+//! - [`backend`]: the [`tessera_api::Backend`] the HTTP API serves through; it returns data
 //!   and the gateway words it.
 //!
 //! Each depends only on those listed before it (and the pure modules), never back.
 
 #![forbid(unsafe_code)]
 
+// Stage assignments are data the coordinator seats; they live in `tessera-placement` with the
+// planning adapter, so the lab and the CLI plan without a coordinator.
+use tessera_placement::assignment;
+
 mod admin;
-pub mod assignment;
 pub mod authz;
 pub mod backend;
 pub mod cells;
@@ -99,7 +102,6 @@ pub mod error;
 pub mod fault;
 pub mod membership;
 pub mod model_access;
-pub mod planning;
 pub mod replan;
 pub mod run;
 pub mod sealed;

@@ -234,7 +234,7 @@ impl Coordinator {
     }
 
     /// Connected nodes in join order, with the inventory, budget and link each reported (for
-    /// planning from measured inventory, [`crate::planning`]).
+    /// planning from measured inventory, [`tessera_placement::planning`]).
     pub fn connected_members(&self) -> Vec<crate::membership::Member> {
         self.shared
             .lock()

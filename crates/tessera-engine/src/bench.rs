@@ -306,7 +306,7 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
     let tokens = |n: usize, salt: u64| -> Vec<u32> {
         (0..n)
             .map(|i| {
-                let r = crate::sampling::splitmix64((salt << 40) + i as u64);
+                let r = tessera_sampling::splitmix64((salt << 40) + i as u64);
                 (r % cfg.vocab_size as u64) as u32
             })
             .collect()
@@ -465,7 +465,7 @@ fn expert_ranges(
 ) -> Result<Vec<(u64, u64)>> {
     let mut out = Vec::with_capacity(3 * n);
     for i in 0..n {
-        let r = crate::sampling::splitmix64(i as u64);
+        let r = tessera_sampling::splitmix64(i as u64);
         let layer = (r % cfg.n_layer as u64) as usize;
         let e = (r >> 20) % cfg.n_expert as u64;
         for w in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {

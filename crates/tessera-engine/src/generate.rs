@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
-use crate::sampling::speculate::{settle, AdaptiveK, CostMeter, DraftSource};
-use crate::sampling::{sample, SamplingParams};
 use crate::speculate::keep_accepted;
+use tessera_sampling::speculate::{settle, AdaptiveK, CostMeter, DraftSource};
+use tessera_sampling::{sample, SamplingParams};
 
 /// Why generation stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

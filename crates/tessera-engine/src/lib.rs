@@ -37,7 +37,7 @@
 //! them. Numerics follow llama.cpp's CPU backend closely (see [`ops`]).
 //!
 //! Modules, in the order a reader meets them: [`weights`] (loading), [`model`] (the API),
-//! `layer` (one transformer layer), [`ops`], [`kv`], [`moe`], [`batch`], [`sampling`] (the `tessera-sampling` crate),
+//! `layer` (one transformer layer), [`ops`], [`kv`], [`moe`], [`batch`], sampling (in [`tessera_sampling`]),
 //! [`generate`], [`speculate`] (verifying drafts, a draft model), [`embedding`] (a sequence's
 //! final hidden states pooled into one vector), [`bench`](mod@bench); [`kernels`] holds the quantized matmuls and the thread pool;
 //! [`expert_store`] streams experts from the file when they exceed a memory budget
@@ -60,9 +60,6 @@ pub mod moe;
 pub mod ops;
 pub mod prefix_cache;
 pub mod speculate;
-/// Token choice lives in its own crate (the gateway and the wire protocol use it without the
-/// kernels); re-exported here under its old path.
-pub use tessera_sampling as sampling;
 pub mod weights;
 
 pub use embedding::{Pooler, Pooling};
@@ -74,5 +71,4 @@ pub use model::{Hidden, Logits, Model, SeqStep};
 pub use moe::{
     reduce_expert_outputs, ExpertExecutor, ExpertOutputs, LocalExperts, PartExperts, Routing,
 };
-pub use sampling::{SamplingParams, StopMatcher};
 pub use weights::{ExpertSelection, LoadSpec, ModelWeights};

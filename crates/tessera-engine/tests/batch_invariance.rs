@@ -6,7 +6,8 @@ mod common;
 
 use common::assert_bits_eq;
 use tessera_engine::ops::argmax;
-use tessera_engine::{Generator, KvCache, KvType, Model, SamplingParams};
+use tessera_engine::{Generator, KvCache, KvType, Model};
+use tessera_sampling::SamplingParams;
 
 const MODELS: [&str; 6] = [
     "stories260K.gguf",

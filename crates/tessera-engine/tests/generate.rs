@@ -3,7 +3,8 @@
 
 mod common;
 
-use tessera_engine::{Generator, SamplingParams, StopReason};
+use tessera_engine::{Generator, StopReason};
+use tessera_sampling::SamplingParams;
 
 #[test]
 fn generator_stops_where_it_should() {

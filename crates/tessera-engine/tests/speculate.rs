@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use common::assert_bits_eq;
 use tessera_engine::ops::argmax;
-use tessera_engine::sampling::speculate::{settle, AdaptiveK, DraftSource, PromptLookup};
 use tessera_engine::speculate::{check_same_vocabulary, keep_accepted, ModelDraft};
-use tessera_engine::{Generator, Model, SamplingParams};
+use tessera_engine::{Generator, Model};
 use tessera_model::Tokenizer;
+use tessera_sampling::speculate::{settle, AdaptiveK, DraftSource, PromptLookup};
+use tessera_sampling::SamplingParams;
 
 const MODELS: [&str; 4] = [
     "stories260K.gguf",

@@ -8,8 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tessera_api::ServedModel;
 use tessera_gateway::testing::{three_node_status, ScriptedBackend};
-use tessera_gateway::{Gateway, GatewayConfig, ServedModel};
+use tessera_gateway::{Gateway, GatewayConfig};
 use tessera_model::GgufFile;
 
 #[tokio::main]

@@ -23,11 +23,11 @@ use axum::Json;
 use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value};
 
-use crate::backend::Usage;
 use crate::openai::tools::{Tool, ToolChoice};
 use crate::openai::{self, ApiError, ParsedRequest, Prompt, ResponseFormat, Support};
 use crate::respond::{self, Choice, ChoicePiece, Tracker};
 use crate::server::Gateway;
+use tessera_api::Usage;
 
 /// Messages body parameters.
 pub const MESSAGES_PARAMS: &[(&str, Support)] = &[
@@ -385,7 +385,7 @@ fn tool_id(id: &str) -> String {
 /// `POST /v1/messages`.
 pub(crate) async fn messages(
     State(gw): State<Arc<Gateway>>,
-    axum::Extension(client): axum::Extension<crate::admission::ClientId>,
+    axum::Extension(client): axum::Extension<tessera_api::ClientId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let (seq, suffix) = gw.new_id();

@@ -22,9 +22,9 @@ use axum::{Json, Router};
 use serde::Serialize;
 use tessera_model::human_bytes;
 
-use crate::backend::{Assignment, ClusterStatus, Health, NodeStatus, PlanStatus};
 use crate::metrics::GatewaySnapshot;
 use crate::server::Gateway;
+use tessera_api::{Assignment, ClusterStatus, Health, NodeStatus, PlanShape, PlanStatus};
 
 const INDEX: &str = include_str!("../assets/index.html");
 const STYLE: &str = include_str!("../assets/style.css");
@@ -70,9 +70,69 @@ fn report(gw: &Gateway) -> StatusReport {
         model: m.id.clone(),
         context_length: m.context_length,
         auth_required: !gw.config.api_keys.is_empty(),
-        cluster: gw.backend.status(),
+        cluster: worded(gw.backend.status()),
         gateway: gw.metrics.snapshot(),
     }
+}
+
+/// The status with its plan worded: a backend that reports the plan's [`PlanShape`] (the
+/// coordinator) leaves `strategy` and `explanation` to this, so the sentences are written in
+/// one place, next to the page that shows them.
+pub fn worded(mut c: ClusterStatus) -> ClusterStatus {
+    if let Some(p) = &mut c.plan {
+        if let Some(shape) = &p.shape {
+            let (strategy, explanation) = plan_words(shape, p.n_layers);
+            p.strategy = strategy;
+            p.explanation = explanation;
+        }
+    }
+    c
+}
+
+/// A plan's strategy ("stage split", "2 cells, single node each") and the sentences that
+/// explain it.
+fn plan_words(shape: &PlanShape, n_layers: usize) -> (String, String) {
+    let n = shape.ring.len();
+    let strategy = match (n, shape.expert_split.is_some()) {
+        (1, false) => "single node",
+        (_, false) => "stage split",
+        (1, true) => "expert split",
+        (_, true) => "stage + expert split",
+    };
+    let ranges: Vec<String> = shape
+        .ring
+        .iter()
+        .map(|s| format!("{} {}..{}", s.node, s.layers[0], s.layers[1]))
+        .collect();
+    let mut explanation = format!(
+        "Stage split of {n_layers} layers over {n} node(s) in ring order: {}. The last stage \
+         samples and hands each token to the first.",
+        ranges.join(", ")
+    );
+    if let Some(split) = &shape.expert_split {
+        let _ = write!(
+            explanation,
+            " Each MoE layer's experts are split by owner ({split}): the home stage routes and \
+             sends each owner only its experts' tokens."
+        );
+    }
+    if !shape.note.is_empty() {
+        explanation.push(' ');
+        explanation.push_str(&shape.note);
+    }
+    if shape.cells > 1 {
+        let cells = shape.cells;
+        return (
+            format!("{cells} cells, {strategy} each"),
+            format!(
+                "{cells} cells, each a whole copy of the model that takes whole requests: every \
+                 request runs on one ready cell, chosen among those with room for its KV cache \
+                 by the requests each is running and its measured decode speed. A cell is \
+                 re-planned alone when it loses a node; the others keep serving. {explanation}"
+            ),
+        );
+    }
+    (strategy.to_string(), explanation)
 }
 
 fn sections(r: &StatusReport) -> Sections {
@@ -574,7 +634,7 @@ fn render_requests(g: &GatewaySnapshot) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Assignment, ExpertCacheStatus, NodeStatus, PlanStatus};
+    use tessera_api::{Assignment, ExpertCacheStatus, NodeStatus, PlanStatus};
 
     /// The words come from the plan's assignments: a stage's place in the ring, its layers
     /// (inclusive), the embedding and head, a partial expert share, and streaming counters.
@@ -640,7 +700,7 @@ mod tests {
 
     #[test]
     fn cells_are_listed_and_each_node_is_worded_within_its_cell() {
-        use crate::backend::CellStatus;
+        use tessera_api::CellStatus;
         let c = ClusterStatus {
             nodes: vec![
                 NodeStatus {
@@ -742,5 +802,72 @@ mod tests {
         let plan = render_plan(&c);
         assert!(plan.contains(r#"data-epoch="7""#));
         assert!(plan.contains("layers 0–3") && plan.contains("because"));
+    }
+
+    fn ring(stages: &[(&str, usize, usize)]) -> Vec<tessera_api::RingStage> {
+        stages
+            .iter()
+            .map(|&(node, a, b)| tessera_api::RingStage {
+                node: node.into(),
+                layers: [a, b],
+            })
+            .collect()
+    }
+
+    /// A plan reported as data gets its strategy and sentences here, the ones the coordinator
+    /// used to write: its ring by name and layers, its expert split, the operator's note.
+    #[test]
+    fn a_plans_shape_is_worded_by_the_dashboard() {
+        let mut c = crate::testing::three_node_status("m", 5);
+        let p = c.plan.as_mut().unwrap();
+        p.shape = Some(PlanShape {
+            ring: ring(&[("alpha", 0, 3), ("beta", 3, 5)]),
+            expert_split: Some("0-3@alpha,4-7@gamma".into()),
+            cells: 1,
+            note: "Chosen by hand.".into(),
+        });
+        let p = worded(c).plan.unwrap();
+        assert_eq!(p.strategy, "stage + expert split");
+        assert_eq!(
+            p.explanation,
+            "Stage split of 5 layers over 2 node(s) in ring order: alpha 0..3, beta 3..5. The \
+             last stage samples and hands each token to the first. Each MoE layer's experts are \
+             split by owner (0-3@alpha,4-7@gamma): the home stage routes and sends each owner \
+             only its experts' tokens. Chosen by hand."
+        );
+    }
+
+    /// Cells: the count and each cell's strategy, and why whole requests go to one cell.
+    #[test]
+    fn a_plan_of_cells_is_worded_as_cells() {
+        let mut c = crate::testing::three_node_status("m", 5);
+        c.plan.as_mut().unwrap().shape = Some(PlanShape {
+            ring: ring(&[("alpha", 0, 5)]),
+            expert_split: None,
+            cells: 2,
+            note: String::new(),
+        });
+        let p = worded(c).plan.unwrap();
+        assert_eq!(p.strategy, "2 cells, single node each");
+        assert!(
+            p.explanation.starts_with(
+                "2 cells, each a whole copy of the model that takes whole requests: every request"
+            ) && p.explanation.ends_with(
+                "Stage split of 5 layers over 1 node(s) in ring order: alpha 0..5. The last stage \
+                 samples and hands each token to the first."
+            ),
+            "{}",
+            p.explanation
+        );
+    }
+
+    /// A backend that words its own plan (one process) keeps its words.
+    #[test]
+    fn a_plan_without_a_shape_keeps_the_backends_words() {
+        let c = crate::testing::three_node_status("m", 5);
+        let before = c.plan.clone().unwrap();
+        let after = worded(c).plan.unwrap();
+        assert_eq!(after.strategy, before.strategy);
+        assert_eq!(after.explanation, before.explanation);
     }
 }

@@ -1,6 +1,6 @@
 //! `POST /v1/embeddings` (OpenAI) and what Ollama's `/api/embed` shares with it: reading the
 //! inputs, tokenizing them within [`crate::limits`], and running them on the backend
-//! ([`Backend::embed`](crate::Backend::embed)).
+//! ([`Backend::embed`](tessera_api::Backend::embed)).
 //!
 //! An embedding is the model's final hidden state (after the output norm, before the head)
 //! pooled over the input's tokens as the model says (`{arch}.pooling_type`; mean for a causal
@@ -24,12 +24,12 @@ use base64::Engine as _;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::admission::ClientId;
-use crate::backend::{EmbeddingRequest, Embeddings, ServedModel, Usage};
 use crate::limits::{check_embedding_inputs, check_embedding_tokens};
 use crate::openai::{self, ApiError, Support};
 use crate::respond::{off_thread_if_big, submit_error, Tracker};
 use crate::server::{clip, Gateway, MAX_ECHO_BYTES};
+use tessera_api::ClientId;
+use tessera_api::{EmbeddingRequest, Embeddings, ServedModel, Usage};
 
 /// `/v1/embeddings` parameters.
 pub const EMBEDDING_PARAMS: &[(&str, Support)] = &[
@@ -175,7 +175,7 @@ pub async fn compute(
     let _permit = match &gw.admission {
         Some(a) => Some(
             a.admit(client)
-                .map_err(|e| submit_error(crate::SubmitError::OverShare(e), "input"))?,
+                .map_err(|e| submit_error(tessera_api::SubmitError::OverShare(e), "input"))?,
         ),
         None => None,
     };

@@ -1,26 +1,10 @@
 //! Constrained decoding, as the gateway uses it: the grammar engine lives in
-//! [`tessera_grammar`] (the cluster's sampling stage needs it too); here the served model keeps
-//! one compiler over its vocabulary.
-
-use std::sync::Arc;
+//! [`tessera_grammar`] (the cluster's sampling stage needs it too); the served model keeps one
+//! compiler over its vocabulary ([`tessera_api::ServedModel::grammar_compiler`]).
 
 pub use tessera_grammar::{
     check, choose, compact, Grammar, GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec,
 };
-
-impl crate::backend::ServedModel {
-    /// The grammar compiler for this model's vocabulary (indexed on first use, then shared).
-    pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>, GrammarError> {
-        self.grammars
-            .get_or_init(|| {
-                GrammarCompiler::new(&self.tokenizer)
-                    .map(Arc::new)
-                    .map_err(|e| e.to_string())
-            })
-            .clone()
-            .map_err(GrammarError::Vocabulary)
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -32,14 +32,22 @@
 //!
 //! The distributed coordinator plugs in by implementing [`Backend`] (submit tokenized requests,
 //! stream token events, watch for closed channels, report a [`ClusterStatus`]); everything in
-//! this crate above that trait is shared.
+//! this crate above that trait is shared. The trait and the types it speaks live in
+//! [`tessera_api`], so a backend (the coordinator) implements it without compiling this server.
+//!
+//! [`Backend`]: tessera_api::Backend
+//! [`Backend::submit`]: tessera_api::Backend::submit
+//! [`Backend::embed`]: tessera_api::Backend::embed
+//! [`ServedModel`]: tessera_api::ServedModel
+//! [`RequestHandle`]: tessera_api::RequestHandle
+//! [`Event`]: tessera_api::Event
+//! [`ClusterStatus`]: tessera_api::ClusterStatus
 
 #![forbid(unsafe_code)]
 
 pub mod admission;
 pub mod anthropic;
 pub mod api_keys;
-pub mod backend;
 pub mod cors;
 pub mod dashboard;
 pub mod embeddings;
@@ -58,11 +66,5 @@ pub mod text;
 mod tokens;
 
 pub use api_keys::{ApiKeys, KeyFileError};
-pub use backend::{
-    Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, Check, ClusterStatus,
-    EmbeddingHandle, EmbeddingRequest, EmbeddingSender, Embeddings, Event, EventSender,
-    ExpertCacheStatus, FinishReason, GenerationRequest, Grammar, Health, InventorySummary,
-    LinkStatus, NodeStatus, PlanStatus, RequestHandle, RequestId, ServedModel, SubmitError, Usage,
-};
 pub use scheduler::SchedulerConfig;
 pub use server::{check_exposure, router, serve, serve_app, Gateway, GatewayConfig, KeyRequired};

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{unix_now, ClusterStatus};
+use tessera_api::{unix_now, ClusterStatus};
 
 /// Upper bounds of the time-to-first-token histogram, in seconds.
 pub const TTFT_BUCKETS: [f64; 12] = [
@@ -228,7 +228,7 @@ fn label(v: &str) -> String {
 
 /// The Prometheus text of speculative decoding's totals (empty when the backend does not
 /// speculate).
-pub fn render_speculation(t: Option<crate::scheduler::SpeculationTotals>) -> String {
+pub fn render_speculation(t: Option<tessera_api::SpeculationTotals>) -> String {
     let Some(t) = t else {
         return String::new();
     };
@@ -402,7 +402,7 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
         &one(c.plan.as_ref().map_or(0, |p| p.epoch).to_string()),
     );
     let cells = c.plan.as_ref().map_or(&[][..], |p| &p.cells[..]);
-    let cell = |f: &dyn Fn(&crate::backend::CellStatus) -> String| -> Vec<(String, String)> {
+    let cell = |f: &dyn Fn(&tessera_api::CellStatus) -> String| -> Vec<(String, String)> {
         cells
             .iter()
             .map(|x| {
@@ -436,7 +436,7 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
         "A cell's measured decode speed per request (moving average; 0: not measured yet).",
         &cell(&|x| format!("{:.3}", x.decode_tokens_per_s)),
     );
-    let node = |f: &dyn Fn(&crate::backend::NodeStatus) -> u64| -> Vec<(String, String)> {
+    let node = |f: &dyn Fn(&tessera_api::NodeStatus) -> u64| -> Vec<(String, String)> {
         c.nodes
             .iter()
             .map(|n| {
@@ -469,21 +469,20 @@ pub fn render_prometheus(g: &GatewaySnapshot, c: &ClusterStatus) -> String {
         "tessera_node_up",
         "gauge",
         "1 when the node is healthy.",
-        &node(&|n| u64::from(n.health == crate::backend::Health::Healthy)),
+        &node(&|n| u64::from(n.health == tessera_api::Health::Healthy)),
     );
-    let cache =
-        |f: &dyn Fn(&crate::backend::ExpertCacheStatus) -> String| -> Vec<(String, String)> {
-            c.nodes
-                .iter()
-                .filter_map(|n| {
-                    let x = n.expert_cache.as_ref()?;
-                    Some((
-                        format!("{{node=\"{}\",name=\"{}\"}}", label(&n.id), label(&n.name)),
-                        f(x),
-                    ))
-                })
-                .collect()
-        };
+    let cache = |f: &dyn Fn(&tessera_api::ExpertCacheStatus) -> String| -> Vec<(String, String)> {
+        c.nodes
+            .iter()
+            .filter_map(|n| {
+                let x = n.expert_cache.as_ref()?;
+                Some((
+                    format!("{{node=\"{}\",name=\"{}\"}}", label(&n.id), label(&n.name)),
+                    f(x),
+                ))
+            })
+            .collect()
+    };
     let seconds = |us: u64| format!("{:.6}", us as f64 / 1e6);
     metric(
         "tessera_expert_cache_hits_total",
@@ -539,7 +538,7 @@ mod tests {
     #[test]
     fn cells_are_counted_with_their_load_and_speed() {
         let cell = |cell: usize, epoch: u64, state: &str, active: usize, speed: f64| {
-            crate::backend::CellStatus {
+            tessera_api::CellStatus {
                 cell,
                 epoch,
                 state: state.into(),
@@ -549,7 +548,7 @@ mod tests {
             }
         };
         let c = ClusterStatus {
-            plan: Some(crate::backend::PlanStatus {
+            plan: Some(tessera_api::PlanStatus {
                 cells: vec![cell(0, 3, "ready", 2, 9.5), cell(1, 6, "loading", 0, 0.0)],
                 ..Default::default()
             }),
@@ -574,15 +573,15 @@ mod tests {
     fn expert_cache_counters_are_rendered_per_streaming_node() {
         let c = ClusterStatus {
             nodes: vec![
-                crate::backend::NodeStatus {
+                tessera_api::NodeStatus {
                     id: "n1".into(),
                     name: "a".into(),
                     ..Default::default()
                 },
-                crate::backend::NodeStatus {
+                tessera_api::NodeStatus {
                     id: "n2".into(),
                     name: "b".into(),
-                    expert_cache: Some(crate::backend::ExpertCacheStatus {
+                    expert_cache: Some(tessera_api::ExpertCacheStatus {
                         budget_bytes: 1 << 20,
                         hits: 10,
                         misses: 38,

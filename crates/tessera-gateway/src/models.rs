@@ -22,9 +22,9 @@ use axum::{Json, Router};
 use futures_util::StreamExt;
 use serde_json::json;
 
-use crate::backend::Backend;
 use crate::openai::ApiError;
 use crate::server::{router, Gateway, GatewayConfig};
+use tessera_api::Backend;
 
 /// Loads one model's backend (blocking: it reads the weights).
 pub type Loader = Arc<dyn Fn() -> Result<Arc<dyn Backend>, String> + Send + Sync>;

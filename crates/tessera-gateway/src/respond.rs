@@ -22,8 +22,6 @@ use serde_json::{json, Value};
 use tessera_sampling::TokenLogprobs;
 use tracing::Instrument;
 
-use crate::admission::ClientId;
-use crate::backend::{Check, GenerationRequest, Grammar, ServedModel, SubmitError, Usage};
 use crate::grammar::{GrammarError, GrammarSpec};
 use crate::metrics::{unix_ms, RequestRecord};
 use crate::openai::tools::{
@@ -34,6 +32,9 @@ use crate::openai::{
 };
 use crate::server::Gateway;
 use crate::text::{Piece, TextStream};
+use tessera_api::ClientId;
+use tessera_api::{Check, GenerationRequest, ServedModel, SubmitError, Usage};
+use tessera_grammar::Grammar;
 
 /// What a request's record needs, kept from arrival to the end.
 pub(crate) struct Tracker {
@@ -383,7 +384,7 @@ impl Choice {
                         let events = parser.finish();
                         self.push_tool_events(events);
                     }
-                    let finish = if self.calls > 0 && reason == crate::FinishReason::Stop {
+                    let finish = if self.calls > 0 && reason == tessera_api::FinishReason::Stop {
                         "tool_calls"
                     } else {
                         reason.as_str()
@@ -589,7 +590,7 @@ pub(crate) async fn generate(
         let meta = ResponseMeta {
             endpoint,
             id,
-            created: crate::backend::unix_now(),
+            created: tessera_api::unix_now(),
             model: served.id.clone(),
         };
         let echo = prepared.echo.clone();

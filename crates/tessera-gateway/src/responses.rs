@@ -22,11 +22,11 @@ use axum::Json;
 use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value};
 
-use crate::backend::Usage;
 use crate::openai::tools::{self, Tool, ToolChoice};
 use crate::openai::{self, ApiError, ParsedRequest, Prompt, ResponseFormat, Support};
 use crate::respond::{self, Choice, ChoicePiece, Tracker};
 use crate::server::Gateway;
+use tessera_api::Usage;
 
 /// Responses body parameters.
 pub const RESPONSES_PARAMS: &[(&str, Support)] = &[
@@ -409,7 +409,7 @@ fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str)
 /// `POST /v1/responses`.
 pub(crate) async fn create(
     State(gw): State<Arc<Gateway>>,
-    axum::Extension(client): axum::Extension<crate::admission::ClientId>,
+    axum::Extension(client): axum::Extension<tessera_api::ClientId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let (seq, suffix) = gw.new_id();
@@ -456,7 +456,7 @@ pub(crate) async fn create(
         calls: 0,
         id,
         model: served.id.clone(),
-        created: crate::backend::unix_now(),
+        created: tessera_api::unix_now(),
         output: Vec::new(),
         text: String::new(),
         text_item: None,

@@ -25,8 +25,8 @@ use tessera_sampling::speculate::{settle, AdaptiveK, DraftCosts};
 use tessera_sampling::SamplingParams;
 use tessera_sampling::TokenLogprobs;
 
-use crate::backend::{FinishReason, RequestId, Usage};
 use crate::grammar::{Grammar, GrammarError};
+use tessera_api::{FinishReason, RequestId, SpeculationTotals, Usage};
 
 /// Batch limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,15 +200,6 @@ impl StepItem {
             0
         }
     }
-}
-
-/// Totals of speculative decoding since the scheduler started.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SpeculationTotals {
-    /// Decode rows that carried drafts.
-    pub verifications: u64,
-    pub drafted: u64,
-    pub accepted: u64,
 }
 
 /// What a step produced for one sequence.

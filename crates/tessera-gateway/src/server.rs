@@ -25,11 +25,12 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde_json::json;
 
-use crate::admission::{Admission, ClientId};
+use crate::admission::Admission;
 use crate::api_keys::ApiKeys;
-use crate::backend::Backend;
 use crate::metrics::{render_prometheus, unix_ms, GatewayMetrics};
 use crate::openai::{ApiError, Endpoint};
+use tessera_api::Backend;
+use tessera_api::ClientId;
 
 /// How the gateway is exposed.
 #[derive(Clone, Debug)]

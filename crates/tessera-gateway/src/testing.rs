@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::backend::{
+use tessera_api::{
     Assignment, Backend, BackendCounters, ClusterStatus, Event, FinishReason, GenerationRequest,
     Health, InventorySummary, LinkStatus, NodeStatus, PlanStatus, RequestHandle, ServedModel,
     SubmitError, Usage,
@@ -178,6 +178,7 @@ pub fn three_node_status(model: &str, n_layers: usize) -> ClusterStatus {
                           the old server alone would hold 60% of the weights and set the pace."
                 .into(),
             cells: Vec::new(),
+            shape: None,
         }),
         links: vec![
             LinkStatus {

@@ -11,7 +11,7 @@ use tessera_model::Utf8Assembler;
 use tessera_sampling::StopMatcher;
 use tessera_sampling::TokenLogprobs;
 
-use crate::backend::{Check, Event, FinishReason, RequestHandle, ServedModel, Usage};
+use tessera_api::{Check, Event, FinishReason, RequestHandle, ServedModel, Usage};
 
 /// A step of a request's text.
 #[derive(Clone, Debug, PartialEq)]

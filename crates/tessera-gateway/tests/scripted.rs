@@ -7,8 +7,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tessera_api::{Backend, ServedModel};
 use tessera_gateway::testing::{three_node_status, ScriptedBackend};
-use tessera_gateway::{Backend, Gateway, GatewayConfig, ServedModel};
+use tessera_gateway::{Gateway, GatewayConfig};
 use tessera_model::GgufFile;
 
 fn served() -> ServedModel {

@@ -22,7 +22,7 @@ fn model(s: &Scenario) -> (tessera_model::ModelProfile, tessera_plan::ModelProfi
     let g = tessera_model::GgufFile::open(&s.model).unwrap();
     let profile = tessera_model::ModelProfile::from_gguf(&g).unwrap();
     let model =
-        tessera_coord::planning::planner_model(&profile, Default::default(), &s.name).unwrap();
+        tessera_placement::planning::planner_model(&profile, Default::default(), &s.name).unwrap();
     (profile, model)
 }
 

@@ -14,11 +14,13 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_engine::sampling::sample;
-use tessera_engine::{Model, SamplingParams};
-use tessera_gateway::{Gateway, GatewayConfig, ServedModel};
+use tessera_api::ServedModel;
+use tessera_engine::Model;
+use tessera_gateway::{Gateway, GatewayConfig};
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
+use tessera_sampling::sample;
+use tessera_sampling::SamplingParams;
 
 /// Streams one completion; returns (time to first token, tokens, total time).
 fn stream(

@@ -21,12 +21,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_engine::sampling::{process_logits, sample_processed};
-use tessera_engine::{Model, SamplingParams};
+use tessera_api::{Backend, Event, GenerationRequest};
+use tessera_engine::Model;
 use tessera_gateway::grammar::{GrammarCompiler, GrammarSpec};
-use tessera_gateway::{Backend, Event, GenerationRequest, SchedulerConfig};
+use tessera_gateway::SchedulerConfig;
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::{GgufFile, Tokenizer};
+use tessera_sampling::SamplingParams;
+use tessera_sampling::{process_logits, sample_processed};
 
 fn schema() -> serde_json::Value {
     serde_json::json!({

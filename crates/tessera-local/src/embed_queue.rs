@@ -11,9 +11,9 @@
 
 use std::collections::VecDeque;
 
+use tessera_api::{EmbeddingRequest, EmbeddingSender, Embeddings};
 use tessera_engine::embedding::pool_rows;
 use tessera_engine::{KvCache, LocalExperts, Model, Pooler, Pooling, SeqStep};
-use tessera_gateway::backend::{EmbeddingRequest, EmbeddingSender, Embeddings};
 
 /// One request being embedded.
 pub(crate) struct EmbedJob {

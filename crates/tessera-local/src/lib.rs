@@ -51,21 +51,20 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tessera_engine::sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLookup};
 use tessera_engine::speculate::ModelDraft;
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, Pooling, SeqStep};
 use tessera_model::{human_bytes, GgufFile};
+use tessera_sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLookup};
 
 use embed_queue::{EmbedJob, EmbedQueue};
 use prefix_cache::{PrefixCache, Reuse};
-use tessera_gateway::backend::{
+use tessera_api::SpeculationTotals;
+use tessera_api::{
     Assignment, Backend, BackendCounters, BackendFeatures, ClusterStatus, EmbeddingHandle,
     EmbeddingRequest, Event, EventSender, GenerationRequest, Health, InventorySummary, NodeStatus,
     PlanStatus, RequestHandle, ServedModel, SubmitError,
 };
-use tessera_gateway::scheduler::{
-    Output, Scheduler, SchedulerConfig, Sequence, SpeculationTotals, StepItem,
-};
+use tessera_gateway::scheduler::{Output, Scheduler, SchedulerConfig, Sequence, StepItem};
 
 /// How the local backend batches and queues.
 #[derive(Clone, Copy, Debug)]
@@ -261,6 +260,7 @@ impl LocalBackend {
                 config.scheduler.max_active
             ),
             cells: Vec::new(),
+            shape: None,
         };
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox {

@@ -1,9 +1,9 @@
 //! Errors of the node agent and the fabric's node side.
 
 use crate::inventory::{BudgetError, BudgetRefusal};
-use crate::protocol::FrameDecodeError;
 use crate::stage::StageError;
 use crate::store::{FetchError, StoreError};
+use tessera_proto::FrameDecodeError;
 
 /// Everything that can stop the agent, or one of its tasks.
 #[derive(Debug, thiserror::Error)]

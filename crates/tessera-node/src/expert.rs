@@ -8,7 +8,7 @@
 //! result is bit-identical to one process holding every expert. A peer that owns none of a
 //! step's selected experts gets no traffic for that layer.
 //!
-//! Wire format (little-endian; frames on a [`stream::EXPERT`](crate::protocol::stream::EXPERT)
+//! Wire format (little-endian; frames on a [`stream::EXPERT`](tessera_proto::stream::EXPERT)
 //! stream, home → worker [`frame::EXPERT_REQ`], worker → home [`frame::EXPERT_OUT`] or
 //! [`frame::EXPERT_ERR`]):
 //!
@@ -21,7 +21,7 @@
 
 use tessera_engine::{EngineError, ExpertExecutor, ExpertOutputs, Hidden, Model, Routing};
 
-use crate::protocol::{frame, FrameDecodeError};
+use tessera_proto::{frame, FrameDecodeError};
 
 /// Version of the expert frames' layout.
 pub const EXPERT_WIRE_VERSION: u16 = 1;
@@ -368,8 +368,9 @@ mod tests {
     use std::path::PathBuf;
     use std::sync::mpsc;
     use std::sync::Arc;
-    use tessera_engine::{ExpertSelection, Generator, LoadSpec, SamplingParams};
+    use tessera_engine::{ExpertSelection, Generator, LoadSpec};
     use tessera_model::{GgufFile, ModelConfig};
+    use tessera_sampling::SamplingParams;
 
     fn model_path(name: &str) -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))

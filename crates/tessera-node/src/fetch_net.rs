@@ -15,8 +15,8 @@ use tessera_net::Connection;
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
-use crate::protocol::{decode_chunk, frame, limits, stream, ModelReply, ModelRequest};
 use tessera_model::GgufFile;
+use tessera_proto::{decode_chunk, frame, limits, stream, ModelReply, ModelRequest};
 
 use crate::store::{
     expert_needs, fetch_needs as store_fetch_needs, ChunkRef, ChunkSource, ContentHash,

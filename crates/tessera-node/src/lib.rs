@@ -10,13 +10,11 @@
 //! - [`stage`]: a contiguous range of layers, fed hidden states by the previous stage (the
 //!   ring) and sampling when it holds the head;
 //! - [`expert`]: MoE experts computed for another stage (expert split);
-//! - [`fetch_net`]: the shard store's chunk source over the coordinator's model stream;
-//! - [`protocol`]: the wire contract, [`tessera_proto`], re-exported under its old path.
+//! - [`fetch_net`]: the shard store's chunk source over the coordinator's model stream.
 
 #![forbid(unsafe_code)]
 
 pub use tessera_host::{inventory, store};
-pub use tessera_proto as protocol;
 
 pub mod agent;
 pub mod compute_probe;

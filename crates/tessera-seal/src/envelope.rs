@@ -14,6 +14,7 @@ use std::str::FromStr;
 use hpke::{Deserializable, OpModeR, OpModeS, Serializable};
 
 use crate::canonical::{hex, unhex, Reader, Writer, MAX_STR};
+use crate::claims::SignedClaims;
 use crate::error::{FormatError, SealError};
 use crate::keys::{serde_via_string, Kem, KeyId, PublicKey, SecretKey};
 use crate::verify::AnswerDigest;
@@ -152,6 +153,35 @@ pub struct JobEnvelope {
     pub header: JobHeader,
     enc: [u8; 32],
     ciphertext: Vec<u8>,
+}
+
+/// Job `job`'s envelopes: attempt `k` sealed to candidate `k` (for the model it claims first),
+/// each answering to `reply_to`. The sealing client calls it with a fresh id, the job's size and
+/// an expiry from the clock; the coordinator's sealed-job simulator with its own, in virtual time.
+pub fn seal_attempts(
+    job: JobId,
+    body: &[u8],
+    candidates: &[SignedClaims],
+    context_tokens: u64,
+    expires_at: UnixMillis,
+    reply_to: &PublicKey,
+) -> Result<Vec<JobEnvelope>, SealError> {
+    candidates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let header = JobHeader {
+                job,
+                attempt: i as u32 + 1,
+                recipient: c.claims.seal_key.key_id(),
+                model: c.claims.models[0].clone(),
+                context_tokens,
+                expires_at,
+                reply_to: *reply_to,
+            };
+            seal_job(&header, body, &c.claims.seal_key)
+        })
+        .collect()
 }
 
 /// Seals `body` to the worker key `to` under `header` (whose `recipient` must be `to`'s id).

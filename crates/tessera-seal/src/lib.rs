@@ -72,7 +72,8 @@ use serde::{Deserialize, Serialize};
 pub use cert::{Certificate, SignedCertificate, Uncertified};
 pub use claims::{ClaimBook, ClaimChange, Claims, KernelPath, NodeKey, SignedClaims};
 pub use envelope::{
-    seal_job, seal_result, JobEnvelope, JobHeader, JobId, ResultEnvelope, ResultHeader,
+    seal_attempts, seal_job, seal_result, JobEnvelope, JobHeader, JobId, ResultEnvelope,
+    ResultHeader,
 };
 pub use error::{ClaimRefusal, FormatError, ReplayRefusal, SealError};
 pub use keys::{KeyId, PublicKey, SecretKey};

@@ -183,7 +183,13 @@ fn plan_file(plan: &Plan) -> Value {
 }
 
 /// Runs one greedy generation; the report.
-fn run_once(bin: &Path, join: &str, dir: &Path, plan: &Path, n: usize) -> anyhow::Result<Value> {
+fn run_once(
+    bin: &Path,
+    join: &str,
+    dir: &Path,
+    plan: &Path,
+    n: usize,
+) -> anyhow::Result<tessera_proto::RunReport> {
     let out = Command::new(bin)
         .args(["run", "--coordinator", join, "--data-dir"])
         .arg(dir.join("client"))
@@ -204,8 +210,10 @@ fn run_once(bin: &Path, join: &str, dir: &Path, plan: &Path, n: usize) -> anyhow
     }
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|m| m["type"] == "done")
+        .find_map(|l| match serde_json::from_str(l) {
+            Ok(tessera_proto::CoordToClient::Done(r)) => Some(*r),
+            _ => None,
+        })
         .context("no report")
 }
 
@@ -227,7 +235,7 @@ fn bench_model(a: &Args, path: &Path, rows: &mut Vec<Row>) -> anyhow::Result<()>
     let d = dir.path();
     let gguf = tessera_model::GgufFile::open(path)?;
     let profile = tessera_model::ModelProfile::from_gguf(&gguf)?;
-    let model = tessera_coord::planning::planner_model(
+    let model = tessera_placement::planning::planner_model(
         &profile,
         Default::default(),
         &path.display().to_string(),
@@ -379,7 +387,7 @@ fn bench_model(a: &Args, path: &Path, rows: &mut Vec<Row>) -> anyhow::Result<()>
             calibrated: cal.predicted_after,
             from_single,
             stage_ms,
-            hop_us: report["hop_latency_us"].as_f64(),
+            hop_us: report.hop_latency_us,
             derived_hop_us: m.hops.first().map(|h| h.latency_s * 1e6),
             predicted_hop_us,
         };

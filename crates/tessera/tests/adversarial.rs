@@ -19,7 +19,7 @@ use common::chaos::{messages, reference_text, text_of, Cluster, Proc};
 use common::model;
 use tessera_net::{Connection, Endpoint, FramedStream, NodeIdentity};
 use tessera_node::agent::JoinTarget;
-use tessera_node::protocol::{
+use tessera_proto::{
     frame, stream, ClientToCoord, CoordToClient, FinishReason, Hello, NodeToCoord, Role,
     RunRequest, PROTOCOL_VERSION,
 };
@@ -285,8 +285,8 @@ fn run_request(stages: Option<&str>, n: usize) -> ClientToCoord {
         prompt: Some("Once upon a time".into()),
         prompt_tokens: None,
         max_new_tokens: n,
-        sampling: tessera_engine::SamplingParams::greedy(),
-        stages: stages.map(|s| tessera_coord::assignment::parse_split(s).unwrap()),
+        sampling: tessera_sampling::SamplingParams::greedy(),
+        stages: stages.map(|s| tessera_placement::assignment::parse_split(s).unwrap()),
         prefill_chunk: 64,
         trace: false,
         stop_at_eog: false,
@@ -356,7 +356,7 @@ fn a_client_cannot_cancel_others_runs_replan_the_cluster_or_flood_it() {
                     .unwrap();
                 w.write_message(
                     frame::MSG,
-                    &ClientToCoord::Admin(tessera_node::protocol::AdminRequest::ListTokens),
+                    &ClientToCoord::Admin(tessera_proto::AdminRequest::ListTokens),
                 )
                 .await
                 .unwrap();

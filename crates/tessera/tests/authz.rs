@@ -22,7 +22,7 @@ use common::chaos::{Cluster, Proc};
 use common::{bin, event_in, model, run_with_timeout};
 use tessera_net::{stream_kind, Endpoint, FrameHeader, NetError, NodeIdentity};
 use tessera_node::agent::JoinTarget;
-use tessera_node::protocol::{
+use tessera_proto::{
     frame, stream, ClientToCoord, CoordToClient, ModelReply, ModelRequest, RunRequest,
 };
 
@@ -266,7 +266,7 @@ fn long_run(n: usize) -> ClientToCoord {
         prompt: Some("Once upon a time".into()),
         prompt_tokens: None,
         max_new_tokens: n,
-        sampling: tessera_engine::SamplingParams::greedy(),
+        sampling: tessera_sampling::SamplingParams::greedy(),
         stages: None,
         prefill_chunk: 16,
         trace: false,
@@ -287,14 +287,14 @@ fn revoked_keys_lose_every_connection_within_a_second_and_their_runs_with_them()
     let me = NodeIdentity::generate().unwrap();
     // The client key holds two sessions on two connections; a run is in flight on the first.
     let (ep1, conn1, mut s1) = rt
-        .block_on(tessera_coord::sealed::client::connect_client(
+        .block_on(tessera_client::session::connect_client(
             &me,
             client_target.addr,
             &client_target.token,
         ))
         .unwrap();
     let (ep2, conn2, _s2) = rt
-        .block_on(tessera_coord::sealed::client::connect_client(
+        .block_on(tessera_client::session::connect_client(
             &me,
             client_target.addr,
             &client_target.token,
@@ -359,7 +359,7 @@ fn revoked_keys_lose_every_connection_within_a_second_and_their_runs_with_them()
     let mut p = c.client("other", &["-p", "Once upon a time", "-n", "8"]);
     assert!(p.finish().success(), "{:?}", p.seen);
     // A new session of the key is refused.
-    let again = rt.block_on(tessera_coord::sealed::client::connect_client(
+    let again = rt.block_on(tessera_client::session::connect_client(
         &me,
         client_target.addr,
         &client_target.token,
@@ -433,7 +433,7 @@ fn a_client_credential_gets_no_model_bytes() {
         let me = NodeIdentity::generate().unwrap();
         let replies = rt.block_on(async {
             let (ep, conn, _s) =
-                tessera_coord::sealed::client::connect_client(&me, target.addr, &target.token)
+                tessera_client::session::connect_client(&me, target.addr, &target.token)
                     .await
                     .unwrap();
             let r = ask_model(&conn).await;

@@ -17,8 +17,8 @@ use common::{
     tokens_of, traces_of, Proc, JSON_LOGS,
 };
 use serde_json::Value;
-use tessera_engine::SamplingParams;
 use tessera_model::{GgufFile, Tokenizer};
+use tessera_sampling::SamplingParams;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -340,7 +340,7 @@ fn seeded_sampling_across_stages_matches_one_process() {
 /// Bytes of the header plus a stage's tensors, from the model's manifest.
 fn share_bytes(path: &Path, layers: std::ops::Range<usize>, embed: bool, head: bool) -> u64 {
     let manifest = tessera_node::Manifest::from_gguf(path).unwrap();
-    let a = tessera_node::protocol::StageAssignment {
+    let a = tessera_proto::StageAssignment {
         epoch: 0,
         model: manifest.model_hash,
         stage: 0,
@@ -589,7 +589,7 @@ mod wire {
     use super::*;
     use tessera_net::{Endpoint, NodeIdentity};
     use tessera_node::agent::JoinTarget;
-    use tessera_node::protocol::{
+    use tessera_proto::{
         frame, stream, ClientToCoord, CoordToClient, Hello, Role, PROTOCOL_VERSION,
     };
 
@@ -642,12 +642,12 @@ mod wire {
                 .await
                 .unwrap();
             assert!(matches!(w, CoordToClient::Welcome { .. }));
-            let req = tessera_node::protocol::RunRequest {
+            let req = tessera_proto::RunRequest {
                 prompt: Some("Once upon a time".into()),
                 prompt_tokens: None,
                 max_new_tokens: 400,
                 sampling: SamplingParams::greedy(),
-                stages: Some(tessera_coord::assignment::parse_split("0..2,2..5").unwrap()),
+                stages: Some(tessera_placement::assignment::parse_split("0..2,2..5").unwrap()),
                 prefill_chunk: 64,
                 trace: false,
                 stop_at_eog: false,
@@ -678,10 +678,7 @@ mod wire {
                     _ => {}
                 }
             };
-            assert_eq!(
-                report.reason,
-                tessera_node::protocol::FinishReason::Cancelled
-            );
+            assert_eq!(report.reason, tessera_proto::FinishReason::Cancelled);
             assert!(report.generated < 400, "{}", report.generated);
             // Both stages closed the sequence (freeing its KV cache) and reported on it.
             assert_eq!(report.stage_stats.len(), 2);

@@ -18,9 +18,9 @@ use std::time::Duration;
 use common::{bin, ids, model, reference_tokens, report_of, tokens_of, ExpertCluster, Proc};
 use tessera_engine::{ExpertSelection, ExpertStreaming, Hidden, LoadSpec, Model, Routing};
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
-use tessera_node::protocol::StageAssignment;
 use tessera_node::store::expert_needs;
 use tessera_node::Manifest;
+use tessera_proto::StageAssignment;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 const CHUNK: u32 = 16 << 10;

@@ -24,18 +24,13 @@ use tessera_seal::{
     UnixMillis, Verifier, VerifyAction, VerifyConfig, VerifyEvent, Worker, LONG_JOB_POSITIONS,
 };
 
-pub mod client;
 pub(crate) mod edge;
-mod gateway;
 mod seen;
 #[cfg(test)]
 mod tests;
 
-pub use client::{ClientPolicy, SealedClient, SealedOutcome};
 pub(crate) use edge::SealedEdge;
 pub use edge::{SealedFault, SealedSettings};
-
-pub use gateway::{SealedBackend, SealedBackendConfig};
 
 /// Most candidate workers (envelopes) one job may carry.
 pub const MAX_CANDIDATES: usize = 8;

@@ -28,10 +28,10 @@ use tessera_seal::{
 
 use super::world::Violation;
 use super::Rng;
-use crate::sealed::client::seal_attempts;
 use crate::sealed::{
     verify_config, DeskFault, SealedConfig, SealedDesk, SealedInput, SealedOutput,
 };
+use tessera_seal::seal_attempts;
 
 /// The desk's clock ticks this often (as the coordinator's sealed edge does).
 const TICK_MS: u64 = 250;

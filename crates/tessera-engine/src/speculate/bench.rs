@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::Result;
 use crate::generate::{GenerationStats, Generator, SpeculationStats};
 use crate::model::Model;
-use crate::sampling::speculate::{AdaptiveK, DraftSource};
-use crate::sampling::SamplingParams;
+use tessera_sampling::speculate::{AdaptiveK, DraftSource};
+use tessera_sampling::SamplingParams;
 
 /// What [`bench_speculation`] measured (times: the mean over the repetitions).
 #[derive(Clone, Debug, Serialize, Deserialize)]

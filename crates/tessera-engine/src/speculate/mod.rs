@@ -3,7 +3,7 @@
 //! [`Model::verify`] runs the last accepted token and `k` drafts as one chunk and returns all
 //! `k + 1` rows of logits; the kernels are batch-invariant, so row `i` is bit-identical to the
 //! one-token step it stands for. The caller decides which drafts stand (the rule is
-//! [`settle`](crate::sampling::speculate::settle)) and calls [`keep_accepted`], which drops the
+//! [`settle`](tessera_sampling::speculate::settle)) and calls [`keep_accepted`], which drops the
 //! rejected positions from the KV cache — nothing is recomputed. The same holds for a stage's
 //! partial model: its `run_layers` over the `k + 1` rows writes their positions, and
 //! [`keep_accepted`] on its cache drops them.
@@ -24,7 +24,7 @@ use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::{Logits, Model};
 use crate::ops::argmax;
-use crate::sampling::speculate::DraftSource;
+use tessera_sampling::speculate::DraftSource;
 
 impl Model {
     /// Appends `last` (the last accepted token, not yet in `kv`) and `drafts` to the sequence in

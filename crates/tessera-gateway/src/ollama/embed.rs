@@ -23,12 +23,12 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::{names_served, not_found, tagged, OllamaError};
-use crate::admission::ClientId;
-use crate::backend::Usage;
 use crate::embeddings::EmbedInputs;
 use crate::embeddings::{compute, json_response, l2_normalize, parse_inputs, tokenize};
 use crate::openai::{self, ApiError};
 use crate::respond::{off_thread_if_big, Tracker};
+use tessera_api::ClientId;
+use tessera_api::Usage;
 
 const EMBED_FIELDS: &[&str] = &[
     "model",

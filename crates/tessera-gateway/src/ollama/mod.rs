@@ -4,7 +4,7 @@
 //!
 //! - `POST /api/chat` and `POST /api/generate`: parsed ([`request`]) into the same
 //!   [`ParsedRequest`](crate::openai::ParsedRequest) the OpenAI endpoints build and run through
-//!   the same generation path, over whatever [`Backend`](crate::Backend) serves (one process or
+//!   the same generation path, over whatever [`Backend`](tessera_api::Backend) serves (one process or
 //!   the cluster). `format` (`"json"` or a JSON schema) compiles to the grammar
 //!   `response_format` does, `tools` read calls out of the text as on `/v1/chat/completions`,
 //!   `options` map onto the sampling parameters, `keep_alive` is accepted (the model stays

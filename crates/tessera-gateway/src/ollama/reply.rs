@@ -17,12 +17,12 @@ use serde_json::{json, Value};
 
 use super::request::{parse_chat, parse_generate, OllamaRequest};
 use super::{names_served, not_found, now_rfc3339, OllamaError};
-use crate::admission::ClientId;
-use crate::backend::Usage;
 use crate::openai::tools::ToolCall;
 use crate::openai::ApiError;
 use crate::respond::{self, Choice, ChoicePiece, Tracker};
 use crate::server::Gateway;
+use tessera_api::ClientId;
+use tessera_api::Usage;
 
 /// Which endpoint: the answer is `message` (chat) or `response` (generate).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,7 +5,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::tools::ToolCall;
-use crate::backend::Usage;
+use tessera_api::Usage;
 
 /// `usage` as OpenAI writes it.
 pub fn usage_json(u: Usage) -> Value {
@@ -61,7 +61,7 @@ pub struct ChoiceOut {
     /// `stop`, `length` or `tool_calls`.
     pub finish: &'static str,
     /// Marked on the choice as `verified` ([`crate::respond::mark`]).
-    pub check: Option<crate::backend::Check>,
+    pub check: Option<tessera_api::Check>,
 }
 
 /// The JSON of one tool call (`index` for stream deltas).

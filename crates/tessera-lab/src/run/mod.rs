@@ -88,7 +88,7 @@ pub fn run(
     let profile = tessera_model::ModelProfile::from_gguf(&gguf)
         .map_err(|e| LabError::Run(format!("model profile: {e}")))?;
     let model =
-        tessera_coord::planning::planner_model(&profile, Default::default(), &scenario.name)
+        tessera_placement::planning::planner_model(&profile, Default::default(), &scenario.name)
             .map_err(|e| LabError::Run(format!("planner model: {e}")))?;
     drop(gguf);
     // Measured before any host starts, on a quiet machine.

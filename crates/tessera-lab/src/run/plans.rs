@@ -2,7 +2,7 @@
 //! flags force), each with its placement on the fabric, or why the fabric cannot execute it.
 //! Pure: planning and re-costing only.
 
-use tessera_coord::planning::{plan_executable, to_placement, Placement};
+use tessera_placement::planning::{plan_executable, to_placement, Placement};
 use tessera_plan::plan::{ExpertSlice, LayerRange};
 use tessera_plan::{
     predict, CellKind, ModelProfile, Plan, PlanOutcome, ResourceGraph, StrategyKind,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tessera_net::{Connection, Liveness};
 
 use crate::error::FabricError;
-use crate::protocol::NodeToCoord;
+use tessera_proto::NodeToCoord;
 
 use super::shared::Shared;
 use super::{DataLink, EpochAction, EpochEvent};

@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 use tessera_net::{NodeId, PublicKey};
 
 use crate::inventory::{BudgetRefusal, Inventory};
-use crate::protocol::{ExpertAssignment, ExpertPeer, StageAssignment};
+use tessera_proto::{ExpertAssignment, ExpertPeer, StageAssignment};
 
 /// Most epochs a node holds at once: the serving one and the one being switched to (make before
 /// break).
@@ -125,7 +125,7 @@ pub(super) enum EpochAction {
     /// The epoch will not be taken: tell the coordinator ([`NodeToCoord::LoadFailed`]) and drop
     /// whatever was loaded for it.
     ///
-    /// [`NodeToCoord::LoadFailed`]: crate::protocol::NodeToCoord::LoadFailed
+    /// [`NodeToCoord::LoadFailed`]: tessera_proto::NodeToCoord::LoadFailed
     Refuse { epoch: u64, why: LoadRefused },
     /// Drop what load `ticket` loaded, telling no one: the coordinator released its epoch (or
     /// the session ended) and expects nothing.
@@ -140,7 +140,7 @@ pub(super) enum EpochAction {
     ReleaseStage { epoch: u64 },
     /// Tell the coordinator a data link of `epoch` is lost ([`NodeToCoord::LinkFailed`]).
     ///
-    /// [`NodeToCoord::LinkFailed`]: crate::protocol::NodeToCoord::LinkFailed
+    /// [`NodeToCoord::LinkFailed`]: tessera_proto::NodeToCoord::LinkFailed
     ReportLinkLost {
         epoch: u64,
         link: DataLink,

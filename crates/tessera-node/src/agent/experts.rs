@@ -8,7 +8,7 @@ use tessera_engine::Model;
 use tessera_net::{Endpoint, FrameWriter};
 
 use crate::error::FabricError;
-use crate::protocol::{frame, limits, stream};
+use tessera_proto::{frame, limits, stream};
 
 use super::data_links::{keep_link, LinkUpFailed, DATA_LINK_LIVENESS};
 use super::shared::Shared;

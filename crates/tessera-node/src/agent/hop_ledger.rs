@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::protocol::{HopTimes, StepEntry};
+use tessera_proto::{HopTimes, StepEntry};
 
 /// Wall-clock now, ns since the UNIX epoch (wrapping into u64: only sums' differences matter).
 pub(super) fn wall_ns() -> u64 {

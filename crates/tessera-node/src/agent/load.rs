@@ -13,9 +13,9 @@ use tessera_net::Connection;
 use crate::error::FabricError;
 use crate::fetch_net::{assignment_needs, fetch_manifest, fetch_needs};
 use crate::inventory::Inventory;
-use crate::protocol::{ExpertAssignment, LoadReport, NodeToCoord, StageAssignment};
 use crate::stage::Stage;
 use crate::store::{Manifest, ShardStore};
+use tessera_proto::{ExpertAssignment, LoadReport, NodeToCoord, StageAssignment};
 
 use super::epochs::Ticket;
 use super::stage_thread::WorkerMsg;

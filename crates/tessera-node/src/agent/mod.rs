@@ -25,9 +25,9 @@
 //! Every stream is read with a size limit for its kind; a malformed frame on a ring stream ends
 //! that stream (and is logged), never the node.
 //!
-//! [`CoordToNode`]: crate::protocol::CoordToNode
-//! [`LoadReport`]: crate::protocol::LoadReport
-//! [`stream::RING`]: crate::protocol::stream::RING
+//! [`CoordToNode`]: tessera_proto::CoordToNode
+//! [`LoadReport`]: tessera_proto::LoadReport
+//! [`stream::RING`]: tessera_proto::stream::RING
 //! [`Stage`]: crate::stage::Stage
 
 use std::collections::BTreeMap;
@@ -40,8 +40,8 @@ use tokio::sync::mpsc;
 
 use crate::error::FabricError;
 use crate::inventory::{measure, Inventory, ProbeOptions};
-use crate::protocol::{Hello, NodeToCoord, Role, PROTOCOL_VERSION};
 use crate::store::ShardStore;
+use tessera_proto::{Hello, NodeToCoord, Role, PROTOCOL_VERSION};
 
 mod config;
 mod data_links;

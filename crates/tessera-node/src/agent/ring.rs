@@ -10,7 +10,7 @@ use tessera_net::{measure_link, Connection, Endpoint, LinkMeasurement};
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
-use crate::protocol::{frame, limits, stream, RingToken, StepHeader};
+use tessera_proto::{frame, limits, stream, RingToken, StepHeader};
 
 use super::data_links::{keep_link, report_lost_link, LinkUpFailed, DATA_LINK_LIVENESS};
 use super::experts::{link_experts, serve_experts};
@@ -183,8 +183,8 @@ async fn read_ring<R: tokio::io::AsyncRead + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::StepEntry;
     use tessera_net::frame::FrameWriter;
+    use tessera_proto::StepEntry;
 
     #[tokio::test]
     async fn a_malformed_ring_frame_ends_that_stream_after_the_good_ones() {

@@ -25,7 +25,7 @@ use tessera_seal::{
 use tokio::sync::mpsc;
 
 use crate::error::FabricError;
-use crate::protocol::{
+use tessera_proto::{
     FinishReason, NodeToCoord, OpenSeq, SealedAnswer, SealedRefusal, SealedRequest, StageAssignment,
 };
 

@@ -11,8 +11,8 @@ use tokio::sync::mpsc;
 
 use crate::error::FabricError;
 use crate::inventory::{measure, Inventory, ProbeOptions};
-use crate::protocol::{frame, limits, stream, CoordToNode, Hello, NodeToCoord, PROTOCOL_VERSION};
 use crate::store::ShardStore;
+use tessera_proto::{frame, limits, stream, CoordToNode, Hello, NodeToCoord, PROTOCOL_VERSION};
 
 use super::load::{load_assignment, LoadCtx};
 use super::ring::link_next;

@@ -10,7 +10,7 @@ use tessera_engine::Model;
 use tessera_net::{AllowList, Connection};
 use tokio::sync::mpsc;
 
-use crate::protocol::{ExpertCacheStats, NodeToCoord, StageAssignment};
+use tessera_proto::{ExpertCacheStats, NodeToCoord, StageAssignment};
 
 use super::epochs::{DataLink, EpochAction, EpochEvent, NodeEpochs};
 use super::sealed::SealedWorker;

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use crate::protocol::{frame, FinishReason, NodeToCoord, OpenSeq, RingToken, StepHeader};
 use crate::stage::{Stage, StageOutput};
+use tessera_proto::{frame, FinishReason, NodeToCoord, OpenSeq, RingToken, StepHeader};
 
 use super::hop_ledger::{is_decode, wall_ns, Arrival, HopLedger};
 use super::ring_out::RingOut;

@@ -49,7 +49,7 @@ use sampling::Grammars;
 use seq::SeqState;
 pub use seq::{StageError, StageOutput};
 
-use crate::protocol::{
+use tessera_proto::{
     hash_f32s, BoundaryTrace, NodeToCoord, OpenSeq, RingToken, StageAssignment, StageSeqStats,
     StepEntry, StepHeader,
 };

@@ -3,12 +3,12 @@
 
 use std::sync::{Arc, OnceLock};
 
-use tessera_engine::sampling::TokenLogprobs;
 use tessera_grammar::{Grammar, GrammarCompiler};
 use tessera_model::Tokenizer;
+use tessera_sampling::TokenLogprobs;
 
 use super::seq::{SeqState, StageError, StageOutput};
-use crate::protocol::{FinishReason, NodeToCoord, OpenSeq, RingToken};
+use tessera_proto::{FinishReason, NodeToCoord, OpenSeq, RingToken};
 
 /// The sampling stage's vocabulary for grammars, indexed once and shared by all sequences.
 pub(super) struct Grammars {

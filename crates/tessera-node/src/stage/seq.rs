@@ -6,7 +6,7 @@ use std::time::Instant;
 use tessera_engine::KvCache;
 use tessera_grammar::Grammar;
 
-use crate::protocol::{NodeToCoord, OpenSeq, RingToken, StageSeqStats, StepHeader};
+use tessera_proto::{NodeToCoord, OpenSeq, RingToken, StageSeqStats, StepHeader};
 
 /// What a stage emits.
 #[derive(Debug, Clone)]

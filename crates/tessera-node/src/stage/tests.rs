@@ -2,12 +2,13 @@
 //! grammars and log-probabilities, batching and the KV budget.
 
 use super::*;
-use crate::protocol::FinishReason;
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use tessera_engine::sampling::TokenLogprobs;
-use tessera_engine::{Generator, LoadSpec, SamplingParams};
+use tessera_engine::{Generator, LoadSpec};
 use tessera_model::{GgufFile, ModelConfig};
+use tessera_proto::FinishReason;
+use tessera_sampling::SamplingParams;
+use tessera_sampling::TokenLogprobs;
 
 fn model_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -442,7 +443,7 @@ fn a_hidden_state_with_nan_or_infinity_fails_the_step_and_names_the_sender() {
         data[3] = bad;
         let header = StepHeader {
             n_embd: cfg.n_embd as u32,
-            entries: vec![crate::protocol::StepEntry {
+            entries: vec![tessera_proto::StepEntry {
                 seq: 7,
                 start_pos: 0,
                 n_tokens: 2,

@@ -1,15 +1,15 @@
 //! `tessera coordinator --plan auto`: wait for the expected nodes, plan from their measured
-//! inventory and links ([`tessera_coord::planning`]), print the explanation and apply the chosen
+//! inventory and links ([`tessera_placement::planning`]), print the explanation and apply the chosen
 //! placement: a stage split, or an expert split (home ring plus expert owners).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tessera_coord::planning::{
+use tessera_coord::Coordinator;
+use tessera_placement::planning::{
     links_via_coordinator, plan_executable, planner_model, resource_graph, to_placement,
 };
-use tessera_coord::Coordinator;
 use tessera_plan::{render_text, Objective, Policy};
 
 /// How long to wait for the coordinator's link measurements once the nodes are in.

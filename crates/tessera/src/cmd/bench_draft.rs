@@ -5,11 +5,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use tessera_engine::sampling::speculate::{AdaptiveK, DraftSource, PromptLookup};
 use tessera_engine::speculate::bench::{bench_speculation, SpeculationBench};
 use tessera_engine::speculate::ModelDraft;
-use tessera_engine::{KvType, Model, SamplingParams};
+use tessera_engine::{KvType, Model};
 use tessera_model::{GgufFile, Tokenizer};
+use tessera_sampling::speculate::{AdaptiveK, DraftSource, PromptLookup};
+use tessera_sampling::SamplingParams;
 
 /// Which prompt the draft benchmark decodes from.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

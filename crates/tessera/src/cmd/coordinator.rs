@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use tessera_coord::assignment::{parse_experts, parse_split, PlanFile};
 use tessera_coord::{Coordinator, CoordinatorConfig};
+use tessera_placement::assignment::{parse_experts, parse_split, PlanFile};
 
 /// Where in its data directory the coordinator writes the node join line.
 pub const JOIN_TOKEN_FILE: &str = "join.token";

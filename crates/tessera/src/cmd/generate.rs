@@ -4,8 +4,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use tessera_engine::{Generator, LoadSpec, Model, StopMatcher};
+use tessera_engine::{Generator, LoadSpec, Model};
 use tessera_model::{ChatMessage, ChatTemplate, GgufFile, ModelConfig, StreamDecoder, Tokenizer};
+use tessera_sampling::StopMatcher;
 
 use super::progress::LoadProgress;
 

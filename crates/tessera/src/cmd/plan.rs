@@ -158,7 +158,7 @@ fn load_model(path: &Path, quant: &str, kv_type: Option<KvType>) -> anyhow::Resu
 fn from_gguf(path: &Path, kv_type: KvType) -> anyhow::Result<ModelProfile> {
     let gguf = tessera_model::GgufFile::open(path)?;
     let p = tessera_model::ModelProfile::from_gguf(&gguf).context("reading the model profile")?;
-    Ok(tessera_coord::planning::planner_model(
+    Ok(tessera_placement::planning::planner_model(
         &p,
         kv_type,
         &path.display().to_string(),

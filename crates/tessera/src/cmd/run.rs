@@ -10,10 +10,11 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use tessera_coord::assignment::{parse_split, PlanFile};
-use tessera_net::{Endpoint, NodeIdentity};
+use tessera_client::session::ClusterSession;
+use tessera_net::NodeIdentity;
 use tessera_node::agent::JoinTarget;
-use tessera_node::protocol::{frame, ClientToCoord, CoordToClient, RunReport, RunRequest};
+use tessera_placement::assignment::{parse_split, PlanFile};
+use tessera_proto::{ClientToCoord, CoordToClient, RunReport, RunRequest};
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -104,13 +105,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Enrols (or reconnects) as a client and opens a control session: the endpoint, the
-/// connection and the session's stream, past the coordinator's welcome.
+/// Enrols (or reconnects) as a client and opens a control session past the coordinator's
+/// welcome.
 pub(crate) async fn connect_client(
     identity: &NodeIdentity,
     target: &JoinTarget,
-) -> anyhow::Result<(Endpoint, tessera_net::Connection, tessera_net::FramedStream)> {
-    tessera_coord::sealed::client::connect_client(identity, target.addr, &target.token)
+) -> anyhow::Result<ClusterSession> {
+    ClusterSession::connect(identity, target.addr, &target.token)
         .await
         .context("connecting to the coordinator")
 }
@@ -121,13 +122,11 @@ async fn drive(
     request: RunRequest,
     args: &RunArgs,
 ) -> anyhow::Result<RunReport> {
-    let (endpoint, conn, mut s) = connect_client(identity, target).await?;
-    s.writer
-        .write_message(frame::MSG, &ClientToCoord::Run(Box::new(request)))
-        .await?;
+    let mut session = connect_client(identity, target).await?;
+    session.send(&ClientToCoord::Run(Box::new(request))).await?;
     let mut out = std::io::stdout().lock();
     loop {
-        let msg: CoordToClient = s.reader.read_message(frame::MSG).await?;
+        let msg = session.next().await?;
         if args.json {
             writeln!(out, "{}", serde_json::to_string(&msg)?)?;
             out.flush()?;
@@ -155,9 +154,7 @@ async fn drive(
                 if !args.json {
                     writeln!(out)?;
                 }
-                let _ = s.writer.finish().await;
-                conn.close("done");
-                endpoint.close();
+                session.close().await;
                 if let Some(e) = &report.error {
                     bail!("the run failed: {e}");
                 }

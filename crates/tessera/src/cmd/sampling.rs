@@ -1,6 +1,6 @@
 //! The sampling flags `tessera generate` and `tessera run` share.
 
-use tessera_engine::SamplingParams;
+use tessera_sampling::SamplingParams;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct SamplingArgs {

@@ -13,14 +13,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use tessera_coord::assignment::parse_split;
+use tessera_api::Backend;
 use tessera_coord::backend::{ClusterBackend, ClusterBackendConfig};
 use tessera_coord::{Coordinator, CoordinatorConfig};
 use tessera_engine::Model;
 use tessera_gateway::models::{ModelPool, ModelSpec};
-use tessera_gateway::{check_exposure, ApiKeys, Backend, Gateway, GatewayConfig, SchedulerConfig};
+use tessera_gateway::{check_exposure, ApiKeys, Gateway, GatewayConfig, SchedulerConfig};
 use tessera_local::{LocalBackend, LocalConfig};
 use tessera_model::GgufFile;
+use tessera_placement::assignment::parse_split;
 
 use crate::default_model;
 use crate::output::Stream;
@@ -357,27 +358,27 @@ fn run_sealed(args: ServeArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| state_root().join("tessera-sealed-client"));
     let workers = args.sealed_workers as usize;
-    let policy = tessera_coord::sealed::ClientPolicy {
+    let policy = tessera_client::sealed::ClientPolicy {
         trust: args.trust.clone(),
         verified_only: args.verified_only,
     };
     let cfg = validate(args)?;
     let gguf =
         GgufFile::open(&cfg.model).with_context(|| format!("opening {}", cfg.model.display()))?;
-    let model = tessera_gateway::ServedModel::from_gguf(&cfg.name, &gguf, cfg.local.context_length)
+    let model = tessera_api::ServedModel::from_gguf(&cfg.name, &gguf, cfg.local.context_length)
         .context("reading the tokenizer and chat template")?;
     std::fs::create_dir_all(&data_dir)?;
     let identity = tessera_net::NodeIdentity::load_or_create(&data_dir)?;
     let rt = runtime()?;
     rt.block_on(async move {
         let client =
-            tessera_coord::sealed::SealedClient::connect(&identity, target.addr, &target.token)
+            tessera_client::sealed::SealedClient::connect(&identity, target.addr, &target.token)
                 .await
                 .context("connecting to the coordinator")?;
-        let backend: Arc<dyn Backend> = Arc::new(tessera_coord::sealed::SealedBackend::new(
+        let backend: Arc<dyn Backend> = Arc::new(tessera_client::sealed::SealedBackend::new(
             model,
             client,
-            tessera_coord::sealed::SealedBackendConfig {
+            tessera_client::sealed::SealedBackendConfig {
                 workers,
                 ttl_ms: 10 * 60_000,
                 policy,

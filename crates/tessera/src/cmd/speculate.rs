@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use tessera_engine::sampling::speculate::{AdaptiveK, DraftSource, PromptLookup};
 use tessera_engine::speculate::{check_same_vocabulary, ModelDraft};
 use tessera_engine::{KvType, Model};
 use tessera_local::Speculation;
 use tessera_model::{GgufFile, Tokenizer};
+use tessera_sampling::speculate::{AdaptiveK, DraftSource, PromptLookup};
 
 /// Where drafts come from.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

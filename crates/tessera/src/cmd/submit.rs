@@ -14,12 +14,13 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use tessera_coord::sealed::client::seal;
-use tessera_coord::sealed::{ClientPolicy, SealedClient, MAX_CANDIDATES};
-use tessera_coord::CoordError;
+use tessera_client::sealed::client::seal;
+use tessera_client::sealed::{ClientPolicy, SealedClient};
+use tessera_client::ClientError;
+use tessera_coord::sealed::MAX_CANDIDATES;
 use tessera_model::{GgufFile, Tokenizer};
 use tessera_net::NodeIdentity;
-use tessera_node::protocol::{SealedNews, SealedRequest};
+use tessera_proto::{SealedNews, SealedRequest};
 use tessera_seal::{JobId, NodeKey, SecretKey};
 
 #[derive(clap::Args, Debug)]
@@ -211,7 +212,7 @@ async fn drive(
             {
                 Ok(o) => o,
                 // An answer this client would not release: said, and the next job goes on.
-                Err(CoordError::Refused(reason)) => {
+                Err(ClientError::Refused(reason)) => {
                     refused_answers += 1;
                     if args.json {
                         let line =

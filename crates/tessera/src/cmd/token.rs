@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use tessera_net::NodeIdentity;
 use tessera_node::agent::JoinTarget;
-use tessera_node::protocol::{frame, AdminReply, AdminRequest, ClientToCoord, CoordToClient};
+use tessera_proto::{AdminReply, AdminRequest, ClientToCoord, CoordToClient};
 
 /// The environment variable that may hold a `TOKEN@HOST:PORT` line (or, for `tessera node`,
 /// a join token alone), in place of a flag: a secret in argv is visible to every user in the
@@ -241,20 +241,16 @@ fn admin(
         .enable_all()
         .build()?;
     let reply = rt.block_on(async {
-        let (endpoint, conn, mut s) = super::run::connect_client(&identity, &target).await?;
-        s.writer
-            .write_message(frame::MSG, &ClientToCoord::Admin(req))
-            .await?;
+        let mut session = super::run::connect_client(&identity, &target).await?;
+        session.send(&ClientToCoord::Admin(req)).await?;
         let reply = loop {
-            match s.reader.read_message::<CoordToClient>(frame::MSG).await? {
+            match session.next().await? {
                 CoordToClient::Admin(r) => break r,
                 CoordToClient::Error { message } => bail!("{message}"),
                 _ => {}
             }
         };
-        let _ = s.writer.finish().await;
-        conn.close("done");
-        endpoint.close();
+        session.close().await;
         anyhow::Ok(reply)
     })?;
     Ok((target.addr, reply))

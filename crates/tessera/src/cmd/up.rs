@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tessera_api::{Backend, Event, GenerationRequest};
 use tessera_coord::backend::ClusterBackendConfig;
-use tessera_engine::SamplingParams;
-use tessera_gateway::{Backend, Event, GenerationRequest};
+use tessera_sampling::SamplingParams;
 
 use super::serve::{
     bind_and_print, model_name, resolve_api_keys, runtime, serve_cluster_until_signal, Cluster,
@@ -287,7 +287,7 @@ async fn up(
     .await?;
     let n_stages = match args.plan {
         Some(_) => 0,
-        None => tessera_coord::assignment::parse_split(&cluster.split)?.len(),
+        None => tessera_placement::assignment::parse_split(&cluster.split)?.len(),
     };
     if n_stages > args.nodes {
         bail!(

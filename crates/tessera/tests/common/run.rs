@@ -7,8 +7,9 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tessera_engine::{Generator, KvCache, KvType, LocalExperts, Model, SamplingParams, SeqStep};
+use tessera_engine::{Generator, KvCache, KvType, LocalExperts, Model, SeqStep};
 use tessera_model::{GgufFile, ModelConfig, Tokenizer};
+use tessera_sampling::SamplingParams;
 
 /// Runs `cmd` to the end; panics (with its stderr) if it takes longer than `timeout`.
 pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> Output {
@@ -125,12 +126,7 @@ pub fn reference_boundaries_from(
             )
             .unwrap();
             if !reused {
-                out.push((
-                    end,
-                    pos,
-                    tokens.len(),
-                    tessera_node::protocol::hash_f32s(&h.data),
-                ));
+                out.push((end, pos, tokens.len(), tessera_proto::hash_f32s(&h.data)));
             }
             from = end;
         }

@@ -1,7 +1,7 @@
 //! `NodeEpochs`' decisions, one scenario each (the `membership/` style).
 
 use super::*;
-use crate::protocol::PeerInfo;
+use tessera_proto::PeerInfo;
 
 const GIB: u64 = 1 << 30;
 

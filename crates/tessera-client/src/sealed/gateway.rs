@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use tessera_gateway::{
+use tessera_api::{
     Backend, BackendCounters, Check, ClusterStatus, EmbeddingHandle, EmbeddingRequest, Event,
     FinishReason, GenerationRequest, RequestHandle, ServedModel, SubmitError, Usage,
 };
@@ -69,7 +69,7 @@ impl Backend for SealedBackend {
     /// A sealed job carries tokens out, not final hidden states.
     fn embed(&self, _req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
         Err(SubmitError::Unsupported(
-            crate::backend::NO_CLUSTER_EMBEDDINGS.into(),
+            tessera_api::NO_CLUSTER_EMBEDDINGS.into(),
         ))
     }
 

@@ -19,16 +19,15 @@ use std::sync::{Arc, Mutex};
 
 use tessera_net::{Connection, Endpoint, FrameWriter, JoinToken, NodeIdentity};
 use tessera_proto::{
-    frame, limits, stream, ClientToCoord, CoordToClient, Hello, Role, SealedAnswer, SealedNews,
-    SealedRequest, SealedSubmit, PROTOCOL_VERSION,
+    frame, ClientToCoord, CoordToClient, SealedAnswer, SealedNews, SealedRequest, SealedSubmit,
 };
 use tessera_seal::{
-    seal_job, AnswerDigest, JobEnvelope, JobHeader, JobId, NodeKey, ResultEnvelope, SecretKey,
-    SignedClaims, Uncertified, UnixMillis,
+    AnswerDigest, JobEnvelope, JobId, NodeKey, ResultEnvelope, SecretKey, SignedClaims,
+    Uncertified, UnixMillis,
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::error::CoordError;
+use crate::error::ClientError;
 
 /// What the reader task routes: each job's news, and the answers to `holders` in order.
 #[derive(Default)]
@@ -68,53 +67,13 @@ pub struct SealedOutcome {
     pub answer: SealedAnswer,
 }
 
-/// Enrols (or reconnects) as a client and opens a control session past the coordinator's
-/// welcome: the endpoint, the connection and the session's stream.
-pub async fn connect_client(
-    identity: &NodeIdentity,
-    addr: SocketAddr,
-    token: &JoinToken,
-) -> Result<(Endpoint, Connection, tessera_net::FramedStream), CoordError> {
-    let bind: SocketAddr = if addr.is_ipv4() {
-        ([0, 0, 0, 0], 0).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-    };
-    let endpoint = Endpoint::bind(bind, identity, tessera_net::AllowList::new())?;
-    let conn = endpoint.enroll(addr, token).await?;
-    let mut s = conn.open_stream(stream::CONTROL).await?;
-    s.reader.set_max_len(limits::CONTROL);
-    s.writer
-        .write_message(
-            frame::MSG,
-            &ClientToCoord::Hello(Hello {
-                protocol_version: PROTOCOL_VERSION,
-                role: Role::Client,
-                name: format!("client-{}", identity.node_id().short()),
-                inventory: None,
-                memory_budget_bytes: None,
-                models: Vec::new(),
-            }),
-        )
-        .await?;
-    match s.reader.read_message::<CoordToClient>(frame::MSG).await? {
-        CoordToClient::Welcome { .. } => Ok((endpoint, conn, s)),
-        CoordToClient::Refused { reason } => Err(CoordError::Protocol(format!(
-            "the coordinator refused this client: {reason}"
-        ))),
-        other => Err(CoordError::Protocol(format!(
-            "unexpected first message {other:?}"
-        ))),
-    }
-}
-
 impl SealedClient {
     pub async fn connect(
         identity: &NodeIdentity,
         addr: SocketAddr,
         token: &JoinToken,
-    ) -> Result<Self, CoordError> {
-        let (endpoint, conn, s) = connect_client(identity, addr, token).await?;
+    ) -> Result<Self, ClientError> {
+        let (endpoint, conn, s) = crate::session::connect_client(identity, addr, token).await?;
         let tessera_net::FramedStream {
             mut reader, writer, ..
         } = s;
@@ -166,7 +125,7 @@ impl SealedClient {
         })
     }
 
-    async fn send(&self, msg: &ClientToCoord) -> Result<(), CoordError> {
+    async fn send(&self, msg: &ClientToCoord) -> Result<(), ClientError> {
         Ok(self
             .writer
             .lock()
@@ -181,7 +140,7 @@ impl SealedClient {
     pub async fn trusted_holders(
         &self,
         trust: &[NodeKey],
-    ) -> Result<(Vec<SignedClaims>, Vec<Uncertified>), CoordError> {
+    ) -> Result<(Vec<SignedClaims>, Vec<Uncertified>), ClientError> {
         let all = self.holders().await?;
         if trust.is_empty() {
             return Ok((all, Vec::new()));
@@ -195,7 +154,7 @@ impl SealedClient {
         }
         if ok.is_empty() {
             let why: Vec<String> = refused.iter().map(ToString::to_string).collect();
-            return Err(CoordError::Refused(format!(
+            return Err(ClientError::Refused(format!(
                 "no listed worker is certified by an operator this client trusts, so nothing \
                  was sealed: {}",
                 why.join("; ")
@@ -206,7 +165,7 @@ impl SealedClient {
 
     /// The workers that hold a model whole now, whose claims' signatures hold, all of the first
     /// one's model, in the coordinator's order.
-    pub async fn holders(&self) -> Result<Vec<SignedClaims>, CoordError> {
+    pub async fn holders(&self) -> Result<Vec<SignedClaims>, ClientError> {
         let (tx, rx) = oneshot::channel();
         self.routes
             .lock()
@@ -216,13 +175,13 @@ impl SealedClient {
         self.send(&ClientToCoord::Holders { model: None }).await?;
         let all = rx
             .await
-            .map_err(|_| CoordError::Protocol("the coordinator did not list workers".into()))?;
+            .map_err(|_| ClientError::Protocol("the coordinator did not list workers".into()))?;
         let valid: Vec<SignedClaims> = all
             .into_iter()
             .filter(|c| c.verify().is_ok() && !c.claims.models.is_empty())
             .collect();
         let Some(model) = valid.first().map(|c| c.claims.models[0].clone()) else {
-            return Err(CoordError::Protocol(
+            return Err(ClientError::Protocol(
                 "no worker holds a whole copy of the model now (sealed jobs run on single-node \
                  cells)"
                     .into(),
@@ -240,10 +199,10 @@ impl SealedClient {
         &self,
         envelopes: Vec<JobEnvelope>,
         verified_only: bool,
-    ) -> Result<mpsc::UnboundedReceiver<SealedNews>, CoordError> {
+    ) -> Result<mpsc::UnboundedReceiver<SealedNews>, ClientError> {
         let job = envelopes
             .first()
-            .ok_or_else(|| CoordError::Protocol("a job needs an envelope".into()))?
+            .ok_or_else(|| ClientError::Protocol("a job needs an envelope".into()))?
             .header
             .job;
         let (tx, rx) = mpsc::unbounded_channel();
@@ -269,7 +228,7 @@ impl SealedClient {
         ttl_ms: u64,
         policy: &ClientPolicy,
         on_news: impl FnMut(JobId, &SealedNews),
-    ) -> Result<SealedOutcome, CoordError> {
+    ) -> Result<SealedOutcome, ClientError> {
         let reply = SecretKey::generate();
         let envelopes = seal(request, candidates, &reply, ttl_ms)?;
         self.answer(request, envelopes, candidates, &reply, policy, on_news)
@@ -287,10 +246,10 @@ impl SealedClient {
         reply: &SecretKey,
         policy: &ClientPolicy,
         mut on_news: impl FnMut(JobId, &SealedNews),
-    ) -> Result<SealedOutcome, CoordError> {
+    ) -> Result<SealedOutcome, ClientError> {
         let job = envelopes
             .first()
-            .ok_or_else(|| CoordError::Protocol("a job needs an envelope".into()))?
+            .ok_or_else(|| ClientError::Protocol("a job needs an envelope".into()))?
             .header
             .job;
         let body = request_body(request);
@@ -316,7 +275,7 @@ impl SealedClient {
                         None => false,
                     };
                     if policy.verified_only && !verified {
-                        return Err(CoordError::Refused(format!(
+                        return Err(ClientError::Refused(format!(
                             "job {job}: the answer of worker {} was not verified by a second \
                              worker, and only verified answers were asked for",
                             worker.claims.node
@@ -330,12 +289,12 @@ impl SealedClient {
                     });
                 }
                 SealedNews::Failed { reason } => {
-                    return Err(CoordError::Protocol(format!("job {job} failed: {reason}")))
+                    return Err(ClientError::Protocol(format!("job {job} failed: {reason}")))
                 }
                 _ => {}
             }
         }
-        Err(CoordError::Protocol(format!(
+        Err(ClientError::Protocol(format!(
             "the coordinator session ended before job {job} was answered"
         )))
     }
@@ -363,21 +322,21 @@ fn open_answer<'a>(
     candidates: &'a [SignedClaims],
     reply: &SecretKey,
     body: &[u8],
-) -> Result<(u32, &'a SignedClaims, SealedAnswer), CoordError> {
+) -> Result<(u32, &'a SignedClaims, SealedAnswer), ClientError> {
     let job = result.header.job;
     let worker = candidates
         .iter()
         .find(|c| c.claims.seal_key.key_id() == result.header.worker)
         .ok_or_else(|| {
-            CoordError::Protocol("an answer from a worker the job was not sealed to".into())
+            ClientError::Protocol("an answer from a worker the job was not sealed to".into())
         })?;
     let (attempt, plain) = result
         .open(reply, &worker.claims.seal_key, job)
-        .map_err(|e| CoordError::Protocol(format!("the answer: {e}")))?;
+        .map_err(|e| ClientError::Protocol(format!("the answer: {e}")))?;
     let answer: SealedAnswer = serde_json::from_slice(&plain)
-        .map_err(|e| CoordError::Protocol(format!("a malformed sealed answer: {e}")))?;
+        .map_err(|e| ClientError::Protocol(format!("a malformed sealed answer: {e}")))?;
     if AnswerDigest::of_tokens(body, &answer.tokens) != result.header.answer {
-        return Err(CoordError::Refused(format!(
+        return Err(ClientError::Refused(format!(
             "job {job}: worker {}'s answer does not match the digest it reported (its tokens \
              were altered after the digest was taken)",
             worker.claims.node
@@ -392,14 +351,14 @@ pub fn seal(
     candidates: &[SignedClaims],
     reply: &SecretKey,
     ttl_ms: u64,
-) -> Result<Vec<JobEnvelope>, CoordError> {
+) -> Result<Vec<JobEnvelope>, ClientError> {
     if candidates.is_empty() {
-        return Err(CoordError::Protocol(
+        return Err(ClientError::Protocol(
             "no candidate worker to seal to".into(),
         ));
     }
     let body = request_body(request);
-    seal_attempts(
+    tessera_seal::seal_attempts(
         JobId::random(),
         &body,
         candidates,
@@ -407,34 +366,5 @@ pub fn seal(
         UnixMillis::now().plus(ttl_ms),
         &reply.public_key(),
     )
-    .map_err(|e| CoordError::Protocol(format!("sealing: {e}")))
-}
-
-/// Job `job`'s envelopes: attempt `k` sealed to candidate `k` (for the model it claims first),
-/// each answering to `reply_to`. [`seal`] with its id, size and expiry chosen; the sealed-job
-/// simulator calls it with its own, in virtual time.
-pub(crate) fn seal_attempts(
-    job: JobId,
-    body: &[u8],
-    candidates: &[SignedClaims],
-    context_tokens: u64,
-    expires_at: UnixMillis,
-    reply_to: &tessera_seal::PublicKey,
-) -> Result<Vec<JobEnvelope>, tessera_seal::SealError> {
-    candidates
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let header = JobHeader {
-                job,
-                attempt: i as u32 + 1,
-                recipient: c.claims.seal_key.key_id(),
-                model: c.claims.models[0].clone(),
-                context_tokens,
-                expires_at,
-                reply_to: *reply_to,
-            };
-            seal_job(&header, body, &c.claims.seal_key)
-        })
-        .collect()
+    .map_err(|e| ClientError::Protocol(format!("sealing: {e}")))
 }

@@ -41,12 +41,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tessera_grammar::{Grammar, GrammarCompiler, GrammarError};
 use tessera_model::{ChatTemplate, GgufFile, ModelConfig, Tokenizer};
 use tessera_sampling::SamplingParams;
 use tessera_sampling::TokenLogprobs;
 use tokio::sync::mpsc;
 
-pub use crate::grammar::Grammar;
+mod share;
+
+pub use share::{ClientId, OverShare};
 
 /// A request id, unique in this process (`chatcmpl-…` ids are derived from it).
 pub type RequestId = u64;
@@ -334,13 +337,18 @@ pub enum SubmitError {
     #[error("{0}")]
     Invalid(String),
     /// The client already holds its fair share of the server (429, with `Retry-After`; the
-    /// gateway's [`crate::admission`], before the backend sees the request).
+    /// gateway's fair admission, before the backend sees the request).
     #[error("{0}")]
-    OverShare(crate::admission::OverShare),
+    OverShare(OverShare),
     /// This backend does not do what was asked (501), with what and why.
     #[error("{0}")]
     Unsupported(String),
 }
+
+/// The 501 a cluster (and a sealed federation) answers to embeddings: its stages return
+/// tokens, not final hidden states, so far.
+pub const NO_CLUSTER_EMBEDDINGS: &str = "embeddings are not served by a distributed cluster yet \
+     (serve the model in one process with `tessera serve --model FILE` to compute them)";
 
 /// The model a backend serves, with what the gateway needs to turn text into tokens and back.
 #[derive(Debug)]
@@ -354,7 +362,7 @@ pub struct ServedModel {
     /// Unix seconds when serving started (`created` in `/v1/models`).
     pub created: u64,
     /// The grammar compiler over this vocabulary, built on first use (it indexes every token).
-    pub(crate) grammars: std::sync::OnceLock<Result<Arc<crate::grammar::GrammarCompiler>, String>>,
+    grammars: std::sync::OnceLock<Result<Arc<GrammarCompiler>, String>>,
 }
 
 impl ServedModel {
@@ -387,8 +395,22 @@ impl ServedModel {
     }
 }
 
-/// Seconds since the Unix epoch.
-pub(crate) fn unix_now() -> u64 {
+impl ServedModel {
+    /// The grammar compiler for this model's vocabulary (indexed on first use, then shared).
+    pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>, GrammarError> {
+        self.grammars
+            .get_or_init(|| {
+                GrammarCompiler::new(&self.tokenizer)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(GrammarError::Vocabulary)
+    }
+}
+
+/// Seconds since the Unix epoch (the clock of [`ServedModel::created`]).
+pub fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -425,7 +447,7 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// Speculative decoding's totals, when this backend speculates (`/metrics` shows them).
-    fn speculation(&self) -> Option<crate::scheduler::SpeculationTotals> {
+    fn speculation(&self) -> Option<SpeculationTotals> {
         None
     }
 }
@@ -446,9 +468,18 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     fn embed(&self, req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
         (**self).embed(req)
     }
-    fn speculation(&self) -> Option<crate::scheduler::SpeculationTotals> {
+    fn speculation(&self) -> Option<SpeculationTotals> {
         (**self).speculation()
     }
+}
+
+/// Totals of speculative decoding since the backend's scheduler started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpeculationTotals {
+    /// Decode rows that carried drafts.
+    pub verifications: u64,
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 /// Everything the dashboard shows about the machines and the plan. The coordinator fills it from
@@ -558,6 +589,32 @@ pub struct PlanStatus {
     /// holds more than one; `epoch` is then the first cell's.
     #[serde(default)]
     pub cells: Vec<CellStatus>,
+    /// The plan's shape as data, from a backend that leaves the words to the gateway (the
+    /// coordinator): the dashboard then words `strategy` and `explanation` from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<PlanShape>,
+}
+
+/// What a distributed plan is, as data: its ring, its expert split, its cells and what the
+/// operator or planner said of it. The gateway's dashboard words it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlanShape {
+    /// The stages that hold layers, in ring order (of the first cell when there are several).
+    pub ring: Vec<RingStage>,
+    /// Each MoE layer's experts split by owner, in `--experts` syntax (`0-3@a,4-7@b`), when
+    /// they are split.
+    pub expert_split: Option<String>,
+    /// Whole copies of the model; above 1 the plan runs as cells.
+    pub cells: usize,
+    /// What the operator or the planner said about the choice (empty: nothing).
+    pub note: String,
+}
+
+/// One stage of a ring: the node's name and the layers `start..end` it runs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingStage {
+    pub node: String,
+    pub layers: [usize; 2],
 }
 
 /// One cell of a plan: a whole copy of the model that takes whole requests.
