@@ -22,7 +22,7 @@
 //! placement deadline): re-arming one replaces it, so the table holds at most one entry per
 //! key, however many tokens a run streams.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -32,11 +32,9 @@ use tessera_net::{NodeId, PublicKey};
 use tessera_proto::{CoordToNode, ExpertCacheStats, NodeToCoord, StageSpec};
 
 use crate::assignment::{resolve, AssignmentError};
-use crate::cells::{choose, CellBook, NoCell};
+use crate::cells::CellBook;
 use crate::membership::{Action, Event, Member, Membership, Phase};
-use crate::run::{
-    Fault, Input, Output, Placement, RunEvent, RunMachine, RunOutcome, RunSpec, Timer, TimerKind,
-};
+use crate::run::{Fault, Input, Output, RunEvent, RunMachine, RunOutcome, RunSpec, Timer};
 use crate::state::{EpochRecord, EpochStageRecord};
 
 /// How long a request may wait for a cell (a new epoch loading, model transfer included, or
@@ -118,77 +116,6 @@ pub struct ClusterConfig {
     pub max_context: usize,
     /// An assignment applied as soon as enough nodes are connected (`--split`).
     pub initial_split: Option<Vec<StageSpec>>,
-}
-
-/// Which timer: at most one armed per key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-enum TimerKey {
-    /// The membership's lease clock: a `Tick` four times per lease.
-    Lease,
-    /// One of run `.0`'s timers, by [`TimerKind`] (as an index).
-    Run(u64, u8),
-    /// Run `.0` waiting for its first cell.
-    Placement(u64),
-}
-
-fn kind_index(k: TimerKind) -> u8 {
-    match k {
-        TimerKind::Open => 0,
-        TimerKind::Step => 1,
-        TimerKind::LossGrace => 2,
-        TimerKind::Resume => 3,
-        TimerKind::Close => 4,
-    }
-}
-
-const RUN_TIMER_KINDS: [TimerKind; 5] = [
-    TimerKind::Open,
-    TimerKind::Step,
-    TimerKind::LossGrace,
-    TimerKind::Resume,
-    TimerKind::Close,
-];
-
-/// Armed timers, by key, with an index by deadline.
-#[derive(Debug, Default)]
-struct TimerTable {
-    armed: HashMap<TimerKey, (Duration, u64)>,
-    by_time: BTreeSet<(Duration, TimerKey)>,
-}
-
-impl TimerTable {
-    /// Arms `key` at `at` with arming number `n`, replacing whatever it held.
-    fn arm(&mut self, key: TimerKey, at: Duration, n: u64) {
-        if let Some((old, _)) = self.armed.insert(key, (at, n)) {
-            self.by_time.remove(&(old, key));
-        }
-        self.by_time.insert((at, key));
-    }
-
-    fn disarm(&mut self, key: TimerKey) {
-        if let Some((at, _)) = self.armed.remove(&key) {
-            self.by_time.remove(&(at, key));
-        }
-    }
-
-    fn next(&self) -> Option<Duration> {
-        self.by_time.first().map(|(t, _)| *t)
-    }
-
-    /// Takes the earliest timer due at `now`.
-    fn pop_due(&mut self, now: Duration) -> Option<(TimerKey, u64)> {
-        let &(at, key) = self.by_time.first()?;
-        if at > now {
-            return None;
-        }
-        self.by_time.remove(&(at, key));
-        let (_, n) = self.armed.remove(&key).expect("indexed timers are armed");
-        Some((key, n))
-    }
-
-    fn len(&self) -> usize {
-        self.armed.len()
-    }
 }
 
 /// A request, before and after it has a machine.
@@ -841,191 +768,6 @@ impl Cluster {
             (None, None) => Unavailable::NoAssignment,
         })
     }
-
-    /// After cells or seats changed: runs whose epoch is gone hear it, runs waiting are seated
-    /// where they can be, and a draining epoch nobody is seated on any more is released. Not
-    /// run for a token (nothing changes then).
-    fn settle(&mut self, now: Duration, out: &mut Vec<ClusterOutput>) {
-        while std::mem::take(&mut self.unsettled) {
-            let mut ids: Vec<u64> = self.runs.keys().copied().collect();
-            ids.sort_unstable();
-            for run in ids {
-                self.settle_run(now, run, out);
-            }
-            self.release_drained(out);
-        }
-    }
-
-    fn settle_run(&mut self, now: Duration, run: u64, out: &mut Vec<ClusterOutput>) {
-        let Some(r) = self.runs.get(&run) else {
-            return;
-        };
-        let positions = r.positions;
-        match &r.state {
-            RunState::Placing {
-                target: Some(t), ..
-            } => {
-                let t = *t;
-                let phase = self.membership.epoch_with_id(t).map(|e| e.phase.clone());
-                match phase {
-                    Some(Phase::Ready) => {
-                        self.cells.seat(run, t, positions);
-                        match Placement::of(&self.membership, t) {
-                            Some(p) => self.start(now, run, p, out),
-                            None => self.refuse_run(
-                                run,
-                                RunRefused::Unavailable(Unavailable::EpochReplaced(None)),
-                                out,
-                            ),
-                        }
-                    }
-                    Some(Phase::Failed(r)) => self.refuse_run(
-                        run,
-                        RunRefused::Unavailable(Unavailable::EpochFailed {
-                            epoch: t,
-                            why: r.clone(),
-                        }),
-                        out,
-                    ),
-                    Some(Phase::Released) | None => self.refuse_run(
-                        run,
-                        RunRefused::Unavailable(Unavailable::EpochReplaced(Some(t))),
-                        out,
-                    ),
-                    Some(Phase::Loading | Phase::Linking) => {}
-                }
-            }
-            RunState::Placing { target: None, .. } => match self.take_cell(run, positions, None) {
-                Ok(p) => self.start(now, run, p, out),
-                Err(NoCell::NoneReady) => {
-                    if let Some(why) = self.unavailable() {
-                        self.refuse_run(run, RunRefused::Unavailable(why), out);
-                    }
-                }
-                Err(NoCell::NoneFits { .. }) => {}
-                Err(e @ NoCell::TooBig { .. }) => {
-                    self.refuse_run(run, RunRefused::Unavailable(Unavailable::NoCell(e)), out)
-                }
-            },
-            RunState::Running {
-                on_epoch: Some(e), ..
-            } => {
-                let e = *e;
-                if !self.membership.serves(e) {
-                    if let Some(Run {
-                        state: RunState::Running { on_epoch, .. },
-                        ..
-                    }) = self.runs.get_mut(&run)
-                    {
-                        *on_epoch = None;
-                    }
-                    let why = format!("epoch {e} was lost");
-                    self.run_input(now, run, Input::EpochLost { epoch: e, why }, out);
-                }
-            }
-            RunState::Running {
-                awaiting: Some(lost),
-                ..
-            } => {
-                let lost = *lost;
-                if let Ok(placement) = self.take_cell(run, positions, lost) {
-                    let r = self.runs.get_mut(&run).expect("checked");
-                    r.attempts += 1;
-                    let attempt_seq = run | (r.attempts << ATTEMPT_SHIFT);
-                    if let RunState::Running {
-                        awaiting, on_epoch, ..
-                    } = &mut r.state
-                    {
-                        *awaiting = None;
-                        *on_epoch = Some(placement.epoch);
-                    }
-                    self.routes.insert(attempt_seq, run);
-                    self.run_input(
-                        now,
-                        run,
-                        Input::EpochReady {
-                            placement,
-                            attempt_seq,
-                        },
-                        out,
-                    );
-                }
-            }
-            RunState::Running { .. } => {}
-        }
-    }
-
-    /// Chooses a ready cell for run `run` (never `exclude`, the cell it was lost on) and seats
-    /// it there ([`crate::cells`]).
-    fn take_cell(
-        &mut self,
-        run: u64,
-        positions: u64,
-        exclude: Option<u64>,
-    ) -> Result<Placement, NoCell> {
-        let loads = self.cells.loads(&self.membership);
-        let epoch = choose(&loads, positions, self.kv_bytes(), exclude)?;
-        self.cells.seat(run, epoch, positions);
-        // A resumed run may have been the last on a draining epoch.
-        self.unsettled = true;
-        Placement::of(&self.membership, epoch).ok_or(NoCell::NoneReady)
-    }
-
-    /// Makes run `run`'s machine and starts its first attempt on `placement`.
-    fn start(
-        &mut self,
-        now: Duration,
-        run: u64,
-        placement: Placement,
-        out: &mut Vec<ClusterOutput>,
-    ) {
-        let r = self.runs.get_mut(&run).expect("a placing run");
-        let RunState::Placing { spec, .. } = &r.state else {
-            return;
-        };
-        let (mut machine, first) = RunMachine::new((**spec).clone(), self.lease);
-        if let Some(f) = self.fault {
-            machine.inject_fault(f);
-        }
-        debug_assert!(matches!(first[..], [Output::AwaitEpoch { lost: None }]));
-        r.state = RunState::Running {
-            machine: Box::new(machine),
-            awaiting: None,
-            on_epoch: Some(placement.epoch),
-        };
-        self.timers.disarm(TimerKey::Placement(run));
-        self.routes.insert(run, run);
-        self.run_input(
-            now,
-            run,
-            Input::EpochReady {
-                placement,
-                attempt_seq: run,
-            },
-            out,
-        );
-    }
-
-    /// Releases the draining epochs no run is seated on any more (make before break: a new
-    /// split took their cell, and their last runs ended).
-    fn release_drained(&mut self, out: &mut Vec<ClusterOutput>) {
-        let drained = self
-            .membership
-            .draining()
-            .iter()
-            .map(|e| e.id)
-            .find(|&e| self.cells.seated(e) == 0);
-        if let Some(epoch) = drained {
-            tracing::info!(
-                event = "epoch_drained",
-                epoch,
-                "epoch {epoch} drained: releasing it"
-            );
-            self.drained += 1;
-            // Applying it changes the cells: the next pass looks for the next.
-            self.apply(Event::Drained { epoch }, out);
-        }
-    }
 }
 
 /// Every cell's epoch and every draining one, with its phase.
@@ -1060,7 +802,10 @@ fn epoch_record(m: &Membership, e: &crate::membership::Epoch) -> EpochRecord {
 }
 
 mod refusal;
+mod seating;
 #[cfg(test)]
 mod tests;
+mod timers;
 
 pub use refusal::{PlacementTimeout, RunRefused, Unavailable};
+use timers::{kind_index, TimerKey, TimerTable, RUN_TIMER_KINDS};
