@@ -44,7 +44,10 @@ pub use control::{
 pub use experts::{ExpertAssignment, ExpertCacheStats, ExpertPeer};
 pub use model::{decode_chunk, encode_chunk, ModelReply, ModelRequest};
 pub use ring::{RingToken, StepEntry, StepHeader};
-pub use sealed::{Holders, SealedAnswer, SealedNews, SealedRefusal, SealedRequest, SealedSubmit};
+pub use sealed::{
+    Holders, Passed, PassedOver, SealedAnswer, SealedFailure, SealedNews, SealedRefusal,
+    SealedRequest, SealedSubmit,
+};
 
 /// Version of the message protocol in this module; both sides must agree. 2: a sequence may
 /// carry a grammar and ask for log-probabilities ([`OpenSeq`]), which a version-1 node would

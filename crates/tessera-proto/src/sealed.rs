@@ -6,7 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 use tessera_sampling::SamplingParams;
-use tessera_seal::{JobEnvelope, NodeKey, ResultEnvelope, SignedClaims};
+use tessera_seal::{
+    DeviceTier, JobEnvelope, JobId, KeyId, NodeKey, ResultEnvelope, SignedClaims, UnixMillis,
+};
 
 use super::FinishReason;
 
@@ -80,7 +82,7 @@ pub enum SealedNews {
     Verifying { attempt: u32, on: NodeKey },
     /// A candidate was left out before any dispatch (its key is no longer current, it does
     /// not hold the model, the job does not fit its memory or tier), and why.
-    Skipped { attempt: u32, reason: String },
+    Skipped { attempt: u32, reason: PassedOver },
     /// The job's one answer. `verified`: a second worker's tokens agreed with it, and then
     /// `witness` is that worker's result, sealed to the client too, so the client can compare
     /// the two itself rather than take the coordinator's word.
@@ -91,7 +93,159 @@ pub enum SealedNews {
         witness: Option<ResultEnvelope>,
     },
     /// The job cannot complete.
-    Failed { reason: String },
+    Failed { reason: SealedFailure },
+}
+
+/// Why one attempt's worker was passed over: left out before dispatch, or given up on after.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum PassedOver {
+    /// Sealed to a key no worker claims now: rotated, or its worker left.
+    KeyNotClaimed { key: KeyId },
+    /// The worker left the cluster.
+    WorkerLeft { worker: NodeKey },
+    /// The worker was caught altering answers.
+    Quarantined { worker: NodeKey },
+    /// The worker does not hold the job's model.
+    ModelNotHeld { worker: NodeKey, model: String },
+    /// The job needs more positions than the worker claims room for.
+    NoRoom {
+        worker: NodeKey,
+        needs: u64,
+        room: u64,
+    },
+    /// The job is longer than the worker's device tier takes.
+    TierTooSmall {
+        worker: NodeKey,
+        tier: DeviceTier,
+        needs: u64,
+        max: u64,
+    },
+    /// An earlier attempt of the same job is sealed to the same worker.
+    SameWorker { worker: NodeKey },
+    /// The holder went silent or left while it held the job.
+    WentSilent { holder: NodeKey },
+    /// The worker refused the envelope.
+    Refused {
+        worker: NodeKey,
+        reason: SealedRefusal,
+    },
+}
+
+impl std::fmt::Display for PassedOver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::KeyNotClaimed { key } => write!(
+                f,
+                "sealed to key {key}, which no worker claims now (rotated, or the worker left)"
+            ),
+            Self::WorkerLeft { worker } => write!(f, "worker {worker} has left"),
+            Self::Quarantined { worker } => write!(f, "worker {worker} is quarantined"),
+            Self::ModelNotHeld { worker, model } => {
+                write!(f, "worker {worker} does not hold model {model}")
+            }
+            Self::NoRoom {
+                worker,
+                needs,
+                room,
+            } => write!(
+                f,
+                "the job needs {needs} positions; worker {worker} claims room for {room}"
+            ),
+            Self::TierTooSmall {
+                worker,
+                tier,
+                needs,
+                max,
+            } => write!(
+                f,
+                "the job needs {needs} positions; worker {worker} is a {tier}, which takes jobs \
+                 of at most {max}"
+            ),
+            Self::SameWorker { worker } => {
+                write!(f, "another attempt is sealed to worker {worker}")
+            }
+            Self::WentSilent { holder } => write!(f, "{holder} went silent or left"),
+            Self::Refused { worker, reason } => write!(f, "{worker} refused: {reason}"),
+        }
+    }
+}
+
+/// One attempt passed over, and why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Passed {
+    pub attempt: u32,
+    pub why: PassedOver,
+}
+
+/// Why a sealed job cannot complete.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SealedFailure {
+    /// The job id was submitted before (its envelopes are one-shot).
+    AlreadySubmitted { job: JobId },
+    /// More envelopes than a job may have candidates.
+    TooManyEnvelopes { count: usize, max: usize },
+    /// The envelopes belong to two jobs.
+    MixedJobs { first: JobId, other: JobId },
+    /// Envelope `envelope` (counting from 1) carries another attempt number.
+    AttemptOutOfOrder { envelope: u32, carries: u32 },
+    /// An attempt had expired when it arrived.
+    AttemptExpired { attempt: u32, at: UnixMillis },
+    /// No candidate fits the job, each for its reason.
+    NoWorkerFits { passed_over: Vec<Passed> },
+    /// Every candidate was tried and none is left.
+    NoCandidateLeft {
+        tries: u32,
+        passed_over: Vec<Passed>,
+    },
+    /// The job was moved on as often as it may be.
+    GaveUp {
+        tries: u32,
+        passed_over: Vec<Passed>,
+    },
+    /// The coordinator refused one of the session's messages (it cannot say which job).
+    SessionRefused { message: String },
+}
+
+fn write_passed_over(f: &mut std::fmt::Formatter<'_>, passed: &[Passed]) -> std::fmt::Result {
+    for (i, p) in passed.iter().enumerate() {
+        let sep = if i == 0 { "" } else { "; " };
+        write!(f, "{sep}attempt {}: {}", p.attempt, p.why)?;
+    }
+    Ok(())
+}
+
+impl std::fmt::Display for SealedFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::AlreadySubmitted { job } => write!(f, "job {job} was already submitted"),
+            Self::TooManyEnvelopes { count, max } => {
+                write!(f, "{count} envelopes (at most {max} candidates a job)")
+            }
+            Self::MixedJobs { first, other } => {
+                write!(f, "envelopes of two jobs ({first} and {other})")
+            }
+            Self::AttemptOutOfOrder { envelope, carries } => write!(
+                f,
+                "envelope {envelope} carries attempt {carries} (attempts count 1, 2, … in order)"
+            ),
+            Self::AttemptExpired { attempt, at } => write!(f, "attempt {attempt} expired at {at}"),
+            Self::NoWorkerFits { passed_over } => {
+                f.write_str("no worker fits this job: ")?;
+                write_passed_over(f, passed_over)
+            }
+            Self::NoCandidateLeft { tries, passed_over } => {
+                write!(f, "no candidate worker left after {tries} tries: ")?;
+                write_passed_over(f, passed_over)
+            }
+            Self::GaveUp { tries, passed_over } => {
+                write!(f, "gave up after {tries} tries: ")?;
+                write_passed_over(f, passed_over)
+            }
+            Self::SessionRefused { message } => f.write_str(message),
+        }
+    }
 }
 
 /// The client's messages about sealed jobs.

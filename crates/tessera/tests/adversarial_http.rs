@@ -498,7 +498,10 @@ fn one_keys_flood_leaves_another_key_served() {
         &metrics_with(&server.addr, "sk-alice"),
         "tessera_requests_in_flight",
     );
-    assert!(in_flight <= 6.0, "alice holds {in_flight}, over her share of 6");
+    assert!(
+        in_flight <= 6.0,
+        "alice holds {in_flight}, over her share of 6"
+    );
 
     let t0 = Instant::now();
     let served = bob(&chat(60, false));
@@ -512,11 +515,22 @@ fn one_keys_flood_leaves_another_key_served() {
     let answers: Vec<_> = flood.into_iter().map(common::read_response).collect();
     let ok = answers.iter().filter(|r| r.status == 200).count();
     let refused: Vec<_> = answers.iter().filter(|r| r.status == 429).collect();
-    assert_eq!(ok + refused.len(), 300, "alice's 300 are each served or refused");
+    assert_eq!(
+        ok + refused.len(),
+        300,
+        "alice's 300 are each served or refused"
+    );
     assert!(ok >= 6, "alice's share of 6 is served: {ok}");
-    assert!(refused.len() >= 150, "most of a flood is refused: {}", refused.len());
+    assert!(
+        refused.len() >= 150,
+        "most of a flood is refused: {}",
+        refused.len()
+    );
     for r in &refused {
-        let message = r.json()["error"]["message"].as_str().unwrap_or("").to_string();
+        let message = r.json()["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
         assert!(
             message.contains("shared fairly") && message.contains("key alice"),
             "a refusal names the share it is over: {message}"

@@ -137,11 +137,8 @@ fn a_replayed_envelope_is_refused_by_the_worker_and_a_resubmitted_job_by_the_coo
     assert_eq!(a[0]["attempt"], 1);
     let resubmitted: Vec<&Value> = msgs.iter().filter(|m| m["type"] == "resubmitted").collect();
     assert_eq!(resubmitted.len(), 1, "{msgs:?}");
-    assert!(
-        resubmitted[0]["reason"]
-            .as_str()
-            .unwrap()
-            .contains("already submitted"),
+    assert_eq!(
+        resubmitted[0]["failure"]["kind"], "already_submitted",
         "{}",
         resubmitted[0]
     );

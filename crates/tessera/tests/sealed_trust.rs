@@ -318,13 +318,7 @@ fn a_coordinator_and_a_worker_refuse_a_replay_after_a_restart() {
     let (ok, msgs) = finished(&mut p);
     assert!(ok, "{msgs:?}");
     let r = of_type(&msgs, "resubmitted");
-    assert!(
-        r[0]["reason"]
-            .as_str()
-            .unwrap()
-            .contains("already submitted"),
-        "{msgs:?}"
-    );
+    assert_eq!(r[0]["failure"]["kind"], "already_submitted", "{msgs:?}");
     assert!(news(&msgs, "dispatched").is_empty(), "{msgs:?}");
 
     // The worker restarts, and a coordinator that forgot the job (its record deleted) passes
@@ -363,10 +357,17 @@ fn a_job_longer_than_every_workers_context_fails_at_once_naming_the_sizes() {
     let skipped = news(&msgs, "skipped");
     assert_eq!(skipped.len(), 2, "{msgs:?}");
     let failed = news(&msgs, "failed");
-    let reason = failed[0]["reason"].as_str().unwrap();
+    let reason = &failed[0]["reason"];
+    assert_eq!(reason["kind"], "no_worker_fits", "{reason}");
+    let passed_over = reason["passed_over"].as_array().unwrap();
+    assert_eq!(passed_over.len(), 2, "{reason}");
     assert!(
-        reason.contains("no worker fits") && reason.contains("claims room for"),
+        passed_over.iter().all(|p| p["why"]["kind"] == "no_room"),
         "{reason}"
+    );
+    assert!(
+        skipped.iter().all(|s| s["reason"]["kind"] == "no_room"),
+        "{msgs:?}"
     );
 }
 

@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 
 use tessera_net::{Connection, Endpoint, FrameWriter, JoinToken, NodeIdentity};
 use tessera_proto::{
-    frame, ClientToCoord, CoordToClient, SealedAnswer, SealedNews, SealedRequest, SealedSubmit,
+    frame, ClientToCoord, CoordToClient, SealedAnswer, SealedFailure, SealedNews, SealedRequest,
+    SealedSubmit,
 };
 use tessera_seal::{
     AnswerDigest, JobEnvelope, JobId, NodeKey, ResultEnvelope, SecretKey, SignedClaims,
@@ -103,7 +104,9 @@ impl SealedClient {
                     CoordToClient::Error { message } => {
                         for (_, tx) in routes.jobs.drain() {
                             let _ = tx.send(SealedNews::Failed {
-                                reason: message.clone(),
+                                reason: SealedFailure::SessionRefused {
+                                    message: message.clone(),
+                                },
                             });
                         }
                         routes.holders.clear();

@@ -181,7 +181,7 @@ pub(crate) fn submit(shared: &impl SealedHost, client: ClientId, s: tessera_prot
                     let _ = tx.send(CoordToClient::Sealed {
                         job,
                         news: tessera_proto::SealedNews::Failed {
-                            reason: format!("job {job} was already submitted"),
+                            reason: tessera_proto::SealedFailure::AlreadySubmitted { job },
                         },
                     });
                 }

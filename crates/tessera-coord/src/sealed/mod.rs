@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tessera_proto::{SealedNews, SealedRefusal};
+use tessera_proto::{Passed, PassedOver, SealedFailure, SealedNews, SealedRefusal};
 use tessera_seal::{
     ClaimBook, ClaimChange, ClaimRefusal, DeviceTier, Holder, JobEnvelope, JobFailure, JobId,
     JobLeases, LeaseAction, LeaseConfig, LeaseEvent, NodeKey, ResultEnvelope, SignedClaims,
@@ -129,7 +129,7 @@ struct Job {
     /// The client asked for a verified answer.
     verified_only: bool,
     /// Why candidates were passed over (skipped, refused, gone), for the failure's reason.
-    passed_over: Vec<String>,
+    passed_over: Vec<Passed>,
 }
 
 /// The coordinator's sealed jobs, the workers' claims and their reputations.
@@ -254,7 +254,14 @@ impl SealedDesk {
                 }
                 let replica = j.replicas.get(&from).is_some_and(|r| r.0 == attempt);
                 if !replica && reason != SealedRefusal::Replayed {
-                    self.passed_over(job, format!("attempt {attempt}: {from} refused: {reason}"));
+                    self.passed_over(
+                        job,
+                        attempt,
+                        PassedOver::Refused {
+                            worker: from,
+                            reason: reason.clone(),
+                        },
+                    );
                 }
                 self.tell(
                     job,
@@ -349,7 +356,7 @@ impl SealedDesk {
                 client,
                 job,
                 news: SealedNews::Failed {
-                    reason: format!("job {job} was already submitted"),
+                    reason: SealedFailure::AlreadySubmitted { job },
                 },
             });
             return;
@@ -365,26 +372,24 @@ impl SealedDesk {
                 return;
             }
         };
-        for (attempt, reason) in &skipped {
+        for p in &skipped {
             out.push(SealedOutput::Tell {
                 client,
                 job,
                 news: SealedNews::Skipped {
-                    attempt: *attempt,
-                    reason: reason.clone(),
+                    attempt: p.attempt,
+                    reason: p.why.clone(),
                 },
             });
         }
         if holders.is_empty() {
-            let why: Vec<String> = skipped
-                .iter()
-                .map(|(a, r)| format!("attempt {a}: {r}"))
-                .collect();
             out.push(SealedOutput::Tell {
                 client,
                 job,
                 news: SealedNews::Failed {
-                    reason: format!("no worker fits this job: {}", why.join("; ")),
+                    reason: SealedFailure::NoWorkerFits {
+                        passed_over: skipped,
+                    },
                 },
             });
             return;
@@ -402,10 +407,7 @@ impl SealedDesk {
                 replicas: BTreeMap::new(),
                 replica_results: BTreeMap::new(),
                 verified_only,
-                passed_over: skipped
-                    .iter()
-                    .map(|(a, r)| format!("attempt {a}: {r}"))
-                    .collect(),
+                passed_over: skipped,
             },
         );
         let acts = self
@@ -414,10 +416,13 @@ impl SealedDesk {
         self.leased(acts, now, out);
     }
 
-    fn passed_over(&mut self, job: JobId, why: String) {
+    fn passed_over(&mut self, job: JobId, attempt: u32, why: PassedOver) {
         if let Some(j) = self.jobs.get_mut(&job) {
-            if j.passed_over.len() < MAX_CANDIDATES * 2 {
-                j.passed_over.push(why);
+            // The first reason stands: a refused attempt's lease then ends as well, and
+            // "went silent" would bury what the worker said.
+            let known = j.passed_over.iter().any(|p| p.attempt == attempt);
+            if !known && j.passed_over.len() < MAX_CANDIDATES * 2 {
+                j.passed_over.push(Passed { attempt, why });
             }
         }
     }
@@ -433,12 +438,12 @@ impl SealedDesk {
         &self,
         envelopes: &[JobEnvelope],
         now: UnixMillis,
-    ) -> Result<(Vec<(u32, Holder)>, Vec<(u32, String)>), String> {
+    ) -> Result<(Vec<(u32, Holder)>, Vec<Passed>), SealedFailure> {
         if envelopes.len() > MAX_CANDIDATES {
-            return Err(format!(
-                "{} envelopes (at most {MAX_CANDIDATES} candidates a job)",
-                envelopes.len()
-            ));
+            return Err(SealedFailure::TooManyEnvelopes {
+                count: envelopes.len(),
+                max: MAX_CANDIDATES,
+            });
         }
         let job = envelopes[0].header.job;
         let mut holders: Vec<(u32, Holder)> = Vec::with_capacity(envelopes.len());
@@ -447,20 +452,26 @@ impl SealedDesk {
             let h = &e.header;
             let attempt = i as u32 + 1;
             if h.job != job {
-                return Err(format!("envelopes of two jobs ({job} and {})", h.job));
+                return Err(SealedFailure::MixedJobs {
+                    first: job,
+                    other: h.job,
+                });
             }
             if h.attempt != attempt {
-                return Err(format!(
-                    "envelope {attempt} carries attempt {} (attempts count 1, 2, … in order)",
-                    h.attempt
-                ));
+                return Err(SealedFailure::AttemptOutOfOrder {
+                    envelope: attempt,
+                    carries: h.attempt,
+                });
             }
             if h.expires_at <= now {
-                return Err(format!("attempt {attempt} expired at {}", h.expires_at));
+                return Err(SealedFailure::AttemptExpired {
+                    attempt,
+                    at: h.expires_at,
+                });
             }
             match self.fits(h, &holders) {
                 Ok(holder) => holders.push((attempt, holder)),
-                Err(why) => skipped.push((attempt, why)),
+                Err(why) => skipped.push(Passed { attempt, why }),
             }
         }
         let positions = envelopes[0].header.context_tokens;
@@ -472,45 +483,49 @@ impl SealedDesk {
     }
 
     /// The worker an envelope is sealed to, if the job fits it; else why not.
-    fn fits(&self, h: &tessera_seal::JobHeader, taken: &[(u32, Holder)]) -> Result<Holder, String> {
+    fn fits(
+        &self,
+        h: &tessera_seal::JobHeader,
+        taken: &[(u32, Holder)],
+    ) -> Result<Holder, PassedOver> {
         let claims = self
             .claims
             .signed()
             .map(|s| &s.claims)
             .find(|c| c.seal_key.key_id() == h.recipient)
-            .ok_or_else(|| {
-                format!(
-                    "sealed to key {}, which no worker claims now (rotated, or the worker left)",
-                    h.recipient
-                )
-            })?;
-        let node = claims.node;
-        if self.departed.contains(&node) {
-            return Err(format!("worker {node} has left"));
+            .ok_or(PassedOver::KeyNotClaimed { key: h.recipient })?;
+        let worker = claims.node;
+        if self.departed.contains(&worker) {
+            return Err(PassedOver::WorkerLeft { worker });
         }
         if !claims.models.contains(&h.model) {
-            return Err(format!("worker {node} does not hold model {}", h.model));
+            return Err(PassedOver::ModelNotHeld {
+                worker,
+                model: h.model.clone(),
+            });
         }
         if claims.max_context > 0 && h.context_tokens > claims.max_context {
-            return Err(format!(
-                "the job needs {} positions; worker {node} claims room for {}",
-                h.context_tokens, claims.max_context
-            ));
+            return Err(PassedOver::NoRoom {
+                worker,
+                needs: h.context_tokens,
+                room: claims.max_context,
+            });
         }
         if let Some(max) = claims.tier.policy().max_job_positions {
             if h.context_tokens > max {
-                return Err(format!(
-                    "the job needs {} positions; worker {node} is a {}, which takes jobs of at \
-                     most {max}",
-                    h.context_tokens, claims.tier
-                ));
+                return Err(PassedOver::TierTooSmall {
+                    worker,
+                    tier: claims.tier,
+                    needs: h.context_tokens,
+                    max,
+                });
             }
         }
-        if taken.iter().any(|(_, x)| x.node == node) {
-            return Err(format!("another attempt is sealed to worker {node}"));
+        if taken.iter().any(|(_, x)| x.node == worker) {
+            return Err(PassedOver::SameWorker { worker });
         }
         Ok(Holder {
-            node,
+            node: worker,
             tier: claims.tier,
         })
     }
@@ -526,11 +541,11 @@ impl SealedDesk {
                         // Caught altering answers since the job was submitted, or gone: skip
                         // it.
                         let why = if self.departed.contains(&to) {
-                            "has left"
+                            PassedOver::WorkerLeft { worker: to }
                         } else {
-                            "is quarantined"
+                            PassedOver::Quarantined { worker: to }
                         };
-                        self.passed_over(job, format!("attempt {attempt}: worker {to} {why}"));
+                        self.passed_over(job, attempt, why);
                         let acts = self.leases.handle(LeaseEvent::Refused {
                             job,
                             attempt,
@@ -556,29 +571,26 @@ impl SealedDesk {
                     attempt,
                     holder,
                 } => {
-                    self.passed_over(
-                        job,
-                        format!("attempt {attempt}: {holder} went silent or left"),
-                    );
+                    self.passed_over(job, attempt, PassedOver::WentSilent { holder });
                     self.tell(job, SealedNews::Expired { attempt, holder }, out)
                 }
                 LeaseAction::Deliver { .. } | LeaseAction::DropResult { .. } => {}
                 LeaseAction::Failed { job, reason } => {
-                    let why = self
+                    let passed_over = self
                         .jobs
-                        .get(&job)
-                        .map(|j| j.passed_over.join("; "))
+                        .get_mut(&job)
+                        .map(|j| std::mem::take(&mut j.passed_over))
                         .unwrap_or_default();
                     let reason = match reason {
-                        JobFailure::NoHolderLeft { attempts } => {
-                            format!("no candidate worker left after {attempts} tries: {why}")
-                        }
-                        JobFailure::TooManyAttempts { attempts } => {
-                            format!("gave up after {attempts} tries: {why}")
-                        }
-                        JobFailure::DuplicateSubmit => {
-                            format!("job {job} was already submitted")
-                        }
+                        JobFailure::NoHolderLeft { attempts } => SealedFailure::NoCandidateLeft {
+                            tries: attempts,
+                            passed_over,
+                        },
+                        JobFailure::TooManyAttempts { attempts } => SealedFailure::GaveUp {
+                            tries: attempts,
+                            passed_over,
+                        },
+                        JobFailure::DuplicateSubmit => SealedFailure::AlreadySubmitted { job },
                     };
                     self.tell(job, SealedNews::Failed { reason }, out);
                     self.jobs.remove(&job);

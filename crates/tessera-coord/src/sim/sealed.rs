@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use tessera_proto::{SealedNews, SealedRefusal};
+use tessera_proto::{SealedFailure, SealedNews, SealedRefusal};
 use tessera_seal::{
     seal_result, AnswerDigest, Claims, DeviceTier, JobEnvelope, JobId, KernelPath, LeaseConfig,
     NodeKey, SecretKey, SignedClaims, UnixMillis,
@@ -664,8 +664,18 @@ impl SealedWorld {
             SealedNews::Failed { reason } => {
                 t.ended = true;
                 self.summary.failed += 1;
-                if reason.is_empty() {
-                    return Err(self.violation(format!("job {job} failed without a reason")));
+                // A job given up on names why each candidate was passed over.
+                let unexplained = match &reason {
+                    SealedFailure::NoWorkerFits { passed_over }
+                    | SealedFailure::NoCandidateLeft { passed_over, .. }
+                    | SealedFailure::GaveUp { passed_over, .. } => passed_over.is_empty(),
+                    _ => false,
+                };
+                if unexplained {
+                    return Err(self.violation(format!(
+                        "job {job} failed without saying why its candidates were passed over: \
+                         {reason:?}"
+                    )));
                 }
             }
             _ => {}

@@ -134,8 +134,8 @@ async fn drive(
             println!("{}", serde_json::json!({ "job": job, "news": n }));
             match n {
                 SealedNews::Failed { reason } => {
-                    let line =
-                        serde_json::json!({ "type": "resubmitted", "job": job, "reason": reason });
+                    let line = serde_json::json!({ "type": "resubmitted", "job": job,
+                        "reason": reason.to_string(), "failure": reason });
                     println!("{line}");
                     client.close().await;
                     return Ok(());
@@ -202,7 +202,8 @@ async fn drive(
                 Some(SealedNews::Failed { reason }) => reason,
                 other => bail!("the coordinator took a resubmitted job: {other:?}"),
             };
-            let line = serde_json::json!({ "type": "resubmitted", "job": o.job, "reason": reason });
+            let line = serde_json::json!({ "type": "resubmitted", "job": o.job,
+                "reason": reason.to_string(), "failure": reason });
             writeln!(out, "{line}")?;
             o
         } else {
