@@ -28,6 +28,49 @@ use crate::tokens::{self, TokenRecord, TokenRefusal, DEFAULT_LIFETIME_MS};
 /// Longest node or client name, bytes. Names go into logs, plan files and the dashboard.
 pub const MAX_NAME_LEN: usize = 64;
 
+/// Why an enrolment or a session's hello was refused. It reaches the peer as its sentence
+/// ([`tessera_net::Refusal::Other`], or `CoordToNode::Refused`): the wire carries text, the
+/// coordinator's own decisions stay typed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnrolRefusal {
+    /// One the transport knows: unknown, revoked, a key that differs, a bad proof.
+    #[error(transparent)]
+    Peer(#[from] Refusal),
+    /// The join token is unknown, expired, used up or revoked.
+    #[error(transparent)]
+    Token(#[from] TokenRefusal),
+    #[error("cannot check the proof: {0}")]
+    ProofUnchecked(String),
+    /// Accepted, but the record could not be written (so it is undone).
+    #[error("cannot record the node: {0}")]
+    NotRecorded(String),
+    #[error("a name must be 1 to {MAX_NAME_LEN} bytes (this one is {len})")]
+    NameLength { len: usize },
+    /// A newline in a name would forge log lines.
+    #[error("a name may not contain control characters")]
+    NameControlCharacters,
+    #[error("the name {name:?} belongs to node {owner} (another key); pick another --name")]
+    NameTaken { name: String, owner: NodeId },
+    #[error("this key enrolled with a {grant} credential: its hello cannot claim the {} role", role_name(*.claimed))]
+    WrongRole { grant: Grant, claimed: Role },
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Node => "node",
+        Role::Client => "client",
+    }
+}
+
+impl From<EnrolRefusal> for Refusal {
+    fn from(r: EnrolRefusal) -> Self {
+        match r {
+            EnrolRefusal::Peer(r) => r,
+            other => Self::Other(other.to_string()),
+        }
+    }
+}
+
 /// The enrolment records, the live allow-list and the tokens.
 pub struct Enrolment {
     allow: AllowList,
@@ -55,17 +98,12 @@ pub fn now_unix_ms() -> u64 {
 
 /// Whether `name` may be a node's or client's name: 1..=[`MAX_NAME_LEN`] bytes, no control
 /// characters (a newline in a name would forge log lines).
-pub fn check_name(name: &str) -> Result<(), Refusal> {
+pub fn check_name(name: &str) -> Result<(), EnrolRefusal> {
     if name.is_empty() || name.len() > MAX_NAME_LEN {
-        return Err(Refusal::Other(format!(
-            "a name must be 1 to {MAX_NAME_LEN} bytes (this one is {})",
-            name.len()
-        )));
+        return Err(EnrolRefusal::NameLength { len: name.len() });
     }
     if name.chars().any(char::is_control) {
-        return Err(Refusal::Other(
-            "a name may not contain control characters".into(),
-        ));
+        return Err(EnrolRefusal::NameControlCharacters);
     }
     Ok(())
 }
@@ -184,25 +222,25 @@ impl Enrolment {
     /// Only then is a use of the token taken and the key recorded, with the role the token
     /// grants and the token's id, so a claim that fails its proof costs the token nothing.
     /// The caller answers the node ([`ClaimedEnrolment::accept`] or `refuse`).
-    pub fn judge_now(&self, claimed: &ClaimedEnrolment) -> Result<(), Refusal> {
+    pub fn judge_now(&self, claimed: &ClaimedEnrolment) -> Result<(), EnrolRefusal> {
         self.judge(claimed, now_unix_ms())
     }
 
-    fn judge(&self, claimed: &ClaimedEnrolment, now: u64) -> Result<(), Refusal> {
+    fn judge(&self, claimed: &ClaimedEnrolment, now: u64) -> Result<(), EnrolRefusal> {
         let claim = claimed.claim();
         let mut snap = self.snap();
         if snap.revoked.contains(&claim.node_id()) {
-            return Err(Refusal::Revoked(claim.node_id()));
+            return Err(Refusal::Revoked(claim.node_id()).into());
         }
         let Some(r) = tokens::find(&mut snap.tokens, &claim.token_id) else {
-            return Err(Refusal::Other(TokenRefusal::Unknown.to_string()));
+            return Err(TokenRefusal::Unknown.into());
         };
-        r.check(now).map_err(|e| Refusal::Other(e.to_string()))?;
+        r.check(now)?;
         let proved = claimed
             .proves(&r.token)
-            .map_err(|e| Refusal::Other(format!("cannot check the proof: {e}")))?;
+            .map_err(|e| EnrolRefusal::ProofUnchecked(e.to_string()))?;
         if !proved {
-            return Err(Refusal::BadToken);
+            return Err(Refusal::BadToken.into());
         }
         r.take_use();
         let (grant, token) = (r.grant, r.id());
@@ -213,7 +251,7 @@ impl Enrolment {
                 r.give_back_use();
             }
             snap.nodes.retain(|n| n.key != claim.peer);
-            return Err(Refusal::Other(format!("cannot record the node: {e}")));
+            return Err(EnrolRefusal::NotRecorded(e.to_string()));
         }
         self.allow.insert(claim.peer);
         Ok(())
@@ -253,41 +291,38 @@ impl Enrolment {
     /// key's credential grants (a hello cannot upgrade it); the name must be short and
     /// printable, and a name already bound to another key is refused: a node cannot take over
     /// another's identity by announcing its name.
-    pub fn bind_name(&self, key: &PublicKey, name: &str, role: Role) -> Result<(), Refusal> {
+    pub fn bind_name(&self, key: &PublicKey, name: &str, role: Role) -> Result<(), EnrolRefusal> {
         check_name(name)?;
         let mut snap = self.snap();
         if snap.revoked.contains(&key.node_id()) {
-            return Err(Refusal::Revoked(key.node_id()));
+            return Err(Refusal::Revoked(key.node_id()).into());
         }
         if let Some(other) = snap
             .nodes
             .iter()
             .find(|n| n.name.as_deref() == Some(name) && n.key != *key)
         {
-            return Err(Refusal::Other(format!(
-                "the name {name:?} belongs to node {} (another key); pick another --name",
-                other.node_id
-            )));
+            return Err(EnrolRefusal::NameTaken {
+                name: name.to_string(),
+                owner: other.node_id,
+            });
         }
         let Some(me) = snap.nodes.iter_mut().find(|n| n.key == *key) else {
-            return Err(Refusal::Unknown(key.node_id()));
+            return Err(Refusal::Unknown(key.node_id()).into());
         };
         let grant = me.grant();
         if grant.role() != role {
-            return Err(Refusal::Other(format!(
-                "this key enrolled with a {grant} credential: its hello cannot claim the {} role",
-                match role {
-                    Role::Node => "node",
-                    Role::Client => "client",
-                }
-            )));
+            return Err(EnrolRefusal::WrongRole {
+                grant,
+                claimed: role,
+            });
         }
         if me.name.as_deref() != Some(name) {
             me.name = Some(name.to_string());
             let snap = snap.clone();
             self.state
                 .save(&snap)
-                .map_err(|e| Refusal::Other(format!("cannot record the node: {e}")))?;
+                .map_err(|e| EnrolRefusal::NotRecorded(e.to_string()))?;
         }
         Ok(())
     }
@@ -501,15 +536,19 @@ mod tests {
         let client = NodeIdentity::generate().unwrap().public_key();
         e.record(node, Grant::Node).unwrap();
         e.record(client, Grant::Client).unwrap();
-        let r = e.bind_name(&node, "n", Role::Client).unwrap_err();
-        assert!(
-            r.to_string().contains("enrolled with a node credential"),
-            "{r}"
+        assert_eq!(
+            e.bind_name(&node, "n", Role::Client),
+            Err(EnrolRefusal::WrongRole {
+                grant: Grant::Node,
+                claimed: Role::Client
+            })
         );
-        let r = e.bind_name(&client, "c", Role::Node).unwrap_err();
-        assert!(
-            r.to_string().contains("enrolled with a client credential"),
-            "{r}"
+        assert_eq!(
+            e.bind_name(&client, "c", Role::Node),
+            Err(EnrolRefusal::WrongRole {
+                grant: Grant::Client,
+                claimed: Role::Node
+            })
         );
         e.bind_name(&node, "n", Role::Node).unwrap();
         e.bind_name(&client, "c", Role::Client).unwrap();
@@ -542,15 +581,15 @@ mod tests {
         e.record(a, Grant::Node).unwrap();
         let huge = "x".repeat(3 << 20);
         let r = e.bind_name(&a, &huge, Role::Node).unwrap_err();
-        assert!(r.to_string().contains("1 to 64 bytes"), "{r}");
+        assert_eq!(r, EnrolRefusal::NameLength { len: 3 << 20 });
         assert!(
             r.to_string().len() < 100,
             "the refusal does not echo the name"
         );
-        let r = e
-            .bind_name(&a, "a\nnode joined: evil", Role::Node)
-            .unwrap_err();
-        assert!(r.to_string().contains("control characters"), "{r}");
+        assert_eq!(
+            e.bind_name(&a, "a\nnode joined: evil", Role::Node),
+            Err(EnrolRefusal::NameControlCharacters)
+        );
         assert!(e.enrolled()[0].name.is_none(), "nothing was persisted");
     }
 

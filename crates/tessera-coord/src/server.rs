@@ -348,7 +348,7 @@ async fn enrol_stranger(shared: &Shared, req: tessera_net::EnrolmentRequest) -> 
             drop(slot);
             match verdict {
                 Ok(()) => c.accept().await.map_err(Into::into),
-                Err(r) => Err(c.refuse(r).await.into()),
+                Err(r) => Err(c.refuse(r.into()).await.into()),
             }
         }
         Err(e) => Err(e.into()),

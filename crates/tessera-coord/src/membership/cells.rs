@@ -126,7 +126,7 @@ fn a_node_joining_while_a_cell_is_missing_places_it_and_the_serving_cell_is_not_
     });
     assert!(acts
         .iter()
-        .any(|x| matches!(x, Action::Note(n) if n.contains("cell 1"))));
+        .any(|x| matches!(x, Action::Note(Note::CellNotPlaced { cell: 1, .. }))));
     assert!(m.outage().is_none());
     assert_eq!(m.ready_cells().map(|e| e.id).collect::<Vec<_>>(), vec![e0]);
     // A new node joins: cell 1 is placed on it; a hears nothing.

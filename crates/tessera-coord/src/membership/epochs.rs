@@ -3,6 +3,7 @@
 //! (all loaded; every stage dials the next, measures the link, opens the ring) → `Ready`. A new
 //! plan is a new epoch; the previous one is released.
 
+use super::note::Note;
 use std::ops::Range;
 
 use tessera_net::{LinkMeasurement, NodeId};
@@ -126,10 +127,11 @@ impl Membership {
             Some(old) => {
                 let old = std::mem::replace(old, new);
                 if old.phase == Phase::Ready {
-                    out.push(Action::Note(format!(
-                        "epoch {epoch} replaces epoch {} in cell {slot}: epoch {} drains",
-                        old.id, old.id
-                    )));
+                    out.push(Action::Note(Note::Replaces {
+                        epoch,
+                        old: old.id,
+                        cell: slot,
+                    }));
                     self.draining.push(old);
                 } else if is_live(&old) {
                     self.release_nodes(&old, &mut out);
@@ -452,9 +454,11 @@ impl Membership {
         out: &mut Vec<Action>,
     ) {
         if beside {
-            out.push(Action::Note(format!(
-                "a new split of cell {slot} (epoch {id}) cannot start: {reason}; its epoch serves on"
-            )));
+            out.push(Action::Note(Note::SuccessorCannotStart {
+                cell: slot,
+                epoch: id,
+                reason,
+            }));
         } else {
             self.fail_unstarted(slot, id, model, EpochFailure::CannotStart(reason), out);
         }

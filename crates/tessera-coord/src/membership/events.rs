@@ -100,7 +100,7 @@ pub enum Action {
         session: u64,
     },
     /// A decision worth a line in the log (experts re-placed after a loss).
-    Note(String),
+    Note(super::Note),
     /// A member said something its assignment does not allow (a report about an epoch it is
     /// not a stage of): nothing was done; the shell counts and logs it.
     Refused {

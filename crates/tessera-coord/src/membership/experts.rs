@@ -4,6 +4,7 @@
 //! ([`crate::replan::replace_experts`]); a node given more than its budget streams them from
 //! disk. The configured split is kept: when its nodes are all back, it is planned again.
 
+use super::note::{MovedExperts, Note};
 use std::ops::Range;
 
 use tessera_net::NodeId;
@@ -149,8 +150,8 @@ impl Membership {
         ring: &[(NodeId, Range<usize>)],
         n_layer: usize,
         reassign: bool,
-    ) -> Result<Option<(crate::assignment::ExpertSplit, Option<String>)>, String> {
-        use crate::assignment::{find_node, ids_spec, ExpertGroup, ExpertSplit};
+    ) -> Result<Option<(crate::assignment::ExpertSplit, Option<Note>)>, String> {
+        use crate::assignment::{find_node, ExpertGroup, ExpertSplit};
         let Some(split) = &self.experts else {
             return Ok(None);
         };
@@ -201,22 +202,23 @@ impl Membership {
                 .members
                 .get(&h.node_id)
                 .map_or_else(|| h.node_id.short(), |m| m.name.clone());
-            let over = match (self.bytes.as_ref(), h.limit) {
-                (Some(b), Some(limit))
-                    if b.expert_holder(&h.layers, n_layer, h.experts.len()) > limit =>
-                {
-                    " (beyond its budget: it streams experts from disk)"
+            let streams = match (self.bytes.as_ref(), h.limit) {
+                (Some(b), Some(limit)) => {
+                    b.expert_holder(&h.layers, n_layer, h.experts.len()) > limit
                 }
-                _ => "",
+                _ => false,
             };
-            moved.push(format!("{} to {name}{over}", ids_spec(g)));
+            moved.push(MovedExperts {
+                experts: g.clone(),
+                to: name,
+                streams,
+            });
         }
-        let note = format!(
-            "experts {} of {} (gone) re-placed: {}",
-            ids_spec(&orphans),
-            gone.join(", "),
-            moved.join(", ")
-        );
+        let note = Note::ExpertsReplaced {
+            orphans: orphans.clone(),
+            gone,
+            moved,
+        };
         let groups = holders
             .into_iter()
             .zip(hs)
@@ -361,9 +363,17 @@ mod tests {
                 _ => None,
             })
             .expect("a note on the re-placement");
-        assert!(
-            note.contains("5-7 of n3") && note.contains("5-7 to n2"),
-            "{note}"
+        assert_eq!(
+            note,
+            Note::ExpertsReplaced {
+                orphans: vec![5, 6, 7],
+                gone: vec!["n3".into()],
+                moved: vec![MovedExperts {
+                    experts: vec![5, 6, 7],
+                    to: "n2".into(),
+                    streams: false
+                }]
+            }
         );
         assert!(m.outage().is_none());
         assert_eq!(
@@ -430,7 +440,10 @@ mod tests {
                 _ => None,
             })
             .unwrap();
-        assert!(note.contains("streams experts from disk"), "{note}");
+        let Note::ExpertsReplaced { moved, .. } = &note else {
+            panic!("{note}")
+        };
+        assert!(moved.iter().all(|m| m.to == "n1" && m.streams), "{note}");
         assert_eq!(layers(&m), vec![(a.node_id, 0..2)]);
     }
 

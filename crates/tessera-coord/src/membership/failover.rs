@@ -5,6 +5,7 @@
 //! ([`Membership::outage`]) until a node joins. A node that joins while the epoch has fewer
 //! stages than configured (or while there is none) triggers a plan that folds it in.
 
+use super::note::Note;
 use std::ops::Range;
 
 use tessera_net::NodeId;
@@ -193,9 +194,7 @@ impl Membership {
                     true,
                 )
             }
-            Err(reason) if beside => vec![Action::Note(format!(
-                "cell {slot} keeps its split: no better one is feasible ({reason})"
-            ))],
+            Err(reason) if beside => vec![Action::Note(Note::KeepsSplit { cell: slot, reason })],
             // Another cell still serves: this one waits for nodes, and the service goes on.
             Err(reason) if self.another_cell_live(slot) => {
                 if let Some(e) = self.cells.get_mut(slot) {
@@ -203,9 +202,7 @@ impl Membership {
                         e.phase = Phase::Failed(EpochFailure::NoFeasiblePlan(reason.clone()));
                     }
                 }
-                vec![Action::Note(format!(
-                    "cell {slot} is not placed (no feasible plan: {reason}); the other cells serve"
-                ))]
+                vec![Action::Note(Note::CellNotPlaced { cell: slot, reason })]
             }
             Err(reason) => {
                 self.outage = Some(reason.clone());

@@ -6,6 +6,7 @@
 //! just proved that it is alive, the other may be dead or cut off. The pair is remembered
 //! (both ways) until either node leaves or joins again.
 
+use super::note::Note;
 use tessera_net::NodeId;
 
 use super::{Action, EpochFailure, Member, Membership, Phase};
@@ -98,11 +99,9 @@ impl Membership {
         );
         if let Some(peer) = pair {
             self.failed_links.insert((node, peer));
-            out.push(Action::Note(format!(
-                "the link between {} and {} is lost: plans avoid it until either rejoins",
-                self.name_of(node),
-                self.name_of(peer)
-            )));
+            out.push(Action::Note(Note::LinkLost {
+                between: (self.name_of(node), self.name_of(peer)),
+            }));
             out.extend(self.replan(slot));
         }
         out
@@ -295,7 +294,8 @@ mod tests {
         assert_eq!(assigned(&acts), vec![(a.node_id, 0..2), (c.node_id, 2..3)]);
         assert!(acts
             .iter()
-            .any(|x| matches!(x, Action::Note(n) if n.contains("n3 and n2"))));
+            .any(|x| matches!(x, Action::Note(Note::LinkLost { between })
+                if *between == ("n3".to_string(), "n2".to_string()))));
         ready(&mut m);
         // b restarts (a new session): its links are worth trying again, and it is folded
         // back in.

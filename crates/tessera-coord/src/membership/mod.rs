@@ -63,6 +63,7 @@ mod failure;
 mod leases;
 mod links;
 mod member;
+mod note;
 #[cfg(test)]
 mod test_support;
 
@@ -71,6 +72,7 @@ pub use events::{Action, CoordToNodeEq, Event};
 pub use failover::AutoPlan;
 pub use failure::{Departure, EpochFailure};
 pub use member::Member;
+pub use note::{MovedExperts, Note};
 
 use events::send;
 
@@ -246,11 +248,11 @@ impl Membership {
     ) -> Vec<Action> {
         let mut out = Vec::new();
         self.discard_successor(slot, &mut out);
-        out.push(Action::Note(format!(
-            "the new split of cell {slot} failed beside the serving one (node {}: {reason}); \
-             re-planning it after releasing the serving one",
-            node.short()
-        )));
+        out.push(Action::Note(Note::SuccessorFailed {
+            cell: slot,
+            node,
+            reason: reason.to_string(),
+        }));
         out.extend(self.replan(slot));
         out
     }
