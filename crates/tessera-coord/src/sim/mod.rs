@@ -39,7 +39,7 @@ mod tests;
 mod world;
 
 pub use sealed::{simulate_sealed, SealedSimConfig, SealedSummary};
-pub use world::{simulate, Config, Summary, Violation};
+pub use world::{simulate, Config, Invariant, Summary, Violation};
 
 /// splitmix64: a small, seedable generator (the simulator must not depend on the OS).
 #[derive(Clone, Debug)]

@@ -26,7 +26,7 @@ use tessera_seal::{
     NodeKey, SecretKey, SignedClaims, UnixMillis,
 };
 
-use super::world::Violation;
+use super::world::{Invariant, Violation};
 use super::Rng;
 use crate::sealed::{
     verify_config, DeskFault, SealedConfig, SealedDesk, SealedInput, SealedOutput,
@@ -307,10 +307,11 @@ impl SealedWorld {
         self.rng.range(1, 40)
     }
 
-    fn violation(&self, what: String) -> Violation {
+    fn violation(&self, broke: Invariant, what: String) -> Violation {
         Violation {
             seed: self.seed,
             at: Duration::from_millis(self.now),
+            broke,
             what: format!("sealed: {what}"),
         }
     }
@@ -369,9 +370,9 @@ impl SealedWorld {
                     );
                     return Ok(());
                 }
-                envelope
-                    .open(&worker.seal)
-                    .map_err(|e| self.violation(format!("an envelope did not open: {e}")))?;
+                envelope.open(&worker.seal).map_err(|e| {
+                    self.violation(Invariant::Harness, format!("an envelope did not open: {e}"))
+                })?;
                 let total = honest_tokens(job).len();
                 let t = now + worker.ms_per_token;
                 let session = worker.session;
@@ -432,7 +433,9 @@ impl SealedWorld {
                     }
                     let digest = AnswerDigest::of_tokens(BODY, &tokens);
                     let result = seal_result(&envelope.header, &worker.seal, digest, b"answer")
-                        .map_err(|e| self.violation(format!("sealing a result: {e}")))?;
+                        .map_err(|e| {
+                            self.violation(Invariant::Harness, format!("sealing a result: {e}"))
+                        })?;
                     self.report(w, Report::Result(result));
                 }
             }
@@ -492,9 +495,12 @@ impl SealedWorld {
             Ev::Reclaim(w) => {
                 let claims = self.workers[w].claims(now);
                 let node = self.workers[w].node;
-                self.desk
-                    .offer_claims(node, claims)
-                    .map_err(|e| self.violation(format!("a returning worker's claims: {e}")))?;
+                self.desk.offer_claims(node, claims).map_err(|e| {
+                    self.violation(
+                        Invariant::Harness,
+                        format!("a returning worker's claims: {e}"),
+                    )
+                })?;
                 self.workers[w].left = false;
             }
         }
@@ -550,7 +556,7 @@ impl SealedWorld {
             UnixMillis(self.now + 60 * 60_000),
             &self.client.public_key(),
         )
-        .map_err(|e| self.violation(format!("sealing: {e}")))?;
+        .map_err(|e| self.violation(Invariant::Harness, format!("sealing: {e}")))?;
         self.truth.insert(
             job,
             JobTruth {
@@ -576,20 +582,29 @@ impl SealedWorld {
         for o in out {
             match o {
                 SealedOutput::Dispatch { to, envelope } => {
-                    let w = self
-                        .worker_of(&to)
-                        .ok_or_else(|| self.violation(format!("dispatched to unknown {to}")))?;
+                    let w = self.worker_of(&to).ok_or_else(|| {
+                        self.violation(
+                            Invariant::DispatchOnlyToCurrentWorkers,
+                            format!("dispatched to unknown {to}"),
+                        )
+                    })?;
                     if self.workers[w].left {
-                        return Err(self.violation(format!(
-                            "job {} dispatched to worker {w}, which the coordinator saw leave",
-                            envelope.header.job
-                        )));
+                        return Err(self.violation(
+                            Invariant::DispatchOnlyToCurrentWorkers,
+                            format!(
+                                "job {} dispatched to worker {w}, which the coordinator saw leave",
+                                envelope.header.job
+                            ),
+                        ));
                     }
                     if self.quarantined.contains(&to) {
-                        return Err(self.violation(format!(
-                            "job {} dispatched to quarantined worker {w}",
-                            envelope.header.job
-                        )));
+                        return Err(self.violation(
+                            Invariant::DispatchOnlyToCurrentWorkers,
+                            format!(
+                                "job {} dispatched to quarantined worker {w}",
+                                envelope.header.job
+                            ),
+                        ));
                     }
                     let t = self.now + self.delay();
                     let session = self.workers[w].session;
@@ -606,8 +621,10 @@ impl SealedWorld {
                 SealedOutput::Quarantined { node, job } => {
                     let w = self.worker_of(&node);
                     if !w.is_some_and(|w| self.workers[w].liar) {
-                        return Err(self
-                            .violation(format!("honest worker {w:?} quarantined over job {job}")));
+                        return Err(self.violation(
+                            Invariant::QuarantineOnlyLiars,
+                            format!("honest worker {w:?} quarantined over job {job}"),
+                        ));
                     }
                     if self.quarantined.insert(node) {
                         self.summary.quarantined += 1;
@@ -625,10 +642,16 @@ impl SealedWorld {
             _ => None,
         };
         let Some(t) = self.truth.get_mut(&job) else {
-            return Err(self.violation(format!("news of job {job}, which nobody submitted")));
+            return Err(self.violation(
+                Invariant::NewsOfLiveJobsOnly,
+                format!("news of job {job}, which nobody submitted"),
+            ));
         };
         if t.ended {
-            return Err(self.violation(format!("news of job {job} after its end: {news:?}")));
+            return Err(self.violation(
+                Invariant::NewsOfLiveJobsOnly,
+                format!("news of job {job} after its end: {news:?}"),
+            ));
         }
         match news {
             SealedNews::Dispatched { .. } => {
@@ -655,9 +678,10 @@ impl SealedWorld {
                 if verified {
                     self.summary.verified += 1;
                     if result.header.answer != AnswerDigest::of_tokens(BODY, &honest_tokens(job)) {
-                        return Err(
-                            self.violation(format!("job {job}: a verified answer is not honest"))
-                        );
+                        return Err(self.violation(
+                            Invariant::VerifiedIsHonest,
+                            format!("job {job}: a verified answer is not honest"),
+                        ));
                     }
                 }
             }
@@ -672,10 +696,13 @@ impl SealedWorld {
                     _ => false,
                 };
                 if unexplained {
-                    return Err(self.violation(format!(
-                        "job {job} failed without saying why its candidates were passed over: \
+                    return Err(self.violation(
+                        Invariant::FailuresSayWhy,
+                        format!(
+                            "job {job} failed without saying why its candidates were passed over: \
                          {reason:?}"
-                    )));
+                        ),
+                    ));
                 }
             }
             _ => {}
@@ -701,23 +728,29 @@ impl SealedWorld {
             }
         }
         match stuck {
-            Some((job, h, ms)) => Err(self.violation(format!(
-                "job {job} still with worker {h}, stopped {ms} ms ago (node lease \
+            Some((job, h, ms)) => Err(self.violation(
+                Invariant::HandoverWithinLease,
+                format!(
+                    "job {job} still with worker {h}, stopped {ms} ms ago (node lease \
                  {NODE_LEASE_MS} ms)"
-            ))),
+                ),
+            )),
             None => Ok(()),
         }
     }
 
     fn finish(&mut self) -> Result<(), Violation> {
         if let Some((job, _)) = self.truth.iter().find(|(_, t)| !t.ended) {
-            return Err(self.violation(format!("job {job} never ended")));
+            return Err(self.violation(Invariant::EveryJobEnds, format!("job {job} never ended")));
         }
         if self.desk.in_flight() != 0 {
-            return Err(self.violation(format!(
-                "the desk still holds {} jobs after every job ended",
-                self.desk.in_flight()
-            )));
+            return Err(self.violation(
+                Invariant::EveryJobEnds,
+                format!(
+                    "the desk still holds {} jobs after every job ended",
+                    self.desk.in_flight()
+                ),
+            ));
         }
         Ok(())
     }

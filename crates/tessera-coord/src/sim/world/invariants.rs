@@ -6,7 +6,10 @@ impl World {
     pub(super) fn check(&self) -> Result<(), Violation> {
         for (i, r) in self.runs.iter().enumerate() {
             if r.streamed.len() > r.reference.len() {
-                return Err(self.violation(format!("request {i} streamed too many tokens")));
+                return Err(self.violation(
+                    Invariant::SameTextAsFaultFree,
+                    format!("request {i} streamed too many tokens"),
+                ));
             }
         }
         Ok(())
@@ -25,22 +28,28 @@ impl World {
             self.step(ev)?;
         }
         if let Some(i) = self.runs.iter().position(|r| r.ended.is_none()) {
-            return Err(self.violation(format!("request {i} never ended")));
+            return Err(self.violation(
+                Invariant::EveryRequestEnds,
+                format!("request {i} never ended"),
+            ));
         }
         for n in self.nodes.iter().filter(|n| n.alive && n.enrolled) {
             let member = self.cluster.membership().member(&n.id);
             if !member.is_some_and(|m| m.connected) {
-                return Err(self.violation(format!(
-                    "{} is up and enrolled but not a connected member",
-                    n.name
-                )));
+                return Err(self.violation(
+                    Invariant::SettledMembers,
+                    format!("{} is up and enrolled but not a connected member", n.name),
+                ));
             }
             if !n.seqs.is_empty() {
-                return Err(self.violation(format!(
-                    "{} still holds sequences {:?} after every request ended",
-                    n.name,
-                    n.seqs.keys().collect::<Vec<_>>()
-                )));
+                return Err(self.violation(
+                    Invariant::SettledMembers,
+                    format!(
+                        "{} still holds sequences {:?} after every request ended",
+                        n.name,
+                        n.seqs.keys().collect::<Vec<_>>()
+                    ),
+                ));
             }
         }
         Ok(())

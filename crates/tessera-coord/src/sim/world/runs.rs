@@ -64,10 +64,10 @@ impl World {
         // Epoch numbers only grow, whichever cell takes the next.
         if let Some(id) = self.cluster.membership().cells().iter().map(|e| e.id).max() {
             if id < self.highest_epoch {
-                return Err(self.violation(format!(
-                    "epoch went backwards: {id} after {}",
-                    self.highest_epoch
-                )));
+                return Err(self.violation(
+                    Invariant::EpochsGrow,
+                    format!("epoch went backwards: {id} after {}", self.highest_epoch),
+                ));
             }
             self.highest_epoch = id;
             self.summary.epochs = self.summary.epochs.max(id);
@@ -79,10 +79,13 @@ impl World {
                     let Some(i) = self.index(to) else { continue };
                     match &*msg {
                         CoordToNode::Open(open) if !self.given.contains(&(to, open.epoch)) => {
-                            return Err(self.violation(format!(
-                                "opened a sequence on {} for epoch {}, which it was not given",
-                                self.nodes[i].name, open.epoch
-                            )));
+                            return Err(self.violation(
+                                Invariant::OpenOnlyWhereGiven,
+                                format!(
+                                    "opened a sequence on {} for epoch {}, which it was not given",
+                                    self.nodes[i].name, open.epoch
+                                ),
+                            ));
                         }
                         CoordToNode::AssignExperts { epoch, experts } => {
                             self.experts_given
@@ -134,7 +137,7 @@ impl World {
                         "request {run} streamed token {token} at position {pos}; the \
                          fault-free run has {want:?} at {at}"
                     );
-                    return Err(self.violation(what));
+                    return Err(self.violation(Invariant::SameTextAsFaultFree, what));
                 }
                 r.streamed.push(token);
             }
@@ -149,17 +152,19 @@ impl World {
                 match outcome.reason {
                     FinishReason::Error => {
                         if outcome.error.as_deref().is_none_or(str::is_empty) {
-                            return Err(
-                                self.violation(format!("request {run} failed without saying why"))
-                            );
+                            return Err(self.violation(
+                                Invariant::HonestEndings,
+                                format!("request {run} failed without saying why"),
+                            ));
                         }
                         r.ended = Some(Err(outcome.error.unwrap_or_default()));
                         self.summary.errors += 1;
                     }
                     FinishReason::Cancelled => {
-                        return Err(self.violation(format!(
-                            "request {run} was cancelled, and nobody cancelled it"
-                        )));
+                        return Err(self.violation(
+                            Invariant::HonestEndings,
+                            format!("request {run} was cancelled, and nobody cancelled it"),
+                        ));
                     }
                     FinishReason::Length | FinishReason::EndOfGeneration => {
                         if r.streamed != r.reference || outcome.generated != r.reference {
@@ -168,7 +173,7 @@ impl World {
                                  gives {:?}",
                                 outcome.reason, outcome.generated, r.reference
                             );
-                            return Err(self.violation(what));
+                            return Err(self.violation(Invariant::SameTextAsFaultFree, what));
                         }
                         r.ended = Some(Ok(()));
                         self.summary.completed += 1;
@@ -193,10 +198,13 @@ impl World {
                 .collect();
             held.sort_unstable();
             if held != (0..N_EXPERT).collect::<Vec<_>>() {
-                return Err(self.violation(format!(
+                return Err(self.violation(
+                    Invariant::ExpertsHeldOnce,
+                    format!(
                     "epoch {epoch} links with experts {held:?} of layer {layer} held; every one of \
                      0..{N_EXPERT} must be held exactly once"
-                )));
+                ),
+                ));
             }
         }
         let owners: BTreeSet<NodeId> = given
