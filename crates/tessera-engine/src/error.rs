@@ -30,6 +30,13 @@ pub enum EngineError {
     BadInput(String),
     #[error("expert outputs: {0}")]
     ExpertOutputs(String),
+    /// A remote expert worker failed the step; `fault` is the executor's own error type (the
+    /// engine only carries it, so callers can downcast and match it).
+    #[error("expert worker {peer}: {fault}")]
+    ExpertPeer {
+        peer: String,
+        fault: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

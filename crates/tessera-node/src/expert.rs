@@ -272,8 +272,31 @@ pub struct RemoteExperts<'a> {
     peers: &'a mut RemotePeers,
 }
 
-fn remote_err(name: &str, what: impl std::fmt::Display) -> EngineError {
-    EngineError::ExpertOutputs(format!("expert worker {name}: {what}"))
+/// Why a remote expert worker's answer was not used.
+#[derive(Debug, thiserror::Error)]
+pub enum ExpertPeerFault {
+    /// The worker said it could not run the request.
+    #[error("{0}")]
+    Refused(String),
+    /// Sending to it or reading from it failed.
+    #[error("{0}")]
+    Link(String),
+    #[error("unexpected frame {0:#06x}")]
+    UnexpectedFrame(u16),
+    #[error("{0}")]
+    Malformed(String),
+    #[error("reply for layer {got} to a request for {asked}")]
+    WrongLayer { got: usize, asked: usize },
+    /// NaN or infinity in its outputs: it would spread through every later layer.
+    #[error("layer {layer}: {count} non-finite expert outputs (NaN or infinity)")]
+    NonFinite { layer: usize, count: usize },
+}
+
+fn remote_err(name: &str, fault: ExpertPeerFault) -> EngineError {
+    EngineError::ExpertPeer {
+        peer: name.to_string(),
+        fault: Box::new(fault),
+    }
 }
 
 impl ExpertExecutor for RemoteExperts<'_> {
@@ -306,7 +329,7 @@ impl ExpertExecutor for RemoteExperts<'_> {
             self.peers.traffic.bytes += (tessera_net::frame::HEADER_LEN + payload.len()) as u64;
             p.link
                 .send(frame::EXPERT_REQ, payload)
-                .map_err(|e| remote_err(&p.name, e))?;
+                .map_err(|e| remote_err(&p.name, ExpertPeerFault::Link(e)))?;
             waiting.push((i, tokens));
         }
         let mut parts = Vec::with_capacity(waiting.len() + 1);
@@ -323,22 +346,27 @@ impl ExpertExecutor for RemoteExperts<'_> {
         }
         for (i, tokens) in waiting {
             let p = &mut self.peers.peers[i];
-            let (kind, payload) = p.link.recv().map_err(|e| remote_err(&p.name, e))?;
+            let (kind, payload) = p
+                .link
+                .recv()
+                .map_err(|e| remote_err(&p.name, ExpertPeerFault::Link(e)))?;
             self.peers.traffic.bytes += (tessera_net::frame::HEADER_LEN + payload.len()) as u64;
             match kind {
                 frame::EXPERT_OUT => {}
                 frame::EXPERT_ERR => {
-                    return Err(remote_err(&p.name, String::from_utf8_lossy(&payload)))
+                    let why = String::from_utf8_lossy(&payload).into_owned();
+                    return Err(remote_err(&p.name, ExpertPeerFault::Refused(why)));
                 }
-                k => return Err(remote_err(&p.name, format!("unexpected frame {k:#06x}"))),
+                k => return Err(remote_err(&p.name, ExpertPeerFault::UnexpectedFrame(k))),
             }
-            let reply =
-                ExpertReply::decode(&payload, n_embd).map_err(|e| remote_err(&p.name, e))?;
+            let reply = ExpertReply::decode(&payload, n_embd)
+                .map_err(|e| remote_err(&p.name, ExpertPeerFault::Malformed(e.to_string())))?;
             if reply.layer as usize != layer {
-                return Err(remote_err(
-                    &p.name,
-                    format!("reply for layer {} to a request for {layer}", reply.layer),
-                ));
+                let wrong = ExpertPeerFault::WrongLayer {
+                    got: reply.layer as usize,
+                    asked: layer,
+                };
+                return Err(remote_err(&p.name, wrong));
             }
             // A peer's NaN or infinity would spread through the reduction into every later
             // layer and sample garbage into a user's answer: fail the step, naming the peer.
@@ -347,7 +375,7 @@ impl ExpertExecutor for RemoteExperts<'_> {
             if count > 0 {
                 return Err(remote_err(
                     &p.name,
-                    format!("layer {layer}: {count} non-finite expert outputs (NaN or infinity)"),
+                    ExpertPeerFault::NonFinite { layer, count },
                 ));
             }
             parts.push(reply.outputs.expand(&tokens, routing.n_tokens)?);
@@ -561,8 +589,17 @@ mod tests {
                 &mut [&mut kv],
                 &mut peers.executor(&home),
             )
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("liar") && e.contains("non-finite"), "{e}");
+            .unwrap_err();
+        let EngineError::ExpertPeer { peer, fault } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!(peer, "liar");
+        assert!(
+            matches!(
+                fault.downcast_ref::<ExpertPeerFault>(),
+                Some(ExpertPeerFault::NonFinite { layer: 0, .. })
+            ),
+            "{e}"
+        );
     }
 }

@@ -241,6 +241,16 @@ mod tests {
         let (tx, _rx) = mpsc::unbounded_channel();
         let mut r = tessera_net::FrameReader::new(b).with_max_len(1024);
         let err = read_ring(&mut r, 4, &tx).await.unwrap_err();
-        assert!(err.to_string().contains("exceeds"), "{err}");
+        assert!(
+            matches!(
+                err,
+                FabricError::Net(tessera_net::NetError::FrameTooLarge {
+                    len: 2048,
+                    max: 1024,
+                    ..
+                })
+            ),
+            "{err}"
+        );
     }
 }
