@@ -6,35 +6,29 @@
 //! Choice `i` is an independent backend request with seed [`choice_seed`]`(seed, i)`, so
 //! choices differ when sampling, repeat exactly for the same seed, and choice 0 equals the
 //! `n: 1` answer.
+//!
+//! [`prepare`] makes a request ready (prompt, tools, grammar, off the async workers when big);
+//! [`streaming`] writes a streamed response's SSE body; the whole response is here.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, BoxStream, Stream, StreamExt};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tessera_sampling::TokenLogprobs;
 use tracing::Instrument;
 
-use crate::grammar::{GrammarError, GrammarSpec};
 use crate::metrics::{unix_ms, RequestRecord};
-use crate::openai::tools::{
-    self, Tool, ToolCall, ToolCallParser, ToolChoice, ToolEvent, ToolFormat,
-};
-use crate::openai::{
-    self, ApiError, ChoiceOut, Delta, Endpoint, ParsedRequest, Prompt, ResponseFormat, ResponseMeta,
-};
+use crate::openai::tools::{ToolCall, ToolCallParser, ToolEvent};
+use crate::openai::{self, ApiError, ChoiceOut, Endpoint, ParsedRequest, ResponseMeta};
 use crate::server::Gateway;
 use crate::text::{Piece, TextStream};
 use tessera_api::ClientId;
 use tessera_api::{Check, GenerationRequest, ServedModel, SubmitError, Usage};
-use tessera_grammar::Grammar;
 
 /// What a request's record needs, kept from arrival to the end.
 pub(crate) struct Tracker {
@@ -135,179 +129,6 @@ pub(crate) fn submit_error(e: SubmitError, prompt_param: &str) -> ApiError {
             ..ApiError::invalid(m, None)
         },
     }
-}
-
-/// A request ready to submit.
-pub(crate) struct Prepared {
-    pub prompt_tokens: Vec<u32>,
-    pub grammar: Option<Grammar>,
-    /// Read tool calls out of the text (tools given and `tool_choice` not `none`).
-    pub tools: Option<(ToolFormat, Vec<Tool>)>,
-    /// Completions with `echo`: the prompt text.
-    pub echo: Option<String>,
-}
-
-/// The grammar a request's `tool_choice` or `response_format` asks for, and the parameter
-/// that asked.
-fn grammar_spec(req: &ParsedRequest, format: ToolFormat) -> Option<(GrammarSpec, &'static str)> {
-    if let Some(g) = tools::tool_grammar(
-        &req.tools,
-        &req.tool_choice,
-        req.parallel_tool_calls,
-        format,
-    ) {
-        return Some((g, "tool_choice"));
-    }
-    match &req.response_format {
-        ResponseFormat::Text => None,
-        ResponseFormat::JsonObject => Some((
-            GrammarSpec::JsonSchema(json!({"type": "object"})),
-            "response_format",
-        )),
-        ResponseFormat::JsonSchema { schema, .. } => {
-            Some((GrammarSpec::JsonSchema(schema.clone()), "response_format"))
-        }
-    }
-}
-
-/// Tokenizes, compiles the grammar and checks the request against the backend's features.
-/// CPU work (templates, grammar compilation): call it off the async workers for big inputs.
-pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, ApiError> {
-    crate::limits::check(req)?;
-    // The one range check of every front end: the same value gets the same error everywhere.
-    req.sampling(0, 0)
-        .validate()
-        .map_err(|e| ApiError::invalid(e.to_string(), Some(e.param.name())))?;
-    let m = gw.backend.model();
-    let features = gw.backend.features();
-    let format = ToolFormat::of(&m.template);
-    let spec = grammar_spec(req, format);
-    if req.logprobs.is_some() && !features.logprobs {
-        return Err(ApiError::invalid(
-            "'logprobs' is not supported by this backend (it does not report \
-             log-probabilities).",
-            Some("logprobs"),
-        ));
-    }
-    if let Some((_, param)) = &spec {
-        if !features.grammar {
-            return Err(ApiError::invalid(
-                format!(
-                    "'{param}' needs constrained decoding, which this backend does not \
-                     support."
-                ),
-                Some(param),
-            ));
-        }
-    }
-    let vocab = m.tokenizer.vocab_size();
-    if let Some((id, _)) = req.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
-        return Err(ApiError::invalid(
-            format!("Invalid 'logit_bias': token {id} is outside the vocabulary of {vocab}."),
-            Some("logit_bias"),
-        ));
-    }
-    let use_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
-    let prompt_tokens = tokenize(&m, req, use_tools)?;
-    if prompt_tokens.is_empty() {
-        return Err(ApiError::invalid("The prompt is empty.", Some("prompt")));
-    }
-    let grammar = match spec {
-        None => None,
-        Some((spec, param)) => {
-            let compiler = m
-                .grammar_compiler()
-                .map_err(|e| ApiError::invalid(e.to_string(), Some(param)))?;
-            Some(compiler.compile(&spec).map_err(|e| match e {
-                GrammarError::Invalid(msg) => {
-                    ApiError::invalid(format!("Invalid schema or grammar: {msg}"), Some(param))
-                }
-                e => ApiError::invalid(e.to_string(), Some(param)),
-            })?)
-        }
-    };
-    let echo = match (&req.prompt, req.echo) {
-        (Prompt::Text(t), true) => Some(t.clone()),
-        (Prompt::Tokens(t), true) => Some(m.tokenizer.decode(t)),
-        _ => None,
-    };
-    Ok(Prepared {
-        prompt_tokens,
-        grammar,
-        tools: use_tools.then(|| (format, req.tools.clone())),
-        echo,
-    })
-}
-
-/// How many tokens the request's prompt is (tools included), without generating.
-pub(crate) fn prompt_tokens(gw: &Gateway, req: &ParsedRequest) -> Result<usize, ApiError> {
-    crate::limits::check(req)?;
-    // The one range check of every front end: the same value gets the same error everywhere.
-    req.sampling(0, 0)
-        .validate()
-        .map_err(|e| ApiError::invalid(e.to_string(), Some(e.param.name())))?;
-    let m = gw.backend.model();
-    let use_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
-    tokenize(&m, req, use_tools).map(|t| t.len())
-}
-
-fn tokenize(m: &ServedModel, req: &ParsedRequest, use_tools: bool) -> Result<Vec<u32>, ApiError> {
-    let tools: &[Tool] = if use_tools { &req.tools } else { &[] };
-    match &req.prompt {
-        Prompt::Chat(messages) if req.continue_final_message => {
-            continue_final_message(m, messages, tools)
-        }
-        Prompt::Chat(messages) => {
-            let (messages, defs) = tools::prepare_messages(messages.clone(), tools, &m.template);
-            m.template
-                .encode_json(&m.tokenizer, &messages, defs.as_deref(), true)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))
-        }
-        Prompt::Text(t) => Ok(m.tokenizer.encode(t, true)),
-        Prompt::Tokens(t) => {
-            let v = m.tokenizer.vocab_size();
-            match t.iter().find(|&&id| id as usize >= v) {
-                Some(bad) => Err(ApiError::invalid(
-                    format!("Token id {bad} is outside the vocabulary of {v}."),
-                    Some("prompt"),
-                )),
-                None => Ok(t.clone()),
-            }
-        }
-    }
-}
-
-/// The conversation up to its last message, an assistant turn begun by the client, rendered
-/// for generation with that turn's text after the assistant's opening: the model continues
-/// the reply instead of starting a new one (the template would close the turn).
-fn continue_final_message(
-    m: &ServedModel,
-    messages: &[Value],
-    tools: &[Tool],
-) -> Result<Vec<u32>, ApiError> {
-    let (last, earlier) = match messages.split_last() {
-        Some((l, e))
-            if l["role"] == "assistant" && l.get("tool_calls").is_none_or(Value::is_null) =>
-        {
-            (l, e)
-        }
-        _ => {
-            return Err(ApiError::invalid(
-                "To continue the final message it must be an assistant message without tool \
-                 calls.",
-                Some("messages"),
-            ))
-        }
-    };
-    let (earlier, defs) = tools::prepare_messages(earlier.to_vec(), tools, &m.template);
-    let mut tokens = m
-        .template
-        .encode_json(&m.tokenizer, &earlier, defs.as_deref(), true)
-        .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
-    // The begun reply is client text: tokenized as text, without a BOS.
-    let begun = last["content"].as_str().unwrap_or_default();
-    tokens.extend(m.tokenizer.encode(begun, false));
-    Ok(tokens)
 }
 
 /// What a choice produces, in order: content and tool calls, then `Done` or `Failed`.
@@ -604,51 +425,6 @@ pub(crate) async fn generate(
     .await
 }
 
-/// A body parsed by `parse` (a front end's parser), on a blocking thread when it is larger
-/// than [`crate::limits::RequestLimits::inline_bytes`]: parsing is linear, but a few MiB of
-/// JSON still take milliseconds the async workers owe to every other connection.
-pub(crate) async fn parse_off_thread(
-    body: &Bytes,
-    parse: fn(&[u8]) -> Result<ParsedRequest, ApiError>,
-) -> Result<ParsedRequest, ApiError> {
-    let b = body.clone();
-    off_thread_if_big(body.len(), move || parse(&b)).await
-}
-
-/// `work` for a body of `body_len` bytes: inline when small, otherwise on a blocking thread
-/// (anything that grows with the input: parsing, templates, tokenizing, grammars).
-pub(crate) async fn off_thread_if_big<T: Send + 'static>(
-    body_len: usize,
-    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    if body_len <= crate::limits::LIMITS.inline_bytes {
-        return work();
-    }
-    tokio::task::spawn_blocking(work).await.unwrap_or_else(|e| {
-        Err(ApiError::internal(format!(
-            "the request's work failed: {e}"
-        )))
-    })
-}
-
-/// [`prepare`], on a blocking thread when it may take a while (big bodies, grammars).
-pub(crate) async fn prepare_off_thread(
-    gw: &Arc<Gateway>,
-    req: &ParsedRequest,
-    body_len: usize,
-) -> Result<Prepared, ApiError> {
-    let heavy = body_len > crate::limits::LIMITS.inline_bytes
-        || req.response_format != ResponseFormat::Text
-        || matches!(req.tool_choice, ToolChoice::Required | ToolChoice::Named(_));
-    if !heavy {
-        return prepare(gw, req);
-    }
-    let (g, r) = (gw.clone(), req.clone());
-    tokio::task::spawn_blocking(move || prepare(&g, &r))
-        .await
-        .unwrap_or_else(|e| Err(ApiError::internal(format!("preparing failed: {e}"))))
-}
-
 /// The logprobs JSON of `tokens` for this endpoint (`offset`: completions' text offset).
 fn logprobs_json(
     served: &ServedModel,
@@ -725,195 +501,11 @@ async fn whole_response(
         check,
     )
 }
+mod prepare;
+mod streaming;
 
-/// The SSE body of a streamed response.
-struct StreamState {
-    t: Tracker,
-    meta: ResponseMeta,
-    served: Arc<ServedModel>,
-    pieces:
-        stream::SelectAll<BoxStream<'static, (usize, ChoicePiece, Option<std::time::Duration>)>>,
-    /// Events ready to send.
-    ready: VecDeque<SseEvent>,
-    include_usage: bool,
-    usages: Vec<Option<Usage>>,
-    /// Text length per choice (completions' `text_offset`).
-    offsets: Vec<usize>,
-    ttft: Option<std::time::Duration>,
-    ended: bool,
-}
-
-fn data(v: &Value) -> SseEvent {
-    SseEvent::default().data(v.to_string())
-}
-
-pub(crate) fn sse<S>(s: S) -> Response
-where
-    S: Stream<Item = Result<SseEvent, Infallible>> + Send + 'static,
-{
-    let mut r = Sse::new(s).into_response();
-    r.headers_mut().insert(
-        "x-accel-buffering",
-        axum::http::HeaderValue::from_static("no"),
-    );
-    r
-}
-
-/// A choice as a stream of its pieces (with the choice's time to first token).
-pub(crate) fn choice_stream(
-    c: Choice,
-) -> BoxStream<'static, (usize, ChoicePiece, Option<std::time::Duration>)> {
-    stream::unfold(Some(c), |c| async move {
-        let mut c = c?;
-        let p = c.next().await?;
-        let end = matches!(p, ChoicePiece::Done { .. } | ChoicePiece::Failed(_));
-        let item = (c.index, p, c.ttft());
-        Some((item, (!end).then_some(c)))
-    })
-    .boxed()
-}
-
-fn stream_response(
-    t: Tracker,
-    choices: Vec<Choice>,
-    meta: ResponseMeta,
-    include_usage: bool,
-    echo: Option<String>,
-    served: Arc<ServedModel>,
-) -> Response {
-    let n = choices.len();
-    let mut ready = VecDeque::new();
-    let mut offsets = vec![0; n];
-    for c in &choices {
-        match meta.endpoint {
-            Endpoint::Chat => {
-                ready.push_back(data(&openai::chunk(&meta, c.index, Delta::Role, None)))
-            }
-            Endpoint::Completion => {
-                if let Some(e) = &echo {
-                    offsets[c.index] = e.len();
-                    ready.push_back(data(&openai::chunk(
-                        &meta,
-                        c.index,
-                        Delta::Content(e),
-                        None,
-                    )));
-                }
-            }
-        }
-    }
-    let span = tracing::info_span!("stream", id = %meta.id);
-    let state = StreamState {
-        t,
-        meta,
-        served,
-        pieces: stream::select_all(choices.into_iter().map(choice_stream)),
-        ready,
-        include_usage,
-        usages: vec![None; n],
-        offsets,
-        ttft: None,
-        ended: false,
-    };
-    let s = stream::unfold(state, move |mut st| {
-        let span = span.clone();
-        async move {
-            next_sse(&mut st)
-                .await
-                .map(|e| (Ok::<_, Infallible>(e), st))
-        }
-        .instrument(span)
-    });
-    sse(s)
-}
-
-impl StreamState {
-    fn lp(&mut self, index: usize, tokens: &[TokenLogprobs], text_len: usize) -> Option<Value> {
-        if tokens.is_empty() {
-            return None;
-        }
-        let v = logprobs_json(
-            &self.served,
-            self.meta.endpoint,
-            tokens,
-            self.offsets[index],
-        );
-        self.offsets[index] += text_len;
-        Some(v)
-    }
-}
-
-async fn next_sse(st: &mut StreamState) -> Option<SseEvent> {
-    loop {
-        if let Some(e) = st.ready.pop_front() {
-            return Some(e);
-        }
-        if st.ended {
-            return None;
-        }
-        match st.pieces.next().await {
-            Some((index, piece, ttft)) => {
-                st.ttft = st.ttft.or(ttft);
-                match piece {
-                    ChoicePiece::Content { text, logprobs } => {
-                        let lp = st.lp(index, &logprobs, text.len());
-                        if lp.is_none() {
-                            st.offsets[index] += text.len();
-                        }
-                        let c = openai::chunk(&st.meta, index, Delta::Content(&text), lp);
-                        st.ready.push_back(data(&c));
-                    }
-                    ChoicePiece::ToolCall { index: k, id, call } => {
-                        let c =
-                            openai::chunk(&st.meta, index, Delta::ToolCall(k, &id, &call), None);
-                        st.ready.push_back(data(&c));
-                    }
-                    ChoicePiece::Done {
-                        finish,
-                        usage,
-                        logprobs,
-                        check,
-                        ..
-                    } => {
-                        st.usages[index] = Some(usage);
-                        let lp = st.lp(index, &logprobs, 0);
-                        let mut c = openai::chunk(&st.meta, index, Delta::Finish(finish), lp);
-                        mark(&mut c["choices"][0], check);
-                        st.ready.push_back(data(&c));
-                    }
-                    ChoicePiece::Failed(m) => {
-                        let e = ApiError::internal(format!("generation failed: {m}"));
-                        let usage = total(&st.usages.iter().flatten().copied().collect::<Vec<_>>());
-                        st.t.record(500, usage, st.ttft, e.message.clone());
-                        st.ready.push_back(data(&e.body()));
-                        st.ready.push_back(SseEvent::default().data("[DONE]"));
-                        st.ended = true;
-                    }
-                }
-            }
-            None => {
-                st.ended = true;
-                let usages: Vec<Usage> = st.usages.iter().flatten().copied().collect();
-                let usage = total(&usages);
-                if !st.t.recorded {
-                    st.t.record(200, usage, st.ttft, "stop".into());
-                    if st.include_usage {
-                        st.ready
-                            .push_back(data(&openai::usage_chunk(&st.meta, usage)));
-                    }
-                    st.ready.push_back(SseEvent::default().data("[DONE]"));
-                }
-            }
-        }
-    }
-}
-
-impl Drop for StreamState {
-    fn drop(&mut self) {
-        if !self.t.recorded {
-            tracing::info!(request = %self.t.id, "client disconnected mid-stream");
-            let usage = total(&self.usages.iter().flatten().copied().collect::<Vec<_>>());
-            self.t.record(200, usage, self.ttft, "cancelled".into());
-        }
-    }
-}
+pub(crate) use prepare::{
+    off_thread_if_big, parse_off_thread, prepare_off_thread, prompt_tokens, Prepared,
+};
+pub(crate) use streaming::sse;
+use streaming::stream_response;
