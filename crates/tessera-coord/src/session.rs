@@ -144,17 +144,10 @@ async fn node_session(
     });
     let session = shared.open_session(
         Member {
-            node_id: id,
-            key: conn.peer_key(),
-            name: hello.name.clone(),
-            addr,
-            connected: true,
-            joined: 0,
             memory_budget_bytes: hello.memory_budget_bytes,
             inventory: hello.inventory.map(|b| *b),
             models: hello.models,
-            link: None,
-            session: 0,
+            ..Member::hello(conn.peer_key(), hello.name.clone(), addr)
         },
         tx,
         conn.clone(),

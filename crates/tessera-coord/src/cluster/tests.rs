@@ -18,20 +18,12 @@ fn ms(n: u64) -> Duration {
 
 fn member(i: u8) -> Member {
     let id = NodeIdentity::from_seed([i; 32]);
+    let addr = format!("127.0.0.1:{}", 4000 + u16::from(i))
+        .parse()
+        .unwrap();
     Member {
-        node_id: id.node_id(),
-        key: id.public_key(),
-        name: format!("n{i}"),
-        addr: format!("127.0.0.1:{}", 4000 + u16::from(i))
-            .parse()
-            .unwrap(),
-        connected: true,
-        joined: 0,
-        memory_budget_bytes: None,
-        inventory: None,
-        models: vec![],
-        link: None,
         session: u64::from(i),
+        ..Member::hello(id.public_key(), format!("n{i}"), addr)
     }
 }
 

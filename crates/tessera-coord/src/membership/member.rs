@@ -26,3 +26,23 @@ pub struct Member {
     /// Which control session of the node this is (a node that reconnects gets a new one).
     pub session: u64,
 }
+
+impl Member {
+    /// A node that has just said hello: connected, and known by nothing but its key, name and
+    /// address until it reports (whoever admits it sets the session and the join order).
+    pub fn hello(key: PublicKey, name: String, addr: SocketAddr) -> Self {
+        Self {
+            node_id: key.node_id(),
+            key,
+            name,
+            addr,
+            connected: true,
+            joined: 0,
+            memory_budget_bytes: None,
+            inventory: None,
+            models: Vec::new(),
+            link: None,
+            session: 0,
+        }
+    }
+}

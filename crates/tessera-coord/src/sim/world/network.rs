@@ -221,18 +221,11 @@ impl World {
                     self.after(d, Ev::Closed { node, conn: old });
                 }
             }
+            let key = tessera_net::NodeIdentity::from_seed([node as u8 + 1; 32]).public_key();
+            debug_assert_eq!(key.node_id(), id);
             let member = Member {
-                node_id: id,
-                key: tessera_net::NodeIdentity::from_seed([node as u8 + 1; 32]).public_key(),
-                name: self.nodes[node].name.clone(),
-                addr,
-                connected: true,
-                joined: 0,
-                memory_budget_bytes: None,
-                inventory: None,
-                models: vec![],
-                link: None,
                 session: conn,
+                ..Member::hello(key, self.nodes[node].name.clone(), addr)
             };
             self.coord(ClusterInput::Joined(Box::new(member)))?;
             return self.maybe_plan();
