@@ -473,6 +473,7 @@ mod tests {
             stop_at_eog: true,
             grammar: None,
             logprobs: None,
+            speculate: 0,
         }))
     }
 

@@ -53,6 +53,8 @@ pub struct ClusterBackendConfig {
     pub max_queue: usize,
     /// Prompt tokens per prefill step.
     pub prefill_chunk: usize,
+    /// Drafts per ring turn by prompt lookup for every request (0: off).
+    pub speculate: usize,
     /// Why the plan is what it is (shown on the dashboard).
     pub explanation: String,
 }
@@ -63,6 +65,7 @@ impl Default for ClusterBackendConfig {
             max_active: 64,
             max_queue: 64,
             prefill_chunk: 64,
+            speculate: 0,
             explanation: String::new(),
         }
     }
@@ -429,6 +432,7 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
         // the spec and is not sent).
         grammar: req.grammar.as_ref().map(|g| g.spec().clone()),
         logprobs: req.logprobs,
+        speculate: inner.config.speculate,
     };
     // Each token goes from where the cluster hears it straight into this request's HTTP
     // stream: that stream is the one channel, and the sink takes no lock another run takes

@@ -28,8 +28,8 @@ use std::time::Duration;
 use tessera_model::StreamDecoder;
 use tessera_net::{Connection, FramedStream};
 use tessera_proto::{
-    frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, RunReport, RunRequest,
-    StageSeqStats, PROTOCOL_VERSION,
+    frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, OpenSeq, RunReport,
+    RunRequest, StageSeqStats, PROTOCOL_VERSION,
 };
 use tokio::sync::mpsc;
 
@@ -236,6 +236,14 @@ fn spec_of(shared: &Shared, req: &RunRequest) -> Result<(RunSpec, u64), CoordErr
     }
     spec.grammar = req.grammar.clone();
     spec.logprobs = req.logprobs;
+    if req.speculate > OpenSeq::MAX_SPECULATE {
+        return Err(CoordError::Run(format!(
+            "speculate: {} drafts a turn asked (at most {})",
+            req.speculate,
+            OpenSeq::MAX_SPECULATE
+        )));
+    }
+    spec.speculate = req.speculate;
     // KV the request reserves on its cell: the prompt and the most it may generate.
     let positions = (spec.prompt.len() + req.max_new_tokens).min(shared.max_context()) as u64;
     Ok((spec, positions))

@@ -36,6 +36,10 @@ pub struct RunRequest {
     /// Report each token's log-probability and this many alternatives.
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// Drafts per ring turn by prompt lookup (0: no speculation; at most
+    /// [`crate::OpenSeq::MAX_SPECULATE`]): fewer ring turns, the same tokens.
+    #[serde(default)]
+    pub speculate: usize,
 }
 
 /// One stage of a requested split: a layer range, optionally pinned to a node (by name, node

@@ -109,11 +109,19 @@ pub struct OpenSeq {
     /// draw, so the grammar state is the one the run had.
     #[serde(default)]
     pub replayed: usize,
+    /// Speculation on the ring: the sampling stage drafts up to this many tokens by prompt
+    /// lookup with each token it sends back, the ring carries them as one micro-batch, and the
+    /// sampling stage keeps the drafts its own draws agree with (0: off; at most
+    /// [`OpenSeq::MAX_SPECULATE`]). The text and log-probabilities are those without it.
+    #[serde(default)]
+    pub speculate: usize,
 }
 
 impl OpenSeq {
     /// Most alternatives a sequence may ask for (OpenAI's `top_logprobs` bound).
     pub const MAX_TOP_LOGPROBS: usize = 20;
+    /// Most drafts per ring turn.
+    pub const MAX_SPECULATE: usize = 16;
 }
 
 /// Why a sequence ended.
@@ -200,6 +208,12 @@ pub struct StageSeqStats {
     /// rides in every `Closed` message, which should stay small).
     #[serde(default)]
     pub hop: Box<HopTimes>,
+    /// Sampling stage, speculation: drafts sent with the ring's tokens, and how many of them
+    /// its draws agreed with.
+    #[serde(default)]
+    pub drafted: u64,
+    #[serde(default)]
+    pub drafts_accepted: u64,
 }
 
 /// Where a stage's decode frames (every entry one token: decode steps and the ring's tokens)

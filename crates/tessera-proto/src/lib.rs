@@ -123,4 +123,8 @@ pub enum FrameDecodeError {
     BadPayload { got: usize, expected: usize },
     #[error("row count overflows")]
     Overflow,
+    #[error("a ring token carries {got} drafts (at most {max})", max = OpenSeq::MAX_SPECULATE)]
+    TooManyDrafts { got: usize },
+    #[error("a ring token of {len} bytes is not 16 plus 4 per draft")]
+    BadDrafts { len: usize },
 }

@@ -3,7 +3,7 @@
 
 #[cfg(doc)]
 use super::frame;
-use super::{limits, FrameDecodeError};
+use super::{limits, FrameDecodeError, OpenSeq};
 
 /// One sequence's rows in a hidden-state frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,16 +12,26 @@ pub struct StepEntry {
     /// Position of the first row.
     pub start_pos: u32,
     pub n_tokens: u32,
-    /// [`StepEntry::SAMPLE`]: the last stage samples after this entry's last row.
+    /// [`StepEntry::SAMPLE`]: the last stage samples after this entry's last row;
+    /// [`StepEntry::VERIFY`]: after every row (rows 1.. are drafts to check).
     pub flags: u8,
 }
 
 impl StepEntry {
     /// The last row of this entry is to be sampled (final prefill chunk, or a decode step).
     pub const SAMPLE: u8 = 1;
+    /// Speculation: row 0 embeds the last accepted token and rows 1.. the drafts after it; the
+    /// last stage draws after every row and keeps the drafts that agree. Every stage's cache
+    /// holds the drafts' positions until the next step, which starts where the agreement
+    /// ended (the positions past it are dropped, not recomputed).
+    pub const VERIFY: u8 = 2;
 
     pub fn sample(&self) -> bool {
         self.flags & Self::SAMPLE != 0
+    }
+
+    pub fn verify(&self) -> bool {
+        self.flags & Self::VERIFY != 0
     }
 }
 
@@ -126,37 +136,55 @@ impl StepHeader {
     }
 }
 
-/// A token on its way from the last stage back to the first: `u64 seq, u32 pos, u32 token`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A token on its way from the last stage back to the first: `u64 seq, u32 pos, u32 token`,
+/// then `u32` per draft to run after it (speculation, [`StepEntry::VERIFY`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RingToken {
     pub seq: u64,
     /// The position the token occupies in the sequence.
     pub pos: u32,
     pub token: u32,
+    /// Guesses of the tokens after it, at `pos + 1`, … (at most [`OpenSeq::MAX_SPECULATE`]).
+    pub drafts: Vec<u32>,
 }
 
 impl RingToken {
+    /// Bytes without drafts.
     pub const LEN: usize = 16;
 
-    pub fn encode(&self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
-        b[0..8].copy_from_slice(&self.seq.to_le_bytes());
-        b[8..12].copy_from_slice(&self.pos.to_le_bytes());
-        b[12..16].copy_from_slice(&self.token.to_le_bytes());
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::LEN + 4 * self.drafts.len());
+        b.extend_from_slice(&self.seq.to_le_bytes());
+        b.extend_from_slice(&self.pos.to_le_bytes());
+        b.extend_from_slice(&self.token.to_le_bytes());
+        for d in &self.drafts {
+            b.extend_from_slice(&d.to_le_bytes());
+        }
         b
     }
 
     pub fn decode(payload: &[u8]) -> Result<Self, FrameDecodeError> {
-        if payload.len() != Self::LEN {
+        if payload.len() < Self::LEN {
             return Err(FrameDecodeError::Short {
                 len: payload.len(),
                 need: Self::LEN,
             });
         }
+        let rest = &payload[Self::LEN..];
+        if !rest.len().is_multiple_of(4) {
+            return Err(FrameDecodeError::BadDrafts { len: payload.len() });
+        }
+        if rest.len() / 4 > OpenSeq::MAX_SPECULATE {
+            return Err(FrameDecodeError::TooManyDrafts {
+                got: rest.len() / 4,
+            });
+        }
+        let u32_at = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("4 bytes"));
         Ok(Self {
             seq: u64::from_le_bytes(payload[0..8].try_into().expect("8 bytes")),
-            pos: u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes")),
-            token: u32::from_le_bytes(payload[12..16].try_into().expect("4 bytes")),
+            pos: u32_at(&payload[8..12]),
+            token: u32_at(&payload[12..16]),
+            drafts: rest.chunks_exact(4).map(u32_at).collect(),
         })
     }
 }
@@ -240,12 +268,27 @@ mod tests {
 
     #[test]
     fn ring_token_round_trip() {
-        let t = RingToken {
+        let mut t = RingToken {
             seq: u64::MAX - 1,
             pos: 77,
             token: 123_456,
+            drafts: vec![],
         };
+        assert_eq!(t.encode().len(), RingToken::LEN);
+        assert_eq!(RingToken::decode(&t.encode()).unwrap(), t);
+        t.drafts = vec![5, 6, 7];
         assert_eq!(RingToken::decode(&t.encode()).unwrap(), t);
         assert!(RingToken::decode(&[0; 15]).is_err());
+        assert_eq!(
+            RingToken::decode(&[0; 18]),
+            Err(FrameDecodeError::BadDrafts { len: 18 })
+        );
+        t.drafts = vec![1; OpenSeq::MAX_SPECULATE + 1];
+        assert_eq!(
+            RingToken::decode(&t.encode()),
+            Err(FrameDecodeError::TooManyDrafts {
+                got: OpenSeq::MAX_SPECULATE + 1
+            })
+        );
     }
 }

@@ -292,6 +292,7 @@ fn run_request(stages: Option<&str>, n: usize) -> ClientToCoord {
         stop_at_eog: false,
         grammar: None,
         logprobs: None,
+        speculate: 0,
     }))
 }
 

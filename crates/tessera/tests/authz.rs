@@ -273,6 +273,7 @@ fn long_run(n: usize) -> ClientToCoord {
         stop_at_eog: false,
         grammar: None,
         logprobs: None,
+        speculate: 0,
     }))
 }
 

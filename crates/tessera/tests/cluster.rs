@@ -231,6 +231,75 @@ fn stage_rings_of_1_2_3_nodes_match_one_process_on_synthetic_qwen3() {
     );
 }
 
+/// Speculation on a ring of three node processes (`tessera run --speculate 4`): the tokens
+/// and log-probabilities are those without it, greedy and seeded, while the sampling stage's
+/// drafts were accepted and the ring turned fewer times.
+#[test]
+fn speculation_on_a_three_stage_ring_gives_the_same_tokens_and_logprobs() {
+    let path = model("stories260K.gguf");
+    let mut c = Cluster::start(&path);
+    for name in ["a", "b", "c"] {
+        c.add_node(name, &[]);
+    }
+    // A story that begins again: prompt lookup finds what followed the first time.
+    let prompt = "Once upon a time, there was a little girl named Lily. She liked to play \
+                  outside. Once upon a time, there was a little";
+    let tokens = |msgs: &[Value]| -> Vec<(Value, Value)> {
+        msgs.iter()
+            .filter(|m| m["type"] == "token")
+            .map(|m| (m["token"].clone(), m["logprobs"].clone()))
+            .collect()
+    };
+    for sampling in [
+        &["--temperature", "0"][..],
+        &["--temperature", "0.8", "--seed", "5"][..],
+    ] {
+        let base = [
+            &[
+                "-p",
+                prompt,
+                "-n",
+                "40",
+                "--split",
+                "0..1,1..3,3..5",
+                "--top-logprobs",
+                "2",
+            ][..],
+            sampling,
+        ]
+        .concat();
+        let (out, plain) = c.run_json(&base);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (out, spec) = c.run_json(&[&base[..], &["--speculate", "4"]].concat());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(tokens(&spec).len(), 40, "{sampling:?}");
+        assert!(tokens(&spec)[0].1.is_object(), "log-probabilities are compared");
+        assert_eq!(tokens(&spec), tokens(&plain), "{sampling:?}");
+        let (with, without) = (
+            &report_of(&spec)["stage_stats"],
+            &report_of(&plain)["stage_stats"],
+        );
+        assert!(
+            with[2]["drafts_accepted"].as_u64().unwrap() > 0,
+            "{sampling:?}: {with}"
+        );
+        assert_eq!(without[2]["drafted"].as_u64(), Some(0));
+        let turns = |s: &Value| s[0]["decode"]["steps"].as_u64().unwrap();
+        assert!(
+            turns(with) < turns(without),
+            "{sampling:?}: {with} against {without}"
+        );
+    }
+}
+
 #[test]
 fn concurrent_runs_share_the_ring_and_each_matches_one_process() {
     let path = model("stories260K.gguf");
@@ -653,6 +722,7 @@ mod wire {
                 stop_at_eog: false,
                 grammar: None,
                 logprobs: None,
+                speculate: 0,
             };
             s.writer
                 .write_message(frame::MSG, &ClientToCoord::Run(Box::new(req)))

@@ -38,6 +38,8 @@ pub struct RunSpec {
     pub grammar: Option<GrammarSpec>,
     /// Report each token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
+    /// Drafts per ring turn (prompt lookup; 0: no speculation). Changes no token.
+    pub speculate: usize,
 }
 
 /// Why a request cannot become a run.
@@ -82,6 +84,7 @@ impl RunSpec {
             trace: false,
             grammar: None,
             logprobs: None,
+            speculate: 0,
         })
     }
 }
@@ -648,6 +651,7 @@ impl RunMachine {
             logprobs: self.spec.logprobs,
             // The grammar state is rebuilt from the tokens generated so far.
             replayed: history.len(),
+            speculate: self.spec.speculate.min(OpenSeq::MAX_SPECULATE),
         };
         let attempt = Attempt {
             seq: attempt_seq,

@@ -208,6 +208,7 @@ mod tests {
                 seq: 1,
                 pos: 1,
                 token: 7,
+                drafts: vec![],
             }
             .encode(),
         )

@@ -298,6 +298,7 @@ impl SealedWorker {
             grammar: None,
             logprobs: None,
             replayed: 0,
+            speculate: 0,
         };
         self.runs.lock().unwrap_or_else(|p| p.into_inner()).insert(
             seq,

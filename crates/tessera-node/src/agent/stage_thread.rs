@@ -312,13 +312,14 @@ fn sink<'a>(
             }
         }
         StageOutput::Token(t) => {
+            let seq = t.seq;
             let sent = match ring.as_mut() {
                 Some(RingOut::Loopback) => me
                     .upgrade()
                     .is_some_and(|me| me.send(WorkerMsg::Token(t, None)).is_ok()),
                 Some(r @ RingOut::Stream(..)) => {
                     let t0 = Instant::now();
-                    let payload = t.encode().to_vec();
+                    let payload = t.encode();
                     let (t1, wall) = (Instant::now(), wall_ns());
                     let sent = r.send(frame::TOKEN, payload);
                     if sent {
@@ -329,7 +330,7 @@ fn sink<'a>(
                 None => false,
             };
             if !sent {
-                let _ = ctrl.send(unlinked(t.seq, "first"));
+                let _ = ctrl.send(unlinked(seq, "first"));
             }
         }
     }

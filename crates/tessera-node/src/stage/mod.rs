@@ -254,6 +254,8 @@ impl Stage {
                 grammar,
                 unstarted: true,
                 broken: false,
+                unverified: 0,
+                drafts: Vec::new(),
             },
         );
         Ok(cached)
@@ -265,7 +267,11 @@ impl Stage {
     pub fn close(&mut self, seq: u64, keep: &[u32]) -> Option<StageSeqStats> {
         let mut s = self.seqs.remove(&seq)?;
         s.stats.kv_bytes = s.kv.bytes() as u64;
-        let n = s.kv.len_in_every_layer().min(keep.len());
+        // Draft positions past the last agreement hold guesses, not the sequence's tokens.
+        let n =
+            s.kv.len_in_every_layer()
+                .saturating_sub(s.unverified)
+                .min(keep.len());
         if n > 0 && !s.broken && !self.assignment.layers.is_empty() {
             s.kv.truncate(n);
             self.kept.put(keep[..n].to_vec(), s.kv);
@@ -374,6 +380,20 @@ impl Stage {
                 ));
                 continue;
             }
+            if t.drafts.len() > s.open.speculate {
+                errors.push((
+                    t.seq,
+                    StageError::BadStep {
+                        seq: t.seq,
+                        what: format!(
+                            "{} drafts for a sequence that speculates {}",
+                            t.drafts.len(),
+                            s.open.speculate
+                        ),
+                    },
+                ));
+                continue;
+            }
             if let Some(sent) = s.sent_at.take() {
                 s.stats.ring_wait_ns += sent.elapsed().as_nanos() as u64;
                 s.stats.ring_waits += 1;
@@ -384,7 +404,11 @@ impl Stage {
             return errors;
         }
         let t = Instant::now();
-        let tokens: Vec<u32> = batch.iter().map(|t| t.token).collect();
+        // Each sequence's token, then its drafts: one micro-batch of 1 + drafts rows.
+        let tokens: Vec<u32> = batch
+            .iter()
+            .flat_map(|t| std::iter::once(t.token).chain(t.drafts.iter().copied()))
+            .collect();
         let result = self
             .model
             .embed(&tokens)
@@ -395,8 +419,12 @@ impl Stage {
                     .map(|t| StepEntry {
                         seq: t.seq,
                         start_pos: t.pos,
-                        n_tokens: 1,
-                        flags: StepEntry::SAMPLE,
+                        n_tokens: 1 + t.drafts.len() as u32,
+                        flags: if t.drafts.is_empty() {
+                            StepEntry::SAMPLE
+                        } else {
+                            StepEntry::SAMPLE | StepEntry::VERIFY
+                        },
                     })
                     .collect();
                 self.step(entries, hidden, t, sink)
@@ -469,7 +497,11 @@ impl Stage {
                         s.unstarted = false;
                     }
                     let expected = s.kv.len();
-                    if e.start_pos as usize != expected || e.n_tokens == 0 {
+                    // After a verification the step starts where the agreement ended: the
+                    // drafts' positions past it are dropped, not recomputed.
+                    let agreed = expected.saturating_sub(s.unverified)..=expected;
+                    let start = e.start_pos as usize;
+                    if !agreed.contains(&start) || e.n_tokens == 0 {
                         refused = Some(StageError::BadStep {
                             seq: e.seq,
                             what: format!(
@@ -477,6 +509,8 @@ impl Stage {
                                 e.start_pos, e.n_tokens
                             ),
                         });
+                    } else if start < expected {
+                        s.kv.truncate(start);
                     }
                     states.push(s);
                 }
@@ -548,6 +582,11 @@ impl Stage {
         for (e, s) in entries.iter().zip(states.iter_mut()) {
             let rows = row..row + e.n_tokens as usize;
             row = rows.end;
+            s.unverified = if e.verify() {
+                e.n_tokens as usize - 1
+            } else {
+                0
+            };
             if s.open.trace {
                 let slice = &hidden.data[rows.start * hidden.n_embd..rows.end * hidden.n_embd];
                 outputs.push(StageOutput::Control(NodeToCoord::Trace(BoundaryTrace {
@@ -559,9 +598,13 @@ impl Stage {
                     hash: hash_f32s(slice),
                 })));
             }
-            if is_last && e.sample() {
+            if is_last && e.verify() {
+                // Every row: row 0 draws the next token, row i checks draft i.
+                let logits = self.model.head(&hidden.rows(rows))?;
+                outputs.extend(sampling::verify(s, &logits));
+            } else if is_last && e.sample() {
                 let logits = self.model.head(&hidden.rows(rows.end - 1..rows.end))?;
-                outputs.extend(sampling::sample_next(s, logits.last()));
+                outputs.extend(sampling::verify(s, &logits));
             }
         }
         let compute_ns = started.elapsed().as_nanos() as u64;

@@ -3,8 +3,10 @@
 
 use std::sync::{Arc, OnceLock};
 
+use tessera_engine::Logits;
 use tessera_grammar::{Grammar, GrammarCompiler};
 use tessera_model::Tokenizer;
+use tessera_sampling::speculate::{settle, DraftSource, PromptLookup};
 use tessera_sampling::TokenLogprobs;
 
 use super::seq::{SeqState, StageError, StageOutput};
@@ -71,45 +73,107 @@ pub(super) fn grammar_for(
     Ok(Some(grammar))
 }
 
-/// Last stage: draws the next token from `row` (under the grammar, with log-probabilities
-/// when asked) and says what it leads to. A grammar with no way on fails the sequence.
-pub(super) fn sample_next(s: &mut SeqState, row: &[f32]) -> Vec<StageOutput> {
+/// Last stage: draws from the rows of a step and says what they lead to. Row 0 follows the
+/// last accepted token; with drafts (the sequence speculates), row `i` follows draft `i` and
+/// the draft stands only where the draw equals it ([`tessera_sampling::speculate::settle`]):
+/// each draw is the one a one-token step would make (same logits, history and `(seed,
+/// position)`), so the tokens and log-probabilities are those without speculation. A grammar
+/// with no way on fails the sequence.
+pub(super) fn verify(s: &mut SeqState, logits: &Logits) -> Vec<StageOutput> {
+    let drafts = std::mem::take(&mut s.drafts);
+    let mut out = Vec::new();
+    if logits.n_tokens != drafts.len() + 1 {
+        s.finished = true;
+        out.push(failed(
+            s,
+            format!(
+                "{} rows to check {} drafts against",
+                logits.n_tokens,
+                drafts.len()
+            ),
+        ));
+        return out;
+    }
+    let settled = settle(&drafts, |i| draw(s, logits.row(i), &mut out));
+    let settled = match settled {
+        Ok(settled) => settled,
+        Err(e) => {
+            s.finished = true;
+            out.push(failed(s, e.to_string()));
+            return out;
+        }
+    };
+    s.stats.drafted += drafts.len() as u64;
+    s.stats.drafts_accepted += settled.accepted as u64;
+    if s.finished {
+        return out;
+    }
+    // The ring turns again: the last token drawn, with the next guesses.
+    let pos = s.history.len() - 1;
+    let token = s.history[pos];
+    s.drafts = next_drafts(s);
+    s.stats.decode.bytes_sent += (tessera_net::frame::HEADER_LEN + RingToken::LEN) as u64;
+    s.stats.decode.bytes_sent += 4 * s.drafts.len() as u64;
+    s.stats.decode.frames_sent += 1;
+    out.push(StageOutput::Token(RingToken {
+        seq: s.open.seq,
+        pos: pos as u32,
+        token,
+        drafts: s.drafts.clone(),
+    }));
+    out
+}
+
+/// Guesses for the positions after the last token, by prompt lookup: no more than the
+/// sequence speculates, than tokens it may still generate after the next, or than its cache
+/// has positions for.
+fn next_drafts(s: &SeqState) -> Vec<u32> {
+    if s.open.speculate == 0 {
+        return Vec::new();
+    }
+    let pos = s.history.len() - 1;
+    let room = s.kv.capacity().saturating_sub(pos + 1);
+    let left = s.open.max_new_tokens.saturating_sub(s.generated + 1);
+    let k = s.open.speculate.min(room).min(left);
+    PromptLookup::default().propose(&s.history, k)
+}
+
+/// One draw from `row` at the sequence's next position, recorded: the token's report, and the
+/// sequence's end when it ends there (then `None`).
+fn draw(
+    s: &mut SeqState,
+    row: &[f32],
+    out: &mut Vec<StageOutput>,
+) -> Result<Option<u32>, tessera_grammar::GrammarError> {
     let pos = s.history.len() as u64;
     let eog = &s.open.eog;
-    let chosen = tessera_grammar::choose(
+    let (token, logprobs) = tessera_grammar::choose(
         row,
         &s.open.sampling,
         &s.history,
         pos,
         s.grammar.as_mut(),
         s.open.logprobs,
-    )
-    .and_then(|(token, logprobs)| {
-        if let Some(g) = s.grammar.as_mut().filter(|_| !eog.contains(&token)) {
-            g.accept(token)?;
-        }
-        Ok((token, logprobs))
-    });
-    match chosen {
-        Ok((token, logprobs)) => after_sample(s, token, logprobs),
-        Err(e) => {
-            s.finished = true;
-            vec![StageOutput::Control(NodeToCoord::Finished {
-                seq: s.open.seq,
-                reason: FinishReason::Error,
-                generated: s.generated,
-                error: Some(e.to_string()),
-            })]
-        }
+    )?;
+    if let Some(g) = s.grammar.as_mut().filter(|_| !eog.contains(&token)) {
+        g.accept(token)?;
     }
+    out.extend(record(s, token, logprobs));
+    Ok((!s.finished).then_some(token))
 }
 
-/// Last stage: what a sampled token leads to.
-pub(super) fn after_sample(
-    s: &mut SeqState,
-    token: u32,
-    logprobs: Option<TokenLogprobs>,
-) -> Vec<StageOutput> {
+fn failed(s: &SeqState, error: String) -> StageOutput {
+    StageOutput::Control(NodeToCoord::Finished {
+        seq: s.open.seq,
+        reason: FinishReason::Error,
+        generated: s.generated,
+        error: Some(error),
+    })
+}
+
+/// Last stage: a drawn token into the sequence's history and its report to the coordinator,
+/// and the sequence's end when the token ends it.
+fn record(s: &mut SeqState, token: u32, logprobs: Option<TokenLogprobs>) -> Vec<StageOutput> {
     let seq = s.open.seq;
     let mut out = Vec::new();
     if s.open.eog.contains(&token) {
@@ -149,14 +213,6 @@ pub(super) fn after_sample(
             generated: s.generated,
             error: None,
         }));
-        return out;
     }
-    s.stats.decode.bytes_sent += (tessera_net::frame::HEADER_LEN + RingToken::LEN) as u64;
-    s.stats.decode.frames_sent += 1;
-    out.push(StageOutput::Token(RingToken {
-        seq,
-        pos: pos as u32,
-        token,
-    }));
     out
 }

@@ -73,4 +73,10 @@ pub(super) struct SeqState {
     /// A step failed part-way: the cache may hold some layers' positions and not others',
     /// so it is not kept.
     pub(super) broken: bool,
+    /// Speculation: positions of the last step past its first row (drafts), not yet known to
+    /// be agreed; the next step may start among them, and a kept cache drops them.
+    pub(super) unverified: usize,
+    /// Last stage, speculation: the drafts sent with the last token, to check the next step's
+    /// rows against.
+    pub(super) drafts: Vec<u32>,
 }

@@ -51,6 +51,7 @@ fn run_ring(path: &str, cuts: &[usize], prompt: &[u32], n: usize, chunk: usize) 
         grammar: None,
         logprobs: None,
         replayed: 0,
+        speculate: 0,
     };
     let (tokens, _) = ring(path, cuts, open);
     tokens.into_iter().map(|(t, _)| t).collect()
@@ -100,6 +101,20 @@ fn drive(
     open: OpenSeq,
     keep: bool,
 ) -> (Vec<(u32, Option<TokenLogprobs>)>, Option<FinishReason>) {
+    let (tokens, finish, _) = drive_with_stats(stages, open, keep);
+    (tokens, finish)
+}
+
+/// The tokens with their log-probabilities, how the sequence finished, and each stage's
+/// statistics of it.
+type Driven = (
+    Vec<(u32, Option<TokenLogprobs>)>,
+    Option<FinishReason>,
+    Vec<StageSeqStats>,
+);
+
+/// [`drive`], with each stage's statistics of the sequence.
+fn drive_with_stats(stages: &mut [Stage], open: OpenSeq, keep: bool) -> Driven {
     let seq = open.seq;
     let n = open.max_new_tokens;
     let prompt = open.prompt.clone();
@@ -147,6 +162,7 @@ fn drive(
         .copied()
         .chain(tokens.iter().map(|(t, _)| *t))
         .collect();
+    let mut all = Vec::new();
     for s in stages.iter_mut() {
         let stats = s.close(seq, if keep { &fed } else { &[] }).unwrap();
         assert!(stats.decode.steps > 0 || n <= 1);
@@ -156,8 +172,9 @@ fn drive(
             "only the positions past the reused prefix are prefilled"
         );
         assert_eq!(s.open_seqs(), 0);
+        all.push(stats);
     }
-    (tokens, finish)
+    (tokens, finish, all)
 }
 
 /// A chat's next turn on a ring whose stages kept the first turn's caches: every stage
@@ -183,6 +200,7 @@ fn a_ring_reuses_kept_prefixes_and_answers_as_from_scratch() {
         grammar: None,
         logprobs: None,
         replayed: 0,
+        speculate: 0,
     };
     let ids = |r: (Vec<(u32, Option<TokenLogprobs>)>, _)| -> Vec<u32> {
         r.0.into_iter().map(|(t, _)| t).collect()
@@ -254,6 +272,7 @@ fn the_sampling_stage_follows_a_grammar_reports_logprobs_and_replays_both() {
         grammar: Some(tessera_grammar::GrammarSpec::JsonSchema(schema)),
         logprobs: Some(2),
         replayed: 0,
+        speculate: 0,
     };
     let (whole, finish) = ring(path, &[2], open.clone());
     let ids: Vec<u32> = whole.iter().map(|(t, _)| *t).collect();
@@ -284,6 +303,138 @@ fn the_sampling_stage_follows_a_grammar_reports_logprobs_and_replays_both() {
     wrong.max_new_tokens -= k;
     let (other, _) = ring(path, &[2], wrong);
     assert_ne!(other, whole[k..].to_vec());
+}
+
+/// Speculation on the ring: the sampling stage drafts by prompt lookup, each token goes back
+/// with its drafts, the ring runs them as one micro-batch, and the sampling stage keeps the
+/// drafts its draws agree with. The tokens, log-probabilities and finish are those without
+/// it (greedy and seeded, under a grammar, one stage and three), with drafts accepted and so
+/// fewer ring turns; a cache kept after a speculative sequence serves the next turn as if
+/// computed from scratch (the drafts' positions past the last agreement are not kept).
+#[test]
+fn speculation_on_the_ring_changes_no_token_logprob_or_kept_cache() {
+    let path = "stories260K.gguf";
+    let g = GgufFile::open(model_path(path)).unwrap();
+    let tok = tessera_model::Tokenizer::from_gguf(&g).unwrap();
+    // A story that begins again: prompt lookup finds what followed the first time.
+    let prompt = tok.encode(
+        "Once upon a time, there was a little girl named Lily. She liked to play outside. \
+         Once upon a time, there was a little",
+        true,
+    );
+    let eog: Vec<u32> = (0..tok.vocab_size() as u32)
+        .filter(|&t| tok.is_end_of_generation(t))
+        .collect();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"pet": {"enum": ["cat", "dog"]}},
+        "required": ["pet"],
+        "additionalProperties": false
+    });
+    let seeded = SamplingParams {
+        temperature: 0.8,
+        seed: 11,
+        ..SamplingParams::greedy()
+    };
+    let cases = [
+        (vec![], SamplingParams::greedy(), None),
+        (vec![2, 4], SamplingParams::greedy(), None),
+        (vec![2, 4], seeded, None),
+        (
+            vec![2, 4],
+            SamplingParams::greedy(),
+            Some(tessera_grammar::GrammarSpec::JsonSchema(schema)),
+        ),
+    ];
+    for (i, (cuts, sampling, grammar)) in cases.into_iter().enumerate() {
+        // Under the grammar, the prompt shows an answer for the lookup to copy from.
+        let prompt = match grammar {
+            Some(_) => tok.encode("Lily said {\"pet\": \"dog\"} and Tom said ", true),
+            None => prompt.clone(),
+        };
+        let open = OpenSeq {
+            seq: 1,
+            epoch: 1,
+            prompt,
+            sampling,
+            max_new_tokens: 48,
+            eog: eog.clone(),
+            prefill_chunk: 16,
+            trace: false,
+            grammar: grammar.clone(),
+            logprobs: Some(2),
+            replayed: 0,
+            speculate: 0,
+        };
+        let (plain, finish, plain_stats) =
+            drive_with_stats(&mut load_stages(path, &cuts), open.clone(), false);
+        let fast = OpenSeq {
+            speculate: 4,
+            ..open
+        };
+        let (spec, spec_finish, stats) =
+            drive_with_stats(&mut load_stages(path, &cuts), fast, false);
+        assert_eq!(spec, plain, "case {i}: cut at {cuts:?}");
+        assert_eq!(spec_finish, finish, "case {i}");
+        let sampler = stats.last().unwrap();
+        assert!(sampler.drafted > 0, "case {i}: nothing was drafted");
+        if grammar.is_none() {
+            assert!(
+                sampler.drafts_accepted > 0,
+                "case {i}: no draft agreed: {sampler:?}"
+            );
+            assert!(
+                stats[0].decode.steps < plain_stats[0].decode.steps,
+                "case {i}: as many ring turns with speculation ({} against {})",
+                stats[0].decode.steps,
+                plain_stats[0].decode.steps
+            );
+        }
+    }
+    // Kept after a speculative answer, the caches serve the next turn as from scratch: also
+    // when the answer ended mid-step (the grammar completed), where the stages still hold the
+    // positions of drafts the sampling stage did not keep.
+    let json = tok.encode("Lily said {\"pet\": \"dog\"} and Tom said ", true);
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"pet": {"enum": ["cat", "dog"]}},
+        "required": ["pet"],
+        "additionalProperties": false
+    });
+    let open = |seq: u64, prompt: &[u32], n: usize, grammar: bool| OpenSeq {
+        seq,
+        epoch: 1,
+        prompt: prompt.to_vec(),
+        sampling: SamplingParams::greedy(),
+        max_new_tokens: n,
+        eog: vec![],
+        prefill_chunk: 16,
+        trace: false,
+        grammar: grammar.then(|| tessera_grammar::GrammarSpec::JsonSchema(schema.clone())),
+        logprobs: None,
+        replayed: 0,
+        speculate: 6,
+    };
+    let ids = |r: (Vec<(u32, Option<TokenLogprobs>)>, _)| -> Vec<u32> {
+        r.0.into_iter().map(|(t, _)| t).collect()
+    };
+    for (first, n, grammar) in [(&prompt, 12, false), (&json, 40, true)] {
+        let mut stages = load_stages(path, &[3]);
+        for s in &mut stages {
+            s.set_prefix_cache(2);
+        }
+        let answer = ids(drive(&mut stages, open(1, first, n, grammar), true));
+        let mut next = first.clone();
+        next.extend(&answer);
+        next.extend(tok.encode(" One day", false));
+        let again = ids(drive(&mut stages, open(2, &next, 8, false), true));
+        let fresh = ids(drive(
+            &mut load_stages(path, &[3]),
+            open(3, &next, 8, false),
+            false,
+        ));
+        assert_eq!(again, fresh, "after {:?}", tok.decode(&answer));
+    }
 }
 
 fn reference(path: &str, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
@@ -344,6 +495,7 @@ fn batched_sequences_decode_as_if_alone() {
             grammar: None,
             logprobs: None,
             replayed: 0,
+            speculate: 0,
         })
         .unwrap();
     }
@@ -396,6 +548,7 @@ fn kv_budget_refuses_a_sequence_that_does_not_fit() {
         grammar: None,
         logprobs: None,
         replayed: 0,
+        speculate: 0,
     };
     assert!(matches!(st.open(open), Err(StageError::OverBudget { .. })));
     assert!(matches!(
@@ -403,7 +556,8 @@ fn kv_budget_refuses_a_sequence_that_does_not_fit() {
             RingToken {
                 seq: 3,
                 pos: 0,
-                token: 1
+                token: 1,
+                drafts: vec![],
             },
             &mut |_| {}
         ),
@@ -436,6 +590,7 @@ fn a_hidden_state_with_nan_or_infinity_fails_the_step_and_names_the_sender() {
         grammar: None,
         logprobs: None,
         replayed: 0,
+        speculate: 0,
     })
     .unwrap();
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {

@@ -44,6 +44,13 @@ pub struct RunArgs {
     /// Ask every stage for a blake3 hash of each hidden state it outputs.
     #[arg(long)]
     trace: bool,
+    /// Speculation on the ring: the sampling stage drafts up to K tokens by prompt lookup
+    /// (copying what followed the last few tokens earlier in the text) with each token it
+    /// sends back, and the ring checks them in one turn. The text is the same; a text that
+    /// repeats itself needs fewer turns. 0 (the default): off. At most 16.
+    #[arg(long, value_name = "K", default_value_t = 0,
+          value_parser = clap::value_parser!(u16).range(0..=16))]
+    speculate: u16,
     /// Print every message from the coordinator as a JSON line.
     #[arg(long)]
     json: bool,
@@ -92,6 +99,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             .context("--json-schema is not JSON")?
             .map(tessera_gateway::grammar::GrammarSpec::JsonSchema),
         logprobs: args.top_logprobs,
+        speculate: usize::from(args.speculate),
     };
     std::fs::create_dir_all(&args.data_dir)?;
     let identity = NodeIdentity::load_or_create(&args.data_dir)?;

@@ -220,14 +220,30 @@ fn validate(a: ServeArgs) -> anyhow::Result<Config> {
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let distributed = args.nodes_expected.is_some() || args.split.is_some() || args.plan.is_some();
     let sealed = args.sealed_via.is_some() || args.sealed_via_file.is_some();
-    if (distributed || sealed) && args.speculate.given() {
+    if sealed && args.speculate.given() {
         bail!(
-            "--speculate, --draft-model and --draft-max are for single-process serving; \
-             distributed and sealed modes do not speculate yet"
+            "--speculate, --draft-model and --draft-max are for single-process and \
+             distributed serving; sealed jobs do not speculate yet"
         );
     }
     // Flags first: a wrong combination is refused before any model loads.
-    args.speculate.mode()?;
+    let (mode, k) = args.speculate.mode()?;
+    if distributed && mode == super::speculate::SpeculateMode::Draft {
+        bail!(
+            "a distributed ring speculates by prompt lookup (--speculate lookup); a draft \
+             model is for single-process serving"
+        );
+    }
+    if distributed
+        && mode == super::speculate::SpeculateMode::Lookup
+        && k > tessera_proto::OpenSeq::MAX_SPECULATE
+    {
+        bail!(
+            "--draft-max on a distributed ring is at most {} (a turn carries the drafts to \
+             every stage)",
+            tessera_proto::OpenSeq::MAX_SPECULATE
+        );
+    }
     if args.model.len() > 1 {
         if distributed || sealed || args.speculate.given() || args.model_name.is_some() {
             bail!(
@@ -558,6 +574,11 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
     check_exposure(a.listen, &api_keys)?;
     let http = http_config(api_keys, &a.cors_origins, a.max_batch.max(1) + a.max_queue);
     let auto_plan = a.plan.is_some();
+    // Checked in `run`: lookup with at most MAX_SPECULATE drafts, or off.
+    let ring_speculate = match a.speculate.mode()? {
+        (super::speculate::SpeculateMode::Lookup, k) => k,
+        _ => 0,
+    };
     let nodes = match (&a.split, a.nodes_expected) {
         (Some(s), _) => parse_split(s).context("--split")?.len(),
         (None, Some(n)) if n >= 1 => n,
@@ -589,6 +610,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
                 max_active: a.max_batch.max(1),
                 max_queue: a.max_queue,
                 prefill_chunk: a.max_batch_tokens.clamp(1, 128),
+                speculate: ring_speculate,
                 explanation: if auto_plan {
                     "Planned from the nodes' measured inventory and links (--plan auto); the \
                      planner's reasoning is in DATA_DIR/plan-auto.json."

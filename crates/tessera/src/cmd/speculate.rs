@@ -33,7 +33,10 @@ pub struct SpeculateArgs {
     /// Speculative decoding: `lookup` drafts from earlier in the text, `draft` with
     /// --draft-model; the drafts are verified several per forward pass and the text is the
     /// same as without. How many to draft adapts to the measured acceptance rate and costs,
-    /// down to none. [default: off, or draft when --draft-model is given]
+    /// down to none. A distributed ring (`serve --nodes-expected`, `--split`, `--plan`) takes
+    /// `lookup` only: the sampling stage drafts up to --draft-max (at most 16) with each token
+    /// it sends back, and the ring checks them in one turn. [default: off, or draft when
+    /// --draft-model is given]
     #[arg(long, value_enum)]
     pub speculate: Option<SpeculateMode>,
     /// GGUF draft model for `--speculate draft`; it must have the target's vocabulary.

@@ -268,6 +268,7 @@ async fn up(
             max_active: args.max_batch.max(1),
             max_queue: args.max_queue,
             prefill_chunk: 64,
+            speculate: 0,
             explanation: if args.plan.is_some() {
                 "Planned from the nodes' measured inventory and links (--plan auto); the \
                  planner's reasoning is in the run directory, coordinator/plan-auto.json."
