@@ -85,9 +85,20 @@ enum Fault {
 /// Four generations on a 3-stage ring; `fault` hits node `victim` once every client has
 /// streamed its first tokens. Every generation completes with the one-process text.
 fn survive(victim: &str, fault: Fault) {
+    survive_with(victim, fault, &[]);
+}
+
+/// [`survive`], every client run with `extra` flags that must not change its text.
+fn survive_with(victim: &str, fault: Fault, extra: &[&'static str]) {
     let path = model("test/small-qwen3-Q8_0.gguf");
-    let loads = workloads();
-    let want: Vec<String> = loads.iter().map(|f| reference_text(&path, f)).collect();
+    let want: Vec<String> = workloads()
+        .iter()
+        .map(|f| reference_text(&path, f))
+        .collect();
+    let loads: Vec<Vec<&str>> = workloads()
+        .into_iter()
+        .map(|f| [&f[..], extra].concat())
+        .collect();
     let mut c = Cluster::start(&path, "0..1,1..2,2..3");
     for n in ["a", "b", "c"] {
         c.add_node(n);
@@ -145,6 +156,20 @@ fn survive(victim: &str, fault: Fault) {
         );
         outs.push(msgs);
     }
+    if extra.contains(&"--speculate") {
+        // The ring did speculate: some run's sampling stage had drafts accepted.
+        let accepted = |msgs: &Vec<(Instant, Value)>| {
+            msgs.iter()
+                .filter(|(_, m)| m["type"] == "done")
+                .flat_map(|(_, m)| m["stage_stats"].as_array().cloned().unwrap_or_default())
+                .map(|s| s["drafts_accepted"].as_u64().unwrap_or(0))
+                .sum::<u64>()
+        };
+        assert!(
+            outs.iter().map(accepted).sum::<u64>() > 0,
+            "no draft was accepted"
+        );
+    }
     let mut interrupted = 0;
     for (i, msgs) in outs.iter().enumerate() {
         let r = recovery(msgs, struck);
@@ -177,6 +202,13 @@ fn survive(victim: &str, fault: Fault) {
 #[test]
 fn kill_of_the_middle_stage_resumes_every_generation_with_the_same_text() {
     survive("b", Fault::Kill);
+}
+
+/// Speculation on the ring (`--speculate 4`): a run resumed after a `kill -9` of the middle
+/// stage replays the accepted tokens only and gives the text of one process.
+#[test]
+fn kill_of_the_middle_stage_mid_speculation_resumes_every_generation_with_the_same_text() {
+    survive_with("b", Fault::Kill, &["--speculate", "4"]);
 }
 
 #[test]

@@ -281,7 +281,10 @@ fn speculation_on_a_three_stage_ring_gives_the_same_tokens_and_logprobs() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert_eq!(tokens(&spec).len(), 40, "{sampling:?}");
-        assert!(tokens(&spec)[0].1.is_object(), "log-probabilities are compared");
+        assert!(
+            tokens(&spec)[0].1.is_object(),
+            "log-probabilities are compared"
+        );
         assert_eq!(tokens(&spec), tokens(&plain), "{sampling:?}");
         let (with, without) = (
             &report_of(&spec)["stage_stats"],
