@@ -411,3 +411,34 @@ fn a_rings_second_chat_turn_reuses_the_kept_prefix_and_answers_as_one_process() 
         "reuse changed the answer"
     );
 }
+
+/// Speculation on a ring through the API (`tessera up --speculate 4`): completions that copy
+/// their prompt give the text and log-probabilities of one process without speculation,
+/// greedy and seeded.
+#[test]
+fn a_speculating_ring_answers_through_the_api_as_one_process() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let up = Up::start_nodes(2, &["--no-sample", "--speculate", "4"]);
+    let plain = common::Server::start(&[]);
+    let prompt = "Once upon a time, there was a little girl named Lily. She liked to play \
+                  outside. Once upon a time, there was a little";
+    for sampling in [
+        serde_json::json!({"temperature": 0}),
+        serde_json::json!({"temperature": 0.8, "seed": 5}),
+    ] {
+        let mut body = serde_json::json!({"model": "stories260K", "prompt": prompt,
+                                          "max_tokens": 40, "logprobs": 2});
+        for (k, v) in sampling.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let answer = |addr: &str| {
+            let r = post(addr, "/v1/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.json()["choices"][0].clone()
+        };
+        let (ring, one) = (answer(&up.addr), answer(&plain.addr));
+        assert_eq!(ring["text"], one["text"], "{sampling}");
+        assert!(one["logprobs"]["token_logprobs"].is_array(), "{one}");
+        assert_eq!(ring["logprobs"], one["logprobs"], "{sampling}");
+    }
+}

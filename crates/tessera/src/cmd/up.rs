@@ -79,6 +79,13 @@ pub struct UpArgs {
     /// Requests that may wait for a slot before new ones get 429.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
+    /// Speculation on the ring: the sampling stage drafts up to K tokens by prompt lookup
+    /// (what followed the last few tokens earlier in the text) with each token it sends back,
+    /// and the ring checks them in one turn. The text is the same; a text that repeats itself
+    /// needs fewer turns. 0 (the default): off. At most 16.
+    #[arg(long, value_name = "K", default_value_t = 0,
+          value_parser = clap::value_parser!(u16).range(0..=16))]
+    speculate: u16,
     /// Skip the sample completion.
     #[arg(long)]
     no_sample: bool,
@@ -268,7 +275,7 @@ async fn up(
             max_active: args.max_batch.max(1),
             max_queue: args.max_queue,
             prefill_chunk: 64,
-            speculate: 0,
+            speculate: usize::from(args.speculate),
             explanation: if args.plan.is_some() {
                 "Planned from the nodes' measured inventory and links (--plan auto); the \
                  planner's reasoning is in the run directory, coordinator/plan-auto.json."
