@@ -31,7 +31,7 @@ use tessera_api::{
     Assignment, Backend, BackendCounters, BackendFeatures, CellStatus, ClusterStatus,
     EmbeddingHandle, EmbeddingRequest, Event, EventSender, FinishReason, GenerationRequest, Health,
     InventorySummary, LinkStatus, NodeStatus, PlanShape, PlanStatus, RequestHandle, RingStage,
-    ServedModel, SubmitError, Usage,
+    ServedModel, SpeculationTotals, SubmitError, Usage,
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
@@ -113,6 +113,8 @@ struct Books {
     /// Σ per sequence of stage-0 decode frame overhead bytes, and decode tokens.
     decode_excess: u64,
     batching: BatchingStats,
+    /// The sampling stages' speculation counts, from closed sequences.
+    speculation: SpeculationTotals,
 }
 
 struct Inner {
@@ -401,6 +403,11 @@ impl Backend for ClusterBackend {
             tessera_api::NO_CLUSTER_EMBEDDINGS.into(),
         ))
     }
+
+    /// The ring's speculation, counted from closed sequences' sampling stages.
+    fn speculation(&self) -> Option<SpeculationTotals> {
+        (self.inner.config.speculate > 0).then(|| lock(&self.inner.books).speculation)
+    }
 }
 
 /// Runs one request: waits for a slot, drives the sequence, relays tokens, accounts.
@@ -557,6 +564,11 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
 /// Books a finished sequence: confirmed closes, link bytes, batching evidence.
 fn account(inner: &Inner, report: &RunReport, live: Option<&LiveSeq>) {
     let mut b = lock(&inner.books);
+    if let Some(sampler) = report.stage_stats.last() {
+        b.speculation.verifications += sampler.verifications;
+        b.speculation.drafted += sampler.drafted;
+        b.speculation.accepted += sampler.drafts_accepted;
+    }
     let n = report.stages.len();
     for (i, st) in report.stage_stats.iter().enumerate() {
         let node = report.stages[i].node_id;

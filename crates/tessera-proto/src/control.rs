@@ -208,8 +208,10 @@ pub struct StageSeqStats {
     /// rides in every `Closed` message, which should stay small).
     #[serde(default)]
     pub hop: Box<HopTimes>,
-    /// Sampling stage, speculation: drafts sent with the ring's tokens, and how many of them
-    /// its draws agreed with.
+    /// Sampling stage, speculation: steps that checked drafts, the drafts sent with the ring's
+    /// tokens, and how many of them its draws agreed with.
+    #[serde(default)]
+    pub verifications: u64,
     #[serde(default)]
     pub drafted: u64,
     #[serde(default)]

@@ -441,4 +441,8 @@ fn a_speculating_ring_answers_through_the_api_as_one_process() {
         assert!(one["logprobs"]["token_logprobs"].is_array(), "{one}");
         assert_eq!(ring["logprobs"], one["logprobs"], "{sampling}");
     }
+    // The ring did speculate, and `/metrics` says how well.
+    let accepted = metric(&up.addr, "tessera_speculation_accepted_tokens_total");
+    assert!(accepted > 0.0, "no draft was accepted");
+    assert!(metric(&up.addr, "tessera_speculation_draft_tokens_total") >= accepted);
 }

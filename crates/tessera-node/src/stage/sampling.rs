@@ -103,6 +103,7 @@ pub(super) fn verify(s: &mut SeqState, logits: &Logits) -> Vec<StageOutput> {
             return out;
         }
     };
+    s.stats.verifications += u64::from(!drafts.is_empty());
     s.stats.drafted += drafts.len() as u64;
     s.stats.drafts_accepted += settled.accepted as u64;
     if s.finished {
