@@ -135,6 +135,8 @@ struct Inner {
     /// decode step.
     frame_fixed: u64,
     frame_per_seq: u64,
+    /// Bytes of one hidden row (a draft row of a speculative step adds one).
+    row_bytes: u64,
 }
 
 /// The coordinator's [`Backend`]: serves requests over the current epoch's ring.
@@ -206,6 +208,7 @@ impl ClusterBackend {
                 kv_per_pos_layer,
                 frame_fixed,
                 frame_per_seq,
+                row_bytes: c.n_embd as u64 * 4,
             }),
         })
     }
@@ -591,10 +594,12 @@ fn account(inner: &Inner, report: &RunReport, live: Option<&LiveSeq>) {
     if n > 1 {
         if let Some(s0) = report.stage_stats.first() {
             let tokens = s0.decode.frames_sent;
+            // Speculative steps carry draft rows beyond each sequence's one: not overhead.
+            let draft_rows = s0.decode.tokens.saturating_sub(s0.decode.steps);
             let excess = s0
                 .decode
                 .bytes_sent
-                .saturating_sub(tokens * inner.frame_per_seq);
+                .saturating_sub(tokens * inner.frame_per_seq + draft_rows * inner.row_bytes);
             b.decode_excess += excess;
             b.batching.decode_tokens += tokens;
             b.batching.prefill_steps += s0.prefill.steps;
