@@ -188,6 +188,7 @@ impl ClusterBackend {
         };
         let frame_fixed = (tessera_net::frame::HEADER_LEN + empty.encoded_len()) as u64;
         let frame_per_seq = (one.encoded_len() - empty.encoded_len() + c.n_embd * 4) as u64;
+        let row_bytes = c.n_embd as u64 * 4;
         let config = ClusterBackendConfig {
             max_active: config.max_active.max(1),
             ..config
@@ -208,7 +209,7 @@ impl ClusterBackend {
                 kv_per_pos_layer,
                 frame_fixed,
                 frame_per_seq,
-                row_bytes: c.n_embd as u64 * 4,
+                row_bytes,
             }),
         })
     }
