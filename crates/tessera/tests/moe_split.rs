@@ -343,3 +343,74 @@ fn expert_split_homes_reuse_a_kept_prefix_bit_for_bit() {
         }
     }
 }
+
+/// Speculation in an expert split (`--speculate 4`): a decode step carries the token and its
+/// drafts, so each expert request carries their k + 1 rows, one request per contacted node
+/// per MoE layer per step; the tokens are those without speculation, and with drafts accepted
+/// the home took fewer decode steps than it generated tokens. (Fewer steps need not mean fewer
+/// round trips: one row often needs no remote expert, k + 1 rows almost always do.)
+#[test]
+fn a_speculating_expert_split_sends_k_plus_1_rows_per_round_trip_and_matches_one_process() {
+    let name = "test/small-qwen3moe-Q8_0.gguf";
+    let (l, n) = shape(name);
+    let (a, b) = halves(n);
+    let tokens = 40;
+    let mut c = ExpertCluster::start(
+        &model(name),
+        &format!("{}@a,{}@b", ids(&a), ids(&b)),
+        TIMEOUT,
+    );
+    c.add_node("a", &[]);
+    c.add_node("b", &[]);
+    // The synthetic model's text repeats itself only when told to (a penalty below 1 favours
+    // tokens already seen): then prompt lookup has something to find.
+    let n_tokens = tokens.to_string();
+    let run = |extra: &[&str]| {
+        let flags = [
+            &[
+                "-p",
+                "Once upon a time, in a quiet village",
+                "-n",
+                &n_tokens,
+                "--temperature",
+                "0",
+                "--repeat-penalty",
+                "0.2",
+                "--ignore-eos",
+            ][..],
+            extra,
+        ]
+        .concat();
+        c.run_json(&[("a", 0..l)], &flags)
+    };
+    let (plain, spec) = (run(&[]), run(&["--speculate", "4"]));
+    assert_eq!(
+        tokens_of(&spec).len(),
+        tokens,
+        "{:?}",
+        &spec[spec.len().saturating_sub(3)..]
+    );
+    assert_eq!(tokens_of(&spec), tokens_of(&plain), "tokens");
+    let home = &report_of(&spec)["stage_stats"][0];
+    let accepted = home["drafts_accepted"].as_u64().unwrap();
+    assert!(accepted > 0, "no draft was accepted: {home}");
+    let steps = home["decode"]["steps"].as_u64().unwrap();
+    let trips = home["decode"]["expert_round_trips"].as_u64().unwrap();
+    assert!(
+        steps < tokens as u64 - 1,
+        "{steps} decode steps for {tokens} tokens"
+    );
+    assert!(
+        trips <= steps * l as u64,
+        "{trips} expert requests for {steps} steps"
+    );
+    // Draft rows rode along: more rows than steps, each step's rows in one request per peer.
+    let rows = home["decode"]["tokens"].as_u64().unwrap();
+    assert!(rows > steps, "{rows} rows in {steps} steps");
+    let before = &report_of(&plain)["stage_stats"][0]["decode"];
+    eprintln!(
+        "expert split, 40 tokens: {steps} decode steps and {trips} expert round trips with \
+         --speculate 4 ({accepted} drafts accepted), {} and {} without",
+        before["steps"], before["expert_round_trips"]
+    );
+}

@@ -44,6 +44,9 @@ pub struct RunArgs {
     /// Ask every stage for a blake3 hash of each hidden state it outputs.
     #[arg(long)]
     trace: bool,
+    /// Generate exactly -n tokens, past any end-of-generation token.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Speculation on the ring: the sampling stage drafts up to K tokens by prompt lookup
     /// (copying what followed the last few tokens earlier in the text) with each token it
     /// sends back, and the ring checks them in one turn. The text is the same; a text that
@@ -90,7 +93,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         stages,
         prefill_chunk: args.prefill_chunk,
         trace: args.trace,
-        stop_at_eog: true,
+        stop_at_eog: !args.ignore_eos,
         grammar: args
             .json_schema
             .as_deref()
