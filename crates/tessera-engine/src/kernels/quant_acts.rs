@@ -176,6 +176,12 @@ impl QuantizedActs {
                 });
             }
         }
+        // The AVX2 float kernels' prefill layout, built on the pool now rather than by the
+        // first kernel call on one thread (other ISAs never read it).
+        #[cfg(target_arch = "x86_64")]
+        if super::isa() == super::Isa::Avx2 {
+            super::x86::prepare_lane_major(pool, &a);
+        }
         a
     }
 

@@ -6,7 +6,9 @@
 use std::arch::x86_64::*;
 
 use super::super::matrix::GROUP;
-use super::super::quant_acts::QuantizedActs;
+use super::super::pool::ThreadPool;
+use super::super::quant_acts::{ActKind, QuantizedActs};
+use super::super::SharedMut;
 use super::super::scalar::{FLOAT_BF16, FLOAT_F16, FLOAT_F32};
 
 const fn esize(k: u8) -> usize {
@@ -301,29 +303,55 @@ const BLOCK: usize = 64;
 /// 64 are not held (the tails read `a.f`). Built once per set of activations and shared by
 /// every group and thread.
 fn lane_major<const K: u8>(a: &QuantizedActs) -> &[f32] {
-    a.lane_major.get_or_init(|| {
-        let (n, nt) = (a.cols, a.n_tokens);
-        let np = n / 64 * 64;
-        let seg = np / n_lanes(K);
-        let mut v = vec![0f32; nt * np];
-        for b0 in (0..nt).step_by(BLOCK) {
-            let width = BLOCK.min(nt - b0);
-            let block = &mut v[b0 * np..(b0 + width) * np];
-            for j in 0..width {
-                let x = &a.f[(b0 + j) * n..(b0 + j + 1) * n];
-                for l in 0..n_lanes(K) {
-                    let mut at = l * seg * width + j;
-                    for base in (0..np).step_by(64) {
-                        lane_columns::<K>(base, l, |e| {
-                            block[at] = x[e];
-                            at += width;
-                        });
-                    }
-                }
+    a.lane_major.get_or_init(|| build_lane_major::<K>(a, None))
+}
+
+/// [`lane_major`] of `a`, on `pool` if given (one task per block and lane).
+fn build_lane_major<const K: u8>(a: &QuantizedActs, pool: Option<&ThreadPool>) -> Vec<f32> {
+    let (n, nt) = (a.cols, a.n_tokens);
+    let np = n / 64 * 64;
+    let seg = np / n_lanes(K);
+    let mut v = vec![0f32; nt * np];
+    let shared = SharedMut::new(&mut v);
+    let task = |i: usize| {
+        let (b0, l) = (i / n_lanes(K) * BLOCK, i % n_lanes(K));
+        let width = BLOCK.min(nt - b0);
+        // SAFETY: each (block, lane) task writes only its own segment.
+        let out = unsafe { shared.range(b0 * np + l * seg * width, seg * width) };
+        for j in 0..width {
+            let x = &a.f[(b0 + j) * n..(b0 + j + 1) * n];
+            let mut at = j;
+            for base in (0..np).step_by(64) {
+                lane_columns::<K>(base, l, |e| {
+                    out[at] = x[e];
+                    at += width;
+                });
             }
         }
-        v
-    })
+    };
+    let tasks = nt.div_ceil(BLOCK) * n_lanes(K);
+    match pool {
+        Some(pool) => pool.run(tasks, task),
+        None => (0..tasks).for_each(task),
+    }
+    v
+}
+
+/// Builds the [`lane_major`] layout of float activations on `pool` ahead of the matmuls
+/// (rather than on one thread inside the first kernel call while the others wait). Only for
+/// batches that the AVX2 kernels run as prefill tiles.
+pub(crate) fn prepare_lane_major(pool: &ThreadPool, a: &QuantizedActs) {
+    if a.n_tokens < 3 {
+        return;
+    }
+    let v = match a.kind {
+        ActKind::F16 => build_lane_major::<FLOAT_F16>(a, Some(pool)),
+        ActKind::BF16 => build_lane_major::<FLOAT_BF16>(a, Some(pool)),
+        ActKind::F32 => build_lane_major::<FLOAT_F32>(a, Some(pool)),
+        _ => return,
+    };
+    // Nothing can have set it yet: `a` is still being built.
+    let _ = a.lane_major.set(v);
 }
 
 /// Where a prefill tile of tokens `t..` (within one block) finds lane `l`'s activations from
@@ -656,3 +684,54 @@ macro_rules! entry_avx2 {
 entry_avx2!(f32_avx2, FLOAT_F32);
 entry_avx2!(f16_avx2, FLOAT_F16);
 entry_avx2!(bf16_avx2, FLOAT_BF16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_model::GgmlType;
+
+    /// The layout built ahead on the pool (when AVX2 is the active ISA) is the one the kernels
+    /// build for themselves otherwise: blocks of 64 tokens, the last one narrower, and a
+    /// column tail past the last whole 64 left out.
+    #[test]
+    fn lane_major_built_on_the_pool_equals_the_one_built_in_a_kernel() {
+        let pool = ThreadPool::new(3);
+        for (dtype, nt, cols) in [
+            (GgmlType::F16, 70, 1100),
+            (GgmlType::BF16, 3, 128),
+            (GgmlType::F32, 130, 64),
+        ] {
+            let x: Vec<f32> = (0..nt * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            let a = QuantizedActs::new(&pool, dtype, &x, nt, cols);
+            let (lazy, ahead) = match dtype {
+                GgmlType::F16 => (
+                    build_lane_major::<FLOAT_F16>(&a, None),
+                    build_lane_major::<FLOAT_F16>(&a, Some(&pool)),
+                ),
+                GgmlType::BF16 => (
+                    build_lane_major::<FLOAT_BF16>(&a, None),
+                    build_lane_major::<FLOAT_BF16>(&a, Some(&pool)),
+                ),
+                _ => (
+                    build_lane_major::<FLOAT_F32>(&a, None),
+                    build_lane_major::<FLOAT_F32>(&a, Some(&pool)),
+                ),
+            };
+            assert_eq!(lazy, ahead, "{dtype}");
+            // Spot checks of the layout itself: token 65 (block 1, width nt - 64), lane 3's
+            // second column.
+            let np = cols / 64 * 64;
+            if dtype == GgmlType::F16 {
+                let (b0, width, seg) = (64, nt - 64, np / 64);
+                let want = a.f[65 * cols + 64 + 3];
+                assert_eq!(lazy[b0 * np + (3 * seg + 1) * width + 1], want);
+            }
+            if dtype == GgmlType::BF16 {
+                // Lane 5 takes column 11, then 10, of each 64.
+                let seg = np / 32;
+                assert_eq!(lazy[(5 * seg) * nt + 2], a.f[2 * cols + 11]);
+                assert_eq!(lazy[(5 * seg + 1) * nt + 2], a.f[2 * cols + 10]);
+            }
+        }
+    }
+}
