@@ -199,7 +199,7 @@ fn cols_for(dtype: GgmlType) -> usize {
         | GgmlType::Iq2S
         | GgmlType::Iq3Xxs
         | GgmlType::Iq3S => 512,
-        // Past the AVX2 kernel's 1,024-column chunk (lanes carried between chunks), with a
+        // Lanes of 17 columns (the AVX2 prefill passes walk one lane at a time), with a
         // float tail.
         _ => 1100,
     }
