@@ -185,8 +185,9 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   call (`lane_major_weights`), the activations once per matmul (`lane_major`, built on the
 //   pool by `QuantizedActs::new` when AVX2 is the active ISA). Each quartet (BF16: pair) of
 //   lanes is combined and reduced as soon as its passes end (`lanes_by_pass`).
-//   Measured with `kernel_bench` (1 thread, 64 tokens, F16): 97–100 GFLOP/s before the copies,
-//   113–117 after, against ~143 for bare FMAs on this machine's cores when quiet;
+//   Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new binaries alternated):
+//   88–99 GFLOP/s before the copies, 103–119 after, against ~143 for a loop of bare FMAs on
+//   the same 2-core AMD EPYC when quiet;
 // - decode (1 or 2 tokens): the columns in address order (`sweep`), every lane's accumulator
 //   kept in a buffer, so that the weights, read once, stream from memory in order.
 
