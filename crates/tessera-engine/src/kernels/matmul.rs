@@ -4,6 +4,8 @@
 //! output element is computed by one kernel call whose arithmetic does not depend on the split,
 //! so results are identical for any thread count or batch.
 
+use tessera_model::GgmlType;
+
 use super::matrix::{Matrix, GROUP};
 use super::pool::ThreadPool;
 use super::quant_acts::QuantizedActs;
@@ -222,15 +224,29 @@ impl<'a> Plan<'a> {
         let tokens = tt * self.tokens_per_task..((tt + 1) * self.tokens_per_task).min(nt);
         let f = self.kernel;
         // Tokens per kernel call: kernels that unpack a group's weights before their token
-        // loop (IQ2/IQ3) do it once per call.
+        // loop (IQ2/IQ3) do it once per call, and so do the AVX2 float kernels that reorder
+        // them (a copy of the group per call: a few percent of a 64-token call).
         const TCHUNK: usize = 64;
-        let mut buf = [0f32; GROUP * TCHUNK];
+        let tchunk = match w.dtype {
+            GgmlType::F16 | GgmlType::BF16 | GgmlType::F32 => 4 * TCHUNK,
+            _ => TCHUNK,
+        };
+        // On the stack up to TCHUNK tokens (decode does not pay for a larger buffer).
+        let mut small = [0f32; GROUP * TCHUNK];
+        let mut large = Vec::new();
+        let buf: &mut [f32] = match tchunk.min(tokens.len()) {
+            n if n <= TCHUNK => &mut small,
+            n => {
+                large.resize(GROUP * n, 0.0);
+                &mut large
+            }
+        };
         for g in units {
             let data = w.group(g);
             let rows = (g * GROUP).max(row_start)..((g + 1) * GROUP).min(row_end);
             let mut t = tokens.start;
             while t < tokens.end {
-                let n = (tokens.end - t).min(TCHUNK);
+                let n = (tokens.end - t).min(tchunk);
                 // SAFETY: the ISA is available (checked in `new`); the kernel reads
                 // `data` (one whole group) and acts for tokens t..t+n, all in bounds.
                 unsafe { f(data, acts, t, n, &mut buf[..n * GROUP]) };

@@ -2,6 +2,8 @@
 //! Q8_0 for Q4_0/Q8_0 weights (and Q4_1/Q5_1, which also read each block's Q8_1 sum `s`), Q8_K
 //! for K-quants, F16/BF16-rounded floats for F16/BF16.
 
+use std::sync::OnceLock;
+
 use half::{bf16, f16};
 use tessera_model::GgmlType;
 
@@ -77,6 +79,10 @@ pub struct QuantizedActs {
     pub(crate) bsums: Vec<i16>,
     /// Q8_0: 128 × the sum of each 4 quants (removes the +128 of unsigned weights per lane).
     pub(crate) corr4: Vec<i32>,
+    /// Float kinds: `f` rearranged for the AVX2 float kernels' prefill tiles
+    /// (`x86::float::lane_major`), built by the first kernel call that needs it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) lane_major: OnceLock<Vec<f32>>,
 }
 
 impl QuantizedActs {
@@ -110,6 +116,7 @@ impl QuantizedActs {
             q8_1_s: Vec::new(),
             bsums: Vec::new(),
             corr4: Vec::new(),
+            lane_major: OnceLock::new(),
         };
         match kind {
             ActKind::F32 => a.f = x.to_vec(),
@@ -169,6 +176,12 @@ impl QuantizedActs {
                 });
             }
         }
+        // The AVX2 float kernels' prefill layout, built on the pool now rather than by the
+        // first kernel call on one thread (other ISAs never read it).
+        #[cfg(target_arch = "x86_64")]
+        if super::isa() == super::Isa::Avx2 {
+            super::x86::prepare_lane_major(pool, &a);
+        }
         a
     }
 
@@ -204,6 +217,7 @@ impl QuantizedActs {
             q8_1_s: Vec::new(),
             bsums: Vec::new(),
             corr4: Vec::new(),
+            lane_major: OnceLock::new(),
         };
         for &t in tokens {
             assert!(t < self.n_tokens, "token {t} out of {}", self.n_tokens);

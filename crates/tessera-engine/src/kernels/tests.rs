@@ -199,7 +199,7 @@ fn cols_for(dtype: GgmlType) -> usize {
         | GgmlType::Iq2S
         | GgmlType::Iq3Xxs
         | GgmlType::Iq3S => 512,
-        // Past the AVX2 kernel's 1,024-column chunk (lanes carried between chunks), with a
+        // Lanes of 17 columns (the AVX2 prefill passes walk one lane at a time), with a
         // float tail.
         _ => 1100,
     }
@@ -325,6 +325,44 @@ fn bit_identical_across_batches_threads_ranges_and_isas() {
                                 );
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The AVX2 float kernels' prefill tiles read a lane-major copy of the activations in blocks
+/// of 64 tokens, and take 256 tokens per call: batches past both, split between tasks at
+/// token counts that are not multiples of a tile (so some tiles stop at a block's end), equal
+/// each token alone on the scalar kernel, bit for bit, on every ISA.
+#[test]
+fn float_prefill_past_a_token_block_equals_each_token_alone() {
+    let pools = [ThreadPool::new(1), ThreadPool::new(3)];
+    for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+        let mut rng = Rng::new(dtype.id() as u64 + 300);
+        // 21 rows: 2 groups, so 3 threads split the 300 tokens into tasks of 19.
+        let (rows, cols, nt) = (21, 1100, 300);
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+        let x = random_x(nt * cols, &mut rng);
+        let alone: Vec<Vec<f32>> = (0..nt)
+            .map(|t| {
+                let xt = &x[t * cols..(t + 1) * cols];
+                run(Isa::Scalar, &pools[0], &w, (0, rows), xt, 1)
+            })
+            .collect();
+        for isa in isas() {
+            for pool in &pools {
+                let out = run(isa, pool, &w, (0, rows), &x, nt);
+                for (t, alone) in alone.iter().enumerate() {
+                    for r in 0..rows {
+                        assert_eq!(
+                            out[t * rows + r].to_bits(),
+                            alone[r].to_bits(),
+                            "{dtype} {isa:?} threads {} token {t} row {r}",
+                            pool.n_threads()
+                        );
                     }
                 }
             }

@@ -6,8 +6,10 @@
 use std::arch::x86_64::*;
 
 use super::super::matrix::GROUP;
-use super::super::quant_acts::QuantizedActs;
+use super::super::pool::ThreadPool;
+use super::super::quant_acts::{ActKind, QuantizedActs};
 use super::super::scalar::{FLOAT_BF16, FLOAT_F16, FLOAT_F32};
+use super::super::SharedMut;
 
 const fn esize(k: u8) -> usize {
     if k == FLOAT_F32 {
@@ -178,8 +180,14 @@ entry!(bf16_avx512, FLOAT_BF16);
 // registers and walks the columns once. AVX2 has half the registers of half the width:
 // - prefill (3 or more tokens): one lane at a time ("a lane pass", `lane_pass`) for both
 //   8-row halves and a tile of up to `TILE` tokens, so each weight load feeds `TILE` FMAs
-//   per half instead of one; rows wider than `CHUNK` run chunk by chunk (`lanes_by_pass`)
-//   so that a pass's cache lines stay in L1;
+//   per half instead of one. A pass reads a lane's columns, every 64th, so both operands are
+//   first copied lane by lane into consecutive memory: each group's weights once per kernel
+//   call (`lane_major_weights`), the activations once per matmul (`lane_major`, built on the
+//   pool by `QuantizedActs::new` when AVX2 is the active ISA). Each quartet (BF16: pair) of
+//   lanes is combined and reduced as soon as its passes end (`lanes_by_pass`).
+//   Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new binaries alternated):
+//   88–99 GFLOP/s before the copies, 103–119 after, against ~143 for a loop of bare FMAs on
+//   the same 2-core AMD EPYC when quiet;
 // - decode (1 or 2 tokens): the columns in address order (`sweep`), every lane's accumulator
 //   kept in a buffer, so that the weights, read once, stream from memory in order.
 
@@ -226,33 +234,162 @@ fn lane_columns<const K: u8>(base: usize, l: usize, mut f: impl FnMut(usize)) {
     }
 }
 
-/// Lane `l`'s accumulators of both row halves for `T` tokens, `acc` carried on over the
-/// 64-column blocks from `start` to `end` (multiples of 64): `[token][h8]`.
+/// One lane's accumulators of both row halves for `T` tokens over its `seg` columns:
+/// `[token][h8]`. `w` is the group's weights in the [`lane_major_weights`] layout, the lane's
+/// first column at index `col` of it; `x` points at the tile's first token's activation for
+/// the lane's first column in the [`lane_major`] layout (the tile's tokens side by side, the
+/// lane's next column `stride` floats on).
 #[inline(always)]
 unsafe fn lane_pass<const K: u8, const T: usize>(
-    w: *const u8,
-    xs: &[*const f32; T],
-    l: usize,
-    (start, end): (usize, usize),
-    mut acc: [[__m256; 2]; T],
+    (w, col): (*const u8, usize),
+    (x, stride): (*const f32, usize),
+    seg: usize,
 ) -> [[__m256; 2]; T] {
-    // SAFETY: columns below `end` are in bounds of `w` and of every token's activations
+    // SAFETY: the lane's `seg` columns are in bounds of `w` and, for the tile's tokens, of `x`
     // (caller); AVX2/FMA/F16C enabled (caller).
     unsafe {
-        let mut base = start;
-        while base < end {
-            lane_columns::<K>(base, l, |e| {
-                let w0 = load8::<K>(w, e, 0);
-                let w1 = load8::<K>(w, e, 1);
-                for (acc, x) in acc.iter_mut().zip(xs) {
-                    let xe = _mm256_broadcast_ss(&*x.add(e));
-                    acc[0] = _mm256_fmadd_ps(w0, xe, acc[0]);
-                    acc[1] = _mm256_fmadd_ps(w1, xe, acc[1]);
-                }
-            });
-            base += 64;
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
+        let mut xp = x;
+        for e in col..col + seg {
+            let w0 = load8::<K>(w, e, 0);
+            let w1 = load8::<K>(w, e, 1);
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let xe = _mm256_broadcast_ss(&*xp.add(j));
+                acc[0] = _mm256_fmadd_ps(w0, xe, acc[0]);
+                acc[1] = _mm256_fmadd_ps(w1, xe, acc[1]);
+            }
+            xp = xp.add(stride);
         }
         acc
+    }
+}
+
+/// A group's weights with their columns reordered for the lane passes: lane `l`'s `s`-th
+/// column (in [`lane_columns`] order) as column `l · seg + s`, columns past the last whole 64
+/// left out. Once per kernel call, for all its tiles: a lane's columns then follow each other
+/// in memory, where in the group they lie 2 KiB apart (F32: 4 KiB, the same L1 set).
+#[inline(always)]
+unsafe fn lane_major_weights<const K: u8>(w: *const u8, np: usize, into: &mut Vec<u8>) {
+    let col = GROUP * esize(K);
+    // Every byte is written below: only growth needs filling.
+    into.resize(np * col, 0);
+    let o = into.as_mut_ptr();
+    // SAFETY: columns below np are in the group (caller); `into` holds np columns, each
+    // written once.
+    unsafe {
+        let mut at = 0;
+        for l in 0..n_lanes(K) {
+            for base in (0..np).step_by(64) {
+                lane_columns::<K>(base, l, |e| {
+                    std::ptr::copy_nonoverlapping(w.add(e * col), o.add(at), col);
+                    at += col;
+                });
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// Each pool thread's buffer for [`lane_major_weights`] (a group of a 3,072-column F32
+    /// matrix takes 192 KiB, past what the allocator hands out without mapping fresh pages).
+    static REORDERED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Tokens per block of the [`lane_major`] layout; a prefill tile never spans two blocks.
+/// The matmul driver hands kernels 64 tokens at a time from a 64-aligned start unless it
+/// splits the tokens between tasks, so tiles line up with blocks.
+const BLOCK: usize = 64;
+
+/// The activations rearranged so that a lane pass reads them in order: tokens in blocks of
+/// [`BLOCK`] (the last one narrower), and within a block of `width` tokens, lane `l`'s `s`-th
+/// column of token `j` (in [`lane_columns`] order) at `(l · seg + s) · width + j`, where `seg`
+/// is a lane's column count. A tile's tokens then sit side by side behind one pointer and a
+/// lane's columns follow each other, where the plain layout puts every token a row apart and
+/// every column of a lane 64 floats on (an L1 line per broadcast). Columns past the last whole
+/// 64 are not held (the tails read `a.f`). Built once per set of activations and shared by
+/// every group and thread.
+fn lane_major<const K: u8>(a: &QuantizedActs) -> &[f32] {
+    a.lane_major.get_or_init(|| build_lane_major::<K>(a, None))
+}
+
+/// [`lane_major`] of `a`, on `pool` if given (one task per block and lane).
+fn build_lane_major<const K: u8>(a: &QuantizedActs, pool: Option<&ThreadPool>) -> Vec<f32> {
+    let (n, nt) = (a.cols, a.n_tokens);
+    let np = n / 64 * 64;
+    let seg = np / n_lanes(K);
+    let mut v = vec![0f32; nt * np];
+    let shared = SharedMut::new(&mut v);
+    let task = |i: usize| {
+        let (b0, l) = (i / n_lanes(K) * BLOCK, i % n_lanes(K));
+        let width = BLOCK.min(nt - b0);
+        // SAFETY: each (block, lane) task writes only its own segment.
+        let out = unsafe { shared.range(b0 * np + l * seg * width, seg * width) };
+        for j in 0..width {
+            let x = &a.f[(b0 + j) * n..(b0 + j + 1) * n];
+            let mut at = j;
+            for base in (0..np).step_by(64) {
+                lane_columns::<K>(base, l, |e| {
+                    out[at] = x[e];
+                    at += width;
+                });
+            }
+        }
+    };
+    let tasks = nt.div_ceil(BLOCK) * n_lanes(K);
+    match pool {
+        Some(pool) => pool.run(tasks, task),
+        None => (0..tasks).for_each(task),
+    }
+    v
+}
+
+/// Builds the [`lane_major`] layout of float activations on `pool` ahead of the matmuls
+/// (rather than on one thread inside the first kernel call while the others wait). Only for
+/// batches that the AVX2 kernels run as prefill tiles.
+pub(crate) fn prepare_lane_major(pool: &ThreadPool, a: &QuantizedActs) {
+    if a.n_tokens < 3 {
+        return;
+    }
+    let v = match a.kind {
+        ActKind::F16 => build_lane_major::<FLOAT_F16>(a, Some(pool)),
+        ActKind::BF16 => build_lane_major::<FLOAT_BF16>(a, Some(pool)),
+        ActKind::F32 => build_lane_major::<FLOAT_F32>(a, Some(pool)),
+        _ => return,
+    };
+    // Nothing can have set it yet: `a` is still being built.
+    let _ = a.lane_major.set(v);
+}
+
+/// Where a prefill tile of tokens `t..` (within one block) finds lane `l`'s activations from
+/// column `start` on in the [`lane_major`] layout, and their stride.
+#[derive(Clone, Copy)]
+struct TileActs {
+    /// The tile's first token's first column of lane 0.
+    p: *const f32,
+    /// Floats between a lane's successive columns (the block's width).
+    width: usize,
+    /// Columns per lane.
+    seg: usize,
+}
+
+impl TileActs {
+    /// # Safety
+    /// `lanes` must be [`lane_major`] of `a`, and tokens `t..t + T` within one block.
+    unsafe fn new<const K: u8>(lanes: &[f32], a: &QuantizedActs, t: usize) -> Self {
+        let np = a.cols / 64 * 64;
+        let b0 = t / BLOCK * BLOCK;
+        Self {
+            // SAFETY: b0·np + (t - b0) is inside the block (caller).
+            p: unsafe { lanes.as_ptr().add(b0 * np + (t - b0)) },
+            width: BLOCK.min(a.n_tokens - b0),
+            seg: np / n_lanes(K),
+        }
+    }
+
+    /// Lane `l`'s first column.
+    #[inline(always)]
+    fn lane(self, l: usize) -> (*const f32, usize) {
+        (self.p.wrapping_add(l * self.seg * self.width), self.width)
     }
 }
 
@@ -326,94 +463,65 @@ fn combine<const K: u8, const T: usize>(
     (v, v)
 }
 
-/// Columns per chunk of the lane passes. A pass reads a line every 2 KiB of weights and every
-/// 256 bytes of each token's activations, so all its lines fall in a few L1 sets; 16 of them
-/// per pass fit those sets, the 48 of a 3,072-column row evict each other (measured: half the
-/// speed without chunks, with `kernel_bench`).
-const CHUNK: usize = 1024;
+/// Per token and row half, what [`reduce_avx2`] makes of [`combine`]'s two outputs: F32/F16
+/// the row sums (twice), BF16 the two partial sums that the scalar kernel adds in f64.
+type Reduced<const T: usize> = ([[__m256; 2]; T], [[__m256; 2]; T]);
 
-/// The order lanes run in within a chunk: 16 lanes apart (F32/F16 `i, 32+i, 16+i, 48+i`; BF16
-/// `i, 16+i`), which spreads consecutive passes over more sets (measured: a third faster than
-/// lanes in order at 1,024 columns).
-const fn lane_order(k: u8) -> [usize; 64] {
-    let mut o = [0; 64];
-    let mut i = 0;
-    while i < 16 {
-        if k == FLOAT_BF16 {
-            o[2 * i] = i;
-            o[2 * i + 1] = 16 + i;
-        } else {
-            o[4 * i] = i;
-            o[4 * i + 1] = 32 + i;
-            o[4 * i + 2] = 16 + i;
-            o[4 * i + 3] = 48 + i;
-        }
-        i += 1;
-    }
-    o
-}
-
-/// `T ≥ 3` tokens by lane passes, chunk by chunk, each lane's accumulators kept between
-/// chunks.
+/// `scalar::reduce16` of `f(0..16)`, each `f(i)` computed once, in an order that keeps only a
+/// few partial sums alive: `i, i + 8, i + 4, i + 12` for `i` = 0, 2, 1, 3, as the tree adds
+/// them. One call site for `f` (a loop, not sixteen inlined copies of the lane passes).
 #[inline(always)]
-unsafe fn lanes_by_pass<const K: u8, const T: usize>(
-    w: *const u8,
-    xs: &[*const f32; T],
-    np: usize,
-) -> (Lanes16<T>, Lanes16<T>) {
-    // SAFETY: as `lane_pass`.
-    unsafe {
-        let zero = [[_mm256_setzero_ps(); 2]; T];
-        if np <= CHUNK {
-            return lanes_in_one_chunk::<K, T>(w, xs, np);
-        }
-        let mut acc = [zero; 64];
-        let order = const { lane_order(K) };
-        let mut start = 0;
-        while start < np {
-            let end = (start + CHUNK).min(np);
-            for &l in &order[..n_lanes(K)] {
-                acc[l] = lane_pass::<K, T>(w, xs, l, (start, end), acc[l]);
+fn reduce16_by<X: Copy>(mut f: impl FnMut(usize) -> X, add: impl Fn(X, X) -> X) -> X {
+    let mut s4: [Option<X>; 4] = [None; 4];
+    for i in [0, 2, 1, 3] {
+        let (mut first, mut s8) = (None, [None; 2]);
+        for (k, off) in [0, 8, 4, 12].into_iter().enumerate() {
+            let v = f(i + off);
+            match first.take() {
+                None => first = Some(v),
+                Some(a) => s8[k / 2] = Some(add(a, v)),
             }
-            start = end;
         }
-        combine::<K, T>(|j, h8, l| acc[l][j][h8])
+        if let [Some(a), Some(b)] = s8 {
+            s4[i] = Some(add(a, b));
+        }
+    }
+    match s4 {
+        [Some(a0), Some(a1), Some(a2), Some(a3)] => add(add(a0, a2), add(a1, a3)),
+        _ => unreachable!("every partial sum is set"),
     }
 }
 
-/// [`lanes_by_pass`] of a row of one chunk: each quartet (BF16: pair) of lanes goes straight
-/// into what [`combine`] builds, without a buffer of every lane (`T · 1.5` KiB that would
-/// share L1 with the weights; measured a third slower).
+/// `T ≥ 3` tokens by one lane pass per lane, each quartet (BF16: pair) of lanes combined and
+/// reduced as soon as it is computed: no buffer of every lane's sums (`T · 1.5` KiB that
+/// would share L1 with the weights; measured a third slower), nor of [`combine`]'s output
+/// (copied about once per tile: measured 3% of a prefill). `w`: the group's
+/// [`lane_major_weights`].
 #[inline(always)]
-unsafe fn lanes_in_one_chunk<const K: u8, const T: usize>(
-    w: *const u8,
-    xs: &[*const f32; T],
-    np: usize,
-) -> (Lanes16<T>, Lanes16<T>) {
-    // SAFETY: as `lane_pass`.
+unsafe fn lanes_by_pass<const K: u8, const T: usize>(w: &[u8], x: TileActs) -> Reduced<T> {
+    let seg = x.seg;
+    debug_assert_eq!(w.len(), n_lanes(K) * seg * GROUP * esize(K));
+    // SAFETY: as `lane_pass`: lane l's weights are columns l·seg..(l+1)·seg of `w`.
     unsafe {
-        let zero = [[_mm256_setzero_ps(); 2]; T];
-        let pass = |l: usize| lane_pass::<K, T>(w, xs, l, (0, np), zero);
+        let pass = |l: usize| lane_pass::<K, T>((w.as_ptr(), l * seg), x.lane(l), seg);
         let add = |a: [[__m256; 2]; T], b: [[__m256; 2]; T]| -> [[__m256; 2]; T] {
             std::array::from_fn(|j| std::array::from_fn(|h| _mm256_add_ps(a[j][h], b[j][h])))
         };
-        let mut v = [[[_mm256_setzero_ps(); 16]; 2]; T];
-        let mut c2 = v;
-        for i in 0..16 {
-            let (a, b) = if K == FLOAT_BF16 {
-                (pass(i), pass(16 + i))
-            } else {
-                let s02 = add(pass(i), pass(32 + i));
-                (add(s02, add(pass(16 + i), pass(48 + i))), zero)
-            };
-            for j in 0..T {
-                for h8 in 0..2 {
-                    v[j][h8][i] = a[j][h8];
-                    c2[j][h8][i] = b[j][h8];
-                }
-            }
+        if K == FLOAT_BF16 {
+            reduce16_by(
+                |i| (pass(i), pass(16 + i)),
+                |a, b| (add(a.0, b.0), add(a.1, b.1)),
+            )
+        } else {
+            let r = reduce16_by(
+                |i| {
+                    let s02 = add(pass(i), pass(32 + i));
+                    add(s02, add(pass(16 + i), pass(48 + i)))
+                },
+                add,
+            );
+            (r, r)
         }
-        (v, c2)
     }
 }
 
@@ -423,34 +531,41 @@ unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
     w: *const u8,
     xs: &[*const f32; T],
     np: usize,
-) -> (Lanes16<T>, Lanes16<T>) {
+) -> Reduced<T> {
     // SAFETY: as `lane_pass`.
     unsafe {
         let acc = sweep::<K, T>(w, xs, np);
-        combine::<K, T>(|j, h8, l| acc[j][h8][l])
+        let (v, c2) = combine::<K, T>(|j, h8, l| acc[j][h8][l]);
+        let red = |v: &Lanes16<T>| -> [[__m256; 2]; T] {
+            std::array::from_fn(|j| std::array::from_fn(|h8| reduce_avx2(&v[j][h8])))
+        };
+        (red(&v), red(&c2))
     }
 }
 
-/// `T` tokens of a group: `out[j*16 + r]` for token `t + j`.
+/// `T` tokens of a group: `out[j*16 + r]` for token `t + j`. `T ≥ 3` reads the weights from
+/// `reordered` ([`lane_major_weights`] of `w`) and the activations from `lanes` ([`lane_major`]
+/// of `a`; tokens `t..t + T` within one block), `T ≤ 2` from `w` and `a.f`.
 // `h8` indexes the halves of the lanes and of the output alike.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn tile_avx2<const K: u8, const T: usize>(
     w: *const u8,
     a: &QuantizedActs,
+    (reordered, lanes): (&[u8], &[f32]),
     t: usize,
     out: &mut [f32],
 ) {
     let n = a.cols;
     let np = n / 64 * 64;
-    // SAFETY: the caller checked that tokens t..t+T are in `a.f`.
-    let xs: [*const f32; T] = std::array::from_fn(|j| unsafe { a.f.as_ptr().add((t + j) * n) });
-    // SAFETY: the caller checked the group holds n columns; features enabled.
+    // SAFETY: the caller checked the group holds n columns, that tokens t..t+T are in `a.f`
+    // and, for T ≥ 3, that they lie in one block of `lanes`; features enabled.
     unsafe {
         let (v, c2) = if T <= 2 {
+            let xs: [*const f32; T] = std::array::from_fn(|j| a.f.as_ptr().add((t + j) * n));
             lanes_by_sweep::<K, T>(w, &xs, np)
         } else {
-            lanes_by_pass::<K, T>(w, &xs, np)
+            lanes_by_pass::<K, T>(reordered, TileActs::new::<K>(lanes, a, t))
         };
         for j in 0..T {
             let x = &a.f[(t + j) * n..(t + j + 1) * n];
@@ -458,8 +573,8 @@ unsafe fn tile_avx2<const K: u8, const T: usize>(
             if K == FLOAT_BF16 {
                 let (mut s1, mut s2) = ([0f32; GROUP], [0f32; GROUP]);
                 for h8 in 0..2 {
-                    _mm256_storeu_ps(s1.as_mut_ptr().add(8 * h8), reduce_avx2(&v[j][h8]));
-                    _mm256_storeu_ps(s2.as_mut_ptr().add(8 * h8), reduce_avx2(&c2[j][h8]));
+                    _mm256_storeu_ps(s1.as_mut_ptr().add(8 * h8), v[j][h8]);
+                    _mm256_storeu_ps(s2.as_mut_ptr().add(8 * h8), c2[j][h8]);
                 }
                 for (r, o) in o.iter_mut().enumerate() {
                     let mut s = s1[r] as f64 + s2[r] as f64;
@@ -471,7 +586,7 @@ unsafe fn tile_avx2<const K: u8, const T: usize>(
                 continue;
             }
             for h8 in 0..2 {
-                _mm256_storeu_ps(o.as_mut_ptr().add(8 * h8), reduce_avx2(&v[j][h8]));
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * h8), v[j][h8]);
             }
             if np < n && K == FLOAT_F32 {
                 for (r, o) in o.iter_mut().enumerate() {
@@ -520,23 +635,38 @@ unsafe fn group_avx2<const K: u8>(
     assert!(w.len() >= n * GROUP * esize(K));
     assert!((t0 + nt) * n <= a.f.len() && out.len() >= nt * GROUP);
     let wp = w.as_ptr();
-    // SAFETY: bounds checked above; features guaranteed by the caller.
-    unsafe {
-        let mut j = 0;
-        while j < nt {
-            let o = &mut out[j * GROUP..];
-            let t = t0 + j;
-            match nt - j {
-                1 => tile_avx2::<K, 1>(wp, a, t, o),
-                2 => tile_avx2::<K, 2>(wp, a, t, o),
-                3 => tile_avx2::<K, 3>(wp, a, t, o),
-                4 => tile_avx2::<K, 4>(wp, a, t, o),
-                5 => tile_avx2::<K, 5>(wp, a, t, o),
-                _ => tile_avx2::<K, TILE>(wp, a, t, o),
+    let np = n / 64 * 64;
+    REORDERED.with_borrow_mut(|reordered| {
+        // Prefill tiles read lane-major copies: the activations' (built once for `a`, by
+        // the first call that needs it) and this group's weights'.
+        let lanes: &[f32] = if nt >= 3 {
+            // SAFETY: the group holds n columns (checked above); features enabled (caller).
+            unsafe { lane_major_weights::<K>(wp, np, reordered) };
+            lane_major::<K>(a)
+        } else {
+            &[]
+        };
+        let prefill = (&reordered[..], lanes);
+        // SAFETY: bounds checked above; features guaranteed by the caller; each tile of 3 or
+        // more tokens lies within one block of `lanes`.
+        unsafe {
+            let mut j = 0;
+            while j < nt {
+                let o = &mut out[j * GROUP..];
+                let t = t0 + j;
+                let take = TILE.min(nt - j).min(BLOCK - t % BLOCK);
+                match take {
+                    1 => tile_avx2::<K, 1>(wp, a, prefill, t, o),
+                    2 => tile_avx2::<K, 2>(wp, a, prefill, t, o),
+                    3 => tile_avx2::<K, 3>(wp, a, prefill, t, o),
+                    4 => tile_avx2::<K, 4>(wp, a, prefill, t, o),
+                    5 => tile_avx2::<K, 5>(wp, a, prefill, t, o),
+                    _ => tile_avx2::<K, TILE>(wp, a, prefill, t, o),
+                }
+                j += take;
             }
-            j += TILE.min(nt - j);
         }
-    }
+    });
 }
 
 macro_rules! entry_avx2 {
@@ -560,3 +690,54 @@ macro_rules! entry_avx2 {
 entry_avx2!(f32_avx2, FLOAT_F32);
 entry_avx2!(f16_avx2, FLOAT_F16);
 entry_avx2!(bf16_avx2, FLOAT_BF16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_model::GgmlType;
+
+    /// The layout built ahead on the pool (when AVX2 is the active ISA) is the one the kernels
+    /// build for themselves otherwise: blocks of 64 tokens, the last one narrower, and a
+    /// column tail past the last whole 64 left out.
+    #[test]
+    fn lane_major_built_on_the_pool_equals_the_one_built_in_a_kernel() {
+        let pool = ThreadPool::new(3);
+        for (dtype, nt, cols) in [
+            (GgmlType::F16, 70, 1100),
+            (GgmlType::BF16, 3, 128),
+            (GgmlType::F32, 130, 64),
+        ] {
+            let x: Vec<f32> = (0..nt * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            let a = QuantizedActs::new(&pool, dtype, &x, nt, cols);
+            let (lazy, ahead) = match dtype {
+                GgmlType::F16 => (
+                    build_lane_major::<FLOAT_F16>(&a, None),
+                    build_lane_major::<FLOAT_F16>(&a, Some(&pool)),
+                ),
+                GgmlType::BF16 => (
+                    build_lane_major::<FLOAT_BF16>(&a, None),
+                    build_lane_major::<FLOAT_BF16>(&a, Some(&pool)),
+                ),
+                _ => (
+                    build_lane_major::<FLOAT_F32>(&a, None),
+                    build_lane_major::<FLOAT_F32>(&a, Some(&pool)),
+                ),
+            };
+            assert_eq!(lazy, ahead, "{dtype}");
+            // Spot checks of the layout itself: token 65 (block 1, width nt - 64), lane 3's
+            // second column.
+            let np = cols / 64 * 64;
+            if dtype == GgmlType::F16 {
+                let (b0, width, seg) = (64, nt - 64, np / 64);
+                let want = a.f[65 * cols + 64 + 3];
+                assert_eq!(lazy[b0 * np + (3 * seg + 1) * width + 1], want);
+            }
+            if dtype == GgmlType::BF16 {
+                // Lane 5 takes column 11, then 10, of each 64.
+                let seg = np / 32;
+                assert_eq!(lazy[(5 * seg) * nt + 2], a.f[2 * cols + 11]);
+                assert_eq!(lazy[(5 * seg + 1) * nt + 2], a.f[2 * cols + 10]);
+            }
+        }
+    }
+}

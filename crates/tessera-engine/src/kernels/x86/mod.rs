@@ -15,6 +15,8 @@ use tessera_model::GgmlType;
 use super::iq23::{IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS};
 use super::{GroupFn, Isa};
 
+pub(super) use float::prepare_lane_major;
+
 pub(super) fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
