@@ -72,7 +72,7 @@ fn the_slow_node_is_left_out() {
 }
 
 #[test]
-fn the_moe_is_ranked_as_expert_split_stage_ring_and_one_node_from_disk() {
+fn the_moe_is_ranked_as_expert_split_stage_ring_and_one_node_streaming_from_its_disk() {
     let s = load("moe-experts");
     let (profile, model) = model(&s);
     let o = tessera_plan::plan(&model, &s.graph, 1).unwrap();
@@ -93,10 +93,27 @@ fn the_moe_is_ranked_as_expert_split_stage_ring_and_one_node_from_disk() {
         .iter()
         .find(|c| c.plan.strategy == StrategyKind::Single)
         .unwrap();
-    let Err(why) = &single.placement else {
-        panic!("one node streaming from disk cannot execute")
-    };
-    assert!(why.contains("disk"), "{why}");
+    // One node streaming the experts its memory cannot hold from its disk runs as an expert
+    // split homed on it that owns every expert, the node told how much of them to keep.
+    let placement = single
+        .placement
+        .as_ref()
+        .expect("one node streaming executes");
+    let node = &single.plan.cells[0].assignments[0];
+    assert!(node.memory.disk.0 > 0, "{node:?}");
+    let split = placement.experts.as_ref().expect("an expert split");
+    assert_eq!(split.groups.len(), 1);
+    assert_eq!(split.groups[0].node, node.node);
+    assert_eq!(split.groups[0].experts.len(), profile.config.n_expert);
+    let (name, kept) = single.streams.clone().expect("a streaming budget");
+    assert_eq!(name, node.node);
+    let experts: u64 = model
+        .layers
+        .iter()
+        .map(|l| l.expert.0 * u64::from(l.n_expert))
+        .sum();
+    assert_eq!(kept + node.memory.disk.0, experts);
+    assert!(kept > 0, "the plan keeps some experts in memory");
 }
 
 #[test]

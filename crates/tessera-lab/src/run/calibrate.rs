@@ -2,7 +2,8 @@
 //! that ran showed, in steps, each on the graph the steps before it left.
 //!
 //! 1. Every single-node run (else the first plan that ran) calibrates the graph
-//!    (`tessera_plan::calibrate`): each is the evidence on its own node.
+//!    (`tessera_plan::calibrate`): each is the evidence on its own node. A node streaming
+//!    experts from its disk is not: its time is the disk's as much as the node's.
 //! 2. Each node no reference ran on is calibrated from its own stage in the first other plan
 //!    that ran on it (`tessera_plan::calibrate_nodes`).
 //! 3. The runtime's cost per token is the median of the references' (one throttled host does
@@ -93,6 +94,12 @@ impl<'a> Runs<'a> {
     fn is_single(&self, i: usize) -> bool {
         self.candidates[i].plan.strategy == StrategyKind::Single
     }
+
+    /// Whether candidate `i` streamed experts from a disk: its time is the disk's and the
+    /// expert cache's as much as the node's compute, so it is no reference for the node's rates.
+    fn streams(&self, i: usize) -> bool {
+        self.candidates[i].streams.is_some()
+    }
 }
 
 /// Calibrates `graph` on `runs` (the steps in the module's doc); `machine_again` is the
@@ -106,13 +113,18 @@ pub(super) fn on_runs(
     let ran: Vec<usize> = (0..runs.candidates.len())
         .filter(|&i| runs.ok(i).is_some())
         .collect();
-    let mut references: Vec<usize> = ran.iter().copied().filter(|&i| runs.is_single(i)).collect();
+    let in_memory: Vec<usize> = ran.iter().copied().filter(|&i| !runs.streams(i)).collect();
+    let mut references: Vec<usize> = in_memory
+        .iter()
+        .copied()
+        .filter(|&i| runs.is_single(i))
+        .collect();
     if references.is_empty() {
-        references.extend(ran.first());
+        references.extend(in_memory.first());
     }
     let mut c = Calibration::default();
     let overheads = c.on_references(runs, graph, &references);
-    c.on_uncovered_nodes(runs, &ran, &references);
+    c.on_uncovered_nodes(runs, &in_memory, &references);
     c.runtime_overhead_median(runs, overheads, &references);
     if concurrency > 1 {
         c.on_batches(runs, &references);

@@ -49,7 +49,8 @@ mod test_support;
 pub use graph::{links_via_coordinator, resource_graph, MeasuredLink, DECODE_STREAM_EFFICIENCY};
 pub use model::planner_model;
 pub use placement::{
-    to_assignment, to_expert_placement, to_placement, NotExecutable, NotExpertPlacement, Placement,
+    to_assignment, to_expert_placement, to_placement, to_streaming_placement, NotExecutable,
+    NotExpertPlacement, Placement,
 };
 
 /// The strategies the fabric executes today.
@@ -386,5 +387,21 @@ mod tests {
         ));
         // Alone, it has no executable plan: planning says why rather than applying it.
         assert!(plan_executable(&m, &g, 1).is_err());
+        // As an expert split homed on it that owns every expert, the node streams them.
+        let p = to_streaming_placement(&best.plan, 4, 16).expect("a streaming placement");
+        assert_eq!(p.ring.stages.len(), 1);
+        assert_eq!(p.ring.stages[0].node.as_deref(), Some("n0"));
+        assert_eq!(p.ring.stages[0].layers, 0..4);
+        let split = p.experts.expect("every expert placed");
+        assert_eq!(split.groups.len(), 1);
+        assert_eq!(split.groups[0].node, "n0");
+        assert_eq!(split.groups[0].experts, (0..16).collect::<Vec<_>>());
+        // Not for a plan of another model's geometry, nor for one with every weight in memory.
+        assert!(to_streaming_placement(&best.plan, 4, 8).is_none());
+        assert!(to_streaming_placement(&best.plan, 5, 16).is_none());
+        let (_, roomy) = cluster(&[2 << 30]);
+        let fits = tessera_plan::plan(&m, &roomy, 1).unwrap();
+        assert!(fits.plan.assignments().all(|a| a.memory.disk.0 == 0));
+        assert!(to_streaming_placement(&fits.plan, 4, 16).is_none());
     }
 }

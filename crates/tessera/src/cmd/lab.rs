@@ -292,6 +292,18 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             } else {
                 print!("{}", tessera_lab::run::table(&report));
             }
+            // Greedy decoding: a plan whose text is not one process's is a fault, not a figure.
+            let differ: Vec<&str> = report
+                .text_mismatches()
+                .iter()
+                .map(|r| r.description.as_str())
+                .collect();
+            anyhow::ensure!(
+                differ.is_empty(),
+                "the text of {} differed from one process's (logs in {})",
+                differ.join("; "),
+                dir.display()
+            );
             Ok(())
         }
         LabCommand::Hop {
