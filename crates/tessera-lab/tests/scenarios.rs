@@ -207,3 +207,39 @@ fn the_wan_keeps_every_request_on_one_machine() {
         o.explanation.chosen.description
     );
 }
+
+/// `--hosts N`: the first N boards of the bigger-than-any scenario, each with its caps; one
+/// board alone has a single-node plan that runs (with the repo's tiny stand-in model it fits
+/// in memory; with the scenario's real model it streams, see tests/lab.rs in tessera).
+#[test]
+fn the_first_hosts_of_a_scenario_keep_their_caps_and_one_board_alone_runs() {
+    let s = load("moe-bigger-than-any");
+    let all = s.lab_spec().unwrap();
+    for n in 1..=4 {
+        let part = s.first_hosts(n).unwrap();
+        assert_eq!(part.graph.nodes.len(), n);
+        assert_eq!(part.name, format!("moe-bigger-than-any-{n}h"));
+        let spec = part.lab_spec().unwrap();
+        // The coordinator's host, then the kept boards with the whole scenario's caps.
+        assert_eq!(spec.hosts.len(), n + 1);
+        for (h, whole) in spec.hosts.iter().zip(&all.hosts) {
+            assert_eq!(h.name, whole.name);
+            assert_eq!(h.limits.memory, whole.limits.memory);
+            assert_eq!(h.disk, whole.disk);
+        }
+    }
+    assert!(s.first_hosts(0).is_err());
+    assert!(s.first_hosts(5).is_err());
+
+    let one = s.first_hosts(1).unwrap();
+    let (profile, model) = model(&one);
+    let o = tessera_plan::plan(&model, &one.graph, 1).unwrap();
+    let c = candidates(&model, &profile, &one.graph, &o, &Force::default()).unwrap();
+    assert_eq!(
+        c[0].plan.strategy,
+        StrategyKind::Single,
+        "{:?}",
+        o.explanation
+    );
+    assert!(c[0].placement.is_ok(), "{:?}", c[0].placement);
+}

@@ -658,6 +658,51 @@ fn lab_run_measures_the_ring_the_expert_split_and_one_node_streaming_with_one_pr
     );
 }
 
+/// `tessera lab run --hosts 1,2`: the MoE scenario on its first host, then on both, each run
+/// on the same caps; every plan measured in each with one process's text, and the one-host run
+/// holds only single-node plans.
+#[test]
+fn lab_run_hosts_gives_a_scaling_curve_of_runs_on_the_first_hosts() {
+    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
+    let Some(lab) = lab_or_skip(&probe) else {
+        return;
+    };
+    drop(lab);
+    let dir = tempfile::tempdir().unwrap();
+    let scenario =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-lab/scenarios/moe-experts.toml");
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(["lab", "run", "--json", "--hosts", "1,2", "--dir"])
+        .arg(dir.path())
+        .arg(&scenario)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = common::run_with_timeout(cmd, Duration::from_secs(240));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let points: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let points = points.as_array().unwrap();
+    assert_eq!(points.len(), 2, "{points:#?}");
+    for (p, hosts) in points.iter().zip([1, 2]) {
+        assert_eq!(p["hosts"], hosts, "{p:#}");
+        let rows = p["report"]["rows"].as_array().unwrap();
+        let measured: Vec<&serde_json::Value> =
+            rows.iter().filter(|r| r["measured"].is_object()).collect();
+        assert!(!measured.is_empty(), "{p:#}");
+        for r in &measured {
+            assert_eq!(r["text"]["identical"], r["text"]["checked"], "{r:#}");
+        }
+        if hosts == 1 {
+            assert!(rows.iter().all(|r| r["strategy"] == "single"), "{p:#}");
+        } else {
+            assert!(measured.iter().any(|r| r["strategy"] != "single"), "{p:#}");
+        }
+    }
+}
+
 /// `tessera lab hop` gives the hop figure on a switched link and on loopback: each from a
 /// single node and a two-node ring that both ran, and the link's measured round trip.
 #[test]

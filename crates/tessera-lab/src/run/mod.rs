@@ -32,6 +32,7 @@ pub mod pipeline;
 pub mod plans;
 pub mod report;
 mod ring;
+pub mod scaling;
 mod session;
 #[cfg(test)]
 mod test_reports;

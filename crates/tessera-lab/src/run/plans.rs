@@ -38,13 +38,9 @@ pub struct Candidate {
 impl Candidate {
     fn new(plan: Plan, role: &'static str, model: &ModelProfile, n_expert: usize) -> Self {
         let n_layer = model.n_layers();
-        let (placement, streams) = match to_placement(&plan, n_layer, n_expert) {
-            Ok(p) => (Ok(p), None),
-            Err(e) => match to_streaming_placement(&plan, n_layer, n_expert) {
-                Some(p) => (Ok(p), streamed_budget(model, &plan)),
-                None => (Err(e.to_string()), None),
-            },
-        };
+        let streams = to_streaming_placement(&plan, n_layer, n_expert)
+            .and_then(|_| streamed_budget(model, &plan));
+        let placement = to_placement(&plan, n_layer, n_expert).map_err(|e| e.to_string());
         Self {
             plan,
             role,

@@ -10,7 +10,8 @@
 //! - [`resource_graph`]: inventory and links → resource graph.
 //! - [`plan_executable`]: plan, falling back to the best single-node, stage-ring or expert-split plan
 //!   when the best plan is one the fabric cannot execute yet (a weight bank, or a ring that
-//!   would stream experts from disk: only an expert split's nodes do). Replicas run as cells.
+//!   would stream experts from disk: only an expert split's nodes do, and a single node that
+//!   streams runs as an expert split homed on it). Replicas run as cells.
 //! - [`to_placement`]: an executable plan → a [`PlanFile`] of pinned stages, plus the expert
 //!   split of an expert plan ([`to_assignment`], [`to_expert_placement`]).
 //!
@@ -320,12 +321,16 @@ mod tests {
         for l in &mut g.links {
             l.spec.rtt_s = 0.05;
         }
+        // No single node (which would stream as an expert split homed on it, see below).
+        g.policy.strategies = vec![StrategyKind::Stage, StrategyKind::Expert];
         // With disks, rings hold layers whose experts partly stay on disk...
         let best = tessera_plan::plan(&m, &g, 1).unwrap();
-        assert!(matches!(
+        assert_eq!(
             best.plan.strategy,
-            StrategyKind::Stage | StrategyKind::Single
-        ));
+            StrategyKind::Stage,
+            "{:?}",
+            best.explanation
+        );
         assert!(best.plan.assignments().any(|a| a.memory.disk.0 > 0));
         // ... which no ring stage does: the expert split runs instead.
         let out = plan_executable(&m, &g, 1).unwrap();
@@ -339,13 +344,13 @@ mod tests {
     }
 
     #[test]
-    fn slow_links_that_keep_every_expert_home_still_give_an_in_memory_expert_split() {
+    fn slow_links_that_keep_every_expert_home_run_the_home_streaming_from_its_disk() {
         let m = moe_model();
         let (_, mut g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
         with_disks(&mut g);
         // Links slow enough that streaming every expert from the home's disk predicts faster
         // than sending hidden states to other owners: with disks, the expert strategy keeps
-        // every expert home (a single-node plan, which cannot run).
+        // every expert home (a single-node plan).
         for l in &mut g.links {
             l.spec.rtt_s = 0.05;
         }
@@ -359,20 +364,21 @@ mod tests {
             "{:?}",
             best.explanation
         );
-        // The in-memory expert split across the nodes is what runs.
+        // It runs as it is: the home streams, as an expert split homed on it owning every
+        // expert.
         let out = plan_executable(&m, &g, 1).unwrap();
+        assert_eq!(out.plan, best.plan, "{:?}", out.explanation);
+        let p = to_placement(&out.plan, 4, 16).unwrap();
+        let split = p.experts.expect("the home owns every expert");
+        assert_eq!(split.groups.len(), 1);
         assert_eq!(
-            out.plan.strategy,
-            StrategyKind::Expert,
-            "{:?}",
-            out.explanation
+            Some(split.groups[0].node.as_str()),
+            p.ring.stages[0].node.as_deref()
         );
-        assert!(out.plan.assignments().all(|a| a.memory.disk.0 == 0));
-        assert!(to_placement(&out.plan, 4, 16).unwrap().experts.is_some());
     }
 
     #[test]
-    fn a_single_node_plan_with_experts_on_disk_is_not_executable() {
+    fn a_single_node_plan_with_experts_on_disk_runs_as_an_expert_split_homed_on_it() {
         let m = moe_model();
         // One node, too small for every expert in memory, with a disk: the planner streams the
         // rest from disk, which only an expert split's nodes do.
@@ -381,14 +387,11 @@ mod tests {
         let best = tessera_plan::plan(&m, &g, 1).unwrap();
         assert_eq!(best.plan.strategy, StrategyKind::Single);
         assert!(best.plan.assignments().any(|a| a.memory.disk.0 > 0));
-        assert!(matches!(
-            to_placement(&best.plan, 4, 16),
-            Err(NotExpertPlacement::Stages(NotExecutable::OnDisk(n))) if n == "n0"
-        ));
-        // Alone, it has no executable plan: planning says why rather than applying it.
-        assert!(plan_executable(&m, &g, 1).is_err());
+        // Alone, it is what runs.
+        assert_eq!(plan_executable(&m, &g, 1).unwrap().plan, best.plan);
         // As an expert split homed on it that owns every expert, the node streams them.
         let p = to_streaming_placement(&best.plan, 4, 16).expect("a streaming placement");
+        assert_eq!(to_placement(&best.plan, 4, 16).as_ref(), Ok(&p));
         assert_eq!(p.ring.stages.len(), 1);
         assert_eq!(p.ring.stages[0].node.as_deref(), Some("n0"));
         assert_eq!(p.ring.stages[0].layers, 0..4);

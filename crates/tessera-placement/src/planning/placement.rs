@@ -21,8 +21,9 @@ pub struct Placement {
 /// ([`to_expert_placement`]).
 ///
 /// Only the nodes of an expert split stream experts from disk (a node given more experts than
-/// its budget holds does), so a single-node or ring plan that leaves weights on disk is not
-/// executable: its nodes would refuse the load.
+/// its budget holds does): a single node that leaves experts on disk runs as an expert split
+/// homed on it that owns every expert ([`to_streaming_placement`]); a ring that leaves weights
+/// on disk is not executable: its nodes would refuse the load.
 pub fn to_placement(
     plan: &Plan,
     n_layer: usize,
@@ -49,6 +50,9 @@ pub fn to_placement(
             })
         }
         _ => {
+            if let Some(p) = to_streaming_placement(plan, n_layer, n_expert) {
+                return Ok(p);
+            }
             let ring = to_assignment(plan)?;
             // A stage of an MoE model holds every expert of its layers.
             if let Some(a) = plan.assignments().find(|a| {
@@ -71,7 +75,7 @@ pub fn to_placement(
 /// The placement of a single-node plan of an MoE model that leaves experts on disk: an expert
 /// split whose home is that node and owns every expert, so that the node, given experts, streams
 /// those its budget cannot hold from its own disk (the fabric streams only an expert split's
-/// experts). `None` for any other plan, which [`to_placement`] places or refuses.
+/// experts). `None` for any other plan.
 ///
 /// The one-host baseline of a cluster: what the best single machine does with a model larger
 /// than its memory.
