@@ -65,7 +65,11 @@ impl Placement {
         for t in &self.tiers {
             let (mut db, mut df, mut eb, mut ef) = (0.0, 0.0, 0.0, 0.0);
             for (c, f) in &t.parts {
-                let bytes = c.resident * f * c.touched(tokens);
+                let mut bytes = c.resident * f * c.touched(tokens);
+                if t.kind == TierKind::Disk && c.expert_p.is_some() {
+                    // The experts left on disk are read as often as the cache misses them.
+                    bytes *= super::hit_rate::disk_read_factor(*f, self.expert_reuse);
+                }
                 let flops = c.flops * f * tokens;
                 if c.expert_p.is_some() {
                     eb += bytes;
