@@ -14,6 +14,8 @@
 //! 5. The rings that ran each imply a cost per hop (`tessera_plan::calibrate_hop_overhead`):
 //!    the graph takes their median, and each ring's own row the others' figure.
 //! 6. Where the machine was measured again just before the cells ran, its cores are that.
+//! 7. A single node that streamed experts from its disk gives how much the routing reuses
+//!    experts (`tessera_plan::calibrate_expert_reuse`): the hit rate its cache reached.
 
 use tessera_plan::{
     calibrate, HopMeasurement, Measurement, ResourceGraph, StageMeasurement, StrategyKind,
@@ -135,6 +137,7 @@ pub(super) fn on_runs(
     if let Some((p, cores)) = machine_again {
         c.machine_measured_again(p, cores);
     }
+    c.expert_reuse(runs, graph, &ran);
     c
 }
 
@@ -304,6 +307,45 @@ impl Calibration {
         }
     }
 
+    /// Step 7: how much the workload's routing reuses experts, from the single nodes that
+    /// streamed experts from their disks (on the graph the steps before calibrated: what is
+    /// left of their error is the expert cache's): the median of the reuse each implies
+    /// ([`tessera_plan::calibrate_expert_reuse`]).
+    fn expert_reuse(&mut self, runs: &Runs, graph: &ResourceGraph, ran: &[usize]) {
+        let base = self.graph.clone().unwrap_or_else(|| graph.clone());
+        let mut found = Vec::new();
+        for &i in ran
+            .iter()
+            .filter(|&&i| runs.streams(i) && runs.is_single(i))
+        {
+            let (Some(m), plan) = (runs.ok(i), &runs.candidates[i].plan) else {
+                continue;
+            };
+            let measured = m.figures.decode_tokens_per_s;
+            if let Some(r) = tessera_plan::calibrate_expert_reuse(runs.model, &base, plan, measured)
+            {
+                self.corrections.push(format!(
+                    "routing reuse {r:.2} from {}: measured {measured:.1} tok/s streaming (a cache                      keeping {:.0}% of the experts misses {:.1}% of reads at it, {:.0}% by chance)",
+                    describe(plan),
+                    kept_share(runs.model, plan) * 100.0,
+                    tessera_plan::expert_miss_share(1.0 - kept_share(runs.model, plan), r) * 100.0,
+                    (1.0 - kept_share(runs.model, plan)) * 100.0,
+                ));
+                found.push(r);
+            }
+        }
+        if found.is_empty() {
+            return;
+        }
+        if self.graph.is_none() {
+            self.on
+                .push("the streaming runs' routing reuse only".into());
+        }
+        let mut g = base;
+        g.policy.expert_reuse = median(found);
+        self.graph = Some(g);
+    }
+
     /// Step 6: the machine's cores as measured again just before the cells ran.
     fn machine_measured_again(&mut self, p: Parallelism, cores: f64) {
         let Some(g) = self.graph.as_mut() else {
@@ -319,6 +361,20 @@ impl Calibration {
             ));
         }
     }
+}
+
+/// The share of the model's experts a one-node plan keeps in memory.
+fn kept_share(model: &tessera_plan::ModelProfile, plan: &tessera_plan::Plan) -> f64 {
+    let experts: u64 = model
+        .layers
+        .iter()
+        .map(|l| l.expert.0 * u64::from(l.n_expert))
+        .sum();
+    let disk: u64 = plan.assignments().map(|a| a.memory.disk.0).sum();
+    if experts == 0 {
+        return 1.0;
+    }
+    1.0 - (disk as f64 / experts as f64).min(1.0)
 }
 
 /// The cost per hop each ring that ran implies on `graph` (its nodes calibrated on single-node

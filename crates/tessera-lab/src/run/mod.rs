@@ -25,6 +25,7 @@
 mod calibrate;
 pub use calibrate::measurement;
 pub mod cells;
+pub mod disk_rates;
 pub mod hop;
 pub mod machine;
 mod measure;
@@ -115,6 +116,16 @@ pub fn run(
     progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
     std::fs::create_dir_all(dir)
         .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
+    // Before any node starts, so that nothing else reads the disk.
+    let disk_rates = disk_rates::measure(&lab, scenario, dir)?;
+    for r in &disk_rates {
+        progress(&format!(
+            "{}'s disk under its {} cap: {:.0} MB/s",
+            r.node,
+            r.profile,
+            r.bytes_per_s / 1e6
+        ));
+    }
 
     let auto = Mode::Auto(opts.calibrated.clone());
     let mut session = Session::start(&lab, tessera, scenario, dir, &auto)?;
@@ -145,6 +156,7 @@ pub fn run(
     let quotas = [
         quotas,
         apply_shared_machine(scenario, parallelism, &mut graph),
+        disk_rates::apply(&mut graph, &disk_rates),
     ]
     .concat();
     // The coordinator's own choice placed an expert split for every run: stage runs need a

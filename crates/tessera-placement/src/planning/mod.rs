@@ -92,10 +92,14 @@ pub fn plan_executable(
     // expert split and cannot run), while an in-memory split across the nodes can.
     let mut found: Option<PlanOutcome> = None;
     let mut errors = Vec::new();
+    // A single node streaming its experts from its disk runs too: never slower than the best
+    // single node, a split that loses to it is not chosen.
+    let mut best_split: Option<PlanOutcome> = None;
     for (allowed, in_memory) in [
         (&[StrategyKind::Expert][..], false),
         (&[StrategyKind::Expert][..], true),
         (&[StrategyKind::Single, StrategyKind::Stage][..], true),
+        (&[StrategyKind::Single][..], false),
     ] {
         let mut g = graph.clone();
         g.policy.strategies.retain(|s| allowed.contains(s));
@@ -110,6 +114,11 @@ pub fn plan_executable(
         match plan(m, &g, epoch) {
             Ok(o) if executable(&o.plan, n_layer, n_expert) => {
                 let score = |o: &PlanOutcome| o.plan.predicted.score(g.policy.objective);
+                if o.plan.strategy != StrategyKind::Single
+                    && best_split.as_ref().is_none_or(|f| score(&o) > score(f))
+                {
+                    best_split = Some(o.clone());
+                }
                 if found.as_ref().is_none_or(|f| score(&o) > score(f)) {
                     found = Some(o);
                 }
@@ -153,6 +162,20 @@ pub fn plan_executable(
             fallback.plan.strategy
         ),
     );
+    if let (StrategyKind::Single, Some(split)) = (fallback.plan.strategy, &best_split) {
+        fallback.explanation.notes.insert(
+            1,
+            format!(
+                "never slower than the best single node: the best executable plan over several \
+                 nodes, {} ({:.2} tok/s), is predicted slower than {} ({:.2} tok/s), so that \
+                 one node runs",
+                split.explanation.chosen.description,
+                split.plan.predicted.decode_tokens_per_s,
+                fallback.explanation.chosen.description,
+                fallback.plan.predicted.decode_tokens_per_s
+            ),
+        );
+    }
     Ok(fallback)
 }
 
@@ -341,6 +364,45 @@ mod tests {
             out.explanation.notes
         );
         assert!(to_placement(&out.plan, 4, 16).unwrap().experts.is_some());
+    }
+
+    #[test]
+    fn the_executable_choice_is_never_predicted_slower_than_the_best_single_node() {
+        let m = moe_model();
+        for budgets in [
+            [200u64 << 20, 60 << 20, 60 << 20],
+            [120 << 20, 120 << 20, 120 << 20],
+            [150 << 20, 100 << 20, 100 << 20],
+        ] {
+            let mut slowest = None;
+            for rtt in [0.0005, 0.002, 0.005, 0.01, 0.02, 0.05] {
+                let (_, mut g) = cluster(&budgets);
+                with_disks(&mut g);
+                for l in &mut g.links {
+                    l.spec.rtt_s = rtt;
+                }
+                if let Some(d) = &mut g.default_link {
+                    d.rtt_s = rtt;
+                }
+                let out = plan_executable(&m, &g, 1).unwrap();
+                assert!(executable(&out.plan, 4, 16), "{:?}", out.explanation);
+                let mut single = g.clone();
+                single.policy.strategies = vec![StrategyKind::Single];
+                let one = tessera_plan::plan(&m, &single, 1).unwrap();
+                let (chosen, alone) = (
+                    out.plan.predicted.decode_tokens_per_s,
+                    one.plan.predicted.decode_tokens_per_s,
+                );
+                assert!(
+                    chosen >= alone,
+                    "{budgets:?} at {rtt} s: chose {} at {chosen}, one node {alone}",
+                    out.explanation.chosen.description
+                );
+                slowest = Some(out.plan.strategy);
+            }
+            // Round trips of 50 ms: no split pays; the one node streaming runs.
+            assert_eq!(slowest, Some(StrategyKind::Single), "{budgets:?}");
+        }
     }
 
     #[test]
