@@ -325,7 +325,9 @@ impl Calibration {
             if let Some(r) = tessera_plan::calibrate_expert_reuse(runs.model, &base, plan, measured)
             {
                 self.corrections.push(format!(
-                    "routing reuse {r:.2} from {}: measured {measured:.1} tok/s streaming (a cache                      keeping {:.0}% of the experts misses {:.1}% of reads at it, {:.0}% by chance)",
+                    "routing reuse {r:.2} from {}: measured {measured:.1} tok/s streaming (a cache \
+                     keeping {:.0}% of the experts misses {:.1}% of reads at it, {:.0}% by \
+                     chance)",
                     describe(plan),
                     kept_share(runs.model, plan) * 100.0,
                     tessera_plan::expert_miss_share(1.0 - kept_share(runs.model, plan), r) * 100.0,

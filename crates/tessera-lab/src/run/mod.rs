@@ -27,6 +27,7 @@ pub use calibrate::measurement;
 pub mod cells;
 pub mod disk_rates;
 pub mod hop;
+mod host_decode;
 pub mod machine;
 mod measure;
 pub mod pipeline;
@@ -145,7 +146,11 @@ pub fn run(
             // The software cost of a hop is the scenario's (its `hop_overhead_us`, else the
             // planner's default): the coordinator cannot measure it before a ring runs.
             graph.hop_overhead_s = scenario.graph.hop_overhead_s;
-            apply_cpu_quotas(scenario, &mut graph)
+            // The machine's own decode of the model (unthrottled) before the quotas scale it.
+            let decode = parallelism
+                .map(|p| host_decode::apply(&model, &mut graph, p.alone_tok_s))
+                .unwrap_or_default();
+            [decode, apply_cpu_quotas(scenario, &mut graph)].concat()
         }
         Some(c) => vec![format!(
             "the coordinator planned with the rates of the calibrated graph {} in place of the \
