@@ -96,8 +96,9 @@ pub fn run(
         tessera_placement::planning::planner_model(&profile, Default::default(), &scenario.name)
             .map_err(|e| LabError::Run(format!("planner model: {e}")))?;
     drop(gguf);
-    // Measured before any host starts, on a quiet machine.
-    let parallelism = if shares_one_machine(&scenario.graph) {
+    // Measured before any host starts, on a quiet machine; with one host too, whose decode
+    // sets its node's rates ([`host_decode`]).
+    let parallelism = if scenario.graph.machines.is_empty() {
         progress("measuring what this machine's cores compute at once");
         Some(measure_machine(tessera, scenario)?)
     } else {
