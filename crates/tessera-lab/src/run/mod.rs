@@ -27,7 +27,7 @@ pub use calibrate::measurement;
 pub mod cells;
 pub mod disk_rates;
 pub mod hop;
-mod host_decode;
+pub mod host_decode;
 pub mod machine;
 mod measure;
 pub mod pipeline;
