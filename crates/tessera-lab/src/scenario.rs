@@ -246,6 +246,32 @@ impl Scenario {
         })
     }
 
+    /// The scenario on its first `hosts` nodes only (in file order): the others, their links,
+    /// their shares of a machine and their lab settings left out; named `NAME-HOSTSh`. The
+    /// points of a scaling curve, each on the same caps as the whole scenario.
+    pub fn first_hosts(&self, hosts: usize) -> Result<Self> {
+        let total = self.graph.nodes.len();
+        if hosts == 0 || hosts > total {
+            return Err(LabError::Spec(format!(
+                "{}: {hosts} host(s) asked, the scenario has 1 to {total}",
+                self.name
+            )));
+        }
+        let mut s = self.clone();
+        s.graph.nodes.truncate(hosts);
+        let kept: Vec<String> = s.graph.nodes.iter().map(|n| n.name.clone()).collect();
+        let keeps = |n: &String| kept.contains(n);
+        s.graph.links.retain(|l| keeps(&l.a) && keeps(&l.b));
+        for m in &mut s.graph.machines {
+            m.nodes.retain(keeps);
+        }
+        s.graph.machines.retain(|m| !m.nodes.is_empty());
+        s.lab.node.retain(|n| keeps(&n.name));
+        s.lab.link.retain(|l| l.nodes.iter().all(keeps));
+        s.name = format!("{}-{hosts}h", self.name);
+        Ok(s)
+    }
+
     /// The CPU quota (cores) the lab imposes on `node`'s host, if any.
     pub fn cpu_quota(&self, node: &str) -> Option<f64> {
         self.lab

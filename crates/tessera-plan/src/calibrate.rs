@@ -150,7 +150,9 @@ pub fn predict(
     graph: &ResourceGraph,
     plan: &Plan,
 ) -> Result<Prediction, PlanError> {
-    let policy = plan.policy.clone();
+    let mut policy = plan.policy.clone();
+    // How the workload's routing reuses experts is what the graph (calibrated) knows of it.
+    policy.expert_reuse = graph.policy.expert_reuse;
     let ctx = Ctx {
         model,
         graph,

@@ -66,6 +66,9 @@ impl ResourceGraph {
         if let Some(m) = p.min_tokens_per_s {
             policy.insert("min_tokens_per_s".into(), float(m));
         }
+        if p.expert_reuse != 1.0 {
+            policy.insert("expert_reuse".into(), float(p.expert_reuse));
+        }
         doc.insert("policy".into(), toml::Value::Table(policy));
         if let Some(d) = self.default_link {
             let link = table(vec![

@@ -66,6 +66,7 @@
 pub mod calibrate;
 mod cluster_write;
 mod cost;
+mod expert_reuse;
 pub mod explain;
 pub mod model;
 pub mod plan;
@@ -80,7 +81,11 @@ pub use calibrate::{
     calibrate_node_to_token_time, calibrate_nodes, predict, Calibration, HopCalibration,
     HopMeasurement, Measurement, StageMeasurement,
 };
-pub use cost::{usable_memory, PREFILL_UBATCH, RUNTIME_OVERHEAD_RAM, RUNTIME_OVERHEAD_VRAM};
+pub use cost::{
+    expert_miss_share, usable_memory, MAX_EXPERT_REUSE, PREFILL_UBATCH, RUNTIME_OVERHEAD_RAM,
+    RUNTIME_OVERHEAD_VRAM,
+};
+pub use expert_reuse::calibrate_expert_reuse;
 pub use explain::render_text;
 pub use model::{LayerProfile, ModelError, ModelProfile, Quant};
 pub use plan::{

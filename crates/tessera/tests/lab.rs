@@ -521,12 +521,13 @@ fn tessera_lab_clean_removes_what_a_killed_lab_left_behind() {
     assert!(tessera_lab::netns::list(&prefix).is_empty(), "left: {said}");
 }
 
-/// `tessera lab run` on the MoE scenario: the stage ring and the expert split (a coordinator
-/// restarted with `--experts`) are measured, the single nodes that would stream experts from
-/// disk are listed with why they cannot run, and the calibrated scenario it saves predicts the
-/// ring as calibration did when given back to `--plan auto`, and is planned by `tessera plan`.
+/// `tessera lab run` on the MoE scenario: the stage ring, the expert split (a coordinator
+/// restarted with `--experts`) and the best single node streaming from its disk the experts its
+/// budget cannot hold (an expert split homed on it owning every expert) are measured, each
+/// with the text of one process; and the calibrated scenario it saves predicts the ring as
+/// calibration did when given back to `--plan auto`, and is planned by `tessera plan`.
 #[test]
-fn lab_run_measures_the_ring_and_the_expert_split_and_says_why_one_node_cannot_run() {
+fn lab_run_measures_the_ring_the_expert_split_and_one_node_streaming_with_one_process_text() {
     let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
     let Some(lab) = lab_or_skip(&probe) else {
         return;
@@ -564,26 +565,42 @@ fn lab_run_measures_the_ring_and_the_expert_split_and_says_why_one_node_cannot_r
             .find(|r| r["strategy"] == strategy && r["measured"].is_object())
             .unwrap_or_else(|| panic!("no measured {strategy} plan: {report:#}"))
     };
-    for s in ["stage", "expert"] {
+    for s in ["stage", "expert", "single"] {
         let r = measured(s);
         let m = &r["measured"];
         assert!(m["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{r:#}");
         assert!(m["ttft_ms"].as_f64().unwrap() > 0.0, "{r:#}");
-        // Hidden states (ring) or expert activations (split) cross the switch every token.
-        assert!(m["wire_bytes_per_token"].as_f64().unwrap() > 0.0, "{r:#}");
+        // Hidden states (ring) or expert activations (split) cross the switch every token;
+        // one node alone sends nothing to the others.
+        let wire = m["wire_bytes_per_token"].as_f64().unwrap();
+        if s == "single" {
+            assert!(wire < 1.0, "{r:#}");
+        } else {
+            assert!(wire > 0.0, "{r:#}");
+        }
+        // Every measured request's text is one process's.
+        let text = &r["text"];
+        assert!(text["checked"].as_u64().unwrap() >= 1, "{r:#}");
+        assert_eq!(text["identical"], text["checked"], "{r:#}");
         assert!(r["measured_rank"].as_u64().is_some(), "{r:#}");
         assert!(
             r["calibrated"]["decode_tokens_per_s"].as_f64().is_some(),
             "{r:#}"
         );
     }
-    let from_disk: Vec<&serde_json::Value> =
-        rows.iter().filter(|r| r["strategy"] == "single").collect();
-    assert!(!from_disk.is_empty(), "{report:#}");
-    for r in from_disk {
-        assert!(r["measured"].is_null(), "{r:#}");
-        assert!(r["note"].as_str().unwrap().contains("disk"), "{r:#}");
-    }
+    // The single node streams: its plan leaves experts on disk.
+    let single = measured("single");
+    assert!(
+        single["description"]
+            .as_str()
+            .unwrap()
+            .contains("streaming"),
+        "{single:#}"
+    );
+    assert!(
+        !report["one_process_text"].as_str().unwrap().is_empty(),
+        "{report:#}"
+    );
     // The loop closed: the saved graph given back to the coordinator's `--plan auto`
     // (`--calibrated`) predicts the ring as calibration did.
     let ring = measured("stage");
@@ -639,6 +656,51 @@ fn lab_run_measures_the_ring_and_the_expert_split_and_says_why_one_node_cannot_r
         "tessera plan on the calibrated scenario: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `tessera lab run --hosts 1,2`: the MoE scenario on its first host, then on both, each run
+/// on the same caps; every plan measured in each with one process's text, and the one-host run
+/// holds only single-node plans.
+#[test]
+fn lab_run_hosts_gives_a_scaling_curve_of_runs_on_the_first_hosts() {
+    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
+    let Some(lab) = lab_or_skip(&probe) else {
+        return;
+    };
+    drop(lab);
+    let dir = tempfile::tempdir().unwrap();
+    let scenario =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-lab/scenarios/moe-experts.toml");
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(["lab", "run", "--json", "--hosts", "1,2", "--dir"])
+        .arg(dir.path())
+        .arg(&scenario)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = common::run_with_timeout(cmd, Duration::from_secs(240));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let points: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let points = points.as_array().unwrap();
+    assert_eq!(points.len(), 2, "{points:#?}");
+    for (p, hosts) in points.iter().zip([1, 2]) {
+        assert_eq!(p["hosts"], hosts, "{p:#}");
+        let rows = p["report"]["rows"].as_array().unwrap();
+        let measured: Vec<&serde_json::Value> =
+            rows.iter().filter(|r| r["measured"].is_object()).collect();
+        assert!(!measured.is_empty(), "{p:#}");
+        for r in &measured {
+            assert_eq!(r["text"]["identical"], r["text"]["checked"], "{r:#}");
+        }
+        if hosts == 1 {
+            assert!(rows.iter().all(|r| r["strategy"] == "single"), "{p:#}");
+        } else {
+            assert!(measured.iter().any(|r| r["strategy"] != "single"), "{p:#}");
+        }
+    }
 }
 
 /// `tessera lab hop` gives the hop figure on a switched link and on loopback: each from a

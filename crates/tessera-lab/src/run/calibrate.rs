@@ -2,7 +2,8 @@
 //! that ran showed, in steps, each on the graph the steps before it left.
 //!
 //! 1. Every single-node run (else the first plan that ran) calibrates the graph
-//!    (`tessera_plan::calibrate`): each is the evidence on its own node.
+//!    (`tessera_plan::calibrate`): each is the evidence on its own node. A node streaming
+//!    experts from its disk is not: its time is the disk's as much as the node's.
 //! 2. Each node no reference ran on is calibrated from its own stage in the first other plan
 //!    that ran on it (`tessera_plan::calibrate_nodes`).
 //! 3. The runtime's cost per token is the median of the references' (one throttled host does
@@ -13,6 +14,8 @@
 //! 5. The rings that ran each imply a cost per hop (`tessera_plan::calibrate_hop_overhead`):
 //!    the graph takes their median, and each ring's own row the others' figure.
 //! 6. Where the machine was measured again just before the cells ran, its cores are that.
+//! 7. A single node that streamed experts from its disk gives how much the routing reuses
+//!    experts (`tessera_plan::calibrate_expert_reuse`): the hit rate its cache reached.
 
 use tessera_plan::{
     calibrate, HopMeasurement, Measurement, ResourceGraph, StageMeasurement, StrategyKind,
@@ -93,6 +96,12 @@ impl<'a> Runs<'a> {
     fn is_single(&self, i: usize) -> bool {
         self.candidates[i].plan.strategy == StrategyKind::Single
     }
+
+    /// Whether candidate `i` streamed experts from a disk: its time is the disk's and the
+    /// expert cache's as much as the node's compute, so it is no reference for the node's rates.
+    fn streams(&self, i: usize) -> bool {
+        self.candidates[i].streams.is_some()
+    }
 }
 
 /// Calibrates `graph` on `runs` (the steps in the module's doc); `machine_again` is the
@@ -106,13 +115,18 @@ pub(super) fn on_runs(
     let ran: Vec<usize> = (0..runs.candidates.len())
         .filter(|&i| runs.ok(i).is_some())
         .collect();
-    let mut references: Vec<usize> = ran.iter().copied().filter(|&i| runs.is_single(i)).collect();
+    let in_memory: Vec<usize> = ran.iter().copied().filter(|&i| !runs.streams(i)).collect();
+    let mut references: Vec<usize> = in_memory
+        .iter()
+        .copied()
+        .filter(|&i| runs.is_single(i))
+        .collect();
     if references.is_empty() {
-        references.extend(ran.first());
+        references.extend(in_memory.first());
     }
     let mut c = Calibration::default();
     let overheads = c.on_references(runs, graph, &references);
-    c.on_uncovered_nodes(runs, &ran, &references);
+    c.on_uncovered_nodes(runs, &in_memory, &references);
     c.runtime_overhead_median(runs, overheads, &references);
     if concurrency > 1 {
         c.on_batches(runs, &references);
@@ -123,6 +137,7 @@ pub(super) fn on_runs(
     if let Some((p, cores)) = machine_again {
         c.machine_measured_again(p, cores);
     }
+    c.expert_reuse(runs, graph, &ran);
     c
 }
 
@@ -292,6 +307,47 @@ impl Calibration {
         }
     }
 
+    /// Step 7: how much the workload's routing reuses experts, from the single nodes that
+    /// streamed experts from their disks (on the graph the steps before calibrated: what is
+    /// left of their error is the expert cache's): the median of the reuse each implies
+    /// ([`tessera_plan::calibrate_expert_reuse`]).
+    fn expert_reuse(&mut self, runs: &Runs, graph: &ResourceGraph, ran: &[usize]) {
+        let base = self.graph.clone().unwrap_or_else(|| graph.clone());
+        let mut found = Vec::new();
+        for &i in ran
+            .iter()
+            .filter(|&&i| runs.streams(i) && runs.is_single(i))
+        {
+            let (Some(m), plan) = (runs.ok(i), &runs.candidates[i].plan) else {
+                continue;
+            };
+            let measured = m.figures.decode_tokens_per_s;
+            if let Some(r) = tessera_plan::calibrate_expert_reuse(runs.model, &base, plan, measured)
+            {
+                self.corrections.push(format!(
+                    "routing reuse {r:.2} from {}: measured {measured:.1} tok/s streaming (a cache \
+                     keeping {:.0}% of the experts misses {:.1}% of reads at it, {:.0}% by \
+                     chance)",
+                    describe(plan),
+                    kept_share(runs.model, plan) * 100.0,
+                    tessera_plan::expert_miss_share(1.0 - kept_share(runs.model, plan), r) * 100.0,
+                    (1.0 - kept_share(runs.model, plan)) * 100.0,
+                ));
+                found.push(r);
+            }
+        }
+        if found.is_empty() {
+            return;
+        }
+        if self.graph.is_none() {
+            self.on
+                .push("the streaming runs' routing reuse only".into());
+        }
+        let mut g = base;
+        g.policy.expert_reuse = median(found);
+        self.graph = Some(g);
+    }
+
     /// Step 6: the machine's cores as measured again just before the cells ran.
     fn machine_measured_again(&mut self, p: Parallelism, cores: f64) {
         let Some(g) = self.graph.as_mut() else {
@@ -307,6 +363,20 @@ impl Calibration {
             ));
         }
     }
+}
+
+/// The share of the model's experts a one-node plan keeps in memory.
+fn kept_share(model: &tessera_plan::ModelProfile, plan: &tessera_plan::Plan) -> f64 {
+    let experts: u64 = model
+        .layers
+        .iter()
+        .map(|l| l.expert.0 * u64::from(l.n_expert))
+        .sum();
+    let disk: u64 = plan.assignments().map(|a| a.memory.disk.0).sum();
+    if experts == 0 {
+        return 1.0;
+    }
+    1.0 - (disk as f64 / experts as f64).min(1.0)
 }
 
 /// The cost per hop each ring that ran implies on `graph` (its nodes calibrated on single-node

@@ -104,35 +104,6 @@ fn prompt(i: usize) -> String {
     SUBJECTS[i % SUBJECTS.len()].to_string()
 }
 
-/// `tessera generate` of `prompt` in one process: the text after the prompt.
-fn one_process(tessera: &Path, o: &Options, prompt: &str) -> Result<String> {
-    let out = std::process::Command::new(tessera)
-        .args(["generate", "-t", &o.threads.to_string(), "-m"])
-        .arg(&o.model)
-        .args([
-            "-p",
-            prompt,
-            "-n",
-            &o.tokens.to_string(),
-            "--temperature",
-            "0",
-        ])
-        .stderr(std::process::Stdio::null())
-        .output()
-        .map_err(|e| LabError::io("running tessera generate", e))?;
-    if !out.status.success() {
-        return Err(LabError::Run(format!(
-            "tessera generate of {prompt:?} failed"
-        )));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    Ok(text
-        .strip_prefix(prompt)
-        .and_then(|t| t.strip_suffix('\n'))
-        .unwrap_or(&text)
-        .to_string())
-}
-
 /// The scenario of the first `hosts` equal hosts, each with the quota asked.
 fn scenario(o: &Options, hosts: usize, context: usize) -> Result<crate::scenario::Scenario> {
     EqualHosts {
@@ -202,6 +173,7 @@ fn round(
     let mode = Mode::Fixed {
         plan: plan.clone(),
         experts: None,
+        expert_budget: None,
     };
     let mut session = Session::start(lab, tessera, &s, dir, &mode)?;
     for _ in 0..cells {
@@ -276,7 +248,7 @@ pub fn run(
         o.streams
     ));
     let want: Vec<String> = (0..o.streams)
-        .map(|i| one_process(tessera, o, &prompt(i)))
+        .map(|i| super::one_process(tessera, &o.model, o.threads, &prompt(i), o.tokens))
         .collect::<Result<_>>()?;
 
     let all = scenario(o, o.hosts, context)?;

@@ -31,6 +31,8 @@ fn node_bytes(lab: &Lab) -> u64 {
 /// A plan's requests so far.
 struct Partial {
     runs: Vec<RunReport>,
+    /// The text of each measured request (`runs`), in order.
+    texts: Vec<String>,
     wire: f64,
 }
 
@@ -50,15 +52,19 @@ pub(super) fn measure(
 ) -> Vec<std::result::Result<Measured, String>> {
     let prompt = &scenario.workload.prompt;
     let tokens = scenario.workload.tokens;
-    let one = |plan: &Path, n: usize| -> Result<RunReport> {
-        Ok(session.clients(lab, plan, prompt, n, 1)?.remove(0))
+    // One request alone, with the text it read (compared with one process's by the caller).
+    let one = |plan: &Path, n: usize| -> Result<(RunReport, String)> {
+        let r = session
+            .timed_clients(lab, plan, &[prompt.as_str()], n)?
+            .remove(0);
+        Ok((r.report, r.text))
     };
     let first = |plan: &Path| -> Result<Partial> {
         one(plan, SHORT)?;
         let b0 = node_bytes(lab);
-        let short = one(plan, SHORT)?;
+        let (short, _) = one(plan, SHORT)?;
         let b1 = node_bytes(lab);
-        let run = one(plan, tokens)?;
+        let (run, text) = one(plan, tokens)?;
         let b2 = node_bytes(lab);
         let extra = run.generated as f64 - short.generated as f64;
         let wire = if extra > 0.0 {
@@ -68,6 +74,7 @@ pub(super) fn measure(
         };
         Ok(Partial {
             runs: vec![run],
+            texts: vec![text],
             wire,
         })
     };
@@ -79,7 +86,10 @@ pub(super) fn measure(
         for (plan, part) in plans.iter().zip(parts.iter_mut()) {
             if let Ok(p) = part {
                 match one(plan, tokens) {
-                    Ok(r) => p.runs.push(r),
+                    Ok((r, text)) => {
+                        p.runs.push(r);
+                        p.texts.push(text);
+                    }
                     Err(e) => *part = Err(e.to_string()),
                 }
             }
@@ -98,7 +108,11 @@ pub(super) fn measure(
         .into_iter()
         .enumerate()
         .map(|(i, part)| {
-            let Partial { mut runs, wire } = part?;
+            let Partial {
+                mut runs,
+                texts,
+                wire,
+            } = part?;
             let mut ttft: Vec<f64> = runs.iter().map(|r| r.time_to_first_token_ms).collect();
             ttft.sort_by(f64::total_cmp);
             runs.sort_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s));
@@ -116,6 +130,7 @@ pub(super) fn measure(
                     wire_bytes_per_token: wire,
                 },
                 report,
+                texts,
             })
         })
         .collect()

@@ -25,13 +25,16 @@
 mod calibrate;
 pub use calibrate::measurement;
 pub mod cells;
+pub mod disk_rates;
 pub mod hop;
+pub mod host_decode;
 pub mod machine;
 mod measure;
 pub mod pipeline;
 pub mod plans;
 pub mod report;
 mod ring;
+pub mod scaling;
 mod session;
 #[cfg(test)]
 mod test_reports;
@@ -46,7 +49,7 @@ use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::scenario::Scenario;
 pub use plans::{describe, Force};
-pub use report::{table, Figures, Report, Row};
+pub use report::{table, Figures, Report, Row, TextCheck};
 use session::{Mode, Session};
 
 /// Tokens of the warm-up request, and of the short request whose traffic is subtracted from
@@ -73,6 +76,8 @@ pub struct Options {
 struct Measured {
     figures: Figures,
     report: tessera_proto::RunReport,
+    /// The text of each measured request alone.
+    texts: Vec<String>,
 }
 
 /// Runs `scenario` with the `tessera` binary at `tessera`, keeping logs under `dir`.
@@ -91,18 +96,38 @@ pub fn run(
         tessera_placement::planning::planner_model(&profile, Default::default(), &scenario.name)
             .map_err(|e| LabError::Run(format!("planner model: {e}")))?;
     drop(gguf);
-    // Measured before any host starts, on a quiet machine.
-    let parallelism = if shares_one_machine(&scenario.graph) {
+    // Measured before any host starts, on a quiet machine; with one host too, whose decode
+    // sets its node's rates ([`host_decode`]).
+    let parallelism = if scenario.graph.machines.is_empty() {
         progress("measuring what this machine's cores compute at once");
         Some(measure_machine(tessera, scenario)?)
     } else {
         None
     };
+    // Every plan's text is compared with what one process generates (greedy).
+    progress("one process: the workload's text, for every plan's to equal");
+    let reference = one_process(
+        tessera,
+        &scenario.model,
+        scenario.threads,
+        &scenario.workload.prompt,
+        scenario.workload.tokens,
+    )?;
     let spec = scenario.lab_spec()?;
     let lab = Lab::start(&spec)?;
     progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
     std::fs::create_dir_all(dir)
         .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
+    // Before any node starts, so that nothing else reads the disk.
+    let disk_rates = disk_rates::measure(&lab, scenario, dir)?;
+    for r in &disk_rates {
+        progress(&format!(
+            "{}'s disk under its {} cap: {:.0} MB/s",
+            r.node,
+            r.profile,
+            r.bytes_per_s / 1e6
+        ));
+    }
 
     let auto = Mode::Auto(opts.calibrated.clone());
     let mut session = Session::start(&lab, tessera, scenario, dir, &auto)?;
@@ -122,7 +147,11 @@ pub fn run(
             // The software cost of a hop is the scenario's (its `hop_overhead_us`, else the
             // planner's default): the coordinator cannot measure it before a ring runs.
             graph.hop_overhead_s = scenario.graph.hop_overhead_s;
-            apply_cpu_quotas(scenario, &mut graph)
+            // The machine's own decode of the model (unthrottled) before the quotas scale it.
+            let decode = parallelism
+                .map(|p| host_decode::apply(&model, &mut graph, p.alone_tok_s))
+                .unwrap_or_default();
+            [decode, apply_cpu_quotas(scenario, &mut graph)].concat()
         }
         Some(c) => vec![format!(
             "the coordinator planned with the rates of the calibrated graph {} in place of the \
@@ -133,6 +162,7 @@ pub fn run(
     let quotas = [
         quotas,
         apply_shared_machine(scenario, parallelism, &mut graph),
+        disk_rates::apply(&mut graph, &disk_rates),
     ]
     .concat();
     // The coordinator's own choice placed an expert split for every run: stage runs need a
@@ -193,6 +223,7 @@ pub fn run(
             let mode = Mode::Fixed {
                 plan: files[0].clone(),
                 experts,
+                expert_budget: first.streams.clone(),
             };
             session = Session::start(&lab, tessera, scenario, dir, &mode)?;
             experts_applied = true;
@@ -242,6 +273,7 @@ pub fn run(
         measured,
         calibrated_graph.as_ref(),
         &ring_hop,
+        &reference,
     );
     let provenance = provenance(scenario, &model, &graph, &candidates, quotas);
     let mut report = Report {
@@ -255,6 +287,7 @@ pub fn run(
         calibrated_on,
         corrections,
         calibrated_graph: saved,
+        one_process_text: Some(reference),
     };
     report.rank();
     Ok(report)
@@ -270,6 +303,7 @@ fn rows(
     measured: Vec<Option<std::result::Result<Measured, String>>>,
     calibrated_graph: Option<&ResourceGraph>,
     ring_hop: &[(usize, f64)],
+    reference: &str,
 ) -> Vec<Row> {
     let figures =
         |g: &ResourceGraph, p: &Plan| predict(model, g, p).ok().map(|x| Figures::predicted(&x));
@@ -278,11 +312,15 @@ fn rows(
         .zip(measured)
         .enumerate()
         .map(|(k, (c, m))| {
-            let (measured, note) = match (&c.placement, m) {
-                (Err(why), _) => (None, Some(why.clone())),
-                (_, Some(Ok(m))) => (Some(m.figures), None),
-                (_, Some(Err(e))) => (None, Some(format!("its run failed: {e}"))),
-                (_, None) => (None, Some("not run".into())),
+            let (measured, note, text) = match (&c.placement, m) {
+                (Err(why), _) => (None, Some(why.clone()), None),
+                (_, Some(Ok(m))) => (
+                    Some(m.figures),
+                    None,
+                    Some(TextCheck::of(&m.texts, reference)),
+                ),
+                (_, Some(Err(e))) => (None, Some(format!("its run failed: {e}")), None),
+                (_, None) => (None, Some("not run".into()), None),
             };
             Row {
                 strategy: c.plan.strategy.name().to_string(),
@@ -306,6 +344,7 @@ fn rows(
                     }
                 }),
                 calibrated_error: None,
+                text,
             }
         })
         .collect()
@@ -479,6 +518,42 @@ fn apply_shared_machine(
 fn save_calibrated(scenario: &Scenario, graph: &ResourceGraph, path: &Path) -> Result<()> {
     let text = crate::scenario::with_planner_part(scenario, &graph.to_toml())?;
     std::fs::write(path, text).map_err(|e| LabError::io(format!("writing {}", path.display()), e))
+}
+
+/// `tessera generate` of `prompt` in one process, greedy, `tokens` tokens with `threads`
+/// compute threads: the text after the prompt, what every plan's text is compared with.
+pub(crate) fn one_process(
+    tessera: &Path,
+    model: &Path,
+    threads: usize,
+    prompt: &str,
+    tokens: usize,
+) -> Result<String> {
+    let out = std::process::Command::new(tessera)
+        .args(["generate", "-t", &threads.max(1).to_string(), "-m"])
+        .arg(model)
+        .args([
+            "-p",
+            prompt,
+            "-n",
+            &tokens.to_string(),
+            "--temperature",
+            "0",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .map_err(|e| LabError::io("running tessera generate", e))?;
+    if !out.status.success() {
+        return Err(LabError::Run(format!(
+            "tessera generate of {prompt:?} failed"
+        )));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text
+        .strip_prefix(prompt)
+        .and_then(|t| t.strip_suffix('\n'))
+        .unwrap_or(&text)
+        .to_string())
 }
 
 /// Where `lab run` keeps its logs by default.

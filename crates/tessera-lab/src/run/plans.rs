@@ -2,7 +2,9 @@
 //! flags force), each with its placement on the fabric, or why the fabric cannot execute it.
 //! Pure: planning and re-costing only.
 
-use tessera_placement::planning::{plan_executable, to_placement, Placement};
+use tessera_placement::planning::{
+    plan_executable, to_placement, to_streaming_placement, Placement,
+};
 use tessera_plan::plan::{ExpertSlice, LayerRange};
 use tessera_plan::{
     predict, CellKind, ModelProfile, Plan, PlanOutcome, ResourceGraph, StrategyKind,
@@ -28,6 +30,36 @@ pub struct Candidate {
     pub role: &'static str,
     /// Its stages (and expert split) on the fabric, or why the fabric cannot execute it.
     pub placement: Result<Placement, String>,
+    /// A single node streaming experts from its disk ([`to_streaming_placement`]): the node
+    /// and the bytes of experts the plan keeps in its memory (its `--expert-budget`).
+    pub streams: Option<(String, u64)>,
+}
+
+impl Candidate {
+    fn new(plan: Plan, role: &'static str, model: &ModelProfile, n_expert: usize) -> Self {
+        let n_layer = model.n_layers();
+        let streams = to_streaming_placement(&plan, n_layer, n_expert)
+            .and_then(|_| streamed_budget(model, &plan));
+        let placement = to_placement(&plan, n_layer, n_expert).map_err(|e| e.to_string());
+        Self {
+            plan,
+            role,
+            placement,
+            streams,
+        }
+    }
+}
+
+/// The node of a one-node plan that streams experts, and the bytes of experts the plan keeps
+/// in its memory: every expert of the model less what it leaves on disk.
+fn streamed_budget(model: &ModelProfile, plan: &Plan) -> Option<(String, u64)> {
+    let a = plan.assignments().next()?;
+    let experts: u64 = model
+        .layers
+        .iter()
+        .map(|l| l.expert.0 * u64::from(l.n_expert))
+        .sum();
+    Some((a.node.clone(), experts.saturating_sub(a.memory.disk.0)))
 }
 
 /// The plans a run measures, the planner's choice first. A runner-up is the planner's best plan
@@ -39,20 +71,16 @@ pub fn candidates(
     outcome: &PlanOutcome,
     force: &Force,
 ) -> Result<Vec<Candidate>, String> {
-    let (n_layer, n_expert) = (profile.config.n_layer, profile.config.n_expert);
-    let place = |p: &Plan| to_placement(p, n_layer, n_expert).map_err(|e| e.to_string());
-    let mut out = vec![Candidate {
-        placement: place(&outcome.plan),
-        plan: outcome.plan.clone(),
-        role: "choice",
-    }];
+    let n_expert = profile.config.n_expert;
+    let mut out = vec![Candidate::new(
+        outcome.plan.clone(),
+        "choice",
+        model,
+        n_expert,
+    )];
     let push = |plan: Plan, role, out: &mut Vec<Candidate>| {
         if !out.iter().any(|c| c.plan.cells == plan.cells) {
-            out.push(Candidate {
-                placement: place(&plan),
-                plan,
-                role,
-            });
+            out.push(Candidate::new(plan, role, model, n_expert));
         }
     };
     // What the coordinator's `--plan auto` would run when the choice cannot execute.
@@ -194,6 +222,13 @@ pub fn describe(plan: &Plan) -> String {
             .assignments
             .iter()
             .map(|a| match (a.layers, a.experts) {
+                (Some(l), _) if a.memory.disk.0 > 0 => format!(
+                    "{}[{}..{}) streaming {:.0} MiB",
+                    a.node,
+                    l.start,
+                    l.end,
+                    a.memory.disk.0 as f64 / f64::from(1 << 20)
+                ),
                 (Some(l), _) => format!("{}[{}..{})", a.node, l.start, l.end),
                 (None, Some(x)) => format!("{}{{e{}..{}}}", a.node, x.experts.start, x.experts.end),
                 (None, None) => a.node.clone(),

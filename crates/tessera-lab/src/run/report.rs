@@ -39,6 +39,31 @@ impl Figures {
     }
 }
 
+/// A plan's texts against one process's: greedy, so any difference is a fault.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TextCheck {
+    /// Its measured requests whose text equalled one process's.
+    pub identical: usize,
+    pub checked: usize,
+    /// The first text that differed.
+    pub differing: Option<String>,
+}
+
+impl TextCheck {
+    /// `texts` (a plan's requests) against `reference` (one process's).
+    pub fn of(texts: &[String], reference: &str) -> Self {
+        Self {
+            identical: texts.iter().filter(|t| *t == reference).count(),
+            checked: texts.len(),
+            differing: texts.iter().find(|t| *t != reference).cloned(),
+        }
+    }
+
+    pub fn all_identical(&self) -> bool {
+        self.checked > 0 && self.identical == self.checked
+    }
+}
+
 /// One plan the planner ranked.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
@@ -59,6 +84,8 @@ pub struct Row {
     /// The prediction after calibration on the reference run.
     pub calibrated: Option<Figures>,
     pub calibrated_error: Option<f64>,
+    /// Its measured requests' texts against one process's (`None`: not measured).
+    pub text: Option<TextCheck>,
 }
 
 /// What a scenario run found.
@@ -80,6 +107,8 @@ pub struct Report {
     pub corrections: Vec<String>,
     /// Where the calibrated graph was saved.
     pub calibrated_graph: Option<String>,
+    /// The text one process generated for the workload (greedy), every plan's reference.
+    pub one_process_text: Option<String>,
 }
 
 impl Report {
@@ -111,6 +140,15 @@ impl Report {
             row.error = Some((row.predicted.score(o, c) - m) / m);
             row.calibrated_error = row.calibrated.map(|x| (x.score(o, c) - m) / m);
         }
+    }
+
+    /// The measured plans whose texts differed from one process's: a fault, for `lab run` to
+    /// fail on.
+    pub fn text_mismatches(&self) -> Vec<&Row> {
+        self.rows
+            .iter()
+            .filter(|r| r.text.as_ref().is_some_and(|t| !t.all_identical()))
+            .collect()
     }
 
     /// The planner's choice, else the executable one the coordinator would run: the first of
@@ -173,15 +211,15 @@ pub fn table(r: &Report) -> String {
         r.tokens
     );
     s.push_str(&format!(
-        "{:<9} {:<34} {:>9} {:>9} {:>6} {:>4} {:>4} {:>9} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
+        "{:<9} {:<34} {:>9} {:>9} {:>6} {:>4} {:>4} {:>9} {:>6} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
         "strategy", "plan", "predicted", "measured", "error", "p.rk", "m.rk", "calibr.", "error",
-        "decode p", "decode m", "ttft p", "ttft m", "wire B p", "wire B m",
+        "text", "decode p", "decode m", "ttft p", "ttft m", "wire B p", "wire B m",
     ));
     let (o, c) = (r.objective, r.concurrency);
     for row in &r.rows {
         let m = row.measured;
         s.push_str(&format!(
-            "{:<9} {:<34} {:>9} {:>9} {:>6} {:>4} {:>4} {:>9} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8.0} {:>8}{}\n",
+            "{:<9} {:<34} {:>9} {:>9} {:>6} {:>4} {:>4} {:>9} {:>6} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8.0} {:>8}{}\n",
             row.strategy,
             row.description,
             num(Some(row.predicted.score(o, c))),
@@ -191,6 +229,11 @@ pub fn table(r: &Report) -> String {
             row.measured_rank.map_or("-".into(), |x| x.to_string()),
             num(row.calibrated.map(|x| x.score(o, c))),
             pct(row.calibrated_error),
+            row.text.as_ref().map_or("-".into(), |t| if t.all_identical() {
+                "same".to_string()
+            } else {
+                format!("{}/{}", t.identical, t.checked)
+            }),
             num(Some(row.predicted.decode_tokens_per_s)),
             num(m.map(|m| m.decode_tokens_per_s)),
             num(Some(row.predicted.ttft_ms)),
@@ -208,6 +251,27 @@ pub fn table(r: &Report) -> String {
         if let Some(n) = &row.note {
             s.push_str(&format!("{:<9} not measured: {n}\n", ""));
         }
+        if let Some(d) = row.text.as_ref().and_then(|t| t.differing.as_ref()) {
+            s.push_str(&format!(
+                "{:<9} TEXT DIFFERS from one process's ({} of {} identical): {d:?}\n",
+                "",
+                row.text.as_ref().map_or(0, |t| t.identical),
+                row.text.as_ref().map_or(0, |t| t.checked),
+            ));
+        }
+    }
+    match &r.one_process_text {
+        Some(t) => s.push_str(&format!(
+            "text: every measured request (greedy) against one process's {} chars ({}); a \
+             difference fails the run\n",
+            t.chars().count(),
+            if r.text_mismatches().is_empty() {
+                "all identical"
+            } else {
+                "SOME DIFFER"
+            }
+        )),
+        None => s.push_str("text: not compared (one process did not run)\n"),
     }
     match r.choice_is_best(0.05) {
         Some(true) => s.push_str("the planner's choice measured best (or within 5% of it)\n"),
@@ -265,6 +329,7 @@ mod tests {
             measured_rank: None,
             calibrated: Some(predicted),
             calibrated_error: None,
+            text: None,
         }
     }
 
@@ -280,9 +345,36 @@ mod tests {
             calibrated_on: String::new(),
             corrections: vec![],
             calibrated_graph: None,
+            one_process_text: None,
         };
         r.rank();
         r
+    }
+
+    #[test]
+    fn a_plan_whose_text_differs_from_one_process_is_a_mismatch_the_table_shows() {
+        let same = vec!["a b c".to_string(), "a b c".to_string()];
+        let odd = vec!["a b c".to_string(), "a b d".to_string()];
+        assert!(TextCheck::of(&same, "a b c").all_identical());
+        let check = TextCheck::of(&odd, "a b c");
+        assert_eq!((check.identical, check.checked), (1, 2));
+        assert_eq!(check.differing.as_deref(), Some("a b d"));
+        // Nothing checked is not "identical".
+        assert!(!TextCheck::of(&[], "a b c").all_identical());
+
+        let mut good = row("choice", figures(1.0, 1.0), Some(figures(1.0, 1.0)));
+        good.text = Some(TextCheck::of(&same, "a b c"));
+        let mut bad = row("runner-up", figures(1.0, 1.0), Some(figures(1.0, 1.0)));
+        bad.text = Some(check);
+        let mut r = report(Objective::Latency, 1, vec![good, bad]);
+        r.one_process_text = Some("a b c".into());
+        assert_eq!(r.text_mismatches().len(), 1);
+        assert_eq!(r.text_mismatches()[0].role, "runner-up");
+        let t = table(&r);
+        assert!(t.contains("TEXT DIFFERS"), "{t}");
+        assert!(t.contains("SOME DIFFER"), "{t}");
+        assert!(t.contains(" same "), "{t}");
+        assert!(t.contains(" 1/2 "), "{t}");
     }
 
     #[test]

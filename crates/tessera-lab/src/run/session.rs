@@ -149,6 +149,9 @@ pub(super) enum Mode {
     Fixed {
         plan: PathBuf,
         experts: Option<String>,
+        /// A node given `--expert-budget BYTES`: it keeps that much of its experts in memory
+        /// and streams the rest from its disk (the one-host baseline).
+        expert_budget: Option<(String, u64)>,
     },
 }
 
@@ -203,7 +206,7 @@ impl Session {
                 }
             }
             Mode::ByClient => {}
-            Mode::Fixed { plan, experts } => {
+            Mode::Fixed { plan, experts, .. } => {
                 cmd.arg("--plan").arg(plan);
                 if let Some(x) = experts {
                     cmd.args(["--experts", x]);
@@ -238,6 +241,15 @@ impl Session {
                     b.0.saturating_sub(tessera_plan::RUNTIME_OVERHEAD_RAM.0)
                         .max(1 << 20);
                 cmd.args(["--memory-budget", &own.to_string()]);
+            }
+            if let Mode::Fixed {
+                expert_budget: Some((name, bytes)),
+                ..
+            } = mode
+            {
+                if *name == node.name {
+                    cmd.args(["--expert-budget", &bytes.to_string()]);
+                }
             }
             let mut p = Proc::spawn(
                 &node.name,

@@ -10,7 +10,8 @@
 //! - [`resource_graph`]: inventory and links → resource graph.
 //! - [`plan_executable`]: plan, falling back to the best single-node, stage-ring or expert-split plan
 //!   when the best plan is one the fabric cannot execute yet (a weight bank, or a ring that
-//!   would stream experts from disk: only an expert split's nodes do). Replicas run as cells.
+//!   would stream experts from disk: only an expert split's nodes do, and a single node that
+//!   streams runs as an expert split homed on it). Replicas run as cells.
 //! - [`to_placement`]: an executable plan → a [`PlanFile`] of pinned stages, plus the expert
 //!   split of an expert plan ([`to_assignment`], [`to_expert_placement`]).
 //!
@@ -49,7 +50,8 @@ mod test_support;
 pub use graph::{links_via_coordinator, resource_graph, MeasuredLink, DECODE_STREAM_EFFICIENCY};
 pub use model::planner_model;
 pub use placement::{
-    to_assignment, to_expert_placement, to_placement, NotExecutable, NotExpertPlacement, Placement,
+    to_assignment, to_expert_placement, to_placement, to_streaming_placement, NotExecutable,
+    NotExpertPlacement, Placement,
 };
 
 /// The strategies the fabric executes today.
@@ -90,10 +92,14 @@ pub fn plan_executable(
     // expert split and cannot run), while an in-memory split across the nodes can.
     let mut found: Option<PlanOutcome> = None;
     let mut errors = Vec::new();
+    // A single node streaming its experts from its disk runs too: never slower than the best
+    // single node, a split that loses to it is not chosen.
+    let mut best_split: Option<PlanOutcome> = None;
     for (allowed, in_memory) in [
         (&[StrategyKind::Expert][..], false),
         (&[StrategyKind::Expert][..], true),
         (&[StrategyKind::Single, StrategyKind::Stage][..], true),
+        (&[StrategyKind::Single][..], false),
     ] {
         let mut g = graph.clone();
         g.policy.strategies.retain(|s| allowed.contains(s));
@@ -108,6 +114,11 @@ pub fn plan_executable(
         match plan(m, &g, epoch) {
             Ok(o) if executable(&o.plan, n_layer, n_expert) => {
                 let score = |o: &PlanOutcome| o.plan.predicted.score(g.policy.objective);
+                if o.plan.strategy != StrategyKind::Single
+                    && best_split.as_ref().is_none_or(|f| score(&o) > score(f))
+                {
+                    best_split = Some(o.clone());
+                }
                 if found.as_ref().is_none_or(|f| score(&o) > score(f)) {
                     found = Some(o);
                 }
@@ -151,6 +162,20 @@ pub fn plan_executable(
             fallback.plan.strategy
         ),
     );
+    if let (StrategyKind::Single, Some(split)) = (fallback.plan.strategy, &best_split) {
+        fallback.explanation.notes.insert(
+            1,
+            format!(
+                "never slower than the best single node: the best executable plan over several \
+                 nodes, {} ({:.2} tok/s), is predicted slower than {} ({:.2} tok/s), so that \
+                 one node runs",
+                split.explanation.chosen.description,
+                split.plan.predicted.decode_tokens_per_s,
+                fallback.explanation.chosen.description,
+                fallback.plan.predicted.decode_tokens_per_s
+            ),
+        );
+    }
     Ok(fallback)
 }
 
@@ -319,12 +344,16 @@ mod tests {
         for l in &mut g.links {
             l.spec.rtt_s = 0.05;
         }
+        // No single node (which would stream as an expert split homed on it, see below).
+        g.policy.strategies = vec![StrategyKind::Stage, StrategyKind::Expert];
         // With disks, rings hold layers whose experts partly stay on disk...
         let best = tessera_plan::plan(&m, &g, 1).unwrap();
-        assert!(matches!(
+        assert_eq!(
             best.plan.strategy,
-            StrategyKind::Stage | StrategyKind::Single
-        ));
+            StrategyKind::Stage,
+            "{:?}",
+            best.explanation
+        );
         assert!(best.plan.assignments().any(|a| a.memory.disk.0 > 0));
         // ... which no ring stage does: the expert split runs instead.
         let out = plan_executable(&m, &g, 1).unwrap();
@@ -338,13 +367,52 @@ mod tests {
     }
 
     #[test]
-    fn slow_links_that_keep_every_expert_home_still_give_an_in_memory_expert_split() {
+    fn the_executable_choice_is_never_predicted_slower_than_the_best_single_node() {
+        let m = moe_model();
+        for budgets in [
+            [200u64 << 20, 60 << 20, 60 << 20],
+            [120 << 20, 120 << 20, 120 << 20],
+            [150 << 20, 100 << 20, 100 << 20],
+        ] {
+            let mut slowest = None;
+            for rtt in [0.0005, 0.002, 0.005, 0.01, 0.02, 0.05] {
+                let (_, mut g) = cluster(&budgets);
+                with_disks(&mut g);
+                for l in &mut g.links {
+                    l.spec.rtt_s = rtt;
+                }
+                if let Some(d) = &mut g.default_link {
+                    d.rtt_s = rtt;
+                }
+                let out = plan_executable(&m, &g, 1).unwrap();
+                assert!(executable(&out.plan, 4, 16), "{:?}", out.explanation);
+                let mut single = g.clone();
+                single.policy.strategies = vec![StrategyKind::Single];
+                let one = tessera_plan::plan(&m, &single, 1).unwrap();
+                let (chosen, alone) = (
+                    out.plan.predicted.decode_tokens_per_s,
+                    one.plan.predicted.decode_tokens_per_s,
+                );
+                assert!(
+                    chosen >= alone,
+                    "{budgets:?} at {rtt} s: chose {} at {chosen}, one node {alone}",
+                    out.explanation.chosen.description
+                );
+                slowest = Some(out.plan.strategy);
+            }
+            // Round trips of 50 ms: no split pays; the one node streaming runs.
+            assert_eq!(slowest, Some(StrategyKind::Single), "{budgets:?}");
+        }
+    }
+
+    #[test]
+    fn slow_links_that_keep_every_expert_home_run_the_home_streaming_from_its_disk() {
         let m = moe_model();
         let (_, mut g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
         with_disks(&mut g);
         // Links slow enough that streaming every expert from the home's disk predicts faster
         // than sending hidden states to other owners: with disks, the expert strategy keeps
-        // every expert home (a single-node plan, which cannot run).
+        // every expert home (a single-node plan).
         for l in &mut g.links {
             l.spec.rtt_s = 0.05;
         }
@@ -358,20 +426,21 @@ mod tests {
             "{:?}",
             best.explanation
         );
-        // The in-memory expert split across the nodes is what runs.
+        // It runs as it is: the home streams, as an expert split homed on it owning every
+        // expert.
         let out = plan_executable(&m, &g, 1).unwrap();
+        assert_eq!(out.plan, best.plan, "{:?}", out.explanation);
+        let p = to_placement(&out.plan, 4, 16).unwrap();
+        let split = p.experts.expect("the home owns every expert");
+        assert_eq!(split.groups.len(), 1);
         assert_eq!(
-            out.plan.strategy,
-            StrategyKind::Expert,
-            "{:?}",
-            out.explanation
+            Some(split.groups[0].node.as_str()),
+            p.ring.stages[0].node.as_deref()
         );
-        assert!(out.plan.assignments().all(|a| a.memory.disk.0 == 0));
-        assert!(to_placement(&out.plan, 4, 16).unwrap().experts.is_some());
     }
 
     #[test]
-    fn a_single_node_plan_with_experts_on_disk_is_not_executable() {
+    fn a_single_node_plan_with_experts_on_disk_runs_as_an_expert_split_homed_on_it() {
         let m = moe_model();
         // One node, too small for every expert in memory, with a disk: the planner streams the
         // rest from disk, which only an expert split's nodes do.
@@ -380,11 +449,24 @@ mod tests {
         let best = tessera_plan::plan(&m, &g, 1).unwrap();
         assert_eq!(best.plan.strategy, StrategyKind::Single);
         assert!(best.plan.assignments().any(|a| a.memory.disk.0 > 0));
-        assert!(matches!(
-            to_placement(&best.plan, 4, 16),
-            Err(NotExpertPlacement::Stages(NotExecutable::OnDisk(n))) if n == "n0"
-        ));
-        // Alone, it has no executable plan: planning says why rather than applying it.
-        assert!(plan_executable(&m, &g, 1).is_err());
+        // Alone, it is what runs.
+        assert_eq!(plan_executable(&m, &g, 1).unwrap().plan, best.plan);
+        // As an expert split homed on it that owns every expert, the node streams them.
+        let p = to_streaming_placement(&best.plan, 4, 16).expect("a streaming placement");
+        assert_eq!(to_placement(&best.plan, 4, 16).as_ref(), Ok(&p));
+        assert_eq!(p.ring.stages.len(), 1);
+        assert_eq!(p.ring.stages[0].node.as_deref(), Some("n0"));
+        assert_eq!(p.ring.stages[0].layers, 0..4);
+        let split = p.experts.expect("every expert placed");
+        assert_eq!(split.groups.len(), 1);
+        assert_eq!(split.groups[0].node, "n0");
+        assert_eq!(split.groups[0].experts, (0..16).collect::<Vec<_>>());
+        // Not for a plan of another model's geometry, nor for one with every weight in memory.
+        assert!(to_streaming_placement(&best.plan, 4, 8).is_none());
+        assert!(to_streaming_placement(&best.plan, 5, 16).is_none());
+        let (_, roomy) = cluster(&[2 << 30]);
+        let fits = tessera_plan::plan(&m, &roomy, 1).unwrap();
+        assert!(fits.plan.assignments().all(|a| a.memory.disk.0 == 0));
+        assert!(to_streaming_placement(&fits.plan, 4, 16).is_none());
     }
 }

@@ -21,8 +21,9 @@ pub struct Placement {
 /// ([`to_expert_placement`]).
 ///
 /// Only the nodes of an expert split stream experts from disk (a node given more experts than
-/// its budget holds does), so a single-node or ring plan that leaves weights on disk is not
-/// executable: its nodes would refuse the load.
+/// its budget holds does): a single node that leaves experts on disk runs as an expert split
+/// homed on it that owns every expert ([`to_streaming_placement`]); a ring that leaves weights
+/// on disk is not executable: its nodes would refuse the load.
 pub fn to_placement(
     plan: &Plan,
     n_layer: usize,
@@ -49,6 +50,9 @@ pub fn to_placement(
             })
         }
         _ => {
+            if let Some(p) = to_streaming_placement(plan, n_layer, n_expert) {
+                return Ok(p);
+            }
             let ring = to_assignment(plan)?;
             // A stage of an MoE model holds every expert of its layers.
             if let Some(a) = plan.assignments().find(|a| {
@@ -66,6 +70,43 @@ pub fn to_placement(
             })
         }
     }
+}
+
+/// The placement of a single-node plan of an MoE model that leaves experts on disk: an expert
+/// split whose home is that node and owns every expert, so that the node, given experts, streams
+/// those its budget cannot hold from its own disk (the fabric streams only an expert split's
+/// experts). `None` for any other plan.
+///
+/// The one-host baseline of a cluster: what the best single machine does with a model larger
+/// than its memory.
+pub fn to_streaming_placement(plan: &Plan, n_layer: usize, n_expert: usize) -> Option<Placement> {
+    let [cell] = plan.cells.as_slice() else {
+        return None;
+    };
+    let [a] = cell.assignments.as_slice() else {
+        return None;
+    };
+    let whole = a.layers.is_some_and(|l| l.iter() == (0..n_layer)) && a.layers == a.ffn;
+    let every_expert = a.experts.is_some_and(|x| {
+        x.layers == a.layers.expect("checked") && x.experts.iter() == (0..n_expert)
+    });
+    if cell.kind != CellKind::Single || !whole || !every_expert || a.memory.disk.0 == 0 {
+        return None;
+    }
+    Some(Placement {
+        ring: PlanFile {
+            stages: vec![StageSpec {
+                node: Some(a.node.clone()),
+                layers: 0..n_layer,
+            }],
+        },
+        experts: Some(crate::assignment::ExpertSplit {
+            groups: vec![crate::assignment::ExpertGroup {
+                experts: (0..n_expert).collect(),
+                node: a.node.clone(),
+            }],
+        }),
+    })
 }
 
 /// Why a plan cannot become a stage assignment.

@@ -219,6 +219,9 @@ pub(crate) struct Placement {
     pub(super) tiers: Vec<TierUse>,
     pub memory: MemoryUse,
     pub(super) context: ContextCost,
+    /// The policy's [`Policy::expert_reuse`]: how much less than chance the experts left on
+    /// disk are read.
+    pub(super) expert_reuse: f64,
 }
 
 /// Places `load` on `node` with KV for `seqs` sequences of the policy's context. Fails with a
@@ -349,6 +352,7 @@ pub(crate) fn place(
         tiers,
         memory,
         context: load.context.clone(),
+        expert_reuse: policy.expert_reuse,
     })
 }
 

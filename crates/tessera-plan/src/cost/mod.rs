@@ -9,10 +9,12 @@
 //! node's step and a cell's pass over its nodes and hops, and `throughput` costs a cell under
 //! concurrency; this module holds the constants, [`Ctx`] and the entry points the strategies call.
 
+mod hit_rate;
 mod memory;
 mod step;
 mod throughput;
 
+pub use hit_rate::{expert_miss_share, MAX_EXPERT_REUSE};
 pub(crate) use memory::place_assignment;
 pub(crate) use step::contact_probability;
 

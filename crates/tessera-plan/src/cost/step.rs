@@ -65,7 +65,11 @@ impl Placement {
         for t in &self.tiers {
             let (mut db, mut df, mut eb, mut ef) = (0.0, 0.0, 0.0, 0.0);
             for (c, f) in &t.parts {
-                let bytes = c.resident * f * c.touched(tokens);
+                let mut bytes = c.resident * f * c.touched(tokens);
+                if t.kind == TierKind::Disk && c.expert_p.is_some() {
+                    // The experts left on disk are read as often as the cache misses them.
+                    bytes *= super::hit_rate::disk_read_factor(*f, self.expert_reuse);
+                }
                 let flops = c.flops * f * tokens;
                 if c.expert_p.is_some() {
                     eb += bytes;
@@ -99,6 +103,27 @@ fn hop_terms(link: LinkSpec, overhead: f64, bytes: f64, crossings: f64) -> Terms
         total_s: latency + transfer,
         ..Terms::default()
     }
+}
+
+/// How much slower `node` computes its experts while every owner of the expert split `a`
+/// computes theirs: 1 / its machine's share for the owners on that machine (1 when it shares
+/// none, or the machine has cores for all of them).
+///
+/// [`SharedMachine`]: crate::resources::SharedMachine
+fn owners_slowdown(ctx: &Ctx, a: &[Assignment], node: &str) -> f64 {
+    let Some(m) = ctx
+        .graph
+        .machines
+        .iter()
+        .find(|m| m.nodes.iter().any(|n| n == node))
+    else {
+        return 1.0;
+    };
+    let busy = a
+        .iter()
+        .filter(|x| x.experts.is_some() && m.nodes.contains(&x.node))
+        .count();
+    1.0 / m.share(busy.max(1))
 }
 
 /// The chance that a step of `tokens` tokens, each routed to `used` of `n` experts (uniformly,
@@ -227,13 +252,17 @@ pub(super) fn pass(
             let n_moe = ctx.model.moe_layers().max(1) as f64;
             let home = mode.run(&pl[0]);
             stage(&mut out, &a[0].node, "home", home.dense);
+            // The owners compute a layer's experts at once: those sharing a machine's cores
+            // ([`SharedMachine`]) each get their share of it.
+            let slowdown = |node: &str| owners_slowdown(ctx, a, node);
             // Per MoE layer the home waits for the slowest owner (its own experts need no hop).
-            let mut worst = scaled(&home.experts, 1.0 / n_moe);
-            let mut per_owner = vec![(scaled(&home.experts, 1.0 / n_moe), Terms::default(), 0.0)];
+            let home_experts = scaled(&home.experts, slowdown(&a[0].node) / n_moe);
+            let mut worst = home_experts;
+            let mut per_owner = vec![(home_experts, Terms::default(), 0.0)];
             let (n_exp, used) = (ctx.model.n_expert, ctx.model.n_expert_used);
             for (i, p) in pl.iter().enumerate().skip(1) {
                 let l = link(&a[0].node, &a[i].node)?;
-                let e = scaled(&mode.run(p).experts, 1.0 / n_moe);
+                let e = scaled(&mode.run(p).experts, slowdown(&a[i].node) / n_moe);
                 // An owner is contacted only in the layers where some token needs one of its
                 // experts, and is sent only those tokens' rows.
                 let owned = a[i].experts.map_or(0, |x| x.experts.len());
@@ -326,6 +355,52 @@ mod tests {
         assert_eq!(contact_probability(8, 2, 8, 1.0), 1.0);
         assert_eq!(contact_probability(8, 2, 7, 1.0), 1.0);
         assert_eq!(contact_probability(8, 2, 0, 1.0), 0.0);
+    }
+
+    #[test]
+    fn owners_sharing_a_machine_s_cores_compute_their_experts_in_turn() {
+        use crate::resources::{ResourceGraph, SharedMachine};
+        let m = ModelProfile::from_hf_config(MOE, Quant::Q8_0).unwrap();
+        let mut g = ResourceGraph::from_toml(
+            r#"
+            [defaults]
+            link = "1gbe"
+            [policy]
+            objective = "latency"
+            strategies = ["expert"]
+            context = 512
+            [[node]]
+            name = "a"
+            profile = "laptop-16gb"
+            [[node]]
+            name = "b"
+            profile = "laptop-16gb"
+            [[node]]
+            name = "c"
+            profile = "laptop-16gb"
+            "#,
+        )
+        .unwrap();
+        // No node holds every expert, and none streams: the experts are split over the three.
+        for n in &mut g.nodes {
+            n.disk = None;
+            n.memory_budget = Some(crate::units::Bytes::mib(1024));
+        }
+        let plan = crate::plan(&m, &g, 1).unwrap().plan;
+        let apart = crate::predict(&m, &g, &plan).unwrap().decode_tokens_per_s;
+        // One core for three single-threaded nodes: the owners take turns.
+        g.machines.push(SharedMachine {
+            name: "one".into(),
+            cores: 1.0,
+            node_cores: 1.0,
+            nodes: vec!["a".into(), "b".into(), "c".into()],
+        });
+        let shared = crate::predict(&m, &g, &plan).unwrap().decode_tokens_per_s;
+        assert!(shared < apart, "shared {shared}, apart {apart}");
+        // Cores for all of them: no slower.
+        g.machines[0].cores = 3.0;
+        let roomy = crate::predict(&m, &g, &plan).unwrap().decode_tokens_per_s;
+        assert!((roomy - apart).abs() < 1e-9 * apart, "{roomy} {apart}");
     }
 
     #[test]

@@ -163,6 +163,7 @@ struct PolicyFile {
     context: Option<u64>,
     prompt_tokens: Option<u64>,
     concurrency: Option<u32>,
+    expert_reuse: Option<f64>,
 }
 
 impl PolicyFile {
@@ -194,6 +195,16 @@ impl PolicyFile {
         }
         if let Some(c) = self.concurrency {
             p.concurrency = c.max(1);
+        }
+        if let Some(r) = self.expert_reuse {
+            // Below 1 would price a cache as missing more than chance does.
+            if !(1.0..=crate::cost::MAX_EXPERT_REUSE).contains(&r) {
+                return Err(ClusterError::Invalid(format!(
+                    "policy.expert_reuse must be in [1, {}]",
+                    crate::cost::MAX_EXPERT_REUSE
+                )));
+            }
+            p.expert_reuse = r;
         }
         Ok(p)
     }

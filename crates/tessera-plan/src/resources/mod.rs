@@ -171,6 +171,20 @@ pub struct Policy {
     pub prompt_tokens: u64,
     /// Concurrent requests the endpoint serves.
     pub concurrency: u32,
+    /// How much the workload's routing repeats experts beyond chance: an expert cache holding
+    /// all but a share `d` of a node's experts misses `d^expert_reuse` of the reads
+    /// ([`crate::cost::expert_miss_share`]). 1: uniform routing (every expert equally likely
+    /// each token, the hit rate is the share cached); calibrated from a streaming run.
+    #[serde(default = "uniform_reuse", skip_serializing_if = "is_uniform_reuse")]
+    pub expert_reuse: f64,
+}
+
+fn uniform_reuse() -> f64 {
+    1.0
+}
+
+fn is_uniform_reuse(r: &f64) -> bool {
+    *r == 1.0
 }
 
 impl Default for Policy {
@@ -183,6 +197,7 @@ impl Default for Policy {
             context_tokens: 4096,
             prompt_tokens: 512,
             concurrency: 1,
+            expert_reuse: 1.0,
         }
     }
 }

@@ -83,6 +83,11 @@ enum LabCommand {
         /// coordinator's `--plan auto --calibrated`, in place of the nodes' measured rates.
         #[arg(long, value_name = "PATH")]
         calibrated: Option<std::path::PathBuf>,
+        /// A scaling curve: run the scenario on its first N hosts for each N given (e.g.
+        /// `1,2,3,4`), one run after another on the same caps, and end with one table of
+        /// every run's choice and best plan against the best single host of the same run.
+        #[arg(long, value_delimiter = ',', value_name = "N,…")]
+        hosts: Vec<usize>,
     },
     /// The time a hop of a stage ring adds beyond the link's round trip: a model alone on one
     /// node and as a ring (two nodes, or --stages), alternating, on a link through the switch
@@ -261,6 +266,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             split,
             save_calibrated,
             calibrated,
+            hosts,
         } => {
             let mut s = tessera_lab::scenario::Scenario::load(&scenario)?;
             if let Some(m) = model {
@@ -278,6 +284,19 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                         .with_context(|| format!("--strategy {x:?}: single, stage or expert"))
                 })
                 .transpose()?;
+            if !hosts.is_empty() {
+                // A calibrated graph names every host, which a part of the scenario lacks.
+                anyhow::ensure!(
+                    save_calibrated.is_none() && calibrated.is_none(),
+                    "--hosts runs parts of the scenario: without --save-calibrated or --calibrated"
+                );
+                let opts = tessera_lab::run::Options {
+                    force: tessera_lab::run::Force { strategy, split },
+                    save_calibrated: None,
+                    calibrated: None,
+                };
+                return scaling_curve(&s, &hosts, &exe, &dir, &opts, json);
+            }
             let opts = tessera_lab::run::Options {
                 force: tessera_lab::run::Force { strategy, split },
                 save_calibrated,
@@ -292,6 +311,18 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             } else {
                 print!("{}", tessera_lab::run::table(&report));
             }
+            // Greedy decoding: a plan whose text is not one process's is a fault, not a figure.
+            let differ: Vec<&str> = report
+                .text_mismatches()
+                .iter()
+                .map(|r| r.description.as_str())
+                .collect();
+            anyhow::ensure!(
+                differ.is_empty(),
+                "the text of {} differed from one process's (logs in {})",
+                differ.join("; "),
+                dir.display()
+            );
             Ok(())
         }
         LabCommand::Hop {
@@ -475,5 +506,56 @@ fn measure<T: serde::Serialize>(
     } else {
         print!("{}", table(&result));
     }
+    Ok(())
+}
+
+/// `tessera lab run --hosts N,…`: the scenario on its first N hosts for each N, one run after
+/// another (each run's table as it ends), then the curve as one table (or every run as JSON).
+/// A text that differs from one process's fails the whole command, after the table.
+fn scaling_curve(
+    s: &tessera_lab::scenario::Scenario,
+    hosts: &[usize],
+    exe: &std::path::Path,
+    dir: &std::path::Path,
+    opts: &tessera_lab::run::Options,
+    json: bool,
+) -> anyhow::Result<()> {
+    // Every part is checked before the first run starts minutes of work.
+    let parts = hosts
+        .iter()
+        .map(|&n| s.first_hosts(n).map(|p| (n, p)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut points = Vec::new();
+    for (n, part) in parts {
+        let sub = dir.join(format!("hosts-{n}"));
+        eprintln!("lab: === {n} host(s): {} ===", part.name);
+        let report = tessera_lab::run::run(&part, exe, &sub, opts, |m| eprintln!("lab: {m}"))
+            .with_context(|| format!("lab run on {n} host(s) (logs in {})", sub.display()))?;
+        if !json {
+            print!("{}", tessera_lab::run::table(&report));
+            println!();
+        }
+        points.push(tessera_lab::run::scaling::Point { hosts: n, report });
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&points)?);
+    } else {
+        print!("{}", tessera_lab::run::scaling::table(&points));
+    }
+    let differ: Vec<String> = points
+        .iter()
+        .flat_map(|p| {
+            p.report
+                .text_mismatches()
+                .into_iter()
+                .map(move |r| format!("{} on {} host(s)", r.description, p.hosts))
+        })
+        .collect();
+    anyhow::ensure!(
+        differ.is_empty(),
+        "the text of {} differed from one process's (logs in {})",
+        differ.join("; "),
+        dir.display()
+    );
     Ok(())
 }
