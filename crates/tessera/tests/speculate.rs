@@ -164,8 +164,30 @@ fn speculation_flags_are_refused_where_they_would_be_ignored() {
         ),
         (vec!["--draft-max", "4"], "--draft-max needs"),
         (
-            vec!["--speculate", "lookup", "--nodes-expected", "2"],
-            "single-process serving",
+            vec![
+                "--speculate",
+                "draft",
+                "--draft-model",
+                stories.as_str(),
+                "--nodes-expected",
+                "2",
+            ],
+            "speculates by prompt lookup",
+        ),
+        (
+            vec![
+                "--speculate",
+                "lookup",
+                "--draft-max",
+                "17",
+                "--nodes-expected",
+                "2",
+            ],
+            "at most 16",
+        ),
+        (
+            vec!["--speculate", "lookup", "--sealed-via", "127.0.0.1:1"],
+            "sealed jobs do not speculate",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
