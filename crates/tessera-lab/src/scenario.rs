@@ -10,6 +10,7 @@
 //! [workload]
 //! prompt = "Once upon a time"
 //! tokens = 64                     # decoded per measured request
+//! speculate = 8                   # also measure each plan speculating (prompt lookup, k drafts)
 //!
 //! [lab]
 //! threads = 1                     # compute threads per node
@@ -57,6 +58,10 @@ pub struct Workload {
     pub prompt: String,
     #[serde(default = "default_tokens")]
     pub tokens: usize,
+    /// Drafts per ring turn: each plan's requests are measured again speculating by prompt
+    /// lookup (`tessera run --speculate`), alternated with the plain ones; 0 = not.
+    #[serde(default)]
+    pub speculate: usize,
 }
 
 fn default_prompt() -> String {
@@ -187,8 +192,19 @@ impl Scenario {
             None => Workload {
                 prompt: default_prompt(),
                 tokens: default_tokens(),
+                speculate: 0,
             },
         };
+        if workload.speculate > tessera_proto::OpenSeq::MAX_SPECULATE {
+            return Err(err(
+                path,
+                format!(
+                    "[workload] speculate = {}: a ring turn carries at most {} drafts",
+                    workload.speculate,
+                    tessera_proto::OpenSeq::MAX_SPECULATE
+                ),
+            ));
+        }
         let lab: LabSection = match doc.remove("lab") {
             Some(l) => l.try_into().map_err(|e| err(path, format!("[lab]: {e}")))?,
             None => LabSection::default(),
@@ -422,5 +438,25 @@ disk = "emmc"
         assert!(e.to_string().contains("unknown node \"zz\""), "{e}");
         let e = Scenario::parse(Path::new("w.toml"), "[[node]]\nname='a'").unwrap_err();
         assert!(e.to_string().contains("no [model]"), "{e}");
+    }
+
+    #[test]
+    fn speculation_in_the_workload_is_read_and_bounded_by_what_a_ring_turn_carries() {
+        assert_eq!(
+            Scenario::parse(Path::new("w.toml"), WIFI)
+                .unwrap()
+                .workload
+                .speculate,
+            0
+        );
+        let eight = WIFI.replace("tokens = 16", "tokens = 16\nspeculate = 8");
+        let s = Scenario::parse(Path::new("w.toml"), &eight).unwrap();
+        assert_eq!(s.workload.speculate, 8);
+        let too_many = WIFI.replace("tokens = 16", "tokens = 16\nspeculate = 17");
+        match Scenario::parse(Path::new("w.toml"), &too_many) {
+            Err(LabError::Scenario { message, .. }) => assert!(message.contains("at most 16")),
+            Err(e) => panic!("speculate = 17 refused for another reason: {e}"),
+            Ok(_) => panic!("speculate = 17 was accepted"),
+        }
     }
 }

@@ -703,6 +703,84 @@ fn lab_run_hosts_gives_a_scaling_curve_of_runs_on_the_first_hosts() {
     }
 }
 
+/// A workload that speculates: each plan's requests are measured again speculating by prompt
+/// lookup, alternated with the plain ones; the ring's speculating requests give one process's
+/// text, and the report counts the drafts sent and accepted.
+#[test]
+fn lab_run_measures_a_speculating_ring_beside_the_plain_one_with_one_process_text() {
+    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
+    let Some(lab) = lab_or_skip(&probe) else {
+        return;
+    };
+    drop(lab);
+    let dir = tempfile::tempdir().unwrap();
+    let scenarios = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-lab/scenarios");
+    // A story that begins again: prompt lookup finds what followed the first time.
+    let text = std::fs::read_to_string(scenarios.join("must-split.toml"))
+        .unwrap()
+        .replace(
+            "gguf = \"../../../models/test/small-qwen3-Q8_0.gguf\"",
+            &format!("gguf = {:?}", model("stories260K.gguf")),
+        )
+        .replace(
+            "prompt = \"Once upon a time\"",
+            "prompt = \"Once upon a time, there was a little girl named Lily. She liked to \
+             play outside. Once upon a time, there was a little\"",
+        )
+        .replace("tokens = 128", "tokens = 48\nspeculate = 4");
+    assert!(
+        text.contains("speculate = 4") && text.contains("stories260K") && text.contains("Lily"),
+        "{text}"
+    );
+    let scenario = dir.path().join("speculating.toml");
+    std::fs::write(&scenario, text).unwrap();
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args([
+        "lab",
+        "run",
+        "--json",
+        "--split",
+        "pi-a=0..2,pi-b=2..5",
+        "--dir",
+    ])
+    .arg(dir.path().join("run"))
+    .arg(&scenario)
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped());
+    let out = common::run_with_timeout(cmd, Duration::from_secs(150));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let ring = rows
+        .iter()
+        .find(|r| r["strategy"] == "stage" && r["measured"].is_object())
+        .unwrap_or_else(|| panic!("no measured ring: {report:#}"));
+    let sp = &ring["speculation"]["Ok"];
+    assert_eq!(sp["k"], 4, "{ring:#}");
+    assert!(
+        sp["decode_tokens_per_s"].as_f64().unwrap() > 0.0,
+        "{ring:#}"
+    );
+    assert!(sp["speedup"].as_f64().unwrap() > 0.0, "{ring:#}");
+    // One speculating request after each plain one.
+    assert_eq!(sp["text"]["checked"], ring["text"]["checked"], "{ring:#}");
+    assert_eq!(sp["text"]["identical"], sp["text"]["checked"], "{ring:#}");
+    // The story repeats, so lookup finds drafts and some are accepted.
+    let (drafted, accepted) = (
+        sp["drafted"].as_u64().unwrap(),
+        sp["accepted"].as_u64().unwrap(),
+    );
+    assert!(
+        drafted > 0 && accepted > 0 && accepted <= drafted,
+        "{ring:#}"
+    );
+    assert!(sp["verifications"].as_u64().unwrap() > 0, "{ring:#}");
+}
+
 /// `tessera lab hop` gives the hop figure on a switched link and on loopback: each from a
 /// single node and a two-node ring that both ran, and the link's measured round trip.
 #[test]

@@ -34,14 +34,52 @@ struct Partial {
     /// The text of each measured request (`runs`), in order.
     texts: Vec<String>,
     wire: f64,
+    /// The workload's speculating requests, each right after a plain one (`None`: the
+    /// workload does not speculate); their failure is theirs, not the plan's.
+    speculating: Option<std::result::Result<Speculating, String>>,
+}
+
+/// A plan's requests measured speculating, and what each read.
+#[derive(Default)]
+pub(super) struct Speculating {
+    /// Drafts per ring turn.
+    pub(super) k: usize,
+    pub(super) runs: Vec<RunReport>,
+    pub(super) texts: Vec<String>,
+}
+
+impl Partial {
+    /// One more speculating request with `k` drafts a turn, if the workload asks for them and
+    /// none has failed.
+    fn speculate(&mut self, k: usize, run: impl FnOnce() -> Result<(RunReport, String)>) {
+        if k == 0 {
+            return;
+        }
+        let Ok(s) = self.speculating.get_or_insert_with(|| {
+            Ok(Speculating {
+                k,
+                ..Speculating::default()
+            })
+        }) else {
+            return;
+        };
+        match run() {
+            Ok((r, text)) => {
+                s.runs.push(r);
+                s.texts.push(text);
+            }
+            Err(e) => self.speculating = Some(Err(e.to_string())),
+        }
+    }
 }
 
 /// The figures of each plan in `plans` (plan files, all runnable in `session`): for each, a
 /// warm-up, a short and a measured request alone (the measured one's traffic less the short
 /// one's is the decode's); then [`REPEATS`]` - 1` more rounds of one measured request per plan;
 /// then the workload's concurrency of requests at once, [`REPEATS`] times (the median of the
-/// tokens over the window all were decoding, [`pipeline::overlap_window`]). A plan's
-/// failure is its own.
+/// tokens over the window all were decoding, [`pipeline::overlap_window`]). Where the workload
+/// speculates, each measured request alone is followed by the same request speculating, so
+/// the two see the same drift. A plan's failure is its own.
 pub(super) fn measure(
     session: &Session,
     lab: &Lab,
@@ -52,6 +90,11 @@ pub(super) fn measure(
 ) -> Vec<std::result::Result<Measured, String>> {
     let prompt = &scenario.workload.prompt;
     let tokens = scenario.workload.tokens;
+    let k = scenario.workload.speculate;
+    let speculating = |plan: &Path| -> Result<(RunReport, String)> {
+        let r = session.timed_speculating(lab, plan, prompt, tokens, k)?;
+        Ok((r.report, r.text))
+    };
     // One request alone, with the text it read (compared with one process's by the caller).
     let one = |plan: &Path, n: usize| -> Result<(RunReport, String)> {
         let r = session
@@ -72,11 +115,14 @@ pub(super) fn measure(
         } else {
             f64::NAN
         };
-        Ok(Partial {
+        let mut part = Partial {
             runs: vec![run],
             texts: vec![text],
             wire,
-        })
+            speculating: None,
+        };
+        part.speculate(k, || speculating(plan));
+        Ok(part)
     };
     let mut parts: Vec<std::result::Result<Partial, String>> = plans
         .iter()
@@ -89,6 +135,7 @@ pub(super) fn measure(
                     Ok((r, text)) => {
                         p.runs.push(r);
                         p.texts.push(text);
+                        p.speculate(k, || speculating(plan));
                     }
                     Err(e) => *part = Err(e.to_string()),
                 }
@@ -112,6 +159,7 @@ pub(super) fn measure(
                 mut runs,
                 texts,
                 wire,
+                speculating,
             } = part?;
             let mut ttft: Vec<f64> = runs.iter().map(|r| r.time_to_first_token_ms).collect();
             ttft.sort_by(f64::total_cmp);
@@ -131,6 +179,7 @@ pub(super) fn measure(
                 },
                 report,
                 texts,
+                speculating,
             })
         })
         .collect()

@@ -49,7 +49,7 @@ use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::scenario::Scenario;
 pub use plans::{describe, Force};
-pub use report::{table, Figures, Report, Row, TextCheck};
+pub use report::{table, Figures, Report, Row, Speculation, TextCheck};
 use session::{Mode, Session};
 
 /// Tokens of the warm-up request, and of the short request whose traffic is subtracted from
@@ -78,6 +78,8 @@ struct Measured {
     report: tessera_proto::RunReport,
     /// The text of each measured request alone.
     texts: Vec<String>,
+    /// The same requests speculating, where the workload asks.
+    speculating: Option<std::result::Result<measure::Speculating, String>>,
 }
 
 /// Runs `scenario` with the `tessera` binary at `tessera`, keeping logs under `dir`.
@@ -312,15 +314,26 @@ fn rows(
         .zip(measured)
         .enumerate()
         .map(|(k, (c, m))| {
-            let (measured, note, text) = match (&c.placement, m) {
-                (Err(why), _) => (None, Some(why.clone()), None),
+            let (measured, note, text, speculation) = match (&c.placement, m) {
+                (Err(why), _) => (None, Some(why.clone()), None, None),
                 (_, Some(Ok(m))) => (
                     Some(m.figures),
                     None,
                     Some(TextCheck::of(&m.texts, reference)),
+                    m.speculating.map(|s| {
+                        s.map(|s| {
+                            Speculation::of(
+                                s.k,
+                                &s.runs,
+                                &s.texts,
+                                m.figures.decode_tokens_per_s,
+                                reference,
+                            )
+                        })
+                    }),
                 ),
-                (_, Some(Err(e))) => (None, Some(format!("its run failed: {e}")), None),
-                (_, None) => (None, Some("not run".into()), None),
+                (_, Some(Err(e))) => (None, Some(format!("its run failed: {e}")), None, None),
+                (_, None) => (None, Some("not run".into()), None, None),
             };
             Row {
                 strategy: c.plan.strategy.name().to_string(),
@@ -345,6 +358,7 @@ fn rows(
                 }),
                 calibrated_error: None,
                 text,
+                speculation,
             }
         })
         .collect()

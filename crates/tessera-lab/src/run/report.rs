@@ -64,6 +64,90 @@ impl TextCheck {
     }
 }
 
+/// A plan's requests measured again speculating by prompt lookup, each right after a plain
+/// one.
+#[derive(Debug, Clone, Serialize)]
+pub struct Speculation {
+    /// Drafts per ring turn.
+    pub k: usize,
+    /// The speculating requests' median decode, tok/s.
+    pub decode_tokens_per_s: f64,
+    /// Over the plain requests' median decode.
+    pub speedup: f64,
+    /// Summed over the speculating requests' sampling stages: the steps that checked drafts,
+    /// the drafts sent, and those the draws agreed with.
+    pub verifications: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    /// Their texts against one process's.
+    pub text: TextCheck,
+}
+
+impl Speculation {
+    /// From the speculating requests' reports and texts, against the plain requests' median
+    /// decode `plain` and one process's text `reference`.
+    pub fn of(
+        k: usize,
+        runs: &[tessera_proto::RunReport],
+        texts: &[String],
+        plain: f64,
+        reference: &str,
+    ) -> Self {
+        let mut rates: Vec<f64> = runs.iter().map(|r| r.decode_tokens_per_s).collect();
+        rates.sort_by(f64::total_cmp);
+        let decode = rates.get(rates.len() / 2).copied().unwrap_or(f64::NAN);
+        let sum = |f: fn(&tessera_proto::StageSeqStats) -> u64| -> u64 {
+            runs.iter().flat_map(|r| &r.stage_stats).map(f).sum::<u64>()
+        };
+        Self {
+            k,
+            decode_tokens_per_s: decode,
+            speedup: decode / plain,
+            verifications: sum(|s| s.verifications),
+            drafted: sum(|s| s.drafted),
+            accepted: sum(|s| s.drafts_accepted),
+            text: TextCheck::of(texts, reference),
+        }
+    }
+
+    /// One line for the table.
+    fn line(&self) -> String {
+        let share = if self.drafted > 0 {
+            format!(
+                " ({:.0}%)",
+                100.0 * self.accepted as f64 / self.drafted as f64
+            )
+        } else {
+            String::new()
+        };
+        let per_check = if self.verifications > 0 {
+            format!(
+                ", {:.2} tokens a verifying turn",
+                1.0 + self.accepted as f64 / self.verifications as f64
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "speculating (prompt lookup, k = {}): decode {} tok/s, {:.2}× without; {} of {} \
+             drafts accepted{share}{per_check}; text {}",
+            self.k,
+            num(Some(self.decode_tokens_per_s)),
+            self.speedup,
+            self.accepted,
+            self.drafted,
+            if self.text.all_identical() {
+                "same".to_string()
+            } else {
+                format!(
+                    "DIFFERS ({} of {} identical)",
+                    self.text.identical, self.text.checked
+                )
+            }
+        )
+    }
+}
+
 /// One plan the planner ranked.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
@@ -86,6 +170,8 @@ pub struct Row {
     pub calibrated_error: Option<f64>,
     /// Its measured requests' texts against one process's (`None`: not measured).
     pub text: Option<TextCheck>,
+    /// The same requests speculating, where the workload asks (or why they failed).
+    pub speculation: Option<std::result::Result<Speculation, String>>,
 }
 
 /// What a scenario run found.
@@ -147,7 +233,10 @@ impl Report {
     pub fn text_mismatches(&self) -> Vec<&Row> {
         self.rows
             .iter()
-            .filter(|r| r.text.as_ref().is_some_and(|t| !t.all_identical()))
+            .filter(|r| {
+                r.text.as_ref().is_some_and(|t| !t.all_identical())
+                    || matches!(&r.speculation, Some(Ok(s)) if !s.text.all_identical())
+            })
             .collect()
     }
 
@@ -251,6 +340,11 @@ pub fn table(r: &Report) -> String {
         if let Some(n) = &row.note {
             s.push_str(&format!("{:<9} not measured: {n}\n", ""));
         }
+        match &row.speculation {
+            Some(Ok(sp)) => s.push_str(&format!("{:<9} {}\n", "", sp.line())),
+            Some(Err(e)) => s.push_str(&format!("{:<9} speculating failed: {e}\n", "")),
+            None => {}
+        }
         if let Some(d) = row.text.as_ref().and_then(|t| t.differing.as_ref()) {
             s.push_str(&format!(
                 "{:<9} TEXT DIFFERS from one process's ({} of {} identical): {d:?}\n",
@@ -330,6 +424,7 @@ mod tests {
             calibrated: Some(predicted),
             calibrated_error: None,
             text: None,
+            speculation: None,
         }
     }
 
@@ -349,6 +444,35 @@ mod tests {
         };
         r.rank();
         r
+    }
+
+    #[test]
+    fn a_speculating_text_that_differs_is_a_mismatch_and_the_table_gives_the_speedup() {
+        let same = vec!["a b c".to_string()];
+        let speculation = |texts: &[String]| Speculation {
+            k: 4,
+            decode_tokens_per_s: 30.0,
+            speedup: 1.5,
+            verifications: 10,
+            drafted: 40,
+            accepted: 10,
+            text: TextCheck::of(texts, "a b c"),
+        };
+        let mut good = row("choice", figures(1.0, 1.0), Some(figures(20.0, 20.0)));
+        good.text = Some(TextCheck::of(&same, "a b c"));
+        good.speculation = Some(Ok(speculation(&same)));
+        let mut r = report(Objective::Latency, 1, vec![good.clone()]);
+        assert!(r.text_mismatches().is_empty());
+        let t = table(&r);
+        assert!(
+            t.contains("k = 4): decode 30.0 tok/s, 1.50× without; 10 of 40 drafts accepted (25%), 2.00 tokens a verifying turn; text same"),
+            "{t}"
+        );
+        let mut bad = good;
+        bad.speculation = Some(Ok(speculation(&["a b d".to_string()])));
+        r.rows = vec![bad];
+        assert_eq!(r.text_mismatches().len(), 1);
+        assert!(table(&r).contains("text DIFFERS (0 of 1 identical)"));
     }
 
     #[test]

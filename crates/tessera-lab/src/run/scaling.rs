@@ -163,6 +163,7 @@ mod tests {
             calibrated: None,
             calibrated_error: None,
             text: measured.map(|_| TextCheck::of(&["t".into()], "t")),
+            speculation: None,
         }
     }
 

@@ -283,7 +283,7 @@ impl Session {
     ) -> Result<Vec<RunReport>> {
         let mut running = Vec::new();
         for i in 0..count.max(1) {
-            running.push(self.spawn_client(lab, plan, prompt, tokens, i, None)?);
+            running.push(self.spawn_client(lab, plan, prompt, tokens, i, Ask::default())?);
         }
         running.into_iter().map(report).collect()
     }
@@ -297,9 +297,37 @@ impl Session {
         prompts: &[&str],
         tokens: usize,
     ) -> Result<Vec<TimedRun>> {
+        self.timed(lab, plan, prompts, tokens, 0)
+    }
+
+    /// Like [`Session::timed_clients`] with one prompt, the client speculating by prompt lookup
+    /// with `k` drafts a ring turn (`tessera run --speculate k`).
+    pub(super) fn timed_speculating(
+        &self,
+        lab: &impl Hosts,
+        plan: &Path,
+        prompt: &str,
+        tokens: usize,
+        k: usize,
+    ) -> Result<TimedRun> {
+        Ok(self.timed(lab, plan, &[prompt], tokens, k)?.remove(0))
+    }
+
+    fn timed(
+        &self,
+        lab: &impl Hosts,
+        plan: &Path,
+        prompts: &[&str],
+        tokens: usize,
+        speculate: usize,
+    ) -> Result<Vec<TimedRun>> {
         let mut readers = Vec::new();
         for (i, prompt) in prompts.iter().enumerate() {
-            let mut child = self.spawn_client(lab, plan, prompt, tokens, i, None)?;
+            let ask = Ask {
+                chunk: None,
+                speculate,
+            };
+            let mut child = self.spawn_client(lab, plan, prompt, tokens, i, ask)?;
             let out = BufReader::new(child.stdout.take().expect("piped"));
             readers.push((
                 child,
@@ -354,7 +382,11 @@ impl Session {
         tokens: usize,
         chunk: usize,
     ) -> Result<RunReport> {
-        report(self.spawn_client(lab, plan, prompt, tokens, 0, Some(chunk))?)
+        let ask = Ask {
+            chunk: Some(chunk),
+            speculate: 0,
+        };
+        report(self.spawn_client(lab, plan, prompt, tokens, 0, ask)?)
     }
 
     /// Starts client `i` (its own key under the session's directory), stdout piped.
@@ -365,7 +397,7 @@ impl Session {
         prompt: &str,
         tokens: usize,
         i: usize,
-        chunk: Option<usize>,
+        ask: Ask,
     ) -> Result<Child> {
         {
             let mut cmd = lab.command(0, &self.tessera)?;
@@ -386,13 +418,25 @@ impl Session {
             if !self.fixed {
                 cmd.arg("--plan").arg(plan);
             }
-            if let Some(c) = chunk {
+            if let Some(c) = ask.chunk {
                 cmd.args(["--prefill-chunk", &c.to_string()]);
+            }
+            if ask.speculate > 0 {
+                cmd.args(["--speculate", &ask.speculate.to_string()]);
             }
             cmd.spawn()
                 .map_err(|e| LabError::io("starting tessera run", e))
         }
     }
+}
+
+/// What a client asks beyond greedy decoding.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ask {
+    /// Prompt tokens per prefill step (the coordinator's default when `None`).
+    chunk: Option<usize>,
+    /// Drafts per ring turn, by prompt lookup; 0 = none.
+    speculate: usize,
 }
 
 impl Drop for Session {
