@@ -332,6 +332,37 @@ fn bit_identical_across_batches_threads_ranges_and_isas() {
     }
 }
 
+/// The AVX2 float kernels' decode (1 or 2 tokens) walks the 64-column blocks a few at a time
+/// per lane, then one at a time: widths with no whole block, fewer blocks than one step,
+/// exactly one step, and steps plus single blocks, with and without a column tail, equal the
+/// scalar kernel bit for bit on every ISA.
+#[test]
+fn float_decode_at_every_block_count_equals_scalar() {
+    let pool = ThreadPool::new(2);
+    for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+        let mut rng = Rng::new(dtype.id() as u64 + 500);
+        for cols in [40, 64, 130, 256, 300, 576, 704] {
+            let rows = 19;
+            let bytes = random_matrix(dtype, rows, cols, &mut rng);
+            let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+            for nt in [1, 2] {
+                let x = random_x(nt * cols, &mut rng);
+                let want = run(Isa::Scalar, &pool, &w, (0, rows), &x, nt);
+                for isa in isas() {
+                    let got = run(isa, &pool, &w, (0, rows), &x, nt);
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            e.to_bits(),
+                            "{dtype} {isa:?} cols {cols} nt {nt} output {i}: {g} vs {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The AVX2 float kernels' prefill tiles read a lane-major copy of the activations in blocks
 /// of 64 tokens, and take 256 tokens per call: batches past both, split between tasks at
 /// token counts that are not multiples of a tile (so some tiles stop at a block's end), equal

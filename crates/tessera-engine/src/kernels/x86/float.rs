@@ -188,8 +188,13 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new binaries alternated):
 //   88–99 GFLOP/s before the copies, 103–119 after, against ~143 for a loop of bare FMAs on
 //   the same 2-core AMD EPYC when quiet;
-// - decode (1 or 2 tokens): the columns in address order (`sweep`), every lane's accumulator
-//   kept in a buffer, so that the weights, read once, stream from memory in order.
+// - decode (1 or 2 tokens): the columns about in address order (`sweep`), so that the
+//   weights, read once, stream from memory: every lane's accumulators kept in a buffer, each
+//   lane's loaded into registers once per `SWEEP_BLOCKS` blocks of 64 columns (its chain still
+//   in column order), with the weights two steps ahead prefetched. Loading and storing them at
+//   every FMA, as before, made the sweep load/store bound: measured with the weights in cache
+//   (1 thread, 1 token, F16 1024 × 1024 / 1024 × 3072), 25.8 / 30.3 GB/s of weights before,
+//   38–40 / 42 after; from memory 14–17 GB/s before, 16–18 after.
 
 /// Tokens per prefill tile: 2 halves × 6 tokens = 12 accumulators, plus two weight registers
 /// and a broadcast, within AVX2's 16.
@@ -393,78 +398,103 @@ impl TileActs {
     }
 }
 
-/// Every lane's accumulators of both row halves for `T` tokens over the first `np` columns,
-/// the columns taken in address order: `acc[token][h8][lane]`.
+/// Blocks of 64 columns that a [`sweep`] step walks per lane with the lane's accumulators in
+/// registers: the buffer of every lane's sums is read and written once per step rather than at
+/// every FMA (which bound the sweep on loads and stores, not on memory), while the step's
+/// blocks (4 KiB of F16) are still read as that many sequential streams. Measured from memory
+/// (1 thread, 1 token, F16, alternated): 2 blocks a step with the weights 2 steps on
+/// prefetched beat 4 or 8 blocks, prefetching further or into L2 only, and no prefetching
+/// (slower than the old sweep).
+const SWEEP_BLOCKS: usize = 2;
+
+/// Every lane's accumulators of both row halves for `T` tokens: `[lane][token][h8]`.
+type SweepAcc<const T: usize> = [[[__m256; 2]; T]; 64];
+
+/// One [`sweep`] step: each lane's chain over the `B` blocks from column `base` on, in column
+/// order, continued from `acc` (or from zero if `FIRST`) and written back to it.
+#[inline(always)]
+unsafe fn sweep_step<const K: u8, const T: usize, const B: usize, const FIRST: bool>(
+    w: *const u8,
+    xs: &[*const f32; T],
+    base: usize,
+    acc: *mut [[__m256; 2]; T],
+) {
+    // SAFETY: as `lane_pass`; `acc` holds `n_lanes(K)` lanes, initialized unless FIRST.
+    unsafe {
+        let per_lane = 64 * B / n_lanes(K);
+        for l in 0..n_lanes(K) {
+            // The weights two steps on, a lane's share of them per lane: in address order,
+            // so they stream from memory while this step computes.
+            let ahead = w.wrapping_add((base + 128 * B + l * per_lane) * GROUP * esize(K));
+            for line in (0..per_lane * GROUP * esize(K)).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+            }
+            let mut a = if FIRST {
+                [[_mm256_setzero_ps(); 2]; T]
+            } else {
+                acc.add(l).read()
+            };
+            for b in 0..B {
+                lane_columns::<K>(base + 64 * b, l, |e| {
+                    let w0 = load8::<K>(w, e, 0);
+                    let w1 = load8::<K>(w, e, 1);
+                    for (a, x) in a.iter_mut().zip(xs) {
+                        let xe = _mm256_broadcast_ss(&*x.add(e));
+                        a[0] = _mm256_fmadd_ps(w0, xe, a[0]);
+                        a[1] = _mm256_fmadd_ps(w1, xe, a[1]);
+                    }
+                });
+            }
+            acc.add(l).write(a);
+        }
+    }
+}
+
+/// Every lane's accumulators for `T` tokens over the first `np` columns, into `acc` (its
+/// first `n_lanes(K)` lanes): steps of [`SWEEP_BLOCKS`] blocks, then of one, so the weights
+/// are read about in address order.
 #[inline(always)]
 unsafe fn sweep<const K: u8, const T: usize>(
     w: *const u8,
     xs: &[*const f32; T],
     np: usize,
-) -> [[[__m256; 64]; 2]; T] {
-    // SAFETY: as `lane_pass`.
+    acc: &mut std::mem::MaybeUninit<SweepAcc<T>>,
+) {
+    const B: usize = SWEEP_BLOCKS;
+    let p = acc.as_mut_ptr() as *mut [[__m256; 2]; T];
+    let nb = np / 64;
+    // SAFETY: as `lane_pass`; every lane is written by the first step (or here) before a
+    // later step reads it.
     unsafe {
-        let mut acc = [[[_mm256_setzero_ps(); 64]; 2]; T];
-        let mut base = 0;
-        while base < np {
-            for l in 0..n_lanes(K) {
-                lane_columns::<K>(base, l, |e| {
-                    let w0 = load8::<K>(w, e, 0);
-                    let w1 = load8::<K>(w, e, 1);
-                    for (acc, x) in acc.iter_mut().zip(xs) {
-                        let xe = _mm256_broadcast_ss(&*x.add(e));
-                        acc[0][l] = _mm256_fmadd_ps(w0, xe, acc[0][l]);
-                        acc[1][l] = _mm256_fmadd_ps(w1, xe, acc[1][l]);
-                    }
-                });
+        let mut b = match nb {
+            0 => {
+                for l in 0..n_lanes(K) {
+                    p.add(l).write([[_mm256_setzero_ps(); 2]; T]);
+                }
+                return;
             }
-            base += 64;
+            1..B => {
+                sweep_step::<K, T, 1, true>(w, xs, 0, p);
+                1
+            }
+            _ => {
+                sweep_step::<K, T, B, true>(w, xs, 0, p);
+                B
+            }
+        };
+        while b + B <= nb {
+            sweep_step::<K, T, B, false>(w, xs, 64 * b, p);
+            b += B;
         }
-        acc
+        while b < nb {
+            sweep_step::<K, T, 1, false>(w, xs, 64 * b, p);
+            b += 1;
+        }
     }
 }
 
-/// `scalar::reduce16` on 16 lane vectors.
-#[inline(always)]
-fn reduce_avx2(a: &[__m256; 16]) -> __m256 {
-    // SAFETY: AVX is enabled in every caller.
-    unsafe {
-        let s8: [__m256; 8] = std::array::from_fn(|i| _mm256_add_ps(a[i], a[i + 8]));
-        let s4: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(s8[i], s8[i + 4]));
-        _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]), _mm256_add_ps(s4[1], s4[3]))
-    }
-}
-
-/// 16 vectors per token and half (`[token][h8]`) for `scalar::reduce16`.
-type Lanes16<const T: usize> = [[[__m256; 16]; 2]; T];
-
-/// What `scalar::float_row` reduces, from every lane's accumulator `lane(token, h8, lane)`:
-/// F32/F16 `(lane i + lane 32+i) + (lane 16+i + lane 48+i)` (the second result unused);
-/// BF16 the lanes `16h..16h + 16` of the two halves `h` of its step, `(c[0], c[1])`.
-#[inline(always)]
-fn combine<const K: u8, const T: usize>(
-    lane: impl Fn(usize, usize, usize) -> __m256,
-) -> (Lanes16<T>, Lanes16<T>) {
-    let by = |f: &dyn Fn(usize, usize, usize) -> __m256| -> Lanes16<T> {
-        std::array::from_fn(|j| std::array::from_fn(|h8| std::array::from_fn(|i| f(j, h8, i))))
-    };
-    if K == FLOAT_BF16 {
-        return (
-            by(&|j, h8, p| lane(j, h8, p)),
-            by(&|j, h8, p| lane(j, h8, 16 + p)),
-        );
-    }
-    // SAFETY: AVX is enabled in every caller.
-    let v = by(&|j, h8, i| unsafe {
-        _mm256_add_ps(
-            _mm256_add_ps(lane(j, h8, i), lane(j, h8, 32 + i)),
-            _mm256_add_ps(lane(j, h8, 16 + i), lane(j, h8, 48 + i)),
-        )
-    });
-    (v, v)
-}
-
-/// Per token and row half, what [`reduce_avx2`] makes of [`combine`]'s two outputs: F32/F16
-/// the row sums (twice), BF16 the two partial sums that the scalar kernel adds in f64.
+/// Per token and row half, what `scalar::reduce16` makes of the lanes: F32/F16 the row sums
+/// (twice), BF16 the two partial sums that the scalar kernel adds in f64.
 type Reduced<const T: usize> = ([[__m256; 2]; T], [[__m256; 2]; T]);
 
 /// `scalar::reduce16` of `f(0..16)`, each `f(i)` computed once, in an order that keeps only a
@@ -494,7 +524,7 @@ fn reduce16_by<X: Copy>(mut f: impl FnMut(usize) -> X, add: impl Fn(X, X) -> X) 
 
 /// `T ≥ 3` tokens by one lane pass per lane, each quartet (BF16: pair) of lanes combined and
 /// reduced as soon as it is computed: no buffer of every lane's sums (`T · 1.5` KiB that
-/// would share L1 with the weights; measured a third slower), nor of [`combine`]'s output
+/// would share L1 with the weights; measured a third slower), nor of the combined lanes
 /// (copied about once per tile: measured 3% of a prefill). `w`: the group's
 /// [`lane_major_weights`].
 #[inline(always)]
@@ -525,21 +555,35 @@ unsafe fn lanes_by_pass<const K: u8, const T: usize>(w: &[u8], x: TileActs) -> R
     }
 }
 
-/// `T ≤ 2` tokens by a [`sweep`].
+/// `T ≤ 2` tokens by a [`sweep`], its lanes then combined and reduced as
+/// [`lanes_by_pass`] does.
 #[inline(always)]
 unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
     w: *const u8,
     xs: &[*const f32; T],
     np: usize,
 ) -> Reduced<T> {
-    // SAFETY: as `lane_pass`.
+    let mut acc = std::mem::MaybeUninit::<SweepAcc<T>>::uninit();
+    // SAFETY: as `lane_pass`; the sweep initializes the first `n_lanes(K)` lanes, the only
+    // ones read below.
     unsafe {
-        let acc = sweep::<K, T>(w, xs, np);
-        let (v, c2) = combine::<K, T>(|j, h8, l| acc[j][h8][l]);
-        let red = |v: &Lanes16<T>| -> [[__m256; 2]; T] {
-            std::array::from_fn(|j| std::array::from_fn(|h8| reduce_avx2(&v[j][h8])))
+        sweep::<K, T>(w, xs, np, &mut acc);
+        let lane = |l: usize| (acc.as_ptr() as *const [[__m256; 2]; T]).add(l).read();
+        let add = |a: [[__m256; 2]; T], b: [[__m256; 2]; T]| -> [[__m256; 2]; T] {
+            std::array::from_fn(|j| std::array::from_fn(|h| _mm256_add_ps(a[j][h], b[j][h])))
         };
-        (red(&v), red(&c2))
+        if K == FLOAT_BF16 {
+            reduce16_by(
+                |i| (lane(i), lane(16 + i)),
+                |a, b| (add(a.0, b.0), add(a.1, b.1)),
+            )
+        } else {
+            let r = reduce16_by(
+                |i| add(add(lane(i), lane(32 + i)), add(lane(16 + i), lane(48 + i))),
+                add,
+            );
+            (r, r)
+        }
     }
 }
 
