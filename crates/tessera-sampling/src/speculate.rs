@@ -66,7 +66,10 @@ pub fn settle<E>(
 
 /// Prompt lookup: drafts by finding the most recent earlier occurrence of the sequence's last
 /// few tokens and proposing what followed it. No model; strong when the output copies its
-/// input (code edits, quoting, structured output).
+/// input (code edits, quoting, structured output). Where what followed runs into the end of
+/// the history (a text repeating with a period shorter than `k`), the guess goes on with the
+/// same period, as an LZ77 copy overlapping itself: otherwise a token repeated over and over
+/// would be drafted one at a time.
 #[derive(Clone, Debug)]
 pub struct PromptLookup {
     /// Longest suffix tried first; shorter ones down to `min_ngram` after.
@@ -100,8 +103,13 @@ impl DraftSource for PromptLookup {
             let suffix = &h[h.len() - n..];
             // Most recent occurrence first, not the suffix itself.
             if let Some(start) = (0..h.len() - n).rev().find(|&s| &h[s..s + n] == suffix) {
-                let next = start + n;
-                return h[next..(next + k).min(h.len())].to_vec();
+                // Token `len + i` is guessed as the one `period` before it.
+                let period = h.len() - n - start;
+                let mut drafts: Vec<u32> = h[start + n..].iter().take(k).copied().collect();
+                while drafts.len() < k {
+                    drafts.push(drafts[drafts.len() - period]);
+                }
+                return drafts;
             }
         }
         Vec::new()
@@ -388,9 +396,21 @@ mod tests {
         let mut p = PromptLookup::default();
         let h = [1, 2, 3, 4, 5, 9, 9, 2, 3];
         assert_eq!(p.propose(&h, 2), vec![4, 5]);
-        assert_eq!(p.propose(&h, 10), vec![4, 5, 9, 9, 2, 3]);
         assert_eq!(p.propose(&h, 0), Vec::<u32>::new());
         assert_eq!(p.propose(&[1, 2, 3], 4), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn prompt_lookup_goes_on_with_the_period_of_a_repeating_text() {
+        let mut p = PromptLookup::default();
+        // What followed "2 3" runs to the end of the history: the text repeats every 6.
+        let h = [1, 2, 3, 4, 5, 9, 9, 2, 3];
+        assert_eq!(p.propose(&h, 6), vec![4, 5, 9, 9, 2, 3]);
+        assert_eq!(p.propose(&h, 10), vec![4, 5, 9, 9, 2, 3, 4, 5, 9, 9]);
+        // One token over and over: k of it, not one.
+        assert_eq!(p.propose(&[7, 8, 8, 8], 5), vec![8; 5]);
+        // Two alternating.
+        assert_eq!(p.propose(&[6, 1, 2, 1, 2, 1, 2], 3), vec![1, 2, 1]);
     }
 
     fn costs(draft: f64) -> DraftCosts {
