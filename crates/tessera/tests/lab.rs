@@ -51,6 +51,32 @@ fn one_process_text() -> String {
         .to_string()
 }
 
+/// Whether this machine can build a lab (root, namespaces); where it cannot, `lab_or_skip`
+/// skips the test (and fails it under CI).
+fn lab_can_run() -> bool {
+    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
+    lab_or_skip(&probe).is_some()
+}
+
+/// Runs `tessera` with `args` (a command printing JSON), failing the test with its standard
+/// error if it fails or outlives `timeout`; its JSON output.
+fn tessera_json<S: AsRef<std::ffi::OsStr>>(
+    args: impl IntoIterator<Item = S>,
+    timeout: Duration,
+) -> serde_json::Value {
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = common::run_with_timeout(cmd, timeout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn a_stage_split_over_three_hosts_on_2ms_links_gives_the_text_of_one_process() {
     let spec = LabSpec::new(vec![
@@ -528,30 +554,26 @@ fn tessera_lab_clean_removes_what_a_killed_lab_left_behind() {
 /// calibration did when given back to `--plan auto`, and is planned by `tessera plan`.
 #[test]
 fn lab_run_measures_the_ring_the_expert_split_and_one_node_streaming_with_one_process_text() {
-    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
-    let Some(lab) = lab_or_skip(&probe) else {
+    if !lab_can_run() {
         return;
-    };
-    drop(lab);
+    }
     let dir = tempfile::tempdir().unwrap();
     let scenario =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-lab/scenarios/moe-experts.toml");
     let saved = dir.path().join("calibrated.toml");
-    let mut cmd = std::process::Command::new(common::bin());
-    cmd.args(["lab", "run", "--json", "--dir"])
-        .arg(dir.path().join("run"))
-        .arg("--save-calibrated")
-        .arg(&saved)
-        .arg(&scenario)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let out = common::run_with_timeout(cmd, Duration::from_secs(150));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let report = tessera_json::<&std::ffi::OsStr>(
+        [
+            "lab".as_ref(),
+            "run".as_ref(),
+            "--json".as_ref(),
+            "--dir".as_ref(),
+            dir.path().join("run").as_os_str(),
+            "--save-calibrated".as_ref(),
+            saved.as_os_str(),
+            scenario.as_os_str(),
+        ],
+        Duration::from_secs(150),
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     // The two hosts share this machine: what its cores compute at once was measured, one
     // decoder alone and then one per host.
     let machine = &report["machine"];
@@ -611,22 +633,21 @@ fn lab_run_measures_the_ring_the_expert_split_and_one_node_streaming_with_one_pr
         .replace('[', "=")
         .replace(')', "")
         .replace(" -> ", ",");
-    let mut again = std::process::Command::new(common::bin());
-    again
-        .args(["lab", "run", "--json", "--split", &split, "--dir"])
-        .arg(dir.path().join("again"))
-        .arg("--calibrated")
-        .arg(&saved)
-        .arg(&scenario)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let out = common::run_with_timeout(again, Duration::from_secs(150));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let second = tessera_json::<&std::ffi::OsStr>(
+        [
+            "lab".as_ref(),
+            "run".as_ref(),
+            "--json".as_ref(),
+            "--split".as_ref(),
+            split.as_ref(),
+            "--dir".as_ref(),
+            dir.path().join("again").as_os_str(),
+            "--calibrated".as_ref(),
+            saved.as_os_str(),
+            scenario.as_os_str(),
+        ],
+        Duration::from_secs(150),
     );
-    let second: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let ring_again = second["rows"]
         .as_array()
         .unwrap()
@@ -663,27 +684,25 @@ fn lab_run_measures_the_ring_the_expert_split_and_one_node_streaming_with_one_pr
 /// holds only single-node plans.
 #[test]
 fn lab_run_hosts_gives_a_scaling_curve_of_runs_on_the_first_hosts() {
-    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
-    let Some(lab) = lab_or_skip(&probe) else {
+    if !lab_can_run() {
         return;
-    };
-    drop(lab);
+    }
     let dir = tempfile::tempdir().unwrap();
     let scenario =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-lab/scenarios/moe-experts.toml");
-    let mut cmd = std::process::Command::new(common::bin());
-    cmd.args(["lab", "run", "--json", "--hosts", "1,2", "--dir"])
-        .arg(dir.path())
-        .arg(&scenario)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let out = common::run_with_timeout(cmd, Duration::from_secs(240));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let points = tessera_json::<&std::ffi::OsStr>(
+        [
+            "lab".as_ref(),
+            "run".as_ref(),
+            "--json".as_ref(),
+            "--hosts".as_ref(),
+            "1,2".as_ref(),
+            "--dir".as_ref(),
+            dir.path().as_os_str(),
+            scenario.as_os_str(),
+        ],
+        Duration::from_secs(240),
     );
-    let points: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let points = points.as_array().unwrap();
     assert_eq!(points.len(), 2, "{points:#?}");
     for (p, hosts) in points.iter().zip([1, 2]) {
@@ -708,11 +727,9 @@ fn lab_run_hosts_gives_a_scaling_curve_of_runs_on_the_first_hosts() {
 /// text, and the report counts the drafts sent and accepted.
 #[test]
 fn lab_run_measures_a_speculating_ring_beside_the_plain_one_with_one_process_text() {
-    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
-    let Some(lab) = lab_or_skip(&probe) else {
+    if !lab_can_run() {
         return;
-    };
-    drop(lab);
+    }
     let dir = tempfile::tempdir().unwrap();
     let scenarios = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-lab/scenarios");
     // A story that begins again: prompt lookup finds what followed the first time.
@@ -734,26 +751,19 @@ fn lab_run_measures_a_speculating_ring_beside_the_plain_one_with_one_process_tex
     );
     let scenario = dir.path().join("speculating.toml");
     std::fs::write(&scenario, text).unwrap();
-    let mut cmd = std::process::Command::new(common::bin());
-    cmd.args([
-        "lab",
-        "run",
-        "--json",
-        "--split",
-        "pi-a=0..2,pi-b=2..5",
-        "--dir",
-    ])
-    .arg(dir.path().join("run"))
-    .arg(&scenario)
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::piped());
-    let out = common::run_with_timeout(cmd, Duration::from_secs(150));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let report = tessera_json::<&std::ffi::OsStr>(
+        [
+            "lab".as_ref(),
+            "run".as_ref(),
+            "--json".as_ref(),
+            "--split".as_ref(),
+            "pi-a=0..2,pi-b=2..5".as_ref(),
+            "--dir".as_ref(),
+            dir.path().join("run").as_os_str(),
+            scenario.as_os_str(),
+        ],
+        Duration::from_secs(150),
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = report["rows"].as_array().unwrap();
     let ring = rows
         .iter()
@@ -785,26 +795,25 @@ fn lab_run_measures_a_speculating_ring_beside_the_plain_one_with_one_process_tex
 /// single node and a two-node ring that both ran, and the link's measured round trip.
 #[test]
 fn lab_hop_reports_what_a_hop_adds_on_a_switched_link_and_on_loopback() {
-    let probe = LabSpec::new(vec![HostSpec::new("a"), HostSpec::new("b")]);
-    let Some(lab) = lab_or_skip(&probe) else {
+    if !lab_can_run() {
         return;
-    };
-    drop(lab);
+    }
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = std::process::Command::new(common::bin());
-    cmd.args([
-        "lab", "hop", "--json", "--tokens", "32", "--rounds", "2", "--dir",
-    ])
-    .arg(dir.path())
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::piped());
-    let out = common::run_with_timeout(cmd, Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let figures: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let figures: Vec<serde_json::Value> = serde_json::from_value(tessera_json::<&std::ffi::OsStr>(
+        [
+            "lab".as_ref(),
+            "hop".as_ref(),
+            "--json".as_ref(),
+            "--tokens".as_ref(),
+            "32".as_ref(),
+            "--rounds".as_ref(),
+            "2".as_ref(),
+            "--dir".as_ref(),
+            dir.path().as_os_str(),
+        ],
+        Duration::from_secs(120),
+    ))
+    .unwrap();
     assert_eq!(figures.len(), 2, "{figures:?}");
     assert_eq!(figures[0]["requested_rtt_ms"], 0.5);
     assert!(figures[1]["requested_rtt_ms"].is_null(), "loopback");
