@@ -532,43 +532,19 @@ unsafe fn lanes_by_pass<const K: u8, const T: usize>(w: &[u8], x: TileActs) -> R
     let seg = x.seg;
     debug_assert_eq!(w.len(), n_lanes(K) * seg * GROUP * esize(K));
     // SAFETY: as `lane_pass`: lane l's weights are columns l·seg..(l+1)·seg of `w`.
-    unsafe {
-        let pass = |l: usize| lane_pass::<K, T>((w.as_ptr(), l * seg), x.lane(l), seg);
-        let add = |a: [[__m256; 2]; T], b: [[__m256; 2]; T]| -> [[__m256; 2]; T] {
-            std::array::from_fn(|j| std::array::from_fn(|h| _mm256_add_ps(a[j][h], b[j][h])))
-        };
-        if K == FLOAT_BF16 {
-            reduce16_by(
-                |i| (pass(i), pass(16 + i)),
-                |a, b| (add(a.0, b.0), add(a.1, b.1)),
-            )
-        } else {
-            let r = reduce16_by(
-                |i| {
-                    let s02 = add(pass(i), pass(32 + i));
-                    add(s02, add(pass(16 + i), pass(48 + i)))
-                },
-                add,
-            );
-            (r, r)
-        }
-    }
+    unsafe { reduce_lanes::<K, T>(|l| lane_pass::<K, T>((w.as_ptr(), l * seg), x.lane(l), seg)) }
 }
 
-/// `T ≤ 2` tokens by a [`sweep`], its lanes then combined and reduced as
-/// [`lanes_by_pass`] does.
+/// What `scalar::float_row` makes of its lanes, each lane's accumulators `lane(l)` computed
+/// once, as [`reduce16_by`] asks for them: F32/F16 the row sums of `(lane i + lane 32+i) +
+/// (lane 16+i + lane 48+i)` (twice); BF16 the two partial sums of lanes `i` and `16 + i`,
+/// which the scalar kernel adds in f64.
 #[inline(always)]
-unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
-    w: *const u8,
-    xs: &[*const f32; T],
-    np: usize,
+unsafe fn reduce_lanes<const K: u8, const T: usize>(
+    mut lane: impl FnMut(usize) -> [[__m256; 2]; T],
 ) -> Reduced<T> {
-    let mut acc = std::mem::MaybeUninit::<SweepAcc<T>>::uninit();
-    // SAFETY: as `lane_pass`; the sweep initializes the first `n_lanes(K)` lanes, the only
-    // ones read below.
+    // SAFETY: AVX is enabled in every caller.
     unsafe {
-        sweep::<K, T>(w, xs, np, &mut acc);
-        let lane = |l: usize| (acc.as_ptr() as *const [[__m256; 2]; T]).add(l).read();
         let add = |a: [[__m256; 2]; T], b: [[__m256; 2]; T]| -> [[__m256; 2]; T] {
             std::array::from_fn(|j| std::array::from_fn(|h| _mm256_add_ps(a[j][h], b[j][h])))
         };
@@ -584,6 +560,22 @@ unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
             );
             (r, r)
         }
+    }
+}
+
+/// `T ≤ 2` tokens by a [`sweep`], its lanes then combined and reduced ([`reduce_lanes`]).
+#[inline(always)]
+unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
+    w: *const u8,
+    xs: &[*const f32; T],
+    np: usize,
+) -> Reduced<T> {
+    let mut acc = std::mem::MaybeUninit::<SweepAcc<T>>::uninit();
+    // SAFETY: as `lane_pass`; the sweep initializes the first `n_lanes(K)` lanes, the only
+    // ones read below.
+    unsafe {
+        sweep::<K, T>(w, xs, np, &mut acc);
+        reduce_lanes::<K, T>(|l| (acc.as_ptr() as *const [[__m256; 2]; T]).add(l).read())
     }
 }
 
