@@ -69,6 +69,11 @@ pub struct GenerationRequest {
     /// Constrain the tokens to a grammar; only for a backend whose [`Backend::features`] has
     /// `grammar`.
     pub grammar: Option<Grammar>,
+    /// The answer the client predicts, in tokens (OpenAI's `prediction`; empty: none): the
+    /// backend drafts from it and checks the drafts, so the text is the same and an answer
+    /// that follows it takes fewer forward passes. Only for a backend whose
+    /// [`Backend::features`] has `prediction`.
+    pub prediction: Vec<u32>,
 }
 
 impl GenerationRequest {
@@ -86,6 +91,7 @@ impl GenerationRequest {
             max_tokens,
             logprobs: None,
             grammar: None,
+            prediction: Vec::new(),
         }
     }
 }
@@ -101,6 +107,8 @@ pub struct BackendFeatures {
     /// [`Backend::embed`] computes sequence embeddings (otherwise it answers
     /// [`SubmitError::Unsupported`]).
     pub embeddings: bool,
+    /// [`GenerationRequest::prediction`] is drafted from.
+    pub prediction: bool,
 }
 
 /// Sequence embeddings, tokenized: one pooled vector per input.

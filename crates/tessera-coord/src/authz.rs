@@ -474,6 +474,7 @@ mod tests {
             grammar: None,
             logprobs: None,
             speculate: 0,
+            prediction: None,
         }))
     }
 

@@ -44,6 +44,10 @@ use crate::run::RunEvent;
 use crate::server::Coordinator;
 use crate::shared::Shared;
 
+/// Drafts per ring turn for a request that brings a prediction to a cluster that does not
+/// speculate otherwise.
+const PREDICTION_DRAFTS: usize = 8;
+
 /// Settings of the cluster backend.
 #[derive(Clone, Debug)]
 pub struct ClusterBackendConfig {
@@ -398,6 +402,7 @@ impl Backend for ClusterBackend {
             logprobs: true,
             grammar: true,
             embeddings: false,
+            prediction: true,
         }
     }
 
@@ -408,9 +413,10 @@ impl Backend for ClusterBackend {
         ))
     }
 
-    /// The ring's speculation, counted from closed sequences' sampling stages.
+    /// The ring's speculation, counted from closed sequences' sampling stages (any request
+    /// with a prediction speculates, whatever the cluster's setting).
     fn speculation(&self) -> Option<SpeculationTotals> {
-        (self.inner.config.speculate > 0).then(|| lock(&self.inner.books).speculation)
+        Some(lock(&self.inner.books).speculation)
     }
 }
 
@@ -443,7 +449,13 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
         // the spec and is not sent).
         grammar: req.grammar.as_ref().map(|g| g.spec().clone()),
         logprobs: req.logprobs,
-        speculate: inner.config.speculate,
+        // A client's prediction is drafted from even where the cluster does not speculate.
+        speculate: match (inner.config.speculate, req.prediction.is_empty()) {
+            (0, false) => PREDICTION_DRAFTS,
+            (k, _) => k,
+        },
+        prediction: (!req.prediction.is_empty())
+            .then(|| tessera_proto::Prediction::Tokens(req.prediction)),
     };
     // Each token goes from where the cluster hears it straight into this request's HTTP
     // stream: that stream is the one channel, and the sink takes no lock another run takes

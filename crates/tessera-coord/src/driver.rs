@@ -28,15 +28,15 @@ use std::time::Duration;
 use tessera_model::StreamDecoder;
 use tessera_net::{Connection, FramedStream};
 use tessera_proto::{
-    frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, OpenSeq, RunReport,
-    RunRequest, StageSeqStats, PROTOCOL_VERSION,
+    frame, BoundaryReport, ClientToCoord, CoordToClient, FinishReason, OpenSeq, Prediction,
+    RunReport, RunRequest, StageSeqStats, PROTOCOL_VERSION,
 };
 use tokio::sync::mpsc;
 
 use crate::cluster::{ClusterInput, RunNews, RunRefused};
 use crate::error::CoordError;
 use crate::run::{Placement, RunEvent, RunOutcome, RunSpec};
-use crate::shared::{member_status, RunOwner, Shared};
+use crate::shared::{member_status, ModelInfo, RunOwner, Shared};
 
 pub(crate) async fn client_session(
     shared: Arc<Shared>,
@@ -244,9 +244,42 @@ fn spec_of(shared: &Shared, req: &RunRequest) -> Result<(RunSpec, u64), CoordErr
         )));
     }
     spec.speculate = req.speculate;
+    spec.prediction = prediction_of(model, req)?;
     // KV the request reserves on its cell: the prompt and the most it may generate.
     let positions = (spec.prompt.len() + req.max_new_tokens).min(shared.max_context()) as u64;
     Ok((spec, positions))
+}
+
+/// The request's predicted answer in tokens, bounded; refused without speculation (it would be
+/// ignored) or outside the vocabulary.
+fn prediction_of(model: &ModelInfo, req: &RunRequest) -> Result<Vec<u32>, CoordError> {
+    use tessera_sampling::prediction::MAX_PREDICTION_TOKENS;
+    let tokens = match &req.prediction {
+        None => return Ok(Vec::new()),
+        Some(Prediction::Text(t)) => model.tokenizer.encode(t, false),
+        Some(Prediction::Tokens(t)) => t.clone(),
+    };
+    if req.speculate == 0 {
+        return Err(CoordError::Run(
+            "a prediction is a source of drafts: it needs speculate (at least 1 draft a turn)"
+                .into(),
+        ));
+    }
+    if tokens.len() > MAX_PREDICTION_TOKENS {
+        return Err(CoordError::Run(format!(
+            "the prediction is {} tokens (at most {MAX_PREDICTION_TOKENS})",
+            tokens.len()
+        )));
+    }
+    if let Some(&bad) = tokens
+        .iter()
+        .find(|&&t| t as usize >= model.config.vocab_size)
+    {
+        return Err(CoordError::Run(format!(
+            "prediction token {bad} is outside the vocabulary"
+        )));
+    }
+    Ok(tokens)
 }
 
 /// Starts run `seq`: the cluster decides its whole lifecycle — placement, open, start,

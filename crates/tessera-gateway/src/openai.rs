@@ -18,7 +18,7 @@ mod params;
 mod response;
 pub mod tools;
 
-use messages::{chat_message, response_format};
+use messages::{chat_message, prediction, response_format};
 pub use response::{
     chunk, full_response, tool_call_json, usage_chunk, usage_json, ChoiceOut, Delta, Endpoint,
     ResponseMeta,
@@ -104,6 +104,9 @@ pub struct ParsedRequest {
     /// The last message is the start of the assistant's reply, to be continued rather than
     /// closed (Anthropic's prefill; vLLM's `continue_final_message`).
     pub continue_final_message: bool,
+    /// Chat's `prediction` (predicted outputs): the text the answer is expected to be close
+    /// to, drafted from and checked, never changing the text.
+    pub prediction: Option<String>,
 }
 
 impl ParsedRequest {
@@ -134,6 +137,7 @@ impl ParsedRequest {
             tool_choice: ToolChoice::None,
             parallel_tool_calls: true,
             continue_final_message: false,
+            prediction: None,
         }
     }
 }
@@ -349,6 +353,7 @@ fn common(
         tool_choice: ToolChoice::None,
         parallel_tool_calls: true,
         continue_final_message: false,
+        prediction: None,
     })
 }
 
@@ -414,6 +419,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     r.tool_choice = tools::parse_tool_choice(v.get("tool_choice"), &r.tools)?;
     r.parallel_tool_calls = field::<bool>(&v, "parallel_tool_calls")?.unwrap_or(true);
     r.continue_final_message = field::<bool>(&v, "continue_final_message")?.unwrap_or(false);
+    r.prediction = prediction(&v)?;
     if r.response_format != ResponseFormat::Text
         && matches!(r.tool_choice, ToolChoice::Required | ToolChoice::Named(_))
     {
@@ -548,6 +554,7 @@ mod tests {
             "presence_penalty" => json!(0.5),
             "frequency_penalty" => json!(0.25),
             "response_format" => json!({"type": "json_object"}),
+            "prediction" => json!({"type": "content", "content": "Hi"}),
             "tools" => json!([{"type": "function", "function": {"name": "f"}}]),
             "tool_choice" => json!("auto"),
             "modalities" => json!(["text"]),

@@ -11,6 +11,7 @@
 //! prompt = "Once upon a time"
 //! tokens = 64                     # decoded per measured request
 //! speculate = 8                   # also measure each plan speculating (prompt lookup, k drafts)
+//! predict = true                  # ... drafting from one process's text (the ceiling)
 //!
 //! [lab]
 //! threads = 1                     # compute threads per node
@@ -62,6 +63,11 @@ pub struct Workload {
     /// lookup (`tessera run --speculate`), alternated with the plain ones; 0 = not.
     #[serde(default)]
     pub speculate: usize,
+    /// The speculating requests send one process's text as their prediction
+    /// (`tessera run --prediction-file`): a draft that always agrees, as the target would be
+    /// its own draft, so what is measured is the mechanism's ceiling. Needs `speculate`.
+    #[serde(default)]
+    pub predict: bool,
 }
 
 fn default_prompt() -> String {
@@ -193,8 +199,15 @@ impl Scenario {
                 prompt: default_prompt(),
                 tokens: default_tokens(),
                 speculate: 0,
+                predict: false,
             },
         };
+        if workload.predict && workload.speculate == 0 {
+            return Err(err(
+                path,
+                "[workload] predict = true sends a prediction to draft from: it needs speculate",
+            ));
+        }
         if workload.speculate > tessera_proto::OpenSeq::MAX_SPECULATE {
             return Err(err(
                 path,

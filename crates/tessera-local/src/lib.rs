@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 use tessera_engine::speculate::ModelDraft;
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, Pooling, SeqStep};
 use tessera_model::{human_bytes, GgufFile};
+use tessera_sampling::prediction::Predicted;
 use tessera_sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLookup};
 
 use embed_queue::{EmbedJob, EmbedQueue};
@@ -133,6 +134,10 @@ impl Speculation {
         }
     }
 }
+
+/// Drafts per step from a client's prediction on a server that does not speculate otherwise
+/// (adaptive k still turns them off when the prediction is wrong).
+pub const PREDICTION_MAX_K: usize = 8;
 
 /// Caches kept for prefix reuse unless configured: two conversations alternating keep theirs.
 pub const DEFAULT_PREFIX_CACHE: usize = prefix_cache::DEFAULT_KEPT;
@@ -274,9 +279,8 @@ impl LocalBackend {
                 max_active_sequences: config.scheduler.max_active,
                 ..BackendCounters::default()
             }),
-            speculation: Mutex::new(
-                (!matches!(speculation, Speculation::Off)).then(SpeculationTotals::default),
-            ),
+            // Every server speculates where a client sends a prediction.
+            speculation: Mutex::new(Some(SpeculationTotals::default())),
             stopped: AtomicBool::new(false),
         });
         let engine = Engine {
@@ -361,6 +365,7 @@ impl Backend for LocalBackend {
             logprobs: true,
             grammar: true,
             embeddings: self.pooling.is_ok(),
+            prediction: true,
         }
     }
 
@@ -503,11 +508,9 @@ impl Engine {
         c.prompt_tokens_total += rows as u64;
     }
 
-    /// Asks each speculating sequence's drafter for drafts (none when speculation is off).
+    /// Asks each speculating sequence's drafter for drafts: the server's draft source, or the
+    /// client's prediction (which a server without speculation drafts from too).
     fn draft(&mut self) {
-        if matches!(self.speculation, Speculation::Off) {
-            return;
-        }
         let decoding = self
             .scheduler
             .active()
@@ -556,6 +559,20 @@ impl Engine {
                     None => (self.model.new_kv(self.capacity), 0),
                 };
                 tracing::debug!(request = w.req.id, reused, "joins the batch");
+                // A client's prediction is this sequence's draft source, whatever the server's.
+                let (drafter, max_k) = if w.req.prediction.is_empty() {
+                    (
+                        self.speculation.drafter(self.capacity),
+                        self.speculation.max_k(),
+                    )
+                } else {
+                    let p = Predicted::new(w.req.prediction, w.req.prompt_tokens.len());
+                    let max_k = match self.speculation.max_k() {
+                        0 => PREDICTION_MAX_K,
+                        k => k,
+                    };
+                    (Some(Box::new(p) as Box<dyn DraftSource>), max_k)
+                };
                 let mut seq = Sequence::new(
                     w.req.id,
                     w.req.prompt_tokens,
@@ -565,13 +582,13 @@ impl Engine {
                     Slot {
                         kv,
                         events: w.events,
-                        drafter: self.speculation.drafter(self.capacity),
+                        drafter,
                     },
                 )
                 .with_options(w.req.logprobs, w.req.grammar)
                 .with_cached_prefix(reused);
                 if seq.payload.drafter.is_some() {
-                    seq = seq.with_speculation(AdaptiveK::new(self.speculation.max_k()));
+                    seq = seq.with_speculation(AdaptiveK::new(max_k));
                 }
                 self.scheduler.admit(seq);
             }

@@ -197,8 +197,8 @@ fn node_time(prediction: &Prediction, node: &str) -> f64 {
         .sum()
 }
 
-const MIN_FACTOR: f64 = 0.05;
-const MAX_FACTOR: f64 = 20.0;
+pub(crate) const MIN_FACTOR: f64 = 0.05;
+pub(crate) const MAX_FACTOR: f64 = 20.0;
 
 fn scale_node(
     g: &mut ResourceGraph,
@@ -475,6 +475,78 @@ pub fn calibrate_node_to_token_time(
     Ok((g, c.pop()))
 }
 
+/// A plan's nodes, each once.
+pub(crate) fn plan_nodes(plan: &Plan) -> Vec<&str> {
+    let mut nodes: Vec<&str> = plan.nodes();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+}
+
+/// `graph` with the compute rates (CPU and GPU) of `nodes` scaled by `k`.
+pub(crate) fn with_compute(graph: &ResourceGraph, nodes: &[&str], k: f64) -> ResourceGraph {
+    let mut g = graph.clone();
+    for n in g
+        .nodes
+        .iter_mut()
+        .filter(|n| nodes.contains(&n.name.as_str()))
+    {
+        n.ram_compute = FlopsPerSec(n.ram_compute.0 * k);
+        n.gpu_compute = FlopsPerSec(n.gpu_compute.0 * k);
+    }
+    g
+}
+
+/// The factor in `[lo, hi]` at which `at`, a prediction that grows with the factor, meets
+/// `target` (bisected on a log scale); `lo` or `hi` where the target lies beyond them.
+pub(crate) fn bisect_factor(
+    at: impl Fn(f64) -> Result<f64, PlanError>,
+    target: f64,
+    mut lo: f64,
+    mut hi: f64,
+) -> Result<f64, PlanError> {
+    if at(lo)? >= target {
+        return Ok(lo);
+    }
+    if at(hi)? <= target {
+        return Ok(hi);
+    }
+    for _ in 0..40 {
+        let mid = (lo * hi).sqrt();
+        if at(mid)? > target {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(hi)
+}
+
+/// Records the compute rates of `nodes` in `g` as measured by `method`.
+pub(crate) fn compute_evidence(
+    mut g: ResourceGraph,
+    nodes: &[&str],
+    taken_at_unix_s: u64,
+    method: String,
+) -> ResourceGraph {
+    for name in nodes {
+        let Some(n) = g.nodes.iter().find(|n| n.name == *name) else {
+            continue;
+        };
+        let v = n.ram_compute.to_string();
+        g.set_evidence(
+            &format!("node {name}"),
+            "ram_compute",
+            v,
+            Source::Measured {
+                at_unix_s: taken_at_unix_s,
+                method: method.clone(),
+            },
+        );
+    }
+    g
+}
+
 /// Corrects the compute rates of a one-cell plan's nodes from its aggregate tokens/s measured
 /// at the plan's concurrency, on a graph already calibrated at batch 1 (by [`calibrate`]).
 ///
@@ -503,59 +575,22 @@ pub fn calibrate_batching(
             "measured tokens/s must be positive".into(),
         ));
     }
-    let mut nodes: Vec<&str> = plan.nodes();
-    nodes.sort_unstable();
-    nodes.dedup();
-    let with_compute = |k: f64| -> ResourceGraph {
-        let mut g = graph.clone();
-        for n in g
-            .nodes
-            .iter_mut()
-            .filter(|n| nodes.contains(&n.name.as_str()))
-        {
-            n.ram_compute = FlopsPerSec(n.ram_compute.0 * k);
-            n.gpu_compute = FlopsPerSec(n.gpu_compute.0 * k);
-        }
-        g
-    };
+    let nodes = plan_nodes(plan);
     let at = |k: f64| -> Result<f64, PlanError> {
-        Ok(predict(model, &with_compute(k), plan)?.throughput_tokens_per_s)
+        Ok(predict(model, &with_compute(graph, &nodes, k), plan)?.throughput_tokens_per_s)
     };
     let before = at(1.0)?;
     if before <= measured_tokens_per_s {
         return Ok((graph.clone(), None));
     }
-    // The prediction grows with the compute rate: bisect the factor in [MIN_FACTOR, 1].
-    let (mut lo, mut hi) = (MIN_FACTOR, 1.0);
-    if at(lo)? >= measured_tokens_per_s {
-        hi = lo;
-    } else {
-        for _ in 0..40 {
-            let mid = (lo * hi).sqrt();
-            if at(mid)? > measured_tokens_per_s {
-                hi = mid;
-            } else {
-                lo = mid;
-            }
-        }
-    }
-    let k = hi;
-    let mut g = with_compute(k);
-    for name in &nodes {
-        let Some(n) = g.nodes.iter().find(|n| n.name == *name) else {
-            continue;
-        };
-        let v = n.ram_compute.to_string();
-        g.set_evidence(
-            &format!("node {name}"),
-            "ram_compute",
-            v,
-            Source::Measured {
-                at_unix_s: taken_at_unix_s,
-                method: format!("calibration: {c} requests at once"),
-            },
-        );
-    }
+    let k = bisect_factor(at, measured_tokens_per_s, MIN_FACTOR, 1.0)?;
+    let g = with_compute(graph, &nodes, k);
+    let g = compute_evidence(
+        g,
+        &nodes,
+        taken_at_unix_s,
+        format!("calibration: {c} requests at once"),
+    );
     let correction = Correction {
         subject: format!("node {}", nodes.join(", node ")),
         quantity: "compute".into(),

@@ -73,6 +73,7 @@ pub mod plan;
 mod planner;
 pub mod profiles;
 pub mod resources;
+pub mod speculation;
 mod strategies;
 pub mod units;
 

@@ -40,6 +40,18 @@ pub struct RunRequest {
     /// [`crate::OpenSeq::MAX_SPECULATE`]): fewer ring turns, the same tokens.
     #[serde(default)]
     pub speculate: usize,
+    /// What the answer is expected to be close to (text to tokenize without BOS, or tokens):
+    /// the drafts come from it ([`tessera_sampling::prediction`]). Only with `speculate`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<Prediction>,
+}
+
+/// A predicted answer, as text or as tokens.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Prediction {
+    Text(String),
+    Tokens(Vec<u32>),
 }
 
 /// One stage of a requested split: a layer range, optionally pinned to a node (by name, node

@@ -115,6 +115,12 @@ pub struct OpenSeq {
     /// [`OpenSeq::MAX_SPECULATE`]). The text and log-probabilities are those without it.
     #[serde(default)]
     pub speculate: usize,
+    /// The answer the client predicts, in tokens (at most
+    /// [`tessera_sampling::prediction::MAX_PREDICTION_TOKENS`]): the sampling stage drafts from
+    /// it where the answer follows it ([`tessera_sampling::prediction::Predicted`]), by prompt
+    /// lookup elsewhere. Only the sampling stage reads it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prediction: Vec<u32>,
 }
 
 impl OpenSeq {

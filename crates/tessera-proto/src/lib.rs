@@ -35,7 +35,7 @@ mod sealed;
 
 pub use client::{
     AdminReply, AdminRequest, BoundaryReport, ClientToCoord, CoordToClient, MemberStatus,
-    RunReport, RunRequest, StagePlacement, StageSpec, TokenInfo,
+    Prediction, RunReport, RunRequest, StagePlacement, StageSpec, TokenInfo,
 };
 pub use control::{
     hash_f32s, BoundaryTrace, CoordToNode, FinishReason, Hello, HopTimes, LoadReport, NodeToCoord,

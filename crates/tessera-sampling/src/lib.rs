@@ -7,10 +7,12 @@
 //! (a grammar) or reports log-probabilities ([`token_logprobs`]) calls the two halves itself.
 //!
 //! [`speculate`] holds speculative decoding's pure parts: the acceptance rule that keeps the
-//! text of one-token decoding, prompt lookup, and the adaptive draft length.
+//! text of one-token decoding, prompt lookup, and the adaptive draft length; [`prediction`]
+//! drafts from a predicted answer the client sends.
 
 #![forbid(unsafe_code)]
 
+pub mod prediction;
 pub mod speculate;
 
 use serde::{Deserialize, Serialize};

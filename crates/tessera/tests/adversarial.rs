@@ -293,6 +293,7 @@ fn run_request(stages: Option<&str>, n: usize) -> ClientToCoord {
         grammar: None,
         logprobs: None,
         speculate: 0,
+        prediction: None,
     }))
 }
 

@@ -274,6 +274,7 @@ fn long_run(n: usize) -> ClientToCoord {
         grammar: None,
         logprobs: None,
         speculate: 0,
+        prediction: None,
     }))
 }
 

@@ -300,6 +300,39 @@ fn speculation_on_a_three_stage_ring_gives_the_same_tokens_and_logprobs() {
             turns(with) < turns(without),
             "{sampling:?}: {with} against {without}"
         );
+        // The answer predicted (`--prediction-file`): drafted from its first token, every
+        // draft stands, the same tokens in fewer turns than lookup took.
+        let text: String = plain
+            .iter()
+            .filter(|m| m["type"] == "token")
+            .map(|m| m["text"].as_str().unwrap())
+            .collect();
+        let file = std::env::temp_dir().join(format!("prediction-{}.txt", std::process::id()));
+        std::fs::write(&file, &text).unwrap();
+        let predicted = [
+            &base[..],
+            &[
+                "--speculate",
+                "4",
+                "--prediction-file",
+                file.to_str().unwrap(),
+            ],
+        ]
+        .concat();
+        let (out, pred) = c.run_json(&predicted);
+        let _ = std::fs::remove_file(&file);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(tokens(&pred), tokens(&plain), "{sampling:?}: predicted");
+        let p = &report_of(&pred)["stage_stats"];
+        assert_eq!(
+            p[2]["drafts_accepted"], p[2]["drafted"],
+            "{sampling:?}: {p}"
+        );
+        assert!(turns(p) < turns(with), "{sampling:?}: {p} against {with}");
     }
 }
 
@@ -726,6 +759,7 @@ mod wire {
                 grammar: None,
                 logprobs: None,
                 speculate: 0,
+                prediction: None,
             };
             s.writer
                 .write_message(frame::MSG, &ClientToCoord::Run(Box::new(req)))

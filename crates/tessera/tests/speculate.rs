@@ -113,6 +113,68 @@ fn speculation_keeps_every_answer_and_reports_its_acceptance() {
     }
 }
 
+/// Chat's `prediction` (OpenAI's predicted outputs) on a server started without speculation:
+/// the answer's own text predicted is drafted from and accepted, a wrong prediction costs only
+/// rejected drafts, and either way the choices (text, log-probabilities, finish reason) are
+/// those without it — greedy, seeded and under a JSON schema. A prediction of another shape is
+/// a 400 naming it.
+#[test]
+fn a_prediction_changes_no_answer_and_the_right_one_is_accepted() {
+    let server = Server::start(&[]);
+    let chat = |body: &Value| {
+        let r = post(&server.addr, "/v1/chat/completions", body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let bodies: Vec<Value> = requests()
+        .into_iter()
+        .filter(|(_, path, _)| *path == "/v1/chat/completions")
+        .map(|(_, _, body)| body)
+        .chain([json!({"model": "stories260K",
+                       "messages": [{"role": "user", "content": COPY}],
+                       "max_tokens": 40, "temperature": 0.8, "seed": 2,
+                       "logprobs": true, "top_logprobs": 2})])
+        .collect();
+    assert_eq!(bodies.len(), 3);
+    for body in bodies {
+        let plain = chat(&body);
+        let text = plain["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let before = metric(&server.addr, "tessera_speculation_accepted_tokens_total");
+        // As OpenAI's client sends it: a string, or text parts.
+        for prediction in [
+            json!({"type": "content", "content": [{"type": "text", "text": text}]}),
+            json!({"type": "content", "content": "Tom saw a big green frog in the pond."}),
+        ] {
+            let mut asked = body.clone();
+            asked["prediction"] = prediction.clone();
+            let got = chat(&asked);
+            assert_eq!(got["choices"], plain["choices"], "{prediction}");
+        }
+        let accepted = metric(&server.addr, "tessera_speculation_accepted_tokens_total");
+        assert!(
+            accepted > before,
+            "{body}: no draft of the right prediction was accepted"
+        );
+    }
+    for bad in [
+        json!({"type": "text", "content": "x"}),
+        json!({"type": "content", "content": 5}),
+        json!({"type": "content", "content": [{"type": "image_url"}]}),
+    ] {
+        let r = post(
+            &server.addr,
+            "/v1/chat/completions",
+            &json!({"model": "stories260K", "messages": [{"role": "user", "content": "Hi"}],
+                    "prediction": bad}),
+        );
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], "prediction", "{bad}");
+    }
+}
+
 /// `tessera generate` in one process prints the same text with and without speculation.
 #[test]
 fn generate_prints_the_same_text_with_speculation() {

@@ -40,6 +40,8 @@ pub struct RunSpec {
     pub logprobs: Option<usize>,
     /// Drafts per ring turn (prompt lookup; 0: no speculation). Changes no token.
     pub speculate: usize,
+    /// The answer the client predicts, in tokens: drafts come from it (with `speculate`).
+    pub prediction: Vec<u32>,
 }
 
 /// Why a request cannot become a run.
@@ -85,6 +87,7 @@ impl RunSpec {
             grammar: None,
             logprobs: None,
             speculate: 0,
+            prediction: Vec::new(),
         })
     }
 }
@@ -652,6 +655,7 @@ impl RunMachine {
             // The grammar state is rebuilt from the tokens generated so far.
             replayed: history.len(),
             speculate: self.spec.speculate.min(OpenSeq::MAX_SPECULATE),
+            prediction: self.spec.prediction.clone(),
         };
         let attempt = Attempt {
             seq: attempt_seq,

@@ -133,3 +133,34 @@ pub(super) fn response_format(v: &Value) -> Result<ResponseFormat, ApiError> {
         )),
     }
 }
+
+/// Chat's `prediction`: `{"type": "content", "content": TEXT}`, the content a string or an array
+/// of text parts (joined), as OpenAI's predicted outputs take it.
+pub(super) fn prediction(v: &Value) -> Result<Option<String>, ApiError> {
+    let bad = |m: &str| ApiError::invalid(m.to_string(), Some("prediction"));
+    let Some(p) = v.get("prediction").filter(|x| !x.is_null()) else {
+        return Ok(None);
+    };
+    if p.get("type").and_then(Value::as_str) != Some("content") {
+        return Err(bad("Invalid 'prediction.type': expected 'content'."));
+    }
+    match p.get("content") {
+        Some(Value::String(t)) => Ok(Some(t.clone())),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    _ => {
+                        return Err(bad("Invalid 'prediction.content': expected text parts \
+                             ({\"type\": \"text\", \"text\": ...})."))
+                    }
+                }
+            }
+            Ok(Some(text))
+        }
+        _ => Err(bad(
+            "Invalid 'prediction.content': expected a string or an array of text parts.",
+        )),
+    }
+}

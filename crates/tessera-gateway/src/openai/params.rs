@@ -57,6 +57,8 @@ pub const CHAT_PARAMS: &[(&str, Support)] = &[
     ("cache_prompt", Ignored),
     // vLLM's: the last (assistant) message is continued, not closed.
     ("continue_final_message", Honoured),
+    // Predicted outputs: drafts to check, never a change of the text.
+    ("prediction", Honoured),
     ("user", Ignored),
     ("safety_identifier", Ignored),
     ("prompt_cache_key", Ignored),
@@ -65,7 +67,6 @@ pub const CHAT_PARAMS: &[(&str, Support)] = &[
     ("audio", Refused),
     ("functions", Refused),
     ("function_call", Refused),
-    ("prediction", Refused),
     ("reasoning_effort", Refused),
     ("verbosity", Refused),
     ("web_search_options", Refused),

@@ -287,6 +287,7 @@ pub(crate) fn submit_choices(
         );
         g.logprobs = req.logprobs;
         g.grammar = prepared.grammar.clone();
+        g.prediction = prepared.prediction.clone();
         let handle = gw.backend.submit(g)?;
         choices.push(Choice {
             index: i,

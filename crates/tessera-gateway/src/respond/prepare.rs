@@ -22,6 +22,8 @@ pub(crate) struct Prepared {
     pub tools: Option<(ToolFormat, Vec<Tool>)>,
     /// Completions with `echo`: the prompt text.
     pub echo: Option<String>,
+    /// Chat's `prediction`, tokenized (empty: none).
+    pub prediction: Vec<u32>,
 }
 
 /// The grammar a request's `tool_choice` or `response_format` asks for, and the parameter
@@ -103,6 +105,29 @@ pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, Api
             })?)
         }
     };
+    let prediction = match &req.prediction {
+        None => Vec::new(),
+        Some(_) if !features.prediction => {
+            return Err(ApiError::invalid(
+                "'prediction' is not supported by this backend (it does not draft).",
+                Some("prediction"),
+            ))
+        }
+        Some(text) => {
+            use tessera_sampling::prediction::MAX_PREDICTION_TOKENS;
+            let tokens = m.tokenizer.encode(text, false);
+            if tokens.len() > MAX_PREDICTION_TOKENS {
+                return Err(ApiError::invalid(
+                    format!(
+                        "Invalid 'prediction': {} tokens, at most {MAX_PREDICTION_TOKENS}.",
+                        tokens.len()
+                    ),
+                    Some("prediction"),
+                ));
+            }
+            tokens
+        }
+    };
     let echo = match (&req.prompt, req.echo) {
         (Prompt::Text(t), true) => Some(t.clone()),
         (Prompt::Tokens(t), true) => Some(m.tokenizer.decode(t)),
@@ -113,6 +138,7 @@ pub(crate) fn prepare(gw: &Gateway, req: &ParsedRequest) -> Result<Prepared, Api
         grammar,
         tools: use_tools.then(|| (format, req.tools.clone())),
         echo,
+        prediction,
     })
 }
 

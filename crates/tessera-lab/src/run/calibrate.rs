@@ -49,7 +49,7 @@ pub(super) struct Calibration {
     pub ring_hop: Vec<(usize, f64)>,
 }
 
-fn line(x: &tessera_plan::calibrate::Correction) -> String {
+pub(super) fn line(x: &tessera_plan::calibrate::Correction) -> String {
     format!(
         "{} {} ×{:.2}: {}",
         x.subject, x.quantity, x.factor, x.reason

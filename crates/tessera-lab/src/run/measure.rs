@@ -44,6 +44,8 @@ struct Partial {
 pub(super) struct Speculating {
     /// Drafts per ring turn.
     pub(super) k: usize,
+    /// Drafted from one process's text (the workload's `predict`), not by prompt lookup.
+    pub(super) predicted: bool,
     pub(super) runs: Vec<RunReport>,
     pub(super) texts: Vec<String>,
 }
@@ -51,13 +53,18 @@ pub(super) struct Speculating {
 impl Partial {
     /// One more speculating request with `k` drafts a turn, if the workload asks for them and
     /// none has failed.
-    fn speculate(&mut self, k: usize, run: impl FnOnce() -> Result<(RunReport, String)>) {
+    fn speculate(
+        &mut self,
+        (k, predicted): (usize, bool),
+        run: impl FnOnce() -> Result<(RunReport, String)>,
+    ) {
         if k == 0 {
             return;
         }
         let Ok(s) = self.speculating.get_or_insert_with(|| {
             Ok(Speculating {
                 k,
+                predicted,
                 ..Speculating::default()
             })
         }) else {
@@ -86,13 +93,14 @@ pub(super) fn measure(
     scenario: &Scenario,
     plans: &[PathBuf],
     concurrency: usize,
+    prediction: Option<&Path>,
     progress: &mut dyn FnMut(&str),
 ) -> Vec<std::result::Result<Measured, String>> {
     let prompt = &scenario.workload.prompt;
     let tokens = scenario.workload.tokens;
-    let k = scenario.workload.speculate;
+    let k = (scenario.workload.speculate, prediction.is_some());
     let speculating = |plan: &Path| -> Result<(RunReport, String)> {
-        let r = session.timed_speculating(lab, plan, prompt, tokens, k)?;
+        let r = session.timed_speculating(lab, plan, prompt, tokens, k.0, prediction)?;
         Ok((r.report, r.text))
     };
     // One request alone, with the text it read (compared with one process's by the caller).

@@ -36,6 +36,7 @@ pub mod report;
 mod ring;
 pub mod scaling;
 mod session;
+mod spec_price;
 #[cfg(test)]
 mod test_reports;
 
@@ -115,6 +116,17 @@ pub fn run(
         &scenario.workload.prompt,
         scenario.workload.tokens,
     )?;
+    // With `predict`, the speculating requests draft from that very text.
+    let prediction = if scenario.workload.predict {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
+        let p = dir.join("prediction.txt");
+        std::fs::write(&p, &reference)
+            .map_err(|e| LabError::io(format!("writing {}", p.display()), e))?;
+        Some(p)
+    } else {
+        None
+    };
     let spec = scenario.lab_spec()?;
     let lab = Lab::start(&spec)?;
     progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
@@ -240,8 +252,15 @@ pub fn run(
             .map(|&k| describe(&candidates[k].plan))
             .collect();
         progress(&format!("measuring {}", names.join("; ")));
-        let results =
-            measure::measure(&session, &lab, scenario, &files, concurrency, &mut progress);
+        let results = measure::measure(
+            &session,
+            &lab,
+            scenario,
+            &files,
+            concurrency,
+            prediction.as_deref(),
+            &mut progress,
+        );
         for (k, r) in group.into_iter().zip(results) {
             measured[k] = Some(r);
         }
@@ -256,6 +275,17 @@ pub fn run(
         on,
         ring_hop,
     } = calibrate::on_runs(&runs, &graph, concurrency, machine_again);
+    // Speculating requests are priced after one more correction, from the one-node plan's.
+    let mut corrections = corrections;
+    let pricing = spec_price::calibrate(
+        &model,
+        calibrated_graph.as_ref().unwrap_or(&graph),
+        &candidates,
+        &measured,
+    );
+    if let Some(c) = pricing.as_ref().and_then(|p| p.correction.as_ref()) {
+        corrections.push(calibrate::line(c));
+    }
     let calibrated_on = if on.is_empty() {
         "nothing (no plan ran)".to_string()
     } else {
@@ -276,6 +306,7 @@ pub fn run(
         calibrated_graph.as_ref(),
         &ring_hop,
         &reference,
+        pricing.as_ref(),
     );
     let provenance = provenance(scenario, &model, &graph, &candidates, quotas);
     let mut report = Report {
@@ -306,6 +337,7 @@ fn rows(
     calibrated_graph: Option<&ResourceGraph>,
     ring_hop: &[(usize, f64)],
     reference: &str,
+    pricing: Option<&spec_price::SpecPricing>,
 ) -> Vec<Row> {
     let figures =
         |g: &ResourceGraph, p: &Plan| predict(model, g, p).ok().map(|x| Figures::predicted(&x));
@@ -321,9 +353,10 @@ fn rows(
                     None,
                     Some(TextCheck::of(&m.texts, reference)),
                     m.speculating.map(|s| {
-                        s.map(|s| {
-                            Speculation::of(
-                                s.k,
+                        s.map(|s| Speculation {
+                            predicted_tokens_per_s: pricing.and_then(|p| p.predict(model, &c.plan)),
+                            ..Speculation::of(
+                                (s.k, s.predicted),
                                 &s.runs,
                                 &s.texts,
                                 m.figures.decode_tokens_per_s,

@@ -70,6 +70,9 @@ impl TextCheck {
 pub struct Speculation {
     /// Drafts per ring turn.
     pub k: usize,
+    /// Drafted from one process's text sent as the prediction (the mechanism's ceiling), not by
+    /// prompt lookup.
+    pub predicted: bool,
     /// The speculating requests' median decode, tok/s.
     pub decode_tokens_per_s: f64,
     /// Over the plain requests' median decode.
@@ -81,13 +84,16 @@ pub struct Speculation {
     pub accepted: u64,
     /// Their texts against one process's.
     pub text: TextCheck,
+    /// What the planner predicts for them, calibrated on the one-node plan's speculating
+    /// requests (`None`: none was measured).
+    pub predicted_tokens_per_s: Option<f64>,
 }
 
 impl Speculation {
     /// From the speculating requests' reports and texts, against the plain requests' median
     /// decode `plain` and one process's text `reference`.
     pub fn of(
-        k: usize,
+        (k, predicted): (usize, bool),
         runs: &[tessera_proto::RunReport],
         texts: &[String],
         plain: f64,
@@ -101,12 +107,14 @@ impl Speculation {
         };
         Self {
             k,
+            predicted,
             decode_tokens_per_s: decode,
             speedup: decode / plain,
             verifications: sum(|s| s.verifications),
             drafted: sum(|s| s.drafted),
             accepted: sum(|s| s.drafts_accepted),
             text: TextCheck::of(texts, reference),
+            predicted_tokens_per_s: None,
         }
     }
 
@@ -128,9 +136,22 @@ impl Speculation {
         } else {
             String::new()
         };
+        let predicted = match self.predicted_tokens_per_s {
+            Some(p) => format!(
+                "; predicted {} tok/s calibrated ({:+.0}%)",
+                num(Some(p)),
+                100.0 * (p / self.decode_tokens_per_s - 1.0)
+            ),
+            None => String::new(),
+        };
         format!(
-            "speculating (prompt lookup, k = {}): decode {} tok/s, {:.2}× without; {} of {} \
-             drafts accepted{share}{per_check}; text {}",
+            "speculating ({}, k = {}): decode {} tok/s, {:.2}× without; {} of {} \
+             drafts accepted{share}{per_check}{predicted}; text {}",
+            if self.predicted {
+                "from one process's text as the prediction"
+            } else {
+                "prompt lookup"
+            },
             self.k,
             num(Some(self.decode_tokens_per_s)),
             self.speedup,
@@ -451,12 +472,14 @@ mod tests {
         let same = vec!["a b c".to_string()];
         let speculation = |texts: &[String]| Speculation {
             k: 4,
+            predicted: false,
             decode_tokens_per_s: 30.0,
             speedup: 1.5,
             verifications: 10,
             drafted: 40,
             accepted: 10,
             text: TextCheck::of(texts, "a b c"),
+            predicted_tokens_per_s: Some(33.0),
         };
         let mut good = row("choice", figures(1.0, 1.0), Some(figures(20.0, 20.0)));
         good.text = Some(TextCheck::of(&same, "a b c"));
@@ -465,7 +488,7 @@ mod tests {
         assert!(r.text_mismatches().is_empty());
         let t = table(&r);
         assert!(
-            t.contains("k = 4): decode 30.0 tok/s, 1.50× without; 10 of 40 drafts accepted (25%), 2.00 tokens a verifying turn; text same"),
+            t.contains("k = 4): decode 30.0 tok/s, 1.50× without; 10 of 40 drafts accepted (25%), 2.00 tokens a verifying turn; predicted 33.0 tok/s calibrated (+10%); text same"),
             "{t}"
         );
         let mut bad = good;

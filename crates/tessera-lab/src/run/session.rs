@@ -297,11 +297,12 @@ impl Session {
         prompts: &[&str],
         tokens: usize,
     ) -> Result<Vec<TimedRun>> {
-        self.timed(lab, plan, prompts, tokens, 0)
+        self.timed(lab, plan, prompts, tokens, Ask::default())
     }
 
-    /// Like [`Session::timed_clients`] with one prompt, the client speculating by prompt lookup
-    /// with `k` drafts a ring turn (`tessera run --speculate k`).
+    /// Like [`Session::timed_clients`] with one prompt, the client speculating with `k` drafts
+    /// a ring turn (`tessera run --speculate k`), by prompt lookup or from the answer in
+    /// `prediction` (`--prediction-file`).
     pub(super) fn timed_speculating(
         &self,
         lab: &impl Hosts,
@@ -309,8 +310,14 @@ impl Session {
         prompt: &str,
         tokens: usize,
         k: usize,
+        prediction: Option<&Path>,
     ) -> Result<TimedRun> {
-        Ok(self.timed(lab, plan, &[prompt], tokens, k)?.remove(0))
+        let ask = Ask {
+            chunk: None,
+            speculate: k,
+            prediction: prediction.map(Path::to_path_buf),
+        };
+        Ok(self.timed(lab, plan, &[prompt], tokens, ask)?.remove(0))
     }
 
     fn timed(
@@ -319,14 +326,11 @@ impl Session {
         plan: &Path,
         prompts: &[&str],
         tokens: usize,
-        speculate: usize,
+        ask: Ask,
     ) -> Result<Vec<TimedRun>> {
         let mut readers = Vec::new();
         for (i, prompt) in prompts.iter().enumerate() {
-            let ask = Ask {
-                chunk: None,
-                speculate,
-            };
+            let ask = ask.clone();
             let mut child = self.spawn_client(lab, plan, prompt, tokens, i, ask)?;
             let out = BufReader::new(child.stdout.take().expect("piped"));
             readers.push((
@@ -384,7 +388,7 @@ impl Session {
     ) -> Result<RunReport> {
         let ask = Ask {
             chunk: Some(chunk),
-            speculate: 0,
+            ..Ask::default()
         };
         report(self.spawn_client(lab, plan, prompt, tokens, 0, ask)?)
     }
@@ -424,6 +428,9 @@ impl Session {
             if ask.speculate > 0 {
                 cmd.args(["--speculate", &ask.speculate.to_string()]);
             }
+            if let Some(p) = &ask.prediction {
+                cmd.arg("--prediction-file").arg(p);
+            }
             cmd.spawn()
                 .map_err(|e| LabError::io("starting tessera run", e))
         }
@@ -431,12 +438,14 @@ impl Session {
 }
 
 /// What a client asks beyond greedy decoding.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Ask {
     /// Prompt tokens per prefill step (the coordinator's default when `None`).
     chunk: Option<usize>,
     /// Drafts per ring turn, by prompt lookup; 0 = none.
     speculate: usize,
+    /// A file of the predicted answer to draft from.
+    prediction: Option<PathBuf>,
 }
 
 impl Drop for Session {

@@ -299,6 +299,7 @@ impl SealedWorker {
             logprobs: None,
             replayed: 0,
             speculate: 0,
+            prediction: Vec::new(),
         };
         self.runs.lock().unwrap_or_else(|p| p.into_inner()).insert(
             seq,

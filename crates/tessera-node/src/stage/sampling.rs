@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 use tessera_engine::Logits;
 use tessera_grammar::{Grammar, GrammarCompiler};
 use tessera_model::Tokenizer;
+use tessera_sampling::prediction::Predicted;
 use tessera_sampling::speculate::{settle, DraftSource, PromptLookup};
 use tessera_sampling::TokenLogprobs;
 
@@ -125,9 +126,9 @@ pub(super) fn verify(s: &mut SeqState, logits: &Logits) -> Vec<StageOutput> {
     out
 }
 
-/// Guesses for the positions after the last token, by prompt lookup: no more than the
-/// sequence speculates, than tokens it may still generate after the next, or than its cache
-/// has positions for.
+/// Guesses for the positions after the last token, from the client's prediction where it
+/// sent one and by prompt lookup otherwise: no more than the sequence speculates, than tokens
+/// it may still generate after the next, or than its cache has positions for.
 fn next_drafts(s: &SeqState) -> Vec<u32> {
     if s.open.speculate == 0 {
         return Vec::new();
@@ -136,7 +137,13 @@ fn next_drafts(s: &SeqState) -> Vec<u32> {
     let room = s.kv.capacity().saturating_sub(pos + 1);
     let left = s.open.max_new_tokens.saturating_sub(s.generated + 1);
     let k = s.open.speculate.min(room).min(left);
-    PromptLookup::default().propose(&s.history, k)
+    if s.open.prediction.is_empty() {
+        return PromptLookup::default().propose(&s.history, k);
+    }
+    // A resumed attempt's prompt ends with the tokens generated before: the answer starts
+    // before them.
+    let answer_from = s.open.prompt.len() - s.open.replayed;
+    Predicted::new(&s.open.prediction[..], answer_from).propose(&s.history, k)
 }
 
 /// One draw from `row` at the sequence's next position, recorded: the token's report, and the

@@ -52,6 +52,7 @@ fn run_ring(path: &str, cuts: &[usize], prompt: &[u32], n: usize, chunk: usize) 
         logprobs: None,
         replayed: 0,
         speculate: 0,
+        prediction: Vec::new(),
     };
     let (tokens, _) = ring(path, cuts, open);
     tokens.into_iter().map(|(t, _)| t).collect()
@@ -201,6 +202,7 @@ fn a_ring_reuses_kept_prefixes_and_answers_as_from_scratch() {
         logprobs: None,
         replayed: 0,
         speculate: 0,
+        prediction: Vec::new(),
     };
     let ids = |r: (Vec<(u32, Option<TokenLogprobs>)>, _)| -> Vec<u32> {
         r.0.into_iter().map(|(t, _)| t).collect()
@@ -273,6 +275,7 @@ fn the_sampling_stage_follows_a_grammar_reports_logprobs_and_replays_both() {
         logprobs: Some(2),
         replayed: 0,
         speculate: 0,
+        prediction: Vec::new(),
     };
     let (whole, finish) = ring(path, &[2], open.clone());
     let ids: Vec<u32> = whole.iter().map(|(t, _)| *t).collect();
@@ -365,13 +368,45 @@ fn speculation_on_the_ring_changes_no_token_logprob_or_kept_cache() {
             logprobs: Some(2),
             replayed: 0,
             speculate: 0,
+            prediction: Vec::new(),
         };
         let (plain, finish, plain_stats) =
             drive_with_stats(&mut load_stages(path, &cuts), open.clone(), false);
         let fast = OpenSeq {
             speculate: 4,
-            ..open
+            ..open.clone()
         };
+        // The client's prediction: the answer itself (drafted from its first token on), and a
+        // wrong one (drafts rejected); neither changes a token.
+        let answer: Vec<u32> = plain.iter().map(|t| t.0).collect();
+        let wrong: Vec<u32> = answer.iter().rev().copied().collect();
+        for (prediction, right) in [(answer, true), (wrong, false)] {
+            let predicted = OpenSeq {
+                speculate: 4,
+                prediction,
+                ..open.clone()
+            };
+            let (got, got_finish, stats) =
+                drive_with_stats(&mut load_stages(path, &cuts), predicted, false);
+            assert_eq!(got, plain, "case {i}: prediction {right}");
+            assert_eq!(got_finish, finish, "case {i}: prediction {right}");
+            let sampler = stats.last().unwrap();
+            if right {
+                // Every turn after the first token's verifies and every draft stands (but a
+                // last one the sequence ends on: its draw ends the walk): 5 tokens a turn.
+                assert!(sampler.drafted > 0, "case {i}");
+                assert!(
+                    sampler.drafted - sampler.drafts_accepted <= 1,
+                    "case {i}: {sampler:?}"
+                );
+                assert!(
+                    stats[0].decode.steps as usize <= (plain.len() - 1).div_ceil(5),
+                    "case {i}: {} turns for {} tokens: {sampler:?}",
+                    stats[0].decode.steps,
+                    plain.len()
+                );
+            }
+        }
         let (spec, spec_finish, stats) =
             drive_with_stats(&mut load_stages(path, &cuts), fast, false);
         assert_eq!(spec, plain, "case {i}: cut at {cuts:?}");
@@ -414,6 +449,7 @@ fn speculation_on_the_ring_changes_no_token_logprob_or_kept_cache() {
         logprobs: None,
         replayed: 0,
         speculate: 6,
+        prediction: Vec::new(),
     };
     let ids = |r: (Vec<(u32, Option<TokenLogprobs>)>, _)| -> Vec<u32> {
         r.0.into_iter().map(|(t, _)| t).collect()
@@ -496,6 +532,7 @@ fn batched_sequences_decode_as_if_alone() {
             logprobs: None,
             replayed: 0,
             speculate: 0,
+            prediction: Vec::new(),
         })
         .unwrap();
     }
@@ -549,6 +586,7 @@ fn kv_budget_refuses_a_sequence_that_does_not_fit() {
         logprobs: None,
         replayed: 0,
         speculate: 0,
+        prediction: Vec::new(),
     };
     assert!(matches!(st.open(open), Err(StageError::OverBudget { .. })));
     assert!(matches!(
@@ -591,6 +629,7 @@ fn a_hidden_state_with_nan_or_infinity_fails_the_step_and_names_the_sender() {
         logprobs: None,
         replayed: 0,
         speculate: 0,
+        prediction: Vec::new(),
     })
     .unwrap();
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {

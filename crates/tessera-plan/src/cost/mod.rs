@@ -133,6 +133,29 @@ pub(crate) fn evaluate(
     })
 }
 
+/// Time of one decode turn of one request whose step carries `rows` rows (the last accepted
+/// token and its drafts, when it speculates) through a cell: every stage computes the rows at
+/// once and every hop carries them, with the runtime's cost per token once.
+pub(crate) fn turn_s(
+    ctx: &Ctx,
+    kind: CellKind,
+    mut a: Vec<Assignment>,
+    seqs: u32,
+    rows: f64,
+) -> Result<f64, String> {
+    let mut pl = Vec::with_capacity(a.len());
+    for x in a.iter_mut() {
+        let p = place_assignment(ctx, x, seqs)?;
+        x.memory = p.memory;
+        pl.push(p);
+    }
+    let mode = Mode::Decode {
+        batch: rows.max(1.0),
+        ctx: ctx.policy.prompt_tokens as f64,
+    };
+    Ok(pass(ctx, kind, &a, &pl, mode)?.total.total_s)
+}
+
 /// Time of one decode token at batch 1 on one node holding `a` (used by the stage DP); `None` when
 /// the node cannot hold it.
 pub(crate) fn stage_time(

@@ -54,6 +54,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "K", default_value_t = 0,
           value_parser = clap::value_parser!(u16).range(0..=16))]
     speculate: u16,
+    /// What the answer is expected to be close to (the file being edited, the paragraph being
+    /// rewritten), read from FILE: the drafts come from it where the answer follows it, so an
+    /// answer that mostly repeats it takes few ring turns. The text is the same as without.
+    /// Needs --speculate.
+    #[arg(long, value_name = "FILE", requires = "speculate")]
+    prediction_file: Option<std::path::PathBuf>,
     /// Print every message from the coordinator as a JSON line.
     #[arg(long)]
     json: bool,
@@ -103,6 +109,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             .map(tessera_gateway::grammar::GrammarSpec::JsonSchema),
         logprobs: args.top_logprobs,
         speculate: usize::from(args.speculate),
+        prediction: args
+            .prediction_file
+            .as_ref()
+            .map(|p| {
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("reading --prediction-file {}", p.display()))
+            })
+            .transpose()?
+            .map(tessera_proto::Prediction::Text),
     };
     std::fs::create_dir_all(&args.data_dir)?;
     let identity = NodeIdentity::load_or_create(&args.data_dir)?;
