@@ -401,6 +401,52 @@ fn float_prefill_past_a_token_block_equals_each_token_alone() {
     }
 }
 
+/// The AVX2 float prefill tiles take the tokens in slices of up to 6 from the start of each
+/// block of 64: every token count from 1 to 13 and a few about a block's end, on one thread
+/// (tiles from a slice's start) and on three (token tasks that start inside a slice), equal
+/// each token alone on the scalar kernel, bit for bit, on every ISA.
+#[test]
+fn float_prefill_at_every_tile_remainder_equals_each_token_alone() {
+    let pools = [ThreadPool::new(1), ThreadPool::new(3)];
+    for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+        let mut rng = Rng::new(dtype.id() as u64 + 700);
+        // 21 rows: 2 groups, so 3 threads split the tokens; 200 columns: a tail past 192.
+        let (rows, cols, most) = (21, 200, 70);
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+        let x = random_x(most * cols, &mut rng);
+        let alone: Vec<Vec<f32>> = (0..most)
+            .map(|t| {
+                run(
+                    Isa::Scalar,
+                    &pools[0],
+                    &w,
+                    (0, rows),
+                    &x[t * cols..][..cols],
+                    1,
+                )
+            })
+            .collect();
+        for nt in (1..=13).chain([62, 64, 65, 70]) {
+            for isa in isas() {
+                for pool in &pools {
+                    let out = run(isa, pool, &w, (0, rows), &x[..nt * cols], nt);
+                    for (t, alone) in alone.iter().take(nt).enumerate() {
+                        for r in 0..rows {
+                            assert_eq!(
+                                out[t * rows + r].to_bits(),
+                                alone[r].to_bits(),
+                                "{dtype} {isa:?} threads {} nt {nt} token {t} row {r}",
+                                pool.n_threads()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn public_entry_points_agree() {
     let pool = ThreadPool::new(2);

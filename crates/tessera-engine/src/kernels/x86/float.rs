@@ -182,12 +182,14 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   8-row halves and a tile of up to `TILE` tokens, so each weight load feeds `TILE` FMAs
 //   per half instead of one. A pass reads a lane's columns, every 64th, so both operands are
 //   first copied lane by lane into consecutive memory: each group's weights once per kernel
-//   call (`lane_major_weights`), the activations once per matmul (`lane_major`, built on the
-//   pool by `QuantizedActs::new` when AVX2 is the active ISA). Each quartet (BF16: pair) of
-//   lanes is combined and reduced as soon as its passes end (`lanes_by_pass`).
-//   Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new binaries alternated):
-//   88–99 GFLOP/s before the copies, 103–119 after, against ~143 for a loop of bare FMAs on
-//   the same 2-core AMD EPYC when quiet;
+//   call (`lane_major_weights`), the activations once per matmul in slices of a tile's tokens
+//   (`lane_major`, built on the pool by `QuantizedActs::new` when AVX2 is the active ISA).
+//   Each quartet (BF16: pair) of lanes is combined and reduced as soon as its passes end
+//   (`lanes_by_pass`). Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new
+//   binaries alternated): 88–99 GFLOP/s before the copies, 103–119 after, against ~143 for a
+//   loop of bare FMAs on the same 2-core AMD EPYC when quiet; on a busier AMD EPYC (Zen 3)
+//   where bare FMAs ran at ~104, 61–68 (3,072 columns: 53) with the activations in slices of
+//   64 tokens, 70–75 with slices of a tile's width;
 // - decode (1 or 2 tokens): the columns about in address order (`sweep`), so that the
 //   weights, read once, stream from memory: every lane's accumulators kept in a buffer, each
 //   lane's loaded into registers once per `SWEEP_BLOCKS` blocks of 64 columns (its chain still
@@ -300,47 +302,66 @@ thread_local! {
     static REORDERED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Tokens per block of the [`lane_major`] layout; a prefill tile never spans two blocks.
-/// The matmul driver hands kernels 64 tokens at a time from a 64-aligned start unless it
-/// splits the tokens between tasks, so tiles line up with blocks.
+/// Tokens per block of the [`lane_major`] layout. The matmul driver hands kernels 64 tokens at
+/// a time (floats: 256) from a 64-aligned start unless it splits the tokens between tasks, so
+/// tiles line up with blocks and with the [`TILE`]-wide slices within them.
 const BLOCK: usize = 64;
 
-/// The activations rearranged so that a lane pass reads them in order: tokens in blocks of
-/// [`BLOCK`] (the last one narrower), and within a block of `width` tokens, lane `l`'s `s`-th
-/// column of token `j` (in [`lane_columns`] order) at `(l · seg + s) · width + j`, where `seg`
-/// is a lane's column count. A tile's tokens then sit side by side behind one pointer and a
-/// lane's columns follow each other, where the plain layout puts every token a row apart and
-/// every column of a lane 64 floats on (an L1 line per broadcast). Columns past the last whole
-/// 64 are not held (the tails read `a.f`). Built once per set of activations and shared by
-/// every group and thread.
+/// The slice of the [`lane_major`] layout that holds token `t` of `nt`: its first token and
+/// width. Blocks of [`BLOCK`] tokens are cut into slices of [`TILE`] from the block's start,
+/// the last slice of a block (or of the batch) narrower.
+#[inline(always)]
+fn slice_of(t: usize, nt: usize) -> (usize, usize) {
+    let b0 = t / BLOCK * BLOCK;
+    let s0 = b0 + (t - b0) / TILE * TILE;
+    (s0, TILE.min(nt.min(b0 + BLOCK) - s0))
+}
+
+/// The activations rearranged so that a lane pass reads them in order: tokens in slices of up
+/// to [`TILE`] ([`slice_of`]), a slice of `width` tokens from `s0` at `s0 · np`, and within it
+/// lane `l`'s `s`-th column of token `j` (in [`lane_columns`] order) at
+/// `(l · seg + s) · width + j`, where `seg` is a lane's column count. A tile's tokens then sit
+/// side by side behind one pointer, and a whole lane pass reads one run of consecutive floats,
+/// where the plain layout puts every token a row apart and every column of a lane 64 floats on
+/// (an L1 line per broadcast). Slices of a whole block of 64 tokens, as before (a tile's floats
+/// a quarter of each line it reads, the rest read again by the block's other tiles), measured
+/// 8% slower at 1,024 columns and a third slower at 3,072 (1 thread, 256 tokens, F16,
+/// alternated). Columns past the last whole 64 are not held (the tails read `a.f`). Built once
+/// per set of activations and shared by every group and thread.
 fn lane_major<const K: u8>(a: &QuantizedActs) -> &[f32] {
     a.lane_major.get_or_init(|| build_lane_major::<K>(a, None))
 }
 
-/// [`lane_major`] of `a`, on `pool` if given (one task per block and lane).
+/// [`lane_major`] of `a`, on `pool` if given (one task per slice).
 fn build_lane_major<const K: u8>(a: &QuantizedActs, pool: Option<&ThreadPool>) -> Vec<f32> {
     let (n, nt) = (a.cols, a.n_tokens);
     let np = n / 64 * 64;
-    let seg = np / n_lanes(K);
     let mut v = vec![0f32; nt * np];
     let shared = SharedMut::new(&mut v);
+    // Slice i: block i / per_block, its (i % per_block)-th slice.
+    let per_block = BLOCK.div_ceil(TILE);
     let task = |i: usize| {
-        let (b0, l) = (i / n_lanes(K) * BLOCK, i % n_lanes(K));
-        let width = BLOCK.min(nt - b0);
-        // SAFETY: each (block, lane) task writes only its own segment.
-        let out = unsafe { shared.range(b0 * np + l * seg * width, seg * width) };
+        let s0 = i / per_block * BLOCK + i % per_block * TILE;
+        if s0 >= nt {
+            return;
+        }
+        let (_, width) = slice_of(s0, nt);
+        // SAFETY: each slice's task writes only its own floats.
+        let out = unsafe { shared.range(s0 * np, width * np) };
         for j in 0..width {
-            let x = &a.f[(b0 + j) * n..(b0 + j + 1) * n];
+            let x = &a.f[(s0 + j) * n..(s0 + j + 1) * n];
             let mut at = j;
-            for base in (0..np).step_by(64) {
-                lane_columns::<K>(base, l, |e| {
-                    out[at] = x[e];
-                    at += width;
-                });
+            for l in 0..n_lanes(K) {
+                for base in (0..np).step_by(64) {
+                    lane_columns::<K>(base, l, |e| {
+                        out[at] = x[e];
+                        at += width;
+                    });
+                }
             }
         }
     };
-    let tasks = nt.div_ceil(BLOCK) * n_lanes(K);
+    let tasks = nt.div_ceil(BLOCK) * per_block;
     match pool {
         Some(pool) => pool.run(tasks, task),
         None => (0..tasks).for_each(task),
@@ -365,13 +386,13 @@ pub(crate) fn prepare_lane_major(pool: &ThreadPool, a: &QuantizedActs) {
     let _ = a.lane_major.set(v);
 }
 
-/// Where a prefill tile of tokens `t..` (within one block) finds lane `l`'s activations from
-/// column `start` on in the [`lane_major`] layout, and their stride.
+/// Where a prefill tile of tokens `t..` (within one slice of [`slice_of`]) finds lane `l`'s
+/// activations in the [`lane_major`] layout, and their stride.
 #[derive(Clone, Copy)]
 struct TileActs {
     /// The tile's first token's first column of lane 0.
     p: *const f32,
-    /// Floats between a lane's successive columns (the block's width).
+    /// Floats between a lane's successive columns (the slice's width).
     width: usize,
     /// Columns per lane.
     seg: usize,
@@ -379,14 +400,14 @@ struct TileActs {
 
 impl TileActs {
     /// # Safety
-    /// `lanes` must be [`lane_major`] of `a`, and tokens `t..t + T` within one block.
+    /// `lanes` must be [`lane_major`] of `a`, and tokens `t..t + T` within one slice.
     unsafe fn new<const K: u8>(lanes: &[f32], a: &QuantizedActs, t: usize) -> Self {
         let np = a.cols / 64 * 64;
-        let b0 = t / BLOCK * BLOCK;
+        let (s0, width) = slice_of(t, a.n_tokens);
         Self {
-            // SAFETY: b0·np + (t - b0) is inside the block (caller).
-            p: unsafe { lanes.as_ptr().add(b0 * np + (t - b0)) },
-            width: BLOCK.min(a.n_tokens - b0),
+            // SAFETY: s0·np + (t - s0) is inside the slice (caller).
+            p: unsafe { lanes.as_ptr().add(s0 * np + (t - s0)) },
+            width,
             seg: np / n_lanes(K),
         }
     }
@@ -581,7 +602,7 @@ unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
 
 /// `T` tokens of a group: `out[j*16 + r]` for token `t + j`. `T ≥ 3` reads the weights from
 /// `reordered` ([`lane_major_weights`] of `w`) and the activations from `lanes` ([`lane_major`]
-/// of `a`; tokens `t..t + T` within one block), `T ≤ 2` from `w` and `a.f`.
+/// of `a`; tokens `t..t + T` within one slice), `T ≤ 2` from `w` and `a.f`.
 // `h8` indexes the halves of the lanes and of the output alike.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -595,7 +616,7 @@ unsafe fn tile_avx2<const K: u8, const T: usize>(
     let n = a.cols;
     let np = n / 64 * 64;
     // SAFETY: the caller checked the group holds n columns, that tokens t..t+T are in `a.f`
-    // and, for T ≥ 3, that they lie in one block of `lanes`; features enabled.
+    // and, for T ≥ 3, that they lie in one slice of `lanes`; features enabled.
     unsafe {
         let (v, c2) = if T <= 2 {
             let xs: [*const f32; T] = std::array::from_fn(|j| a.f.as_ptr().add((t + j) * n));
@@ -684,13 +705,14 @@ unsafe fn group_avx2<const K: u8>(
         };
         let prefill = (&reordered[..], lanes);
         // SAFETY: bounds checked above; features guaranteed by the caller; each tile of 3 or
-        // more tokens lies within one block of `lanes`.
+        // more tokens lies within one slice of `lanes`.
         unsafe {
             let mut j = 0;
             while j < nt {
                 let o = &mut out[j * GROUP..];
                 let t = t0 + j;
-                let take = TILE.min(nt - j).min(BLOCK - t % BLOCK);
+                let (s0, width) = slice_of(t, a.n_tokens);
+                let take = TILE.min(nt - j).min(s0 + width - t);
                 match take {
                     1 => tile_avx2::<K, 1>(wp, a, prefill, t, o),
                     2 => tile_avx2::<K, 2>(wp, a, prefill, t, o),
@@ -733,8 +755,9 @@ mod tests {
     use tessera_model::GgmlType;
 
     /// The layout built ahead on the pool (when AVX2 is the active ISA) is the one the kernels
-    /// build for themselves otherwise: blocks of 64 tokens, the last one narrower, and a
-    /// column tail past the last whole 64 left out.
+    /// build for themselves otherwise: blocks of 64 tokens cut into slices of `TILE` (the last
+    /// of a block, or of the batch, narrower), and a column tail past the last whole 64 left
+    /// out.
     #[test]
     fn lane_major_built_on_the_pool_equals_the_one_built_in_a_kernel() {
         let pool = ThreadPool::new(3);
@@ -760,16 +783,23 @@ mod tests {
                 ),
             };
             assert_eq!(lazy, ahead, "{dtype}");
-            // Spot checks of the layout itself: token 65 (block 1, width nt - 64), lane 3's
-            // second column.
+            // Spot checks of the layout itself: token 65 (block 1's first slice, 6 wide),
+            // lane 3's second column; token 62 (block 0's last slice, from 60, 4 wide).
             let np = cols / 64 * 64;
             if dtype == GgmlType::F16 {
-                let (b0, width, seg) = (64, nt - 64, np / 64);
+                assert_eq!(slice_of(65, nt), (64, TILE));
+                assert_eq!(slice_of(62, nt), (60, 4));
+                assert_eq!(slice_of(67, 68), (64, 4), "the batch's last slice");
+                let seg = np / 64;
                 let want = a.f[65 * cols + 64 + 3];
-                assert_eq!(lazy[b0 * np + (3 * seg + 1) * width + 1], want);
+                assert_eq!(lazy[64 * np + (3 * seg + 1) * TILE + 1], want);
+                assert_eq!(
+                    lazy[60 * np + (3 * seg + 1) * 4 + 2],
+                    a.f[62 * cols + 64 + 3]
+                );
             }
             if dtype == GgmlType::BF16 {
-                // Lane 5 takes column 11, then 10, of each 64.
+                // Lane 5 takes column 11, then 10, of each 64; one slice of 3 tokens.
                 let seg = np / 32;
                 assert_eq!(lazy[(5 * seg) * nt + 2], a.f[2 * cols + 11]);
                 assert_eq!(lazy[(5 * seg + 1) * nt + 2], a.f[2 * cols + 10]);
