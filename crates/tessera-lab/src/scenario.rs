@@ -11,7 +11,7 @@
 //! prompt = "Once upon a time"
 //! tokens = 64                     # decoded per measured request
 //! speculate = 8                   # also measure each plan speculating (prompt lookup, k drafts)
-//! predict = true                  # ... drafting from one process's text (the ceiling)
+//! predict = true                  # ... drafting from the plain request's tokens (the ceiling)
 //!
 //! [lab]
 //! threads = 1                     # compute threads per node
@@ -63,9 +63,10 @@ pub struct Workload {
     /// lookup (`tessera run --speculate`), alternated with the plain ones; 0 = not.
     #[serde(default)]
     pub speculate: usize,
-    /// The speculating requests send one process's text as their prediction
-    /// (`tessera run --prediction-file`): a draft that always agrees, as the target would be
-    /// its own draft, so what is measured is the mechanism's ceiling. Needs `speculate`.
+    /// Each speculating request sends the tokens of the plain request before it as its
+    /// prediction (`tessera run --prediction-tokens`): a draft that always agrees, as the
+    /// target would be its own draft, so what is measured is the mechanism's ceiling. Needs
+    /// `speculate`.
     #[serde(default)]
     pub predict: bool,
 }

@@ -10,7 +10,8 @@ top_logprobs on chat and completions, streamed and not; n=3 (distinct, reproduci
 equal to n=1); presence/frequency penalties change the output; json_object and strict
 json_schema output, validated with jsonschema, streamed equal to whole; tools with tool_choice
 required, named and auto, streamed and not, parallel_tool_calls=false, and a tool round trip
-(assistant tool_calls + tool result in the history). The mode only labels the output.
+(assistant tool_calls + tool result in the history); a `prediction` (predicted outputs), right or
+wrong, changes no token or log-probability. The mode only labels the output.
 
 Exits 0 when all pass; 3 when a package is missing (the Rust test decides whether that fails).
 """
@@ -309,6 +310,30 @@ def check_penalties():
     assert pen.choices[0].message.content != plain.choices[0].message.content, "penalties ignored"
 
 
+def check_prediction():
+    """Predicted outputs: the answer's own text predicted, or a wrong text, changes no token or
+    log-probability, whole and streamed."""
+    kw = dict(model=MODEL, messages=MSGS, temperature=0, max_tokens=24, logprobs=True,
+              top_logprobs=2)
+    plain = client.chat.completions.create(**kw).choices[0]
+    lps = [(t.token, t.logprob) for t in plain.logprobs.content]
+    for p in [plain.message.content, "A dog ran down to the sea and back."]:
+        got = client.chat.completions.create(
+            **kw, prediction={"type": "content", "content": p}
+        ).choices[0]
+        assert got.message.content == plain.message.content, (p, got.message.content)
+        assert [(t.token, t.logprob) for t in got.logprobs.content] == lps, p
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                **kw, stream=True, prediction={"type": "content", "content": p}
+            )
+            if c.choices
+        )
+        assert streamed == plain.message.content, (p, streamed)
+    print("prediction: the same answer with the right and a wrong prediction")
+
+
 def main():
     sweep("/chat/completions", chat_create_params.CompletionCreateParamsBase, ["messages"])
     sweep("/completions", completion_create_params.CompletionCreateParamsBase, ["prompt"])
@@ -317,6 +342,7 @@ def main():
     check_penalties()
     check_json()
     check_tools()
+    check_prediction()
     print(f"api features ({MODE}): all checks passed")
 
 

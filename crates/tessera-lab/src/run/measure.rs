@@ -9,7 +9,7 @@ use tessera_proto::RunReport;
 
 use super::report::Figures;
 use super::ring::median;
-use super::session::Session;
+use super::session::{self, Session};
 use super::{pipeline, Measured, REPEATS, SHORT};
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
@@ -44,7 +44,8 @@ struct Partial {
 pub(super) struct Speculating {
     /// Drafts per ring turn.
     pub(super) k: usize,
-    /// Drafted from one process's text (the workload's `predict`), not by prompt lookup.
+    /// Drafted from the plain request's tokens (the workload's `predict`), not by prompt
+    /// lookup.
     pub(super) predicted: bool,
     pub(super) runs: Vec<RunReport>,
     pub(super) texts: Vec<String>,
@@ -93,43 +94,45 @@ pub(super) fn measure(
     scenario: &Scenario,
     plans: &[PathBuf],
     concurrency: usize,
-    prediction: Option<&Path>,
     progress: &mut dyn FnMut(&str),
 ) -> Vec<std::result::Result<Measured, String>> {
     let prompt = &scenario.workload.prompt;
     let tokens = scenario.workload.tokens;
-    let k = (scenario.workload.speculate, prediction.is_some());
-    let speculating = |plan: &Path| -> Result<(RunReport, String)> {
+    let predict = scenario.workload.predict;
+    let k = (scenario.workload.speculate, predict);
+    // With `predict`, the plain request's own tokens are the prediction: the drafts always
+    // agree (the target as its own draft).
+    let speculating = |plan: &Path, answer: &[u32]| -> Result<(RunReport, String)> {
+        let prediction = predict.then_some(answer);
         let r = session.timed_speculating(lab, plan, prompt, tokens, k.0, prediction)?;
         Ok((r.report, r.text))
     };
     // One request alone, with the text it read (compared with one process's by the caller).
-    let one = |plan: &Path, n: usize| -> Result<(RunReport, String)> {
-        let r = session
+    let one = |plan: &Path, n: usize| -> Result<session::TimedRun> {
+        Ok(session
             .timed_clients(lab, plan, &[prompt.as_str()], n)?
-            .remove(0);
-        Ok((r.report, r.text))
+            .remove(0))
     };
     let first = |plan: &Path| -> Result<Partial> {
         one(plan, SHORT)?;
         let b0 = node_bytes(lab);
-        let (short, _) = one(plan, SHORT)?;
+        let short = one(plan, SHORT)?.report;
         let b1 = node_bytes(lab);
-        let (run, text) = one(plan, tokens)?;
+        let run = one(plan, tokens)?;
         let b2 = node_bytes(lab);
-        let extra = run.generated as f64 - short.generated as f64;
+        let extra = run.report.generated as f64 - short.generated as f64;
         let wire = if extra > 0.0 {
             (b2 - b1).saturating_sub(b1 - b0) as f64 / extra
         } else {
             f64::NAN
         };
         let mut part = Partial {
-            runs: vec![run],
-            texts: vec![text],
+            runs: vec![run.report],
+            texts: vec![run.text],
             wire,
             speculating: None,
         };
-        part.speculate(k, || speculating(plan));
+        part.speculate(k, || speculating(plan, &run.tokens));
         Ok(part)
     };
     let mut parts: Vec<std::result::Result<Partial, String>> = plans
@@ -140,10 +143,10 @@ pub(super) fn measure(
         for (plan, part) in plans.iter().zip(parts.iter_mut()) {
             if let Ok(p) = part {
                 match one(plan, tokens) {
-                    Ok((r, text)) => {
-                        p.runs.push(r);
-                        p.texts.push(text);
-                        p.speculate(k, || speculating(plan));
+                    Ok(r) => {
+                        p.runs.push(r.report);
+                        p.texts.push(r.text);
+                        p.speculate(k, || speculating(plan, &r.tokens));
                     }
                     Err(e) => *part = Err(e.to_string()),
                 }

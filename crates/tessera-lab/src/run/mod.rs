@@ -116,17 +116,6 @@ pub fn run(
         &scenario.workload.prompt,
         scenario.workload.tokens,
     )?;
-    // With `predict`, the speculating requests draft from that very text.
-    let prediction = if scenario.workload.predict {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
-        let p = dir.join("prediction.txt");
-        std::fs::write(&p, &reference)
-            .map_err(|e| LabError::io(format!("writing {}", p.display()), e))?;
-        Some(p)
-    } else {
-        None
-    };
     let spec = scenario.lab_spec()?;
     let lab = Lab::start(&spec)?;
     progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
@@ -252,15 +241,8 @@ pub fn run(
             .map(|&k| describe(&candidates[k].plan))
             .collect();
         progress(&format!("measuring {}", names.join("; ")));
-        let results = measure::measure(
-            &session,
-            &lab,
-            scenario,
-            &files,
-            concurrency,
-            prediction.as_deref(),
-            &mut progress,
-        );
+        let results =
+            measure::measure(&session, &lab, scenario, &files, concurrency, &mut progress);
         for (k, r) in group.into_iter().zip(results) {
             measured[k] = Some(r);
         }

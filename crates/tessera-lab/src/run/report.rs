@@ -70,8 +70,8 @@ impl TextCheck {
 pub struct Speculation {
     /// Drafts per ring turn.
     pub k: usize,
-    /// Drafted from one process's text sent as the prediction (the mechanism's ceiling), not by
-    /// prompt lookup.
+    /// Drafted from the plain request's tokens sent as the prediction (the mechanism's
+    /// ceiling), not by prompt lookup.
     pub predicted: bool,
     /// The speculating requests' median decode, tok/s.
     pub decode_tokens_per_s: f64,
@@ -148,7 +148,7 @@ impl Speculation {
             "speculating ({}, k = {}): decode {} tok/s, {:.2}× without; {} of {} \
              drafts accepted{share}{per_check}{predicted}; text {}",
             if self.predicted {
-                "from one process's text as the prediction"
+                "the plain request's tokens as the prediction"
             } else {
                 "prompt lookup"
             },

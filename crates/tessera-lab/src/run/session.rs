@@ -134,6 +134,8 @@ pub(super) struct TimedRun {
     pub(super) arrivals: Vec<Instant>,
     /// The generated text (the tokens' text in order).
     pub(super) text: String,
+    /// The generated tokens.
+    pub(super) tokens: Vec<u32>,
 }
 
 /// How the coordinator of a session places the model.
@@ -301,8 +303,8 @@ impl Session {
     }
 
     /// Like [`Session::timed_clients`] with one prompt, the client speculating with `k` drafts
-    /// a ring turn (`tessera run --speculate k`), by prompt lookup or from the answer in
-    /// `prediction` (`--prediction-file`).
+    /// a ring turn (`tessera run --speculate k`), by prompt lookup or from the answer
+    /// `prediction` (`--prediction-tokens`).
     pub(super) fn timed_speculating(
         &self,
         lab: &impl Hosts,
@@ -310,12 +312,22 @@ impl Session {
         prompt: &str,
         tokens: usize,
         k: usize,
-        prediction: Option<&Path>,
+        prediction: Option<&[u32]>,
     ) -> Result<TimedRun> {
+        let prediction = match prediction {
+            None => None,
+            Some(ids) => {
+                let p = self.dir.join("prediction-tokens.json");
+                let json = serde_json::to_string(ids).expect("token ids serialize");
+                std::fs::write(&p, json)
+                    .map_err(|e| LabError::io(format!("writing {}", p.display()), e))?;
+                Some(p)
+            }
+        };
         let ask = Ask {
             chunk: None,
             speculate: k,
-            prediction: prediction.map(Path::to_path_buf),
+            prediction,
         };
         Ok(self.timed(lab, plan, &[prompt], tokens, ask)?.remove(0))
     }
@@ -336,27 +348,31 @@ impl Session {
             readers.push((
                 child,
                 std::thread::spawn(move || {
-                    let (mut arrivals, mut text, mut done) = (Vec::new(), String::new(), None);
+                    let (mut arrivals, mut text, mut tokens, mut done) =
+                        (Vec::new(), String::new(), Vec::new(), None);
                     for l in out.lines().map_while(std::result::Result::ok) {
                         let now = Instant::now();
                         match serde_json::from_str::<CoordToClient>(&l) {
-                            Ok(CoordToClient::Token { text: t, .. }) => {
+                            Ok(CoordToClient::Token { text: t, token, .. }) => {
                                 arrivals.push(now);
                                 text.push_str(&t);
+                                tokens.push(token);
                             }
                             Ok(CoordToClient::Done(r)) => done = Some(*r),
                             _ => {}
                         }
                     }
-                    (done, arrivals, text)
+                    (done, arrivals, text, tokens)
                 }),
             ));
         }
         readers
             .into_iter()
             .map(|(child, reader)| {
-                let (done, arrivals, text) =
-                    reader.join().unwrap_or((None, Vec::new(), String::new()));
+                let (done, arrivals, text, tokens) =
+                    reader
+                        .join()
+                        .unwrap_or((None, Vec::new(), String::new(), Vec::new()));
                 let out = child
                     .wait_with_output()
                     .map_err(|e| LabError::io("waiting for tessera run", e))?;
@@ -372,6 +388,7 @@ impl Session {
                     report,
                     arrivals,
                     text,
+                    tokens,
                 })
             })
             .collect()
@@ -429,7 +446,7 @@ impl Session {
                 cmd.args(["--speculate", &ask.speculate.to_string()]);
             }
             if let Some(p) = &ask.prediction {
-                cmd.arg("--prediction-file").arg(p);
+                cmd.arg("--prediction-tokens").arg(p);
             }
             cmd.spawn()
                 .map_err(|e| LabError::io("starting tessera run", e))
@@ -444,7 +461,7 @@ struct Ask {
     chunk: Option<usize>,
     /// Drafts per ring turn, by prompt lookup; 0 = none.
     speculate: usize,
-    /// A file of the predicted answer to draft from.
+    /// A file of the predicted answer's token ids to draft from.
     prediction: Option<PathBuf>,
 }
 

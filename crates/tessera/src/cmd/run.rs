@@ -60,6 +60,16 @@ pub struct RunArgs {
     /// Needs --speculate.
     #[arg(long, value_name = "FILE", requires = "speculate")]
     prediction_file: Option<std::path::PathBuf>,
+    /// The predicted answer as token ids, a JSON array read from FILE (as `--json` prints
+    /// them): an earlier answer replayed exactly, where its text would tokenize otherwise.
+    /// Needs --speculate.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "speculate",
+        conflicts_with = "prediction_file"
+    )]
+    prediction_tokens: Option<std::path::PathBuf>,
     /// Print every message from the coordinator as a JSON line.
     #[arg(long)]
     json: bool,
@@ -109,15 +119,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             .map(tessera_gateway::grammar::GrammarSpec::JsonSchema),
         logprobs: args.top_logprobs,
         speculate: usize::from(args.speculate),
-        prediction: args
-            .prediction_file
-            .as_ref()
-            .map(|p| {
-                std::fs::read_to_string(p)
-                    .with_context(|| format!("reading --prediction-file {}", p.display()))
-            })
-            .transpose()?
-            .map(tessera_proto::Prediction::Text),
+        prediction: prediction(&args)?,
     };
     std::fs::create_dir_all(&args.data_dir)?;
     let identity = NodeIdentity::load_or_create(&args.data_dir)?;
@@ -129,6 +131,28 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         print_report(&report);
     }
     Ok(())
+}
+
+/// The predicted answer `--prediction-file` or `--prediction-tokens` names.
+fn prediction(args: &RunArgs) -> anyhow::Result<Option<tessera_proto::Prediction>> {
+    use tessera_proto::Prediction;
+    let read = |p: &std::path::Path, flag: &str| {
+        std::fs::read_to_string(p).with_context(|| format!("reading {flag} {}", p.display()))
+    };
+    if let Some(p) = &args.prediction_file {
+        return Ok(Some(Prediction::Text(read(p, "--prediction-file")?)));
+    }
+    if let Some(p) = &args.prediction_tokens {
+        let ids: Vec<u32> =
+            serde_json::from_str(&read(p, "--prediction-tokens")?).with_context(|| {
+                format!(
+                    "--prediction-tokens {}: not a JSON array of token ids",
+                    p.display()
+                )
+            })?;
+        return Ok(Some(Prediction::Tokens(ids)));
+    }
+    Ok(None)
 }
 
 /// Enrols (or reconnects) as a client and opens a control session past the coordinator's
