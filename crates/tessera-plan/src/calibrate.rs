@@ -144,15 +144,21 @@ pub fn apply_calibrated(graph: &mut ResourceGraph, calibrated: &ResourceGraph) -
     applied
 }
 
+/// The policy a plan is re-costed under: its own, but for how the workload's routing reuses
+/// experts, which is what the graph (calibrated) knows of it.
+pub(crate) fn recost_policy(plan: &Plan, graph: &ResourceGraph) -> crate::resources::Policy {
+    let mut policy = plan.policy.clone();
+    policy.expert_reuse = graph.policy.expert_reuse;
+    policy
+}
+
 /// Re-costs a plan's cells on a (possibly corrected) graph.
 pub fn predict(
     model: &ModelProfile,
     graph: &ResourceGraph,
     plan: &Plan,
 ) -> Result<Prediction, PlanError> {
-    let mut policy = plan.policy.clone();
-    // How the workload's routing reuses experts is what the graph (calibrated) knows of it.
-    policy.expert_reuse = graph.policy.expert_reuse;
+    let policy = recost_policy(plan, graph);
     let ctx = Ctx {
         model,
         graph,

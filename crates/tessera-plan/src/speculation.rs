@@ -15,7 +15,8 @@
 //! speculating run — one process's, whose only cost is compute — before the ring is predicted.
 
 use crate::calibrate::{
-    bisect_factor, compute_evidence, plan_nodes, with_compute, Correction, MAX_FACTOR, MIN_FACTOR,
+    bisect_factor, compute_evidence, plan_nodes, recost_policy, with_compute, Correction,
+    MAX_FACTOR, MIN_FACTOR,
 };
 use crate::cost::{turn_s, Ctx};
 use crate::model::ModelProfile;
@@ -64,8 +65,7 @@ pub fn predict_speculating(
             "a speculating request is priced on a plan of one cell".into(),
         ));
     };
-    let mut policy = plan.policy.clone();
-    policy.expert_reuse = graph.policy.expert_reuse;
+    let policy = recost_policy(plan, graph);
     let ctx = Ctx {
         model,
         graph,

@@ -82,6 +82,18 @@ pub fn usable_memory(node: &Node, policy: &Policy) -> Bytes {
     node.memory_budget.map_or(tiers, |b| b.min(tiers))
 }
 
+/// Places each assignment of a cell (recording the memory it takes); fails with the first
+/// reason one cannot be placed.
+fn placed(ctx: &Ctx, a: &mut [Assignment], seqs: u32) -> Result<Vec<memory::Placement>, String> {
+    let mut pl = Vec::with_capacity(a.len());
+    for x in a.iter_mut() {
+        let p = place_assignment(ctx, x, seqs)?;
+        x.memory = p.memory;
+        pl.push(p);
+    }
+    Ok(pl)
+}
+
 /// Places and costs a cell; fails with the first reason it is illegal.
 pub(crate) fn evaluate(
     ctx: &Ctx,
@@ -89,12 +101,7 @@ pub(crate) fn evaluate(
     mut a: Vec<Assignment>,
     seqs: u32,
 ) -> Result<Cell, String> {
-    let mut pl = Vec::with_capacity(a.len());
-    for x in a.iter_mut() {
-        let p = place_assignment(ctx, x, seqs)?;
-        x.memory = p.memory;
-        pl.push(p);
-    }
+    let pl = placed(ctx, &mut a, seqs)?;
     let at = ctx.policy.prompt_tokens as f64;
     let decode = pass(
         ctx,
@@ -143,12 +150,7 @@ pub(crate) fn turn_s(
     seqs: u32,
     rows: f64,
 ) -> Result<f64, String> {
-    let mut pl = Vec::with_capacity(a.len());
-    for x in a.iter_mut() {
-        let p = place_assignment(ctx, x, seqs)?;
-        x.memory = p.memory;
-        pl.push(p);
-    }
+    let pl = placed(ctx, &mut a, seqs)?;
     let mode = Mode::Decode {
         batch: rows.max(1.0),
         ctx: ctx.policy.prompt_tokens as f64,
