@@ -280,15 +280,18 @@ pub fn run(
         }
         _ => None,
     };
+    let calibrated = Calibrated {
+        graph: calibrated_graph.as_ref(),
+        ring_hop: &ring_hop,
+        pricing: pricing.as_ref(),
+    };
     let rows = rows(
         &model,
         &graph,
         &candidates,
         measured,
-        calibrated_graph.as_ref(),
-        &ring_hop,
+        &calibrated,
         &reference,
-        pricing.as_ref(),
     );
     let provenance = provenance(scenario, &model, &graph, &candidates, quotas);
     let mut report = Report {
@@ -308,19 +311,31 @@ pub fn run(
     Ok(report)
 }
 
+/// What calibration gave the report's rows.
+struct Calibrated<'a> {
+    /// The calibrated graph, where calibration gave one.
+    graph: Option<&'a ResourceGraph>,
+    /// Each ring's cost per hop for its own calibrated row.
+    ring_hop: &'a [(usize, f64)],
+    /// The price of speculating requests, where the one-node plan's were measured.
+    pricing: Option<&'a spec_price::SpecPricing>,
+}
+
 /// The report's rows: each candidate predicted on the measured `graph` and, where calibration
-/// gave one, on the `calibrated` graph (a ring with the cost per hop `ring_hop` gives it);
-/// measured, or why not.
+/// gave one, on the calibrated graph (a ring with its cost per hop); measured, or why not.
 fn rows(
     model: &tessera_plan::ModelProfile,
     graph: &ResourceGraph,
     candidates: &[plans::Candidate],
     measured: Vec<Option<std::result::Result<Measured, String>>>,
-    calibrated_graph: Option<&ResourceGraph>,
-    ring_hop: &[(usize, f64)],
+    calibrated: &Calibrated,
     reference: &str,
-    pricing: Option<&spec_price::SpecPricing>,
 ) -> Vec<Row> {
+    let Calibrated {
+        graph: calibrated_graph,
+        ring_hop,
+        pricing,
+    } = *calibrated;
     let figures =
         |g: &ResourceGraph, p: &Plan| predict(model, g, p).ok().map(|x| Figures::predicted(&x));
     candidates
