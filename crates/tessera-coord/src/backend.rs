@@ -455,7 +455,7 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
             (k, _) => k,
         },
         prediction: (!req.prediction.is_empty())
-            .then(|| tessera_proto::Prediction::Tokens(req.prediction)),
+            .then_some(tessera_proto::Prediction::Tokens(req.prediction)),
     };
     // Each token goes from where the cluster hears it straight into this request's HTTP
     // stream: that stream is the one channel, and the sink takes no lock another run takes

@@ -100,7 +100,7 @@ fn calibrating_on_one_nodes_speculation_meets_its_measurement_and_moves_only_com
         (after / measured - 1.0).abs() < 0.01,
         "{after} vs {measured}"
     );
-    let node = |g: &ResourceGraph| g.node(&single.nodes()[0]).unwrap().clone();
+    let node = |g: &ResourceGraph| g.node(single.nodes()[0]).unwrap().clone();
     assert_eq!(node(&fixed).ram.bandwidth, node(&g).ram.bandwidth);
     assert!(node(&fixed).ram_compute.0 < node(&g).ram_compute.0);
     // Already right: nothing to correct.
