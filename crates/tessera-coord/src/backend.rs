@@ -44,10 +44,6 @@ use crate::run::RunEvent;
 use crate::server::Coordinator;
 use crate::shared::Shared;
 
-/// Drafts per ring turn for a request that brings a prediction to a cluster that does not
-/// speculate otherwise.
-const PREDICTION_DRAFTS: usize = 8;
-
 /// Settings of the cluster backend.
 #[derive(Clone, Debug)]
 pub struct ClusterBackendConfig {
@@ -451,7 +447,7 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
         logprobs: req.logprobs,
         // A client's prediction is drafted from even where the cluster does not speculate.
         speculate: match (inner.config.speculate, req.prediction.is_empty()) {
-            (0, false) => PREDICTION_DRAFTS,
+            (0, false) => tessera_sampling::prediction::PREDICTION_DRAFTS,
             (k, _) => k,
         },
         prediction: (!req.prediction.is_empty())

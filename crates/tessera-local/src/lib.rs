@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 use tessera_engine::speculate::ModelDraft;
 use tessera_engine::{Hidden, KvCache, LocalExperts, Model, Pooling, SeqStep};
 use tessera_model::{human_bytes, GgufFile};
-use tessera_sampling::prediction::Predicted;
+use tessera_sampling::prediction::{Predicted, PREDICTION_DRAFTS};
 use tessera_sampling::speculate::{AdaptiveK, CostMeter, DraftSource, PromptLookup};
 
 use embed_queue::{EmbedJob, EmbedQueue};
@@ -134,10 +134,6 @@ impl Speculation {
         }
     }
 }
-
-/// Drafts per step from a client's prediction on a server that does not speculate otherwise
-/// (adaptive k still turns them off when the prediction is wrong).
-pub const PREDICTION_MAX_K: usize = 8;
 
 /// Caches kept for prefix reuse unless configured: two conversations alternating keep theirs.
 pub const DEFAULT_PREFIX_CACHE: usize = prefix_cache::DEFAULT_KEPT;
@@ -568,7 +564,7 @@ impl Engine {
                 } else {
                     let p = Predicted::new(w.req.prediction, w.req.prompt_tokens.len());
                     let max_k = match self.speculation.max_k() {
-                        0 => PREDICTION_MAX_K,
+                        0 => PREDICTION_DRAFTS,
                         k => k,
                     };
                     (Some(Box::new(p) as Box<dyn DraftSource>), max_k)

@@ -490,7 +490,7 @@ pub(crate) fn plan_nodes(plan: &Plan) -> Vec<&str> {
 }
 
 /// `graph` with the compute rates (CPU and GPU) of `nodes` scaled by `k`.
-pub(crate) fn with_compute(graph: &ResourceGraph, nodes: &[&str], k: f64) -> ResourceGraph {
+pub fn with_compute(graph: &ResourceGraph, nodes: &[&str], k: f64) -> ResourceGraph {
     let mut g = graph.clone();
     for n in g
         .nodes

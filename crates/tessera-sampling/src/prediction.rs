@@ -14,6 +14,11 @@
 
 use crate::speculate::{DraftSource, PromptLookup};
 
+/// Drafts per step or ring turn for a request that brings a prediction to a server that does
+/// not speculate otherwise (one process's adaptive k still turns them off when the prediction
+/// is wrong).
+pub const PREDICTION_DRAFTS: usize = 8;
+
 /// The longest prediction a sequence may carry: as long as the longest context a model may have,
 /// so the search per draft stays bounded.
 pub const MAX_PREDICTION_TOKENS: usize = 1 << 17;

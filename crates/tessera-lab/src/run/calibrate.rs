@@ -56,15 +56,20 @@ pub(super) fn line(x: &tessera_plan::calibrate::Correction) -> String {
     )
 }
 
+/// Seconds since the Unix epoch, for the evidence a calibration records.
+pub(super) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 impl<'a> Runs<'a> {
     pub fn new(
         model: &'a tessera_plan::ModelProfile,
         candidates: &'a [Candidate],
         measured: &'a [Option<std::result::Result<Measured, String>>],
     ) -> Self {
-        let at = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let at = unix_now();
         let measurements = measured
             .iter()
             .map(|m| match m {

@@ -4,11 +4,13 @@
 //! hop included), then predicted for every plan from the one-node run's turns — the same turns
 //! on every plan, since greedy decoding gives every plan the same text and so the same drafts.
 
-use tessera_plan::calibrate::Correction;
+use tessera_plan::calibrate::{with_compute, Correction};
 use tessera_plan::speculation::{calibrate_verifying, predict_speculating, Turns};
-use tessera_plan::{FlopsPerSec, ModelProfile, Plan, ResourceGraph, StrategyKind};
+use tessera_plan::{ModelProfile, Plan, ResourceGraph, StrategyKind};
 use tessera_proto::RunReport;
 
+use super::calibrate::unix_now;
+use super::ring::median;
 use super::{plans::Candidate, Measured};
 
 /// A graph whose compute rates price verifying turns, and the turns it prices.
@@ -50,22 +52,22 @@ pub(super) fn calibrate(
             .as_ref()?
             .as_ref()
             .ok()?;
-        (c.plan.strategy == StrategyKind::Single && !s.runs.is_empty())
-            .then(|| (&c.plan, &s.runs, median_rate(&s.runs)))
+        (c.plan.strategy == StrategyKind::Single && !s.runs.is_empty()).then(|| {
+            let rates = s.runs.iter().map(|r| r.decode_tokens_per_s).collect();
+            (&c.plan, &s.runs, median(rates))
+        })
     })?;
     let turns = turns_of(runs);
-    let (fitted, correction) = calibrate_verifying(model, graph, plan, &turns, rate, now()).ok()?;
-    let mut g = graph.clone();
-    if let Some(c) = &correction {
-        for n in &mut g.nodes {
-            n.ram_compute = FlopsPerSec(n.ram_compute.0 * c.factor);
-            n.gpu_compute = FlopsPerSec(n.gpu_compute.0 * c.factor);
+    let (_, correction) = calibrate_verifying(model, graph, plan, &turns, rate, unix_now()).ok()?;
+    let graph = match &correction {
+        Some(c) => {
+            let every: Vec<&str> = graph.nodes.iter().map(|n| n.name.as_str()).collect();
+            with_compute(graph, &every, c.factor)
         }
-    } else {
-        g = fitted;
-    }
+        None => graph.clone(),
+    };
     Some(SpecPricing {
-        graph: g,
+        graph,
         turns,
         correction,
     })
@@ -77,16 +79,4 @@ impl SpecPricing {
     pub(super) fn predict(&self, model: &ModelProfile, plan: &Plan) -> Option<f64> {
         predict_speculating(model, &self.graph, plan, &self.turns).ok()
     }
-}
-
-fn median_rate(runs: &[RunReport]) -> f64 {
-    let mut r: Vec<f64> = runs.iter().map(|r| r.decode_tokens_per_s).collect();
-    r.sort_by(f64::total_cmp);
-    r[r.len() / 2]
-}
-
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
