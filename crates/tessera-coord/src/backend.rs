@@ -584,10 +584,7 @@ fn account(inner: &Inner, report: &RunReport, live: Option<&LiveSeq>) {
     let n = report.stages.len();
     for (i, st) in report.stage_stats.iter().enumerate() {
         let node = report.stages[i].node_id;
-        // A stage that never answered `Closed` reports default statistics (stage 0).
-        let confirmed =
-            st.stage == i && (i > 0 || st.prefill.steps > 0 || n == 1 || st.kv_bytes > 0);
-        if !confirmed {
+        if report.unconfirmed_stages.contains(&i) {
             let positions = live.map_or(report.prompt_tokens + report.generated, |l| {
                 l.positions.positions.load(Ordering::Relaxed)
             });

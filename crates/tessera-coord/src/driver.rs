@@ -428,6 +428,9 @@ fn report(shared: &Shared, seq: u64, prompt_tokens: usize, o: RunOutcome) -> Run
     let stage_stats: Vec<StageSeqStats> = (0..placement.stages.len())
         .map(|i| o.stage_stats.get(&i).cloned().unwrap_or_default())
         .collect();
+    let unconfirmed_stages = (0..placement.stages.len())
+        .filter(|i| !o.stage_stats.contains_key(i))
+        .collect();
     // The ring: stages with layers (expert-only nodes of an expert split follow them).
     let n = placement
         .stages
@@ -478,5 +481,6 @@ fn report(shared: &Shared, seq: u64, prompt_tokens: usize, o: RunOutcome) -> Run
         n_embd,
         boundaries,
         hop_latency_us,
+        unconfirmed_stages,
     }
 }

@@ -61,16 +61,25 @@ pub struct NetChunkSource {
 }
 
 impl ChunkSource for NetChunkSource {
+    /// The coordinator sends the requested chunks in ascending id order. The store asks for
+    /// what it lacks when it starts writing, which can be fewer than were requested: another
+    /// fetch on the same store (a second epoch's load) may have written some meanwhile. Those
+    /// come first and are passed over; a chunk past the one due means it was skipped.
     fn read_chunk(&self, chunk: &ChunkRef) -> io::Result<Vec<u8>> {
         let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
-        match rx.blocking_recv() {
-            Some(Ok((id, bytes))) if id == chunk.id => Ok(bytes),
-            Some(Ok((id, _))) => Err(io::Error::other(format!(
-                "the coordinator sent chunk {id} where {} was due",
-                chunk.id
-            ))),
-            Some(Err(e)) => Err(io::Error::other(e)),
-            None => Err(io::Error::other("the model stream ended early")),
+        loop {
+            match rx.blocking_recv() {
+                Some(Ok((id, bytes))) if id == chunk.id => return Ok(bytes),
+                Some(Ok((id, _))) if id < chunk.id => continue,
+                Some(Ok((id, _))) => {
+                    return Err(io::Error::other(format!(
+                        "the coordinator sent chunk {id} where {} was due",
+                        chunk.id
+                    )))
+                }
+                Some(Err(e)) => return Err(io::Error::other(e)),
+                None => return Err(io::Error::other("the model stream ended early")),
+            }
         }
     }
 }
@@ -212,4 +221,48 @@ pub async fn fetch_needs(
         r.abort();
     }
     report.map_err(FabricError::Fetch)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Part;
+
+    fn due(id: u32) -> ChunkRef {
+        ChunkRef {
+            id,
+            part: Part::Header,
+            index: id,
+            offset: 0,
+            len: 1,
+        }
+    }
+
+    fn source(ids: &[u32]) -> NetChunkSource {
+        let (tx, rx) = mpsc::channel(ids.len().max(1));
+        for &id in ids {
+            tx.try_send(Ok((id, vec![id as u8]))).unwrap();
+        }
+        NetChunkSource { rx: Mutex::new(rx) }
+    }
+
+    #[test]
+    fn chunks_another_fetch_wrote_meanwhile_are_passed_over() {
+        // Requested 3, 5, 7; by the time the store wrote, 3 and 5 were already there.
+        let s = source(&[3, 5, 7]);
+        assert_eq!(s.read_chunk(&due(7)).unwrap(), [7]);
+        let s = source(&[3, 5, 7]);
+        assert_eq!(s.read_chunk(&due(5)).unwrap(), [5]);
+        assert_eq!(s.read_chunk(&due(7)).unwrap(), [7]);
+    }
+
+    #[test]
+    fn a_chunk_past_the_one_due_or_an_early_end_is_an_error() {
+        let s = source(&[3, 9]);
+        let e = s.read_chunk(&due(5)).unwrap_err().to_string();
+        assert!(e.contains("sent chunk 9 where 5 was due"), "{e}");
+        let s = source(&[3]);
+        let e = s.read_chunk(&due(5)).unwrap_err().to_string();
+        assert!(e.contains("ended early"), "{e}");
+    }
 }

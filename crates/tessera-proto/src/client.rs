@@ -179,6 +179,12 @@ pub struct RunReport {
     pub boundaries: Vec<BoundaryReport>,
     /// Estimated time one hop adds per decode token, µs (see [`BoundaryReport`]).
     pub hop_latency_us: Option<f64>,
+    /// Stages that never answered the close (a lost node): their `stage_stats` are defaults and
+    /// the KV they held is not known to be freed. A stage that did answer may report all
+    /// zeros (a sequence cancelled before its prefill ran), so this, not the statistics, says
+    /// which answered.
+    #[serde(default)]
+    pub unconfirmed_stages: Vec<usize>,
 }
 
 /// The traffic over one boundary (stage `from` → stage `to`).

@@ -542,7 +542,15 @@ impl RunMachine {
                     Input::Node { from, msg } if self.heard(&attempt, from, &msg) => match msg {
                         NodeToCoord::Closed { stats, .. } => {
                             waiting.retain(|n| *n != from);
-                            self.stats.insert(stats.stage, stats);
+                            // By who answered: a stage that never opened the sequence (it
+                            // was cancelled first) answers default statistics, stage 0's.
+                            let stage = attempt
+                                .placement
+                                .stages
+                                .iter()
+                                .position(|s| s.node_id == from)
+                                .unwrap_or(stats.stage);
+                            self.stats.insert(stage, stats);
                         }
                         NodeToCoord::Trace(t) => out.push(Output::Event(RunEvent::Trace(t))),
                         _ => {}

@@ -344,6 +344,29 @@ fn cancel_is_an_input_and_closes_the_sequence() {
 }
 
 #[test]
+fn a_close_is_booked_by_the_stage_that_answered_even_with_default_statistics() {
+    // Cancelled while opening: no stage ran anything, so every stage answers default
+    // statistics (which say stage 0). Each answer is still that stage's: none is unconfirmed.
+    let mut m = machine(8);
+    m.handle(
+        t(0),
+        Input::EpochReady {
+            placement: placement(5, &[1, 2, 3]),
+            attempt_seq: 10,
+        },
+    );
+    msg(&mut m, 1, 1, NodeToCoord::Opened { seq: 10, cached: 0 });
+    let out = m.handle(t(2), Input::Cancel);
+    assert_eq!(sends(&out).len(), 3);
+    msg(&mut m, 3, 3, closed(10, 0));
+    msg(&mut m, 4, 2, closed(10, 0));
+    let out = msg(&mut m, 5, 1, closed(10, 0));
+    let d = done(&out);
+    assert_eq!(d.reason, FinishReason::Cancelled);
+    assert_eq!(d.stage_stats.keys().copied().collect::<Vec<_>>(), [0, 1, 2]);
+}
+
+#[test]
 fn cancel_while_paused_ends_at_once() {
     let mut m = machine(8);
     open_and_start(&mut m, 5, &[1, 2], 10);

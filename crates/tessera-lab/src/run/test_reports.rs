@@ -26,6 +26,7 @@ pub(super) fn report(stage_stats: Vec<StageSeqStats>, boundaries: usize) -> RunR
             })
             .collect(),
         hop_latency_us: None,
+        unconfirmed_stages: Vec::new(),
     }
 }
 
