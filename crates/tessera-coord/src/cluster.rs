@@ -396,6 +396,7 @@ impl Cluster {
                 peer,
             },
             NodeToCoord::Inventory(inventory) => Event::InventoryMeasured { node, inventory },
+            NodeToCoord::PeerLinks { links } => Event::PeerLinksMeasured { node, links },
             // The rest that name a sequence are its run's: that run alone hears it.
             m => {
                 let Some(run) = m.seq().and_then(|seq| self.routes.get(&seq).copied()) else {

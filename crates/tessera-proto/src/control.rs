@@ -52,6 +52,14 @@ pub struct PeerInfo {
     pub addr: SocketAddr,
 }
 
+/// One measured node-to-node link ([`NodeToCoord::PeerLinks`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PeerLink {
+    pub peer: NodeId,
+    /// The link from the reporting node to `peer`, or why it could not be measured.
+    pub measured: Result<LinkMeasurement, String>,
+}
+
 /// What the coordinator asks one node to hold for an epoch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StageAssignment {
@@ -312,6 +320,13 @@ pub enum CoordToNode {
     },
     /// Measure the inventory again and report it.
     MeasureInventory,
+    /// Measure the links from this node to `peers` (a ping series and a bulk transfer to each,
+    /// at most [`CoordToNode::MAX_MEASURED_PEERS`]) and answer with
+    /// [`NodeToCoord::PeerLinks`]; admit their keys for that (they measure this node too).
+    /// The coordinator's own links say nothing of the path between two nodes: a coordinator
+    /// on the nodes' LAN sees sub-millisecond links to nodes a WAN separates. Peers measured
+    /// before at the same address are not measured again.
+    MeasurePeers { peers: Vec<PeerInfo> },
     /// The node's lease: send [`NodeToCoord::Heartbeat`] every `heartbeat_ms`; a node silent
     /// for `lease_ms` is declared gone (its session is closed and it is planned around). The
     /// coordinator repeats it every `heartbeat_ms` as its own heartbeat: a node that hears
@@ -403,6 +418,11 @@ pub enum NodeToCoord {
     /// The node's signed claims: its sealing key, the models it holds whole, its kernel path and
     /// device tier, at a claim epoch (a higher one revokes the older claims and key).
     Claims(Box<SignedClaims>),
+    /// What [`CoordToNode::MeasurePeers`] measured: the link to each peer, or why it could
+    /// not be measured.
+    PeerLinks {
+        links: Vec<PeerLink>,
+    },
     /// A sealed job's holder is making progress (renews its lease).
     SealedProgress {
         job: JobId,
@@ -425,6 +445,12 @@ fn is_zero(n: &usize) -> bool {
     *n == 0
 }
 
+impl CoordToNode {
+    /// Most peers one [`CoordToNode::MeasurePeers`] names (the rest are not measured): the
+    /// measurements cost a bulk transfer each, and the planner's clusters are far smaller.
+    pub const MAX_MEASURED_PEERS: usize = 32;
+}
+
 impl NodeToCoord {
     /// The sequence a message is about (`None`: it is about the node, an epoch or a sealed job).
     pub fn seq(&self) -> Option<u64> {
@@ -443,6 +469,7 @@ impl NodeToCoord {
             | Self::Inventory(_)
             | Self::Heartbeat { .. }
             | Self::Listening { .. }
+            | Self::PeerLinks { .. }
             | Self::Claims(_)
             | Self::SealedProgress { .. }
             | Self::SealedResult { .. }

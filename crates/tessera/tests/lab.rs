@@ -744,11 +744,18 @@ fn lab_run_measures_a_speculating_ring_beside_the_plain_one_with_one_process_tex
             "prompt = \"Once upon a time, there was a little girl named Lily. She liked to \
              play outside. Once upon a time, there was a little\"",
         )
-        .replace("tokens = 128", "tokens = 48\nspeculate = 4");
+        .replace("tokens = 128", "tokens = 48\nspeculate = 4")
+        // The two nodes 10 ms apart, the coordinator 0.3 ms from each (the default link): the
+        // planner must be given the path between the nodes, which only they can measure.
+        .replace(
+            "[model]",
+            "[[link]]\nnodes = [\"pi-a\", \"pi-b\"]\nrtt_ms = 10\nbandwidth = \"1Gbit/s\"\n\n[model]",
+        );
     assert!(
         text.contains("speculate = 4") && text.contains("stories260K") && text.contains("Lily"),
         "{text}"
     );
+    assert!(text.contains("rtt_ms = 10"), "{text}");
     let scenario = dir.path().join("speculating.toml");
     std::fs::write(&scenario, text).unwrap();
     let report = tessera_json::<&std::ffi::OsStr>(
@@ -789,6 +796,20 @@ fn lab_run_measures_a_speculating_ring_beside_the_plain_one_with_one_process_tex
         "{ring:#}"
     );
     assert!(sp["verifications"].as_u64().unwrap() > 0, "{ring:#}");
+    // The link between the nodes as they measured it, not the coordinator's 0.3 ms to each.
+    let links = report["links"].as_array().unwrap();
+    assert_eq!(links.len(), 1, "{report:#}");
+    let l = &links[0];
+    assert_eq!(l["imposed_rtt_ms"].as_f64().unwrap(), 10.0, "{l:#}");
+    let rtt = l["measured_rtt_ms"].as_f64().unwrap();
+    assert!((8.0..20.0).contains(&rtt), "{l:#}");
+    assert!(
+        l["method"]
+            .as_str()
+            .unwrap()
+            .starts_with("measured between"),
+        "{l:#}"
+    );
 }
 
 /// `tessera lab hop` gives the hop figure on a switched link and on loopback: each from a

@@ -79,6 +79,11 @@ pub enum Event {
         node: NodeId,
         inventory: Box<Inventory>,
     },
+    /// A node measured its links to other members.
+    PeerLinksMeasured {
+        node: NodeId,
+        links: Vec<tessera_proto::PeerLink>,
+    },
 }
 
 /// Outputs.

@@ -23,6 +23,9 @@ pub struct Member {
     pub models: Vec<ContentHash>,
     /// The link coordinator → node.
     pub link: Option<LinkMeasurement>,
+    /// The links node → other members, as this node measured them
+    /// ([`CoordToNode::MeasurePeers`](tessera_proto::CoordToNode::MeasurePeers)).
+    pub peer_links: std::collections::BTreeMap<NodeId, LinkMeasurement>,
     /// Which control session of the node this is (a node that reconnects gets a new one).
     pub session: u64,
 }
@@ -42,6 +45,7 @@ impl Member {
             inventory: None,
             models: Vec::new(),
             link: None,
+            peer_links: Default::default(),
             session: 0,
         }
     }

@@ -64,6 +64,7 @@ mod leases;
 mod links;
 mod member;
 mod note;
+mod peer_links;
 #[cfg(test)]
 mod test_support;
 
@@ -272,10 +273,12 @@ impl Membership {
                 self.forget_failed_links(id);
                 self.members.insert(id, *m);
                 // (One that held nothing of the epoch is folded in like a new node.)
-                match replaced.then(|| self.stage_lost(id, Departure::Restarted)) {
+                let mut out = match replaced.then(|| self.stage_lost(id, Departure::Restarted)) {
                     Some(out) if !out.is_empty() => out,
                     _ => self.fold_in(),
-                }
+                };
+                out.extend(self.measure_peers());
+                out
             }
             Event::Left { node: id, session } => {
                 // A session already declared gone (its lease expired) has nothing left to lose.
@@ -399,6 +402,10 @@ impl Membership {
                     m.memory_budget_bytes = inventory.memory_budget.as_ref().map(|b| b.bytes);
                     m.inventory = Some(*inventory);
                 }
+                self.measure_peers()
+            }
+            Event::PeerLinksMeasured { node, links } => {
+                self.peer_links_measured(node, links);
                 Vec::new()
             }
         }

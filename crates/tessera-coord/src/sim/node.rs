@@ -175,6 +175,7 @@ impl SimNode {
             | CoordToNode::Refused { .. }
             | CoordToNode::AssignExperts { .. }
             | CoordToNode::MeasureInventory
+            | CoordToNode::MeasurePeers { .. }
             | CoordToNode::Lease { .. }
             | CoordToNode::SealedJob { .. } => Vec::new(),
         }

@@ -50,7 +50,7 @@ use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::scenario::Scenario;
 pub use plans::{describe, Force};
-pub use report::{table, Figures, Report, Row, Speculation, TextCheck};
+pub use report::{table, Figures, LinkReport, Report, Row, Speculation, TextCheck};
 use session::{Mode, Session};
 
 /// Tokens of the warm-up request, and of the short request whose traffic is subtracted from
@@ -293,7 +293,21 @@ pub fn run(
         &calibrated,
         &reference,
     );
-    let provenance = provenance(scenario, &model, &graph, &candidates, quotas);
+    let links = link_reports(scenario, &graph);
+    let mut provenance = provenance(&model, &graph, &candidates, quotas);
+    provenance.extend(links.iter().map(|l| {
+        format!(
+            "link {}-{}: imposed {:.2} ms round trip, {:.0} Mbit/s; measured {:.2} ms, {:.0} \
+             Mbit/s, {} (predictions use the measured)",
+            l.a,
+            l.b,
+            l.imposed_rtt_ms,
+            l.imposed_mbit_s,
+            l.measured_rtt_ms,
+            l.measured_mbit_s,
+            l.method
+        )
+    }));
     let mut report = Report {
         scenario: scenario.name.clone(),
         objective: graph.policy.objective,
@@ -301,6 +315,7 @@ pub fn run(
         tokens: scenario.workload.tokens,
         rows,
         provenance,
+        links,
         machine: parallelism,
         calibrated_on,
         corrections,
@@ -396,7 +411,6 @@ fn rows(
 
 /// What the lab imposed and what was measured, one line each, for the report.
 fn provenance(
-    scenario: &Scenario,
     model: &tessera_plan::ModelProfile,
     graph: &ResourceGraph,
     candidates: &[plans::Candidate],
@@ -407,8 +421,8 @@ fn provenance(
          the switch's own round trip); CPU share, memory cap (page cache included) and disk \
          read caps where [[lab.node]] sets them"
             .to_string(),
-        "measured by the nodes: memory bandwidth, compute, RAM (the host's), and the \
-         coordinator's round trips over the switch: predictions use these"
+        "measured by the nodes: memory bandwidth, compute, RAM (the host's), and the links \
+         between them over the switch (each pair measures its own): predictions use these"
             .into(),
     ];
     provenance.extend(quotas);
@@ -440,20 +454,6 @@ fn provenance(
          figure the other rings taught (else that one), never its own",
         graph.hop_overhead_s * 1e6
     ));
-    for l in &graph.links {
-        if let Some(imposed) = scenario.graph.link(&l.a, &l.b) {
-            provenance.push(format!(
-                "link {}-{}: imposed {:.2} ms round trip, {:.0} Mbit/s; the coordinator measured \
-                 {:.2} ms, {:.0} Mbit/s (predictions use the measured)",
-                l.a,
-                l.b,
-                imposed.rtt_s * 1e3,
-                imposed.bandwidth.0 * 8e-6,
-                l.spec.rtt_s * 1e3,
-                l.spec.bandwidth.0 * 8e-6
-            ));
-        }
-    }
     provenance.push(
         "measured by the lab: tokens/s and time to first token in the clients' reports (median \
          of 3 requests); wire bytes per token counted by the switch between the nodes' hosts \
@@ -461,6 +461,34 @@ fn provenance(
             .into(),
     );
     provenance
+}
+
+/// Each measured link of `graph` beside what the scenario imposed on it, with how it was
+/// measured (the graph's evidence).
+fn link_reports(scenario: &Scenario, graph: &ResourceGraph) -> Vec<LinkReport> {
+    graph
+        .links
+        .iter()
+        .filter_map(|l| {
+            let imposed = scenario.graph.link(&l.a, &l.b)?;
+            let method = graph
+                .link_evidence(&l.a, &l.b, "rtt")
+                .map_or_else(String::new, |e| match &e.source {
+                    tessera_plan::Source::Measured { method, .. } => method.clone(),
+                    tessera_plan::Source::Estimate { source } => format!("estimated: {source}"),
+                    tessera_plan::Source::Declared => "declared".into(),
+                });
+            Some(LinkReport {
+                a: l.a.clone(),
+                b: l.b.clone(),
+                imposed_rtt_ms: imposed.rtt_s * 1e3,
+                imposed_mbit_s: imposed.bandwidth.0 * 8e-6,
+                measured_rtt_ms: l.spec.rtt_s * 1e3,
+                measured_mbit_s: l.spec.bandwidth.0 * 8e-6,
+                method,
+            })
+        })
+        .collect()
 }
 
 /// Scales the measured compute and memory bandwidth of each node whose host the lab gives a

@@ -195,6 +195,20 @@ pub struct Row {
     pub speculation: Option<std::result::Result<Speculation, String>>,
 }
 
+/// One link between two nodes: imposed by the lab, and as measured for the planner.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinkReport {
+    pub a: String,
+    pub b: String,
+    pub imposed_rtt_ms: f64,
+    pub imposed_mbit_s: f64,
+    pub measured_rtt_ms: f64,
+    pub measured_mbit_s: f64,
+    /// How the measured figures were obtained (between the nodes, or composed from the
+    /// coordinator's links).
+    pub method: String,
+}
+
 /// What a scenario run found.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -205,6 +219,8 @@ pub struct Report {
     pub rows: Vec<Row>,
     /// Which figures were imposed by the lab and which measured.
     pub provenance: Vec<String>,
+    /// Each link between two nodes: what the lab imposed and what the planner was given.
+    pub links: Vec<LinkReport>,
     /// What the lab's machine computed alone and with one decoder per host at once, where its
     /// hosts share it (the planner divides the cores this says it has).
     pub machine: Option<super::machine::Parallelism>,
@@ -458,6 +474,7 @@ mod tests {
             tokens: 8,
             rows,
             provenance: vec![],
+            links: vec![],
             calibrated_on: String::new(),
             corrections: vec![],
             calibrated_graph: None,

@@ -177,6 +177,7 @@ mod tests {
                 tokens: 8,
                 rows,
                 provenance: vec![],
+                links: vec![],
                 machine: None,
                 calibrated_on: String::new(),
                 corrections: vec![],

@@ -97,6 +97,10 @@ pub(super) enum EpochEvent {
         link: DataLink,
         peer: NodeId,
     },
+    /// The coordinator asked for the links to these peers to be measured: they dial this
+    /// node to measure it too, so their keys are admitted (until the next such request or the
+    /// session's end; a measuring peer gets answers to measurement streams, nothing else).
+    MeasurePeers(BTreeMap<NodeId, PublicKey>),
     /// The control session ended: whatever it placed here is void.
     SessionEnded,
 }
@@ -247,6 +251,8 @@ pub(super) struct NodeEpochs {
     installed: Vec<Installed>,
     /// Keys admitted on this machine's behalf.
     admitted: BTreeMap<NodeId, PublicKey>,
+    /// Peers named for link measurement ([`EpochEvent::MeasurePeers`]).
+    measuring: BTreeMap<NodeId, PublicKey>,
 }
 
 impl NodeEpochs {
@@ -259,6 +265,7 @@ impl NodeEpochs {
             pending_experts: BTreeMap::new(),
             installed: Vec::new(),
             admitted: BTreeMap::new(),
+            measuring: BTreeMap::new(),
         }
     }
 
@@ -300,7 +307,9 @@ impl NodeEpochs {
                     out.push(EpochAction::ReportLinkLost { epoch, link, peer });
                 }
             }
+            EpochEvent::MeasurePeers(peers) => self.measuring = peers,
             EpochEvent::SessionEnded => {
+                self.measuring.clear();
                 self.assigned = None;
                 self.end_loads(|_| true);
                 self.pending_experts.clear();
@@ -435,7 +444,8 @@ impl NodeEpochs {
     }
 
     /// The keys the live epochs need admitted: each one's previous stage and the homes it
-    /// serves experts to (installed, loading and not superseded, or about to be assigned).
+    /// serves experts to (installed, loading and not superseded, or about to be assigned), and
+    /// the peers measuring their links to this node.
     fn wanted(&self) -> BTreeMap<NodeId, PublicKey> {
         let live = self
             .loading
@@ -458,6 +468,7 @@ impl NodeEpochs {
         for x in self.pending_experts.values() {
             keys.extend(x.clients.iter().map(|c| (c.node_id, c.key)));
         }
+        keys.extend(&self.measuring);
         keys
     }
 

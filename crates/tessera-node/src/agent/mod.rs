@@ -49,6 +49,7 @@ mod epochs;
 mod experts;
 mod hop_ledger;
 mod load;
+mod peer_links;
 mod ring;
 mod ring_out;
 mod sealed;

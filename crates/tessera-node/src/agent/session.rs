@@ -15,6 +15,7 @@ use crate::store::ShardStore;
 use tessera_proto::{frame, limits, stream, CoordToNode, Hello, NodeToCoord, PROTOCOL_VERSION};
 
 use super::load::{load_assignment, LoadCtx};
+use super::peer_links::{measure_peers, Measured};
 use super::ring::link_next;
 use super::stage_thread::WorkerMsg;
 use super::{AgentConfig, CoordinatorRecord, EpochAction, EpochEvent, Shared};
@@ -219,6 +220,10 @@ async fn control_loop(
         }
     }
     let mut heartbeat = Heartbeat(None);
+    // Peer link measurements: which peers were measured, and the tasks measuring (aborted
+    // with the session).
+    let mut measured = Measured::default();
+    let mut measuring = tokio::task::JoinSet::new();
     // The coordinator's lease: once it has told one, its silence for that long ends the
     // session (it is gone, or the link is cut) and the node reconnects.
     let mut coordinator_lease: Option<(u64, Duration)> = None;
@@ -355,6 +360,20 @@ async fn control_loop(
             }
             CoordToNode::Close { seq, keep } => {
                 let _ = shared.worker.send(WorkerMsg::Close(seq, keep));
+            }
+            CoordToNode::MeasurePeers { mut peers } => {
+                peers.truncate(CoordToNode::MAX_MEASURED_PEERS);
+                let keys = peers.iter().map(|p| (p.node_id, p.key)).collect();
+                shared.handle_epochs(EpochEvent::MeasurePeers(keys), |_, _| {});
+                let new = measured.take_new(&peers);
+                while measuring.try_join_next().is_some() {}
+                if !new.is_empty() {
+                    let (ctrl, endpoint) = (shared.ctrl.clone(), endpoint.clone());
+                    measuring.spawn(async move {
+                        let links = measure_peers(&endpoint, &new).await;
+                        let _ = ctrl.send(NodeToCoord::PeerLinks { links });
+                    });
+                }
             }
             CoordToNode::MeasureInventory => {
                 let shared = shared.clone();

@@ -58,6 +58,58 @@ pub fn links_via_coordinator(links: &[(&str, LinkMeasurement)]) -> Vec<MeasuredL
     out
 }
 
+/// A link one node measured to another ([`node_links`]): from, to, the measurement.
+pub type PeerMeasurement<'a> = (&'a str, &'a str, LinkMeasurement);
+
+/// Node-to-node links: where the nodes measured each other (`measured`, either direction or
+/// both), that, taking the larger round trip and the smaller bulk rate of the two directions;
+/// else composed from the coordinator's links to each ([`links_via_coordinator`]). The path
+/// between two nodes is what a plan's hops cross; the coordinator's links only bound it when
+/// the coordinator sits between them.
+pub fn node_links(
+    coordinator: &[(&str, LinkMeasurement)],
+    measured: &[PeerMeasurement<'_>],
+) -> Vec<MeasuredLink> {
+    let between = |a: &str, b: &str| -> Vec<LinkMeasurement> {
+        measured
+            .iter()
+            .filter(|(x, y, _)| (*x == a && *y == b) || (*x == b && *y == a))
+            .map(|(_, _, l)| *l)
+            .collect()
+    };
+    links_via_coordinator(coordinator)
+        .into_iter()
+        .map(|composed| {
+            let ls = between(&composed.a, &composed.b);
+            let Some(first) = ls.first().copied() else {
+                return composed;
+            };
+            let link = ls.iter().skip(1).fold(first, |acc, l| LinkMeasurement {
+                rtt_min: acc.rtt_min.max(l.rtt_min),
+                rtt_median: acc.rtt_median.max(l.rtt_median),
+                bytes_per_s: acc.bytes_per_s.min(l.bytes_per_s),
+                measured_at_unix_ms: acc.measured_at_unix_ms.min(l.measured_at_unix_ms),
+            });
+            let method = if ls.len() > 1 {
+                format!(
+                    "measured between {} and {} by both (larger round trip, smaller bulk rate)",
+                    composed.a, composed.b
+                )
+            } else {
+                format!(
+                    "measured between {} and {} by one of them",
+                    composed.a, composed.b
+                )
+            };
+            MeasuredLink {
+                link,
+                method,
+                ..composed
+            }
+        })
+        .collect()
+}
+
 fn host_key(inv: &Inventory) -> Option<(String, String, u64)> {
     Some((
         inv.host.hostname.clone()?,
@@ -338,6 +390,7 @@ pub fn resource_graph(
 mod tests {
     use super::*;
     use crate::planning::test_support::*;
+    use std::time::Duration;
 
     fn source(g: &ResourceGraph, subject: &str, q: &str) -> Source {
         g.evidence
@@ -452,5 +505,32 @@ mod tests {
             .evidence
             .iter()
             .any(|e| e.subject == "node a" && e.quantity == "excluded"));
+    }
+
+    #[test]
+    fn links_the_nodes_measured_replace_those_composed_from_the_coordinators() {
+        let coord = [
+            ("a", link(1, 100.0, 10)),
+            ("b", link(1, 100.0, 10)),
+            ("c", link(2, 50.0, 10)),
+        ];
+        let measured = [
+            ("a", "b", link(40, 12.0, 20)),
+            ("b", "a", link(41, 11.0, 21)),
+            ("c", "a", link(20, 30.0, 22)),
+        ];
+        let links = node_links(&coord, &measured);
+        let find = |a: &str, b: &str| links.iter().find(|l| l.a == a && l.b == b).unwrap();
+        let ab = find("a", "b");
+        assert_eq!(ab.link.rtt_median, Duration::from_millis(41));
+        assert_eq!(ab.link.bytes_per_s, 11e6);
+        assert!(ab.method.contains("by both"), "{}", ab.method);
+        let ac = find("a", "c");
+        assert_eq!(ac.link.rtt_median, Duration::from_millis(20));
+        assert!(ac.method.contains("by one of them"), "{}", ac.method);
+        // Not measured between b and c: composed from the coordinator's.
+        let bc = find("b", "c");
+        assert_eq!(bc.link.rtt_median, Duration::from_millis(2));
+        assert!(bc.method.contains("composed"), "{}", bc.method);
     }
 }

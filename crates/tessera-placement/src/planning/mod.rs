@@ -47,7 +47,10 @@ mod placement;
 #[cfg(test)]
 mod test_support;
 
-pub use graph::{links_via_coordinator, resource_graph, MeasuredLink, DECODE_STREAM_EFFICIENCY};
+pub use graph::{
+    links_via_coordinator, node_links, resource_graph, MeasuredLink, PeerMeasurement,
+    DECODE_STREAM_EFFICIENCY,
+};
 pub use model::planner_model;
 pub use placement::{
     to_assignment, to_expert_placement, to_placement, to_streaming_placement, NotExecutable,

@@ -381,6 +381,14 @@ impl ResourceGraph {
         });
     }
 
+    /// The evidence for one figure of the link between `a` and `b` (either order).
+    pub fn link_evidence(&self, a: &str, b: &str, quantity: &str) -> Option<&Evidence> {
+        let subject = link_subject(a, b);
+        self.evidence
+            .iter()
+            .find(|e| e.subject == subject && e.quantity == quantity)
+    }
+
     /// Records (or replaces) the evidence for one figure.
     pub fn set_evidence(&mut self, subject: &str, quantity: &str, value: String, source: Source) {
         if let Some(e) = self

@@ -8,12 +8,26 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tessera_coord::Coordinator;
 use tessera_placement::planning::{
-    links_via_coordinator, plan_executable, planner_model, resource_graph, to_placement,
+    node_links, plan_executable, planner_model, resource_graph, to_placement, PeerMeasurement,
 };
 use tessera_plan::{render_text, Objective, Policy};
 
-/// How long to wait for the coordinator's link measurements once the nodes are in.
-const LINK_WAIT: Duration = Duration::from_secs(5);
+/// How long to wait for the link measurements (the coordinator's to each node, and the nodes'
+/// to each other: a ping series and a 1 MiB transfer per pair, one peer at a time) once the
+/// nodes are in. Links still missing then are composed from the coordinator's, and the
+/// evidence says so.
+const LINK_WAIT: Duration = Duration::from_secs(15);
+
+/// Whether the coordinator has measured its link to every member, and every pair of members
+/// has measured the link between them (in either direction).
+fn all_links_measured(members: &[tessera_coord::membership::Member]) -> bool {
+    members.iter().all(|m| m.link.is_some())
+        && members.iter().enumerate().all(|(i, a)| {
+            members[i + 1..].iter().all(|b| {
+                a.peer_links.contains_key(&b.node_id) || b.peer_links.contains_key(&a.node_id)
+            })
+        })
+}
 
 /// The policy the coordinator plans with: the decode speed each request gets while
 /// `concurrency` are served (the gateway's batch; 1 for a coordinator serving `tessera run`),
@@ -107,7 +121,7 @@ pub async fn run_calibrated(
         let m = c.connected_members();
         if m.len() >= expected && m.iter().all(|m| m.inventory.is_some()) {
             let since = *enough_since.get_or_insert_with(Instant::now);
-            if m.iter().all(|m| m.link.is_some()) || since.elapsed() > LINK_WAIT {
+            if all_links_measured(&m) || since.elapsed() > LINK_WAIT {
                 break m;
             }
         }
@@ -121,7 +135,16 @@ pub async fn run_calibrated(
         .iter()
         .filter_map(|m| Some((m.name.as_str(), m.link?)))
         .collect();
-    let links = links_via_coordinator(&coord_links);
+    let peer_links: Vec<PeerMeasurement<'_>> = members
+        .iter()
+        .flat_map(|m| {
+            m.peer_links.iter().filter_map(|(id, l)| {
+                let to = members.iter().find(|p| p.node_id == *id)?;
+                Some((m.name.as_str(), to.name.as_str(), *l))
+            })
+        })
+        .collect();
+    let links = node_links(&coord_links, &peer_links);
     if let Some(cal) = calibrated {
         let mut g = resource_graph(&nodes, &links, &policy(context.max, concurrency));
         for line in tessera_plan::apply_calibrated(&mut g, cal) {

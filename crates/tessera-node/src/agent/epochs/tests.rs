@@ -548,3 +548,24 @@ fn a_failed_load_keeps_its_epoch_assigned_but_admits_no_one() {
         })
         .is_empty());
 }
+
+#[test]
+fn peers_named_for_measurement_are_admitted_until_the_next_list_or_the_sessions_end() {
+    let mut m = NodeEpochs::new(limit(GIB));
+    let (p2, p3) = (peer(2), peer(3));
+    let named = |ps: &[&PeerInfo]| {
+        EpochEvent::MeasurePeers(ps.iter().map(|p| (p.node_id, p.key)).collect())
+    };
+    let acts = m.handle(named(&[&p2, &p3]));
+    assert!(acts.contains(&EpochAction::Admit(p2.key)));
+    assert!(acts.contains(&EpochAction::Admit(p3.key)));
+    // A ring's previous stage that is also measured stays admitted when the list moves on.
+    assign_and_load(&mut m, 1, 2, GIB / 4);
+    let acts = m.handle(named(&[]));
+    assert_eq!(acts, vec![EpochAction::Unadmit(p3.node_id)]);
+    let acts = m.handle(named(&[&p3]));
+    assert_eq!(acts, vec![EpochAction::Admit(p3.key)]);
+    let acts = m.handle(EpochEvent::SessionEnded);
+    assert!(acts.contains(&EpochAction::Unadmit(p3.node_id)));
+    assert!(acts.contains(&EpochAction::Unadmit(p2.node_id)));
+}
