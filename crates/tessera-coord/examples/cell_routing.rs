@@ -19,18 +19,11 @@ fn cells(n: usize) -> Membership {
     let mut stages = Vec::new();
     for i in 0..n {
         let id = NodeIdentity::from_seed([i as u8 + 1; 32]);
+        let addr = format!("127.0.0.1:{}", 4000 + i).parse().unwrap();
         m.handle(Event::Joined(Box::new(Member {
-            node_id: id.node_id(),
-            key: id.public_key(),
-            name: format!("n{i}"),
-            addr: format!("127.0.0.1:{}", 4000 + i).parse().unwrap(),
-            connected: true,
-            joined: 0,
             memory_budget_bytes: Some(8 << 30),
-            inventory: None,
-            models: vec![],
-            link: None,
             session: 1,
+            ..Member::hello(id.public_key(), format!("n{i}"), addr)
         })));
         stages.push((id.node_id(), 0..28));
     }
