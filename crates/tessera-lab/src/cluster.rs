@@ -119,11 +119,12 @@ impl Cluster {
                 }
             }
         });
-        cluster.join = rx.recv_timeout(Duration::from_secs(60)).map_err(|_| {
-            LabError::Run(format!(
-                "the coordinator printed no join token:\n{}",
-                log_tail(&o.dir.join("coordinator.log"))
-            ))
+        let wait = Duration::from_secs(60);
+        cluster.join = rx.recv_timeout(wait).map_err(|_| LabError::Silent {
+            process: "the coordinator".into(),
+            what: "join token".into(),
+            timeout: wait,
+            detail: format!(":\n{}", log_tail(&o.dir.join("coordinator.log"))),
         })?;
         // Each node's probe measures its host unthrottled; the quotas bind once all joined.
         lab.set_cpu_quotas(false)?;
@@ -168,10 +169,10 @@ impl Cluster {
                 } else {
                     self.dir.join(format!("node-{name}.log"))
                 };
-                return Err(LabError::Run(format!(
-                    "{name} exited ({status}):\n{}",
-                    log_tail(&log)
-                )));
+                return Err(LabError::ProcessFailed {
+                    process: name.clone(),
+                    message: format!("exited ({status}):\n{}", log_tail(&log)),
+                });
             }
         }
         Ok(())
@@ -197,10 +198,15 @@ impl Cluster {
             };
             if Instant::now() > deadline {
                 let (name, _) = &self.children[n];
-                return Err(LabError::Run(format!(
-                    "fewer than {n} nodes joined in {timeout:?}; status: {last}\n{name}'s log:\n{}",
-                    log_tail(&self.dir.join(format!("node-{name}.log")))
-                )));
+                return Err(LabError::Silent {
+                    process: "the coordinator".into(),
+                    what: format!("{n} joined nodes"),
+                    timeout,
+                    detail: format!(
+                        "; status: {last}\n{name}'s log:\n{}",
+                        log_tail(&self.dir.join(format!("node-{name}.log")))
+                    ),
+                });
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -221,9 +227,12 @@ impl Cluster {
                 Err(e) => e.to_string(),
             };
             if Instant::now() > deadline {
-                return Err(LabError::Run(format!(
-                    "not serving after {timeout:?}: {last}"
-                )));
+                return Err(LabError::Silent {
+                    process: "the gateway".into(),
+                    what: "healthy /health".into(),
+                    timeout,
+                    detail: format!(": {last}"),
+                });
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -250,9 +259,10 @@ impl Cluster {
         let started = Instant::now();
         let (status, events) = http::events(s, "/v1/completions", &body)?;
         if status != 200 {
-            return Err(LabError::Run(format!(
-                "completion: HTTP {status}: {events:?}"
-            )));
+            return Err(LabError::ProcessFailed {
+                process: "the gateway".into(),
+                message: format!("a completion answered HTTP {status}: {events:?}"),
+            });
         }
         let mut text = String::new();
         let mut pieces = Vec::new();
@@ -260,8 +270,12 @@ impl Cluster {
             if data == "[DONE]" {
                 break;
             }
-            let v: serde_json::Value = serde_json::from_str(&data)
-                .map_err(|e| LabError::Run(format!("completion event {data:?}: {e}")))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&data).map_err(|e| LabError::Unreadable {
+                    process: "the gateway".into(),
+                    what: "completion event".into(),
+                    message: format!("{data:?}: {e}"),
+                })?;
             if let Some(t) = v["choices"][0]["text"].as_str() {
                 if !t.is_empty() {
                     text.push_str(t);

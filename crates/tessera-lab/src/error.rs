@@ -24,12 +24,52 @@ pub enum LabError {
     /// A scenario file could not be read or parsed.
     #[error("scenario {path}: {message}")]
     Scenario { path: String, message: String },
-    /// A process in the lab did not do what was expected of it.
+    /// The model file could not be read: opened, or its configuration, profile or tokenizer.
+    #[error("the model {path}: {message}")]
+    Model { path: String, message: String },
+    /// What was asked cannot be run on this model or these hosts (too many stages for its
+    /// layers, a prompt longer than its context, too few hosts or streams).
     #[error("{0}")]
-    Run(String),
+    Unrunnable(String),
+    /// A process in the lab exited with a failure.
+    #[error("{process} failed: {message}")]
+    ProcessFailed { process: String, message: String },
+    /// A process did not report what it should have in time (an event, a token, a report).
+    #[error("{process} reported no {what} within {timeout:?}{detail}")]
+    Silent {
+        process: String,
+        what: String,
+        timeout: std::time::Duration,
+        /// What it had said, or the end of its log (empty or starting with a separator).
+        detail: String,
+    },
+    /// A process's output could not be read as what it should be.
+    #[error("{process}'s {what} was not readable: {message}")]
+    Unreadable {
+        process: String,
+        what: String,
+        message: String,
+    },
+    /// The planner could not plan the scenario, or its plan could not be written.
+    #[error("planning: {0}")]
+    Plan(String),
+    /// A measurement produced nothing to measure (no overlap of the streams, an empty transfer).
+    #[error("nothing to measure: {0}")]
+    NothingMeasured(String),
+    /// A helper thread of the lab panicked.
+    #[error("the lab's {0} thread panicked")]
+    ThreadPanicked(&'static str),
 }
 
 impl LabError {
+    /// [`LabError::Model`] for the model at `path`.
+    pub(crate) fn model(path: &std::path::Path, message: impl std::fmt::Display) -> Self {
+        Self::Model {
+            path: path.display().to_string(),
+            message: message.to_string(),
+        }
+    }
+
     pub(crate) fn io(what: impl Into<String>, source: io::Error) -> Self {
         Self::Io {
             what: what.into(),

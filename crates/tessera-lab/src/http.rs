@@ -35,6 +35,15 @@ fn send(stream: &mut TcpStream, method: &str, path: &str, body: Option<&str>) ->
     stream.write_all(req.as_bytes()).map_err(io)
 }
 
+/// An HTTP response the lab cannot read.
+fn unreadable(what: &str, message: String) -> LabError {
+    LabError::Unreadable {
+        process: "the HTTP server".into(),
+        what: what.into(),
+        message,
+    }
+}
+
 /// Reads the status line and headers; whether the body is chunked and its length if given.
 fn head(r: &mut impl BufRead) -> Result<(u16, bool, Option<usize>)> {
     let mut line = String::new();
@@ -43,7 +52,7 @@ fn head(r: &mut impl BufRead) -> Result<(u16, bool, Option<usize>)> {
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| LabError::Run(format!("not an HTTP response: {line:?}")))?;
+        .ok_or_else(|| unreadable("status line", format!("{line:?}")))?;
     let (mut chunked, mut len) = (false, None);
     loop {
         line.clear();
@@ -68,9 +77,9 @@ fn chunk(r: &mut impl BufRead) -> Result<Option<Vec<u8>>> {
         return Ok(None);
     }
     let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
-        .map_err(|_| LabError::Run(format!("bad chunk size {line:?}")))?;
+        .map_err(|_| unreadable("chunk size", format!("{line:?}")))?;
     if size > 64 << 20 {
-        return Err(LabError::Run(format!("chunk of {size} bytes")));
+        return Err(unreadable("chunk", format!("{size} bytes, over 64 MiB")));
     }
     let mut data = vec![0u8; size + 2];
     r.read_exact(&mut data).map_err(io)?;

@@ -254,7 +254,7 @@ fn echo_rtt(server: UdpSocket, client: UdpSocket, n: usize) -> Result<(f64, f64)
     let rt = std::thread::scope(|s| s.spawn(|| ping(&client, server_addr, n)).join());
     stop.store(true, Ordering::Relaxed);
     let _ = echo.join();
-    let mut samples = rt.map_err(|_| LabError::Run("the ping thread panicked".into()))??;
+    let mut samples = rt.map_err(|_| LabError::ThreadPanicked("ping"))??;
     samples.sort_by(f64::total_cmp);
     Ok((samples[samples.len() / 2], samples[samples.len() * 9 / 10]))
 }
@@ -322,18 +322,18 @@ fn goodput(lab: &Lab, span: Duration) -> Result<f64> {
     .map_err(io("sending"))?;
     let marks = receiver
         .join()
-        .map_err(|_| LabError::Run("the receiver panicked".into()))?
+        .map_err(|_| LabError::ThreadPanicked("receiver"))?
         .map_err(io("receiving"))?;
     let (Some(first), Some(last)) = (marks.first(), marks.last()) else {
-        return Err(LabError::Run("nothing arrived".into()));
+        return Err(LabError::NothingMeasured("no datagram arrived".into()));
     };
     // Leave out the first quarter (slow start, the queue filling).
     let from_t = first.0 + (last.0 - first.0) / 4;
     let from = marks.iter().find(|m| m.0 >= from_t).unwrap_or(first);
     let secs = (last.0 - from.0).as_secs_f64();
     if secs <= 0.0 {
-        return Err(LabError::Run(
-            "the transfer was too short to measure".into(),
+        return Err(LabError::NothingMeasured(
+            "the transfer was too short to time".into(),
         ));
     }
     Ok((last.1 - from.1) as f64 / secs)
@@ -368,7 +368,7 @@ fn loss(lab: &Lab, n: usize) -> Result<f64> {
     }
     let seen = counter
         .join()
-        .map_err(|_| LabError::Run("the receiver panicked".into()))?;
+        .map_err(|_| LabError::ThreadPanicked("receiver"))?;
     Ok(1.0 - seen as f64 / n as f64)
 }
 

@@ -197,7 +197,7 @@ fn round(
         .collect();
     let arrivals: Vec<_> = runs.iter().map(|r| r.arrivals.clone()).collect();
     let (tokens, secs) = overlap_window(&arrivals).ok_or_else(|| {
-        LabError::Run(format!(
+        LabError::NothingMeasured(format!(
             "the {} streams never decoded at the same time on {cells} cell(s) (raise --tokens)",
             o.streams
         ))
@@ -226,18 +226,17 @@ pub fn run(
     mut progress: impl FnMut(&str),
 ) -> Result<CellsReport> {
     if o.hosts < 2 || o.streams == 0 {
-        return Err(LabError::Run(
+        return Err(LabError::Unrunnable(
             "cells: two hosts or more and one stream or more".into(),
         ));
     }
-    let gguf = tessera_model::GgufFile::open(&o.model)
-        .map_err(|e| LabError::Run(format!("{}: {e}", o.model.display())))?;
+    let gguf = tessera_model::GgufFile::open(&o.model).map_err(|e| LabError::model(&o.model, e))?;
     let config = tessera_model::ModelConfig::from_gguf(&gguf)
-        .map_err(|e| LabError::Run(format!("model config: {e}")))?;
+        .map_err(|e| LabError::model(&o.model, format!("its configuration: {e}")))?;
     drop(gguf);
     let context = (o.tokens + 64).max(256);
     if context > config.context_length {
-        return Err(LabError::Run(format!(
+        return Err(LabError::Unrunnable(format!(
             "{} tokens a stream do not fit the model's context of {}",
             o.tokens, config.context_length
         )));

@@ -49,7 +49,7 @@ pub fn measure(lab: &Lab, scenario: &Scenario, dir: &Path) -> Result<Vec<DiskRat
         let profile = lab.disk(host).expect("filtered");
         let cg = lab
             .cgroup(host)
-            .ok_or_else(|| LabError::Run(format!("{node}: a capped host without a cgroup")))?;
+            .ok_or_else(|| LabError::Spec(format!("{node}: a capped host without a cgroup")))?;
         let enter = || cg.enter_thread();
         let r = direct_reads(&file, &ReadLoad::bandwidth(), &enter)
             .map_err(|e| LabError::io(format!("reading {node}'s disk under its cap"), e))?;

@@ -231,14 +231,13 @@ pub fn run(
     dir: &Path,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<HopFigure>> {
-    let gguf = tessera_model::GgufFile::open(&o.model)
-        .map_err(|e| LabError::Run(format!("{}: {e}", o.model.display())))?;
+    let gguf = tessera_model::GgufFile::open(&o.model).map_err(|e| LabError::model(&o.model, e))?;
     let n_layer = tessera_model::ModelConfig::from_gguf(&gguf)
-        .map_err(|e| LabError::Run(format!("model config: {e}")))?
+        .map_err(|e| LabError::model(&o.model, format!("its configuration: {e}")))?
         .n_layer;
     drop(gguf);
     if o.stages < 2 || n_layer < o.stages {
-        return Err(LabError::Run(format!(
+        return Err(LabError::Unrunnable(format!(
             "a ring of {} stages needs at least 2 stages and a model of as many layers (this one \
              has {n_layer})",
             o.stages
@@ -406,6 +405,34 @@ mod tests {
 
     use super::super::test_reports::{decode, report};
     use tessera_proto::{HopTimes, StageSeqStats};
+
+    #[test]
+    fn what_cannot_be_run_or_read_is_refused_with_its_own_variant_before_any_host_starts() {
+        let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models");
+        let o = |model: &str, stages| Options {
+            model: models.join(model),
+            rtt_ms: 1.0,
+            stages,
+            tokens: 4,
+            rounds: 1,
+            threads: 1,
+        };
+        let nowhere = std::path::Path::new("/nonexistent");
+        let run = |o: Options| run(&o, nowhere, nowhere, |_| {}).unwrap_err();
+        // stories260K has 5 layers: a ring of 1, or of 6, cannot be made.
+        assert!(matches!(
+            run(o("stories260K.gguf", 1)),
+            LabError::Unrunnable(_)
+        ));
+        assert!(matches!(
+            run(o("stories260K.gguf", 6)),
+            LabError::Unrunnable(_)
+        ));
+        match run(o("no-such-model.gguf", 2)) {
+            LabError::Model { path, .. } => assert!(path.ends_with("no-such-model.gguf"), "{path}"),
+            e => panic!("{e:?}"),
+        }
+    }
 
     #[test]
     fn a_runs_compute_per_token_sums_each_stages_compute_over_its_steps() {

@@ -15,7 +15,6 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::error::{LabError, Result};
 
@@ -92,23 +91,33 @@ fn run_together(tessera: &Path, model: &Path, threads: usize, n: usize) -> Resul
     Ok(sum)
 }
 
+/// The part of `tessera bench --json`'s report the machine measurement reads.
+#[derive(serde::Deserialize)]
+struct BenchReport {
+    decode_tok_s: f64,
+}
+
 fn decode_rate(out: &std::process::Output) -> Result<f64> {
-    let fail = |why: String| LabError::Run(format!("measuring the machine: {why}"));
+    let bench = "tessera bench (measuring the machine)";
     if !out.status.success() {
-        return Err(fail(format!(
-            "tessera bench failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        return Err(LabError::ProcessFailed {
+            process: bench.into(),
+            message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
+    let unreadable = |message: &str| LabError::Unreadable {
+        process: bench.into(),
+        what: "report".into(),
+        message: message.into(),
+    };
     let line = String::from_utf8_lossy(&out.stdout);
-    let v: Value = line
+    let report: BenchReport = line
         .lines()
         .find_map(|l| serde_json::from_str(l).ok())
-        .ok_or_else(|| fail("tessera bench printed no report".into()))?;
-    v["decode_tok_s"]
-        .as_f64()
+        .ok_or_else(|| unreadable("no JSON line with decode_tok_s"))?;
+    Some(report.decode_tok_s)
         .filter(|r| *r > 0.0)
-        .ok_or_else(|| fail("tessera bench reported no decode rate".into()))
+        .ok_or_else(|| unreadable("a decode rate of 0"))
 }
 
 #[cfg(test)]

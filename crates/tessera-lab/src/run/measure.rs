@@ -258,7 +258,7 @@ fn round_at_once(
     }
     let arrivals: Vec<Vec<std::time::Instant>> = runs.into_iter().map(|r| r.arrivals).collect();
     let (n, secs) = pipeline::overlap_window(&arrivals).ok_or_else(|| {
-        LabError::Run(format!(
+        LabError::NothingMeasured(format!(
             "the {concurrency} requests never decoded at the same time (raise the workload's \
              tokens)"
         ))

@@ -92,12 +92,14 @@ pub fn run(
     mut progress: impl FnMut(&str),
 ) -> Result<Report> {
     let gguf = tessera_model::GgufFile::open(&scenario.model)
-        .map_err(|e| LabError::Run(format!("{}: {e}", scenario.model.display())))?;
+        .map_err(|e| LabError::model(&scenario.model, e))?;
     let profile = tessera_model::ModelProfile::from_gguf(&gguf)
-        .map_err(|e| LabError::Run(format!("model profile: {e}")))?;
+        .map_err(|e| LabError::model(&scenario.model, format!("its profile: {e}")))?;
     let model =
         tessera_placement::planning::planner_model(&profile, Default::default(), &scenario.name)
-            .map_err(|e| LabError::Run(format!("planner model: {e}")))?;
+            .map_err(|e| {
+                LabError::model(&scenario.model, format!("the planner's view of it: {e}"))
+            })?;
     drop(gguf);
     // Measured before any host starts, on a quiet machine; with one host too, whose decode
     // sets its node's rates ([`host_decode`]).
@@ -140,9 +142,9 @@ pub fn run(
     let doc: Value = std::fs::read(session::coordinator_dir(dir).join("plan-auto.json"))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
-        .ok_or_else(|| LabError::Run("no readable plan-auto.json".into()))?;
+        .ok_or_else(|| plan_auto("not there, or not JSON".into()))?;
     let mut graph: ResourceGraph = serde_json::from_value(doc["graph"].clone())
-        .map_err(|e| LabError::Run(format!("plan-auto.json graph: {e}")))?;
+        .map_err(|e| plan_auto(format!("its graph: {e}")))?;
     graph.policy = scenario.graph.policy.clone();
     // A calibrated graph's rates are what the hosts showed, quota included.
     let quotas = match &opts.calibrated {
@@ -173,10 +175,10 @@ pub fn run(
     let mut experts_applied = doc["outcome"]["plan"]["strategy"] == "expert";
     progress("nodes joined and measured; planning on the measured graph");
 
-    let outcome = tessera_plan::plan(&model, &graph, 1)
-        .map_err(|e| LabError::Run(format!("planning: {e}")))?;
+    let outcome =
+        tessera_plan::plan(&model, &graph, 1).map_err(|e| LabError::Plan(e.to_string()))?;
     let candidates = plans::candidates(&model, &profile, &graph, &outcome, &opts.force)
-        .map_err(LabError::Run)?;
+        .map_err(LabError::Plan)?;
     let concurrency = graph.policy.concurrency.max(1) as usize;
     let mut measured: Vec<Option<std::result::Result<Measured, String>>> =
         candidates.iter().map(|_| None).collect();
@@ -198,7 +200,7 @@ pub fn run(
             let file = dir.join(format!("plan-{k}.json"));
             let ring = &candidates[k].placement.as_ref().expect("executable").ring;
             let text = serde_json::to_string(ring)
-                .map_err(|e| LabError::Run(format!("plan file: {e}")))?;
+                .map_err(|e| LabError::Plan(format!("writing a plan file: {e}")))?;
             std::fs::write(&file, text)
                 .map_err(|e| LabError::io(format!("writing {}", file.display()), e))?;
             files.push(file);
@@ -463,6 +465,15 @@ fn provenance(
     provenance
 }
 
+/// The coordinator's `plan-auto.json` could not be read.
+fn plan_auto(message: String) -> LabError {
+    LabError::Unreadable {
+        process: "the coordinator".into(),
+        what: "plan-auto.json".into(),
+        message,
+    }
+}
+
 /// Each measured link of `graph` beside what the scenario imposed on it, with how it was
 /// measured (the graph's evidence).
 fn link_reports(scenario: &Scenario, graph: &ResourceGraph) -> Vec<LinkReport> {
@@ -616,9 +627,10 @@ pub(crate) fn one_process(
         .output()
         .map_err(|e| LabError::io("running tessera generate", e))?;
     if !out.status.success() {
-        return Err(LabError::Run(format!(
-            "tessera generate of {prompt:?} failed"
-        )));
+        return Err(LabError::ProcessFailed {
+            process: format!("tessera generate of {prompt:?}"),
+            message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     let text = String::from_utf8_lossy(&out.stdout);
     Ok(text

@@ -176,13 +176,12 @@ pub fn run(
     dir: &Path,
     mut progress: impl FnMut(&str),
 ) -> Result<PipelineReport> {
-    let gguf = tessera_model::GgufFile::open(&o.model)
-        .map_err(|e| LabError::Run(format!("{}: {e}", o.model.display())))?;
+    let gguf = tessera_model::GgufFile::open(&o.model).map_err(|e| LabError::model(&o.model, e))?;
     let config = tessera_model::ModelConfig::from_gguf(&gguf)
-        .map_err(|e| LabError::Run(format!("model config: {e}")))?;
+        .map_err(|e| LabError::model(&o.model, format!("its configuration: {e}")))?;
     drop(gguf);
     if o.stages < 2 || config.n_layer < o.stages {
-        return Err(LabError::Run(format!(
+        return Err(LabError::Unrunnable(format!(
             "a ring of {} stages needs two stages or more and a model of as many layers (it has {})",
             o.stages, config.n_layer
         )));
@@ -190,7 +189,7 @@ pub fn run(
     // The prompt (counted here, a few tokens of numbering aside) and the answer.
     let context = (o.prompt_tokens + o.tokens + 64).max(512);
     if o.prompt_tokens > 0 && o.prompt_tokens + o.tokens > config.context_length {
-        return Err(LabError::Run(format!(
+        return Err(LabError::Unrunnable(format!(
             "a prompt of {} tokens does not fit the model's context of {}",
             o.prompt_tokens, config.context_length
         )));
@@ -230,7 +229,9 @@ pub fn run(
             let arrivals: Vec<Vec<Instant>> = runs.iter().map(|r| r.arrivals.clone()).collect();
             let reports: Vec<RunReport> = runs.into_iter().map(|r| r.report).collect();
             let Some((tokens, secs)) = decode_window(&arrivals) else {
-                return Err(LabError::Run(format!("{n} streams decoded nothing")));
+                return Err(LabError::NothingMeasured(format!(
+                    "{n} streams decoded nothing"
+                )));
             };
             let (busy, batch) = shares(&decode_compute(&reports, o.stages), secs);
             progress(&format!(
@@ -297,10 +298,9 @@ fn prefill(
 ) -> Result<PrefillFigure> {
     // Words for the prompt length asked, counted with the model's own tokenizer here (a
     // probe through the ring would prefill the whole prompt each time).
-    let gguf = tessera_model::GgufFile::open(&o.model)
-        .map_err(|e| LabError::Run(format!("{}: {e}", o.model.display())))?;
+    let gguf = tessera_model::GgufFile::open(&o.model).map_err(|e| LabError::model(&o.model, e))?;
     let tokenizer = tessera_model::Tokenizer::from_gguf(&gguf)
-        .map_err(|e| LabError::Run(format!("the model's tokenizer: {e}")))?;
+        .map_err(|e| LabError::model(&o.model, format!("its tokenizer: {e}")))?;
     drop(gguf);
     let count = |words: usize| {
         tokenizer

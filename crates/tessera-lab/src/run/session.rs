@@ -109,10 +109,12 @@ impl Proc {
                     }
                 }
                 Err(_) => {
-                    return Err(LabError::Run(format!(
-                        "{} reported no {event:?} event within {timeout:?}",
-                        self.name
-                    )))
+                    return Err(LabError::Silent {
+                        process: self.name.clone(),
+                        what: format!("{event:?} event"),
+                        timeout,
+                        detail: String::new(),
+                    })
                 }
             }
         }
@@ -377,13 +379,9 @@ impl Session {
                     .wait_with_output()
                     .map_err(|e| LabError::io("waiting for tessera run", e))?;
                 if !out.status.success() {
-                    return Err(LabError::Run(format!(
-                        "tessera run failed: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    )));
+                    return Err(run_failed(&out));
                 }
-                let report =
-                    done.ok_or_else(|| LabError::Run("tessera run printed no report".into()))?;
+                let report = done.ok_or_else(no_report)?;
                 Ok(TimedRun {
                     report,
                     arrivals,
@@ -487,10 +485,7 @@ fn report(child: Child) -> Result<RunReport> {
         .wait_with_output()
         .map_err(|e| LabError::io("waiting for tessera run", e))?;
     if !out.status.success() {
-        return Err(LabError::Run(format!(
-            "tessera run failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        return Err(run_failed(&out));
     }
     String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -498,5 +493,20 @@ fn report(child: Child) -> Result<RunReport> {
             Ok(CoordToClient::Done(r)) => Some(*r),
             _ => None,
         })
-        .ok_or_else(|| LabError::Run("tessera run printed no report".into()))
+        .ok_or_else(no_report)
+}
+
+fn run_failed(out: &std::process::Output) -> LabError {
+    LabError::ProcessFailed {
+        process: "tessera run".into(),
+        message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    }
+}
+
+fn no_report() -> LabError {
+    LabError::Unreadable {
+        process: "tessera run".into(),
+        what: "output".into(),
+        message: "no report (a `done` line)".into(),
+    }
 }
