@@ -68,20 +68,30 @@ impl ChunkSource for NetChunkSource {
     fn read_chunk(&self, chunk: &ChunkRef) -> io::Result<Vec<u8>> {
         let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            match rx.blocking_recv() {
+            let e = match rx.blocking_recv() {
                 Some(Ok((id, bytes))) if id == chunk.id => return Ok(bytes),
                 Some(Ok((id, _))) if id < chunk.id => continue,
-                Some(Ok((id, _))) => {
-                    return Err(io::Error::other(format!(
-                        "the coordinator sent chunk {id} where {} was due",
-                        chunk.id
-                    )))
-                }
-                Some(Err(e)) => return Err(io::Error::other(e)),
-                None => return Err(io::Error::other("the model stream ended early")),
-            }
+                Some(Ok((sent, _))) => ChunkStreamError::OutOfOrder {
+                    sent,
+                    due: chunk.id,
+                },
+                Some(Err(e)) => ChunkStreamError::Stream(e),
+                None => ChunkStreamError::EndedEarly,
+            };
+            return Err(io::Error::other(e));
         }
     }
+}
+
+/// Why [`NetChunkSource`] could not give the chunk due (inside the `io::Error` the store sees).
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum ChunkStreamError {
+    #[error("the coordinator sent chunk {sent} where {due} was due")]
+    OutOfOrder { sent: u32, due: u32 },
+    #[error("the model stream ended early")]
+    EndedEarly,
+    #[error("{0}")]
+    Stream(String),
 }
 
 /// Makes sure `store` holds the header and the tensors `names` of `manifest`, receiving what
@@ -256,13 +266,24 @@ mod tests {
         assert_eq!(s.read_chunk(&due(7)).unwrap(), [7]);
     }
 
+    fn why(e: io::Error) -> ChunkStreamError {
+        let inner = e.into_inner().expect("a ChunkStreamError inside");
+        *inner
+            .downcast::<ChunkStreamError>()
+            .expect("a ChunkStreamError")
+    }
+
     #[test]
     fn a_chunk_past_the_one_due_or_an_early_end_is_an_error() {
         let s = source(&[3, 9]);
-        let e = s.read_chunk(&due(5)).unwrap_err().to_string();
-        assert!(e.contains("sent chunk 9 where 5 was due"), "{e}");
+        assert_eq!(
+            why(s.read_chunk(&due(5)).unwrap_err()),
+            ChunkStreamError::OutOfOrder { sent: 9, due: 5 }
+        );
         let s = source(&[3]);
-        let e = s.read_chunk(&due(5)).unwrap_err().to_string();
-        assert!(e.contains("ended early"), "{e}");
+        assert_eq!(
+            why(s.read_chunk(&due(5)).unwrap_err()),
+            ChunkStreamError::EndedEarly
+        );
     }
 }
