@@ -206,6 +206,10 @@ fn node_time(prediction: &Prediction, node: &str) -> f64 {
 pub(crate) const MIN_FACTOR: f64 = 0.05;
 pub(crate) const MAX_FACTOR: f64 = 20.0;
 
+/// Past this share of a measured token time predicted to be the network, a run without stage
+/// times does not calibrate the nodes' rates (an expert split over a WAN: 250 ms of 290).
+const MOSTLY_NETWORK: f64 = 2.0 / 3.0;
+
 fn scale_node(
     g: &mut ResourceGraph,
     name: &str,
@@ -344,7 +348,25 @@ pub fn calibrate(
         let net = mid.decode.network_s();
         let work_pred = mid.decode.total_s - net;
         let work_meas = measured - net;
-        if work_pred > 0.0 && work_meas > 0.0 {
+        if net > MOSTLY_NETWORK * measured {
+            // What is left after the network is too small a part to tell the nodes' rates:
+            // a few percent off in the network's prediction would be read as a factor in them.
+            let mut nodes: Vec<&str> = plan.nodes();
+            nodes.dedup();
+            for n in nodes {
+                corrections.push(Correction {
+                    subject: format!("node {n}"),
+                    quantity: "all rates".into(),
+                    factor: 1.0,
+                    reason: format!(
+                        "kept: of the {:.3} ms a token measured, {:.3} ms are the predicted \
+                         network; the rest is too small a part to tell the nodes' rates",
+                        measured * 1e3,
+                        net * 1e3
+                    ),
+                });
+            }
+        } else if work_pred > 0.0 && work_meas > 0.0 {
             let f = work_pred / work_meas;
             let why = format!(
                 "token time measured {:.3} ms, predicted {:.3} ms ({:.3} ms of it network)",

@@ -60,6 +60,42 @@ fn calibrating_from_the_token_rate_makes_the_plan_predict_it() {
 }
 
 #[test]
+fn a_token_time_that_is_mostly_network_leaves_the_nodes_rates_alone() {
+    let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
+    let mut g = loopback();
+    // A WAN between the two: 200 ms a round trip, so a token is mostly the two crossings.
+    if let Some(l) = g.default_link.as_mut() {
+        l.rtt_s = 0.2;
+    }
+    for l in &mut g.links {
+        l.spec.rtt_s = 0.2;
+    }
+    let ring = plan(&m, &g, 1).unwrap().plan;
+    assert_eq!(ring.strategy, StrategyKind::Stage);
+    let predicted = predict(&m, &g, &ring).unwrap();
+    assert!(predicted.decode.network_s() > 0.19, "{predicted:?}");
+    let measured = Measurement {
+        taken_at_unix_s: 1,
+        decode_tokens_per_s: predicted.decode_tokens_per_s * 0.9,
+        hops: vec![],
+        stages: vec![],
+    };
+    let c = calibrate(&m, &g, &ring, &measured).unwrap();
+    for n in ["a", "b"] {
+        let before = g.nodes.iter().find(|x| x.name == n).unwrap();
+        let after = c.graph.nodes.iter().find(|x| x.name == n).unwrap();
+        assert_eq!(before.ram_compute, after.ram_compute, "node {n}");
+        assert_eq!(before.ram.bandwidth, after.ram.bandwidth, "node {n}");
+        let x = c
+            .corrections
+            .iter()
+            .find(|x| x.subject == format!("node {n}"))
+            .expect("a line saying why");
+        assert_eq!(x.factor, 1.0);
+    }
+}
+
+#[test]
 fn calibrating_from_stage_times_corrects_each_node_separately() {
     let m = model(QWEN3_DENSE_SMALL, Quant::Q8_0);
     let g = loopback();
