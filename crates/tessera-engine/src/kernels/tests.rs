@@ -447,6 +447,38 @@ fn float_prefill_at_every_tile_remainder_equals_each_token_alone() {
     }
 }
 
+/// The K-quant kernels take the tokens in tiles of 6 or 8 and then one tile of the tokens
+/// left: every token count from 1 to 17 (every remainder after one and two whole tiles)
+/// equals each token alone on the scalar kernel, bit for bit, on every ISA.
+#[test]
+fn k_quant_tiles_at_every_remainder_equal_each_token_alone() {
+    let pool = ThreadPool::new(1);
+    for dtype in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+        let mut rng = Rng::new(dtype.id() as u64 + 900);
+        let (rows, cols, most) = (21, 512, 17);
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+        let x = random_x(most * cols, &mut rng);
+        let alone: Vec<Vec<f32>> = (0..most)
+            .map(|t| run(Isa::Scalar, &pool, &w, (0, rows), &x[t * cols..][..cols], 1))
+            .collect();
+        for nt in 1..=most {
+            for isa in isas() {
+                let out = run(isa, &pool, &w, (0, rows), &x[..nt * cols], nt);
+                for (t, alone) in alone.iter().take(nt).enumerate() {
+                    for r in 0..rows {
+                        assert_eq!(
+                            out[t * rows + r].to_bits(),
+                            alone[r].to_bits(),
+                            "{dtype} {isa:?} nt {nt} token {t} row {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn public_entry_points_agree() {
     let pool = ThreadPool::new(2);

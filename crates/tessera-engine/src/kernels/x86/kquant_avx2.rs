@@ -7,7 +7,8 @@
 //! `pmaddwd` with the row's sub-block scale (held as an `(s, s)` i16 pair per lane) multiplies
 //! and adds each pair into an exact i32. Every integer sum is exact and the float steps per row
 //! are the scalar kernel's, in its order, so the results equal the scalar and AVX-512 ones bit
-//! for bit. Tiles of up to [`TILE`] tokens share each unpack of the weights (prefill).
+//! for bit. Tiles of up to 6 or 8 tokens ([`Q4K_TILE`]) share each unpack of the weights
+//! (prefill); a lone token (decode) runs the 1-token tile, the code it ran with tiles of 4.
 
 use std::arch::x86_64::*;
 
@@ -17,8 +18,14 @@ use super::super::matrix::{
 };
 use super::super::quant_acts::QuantizedActs;
 
-/// Tokens per tile.
-const TILE: usize = 4;
+/// Tokens per tile, per kernel: the widest that measured fastest (1 thread, 64 tokens,
+/// 1,024 × 1,024, alternated with the 4 of before: Q4_K 151 → 177 GFLOP/s at 6, 162 at 8;
+/// Q5_K 109 → 122 at 8, 114 at 6; Q6_K 88 → 88–94 at 6, 88–91 at 8). Wider tiles share each
+/// unpack of a block's weights among more tokens until their accumulators no longer fit the
+/// registers.
+const Q4K_TILE: usize = 6;
+const Q5K_TILE: usize = 8;
+const Q6K_TILE: usize = 6;
 
 /// The 8 per-row lane accumulators summed as `scalar::q8_0_lanes_sum`.
 macro_rules! lanes_sum {
@@ -31,18 +38,26 @@ macro_rules! lanes_sum {
     }};
 }
 
-/// Runs `$tile::<T, ..>` over `nt` tokens in tiles of [`TILE`], then single tokens.
+/// Runs `$tile::<T, ..>` over `nt` tokens in tiles of `$n` (at most 8), then one tile of the
+/// tokens left. Each token's sums are the same in a tile of any width.
 macro_rules! tiles {
-    ($tile:ident $(, $c:expr)?; $w:expr, $a:expr, $t0:expr, $nt:expr, $out:expr) => {{
+    ($tile:ident, $n:expr $(, $c:expr)?; $w:expr, $a:expr, $t0:expr, $nt:expr, $out:expr) => {{
         let (w, a, t0, nt, out) = ($w, $a, $t0, $nt, $out);
         let mut j = 0;
-        while j + TILE <= nt {
-            $tile::<TILE $(, $c)?>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
-            j += TILE;
+        while j + $n <= nt {
+            $tile::<{ $n } $(, $c)?>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+            j += $n;
         }
-        while j < nt {
-            $tile::<1 $(, $c)?>(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
-            j += 1;
+        let (t, o) = (t0 + j, out.as_mut_ptr().add(j * GROUP));
+        match nt - j {
+            0 => {}
+            1 => $tile::<1 $(, $c)?>(w.as_ptr(), a, t, o),
+            2 => $tile::<2 $(, $c)?>(w.as_ptr(), a, t, o),
+            3 => $tile::<3 $(, $c)?>(w.as_ptr(), a, t, o),
+            4 => $tile::<4 $(, $c)?>(w.as_ptr(), a, t, o),
+            5 => $tile::<5 $(, $c)?>(w.as_ptr(), a, t, o),
+            6 => $tile::<6 $(, $c)?>(w.as_ptr(), a, t, o),
+            _ => $tile::<7 $(, $c)?>(w.as_ptr(), a, t, o),
         }
     }};
 }
@@ -100,9 +115,9 @@ pub(super) unsafe fn q45k_group<const FIVE: bool>(
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
         if FIVE {
-            tiles!(q5k_tile; w, a, t0, nt, out)
+            tiles!(q5k_tile, Q5K_TILE; w, a, t0, nt, out)
         } else {
-            tiles!(q4k_tile; w, a, t0, nt, out)
+            tiles!(q4k_tile, Q4K_TILE; w, a, t0, nt, out)
         }
     }
 }
@@ -113,7 +128,7 @@ pub(super) unsafe fn q45k_group<const FIVE: bool>(
 /// the scalar kernel's.
 // `k` indexes the weight runs, the activation offsets and the lanes alike.
 #[allow(clippy::needless_range_loop)]
-#[inline]
+#[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q5k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
     let nb = a.cols / 256;
@@ -204,7 +219,7 @@ unsafe fn q5k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
 /// `T` tokens of a Q4_K group. Q4_K only needs each row's block sum (the scalar kernel adds
 /// its 8 lanes as integers), so its nibble products are summed in i16 over a whole 64-element
 /// chunk first (8 pairs of at most 2·15·128: exact) and scaled once.
-#[inline]
+#[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
     let nb = a.cols / 256;
@@ -287,18 +302,54 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
 pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
     check_k(w, Q6K_X16, a, t0, nt, out);
     // SAFETY: bounds checked above; features guaranteed by the caller.
-    unsafe { tiles!(q6k_tile; w, a, t0, nt, out) }
+    unsafe { tiles!(q6k_tile, Q6K_TILE; w, a, t0, nt, out) }
 }
 
-/// `T` tokens of a Q6_K group: `pmaddubsw` of the unsigned quants (q + 32) per 4-element run,
-/// minus the same of 32 (exact i16 pairs of `(q − 32)·y`), times the row's sub-block scale
-/// into lane `run % 8`. Lane by lane: a lane's 8 runs (2 halves × 4 quants) are summed in
-/// registers and its float step taken at once, so no lane sum goes through memory (the float
-/// steps are the scalar kernel's, each lane's in block order).
-#[inline]
+/// The offsets that Q6_K's `q − 32` adds to a lane, per token of a block of activations at
+/// `ys[j]`: for each half `n`, pair `kp` of quants and lane `l4` (`[n · 2 + kp][l4]`), the
+/// i16 pair `(32 · Σ y of run (n, 2kp, l4), 32 · Σ y of run (n, 2kp + 1, l4))` as one i32.
+/// Per 32 activations: `pmaddubsw` by 32 and `pmaddwd` by 1 give each run's sum (at most
+/// 32 · 4 · 128 = 2^14 in magnitude: an exact i16), one i32 per lane.
+#[inline(always)]
+unsafe fn q6k_offsets<const T: usize>(ys: &[*const i8; T]) -> [[[i32; 8]; 4]; T] {
+    // SAFETY: each `ys[j]` holds 256 readable bytes (caller); AVX2 enabled (caller).
+    unsafe {
+        let (c32, one) = (_mm256_set1_epi8(32), _mm256_set1_epi16(1));
+        let mut out = [[[0i32; 8]; 4]; T];
+        for (o, y) in out.iter_mut().zip(ys) {
+            // Runs (n, k, 0..8): activations 128n + 32k .. + 32.
+            let run = |v: usize| {
+                let yv = _mm256_loadu_si256(y.add(32 * v) as *const __m256i);
+                _mm256_madd_epi16(_mm256_maddubs_epi16(c32, yv), one)
+            };
+            for (p, o) in o.iter_mut().enumerate() {
+                let (lo, hi) = (run(2 * p), run(2 * p + 1));
+                let pair = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+                _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, pair);
+            }
+        }
+        out
+    }
+}
+
+/// `T` tokens of a Q6_K group: `pmaddubsw` of the unsigned quants (q + 32) per 4-element run
+/// (exact i16 pairs of `(q + 32)·y`), times the row's sub-block scale into lane `run % 8`,
+/// with the `32 · y` of the `− 32` taken off either per run (`pmaddubsw` of 32 and a
+/// subtraction) or, from 3 tokens on, per lane: each lane's `32 · Σ scale · y`
+/// ([`q6k_offsets`], a `pmaddwd` for two runs). Both give the integer lane sums of
+/// `scale · (q − 32) · y`, exact, so equal to the scalar kernel's. Per lane, the offsets cost
+/// a block's activation sums and 4 broadcasts per lane and token, which only wider tiles
+/// (prefill) win back: 1 thread, 256 × 1,024 in cache, 64 tokens 88–90 → 96–99 GFLOP/s, but
+/// 1 token 56 → 52–53 and 2 tokens 73 → 74–75 per run (so decode takes them per run, as it
+/// did before the wider tiles). Lane by lane: a lane's 8 runs (2 halves × 4 quants) are
+/// summed in registers and its float step taken at once, so no lane sum goes through memory
+/// (the float steps are the scalar kernel's, each lane's in block order).
+#[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
     let nb = a.cols / 256;
+    // Per-lane offsets from 3 tokens on (see above); a constant per instantiation.
+    let lane_offsets = T > 2;
     // SAFETY: the caller checked that w holds nb interleaved blocks and acts hold tokens
     // t..t+T; AVX2/FMA/F16C enabled.
     unsafe {
@@ -316,6 +367,19 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                     std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
                 let sc: [__m256i; 16] =
                     std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
+                // The scales of runs (n, 2kp, l4) and (n, 2kp + 1, l4), sub-blocks
+                // 8n + 4kp + l4/4 and 2 on, as (s, s') pairs: `[l4 / 4][n · 2 + kp]`.
+                let scp: [[__m256i; 4]; 2] = std::array::from_fn(|c| {
+                    std::array::from_fn(|p| {
+                        let sub = 4 * p + c;
+                        _mm256_blend_epi16(sc[sub], sc[sub + 2], 0xAA)
+                    })
+                });
+                let offsets = if lane_offsets {
+                    q6k_offsets(&ys)
+                } else {
+                    [[[0; 8]; 4]; T]
+                };
                 let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
                 let d: [__m256; T] = std::array::from_fn(|j| {
                     _mm256_mul_ps(_mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
@@ -342,11 +406,19 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                             let s = sc[8 * n + 2 * k + l4 / 4];
                             for (lane, y) in lane.iter_mut().zip(&ys) {
                                 let yk = yword(y.add(o));
-                                let p = _mm256_sub_epi16(
-                                    _mm256_maddubs_epi16(qk, yk),
-                                    _mm256_maddubs_epi16(c32, yk),
-                                );
+                                let mut p = _mm256_maddubs_epi16(qk, yk);
+                                if !lane_offsets {
+                                    p = _mm256_sub_epi16(p, _mm256_maddubs_epi16(c32, yk));
+                                }
                                 *lane = _mm256_add_epi32(*lane, _mm256_madd_epi16(p, s));
+                            }
+                        }
+                    }
+                    if lane_offsets {
+                        for (lane, off) in lane.iter_mut().zip(&offsets) {
+                            for (p, &scp) in scp[l4 / 4].iter().enumerate() {
+                                let o = _mm256_set1_epi32(off[p][l4]);
+                                *lane = _mm256_sub_epi32(*lane, _mm256_madd_epi16(scp, o));
                             }
                         }
                     }
