@@ -348,11 +348,10 @@ pub fn calibrate(
         let net = mid.decode.network_s();
         let work_pred = mid.decode.total_s - net;
         let work_meas = measured - net;
+        let nodes = plan_nodes(plan);
         if net > MOSTLY_NETWORK * measured {
             // What is left after the network is too small a part to tell the nodes' rates:
             // a few percent off in the network's prediction would be read as a factor in them.
-            let mut nodes: Vec<&str> = plan.nodes();
-            nodes.dedup();
             for n in nodes {
                 corrections.push(Correction {
                     subject: format!("node {n}"),
@@ -374,8 +373,6 @@ pub fn calibrate(
                 mid.decode.total_s * 1e3,
                 net * 1e3
             );
-            let mut nodes: Vec<&str> = plan.nodes();
-            nodes.dedup();
             for n in nodes {
                 scale_node(&mut g, n, f, at, &why, &mut corrections);
             }
