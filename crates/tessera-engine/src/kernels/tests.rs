@@ -363,6 +363,52 @@ fn float_decode_at_every_block_count_equals_scalar() {
     }
 }
 
+/// A random `rows` × `cols` matrix of `dtype` (random from `seed`) against tokens: for each
+/// count of `counts`, the first that many tokens at once give, bit for bit, what each gives
+/// alone on the scalar kernel, on every ISA and every pool of `pools`.
+fn assert_batches_equal_each_token_alone(
+    dtype: GgmlType,
+    seed: u64,
+    (rows, cols): (usize, usize),
+    counts: &[usize],
+    pools: &[ThreadPool],
+) {
+    let mut rng = Rng::new(seed);
+    let most = counts.iter().copied().max().unwrap_or(0);
+    let bytes = random_matrix(dtype, rows, cols, &mut rng);
+    let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+    let x = random_x(most * cols, &mut rng);
+    let alone: Vec<Vec<f32>> = (0..most)
+        .map(|t| {
+            run(
+                Isa::Scalar,
+                &pools[0],
+                &w,
+                (0, rows),
+                &x[t * cols..][..cols],
+                1,
+            )
+        })
+        .collect();
+    for &nt in counts {
+        for isa in isas() {
+            for pool in pools {
+                let out = run(isa, pool, &w, (0, rows), &x[..nt * cols], nt);
+                for (t, alone) in alone.iter().take(nt).enumerate() {
+                    for r in 0..rows {
+                        assert_eq!(
+                            out[t * rows + r].to_bits(),
+                            alone[r].to_bits(),
+                            "{dtype} {isa:?} threads {} nt {nt} token {t} row {r}",
+                            pool.n_threads()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The AVX2 float kernels' prefill tiles read a lane-major copy of the activations in blocks
 /// of 64 tokens, and take 256 tokens per call: batches past both, split between tasks at
 /// token counts that are not multiples of a tile (so some tiles stop at a block's end), equal
@@ -371,33 +417,9 @@ fn float_decode_at_every_block_count_equals_scalar() {
 fn float_prefill_past_a_token_block_equals_each_token_alone() {
     let pools = [ThreadPool::new(1), ThreadPool::new(3)];
     for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
-        let mut rng = Rng::new(dtype.id() as u64 + 300);
         // 21 rows: 2 groups, so 3 threads split the 300 tokens into tasks of 19.
-        let (rows, cols, nt) = (21, 1100, 300);
-        let bytes = random_matrix(dtype, rows, cols, &mut rng);
-        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
-        let x = random_x(nt * cols, &mut rng);
-        let alone: Vec<Vec<f32>> = (0..nt)
-            .map(|t| {
-                let xt = &x[t * cols..(t + 1) * cols];
-                run(Isa::Scalar, &pools[0], &w, (0, rows), xt, 1)
-            })
-            .collect();
-        for isa in isas() {
-            for pool in &pools {
-                let out = run(isa, pool, &w, (0, rows), &x, nt);
-                for (t, alone) in alone.iter().enumerate() {
-                    for r in 0..rows {
-                        assert_eq!(
-                            out[t * rows + r].to_bits(),
-                            alone[r].to_bits(),
-                            "{dtype} {isa:?} threads {} token {t} row {r}",
-                            pool.n_threads()
-                        );
-                    }
-                }
-            }
-        }
+        let seed = dtype.id() as u64 + 300;
+        assert_batches_equal_each_token_alone(dtype, seed, (21, 1100), &[300], &pools);
     }
 }
 
@@ -408,42 +430,11 @@ fn float_prefill_past_a_token_block_equals_each_token_alone() {
 #[test]
 fn float_prefill_at_every_tile_remainder_equals_each_token_alone() {
     let pools = [ThreadPool::new(1), ThreadPool::new(3)];
+    let counts: Vec<usize> = (1..=13).chain([62, 64, 65, 70]).collect();
     for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
-        let mut rng = Rng::new(dtype.id() as u64 + 700);
         // 21 rows: 2 groups, so 3 threads split the tokens; 200 columns: a tail past 192.
-        let (rows, cols, most) = (21, 200, 70);
-        let bytes = random_matrix(dtype, rows, cols, &mut rng);
-        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
-        let x = random_x(most * cols, &mut rng);
-        let alone: Vec<Vec<f32>> = (0..most)
-            .map(|t| {
-                run(
-                    Isa::Scalar,
-                    &pools[0],
-                    &w,
-                    (0, rows),
-                    &x[t * cols..][..cols],
-                    1,
-                )
-            })
-            .collect();
-        for nt in (1..=13).chain([62, 64, 65, 70]) {
-            for isa in isas() {
-                for pool in &pools {
-                    let out = run(isa, pool, &w, (0, rows), &x[..nt * cols], nt);
-                    for (t, alone) in alone.iter().take(nt).enumerate() {
-                        for r in 0..rows {
-                            assert_eq!(
-                                out[t * rows + r].to_bits(),
-                                alone[r].to_bits(),
-                                "{dtype} {isa:?} threads {} nt {nt} token {t} row {r}",
-                                pool.n_threads()
-                            );
-                        }
-                    }
-                }
-            }
-        }
+        let seed = dtype.id() as u64 + 700;
+        assert_batches_equal_each_token_alone(dtype, seed, (21, 200), &counts, &pools);
     }
 }
 
@@ -452,30 +443,11 @@ fn float_prefill_at_every_tile_remainder_equals_each_token_alone() {
 /// equals each token alone on the scalar kernel, bit for bit, on every ISA.
 #[test]
 fn k_quant_tiles_at_every_remainder_equal_each_token_alone() {
-    let pool = ThreadPool::new(1);
+    let pools = [ThreadPool::new(1)];
+    let counts: Vec<usize> = (1..=17).collect();
     for dtype in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
-        let mut rng = Rng::new(dtype.id() as u64 + 900);
-        let (rows, cols, most) = (21, 512, 17);
-        let bytes = random_matrix(dtype, rows, cols, &mut rng);
-        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
-        let x = random_x(most * cols, &mut rng);
-        let alone: Vec<Vec<f32>> = (0..most)
-            .map(|t| run(Isa::Scalar, &pool, &w, (0, rows), &x[t * cols..][..cols], 1))
-            .collect();
-        for nt in 1..=most {
-            for isa in isas() {
-                let out = run(isa, &pool, &w, (0, rows), &x[..nt * cols], nt);
-                for (t, alone) in alone.iter().take(nt).enumerate() {
-                    for r in 0..rows {
-                        assert_eq!(
-                            out[t * rows + r].to_bits(),
-                            alone[r].to_bits(),
-                            "{dtype} {isa:?} nt {nt} token {t} row {r}"
-                        );
-                    }
-                }
-            }
-        }
+        let seed = dtype.id() as u64 + 900;
+        assert_batches_equal_each_token_alone(dtype, seed, (21, 512), &counts, &pools);
     }
 }
 
