@@ -21,10 +21,9 @@
 //!   statistics this gives a rigorous lower bound on the decode tokens that ran in shared steps,
 //!   and so an upper bound on the ring steps taken ([`BatchingStats`]).
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_api::{
@@ -35,7 +34,7 @@ use tessera_api::{
 };
 use tessera_model::GgufFile;
 use tessera_net::NodeId;
-use tessera_proto::{FinishReason as SeqFinish, RunReport, RunRequest, StepEntry, StepHeader};
+use tessera_proto::{FinishReason as SeqFinish, RunRequest, StepEntry, StepHeader};
 use tokio::sync::Semaphore;
 
 use crate::error::CoordError;
@@ -71,50 +70,19 @@ impl Default for ClusterBackendConfig {
     }
 }
 
-/// What the closed sequences' stage-0 statistics say about batching (see the module docs).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BatchingStats {
-    /// Decode tokens stage 0 ran (one per step a sequence took part in).
-    pub decode_tokens: u64,
-    /// At least this many of them ran in a step shared with another sequence.
-    pub shared_tokens_at_least: u64,
-    /// Ring steps (stage-0 decode forward passes) taken: at most this many.
-    pub steps_at_most: u64,
-    /// Prefill chunks run on stage 0 (a prompt is prefilled alone).
-    pub prefill_steps: u64,
-}
-
-/// A sequence in flight: where its KV lives and how far it got.
-struct LiveSeq {
-    /// (node, layers held) per stage.
-    stages: Vec<(NodeId, usize)>,
-    positions: Arc<Tally>,
-}
+pub use crate::ledger::BatchingStats;
+use crate::ledger::{LiveSeq, Rates};
 
 /// One request's counts, kept by its sink as tokens arrive and read when it ends.
 #[derive(Debug, Default)]
 struct Tally {
-    /// Positions the sequence has reached.
-    positions: AtomicUsize,
+    /// Positions the sequence has reached (the ledger reads them for the KV it holds).
+    positions: Arc<AtomicUsize>,
     /// Tokens sent into the HTTP stream.
     sent: AtomicUsize,
     cached: AtomicUsize,
     /// The HTTP stream is closed.
     gone: AtomicBool,
-}
-
-#[derive(Default)]
-struct Books {
-    live: HashMap<u64, LiveSeq>,
-    /// Worst-case KV of sequences a node never confirmed closing.
-    unconfirmed_kv: HashMap<NodeId, u64>,
-    /// Bytes sent per link (from, to), from closed sequences' statistics.
-    link_bytes: HashMap<(NodeId, NodeId), u64>,
-    /// Σ per sequence of stage-0 decode frame overhead bytes, and decode tokens.
-    decode_excess: u64,
-    batching: BatchingStats,
-    /// The sampling stages' speculation counts, from closed sequences.
-    speculation: SpeculationTotals,
 }
 
 struct Inner {
@@ -127,16 +95,9 @@ struct Inner {
     prompt_tokens: AtomicU64,
     generated_tokens: AtomicU64,
     cancelled: AtomicU64,
-    books: Mutex<Books>,
     rt: tokio::runtime::Handle,
-    /// Bytes of KV per position per layer.
-    kv_per_pos_layer: u64,
-    /// Stage-0 frame bytes independent of the number of sequences, and per sequence, for a
-    /// decode step.
-    frame_fixed: u64,
-    frame_per_seq: u64,
-    /// Bytes of one hidden row (a draft row of a speculative step adds one).
-    row_bytes: u64,
+    /// The model's sizes the ledger counts in.
+    rates: Rates,
 }
 
 /// The coordinator's [`Backend`]: serves requests over the current epoch's ring.
@@ -151,10 +112,6 @@ impl std::fmt::Debug for ClusterBackend {
             .field("model", &self.inner.model.id)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ClusterBackend {
@@ -204,12 +161,13 @@ impl ClusterBackend {
                 prompt_tokens: AtomicU64::new(0),
                 generated_tokens: AtomicU64::new(0),
                 cancelled: AtomicU64::new(0),
-                books: Mutex::new(Books::default()),
                 rt: tokio::runtime::Handle::current(),
-                kv_per_pos_layer,
-                frame_fixed,
-                frame_per_seq,
-                row_bytes,
+                rates: Rates {
+                    kv_per_pos_layer,
+                    frame_fixed,
+                    frame_per_seq,
+                    row_bytes,
+                },
             }),
         })
     }
@@ -248,14 +206,14 @@ impl ClusterBackend {
 
     /// What the closed sequences say about batching so far.
     pub fn batching(&self) -> BatchingStats {
-        lock(&self.inner.books).batching
+        self.inner.shared.view().ledger.batching()
     }
 
     /// Cancels every sequence in flight and waits (at most `timeout`) until each is closed on
     /// every stage. New requests still get admitted; stop the HTTP server first.
     pub async fn drain(&self, timeout: Duration) {
-        let seqs: Vec<u64> = lock(&self.inner.books).live.keys().copied().collect();
-        for s in seqs {
+        let live = |shared: &Shared| shared.view().ledger.live();
+        for s in live(&self.inner.shared) {
             crate::driver::cancel(&self.inner.shared, s);
         }
         let deadline = tokio::time::Instant::now() + timeout;
@@ -263,8 +221,7 @@ impl ClusterBackend {
             > 0
             && tokio::time::Instant::now() < deadline
         {
-            let seqs: Vec<u64> = lock(&self.inner.books).live.keys().copied().collect();
-            for s in seqs {
+            for s in live(&self.inner.shared) {
                 crate::driver::cancel(&self.inner.shared, s);
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -316,8 +273,8 @@ impl std::fmt::Display for NotServing {
 }
 
 fn not_serving(shared: &Shared) -> Option<NotServing> {
-    let core = shared.lock();
-    let m = core.cluster.membership();
+    let view = shared.view();
+    let m = &view.membership;
     let cells = m.cells();
     if cells.is_empty() {
         return Some(NotServing::NoPlan {
@@ -412,7 +369,7 @@ impl Backend for ClusterBackend {
     /// The ring's speculation, counted from closed sequences' sampling stages (any request
     /// with a prediction speculates, whatever the cluster's setting).
     fn speculation(&self) -> Option<SpeculationTotals> {
-        Some(lock(&self.inner.books).speculation)
+        Some(self.inner.shared.view().ledger.speculation())
     }
 }
 
@@ -471,9 +428,11 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
                     .store(prompt_tokens.len(), Ordering::Relaxed);
                 let live = LiveSeq {
                     stages: stages.iter().map(|s| (s.node_id, s.layers.len())).collect(),
-                    positions: tally.clone(),
+                    positions: tally.positions.clone(),
                 };
-                lock(&inner.books).live.insert(seq, live);
+                inner
+                    .shared
+                    .with(move |core, _| core.ledger_mut().started(seq, live));
                 tally.cached.store(cached_tokens, Ordering::Relaxed);
                 if cached_tokens > 0 && events.send(Event::PromptCached(cached_tokens)).is_err() {
                     tally.gone.store(true, Ordering::Relaxed);
@@ -532,34 +491,40 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
     if cancelled {
         inner.cancelled.fetch_add(1, Ordering::Relaxed);
     }
-    let live = lock(&inner.books).live.remove(&seq);
+    let booked = match &result {
+        Some(Ok(report)) => Some(report.clone()),
+        _ => None,
+    };
+    let rates = inner.rates;
+    // Booked before the client hears the end: what it reads of the cluster next includes it.
+    inner
+        .shared
+        .ask(move |core, _| core.ledger_mut().ended(seq, booked.as_ref(), rates))
+        .await;
     let outcome = match result {
-        Some(Ok(report)) => {
-            account(&inner, &report, live.as_ref());
-            match report.reason {
-                SeqFinish::Length => Event::Finished {
-                    reason: FinishReason::Length,
-                    usage: Usage {
-                        prompt_tokens: prompt_len,
-                        completion_tokens: sent,
-                        cached_tokens: cached,
-                    },
+        Some(Ok(report)) => match report.reason {
+            SeqFinish::Length => Event::Finished {
+                reason: FinishReason::Length,
+                usage: Usage {
+                    prompt_tokens: prompt_len,
+                    completion_tokens: sent,
+                    cached_tokens: cached,
                 },
-                SeqFinish::EndOfGeneration => Event::Finished {
-                    reason: FinishReason::Stop,
-                    usage: Usage {
-                        prompt_tokens: prompt_len,
-                        completion_tokens: sent,
-                        cached_tokens: cached,
-                    },
+            },
+            SeqFinish::EndOfGeneration => Event::Finished {
+                reason: FinishReason::Stop,
+                usage: Usage {
+                    prompt_tokens: prompt_len,
+                    completion_tokens: sent,
+                    cached_tokens: cached,
                 },
-                SeqFinish::Cancelled | SeqFinish::Error => Event::Failed {
-                    message: report
-                        .error
-                        .unwrap_or_else(|| format!("the sequence ended: {}", report.reason)),
-                },
-            }
-        }
+            },
+            SeqFinish::Cancelled | SeqFinish::Error => Event::Failed {
+                message: report
+                    .error
+                    .unwrap_or_else(|| format!("the sequence ended: {}", report.reason)),
+            },
+        },
         Some(Err(e)) => Event::Failed {
             message: e.to_string(),
         },
@@ -573,85 +538,26 @@ async fn drive(inner: Arc<Inner>, seq: u64, req: GenerationRequest, events: Even
     inner.active.fetch_sub(1, Ordering::SeqCst);
 }
 
-/// Books a finished sequence: confirmed closes, link bytes, batching evidence.
-fn account(inner: &Inner, report: &RunReport, live: Option<&LiveSeq>) {
-    let mut b = lock(&inner.books);
-    if let Some(sampler) = report.stage_stats.last() {
-        b.speculation.verifications += sampler.verifications;
-        b.speculation.drafted += sampler.drafted;
-        b.speculation.accepted += sampler.drafts_accepted;
-    }
-    let n = report.stages.len();
-    for (i, st) in report.stage_stats.iter().enumerate() {
-        let node = report.stages[i].node_id;
-        if report.unconfirmed_stages.contains(&i) {
-            let positions = live.map_or(report.prompt_tokens + report.generated, |l| {
-                l.positions.positions.load(Ordering::Relaxed)
-            });
-            *b.unconfirmed_kv.entry(node).or_default() +=
-                report.stages[i].layers.len() as u64 * inner.kv_per_pos_layer * positions as u64;
-        }
-        if n > 1 {
-            let next = report.stages[(i + 1) % n].node_id;
-            *b.link_bytes.entry((node, next)).or_default() +=
-                st.prefill.bytes_sent + st.decode.bytes_sent;
-        }
-    }
-    if n > 1 {
-        if let Some(s0) = report.stage_stats.first() {
-            let tokens = s0.decode.frames_sent;
-            // Speculative steps carry draft rows beyond each sequence's one: not overhead.
-            let draft_rows = s0.decode.tokens.saturating_sub(s0.decode.steps);
-            let excess = s0
-                .decode
-                .bytes_sent
-                .saturating_sub(tokens * inner.frame_per_seq + draft_rows * inner.row_bytes);
-            b.decode_excess += excess;
-            b.batching.decode_tokens += tokens;
-            b.batching.prefill_steps += s0.prefill.steps;
-            // A token decoded alone leaves `fixed` bytes of overhead; one in a shared step at
-            // most `fixed / 2`. So at most excess / fixed tokens ran alone.
-            let alone_at_most = b.decode_excess / inner.frame_fixed.max(1);
-            let shared = b.batching.decode_tokens.saturating_sub(alone_at_most);
-            b.batching.shared_tokens_at_least = shared;
-            b.batching.steps_at_most = b.batching.decode_tokens - shared / 2;
-        }
-    }
-}
-
 fn status(inner: &Inner) -> ClusterStatus {
     let shared = &inner.shared;
     let not_serving = not_serving(shared);
-    // The books are read and let go before the cluster is locked: a run's sink takes them
-    // (once, when it starts) where the cluster hands it its news.
-    let (kv, link_bytes, batching) = {
-        let books = lock(&inner.books);
-        let mut kv: HashMap<NodeId, u64> = books.unconfirmed_kv.clone();
-        for l in books.live.values() {
-            for (node, layers) in &l.stages {
-                *kv.entry(*node).or_default() += *layers as u64
-                    * inner.kv_per_pos_layer
-                    * l.positions.positions.load(Ordering::Relaxed) as u64;
-            }
-        }
-        (kv, books.link_bytes.clone(), books.batching)
-    };
-    let core = shared.lock();
-    let st = &core.cluster;
+    let st = shared.view();
+    let kv = st.ledger.kv_per_node(inner.rates);
+    let (link_bytes, batching) = (st.ledger.link_bytes(), st.ledger.batching());
     let cfg = &shared.model.config;
     // The cells that hold (or are taking) their nodes; the first describes the plan.
     let held: Vec<&crate::membership::Epoch> = st
-        .membership()
+        .membership
         .cells()
         .iter()
         .filter(|e| !matches!(e.phase, Phase::Released | Phase::Failed(_)))
         .collect();
     let epoch = held.first().copied().or_else(|| {
-        st.membership()
+        st.membership
             .epoch()
             .filter(|e| !matches!(e.phase, Phase::Released))
     });
-    let n_cells = st.membership().cells().len();
+    let n_cells = st.membership.cells().len();
     // The weight bytes a node's stage keeps resident (the gateway words what it holds).
     let weights_of = |id: &NodeId| -> u64 {
         held.iter()
@@ -665,14 +571,14 @@ fn status(inner: &Inner) -> ClusterStatus {
             .or_else(|| m.inventory.as_ref().and_then(|i| i.memory.available_bytes))
             .unwrap_or(0)
     };
-    let mut members: Vec<&crate::membership::Member> = st.membership().members().collect();
+    let mut members: Vec<&crate::membership::Member> = st.membership.members().collect();
     members.sort_by_key(|m| (!m.connected, m.joined));
     let nodes: Vec<NodeStatus> = members
         .into_iter()
         .map(|m| {
             let weights = weights_of(&m.node_id);
             let expert_cache =
-                st.expert_cache()
+                st.expert_cache
                     .get(&m.node_id)
                     .map(|c| tessera_api::ExpertCacheStatus {
                         budget_bytes: c.budget_bytes,
@@ -727,12 +633,12 @@ fn status(inner: &Inner) -> ClusterStatus {
             }
         })
         .collect();
-    let budget = |id: &NodeId| st.membership().member(id).map_or(0, budget_of);
+    let budget = |id: &NodeId| st.membership.member(id).map_or(0, budget_of);
     // The current epoch's expert split (after a failover it differs from the configured one):
     // experts per layer each node holds, resolved against the members by name or id.
-    let members = st.membership().member_candidates();
+    let members = st.membership.member_candidates();
     let expert_owners: Option<Vec<(NodeId, usize)>> =
-        st.membership().epoch_expert_split().map(|split| {
+        st.membership.epoch_expert_split().map(|split| {
             split
                 .groups
                 .iter()
@@ -753,14 +659,14 @@ fn status(inner: &Inner) -> ClusterStatus {
                 .filter(|s| !s.layers.is_empty())
                 .map(|s| RingStage {
                     node: st
-                        .membership()
+                        .membership
                         .member(&s.node_id)
                         .map_or_else(|| s.node_id.short(), |m| m.name.clone()),
                     layers: [s.layers.start, s.layers.end],
                 })
                 .collect(),
             expert_split: st
-                .membership()
+                .membership
                 .epoch_expert_split()
                 .map(|split| split.to_string()),
             cells: n_cells.max(1),
@@ -803,7 +709,7 @@ fn status(inner: &Inner) -> ClusterStatus {
             }
         }
         let cells: Vec<CellStatus> = if n_cells > 1 {
-            st.membership()
+            st.membership
                 .cells()
                 .iter()
                 .map(|e| CellStatus {
@@ -811,8 +717,8 @@ fn status(inner: &Inner) -> ClusterStatus {
                     epoch: e.id,
                     state: e.phase.to_string(),
                     nodes: e.stages.iter().map(|s| s.node_id.to_string()).collect(),
-                    active: st.cells().seated(e.id),
-                    decode_tokens_per_s: st.cells().speed(e.id).unwrap_or(0.0),
+                    active: st.cells.seated(e.id),
+                    decode_tokens_per_s: st.cells.speed(e.id).unwrap_or(0.0),
                 })
                 .collect()
         } else {

@@ -173,7 +173,7 @@ struct Seat {
 }
 
 /// The requests seated on each cell and each cell's measured speed.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct CellBook {
     seats: BTreeMap<u64, Seat>,
     speed: BTreeMap<u64, Speed>,

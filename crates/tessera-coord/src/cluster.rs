@@ -162,6 +162,10 @@ pub struct Cluster {
     unsettled: bool,
     drained: u64,
     fault: Option<Fault>,
+    /// Bumped whenever what [`Cluster::membership`], [`Cluster::cells`] or
+    /// [`Cluster::expert_cache`] show may have changed (not by a run's messages, nor by a heartbeat): the shell republishes its view
+    /// of them only then.
+    generation: u64,
 }
 
 /// Bit offset of the attempt number in a stage-side sequence id (the run's id below it).
@@ -186,6 +190,7 @@ impl Cluster {
             unsettled: false,
             drained: 0,
             fault: None,
+            generation: 0,
         }
     }
 
@@ -207,7 +212,13 @@ impl Cluster {
         self.lease
     }
 
+    /// See the field: a new value means the membership or the expert caches may have changed.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     pub fn set_lease(&mut self, lease: Duration) {
+        self.generation += 1;
         self.lease = lease;
         self.membership.set_lease(lease);
     }
@@ -217,10 +228,12 @@ impl Cluster {
     }
 
     pub fn set_kv_type(&mut self, kv: tessera_model::kv::KvType) {
+        self.generation += 1;
         self.membership.set_kv_type(kv);
     }
 
     pub fn set_expert_split(&mut self, split: Option<crate::assignment::ExpertSplit>) {
+        self.generation += 1;
         self.membership.set_expert_split(split);
     }
 
@@ -354,6 +367,7 @@ impl Cluster {
                 expert_cache: Some(c),
             } => {
                 if self.expert_cache.insert(node, c) != Some(c) {
+                    self.generation += 1;
                     let name = self.name_of(&node);
                     tracing::info!(
                         event = "expert_cache",
@@ -420,6 +434,7 @@ impl Cluster {
     /// Feeds the membership one event and carries out its actions; when the cells changed,
     /// records them and marks the runs for settling.
     fn apply(&mut self, event: Event, out: &mut Vec<ClusterOutput>) {
+        self.generation += 1;
         let before = cell_phases(&self.membership);
         for a in self.membership.handle(event) {
             match a {
@@ -638,6 +653,7 @@ impl Cluster {
         }
         self.timers.disarm(TimerKey::Placement(run));
         if self.cells.unseat(run) {
+            self.generation += 1;
             self.unsettled = true;
         }
     }
@@ -726,6 +742,7 @@ impl Cluster {
                 Output::Done(o) => {
                     if let (Some(p), Some((n, d))) = (&o.placement, o.decode) {
                         self.cells.measured(p.epoch, n, d.as_secs_f64().max(1e-9));
+                        self.generation += 1;
                     }
                     self.forget_run(run);
                     out.push(ClusterOutput::Run {

@@ -133,14 +133,29 @@ pub(crate) async fn client_session(
                     let _ = tx.send(CoordToClient::Admin(crate::admin::handle(&shared, req)));
                 }
                 Ok(ClientToCoord::Holders { model }) => {
-                    let holders = crate::sealed::edge::holders(&*shared, model.as_deref());
+                    let holders = shared
+                        .ask(move |core, _| {
+                            crate::sealed::edge::holders(&core.edge(), model.as_deref())
+                        })
+                        .await
+                        .unwrap_or_default();
                     let _ = tx.send(CoordToClient::Holders { holders });
                 }
                 Ok(ClientToCoord::SealedSubmit(s)) => {
-                    let client = *sealed_id.get_or_insert_with(|| {
-                        crate::sealed::edge::client_joined(&*shared, tx.clone())
+                    let client = match sealed_id {
+                        Some(c) => c,
+                        None => {
+                            let tx = tx.clone();
+                            let joined = shared.ask(move |core, _| {
+                                crate::sealed::edge::client_joined(&core.edge(), tx)
+                            });
+                            let Some(c) = joined.await else { break };
+                            *sealed_id.insert(c)
+                        }
+                    };
+                    shared.with(move |core, _| {
+                        crate::sealed::edge::submit(&core.edge(), client, s);
                     });
-                    crate::sealed::edge::submit(&*shared, client, s);
                 }
                 Ok(ClientToCoord::Hello(_)) => {
                     let _ = tx.send(CoordToClient::Error {
@@ -164,7 +179,9 @@ pub(crate) async fn client_session(
         cancel(&shared, seq);
     }
     if let Some(client) = sealed_id {
-        crate::sealed::edge::client_left(&*shared, client);
+        shared.with(move |core, _| {
+            crate::sealed::edge::client_left(&core.edge(), client);
+        });
     }
     drop(tx);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer_task).await;

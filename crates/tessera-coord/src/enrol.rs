@@ -79,6 +79,9 @@ pub struct Enrolment {
     operator_token: JoinToken,
     state: Box<dyn EnrolmentState>,
     snapshot: Mutex<Snapshot>,
+    /// Bumped by every change of the records: a session re-checks its key's rights only when
+    /// it moved ([`Enrolment::changes`]), not on every message.
+    changes: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Enrolment {
@@ -183,11 +186,26 @@ impl Enrolment {
             operator_token,
             state,
             snapshot: Mutex::new(snap),
+            changes: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
     fn snap(&self) -> std::sync::MutexGuard<'_, Snapshot> {
         self.snapshot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The records, to change them: counted before the change is made, so a reader that sees
+    /// the new count waits for the lock and then sees the change.
+    fn snap_mut(&self) -> std::sync::MutexGuard<'_, Snapshot> {
+        let snap = self.snap();
+        self.changes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        snap
+    }
+
+    /// How many times the records have changed (grants, names, revocations, tokens).
+    pub fn changes(&self) -> u64 {
+        self.changes.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The node join token the coordinator prints.
@@ -228,7 +246,7 @@ impl Enrolment {
 
     fn judge(&self, claimed: &ClaimedEnrolment, now: u64) -> Result<(), EnrolRefusal> {
         let claim = claimed.claim();
-        let mut snap = self.snap();
+        let mut snap = self.snap_mut();
         if snap.revoked.contains(&claim.node_id()) {
             return Err(Refusal::Revoked(claim.node_id()).into());
         }
@@ -274,7 +292,7 @@ impl Enrolment {
 
     #[cfg(test)]
     fn record(&self, key: PublicKey, grant: Grant) -> Result<(), CoordError> {
-        let mut snap = self.snap();
+        let mut snap = self.snap_mut();
         if snap.revoked.contains(&key.node_id()) {
             return Err(CoordError::Run(format!(
                 "node {} is revoked",
@@ -293,7 +311,7 @@ impl Enrolment {
     /// another's identity by announcing its name.
     pub fn bind_name(&self, key: &PublicKey, name: &str, role: Role) -> Result<(), EnrolRefusal> {
         check_name(name)?;
-        let mut snap = self.snap();
+        let mut snap = self.snap_mut();
         if snap.revoked.contains(&key.node_id()) {
             return Err(Refusal::Revoked(key.node_id()).into());
         }
@@ -336,7 +354,7 @@ impl Enrolment {
         lifetime_ms: Option<u64>,
     ) -> Result<TokenRecord, CoordError> {
         let r = TokenRecord::issue(self.coordinator, grant, uses, lifetime_ms, now_unix_ms())?;
-        let mut snap = self.snap();
+        let mut snap = self.snap_mut();
         snap.tokens.push(r.clone());
         self.state.save(&snap)?;
         Ok(r)
@@ -355,7 +373,7 @@ impl Enrolment {
         prefix: &str,
         with_keys: Option<bool>,
     ) -> Result<(TokenInfo, Vec<NodeId>), CoordError> {
-        let mut snap = self.snap();
+        let mut snap = self.snap_mut();
         let mut hits = snap
             .tokens
             .iter_mut()
@@ -425,7 +443,7 @@ impl Enrolment {
 
     /// Revokes a node: its key is refused from now on, and it cannot enrol again.
     pub fn revoke(&self, node: NodeId) -> Result<(), CoordError> {
-        let mut snap = self.snap();
+        let mut snap = self.snap_mut();
         if let Some(n) = snap.nodes.iter().find(|n| n.node_id == node) {
             self.allow.remove(&n.node_id);
         }
@@ -553,6 +571,21 @@ mod tests {
         e.bind_name(&node, "n", Role::Node).unwrap();
         e.bind_name(&client, "c", Role::Client).unwrap();
         assert_eq!(e.grant_of(&client), Some(Grant::Client));
+    }
+
+    #[test]
+    fn a_revocation_moves_the_change_count_that_sessions_recheck_rights_on_and_a_read_does_not() {
+        let me = NodeIdentity::generate().unwrap();
+        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let a = NodeIdentity::generate().unwrap().public_key();
+        e.record(a, Grant::Node).unwrap();
+        let before = e.changes();
+        assert_eq!(e.grant_of(&a), Some(Grant::Node));
+        assert!(!e.is_revoked(&a.node_id()));
+        assert_eq!(e.changes(), before, "reads change nothing");
+        e.revoke(a.node_id()).unwrap();
+        assert!(e.changes() > before);
+        assert_eq!(e.grant_of(&a), None);
     }
 
     #[test]

@@ -100,6 +100,7 @@ pub mod enrol;
 pub mod enrolling;
 pub mod error;
 pub mod fault;
+pub(crate) mod ledger;
 pub mod membership;
 pub mod model_access;
 pub mod replan;

@@ -2,8 +2,8 @@
 //! (control sessions in [`crate::session`], model streams in [`crate::distribute`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_host::Manifest;
@@ -20,7 +20,7 @@ use crate::state::{EnrolmentState, RedbState};
 
 use crate::session::control_session;
 use crate::shared::{
-    model_bytes, spawn_clock, CoordinatorConfig, Core, ModelInfo, Shared, DEFAULT_LEASE,
+    model_bytes, CoordinatorConfig, ModelInfo, Shared, SharedParts, DEFAULT_LEASE,
 };
 /// A bound coordinator.
 pub struct Coordinator {
@@ -113,28 +113,20 @@ impl Coordinator {
             DEFAULT_LEASE,
         );
         let coordinator = Self {
-            shared: Arc::new(Shared {
-                id: identity.node_id(),
-                config,
-                enrol,
-                model,
-                server,
-                core: Mutex::new(Core::new(cluster)),
-                clock: Arc::new(tokio::sync::Notify::new()),
-                next_seq: AtomicU64::new(1),
-                next_session: AtomicU64::new(1),
-                lease_ms: AtomicU64::new(DEFAULT_LEASE.as_millis() as u64),
-                store,
-                closing: std::sync::atomic::AtomicBool::new(false),
-                started: tokio::time::Instant::now(),
-                authz: crate::authz::Gate::new(),
-                max_context: std::sync::atomic::AtomicUsize::new(max_context),
-                sealed: Mutex::new(crate::sealed::SealedEdge::new(&Default::default())),
-            }),
+            shared: Shared::start(
+                SharedParts {
+                    id: identity.node_id(),
+                    config,
+                    enrol,
+                    model,
+                    server,
+                    store,
+                    max_context,
+                },
+                cluster,
+            ),
             endpoint,
         };
-        spawn_clock(&coordinator.shared);
-        crate::sealed::edge::spawn_clock(Arc::downgrade(&coordinator.shared));
         Ok(coordinator)
     }
 
@@ -171,8 +163,8 @@ impl Coordinator {
     /// Sets the node lease: a node silent this long (no heartbeat, no message) is declared gone
     /// and planned around. Nodes heartbeat four times per lease. Default [`DEFAULT_LEASE`].
     pub fn set_lease(&self, lease: Duration) {
-        self.shared.lock().cluster.set_lease(lease);
-        self.shared.clock.notify_one();
+        self.shared
+            .with(move |core, _| core.cluster.set_lease(lease));
         self.shared
             .lease_ms
             .store(lease.as_millis().max(1) as u64, Ordering::Relaxed);
@@ -180,13 +172,13 @@ impl Coordinator {
 
     /// The last plan epoch handed out (continues across restarts).
     pub fn last_epoch(&self) -> u64 {
-        self.shared.lock().cluster.membership().last_epoch_id()
+        self.shared.view().membership.last_epoch_id()
     }
 
     /// Why no epoch can be placed right now (no feasible plan on the connected nodes), for a
     /// front end to answer "503 Service Unavailable" with; `None` when the cluster has capacity.
     pub fn outage(&self) -> Option<crate::replan::NoPlacement> {
-        self.shared.lock().cluster.membership().outage().cloned()
+        self.shared.view().membership.outage().cloned()
     }
 
     /// The shared state, for the gateway backend in this crate.
@@ -223,9 +215,8 @@ impl Coordinator {
     pub fn expert_cache(&self) -> Vec<(NodeId, tessera_proto::ExpertCacheStats)> {
         let mut v: Vec<_> = self
             .shared
-            .lock()
-            .cluster
-            .expert_cache()
+            .view()
+            .expert_cache
             .iter()
             .map(|(id, c)| (*id, *c))
             .collect();
@@ -237,9 +228,8 @@ impl Coordinator {
     /// planning from measured inventory, [`tessera_placement::planning`]).
     pub fn connected_members(&self) -> Vec<crate::membership::Member> {
         self.shared
-            .lock()
-            .cluster
-            .membership()
+            .view()
+            .membership
             .connected()
             .into_iter()
             .cloned()
@@ -254,11 +244,8 @@ impl Coordinator {
         stages: &[StageSpec],
     ) -> Result<Vec<(NodeId, std::ops::Range<usize>)>, crate::assignment::AssignmentError> {
         let n_layer = self.shared.model.config.n_layer;
-        let placed = {
-            let core = self.shared.lock();
-            let nodes = core.cluster.membership().candidates();
-            crate::assignment::resolve(stages, n_layer, &nodes)?
-        };
+        let nodes = self.shared.view().membership.candidates();
+        let placed = crate::assignment::resolve(stages, n_layer, &nodes)?;
         self.shared.handle(ClusterInput::Plan {
             stages: placed.clone(),
         });
@@ -268,15 +255,18 @@ impl Coordinator {
     /// How sealed jobs are verified, and (tests only) how this coordinator misbehaves with them.
     /// Call before clients connect.
     pub fn set_sealed(&self, settings: &crate::sealed::SealedSettings) {
-        use crate::sealed::edge::SealedHost;
-        *self.shared.sealed() = crate::sealed::SealedEdge::new(settings);
+        let settings = settings.clone();
+        self.shared.with(move |core, _| {
+            core.set_sealed(crate::sealed::SealedEdge::new(&settings));
+        });
     }
 
     /// Most positions per sequence in the plans made from now on (a planner's choice of the
     /// context that fits; call before applying its stages).
     pub fn set_max_context(&self, positions: usize) {
         self.shared.max_context.store(positions, Ordering::SeqCst);
-        self.shared.lock().cluster.set_max_context(positions);
+        self.shared
+            .with(move |core, _| core.cluster.set_max_context(positions));
     }
 
     pub fn max_context(&self) -> usize {
@@ -284,25 +274,30 @@ impl Coordinator {
     }
 
     /// The KV cache type stages are assigned from the next plan on (call before nodes join for
-    /// the first plan to use it).
-    pub fn set_kv_type(&self, kv_type: tessera_model::kv::KvType) {
-        self.shared.lock().cluster.set_kv_type(kv_type);
+    /// the first plan to use it). Returns once the cluster has it ([`Coordinator::kv_type`]
+    /// says so from then on).
+    pub async fn set_kv_type(&self, kv_type: tessera_model::kv::KvType) {
+        self.shared
+            .ask(move |core, _| core.cluster.set_kv_type(kv_type))
+            .await;
     }
 
     pub fn kv_type(&self) -> tessera_model::kv::KvType {
-        self.shared.lock().cluster.membership().kv_type()
+        self.shared.view().membership.kv_type()
     }
 
     /// Splits every MoE layer's experts across nodes in the plans made from now on (call before
-    /// nodes join for the initial split to use it).
-    pub fn set_expert_split(&self, split: Option<crate::assignment::ExpertSplit>) {
-        self.shared.lock().cluster.set_expert_split(split);
+    /// nodes join for the initial split to use it). Returns once the cluster has it.
+    pub async fn set_expert_split(&self, split: Option<crate::assignment::ExpertSplit>) {
+        self.shared
+            .ask(move |core, _| core.cluster.set_expert_split(split))
+            .await;
     }
 
     /// Closes every connection (peers are told at once) and stops accepting.
     pub fn close(&self) {
         self.shared.closing.store(true, Ordering::SeqCst);
-        self.shared.lock().cluster.set_closing();
+        self.shared.with(|core, _| core.cluster.set_closing());
         self.endpoint.close();
     }
 
@@ -437,7 +432,7 @@ fn authorize_model_request(
         tessera_proto::ModelRequest::Manifest { .. } => check_manifest(grant),
         tessera_proto::ModelRequest::Chunks { ids, .. } => {
             let parts = assigned_tensors(
-                shared.lock().cluster.membership(),
+                &shared.view().membership,
                 shared.model.config.n_layer,
                 &node,
             );

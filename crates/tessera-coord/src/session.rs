@@ -5,14 +5,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_net::{measure_link, Connection, FramedStream, NodeId};
+use futures_util::stream::{BoxStream, StreamExt};
+use tessera_net::quinn::RecvStream;
+use tessera_net::{measure_link, Connection, FrameReader, FramedStream, NodeId};
 use tessera_proto::{frame, limits, CoordToNode, Hello, NodeToCoord, Role, PROTOCOL_VERSION};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::cluster::ClusterInput;
 use crate::error::CoordError;
 use crate::membership::Member;
-use crate::shared::Shared;
+use crate::shared::{Command, Shared};
 
 pub(crate) async fn control_session(
     shared: Arc<Shared>,
@@ -180,71 +182,134 @@ async fn node_session(
         });
     }
     if let Some(m) = early {
-        handle_node_message(&shared, id, session, key, m);
+        shared.run(node_command(&shared, id, session, key, m));
     }
-
-    let result = async {
-        loop {
-            // Every message renews the lease (the membership machine expires it: a node
-            // silent for a whole lease, dead, frozen or cut off, is declared gone and this
-            // session is closed under the read).
-            let Some(f) = reader.read_frame().await? else {
-                break;
-            };
-            if f.kind != frame::MSG {
-                return Err(CoordError::Protocol(format!(
-                    "unexpected frame kind {:#06x} on a control stream",
-                    f.kind
-                )));
-            }
-            // Rights are the key's now, not at the session's start: a revoked key's
-            // session ends at its next message.
-            if shared.enrol.grant_of(&conn.peer_key()) != Some(crate::authz::Grant::Node) {
-                conn.close("revoked");
-                return Err(CoordError::Protocol(format!("{} is revoked", id.short())));
-            }
-            let msg: NodeToCoord = f.json()?;
-            handle_node_message(&shared, id, session, key, msg);
-        }
-        Ok(())
-    }
-    .await;
+    // From here the core task reads the stream itself: a node's message becomes the cluster's
+    // input where the cluster is, with no channel or lock between them. This task keeps the
+    // outbox's writer until the core says the stream ended.
+    let (ended_tx, ended) = oneshot::channel();
+    shared.add_reader(node_frames(NodeFrames {
+        shared: shared.clone(),
+        conn: conn.clone(),
+        reader,
+        id,
+        session,
+        key,
+        ended: Some(ended_tx),
+        rights_checked: None,
+    }));
+    let result = ended.await.unwrap_or(Ok(()));
     writer_task.abort();
     tracing::info!(event = "node_left", node = %hello.name, node_id = %id, "node left: {} {}", hello.name, id);
-    // If it held a stage, the cluster fails the epoch and plans one on the survivors, and
-    // runs on it resume there; the sealed desk moves its jobs on.
-    shared.close_session(id, session);
     result
 }
 
-/// A node's message: refused if it may not say it, the sealed desk's if it is about a sealed
-/// job, else the cluster's (every message renews the lease there).
-fn handle_node_message(
+/// A node's control stream as the core task reads it.
+struct NodeFrames {
+    shared: Arc<Shared>,
+    conn: Connection,
+    reader: FrameReader<RecvStream>,
+    id: NodeId,
+    session: u64,
+    key: tessera_seal::NodeKey,
+    /// Told how the stream ended.
+    ended: Option<oneshot::Sender<Result<(), CoordError>>>,
+    /// The enrolment's change count when this key's rights were last checked.
+    rights_checked: Option<u64>,
+}
+
+/// Each frame of a node's control stream as a command for the core (polled on the core task,
+/// so checking and decoding a frame happen there), then one command that ends the session:
+/// the stream ended, failed, broke the protocol, or its key was revoked. Every message renews
+/// the lease (the membership machine expires it: a node silent for a whole lease, dead,
+/// frozen or cut off, is declared gone and its connection closed under the read).
+fn node_frames(frames: NodeFrames) -> BoxStream<'static, Command> {
+    futures_util::stream::unfold(Some(frames), |state| async move {
+        let mut f = state?;
+        match next_message(&mut f).await {
+            Ok(Some(msg)) => {
+                let command = node_command(&f.shared, f.id, f.session, f.key, msg);
+                Some((command, Some(f)))
+            }
+            end => {
+                let (id, session, ended) = (f.id, f.session, f.ended.take());
+                let end = end.map(|_| ());
+                // If it held a stage, the cluster fails the epoch and plans one on the
+                // survivors, and runs on it resume there; the sealed desk moves its jobs on.
+                let command = Command::With(Box::new(move |core, shared| {
+                    core.close_session(shared, id, session);
+                    if let Some(tx) = ended {
+                        let _ = tx.send(end);
+                    }
+                }));
+                Some((command, None))
+            }
+        }
+    })
+    .boxed()
+}
+
+/// The next message on a node's control stream; `None` when it ended.
+async fn next_message(f: &mut NodeFrames) -> Result<Option<NodeToCoord>, CoordError> {
+    let Some(frame) = f.reader.read_frame().await? else {
+        return Ok(None);
+    };
+    if frame.kind != frame::MSG {
+        return Err(CoordError::Protocol(format!(
+            "unexpected frame kind {:#06x} on a control stream",
+            frame.kind
+        )));
+    }
+    // Rights are the key's now, not at the session's start: a revoked key's session ends at
+    // its next message. Checked again only when the records changed since.
+    let changes = f.shared.enrol.changes();
+    if f.rights_checked != Some(changes) {
+        if f.shared.enrol.grant_of(&f.conn.peer_key()) != Some(crate::authz::Grant::Node) {
+            f.conn.close("revoked");
+            return Err(CoordError::Protocol(format!("{} is revoked", f.id.short())));
+        }
+        f.rights_checked = Some(changes);
+    }
+    Ok(Some(frame.json()?))
+}
+
+/// A node's message as a command for the core: refused if it may not say it, the sealed
+/// desk's if it is about a sealed job, else the cluster's (every message renews the lease
+/// there).
+fn node_command(
     shared: &Shared,
     id: NodeId,
     session: u64,
     key: tessera_seal::NodeKey,
     msg: NodeToCoord,
-) {
+) -> Command {
     let sender = crate::authz::SenderFacts {
         node: id,
         grant: crate::authz::Grant::Node,
     };
-    let refused = shared.authz.check_node(&sender, &msg).is_err();
-    let msg = if refused || crate::sealed::edge::node_message(shared, key, &msg) {
-        // Heard all the same: the lease is about liveness, not manners.
-        NodeToCoord::Heartbeat { expert_cache: None }
+    // Heard all the same: the lease is about liveness, not manners.
+    let heard = ClusterInput::Node {
+        node: id,
+        session,
+        msg: NodeToCoord::Heartbeat { expert_cache: None },
+    };
+    if shared.authz.check_node(&sender, &msg).is_err() {
+        Command::Input(heard)
+    } else if crate::sealed::edge::is_sealed(&msg) {
+        Command::With(Box::new(move |core, shared| {
+            crate::sealed::edge::node_message(&core.edge(), key, &msg);
+            core.handle(shared, heard);
+        }))
     } else {
         if let NodeToCoord::Hello(_) = msg {
             tracing::warn!("{}: a second hello; ignored", id.short());
         }
-        msg
-    };
-    shared.handle(ClusterInput::Node {
-        node: id,
-        session,
-        msg,
-    });
+        Command::Input(ClusterInput::Node {
+            node: id,
+            session,
+            msg,
+        })
+    }
 }
 
 /// Aborts a task when dropped.

@@ -1,27 +1,34 @@
-//! The coordinator's shared state: its settings, the model it serves, the [`Cluster`] (every
-//! decision) with the I/O handles its outputs go to, and the gate. Each session, run shell and
-//! the HTTP backend hold an `Arc<Shared>` and only translate I/O into the cluster's inputs and
-//! its outputs into I/O ([`Shared::handle`]).
+//! The coordinator's shared state: its settings, the model it serves, the gate, and the inbox
+//! of the one task that owns the [`Cluster`] (every decision) with the I/O handles its outputs
+//! go to ([`Core`]). Each session, run shell and the HTTP backend hold an `Arc<Shared>` and
+//! only translate I/O into the cluster's inputs ([`Shared::handle`]) and its outputs into I/O;
+//! what they read of the cluster comes from the view the core publishes ([`Shared::view`]).
+//! No lock guards the cluster: a node's message reaches its run through the core's inbox and
+//! nothing else.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::stream::{BoxStream, SelectAll, StreamExt};
 use tessera_host::Manifest;
 use tessera_model::{ModelConfig, Tokenizer};
 use tessera_net::{Connection, NodeId};
-use tessera_proto::{CoordToNode, MemberStatus, StageSpec};
-use tokio::sync::mpsc;
+use tessera_proto::{CoordToNode, ExpertCacheStats, MemberStatus, StageSpec};
+use tokio::sync::{mpsc, watch};
 
 use crate::cluster::{Cluster, ClusterInput, ClusterOutput, RunNews};
 use crate::distribute::ModelServer;
 use crate::enrol::Enrolment;
-use crate::membership::Member;
+use crate::ledger::Ledger;
+use crate::membership::{Member, Membership};
 use crate::replan::ModelBytes;
 use crate::run::RunSpec;
+use crate::sealed::SealedEdge;
 use crate::state::EnrolmentState;
 
 /// How long a node may stay silent before it is declared gone, by default.
@@ -55,15 +62,26 @@ pub struct ModelInfo {
     pub eog: Vec<u32>,
 }
 
-/// What changes while the coordinator runs, behind [`Shared::lock`]: the [`Cluster`] that
-/// decides, and the I/O handles its outputs go to (each node's control session, each run's
-/// owner). The persistent records are in [`crate::state`].
+/// What changes while the coordinator runs: the [`Cluster`] that decides, the I/O handles its
+/// outputs go to (each node's control session, each run's owner) and the sealed desk. One task
+/// owns it ([`spawn_core`]); everything else reaches it by [`Shared::handle`], [`Shared::with`]
+/// and [`Shared::ask`], in the order they were called, and reads the [`ClusterView`] it
+/// publishes. The persistent records are in [`crate::state`].
 pub(crate) struct Core {
     pub cluster: Cluster,
     /// Each connected node's current control session and its outbox.
     outboxes: HashMap<NodeId, NodeOutbox>,
     /// Where each run's news goes.
     owners: HashMap<u64, RunOwner>,
+    /// Sealed jobs: the desk that routes them and the clients waiting for them. A cell because
+    /// the edge's functions borrow it between their sends ([`EdgeHost`]), all on this task.
+    sealed: RefCell<SealedEdge>,
+    /// What the cluster backend books from its runs.
+    ledger: Ledger,
+    /// The cluster's generation and the ledger's revision the view was last published at.
+    published: Option<(u64, u64)>,
+    /// Node control streams handed over, for the core task to read ([`Shared::add_reader`]).
+    new_readers: Vec<BoxStream<'static, Command>>,
 }
 
 impl Core {
@@ -72,9 +90,139 @@ impl Core {
             cluster,
             outboxes: HashMap::new(),
             owners: HashMap::new(),
+            sealed: RefCell::new(SealedEdge::new(&Default::default())),
+            ledger: Ledger::default(),
+            published: None,
+            new_readers: Vec::new(),
+        }
+    }
+
+    pub fn ledger_mut(&mut self) -> &mut Ledger {
+        &mut self.ledger
+    }
+
+    /// The sealed desk's edge, over this core.
+    pub fn edge(&self) -> EdgeHost<'_> {
+        EdgeHost { core: self }
+    }
+
+    /// Replaces the sealed desk (its settings changed; before clients connect).
+    pub fn set_sealed(&mut self, edge: SealedEdge) {
+        self.sealed = RefCell::new(edge);
+    }
+
+    fn run(&mut self, shared: &Shared, command: Command) {
+        match command {
+            Command::Input(input) => self.handle(shared, input),
+            Command::With(f) => f(self, shared),
+        }
+        self.publish(shared);
+    }
+
+    /// Feeds the cluster one input and carries out its outputs: sends and news first, then
+    /// records, refusals, the sealed desk and closing a connection.
+    pub fn handle(&mut self, shared: &Shared, input: ClusterInput) {
+        let outputs = self.cluster.handle(shared.now(), input);
+        // The view goes out before any message does: a node told of a new epoch asks for its
+        // chunks at once, and the model server checks them against the view.
+        self.publish(shared);
+        let mut later = Vec::new();
+        for o in outputs {
+            match o {
+                ClusterOutput::ToNode { to, msg } => {
+                    if let Some(s) = self.outboxes.get(&to) {
+                        let _ = s.tx.send(*msg);
+                    }
+                }
+                ClusterOutput::Run { run, news } => {
+                    if matches!(news, RunNews::Ended(_)) {
+                        if let Some(mut owner) = self.owners.remove(&run) {
+                            owner(news);
+                        }
+                    } else if let Some(owner) = self.owners.get_mut(&run) {
+                        owner(news);
+                    }
+                }
+                ClusterOutput::LeaseExpired { node, session } => {
+                    if self
+                        .outboxes
+                        .get(&node)
+                        .is_some_and(|s| s.session == session)
+                    {
+                        let s = self.outboxes.remove(&node).expect("checked");
+                        s.conn.close("lease expired");
+                        later.push(crate::sealed::edge::node_key(&s.conn.peer_key()));
+                    }
+                }
+                ClusterOutput::NodeLeft { key, .. } => {
+                    later.push(crate::sealed::edge::node_key(&key));
+                }
+                ClusterOutput::RecordEpoch(mut rec) => {
+                    rec.recorded_at_unix_ms = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64);
+                    if let Err(e) = shared.store.record_epoch(&rec) {
+                        tracing::warn!("recording epoch {}: {e}", rec.epoch);
+                    }
+                }
+                ClusterOutput::Refused { node, why } => shared.authz.refuse(node, &why),
+            }
+        }
+        // The desk hears of departures after the cluster's sends (its own go on the
+        // sessions still open).
+        for key in later {
+            crate::sealed::edge::node_left(&self.edge(), key);
+        }
+    }
+
+    /// Ends node `id`'s control session `session` (a newer session may have replaced it: then
+    /// the node has not left).
+    pub fn close_session(&mut self, shared: &Shared, id: NodeId, session: u64) {
+        if self.outboxes.get(&id).is_some_and(|s| s.session == session) {
+            self.outboxes.remove(&id);
+        }
+        self.handle(shared, ClusterInput::Left { node: id, session });
+    }
+
+    /// Publishes the view when the cluster's generation or the ledger's revision moved.
+    fn publish(&mut self, shared: &Shared) {
+        let g = (self.cluster.generation(), self.ledger.revision());
+        if self.published != Some(g) {
+            self.published = Some(g);
+            shared.view.send_replace(Arc::new(ClusterView {
+                membership: self.cluster.membership().clone(),
+                cells: self.cluster.cells().clone(),
+                expert_cache: self.cluster.expert_cache().clone(),
+                ledger: self.ledger.clone(),
+            }));
         }
     }
 }
+
+/// The membership, the cell book, the expert caches and the ledger as of the core's last
+/// change, for
+/// readers that must not wait for the core task (the gateway's status, `Backend::submit`, the
+/// model server's checks, the coordinator's getters).
+#[derive(Default)]
+pub(crate) struct ClusterView {
+    pub membership: Membership,
+    pub cells: crate::cells::CellBook,
+    pub expert_cache: HashMap<NodeId, ExpertCacheStats>,
+    pub ledger: Ledger,
+}
+
+/// What the core task is asked to do: an input for the cluster (a node's message, a
+/// timeout), or anything else done with the core.
+// Not boxed: `Input` carries every node message (a token each), and a box would be one more
+// allocation per token; the rare `With` is what is small.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Command {
+    Input(ClusterInput),
+    With(CoreJob),
+}
+
+/// Work done on the core task with the core.
+pub(crate) type CoreJob = Box<dyn FnOnce(&mut Core, &Shared) + Send>;
 
 /// A node's current control session: its number, its outbox, and its connection (closed when
 /// the cluster says the lease expired).
@@ -90,9 +238,10 @@ pub(crate) struct Shared {
     pub enrol: Arc<Enrolment>,
     pub model: ModelInfo,
     pub server: ModelServer,
-    pub core: Mutex<Core>,
-    /// Woken when the cluster's next timeout may have come closer ([`spawn_clock`]).
-    pub clock: Arc<tokio::sync::Notify>,
+    /// The core task's inbox ([`spawn_core`]).
+    core: mpsc::UnboundedSender<Command>,
+    /// What the core last published.
+    view: watch::Sender<Arc<ClusterView>>,
     pub next_seq: AtomicU64,
     /// Control session numbers.
     pub next_session: AtomicU64,
@@ -111,17 +260,49 @@ pub(crate) struct Shared {
     /// `max_context` until a planner chooses a context that fits
     /// ([`Coordinator::set_max_context`]).
     pub max_context: std::sync::atomic::AtomicUsize,
-    /// Sealed jobs: the desk that routes them, and the clients waiting for them.
-    pub sealed: Mutex<crate::sealed::SealedEdge>,
+}
+
+/// What [`Shared::new`] needs besides the core.
+pub(crate) struct SharedParts {
+    pub id: NodeId,
+    pub config: CoordinatorConfig,
+    pub enrol: Arc<Enrolment>,
+    pub model: ModelInfo,
+    pub server: ModelServer,
+    pub store: Arc<dyn EnrolmentState>,
+    pub max_context: usize,
 }
 
 impl Shared {
-    pub fn max_context(&self) -> usize {
-        self.max_context.load(Ordering::SeqCst)
+    /// The shared state around `cluster`, and the task that owns the cluster. Must be called
+    /// inside a tokio runtime.
+    pub fn start(parts: SharedParts, cluster: Cluster) -> Arc<Self> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Self {
+            id: parts.id,
+            config: parts.config,
+            enrol: parts.enrol,
+            model: parts.model,
+            server: parts.server,
+            core: tx,
+            view: watch::Sender::new(Arc::default()),
+            next_seq: AtomicU64::new(1),
+            next_session: AtomicU64::new(1),
+            lease_ms: AtomicU64::new(DEFAULT_LEASE.as_millis() as u64),
+            store: parts.store,
+            closing: std::sync::atomic::AtomicBool::new(false),
+            started: tokio::time::Instant::now(),
+            authz: crate::authz::Gate::new(),
+            max_context: std::sync::atomic::AtomicUsize::new(parts.max_context),
+        });
+        let mut core = Core::new(cluster);
+        core.publish(&shared);
+        spawn_core(&shared, core, rx);
+        shared
     }
 
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, Core> {
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn max_context(&self) -> usize {
+        self.max_context.load(Ordering::SeqCst)
     }
 
     /// The time since the coordinator started, as the cluster counts it.
@@ -129,82 +310,39 @@ impl Shared {
         self.started.elapsed()
     }
 
-    /// Feeds the cluster one input and carries out its outputs: sends and news under the
-    /// lock (channel sends), the rest (records, refusals, the sealed desk, closing a
-    /// connection) after it.
-    pub fn handle(&self, input: ClusterInput) {
-        self.handle_with(input, |_| {});
+    /// The membership and expert caches as the core last published them.
+    pub fn view(&self) -> Arc<ClusterView> {
+        self.view.borrow().clone()
     }
 
-    /// [`Shared::handle`], after `prepare` (under the same lock: a new session's outbox, a
-    /// run's owner).
-    pub fn handle_with(&self, input: ClusterInput, prepare: impl FnOnce(&mut Core)) {
-        let mut later = Vec::new();
-        {
-            let mut core = self.lock();
-            prepare(&mut core);
-            let before = core.cluster.poll_timeout();
-            let outputs = core.cluster.handle(self.now(), input);
-            for o in outputs {
-                match o {
-                    ClusterOutput::ToNode { to, msg } => {
-                        if let Some(s) = core.outboxes.get(&to) {
-                            let _ = s.tx.send(*msg);
-                        }
-                    }
-                    ClusterOutput::Run { run, news } => {
-                        if matches!(news, RunNews::Ended(_)) {
-                            if let Some(mut owner) = core.owners.remove(&run) {
-                                owner(news);
-                            }
-                        } else if let Some(owner) = core.owners.get_mut(&run) {
-                            owner(news);
-                        }
-                    }
-                    ClusterOutput::LeaseExpired { node, session } => {
-                        if core
-                            .outboxes
-                            .get(&node)
-                            .is_some_and(|s| s.session == session)
-                        {
-                            let s = core.outboxes.remove(&node).expect("checked");
-                            later.push(Later::Expired(s.conn));
-                        }
-                    }
-                    ClusterOutput::NodeLeft { key, .. } => later.push(Later::Left(key)),
-                    ClusterOutput::RecordEpoch(r) => later.push(Later::Record(r)),
-                    ClusterOutput::Refused { node, why } => later.push(Later::Refused(node, why)),
-                }
-            }
-            let after = core.cluster.poll_timeout();
-            if after.is_some() && (before.is_none() || after < before) {
-                self.clock.notify_one();
-            }
-        }
-        // The desk's lock is never taken under the core's.
-        for l in later {
-            match l {
-                Later::Expired(conn) => {
-                    conn.close("lease expired");
-                    crate::sealed::edge::node_left(
-                        self,
-                        crate::sealed::edge::node_key(&conn.peer_key()),
-                    );
-                }
-                Later::Left(key) => {
-                    crate::sealed::edge::node_left(self, crate::sealed::edge::node_key(&key));
-                }
-                Later::Record(mut rec) => {
-                    rec.recorded_at_unix_ms = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_millis() as u64);
-                    if let Err(e) = self.store.record_epoch(&rec) {
-                        tracing::warn!("recording epoch {}: {e}", rec.epoch);
-                    }
-                }
-                Later::Refused(node, why) => self.authz.refuse(node, &why),
-            }
-        }
+    /// Feeds the cluster one input (on the core task, after everything asked before it).
+    pub fn handle(&self, input: ClusterInput) {
+        let _ = self.core.send(Command::Input(input));
+    }
+
+    /// Runs `command` on the core task, after everything asked before it.
+    pub fn run(&self, command: Command) {
+        let _ = self.core.send(command);
+    }
+
+    /// Runs `f` on the core task, after everything asked before it.
+    pub fn with(&self, f: impl FnOnce(&mut Core, &Self) + Send + 'static) {
+        let _ = self.core.send(Command::With(Box::new(f)));
+    }
+
+    /// What `f` returns, run on the core task after everything asked before it; the view is
+    /// published before the answer comes. `None` once the coordinator is gone.
+    pub async fn ask<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Core, &Self) -> T + Send + 'static,
+    ) -> Option<T> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.with(move |core, shared| {
+            let t = f(core, shared);
+            core.publish(shared);
+            let _ = tx.send(t);
+        });
+        rx.await.ok()
     }
 
     /// Makes `tx` and `conn` node `member`'s current control session (replacing an older one
@@ -218,20 +356,17 @@ impl Shared {
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         member.session = session;
         let id = member.node_id;
-        self.handle_with(ClusterInput::Joined(Box::new(member)), |core| {
+        self.with(move |core, shared| {
             core.outboxes.insert(id, NodeOutbox { session, tx, conn });
+            core.handle(shared, ClusterInput::Joined(Box::new(member)));
         });
         session
     }
 
-    /// Ends node `id`'s control session `session` (a newer session may have replaced it: then
-    /// the node has not left).
-    pub fn close_session(&self, id: NodeId, session: u64) {
-        self.handle_with(ClusterInput::Left { node: id, session }, |core| {
-            if core.outboxes.get(&id).is_some_and(|s| s.session == session) {
-                core.outboxes.remove(&id);
-            }
-        });
+    /// Hands a node's control stream to the core task, which reads it from now on: each item
+    /// is run as it comes, in the stream's order.
+    pub fn add_reader(&self, frames: BoxStream<'static, Command>) {
+        self.with(move |core, _| core.new_readers.push(frames));
     }
 
     /// Starts run `run`: its news goes to `owner`.
@@ -249,8 +384,9 @@ impl Shared {
             stages,
             positions,
         };
-        self.handle_with(input, |core| {
+        self.with(move |core, shared| {
             core.owners.insert(run, owner);
+            core.handle(shared, input);
         });
     }
 
@@ -258,36 +394,31 @@ impl Shared {
     pub fn lease(&self) -> Duration {
         Duration::from_millis(self.lease_ms.load(Ordering::Relaxed).max(1))
     }
+}
 
-    /// Sends a message to a node, if it is connected.
-    pub fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
-        self.lock()
+/// The sealed desk's edge over the core: its desk, the node sessions, the members' names.
+pub(crate) struct EdgeHost<'a> {
+    core: &'a Core,
+}
+
+impl crate::sealed::edge::SealedHost for EdgeHost<'_> {
+    fn sealed(&self) -> std::cell::RefMut<'_, SealedEdge> {
+        self.core.sealed.borrow_mut()
+    }
+
+    fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
+        self.core
             .outboxes
             .get(&to)
             .is_some_and(|s| s.tx.send(msg).is_ok())
     }
-}
-
-impl crate::sealed::edge::SealedHost for Shared {
-    /// The sealed-job desk. Never held while taking [`Shared::lock`] (nor the other way).
-    fn sealed(&self) -> std::sync::MutexGuard<'_, crate::sealed::SealedEdge> {
-        self.sealed.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
-        Self::send(self, to, msg)
-    }
 
     fn member_name(&self, id: &NodeId) -> Option<String> {
-        self.lock()
+        self.core
             .cluster
             .membership()
             .member(id)
             .map(|m| m.name.clone())
-    }
-
-    fn closing(&self) -> bool {
-        self.closing.load(Ordering::SeqCst)
     }
 }
 
@@ -295,41 +426,58 @@ impl crate::sealed::edge::SealedHost for Shared {
 /// only hand the news on (a channel send, a counter), never call back into the cluster.
 pub(crate) type RunOwner = Box<dyn FnMut(RunNews) + Send>;
 
-/// What is done after the core's lock is released.
-enum Later {
-    Expired(Connection),
-    Left(tessera_net::PublicKey),
-    Record(Box<crate::state::EpochRecord>),
-    Refused(NodeId, crate::authz::Refusal),
-}
+/// Far enough that the cluster's clock never fires while it has no timer armed.
+const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// The cluster's clock: sleeps until its next timeout (or until a nearer one is armed) and
-/// feeds it `Timeout`, until the coordinator is dropped.
-pub(crate) fn spawn_clock(shared: &Arc<Shared>) {
+/// The core task: owns the [`Core`], runs the commands in the order they came (from its inbox,
+/// and from each node's control stream in that stream's order), feeds the cluster `Timeout` at
+/// its [`Cluster::poll_timeout`] and ticks the sealed desk's clock, until the coordinator is
+/// dropped.
+fn spawn_core(shared: &Arc<Shared>, mut core: Core, mut inbox: mpsc::UnboundedReceiver<Command>) {
     let weak = Arc::downgrade(shared);
-    let nearer = shared.clock.clone();
     let started = shared.started;
     tokio::spawn(async move {
+        // One timer, moved only when the cluster's next timeout moves (not per message).
+        let clock = tokio::time::sleep(NEVER);
+        tokio::pin!(clock);
+        let mut armed: Option<Duration> = None;
+        let mut sealed_tick = tokio::time::interval(crate::sealed::edge::SEALED_TICK);
+        sealed_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut readers = SelectAll::new();
         loop {
-            let notified = nearer.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let next = match weak.upgrade() {
-                Some(s) => s.lock().cluster.poll_timeout(),
-                None => return,
-            };
-            let sleep = async {
-                match next {
-                    Some(t) => tokio::time::sleep_until(started + t).await,
-                    None => std::future::pending().await,
-                }
-            };
+            readers.extend(core.new_readers.drain(..));
+            let next = core.cluster.poll_timeout();
+            if next != armed {
+                armed = next;
+                clock
+                    .as_mut()
+                    .reset(started + next.unwrap_or(started.elapsed() + NEVER));
+            }
             tokio::select! {
-                () = sleep => match weak.upgrade() {
-                    Some(s) => s.handle(ClusterInput::Timeout),
-                    None => return,
-                },
-                () = &mut notified => {}
+                biased;
+                command = inbox.recv() => {
+                    let (Some(command), Some(shared)) = (command, weak.upgrade()) else {
+                        return;
+                    };
+                    core.run(&shared, command);
+                }
+                Some(command) = readers.next(), if !readers.is_empty() => {
+                    let Some(shared) = weak.upgrade() else { return };
+                    core.run(&shared, command);
+                }
+                () = &mut clock, if armed.is_some() => {
+                    // A fired sleep stays ready: re-armed from the cluster's next timeout
+                    // whatever it is, even the same one (not yet due by the cluster's `now`).
+                    armed = None;
+                    let Some(shared) = weak.upgrade() else { return };
+                    core.run(&shared, Command::Input(ClusterInput::Timeout));
+                }
+                _ = sealed_tick.tick() => {
+                    let Some(shared) = weak.upgrade() else { return };
+                    if !shared.closing.load(Ordering::SeqCst) {
+                        crate::sealed::edge::tick(&core.edge());
+                    }
+                }
             }
         }
     });
@@ -373,8 +521,8 @@ pub(crate) fn model_bytes(manifest: &Manifest, n_expert: usize) -> ModelBytes {
 
 /// Status of every member, for clients.
 pub(crate) fn member_status(shared: &Shared) -> (Vec<MemberStatus>, Option<u64>) {
-    let core = shared.lock();
-    let m = core.cluster.membership();
+    let view = shared.view();
+    let m = &view.membership;
     let members = m
         .members()
         .map(|m| MemberStatus {

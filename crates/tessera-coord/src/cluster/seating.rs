@@ -35,6 +35,7 @@ impl Cluster {
                 match phase {
                     Some(Phase::Ready) => {
                         self.cells.seat(run, t, positions);
+                        self.generation += 1;
                         match Placement::of(&self.membership, t) {
                             Some(p) => self.start(now, run, p, out),
                             None => self.refuse_run(
@@ -131,6 +132,7 @@ impl Cluster {
         let loads = self.cells.loads(&self.membership);
         let epoch = choose(&loads, positions, self.kv_bytes(), exclude)?;
         self.cells.seat(run, epoch, positions);
+        self.generation += 1;
         // A resumed run may have been the last on a draining epoch.
         self.unsettled = true;
         Placement::of(&self.membership, epoch).ok_or(NoCell::NoneReady)

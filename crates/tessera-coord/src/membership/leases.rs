@@ -17,7 +17,7 @@ use tessera_net::NodeId;
 use super::{Action, Departure, Membership};
 
 /// The lease, and when each member was last heard from.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(super) struct Leases {
     /// `None`: leases are not enforced (no shell has set one).
     lease: Option<Duration>,

@@ -78,7 +78,7 @@ pub use note::{MovedExperts, Note};
 use events::send;
 
 /// The membership and epoch state.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Membership {
     members: BTreeMap<NodeId, Member>,
     joins: u64,

@@ -53,17 +53,15 @@ pub struct SealedSettings {
 
 /// What the desk's edge needs of the coordinator around it: the desk's own state, the node
 /// sessions it sends envelopes on, and the members' names for its log lines. The coordinator's
-/// shared state implements it (`shared.rs`); the edge names no type of the shell, so the
-/// layers read bottom-up.
+/// core implements it (`shared.rs`, on the one task that owns both); the edge names no type of
+/// the shell, so the layers read bottom-up.
 pub(crate) trait SealedHost {
-    /// The desk and its clients (a short lock, never held across the host's other calls).
-    fn sealed(&self) -> std::sync::MutexGuard<'_, SealedEdge>;
+    /// The desk and its clients (a short borrow, never held across the host's other calls).
+    fn sealed(&self) -> std::cell::RefMut<'_, SealedEdge>;
     /// Sends `msg` on node `to`'s control session; false when it has none.
     fn send(&self, to: NodeId, msg: CoordToNode) -> bool;
     /// Node `id`'s name in the membership, if it is a member.
     fn member_name(&self, id: &NodeId) -> Option<String>;
-    /// Whether the coordinator is shutting down (its clock then stops moving jobs).
-    fn closing(&self) -> bool;
 }
 
 /// The desk, the clients' outboxes, and the settings.
@@ -225,7 +223,18 @@ fn claim_change_words(change: &tessera_seal::claims::ClaimChange) -> &'static st
     }
 }
 
-/// A node's sealed-job message; false when `msg` is not one.
+/// Whether `msg` is one of the sealed desk's (the rest are the cluster's).
+pub(crate) fn is_sealed(msg: &NodeToCoord) -> bool {
+    matches!(
+        msg,
+        NodeToCoord::Claims(_)
+            | NodeToCoord::SealedProgress { .. }
+            | NodeToCoord::SealedResult { .. }
+            | NodeToCoord::SealedRefused { .. }
+    )
+}
+
+/// A node's sealed-job message; false when `msg` is not one ([`is_sealed`]).
 pub(crate) fn node_message(shared: &impl SealedHost, from: NodeKey, msg: &NodeToCoord) -> bool {
     let input = match msg {
         NodeToCoord::Claims(c) => {
@@ -294,7 +303,7 @@ pub(crate) fn node_left(shared: &impl SealedHost, node: NodeKey) {
     );
 }
 
-/// Moves jobs whose leases ran out (the sealed desk's own clock calls this, [`spawn_clock`]).
+/// Moves jobs whose leases ran out (the core task calls this every [`SEALED_TICK`]).
 pub(crate) fn tick(shared: &impl SealedHost) {
     if shared.sealed().desk.in_flight() > 0 {
         feed(
@@ -391,22 +400,5 @@ fn feed(shared: &impl SealedHost, input: SealedInput) {
 }
 
 /// How often the sealed desk's clock ticks: job leases are timed to this, whatever the node
-/// lease (which has its own clock in `server.rs`).
+/// lease (the cluster's own timer table).
 pub(crate) const SEALED_TICK: std::time::Duration = std::time::Duration::from_millis(250);
-
-/// The sealed desk's clock: a tick every [`SEALED_TICK`] until the coordinator is dropped.
-pub(crate) fn spawn_clock<H: SealedHost + Send + Sync + 'static>(shared: std::sync::Weak<H>) {
-    tokio::spawn(async move {
-        let mut every = tokio::time::interval(SEALED_TICK);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            every.tick().await;
-            let Some(s) = shared.upgrade() else {
-                return;
-            };
-            if !s.closing() {
-                tick(&*s);
-            }
-        }
-    });
-}

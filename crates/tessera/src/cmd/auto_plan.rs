@@ -191,7 +191,7 @@ pub async fn run_calibrated(
     let cfg = &model.config;
     let placement = to_placement(&outcome.plan, cfg.n_layer, cfg.n_expert)?;
     // The split first: the epoch the stages start places it.
-    c.set_expert_split(placement.experts.clone());
+    c.set_expert_split(placement.experts.clone()).await;
     c.apply_stages(&placement.ring.stages)
         .context("applying the plan")?;
     // The decision as the coordinator's events (a plain line each, or JSON with

@@ -164,8 +164,8 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         .await
         .context("starting the coordinator")?;
         coordinator.set_lease(std::time::Duration::from_millis(args.lease_ms));
-        coordinator.set_expert_split(experts);
-        coordinator.set_kv_type(args.kv_type);
+        coordinator.set_expert_split(experts).await;
+        coordinator.set_kv_type(args.kv_type).await;
         coordinator.set_sealed(&tessera_coord::sealed::SealedSettings {
             verify_per_mille: args.verify_per_mille,
             fault: args.fault_sealed,

@@ -488,7 +488,7 @@ impl Cluster {
         })
         .await
         .context("starting the coordinator")?;
-        coordinator.set_kv_type(o.kv_type);
+        coordinator.set_kv_type(o.kv_type).await;
         let coordinator = Arc::new(coordinator);
         let addr = coordinator.local_addr()?;
         let join = super::join_line::line(coordinator.token(), addr, o.advertise.as_deref());
