@@ -7,7 +7,9 @@ from the first to the last) and their ratio. A benchmark, not a test.
     tools/api_decode_ab.py BEFORE_BIN AFTER_BIN MODEL.gguf up|serve [ROUNDS] [TOKENS]
 
 A model that decodes faster than the server flushes SSE chunks measures nothing (chunks arrive
-coalesced): use one whose tokens take milliseconds (bench-qwen3-dense-q4_0, not stories260K)."""
+coalesced): use one whose tokens take milliseconds (bench-qwen3-dense-q4_0), or, for a model as
+fast as stories260K (where the coordinator's own path per token shows most), `TIMING=request`:
+unstreamed requests, the answer's completion tokens over the request's whole time."""
 import json, os, signal, subprocess, sys, time, urllib.request, tempfile, statistics
 
 if len(sys.argv) < 5 or sys.argv[4] not in ("up", "serve"):
@@ -27,7 +29,20 @@ def req(path, body=None, timeout=600):
 
 MODEL_ID = ["m"]
 
+def request_decode():
+    body = {"model": MODEL_ID[0], "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
+            "max_tokens": TOKENS, "temperature": 0}
+    t0 = time.perf_counter()
+    with req("/v1/chat/completions", body) as r:
+        usage = json.load(r)["usage"]
+    n = usage["completion_tokens"]
+    if n < 8:
+        raise RuntimeError(f"only {n} completion tokens")
+    return n / (time.perf_counter() - t0)
+
 def stream_decode():
+    if os.environ.get("TIMING") == "request":
+        return request_decode()
     body = {"model": MODEL_ID[0], "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
             "max_tokens": TOKENS, "temperature": 0, "stream": True}
     times = []
@@ -68,7 +83,7 @@ def run(name):
                 if p.poll() is not None or time.time() - t0 > 600:
                     raise RuntimeError(f"{name} did not come up")
                 time.sleep(1)
-        return [stream_decode() for _ in range(2)]
+        return [stream_decode() for _ in range(int(os.environ.get("PER_ROUND", "2")))]
     finally:
         os.killpg(p.pid, signal.SIGTERM)
         try:

@@ -426,7 +426,7 @@ impl crate::sealed::edge::SealedHost for EdgeHost<'_> {
 /// only hand the news on (a channel send, a counter), never call back into the cluster.
 pub(crate) type RunOwner = Box<dyn FnMut(RunNews) + Send>;
 
-/// Far enough that the cluster's clock never fires while it has no timer armed.
+/// Far enough that the core's clock never fires before it is first armed.
 const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// The core task: owns the [`Core`], runs the commands in the order they came (from its inbox,
@@ -437,7 +437,10 @@ fn spawn_core(shared: &Arc<Shared>, mut core: Core, mut inbox: mpsc::UnboundedRe
     let weak = Arc::downgrade(shared);
     let started = shared.started;
     tokio::spawn(async move {
-        // One timer, moved only when the cluster's next timeout moves (not per message).
+        // One timer, moved only when the cluster's next timeout comes closer: a run re-arms
+        // its timers with each token, which only pushes them later, so a token moves nothing
+        // here; a clock that fires early finds nothing due and is armed again from the
+        // cluster's next timeout.
         let clock = tokio::time::sleep(NEVER);
         tokio::pin!(clock);
         let mut armed: Option<Duration> = None;
@@ -446,12 +449,11 @@ fn spawn_core(shared: &Arc<Shared>, mut core: Core, mut inbox: mpsc::UnboundedRe
         let mut readers = SelectAll::new();
         loop {
             readers.extend(core.new_readers.drain(..));
-            let next = core.cluster.poll_timeout();
-            if next != armed {
-                armed = next;
-                clock
-                    .as_mut()
-                    .reset(started + next.unwrap_or(started.elapsed() + NEVER));
+            if let Some(next) = core.cluster.poll_timeout() {
+                if armed.is_none_or(|a| next < a) {
+                    armed = Some(next);
+                    clock.as_mut().reset(started + next);
+                }
             }
             tokio::select! {
                 biased;
