@@ -2,10 +2,18 @@
 //! first stage and the head on the last), the KV caches of the sequences passing through it,
 //! and the rules for what each input produces.
 //!
-//! No I/O here: inputs are method calls ([`Stage::start`], [`Stage::handle_hidden`],
+//! Inputs are method calls ([`Stage::start`], [`Stage::handle_hidden`],
 //! [`Stage::handle_token`]), outputs go to a sink as [`StageOutput`] values — hidden states for
 //! the next stage, tokens for the first, and control messages for the coordinator. The agent
 //! runs a stage on its own thread and wires the sink to the network; tests drive it directly.
+//!
+//! One exception, and it blocks: a stage given remote expert peers
+//! ([`Stage::set_remote_experts`], an expert split) sends each MoE layer's routed rows to the
+//! peers that hold the selected experts and waits for their replies inside the forward pass
+//! (`crate::expert`), on this stage's thread, once per MoE layer per step. A peer whose link
+//! fails, or that refuses, fails the step with its error; a silent one holds it until its
+//! link does fail (the coordinator, which declares the node gone after a lease, plans around
+//! it and resumes the runs). Without remote peers a step does no I/O.
 //!
 //! The ring for one sequence:
 //!
