@@ -36,7 +36,8 @@ pub struct LinkMeasurement {
     pub rtt_min: Duration,
     /// Median ping round trip.
     pub rtt_median: Duration,
-    /// Bulk throughput one way, bytes per second (includes one round trip of acknowledgement).
+    /// Bulk throughput one way, bytes per second, of a transfer long enough to be bound by the
+    /// link ([`next_probe`]).
     pub bytes_per_s: f64,
     /// When the measurement finished, milliseconds since the Unix epoch.
     pub measured_at_unix_ms: u64,
@@ -104,14 +105,15 @@ pub async fn measure_throughput(conn: &Connection, bytes: u64) -> Result<f64, Ne
     Ok(bytes as f64 / elapsed)
 }
 
-/// Measures round-trip time with `pings` pings, then throughput with `bulk_bytes` bytes.
+/// Measures round-trip time with `pings` pings, then throughput: `bulk_bytes` first, then
+/// more until a transfer is bound by the link rather than by its start ([`next_probe`]).
 pub async fn measure_link(
     conn: &Connection,
     pings: usize,
     bulk_bytes: u64,
 ) -> Result<LinkMeasurement, NetError> {
     let rtt = measure_rtt(conn, pings).await?;
-    let bytes_per_s = measure_throughput(conn, bulk_bytes).await?;
+    let bytes_per_s = measure_steady_throughput(conn, bulk_bytes, rtt.min).await?;
     Ok(LinkMeasurement {
         rtt_min: rtt.min,
         rtt_median: rtt.median,
@@ -120,6 +122,58 @@ pub async fn measure_link(
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64),
     })
+}
+
+/// A transfer lasting fewer round trips than this is taken to be bound by its start (the
+/// congestion window's ramp and the acknowledgement's round trip), not by the link.
+const STEADY_RTTS: u32 = 16;
+/// The most bytes one throughput measurement sends in all.
+const MAX_PROBE_BYTES: u64 = 8 << 20;
+
+/// What the throughput probe does after a transfer of `bytes` that took `elapsed`, with
+/// `sent` bytes sent so far in all, on a link whose fastest round trip is `rtt`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Probe {
+    /// Send this many bytes next: the last transfer was too short to show the link's rate.
+    Again(u64),
+    /// The link's rate, bytes per second: the last transfer's, its acknowledgement's round
+    /// trip taken out.
+    Done(f64),
+}
+
+/// The probe's rule. On a fresh connection over a long fat link the first transfer is bound by
+/// the congestion window's ramp: 1 MiB over an emulated 20 ms, 100 Mbit/s link measured 23–42
+/// Mbit/s. So while a transfer lasts fewer than [`STEADY_RTTS`] round trips, the next sends
+/// twice as much (the window stays open between them), until [`MAX_PROBE_BYTES`] would be
+/// passed. On loopback or a LAN the first transfer already lasts long enough.
+pub fn next_probe(bytes: u64, elapsed: Duration, sent: u64, rtt: Duration) -> Probe {
+    let long_enough = elapsed >= rtt * STEADY_RTTS;
+    if !long_enough && sent + 2 * bytes <= MAX_PROBE_BYTES {
+        return Probe::Again(2 * bytes);
+    }
+    // At least half the time stays: a round trip measured slower than this transfer's own
+    // acknowledgement must not make the rate absurd.
+    let transfer = elapsed.saturating_sub(rtt).max(elapsed / 2);
+    Probe::Done(bytes as f64 / transfer.as_secs_f64().max(1e-9))
+}
+
+/// Throughput by bulk transfers of `first` bytes and more ([`next_probe`]).
+pub async fn measure_steady_throughput(
+    conn: &Connection,
+    first: u64,
+    rtt: Duration,
+) -> Result<f64, NetError> {
+    let mut bytes = first.max(1);
+    let mut sent = 0;
+    loop {
+        let t = Instant::now();
+        measure_throughput(conn, bytes).await?;
+        sent += bytes;
+        match next_probe(bytes, t.elapsed(), sent, rtt) {
+            Probe::Again(more) => bytes = more,
+            Probe::Done(rate) => return Ok(rate),
+        }
+    }
 }
 
 /// Answers a measurement stream until the peer finishes it: pongs for pings, an
@@ -157,4 +211,52 @@ pub async fn respond(mut s: FramedStream) -> Result<(), NetError> {
         }
     }
     s.writer.finish().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_transfer_short_for_the_round_trip_is_followed_by_a_larger_one() {
+        // 1 MiB in 250 ms over a 20 ms link: 12.5 round trips, the window still opening.
+        assert_eq!(
+            next_probe(1 << 20, 250 * MS, 1 << 20, 20 * MS),
+            Probe::Again(2 << 20)
+        );
+        assert_eq!(
+            next_probe(2 << 20, 190 * MS, 3 << 20, 20 * MS),
+            Probe::Again(4 << 20)
+        );
+    }
+
+    #[test]
+    fn a_long_enough_transfer_gives_its_rate_without_the_acknowledgement() {
+        // 4 MiB in 355 ms over a 20 ms link: 335 ms of transfer, 100 Mbit/s.
+        let Probe::Done(rate) = next_probe(4 << 20, 355 * MS, 7 << 20, 20 * MS) else {
+            panic!("done")
+        };
+        assert!((rate - (4 << 20) as f64 / 0.335).abs() < 1.0, "{rate}");
+        // On loopback the first megabyte is long enough: one transfer.
+        assert!(matches!(
+            next_probe(1 << 20, 5 * MS, 1 << 20, Duration::from_micros(150)),
+            Probe::Done(_)
+        ));
+    }
+
+    #[test]
+    fn the_probe_stops_before_its_byte_budget_and_never_takes_out_more_than_half() {
+        // Still short, but another doubling would pass 8 MiB.
+        let Probe::Done(rate) = next_probe(4 << 20, 100 * MS, 7 << 20, 20 * MS) else {
+            panic!("done at the budget")
+        };
+        assert!((rate - (4 << 20) as f64 / 0.080).abs() < 1.0, "{rate}");
+        // A round trip near the transfer's own time leaves half of it.
+        let Probe::Done(rate) = next_probe(1 << 20, 40 * MS, 7 << 20, 30 * MS) else {
+            panic!("done")
+        };
+        assert!((rate - (1 << 20) as f64 / 0.020).abs() < 1.0, "{rate}");
+    }
 }
