@@ -105,7 +105,7 @@ fn a_schedule_replays_exactly() {
 }
 
 /// Sealed-job schedules run by CI, beside the ring and cell schedules above.
-const SEALED_SCHEDULES: u64 = 2_000;
+const SEALED_SCHEDULES: u64 = 5_000;
 
 fn sealed_seeds() -> Vec<u64> {
     if std::env::var("TESSERA_SIM_SEED").is_ok() {
