@@ -35,6 +35,7 @@ use crate::assignment::{resolve, AssignmentError};
 use crate::cells::CellBook;
 use crate::membership::{Action, Event, Member, Membership, Phase};
 use crate::run::{Fault, Input, Output, RunEvent, RunMachine, RunOutcome, RunSpec, Timer};
+use crate::sealed::{SealedDesk, SealedInput, SealedOutput};
 use crate::state::{EpochRecord, EpochStageRecord};
 
 /// How long a request may wait for a cell (a new epoch loading, model transfer included, or
@@ -72,6 +73,9 @@ pub enum ClusterInput {
     },
     /// Run `run`'s owner gave up.
     Cancel { run: u64 },
+    /// Something for the sealed-job desk (a client's job, a worker's answer, a departure, its
+    /// clock).
+    Sealed(SealedInput),
     /// The time [`Cluster::poll_timeout`] gave has come.
     Timeout,
 }
@@ -95,6 +99,8 @@ pub enum ClusterOutput {
         node: NodeId,
         why: crate::authz::Refusal,
     },
+    /// What the sealed-job desk decided (dispatch an envelope, tell a client, quarantine).
+    Sealed(SealedOutput),
 }
 
 /// What a run's owner hears.
@@ -155,6 +161,8 @@ pub struct Cluster {
     lease: Duration,
     /// The latest expert-cache counters each node streaming experts from disk reported.
     expert_cache: HashMap<NodeId, ExpertCacheStats>,
+    /// Sealed jobs: who claims to run what, and where each job is.
+    sealed: SealedDesk,
     /// The coordinator is shutting down: sessions ending are not nodes leaving, and no lease
     /// expires.
     closing: bool,
@@ -186,6 +194,7 @@ impl Cluster {
             timers,
             lease,
             expert_cache: HashMap::new(),
+            sealed: SealedDesk::default(),
             closing: false,
             unsettled: false,
             drained: 0,
@@ -206,6 +215,22 @@ impl Cluster {
 
     pub fn expert_cache(&self) -> &HashMap<NodeId, ExpertCacheStats> {
         &self.expert_cache
+    }
+
+    /// The sealed-job desk (its claims and jobs), to read.
+    pub fn sealed_desk(&self) -> &SealedDesk {
+        &self.sealed
+    }
+
+    /// The sealed-job desk, to take a node's claims ([`SealedDesk::offer_claims`] answers at
+    /// once, with nothing to send).
+    pub fn sealed_desk_mut(&mut self) -> &mut SealedDesk {
+        &mut self.sealed
+    }
+
+    /// Replaces the sealed-job desk (its settings changed; before clients connect).
+    pub fn set_sealed_desk(&mut self, desk: SealedDesk) {
+        self.sealed = desk;
     }
 
     pub fn lease(&self) -> Duration {
@@ -325,6 +350,14 @@ impl Cluster {
                 positions,
             } => self.submit(now, run, spec, stages, positions, &mut out),
             ClusterInput::Cancel { run } => self.cancel(now, run, &mut out),
+            ClusterInput::Sealed(input) => {
+                out.extend(
+                    self.sealed
+                        .handle(input)
+                        .into_iter()
+                        .map(ClusterOutput::Sealed),
+                );
+            }
             ClusterInput::Timeout => self.fire_timers(now, &mut out),
         }
         self.settle(now, &mut out);

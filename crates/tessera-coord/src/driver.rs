@@ -134,8 +134,8 @@ pub(crate) async fn client_session(
                 }
                 Ok(ClientToCoord::Holders { model }) => {
                     let holders = shared
-                        .ask(move |core, _| {
-                            crate::sealed::edge::holders(&core.edge(), model.as_deref())
+                        .ask(move |core, shared| {
+                            crate::sealed::edge::holders(&mut core.edge(shared), model.as_deref())
                         })
                         .await
                         .unwrap_or_default();
@@ -146,15 +146,15 @@ pub(crate) async fn client_session(
                         Some(c) => c,
                         None => {
                             let tx = tx.clone();
-                            let joined = shared.ask(move |core, _| {
-                                crate::sealed::edge::client_joined(&core.edge(), tx)
+                            let joined = shared.ask(move |core, shared| {
+                                crate::sealed::edge::client_joined(&mut core.edge(shared), tx)
                             });
                             let Some(c) = joined.await else { break };
                             *sealed_id.insert(c)
                         }
                     };
-                    shared.with(move |core, _| {
-                        crate::sealed::edge::submit(&core.edge(), client, s);
+                    shared.with(move |core, shared| {
+                        crate::sealed::edge::submit(&mut core.edge(shared), client, s);
                     });
                 }
                 Ok(ClientToCoord::Hello(_)) => {
@@ -179,8 +179,8 @@ pub(crate) async fn client_session(
         cancel(&shared, seq);
     }
     if let Some(client) = sealed_id {
-        shared.with(move |core, _| {
-            crate::sealed::edge::client_left(&core.edge(), client);
+        shared.with(move |core, shared| {
+            crate::sealed::edge::client_left(&mut core.edge(shared), client);
         });
     }
     drop(tx);

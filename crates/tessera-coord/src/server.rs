@@ -256,9 +256,7 @@ impl Coordinator {
     /// Call before clients connect.
     pub fn set_sealed(&self, settings: &crate::sealed::SealedSettings) {
         let settings = settings.clone();
-        self.shared.with(move |core, _| {
-            core.set_sealed(crate::sealed::SealedEdge::new(&settings));
-        });
+        self.shared.with(move |core, _| core.set_sealed(&settings));
     }
 
     /// Most positions per sequence in the plans made from now on (a planner's choice of the

@@ -297,7 +297,7 @@ fn node_command(
         Command::Input(heard)
     } else if crate::sealed::edge::is_sealed(&msg) {
         Command::With(Box::new(move |core, shared| {
-            crate::sealed::edge::node_message(&core.edge(), key, &msg);
+            crate::sealed::edge::node_message(&mut core.edge(shared), key, &msg);
             core.handle(shared, heard);
         }))
     } else {

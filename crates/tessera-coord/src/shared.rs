@@ -6,7 +6,6 @@
 //! No lock guards the cluster: a node's message reaches its run through the core's inbox and
 //! nothing else.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -28,7 +27,7 @@ use crate::ledger::Ledger;
 use crate::membership::{Member, Membership};
 use crate::replan::ModelBytes;
 use crate::run::RunSpec;
-use crate::sealed::SealedEdge;
+use crate::sealed::{SealedEdge, SealedSettings};
 use crate::state::EnrolmentState;
 
 /// How long a node may stay silent before it is declared gone, by default.
@@ -73,9 +72,9 @@ pub(crate) struct Core {
     outboxes: HashMap<NodeId, NodeOutbox>,
     /// Where each run's news goes.
     owners: HashMap<u64, RunOwner>,
-    /// Sealed jobs: the desk that routes them and the clients waiting for them. A cell because
-    /// the edge's functions borrow it between their sends ([`EdgeHost`]), all on this task.
-    sealed: RefCell<SealedEdge>,
+    /// The sealed desk's edge: the clients waiting for sealed jobs, the settings (the desk
+    /// itself is the cluster's).
+    sealed: SealedEdge,
     /// What the cluster backend books from its runs.
     ledger: Ledger,
     /// The cluster's generation and the ledger's revision the view was last published at.
@@ -85,12 +84,13 @@ pub(crate) struct Core {
 }
 
 impl Core {
-    pub fn new(cluster: Cluster) -> Self {
+    pub fn new(mut cluster: Cluster) -> Self {
+        cluster.set_sealed_desk(crate::sealed::edge::desk(&Default::default()));
         Self {
             cluster,
             outboxes: HashMap::new(),
             owners: HashMap::new(),
-            sealed: RefCell::new(SealedEdge::new(&Default::default())),
+            sealed: SealedEdge::new(&Default::default()),
             ledger: Ledger::default(),
             published: None,
             new_readers: Vec::new(),
@@ -102,13 +102,15 @@ impl Core {
     }
 
     /// The sealed desk's edge, over this core.
-    pub fn edge(&self) -> EdgeHost<'_> {
-        EdgeHost { core: self }
+    pub fn edge<'a>(&'a mut self, shared: &'a Shared) -> EdgeHost<'a> {
+        EdgeHost { core: self, shared }
     }
 
-    /// Replaces the sealed desk (its settings changed; before clients connect).
-    pub fn set_sealed(&mut self, edge: SealedEdge) {
-        self.sealed = RefCell::new(edge);
+    /// Replaces the sealed desk and its edge (the settings changed; before clients connect).
+    pub fn set_sealed(&mut self, settings: &SealedSettings) {
+        self.sealed = SealedEdge::new(settings);
+        self.cluster
+            .set_sealed_desk(crate::sealed::edge::desk(settings));
     }
 
     fn run(&mut self, shared: &Shared, command: Command) {
@@ -127,6 +129,7 @@ impl Core {
         // chunks at once, and the model server checks them against the view.
         self.publish(shared);
         let mut later = Vec::new();
+        let mut sealed = Vec::new();
         for o in outputs {
             match o {
                 ClusterOutput::ToNode { to, msg } => {
@@ -166,12 +169,16 @@ impl Core {
                     }
                 }
                 ClusterOutput::Refused { node, why } => shared.authz.refuse(node, &why),
+                ClusterOutput::Sealed(o) => sealed.push(o),
             }
+        }
+        if !sealed.is_empty() {
+            crate::sealed::edge::carry_out(&mut self.edge(shared), sealed);
         }
         // The desk hears of departures after the cluster's sends (its own go on the
         // sessions still open).
         for key in later {
-            crate::sealed::edge::node_left(&self.edge(), key);
+            crate::sealed::edge::node_left(&mut self.edge(shared), key);
         }
     }
 
@@ -396,17 +403,27 @@ impl Shared {
     }
 }
 
-/// The sealed desk's edge over the core: its desk, the node sessions, the members' names.
+/// The sealed desk's edge over the core: its state, the cluster's desk, the node sessions,
+/// the members' names.
 pub(crate) struct EdgeHost<'a> {
-    core: &'a Core,
+    core: &'a mut Core,
+    shared: &'a Shared,
 }
 
 impl crate::sealed::edge::SealedHost for EdgeHost<'_> {
-    fn sealed(&self) -> std::cell::RefMut<'_, SealedEdge> {
-        self.core.sealed.borrow_mut()
+    fn edge(&mut self) -> &mut SealedEdge {
+        &mut self.core.sealed
     }
 
-    fn send(&self, to: NodeId, msg: CoordToNode) -> bool {
+    fn desk(&mut self) -> &mut crate::sealed::SealedDesk {
+        self.core.cluster.sealed_desk_mut()
+    }
+
+    fn feed(&mut self, input: crate::sealed::SealedInput) {
+        self.core.handle(self.shared, ClusterInput::Sealed(input));
+    }
+
+    fn send(&mut self, to: NodeId, msg: CoordToNode) -> bool {
         self.core
             .outboxes
             .get(&to)
@@ -477,7 +494,7 @@ fn spawn_core(shared: &Arc<Shared>, mut core: Core, mut inbox: mpsc::UnboundedRe
                 _ = sealed_tick.tick() => {
                     let Some(shared) = weak.upgrade() else { return };
                     if !shared.closing.load(Ordering::SeqCst) {
-                        crate::sealed::edge::tick(&core.edge());
+                        crate::sealed::edge::tick(&mut core.edge(&shared));
                     }
                 }
             }

@@ -51,22 +51,25 @@ pub struct SealedSettings {
     pub data_dir: Option<std::path::PathBuf>,
 }
 
-/// What the desk's edge needs of the coordinator around it: the desk's own state, the node
-/// sessions it sends envelopes on, and the members' names for its log lines. The coordinator's
-/// core implements it (`shared.rs`, on the one task that owns both); the edge names no type of
-/// the shell, so the layers read bottom-up.
+/// What the desk's edge needs of the coordinator around it: its own state, the desk (which
+/// the cluster owns), the node sessions it sends envelopes on, and the members' names for its
+/// log lines. The coordinator's core implements it (`shared.rs`, on the one task that owns
+/// both); the edge names no type of the shell, so the layers read bottom-up.
 pub(crate) trait SealedHost {
-    /// The desk and its clients (a short borrow, never held across the host's other calls).
-    fn sealed(&self) -> std::cell::RefMut<'_, SealedEdge>;
+    /// The clients' outboxes, the faults and the job ids seen.
+    fn edge(&mut self) -> &mut SealedEdge;
+    /// The desk, to read or to take claims.
+    fn desk(&mut self) -> &mut SealedDesk;
+    /// Feeds the desk through the cluster; the desk's outputs come back to [`carry_out`].
+    fn feed(&mut self, input: SealedInput);
     /// Sends `msg` on node `to`'s control session; false when it has none.
-    fn send(&self, to: NodeId, msg: CoordToNode) -> bool;
+    fn send(&mut self, to: NodeId, msg: CoordToNode) -> bool;
     /// Node `id`'s name in the membership, if it is a member.
     fn member_name(&self, id: &NodeId) -> Option<String>;
 }
 
-/// The desk, the clients' outboxes, and the settings.
+/// The clients' outboxes, the settings, and what the faults remember.
 pub(crate) struct SealedEdge {
-    desk: SealedDesk,
     clients: HashMap<ClientId, mpsc::UnboundedSender<CoordToClient>>,
     next_client: ClientId,
     fault: Option<SealedFault>,
@@ -77,19 +80,24 @@ pub(crate) struct SealedEdge {
     seen: Option<super::seen::SeenJobs>,
 }
 
+/// A desk for these settings, its verification seeded at random (a worker must not know which
+/// answers will be checked).
+pub(crate) fn desk(settings: &SealedSettings) -> SealedDesk {
+    let mut seed = [0u8; 32];
+    seed[..16].copy_from_slice(tessera_seal::JobId::random().as_bytes());
+    seed[16..].copy_from_slice(tessera_seal::JobId::random().as_bytes());
+    SealedDesk::new(SealedConfig {
+        leases: LeaseConfig::default(),
+        // Logits are bit-identical across the scalar, AVX2 and AVX-512 kernel paths
+        // (tessera-engine's `isa_paths` test), so answers of any two paths compare.
+        verify: verify_config(seed, settings.verify_per_mille, true),
+        fault: None,
+    })
+}
+
 impl SealedEdge {
     pub fn new(settings: &SealedSettings) -> Self {
-        let mut seed = [0u8; 32];
-        seed[..16].copy_from_slice(tessera_seal::JobId::random().as_bytes());
-        seed[16..].copy_from_slice(tessera_seal::JobId::random().as_bytes());
         Self {
-            desk: SealedDesk::new(SealedConfig {
-                leases: LeaseConfig::default(),
-                // Logits are bit-identical across the scalar, AVX2 and AVX-512 kernel paths
-                // (tessera-engine's `isa_paths` test), so answers of any two paths compare.
-                verify: verify_config(seed, settings.verify_per_mille, true),
-                fault: None,
-            }),
             clients: HashMap::new(),
             next_client: 1,
             fault: settings.fault,
@@ -120,30 +128,28 @@ fn name_of(shared: &impl SealedHost, node: &NodeKey) -> String {
 
 /// Registers a client session's outbox for sealed news.
 pub(crate) fn client_joined(
-    shared: &impl SealedHost,
+    shared: &mut impl SealedHost,
     tx: mpsc::UnboundedSender<CoordToClient>,
 ) -> ClientId {
-    let mut e = shared.sealed();
+    let e = shared.edge();
     let id = e.next_client;
     e.next_client += 1;
     e.clients.insert(id, tx);
     id
 }
 
-pub(crate) fn client_left(shared: &impl SealedHost, client: ClientId) {
-    let mut e = shared.sealed();
-    e.clients.remove(&client);
-    e.desk.handle(SealedInput::ClientLeft { client });
+pub(crate) fn client_left(shared: &mut impl SealedHost, client: ClientId) {
+    shared.edge().clients.remove(&client);
+    shared.feed(SealedInput::ClientLeft { client });
 }
 
 /// The workers' current claims for a client.
 pub(crate) fn holders(
-    shared: &impl SealedHost,
+    shared: &mut impl SealedHost,
     model: Option<&str>,
 ) -> Vec<tessera_seal::SignedClaims> {
-    let e = shared.sealed();
-    let mut holders = e.desk.holders(model);
-    if e.fault == Some(SealedFault::ListOwnWorker) {
+    let mut holders = shared.desk().holders(model);
+    if shared.edge().fault == Some(SealedFault::ListOwnWorker) {
         if let Some(own) = holders.first().map(own_worker) {
             holders.insert(0, own);
         }
@@ -163,11 +169,15 @@ fn own_worker(like: &tessera_seal::SignedClaims) -> tessera_seal::SignedClaims {
     c.sign(&seed).expect("valid claims")
 }
 
-pub(crate) fn submit(shared: &impl SealedHost, client: ClientId, s: tessera_proto::SealedSubmit) {
+pub(crate) fn submit(
+    shared: &mut impl SealedHost,
+    client: ClientId,
+    s: tessera_proto::SealedSubmit,
+) {
     let now = UnixMillis::now();
     if let Some(first) = s.envelopes.first() {
         let job = first.header.job;
-        let e = shared.sealed();
+        let e = shared.edge();
         if let Some(seen) = &e.seen {
             if seen.contains(job, now) {
                 tracing::info!(
@@ -194,15 +204,12 @@ pub(crate) fn submit(shared: &impl SealedHost, client: ClientId, s: tessera_prot
             seen.insert(job, expires);
         }
     }
-    feed(
-        shared,
-        SealedInput::Submit {
-            client,
-            envelopes: s.envelopes,
-            verified_only: s.verified_only,
-            now: UnixMillis::now(),
-        },
-    );
+    shared.feed(SealedInput::Submit {
+        client,
+        envelopes: s.envelopes,
+        verified_only: s.verified_only,
+        now: UnixMillis::now(),
+    });
 }
 
 /// What a claim changed, as words for a log line (the claim epochs, unix milliseconds, are
@@ -235,10 +242,10 @@ pub(crate) fn is_sealed(msg: &NodeToCoord) -> bool {
 }
 
 /// A node's sealed-job message; false when `msg` is not one ([`is_sealed`]).
-pub(crate) fn node_message(shared: &impl SealedHost, from: NodeKey, msg: &NodeToCoord) -> bool {
+pub(crate) fn node_message(shared: &mut impl SealedHost, from: NodeKey, msg: &NodeToCoord) -> bool {
     let input = match msg {
         NodeToCoord::Claims(c) => {
-            let r = shared.sealed().desk.offer_claims(from, (**c).clone());
+            let r = shared.desk().offer_claims(from, (**c).clone());
             match r {
                 Ok(change) => tracing::info!(
                     event = "claims",
@@ -280,7 +287,7 @@ pub(crate) fn node_message(shared: &impl SealedHost, from: NodeKey, msg: &NodeTo
         } => SealedInput::Refused {
             job: *job,
             attempt: *attempt,
-            from: match shared.sealed().redirected.remove(&(*job, *attempt)) {
+            from: match shared.edge().redirected.remove(&(*job, *attempt)) {
                 Some((went_to, holder)) if went_to == from => holder,
                 _ => from,
             },
@@ -289,46 +296,40 @@ pub(crate) fn node_message(shared: &impl SealedHost, from: NodeKey, msg: &NodeTo
         },
         _ => return false,
     };
-    feed(shared, input);
+    shared.feed(input);
     true
 }
 
-pub(crate) fn node_left(shared: &impl SealedHost, node: NodeKey) {
-    feed(
-        shared,
-        SealedInput::NodeLeft {
-            node,
-            now: UnixMillis::now(),
-        },
-    );
+pub(crate) fn node_left(shared: &mut impl SealedHost, node: NodeKey) {
+    shared.feed(SealedInput::NodeLeft {
+        node,
+        now: UnixMillis::now(),
+    });
 }
 
 /// Moves jobs whose leases ran out (the core task calls this every [`SEALED_TICK`]).
-pub(crate) fn tick(shared: &impl SealedHost) {
-    if shared.sealed().desk.in_flight() > 0 {
-        feed(
-            shared,
-            SealedInput::Tick {
-                now: UnixMillis::now(),
-            },
-        );
+pub(crate) fn tick(shared: &mut impl SealedHost) {
+    if shared.desk().in_flight() > 0 {
+        shared.feed(SealedInput::Tick {
+            now: UnixMillis::now(),
+        });
     }
 }
 
-fn feed(shared: &impl SealedHost, input: SealedInput) {
-    let (outputs, fault, other_keys) = {
-        let mut e = shared.sealed();
-        let outputs = e.desk.handle(input);
-        let others: Vec<(NodeKey, KeyId)> = if e.fault == Some(SealedFault::RewriteRecipient) {
-            e.desk
-                .holders(None)
-                .iter()
-                .map(|s| (s.claims.node, s.claims.seal_key.key_id()))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        (outputs, e.fault, others)
+/// Carries out what the desk decided: envelopes onto the node sessions (as the test-only faults
+/// bend them), news to the clients, quarantines into the log. A node with no session to take
+/// its envelope counts as gone at once.
+pub(crate) fn carry_out(shared: &mut impl SealedHost, outputs: Vec<SealedOutput>) {
+    let fault = shared.edge().fault;
+    let other_keys: Vec<(NodeKey, KeyId)> = if fault == Some(SealedFault::RewriteRecipient) {
+        shared
+            .desk()
+            .holders(None)
+            .iter()
+            .map(|s| (s.claims.node, s.claims.seal_key.key_id()))
+            .collect()
+    } else {
+        Vec::new()
     };
     let mut undeliverable: Vec<NodeKey> = Vec::new();
     for o in outputs {
@@ -348,7 +349,7 @@ fn feed(shared: &impl SealedHost, input: SealedInput) {
                                 envelope.header.recipient = *k;
                                 let h = &envelope.header;
                                 shared
-                                    .sealed()
+                                    .edge()
                                     .redirected
                                     .insert((h.job, h.attempt), (*n, to));
                                 to = *n;
@@ -383,7 +384,7 @@ fn feed(shared: &impl SealedHost, input: SealedInput) {
                 );
             }
             SealedOutput::Tell { client, job, news } => {
-                if let Some(tx) = shared.sealed().clients.get(&client) {
+                if let Some(tx) = shared.edge().clients.get(&client) {
                     let _ = tx.send(CoordToClient::Sealed { job, news });
                 }
             }

@@ -145,6 +145,18 @@ pub struct SealedDesk {
     fault: Option<DeskFault>,
 }
 
+/// A desk with the default leases and verification rates and a fixed verification seed (the
+/// simulator's); the coordinator installs one seeded at random (`edge::desk`).
+impl Default for SealedDesk {
+    fn default() -> Self {
+        Self::new(SealedConfig {
+            leases: LeaseConfig::default(),
+            verify: verify_config([0; 32], None, true),
+            fault: None,
+        })
+    }
+}
+
 impl SealedDesk {
     pub fn new(config: SealedConfig) -> Self {
         Self {

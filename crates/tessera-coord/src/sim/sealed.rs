@@ -1,4 +1,5 @@
-//! Seeded schedules of sealed jobs against the coordinator's own [`SealedDesk`]: workers that
+//! Seeded schedules of sealed jobs against the coordinator's own [`SealedDesk`], inside the very
+//! [`Cluster`] the runtime drives (every input goes in as `ClusterInput::Sealed`): workers that
 //! answer, refuse, alter their tokens, freeze and die, and clients that seal each job to a few
 //! of the workers the desk lists. Everything the desk sees is real: signed claims, envelopes
 //! sealed to the workers' keys, results sealed back with the digests of the tokens; the
@@ -28,6 +29,7 @@ use tessera_seal::{
 
 use super::world::{Invariant, Violation};
 use super::Rng;
+use crate::cluster::{Cluster, ClusterInput, ClusterOutput};
 use crate::sealed::{
     verify_config, DeskFault, SealedConfig, SealedDesk, SealedInput, SealedOutput,
 };
@@ -177,7 +179,9 @@ struct JobTruth {
 struct SealedWorld {
     seed: u64,
     rng: Rng,
-    desk: SealedDesk,
+    /// The coordinator's composition, with the desk in it: every sealed input goes in as the
+    /// runtime's does ([`ClusterInput::Sealed`]).
+    cluster: Cluster,
     workers: Vec<Worker>,
     client: SecretKey,
     jobs: Vec<(JobId, bool)>,
@@ -249,18 +253,20 @@ impl SealedWorld {
             });
         }
         let per_mille = [0, 300, 1000][rng.range(0, 3) as usize];
-        let mut desk = SealedDesk::new(SealedConfig {
+        let mut cluster = super::world::empty_cluster(Duration::from_millis(NODE_LEASE_MS));
+        cluster.set_sealed_desk(SealedDesk::new(SealedConfig {
             leases: LeaseConfig::default(),
             verify: verify_config([seed as u8; 32], Some(per_mille), true),
             fault: cfg.fault,
-        });
+        }));
         for w in &workers {
+            let desk = cluster.sealed_desk_mut();
             desk.offer_claims(w.node, w.claims(0)).expect("claims");
         }
         let mut world = Self {
             seed,
             rng,
-            desk,
+            cluster,
             workers,
             client: SecretKey::derive(&seed.to_le_bytes()),
             jobs: Vec::new(),
@@ -330,12 +336,25 @@ impl SealedWorld {
         Ok(())
     }
 
+    /// Feeds the desk one input through the cluster, at the world's time; its outputs.
+    fn desk_step(&mut self, input: SealedInput) -> Vec<SealedOutput> {
+        let now = Duration::from_millis(self.now);
+        self.cluster
+            .handle(now, ClusterInput::Sealed(input))
+            .into_iter()
+            .filter_map(|o| match o {
+                ClusterOutput::Sealed(o) => Some(o),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn step(&mut self, ev: Ev) -> Result<(), Violation> {
         let now = self.now;
         match ev {
             Ev::Submit(i) => self.submit(i)?,
             Ev::Tick => {
-                let out = self.desk.handle(SealedInput::Tick {
+                let out = self.desk_step(SealedInput::Tick {
                     now: UnixMillis(now),
                 });
                 self.apply(out)?;
@@ -478,7 +497,7 @@ impl SealedWorld {
                         now,
                     },
                 };
-                let out = self.desk.handle(input);
+                let out = self.desk_step(input);
                 self.apply(out)?;
             }
             Ev::NodeLeft(w) => {
@@ -486,7 +505,7 @@ impl SealedWorld {
                 worker.left = true;
                 worker.session += 1;
                 let node = worker.node;
-                let out = self.desk.handle(SealedInput::NodeLeft {
+                let out = self.desk_step(SealedInput::NodeLeft {
                     node,
                     now: UnixMillis(now),
                 });
@@ -495,12 +514,15 @@ impl SealedWorld {
             Ev::Reclaim(w) => {
                 let claims = self.workers[w].claims(now);
                 let node = self.workers[w].node;
-                self.desk.offer_claims(node, claims).map_err(|e| {
-                    self.violation(
-                        Invariant::Harness,
-                        format!("a returning worker's claims: {e}"),
-                    )
-                })?;
+                self.cluster
+                    .sealed_desk_mut()
+                    .offer_claims(node, claims)
+                    .map_err(|e| {
+                        self.violation(
+                            Invariant::Harness,
+                            format!("a returning worker's claims: {e}"),
+                        )
+                    })?;
                 self.workers[w].left = false;
             }
         }
@@ -537,7 +559,7 @@ impl SealedWorld {
     fn submit(&mut self, i: usize) -> Result<(), Violation> {
         let (job, verified_only) = self.jobs[i];
         self.summary.jobs += 1;
-        let mut listed = self.desk.holders(Some(MODEL));
+        let mut listed = self.cluster.sealed_desk().holders(Some(MODEL));
         if listed.is_empty() {
             self.summary.unsealed += 1;
             return Ok(());
@@ -564,7 +586,7 @@ impl SealedWorld {
                 ..JobTruth::default()
             },
         );
-        let out = self.desk.handle(SealedInput::Submit {
+        let out = self.desk_step(SealedInput::Submit {
             client: 1,
             envelopes,
             verified_only,
@@ -743,12 +765,12 @@ impl SealedWorld {
         if let Some((job, _)) = self.truth.iter().find(|(_, t)| !t.ended) {
             return Err(self.violation(Invariant::EveryJobEnds, format!("job {job} never ended")));
         }
-        if self.desk.in_flight() != 0 {
+        if self.cluster.sealed_desk().in_flight() != 0 {
             return Err(self.violation(
                 Invariant::EveryJobEnds,
                 format!(
                     "the desk still holds {} jobs after every job ended",
-                    self.desk.in_flight()
+                    self.cluster.sealed_desk().in_flight()
                 ),
             ));
         }

@@ -437,7 +437,19 @@ fn new_cluster(cfg: &Config, last: Option<u64>, experts: Option<&ExpertSplit>) -
     if let Some(last) = last {
         membership.continue_epochs_after(last);
     }
-    let config = ClusterConfig {
+    let mut cluster = Cluster::new(sim_model(), membership, cfg.lease);
+    cluster.inject_fault(cfg.fault);
+    cluster
+}
+
+/// A coordinator for the simulated model with no members yet (the sealed-job schedules').
+pub(super) fn empty_cluster(lease: std::time::Duration) -> Cluster {
+    Cluster::new(sim_model(), Membership::new(), lease)
+}
+
+/// The simulated model, as the coordinator knows it.
+fn sim_model() -> ClusterConfig {
+    ClusterConfig {
         model: tessera_host::ContentHash([7; 32]),
         n_layer: N_LAYER,
         kv_shape: tessera_model::kv::KvShape {
@@ -448,10 +460,7 @@ fn new_cluster(cfg: &Config, last: Option<u64>, experts: Option<&ExpertSplit>) -
         },
         max_context: 256,
         initial_split: None,
-    };
-    let mut cluster = Cluster::new(config, membership, cfg.lease);
-    cluster.inject_fault(cfg.fault);
-    cluster
+    }
 }
 
 /// The fault-free text of a request: the stand-in model run from its prompt.

@@ -114,9 +114,11 @@ impl World {
                     }
                 }
                 ClusterOutput::Run { run, news } => self.news(run as usize - 1, news)?,
+                // Sealed jobs have their own schedules (`sim/sealed.rs`); none are given here.
                 ClusterOutput::NodeLeft { .. }
                 | ClusterOutput::RecordEpoch(_)
-                | ClusterOutput::Refused { .. } => {}
+                | ClusterOutput::Refused { .. }
+                | ClusterOutput::Sealed(_) => {}
             }
         }
         self.schedule_wake();
