@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crate::error::{LabError, Result};
 use crate::http;
 use crate::lab::Lab;
+use crate::log_line::{self, Announced};
 
 /// The coordinator's QUIC port on its host.
 pub const COORDINATOR_PORT: u16 = 7070;
@@ -111,11 +112,8 @@ impl Cluster {
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             for line in out.lines().map_while(std::result::Result::ok) {
-                let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-                    continue;
-                };
-                if let (Some("join_token"), Some(j)) = (v["event"].as_str(), v["token"].as_str()) {
-                    let _ = tx.send(j.to_string());
+                if let Some(Ok(a)) = log_line::read::<Announced>(&line, "join_token") {
+                    let _ = tx.send(a.token);
                 }
             }
         });
