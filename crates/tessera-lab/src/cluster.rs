@@ -10,6 +10,9 @@ use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+
 use crate::error::{LabError, Result};
 use crate::http;
 use crate::lab::Lab;
@@ -182,16 +185,13 @@ impl Cluster {
         loop {
             self.check_alive()?;
             let last = match self.get(lab, "/api/status") {
-                Ok(r) => {
-                    let nodes = serde_json::from_str::<serde_json::Value>(&r.body)
-                        .ok()
-                        .and_then(|v| v["cluster"]["nodes"].as_array().map(Vec::len))
-                        .unwrap_or(0);
-                    if nodes >= n {
-                        return Ok(());
-                    }
-                    r.body
-                }
+                // Not readable yet counts as none joined: the wait goes on, and says why at
+                // its end.
+                Ok(r) => match serde_json::from_str::<StatusAnswer>(&r.body) {
+                    Ok(s) if s.cluster.nodes.len() >= n => return Ok(()),
+                    Ok(_) => r.body,
+                    Err(e) => format!("{} ({e})", r.body),
+                },
                 Err(e) => e.to_string(),
             };
             if Instant::now() > deadline {
@@ -217,8 +217,13 @@ impl Cluster {
             self.check_alive()?;
             let last = match self.get(lab, "/health") {
                 Ok(r) if r.status == 200 => {
-                    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
-                    self.model = v["model"].as_str().unwrap_or_default().to_string();
+                    let h: HealthAnswer =
+                        serde_json::from_str(&r.body).map_err(|e| LabError::Unreadable {
+                            process: "the gateway".into(),
+                            what: "/health answer".into(),
+                            message: format!("{:?}: {e}", r.body),
+                        })?;
+                    self.model = h.model;
                     return Ok(());
                 }
                 Ok(r) => r.body,
@@ -268,15 +273,15 @@ impl Cluster {
             if data == "[DONE]" {
                 break;
             }
-            let v: serde_json::Value =
+            let chunk: CompletionChunk =
                 serde_json::from_str(&data).map_err(|e| LabError::Unreadable {
                     process: "the gateway".into(),
                     what: "completion event".into(),
                     message: format!("{data:?}: {e}"),
                 })?;
-            if let Some(t) = v["choices"][0]["text"].as_str() {
+            if let Some(t) = chunk.choices.into_iter().next().and_then(|c| c.text) {
                 if !t.is_empty() {
-                    text.push_str(t);
+                    text.push_str(&t);
                     pieces.push(at);
                 }
             }
@@ -310,6 +315,75 @@ impl Drop for Cluster {
     }
 }
 
+// The gateway's answers, with only the fields the lab reads. Its `/api/status` carries
+// `tessera_api::ClusterStatus`, whose crate would bring the grammar compiler into the lab for
+// one count, and whose every figure would have to read back for the count to be read; `/health`
+// and the completion chunks are written as untyped JSON in the gateway (the OpenAI format).
+
+/// `/api/status`: the nodes the coordinator lists.
+#[derive(Deserialize)]
+struct StatusAnswer {
+    cluster: StatusCluster,
+}
+
+#[derive(Deserialize)]
+struct StatusCluster {
+    nodes: Vec<IgnoredAny>,
+}
+
+/// `/health` when serving: the model's name on the API.
+#[derive(Deserialize)]
+struct HealthAnswer {
+    model: String,
+}
+
+/// One streamed `/v1/completions` chunk (OpenAI's format). A chunk without choices (the usage
+/// one) carries no text.
+#[derive(Deserialize)]
+struct CompletionChunk {
+    #[serde(default)]
+    choices: Vec<CompletionChoice>,
+}
+
+#[derive(Deserialize)]
+struct CompletionChoice {
+    text: Option<String>,
+}
+
 fn file(path: &Path) -> Result<std::fs::File> {
     std::fs::File::create(path).map_err(|e| LabError::io(format!("creating {}", path.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gateways_answers_are_read_for_what_the_lab_uses() {
+        let status: StatusAnswer = serde_json::from_str(
+            r#"{"model": "m", "cluster": {"model": "m", "nodes": [{"id": "a"}, {"id": "b"}],
+                "plan": null}, "gateway": {}}"#,
+        )
+        .unwrap();
+        assert_eq!(status.cluster.nodes.len(), 2);
+        assert!(serde_json::from_str::<StatusAnswer>(r#"{"model": "m"}"#).is_err());
+        let health: HealthAnswer =
+            serde_json::from_str(r#"{"status": "ok", "model": "small", "plan_epoch": 3}"#).unwrap();
+        assert_eq!(health.model, "small");
+        let text = |data: &str| {
+            serde_json::from_str::<CompletionChunk>(data)
+                .unwrap()
+                .choices
+                .into_iter()
+                .next()
+                .and_then(|c| c.text)
+        };
+        let piece = r#"{"object": "text_completion", "choices": [{"index": 0, "text": " upon",
+            "finish_reason": null}]}"#;
+        assert_eq!(text(piece).as_deref(), Some(" upon"));
+        assert_eq!(
+            text(r#"{"choices": [], "usage": {"completion_tokens": 4}}"#),
+            None
+        );
+    }
 }
