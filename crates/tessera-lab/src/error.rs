@@ -21,9 +21,13 @@ pub enum LabError {
     /// The lab description is wrong (unknown host, bad figure, …).
     #[error("lab description: {0}")]
     Spec(String),
-    /// A scenario file could not be read or parsed.
-    #[error("scenario {path}: {message}")]
-    Scenario { path: String, message: String },
+    /// A scenario file was refused: `problem` says why (boxed: its TOML errors are large, and
+    /// every result of the lab carries this type).
+    #[error("scenario {path}: {problem}")]
+    Scenario {
+        path: String,
+        problem: Box<crate::scenario::ScenarioError>,
+    },
     /// The model file could not be read: opened, or its configuration, profile or tokenizer.
     #[error("the model {path}: {message}")]
     Model { path: String, message: String },
