@@ -57,6 +57,10 @@ pub enum LabError {
     /// The planner could not plan the scenario, or its plan could not be written.
     #[error("planning: {0}")]
     Plan(String),
+    /// The plans to measure could not be listed (a forced strategy or split, a runner-up).
+    /// Not a `#[source]`: the text says it already.
+    #[error("planning: {0}")]
+    Candidates(crate::run::plans::CandidatesError),
     /// A measurement produced nothing to measure (no overlap of the streams, an empty transfer).
     #[error("nothing to measure: {0}")]
     NothingMeasured(String),

@@ -175,7 +175,7 @@ pub fn run(
     let outcome =
         tessera_plan::plan(&model, &graph, 1).map_err(|e| LabError::Plan(e.to_string()))?;
     let candidates = plans::candidates(&model, &profile, &graph, &outcome, &opts.force)
-        .map_err(LabError::Plan)?;
+        .map_err(LabError::Candidates)?;
     let concurrency = graph.policy.concurrency.max(1) as usize;
     let mut measured: Vec<Option<std::result::Result<Measured, String>>> =
         candidates.iter().map(|_| None).collect();
