@@ -61,6 +61,16 @@ pub enum LabError {
     /// Not a `#[source]`: the text says it already.
     #[error("planning: {0}")]
     Candidates(crate::run::plans::CandidatesError),
+    /// A path whose reads the lab caps is on no block device to cap (a memory or network file
+    /// system); `via` says how it was followed there.
+    #[error(
+        "{via}: no block device to cap (a memory or network file system?); give the lab a \
+         directory on a disk"
+    )]
+    NoBlockDevice {
+        path: std::path::PathBuf,
+        via: String,
+    },
     /// A measurement produced nothing to measure (no overlap of the streams, an empty transfer).
     #[error("nothing to measure: {0}")]
     NothingMeasured(String),
