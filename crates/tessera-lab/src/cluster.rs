@@ -11,7 +11,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde::de::IgnoredAny;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{LabError, Result};
 use crate::http;
@@ -253,11 +253,14 @@ impl Cluster {
 
     /// A greedy streamed completion of `prompt`, `max_tokens` long.
     pub fn complete(&self, lab: &Lab, prompt: &str, max_tokens: usize) -> Result<Completion> {
-        let body = serde_json::json!({
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": true,
+        let body = serde_json::to_string(&CompletionRequest {
+            model: &self.model,
+            prompt,
+            max_tokens,
+            temperature: 0,
+            stream: true,
         })
-        .to_string();
+        .expect("a completion request serializes");
         let s = lab.connect(self.coordinator_host, self.api())?;
         let started = Instant::now();
         let (status, events) = http::events(s, "/v1/completions", &body)?;
@@ -315,10 +318,11 @@ impl Drop for Cluster {
     }
 }
 
-// The gateway's answers, with only the fields the lab reads. Its `/api/status` carries
-// `tessera_api::ClusterStatus`, whose crate would bring the grammar compiler into the lab for
-// one count, and whose every figure would have to read back for the count to be read; `/health`
-// and the completion chunks are written as untyped JSON in the gateway (the OpenAI format).
+// What the lab asks the gateway, and its answers with only the fields the lab reads. The
+// `/api/status` answer carries `tessera_api::ClusterStatus`, whose crate would bring the grammar
+// compiler into the lab for one count, and whose every figure would have to read back for the
+// count to be read; `/health` and the completion chunks and requests are untyped JSON in the
+// gateway (the OpenAI format).
 
 /// `/api/status`: the nodes the coordinator lists.
 #[derive(Deserialize)]
@@ -335,6 +339,16 @@ struct StatusCluster {
 #[derive(Deserialize)]
 struct HealthAnswer {
     model: String,
+}
+
+/// A greedy streamed `/v1/completions` request (OpenAI's format).
+#[derive(Serialize)]
+struct CompletionRequest<'a> {
+    model: &'a str,
+    prompt: &'a str,
+    max_tokens: usize,
+    temperature: u8,
+    stream: bool,
 }
 
 /// One streamed `/v1/completions` chunk (OpenAI's format). A chunk without choices (the usage
@@ -384,6 +398,18 @@ mod tests {
         assert_eq!(
             text(r#"{"choices": [], "usage": {"completion_tokens": 4}}"#),
             None
+        );
+        let ask = CompletionRequest {
+            model: "small",
+            prompt: "Once",
+            max_tokens: 4,
+            temperature: 0,
+            stream: true,
+        };
+        assert_eq!(
+            serde_json::to_value(&ask).unwrap(),
+            serde_json::json!({"model": "small", "prompt": "Once", "max_tokens": 4,
+                "temperature": 0, "stream": true})
         );
     }
 }
