@@ -10,9 +10,13 @@ use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Serialize};
+
 use crate::error::{LabError, Result};
 use crate::http;
 use crate::lab::Lab;
+use crate::log_line::{self, Announced};
 
 /// The coordinator's QUIC port on its host.
 pub const COORDINATOR_PORT: u16 = 7070;
@@ -111,11 +115,8 @@ impl Cluster {
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             for line in out.lines().map_while(std::result::Result::ok) {
-                let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-                    continue;
-                };
-                if let (Some("join_token"), Some(j)) = (v["event"].as_str(), v["token"].as_str()) {
-                    let _ = tx.send(j.to_string());
+                if let Some(Ok(a)) = log_line::read::<Announced>(&line, "join_token") {
+                    let _ = tx.send(a.token);
                 }
             }
         });
@@ -184,16 +185,13 @@ impl Cluster {
         loop {
             self.check_alive()?;
             let last = match self.get(lab, "/api/status") {
-                Ok(r) => {
-                    let nodes = serde_json::from_str::<serde_json::Value>(&r.body)
-                        .ok()
-                        .and_then(|v| v["cluster"]["nodes"].as_array().map(Vec::len))
-                        .unwrap_or(0);
-                    if nodes >= n {
-                        return Ok(());
-                    }
-                    r.body
-                }
+                // Not readable yet counts as none joined: the wait goes on, and says why at
+                // its end.
+                Ok(r) => match serde_json::from_str::<StatusAnswer>(&r.body) {
+                    Ok(s) if s.cluster.nodes.len() >= n => return Ok(()),
+                    Ok(_) => r.body,
+                    Err(e) => format!("{} ({e})", r.body),
+                },
                 Err(e) => e.to_string(),
             };
             if Instant::now() > deadline {
@@ -219,8 +217,13 @@ impl Cluster {
             self.check_alive()?;
             let last = match self.get(lab, "/health") {
                 Ok(r) if r.status == 200 => {
-                    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
-                    self.model = v["model"].as_str().unwrap_or_default().to_string();
+                    let h: HealthAnswer =
+                        serde_json::from_str(&r.body).map_err(|e| LabError::Unreadable {
+                            process: "the gateway".into(),
+                            what: "/health answer".into(),
+                            message: format!("{:?}: {e}", r.body),
+                        })?;
+                    self.model = h.model;
                     return Ok(());
                 }
                 Ok(r) => r.body,
@@ -250,11 +253,14 @@ impl Cluster {
 
     /// A greedy streamed completion of `prompt`, `max_tokens` long.
     pub fn complete(&self, lab: &Lab, prompt: &str, max_tokens: usize) -> Result<Completion> {
-        let body = serde_json::json!({
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": true,
+        let body = serde_json::to_string(&CompletionRequest {
+            model: &self.model,
+            prompt,
+            max_tokens,
+            temperature: 0,
+            stream: true,
         })
-        .to_string();
+        .expect("a completion request serializes");
         let s = lab.connect(self.coordinator_host, self.api())?;
         let started = Instant::now();
         let (status, events) = http::events(s, "/v1/completions", &body)?;
@@ -270,15 +276,15 @@ impl Cluster {
             if data == "[DONE]" {
                 break;
             }
-            let v: serde_json::Value =
+            let chunk: CompletionChunk =
                 serde_json::from_str(&data).map_err(|e| LabError::Unreadable {
                     process: "the gateway".into(),
                     what: "completion event".into(),
                     message: format!("{data:?}: {e}"),
                 })?;
-            if let Some(t) = v["choices"][0]["text"].as_str() {
+            if let Some(t) = chunk.choices.into_iter().next().and_then(|c| c.text) {
                 if !t.is_empty() {
-                    text.push_str(t);
+                    text.push_str(&t);
                     pieces.push(at);
                 }
             }
@@ -312,6 +318,98 @@ impl Drop for Cluster {
     }
 }
 
+// What the lab asks the gateway, and its answers with only the fields the lab reads. The
+// `/api/status` answer carries `tessera_api::ClusterStatus`, whose crate would bring the grammar
+// compiler into the lab for one count, and whose every figure would have to read back for the
+// count to be read; `/health` and the completion chunks and requests are untyped JSON in the
+// gateway (the OpenAI format).
+
+/// `/api/status`: the nodes the coordinator lists.
+#[derive(Deserialize)]
+struct StatusAnswer {
+    cluster: StatusCluster,
+}
+
+#[derive(Deserialize)]
+struct StatusCluster {
+    nodes: Vec<IgnoredAny>,
+}
+
+/// `/health` when serving: the model's name on the API.
+#[derive(Deserialize)]
+struct HealthAnswer {
+    model: String,
+}
+
+/// A greedy streamed `/v1/completions` request (OpenAI's format).
+#[derive(Serialize)]
+struct CompletionRequest<'a> {
+    model: &'a str,
+    prompt: &'a str,
+    max_tokens: usize,
+    temperature: u8,
+    stream: bool,
+}
+
+/// One streamed `/v1/completions` chunk (OpenAI's format). A chunk without choices (the usage
+/// one) carries no text.
+#[derive(Deserialize)]
+struct CompletionChunk {
+    #[serde(default)]
+    choices: Vec<CompletionChoice>,
+}
+
+#[derive(Deserialize)]
+struct CompletionChoice {
+    text: Option<String>,
+}
+
 fn file(path: &Path) -> Result<std::fs::File> {
     std::fs::File::create(path).map_err(|e| LabError::io(format!("creating {}", path.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gateways_answers_are_read_for_what_the_lab_uses() {
+        let status: StatusAnswer = serde_json::from_str(
+            r#"{"model": "m", "cluster": {"model": "m", "nodes": [{"id": "a"}, {"id": "b"}],
+                "plan": null}, "gateway": {}}"#,
+        )
+        .unwrap();
+        assert_eq!(status.cluster.nodes.len(), 2);
+        assert!(serde_json::from_str::<StatusAnswer>(r#"{"model": "m"}"#).is_err());
+        let health: HealthAnswer =
+            serde_json::from_str(r#"{"status": "ok", "model": "small", "plan_epoch": 3}"#).unwrap();
+        assert_eq!(health.model, "small");
+        let text = |data: &str| {
+            serde_json::from_str::<CompletionChunk>(data)
+                .unwrap()
+                .choices
+                .into_iter()
+                .next()
+                .and_then(|c| c.text)
+        };
+        let piece = r#"{"object": "text_completion", "choices": [{"index": 0, "text": " upon",
+            "finish_reason": null}]}"#;
+        assert_eq!(text(piece).as_deref(), Some(" upon"));
+        assert_eq!(
+            text(r#"{"choices": [], "usage": {"completion_tokens": 4}}"#),
+            None
+        );
+        let ask = CompletionRequest {
+            model: "small",
+            prompt: "Once",
+            max_tokens: 4,
+            temperature: 0,
+            stream: true,
+        };
+        assert_eq!(
+            serde_json::to_value(&ask).unwrap(),
+            serde_json::json!({"model": "small", "prompt": "Once", "max_tokens": 4,
+                "temperature": 0, "stream": true})
+        );
+    }
 }

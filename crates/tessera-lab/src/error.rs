@@ -21,9 +21,13 @@ pub enum LabError {
     /// The lab description is wrong (unknown host, bad figure, …).
     #[error("lab description: {0}")]
     Spec(String),
-    /// A scenario file could not be read or parsed.
-    #[error("scenario {path}: {message}")]
-    Scenario { path: String, message: String },
+    /// A scenario file was refused: `problem` says why (boxed: its TOML errors are large, and
+    /// every result of the lab carries this type).
+    #[error("scenario {path}: {problem}")]
+    Scenario {
+        path: String,
+        problem: Box<crate::scenario::ScenarioError>,
+    },
     /// The model file could not be read: opened, or its configuration, profile or tokenizer.
     #[error("the model {path}: {message}")]
     Model { path: String, message: String },
@@ -53,6 +57,20 @@ pub enum LabError {
     /// The planner could not plan the scenario, or its plan could not be written.
     #[error("planning: {0}")]
     Plan(String),
+    /// The plans to measure could not be listed (a forced strategy or split, a runner-up).
+    /// Not a `#[source]`: the text says it already.
+    #[error("planning: {0}")]
+    Candidates(crate::run::plans::CandidatesError),
+    /// A path whose reads the lab caps is on no block device to cap (a memory or network file
+    /// system); `via` says how it was followed there.
+    #[error(
+        "{via}: no block device to cap (a memory or network file system?); give the lab a \
+         directory on a disk"
+    )]
+    NoBlockDevice {
+        path: std::path::PathBuf,
+        via: String,
+    },
     /// A measurement produced nothing to measure (no overlap of the streams, an empty transfer).
     #[error("nothing to measure: {0}")]
     NothingMeasured(String),

@@ -34,6 +34,7 @@ pub mod disk;
 mod error;
 pub mod http;
 pub mod lab;
+mod log_line;
 pub mod netns;
 pub mod packet;
 pub mod run;

@@ -90,8 +90,8 @@ pub use expert_reuse::calibrate_expert_reuse;
 pub use explain::render_text;
 pub use model::{LayerProfile, ModelError, ModelProfile, Quant};
 pub use plan::{
-    Assignment, Candidate, Cell, CellKind, ExpertSlice, Explanation, HopTerms, LayerRange,
-    MemoryUse, Plan, PlanOutcome, Prediction, Rejection, StageTerms, Summary, Terms,
+    Assignment, AutoPlanRecord, Candidate, Cell, CellKind, ExpertSlice, Explanation, HopTerms,
+    LayerRange, MemoryUse, Plan, PlanOutcome, Prediction, Rejection, StageTerms, Summary, Terms,
 };
 pub use planner::plan;
 pub use resources::{

@@ -1,7 +1,7 @@
 //! The planner's output: an immutable plan (epoch, content hash, evidence, cells of assignments,
 //! predicted figures with their terms) and the explanation of why it was chosen.
 
-use crate::resources::{Evidence, Objective, Policy, StrategyKind};
+use crate::resources::{Evidence, Objective, Policy, ResourceGraph, StrategyKind};
 use crate::units::Bytes;
 use serde::{Deserialize, Serialize};
 
@@ -414,6 +414,16 @@ impl Plan {
 pub struct PlanOutcome {
     pub plan: Plan,
     pub explanation: Explanation,
+}
+
+/// What `tessera coordinator --plan auto` writes to `DATA_DIR/plan-auto.json`: the resource
+/// graph it planned on (the nodes' measured figures) and the planner's outcome on it. One type
+/// for the coordinator that writes the file and for the lab that reads it back, so the file's
+/// shape is written down once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AutoPlanRecord {
+    pub graph: ResourceGraph,
+    pub outcome: PlanOutcome,
 }
 
 impl PlanOutcome {

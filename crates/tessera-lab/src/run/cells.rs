@@ -23,7 +23,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::pipeline::overlap_window;
-use super::ring::{load_average, median, node, EqualHosts};
+use super::ring::{load_average, median, stage, write_plan, EqualHosts};
 use super::session::{Mode, Session};
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
@@ -122,12 +122,8 @@ fn scenario(o: &Options, hosts: usize, context: usize) -> Result<crate::scenario
 /// The placement of `cells` single-node cells, each holding all `n_layer` layers, written to
 /// `dir`; its path.
 fn placement(dir: &Path, n_layer: usize, cells: usize) -> Result<std::path::PathBuf> {
-    let stages: Vec<serde_json::Value> = (0..cells)
-        .map(|i| serde_json::json!({ "node": node(i), "layers": format!("0..{n_layer}") }))
-        .collect();
     let path = dir.join(format!("cells-{cells}.json"));
-    std::fs::write(&path, serde_json::json!({ "stages": stages }).to_string())
-        .map_err(|e| LabError::io(format!("writing {}", path.display()), e))?;
+    write_plan(&path, (0..cells).map(|i| stage(i, 0..n_layer)).collect())?;
     Ok(path)
 }
 
@@ -381,13 +377,12 @@ mod tests {
     fn the_cells_placement_gives_every_host_every_layer() {
         let dir = tempfile::tempdir().unwrap();
         let p = placement(dir.path(), 5, 2).unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+        let f: tessera_placement::assignment::PlanFile =
+            serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+        let stages: Vec<_> = f.stages.into_iter().map(|s| (s.node, s.layers)).collect();
         assert_eq!(
-            v,
-            serde_json::json!({ "stages": [
-                { "node": "s0", "layers": "0..5" },
-                { "node": "s1", "layers": "0..5" },
-            ] })
+            stages,
+            [(Some("s0".into()), 0..5), (Some("s1".into()), 0..5)]
         );
     }
 

@@ -43,8 +43,7 @@ mod test_reports;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::Value;
-use tessera_plan::{predict, Plan, ResourceGraph};
+use tessera_plan::{predict, AutoPlanRecord, Plan, ResourceGraph, StrategyKind};
 
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
@@ -139,12 +138,10 @@ pub fn run(
     session
         .coordinator
         .wait_event("plan_auto", Duration::from_secs(120))?;
-    let doc: Value = std::fs::read(session::coordinator_dir(dir).join("plan-auto.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .ok_or_else(|| plan_auto("not there, or not JSON".into()))?;
-    let mut graph: ResourceGraph = serde_json::from_value(doc["graph"].clone())
-        .map_err(|e| plan_auto(format!("its graph: {e}")))?;
+    let AutoPlanRecord {
+        mut graph,
+        outcome: auto,
+    } = read_plan_auto(&session::coordinator_dir(dir).join("plan-auto.json"))?;
     graph.policy = scenario.graph.policy.clone();
     // A calibrated graph's rates are what the hosts showed, quota included.
     let quotas = match &opts.calibrated {
@@ -172,13 +169,13 @@ pub fn run(
     .concat();
     // The coordinator's own choice placed an expert split for every run: stage runs need a
     // coordinator without it.
-    let mut experts_applied = doc["outcome"]["plan"]["strategy"] == "expert";
+    let mut experts_applied = auto.plan.strategy == StrategyKind::Expert;
     progress("nodes joined and measured; planning on the measured graph");
 
     let outcome =
         tessera_plan::plan(&model, &graph, 1).map_err(|e| LabError::Plan(e.to_string()))?;
     let candidates = plans::candidates(&model, &profile, &graph, &outcome, &opts.force)
-        .map_err(LabError::Plan)?;
+        .map_err(LabError::Candidates)?;
     let concurrency = graph.policy.concurrency.max(1) as usize;
     let mut measured: Vec<Option<std::result::Result<Measured, String>>> =
         candidates.iter().map(|_| None).collect();
@@ -465,13 +462,16 @@ fn provenance(
     provenance
 }
 
-/// The coordinator's `plan-auto.json` could not be read.
-fn plan_auto(message: String) -> LabError {
-    LabError::Unreadable {
+/// The coordinator's `plan-auto.json` at `path`: the graph it planned on and its outcome, read
+/// as the type the coordinator wrote.
+fn read_plan_auto(path: &Path) -> Result<AutoPlanRecord> {
+    let unreadable = |message: String| LabError::Unreadable {
         process: "the coordinator".into(),
         what: "plan-auto.json".into(),
         message,
-    }
+    };
+    let bytes = std::fs::read(path).map_err(|e| unreadable(format!("not there: {e}")))?;
+    serde_json::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))
 }
 
 /// Each measured link of `graph` beside what the scenario imposed on it, with how it was
@@ -647,4 +647,19 @@ pub fn default_dir(scenario: &Scenario) -> PathBuf {
         scenario.name,
         std::process::id()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_auto_file_missing_or_of_another_shape_is_unreadable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan-auto.json");
+        let unreadable = |r: Result<AutoPlanRecord>| matches!(r, Err(LabError::Unreadable { what, .. }) if what == "plan-auto.json");
+        assert!(unreadable(read_plan_auto(&path)), "missing");
+        std::fs::write(&path, r#"{"graph": {}, "outcome": {"plan": {}}}"#).unwrap();
+        assert!(unreadable(read_plan_auto(&path)), "another shape");
+    }
 }

@@ -4,6 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
+use tessera_placement::assignment::PlanFile;
+use tessera_proto::StageSpec;
+
 use crate::error::{LabError, Result};
 use crate::scenario::Scenario;
 
@@ -71,25 +74,26 @@ threads = {threads}
 /// Writes the two placements into `dir`: `single.json` (node 0 holding all `n_layer` layers)
 /// and `ring.json` (`stages` equal stages, [`split`]); their paths.
 pub(crate) fn placements(dir: &Path, n_layer: usize, stages: usize) -> Result<(PathBuf, PathBuf)> {
-    let write = |name: &str, v: serde_json::Value| -> Result<PathBuf> {
-        let path = dir.join(name);
-        std::fs::write(&path, v.to_string())
-            .map_err(|e| LabError::io(format!("writing {}", path.display()), e))?;
-        Ok(path)
-    };
-    let single = write(
-        "single.json",
-        serde_json::json!({ "stages": [ { "node": node(0), "layers": format!("0..{n_layer}") } ] }),
-    )?;
-    let ring: Vec<serde_json::Value> = split(n_layer, stages)
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            serde_json::json!({ "node": node(i), "layers": format!("{}..{}", r.start, r.end) })
-        })
-        .collect();
-    let ring = write("ring.json", serde_json::json!({ "stages": ring }))?;
+    let single = dir.join("single.json");
+    write_plan(&single, vec![stage(0, 0..n_layer)])?;
+    let ring = dir.join("ring.json");
+    let parts = split(n_layer, stages).into_iter().enumerate();
+    write_plan(&ring, parts.map(|(i, r)| stage(i, r)).collect())?;
     Ok((single, ring))
+}
+
+/// Node `i` ([`node`]) holding `layers`.
+pub(crate) fn stage(i: usize, layers: std::ops::Range<usize>) -> StageSpec {
+    StageSpec {
+        node: Some(node(i)),
+        layers,
+    }
+}
+
+/// Writes the plan file of `stages` to `path`, as the type `tessera run --plan FILE` reads.
+pub(crate) fn write_plan(path: &Path, stages: Vec<StageSpec>) -> Result<()> {
+    let text = serde_json::to_string(&PlanFile { stages }).expect("a plan file serializes");
+    std::fs::write(path, text).map_err(|e| LabError::io(format!("writing {}", path.display()), e))
 }
 
 /// `n_layer` layers in `stages` equal contiguous ranges.
@@ -130,19 +134,14 @@ mod tests {
     fn the_placements_are_node_0_alone_and_the_ring_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let (single, ring) = placements(dir.path(), 5, 2).unwrap();
-        let read = |p: &Path| -> serde_json::Value {
-            serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+        let read = |p: &Path| -> Vec<(Option<String>, std::ops::Range<usize>)> {
+            let f: PlanFile = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+            f.stages.into_iter().map(|s| (s.node, s.layers)).collect()
         };
-        assert_eq!(
-            read(&single),
-            serde_json::json!({ "stages": [ { "node": "s0", "layers": "0..5" } ] })
-        );
+        assert_eq!(read(&single), [(Some("s0".into()), 0..5)]);
         assert_eq!(
             read(&ring),
-            serde_json::json!({ "stages": [
-                { "node": "s0", "layers": "0..2" },
-                { "node": "s1", "layers": "2..5" },
-            ] })
+            [(Some("s0".into()), 0..2), (Some("s1".into()), 2..5)]
         );
         let s = EqualHosts {
             file: "t.toml",

@@ -13,11 +13,12 @@ use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde::de::{DeserializeOwned, IgnoredAny};
 use tessera_proto::{CoordToClient, RunReport};
 
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
+use crate::log_line::{self, Announced};
 use crate::scenario::Scenario;
 
 /// Where a session's processes run: host 0 the coordinator's (and clients'), host `i` the
@@ -96,18 +97,28 @@ impl Proc {
     }
 
     /// Waits for the child's JSON event `event` (it runs with `TESSERA_LOG_FORMAT=json`).
-    pub(super) fn wait_event(&mut self, event: &str, timeout: Duration) -> Result<Value> {
+    pub(super) fn wait_event(&mut self, event: &str, timeout: Duration) -> Result<()> {
+        self.wait_for::<IgnoredAny>(event, timeout).map(drop)
+    }
+
+    /// Waits for the child's JSON event `event` and reads its line as `T` (the fields the lab
+    /// uses of it); the event without them is [`LabError::Unreadable`].
+    fn wait_for<T: DeserializeOwned>(&mut self, event: &str, timeout: Duration) -> Result<T> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.rx.recv_timeout(left) {
-                Ok(l) => {
-                    if let Ok(v) = serde_json::from_str::<Value>(&l) {
-                        if v["event"] == event {
-                            return Ok(v);
-                        }
+                Ok(l) => match log_line::read::<T>(&l, event) {
+                    None => {}
+                    Some(Ok(v)) => return Ok(v),
+                    Some(Err(e)) => {
+                        return Err(LabError::Unreadable {
+                            process: self.name.clone(),
+                            what: format!("{event:?} event"),
+                            message: format!("{l}: {e}"),
+                        })
                     }
-                }
+                },
                 Err(_) => {
                     return Err(LabError::Silent {
                         process: self.name.clone(),
@@ -470,13 +481,10 @@ impl Drop for Session {
     }
 }
 
+/// The token the coordinator announces as `event`.
 fn token(coordinator: &mut Proc, event: &str) -> Result<String> {
-    Ok(
-        coordinator.wait_event(event, Duration::from_secs(60))?["token"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string(),
-    )
+    let a: Announced = coordinator.wait_for(event, Duration::from_secs(60))?;
+    Ok(a.token)
 }
 
 /// A finished `tessera run --json`'s report (its `done` message).

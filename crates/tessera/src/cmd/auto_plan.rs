@@ -10,7 +10,7 @@ use tessera_coord::Coordinator;
 use tessera_placement::planning::{
     node_links, plan_executable, planner_model, resource_graph, to_placement, PeerMeasurement,
 };
-use tessera_plan::{render_text, Objective, Policy};
+use tessera_plan::{render_text, AutoPlanRecord, Objective, Policy};
 
 /// How long to wait for the link measurements (the coordinator's to each node, and the nodes'
 /// to each other: a ping series and a 1 MiB transfer per pair, one peer at a time) once the
@@ -184,12 +184,13 @@ pub async fn run_calibrated(
         mib(kv_bytes(chosen))
     );
     c.set_max_context(chosen);
-    let doc = serde_json::json!({ "graph": graph, "outcome": outcome });
+    // The lab reads this file back as the same type.
+    let record = AutoPlanRecord { graph, outcome };
     let path = data_dir.join("plan-auto.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&doc)?)
+    std::fs::write(&path, serde_json::to_vec_pretty(&record)?)
         .with_context(|| format!("writing {}", path.display()))?;
     let cfg = &model.config;
-    let placement = to_placement(&outcome.plan, cfg.n_layer, cfg.n_expert)?;
+    let placement = to_placement(&record.outcome.plan, cfg.n_layer, cfg.n_expert)?;
     // The split first: the epoch the stages start places it.
     c.set_expert_split(placement.experts.clone()).await;
     c.apply_stages(&placement.ring.stages)

@@ -2,6 +2,10 @@
 //! flags force), each with its placement on the fabric, or why the fabric cannot execute it.
 //! Pure: planning and re-costing only.
 
+mod error;
+
+pub use error::{CandidatesError, SplitSyntax};
+
 use tessera_placement::planning::{
     plan_executable, to_placement, to_streaming_placement, Placement,
 };
@@ -70,7 +74,7 @@ pub fn candidates(
     graph: &ResourceGraph,
     outcome: &PlanOutcome,
     force: &Force,
-) -> Result<Vec<Candidate>, String> {
+) -> Result<Vec<Candidate>, CandidatesError> {
     let n_expert = profile.config.n_expert;
     let mut out = vec![Candidate::new(
         outcome.plan.clone(),
@@ -93,7 +97,7 @@ pub fn candidates(
         let mut g = graph.clone();
         g.policy.strategies = vec![s];
         let o = tessera_plan::plan(model, &g, 1)
-            .map_err(|e| format!("--strategy {}: {e}", s.name()))?;
+            .map_err(|error| CandidatesError::Strategy { strategy: s, error })?;
         push(o.plan, "forced", &mut out);
     }
     if let Some(split) = &force.split {
@@ -109,7 +113,12 @@ pub fn candidates(
         match tessera_plan::plan(model, &g, 1) {
             Ok(o) => push(o.plan, "runner-up", &mut out),
             // Listed by the planner but not re-plannable alone: keep its reason visible.
-            Err(e) => return Err(format!("re-planning {}: {e}", alt.description)),
+            Err(error) => {
+                return Err(CandidatesError::Replan {
+                    description: alt.description.clone(),
+                    error,
+                })
+            }
         }
     }
     // Every strategy the policy allows is measured (or listed), also those the planner ranked
@@ -137,20 +146,27 @@ pub fn candidates(
 }
 
 /// Parses `NODE=START..END,…` into (node, range) parts.
-pub fn parse_split(s: &str) -> Result<Vec<(String, LayerRange)>, String> {
-    let bad = |why: &str| format!("--split {s:?}: {why} (expected NODE=START..END,…)");
+pub fn parse_split(s: &str) -> Result<Vec<(String, LayerRange)>, CandidatesError> {
+    let bad = |why| CandidatesError::SplitSyntax {
+        split: s.to_string(),
+        why,
+    };
     s.split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
         .map(|part| {
-            let (node, range) = part.split_once('=').ok_or_else(|| bad("no '='"))?;
-            let (a, b) = range.split_once("..").ok_or_else(|| bad("no '..'"))?;
+            let (node, range) = part
+                .split_once('=')
+                .ok_or_else(|| bad(SplitSyntax::NoEquals))?;
+            let (a, b) = range
+                .split_once("..")
+                .ok_or_else(|| bad(SplitSyntax::NoRange))?;
             let (a, b): (usize, usize) = (
-                a.trim().parse().map_err(|_| bad("bad start"))?,
-                b.trim().parse().map_err(|_| bad("bad end"))?,
+                a.trim().parse().map_err(|_| bad(SplitSyntax::BadStart))?,
+                b.trim().parse().map_err(|_| bad(SplitSyntax::BadEnd))?,
             );
             if a >= b {
-                return Err(bad("empty range"));
+                return Err(bad(SplitSyntax::EmptyRange));
             }
             Ok((node.trim().to_string(), LayerRange::new(a, b)))
         })
@@ -159,14 +175,14 @@ pub fn parse_split(s: &str) -> Result<Vec<(String, LayerRange)>, String> {
 
 /// The plan of a given split, costed on `graph`: the planner's own plan for those nodes (a
 /// single node or a ring) with its stages' layers replaced by the split's.
-fn forced_split(model: &ModelProfile, graph: &ResourceGraph, split: &str) -> Result<Plan, String> {
+fn forced_split(
+    model: &ModelProfile,
+    graph: &ResourceGraph,
+    split: &str,
+) -> Result<Plan, CandidatesError> {
     let parts = parse_split(split)?;
-    for (n, _) in &parts {
-        if graph.node(n).is_none() {
-            return Err(format!(
-                "--split names {n:?}, which is not a node of the scenario"
-            ));
-        }
+    if let Some((n, _)) = parts.iter().find(|(n, _)| graph.node(n).is_none()) {
+        return Err(CandidatesError::SplitNode { node: n.clone() });
     }
     let (kind, strategy) = if parts.len() == 1 {
         (CellKind::Single, StrategyKind::Single)
@@ -178,18 +194,13 @@ fn forced_split(model: &ModelProfile, graph: &ResourceGraph, split: &str) -> Res
     let mut g = graph.clone();
     g.policy.strategies = vec![strategy];
     let mut plan = tessera_plan::plan(model, &g, 1)
-        .map_err(|e| format!("--split: no {} plan to start from: {e}", strategy.name()))?
+        .map_err(|error| CandidatesError::SplitTemplate { strategy, error })?
         .plan;
     let cell = plan
         .cells
         .first_mut()
         .filter(|c| c.kind == kind)
-        .ok_or_else(|| {
-            format!(
-                "--split: the planner's {} plan has no such cell",
-                strategy.name()
-            )
-        })?;
+        .ok_or(CandidatesError::SplitCell { strategy })?;
     let shape = cell.assignments[0].clone();
     let last = parts.len() - 1;
     cell.assignments = parts
@@ -210,7 +221,10 @@ fn forced_split(model: &ModelProfile, graph: &ResourceGraph, split: &str) -> Res
         })
         .collect();
     plan.strategy = strategy;
-    plan.predicted = predict(model, graph, &plan).map_err(|e| format!("--split {split}: {e}"))?;
+    plan.predicted = predict(model, graph, &plan).map_err(|error| CandidatesError::SplitCost {
+        split: split.to_string(),
+        error,
+    })?;
     Ok(plan)
 }
 
@@ -257,7 +271,17 @@ mod tests {
         let p = parse_split("a=0..2, b=2..3").unwrap();
         assert_eq!(p[0], ("a".into(), LayerRange::new(0, 2)));
         assert_eq!(p[1], ("b".into(), LayerRange::new(2, 3)));
-        assert!(parse_split("a:0..2").unwrap_err().contains("no '='"));
-        assert!(parse_split("a=2..2").unwrap_err().contains("empty range"));
+        let why = |s: &str| match parse_split(s) {
+            Err(CandidatesError::SplitSyntax { split, why }) => {
+                assert_eq!(split, s);
+                why
+            }
+            other => panic!("{s:?}: {other:?}"),
+        };
+        assert_eq!(why("a:0..2"), SplitSyntax::NoEquals);
+        assert_eq!(why("a=0:2"), SplitSyntax::NoRange);
+        assert_eq!(why("a=x..2"), SplitSyntax::BadStart);
+        assert_eq!(why("a=0..y"), SplitSyntax::BadEnd);
+        assert_eq!(why("a=0..1,b=2..2"), SplitSyntax::EmptyRange);
     }
 }

@@ -30,6 +30,8 @@
 //! `ResourceGraph::from_toml` unchanged, so prediction and measurement describe the same
 //! machines.
 
+mod error;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -41,6 +43,7 @@ use crate::cgroup::Limits;
 use crate::disk::DiskProfile;
 use crate::error::{LabError, Result};
 use crate::lab::{HostSpec, LabSpec};
+pub use error::ScenarioError;
 
 /// The host that runs the coordinator (and the client), besides the scenario's nodes.
 pub const COORDINATOR_HOST: &str = "lab-coordinator";
@@ -114,15 +117,15 @@ pub const LAB_SECTIONS: [&str; 3] = ["model", "workload", "lab"];
 /// The planner's part of a scenario (the cluster file without [`LAB_SECTIONS`]), so
 /// `tessera plan --nodes SCENARIO` plans the same machines `tessera lab run` builds. Text
 /// without those sections is returned unchanged.
-pub fn planner_part(text: &str) -> std::result::Result<String, String> {
-    let mut doc: toml::Table = text.parse().map_err(|e| format!("{e}"))?;
+pub fn planner_part(text: &str) -> std::result::Result<String, ScenarioError> {
+    let mut doc: toml::Table = text.parse().map_err(ScenarioError::Toml)?;
     if !LAB_SECTIONS.iter().any(|k| doc.contains_key(*k)) {
         return Ok(text.to_string());
     }
     for k in LAB_SECTIONS {
         doc.remove(k);
     }
-    toml::to_string(&doc).map_err(|e| format!("{e}"))
+    toml::to_string(&doc).map_err(ScenarioError::PlannerPart)
 }
 
 /// The scenario's text with its planner part replaced by `planner` (a cluster file, e.g. a
@@ -169,13 +172,6 @@ pub struct Scenario {
     text: String,
 }
 
-fn err(path: &Path, message: impl Into<String>) -> LabError {
-    LabError::Scenario {
-        path: path.display().to_string(),
-        message: message.into(),
-    }
-}
-
 impl Scenario {
     /// Reads and checks a scenario file.
     pub fn load(path: &Path) -> Result<Self> {
@@ -186,16 +182,25 @@ impl Scenario {
 
     /// Parses `text` (read from `path`, which relative model paths start from).
     pub fn parse(path: &Path, text: &str) -> Result<Self> {
-        let mut doc: toml::Table = text.parse().map_err(|e| err(path, format!("{e}")))?;
+        Self::parse_text(path, text).map_err(|problem| LabError::Scenario {
+            path: path.display().to_string(),
+            problem: Box::new(problem),
+        })
+    }
+
+    /// [`Scenario::parse`] but for naming the file in the error.
+    fn parse_text(path: &Path, text: &str) -> std::result::Result<Self, ScenarioError> {
+        fn section(section: &'static str) -> impl Fn(toml::de::Error) -> ScenarioError {
+            move |error| ScenarioError::Section { section, error }
+        }
+        let mut doc: toml::Table = text.parse().map_err(ScenarioError::Toml)?;
         let model: ModelSection = doc
             .remove("model")
-            .ok_or_else(|| err(path, "no [model] section"))?
+            .ok_or(ScenarioError::NoModel)?
             .try_into()
-            .map_err(|e| err(path, format!("[model]: {e}")))?;
+            .map_err(section("model"))?;
         let workload: Workload = match doc.remove("workload") {
-            Some(w) => w
-                .try_into()
-                .map_err(|e| err(path, format!("[workload]: {e}")))?,
+            Some(w) => w.try_into().map_err(section("workload"))?,
             None => Workload {
                 prompt: default_prompt(),
                 tokens: default_tokens(),
@@ -204,63 +209,51 @@ impl Scenario {
             },
         };
         if workload.predict && workload.speculate == 0 {
-            return Err(err(
-                path,
-                "[workload] predict = true sends a prediction to draft from: it needs speculate",
-            ));
+            return Err(ScenarioError::PredictWithoutSpeculate);
         }
-        if workload.speculate > tessera_proto::OpenSeq::MAX_SPECULATE {
-            return Err(err(
-                path,
-                format!(
-                    "[workload] speculate = {}: a ring turn carries at most {} drafts",
-                    workload.speculate,
-                    tessera_proto::OpenSeq::MAX_SPECULATE
-                ),
-            ));
+        let max = tessera_proto::OpenSeq::MAX_SPECULATE;
+        if workload.speculate > max {
+            return Err(ScenarioError::TooManyDrafts {
+                asked: workload.speculate,
+                max,
+            });
         }
         let lab: LabSection = match doc.remove("lab") {
-            Some(l) => l.try_into().map_err(|e| err(path, format!("[lab]: {e}")))?,
+            Some(l) => l.try_into().map_err(section("lab"))?,
             None => LabSection::default(),
         };
-        let rest = toml::to_string(&doc).map_err(|e| err(path, format!("{e}")))?;
-        let graph = ResourceGraph::from_toml(&rest).map_err(|e| err(path, format!("{e}")))?;
+        let rest = toml::to_string(&doc).map_err(ScenarioError::PlannerPart)?;
+        let graph = ResourceGraph::from_toml(&rest).map_err(ScenarioError::Cluster)?;
         let names: Vec<&str> = graph.nodes.iter().map(|n| n.name.as_str()).collect();
         for l in &lab.link {
-            for n in &l.nodes {
-                if !names.contains(&n.as_str()) {
-                    return Err(err(path, format!("[[lab.link]] names unknown node {n:?}")));
-                }
+            if let Some(n) = l.nodes.iter().find(|n| !names.contains(&n.as_str())) {
+                return Err(ScenarioError::UnknownLinkNode { node: n.clone() });
             }
             if !(0.0..=1.0).contains(&l.loss) || l.jitter_ms < 0.0 {
-                return Err(err(path, "[[lab.link]]: loss in [0, 1], jitter_ms ≥ 0"));
+                return Err(ScenarioError::LinkImpairment {
+                    nodes: l.nodes.clone(),
+                    loss: l.loss,
+                    jitter_ms: l.jitter_ms,
+                });
             }
         }
         for n in &lab.node {
             if !names.contains(&n.name.as_str()) {
-                return Err(err(
-                    path,
-                    format!("[[lab.node]] names unknown node {:?}", n.name),
-                ));
+                return Err(ScenarioError::UnknownLabNode {
+                    node: n.name.clone(),
+                });
             }
             if let Some(d) = &n.disk {
                 if DiskProfile::named(d).is_none() {
-                    return Err(err(
-                        path,
-                        format!(
-                            "[[lab.node]] {}: no disk profile {d:?} (one of {})",
-                            n.name,
-                            DiskProfile::names()
-                        ),
-                    ));
+                    return Err(ScenarioError::NoDiskProfile {
+                        node: n.name.clone(),
+                        disk: d.clone(),
+                    });
                 }
             }
         }
         if names.contains(&COORDINATOR_HOST) {
-            return Err(err(
-                path,
-                format!("{COORDINATOR_HOST:?} is the lab's own host name"),
-            ));
+            return Err(ScenarioError::ReservedHostName);
         }
         let base = path.parent().unwrap_or(Path::new("."));
         Ok(Self {
@@ -435,23 +428,79 @@ disk = "emmc"
         assert!(spec.disk_paths.contains(&s.model));
     }
 
+    /// Why `text` was refused as a scenario; panics when it was not, or not as a scenario.
+    fn refused(text: &str) -> ScenarioError {
+        match Scenario::parse(Path::new("w.toml"), text) {
+            Err(LabError::Scenario { path, problem }) => {
+                assert_eq!(path, "w.toml");
+                *problem
+            }
+            Err(e) => panic!("refused, not as a scenario: {e}"),
+            Ok(_) => panic!("accepted"),
+        }
+    }
+
     #[test]
     fn a_disk_without_a_profile_is_refused_with_the_profiles_named() {
-        let bad = WIFI.replace("disk = \"emmc\"", "disk = \"floppy\"");
-        let e = Scenario::parse(Path::new("w.toml"), &bad).unwrap_err();
+        let e = refused(&WIFI.replace("disk = \"emmc\"", "disk = \"floppy\""));
         assert!(
-            e.to_string().contains("floppy") && e.to_string().contains("emmc"),
-            "{e}"
+            matches!(&e, ScenarioError::NoDiskProfile { node, disk } if node == "b" && disk == "floppy"),
+            "{e:?}"
         );
+        // The profiles to choose from are in what the person reads.
+        assert!(e.to_string().contains("emmc"), "{e}");
     }
 
     #[test]
     fn a_lab_section_naming_an_unknown_node_is_refused() {
-        let bad = WIFI.replace("name = \"b\"\ncpu_quota", "name = \"zz\"\ncpu_quota");
-        let e = Scenario::parse(Path::new("w.toml"), &bad).unwrap_err();
-        assert!(e.to_string().contains("unknown node \"zz\""), "{e}");
-        let e = Scenario::parse(Path::new("w.toml"), "[[node]]\nname='a'").unwrap_err();
-        assert!(e.to_string().contains("no [model]"), "{e}");
+        let e = refused(&WIFI.replace("name = \"b\"\ncpu_quota", "name = \"zz\"\ncpu_quota"));
+        assert!(
+            matches!(&e, ScenarioError::UnknownLabNode { node } if node == "zz"),
+            "{e:?}"
+        );
+        let e = refused(&WIFI.replace(
+            "nodes = [\"a\", \"b\"]\njitter_ms",
+            "nodes = [\"a\", \"yy\"]\njitter_ms",
+        ));
+        assert!(
+            matches!(&e, ScenarioError::UnknownLinkNode { node } if node == "yy"),
+            "{e:?}"
+        );
+        let e = refused("[[node]]\nname='a'");
+        assert!(matches!(e, ScenarioError::NoModel), "{e:?}");
+    }
+
+    #[test]
+    fn a_lab_section_of_the_wrong_shape_or_range_is_refused_naming_it() {
+        let e = refused(&WIFI.replace("tokens = 16", "tokens = 16\nwarmup = 2"));
+        assert!(
+            matches!(
+                e,
+                ScenarioError::Section {
+                    section: "workload",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let e = refused(&WIFI.replace("loss = 0.001", "loss = 2.0"));
+        assert!(
+            matches!(e, ScenarioError::LinkImpairment { loss, .. } if loss == 2.0),
+            "{e:?}"
+        );
+        let e = refused(&WIFI.replace("tokens = 16", "tokens = 16\npredict = true"));
+        assert!(matches!(e, ScenarioError::PredictWithoutSpeculate), "{e:?}");
+        let e = refused(
+            "[[node]]\nname = \"lab-coordinator\"\nprofile = \"laptop-16gb\"\n[model]\ngguf = \"m\"",
+        );
+        assert!(matches!(e, ScenarioError::ReservedHostName), "{e:?}");
+        let e = refused("[[node]]\nname = \"a\"\nprofile = \"no-such\"\n[model]\ngguf = \"m\"");
+        assert!(
+            matches!(&e, ScenarioError::Cluster(tessera_plan::ClusterError::UnknownProfile(p)) if p == "no-such"),
+            "{e:?}"
+        );
+        let e = refused("[[node]\n");
+        assert!(matches!(e, ScenarioError::Toml(_)), "{e:?}");
     }
 
     #[test]
@@ -466,11 +515,10 @@ disk = "emmc"
         let eight = WIFI.replace("tokens = 16", "tokens = 16\nspeculate = 8");
         let s = Scenario::parse(Path::new("w.toml"), &eight).unwrap();
         assert_eq!(s.workload.speculate, 8);
-        let too_many = WIFI.replace("tokens = 16", "tokens = 16\nspeculate = 17");
-        match Scenario::parse(Path::new("w.toml"), &too_many) {
-            Err(LabError::Scenario { message, .. }) => assert!(message.contains("at most 16")),
-            Err(e) => panic!("speculate = 17 refused for another reason: {e}"),
-            Ok(_) => panic!("speculate = 17 was accepted"),
-        }
+        let e = refused(&WIFI.replace("tokens = 16", "tokens = 16\nspeculate = 17"));
+        assert!(
+            matches!(e, ScenarioError::TooManyDrafts { asked: 17, max: 16 }),
+            "{e:?}"
+        );
     }
 }
