@@ -491,26 +491,32 @@ fn public_entry_points_agree() {
 fn matmul_many_and_gather_match_single_calls() {
     let pool = ThreadPool::new(3);
     let mut rng = Rng::new(77);
-    let mats: Vec<Matrix> = [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::F16]
-        .into_iter()
-        .map(|d| {
-            let (rows, cols) = (40, 256);
-            Matrix::new(
-                d,
-                rows,
-                cols,
-                MatrixBytes::Owned(random_matrix(d, rows, cols, &mut rng)),
-            )
-            .unwrap()
-        })
-        .collect();
+    let mats: Vec<Matrix> = [
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::F16,
+        GgmlType::Q6K,
+    ]
+    .into_iter()
+    .map(|d| {
+        let (rows, cols) = (40, 256);
+        Matrix::new(
+            d,
+            rows,
+            cols,
+            MatrixBytes::Owned(random_matrix(d, rows, cols, &mut rng)),
+        )
+        .unwrap()
+    })
+    .collect();
     let nt = 6;
     let x = random_x(nt * 256, &mut rng);
     let acts: Vec<QuantizedActs> = mats
         .iter()
         .map(|m| QuantizedActs::new(&pool, m.dtype(), &x, nt, 256))
         .collect();
-    let ranges = [(0, 40), (8, 24), (3, 17), (39, 40)];
+    let ranges = [(0, 40), (8, 24), (3, 17), (39, 40), (5, 40)];
     let mut outs: Vec<Vec<f32>> = ranges
         .iter()
         .map(|r| vec![0f32; nt * (r.1 - r.0)])
@@ -530,14 +536,16 @@ fn matmul_many_and_gather_match_single_calls() {
     for (i, m) in mats.iter().enumerate() {
         let want = run(isa(), &pool, m, ranges[i], &x, nt);
         assert_eq!(outs[i], want, "{}", m.dtype());
-        // Gathered tokens give the same rows as the full batch.
-        let picked = [4, 1, 1];
-        let g = acts[i].gather(&picked);
-        let mut out = vec![0f32; picked.len() * (ranges[i].1 - ranges[i].0)];
-        matmul_rows_q(&pool, m, ranges[i].0, ranges[i].1, &g, &mut out);
-        let n = ranges[i].1 - ranges[i].0;
-        for (j, &t) in picked.iter().enumerate() {
-            assert_eq!(out[j * n..(j + 1) * n], want[t * n..(t + 1) * n]);
+        // Gathered tokens give the same rows as the full batch (1 and 2 tokens: the decode
+        // tiles, which read the gathered activations' extra sums).
+        for picked in [&[4, 1, 1][..], &[2], &[5, 0]] {
+            let g = acts[i].gather(picked);
+            let mut out = vec![0f32; picked.len() * (ranges[i].1 - ranges[i].0)];
+            matmul_rows_q(&pool, m, ranges[i].0, ranges[i].1, &g, &mut out);
+            let n = ranges[i].1 - ranges[i].0;
+            for (j, &t) in picked.iter().enumerate() {
+                assert_eq!(out[j * n..(j + 1) * n], want[t * n..(t + 1) * n]);
+            }
         }
     }
 }
