@@ -5,6 +5,7 @@ use std::arch::x86_64::*;
 
 use super::super::matrix::{GROUP, Q1_MIN, Q1_QS, Q1_X16};
 use super::super::quant_acts::QuantizedActs;
+use super::kquant_avx2::prefetch_ahead;
 
 /// Checks the bounds every group kernel relies on.
 fn check_group(w: &[u8], bb: usize, a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
@@ -57,6 +58,11 @@ unsafe fn q4_0_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, o
                 let mut lo = [_mm256_setzero_si256(); 4];
                 let mut hi = [_mm256_setzero_si256(); 4];
                 for k in 0..4 {
+                    // Decode reads each weight once, from memory: the first half's pass
+                    // prefetches ahead (the second finds the group's lines in cache).
+                    if T == 1 && h == 0 {
+                        prefetch_ahead(blk, GROUP * 18, k, 4);
+                    }
                     let v = _mm256_loadu_si256(blk.add(32 + 64 * k + 32 * h) as *const __m256i);
                     lo[k] = _mm256_and_si256(v, m4);
                     hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);

@@ -70,7 +70,7 @@ fn check_k(w: &[u8], x16: usize, a: &QuantizedActs, t0: usize, nt: usize, out: &
 }
 
 /// Blocks ahead that a decode tile prefetches (see [`prefetch_ahead`]).
-const PREFETCH_BLOCKS: usize = 2;
+pub(super) const PREFETCH_BLOCKS: usize = 2;
 
 /// Decode (1–2 tokens) reads each weight once, from memory: the first row half's pass over a
 /// group prefetches the block [`PREFETCH_BLOCKS`] on (past the group's end, the next group's,
@@ -79,7 +79,7 @@ const PREFETCH_BLOCKS: usize = 2;
 /// prefetcher alone left the Q6_K kernel waiting on its weight loads about half of its time
 /// (`perf` of a Q6_K decode: the samples on the first loads of each run).
 #[inline(always)]
-fn prefetch_ahead(blk: *const u8, block_bytes: usize, part: usize, parts: usize) {
+pub(super) fn prefetch_ahead(blk: *const u8, block_bytes: usize, part: usize, parts: usize) {
     let lines = block_bytes.div_ceil(64 * parts);
     let ahead = blk.wrapping_add(PREFETCH_BLOCKS * block_bytes + 64 * lines * part);
     for line in 0..lines {
