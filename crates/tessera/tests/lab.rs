@@ -592,13 +592,17 @@ fn lab_run_measures_the_ring_the_expert_split_and_one_node_streaming_with_one_pr
         let m = &r["measured"];
         assert!(m["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{r:#}");
         assert!(m["ttft_ms"].as_f64().unwrap() > 0.0, "{r:#}");
-        // Hidden states (ring) or expert activations (split) cross the switch every token;
-        // one node alone sends nothing to the others.
+        // Hidden states cross the switch every token of a ring; one node alone sends nothing
+        // to the others. An expert split sends a layer's rows only to an owner of an expert
+        // the router picked: the planner may leave the owner a single expert (one CI run
+        // measured `home[0..3) streaming 1 MiB + owner{e7..8}`), which this short greedy text
+        // never routes to, so its traffic is not asserted here (`tests/moe_split.rs` checks
+        // the split's traffic on splits it sets).
         let wire = m["wire_bytes_per_token"].as_f64().unwrap();
-        if s == "single" {
-            assert!(wire < 1.0, "{r:#}");
-        } else {
-            assert!(wire > 0.0, "{r:#}");
+        match s {
+            "single" => assert!(wire < 1.0, "{r:#}"),
+            "stage" => assert!(wire > 0.0, "{r:#}"),
+            _ => assert!(wire >= 0.0, "{r:#}"),
         }
         // Every measured request's text is one process's.
         let text = &r["text"];
