@@ -1,13 +1,27 @@
 //! Credential administration for operators: tokens with a life and revocation, asked for over
 //! an operator's control session ([`AdminRequest`], checked by [`crate::authz`] first).
+//!
+//! Each request is one step of the core task, which owns the enrolment records and each key's
+//! connections: a revocation and the closing of the revoked keys' connections happen together,
+//! before anything asked after them.
 
 use tessera_proto::{AdminReply, AdminRequest};
 
 use crate::authz::Grant;
-use crate::shared::Shared;
+use crate::shared::{Core, Shared};
 
-/// Carries out one request; every failure becomes [`AdminReply::Refused`] with its reason.
-pub(crate) fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {
+/// Carries out one request on the core task; every failure becomes [`AdminReply::Refused`]
+/// with its reason.
+pub(crate) async fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {
+    shared
+        .ask(move |core, _| handle_on_core(core, req))
+        .await
+        .unwrap_or_else(|| AdminReply::Refused {
+            reason: "the coordinator is closing".into(),
+        })
+}
+
+fn handle_on_core(core: &mut Core, req: AdminRequest) -> AdminReply {
     let refused = |e: &dyn std::fmt::Display| AdminReply::Refused {
         reason: e.to_string(),
     };
@@ -24,7 +38,7 @@ pub(crate) fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {
             if uses == Some(0) {
                 return refused(&"a token for 0 uses would enrol nobody");
             }
-            match shared.enrol.create_token(grant, uses, lifetime_ms) {
+            match core.enrolment.create_token(grant, uses, lifetime_ms) {
                 Ok(r) => {
                     eprintln!("issued {grant} token {}", r.id());
                     AdminReply::Token {
@@ -36,14 +50,14 @@ pub(crate) fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {
             }
         }
         AdminRequest::ListTokens => AdminReply::Tokens {
-            tokens: shared.enrol.tokens(),
+            tokens: core.enrolment.public().tokens(),
         },
         AdminRequest::RevokeToken { id, with_keys } => {
-            match shared.enrol.revoke_token(&id, with_keys) {
+            match core.enrolment.revoke_token(&id, with_keys) {
                 Ok((info, keys)) => {
                     // The keys it let in: every connection of each ends now.
                     for k in &keys {
-                        revoked_key(shared, k);
+                        revoked_key(core, k);
                     }
                     eprintln!("revoked token {} and {} keys", info.id, keys.len());
                     AdminReply::Revoked {
@@ -58,9 +72,9 @@ pub(crate) fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {
                 Err(e) => refused(&e),
             }
         }
-        AdminRequest::RevokeNode { name } => match shared.enrol.revoke_named(&name) {
+        AdminRequest::RevokeNode { name } => match core.enrolment.revoke_named(&name) {
             Ok(id) => {
-                revoked_key(shared, &id);
+                revoked_key(core, &id);
                 eprintln!("revoked key {id}");
                 AdminReply::Revoked {
                     what: format!("key {id}"),
@@ -74,8 +88,8 @@ pub(crate) fn handle(shared: &Shared, req: AdminRequest) -> AdminReply {
 /// A key was revoked: every connection it has ends now (its sessions with them: a node is
 /// planned around like one that left, a client's runs are cancelled). A request that raced
 /// the close is refused too: sessions check the key's rights on every message.
-fn revoked_key(shared: &Shared, key: &tessera_net::NodeId) {
-    let closed = shared.authz.disconnect(key, "revoked");
+fn revoked_key(core: &mut Core, key: &tessera_net::NodeId) {
+    let closed = core.door.disconnect(key, "revoked");
     tracing::info!(
         event = "key_revoked",
         node_id = %key,

@@ -24,11 +24,9 @@
 //! message from a non-stage or a non-sampler; both answer with a [`Refusal`]. [`Gate`] is the
 //! thin edge the server calls: it counts every refusal and logs them at a bounded rate.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use tessera_net::NodeId;
@@ -151,26 +149,6 @@ pub(crate) fn clip_line(s: &str) -> String {
     out
 }
 
-/// A client run's place ([`Gate::admit_run`]); given back when dropped.
-#[derive(Debug)]
-pub struct RunPermit {
-    _global: tokio::sync::OwnedSemaphorePermit,
-    per_client: Arc<Mutex<HashMap<NodeId, usize>>>,
-    client: NodeId,
-}
-
-impl Drop for RunPermit {
-    fn drop(&mut self) {
-        let mut m = self.per_client.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.client) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.client);
-            }
-        }
-    }
-}
-
 /// May `sender` (on a node control session) say `msg` at all? Only a node credential speaks
 /// on a node session, and only once hello. What a node may say about an epoch or a sequence
 /// depends on the assignment, which the machines that hold it check: the membership machine
@@ -219,77 +197,21 @@ pub fn authorize_client(
     }
 }
 
-/// The edge around the rules: the refusal counter, a log that cannot be flooded (a hostile
-/// peer can send refusable messages as fast as it likes), the admission of clients' runs, and
-/// each key's live connection (so a revocation ends it).
-#[derive(Debug)]
+/// The edge around the rules: the refusal counters and a log that cannot be flooded (a
+/// hostile peer can send refusable messages as fast as it likes). What the gate holds that
+/// changes — the enrolments in progress, each client's runs, each key's connections — is the
+/// core task's ([`crate::door::Door`]).
+#[derive(Debug, Default)]
 pub struct Gate {
     refused: AtomicU64,
-    log: Mutex<LogBudget>,
-    client_runs: Arc<tokio::sync::Semaphore>,
-    per_client: Arc<Mutex<HashMap<NodeId, usize>>>,
-    enrolling: crate::enrolling::SlotTable,
+    log: LogBudget,
     net_refused: AtomicU64,
-    net_log: Mutex<LogBudget>,
-    /// Every open connection of each key (a key may hold several: a node's and a client's
-    /// sessions, a client run twice), so that a revocation ends them all.
-    conns: Mutex<HashMap<NodeId, Vec<tessera_net::Connection>>>,
-}
-
-impl Default for Gate {
-    fn default() -> Self {
-        Self::new()
-    }
+    net_log: LogBudget,
 }
 
 impl Gate {
     pub fn new() -> Self {
-        Self {
-            refused: AtomicU64::new(0),
-            log: Mutex::default(),
-            client_runs: Arc::new(tokio::sync::Semaphore::new(MAX_CLIENT_RUNS)),
-            per_client: Arc::default(),
-            enrolling: crate::enrolling::SlotTable::default(),
-            net_refused: AtomicU64::new(0),
-            net_log: Mutex::default(),
-            conns: Mutex::default(),
-        }
-    }
-
-    /// A place for one client run, or `None` (counted as a refusal) when the client has
-    /// [`MAX_RUNS_PER_CLIENT`] in flight or all clients [`MAX_CLIENT_RUNS`].
-    pub fn admit_run(&self, sender: &SenderFacts) -> Option<RunPermit> {
-        let permit = {
-            let mut m = self.per_client.lock().unwrap_or_else(|p| p.into_inner());
-            let n = m.entry(sender.node).or_insert(0);
-            match self.client_runs.clone().try_acquire_owned() {
-                Ok(g) if *n < MAX_RUNS_PER_CLIENT => {
-                    *n += 1;
-                    Some(RunPermit {
-                        _global: g,
-                        per_client: self.per_client.clone(),
-                        client: sender.node,
-                    })
-                }
-                _ => {
-                    if *n == 0 {
-                        m.remove(&sender.node);
-                    }
-                    None
-                }
-            }
-        };
-        if permit.is_none() {
-            self.refuse(sender.node, &Refusal::TooManyRuns);
-        }
-        permit
-    }
-
-    /// A place for one enrolment in progress (an unknown key proving a token) from `ip`, or
-    /// `None` when every place it could take is being judged ([`crate::enrolling`]: silent
-    /// enrolments give way to newcomers).
-    pub fn enrolment_slot(&self, ip: std::net::IpAddr) -> Option<crate::enrolling::EnrolmentSlot> {
-        self.enrolling.open(ip)
+        Self::default()
     }
 
     /// Connections and enrolments refused so far.
@@ -307,12 +229,7 @@ impl Gate {
         line: impl FnOnce() -> String,
     ) {
         let n = self.net_refused.fetch_add(1, Ordering::Relaxed) + 1;
-        let admitted = self
-            .net_log
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .admit(Instant::now());
-        if let Some(skipped) = admitted {
+        if let Some(skipped) = self.net_log.admit(Instant::now()) {
             let line = line();
             tracing::warn!(
                 event = "refused_connection",
@@ -328,30 +245,6 @@ impl Gate {
                 }
             );
         }
-    }
-
-    /// Remembers `conn` among its key's open connections (the closed ones are forgotten).
-    pub fn track(&self, conn: &tessera_net::Connection) {
-        let mut m = self.conns.lock().unwrap_or_else(|p| p.into_inner());
-        m.retain(|_, v| {
-            v.retain(|c| c.quinn().close_reason().is_none());
-            !v.is_empty()
-        });
-        m.entry(conn.peer_id()).or_default().push(conn.clone());
-    }
-
-    /// Ends every open connection of a revoked key; how many there were.
-    pub fn disconnect(&self, node: &NodeId, reason: &str) -> usize {
-        let conns = self
-            .conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(node)
-            .unwrap_or_default();
-        for c in &conns {
-            c.close(reason);
-        }
-        conns.len()
     }
 
     /// Messages refused so far.
@@ -382,8 +275,7 @@ impl Gate {
     /// log's budget.
     pub(crate) fn refuse(&self, from: NodeId, why: &Refusal) {
         let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(skipped) = log.admit(Instant::now()) {
+        if let Some(skipped) = self.log.admit(Instant::now()) {
             tracing::warn!(
                 event = "refused",
                 from = %from.short(),
@@ -401,44 +293,53 @@ impl Gate {
     }
 }
 
-/// A token bucket for log lines: at most [`LogBudget::BURST`] lines, refilled at
-/// [`LogBudget::PER_SECOND`]; the lines it holds back are counted and reported with the next.
+/// A token bucket for log lines: at most [`LogBudget::BURST`] lines at once, refilled at one
+/// a second; the lines it holds back are counted and reported with the next. Lock-free (the
+/// generic cell rate algorithm: one atomic "theoretical arrival time"), so that a flood of
+/// refusals from many tasks costs each a compare-and-swap.
 #[derive(Debug)]
 pub(crate) struct LogBudget {
-    tokens: f64,
-    last: Option<Instant>,
-    skipped: u64,
+    origin: Instant,
+    /// When the bucket is next full again, microseconds after `origin`, less one line's worth.
+    tat_us: AtomicU64,
+    skipped: AtomicU64,
 }
 
 impl Default for LogBudget {
     fn default() -> Self {
         Self {
-            tokens: Self::BURST,
-            last: None,
-            skipped: 0,
+            origin: Instant::now(),
+            tat_us: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
         }
     }
 }
 
 impl LogBudget {
-    const BURST: f64 = 10.0;
-    const PER_SECOND: f64 = 1.0;
+    const BURST: u64 = 10;
+    /// One line's worth of refill, µs.
+    const INTERVAL_US: u64 = 1_000_000;
 
     /// `Some(lines held back since the last one)` if a line may be written at `now`.
-    pub(crate) fn admit(&mut self, now: Instant) -> Option<u64> {
-        if let Some(last) = self.last {
-            let dt = now
-                .saturating_duration_since(last)
-                .min(Duration::from_secs(60));
-            self.tokens = (self.tokens + dt.as_secs_f64() * Self::PER_SECOND).min(Self::BURST);
-        }
-        self.last = Some(now);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            Some(std::mem::take(&mut self.skipped))
-        } else {
-            self.skipped += 1;
-            None
+    pub(crate) fn admit(&self, now: Instant) -> Option<u64> {
+        let now = now.saturating_duration_since(self.origin).as_micros() as u64;
+        let tolerance = (Self::BURST - 1) * Self::INTERVAL_US;
+        let mut tat = self.tat_us.load(Ordering::Relaxed);
+        loop {
+            let start = tat.max(now);
+            if start - now > tolerance {
+                self.skipped.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            match self.tat_us.compare_exchange_weak(
+                tat,
+                start + Self::INTERVAL_US,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(self.skipped.swap(0, Ordering::Relaxed)),
+                Err(seen) => tat = seen,
+            }
         }
     }
 }
@@ -557,29 +458,13 @@ mod tests {
         gate.refuse(client.node, &Refusal::NotAStageOfEpoch { epoch: 2 });
         assert_eq!(gate.refused(), 1000);
         assert!(gate.check_node(&node(id()), &heartbeat).is_ok());
-        let before = gate.refused();
-        // One client holds at most its share of the run places; others still get theirs.
-        let greedy = SenderFacts {
-            node: id(),
-            grant: Grant::Client,
-        };
-        let held: Vec<_> = (0..100).filter_map(|_| gate.admit_run(&greedy)).collect();
-        assert_eq!(held.len(), MAX_RUNS_PER_CLIENT);
-        let other = SenderFacts {
-            node: id(),
-            grant: Grant::Client,
-        };
-        assert!(gate.admit_run(&other).is_some());
-        drop(held);
-        assert!(gate.admit_run(&greedy).is_some(), "places are given back");
-        assert_eq!(gate.refused(), before + 92);
         assert_eq!(clip_line("a\nb"), "a\\nb");
         assert!(clip_line(&"x".repeat(1 << 20)).len() < 310);
-        let mut b = LogBudget::default();
+        let b = LogBudget::default();
         let t0 = Instant::now();
         let written = (0..1000).filter(|_| b.admit(t0).is_some()).count();
-        assert_eq!(written as f64, LogBudget::BURST);
+        assert_eq!(written as u64, LogBudget::BURST);
         // A second later one more line, which says how many were held back.
-        assert_eq!(b.admit(t0 + Duration::from_secs(1)), Some(990));
+        assert_eq!(b.admit(t0 + std::time::Duration::from_secs(1)), Some(990));
     }
 }

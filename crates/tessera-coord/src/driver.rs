@@ -97,7 +97,7 @@ pub(crate) async fn client_session(
             }
             match parsed {
                 Ok(ClientToCoord::Run(req)) => {
-                    let Some(permit) = shared.authz.admit_run(&sender) else {
+                    let Some(permit) = crate::door::admit_run(&shared, &sender).await else {
                         let _ = tx.send(CoordToClient::Error {
                             message: crate::authz::Refusal::TooManyRuns.to_string(),
                         });
@@ -130,7 +130,9 @@ pub(crate) async fn client_session(
                     let _ = tx.send(CoordToClient::Status { members, epoch });
                 }
                 Ok(ClientToCoord::Admin(req)) => {
-                    let _ = tx.send(CoordToClient::Admin(crate::admin::handle(&shared, req)));
+                    let _ = tx.send(CoordToClient::Admin(
+                        crate::admin::handle(&shared, req).await,
+                    ));
                 }
                 Ok(ClientToCoord::Holders { model }) => {
                     let holders = shared

@@ -10,8 +10,15 @@
 //! Tokens have a life ([`crate::tokens`]): each expires, may be limited to a number of uses and
 //! can be revoked. At start the coordinator makes sure it has a valid node token and a valid
 //! operator token to print, issuing new ones when the old have expired or were revoked.
+//!
+//! Two halves: the records and their store are an [`EnrolmentBook`], owned by the coordinator's
+//! core task (every change is a job there, in order with the cluster's inputs, so a revocation
+//! and the closing of the key's connections are one step); what the rest reads — the live
+//! allow-list the transport asks, the printed tokens and the records as of the last change —
+//! is the [`Enrolment`], which the book publishes to after each change.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tessera_net::{
@@ -71,17 +78,35 @@ impl From<EnrolRefusal> for Refusal {
     }
 }
 
-/// The enrolment records, the live allow-list and the tokens.
+/// What everyone reads of the enrolment: the live allow-list, the printed tokens and the
+/// records as the [`EnrolmentBook`] last published them.
 pub struct Enrolment {
     allow: AllowList,
     coordinator: NodeId,
     token: JoinToken,
     operator_token: JoinToken,
+    published: tokio::sync::watch::Sender<Arc<Snapshot>>,
+    /// Bumped by every change of the records, after the change is published: a session
+    /// re-checks its key's rights only when it moved ([`Enrolment::changes`]), not on every
+    /// message.
+    changes: AtomicU64,
+}
+
+/// The records and their store, changed only by their owner (the coordinator's core task);
+/// each change is saved, then published to the [`Enrolment`].
+pub struct EnrolmentBook {
+    public: Arc<Enrolment>,
+    snap: Snapshot,
     state: Box<dyn EnrolmentState>,
-    snapshot: Mutex<Snapshot>,
-    /// Bumped by every change of the records: a session re-checks its key's rights only when
-    /// it moved ([`Enrolment::changes`]), not on every message.
-    changes: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for EnrolmentBook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnrolmentBook")
+            .field("nodes", &self.snap.nodes.len())
+            .field("tokens", &self.snap.tokens.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Enrolment {
@@ -113,11 +138,11 @@ pub fn check_name(name: &str) -> Result<(), EnrolRefusal> {
 
 impl Enrolment {
     /// Loads the state; makes sure a valid node token and operator token naming `coordinator`
-    /// exist (issuing and persisting new ones if not).
+    /// exist (issuing and persisting new ones if not). The book goes to the records' owner.
     pub fn open(
         state: Box<dyn EnrolmentState>,
         coordinator: NodeId,
-    ) -> Result<Arc<Self>, CoordError> {
+    ) -> Result<(Arc<Self>, EnrolmentBook), CoordError> {
         Self::open_at(state, coordinator, now_unix_ms())
     }
 
@@ -126,7 +151,7 @@ impl Enrolment {
         state: Box<dyn EnrolmentState>,
         coordinator: NodeId,
         now: u64,
-    ) -> Result<Arc<Self>, CoordError> {
+    ) -> Result<(Arc<Self>, EnrolmentBook), CoordError> {
         let mut snap = state.load()?;
         // A token from before tokens had records: it keeps working as a node token for a day.
         if let Some(t) = snap.token.clone() {
@@ -179,33 +204,31 @@ impl Enrolment {
             allow.insert(n.key);
         }
         allow.set_enrolment_open(true);
-        Ok(Arc::new(Self {
+        let public = Arc::new(Self {
             allow,
             coordinator,
             token,
             operator_token,
+            published: tokio::sync::watch::Sender::new(Arc::new(snap.clone())),
+            changes: AtomicU64::new(0),
+        });
+        let book = EnrolmentBook {
+            public: public.clone(),
+            snap,
             state,
-            snapshot: Mutex::new(snap),
-            changes: std::sync::atomic::AtomicU64::new(0),
-        }))
+        };
+        Ok((public, book))
     }
 
-    fn snap(&self) -> std::sync::MutexGuard<'_, Snapshot> {
-        self.snapshot.lock().unwrap_or_else(|p| p.into_inner())
+    /// The records as last published.
+    fn snap(&self) -> Arc<Snapshot> {
+        self.published.borrow().clone()
     }
 
-    /// The records, to change them: counted before the change is made, so a reader that sees
-    /// the new count waits for the lock and then sees the change.
-    fn snap_mut(&self) -> std::sync::MutexGuard<'_, Snapshot> {
-        let snap = self.snap();
-        self.changes
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        snap
-    }
-
-    /// How many times the records have changed (grants, names, revocations, tokens).
+    /// How many times the records have changed (grants, names, revocations, tokens). A
+    /// reader that sees the count move reads the change.
     pub fn changes(&self) -> u64 {
-        self.changes.load(std::sync::atomic::Ordering::SeqCst)
+        self.changes.load(Ordering::SeqCst)
     }
 
     /// The node join token the coordinator prints.
@@ -225,28 +248,65 @@ impl Enrolment {
 
     /// What an enrolled, unrevoked key may be.
     pub fn grant_of(&self, key: &PublicKey) -> Option<Grant> {
-        let snap = self.snap();
-        if snap.revoked.contains(&key.node_id()) {
-            return None;
-        }
-        snap.nodes
-            .iter()
-            .find(|n| n.key == *key)
-            .map(EnrolledNode::grant)
+        grant_in(&self.snap(), key)
     }
 
-    /// Judges an enrolment whose claim has been read, under one lock: the claimed token must
-    /// be one this coordinator still honours, and the claim must prove it on this session.
-    /// Only then is a use of the token taken and the key recorded, with the role the token
-    /// grants and the token's id, so a claim that fails its proof costs the token nothing.
-    /// The caller answers the node ([`ClaimedEnrolment::accept`] or `refuse`).
-    pub fn judge_now(&self, claimed: &ClaimedEnrolment) -> Result<(), EnrolRefusal> {
+    /// Every token issued (without secrets), oldest first.
+    pub fn tokens(&self) -> Vec<TokenInfo> {
+        self.snap().tokens.iter().map(TokenRecord::info).collect()
+    }
+
+    /// Whether `node` is revoked.
+    pub fn is_revoked(&self, node: &NodeId) -> bool {
+        self.snap().revoked.contains(node)
+    }
+
+    /// The enrolled records.
+    pub fn enrolled(&self) -> Vec<EnrolledNode> {
+        self.snap().nodes.clone()
+    }
+}
+
+impl EnrolmentBook {
+    /// What everyone reads of these records.
+    pub fn public(&self) -> &Arc<Enrolment> {
+        &self.public
+    }
+
+    /// What an enrolled, unrevoked key may be, by these records.
+    pub fn grant_of(&self, key: &PublicKey) -> Option<Grant> {
+        grant_in(&self.snap, key)
+    }
+
+    /// Saves the records and publishes them; on failure nothing is published (the caller
+    /// undoes its change, so memory and disk agree).
+    fn commit(&mut self) -> Result<(), crate::state::StateError> {
+        self.state.save(&self.snap)?;
+        self.publish();
+        Ok(())
+    }
+
+    /// Publishes the records, then moves the change count: a session that sees the count
+    /// move reads the records that moved it.
+    fn publish(&self) {
+        self.public
+            .published
+            .send_replace(Arc::new(self.snap.clone()));
+        self.public.changes.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Judges an enrolment whose claim has been read, in one step of the records' owner: the
+    /// claimed token must be one this coordinator still honours, and the claim must prove it
+    /// on this session. Only then is a use of the token taken and the key recorded, with the
+    /// role the token grants and the token's id, so a claim that fails its proof costs the
+    /// token nothing. The caller answers the node ([`ClaimedEnrolment::accept`] or `refuse`).
+    pub fn judge_now(&mut self, claimed: &ClaimedEnrolment) -> Result<(), EnrolRefusal> {
         self.judge(claimed, now_unix_ms())
     }
 
-    fn judge(&self, claimed: &ClaimedEnrolment, now: u64) -> Result<(), EnrolRefusal> {
+    fn judge(&mut self, claimed: &ClaimedEnrolment, now: u64) -> Result<(), EnrolRefusal> {
         let claim = claimed.claim();
-        let mut snap = self.snap_mut();
+        let snap = &mut self.snap;
         if snap.revoked.contains(&claim.node_id()) {
             return Err(Refusal::Revoked(claim.node_id()).into());
         }
@@ -262,46 +322,54 @@ impl Enrolment {
         }
         r.take_use();
         let (grant, token) = (r.grant, r.id());
-        Self::record_in(&mut snap, claim.peer, grant, Some(token));
-        if let Err(e) = self.state.save(&snap) {
+        let added = Self::record_in(snap, claim.peer, grant, Some(token));
+        if let Err(e) = self.commit() {
             // Not recorded durably: undo, so that memory and disk agree.
-            if let Some(r) = tokens::find(&mut snap.tokens, &token) {
+            if let Some(r) = tokens::find(&mut self.snap.tokens, &token) {
                 r.give_back_use();
             }
-            snap.nodes.retain(|n| n.key != claim.peer);
+            if added {
+                self.snap.nodes.retain(|n| n.key != claim.peer);
+            }
             return Err(EnrolRefusal::NotRecorded(e.to_string()));
         }
-        self.allow.insert(claim.peer);
+        self.public.allow.insert(claim.peer);
         Ok(())
     }
 
-    /// Adds `key` to the enrolled records (a known key keeps its record).
-    fn record_in(snap: &mut Snapshot, key: PublicKey, grant: Grant, token: Option<TokenId>) {
-        if !snap.nodes.iter().any(|n| n.key == key) {
-            snap.nodes.push(EnrolledNode {
-                node_id: key.node_id(),
-                key,
-                name: None,
-                role: Some(grant.role()),
-                enrolled_at_unix_ms: now_unix_ms(),
-                grant: Some(grant),
-                token,
-            });
+    /// Adds `key` to the enrolled records (a known key keeps its record); whether it was new.
+    fn record_in(
+        snap: &mut Snapshot,
+        key: PublicKey,
+        grant: Grant,
+        token: Option<TokenId>,
+    ) -> bool {
+        if snap.nodes.iter().any(|n| n.key == key) {
+            return false;
         }
+        snap.nodes.push(EnrolledNode {
+            node_id: key.node_id(),
+            key,
+            name: None,
+            role: Some(grant.role()),
+            enrolled_at_unix_ms: now_unix_ms(),
+            grant: Some(grant),
+            token,
+        });
+        true
     }
 
     #[cfg(test)]
-    fn record(&self, key: PublicKey, grant: Grant) -> Result<(), CoordError> {
-        let mut snap = self.snap_mut();
-        if snap.revoked.contains(&key.node_id()) {
+    fn record(&mut self, key: PublicKey, grant: Grant) -> Result<(), CoordError> {
+        if self.snap.revoked.contains(&key.node_id()) {
             return Err(CoordError::Run(format!(
                 "node {} is revoked",
                 key.node_id()
             )));
         }
-        Self::record_in(&mut snap, key, grant, None);
-        self.state.save(&snap)?;
-        self.allow.insert(key);
+        Self::record_in(&mut self.snap, key, grant, None);
+        self.commit()?;
+        self.public.allow.insert(key);
         Ok(())
     }
 
@@ -309,9 +377,14 @@ impl Enrolment {
     /// key's credential grants (a hello cannot upgrade it); the name must be short and
     /// printable, and a name already bound to another key is refused: a node cannot take over
     /// another's identity by announcing its name.
-    pub fn bind_name(&self, key: &PublicKey, name: &str, role: Role) -> Result<(), EnrolRefusal> {
+    pub fn bind_name(
+        &mut self,
+        key: &PublicKey,
+        name: &str,
+        role: Role,
+    ) -> Result<(), EnrolRefusal> {
         check_name(name)?;
-        let mut snap = self.snap_mut();
+        let snap = &mut self.snap;
         if snap.revoked.contains(&key.node_id()) {
             return Err(Refusal::Revoked(key.node_id()).into());
         }
@@ -336,11 +409,13 @@ impl Enrolment {
             });
         }
         if me.name.as_deref() != Some(name) {
-            me.name = Some(name.to_string());
-            let snap = snap.clone();
-            self.state
-                .save(&snap)
-                .map_err(|e| EnrolRefusal::NotRecorded(e.to_string()))?;
+            let before = me.name.replace(name.to_string());
+            if let Err(e) = self.commit() {
+                if let Some(me) = self.snap.nodes.iter_mut().find(|n| n.key == *key) {
+                    me.name = before;
+                }
+                return Err(EnrolRefusal::NotRecorded(e.to_string()));
+            }
         }
         Ok(())
     }
@@ -348,32 +423,35 @@ impl Enrolment {
     /// Issues a token granting `grant`, for `uses` keys (`None`: any number) and `lifetime_ms`
     /// (`None`: it never expires).
     pub fn create_token(
-        &self,
+        &mut self,
         grant: Grant,
         uses: Option<u32>,
         lifetime_ms: Option<u64>,
     ) -> Result<TokenRecord, CoordError> {
-        let r = TokenRecord::issue(self.coordinator, grant, uses, lifetime_ms, now_unix_ms())?;
-        let mut snap = self.snap_mut();
-        snap.tokens.push(r.clone());
-        self.state.save(&snap)?;
+        let r = TokenRecord::issue(
+            self.public.coordinator,
+            grant,
+            uses,
+            lifetime_ms,
+            now_unix_ms(),
+        )?;
+        self.snap.tokens.push(r.clone());
+        if let Err(e) = self.commit() {
+            self.snap.tokens.pop();
+            return Err(e.into());
+        }
         Ok(r)
-    }
-
-    /// Every token issued (without secrets), oldest first.
-    pub fn tokens(&self) -> Vec<TokenInfo> {
-        self.snap().tokens.iter().map(TokenRecord::info).collect()
     }
 
     /// Revokes the one token whose id starts with `prefix`, and with `with_keys` the keys that
     /// enrolled with it (`None`: only for a single-use token, whose one key is the one it was
     /// made for). Returns the token and the keys revoked now.
     pub fn revoke_token(
-        &self,
+        &mut self,
         prefix: &str,
         with_keys: Option<bool>,
     ) -> Result<(TokenInfo, Vec<NodeId>), CoordError> {
-        let mut snap = self.snap_mut();
+        let snap = &mut self.snap;
         let mut hits = snap
             .tokens
             .iter_mut()
@@ -402,67 +480,64 @@ impl Enrolment {
         } else {
             Vec::new()
         };
-        self.state.save(&snap)?;
+        self.commit()?;
         for n in &keys {
-            self.allow.remove(n);
+            self.public.allow.remove(n);
         }
         Ok((info, keys))
     }
 
     /// Revokes the enrolled key named `name` (its name, node id or an id prefix).
-    pub fn revoke_named(&self, name: &str) -> Result<NodeId, CoordError> {
-        let id =
-            {
-                let snap = self.snap();
-                // A name or a whole id first: a short name must not match another key whose id
-                // happens to start with it. Then an id prefix of 4 characters or more.
-                let exact: Vec<NodeId> = snap
-                    .nodes
-                    .iter()
-                    .filter(|n| n.name.as_deref() == Some(name) || n.node_id.to_string() == name)
-                    .map(|n| n.node_id)
-                    .collect();
-                let prefixed: Vec<NodeId> = snap
-                    .nodes
-                    .iter()
-                    .filter(|n| name.len() >= 4 && n.node_id.to_string().starts_with(name))
-                    .map(|n| n.node_id)
-                    .collect();
-                match (exact.as_slice(), prefixed.as_slice()) {
-                    ([one], _) | ([], [one]) => *one,
-                    _ => return Err(CoordError::Run(
-                        "give the name, node id or an id prefix (4+ characters) of exactly one \
-                         enrolled key"
-                            .into(),
-                    )),
-                }
-            };
+    pub fn revoke_named(&mut self, name: &str) -> Result<NodeId, CoordError> {
+        // A name or a whole id first: a short name must not match another key whose id
+        // happens to start with it. Then an id prefix of 4 characters or more.
+        let nodes = &self.snap.nodes;
+        let exact: Vec<NodeId> = nodes
+            .iter()
+            .filter(|n| n.name.as_deref() == Some(name) || n.node_id.to_string() == name)
+            .map(|n| n.node_id)
+            .collect();
+        let prefixed: Vec<NodeId> = nodes
+            .iter()
+            .filter(|n| name.len() >= 4 && n.node_id.to_string().starts_with(name))
+            .map(|n| n.node_id)
+            .collect();
+        let id = match (exact.as_slice(), prefixed.as_slice()) {
+            ([one], _) | ([], [one]) => *one,
+            _ => {
+                return Err(CoordError::Run(
+                    "give the name, node id or an id prefix (4+ characters) of exactly one \
+                     enrolled key"
+                        .into(),
+                ))
+            }
+        };
         self.revoke(id)?;
         Ok(id)
     }
 
     /// Revokes a node: its key is refused from now on, and it cannot enrol again.
-    pub fn revoke(&self, node: NodeId) -> Result<(), CoordError> {
-        let mut snap = self.snap_mut();
-        if let Some(n) = snap.nodes.iter().find(|n| n.node_id == node) {
-            self.allow.remove(&n.node_id);
+    pub fn revoke(&mut self, node: NodeId) -> Result<(), CoordError> {
+        if self.snap.nodes.iter().any(|n| n.node_id == node) {
+            self.public.allow.remove(&node);
         }
-        if !snap.revoked.contains(&node) {
-            snap.revoked.push(node);
-            self.state.save(&snap)?;
+        if !self.snap.revoked.contains(&node) {
+            self.snap.revoked.push(node);
+            self.commit()?;
         }
         Ok(())
     }
+}
 
-    /// Whether `node` is revoked.
-    pub fn is_revoked(&self, node: &NodeId) -> bool {
-        self.snap().revoked.contains(node)
+/// What an enrolled, unrevoked key may be, by `snap`.
+fn grant_in(snap: &Snapshot, key: &PublicKey) -> Option<Grant> {
+    if snap.revoked.contains(&key.node_id()) {
+        return None;
     }
-
-    /// The enrolled records.
-    pub fn enrolled(&self) -> Vec<EnrolledNode> {
-        self.snap().nodes.clone()
-    }
+    snap.nodes
+        .iter()
+        .find(|n| n.key == *key)
+        .map(EnrolledNode::grant)
 }
 
 impl PeerPolicy for Enrolment {
@@ -474,24 +549,28 @@ impl PeerPolicy for Enrolment {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::MemoryState;
+    use crate::state::RedbState;
     use tessera_net::NodeIdentity;
+
+    fn memory() -> Box<RedbState> {
+        Box::new(RedbState::in_memory().unwrap())
+    }
 
     #[test]
     fn policy_admits_members_sends_strangers_to_enrolment_and_binds_names() {
         let me = NodeIdentity::generate().unwrap();
-        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let (e, mut book) = Enrolment::open(memory(), me.node_id()).unwrap();
         assert_eq!(e.token().coordinator(), Some(me.node_id()));
         let a = NodeIdentity::generate().unwrap().public_key();
         let b = NodeIdentity::generate().unwrap().public_key();
         assert_eq!(e.allow(&a), Ok(Admission::Enrolment));
-        e.record(a, Grant::Node).unwrap();
-        e.record(b, Grant::Node).unwrap();
+        book.record(a, Grant::Node).unwrap();
+        book.record(b, Grant::Node).unwrap();
         assert_eq!(e.allow(&a), Ok(Admission::Member));
-        e.bind_name(&a, "alpha", Role::Node).unwrap();
+        book.bind_name(&a, "alpha", Role::Node).unwrap();
         // Another key cannot take the name.
-        assert!(e.bind_name(&b, "alpha", Role::Node).is_err());
-        e.bind_name(&b, "beta", Role::Node).unwrap();
+        assert!(book.bind_name(&b, "alpha", Role::Node).is_err());
+        book.bind_name(&b, "beta", Role::Node).unwrap();
         assert_eq!(e.enrolled().len(), 2);
     }
 
@@ -501,15 +580,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = NodeIdentity::generate().unwrap().public_key();
         let token = {
-            let e = Enrolment::open(
+            let (e, mut book) = Enrolment::open(
                 Box::new(crate::state::JsonFileState::new(dir.path())),
                 me.node_id(),
             )
             .unwrap();
-            e.record(a, Grant::Node).unwrap();
+            book.record(a, Grant::Node).unwrap();
             e.token().clone()
         };
-        let e = Enrolment::open(
+        let (e, _) = Enrolment::open(
             Box::new(crate::state::JsonFileState::new(dir.path())),
             me.node_id(),
         )
@@ -524,16 +603,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = NodeIdentity::generate().unwrap().public_key();
         {
-            let e = Enrolment::open(
+            let (e, mut book) = Enrolment::open(
                 Box::new(crate::state::RedbState::open(dir.path()).unwrap()),
                 me.node_id(),
             )
             .unwrap();
-            e.record(a, Grant::Node).unwrap();
-            e.revoke(a.node_id()).unwrap();
+            book.record(a, Grant::Node).unwrap();
+            book.revoke(a.node_id()).unwrap();
             assert_eq!(e.allow(&a), Ok(Admission::Enrolment));
         }
-        let e = Enrolment::open(
+        let (e, mut book) = Enrolment::open(
             Box::new(crate::state::RedbState::open(dir.path()).unwrap()),
             me.node_id(),
         )
@@ -541,7 +620,7 @@ mod tests {
         assert!(e.is_revoked(&a.node_id()));
         assert_ne!(e.allow(&a), Ok(Admission::Member));
         assert!(
-            e.record(a, Grant::Node).is_err(),
+            book.record(a, Grant::Node).is_err(),
             "the token does not bring it back"
         );
     }
@@ -549,41 +628,41 @@ mod tests {
     #[test]
     fn the_hello_cannot_upgrade_the_role_the_credential_grants() {
         let me = NodeIdentity::generate().unwrap();
-        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let (e, mut book) = Enrolment::open(memory(), me.node_id()).unwrap();
         let node = NodeIdentity::generate().unwrap().public_key();
         let client = NodeIdentity::generate().unwrap().public_key();
-        e.record(node, Grant::Node).unwrap();
-        e.record(client, Grant::Client).unwrap();
+        book.record(node, Grant::Node).unwrap();
+        book.record(client, Grant::Client).unwrap();
         assert_eq!(
-            e.bind_name(&node, "n", Role::Client),
+            book.bind_name(&node, "n", Role::Client),
             Err(EnrolRefusal::WrongRole {
                 grant: Grant::Node,
                 claimed: Role::Client
             })
         );
         assert_eq!(
-            e.bind_name(&client, "c", Role::Node),
+            book.bind_name(&client, "c", Role::Node),
             Err(EnrolRefusal::WrongRole {
                 grant: Grant::Client,
                 claimed: Role::Node
             })
         );
-        e.bind_name(&node, "n", Role::Node).unwrap();
-        e.bind_name(&client, "c", Role::Client).unwrap();
+        book.bind_name(&node, "n", Role::Node).unwrap();
+        book.bind_name(&client, "c", Role::Client).unwrap();
         assert_eq!(e.grant_of(&client), Some(Grant::Client));
     }
 
     #[test]
     fn a_revocation_moves_the_change_count_that_sessions_recheck_rights_on_and_a_read_does_not() {
         let me = NodeIdentity::generate().unwrap();
-        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let (e, mut book) = Enrolment::open(memory(), me.node_id()).unwrap();
         let a = NodeIdentity::generate().unwrap().public_key();
-        e.record(a, Grant::Node).unwrap();
+        book.record(a, Grant::Node).unwrap();
         let before = e.changes();
         assert_eq!(e.grant_of(&a), Some(Grant::Node));
         assert!(!e.is_revoked(&a.node_id()));
         assert_eq!(e.changes(), before, "reads change nothing");
-        e.revoke(a.node_id()).unwrap();
+        book.revoke(a.node_id()).unwrap();
         assert!(e.changes() > before);
         assert_eq!(e.grant_of(&a), None);
     }
@@ -591,36 +670,36 @@ mod tests {
     #[test]
     fn a_short_name_revokes_its_key_not_another_whose_id_starts_with_it() {
         let me = NodeIdentity::generate().unwrap();
-        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let (e, mut book) = Enrolment::open(memory(), me.node_id()).unwrap();
         let a = NodeIdentity::generate().unwrap().public_key();
         let b = NodeIdentity::generate().unwrap().public_key();
-        e.record(a, Grant::Node).unwrap();
-        e.record(b, Grant::Node).unwrap();
+        book.record(a, Grant::Node).unwrap();
+        book.record(b, Grant::Node).unwrap();
         let short = b.node_id().to_string()[..1].to_string();
-        e.bind_name(&a, &short, Role::Node).unwrap();
-        assert_eq!(e.revoke_named(&short).unwrap(), a.node_id());
+        book.bind_name(&a, &short, Role::Node).unwrap();
+        assert_eq!(book.revoke_named(&short).unwrap(), a.node_id());
         assert!(!e.is_revoked(&b.node_id()));
         // An id prefix shorter than 4 characters names nobody.
-        assert!(e.revoke_named(&b.node_id().to_string()[..3]).is_err());
+        assert!(book.revoke_named(&b.node_id().to_string()[..3]).is_err());
         let id = b.node_id().to_string();
-        assert_eq!(e.revoke_named(&id[..6]).unwrap(), b.node_id());
+        assert_eq!(book.revoke_named(&id[..6]).unwrap(), b.node_id());
     }
 
     #[test]
     fn names_are_short_and_printable() {
         let me = NodeIdentity::generate().unwrap();
-        let e = Enrolment::open(Box::<MemoryState>::default(), me.node_id()).unwrap();
+        let (e, mut book) = Enrolment::open(memory(), me.node_id()).unwrap();
         let a = NodeIdentity::generate().unwrap().public_key();
-        e.record(a, Grant::Node).unwrap();
+        book.record(a, Grant::Node).unwrap();
         let huge = "x".repeat(3 << 20);
-        let r = e.bind_name(&a, &huge, Role::Node).unwrap_err();
+        let r = book.bind_name(&a, &huge, Role::Node).unwrap_err();
         assert_eq!(r, EnrolRefusal::NameLength { len: 3 << 20 });
         assert!(
             r.to_string().len() < 100,
             "the refusal does not echo the name"
         );
         assert_eq!(
-            e.bind_name(&a, "a\nnode joined: evil", Role::Node),
+            book.bind_name(&a, "a\nnode joined: evil", Role::Node),
             Err(EnrolRefusal::NameControlCharacters)
         );
         assert!(e.enrolled()[0].name.is_none(), "nothing was persisted");
@@ -639,26 +718,26 @@ mod tests {
             .unwrap()
         };
         let (first, op) = {
-            let e = open(1_000);
+            let (e, _) = open(1_000);
             assert_ne!(e.token(), e.operator_token());
             (e.token().clone(), e.operator_token().clone())
         };
         // Within its lifetime the same tokens are printed again.
-        let e = open(2_000);
+        let (e, mut book) = open(2_000);
         assert_eq!(e.token(), &first);
         assert_eq!(e.operator_token(), &op);
-        e.revoke_token(&first.id().to_string(), None).unwrap();
-        drop(e);
-        let e = open(3_000);
+        book.revoke_token(&first.id().to_string(), None).unwrap();
+        drop((e, book));
+        let (e, book) = open(3_000);
         assert_ne!(e.token(), &first, "a revoked token is replaced");
         assert_eq!(e.operator_token(), &op);
         let listed = e.tokens();
         assert!(listed
             .iter()
             .any(|t| t.id == first.id().to_string() && t.revoked));
-        drop(e);
+        drop((e, book));
         // A day later both printed tokens have expired: new ones.
-        let e = open(3_000 + DEFAULT_LIFETIME_MS + 1);
+        let (e, _) = open(3_000 + DEFAULT_LIFETIME_MS + 1);
         assert_ne!(e.operator_token(), &op);
     }
 }

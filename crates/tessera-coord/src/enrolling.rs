@@ -2,7 +2,7 @@
 //! the door a real token holder comes in by.
 //!
 //! An unknown key that finished its QUIC handshake holds a place here until its claim has been
-//! judged ([`crate::enrol::Enrolment::judge_now`]). A real node sends its claim at once (one round
+//! judged ([`crate::enrol::EnrolmentBook::judge_now`]). A real node sends its claim at once (one round
 //! trip after the handshake); a connection that stays silent is a stranger holding a place.
 //! So the places are bounded ([`MAX_ENROLLING`] in all, [`MAX_ENROLLING_PER_ADDRESS`] per source
 //! address) and, when a newcomer finds its address's share or the whole table full, the
@@ -12,14 +12,10 @@
 //! claim has arrived is never evicted (judging it takes no I/O). A silent place also ends by
 //! itself at the first-message deadline ([`tessera_net::EndpointConfig::enrol_first_message`]).
 //!
-//! [`EnrolmentSlots`] is the pure table (no clock, no I/O: places are ordered by arrival);
-//! [`SlotTable`] is its edge, which tells an evicted enrolment's task to give up.
+//! [`EnrolmentSlots`] is the pure table (no clock, no I/O: places are ordered by arrival); the
+//! core task keeps it ([`crate::door::Door`]), and tells an evicted enrolment's task to give up.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
-
-use tokio::sync::oneshot;
 
 /// Most enrolments (unknown keys proving a token) in progress at once.
 pub const MAX_ENROLLING: usize = 32;
@@ -148,80 +144,6 @@ impl EnrolmentSlots {
     }
 }
 
-/// The edge of [`EnrolmentSlots`]: each admitted enrolment gets an [`EnrolmentSlot`] whose
-/// [`EnrolmentSlot::evicted`] resolves when a newcomer takes its place.
-#[derive(Debug, Clone, Default)]
-pub struct SlotTable {
-    inner: Arc<Mutex<Table>>,
-}
-
-/// The pure table and, for each silent place, how to tell its task it was evicted.
-type Table = (EnrolmentSlots, HashMap<SlotId, oneshot::Sender<()>>);
-
-impl SlotTable {
-    /// A place for an enrolment from `ip`, or `None` when every place it could take is being
-    /// judged.
-    pub fn open(&self, ip: IpAddr) -> Option<EnrolmentSlot> {
-        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let (slots, evictions) = &mut *g;
-        match slots.open(ip) {
-            Opened::Refused => None,
-            Opened::Admitted { id, evicted } => {
-                for e in evicted {
-                    // Dropping the sender wakes the evicted task.
-                    evictions.remove(&e);
-                }
-                let (tx, rx) = oneshot::channel();
-                evictions.insert(id, tx);
-                Some(EnrolmentSlot {
-                    id,
-                    table: self.clone(),
-                    evicted: rx,
-                })
-            }
-        }
-    }
-
-    /// Places held.
-    pub fn len(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).0.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// One enrolment's place; given back when dropped.
-#[derive(Debug)]
-pub struct EnrolmentSlot {
-    id: SlotId,
-    table: SlotTable,
-    evicted: oneshot::Receiver<()>,
-}
-
-impl EnrolmentSlot {
-    /// Resolves when a newcomer took this place (the enrolment should give up).
-    pub async fn evicted(&mut self) {
-        let _ = (&mut self.evicted).await;
-    }
-
-    /// The claim arrived: the place is no longer evicted.
-    pub fn claimed(&self) {
-        let mut g = self.table.inner.lock().unwrap_or_else(|p| p.into_inner());
-        g.0.claimed(self.id);
-        g.1.remove(&self.id);
-    }
-}
-
-impl Drop for EnrolmentSlot {
-    fn drop(&mut self) {
-        let mut g = self.table.inner.lock().unwrap_or_else(|p| p.into_inner());
-        g.0.close(self.id);
-        g.1.remove(&self.id);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,21 +206,5 @@ mod tests {
         );
         assert_ne!(source_of(ip("2001:db8::1")), source_of(ip("2001:db9::1")));
         assert_eq!(source_of(ip("::ffff:10.0.0.1")), ip("10.0.0.1"));
-    }
-
-    #[tokio::test]
-    async fn an_evicted_slot_is_told_and_a_dropped_one_gives_its_place_back() {
-        let table = SlotTable::default();
-        let mut first = table.open(ip("127.0.0.1")).unwrap();
-        let others: Vec<_> = (0..MAX_ENROLLING_PER_ADDRESS)
-            .map(|_| table.open(ip("127.0.0.1")).unwrap())
-            .collect();
-        tokio::time::timeout(std::time::Duration::from_secs(5), first.evicted())
-            .await
-            .expect("told");
-        drop(first);
-        assert_eq!(table.len(), MAX_ENROLLING_PER_ADDRESS);
-        drop(others);
-        assert!(table.is_empty());
     }
 }

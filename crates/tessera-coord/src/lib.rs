@@ -95,6 +95,7 @@ pub mod cluster;
 #[cfg(feature = "mdns")]
 pub mod discovery;
 pub mod distribute;
+pub(crate) mod door;
 pub mod driver;
 pub mod enrol;
 pub mod enrolling;

@@ -58,7 +58,7 @@ impl Coordinator {
             }
         }
         let last_epoch = store.last_epoch()?;
-        let enrol = Enrolment::open(Box::new(store.clone()), identity.node_id())?;
+        let (enrol, enrolment) = Enrolment::open(Box::new(store.clone()), identity.node_id())?;
         let path = config.model.clone();
         let chunk_size = config.chunk_size;
         let (model, manifest) =
@@ -120,6 +120,7 @@ impl Coordinator {
                     enrol,
                     model,
                     server,
+                    enrolment,
                     store,
                     max_context,
                 },
@@ -309,11 +310,12 @@ impl Coordinator {
 /// Takes an unknown key through enrolment: a place among the enrolments in progress (bounded
 /// per source address; a silent one gives way to a newcomer, [`crate::enrolling`]), its claim
 /// within the first-message deadline, then the token and the proof judged
-/// ([`Enrolment::judge_now`]). The connection, enrolled, or `None` (refused and logged).
+/// ([`crate::enrol::EnrolmentBook::judge_now`], on the core task). The connection, enrolled,
+/// or `None` (refused and logged).
 async fn enrol_stranger(shared: &Shared, req: tessera_net::EnrolmentRequest) -> Option<Connection> {
     let id = req.peer_id();
     let from = req.remote_addr();
-    let Some(mut slot) = shared.authz.enrolment_slot(from.ip()) else {
+    let Some(mut slot) = crate::door::enrolment_slot(shared, from.ip()).await else {
         let why = "too many enrolments in progress; retry later";
         let _ = req.refuse(tessera_net::Refusal::Other(why.into()));
         shared.authz.log_net(Some(id), &why, || {
@@ -335,13 +337,19 @@ async fn enrol_stranger(shared: &Shared, req: tessera_net::EnrolmentRequest) -> 
     let result: Result<Connection, CoordError> = match claimed {
         Ok(c) => {
             slot.claimed();
-            let verdict = shared.enrol.judge_now(&c);
+            let judged = shared
+                .ask(move |core, _| {
+                    let verdict = core.enrolment.judge_now(&c);
+                    (c, verdict)
+                })
+                .await;
             // Judged: the place is free before the answer's I/O (a refusal waits for the peer
             // to read it, and must not hold a place meanwhile).
             drop(slot);
-            match verdict {
-                Ok(()) => c.accept().await.map_err(Into::into),
-                Err(r) => Err(c.refuse(r.into()).await.into()),
+            match judged {
+                Some((c, Ok(()))) => c.accept().await.map_err(Into::into),
+                Some((c, Err(r))) => Err(c.refuse(r.into()).await.into()),
+                None => Err(CoordError::Protocol("the coordinator is closing".into())),
             }
         }
         Err(e) => Err(e.into()),
@@ -361,10 +369,20 @@ async fn enrol_stranger(shared: &Shared, req: tessera_net::EnrolmentRequest) -> 
 }
 
 async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
-    // Every connection of a key is known, so that revoking the key ends them all; one that
-    // raced a revocation ends here.
-    shared.authz.track(&conn);
-    if shared.enrol.grant_of(&conn.peer_key()).is_none() {
+    // Every connection of a key is known, so that revoking the key ends them all: checked and
+    // tracked in one step of the core, so a revocation is either before (refused here) or
+    // after (it closes this connection).
+    let tracked = conn.clone();
+    let enrolled = shared
+        .ask(move |core, _| {
+            let enrolled = core.enrolment.grant_of(&tracked.peer_key()).is_some();
+            if enrolled {
+                core.door.track(&tracked);
+            }
+            enrolled
+        })
+        .await;
+    if enrolled != Some(true) {
         conn.close("revoked");
         return;
     }

@@ -12,6 +12,7 @@ use tessera_proto::{frame, limits, CoordToNode, Hello, NodeToCoord, Role, PROTOC
 use tokio::sync::{mpsc, oneshot};
 
 use crate::cluster::ClusterInput;
+use crate::enrol::EnrolRefusal;
 use crate::error::CoordError;
 use crate::membership::Member;
 use crate::shared::{Command, Shared};
@@ -46,10 +47,16 @@ pub(crate) async fn control_session(
         let _ = s.writer.finish().await;
         return Err(CoordError::Protocol(reason));
     }
-    if let Err(r) = shared
-        .enrol
-        .bind_name(&conn.peer_key(), &hello.name, hello.role)
-    {
+    let (key, name, role) = (conn.peer_key(), hello.name.clone(), hello.role);
+    let bound = shared
+        .ask(move |core, _| core.enrolment.bind_name(&key, &name, role))
+        .await
+        .unwrap_or_else(|| {
+            Err(EnrolRefusal::NotRecorded(
+                "the coordinator is closing".into(),
+            ))
+        });
+    if let Err(r) = bound {
         let reason = r.to_string();
         let _ = s_write(
             &mut s.writer,

@@ -22,7 +22,8 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cluster::{Cluster, ClusterInput, ClusterOutput, RunNews};
 use crate::distribute::ModelServer;
-use crate::enrol::Enrolment;
+use crate::door::{Door, DoorNote};
+use crate::enrol::{Enrolment, EnrolmentBook};
 use crate::ledger::Ledger;
 use crate::membership::{Member, Membership};
 use crate::replan::ModelBytes;
@@ -81,10 +82,20 @@ pub(crate) struct Core {
     published: Option<(u64, u64)>,
     /// Node control streams handed over, for the core task to read ([`Shared::add_reader`]).
     new_readers: Vec<BoxStream<'static, Command>>,
+    /// The enrolment records (published to [`Shared::enrol`] after each change).
+    pub enrolment: EnrolmentBook,
+    /// The gate's places and each key's connections.
+    pub door: Door,
+    /// Where plan epochs are recorded.
+    store: Arc<dyn EnrolmentState>,
 }
 
 impl Core {
-    pub fn new(mut cluster: Cluster) -> Self {
+    pub fn new(
+        mut cluster: Cluster,
+        enrolment: EnrolmentBook,
+        store: Arc<dyn EnrolmentState>,
+    ) -> Self {
         cluster.set_sealed_desk(crate::sealed::edge::desk(&Default::default()));
         Self {
             cluster,
@@ -94,6 +105,9 @@ impl Core {
             ledger: Ledger::default(),
             published: None,
             new_readers: Vec::new(),
+            enrolment,
+            door: Door::default(),
+            store,
         }
     }
 
@@ -117,6 +131,7 @@ impl Core {
         match command {
             Command::Input(input) => self.handle(shared, input),
             Command::With(f) => f(self, shared),
+            Command::Door(note) => self.door.note(note),
         }
         self.publish(shared);
     }
@@ -164,7 +179,7 @@ impl Core {
                     rec.recorded_at_unix_ms = std::time::SystemTime::now()
                         .duration_since(std::time::UNIX_EPOCH)
                         .map_or(0, |d| d.as_millis() as u64);
-                    if let Err(e) = shared.store.record_epoch(&rec) {
+                    if let Err(e) = self.store.record_epoch(&rec) {
                         tracing::warn!("recording epoch {}: {e}", rec.epoch);
                     }
                 }
@@ -219,13 +234,14 @@ pub(crate) struct ClusterView {
 }
 
 /// What the core task is asked to do: an input for the cluster (a node's message, a
-/// timeout), or anything else done with the core.
+/// timeout), a place given back to the gate, or anything else done with the core.
 // Not boxed: `Input` carries every node message (a token each), and a box would be one more
 // allocation per token; the rare `With` is what is small.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Command {
     Input(ClusterInput),
     With(CoreJob),
+    Door(DoorNote),
 }
 
 /// Work done on the core task with the core.
@@ -254,8 +270,6 @@ pub(crate) struct Shared {
     pub next_session: AtomicU64,
     /// Node lease, ms (see [`Coordinator::set_lease`]).
     pub lease_ms: AtomicU64,
-    /// Where plan epochs are recorded.
-    pub store: Arc<dyn EnrolmentState>,
     /// Set by [`Coordinator::close`]: sessions ending now are the coordinator's own shutdown,
     /// not nodes leaving (nothing is re-planned).
     pub closing: std::sync::atomic::AtomicBool,
@@ -276,6 +290,9 @@ pub(crate) struct SharedParts {
     pub enrol: Arc<Enrolment>,
     pub model: ModelInfo,
     pub server: ModelServer,
+    /// The enrolment records, for the core ([`Core::enrolment`]).
+    pub enrolment: EnrolmentBook,
+    /// Where plan epochs are recorded.
     pub store: Arc<dyn EnrolmentState>,
     pub max_context: usize,
 }
@@ -296,13 +313,12 @@ impl Shared {
             next_seq: AtomicU64::new(1),
             next_session: AtomicU64::new(1),
             lease_ms: AtomicU64::new(DEFAULT_LEASE.as_millis() as u64),
-            store: parts.store,
             closing: std::sync::atomic::AtomicBool::new(false),
             started: tokio::time::Instant::now(),
             authz: crate::authz::Gate::new(),
             max_context: std::sync::atomic::AtomicUsize::new(parts.max_context),
         });
-        let mut core = Core::new(cluster);
+        let mut core = Core::new(cluster, parts.enrolment, parts.store);
         core.publish(&shared);
         spawn_core(&shared, core, rx);
         shared
@@ -330,6 +346,11 @@ impl Shared {
     /// Runs `command` on the core task, after everything asked before it.
     pub fn run(&self, command: Command) {
         let _ = self.core.send(command);
+    }
+
+    /// The core task's inbox, for what must reach it from a `Drop` ([`crate::door`]).
+    pub fn inbox(&self) -> crate::door::Inbox {
+        self.core.clone()
     }
 
     /// Runs `f` on the core task, after everything asked before it.

@@ -3,12 +3,13 @@
 //!
 //! A small trait ([`EnrolmentState`]) in front of the storage. The coordinator uses
 //! [`RedbState`] (`state.redb`, an embedded transactional database: a crash mid-write leaves
-//! the previous state). [`JsonFileState`] (written atomically) and the in-memory
-//! [`MemoryState`] remain for tests and inspection.
+//! the previous state); [`RedbState::in_memory`] is the same database without a file, for
+//! tests. [`JsonFileState`] (written atomically) remains for data directories from before the
+//! database, and for inspection.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tessera_host::ContentHash;
@@ -134,28 +135,6 @@ impl<T: EnrolmentState + ?Sized> EnrolmentState for Arc<T> {
     }
 }
 
-/// In memory, for tests.
-#[derive(Debug, Default)]
-pub struct MemoryState(Mutex<(Snapshot, Vec<EpochRecord>)>);
-
-impl EnrolmentState for MemoryState {
-    fn load(&self) -> Result<Snapshot, StateError> {
-        Ok(self.0.lock().unwrap_or_else(|p| p.into_inner()).0.clone())
-    }
-    fn save(&self, snapshot: &Snapshot) -> Result<(), StateError> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).0 = snapshot.clone();
-        Ok(())
-    }
-    fn record_epoch(&self, record: &EpochRecord) -> Result<(), StateError> {
-        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        upsert(&mut g.1, record);
-        Ok(())
-    }
-    fn epochs(&self) -> Result<Vec<EpochRecord>, StateError> {
-        Ok(self.0.lock().unwrap_or_else(|p| p.into_inner()).1.clone())
-    }
-}
-
 fn upsert(epochs: &mut Vec<EpochRecord>, record: &EpochRecord) {
     match epochs.iter_mut().find(|e| e.epoch == record.epoch) {
         Some(e) => *e = record.clone(),
@@ -201,7 +180,22 @@ impl RedbState {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
         }
-        let me = Self { path, db };
+        Self::with_tables(Self { path, db })
+    }
+
+    /// The same database in memory (nothing survives it), for tests.
+    pub fn in_memory() -> Result<Self, StateError> {
+        let path = PathBuf::from("(in memory)");
+        let db = redb::Builder::new()
+            .create_with_backend(redb::backends::InMemoryBackend::new())
+            .map_err(|e| StateError::Db {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        Self::with_tables(Self { path, db })
+    }
+
+    fn with_tables(me: Self) -> Result<Self, StateError> {
         // Create the tables, so that readers find them.
         let tx = me.db.begin_write().map_err(|e| me.err(e))?;
         {
