@@ -3,21 +3,21 @@
 //! connections. The core task owns the [`Door`] as it owns the cluster and the enrolment records
 //! ([`crate::shared::Core`]), so that a revocation, the closing of the key's connections and the
 //! admissions after it are steps in one order. The places it hands out ([`RunPermit`],
-//! [`EnrolmentSlot`]) give themselves back when dropped, by a note to the core task's inbox
-//! ([`DoorNote`]), wherever they are dropped.
+//! [`EnrolmentSlot`]) give themselves back when dropped, by a [`DoorNote`] to the core task's
+//! inbox ([`Notes`]), wherever they are dropped.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use tessera_net::{Connection, NodeId};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-use crate::authz::{Refusal, SenderFacts, MAX_CLIENT_RUNS, MAX_RUNS_PER_CLIENT};
+use crate::authz::{MAX_CLIENT_RUNS, MAX_RUNS_PER_CLIENT};
 use crate::enrolling::{EnrolmentSlots, Opened, SlotId};
-use crate::shared::{Command, Shared};
 
-/// The core task's inbox, where a dropped place sends its [`DoorNote`].
-pub(crate) type Inbox = mpsc::UnboundedSender<Command>;
+/// Where a place sends its [`DoorNote`]: the core task's inbox.
+pub(crate) type Notes = Arc<dyn Fn(DoorNote) + Send + Sync>;
 
 /// A place given back, or an enrolment's claim arrived: news for the [`Door`] from the tasks
 /// that hold its places.
@@ -68,7 +68,7 @@ impl Door {
 
     /// A place for one client run, or `None` when `client` has [`MAX_RUNS_PER_CLIENT`] in
     /// flight or all clients [`MAX_CLIENT_RUNS`].
-    pub fn admit_run(&mut self, client: NodeId, inbox: &Inbox) -> Option<RunPermit> {
+    pub fn admit_run(&mut self, client: NodeId, notes: &Notes) -> Option<RunPermit> {
         let n = self.runs.get(&client).copied().unwrap_or(0);
         if n >= MAX_RUNS_PER_CLIENT || self.runs_in_all >= MAX_CLIENT_RUNS {
             return None;
@@ -77,14 +77,14 @@ impl Door {
         self.runs_in_all += 1;
         Some(RunPermit {
             client,
-            inbox: inbox.clone(),
+            notes: notes.clone(),
         })
     }
 
     /// A place for one enrolment in progress (an unknown key proving a token) from `ip`, or
     /// `None` when every place it could take is being judged ([`crate::enrolling`]: silent
     /// enrolments give way to newcomers, whose tasks are told now).
-    pub fn open_enrolment(&mut self, ip: IpAddr, inbox: &Inbox) -> Option<EnrolmentSlot> {
+    pub fn open_enrolment(&mut self, ip: IpAddr, notes: &Notes) -> Option<EnrolmentSlot> {
         match self.enrolling.open(ip) {
             Opened::Refused => None,
             Opened::Admitted { id, evicted } => {
@@ -96,7 +96,7 @@ impl Door {
                 self.evictions.insert(id, tx);
                 Some(EnrolmentSlot {
                     id,
-                    inbox: inbox.clone(),
+                    notes: notes.clone(),
                     evicted: rx,
                 })
             }
@@ -131,48 +131,32 @@ impl Door {
     }
 }
 
-/// A place for one client run, asked of the core task; `None` (counted and logged as a
-/// refusal) when the client or all clients have every place taken.
-pub(crate) async fn admit_run(shared: &Shared, sender: &SenderFacts) -> Option<RunPermit> {
-    let client = sender.node;
-    let permit = shared
-        .ask(move |core, shared| core.door.admit_run(client, &shared.inbox()))
-        .await
-        .flatten();
-    if permit.is_none() {
-        shared.authz.refuse(client, &Refusal::TooManyRuns);
-    }
-    permit
-}
-
-/// A place for one enrolment in progress from `ip`, asked of the core task.
-pub(crate) async fn enrolment_slot(shared: &Shared, ip: IpAddr) -> Option<EnrolmentSlot> {
-    shared
-        .ask(move |core, shared| core.door.open_enrolment(ip, &shared.inbox()))
-        .await
-        .flatten()
-}
-
 /// A client run's place ([`Door::admit_run`]); given back when dropped.
-#[derive(Debug)]
 pub struct RunPermit {
     client: NodeId,
-    inbox: Inbox,
+    notes: Notes,
+}
+
+impl std::fmt::Debug for RunPermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunPermit")
+            .field("client", &self.client)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Drop for RunPermit {
     fn drop(&mut self) {
-        let _ = self.inbox.send(Command::Door(DoorNote::RunEnded {
+        (self.notes)(DoorNote::RunEnded {
             client: self.client,
-        }));
+        });
     }
 }
 
 /// One enrolment's place ([`Door::open_enrolment`]); given back when dropped.
-#[derive(Debug)]
 pub struct EnrolmentSlot {
     id: SlotId,
-    inbox: Inbox,
+    notes: Notes,
     evicted: oneshot::Receiver<()>,
 }
 
@@ -184,17 +168,21 @@ impl EnrolmentSlot {
 
     /// The claim arrived: the place is no longer evicted.
     pub fn claimed(&self) {
-        let _ = self
-            .inbox
-            .send(Command::Door(DoorNote::EnrolmentClaimed(self.id)));
+        (self.notes)(DoorNote::EnrolmentClaimed(self.id));
+    }
+}
+
+impl std::fmt::Debug for EnrolmentSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnrolmentSlot")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
 impl Drop for EnrolmentSlot {
     fn drop(&mut self) {
-        let _ = self
-            .inbox
-            .send(Command::Door(DoorNote::EnrolmentClosed(self.id)));
+        (self.notes)(DoorNote::EnrolmentClosed(self.id));
     }
 }
 
@@ -203,15 +191,19 @@ mod tests {
     use super::*;
     use crate::enrolling::MAX_ENROLLING_PER_ADDRESS;
     use tessera_net::NodeIdentity;
+    use tokio::sync::mpsc;
+
+    /// Notes that wait in a channel, as they do in the core's inbox.
+    fn notes() -> (Notes, mpsc::UnboundedReceiver<DoorNote>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Arc::new(move |n| tx.send(n).unwrap()), rx)
+    }
 
     /// Carries the notes sent so far to the door, as the core task does.
-    fn deliver(door: &mut Door, rx: &mut mpsc::UnboundedReceiver<Command>) -> usize {
+    fn deliver(door: &mut Door, rx: &mut mpsc::UnboundedReceiver<DoorNote>) -> usize {
         let mut n = 0;
-        while let Ok(c) = rx.try_recv() {
-            match c {
-                Command::Door(note) => door.note(note),
-                _ => panic!("only door notes are sent"),
-            }
+        while let Ok(note) = rx.try_recv() {
+            door.note(note);
             n += 1;
         }
         n
@@ -223,7 +215,7 @@ mod tests {
 
     #[test]
     fn a_client_holds_at_most_its_share_of_run_places_and_dropped_places_come_back() {
-        let (inbox, mut rx) = mpsc::unbounded_channel();
+        let (inbox, mut rx) = notes();
         let mut door = Door::default();
         let greedy = id();
         let held: Vec<_> = (0..100)
@@ -255,7 +247,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_evicted_enrolment_is_told_and_a_dropped_one_gives_its_place_back() {
-        let (inbox, mut rx) = mpsc::unbounded_channel();
+        let (inbox, mut rx) = notes();
         let mut door = Door::default();
         let ip: IpAddr = "127.0.0.1".parse().unwrap();
         let mut first = door.open_enrolment(ip, &inbox).unwrap();

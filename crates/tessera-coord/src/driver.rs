@@ -97,7 +97,7 @@ pub(crate) async fn client_session(
             }
             match parsed {
                 Ok(ClientToCoord::Run(req)) => {
-                    let Some(permit) = crate::door::admit_run(&shared, &sender).await else {
+                    let Some(permit) = shared.admit_run(&sender).await else {
                         let _ = tx.send(CoordToClient::Error {
                             message: crate::authz::Refusal::TooManyRuns.to_string(),
                         });

@@ -315,7 +315,7 @@ impl Coordinator {
 async fn enrol_stranger(shared: &Shared, req: tessera_net::EnrolmentRequest) -> Option<Connection> {
     let id = req.peer_id();
     let from = req.remote_addr();
-    let Some(mut slot) = crate::door::enrolment_slot(shared, from.ip()).await else {
+    let Some(mut slot) = shared.enrolment_slot(from.ip()).await else {
         let why = "too many enrolments in progress; retry later";
         let _ = req.refuse(tessera_net::Refusal::Other(why.into()));
         shared.authz.log_net(Some(id), &why, || {

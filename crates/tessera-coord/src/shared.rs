@@ -20,9 +20,10 @@ use tessera_net::{Connection, NodeId};
 use tessera_proto::{CoordToNode, ExpertCacheStats, MemberStatus, StageSpec};
 use tokio::sync::{mpsc, watch};
 
+use crate::authz::{Refusal, SenderFacts};
 use crate::cluster::{Cluster, ClusterInput, ClusterOutput, RunNews};
 use crate::distribute::ModelServer;
-use crate::door::{Door, DoorNote};
+use crate::door::{Door, DoorNote, EnrolmentSlot, Notes, RunPermit};
 use crate::enrol::{Enrolment, EnrolmentBook};
 use crate::ledger::Ledger;
 use crate::membership::{Member, Membership};
@@ -348,9 +349,33 @@ impl Shared {
         let _ = self.core.send(command);
     }
 
-    /// The core task's inbox, for what must reach it from a `Drop` ([`crate::door`]).
-    pub fn inbox(&self) -> crate::door::Inbox {
-        self.core.clone()
+    /// Where the gate's places send their notes when dropped: the core task's inbox.
+    pub fn door_notes(&self) -> Notes {
+        let core = self.core.clone();
+        Arc::new(move |note| {
+            let _ = core.send(Command::Door(note));
+        })
+    }
+
+    /// A place for one client run, asked of the core task; `None` (counted and logged as a
+    /// refusal) when the client or all clients have every place taken.
+    pub async fn admit_run(&self, sender: &SenderFacts) -> Option<RunPermit> {
+        let client = sender.node;
+        let permit = self
+            .ask(move |core, shared| core.door.admit_run(client, &shared.door_notes()))
+            .await
+            .flatten();
+        if permit.is_none() {
+            self.authz.refuse(client, &Refusal::TooManyRuns);
+        }
+        permit
+    }
+
+    /// A place for one enrolment in progress from `ip`, asked of the core task.
+    pub async fn enrolment_slot(&self, ip: std::net::IpAddr) -> Option<EnrolmentSlot> {
+        self.ask(move |core, shared| core.door.open_enrolment(ip, &shared.door_notes()))
+            .await
+            .flatten()
     }
 
     /// Runs `f` on the core task, after everything asked before it.
