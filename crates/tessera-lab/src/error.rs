@@ -54,9 +54,12 @@ pub enum LabError {
         what: String,
         message: String,
     },
-    /// The planner could not plan the scenario, or its plan could not be written.
+    /// The planner could not plan the scenario.
     #[error("planning: {0}")]
-    Plan(String),
+    Plan(#[from] tessera_plan::PlanError),
+    /// A plan could not be written as the coordinator reads it.
+    #[error("writing a plan file: {0}")]
+    PlanFile(#[source] serde_json::Error),
     /// The plans to measure could not be listed (a forced strategy or split, a runner-up).
     /// Not a `#[source]`: the text says it already.
     #[error("planning: {0}")]

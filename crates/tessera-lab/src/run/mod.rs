@@ -172,8 +172,7 @@ pub fn run(
     let mut experts_applied = auto.plan.strategy == StrategyKind::Expert;
     progress("nodes joined and measured; planning on the measured graph");
 
-    let outcome =
-        tessera_plan::plan(&model, &graph, 1).map_err(|e| LabError::Plan(e.to_string()))?;
+    let outcome = tessera_plan::plan(&model, &graph, 1)?;
     let candidates = plans::candidates(&model, &profile, &graph, &outcome, &opts.force)
         .map_err(LabError::Candidates)?;
     let concurrency = graph.policy.concurrency.max(1) as usize;
@@ -196,8 +195,7 @@ pub fn run(
         for &k in &group {
             let file = dir.join(format!("plan-{k}.json"));
             let ring = &candidates[k].placement.as_ref().expect("executable").ring;
-            let text = serde_json::to_string(ring)
-                .map_err(|e| LabError::Plan(format!("writing a plan file: {e}")))?;
+            let text = serde_json::to_string(ring).map_err(LabError::PlanFile)?;
             std::fs::write(&file, text)
                 .map_err(|e| LabError::io(format!("writing {}", file.display()), e))?;
             files.push(file);
