@@ -22,6 +22,7 @@
 //!    the calibrated graph can be saved as a scenario that `tessera plan --nodes` and `tessera
 //!    lab run` read.
 
+pub mod baseline;
 mod calibrate;
 pub use calibrate::measurement;
 pub mod cells;
@@ -70,6 +71,9 @@ pub struct Options {
     /// Give the coordinator's `--plan auto` this calibrated graph (a saved scenario): the
     /// predictions are then made from its rates.
     pub calibrated: Option<PathBuf>,
+    /// Measure llama.cpp's decode with this `llama-bench` on the best single host, under its
+    /// caps, after the plans ([`baseline`]).
+    pub llama_bench: Option<PathBuf>,
 }
 
 /// One executed plan's measurement: its figures and the single request's report.
@@ -245,6 +249,21 @@ pub fn run(
         }
     }
     drop(session);
+    let baseline = opts.llama_bench.as_deref().and_then(|bench| {
+        let host = best_single_host(&candidates, &measured)?;
+        let i = lab.host(&host).ok()?;
+        progress(&format!(
+            "llama.cpp on {host} under its caps (this can take minutes)"
+        ));
+        Some(baseline::llama_cpp(
+            &lab,
+            i,
+            bench,
+            &scenario.model,
+            scenario.threads,
+            scenario.workload.tokens,
+        ))
+    });
 
     let runs = calibrate::Runs::new(&model, &candidates, &measured);
     let machine_again = before_cells.map(|p| (p, machine_cores(p, scenario)));
@@ -318,9 +337,28 @@ pub fn run(
         corrections,
         calibrated_graph: saved,
         one_process_text: Some(reference),
+        baseline,
     };
     report.rank();
     Ok(report)
+}
+
+/// The host of the single-host plan that measured the best decode.
+fn best_single_host(
+    candidates: &[plans::Candidate],
+    measured: &[Option<std::result::Result<Measured, String>>],
+) -> Option<String> {
+    candidates
+        .iter()
+        .zip(measured)
+        .filter(|(c, _)| c.plan.strategy == StrategyKind::Single)
+        .filter_map(|(c, m)| {
+            let m = m.as_ref()?.as_ref().ok()?;
+            let host = c.plan.cells.first()?.nodes().first()?.to_string();
+            Some((host, m.figures.decode_tokens_per_s))
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(host, _)| host)
 }
 
 /// What calibration gave the report's rows.

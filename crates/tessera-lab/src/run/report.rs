@@ -232,6 +232,8 @@ pub struct Report {
     pub calibrated_graph: Option<String>,
     /// The text one process generated for the workload (greedy), every plan's reference.
     pub one_process_text: Option<String>,
+    /// llama.cpp on the best single host under its caps, where `--llama-bench` asked.
+    pub baseline: Option<super::baseline::Baseline>,
 }
 
 impl Report {
@@ -267,6 +269,17 @@ impl Report {
 
     /// The measured plans whose texts differed from one process's: a fault, for `lab run` to
     /// fail on.
+    /// The best measured decode of the rows that pass `keep`.
+    pub fn best_decode(&self, keep: impl Fn(&Row) -> bool) -> Option<&Row> {
+        self.rows
+            .iter()
+            .filter(|r| keep(r) && r.measured.is_some())
+            .max_by(|a, b| {
+                let d = |r: &Row| r.measured.map_or(0.0, |m| m.decode_tokens_per_s);
+                d(a).total_cmp(&d(b))
+            })
+    }
+
     pub fn text_mismatches(&self) -> Vec<&Row> {
         self.rows
             .iter()
@@ -419,6 +432,9 @@ pub fn table(r: &Report) -> String {
         }
         None => s.push_str("the planner's choice did not run\n"),
     }
+    if let Some(b) = &r.baseline {
+        s.push_str(&baseline_lines(r, b));
+    }
     s.push_str(&format!("calibrated on {}\n", r.calibrated_on));
     for c in &r.corrections {
         s.push_str(&format!("  {c}\n"));
@@ -430,6 +446,36 @@ pub fn table(r: &Report) -> String {
     }
     for p in &r.provenance {
         s.push_str(&format!("{p}\n"));
+    }
+    s
+}
+
+/// llama.cpp's decode on the best single host, and the best plan's and the best single host's
+/// over it.
+fn baseline_lines(r: &Report, b: &super::baseline::Baseline) -> String {
+    let rate = match &b.decode_tokens_per_s {
+        Ok(x) => *x,
+        Err(why) => return format!("llama.cpp on {}: not measured: {why}\n", b.host),
+    };
+    let mut s = format!(
+        "llama.cpp on {} under its caps (mmap, no repack): {rate:.2} tok/s decode ({})\n",
+        b.host, b.command
+    );
+    let best = |row: Option<&Row>| row.and_then(|x| Some((x.description.clone(), x.measured?)));
+    for (what, row) in [
+        ("best plan", best(r.best_decode(|_| true))),
+        (
+            "best single host",
+            best(r.best_decode(|x| x.strategy == "single")),
+        ),
+    ] {
+        if let Some((d, m)) = row {
+            s.push_str(&format!(
+                "  {what} ({d}): {:.1} tok/s = {:.1}× llama.cpp\n",
+                m.decode_tokens_per_s,
+                m.decode_tokens_per_s / rate
+            ));
+        }
     }
     s
 }
@@ -479,6 +525,7 @@ mod tests {
             corrections: vec![],
             calibrated_graph: None,
             one_process_text: None,
+            baseline: None,
         };
         r.rank();
         r

@@ -35,6 +35,8 @@ pub struct Line {
     pub one_host: Option<Scored>,
     /// Every measured request's text was one process's.
     pub texts_identical: bool,
+    /// llama.cpp's decode on the best single host under its caps, where it was measured.
+    pub llama_cpp: Option<f64>,
 }
 
 fn scored(r: &Report, row: &Row) -> Option<Scored> {
@@ -65,7 +67,16 @@ impl Line {
             one_host: best_of(&mut r.rows.iter().filter(|row| row.strategy == "single")),
             texts_identical: r.text_mismatches().is_empty()
                 && r.rows.iter().any(|row| row.text.is_some()),
+            llama_cpp: r
+                .baseline
+                .as_ref()
+                .and_then(|b| b.decode_tokens_per_s.clone().ok()),
         }
+    }
+
+    /// The best plan's measured decode over llama.cpp's on the best single host.
+    pub fn best_over_llama_cpp(&self) -> Option<f64> {
+        Some(self.best.as_ref()?.measured / self.llama_cpp?)
     }
 
     /// The choice's measured score over the best single host's, in the same run.
@@ -93,10 +104,11 @@ fn ratio(x: Option<f64>) -> String {
 pub fn table(points: &[Point]) -> String {
     let mut s = String::from(
         "scaling: each line a lab run on the first N hosts, same caps; ratios against the best \
-         single host measured in the same run\n",
+         single host measured in the same run, and against llama.cpp's decode (mmap) on that \
+         host under its caps where --llama-bench measured it\n",
     );
     s.push_str(&format!(
-        "{:>5}  {:<44} {:>6} {:>6}  {:<44} {:>6}  {:<32} {:>6}  {:>8} {:>8}  {}\n",
+        "{:>5}  {:<44} {:>6} {:>6}  {:<44} {:>6}  {:<32} {:>6}  {:>8} {:>8} {:>7} {:>9}  {}\n",
         "hosts",
         "planner's choice",
         "pred.",
@@ -107,13 +119,15 @@ pub fn table(points: &[Point]) -> String {
         "meas.",
         "choice/1",
         "best/1",
+        "llama",
+        "best/llama",
         "texts"
     ));
     for p in points {
         let l = Line::of(p);
         let d = |x: &Option<Scored>| x.as_ref().map_or("-".into(), |x| x.description.clone());
         s.push_str(&format!(
-            "{:>5}  {:<44} {:>6} {:>6}  {:<44} {:>6}  {:<32} {:>6}  {:>8} {:>8}  {}\n",
+            "{:>5}  {:<44} {:>6} {:>6}  {:<44} {:>6}  {:<32} {:>6}  {:>8} {:>8} {:>7} {:>9}  {}\n",
             l.hosts,
             d(&l.choice),
             num(l.choice.as_ref().map(|x| x.predicted)),
@@ -124,6 +138,10 @@ pub fn table(points: &[Point]) -> String {
             num(l.one_host.as_ref().map(|x| x.measured)),
             ratio(l.choice_over_one_host()),
             ratio(l.best_over_one_host()),
+            l.llama_cpp
+                .filter(|v| v.is_finite())
+                .map_or("-".into(), |v| format!("{v:.2}")),
+            ratio(l.best_over_llama_cpp()),
             if l.texts_identical {
                 "one process's"
             } else {
@@ -183,6 +201,7 @@ mod tests {
                 corrections: vec![],
                 calibrated_graph: None,
                 one_process_text: Some("t".into()),
+                baseline: None,
             },
         }
     }
@@ -210,8 +229,24 @@ mod tests {
         assert_eq!(l4.best_over_one_host(), Some(3.0));
         assert_eq!(l4.choice_over_one_host(), Some(1.2));
         assert!(l4.texts_identical);
-        let t = table(&[one, four]);
+        assert_eq!(l4.best_over_llama_cpp(), None, "not measured");
+        let t = table(&[one, four.clone()]);
         assert!(t.contains("3.00×") && t.contains("1.20×"), "{t}");
+        // With llama.cpp measured on the best single host, the best plan is set against it.
+        let mut four = four;
+        four.report.baseline = Some(crate::run::baseline::Baseline {
+            host: "b".into(),
+            command: "llama-bench".into(),
+            decode_tokens_per_s: Ok(0.5),
+        });
+        assert_eq!(Line::of(&four).best_over_llama_cpp(), Some(30.0));
+        assert!(table(&[four.clone()]).contains("30.00×"));
+        let lines = crate::run::table(&four.report);
+        assert!(
+            lines.contains("best plan (stage rejected): 15.0 tok/s = 30.0× llama.cpp"),
+            "{lines}"
+        );
+        assert!(lines.contains("best single host (single rejected): 5.0 tok/s = 10.0× llama.cpp"));
     }
 
     #[test]

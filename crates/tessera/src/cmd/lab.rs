@@ -88,6 +88,11 @@ enum LabCommand {
         /// every run's choice and best plan against the best single host of the same run.
         #[arg(long, value_delimiter = ',', value_name = "N,…")]
         hosts: Vec<usize>,
+        /// After the plans, run this llama.cpp `llama-bench` on the best single host under
+        /// its caps (the model memory-mapped, weight repacking off, the page cache dropped
+        /// first) and set the plans against its decode: `tools/llama-cpp.sh build` makes one.
+        #[arg(long, value_name = "PATH")]
+        llama_bench: Option<std::path::PathBuf>,
     },
     /// The time a hop of a stage ring adds beyond the link's round trip: a model alone on one
     /// node and as a ring (two nodes, or --stages), alternating, on a link through the switch
@@ -267,7 +272,11 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             save_calibrated,
             calibrated,
             hosts,
+            llama_bench,
         } => {
+            if let Some(b) = &llama_bench {
+                anyhow::ensure!(b.is_file(), "--llama-bench {}: no such file", b.display());
+            }
             let mut s = tessera_lab::scenario::Scenario::load(&scenario)?;
             if let Some(m) = model {
                 anyhow::ensure!(m.is_file(), "--model {}: no such file", m.display());
@@ -294,6 +303,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                     force: tessera_lab::run::Force { strategy, split },
                     save_calibrated: None,
                     calibrated: None,
+                    llama_bench,
                 };
                 return scaling_curve(&s, &hosts, &exe, &dir, &opts, json);
             }
@@ -301,6 +311,7 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
                 force: tessera_lab::run::Force { strategy, split },
                 save_calibrated,
                 calibrated,
+                llama_bench,
             };
             let report = tessera_lab::run::run(&s, &exe, &dir, &opts, |m| eprintln!("lab: {m}"))
                 .with_context(|| {
