@@ -17,6 +17,8 @@
 //! - every epoch of an expert split links with each expert of every layer held by exactly one
 //!   of its nodes, however many owners left before it was planned;
 //! - the coordinator never opens a sequence on a node for an epoch it did not give that node;
+//! - a request is routed only to a ready cell: no sequence is opened on an epoch before every
+//!   node given it reported it linked;
 //! - at the end, once every fault has healed: every request has ended, no node that enrolled is
 //!   missing from the membership, and no node holds a sequence (KV accounting back to zero).
 //!

@@ -194,3 +194,15 @@ fn the_simulator_catches_an_expert_split_that_loses_a_departed_owners_experts() 
     assert_eq!(v.broke, Invariant::ExpertsHeldOnce, "{v}");
     assert_eq!(simulate(v.seed, cfg).err(), Some(v));
 }
+
+#[test]
+fn the_simulator_catches_a_router_that_sends_a_request_to_a_cell_still_being_made() {
+    let cfg = Config {
+        fault: Some(Fault::RouteToUnreadyCells),
+        ..Config::default()
+    };
+    let caught = (0..SCHEDULES).find_map(|seed| simulate(seed, cfg.clone()).err());
+    let v = caught.expect("some request is routed while a cell is loading, and the bug shows");
+    assert_eq!(v.broke, Invariant::RouteOnlyToReadyCells, "{v}");
+    assert_eq!(simulate(v.seed, cfg).err(), Some(v));
+}

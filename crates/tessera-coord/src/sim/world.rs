@@ -77,6 +77,9 @@ pub enum Invariant {
     EpochsGrow,
     /// A sequence is opened only on a node given that epoch.
     OpenOnlyWhereGiven,
+    /// A request is routed only to a ready cell: no sequence is opened on an epoch before
+    /// every node given it reported it linked.
+    RouteOnlyToReadyCells,
     /// Every expert of every MoE layer is held exactly once when an expert split links.
     ExpertsHeldOnce,
     /// A node that is up and enrolled is a connected member once the world settles, and holds
@@ -236,6 +239,8 @@ struct World {
     runs: Vec<SimRun>,
     /// Epochs the coordinator gave each node (Assign sent).
     given: BTreeSet<(NodeId, u64)>,
+    /// Epochs each node told the coordinator it linked (`Linked` delivered).
+    linked: BTreeSet<(NodeId, u64)>,
     /// The expert split every plan places (`None`: each stage holds its layers' experts).
     experts: Option<ExpertSplit>,
     /// Per epoch, the experts of each layer the coordinator gave each node
@@ -288,6 +293,7 @@ impl World {
             cells,
             runs: Vec::new(),
             given: BTreeSet::new(),
+            linked: BTreeSet::new(),
             experts_given: BTreeMap::new(),
             experts_checked: BTreeSet::new(),
             highest_epoch: 0,

@@ -233,6 +233,9 @@ impl World {
         if self.coord_conn[node] != Some(conn) {
             return Ok(()); // that session is closed
         }
+        if let NodeToCoord::Linked { epoch, .. } = &msg {
+            self.linked.insert((id, *epoch));
+        }
         self.coord(ClusterInput::Node {
             node: id,
             session: conn,

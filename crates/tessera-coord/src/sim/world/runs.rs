@@ -87,6 +87,7 @@ impl World {
                                 ),
                             ));
                         }
+                        CoordToNode::Open(open) => self.check_routed(open.epoch)?,
                         CoordToNode::AssignExperts { epoch, experts } => {
                             self.experts_given
                                 .entry(*epoch)
