@@ -37,6 +37,8 @@ pub struct SimNode {
     /// The node's current control session (connection id).
     pub conn: Option<u64>,
     pub frozen_until: Option<Duration>,
+    /// When it was last killed or frozen.
+    pub stopped_at: Option<Duration>,
     pub partitioned_until: Option<Duration>,
     /// The epochs it holds, oldest first: two while a new split is switched to (the node
     /// agent holds both until the old one is released).
@@ -66,6 +68,7 @@ impl SimNode {
             incarnation: 0,
             conn: None,
             frozen_until: None,
+            stopped_at: None,
             partitioned_until: None,
             holding: Vec::new(),
             seqs: BTreeMap::new(),

@@ -25,6 +25,9 @@ fn seeds() -> Vec<u64> {
 fn thousands_of_fault_schedules_break_no_invariant() {
     let seeds = seeds();
     let mut total = Summary::default();
+    // Schedules with sealed jobs beside their runs, and what those jobs did.
+    let mut mixed = 0;
+    let mut sealed = SealedSummary::default();
     for &seed in &seeds {
         let s = simulate(seed, Config::default()).unwrap_or_else(|v| panic!("{v}"));
         total.requests += s.requests;
@@ -38,6 +41,8 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.drained += s.drained;
         total.expert_owners += usize::from(s.expert_owners > 0);
         total.experts_replaced += s.experts_replaced;
+        mixed += usize::from(s.requests > 0 && s.sealed.jobs > 0);
+        sealed.add(&s.sealed);
     }
     println!(
         "simulated {} schedules: {} requests ({} with the fault-free text, {} explicit errors), \
@@ -57,7 +62,23 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.expert_owners,
         total.experts_replaced
     );
+    println!(
+        "{mixed} of them with sealed jobs beside the runs, through the same cluster: {} jobs \
+         ({} answered, {} of them verified; {} failed with a reason; {} not sealed for want of a \
+         listed worker; {} lost with a restarted coordinator), {} handed over from a node that \
+         died or froze, {} liars quarantined",
+        sealed.jobs,
+        sealed.answered,
+        sealed.verified,
+        sealed.failed,
+        sealed.unsealed,
+        sealed.lost,
+        sealed.handed_over,
+        sealed.quarantined
+    );
     assert_eq!(total.completed + total.errors, total.requests);
+    let ended = sealed.answered + sealed.failed + sealed.unsealed + sealed.lost;
+    assert_eq!(ended, sealed.jobs, "{sealed:?}");
     if seeds.len() as u64 >= SCHEDULES {
         // The schedules must exercise what they claim to: failures, and runs that survive them.
         assert!(total.resumes > 400, "{total:?}");
@@ -67,6 +88,16 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         assert!(total.expert_owners > 500, "{total:?}");
         assert!(total.experts_replaced > 50, "{total:?}");
         assert!(total.completed * 10 > total.requests * 8, "{total:?}");
+        // A good share of the schedules mix runs and sealed jobs, and the jobs get answered.
+        assert!(mixed > 1_000, "{mixed} mixed schedules");
+        assert!(sealed.answered > 4_000, "{sealed:?}");
+        assert!(sealed.verified > 500, "{sealed:?}");
+        assert!(sealed.handed_over > 20, "{sealed:?}");
+        assert!(sealed.quarantined > 20, "{sealed:?}");
+        assert!(
+            sealed.answered > (sealed.failed + sealed.unsealed) * 2,
+            "{sealed:?}"
+        );
     }
 }
 
@@ -120,17 +151,7 @@ fn thousands_of_sealed_job_schedules_break_no_invariant() {
     let mut t = SealedSummary::default();
     for &seed in &seeds {
         let s = simulate_sealed(seed, SealedSimConfig::default()).unwrap_or_else(|v| panic!("{v}"));
-        t.jobs += s.jobs;
-        t.answered += s.answered;
-        t.verified += s.verified;
-        t.failed += s.failed;
-        t.unsealed += s.unsealed;
-        t.refused_by_client += s.refused_by_client;
-        t.handed_over += s.handed_over;
-        t.kills += s.kills;
-        t.freezes += s.freezes;
-        t.quarantined += s.quarantined;
-        t.events += s.events;
+        t.add(&s);
     }
     println!(
         "simulated {} sealed schedules: {} jobs ({} answered, {} of them verified; {} failed \
@@ -204,5 +225,19 @@ fn the_simulator_catches_a_router_that_sends_a_request_to_a_cell_still_being_mad
     let caught = (0..SCHEDULES).find_map(|seed| simulate(seed, cfg.clone()).err());
     let v = caught.expect("some request is routed while a cell is loading, and the bug shows");
     assert_eq!(v.broke, Invariant::RouteOnlyToReadyCells, "{v}");
+    assert_eq!(simulate(v.seed, cfg).err(), Some(v));
+}
+
+#[test]
+fn the_simulator_catches_a_desk_that_leaves_a_dead_nodes_job_to_its_lease_beside_runs() {
+    // The same planted bug as above, in the schedules that mix sealed jobs with runs: there
+    // the desk hears a node left only from the cluster's lease.
+    let cfg = Config {
+        desk_fault: Some(DeskFault::IgnoreHolderLeft),
+        ..Config::default()
+    };
+    let caught = (0..SCHEDULES).find_map(|seed| simulate(seed, cfg.clone()).err());
+    let v = caught.expect("some node dies holding a sealed job, and the bug shows");
+    assert_eq!(v.broke, Invariant::HandoverWithinLease, "{v}");
     assert_eq!(simulate(v.seed, cfg).err(), Some(v));
 }

@@ -13,9 +13,12 @@ use crate::assignment::ExpertSplit;
 use crate::cluster::{Cluster, ClusterConfig, ClusterInput, ClusterOutput, RunNews};
 use crate::membership::{Member, Membership};
 use crate::run::{Fault, RunEvent, RunSpec};
+use crate::sealed::DeskFault;
+use crate::sim::jobs::{JobEv, SealedSummary};
 
 mod faults;
 mod invariants;
+mod jobs;
 mod network;
 mod runs;
 mod schedule;
@@ -40,6 +43,8 @@ pub struct Config {
     pub time_limit: Duration,
     /// A deliberate bug in every run machine (to show the invariants catch it).
     pub fault: Option<Fault>,
+    /// A deliberate bug in the sealed desk of the schedules with sealed jobs.
+    pub desk_fault: Option<DeskFault>,
 }
 
 impl Default for Config {
@@ -49,6 +54,7 @@ impl Default for Config {
             fault_horizon: Duration::from_secs(20),
             time_limit: Duration::from_secs(1800),
             fault: None,
+            desk_fault: None,
         }
     }
 }
@@ -137,6 +143,8 @@ pub struct Summary {
     pub expert_owners: usize,
     /// Epochs whose experts were re-placed because an owner had left.
     pub experts_replaced: usize,
+    /// The sealed jobs submitted beside the runs (none in most schedules).
+    pub sealed: SealedSummary,
 }
 
 #[derive(Debug)]
@@ -185,6 +193,10 @@ enum Ev {
         run: usize,
     },
     Fault(FaultKind),
+    /// Something of the sealed jobs beside the runs.
+    Jobs(JobEv),
+    /// The sealed desk's clock.
+    SealedTick,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -248,6 +260,10 @@ struct World {
     experts_given: BTreeMap<u64, Vec<(NodeId, LayersExperts)>>,
     experts_checked: BTreeSet<u64>,
     highest_epoch: u64,
+    /// When the coordinator last heard from each node on its current session.
+    heard: Vec<Duration>,
+    /// The sealed jobs beside the runs, in schedules that have them.
+    sealed: Option<jobs::MixedJobs>,
     summary: Summary,
 }
 
@@ -255,8 +271,10 @@ struct World {
 pub fn simulate(seed: u64, cfg: Config) -> Result<Summary, Violation> {
     let mut w = World::new(seed, cfg);
     w.draw_schedule();
+    w.draw_sealed_jobs();
     w.run()?;
     w.finish()?;
+    w.finish_jobs()?;
     Ok(w.summary)
 }
 
@@ -297,6 +315,8 @@ impl World {
             experts_given: BTreeMap::new(),
             experts_checked: BTreeSet::new(),
             highest_epoch: 0,
+            heard: vec![Duration::ZERO; n_nodes],
+            sealed: None,
             summary: Summary {
                 expert_owners: experts.as_ref().map_or(0, |x| x.groups.len()),
                 ..Summary::default()
@@ -337,14 +357,18 @@ impl World {
             self.step(ev)?;
             self.check()?;
             let settled = self.now > self.cfg.fault_horizon + self.cfg.lease * 4;
-            if settled && self.runs.iter().all(|r| r.ended.is_some()) {
+            let runs_ended = self.runs.iter().all(|r| r.ended.is_some());
+            if settled && runs_ended && self.jobs_ended() {
                 break;
             }
             if self.now > self.cfg.time_limit {
-                return Err(self.violation(
-                    Invariant::EveryRequestEnds,
-                    "requests still open at the time limit".into(),
-                ));
+                let (broke, what) = if runs_ended {
+                    (Invariant::EveryJobEnds, "sealed jobs")
+                } else {
+                    (Invariant::EveryRequestEnds, "requests")
+                };
+                let what = format!("{what} still open at the time limit");
+                return Err(self.violation(broke, what));
             }
         }
         Ok(())
@@ -412,6 +436,8 @@ impl World {
             }
             Ev::RingStep { node, life, seq } => self.ring_step(node, life, seq),
             Ev::Submit { run } => self.submit(run),
+            Ev::Jobs(ev) => self.with_jobs(|jobs, world| jobs.step(ev, world)),
+            Ev::SealedTick => self.sealed_tick(),
         }
     }
 }
