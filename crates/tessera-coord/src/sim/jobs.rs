@@ -19,7 +19,7 @@ use tessera_seal::{
 
 use super::world::{Invariant, Violation};
 use super::Rng;
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, ClusterInput, ClusterOutput};
 use crate::sealed::{SealedInput, SealedOutput};
 
 /// The desk's clock ticks this often (as the coordinator's sealed edge does).
@@ -172,6 +172,23 @@ pub(super) enum Running {
     No,
 }
 
+/// Feeds the desk inside `cluster` one input at `now`, as the runtime does
+/// (`ClusterInput::Sealed`); the desk's outputs.
+pub(super) fn desk_step(
+    cluster: &mut Cluster,
+    now: Duration,
+    input: SealedInput,
+) -> Vec<SealedOutput> {
+    cluster
+        .handle(now, ClusterInput::Sealed(input))
+        .into_iter()
+        .filter_map(|o| match o {
+            ClusterOutput::Sealed(o) => Some(o),
+            _ => None,
+        })
+        .collect()
+}
+
 /// What the sealed jobs need of the world they run in.
 pub(super) trait JobsHost {
     fn now_ms(&self) -> u64;
@@ -288,6 +305,17 @@ impl SealedJobs {
 
     pub fn step(&mut self, ev: JobEv, host: &mut impl JobsHost) -> Result<(), Violation> {
         let now = host.now_ms();
+        // A worker's own work waits while it is frozen, and is lost with it or its session.
+        if let JobEv::Envelope { w, session, .. } | JobEv::Step { w, session, .. } = &ev {
+            match host.running(*w, *session) {
+                Running::Yes => {}
+                Running::Thaws(t) => {
+                    host.schedule(t, ev);
+                    return Ok(());
+                }
+                Running::No => return Ok(()),
+            }
+        }
         match ev {
             JobEv::Submit(i) => self.submit(i, host)?,
             JobEv::Envelope {
@@ -295,19 +323,6 @@ impl SealedJobs {
                 session,
                 envelope,
             } => {
-                match host.running(w, session) {
-                    Running::Yes => {}
-                    Running::Thaws(t) => {
-                        let ev = JobEv::Envelope {
-                            w,
-                            session,
-                            envelope,
-                        };
-                        host.schedule(t, ev);
-                        return Ok(());
-                    }
-                    Running::No => return Ok(()),
-                }
                 let (job, attempt) = (envelope.header.job, envelope.header.attempt);
                 let worker = &self.workers[w];
                 if self.rng.range(0, 1000) < worker.refuses {
@@ -341,21 +356,6 @@ impl SealedJobs {
                 done,
                 total,
             } => {
-                match host.running(w, session) {
-                    Running::Yes => {}
-                    Running::Thaws(t) => {
-                        let ev = JobEv::Step {
-                            w,
-                            session,
-                            envelope,
-                            done,
-                            total,
-                        };
-                        host.schedule(t, ev);
-                        return Ok(());
-                    }
-                    Running::No => return Ok(()),
-                }
                 let done = (done + 8).min(total);
                 let (job, attempt) = (envelope.header.job, envelope.header.attempt);
                 if done < total {

@@ -27,10 +27,12 @@ use std::time::Duration;
 
 use tessera_seal::{LeaseConfig, SecretKey, UnixMillis};
 
-use super::jobs::{JobEv, JobsHost, Running, SealedJobs, SealedSummary, Worker, TICK_MS};
+use super::jobs::{
+    desk_step, JobEv, JobsHost, Running, SealedJobs, SealedSummary, Worker, TICK_MS,
+};
 use super::world::Violation;
 use super::Rng;
-use crate::cluster::{Cluster, ClusterInput, ClusterOutput};
+use crate::cluster::Cluster;
 use crate::sealed::{
     verify_config, DeskFault, SealedConfig, SealedDesk, SealedInput, SealedOutput,
 };
@@ -253,15 +255,7 @@ impl JobsHost for SealedWorld {
     }
 
     fn desk(&mut self, input: SealedInput) -> Vec<SealedOutput> {
-        let now = Duration::from_millis(self.now);
-        self.cluster
-            .handle(now, ClusterInput::Sealed(input))
-            .into_iter()
-            .filter_map(|o| match o {
-                ClusterOutput::Sealed(o) => Some(o),
-                _ => None,
-            })
-            .collect()
+        desk_step(&mut self.cluster, Duration::from_millis(self.now), input)
     }
 
     /// A frozen worker takes the event up when it thaws, a dead one or one whose session

@@ -183,12 +183,25 @@ fn thousands_of_sealed_job_schedules_break_no_invariant() {
 }
 
 fn caught(fault: DeskFault) -> super::Violation {
-    let cfg = SealedSimConfig { fault: Some(fault) };
-    let v = (0..SEALED_SCHEDULES)
-        .find_map(|seed| simulate_sealed(seed, cfg.clone()).err())
+    first_caught(
+        SEALED_SCHEDULES,
+        SealedSimConfig { fault: Some(fault) },
+        simulate_sealed,
+    )
+}
+
+/// The first of `schedules` seeds whose schedule shows the bug planted in `cfg`; the failing
+/// seed replays exactly.
+fn first_caught<C: Clone, S>(
+    schedules: u64,
+    cfg: C,
+    simulate: impl Fn(u64, C) -> Result<S, super::Violation>,
+) -> super::Violation {
+    let v = (0..schedules)
+        .find_map(|seed| simulate(seed, cfg.clone()).err())
         .expect("some schedule shows the planted bug");
-    // And the failing seed replays exactly.
-    assert_eq!(simulate_sealed(v.seed, cfg).err(), Some(v.clone()));
+    println!("caught: {v}");
+    assert_eq!(simulate(v.seed, cfg).err(), Some(v.clone()));
     v
 }
 
@@ -216,28 +229,27 @@ fn the_simulator_catches_an_expert_split_that_loses_a_departed_owners_experts() 
     assert_eq!(simulate(v.seed, cfg).err(), Some(v));
 }
 
+/// The first of the 5,000 schedules that shows the bug planted in `cfg`, replayed exactly.
+fn caught_in_schedules(cfg: Config) -> super::Violation {
+    first_caught(SCHEDULES, cfg, simulate)
+}
+
 #[test]
 fn the_simulator_catches_a_router_that_sends_a_request_to_a_cell_still_being_made() {
-    let cfg = Config {
+    let v = caught_in_schedules(Config {
         fault: Some(Fault::RouteToUnreadyCells),
         ..Config::default()
-    };
-    let caught = (0..SCHEDULES).find_map(|seed| simulate(seed, cfg.clone()).err());
-    let v = caught.expect("some request is routed while a cell is loading, and the bug shows");
+    });
     assert_eq!(v.broke, Invariant::RouteOnlyToReadyCells, "{v}");
-    assert_eq!(simulate(v.seed, cfg).err(), Some(v));
 }
 
 #[test]
 fn the_simulator_catches_a_desk_that_leaves_a_dead_nodes_job_to_its_lease_beside_runs() {
     // The same planted bug as above, in the schedules that mix sealed jobs with runs: there
     // the desk hears a node left only from the cluster's lease.
-    let cfg = Config {
+    let v = caught_in_schedules(Config {
         desk_fault: Some(DeskFault::IgnoreHolderLeft),
         ..Config::default()
-    };
-    let caught = (0..SCHEDULES).find_map(|seed| simulate(seed, cfg.clone()).err());
-    let v = caught.expect("some node dies holding a sealed job, and the bug shows");
+    });
     assert_eq!(v.broke, Invariant::HandoverWithinLease, "{v}");
-    assert_eq!(simulate(v.seed, cfg).err(), Some(v));
 }

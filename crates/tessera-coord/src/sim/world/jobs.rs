@@ -7,7 +7,7 @@
 
 use super::*;
 use crate::sealed::SealedInput;
-use crate::sim::jobs::{JobEv, JobsHost, Running, SealedJobs, Worker, TICK_MS};
+use crate::sim::jobs::{desk_step, JobEv, JobsHost, Running, SealedJobs, Worker, TICK_MS};
 use crate::sim::sealed::sim_desk;
 
 /// Sealed jobs and their workers, in a schedule that has them.
@@ -73,7 +73,7 @@ impl World {
     /// Runs `f` on the sealed jobs, with the world as their host.
     pub(super) fn with_jobs(
         &mut self,
-        f: impl FnOnce(&mut SealedJobs, &mut World) -> Result<(), Violation>,
+        f: impl FnOnce(&mut SealedJobs, &mut Self) -> Result<(), Violation>,
     ) -> Result<(), Violation> {
         let Some(mut jobs) = self.sealed.as_mut().and_then(|s| s.jobs.take()) else {
             return Ok(());
@@ -205,14 +205,7 @@ impl JobsHost for World {
     }
 
     fn desk(&mut self, input: SealedInput) -> Vec<crate::sealed::SealedOutput> {
-        self.cluster
-            .handle(self.now, ClusterInput::Sealed(input))
-            .into_iter()
-            .filter_map(|o| match o {
-                ClusterOutput::Sealed(o) => Some(o),
-                _ => None,
-            })
-            .collect()
+        desk_step(&mut self.cluster, self.now, input)
     }
 
     fn running(&self, w: usize, session: u64) -> Running {
