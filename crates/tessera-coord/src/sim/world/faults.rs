@@ -73,23 +73,16 @@ impl World {
             return Ok(());
         };
         let id = self.nodes[node].id;
-        // Every cell's epoch: whether this node is a stage of it, and its sampler.
-        let cells: Vec<(u64, bool, Option<NodeId>)> = self
+        // Every cell's epoch, and whether this node is a stage of it.
+        let cells: Vec<(u64, bool)> = self
             .cluster
             .membership()
             .cells()
             .iter()
-            .map(|e| {
-                let sampler = e.stages.iter().rev().find(|s| !s.layers.is_empty());
-                (
-                    e.id,
-                    e.stages.iter().any(|s| s.node_id == id),
-                    sampler.map(|s| s.node_id),
-                )
-            })
+            .map(|e| (e.id, e.stages.iter().any(|s| s.node_id == id)))
             .collect();
         let mut forged = Vec::new();
-        for &(epoch, member, _) in &cells {
+        for &(epoch, member) in &cells {
             if !member {
                 forged.push(NodeToCoord::LoadFailed {
                     epoch,
@@ -108,7 +101,13 @@ impl World {
             let Some((epoch, seq)) = self.cluster.attempt(i as u64 + 1) else {
                 continue;
             };
-            let sampler = cells.iter().find(|c| c.0 == epoch).and_then(|c| c.2);
+            // Its epoch may be a cell's, or one draining beside a new split.
+            let sampler = self
+                .cluster
+                .membership()
+                .epoch_with_id(epoch)
+                .and_then(|e| e.stages.iter().rev().find(|s| !s.layers.is_empty()))
+                .map(|s| s.node_id);
             if sampler != Some(id) {
                 let pos = run.spec.prompt.len() + run.streamed.len();
                 forged.push(NodeToCoord::Token {
