@@ -135,6 +135,25 @@ fn a_schedule_replays_exactly() {
     }
 }
 
+#[test]
+fn a_schedule_with_sealed_jobs_beside_its_runs_replays_exactly() {
+    let with_jobs = |seed: &u64| {
+        simulate(*seed, Config::default()).is_ok_and(|s| s.sealed.jobs > 0 && s.requests > 0)
+    };
+    let seeds: Vec<u64> = (0..100).filter(with_jobs).take(3).collect();
+    assert_eq!(
+        seeds.len(),
+        3,
+        "some of the first hundred seeds mix runs and jobs"
+    );
+    for seed in seeds {
+        assert_eq!(
+            simulate(seed, Config::default()),
+            simulate(seed, Config::default())
+        );
+    }
+}
+
 /// Sealed-job schedules run by CI, beside the ring and cell schedules above.
 const SEALED_SCHEDULES: u64 = 5_000;
 
