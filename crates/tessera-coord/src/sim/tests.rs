@@ -26,7 +26,7 @@ fn thousands_of_fault_schedules_break_no_invariant() {
     let seeds = seeds();
     let mut total = Summary::default();
     // Schedules with sealed jobs beside their runs, and what those jobs did.
-    let mut mixed = 0;
+    let (mut mixed, mut beside) = (0, 0);
     let mut sealed = SealedSummary::default();
     for &seed in &seeds {
         let s = simulate(seed, Config::default()).unwrap_or_else(|v| panic!("{v}"));
@@ -43,6 +43,7 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.experts_replaced += s.experts_replaced;
         mixed += usize::from(s.requests > 0 && s.sealed.jobs > 0);
         sealed.add(&s.sealed);
+        beside += s.desk_inputs_beside_runs;
     }
     println!(
         "simulated {} schedules: {} requests ({} with the fault-free text, {} explicit errors), \
@@ -66,7 +67,8 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         "{mixed} of them with sealed jobs beside the runs, through the same cluster: {} jobs \
          ({} answered, {} of them verified; {} failed with a reason; {} not sealed for want of a \
          listed worker; {} lost with a restarted coordinator), {} handed over from a node that \
-         died or froze, {} liars quarantined",
+         died or froze, {} liars quarantined; the desk took {beside} inputs while runs were in \
+         flight",
         sealed.jobs,
         sealed.answered,
         sealed.verified,
@@ -90,6 +92,10 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         assert!(total.completed * 10 > total.requests * 8, "{total:?}");
         // A good share of the schedules mix runs and sealed jobs, and the jobs get answered.
         assert!(mixed > 1_000, "{mixed} mixed schedules");
+        assert!(
+            beside > 10_000,
+            "{beside} desk inputs while runs were in flight"
+        );
         assert!(sealed.answered > 4_000, "{sealed:?}");
         assert!(sealed.verified > 500, "{sealed:?}");
         assert!(sealed.handed_over > 20, "{sealed:?}");

@@ -145,6 +145,8 @@ pub struct Summary {
     pub experts_replaced: usize,
     /// The sealed jobs submitted beside the runs (none in most schedules).
     pub sealed: SealedSummary,
+    /// Inputs the sealed desk took while a run was in flight in the same cluster.
+    pub desk_inputs_beside_runs: usize,
 }
 
 #[derive(Debug)]

@@ -205,6 +205,9 @@ impl JobsHost for World {
     }
 
     fn desk(&mut self, input: SealedInput) -> Vec<crate::sealed::SealedOutput> {
+        if self.cluster.runs() > 0 {
+            self.summary.desk_inputs_beside_runs += 1;
+        }
         desk_step(&mut self.cluster, self.now, input)
     }
 
