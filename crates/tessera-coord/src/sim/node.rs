@@ -58,9 +58,14 @@ pub enum NodeEffect {
     RingStart(u64),
 }
 
+/// The seed of node `i`'s identity (its key as a member, and as a sealed worker).
+pub fn identity_seed(i: usize) -> [u8; 32] {
+    [i as u8 + 1; 32]
+}
+
 impl SimNode {
     pub fn new(i: usize) -> Self {
-        let id = NodeIdentity::from_seed([i as u8 + 1; 32]).node_id();
+        let id = NodeIdentity::from_seed(identity_seed(i)).node_id();
         Self {
             id,
             name: format!("n{i}"),

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tessera_net::NodeId;
 use tessera_proto::{CoordToNode, FinishReason, NodeToCoord};
 
-use super::node::{NodeEffect, SimNode};
+use super::node::{identity_seed, NodeEffect, SimNode};
 use super::{next_token, Rng};
 use crate::assignment::ExpertSplit;
 use crate::cluster::{Cluster, ClusterConfig, ClusterInput, ClusterOutput, RunNews};

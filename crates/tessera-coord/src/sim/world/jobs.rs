@@ -44,7 +44,7 @@ impl World {
         for &i in &nodes {
             // The node's own key: the desk and the membership know it by the same one.
             let seal = tessera_seal::SecretKey::derive(&rng.next_u64().to_le_bytes());
-            workers.push(Worker::draw(&mut rng, [i as u8 + 1; 32], seal));
+            workers.push(Worker::draw(&mut rng, identity_seed(i), seal));
         }
         let per_mille = [0, 300, 1000][rng.range(0, 3) as usize];
         let mut jobs = SealedJobs::new(self.seed, rng, workers, liar, Default::default());

@@ -222,7 +222,7 @@ impl World {
                     self.after(d, Ev::Closed { node, conn: old });
                 }
             }
-            let key = tessera_net::NodeIdentity::from_seed([node as u8 + 1; 32]).public_key();
+            let key = tessera_net::NodeIdentity::from_seed(identity_seed(node)).public_key();
             debug_assert_eq!(key.node_id(), id);
             let member = Member {
                 session: conn,
