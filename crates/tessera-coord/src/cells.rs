@@ -24,7 +24,8 @@ use std::collections::BTreeMap;
 
 use tessera_net::NodeId;
 
-use crate::membership::{Member, Membership};
+use crate::fault::Fault;
+use crate::membership::{Member, Membership, Phase};
 
 /// Weight of a new measurement in a cell's speed average, for a request of at least
 /// [`FULL_SAMPLE_TOKENS`] decoded tokens.
@@ -177,9 +178,17 @@ struct Seat {
 pub struct CellBook {
     seats: BTreeMap<u64, Seat>,
     speed: BTreeMap<u64, Speed>,
+    /// A test-only fault ([`Fault::RouteToUnreadyCells`]).
+    fault: Option<Fault>,
 }
 
 impl CellBook {
+    /// Plants a deliberate bug, so the simulator can show it catches it.
+    #[cfg(test)]
+    pub fn inject_fault(&mut self, fault: Option<Fault>) {
+        self.fault = fault;
+    }
+
     /// Seats request `seq` on cell `epoch`, reserving `positions` of KV (moving it if it was
     /// seated elsewhere).
     pub fn seat(&mut self, seq: u64, epoch: u64, positions: u64) {
@@ -259,7 +268,14 @@ impl CellBook {
             e.1 += s.positions;
         }
         let speeds = self.scored_speeds();
-        m.ready_cells()
+        // Only ready cells are candidates (the planted bug takes cells still being made too).
+        let unready = self.fault == Some(Fault::RouteToUnreadyCells);
+        m.cells()
+            .iter()
+            .filter(|e| {
+                e.phase == Phase::Ready
+                    || (unready && matches!(e.phase, Phase::Loading | Phase::Linking))
+            })
             .map(|e| CellLoad {
                 epoch: e.id,
                 nodes: e

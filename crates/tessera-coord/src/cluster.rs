@@ -267,11 +267,13 @@ impl Cluster {
         self.closing = true;
     }
 
-    /// A deliberate bug in every run machine made from now on (the simulator's mutation tests).
+    /// A deliberate bug in every run machine made from now on, the membership or the cell book
+    /// (the simulator's mutation tests).
     #[cfg(test)]
     pub fn inject_fault(&mut self, fault: Option<Fault>) {
         self.fault = fault;
         self.membership.inject_fault(fault);
+        self.cells.inject_fault(fault);
     }
 
     /// Runs in flight (placing or running).

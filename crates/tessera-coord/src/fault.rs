@@ -1,6 +1,6 @@
 //! Deliberate bugs the coordinator's machines can be told to have (tests only), so that the
-//! simulator can show its invariants catch each kind. Its own module: both the run machine
-//! and the membership read it.
+//! simulator can show its invariants catch each kind. Its own module: the run machine,
+//! the membership and the cell book read it.
 
 /// A test-only fault, so the simulator can show it catches a broken machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,4 +12,7 @@ pub enum Fault {
     /// The membership's: when an owner of experts leaves, re-plan without handing its experts
     /// to anyone (the home's router would then pick experts nobody computes).
     DropDepartedOwnersExperts,
+    /// Cell routing's: take cells still loading or linking as candidates too (a request would
+    /// start on a cell not every node of which is ready, and open its sequence there).
+    RouteToUnreadyCells,
 }

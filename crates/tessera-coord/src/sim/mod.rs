@@ -5,7 +5,9 @@
 //!
 //! Each seed draws a schedule — nodes, a stage count, in about a fifth of them an expert split
 //! (every node owns a share of each MoE layer's experts; nodes outside the ring hold experts
-//! only), requests arriving over time, and faults:
+//! only), in about three in ten sealed jobs beside the runs (most nodes are also sealed
+//! workers, and a client submits jobs to the same cluster while the runs stream; see
+//! `world/jobs.rs`), requests arriving over time, and faults:
 //! kills and restarts, freezes longer or shorter than a lease, partitions of one node, slow
 //! links, late joins, coordinator restarts, and enrolled members that forge tokens, finishes and
 //! load failures for runs and epochs that are not theirs — and the world runs it event by event. After every
@@ -17,8 +19,16 @@
 //! - every epoch of an expert split links with each expert of every layer held by exactly one
 //!   of its nodes, however many owners left before it was planned;
 //! - the coordinator never opens a sequence on a node for an epoch it did not give that node;
+//! - a request is routed only to a ready cell: no sequence is opened on an epoch before every
+//!   node given it reported it linked;
 //! - at the end, once every fault has healed: every request has ended, no node that enrolled is
-//!   missing from the membership, and no node holds a sequence (KV accounting back to zero).
+//!   missing from the membership, and no node holds a sequence (KV accounting back to zero);
+//! - with sealed jobs, the sealed invariants as well (`sealed.rs` lists them), on every output
+//!   of the desk; a job whose holder's node died or froze moves on once the coordinator's lease
+//!   of that node runs out.
+//!
+//! Schedules of sealed jobs alone, with more workers and fates of their own, are `sealed.rs`'s;
+//! both kinds share the workers, the client and the checks of `jobs.rs`.
 //!
 //! What is simulated and what is real: the coordinator's decisions and their wiring are the real
 //! code (the world only carries the cluster's outputs over its network and fires its timeouts
@@ -26,19 +36,23 @@
 //! are a model of the node agent's control protocol (assign, load, link, open, start, close,
 //! release, heartbeats; a node whose session ends drops its assignment and sequences, as the
 //! agent does), and the ring computes tokens with a deterministic stand-in for a model whose
-//! next token depends only on the sequence so far and the seed, as the engine's do. Control
+//! next token depends only on the sequence so far and the seed, as the engine's do. A sealed
+//! worker is a model of its node too: it opens the envelopes sealed to its key and seals its
+//! answers back (the sealing is real), and it runs, freezes and dies with its node. Control
 //! streams are reliable and ordered, as QUIC's are: a partition delays messages; a closed
 //! session drops them.
 //!
 //! A failing seed replays exactly: `TESSERA_SIM_SEED=N cargo test -p tessera-coord sim::`.
 
+mod jobs;
 mod node;
 mod sealed;
 #[cfg(test)]
 mod tests;
 mod world;
 
-pub use sealed::{simulate_sealed, SealedSimConfig, SealedSummary};
+pub use jobs::SealedSummary;
+pub use sealed::{simulate_sealed, SealedSimConfig};
 pub use world::{simulate, Config, Invariant, Summary, Violation};
 
 /// splitmix64: a small, seedable generator (the simulator must not depend on the OS).

@@ -37,6 +37,8 @@ pub struct SimNode {
     /// The node's current control session (connection id).
     pub conn: Option<u64>,
     pub frozen_until: Option<Duration>,
+    /// When it was last killed or frozen.
+    pub stopped_at: Option<Duration>,
     pub partitioned_until: Option<Duration>,
     /// The epochs it holds, oldest first: two while a new split is switched to (the node
     /// agent holds both until the old one is released).
@@ -56,9 +58,14 @@ pub enum NodeEffect {
     RingStart(u64),
 }
 
+/// The seed of node `i`'s identity (its key as a member, and as a sealed worker).
+pub fn identity_seed(i: usize) -> [u8; 32] {
+    [i as u8 + 1; 32]
+}
+
 impl SimNode {
     pub fn new(i: usize) -> Self {
-        let id = NodeIdentity::from_seed([i as u8 + 1; 32]).node_id();
+        let id = NodeIdentity::from_seed(identity_seed(i)).node_id();
         Self {
             id,
             name: format!("n{i}"),
@@ -66,6 +73,7 @@ impl SimNode {
             incarnation: 0,
             conn: None,
             frozen_until: None,
+            stopped_at: None,
             partitioned_until: None,
             holding: Vec::new(),
             seqs: BTreeMap::new(),

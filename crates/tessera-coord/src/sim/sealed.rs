@@ -16,32 +16,29 @@
 //!   desk's clock;
 //! - at the end every job has ended, and the desk holds none.
 //!
+//! The workers' behaviour, the client and these checks are `jobs.rs`'s, shared with the ring
+//! schedules that carry sealed jobs beside their runs; this world adds the workers' fates
+//! (when each dies or freezes) and the coordinator's node lease as a fixed delay.
+//!
 //! A failing seed replays exactly: `TESSERA_SIM_SEED=N cargo test -p tessera-coord sim::`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tessera_proto::{SealedFailure, SealedNews, SealedRefusal};
-use tessera_seal::{
-    seal_result, AnswerDigest, Claims, DeviceTier, JobEnvelope, JobId, KernelPath, LeaseConfig,
-    NodeKey, SecretKey, SignedClaims, UnixMillis,
-};
+use tessera_seal::{LeaseConfig, SecretKey, UnixMillis};
 
-use super::world::{Invariant, Violation};
+use super::jobs::{
+    desk_step, JobEv, JobsHost, Running, SealedJobs, SealedSummary, Worker, TICK_MS,
+};
+use super::world::Violation;
 use super::Rng;
-use crate::cluster::{Cluster, ClusterInput, ClusterOutput};
+use crate::cluster::Cluster;
 use crate::sealed::{
     verify_config, DeskFault, SealedConfig, SealedDesk, SealedInput, SealedOutput,
 };
-use tessera_seal::seal_attempts;
 
-/// The desk's clock ticks this often (as the coordinator's sealed edge does).
-const TICK_MS: u64 = 250;
 /// The coordinator's node lease: a worker silent this long has left.
 const NODE_LEASE_MS: u64 = 3_000;
-const MODEL: &str = "m";
-/// What every job asks (the workers' tokens depend on the job, not on the body).
-const BODY: &[u8] = br#"{"prompt_tokens":[1,2,3]}"#;
 
 /// Settings of one schedule.
 #[derive(Clone, Debug, Default)]
@@ -50,64 +47,18 @@ pub struct SealedSimConfig {
     pub fault: Option<DeskFault>,
 }
 
-/// What a schedule did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SealedSummary {
-    pub jobs: usize,
-    pub answered: usize,
-    pub verified: usize,
-    pub failed: usize,
-    /// Jobs the client could not seal: the desk listed no worker.
-    pub unsealed: usize,
-    /// Unverified answers to clients that asked for verified ones only (the client refuses
-    /// them: no second worker was left to check).
-    pub refused_by_client: usize,
-    /// Jobs that moved from a holder that died or froze to another worker.
-    pub handed_over: usize,
-    pub kills: usize,
-    pub freezes: usize,
-    pub quarantined: usize,
-    pub events: u64,
-}
-
-struct Worker {
-    seed: [u8; 32],
-    seal: SecretKey,
-    node: NodeKey,
-    tier: DeviceTier,
-    /// Ships altered tokens (with their honest-looking digest).
-    liar: bool,
-    /// Refuses this many envelopes in a thousand.
-    refuses: u64,
-    ms_per_token: u64,
+/// When a worker runs: its fate in this schedule, and what the coordinator saw of it.
+struct Fate {
     dies_at: Option<u64>,
     /// Stopped (SIGSTOP) from the first time to the second.
     frozen: Option<(u64, u64)>,
     /// The coordinator saw its session end and has not heard a claim since.
     left: bool,
     /// Its control session: messages and work of an earlier one are gone with it.
-    session: u32,
+    session: u64,
 }
 
-impl Worker {
-    fn claims(&self, now: u64) -> SignedClaims {
-        Claims {
-            node: self.node,
-            epoch: u64::from(self.session) + 1,
-            issued_at: UnixMillis(now),
-            seal_key: self.seal.public_key(),
-            models: vec![MODEL.into()],
-            memory_bytes: 1 << 30,
-            max_context: 8192,
-            features: vec![],
-            isa: "x86_64".into(),
-            kernel_path: KernelPath::new("avx2"),
-            tier: self.tier,
-        }
-        .sign(&self.seed)
-        .expect("claims sign")
-    }
-
+impl Fate {
     /// When the worker stopped for good or for now, if it is not running at `t`.
     fn stopped_at(&self, t: u64) -> Option<u64> {
         if let Some(d) = self.dies_at.filter(|d| *d <= t) {
@@ -119,95 +70,46 @@ impl Worker {
     }
 }
 
-/// A worker's message to the desk, on its way.
-enum Report {
-    Progress {
-        job: JobId,
-        attempt: u32,
-        tokens: usize,
-    },
-    Result(tessera_seal::ResultEnvelope),
-    Refused {
-        job: JobId,
-        attempt: u32,
-        reason: SealedRefusal,
-    },
-}
-
 enum Ev {
-    Submit(usize),
+    Jobs(JobEv),
     Tick,
-    /// An envelope reaches worker `w` (sent in its session `session`).
-    Envelope {
-        w: usize,
-        session: u32,
-        envelope: JobEnvelope,
-    },
-    /// Worker `w` has generated `done` of `total` tokens of an envelope.
-    Step {
-        w: usize,
-        session: u32,
-        envelope: JobEnvelope,
-        done: usize,
-        total: usize,
-    },
-    /// A worker's report reaches the desk.
-    Report {
-        w: usize,
-        session: u32,
-        report: Report,
-    },
     /// The coordinator's node lease of `w` ran out.
     NodeLeft(usize),
     /// A thawed worker reconnects and claims again.
     Reclaim(usize),
 }
 
-/// What the simulator knows of a job, to check the desk's word against.
-#[derive(Default)]
-struct JobTruth {
-    ended: bool,
-    verified_only: bool,
-    /// The worker holding the live attempt, since when and when it was last heard from.
-    holder: Option<(usize, u64)>,
-    /// The holder has sent its answer (waiting on a check now).
-    holder_answered: bool,
-    /// A holder stopped (died or froze) while holding it.
-    lost_holder: bool,
-}
-
 struct SealedWorld {
-    seed: u64,
-    rng: Rng,
     /// The coordinator's composition, with the desk in it: every sealed input goes in as the
     /// runtime's does ([`ClusterInput::Sealed`]).
     cluster: Cluster,
-    workers: Vec<Worker>,
-    client: SecretKey,
-    jobs: Vec<(JobId, bool)>,
-    truth: BTreeMap<JobId, JobTruth>,
-    quarantined: BTreeSet<NodeKey>,
+    /// The jobs, the workers and the client (taken out while they run a step against this
+    /// world).
+    jobs: Option<SealedJobs>,
+    fates: Vec<Fate>,
     queue: BTreeMap<(u64, u64), Ev>,
     next_seq: u64,
     now: u64,
     horizon: u64,
-    summary: SealedSummary,
 }
 
 /// Runs schedule `seed`; the first broken invariant is the error.
 pub fn simulate_sealed(seed: u64, cfg: SealedSimConfig) -> Result<SealedSummary, Violation> {
     let mut w = SealedWorld::new(seed, cfg);
     w.run()?;
-    w.finish()?;
-    Ok(w.summary)
+    let jobs = w.jobs.take().expect("jobs are home between steps");
+    jobs.finish(w.now, &w.cluster)?;
+    Ok(jobs.summary)
 }
 
-fn honest_tokens(job: JobId) -> Vec<u32> {
-    let b = job.as_bytes();
-    let n = 4 + usize::from(b[0] % 40);
-    (0..n)
-        .map(|k| u32::from(b[k % 16]) * 7 + k as u32)
-        .collect()
+/// The sealed-job desk of a simulated coordinator: leases as configured, verifying `per_mille`
+/// of the answers.
+pub(super) fn sim_desk(seed: u64, per_mille: u32, fault: Option<DeskFault>) -> SealedDesk {
+    SealedDesk::new(SealedConfig {
+        leases: LeaseConfig::default(),
+        verify: verify_config([seed as u8; 32], Some(per_mille), true),
+        fault,
+    })
 }
 
 impl SealedWorld {
@@ -216,13 +118,8 @@ impl SealedWorld {
         let n = rng.range(1, 6) as usize;
         let liar = (rng.range(0, 3) == 0).then(|| rng.range(0, n as u64) as usize);
         let horizon = 20_000;
-        let tiers = [
-            DeviceTier::Phone,
-            DeviceTier::Laptop,
-            DeviceTier::Workstation,
-            DeviceTier::Server,
-        ];
         let mut workers = Vec::with_capacity(n);
+        let mut fates = Vec::with_capacity(n);
         let mut summary = SealedSummary::default();
         for i in 0..n {
             let mut seed_bytes = [0u8; 32];
@@ -238,14 +135,8 @@ impl SealedWorld {
             };
             summary.kills += usize::from(dies_at.is_some());
             summary.freezes += usize::from(frozen.is_some());
-            workers.push(Worker {
-                node: NodeKey::of_seed(&seed_bytes),
-                seed: seed_bytes,
-                seal,
-                tier: tiers[rng.range(0, 4) as usize],
-                liar: liar == Some(i),
-                refuses: [0, 0, 100, 400][rng.range(0, 4) as usize],
-                ms_per_token: rng.range(5, 120),
+            workers.push(Worker::draw(&mut rng, seed_bytes, seal));
+            fates.push(Fate {
                 dies_at,
                 frozen,
                 left: false,
@@ -254,42 +145,26 @@ impl SealedWorld {
         }
         let per_mille = [0, 300, 1000][rng.range(0, 3) as usize];
         let mut cluster = super::world::empty_cluster(Duration::from_millis(NODE_LEASE_MS));
-        cluster.set_sealed_desk(SealedDesk::new(SealedConfig {
-            leases: LeaseConfig::default(),
-            verify: verify_config([seed as u8; 32], Some(per_mille), true),
-            fault: cfg.fault,
-        }));
-        for w in &workers {
-            let desk = cluster.sealed_desk_mut();
-            desk.offer_claims(w.node, w.claims(0)).expect("claims");
-        }
+        cluster.set_sealed_desk(sim_desk(seed, per_mille, cfg.fault));
+        let mut jobs = SealedJobs::new(seed, rng, workers, liar, summary);
         let mut world = Self {
-            seed,
-            rng,
             cluster,
-            workers,
-            client: SecretKey::derive(&seed.to_le_bytes()),
-            jobs: Vec::new(),
-            truth: BTreeMap::new(),
-            quarantined: BTreeSet::new(),
+            jobs: None,
+            fates,
             queue: BTreeMap::new(),
             next_seq: 0,
             now: 0,
             horizon,
-            summary,
         };
-        let n_jobs = world.rng.range(1, 12) as usize;
-        for i in 0..n_jobs {
-            let mut id = [0u8; 16];
-            id[..8].copy_from_slice(&world.rng.next_u64().to_le_bytes());
-            id[8..16].copy_from_slice(&(i as u64).to_le_bytes());
-            let verified_only = world.rng.range(0, 3) == 0;
-            world.jobs.push((JobId::from_bytes(id), verified_only));
-            let at = world.rng.range(0, horizon);
-            world.at(at, Ev::Submit(i));
+        for w in 0..jobs.workers.len() {
+            jobs.claim(w, 0, &mut world).expect("claims");
         }
-        for i in 0..world.workers.len() {
-            let (dies_at, frozen) = (world.workers[i].dies_at, world.workers[i].frozen);
+        for (at, i) in jobs.draw_jobs(0, horizon) {
+            world.at(at, Ev::Jobs(JobEv::Submit(i)));
+        }
+        world.jobs = Some(jobs);
+        for i in 0..world.fates.len() {
+            let (dies_at, frozen) = (world.fates[i].dies_at, world.fates[i].frozen);
             if let Some(d) = dies_at {
                 world.at(d + NODE_LEASE_MS, Ev::NodeLeft(i));
             }
@@ -309,19 +184,6 @@ impl SealedWorld {
         self.next_seq += 1;
     }
 
-    fn delay(&mut self) -> u64 {
-        self.rng.range(1, 40)
-    }
-
-    fn violation(&self, broke: Invariant, what: String) -> Violation {
-        Violation {
-            seed: self.seed,
-            at: Duration::from_millis(self.now),
-            broke,
-            what: format!("sealed: {what}"),
-        }
-    }
-
     fn run(&mut self) -> Result<(), Violation> {
         // Long enough for every job to run out of candidates at the slowest tier's lease.
         let limit = self.horizon + 10 * 60_000;
@@ -330,450 +192,94 @@ impl SealedWorld {
                 break;
             }
             self.now = t;
-            self.summary.events += 1;
-            self.step(ev)?;
+            let mut jobs = self.jobs.take().expect("jobs are home between steps");
+            jobs.summary.events += 1;
+            let r = self.step(ev, &mut jobs);
+            self.jobs = Some(jobs);
+            r?;
         }
         Ok(())
     }
 
-    /// Feeds the desk one input through the cluster, at the world's time; its outputs.
-    fn desk_step(&mut self, input: SealedInput) -> Vec<SealedOutput> {
-        let now = Duration::from_millis(self.now);
-        self.cluster
-            .handle(now, ClusterInput::Sealed(input))
-            .into_iter()
-            .filter_map(|o| match o {
-                ClusterOutput::Sealed(o) => Some(o),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn step(&mut self, ev: Ev) -> Result<(), Violation> {
+    fn step(&mut self, ev: Ev, jobs: &mut SealedJobs) -> Result<(), Violation> {
         let now = self.now;
         match ev {
-            Ev::Submit(i) => self.submit(i)?,
+            Ev::Jobs(ev) => jobs.step(ev, self)?,
             Ev::Tick => {
-                let out = self.desk_step(SealedInput::Tick {
+                let out = self.desk(SealedInput::Tick {
                     now: UnixMillis(now),
                 });
-                self.apply(out)?;
-                self.check_handover()?;
-                if self.truth.values().any(|j| !j.ended) || now < self.horizon {
+                jobs.apply(out, self)?;
+                let fates = &self.fates;
+                jobs.check_handover(
+                    now,
+                    |w| fates[w].stopped_at(now),
+                    NODE_LEASE_MS + TICK_MS,
+                    &format!("node lease {NODE_LEASE_MS} ms"),
+                )?;
+                if !jobs.all_ended() || now < self.horizon {
                     self.at(now + TICK_MS, Ev::Tick);
                 }
             }
-            Ev::Envelope {
-                w,
-                session,
-                envelope,
-            } => {
-                let Some(w) = self.running(w, session, now, || Ev::Envelope {
-                    w,
-                    session,
-                    envelope: envelope.clone(),
-                }) else {
-                    return Ok(());
-                };
-                let (job, attempt) = (envelope.header.job, envelope.header.attempt);
-                let worker = &self.workers[w];
-                if self.rng.range(0, 1000) < worker.refuses {
-                    let reason = SealedRefusal::CannotRun("busy".into());
-                    self.report(
-                        w,
-                        Report::Refused {
-                            job,
-                            attempt,
-                            reason,
-                        },
-                    );
-                    return Ok(());
-                }
-                envelope.open(&worker.seal).map_err(|e| {
-                    self.violation(Invariant::Harness, format!("an envelope did not open: {e}"))
-                })?;
-                let total = honest_tokens(job).len();
-                let t = now + worker.ms_per_token;
-                let session = worker.session;
-                self.at(
-                    t,
-                    Ev::Step {
-                        w,
-                        session,
-                        envelope,
-                        done: 0,
-                        total,
-                    },
-                );
-            }
-            Ev::Step {
-                w,
-                session,
-                envelope,
-                done,
-                total,
-            } => {
-                let Some(w) = self.running(w, session, now, || Ev::Step {
-                    w,
-                    session,
-                    envelope: envelope.clone(),
-                    done,
-                    total,
-                }) else {
-                    return Ok(());
-                };
-                let done = (done + 8).min(total);
-                let (job, attempt) = (envelope.header.job, envelope.header.attempt);
-                if done < total {
-                    self.report(
-                        w,
-                        Report::Progress {
-                            job,
-                            attempt,
-                            tokens: done,
-                        },
-                    );
-                    let t = now + 8 * self.workers[w].ms_per_token;
-                    self.at(
-                        t,
-                        Ev::Step {
-                            w,
-                            session,
-                            envelope,
-                            done,
-                            total,
-                        },
-                    );
-                } else {
-                    let worker = &self.workers[w];
-                    let mut tokens = honest_tokens(job);
-                    if worker.liar {
-                        tokens[0] += 1;
-                    }
-                    let digest = AnswerDigest::of_tokens(BODY, &tokens);
-                    let result = seal_result(&envelope.header, &worker.seal, digest, b"answer")
-                        .map_err(|e| {
-                            self.violation(Invariant::Harness, format!("sealing a result: {e}"))
-                        })?;
-                    self.report(w, Report::Result(result));
-                }
-            }
-            Ev::Report { w, session, report } => {
-                // A report sent in a session that has ended is lost with it.
-                if self.workers[w].session != session {
-                    return Ok(());
-                }
-                let from = self.workers[w].node;
-                let now = UnixMillis(now);
-                let input = match report {
-                    Report::Progress {
-                        job,
-                        attempt,
-                        tokens,
-                    } => SealedInput::Progress {
-                        job,
-                        attempt,
-                        from,
-                        tokens,
-                        now,
-                    },
-                    Report::Result(result) => {
-                        if let Some(t) = self.truth.get_mut(&result.header.job) {
-                            if t.holder.is_some_and(|(h, _)| h == w) {
-                                t.holder_answered = true;
-                            }
-                        }
-                        SealedInput::Result { result, from, now }
-                    }
-                    Report::Refused {
-                        job,
-                        attempt,
-                        reason,
-                    } => SealedInput::Refused {
-                        job,
-                        attempt,
-                        from,
-                        reason,
-                        now,
-                    },
-                };
-                let out = self.desk_step(input);
-                self.apply(out)?;
-            }
             Ev::NodeLeft(w) => {
-                let worker = &mut self.workers[w];
-                worker.left = true;
-                worker.session += 1;
-                let node = worker.node;
-                let out = self.desk_step(SealedInput::NodeLeft {
+                let fate = &mut self.fates[w];
+                fate.left = true;
+                fate.session += 1;
+                let node = jobs.workers[w].node;
+                let out = self.desk(SealedInput::NodeLeft {
                     node,
                     now: UnixMillis(now),
                 });
-                self.apply(out)?;
+                jobs.apply(out, self)?;
             }
             Ev::Reclaim(w) => {
-                let claims = self.workers[w].claims(now);
-                let node = self.workers[w].node;
-                self.cluster
-                    .sealed_desk_mut()
-                    .offer_claims(node, claims)
-                    .map_err(|e| {
-                        self.violation(
-                            Invariant::Harness,
-                            format!("a returning worker's claims: {e}"),
-                        )
-                    })?;
-                self.workers[w].left = false;
+                jobs.claim(w, self.fates[w].session, self)?;
+                self.fates[w].left = false;
             }
         }
         Ok(())
     }
+}
 
-    /// `w` if it runs now in session `session`; a frozen worker takes the event up when it
-    /// thaws, a dead one or one whose session ended never does.
-    fn running(
-        &mut self,
-        w: usize,
-        session: u32,
-        now: u64,
-        again: impl Fn() -> Ev,
-    ) -> Option<usize> {
-        let worker = &self.workers[w];
-        if worker.session != session || worker.dies_at.is_some_and(|d| d <= now) {
-            return None;
-        }
-        if let Some((_, thaw)) = worker.frozen.filter(|(a, b)| (*a..*b).contains(&now)) {
-            self.at(thaw, again());
-            return None;
-        }
-        Some(w)
+impl JobsHost for SealedWorld {
+    fn now_ms(&self) -> u64 {
+        self.now
     }
 
-    fn report(&mut self, w: usize, report: Report) {
-        let t = self.now + self.delay();
-        let session = self.workers[w].session;
-        self.at(t, Ev::Report { w, session, report });
+    fn schedule(&mut self, at: u64, ev: JobEv) {
+        self.at(at, Ev::Jobs(ev));
     }
 
-    /// The client seals job `i` to a few of the workers the desk lists, in a random order.
-    fn submit(&mut self, i: usize) -> Result<(), Violation> {
-        let (job, verified_only) = self.jobs[i];
-        self.summary.jobs += 1;
-        let mut listed = self.cluster.sealed_desk().holders(Some(MODEL));
-        if listed.is_empty() {
-            self.summary.unsealed += 1;
-            return Ok(());
-        }
-        for k in (1..listed.len()).rev() {
-            let j = self.rng.range(0, k as u64 + 1) as usize;
-            listed.swap(k, j);
-        }
-        listed.truncate(self.rng.range(1, 5) as usize);
-        let long = self.rng.range(0, 5) == 0;
-        let envelopes = seal_attempts(
-            job,
-            BODY,
-            &listed,
-            if long { 6_000 } else { 64 },
-            UnixMillis(self.now + 60 * 60_000),
-            &self.client.public_key(),
-        )
-        .map_err(|e| self.violation(Invariant::Harness, format!("sealing: {e}")))?;
-        self.truth.insert(
-            job,
-            JobTruth {
-                verified_only,
-                ..JobTruth::default()
-            },
-        );
-        let out = self.desk_step(SealedInput::Submit {
-            client: 1,
-            envelopes,
-            verified_only,
-            now: UnixMillis(self.now),
-        });
-        self.apply(out)
+    fn cluster(&mut self) -> &mut Cluster {
+        &mut self.cluster
     }
 
-    fn worker_of(&self, node: &NodeKey) -> Option<usize> {
-        self.workers.iter().position(|w| w.node == *node)
+    fn desk(&mut self, input: SealedInput) -> Vec<SealedOutput> {
+        desk_step(&mut self.cluster, Duration::from_millis(self.now), input)
     }
 
-    /// Carries the desk's outputs out, checking each against what the simulator knows.
-    fn apply(&mut self, out: Vec<SealedOutput>) -> Result<(), Violation> {
-        for o in out {
-            match o {
-                SealedOutput::Dispatch { to, envelope } => {
-                    let w = self.worker_of(&to).ok_or_else(|| {
-                        self.violation(
-                            Invariant::DispatchOnlyToCurrentWorkers,
-                            format!("dispatched to unknown {to}"),
-                        )
-                    })?;
-                    if self.workers[w].left {
-                        return Err(self.violation(
-                            Invariant::DispatchOnlyToCurrentWorkers,
-                            format!(
-                                "job {} dispatched to worker {w}, which the coordinator saw leave",
-                                envelope.header.job
-                            ),
-                        ));
-                    }
-                    if self.quarantined.contains(&to) {
-                        return Err(self.violation(
-                            Invariant::DispatchOnlyToCurrentWorkers,
-                            format!(
-                                "job {} dispatched to quarantined worker {w}",
-                                envelope.header.job
-                            ),
-                        ));
-                    }
-                    let t = self.now + self.delay();
-                    let session = self.workers[w].session;
-                    self.at(
-                        t,
-                        Ev::Envelope {
-                            w,
-                            session,
-                            envelope,
-                        },
-                    );
-                }
-                SealedOutput::Tell { job, news, .. } => self.told(job, news)?,
-                SealedOutput::Quarantined { node, job } => {
-                    let w = self.worker_of(&node);
-                    if !w.is_some_and(|w| self.workers[w].liar) {
-                        return Err(self.violation(
-                            Invariant::QuarantineOnlyLiars,
-                            format!("honest worker {w:?} quarantined over job {job}"),
-                        ));
-                    }
-                    if self.quarantined.insert(node) {
-                        self.summary.quarantined += 1;
-                    }
-                }
-            }
+    /// A frozen worker takes the event up when it thaws, a dead one or one whose session
+    /// ended never does.
+    fn running(&self, w: usize, session: u64) -> Running {
+        let fate = &self.fates[w];
+        if fate.session != session || fate.dies_at.is_some_and(|d| d <= self.now) {
+            return Running::No;
         }
-        Ok(())
-    }
-
-    fn told(&mut self, job: JobId, news: SealedNews) -> Result<(), Violation> {
-        let now = self.now;
-        let holder = match &news {
-            SealedNews::Dispatched { to, .. } => self.worker_of(to),
-            _ => None,
-        };
-        let Some(t) = self.truth.get_mut(&job) else {
-            return Err(self.violation(
-                Invariant::NewsOfLiveJobsOnly,
-                format!("news of job {job}, which nobody submitted"),
-            ));
-        };
-        if t.ended {
-            return Err(self.violation(
-                Invariant::NewsOfLiveJobsOnly,
-                format!("news of job {job} after its end: {news:?}"),
-            ));
-        }
-        match news {
-            SealedNews::Dispatched { .. } => {
-                if t.lost_holder {
-                    self.summary.handed_over += 1;
-                    t.lost_holder = false;
-                }
-                t.holder = holder.map(|h| (h, now));
-                t.holder_answered = false;
-            }
-            SealedNews::Progress { .. } => {
-                if let Some(h) = &mut t.holder {
-                    h.1 = now;
-                }
-            }
-            SealedNews::Result {
-                result, verified, ..
-            } => {
-                t.ended = true;
-                self.summary.answered += 1;
-                if !verified && t.verified_only {
-                    self.summary.refused_by_client += 1;
-                }
-                if verified {
-                    self.summary.verified += 1;
-                    if result.header.answer != AnswerDigest::of_tokens(BODY, &honest_tokens(job)) {
-                        return Err(self.violation(
-                            Invariant::VerifiedIsHonest,
-                            format!("job {job}: a verified answer is not honest"),
-                        ));
-                    }
-                }
-            }
-            SealedNews::Failed { reason } => {
-                t.ended = true;
-                self.summary.failed += 1;
-                // A job given up on names why each candidate was passed over.
-                let unexplained = match &reason {
-                    SealedFailure::NoWorkerFits { passed_over }
-                    | SealedFailure::NoCandidateLeft { passed_over, .. }
-                    | SealedFailure::GaveUp { passed_over, .. } => passed_over.is_empty(),
-                    _ => false,
-                };
-                if unexplained {
-                    return Err(self.violation(
-                        Invariant::FailuresSayWhy,
-                        format!(
-                            "job {job} failed without saying why its candidates were passed over: \
-                         {reason:?}"
-                        ),
-                    ));
-                }
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// No job stays with a holder that died or froze past the node lease (plus a tick of the
-    /// desk's clock, and the network's delay).
-    fn check_handover(&mut self) -> Result<(), Violation> {
-        let now = self.now;
-        let mut stuck = None;
-        for (job, t) in &mut self.truth {
-            let Some((h, _)) = t.holder.filter(|_| !t.ended && !t.holder_answered) else {
-                continue;
-            };
-            let Some(stopped) = self.workers[h].stopped_at(now) else {
-                continue;
-            };
-            t.lost_holder = true;
-            if now > stopped + NODE_LEASE_MS + TICK_MS {
-                stuck = Some((*job, h, now - stopped));
-            }
-        }
-        match stuck {
-            Some((job, h, ms)) => Err(self.violation(
-                Invariant::HandoverWithinLease,
-                format!(
-                    "job {job} still with worker {h}, stopped {ms} ms ago (node lease \
-                 {NODE_LEASE_MS} ms)"
-                ),
-            )),
-            None => Ok(()),
+        match fate.frozen.filter(|(a, b)| (*a..*b).contains(&self.now)) {
+            Some((_, thaw)) => Running::Thaws(thaw),
+            None => Running::Yes,
         }
     }
 
-    fn finish(&mut self) -> Result<(), Violation> {
-        if let Some((job, _)) = self.truth.iter().find(|(_, t)| !t.ended) {
-            return Err(self.violation(Invariant::EveryJobEnds, format!("job {job} never ended")));
-        }
-        if self.cluster.sealed_desk().in_flight() != 0 {
-            return Err(self.violation(
-                Invariant::EveryJobEnds,
-                format!(
-                    "the desk still holds {} jobs after every job ended",
-                    self.cluster.sealed_desk().in_flight()
-                ),
-            ));
-        }
-        Ok(())
+    fn session(&self, w: usize) -> Option<u64> {
+        Some(self.fates[w].session)
+    }
+
+    fn left(&self, w: usize) -> bool {
+        self.fates[w].left
+    }
+
+    fn extra_delay_ms(&self, _: usize) -> u64 {
+        0
     }
 }

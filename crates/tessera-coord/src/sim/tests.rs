@@ -25,6 +25,9 @@ fn seeds() -> Vec<u64> {
 fn thousands_of_fault_schedules_break_no_invariant() {
     let seeds = seeds();
     let mut total = Summary::default();
+    // Schedules with sealed jobs beside their runs, and what those jobs did.
+    let (mut mixed, mut beside) = (0, 0);
+    let mut sealed = SealedSummary::default();
     for &seed in &seeds {
         let s = simulate(seed, Config::default()).unwrap_or_else(|v| panic!("{v}"));
         total.requests += s.requests;
@@ -38,6 +41,9 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.drained += s.drained;
         total.expert_owners += usize::from(s.expert_owners > 0);
         total.experts_replaced += s.experts_replaced;
+        mixed += usize::from(s.requests > 0 && s.sealed.jobs > 0);
+        sealed.add(&s.sealed);
+        beside += s.desk_inputs_beside_runs;
     }
     println!(
         "simulated {} schedules: {} requests ({} with the fault-free text, {} explicit errors), \
@@ -57,7 +63,24 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         total.expert_owners,
         total.experts_replaced
     );
+    println!(
+        "{mixed} of them with sealed jobs beside the runs, through the same cluster: {} jobs \
+         ({} answered, {} of them verified; {} failed with a reason; {} not sealed for want of a \
+         listed worker; {} lost with a restarted coordinator), {} handed over from a node that \
+         died or froze, {} liars quarantined; the desk took {beside} inputs while runs were in \
+         flight",
+        sealed.jobs,
+        sealed.answered,
+        sealed.verified,
+        sealed.failed,
+        sealed.unsealed,
+        sealed.lost,
+        sealed.handed_over,
+        sealed.quarantined
+    );
     assert_eq!(total.completed + total.errors, total.requests);
+    let ended = sealed.answered + sealed.failed + sealed.unsealed + sealed.lost;
+    assert_eq!(ended, sealed.jobs, "{sealed:?}");
     if seeds.len() as u64 >= SCHEDULES {
         // The schedules must exercise what they claim to: failures, and runs that survive them.
         assert!(total.resumes > 400, "{total:?}");
@@ -67,6 +90,20 @@ fn thousands_of_fault_schedules_break_no_invariant() {
         assert!(total.expert_owners > 500, "{total:?}");
         assert!(total.experts_replaced > 50, "{total:?}");
         assert!(total.completed * 10 > total.requests * 8, "{total:?}");
+        // A good share of the schedules mix runs and sealed jobs, and the jobs get answered.
+        assert!(mixed > 1_000, "{mixed} mixed schedules");
+        assert!(
+            beside > 10_000,
+            "{beside} desk inputs while runs were in flight"
+        );
+        assert!(sealed.answered > 4_000, "{sealed:?}");
+        assert!(sealed.verified > 500, "{sealed:?}");
+        assert!(sealed.handed_over > 20, "{sealed:?}");
+        assert!(sealed.quarantined > 20, "{sealed:?}");
+        assert!(
+            sealed.answered > (sealed.failed + sealed.unsealed) * 2,
+            "{sealed:?}"
+        );
     }
 }
 
@@ -104,6 +141,25 @@ fn a_schedule_replays_exactly() {
     }
 }
 
+#[test]
+fn a_schedule_with_sealed_jobs_beside_its_runs_replays_exactly() {
+    let with_jobs = |seed: &u64| {
+        simulate(*seed, Config::default()).is_ok_and(|s| s.sealed.jobs > 0 && s.requests > 0)
+    };
+    let seeds: Vec<u64> = (0..100).filter(with_jobs).take(3).collect();
+    assert_eq!(
+        seeds.len(),
+        3,
+        "some of the first hundred seeds mix runs and jobs"
+    );
+    for seed in seeds {
+        assert_eq!(
+            simulate(seed, Config::default()),
+            simulate(seed, Config::default())
+        );
+    }
+}
+
 /// Sealed-job schedules run by CI, beside the ring and cell schedules above.
 const SEALED_SCHEDULES: u64 = 5_000;
 
@@ -120,17 +176,7 @@ fn thousands_of_sealed_job_schedules_break_no_invariant() {
     let mut t = SealedSummary::default();
     for &seed in &seeds {
         let s = simulate_sealed(seed, SealedSimConfig::default()).unwrap_or_else(|v| panic!("{v}"));
-        t.jobs += s.jobs;
-        t.answered += s.answered;
-        t.verified += s.verified;
-        t.failed += s.failed;
-        t.unsealed += s.unsealed;
-        t.refused_by_client += s.refused_by_client;
-        t.handed_over += s.handed_over;
-        t.kills += s.kills;
-        t.freezes += s.freezes;
-        t.quarantined += s.quarantined;
-        t.events += s.events;
+        t.add(&s);
     }
     println!(
         "simulated {} sealed schedules: {} jobs ({} answered, {} of them verified; {} failed \
@@ -162,12 +208,25 @@ fn thousands_of_sealed_job_schedules_break_no_invariant() {
 }
 
 fn caught(fault: DeskFault) -> super::Violation {
-    let cfg = SealedSimConfig { fault: Some(fault) };
-    let v = (0..SEALED_SCHEDULES)
-        .find_map(|seed| simulate_sealed(seed, cfg.clone()).err())
+    first_caught(
+        SEALED_SCHEDULES,
+        SealedSimConfig { fault: Some(fault) },
+        simulate_sealed,
+    )
+}
+
+/// The first of `schedules` seeds whose schedule shows the bug planted in `cfg`; the failing
+/// seed replays exactly.
+fn first_caught<C: Clone, S>(
+    schedules: u64,
+    cfg: C,
+    simulate: impl Fn(u64, C) -> Result<S, super::Violation>,
+) -> super::Violation {
+    let v = (0..schedules)
+        .find_map(|seed| simulate(seed, cfg.clone()).err())
         .expect("some schedule shows the planted bug");
-    // And the failing seed replays exactly.
-    assert_eq!(simulate_sealed(v.seed, cfg).err(), Some(v.clone()));
+    println!("caught: {v}");
+    assert_eq!(simulate(v.seed, cfg).err(), Some(v.clone()));
     v
 }
 
@@ -193,4 +252,29 @@ fn the_simulator_catches_an_expert_split_that_loses_a_departed_owners_experts() 
     let v = caught.expect("some schedule loses an owner of experts, and the bug shows");
     assert_eq!(v.broke, Invariant::ExpertsHeldOnce, "{v}");
     assert_eq!(simulate(v.seed, cfg).err(), Some(v));
+}
+
+/// The first of the 5,000 schedules that shows the bug planted in `cfg`, replayed exactly.
+fn caught_in_schedules(cfg: Config) -> super::Violation {
+    first_caught(SCHEDULES, cfg, simulate)
+}
+
+#[test]
+fn the_simulator_catches_a_router_that_sends_a_request_to_a_cell_still_being_made() {
+    let v = caught_in_schedules(Config {
+        fault: Some(Fault::RouteToUnreadyCells),
+        ..Config::default()
+    });
+    assert_eq!(v.broke, Invariant::RouteOnlyToReadyCells, "{v}");
+}
+
+#[test]
+fn the_simulator_catches_a_desk_that_leaves_a_dead_nodes_job_to_its_lease_beside_runs() {
+    // The same planted bug as above, in the schedules that mix sealed jobs with runs: there
+    // the desk hears a node left only from the cluster's lease.
+    let v = caught_in_schedules(Config {
+        desk_fault: Some(DeskFault::IgnoreHolderLeft),
+        ..Config::default()
+    });
+    assert_eq!(v.broke, Invariant::HandoverWithinLease, "{v}");
 }

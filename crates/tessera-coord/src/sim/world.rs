@@ -7,15 +7,18 @@ use std::time::Duration;
 use tessera_net::NodeId;
 use tessera_proto::{CoordToNode, FinishReason, NodeToCoord};
 
-use super::node::{NodeEffect, SimNode};
+use super::node::{identity_seed, NodeEffect, SimNode};
 use super::{next_token, Rng};
 use crate::assignment::ExpertSplit;
 use crate::cluster::{Cluster, ClusterConfig, ClusterInput, ClusterOutput, RunNews};
 use crate::membership::{Member, Membership};
 use crate::run::{Fault, RunEvent, RunSpec};
+use crate::sealed::DeskFault;
+use crate::sim::jobs::{JobEv, SealedSummary};
 
 mod faults;
 mod invariants;
+mod jobs;
 mod network;
 mod runs;
 mod schedule;
@@ -40,6 +43,8 @@ pub struct Config {
     pub time_limit: Duration,
     /// A deliberate bug in every run machine (to show the invariants catch it).
     pub fault: Option<Fault>,
+    /// A deliberate bug in the sealed desk of the schedules with sealed jobs.
+    pub desk_fault: Option<DeskFault>,
 }
 
 impl Default for Config {
@@ -49,6 +54,7 @@ impl Default for Config {
             fault_horizon: Duration::from_secs(20),
             time_limit: Duration::from_secs(1800),
             fault: None,
+            desk_fault: None,
         }
     }
 }
@@ -77,6 +83,9 @@ pub enum Invariant {
     EpochsGrow,
     /// A sequence is opened only on a node given that epoch.
     OpenOnlyWhereGiven,
+    /// A request is routed only to a ready cell: no sequence is opened on an epoch before
+    /// every node given it reported it linked.
+    RouteOnlyToReadyCells,
     /// Every expert of every MoE layer is held exactly once when an expert split links.
     ExpertsHeldOnce,
     /// A node that is up and enrolled is a connected member once the world settles, and holds
@@ -134,6 +143,10 @@ pub struct Summary {
     pub expert_owners: usize,
     /// Epochs whose experts were re-placed because an owner had left.
     pub experts_replaced: usize,
+    /// The sealed jobs submitted beside the runs (none in most schedules).
+    pub sealed: SealedSummary,
+    /// Inputs the sealed desk took while a run was in flight in the same cluster.
+    pub desk_inputs_beside_runs: usize,
 }
 
 #[derive(Debug)]
@@ -182,6 +195,10 @@ enum Ev {
         run: usize,
     },
     Fault(FaultKind),
+    /// Something of the sealed jobs beside the runs.
+    Jobs(JobEv),
+    /// The sealed desk's clock.
+    SealedTick,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -236,6 +253,8 @@ struct World {
     runs: Vec<SimRun>,
     /// Epochs the coordinator gave each node (Assign sent).
     given: BTreeSet<(NodeId, u64)>,
+    /// Epochs each node told the coordinator it linked (`Linked` delivered).
+    linked: BTreeSet<(NodeId, u64)>,
     /// The expert split every plan places (`None`: each stage holds its layers' experts).
     experts: Option<ExpertSplit>,
     /// Per epoch, the experts of each layer the coordinator gave each node
@@ -243,6 +262,10 @@ struct World {
     experts_given: BTreeMap<u64, Vec<(NodeId, LayersExperts)>>,
     experts_checked: BTreeSet<u64>,
     highest_epoch: u64,
+    /// When the coordinator last heard from each node on its current session.
+    heard: Vec<Duration>,
+    /// The sealed jobs beside the runs, in schedules that have them.
+    sealed: Option<jobs::MixedJobs>,
     summary: Summary,
 }
 
@@ -250,8 +273,10 @@ struct World {
 pub fn simulate(seed: u64, cfg: Config) -> Result<Summary, Violation> {
     let mut w = World::new(seed, cfg);
     w.draw_schedule();
+    w.draw_sealed_jobs();
     w.run()?;
     w.finish()?;
+    w.finish_jobs()?;
     Ok(w.summary)
 }
 
@@ -288,9 +313,12 @@ impl World {
             cells,
             runs: Vec::new(),
             given: BTreeSet::new(),
+            linked: BTreeSet::new(),
             experts_given: BTreeMap::new(),
             experts_checked: BTreeSet::new(),
             highest_epoch: 0,
+            heard: vec![Duration::ZERO; n_nodes],
+            sealed: None,
             summary: Summary {
                 expert_owners: experts.as_ref().map_or(0, |x| x.groups.len()),
                 ..Summary::default()
@@ -331,14 +359,18 @@ impl World {
             self.step(ev)?;
             self.check()?;
             let settled = self.now > self.cfg.fault_horizon + self.cfg.lease * 4;
-            if settled && self.runs.iter().all(|r| r.ended.is_some()) {
+            let runs_ended = self.runs.iter().all(|r| r.ended.is_some());
+            if settled && runs_ended && self.jobs_ended() {
                 break;
             }
             if self.now > self.cfg.time_limit {
-                return Err(self.violation(
-                    Invariant::EveryRequestEnds,
-                    "requests still open at the time limit".into(),
-                ));
+                let (broke, what) = if runs_ended {
+                    (Invariant::EveryJobEnds, "sealed jobs")
+                } else {
+                    (Invariant::EveryRequestEnds, "requests")
+                };
+                let what = format!("{what} still open at the time limit");
+                return Err(self.violation(broke, what));
             }
         }
         Ok(())
@@ -406,6 +438,8 @@ impl World {
             }
             Ev::RingStep { node, life, seq } => self.ring_step(node, life, seq),
             Ev::Submit { run } => self.submit(run),
+            Ev::Jobs(ev) => self.with_jobs(|jobs, world| jobs.step(ev, world)),
+            Ev::SealedTick => self.sealed_tick(),
         }
     }
 }

@@ -13,6 +13,7 @@ impl World {
             FaultKind::Kill(i) => {
                 let n = &mut self.nodes[i];
                 n.alive = false;
+                n.stopped_at = Some(self.now);
                 n.incarnation += 1;
                 n.drop_state();
             }
@@ -27,7 +28,10 @@ impl World {
                     }
                 }
             }
-            FaultKind::Freeze(i, d) => self.nodes[i].frozen_until = Some(self.now + d),
+            FaultKind::Freeze(i, d) => {
+                self.nodes[i].frozen_until = Some(self.now + d);
+                self.nodes[i].stopped_at = Some(self.now);
+            }
             FaultKind::Partition(i, d) => self.nodes[i].partitioned_until = Some(self.now + d),
             FaultKind::SlowLinks(d) => self.extra_latency = d,
             FaultKind::CoordinatorRestart => self.restart_coordinator()?,
@@ -36,8 +40,9 @@ impl World {
         Ok(())
     }
 
-    /// The coordinator process restarts: its runs end with an error (their clients' sessions
-    /// drop), every node session closes, and epoch numbers continue from the store.
+    /// The coordinator process restarts: its runs and sealed jobs end with an error (their
+    /// clients' sessions drop), every node session closes, and epoch numbers continue from the
+    /// store.
     pub(super) fn restart_coordinator(&mut self) -> Result<(), Violation> {
         self.coord_life += 1;
         for r in self.runs.iter_mut().filter(|r| r.submitted) {
@@ -49,6 +54,7 @@ impl World {
         let last = self.cluster.membership().last_epoch_id();
         self.drained_before += self.cluster.drained() as usize;
         self.cluster = new_cluster(&self.cfg, Some(last), self.experts.as_ref());
+        self.jobs_lost_in_restart();
         self.coord_wake = None;
         for i in 0..self.nodes.len() {
             if let Some(conn) = self.coord_conn[i].take() {
@@ -67,23 +73,16 @@ impl World {
             return Ok(());
         };
         let id = self.nodes[node].id;
-        // Every cell's epoch: whether this node is a stage of it, and its sampler.
-        let cells: Vec<(u64, bool, Option<NodeId>)> = self
+        // Every cell's epoch, and whether this node is a stage of it.
+        let cells: Vec<(u64, bool)> = self
             .cluster
             .membership()
             .cells()
             .iter()
-            .map(|e| {
-                let sampler = e.stages.iter().rev().find(|s| !s.layers.is_empty());
-                (
-                    e.id,
-                    e.stages.iter().any(|s| s.node_id == id),
-                    sampler.map(|s| s.node_id),
-                )
-            })
+            .map(|e| (e.id, e.stages.iter().any(|s| s.node_id == id)))
             .collect();
         let mut forged = Vec::new();
-        for &(epoch, member, _) in &cells {
+        for &(epoch, member) in &cells {
             if !member {
                 forged.push(NodeToCoord::LoadFailed {
                     epoch,
@@ -102,7 +101,13 @@ impl World {
             let Some((epoch, seq)) = self.cluster.attempt(i as u64 + 1) else {
                 continue;
             };
-            let sampler = cells.iter().find(|c| c.0 == epoch).and_then(|c| c.2);
+            // Its epoch may be a cell's, or one draining beside a new split.
+            let sampler = self
+                .cluster
+                .membership()
+                .epoch_with_id(epoch)
+                .and_then(|e| e.stages.iter().rev().find(|s| !s.layers.is_empty()))
+                .map(|s| s.node_id);
             if sampler != Some(id) {
                 let pos = run.spec.prompt.len() + run.streamed.len();
                 forged.push(NodeToCoord::Token {

@@ -15,6 +15,24 @@ impl World {
         Ok(())
     }
 
+    /// A sequence opened on epoch `epoch`: its cell is ready, every node given the epoch
+    /// having reported it linked (a request is never started on a cell still loading).
+    pub(super) fn check_routed(&self, epoch: u64) -> Result<(), Violation> {
+        let unlinked: Vec<&str> = self
+            .given
+            .iter()
+            .filter(|(n, e)| *e == epoch && !self.linked.contains(&(*n, epoch)))
+            .filter_map(|(n, _)| self.index(*n).map(|i| self.nodes[i].name.as_str()))
+            .collect();
+        if unlinked.is_empty() {
+            return Ok(());
+        }
+        Err(self.violation(
+            Invariant::RouteOnlyToReadyCells,
+            format!("a sequence was opened on epoch {epoch} before {unlinked:?} linked it"),
+        ))
+    }
+
     /// After the world settled: nothing open, nobody lost, nothing held.
     pub(super) fn finish(&mut self) -> Result<(), Violation> {
         // Let sessions settle for a few leases with no faults.

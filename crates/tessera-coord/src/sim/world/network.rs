@@ -214,6 +214,7 @@ impl World {
     ) -> Result<(), Violation> {
         let id = self.nodes[node].id;
         if let NodeToCoord::Listening { addr, .. } = msg {
+            self.heard[node] = self.now;
             // A new session: the hello, as the server takes it.
             if let Some(old) = self.coord_conn[node].replace(conn) {
                 if old != conn {
@@ -221,17 +222,22 @@ impl World {
                     self.after(d, Ev::Closed { node, conn: old });
                 }
             }
-            let key = tessera_net::NodeIdentity::from_seed([node as u8 + 1; 32]).public_key();
+            let key = tessera_net::NodeIdentity::from_seed(identity_seed(node)).public_key();
             debug_assert_eq!(key.node_id(), id);
             let member = Member {
                 session: conn,
                 ..Member::hello(key, self.nodes[node].name.clone(), addr)
             };
             self.coord(ClusterInput::Joined(Box::new(member)))?;
+            self.worker_joined(node, conn)?;
             return self.maybe_plan();
         }
         if self.coord_conn[node] != Some(conn) {
             return Ok(()); // that session is closed
+        }
+        self.heard[node] = self.now;
+        if let NodeToCoord::Linked { epoch, .. } = &msg {
+            self.linked.insert((id, *epoch));
         }
         self.coord(ClusterInput::Node {
             node: id,

@@ -73,6 +73,8 @@ impl World {
             self.summary.epochs = self.summary.epochs.max(id);
         }
         self.summary.drained = self.drained_before + self.cluster.drained() as usize;
+        // Nodes the sealed desk hears left, after the cluster's sends (as the runtime's shell).
+        let mut left = Vec::new();
         for o in outputs {
             match o {
                 ClusterOutput::ToNode { to, msg } => {
@@ -87,6 +89,7 @@ impl World {
                                 ),
                             ));
                         }
+                        CoordToNode::Open(open) => self.check_routed(open.epoch)?,
                         CoordToNode::AssignExperts { epoch, experts } => {
                             self.experts_given
                                 .entry(*epoch)
@@ -102,6 +105,7 @@ impl World {
                     if let Some(i) = self.index(node) {
                         if self.coord_conn[i] == Some(session) {
                             self.coord_conn[i] = None;
+                            left.push(i);
                             let d = self.latency(i);
                             self.after(
                                 d,
@@ -114,12 +118,15 @@ impl World {
                     }
                 }
                 ClusterOutput::Run { run, news } => self.news(run as usize - 1, news)?,
-                // Sealed jobs have their own schedules (`sim/sealed.rs`); none are given here.
-                ClusterOutput::NodeLeft { .. }
-                | ClusterOutput::RecordEpoch(_)
+                ClusterOutput::NodeLeft { node, .. } => left.extend(self.index(node)),
+                // The sealed desk's outputs come of sealed inputs only (`world/jobs.rs`).
+                ClusterOutput::RecordEpoch(_)
                 | ClusterOutput::Refused { .. }
                 | ClusterOutput::Sealed(_) => {}
             }
+        }
+        for i in left {
+            self.worker_left(i)?;
         }
         self.schedule_wake();
         Ok(())
