@@ -17,7 +17,7 @@ use tessera_seal::{
     NodeKey, SecretKey, SignedClaims, UnixMillis,
 };
 
-use super::world::{Invariant, Violation};
+use super::violation::{Invariant, Violation};
 use super::Rng;
 use crate::cluster::{Cluster, ClusterInput, ClusterOutput};
 use crate::sealed::{SealedInput, SealedOutput};

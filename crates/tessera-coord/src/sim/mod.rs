@@ -49,11 +49,13 @@ mod node;
 mod sealed;
 #[cfg(test)]
 mod tests;
+mod violation;
 mod world;
 
 pub use jobs::SealedSummary;
 pub use sealed::{simulate_sealed, SealedSimConfig};
-pub use world::{simulate, Config, Invariant, Summary, Violation};
+pub use violation::{Invariant, Violation};
+pub use world::{simulate, Config, Summary};
 
 /// splitmix64: a small, seedable generator (the simulator must not depend on the OS).
 #[derive(Clone, Debug)]

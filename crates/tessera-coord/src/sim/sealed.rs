@@ -30,7 +30,7 @@ use tessera_seal::{LeaseConfig, SecretKey, UnixMillis};
 use super::jobs::{
     desk_step, JobEv, JobsHost, Running, SealedJobs, SealedSummary, Worker, TICK_MS,
 };
-use super::world::Violation;
+use super::violation::Violation;
 use super::Rng;
 use crate::cluster::Cluster;
 use crate::sealed::{
