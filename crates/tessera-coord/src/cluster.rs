@@ -88,7 +88,8 @@ pub enum ClusterOutput {
     /// Node `node` was silent for a lease: close its session `session` (it reconnects afresh
     /// if it is still there) and tell the sealed desk it is gone, both now.
     LeaseExpired { node: NodeId, session: u64 },
-    /// Node `node` (key `key`) left: the sealed desk moves its jobs on.
+    /// Node `node` (key `key`) left, or connected again while its earlier session was still
+    /// current: the sealed desk moves its jobs on.
     NodeLeft { node: NodeId, key: PublicKey },
     /// News for run `run`'s owner.
     Run { run: u64, news: RunNews },
@@ -315,7 +316,21 @@ impl Cluster {
         let mut out = Vec::new();
         match input {
             ClusterInput::Joined(member) => {
-                self.sessions.insert(member.node_id, member.session);
+                // A node that connects again while its earlier session is still the current
+                // one (it restarted, or its connection broke, within its lease): that
+                // session's work is gone with it, so the sealed desk hears it left now and
+                // moves its jobs at once, not when their own leases run out. The new
+                // session's claims list it again.
+                let earlier = self.sessions.insert(member.node_id, member.session);
+                if earlier.is_some_and(|s| s != member.session)
+                    && !self.closing
+                    && self.fault != Some(Fault::ForgetReplacedSessions)
+                {
+                    out.push(ClusterOutput::NodeLeft {
+                        node: member.node_id,
+                        key: member.key,
+                    });
+                }
                 self.apply(Event::Joined(member), &mut out);
                 self.maybe_initial_split(&mut out);
             }

@@ -15,4 +15,8 @@ pub enum Fault {
     /// Cell routing's: take cells still loading or linking as candidates too (a request would
     /// start on a cell not every node of which is ready, and open its sequence there).
     RouteToUnreadyCells,
+    /// The cluster's: when a node connects again while its earlier session is still the
+    /// current one, say nothing of the earlier session (its sealed jobs would wait out their
+    /// job leases instead of moving at once).
+    ForgetReplacedSessions,
 }

@@ -641,21 +641,22 @@ impl SealedJobs {
         Ok(())
     }
 
-    /// No job stays with a holder that stopped (died or froze) more than `within` ms after
-    /// `stopped(w)` says it did (`None`: it runs). `lease` names the bound in the report.
+    /// No job stays with a holder whose work stopped (it died or froze, or died and runs again
+    /// without the job) more than `within` ms after `lost(w, held_since)` says it did
+    /// (`None`: the work goes on). `lease` names the bound in the report.
     pub fn check_handover(
         &mut self,
         now: u64,
-        stopped: impl Fn(usize) -> Option<u64>,
+        lost: impl Fn(usize, u64) -> Option<u64>,
         within: u64,
         lease: &str,
     ) -> Result<(), Violation> {
         let mut stuck = None;
         for (job, t) in &mut self.truth {
-            let Some((h, _)) = t.holder.filter(|_| !t.ended && !t.holder_answered) else {
+            let Some((h, held)) = t.holder.filter(|_| !t.ended && !t.holder_answered) else {
                 continue;
             };
-            let Some(stopped) = stopped(h) else {
+            let Some(stopped) = lost(h, held) else {
                 continue;
             };
             t.lost_holder = true;

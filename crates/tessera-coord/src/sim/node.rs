@@ -39,6 +39,8 @@ pub struct SimNode {
     pub frozen_until: Option<Duration>,
     /// When it was last killed or frozen.
     pub stopped_at: Option<Duration>,
+    /// When it was last killed (its work then is lost, even once it runs again).
+    pub killed_at: Option<Duration>,
     pub partitioned_until: Option<Duration>,
     /// The epochs it holds, oldest first: two while a new split is switched to (the node
     /// agent holds both until the old one is released).
@@ -74,6 +76,7 @@ impl SimNode {
             conn: None,
             frozen_until: None,
             stopped_at: None,
+            killed_at: None,
             partitioned_until: None,
             holding: Vec::new(),
             seqs: BTreeMap::new(),

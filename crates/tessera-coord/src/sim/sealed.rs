@@ -213,7 +213,7 @@ impl SealedWorld {
                 let fates = &self.fates;
                 jobs.check_handover(
                     now,
-                    |w| fates[w].stopped_at(now),
+                    |w, _| fates[w].stopped_at(now),
                     NODE_LEASE_MS + TICK_MS,
                     &format!("node lease {NODE_LEASE_MS} ms"),
                 )?;

@@ -278,3 +278,15 @@ fn the_simulator_catches_a_desk_that_leaves_a_dead_nodes_job_to_its_lease_beside
     });
     assert_eq!(v.broke, Invariant::HandoverWithinLease, "{v}");
 }
+
+#[test]
+fn the_simulator_catches_a_cluster_that_forgets_a_restarted_workers_earlier_session() {
+    // A node killed and restarted within its lease comes back on a new session before the
+    // lease could expire: unless the cluster says its earlier session left, the job its worker
+    // held waits out the job's own lease.
+    let v = caught_in_schedules(Config {
+        fault: Some(Fault::ForgetReplacedSessions),
+        ..Config::default()
+    });
+    assert_eq!(v.broke, Invariant::HandoverWithinLease, "{v}");
+}

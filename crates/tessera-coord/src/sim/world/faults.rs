@@ -14,6 +14,7 @@ impl World {
                 let n = &mut self.nodes[i];
                 n.alive = false;
                 n.stopped_at = Some(self.now);
+                n.killed_at = Some(self.now);
                 n.incarnation += 1;
                 n.drop_state();
             }

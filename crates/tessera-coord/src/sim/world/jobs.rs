@@ -136,8 +136,8 @@ impl World {
                 now: tessera_seal::UnixMillis(now),
             });
             jobs.apply(out, world)?;
-            let stopped = |w: usize| world.worker_stopped(w);
-            jobs.check_handover(now, stopped, within, &what)?;
+            let lost = |w: usize, held_since: u64| world.work_lost(w, held_since);
+            jobs.check_handover(now, lost, within, &what)?;
             if !jobs.all_ended() || world.now < world.cfg.fault_horizon {
                 world.after(Duration::from_millis(TICK_MS), Ev::SealedTick);
             }
@@ -145,14 +145,20 @@ impl World {
         })
     }
 
-    /// Since when worker `w` has been stopped, counted from the last the coordinator heard of
-    /// its node (`None`: its node runs).
-    fn worker_stopped(&self, w: usize) -> Option<u64> {
+    /// Since when the work worker `w` has held since `held_since` (ms) has been stopped: its
+    /// node is dead or frozen now (counted from the last the coordinator heard of it), or was
+    /// killed since, whether or not it runs again (a restarted worker has lost it). `None`:
+    /// the work goes on.
+    fn work_lost(&self, w: usize, held_since: u64) -> Option<u64> {
         let node = self.sealed.as_ref()?.node[w];
         let n = &self.nodes[node];
         let stopped = !n.alive || n.frozen_until.is_some_and(|t| t > self.now);
-        let since = n.stopped_at.filter(|_| stopped)?;
-        Some(ceil_ms(since.max(self.heard[node])))
+        if let Some(since) = n.stopped_at.filter(|_| stopped) {
+            return Some(ceil_ms(since.max(self.heard[node])));
+        }
+        n.killed_at
+            .map(ceil_ms)
+            .filter(|&killed| killed >= held_since)
     }
 
     /// The coordinator restarted: the jobs in flight are lost with their client's session,
