@@ -2,7 +2,10 @@
 # Issue 31's streaming table: bench-qwen3moe-q4_0 (648 MiB of experts) decoding with its experts
 # streamed through budgets of 1.2, 2, 3, 5, 10 and 20 times less than the experts, on one lab host
 # whose disk reads are capped at a profile's rates (`tessera lab exec --disk`), after one decode
-# with every expert in RAM (the compute bound). Prints one JSON report per line.
+# with every expert in RAM (the compute bound). Prints one JSON report per line, then the table
+# (with JSON=0 only the table): each budget's decode against min(disk bound, compute bound),
+# where the disk bound is the cap's rate over the missed expert bytes per token (the bench's own
+# short disk probe reads above the cap, so its `disk_bound_tok_s` is not used).
 #
 #   tools/lab-stream-table.sh [DISK]      # DISK: emmc (default), sd, usb, sata-ssd; root
 #
@@ -13,10 +16,37 @@ cd "$(dirname "$0")/.."
 T=${TESSERA:-target/release/tessera}
 M=bench-models/bench-qwen3moe-q4_0.gguf
 DISK=${1:-emmc}
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
 echo "start $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/'), disk $DISK" >&2
-"$T" bench -t 2 -p 8 -n 32 -r 1 --json -m "$M" 2>/dev/null
+"$T" bench -t 2 -p 8 -n 32 -r 1 --json -m "$M" 2>/dev/null >>"$out"
 for b in 540 324 216 130 65 32; do
   "$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -n 32 -r 1 --json \
-      --expert-budget "${b}MiB" -m "$M" 2>/dev/null
+      --expert-budget "${b}MiB" -m "$M" 2>/dev/null >>"$out"
 done
 echo "end $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/')" >&2
+[ "${JSON:-1}" = 0 ] || cat "$out"
+python3 - "$out" "$DISK" <<'PY'
+import json, sys
+caps = {"emmc": 300e6, "sd": 90e6, "usb": 400e6, "sata-ssd": 550e6}
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+cap = caps.get(sys.argv[2])
+ram, rest = lines[0], lines[1:]
+compute = ram["decode_tok_s"]
+experts = 648 * 2**20
+print(f"all experts in RAM (compute bound): {compute:.1f} tok/s; disk {sys.argv[2]}"
+      + (f" capped at {cap/1e6:.0f} MB/s" if cap else ""))
+print("| budget | over budget | tok/s | hit rate | missed MiB/token | read wait / step, ms"
+      " | building / step, ms | disk bound tok/s | of min(disk, compute) |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for r in rest:
+    s = r["streaming"]
+    budget = s["budget_bytes"]
+    missed = s["missed_bytes_per_token"]
+    disk = cap / missed if cap and missed > 0 else float("inf")
+    bound = min(disk, compute)
+    print(f"| {budget/2**20:.0f} MiB | {experts/budget:.1f}x | {r['decode_tok_s']:.1f}"
+          f" | {100*s['hit_rate']:.1f}% | {missed/2**20:.2f}"
+          f" | {s['read_wait_ms_per_step']:.1f} of {s['step_ms']:.1f}"
+          f" | {s['build_ms_per_step']:.1f} | {disk:.1f} | {100*r['decode_tok_s']/bound:.0f}% |")
+PY
