@@ -23,6 +23,9 @@
 # the fair comparison for the laptops and desktops that have no AVX-512. Without it both sides
 # use everything the CPU has.
 #
+# LLAMA_BENCH=PATH (for bench, long and matrix) runs another llama-bench in llama.cpp's place:
+# ik_llama.cpp's, the CPU-tuned fork (build only its llama-bench target).
+#
 # llama-cpp-python 0.3.36 vendors ggml 0.25.3, the version reference/ was made with.
 set -euo pipefail
 VERSION=0.3.36
@@ -60,7 +63,7 @@ print(urllib.parse.urljoin(sys.argv[1], [f["url"] for f in files if f["filename"
 }
 
 bench() {
-    local lb=$SRC/$BUILD/bin/llama-bench
+    local lb=${LLAMA_BENCH:-$SRC/$BUILD/bin/llama-bench}
     [ -x "$lb" ] || { echo "run '$0 build' first" >&2; exit 1; }
     cargo build --release -q -p tessera
     for m in "$@"; do
@@ -76,7 +79,7 @@ bench() {
 # skipped and a 64-token test run first warms its weights instead (not reported). Both sides
 # start each prefill with an empty cache and fill it as they go.
 long() {
-    local lb=$SRC/$BUILD/bin/llama-bench
+    local lb=${LLAMA_BENCH:-$SRC/$BUILD/bin/llama-bench}
     [ -x "$lb" ] || { echo "run '$0 build' first" >&2; exit 1; }
     cargo build --release -q -p tessera
     local out; out=$(mktemp -d)
@@ -104,7 +107,7 @@ long() {
 # that the VM's minute-to-minute drift falls on both alike. Each side reports a mean of 3 runs per
 # round; the summary is the mean over rounds.
 matrix() {
-    local lb=$SRC/$BUILD/bin/llama-bench
+    local lb=${LLAMA_BENCH:-$SRC/$BUILD/bin/llama-bench}
     [ -x "$lb" ] || { echo "run 'ISA=${ISA:-native} $0 build' first" >&2; exit 1; }
     cargo build --release -q -p tessera
     local out; out=$(mktemp -d)
