@@ -121,7 +121,8 @@ matrix() {
                     | sed "s|^|$m\ttessera\t|" >>"$out/runs"
             }
             run_llama() {
-                "$lb" -m "$m" -t 2 -p 512 -n 64 -r 3 -o jsonl \
+                # JSON, one record a line: ik_llama.cpp's llama-bench has no jsonl.
+                "$lb" -m "$m" -t 2 -p 512 -n 64 -r 3 -o json | json_lines \
                     | sed "s|^|$m\tllama.cpp\t|" >>"$out/runs"
             }
             if [ $((r % 2)) = 1 ]; then run_tessera; run_llama; else run_llama; run_tessera; fi
@@ -129,6 +130,11 @@ matrix() {
     done
     summarize "$out/runs"
     echo "raw results (JSON lines, one per test and side): $out/runs"
+}
+
+# A JSON array on stdin as one record a line.
+json_lines() {
+    python3 -c 'import json, sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]'
 }
 
 # Reads JSON lines tagged "model<TAB>side<TAB>" and prints each side's mean per model and test.
@@ -148,7 +154,7 @@ for line in open(sys.argv[1]):
             d = r["depth"]
             tests.append((f"tg{r['n_gen']}" + (f" @ d{d}" if d else ""), r["decode_tok_s"]))
     else:
-        p, n, d, ts = r["n_prompt"], r["n_gen"], r["n_depth"], r["avg_ts"]
+        p, n, d, ts = r["n_prompt"], r["n_gen"], r.get("n_depth", 0), r["avg_ts"]
         if p == 64:
             continue  # the long test's warm-up
         tests = [(f"pp{p}" if p else (f"tg{n} @ d{d}" if d else f"tg{n}"), ts)]
