@@ -190,17 +190,17 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   loop of bare FMAs on the same 2-core AMD EPYC when quiet; on a busier AMD EPYC (Zen 3)
 //   where bare FMAs ran at ~104, 61–68 (3,072 columns: 53) with the activations in slices of
 //   64 tokens, 70–75 with slices of a tile's width;
-// - decode (1 or 2 tokens): chain passes (`lanes_by_chain`): 4 neighbouring lanes (2 tokens:
-//   2) at a time, each lane's whole chain over every block in column order with its
+// - decode (1 or 2 tokens): chain passes (`lanes_by_chain`): 4 neighbouring lanes (2 tokens: 2;
+//   F32 half as many) at a time, each lane's whole chain over every block in column order with its
 //   accumulators in registers (no buffer of every lane's sums read and written along the way,
 //   which bound the earlier block-by-block sweep on loads and stores), the lanes' sums stored
-//   once. A pass reads two cache lines (F16) of every 2 KiB block, so the weights are streamed
-//   by prefetches instead: during each pass its share of the next group, in address order
-//   (the group then sits in L2 when its passes begin), and the lines two passes on in this
-//   group (the first group of a task, which nothing prefetched). Measured on the dense bench
-//   geometry's matmuls (28 layers, F16, 1 token, the old sweep and the passes alternated in
-//   one process, median of 10 passes each, AMD EPYC Zen 3 under load 4.3–4.7): 1 thread
-//   9.6–10.4 → 12.1–12.6 tok/s of matmuls, 2 tokens 17.5 → 21.6.
+//   once. A pass reads two cache lines (F16) of every 2 KiB block, so the weights are streamed by
+//   prefetches instead: during each pass its share of the next group, in address order (the group
+//   then sits in L2 when its passes begin), and the lines two passes on in this group (the first
+//   group of a task, which nothing prefetched). Measured on the dense bench geometry's matmuls (28
+//   layers, F16, 1 token, the old sweep and the passes alternated in one process, median of 10
+//   passes each, AMD EPYC Zen 3 under load 4.3–4.7): 1 thread 9.6–10.4 → 12.1–12.6 tok/s of
+//   matmuls, 2 tokens 17.5 → 21.6.
 
 /// Tokens per prefill tile: 2 halves × 6 tokens = 12 accumulators, plus two weight registers
 /// and a broadcast, within AVX2's 16.
@@ -496,12 +496,12 @@ unsafe fn reduce_lanes<const K: u8, const T: usize>(
     }
 }
 
-/// `T ≤ 2` tokens by chain passes over `4 / T` neighbouring lanes at a time: each lane's
-/// whole chain (every block, in column order, as `scalar::float_row` runs it) with its
-/// accumulators in registers, its sums stored once, then combined and reduced
-/// ([`reduce_lanes`]). Meanwhile the next group (`gbytes` on: the groups of a matrix follow
-/// each other) is prefetched in address order, a pass's share at a time spread over its
-/// blocks, and the lines this group's pass two on will read (for a task's first group).
+/// `T ≤ 2` tokens by chain passes over `4 / T` neighbouring lanes (F32: `2 / T`) at a time: each
+/// lane's whole chain (every block, in column order, as `scalar::float_row` runs it) with its
+/// accumulators in registers, its sums stored once, then combined and reduced ([`reduce_lanes`]).
+/// Meanwhile the next group (`gbytes` on: the groups of a matrix follow each other) is prefetched
+/// in address order, a pass's share at a time spread over its blocks, and the lines this group's
+/// pass two on will read (for a task's first group).
 #[inline(always)]
 unsafe fn lanes_by_chain<const K: u8, const T: usize>(
     w: *const u8,
