@@ -190,13 +190,17 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   loop of bare FMAs on the same 2-core AMD EPYC when quiet; on a busier AMD EPYC (Zen 3)
 //   where bare FMAs ran at ~104, 61–68 (3,072 columns: 53) with the activations in slices of
 //   64 tokens, 70–75 with slices of a tile's width;
-// - decode (1 or 2 tokens): the columns about in address order (`sweep`), so that the
-//   weights, read once, stream from memory: every lane's accumulators kept in a buffer, each
-//   lane's loaded into registers once per `SWEEP_BLOCKS` blocks of 64 columns (its chain still
-//   in column order), with the weights two steps ahead prefetched. Loading and storing them at
-//   every FMA, as before, made the sweep load/store bound: measured with the weights in cache
-//   (1 thread, 1 token, F16 1024 × 1024 / 1024 × 3072), 25.8 / 30.3 GB/s of weights before,
-//   38–40 / 42 after; from memory 14–17 GB/s before, 16–18 after.
+// - decode (1 or 2 tokens): chain passes (`lanes_by_chain`): 4 neighbouring lanes (2 tokens: 2;
+//   F32 half as many) at a time, each lane's whole chain over every block in column order with its
+//   accumulators in registers (no buffer of every lane's sums read and written along the way,
+//   which bound the earlier block-by-block sweep on loads and stores), the lanes' sums stored
+//   once. A pass reads two cache lines (F16) of every 2 KiB block, so the weights are streamed by
+//   prefetches instead: during each pass its share of the next group, in address order (the group
+//   then sits in L2 when its passes begin), and the lines two passes on in this group (the first
+//   group of a task, which nothing prefetched). Measured on the dense bench geometry's matmuls (28
+//   layers, F16, 1 token, the old sweep and the passes alternated in one process, median of 10
+//   passes each, AMD EPYC Zen 3 under load 4.3–4.7): 1 thread 9.6–10.4 → 12.1–12.6 tok/s of
+//   matmuls, 2 tokens 17.5 → 21.6.
 
 /// Tokens per prefill tile: 2 halves × 6 tokens = 12 accumulators, plus two weight registers
 /// and a broadcast, within AVX2's 16.
@@ -419,100 +423,8 @@ impl TileActs {
     }
 }
 
-/// Blocks of 64 columns that a [`sweep`] step walks per lane with the lane's accumulators in
-/// registers: the buffer of every lane's sums is read and written once per step rather than at
-/// every FMA (which bound the sweep on loads and stores, not on memory), while the step's
-/// blocks (4 KiB of F16) are still read as that many sequential streams. Measured from memory
-/// (1 thread, 1 token, F16, alternated): 2 blocks a step with the weights 2 steps on
-/// prefetched beat 4 or 8 blocks, prefetching further or into L2 only, and no prefetching
-/// (slower than the old sweep).
-const SWEEP_BLOCKS: usize = 2;
-
 /// Every lane's accumulators of both row halves for `T` tokens: `[lane][token][h8]`.
-type SweepAcc<const T: usize> = [[[__m256; 2]; T]; 64];
-
-/// One [`sweep`] step: each lane's chain over the `B` blocks from column `base` on, in column
-/// order, continued from `acc` (or from zero if `FIRST`) and written back to it.
-#[inline(always)]
-unsafe fn sweep_step<const K: u8, const T: usize, const B: usize, const FIRST: bool>(
-    w: *const u8,
-    xs: &[*const f32; T],
-    base: usize,
-    acc: *mut [[__m256; 2]; T],
-) {
-    // SAFETY: as `lane_pass`; `acc` holds `n_lanes(K)` lanes, initialized unless FIRST.
-    unsafe {
-        let per_lane = 64 * B / n_lanes(K);
-        for l in 0..n_lanes(K) {
-            // The weights two steps on, a lane's share of them per lane: in address order,
-            // so they stream from memory while this step computes.
-            let ahead = w.wrapping_add((base + 128 * B + l * per_lane) * GROUP * esize(K));
-            for line in (0..per_lane * GROUP * esize(K)).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
-            }
-            let mut a = if FIRST {
-                [[_mm256_setzero_ps(); 2]; T]
-            } else {
-                acc.add(l).read()
-            };
-            for b in 0..B {
-                lane_columns::<K>(base + 64 * b, l, |e| {
-                    let w0 = load8::<K>(w, e, 0);
-                    let w1 = load8::<K>(w, e, 1);
-                    for (a, x) in a.iter_mut().zip(xs) {
-                        let xe = _mm256_broadcast_ss(&*x.add(e));
-                        a[0] = _mm256_fmadd_ps(w0, xe, a[0]);
-                        a[1] = _mm256_fmadd_ps(w1, xe, a[1]);
-                    }
-                });
-            }
-            acc.add(l).write(a);
-        }
-    }
-}
-
-/// Every lane's accumulators for `T` tokens over the first `np` columns, into `acc` (its
-/// first `n_lanes(K)` lanes): steps of [`SWEEP_BLOCKS`] blocks, then of one, so the weights
-/// are read about in address order.
-#[inline(always)]
-unsafe fn sweep<const K: u8, const T: usize>(
-    w: *const u8,
-    xs: &[*const f32; T],
-    np: usize,
-    acc: &mut std::mem::MaybeUninit<SweepAcc<T>>,
-) {
-    const B: usize = SWEEP_BLOCKS;
-    let p = acc.as_mut_ptr() as *mut [[__m256; 2]; T];
-    let nb = np / 64;
-    // SAFETY: as `lane_pass`; every lane is written by the first step (or here) before a
-    // later step reads it.
-    unsafe {
-        let mut b = match nb {
-            0 => {
-                for l in 0..n_lanes(K) {
-                    p.add(l).write([[_mm256_setzero_ps(); 2]; T]);
-                }
-                return;
-            }
-            1..B => {
-                sweep_step::<K, T, 1, true>(w, xs, 0, p);
-                1
-            }
-            _ => {
-                sweep_step::<K, T, B, true>(w, xs, 0, p);
-                B
-            }
-        };
-        while b + B <= nb {
-            sweep_step::<K, T, B, false>(w, xs, 64 * b, p);
-            b += B;
-        }
-        while b < nb {
-            sweep_step::<K, T, 1, false>(w, xs, 64 * b, p);
-            b += 1;
-        }
-    }
-}
+type LaneAcc<const T: usize> = [[[__m256; 2]; T]; 64];
 
 /// Per token and row half, what `scalar::reduce16` makes of the lanes: F32/F16 the row sums
 /// (twice), BF16 the two partial sums that the scalar kernel adds in f64.
@@ -584,18 +496,75 @@ unsafe fn reduce_lanes<const K: u8, const T: usize>(
     }
 }
 
-/// `T ≤ 2` tokens by a [`sweep`], its lanes then combined and reduced ([`reduce_lanes`]).
+/// `T ≤ 2` tokens by chain passes over `4 / T` neighbouring lanes (F32: `2 / T`) at a time: each
+/// lane's whole chain (every block, in column order, as `scalar::float_row` runs it) with its
+/// accumulators in registers, its sums stored once, then combined and reduced ([`reduce_lanes`]).
+/// Meanwhile the next group (`gbytes` on: the groups of a matrix follow each other) is prefetched
+/// in address order, a pass's share at a time spread over its blocks, and the lines this group's
+/// pass two on will read (for a task's first group).
 #[inline(always)]
-unsafe fn lanes_by_sweep<const K: u8, const T: usize>(
+unsafe fn lanes_by_chain<const K: u8, const T: usize>(
     w: *const u8,
     xs: &[*const f32; T],
     np: usize,
+    gbytes: usize,
 ) -> Reduced<T> {
-    let mut acc = std::mem::MaybeUninit::<SweepAcc<T>>::uninit();
-    // SAFETY: as `lane_pass`; the sweep initializes the first `n_lanes(K)` lanes, the only
-    // ones read below.
+    let mut acc = std::mem::MaybeUninit::<LaneAcc<T>>::uninit();
+    let p = acc.as_mut_ptr() as *mut [[__m256; 2]; T];
+    // Lanes per pass: 128 bytes of each block's F16/BF16 weights (8 accumulators: 4 lanes ×
+    // 2 halves for 1 token, 2 × 2 × 2 for 2), as many bytes of F32 (half the lanes).
+    let ls = 8 / (T * esize(K));
+    let passes = n_lanes(K) / ls;
+    let nb = np / 64;
+    let lines = gbytes / 64;
+    let per_pass = lines.div_ceil(passes);
+    let per_block = per_pass.div_ceil(nb.max(1));
+    // Bytes of a pass's columns within a block (its lanes' columns are neighbours).
+    let set_bytes = 64 / n_lanes(K) * ls * GROUP * esize(K);
+    let line = |q: *const u8| {
+        // SAFETY: a prefetch never faults; SSE is enabled in every caller.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(q as *const i8) }
+    };
+    // SAFETY: as `lane_pass`; each pass writes its lanes before `reduce_lanes` reads them,
+    // and the passes cover every lane.
     unsafe {
-        sweep::<K, T>(w, xs, np, &mut acc);
+        let next = w.wrapping_add(gbytes);
+        for pass in 0..passes {
+            let l0 = pass * ls;
+            let mut a = [[[_mm256_setzero_ps(); 2]; T]; 4];
+            let mut ahead = next.wrapping_add(pass * per_pass * 64);
+            let ahead_end = next.wrapping_add(((pass + 1) * per_pass).min(lines) * 64);
+            let later = w.wrapping_add((pass + 2) * set_bytes);
+            for b in 0..nb {
+                let base = 64 * b;
+                for _ in 0..per_block {
+                    if ahead < ahead_end {
+                        line(ahead);
+                        ahead = ahead.wrapping_add(64);
+                    }
+                }
+                if pass + 2 < passes {
+                    let q = later.wrapping_add(base * GROUP * esize(K));
+                    for off in (0..set_bytes).step_by(64) {
+                        line(q.wrapping_add(off));
+                    }
+                }
+                for (li, a) in a.iter_mut().enumerate().take(ls) {
+                    lane_columns::<K>(base, l0 + li, |e| {
+                        let w0 = load8::<K>(w, e, 0);
+                        let w1 = load8::<K>(w, e, 1);
+                        for (a, x) in a.iter_mut().zip(xs) {
+                            let xe = _mm256_broadcast_ss(&*x.add(e));
+                            a[0] = _mm256_fmadd_ps(w0, xe, a[0]);
+                            a[1] = _mm256_fmadd_ps(w1, xe, a[1]);
+                        }
+                    });
+                }
+            }
+            for (li, a) in a.iter().enumerate().take(ls) {
+                p.add(l0 + li).write(*a);
+            }
+        }
         reduce_lanes::<K, T>(|l| (acc.as_ptr() as *const [[__m256; 2]; T]).add(l).read())
     }
 }
@@ -620,7 +589,7 @@ unsafe fn tile_avx2<const K: u8, const T: usize>(
     unsafe {
         let (v, c2) = if T <= 2 {
             let xs: [*const f32; T] = std::array::from_fn(|j| a.f.as_ptr().add((t + j) * n));
-            lanes_by_sweep::<K, T>(w, &xs, np)
+            lanes_by_chain::<K, T>(w, &xs, np, n * GROUP * esize(K))
         } else {
             lanes_by_pass::<K, T>(reordered, TileActs::new::<K>(lanes, a, t))
         };

@@ -8,6 +8,7 @@ use super::super::iq4xs::{QS, SCALES, X16};
 use super::super::lut4::KVALUES_IQ4NL;
 use super::super::matrix::GROUP;
 use super::super::quant_acts::QuantizedActs;
+use super::kquant_avx2::prefetch_ahead;
 
 fn check_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
     let nb = a.cols / 256;
@@ -153,6 +154,11 @@ unsafe fn token_avx2(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
                 let y = a.qs.as_ptr().add(t * a.cols + b * 256);
                 let mut lanes = [_mm256_setzero_si256(); 8];
                 for s in 0..8 {
+                    // Decode reads each weight once, from memory: the first half's pass
+                    // prefetches two blocks ahead, as the K-quant tiles do.
+                    if h == 0 {
+                        prefetch_ahead(blk, X16, s, 8);
+                    }
                     let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
                         blk.add(SCALES + GROUP * s + 8 * h) as *const __m128i,
                     ));
