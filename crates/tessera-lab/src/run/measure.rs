@@ -28,12 +28,27 @@ fn node_bytes(lab: &Lab) -> u64 {
     total
 }
 
+/// Bytes between the nodes per token of a request that moved `run.0` bytes for `run.1` tokens,
+/// beyond a short one's (`short`); NaN when it decoded no more than the short one.
+fn wire_per_token(run: (u64, usize), short: (u64, usize)) -> f64 {
+    let extra = run.1 as f64 - short.1 as f64;
+    if extra > 0.0 {
+        run.0.saturating_sub(short.0) as f64 / extra
+    } else {
+        f64::NAN
+    }
+}
+
 /// A plan's requests so far.
 struct Partial {
     runs: Vec<RunReport>,
     /// The text of each measured request (`runs`), in order.
     texts: Vec<String>,
+    /// Bytes between the nodes per decoded token: the least over the measured requests.
     wire: f64,
+    /// The short request's bytes between the nodes and tokens, taken off each measured one's
+    /// (so what is counted is the decode's, not the prefill's).
+    short: (u64, usize),
     /// The workload's speculating requests, each right after a plain one (`None`: the
     /// workload does not speculate); their failure is theirs, not the plan's.
     speculating: Option<std::result::Result<Speculating, String>>,
@@ -120,16 +135,13 @@ pub(super) fn measure(
         let b1 = node_bytes(lab);
         let run = one(plan, tokens)?;
         let b2 = node_bytes(lab);
-        let extra = run.report.generated as f64 - short.generated as f64;
-        let wire = if extra > 0.0 {
-            (b2 - b1).saturating_sub(b1 - b0) as f64 / extra
-        } else {
-            f64::NAN
-        };
+        let short = (b1 - b0, short.generated);
+        let wire = wire_per_token((b2 - b1, run.report.generated), short);
         let mut part = Partial {
             runs: vec![run.report],
             texts: vec![run.text],
             wire,
+            short,
             speculating: None,
         };
         part.speculate(k, || speculating(plan, &run.tokens));
@@ -142,8 +154,14 @@ pub(super) fn measure(
     for _ in 1..REPEATS {
         for (plan, part) in plans.iter().zip(parts.iter_mut()) {
             if let Ok(p) = part {
+                let b0 = node_bytes(lab);
                 match one(plan, tokens) {
                     Ok(r) => {
+                        // The least of the rounds: traffic between the nodes that is not the
+                        // plan's (their link probes after a start) only ever adds.
+                        let round =
+                            wire_per_token((node_bytes(lab) - b0, r.report.generated), p.short);
+                        p.wire = p.wire.min(round);
                         p.runs.push(r.report);
                         p.texts.push(r.text);
                         p.speculate(k, || speculating(plan, &r.tokens));
@@ -171,6 +189,7 @@ pub(super) fn measure(
                 texts,
                 wire,
                 speculating,
+                ..
             } = part?;
             let mut ttft: Vec<f64> = runs.iter().map(|r| r.time_to_first_token_ms).collect();
             ttft.sort_by(f64::total_cmp);
