@@ -94,6 +94,19 @@ fn run(lab: &Lab, i: usize, llama_bench: &Path, args: &[String]) -> Result<f64, 
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("starting {}: {e}", llama_bench.display()))?;
+    // Both pipes drained while it runs: llama.cpp's load log alone can fill a pipe's buffer,
+    // and a child blocked on a full pipe would only end at the limit.
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_string(&mut text);
+            }
+            text
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
     let started = Instant::now();
     let status = loop {
         match child.try_wait() {
@@ -107,15 +120,13 @@ fn run(lab: &Lab, i: usize, llama_bench: &Path, args: &[String]) -> Result<f64, 
             Err(e) => return Err(format!("waiting for llama-bench: {e}")),
         }
     };
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("reading llama-bench: {e}"))?;
+    let stdout = stdout.join().unwrap_or_default();
+    let stderr = stderr.join().unwrap_or_default();
     if !status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.lines().last().unwrap_or("").trim();
+        let last = stderr.lines().last().unwrap_or("").trim();
         return Err(format!("llama-bench ended with {status}: {last}"));
     }
-    decode_rate(&String::from_utf8_lossy(&out.stdout))
+    decode_rate(&stdout)
 }
 
 /// Drops the machine's clean page cache (root only; the lab is root).
