@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Writes the benchmark-size synthetic models (random weights, real geometry) into
-# bench-models/ (ignored by git): five by synth_gguf.py (254 MiB to 1.33 GiB each, 10–30 s
+# bench-models/ (ignored by git): six by synth_gguf.py (254 MiB to 1.33 GiB each, 10–30 s
 # each), then a deepseek2 (DeepSeek-V3's geometry scaled down, F16, 1.34 GiB) that llama.cpp's
 # llama-quantize turns into Q4_K_M (420 MiB) and IQ2_XXS (with an importance matrix from
 # llama-imatrix on this repository's READMEs), a few minutes each on 2 cores; and
@@ -17,6 +17,11 @@ for spec in "qwen3-dense q4_0" "qwen3-dense q8_0" "qwen3moe q4_0" "qwen3moe q8_0
   [ -f "$out" ] || python3 tools/synth_gguf.py --preset "$1" --outtype "$2" \
       --tokenizer models/stories260K.gguf --out "$out"
 done
+# The bigger-than-any lab scenario's model: bench-qwen3moe-q4_0's weights but an output head
+# whose greedy text walks the vocabulary, so a greedy decode's routing changes with every token
+# (the random model's greedy text loops on a few tokens and its routing repeats with it).
+[ -f bench-models/bench-qwen3moe-walk-q4_0.gguf ] || python3 tools/synth_gguf.py --preset qwen3moe \
+    --outtype q4_0 --walk --tokenizer models/stories260K.gguf --out bench-models/bench-qwen3moe-walk-q4_0.gguf
 # IQ2_XXS rather than IQ4_XS: the 2-bit IQ files are what people download for the largest
 # MoE models (DeepSeek-V3/R1, Kimi K2), and llama-quantize's IQ2_XXS mix also brings in the
 # other types those files hold (Q2_K / Q4_K for some matrices, IQ4_NL where rows are 128 wide).
