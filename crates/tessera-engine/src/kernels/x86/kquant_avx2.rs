@@ -447,18 +447,20 @@ unsafe fn q6k_tile_u8<const T: usize>(
         let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
         // The tile's activations of one block, sign bits flipped (`y + 128` as u8).
         let mut yu = [[0u8; 256]; T];
-        for h8 in 0..2 {
-            let mut acc = [[_mm256_setzero_ps(); 8]; T];
-            for b in 0..nb {
-                let blk = w.add(b * Q6K_X16);
-                for (j, yu) in yu.iter_mut().enumerate() {
-                    let y = a.qs.as_ptr().add((t + j) * a.cols + b * 256);
-                    for v in 0..8 {
-                        let yv = _mm256_loadu_si256(y.add(32 * v) as *const __m256i);
-                        let p = yu.as_mut_ptr().add(32 * v) as *mut __m256i;
-                        _mm256_storeu_si256(p, _mm256_xor_si256(yv, flip));
-                    }
+        // Both row halves per block (each lane's float steps still in block order), so each
+        // block's activations are flipped once.
+        let mut accs = [[[_mm256_setzero_ps(); 8]; T]; 2];
+        for b in 0..nb {
+            let blk = w.add(b * Q6K_X16);
+            for (j, yu) in yu.iter_mut().enumerate() {
+                let y = a.qs.as_ptr().add((t + j) * a.cols + b * 256);
+                for v in 0..8 {
+                    let yv = _mm256_loadu_si256(y.add(32 * v) as *const __m256i);
+                    let p = yu.as_mut_ptr().add(32 * v) as *mut __m256i;
+                    _mm256_storeu_si256(p, _mm256_xor_si256(yv, flip));
                 }
+            }
+            for (h8, acc) in accs.iter_mut().enumerate() {
                 let sc: [__m256i; 16] =
                     std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
                 let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
@@ -488,6 +490,8 @@ unsafe fn q6k_tile_u8<const T: usize>(
                     }
                 }
             }
+        }
+        for (h8, acc) in accs.iter().enumerate() {
             for (j, acc) in acc.iter().enumerate() {
                 _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), lanes_sum!(acc));
             }
