@@ -184,12 +184,17 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   first copied lane by lane into consecutive memory: each group's weights once per kernel
 //   call (`lane_major_weights`), the activations once per matmul in slices of a tile's tokens
 //   (`lane_major`, built on the pool by `QuantizedActs::new` when AVX2 is the active ISA).
-//   Each quartet (BF16: pair) of lanes is combined and reduced as soon as its passes end
-//   (`lanes_by_pass`). Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new
+//   Both copies hold the lanes in the order the passes visit them (`lane_order`), so a tile's
+//   passes read each operand as one sequential run. The passes go a quarter of the lanes
+//   (`quarter_lanes`) at a time over every tile (`prefill_avx2`), each quarter's lanes
+//   combined and reduced as soon as its passes end, the quarters' sums added by the top of
+//   the tree at the end. Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new
 //   binaries alternated): 88–99 GFLOP/s before the copies, 103–119 after, against ~143 for a
 //   loop of bare FMAs on the same 2-core AMD EPYC when quiet; on a busier AMD EPYC (Zen 3)
 //   where bare FMAs ran at ~104, 61–68 (3,072 columns: 53) with the activations in slices of
-//   64 tokens, 70–75 with slices of a tile's width;
+//   64 tokens, 70–75 with slices of a tile's width. On an AMD EPYC Zen 5 capped to AVX2 (bare
+//   FMAs ~130, the same pass from L1 ~127), 512 tokens of the dense bench shapes: 96–99 →
+//   102–104 with the lanes in visiting order;
 // - decode (1 or 2 tokens): chain passes (`lanes_by_chain`): 4 neighbouring lanes (2 tokens: 2;
 //   F32 half as many) at a time, each lane's whole chain over every block in column order with its
 //   accumulators in registers (no buffer of every lane's sums read and written along the way,
