@@ -184,12 +184,17 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   first copied lane by lane into consecutive memory: each group's weights once per kernel
 //   call (`lane_major_weights`), the activations once per matmul in slices of a tile's tokens
 //   (`lane_major`, built on the pool by `QuantizedActs::new` when AVX2 is the active ISA).
-//   Each quartet (BF16: pair) of lanes is combined and reduced as soon as its passes end
-//   (`lanes_by_pass`). Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new
+//   Both copies hold the lanes in the order the passes visit them (`lane_order`), so a tile's
+//   passes read each operand as one sequential run. The passes go a quarter of the lanes
+//   (`quarter_lanes`) at a time over every tile (`prefill_avx2`), each quarter's lanes
+//   combined and reduced as soon as its passes end, the quarters' sums added by the top of
+//   the tree at the end. Measured with `kernel_bench` (1 thread, 64 tokens, F16, old and new
 //   binaries alternated): 88–99 GFLOP/s before the copies, 103–119 after, against ~143 for a
 //   loop of bare FMAs on the same 2-core AMD EPYC when quiet; on a busier AMD EPYC (Zen 3)
 //   where bare FMAs ran at ~104, 61–68 (3,072 columns: 53) with the activations in slices of
-//   64 tokens, 70–75 with slices of a tile's width;
+//   64 tokens, 70–75 with slices of a tile's width. On an AMD EPYC Zen 5 capped to AVX2 (bare
+//   FMAs ~130, the same pass from L1 ~127), 512 tokens of the dense bench shapes: 96–99 →
+//   102–104 with the lanes in visiting order;
 // - decode (1 or 2 tokens): chain passes (`lanes_by_chain`): 4 neighbouring lanes (2 tokens: 2;
 //   F32 half as many) at a time, each lane's whole chain over every block in column order with its
 //   accumulators in registers (no buffer of every lane's sums read and written along the way,
@@ -231,6 +236,54 @@ const fn n_lanes(k: u8) -> usize {
     } else {
         64
     }
+}
+
+/// The lanes in the order the prefill passes visit them ([`quarter_lanes`] for quarters 0 to 3):
+/// the order of the lanes in the [`lane_major_weights`] and [`lane_major`] layouts, so that a
+/// tile's passes read each operand as one run of consecutive memory (which the hardware
+/// prefetchers stream), not 64 short runs in a jumping order. F32/F16: for `i` in `q, q + 8, q +
+/// 4, q + 12`, lanes `i, 32 + i, 16 + i, 48 + i`; BF16: lanes `i, 16 + i` (the first 32).
+const fn lane_order<const K: u8>() -> [u8; 64] {
+    let mut o = [0u8; 64];
+    let mut at = 0;
+    let mut q = 0;
+    while q < 4 {
+        let offs = [0, 8, 4, 12];
+        let mut k = 0;
+        while k < 4 {
+            let i = (q + offs[k]) as u8;
+            if K == FLOAT_BF16 {
+                o[at] = i;
+                o[at + 1] = 16 + i;
+                at += 2;
+            } else {
+                o[at] = i;
+                o[at + 1] = 32 + i;
+                o[at + 2] = 16 + i;
+                o[at + 3] = 48 + i;
+                at += 4;
+            }
+            k += 1;
+        }
+        q += 1;
+    }
+    o
+}
+
+/// Where lane `l` sits in [`lane_order`].
+#[inline(always)]
+fn lane_position<const K: u8>(l: usize) -> usize {
+    const fn inverse(o: [u8; 64], n: usize) -> [u8; 64] {
+        let mut p = [0u8; 64];
+        let mut i = 0;
+        while i < n {
+            p[o[i] as usize] = i as u8;
+            i += 1;
+        }
+        p
+    }
+    let pos: [u8; 64] = const { inverse(lane_order::<K>(), n_lanes(K)) };
+    pos[l] as usize
 }
 
 /// Lane `l`'s chain step at the 64-column block starting at `base`: `f(column)` in the
@@ -289,9 +342,9 @@ unsafe fn lane_major_weights<const K: u8>(w: *const u8, np: usize, into: &mut Ve
     // written once.
     unsafe {
         let mut at = 0;
-        for l in 0..n_lanes(K) {
+        for &l in &lane_order::<K>()[..n_lanes(K)] {
             for base in (0..np).step_by(64) {
-                lane_columns::<K>(base, l, |e| {
+                lane_columns::<K>(base, l as usize, |e| {
                     std::ptr::copy_nonoverlapping(w.add(e * col), o.add(at), col);
                     at += col;
                 });
@@ -355,9 +408,9 @@ fn build_lane_major<const K: u8>(a: &QuantizedActs, pool: Option<&ThreadPool>) -
         for j in 0..width {
             let x = &a.f[(s0 + j) * n..(s0 + j + 1) * n];
             let mut at = j;
-            for l in 0..n_lanes(K) {
+            for &l in &lane_order::<K>()[..n_lanes(K)] {
                 for base in (0..np).step_by(64) {
-                    lane_columns::<K>(base, l, |e| {
+                    lane_columns::<K>(base, l as usize, |e| {
                         out[at] = x[e];
                         at += width;
                     });
@@ -416,7 +469,7 @@ impl TileActs {
         }
     }
 
-    /// Lane `l`'s first column.
+    /// The first column of the lane at position `l` ([`lane_order`]).
     #[inline(always)]
     fn lane(self, l: usize) -> (*const f32, usize) {
         (self.p.wrapping_add(l * self.seg * self.width), self.width)
@@ -435,37 +488,28 @@ type Reduced<const T: usize> = ([[__m256; 2]; T], [[__m256; 2]; T]);
 /// them. One call site for `f` (a loop, not sixteen inlined copies of the lane passes).
 #[inline(always)]
 fn reduce16_by<X: Copy>(mut f: impl FnMut(usize) -> X, add: impl Fn(X, X) -> X) -> X {
-    let mut s4: [Option<X>; 4] = [None; 4];
-    for i in [0, 2, 1, 3] {
-        let (mut first, mut s8) = (None, [None; 2]);
-        for (k, off) in [0, 8, 4, 12].into_iter().enumerate() {
-            let v = f(i + off);
-            match first.take() {
-                None => first = Some(v),
-                Some(a) => s8[k / 2] = Some(add(a, v)),
-            }
-        }
-        if let [Some(a), Some(b)] = s8 {
-            s4[i] = Some(add(a, b));
-        }
-    }
-    match s4 {
-        [Some(a0), Some(a1), Some(a2), Some(a3)] => add(add(a0, a2), add(a1, a3)),
-        _ => unreachable!("every partial sum is set"),
-    }
+    let s4: [X; 4] = std::array::from_fn(|i| reduce16_quarter(i, &mut f, &add));
+    reduce16_top(s4, add)
 }
 
-/// `T ≥ 3` tokens by one lane pass per lane, each quartet (BF16: pair) of lanes combined and
-/// reduced as soon as it is computed: no buffer of every lane's sums (`T · 1.5` KiB that
-/// would share L1 with the weights; measured a third slower), nor of the combined lanes
-/// (copied about once per tile: measured 3% of a prefill). `w`: the group's
-/// [`lane_major_weights`].
+/// Quarter `i` (0..4) of `scalar::reduce16`'s tree: `(f(i) + f(i + 8)) + (f(i + 4) + f(i +
+/// 12))`, `f` called in that order.
 #[inline(always)]
-unsafe fn lanes_by_pass<const K: u8, const T: usize>(w: &[u8], x: TileActs) -> Reduced<T> {
-    let seg = x.seg;
-    debug_assert_eq!(w.len(), n_lanes(K) * seg * GROUP * esize(K));
-    // SAFETY: as `lane_pass`: lane l's weights are columns l·seg..(l+1)·seg of `w`.
-    unsafe { reduce_lanes::<K, T>(|l| lane_pass::<K, T>((w.as_ptr(), l * seg), x.lane(l), seg)) }
+fn reduce16_quarter<X: Copy>(
+    i: usize,
+    mut f: impl FnMut(usize) -> X,
+    add: impl Fn(X, X) -> X,
+) -> X {
+    let a = f(i);
+    let s8a = add(a, f(i + 8));
+    let b = f(i + 4);
+    add(s8a, add(b, f(i + 12)))
+}
+
+/// The top of `scalar::reduce16`'s tree over its four quarters ([`reduce16_quarter`]).
+#[inline(always)]
+fn reduce16_top<X: Copy>(s4: [X; 4], add: impl Fn(X, X) -> X) -> X {
+    add(add(s4[0], s4[2]), add(s4[1], s4[3]))
 }
 
 /// What `scalar::float_row` makes of its lanes, each lane's accumulators `lane(l)` computed
@@ -492,6 +536,186 @@ unsafe fn reduce_lanes<const K: u8, const T: usize>(
                 add,
             );
             (r, r)
+        }
+    }
+}
+
+/// Quarter `q` of [`reduce_lanes`]: its tree's partial sum over the lanes `q + 4k` (and, F32/F16,
+/// `16 + q + 4k`, `32 + q + 4k`, `48 + q + 4k`; BF16 `16 + q + 4k`) for `k` = 0..4, as
+/// [`reduce16_quarter`] adds them (F32/F16 once, BF16 the two partial sums).
+#[inline(always)]
+unsafe fn quarter_lanes<const K: u8, const T: usize>(
+    q: usize,
+    mut lane: impl FnMut(usize) -> [[__m256; 2]; T],
+) -> Reduced<T> {
+    // SAFETY: AVX is enabled in every caller.
+    unsafe {
+        let add = |a: [[__m256; 2]; T], b: [[__m256; 2]; T]| -> [[__m256; 2]; T] {
+            std::array::from_fn(|j| std::array::from_fn(|h| _mm256_add_ps(a[j][h], b[j][h])))
+        };
+        if K == FLOAT_BF16 {
+            reduce16_quarter(
+                q,
+                |i| (lane(i), lane(16 + i)),
+                |a, b| (add(a.0, b.0), add(a.1, b.1)),
+            )
+        } else {
+            let r = reduce16_quarter(
+                q,
+                |i| add(add(lane(i), lane(32 + i)), add(lane(16 + i), lane(48 + i))),
+                add,
+            );
+            (r, r)
+        }
+    }
+}
+
+/// Floats per token of a prefill quarter's partial sums: BF16 two sets of 16 rows, else one.
+const fn sets(k: u8) -> usize {
+    if k == FLOAT_BF16 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Quarter `q` ([`quarter_lanes`]) of `T` tokens by one lane pass per lane, stored at `dst`:
+/// token `j`'s set `s` at `dst + (j · sets + s) · 16`. `w`: the group's [`lane_major_weights`].
+#[inline(always)]
+unsafe fn quarter_by_pass<const K: u8, const T: usize>(
+    w: &[u8],
+    x: TileActs,
+    q: usize,
+    dst: *mut f32,
+) {
+    let seg = x.seg;
+    debug_assert_eq!(w.len(), n_lanes(K) * seg * GROUP * esize(K));
+    // SAFETY: as `lane_pass`: lane l's weights are columns l·seg..(l+1)·seg of `w`; `dst`
+    // holds T tokens' sets (caller).
+    unsafe {
+        let (r1, r2) = quarter_lanes::<K, T>(q, |l| {
+            let p = lane_position::<K>(l);
+            lane_pass::<K, T>((w.as_ptr(), p * seg), x.lane(p), seg)
+        });
+        for j in 0..T {
+            for h8 in 0..2 {
+                let o = dst.add(j * sets(K) * GROUP + 8 * h8);
+                _mm256_storeu_ps(o, r1[j][h8]);
+                if K == FLOAT_BF16 {
+                    _mm256_storeu_ps(o.add(GROUP), r2[j][h8]);
+                }
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// Each pool thread's buffer for the prefill quarters' partial sums ([`prefill_avx2`]).
+    static QUARTERS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `nt ≥ 3` tokens of a group from `t0`, a quarter of the lanes at a time ([`quarter_lanes`]):
+/// every tile's passes over one quarter's lanes, then the next quarter's, the quarters' partial
+/// sums kept in a buffer and added by the top of the tree at the end. A quarter's weights
+/// (`np / 4` columns: 24 KiB of F16 at 3,072) stay in L1 across the tiles, where all the
+/// group's (96 KiB) were read again from L2 by every tile.
+#[inline(always)]
+unsafe fn prefill_avx2<const K: u8>(
+    w: *const u8,
+    a: &QuantizedActs,
+    (reordered, lanes): (&[u8], &[f32]),
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    let n = a.cols;
+    let np = n / 64 * 64;
+    let per = sets(K) * GROUP;
+    QUARTERS.with_borrow_mut(|parts| {
+        // Every float is written before it is read: only growth needs filling.
+        parts.resize(4 * nt * per, 0.0);
+        // SAFETY: the caller checked the group holds n columns, that tokens t0..t0+nt are in
+        // `a.f`, and built `reordered` and `lanes`; each tile lies within one slice of `lanes`
+        // and writes its own tokens' floats of `parts`; features enabled.
+        unsafe {
+            for q in 0..4 {
+                let mut j = 0;
+                while j < nt {
+                    let t = t0 + j;
+                    let (s0, width) = slice_of(t, a.n_tokens);
+                    let take = TILE.min(nt - j).min(s0 + width - t);
+                    let x = TileActs::new::<K>(lanes, a, t);
+                    let dst = parts.as_mut_ptr().add((q * nt + j) * per);
+                    match take {
+                        1 => quarter_by_pass::<K, 1>(reordered, x, q, dst),
+                        2 => quarter_by_pass::<K, 2>(reordered, x, q, dst),
+                        3 => quarter_by_pass::<K, 3>(reordered, x, q, dst),
+                        4 => quarter_by_pass::<K, 4>(reordered, x, q, dst),
+                        5 => quarter_by_pass::<K, 5>(reordered, x, q, dst),
+                        _ => quarter_by_pass::<K, TILE>(reordered, x, q, dst),
+                    }
+                    j += take;
+                }
+            }
+            let pp = parts.as_ptr();
+            for j in 0..nt {
+                let mut s = [[0f32; GROUP]; 2];
+                for (set, s) in s.iter_mut().enumerate().take(sets(K)) {
+                    for h8 in 0..2 {
+                        let part = |q: usize| {
+                            _mm256_loadu_ps(pp.add((q * nt + j) * per + set * GROUP + 8 * h8))
+                        };
+                        let v = reduce16_top([part(0), part(1), part(2), part(3)], |x, y| {
+                            _mm256_add_ps(x, y)
+                        });
+                        _mm256_storeu_ps(s.as_mut_ptr().add(8 * h8), v);
+                    }
+                }
+                let o: &mut [f32; GROUP] =
+                    (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
+                finish::<K>(w, &a.f[(t0 + j) * n..(t0 + j + 1) * n], np, &s, o);
+            }
+        }
+    });
+}
+
+/// A token's row sums from what the lanes reduced to (`s[0]`; BF16 the two partial sums `s[0]`
+/// and `s[1]`), with `scalar::float_row`'s remainder past the last whole 64 columns of `x`.
+#[inline(always)]
+unsafe fn finish<const K: u8>(
+    w: *const u8,
+    x: &[f32],
+    np: usize,
+    s: &[[f32; GROUP]; 2],
+    o: &mut [f32; GROUP],
+) {
+    // SAFETY: the group holds x.len() columns (caller).
+    unsafe {
+        if K == FLOAT_BF16 {
+            for (r, o) in o.iter_mut().enumerate() {
+                let mut v = s[0][r] as f64 + s[1][r] as f64;
+                for (e, &xe) in x.iter().enumerate().skip(np) {
+                    v += (weight::<K>(w, e, r) * xe) as f64;
+                }
+                *o = v as f32;
+            }
+            return;
+        }
+        *o = s[0];
+        if np < x.len() && K == FLOAT_F32 {
+            for (r, o) in o.iter_mut().enumerate() {
+                for (e, &xe) in x.iter().enumerate().skip(np) {
+                    *o = weight::<K>(w, e, r).mul_add(xe, *o);
+                }
+            }
+        } else if np < x.len() {
+            for (r, o) in o.iter_mut().enumerate() {
+                let mut v = *o as f64;
+                for (e, &xe) in x.iter().enumerate().skip(np) {
+                    v += (weight::<K>(w, e, r) * xe) as f64;
+                }
+                *o = v as f32;
+            }
         }
     }
 }
@@ -569,66 +793,31 @@ unsafe fn lanes_by_chain<const K: u8, const T: usize>(
     }
 }
 
-/// `T` tokens of a group: `out[j*16 + r]` for token `t + j`. `T ≥ 3` reads the weights from
-/// `reordered` ([`lane_major_weights`] of `w`) and the activations from `lanes` ([`lane_major`]
-/// of `a`; tokens `t..t + T` within one slice), `T ≤ 2` from `w` and `a.f`.
-// `h8` indexes the halves of the lanes and of the output alike.
-#[allow(clippy::needless_range_loop)]
+/// `T ≤ 2` tokens of a group ([`lanes_by_chain`]): `out[j*16 + r]` for token `t + j`.
 #[inline(always)]
 unsafe fn tile_avx2<const K: u8, const T: usize>(
     w: *const u8,
     a: &QuantizedActs,
-    (reordered, lanes): (&[u8], &[f32]),
     t: usize,
     out: &mut [f32],
 ) {
     let n = a.cols;
     let np = n / 64 * 64;
-    // SAFETY: the caller checked the group holds n columns, that tokens t..t+T are in `a.f`
-    // and, for T ≥ 3, that they lie in one slice of `lanes`; features enabled.
+    // SAFETY: the caller checked the group holds n columns and that tokens t..t+T are in
+    // `a.f`; features enabled.
     unsafe {
-        let (v, c2) = if T <= 2 {
-            let xs: [*const f32; T] = std::array::from_fn(|j| a.f.as_ptr().add((t + j) * n));
-            lanes_by_chain::<K, T>(w, &xs, np, n * GROUP * esize(K))
-        } else {
-            lanes_by_pass::<K, T>(reordered, TileActs::new::<K>(lanes, a, t))
-        };
+        let xs: [*const f32; T] = std::array::from_fn(|j| a.f.as_ptr().add((t + j) * n));
+        let (v, c2) = lanes_by_chain::<K, T>(w, &xs, np, n * GROUP * esize(K));
         for j in 0..T {
-            let x = &a.f[(t + j) * n..(t + j + 1) * n];
-            let o: &mut [f32; GROUP] = (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
-            if K == FLOAT_BF16 {
-                let (mut s1, mut s2) = ([0f32; GROUP], [0f32; GROUP]);
-                for h8 in 0..2 {
-                    _mm256_storeu_ps(s1.as_mut_ptr().add(8 * h8), v[j][h8]);
-                    _mm256_storeu_ps(s2.as_mut_ptr().add(8 * h8), c2[j][h8]);
-                }
-                for (r, o) in o.iter_mut().enumerate() {
-                    let mut s = s1[r] as f64 + s2[r] as f64;
-                    for (e, &xe) in x.iter().enumerate().skip(np) {
-                        s += (weight::<K>(w, e, r) * xe) as f64;
-                    }
-                    *o = s as f32;
-                }
-                continue;
-            }
+            let mut s = [[0f32; GROUP]; 2];
             for h8 in 0..2 {
-                _mm256_storeu_ps(o.as_mut_ptr().add(8 * h8), v[j][h8]);
-            }
-            if np < n && K == FLOAT_F32 {
-                for (r, o) in o.iter_mut().enumerate() {
-                    for (e, &xe) in x.iter().enumerate().skip(np) {
-                        *o = weight::<K>(w, e, r).mul_add(xe, *o);
-                    }
-                }
-            } else if np < n {
-                for (r, o) in o.iter_mut().enumerate() {
-                    let mut s = *o as f64;
-                    for (e, &xe) in x.iter().enumerate().skip(np) {
-                        s += (weight::<K>(w, e, r) * xe) as f64;
-                    }
-                    *o = s as f32;
+                _mm256_storeu_ps(s[0].as_mut_ptr().add(8 * h8), v[j][h8]);
+                if K == FLOAT_BF16 {
+                    _mm256_storeu_ps(s[1].as_mut_ptr().add(8 * h8), c2[j][h8]);
                 }
             }
+            let o: &mut [f32; GROUP] = (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
+            finish::<K>(w, &a.f[(t + j) * n..(t + j + 1) * n], np, &s, o);
         }
     }
 }
@@ -673,24 +862,20 @@ unsafe fn group_avx2<const K: u8>(
             &[]
         };
         let prefill = (&reordered[..], lanes);
-        // SAFETY: bounds checked above; features guaranteed by the caller; each tile of 3 or
-        // more tokens lies within one slice of `lanes`.
+        // SAFETY: bounds checked above; features guaranteed by the caller.
         unsafe {
+            if nt >= 3 {
+                return prefill_avx2::<K>(wp, a, prefill, t0, nt, out);
+            }
             let mut j = 0;
             while j < nt {
                 let o = &mut out[j * GROUP..];
                 let t = t0 + j;
-                let (s0, width) = slice_of(t, a.n_tokens);
-                let take = TILE.min(nt - j).min(s0 + width - t);
-                match take {
-                    1 => tile_avx2::<K, 1>(wp, a, prefill, t, o),
-                    2 => tile_avx2::<K, 2>(wp, a, prefill, t, o),
-                    3 => tile_avx2::<K, 3>(wp, a, prefill, t, o),
-                    4 => tile_avx2::<K, 4>(wp, a, prefill, t, o),
-                    5 => tile_avx2::<K, 5>(wp, a, prefill, t, o),
-                    _ => tile_avx2::<K, TILE>(wp, a, prefill, t, o),
+                match nt - j {
+                    1 => tile_avx2::<K, 1>(wp, a, t, o),
+                    _ => tile_avx2::<K, 2>(wp, a, t, o),
                 }
-                j += take;
+                j += 2;
             }
         }
     });
@@ -753,25 +938,31 @@ mod tests {
             };
             assert_eq!(lazy, ahead, "{dtype}");
             // Spot checks of the layout itself: token 65 (block 1's first slice, 6 wide),
-            // lane 3's second column; token 62 (block 0's last slice, from 60, 4 wide).
+            // lane 3's second column; token 62 (block 0's last slice, from 60, 4 wide). Lanes
+            // sit in `lane_order`: lane 3 (quarter 3's first) at position 48.
             let np = cols / 64 * 64;
             if dtype == GgmlType::F16 {
                 assert_eq!(slice_of(65, nt), (64, TILE));
                 assert_eq!(slice_of(62, nt), (60, 4));
                 assert_eq!(slice_of(67, 68), (64, 4), "the batch's last slice");
                 let seg = np / 64;
+                let p3 = lane_position::<FLOAT_F16>(3);
+                assert_eq!(p3, 48);
                 let want = a.f[65 * cols + 64 + 3];
-                assert_eq!(lazy[64 * np + (3 * seg + 1) * TILE + 1], want);
+                assert_eq!(lazy[64 * np + (p3 * seg + 1) * TILE + 1], want);
                 assert_eq!(
-                    lazy[60 * np + (3 * seg + 1) * 4 + 2],
+                    lazy[60 * np + (p3 * seg + 1) * 4 + 2],
                     a.f[62 * cols + 64 + 3]
                 );
             }
             if dtype == GgmlType::BF16 {
-                // Lane 5 takes column 11, then 10, of each 64; one slice of 3 tokens.
+                // Lane 5 takes column 11, then 10, of each 64; one slice of 3 tokens. It sits at
+                // position 12 (quarter 1 from position 8: lanes 1, 17, 9, 25, 5, ...).
                 let seg = np / 32;
-                assert_eq!(lazy[(5 * seg) * nt + 2], a.f[2 * cols + 11]);
-                assert_eq!(lazy[(5 * seg + 1) * nt + 2], a.f[2 * cols + 10]);
+                let p5 = lane_position::<FLOAT_BF16>(5);
+                assert_eq!(p5, 12);
+                assert_eq!(lazy[(p5 * seg) * nt + 2], a.f[2 * cols + 11]);
+                assert_eq!(lazy[(p5 * seg + 1) * nt + 2], a.f[2 * cols + 10]);
             }
         }
     }

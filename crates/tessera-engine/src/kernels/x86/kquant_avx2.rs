@@ -176,7 +176,7 @@ unsafe fn q5k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                     _mm256_mul_ps(_mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
                 });
                 for k in 0..8 {
-                    if T <= 2 && h8 == 0 {
+                    if h8 == 0 {
                         prefetch_ahead(blk, x16, k, 8);
                     }
                     let h =
@@ -261,7 +261,7 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                 // The block sum per token.
                 let mut sums = [zero; T];
                 for c in 0..4 {
-                    if T <= 2 && h8 == 0 {
+                    if h8 == 0 {
                         prefetch_ahead(blk, x16, c, 4);
                     }
                     let sc_lo = scales_u8(blk.add(Q4K_SCALES + 32 * c + 8 * h8));
@@ -326,64 +326,197 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &mut [f32]) {
     check_k(w, Q6K_X16, a, t0, nt, out);
-    // SAFETY: bounds checked above; features guaranteed by the caller.
-    unsafe { tiles!(q6k_tile, Q6K_TILE; w, a, t0, nt, out) }
-}
-
-/// The offsets that Q6_K's `q − 32` adds to a lane, per token of a block of activations at
-/// `ys[j]`: for each half `n`, pair `kp` of quants and lane `l4` (`[n · 2 + kp][l4]`), the
-/// i16 pair `(32 · Σ y of run (n, 2kp, l4), 32 · Σ y of run (n, 2kp + 1, l4))` as one i32.
-/// Per 32 activations: `pmaddubsw` by 32 and `pmaddwd` by 1 give each run's sum (at most
-/// 32 · 4 · 128 = 2^14 in magnitude: an exact i16), one i32 per lane.
-#[inline(always)]
-unsafe fn q6k_offsets<const T: usize>(ys: &[*const i8; T]) -> [[[i32; 8]; 4]; T] {
-    // SAFETY: each `ys[j]` holds 256 readable bytes (caller); AVX2 enabled (caller).
-    unsafe {
-        let (c32, one) = (_mm256_set1_epi8(32), _mm256_set1_epi16(1));
-        let mut out = [[[0i32; 8]; 4]; T];
-        for (o, y) in out.iter_mut().zip(ys) {
-            // Runs (n, k, 0..8): activations 128n + 32k .. + 32.
-            let run = |v: usize| {
-                let yv = _mm256_loadu_si256(y.add(32 * v) as *const __m256i);
-                _mm256_madd_epi16(_mm256_maddubs_epi16(c32, yv), one)
-            };
-            for (p, o) in o.iter_mut().enumerate() {
-                let (lo, hi) = (run(2 * p), run(2 * p + 1));
-                let pair = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
-                _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, pair);
+    if nt < 3 {
+        // SAFETY: bounds checked above; features guaranteed by the caller.
+        return unsafe { tiles!(q6k_tile, Q6K_TILE; w, a, t0, nt, out) };
+    }
+    Q6K_WSUMS.with_borrow_mut(|ws| {
+        let nb = a.cols / 256;
+        ws.resize(nb * 16, [0; 8]);
+        // SAFETY: bounds checked above (w holds nb blocks, `ws` nb · 16 lanes; tokens t0..t0+nt
+        // in `a`); features guaranteed by the caller.
+        unsafe {
+            q6k_weight_sums(w.as_ptr(), nb, ws.as_mut_ptr() as *mut __m256i);
+            let ws = ws.as_ptr() as *const __m256i;
+            let (w, o) = (w.as_ptr(), out.as_mut_ptr());
+            let mut j = 0;
+            while j + Q6K_TILE <= nt {
+                q6k_tile_u8::<Q6K_TILE>(w, ws, a, t0 + j, o.add(j * GROUP));
+                j += Q6K_TILE;
+            }
+            let (t, o) = (t0 + j, o.add(j * GROUP));
+            match nt - j {
+                0 => {}
+                1 => q6k_tile::<1>(w, a, t, o),
+                2 => q6k_tile::<2>(w, a, t, o),
+                3 => q6k_tile_u8::<3>(w, ws, a, t, o),
+                4 => q6k_tile_u8::<4>(w, ws, a, t, o),
+                _ => q6k_tile_u8::<5>(w, ws, a, t, o),
             }
         }
-        out
+    });
+}
+
+thread_local! {
+    /// Each pool thread's buffer of a Q6_K group's weight sums ([`q6k_weight_sums`]).
+    static Q6K_WSUMS: std::cell::RefCell<Vec<[i32; 8]>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The 4 quant vectors `k` = 0..4 of a run position (n, l4) of 8 rows, as bytes 0..63 (`q +
+/// 32` of the signed quant), from its `ql` bytes `qa`, `qb` and its `qh` bytes `h`.
+#[inline(always)]
+unsafe fn q6k_unpack(qa: __m256i, qb: __m256i, h: __m256i) -> [__m256i; 4] {
+    // SAFETY: AVX2 enabled in every caller.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m3 = _mm256_set1_epi8(3);
+        let hb = |x: __m256i| _mm256_slli_epi16(_mm256_and_si256(x, m3), 4);
+        [
+            _mm256_or_si256(_mm256_and_si256(qa, m4), hb(h)),
+            _mm256_or_si256(_mm256_and_si256(qb, m4), hb(_mm256_srli_epi16(h, 2))),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
+                hb(_mm256_srli_epi16(h, 4)),
+            ),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                hb(_mm256_srli_epi16(h, 6)),
+            ),
+        ]
     }
 }
 
-/// `T` tokens of a Q6_K group: `pmaddubsw` of the unsigned quants (q + 32) per 4-element run
-/// (exact i16 pairs of `(q + 32)·y`), times the row's sub-block scale into lane `run % 8`,
-/// with the `32 · y` of the `− 32` taken off either per run (`pmaddubsw` of 32 and a
-/// subtraction) or, from 3 tokens on, per lane: each lane's `32 · Σ scale · y`
-/// ([`q6k_offsets`], a `pmaddwd` for two runs). Both give the integer lane sums of
-/// `scale · (q − 32) · y`, exact, so equal to the scalar kernel's. Per lane, the offsets cost
-/// a block's activation sums and 4 broadcasts per lane and token, which only wider tiles
-/// (prefill) win back: 1 thread, 256 × 1,024 in cache, 64 tokens 88–90 → 96–99 GFLOP/s, but
-/// 1 token 56 → 52–53 and 2 tokens 73 → 74–75 per run (so decode takes them per run, as it
-/// did before the wider tiles). Lane by lane: a lane's 8 runs (2 halves × 4 quants) are
+/// Per block `b`, row half `h8` and lane `l4` of a Q6_K group (`ws[(b · 2 + h8) · 8 + l4]`),
+/// each row's `128 · Σ scale · (q − 32)` over the lane's 8 runs: what [`q6k_tile_u8`] takes
+/// off each token's lane sum. Once per kernel call, for all its tokens.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m256i) {
+    // SAFETY: w holds nb interleaved blocks, ws nb · 16 vectors (caller); AVX2 enabled.
+    unsafe {
+        let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
+        let (c32, ones) = (_mm256_set1_epi8(32), _mm256_set1_epi8(1));
+        for b in 0..nb {
+            let blk = w.add(b * Q6K_X16);
+            for h8 in 0..2 {
+                let sc: [__m256i; 16] =
+                    std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
+                for l4 in 0..8 {
+                    let mut sum = _mm256_setzero_si256();
+                    for n in 0..2 {
+                        let run = blk.add(q6k_runs(n, l4) + 32 * h8);
+                        let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
+                        for (k, &qk) in q.iter().enumerate() {
+                            // Pair sums of the signed quants (|4 · 32| fits an i16).
+                            let p = _mm256_maddubs_epi16(ones, _mm256_sub_epi8(qk, c32));
+                            let s = sc[8 * n + 2 * k + l4 / 4];
+                            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
+                        }
+                    }
+                    ws.add((b * 2 + h8) * 8 + l4)
+                        .write_unaligned(_mm256_slli_epi32(sum, 7));
+                }
+            }
+        }
+    }
+}
+
+/// `T ≥ 3` tokens of a Q6_K group with the activations made unsigned: `pmaddubsw` of `y + 128`
+/// (each activation byte with its sign bit flipped) by the signed quants `q − 32` gives exact
+/// i16 pairs (at most 2 · 255 · 32 in magnitude), so a lane's runs sum to `Σ scale · (q − 32)
+/// · y` plus `128 · Σ scale · (q − 32)`, which depends on the weights alone and is taken off
+/// once per lane and token ([`q6k_weight_sums`], computed once per call). The same exact
+/// integer lane sums as [`q6k_tile`], so the same floats; where that kernel's per-lane
+/// offsets took 4 `pmaddwd` and 4 broadcasts per lane and token (a fifth of its multiplies)
+/// and the offsets of every block twice.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_tile_u8<const T: usize>(
+    w: *const u8,
+    ws: *const __m256i,
+    a: &QuantizedActs,
+    t: usize,
+    out: *mut f32,
+) {
+    let nb = a.cols / 256;
+    // SAFETY: the caller checked that w holds nb interleaved blocks, ws their sums and acts
+    // hold tokens t..t+T; AVX2/FMA/F16C enabled.
+    unsafe {
+        let c32 = _mm256_set1_epi8(32);
+        let flip = _mm256_set1_epi8(-128);
+        let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
+        // The tile's activations of one block, sign bits flipped (`y + 128` as u8).
+        let mut yu = [[0u8; 256]; T];
+        // Both row halves per block (each lane's float steps still in block order), so each
+        // block's activations are flipped once.
+        let mut accs = [[[_mm256_setzero_ps(); 8]; T]; 2];
+        for b in 0..nb {
+            let blk = w.add(b * Q6K_X16);
+            for (j, yu) in yu.iter_mut().enumerate() {
+                let y = a.qs.as_ptr().add((t + j) * a.cols + b * 256);
+                for v in 0..8 {
+                    let yv = _mm256_loadu_si256(y.add(32 * v) as *const __m256i);
+                    let p = yu.as_mut_ptr().add(32 * v) as *mut __m256i;
+                    _mm256_storeu_si256(p, _mm256_xor_si256(yv, flip));
+                }
+            }
+            for (h8, acc) in accs.iter_mut().enumerate() {
+                let sc: [__m256i; 16] =
+                    std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
+                let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
+                let d: [__m256; T] = std::array::from_fn(|j| {
+                    _mm256_mul_ps(_mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
+                });
+                for l4 in 0..8 {
+                    let mut lane = [_mm256_setzero_si256(); T];
+                    for n in 0..2 {
+                        let run = blk.add(q6k_runs(n, l4) + 32 * h8);
+                        let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
+                        for (k, &qk) in q.iter().enumerate() {
+                            let qs = _mm256_sub_epi8(qk, c32);
+                            let o = 128 * n + 32 * k + 4 * l4;
+                            let s = sc[8 * n + 2 * k + l4 / 4];
+                            for (lane, yu) in lane.iter_mut().zip(&yu) {
+                                let yk = yword(yu.as_ptr().add(o) as *const i8);
+                                let p = _mm256_maddubs_epi16(yk, qs);
+                                *lane = _mm256_add_epi32(*lane, _mm256_madd_epi16(p, s));
+                            }
+                        }
+                    }
+                    let wsum = ws.add((b * 2 + h8) * 8 + l4).read_unaligned();
+                    for j in 0..T {
+                        let l = _mm256_sub_epi32(lane[j], wsum);
+                        acc[j][l4] = _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(l), acc[j][l4]);
+                    }
+                }
+            }
+        }
+        for (h8, acc) in accs.iter().enumerate() {
+            for (j, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), lanes_sum!(acc));
+            }
+        }
+    }
+}
+
+/// `T` ≤ 2 tokens of a Q6_K group (decode; [`q6k_tile_u8`] takes 3 or more): `pmaddubsw` of
+/// the unsigned quants (q + 32) per 4-element run (exact i16 pairs of `(q + 32)·y`), less the
+/// `pmaddubsw` of 32 by the same activations, times the row's sub-block scale into lane
+/// `run % 8`: the integer lane sums of `scale · (q − 32) · y`, exact, so equal to the scalar
+/// kernel's. (Taking the `32 · y` off per lane instead measured 1 token 56 → 52–53 and 2 tokens
+/// 73 → 74–75 GFLOP/s, no better.) Lane by lane: a lane's 8 runs (2 halves × 4 quants) are
 /// summed in registers and its float step taken at once, so no lane sum goes through memory
 /// (the float steps are the scalar kernel's, each lane's in block order).
 #[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
     let nb = a.cols / 256;
-    // Per-lane offsets from 3 tokens on (see above); a constant per instantiation.
-    let lane_offsets = T > 2;
     // SAFETY: the caller checked that w holds nb interleaved blocks and acts hold tokens
     // t..t+T; AVX2/FMA/F16C enabled.
     unsafe {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m3 = _mm256_set1_epi8(3);
         let c32 = _mm256_set1_epi8(32);
         let zero = _mm256_setzero_si256();
         let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
-        let hb = |x: __m256i| _mm256_slli_epi16(_mm256_and_si256(x, m3), 4);
         for h8 in 0..2 {
             let mut acc = [[_mm256_setzero_ps(); 8]; T];
             for b in 0..nb {
@@ -392,61 +525,28 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                     std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
                 let sc: [__m256i; 16] =
                     std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
-                // The scales of runs (n, 2kp, l4) and (n, 2kp + 1, l4), sub-blocks
-                // 8n + 4kp + l4/4 and 2 on, as (s, s') pairs: `[l4 / 4][n · 2 + kp]`.
-                let scp: [[__m256i; 4]; 2] = std::array::from_fn(|c| {
-                    std::array::from_fn(|p| {
-                        let sub = 4 * p + c;
-                        _mm256_blend_epi16(sc[sub], sc[sub + 2], 0xAA)
-                    })
-                });
-                let offsets = if lane_offsets {
-                    q6k_offsets(&ys)
-                } else {
-                    [[[0; 8]; 4]; T]
-                };
                 let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
                 let d: [__m256; T] = std::array::from_fn(|j| {
                     _mm256_mul_ps(_mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
                 });
                 for l4 in 0..8 {
-                    if T <= 2 && h8 == 0 {
+                    if h8 == 0 {
                         prefetch_ahead(blk, Q6K_X16, l4, 8);
                     }
                     let mut lane = [zero; T];
                     for n in 0..2 {
                         let run = blk.add(q6k_runs(n, l4) + 32 * h8);
-                        let (qa, qb, h) = (load(run), load(run.add(64)), load(run.add(128)));
-                        let q = [
-                            _mm256_or_si256(_mm256_and_si256(qa, m4), hb(h)),
-                            _mm256_or_si256(_mm256_and_si256(qb, m4), hb(_mm256_srli_epi16(h, 2))),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
-                                hb(_mm256_srli_epi16(h, 4)),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                                hb(_mm256_srli_epi16(h, 6)),
-                            ),
-                        ];
+                        let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
                         for (k, &qk) in q.iter().enumerate() {
                             let o = 128 * n + 32 * k + 4 * l4;
                             let s = sc[8 * n + 2 * k + l4 / 4];
                             for (lane, y) in lane.iter_mut().zip(&ys) {
                                 let yk = yword(y.add(o));
-                                let mut p = _mm256_maddubs_epi16(qk, yk);
-                                if !lane_offsets {
-                                    p = _mm256_sub_epi16(p, _mm256_maddubs_epi16(c32, yk));
-                                }
+                                let p = _mm256_sub_epi16(
+                                    _mm256_maddubs_epi16(qk, yk),
+                                    _mm256_maddubs_epi16(c32, yk),
+                                );
                                 *lane = _mm256_add_epi32(*lane, _mm256_madd_epi16(p, s));
-                            }
-                        }
-                    }
-                    if lane_offsets {
-                        for (lane, off) in lane.iter_mut().zip(&offsets) {
-                            for (p, &scp) in scp[l4 / 4].iter().enumerate() {
-                                let o = _mm256_set1_epi32(off[p][l4]);
-                                *lane = _mm256_sub_epi32(*lane, _mm256_madd_epi16(scp, o));
                             }
                         }
                     }
