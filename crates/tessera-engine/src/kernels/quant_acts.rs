@@ -176,10 +176,11 @@ impl QuantizedActs {
                 });
             }
         }
-        // The AVX2 float kernels' prefill layout, built on the pool now rather than by the
-        // first kernel call on one thread (other ISAs never read it).
+        // The x86 float kernels' prefill layout (AVX-512 prefill runs the AVX2 tiles too),
+        // built on the pool now rather than by the first kernel call on one thread (other
+        // ISAs never read it).
         #[cfg(target_arch = "x86_64")]
-        if super::isa() == super::Isa::Avx2 {
+        if matches!(super::isa(), super::Isa::Avx2 | super::Isa::Avx512) {
             super::x86::prepare_lane_major(pool, &a);
         }
         a

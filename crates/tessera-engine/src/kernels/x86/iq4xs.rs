@@ -202,8 +202,18 @@ pub(super) unsafe fn iq4xs_group_avx512(
     check_group(w, a, t0, nt, out);
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
-        for j in 0..nt {
-            token_avx512(w.as_ptr(), a, t0 + j, out.as_mut_ptr().add(j * GROUP));
+        let (w, out) = (w.as_ptr(), out.as_mut_ptr());
+        // Prefill runs the AVX2 tiles, which share each unpack of the weights among TILE
+        // tokens (on a Zen 5 VM, prefill of 512 tokens: 253 tok/s capped at AVX2 against 191
+        // with this kernel alone); both equal the scalar kernel bit for bit.
+        let mut j = 0;
+        while j + TILE <= nt {
+            tile_avx2::<TILE>(w, a, t0 + j, out.add(j * GROUP));
+            j += TILE;
+        }
+        while j < nt {
+            token_avx512(w, a, t0 + j, out.add(j * GROUP));
+            j += 1;
         }
     }
 }
