@@ -71,23 +71,20 @@ fn one_board_streaming_is_priced_by_its_capped_disk_and_the_hit_rate_its_budget_
     let p = o.plan.predicted.decode_tokens_per_s;
     // Measured 5.4 tok/s; uniform routing (reuse 1) misses 78% of reads where it missed ~60%.
     assert!((p - 5.4).abs() < 0.35 * 5.4, "predicted {p}");
-    let mut uniform = g.clone();
-    uniform.policy.expert_reuse = 1.0;
-    let u = tessera_plan::plan(&m, &uniform, 1)
-        .unwrap()
-        .plan
-        .predicted
-        .decode_tokens_per_s;
+    let with_reuse = |reuse: f64| {
+        let mut g = g.clone();
+        g.policy.expert_reuse = reuse;
+        tessera_plan::plan(&m, &g, 1)
+            .unwrap()
+            .plan
+            .predicted
+            .decode_tokens_per_s
+    };
+    let u = with_reuse(1.0);
     assert!(u < p / 1.2, "uniform {u}, with reuse {p}");
     // The same board with the random model's routing (its greedy text repeats a few tokens:
     // reuse 10, calibrated on it) measured 52-59 tok/s: ten times faster on the same caps.
-    let mut looping = g.clone();
-    looping.policy.expert_reuse = 10.0;
-    let l = tessera_plan::plan(&m, &looping, 1)
-        .unwrap()
-        .plan
-        .predicted
-        .decode_tokens_per_s;
+    let l = with_reuse(10.0);
     assert!(l > 5.0 * p, "looping {l}, walking {p}");
 }
 

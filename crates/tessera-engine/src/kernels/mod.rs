@@ -263,8 +263,8 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
 fn kernel_and_path(isa: Isa, dtype: GgmlType) -> (GroupFn, Isa) {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Scalar {
-        if let Some(f) = x86::kernel(isa, dtype) {
-            return (f, isa);
+        if let Some(picked) = x86::kernel(isa, dtype) {
+            return picked;
         }
     }
     #[cfg(target_arch = "aarch64")]
