@@ -493,15 +493,6 @@ type LaneAcc<const T: usize> = [[[__m256; 2]; T]; 64];
 /// (twice), BF16 the two partial sums that the scalar kernel adds in f64.
 type Reduced<const T: usize> = ([[__m256; 2]; T], [[__m256; 2]; T]);
 
-/// `scalar::reduce16` of `f(0..16)`, each `f(i)` computed once, in an order that keeps only a
-/// few partial sums alive: `i, i + 8, i + 4, i + 12` for `i` = 0, 2, 1, 3, as the tree adds
-/// them. One call site for `f` (a loop, not sixteen inlined copies of the lane passes).
-#[inline(always)]
-fn reduce16_by<X: Copy>(mut f: impl FnMut(usize) -> X, add: impl Fn(X, X) -> X) -> X {
-    let s4: [X; 4] = std::array::from_fn(|i| reduce16_quarter(i, &mut f, &add));
-    reduce16_top(s4, add)
-}
-
 /// Quarter `i` (0..4) of `scalar::reduce16`'s tree: `(f(i) + f(i + 8)) + (f(i + 4) + f(i +
 /// 12))`, `f` called in that order.
 #[inline(always)]
@@ -523,31 +514,31 @@ fn reduce16_top<X: Copy>(s4: [X; 4], add: impl Fn(X, X) -> X) -> X {
 }
 
 /// What `scalar::float_row` makes of its lanes, each lane's accumulators `lane(l)` computed
-/// once, as [`reduce16_by`] asks for them: F32/F16 the row sums of `(lane i + lane 32+i) +
-/// (lane 16+i + lane 48+i)` (twice); BF16 the two partial sums of lanes `i` and `16 + i`,
-/// which the scalar kernel adds in f64.
+/// once: the four quarters' partial sums ([`quarter_lanes`], in the scalar tree's order: each
+/// `f(i)` once, few partial sums alive) added by the top of the tree ([`reduce16_top`]). F32/F16
+/// the row sums of `(lane i + lane 32+i) + (lane 16+i + lane 48+i)` (twice); BF16 the two
+/// partial sums of lanes `i` and `16 + i`, which the scalar kernel adds in f64.
 #[inline(always)]
 unsafe fn reduce_lanes<const K: u8, const T: usize>(
     mut lane: impl FnMut(usize) -> [[__m256; 2]; T],
 ) -> Reduced<T> {
     // SAFETY: AVX is enabled in every caller.
     unsafe {
-        let add = |a: [[__m256; 2]; T], b: [[__m256; 2]; T]| -> [[__m256; 2]; T] {
-            std::array::from_fn(|j| std::array::from_fn(|h| _mm256_add_ps(a[j][h], b[j][h])))
-        };
+        let q: [Reduced<T>; 4] = std::array::from_fn(|q| quarter_lanes::<K, T>(q, &mut lane));
+        let first = reduce16_top(q.map(|r| r.0), add_acc::<T>);
         if K == FLOAT_BF16 {
-            reduce16_by(
-                |i| (lane(i), lane(16 + i)),
-                |a, b| (add(a.0, b.0), add(a.1, b.1)),
-            )
+            (first, reduce16_top(q.map(|r| r.1), add_acc::<T>))
         } else {
-            let r = reduce16_by(
-                |i| add(add(lane(i), lane(32 + i)), add(lane(16 + i), lane(48 + i))),
-                add,
-            );
-            (r, r)
+            (first, first)
         }
     }
+}
+
+/// Lane accumulators added token by token and row half by row half.
+#[inline(always)]
+fn add_acc<const T: usize>(a: [[__m256; 2]; T], b: [[__m256; 2]; T]) -> [[__m256; 2]; T] {
+    // SAFETY: AVX is enabled in every caller (this is only inlined into them).
+    std::array::from_fn(|j| std::array::from_fn(|h| unsafe { _mm256_add_ps(a[j][h], b[j][h]) }))
 }
 
 /// Quarter `q` of [`reduce_lanes`]: its tree's partial sum over the lanes `q + 4k` (and, F32/F16,
@@ -558,25 +549,20 @@ unsafe fn quarter_lanes<const K: u8, const T: usize>(
     q: usize,
     mut lane: impl FnMut(usize) -> [[__m256; 2]; T],
 ) -> Reduced<T> {
-    // SAFETY: AVX is enabled in every caller.
-    unsafe {
-        let add = |a: [[__m256; 2]; T], b: [[__m256; 2]; T]| -> [[__m256; 2]; T] {
-            std::array::from_fn(|j| std::array::from_fn(|h| _mm256_add_ps(a[j][h], b[j][h])))
-        };
-        if K == FLOAT_BF16 {
-            reduce16_quarter(
-                q,
-                |i| (lane(i), lane(16 + i)),
-                |a, b| (add(a.0, b.0), add(a.1, b.1)),
-            )
-        } else {
-            let r = reduce16_quarter(
-                q,
-                |i| add(add(lane(i), lane(32 + i)), add(lane(16 + i), lane(48 + i))),
-                add,
-            );
-            (r, r)
-        }
+    let add = add_acc::<T>;
+    if K == FLOAT_BF16 {
+        reduce16_quarter(
+            q,
+            |i| (lane(i), lane(16 + i)),
+            |a, b| (add(a.0, b.0), add(a.1, b.1)),
+        )
+    } else {
+        let r = reduce16_quarter(
+            q,
+            |i| add(add(lane(i), lane(32 + i)), add(lane(16 + i), lane(48 + i))),
+            add,
+        );
+        (r, r)
     }
 }
 
