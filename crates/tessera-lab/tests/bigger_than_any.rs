@@ -4,9 +4,9 @@
 //! each board's memory bandwidth and compute from the machine's decode of the model (one
 //! decoder alone: 179-192 tok/s), its disk under the eMMC cap (300 MB/s), links of 0.30 ms as
 //! the nodes measured them, the machine the boards share (0.9 cores' worth when all four decode
-//! in the quieter runs), and the routing reuse the streaming boards implied (1.8-2.2: the walk
-//! model's greedy text never repeats a token). Measured in those runs: one board streaming 5.4
-//! tok/s, the ring of four boards 120-130. The model is bench-qwen3moe's geometry from its
+//! in the quieter runs), and the routing reuse fitted to every cache that streamed in the runs
+//! of 2026-12-05 (1.02-1.30: the walk model's greedy text never repeats a token). Measured in
+//! those runs: one board streaming 5.4 tok/s, the ring of four boards 120-132. The model is bench-qwen3moe's geometry from its
 //! config (the 724 MiB file is not in the repository).
 
 use std::path::PathBuf;
@@ -63,14 +63,15 @@ fn best_single(m: &ModelProfile, g: &ResourceGraph) -> f64 {
 fn one_board_streaming_is_priced_by_its_capped_disk_and_the_hit_rate_its_budget_allows() {
     let (m, g) = measured(1);
     assert_eq!(
-        g.policy.expert_reuse, 2.0,
-        "the scenario's calibrated reuse"
+        g.policy.expert_reuse, 1.1,
+        "the reuse the lab fitted to every streaming cache"
     );
     let o = tessera_plan::plan(&m, &g, 1).unwrap();
     assert_eq!(o.plan.strategy, StrategyKind::Single);
     let p = o.plan.predicted.decode_tokens_per_s;
-    // Measured 5.4 tok/s; uniform routing (reuse 1) misses 78% of reads where it missed ~60%.
-    assert!((p - 5.4).abs() < 0.35 * 5.4, "predicted {p}");
+    // Measured 5.4 tok/s in every run, reading 64% of its lookups from disk where 78% of its
+    // experts were: a little faster than a reuse fitted to the homes too (1.1) prices it.
+    assert!(p < 5.4 && p > 0.8 * 5.4, "predicted {p}");
     let with_reuse = |reuse: f64| {
         let mut g = g.clone();
         g.policy.expert_reuse = reuse;
@@ -80,8 +81,10 @@ fn one_board_streaming_is_priced_by_its_capped_disk_and_the_hit_rate_its_budget_
             .predicted
             .decode_tokens_per_s
     };
-    let u = with_reuse(1.0);
-    assert!(u < p / 1.2, "uniform {u}, with reuse {p}");
+    // Fitted on this board alone (1.8) it would be priced as measured, and the homes of the
+    // splits at twice what they measured.
+    let alone = with_reuse(1.8);
+    assert!((alone - 5.4).abs() < 0.15 * 5.4, "reuse 1.8: {alone}");
     // The same board with the random model's routing (its greedy text repeats a few tokens:
     // reuse 10, calibrated on it) measured 52-59 tok/s: ten times faster on the same caps.
     let l = with_reuse(10.0);

@@ -86,7 +86,7 @@ pub use cost::{
     expert_miss_share, usable_memory, MAX_EXPERT_REUSE, PREFILL_UBATCH, RUNTIME_OVERHEAD_RAM,
     RUNTIME_OVERHEAD_VRAM,
 };
-pub use expert_reuse::calibrate_expert_reuse;
+pub use expert_reuse::{fit_expert_reuse, CacheMeasurement};
 pub use explain::render_text;
 pub use model::{LayerProfile, ModelError, ModelProfile, Quant};
 pub use plan::{

@@ -197,12 +197,14 @@ fn four_arm_boards_with_a_moe_larger_than_their_ram_split_experts_onto_disk_by_b
         .find(|s| s.strategy == StrategyKind::Stage)
         .map(|s| s.decode_tokens_per_s)
         .unwrap_or(0.0);
-    assert!(o.plan.predicted.decode_tokens_per_s > 1.5 * stage);
-    // And beats streaming everything from one board's disk.
+    // By less than the four disks would add: each layer waits for the board its token reads
+    // most experts from, not for the boards' average (`cost::slowest_owner`): 1.30x here.
+    assert!(o.plan.predicted.decode_tokens_per_s > 1.2 * stage);
+    // And beats streaming everything from the fastest board's disk (1.48x).
     let mut only_single = g.clone();
     only_single.policy.strategies = vec![StrategyKind::Single];
     let single = plan(&m, &only_single, 1).unwrap();
-    assert!(o.plan.predicted.decode_tokens_per_s > 2.0 * single.plan.predicted.decode_tokens_per_s);
+    assert!(o.plan.predicted.decode_tokens_per_s > 1.3 * single.plan.predicted.decode_tokens_per_s);
 }
 
 /// (c) Eight laptops over a 40 ms WAN, serving eight concurrent requests: each laptop holds the whole
@@ -534,7 +536,11 @@ fn example_cluster_files_parse_and_plan() {
 }
 
 /// The bundled configs of the MoE models people pool machines for plan on the mixed home
-/// cluster: split by experts (too large for any one machine), within every budget.
+/// cluster within every budget, each with an expert split priced; the two that fit in no
+/// machine's memory nor in the ring's (DeepSeek V3, GLM 4.5: disk-bound) split by experts, the
+/// disks read at once. The others fit a stage ring in memory, which beats an expert split there:
+/// each of an expert split's 36-48 MoE layers waits for the owners its token reaches, and the
+/// laptop's 4 ms link, reached in some layer of most tokens, costs a whole round trip there.
 #[test]
 fn bundled_gpt_oss_deepseek_glm_and_llama_4_configs_plan_as_expert_splits() {
     let g = ResourceGraph::from_toml(include_str!("../clusters/home-mixed.toml")).unwrap();
@@ -560,7 +566,14 @@ fn bundled_gpt_oss_deepseek_glm_and_llama_4_configs_plan_as_expert_splits() {
         let m = tessera_plan::ModelProfile::from_hf_config(text, Quant::Q4_K).unwrap();
         let o = plan(&m, &g, 1).unwrap_or_else(|e| panic!("{name}: {e}"));
         within_budgets(&o, &g);
-        let json = o.to_json();
-        assert_eq!(json["strategy"].as_str(), Some("expert"), "{name}: {json}");
+        let expert_split = o.plan.strategy == StrategyKind::Expert
+            || o.explanation
+                .alternatives
+                .iter()
+                .any(|a| a.strategy == StrategyKind::Expert && a.decode_tokens_per_s > 0.0);
+        assert!(expert_split, "{name}: no expert split priced");
+        if matches!(name, "deepseek-v3" | "glm-4.5") {
+            assert_eq!(o.plan.strategy, StrategyKind::Expert, "{name}");
+        }
     }
 }

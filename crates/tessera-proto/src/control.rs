@@ -197,6 +197,19 @@ pub struct PhaseStats {
     /// Bytes of those requests and replies (frame headers included).
     #[serde(default)]
     pub expert_bytes: u64,
+    /// This stage's own streamed experts in those steps (expert streaming only; a step of
+    /// several sequences shares its counts among them): expert lookups, ...
+    #[serde(default)]
+    pub expert_lookups: u64,
+    /// ... those the computation read from disk (misses), ...
+    #[serde(default)]
+    pub expert_misses: u64,
+    /// ... the bytes read from disk (misses and prefetches), ...
+    #[serde(default)]
+    pub expert_disk_bytes: u64,
+    /// ... and the time the computation waited for reads, ns.
+    #[serde(default)]
+    pub expert_read_wait_ns: u64,
 }
 
 /// What one stage did for one sequence, reported when the sequence is closed.
@@ -396,7 +409,9 @@ pub enum NodeToCoord {
     Trace(BoundaryTrace),
     Closed {
         seq: u64,
-        stats: StageSeqStats,
+        /// Boxed: the statistics are most of the message's size, and every other message
+        /// would carry their room.
+        stats: Box<StageSeqStats>,
     },
     Inventory(Box<Inventory>),
     /// The node is alive (renews its lease; see [`CoordToNode::Lease`]).

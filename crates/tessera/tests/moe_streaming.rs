@@ -155,6 +155,16 @@ fn streamed_experts_match_one_process(name: &str) {
         .map(|st| st["decode"]["expert_round_trips"].as_u64().unwrap_or(0))
         .sum();
     assert!(trips > 0, "no expert requests in {report}");
+    // The home stage's own streamed experts, counted over the sequence's decode steps: every
+    // step looks its experts up, its budget holds about two, so some are read from disk.
+    let home = &report["stage_stats"][0]["decode"];
+    let (lookups, misses) = (
+        home["expert_lookups"].as_u64().unwrap(),
+        home["expert_misses"].as_u64().unwrap(),
+    );
+    assert!(lookups > 0, "{report}");
+    assert!(misses > 0 && misses <= lookups, "{report}");
+    assert!(home["expert_disk_bytes"].as_u64().unwrap() > 0, "{report}");
 
     // Heartbeats carry each node's expert-cache counters to the coordinator (an `expert_cache`
     // event whenever they change): the expert-only node's, and the home stage's for its own

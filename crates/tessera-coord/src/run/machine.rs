@@ -550,7 +550,7 @@ impl RunMachine {
                                 .iter()
                                 .position(|s| s.node_id == from)
                                 .unwrap_or(stats.stage);
-                            self.stats.insert(stage, stats);
+                            self.stats.insert(stage, *stats);
                         }
                         NodeToCoord::Trace(t) => out.push(Output::Event(RunEvent::Trace(t))),
                         _ => {}

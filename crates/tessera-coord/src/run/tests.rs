@@ -137,10 +137,10 @@ fn finished(seq: u64, reason: FinishReason, error: Option<&str>) -> NodeToCoord 
 fn closed(seq: u64, stage: usize) -> NodeToCoord {
     NodeToCoord::Closed {
         seq,
-        stats: StageSeqStats {
+        stats: Box::new(StageSeqStats {
             stage,
             ..Default::default()
-        },
+        }),
     }
 }
 

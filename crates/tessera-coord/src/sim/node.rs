@@ -176,10 +176,10 @@ impl SimNode {
                 self.seqs.remove(&seq);
                 vec![Reply(NodeToCoord::Closed {
                     seq,
-                    stats: StageSeqStats {
+                    stats: Box::new(StageSeqStats {
                         stage,
                         ..Default::default()
-                    },
+                    }),
                 })]
             }
             CoordToNode::Welcome { .. }

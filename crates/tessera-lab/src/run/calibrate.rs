@@ -2,8 +2,9 @@
 //! that ran showed, in steps, each on the graph the steps before it left.
 //!
 //! 1. Every single-node run (else the first plan that ran) calibrates the graph
-//!    (`tessera_plan::calibrate`): each is the evidence on its own node. A node streaming
-//!    experts from its disk is not: its time is the disk's as much as the node's.
+//!    (`tessera_plan::calibrate`): each is the evidence on its own node. A plan streaming
+//!    experts from a disk is not (a single node, or an expert split whose home or owners
+//!    stream): its time is the disk's as much as the nodes'.
 //! 2. Each node no reference ran on is calibrated from its own stage in the first other plan
 //!    that ran on it (`tessera_plan::calibrate_nodes`).
 //! 3. The runtime's cost per token is the median of the references' (one throttled host does
@@ -14,8 +15,10 @@
 //! 5. The rings that ran each imply a cost per hop (`tessera_plan::calibrate_hop_overhead`):
 //!    the graph takes their median, and each ring's own row the others' figure.
 //! 6. Where the machine was measured again just before the cells ran, its cores are that.
-//! 7. A single node that streamed experts from its disk gives how much the routing reuses
-//!    experts (`tessera_plan::calibrate_expert_reuse`): the hit rate its cache reached.
+//! 7. Every node that streamed experts from its disk (a single node, an expert split's home)
+//!    measured its cache: the share of its lookups it read from disk, against the share of its
+//!    experts the plan left there. How much the routing reuses experts is fitted to all of them
+//!    at once (`tessera_plan::fit_expert_reuse`).
 
 use tessera_plan::{
     calibrate, HopMeasurement, Measurement, ResourceGraph, StageMeasurement, StrategyKind,
@@ -102,10 +105,15 @@ impl<'a> Runs<'a> {
         self.candidates[i].plan.strategy == StrategyKind::Single
     }
 
-    /// Whether candidate `i` streamed experts from a disk: its time is the disk's and the
-    /// expert cache's as much as the node's compute, so it is no reference for the node's rates.
+    /// Whether candidate `i` streamed experts from a disk (any of its nodes): its time is the
+    /// disk's and the expert cache's as much as the nodes' compute, so it is no reference for
+    /// their rates.
     fn streams(&self, i: usize) -> bool {
         self.candidates[i].streams.is_some()
+            || self.candidates[i]
+                .plan
+                .assignments()
+                .any(|a| a.memory.disk.0 > 0)
     }
 }
 
@@ -312,44 +320,51 @@ impl Calibration {
         }
     }
 
-    /// Step 7: how much the workload's routing reuses experts, from the single nodes that
-    /// streamed experts from their disks (on the graph the steps before calibrated: what is
-    /// left of their error is the expert cache's): the median of the reuse each implies
-    /// ([`tessera_plan::calibrate_expert_reuse`]).
+    /// Step 7: how much the workload's routing reuses experts, fitted to the caches of every
+    /// node that streamed experts in the runs (`tessera_plan::fit_expert_reuse`), one line each.
     fn expert_reuse(&mut self, runs: &Runs, graph: &ResourceGraph, ran: &[usize]) {
-        let base = self.graph.clone().unwrap_or_else(|| graph.clone());
-        let mut found = Vec::new();
-        for &i in ran
-            .iter()
-            .filter(|&&i| runs.streams(i) && runs.is_single(i))
-        {
+        let mut caches = Vec::new();
+        for &i in ran {
             let (Some(m), plan) = (runs.ok(i), &runs.candidates[i].plan) else {
                 continue;
             };
-            let measured = m.figures.decode_tokens_per_s;
-            if let Some(r) = tessera_plan::calibrate_expert_reuse(runs.model, &base, plan, measured)
-            {
+            for st in super::report::StageStreaming::of(&m.report) {
+                let Some(c) = tessera_plan::CacheMeasurement::of(
+                    runs.model,
+                    plan,
+                    &st.node,
+                    st.lookups_per_token,
+                    st.disk_mib_per_token * (1 << 20) as f64,
+                ) else {
+                    continue;
+                };
                 self.corrections.push(format!(
-                    "routing reuse {r:.2} from {}: measured {measured:.1} tok/s streaming (a cache \
-                     keeping {:.0}% of the experts misses {:.1}% of reads at it, {:.0}% by \
-                     chance)",
+                    "expert cache of {} in {}: {:.0}% of its experts on disk, {:.1}% of its \
+                     lookups read from disk",
+                    st.node,
                     describe(plan),
-                    kept_share(runs.model, plan) * 100.0,
-                    tessera_plan::expert_miss_share(1.0 - kept_share(runs.model, plan), r) * 100.0,
-                    (1.0 - kept_share(runs.model, plan)) * 100.0,
+                    c.on_disk * 100.0,
+                    c.missed * 100.0
                 ));
-                found.push(r);
+                caches.push(c);
             }
         }
-        if found.is_empty() {
+        let Some(reuse) = tessera_plan::fit_expert_reuse(&caches) else {
             return;
-        }
+        };
+        let base = self.graph.clone().unwrap_or_else(|| graph.clone());
+        self.corrections.push(format!(
+            "routing reuse {:.2} → {reuse:.2}: fitted to the {} expert cache(s) above (a cache \
+             leaving a share d of its experts on disk reads d^reuse of its lookups there)",
+            base.policy.expert_reuse,
+            caches.len()
+        ));
         if self.graph.is_none() {
             self.on
-                .push("the streaming runs' routing reuse only".into());
+                .push("the streaming runs' expert caches only".into());
         }
         let mut g = base;
-        g.policy.expert_reuse = median(found);
+        g.policy.expert_reuse = reuse;
         self.graph = Some(g);
     }
 
@@ -368,20 +383,6 @@ impl Calibration {
             ));
         }
     }
-}
-
-/// The share of the model's experts a one-node plan keeps in memory.
-fn kept_share(model: &tessera_plan::ModelProfile, plan: &tessera_plan::Plan) -> f64 {
-    let experts: u64 = model
-        .layers
-        .iter()
-        .map(|l| l.expert.0 * u64::from(l.n_expert))
-        .sum();
-    let disk: u64 = plan.assignments().map(|a| a.memory.disk.0).sum();
-    if experts == 0 {
-        return 1.0;
-    }
-    1.0 - (disk as f64 / experts as f64).min(1.0)
 }
 
 /// The cost per hop each ring that ran implies on `graph` (its nodes calibrated on single-node

@@ -50,7 +50,7 @@ use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::scenario::Scenario;
 pub use plans::{describe, Force};
-pub use report::{table, Figures, LinkReport, Report, Row, Speculation, TextCheck};
+pub use report::{table, Figures, LinkReport, Report, Row, Speculation, StageStreaming, TextCheck};
 use session::{Mode, Session};
 
 /// Tokens of the warm-up request, and of the short request whose traffic is subtracted from
@@ -393,6 +393,10 @@ fn rows(
         .zip(measured)
         .enumerate()
         .map(|(k, (c, m))| {
+            let streaming = match &m {
+                Some(Ok(m)) => report::StageStreaming::of(&m.report),
+                _ => Vec::new(),
+            };
             let (measured, note, text, speculation) = match (&c.placement, m) {
                 (Err(why), _) => (None, Some(why.clone()), None, None),
                 (_, Some(Ok(m))) => (
@@ -439,6 +443,7 @@ fn rows(
                 calibrated_error: None,
                 text,
                 speculation,
+                streaming,
             }
         })
         .collect()

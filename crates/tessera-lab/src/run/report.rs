@@ -193,6 +193,60 @@ pub struct Row {
     pub text: Option<TextCheck>,
     /// The same requests speculating, where the workload asks (or why they failed).
     pub speculation: Option<std::result::Result<Speculation, String>>,
+    /// Each stage that streamed experts from its disk in the measured run's decode.
+    pub streaming: Vec<StageStreaming>,
+}
+
+/// What a stage's expert cache did over a measured request's decode: the figures that decide
+/// a node streaming experts (and what the planner's hit-rate model is checked against).
+#[derive(Debug, Clone, Serialize)]
+pub struct StageStreaming {
+    pub node: String,
+    /// Expert lookups a decode token, and the share served from memory.
+    pub lookups_per_token: f64,
+    pub hit_rate: f64,
+    /// Bytes read from disk a decode token (misses and prefetches), MiB.
+    pub disk_mib_per_token: f64,
+    /// Time the computation waited for reads a decode token, ms.
+    pub read_wait_ms_per_token: f64,
+}
+
+impl StageStreaming {
+    /// The streaming stages of `report`'s decode.
+    pub fn of(report: &tessera_proto::RunReport) -> Vec<Self> {
+        report
+            .stage_stats
+            .iter()
+            .filter(|s| s.decode.expert_lookups > 0)
+            .map(|s| {
+                let d = &s.decode;
+                let per_token = |x: f64| x / d.steps.max(1) as f64;
+                Self {
+                    node: report
+                        .stages
+                        .iter()
+                        .find(|p| p.stage == s.stage)
+                        .map_or_else(|| format!("stage {}", s.stage), |p| p.name.clone()),
+                    lookups_per_token: per_token(d.expert_lookups as f64),
+                    hit_rate: 1.0 - d.expert_misses as f64 / d.expert_lookups as f64,
+                    disk_mib_per_token: per_token(d.expert_disk_bytes as f64) / (1 << 20) as f64,
+                    read_wait_ms_per_token: per_token(d.expert_read_wait_ns as f64) / 1e6,
+                }
+            })
+            .collect()
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "{} streamed experts: {:.1} lookups a token, {:.0}% from memory, {:.2} MiB read \
+             and {:.1} ms waiting for reads a token",
+            self.node,
+            self.lookups_per_token,
+            self.hit_rate * 100.0,
+            self.disk_mib_per_token,
+            self.read_wait_ms_per_token
+        )
+    }
 }
 
 /// One link between two nodes: imposed by the lab, and as measured for the planner.
@@ -395,6 +449,9 @@ pub fn table(r: &Report) -> String {
             Some(Err(e)) => s.push_str(&format!("{:<9} speculating failed: {e}\n", "")),
             None => {}
         }
+        for st in &row.streaming {
+            s.push_str(&format!("{:<9} {}\n", "", st.line()));
+        }
         if let Some(d) = row.text.as_ref().and_then(|t| t.differing.as_ref()) {
             s.push_str(&format!(
                 "{:<9} TEXT DIFFERS from one process's ({} of {} identical): {d:?}\n",
@@ -508,6 +565,7 @@ mod tests {
             calibrated_error: None,
             text: None,
             speculation: None,
+            streaming: Vec::new(),
         }
     }
 

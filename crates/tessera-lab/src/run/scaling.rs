@@ -182,6 +182,7 @@ mod tests {
             calibrated_error: None,
             text: measured.map(|_| TextCheck::of(&["t".into()], "t")),
             speculation: None,
+            streaming: Vec::new(),
         }
     }
 

@@ -175,7 +175,10 @@ pub(super) fn worker_loop(
                     .and_then(|h| h.stage.close(seq, &keep))
                     .unwrap_or_default();
                 stats.hop = Box::new(ledger.take(seq));
-                let _ = ctrl.send(NodeToCoord::Closed { seq, stats });
+                let _ = ctrl.send(NodeToCoord::Closed {
+                    seq,
+                    stats: Box::new(stats),
+                });
             }
             WorkerMsg::Start(seq, reuse) => {
                 let Some(h) = stages

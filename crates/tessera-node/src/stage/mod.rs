@@ -549,6 +549,7 @@ impl Stage {
             })
             .collect();
         let traffic_before = self.expert_traffic();
+        let cache_before = self.model.expert_stats();
         let result = {
             let mut kvs: Vec<&mut KvCache> = states.iter_mut().map(|s| &mut s.kv).collect();
             match self.remote.as_mut() {
@@ -575,6 +576,7 @@ impl Stage {
                 now.bytes - traffic_before.bytes,
             )
         };
+        let cache = ExpertCacheDelta::between(cache_before, self.model.expert_stats());
         if let Err(e) = result {
             for mut s in states {
                 s.broken = true;
@@ -629,6 +631,7 @@ impl Stage {
             phase.compute_ns += compute_ns / entries.len() as u64;
             phase.expert_round_trips += traffic.0;
             phase.expert_bytes += traffic.1;
+            cache.share(entries.len() as u64).add_to(phase);
         }
         if !is_last {
             let header = StepHeader {
@@ -659,6 +662,51 @@ impl Stage {
             sink(o);
         }
         Ok(())
+    }
+}
+
+/// What a step did to the stage's streamed experts: the store's counters after it less those
+/// before (all zero when the stage streams none).
+#[derive(Clone, Copy, Default)]
+struct ExpertCacheDelta {
+    lookups: u64,
+    misses: u64,
+    disk_bytes: u64,
+    read_wait_ns: u64,
+}
+
+impl ExpertCacheDelta {
+    fn between(
+        before: Option<tessera_engine::expert_store::ExpertStats>,
+        after: Option<tessera_engine::expert_store::ExpertStats>,
+    ) -> Self {
+        let (Some(b), Some(a)) = (before, after) else {
+            return Self::default();
+        };
+        Self {
+            lookups: a.lookups.saturating_sub(b.lookups),
+            misses: a.misses.saturating_sub(b.misses),
+            disk_bytes: a.bytes_read.saturating_sub(b.bytes_read),
+            read_wait_ns: a.read_wait_us.saturating_sub(b.read_wait_us) * 1_000,
+        }
+    }
+
+    /// One of `n` sequences' share of a step's counts (as compute time is shared).
+    fn share(self, n: u64) -> Self {
+        let n = n.max(1);
+        Self {
+            lookups: self.lookups / n,
+            misses: self.misses / n,
+            disk_bytes: self.disk_bytes / n,
+            read_wait_ns: self.read_wait_ns / n,
+        }
+    }
+
+    fn add_to(self, phase: &mut tessera_proto::PhaseStats) {
+        phase.expert_lookups += self.lookups;
+        phase.expert_misses += self.misses;
+        phase.expert_disk_bytes += self.disk_bytes;
+        phase.expert_read_wait_ns += self.read_wait_ns;
     }
 }
 

@@ -4,7 +4,7 @@
 //! as any other, every token) it misses `d` of its expert reads. Real routing repeats experts
 //! (a few are hot, consecutive tokens pick alike), and a cache keeping the recently and often
 //! used ones misses less: `d^reuse`, with `reuse` ≥ 1 the workload's ([`Policy::expert_reuse`],
-//! calibrated from a streaming run: `crate::calibrate::calibrate_expert_reuse`).
+//! fitted to what streaming nodes' caches measured: `crate::fit_expert_reuse`).
 //!
 //! [`Policy::expert_reuse`]: crate::resources::Policy::expert_reuse
 

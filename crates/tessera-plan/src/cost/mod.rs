@@ -11,6 +11,7 @@
 
 mod hit_rate;
 mod memory;
+mod slowest_owner;
 mod step;
 mod throughput;
 

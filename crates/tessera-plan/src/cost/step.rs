@@ -3,6 +3,7 @@
 //! from memory placement, which decides where the bytes are, not how long they take.
 
 use super::memory::{Placement, TierKind, TierUse};
+use super::slowest_owner::{expected_slowest, OwnerLayer};
 use super::{Ctx, TOKEN_WIRE_BYTES};
 use crate::plan::{Assignment, CellKind, HopTerms, StageTerms, Terms};
 use crate::resources::LinkSpec;
@@ -90,6 +91,28 @@ impl Placement {
     }
 }
 
+impl Placement {
+    /// The share of this node's routed experts read from disk first: its experts' share left
+    /// on disk, as its cache misses it.
+    pub(super) fn expert_miss_share(&self) -> f64 {
+        let (mut all, mut disk) = (0.0, 0.0);
+        for t in &self.tiers {
+            for (c, f) in &t.parts {
+                if c.expert_p.is_some() {
+                    all += c.resident * f;
+                    if t.kind == TierKind::Disk {
+                        disk += c.resident * f;
+                    }
+                }
+            }
+        }
+        if all <= 0.0 {
+            return 0.0;
+        }
+        super::hit_rate::expert_miss_share(disk / all, self.expert_reuse)
+    }
+}
+
 /// A hop's time: per crossing, half the link's round trip, the software's cost of a hop
 /// (`overhead`, see [`ResourceGraph::hop_overhead_s`]) and the transfer of `bytes`.
 ///
@@ -146,6 +169,45 @@ pub(crate) fn contact_probability(n: u32, used: u32, owned: usize, tokens: f64) 
 /// The expected share of a step's token rows an owner of `owned` experts receives.
 fn routed_share(n: u32, used: u32, owned: usize) -> f64 {
     contact_probability(n, used, owned, 1.0)
+}
+
+/// One owner's part of a MoE layer for one token, from its experts' mean terms per layer `e`
+/// (whose disk term is its reads of the experts its cache misses) and `contact`, the time a
+/// request to it adds (0 for the home).
+fn owner_layer(
+    p: &Placement,
+    e: Terms,
+    n: u32,
+    used: u32,
+    owned: usize,
+    contact: f64,
+) -> OwnerLayer {
+    // The experts a token routes to the owner on average, and those it reads from disk.
+    let routed = f64::from(used) * owned as f64 / f64::from(n.max(1));
+    let miss_share = p.expert_miss_share();
+    let missed = routed * miss_share;
+    OwnerLayer {
+        owned: owned as u32,
+        per_expert_s: if routed > 0.0 {
+            (e.total_s - e.disk_s).max(0.0) / routed
+        } else {
+            0.0
+        },
+        per_miss_s: if missed > 0.0 { e.disk_s / missed } else { 0.0 },
+        miss_share,
+        contact_s: contact,
+    }
+}
+
+/// `t` with its compute and memory reads `k` times slower (cores shared with other owners) and
+/// its disk reads as they were: another process on the same cores does not slow a disk.
+fn cpu_slowed(t: &Terms, k: f64) -> Terms {
+    Terms {
+        compute_s: t.compute_s * k,
+        memory_s: t.memory_s * k,
+        total_s: t.disk_s + (t.total_s - t.disk_s).max(0.0) * k,
+        ..*t
+    }
 }
 
 fn scaled(t: &Terms, k: f64) -> Terms {
@@ -256,19 +318,34 @@ pub(super) fn pass(
             // ([`SharedMachine`]) each get their share of it.
             let slowdown = |node: &str| owners_slowdown(ctx, a, node);
             // Per MoE layer the home waits for the slowest owner (its own experts need no hop).
-            let home_experts = scaled(&home.experts, slowdown(&a[0].node) / n_moe);
+            let home_experts = scaled(
+                &cpu_slowed(&home.experts, slowdown(&a[0].node)),
+                1.0 / n_moe,
+            );
             let mut worst = home_experts;
             let mut per_owner = vec![(home_experts, Terms::default(), 0.0)];
             let (n_exp, used) = (ctx.model.n_expert, ctx.model.n_expert_used);
+            let owned = |i: usize| a[i].experts.map_or(0, |x| x.experts.len());
+            let mut layer_owners = vec![owner_layer(
+                &pl[0],
+                home_experts,
+                n_exp,
+                used,
+                owned(0),
+                0.0,
+            )];
             for (i, p) in pl.iter().enumerate().skip(1) {
                 let l = link(&a[0].node, &a[i].node)?;
-                let e = scaled(&mode.run(p).experts, slowdown(&a[i].node) / n_moe);
+                let e = scaled(
+                    &cpu_slowed(&mode.run(p).experts, slowdown(&a[i].node)),
+                    1.0 / n_moe,
+                );
                 // An owner is contacted only in the layers where some token needs one of its
                 // experts, and is sent only those tokens' rows.
-                let owned = a[i].experts.map_or(0, |x| x.experts.len());
-                let rows = n * routed_share(n_exp, used, owned);
-                let mut h = hop_terms(l, overhead(&a[0].node, &a[i].node), hidden * rows, 2.0);
-                let q = contact_probability(n_exp, used, owned, n);
+                let rows = n * routed_share(n_exp, used, owned(i));
+                let overhead = overhead(&a[0].node, &a[i].node);
+                let mut h = hop_terms(l, overhead, hidden * rows, 2.0);
+                let q = contact_probability(n_exp, used, owned(i), n);
                 h.total_s -= h.latency_s * (1.0 - q);
                 h.latency_s *= q;
                 let mut t = e;
@@ -277,8 +354,23 @@ pub(super) fn pass(
                     worst = t;
                 }
                 per_owner.push((e, h, l.rtt_s));
+                let contact = hop_terms(l, overhead, hidden, 2.0).total_s;
+                layer_owners.push(owner_layer(p, e, n_exp, used, owned(i), contact));
             }
-            out.total.add(&scaled(&worst, n_moe));
+            let mut layer = worst;
+            if matches!(mode, Mode::Decode { batch, .. } if batch <= 1.0) && worst.total_s > 0.0 {
+                // One token: the layer waits for whichever owner its routing makes slowest,
+                // more on average than the slowest owner's mean (see `slowest_owner`). The
+                // home reads its own misses ahead, from its router's prediction of the next
+                // layer, while the layers run: they bound the token by its disk's time rather
+                // than add to each layer's. A batch's rows average the routing out, and keep
+                // the mean.
+                let home_reads = home_experts.disk_s;
+                layer_owners[0].per_miss_s = 0.0;
+                let slowest = expected_slowest(n_exp, used, &layer_owners);
+                layer = scaled(&worst, slowest.max(home_reads) / worst.total_s);
+            }
+            out.total.add(&scaled(&layer, n_moe));
             for (i, (e, h, rtt)) in per_owner.into_iter().enumerate() {
                 let share = routed_share(
                     ctx.model.n_expert,

@@ -69,70 +69,28 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
             .collect();
         let mut owners = owners;
         owners.sort_by_key(|&(i, _)| ctx.graph.nodes[i].name != home.name);
-        let time = |o: usize, k: usize| -> f64 {
-            let (gi, hop) = owners[o];
-            let node = &ctx.graph.nodes[gi];
-            let a = if o == 0 {
-                base.clone()
-            } else {
-                Assignment::empty(&node.name)
-            };
-            let a = with_experts(a, ctx, 0, k);
-            // Its hop is paid only in the layers where a token needs one of its `k` experts.
-            let q = contact_probability(ctx.model.n_expert, ctx.model.n_expert_used, k, 1.0);
-            expert_layer_time(ctx, node, &a, seqs).map_or(f64::INFINITY, |t| t + hop * q)
-        };
-        let mut k = vec![0usize; owners.len()];
-        let mut next: Vec<f64> = (0..owners.len()).map(|o| time(o, 1)).collect();
-        let mut stuck = false;
-        for _ in 0..n_exp {
-            let best = (0..owners.len())
-                .filter(|&o| next[o].is_finite())
-                .min_by(|&a, &b| next[a].total_cmp(&next[b]).then(a.cmp(&b)));
-            let Some(o) = best else {
-                stuck = true;
-                break;
-            };
-            k[o] += 1;
-            next[o] = time(o, k[o] + 1);
-        }
         let names: Vec<&str> = owners
             .iter()
             .map(|&(i, _)| ctx.graph.nodes[i].name.as_str())
             .collect();
-        if stuck {
-            let placed: usize = k.iter().sum();
-            out.reject(
-                StrategyKind::Expert,
-                &names,
-                format!(
-                    "expert split with home {}: the owners' memory and disk hold only {placed} of the {n_exp} \
-                     experts of every MoE layer",
-                    home.name
-                ),
-            );
-            continue;
-        }
-        if k.iter().filter(|&&x| x > 0).count() < 2 {
-            // Every expert stayed home: that is the single-node plan.
-            continue;
-        }
-        let mut a = Vec::new();
-        let mut start = 0;
-        for (o, &(gi, _)) in owners.iter().enumerate() {
-            if k[o] == 0 && o != 0 {
+        let a = match deal_experts(ctx, &base, &owners) {
+            Dealt::Split(a) => a,
+            Dealt::Stuck(placed) => {
+                out.reject(
+                    StrategyKind::Expert,
+                    &names,
+                    format!(
+                        "expert split with home {}: the owners' memory and disk hold only {placed} of the {n_exp} \
+                         experts of every MoE layer",
+                        home.name
+                    ),
+                );
                 continue;
             }
-            let node = &ctx.graph.nodes[gi];
-            let base_a = if o == 0 {
-                base.clone()
-            } else {
-                Assignment::empty(&node.name)
-            };
-            a.push(with_experts(base_a, ctx, start, k[o]));
-            start += k[o];
-        }
-        debug_assert_eq!(start, n_exp);
+            // Every expert stayed home: that is the single-node plan.
+            Dealt::AllHome => continue,
+        };
+        let a = without_costly_owners(ctx, &base, &owners, a);
         match evaluate(ctx, CellKind::Expert, a, seqs) {
             Ok(cell) => {
                 let shares: Vec<String> = cell
@@ -167,6 +125,109 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
                 &names,
                 format!("expert split with home {}: {e}", home.name),
             ),
+        }
+    }
+}
+
+/// How [`deal_experts`] split a layer's experts.
+enum Dealt {
+    Split(Vec<Assignment>),
+    /// The owners' memory and disk held only this many of a layer's experts.
+    Stuck(usize),
+    AllHome,
+}
+
+/// Hands a layer's experts out one at a time to the owner (`owners[0]` the home, each with its
+/// round trip) that would finish soonest with one more, counting an owner's round trip only in
+/// the layers where a token needs one of its experts.
+fn deal_experts(ctx: &Ctx, base: &Assignment, owners: &[(usize, f64)]) -> Dealt {
+    let n_exp = ctx.model.n_expert as usize;
+    let seqs = ctx.policy.concurrency;
+    let time = |o: usize, k: usize| -> f64 {
+        let (gi, hop) = owners[o];
+        let node = &ctx.graph.nodes[gi];
+        let a = if o == 0 {
+            base.clone()
+        } else {
+            Assignment::empty(&node.name)
+        };
+        let a = with_experts(a, ctx, 0, k);
+        let q = contact_probability(ctx.model.n_expert, ctx.model.n_expert_used, k, 1.0);
+        expert_layer_time(ctx, node, &a, seqs).map_or(f64::INFINITY, |t| t + hop * q)
+    };
+    let mut k = vec![0usize; owners.len()];
+    let mut next: Vec<f64> = (0..owners.len()).map(|o| time(o, 1)).collect();
+    for placed in 0..n_exp {
+        let best = (0..owners.len())
+            .filter(|&o| next[o].is_finite())
+            .min_by(|&a, &b| next[a].total_cmp(&next[b]).then(a.cmp(&b)));
+        let Some(o) = best else {
+            return Dealt::Stuck(placed);
+        };
+        k[o] += 1;
+        next[o] = time(o, k[o] + 1);
+    }
+    if k.iter().filter(|&&x| x > 0).count() < 2 {
+        return Dealt::AllHome;
+    }
+    let mut a = Vec::new();
+    let mut start = 0;
+    for (o, &(gi, _)) in owners.iter().enumerate() {
+        if k[o] == 0 && o != 0 {
+            continue;
+        }
+        let node = &ctx.graph.nodes[gi];
+        let base_a = if o == 0 {
+            base.clone()
+        } else {
+            Assignment::empty(&node.name)
+        };
+        a.push(with_experts(base_a, ctx, start, k[o]));
+        start += k[o];
+    }
+    debug_assert_eq!(start, n_exp);
+    Dealt::Split(a)
+}
+
+/// `split` without the owners whose part costs the home more than it saves, dropped one at a
+/// time while the decode gets faster. Dealing experts weighs each owner's *mean* time, but a
+/// layer waits for whichever owner its token reaches: an owner behind a slow link, contacted in
+/// a few layers, adds its whole round trip to each of them (`cost::slowest_owner`).
+fn without_costly_owners(
+    ctx: &Ctx,
+    base: &Assignment,
+    owners: &[(usize, f64)],
+    split: Vec<Assignment>,
+) -> Vec<Assignment> {
+    let seqs = ctx.policy.concurrency;
+    let decode = |a: &[Assignment]| {
+        evaluate(ctx, CellKind::Expert, a.to_vec(), seqs)
+            .map_or(0.0, |c| c.predicted.decode_tokens_per_s)
+    };
+    let mut kept: Vec<(usize, f64)> = owners.to_vec();
+    let mut best = (decode(&split), split);
+    loop {
+        let mut improved = None;
+        for drop in 1..kept.len() {
+            let fewer: Vec<(usize, f64)> = kept
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != drop)
+                .map(|(_, &o)| o)
+                .collect();
+            if let Dealt::Split(a) = deal_experts(ctx, base, &fewer) {
+                let d = decode(&a);
+                if d > best.0 && improved.as_ref().is_none_or(|(x, _, _)| d > *x) {
+                    improved = Some((d, a, fewer));
+                }
+            }
+        }
+        match improved {
+            Some((d, a, fewer)) => {
+                best = (d, a);
+                kept = fewer;
+            }
+            None => return best.1,
         }
     }
 }

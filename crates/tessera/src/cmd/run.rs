@@ -253,6 +253,16 @@ fn print_report(r: &RunReport) {
                 s.prefill.expert_round_trips
             );
         }
+        let d = &s.decode;
+        if d.expert_lookups > 0 {
+            eprintln!(
+                "stage {}: streamed experts: hit rate {:.1}%, {:.2} MiB read from disk and {:.1} ms waiting for reads per decode step",
+                s.stage,
+                100.0 * (1.0 - d.expert_misses as f64 / d.expert_lookups as f64),
+                d.expert_disk_bytes as f64 / d.steps.max(1) as f64 / (1 << 20) as f64,
+                d.expert_read_wait_ns as f64 / d.steps.max(1) as f64 / 1e6,
+            );
+        }
     }
     if let Some(h) = r.hop_latency_us {
         eprintln!(
