@@ -154,14 +154,11 @@ macro_rules! entry {
             nt: usize,
             out: &mut [f32],
         ) {
-            // Prefill runs the AVX2 tiles: a weight load there feeds a tile of tokens, where
-            // this one-token sweep reloads the group's weights for every token (on a Zen 5 VM,
-            // F16 prefill of 512 tokens: 169 tok/s capped at AVX2 against 150 here). Both
-            // equal the scalar kernel bit for bit, so which one runs changes no result.
+            // Prefill runs the lane-pass tiles (a weight load feeds a tile of tokens), 16 rows
+            // a pass; this one-token sweep would reload the group's weights for every token.
             if nt >= 3 {
-                // SAFETY: AVX2, FMA and F16C come with this entry's features; group_avx2
-                // checks the bounds.
-                return unsafe { group_avx2::<{ $k }>(w, a, t0, nt, out) };
+                // SAFETY: this entry's features; prefill_avx512 checks the bounds.
+                return unsafe { prefill_avx512::<{ $k }>(w, a, t0, nt, out) };
             }
             let n = a.cols;
             assert!(w.len() >= n * GROUP * esize($k));
@@ -605,6 +602,88 @@ unsafe fn quarter_by_pass<const K: u8, const T: usize>(
     }
 }
 
+/// Lanes per AVX-512 prefill pass: one [`reduce16_quarter`] leaf of F32/F16 (lanes `i, 32 + i,
+/// 16 + i, 48 + i`) or two of BF16 (`i, 16 + i` for two `i`), neighbours in [`lane_order`].
+const WIDE_LANES: usize = 4;
+
+/// [`WIDE_LANES`] lanes at [`lane_order`] positions `p..p + 4` for `T` tokens, 16 rows a
+/// register: `[lane][token]`. As [`lane_pass`] (each lane's chain over its columns in order),
+/// but one 32-byte F16 load feeds `T` FMAs of all 16 rows, each with its activation broadcast
+/// from memory by the FMA itself.
+#[inline(always)]
+unsafe fn lanes_pass512<const K: u8, const T: usize>(
+    w: *const u8,
+    x: TileActs,
+    p: usize,
+) -> [[__m512; T]; WIDE_LANES] {
+    let seg = x.seg;
+    // SAFETY: lanes p..p+4 have `seg` columns each in `w` (the group's lane-major weights)
+    // and, for the tile's tokens, in `x` (caller); AVX-512 F enabled (caller).
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); T]; WIDE_LANES];
+        let xs: [(*const f32, usize); WIDE_LANES] = std::array::from_fn(|l| x.lane(p + l));
+        let stride = xs[0].1;
+        for s in 0..seg {
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let wv = load16::<K>(w, (p + l) * seg + s);
+                let xp = xs[l].0.add(s * stride);
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(wv, _mm512_set1_ps(*xp.add(j)), *acc);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// [`quarter_by_pass`] by 16-row passes of [`WIDE_LANES`] lanes ([`lanes_pass512`]): the same
+/// partial sums, added in the same order. Its own features (not inlined): [`prefill`]'s tile
+/// loop runs in closures, which take no features from the AVX-512 entry they are inlined into.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn quarter_by_pass512<const K: u8, const T: usize>(
+    w: &[u8],
+    x: TileActs,
+    q: usize,
+    dst: *mut f32,
+) {
+    let per_q = n_lanes(K) / 4;
+    debug_assert_eq!(w.len(), n_lanes(K) * x.seg * GROUP * esize(K));
+    let add = |a: [__m512; T], b: [__m512; T]| -> [__m512; T] {
+        std::array::from_fn(|j| _mm512_add_ps(a[j], b[j]))
+    };
+    // SAFETY: the quarter's lanes lie in `w` and `x` (caller); `dst` holds T tokens' sets.
+    unsafe {
+        let pass = |k: usize| lanes_pass512::<K, T>(w.as_ptr(), x, q * per_q + k * WIDE_LANES);
+        // Per set, the quarter's sum: [`reduce16_quarter`] over its four leaves.
+        let (r1, r2) = if K == FLOAT_BF16 {
+            // Each pass: leaves (lanes 0, 1) and (lanes 2, 3), added as the tree's first or
+            // second pair.
+            let a = pass(0);
+            let b = pass(1);
+            (
+                add(add(a[0], a[2]), add(b[0], b[2])),
+                add(add(a[1], a[3]), add(b[1], b[3])),
+            )
+        } else {
+            let leaf = |k: usize| {
+                let l = pass(k);
+                add(add(l[0], l[1]), add(l[2], l[3]))
+            };
+            let s8a = add(leaf(0), leaf(1));
+            let r = add(s8a, add(leaf(2), leaf(3)));
+            (r, r)
+        };
+        for j in 0..T {
+            let o = dst.add(j * sets(K) * GROUP);
+            _mm512_storeu_ps(o, r1[j]);
+            if K == FLOAT_BF16 {
+                _mm512_storeu_ps(o.add(GROUP), r2[j]);
+            }
+        }
+    }
+}
+
 thread_local! {
     /// Each pool thread's buffer for the prefill quarters' partial sums ([`prefill_avx2`]).
     static QUARTERS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -616,7 +695,7 @@ thread_local! {
 /// (`np / 4` columns: 24 KiB of F16 at 3,072) stay in L1 across the tiles, where all the
 /// group's (96 KiB) were read again from L2 by every tile.
 #[inline(always)]
-unsafe fn prefill_avx2<const K: u8>(
+unsafe fn prefill<const K: u8, const WIDE: bool>(
     w: *const u8,
     a: &QuantizedActs,
     (reordered, lanes): (&[u8], &[f32]),
@@ -642,13 +721,22 @@ unsafe fn prefill_avx2<const K: u8>(
                     let take = TILE.min(nt - j).min(s0 + width - t);
                     let x = TileActs::new::<K>(lanes, a, t);
                     let dst = parts.as_mut_ptr().add((q * nt + j) * per);
+                    macro_rules! quarter {
+                        ($t:expr) => {
+                            if WIDE {
+                                quarter_by_pass512::<K, { $t }>(reordered, x, q, dst)
+                            } else {
+                                quarter_by_pass::<K, { $t }>(reordered, x, q, dst)
+                            }
+                        };
+                    }
                     match take {
-                        1 => quarter_by_pass::<K, 1>(reordered, x, q, dst),
-                        2 => quarter_by_pass::<K, 2>(reordered, x, q, dst),
-                        3 => quarter_by_pass::<K, 3>(reordered, x, q, dst),
-                        4 => quarter_by_pass::<K, 4>(reordered, x, q, dst),
-                        5 => quarter_by_pass::<K, 5>(reordered, x, q, dst),
-                        _ => quarter_by_pass::<K, TILE>(reordered, x, q, dst),
+                        1 => quarter!(1),
+                        2 => quarter!(2),
+                        3 => quarter!(3),
+                        4 => quarter!(4),
+                        5 => quarter!(5),
+                        _ => quarter!(TILE),
                     }
                     j += take;
                 }
@@ -832,10 +920,10 @@ unsafe fn weight<const K: u8>(w: *const u8, e: usize, r: usize) -> f32 {
     }
 }
 
-/// A group × `nt` tokens in tiles of [`TILE`], the last tile as wide as the tokens left.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_avx2<const K: u8>(
+/// A group × `nt` tokens in tiles of [`TILE`], the last tile as wide as the tokens left;
+/// prefill's quarters by 16-row passes (`WIDE`, AVX-512) or by 8-row halves.
+#[inline(always)]
+unsafe fn group<const K: u8, const WIDE: bool>(
     w: &[u8],
     a: &QuantizedActs,
     t0: usize,
@@ -857,11 +945,11 @@ unsafe fn group_avx2<const K: u8>(
         } else {
             &[]
         };
-        let prefill = (&reordered[..], lanes);
+        let copies = (&reordered[..], lanes);
         // SAFETY: bounds checked above; features guaranteed by the caller.
         unsafe {
             if nt >= 3 {
-                return prefill_avx2::<K>(wp, a, prefill, t0, nt, out);
+                return prefill::<K, WIDE>(wp, a, copies, t0, nt, out);
             }
             let mut j = 0;
             while j < nt {
@@ -875,6 +963,34 @@ unsafe fn group_avx2<const K: u8>(
             }
         }
     });
+}
+
+/// [`group`] on AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_avx2<const K: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: features enabled; `group` checks the bounds.
+    unsafe { group::<K, false>(w, a, t0, nt, out) }
+}
+
+/// [`group`]'s prefill by 16-row passes (`nt ≥ 3`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn prefill_avx512<const K: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: features enabled; `group` checks the bounds.
+    unsafe { group::<K, true>(w, a, t0, nt, out) }
 }
 
 macro_rules! entry_avx2 {
