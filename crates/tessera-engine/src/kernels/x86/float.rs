@@ -190,7 +190,9 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   first copied lane by lane into consecutive memory: each group's weights once per kernel
 //   call (`lane_major_weights`), the activations once per matmul in slices of a tile's tokens
 //   (`lane_major`, built on the pool by `QuantizedActs::new` when AVX2 or AVX-512 is the
-//   active ISA: AVX-512 prefill runs these tiles too).
+//   active ISA). AVX-512 prefill runs the same tiles over the same copies, but a pass takes
+//   all 16 rows in one register and 4 lanes at once (`quarter_by_pass512`): one conversion of
+//   a weight column feeds a tile's 6 FMAs, each broadcasting its activation from memory.
 //   Both copies hold the lanes in the order the passes visit them (`lane_order`), so a tile's
 //   passes read each operand as one sequential run. The passes go a quarter of the lanes
 //   (`quarter_lanes`) at a time over every tile (`prefill_avx2`), each quarter's lanes
