@@ -40,7 +40,9 @@ fn main() {
         (1024, 3072),
     ];
     // One shape (ROWS COLS after the others), to time a kernel on data that stays in cache.
-    let shapes: Vec<(usize, usize)> = match (args.get(4), args.get(5)) {
+    // Or `layers N`: N layers of distinct weights, to stream more than the caches hold (decode).
+    let shapes: Vec<(usize, usize)> = match (args.get(4).map(String::as_str), args.get(5)) {
+        (Some("layers"), Some(_)) => layer.repeat(arg(5, 16)),
         (Some(_), Some(_)) => vec![(arg(4, 16), arg(5, 1024)); 16],
         _ => layer.to_vec(),
     };

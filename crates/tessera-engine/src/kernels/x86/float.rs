@@ -154,11 +154,19 @@ macro_rules! entry {
             nt: usize,
             out: &mut [f32],
         ) {
-            // Prefill runs the lane-pass tiles (a weight load feeds a tile of tokens), 16 rows
-            // a pass; this one-token sweep would reload the group's weights for every token.
             if nt >= 3 {
                 // SAFETY: this entry's features; prefill_avx512 checks the bounds.
                 return unsafe { prefill_avx512::<{ $k }>(w, a, t0, nt, out) };
+            }
+            // F16/BF16 decode runs the AVX2 chain passes, which prefetch the weights ahead: on
+            // a Zen 5 VM (`examples/float_prefill`, 1 token, 2 threads, the dense bench
+            // geometry's matmuls over 0.5-1 GB of weights, alternated) F16 19.0-19.6 ->
+            // 26.9-27.2 GFLOP/s a thread, BF16 16.0 -> 30.1, where F32 fell 15-19 -> 10-11
+            // (its passes read half the lanes at a time) and keeps the one-token sweep.
+            if $k != FLOAT_F32 {
+                // SAFETY: AVX2, FMA and F16C come with this entry's features; group_avx2
+                // checks the bounds.
+                return unsafe { group_avx2::<{ $k }>(w, a, t0, nt, out) };
             }
             let n = a.cols;
             assert!(w.len() >= n * GROUP * esize($k));
@@ -686,6 +694,91 @@ unsafe fn quarter_by_pass512<const K: u8, const T: usize>(
     }
 }
 
+/// Two [`TILE`]-wide slices' accumulators of one lane: `(first slice, second slice)`.
+type PairAcc = ([__m512; TILE], [__m512; TILE]);
+
+/// One lane at [`lane_order`] position `p` for two whole slices' tokens (`x.0`, `x.1`), 16 rows
+/// a register: one conversion of a weight column feeds 12 FMAs, where [`lanes_pass512`] feeds
+/// 6 (in L1, on a Zen 5 core: ~230 against ~195 GFLOP/s at 16 columns a lane, 255 against 230
+/// at 256).
+#[inline(always)]
+unsafe fn lane_pair_pass512<const K: u8>(
+    w: *const u8,
+    x: (TileActs, TileActs),
+    p: usize,
+) -> PairAcc {
+    let seg = x.0.seg;
+    // SAFETY: lane p has `seg` columns in `w` and, for both slices' tokens, in `x` (caller);
+    // AVX-512 F enabled (caller).
+    unsafe {
+        let mut acc = ([_mm512_setzero_ps(); TILE], [_mm512_setzero_ps(); TILE]);
+        let (xa, stride) = x.0.lane(p);
+        let (xb, _) = x.1.lane(p);
+        for s in 0..seg {
+            let wv = load16::<K>(w, p * seg + s);
+            let (pa, pb) = (xa.add(s * stride), xb.add(s * stride));
+            for j in 0..TILE {
+                acc.0[j] = _mm512_fmadd_ps(wv, _mm512_set1_ps(*pa.add(j)), acc.0[j]);
+                acc.1[j] = _mm512_fmadd_ps(wv, _mm512_set1_ps(*pb.add(j)), acc.1[j]);
+            }
+        }
+        acc
+    }
+}
+
+/// [`quarter_by_pass512`] for two whole slices at once ([`lane_pair_pass512`], a lane a
+/// pass): the same partial sums, added in the same order; token `j` of the pair at `dst + (j ·
+/// sets + s) · 16`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn quarter_pair512<const K: u8>(w: &[u8], x: (TileActs, TileActs), q: usize, dst: *mut f32) {
+    let per_q = n_lanes(K) / 4;
+    debug_assert_eq!(w.len(), n_lanes(K) * x.0.seg * GROUP * esize(K));
+    let add = |a: PairAcc, b: PairAcc| -> PairAcc {
+        (
+            std::array::from_fn(|j| _mm512_add_ps(a.0[j], b.0[j])),
+            std::array::from_fn(|j| _mm512_add_ps(a.1[j], b.1[j])),
+        )
+    };
+    // SAFETY: the quarter's lanes lie in `w` and `x` (caller); `dst` holds 12 tokens' sets.
+    unsafe {
+        let lane = |k: usize| lane_pair_pass512::<K>(w.as_ptr(), x, q * per_q + k);
+        let (r1, r2) = if K == FLOAT_BF16 {
+            // Lanes 0..4: leaves (0, 1) and (2, 3), the tree's first pair; lanes 4..8 its
+            // second.
+            let (l0, l1) = (lane(0), lane(1));
+            let a0 = add(l0, lane(2));
+            let a1 = add(l1, lane(3));
+            let (l4, l5) = (lane(4), lane(5));
+            let b0 = add(l4, lane(6));
+            let b1 = add(l5, lane(7));
+            (add(a0, b0), add(a1, b1))
+        } else {
+            let leaf = |k: usize| {
+                let l0 = lane(4 * k);
+                let s01 = add(l0, lane(4 * k + 1));
+                let l2 = lane(4 * k + 2);
+                add(s01, add(l2, lane(4 * k + 3)))
+            };
+            let s8a = add(leaf(0), leaf(1));
+            let r = add(s8a, add(leaf(2), leaf(3)));
+            (r, r)
+        };
+        for (j, (v1, v2)) in
+            r1.0.iter()
+                .chain(&r1.1)
+                .zip(r2.0.iter().chain(&r2.1))
+                .enumerate()
+        {
+            let o = dst.add(j * sets(K) * GROUP);
+            _mm512_storeu_ps(o, *v1);
+            if K == FLOAT_BF16 {
+                _mm512_storeu_ps(o.add(GROUP), *v2);
+            }
+        }
+    }
+}
+
 thread_local! {
     /// Each pool thread's buffer for the prefill quarters' partial sums ([`prefill_avx2`]).
     static QUARTERS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -715,32 +808,46 @@ unsafe fn prefill<const K: u8, const WIDE: bool>(
         // `a.f`, and built `reordered` and `lanes`; each tile lies within one slice of `lanes`
         // and writes its own tokens' floats of `parts`; features enabled.
         unsafe {
+            // Quarter `q` of the tile from token `j`; the tokens it took.
+            let mut tile = |q: usize, j: usize| -> usize {
+                let t = t0 + j;
+                let (s0, width) = slice_of(t, a.n_tokens);
+                let take = TILE.min(nt - j).min(s0 + width - t);
+                let x = TileActs::new::<K>(lanes, a, t);
+                let dst = parts.as_mut_ptr().add((q * nt + j) * per);
+                // AVX-512: two whole slices in one tile where the next is whole too.
+                if WIDE && take == TILE && j + 2 * TILE <= nt {
+                    let t2 = t + TILE;
+                    let (s2, w2) = slice_of(t2, a.n_tokens);
+                    if s2 == t2 && w2 == TILE {
+                        let x2 = TileActs::new::<K>(lanes, a, t2);
+                        quarter_pair512::<K>(reordered, (x, x2), q, dst);
+                        return 2 * TILE;
+                    }
+                }
+                macro_rules! quarter {
+                    ($t:expr) => {
+                        if WIDE {
+                            quarter_by_pass512::<K, { $t }>(reordered, x, q, dst)
+                        } else {
+                            quarter_by_pass::<K, { $t }>(reordered, x, q, dst)
+                        }
+                    };
+                }
+                match take {
+                    1 => quarter!(1),
+                    2 => quarter!(2),
+                    3 => quarter!(3),
+                    4 => quarter!(4),
+                    5 => quarter!(5),
+                    _ => quarter!(TILE),
+                }
+                take
+            };
             for q in 0..4 {
                 let mut j = 0;
                 while j < nt {
-                    let t = t0 + j;
-                    let (s0, width) = slice_of(t, a.n_tokens);
-                    let take = TILE.min(nt - j).min(s0 + width - t);
-                    let x = TileActs::new::<K>(lanes, a, t);
-                    let dst = parts.as_mut_ptr().add((q * nt + j) * per);
-                    macro_rules! quarter {
-                        ($t:expr) => {
-                            if WIDE {
-                                quarter_by_pass512::<K, { $t }>(reordered, x, q, dst)
-                            } else {
-                                quarter_by_pass::<K, { $t }>(reordered, x, q, dst)
-                            }
-                        };
-                    }
-                    match take {
-                        1 => quarter!(1),
-                        2 => quarter!(2),
-                        3 => quarter!(3),
-                        4 => quarter!(4),
-                        5 => quarter!(5),
-                        _ => quarter!(TILE),
-                    }
-                    j += take;
+                    j += tile(q, j);
                 }
             }
             let pp = parts.as_ptr();
