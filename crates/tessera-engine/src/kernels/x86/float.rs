@@ -154,11 +154,16 @@ macro_rules! entry {
             nt: usize,
             out: &mut [f32],
         ) {
-            // Prefill runs the AVX2 tiles: a weight load there feeds a tile of tokens, where
-            // this one-token sweep reloads the group's weights for every token (on a Zen 5 VM,
-            // F16 prefill of 512 tokens: 169 tok/s capped at AVX2 against 150 here). Both
-            // equal the scalar kernel bit for bit, so which one runs changes no result.
             if nt >= 3 {
+                // SAFETY: this entry's features; prefill_avx512 checks the bounds.
+                return unsafe { prefill_avx512::<{ $k }>(w, a, t0, nt, out) };
+            }
+            // F16/BF16 decode runs the AVX2 chain passes, which prefetch the weights ahead: on
+            // a Zen 5 VM (`examples/float_prefill`, 1 token, 2 threads, the dense bench
+            // geometry's matmuls over 0.5-1 GB of weights, alternated) F16 19.0-19.6 ->
+            // 26.9-27.2 GFLOP/s a thread, BF16 16.0 -> 30.1, where F32 fell 15-19 -> 10-11
+            // (its passes read half the lanes at a time) and keeps the one-token sweep.
+            if $k != FLOAT_F32 {
                 // SAFETY: AVX2, FMA and F16C come with this entry's features; group_avx2
                 // checks the bounds.
                 return unsafe { group_avx2::<{ $k }>(w, a, t0, nt, out) };
@@ -193,7 +198,9 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   first copied lane by lane into consecutive memory: each group's weights once per kernel
 //   call (`lane_major_weights`), the activations once per matmul in slices of a tile's tokens
 //   (`lane_major`, built on the pool by `QuantizedActs::new` when AVX2 or AVX-512 is the
-//   active ISA: AVX-512 prefill runs these tiles too).
+//   active ISA). AVX-512 prefill runs the same tiles over the same copies, but a pass takes
+//   all 16 rows in one register and 4 lanes at once (`quarter_by_pass512`): one conversion of
+//   a weight column feeds a tile's 6 FMAs, each broadcasting its activation from memory.
 //   Both copies hold the lanes in the order the passes visit them (`lane_order`), so a tile's
 //   passes read each operand as one sequential run. The passes go a quarter of the lanes
 //   (`quarter_lanes`) at a time over every tile (`prefill_avx2`), each quarter's lanes
@@ -605,6 +612,173 @@ unsafe fn quarter_by_pass<const K: u8, const T: usize>(
     }
 }
 
+/// Lanes per AVX-512 prefill pass: one [`reduce16_quarter`] leaf of F32/F16 (lanes `i, 32 + i,
+/// 16 + i, 48 + i`) or two of BF16 (`i, 16 + i` for two `i`), neighbours in [`lane_order`].
+const WIDE_LANES: usize = 4;
+
+/// [`WIDE_LANES`] lanes at [`lane_order`] positions `p..p + 4` for `T` tokens, 16 rows a
+/// register: `[lane][token]`. As [`lane_pass`] (each lane's chain over its columns in order),
+/// but one 32-byte F16 load feeds `T` FMAs of all 16 rows, each with its activation broadcast
+/// from memory by the FMA itself.
+#[inline(always)]
+unsafe fn lanes_pass512<const K: u8, const T: usize>(
+    w: *const u8,
+    x: TileActs,
+    p: usize,
+) -> [[__m512; T]; WIDE_LANES] {
+    let seg = x.seg;
+    // SAFETY: lanes p..p+4 have `seg` columns each in `w` (the group's lane-major weights)
+    // and, for the tile's tokens, in `x` (caller); AVX-512 F enabled (caller).
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); T]; WIDE_LANES];
+        let xs: [(*const f32, usize); WIDE_LANES] = std::array::from_fn(|l| x.lane(p + l));
+        let stride = xs[0].1;
+        for s in 0..seg {
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let wv = load16::<K>(w, (p + l) * seg + s);
+                let xp = xs[l].0.add(s * stride);
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(wv, _mm512_set1_ps(*xp.add(j)), *acc);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// [`quarter_by_pass`] by 16-row passes of [`WIDE_LANES`] lanes ([`lanes_pass512`]): the same
+/// partial sums, added in the same order. Its own features (not inlined): [`prefill`]'s tile
+/// loop runs in closures, which take no features from the AVX-512 entry they are inlined into.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn quarter_by_pass512<const K: u8, const T: usize>(
+    w: &[u8],
+    x: TileActs,
+    q: usize,
+    dst: *mut f32,
+) {
+    let per_q = n_lanes(K) / 4;
+    debug_assert_eq!(w.len(), n_lanes(K) * x.seg * GROUP * esize(K));
+    let add = |a: [__m512; T], b: [__m512; T]| -> [__m512; T] {
+        std::array::from_fn(|j| _mm512_add_ps(a[j], b[j]))
+    };
+    // SAFETY: the quarter's lanes lie in `w` and `x` (caller); `dst` holds T tokens' sets.
+    unsafe {
+        let pass = |k: usize| lanes_pass512::<K, T>(w.as_ptr(), x, q * per_q + k * WIDE_LANES);
+        // Per set, the quarter's sum: [`reduce16_quarter`] over its four leaves.
+        let (r1, r2) = if K == FLOAT_BF16 {
+            // Each pass: leaves (lanes 0, 1) and (lanes 2, 3), added as the tree's first or
+            // second pair.
+            let a = pass(0);
+            let b = pass(1);
+            (
+                add(add(a[0], a[2]), add(b[0], b[2])),
+                add(add(a[1], a[3]), add(b[1], b[3])),
+            )
+        } else {
+            let leaf = |k: usize| {
+                let l = pass(k);
+                add(add(l[0], l[1]), add(l[2], l[3]))
+            };
+            let s8a = add(leaf(0), leaf(1));
+            let r = add(s8a, add(leaf(2), leaf(3)));
+            (r, r)
+        };
+        for j in 0..T {
+            let o = dst.add(j * sets(K) * GROUP);
+            _mm512_storeu_ps(o, r1[j]);
+            if K == FLOAT_BF16 {
+                _mm512_storeu_ps(o.add(GROUP), r2[j]);
+            }
+        }
+    }
+}
+
+/// Two [`TILE`]-wide slices' accumulators of one lane: `(first slice, second slice)`.
+type PairAcc = ([__m512; TILE], [__m512; TILE]);
+
+/// One lane at [`lane_order`] position `p` for two whole slices' tokens (`x.0`, `x.1`), 16 rows
+/// a register: one conversion of a weight column feeds 12 FMAs, where [`lanes_pass512`] feeds
+/// 6 (in L1, on a Zen 5 core: ~230 against ~195 GFLOP/s at 16 columns a lane, 255 against 230
+/// at 256).
+#[inline(always)]
+unsafe fn lane_pair_pass512<const K: u8>(
+    w: *const u8,
+    x: (TileActs, TileActs),
+    p: usize,
+) -> PairAcc {
+    let seg = x.0.seg;
+    // SAFETY: lane p has `seg` columns in `w` and, for both slices' tokens, in `x` (caller);
+    // AVX-512 F enabled (caller).
+    unsafe {
+        let mut acc = ([_mm512_setzero_ps(); TILE], [_mm512_setzero_ps(); TILE]);
+        let (xa, stride) = x.0.lane(p);
+        let (xb, _) = x.1.lane(p);
+        for s in 0..seg {
+            let wv = load16::<K>(w, p * seg + s);
+            let (pa, pb) = (xa.add(s * stride), xb.add(s * stride));
+            for j in 0..TILE {
+                acc.0[j] = _mm512_fmadd_ps(wv, _mm512_set1_ps(*pa.add(j)), acc.0[j]);
+                acc.1[j] = _mm512_fmadd_ps(wv, _mm512_set1_ps(*pb.add(j)), acc.1[j]);
+            }
+        }
+        acc
+    }
+}
+
+/// [`quarter_by_pass512`] for two whole slices at once ([`lane_pair_pass512`], a lane a
+/// pass): the same partial sums, added in the same order; token `j` of the pair at `dst + (j ·
+/// sets + s) · 16`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn quarter_pair512<const K: u8>(w: &[u8], x: (TileActs, TileActs), q: usize, dst: *mut f32) {
+    let per_q = n_lanes(K) / 4;
+    debug_assert_eq!(w.len(), n_lanes(K) * x.0.seg * GROUP * esize(K));
+    let add = |a: PairAcc, b: PairAcc| -> PairAcc {
+        (
+            std::array::from_fn(|j| _mm512_add_ps(a.0[j], b.0[j])),
+            std::array::from_fn(|j| _mm512_add_ps(a.1[j], b.1[j])),
+        )
+    };
+    // SAFETY: the quarter's lanes lie in `w` and `x` (caller); `dst` holds 12 tokens' sets.
+    unsafe {
+        let lane = |k: usize| lane_pair_pass512::<K>(w.as_ptr(), x, q * per_q + k);
+        let (r1, r2) = if K == FLOAT_BF16 {
+            // Lanes 0..4: leaves (0, 1) and (2, 3), the tree's first pair; lanes 4..8 its
+            // second.
+            let (l0, l1) = (lane(0), lane(1));
+            let a0 = add(l0, lane(2));
+            let a1 = add(l1, lane(3));
+            let (l4, l5) = (lane(4), lane(5));
+            let b0 = add(l4, lane(6));
+            let b1 = add(l5, lane(7));
+            (add(a0, b0), add(a1, b1))
+        } else {
+            let leaf = |k: usize| {
+                let l0 = lane(4 * k);
+                let s01 = add(l0, lane(4 * k + 1));
+                let l2 = lane(4 * k + 2);
+                add(s01, add(l2, lane(4 * k + 3)))
+            };
+            let s8a = add(leaf(0), leaf(1));
+            let r = add(s8a, add(leaf(2), leaf(3)));
+            (r, r)
+        };
+        for (j, (v1, v2)) in
+            r1.0.iter()
+                .chain(&r1.1)
+                .zip(r2.0.iter().chain(&r2.1))
+                .enumerate()
+        {
+            let o = dst.add(j * sets(K) * GROUP);
+            _mm512_storeu_ps(o, *v1);
+            if K == FLOAT_BF16 {
+                _mm512_storeu_ps(o.add(GROUP), *v2);
+            }
+        }
+    }
+}
+
 thread_local! {
     /// Each pool thread's buffer for the prefill quarters' partial sums ([`prefill_avx2`]).
     static QUARTERS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -616,7 +790,7 @@ thread_local! {
 /// (`np / 4` columns: 24 KiB of F16 at 3,072) stay in L1 across the tiles, where all the
 /// group's (96 KiB) were read again from L2 by every tile.
 #[inline(always)]
-unsafe fn prefill_avx2<const K: u8>(
+unsafe fn prefill<const K: u8, const WIDE: bool>(
     w: *const u8,
     a: &QuantizedActs,
     (reordered, lanes): (&[u8], &[f32]),
@@ -634,23 +808,46 @@ unsafe fn prefill_avx2<const K: u8>(
         // `a.f`, and built `reordered` and `lanes`; each tile lies within one slice of `lanes`
         // and writes its own tokens' floats of `parts`; features enabled.
         unsafe {
+            // Quarter `q` of the tile from token `j`; the tokens it took.
+            let mut tile = |q: usize, j: usize| -> usize {
+                let t = t0 + j;
+                let (s0, width) = slice_of(t, a.n_tokens);
+                let take = TILE.min(nt - j).min(s0 + width - t);
+                let x = TileActs::new::<K>(lanes, a, t);
+                let dst = parts.as_mut_ptr().add((q * nt + j) * per);
+                // AVX-512: two whole slices in one tile where the next is whole too.
+                if WIDE && take == TILE && j + 2 * TILE <= nt {
+                    let t2 = t + TILE;
+                    let (s2, w2) = slice_of(t2, a.n_tokens);
+                    if s2 == t2 && w2 == TILE {
+                        let x2 = TileActs::new::<K>(lanes, a, t2);
+                        quarter_pair512::<K>(reordered, (x, x2), q, dst);
+                        return 2 * TILE;
+                    }
+                }
+                macro_rules! quarter {
+                    ($t:expr) => {
+                        if WIDE {
+                            quarter_by_pass512::<K, { $t }>(reordered, x, q, dst)
+                        } else {
+                            quarter_by_pass::<K, { $t }>(reordered, x, q, dst)
+                        }
+                    };
+                }
+                match take {
+                    1 => quarter!(1),
+                    2 => quarter!(2),
+                    3 => quarter!(3),
+                    4 => quarter!(4),
+                    5 => quarter!(5),
+                    _ => quarter!(TILE),
+                }
+                take
+            };
             for q in 0..4 {
                 let mut j = 0;
                 while j < nt {
-                    let t = t0 + j;
-                    let (s0, width) = slice_of(t, a.n_tokens);
-                    let take = TILE.min(nt - j).min(s0 + width - t);
-                    let x = TileActs::new::<K>(lanes, a, t);
-                    let dst = parts.as_mut_ptr().add((q * nt + j) * per);
-                    match take {
-                        1 => quarter_by_pass::<K, 1>(reordered, x, q, dst),
-                        2 => quarter_by_pass::<K, 2>(reordered, x, q, dst),
-                        3 => quarter_by_pass::<K, 3>(reordered, x, q, dst),
-                        4 => quarter_by_pass::<K, 4>(reordered, x, q, dst),
-                        5 => quarter_by_pass::<K, 5>(reordered, x, q, dst),
-                        _ => quarter_by_pass::<K, TILE>(reordered, x, q, dst),
-                    }
-                    j += take;
+                    j += tile(q, j);
                 }
             }
             let pp = parts.as_ptr();
@@ -832,10 +1029,10 @@ unsafe fn weight<const K: u8>(w: *const u8, e: usize, r: usize) -> f32 {
     }
 }
 
-/// A group × `nt` tokens in tiles of [`TILE`], the last tile as wide as the tokens left.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_avx2<const K: u8>(
+/// A group × `nt` tokens in tiles of [`TILE`], the last tile as wide as the tokens left;
+/// prefill's quarters by 16-row passes (`WIDE`, AVX-512) or by 8-row halves.
+#[inline(always)]
+unsafe fn group<const K: u8, const WIDE: bool>(
     w: &[u8],
     a: &QuantizedActs,
     t0: usize,
@@ -857,11 +1054,11 @@ unsafe fn group_avx2<const K: u8>(
         } else {
             &[]
         };
-        let prefill = (&reordered[..], lanes);
+        let copies = (&reordered[..], lanes);
         // SAFETY: bounds checked above; features guaranteed by the caller.
         unsafe {
             if nt >= 3 {
-                return prefill_avx2::<K>(wp, a, prefill, t0, nt, out);
+                return prefill::<K, WIDE>(wp, a, copies, t0, nt, out);
             }
             let mut j = 0;
             while j < nt {
@@ -875,6 +1072,34 @@ unsafe fn group_avx2<const K: u8>(
             }
         }
     });
+}
+
+/// [`group`] on AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_avx2<const K: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: features enabled; `group` checks the bounds.
+    unsafe { group::<K, false>(w, a, t0, nt, out) }
+}
+
+/// [`group`]'s prefill by 16-row passes (`nt ≥ 3`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn prefill_avx512<const K: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: features enabled; `group` checks the bounds.
+    unsafe { group::<K, true>(w, a, t0, nt, out) }
 }
 
 macro_rules! entry_avx2 {
