@@ -7,6 +7,7 @@ mod iq23;
 mod iq4xs;
 mod k23;
 mod kquant_avx2;
+mod kquant_avx512;
 mod lut4;
 pub(super) mod quant;
 
@@ -53,8 +54,8 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<(GroupFn, Isa)> {
             kquant_avx2::q45k_group::<false>,
             avx512::q45k_group::<false>,
         ),
-        GgmlType::Q5K => pick(kquant_avx2::q45k_group::<true>, avx512::q45k_group::<true>),
-        GgmlType::Q6K => pick(kquant_avx2::q6k_group, avx512::q6k_group),
+        GgmlType::Q5K => pick(kquant_avx2::q45k_group::<true>, kquant_avx512::q5k_group),
+        GgmlType::Q6K => pick(kquant_avx2::q6k_group, kquant_avx512::q6k_group),
         GgmlType::F32 => pick(float::f32_avx2, float::f32_avx512),
         GgmlType::F16 => pick(float::f16_avx2, float::f16_avx512),
         GgmlType::BF16 => pick(float::bf16_avx2, float::bf16_avx512),
