@@ -883,16 +883,9 @@ fn no_weight_type_runs_the_scalar_kernel_on_avx2_or_avx512() {
             Isa::Avx2,
             "{dtype} on avx2"
         );
-        // IQ4_XS runs its AVX2 kernel on AVX-512 CPUs too (faster there, same bits), and says
-        // so; every other type has an AVX-512 kernel.
-        let on_avx512 = if dtype == GgmlType::Iq4Xs {
-            Isa::Avx2
-        } else {
-            Isa::Avx512
-        };
         assert_eq!(
             kernel_path_on(Isa::Avx512, dtype),
-            on_avx512,
+            Isa::Avx512,
             "{dtype} on avx512"
         );
     }

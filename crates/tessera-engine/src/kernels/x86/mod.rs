@@ -65,11 +65,7 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<(GroupFn, Isa)> {
         ),
         GgmlType::Q2K => pick(k23::k23_group_avx2::<false>, k23::k23_group_avx512::<false>),
         GgmlType::Q3K => pick(k23::k23_group_avx2::<true>, k23::k23_group_avx512::<true>),
-        // The AVX2 kernel on AVX-512 CPUs too: its prefill tiles share each unpack of the
-        // weights among 4 tokens and its decode prefetches two blocks ahead, where the AVX-512
-        // kernel swept the weights token by token. On a Zen 5 VM (2 threads, dense bench
-        // model, alternated): prefill 512 253 against 191 tok/s, decode 117-118 against 94.
-        GgmlType::Iq4Xs => Some((iq4xs::iq4xs_group_avx2 as GroupFn, Isa::Avx2)),
+        GgmlType::Iq4Xs => pick(iq4xs::iq4xs_group_avx2, iq4xs::iq4xs_group_avx512),
         GgmlType::Iq2Xxs => pick(
             iq23::iq23_group_avx2::<{ IQ2_XXS }>,
             iq23::iq23_group_avx512::<{ IQ2_XXS }>,
