@@ -1,8 +1,9 @@
-//! The AVX2 kernel for interleaved IQ4_XS groups (`kernels/iq4xs.rs` has the layout and the
-//! numerical contract): exact integer lane sums, one vector lane per row, the scalar kernel's
-//! float steps, hence bit-identical results. AVX-512 CPUs run it too: the AVX-512 kernel this
-//! file had swept the weights token by token, with no prefetch, and measured slower than this
-//! one on a Zen 5 VM for prefill (191 against 253 tok/s) and decode (94 against 117).
+//! The AVX2 and AVX-512 kernels for interleaved IQ4_XS groups (`kernels/iq4xs.rs` has the
+//! layout and the numerical contract): exact integer lane sums, one vector lane per row, the
+//! scalar kernel's float steps, hence bit-identical results. AVX-512 CPUs run the AVX2 kernel
+//! for a lone token: an AVX-512 one this file had swept the weights token by token, with no
+//! prefetch, and measured slower than it on a Zen 5 VM (decode 94 against 117 tok/s); their
+//! prefill tiles take all 16 rows of a group at once ([`iq4xs_group_avx512`]).
 
 use std::arch::x86_64::*;
 
@@ -36,6 +37,8 @@ const TILE: usize = 4;
 
 /// # Safety
 /// Requires AVX2, FMA and F16C.
+// Not inlined into [`iq4xs_group_avx512`]'s decode, so that runs this very code.
+#[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn iq4xs_group_avx2(
     w: &[u8],
@@ -187,6 +190,109 @@ unsafe fn token_avx2(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
                 }
             }
             _mm256_storeu_ps(out.add(8 * h), lanes_sum!(_mm256_add_ps, acc));
+        }
+    }
+}
+
+/// Tokens per AVX-512 tile (as [`TILE`]).
+const TILE_512: usize = 4;
+
+/// A lone token runs [`iq4xs_group_avx2`]'s decode; more run AVX-512 tiles of [`TILE_512`].
+///
+/// # Safety
+/// Requires AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn iq4xs_group_avx512(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    if nt < 2 {
+        // SAFETY: features guaranteed by the caller; that kernel checks its bounds.
+        return unsafe { iq4xs_group_avx2(w, a, t0, nt, out) };
+    }
+    check_group(w, a, t0, nt, out);
+    // SAFETY: bounds checked above; features guaranteed by the caller.
+    unsafe {
+        let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+        let mut j = 0;
+        while j + TILE_512 <= nt {
+            tile_avx512::<TILE_512>(wp, a, t0 + j, op.add(j * GROUP));
+            j += TILE_512;
+        }
+        match nt - j {
+            0 => {}
+            1 => tile_avx512::<1>(wp, a, t0 + j, op.add(j * GROUP)),
+            2 => tile_avx512::<2>(wp, a, t0 + j, op.add(j * GROUP)),
+            _ => tile_avx512::<3>(wp, a, t0 + j, op.add(j * GROUP)),
+        }
+    }
+}
+
+/// [`tile_avx2`] on all 16 rows of a group: AVX-512 has no `vpsignb`, so each weight vector's
+/// signs are kept as a mask and each token's activation word is negated under it
+/// (`vpsubb` with a mask) before `vpmaddubsw` by the weights' magnitudes; `vpdpwssd` by the
+/// sub-block scale adds each product pair into the lane's exact i32.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_avx512<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
+    let nb = a.cols / 256;
+    // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
+    // t..t+T; AVX-512 enabled.
+    unsafe {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let zero = _mm512_setzero_si512();
+        let tbl = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
+        let mut acc = [[_mm512_setzero_ps(); 8]; T];
+        for b in 0..nb {
+            let blk = w.add(b * X16);
+            let ys: [*const i8; T] =
+                std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
+            // Signed 6-bit scales (one per row) as (s, s) i16 pairs per i32 lane.
+            let sc: [__m512i; 8] = std::array::from_fn(|s| {
+                let v = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    blk.add(SCALES + GROUP * s) as *const __m128i
+                ));
+                let v = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF));
+                _mm512_or_si512(v, _mm512_slli_epi32(v, 16))
+            });
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+            let d: [__m512; T] = std::array::from_fn(|j| {
+                _mm512_mul_ps(d, _mm512_set1_ps(*a.f.get_unchecked((t + j) * nb + b)))
+            });
+            for k in 0..4 {
+                let mut lo_sum = [zero; T];
+                let mut hi_sum = [zero; T];
+                for (s, &sc) in sc.iter().enumerate() {
+                    let v = _mm512_loadu_si512(blk.add(QS + 256 * s + 64 * k) as *const _);
+                    let lo = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, m4));
+                    let hi =
+                        _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+                    let (alo, ahi) = (_mm512_abs_epi8(lo), _mm512_abs_epi8(hi));
+                    let (nlo, nhi) = (_mm512_movepi8_mask(lo), _mm512_movepi8_mask(hi));
+                    for j in 0..T {
+                        let yw = |o: usize| {
+                            _mm512_set1_epi32((ys[j].add(o) as *const i32).read_unaligned())
+                        };
+                        let yl = yw(32 * s + 4 * k);
+                        let yh = yw(32 * s + 16 + 4 * k);
+                        let pl = _mm512_maddubs_epi16(alo, _mm512_mask_sub_epi8(yl, nlo, zero, yl));
+                        let ph = _mm512_maddubs_epi16(ahi, _mm512_mask_sub_epi8(yh, nhi, zero, yh));
+                        lo_sum[j] = _mm512_dpwssd_epi32(lo_sum[j], pl, sc);
+                        hi_sum[j] = _mm512_dpwssd_epi32(hi_sum[j], ph, sc);
+                    }
+                }
+                for j in 0..T {
+                    acc[j][k] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(lo_sum[j]), acc[j][k]);
+                    acc[j][4 + k] =
+                        _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(hi_sum[j]), acc[j][4 + k]);
+                }
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.add(j * GROUP), lanes_sum!(_mm512_add_ps, acc));
         }
     }
 }

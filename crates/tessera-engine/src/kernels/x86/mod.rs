@@ -7,6 +7,7 @@ mod iq23;
 mod iq4xs;
 mod k23;
 mod kquant_avx2;
+mod kquant_avx512;
 mod lut4;
 pub(super) mod quant;
 
@@ -53,8 +54,8 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<(GroupFn, Isa)> {
             kquant_avx2::q45k_group::<false>,
             avx512::q45k_group::<false>,
         ),
-        GgmlType::Q5K => pick(kquant_avx2::q45k_group::<true>, avx512::q45k_group::<true>),
-        GgmlType::Q6K => pick(kquant_avx2::q6k_group, avx512::q6k_group),
+        GgmlType::Q5K => pick(kquant_avx2::q45k_group::<true>, kquant_avx512::q5k_group),
+        GgmlType::Q6K => pick(kquant_avx2::q6k_group, kquant_avx512::q6k_group),
         GgmlType::F32 => pick(float::f32_avx2, float::f32_avx512),
         GgmlType::F16 => pick(float::f16_avx2, float::f16_avx512),
         GgmlType::BF16 => pick(float::bf16_avx2, float::bf16_avx512),
@@ -64,11 +65,7 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<(GroupFn, Isa)> {
         ),
         GgmlType::Q2K => pick(k23::k23_group_avx2::<false>, k23::k23_group_avx512::<false>),
         GgmlType::Q3K => pick(k23::k23_group_avx2::<true>, k23::k23_group_avx512::<true>),
-        // The AVX2 kernel on AVX-512 CPUs too: its prefill tiles share each unpack of the
-        // weights among 4 tokens and its decode prefetches two blocks ahead, where the AVX-512
-        // kernel swept the weights token by token. On a Zen 5 VM (2 threads, dense bench
-        // model, alternated): prefill 512 253 against 191 tok/s, decode 117-118 against 94.
-        GgmlType::Iq4Xs => Some((iq4xs::iq4xs_group_avx2 as GroupFn, Isa::Avx2)),
+        GgmlType::Iq4Xs => pick(iq4xs::iq4xs_group_avx2, iq4xs::iq4xs_group_avx512),
         GgmlType::Iq2Xxs => pick(
             iq23::iq23_group_avx2::<{ IQ2_XXS }>,
             iq23::iq23_group_avx512::<{ IQ2_XXS }>,
