@@ -11,8 +11,8 @@
 //! credited the lab's split of two boards streaming from eMMC with a third more speed than it
 //! measured (`tessera lab run … moe-bigger-than-any.toml --hosts 2`, 2026-12-05: the home read
 //! 16.8 MiB a token, 58.8 ms at its disk's rate, its owner about as much, and the token took
-//! 82.6 ms). The owner reads its misses when the home's request arrives, on the layer's path;
-//! the home reads its own ahead (the caller prices those apart).
+//! 82.6 ms). The owner reads its misses when the home's request arrives, on the layer's path,
+//! and so, mostly, does the home (see the caller).
 //!
 //! A token's `used` experts are distinct and uniformly chosen among the layer's `n` (a
 //! multivariate hypergeometric split over the owners); each routed expert a streaming owner

@@ -360,15 +360,14 @@ pub(super) fn pass(
             let mut layer = worst;
             if matches!(mode, Mode::Decode { batch, .. } if batch <= 1.0) && worst.total_s > 0.0 {
                 // One token: the layer waits for whichever owner its routing makes slowest,
-                // more on average than the slowest owner's mean (see `slowest_owner`). The
-                // home reads its own misses ahead, from its router's prediction of the next
-                // layer, while the layers run: they bound the token by its disk's time rather
-                // than add to each layer's. A batch's rows average the routing out, and keep
-                // the mean.
-                let home_reads = home_experts.disk_s;
-                layer_owners[0].per_miss_s = 0.0;
+                // more on average than the slowest owner's mean (see `slowest_owner`), the
+                // home's own reads included: it reads ahead only the next layer's experts, and
+                // a read (3 ms of an eMMC's for one of the lab's experts) outlasts a layer's
+                // round trips, so each layer still waits for its own misses (the lab's homes
+                // read at their disks' rate for 90-96% of the token). A batch's rows average
+                // the routing out, and keep the mean.
                 let slowest = expected_slowest(n_exp, used, &layer_owners);
-                layer = scaled(&worst, slowest.max(home_reads) / worst.total_s);
+                layer = scaled(&worst, slowest / worst.total_s);
             }
             out.total.add(&scaled(&layer, n_moe));
             for (i, (e, h, rtt)) in per_owner.into_iter().enumerate() {
