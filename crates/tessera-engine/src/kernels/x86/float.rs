@@ -198,9 +198,13 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   first copied lane by lane into consecutive memory: each group's weights once per kernel
 //   call (`lane_major_weights`), the activations once per matmul in slices of a tile's tokens
 //   (`lane_major`, built on the pool by `QuantizedActs::new` when AVX2 or AVX-512 is the
-//   active ISA). AVX-512 prefill runs the same tiles over the same copies, but a pass takes
-//   all 16 rows in one register and 4 lanes at once (`quarter_by_pass512`): one conversion of
-//   a weight column feeds a tile's 6 FMAs, each broadcasting its activation from memory.
+//   active ISA). AVX-512 prefill runs the same tiles over the same copies with all 16 rows in
+//   one register, each FMA broadcasting its activation from memory, and takes two neighbouring
+//   groups per call where the matmul driver has them (`prefill_two_avx512`): a pass is one
+//   lane of both groups for a slice's tokens (`quarter_two512`), so each activation feeds two
+//   weight columns; a lone group's pass is one lane of two whole slices (`quarter_pair512`)
+//   or, for a slice alone, four lanes (`quarter_by_pass512`). F16/BF16 decode on AVX-512 runs
+//   the AVX2 chain passes below.
 //   Both copies hold the lanes in the order the passes visit them (`lane_order`), so a tile's
 //   passes read each operand as one sequential run. The passes go a quarter of the lanes
 //   (`quarter_lanes`) at a time over every tile (`prefill_avx2`), each quarter's lanes
