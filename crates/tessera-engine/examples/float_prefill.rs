@@ -3,7 +3,9 @@
 //! the cores inflate it less than a wall clock would.
 //!
 //! `cargo run --release -p tessera-engine --example float_prefill [-- DTYPE TOKENS THREADS
-//! ROUNDS]` (set `TESSERA_MAX_ISA=avx2` to cap the path).
+//! ROUNDS [ROWS COLS | layers N]]` (DTYPE f16, bf16 or f32; set `TESSERA_MAX_ISA=avx2` to cap
+//! the path): one layer; or 16 matrices of one shape; or N layers of distinct weights, which
+//! with 1 token streams them from memory as decode does.
 
 use std::hint::black_box;
 

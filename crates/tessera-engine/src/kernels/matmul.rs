@@ -9,7 +9,7 @@ use tessera_model::GgmlType;
 use super::matrix::{Matrix, GROUP};
 use super::pool::ThreadPool;
 use super::quant_acts::QuantizedActs;
-use super::{isa, kernel, GroupFn, Isa, SharedMut};
+use super::{isa, kernel, pair_kernel, GroupFn, Isa, SharedMut};
 
 /// `out[t*rows + r] = dot(w.row(r), x[t*cols..(t+1)*cols])` for every token `t < n_tokens`.
 ///
@@ -127,6 +127,8 @@ pub(crate) fn matmul_rows_isa(
 /// One matmul cut into tasks.
 struct Plan<'a> {
     kernel: GroupFn,
+    /// Two neighbouring groups at once, for 3 or more tokens, where the ISA has such a kernel.
+    pair: Option<GroupFn>,
     w: &'a Matrix,
     acts: &'a QuantizedActs,
     out: SharedMut<f32>,
@@ -174,6 +176,7 @@ impl<'a> Plan<'a> {
             return None;
         }
         let kernel = kernel(isa, w.dtype);
+        let pair = pair_kernel(isa, w.dtype);
         // Units: the interleaved groups of 16 rows the range touches.
         let (u0, u1) = (row_start / GROUP, row_end.div_ceil(GROUP));
         let n_units = u1 - u0;
@@ -189,6 +192,7 @@ impl<'a> Plan<'a> {
         let token_tasks = nt.div_ceil(tokens_per_task);
         Some(Self {
             kernel,
+            pair,
             w,
             acts,
             out: SharedMut::new(&mut out[..nt * n_rows]),
@@ -236,36 +240,43 @@ impl<'a> Plan<'a> {
         // On the stack up to TCHUNK tokens (decode does not pay for a larger buffer, nor for
         // zeroing one: 4 KiB per task cost ~1% of a decode step in a profile).
         let mut tiny = [0f32; GROUP * 2];
+        // Groups per kernel call at most: a pair kernel takes two.
+        let per_call = if self.pair.is_some() { 2 } else { 1 };
         let mut small = Vec::new();
         let mut large = Vec::new();
         let buf: &mut [f32] = match tchunk.min(tokens.len()) {
             n if n <= 2 => &mut tiny,
             n if n <= TCHUNK => {
-                small.resize(GROUP * TCHUNK, 0.0);
+                small.resize(per_call * GROUP * TCHUNK, 0.0);
                 &mut small
             }
             n => {
-                large.resize(GROUP * n, 0.0);
+                large.resize(per_call * GROUP * n, 0.0);
                 &mut large
             }
         };
-        let mut call = |g: usize, t: usize, n: usize| {
-            let data = w.group(g);
-            let rows = (g * GROUP).max(row_start)..((g + 1) * GROUP).min(row_end);
+        // Kernel `f` on `k` groups from `g` (1, or 2 for a pair kernel) for tokens t..t+n, its
+        // output (`buf[(j*k + i)*16 + r]`) copied out.
+        let mut call = |f: GroupFn, k: usize, g: usize, t: usize, n: usize| {
+            let data = w.groups(g, k);
             // SAFETY: the ISA is available (checked in `new`); the kernel reads
-            // `data` (one whole group) and acts for tokens t..t+n, all in bounds.
-            unsafe { f(data, acts, t, n, &mut buf[..n * GROUP]) };
-            let (r0, len) = (rows.start, rows.len());
-            for j in 0..n {
-                // SAFETY: each (token, row) belongs to exactly one task.
-                let dst = unsafe { out.range((t + j) * n_rows + r0 - row_start, len) };
-                let src = &buf[j * GROUP + r0 - g * GROUP..][..len];
-                if len == GROUP {
-                    // A whole group: a fixed 64-byte copy, inlined (not a memmove call).
-                    let d: &mut [f32; GROUP] = dst.try_into().expect("GROUP long");
-                    *d = src.try_into().expect("GROUP long");
-                } else {
-                    dst.copy_from_slice(src);
+            // `data` (k whole groups) and acts for tokens t..t+n, all in bounds.
+            unsafe { f(data, acts, t, n, &mut buf[..k * n * GROUP]) };
+            for i in 0..k {
+                let gi = g + i;
+                let rows = (gi * GROUP).max(row_start)..((gi + 1) * GROUP).min(row_end);
+                let (r0, len) = (rows.start, rows.len());
+                for j in 0..n {
+                    // SAFETY: each (token, row) belongs to exactly one task.
+                    let dst = unsafe { out.range((t + j) * n_rows + r0 - row_start, len) };
+                    let src = &buf[(j * k + i) * GROUP + r0 - gi * GROUP..][..len];
+                    if len == GROUP {
+                        // A whole group: a fixed 64-byte copy, inlined (not a memmove call).
+                        let d: &mut [f32; GROUP] = dst.try_into().expect("GROUP long");
+                        *d = src.try_into().expect("GROUP long");
+                    } else {
+                        dst.copy_from_slice(src);
+                    }
                 }
             }
         };
@@ -280,14 +291,24 @@ impl<'a> Plan<'a> {
             // bench layer, F16, 2 threads, CPU clock, alternated): 2,048 tokens AVX2 77-81 ->
             // 92-94 GFLOP/s a thread, AVX-512 112-115 -> 128-131; 512 tokens unchanged.
             for (t, n) in chunks {
-                for g in units.clone() {
-                    call(g, t, n);
+                let mut g = units.start;
+                while g < units.end {
+                    match self.pair {
+                        Some(pf) if n >= 3 && g + 1 < units.end => {
+                            call(pf, 2, g, t, n);
+                            g += 2;
+                        }
+                        _ => {
+                            call(f, 1, g, t, n);
+                            g += 1;
+                        }
+                    }
                 }
             }
         } else {
             for g in units {
                 for (t, n) in chunks.clone() {
-                    call(g, t, n);
+                    call(f, 1, g, t, n);
                 }
             }
         }

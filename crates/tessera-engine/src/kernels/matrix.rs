@@ -297,6 +297,12 @@ impl Matrix {
         &self.data[g * gb..(g + 1) * gb]
     }
 
+    /// The bytes of `k` neighbouring groups from `g` (a group's bytes are [`Self::group`]'s).
+    pub(crate) fn groups(&self, g: usize, k: usize) -> &[u8] {
+        let gb = self.group(0).len();
+        &self.data[g * gb..(g + k) * gb]
+    }
+
     /// Dequantizes one row into `out[..cols]` (embedding lookup).
     ///
     /// # Panics

@@ -258,6 +258,18 @@ fn kernel(isa: Isa, dtype: GgmlType) -> GroupFn {
     kernel_and_path(isa, dtype).0
 }
 
+/// A kernel for two neighbouring groups at once (`out[(j*2 + g)*16 + r]`, 3 or more tokens)
+/// where `isa` has one for `dtype`: float prefill on AVX-512.
+fn pair_kernel(isa: Isa, dtype: GgmlType) -> Option<GroupFn> {
+    #[cfg(target_arch = "x86_64")]
+    return x86::pair_kernel(isa, dtype);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, dtype);
+        None
+    }
+}
+
 /// The group kernel for `dtype` on `isa` and the instruction set that kernel is written for:
 /// `isa`'s own where the type has one, else the portable kernel ([`Isa::Scalar`]).
 fn kernel_and_path(isa: Isa, dtype: GgmlType) -> (GroupFn, Isa) {

@@ -438,6 +438,40 @@ fn float_prefill_at_every_tile_remainder_equals_each_token_alone() {
     }
 }
 
+/// AVX-512 float prefill takes two neighbouring groups per kernel call where a task holds
+/// both: 277 rows (18 groups, the last one of 5 rows) give one thread's tasks 3 groups each (a
+/// pair and a single), at token counts about a tile's and a block's width, with a column tail;
+/// each token equals itself alone on the scalar kernel, bit for bit, on every ISA, and a row
+/// range that starts and ends inside groups equals those rows of the whole.
+#[test]
+fn float_prefill_of_neighbouring_groups_equals_each_token_alone() {
+    let pools = [ThreadPool::new(1), ThreadPool::new(3)];
+    for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+        let seed = dtype.id() as u64 + 900;
+        let (rows, cols) = (277, 200);
+        assert_batches_equal_each_token_alone(dtype, seed, (rows, cols), &[3, 7, 13, 70], &pools);
+        let mut rng = Rng::new(seed + 1);
+        let bytes = random_matrix(dtype, rows, cols, &mut rng);
+        let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes)).unwrap();
+        let nt = 13;
+        let x = random_x(nt * cols, &mut rng);
+        let (r0, r1) = (5, 250);
+        for isa in isas() {
+            let whole = run(isa, &pools[0], &w, (0, rows), &x, nt);
+            let part = run(isa, &pools[0], &w, (r0, r1), &x, nt);
+            for t in 0..nt {
+                for r in r0..r1 {
+                    assert_eq!(
+                        part[t * (r1 - r0) + r - r0].to_bits(),
+                        whole[t * rows + r].to_bits(),
+                        "{dtype} {isa:?} token {t} row {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The K-quant kernels take the tokens in tiles of 6 or 8 and then one tile of the tokens
 /// left: every token count from 1 to 17 (every remainder after one and two whole tiles)
 /// equals each token alone on the scalar kernel, bit for bit, on every ISA.

@@ -198,9 +198,13 @@ entry!(bf16_avx512, FLOAT_BF16);
 //   first copied lane by lane into consecutive memory: each group's weights once per kernel
 //   call (`lane_major_weights`), the activations once per matmul in slices of a tile's tokens
 //   (`lane_major`, built on the pool by `QuantizedActs::new` when AVX2 or AVX-512 is the
-//   active ISA). AVX-512 prefill runs the same tiles over the same copies, but a pass takes
-//   all 16 rows in one register and 4 lanes at once (`quarter_by_pass512`): one conversion of
-//   a weight column feeds a tile's 6 FMAs, each broadcasting its activation from memory.
+//   active ISA). AVX-512 prefill runs the same tiles over the same copies with all 16 rows in
+//   one register, each FMA broadcasting its activation from memory, and takes two neighbouring
+//   groups per call where the matmul driver has them (`prefill_two_avx512`): a pass is one
+//   lane of both groups for a slice's tokens (`quarter_two512`), so each activation feeds two
+//   weight columns; a lone group's pass is one lane of two whole slices (`quarter_pair512`)
+//   or, for a slice alone, four lanes (`quarter_by_pass512`). F16/BF16 decode on AVX-512 runs
+//   the AVX2 chain passes below.
 //   Both copies hold the lanes in the order the passes visit them (`lane_order`), so a tile's
 //   passes read each operand as one sequential run. The passes go a quarter of the lanes
 //   (`quarter_lanes`) at a time over every tile (`prefill_avx2`), each quarter's lanes
@@ -694,8 +698,8 @@ unsafe fn quarter_by_pass512<const K: u8, const T: usize>(
     }
 }
 
-/// Two [`TILE`]-wide slices' accumulators of one lane: `(first slice, second slice)`.
-type PairAcc = ([__m512; TILE], [__m512; TILE]);
+/// One lane's accumulators of two token sets or two groups: `(first, second)`, each `[token]`.
+type TwoAcc<const T: usize> = ([__m512; T], [__m512; T]);
 
 /// One lane at [`lane_order`] position `p` for two whole slices' tokens (`x.0`, `x.1`), 16 rows
 /// a register: one conversion of a weight column feeds 12 FMAs, where [`lanes_pass512`] feeds
@@ -706,7 +710,7 @@ unsafe fn lane_pair_pass512<const K: u8>(
     w: *const u8,
     x: (TileActs, TileActs),
     p: usize,
-) -> PairAcc {
+) -> TwoAcc<TILE> {
     let seg = x.0.seg;
     // SAFETY: lane p has `seg` columns in `w` and, for both slices' tokens, in `x` (caller);
     // AVX-512 F enabled (caller).
@@ -726,6 +730,89 @@ unsafe fn lane_pair_pass512<const K: u8>(
     }
 }
 
+/// One lane at [`lane_order`] position `p` of two groups (`w.0`, `w.1`: their lane-major
+/// weights) for `T` tokens of one slice: each broadcast activation feeds both groups' columns,
+/// so a pass reads half the activations per FMA (in L1, on a Zen 5 core: 2 groups × 6 tokens
+/// ~245 GFLOP/s against ~200-230 for one group × 12 tokens at 16 columns a lane).
+#[inline(always)]
+unsafe fn lane_two_pass512<const K: u8, const T: usize>(
+    w: (*const u8, *const u8),
+    x: TileActs,
+    p: usize,
+) -> TwoAcc<T> {
+    let seg = x.seg;
+    // SAFETY: lane p has `seg` columns in both groups' weights and, for the tile's tokens, in
+    // `x` (caller); AVX-512 F enabled (caller).
+    unsafe {
+        let mut acc = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
+        let (xp, stride) = x.lane(p);
+        for s in 0..seg {
+            let wa = load16::<K>(w.0, p * seg + s);
+            let wb = load16::<K>(w.1, p * seg + s);
+            let xs = xp.add(s * stride);
+            for j in 0..T {
+                let xe = _mm512_set1_ps(*xs.add(j));
+                acc.0[j] = _mm512_fmadd_ps(wa, xe, acc.0[j]);
+                acc.1[j] = _mm512_fmadd_ps(wb, xe, acc.1[j]);
+            }
+        }
+        acc
+    }
+}
+
+/// Quarter `q`'s partial sums ([`quarter_lanes`]'s tree) from lane passes that each give one
+/// lane's [`TwoAcc`] (`lane(k)` for the quarter's `k`-th position in [`lane_order`]), both
+/// halves of the pair added alike: per set (BF16: two, else the same twice) a [`TwoAcc`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn quarter_tree512<const K: u8, const T: usize>(
+    mut lane: impl FnMut(usize) -> TwoAcc<T>,
+) -> (TwoAcc<T>, TwoAcc<T>) {
+    let add = |a: TwoAcc<T>, b: TwoAcc<T>| -> TwoAcc<T> {
+        (
+            std::array::from_fn(|j| _mm512_add_ps(a.0[j], b.0[j])),
+            std::array::from_fn(|j| _mm512_add_ps(a.1[j], b.1[j])),
+        )
+    };
+    if K == FLOAT_BF16 {
+        // Lanes 0..4: leaves (0, 1) and (2, 3), the tree's first pair; lanes 4..8 its second.
+        let (l0, l1) = (lane(0), lane(1));
+        let a0 = add(l0, lane(2));
+        let a1 = add(l1, lane(3));
+        let (l4, l5) = (lane(4), lane(5));
+        let b0 = add(l4, lane(6));
+        let b1 = add(l5, lane(7));
+        (add(a0, b0), add(a1, b1))
+    } else {
+        let mut leaf = |k: usize| {
+            let l0 = lane(4 * k);
+            let s01 = add(l0, lane(4 * k + 1));
+            let l2 = lane(4 * k + 2);
+            add(s01, add(l2, lane(4 * k + 3)))
+        };
+        let s8a = add(leaf(0), leaf(1));
+        let l2 = leaf(2);
+        let r = add(s8a, add(l2, leaf(3)));
+        (r, r)
+    }
+}
+
+/// Stores `T` tokens' quarter sums `r` (per set) at `dst`: token `j`'s set `s` at `dst + (j ·
+/// sets + s) · 16`.
+#[inline(always)]
+unsafe fn store_quarter<const K: u8, const T: usize>(r: ([__m512; T], [__m512; T]), dst: *mut f32) {
+    // SAFETY: `dst` holds T tokens' sets (caller); AVX-512 F enabled (caller).
+    unsafe {
+        for j in 0..T {
+            let o = dst.add(j * sets(K) * GROUP);
+            _mm512_storeu_ps(o, r.0[j]);
+            if K == FLOAT_BF16 {
+                _mm512_storeu_ps(o.add(GROUP), r.1[j]);
+            }
+        }
+    }
+}
+
 /// [`quarter_by_pass512`] for two whole slices at once ([`lane_pair_pass512`], a lane a
 /// pass): the same partial sums, added in the same order; token `j` of the pair at `dst + (j ·
 /// sets + s) · 16`.
@@ -734,48 +821,35 @@ unsafe fn lane_pair_pass512<const K: u8>(
 unsafe fn quarter_pair512<const K: u8>(w: &[u8], x: (TileActs, TileActs), q: usize, dst: *mut f32) {
     let per_q = n_lanes(K) / 4;
     debug_assert_eq!(w.len(), n_lanes(K) * x.0.seg * GROUP * esize(K));
-    let add = |a: PairAcc, b: PairAcc| -> PairAcc {
-        (
-            std::array::from_fn(|j| _mm512_add_ps(a.0[j], b.0[j])),
-            std::array::from_fn(|j| _mm512_add_ps(a.1[j], b.1[j])),
-        )
-    };
     // SAFETY: the quarter's lanes lie in `w` and `x` (caller); `dst` holds 12 tokens' sets.
     unsafe {
-        let lane = |k: usize| lane_pair_pass512::<K>(w.as_ptr(), x, q * per_q + k);
-        let (r1, r2) = if K == FLOAT_BF16 {
-            // Lanes 0..4: leaves (0, 1) and (2, 3), the tree's first pair; lanes 4..8 its
-            // second.
-            let (l0, l1) = (lane(0), lane(1));
-            let a0 = add(l0, lane(2));
-            let a1 = add(l1, lane(3));
-            let (l4, l5) = (lane(4), lane(5));
-            let b0 = add(l4, lane(6));
-            let b1 = add(l5, lane(7));
-            (add(a0, b0), add(a1, b1))
-        } else {
-            let leaf = |k: usize| {
-                let l0 = lane(4 * k);
-                let s01 = add(l0, lane(4 * k + 1));
-                let l2 = lane(4 * k + 2);
-                add(s01, add(l2, lane(4 * k + 3)))
-            };
-            let s8a = add(leaf(0), leaf(1));
-            let r = add(s8a, add(leaf(2), leaf(3)));
-            (r, r)
-        };
-        for (j, (v1, v2)) in
-            r1.0.iter()
-                .chain(&r1.1)
-                .zip(r2.0.iter().chain(&r2.1))
-                .enumerate()
-        {
-            let o = dst.add(j * sets(K) * GROUP);
-            _mm512_storeu_ps(o, *v1);
-            if K == FLOAT_BF16 {
-                _mm512_storeu_ps(o.add(GROUP), *v2);
-            }
-        }
+        let (r1, r2) =
+            quarter_tree512::<K, TILE>(|k| lane_pair_pass512::<K>(w.as_ptr(), x, q * per_q + k));
+        store_quarter::<K, TILE>((r1.0, r2.0), dst);
+        store_quarter::<K, TILE>((r1.1, r2.1), dst.add(TILE * sets(K) * GROUP));
+    }
+}
+
+/// [`quarter_by_pass512`] of two groups at once ([`lane_two_pass512`], a lane a pass): each
+/// group's partial sums as its own, stored at `dst.0` and `dst.1`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn quarter_two512<const K: u8, const T: usize>(
+    w: (&[u8], &[u8]),
+    x: TileActs,
+    q: usize,
+    dst: (*mut f32, *mut f32),
+) {
+    let per_q = n_lanes(K) / 4;
+    debug_assert_eq!(w.0.len(), n_lanes(K) * x.seg * GROUP * esize(K));
+    debug_assert_eq!(w.1.len(), w.0.len());
+    // SAFETY: the quarter's lanes lie in both groups' weights and in `x` (caller); `dst.0` and
+    // `dst.1` each hold T tokens' sets.
+    unsafe {
+        let wp = (w.0.as_ptr(), w.1.as_ptr());
+        let (r1, r2) = quarter_tree512::<K, T>(|k| lane_two_pass512::<K, T>(wp, x, q * per_q + k));
+        store_quarter::<K, T>((r1.0, r2.0), dst.0);
+        store_quarter::<K, T>((r1.1, r2.1), dst.1);
     }
 }
 
@@ -790,10 +864,10 @@ thread_local! {
 /// (`np / 4` columns: 24 KiB of F16 at 3,072) stay in L1 across the tiles, where all the
 /// group's (96 KiB) were read again from L2 by every tile.
 #[inline(always)]
-unsafe fn prefill<const K: u8, const WIDE: bool>(
-    w: *const u8,
+unsafe fn prefill<const K: u8, const WIDE: bool, const G: usize>(
+    w: [*const u8; G],
     a: &QuantizedActs,
-    (reordered, lanes): (&[u8], &[f32]),
+    (reordered, lanes): ([&[u8]; G], &[f32]),
     t0: usize,
     nt: usize,
     out: &mut [f32],
@@ -803,8 +877,10 @@ unsafe fn prefill<const K: u8, const WIDE: bool>(
     let per = sets(K) * GROUP;
     QUARTERS.with_borrow_mut(|parts| {
         // Every float is written before it is read: only growth needs filling.
-        parts.resize(4 * nt * per, 0.0);
-        // SAFETY: the caller checked the group holds n columns, that tokens t0..t0+nt are in
+        parts.resize(G * 4 * nt * per, 0.0);
+        // Group `gi`'s quarter `q` for token `j`.
+        let at = |gi: usize, q: usize, j: usize| ((gi * 4 + q) * nt + j) * per;
+        // SAFETY: the caller checked the groups hold n columns, that tokens t0..t0+nt are in
         // `a.f`, and built `reordered` and `lanes`; each tile lies within one slice of `lanes`
         // and writes its own tokens' floats of `parts`; features enabled.
         unsafe {
@@ -814,7 +890,21 @@ unsafe fn prefill<const K: u8, const WIDE: bool>(
                 let (s0, width) = slice_of(t, a.n_tokens);
                 let take = TILE.min(nt - j).min(s0 + width - t);
                 let x = TileActs::new::<K>(lanes, a, t);
-                let dst = parts.as_mut_ptr().add((q * nt + j) * per);
+                let dst = parts.as_mut_ptr().add(at(0, q, j));
+                if G == 2 {
+                    let dst2 = (dst, parts.as_mut_ptr().add(at(G - 1, q, j)));
+                    let w2 = (reordered[0], reordered[G - 1]);
+                    match take {
+                        1 => quarter_two512::<K, 1>(w2, x, q, dst2),
+                        2 => quarter_two512::<K, 2>(w2, x, q, dst2),
+                        3 => quarter_two512::<K, 3>(w2, x, q, dst2),
+                        4 => quarter_two512::<K, 4>(w2, x, q, dst2),
+                        5 => quarter_two512::<K, 5>(w2, x, q, dst2),
+                        _ => quarter_two512::<K, TILE>(w2, x, q, dst2),
+                    }
+                    return take;
+                }
+                let reordered = reordered[0];
                 // AVX-512: two whole slices in one tile where the next is whole too.
                 if WIDE && take == TILE && j + 2 * TILE <= nt {
                     let t2 = t + TILE;
@@ -852,21 +942,23 @@ unsafe fn prefill<const K: u8, const WIDE: bool>(
             }
             let pp = parts.as_ptr();
             for j in 0..nt {
-                let mut s = [[0f32; GROUP]; 2];
-                for (set, s) in s.iter_mut().enumerate().take(sets(K)) {
-                    for h8 in 0..2 {
-                        let part = |q: usize| {
-                            _mm256_loadu_ps(pp.add((q * nt + j) * per + set * GROUP + 8 * h8))
-                        };
-                        let v = reduce16_top([part(0), part(1), part(2), part(3)], |x, y| {
-                            _mm256_add_ps(x, y)
-                        });
-                        _mm256_storeu_ps(s.as_mut_ptr().add(8 * h8), v);
+                for (gi, &w) in w.iter().enumerate() {
+                    let mut s = [[0f32; GROUP]; 2];
+                    for (set, s) in s.iter_mut().enumerate().take(sets(K)) {
+                        for h8 in 0..2 {
+                            let part = |q: usize| {
+                                _mm256_loadu_ps(pp.add(at(gi, q, j) + set * GROUP + 8 * h8))
+                            };
+                            let v = reduce16_top([part(0), part(1), part(2), part(3)], |x, y| {
+                                _mm256_add_ps(x, y)
+                            });
+                            _mm256_storeu_ps(s.as_mut_ptr().add(8 * h8), v);
+                        }
                     }
+                    let k = (j * G + gi) * GROUP;
+                    let o: &mut [f32; GROUP] = (&mut out[k..k + GROUP]).try_into().unwrap();
+                    finish::<K>(w, &a.f[(t0 + j) * n..(t0 + j + 1) * n], np, &s, o);
                 }
-                let o: &mut [f32; GROUP] =
-                    (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
-                finish::<K>(w, &a.f[(t0 + j) * n..(t0 + j + 1) * n], np, &s, o);
             }
         }
     });
@@ -1058,7 +1150,7 @@ unsafe fn group<const K: u8, const WIDE: bool>(
         // SAFETY: bounds checked above; features guaranteed by the caller.
         unsafe {
             if nt >= 3 {
-                return prefill::<K, WIDE>(wp, a, copies, t0, nt, out);
+                return prefill::<K, WIDE, 1>([wp], a, ([copies.0], copies.1), t0, nt, out);
             }
             let mut j = 0;
             while j < nt {
@@ -1101,6 +1193,66 @@ unsafe fn prefill_avx512<const K: u8>(
     // SAFETY: features enabled; `group` checks the bounds.
     unsafe { group::<K, true>(w, a, t0, nt, out) }
 }
+
+thread_local! {
+    /// Each pool thread's buffer for the second group's [`lane_major_weights`]
+    /// ([`prefill_two_avx512`]).
+    static REORDERED2: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Two neighbouring groups × `nt ≥ 3` tokens from `t0` (`w`: both groups' bytes), written to
+/// `out[(j · 2 + g) · 16 + r]`: [`prefill`]'s tiles with each activation broadcast feeding both
+/// groups ([`quarter_two512`]). Each group's sums are the one-group kernel's, bit for bit.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn prefill_two_avx512<const K: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    let n = a.cols;
+    let gb = n * GROUP * esize(K);
+    assert!(nt >= 3 && w.len() >= 2 * gb);
+    assert!((t0 + nt) * n <= a.f.len() && out.len() >= nt * 2 * GROUP);
+    let np = n / 64 * 64;
+    let w0 = w.as_ptr();
+    let w1 = w[gb..].as_ptr();
+    REORDERED.with_borrow_mut(|r0| {
+        REORDERED2.with_borrow_mut(|r1| {
+            // SAFETY: both groups hold n columns (checked above); features enabled (caller).
+            unsafe {
+                lane_major_weights::<K>(w0, np, r0);
+                lane_major_weights::<K>(w1, np, r1);
+                let lanes = lane_major::<K>(a);
+                prefill::<K, true, 2>([w0, w1], a, ([&r0[..], &r1[..]], lanes), t0, nt, out)
+            }
+        })
+    });
+}
+
+macro_rules! entry_two {
+    ($name:ident, $k:expr) => {
+        /// # Safety
+        /// Requires AVX-512 F/BW/VL, AVX2, FMA and F16C.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        pub(super) unsafe fn $name(
+            w: &[u8],
+            a: &QuantizedActs,
+            t0: usize,
+            nt: usize,
+            out: &mut [f32],
+        ) {
+            // SAFETY: this entry's features; prefill_two_avx512 checks the bounds.
+            unsafe { prefill_two_avx512::<{ $k }>(w, a, t0, nt, out) }
+        }
+    };
+}
+
+entry_two!(f32_two_avx512, FLOAT_F32);
+entry_two!(f16_two_avx512, FLOAT_F16);
+entry_two!(bf16_two_avx512, FLOAT_BF16);
 
 macro_rules! entry_avx2 {
     ($name:ident, $k:expr) => {

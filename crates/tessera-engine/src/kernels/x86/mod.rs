@@ -92,3 +92,18 @@ pub(super) fn kernel(isa: Isa, dtype: GgmlType) -> Option<(GroupFn, Isa)> {
         ),
     }
 }
+
+/// The AVX-512 prefill kernel for two neighbouring groups of float weights at once (`nt ≥ 3`
+/// tokens; `out[(j · 2 + g) · 16 + r]`), where `isa` has one: each activation broadcast then
+/// feeds both groups' columns.
+pub(super) fn pair_kernel(isa: Isa, dtype: GgmlType) -> Option<GroupFn> {
+    if isa != Isa::Avx512 {
+        return None;
+    }
+    match dtype {
+        GgmlType::F32 => Some(float::f32_two_avx512),
+        GgmlType::F16 => Some(float::f16_two_avx512),
+        GgmlType::BF16 => Some(float::bf16_two_avx512),
+        _ => None,
+    }
+}
