@@ -22,10 +22,12 @@ use super::super::quant_acts::QuantizedActs;
 /// 1,024 × 1,024, alternated with the 4 of before: Q4_K 151 → 177 GFLOP/s at 6, 162 at 8;
 /// Q5_K 109 → 122 at 8, 114 at 6; Q6_K 88 → 88–94 at 6, 88–91 at 8). Wider tiles share each
 /// unpack of a block's weights among more tokens until their accumulators no longer fit the
-/// registers.
+/// registers. Q6_K's lanes later started at their weight offsets, which left 8 ahead of 6 by
+/// 3–5% (`examples/prefill_bench.rs`, Zen 5 VM, thread CPU time, alternated): these tiles are
+/// bound by the instructions they issue, about 4 per cycle, more than by the multiplies.
 const Q4K_TILE: usize = 6;
 const Q5K_TILE: usize = 8;
-const Q6K_TILE: usize = 6;
+const Q6K_TILE: usize = 8;
 
 /// The 8 per-row lane accumulators summed as `scalar::q8_0_lanes_sum`.
 macro_rules! lanes_sum {
@@ -351,7 +353,9 @@ pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize
                 2 => q6k_tile::<2>(w, a, t, o),
                 3 => q6k_tile_u8::<3>(w, ws, a, t, o),
                 4 => q6k_tile_u8::<4>(w, ws, a, t, o),
-                _ => q6k_tile_u8::<5>(w, ws, a, t, o),
+                5 => q6k_tile_u8::<5>(w, ws, a, t, o),
+                6 => q6k_tile_u8::<6>(w, ws, a, t, o),
+                _ => q6k_tile_u8::<7>(w, ws, a, t, o),
             }
         }
     });
@@ -387,8 +391,8 @@ unsafe fn q6k_unpack(qa: __m256i, qb: __m256i, h: __m256i) -> [__m256i; 4] {
 }
 
 /// Per block `b`, row half `h8` and lane `l4` of a Q6_K group (`ws[(b · 2 + h8) · 8 + l4]`),
-/// each row's `128 · Σ scale · (q − 32)` over the lane's 8 runs: what [`q6k_tile_u8`] takes
-/// off each token's lane sum. Once per kernel call, for all its tokens.
+/// each row's `−128 · Σ scale · (q − 32)` over the lane's 8 runs: where [`q6k_tile_u8`] starts
+/// each token's lane sum. Once per kernel call, for all its tokens.
 #[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m256i) {
@@ -396,6 +400,7 @@ unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m256i) {
     unsafe {
         let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
         let (c32, ones) = (_mm256_set1_epi8(32), _mm256_set1_epi8(1));
+        let zero = _mm256_setzero_si256();
         for b in 0..nb {
             let blk = w.add(b * Q6K_X16);
             for h8 in 0..2 {
@@ -414,7 +419,7 @@ unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m256i) {
                         }
                     }
                     ws.add((b * 2 + h8) * 8 + l4)
-                        .write_unaligned(_mm256_slli_epi32(sum, 7));
+                        .write_unaligned(_mm256_sub_epi32(zero, _mm256_slli_epi32(sum, 7)));
                 }
             }
         }
@@ -424,8 +429,8 @@ unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m256i) {
 /// `T ≥ 3` tokens of a Q6_K group with the activations made unsigned: `pmaddubsw` of `y + 128`
 /// (each activation byte with its sign bit flipped) by the signed quants `q − 32` gives exact
 /// i16 pairs (at most 2 · 255 · 32 in magnitude), so a lane's runs sum to `Σ scale · (q − 32)
-/// · y` plus `128 · Σ scale · (q − 32)`, which depends on the weights alone and is taken off
-/// once per lane and token ([`q6k_weight_sums`], computed once per call). The same exact
+/// · y` plus `128 · Σ scale · (q − 32)`, which depends on the weights alone: each lane starts
+/// at its negation ([`q6k_weight_sums`], computed once per call). The same exact
 /// integer lane sums as [`q6k_tile`], so the same floats; where that kernel's per-lane
 /// offsets took 4 `pmaddwd` and 4 broadcasts per lane and token (a fifth of its multiplies)
 /// and the offsets of every block twice.
@@ -468,7 +473,9 @@ unsafe fn q6k_tile_u8<const T: usize>(
                     _mm256_mul_ps(_mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
                 });
                 for l4 in 0..8 {
-                    let mut lane = [_mm256_setzero_si256(); T];
+                    // Each token's lane starts at minus the weights' offset sum (no subtraction
+                    // per token after the runs).
+                    let mut lane = [ws.add((b * 2 + h8) * 8 + l4).read_unaligned(); T];
                     for n in 0..2 {
                         let run = blk.add(q6k_runs(n, l4) + 32 * h8);
                         let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
@@ -483,10 +490,8 @@ unsafe fn q6k_tile_u8<const T: usize>(
                             }
                         }
                     }
-                    let wsum = ws.add((b * 2 + h8) * 8 + l4).read_unaligned();
                     for j in 0..T {
-                        let l = _mm256_sub_epi32(lane[j], wsum);
-                        acc[j][l4] = _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(l), acc[j][l4]);
+                        acc[j][l4] = _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(lane[j]), acc[j][l4]);
                     }
                 }
             }

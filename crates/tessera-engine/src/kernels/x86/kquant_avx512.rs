@@ -153,7 +153,7 @@ pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize
 }
 
 /// Per block `b` and lane `l4` of a Q6_K group (`ws[b · 8 + l4]`), each row's
-/// `128 · Σ scale · (q − 32)` over the lane's 8 runs: what [`q6k_tile`] takes off each token's
+/// `−128 · Σ scale · (q − 32)` over the lane's 8 runs: where [`q6k_tile`] starts each token's
 /// lane sum. Once per kernel call, for all its tokens.
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -178,8 +178,10 @@ unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m512i) {
                         sum = _mm512_dpwssd_epi32(sum, p, s);
                     }
                 }
-                ws.add(b * 8 + l4)
-                    .write_unaligned(_mm512_slli_epi32(sum, 7));
+                ws.add(b * 8 + l4).write_unaligned(_mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_slli_epi32(sum, 7),
+                ));
             }
         }
     }
@@ -188,7 +190,7 @@ unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m512i) {
 /// `T` tokens of a Q6_K group with the activations made unsigned, as `kquant_avx2`'s
 /// `q6k_tile_u8`: `vpmaddubsw` of `y + 128` by the signed quants `q − 32` gives exact i16
 /// pairs (at most 2 · 255 · 32), so a lane's runs sum to `Σ scale · (q − 32) · y` plus the
-/// weights' `128 · Σ scale · (q − 32)` ([`q6k_weight_sums`]), taken off once per lane and token.
+/// weights' `128 · Σ scale · (q − 32)`: each lane starts at its negation ([`q6k_weight_sums`]).
 // `l4` indexes the weight runs, the activation offsets and the lanes alike.
 #[allow(clippy::needless_range_loop)]
 #[inline(never)]
@@ -228,7 +230,8 @@ unsafe fn q6k_tile<const T: usize>(
                     scale_pairs::<true>(blk.add(Q6K_SCALES + 16 * (2 * i + half)))
                 });
                 for l4 in 4 * half..4 * half + 4 {
-                    let mut lane = [_mm512_setzero_si512(); T];
+                    // Each token's lane starts at minus the weights' offset sum.
+                    let mut lane = [ws.add(b * 8 + l4).read_unaligned(); T];
                     for n in 0..2 {
                         let run = blk.add(q6k_runs(n, l4));
                         let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
@@ -241,10 +244,8 @@ unsafe fn q6k_tile<const T: usize>(
                             }
                         }
                     }
-                    let wsum = ws.add(b * 8 + l4).read_unaligned();
                     for j in 0..T {
-                        let l = _mm512_sub_epi32(lane[j], wsum);
-                        acc[j][l4] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(l), acc[j][l4]);
+                        acc[j][l4] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(lane[j]), acc[j][l4]);
                     }
                 }
             }
