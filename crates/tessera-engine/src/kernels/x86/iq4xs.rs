@@ -1,9 +1,9 @@
 //! The AVX2 and AVX-512 kernels for interleaved IQ4_XS groups (`kernels/iq4xs.rs` has the
 //! layout and the numerical contract): exact integer lane sums, one vector lane per row, the
-//! scalar kernel's float steps, hence bit-identical results. AVX-512 CPUs run the AVX2 kernel
-//! for a lone token: an AVX-512 one this file had swept the weights token by token, with no
-//! prefetch, and measured slower than it on a Zen 5 VM (decode 94 against 117 tok/s); their
-//! prefill tiles take all 16 rows of a group at once ([`iq4xs_group_avx512`]).
+//! scalar kernel's float steps, hence bit-identical results. On AVX-512 CPUs a lone token runs
+//! the AVX2 decode (an AVX-512 one this file had swept the weights token by token, with no
+//! prefetch, and measured slower on a Zen 5 VM: 94 against 117 tok/s), and prefill runs
+//! AVX-512 tiles that take all 16 rows of a group at once ([`iq4xs_group_avx512`]).
 
 use std::arch::x86_64::*;
 
