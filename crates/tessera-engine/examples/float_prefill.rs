@@ -7,19 +7,15 @@
 //! the path): one layer; or 16 matrices of one shape; or N layers of distinct weights, which
 //! with 1 token streams them from memory as decode does.
 
+mod support;
+
 use std::hint::black_box;
 
 use tessera_engine::kernels::{isa, matmul, Matrix, MatrixBytes, ThreadPool};
 use tessera_model::GgmlType;
 
 fn cpu_secs() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to write into.
-    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    support::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID)
 }
 
 fn main() {

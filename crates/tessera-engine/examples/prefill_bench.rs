@@ -8,6 +8,10 @@
 //! shared machine two builds can be compared by alternating runs of this bench; the weights of
 //! each shape fit the caches, as an expert's do. Times are the fastest of repeated calls.
 
+mod support;
+
+use support::{random_bytes, Rng};
+
 use std::hint::black_box;
 
 use tessera_engine::kernels::{isa, matmul, Matrix, MatrixBytes, ThreadPool};
@@ -31,43 +35,9 @@ const SHAPES: [(usize, usize, usize); 5] = [
     (3072, 1024, 1),
 ];
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-/// Random valid GGML bytes: quant bytes random, every f16 scale small and finite.
-fn random_bytes(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    let n = rows * cols / dtype.block_size() * dtype.block_bytes();
-    let mut v: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
-    let small_f16 = |r: u64| (0x2000u16 | (r as u16 & 0x03ff)).to_le_bytes(); // ~0.008
-    for b in v.chunks_exact_mut(dtype.block_bytes()) {
-        let at: &[usize] = match dtype {
-            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q4_1 => &[0, 2],
-            GgmlType::Q6K => &[208],
-            _ => &[0],
-        };
-        for &o in at {
-            b[o..o + 2].copy_from_slice(&small_f16(rng.next()));
-        }
-    }
-    v
-}
-
 /// CPU seconds the calling thread has used.
 fn thread_cpu() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid clock id and a valid out pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    support::cpu_seconds(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
 fn main() {

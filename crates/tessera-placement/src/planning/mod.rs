@@ -299,7 +299,10 @@ mod tests {
         let m = moe_model();
         // 16 experts of ~2.4 MiB in each of 4 layers: the home holds the rest and some experts,
         // the others a few experts each but no whole layer.
-        let (_, g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
+        let (_, mut g) = cluster(&[200 << 20, 60 << 20, 60 << 20]);
+        // Without weight banks, which the fabric cannot run yet: one prices above the split
+        // here (each of the split's layers waits for the owner its token reaches).
+        g.policy.strategies.retain(|s| *s != StrategyKind::Bank);
         let out = plan_executable(&m, &g, 3).unwrap();
         assert_eq!(
             out.plan.strategy,

@@ -1232,11 +1232,12 @@ unsafe fn prefill_two_avx512<const K: u8>(
     });
 }
 
-macro_rules! entry_two {
-    ($name:ident, $k:expr) => {
-        /// # Safety
-        /// Requires AVX-512 F/BW/VL, AVX2, FMA and F16C.
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+/// One entry per element type (`$name = $k`) of the kernel `$kernel::<$k>`, behind the
+/// features it needs, as the dispatch table calls it.
+macro_rules! entries {
+    ($kernel:ident, $features:literal, $needs:literal: $($name:ident = $k:expr),+) => {$(
+        #[doc = concat!("# Safety\nRequires ", $needs, ".")]
+        #[target_feature(enable = $features)]
         pub(super) unsafe fn $name(
             w: &[u8],
             a: &QuantizedActs,
@@ -1244,37 +1245,17 @@ macro_rules! entry_two {
             nt: usize,
             out: &mut [f32],
         ) {
-            // SAFETY: this entry's features; prefill_two_avx512 checks the bounds.
-            unsafe { prefill_two_avx512::<{ $k }>(w, a, t0, nt, out) }
+            // SAFETY: this entry's features (the caller's promise); the kernel checks the bounds.
+            unsafe { $kernel::<{ $k }>(w, a, t0, nt, out) }
         }
-    };
+    )+};
 }
 
-entry_two!(f32_two_avx512, FLOAT_F32);
-entry_two!(f16_two_avx512, FLOAT_F16);
-entry_two!(bf16_two_avx512, FLOAT_BF16);
-
-macro_rules! entry_avx2 {
-    ($name:ident, $k:expr) => {
-        /// # Safety
-        /// Requires AVX2, FMA and F16C.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub(super) unsafe fn $name(
-            w: &[u8],
-            a: &QuantizedActs,
-            t0: usize,
-            nt: usize,
-            out: &mut [f32],
-        ) {
-            // SAFETY: features guaranteed by the caller; group_avx2 checks the bounds.
-            unsafe { group_avx2::<{ $k }>(w, a, t0, nt, out) }
-        }
-    };
-}
-
-entry_avx2!(f32_avx2, FLOAT_F32);
-entry_avx2!(f16_avx2, FLOAT_F16);
-entry_avx2!(bf16_avx2, FLOAT_BF16);
+entries!(prefill_two_avx512, "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    "AVX-512 F/BW/VL, AVX2, FMA and F16C":
+    f32_two_avx512 = FLOAT_F32, f16_two_avx512 = FLOAT_F16, bf16_two_avx512 = FLOAT_BF16);
+entries!(group_avx2, "avx2,fma,f16c", "AVX2, FMA and F16C":
+    f32_avx2 = FLOAT_F32, f16_avx2 = FLOAT_F16, bf16_avx2 = FLOAT_BF16);
 
 #[cfg(test)]
 mod tests {
