@@ -89,9 +89,7 @@ impl Placement {
         }
         s
     }
-}
 
-impl Placement {
     /// The share of this node's routed experts read from disk first: its experts' share left
     /// on disk, as its cache misses it.
     pub(super) fn expert_miss_share(&self) -> f64 {

@@ -6,7 +6,7 @@
 
 use super::{ms, Generated};
 use crate::cost::{contact_probability, evaluate, expert_layer_time, place_assignment, Ctx};
-use crate::plan::{Assignment, CellKind, ExpertSlice, LayerRange};
+use crate::plan::{Assignment, Cell, CellKind, ExpertSlice, LayerRange};
 use crate::resources::StrategyKind;
 
 fn home_assignment(ctx: &Ctx, node: &str) -> Assignment {
@@ -90,8 +90,7 @@ pub(crate) fn generate(ctx: &Ctx, out: &mut Generated) {
             // Every expert stayed home: that is the single-node plan.
             Dealt::AllHome => continue,
         };
-        let a = without_costly_owners(ctx, &base, &owners, a);
-        match evaluate(ctx, CellKind::Expert, a, seqs) {
+        match without_costly_owners(ctx, &base, &owners, a) {
             Ok(cell) => {
                 let shares: Vec<String> = cell
                     .assignments
@@ -189,25 +188,28 @@ fn deal_experts(ctx: &Ctx, base: &Assignment, owners: &[(usize, f64)]) -> Dealt 
     Dealt::Split(a)
 }
 
+/// A split as evaluated, or why it cannot be.
+type Evaluated = Result<Cell, String>;
+
 /// `split` without the owners whose part costs the home more than it saves, dropped one at a
-/// time while the decode gets faster. Dealing experts weighs each owner's *mean* time, but a
-/// layer waits for whichever owner its token reaches: an owner behind a slow link, contacted in
-/// a few layers, adds its whole round trip to each of them (`cost::slowest_owner`).
+/// time while the decode gets faster, as evaluated (or why `split` could not be). Dealing
+/// experts weighs each owner's *mean* time, but a layer waits for whichever owner its token
+/// reaches: an owner behind a slow link, contacted in a few layers, adds its whole round trip
+/// to each of them (`cost::slowest_owner`).
 fn without_costly_owners(
     ctx: &Ctx,
     base: &Assignment,
     owners: &[(usize, f64)],
     split: Vec<Assignment>,
-) -> Vec<Assignment> {
+) -> Result<Cell, String> {
     let seqs = ctx.policy.concurrency;
-    let decode = |a: &[Assignment]| {
-        evaluate(ctx, CellKind::Expert, a.to_vec(), seqs)
-            .map_or(0.0, |c| c.predicted.decode_tokens_per_s)
-    };
+    let decode =
+        |c: &Result<Cell, String>| c.as_ref().map_or(0.0, |c| c.predicted.decode_tokens_per_s);
     let mut kept: Vec<(usize, f64)> = owners.to_vec();
-    let mut best = (decode(&split), split);
+    let mut best = evaluate(ctx, CellKind::Expert, split, seqs);
     loop {
-        let mut improved = None;
+        // The best split found without one more owner, and the owners it keeps.
+        let mut improved: Option<(Evaluated, Vec<(usize, f64)>)> = None;
         for drop in 1..kept.len() {
             let fewer: Vec<(usize, f64)> = kept
                 .iter()
@@ -216,18 +218,19 @@ fn without_costly_owners(
                 .map(|(_, &o)| o)
                 .collect();
             if let Dealt::Split(a) = deal_experts(ctx, base, &fewer) {
-                let d = decode(&a);
-                if d > best.0 && improved.as_ref().is_none_or(|(x, _, _)| d > *x) {
-                    improved = Some((d, a, fewer));
+                let cell = evaluate(ctx, CellKind::Expert, a, seqs);
+                let bar = improved.as_ref().map_or(decode(&best), |(c, _)| decode(c));
+                if decode(&cell) > bar {
+                    improved = Some((cell, fewer));
                 }
             }
         }
         match improved {
-            Some((d, a, fewer)) => {
-                best = (d, a);
+            Some((cell, fewer)) => {
+                best = cell;
                 kept = fewer;
             }
-            None => return best.1,
+            None => return best,
         }
     }
 }
