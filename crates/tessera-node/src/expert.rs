@@ -15,16 +15,19 @@
 //! * request: `u16 version, u32 layer, u32 n_tokens, u32 k, u32 n_embd`, then
 //!   `n_tokens·k` `u32` expert ids, `n_tokens·k` `f32` gate weights, `n_tokens·n_embd` `f32`
 //!   normed rows;
-//! * reply: `u16 version, u32 layer, u32 n_tokens, u32 k, u32 n_embd`, then `n_tokens·k`
-//!   `u8` flags (1: the slot is computed here), then `n_embd` `f32`s per flagged slot in slot
-//!   order.
+//! * reply: `u16 version, u32 layer, u32 n_tokens, u32 k, u32 n_embd`, then the owner's
+//!   [`ServeCounters`] (five `u64`s: lookups, misses, disk bytes, read wait ns, serve ns), then
+//!   `n_tokens·k` `u8` flags (1: the slot is computed here), then `n_embd` `f32`s per flagged
+//!   slot in slot order.
+
+use std::time::Instant;
 
 use tessera_engine::{EngineError, ExpertExecutor, ExpertOutputs, Hidden, Model, Routing};
 
-use tessera_proto::{frame, FrameDecodeError};
+use tessera_proto::{frame, FrameDecodeError, OwnerExpertStats};
 
-/// Version of the expert frames' layout.
-pub const EXPERT_WIRE_VERSION: u16 = 1;
+/// Version of the expert frames' layout (2: replies carry the owner's [`ServeCounters`]).
+pub const EXPERT_WIRE_VERSION: u16 = 2;
 
 const HEAD: usize = 2 + 4 * 4;
 
@@ -44,6 +47,66 @@ pub struct ExpertRequest {
 pub struct ExpertReply {
     pub layer: u32,
     pub outputs: ExpertOutputs,
+    /// What computing it cost the worker.
+    pub counters: ServeCounters,
+}
+
+/// What one request cost the worker that computed it: its streamed experts' counters across
+/// the computation (zero when it holds every expert in memory) and the computation's time.
+/// They let the home tell a slow owner's disk or compute from its link.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServeCounters {
+    pub lookups: u64,
+    pub misses: u64,
+    pub disk_bytes: u64,
+    pub read_wait_ns: u64,
+    pub serve_ns: u64,
+}
+
+/// Bytes of [`ServeCounters`] on the wire.
+const COUNTERS_LEN: usize = 5 * 8;
+
+impl ServeCounters {
+    fn between(
+        before: Option<tessera_engine::expert_store::ExpertStats>,
+        after: Option<tessera_engine::expert_store::ExpertStats>,
+        serve_ns: u64,
+    ) -> Self {
+        let mut c = Self {
+            serve_ns,
+            ..Self::default()
+        };
+        if let (Some(b), Some(a)) = (before, after) {
+            c.lookups = a.lookups.saturating_sub(b.lookups);
+            c.misses = a.misses.saturating_sub(b.misses);
+            c.disk_bytes = a.bytes_read.saturating_sub(b.bytes_read);
+            c.read_wait_ns = a.read_wait_us.saturating_sub(b.read_wait_us) * 1_000;
+        }
+        c
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        for v in [
+            self.lookups,
+            self.misses,
+            self.disk_bytes,
+            self.read_wait_ns,
+            self.serve_ns,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    fn decode(b: &[u8]) -> Self {
+        let at = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        Self {
+            lookups: at(0),
+            misses: at(1),
+            disk_bytes: at(2),
+            read_wait_ns: at(3),
+            serve_ns: at(4),
+        }
+    }
 }
 
 fn head(layer: u32, n: usize, k: usize, d: usize, cap: usize) -> Vec<u8> {
@@ -146,8 +209,9 @@ impl ExpertReply {
             o.n_tokens,
             o.k,
             o.n_embd,
-            o.slots.len() + present * o.n_embd * 4,
+            COUNTERS_LEN + o.slots.len() + present * o.n_embd * 4,
         );
+        self.counters.encode(&mut out);
         out.extend(o.slots.iter().map(|s| u8::from(s.is_some())));
         for v in o.slots.iter().flatten() {
             tessera_net::frame::extend_f32s_le(&mut out, v);
@@ -157,14 +221,16 @@ impl ExpertReply {
 
     pub fn decode(payload: &[u8], n_embd: usize) -> Result<Self, FrameDecodeError> {
         let (layer, n, k, d) = parse_head(payload, n_embd)?;
-        let flags_end = HEAD + n * k;
+        let flags_at = HEAD + COUNTERS_LEN;
+        let flags_end = flags_at + n * k;
         if payload.len() < flags_end {
             return Err(FrameDecodeError::Short {
                 len: payload.len(),
                 need: flags_end,
             });
         }
-        let flags = &payload[HEAD..flags_end];
+        let counters = ServeCounters::decode(&payload[HEAD..flags_at]);
+        let flags = &payload[flags_at..flags_end];
         let present = flags.iter().filter(|&&f| f != 0).count();
         let expected = present * d * 4;
         let got = payload.len() - flags_end;
@@ -191,6 +257,7 @@ impl ExpertReply {
                 n_embd: d,
                 slots,
             },
+            counters,
         })
     }
 }
@@ -198,12 +265,16 @@ impl ExpertReply {
 /// Computes a request on a worker's model: the slots whose expert it holds.
 pub fn serve_request(model: &Model, req: &ExpertRequest) -> tessera_engine::Result<ExpertReply> {
     let layer = req.layer as usize;
+    let before = model.expert_stats();
+    let started = Instant::now();
     let outputs = model.moe_experts(layer, &req.normed, &req.routing, &|e| {
         model.holds_expert(layer, e)
     })?;
+    let serve_ns = started.elapsed().as_nanos() as u64;
     Ok(ExpertReply {
         layer: req.layer,
         outputs,
+        counters: ServeCounters::between(before, model.expert_stats(), serve_ns),
     })
 }
 
@@ -244,6 +315,8 @@ pub struct ExpertTraffic {
     pub bytes: u64,
     /// MoE layer executions with at least one expert computed on the home node.
     pub local_parts: u64,
+    /// What the owners' replies said their computations cost, and the home's wait for them.
+    pub owners: OwnerExpertStats,
 }
 
 /// The peers of a home stage and its traffic counters.
@@ -344,6 +417,9 @@ impl ExpertExecutor for RemoteExperts<'_> {
                 local.moe_experts(layer, normed, routing, &|e| local.holds_expert(layer, e))?,
             );
         }
+        // After the home's own part: what is left of the owners' time is the home's wait.
+        let replies_from = Instant::now();
+        let mut slowest_serve_ns = 0;
         for (i, tokens) in waiting {
             let p = &mut self.peers.peers[i];
             let (kind, payload) = p
@@ -378,8 +454,18 @@ impl ExpertExecutor for RemoteExperts<'_> {
                     ExpertPeerFault::NonFinite { layer, count },
                 ));
             }
+            let c = reply.counters;
+            let owners = &mut self.peers.traffic.owners;
+            owners.lookups += c.lookups;
+            owners.misses += c.misses;
+            owners.disk_bytes += c.disk_bytes;
+            owners.read_wait_ns += c.read_wait_ns;
+            slowest_serve_ns = slowest_serve_ns.max(c.serve_ns);
             parts.push(reply.outputs.expand(&tokens, routing.n_tokens)?);
         }
+        let owners = &mut self.peers.traffic.owners;
+        owners.slowest_serve_ns += slowest_serve_ns;
+        owners.reply_wait_ns += replies_from.elapsed().as_nanos() as u64;
         if parts.is_empty() {
             // No token routed anywhere cannot happen with k ≥ 1; keep the reducer's error.
             return Err(EngineError::ExpertOutputs(format!(
@@ -467,9 +553,16 @@ mod tests {
                 n_embd: 4,
                 slots: vec![Some(vec![1.0; 4]), None, None, Some(vec![2.0; 4])],
             },
+            counters: ServeCounters {
+                lookups: 3,
+                misses: 1,
+                disk_bytes: 1 << 20,
+                read_wait_ns: 250_000,
+                serve_ns: 900_000,
+            },
         };
         let bytes = reply.encode();
-        assert_eq!(bytes.len(), HEAD + 4 + 2 * 16);
+        assert_eq!(bytes.len(), HEAD + COUNTERS_LEN + 4 + 2 * 16);
         assert_eq!(ExpertReply::decode(&bytes, 4).unwrap(), reply);
         assert!(ExpertReply::decode(&bytes[..bytes.len() - 4], 4).is_err());
     }
@@ -546,6 +639,53 @@ mod tests {
         assert_eq!(got, want);
         assert!(peers.traffic.round_trips > 0);
         assert!(peers.traffic.round_trips <= 6 * cfg.n_layer as u64);
+    }
+
+    /// An owner that streams its experts from disk says what each request cost it: summed at
+    /// the home, its counters are the owner's own store counters over the run, so a slow
+    /// split's owners can be told from its links.
+    #[test]
+    fn a_streaming_owner_reports_its_reads_with_each_reply() {
+        let (g, cfg, home, b, _) = home_and_worker();
+        let selection = ExpertSelection::same_in_every_layer(&b, cfg.n_layer);
+        let spec = LoadSpec::experts_only(0..cfg.n_layer, selection);
+        let load = |budget| {
+            // Without reading ahead every read is a miss's, within the request that made it.
+            let streaming = tessera_engine::ExpertStreaming {
+                prefetch: false,
+                ..tessera_engine::ExpertStreaming::with_budget(budget)
+            };
+            Model::load_streaming(&g, spec.clone(), streaming, 1, &mut |_, _| {}).unwrap()
+        };
+        // Room for two of its experts: most lookups miss.
+        let one = load(u64::MAX / 2).expert_stats().unwrap().expert_bytes;
+        let worker = Arc::new(load(2 * one));
+        let mut peers = RemotePeers::new(vec![RemotePeer {
+            name: "b".into(),
+            experts: vec![b; cfg.n_layer],
+            link: Box::new(spawn_worker(worker.clone())),
+        }]);
+        let tokens = [1u32, 403, 407, 261, 378, 300, 42];
+        let mut kv = home.new_kv(64);
+        for (pos, t) in tokens.iter().enumerate() {
+            let mut h = home.embed(&[*t]).unwrap();
+            let step = [tessera_engine::SeqStep {
+                n_tokens: 1,
+                start_pos: pos,
+            }];
+            let mut exec = peers.executor(&home);
+            home.run_layers(0..cfg.n_layer, &mut h, &step, &mut [&mut kv], &mut exec)
+                .unwrap();
+        }
+        let owner = worker.expert_stats().unwrap();
+        let reported = peers.traffic.owners;
+        assert!(owner.misses > 0, "{owner:?}");
+        assert_eq!(reported.lookups, owner.lookups);
+        assert_eq!(reported.misses, owner.misses);
+        assert_eq!(reported.disk_bytes, owner.bytes_read);
+        assert!(reported.slowest_serve_ns > 0);
+        // The home waits at least the owner's time less its own part, never more than it all.
+        assert!(reported.reply_wait_ns > 0);
     }
 
     /// A link whose worker answers with a NaN in its first computed slot.

@@ -210,6 +210,71 @@ pub struct PhaseStats {
     /// ... and the time the computation waited for reads, ns.
     #[serde(default)]
     pub expert_read_wait_ns: u64,
+    /// What the expert owners did for this stage's requests in those steps (expert split,
+    /// home stage only).
+    #[serde(default)]
+    pub owners: OwnerExpertStats,
+}
+
+/// The expert owners' side of a home stage's steps in an expert split, from the counters each
+/// owner returns with its reply: what separates a slow split's owners (their disks, their
+/// compute) from its links. An owner's counters span its computation of one request; requests
+/// of other homes computed at the same time count in them too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnerExpertStats {
+    /// Expert lookups on the owners (summed over them), ...
+    pub lookups: u64,
+    /// ... those read from disk (misses), ...
+    pub misses: u64,
+    /// ... the bytes they read from disk (misses and prefetches), ...
+    pub disk_bytes: u64,
+    /// ... and the time their computations waited for reads, ns.
+    pub read_wait_ns: u64,
+    /// Per MoE layer, the longest time one contacted owner took to compute its request, summed
+    /// over the layers: what the slowest owner costs a token.
+    pub slowest_serve_ns: u64,
+    /// The time the home waited for owners' replies after computing its own experts, ns: the
+    /// slowest owner's time plus the round trip, less what the home's own part overlapped.
+    pub reply_wait_ns: u64,
+}
+
+impl OwnerExpertStats {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &Self) {
+        self.lookups += other.lookups;
+        self.misses += other.misses;
+        self.disk_bytes += other.disk_bytes;
+        self.read_wait_ns += other.read_wait_ns;
+        self.slowest_serve_ns += other.slowest_serve_ns;
+        self.reply_wait_ns += other.reply_wait_ns;
+    }
+
+    /// The counts since `earlier` (counters that only grow).
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            lookups: self.lookups.saturating_sub(earlier.lookups),
+            misses: self.misses.saturating_sub(earlier.misses),
+            disk_bytes: self.disk_bytes.saturating_sub(earlier.disk_bytes),
+            read_wait_ns: self.read_wait_ns.saturating_sub(earlier.read_wait_ns),
+            slowest_serve_ns: self
+                .slowest_serve_ns
+                .saturating_sub(earlier.slowest_serve_ns),
+            reply_wait_ns: self.reply_wait_ns.saturating_sub(earlier.reply_wait_ns),
+        }
+    }
+
+    /// One of `n` sequences' share of a step's counts.
+    pub fn share(&self, n: u64) -> Self {
+        let n = n.max(1);
+        Self {
+            lookups: self.lookups / n,
+            misses: self.misses / n,
+            disk_bytes: self.disk_bytes / n,
+            read_wait_ns: self.read_wait_ns / n,
+            slowest_serve_ns: self.slowest_serve_ns / n,
+            reply_wait_ns: self.reply_wait_ns / n,
+        }
+    }
 }
 
 /// What one stage did for one sequence, reported when the sequence is closed.

@@ -39,7 +39,8 @@ pub use client::{
 };
 pub use control::{
     hash_f32s, BoundaryTrace, CoordToNode, FinishReason, Hello, HopTimes, LoadReport, NodeToCoord,
-    OpenSeq, PeerInfo, PeerLink, PhaseStats, Role, StageAssignment, StageSeqStats,
+    OpenSeq, OwnerExpertStats, PeerInfo, PeerLink, PhaseStats, Role, StageAssignment,
+    StageSeqStats,
 };
 pub use experts::{ExpertAssignment, ExpertCacheStats, ExpertPeer};
 pub use model::{decode_chunk, encode_chunk, ModelReply, ModelRequest};

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -202,6 +202,21 @@ fn plan_auto_splits_within_budgets_and_matches_one_process() {
     drop(nodes);
 }
 
+/// A calibrated graph (`--calibrated`) that states an SD card's 20 MB/s for each node's disk,
+/// written under `dir`: what the plan of an expert split is made on, whatever this machine's
+/// disk probe measures.
+fn sd_cards(dir: &Path, nodes: &[(&str, u64)]) -> PathBuf {
+    let path = dir.join("sd-cards.toml");
+    let mut cluster = String::new();
+    for (name, _) in nodes {
+        cluster += &format!(
+            "[[node]]\nname = \"{name}\"\nprofile = \"laptop-16gb\"\ndisk_bandwidth = \"20MB/s\"\n"
+        );
+    }
+    std::fs::write(&path, cluster).unwrap();
+    path
+}
+
 /// Three nodes of one host whose budgets hold a qwen3moe model on no single node, no ring of
 /// whole layers and no weight bank, all in memory, but hold it as a home node with attention,
 /// embedding, head and some experts, and the other experts on the small nodes (a few experts of
@@ -224,14 +239,7 @@ fn plan_auto_executes_an_expert_split_and_matches_one_process() {
         ("x", 13u64 << 18),    // 3.25 MiB
         ("y", 13u64 << 18),
     ];
-    let calibrated = dir.path().join("sd-cards.toml");
-    let mut cluster = String::new();
-    for (name, _) in budgets {
-        cluster += &format!(
-            "[[node]]\nname = \"{name}\"\nprofile = \"laptop-16gb\"\ndisk_bandwidth = \"20MB/s\"\n"
-        );
-    }
-    std::fs::write(&calibrated, cluster).unwrap();
+    let calibrated = sd_cards(dir.path(), &budgets);
     let (mut coordinator, join, operator) = auto_coordinator_with(
         dir.path(),
         &path,
@@ -353,8 +361,8 @@ fn plan_auto_executes_an_expert_split_and_matches_one_process() {
     drop(nodes);
 }
 
-/// `tessera serve --plan auto` with the same budgets: the dashboard's status shows the expert
-/// split the epoch runs — the home's ring stage with its share of every layer's experts, and each
+/// `tessera serve --plan auto` with the same budgets (and the same calibrated SD cards, given
+/// to `serve --calibrated`): the dashboard's status shows the expert split the epoch runs — the home's ring stage with its share of every layer's experts, and each
 /// expert-only node with no layers and its share — and the API answers through it.
 #[test]
 fn the_dashboard_shows_the_expert_split_of_a_served_cluster() {
@@ -382,6 +390,8 @@ fn the_dashboard_shows_the_expert_split_of_a_served_cluster() {
         "3",
         "--plan",
         "auto",
+        "--calibrated",
+        &sd_cards(dir.path(), &budgets).display().to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -497,6 +507,8 @@ fn serve_without_ctx_chooses_the_largest_context_the_budgets_hold() {
         "2",
         "--plan",
         "auto",
+        "--calibrated",
+        &sd_cards(dir.path(), &budgets).display().to_string(),
     ]
     .iter()
     .map(|s| s.to_string())

@@ -221,6 +221,7 @@ pub fn run(
     dir: &Path,
     mut progress: impl FnMut(&str),
 ) -> Result<CellsReport> {
+    let _copies = super::session::NodeModelCopies::removed_at_end(dir);
     if o.hosts < 2 || o.streams == 0 {
         return Err(LabError::Unrunnable(
             "cells: two hosts or more and one stream or more".into(),

@@ -231,6 +231,7 @@ pub fn run(
     dir: &Path,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<HopFigure>> {
+    let _copies = super::session::NodeModelCopies::removed_at_end(dir);
     let gguf = tessera_model::GgufFile::open(&o.model).map_err(|e| LabError::model(&o.model, e))?;
     let n_layer = tessera_model::ModelConfig::from_gguf(&gguf)
         .map_err(|e| LabError::model(&o.model, format!("its configuration: {e}")))?

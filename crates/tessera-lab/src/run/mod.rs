@@ -50,7 +50,9 @@ use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::scenario::Scenario;
 pub use plans::{describe, Force};
-pub use report::{table, Figures, LinkReport, Report, Row, Speculation, StageStreaming, TextCheck};
+pub use report::{
+    table, Figures, LinkReport, Report, Row, Speculation, SplitOwners, StageStreaming, TextCheck,
+};
 use session::{Mode, Session};
 
 /// Tokens of the warm-up request, and of the short request whose traffic is subtracted from
@@ -94,6 +96,7 @@ pub fn run(
     opts: &Options,
     mut progress: impl FnMut(&str),
 ) -> Result<Report> {
+    let _copies = session::NodeModelCopies::removed_at_end(dir);
     let gguf = tessera_model::GgufFile::open(&scenario.model)
         .map_err(|e| LabError::model(&scenario.model, e))?;
     let profile = tessera_model::ModelProfile::from_gguf(&gguf)
@@ -393,9 +396,12 @@ fn rows(
         .zip(measured)
         .enumerate()
         .map(|(k, (c, m))| {
-            let streaming = match &m {
-                Some(Ok(m)) => report::StageStreaming::of(&m.report),
-                _ => Vec::new(),
+            let (streaming, owners) = match &m {
+                Some(Ok(m)) => (
+                    report::StageStreaming::of(&m.report),
+                    report::SplitOwners::of(&m.report),
+                ),
+                _ => (Vec::new(), Vec::new()),
             };
             let (measured, note, text, speculation) = match (&c.placement, m) {
                 (Err(why), _) => (None, Some(why.clone()), None, None),
@@ -444,6 +450,7 @@ fn rows(
                 text,
                 speculation,
                 streaming,
+                owners,
             }
         })
         .collect()

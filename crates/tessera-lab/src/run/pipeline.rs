@@ -176,6 +176,7 @@ pub fn run(
     dir: &Path,
     mut progress: impl FnMut(&str),
 ) -> Result<PipelineReport> {
+    let _copies = super::session::NodeModelCopies::removed_at_end(dir);
     let gguf = tessera_model::GgufFile::open(&o.model).map_err(|e| LabError::model(&o.model, e))?;
     let config = tessera_model::ModelConfig::from_gguf(&gguf)
         .map_err(|e| LabError::model(&o.model, format!("its configuration: {e}")))?;

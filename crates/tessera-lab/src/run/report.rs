@@ -195,6 +195,8 @@ pub struct Row {
     pub speculation: Option<std::result::Result<Speculation, String>>,
     /// Each stage that streamed experts from its disk in the measured run's decode.
     pub streaming: Vec<StageStreaming>,
+    /// Each home stage of an expert split: what its experts' owners did in that decode.
+    pub owners: Vec<SplitOwners>,
 }
 
 /// What a stage's expert cache did over a measured request's decode: the figures that decide
@@ -222,11 +224,7 @@ impl StageStreaming {
                 let d = &s.decode;
                 let per_token = |x: f64| x / d.steps.max(1) as f64;
                 Self {
-                    node: report
-                        .stages
-                        .iter()
-                        .find(|p| p.stage == s.stage)
-                        .map_or_else(|| format!("stage {}", s.stage), |p| p.name.clone()),
+                    node: stage_name(report, s.stage),
                     lookups_per_token: per_token(d.expert_lookups as f64),
                     hit_rate: 1.0 - d.expert_misses as f64 / d.expert_lookups as f64,
                     disk_mib_per_token: per_token(d.expert_disk_bytes as f64) / (1 << 20) as f64,
@@ -247,6 +245,90 @@ impl StageStreaming {
             self.read_wait_ms_per_token
         )
     }
+}
+
+/// What the owners of a home stage's remote experts did over a measured request's decode, per
+/// token, from the counters each owner returned with its replies: whether a slow split waits
+/// on its owners' disks, their compute, or its links.
+#[derive(Debug, Clone, Serialize)]
+pub struct SplitOwners {
+    /// The home stage's node.
+    pub home: String,
+    /// Requests to owners a decode token (one per contacted owner per MoE layer).
+    pub round_trips_per_token: f64,
+    /// The home's whole step a decode token (its compute and its waits), ms.
+    pub step_ms_per_token: f64,
+    /// The owners' expert lookups a token and the share served from memory (`None`: they hold
+    /// their experts in memory).
+    pub lookups_per_token: f64,
+    pub hit_rate: Option<f64>,
+    /// Bytes the owners read from disk a token, MiB, and the time their computations waited
+    /// for reads, ms (summed over the owners).
+    pub disk_mib_per_token: f64,
+    pub read_wait_ms_per_token: f64,
+    /// The slowest contacted owner's computation, summed over a token's MoE layers, ms.
+    pub slowest_owner_ms_per_token: f64,
+    /// What the home waited for replies after its own experts, ms a token.
+    pub reply_wait_ms_per_token: f64,
+}
+
+impl SplitOwners {
+    /// The home stages of `report`'s decode that asked owners for experts.
+    pub fn of(report: &tessera_proto::RunReport) -> Vec<Self> {
+        report
+            .stage_stats
+            .iter()
+            .filter(|s| s.decode.expert_round_trips > 0)
+            .map(|s| {
+                let d = &s.decode;
+                let o = &d.owners;
+                let per_token = |x: u64| x as f64 / d.steps.max(1) as f64;
+                Self {
+                    home: stage_name(report, s.stage),
+                    round_trips_per_token: per_token(d.expert_round_trips),
+                    step_ms_per_token: per_token(d.compute_ns) / 1e6,
+                    lookups_per_token: per_token(o.lookups),
+                    hit_rate: (o.lookups > 0).then(|| 1.0 - o.misses as f64 / o.lookups as f64),
+                    disk_mib_per_token: per_token(o.disk_bytes) / (1 << 20) as f64,
+                    read_wait_ms_per_token: per_token(o.read_wait_ns) / 1e6,
+                    slowest_owner_ms_per_token: per_token(o.slowest_serve_ns) / 1e6,
+                    reply_wait_ms_per_token: per_token(o.reply_wait_ns) / 1e6,
+                }
+            })
+            .collect()
+    }
+
+    fn line(&self) -> String {
+        let streamed = match self.hit_rate {
+            Some(h) => format!(
+                "{:.1} streamed lookups a token, {:.0}% from memory, {:.2} MiB read and {:.1} ms \
+                 waiting for reads a token",
+                self.lookups_per_token,
+                h * 100.0,
+                self.disk_mib_per_token,
+                self.read_wait_ms_per_token
+            ),
+            None => "every expert in memory".into(),
+        };
+        format!(
+            "{}'s expert owners: {:.1} requests a token; {streamed}; the slowest owner computes \
+             {:.1} ms a token, the home waits {:.1} ms for replies of its {:.1} ms step",
+            self.home,
+            self.round_trips_per_token,
+            self.slowest_owner_ms_per_token,
+            self.reply_wait_ms_per_token,
+            self.step_ms_per_token
+        )
+    }
+}
+
+/// The node that ran `stage` in `report`.
+fn stage_name(report: &tessera_proto::RunReport, stage: usize) -> String {
+    report
+        .stages
+        .iter()
+        .find(|p| p.stage == stage)
+        .map_or_else(|| format!("stage {stage}"), |p| p.name.clone())
 }
 
 /// One link between two nodes: imposed by the lab, and as measured for the planner.
@@ -452,6 +534,9 @@ pub fn table(r: &Report) -> String {
         for st in &row.streaming {
             s.push_str(&format!("{:<9} {}\n", "", st.line()));
         }
+        for o in &row.owners {
+            s.push_str(&format!("{:<9} {}\n", "", o.line()));
+        }
         if let Some(d) = row.text.as_ref().and_then(|t| t.differing.as_ref()) {
             s.push_str(&format!(
                 "{:<9} TEXT DIFFERS from one process's ({} of {} identical): {d:?}\n",
@@ -566,6 +651,7 @@ mod tests {
             text: None,
             speculation: None,
             streaming: Vec::new(),
+            owners: Vec::new(),
         }
     }
 

@@ -183,6 +183,7 @@ mod tests {
             text: measured.map(|_| TextCheck::of(&["t".into()], "t")),
             speculation: None,
             streaming: Vec::new(),
+            owners: Vec::new(),
         }
     }
 

@@ -183,6 +183,33 @@ pub(super) struct Session {
     fixed: bool,
 }
 
+/// The nodes' copies of the model under a run's directory, removed when this is dropped (the
+/// run ended, or failed): each node fetches its own, the whole model for a node that may run
+/// any plan, and a scenario of four nodes left gigabytes behind every run. Logs, keys and
+/// every other file stay.
+pub(crate) struct NodeModelCopies(PathBuf);
+
+impl NodeModelCopies {
+    /// Removes the copies under `dir` at the end of the run that holds this.
+    pub(crate) fn removed_at_end(dir: &Path) -> Self {
+        Self(dir.to_path_buf())
+    }
+}
+
+impl Drop for NodeModelCopies {
+    fn drop(&mut self) {
+        let Ok(entries) = std::fs::read_dir(&self.0) else {
+            return;
+        };
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with("node-") {
+                // The node's store (`tessera_host::ShardStore`) keeps models under `models/`.
+                let _ = std::fs::remove_dir_all(e.path().join("models"));
+            }
+        }
+    }
+}
+
 /// Where the coordinator keeps its state (kept between sessions).
 pub(super) fn coordinator_dir(dir: &Path) -> PathBuf {
     dir.join("coordinator")

@@ -109,13 +109,19 @@ pub(super) async fn load_assignment(
         assignment_needs(&ctx.conn, &ctx.store, &manifest, names, held_experts).await?;
     let weight_bytes = manifest.bytes_for_needs(&needs)?;
     // Experts over the memory budget are streamed from disk: the node keeps what the budget
-    // allows in memory (half the limit, leaving the rest to the dense weights and KV caches).
+    // allows in memory. A stage keeps half the limit, leaving the rest to its dense weights
+    // and KV caches; a node that only serves experts holds nothing else, so its whole budget
+    // keeps experts, as the planner places them (half of it had an owner of an expert split
+    // read a third of its lookups from disk where the plan priced a few percent).
     let streaming = match (ctx.expert_budget, &experts) {
         (_, None) => None,
         (Some(b), Some(_)) => Some(b),
         (None, Some(_)) => match ctx.inventory.accepts(weight_bytes) {
             Ok(()) => None,
-            Err(e) => Some(e.limit.ok_or(e)? / 2),
+            Err(e) => {
+                let limit = e.limit.ok_or(e)?;
+                Some(if expert_only { limit } else { limit / 2 })
+            }
         },
     };
     if streaming.is_none() {

@@ -574,6 +574,7 @@ impl Stage {
             (
                 now.round_trips - traffic_before.round_trips,
                 now.bytes - traffic_before.bytes,
+                now.owners.since(&traffic_before.owners),
             )
         };
         let cache = ExpertCacheDelta::between(cache_before, self.model.expert_stats());
@@ -631,6 +632,7 @@ impl Stage {
             phase.compute_ns += compute_ns / entries.len() as u64;
             phase.expert_round_trips += traffic.0;
             phase.expert_bytes += traffic.1;
+            phase.owners.add(&traffic.2.share(entries.len() as u64));
             cache.share(entries.len() as u64).add_to(phase);
         }
         if !is_last {

@@ -84,24 +84,22 @@ pub fn fit_context<T, E>(
     Ok((lo * CONTEXT_STEP, best))
 }
 
+/// Reads a calibrated graph (a cluster file or a scenario, e.g. `tessera lab run
+/// --save-calibrated`) for [`run`].
+pub fn read_calibrated(path: &Path) -> anyhow::Result<tessera_plan::ResourceGraph> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = tessera_lab::scenario::planner_part(&text).map_err(anyhow::Error::msg)?;
+    tessera_plan::ResourceGraph::from_toml(&text)
+        .with_context(|| format!("in calibrated graph {}", path.display()))
+}
+
 /// Waits for `expected` connected nodes with inventories (and, for a few seconds, their links),
 /// plans at `concurrency` ([`policy`]) for the largest context that fits (or `--ctx`'s), prints the explanation and the
 /// context chosen, writes `DATA_DIR/plan-auto.json` (graph and outcome) and applies the stages
-/// (and the expert split of an expert plan).
+/// (and the expert split of an expert plan). With `calibrated` (`tessera lab run --save-calibrated`), the rates of that graph in place of
+/// the measured ones for the nodes and links it names.
 pub async fn run(
-    c: &Coordinator,
-    model: &tessera_model::ModelProfile,
-    expected: usize,
-    context: ContextChoice,
-    concurrency: usize,
-    data_dir: &Path,
-) -> anyhow::Result<()> {
-    run_calibrated(c, model, expected, context, concurrency, data_dir, None).await
-}
-
-/// [`run`], with the rates of a calibrated graph (`tessera lab run --save-calibrated`) in place
-/// of the measured ones for the nodes and links it names.
-pub async fn run_calibrated(
     c: &Coordinator,
     model: &tessera_model::ModelProfile,
     expected: usize,

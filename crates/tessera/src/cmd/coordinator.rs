@@ -113,18 +113,11 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
     if args.calibrated.is_some() && !auto {
         anyhow::bail!("--calibrated is for --plan auto");
     }
-    let calibrated = match &args.calibrated {
-        Some(p) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            let text = tessera_lab::scenario::planner_part(&text).map_err(anyhow::Error::msg)?;
-            Some(
-                tessera_plan::ResourceGraph::from_toml(&text)
-                    .with_context(|| format!("in calibrated graph {}", p.display()))?,
-            )
-        }
-        None => None,
-    };
+    let calibrated = args
+        .calibrated
+        .as_deref()
+        .map(super::auto_plan::read_calibrated)
+        .transpose()?;
     if auto && args.experts.is_some() {
         anyhow::bail!("--experts with --plan auto: the plan chooses the expert split");
     }
@@ -238,7 +231,7 @@ pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
                     fixed: args.max_context.is_some(),
                 };
                 let expected = args.nodes_expected;
-                if let Err(e) = super::auto_plan::run_calibrated(
+                if let Err(e) = super::auto_plan::run(
                     &coordinator,
                     p,
                     expected,

@@ -18,7 +18,8 @@ struct Measurement {
     /// Print the figures as JSON.
     #[arg(long)]
     json: bool,
-    /// Keep logs and data here (default: a fresh directory under the temp dir).
+    /// Keep logs and data here (default: a fresh directory under the temp dir); the nodes'
+    /// copies of the model are removed when the run ends.
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
 }
@@ -64,7 +65,8 @@ enum LabCommand {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
-        /// Keep logs and data here (default: a fresh directory under the temp dir).
+        /// Keep logs and data here (default: a fresh directory under the temp dir); the nodes'
+        /// copies of the model are removed when the run ends.
         #[arg(long)]
         dir: Option<std::path::PathBuf>,
         /// Run the best plan of this strategy (single, stage, expert) besides the planner's

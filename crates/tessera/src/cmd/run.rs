@@ -254,6 +254,26 @@ fn print_report(r: &RunReport) {
             );
         }
         let d = &s.decode;
+        let o = &d.owners;
+        if d.expert_round_trips > 0 {
+            let per_step = |x: u64| x as f64 / d.steps.max(1) as f64;
+            let streamed = if o.lookups > 0 {
+                format!(
+                    "hit rate {:.1}%, {:.2} MiB read from disk and {:.1} ms waiting for reads",
+                    100.0 * (1.0 - o.misses as f64 / o.lookups as f64),
+                    per_step(o.disk_bytes) / (1 << 20) as f64,
+                    per_step(o.read_wait_ns) / 1e6,
+                )
+            } else {
+                "every expert in memory".into()
+            };
+            eprintln!(
+                "stage {}: expert owners per decode step: {streamed}; the slowest owner computes {:.1} ms, the home waits {:.1} ms for replies",
+                s.stage,
+                per_step(o.slowest_serve_ns) / 1e6,
+                per_step(o.reply_wait_ns) / 1e6,
+            );
+        }
         if d.expert_lookups > 0 {
             eprintln!(
                 "stage {}: streamed experts: hit rate {:.1}%, {:.2} MiB read from disk and {:.1} ms waiting for reads per decode step",

@@ -100,6 +100,11 @@ pub struct ServeArgs {
     /// (`tessera coordinator --plan auto`) instead of a fixed split.
     #[arg(long, value_parser = ["auto"], conflicts_with = "split")]
     pub plan: Option<String>,
+    /// Distributed mode, with --plan auto: plan with this calibrated graph's rates (a cluster
+    /// file or scenario, e.g. `tessera lab run --save-calibrated`) in place of the measured
+    /// ones, for the nodes and links it names (`tessera coordinator --calibrated`).
+    #[arg(long, value_name = "FILE", requires = "plan")]
+    pub calibrated: Option<PathBuf>,
     /// Distributed mode: the coordinator's UDP address (nodes join here).
     #[arg(long, default_value = "0.0.0.0:7070")]
     pub coordinator_listen: SocketAddr,
@@ -430,6 +435,8 @@ pub struct ClusterOptions {
     pub progress: bool,
     /// Plan from the nodes' measured inventory once `nodes` have joined, instead of `split`.
     pub auto_plan: bool,
+    /// With `auto_plan`: the rates of this calibrated graph in place of the measured ones.
+    pub calibrated: Option<tessera_plan::ResourceGraph>,
 }
 
 /// A running coordinator and the backend in front of it.
@@ -505,14 +512,21 @@ impl Cluster {
         };
         if let Some(profile) = profile {
             // The other engineer's planner: waits for the nodes, plans, applies the stages.
-            let (c, nodes) = (coordinator.clone(), o.nodes);
+            let (c, nodes, calibrated) = (coordinator.clone(), o.nodes, o.calibrated);
             tokio::spawn(async move {
                 let context = super::auto_plan::ContextChoice {
                     max: max_context,
                     fixed,
                 };
-                let planned =
-                    super::auto_plan::run(&c, &profile, nodes, context, concurrency, &data_dir);
+                let planned = super::auto_plan::run(
+                    &c,
+                    &profile,
+                    nodes,
+                    context,
+                    concurrency,
+                    &data_dir,
+                    calibrated.as_ref(),
+                );
                 if let Err(e) = planned.await {
                     say_err!("plan auto: {e:#}");
                 }
@@ -574,6 +588,11 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
     check_exposure(a.listen, &api_keys)?;
     let http = http_config(api_keys, &a.cors_origins, a.max_batch.max(1) + a.max_queue);
     let auto_plan = a.plan.is_some();
+    let calibrated = a
+        .calibrated
+        .as_deref()
+        .map(super::auto_plan::read_calibrated)
+        .transpose()?;
     // Checked in `run`: lookup with at most MAX_SPECULATE drafts, or off.
     let ring_speculate = match a.speculate.mode()? {
         (super::speculate::SpeculateMode::Lookup, k) => k,
@@ -621,6 +640,7 @@ fn run_distributed(a: ServeArgs) -> anyhow::Result<()> {
             },
             progress: true,
             auto_plan,
+            calibrated,
         })
         .await?;
         say!("coordinator {}", cluster.coordinator.node_id());

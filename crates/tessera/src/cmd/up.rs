@@ -291,6 +291,7 @@ async fn up(
         },
         progress: false,
         auto_plan: args.plan.is_some(),
+        calibrated: None,
     })
     .await?;
     let n_stages = match args.plan {
