@@ -507,8 +507,6 @@ fn serve_without_ctx_chooses_the_largest_context_the_budgets_hold() {
         "2",
         "--plan",
         "auto",
-        "--calibrated",
-        &sd_cards(dir.path(), &budgets).display().to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
