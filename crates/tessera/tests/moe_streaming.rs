@@ -165,6 +165,15 @@ fn streamed_experts_match_one_process(name: &str) {
     assert!(lookups > 0, "{report}");
     assert!(misses > 0 && misses <= lookups, "{report}");
     assert!(home["expert_disk_bytes"].as_u64().unwrap() > 0, "{report}");
+    // The expert-only node streams too: its replies carry what each request cost it, summed
+    // on the home's decode steps (its lookups, some read from disk, and its compute time).
+    let owners = &home["owners"];
+    let owner_lookups = owners["lookups"].as_u64().unwrap();
+    let owner_misses = owners["misses"].as_u64().unwrap();
+    assert!(owner_lookups > 0, "{report}");
+    assert!(owner_misses > 0 && owner_misses <= owner_lookups, "{report}");
+    assert!(owners["disk_bytes"].as_u64().unwrap() > 0, "{report}");
+    assert!(owners["slowest_serve_ns"].as_u64().unwrap() > 0, "{report}");
 
     // Heartbeats carry each node's expert-cache counters to the coordinator (an `expert_cache`
     // event whenever they change): the expert-only node's, and the home stage's for its own
