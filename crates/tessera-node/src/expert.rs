@@ -51,15 +51,59 @@ pub struct ExpertReply {
     pub counters: ServeCounters,
 }
 
-/// What one request cost the worker that computed it: its streamed experts' counters across
-/// the computation (zero when it holds every expert in memory) and the computation's time.
-/// They let the home tell a slow owner's disk or compute from its link.
+/// What a computation did to a model's streamed experts: the store's counters after it less
+/// those before (all zero when the model streams none). A stage counts its own steps with it;
+/// an owner, each request it computes ([`ServeCounters`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ServeCounters {
+pub(crate) struct CacheDelta {
     pub lookups: u64,
     pub misses: u64,
     pub disk_bytes: u64,
     pub read_wait_ns: u64,
+}
+
+impl CacheDelta {
+    pub(crate) fn between(
+        before: Option<tessera_engine::expert_store::ExpertStats>,
+        after: Option<tessera_engine::expert_store::ExpertStats>,
+    ) -> Self {
+        let (Some(b), Some(a)) = (before, after) else {
+            return Self::default();
+        };
+        Self {
+            lookups: a.lookups.saturating_sub(b.lookups),
+            misses: a.misses.saturating_sub(b.misses),
+            disk_bytes: a.bytes_read.saturating_sub(b.bytes_read),
+            read_wait_ns: a.read_wait_us.saturating_sub(b.read_wait_us) * 1_000,
+        }
+    }
+
+    /// One of `n` sequences' share of a step's counts (as compute time is shared).
+    pub(crate) fn share(self, n: u64) -> Self {
+        let n = n.max(1);
+        Self {
+            lookups: self.lookups / n,
+            misses: self.misses / n,
+            disk_bytes: self.disk_bytes / n,
+            read_wait_ns: self.read_wait_ns / n,
+        }
+    }
+
+    /// Adds the counts to a stage's own streamed experts of `phase`.
+    pub(crate) fn add_to(self, phase: &mut tessera_proto::PhaseStats) {
+        phase.expert_lookups += self.lookups;
+        phase.expert_misses += self.misses;
+        phase.expert_disk_bytes += self.disk_bytes;
+        phase.expert_read_wait_ns += self.read_wait_ns;
+    }
+}
+
+/// What one request cost the worker that computed it: its streamed experts' counters across
+/// the computation and the computation's time. They let the home tell a slow owner's disk or
+/// compute from its link.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServeCounters {
+    pub(crate) cache: CacheDelta,
     pub serve_ns: u64,
 }
 
@@ -67,30 +111,13 @@ pub struct ServeCounters {
 const COUNTERS_LEN: usize = 5 * 8;
 
 impl ServeCounters {
-    fn between(
-        before: Option<tessera_engine::expert_store::ExpertStats>,
-        after: Option<tessera_engine::expert_store::ExpertStats>,
-        serve_ns: u64,
-    ) -> Self {
-        let mut c = Self {
-            serve_ns,
-            ..Self::default()
-        };
-        if let (Some(b), Some(a)) = (before, after) {
-            c.lookups = a.lookups.saturating_sub(b.lookups);
-            c.misses = a.misses.saturating_sub(b.misses);
-            c.disk_bytes = a.bytes_read.saturating_sub(b.bytes_read);
-            c.read_wait_ns = a.read_wait_us.saturating_sub(b.read_wait_us) * 1_000;
-        }
-        c
-    }
-
     fn encode(&self, out: &mut Vec<u8>) {
+        let c = &self.cache;
         for v in [
-            self.lookups,
-            self.misses,
-            self.disk_bytes,
-            self.read_wait_ns,
+            c.lookups,
+            c.misses,
+            c.disk_bytes,
+            c.read_wait_ns,
             self.serve_ns,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
@@ -100,10 +127,12 @@ impl ServeCounters {
     fn decode(b: &[u8]) -> Self {
         let at = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
         Self {
-            lookups: at(0),
-            misses: at(1),
-            disk_bytes: at(2),
-            read_wait_ns: at(3),
+            cache: CacheDelta {
+                lookups: at(0),
+                misses: at(1),
+                disk_bytes: at(2),
+                read_wait_ns: at(3),
+            },
             serve_ns: at(4),
         }
     }
@@ -274,7 +303,10 @@ pub fn serve_request(model: &Model, req: &ExpertRequest) -> tessera_engine::Resu
     Ok(ExpertReply {
         layer: req.layer,
         outputs,
-        counters: ServeCounters::between(before, model.expert_stats(), serve_ns),
+        counters: ServeCounters {
+            cache: CacheDelta::between(before, model.expert_stats()),
+            serve_ns,
+        },
     })
 }
 
@@ -454,13 +486,13 @@ impl ExpertExecutor for RemoteExperts<'_> {
                     ExpertPeerFault::NonFinite { layer, count },
                 ));
             }
-            let c = reply.counters;
+            let c = reply.counters.cache;
             let owners = &mut self.peers.traffic.owners;
             owners.lookups += c.lookups;
             owners.misses += c.misses;
             owners.disk_bytes += c.disk_bytes;
             owners.read_wait_ns += c.read_wait_ns;
-            slowest_serve_ns = slowest_serve_ns.max(c.serve_ns);
+            slowest_serve_ns = slowest_serve_ns.max(reply.counters.serve_ns);
             parts.push(reply.outputs.expand(&tokens, routing.n_tokens)?);
         }
         let owners = &mut self.peers.traffic.owners;
@@ -554,10 +586,12 @@ mod tests {
                 slots: vec![Some(vec![1.0; 4]), None, None, Some(vec![2.0; 4])],
             },
             counters: ServeCounters {
-                lookups: 3,
-                misses: 1,
-                disk_bytes: 1 << 20,
-                read_wait_ns: 250_000,
+                cache: CacheDelta {
+                    lookups: 3,
+                    misses: 1,
+                    disk_bytes: 1 << 20,
+                    read_wait_ns: 250_000,
+                },
                 serve_ns: 900_000,
             },
         };

@@ -171,7 +171,10 @@ fn streamed_experts_match_one_process(name: &str) {
     let owner_lookups = owners["lookups"].as_u64().unwrap();
     let owner_misses = owners["misses"].as_u64().unwrap();
     assert!(owner_lookups > 0, "{report}");
-    assert!(owner_misses > 0 && owner_misses <= owner_lookups, "{report}");
+    assert!(
+        owner_misses > 0 && owner_misses <= owner_lookups,
+        "{report}"
+    );
     assert!(owners["disk_bytes"].as_u64().unwrap() > 0, "{report}");
     assert!(owners["slowest_serve_ns"].as_u64().unwrap() > 0, "{report}");
 

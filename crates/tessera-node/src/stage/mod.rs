@@ -53,6 +53,7 @@ use tessera_model::Tokenizer;
 mod sampling;
 mod seq;
 
+use crate::expert::CacheDelta;
 use sampling::Grammars;
 use seq::SeqState;
 pub use seq::{StageError, StageOutput};
@@ -577,7 +578,7 @@ impl Stage {
                 now.owners.since(&traffic_before.owners),
             )
         };
-        let cache = ExpertCacheDelta::between(cache_before, self.model.expert_stats());
+        let cache = CacheDelta::between(cache_before, self.model.expert_stats());
         if let Err(e) = result {
             for mut s in states {
                 s.broken = true;
@@ -664,51 +665,6 @@ impl Stage {
             sink(o);
         }
         Ok(())
-    }
-}
-
-/// What a step did to the stage's streamed experts: the store's counters after it less those
-/// before (all zero when the stage streams none).
-#[derive(Clone, Copy, Default)]
-struct ExpertCacheDelta {
-    lookups: u64,
-    misses: u64,
-    disk_bytes: u64,
-    read_wait_ns: u64,
-}
-
-impl ExpertCacheDelta {
-    fn between(
-        before: Option<tessera_engine::expert_store::ExpertStats>,
-        after: Option<tessera_engine::expert_store::ExpertStats>,
-    ) -> Self {
-        let (Some(b), Some(a)) = (before, after) else {
-            return Self::default();
-        };
-        Self {
-            lookups: a.lookups.saturating_sub(b.lookups),
-            misses: a.misses.saturating_sub(b.misses),
-            disk_bytes: a.bytes_read.saturating_sub(b.bytes_read),
-            read_wait_ns: a.read_wait_us.saturating_sub(b.read_wait_us) * 1_000,
-        }
-    }
-
-    /// One of `n` sequences' share of a step's counts (as compute time is shared).
-    fn share(self, n: u64) -> Self {
-        let n = n.max(1);
-        Self {
-            lookups: self.lookups / n,
-            misses: self.misses / n,
-            disk_bytes: self.disk_bytes / n,
-            read_wait_ns: self.read_wait_ns / n,
-        }
-    }
-
-    fn add_to(self, phase: &mut tessera_proto::PhaseStats) {
-        phase.expert_lookups += self.lookups;
-        phase.expert_misses += self.misses;
-        phase.expert_disk_bytes += self.disk_bytes;
-        phase.expert_read_wait_ns += self.read_wait_ns;
     }
 }
 
