@@ -144,6 +144,11 @@ fn calibrating_from_stage_times_corrects_each_node_separately() {
         .terms
         .total_s;
     assert!((new_a - 2.0 * stage("a")).abs() < 1e-9);
+    // The stages held their weights in memory: their times say nothing of the disks, which
+    // keep their rates (a node streaming from its disk is priced as before).
+    let disk = |g: &ResourceGraph, n: &str| g.node(n).unwrap().disk.map(|t| t.bandwidth.0);
+    assert!(disk(&g, "a").is_some(), "the profile has a disk");
+    assert_eq!(disk(&c.graph, "a"), disk(&g, "a"));
 }
 
 #[test]
