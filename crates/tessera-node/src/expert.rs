@@ -486,18 +486,24 @@ impl ExpertExecutor for RemoteExperts<'_> {
                     ExpertPeerFault::NonFinite { layer, count },
                 ));
             }
+            // Counters a peer states: figures for reports only, summed without overflow
+            // whatever it sends.
             let c = reply.counters.cache;
-            let owners = &mut self.peers.traffic.owners;
-            owners.lookups += c.lookups;
-            owners.misses += c.misses;
-            owners.disk_bytes += c.disk_bytes;
-            owners.read_wait_ns += c.read_wait_ns;
+            self.peers.traffic.owners.add(&OwnerExpertStats {
+                lookups: c.lookups,
+                misses: c.misses,
+                disk_bytes: c.disk_bytes,
+                read_wait_ns: c.read_wait_ns,
+                ..OwnerExpertStats::default()
+            });
             slowest_serve_ns = slowest_serve_ns.max(reply.counters.serve_ns);
             parts.push(reply.outputs.expand(&tokens, routing.n_tokens)?);
         }
-        let owners = &mut self.peers.traffic.owners;
-        owners.slowest_serve_ns += slowest_serve_ns;
-        owners.reply_wait_ns += replies_from.elapsed().as_nanos() as u64;
+        self.peers.traffic.owners.add(&OwnerExpertStats {
+            slowest_serve_ns,
+            reply_wait_ns: replies_from.elapsed().as_nanos() as u64,
+            ..OwnerExpertStats::default()
+        });
         if parts.is_empty() {
             // No token routed anywhere cannot happen with k ≥ 1; keep the reducer's error.
             return Err(EngineError::ExpertOutputs(format!(

@@ -239,14 +239,14 @@ pub struct OwnerExpertStats {
 }
 
 impl OwnerExpertStats {
-    /// Adds `other`'s counts to these.
+    /// Adds `other`'s counts to these (saturating: owners state them).
     pub fn add(&mut self, other: &Self) {
-        self.lookups += other.lookups;
-        self.misses += other.misses;
-        self.disk_bytes += other.disk_bytes;
-        self.read_wait_ns += other.read_wait_ns;
-        self.slowest_serve_ns += other.slowest_serve_ns;
-        self.reply_wait_ns += other.reply_wait_ns;
+        self.lookups = self.lookups.saturating_add(other.lookups);
+        self.misses = self.misses.saturating_add(other.misses);
+        self.disk_bytes = self.disk_bytes.saturating_add(other.disk_bytes);
+        self.read_wait_ns = self.read_wait_ns.saturating_add(other.read_wait_ns);
+        self.slowest_serve_ns = self.slowest_serve_ns.saturating_add(other.slowest_serve_ns);
+        self.reply_wait_ns = self.reply_wait_ns.saturating_add(other.reply_wait_ns);
     }
 
     /// The counts since `earlier` (counters that only grow).
