@@ -11,6 +11,7 @@ use super::super::iq4xs::{QS, SCALES, X16};
 use super::super::lut4::KVALUES_IQ4NL;
 use super::super::matrix::GROUP;
 use super::super::quant_acts::QuantizedActs;
+use super::iq4xs_prep;
 use super::kquant_avx2::prefetch_ahead;
 
 fn check_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
@@ -33,7 +34,7 @@ macro_rules! lanes_sum {
 
 /// Tokens per AVX2 tile: each unpack of the weights (two table lookups and their magnitudes
 /// per 32 bytes) serves this many tokens.
-const TILE: usize = 4;
+pub(super) const TILE: usize = 4;
 
 /// # Safety
 /// Requires AVX2, FMA and F16C.
@@ -54,7 +55,7 @@ pub(super) unsafe fn iq4xs_group_avx2(
         // Several tiles: the weights unpacked once for all of them, in a function of its own
         // (inlined here, it measured the decode of a lone token 8% slower).
         let mut j = if nt >= 2 * TILE {
-            prepared_tiles(w, a, t0, nt, out)
+            iq4xs_prep::avx2_tiles(w, a, t0, nt, out)
         } else {
             0
         };
@@ -147,164 +148,6 @@ unsafe fn tile_avx2<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, o
     }
 }
 
-thread_local! {
-    /// Each pool thread's buffer of a group's unpacked weights ([`prepare`]).
-    static PREP: std::cell::RefCell<Vec<[i32; 8]>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Whole tiles of [`TILE`] tokens of `t0..t0 + nt` from [`prepare`]'s vectors; returns how
-/// many tokens they took.
-///
-/// # Safety
-/// As [`iq4xs_group_avx2`], with its bounds checked.
-#[inline(never)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn prepared_tiles(
-    w: *const u8,
-    a: &QuantizedActs,
-    t0: usize,
-    nt: usize,
-    out: *mut f32,
-) -> usize {
-    PREP.with_borrow_mut(|prep| {
-        let nb = a.cols / 256;
-        prep.resize(nb * PREP_VECS, [0; 8]);
-        let pv = prep.as_mut_ptr() as *mut __m256i;
-        let mut j = 0;
-        // SAFETY: w holds nb blocks, prep nb · PREP_VECS vectors, acts tokens t0..t0+nt, out
-        // nt · GROUP floats (caller); features guaranteed by the caller.
-        unsafe {
-            prepare(w, nb, pv);
-            while j + TILE <= nt {
-                tile_prepared::<TILE>(w, pv, a, t0 + j, out.add(j * GROUP));
-                j += TILE;
-            }
-        }
-        j
-    })
-}
-
-/// Vectors [`prepare`] writes per block: per row half, 4 per (lane pair `k`, sub-block `s`)
-/// and 8 scale vectors.
-const PREP_VECS: usize = 2 * (4 * 32 + 8);
-
-/// Where row half `h` of block `b` starts in the prepared vectors.
-#[inline(always)]
-fn prep_at(b: usize, h: usize) -> usize {
-    (b * 2 + h) * (PREP_VECS / 2)
-}
-
-/// Per block `b` and row half `h` of a group, at [`prep_at`]`(b, h)`: for lane pair `k` and
-/// sub-block `s`, at `4 · (8k + s)`, the low and high nibbles' values (the IQ4_NL table's) and
-/// their magnitudes; at `128 + s`, sub-block `s`'s scales as `(s, s)` i16 pairs. Once per kernel
-/// call of several tiles: each tile then loads them as they are, where [`tile_avx2`] unpacks
-/// them itself (7 instructions per 64 weights and 8 scale conversions per block and half,
-/// a sixth of a 4-token tile's work).
-#[inline(never)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn prepare(w: *const u8, nb: usize, prep: *mut __m256i) {
-    let m4 = _mm256_set1_epi8(0x0F);
-    // SAFETY: w holds nb blocks of 16 rows, prep nb · PREP_VECS vectors (caller).
-    unsafe {
-        let tbl =
-            _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
-        for b in 0..nb {
-            let blk = w.add(b * X16);
-            for h in 0..2 {
-                let at = prep.add(prep_at(b, h));
-                for s in 0..8 {
-                    let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                        blk.add(SCALES + GROUP * s + 8 * h) as *const __m128i,
-                    ));
-                    at.add(128 + s).write_unaligned(_mm256_or_si256(
-                        _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
-                        _mm256_slli_epi32(v, 16),
-                    ));
-                }
-                for k in 0..4 {
-                    for s in 0..8 {
-                        let v = _mm256_loadu_si256(
-                            blk.add(QS + 256 * s + 64 * k + 32 * h) as *const __m256i
-                        );
-                        let lo = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, m4));
-                        let hi =
-                            _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-                        let o = at.add(4 * (8 * k + s));
-                        o.write_unaligned(lo);
-                        o.add(1).write_unaligned(hi);
-                        o.add(2).write_unaligned(_mm256_abs_epi8(lo));
-                        o.add(3).write_unaligned(_mm256_abs_epi8(hi));
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// [`tile_avx2`] with the weights and scales from [`prepare`]: the same integer and float
-/// steps, in the same order.
-// `k` indexes the lanes and the activation offsets alike.
-#[allow(clippy::needless_range_loop)]
-#[inline(never)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_prepared<const T: usize>(
-    w: *const u8,
-    prep: *const __m256i,
-    a: &QuantizedActs,
-    t: usize,
-    out: *mut f32,
-) {
-    let nb = a.cols / 256;
-    // SAFETY: the caller checked that w holds nb blocks of 16 rows, prep their prepared
-    // vectors and acts hold tokens t..t+T.
-    unsafe {
-        for h in 0..2 {
-            let mut acc = [[_mm256_setzero_ps(); 8]; T];
-            for b in 0..nb {
-                let blk = w.add(b * X16);
-                let at = prep.add(prep_at(b, h));
-                let ys: [*const i8; T] =
-                    std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
-                let d: [__m256; T] = std::array::from_fn(|j| {
-                    _mm256_mul_ps(d, _mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)))
-                });
-                for k in 0..4 {
-                    let mut lo_sum = [_mm256_setzero_si256(); T];
-                    let mut hi_sum = [_mm256_setzero_si256(); T];
-                    for s in 0..8 {
-                        let o = at.add(4 * (8 * k + s));
-                        let (lo, hi) = (o.read_unaligned(), o.add(1).read_unaligned());
-                        let (alo, ahi) = (o.add(2).read_unaligned(), o.add(3).read_unaligned());
-                        let sc = at.add(128 + s).read_unaligned();
-                        for j in 0..T {
-                            let yw = |o: usize| {
-                                _mm256_set1_epi32((ys[j].add(o) as *const i32).read_unaligned())
-                            };
-                            let pl =
-                                _mm256_maddubs_epi16(alo, _mm256_sign_epi8(yw(32 * s + 4 * k), lo));
-                            let ph = _mm256_maddubs_epi16(
-                                ahi,
-                                _mm256_sign_epi8(yw(32 * s + 16 + 4 * k), hi),
-                            );
-                            lo_sum[j] = _mm256_add_epi32(lo_sum[j], _mm256_madd_epi16(pl, sc));
-                            hi_sum[j] = _mm256_add_epi32(hi_sum[j], _mm256_madd_epi16(ph, sc));
-                        }
-                    }
-                    for j in 0..T {
-                        acc[j][k] = _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(lo_sum[j]), acc[j][k]);
-                        acc[j][4 + k] =
-                            _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(hi_sum[j]), acc[j][4 + k]);
-                    }
-                }
-            }
-            for (j, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(j * GROUP + 8 * h), lanes_sum!(_mm256_add_ps, acc));
-            }
-        }
-    }
-}
-
 /// One token of a group, sub-block by sub-block.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -360,7 +203,7 @@ unsafe fn token_avx2(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
 
 /// Tokens per AVX-512 tile: 8 measured 3-6% ahead of 4 on the dense shapes of
 /// `examples/prefill_bench.rs` (Zen 5 VM, thread CPU time, alternated), the same on 64 tokens.
-const TILE_512: usize = 8;
+pub(super) const TILE_512: usize = 8;
 
 /// A lone token runs [`iq4xs_group_avx2`]'s decode; more run AVX-512 tiles of [`TILE_512`].
 ///
@@ -382,6 +225,10 @@ pub(super) unsafe fn iq4xs_group_avx512(
     // SAFETY: bounds checked above; features guaranteed by the caller.
     unsafe {
         let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+        if nt >= 2 * TILE_512 {
+            // Several tiles: the weights unpacked once for all of them.
+            return iq4xs_prep::avx512_tiles(wp, a, t0, nt, op);
+        }
         let mut j = 0;
         while j + TILE_512 <= nt {
             tile_avx512::<TILE_512>(wp, a, t0 + j, op.add(j * GROUP));
