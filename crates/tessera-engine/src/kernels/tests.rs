@@ -473,13 +473,15 @@ fn float_prefill_of_neighbouring_groups_equals_each_token_alone() {
 }
 
 /// The K-quant kernels take the tokens in tiles of 6 or 8 and then one tile of the tokens
-/// left: every token count from 1 to 17 (every remainder after one and two whole tiles)
-/// equals each token alone on the scalar kernel, bit for bit, on every ISA.
+/// left, and IQ4_XS's kernels tiles of 4 (AVX2, then single tokens) or 8 (AVX-512, then one
+/// tile of those left), from weights unpacked once per call from two tiles on: every token
+/// count from 1 to 23 (every remainder after one and two whole tiles) equals each token alone
+/// on the scalar kernel, bit for bit, on every ISA.
 #[test]
 fn k_quant_tiles_at_every_remainder_equal_each_token_alone() {
     let pools = [ThreadPool::new(1)];
-    let counts: Vec<usize> = (1..=17).collect();
-    for dtype in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+    let counts: Vec<usize> = (1..=23).collect();
+    for dtype in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Iq4Xs] {
         let seed = dtype.id() as u64 + 900;
         assert_batches_equal_each_token_alone(dtype, seed, (21, 512), &counts, &pools);
     }

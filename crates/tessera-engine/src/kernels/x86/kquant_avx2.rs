@@ -332,18 +332,19 @@ pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize
         // SAFETY: bounds checked above; features guaranteed by the caller.
         return unsafe { tiles!(q6k_tile, Q6K_TILE; w, a, t0, nt, out) };
     }
-    Q6K_WSUMS.with_borrow_mut(|ws| {
+    Q6K_PREP.with_borrow_mut(|prep| {
         let nb = a.cols / 256;
-        ws.resize(nb * 16, [0; 8]);
-        // SAFETY: bounds checked above (w holds nb blocks, `ws` nb · 16 lanes; tokens t0..t0+nt
-        // in `a`); features guaranteed by the caller.
+        prep.resize(nb * Q6K_PREP_VECS, [0; 8]);
+        // SAFETY: bounds checked above (w holds nb blocks, `prep` nb · Q6K_PREP_VECS vectors;
+        // tokens t0..t0+nt in `a`); features guaranteed by the caller.
         unsafe {
-            q6k_weight_sums(w.as_ptr(), nb, ws.as_mut_ptr() as *mut __m256i);
-            let ws = ws.as_ptr() as *const __m256i;
+            let pv = prep.as_mut_ptr() as *mut __m256i;
+            q6k_prepare(w.as_ptr(), nb, pv);
+            let pv = pv as *const __m256i;
             let (w, o) = (w.as_ptr(), out.as_mut_ptr());
             let mut j = 0;
             while j + Q6K_TILE <= nt {
-                q6k_tile_u8::<Q6K_TILE>(w, ws, a, t0 + j, o.add(j * GROUP));
+                q6k_tile_u8::<Q6K_TILE>(w, pv, a, t0 + j, o.add(j * GROUP));
                 j += Q6K_TILE;
             }
             let (t, o) = (t0 + j, o.add(j * GROUP));
@@ -351,19 +352,19 @@ pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize
                 0 => {}
                 1 => q6k_tile::<1>(w, a, t, o),
                 2 => q6k_tile::<2>(w, a, t, o),
-                3 => q6k_tile_u8::<3>(w, ws, a, t, o),
-                4 => q6k_tile_u8::<4>(w, ws, a, t, o),
-                5 => q6k_tile_u8::<5>(w, ws, a, t, o),
-                6 => q6k_tile_u8::<6>(w, ws, a, t, o),
-                _ => q6k_tile_u8::<7>(w, ws, a, t, o),
+                3 => q6k_tile_u8::<3>(w, pv, a, t, o),
+                4 => q6k_tile_u8::<4>(w, pv, a, t, o),
+                5 => q6k_tile_u8::<5>(w, pv, a, t, o),
+                6 => q6k_tile_u8::<6>(w, pv, a, t, o),
+                _ => q6k_tile_u8::<7>(w, pv, a, t, o),
             }
         }
     });
 }
 
 thread_local! {
-    /// Each pool thread's buffer of a Q6_K group's weight sums ([`q6k_weight_sums`]).
-    static Q6K_WSUMS: std::cell::RefCell<Vec<[i32; 8]>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Each pool thread's buffer of a Q6_K group's prepared weights ([`q6k_prepare`]).
+    static Q6K_PREP: std::cell::RefCell<Vec<[i32; 8]>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The 4 quant vectors `k` = 0..4 of a run position (n, l4) of 8 rows, as bytes 0..63 (`q +
@@ -390,13 +391,28 @@ unsafe fn q6k_unpack(qa: __m256i, qb: __m256i, h: __m256i) -> [__m256i; 4] {
     }
 }
 
-/// Per block `b`, row half `h8` and lane `l4` of a Q6_K group (`ws[(b · 2 + h8) · 8 + l4]`),
-/// each row's `−128 · Σ scale · (q − 32)` over the lane's 8 runs: where [`q6k_tile_u8`] starts
-/// each token's lane sum. Once per kernel call, for all its tokens.
+/// Vectors [`q6k_prepare`] writes per block: per row half (`h8`), 8 lane offset sums, 64
+/// quant vectors and 16 scale vectors.
+const Q6K_PREP_VECS: usize = 2 * (8 + 64 + 16);
+
+/// Where row half `h8` of block `b` starts in the prepared vectors.
+#[inline(always)]
+fn q6k_prep_at(b: usize, h8: usize) -> usize {
+    (b * 2 + h8) * (Q6K_PREP_VECS / 2)
+}
+
+/// Per block `b` and row half `h8` of a Q6_K group, at [`q6k_prep_at`]`(b, h8)`: (0..8) per
+/// lane `l4`, each row's `−128 · Σ scale · (q − 32)` over the lane's 8 runs, where
+/// [`q6k_tile_u8`] starts each token's lane sum; (8..72) the signed quants `q − 32` of run
+/// `(n, l4)`, quant `k` at `8 + (l4 · 2 + n) · 4 + k`; (72..88) sub-block `sub`'s scales as
+/// `(s, s)` i16 pairs. Once per kernel call, for all its tokens: each tile of tokens then loads
+/// the quants and scales as they are, where it unpacked them itself (~25 instructions per 4
+/// quant vectors, a sixth of a tile of 8 tokens' work, paid by every tile of the call).
 #[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m256i) {
-    // SAFETY: w holds nb interleaved blocks, ws nb · 16 vectors (caller); AVX2 enabled.
+unsafe fn q6k_prepare(w: *const u8, nb: usize, prep: *mut __m256i) {
+    // SAFETY: w holds nb interleaved blocks, prep nb · Q6K_PREP_VECS vectors (caller); AVX2
+    // enabled.
     unsafe {
         let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
         let (c32, ones) = (_mm256_set1_epi8(32), _mm256_set1_epi8(1));
@@ -404,21 +420,27 @@ unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m256i) {
         for b in 0..nb {
             let blk = w.add(b * Q6K_X16);
             for h8 in 0..2 {
+                let at = prep.add(q6k_prep_at(b, h8));
                 let sc: [__m256i; 16] =
                     std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
+                for (sub, &v) in sc.iter().enumerate() {
+                    at.add(72 + sub).write_unaligned(v);
+                }
                 for l4 in 0..8 {
                     let mut sum = _mm256_setzero_si256();
                     for n in 0..2 {
                         let run = blk.add(q6k_runs(n, l4) + 32 * h8);
                         let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
                         for (k, &qk) in q.iter().enumerate() {
+                            let qs = _mm256_sub_epi8(qk, c32);
+                            at.add(8 + (l4 * 2 + n) * 4 + k).write_unaligned(qs);
                             // Pair sums of the signed quants (|4 · 32| fits an i16).
-                            let p = _mm256_maddubs_epi16(ones, _mm256_sub_epi8(qk, c32));
+                            let p = _mm256_maddubs_epi16(ones, qs);
                             let s = sc[8 * n + 2 * k + l4 / 4];
                             sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
                         }
                     }
-                    ws.add((b * 2 + h8) * 8 + l4)
+                    at.add(l4)
                         .write_unaligned(_mm256_sub_epi32(zero, _mm256_slli_epi32(sum, 7)));
                 }
             }
@@ -430,26 +452,26 @@ unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m256i) {
 /// (each activation byte with its sign bit flipped) by the signed quants `q − 32` gives exact
 /// i16 pairs (at most 2 · 255 · 32 in magnitude), so a lane's runs sum to `Σ scale · (q − 32)
 /// · y` plus `128 · Σ scale · (q − 32)`, which depends on the weights alone: each lane starts
-/// at its negation ([`q6k_weight_sums`], computed once per call). The same exact
-/// integer lane sums as [`q6k_tile`], so the same floats; where that kernel's per-lane
+/// at its negation. That offset, the signed quants and the scales come ready from
+/// [`q6k_prepare`] (once per call, for all its tiles). The same exact integer lane sums as [`q6k_tile`], so the same floats; where that kernel's per-lane
 /// offsets took 4 `pmaddwd` and 4 broadcasts per lane and token (a fifth of its multiplies)
 /// and the offsets of every block twice.
+// `l4` indexes the prepared vectors, the activation offsets and the lanes alike.
+#[allow(clippy::needless_range_loop)]
 #[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_tile_u8<const T: usize>(
     w: *const u8,
-    ws: *const __m256i,
+    prep: *const __m256i,
     a: &QuantizedActs,
     t: usize,
     out: *mut f32,
 ) {
     let nb = a.cols / 256;
-    // SAFETY: the caller checked that w holds nb interleaved blocks, ws their sums and acts
-    // hold tokens t..t+T; AVX2/FMA/F16C enabled.
+    // SAFETY: the caller checked that w holds nb interleaved blocks, prep their prepared
+    // vectors and acts hold tokens t..t+T; AVX2/FMA/F16C enabled.
     unsafe {
-        let c32 = _mm256_set1_epi8(32);
         let flip = _mm256_set1_epi8(-128);
-        let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
         // The tile's activations of one block, sign bits flipped (`y + 128` as u8).
         let mut yu = [[0u8; 256]; T];
         // Both row halves per block (each lane's float steps still in block order), so each
@@ -466,8 +488,7 @@ unsafe fn q6k_tile_u8<const T: usize>(
                 }
             }
             for (h8, acc) in accs.iter_mut().enumerate() {
-                let sc: [__m256i; 16] =
-                    std::array::from_fn(|sub| scales_i8(blk.add(Q6K_SCALES + 16 * sub + 8 * h8)));
+                let at = prep.add(q6k_prep_at(b, h8));
                 let dx = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h8) as *const __m128i));
                 let d: [__m256; T] = std::array::from_fn(|j| {
                     _mm256_mul_ps(_mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
@@ -475,14 +496,12 @@ unsafe fn q6k_tile_u8<const T: usize>(
                 for l4 in 0..8 {
                     // Each token's lane starts at minus the weights' offset sum (no subtraction
                     // per token after the runs).
-                    let mut lane = [ws.add((b * 2 + h8) * 8 + l4).read_unaligned(); T];
+                    let mut lane = [at.add(l4).read_unaligned(); T];
                     for n in 0..2 {
-                        let run = blk.add(q6k_runs(n, l4) + 32 * h8);
-                        let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
-                        for (k, &qk) in q.iter().enumerate() {
-                            let qs = _mm256_sub_epi8(qk, c32);
+                        for k in 0..4 {
+                            let qs = at.add(8 + (l4 * 2 + n) * 4 + k).read_unaligned();
+                            let s = at.add(72 + 8 * n + 2 * k + l4 / 4).read_unaligned();
                             let o = 128 * n + 32 * k + 4 * l4;
-                            let s = sc[8 * n + 2 * k + l4 / 4];
                             for (lane, yu) in lane.iter_mut().zip(&yu) {
                                 let yk = yword(yu.as_ptr().add(o) as *const i8);
                                 let p = _mm256_maddubs_epi16(yk, qs);

@@ -122,8 +122,8 @@ unsafe fn q6k_unpack(qa: __m512i, qb: __m512i, h: __m512i) -> [__m512i; 4] {
 }
 
 thread_local! {
-    /// Each pool thread's buffer of a Q6_K group's weight sums ([`q6k_weight_sums`]).
-    static Q6K_WSUMS: std::cell::RefCell<Vec<[i32; 16]>> =
+    /// Each pool thread's buffer of a Q6_K group's prepared weights ([`q6k_prepare`]).
+    static Q6K_PREP: std::cell::RefCell<Vec<[i32; 16]>> =
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -139,46 +139,58 @@ pub(super) unsafe fn q6k_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize
         return unsafe { super::avx512::q6k_group(w, a, t0, nt, out) };
     }
     check_k(w, Q6K_X16, a, t0, nt, out);
-    Q6K_WSUMS.with_borrow_mut(|ws| {
+    Q6K_PREP.with_borrow_mut(|prep| {
         let nb = a.cols / 256;
-        ws.resize(nb * 8, [0; 16]);
-        // SAFETY: bounds checked above (w holds nb blocks, `ws` nb · 8 lanes; tokens t0..t0+nt
-        // in `a`); features guaranteed by the caller.
+        prep.resize(nb * Q6K_PREP_VECS, [0; 16]);
+        // SAFETY: bounds checked above (w holds nb blocks, `prep` nb · Q6K_PREP_VECS vectors;
+        // tokens t0..t0+nt in `a`); features guaranteed by the caller.
         unsafe {
-            q6k_weight_sums(w.as_ptr(), nb, ws.as_mut_ptr() as *mut __m512i);
-            let (w, ws) = (w.as_ptr(), ws.as_ptr() as *const __m512i);
-            tiles!(q6k_tile, Q6K_TILE; t0, nt, out.as_mut_ptr(); w, ws, a)
+            q6k_prepare(w.as_ptr(), nb, prep.as_mut_ptr() as *mut __m512i);
+            let (w, pv) = (w.as_ptr(), prep.as_ptr() as *const __m512i);
+            tiles!(q6k_tile, Q6K_TILE; t0, nt, out.as_mut_ptr(); w, pv, a)
         }
     });
 }
 
-/// Per block `b` and lane `l4` of a Q6_K group (`ws[b · 8 + l4]`), each row's
-/// `−128 · Σ scale · (q − 32)` over the lane's 8 runs: where [`q6k_tile`] starts each token's
-/// lane sum. Once per kernel call, for all its tokens.
+/// Vectors [`q6k_prepare`] writes per block: 8 lane offset sums, 64 quant vectors and 16
+/// scale vectors.
+const Q6K_PREP_VECS: usize = 8 + 64 + 16;
+
+/// Per block `b` of a Q6_K group, from `b · Q6K_PREP_VECS`: (0..8) per lane `l4`, each row's
+/// `−128 · Σ scale · (q − 32)` over the lane's 8 runs, where [`q6k_tile`] starts each token's
+/// lane sum; (8..72) the signed quants `q − 32` of run `(n, l4)`, quant `k` at
+/// `8 + (l4 · 2 + n) · 4 + k`; (72..88) sub-block `sub`'s scales as `(s, s)` i16 pairs. Once per
+/// kernel call, for all its tokens: each tile then loads them as they are, where it unpacked
+/// them itself (as in `kquant_avx2`'s `q6k_prepare`).
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m512i) {
-    // SAFETY: w holds nb interleaved blocks, ws nb · 8 vectors (caller); AVX-512 enabled.
+unsafe fn q6k_prepare(w: *const u8, nb: usize, prep: *mut __m512i) {
+    // SAFETY: w holds nb interleaved blocks, prep nb · Q6K_PREP_VECS vectors (caller); AVX-512
+    // enabled.
     unsafe {
         let load = |p: *const u8| _mm512_loadu_si512(p as *const _);
         let ones = _mm512_set1_epi8(1);
         for b in 0..nb {
             let blk = w.add(b * Q6K_X16);
+            let at = prep.add(b * Q6K_PREP_VECS);
+            let sc: [__m512i; 16] =
+                std::array::from_fn(|sub| scale_pairs::<true>(blk.add(Q6K_SCALES + 16 * sub)));
+            for (sub, &v) in sc.iter().enumerate() {
+                at.add(72 + sub).write_unaligned(v);
+            }
             for l4 in 0..8 {
                 let mut sum = _mm512_setzero_si512();
                 for n in 0..2 {
                     let run = blk.add(q6k_runs(n, l4));
                     let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
                     for (k, &qk) in q.iter().enumerate() {
+                        at.add(8 + (l4 * 2 + n) * 4 + k).write_unaligned(qk);
                         // Pair sums of the signed quants (|4 · 32| fits an i16).
                         let p = _mm512_maddubs_epi16(ones, qk);
-                        let s = scale_pairs::<true>(
-                            blk.add(Q6K_SCALES + 16 * (8 * n + 2 * k + l4 / 4)),
-                        );
-                        sum = _mm512_dpwssd_epi32(sum, p, s);
+                        sum = _mm512_dpwssd_epi32(sum, p, sc[8 * n + 2 * k + l4 / 4]);
                     }
                 }
-                ws.add(b * 8 + l4).write_unaligned(_mm512_sub_epi32(
+                at.add(l4).write_unaligned(_mm512_sub_epi32(
                     _mm512_setzero_si512(),
                     _mm512_slli_epi32(sum, 7),
                 ));
@@ -190,21 +202,22 @@ unsafe fn q6k_weight_sums(w: *const u8, nb: usize, ws: *mut __m512i) {
 /// `T` tokens of a Q6_K group with the activations made unsigned, as `kquant_avx2`'s
 /// `q6k_tile_u8`: `vpmaddubsw` of `y + 128` by the signed quants `q − 32` gives exact i16
 /// pairs (at most 2 · 255 · 32), so a lane's runs sum to `Σ scale · (q − 32) · y` plus the
-/// weights' `128 · Σ scale · (q − 32)`: each lane starts at its negation ([`q6k_weight_sums`]).
+/// weights' `128 · Σ scale · (q − 32)`: each lane starts at its negation, which comes ready
+/// with the signed quants and the scales from [`q6k_prepare`].
 // `l4` indexes the weight runs, the activation offsets and the lanes alike.
 #[allow(clippy::needless_range_loop)]
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q6k_tile<const T: usize>(
     w: *const u8,
-    ws: *const __m512i,
+    prep: *const __m512i,
     a: &QuantizedActs,
     t: usize,
     out: *mut f32,
 ) {
     let nb = a.cols / 256;
-    // SAFETY: the caller checked that w holds nb interleaved blocks, ws their sums and acts
-    // hold tokens t..t+T; AVX-512 enabled.
+    // SAFETY: the caller checked that w holds nb interleaved blocks, prep their prepared
+    // vectors and acts hold tokens t..t+T; AVX-512 enabled.
     unsafe {
         let flip = _mm512_set1_epi8(-128);
         let load = |p: *const u8| _mm512_loadu_si512(p as *const _);
@@ -213,6 +226,7 @@ unsafe fn q6k_tile<const T: usize>(
         let mut acc = [[_mm512_setzero_ps(); 8]; T];
         for b in 0..nb {
             let blk = w.add(b * Q6K_X16);
+            let at = prep.add(b * Q6K_PREP_VECS);
             for (j, yu) in yu.iter_mut().enumerate() {
                 let y = a.qs.as_ptr().add((t + j) * a.cols + b * 256) as *const u8;
                 for v in 0..4 {
@@ -224,29 +238,23 @@ unsafe fn q6k_tile<const T: usize>(
             let d: [__m512; T] = std::array::from_fn(|j| {
                 _mm512_mul_ps(_mm512_set1_ps(*a.f.get_unchecked((t + j) * nb + b)), dx)
             });
-            // Lanes 0..4 take the even sub-blocks' scales, lanes 4..8 the odd ones'.
-            for half in 0..2 {
-                let sc: [__m512i; 8] = std::array::from_fn(|i| {
-                    scale_pairs::<true>(blk.add(Q6K_SCALES + 16 * (2 * i + half)))
-                });
-                for l4 in 4 * half..4 * half + 4 {
-                    // Each token's lane starts at minus the weights' offset sum.
-                    let mut lane = [ws.add(b * 8 + l4).read_unaligned(); T];
-                    for n in 0..2 {
-                        let run = blk.add(q6k_runs(n, l4));
-                        let q = q6k_unpack(load(run), load(run.add(64)), load(run.add(128)));
-                        for (k, &qk) in q.iter().enumerate() {
-                            let o = 128 * n + 32 * k + 4 * l4;
-                            let s = sc[4 * n + k];
-                            for (lane, yu) in lane.iter_mut().zip(&yu) {
-                                let p = _mm512_maddubs_epi16(yword(yu.as_ptr().add(o)), qk);
-                                *lane = _mm512_dpwssd_epi32(*lane, p, s);
-                            }
+            for l4 in 0..8 {
+                // Each token's lane starts at minus the weights' offset sum.
+                let mut lane = [at.add(l4).read_unaligned(); T];
+                for n in 0..2 {
+                    for k in 0..4 {
+                        let qk = at.add(8 + (l4 * 2 + n) * 4 + k).read_unaligned();
+                        // Lanes 0..4 take the even sub-blocks' scales, lanes 4..8 the odd ones'.
+                        let s = at.add(72 + 8 * n + 2 * k + l4 / 4).read_unaligned();
+                        let o = 128 * n + 32 * k + 4 * l4;
+                        for (lane, yu) in lane.iter_mut().zip(&yu) {
+                            let p = _mm512_maddubs_epi16(yword(yu.as_ptr().add(o)), qk);
+                            *lane = _mm512_dpwssd_epi32(*lane, p, s);
                         }
                     }
-                    for j in 0..T {
-                        acc[j][l4] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(lane[j]), acc[j][l4]);
-                    }
+                }
+                for j in 0..T {
+                    acc[j][l4] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(lane[j]), acc[j][l4]);
                 }
             }
         }

@@ -5,6 +5,7 @@ mod avx512;
 mod float;
 mod iq23;
 mod iq4xs;
+mod iq4xs_prep;
 mod k23;
 mod kquant_avx2;
 mod kquant_avx512;
