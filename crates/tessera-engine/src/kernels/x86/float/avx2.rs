@@ -116,17 +116,26 @@ pub(super) unsafe fn quarter_lanes<const K: u8, const T: usize>(
 #[inline(always)]
 pub(super) unsafe fn quarter_by_pass<const K: u8, const T: usize>(
     w: &[u8],
-    x: TileActs,
+    (x, next): (TileActs, TileActs),
     q: usize,
     dst: *mut f32,
 ) {
     let seg = x.seg;
     debug_assert_eq!(w.len(), n_lanes(K) * seg * GROUP * esize(K));
+    // Bytes of a lane's activations in the next tile's slice.
+    let run = seg * next.width * 4;
     // SAFETY: as `lane_pass`: lane l's weights are columns l·seg..(l+1)·seg of `w`; `dst`
-    // holds T tokens' sets (caller).
+    // holds T tokens' sets (caller). A prefetch never faults.
     unsafe {
         let (r1, r2) = quarter_lanes::<K, T>(q, |l| {
             let p = lane_position::<K>(l);
+            // The same lane's activations of the next tile, into L1 ahead of its pass: the
+            // hardware prefetchers lose the stream where a quarter's run of one slice ends
+            // and the next slice's begins.
+            let ahead = next.lane(p).0 as *const i8;
+            for off in (0..run).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
+            }
             lane_pass::<K, T>((w.as_ptr(), p * seg), x.lane(p), seg)
         });
         for j in 0..T {

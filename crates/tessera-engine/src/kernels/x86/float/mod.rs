@@ -163,6 +163,13 @@ unsafe fn prefill<const K: u8, const WIDE: bool, const G: usize>(
                     return take;
                 }
                 let reordered = reordered[0];
+                // The tile after this one in the quarter, whose activations the AVX2 passes
+                // prefetch (this one's again for the last).
+                let next = if !WIDE && j + take < nt {
+                    TileActs::new::<K>(lanes, a, t + take)
+                } else {
+                    x
+                };
                 // AVX-512: two whole slices in one tile where the next is whole too.
                 if WIDE && take == TILE && j + 2 * TILE <= nt {
                     let t2 = t + TILE;
@@ -178,7 +185,7 @@ unsafe fn prefill<const K: u8, const WIDE: bool, const G: usize>(
                         if WIDE {
                             quarter_by_pass512::<K, { $t }>(reordered, x, q, dst)
                         } else {
-                            quarter_by_pass::<K, { $t }>(reordered, x, q, dst)
+                            quarter_by_pass::<K, { $t }>(reordered, (x, next), q, dst)
                         }
                     };
                 }
@@ -192,9 +199,28 @@ unsafe fn prefill<const K: u8, const WIDE: bool, const G: usize>(
                 }
                 take
             };
+            // AVX2: the next group's weights (the matmul driver's next call; the groups of a
+            // matrix follow each other) are prefetched into L2 a share per tile, so that its
+            // `lane_major_weights` copy, which reads a lane's columns 2 KiB apart, finds them
+            // there instead of waiting on memory for each line (the copy's loads took ~2% of
+            // a 512-token dense prefill's samples in `perf`, nearly all stalled on memory).
+            let gbytes = n * GROUP * esize(K);
+            let (mut ahead, ahead_end) = (w[0].wrapping_add(gbytes), w[0].wrapping_add(2 * gbytes));
+            let per_tile = if WIDE || G > 1 {
+                0
+            } else {
+                (gbytes / 64).div_ceil(4 * nt.div_ceil(TILE))
+            };
             for q in 0..4 {
                 let mut j = 0;
                 while j < nt {
+                    for _ in 0..per_tile {
+                        if ahead < ahead_end {
+                            // A prefetch never faults; SSE is enabled in every caller.
+                            _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
+                            ahead = ahead.wrapping_add(64);
+                        }
+                    }
                     j += tile(q, j);
                 }
             }
