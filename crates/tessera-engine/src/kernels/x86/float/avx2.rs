@@ -1,0 +1,267 @@
+//! AVX2 float kernels: 8 rows per load; prefill by lane passes over the lane-major copies,
+//! decode by chain passes (the overview is in the parent module).
+
+use std::arch::x86_64::*;
+
+use super::*;
+
+/// The 8 rows `8·h8..8·h8 + 8` of column `e`.
+#[inline(always)]
+pub(super) unsafe fn load8<const K: u8>(w: *const u8, e: usize, h8: usize) -> __m256 {
+    // SAFETY: the caller guarantees column e is in bounds and AVX2/F16C are enabled.
+    unsafe {
+        let p = w.add((e * GROUP + 8 * h8) * esize(K));
+        match K {
+            FLOAT_F32 => _mm256_loadu_ps(p as *const f32),
+            FLOAT_F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+            _ => {
+                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+                _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+            }
+        }
+    }
+}
+
+/// One lane's accumulators of both row halves for `T` tokens over its `seg` columns:
+/// `[token][h8]`. `w` is the group's weights in the [`lane_major_weights`] layout, the lane's
+/// first column at index `col` of it; `x` points at the tile's first token's activation for
+/// the lane's first column in the [`lane_major`] layout (the tile's tokens side by side, the
+/// lane's next column `stride` floats on).
+#[inline(always)]
+pub(super) unsafe fn lane_pass<const K: u8, const T: usize>(
+    (w, col): (*const u8, usize),
+    (x, stride): (*const f32, usize),
+    seg: usize,
+) -> [[__m256; 2]; T] {
+    // SAFETY: the lane's `seg` columns are in bounds of `w` and, for the tile's tokens, of `x`
+    // (caller); AVX2/FMA/F16C enabled (caller).
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
+        let mut xp = x;
+        for e in col..col + seg {
+            let w0 = load8::<K>(w, e, 0);
+            let w1 = load8::<K>(w, e, 1);
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let xe = _mm256_broadcast_ss(&*xp.add(j));
+                acc[0] = _mm256_fmadd_ps(w0, xe, acc[0]);
+                acc[1] = _mm256_fmadd_ps(w1, xe, acc[1]);
+            }
+            xp = xp.add(stride);
+        }
+        acc
+    }
+}
+
+/// Every lane's accumulators of both row halves for `T` tokens: `[lane][token][h8]`.
+pub(super) type LaneAcc<const T: usize> = [[[__m256; 2]; T]; 64];
+
+/// What `scalar::float_row` makes of its lanes, each lane's accumulators `lane(l)` computed
+/// once: the four quarters' partial sums ([`quarter_lanes`], in the scalar tree's order: each
+/// `f(i)` once, few partial sums alive) added by the top of the tree ([`reduce16_top`]). F32/F16
+/// the row sums of `(lane i + lane 32+i) + (lane 16+i + lane 48+i)` (twice); BF16 the two
+/// partial sums of lanes `i` and `16 + i`, which the scalar kernel adds in f64.
+#[inline(always)]
+pub(super) unsafe fn reduce_lanes<const K: u8, const T: usize>(
+    mut lane: impl FnMut(usize) -> [[__m256; 2]; T],
+) -> Reduced<T> {
+    // SAFETY: AVX is enabled in every caller.
+    unsafe {
+        let q: [Reduced<T>; 4] = std::array::from_fn(|q| quarter_lanes::<K, T>(q, &mut lane));
+        let first = reduce16_top(q.map(|r| r.0), add_acc::<T>);
+        if K == FLOAT_BF16 {
+            (first, reduce16_top(q.map(|r| r.1), add_acc::<T>))
+        } else {
+            (first, first)
+        }
+    }
+}
+
+/// Lane accumulators added token by token and row half by row half.
+#[inline(always)]
+pub(super) fn add_acc<const T: usize>(
+    a: [[__m256; 2]; T],
+    b: [[__m256; 2]; T],
+) -> [[__m256; 2]; T] {
+    // SAFETY: AVX is enabled in every caller (this is only inlined into them).
+    std::array::from_fn(|j| std::array::from_fn(|h| unsafe { _mm256_add_ps(a[j][h], b[j][h]) }))
+}
+
+/// Quarter `q` of [`reduce_lanes`]: its tree's partial sum over the lanes `q + 4k` (and, F32/F16,
+/// `16 + q + 4k`, `32 + q + 4k`, `48 + q + 4k`; BF16 `16 + q + 4k`) for `k` = 0..4, as
+/// [`reduce16_quarter`] adds them (F32/F16 once, BF16 the two partial sums).
+#[inline(always)]
+pub(super) unsafe fn quarter_lanes<const K: u8, const T: usize>(
+    q: usize,
+    mut lane: impl FnMut(usize) -> [[__m256; 2]; T],
+) -> Reduced<T> {
+    let add = add_acc::<T>;
+    if K == FLOAT_BF16 {
+        reduce16_quarter(
+            q,
+            |i| (lane(i), lane(16 + i)),
+            |a, b| (add(a.0, b.0), add(a.1, b.1)),
+        )
+    } else {
+        let r = reduce16_quarter(
+            q,
+            |i| add(add(lane(i), lane(32 + i)), add(lane(16 + i), lane(48 + i))),
+            add,
+        );
+        (r, r)
+    }
+}
+
+/// Quarter `q` ([`quarter_lanes`]) of `T` tokens by one lane pass per lane, stored at `dst`:
+/// token `j`'s set `s` at `dst + (j · sets + s) · 16`. `w`: the group's [`lane_major_weights`].
+#[inline(always)]
+pub(super) unsafe fn quarter_by_pass<const K: u8, const T: usize>(
+    w: &[u8],
+    (x, next): (TileActs, TileActs),
+    q: usize,
+    dst: *mut f32,
+) {
+    let seg = x.seg;
+    debug_assert_eq!(w.len(), n_lanes(K) * seg * GROUP * esize(K));
+    // Bytes of a lane's activations in the next tile's slice.
+    let run = seg * next.width * 4;
+    // SAFETY: as `lane_pass`: lane l's weights are columns l·seg..(l+1)·seg of `w`; `dst`
+    // holds T tokens' sets (caller). A prefetch never faults.
+    unsafe {
+        let (r1, r2) = quarter_lanes::<K, T>(q, |l| {
+            let p = lane_position::<K>(l);
+            // The same lane's activations of the next tile, into L1 ahead of its pass: the
+            // hardware prefetchers lose the stream where a quarter's run of one slice ends
+            // and the next slice's begins.
+            let ahead = next.lane(p).0 as *const i8;
+            for off in (0..run).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
+            }
+            lane_pass::<K, T>((w.as_ptr(), p * seg), x.lane(p), seg)
+        });
+        for j in 0..T {
+            for h8 in 0..2 {
+                let o = dst.add(j * sets(K) * GROUP + 8 * h8);
+                _mm256_storeu_ps(o, r1[j][h8]);
+                if K == FLOAT_BF16 {
+                    _mm256_storeu_ps(o.add(GROUP), r2[j][h8]);
+                }
+            }
+        }
+    }
+}
+
+/// `T ≤ 2` tokens by chain passes over `4 / T` neighbouring lanes (F32: `2 / T`) at a time: each
+/// lane's whole chain (every block, in column order, as `scalar::float_row` runs it) with its
+/// accumulators in registers, its sums stored once, then combined and reduced ([`reduce_lanes`]).
+/// Meanwhile the next group (`gbytes` on: the groups of a matrix follow each other) is prefetched
+/// in address order, a pass's share at a time spread over its blocks, and the lines this group's
+/// pass two on will read (for a task's first group).
+#[inline(always)]
+pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
+    w: *const u8,
+    xs: &[*const f32; T],
+    np: usize,
+    gbytes: usize,
+) -> Reduced<T> {
+    let mut acc = std::mem::MaybeUninit::<LaneAcc<T>>::uninit();
+    let p = acc.as_mut_ptr() as *mut [[__m256; 2]; T];
+    // Lanes per pass: 128 bytes of each block's F16/BF16 weights (8 accumulators: 4 lanes ×
+    // 2 halves for 1 token, 2 × 2 × 2 for 2), as many bytes of F32 (half the lanes).
+    let ls = 8 / (T * esize(K));
+    let passes = n_lanes(K) / ls;
+    let nb = np / 64;
+    let lines = gbytes / 64;
+    let per_pass = lines.div_ceil(passes);
+    let per_block = per_pass.div_ceil(nb.max(1));
+    // Bytes of a pass's columns within a block (its lanes' columns are neighbours).
+    let set_bytes = 64 / n_lanes(K) * ls * GROUP * esize(K);
+    let line = |q: *const u8| {
+        // SAFETY: a prefetch never faults; SSE is enabled in every caller.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(q as *const i8) }
+    };
+    // SAFETY: as `lane_pass`; each pass writes its lanes before `reduce_lanes` reads them,
+    // and the passes cover every lane.
+    unsafe {
+        let next = w.wrapping_add(gbytes);
+        for pass in 0..passes {
+            let l0 = pass * ls;
+            let mut a = [[[_mm256_setzero_ps(); 2]; T]; 4];
+            let mut ahead = next.wrapping_add(pass * per_pass * 64);
+            let ahead_end = next.wrapping_add(((pass + 1) * per_pass).min(lines) * 64);
+            let later = w.wrapping_add((pass + 2) * set_bytes);
+            for b in 0..nb {
+                let base = 64 * b;
+                for _ in 0..per_block {
+                    if ahead < ahead_end {
+                        line(ahead);
+                        ahead = ahead.wrapping_add(64);
+                    }
+                }
+                if pass + 2 < passes {
+                    let q = later.wrapping_add(base * GROUP * esize(K));
+                    for off in (0..set_bytes).step_by(64) {
+                        line(q.wrapping_add(off));
+                    }
+                }
+                for (li, a) in a.iter_mut().enumerate().take(ls) {
+                    lane_columns::<K>(base, l0 + li, |e| {
+                        let w0 = load8::<K>(w, e, 0);
+                        let w1 = load8::<K>(w, e, 1);
+                        for (a, x) in a.iter_mut().zip(xs) {
+                            let xe = _mm256_broadcast_ss(&*x.add(e));
+                            a[0] = _mm256_fmadd_ps(w0, xe, a[0]);
+                            a[1] = _mm256_fmadd_ps(w1, xe, a[1]);
+                        }
+                    });
+                }
+            }
+            for (li, a) in a.iter().enumerate().take(ls) {
+                p.add(l0 + li).write(*a);
+            }
+        }
+        reduce_lanes::<K, T>(|l| (acc.as_ptr() as *const [[__m256; 2]; T]).add(l).read())
+    }
+}
+
+/// `T ≤ 2` tokens of a group ([`lanes_by_chain`]): `out[j*16 + r]` for token `t + j`.
+#[inline(always)]
+pub(super) unsafe fn tile_avx2<const K: u8, const T: usize>(
+    w: *const u8,
+    a: &QuantizedActs,
+    t: usize,
+    out: &mut [f32],
+) {
+    let n = a.cols;
+    let np = n / 64 * 64;
+    // SAFETY: the caller checked the group holds n columns and that tokens t..t+T are in
+    // `a.f`; features enabled.
+    unsafe {
+        let xs: [*const f32; T] = std::array::from_fn(|j| a.f.as_ptr().add((t + j) * n));
+        let (v, c2) = lanes_by_chain::<K, T>(w, &xs, np, n * GROUP * esize(K));
+        for j in 0..T {
+            let mut s = [[0f32; GROUP]; 2];
+            for h8 in 0..2 {
+                _mm256_storeu_ps(s[0].as_mut_ptr().add(8 * h8), v[j][h8]);
+                if K == FLOAT_BF16 {
+                    _mm256_storeu_ps(s[1].as_mut_ptr().add(8 * h8), c2[j][h8]);
+                }
+            }
+            let o: &mut [f32; GROUP] = (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
+            finish::<K>(w, &a.f[(t + j) * n..(t + j + 1) * n], np, &s, o);
+        }
+    }
+}
+
+/// [`group`] on AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn group_avx2<const K: u8>(
+    w: &[u8],
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: features enabled; `group` checks the bounds.
+    unsafe { group::<K, false>(w, a, t0, nt, out) }
+}
