@@ -174,9 +174,16 @@ pub fn run(
         disk_rates::apply(&mut graph, &disk_rates),
     ]
     .concat();
-    // The coordinator's own choice placed an expert split for every run: stage runs need a
-    // coordinator without it.
-    let mut experts_applied = auto.plan.strategy == StrategyKind::Expert;
+    // Where the coordinator's own choice placed experts (an expert split, or one node streaming
+    // its experts, run as a split homed on it that owns every expert), it placed them for every
+    // run: stage runs need a coordinator without them (a ring run under one board's placement
+    // sent every stage's experts to that board, over the WAN's 20 ms links).
+    let mut experts_applied = tessera_placement::planning::to_placement(
+        &auto.plan,
+        model.n_layers(),
+        model.n_expert as usize,
+    )
+    .is_ok_and(|p| p.experts.is_some());
     progress("nodes joined and measured; planning on the measured graph");
 
     let outcome = tessera_plan::plan(&model, &graph, 1)?;
