@@ -626,6 +626,42 @@ fn baseline_lines(r: &Report, b: &super::baseline::Baseline) -> String {
 mod tests {
     use super::*;
 
+    /// A home stage's owners, per decode token from its decode's sums: a stage that asked no
+    /// owner has no row, and owners holding every expert in memory say so.
+    #[test]
+    fn a_split_homes_owners_are_reported_per_decode_token() {
+        use super::super::test_reports::{decode, on_nodes, report};
+        let mut home = decode(0, 40_000_000, 4);
+        home.decode.expert_round_trips = 48;
+        home.decode.owners = tessera_proto::OwnerExpertStats {
+            lookups: 200,
+            misses: 50,
+            disk_bytes: 8 << 20,
+            read_wait_ns: 12_000_000,
+            slowest_serve_ns: 20_000_000,
+            reply_wait_ns: 16_000_000,
+        };
+        let r = on_nodes(report(vec![home, decode(1, 4_000_000, 4)], 2), &["a", "b"]);
+        let [o] = SplitOwners::of(&r).try_into().expect("one home");
+        assert_eq!(o.home, "a");
+        assert_eq!(o.round_trips_per_token, 12.0);
+        assert_eq!(o.step_ms_per_token, 10.0);
+        assert_eq!(o.lookups_per_token, 50.0);
+        assert_eq!(o.hit_rate, Some(0.75));
+        assert_eq!(o.disk_mib_per_token, 2.0);
+        assert_eq!(o.read_wait_ms_per_token, 3.0);
+        assert_eq!(o.slowest_owner_ms_per_token, 5.0);
+        assert_eq!(o.reply_wait_ms_per_token, 4.0);
+        assert!(o.line().contains("75% from memory"), "{}", o.line());
+
+        let mut in_memory = decode(0, 40_000_000, 4);
+        in_memory.decode.expert_round_trips = 48;
+        let r = on_nodes(report(vec![in_memory], 1), &["a"]);
+        let [o] = SplitOwners::of(&r).try_into().expect("one home");
+        assert_eq!(o.hit_rate, None);
+        assert!(o.line().contains("every expert in memory"), "{}", o.line());
+    }
+
     fn figures(decode: f64, throughput: f64) -> Figures {
         Figures {
             decode_tokens_per_s: decode,
