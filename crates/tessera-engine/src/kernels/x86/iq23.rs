@@ -17,17 +17,6 @@ use super::super::iq23::Layout;
 use super::super::matrix::GROUP;
 use super::super::quant_acts::QuantizedActs;
 
-/// The 8 per-row lane accumulators summed as `hsum_float_8`.
-macro_rules! lanes_sum {
-    ($add:ident, $acc:expr) => {{
-        let a = $acc;
-        $add(
-            $add($add(a[0], a[4]), $add(a[2], a[6])),
-            $add($add(a[1], a[5]), $add(a[3], a[7])),
-        )
-    }};
-}
-
 fn check_group(lay: Layout, w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
     let nb = a.cols / 256;
     assert!(w.len() >= nb * lay.x16());

@@ -21,17 +21,6 @@ fn check_group(w: &[u8], a: &QuantizedActs, t0: usize, nt: usize, out: &[f32]) {
     assert!(out.len() >= nt * GROUP);
 }
 
-/// The 8 per-row lane accumulators summed as `hsum_float_8`.
-macro_rules! lanes_sum {
-    ($add:ident, $acc:expr) => {{
-        let a = $acc;
-        $add(
-            $add($add(a[0], a[4]), $add(a[2], a[6])),
-            $add($add(a[1], a[5]), $add(a[3], a[7])),
-        )
-    }};
-}
-
 /// Tokens per AVX2 tile: each unpack of the weights (two table lookups and their magnitudes
 /// per 32 bytes) serves this many tokens.
 pub(super) const TILE: usize = 4;

@@ -12,17 +12,6 @@ use super::super::matrix::GROUP;
 use super::super::quant_acts::QuantizedActs;
 use super::iq4xs::{TILE, TILE_512};
 
-/// The 8 per-row lane accumulators summed as `hsum_float_8` (as `iq4xs.rs`).
-macro_rules! lanes_sum {
-    ($add:ident, $acc:expr) => {{
-        let a = $acc;
-        $add(
-            $add($add(a[0], a[4]), $add(a[2], a[6])),
-            $add($add(a[1], a[5]), $add(a[3], a[7])),
-        )
-    }};
-}
-
 thread_local! {
     /// Each pool thread's buffer of a group's unpacked weights ([`prepare`]).
     static PREP: std::cell::RefCell<Vec<[i32; 8]>> = const { std::cell::RefCell::new(Vec::new()) };

@@ -29,17 +29,6 @@ const Q4K_TILE: usize = 6;
 const Q5K_TILE: usize = 8;
 const Q6K_TILE: usize = 8;
 
-/// The 8 per-row lane accumulators summed as `scalar::q8_0_lanes_sum`.
-macro_rules! lanes_sum {
-    ($acc:expr) => {{
-        let a = $acc;
-        _mm256_add_ps(
-            _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
-            _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])),
-        )
-    }};
-}
-
 /// Runs `$tile::<T, ..>` over `nt` tokens in tiles of `$n` (at most 8), then one tile of the
 /// tokens left. Each token's sums are the same in a tile of any width.
 macro_rules! tiles {
@@ -233,7 +222,7 @@ unsafe fn q5k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                 }
             }
             for j in 0..T {
-                let r = _mm256_add_ps(lanes_sum!(acc[j]), accm[j]);
+                let r = _mm256_add_ps(lanes_sum!(_mm256_add_ps, acc[j]), accm[j]);
                 _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), r);
             }
         }
@@ -517,7 +506,7 @@ unsafe fn q6k_tile_u8<const T: usize>(
         }
         for (h8, acc) in accs.iter().enumerate() {
             for (j, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), lanes_sum!(acc));
+                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), lanes_sum!(_mm256_add_ps, acc));
             }
         }
     }
@@ -580,7 +569,7 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, ou
                 }
             }
             for (j, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), lanes_sum!(acc));
+                _mm256_storeu_ps(out.add(j * GROUP + 8 * h8), lanes_sum!(_mm256_add_ps, acc));
             }
         }
     }

@@ -1,5 +1,18 @@
 //! x86-64 kernels: AVX2 (+FMA, F16C) and AVX-512 (F/BW/VL + VNNI), chosen at run time.
 
+/// The 8 per-row lane accumulators of a group summed as ggml's `hsum_float_8` (`$add`: the
+/// vector width's add), the order every integer-dot kernel's float sums share. Defined before
+/// the kernel modules, which use it.
+macro_rules! lanes_sum {
+    ($add:ident, $acc:expr) => {{
+        let a = $acc;
+        $add(
+            $add($add(a[0], a[4]), $add(a[2], a[6])),
+            $add($add(a[1], a[5]), $add(a[3], a[7])),
+        )
+    }};
+}
+
 mod avx2;
 mod avx512;
 mod float;
