@@ -224,6 +224,62 @@ fn streamed_experts_match_one_process(name: &str) {
     );
 }
 
+/// A ring of two stages of an MoE model, each node given `--expert-budget` of about two experts:
+/// each stage streams the experts of its own layers from its disk (there is no expert split:
+/// a stage holds every expert of its layers), and the text is one process's.
+#[test]
+fn ring_stages_stream_their_own_experts_under_an_expert_budget() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let g = GgufFile::open(&path).unwrap();
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let l = cfg.n_layer;
+    let budget = 2 * expert_bytes(&g, &cfg);
+    let prompt_text = "Once upon a time, in a quiet village";
+    let prompt = Tokenizer::from_gguf(&g).unwrap().encode(prompt_text, true);
+    let (steps, chunk) = (8, 4);
+    let want = reference_tokens(&path, &prompt, steps, chunk);
+
+    let mut c = ExpertCluster::start_with(&path, None, TIMEOUT);
+    for node in ["a", "b"] {
+        c.add_node(node, &["--expert-budget".into(), budget.to_string()]);
+    }
+    let msgs = c.run_json(
+        &[("a", 0..l / 2), ("b", l / 2..l)],
+        &[
+            "-p",
+            prompt_text,
+            "-n",
+            &steps.to_string(),
+            "--temperature",
+            "0",
+            "--prefill-chunk",
+            &chunk.to_string(),
+        ],
+    );
+    assert_eq!(tokens_of(&msgs), want, "ring stages streaming: tokens");
+    let report = report_of(&msgs);
+    let stages = report["stage_stats"].as_array().unwrap();
+    assert_eq!(stages.len(), 2, "{report}");
+    for st in stages {
+        let d = &st["decode"];
+        let (lookups, misses) = (
+            d["expert_lookups"].as_u64().unwrap(),
+            d["expert_misses"].as_u64().unwrap(),
+        );
+        assert!(lookups > 0, "a stage looked no expert up: {report}");
+        assert!(misses > 0 && misses <= lookups, "{report}");
+        assert!(d["expert_disk_bytes"].as_u64().unwrap() > 0, "{report}");
+        assert_eq!(d["expert_round_trips"].as_u64().unwrap_or(0), 0, "{report}");
+    }
+    for node in ["a", "b"] {
+        let fields = [("event", "expert_cache"), ("node", node)];
+        let e = c
+            .coordinator
+            .wait_event_where(&fields, 1, |e| e["misses"].as_u64() > Some(0));
+        assert_eq!(e["budget_bytes"].as_u64(), Some(budget), "{e}");
+    }
+}
+
 #[test]
 fn bench_with_an_expert_budget_reports_the_streaming_figures() {
     let path = model("test/small-qwen3moe-Q8_0.gguf");

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_engine::{ExpertSelection, ExpertStreaming, LoadSpec, Model};
+use tessera_host::BudgetRefusal;
 use tessera_model::Tokenizer;
 use tessera_net::Connection;
 
@@ -82,6 +83,36 @@ fn expert_tensor_names(
     names
 }
 
+/// How many bytes of its experts a load keeps in memory, streaming the rest from disk (`None`:
+/// all of them, nothing streamed), given the node's `--expert-budget`, whether the load has
+/// experts at all (an expert split's, or a ring stage's of an MoE model), whether the node only
+/// serves experts, and whether every weight fits the memory limit (`fits`).
+///
+/// A node given `--expert-budget` keeps that much. Otherwise experts over the limit are
+/// streamed: a stage keeps half the limit, leaving the rest to its dense weights and KV
+/// caches; a node that only serves experts holds nothing else, so its whole limit keeps
+/// experts, as the planner places them (half of it had an owner of an expert split read a
+/// third of its lookups from disk where the plan priced a few percent). A load without experts
+/// that does not fit is refused.
+fn expert_memory(
+    expert_budget: Option<u64>,
+    has_experts: bool,
+    expert_only: bool,
+    fits: Result<(), BudgetRefusal>,
+) -> Result<Option<u64>, BudgetRefusal> {
+    match (has_experts, expert_budget, fits) {
+        (false, _, fits) => fits.map(|()| None),
+        (true, Some(b), _) => Ok(Some(b)),
+        (true, None, Ok(())) => Ok(None),
+        (true, None, Err(e)) => {
+            let Some(limit) = e.limit else {
+                return Err(e);
+            };
+            Ok(Some(if expert_only { limit } else { limit / 2 }))
+        }
+    }
+}
+
 /// Loads `a` (load `ticket` of the epoch machine, with its expert placement) and hands the
 /// result to the machine, which installs it or drops it; an error is the caller's to report.
 pub(super) async fn load_assignment(
@@ -103,30 +134,19 @@ pub(super) async fn load_assignment(
         let skip = if expert_only { 0..0 } else { a.layers.clone() };
         names.extend(expert_tensor_names(&manifest, &x.held, &skip));
     }
+    // A ring stage of an MoE model holds every expert of its layers: it streams them too.
+    let has_experts = experts.is_some() || names.iter().any(|n| n.contains("_exps."));
     // Expert split: only the held experts' byte ranges of the packed expert tensors.
     let held_experts = experts.as_ref().map(|x| x.held.as_slice());
     let (needs, header) =
         assignment_needs(&ctx.conn, &ctx.store, &manifest, names, held_experts).await?;
     let weight_bytes = manifest.bytes_for_needs(&needs)?;
-    // Experts over the memory budget are streamed from disk: the node keeps what the budget
-    // allows in memory. A stage keeps half the limit, leaving the rest to its dense weights
-    // and KV caches; a node that only serves experts holds nothing else, so its whole budget
-    // keeps experts, as the planner places them (half of it had an owner of an expert split
-    // read a third of its lookups from disk where the plan priced a few percent).
-    let streaming = match (ctx.expert_budget, &experts) {
-        (_, None) => None,
-        (Some(b), Some(_)) => Some(b),
-        (None, Some(_)) => match ctx.inventory.accepts(weight_bytes) {
-            Ok(()) => None,
-            Err(e) => {
-                let limit = e.limit.ok_or(e)?;
-                Some(if expert_only { limit } else { limit / 2 })
-            }
-        },
-    };
-    if streaming.is_none() {
-        ctx.inventory.accepts(weight_bytes)?;
-    }
+    let streaming = expert_memory(
+        ctx.expert_budget,
+        has_experts,
+        expert_only,
+        ctx.inventory.accepts(weight_bytes),
+    )?;
 
     // What the cache holds is re-hashed against the manifest before it is loaded: bytes
     // altered since they were received are refused by tensor, and received again.
@@ -311,4 +331,56 @@ fn progress_bar(show: bool, what: &str) -> indicatif::ProgressBar {
     );
     bar.set_message(what.to_string());
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn over(limit: Option<u64>) -> Result<(), BudgetRefusal> {
+        Err(BudgetRefusal {
+            requested: 1000,
+            limit,
+            limit_source: "memory budget \"600B\"".into(),
+            total_ram: None,
+            available_ram: None,
+        })
+    }
+
+    #[test]
+    fn experts_are_streamed_under_a_given_budget_or_over_the_limit() {
+        // `--expert-budget` holds for an expert split's node and for a ring stage alike,
+        // whether or not everything would fit.
+        assert_eq!(
+            expert_memory(Some(200), true, false, Ok(())).unwrap(),
+            Some(200)
+        );
+        assert_eq!(
+            expert_memory(Some(200), true, true, over(Some(600))).unwrap(),
+            Some(200)
+        );
+        // Fitting, nothing is streamed; over the limit a stage keeps half of it, a node that
+        // only serves experts all of it.
+        assert_eq!(expert_memory(None, true, false, Ok(())).unwrap(), None);
+        assert_eq!(
+            expert_memory(None, true, false, over(Some(600))).unwrap(),
+            Some(300)
+        );
+        assert_eq!(
+            expert_memory(None, true, true, over(Some(600))).unwrap(),
+            Some(600)
+        );
+        // No limit to stream under: refused.
+        assert!(expert_memory(None, true, false, over(None)).is_err());
+    }
+
+    #[test]
+    fn a_load_without_experts_streams_nothing_and_must_fit() {
+        assert_eq!(
+            expert_memory(Some(200), false, false, Ok(())).unwrap(),
+            None
+        );
+        let e = expert_memory(Some(200), false, false, over(Some(600))).unwrap_err();
+        assert_eq!(e.requested, 1000);
+    }
 }

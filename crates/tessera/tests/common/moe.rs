@@ -21,22 +21,26 @@ pub struct ExpertCluster {
 
 impl ExpertCluster {
     pub fn start(model_path: &Path, experts: &str, timeout: Duration) -> Self {
+        Self::start_with(model_path, Some(experts), timeout)
+    }
+
+    /// A coordinator with an expert split (`experts`), or without one: its ring stages then
+    /// hold every expert of their layers.
+    pub fn start_with(model_path: &Path, experts: Option<&str>, timeout: Duration) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut coordinator = Proc::spawn_with_events(
-            "coordinator",
-            &[
-                "coordinator".into(),
-                "--model".into(),
-                model_path.display().to_string(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--data-dir".into(),
-                dir.path().join("coord").display().to_string(),
-                "--experts".into(),
-                experts.into(),
-            ],
-            timeout,
-        );
+        let mut args: Vec<String> = vec![
+            "coordinator".into(),
+            "--model".into(),
+            model_path.display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            dir.path().join("coord").display().to_string(),
+        ];
+        if let Some(e) = experts {
+            args.extend(["--experts".into(), e.into()]);
+        }
+        let mut coordinator = Proc::spawn_with_events("coordinator", &args, timeout);
         let join = coordinator.announced("join_token", "token");
         let operator = coordinator.announced("operator_token", "token");
         Self {
