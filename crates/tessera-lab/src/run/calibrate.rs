@@ -109,7 +109,7 @@ impl<'a> Runs<'a> {
     /// disk's and the expert cache's as much as the nodes' compute, so it is no reference for
     /// their rates.
     fn streams(&self, i: usize) -> bool {
-        self.candidates[i].streams.is_some()
+        !self.candidates[i].streams.is_empty()
             || self.candidates[i]
                 .plan
                 .assignments()

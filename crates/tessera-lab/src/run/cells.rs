@@ -169,7 +169,7 @@ fn round(
     let mode = Mode::Fixed {
         plan: plan.clone(),
         experts: None,
-        expert_budget: None,
+        expert_budgets: Vec::new(),
     };
     let mut session = Session::start(lab, tessera, &s, dir, &mode)?;
     for _ in 0..cells {

@@ -193,12 +193,15 @@ pub fn run(
     let mut measured: Vec<Option<std::result::Result<Measured, String>>> =
         candidates.iter().map(|_| None).collect();
     // The plans a client names (single nodes, rings) in one session, measured in interleaved
-    // rounds so the machine's drift falls on all alike; then each expert split and each set of
-    // cells (replicas) on a coordinator started with it, whose requests it places itself.
+    // rounds so the machine's drift falls on all alike; then each expert split, each plan whose
+    // nodes stream experts (given the budgets it placed) and each set of cells (replicas) on a
+    // coordinator started with it, whose requests it places itself.
     let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
     for (k, c) in candidates.iter().enumerate() {
         match &c.placement {
-            Ok(p) if p.experts.is_some() || c.plan.cells.len() > 1 => groups.push(vec![k]),
+            Ok(p) if p.experts.is_some() || c.plan.cells.len() > 1 || !c.streams.is_empty() => {
+                groups.push(vec![k])
+            }
             Ok(_) => groups[0].push(k),
             Err(_) => {}
         }
@@ -221,7 +224,7 @@ pub fn run(
             .ok()
             .and_then(|p| p.experts.as_ref())
             .map(ToString::to_string);
-        if experts.is_some() || first.plan.cells.len() > 1 {
+        if experts.is_some() || first.plan.cells.len() > 1 || !first.streams.is_empty() {
             drop(session);
             // Cells busy together divide the machine, and what it delivers drifts over the
             // minutes a run takes: measured again just before the cells run, for their
@@ -237,7 +240,7 @@ pub fn run(
             let mode = Mode::Fixed {
                 plan: files[0].clone(),
                 experts,
-                expert_budget: first.streams.clone(),
+                expert_budgets: first.streams.clone(),
             };
             session = Session::start(&lab, tessera, scenario, dir, &mode)?;
             experts_applied = true;

@@ -164,9 +164,9 @@ pub(super) enum Mode {
     Fixed {
         plan: PathBuf,
         experts: Option<String>,
-        /// A node given `--expert-budget BYTES`: it keeps that much of its experts in memory
-        /// and streams the rest from its disk (the one-host baseline).
-        expert_budget: Option<(String, u64)>,
+        /// Nodes given `--expert-budget BYTES`: each keeps that much of its experts in memory
+        /// and streams the rest from its disk (the one-host baseline, a ring's stages).
+        expert_budgets: Vec<(String, u64)>,
     },
 }
 
@@ -284,12 +284,8 @@ impl Session {
                         .max(1 << 20);
                 cmd.args(["--memory-budget", &own.to_string()]);
             }
-            if let Mode::Fixed {
-                expert_budget: Some((name, bytes)),
-                ..
-            } = mode
-            {
-                if *name == node.name {
+            if let Mode::Fixed { expert_budgets, .. } = mode {
+                if let Some((_, bytes)) = expert_budgets.iter().find(|(n, _)| *n == node.name) {
                     cmd.args(["--expert-budget", &bytes.to_string()]);
                 }
             }

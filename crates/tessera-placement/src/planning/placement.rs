@@ -20,10 +20,11 @@ pub struct Placement {
 /// ([`to_assignment`]); an expert split becomes its home ring and expert split
 /// ([`to_expert_placement`]).
 ///
-/// Only the nodes of an expert split stream experts from disk (a node given more experts than
-/// its budget holds does): a single node that leaves experts on disk runs as an expert split
-/// homed on it that owns every expert ([`to_streaming_placement`]); a ring that leaves weights
-/// on disk is not executable: its nodes would refuse the load.
+/// A node streams experts from its disk when given more than its budget holds: a single node
+/// that leaves experts on disk runs as an expert split homed on it that owns every expert
+/// ([`to_streaming_placement`]); a ring stage of an MoE model streams the experts of its own
+/// layers. A stage that would leave anything else on disk (a dense model's layers) is not
+/// executable: its node would refuse the load.
 pub fn to_placement(
     plan: &Plan,
     n_layer: usize,
@@ -61,7 +62,10 @@ pub fn to_placement(
             }) {
                 return Err(NotExpertPlacement::StageExperts(a.node.clone()));
             }
-            if let Some(a) = plan.assignments().find(|a| a.memory.disk.0 > 0) {
+            if let Some(a) = plan
+                .assignments()
+                .find(|a| a.memory.disk.0 > 0 && a.experts.is_none())
+            {
                 return Err(NotExecutable::OnDisk(a.node.clone()).into());
             }
             Ok(Placement {
@@ -114,7 +118,7 @@ pub fn to_streaming_placement(plan: &Plan, n_layer: usize, n_expert: usize) -> O
 pub enum NotExecutable {
     #[error("the fabric cannot execute a {0} plan yet")]
     Strategy(StrategyKind),
-    #[error("{0} would stream experts from disk, which only the nodes of an expert split do")]
+    #[error("{0} would stream weights from disk, which only a node holding experts does")]
     OnDisk(String),
     #[error(
         "stage {stage} ({node}) starts at layer {start}, but the previous one ends at {expected}"

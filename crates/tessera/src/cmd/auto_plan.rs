@@ -149,14 +149,31 @@ pub async fn run(
             println!("calibrated: {line}");
         }
     }
-    let (chosen, (graph, outcome)) = fit_context(context, |ctx| {
+    let plan_at = |ctx: usize, disks: bool| {
         let mut graph = resource_graph(&nodes, &links, &policy(ctx, concurrency));
         if let Some(cal) = calibrated {
             tessera_plan::apply_calibrated(&mut graph, cal);
         }
+        if !disks {
+            for n in &mut graph.nodes {
+                n.disk = None;
+            }
+        }
         plan_executable(&planner, &graph, 1).map(|o| (graph, o))
-    })
-    .with_context(|| {
+    };
+    // The context is the largest the nodes' memory holds with every weight in it, where one
+    // does: streaming experts from disk (which MoE stages do) would make room for any context,
+    // at a cost to every token no one asked for. The plan for that context may still stream
+    // where the planner predicts it faster. Only a model no memory holds plans its context
+    // with the disks.
+    let fitted = match (
+        context.fixed,
+        fit_context(context, |ctx| plan_at(ctx, false)),
+    ) {
+        (false, Ok((ctx, _))) => plan_at(ctx, true).map(|p| (ctx, p)),
+        _ => fit_context(context, |ctx| plan_at(ctx, true)),
+    };
+    let (chosen, (graph, outcome)) = fitted.with_context(|| {
         format!(
             "planning (no plan fits even {} positions of context)",
             context.max.min(CONTEXT_STEP)

@@ -6,9 +6,7 @@ mod error;
 
 pub use error::{CandidatesError, SplitSyntax};
 
-use tessera_placement::planning::{
-    plan_executable, to_placement, to_streaming_placement, Placement,
-};
+use tessera_placement::planning::{plan_executable, to_placement, Placement};
 use tessera_plan::plan::{ExpertSlice, LayerRange};
 use tessera_plan::{
     predict, CellKind, ModelProfile, Plan, PlanOutcome, ResourceGraph, StrategyKind,
@@ -34,17 +32,21 @@ pub struct Candidate {
     pub role: &'static str,
     /// Its stages (and expert split) on the fabric, or why the fabric cannot execute it.
     pub placement: Result<Placement, String>,
-    /// A single node streaming experts from its disk ([`to_streaming_placement`]): the node
-    /// and the bytes of experts the plan keeps in its memory (its `--expert-budget`).
-    pub streams: Option<(String, u64)>,
+    /// The nodes that stream experts from their disks (a single node, [`to_streaming_placement`],
+    /// or a ring's stages), each with the bytes of experts the plan keeps in its memory (its
+    /// `--expert-budget`).
+    pub streams: Vec<(String, u64)>,
 }
 
 impl Candidate {
     fn new(plan: Plan, role: &'static str, model: &ModelProfile, n_expert: usize) -> Self {
         let n_layer = model.n_layers();
-        let streams = to_streaming_placement(&plan, n_layer, n_expert)
-            .and_then(|_| streamed_budget(model, &plan));
         let placement = to_placement(&plan, n_layer, n_expert).map_err(|e| e.to_string());
+        let streams = if placement.is_ok() {
+            streamed_budgets(model, &plan)
+        } else {
+            Vec::new()
+        };
         Self {
             plan,
             role,
@@ -54,16 +56,23 @@ impl Candidate {
     }
 }
 
-/// The node of a one-node plan that streams experts, and the bytes of experts the plan keeps
-/// in its memory: every expert of the model less what it leaves on disk.
-fn streamed_budget(model: &ModelProfile, plan: &Plan) -> Option<(String, u64)> {
-    let a = plan.assignments().next()?;
-    let experts: u64 = model
-        .layers
-        .iter()
-        .map(|l| l.expert.0 * u64::from(l.n_expert))
-        .sum();
-    Some((a.node.clone(), experts.saturating_sub(a.memory.disk.0)))
+/// The nodes of a plan that leave experts on disk, each with the bytes of experts the plan
+/// keeps in its memory: every expert it holds less what it leaves on disk.
+fn streamed_budgets(model: &ModelProfile, plan: &Plan) -> Vec<(String, u64)> {
+    plan.assignments()
+        .filter(|a| a.memory.disk.0 > 0)
+        .filter_map(|a| {
+            let x = a.experts?;
+            let experts: u64 = model
+                .layers
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| x.layers.contains(*i))
+                .map(|(_, l)| l.expert.0 * x.experts.len() as u64)
+                .sum();
+            Some((a.node.clone(), experts.saturating_sub(a.memory.disk.0)))
+        })
+        .collect()
 }
 
 /// The plans a run measures, the planner's choice first. A runner-up is the planner's best plan
