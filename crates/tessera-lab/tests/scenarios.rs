@@ -132,8 +132,11 @@ fn the_moe_is_ranked_as_expert_split_stage_ring_and_one_node_streaming_from_its_
     assert_eq!(split.groups.len(), 1);
     assert_eq!(split.groups[0].node, node.node);
     assert_eq!(split.groups[0].experts.len(), profile.config.n_expert);
-    let (name, kept) = single.streams.clone().expect("a streaming budget");
-    assert_eq!(name, node.node);
+    let [(name, kept)] = single.streams.as_slice() else {
+        panic!("one streaming budget: {:?}", single.streams)
+    };
+    let kept = *kept;
+    assert_eq!(*name, node.node);
     let experts: u64 = model
         .layers
         .iter()
