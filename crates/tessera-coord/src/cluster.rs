@@ -263,6 +263,11 @@ impl Cluster {
         self.membership.set_expert_split(split);
     }
 
+    pub fn set_expert_budgets(&mut self, budgets: std::collections::BTreeMap<String, u64>) {
+        self.generation += 1;
+        self.membership.set_expert_budgets(budgets);
+    }
+
     /// From now on, sessions ending are the coordinator's own shutdown.
     pub fn set_closing(&mut self) {
         self.closing = true;

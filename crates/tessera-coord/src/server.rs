@@ -293,6 +293,15 @@ impl Coordinator {
             .await;
     }
 
+    /// The bytes of experts each named node keeps in memory in the plans made from now on (the
+    /// rest streamed from its disk), as the coordinator's own plan placed them. Returns once the
+    /// cluster has them.
+    pub async fn set_expert_budgets(&self, budgets: std::collections::BTreeMap<String, u64>) {
+        self.shared
+            .ask(move |core, _| core.cluster.set_expert_budgets(budgets))
+            .await;
+    }
+
     /// Closes every connection (peers are told at once) and stops accepting.
     pub fn close(&self) {
         self.shared.closing.store(true, Ordering::SeqCst);

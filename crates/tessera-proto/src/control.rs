@@ -86,6 +86,11 @@ pub struct StageAssignment {
     /// computes what one process with that type computes.
     #[serde(default)]
     pub kv_type: KvType,
+    /// Bytes of its experts the node keeps in memory, streaming the rest from its disk, as the
+    /// coordinator's plan placed them (`None`: the plan streams nothing there; the node's own
+    /// `--expert-budget` comes first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_budget: Option<u64>,
 }
 
 /// Opens a sequence on every stage.

@@ -457,6 +457,7 @@ fn share_bytes(path: &Path, layers: std::ops::Range<usize>, embed: bool, head: b
         prev: None,
         max_context: 1,
         kv_type: Default::default(),
+        expert_budget: None,
     };
     let names = tessera_node::agent::stage_tensor_names(&manifest, &a);
     manifest.bytes_for(&names).unwrap()

@@ -72,6 +72,7 @@ fn assignment_names(m: &Manifest, layers: Range<usize>, n_layer: usize) -> Vec<S
         prev: None,
         max_context: 1,
         kv_type: Default::default(),
+        expert_budget: None,
     };
     tessera_node::agent::stage_tensor_names(m, &a)
 }

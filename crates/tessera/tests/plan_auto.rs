@@ -552,3 +552,54 @@ fn serve_without_ctx_chooses_the_largest_context_the_budgets_hold() {
         refused.body
     );
 }
+
+/// Two nodes whose budgets hold a qwen3moe model neither alone nor as a ring of whole layers
+/// in memory, with this machine's fast disks: the coordinator's plan streams experts from
+/// disk, and each node that streams is told by its assignment how many bytes of experts the
+/// plan keeps in its memory (its expert cache reports that budget), and the cluster generates
+/// what one process does.
+#[test]
+fn plan_auto_tells_each_streaming_node_its_planned_expert_budget() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let g = GgufFile::open(&path).unwrap();
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let budgets = [("a", 3u64 << 20), ("b", 3u64 << 20)];
+    let (mut coordinator, join, operator) =
+        auto_coordinator_with(dir.path(), &path, budgets.len(), &[]);
+    let nodes: Vec<Proc> = budgets
+        .iter()
+        .map(|(name, budget)| budget_node(dir.path(), &join, name, *budget))
+        .collect();
+    let ring = coordinator.wait_event(&[("event", "plan_auto")])["ring"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let doc: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("coord/plan-auto.json")).unwrap())
+            .unwrap();
+    let plan = &doc["outcome"]["plan"];
+    assert_eq!(plan["strategy"], "stage", "{plan}");
+    // What the plan keeps in each streaming node's memory, as the coordinator computed it.
+    let record: tessera_plan::AutoPlanRecord = serde_json::from_value(doc.clone()).unwrap();
+    let profile = tessera_model::ModelProfile::from_gguf(&g).unwrap();
+    let planner =
+        tessera_placement::planning::planner_model(&profile, Default::default(), "m").unwrap();
+    let want_budgets = tessera_placement::planning::expert_budgets(&planner, &record.outcome.plan);
+    assert!(!want_budgets.is_empty(), "the plan streams nothing: {plan}");
+    assert!(want_budgets.iter().all(|(_, b)| *b > 0), "{want_budgets:?}");
+
+    let prompt_text = "Once upon a time";
+    let prompt = Tokenizer::from_gguf(&g).unwrap().encode(prompt_text, true);
+    let (n, chunk) = (6, 4);
+    let want = reference_tokens(&path, &prompt, n, chunk);
+    let msgs = run_greedy(dir.path(), &operator, prompt_text, n, chunk);
+    assert_eq!(tokens_of(&msgs), want, "{ring}");
+    // Each streaming node's expert cache runs under the budget its assignment carried.
+    for (node, budget) in &want_budgets {
+        let e = coordinator.wait_event(&[("event", "expert_cache"), ("node", node.as_str())]);
+        assert_eq!(e["budget_bytes"].as_u64(), Some(*budget), "{node}: {e}");
+    }
+    assert!(cfg.n_expert > 0);
+    drop(nodes);
+}

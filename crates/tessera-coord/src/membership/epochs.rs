@@ -375,6 +375,7 @@ impl Membership {
                     prev,
                     max_context,
                     kv_type: self.kv_type,
+                    expert_budget: self.expert_budget_of(node),
                 }),
             ));
         }
@@ -409,6 +410,7 @@ impl Membership {
                         prev: None,
                         max_context,
                         kv_type: self.kv_type,
+                        expert_budget: self.expert_budget_of(&p.node_id),
                     }),
                 ));
                 held.push(Some(x_held));

@@ -99,6 +99,9 @@ pub struct Membership {
     experts: Option<crate::assignment::ExpertSplit>,
     /// KV cache type every stage is assigned.
     kv_type: tessera_model::kv::KvType,
+    /// Bytes of experts each node (by name) keeps in memory, streaming the rest: what the
+    /// coordinator's own plan placed, sent with each assignment.
+    expert_budgets: BTreeMap<String, u64>,
     /// Liveness: the lease and when each connected member was last heard from.
     leases: leases::Leases,
     /// Data links reported lost, as (the stage that reported, the peer it named): plans do
@@ -133,6 +136,18 @@ impl Membership {
 
     pub fn kv_type(&self) -> tessera_model::kv::KvType {
         self.kv_type
+    }
+
+    /// The bytes of experts each named node keeps in memory from the next plan on (the rest
+    /// streamed from its disk), as a plan placed them.
+    pub fn set_expert_budgets(&mut self, budgets: BTreeMap<String, u64>) {
+        self.expert_budgets = budgets;
+    }
+
+    /// The expert budget the plan gave `node`, if any.
+    fn expert_budget_of(&self, node: &NodeId) -> Option<u64> {
+        let name = &self.members.get(node)?.name;
+        self.expert_budgets.get(name).copied()
     }
 
     pub fn expert_split(&self) -> Option<&crate::assignment::ExpertSplit> {

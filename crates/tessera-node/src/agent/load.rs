@@ -141,8 +141,9 @@ pub(super) async fn load_assignment(
     let (needs, header) =
         assignment_needs(&ctx.conn, &ctx.store, &manifest, names, held_experts).await?;
     let weight_bytes = manifest.bytes_for_needs(&needs)?;
+    // The node's own `--expert-budget` first, else the one the coordinator's plan placed.
     let streaming = expert_memory(
-        ctx.expert_budget,
+        ctx.expert_budget.or(a.expert_budget),
         has_experts,
         expert_only,
         ctx.inventory.accepts(weight_bytes),

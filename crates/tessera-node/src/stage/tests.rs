@@ -34,6 +34,7 @@ fn assignment(
         prev: None,
         max_context: 256,
         kv_type: tessera_engine::KvType::default(),
+        expert_budget: None,
     }
 }
 

@@ -53,8 +53,8 @@ pub use graph::{
 };
 pub use model::planner_model;
 pub use placement::{
-    to_assignment, to_expert_placement, to_placement, to_streaming_placement, NotExecutable,
-    NotExpertPlacement, Placement,
+    expert_budgets, to_assignment, to_expert_placement, to_placement, to_streaming_placement,
+    NotExecutable, NotExpertPlacement, Placement,
 };
 
 /// The strategies the fabric executes today.

@@ -3,7 +3,7 @@
 //! its `--experts` placement ([`to_expert_placement`]); [`to_placement`] picks between them and
 //! says why a plan cannot run.
 
-use tessera_plan::{CellKind, Plan, StrategyKind};
+use tessera_plan::{CellKind, ModelProfile, Plan, StrategyKind};
 use tessera_proto::StageSpec;
 
 use crate::assignment::PlanFile;
@@ -74,6 +74,26 @@ pub fn to_placement(
             })
         }
     }
+}
+
+/// The nodes of `plan` that leave experts on disk, each with the bytes of experts the plan keeps
+/// in its memory (every expert it holds less what it leaves on disk): the expert budget each
+/// streams under (`--expert-budget`, or the coordinator's assignment).
+pub fn expert_budgets(model: &ModelProfile, plan: &Plan) -> Vec<(String, u64)> {
+    plan.assignments()
+        .filter(|a| a.memory.disk.0 > 0)
+        .filter_map(|a| {
+            let x = a.experts?;
+            let held: u64 = model
+                .layers
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| x.layers.contains(*i))
+                .map(|(_, l)| l.expert.0 * x.experts.len() as u64)
+                .sum();
+            Some((a.node.clone(), held.saturating_sub(a.memory.disk.0)))
+        })
+        .collect()
 }
 
 /// The placement of a single-node plan of an MoE model that leaves experts on disk: an expert

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tessera_coord::Coordinator;
 use tessera_placement::planning::{
-    node_links, plan_executable, planner_model, resource_graph, to_placement, PeerMeasurement,
+    expert_budgets, node_links, plan_executable, planner_model, resource_graph, to_placement,
+    PeerMeasurement,
 };
 use tessera_plan::{render_text, AutoPlanRecord, Objective, Policy};
 
@@ -206,8 +207,14 @@ pub async fn run(
         .with_context(|| format!("writing {}", path.display()))?;
     let cfg = &model.config;
     let placement = to_placement(&record.outcome.plan, cfg.n_layer, cfg.n_expert)?;
-    // The split first: the epoch the stages start places it.
+    // The split and the nodes' expert budgets first: the epoch the stages start places them.
     c.set_expert_split(placement.experts.clone()).await;
+    c.set_expert_budgets(
+        expert_budgets(&planner, &record.outcome.plan)
+            .into_iter()
+            .collect(),
+    )
+    .await;
     c.apply_stages(&placement.ring.stages)
         .context("applying the plan")?;
     // The decision as the coordinator's events (a plain line each, or JSON with

@@ -50,8 +50,9 @@ pub struct NodeArgs {
     /// Most memory this node commits to work, e.g. `6GiB` or `80%` (default: available RAM).
     #[arg(long)]
     memory_budget: Option<String>,
-    /// Stream the assigned experts (MoE) from disk, keeping at most this much of them in
-    /// memory, e.g. `200MiB` (default: only when they exceed the memory budget).
+    /// Stream the assigned experts (MoE: an expert split's or a ring stage's) from disk, keeping
+    /// at most this much of them in memory, e.g. `200MiB` (default: what the coordinator's plan
+    /// placed, else only when they exceed the memory budget, keeping half of it).
     #[arg(long)]
     expert_budget: Option<String>,
     /// Finished sequences' KV caches each stage keeps for requests that begin with the same

@@ -113,3 +113,30 @@ fn a_plan_on_a_disconnected_node_fails_at_once() {
     });
     assert!(matches!(acts.last(), Some(Action::EpochFailed { .. })));
 }
+
+#[test]
+fn each_assignment_carries_the_expert_budget_the_plan_gave_its_node() {
+    let mut m = Membership::new();
+    let (a, b) = (member(1), member(2));
+    m.handle(Event::Joined(Box::new(a.clone())));
+    m.handle(Event::Joined(Box::new(b.clone())));
+    // The plan streams experts on n1 (by name) only.
+    m.set_expert_budgets([(a.name.clone(), 123 << 20)].into_iter().collect());
+    let acts = m.handle(Event::Plan {
+        model: MODEL,
+        stages: vec![(a.node_id, 0..3), (b.node_id, 3..5)],
+        n_layer: 5,
+        max_context: 128,
+    });
+    let budgets: Vec<(NodeId, Option<u64>)> = sends(&acts)
+        .into_iter()
+        .filter_map(|(to, msg)| match msg {
+            CoordToNode::Assign(x) => Some((to, x.expert_budget)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        budgets,
+        vec![(a.node_id, Some(123 << 20)), (b.node_id, None)]
+    );
+}

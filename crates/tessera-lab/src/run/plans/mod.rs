@@ -6,7 +6,7 @@ mod error;
 
 pub use error::{CandidatesError, SplitSyntax};
 
-use tessera_placement::planning::{plan_executable, to_placement, Placement};
+use tessera_placement::planning::{expert_budgets, plan_executable, to_placement, Placement};
 use tessera_plan::plan::{ExpertSlice, LayerRange};
 use tessera_plan::{
     predict, CellKind, ModelProfile, Plan, PlanOutcome, ResourceGraph, StrategyKind,
@@ -43,7 +43,7 @@ impl Candidate {
         let n_layer = model.n_layers();
         let placement = to_placement(&plan, n_layer, n_expert).map_err(|e| e.to_string());
         let streams = if placement.is_ok() {
-            streamed_budgets(model, &plan)
+            expert_budgets(model, &plan)
         } else {
             Vec::new()
         };
@@ -54,25 +54,6 @@ impl Candidate {
             streams,
         }
     }
-}
-
-/// The nodes of a plan that leave experts on disk, each with the bytes of experts the plan
-/// keeps in its memory: every expert it holds less what it leaves on disk.
-fn streamed_budgets(model: &ModelProfile, plan: &Plan) -> Vec<(String, u64)> {
-    plan.assignments()
-        .filter(|a| a.memory.disk.0 > 0)
-        .filter_map(|a| {
-            let x = a.experts?;
-            let experts: u64 = model
-                .layers
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| x.layers.contains(*i))
-                .map(|(_, l)| l.expert.0 * x.experts.len() as u64)
-                .sum();
-            Some((a.node.clone(), experts.saturating_sub(a.memory.disk.0)))
-        })
-        .collect()
 }
 
 /// The plans a run measures, the planner's choice first. A runner-up is the planner's best plan

@@ -40,6 +40,7 @@ fn stage(epoch: u64, prev: u8) -> StageAssignment {
         prev: Some(peer(prev)),
         max_context: 64,
         kv_type: Default::default(),
+        expert_budget: None,
     }
 }
 
