@@ -99,6 +99,29 @@ fn streamed_experts_on_a_node_match_one_process_deepseek2() {
     streamed_experts_match_one_process("test/tiny-deepseek2-Q8_0.gguf");
 }
 
+/// `tessera run --json` greedily on `stages`: `steps` tokens after `prompt`, prefilled `chunk` at
+/// a time; its messages.
+fn greedy(
+    c: &ExpertCluster,
+    stages: &[(&str, std::ops::Range<usize>)],
+    prompt: &str,
+    steps: usize,
+    chunk: usize,
+) -> Vec<serde_json::Value> {
+    let (steps, chunk) = (steps.to_string(), chunk.to_string());
+    let args = [
+        "-p",
+        prompt,
+        "-n",
+        &steps,
+        "--temperature",
+        "0",
+        "--prefill-chunk",
+        &chunk,
+    ];
+    c.run_json(stages, &args)
+}
+
 fn streamed_experts_match_one_process(name: &str) {
     let path = model(name);
     let g = GgufFile::open(&path).unwrap();
@@ -131,19 +154,7 @@ fn streamed_experts_match_one_process(name: &str) {
     let (b_before, _) = rss(b_pid).expect("node b runs");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sampler = sample_rss(b_pid, stop.clone());
-    let msgs = c.run_json(
-        &[("a", 0..l)],
-        &[
-            "-p",
-            prompt_text,
-            "-n",
-            &steps.to_string(),
-            "--temperature",
-            "0",
-            "--prefill-chunk",
-            &chunk.to_string(),
-        ],
-    );
+    let msgs = greedy(&c, &[("a", 0..l)], prompt_text, steps, chunk);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (b_anon_peak, b_file_peak, samples) = sampler.join().unwrap();
     assert_eq!(tokens_of(&msgs), want, "streamed experts: tokens");
@@ -243,18 +254,12 @@ fn ring_stages_stream_their_own_experts_under_an_expert_budget() {
     for node in ["a", "b"] {
         c.add_node(node, &["--expert-budget".into(), budget.to_string()]);
     }
-    let msgs = c.run_json(
+    let msgs = greedy(
+        &c,
         &[("a", 0..l / 2), ("b", l / 2..l)],
-        &[
-            "-p",
-            prompt_text,
-            "-n",
-            &steps.to_string(),
-            "--temperature",
-            "0",
-            "--prefill-chunk",
-            &chunk.to_string(),
-        ],
+        prompt_text,
+        steps,
+        chunk,
     );
     assert_eq!(tokens_of(&msgs), want, "ring stages streaming: tokens");
     let report = report_of(&msgs);
