@@ -71,19 +71,18 @@ pub(super) unsafe fn iq4xs_group_avx2(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_avx2<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
-    let nb = a.cols / 256;
     let m4 = _mm256_set1_epi8(0x0F);
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
-    // t..t+T.
+    // t..t+T; features enabled.
     unsafe {
         let tbl =
             _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
-        for h in 0..2 {
-            let mut acc = [[_mm256_setzero_ps(); 8]; T];
-            for b in 0..nb {
-                let blk = w.add(b * X16);
-                let ys: [*const i8; T] =
-                    std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
+        tile_body_avx2::<T, _>(
+            w,
+            a,
+            t,
+            out,
+            |_, blk, h| {
                 // Signed 6-bit scales (one per row) as (s, s) i16 pairs per i32 lane.
                 let sc: [__m256i; 8] = std::array::from_fn(|s| {
                     let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -94,6 +93,51 @@ unsafe fn tile_avx2<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, o
                         _mm256_slli_epi32(v, 16),
                     )
                 });
+                (blk, sc)
+            },
+            |&(blk, sc), h, k, s| {
+                let v =
+                    _mm256_loadu_si256(blk.add(QS + 256 * s + 64 * k + 32 * h) as *const __m256i);
+                let lo = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, m4));
+                let hi = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+                [lo, hi, _mm256_abs_epi8(lo), _mm256_abs_epi8(hi), sc[s]]
+            },
+        )
+    }
+}
+
+/// The tile loop both AVX2 prefill tiles share (this file's, which unpacks the weights as it
+/// goes, and `iq4xs_prep`'s, which reads them unpacked once per call): `T` tokens, lane pair
+/// by lane pair (lane `k` takes the low nibbles of each sub-block's 4-byte run `k`, lane `4 +
+/// k` the high ones), each lane's 8 sub-blocks summed in registers, `pmaddwd` with the
+/// sub-block scale as an `(s, s)` i16 pair per row adding each product pair into an exact i32,
+/// and the scalar kernel's float steps, each lane's in block order. Per row half `h` and block
+/// `b` (its bytes `blk`) `block(b, blk, h)` gives what `sub(.., h, k, s)` reads: the values of
+/// the sub-block `s`'s run `k` (low and high nibbles), their magnitudes and the scales.
+///
+/// # Safety
+/// `w` holds `cols / 256` blocks of 16 rows, `a` tokens `t..t + T`, `out` `T · 16` floats;
+/// AVX2, FMA and F16C enabled.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+pub(super) unsafe fn tile_body_avx2<const T: usize, B>(
+    w: *const u8,
+    a: &QuantizedActs,
+    t: usize,
+    out: *mut f32,
+    mut block: impl FnMut(usize, *const u8, usize) -> B,
+    mut sub: impl FnMut(&B, usize, usize, usize) -> [__m256i; 5],
+) {
+    let nb = a.cols / 256;
+    // SAFETY: as the caller promises.
+    unsafe {
+        for h in 0..2 {
+            let mut acc = [[_mm256_setzero_ps(); 8]; T];
+            for b in 0..nb {
+                let blk = w.add(b * X16);
+                let src = block(b, blk, h);
+                let ys: [*const i8; T] =
+                    std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
                 let d: [__m256; T] = std::array::from_fn(|j| {
                     _mm256_mul_ps(d, _mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)))
@@ -102,13 +146,7 @@ unsafe fn tile_avx2<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, o
                     let mut lo_sum = [_mm256_setzero_si256(); T];
                     let mut hi_sum = [_mm256_setzero_si256(); T];
                     for s in 0..8 {
-                        let v = _mm256_loadu_si256(
-                            blk.add(QS + 256 * s + 64 * k + 32 * h) as *const __m256i
-                        );
-                        let lo = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, m4));
-                        let hi =
-                            _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-                        let (alo, ahi) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
+                        let [lo, hi, alo, ahi, sc] = sub(&src, h, k, s);
                         for j in 0..T {
                             let yw = |o: usize| {
                                 _mm256_set1_epi32((ys[j].add(o) as *const i32).read_unaligned())
@@ -119,8 +157,8 @@ unsafe fn tile_avx2<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, o
                                 ahi,
                                 _mm256_sign_epi8(yw(32 * s + 16 + 4 * k), hi),
                             );
-                            lo_sum[j] = _mm256_add_epi32(lo_sum[j], _mm256_madd_epi16(pl, sc[s]));
-                            hi_sum[j] = _mm256_add_epi32(hi_sum[j], _mm256_madd_epi16(ph, sc[s]));
+                            lo_sum[j] = _mm256_add_epi32(lo_sum[j], _mm256_madd_epi16(pl, sc));
+                            hi_sum[j] = _mm256_add_epi32(hi_sum[j], _mm256_madd_epi16(ph, sc));
                         }
                     }
                     for j in 0..T {
@@ -243,26 +281,63 @@ pub(super) unsafe fn iq4xs_group_avx512(
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile_avx512<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
-    let nb = a.cols / 256;
     // SAFETY: the caller checked that w holds nb blocks of 16 rows and acts hold tokens
     // t..t+T; AVX-512 enabled.
     unsafe {
         let m4 = _mm512_set1_epi8(0x0F);
-        let zero = _mm512_setzero_si512();
         let tbl = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
+        tile_body_512::<T, _>(
+            w,
+            a,
+            t,
+            out,
+            |_, blk| {
+                // Signed 6-bit scales (one per row) as (s, s) i16 pairs per i32 lane.
+                let sc: [__m512i; 8] = std::array::from_fn(|s| {
+                    let v = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        blk.add(SCALES + GROUP * s) as *const __m128i
+                    ));
+                    let v = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF));
+                    _mm512_or_si512(v, _mm512_slli_epi32(v, 16))
+                });
+                (blk, sc)
+            },
+            |&(blk, sc), k, s| {
+                let v = _mm512_loadu_si512(blk.add(QS + 256 * s + 64 * k) as *const _);
+                let lo = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, m4));
+                let hi = _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+                [lo, hi, _mm512_abs_epi8(lo), _mm512_abs_epi8(hi), sc[s]]
+            },
+        )
+    }
+}
+
+/// [`tile_body_avx2`] on AVX-512, all 16 rows at once: `block(b, blk)` and `sub(.., k, s)` as
+/// there, the activations' signs applied by masked subtraction and the products added by VNNI
+/// `vpdpwssd` (the same exact i32 sums).
+///
+/// # Safety
+/// As [`tile_body_avx2`], with AVX-512 F/BW/VL and VNNI enabled.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+pub(super) unsafe fn tile_body_512<const T: usize, B>(
+    w: *const u8,
+    a: &QuantizedActs,
+    t: usize,
+    out: *mut f32,
+    mut block: impl FnMut(usize, *const u8) -> B,
+    mut sub: impl FnMut(&B, usize, usize) -> [__m512i; 5],
+) {
+    let nb = a.cols / 256;
+    // SAFETY: as the caller promises.
+    unsafe {
+        let zero = _mm512_setzero_si512();
         let mut acc = [[_mm512_setzero_ps(); 8]; T];
         for b in 0..nb {
             let blk = w.add(b * X16);
+            let src = block(b, blk);
             let ys: [*const i8; T] =
                 std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
-            // Signed 6-bit scales (one per row) as (s, s) i16 pairs per i32 lane.
-            let sc: [__m512i; 8] = std::array::from_fn(|s| {
-                let v = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    blk.add(SCALES + GROUP * s) as *const __m128i
-                ));
-                let v = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF));
-                _mm512_or_si512(v, _mm512_slli_epi32(v, 16))
-            });
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
             let d: [__m512; T] = std::array::from_fn(|j| {
                 _mm512_mul_ps(d, _mm512_set1_ps(*a.f.get_unchecked((t + j) * nb + b)))
@@ -270,12 +345,8 @@ unsafe fn tile_avx512<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize,
             for k in 0..4 {
                 let mut lo_sum = [zero; T];
                 let mut hi_sum = [zero; T];
-                for (s, &sc) in sc.iter().enumerate() {
-                    let v = _mm512_loadu_si512(blk.add(QS + 256 * s + 64 * k) as *const _);
-                    let lo = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, m4));
-                    let hi =
-                        _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-                    let (alo, ahi) = (_mm512_abs_epi8(lo), _mm512_abs_epi8(hi));
+                for s in 0..8 {
+                    let [lo, hi, alo, ahi, sc] = sub(&src, k, s);
                     let (nlo, nhi) = (_mm512_movepi8_mask(lo), _mm512_movepi8_mask(hi));
                     for j in 0..T {
                         let yw = |o: usize| {

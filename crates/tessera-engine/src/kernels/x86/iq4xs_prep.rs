@@ -10,7 +10,7 @@ use super::super::iq4xs::{QS, SCALES, X16};
 use super::super::lut4::KVALUES_IQ4NL;
 use super::super::matrix::GROUP;
 use super::super::quant_acts::QuantizedActs;
-use super::iq4xs::{TILE, TILE_512};
+use super::iq4xs::{tile_body_512, tile_body_avx2, TILE, TILE_512};
 
 thread_local! {
     /// Each pool thread's buffer of a group's unpacked weights ([`prepare`]).
@@ -119,54 +119,26 @@ unsafe fn tile_prepared<const T: usize>(
     t: usize,
     out: *mut f32,
 ) {
-    let nb = a.cols / 256;
     // SAFETY: the caller checked that w holds nb blocks of 16 rows, prep their prepared
-    // vectors and acts hold tokens t..t+T.
+    // vectors and acts hold tokens t..t+T; features enabled.
     unsafe {
-        for h in 0..2 {
-            let mut acc = [[_mm256_setzero_ps(); 8]; T];
-            for b in 0..nb {
-                let blk = w.add(b * X16);
-                let at = prep.add(prep_at(b, h));
-                let ys: [*const i8; T] =
-                    std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
-                let d: [__m256; T] = std::array::from_fn(|j| {
-                    _mm256_mul_ps(d, _mm256_set1_ps(*a.f.get_unchecked((t + j) * nb + b)))
-                });
-                for k in 0..4 {
-                    let mut lo_sum = [_mm256_setzero_si256(); T];
-                    let mut hi_sum = [_mm256_setzero_si256(); T];
-                    for s in 0..8 {
-                        let o = at.add(4 * (8 * k + s));
-                        let (lo, hi) = (o.read_unaligned(), o.add(1).read_unaligned());
-                        let (alo, ahi) = (o.add(2).read_unaligned(), o.add(3).read_unaligned());
-                        let sc = at.add(128 + s).read_unaligned();
-                        for j in 0..T {
-                            let yw = |o: usize| {
-                                _mm256_set1_epi32((ys[j].add(o) as *const i32).read_unaligned())
-                            };
-                            let pl =
-                                _mm256_maddubs_epi16(alo, _mm256_sign_epi8(yw(32 * s + 4 * k), lo));
-                            let ph = _mm256_maddubs_epi16(
-                                ahi,
-                                _mm256_sign_epi8(yw(32 * s + 16 + 4 * k), hi),
-                            );
-                            lo_sum[j] = _mm256_add_epi32(lo_sum[j], _mm256_madd_epi16(pl, sc));
-                            hi_sum[j] = _mm256_add_epi32(hi_sum[j], _mm256_madd_epi16(ph, sc));
-                        }
-                    }
-                    for j in 0..T {
-                        acc[j][k] = _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(lo_sum[j]), acc[j][k]);
-                        acc[j][4 + k] =
-                            _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(hi_sum[j]), acc[j][4 + k]);
-                    }
-                }
-            }
-            for (j, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(j * GROUP + 8 * h), lanes_sum!(_mm256_add_ps, acc));
-            }
-        }
+        tile_body_avx2::<T, _>(
+            w,
+            a,
+            t,
+            out,
+            |b, _, h| prep.add(prep_at(b, h)),
+            |&at, _, k, s| {
+                let o = at.add(4 * (8 * k + s));
+                [
+                    o.read_unaligned(),
+                    o.add(1).read_unaligned(),
+                    o.add(2).read_unaligned(),
+                    o.add(3).read_unaligned(),
+                    at.add(128 + s).read_unaligned(),
+                ]
+            },
+        )
     }
 }
 
@@ -272,51 +244,25 @@ unsafe fn tile_512<const T: usize>(
     t: usize,
     out: *mut f32,
 ) {
-    let nb = a.cols / 256;
     // SAFETY: the caller checked that w holds nb blocks of 16 rows, prep their prepared
     // vectors and acts hold tokens t..t+T; AVX-512 enabled.
     unsafe {
-        let zero = _mm512_setzero_si512();
-        let mut acc = [[_mm512_setzero_ps(); 8]; T];
-        for b in 0..nb {
-            let blk = w.add(b * X16);
-            let at = prep.add(b * PREP_512_VECS);
-            let ys: [*const i8; T] =
-                std::array::from_fn(|j| a.qs.as_ptr().add((t + j) * a.cols + b * 256));
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-            let d: [__m512; T] = std::array::from_fn(|j| {
-                _mm512_mul_ps(d, _mm512_set1_ps(*a.f.get_unchecked((t + j) * nb + b)))
-            });
-            for k in 0..4 {
-                let mut lo_sum = [zero; T];
-                let mut hi_sum = [zero; T];
-                for s in 0..8 {
-                    let o = at.add(4 * (8 * k + s));
-                    let (lo, hi) = (o.read_unaligned(), o.add(1).read_unaligned());
-                    let (alo, ahi) = (o.add(2).read_unaligned(), o.add(3).read_unaligned());
-                    let sc = at.add(128 + s).read_unaligned();
-                    let (nlo, nhi) = (_mm512_movepi8_mask(lo), _mm512_movepi8_mask(hi));
-                    for j in 0..T {
-                        let yw = |o: usize| {
-                            _mm512_set1_epi32((ys[j].add(o) as *const i32).read_unaligned())
-                        };
-                        let yl = yw(32 * s + 4 * k);
-                        let yh = yw(32 * s + 16 + 4 * k);
-                        let pl = _mm512_maddubs_epi16(alo, _mm512_mask_sub_epi8(yl, nlo, zero, yl));
-                        let ph = _mm512_maddubs_epi16(ahi, _mm512_mask_sub_epi8(yh, nhi, zero, yh));
-                        lo_sum[j] = _mm512_dpwssd_epi32(lo_sum[j], pl, sc);
-                        hi_sum[j] = _mm512_dpwssd_epi32(hi_sum[j], ph, sc);
-                    }
-                }
-                for j in 0..T {
-                    acc[j][k] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(lo_sum[j]), acc[j][k]);
-                    acc[j][4 + k] =
-                        _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(hi_sum[j]), acc[j][4 + k]);
-                }
-            }
-        }
-        for (j, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.add(j * GROUP), lanes_sum!(_mm512_add_ps, acc));
-        }
+        tile_body_512::<T, _>(
+            w,
+            a,
+            t,
+            out,
+            |b, _| prep.add(b * PREP_512_VECS),
+            |&at, k, s| {
+                let o = at.add(4 * (8 * k + s));
+                [
+                    o.read_unaligned(),
+                    o.add(1).read_unaligned(),
+                    o.add(2).read_unaligned(),
+                    o.add(3).read_unaligned(),
+                    at.add(128 + s).read_unaligned(),
+                ]
+            },
+        )
     }
 }
