@@ -53,6 +53,27 @@ pub(super) unsafe fn avx2_tiles(
 /// and 8 scale vectors.
 const PREP_VECS: usize = 2 * (4 * 32 + 8);
 
+/// The prepared vectors of sub-block `s`'s run `k` from a block's (or row half's) first one
+/// `at`: its low and high nibble values, their magnitudes, and the sub-block's scales (the
+/// order [`prepare`] and [`prepare_512`] write them in).
+///
+/// # Safety
+/// `at` must point at a block's prepared vectors.
+#[inline(always)]
+unsafe fn sub_block<V: Copy>(at: *const V, k: usize, s: usize) -> [V; 5] {
+    // SAFETY: within the block's vectors (caller).
+    unsafe {
+        let o = at.add(4 * (8 * k + s));
+        [
+            o.read_unaligned(),
+            o.add(1).read_unaligned(),
+            o.add(2).read_unaligned(),
+            o.add(3).read_unaligned(),
+            at.add(128 + s).read_unaligned(),
+        ]
+    }
+}
+
 /// Where row half `h` of block `b` starts in the prepared vectors.
 #[inline(always)]
 fn prep_at(b: usize, h: usize) -> usize {
@@ -128,16 +149,7 @@ unsafe fn tile_prepared<const T: usize>(
             t,
             out,
             |b, _, h| prep.add(prep_at(b, h)),
-            |&at, _, k, s| {
-                let o = at.add(4 * (8 * k + s));
-                [
-                    o.read_unaligned(),
-                    o.add(1).read_unaligned(),
-                    o.add(2).read_unaligned(),
-                    o.add(3).read_unaligned(),
-                    at.add(128 + s).read_unaligned(),
-                ]
-            },
+            |&at, _, k, s| sub_block(at, k, s),
         )
     }
 }
@@ -253,16 +265,7 @@ unsafe fn tile_512<const T: usize>(
             t,
             out,
             |b, _| prep.add(b * PREP_512_VECS),
-            |&at, k, s| {
-                let o = at.add(4 * (8 * k + s));
-                [
-                    o.read_unaligned(),
-                    o.add(1).read_unaligned(),
-                    o.add(2).read_unaligned(),
-                    o.add(3).read_unaligned(),
-                    at.add(128 + s).read_unaligned(),
-                ]
-            },
+            |&at, k, s| sub_block(at, k, s),
         )
     }
 }
