@@ -248,29 +248,6 @@ pub(super) struct Pass {
     pub(super) stage_times: Vec<f64>,
 }
 
-/// A ring's stages decoding a token one after another: while the token is on the other stages
-/// and the links (`hops`), a stage that streams experts reads ahead of the next token (its cache
-/// prefetches the experts the last tokens chose), so its reads are exposed only past that idle
-/// time. Measured in the lab (3 eMMC boards at 300 MB/s, a ring whose stages stream): a stage
-/// reading 2.5 MiB a token (8.7 ms at its disk's rate) waited 1.3 ms for reads a token, the
-/// others' stages and hops taking ~7 ms; priced as if every read waited, the ring was predicted
-/// at 60 tok/s where it ran at 108. `disk_s` becomes the exposed part.
-fn hide_disk_reads_while_idle(terms: &mut [Terms], hops: f64) {
-    if terms.len() < 2 {
-        return;
-    }
-    let busy: Vec<f64> = terms
-        .iter()
-        .map(|t| (t.total_s - t.disk_s).max(0.0))
-        .collect();
-    let all: f64 = busy.iter().sum::<f64>() + hops;
-    for (t, own) in terms.iter_mut().zip(&busy) {
-        let hidden = t.disk_s.min(all - own);
-        t.total_s = (t.total_s - hidden).max(t.compute_s);
-        t.disk_s -= hidden;
-    }
-}
-
 pub(super) fn pass(
     ctx: &Ctx,
     kind: CellKind,
@@ -303,7 +280,9 @@ pub(super) fn pass(
     match kind {
         CellKind::Single => stage(&mut out, &a[0].node, "layers", mode.run(&pl[0]).total()),
         CellKind::Stage => {
-            let mut terms: Vec<Terms> = pl.iter().map(|p| mode.run(p).total()).collect();
+            for (i, p) in pl.iter().enumerate() {
+                stage(&mut out, &a[i].node, "layers", mode.run(p).total());
+            }
             let s = a.len();
             for i in 0..s {
                 let j = (i + 1) % s;
@@ -327,13 +306,6 @@ pub(super) fn pass(
                     wire_bytes_per_token: bytes / n,
                     terms: t,
                 });
-            }
-            if matches!(mode, Mode::Decode { .. }) {
-                let hops: f64 = out.hops.iter().map(|h| h.terms.total_s).sum();
-                hide_disk_reads_while_idle(&mut terms, hops);
-            }
-            for (i, t) in terms.into_iter().enumerate() {
-                stage(&mut out, &a[i].node, "layers", t);
             }
         }
         CellKind::Expert => {
@@ -531,37 +503,5 @@ mod tests {
         let one = p.step(1.0, 256.0).total().total_s;
         let eight = p.step(8.0, 256.0).total().total_s;
         assert!(eight > one && eight < 8.0 * one, "{one} {eight}");
-    }
-
-    fn ring_stage(compute: f64, disk: f64) -> Terms {
-        Terms {
-            compute_s: compute,
-            disk_s: disk,
-            total_s: compute + disk,
-            ..Terms::default()
-        }
-    }
-
-    #[test]
-    fn a_ring_stage_reads_ahead_while_the_token_is_elsewhere() {
-        // Stage 0 reads 8 ms a token; the others compute 3 ms each, the hops take 1 ms: 7 ms
-        // of its reads fall in that idle time, 1 ms is exposed.
-        let mut t = [
-            ring_stage(2e-3, 8e-3),
-            ring_stage(3e-3, 0.0),
-            ring_stage(3e-3, 0.0),
-        ];
-        hide_disk_reads_while_idle(&mut t, 1e-3);
-        assert!((t[0].disk_s - 1e-3).abs() < 1e-12, "{t:?}");
-        assert!((t[0].total_s - 3e-3).abs() < 1e-12, "{t:?}");
-        assert_eq!((t[1].total_s, t[2].total_s), (3e-3, 3e-3));
-        // Reads shorter than the idle time hide entirely; never below the stage's compute.
-        let mut t = [ring_stage(2e-3, 1e-3), ring_stage(5e-3, 0.0)];
-        hide_disk_reads_while_idle(&mut t, 0.0);
-        assert_eq!((t[0].disk_s, t[0].total_s), (0.0, 2e-3));
-        // One node alone has no idle time: its reads stay.
-        let mut t = [ring_stage(2e-3, 8e-3)];
-        hide_disk_reads_while_idle(&mut t, 0.0);
-        assert_eq!(t[0].total_s, 10e-3);
     }
 }
