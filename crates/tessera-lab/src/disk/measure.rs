@@ -172,6 +172,54 @@ pub fn direct_reads<G>(
     })
 }
 
+/// The rate of one burst of `bytes` of sequential 1 MiB `O_DIRECT` reads (4 in flight) over
+/// `file` after `idle` without reads, from a thread that first calls `enter`: what a reader
+/// that reads now and then (a ring stage streaming experts) gets, where [`direct_reads`]
+/// measures a reader that never stops.
+pub fn burst_after_idle<G>(
+    file: &TestFile,
+    bytes: u64,
+    idle: Duration,
+    enter: &(dyn Fn() -> std::io::Result<G> + Sync),
+) -> std::io::Result<f64> {
+    let block = 1usize << 20;
+    let reads = (bytes / block as u64).max(1);
+    let next = AtomicU64::new(0);
+    std::thread::sleep(idle);
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                let next = &next;
+                s.spawn(move || -> std::io::Result<()> {
+                    let _guard = enter()?;
+                    let f = std::fs::OpenOptions::new()
+                        .read(true)
+                        .custom_flags(libc::O_DIRECT)
+                        .open(&file.path)?;
+                    let mut raw = vec![0u8; block + ALIGN];
+                    let skew = raw.as_ptr().align_offset(ALIGN);
+                    let buf = &mut raw[skew..skew + block];
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= reads {
+                            return Ok(());
+                        }
+                        let at = (i * block as u64) % file.len.max(block as u64);
+                        f.read_exact_at(buf, at)?;
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join()
+                .map_err(|_| std::io::Error::other("a reader panicked"))??;
+        }
+        Ok::<(), std::io::Error>(())
+    })?;
+    Ok((reads * block as u64) as f64 / t0.elapsed().as_secs_f64())
+}
+
 /// Whether a host's page cache is held to its memory cap: files read twice through the page
 /// cache, counting what each pass fetched from the disk.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
