@@ -555,16 +555,17 @@ fn serve_without_ctx_chooses_the_largest_context_the_budgets_hold() {
 
 /// Two nodes whose budgets hold a qwen3moe model neither alone nor as a ring of whole layers
 /// in memory, with this machine's fast disks: the coordinator's plan streams experts from
-/// disk, and each node that streams is told by its assignment how many bytes of experts the
-/// plan keeps in its memory (its expert cache reports that budget), and the cluster generates
-/// what one process does.
+/// disk (one node, run as a split homed on it, or a ring whose stages stream: whichever the
+/// planner prices faster here), each node that streams is told by its assignment how many
+/// bytes of experts the plan keeps in its memory (its expert cache reports that budget), and
+/// the cluster generates what one process does.
 #[test]
 fn plan_auto_tells_each_streaming_node_its_planned_expert_budget() {
     let path = model("test/small-qwen3moe-Q8_0.gguf");
     let g = GgufFile::open(&path).unwrap();
     let cfg = ModelConfig::from_gguf(&g).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let budgets = [("a", 3u64 << 20), ("b", 3u64 << 20)];
+    let budgets = [("a", 7u64 << 19), ("b", 7u64 << 19)];
     let (mut coordinator, join, operator) =
         auto_coordinator_with(dir.path(), &path, budgets.len(), &[]);
     let nodes: Vec<Proc> = budgets
@@ -579,13 +580,16 @@ fn plan_auto_tells_each_streaming_node_its_planned_expert_budget() {
         serde_json::from_slice(&std::fs::read(dir.path().join("coord/plan-auto.json")).unwrap())
             .unwrap();
     let plan = &doc["outcome"]["plan"];
-    assert_eq!(plan["strategy"], "stage", "{plan}");
     // What the plan keeps in each streaming node's memory, as the coordinator computed it.
     let record: tessera_plan::AutoPlanRecord = serde_json::from_value(doc.clone()).unwrap();
     let profile = tessera_model::ModelProfile::from_gguf(&g).unwrap();
     let planner =
         tessera_placement::planning::planner_model(&profile, Default::default(), "m").unwrap();
     let want_budgets = tessera_placement::planning::expert_budgets(&planner, &record.outcome.plan);
+    eprintln!(
+        "plan auto: {ring}; expert budgets {want_budgets:?}; notes {}",
+        doc["outcome"]["explanation"]["notes"]
+    );
     assert!(!want_budgets.is_empty(), "the plan streams nothing: {plan}");
     assert!(want_budgets.iter().all(|(_, b)| *b > 0), "{want_budgets:?}");
 
