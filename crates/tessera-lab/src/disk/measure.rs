@@ -110,6 +110,37 @@ fn drop_cache(f: &File) {
     }
 }
 
+/// One thread's `O_DIRECT` reads of `block` bytes into an aligned buffer.
+struct DirectReader {
+    file: File,
+    raw: Vec<u8>,
+    skew: usize,
+    block: usize,
+}
+
+impl DirectReader {
+    fn open(path: &Path, block: usize) -> std::io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)?;
+        let raw = vec![0u8; block + ALIGN];
+        let skew = raw.as_ptr().align_offset(ALIGN);
+        Ok(Self {
+            file,
+            raw,
+            skew,
+            block,
+        })
+    }
+
+    /// Reads `block` bytes at `at` (a multiple of the alignment).
+    fn read_at(&mut self, at: u64) -> std::io::Result<()> {
+        let buf = &mut self.raw[self.skew..self.skew + self.block];
+        self.file.read_exact_at(buf, at)
+    }
+}
+
 /// `load` of random aligned `O_DIRECT` reads over `file`, each thread first calling `enter`
 /// (joining the host's cgroup; its guard is dropped when the thread ends).
 pub fn direct_reads<G>(
@@ -127,20 +158,14 @@ pub fn direct_reads<G>(
                 let (bytes, ops, stop) = (&bytes, &ops, &stop);
                 s.spawn(move || -> std::io::Result<()> {
                     let _guard = enter()?;
-                    let f = std::fs::OpenOptions::new()
-                        .read(true)
-                        .custom_flags(libc::O_DIRECT)
-                        .open(&file.path)?;
-                    let mut raw = vec![0u8; load.block + ALIGN];
-                    let skew = raw.as_ptr().align_offset(ALIGN);
-                    let buf = &mut raw[skew..skew + load.block];
+                    let mut reader = DirectReader::open(&file.path, load.block)?;
                     let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (t as u64 + 1);
                     while !stop.load(Ordering::Relaxed) {
                         x ^= x << 13;
                         x ^= x >> 7;
                         x ^= x << 17;
                         let at = (x % blocks) * load.block as u64;
-                        f.read_exact_at(buf, at)?;
+                        reader.read_at(at)?;
                         bytes.fetch_add(load.block as u64, Ordering::Relaxed);
                         ops.fetch_add(1, Ordering::Relaxed);
                     }
@@ -172,8 +197,9 @@ pub fn direct_reads<G>(
     })
 }
 
-/// The rate of one burst of `bytes` of sequential 1 MiB `O_DIRECT` reads (4 in flight) over
-/// `file` after `idle` without reads, from a thread that first calls `enter`: what a reader
+/// The rate of one burst of `bytes` of sequential `O_DIRECT` reads over
+/// `file` after `idle` without reads ([`ReadLoad::bandwidth`]'s size and reads in flight), from
+/// threads that first call `enter`: what a reader
 /// that reads now and then (a ring stage streaming experts) gets, where [`direct_reads`]
 /// measures a reader that never stops.
 pub fn burst_after_idle<G>(
@@ -182,31 +208,25 @@ pub fn burst_after_idle<G>(
     idle: Duration,
     enter: &(dyn Fn() -> std::io::Result<G> + Sync),
 ) -> std::io::Result<f64> {
-    let block = 1usize << 20;
+    let ReadLoad { block, depth, .. } = ReadLoad::bandwidth();
     let reads = (bytes / block as u64).max(1);
     let next = AtomicU64::new(0);
     std::thread::sleep(idle);
     let t0 = Instant::now();
     std::thread::scope(|s| {
-        let workers: Vec<_> = (0..4)
+        let workers: Vec<_> = (0..depth)
             .map(|_| {
                 let next = &next;
                 s.spawn(move || -> std::io::Result<()> {
                     let _guard = enter()?;
-                    let f = std::fs::OpenOptions::new()
-                        .read(true)
-                        .custom_flags(libc::O_DIRECT)
-                        .open(&file.path)?;
-                    let mut raw = vec![0u8; block + ALIGN];
-                    let skew = raw.as_ptr().align_offset(ALIGN);
-                    let buf = &mut raw[skew..skew + block];
+                    let mut reader = DirectReader::open(&file.path, block)?;
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= reads {
                             return Ok(());
                         }
                         let at = (i * block as u64) % file.len.max(block as u64);
-                        f.read_exact_at(buf, at)?;
+                        reader.read_at(at)?;
                     }
                 })
             })
