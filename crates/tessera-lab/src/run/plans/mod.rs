@@ -32,7 +32,8 @@ pub struct Candidate {
     pub role: &'static str,
     /// Its stages (and expert split) on the fabric, or why the fabric cannot execute it.
     pub placement: Result<Placement, String>,
-    /// The nodes that stream experts from their disks (a single node, [`to_streaming_placement`],
+    /// The nodes that stream experts from their disks (a single node,
+    /// [`tessera_placement::planning::to_streaming_placement`],
     /// or a ring's stages), each with the bytes of experts the plan keeps in its memory (its
     /// `--expert-budget`).
     pub streams: Vec<(String, u64)>,
