@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use tessera_linkemu::Impairment;
 
 use crate::cgroup::{Cgroup, Limits};
+use crate::disk::emulated::EmulatedDisk;
 use crate::disk::{BlockDevice, DiskCap, DiskProfile};
 use crate::error::{LabError, Result};
 use crate::netns::Netns;
@@ -35,8 +36,9 @@ pub struct HostSpec {
     pub name: String,
     /// What its cgroup imposes.
     pub limits: Limits,
-    /// The disk it reads at: its cgroup caps reads on the devices holding
-    /// [`LabSpec::disk_paths`].
+    /// The disk it reads at: [`LabSpec::read_dirs`] through a view of its own that takes the
+    /// disk's time for every read ([`crate::disk::emulated`]), and its cgroup's caps on the
+    /// devices holding [`LabSpec::disk_paths`].
     pub disk: Option<DiskProfile>,
 }
 
@@ -78,6 +80,9 @@ pub struct LabSpec {
     /// Where the hosts' data lives (their data directories, the model): a host with a
     /// [`HostSpec::disk`] has its reads capped on each of these paths' disks.
     pub disk_paths: Vec<std::path::PathBuf>,
+    /// Directories the hosts only read (the model's): a host with a [`HostSpec::disk`] sees
+    /// each through its own emulated disk, read-only, at the same path.
+    pub read_dirs: Vec<std::path::PathBuf>,
     /// Shorten every link's delay by the switch's own round trip ([`Lab::switch_floor`]), so
     /// that a round trip measures what was asked for (none can be shorter than the floor).
     pub compensate_switch: bool,
@@ -93,6 +98,7 @@ impl LabSpec {
             mtu: DEFAULT_MTU,
             seed: 1,
             disk_paths: vec![std::env::temp_dir()],
+            read_dirs: Vec::new(),
             compensate_switch: true,
         }
     }
@@ -153,6 +159,8 @@ struct Host {
     ns: Option<Netns>,
     cgroup: Option<Cgroup>,
     disk: Option<DiskProfile>,
+    /// Its views of [`LabSpec::read_dirs`].
+    views: Vec<EmulatedDisk>,
 }
 
 /// A running lab; everything it made is removed when it is dropped.
@@ -207,6 +215,7 @@ impl Lab {
                 ns: Some(ns),
                 cgroup: None,
                 disk: h.disk,
+                views: Vec::new(),
             });
             let ns = lab.hosts[i].ns.as_ref().expect("just made");
             ports.push(crate::tun::create(
@@ -225,6 +234,18 @@ impl Lab {
                 });
             }
             lab.hosts[i].cgroup = Cgroup::create(&name, &limits)?;
+            if let Some(p) = h.disk {
+                for (k, dir) in read_dirs(spec)?.iter().enumerate() {
+                    let at = std::env::temp_dir().join(format!("{name}-disk{k}"));
+                    let view = EmulatedDisk::mount(dir, &at, &p).map_err(|e| {
+                        LabError::io(
+                            format!("mounting {}'s disk view of {}", h.name, dir.display()),
+                            e,
+                        )
+                    })?;
+                    lab.hosts[i].views.push(view);
+                }
+            }
         }
         let switch = Switch::start(ports, Impairment::default(), spec.seed)?;
         lab.switch = Some(switch);
@@ -266,6 +287,23 @@ impl Lab {
     /// Host `i`'s disk profile, if it has one.
     pub fn disk(&self, i: usize) -> Option<DiskProfile> {
         self.hosts[i].disk
+    }
+
+    /// `path` as host `i` reads it: through its emulated disk where `path` lies in one of
+    /// [`LabSpec::read_dirs`] (for this process's own threads; the host's processes see
+    /// the views at the real paths).
+    pub fn through_disk(&self, i: usize, path: &Path) -> std::path::PathBuf {
+        let real = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        self.hosts[i]
+            .views
+            .iter()
+            .find_map(|v| v.through(&real))
+            .unwrap_or_else(|| path.to_path_buf())
+    }
+
+    /// Host `i`'s emulated disks.
+    pub fn views(&self, i: usize) -> &[EmulatedDisk] {
+        &self.hosts[i].views
     }
 
     /// Host `i`'s cgroup, if it has limits.
@@ -323,13 +361,15 @@ impl Lab {
         self.switch.as_ref().expect("a started lab has a switch")
     }
 
-    /// A command that runs `program` on host `i`: in its namespace and cgroup.
+    /// A command that runs `program` on host `i`: in its namespace and cgroup, and in a mount
+    /// namespace of its own where its emulated disks are bound over the real directories.
     pub fn command(&self, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Result<Command> {
         let mut cmd = Command::new(program);
         self.ns(i).prepare(&mut cmd)?;
         if let Some(cg) = &self.hosts[i].cgroup {
             cg.prepare(&mut cmd)?;
         }
+        crate::disk::emulated::bind_in_child(&mut cmd, &self.hosts[i].views)?;
         Ok(cmd)
     }
 
@@ -378,6 +418,7 @@ impl Drop for Lab {
         }
         self.switch = None;
         for h in &mut self.hosts {
+            h.views.clear();
             if let Some(ns) = h.ns.take() {
                 let _ = ns.destroy();
             }
@@ -388,11 +429,33 @@ impl Drop for Lab {
     }
 }
 
+/// [`LabSpec::read_dirs`] as directories, each once.
+fn read_dirs(spec: &LabSpec) -> Result<Vec<std::path::PathBuf>> {
+    let mut out: Vec<std::path::PathBuf> = Vec::new();
+    for d in &spec.read_dirs {
+        let c = d
+            .canonicalize()
+            .map_err(|e| LabError::io(format!("finding {}", d.display()), e))?;
+        if !c.is_dir() {
+            return Err(LabError::Spec(format!(
+                "{} is not a directory",
+                d.display()
+            )));
+        }
+        if !out.contains(&c) {
+            out.push(c);
+        }
+    }
+    Ok(out)
+}
+
 /// What [`clean`] removed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Cleaned {
     pub namespaces: Vec<String>,
     pub cgroups: Vec<String>,
+    /// Emulated disks' mount points.
+    pub views: Vec<String>,
 }
 
 /// Removes the namespaces (killing their processes) and cgroups of labs whose process is gone
@@ -421,6 +484,19 @@ pub fn clean(all: bool) -> Cleaned {
             if !dir.exists() {
                 out.cgroups.push(dir.display().to_string());
             }
+        }
+    }
+    for at in crate::disk::emulated::leftover_views() {
+        let name = at
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        if name.starts_with(PREFIX)
+            && (all || !owner_alive(&name))
+            && crate::disk::emulated::unmount_leftover(&at).is_ok()
+        {
+            out.views.push(at.display().to_string());
         }
     }
     out

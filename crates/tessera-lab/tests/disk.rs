@@ -6,7 +6,7 @@
 //! except under `CI=true`, where the machine is expected to be able to and the test fails.
 
 use tessera_lab::cgroup::Limits;
-use tessera_lab::disk::measure::{page_cache, TestFile};
+use tessera_lab::disk::measure::{inblock_of, page_cache, TestFile};
 use tessera_lab::disk::DiskProfile;
 use tessera_lab::{HostSpec, Lab, LabError, LabSpec};
 
@@ -69,7 +69,7 @@ fn the_page_cache_a_host_fills_is_held_to_its_memory_cap() {
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             c.arg(format!("if={}", f.display()))
                 .args(["of=/dev/null", "bs=1M", "status=none"]);
-            Ok(c)
+            inblock_of(c)
         },
         || cg.page_cache(),
     )
@@ -94,4 +94,70 @@ fn a_labs_links_are_shortened_by_the_switchs_own_round_trip() {
     };
     assert_eq!(lab.switch_floor(), None);
     assert_eq!(lab.switch().compensation(), std::time::Duration::ZERO);
+}
+
+/// Runs `dd` on host `i` over `file` (`O_DIRECT` when `direct`) to its successful end.
+fn dd(lab: &Lab, i: usize, file: &std::path::Path, direct: bool) {
+    let mut c = lab.command(i, "dd").unwrap();
+    c.arg(format!("if={}", file.display()))
+        .args(["of=/dev/null", "bs=1M", "status=none"]);
+    if direct {
+        c.arg("iflag=direct");
+    }
+    let status = c.status().unwrap();
+    assert!(status.success(), "dd on host {i}: {status}");
+}
+
+#[test]
+fn a_host_with_a_disk_reads_its_data_dirs_through_its_own_emulated_disk() {
+    let sd = DiskProfile::named("sd").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let len: u64 = 4 << 20;
+    let file = TestFile::create(&dir.path().join("model"), len).unwrap();
+    let mut spec = LabSpec::new(vec![
+        HostSpec::new("board").disk(sd),
+        HostSpec::new("other").disk(sd),
+        HostSpec::new("free"),
+    ]);
+    spec.read_dirs = vec![dir.path().to_path_buf()];
+    let Some(lab) = lab_or_skip(&spec) else {
+        return;
+    };
+    let served = |i: usize| lab.views(i)[0].stats.bytes();
+    // Each disk host has a view of its own; the host without a disk reads the real file.
+    assert_eq!((lab.views(0).len(), lab.views(1).len()), (1, 1));
+    assert!(lab.views(2).is_empty());
+    // The host's processes read the same path, and every byte comes through its disk and
+    // takes the disk's time at least (the view answers no read before the clock says so).
+    let t = std::time::Instant::now();
+    dd(&lab, 0, &file.path, true);
+    let took = t.elapsed();
+    assert_eq!((served(0), served(1)), (len, 0));
+    let floor = std::time::Duration::from_secs_f64(len as f64 / sd.read_bps as f64);
+    assert!(
+        took >= floor,
+        "{took:?} for {len} bytes at {} B/s",
+        sd.read_bps
+    );
+    // Buffered reads fill the host's own page cache: the second pass is served from it.
+    dd(&lab, 1, &file.path, false);
+    let first = served(1);
+    assert!(first >= len, "{first}");
+    dd(&lab, 1, &file.path, false);
+    assert_eq!(served(1), first);
+    // Neither view saw the free host's reads; this process still sees the real directory.
+    dd(&lab, 2, &file.path, true);
+    assert_eq!((served(0), served(1)), (len, first));
+    assert_eq!(lab.through_disk(2, &file.path), file.path);
+    let view = lab.views(0)[0].mount_point.clone();
+    assert_eq!(
+        lab.through_disk(0, &file.path),
+        view.join("model"),
+        "the lab's own threads reach host 0's disk by its mount point"
+    );
+    drop(lab);
+    assert!(
+        !tessera_lab::disk::emulated::leftover_views().contains(&view),
+        "the view is unmounted with its lab"
+    );
 }

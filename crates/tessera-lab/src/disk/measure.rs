@@ -141,15 +141,15 @@ impl DirectReader {
     }
 }
 
-/// `load` of random aligned `O_DIRECT` reads over `file`, each thread first calling `enter`
-/// (joining the host's cgroup; its guard is dropped when the thread ends).
+/// `load` of random aligned `O_DIRECT` reads over the first `len` bytes of `path`, each thread
+/// first calling `enter` (joining the host's cgroup; its guard is dropped when the thread ends).
 pub fn direct_reads<G>(
-    file: &TestFile,
+    (path, len): (&Path, u64),
     load: &ReadLoad,
     enter: &(dyn Fn() -> std::io::Result<G> + Sync),
 ) -> std::io::Result<Rate> {
     assert!(load.block.is_multiple_of(ALIGN) && load.block > 0 && load.depth > 0);
-    let blocks = (file.len / load.block as u64).max(1);
+    let blocks = (len / load.block as u64).max(1);
     let (bytes, ops) = (AtomicU64::new(0), AtomicU64::new(0));
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -158,7 +158,7 @@ pub fn direct_reads<G>(
                 let (bytes, ops, stop) = (&bytes, &ops, &stop);
                 s.spawn(move || -> std::io::Result<()> {
                     let _guard = enter()?;
-                    let mut reader = DirectReader::open(&file.path, load.block)?;
+                    let mut reader = DirectReader::open(path, load.block)?;
                     let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (t as u64 + 1);
                     while !stop.load(Ordering::Relaxed) {
                         x ^= x << 13;
@@ -197,13 +197,13 @@ pub fn direct_reads<G>(
     })
 }
 
-/// The rate of one burst of `bytes` of sequential `O_DIRECT` reads over
-/// `file` after `idle` without reads ([`ReadLoad::bandwidth`]'s size and reads in flight), from
+/// The rate of one burst of `bytes` of sequential `O_DIRECT` reads over the first `len` bytes
+/// of `path` after `idle` without reads ([`ReadLoad::bandwidth`]'s size and reads in flight), from
 /// threads that first call `enter`: what a reader
 /// that reads now and then (a ring stage streaming experts) gets, where [`direct_reads`]
 /// measures a reader that never stops.
 pub fn burst_after_idle<G>(
-    file: &TestFile,
+    (path, len): (&Path, u64),
     bytes: u64,
     idle: Duration,
     enter: &(dyn Fn() -> std::io::Result<G> + Sync),
@@ -219,13 +219,13 @@ pub fn burst_after_idle<G>(
                 let next = &next;
                 s.spawn(move || -> std::io::Result<()> {
                     let _guard = enter()?;
-                    let mut reader = DirectReader::open(&file.path, block)?;
+                    let mut reader = DirectReader::open(path, block)?;
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= reads {
                             return Ok(());
                         }
-                        let at = (i * block as u64) % file.len.max(block as u64);
+                        let at = (i * block as u64) % len.max(block as u64);
                         reader.read_at(at)?;
                     }
                 })
@@ -273,21 +273,22 @@ impl PageCache {
     }
 }
 
-/// Reads `small` then `large` twice each, buffered, each pass a process made by `reader`
-/// (a command that reads the file it is given, started inside the host); `cached` reads the
-/// host's page cache figure afterwards.
+/// Reads `small` then `large` twice each, buffered, each pass by `fetched` (which runs a
+/// reader of the file it is given inside the host and returns the bytes the pass fetched from
+/// the disk: [`inblock_of`] for a real disk, an emulated disk's own count for a view);
+/// `cached` reads the host's page cache figure afterwards.
 pub fn page_cache(
     memory_cap: u64,
     small: &TestFile,
     large: &TestFile,
-    reader: impl Fn(&Path) -> std::io::Result<Command>,
+    fetched: impl Fn(&Path) -> std::io::Result<u64>,
     cached: impl FnOnce() -> Option<u64>,
 ) -> std::io::Result<PageCache> {
     let twice = |f: &TestFile| -> std::io::Result<Passes> {
         Ok(Passes {
             len: f.len,
-            first: fetched_by(reader(&f.path)?)?,
-            again: fetched_by(reader(&f.path)?)?,
+            first: fetched(&f.path)?,
+            again: fetched(&f.path)?,
         })
     };
     Ok(PageCache {
@@ -298,9 +299,10 @@ pub fn page_cache(
     })
 }
 
-/// Runs `cmd` to its successful end: the bytes it caused to be fetched from storage (its
-/// `ru_inblock`, the kernel's `read_bytes` in 512-byte units, read-ahead included).
-fn fetched_by(mut cmd: Command) -> std::io::Result<u64> {
+/// Runs `cmd` to its successful end: the bytes it caused to be fetched from a block device (its
+/// `ru_inblock`, the kernel's `read_bytes` in 512-byte units, read-ahead included; a FUSE
+/// file's reads are not counted).
+pub fn inblock_of(mut cmd: Command) -> std::io::Result<u64> {
     let child = cmd.spawn()?;
     let pid = child.id() as libc::pid_t;
     let mut status = 0;
@@ -383,7 +385,7 @@ mod tests {
             warmup: Duration::from_millis(10),
             span: Duration::from_millis(50),
         };
-        match direct_reads(&f, &load, &|| Ok(())) {
+        match direct_reads((f.path.as_path(), f.len), &load, &|| Ok(())) {
             Ok(r) => {
                 assert!(r.ops_per_s > 0.0);
                 let per_op = r.bytes_per_s / r.ops_per_s;

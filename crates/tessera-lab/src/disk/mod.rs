@@ -11,6 +11,7 @@
 //! bounds what it can cache; the selftest checks that too ([`measure::page_cache`]).
 
 pub mod device;
+pub mod emulated;
 pub mod measure;
 pub mod selftest;
 

@@ -1,5 +1,6 @@
 //! The disk part of `tessera lab selftest` (see [`crate::selftest`]): one host per profile,
-//! each capped at its rates, and one host with a memory cap for the page cache.
+//! each reading through its emulated disk ([`super::emulated`]), and one host with a memory
+//! cap for the page cache, reading through a view too.
 
 use std::path::Path;
 
@@ -21,6 +22,8 @@ const READ_FILE: u64 = 256 << 20;
 const HEADROOM: f64 = 1.15;
 /// The burst read after a pause: a few experts' worth, as a ring stage reads them a token.
 const BURST: u64 = 8 << 20;
+/// The page cache host's disk: any profile (the check counts what its view served).
+const CACHE_DISK: DiskProfile = super::PROFILES[2];
 /// Within this of the requested rate.
 const TOLERANCE: f64 = 0.10;
 
@@ -34,7 +37,7 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
         .iter()
         .map(|p| HostSpec::new(p.name).disk(*p))
         .collect();
-    let mut cache = HostSpec::new("cache");
+    let mut cache = HostSpec::new("cache").disk(CACHE_DISK);
     cache.limits = Limits {
         memory: Some(CACHE_CAP),
         ..Limits::default()
@@ -42,6 +45,7 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
     hosts.push(cache);
     let mut spec = LabSpec::new(hosts);
     spec.disk_paths = vec![dir.to_path_buf()];
+    spec.read_dirs = vec![dir.to_path_buf()];
     spec.compensate_switch = false;
     let lab = Lab::start(&spec)?;
     let disk = &lab.disks()[0];
@@ -60,9 +64,10 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
     let file = TestFile::create(&scratch.path().join("reads"), READ_FILE)
         .map_err(io("writing the test file"))?;
     let outside = || Ok(());
-    let bw = measure::direct_reads(&file, &ReadLoad::bandwidth(), &outside)
+    let real = (file.path.as_path(), file.len);
+    let bw = measure::direct_reads(real, &ReadLoad::bandwidth(), &outside)
         .map_err(io("reading the disk uncapped"))?;
-    let ops = measure::direct_reads(&file, &ReadLoad::iops(), &outside)
+    let ops = measure::direct_reads(real, &ReadLoad::iops(), &outside)
         .map_err(io("reading the disk uncapped"))?;
     push(Check {
         what: "disk uncapped".into(),
@@ -79,16 +84,18 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
     for (i, p) in PROFILES.iter().enumerate() {
         let cg = lab.cgroup(i).expect("a host with a disk has a cgroup");
         let enter = || cg.enter_thread();
+        let seen = lab.through_disk(i, &file.path);
+        let seen = (seen.as_path(), file.len);
         push(cap_check(
             p,
             "read bandwidth",
             p.read_bps as f64,
             bw.bytes_per_s,
             |mb| format!("{:.0} MB/s", mb / 1e6),
-            || measure::direct_reads(&file, &ReadLoad::bandwidth(), &enter).map(|r| r.bytes_per_s),
+            || measure::direct_reads(seen, &ReadLoad::bandwidth(), &enter).map(|r| r.bytes_per_s),
         )?);
-        // The caps bound a host's average rate: a read after a pause may run at this
-        // disk's own speed (the throttle's slice credit), which a real disk never does.
+        // A real disk saves no credit while idle: a read after a pause takes as long as any
+        // (the cgroup throttle alone let these run at this disk's own speed).
         push(cap_check(
             p,
             "burst after 0.4 s idle",
@@ -97,7 +104,7 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
             |mb| format!("{:.0} MB/s", mb / 1e6),
             || {
                 measure::burst_after_idle(
-                    &file,
+                    seen,
                     BURST,
                     std::time::Duration::from_millis(400),
                     &enter,
@@ -110,7 +117,7 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
             p.read_iops as f64,
             ops.ops_per_s,
             |n| format!("{n:.0} IOPS"),
-            || measure::direct_reads(&file, &ReadLoad::iops(), &enter).map(|r| r.ops_per_s),
+            || measure::direct_reads(seen, &ReadLoad::iops(), &enter).map(|r| r.ops_per_s),
         )?);
     }
     drop(file);
@@ -130,7 +137,10 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             c.arg(format!("if={}", f.display()))
                 .args(["of=/dev/null", "bs=1M", "status=none"]);
-            Ok(c)
+            let served = &lab.views(host)[0].stats;
+            let before = served.bytes();
+            measure::inblock_of(c)?;
+            Ok(served.bytes() - before)
         },
         || cg.page_cache(),
     )

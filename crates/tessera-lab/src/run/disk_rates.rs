@@ -1,10 +1,13 @@
 //! Each capped host's disk read rate, measured by the lab under the host's cap before any node
 //! starts, for the planner to price streaming with.
 //!
-//! A node's quick probe reads 8 MiB: within the throttle's first slice, so it reports the
-//! disk's uncapped rate (1049 MB/s under the eMMC profile's 300 MB/s cap, in a release run of
-//! moe-bigger-than-any). The lab instead reads as `lab selftest` does (1 MiB direct reads, 4 in
-//! flight, the first 300 ms left out) from inside each host's cgroup.
+//! A node's quick probe reads 8 MiB of a file in its data directory: under the cgroup throttle
+//! that was within the throttle's first slice, so it reported the disk's uncapped rate (1049
+//! MB/s under the eMMC profile's 300 MB/s cap, in a release run of moe-bigger-than-any), and
+//! the data directory is not where the model is read from. The lab instead reads the model as
+//! each host sees it (through its emulated disk, [`crate::disk::emulated`]) as `lab selftest`
+//! does (1 MiB direct reads, 4 in flight, the first 300 ms left out) from inside the host's
+//! cgroup.
 
 use std::path::Path;
 
@@ -29,7 +32,8 @@ pub struct DiskRate {
 }
 
 /// Measures each scenario node whose host has a disk profile (host `i + 1` is node `i`),
-/// reading a file under `dir` (on the disk the caps bind) from inside the host's cgroup.
+/// reading the model through the host's view of it, or where the host has none a file under
+/// `dir` (on the disk the caps bind), from inside the host's cgroup.
 pub fn measure(lab: &Lab, scenario: &Scenario, dir: &Path) -> Result<Vec<DiskRate>> {
     let capped: Vec<(usize, &str)> = scenario
         .graph
@@ -42,8 +46,7 @@ pub fn measure(lab: &Lab, scenario: &Scenario, dir: &Path) -> Result<Vec<DiskRat
     if capped.is_empty() {
         return Ok(Vec::new());
     }
-    let file = TestFile::create(&dir.join("disk-rate-test"), FILE)
-        .map_err(|e| LabError::io("writing the disk rate test file", e))?;
+    let mut file = None;
     let mut rates = Vec::new();
     for (host, node) in capped {
         let profile = lab.disk(host).expect("filtered");
@@ -51,7 +54,23 @@ pub fn measure(lab: &Lab, scenario: &Scenario, dir: &Path) -> Result<Vec<DiskRat
             .cgroup(host)
             .ok_or_else(|| LabError::Spec(format!("{node}: a capped host without a cgroup")))?;
         let enter = || cg.enter_thread();
-        let r = direct_reads(&file, &ReadLoad::bandwidth(), &enter)
+        let seen = lab.through_disk(host, &scenario.model);
+        let target = if seen != scenario.model {
+            let len = std::fs::metadata(&seen)
+                .map_err(|e| LabError::io(format!("reading {}", seen.display()), e))?
+                .len();
+            (seen.as_path(), len)
+        } else {
+            if file.is_none() {
+                file = Some(
+                    TestFile::create(&dir.join("disk-rate-test"), FILE)
+                        .map_err(|e| LabError::io("writing the disk rate test file", e))?,
+                );
+            }
+            let f = file.as_ref().expect("just made");
+            (f.path.as_path(), f.len)
+        };
+        let r = direct_reads(target, &ReadLoad::bandwidth(), &enter)
             .map_err(|e| LabError::io(format!("reading {node}'s disk under its cap"), e))?;
         rates.push(DiskRate {
             node: node.to_string(),

@@ -328,9 +328,17 @@ impl Scenario {
             hosts.push(h);
         }
         let mut spec = LabSpec::new(hosts);
-        // A capped host reads its data directory (under the temp dir) and the model at its
-        // disk's rate, wherever the two are.
+        // A capped host reads the model through its own emulated disk, and its data directory
+        // (under the temp dir) under its cgroup's caps.
         spec.disk_paths.push(self.model.clone());
+        if let Some(dir) = self.model.parent() {
+            let dir = if dir.as_os_str().is_empty() {
+                std::path::Path::new(".")
+            } else {
+                dir
+            };
+            spec.read_dirs.push(dir.to_path_buf());
+        }
         if let Some(d) = self.graph.default_link {
             spec = spec.default_link(impairment(d.rtt_s, d.bandwidth.0, 0.0, 0.0));
         }
@@ -426,6 +434,9 @@ disk = "emmc"
         assert_eq!(spec.hosts[2].disk, DiskProfile::named("emmc"));
         assert_eq!(spec.hosts[1].disk, None);
         assert!(spec.disk_paths.contains(&s.model));
+        assert!(spec
+            .read_dirs
+            .contains(&s.model.parent().unwrap().to_path_buf()));
     }
 
     /// Why `text` was refused as a scenario; panics when it was not, or not as a scenario.

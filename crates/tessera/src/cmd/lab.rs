@@ -200,8 +200,10 @@ enum LabCommand {
         /// CPU time in cores.
         #[arg(long)]
         cpu_quota: Option<f64>,
-        /// Paths whose disks the cap applies to (default: the temp dir and each existing
-        /// path among the command's arguments).
+        /// Paths the host reads through its emulated disk (each file's directory, or the
+        /// directory itself): a read-only view at the same path, where every read takes the
+        /// time the profile's disk would. Default: each existing file among the command's
+        /// arguments. The temp dir and these paths' disks are also capped by the host's cgroup.
         #[arg(long)]
         disk_path: Vec<std::path::PathBuf>,
         /// The command and its arguments.
@@ -442,7 +444,10 @@ pub fn run(args: LabArgs) -> anyhow::Result<()> {
             for g in &c.cgroups {
                 println!("removed cgroup {g}");
             }
-            if c.namespaces.is_empty() && c.cgroups.is_empty() {
+            for v in &c.views {
+                println!("unmounted disk view {v}");
+            }
+            if c.namespaces.is_empty() && c.cgroups.is_empty() && c.views.is_empty() {
                 println!("nothing to remove");
             }
             Ok(())
@@ -471,19 +476,37 @@ fn exec(
         .map_err(|e| anyhow::anyhow!("--memory: {e}"))?;
     host.limits.cpu_quota = cpu_quota;
     let mut spec = tessera_lab::LabSpec::new(vec![host]);
-    if disk_path.is_empty() {
-        spec.disk_paths.extend(
-            command[1..]
-                .iter()
-                .map(std::path::PathBuf::from)
-                .filter(|p| p.exists()),
-        );
+    let paths: Vec<std::path::PathBuf> = if disk_path.is_empty() {
+        command[1..]
+            .iter()
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.is_file())
+            .collect()
     } else {
-        spec.disk_paths = disk_path;
+        disk_path
+    };
+    for p in &paths {
+        let dir = if p.is_dir() {
+            p.clone()
+        } else {
+            p.canonicalize()
+                .with_context(|| format!("--disk-path {}", p.display()))?
+                .parent()
+                .map(std::path::Path::to_path_buf)
+                .unwrap_or_default()
+        };
+        spec.read_dirs.push(dir);
     }
+    spec.disk_paths.extend(paths);
     let lab = tessera_lab::Lab::start(&spec).context("starting the host")?;
     for d in lab.disks() {
         eprintln!("lab: reads capped on {} ({}): {}", d.name, d.id, d.how);
+    }
+    for v in lab.views(0) {
+        eprintln!(
+            "lab: {} read through an emulated disk (read-only)",
+            v.source.display()
+        );
     }
     let status = lab
         .command(0, &command[0])?
