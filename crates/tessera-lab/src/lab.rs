@@ -36,7 +36,7 @@ pub struct HostSpec {
     pub name: String,
     /// What its cgroup imposes.
     pub limits: Limits,
-    /// The disk it reads at: [`LabSpec::read_dirs`] through a view of its own that takes the
+    /// The disk it reads at: [`LabSpec::disk_dirs`] through a view of its own that takes the
     /// disk's time for every read ([`crate::disk::emulated`]), and its cgroup's caps on the
     /// devices holding [`LabSpec::disk_paths`].
     pub disk: Option<DiskProfile>,
@@ -80,9 +80,10 @@ pub struct LabSpec {
     /// Where the hosts' data lives (their data directories, the model): a host with a
     /// [`HostSpec::disk`] has its reads capped on each of these paths' disks.
     pub disk_paths: Vec<std::path::PathBuf>,
-    /// Directories the hosts only read (the model's): a host with a [`HostSpec::disk`] sees
-    /// each through its own emulated disk, read-only, at the same path.
-    pub read_dirs: Vec<std::path::PathBuf>,
+    /// The directories a host's disk holds (the model's, the nodes' data): a host with a
+    /// [`HostSpec::disk`] sees each through its own emulated disk at the same path, every
+    /// read taking the disk's time ([`crate::disk::emulated`]).
+    pub disk_dirs: Vec<std::path::PathBuf>,
     /// Shorten every link's delay by the switch's own round trip ([`Lab::switch_floor`]), so
     /// that a round trip measures what was asked for (none can be shorter than the floor).
     pub compensate_switch: bool,
@@ -98,7 +99,7 @@ impl LabSpec {
             mtu: DEFAULT_MTU,
             seed: 1,
             disk_paths: vec![std::env::temp_dir()],
-            read_dirs: Vec::new(),
+            disk_dirs: Vec::new(),
             compensate_switch: true,
         }
     }
@@ -159,8 +160,8 @@ struct Host {
     ns: Option<Netns>,
     cgroup: Option<Cgroup>,
     disk: Option<DiskProfile>,
-    /// Its views of [`LabSpec::read_dirs`].
-    views: Vec<EmulatedDisk>,
+    /// Its emulated disk, showing [`LabSpec::disk_dirs`].
+    emulated: Option<EmulatedDisk>,
 }
 
 /// A running lab; everything it made is removed when it is dropped.
@@ -215,7 +216,7 @@ impl Lab {
                 ns: Some(ns),
                 cgroup: None,
                 disk: h.disk,
-                views: Vec::new(),
+                emulated: None,
             });
             let ns = lab.hosts[i].ns.as_ref().expect("just made");
             ports.push(crate::tun::create(
@@ -235,15 +236,20 @@ impl Lab {
             }
             lab.hosts[i].cgroup = Cgroup::create(&name, &limits)?;
             if let Some(p) = h.disk {
-                for (k, dir) in read_dirs(spec)?.iter().enumerate() {
-                    let at = std::env::temp_dir().join(format!("{name}-disk{k}"));
-                    let view = EmulatedDisk::mount(dir, &at, &p).map_err(|e| {
-                        LabError::io(
-                            format!("mounting {}'s disk view of {}", h.name, dir.display()),
-                            e,
-                        )
-                    })?;
-                    lab.hosts[i].views.push(view);
+                let dirs = disk_dirs(spec)?;
+                if !dirs.is_empty() {
+                    let mut disk = EmulatedDisk::new(&p)
+                        .map_err(|e| LabError::io(format!("starting {}'s disk", h.name), e))?;
+                    for (k, dir) in dirs.iter().enumerate() {
+                        let at = std::env::temp_dir().join(format!("{name}-disk{k}"));
+                        disk.add_view(dir, &at).map_err(|e| {
+                            LabError::io(
+                                format!("mounting {}'s disk over {}", h.name, dir.display()),
+                                e,
+                            )
+                        })?;
+                    }
+                    lab.hosts[i].emulated = Some(disk);
                 }
             }
         }
@@ -290,20 +296,20 @@ impl Lab {
     }
 
     /// `path` as host `i` reads it: through its emulated disk where `path` lies in one of
-    /// [`LabSpec::read_dirs`] (for this process's own threads; the host's processes see
+    /// [`LabSpec::disk_dirs`] (for this process's own threads; the host's processes see
     /// the views at the real paths).
     pub fn through_disk(&self, i: usize, path: &Path) -> std::path::PathBuf {
         let real = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
         self.hosts[i]
-            .views
-            .iter()
-            .find_map(|v| v.through(&real))
+            .emulated
+            .as_ref()
+            .and_then(|d| d.through(&real))
             .unwrap_or_else(|| path.to_path_buf())
     }
 
-    /// Host `i`'s emulated disks.
-    pub fn views(&self, i: usize) -> &[EmulatedDisk] {
-        &self.hosts[i].views
+    /// Host `i`'s emulated disk, if it has a disk and [`LabSpec::disk_dirs`] are given.
+    pub fn emulated_disk(&self, i: usize) -> Option<&EmulatedDisk> {
+        self.hosts[i].emulated.as_ref()
     }
 
     /// Host `i`'s cgroup, if it has limits.
@@ -369,7 +375,9 @@ impl Lab {
         if let Some(cg) = &self.hosts[i].cgroup {
             cg.prepare(&mut cmd)?;
         }
-        crate::disk::emulated::bind_in_child(&mut cmd, &self.hosts[i].views)?;
+        if let Some(d) = &self.hosts[i].emulated {
+            crate::disk::emulated::bind_in_child(&mut cmd, d.views())?;
+        }
         Ok(cmd)
     }
 
@@ -418,7 +426,7 @@ impl Drop for Lab {
         }
         self.switch = None;
         for h in &mut self.hosts {
-            h.views.clear();
+            h.emulated = None;
             if let Some(ns) = h.ns.take() {
                 let _ = ns.destroy();
             }
@@ -429,10 +437,10 @@ impl Drop for Lab {
     }
 }
 
-/// [`LabSpec::read_dirs`] as directories, each once.
-fn read_dirs(spec: &LabSpec) -> Result<Vec<std::path::PathBuf>> {
+/// [`LabSpec::disk_dirs`] as directories, each once.
+fn disk_dirs(spec: &LabSpec) -> Result<Vec<std::path::PathBuf>> {
     let mut out: Vec<std::path::PathBuf> = Vec::new();
-    for d in &spec.read_dirs {
+    for d in &spec.disk_dirs {
         let c = d
             .canonicalize()
             .map_err(|e| LabError::io(format!("finding {}", d.display()), e))?;

@@ -109,7 +109,7 @@ fn dd(lab: &Lab, i: usize, file: &std::path::Path, direct: bool) {
 }
 
 #[test]
-fn a_host_with_a_disk_reads_its_data_dirs_through_its_own_emulated_disk() {
+fn a_host_with_a_disk_uses_its_disk_dirs_through_its_own_emulated_disk() {
     let sd = DiskProfile::named("sd").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let len: u64 = 4 << 20;
@@ -119,14 +119,16 @@ fn a_host_with_a_disk_reads_its_data_dirs_through_its_own_emulated_disk() {
         HostSpec::new("other").disk(sd),
         HostSpec::new("free"),
     ]);
-    spec.read_dirs = vec![dir.path().to_path_buf()];
+    spec.disk_dirs = vec![dir.path().to_path_buf()];
     let Some(lab) = lab_or_skip(&spec) else {
         return;
     };
-    let served = |i: usize| lab.views(i)[0].stats.bytes();
-    // Each disk host has a view of its own; the host without a disk reads the real file.
-    assert_eq!((lab.views(0).len(), lab.views(1).len()), (1, 1));
-    assert!(lab.views(2).is_empty());
+    let served = |i: usize| lab.emulated_disk(i).unwrap().stats.bytes();
+    // Each disk host has a disk of its own; the host without a disk reads the real file.
+    for i in 0..2 {
+        assert_eq!(lab.emulated_disk(i).unwrap().views().len(), 1);
+    }
+    assert!(lab.emulated_disk(2).is_none());
     // The host's processes read the same path, and every byte comes through its disk and
     // takes the disk's time at least (the view answers no read before the clock says so).
     let t = std::time::Instant::now();
@@ -145,11 +147,34 @@ fn a_host_with_a_disk_reads_its_data_dirs_through_its_own_emulated_disk() {
     assert!(first >= len, "{first}");
     dd(&lab, 1, &file.path, false);
     assert_eq!(served(1), first);
-    // Neither view saw the free host's reads; this process still sees the real directory.
+    // What the host writes there lands in the real directory (and is read back through the
+    // disk).
+    let mut c = lab.command(1, "sh").unwrap();
+    c.arg("-c").arg(format!(
+        "mkdir -p {0}/d && echo hi > {0}/d/t && mv {0}/d/t {0}/d/u && ln {0}/d/u {0}/d/v && rm {0}/d/u && cat {0}/d/v",
+        dir.path().display()
+    ));
+    let out = c.output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(out.stdout, b"hi\n");
+    assert_eq!(std::fs::read(dir.path().join("d/v")).unwrap(), b"hi\n");
+    assert!(!dir.path().join("d/u").exists());
+    // The disk's free space is the real file system's (a node plans its store on it).
+    let out = lab
+        .command(1, "stat")
+        .unwrap()
+        .args(["-f", "-c", "%b"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let blocks: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert!(blocks > 0, "{out:?}");
+    let first = served(1);
+    // Neither disk saw the free host's reads; this process still sees the real directory.
     dd(&lab, 2, &file.path, true);
     assert_eq!((served(0), served(1)), (len, first));
     assert_eq!(lab.through_disk(2, &file.path), file.path);
-    let view = lab.views(0)[0].mount_point.clone();
+    let view = lab.emulated_disk(0).unwrap().views()[0].mount_point.clone();
     assert_eq!(
         lab.through_disk(0, &file.path),
         view.join("model"),

@@ -1,5 +1,6 @@
-//! An emulated disk: a read-only view of a directory (FUSE) whose reads take the time a disk of
-//! a [`DiskProfile`]'s rates would take, one read after another.
+//! An emulated disk: views of directories (FUSE) whose reads take the time a disk of a
+//! [`DiskProfile`]'s rates would take, one read after another. Everything else (writes,
+//! renames, listings) passes through to the real directory untimed: the lab emulates reads.
 //!
 //! Why not only the cgroup throttle ([`super::DiskCap`]): the throttle bounds a host's
 //! *average* rate over its slice, so a read after a pause runs at this machine's own disk
@@ -9,11 +10,11 @@
 //! than the disk it stands for. A real disk has no such credit: each read takes its size over
 //! the disk's rate, after the reads before it ([`DiskClock`]).
 //!
-//! Each host with a disk gets its own view (its own clock, its own page cache: the kernel
-//! caches a FUSE file's pages per mount, charged to the memory cgroup of the reader), mounted
-//! in a directory of the lab's and bound over the real directory in the host's own mount
-//! namespace ([`crate::lab::Lab::command`]), so the host's processes read the same paths as
-//! before. The data comes from the real files, read by this process outside every host's
+//! Each host with a disk gets its own disk (its own clock, its own page cache: the kernel
+//! caches a FUSE file's pages per mount, charged to the memory cgroup of the reader), one view
+//! per directory it holds, each mounted in a directory of the lab's and bound over the real
+//! directory in the host's own mount namespace ([`crate::lab::Lab::command`]), so the host's
+//! processes use the same paths as before. The data comes from the real files, read by this process outside every host's
 //! cgroup: what the view emulates is the device, and the device is not the host's.
 
 use std::collections::HashMap;
@@ -99,7 +100,7 @@ struct Pending {
 /// The names the kernel has looked up: inode number → real path.
 #[derive(Default)]
 struct Inodes {
-    paths: Vec<PathBuf>,
+    paths: Vec<Option<PathBuf>>,
     numbers: HashMap<PathBuf, u64>,
 }
 
@@ -108,7 +109,7 @@ impl Inodes {
         if let Some(&n) = self.numbers.get(&path) {
             return n;
         }
-        self.paths.push(path.clone());
+        self.paths.push(Some(path.clone()));
         let n = self.paths.len() as u64; // the root is 1
         self.numbers.insert(path, n);
         n
@@ -116,16 +117,47 @@ impl Inodes {
 
     fn path(&self, ino: INodeNo) -> Option<PathBuf> {
         let i = usize::try_from(ino.0).ok()?.checked_sub(1)?;
-        self.paths.get(i).cloned()
+        self.paths.get(i)?.clone()
+    }
+
+    /// `path` is gone (removed, or renamed over).
+    fn forget(&mut self, path: &Path) {
+        if let Some(n) = self.numbers.remove(path) {
+            self.paths[n as usize - 1] = None;
+        }
+    }
+
+    /// `from` (and everything under it) is now `to`.
+    fn rename(&mut self, from: &Path, to: &Path) {
+        self.forget(to);
+        let moved: Vec<(PathBuf, u64)> = self
+            .numbers
+            .iter()
+            .filter(|(p, _)| p.starts_with(from))
+            .map(|(p, &n)| (p.clone(), n))
+            .collect();
+        for (old, n) in moved {
+            // (`join("")` would add a trailing `/`, which names a directory.)
+            let rel = old.strip_prefix(from).expect("filtered");
+            let new = if rel.as_os_str().is_empty() {
+                to.to_path_buf()
+            } else {
+                to.join(rel)
+            };
+            self.numbers.remove(&old);
+            self.numbers.insert(new.clone(), n);
+            self.paths[n as usize - 1] = Some(new);
+        }
     }
 }
 
-/// The FUSE file system of one view.
+/// The FUSE file system of one view: reads timed by the disk's clock, everything else passed
+/// to the real directory at once (writes are not what the lab emulates).
 struct View {
     inodes: Mutex<Inodes>,
     open: Mutex<HashMap<u64, Arc<File>>>,
     next_handle: AtomicU64,
-    clock: Mutex<DiskClock>,
+    clock: Arc<Mutex<DiskClock>>,
     queue: mpsc::Sender<Pending>,
     stats: Arc<DiskStats>,
 }
@@ -150,8 +182,7 @@ fn attr(ino: u64, m: &std::fs::Metadata) -> FileAttr {
         ctime: time(m.ctime()),
         crtime: time(m.mtime()),
         kind,
-        // Read-only whatever the real file allows.
-        perm: (m.mode() & 0o555) as u16,
+        perm: (m.mode() & 0o7777) as u16,
         nlink: 1,
         uid: m.uid(),
         gid: m.gid(),
@@ -169,6 +200,58 @@ impl View {
             .path(ino)
             .ok_or(Errno::ENOENT)
     }
+
+    fn child(&self, parent: INodeNo, name: &OsStr) -> Result<PathBuf, Errno> {
+        Ok(self.path(parent)?.join(name))
+    }
+
+    /// The entry for `path`, numbered.
+    fn entry(&self, path: PathBuf) -> Result<FileAttr, Errno> {
+        let m = std::fs::symlink_metadata(&path).map_err(|e| errno(&e))?;
+        if !(m.is_dir() || m.is_file()) {
+            return Err(Errno::ENOENT);
+        }
+        let ino = self.inodes.lock().expect("inodes").number(path);
+        Ok(attr(ino, &m))
+    }
+
+    fn handle(&self, f: File) -> FileHandle {
+        let h = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        self.open.lock().expect("open").insert(h, Arc::new(f));
+        FileHandle(h)
+    }
+
+    fn file(&self, fh: FileHandle) -> Result<Arc<File>, Errno> {
+        self.open
+            .lock()
+            .expect("open")
+            .get(&fh.0)
+            .cloned()
+            .ok_or(Errno::EBADF)
+    }
+}
+
+/// Opens `path` as `flags` asks (without `O_DIRECT`: this process reads the real file as it
+/// likes; the host's direct reads are the view's).
+fn open_real(path: &Path, flags: i32, mode: Option<u32>) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let access = flags & libc::O_ACCMODE;
+    let mut o = std::fs::OpenOptions::new();
+    o.read(access != libc::O_WRONLY)
+        .write(access != libc::O_RDONLY)
+        .custom_flags(flags & (libc::O_TRUNC | libc::O_EXCL));
+    if let Some(mode) = mode {
+        o.create(true).mode(mode);
+    }
+    o.open(path)
+}
+
+/// Replies `Ok(())` as `ok`, an error as its errno.
+fn done(r: std::io::Result<()>, reply: fuser::ReplyEmpty) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(errno(&e)),
+    }
 }
 
 impl Filesystem for View {
@@ -181,17 +264,9 @@ impl Filesystem for View {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let path = match self.path(parent) {
-            Ok(p) => p.join(name),
-            Err(e) => return reply.error(e),
-        };
-        match std::fs::metadata(&path) {
-            Ok(m) if m.is_dir() || m.is_file() => {
-                let ino = self.inodes.lock().expect("inodes").number(path);
-                reply.entry(&TTL, &attr(ino, &m), Generation(0));
-            }
-            Ok(_) => reply.error(Errno::ENOENT),
-            Err(e) => reply.error(errno(&e)),
+        match self.child(parent, name).and_then(|p| self.entry(p)) {
+            Ok(a) => reply.entry(&TTL, &a, Generation(0)),
+            Err(e) => reply.error(e),
         }
     }
 
@@ -205,20 +280,173 @@ impl Filesystem for View {
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
-            return reply.error(Errno::from_i32(libc::EROFS));
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<fuser::TimeOrNow>,
+        _mtime: Option<fuser::TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        use std::os::unix::fs::PermissionsExt as _;
+        let r = self.path(ino).and_then(|p| {
+            if let Some(len) = size {
+                let f = std::fs::OpenOptions::new().write(true).open(&p);
+                f.and_then(|f| f.set_len(len)).map_err(|e| errno(&e))?;
+            }
+            if let Some(mode) = mode {
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode & 0o7777))
+                    .map_err(|e| errno(&e))?;
+            }
+            std::fs::metadata(&p).map_err(|e| errno(&e))
+        });
+        match r {
+            Ok(m) => reply.attr(&TTL, &attr(ino.0, &m)),
+            Err(e) => reply.error(e),
         }
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let r = self.child(parent, name).and_then(|p| {
+            std::fs::create_dir(&p).map_err(|e| errno(&e))?;
+            self.entry(p)
+        });
+        match r {
+            Ok(a) => reply.entry(&TTL, &a, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: fuser::ReplyEmpty) {
+        match self.child(parent, name) {
+            Ok(p) => {
+                let r = std::fs::remove_file(&p);
+                if r.is_ok() {
+                    self.inodes.lock().expect("inodes").forget(&p);
+                }
+                done(r, reply)
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: fuser::ReplyEmpty) {
+        match self.child(parent, name) {
+            Ok(p) => {
+                let r = std::fs::remove_dir(&p);
+                if r.is_ok() {
+                    self.inodes.lock().expect("inodes").forget(&p);
+                }
+                done(r, reply)
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: fuser::RenameFlags,
+        reply: fuser::ReplyEmpty,
+    ) {
+        let no_replace = flags == fuser::RenameFlags::RENAME_NOREPLACE;
+        if !(flags.is_empty() || no_replace) {
+            return reply.error(Errno::from_i32(libc::EINVAL));
+        }
+        match (self.child(parent, name), self.child(newparent, newname)) {
+            (Ok(from), Ok(to)) => {
+                // (Not atomic: nothing else writes a host's view while it runs.)
+                let r = if no_replace && std::fs::symlink_metadata(&to).is_ok() {
+                    Err(std::io::Error::from_raw_os_error(libc::EEXIST))
+                } else {
+                    std::fs::rename(&from, &to)
+                };
+                if r.is_ok() {
+                    self.inodes.lock().expect("inodes").rename(&from, &to);
+                }
+                done(r, reply)
+            }
+            (Err(e), _) | (_, Err(e)) => reply.error(e),
+        }
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        // The new name gets a number of its own: the kernel treats it as another file, which
+        // only matters to a host that writes through one name and reads through the other.
+        let r = self.path(ino).and_then(|from| {
+            let to = self.child(newparent, newname)?;
+            std::fs::hard_link(&from, &to).map_err(|e| errno(&e))?;
+            self.entry(to)
+        });
+        match r {
+            Ok(a) => reply.entry(&TTL, &a, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         match self
             .path(ino)
-            .and_then(|p| File::open(p).map_err(|e| errno(&e)))
+            .and_then(|p| open_real(&p, flags.0, None).map_err(|e| errno(&e)))
         {
-            Ok(f) => {
-                let h = self.next_handle.fetch_add(1, Ordering::Relaxed);
-                self.open.lock().expect("open").insert(h, Arc::new(f));
-                // The file does not change: what a host cached stays cached across opens.
-                reply.opened(FileHandle(h), FopenFlags::FOPEN_KEEP_CACHE);
-            }
+            // What a host cached stays cached across its opens (only its own writes change
+            // the files, and they pass through its page cache).
+            Ok(f) => reply.opened(self.handle(f), FopenFlags::FOPEN_KEEP_CACHE),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn create(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: fuser::ReplyCreate,
+    ) {
+        let r = self.child(parent, name).and_then(|p| {
+            let f = open_real(&p, flags, Some(mode & !umask)).map_err(|e| errno(&e))?;
+            Ok((self.entry(p)?, f))
+        });
+        match r {
+            Ok((a, f)) => reply.created(
+                &TTL,
+                &a,
+                Generation(0),
+                self.handle(f),
+                FopenFlags::FOPEN_KEEP_CACHE,
+            ),
             Err(e) => reply.error(e),
         }
     }
@@ -234,8 +462,9 @@ impl Filesystem for View {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let Some(file) = self.open.lock().expect("open").get(&fh.0).cloned() else {
-            return reply.error(Errno::EBADF);
+        let file = match self.file(fh) {
+            Ok(f) => f,
+            Err(e) => return reply.error(e),
         };
         let due = self
             .clock
@@ -258,6 +487,48 @@ impl Filesystem for View {
         }
     }
 
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: fuser::WriteFlags,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: fuser::ReplyWrite,
+    ) {
+        match self
+            .file(fh)
+            .and_then(|f| f.write_all_at(data, offset).map_err(|e| errno(&e)))
+        {
+            Ok(()) => reply.written(data.len() as u32),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        datasync: bool,
+        reply: fuser::ReplyEmpty,
+    ) {
+        match self.file(fh) {
+            Ok(f) => done(
+                if datasync {
+                    f.sync_data()
+                } else {
+                    f.sync_all()
+                },
+                reply,
+            ),
+            Err(e) => reply.error(e),
+        }
+    }
+
     fn release(
         &self,
         _req: &Request,
@@ -270,6 +541,36 @@ impl Filesystem for View {
     ) {
         self.open.lock().expect("open").remove(&fh.0);
         reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, ino: INodeNo, reply: fuser::ReplyStatfs) {
+        use std::os::unix::ffi::OsStrExt as _;
+        let r = self.path(ino).and_then(|p| {
+            let c = std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| Errno::EIO)?;
+            // SAFETY: statvfs fills the plain struct it is given, from a valid C string.
+            let (r, v) = unsafe {
+                let mut v: libc::statvfs = std::mem::zeroed();
+                (libc::statvfs(c.as_ptr(), &mut v), v)
+            };
+            if r != 0 {
+                return Err(errno(&std::io::Error::last_os_error()));
+            }
+            Ok(v)
+        });
+        match r {
+            // The real file system's space: what a host may store on its disk.
+            Ok(v) => reply.statfs(
+                v.f_blocks,
+                v.f_bfree,
+                v.f_bavail,
+                v.f_files,
+                v.f_ffree,
+                v.f_bsize as u32,
+                v.f_namemax as u32,
+                v.f_frsize as u32,
+            ),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn readdir(
@@ -288,7 +589,7 @@ impl Filesystem for View {
             Ok(rd) => rd
                 .filter_map(|e| {
                     let e = e.ok()?;
-                    let m = std::fs::metadata(e.path()).ok()?;
+                    let m = std::fs::symlink_metadata(e.path()).ok()?;
                     let kind = if m.is_dir() {
                         FileType::Directory
                     } else if m.is_file() {
@@ -345,69 +646,16 @@ fn read_full(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
     Ok(n)
 }
 
-/// A mounted view: unmounted (and its directory removed) when dropped.
-pub struct EmulatedDisk {
-    /// Where the view is mounted.
-    pub mount_point: PathBuf,
+/// One directory shown through a disk: unmounted (and its mount point removed) when dropped.
+pub struct MountedView {
     /// The directory it shows.
     pub source: PathBuf,
-    pub stats: Arc<DiskStats>,
+    /// Where it is mounted.
+    pub mount_point: PathBuf,
     session: Option<fuser::BackgroundSession>,
 }
 
-/// The file system name every view mounts with: `tessera lab clean` unmounts what a dead lab
-/// left by it.
-pub const FS_NAME: &str = "tlab-disk";
-
-impl EmulatedDisk {
-    /// Mounts a view of `source` at `mount_point` (made here, empty) reading at `profile`'s
-    /// rates.
-    pub fn mount(
-        source: &Path,
-        mount_point: &Path,
-        profile: &DiskProfile,
-    ) -> std::io::Result<Self> {
-        let source = source.canonicalize()?;
-        std::fs::create_dir_all(mount_point)?;
-        let (tx, rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name(format!("disk-{}", profile.name))
-            .spawn(move || deliver(rx))?;
-        let stats = Arc::new(DiskStats::default());
-        let mut inodes = Inodes::default();
-        inodes.number(source.clone());
-        let view = View {
-            inodes: Mutex::new(inodes),
-            open: Mutex::new(HashMap::new()),
-            next_handle: AtomicU64::new(1),
-            clock: Mutex::new(DiskClock::new(profile)),
-            queue: tx,
-            stats: stats.clone(),
-        };
-        let mut config = fuser::Config::default();
-        config.mount_options = vec![
-            fuser::MountOption::RO,
-            fuser::MountOption::FSName(FS_NAME.into()),
-            fuser::MountOption::Subtype(profile.name.into()),
-        ];
-        // Hosts run as root, like this process; `allow_other` would need a configured fuse.
-        let session = fuser::spawn_mount(view, mount_point, &config)?;
-        Ok(Self {
-            mount_point: mount_point.to_path_buf(),
-            source,
-            stats,
-            session: Some(session),
-        })
-    }
-
-    /// `path` (inside [`Self::source`]) as seen through the view.
-    pub fn through(&self, path: &Path) -> Option<PathBuf> {
-        let rel = path.strip_prefix(&self.source).ok()?;
-        Some(self.mount_point.join(rel))
-    }
-}
-
-impl Drop for EmulatedDisk {
+impl Drop for MountedView {
     fn drop(&mut self) {
         // Unmounts (lazily: a host process still holding a file keeps it until it exits).
         drop(self.session.take());
@@ -415,11 +663,84 @@ impl Drop for EmulatedDisk {
     }
 }
 
+/// The file system name every view mounts with: `tessera lab clean` unmounts what a dead lab
+/// left by it.
+pub const FS_NAME: &str = "tlab-disk";
+
+/// One host's disk: a clock its reads queue on, shown through one view per directory it
+/// holds.
+pub struct EmulatedDisk {
+    pub profile: DiskProfile,
+    pub stats: Arc<DiskStats>,
+    clock: Arc<Mutex<DiskClock>>,
+    queue: mpsc::Sender<Pending>,
+    views: Vec<MountedView>,
+}
+
+impl EmulatedDisk {
+    /// A disk of `profile`'s rates, holding nothing yet.
+    pub fn new(profile: &DiskProfile) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("disk-{}", profile.name))
+            .spawn(move || deliver(rx))?;
+        Ok(Self {
+            profile: *profile,
+            stats: Arc::new(DiskStats::default()),
+            clock: Arc::new(Mutex::new(DiskClock::new(profile))),
+            queue: tx,
+            views: Vec::new(),
+        })
+    }
+
+    /// Shows `source` through this disk at `mount_point` (made here, empty).
+    pub fn add_view(&mut self, source: &Path, mount_point: &Path) -> std::io::Result<()> {
+        let source = source.canonicalize()?;
+        std::fs::create_dir_all(mount_point)?;
+        let mut inodes = Inodes::default();
+        inodes.number(source.clone());
+        let view = View {
+            inodes: Mutex::new(inodes),
+            open: Mutex::new(HashMap::new()),
+            next_handle: AtomicU64::new(1),
+            clock: self.clock.clone(),
+            queue: self.queue.clone(),
+            stats: self.stats.clone(),
+        };
+        let mut config = fuser::Config::default();
+        config.mount_options = vec![
+            fuser::MountOption::FSName(FS_NAME.into()),
+            fuser::MountOption::Subtype(self.profile.name.into()),
+        ];
+        // Hosts run as root, like this process; `allow_other` would need a configured fuse.
+        let session = fuser::spawn_mount(view, mount_point, &config)?;
+        self.views.push(MountedView {
+            source,
+            mount_point: mount_point.to_path_buf(),
+            session: Some(session),
+        });
+        Ok(())
+    }
+
+    /// The directories it shows.
+    pub fn views(&self) -> &[MountedView] {
+        &self.views
+    }
+
+    /// `path` (inside one of the views' sources) as seen through this disk.
+    pub fn through(&self, path: &Path) -> Option<PathBuf> {
+        self.views.iter().find_map(|v| {
+            let rel = path.strip_prefix(&v.source).ok()?;
+            Some(v.mount_point.join(rel))
+        })
+    }
+}
+
 /// Makes `cmd`'s process see `views` at their sources: a mount namespace of its own (private,
 /// so nothing propagates back) with each view bound over the directory it shows.
 pub fn bind_in_child(
     cmd: &mut std::process::Command,
-    views: &[EmulatedDisk],
+    views: &[MountedView],
 ) -> crate::error::Result<()> {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt as _;
@@ -524,6 +845,26 @@ mod tests {
         for (i, d) in done.iter().enumerate() {
             assert_eq!(*d - t0, one * (i as u32 + 1));
         }
+    }
+
+    #[test]
+    fn a_rename_moves_the_numbers_of_the_name_and_everything_under_it() {
+        let mut i = Inodes::default();
+        let root = i.number("/r".into());
+        let (d, f, g) = (
+            i.number("/r/d".into()),
+            i.number("/r/d/f".into()),
+            i.number("/r/g".into()),
+        );
+        i.rename(Path::new("/r/d"), Path::new("/r/e"));
+        assert_eq!(i.path(INodeNo(d)), Some("/r/e".into()));
+        assert_eq!(i.path(INodeNo(f)), Some("/r/e/f".into()));
+        // Renamed over: the old file's number names nothing.
+        i.rename(Path::new("/r/e/f"), Path::new("/r/g"));
+        assert_eq!(i.path(INodeNo(f)), Some("/r/g".into()));
+        assert_eq!(i.path(INodeNo(g)), None);
+        assert_eq!(i.number("/r/g".into()), f);
+        assert_eq!(i.path(INodeNo(root)), Some("/r".into()));
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
     hosts.push(cache);
     let mut spec = LabSpec::new(hosts);
     spec.disk_paths = vec![dir.to_path_buf()];
-    spec.read_dirs = vec![dir.to_path_buf()];
+    spec.disk_dirs = vec![dir.to_path_buf()];
     spec.compensate_switch = false;
     let lab = Lab::start(&spec)?;
     let disk = &lab.disks()[0];
@@ -137,7 +137,10 @@ pub fn run(dir: &Path, push: &mut impl FnMut(Check)) -> Result<()> {
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             c.arg(format!("if={}", f.display()))
                 .args(["of=/dev/null", "bs=1M", "status=none"]);
-            let served = &lab.views(host)[0].stats;
+            let served = &lab
+                .emulated_disk(host)
+                .expect("the cache host has a disk")
+                .stats;
             let before = served.bytes();
             measure::inblock_of(c)?;
             Ok(served.bytes() - before)

@@ -124,11 +124,13 @@ pub fn run(
         &scenario.workload.prompt,
         scenario.workload.tokens,
     )?;
-    let spec = scenario.lab_spec()?;
-    let lab = Lab::start(&spec)?;
-    progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
     std::fs::create_dir_all(dir)
         .map_err(|e| LabError::io(format!("creating {}", dir.display()), e))?;
+    let mut spec = scenario.lab_spec()?;
+    // The nodes' data directories (their copies of the model among them) are on their disks.
+    spec.disk_dirs.push(dir.to_path_buf());
+    let lab = Lab::start(&spec)?;
+    progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
     // Before any node starts, so that nothing else reads the disk.
     let disk_rates = disk_rates::measure(&lab, scenario, dir)?;
     for r in &disk_rates {

@@ -337,7 +337,7 @@ impl Scenario {
             } else {
                 dir
             };
-            spec.read_dirs.push(dir.to_path_buf());
+            spec.disk_dirs.push(dir.to_path_buf());
         }
         if let Some(d) = self.graph.default_link {
             spec = spec.default_link(impairment(d.rtt_s, d.bandwidth.0, 0.0, 0.0));
@@ -435,7 +435,7 @@ disk = "emmc"
         assert_eq!(spec.hosts[1].disk, None);
         assert!(spec.disk_paths.contains(&s.model));
         assert!(spec
-            .read_dirs
+            .disk_dirs
             .contains(&s.model.parent().unwrap().to_path_buf()));
     }
 

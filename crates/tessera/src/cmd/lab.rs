@@ -200,9 +200,9 @@ enum LabCommand {
         /// CPU time in cores.
         #[arg(long)]
         cpu_quota: Option<f64>,
-        /// Paths the host reads through its emulated disk (each file's directory, or the
-        /// directory itself): a read-only view at the same path, where every read takes the
-        /// time the profile's disk would. Default: each existing file among the command's
+        /// Paths on the host's emulated disk (each file's directory, or the directory
+        /// itself): seen at the same path, every read taking the time the profile's disk
+        /// would (writes pass through untimed). Default: each existing file among the command's
         /// arguments. The temp dir and these paths' disks are also capped by the host's cgroup.
         #[arg(long)]
         disk_path: Vec<std::path::PathBuf>,
@@ -495,18 +495,15 @@ fn exec(
                 .map(std::path::Path::to_path_buf)
                 .unwrap_or_default()
         };
-        spec.read_dirs.push(dir);
+        spec.disk_dirs.push(dir);
     }
     spec.disk_paths.extend(paths);
     let lab = tessera_lab::Lab::start(&spec).context("starting the host")?;
     for d in lab.disks() {
         eprintln!("lab: reads capped on {} ({}): {}", d.name, d.id, d.how);
     }
-    for v in lab.views(0) {
-        eprintln!(
-            "lab: {} read through an emulated disk (read-only)",
-            v.source.display()
-        );
+    for v in lab.emulated_disk(0).map_or(&[][..], |d| d.views()) {
+        eprintln!("lab: {} is on the emulated disk", v.source.display());
     }
     let status = lab
         .command(0, &command[0])?
