@@ -347,14 +347,16 @@ impl Model {
 
     /// Looks up the embeddings of `tokens`.
     pub fn embed(&self, tokens: &[u32]) -> Result<Hidden> {
-        let e = self
-            .weights
-            .token_embd
-            .as_ref()
-            .filter(|_| self.weights.spec.embed)
-            .ok_or(EngineError::NotLoaded {
-                what: "the token embedding",
-            })?;
+        let w = &self.weights;
+        let rows: &dyn Fn(usize, &mut [f32]) = match (&w.token_rows, &w.token_embd) {
+            (Some(r), _) => &|t, out| r.dequantize_row(t, out),
+            (None, Some(m)) if w.spec.embed => &|t, out| m.dequantize_row(t, out),
+            _ => {
+                return Err(EngineError::NotLoaded {
+                    what: "the token embedding",
+                })
+            }
+        };
         let mut h = Hidden::zeros(tokens.len(), self.config.n_embd);
         for (i, &t) in tokens.iter().enumerate() {
             if t as usize >= self.config.vocab_size {
@@ -363,7 +365,7 @@ impl Model {
                     vocab_size: self.config.vocab_size,
                 });
             }
-            e.dequantize_row(t as usize, h.row_mut(i));
+            rows(t as usize, h.row_mut(i));
         }
         Ok(h)
     }

@@ -217,12 +217,46 @@ pub struct LayerWeights {
     pub expert_bias: Vec<Option<FfnBias>>,
 }
 
+/// A token embedding left in the file's mapping, in GGML's layout: a lookup dequantizes the
+/// rows it needs where they lie (the same values as the repacked matrix's rows), so the table
+/// takes no memory of its own. The kernel keeps the pages lookups touched in its page cache and
+/// lets them go under memory pressure, to be read from the disk again: what the planner counts
+/// an embedding on disk as (one row a token).
+#[derive(Debug)]
+pub struct TokenRows {
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    map: Arc<memmap2::Mmap>,
+    offset: usize,
+}
+
+impl TokenRows {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Dequantizes row `row` into `out[..cols]`.
+    ///
+    /// # Panics
+    /// If `row >= rows` or `out.len() < cols`.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.rows, "row {row} out of {}", self.rows);
+        let at = self.offset + row * self.row_bytes;
+        dequantize(self.dtype, &self.map[at..at + self.row_bytes], &mut out[..self.cols]);
+    }
+}
+
 /// The weights of a part of a model.
 #[derive(Debug)]
 pub struct ModelWeights {
     pub spec: LoadSpec,
-    /// Token embedding, if held (for `embed`, or as the tied head).
+    /// Token embedding as a matrix, when it is the tied head this part holds (`embed` reads
+    /// its rows too).
     pub token_embd: Option<Matrix>,
+    /// Token embedding for `embed` otherwise: rows left in the file's mapping.
+    pub token_rows: Option<TokenRows>,
     pub output_norm: Option<Vec<f32>>,
     /// Untied head.
     pub output: Option<Matrix>,
@@ -257,9 +291,14 @@ impl ModelWeights {
         // Sum what will be read first, for the progress callback.
         loader.total = plan(g, config, &spec)?.iter().map(|(_, b)| b).sum();
 
-        let need_embd = spec.embed || (spec.head && config.tied_embeddings);
-        let token_embd = if need_embd {
+        let tied_head = spec.head && config.tied_embeddings;
+        let token_embd = if tied_head {
             Some(loader.matrix(names::TOKEN_EMBD)?)
+        } else {
+            None
+        };
+        let token_rows = if spec.embed && !tied_head {
+            Some(loader.rows(names::TOKEN_EMBD)?)
         } else {
             None
         };
@@ -396,6 +435,7 @@ impl ModelWeights {
         Ok(Self {
             spec,
             token_embd,
+            token_rows,
             output_norm,
             output,
             rope_freqs,
@@ -403,7 +443,8 @@ impl ModelWeights {
         })
     }
 
-    /// Bytes of weights this part keeps (owned copies and mapped ranges it uses).
+    /// Bytes of weights this part keeps (owned copies and mapped ranges it uses; not the
+    /// embedding rows left in the mapping, which the page cache holds as lookups touch them).
     pub fn resident_bytes(&self) -> usize {
         let m = |m: &Option<Matrix>| m.as_ref().map_or(0, Matrix::resident_bytes);
         let v = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
@@ -562,6 +603,41 @@ impl<'a> Loader<'a> {
     fn tick(&mut self, bytes: u64) {
         self.loaded += bytes;
         (self.progress)(self.loaded, self.total);
+    }
+
+    /// A 2-D tensor `[cols, rows]` left in the mapping, its rows read where they lie.
+    fn rows(&mut self, name: &str) -> Result<TokenRows> {
+        let info = self.info(name)?.clone();
+        let bad = |what: String| EngineError::Tensor {
+            tensor: name.into(),
+            what,
+        };
+        let [cols, rows] = info.shape[..] else {
+            return Err(bad(format!("shape {:?} is not a matrix", info.shape)));
+        };
+        let dtype = info.dtype(self.g.path())?;
+        let (cols, rows) = (cols as usize, rows as usize);
+        if cols == 0 || !cols.is_multiple_of(dtype.block_size()) {
+            return Err(bad(format!("{cols} columns are not whole {dtype} blocks")));
+        }
+        let row_bytes = cols / dtype.block_size() * dtype.block_bytes();
+        if info.n_bytes != (rows * row_bytes) as u64 {
+            return Err(bad(format!(
+                "{} bytes for {rows} rows of {row_bytes}",
+                info.n_bytes
+            )));
+        }
+        let range = info.offset..info.offset + info.n_bytes;
+        let (map, offset) = self.g.mapped_range(&info.name, range)?;
+        self.tick(info.n_bytes);
+        Ok(TokenRows {
+            dtype,
+            rows,
+            cols,
+            row_bytes,
+            map,
+            offset,
+        })
     }
 
     /// Builds a matrix over `len` bytes at `offset` of the mapping.

@@ -99,3 +99,24 @@ fn memory_half_model_is_smaller_than_whole() {
         "RSS growth: half {half_rss} vs full {full_rss}"
     );
 }
+
+#[test]
+fn a_stage_looks_its_embedding_up_where_it_lies_in_the_file() {
+    let g = tessera_model::GgufFile::open(model()).unwrap();
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let load = |spec| tessera_engine::Model::load(&g, spec, 1, &mut |_, _| {}).unwrap();
+    let first = load(LoadSpec::stage(&cfg, 0..cfg.n_layer / 2));
+    let whole = load(LoadSpec::full(&cfg));
+    // The first stage keeps no copy of the table: its rows are read from the mapping.
+    let w = first.weights();
+    assert!(w.token_embd.is_none() && w.token_rows.is_some());
+    let rows = w.token_rows.as_ref().unwrap();
+    assert_eq!(rows.rows(), cfg.vocab_size);
+    // The same values as the whole model's lookup (a tied head's repacked matrix, or the same
+    // rows where the head is untied).
+    let tokens: Vec<u32> = vec![0, 1, 7, cfg.vocab_size as u32 - 1];
+    let (a, b) = (first.embed(&tokens).unwrap(), whole.embed(&tokens).unwrap());
+    assert_eq!(a.data, b.data);
+    assert!(a.data.iter().any(|&x| x != 0.0));
+    assert!(first.embed(&[cfg.vocab_size as u32]).is_err());
+}

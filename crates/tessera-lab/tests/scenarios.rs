@@ -142,7 +142,7 @@ fn the_moe_is_ranked_as_expert_split_stage_ring_and_one_node_streaming_from_its_
         .iter()
         .map(|l| l.expert.0 * u64::from(l.n_expert))
         .sum();
-    assert_eq!(kept + node.memory.disk.0, experts);
+    assert_eq!(kept + node.memory.experts_on_disk.0, experts);
     assert!(kept > 0, "the plan keeps some experts in memory");
 }
 

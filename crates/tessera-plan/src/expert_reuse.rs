@@ -45,7 +45,7 @@ impl CacheMeasurement {
             .filter(|(i, l)| slice.layers.contains(*i) && l.n_expert > 0)
             .map(|(_, l)| l)
             .collect();
-        if layers.is_empty() || a.memory.disk.0 == 0 || lookups <= 0.0 {
+        if layers.is_empty() || a.memory.experts_on_disk.0 == 0 || lookups <= 0.0 {
             return None;
         }
         let owned: f64 = layers
@@ -58,7 +58,7 @@ impl CacheMeasurement {
             return None;
         }
         Some(Self {
-            on_disk: (a.memory.disk.as_f64() / owned).min(1.0),
+            on_disk: (a.memory.experts_on_disk.as_f64() / owned).min(1.0),
             missed: disk_bytes.max(0.0) / (lookups * per_expert),
         })
     }
@@ -119,7 +119,7 @@ mod tests {
         let all = expert * 64.0 * 12.0;
         // 96 lookups a token, 61.7 experts' bytes read: 64% of them.
         let c = CacheMeasurement::of(&m, &plan, "board-a", 96.0, 61.7 * expert).unwrap();
-        assert!((c.on_disk - a.memory.disk.as_f64() / all).abs() < 1e-12);
+        assert!((c.on_disk - a.memory.experts_on_disk.as_f64() / all).abs() < 1e-12);
         assert!(c.on_disk > 0.7 && c.on_disk < 0.85, "{c:?}");
         assert!((c.missed - 61.7 / 96.0).abs() < 1e-12);
         assert_eq!(CacheMeasurement::of(&m, &plan, "board-b", 96.0, 1.0), None);

@@ -53,6 +53,10 @@ pub struct MemoryUse {
     pub ram: Bytes,
     /// Weights streamed from local storage (not counted against the memory budget).
     pub disk: Bytes,
+    /// The experts among them (the rest is the embedding, read a row a token): what a node
+    /// streams from its expert store.
+    #[serde(default)]
+    pub experts_on_disk: Bytes,
     /// VRAM + RAM: what counts against the budget.
     pub total: Bytes,
     pub weights: Bytes,

@@ -113,7 +113,7 @@ impl<'a> Runs<'a> {
             || self.candidates[i]
                 .plan
                 .assignments()
-                .any(|a| a.memory.disk.0 > 0)
+                .any(|a| a.memory.experts_on_disk.0 > 0)
     }
 }
 

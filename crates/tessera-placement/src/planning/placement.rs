@@ -62,12 +62,6 @@ pub fn to_placement(
             }) {
                 return Err(NotExpertPlacement::StageExperts(a.node.clone()));
             }
-            if let Some(a) = plan
-                .assignments()
-                .find(|a| a.memory.disk.0 > 0 && a.experts.is_none())
-            {
-                return Err(NotExecutable::OnDisk(a.node.clone()).into());
-            }
             Ok(Placement {
                 ring,
                 experts: None,
@@ -77,11 +71,12 @@ pub fn to_placement(
 }
 
 /// The nodes of `plan` that leave experts on disk, each with the bytes of experts the plan keeps
-/// in its memory (every expert it holds less what it leaves on disk): the expert budget each
+/// in its memory (every expert it holds less the experts it leaves on disk; an embedding the
+/// plan leaves on disk stays in the file's mapping on the node too): the expert budget each
 /// streams under (`--expert-budget`, or the coordinator's assignment).
 pub fn expert_budgets(model: &ModelProfile, plan: &Plan) -> Vec<(String, u64)> {
     plan.assignments()
-        .filter(|a| a.memory.disk.0 > 0)
+        .filter(|a| a.memory.experts_on_disk.0 > 0)
         .filter_map(|a| {
             let x = a.experts?;
             let held: u64 = model
@@ -91,7 +86,7 @@ pub fn expert_budgets(model: &ModelProfile, plan: &Plan) -> Vec<(String, u64)> {
                 .filter(|(i, _)| x.layers.contains(*i))
                 .map(|(_, l)| l.expert.0 * x.experts.len() as u64)
                 .sum();
-            Some((a.node.clone(), held.saturating_sub(a.memory.disk.0)))
+            Some((a.node.clone(), held.saturating_sub(a.memory.experts_on_disk.0)))
         })
         .collect()
 }
@@ -114,7 +109,8 @@ pub fn to_streaming_placement(plan: &Plan, n_layer: usize, n_expert: usize) -> O
     let every_expert = a.experts.is_some_and(|x| {
         x.layers == a.layers.expect("checked") && x.experts.iter() == (0..n_expert)
     });
-    if cell.kind != CellKind::Single || !whole || !every_expert || a.memory.disk.0 == 0 {
+    if cell.kind != CellKind::Single || !whole || !every_expert || a.memory.experts_on_disk.0 == 0
+    {
         return None;
     }
     Some(Placement {
@@ -138,8 +134,6 @@ pub fn to_streaming_placement(plan: &Plan, n_layer: usize, n_expert: usize) -> O
 pub enum NotExecutable {
     #[error("the fabric cannot execute a {0} plan yet")]
     Strategy(StrategyKind),
-    #[error("{0} would stream weights from disk, which only a node holding experts does")]
-    OnDisk(String),
     #[error(
         "stage {stage} ({node}) starts at layer {start}, but the previous one ends at {expected}"
     )]

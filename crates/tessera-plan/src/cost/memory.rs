@@ -337,10 +337,18 @@ pub(crate) fn place(
             return Err(shortfall());
         }
     }
+    let experts_on_disk: f64 = tiers
+        .iter()
+        .filter(|t| t.kind == TierKind::Disk)
+        .flat_map(|t| &t.parts)
+        .filter(|(c, _)| c.expert_p.is_some())
+        .map(|(c, f)| c.resident * f)
+        .sum();
     let memory = MemoryUse {
         vram: Bytes::from_f64(vram_used),
         ram: Bytes::from_f64(ram_used),
         disk: Bytes::from_f64(disk_used),
+        experts_on_disk: Bytes::from_f64(experts_on_disk),
         total: Bytes::from_f64(vram_used) + Bytes::from_f64(ram_used),
         weights: Bytes::from_f64(weights - disk_used),
         kv_cache: Bytes::from_f64(kv),
@@ -404,6 +412,27 @@ mod tests {
         let p = place(&node(700, 0, true), &load, &policy, 1).unwrap();
         assert!(p.memory.disk.0 > 0);
         assert!(p.step(1.0, 512.0).experts.disk_s > 0.0);
+        // The experts on disk, what the node streams, are counted apart from an untied
+        // embedding (a row a token, the least read: on disk before any expert).
+        let embedding_on_disk = |m: &ModelProfile| {
+            if m.tied_embeddings {
+                0
+            } else {
+                m.embedding.0
+            }
+        };
+        assert_eq!(
+            p.memory.experts_on_disk.0 + embedding_on_disk(&m),
+            p.memory.disk.0
+        );
+        let mut untied = m.clone();
+        untied.tied_embeddings = false;
+        let p = place(&node(700, 0, true), &load_for(&untied, &whole(&untied)), &policy, 1).unwrap();
+        assert!(untied.embedding.0 > 0);
+        assert_eq!(
+            p.memory.experts_on_disk.0 + embedding_on_disk(&untied),
+            p.memory.disk.0
+        );
         let e = place(&node(700, 0, false), &load, &policy, 1).unwrap_err();
         assert!(e.starts_with("needs ") && e.contains(", budget "), "{e}");
     }

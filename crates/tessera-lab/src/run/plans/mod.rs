@@ -227,12 +227,12 @@ pub fn describe(plan: &Plan) -> String {
             .assignments
             .iter()
             .map(|a| match (a.layers, a.experts) {
-                (Some(l), _) if a.memory.disk.0 > 0 => format!(
+                (Some(l), _) if a.memory.experts_on_disk.0 > 0 => format!(
                     "{}[{}..{}) streaming {:.0} MiB",
                     a.node,
                     l.start,
                     l.end,
-                    a.memory.disk.0 as f64 / f64::from(1 << 20)
+                    a.memory.experts_on_disk.0 as f64 / f64::from(1 << 20)
                 ),
                 (Some(l), _) => format!("{}[{}..{})", a.node, l.start, l.end),
                 (None, Some(x)) => format!("{}{{e{}..{}}}", a.node, x.experts.start, x.experts.end),
