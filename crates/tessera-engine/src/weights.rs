@@ -244,7 +244,11 @@ impl TokenRows {
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(row < self.rows, "row {row} out of {}", self.rows);
         let at = self.offset + row * self.row_bytes;
-        dequantize(self.dtype, &self.map[at..at + self.row_bytes], &mut out[..self.cols]);
+        dequantize(
+            self.dtype,
+            &self.map[at..at + self.row_bytes],
+            &mut out[..self.cols],
+        );
     }
 }
 

@@ -215,6 +215,26 @@ impl View {
         Ok(attr(ino, &m))
     }
 
+    /// Removes `name` with `how` (a file or an empty directory), forgetting its number.
+    fn remove(
+        &self,
+        parent: INodeNo,
+        name: &OsStr,
+        how: fn(&Path) -> std::io::Result<()>,
+        reply: fuser::ReplyEmpty,
+    ) {
+        match self.child(parent, name) {
+            Ok(p) => {
+                let r = how(&p);
+                if r.is_ok() {
+                    self.inodes.lock().expect("inodes").forget(&p);
+                }
+                done(r, reply)
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
     fn handle(&self, f: File) -> FileHandle {
         let h = self.next_handle.fetch_add(1, Ordering::Relaxed);
         self.open.lock().expect("open").insert(h, Arc::new(f));
@@ -336,29 +356,11 @@ impl Filesystem for View {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: fuser::ReplyEmpty) {
-        match self.child(parent, name) {
-            Ok(p) => {
-                let r = std::fs::remove_file(&p);
-                if r.is_ok() {
-                    self.inodes.lock().expect("inodes").forget(&p);
-                }
-                done(r, reply)
-            }
-            Err(e) => reply.error(e),
-        }
+        self.remove(parent, name, |p| std::fs::remove_file(p), reply);
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: fuser::ReplyEmpty) {
-        match self.child(parent, name) {
-            Ok(p) => {
-                let r = std::fs::remove_dir(&p);
-                if r.is_ok() {
-                    self.inodes.lock().expect("inodes").forget(&p);
-                }
-                done(r, reply)
-            }
-            Err(e) => reply.error(e),
-        }
+        self.remove(parent, name, |p| std::fs::remove_dir(p), reply);
     }
 
     fn rename(

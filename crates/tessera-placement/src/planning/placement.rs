@@ -86,7 +86,10 @@ pub fn expert_budgets(model: &ModelProfile, plan: &Plan) -> Vec<(String, u64)> {
                 .filter(|(i, _)| x.layers.contains(*i))
                 .map(|(_, l)| l.expert.0 * x.experts.len() as u64)
                 .sum();
-            Some((a.node.clone(), held.saturating_sub(a.memory.experts_on_disk.0)))
+            Some((
+                a.node.clone(),
+                held.saturating_sub(a.memory.experts_on_disk.0),
+            ))
         })
         .collect()
 }
@@ -109,8 +112,7 @@ pub fn to_streaming_placement(plan: &Plan, n_layer: usize, n_expert: usize) -> O
     let every_expert = a.experts.is_some_and(|x| {
         x.layers == a.layers.expect("checked") && x.experts.iter() == (0..n_expert)
     });
-    if cell.kind != CellKind::Single || !whole || !every_expert || a.memory.experts_on_disk.0 == 0
-    {
+    if cell.kind != CellKind::Single || !whole || !every_expert || a.memory.experts_on_disk.0 == 0 {
         return None;
     }
     Some(Placement {

@@ -427,7 +427,13 @@ mod tests {
         );
         let mut untied = m.clone();
         untied.tied_embeddings = false;
-        let p = place(&node(700, 0, true), &load_for(&untied, &whole(&untied)), &policy, 1).unwrap();
+        let p = place(
+            &node(700, 0, true),
+            &load_for(&untied, &whole(&untied)),
+            &policy,
+            1,
+        )
+        .unwrap();
         assert!(untied.embedding.0 > 0);
         assert_eq!(
             p.memory.experts_on_disk.0 + embedding_on_disk(&untied),
