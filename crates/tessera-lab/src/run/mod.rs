@@ -265,7 +265,10 @@ pub fn run(
     }
     drop(session);
     let baseline = opts.llama_bench.as_deref().and_then(|bench| {
-        let host = best_single_host(&candidates, &measured)?;
+        // Where no single host ran the model (a dense model larger than any: Tessera streams
+        // only experts), the first node's host: what a user with one of these machines runs.
+        let host = best_single_host(&candidates, &measured)
+            .or_else(|| scenario.graph.nodes.first().map(|n| n.name.clone()))?;
         let i = lab.host(&host).ok()?;
         progress(&format!(
             "llama.cpp on {host} under its caps (this can take minutes)"
