@@ -682,6 +682,11 @@ pub struct EmulatedDisk {
 impl EmulatedDisk {
     /// A disk of `profile`'s rates, holding nothing yet.
     pub fn new(profile: &DiskProfile) -> std::io::Result<Self> {
+        if !Path::new("/dev/fuse").exists() {
+            return Err(std::io::Error::other(
+                "an emulated disk is a FUSE file system and /dev/fuse is missing (modprobe fuse)",
+            ));
+        }
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name(format!("disk-{}", profile.name))
