@@ -199,7 +199,10 @@ impl Lab {
             disks: Vec::new(),
             floor: None,
         };
+        // The directories on each disk host's emulated disk, resolved once for all of them.
+        let mut dirs = Vec::new();
         if spec.hosts.iter().any(|h| h.disk.is_some()) {
+            dirs = disk_dirs(spec)?;
             for p in &spec.disk_paths {
                 let d = crate::disk::device_of(p)?;
                 if !lab.disks.iter().any(|x| x.id == d.id) {
@@ -235,22 +238,19 @@ impl Lab {
                 });
             }
             lab.hosts[i].cgroup = Cgroup::create(&name, &limits)?;
-            if let Some(p) = h.disk {
-                let dirs = disk_dirs(spec)?;
-                if !dirs.is_empty() {
-                    let mut disk = EmulatedDisk::new(&p)
-                        .map_err(|e| LabError::io(format!("starting {}'s disk", h.name), e))?;
-                    for (k, dir) in dirs.iter().enumerate() {
-                        let at = std::env::temp_dir().join(format!("{name}-disk{k}"));
-                        disk.add_view(dir, &at).map_err(|e| {
-                            LabError::io(
-                                format!("mounting {}'s disk over {}", h.name, dir.display()),
-                                e,
-                            )
-                        })?;
-                    }
-                    lab.hosts[i].emulated = Some(disk);
+            if let Some(p) = h.disk.filter(|_| !dirs.is_empty()) {
+                let mut disk = EmulatedDisk::new(&p)
+                    .map_err(|e| LabError::io(format!("starting {}'s disk", h.name), e))?;
+                for (k, dir) in dirs.iter().enumerate() {
+                    let at = std::env::temp_dir().join(format!("{name}-disk{k}"));
+                    disk.add_view(dir, &at).map_err(|e| {
+                        LabError::io(
+                            format!("mounting {}'s disk over {}", h.name, dir.display()),
+                            e,
+                        )
+                    })?;
                 }
+                lab.hosts[i].emulated = Some(disk);
             }
         }
         let switch = Switch::start(ports, Impairment::default(), spec.seed)?;
@@ -482,11 +482,7 @@ pub fn clean(all: bool) -> Cleaned {
         }
     }
     for dir in crate::cgroup::list(PREFIX) {
-        let name = dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default()
-            .to_string();
+        let name = last_name(&dir);
         if all || !owner_alive(&name) {
             crate::cgroup::remove(&dir);
             if !dir.exists() {
@@ -495,11 +491,7 @@ pub fn clean(all: bool) -> Cleaned {
         }
     }
     for at in crate::disk::emulated::leftover_views() {
-        let name = at
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default()
-            .to_string();
+        let name = last_name(&at);
         if name.starts_with(PREFIX)
             && (all || !owner_alive(&name))
             && crate::disk::emulated::unmount_leftover(&at).is_ok()
@@ -508,6 +500,14 @@ pub fn clean(all: bool) -> Cleaned {
         }
     }
     out
+}
+
+/// The last component of `path` (empty where it has none or it is not UTF-8).
+fn last_name(path: &Path) -> String {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// Whether the process named in `tlab-PID-...` still runs.

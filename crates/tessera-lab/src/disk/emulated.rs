@@ -166,12 +166,21 @@ fn errno(e: &std::io::Error) -> Errno {
     Errno::from_i32(e.raw_os_error().unwrap_or(libc::EIO))
 }
 
-fn attr(ino: u64, m: &std::fs::Metadata) -> FileAttr {
-    let kind = if m.is_dir() {
-        FileType::Directory
+/// What a view shows `m` as: directories and regular files only (symlinks, sockets and the
+/// like are not there).
+fn kind(m: &std::fs::Metadata) -> Option<FileType> {
+    if m.is_dir() {
+        Some(FileType::Directory)
+    } else if m.is_file() {
+        Some(FileType::RegularFile)
     } else {
-        FileType::RegularFile
-    };
+        None
+    }
+}
+
+/// The attributes of `m` (a directory or a regular file, [`kind`]) as inode `ino`.
+fn attr(ino: u64, m: &std::fs::Metadata) -> FileAttr {
+    let kind = kind(m).unwrap_or(FileType::RegularFile);
     let time = |s: i64| SystemTime::UNIX_EPOCH + Duration::from_secs(s.max(0) as u64);
     FileAttr {
         ino: INodeNo(ino),
@@ -208,7 +217,7 @@ impl View {
     /// The entry for `path`, numbered.
     fn entry(&self, path: PathBuf) -> Result<FileAttr, Errno> {
         let m = std::fs::symlink_metadata(&path).map_err(|e| errno(&e))?;
-        if !(m.is_dir() || m.is_file()) {
+        if kind(&m).is_none() {
             return Err(Errno::ENOENT);
         }
         let ino = self.inodes.lock().expect("inodes").number(path);
@@ -546,9 +555,8 @@ impl Filesystem for View {
     }
 
     fn statfs(&self, _req: &Request, ino: INodeNo, reply: fuser::ReplyStatfs) {
-        use std::os::unix::ffi::OsStrExt as _;
         let r = self.path(ino).and_then(|p| {
-            let c = std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| Errno::EIO)?;
+            let c = c_path(&p).map_err(|e| errno(&e))?;
             // SAFETY: statvfs fills the plain struct it is given, from a valid C string.
             let (r, v) = unsafe {
                 let mut v: libc::statvfs = std::mem::zeroed();
@@ -592,14 +600,7 @@ impl Filesystem for View {
                 .filter_map(|e| {
                     let e = e.ok()?;
                     let m = std::fs::symlink_metadata(e.path()).ok()?;
-                    let kind = if m.is_dir() {
-                        FileType::Directory
-                    } else if m.is_file() {
-                        FileType::RegularFile
-                    } else {
-                        return None;
-                    };
-                    Some((e.path(), kind))
+                    Some((e.path(), kind(&m)?))
                 })
                 .collect(),
             Err(e) => return reply.error(errno(&e)),
@@ -743,21 +744,24 @@ impl EmulatedDisk {
     }
 }
 
+/// `p` for a system call (an error where it holds a NUL byte).
+fn c_path(p: &Path) -> std::io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt as _;
+    std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other)
+}
+
 /// Makes `cmd`'s process see `views` at their sources: a mount namespace of its own (private,
 /// so nothing propagates back) with each view bound over the directory it shows.
 pub fn bind_in_child(
     cmd: &mut std::process::Command,
     views: &[MountedView],
 ) -> crate::error::Result<()> {
-    use std::ffi::CString;
-    use std::os::unix::ffi::OsStrExt as _;
     use std::os::unix::process::CommandExt as _;
     if views.is_empty() {
         return Ok(());
     }
     let c = |p: &Path| {
-        CString::new(p.as_os_str().as_bytes())
-            .map_err(|_| crate::error::LabError::Spec(format!("{} has a NUL", p.display())))
+        c_path(p).map_err(|_| crate::error::LabError::Spec(format!("{} has a NUL", p.display())))
     };
     let binds = views
         .iter()
@@ -813,9 +817,7 @@ pub fn leftover_views() -> Vec<PathBuf> {
 
 /// Unmounts a view left mounted and removes its directory.
 pub fn unmount_leftover(mount_point: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt as _;
-    let c = std::ffi::CString::new(mount_point.as_os_str().as_bytes())
-        .map_err(std::io::Error::other)?;
+    let c = c_path(mount_point)?;
     // SAFETY: a valid C string; a lazy unmount touches nothing of ours.
     if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
         return Err(std::io::Error::last_os_error());

@@ -9,18 +9,13 @@
 //! does (1 MiB direct reads, 4 in flight, the first 300 ms left out) from inside the host's
 //! cgroup.
 
-use std::path::Path;
-
 use serde::Serialize;
 use tessera_plan::{BytesPerSec, ResourceGraph};
 
-use crate::disk::measure::{direct_reads, ReadLoad, TestFile};
+use crate::disk::measure::{direct_reads, ReadLoad};
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::scenario::Scenario;
-
-/// The file the hosts read: large enough that random 1 MiB reads rarely repeat.
-const FILE: u64 = 128 << 20;
 
 /// What a host read under its cap.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -32,9 +27,9 @@ pub struct DiskRate {
 }
 
 /// Measures each scenario node whose host has a disk profile (host `i + 1` is node `i`),
-/// reading the model through the host's view of it, or where the host has none a file under
-/// `dir` (on the disk the caps bind), from inside the host's cgroup.
-pub fn measure(lab: &Lab, scenario: &Scenario, dir: &Path) -> Result<Vec<DiskRate>> {
+/// reading the model as the host sees it (through its emulated disk: the scenario puts the
+/// model's directory on every host's disk) from inside the host's cgroup.
+pub fn measure(lab: &Lab, scenario: &Scenario) -> Result<Vec<DiskRate>> {
     let capped: Vec<(usize, &str)> = scenario
         .graph
         .nodes
@@ -46,7 +41,9 @@ pub fn measure(lab: &Lab, scenario: &Scenario, dir: &Path) -> Result<Vec<DiskRat
     if capped.is_empty() {
         return Ok(Vec::new());
     }
-    let mut file = None;
+    let len = std::fs::metadata(&scenario.model)
+        .map_err(|e| LabError::io(format!("reading {}", scenario.model.display()), e))?
+        .len();
     let mut rates = Vec::new();
     for (host, node) in capped {
         let profile = lab.disk(host).expect("filtered");
@@ -55,22 +52,7 @@ pub fn measure(lab: &Lab, scenario: &Scenario, dir: &Path) -> Result<Vec<DiskRat
             .ok_or_else(|| LabError::Spec(format!("{node}: a capped host without a cgroup")))?;
         let enter = || cg.enter_thread();
         let seen = lab.through_disk(host, &scenario.model);
-        let target = if seen != scenario.model {
-            let len = std::fs::metadata(&seen)
-                .map_err(|e| LabError::io(format!("reading {}", seen.display()), e))?
-                .len();
-            (seen.as_path(), len)
-        } else {
-            if file.is_none() {
-                file = Some(
-                    TestFile::create(&dir.join("disk-rate-test"), FILE)
-                        .map_err(|e| LabError::io("writing the disk rate test file", e))?,
-                );
-            }
-            let f = file.as_ref().expect("just made");
-            (f.path.as_path(), f.len)
-        };
-        let r = direct_reads(target, &ReadLoad::bandwidth(), &enter)
+        let r = direct_reads((seen.as_path(), len), &ReadLoad::bandwidth(), &enter)
             .map_err(|e| LabError::io(format!("reading {node}'s disk under its cap"), e))?;
         rates.push(DiskRate {
             node: node.to_string(),

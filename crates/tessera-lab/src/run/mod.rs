@@ -132,7 +132,7 @@ pub fn run(
     let lab = Lab::start(&spec)?;
     progress(&format!("lab {} up: {} hosts", lab.id(), lab.len()));
     // Before any node starts, so that nothing else reads the disk.
-    let disk_rates = disk_rates::measure(&lab, scenario, dir)?;
+    let disk_rates = disk_rates::measure(&lab, scenario)?;
     for r in &disk_rates {
         progress(&format!(
             "{}'s disk under its {} cap: {:.0} MB/s",
