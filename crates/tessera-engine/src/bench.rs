@@ -80,6 +80,21 @@ pub struct StreamingReport {
     /// one thread builds them all, so this bounds how fast misses can be served.
     #[serde(default)]
     pub build_ms_per_step: f64,
+    /// Experts read on demand (the computation needed them and waited) per step.
+    #[serde(default)]
+    pub misses_per_step: f64,
+    /// Experts read ahead by prefetch per step, and the share of them a computation then used:
+    /// a wasted read takes disk time from the reads that count.
+    #[serde(default)]
+    pub prefetches_per_step: f64,
+    #[serde(default)]
+    pub prefetch_useful: f64,
+    /// The next layer's predicted experts: the share the layer then used (precision), and the
+    /// share of its used experts that had been predicted (recall).
+    #[serde(default)]
+    pub prediction_precision: f64,
+    #[serde(default)]
+    pub prediction_recall: f64,
 }
 
 impl fmt::Display for BenchReport {
@@ -133,7 +148,9 @@ impl fmt::Display for BenchReport {
                 "\nstreaming    budget {:.1} MiB: hit rate {:.1}%, {:.2} MiB of missed experts per \
                  token, disk {:.2} GB/s; disk-bound {:.1} tok/s, decode reaches {:.0}% of it \
                  (disk busy {:.0}%, waiting for reads {:.0}% of the decode: {:.2} of each \
-                 step's {:.2} ms; building read experts {:.2} ms a step)",
+                 step's {:.2} ms; building read experts {:.2} ms a step); a step reads \
+                 {:.1} experts on demand and {:.1} ahead ({:.0}% of them used; the next \
+                 layer's prediction {:.0}% precise, recalls {:.0}%)",
                 mib(s.budget_bytes),
                 100.0 * s.hit_rate,
                 s.missed_bytes_per_token / (1024.0 * 1024.0),
@@ -144,7 +161,12 @@ impl fmt::Display for BenchReport {
                 100.0 * s.read_wait,
                 s.read_wait_ms_per_step,
                 s.step_ms,
-                s.build_ms_per_step
+                s.build_ms_per_step,
+                s.misses_per_step,
+                s.prefetches_per_step,
+                100.0 * s.prefetch_useful,
+                100.0 * s.prediction_precision,
+                100.0 * s.prediction_recall
             )?;
         }
         Ok(())
@@ -300,6 +322,9 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
         }
     };
     let model = model.with_kv_type(kv_type)?;
+    // A streamed model's load ends when its cache holds what its budget allows (`fill.rs`):
+    // the decode measures the budget, not a cold cache warming up.
+    model.wait_experts_filled();
     let load_s = t.elapsed().as_secs_f64();
     let profile = ModelProfile::from_gguf(&g)?;
     let cfg = model.config().clone();
@@ -454,7 +479,26 @@ fn streaming_report(
         read_wait_ms_per_step: (b.read_wait_us - a.read_wait_us) as f64 / 1e3 / n,
         step_ms: decode_s * 1e3 / n,
         build_ms_per_step: (b.build_us - a.build_us) as f64 / 1e3 / n,
+        misses_per_step: (b.misses - a.misses) as f64 / n,
+        prefetches_per_step: (b.prefetch_issued - a.prefetch_issued) as f64 / n,
+        prefetch_useful: share(
+            b.prefetch_useful - a.prefetch_useful,
+            b.prefetch_issued - a.prefetch_issued,
+        ),
+        prediction_precision: share(
+            b.predicted_used - a.predicted_used,
+            b.predicted - a.predicted,
+        ),
+        prediction_recall: share(
+            b.predicted_used - a.predicted_used,
+            b.used_after_prediction - a.used_after_prediction,
+        ),
     })
+}
+
+/// `part / whole`, 0 where nothing was counted.
+fn share(part: u64, whole: u64) -> f64 {
+    part as f64 / whole.max(1) as f64
 }
 
 /// File byte ranges (gate, up, down) of `n` pseudo-random experts of the model.

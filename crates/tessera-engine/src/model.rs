@@ -223,6 +223,15 @@ impl Model {
         self.store.as_ref().map(ExpertStore::stats)
     }
 
+    /// Blocks until the expert store's cache holds what its budget allows
+    /// ([`ExpertStreaming::fill`]); returns at once where no expert is streamed or filling is
+    /// off. A model that fits is read whole by its load; this is the same for one that streams.
+    pub fn wait_experts_filled(&self) {
+        if let Some(store) = &self.store {
+            store.wait_filled();
+        }
+    }
+
     pub(crate) fn expert_store(&self) -> Option<&ExpertStore> {
         self.store.as_ref()
     }

@@ -19,7 +19,11 @@ fn streamed(g: &GgufFile, s: ExpertStreaming, threads: usize) -> Model {
 
 /// Built bytes of one expert (from a store with room for everything).
 fn expert_bytes(g: &GgufFile) -> u64 {
-    let m = streamed(g, ExpertStreaming::with_budget(u64::MAX / 2), 1);
+    let nothing_read = ExpertStreaming {
+        fill: false,
+        ..ExpertStreaming::with_budget(u64::MAX / 2)
+    };
+    let m = streamed(g, nothing_read, 1);
     m.expert_stats().unwrap().expert_bytes
 }
 
@@ -222,6 +226,7 @@ fn pinned_set_is_learned_and_stats_add_up() {
         ExpertStreaming {
             repin_every: 1,
             prefetch: false,
+            fill: false,
             ..ExpertStreaming::with_budget(eb * 4 * cfg.n_layer as u64)
         },
         1,
@@ -236,9 +241,72 @@ fn pinned_set_is_learned_and_stats_add_up() {
     assert!(st.pinned_experts > 0, "{st:?}");
     assert!(st.pinned_bytes <= st.budget_bytes / 4, "{st:?}");
     assert_eq!(st.tokens, PROMPTS[0].len() as u64 + 6);
-    // Without prefetch every byte read was a miss.
+    // Without prefetch or fill every byte read was a miss.
     assert_eq!(st.bytes_read, st.miss_bytes_read);
     assert_eq!(st.prefetch_issued, 0);
+    assert_eq!(st.filled, 0);
+}
+
+/// A new store fills its cache before anything asks: with room for every expert, the first
+/// request reads nothing; with room for some, the budget is used from the start (the LRUs and,
+/// before routing has chosen a pinned set, the pinned share), and the first pinned set keeps
+/// the fill's experts it wants and moves the others to their LRUs' room. Outputs stay
+/// bit-identical to the full load throughout.
+#[test]
+fn a_new_store_fills_its_budget_before_the_first_request() {
+    let g = common::open("small-qwen3moe-Q8_0.gguf");
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let full = common::full(&g, 2);
+    let eb = expert_bytes(&g);
+    let all = eb * (cfg.n_layer * cfg.n_expert) as u64;
+
+    let roomy = streamed(&g, ExpertStreaming::with_budget(all), 2);
+    roomy.wait_experts_filled();
+    let st = roomy.expert_stats().unwrap();
+    assert_eq!(st.filled, st.experts_served, "{st:?}");
+    assert_eq!(st.cached_bytes + st.pinned_bytes, all, "{st:?}");
+    compare("filled, room for all", &full, &roomy);
+    let st = roomy.expert_stats().unwrap();
+    assert_eq!((st.misses, st.hits), (0, st.lookups), "{st:?}");
+    assert_eq!(st.miss_bytes_read, 0, "{st:?}");
+
+    // Room for three experts a layer, a quarter of it pinned: every layer's LRU and the pinned
+    // share are full to within one expert before the first token.
+    let n_layer = cfg.n_layer as u64;
+    let budget = eb * 3 * n_layer;
+    let settings = ExpertStreaming {
+        repin_every: 2,
+        ..ExpertStreaming::with_budget(budget)
+    };
+    let some = streamed(&g, settings.clone(), 2);
+    some.wait_experts_filled();
+    let st = some.expert_stats().unwrap();
+    let held = st.cached_bytes + st.pinned_bytes;
+    assert!(
+        held <= budget && held + (n_layer + 1) * eb > budget,
+        "{st:?}"
+    );
+    assert!(
+        st.pinned_bytes > 0 && st.pinned_bytes <= budget / 4,
+        "{st:?}"
+    );
+    assert_eq!(st.misses, 0, "{st:?}");
+    assert_eq!(st.filled, held / eb, "{st:?}");
+    // Decoding re-learns the pinned set every two tokens: the fill's pins it does not want move
+    // to room in their LRUs, none is read twice for it, and the budget holds.
+    compare("filled, room for some", &full, &some);
+    let after = some.expert_stats().unwrap();
+    assert_eq!(after.lookups, after.hits + after.misses, "{after:?}");
+    assert!(after.hits > 0 && after.misses > 0, "{after:?}");
+    assert_eq!(
+        after.filled, st.filled,
+        "the fill reads only while the store is new"
+    );
+    assert!(
+        after.cached_bytes + after.pinned_bytes <= budget,
+        "{after:?}"
+    );
+    check_peak(&after, 2, &settings);
 }
 
 #[test]

@@ -204,20 +204,24 @@ impl Shared {
             bytes += b;
             wanted.insert((self.layers.at(li), e));
         }
-        // Unpin what is no longer wanted; pin what is wanted and already cached.
+        // Unpin what is no longer wanted; pin what is wanted and already cached; move what was
+        // unpinned to room left in its LRU (the fill's pins, chosen before any routing, land
+        // there), else let it go.
         let gone: Vec<_> = inner
             .pinned
             .keys()
             .filter(|k| !wanted.contains(k))
             .copied()
             .collect();
+        let mut unpinned = Vec::with_capacity(gone.len());
         for k in gone {
             if let Some(f) = inner.pinned.remove(&k) {
-                Self::lend(inner, &f);
+                unpinned.push((k, f));
             }
             inner.pinned_origin.remove(&k);
             inner.pinned_bytes -= self.src[self.layers.index(k.0)].packed;
         }
+        inner.pin_wanted = wanted.clone();
         for &k in &wanted {
             if inner.pinned.contains_key(&k) {
                 continue;
@@ -231,6 +235,25 @@ impl Shared {
                 self.try_pin(inner, k, &f, part);
             }
         }
-        inner.pin_wanted = wanted;
+        for (k, f) in unpinned {
+            let bytes = self.src[self.layers.index(k.0)].packed;
+            let lru = &mut inner.parts[self.part(k.0)];
+            if lru.bytes + lru.reserved + bytes <= lru.cap {
+                inner.tick += 1;
+                lru.bytes += bytes;
+                let (ffn, last, origin) = (f, inner.tick, Origin::Used);
+                lru.entries.insert(
+                    k,
+                    Entry {
+                        ffn,
+                        bytes,
+                        last,
+                        origin,
+                    },
+                );
+            } else {
+                Self::lend(inner, &f);
+            }
+        }
     }
 }

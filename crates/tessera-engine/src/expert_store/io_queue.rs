@@ -1,5 +1,5 @@
 //! The I/O queue: reads queued or running ([`Flight`]), *demand* reads always before *prefetch*
-//! reads, and the reader threads ([`reader_loop`]) that read the queued ranges. Each reader
+//! reads, and those before the cache's *fill* (`fill.rs`), and the reader threads ([`reader_loop`]) that read the queued ranges. Each reader
 //! builds (repacks, as a full load does) the matrix it has just read, into an evicted expert's
 //! allocation when there is one, so an expert's three matrices are built in parallel as they
 //! arrive; the reader that completes the third caches the expert. Free heap is returned to the
@@ -20,6 +20,8 @@ use tessera_host::direct_read::RawBuf;
 pub(super) enum Kind {
     Demand,
     Prefetch,
+    /// Read into free room of the cache while nothing else is queued (`fill.rs`).
+    Fill,
 }
 
 /// A read queued or running: its three ranges (gate, up, down) are read by the readers.
@@ -35,6 +37,8 @@ pub(super) struct Flight {
     pub(super) reserved: u64,
     /// Bytes of the window this read holds (0: not a window read).
     pub(super) windowed: u64,
+    /// A fill read bound for the pinned share (`fill.rs`).
+    pub(super) fill_pin: bool,
 }
 
 impl Flight {
@@ -47,6 +51,7 @@ impl Flight {
             err: None,
             reserved,
             windowed: 0,
+            fill_pin: false,
         }
     }
 
@@ -66,7 +71,7 @@ impl Flight {
 
 impl Shared {
     /// Queues a demand read of `key` unless it is resident or already being read; a queued
-    /// prefetch of it is promoted. With `ahead`, reads only into room the LRU can make (a
+    /// prefetch or fill read of it is promoted. With `ahead`, reads only into room the LRU can make (a
     /// computation looking it up later reads it anyway). Whether a read was queued or promoted.
     pub(super) fn queue_demand(&self, inner: &mut Inner, key: (usize, usize), ahead: bool) -> bool {
         if inner.pinned.contains_key(&key)
@@ -76,9 +81,18 @@ impl Shared {
             return false;
         }
         if let Some(fl) = inner.inflight.get_mut(&key) {
-            if fl.kind == Kind::Prefetch && !fl.started() {
+            if fl.kind != Kind::Demand && !fl.started() {
+                if fl.kind == Kind::Fill {
+                    inner.fill.flights -= 1;
+                    inner.fill.queue.retain(|k| *k != key);
+                    if fl.fill_pin {
+                        fl.fill_pin = false;
+                        inner.fill.pin_reserved -= self.src[self.layers.index(key.0)].packed;
+                    }
+                } else {
+                    inner.prefetch_q.retain(|k| *k != key);
+                }
                 fl.kind = Kind::Demand;
-                inner.prefetch_q.retain(|k| *k != key);
                 inner.demand_q.push_back(key);
                 return true;
             }
@@ -127,9 +141,16 @@ impl Shared {
         }
     }
 
-    /// The next range to read, `(key, m)`: demand reads first, then prefetches.
+    /// The next range to read, `(key, m)`: demand reads first, then prefetches, then the fill.
     fn next_range(&self, inner: &mut Inner) -> Option<((usize, usize), usize)> {
-        let key = *inner.demand_q.front().or(inner.prefetch_q.front())?;
+        if inner.demand_q.is_empty() && inner.prefetch_q.is_empty() && inner.fill.queue.is_empty() {
+            self.start_fill(inner);
+        }
+        let key = *inner
+            .demand_q
+            .front()
+            .or(inner.prefetch_q.front())
+            .or(inner.fill.queue.front())?;
         let fl = inner
             .inflight
             .get_mut(&key)
@@ -139,8 +160,10 @@ impl Shared {
         if fl.next_m == 3 {
             if inner.demand_q.front() == Some(&key) {
                 inner.demand_q.pop_front();
-            } else {
+            } else if inner.prefetch_q.front() == Some(&key) {
                 inner.prefetch_q.pop_front();
+            } else {
+                inner.fill.queue.pop_front();
             }
         }
         Some((key, m))
@@ -156,6 +179,9 @@ impl Shared {
     ) {
         let part = self.part(key.0);
         inner.parts[part].reserved -= fl.reserved;
+        if fl.kind == Kind::Fill {
+            inner.fill.flights -= 1;
+        }
         match read {
             Ok((ffn, bytes)) => {
                 inner.stats.bytes_read += bytes;
@@ -169,8 +195,18 @@ impl Shared {
                         inner.stats.prefetch_issued += 1;
                         Origin::Prefetched
                     }
+                    // In memory before anything asked for it: its lookups are hits.
+                    Kind::Fill => {
+                        inner.stats.filled += 1;
+                        Origin::Used
+                    }
                 };
-                if self.insert(inner, key, &ffn, origin) {
+                let inserted = if fl.kind == Kind::Fill {
+                    self.insert_filled(inner, key, &ffn, &fl)
+                } else {
+                    self.insert(inner, key, &ffn, origin)
+                };
+                if inserted {
                     inner.window_used -= fl.windowed;
                 } else if fl.kind == Kind::Demand {
                     inner.orphans.insert(key, ffn);
@@ -182,6 +218,9 @@ impl Shared {
                 }
             }
             Err(e) => {
+                if fl.fill_pin {
+                    inner.fill.pin_reserved -= self.src[self.layers.index(key.0)].packed;
+                }
                 inner.window_used -= fl.windowed;
                 if fl.kind == Kind::Demand {
                     inner.failed.insert(key, e.to_string());
@@ -291,7 +330,11 @@ pub(super) fn reader_loop(sh: &Shared) {
         };
         sh.complete(&mut inner, key, fl, read);
         sh.ready.notify_all();
-        if inner.demand_q.is_empty() && inner.prefetch_q.is_empty() && inner.inflight.is_empty() {
+        if inner.demand_q.is_empty()
+            && inner.prefetch_q.is_empty()
+            && inner.inflight.is_empty()
+            && inner.fill.finished()
+        {
             drop(inner);
             trim_heap();
             inner = lock(&sh.inner);

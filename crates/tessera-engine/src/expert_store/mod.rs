@@ -33,6 +33,11 @@
 //!   budgets), `read_parallelism` experts of the budget are set aside, and the misses beyond the
 //!   layer's room are read ahead through them, in the order the computation takes them, instead
 //!   of one at a time as it reaches them (see `window.rs`).
+//! - **Fill**: while no other read is queued, the readers read experts into the LRU's free room
+//!   (never evicting for it), one at a time, each layer in turn, from the moment the store opens
+//!   ([`ExpertStreaming::fill`], see `fill.rs`): a model slightly over its budget starts with
+//!   what the budget holds in memory, as a model that fits does, instead of paying a read for
+//!   each expert's first use. [`ExpertStore::wait_filled`] waits for it.
 //! - **Prefetch**: while layer `l` computes, the experts predicted for layer `l + 1` are read
 //!   behind the demand reads: layer `l + 1`'s router applied early to the current hidden state
 //!   (normed with layer `l + 1`'s FFN norm) gives each expert a predicted probability; only
@@ -47,6 +52,7 @@
 //! [`ExpertStats`] counts hits, misses, bytes read, prefetches and the pinned set.
 
 mod cache;
+mod fill;
 mod io_queue;
 mod peak;
 mod settings;
@@ -71,6 +77,7 @@ use crate::kernels::{Matrix, ThreadPool};
 use crate::weights::{Ffn, LoadSpec};
 
 use cache::{Lru, Origin, Spare};
+use fill::Fill;
 use io_queue::{reader_loop, Flight, Kind};
 use settings::Settings;
 use shared::{lock, Inner, LayerSrc, MatSrc, Served, Shared};
@@ -121,6 +128,7 @@ impl ExpertStore {
             .filter(|&l| config.is_moe_layer(l))
             .collect();
         let mut src = Vec::with_capacity(layers.len());
+        let mut held = Vec::with_capacity(layers.len());
         let mut served = 0u64;
         for &il in &layers {
             let mut mats = Vec::with_capacity(3);
@@ -175,7 +183,11 @@ impl ExpertStore {
                     )?;
                 }
             }
-            served += (0..n_expert).filter(|&e| spec.experts.holds(il, e)).count() as u64;
+            let experts: Vec<usize> = (0..n_expert)
+                .filter(|&e| spec.experts.holds(il, e))
+                .collect();
+            served += experts.len() as u64;
+            held.push(experts);
             src.push(LayerSrc { mats, packed });
         }
         let expert_bytes = src.iter().map(|s| s.packed).max().unwrap_or(0);
@@ -186,8 +198,19 @@ impl ExpertStore {
             )));
         }
         let n_layers = src.len().max(1) as u64;
-        // Split the budget: pinned share, then an LRU per layer if each gets one expert.
-        let pinned_try = ((budget as f64) * streaming.pinned_fraction.clamp(0.0, 1.0)) as u64;
+        // Split the budget: pinned share, then an LRU per layer if each gets one expert. A
+        // budget that holds every expert served needs no pinned set: nothing is ever evicted
+        // (and a pinned share would only move experts between a layer's LRU and itself).
+        let all_bytes: u64 = src
+            .iter()
+            .zip(&held)
+            .map(|(s, h)| s.packed * h.len() as u64)
+            .sum();
+        let pinned_try = if budget >= all_bytes {
+            0
+        } else {
+            ((budget as f64) * streaming.pinned_fraction.clamp(0.0, 1.0)) as u64
+        };
         let (pinned_cap, per_layer) = if (budget - pinned_try) / n_layers >= expert_bytes {
             (pinned_try, true)
         } else if budget / n_layers >= expert_bytes {
@@ -247,6 +270,7 @@ impl ExpertStore {
             stop: false,
             demand_q: VecDeque::new(),
             prefetch_q: VecDeque::new(),
+            fill: Fill::new(held, streaming.fill),
             orphans: HashMap::new(),
             orphan_window: HashMap::new(),
             window_used: 0,
@@ -304,6 +328,19 @@ impl ExpertStore {
     /// A pool of the calling thread alone (for the next layer's prediction).
     pub(crate) fn predict_pool(&self) -> &ThreadPool {
         &self.predict_pool
+    }
+
+    /// Blocks until the cache's fill (`fill.rs`) has nothing left to read: every layer's room
+    /// is full, or holds all its experts. Returns at once where filling is off.
+    pub fn wait_filled(&self) {
+        let mut inner = lock(&self.shared.inner);
+        while !inner.fill.finished() && !inner.stop {
+            inner = self
+                .shared
+                .ready
+                .wait(inner)
+                .unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// Whether the next layer's experts are prefetched.
@@ -578,7 +615,8 @@ impl ExpertStore {
                 }
                 match inner.inflight.get(&key).map(|f| f.kind) {
                     Some(kind) => {
-                        if kind == Kind::Demand {
+                        // A fill read this lookup waits for is as slow as a miss's.
+                        if kind != Kind::Prefetch {
                             missed[i] = true;
                         } else {
                             waited_prefetch = true;

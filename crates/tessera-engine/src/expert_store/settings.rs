@@ -26,6 +26,15 @@ pub struct ExpertStreaming {
     /// Least predicted router probability (softmax over all experts) of an expert read ahead.
     #[serde(default = "default_prefetch_min_prob")]
     pub prefetch_min_prob: f32,
+    /// Fill the cache from the file while no other read is queued, from the moment the store
+    /// opens: the first requests find in memory what the budget holds instead of waiting for
+    /// each expert's first read (see `fill.rs`).
+    #[serde(default = "default_fill")]
+    pub fill: bool,
+}
+
+fn default_fill() -> bool {
+    true
 }
 
 fn default_prefetch_max() -> usize {
@@ -39,7 +48,7 @@ fn default_prefetch_min_prob() -> f32 {
 impl ExpertStreaming {
     /// Defaults: a quarter of the budget pinned, re-learned every 16 tokens, prefetch on (at most
     /// 2 experts per layer, predicted probability at least 0.05), page cache bypassed, 4 reads in
-    /// flight.
+    /// flight, the cache filled from the start.
     pub fn with_budget(budget_bytes: u64) -> Self {
         Self {
             budget_bytes,
@@ -50,6 +59,7 @@ impl ExpertStreaming {
             read_parallelism: 4,
             prefetch_max: default_prefetch_max(),
             prefetch_min_prob: default_prefetch_min_prob(),
+            fill: default_fill(),
         }
     }
 }

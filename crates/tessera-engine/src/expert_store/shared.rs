@@ -10,6 +10,7 @@ use tessera_model::GgmlType;
 use crate::weights::Ffn;
 
 use super::cache::{Lru, Origin, Spare};
+use super::fill::Fill;
 use super::io_queue::Flight;
 use super::settings::Settings;
 use super::ExpertStats;
@@ -77,6 +78,8 @@ pub(super) struct Inner {
     pub(super) stop: bool,
     pub(super) demand_q: VecDeque<(usize, usize)>,
     pub(super) prefetch_q: VecDeque<(usize, usize)>,
+    /// The cache's fill (`fill.rs`), with its own queue.
+    pub(super) fill: Fill,
     /// Demand reads that completed without room in the cache, for their waiting computation.
     pub(super) orphans: HashMap<(usize, usize), Arc<Ffn>>,
     /// Window bytes held by orphans read through the window (released when taken).

@@ -51,6 +51,10 @@ pub struct ExpertStats {
     /// routing then needed were promoted to demand reads and count as misses).
     #[serde(default)]
     pub prefetch_dropped: u64,
+    /// Experts read into free room of the cache by its fill (`fill.rs`), before anything
+    /// asked for them.
+    #[serde(default)]
+    pub filled: u64,
     /// Microseconds computations spent waiting for reads (misses, and prefetches not yet in).
     #[serde(default)]
     pub read_wait_us: u64,
@@ -108,6 +112,7 @@ impl ExpertStats {
         self.prefetch_useful += other.prefetch_useful;
         self.prefetch_resident += other.prefetch_resident;
         self.prefetch_dropped += other.prefetch_dropped;
+        self.filled += other.filled;
         self.direct_io |= other.direct_io;
         self.read_wait_us += other.read_wait_us;
         self.build_us += other.build_us;

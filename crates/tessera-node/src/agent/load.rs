@@ -245,6 +245,12 @@ pub(super) async fn load_assignment(
                 Some(spec) => Some(load(spec, true)?),
                 None => None,
             };
+            // Loaded means holding what the plan gave it: streamed experts fill their budget
+            // (both stores fill at once).
+            m.wait_experts_filled();
+            if let Some(s) = &s {
+                s.wait_experts_filled();
+            }
             Ok((m, s, tokenizer))
         },
     )
