@@ -11,17 +11,19 @@
 # budget, not a cold cache.
 #
 #   tools/lab-stream-table.sh [DISK]      # DISK: emmc (default), sd, usb, sata-ssd; root
+#   MODEL=bench-models/bench-qwen3moe-walk-q4_0.gguf tools/lab-stream-table.sh   # the lab
+#       scenarios' MoE (the same geometry and budgets: 648 MiB of experts)
 #
 # Needs tessera (TESSERA=..., default target/release/tessera) and the model
 # (tools/make-bench-models.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T=${TESSERA:-target/release/tessera}
-M=bench-models/bench-qwen3moe-q4_0.gguf
+M=${MODEL:-bench-models/bench-qwen3moe-q4_0.gguf}
 DISK=${1:-emmc}
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-echo "start $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/'), disk $DISK" >&2
+echo "start $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/'), disk $DISK, $M" >&2
 "$T" bench -t 2 -p 8 -n 32 -r 1 --json -m "$M" 2>/dev/null >>"$out"
 for b in 540 324 216 130 65 32; do
   "$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -n 32 -r 1 --json \

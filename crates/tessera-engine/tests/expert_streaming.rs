@@ -366,7 +366,12 @@ fn expert_only_part_streams_its_experts() {
 fn stats_source_outlives_moves_and_sums() {
     let g = common::open("tiny-qwen3moe-Q8_0.gguf");
     let eb = expert_bytes(&g);
-    let s = streamed(&g, ExpertStreaming::with_budget(eb * 2), 1);
+    // No fill: the counters must not move between the two reads below.
+    let cold = ExpertStreaming {
+        fill: false,
+        ..ExpertStreaming::with_budget(eb * 2)
+    };
+    let s = streamed(&g, cold, 1);
     let source = s.expert_stats_source().expect("streamed");
     // The model moves to another thread (as a node's stage does); the handle still reads it.
     let h = std::thread::spawn(move || {

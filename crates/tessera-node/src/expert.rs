@@ -690,9 +690,11 @@ mod tests {
         let selection = ExpertSelection::same_in_every_layer(&b, cfg.n_layer);
         let spec = LoadSpec::experts_only(0..cfg.n_layer, selection);
         let load = |budget| {
-            // Without reading ahead every read is a miss's, within the request that made it.
+            // Without reading ahead or filling every read is a miss's, within the request
+            // that made it.
             let streaming = tessera_engine::ExpertStreaming {
                 prefetch: false,
+                fill: false,
                 ..tessera_engine::ExpertStreaming::with_budget(budget)
             };
             Model::load_streaming(&g, spec.clone(), streaming, 1, &mut |_, _| {}).unwrap()

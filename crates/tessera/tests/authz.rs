@@ -153,9 +153,12 @@ fn a_zero_proof_claim_does_not_use_up_a_single_use_token_and_a_huge_claim_is_ref
             len: 15 << 20,
         };
         let w = s.writer.get_mut();
-        w.write_all(&header.encode()).await.unwrap();
-        w.write_all(&[0x5a; 4096]).await.unwrap();
         let t0 = Instant::now();
+        // The coordinator may refuse from the header and close before these bytes are written:
+        // a write that finds the connection closed is that refusal, not a failure.
+        if w.write_all(&header.encode()).await.is_ok() {
+            let _ = w.write_all(&[0x5a; 4096]).await;
+        }
         let closed = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
         assert!(closed.is_ok(), "a 15 MiB claim kept the connection open");
         assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
