@@ -301,6 +301,7 @@ impl ExpertStore {
                 pinned_cap,
                 per_layer,
                 window_cap,
+                holds_all: budget >= all_bytes,
             },
             layers: Served(layers),
             src,
@@ -343,9 +344,9 @@ impl ExpertStore {
         }
     }
 
-    /// Whether the next layer's experts are prefetched.
+    /// Whether the next layer's experts are prefetched (not where the budget holds them all).
     pub fn prefetching(&self) -> bool {
-        self.shared.cfg.streaming.prefetch
+        self.shared.cfg.streaming.prefetch && !self.shared.cfg.holds_all
     }
 
     /// Current counters.

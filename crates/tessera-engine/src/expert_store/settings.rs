@@ -71,4 +71,7 @@ pub(super) struct Settings {
     pub(super) per_layer: bool,
     /// Bytes of the budget for reads a layer's cache has no room for (see `window.rs`).
     pub(super) window_cap: u64,
+    /// The budget holds every expert served: once filled nothing misses, so nothing is
+    /// predicted (the next layer's router product costs ~4% of a decode step).
+    pub(super) holds_all: bool,
 }
