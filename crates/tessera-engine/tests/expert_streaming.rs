@@ -248,7 +248,7 @@ fn pinned_set_is_learned_and_stats_add_up() {
 }
 
 /// A new store fills its cache before anything asks: with room for every expert, the first
-/// request reads nothing; with room for some, the budget is used from the start (the LRUs and,
+/// request reads nothing (and nothing is predicted); with room for some, the budget is used from the start (the LRUs and,
 /// before routing has chosen a pinned set, the pinned share), and the first pinned set keeps
 /// the fill's experts it wants and moves the others to their LRUs' room. Outputs stay
 /// bit-identical to the full load throughout.
@@ -269,6 +269,8 @@ fn a_new_store_fills_its_budget_before_the_first_request() {
     let st = roomy.expert_stats().unwrap();
     assert_eq!((st.misses, st.hits), (0, st.lookups), "{st:?}");
     assert_eq!(st.miss_bytes_read, 0, "{st:?}");
+    // Nothing can miss, so nothing is predicted (the router product would only cost time).
+    assert_eq!(st.predicted, 0, "{st:?}");
 
     // Room for three experts a layer, a quarter of it pinned: every layer's LRU and the pinned
     // share are full to within one expert before the first token.
@@ -302,6 +304,7 @@ fn a_new_store_fills_its_budget_before_the_first_request() {
         after.filled, st.filled,
         "the fill reads only while the store is new"
     );
+    assert!(after.predicted > 0, "{after:?}");
     assert!(
         after.cached_bytes + after.pinned_bytes <= budget,
         "{after:?}"
