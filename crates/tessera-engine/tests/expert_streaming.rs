@@ -248,9 +248,10 @@ fn pinned_set_is_learned_and_stats_add_up() {
 }
 
 /// A new store fills its cache before anything asks: with room for every expert, the first
-/// request reads nothing (and nothing is predicted); with room for some, the budget is used from the start (the LRUs and,
-/// before routing has chosen a pinned set, the pinned share), and the first pinned set keeps
-/// the fill's experts it wants and moves the others to their LRUs' room. Outputs stay
+/// request reads nothing (and nothing is predicted); with room for some, the budget is used
+/// from the start (the LRUs and, before routing has chosen a pinned set, the pinned share), and
+/// the first pinned set keeps the fill's experts it wants and moves the others to their LRUs'
+/// room. Outputs stay
 /// bit-identical to the full load throughout.
 #[test]
 fn a_new_store_fills_its_budget_before_the_first_request() {

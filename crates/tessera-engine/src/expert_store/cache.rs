@@ -83,6 +83,32 @@ impl Spare {
 }
 
 impl Lru {
+    /// Whether `need` more bytes fit beside the entries and the reservations, evicting nothing.
+    pub(super) fn fits(&self, need: u64) -> bool {
+        self.bytes + self.reserved + need <= self.cap
+    }
+
+    /// Adds `key` (`bytes` built), last used at `last`.
+    pub(super) fn put(
+        &mut self,
+        key: (usize, usize),
+        ffn: Arc<Ffn>,
+        bytes: u64,
+        last: u64,
+        origin: Origin,
+    ) {
+        self.bytes += bytes;
+        self.entries.insert(
+            key,
+            Entry {
+                ffn,
+                bytes,
+                last,
+                origin,
+            },
+        );
+    }
+
     /// Evicts least recently used entries, neither in use nor in `keep`, until `need` more
     /// bytes fit beside the entries and the reservations; their allocations go to `spare`.
     pub(super) fn make_room(
@@ -91,7 +117,7 @@ impl Lru {
         keep: &HashSet<(usize, usize)>,
         spare: &mut Spare,
     ) -> bool {
-        while self.bytes + self.reserved + need > self.cap {
+        while !self.fits(need) {
             let victim = self
                 .entries
                 .iter()
@@ -151,16 +177,7 @@ impl Shared {
         if !lru.make_room(bytes, &keep, &mut inner.spare) {
             return false;
         }
-        lru.bytes += bytes;
-        lru.entries.insert(
-            key,
-            Entry {
-                ffn: Arc::clone(ffn),
-                bytes,
-                last: tick,
-                origin: o,
-            },
-        );
+        lru.put(key, Arc::clone(ffn), bytes, tick, o);
         true
     }
 
@@ -221,7 +238,6 @@ impl Shared {
             inner.pinned_origin.remove(&k);
             inner.pinned_bytes -= self.src[self.layers.index(k.0)].packed;
         }
-        inner.pin_wanted = wanted.clone();
         for &k in &wanted {
             if inner.pinned.contains_key(&k) {
                 continue;
@@ -235,22 +251,14 @@ impl Shared {
                 self.try_pin(inner, k, &f, part);
             }
         }
+        inner.pin_wanted = wanted;
         for (k, f) in unpinned {
             let bytes = self.src[self.layers.index(k.0)].packed;
-            let lru = &mut inner.parts[self.part(k.0)];
-            if lru.bytes + lru.reserved + bytes <= lru.cap {
+            let part = self.part(k.0);
+            if inner.parts[part].fits(bytes) {
                 inner.tick += 1;
-                lru.bytes += bytes;
-                let (ffn, last, origin) = (f, inner.tick, Origin::Used);
-                lru.entries.insert(
-                    k,
-                    Entry {
-                        ffn,
-                        bytes,
-                        last,
-                        origin,
-                    },
-                );
+                let tick = inner.tick;
+                inner.parts[part].put(k, f, bytes, tick, Origin::Used);
             } else {
                 Self::lend(inner, &f);
             }

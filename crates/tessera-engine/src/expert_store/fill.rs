@@ -52,6 +52,16 @@ impl Fill {
         }
     }
 
+    /// Ends fill read `fl` (of an expert of `bytes` built), read or promoted to a demand read:
+    /// it no longer counts as the fill's, nor holds room in the pinned share.
+    pub(super) fn end(&mut self, fl: &mut Flight, bytes: u64) {
+        self.flights -= 1;
+        if fl.fill_pin {
+            fl.fill_pin = false;
+            self.pin_reserved -= bytes;
+        }
+    }
+
     /// Whether the fill has nothing queued or running and nothing left to read.
     pub(super) fn finished(&self) -> bool {
         self.done && self.flights == 0
@@ -61,8 +71,9 @@ impl Fill {
 impl Shared {
     /// Queues the next fill read, if the fill is not done and none is queued or running: the
     /// next expert absent from memory of the next layer (in turn) whose LRU has room for it
-    /// without evicting, or else room in the pinned share while no pinned set is chosen. Marks the fill done (and wakes [`ExpertStore::wait_filled`]) when there
-    /// is none. Whether one was queued.
+    /// without evicting, or else room in the pinned share while no pinned set is chosen. Marks
+    /// the fill done (and wakes [`ExpertStore::wait_filled`]) when there is none. Whether one
+    /// was queued.
     ///
     /// [`ExpertStore::wait_filled`]: super::ExpertStore::wait_filled
     pub(super) fn start_fill(&self, inner: &mut Inner) -> bool {
@@ -76,8 +87,7 @@ impl Shared {
             let layer = self.layers.at(li);
             let bytes = self.src[li].packed;
             let part = self.part(layer);
-            let lru = &inner.parts[part];
-            let to_lru = lru.bytes + lru.reserved + bytes <= lru.cap;
+            let to_lru = inner.parts[part].fits(bytes);
             let to_pin = inner.pin_wanted.is_empty()
                 && inner.pinned_bytes + inner.fill.pin_reserved + bytes <= self.cfg.pinned_cap;
             if !to_lru && !to_pin {
@@ -108,18 +118,18 @@ impl Shared {
         false
     }
 
-    /// Puts a fill read bound for the pinned share there, while no pinned set is chosen (else
-    /// where [`Shared::insert`] puts any read). Whether it found room.
+    /// Puts a fill read bound for the pinned share (`to_pin`, its reservation already ended)
+    /// there, while no pinned set is chosen (else where [`Shared::insert`] puts any read).
+    /// Whether it found room.
     pub(super) fn insert_filled(
         &self,
         inner: &mut Inner,
         key: (usize, usize),
         ffn: &std::sync::Arc<crate::weights::Ffn>,
-        fl: &Flight,
+        to_pin: bool,
     ) -> bool {
-        if fl.fill_pin {
+        if to_pin {
             let bytes = self.src[self.layers.index(key.0)].packed;
-            inner.fill.pin_reserved -= bytes;
             if inner.pin_wanted.is_empty() && inner.pinned_bytes + bytes <= self.cfg.pinned_cap {
                 inner.pinned.insert(key, std::sync::Arc::clone(ffn));
                 inner.pinned_bytes += bytes;

@@ -1,6 +1,6 @@
 //! The I/O queue: reads queued or running ([`Flight`]), *demand* reads always before *prefetch*
-//! reads, and those before the cache's *fill* (`fill.rs`), and the reader threads ([`reader_loop`]) that read the queued ranges. Each reader
-//! builds (repacks, as a full load does) the matrix it has just read, into an evicted expert's
+//! reads and those before the cache's *fill* (`fill.rs`), and the reader threads
+//! ([`reader_loop`]) that read the queued ranges. Each reader builds (repacks, as a full load does) the matrix it has just read, into an evicted expert's
 //! allocation when there is one, so an expert's three matrices are built in parallel as they
 //! arrive; the reader that completes the third caches the expert. Free heap is returned to the
 //! system when the queues drain.
@@ -71,8 +71,9 @@ impl Flight {
 
 impl Shared {
     /// Queues a demand read of `key` unless it is resident or already being read; a queued
-    /// prefetch or fill read of it is promoted. With `ahead`, reads only into room the LRU can make (a
-    /// computation looking it up later reads it anyway). Whether a read was queued or promoted.
+    /// prefetch or fill read of it is promoted. With `ahead`, reads only into room the LRU can
+    /// make (a computation looking it up later reads it anyway). Whether a read was queued or
+    /// promoted.
     pub(super) fn queue_demand(&self, inner: &mut Inner, key: (usize, usize), ahead: bool) -> bool {
         if inner.pinned.contains_key(&key)
             || inner.orphans.contains_key(&key)
@@ -83,12 +84,10 @@ impl Shared {
         if let Some(fl) = inner.inflight.get_mut(&key) {
             if fl.kind != Kind::Demand && !fl.started() {
                 if fl.kind == Kind::Fill {
-                    inner.fill.flights -= 1;
+                    inner
+                        .fill
+                        .end(fl, self.src[self.layers.index(key.0)].packed);
                     inner.fill.queue.retain(|k| *k != key);
-                    if fl.fill_pin {
-                        fl.fill_pin = false;
-                        inner.fill.pin_reserved -= self.src[self.layers.index(key.0)].packed;
-                    }
                 } else {
                     inner.prefetch_q.retain(|k| *k != key);
                 }
@@ -174,13 +173,16 @@ impl Shared {
         &self,
         inner: &mut Inner,
         key: (usize, usize),
-        fl: Flight,
+        mut fl: Flight,
         read: Result<(Ffn, u64)>,
     ) {
         let part = self.part(key.0);
         inner.parts[part].reserved -= fl.reserved;
+        let to_pin = fl.fill_pin;
         if fl.kind == Kind::Fill {
-            inner.fill.flights -= 1;
+            inner
+                .fill
+                .end(&mut fl, self.src[self.layers.index(key.0)].packed);
         }
         match read {
             Ok((ffn, bytes)) => {
@@ -202,7 +204,7 @@ impl Shared {
                     }
                 };
                 let inserted = if fl.kind == Kind::Fill {
-                    self.insert_filled(inner, key, &ffn, &fl)
+                    self.insert_filled(inner, key, &ffn, to_pin)
                 } else {
                     self.insert(inner, key, &ffn, origin)
                 };
@@ -218,9 +220,6 @@ impl Shared {
                 }
             }
             Err(e) => {
-                if fl.fill_pin {
-                    inner.fill.pin_reserved -= self.src[self.layers.index(key.0)].packed;
-                }
                 inner.window_used -= fl.windowed;
                 if fl.kind == Kind::Demand {
                     inner.failed.insert(key, e.to_string());

@@ -206,7 +206,8 @@ impl ExpertStore {
             .zip(&held)
             .map(|(s, h)| s.packed * h.len() as u64)
             .sum();
-        let pinned_try = if budget >= all_bytes {
+        let holds_all = budget >= all_bytes;
+        let pinned_try = if holds_all {
             0
         } else {
             ((budget as f64) * streaming.pinned_fraction.clamp(0.0, 1.0)) as u64
@@ -301,7 +302,7 @@ impl ExpertStore {
                 pinned_cap,
                 per_layer,
                 window_cap,
-                holds_all: budget >= all_bytes,
+                holds_all,
             },
             layers: Served(layers),
             src,
