@@ -181,6 +181,11 @@ impl Shared {
         true
     }
 
+    /// Experts of `layer` pinned now.
+    pub(super) fn pinned_in(inner: &Inner, layer: usize) -> usize {
+        inner.pinned.keys().filter(|k| k.0 == layer).count()
+    }
+
     /// Moves a cached expert into the pinned set if there is room.
     pub(super) fn try_pin(
         &self,
@@ -200,26 +205,23 @@ impl Shared {
         inner.pinned_bytes += bytes;
     }
 
-    /// Re-learns the pinned set: the most used experts over all layers that fit its share.
+    /// Re-learns the pinned set: each layer's most used experts, as many as its quota.
     pub(super) fn repin(&self, inner: &mut Inner) {
-        let mut all: Vec<(u64, usize, usize)> = Vec::new();
-        for (li, c) in inner.counts.iter().enumerate() {
-            for (e, &n) in c.iter().enumerate() {
-                if n > 0 {
-                    all.push((n, li, e));
-                }
-            }
-        }
-        all.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         let mut wanted = HashSet::new();
-        let mut bytes = 0;
-        for (_, li, e) in all {
-            let b = self.src[li].packed;
-            if bytes + b > self.cfg.pinned_cap {
-                break;
-            }
-            bytes += b;
-            wanted.insert((self.layers.at(li), e));
+        for (li, c) in inner.counts.iter().enumerate() {
+            let mut used: Vec<(u64, usize)> = c
+                .iter()
+                .enumerate()
+                .filter(|(_, &n)| n > 0)
+                .map(|(e, &n)| (n, e))
+                .collect();
+            used.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+            let layer = self.layers.at(li);
+            wanted.extend(
+                used.iter()
+                    .take(self.cfg.pin_quota[li])
+                    .map(|&(_, e)| (layer, e)),
+            );
         }
         // Unpin what is no longer wanted; pin what is wanted and already cached; move what was
         // unpinned to room left in its LRU (the fill's pins, chosen before any routing, land

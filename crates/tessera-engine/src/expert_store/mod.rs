@@ -21,9 +21,14 @@
 //!   thread builds each expert as soon as its bytes arrive. Experts are built on that one thread,
 //!   so their memory comes from one allocator arena (it is trimmed when the queue drains).
 //! - **Cache**: a pinned hot set (a share of the budget, learned from observed routing counts:
-//!   every [`ExpertStreaming::repin_every`] tokens the most used experts over all layers are
-//!   chosen, and are kept once loaded) plus an LRU per layer for the rest of the budget (one LRU
-//!   shared by all layers when the budget cannot give every layer one expert). A read reserves
+//!   every [`ExpertStreaming::repin_every`] tokens each layer's most used experts are chosen,
+//!   as many as its quota, and are kept once loaded) plus an LRU per layer for the rest of the
+//!   budget (one LRU shared by all layers when the budget cannot give every layer one expert).
+//!   Every layer routes a token to as many experts, so each holds as many, pinned and cached
+//!   together, in whole experts: a quota chosen over all layers at once left the layers it
+//!   favoured less their LRU's room, and the others missed more (an expert split's owner with
+//!   2% of its experts left on disk missed 4% of its lookups), and an LRU's room for a fraction
+//!   of an expert in each layer stayed idle. A read reserves
 //!   its room when it is queued, so reads in flight never push the cache past its share. Experts
 //!   in use by a computation, and those the current layer's routing asked for, are never
 //!   evicted; `moe_experts` computes a layer's experts in chunks no larger than the layer's LRU,
@@ -58,8 +63,11 @@ mod peak;
 mod settings;
 mod shared;
 mod stats;
+#[cfg(test)]
+mod tests;
 mod window;
 
+use settings::whole_experts;
 pub use settings::ExpertStreaming;
 pub use stats::{ExpertStats, ExpertStatsSource};
 pub use tessera_host::direct_read::measure_read_bandwidth;
@@ -233,18 +241,35 @@ impl ExpertStore {
             0
         };
         let lru_total = unpinned - window_cap;
-        let parts = if per_layer {
-            (0..n_layers)
-                .map(|_| Lru {
-                    cap: lru_total / n_layers,
+        // Every layer routes a token to as many experts as any other, so each holds as many
+        // (pinned and cached together), in whole experts: the pinned set is chosen layer by
+        // layer within its quota, and no layer's LRU keeps a fraction of an expert's room idle.
+        let (parts, pin_quota, pinned_cap) = if per_layer {
+            let packed: Vec<u64> = src.iter().map(|s| s.packed).collect();
+            let counts: Vec<usize> = held.iter().map(Vec::len).collect();
+            let slots = whole_experts(budget - window_cap, &packed, &counts);
+            let quota = whole_experts(
+                pinned_cap,
+                &packed,
+                &slots
+                    .iter()
+                    .map(|s| s.saturating_sub(1))
+                    .collect::<Vec<_>>(),
+            );
+            let parts = (0..slots.len())
+                .map(|l| Lru {
+                    cap: (slots[l] - quota[l]) as u64 * packed[l],
                     ..Lru::default()
                 })
-                .collect()
+                .collect();
+            let pinned = (0..quota.len()).map(|l| quota[l] as u64 * packed[l]).sum();
+            (parts, quota, pinned)
         } else {
-            vec![Lru {
+            let parts = vec![Lru {
                 cap: lru_total,
                 ..Lru::default()
-            }]
+            }];
+            (parts, vec![0; src.len()], 0)
         };
         let open_err = |e: std::io::Error| EngineError::Tensor {
             tensor: "experts".into(),
@@ -300,6 +325,7 @@ impl ExpertStore {
             cfg: Settings {
                 streaming,
                 pinned_cap,
+                pin_quota,
                 per_layer,
                 window_cap,
                 holds_all,

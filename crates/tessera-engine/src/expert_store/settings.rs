@@ -1,6 +1,6 @@
 //! How a part streams its experts ([`ExpertStreaming`], see the parent module's doc), and the
-//! settings the store derives from it when it opens: the pinned share of the budget and whether
-//! each layer gets its own LRU.
+//! settings the store derives from it when it opens: the pinned share of the budget, whether
+//! each layer gets its own LRU, and each layer's share in whole experts.
 
 use serde::{Deserialize, Serialize};
 
@@ -68,10 +68,55 @@ impl ExpertStreaming {
 pub(super) struct Settings {
     pub(super) streaming: ExpertStreaming,
     pub(super) pinned_cap: u64,
+    /// Experts of each served layer (by position) the pinned set may hold.
+    pub(super) pin_quota: Vec<usize>,
     pub(super) per_layer: bool,
     /// Bytes of the budget for reads a layer's cache has no room for (see `window.rs`).
     pub(super) window_cap: u64,
     /// The budget holds every expert served: once filled nothing misses, so nothing is
     /// predicted (the next layer's router product costs ~4% of a decode step).
     pub(super) holds_all: bool,
+}
+
+/// `bytes` shared among layers as whole experts (`packed[l]` bytes each, at most `held[l]` of
+/// them): one expert to each layer in turn while one fits, so that the layers' shares differ by
+/// at most one expert (where their sizes are equal) and no share keeps room for a fraction of
+/// one idle.
+pub(super) fn whole_experts(bytes: u64, packed: &[u64], held: &[usize]) -> Vec<usize> {
+    let mut slots = vec![0; packed.len()];
+    let mut left = bytes;
+    loop {
+        let mut gave = false;
+        for l in 0..packed.len() {
+            if slots[l] < held[l] && packed[l] > 0 && packed[l] <= left {
+                slots[l] += 1;
+                left -= packed[l];
+                gave = true;
+            }
+        }
+        if !gave {
+            return slots;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::whole_experts;
+
+    #[test]
+    fn layers_share_a_budget_in_whole_experts_evenly() {
+        // 270.2 experts' bytes over 12 layers of 23: 6 layers hold 23, 6 hold 22, and the
+        // fifth of an expert left over is all that stays idle (an equal share in bytes gave
+        // each layer 22.5, of which an LRU keeps 22).
+        let slots = whole_experts(2702, &[10; 12], &[23; 12]);
+        assert_eq!(slots.iter().sum::<usize>(), 270);
+        assert!(slots.iter().all(|&s| s == 22 || s == 23), "{slots:?}");
+        // A layer holding fewer experts leaves its share to the others.
+        let slots = whole_experts(100, &[10; 3], &[1, 8, 8]);
+        assert_eq!(slots, vec![1, 5, 4]);
+        // Experts of different sizes: each layer in turn while one of its own fits.
+        assert_eq!(whole_experts(25, &[10, 5], &[9, 9]), vec![2, 1]);
+        assert_eq!(whole_experts(9, &[10, 10], &[9, 9]), vec![0, 0]);
+    }
 }
