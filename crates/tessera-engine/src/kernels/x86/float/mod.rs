@@ -59,9 +59,10 @@ pub(crate) use lane_major::prepare_lane_major;
 //   accumulators in registers (no buffer of every lane's sums read and written along the way,
 //   which bound the earlier block-by-block sweep on loads and stores), the lanes' sums stored
 //   once. A pass reads two cache lines (F16) of every 2 KiB block, so the weights are streamed by
-//   prefetches instead: during each pass its share of the next group, in address order (the group
-//   then sits in L2 when its passes begin), and the lines two passes on in this group (the first
-//   group of a task, which nothing prefetched). Measured on the dense bench geometry's matmuls (28
+//   prefetches instead: during each pass its share of the next group into L2, in address order
+//   (the group then sits in L2 when its passes begin; into L1 it evicted the lines the current
+//   passes were about to read where L1 is 32 KiB, a group's size), and into L1 the lines two
+//   passes on in this group (the first group of a task, which nothing prefetched). Measured on the dense bench geometry's matmuls (28
 //   layers, F16, 1 token, the old sweep and the passes alternated in one process, median of 10
 //   passes each, AMD EPYC Zen 3 under load 4.3–4.7): 1 thread 9.6–10.4 → 12.1–12.6 tok/s of
 //   matmuls, 2 tokens 17.5 → 21.6.
