@@ -1,8 +1,9 @@
 //! Kernel throughput: GB/s of weights streamed and GFLOP/s per dtype and shape, for 1 and 64
 //! tokens and 1 and 2 threads, next to this machine's measured read bandwidth.
 //!
-//! `cargo run --release -p tessera-engine --example kernel_bench [-- DTYPE... | --model]`
-//! (set `TESSERA_MAX_ISA=scalar|avx2` to cap the path). Weights are random; each
+//! `cargo run --release -p tessera-engine --example kernel_bench [-- [--model] DTYPE...]`
+//! (set `TESSERA_MAX_ISA=scalar|avx2` to cap the path; `--model` times one dense forward
+//! pass's matmuls, of Q4_0 and Q8_0 unless types are named). Weights are random; each
 //! matrix is replicated so that a timed pass streams well over the last-level cache, like a
 //! decode step does. Times are the fastest of repeated calls (the machines are shared).
 
@@ -160,7 +161,7 @@ fn main() {
     }
 
     if model {
-        model_sim(&pools);
+        model_sim(&pools, &only);
         return;
     }
     println!(
@@ -218,8 +219,9 @@ fn main() {
 }
 
 /// The matmuls of one qwen3-dense forward pass (hidden 1024, 28 layers, 16 q heads × 128,
-/// 8 kv heads, FFN 3072, vocab 32000), distinct weights per layer: matmul-only tok/s.
-fn model_sim(pools: &[ThreadPool]) {
+/// 8 kv heads, FFN 3072, vocab 32000), distinct weights per layer: matmul-only tok/s, for
+/// each of `only`'s types (Q4_0 and Q8_0 if none).
+fn model_sim(pools: &[ThreadPool], only: &[&String]) {
     let (hidden, layers, q_dim, kv_dim, ffn, vocab) = (1024, 28, 2048, 1024, 3072, 32000);
     let mut per_layer = vec![
         (q_dim, hidden),
@@ -229,7 +231,15 @@ fn model_sim(pools: &[ThreadPool]) {
     ];
     per_layer.extend([(ffn, hidden), (ffn, hidden), (hidden, ffn)]);
     let mut rng = Rng(42);
-    for dtype in [GgmlType::Q4_0, GgmlType::Q8_0] {
+    let dtypes: Vec<GgmlType> = if only.is_empty() {
+        vec![GgmlType::Q4_0, GgmlType::Q8_0]
+    } else {
+        DTYPES
+            .into_iter()
+            .filter(|d| only.iter().any(|s| s.eq_ignore_ascii_case(&d.to_string())))
+            .collect()
+    };
+    for dtype in dtypes {
         let mut mats = Vec::new();
         for _ in 0..layers {
             for &(r, c) in &per_layer {

@@ -4,6 +4,15 @@
 //! of 16 rows and each i32/f32 lane accumulates one row (no horizontal sums, and the same
 //! per-row arithmetic whatever the batch). Float types store each column's 16 values together.
 //!
+//! F16 and BF16 also store their columns in the order the x86 decode reads them
+//! ([`float_column`]): `scalar::float_row`'s 64 lane chains (lane `L` takes column `L` of every
+//! 64, BF16 columns `2L + 1` and `2L`) are read a few neighbouring lanes at a time over every
+//! 64-column block, so the columns of those lanes in each block (a "chunk": 4 F16 columns, 8
+//! BF16, 128 and 256 bytes) are stored together, chunk after chunk of one set of lanes, then
+//! the next set. A decode pass then streams one run of memory instead of 128 bytes of every
+//! 2 KiB, and the whole group is read front to back. F32 keeps column order (its AVX-512
+//! decode sweeps every lane at once in column order).
+//!
 //! Q4_0/Q8_0: rows are taken in groups of [`GROUP`] (the last group padded
 //! with zero rows). For each group and each 32-column block we store the 16 rows' f16 scales
 //! (32 bytes), then the quant bytes in chunks of 4 per row: chunk `k` holds bytes `4k..4k+4` of
@@ -24,7 +33,9 @@ use std::sync::Arc;
 
 use tessera_model::GgmlType;
 
-use super::scalar::{dequantize_block, f16_at, q1_codes, scales_mins_k4};
+use super::scalar::{
+    dequantize_block, f16_at, float_kind, q1_codes, scales_mins_k4, FLOAT_BF16, FLOAT_F16,
+};
 use super::KernelError;
 
 /// Rows per interleaved group.
@@ -203,7 +214,7 @@ impl Matrix {
                 super::lut4::interleave(super::lut4::is_nl(dtype), src, rows, cols, buf)
             }
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-                interleave_float(dtype.block_bytes(), src, rows, cols, buf)
+                interleave_float(dtype, src, rows, cols, buf)
             }
         }
     }
@@ -315,8 +326,9 @@ impl Matrix {
         match self.dtype {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 let es = self.dtype.block_bytes();
+                let (chunk, np) = (float_chunk(float_kind(self.dtype)), self.cols / 64 * 64);
                 for (i, y) in out.iter_mut().enumerate() {
-                    let o = (i * GROUP + r) * es;
+                    let o = (float_column(chunk, i, np) * GROUP + r) * es;
                     dequantize_block(self.dtype, &data[o..o + es], std::slice::from_mut(y));
                 }
             }
@@ -620,16 +632,48 @@ fn interleave_q6k(src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8>
     out
 }
 
+/// Columns per chunk of a float group of kind `k` (`scalar::FLOAT_*`; [`float_column`]): F16
+/// 4, BF16 8 (a decode pass's four lanes, 128 and 256 bytes); F32 0, kept in column order.
+pub(crate) const fn float_chunk(k: u8) -> usize {
+    match k {
+        FLOAT_F16 => 4,
+        FLOAT_BF16 => 8,
+        _ => 0,
+    }
+}
+
+/// Where a float group stores its column `e` (in columns from the group's start), `np` being
+/// its columns in whole 64s: within those, chunk `c` (columns `c·chunk..(c+1)·chunk` of each
+/// 64) of every block in block order, then chunk `c + 1`'s; columns past `np`, and every
+/// column where `chunk` is 0, in place.
+#[inline(always)]
+pub(crate) fn float_column(chunk: usize, e: usize, np: usize) -> usize {
+    if chunk == 0 || e >= np {
+        return e;
+    }
+    ((e % 64) / chunk * (np / 64) + e / 64) * chunk + e % chunk
+}
+
 /// Float weights: for each column, the 16 rows' values side by side (16 × `es` bytes), so one
-/// load feeds 16 row accumulators with a broadcast activation.
-fn interleave_float(es: usize, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+/// load feeds 16 row accumulators with a broadcast activation; the columns where
+/// [`float_column`] puts them.
+fn interleave_float(
+    dtype: GgmlType,
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    buf: Vec<u8>,
+) -> Vec<u8> {
+    let es = dtype.block_bytes();
+    let (chunk, np) = (float_chunk(float_kind(dtype)), cols / 64 * 64);
     let groups = rows.div_ceil(GROUP);
     let mut out = zeroed(buf, groups * cols * GROUP * es);
     for (g, gdst) in out.chunks_exact_mut(cols * GROUP * es).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * cols * es..(g * GROUP + r + 1) * cols * es];
             for (i, v) in row.chunks_exact(es).enumerate() {
-                gdst[(i * GROUP + r) * es..(i * GROUP + r + 1) * es].copy_from_slice(v);
+                let at = float_column(chunk, i, np) * GROUP + r;
+                gdst[at * es..(at + 1) * es].copy_from_slice(v);
             }
         }
     }

@@ -8,8 +8,8 @@ use half::{bf16, f16};
 use tessera_model::GgmlType;
 
 use super::matrix::{
-    kx16_bytes, kx16_qs, q6k_x16_quant, GROUP, Q1_MIN, Q1_QS, Q1_X16, Q4K_DMIN, Q4K_MINS,
-    Q4K_SCALES, Q5K_QH, Q6K_SCALES, Q6K_X16,
+    float_chunk, float_column, kx16_bytes, kx16_qs, q6k_x16_quant, GROUP, Q1_MIN, Q1_QS, Q1_X16,
+    Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_QH, Q6K_SCALES, Q6K_X16,
 };
 use super::quant_acts::QuantizedActs;
 
@@ -559,6 +559,15 @@ pub(crate) const FLOAT_F32: u8 = 0;
 pub(crate) const FLOAT_F16: u8 = 1;
 pub(crate) const FLOAT_BF16: u8 = 2;
 
+/// The `FLOAT_*` kind of a float weight type (F32 for any other).
+pub(crate) const fn float_kind(dtype: GgmlType) -> u8 {
+    match dtype {
+        GgmlType::F16 => FLOAT_F16,
+        GgmlType::BF16 => FLOAT_BF16,
+        _ => FLOAT_F32,
+    }
+}
+
 /// 16 rows × `nt` tokens of float weights, each row as [`float_row`].
 fn float_group<const ES: usize>(
     kind: u8,
@@ -568,10 +577,15 @@ fn float_group<const ES: usize>(
     nt: usize,
     out: &mut [f32],
 ) {
+    let chunk = float_chunk(kind);
+    let np = a.cols / 64 * 64;
     for j in 0..nt {
         let x = &a.f[(t0 + j) * a.cols..(t0 + j + 1) * a.cols];
         for r in 0..GROUP {
-            let wr = |e: usize| float_at::<ES>(w, (e * GROUP + r) * ES, kind == FLOAT_BF16);
+            let wr = |e: usize| {
+                let at = float_column(chunk, e, np) * GROUP + r;
+                float_at::<ES>(w, at * ES, kind == FLOAT_BF16)
+            };
             out[j * GROUP + r] = float_row(kind, a.cols, wr, x);
         }
     }

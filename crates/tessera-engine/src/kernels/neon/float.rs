@@ -6,7 +6,7 @@
 
 use std::arch::aarch64::*;
 
-use super::super::matrix::GROUP;
+use super::super::matrix::{float_chunk, float_column, GROUP};
 use super::super::quant_acts::QuantizedActs;
 use super::super::scalar::{FLOAT_BF16, FLOAT_F16, FLOAT_F32};
 use super::f16x4;
@@ -19,7 +19,7 @@ const fn esize(k: u8) -> usize {
     }
 }
 
-/// Column `e`'s weights of rows `4q..4q+4`.
+/// The weights of rows `4q..4q+4` of the column stored `e`-th (`matrix::float_column`).
 #[inline(always)]
 unsafe fn load4<const K: u8>(w: *const u8, e: usize, q: usize) -> float32x4_t {
     // SAFETY: the caller guarantees column e is in bounds.
@@ -48,8 +48,11 @@ unsafe fn pass<const K: u8>(
     // SAFETY: columns below `end` are in bounds (caller).
     unsafe {
         let mut acc = [vdupq_n_f32(0.0); 16];
+        // `end` is the group's columns in whole 64s: where `float_column` stores each.
+        let chunk = float_chunk(K);
         let mut fma = |e: usize, l: usize| {
-            acc[l] = vfmaq_n_f32(acc[l], load4::<K>(w, e, q), *x.add(e));
+            let at = float_column(chunk, e, end);
+            acc[l] = vfmaq_n_f32(acc[l], load4::<K>(w, at, q), *x.add(e));
         };
         let mut base = 0;
         while base + period <= end {

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use super::*;
 
-/// The 8 rows `8·h8..8·h8 + 8` of column `e`.
+/// The 8 rows `8·h8..8·h8 + 8` of the column stored `e`-th (`matrix::float_column`).
 #[inline(always)]
 pub(super) unsafe fn load8<const K: u8>(w: *const u8, e: usize, h8: usize) -> __m256 {
     // SAFETY: the caller guarantees column e is in bounds and AVX2/F16C are enabled.
@@ -153,12 +153,12 @@ pub(super) unsafe fn quarter_by_pass<const K: u8, const T: usize>(
 /// `T ≤ 2` tokens by chain passes over `4 / T` neighbouring lanes (F32: `2 / T`) at a time: each
 /// lane's whole chain (every block, in column order, as `scalar::float_row` runs it) with its
 /// accumulators in registers, its sums stored once, then combined and reduced ([`reduce_lanes`]).
+/// F16/BF16 passes read their chunk of every block ([`float_column`]), one run of memory.
 /// Meanwhile the next group (`gbytes` on: the groups of a matrix follow each other) is prefetched
-/// into L2 in address order, a pass's share at a time spread over its blocks, and into L1 the
-/// lines this group's pass two on will read (for a task's first group). Into L2 only: a group of
-/// 1,024 F16 columns is 32 KiB, a Zen 2–4 core's whole L1, and the next one brought into L1
-/// evicted the lines the current passes were about to read (on a Zen 4 capped to AVX2, F16
-/// decode of the dense bench model on one thread 16.6–16.9 → 22.5–23.5 tok/s).
+/// into L2 in address order, a pass's share at a time spread over its blocks. Into L2 only: a
+/// group of 1,024 F16 columns is 32 KiB, a Zen 2–4 core's whole L1, and the next one brought
+/// into L1 evicted the lines the current passes were about to read (on a Zen 4 capped to AVX2,
+/// F16 decode of the dense bench model on one thread 16.6–16.9 → 22.5–23.5 tok/s).
 #[inline(always)]
 pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
     w: *const u8,
@@ -176,12 +176,7 @@ pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
     let lines = gbytes / 64;
     let per_pass = lines.div_ceil(passes);
     let per_block = per_pass.div_ceil(nb.max(1));
-    // Bytes of a pass's columns within a block (its lanes' columns are neighbours).
-    let set_bytes = 64 / n_lanes(K) * ls * GROUP * esize(K);
-    let line = |q: *const u8| {
-        // SAFETY: a prefetch never faults; SSE is enabled in every caller.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(q as *const i8) }
-    };
+    let chunk = float_chunk(K);
     // SAFETY: as `lane_pass`; each pass writes its lanes before `reduce_lanes` reads them,
     // and the passes cover every lane.
     unsafe {
@@ -191,25 +186,24 @@ pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
             let mut a = [[[_mm256_setzero_ps(); 2]; T]; 4];
             let mut ahead = next.wrapping_add(pass * per_pass * 64);
             let ahead_end = next.wrapping_add(((pass + 1) * per_pass).min(lines) * 64);
-            let later = w.wrapping_add((pass + 2) * set_bytes);
+            // This pass's chunk of every block: its lanes' columns all lie in one
+            // (`float_column`; F16 lanes 4c..4c + 4, BF16 the same lanes' 8 columns).
+            let ci = (l0 * 64 / n_lanes(K)).checked_div(chunk).unwrap_or(0);
             for b in 0..nb {
                 let base = 64 * b;
+                let cb = (ci * nb + b) * chunk;
                 for _ in 0..per_block {
                     if ahead < ahead_end {
                         _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
                         ahead = ahead.wrapping_add(64);
                     }
                 }
-                if pass + 2 < passes {
-                    let q = later.wrapping_add(base * GROUP * esize(K));
-                    for off in (0..set_bytes).step_by(64) {
-                        line(q.wrapping_add(off));
-                    }
-                }
                 for (li, a) in a.iter_mut().enumerate().take(ls) {
                     lane_columns::<K>(base, l0 + li, |e| {
-                        let w0 = load8::<K>(w, e, 0);
-                        let w1 = load8::<K>(w, e, 1);
+                        let at = if chunk == 0 { e } else { cb + e % chunk };
+                        debug_assert_eq!(at, float_column(chunk, e, np));
+                        let w0 = load8::<K>(w, at, 0);
+                        let w1 = load8::<K>(w, at, 1);
                         for (a, x) in a.iter_mut().zip(xs) {
                             let xe = _mm256_broadcast_ss(&*x.add(e));
                             a[0] = _mm256_fmadd_ps(w0, xe, a[0]);

@@ -76,10 +76,12 @@ pub(super) fn lane_columns<const K: u8>(base: usize, l: usize, mut f: impl FnMut
 /// A group's weights with their columns reordered for the lane passes: lane `l`'s `s`-th
 /// column (in [`lane_columns`] order) as column `l · seg + s`, columns past the last whole 64
 /// left out. Once per kernel call, for all its tiles: a lane's columns then follow each other
-/// in memory, where in the group they lie 2 KiB apart (F32: 4 KiB, the same L1 set).
+/// in memory, where in the group they lie a chunk apart (`matrix::float_column`; F32: 4 KiB,
+/// the same L1 set).
 #[inline(always)]
 pub(super) unsafe fn lane_major_weights<const K: u8>(w: *const u8, np: usize, into: &mut Vec<u8>) {
     let col = GROUP * esize(K);
+    let chunk = float_chunk(K);
     // Every byte is written below: only growth needs filling.
     into.resize(np * col, 0);
     let o = into.as_mut_ptr();
@@ -90,7 +92,8 @@ pub(super) unsafe fn lane_major_weights<const K: u8>(w: *const u8, np: usize, in
         for &l in &lane_order::<K>()[..n_lanes(K)] {
             for base in (0..np).step_by(64) {
                 lane_columns::<K>(base, l as usize, |e| {
-                    std::ptr::copy_nonoverlapping(w.add(e * col), o.add(at), col);
+                    let from = w.add(float_column(chunk, e, np) * col);
+                    std::ptr::copy_nonoverlapping(from, o.add(at), col);
                     at += col;
                 });
             }

@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::matrix::GROUP;
+use super::super::matrix::{float_chunk, float_column, GROUP};
 use super::super::pool::ThreadPool;
 use super::super::quant_acts::{ActKind, QuantizedActs};
 use super::super::scalar::{FLOAT_BF16, FLOAT_F16, FLOAT_F32};
@@ -58,14 +58,17 @@ pub(crate) use lane_major::prepare_lane_major;
 //   F32 half as many) at a time, each lane's whole chain over every block in column order with its
 //   accumulators in registers (no buffer of every lane's sums read and written along the way,
 //   which bound the earlier block-by-block sweep on loads and stores), the lanes' sums stored
-//   once. A pass reads two cache lines (F16) of every 2 KiB block, so the weights are streamed by
-//   prefetches instead: during each pass its share of the next group into L2, in address order
-//   (the group then sits in L2 when its passes begin; into L1 it evicted the lines the current
-//   passes were about to read where L1 is 32 KiB, a group's size), and into L1 the lines two
-//   passes on in this group (the first group of a task, which nothing prefetched). Measured on the dense bench geometry's matmuls (28
-//   layers, F16, 1 token, the old sweep and the passes alternated in one process, median of 10
-//   passes each, AMD EPYC Zen 3 under load 4.3–4.7): 1 thread 9.6–10.4 → 12.1–12.6 tok/s of
-//   matmuls, 2 tokens 17.5 → 21.6.
+//   once. F16 and BF16 groups store each pass's columns of every block together, pass after
+//   pass (`matrix::float_column`), so a group is read front to back; during each pass its share
+//   of the next group is prefetched into L2, in address order (the group then sits in L2 when
+//   its passes begin; into L1 it evicted the lines the current passes were about to read where
+//   L1 is 32 KiB, a group's size). Measured on the dense bench geometry's matmuls (28 layers,
+//   F16, 1 token, the old sweep and the passes alternated in one process, median of 10 passes
+//   each, AMD EPYC Zen 3 under load 4.3–4.7): 1 thread 9.6–10.4 → 12.1–12.6 tok/s of matmuls,
+//   2 tokens 17.5 → 21.6. Reading 128 bytes of every 2 KiB instead (columns in order), with the
+//   lines two passes on prefetched into L1, measured 25.2 / 31.2 tok/s of matmuls on 1 / 2
+//   threads of a Zen 4 capped to AVX2 (`kernel_bench --model F16`), against 26.7–27.8 /
+//   33.5–33.8 front to back.
 
 const fn esize(k: u8) -> usize {
     if k == FLOAT_F32 {
