@@ -4,14 +4,15 @@
 //! of 16 rows and each i32/f32 lane accumulates one row (no horizontal sums, and the same
 //! per-row arithmetic whatever the batch). Float types store each column's 16 values together.
 //!
-//! F16 and BF16 also store their columns in the order the x86 decode reads them
-//! ([`float_column`]): `scalar::float_row`'s 64 lane chains (lane `L` takes column `L` of every
-//! 64, BF16 columns `2L + 1` and `2L`) are read a few neighbouring lanes at a time over every
-//! 64-column block, so the columns of those lanes in each block (a "chunk": 4 F16 columns, 8
-//! BF16, 128 and 256 bytes) are stored together, chunk after chunk of one set of lanes, then
-//! the next set. A decode pass then streams one run of memory instead of 128 bytes of every
-//! 2 KiB, and the whole group is read front to back. F32 keeps column order (its AVX-512
-//! decode sweeps every lane at once in column order).
+//! F16 and BF16 also store their columns in the order the x86 kernels read them
+//! ([`float_column`]): `scalar::float_row`'s lane chains (lane `L` takes column `L` of every
+//! 64, BF16 columns `2L + 1` and `2L`) are read four lanes at a time over every 64-column
+//! block, so the columns of those four lanes in each block (a "chunk": 4 F16 columns, 8 BF16,
+//! 128 and 256 bytes) are stored together, block after block, then the next four lanes'
+//! ([`float_lane_order`]). A decode pass then streams one run of memory instead of 128 bytes of
+//! every 2 KiB, the whole group is read front to back, and a prefill quarter's lanes are a
+//! quarter of the group's bytes, read in place. F32 keeps column order (its AVX-512 decode
+//! sweeps every lane at once in column order).
 //!
 //! Q4_0/Q8_0: rows are taken in groups of [`GROUP`] (the last group padded
 //! with zero rows). For each group and each 32-column block we store the 16 rows' f16 scales
@@ -326,9 +327,9 @@ impl Matrix {
         match self.dtype {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 let es = self.dtype.block_bytes();
-                let (chunk, np) = (float_chunk(float_kind(self.dtype)), self.cols / 64 * 64);
+                let (k, np) = (float_kind(self.dtype), self.cols / 64 * 64);
                 for (i, y) in out.iter_mut().enumerate() {
-                    let o = (float_column(chunk, i, np) * GROUP + r) * es;
+                    let o = (float_column(k, i, np) * GROUP + r) * es;
                     dequantize_block(self.dtype, &data[o..o + es], std::slice::from_mut(y));
                 }
             }
@@ -633,7 +634,7 @@ fn interleave_q6k(src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8>
 }
 
 /// Columns per chunk of a float group of kind `k` (`scalar::FLOAT_*`; [`float_column`]): F16
-/// 4, BF16 8 (a decode pass's four lanes, 128 and 256 bytes); F32 0, kept in column order.
+/// 4, BF16 8 (four lanes, 128 and 256 bytes); F32 0, kept in column order.
 pub(crate) const fn float_chunk(k: u8) -> usize {
     match k {
         FLOAT_F16 => 4,
@@ -642,16 +643,75 @@ pub(crate) const fn float_chunk(k: u8) -> usize {
     }
 }
 
-/// Where a float group stores its column `e` (in columns from the group's start), `np` being
-/// its columns in whole 64s: within those, chunk `c` (columns `c·chunk..(c+1)·chunk` of each
-/// 64) of every block in block order, then chunk `c + 1`'s; columns past `np`, and every
-/// column where `chunk` is 0, in place.
+/// `scalar::float_row`'s lanes (F32/F16 64, BF16 32) in the order the x86 kernels visit them,
+/// `reduce16`'s tree quarter by quarter: for quarter `q` and `i` in `q, q + 8, q + 4, q + 12`,
+/// F32/F16 lanes `i, 32 + i, 16 + i, 48 + i`, BF16 lanes `i, 16 + i`. Each four in a row are a
+/// chunk of the stored group ([`float_column`]) and a decode pass; each quarter of the order is
+/// a prefill quarter.
+pub(crate) const fn float_lane_order(k: u8) -> [u8; 64] {
+    let mut o = [0u8; 64];
+    let mut at = 0;
+    let mut q = 0;
+    while q < 4 {
+        let offs = [0, 8, 4, 12];
+        let mut j = 0;
+        while j < 4 {
+            let i = (q + offs[j]) as u8;
+            if k == FLOAT_BF16 {
+                o[at] = i;
+                o[at + 1] = 16 + i;
+                at += 2;
+            } else {
+                o[at] = i;
+                o[at + 1] = 32 + i;
+                o[at + 2] = 16 + i;
+                o[at + 3] = 48 + i;
+                at += 4;
+            }
+            j += 1;
+        }
+        q += 1;
+    }
+    o
+}
+
+/// Where lane `l` sits in [`float_lane_order`] of kind `k`.
 #[inline(always)]
-pub(crate) fn float_column(chunk: usize, e: usize, np: usize) -> usize {
+pub(crate) fn float_lane_position(k: u8, l: usize) -> usize {
+    const fn inverse(o: [u8; 64], n: usize) -> [u8; 64] {
+        let mut p = [0u8; 64];
+        let mut i = 0;
+        while i < n {
+            p[o[i] as usize] = i as u8;
+            i += 1;
+        }
+        p
+    }
+    const BF16: [u8; 64] = inverse(float_lane_order(FLOAT_BF16), 32);
+    const OTHER: [u8; 64] = inverse(float_lane_order(FLOAT_F16), 64);
+    (if k == FLOAT_BF16 { BF16[l] } else { OTHER[l] }) as usize
+}
+
+/// Where a float group of kind `k` stores its column `e` (in columns from the group's start),
+/// `np` being its columns in whole 64s. Within those, chunk `c` holds the columns of the lanes at
+/// positions `4c..4c + 4` of [`float_lane_order`] (BF16: each lane's column `2L + 1`, then
+/// `2L`) of every 64-column block, block after block; chunk `c + 1` follows. Columns past
+/// `np`, and every F32 column, stay in place.
+#[inline(always)]
+pub(crate) fn float_column(k: u8, e: usize, np: usize) -> usize {
+    let chunk = float_chunk(k);
     if chunk == 0 || e >= np {
         return e;
     }
-    ((e % 64) / chunk * (np / 64) + e / 64) * chunk + e % chunk
+    let c = e % 64;
+    // BF16 lane L takes columns 2L + 1, then 2L.
+    let (lane, second) = if k == FLOAT_BF16 {
+        (c / 2, c.is_multiple_of(2))
+    } else {
+        (c, false)
+    };
+    let pos = float_lane_position(k, lane);
+    (pos / 4 * (np / 64) + e / 64) * chunk + pos % 4 * (chunk / 4) + second as usize
 }
 
 /// Float weights: for each column, the 16 rows' values side by side (16 × `es` bytes), so one
@@ -665,14 +725,14 @@ fn interleave_float(
     buf: Vec<u8>,
 ) -> Vec<u8> {
     let es = dtype.block_bytes();
-    let (chunk, np) = (float_chunk(float_kind(dtype)), cols / 64 * 64);
+    let (k, np) = (float_kind(dtype), cols / 64 * 64);
     let groups = rows.div_ceil(GROUP);
     let mut out = zeroed(buf, groups * cols * GROUP * es);
     for (g, gdst) in out.chunks_exact_mut(cols * GROUP * es).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * cols * es..(g * GROUP + r + 1) * cols * es];
             for (i, v) in row.chunks_exact(es).enumerate() {
-                let at = float_column(chunk, i, np) * GROUP + r;
+                let at = float_column(k, i, np) * GROUP + r;
                 gdst[at * es..(at + 1) * es].copy_from_slice(v);
             }
         }

@@ -8,8 +8,8 @@ use half::{bf16, f16};
 use tessera_model::GgmlType;
 
 use super::matrix::{
-    float_chunk, float_column, kx16_bytes, kx16_qs, q6k_x16_quant, GROUP, Q1_MIN, Q1_QS, Q1_X16,
-    Q4K_DMIN, Q4K_MINS, Q4K_SCALES, Q5K_QH, Q6K_SCALES, Q6K_X16,
+    float_column, kx16_bytes, kx16_qs, q6k_x16_quant, GROUP, Q1_MIN, Q1_QS, Q1_X16, Q4K_DMIN,
+    Q4K_MINS, Q4K_SCALES, Q5K_QH, Q6K_SCALES, Q6K_X16,
 };
 use super::quant_acts::QuantizedActs;
 
@@ -577,13 +577,12 @@ fn float_group<const ES: usize>(
     nt: usize,
     out: &mut [f32],
 ) {
-    let chunk = float_chunk(kind);
     let np = a.cols / 64 * 64;
     for j in 0..nt {
         let x = &a.f[(t0 + j) * a.cols..(t0 + j + 1) * a.cols];
         for r in 0..GROUP {
             let wr = |e: usize| {
-                let at = float_column(chunk, e, np) * GROUP + r;
+                let at = float_column(kind, e, np) * GROUP + r;
                 float_at::<ES>(w, at * ES, kind == FLOAT_BF16)
             };
             out[j * GROUP + r] = float_row(kind, a.cols, wr, x);

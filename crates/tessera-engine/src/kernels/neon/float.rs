@@ -6,7 +6,7 @@
 
 use std::arch::aarch64::*;
 
-use super::super::matrix::{float_chunk, float_column, GROUP};
+use super::super::matrix::{float_column, GROUP};
 use super::super::quant_acts::QuantizedActs;
 use super::super::scalar::{FLOAT_BF16, FLOAT_F16, FLOAT_F32};
 use super::f16x4;
@@ -49,9 +49,8 @@ unsafe fn pass<const K: u8>(
     unsafe {
         let mut acc = [vdupq_n_f32(0.0); 16];
         // `end` is the group's columns in whole 64s: where `float_column` stores each.
-        let chunk = float_chunk(K);
         let mut fma = |e: usize, l: usize| {
-            let at = float_column(chunk, e, end);
+            let at = float_column(K, e, end);
             acc[l] = vfmaq_n_f32(acc[l], load4::<K>(w, at, q), *x.add(e));
         };
         let mut base = 0;

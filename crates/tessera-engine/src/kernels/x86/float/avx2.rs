@@ -23,22 +23,26 @@ pub(super) unsafe fn load8<const K: u8>(w: *const u8, e: usize, h8: usize) -> __
 }
 
 /// One lane's accumulators of both row halves for `T` tokens over its `seg` columns:
-/// `[token][h8]`. `w` is the group's weights in the [`lane_major_weights`] layout, the lane's
-/// first column at index `col` of it; `x` points at the tile's first token's activation for
-/// the lane's first column in the [`lane_major`] layout (the tile's tokens side by side, the
-/// lane's next column `stride` floats on).
+/// `[token][h8]`. `w` holds the lane's columns from index `col`: a run of `seg` in the
+/// [`lane_major_weights`] layout (`step` 1), or in the stored F16/BF16 group its column of
+/// each block `step` = a chunk apart (BF16: its two columns of a block side by side); `x`
+/// points at the tile's first token's activation for the lane's first column in the
+/// [`lane_major`] layout (the tile's tokens side by side, the lane's next column `stride`
+/// floats on).
 #[inline(always)]
 pub(super) unsafe fn lane_pass<const K: u8, const T: usize>(
-    (w, col): (*const u8, usize),
+    (w, col, step): (*const u8, usize, usize),
     (x, stride): (*const f32, usize),
     seg: usize,
 ) -> [[__m256; 2]; T] {
+    let cpl = if K == FLOAT_BF16 && step > 1 { 2 } else { 1 };
     // SAFETY: the lane's `seg` columns are in bounds of `w` and, for the tile's tokens, of `x`
     // (caller); AVX2/FMA/F16C enabled (caller).
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 2]; T];
         let mut xp = x;
-        for e in col..col + seg {
+        for s in 0..seg {
+            let e = col + s / cpl * step + s % cpl;
             let w0 = load8::<K>(w, e, 0);
             let w1 = load8::<K>(w, e, 1);
             for (j, acc) in acc.iter_mut().enumerate() {
@@ -112,7 +116,9 @@ pub(super) unsafe fn quarter_lanes<const K: u8, const T: usize>(
 }
 
 /// Quarter `q` ([`quarter_lanes`]) of `T` tokens by one lane pass per lane, stored at `dst`:
-/// token `j`'s set `s` at `dst + (j · sets + s) · 16`. `w`: the group's [`lane_major_weights`].
+/// token `j`'s set `s` at `dst + (j · sets + s) · 16`. `w`: the stored F16/BF16 group, read in
+/// place (a quarter is four of its chunks, a quarter of its bytes), or F32's
+/// [`lane_major_weights`].
 #[inline(always)]
 pub(super) unsafe fn quarter_by_pass<const K: u8, const T: usize>(
     w: &[u8],
@@ -136,7 +142,15 @@ pub(super) unsafe fn quarter_by_pass<const K: u8, const T: usize>(
             for off in (0..run).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
             }
-            lane_pass::<K, T>((w.as_ptr(), p * seg), x.lane(p), seg)
+            let chunk = float_chunk(K);
+            let at = if chunk == 0 {
+                (p * seg, 1)
+            } else {
+                // Lanes per chunk 4, blocks `seg / cpl`.
+                let cpl = chunk / 4;
+                ((p / 4 * (seg / cpl)) * chunk + p % 4 * cpl, chunk)
+            };
+            lane_pass::<K, T>((w.as_ptr(), at.0, at.1), x.lane(p), seg)
         });
         for j in 0..T {
             for h8 in 0..2 {
@@ -182,16 +196,20 @@ pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
     unsafe {
         let next = w.wrapping_add(gbytes);
         for pass in 0..passes {
-            let l0 = pass * ls;
+            // The lanes at positions p0..p0 + ls of `lane_order`: one chunk of every block
+            // (`float_column`), or half of one for 2 tokens.
+            let p0 = pass * ls;
+            let lanes: [usize; 4] =
+                std::array::from_fn(|li| lane_order::<K>()[(p0 + li) % 64] as usize);
             let mut a = [[[_mm256_setzero_ps(); 2]; T]; 4];
             let mut ahead = next.wrapping_add(pass * per_pass * 64);
             let ahead_end = next.wrapping_add(((pass + 1) * per_pass).min(lines) * 64);
-            // This pass's chunk of every block: its lanes' columns all lie in one
-            // (`float_column`; F16 lanes 4c..4c + 4, BF16 the same lanes' 8 columns).
-            let ci = (l0 * 64 / n_lanes(K)).checked_div(chunk).unwrap_or(0);
+            // Columns per lane in a block (BF16 2), and the pass's first column in its chunk.
+            let cpl = chunk / 4;
+            let ci = p0 / 4;
             for b in 0..nb {
                 let base = 64 * b;
-                let cb = (ci * nb + b) * chunk;
+                let cb = (ci * nb + b) * chunk + p0 % 4 * cpl;
                 for _ in 0..per_block {
                     if ahead < ahead_end {
                         _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
@@ -199,9 +217,15 @@ pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
                     }
                 }
                 for (li, a) in a.iter_mut().enumerate().take(ls) {
-                    lane_columns::<K>(base, l0 + li, |e| {
-                        let at = if chunk == 0 { e } else { cb + e % chunk };
-                        debug_assert_eq!(at, float_column(chunk, e, np));
+                    let mut second = 0;
+                    lane_columns::<K>(base, lanes[li], |e| {
+                        let at = if chunk == 0 {
+                            e
+                        } else {
+                            cb + li * cpl + second
+                        };
+                        second += 1;
+                        debug_assert_eq!(at, float_column(K, e, np));
                         let w0 = load8::<K>(w, at, 0);
                         let w1 = load8::<K>(w, at, 1);
                         for (a, x) in a.iter_mut().zip(xs) {
@@ -213,7 +237,7 @@ pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
                 }
             }
             for (li, a) in a.iter().enumerate().take(ls) {
-                p.add(l0 + li).write(*a);
+                p.add(lanes[li]).write(*a);
             }
         }
         reduce_lanes::<K, T>(|l| (acc.as_ptr() as *const [[__m256; 2]; T]).add(l).read())

@@ -13,52 +13,18 @@ pub(super) const fn n_lanes(k: u8) -> usize {
     }
 }
 
-/// The lanes in the order the prefill passes visit them ([`quarter_lanes`] for quarters 0 to 3):
-/// the order of the lanes in the [`lane_major_weights`] and [`lane_major`] layouts, so that a
-/// tile's passes read each operand as one run of consecutive memory (which the hardware
-/// prefetchers stream), not 64 short runs in a jumping order. F32/F16: for `i` in `q, q + 8, q +
-/// 4, q + 12`, lanes `i, 32 + i, 16 + i, 48 + i`; BF16: lanes `i, 16 + i` (the first 32).
+/// The lanes in the order the passes visit them (`matrix::float_lane_order`): the order of the
+/// lanes in the [`lane_major_weights`] and [`lane_major`] layouts and of the stored F16/BF16
+/// chunks, so that a tile's passes read each operand as one run of consecutive memory (which
+/// the hardware prefetchers stream), not 64 short runs in a jumping order.
 pub(super) const fn lane_order<const K: u8>() -> [u8; 64] {
-    let mut o = [0u8; 64];
-    let mut at = 0;
-    let mut q = 0;
-    while q < 4 {
-        let offs = [0, 8, 4, 12];
-        let mut k = 0;
-        while k < 4 {
-            let i = (q + offs[k]) as u8;
-            if K == FLOAT_BF16 {
-                o[at] = i;
-                o[at + 1] = 16 + i;
-                at += 2;
-            } else {
-                o[at] = i;
-                o[at + 1] = 32 + i;
-                o[at + 2] = 16 + i;
-                o[at + 3] = 48 + i;
-                at += 4;
-            }
-            k += 1;
-        }
-        q += 1;
-    }
-    o
+    float_lane_order(K)
 }
 
 /// Where lane `l` sits in [`lane_order`].
 #[inline(always)]
 pub(super) fn lane_position<const K: u8>(l: usize) -> usize {
-    const fn inverse(o: [u8; 64], n: usize) -> [u8; 64] {
-        let mut p = [0u8; 64];
-        let mut i = 0;
-        while i < n {
-            p[o[i] as usize] = i as u8;
-            i += 1;
-        }
-        p
-    }
-    let pos: [u8; 64] = const { inverse(lane_order::<K>(), n_lanes(K)) };
-    pos[l] as usize
+    float_lane_position(K, l)
 }
 
 /// Lane `l`'s chain step at the 64-column block starting at `base`: `f(column)` in the
@@ -81,7 +47,6 @@ pub(super) fn lane_columns<const K: u8>(base: usize, l: usize, mut f: impl FnMut
 #[inline(always)]
 pub(super) unsafe fn lane_major_weights<const K: u8>(w: *const u8, np: usize, into: &mut Vec<u8>) {
     let col = GROUP * esize(K);
-    let chunk = float_chunk(K);
     // Every byte is written below: only growth needs filling.
     into.resize(np * col, 0);
     let o = into.as_mut_ptr();
@@ -92,7 +57,7 @@ pub(super) unsafe fn lane_major_weights<const K: u8>(w: *const u8, np: usize, in
         for &l in &lane_order::<K>()[..n_lanes(K)] {
             for base in (0..np).step_by(64) {
                 lane_columns::<K>(base, l as usize, |e| {
-                    let from = w.add(float_column(chunk, e, np) * col);
+                    let from = w.add(float_column(K, e, np) * col);
                     std::ptr::copy_nonoverlapping(from, o.add(at), col);
                     at += col;
                 });

@@ -7,7 +7,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::matrix::{float_chunk, float_column, GROUP};
+use super::super::matrix::{
+    float_chunk, float_column, float_lane_order, float_lane_position, GROUP,
+};
 use super::super::pool::ThreadPool;
 use super::super::quant_acts::{ActKind, QuantizedActs};
 use super::super::scalar::{FLOAT_BF16, FLOAT_F16, FLOAT_F32};
@@ -33,10 +35,12 @@ pub(crate) use lane_major::prepare_lane_major;
 // - prefill (3 or more tokens): one lane at a time ("a lane pass", `lane_pass`) for both
 //   8-row halves and a tile of up to `TILE` tokens, so each weight load feeds `TILE` FMAs
 //   per half instead of one. A pass reads a lane's columns, every 64th, so both operands are
-//   first copied lane by lane into consecutive memory: each group's weights once per kernel
-//   call (`lane_major_weights`), the activations once per matmul in slices of a tile's tokens
-//   (`lane_major`, built on the pool by `QuantizedActs::new` when AVX2 or AVX-512 is the
-//   active ISA). AVX-512 prefill runs the same tiles over the same copies with all 16 rows in
+//   read lane by lane from consecutive memory: F16/BF16 weights in place (a lane's column of
+//   each block a chunk apart, `matrix::float_column`: in place of a per-call copy, 64-token
+//   F16 matmuls +3-5% on a Zen 4 capped to AVX2), F32's and AVX-512's from a copy made once
+//   per kernel call (`lane_major_weights`), the activations from one made once per matmul in
+//   slices of a tile's tokens (`lane_major`, built on the pool by `QuantizedActs::new` when
+//   AVX2 or AVX-512 is the active ISA). AVX-512 prefill runs the same tiles over the same copies with all 16 rows in
 //   one register, each FMA broadcasting its activation from memory, and takes two neighbouring
 //   groups per call where the matmul driver has them (`prefill_two_avx512`): a pass is one
 //   lane of both groups for a slice's tokens (`quarter_two512`), so each activation feeds two
@@ -205,9 +209,9 @@ unsafe fn prefill<const K: u8, const WIDE: bool, const G: usize>(
             };
             // AVX2: the next group's weights (the matmul driver's next call; the groups of a
             // matrix follow each other) are prefetched into L2 a share per tile, so that its
-            // `lane_major_weights` copy, which reads a lane's columns 2 KiB apart, finds them
-            // there instead of waiting on memory for each line (the copy's loads took ~2% of
-            // a 512-token dense prefill's samples in `perf`, nearly all stalled on memory).
+            // first reads (F32: its `lane_major_weights` copy, a lane's columns 4 KiB apart)
+            // find them there instead of waiting on memory for each line (the copy's loads
+            // took ~2% of a 512-token dense prefill's samples in `perf`, nearly all stalled).
             let gbytes = n * GROUP * esize(K);
             let (mut ahead, ahead_end) = (w[0].wrapping_add(gbytes), w[0].wrapping_add(2 * gbytes));
             let per_tile = if WIDE || G > 1 {
@@ -322,17 +326,26 @@ unsafe fn group<const K: u8, const WIDE: bool>(
     assert!((t0 + nt) * n <= a.f.len() && out.len() >= nt * GROUP);
     let wp = w.as_ptr();
     let np = n / 64 * 64;
+    // AVX2 reads F16/BF16 groups in place (their chunks are in lane order).
+    let in_place = !WIDE && K != FLOAT_F32;
     REORDERED.with_borrow_mut(|reordered| {
         // Prefill tiles read lane-major copies: the activations' (built once for `a`, by
-        // the first call that needs it) and this group's weights'.
+        // the first call that needs it) and, but in place, this group's weights'.
         let lanes: &[f32] = if nt >= 3 {
-            // SAFETY: the group holds n columns (checked above); features enabled (caller).
-            unsafe { lane_major_weights::<K>(wp, np, reordered) };
+            if !in_place {
+                // SAFETY: the group holds n columns (checked above); features enabled (caller).
+                unsafe { lane_major_weights::<K>(wp, np, reordered) };
+            }
             lane_major::<K>(a)
         } else {
             &[]
         };
-        let copies = (&reordered[..], lanes);
+        let weights = if in_place {
+            &w[..np * GROUP * esize(K)]
+        } else {
+            &reordered[..]
+        };
+        let copies = (weights, lanes);
         // SAFETY: bounds checked above; features guaranteed by the caller.
         unsafe {
             if nt >= 3 {
