@@ -692,6 +692,15 @@ pub(crate) fn float_lane_position(k: u8, l: usize) -> usize {
     (if k == FLOAT_BF16 { BF16[l] } else { OTHER[l] }) as usize
 }
 
+/// Where an F16/BF16 group with `nb` whole 64-column blocks stores the first column of the lane
+/// at position `pos` of [`float_lane_order`] ([`float_column`]): its column in block `b` is
+/// `b` chunks on (BF16: its second column of the block beside it).
+#[inline(always)]
+pub(crate) fn float_lane_start(k: u8, pos: usize, nb: usize) -> usize {
+    let chunk = float_chunk(k);
+    pos / 4 * nb * chunk + pos % 4 * (chunk / 4)
+}
+
 /// Where a float group of kind `k` stores its column `e` (in columns from the group's start),
 /// `np` being its columns in whole 64s. Within those, chunk `c` holds the columns of the lanes at
 /// positions `4c..4c + 4` of [`float_lane_order`] (BF16: each lane's column `2L + 1`, then
@@ -710,8 +719,7 @@ pub(crate) fn float_column(k: u8, e: usize, np: usize) -> usize {
     } else {
         (c, false)
     };
-    let pos = float_lane_position(k, lane);
-    (pos / 4 * (np / 64) + e / 64) * chunk + pos % 4 * (chunk / 4) + second as usize
+    float_lane_start(k, float_lane_position(k, lane), np / 64) + e / 64 * chunk + second as usize
 }
 
 /// Float weights: for each column, the 16 rows' values side by side (16 × `es` bytes), so one

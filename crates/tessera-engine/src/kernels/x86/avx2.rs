@@ -167,11 +167,7 @@ unsafe fn q8_0_tile<const T: usize>(w: *const u8, a: &QuantizedActs, t: usize, o
                 }
             }
             for (j, l) in lanes.iter().enumerate() {
-                let r = _mm256_add_ps(
-                    _mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6])),
-                    _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7])),
-                );
-                _mm256_storeu_ps(out.add(j * GROUP + 8 * h), r);
+                _mm256_storeu_ps(out.add(j * GROUP + 8 * h), q8_0_lanes_sum(l));
             }
         }
     }
@@ -202,12 +198,20 @@ unsafe fn q8_0_token(w: *const u8, a: &QuantizedActs, t: usize, out: *mut f32) {
                     *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *acc);
                 }
             }
-            let r = _mm256_add_ps(
-                _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
-                _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])),
-            );
-            _mm256_storeu_ps(out.add(8 * h), r);
+            _mm256_storeu_ps(out.add(8 * h), q8_0_lanes_sum(&acc));
         }
+    }
+}
+
+/// A row's 8 Q8_0 lanes (8 rows each) added in `scalar::q8_0_group`'s tree.
+#[inline(always)]
+unsafe fn q8_0_lanes_sum(l: &[__m256; 8]) -> __m256 {
+    // SAFETY: AVX is enabled in every caller.
+    unsafe {
+        _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6])),
+            _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7])),
+        )
     }
 }
 

@@ -23,9 +23,10 @@ pub(super) unsafe fn load8<const K: u8>(w: *const u8, e: usize, h8: usize) -> __
 }
 
 /// One lane's accumulators of both row halves for `T` tokens over its `seg` columns:
-/// `[token][h8]`. `w` holds the lane's columns from index `col`: a run of `seg` in the
-/// [`lane_major_weights`] layout (`step` 1), or in the stored F16/BF16 group its column of
-/// each block `step` = a chunk apart (BF16: its two columns of a block side by side); `x`
+/// `[token][h8]`. `w` holds the lane's columns from index `col`, its columns of each block
+/// (BF16 two, side by side) `step` columns after the last block's: in the
+/// [`lane_major_weights`] layout (F32) a run of `seg` (`step` 1), in a stored F16/BF16 group a
+/// chunk apart (`float_lane_start`); `x`
 /// points at the tile's first token's activation for the lane's first column in the
 /// [`lane_major`] layout (the tile's tokens side by side, the lane's next column `stride`
 /// floats on).
@@ -35,7 +36,7 @@ pub(super) unsafe fn lane_pass<const K: u8, const T: usize>(
     (x, stride): (*const f32, usize),
     seg: usize,
 ) -> [[__m256; 2]; T] {
-    let cpl = if K == FLOAT_BF16 && step > 1 { 2 } else { 1 };
+    let cpl = if K == FLOAT_BF16 { 2 } else { 1 };
     // SAFETY: the lane's `seg` columns are in bounds of `w` and, for the tile's tokens, of `x`
     // (caller); AVX2/FMA/F16C enabled (caller).
     unsafe {
@@ -142,13 +143,9 @@ pub(super) unsafe fn quarter_by_pass<const K: u8, const T: usize>(
             for off in (0..run).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
             }
-            let chunk = float_chunk(K);
-            let at = if chunk == 0 {
-                (p * seg, 1)
-            } else {
-                // Lanes per chunk 4, blocks `seg / cpl`.
-                let cpl = chunk / 4;
-                ((p / 4 * (seg / cpl)) * chunk + p % 4 * cpl, chunk)
+            let at = match float_chunk(K) {
+                0 => (p * seg, 1),
+                chunk => (float_lane_start(K, p, seg * n_lanes(K) / 64), chunk),
             };
             lane_pass::<K, T>((w.as_ptr(), at.0, at.1), x.lane(p), seg)
         });
@@ -201,15 +198,19 @@ pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
             let p0 = pass * ls;
             let lanes: [usize; 4] =
                 std::array::from_fn(|li| lane_order::<K>()[(p0 + li) % 64] as usize);
+            // Where each lane's columns start (F16/BF16; F32 reads columns in order).
+            let starts: [usize; 4] = std::array::from_fn(|li| {
+                if chunk == 0 {
+                    0
+                } else {
+                    float_lane_start(K, p0 + li, nb)
+                }
+            });
             let mut a = [[[_mm256_setzero_ps(); 2]; T]; 4];
             let mut ahead = next.wrapping_add(pass * per_pass * 64);
             let ahead_end = next.wrapping_add(((pass + 1) * per_pass).min(lines) * 64);
-            // Columns per lane in a block (BF16 2), and the pass's first column in its chunk.
-            let cpl = chunk / 4;
-            let ci = p0 / 4;
             for b in 0..nb {
                 let base = 64 * b;
-                let cb = (ci * nb + b) * chunk + p0 % 4 * cpl;
                 for _ in 0..per_block {
                     if ahead < ahead_end {
                         _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
@@ -222,7 +223,7 @@ pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
                         let at = if chunk == 0 {
                             e
                         } else {
-                            cb + li * cpl + second
+                            starts[li] + b * chunk + second
                         };
                         second += 1;
                         debug_assert_eq!(at, float_column(K, e, np));

@@ -8,7 +8,7 @@
 use std::arch::x86_64::*;
 
 use super::super::matrix::{
-    float_chunk, float_column, float_lane_order, float_lane_position, GROUP,
+    float_chunk, float_column, float_lane_order, float_lane_position, float_lane_start, GROUP,
 };
 use super::super::pool::ThreadPool;
 use super::super::quant_acts::{ActKind, QuantizedActs};
