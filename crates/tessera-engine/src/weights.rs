@@ -14,7 +14,7 @@ use tessera_model::config::names;
 use tessera_model::{GgmlType, GgufFile, ModelConfig, TensorInfo};
 
 use crate::error::{EngineError, Result};
-use crate::kernels::{dequantize, Matrix, MatrixBytes};
+use crate::kernels::{dequantize, Matrix, MatrixBytes, WeightArena};
 
 /// Which experts of each MoE layer a part holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -291,6 +291,7 @@ impl ModelWeights {
             total: 0,
             loaded: 0,
             progress,
+            arena: WeightArena::new(),
         };
         // Sum what will be read first, for the progress callback.
         loader.total = plan(g, config, &spec)?.iter().map(|(_, b)| b).sum();
@@ -587,6 +588,8 @@ pub(crate) struct Loader<'a> {
     total: u64,
     loaded: u64,
     progress: &'a mut dyn FnMut(u64, u64),
+    /// Where the matrices are built: huge-page slabs shared by the model's matrices.
+    arena: WeightArena,
 }
 
 impl<'a> Loader<'a> {
@@ -597,6 +600,7 @@ impl<'a> Loader<'a> {
             total: 0,
             loaded: 0,
             progress,
+            arena: WeightArena::new(),
         }
     }
 
@@ -646,7 +650,7 @@ impl<'a> Loader<'a> {
 
     /// Builds a matrix over `len` bytes at `offset` of the mapping.
     fn build(
-        &self,
+        &mut self,
         info: &TensorInfo,
         rows: usize,
         cols: usize,
@@ -662,9 +666,11 @@ impl<'a> Loader<'a> {
             offset,
             len: len as usize,
         };
-        let m = Matrix::new(dtype, rows, cols, bytes).map_err(|e| EngineError::Tensor {
-            tensor: info.name.clone(),
-            what: e.to_string(),
+        let m = Matrix::new_in_arena(dtype, rows, cols, bytes, &mut self.arena).map_err(|e| {
+            EngineError::Tensor {
+                tensor: info.name.clone(),
+                what: e.to_string(),
+            }
         })?;
         if matches!(
             dtype,

@@ -37,6 +37,7 @@ use super::iq_grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID
 use super::matrix::GROUP;
 use super::quant_acts::QuantizedActs;
 use super::scalar::q8_0_lanes_sum;
+use super::weight_buffer::WeightBuffer;
 
 /// Const-generic ids of the types (their GGML type ids).
 pub(crate) const IQ2_XXS: u8 = 16;
@@ -303,15 +304,14 @@ pub(crate) fn interleave(
     src: &[u8],
     rows: usize,
     cols: usize,
-    mut buf: Vec<u8>,
-) -> Vec<u8> {
+    buf: WeightBuffer,
+) -> WeightBuffer {
     let lay = Layout::for_dtype(dtype);
     let (bb, x16) = (lay.block_bytes(), lay.x16());
     let nb = cols / 256;
     let row_bytes = nb * bb;
     let groups = rows.div_ceil(GROUP);
-    buf.clear();
-    buf.resize(groups * nb * x16, 0);
+    let mut buf = buf.zeroed(groups * nb * x16);
     for (g, gdst) in buf.chunks_exact_mut(nb * x16).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * row_bytes..(g * GROUP + r + 1) * row_bytes];

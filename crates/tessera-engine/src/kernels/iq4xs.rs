@@ -19,6 +19,7 @@ use super::lut4::KVALUES_IQ4NL;
 use super::matrix::GROUP;
 use super::quant_acts::QuantizedActs;
 use super::scalar::q8_0_lanes_sum;
+use super::weight_buffer::WeightBuffer;
 
 pub(crate) const BLOCK_BYTES: usize = 136;
 pub(crate) const SCALES: usize = 2 * GROUP;
@@ -58,12 +59,11 @@ pub(crate) fn x16_value(blk: &[u8], r: usize, e: usize) -> f32 {
 }
 
 /// Repacks GGML rows into the interleaved layout (padding rows stay zero).
-pub(crate) fn interleave(src: &[u8], rows: usize, cols: usize, mut buf: Vec<u8>) -> Vec<u8> {
+pub(crate) fn interleave(src: &[u8], rows: usize, cols: usize, buf: WeightBuffer) -> WeightBuffer {
     let nb = cols / 256;
     let row_bytes = nb * BLOCK_BYTES;
     let groups = rows.div_ceil(GROUP);
-    buf.clear();
-    buf.resize(groups * nb * X16, 0);
+    let mut buf = buf.zeroed(groups * nb * X16);
     for (g, gdst) in buf.chunks_exact_mut(nb * X16).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * row_bytes..(g * GROUP + r + 1) * row_bytes];

@@ -25,6 +25,7 @@ use half::f16;
 use super::matrix::GROUP;
 use super::quant_acts::QuantizedActs;
 use super::scalar::q8_0_lanes_sum;
+use super::weight_buffer::WeightBuffer;
 
 /// Layout of a type (`THREE`: Q3_K, else Q2_K).
 pub(crate) const fn block_bytes(three: bool) -> usize {
@@ -145,14 +146,13 @@ pub(crate) fn interleave(
     src: &[u8],
     rows: usize,
     cols: usize,
-    mut buf: Vec<u8>,
-) -> Vec<u8> {
+    buf: WeightBuffer,
+) -> WeightBuffer {
     let (bb, x16, qs) = (block_bytes(three), x16(three), qs(three));
     let nb = cols / 256;
     let row_bytes = nb * bb;
     let groups = rows.div_ceil(GROUP);
-    buf.clear();
-    buf.resize(groups * nb * x16, 0);
+    let mut buf = buf.zeroed(groups * nb * x16);
     for (g, gdst) in buf.chunks_exact_mut(nb * x16).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * row_bytes..(g * GROUP + r + 1) * row_bytes];

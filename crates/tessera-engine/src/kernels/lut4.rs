@@ -21,6 +21,7 @@ use tessera_model::GgmlType;
 
 use super::matrix::GROUP;
 use super::quant_acts::QuantizedActs;
+use super::weight_buffer::WeightBuffer;
 
 /// Doubled E2M1 values (ggml's `kvalues_mxfp4`).
 pub(crate) const KVALUES_MXFP4: [i8; 16] =
@@ -116,15 +117,14 @@ pub(crate) fn interleave(
     src: &[u8],
     rows: usize,
     cols: usize,
-    mut buf: Vec<u8>,
-) -> Vec<u8> {
+    buf: WeightBuffer,
+) -> WeightBuffer {
     let (sb, x16, qs) = (scale_bytes(nl), x16(nl), qs(nl));
     let bb = 16 + sb;
     let nb = cols / 32;
     let row_bytes = nb * bb;
     let groups = rows.div_ceil(GROUP);
-    buf.clear();
-    buf.resize(groups * nb * x16, 0);
+    let mut buf = buf.zeroed(groups * nb * x16);
     for (g, gdst) in buf.chunks_exact_mut(nb * x16).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * row_bytes..(g * GROUP + r + 1) * row_bytes];

@@ -37,6 +37,7 @@ use tessera_model::GgmlType;
 use super::scalar::{
     dequantize_block, f16_at, float_kind, q1_codes, scales_mins_k4, FLOAT_BF16, FLOAT_F16,
 };
+use super::weight_buffer::{WeightArena, WeightBuffer};
 use super::KernelError;
 
 /// Rows per interleaved group.
@@ -119,8 +120,9 @@ pub struct Matrix {
     pub(crate) dtype: GgmlType,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
-    /// Row-interleaved groups of [`GROUP`] rows (layouts above), owned.
-    data: Vec<u8>,
+    /// Row-interleaved groups of [`GROUP`] rows (layouts above), owned (in a slab shared with
+    /// the model's other matrices where it was built by [`Matrix::new_in_arena`]).
+    data: WeightBuffer,
 }
 
 impl Matrix {
@@ -145,6 +147,33 @@ impl Matrix {
         cols: usize,
         bytes: MatrixBytes,
         buf: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        Self::build(dtype, rows, cols, bytes, WeightBuffer::from(buf))
+    }
+
+    /// [`Matrix::new`] building into memory from `arena`: a model's matrices share its
+    /// huge-page slabs (`weight_buffer`), which decode streams faster than 4 KiB pages.
+    pub(crate) fn new_in_arena(
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: MatrixBytes,
+        arena: &mut WeightArena,
+    ) -> Result<Self, KernelError> {
+        // An invalid shape is refused by `build` before anything is taken from the arena.
+        let buf = match Self::packed_len(dtype, rows, cols) {
+            Some(len) => arena.take(len),
+            None => WeightBuffer::from(Vec::new()),
+        };
+        Self::build(dtype, rows, cols, bytes, buf)
+    }
+
+    fn build(
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: MatrixBytes,
+        buf: WeightBuffer,
     ) -> Result<Self, KernelError> {
         let bs = dtype.block_size();
         if cols == 0 || !cols.is_multiple_of(bs) {
@@ -194,7 +223,13 @@ impl Matrix {
     }
 
     /// The row-interleaved copy of `src` (the layouts above); not for Q5_0 (widened first).
-    fn repack(dtype: GgmlType, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+    fn repack(
+        dtype: GgmlType,
+        src: &[u8],
+        rows: usize,
+        cols: usize,
+        buf: WeightBuffer,
+    ) -> WeightBuffer {
         match dtype {
             GgmlType::Q4_0 | GgmlType::Q8_0 => interleave(dtype, src, rows, cols, buf),
             GgmlType::Q5_0 => unreachable!("Q5_0 is widened to Q8_0 before the repack"),
@@ -270,7 +305,7 @@ impl Matrix {
 
     /// The repacked copy's allocation, for [`Matrix::new_in`] to build another matrix into.
     pub fn into_buffer(self) -> Vec<u8> {
-        self.data
+        self.data.into_vec()
     }
 
     /// Bytes this matrix keeps alive (its repacked copy, padding rows included).
@@ -461,7 +496,13 @@ fn widen_q5_0(src: &[u8]) -> Vec<u8> {
 }
 
 /// Repacks GGML Q4_1 (`five` = false) / Q5_1 rows into the widened layout of [`Q1_X16`].
-fn interleave_q1(five: bool, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+fn interleave_q1(
+    five: bool,
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    buf: WeightBuffer,
+) -> WeightBuffer {
     let bb = if five { 24 } else { 20 };
     let nb = cols / 32;
     let row_bytes = nb * bb;
@@ -489,7 +530,13 @@ fn interleave_q1(five: bool, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>)
 }
 
 /// Repacks GGML Q4_0/Q8_0 rows into the interleaved group layout described above.
-fn interleave(dtype: GgmlType, src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+fn interleave(
+    dtype: GgmlType,
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    buf: WeightBuffer,
+) -> WeightBuffer {
     match dtype {
         GgmlType::Q4_0 => interleave_q0::<18>(src, rows, cols, buf),
         _ => interleave_q0::<34>(src, rows, cols, buf),
@@ -502,7 +549,12 @@ fn interleave(dtype: GgmlType, src: &[u8], rows: usize, cols: usize, buf: Vec<u8
 /// before use), so it writes the destination in order, one 16-row block at a time, through
 /// fixed-size arrays: the moves compile to plain loads and stores without bounds checks (a
 /// `copy_from_slice` of a run-time length is a `memcpy` call per 4 bytes, twice as slow).
-fn interleave_q0<const BB: usize>(src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+fn interleave_q0<const BB: usize>(
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    buf: WeightBuffer,
+) -> WeightBuffer {
     let runs = (BB - 2) / 4;
     let nb = cols / 32;
     let row_bytes = nb * BB;
@@ -539,14 +591,18 @@ fn interleave_q0<const BB: usize>(src: &[u8], rows: usize, cols: usize, buf: Vec
 }
 
 /// `buf` as `len` zero bytes (padding rows must read as zero), keeping its allocation.
-fn zeroed(mut buf: Vec<u8>, len: usize) -> Vec<u8> {
-    buf.clear();
-    buf.resize(len, 0);
-    buf
+fn zeroed(buf: WeightBuffer, len: usize) -> WeightBuffer {
+    buf.zeroed(len)
 }
 
 /// Repacks GGML Q4_K / Q5_K rows into the interleaved layout described above.
-fn interleave_q45k(src: &[u8], rows: usize, cols: usize, five: bool, buf: Vec<u8>) -> Vec<u8> {
+fn interleave_q45k(
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    five: bool,
+    buf: WeightBuffer,
+) -> WeightBuffer {
     let nb = cols / 256;
     let (x16, qs) = (kx16_bytes(five), kx16_qs(five));
     let bb = if five { 176 } else { 144 };
@@ -602,7 +658,7 @@ pub(crate) fn q6k_x16_quant(blk: &[u8], r: usize, e: usize) -> i32 {
 }
 
 /// Repacks GGML Q6_K rows into the interleaved layout described above.
-fn interleave_q6k(src: &[u8], rows: usize, cols: usize, buf: Vec<u8>) -> Vec<u8> {
+fn interleave_q6k(src: &[u8], rows: usize, cols: usize, buf: WeightBuffer) -> WeightBuffer {
     let nb = cols / 256;
     let groups = rows.div_ceil(GROUP);
     let mut out = zeroed(buf, groups * nb * Q6K_X16);
@@ -730,8 +786,8 @@ fn interleave_float(
     src: &[u8],
     rows: usize,
     cols: usize,
-    buf: Vec<u8>,
-) -> Vec<u8> {
+    buf: WeightBuffer,
+) -> WeightBuffer {
     let es = dtype.block_bytes();
     let (k, np) = (float_kind(dtype), cols / 64 * 64);
     let groups = rows.div_ceil(GROUP);

@@ -62,6 +62,7 @@ mod quant_acts;
 mod scalar;
 #[cfg(test)]
 mod tests;
+mod weight_buffer;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -74,6 +75,7 @@ pub use matrix::{Matrix, MatrixBytes};
 pub use pool::ThreadPool;
 pub(crate) use quant_acts::quantize_row_q8_0;
 pub use quant_acts::QuantizedActs;
+pub(crate) use weight_buffer::WeightArena;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
