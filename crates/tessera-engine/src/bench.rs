@@ -10,7 +10,7 @@ use tessera_model::{GgufFile, ModelProfile};
 
 use crate::error::{EngineError, Result};
 use crate::expert_store::{measure_read_bandwidth as measure_disk_bandwidth, ExpertStreaming};
-use crate::kernels::ThreadPool;
+use crate::kernels::{ThreadPool, WeightArena};
 use crate::kv::{KvCache, KvType};
 use crate::model::Model;
 use crate::ops::argmax;
@@ -36,6 +36,11 @@ pub struct BenchReport {
     pub decode_tok_s: f64,
     /// Peak resident set (VmHWM), where the OS reports it.
     pub peak_rss_bytes: Option<u64>,
+    /// Of the process's memory after the tests, what sits on transparent huge pages, and the
+    /// kernel's setting for them (Linux): weights on 4 KiB pages decode slower
+    /// (`kernels::weight_buffer`).
+    #[serde(default)]
+    pub huge_pages: Option<HugePages>,
     pub weight_resident_bytes: u64,
     pub kv_bytes: u64,
     /// Weight bytes read per decoded token (active experts only).
@@ -51,6 +56,34 @@ pub struct BenchReport {
     /// Each weight type of the file and the kernel path it took (`kernels::type_paths`).
     #[serde(default)]
     pub kernels: Vec<crate::kernels::TypePath>,
+}
+
+/// Transparent huge pages in a benchmark's process.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HugePages {
+    /// `AnonHugePages` of `/proc/self/smaps_rollup`.
+    pub bytes: u64,
+    /// The selected word of `/sys/kernel/mm/transparent_hugepage/enabled` (`always`,
+    /// `madvise` or `never`), where it could be read.
+    pub mode: Option<String>,
+}
+
+impl HugePages {
+    /// This process's, where the OS reports them (Linux).
+    pub fn of_this_process() -> Option<Self> {
+        let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+        let kib = kib_field(&rollup, "AnonHugePages:")?;
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .ok()
+            .and_then(|s| {
+                let (_, rest) = s.split_once('[')?;
+                Some(rest.split_once(']')?.0.to_string())
+            });
+        Some(Self {
+            bytes: kib * 1024,
+            mode,
+        })
+    }
 }
 
 /// Expert streaming in a benchmark's decode test (its last run).
@@ -128,9 +161,13 @@ impl fmt::Display for BenchReport {
                 100.0 * self.decode_tok_s / self.decode_bound_tok_s
             )?;
         }
+        let huge = self.huge_pages.as_ref().map_or(String::new(), |h| {
+            let mode = h.mode.as_deref().unwrap_or("setting unknown");
+            format!(", {:.1} MiB on huge pages (THP {mode})", mib(h.bytes))
+        });
         writeln!(
             f,
-            "memory       weights {:.1} MiB, KV {:.2} MiB, peak RSS {}",
+            "memory       weights {:.1} MiB, KV {:.2} MiB, peak RSS {}{huge}",
             mib(self.weight_resident_bytes),
             mib(self.kv_bytes),
             self.peak_rss_bytes
@@ -184,8 +221,12 @@ pub fn current_rss_bytes() -> Option<u64> {
 }
 
 fn proc_status_kib(key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with(key))?;
+    kib_field(&std::fs::read_to_string("/proc/self/status").ok()?, key)
+}
+
+/// The value of a `Key:   123 kB` line of a `/proc` file.
+fn kib_field(text: &str, key: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(key))?;
     line[key.len()..]
         .trim()
         .trim_end_matches("kB")
@@ -195,21 +236,29 @@ fn proc_status_kib(key: &str) -> Option<u64> {
 }
 
 /// Read bandwidth of a buffer larger than the caches, read by `threads` threads (best of 3).
+/// The buffer is held as the weights are (huge pages where the OS gives them), so the bound
+/// derived from it is the one decode streams against.
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
     const BYTES: usize = 256 << 20;
-    let buf: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
+    let mut mem = WeightArena::new().take(BYTES);
+    for (i, w) in mem.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&(i as u64).to_ne_bytes());
+    }
+    let buf = &mem[..];
     let pool = ThreadPool::new(threads);
     let n_tasks = threads * 8;
-    let chunk = buf.len() / n_tasks;
+    // Bytes per task, whole 64-byte lines.
+    let chunk = BYTES / n_tasks / 64 * 64;
     let sink = std::sync::atomic::AtomicU64::new(0);
     let mut best = 0.0f64;
     for _ in 0..3 {
         let t = Instant::now();
         pool.run(n_tasks, |i| {
             let mut acc = [0u64; 8];
-            for c in buf[i * chunk..(i + 1) * chunk].chunks_exact(8) {
-                for j in 0..8 {
-                    acc[j] = acc[j].wrapping_add(c[j]);
+            for c in buf[i * chunk..(i + 1) * chunk].chunks_exact(64) {
+                for (j, w) in c.chunks_exact(8).enumerate() {
+                    let w = u64::from_ne_bytes(w.try_into().expect("8 bytes"));
+                    acc[j] = acc[j].wrapping_add(w);
                 }
             }
             sink.fetch_add(
@@ -217,7 +266,7 @@ pub fn measure_read_bandwidth(threads: usize) -> f64 {
                 std::sync::atomic::Ordering::Relaxed,
             );
         });
-        let gbs = (chunk * n_tasks * 8) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        let gbs = (chunk * n_tasks) as f64 / t.elapsed().as_secs_f64() / 1e9;
         best = best.max(gbs);
     }
     std::hint::black_box(sink.into_inner());
@@ -410,6 +459,7 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
     };
     // Before the bandwidth test, whose buffer is not the model's memory.
     let peak_rss = peak_rss_bytes();
+    let huge_pages = HugePages::of_this_process();
     let mem_read_gb_s = measure_read_bandwidth(threads);
     // A decode step reads the active weights and, at depth, the whole cache.
     let active = profile.active_bytes_per_token();
@@ -430,6 +480,7 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
         prefill_tok_s: rate(n_prompt, prefill_s),
         decode_tok_s: rate(n_gen, decode_s),
         peak_rss_bytes: peak_rss,
+        huge_pages,
         weight_resident_bytes: model.resident_bytes() as u64,
         kv_bytes: kv_bytes as u64,
         active_bytes_per_token: active,
@@ -519,4 +570,50 @@ fn expert_ranges(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_fields_are_read_in_kib() {
+        let rollup = "Rss:              311296 kB\nAnonHugePages:    270336 kB\n";
+        assert_eq!(kib_field(rollup, "AnonHugePages:"), Some(270_336));
+        assert_eq!(kib_field(rollup, "Swap:"), None);
+    }
+
+    #[test]
+    fn the_memory_line_says_what_is_on_huge_pages() {
+        let mut r = BenchReport {
+            model: "m.gguf".into(),
+            threads: 2,
+            n_prompt: 0,
+            n_gen: 0,
+            depth: 0,
+            kv_type: KvType::F16,
+            load_s: 0.1,
+            prefill_tok_s: 0.0,
+            decode_tok_s: 0.0,
+            peak_rss_bytes: Some(300 << 20),
+            huge_pages: Some(HugePages {
+                bytes: 264 << 20,
+                mode: Some("madvise".into()),
+            }),
+            weight_resident_bytes: 254 << 20,
+            kv_bytes: 0,
+            active_bytes_per_token: 254 << 20,
+            mem_read_gb_s: 30.0,
+            decode_bound_tok_s: 110.0,
+            streaming: None,
+            kernels: Vec::new(),
+        };
+        let text = r.to_string();
+        assert!(
+            text.contains("peak RSS 300.0 MiB, 264.0 MiB on huge pages (THP madvise)"),
+            "{text}"
+        );
+        r.huge_pages = None;
+        assert!(!r.to_string().contains("huge pages"));
+    }
 }
