@@ -203,7 +203,7 @@ impl Model {
         let store = ExpertStore::open(g, &config, &spec, streaming)?;
         // The streamed experts' biases (gpt-oss) are small: loaded now, kept resident.
         let mut quiet = |_: u64, _: u64| {};
-        let mut loader = crate::weights::Loader::quiet(g, &mut quiet);
+        let mut loader = crate::weights::Loader::new(g, &mut quiet);
         for (lw, il) in weights.layers.iter_mut().zip(spec.layers.clone()) {
             lw.expert_bias =
                 crate::weights::load_expert_bias(&mut loader, &config, &spec.experts, il)?;

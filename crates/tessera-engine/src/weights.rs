@@ -286,13 +286,7 @@ impl ModelWeights {
                 spec.layers, config.n_layer
             )));
         }
-        let mut loader = Loader {
-            g,
-            total: 0,
-            loaded: 0,
-            progress,
-            arena: WeightArena::new(),
-        };
+        let mut loader = Loader::new(g, progress);
         // Sum what will be read first, for the progress callback.
         loader.total = plan(g, config, &spec)?.iter().map(|(_, b)| b).sum();
 
@@ -593,8 +587,9 @@ pub(crate) struct Loader<'a> {
 }
 
 impl<'a> Loader<'a> {
-    /// A loader that reports no progress (for small extras read after the main load).
-    pub(crate) fn quiet(g: &'a GgufFile, progress: &'a mut dyn FnMut(u64, u64)) -> Self {
+    /// A loader that reports `(loaded, total)` to `progress` after each tensor, `total` 0
+    /// until the caller sets it (small extras read after the main load leave it so).
+    pub(crate) fn new(g: &'a GgufFile, progress: &'a mut dyn FnMut(u64, u64)) -> Self {
         Self {
             g,
             total: 0,

@@ -511,7 +511,7 @@ fn interleave_q1(
         "source shorter than its shape"
     );
     // Padding rows stay zero: d = m = 0 contributes nothing.
-    let mut out = zeroed(buf, rows.div_ceil(GROUP) * nb * Q1_X16);
+    let mut out = buf.zeroed(rows.div_ceil(GROUP) * nb * Q1_X16);
     for (g, gdst) in out.chunks_exact_mut(nb * Q1_X16).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * row_bytes..][..row_bytes];
@@ -565,7 +565,7 @@ fn interleave_q0<const BB: usize>(
         "source shorter than its shape"
     );
     // Padding rows (a last group of fewer than 16) stay zero: scale 0 contributes nothing.
-    let mut out = zeroed(buf, groups * group_bytes);
+    let mut out = buf.zeroed(groups * group_bytes);
     for (g, gdst) in out.chunks_exact_mut(group_bytes).enumerate() {
         let n_rows = GROUP.min(rows - g * GROUP);
         let gsrc = &src[g * GROUP * row_bytes..(g * GROUP + n_rows) * row_bytes];
@@ -590,11 +590,6 @@ fn interleave_q0<const BB: usize>(
     out
 }
 
-/// `buf` as `len` zero bytes (padding rows must read as zero), keeping its allocation.
-fn zeroed(buf: WeightBuffer, len: usize) -> WeightBuffer {
-    buf.zeroed(len)
-}
-
 /// Repacks GGML Q4_K / Q5_K rows into the interleaved layout described above.
 fn interleave_q45k(
     src: &[u8],
@@ -607,7 +602,7 @@ fn interleave_q45k(
     let (x16, qs) = (kx16_bytes(five), kx16_qs(five));
     let bb = if five { 176 } else { 144 };
     let groups = rows.div_ceil(GROUP);
-    let mut out = zeroed(buf, groups * nb * x16);
+    let mut out = buf.zeroed(groups * nb * x16);
     for (g, gdst) in out.chunks_exact_mut(nb * x16).enumerate() {
         for (b, dst) in gdst.chunks_exact_mut(x16).enumerate() {
             for r in 0..GROUP {
@@ -661,7 +656,7 @@ pub(crate) fn q6k_x16_quant(blk: &[u8], r: usize, e: usize) -> i32 {
 fn interleave_q6k(src: &[u8], rows: usize, cols: usize, buf: WeightBuffer) -> WeightBuffer {
     let nb = cols / 256;
     let groups = rows.div_ceil(GROUP);
-    let mut out = zeroed(buf, groups * nb * Q6K_X16);
+    let mut out = buf.zeroed(groups * nb * Q6K_X16);
     for (g, gdst) in out.chunks_exact_mut(nb * Q6K_X16).enumerate() {
         for (b, dst) in gdst.chunks_exact_mut(Q6K_X16).enumerate() {
             for r in 0..GROUP {
@@ -791,7 +786,7 @@ fn interleave_float(
     let es = dtype.block_bytes();
     let (k, np) = (float_kind(dtype), cols / 64 * 64);
     let groups = rows.div_ceil(GROUP);
-    let mut out = zeroed(buf, groups * cols * GROUP * es);
+    let mut out = buf.zeroed(groups * cols * GROUP * es);
     for (g, gdst) in out.chunks_exact_mut(cols * GROUP * es).enumerate() {
         for r in 0..GROUP.min(rows - g * GROUP) {
             let row = &src[(g * GROUP + r) * cols * es..(g * GROUP + r + 1) * cols * es];
