@@ -5,14 +5,14 @@
 //! per-row arithmetic whatever the batch). Float types store each column's 16 values together.
 //!
 //! F16 and BF16 also store their columns in the order the x86 kernels read them
-//! ([`float_column`]): `scalar::float_row`'s lane chains (lane `L` takes column `L` of every
-//! 64, BF16 columns `2L + 1` and `2L`) are read four lanes at a time over every 64-column
-//! block, so the columns of those four lanes in each block (a "chunk": 4 F16 columns, 8 BF16,
-//! 128 and 256 bytes) are stored together, block after block, then the next four lanes'
-//! ([`float_lane_order`]). A decode pass then streams one run of memory instead of 128 bytes of
-//! every 2 KiB, the whole group is read front to back, and a prefill quarter's lanes are a
-//! quarter of the group's bytes, read in place. F32 keeps column order (its AVX-512 decode
-//! sweeps every lane at once in column order).
+//! ([`float_column`]): `scalar::float_row`'s lane chains (F16: lane `L` takes the columns
+//! `L, 16 + L, 32 + L, 48 + L` of every 64; BF16 columns `2L + 1` and `2L`) are read four
+//! lanes at a time over every 64-column block, so the columns of those four lanes in each
+//! block (a "chunk": 16 F16 columns, 8 BF16, 512 and 256 bytes), each lane's side by side, are
+//! stored together, block after block, then the next four lanes' ([`float_lane_order`]). A
+//! decode pass then streams one run of memory, the whole group is read front to back, and a
+//! prefill quarter's lanes are a quarter of the group's bytes, read in place. F32 keeps column
+//! order (its AVX-512 decode sweeps every lane at once in column order).
 //!
 //! Q4_0/Q8_0: rows are taken in groups of [`GROUP`] (the last group padded
 //! with zero rows). For each group and each 32-column block we store the 16 rows' f16 scales
@@ -36,6 +36,7 @@ use tessera_model::GgmlType;
 
 use super::scalar::{
     dequantize_block, f16_at, float_kind, q1_codes, scales_mins_k4, FLOAT_BF16, FLOAT_F16,
+    FLOAT_F32,
 };
 use super::weight_buffer::{WeightArena, WeightBuffer};
 use super::KernelError;
@@ -684,21 +685,31 @@ fn interleave_q6k(src: &[u8], rows: usize, cols: usize, buf: WeightBuffer) -> We
     out
 }
 
-/// Columns per chunk of a float group of kind `k` (`scalar::FLOAT_*`; [`float_column`]): F16
-/// 4, BF16 8 (four lanes, 128 and 256 bytes); F32 0, kept in column order.
-pub(crate) const fn float_chunk(k: u8) -> usize {
+/// Columns of each 64-column block that one of `scalar::float_row`'s lanes takes, for a float
+/// group of kind `k`: F32 1 (lane `L`: `L`), F16 4 (`L, 16 + L, 32 + L, 48 + L`), BF16 2
+/// (`2L + 1`, then `2L`). A row has `64 / float_lane_cols(k)` lanes.
+pub(crate) const fn float_lane_cols(k: u8) -> usize {
     match k {
         FLOAT_F16 => 4,
-        FLOAT_BF16 => 8,
+        FLOAT_BF16 => 2,
+        _ => 1,
+    }
+}
+
+/// Columns per chunk of a float group of kind `k` (`scalar::FLOAT_*`; [`float_column`]): four
+/// lanes' columns of a block, F16 16, BF16 8 (512 and 256 bytes); F32 0, kept in column order.
+pub(crate) const fn float_chunk(k: u8) -> usize {
+    match k {
+        FLOAT_F16 | FLOAT_BF16 => 4 * float_lane_cols(k),
         _ => 0,
     }
 }
 
-/// `scalar::float_row`'s lanes (F32/F16 64, BF16 32) in the order the x86 kernels visit them,
-/// `reduce16`'s tree quarter by quarter: for quarter `q` and `i` in `q, q + 8, q + 4, q + 12`,
-/// F32/F16 lanes `i, 32 + i, 16 + i, 48 + i`, BF16 lanes `i, 16 + i`. Each four in a row are a
-/// chunk of the stored group ([`float_column`]) and a decode pass; each quarter of the order is
-/// a prefill quarter.
+/// `scalar::float_row`'s lanes (F32 64, F16 16, BF16 32) in the order the x86 kernels visit
+/// them, `reduce16`'s tree quarter by quarter: for quarter `q` and `i` in `q, q + 8, q + 4,
+/// q + 12`, F32 lanes `i, 32 + i, 16 + i, 48 + i`, F16 lane `i`, BF16 lanes `i, 16 + i`. Each
+/// four in a row are a chunk of the stored group ([`float_column`]) and a decode pass; each
+/// quarter of the order is a prefill quarter.
 pub(crate) const fn float_lane_order(k: u8) -> [u8; 64] {
     let mut o = [0u8; 64];
     let mut at = 0;
@@ -712,6 +723,9 @@ pub(crate) const fn float_lane_order(k: u8) -> [u8; 64] {
                 o[at] = i;
                 o[at + 1] = 16 + i;
                 at += 2;
+            } else if k == FLOAT_F16 {
+                o[at] = i;
+                at += 1;
             } else {
                 o[at] = i;
                 o[at + 1] = 32 + i;
@@ -738,25 +752,30 @@ pub(crate) fn float_lane_position(k: u8, l: usize) -> usize {
         }
         p
     }
+    const F32: [u8; 64] = inverse(float_lane_order(FLOAT_F32), 64);
+    const F16: [u8; 64] = inverse(float_lane_order(FLOAT_F16), 16);
     const BF16: [u8; 64] = inverse(float_lane_order(FLOAT_BF16), 32);
-    const OTHER: [u8; 64] = inverse(float_lane_order(FLOAT_F16), 64);
-    (if k == FLOAT_BF16 { BF16[l] } else { OTHER[l] }) as usize
+    (match k {
+        FLOAT_F16 => F16[l],
+        FLOAT_BF16 => BF16[l],
+        _ => F32[l],
+    }) as usize
 }
 
 /// Where an F16/BF16 group with `nb` whole 64-column blocks stores the first column of the lane
-/// at position `pos` of [`float_lane_order`] ([`float_column`]): its column in block `b` is
-/// `b` chunks on (BF16: its second column of the block beside it).
+/// at position `pos` of [`float_lane_order`] ([`float_column`]): its first column in block `b`
+/// is `b` chunks on, its others of the block ([`float_lane_cols`]) beside it.
 #[inline(always)]
 pub(crate) fn float_lane_start(k: u8, pos: usize, nb: usize) -> usize {
     let chunk = float_chunk(k);
-    pos / 4 * nb * chunk + pos % 4 * (chunk / 4)
+    pos / 4 * nb * chunk + pos % 4 * float_lane_cols(k)
 }
 
 /// Where a float group of kind `k` stores its column `e` (in columns from the group's start),
 /// `np` being its columns in whole 64s. Within those, chunk `c` holds the columns of the lanes at
-/// positions `4c..4c + 4` of [`float_lane_order`] (BF16: each lane's column `2L + 1`, then
-/// `2L`) of every 64-column block, block after block; chunk `c + 1` follows. Columns past
-/// `np`, and every F32 column, stay in place.
+/// positions `4c..4c + 4` of [`float_lane_order`] of every 64-column block, each lane's in its
+/// order (F16: `L, 16 + L, 32 + L, 48 + L`; BF16: `2L + 1`, then `2L`), block after block;
+/// chunk `c + 1` follows. Columns past `np`, and every F32 column, stay in place.
 #[inline(always)]
 pub(crate) fn float_column(k: u8, e: usize, np: usize) -> usize {
     let chunk = float_chunk(k);
@@ -764,13 +783,13 @@ pub(crate) fn float_column(k: u8, e: usize, np: usize) -> usize {
         return e;
     }
     let c = e % 64;
-    // BF16 lane L takes columns 2L + 1, then 2L.
-    let (lane, second) = if k == FLOAT_BF16 {
-        (c / 2, c.is_multiple_of(2))
+    // The lane that takes column c, and which of its columns of the block c is.
+    let (lane, nth) = if k == FLOAT_BF16 {
+        (c / 2, c.is_multiple_of(2) as usize)
     } else {
-        (c, false)
+        (c % 16, c / 16)
     };
-    float_lane_start(k, float_lane_position(k, lane), np / 64) + e / 64 * chunk + second as usize
+    float_lane_start(k, float_lane_position(k, lane), np / 64) + e / 64 * chunk + nth
 }
 
 /// Float weights: for each column, the 16 rows' values side by side (16 × `es` bytes), so one

@@ -499,14 +499,22 @@ pub(crate) fn reduce16(a: &[f32; 16]) -> f32 {
     (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
-/// One float row · activations in the order llama.cpp's x86 AVX-512 build uses for the weight
-/// type (the reference outputs are sensitive to it):
-/// - F32 (`ggml_vec_dot_f32`) and F16 (`ggml_vec_dot_f16`): 4 × 16 lanes over 64-element
-///   steps, lanes combined `(a0 + a2) + (a1 + a3)`, [`reduce16`]; the remainder added with
-///   f32 FMAs (F32) or in f64 (F16). llama.cpp only takes llamafile `tinyBLAS` for batches of
-///   two or more tokens (`llamafile_sgemm` refuses `n < 2`), so every single-token decode step
-///   of the reference runs `ggml_vec_dot_*`; a batch-invariant engine follows that order (the
-///   reference's prompt rows, computed by tinyBLAS, differ in the last bits).
+/// One float row · activations, in one order that every ISA path reproduces bit for bit:
+/// - F32: llama.cpp's x86 AVX-512 order (`ggml_vec_dot_f32`), which the reference outputs
+///   are sensitive to (an F32 router's last bits pick the experts of the random-weight MoE
+///   fixtures): 4 × 16 lanes over 64-element steps, combined `(a0 + a2) + (a1 + a3)`, then
+///   [`reduce16`] (the tree of `_mm512_reduce_add_ps`); the remainder added with f32 FMAs.
+///   llama.cpp only takes llamafile `tinyBLAS` for batches of two or more tokens
+///   (`llamafile_sgemm` refuses `n < 2`), so every single-token decode step of the reference
+///   runs `ggml_vec_dot_*`; a batch-invariant engine follows that order.
+/// - F16: 16 lanes, lane `l` a chain of fused steps over the columns `≡ l mod 16` in order,
+///   up to the last whole 64; the lanes summed by [`reduce16`]; the remainder added in f64.
+///   llama.cpp's AVX-512 `ggml_vec_dot_f16` runs F32's 64 lanes, and so did this engine;
+///   16 make each chain four times longer, so a prefill pass of the AVX2 kernels (one lane of
+///   16 rows × 6 tokens in registers) runs four times the steps for the same setup and
+///   combining. The rows differ from llama.cpp's in the last bits, as its own prompt rows
+///   (tinyBLAS) differ from its decode rows; the F16 fixtures stay within the teacher-forcing
+///   tolerance.
 /// - BF16 (`ggml_vec_dot_bf16`, `vdpbf16ps`): two 16-lane accumulators for the halves of each
 ///   64-element step, lane `p` taking the odd then the even element of pair `p`; the two
 ///   [`reduce16`] sums and the remainder added in f64.
@@ -514,12 +522,20 @@ pub(crate) fn float_row(kind: u8, n: usize, w: impl Fn(usize) -> f32, x: &[f32])
     match kind {
         FLOAT_F32 | FLOAT_F16 => {
             let np = n / 64 * 64;
-            let mut a = [[0f32; 16]; 4];
-            for (e, &xe) in x.iter().enumerate().take(np) {
-                let (g, l) = ((e % 64) / 16, e % 16);
-                a[g][l] = w(e).mul_add(xe, a[g][l]);
-            }
-            let v: [f32; 16] = std::array::from_fn(|i| (a[0][i] + a[2][i]) + (a[1][i] + a[3][i]));
+            let v: [f32; 16] = if kind == FLOAT_F32 {
+                let mut a = [[0f32; 16]; 4];
+                for (e, &xe) in x.iter().enumerate().take(np) {
+                    let (g, l) = ((e % 64) / 16, e % 16);
+                    a[g][l] = w(e).mul_add(xe, a[g][l]);
+                }
+                std::array::from_fn(|i| (a[0][i] + a[2][i]) + (a[1][i] + a[3][i]))
+            } else {
+                let mut v = [0f32; 16];
+                for (e, &xe) in x.iter().enumerate().take(np) {
+                    v[e % 16] = w(e).mul_add(xe, v[e % 16]);
+                }
+                v
+            };
             if kind == FLOAT_F32 {
                 // `ggml_vec_dot_f32` keeps its sum in f32 (the remainder contracted to FMAs).
                 let mut s = reduce16(&v);

@@ -431,11 +431,27 @@ fn float_prefill_past_a_token_block_equals_each_token_alone() {
 fn float_prefill_at_every_tile_remainder_equals_each_token_alone() {
     let pools = [ThreadPool::new(1), ThreadPool::new(3)];
     let counts: Vec<usize> = (1..=13).chain([62, 64, 65, 70]).collect();
-    for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
-        // 21 rows: 2 groups, so 3 threads split the tokens; 200 columns: a tail past 192.
-        let seed = dtype.id() as u64 + 700;
-        assert_batches_equal_each_token_alone(dtype, seed, (21, 200), &counts, &pools);
+    for_both_float_prefill_widths(|| {
+        for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+            // 21 rows: 2 groups, so 3 threads split the tokens; 200 columns: a tail past 192.
+            let seed = dtype.id() as u64 + 700;
+            assert_batches_equal_each_token_alone(dtype, seed, (21, 200), &counts, &pools);
+        }
+    });
+}
+
+/// Runs `f` with AVX-512 processes' F16/BF16 prefill on the AVX-512 tiles, then on the AVX2
+/// ones (which a CPU that splits 512-bit operations runs), whatever this CPU would choose.
+fn for_both_float_prefill_widths(f: impl Fn()) {
+    #[cfg(target_arch = "x86_64")]
+    for wide in [true, false] {
+        super::x86::set_wide_float_prefill(Some(wide));
+        f();
     }
+    #[cfg(target_arch = "x86_64")]
+    super::x86::set_wide_float_prefill(None);
+    #[cfg(not(target_arch = "x86_64"))]
+    f();
 }
 
 /// AVX-512 float prefill takes two neighbouring groups per kernel call where a task holds
@@ -445,6 +461,10 @@ fn float_prefill_at_every_tile_remainder_equals_each_token_alone() {
 /// range that starts and ends inside groups equals those rows of the whole.
 #[test]
 fn float_prefill_of_neighbouring_groups_equals_each_token_alone() {
+    for_both_float_prefill_widths(neighbouring_groups_equal_each_token_alone);
+}
+
+fn neighbouring_groups_equal_each_token_alone() {
     let pools = [ThreadPool::new(1), ThreadPool::new(3)];
     for dtype in [GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
         let seed = dtype.id() as u64 + 900;

@@ -117,11 +117,15 @@ unsafe fn token<const K: u8>(w: *const u8, x: &[f32], out: &mut [f32]) {
                 }
                 continue;
             }
-            let a: [[float32x4_t; 16]; 4] =
-                std::array::from_fn(|g| pass::<K>(w, xp, q, np, 64, 16 * g));
-            let v: [float32x4_t; 16] = std::array::from_fn(|i| {
-                vaddq_f32(vaddq_f32(a[0][i], a[2][i]), vaddq_f32(a[1][i], a[3][i]))
-            });
+            let v: [float32x4_t; 16] = if K == FLOAT_F32 {
+                let a: [[float32x4_t; 16]; 4] =
+                    std::array::from_fn(|g| pass::<K>(w, xp, q, np, 64, 16 * g));
+                std::array::from_fn(|i| {
+                    vaddq_f32(vaddq_f32(a[0][i], a[2][i]), vaddq_f32(a[1][i], a[3][i]))
+                })
+            } else {
+                pass::<K>(w, xp, q, np, 16, 0)
+            };
             vst1q_f32(o.as_mut_ptr(), reduce(&v));
             for (i, o) in o.iter_mut().enumerate() {
                 let r = 4 * q + i;

@@ -24,9 +24,9 @@ pub(super) unsafe fn load8<const K: u8>(w: *const u8, e: usize, h8: usize) -> __
 
 /// One lane's accumulators of both row halves for `T` tokens over its `seg` columns:
 /// `[token][h8]`. `w` holds the lane's columns from index `col`, its columns of each block
-/// (BF16 two, side by side) `step` columns after the last block's: in the
-/// [`lane_major_weights`] layout (F32) a run of `seg` (`step` 1), in a stored F16/BF16 group a
-/// chunk apart (`float_lane_start`); `x`
+/// ([`float_lane_cols`], side by side) `step` columns after the last block's: in the
+/// [`lane_major_weights`] layout (F32) a run of `seg` (`step` the lane's columns of a block),
+/// in a stored F16/BF16 group a chunk apart (`float_lane_start`); `x`
 /// points at the tile's first token's activation for the lane's first column in the
 /// [`lane_major`] layout (the tile's tokens side by side, the lane's next column `stride`
 /// floats on).
@@ -36,7 +36,7 @@ pub(super) unsafe fn lane_pass<const K: u8, const T: usize>(
     (x, stride): (*const f32, usize),
     seg: usize,
 ) -> [[__m256; 2]; T] {
-    let cpl = if K == FLOAT_BF16 { 2 } else { 1 };
+    let cpl = float_lane_cols(K);
     // SAFETY: the lane's `seg` columns are in bounds of `w` and, for the tile's tokens, of `x`
     // (caller); AVX2/FMA/F16C enabled (caller).
     unsafe {
@@ -57,14 +57,15 @@ pub(super) unsafe fn lane_pass<const K: u8, const T: usize>(
     }
 }
 
-/// Every lane's accumulators of both row halves for `T` tokens: `[lane][token][h8]`.
+/// Every lane's accumulators of both row halves for `T` tokens: `[lane][token][h8]` (F16 and
+/// BF16 use the first 16 and 32).
 pub(super) type LaneAcc<const T: usize> = [[[__m256; 2]; T]; 64];
 
 /// What `scalar::float_row` makes of its lanes, each lane's accumulators `lane(l)` computed
 /// once: the four quarters' partial sums ([`quarter_lanes`], in the scalar tree's order: each
 /// `f(i)` once, few partial sums alive) added by the top of the tree ([`reduce16_top`]). F32/F16
-/// the row sums of `(lane i + lane 32+i) + (lane 16+i + lane 48+i)` (twice); BF16 the two
-/// partial sums of lanes `i` and `16 + i`, which the scalar kernel adds in f64.
+/// the row sums (twice); BF16 the two partial sums of lanes `i` and `16 + i`, which the scalar
+/// kernel adds in f64.
 #[inline(always)]
 pub(super) unsafe fn reduce_lanes<const K: u8, const T: usize>(
     mut lane: impl FnMut(usize) -> [[__m256; 2]; T],
@@ -91,7 +92,7 @@ pub(super) fn add_acc<const T: usize>(
     std::array::from_fn(|j| std::array::from_fn(|h| unsafe { _mm256_add_ps(a[j][h], b[j][h]) }))
 }
 
-/// Quarter `q` of [`reduce_lanes`]: its tree's partial sum over the lanes `q + 4k` (and, F32/F16,
+/// Quarter `q` of [`reduce_lanes`]: its tree's partial sum over the lanes `q + 4k` (and, F32,
 /// `16 + q + 4k`, `32 + q + 4k`, `48 + q + 4k`; BF16 `16 + q + 4k`) for `k` = 0..4, as
 /// [`reduce16_quarter`] adds them (F32/F16 once, BF16 the two partial sums).
 #[inline(always)]
@@ -107,11 +108,15 @@ pub(super) unsafe fn quarter_lanes<const K: u8, const T: usize>(
             |a, b| (add(a.0, b.0), add(a.1, b.1)),
         )
     } else {
-        let r = reduce16_quarter(
-            q,
-            |i| add(add(lane(i), lane(32 + i)), add(lane(16 + i), lane(48 + i))),
-            add,
-        );
+        let r = if K == FLOAT_F16 {
+            reduce16_quarter(q, lane, add)
+        } else {
+            reduce16_quarter(
+                q,
+                |i| add(add(lane(i), lane(32 + i)), add(lane(16 + i), lane(48 + i))),
+                add,
+            )
+        };
         (r, r)
     }
 }
@@ -123,28 +128,19 @@ pub(super) unsafe fn quarter_lanes<const K: u8, const T: usize>(
 #[inline(always)]
 pub(super) unsafe fn quarter_by_pass<const K: u8, const T: usize>(
     w: &[u8],
-    (x, next): (TileActs, TileActs),
+    x: TileActs,
     q: usize,
     dst: *mut f32,
 ) {
     let seg = x.seg;
     debug_assert_eq!(w.len(), n_lanes(K) * seg * GROUP * esize(K));
-    // Bytes of a lane's activations in the next tile's slice.
-    let run = seg * next.width * 4;
     // SAFETY: as `lane_pass`: lane l's weights are columns l·seg..(l+1)·seg of `w`; `dst`
-    // holds T tokens' sets (caller). A prefetch never faults.
+    // holds T tokens' sets (caller).
     unsafe {
         let (r1, r2) = quarter_lanes::<K, T>(q, |l| {
             let p = lane_position::<K>(l);
-            // The same lane's activations of the next tile, into L1 ahead of its pass: the
-            // hardware prefetchers lose the stream where a quarter's run of one slice ends
-            // and the next slice's begins.
-            let ahead = next.lane(p).0 as *const i8;
-            for off in (0..run).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
-            }
             let at = match float_chunk(K) {
-                0 => (p * seg, 1),
+                0 => (p * seg, float_lane_cols(K)),
                 chunk => (float_lane_start(K, p, seg * n_lanes(K) / 64), chunk),
             };
             lane_pass::<K, T>((w.as_ptr(), at.0, at.1), x.lane(p), seg)
@@ -179,8 +175,9 @@ pub(super) unsafe fn lanes_by_chain<const K: u8, const T: usize>(
 ) -> Reduced<T> {
     let mut acc = std::mem::MaybeUninit::<LaneAcc<T>>::uninit();
     let p = acc.as_mut_ptr() as *mut [[__m256; 2]; T];
-    // Lanes per pass: 128 bytes of each block's F16/BF16 weights (8 accumulators: 4 lanes ×
-    // 2 halves for 1 token, 2 × 2 × 2 for 2), as many bytes of F32 (half the lanes).
+    // Lanes per pass: 8 accumulators (4 lanes × 2 halves for 1 token, 2 × 2 × 2 for 2; F32
+    // half the lanes): a chunk of each block's F16/BF16 weights (512 or 256 bytes), or half of
+    // one for 2 tokens.
     let ls = 8 / (T * esize(K));
     let passes = n_lanes(K) / ls;
     let nb = np / 64;

@@ -86,14 +86,18 @@ pub(super) unsafe fn token<const K: u8>(w: *const u8, x: &[f32], out: &mut [f32;
         match K {
             FLOAT_F32 | FLOAT_F16 => {
                 let np = n / 64 * 64;
-                let a: [[__m512; 16]; 4] =
-                    std::array::from_fn(|g| pass::<K>(w, xp, np, 64, 16 * g));
-                let v: [__m512; 16] = std::array::from_fn(|i| {
-                    _mm512_add_ps(
-                        _mm512_add_ps(a[0][i], a[2][i]),
-                        _mm512_add_ps(a[1][i], a[3][i]),
-                    )
-                });
+                let v: [__m512; 16] = if K == FLOAT_F32 {
+                    let a: [[__m512; 16]; 4] =
+                        std::array::from_fn(|g| pass::<K>(w, xp, np, 64, 16 * g));
+                    std::array::from_fn(|i| {
+                        _mm512_add_ps(
+                            _mm512_add_ps(a[0][i], a[2][i]),
+                            _mm512_add_ps(a[1][i], a[3][i]),
+                        )
+                    })
+                } else {
+                    pass::<K>(w, xp, np, 16, 0)
+                };
                 _mm512_storeu_ps(out.as_mut_ptr(), reduce(&v));
                 if np < n && K == FLOAT_F32 {
                     for (r, o) in out.iter_mut().enumerate() {
@@ -140,11 +144,13 @@ macro_rules! entry {
             nt: usize,
             out: &mut [f32],
         ) {
-            if nt >= 3 {
+            if nt >= 3 && ($k == FLOAT_F32 || super::super::wide_float_prefill()) {
                 // SAFETY: this entry's features; prefill_avx512 checks the bounds.
                 return unsafe { prefill_avx512::<{ $k }>(w, a, t0, nt, out) };
             }
-            // F16/BF16 decode runs the AVX2 chain passes, which prefetch the weights ahead: on
+            // F16/BF16 decode runs the AVX2 chain passes (and so does their prefill on a CPU
+            // that splits 512-bit operations, `wide_float_prefill`), which prefetch the
+            // weights ahead: on
             // a Zen 5 VM (`examples/float_prefill`, 1 token, 2 threads, the dense bench
             // geometry's matmuls over 0.5-1 GB of weights, alternated) F16 19.0-19.6 ->
             // 26.9-27.2 GFLOP/s a thread, BF16 16.0 -> 30.1, where F32 fell 15-19 -> 10-11
@@ -172,8 +178,9 @@ entry!(f32_avx512, FLOAT_F32);
 entry!(f16_avx512, FLOAT_F16);
 entry!(bf16_avx512, FLOAT_BF16);
 
-/// Lanes per AVX-512 prefill pass: one [`reduce16_quarter`] leaf of F32/F16 (lanes `i, 32 + i,
-/// 16 + i, 48 + i`) or two of BF16 (`i, 16 + i` for two `i`), neighbours in [`lane_order`].
+/// Lanes per AVX-512 prefill pass: one [`reduce16_quarter`] leaf of F32 (lanes `i, 32 + i,
+/// 16 + i, 48 + i`), a whole quarter of F16 (`q, q + 8, q + 4, q + 12`) or two leaves of one
+/// of BF16 (`i, 16 + i` for two `i`), neighbours in [`lane_order`].
 pub(super) const WIDE_LANES: usize = 4;
 
 /// [`WIDE_LANES`] lanes at [`lane_order`] positions `p..p + 4` for `T` tokens, 16 rows a
@@ -235,6 +242,11 @@ pub(super) unsafe fn quarter_by_pass512<const K: u8, const T: usize>(
                 add(add(a[0], a[2]), add(b[0], b[2])),
                 add(add(a[1], a[3]), add(b[1], b[3])),
             )
+        } else if K == FLOAT_F16 {
+            // One pass: the quarter's four lanes, added as its tree adds them.
+            let l = pass(0);
+            let r = add(add(l[0], l[1]), add(l[2], l[3]));
+            (r, r)
         } else {
             let leaf = |k: usize| {
                 let l = pass(k);
@@ -340,12 +352,18 @@ pub(super) unsafe fn quarter_tree512<const K: u8, const T: usize>(
         let b1 = add(l5, lane(7));
         (add(a0, b0), add(a1, b1))
     } else {
+        // F16: the quarter's four lanes, `(q + q+8) + (q+4 + q+12)`; F32: four such leaves of
+        // four lanes each.
         let mut leaf = |k: usize| {
             let l0 = lane(4 * k);
             let s01 = add(l0, lane(4 * k + 1));
             let l2 = lane(4 * k + 2);
             add(s01, add(l2, lane(4 * k + 3)))
         };
+        if K == FLOAT_F16 {
+            let r = leaf(0);
+            return (r, r);
+        }
         let s8a = add(leaf(0), leaf(1));
         let l2 = leaf(2);
         let r = add(s8a, add(l2, leaf(3)));

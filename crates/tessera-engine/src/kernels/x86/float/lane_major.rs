@@ -3,14 +3,11 @@
 
 use super::*;
 
-/// Lanes per row: `scalar::float_row`'s 4 × 16 (F32/F16: lane `L` takes the columns
-/// `≡ L mod 64`) or 2 × 16 (BF16: lane `L` takes columns `2L + 1` then `2L` of each 64).
+/// Lanes per row: `scalar::float_row`'s 4 × 16 (F32: lane `L` takes the columns `≡ L mod
+/// 64`), 16 (F16: the columns `≡ L mod 16`) or 2 × 16 (BF16: columns `2L + 1` then `2L` of
+/// each 64).
 pub(super) const fn n_lanes(k: u8) -> usize {
-    if k == FLOAT_BF16 {
-        32
-    } else {
-        64
-    }
+    64 / float_lane_cols(k)
 }
 
 /// The lanes in the order the passes visit them (`matrix::float_lane_order`): the order of the
@@ -27,15 +24,21 @@ pub(super) fn lane_position<const K: u8>(l: usize) -> usize {
     float_lane_position(K, l)
 }
 
-/// Lane `l`'s chain step at the 64-column block starting at `base`: `f(column)` in the
-/// lane's order.
+/// Lane `l`'s chain steps at the 64-column block starting at `base` ([`float_lane_cols`] of
+/// them): `f(column)` in the lane's order.
 #[inline(always)]
 pub(super) fn lane_columns<const K: u8>(base: usize, l: usize, mut f: impl FnMut(usize)) {
-    if K == FLOAT_BF16 {
-        f(base + 2 * l + 1);
-        f(base + 2 * l);
-    } else {
-        f(base + l);
+    match K {
+        FLOAT_BF16 => {
+            f(base + 2 * l + 1);
+            f(base + 2 * l);
+        }
+        FLOAT_F16 => {
+            for k in 0..4 {
+                f(base + 16 * k + l);
+            }
+        }
+        _ => f(base + l),
     }
 }
 

@@ -8,7 +8,8 @@
 use std::arch::x86_64::*;
 
 use super::super::matrix::{
-    float_chunk, float_column, float_lane_order, float_lane_position, float_lane_start, GROUP,
+    float_chunk, float_column, float_lane_cols, float_lane_order, float_lane_position,
+    float_lane_start, GROUP,
 };
 use super::super::pool::ThreadPool;
 use super::super::quant_acts::{ActKind, QuantizedActs};
@@ -28,15 +29,16 @@ pub(crate) use lane_major::prepare_lane_major;
 
 // The design (AVX2: 8 rows per load; AVX-512 prefill shares its copies and tile loop):
 //
-// A row's 64 (BF16: 32) lane sums are independent chains, each over every 64th column in
-// column order, so they may be computed in any order; only each chain's own order and the
-// final combination are fixed (`scalar::float_row`). AVX-512 holds 16 lanes of 16 rows in
-// registers and walks the columns once. AVX2 has half the registers of half the width:
+// A row's 64 (F16: 16, BF16: 32) lane sums are independent chains, each over its columns of
+// every 64-column block in column order (F32 one, F16 four, BF16 two: `float_lane_cols`), so
+// they may be computed in any order; only each chain's own order and the final combination
+// are fixed (`scalar::float_row`). AVX-512 holds 16 lanes of 16 rows in registers and walks
+// the columns once. AVX2 has half the registers of half the width:
 // - prefill (3 or more tokens): one lane at a time ("a lane pass", `lane_pass`) for both
 //   8-row halves and a tile of up to `TILE` tokens, so each weight load feeds `TILE` FMAs
-//   per half instead of one. A pass reads a lane's columns, every 64th, so both operands are
-//   read lane by lane from consecutive memory: F16/BF16 weights in place (a lane's column of
-//   each block a chunk apart, `matrix::float_column`: in place of a per-call copy, 64-token
+//   per half instead of one. A pass reads a lane's columns of every block, so both operands
+//   are read lane by lane from consecutive memory: F16/BF16 weights in place (a lane's
+//   columns of each block a chunk apart, `matrix::float_column`: in place of a per-call copy, 64-token
 //   F16 matmuls +3-5% on a Zen 4 capped to AVX2), F32's and AVX-512's from a copy made once
 //   per kernel call (`lane_major_weights`), the activations from one made once per matmul in
 //   slices of a tile's tokens (`lane_major`, built on the pool by `QuantizedActs::new` when
@@ -46,7 +48,12 @@ pub(crate) use lane_major::prepare_lane_major;
 //   lane of both groups for a slice's tokens (`quarter_two512`), so each activation feeds two
 //   weight columns; a lone group's pass is one lane of two whole slices (`quarter_pair512`)
 //   or, for a slice alone, four lanes (`quarter_by_pass512`). F16/BF16 decode on AVX-512 runs
-//   the AVX2 chain passes below.
+//   the AVX2 chain passes below, and so does their prefill where the CPU splits 512-bit
+//   operations into halves (`x86::wide_float_prefill`). F16's 16 lanes make each pass four
+//   times longer than F32's 64 do for the same setup and combining (a dense layer's F16
+//   matmuls at 512 tokens, 1 thread, Zen 4 capped to AVX2, alternated: 85-87 → 92-95
+//   GFLOP/s with the activations' software prefetch, which these longer runs no longer
+//   need, removed).
 //   Both copies hold the lanes in the order the passes visit them (`lane_order`), so a tile's
 //   passes read each operand as one sequential run. The passes go a quarter of the lanes
 //   (`quarter_lanes`) at a time over every tile (`prefill_avx2`), each quarter's lanes
@@ -171,13 +178,6 @@ unsafe fn prefill<const K: u8, const WIDE: bool, const G: usize>(
                     return take;
                 }
                 let reordered = reordered[0];
-                // The tile after this one in the quarter, whose activations the AVX2 passes
-                // prefetch (this one's again for the last).
-                let next = if !WIDE && j + take < nt {
-                    TileActs::new::<K>(lanes, a, t + take)
-                } else {
-                    x
-                };
                 // AVX-512: two whole slices in one tile where the next is whole too.
                 if WIDE && take == TILE && j + 2 * TILE <= nt {
                     let t2 = t + TILE;
@@ -193,7 +193,7 @@ unsafe fn prefill<const K: u8, const WIDE: bool, const G: usize>(
                         if WIDE {
                             quarter_by_pass512::<K, { $t }>(reordered, x, q, dst)
                         } else {
-                            quarter_by_pass::<K, { $t }>(reordered, (x, next), q, dst)
+                            quarter_by_pass::<K, { $t }>(reordered, x, q, dst)
                         }
                     };
                 }
@@ -425,21 +425,24 @@ mod tests {
             };
             assert_eq!(lazy, ahead, "{dtype}");
             // Spot checks of the layout itself: token 65 (block 1's first slice, 6 wide),
-            // lane 3's second column; token 62 (block 0's last slice, from 60, 4 wide). Lanes
-            // sit in `lane_order`: lane 3 (quarter 3's first) at position 48.
+            // lane 3's second column (19) and fifth (block 1's first, 67); token 62 (block 0's
+            // last slice, from 60, 4 wide). Lanes sit in `lane_order`: lane 3 (quarter 3's
+            // first) at position 12.
             let np = cols / 64 * 64;
             if dtype == GgmlType::F16 {
                 assert_eq!(slice_of(65, nt), (64, TILE));
                 assert_eq!(slice_of(62, nt), (60, 4));
                 assert_eq!(slice_of(67, 68), (64, 4), "the batch's last slice");
-                let seg = np / 64;
+                let seg = np / 16;
                 let p3 = lane_position::<FLOAT_F16>(3);
-                assert_eq!(p3, 48);
-                let want = a.f[65 * cols + 64 + 3];
+                assert_eq!(p3, 12);
+                let want = a.f[65 * cols + 16 + 3];
                 assert_eq!(lazy[64 * np + (p3 * seg + 1) * TILE + 1], want);
+                let want = a.f[65 * cols + 64 + 3];
+                assert_eq!(lazy[64 * np + (p3 * seg + 4) * TILE + 1], want);
                 assert_eq!(
                     lazy[60 * np + (p3 * seg + 1) * 4 + 2],
-                    a.f[62 * cols + 64 + 3]
+                    a.f[62 * cols + 16 + 3]
                 );
             }
             if dtype == GgmlType::BF16 {
