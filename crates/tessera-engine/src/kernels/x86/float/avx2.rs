@@ -42,16 +42,21 @@ pub(super) unsafe fn lane_pass<const K: u8, const T: usize>(
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 2]; T];
         let mut xp = x;
-        for s in 0..seg {
-            let e = col + s / cpl * step + s % cpl;
-            let w0 = load8::<K>(w, e, 0);
-            let w1 = load8::<K>(w, e, 1);
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let xe = _mm256_broadcast_ss(&*xp.add(j));
-                acc[0] = _mm256_fmadd_ps(w0, xe, acc[0]);
-                acc[1] = _mm256_fmadd_ps(w1, xe, acc[1]);
+        // Block by block, the lane's columns of each (a constant count, unrolled) at fixed
+        // offsets: no column index to compute per step.
+        let mut wp = w.add(col * GROUP * esize(K));
+        for _ in 0..seg / cpl {
+            for c in 0..cpl {
+                let w0 = load8::<K>(wp, c, 0);
+                let w1 = load8::<K>(wp, c, 1);
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let xe = _mm256_broadcast_ss(&*xp.add(j));
+                    acc[0] = _mm256_fmadd_ps(w0, xe, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(w1, xe, acc[1]);
+                }
+                xp = xp.add(stride);
             }
-            xp = xp.add(stride);
+            wp = wp.add(step * GROUP * esize(K));
         }
         acc
     }
