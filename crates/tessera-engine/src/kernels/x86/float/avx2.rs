@@ -128,7 +128,7 @@ pub(super) unsafe fn quarter_lanes<const K: u8, const T: usize>(
 
 /// Quarter `q` ([`quarter_lanes`]) of `T` tokens by one lane pass per lane, stored at `dst`:
 /// token `j`'s set `s` at `dst + (j · sets + s) · 16`. `w`: the stored F16/BF16 group, read in
-/// place (a quarter is four of its chunks, a quarter of its bytes), or F32's
+/// place (a quarter of its lanes is a quarter of its bytes), or F32's
 /// [`lane_major_weights`].
 #[inline(always)]
 pub(super) unsafe fn quarter_by_pass<const K: u8, const T: usize>(
