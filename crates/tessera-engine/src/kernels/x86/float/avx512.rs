@@ -22,33 +22,20 @@ pub(super) unsafe fn load16<const K: u8>(w: *const u8, e: usize) -> __m512 {
     }
 }
 
-/// 16 lane accumulators over columns `base + off + (0..16 or 0..32)` for `base` stepping by
-/// `period` up to `end`: one column per lane, or for BF16 one pair per lane, odd first.
+/// F32's 16 lane accumulators over columns `base + off + (0..16)` for `base` stepping by 64 up
+/// to `end`, in column order (F32 groups keep column order, `matrix::float_column`).
 #[inline(always)]
-pub(super) unsafe fn pass<const K: u8>(
-    w: *const u8,
-    x: *const f32,
-    end: usize,
-    period: usize,
-    off: usize,
-) -> [__m512; 16] {
+unsafe fn pass_f32(w: *const u8, x: *const f32, end: usize, off: usize) -> [__m512; 16] {
     // SAFETY: columns below `end` are in bounds (caller); AVX-512 F enabled (caller).
     unsafe {
         let mut acc = [_mm512_setzero_ps(); 16];
-        let mut fma = |e: usize, l: usize| {
-            acc[l] = _mm512_fmadd_ps(load16::<K>(w, e), _mm512_set1_ps(*x.add(e)), acc[l]);
-        };
         let mut base = 0;
-        while base + period <= end {
-            for l in 0..16 {
-                if K == FLOAT_BF16 {
-                    fma(base + off + 2 * l + 1, l);
-                    fma(base + off + 2 * l, l);
-                } else {
-                    fma(base + off + l, l);
-                }
+        while base + 64 <= end {
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let e = base + off + l;
+                *acc = _mm512_fmadd_ps(load16::<FLOAT_F32>(w, e), _mm512_set1_ps(*x.add(e)), *acc);
             }
-            base += period;
+            base += 64;
         }
         acc
     }
@@ -64,69 +51,28 @@ pub(super) fn reduce(a: &[__m512; 16]) -> __m512 {
     }
 }
 
+/// One token of an F32 group as `scalar::float_row` computes it: the four passes of 16 lanes
+/// in one sweep of the columns, combined `(a0 + a2) + (a1 + a3)`, [`reduce`]d, the remainder
+/// added with f32 FMAs. F16/BF16 decode runs the AVX2 chain passes instead (the `entry`s).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(super) unsafe fn token<const K: u8>(w: *const u8, x: &[f32], out: &mut [f32; GROUP]) {
+unsafe fn token_f32(w: *const u8, x: &[f32], out: &mut [f32; GROUP]) {
     let n = x.len();
-    let xp = x.as_ptr();
-    // Weight `e` of row `r`, for the scalar remainders.
-    let wr = |e: usize, r: usize| -> f32 {
-        // SAFETY: e < n and r < 16 lie inside the group.
-        unsafe {
-            let p = w.add((e * GROUP + r) * esize(K));
-            match K {
-                FLOAT_F32 => (p as *const f32).read_unaligned(),
-                FLOAT_F16 => half::f16::from_bits((p as *const u16).read_unaligned()).to_f32(),
-                _ => f32::from_bits(((p as *const u16).read_unaligned() as u32) << 16),
-            }
-        }
-    };
+    let np = n / 64 * 64;
     // SAFETY: the caller checked the group holds n columns; features enabled.
     unsafe {
-        match K {
-            FLOAT_F32 | FLOAT_F16 => {
-                let np = n / 64 * 64;
-                let v: [__m512; 16] = if K == FLOAT_F32 {
-                    let a: [[__m512; 16]; 4] =
-                        std::array::from_fn(|g| pass::<K>(w, xp, np, 64, 16 * g));
-                    std::array::from_fn(|i| {
-                        _mm512_add_ps(
-                            _mm512_add_ps(a[0][i], a[2][i]),
-                            _mm512_add_ps(a[1][i], a[3][i]),
-                        )
-                    })
-                } else {
-                    pass::<K>(w, xp, np, 16, 0)
-                };
-                _mm512_storeu_ps(out.as_mut_ptr(), reduce(&v));
-                if np < n && K == FLOAT_F32 {
-                    for (r, o) in out.iter_mut().enumerate() {
-                        for (e, &xe) in x.iter().enumerate().skip(np) {
-                            *o = wr(e, r).mul_add(xe, *o);
-                        }
-                    }
-                } else if np < n {
-                    for (r, o) in out.iter_mut().enumerate() {
-                        let mut s = *o as f64;
-                        for (e, &xe) in x.iter().enumerate().skip(np) {
-                            s += (wr(e, r) * xe) as f64;
-                        }
-                        *o = s as f32;
-                    }
-                }
-            }
-            _ => {
-                let np = n / 64 * 64;
-                let (mut c1, mut c2) = ([0f32; GROUP], [0f32; GROUP]);
-                _mm512_storeu_ps(c1.as_mut_ptr(), reduce(&pass::<K>(w, xp, np, 64, 0)));
-                _mm512_storeu_ps(c2.as_mut_ptr(), reduce(&pass::<K>(w, xp, np, 64, 32)));
-                for (r, o) in out.iter_mut().enumerate() {
-                    let mut s = c1[r] as f64 + c2[r] as f64;
-                    for (e, &xe) in x.iter().enumerate().skip(np) {
-                        s += (wr(e, r) * xe) as f64;
-                    }
-                    *o = s as f32;
-                }
+        let a: [[__m512; 16]; 4] = std::array::from_fn(|g| pass_f32(w, x.as_ptr(), np, 16 * g));
+        let v: [__m512; 16] = std::array::from_fn(|i| {
+            _mm512_add_ps(
+                _mm512_add_ps(a[0][i], a[2][i]),
+                _mm512_add_ps(a[1][i], a[3][i]),
+            )
+        });
+        _mm512_storeu_ps(out.as_mut_ptr(), reduce(&v));
+        for (r, o) in out.iter_mut().enumerate() {
+            for (e, &xe) in x.iter().enumerate().skip(np) {
+                let we = (w.add((e * GROUP + r) * 4) as *const f32).read_unaligned();
+                *o = we.mul_add(xe, *o);
             }
         }
     }
@@ -168,7 +114,7 @@ macro_rules! entry {
                 let o: &mut [f32; GROUP] =
                     (&mut out[j * GROUP..(j + 1) * GROUP]).try_into().unwrap();
                 // SAFETY: bounds checked above; features guaranteed by the caller.
-                unsafe { token::<{ $k }>(w.as_ptr(), x, o) };
+                unsafe { token_f32(w.as_ptr(), x, o) };
             }
         }
     };

@@ -28,17 +28,14 @@ pub(super) fn lane_position<const K: u8>(l: usize) -> usize {
 /// them): `f(column)` in the lane's order.
 #[inline(always)]
 pub(super) fn lane_columns<const K: u8>(base: usize, l: usize, mut f: impl FnMut(usize)) {
-    match K {
-        FLOAT_BF16 => {
-            f(base + 2 * l + 1);
-            f(base + 2 * l);
+    if K == FLOAT_BF16 {
+        f(base + 2 * l + 1);
+        f(base + 2 * l);
+    } else {
+        // F32 `l`, F16 `l, 16 + l, 32 + l, 48 + l`: every `n_lanes`-th column from `l`.
+        for k in 0..float_lane_cols(K) {
+            f(base + n_lanes(K) * k + l);
         }
-        FLOAT_F16 => {
-            for k in 0..4 {
-                f(base + 16 * k + l);
-            }
-        }
-        _ => f(base + l),
     }
 }
 
