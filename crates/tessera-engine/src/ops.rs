@@ -203,11 +203,16 @@ pub(crate) fn v_expf_lane(x: f32) -> f32 {
     let p2 = f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB));
     let p3 = f32::from_bits(0x3F7F_FFF6).mul_add(b, 1.0);
     let j = p1.mul_add(u, p2).mul_add(u, p3);
-    // scalef: j * 2^n, rounded once (2^n is exact in f64 for |n| <= 192). Branch-free (n is
-    // clamped, the out-of-range result selected after), so loops over lanes vectorize.
-    let nc = n.clamp(-192.0, 192.0) as i32;
-    let scale = f64::from_bits(((nc + 1023) as u64) << 52);
-    let scaled = (j as f64 * scale) as f32;
+    // scalef: j * 2^n, rounded once. `j` is within [0.5, 2], so `j * 2^a` with |a| <= 96 is
+    // exact (normal, no rounding) and the second factor `2^b` rounds the product once: the
+    // same bits as a product in f64, in 32-bit lanes (no conversions to f64 and back).
+    // Branch-free (n is clamped, the out-of-range result selected after), so loops over lanes
+    // vectorize; the clamped integer is read from the mantissa of `nc + 0x1.8p23` because a
+    // saturating `as i32` compiles to a scalar conversion per lane.
+    let nc = (n.clamp(-192.0, 192.0) + r).to_bits() as i32 - r.to_bits() as i32;
+    let a = nc >> 1;
+    let pow2 = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
+    let scaled = j * pow2(a) * pow2(nc - a);
     let saturated = if n > 0.0 { f32::INFINITY } else { 0.0 };
     if n.abs() > 192.0 {
         saturated
