@@ -200,13 +200,19 @@ fn attend_impl<const R: usize, const L: u8>(a: Args<'_, '_>) {
         let p = &mut sc.p[..live.len() * TILE];
         // Scores of the live vectors, a block of vectors at a time (each key row loaded once
         // per block).
+        // Only the positions some vector of the block attends to are scored (the diagonal
+        // tile of a prompt, a sliding window's first tile).
         for (b, p) in live.chunks(NV).zip(p.chunks_mut(NV * TILE)) {
             let qv = |k: usize| &q[b[k] * dk..(b[k] + 1) * dk];
+            let used = b.iter().map(|&i| part(i, t0)).fold(TILE..0, |u, r| {
+                u.start.min(r.start)..u.end.max(r.end)
+            });
+            let js = used.start / R * R..used.end.div_ceil(R) * R;
             match b.len() {
-                4 => tile_scores::<4, R>([qv(0), qv(1), qv(2), qv(3)], &sc.kt, p),
-                3 => tile_scores::<3, R>([qv(0), qv(1), qv(2)], &sc.kt, p),
-                2 => tile_scores::<2, R>([qv(0), qv(1)], &sc.kt, p),
-                _ => tile_scores::<1, R>([qv(0)], &sc.kt, p),
+                4 => tile_scores::<4, R>([qv(0), qv(1), qv(2), qv(3)], &sc.kt, p, js),
+                3 => tile_scores::<3, R>([qv(0), qv(1), qv(2)], &sc.kt, p, js),
+                2 => tile_scores::<2, R>([qv(0), qv(1)], &sc.kt, p, js),
+                _ => tile_scores::<1, R>([qv(0)], &sc.kt, p, js),
             }
         }
         // Softmax steps and values, for runs of vectors with the same positions in this tile
@@ -370,12 +376,17 @@ fn dequantize_q8_0(d: &[f16], q: &[i8], out: &mut [f32]) {
     }
 }
 
-/// Unscaled scores of `V` query vectors against a transposed key tile, into `p` (`TILE` per
-/// vector): `P` positions at a time, each score a chain of fused multiply-adds in dimension
-/// order.
+/// Unscaled scores of `V` query vectors against a transposed key tile at positions `js` (a
+/// range of whole steps), into `p` (`TILE` per vector): `P` positions at a time, each score a
+/// chain of fused multiply-adds in dimension order.
 #[inline(always)]
-fn tile_scores<const V: usize, const P: usize>(q: [&[f32]; V], kt: &[f32], p: &mut [f32]) {
-    for j0 in (0..TILE).step_by(P) {
+fn tile_scores<const V: usize, const P: usize>(
+    q: [&[f32]; V],
+    kt: &[f32],
+    p: &mut [f32],
+    js: Range<usize>,
+) {
+    for j0 in js.step_by(P) {
         let mut acc = [[0.0f32; P]; V];
         for i in 0..q[0].len() {
             let k: &[f32; P] = kt[i * TILE + j0..i * TILE + j0 + P]
