@@ -7,7 +7,9 @@
 //! Results are bit-identical to separate `matmul` calls (the kernels compute each row the same
 //! way for any row range).
 
-use crate::kernels::{self, matmul_many, matmul_rows_q, Matrix, QuantizedActs, ThreadPool};
+use crate::kernels::{
+    self, matmul_many, matmul_rows_q, Matrix, QuantizedActs, SharedMut, ThreadPool,
+};
 
 /// One matmul: `out[t*w.rows() + r] = w.row(r) · acts[t]`.
 pub struct MatmulJob<'a> {
@@ -39,6 +41,35 @@ pub fn run_matmuls(pool: &ThreadPool, jobs: &mut [MatmulJob<'_>]) {
 pub fn matmul_once(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
     let acts = QuantizedActs::new(pool, w.dtype(), x, n_tokens, w.cols());
     matmul_rows_q(pool, w, 0, w.rows(), &acts, out);
+}
+
+/// Runs `f(first_row, rows)` over runs of whole `width`-float rows of `data` that together
+/// cover it once: one run per pool thread when there is enough to share (a prompt's
+/// per-token norms and rotations), else one run on this thread. Row-wise work gives the same
+/// bits however the rows are split.
+pub fn par_rows(
+    pool: &ThreadPool,
+    data: &mut [f32],
+    width: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    assert!(width > 0 && data.len().is_multiple_of(width));
+    let n = data.len() / width;
+    let tasks = if data.len() >= 1 << 15 {
+        pool.n_threads().min(n)
+    } else {
+        1
+    };
+    if tasks <= 1 {
+        return f(0, data);
+    }
+    let shared = SharedMut::new(data);
+    pool.run(tasks, |task| {
+        let (r0, r1) = (n * task / tasks, n * (task + 1) / tasks);
+        // SAFETY: the tasks' row ranges are disjoint.
+        let rows = unsafe { shared.range(r0 * width, (r1 - r0) * width) };
+        f(r0, rows)
+    });
 }
 
 /// `x` quantized once for each distinct activation kind the weight types `dtypes` consume.

@@ -16,13 +16,13 @@
 
 use crate::attention::{attend_fused, FusedScratch, HeadKv};
 use crate::error::Result;
-use crate::exec::{matmul_once, pick, quantize_for, run_matmuls, MatmulJob};
+use crate::exec::{matmul_once, par_rows, pick, quantize_for, run_matmuls, MatmulJob};
 use crate::kv::{KvCache, LayerView};
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{reduce_expert_outputs, ExpertExecutor};
 use crate::ops::{
-    add_assign, attend_group, rms_norm, rms_norm_into, rms_norm_unweighted, rope_neox, rope_normal,
-    sigmoid, softmax, swiglu_rows, AttnScratch, HeadRows,
+    add_assign, attend_group, rms_norm_into, rms_norm_rows, rope_neox, rope_normal, sigmoid,
+    softmax, swiglu_rows, AttnScratch, HeadRows,
 };
 use crate::weights::{AttnProj, Ffn};
 use tessera_model::{ExpertGating, RopeStyle};
@@ -62,15 +62,11 @@ impl Model {
         let (qd, kvd, vd) = (cfg.q_dim(), cfg.kv_dim(), cfg.v_dim());
 
         // Norm and Q/K/V projections (activations quantized once per weight type).
-        sc.xn.resize(n * e, 0.0);
-        for t in 0..n {
-            rms_norm_into(
-                &mut sc.xn[t * e..(t + 1) * e],
-                hidden.row(t),
-                &w.attn_norm,
-                cfg.rms_eps,
-            );
-        }
+        sc.xn.clear();
+        sc.xn.extend_from_slice(&hidden.data[..n * e]);
+        par_rows(pool, &mut sc.xn, e, |_, rows| {
+            rms_norm_rows(rows, e, Some(&w.attn_norm), cfg.rms_eps)
+        });
         sc.q.resize(n * qd, 0.0);
         sc.k.resize(n * kvd, 0.0);
         sc.v.resize(n * vd, 0.0);
@@ -114,43 +110,37 @@ impl Model {
                 }
             }
         }
-        // Qwen3: RMS norm of each head's query and key.
-        if let Some(qn) = &w.q_norm {
-            for head in sc.q.chunks_exact_mut(hd) {
-                rms_norm(head, qn, cfg.rms_eps);
-            }
+        // Per token, in parallel: Qwen3's RMS norm of each head's query and key, RoPE at the
+        // row's position, then Llama 4's unweighted RMS norm of each rotated head.
+        let rope = cfg.uses_rope(layer).then_some(match cfg.rope_style {
+            RopeStyle::Normal => rope_normal as fn(&mut [f32], &[f32], &[f32]),
+            RopeStyle::Neox => rope_neox,
+        });
+        let table = &sc.rope;
+        for (buf, width, norm) in [(&mut sc.q, qd, &w.q_norm), (&mut sc.k, kvd, &w.k_norm)] {
+            par_rows(pool, buf, width, |t0, rows| {
+                if let Some(norm) = norm {
+                    rms_norm_rows(rows, hd, Some(norm), cfg.rms_eps);
+                }
+                let Some(rope) = rope else { return };
+                for (j, row) in rows.chunks_exact_mut(width).enumerate() {
+                    let (cos, sin) = table.row(t0 + j);
+                    for head in row.chunks_exact_mut(hd) {
+                        rope(head, cos, sin);
+                    }
+                }
+                if cfg.rope_qk_rms_norm {
+                    rms_norm_rows(rows, hd, None, cfg.rms_eps);
+                }
+            });
         }
-        if let Some(kn) = &w.k_norm {
-            for head in sc.k.chunks_exact_mut(hd) {
-                rms_norm(head, kn, cfg.rms_eps);
-            }
-        }
-        if cfg.uses_rope(layer) {
-            // RoPE at each row's position.
-            let rope = match cfg.rope_style {
-                RopeStyle::Normal => rope_normal,
-                RopeStyle::Neox => rope_neox,
-            };
-            for t in 0..n {
-                let (cos, sin) = sc.rope.row(t);
-                for head in sc.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
-                    rope(head, cos, sin);
+        if rope.is_none() {
+            if let Some(temp) = cfg.attn_temperature {
+                // Llama 4's NoPE layers: queries warmed by the position's temperature.
+                for t in 0..n {
+                    let f = temp.factor(sc.rows[t].1);
+                    sc.q[t * qd..(t + 1) * qd].iter_mut().for_each(|x| *x *= f);
                 }
-                for head in sc.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
-                    rope(head, cos, sin);
-                }
-            }
-            // Llama 4: an unweighted RMS norm of each rotated head.
-            if cfg.rope_qk_rms_norm {
-                for head in sc.q.chunks_exact_mut(hd).chain(sc.k.chunks_exact_mut(hd)) {
-                    rms_norm_unweighted(head, cfg.rms_eps);
-                }
-            }
-        } else if let Some(temp) = cfg.attn_temperature {
-            // Llama 4's NoPE layers: queries warmed by the position's temperature.
-            for t in 0..n {
-                let f = temp.factor(sc.rows[t].1);
-                sc.q[t * qd..(t + 1) * qd].iter_mut().for_each(|x| *x *= f);
             }
         }
         self.attend(layer, batch, kv, sc);
@@ -347,9 +337,10 @@ impl Model {
         normed.n_tokens = n;
         normed.n_embd = e;
         normed.data.resize(n * e, 0.0);
-        for t in 0..n {
-            rms_norm_into(normed.row_mut(t), hidden.row(t), &w.ffn_norm, cfg.rms_eps);
-        }
+        normed.data.copy_from_slice(&hidden.data[..n * e]);
+        par_rows(self.pool(), &mut normed.data, e, |_, rows| {
+            rms_norm_rows(rows, e, Some(&w.ffn_norm), cfg.rms_eps)
+        });
         let normed = &sc.normed;
         match &w.ffn {
             Some(ffn) => {

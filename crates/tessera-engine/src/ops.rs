@@ -8,27 +8,71 @@ use tessera_model::RopeScaling;
 /// followed by `mul`): the sum of squares is accumulated in f64, the scale is an f32.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     debug_assert_eq!(x.len(), weight.len());
-    let mut sum = 0.0f64;
-    for &v in x.iter() {
-        sum += (v * v) as f64;
-    }
-    let mean = (sum / x.len() as f64) as f32;
-    let scale = 1.0f32 / (mean + eps).sqrt();
-    for (v, &w) in x.iter_mut().zip(weight) {
-        *v = (*v * scale) * w;
-    }
+    scale_row(x, sum_of_squares(x), Some(weight), eps);
 }
 
 /// [`rms_norm`] without a weight (ggml's `rms_norm` alone: Llama 4's query and key norm).
 pub fn rms_norm_unweighted(x: &mut [f32], eps: f32) {
+    scale_row(x, sum_of_squares(x), None, eps);
+}
+
+/// `Σ x²` accumulated in f64 in order (ggml's `ggml_float` sum).
+#[inline(always)]
+fn sum_of_squares(x: &[f32]) -> f64 {
     let mut sum = 0.0f64;
     for &v in x.iter() {
         sum += (v * v) as f64;
     }
-    let mean = (sum / x.len() as f64) as f32;
+    sum
+}
+
+/// [`rms_norm`] (or [`rms_norm_unweighted`] without `weight`) of every `width`-float row of
+/// `rows`, in place, with the same bits row by row. Each row's sum of squares is a chain of f64
+/// additions in order (ggml's numerics), so one row at a time waits on every addition's latency;
+/// here [`NORM_ROWS`] rows' chains advance side by side.
+pub fn rms_norm_rows(rows: &mut [f32], width: usize, weight: Option<&[f32]>, eps: f32) {
+    assert!(width > 0 && rows.len().is_multiple_of(width));
+    if let Some(w) = weight {
+        assert_eq!(w.len(), width);
+    }
+    let mut blocks = rows.chunks_exact_mut(NORM_ROWS * width);
+    for block in &mut blocks {
+        let mut sum = [0.0f64; NORM_ROWS];
+        for i in 0..width {
+            for (r, s) in sum.iter_mut().enumerate() {
+                let v = block[r * width + i];
+                *s += (v * v) as f64;
+            }
+        }
+        for (row, s) in block.chunks_exact_mut(width).zip(sum) {
+            scale_row(row, s, weight, eps);
+        }
+    }
+    for row in blocks.into_remainder().chunks_exact_mut(width) {
+        scale_row(row, sum_of_squares(row), weight, eps);
+    }
+}
+
+/// Rows of [`rms_norm_rows`] whose sums advance together: enough to cover an f64 addition's
+/// latency several times over.
+const NORM_ROWS: usize = 8;
+
+/// The second half of [`rms_norm`] given the row's sum of squares.
+#[inline(always)]
+fn scale_row(row: &mut [f32], sum: f64, weight: Option<&[f32]>, eps: f32) {
+    let mean = (sum / row.len() as f64) as f32;
     let scale = 1.0f32 / (mean + eps).sqrt();
-    for v in x.iter_mut() {
-        *v *= scale;
+    match weight {
+        Some(w) => {
+            for (v, &w) in row.iter_mut().zip(w) {
+                *v = (*v * scale) * w;
+            }
+        }
+        None => {
+            for v in row.iter_mut() {
+                *v *= scale;
+            }
+        }
     }
 }
 
@@ -719,6 +763,26 @@ mod tests {
             assert_eq!(a.to_bits(), b.to_bits(), "x = {x}");
         }
         assert!(v_expf_lane(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn norms_of_many_rows_equal_one_row_at_a_time() {
+        let width = 37;
+        let x: Vec<f32> = (0..13 * width)
+            .map(|i| ((i * 7919) % 1000) as f32 * 0.013 - 6.0)
+            .collect();
+        let w: Vec<f32> = (0..width).map(|i| 0.5 + i as f32 * 0.03).collect();
+        let (mut rows, mut bare) = (x.clone(), x.clone());
+        rms_norm_rows(&mut rows, width, Some(&w), 1e-6);
+        rms_norm_rows(&mut bare, width, None, 1e-6);
+        for (i, row) in x.chunks_exact(width).enumerate() {
+            let (mut one, mut one_bare) = (row.to_vec(), row.to_vec());
+            rms_norm(&mut one, &w, 1e-6);
+            rms_norm_unweighted(&mut one_bare, 1e-6);
+            let at = i * width..(i + 1) * width;
+            assert_eq!(rows[at.clone()], one[..], "row {i}");
+            assert_eq!(bare[at], one_bare[..], "row {i}");
+        }
     }
 
     #[test]

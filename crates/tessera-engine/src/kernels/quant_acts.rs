@@ -120,8 +120,25 @@ impl QuantizedActs {
         };
         match kind {
             ActKind::F32 => a.f = x.to_vec(),
-            ActKind::F16 => a.f = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
-            ActKind::BF16 => a.f = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+            ActKind::F16 | ActKind::BF16 => {
+                // Rounded through the weights' type, as ggml converts the activations.
+                a.f = vec![0.0; n];
+                let f = SharedMut::new(&mut a.f);
+                par_tokens(pool, n_tokens, cols, |t| {
+                    // SAFETY: each token writes only its own row.
+                    let dst = unsafe { f.range(t * cols, cols) };
+                    let src = &x[t * cols..(t + 1) * cols];
+                    if kind == ActKind::F16 {
+                        dst.iter_mut()
+                            .zip(src)
+                            .for_each(|(d, &v)| *d = f16::from_f32(v).to_f32());
+                    } else {
+                        dst.iter_mut()
+                            .zip(src)
+                            .for_each(|(d, &v)| *d = bf16::from_f32(v).to_f32());
+                    }
+                });
+            }
             ActKind::Q8_0 => {
                 a.f = vec![0.0; n / 32];
                 a.qs = vec![0; n];
