@@ -204,11 +204,9 @@ fn attend_impl<const R: usize, const L: u8>(a: Args<'_, '_>) {
         // tile of a prompt, a sliding window's first tile).
         for (b, p) in live.chunks(NV).zip(p.chunks_mut(NV * TILE)) {
             let qv = |k: usize| &q[b[k] * dk..(b[k] + 1) * dk];
-            let used = b
-                .iter()
-                .map(|&i| part(i, t0))
-                .fold(TILE..0, |u, r| u.start.min(r.start)..u.end.max(r.end));
-            let js = used.start / R * R..used.end.div_ceil(R) * R;
+            let first = b.iter().map(|&i| part(i, t0).start).min().unwrap_or(0);
+            let end = b.iter().map(|&i| part(i, t0).end).max().unwrap_or(0);
+            let js = first / R * R..end.div_ceil(R) * R;
             match b.len() {
                 4 => tile_scores::<4, R>([qv(0), qv(1), qv(2), qv(3)], &sc.kt, p, js),
                 3 => tile_scores::<3, R>([qv(0), qv(1), qv(2)], &sc.kt, p, js),
