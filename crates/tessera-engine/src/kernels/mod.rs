@@ -251,6 +251,23 @@ impl<T> SharedMut<T> {
     }
 }
 
+/// A `Vec` of `len` elements that `fill` writes, each exactly once (pool tasks writing disjoint
+/// ranges of it), with no zeroing first: a prompt's activation copies are megabytes, and
+/// zeroing them was a serial `memset` before each parallel fill.
+///
+/// # Safety
+/// `fill` must write every one of the `len` elements before it returns.
+pub(crate) unsafe fn written_vec<T: Copy + Send>(
+    len: usize,
+    fill: impl FnOnce(&SharedMut<std::mem::MaybeUninit<T>>),
+) -> Vec<T> {
+    let mut v = Vec::with_capacity(len);
+    fill(&SharedMut::new(&mut v.spare_capacity_mut()[..len]));
+    // SAFETY: `fill` wrote all `len` elements (the caller's promise).
+    unsafe { v.set_len(len) };
+    v
+}
+
 /// 16 rows × `nt` tokens of an interleaved group (acts of tokens `t0..t0+nt`), written to
 /// `out[j*16 + r]`.
 pub(crate) type GroupFn = unsafe fn(&[u8], &QuantizedActs, usize, usize, &mut [f32]);

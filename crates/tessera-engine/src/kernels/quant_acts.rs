@@ -2,13 +2,14 @@
 //! Q8_0 for Q4_0/Q8_0 weights (and Q4_1/Q5_1, which also read each block's Q8_1 sum `s`), Q8_K
 //! for K-quants, F16/BF16-rounded floats for F16/BF16.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
 use tessera_model::GgmlType;
 
 use super::pool::ThreadPool;
-use super::SharedMut;
+use super::{written_vec, SharedMut};
 
 /// Which activation encoding a weight type consumes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,22 +123,20 @@ impl QuantizedActs {
             ActKind::F32 => a.f = x.to_vec(),
             ActKind::F16 | ActKind::BF16 => {
                 // Rounded through the weights' type, as ggml converts the activations.
-                a.f = vec![0.0; n];
-                let f = SharedMut::new(&mut a.f);
-                par_tokens(pool, n_tokens, cols, |t| {
-                    // SAFETY: each token writes only its own row.
-                    let dst = unsafe { f.range(t * cols, cols) };
-                    let src = &x[t * cols..(t + 1) * cols];
-                    if kind == ActKind::F16 {
-                        dst.iter_mut()
-                            .zip(src)
-                            .for_each(|(d, &v)| *d = f16::from_f32(v).to_f32());
-                    } else {
-                        dst.iter_mut()
-                            .zip(src)
-                            .for_each(|(d, &v)| *d = bf16::from_f32(v).to_f32());
-                    }
-                });
+                let fill = |f: &SharedMut<MaybeUninit<f32>>| {
+                    par_tokens(pool, n_tokens, cols, |t| {
+                        // SAFETY: each token writes only its own row.
+                        let dst = unsafe { f.range(t * cols, cols) };
+                        let src = dst.iter_mut().zip(&x[t * cols..(t + 1) * cols]);
+                        if kind == ActKind::F16 {
+                            src.for_each(|(d, &v)| _ = d.write(f16::from_f32(v).to_f32()));
+                        } else {
+                            src.for_each(|(d, &v)| _ = d.write(bf16::from_f32(v).to_f32()));
+                        }
+                    })
+                };
+                // SAFETY: the tokens' rows cover all `n` floats, each written once.
+                a.f = unsafe { written_vec(n, fill) };
             }
             ActKind::Q8_0 => {
                 a.f = vec![0.0; n / 32];

@@ -1,6 +1,8 @@
 //! The lane-major copies of a group's weights and of the activations that the prefill lane
 //! passes read in order ([`lane_order`]), and where a tile finds its tokens in them.
 
+use std::mem::MaybeUninit;
+
 use super::*;
 
 /// Lanes per row: `scalar::float_row`'s 4 × 16 (F32: lane `L` takes the columns `≡ L mod
@@ -109,11 +111,9 @@ pub(super) fn build_lane_major<const K: u8>(
 ) -> Vec<f32> {
     let (n, nt) = (a.cols, a.n_tokens);
     let np = n / 64 * 64;
-    let mut v = vec![0f32; nt * np];
-    let shared = SharedMut::new(&mut v);
     // Slice i: block i / per_block, its (i % per_block)-th slice.
     let per_block = BLOCK.div_ceil(TILE);
-    let task = |i: usize| {
+    let task = |shared: &SharedMut<MaybeUninit<f32>>, i: usize| {
         let s0 = i / per_block * BLOCK + i % per_block * TILE;
         if s0 >= nt {
             return;
@@ -127,7 +127,7 @@ pub(super) fn build_lane_major<const K: u8>(
             for &l in &lane_order::<K>()[..n_lanes(K)] {
                 for base in (0..np).step_by(64) {
                     lane_columns::<K>(base, l as usize, |e| {
-                        out[at] = x[e];
+                        out[at].write(x[e]);
                         at += width;
                     });
                 }
@@ -135,11 +135,14 @@ pub(super) fn build_lane_major<const K: u8>(
         }
     };
     let tasks = nt.div_ceil(BLOCK) * per_block;
-    match pool {
-        Some(pool) => pool.run(tasks, task),
-        None => (0..tasks).for_each(task),
+    // SAFETY: the slices cover every token, and a slice's task writes each of its `width · np`
+    // floats once (`at` steps through them: its tokens side by side, every lane's columns).
+    unsafe {
+        written_vec(nt * np, |shared| match pool {
+            Some(pool) => pool.run(tasks, |i| task(shared, i)),
+            None => (0..tasks).for_each(|i| task(shared, i)),
+        })
     }
-    v
 }
 
 /// Builds the [`lane_major`] layout of float activations on `pool` ahead of the matmuls

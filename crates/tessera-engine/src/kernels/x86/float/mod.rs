@@ -14,7 +14,7 @@ use super::super::matrix::{
 use super::super::pool::ThreadPool;
 use super::super::quant_acts::{ActKind, QuantizedActs};
 use super::super::scalar::{FLOAT_BF16, FLOAT_F16, FLOAT_F32};
-use super::super::SharedMut;
+use super::super::{written_vec, SharedMut};
 
 mod avx2;
 mod avx512;
