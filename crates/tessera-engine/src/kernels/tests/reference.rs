@@ -68,79 +68,50 @@ fn matches_f64_reference() {
     }
 }
 
-#[test]
-fn repacked_q4k_equals_ggml_row_kernel() {
+/// A repacked K-quant matrix (`block` bytes per 256 columns) gives, on every ISA, bit for bit
+/// what ggml's row kernel `dot` gives on the file's rows.
+fn assert_repacked_equals_row_kernel(
+    dtype: GgmlType,
+    seed: u64,
+    (rows, cols, nt): (usize, usize, usize),
+    block: usize,
+    dot: fn(&[u8], &QuantizedActs, usize) -> f32,
+) {
     let pool = ThreadPool::new(1);
-    let mut rng = Rng::new(31);
-    let (rows, cols, nt) = (19, 768, 3);
-    let bytes = random_matrix(GgmlType::Q4K, rows, cols, &mut rng);
-    let w = Matrix::new(GgmlType::Q4K, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
+    let mut rng = Rng::new(seed);
+    let bytes = random_matrix(dtype, rows, cols, &mut rng);
+    let w = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
     let x = random_x(nt * cols, &mut rng);
-    let acts = QuantizedActs::new(&pool, GgmlType::Q4K, &x, nt, cols);
-    let rb = cols / 256 * 144;
+    let acts = QuantizedActs::new(&pool, dtype, &x, nt, cols);
+    let rb = cols / 256 * block;
     for isa in isas() {
         let out = run(isa, &pool, &w, (0, rows), &x, nt);
         for t in 0..nt {
             for r in 0..rows {
-                let want = scalar::q4k_dot(&bytes[r * rb..(r + 1) * rb], &acts, t);
+                let want = dot(&bytes[r * rb..(r + 1) * rb], &acts, t);
                 assert_eq!(
                     out[t * rows + r].to_bits(),
                     want.to_bits(),
-                    "{isa:?} t{t} r{r}"
+                    "{dtype} {isa:?} t{t} r{r}"
                 );
             }
         }
     }
+}
+
+#[test]
+fn repacked_q4k_equals_ggml_row_kernel() {
+    assert_repacked_equals_row_kernel(GgmlType::Q4K, 31, (19, 768, 3), 144, scalar::q4k_dot);
 }
 
 #[test]
 fn repacked_q6k_equals_ggml_row_kernel() {
-    let pool = ThreadPool::new(1);
-    let mut rng = Rng::new(32);
-    let (rows, cols, nt) = (21, 512, 5);
-    let bytes = random_matrix(GgmlType::Q6K, rows, cols, &mut rng);
-    let w = Matrix::new(GgmlType::Q6K, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
-    let x = random_x(nt * cols, &mut rng);
-    let acts = QuantizedActs::new(&pool, GgmlType::Q6K, &x, nt, cols);
-    let rb = cols / 256 * 210;
-    for isa in isas() {
-        let out = run(isa, &pool, &w, (0, rows), &x, nt);
-        for t in 0..nt {
-            for r in 0..rows {
-                let want = scalar::q6k_dot(&bytes[r * rb..(r + 1) * rb], &acts, t);
-                assert_eq!(
-                    out[t * rows + r].to_bits(),
-                    want.to_bits(),
-                    "{isa:?} t{t} r{r}"
-                );
-            }
-        }
-    }
+    assert_repacked_equals_row_kernel(GgmlType::Q6K, 32, (21, 512, 5), 210, scalar::q6k_dot);
 }
 
 #[test]
 fn repacked_q5k_equals_ggml_row_kernel() {
-    let pool = ThreadPool::new(1);
-    let mut rng = Rng::new(33);
-    let (rows, cols, nt) = (18, 512, 6);
-    let bytes = random_matrix(GgmlType::Q5K, rows, cols, &mut rng);
-    let w = Matrix::new(GgmlType::Q5K, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
-    let x = random_x(nt * cols, &mut rng);
-    let acts = QuantizedActs::new(&pool, GgmlType::Q5K, &x, nt, cols);
-    let rb = cols / 256 * 176;
-    for isa in isas() {
-        let out = run(isa, &pool, &w, (0, rows), &x, nt);
-        for t in 0..nt {
-            for r in 0..rows {
-                let want = scalar::q5k_dot(&bytes[r * rb..(r + 1) * rb], &acts, t);
-                assert_eq!(
-                    out[t * rows + r].to_bits(),
-                    want.to_bits(),
-                    "{isa:?} t{t} r{r}"
-                );
-            }
-        }
-    }
+    assert_repacked_equals_row_kernel(GgmlType::Q5K, 33, (18, 512, 6), 176, scalar::q5k_dot);
 }
 
 #[test]
