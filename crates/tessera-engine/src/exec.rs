@@ -8,7 +8,7 @@
 //! way for any row range).
 
 use crate::kernels::{
-    self, matmul_many, matmul_rows_q, Matrix, QuantizedActs, SharedMut, ThreadPool,
+    self, matmul_many, matmul_rows_q, Matrix, QuantizedActs, SharedMut, ThreadPool, WORTH_SHARING,
 };
 
 /// One matmul: `out[t*w.rows() + r] = w.row(r) · acts[t]`.
@@ -55,7 +55,7 @@ pub fn par_rows(
 ) {
     assert!(width > 0 && data.len().is_multiple_of(width));
     let n = data.len() / width;
-    let tasks = if data.len() >= 1 << 15 {
+    let tasks = if data.len() >= WORTH_SHARING {
         pool.n_threads().min(n)
     } else {
         1

@@ -336,8 +336,8 @@ impl Model {
         let normed = &mut sc.normed;
         normed.n_tokens = n;
         normed.n_embd = e;
-        normed.data.resize(n * e, 0.0);
-        normed.data.copy_from_slice(&hidden.data[..n * e]);
+        normed.data.clear();
+        normed.data.extend_from_slice(&hidden.data[..n * e]);
         par_rows(self.pool(), &mut normed.data, e, |_, rows| {
             rms_norm_rows(rows, e, Some(&w.ffn_norm), cfg.rms_eps)
         });

@@ -73,6 +73,7 @@ use tessera_model::GgmlType;
 pub use matmul::{matmul, matmul_many, matmul_rows, matmul_rows_q, MatmulJob};
 pub use matrix::{Matrix, MatrixBytes};
 pub use pool::ThreadPool;
+pub(crate) use pool::WORTH_SHARING;
 pub(crate) use quant_acts::quantize_row_q8_0;
 pub use quant_acts::QuantizedActs;
 pub(crate) use weight_buffer::WeightArena;

@@ -14,6 +14,10 @@ use std::time::{Duration, Instant};
 /// 300 µs of spinning cost ~25% more CPU per token for the same speed (expert_stream_bench).
 const SPIN_TIME: Duration = Duration::from_micros(50);
 
+/// Floats of cheap element-wise work (quantizing activations, norms) below which spreading it
+/// over the pool costs more than it saves: a decode step's rows stay on the calling thread.
+pub(crate) const WORTH_SHARING: usize = 1 << 15;
+
 // `state` packs (generation, n_tasks, next_task) so that claiming a task and checking that it
 // belongs to the current job is one compare-and-swap: a late worker can never claim a task of a
 // job it did not see published.

@@ -295,7 +295,7 @@ impl QuantizedActs {
 
 /// Quantizing is cheap; only spread it over threads when there is real work.
 fn par_tokens(pool: &ThreadPool, n_tokens: usize, cols: usize, f: impl Fn(usize) + Sync) {
-    if n_tokens > 1 && n_tokens * cols >= 1 << 15 {
+    if n_tokens > 1 && n_tokens * cols >= super::WORTH_SHARING {
         pool.run(n_tokens, f);
     } else {
         (0..n_tokens).for_each(f);
