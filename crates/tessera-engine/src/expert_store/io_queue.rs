@@ -333,7 +333,9 @@ pub(super) fn reader_loop(sh: &Shared) {
             && inner.prefetch_q.is_empty()
             && inner.inflight.is_empty()
             && inner.fill.finished()
+            && inner.trimmed_at.is_none_or(|t| t.elapsed() >= TRIM_EVERY)
         {
+            inner.trimmed_at = Some(std::time::Instant::now());
             drop(inner);
             trim_heap();
             inner = lock(&sh.inner);
@@ -343,7 +345,10 @@ pub(super) fn reader_loop(sh: &Shared) {
 
 /// Returns free heap memory to the OS once more than [`TRIM_SLACK`] bytes of it are held (glibc
 /// keeps the freed holes of an arena resident otherwise; trimming after every read would make
-/// the next builds fault their pages in again).
+/// the next builds fault their pages in again). Called when the queues drain, at most every
+/// [`TRIM_EVERY`]: a decode drains them several times a token, and each call walked the
+/// arenas' free lists (`mallinfo2`) and unmapped pages (TLB shootdowns interrupting the
+/// computing threads), 5–10% of a streamed decode's step.
 fn trim_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallinfo2 and malloc_trim have no preconditions.
@@ -353,6 +358,9 @@ fn trim_heap() {
         }
     }
 }
+
+/// Least time between two [`trim_heap`] calls of a store's readers.
+const TRIM_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Free heap bytes kept before [`trim_heap`] returns them.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

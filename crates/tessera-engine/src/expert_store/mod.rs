@@ -310,6 +310,7 @@ impl ExpertStore {
             since_repin: 0,
             reading: 0,
             busy_since: None,
+            trimmed_at: None,
             building: 0,
             lent: Vec::new(),
             stats: ExpertStats {

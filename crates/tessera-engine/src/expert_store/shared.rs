@@ -104,6 +104,8 @@ pub(super) struct Inner {
     /// Reads in progress, and since when at least one has been (for the disk-busy time).
     pub(super) reading: usize,
     pub(super) busy_since: Option<std::time::Instant>,
+    /// When free heap was last returned to the system (see `io_queue::trim_heap`).
+    pub(super) trimmed_at: Option<std::time::Instant>,
     /// Bytes of the matrices readers are building now (their targets, taken or to allocate).
     pub(super) building: u64,
     /// Experts out of the cache that computations may still hold, and their allocated bytes.
