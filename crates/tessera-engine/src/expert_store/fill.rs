@@ -117,7 +117,7 @@ impl Shared {
             }
         }
         inner.fill.done = true;
-        self.ready.notify_all();
+        self.notify_ready();
         false
     }
 

@@ -132,7 +132,7 @@ impl Shared {
                     inner.parts[part].reserved -= fl.reserved;
                     inner.stats.prefetch_dropped += 1;
                     // A computation waiting for it (another thread's) looks again.
-                    self.ready.notify_all();
+                    self.notify_ready();
                 }
             } else {
                 inner.prefetch_q.push_back(key);
@@ -328,7 +328,7 @@ pub(super) fn reader_loop(sh: &Shared) {
             }),
         };
         sh.complete(&mut inner, key, fl, read);
-        sh.ready.notify_all();
+        sh.notify_ready();
         if inner.demand_q.is_empty()
             && inner.prefetch_q.is_empty()
             && inner.inflight.is_empty()

@@ -337,6 +337,7 @@ impl ExpertStore {
             ready: Condvar::new(),
             work: Condvar::new(),
             current_layer: AtomicUsize::new(usize::MAX),
+            arrivals: std::sync::atomic::AtomicU64::new(0),
         });
         let mut store = Self {
             shared,
@@ -651,7 +652,7 @@ impl ExpertStore {
                             waited_prefetch = true;
                         }
                         let t = std::time::Instant::now();
-                        inner = sh.ready.wait(inner).unwrap_or_else(|p| p.into_inner());
+                        inner = sh.wait_ready(inner);
                         inner.stats.read_wait_us += t.elapsed().as_micros() as u64;
                     }
                     None => {
