@@ -19,7 +19,9 @@
 //!   ([`ExpertStore::fetch`]), before any of its experts is computed, so they are read several
 //!   at a time (a virtual disk serves several outstanding reads faster than one), and the I/O
 //!   thread builds each expert as soon as its bytes arrive. Experts are built on that one thread,
-//!   so their memory comes from one allocator arena (it is trimmed when the queue drains).
+//!   so their memory comes from one allocator arena (it is trimmed when the queue drains, at
+//!   most every 250 ms). A computation waiting for a read keeps its core for up to 5 ms,
+//!   yielding it to any thread that can run there, before it sleeps (`Shared::wait_ready`).
 //! - **Cache**: a pinned hot set (a share of the budget, learned from observed routing counts:
 //!   every [`ExpertStreaming::repin_every`] tokens each layer's most used experts are chosen,
 //!   as many as its quota, and are kept once loaded) plus an LRU per layer for the rest of the
