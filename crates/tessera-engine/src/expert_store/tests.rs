@@ -82,3 +82,45 @@ fn every_layer_holds_as_many_experts_however_the_pinned_set_is_learned() {
         "{st:?}"
     );
 }
+
+/// A computation waiting for a read wakes for the signal that follows it, whether the signal
+/// comes while it still keeps its core or after it has gone to sleep (past `READ_SPIN`), and a
+/// signal it has already seen does not keep it waiting.
+#[test]
+fn a_waiting_computation_wakes_for_the_next_read_spinning_or_asleep() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    let (g, cfg) = small_moe();
+    let store = ExpertStore::open(
+        &g,
+        &cfg,
+        &LoadSpec::full(&cfg),
+        ExpertStreaming {
+            fill: false,
+            ..ExpertStreaming::with_budget(u64::MAX / 2)
+        },
+    )
+    .unwrap();
+    let sh = &*store.shared;
+    for delay in [Duration::from_millis(1), Duration::from_millis(50)] {
+        let signalled = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let inner = super::shared::lock(&sh.inner);
+            let before = sh.arrivals.load(Ordering::Acquire);
+            s.spawn(|| {
+                std::thread::sleep(delay);
+                let _inner = super::shared::lock(&sh.inner);
+                signalled.store(true, Ordering::Release);
+                sh.notify_ready();
+            });
+            // A spurious wake-up is allowed: wait again until the signal has come.
+            let mut inner = sh.wait_ready(inner);
+            while !signalled.load(Ordering::Acquire) {
+                inner = sh.wait_ready(inner);
+            }
+            drop(inner);
+            assert_eq!(sh.arrivals.load(Ordering::Acquire), before + 1, "{delay:?}");
+        });
+    }
+}
