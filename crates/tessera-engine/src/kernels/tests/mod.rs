@@ -212,6 +212,19 @@ fn cols_for(dtype: GgmlType) -> usize {
     }
 }
 
+/// Row `r` of the dequantized weights `wf` dotted with token `t` of the dequantized activations
+/// `xa` (both `cols` wide) in f64, and the sum of the products' magnitudes (the scale of the
+/// rounding a kernel's f32 sum may add).
+fn exact_dot(wf: &[f32], xa: &[f32], cols: usize, r: usize, t: usize) -> (f64, f64) {
+    let (mut exact, mut mag) = (0f64, 0f64);
+    for c in 0..cols {
+        let p = wf[r * cols + c] as f64 * xa[t * cols + c] as f64;
+        exact += p;
+        mag += p.abs();
+    }
+    (exact, mag)
+}
+
 fn random_x(n: usize, rng: &mut Rng) -> Vec<f32> {
     (0..n).map(|_| rng.f() * 2.0).collect()
 }

@@ -36,12 +36,7 @@ fn matches_f64_reference() {
             let out = run(isa, &pool, &w, (0, rows), &x, nt);
             for t in 0..nt {
                 for r in 0..rows {
-                    let (mut exact, mut mag) = (0f64, 0f64);
-                    for c in 0..cols {
-                        let p = wf[r * cols + c] as f64 * xa[t * cols + c] as f64;
-                        exact += p;
-                        mag += p.abs();
-                    }
+                    let (exact, mag) = exact_dot(&wf, &xa, cols, r, t);
                     let got = out[t * rows + r] as f64;
                     let tol = 2e-6 * mag + 1e-6 + s_err(t, r);
                     assert!(
@@ -216,12 +211,7 @@ fn real_gguf_tensors_match_reference() {
             }
             for t in 0..nt {
                 for r in 0..n {
-                    let (mut exact, mut mag) = (0f64, 0f64);
-                    for c in 0..cols {
-                        let p = wf[r * cols + c] as f64 * xa[t * cols + c] as f64;
-                        exact += p;
-                        mag += p.abs();
-                    }
+                    let (exact, mag) = exact_dot(&wf, &xa, cols, r, t);
                     let got = base[t * n + r] as f64;
                     assert!(
                         (got - exact).abs() <= 2e-6 * mag + 1e-6,
