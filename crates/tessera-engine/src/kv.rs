@@ -244,6 +244,21 @@ impl KvCache {
         }
     }
 
+    /// Forgets positions from `n` on in `layer` alone: a run-ahead's keys and values are an
+    /// estimate's, not the sequence's (see `crate::run_ahead`).
+    pub(crate) fn truncate_layer(&mut self, layer: usize, n: usize) {
+        if self.layers.contains(&layer) {
+            let e = &mut self.entries[layer - self.layers.start];
+            e.len = e.len.min(n);
+        }
+    }
+
+    /// Positions `layer` holds.
+    #[cfg(test)]
+    pub(crate) fn len_in_layer(&self, layer: usize) -> usize {
+        self.entries[layer - self.layers.start].len
+    }
+
     /// Bytes allocated for keys and values.
     pub fn bytes(&self) -> usize {
         self.entries.iter().map(|e| e.k.bytes() + e.v.bytes()).sum()

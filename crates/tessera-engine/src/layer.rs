@@ -24,6 +24,7 @@ use crate::ops::{
     add_assign, attend_group, rms_norm_into, rms_norm_rows, rope_neox, rope_normal, sigmoid,
     softmax, swiglu_rows, AttnScratch, HeadRows,
 };
+use crate::run_ahead::Ahead;
 use crate::weights::{AttnProj, Ffn};
 use tessera_model::{ExpertGating, RopeStyle};
 
@@ -322,14 +323,8 @@ impl Model {
         Ok(())
     }
 
-    /// Feed-forward block of `layer` (dense or MoE) with its residual connection.
-    pub(crate) fn feed_forward(
-        &self,
-        layer: usize,
-        hidden: &mut Hidden,
-        experts: &mut dyn ExpertExecutor,
-        sc: &mut Scratch,
-    ) -> Result<()> {
+    /// The FFN's input, `sc.normed`: each row of `hidden` RMS-normed with `layer`'s FFN norm.
+    pub(crate) fn ffn_input(&self, layer: usize, hidden: &Hidden, sc: &mut Scratch) -> Result<()> {
         let cfg = self.config();
         let w = self.core(layer)?;
         let (n, e) = (hidden.n_tokens, cfg.n_embd);
@@ -341,6 +336,22 @@ impl Model {
         par_rows(self.pool(), &mut normed.data, e, |_, rows| {
             rms_norm_rows(rows, e, Some(&w.ffn_norm), cfg.rms_eps)
         });
+        Ok(())
+    }
+
+    /// Feed-forward block of `layer` (dense or MoE) with its residual connection. With `ahead`,
+    /// a step that waits for an expert's read runs the layers after it on an estimate
+    /// meanwhile (see [`crate::run_ahead`]).
+    pub(crate) fn feed_forward(
+        &self,
+        layer: usize,
+        hidden: &mut Hidden,
+        experts: &mut dyn ExpertExecutor,
+        sc: &mut Scratch,
+        ahead: Option<Ahead<'_, '_>>,
+    ) -> Result<()> {
+        let w = self.core(layer)?;
+        self.ffn_input(layer, hidden, sc)?;
         let normed = &sc.normed;
         match &w.ffn {
             Some(ffn) => {
@@ -363,6 +374,10 @@ impl Model {
                     if store.prefetching() {
                         self.prefetch_next(layer, hidden)?;
                     }
+                    if let Some(ahead) = ahead.filter(|_| experts.all_local()) {
+                        let step = (&sc.rows[..], &sc.rope);
+                        self.run_ahead(layer, hidden, &routing, &used, step, ahead)?;
+                    }
                 }
                 let parts = experts.run(layer, normed, &routing)?;
                 let mut out = reduce_expert_outputs(&parts)?;
@@ -381,7 +396,7 @@ impl Model {
     }
 
     /// `out = down(silu(gate x) * up x)` for every row of `normed` (`gate`, `up`: scratch).
-    fn dense_ffn(
+    pub(crate) fn dense_ffn(
         &self,
         ffn: &Ffn,
         normed: &Hidden,

@@ -59,6 +59,7 @@ pub mod model;
 pub mod moe;
 pub mod ops;
 pub mod prefix_cache;
+mod run_ahead;
 pub mod speculate;
 pub mod weights;
 

@@ -14,6 +14,7 @@ use crate::kernels::ThreadPool;
 use crate::kv::{KvCache, KvShape, KvType};
 use crate::moe::{ExpertExecutor, LocalExperts};
 use crate::ops::{rms_norm, RopeTable};
+use crate::run_ahead::{Ahead, Estimate};
 use crate::weights::{LayerCore, LayerWeights, LoadSpec, ModelWeights};
 
 /// Hidden states: `n_tokens` rows of `n_embd` floats, row-major.
@@ -441,9 +442,16 @@ impl Model {
             self.config.rope_scaling,
             self.weights.rope_freqs.as_deref(),
         );
-        for l in layers {
+        let mut estimate = Estimate::default();
+        for l in layers.clone() {
             self.attention(l, hidden, batch, kv, &mut sc)?;
-            self.feed_forward(l, hidden, experts, &mut sc)?;
+            let ahead = Ahead {
+                end: layers.end,
+                batch,
+                kv: &mut *kv,
+                estimate: &mut estimate,
+            };
+            self.feed_forward(l, hidden, experts, &mut sc, Some(ahead))?;
         }
         Ok(())
     }

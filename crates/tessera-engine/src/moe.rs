@@ -40,6 +40,19 @@ impl Routing {
             .map(|(&e, &w)| (e as usize, w))
     }
 
+    /// The (token, slot) pairs routed to expert `e`, in token order.
+    pub fn members(&self, e: usize) -> Vec<(usize, usize)> {
+        let mut members = Vec::new();
+        for t in 0..self.n_tokens {
+            for (s, (ex, _)) in self.token(t).enumerate() {
+                if ex == e {
+                    members.push((t, s));
+                }
+            }
+        }
+        members
+    }
+
     /// Tokens with at least one slot routed to an expert `owned` accepts (what a part holding
     /// those experts must be sent).
     pub fn tokens_for(&self, owned: &dyn Fn(usize) -> bool) -> Vec<usize> {
@@ -173,6 +186,12 @@ pub trait ExpertExecutor {
         normed: &Hidden,
         routing: &Routing,
     ) -> Result<Vec<ExpertOutputs>>;
+
+    /// Whether every expert runs on the model itself (so it may run the layers ahead on its
+    /// own experts while it waits for a read, see `crate::run_ahead`).
+    fn all_local(&self) -> bool {
+        false
+    }
 }
 
 /// Runs every expert on the model itself.
@@ -188,6 +207,10 @@ impl ExpertExecutor for LocalExperts<'_> {
         Ok(vec![self
             .0
             .moe_experts(layer, normed, routing, &|_| true)?])
+    }
+
+    fn all_local(&self) -> bool {
+        true
     }
 }
 
@@ -238,7 +261,7 @@ fn mask_groups(select: &mut [f32], groups: usize, used: usize) {
 }
 
 /// An expert and the (row, slot) pairs it computes, in row order.
-type ExpertGroup = (usize, Vec<(usize, usize)>);
+pub(crate) type ExpertGroup = (usize, Vec<(usize, usize)>);
 
 /// Lower bound applied to the sum of the selected weights before renormalising (llama.cpp).
 const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
@@ -364,15 +387,7 @@ impl Model {
             if !held {
                 return Err(EngineError::ExpertNotLoaded { layer, expert: e });
             }
-            let mut members = Vec::new();
-            for t in 0..n {
-                for (s, (ex, _)) in routing.token(t).enumerate() {
-                    if ex == e {
-                        members.push((t, s));
-                    }
-                }
-            }
-            groups.push((e, members));
+            groups.push((e, routing.members(e)));
         }
         // Llama 4: every (token, slot) has its own input row, the token's row times the slot's
         // weight; the experts run on those rows (member `i` of the rewritten groups is row `i`
@@ -476,7 +491,7 @@ impl Model {
     /// `down(act(gate x, up x))` of each expert `ffns[i]` for the tokens of `groups[i]`
     /// (rows in member order): gate and up of all experts as one parallel job, then down.
     /// `bias[e]`, when the model has expert biases, is added to expert `e`'s three projections.
-    fn expert_ffns(
+    pub(crate) fn expert_ffns(
         &self,
         normed: &Hidden,
         groups: &[(usize, Vec<(usize, usize)>)],

@@ -5,6 +5,7 @@
 //! arrive; the reader that completes the third caches the expert. Free heap is returned to the
 //! system when the queues drain.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::error::{EngineError, Result};
@@ -14,6 +15,27 @@ use crate::weights::Ffn;
 use super::cache::Origin;
 use super::shared::{lock, Inner, Shared};
 use tessera_host::direct_read::RawBuf;
+
+/// Faults a unit test injects into one store's reads: a delay before each read's bytes
+/// arrive (a slow disk), and a layer whose reads fail.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct TestFaults {
+    pub(crate) delay: std::sync::Mutex<std::time::Duration>,
+    pub(crate) failing_layer: std::sync::Mutex<Option<usize>>,
+}
+
+#[cfg(test)]
+impl TestFaults {
+    fn apply(&self, layer: usize, read: std::io::Result<RawBuf>) -> std::io::Result<RawBuf> {
+        let delay = *self.delay.lock().unwrap();
+        std::thread::sleep(delay);
+        if *self.failing_layer.lock().unwrap() == Some(layer) {
+            return Err(std::io::Error::other("a fault the test injected"));
+        }
+        read
+    }
+}
 
 /// Priority of a queued or running read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +61,9 @@ pub(super) struct Flight {
     pub(super) windowed: u64,
     /// A fill read bound for the pinned share (`fill.rs`).
     pub(super) fill_pin: bool,
+    /// A prefetch the run-ahead asked for (`ahead.rs`): kept when the router's next guess
+    /// replaces the queued prefetches.
+    pub(super) ahead: bool,
 }
 
 impl Flight {
@@ -52,6 +77,7 @@ impl Flight {
             reserved,
             windowed: 0,
             fill_pin: false,
+            ahead: false,
         }
     }
 
@@ -121,12 +147,84 @@ impl Shared {
         true
     }
 
-    /// Drops the queued prefetches not started yet of layers up to `layer`.
-    pub(super) fn drop_queued_prefetches(&self, inner: &mut Inner, layer: usize) {
+    /// Touches the experts of `ranked` (most probable first) already resident, so that reads
+    /// evict other experts first, then queues prefetch reads of those neither resident nor being
+    /// read: at most `max`, none below `min_prob`, each into room its layer's LRU makes (sparing
+    /// the needed and the touched ones); `ahead` marks the run-ahead's. The number queued.
+    pub(super) fn queue_prefetches(
+        &self,
+        inner: &mut Inner,
+        layer: usize,
+        ranked: &[(usize, f32)],
+        max: usize,
+        min_prob: f32,
+        ahead: bool,
+    ) -> usize {
+        inner.tick += 1;
+        let tick = inner.tick;
+        let part = self.part(layer);
+        let mut keep = HashSet::new();
+        for &(e, _) in ranked {
+            let key = (layer, e);
+            if inner.pinned.contains_key(&key) || inner.inflight.contains_key(&key) {
+                inner.stats.prefetch_resident += 1;
+            } else if let Some(en) = inner.parts[part].entries.get_mut(&key) {
+                en.last = tick;
+                inner.stats.prefetch_resident += 1;
+                keep.insert(key);
+            }
+        }
+        let bytes = self.src[self.layers.index(layer)].packed;
+        let mut n = 0;
+        for &(e, p) in ranked {
+            if n >= max || p < min_prob {
+                break;
+            }
+            let key = (layer, e);
+            if inner.pinned.contains_key(&key)
+                || inner.orphans.contains_key(&key)
+                || inner.parts[part].entries.contains_key(&key)
+                || inner.inflight.contains_key(&key)
+            {
+                continue;
+            }
+            let to_pin = inner.pin_wanted.contains(&key)
+                && inner.pinned_bytes + bytes + self.pin_reserved(inner) <= self.cfg.pinned_cap;
+            let reserved = if to_pin {
+                0
+            } else {
+                let mut spared = inner.needed.clone();
+                spared.extend(keep.iter().copied());
+                if !inner.parts[part].make_room(bytes, &spared, &mut inner.spare) {
+                    break;
+                }
+                inner.parts[part].reserved += bytes;
+                bytes
+            };
+            let mut flight = Flight::new(Kind::Prefetch, reserved);
+            flight.ahead = ahead;
+            inner.inflight.insert(key, flight);
+            inner.prefetch_q.push_back(key);
+            n += 1;
+        }
+        n
+    }
+
+    /// Drops the queued prefetches not started yet of layers up to `layer`, but for the
+    /// run-ahead's with `spare_ahead`.
+    pub(super) fn drop_queued_prefetches(
+        &self,
+        inner: &mut Inner,
+        layer: usize,
+        spare_ahead: bool,
+    ) {
         let q = std::mem::take(&mut inner.prefetch_q);
         for key in q {
-            let started = inner.inflight.get(&key).is_some_and(Flight::started);
-            if key.0 <= layer && !started {
+            let (started, ahead) = inner
+                .inflight
+                .get(&key)
+                .map_or((false, false), |f| (f.started(), f.ahead));
+            if key.0 <= layer && !started && !(spare_ahead && ahead) {
                 if let Some(fl) = inner.inflight.remove(&key) {
                     let part = self.part(key.0);
                     inner.parts[part].reserved -= fl.reserved;
@@ -284,6 +382,8 @@ pub(super) fn reader_loop(sh: &Shared) {
         drop(inner);
         let (off, len) = sh.range(key.0, key.1, m);
         let read = sh.reader.read_range(off, len);
+        #[cfg(test)]
+        let read = sh.faults.apply(key.0, read);
         let t_built = std::time::Instant::now();
         inner = lock(&sh.inner);
         inner.stats.read_us += (t_built - t_read).as_micros() as u64;

@@ -55,9 +55,15 @@
 //!   computation reaches their layer are dropped (or promoted to demand reads if the routing
 //!   asks for them). Parts without routers fall back to the experts layer `l + 1` used last.
 //!   The predictor's accuracy is measured against the routing that follows.
+//! - **Run-ahead**: while a step of a few rows waits for a miss, its computing thread runs the
+//!   layers after it on an estimate (the experts in memory only, `crate::run_ahead`), and the
+//!   experts the estimate routes to that are absent are read as prefetches behind the awaited
+//!   read (`ahead.rs`); the router's next early guess does not replace them, the computation
+//!   reaching their layer does.
 //!
 //! [`ExpertStats`] counts hits, misses, bytes read, prefetches and the pinned set.
 
+mod ahead;
 mod cache;
 mod fill;
 mod io_queue;
@@ -88,7 +94,7 @@ use crate::weights::{Ffn, LoadSpec};
 
 use cache::{Lru, Origin, Spare};
 use fill::Fill;
-use io_queue::{reader_loop, Flight, Kind};
+use io_queue::{reader_loop, Kind};
 use settings::Settings;
 use shared::{lock, Inner, LayerSrc, MatSrc, Served, Shared};
 use tessera_host::direct_read::Reader;
@@ -340,6 +346,8 @@ impl ExpertStore {
             work: Condvar::new(),
             current_layer: AtomicUsize::new(usize::MAX),
             arrivals: std::sync::atomic::AtomicU64::new(0),
+            #[cfg(test)]
+            faults: Default::default(),
         });
         let mut store = Self {
             shared,
@@ -449,7 +457,7 @@ impl ExpertStore {
         if prev != layer {
             inner.needed.clear();
             // Prefetches of this layer not started are late: the misses are read now instead.
-            sh.drop_queued_prefetches(&mut inner, layer);
+            sh.drop_queued_prefetches(&mut inner, layer, false);
             sh.release_stale_window(&mut inner, layer);
         }
         for &e in experts {
@@ -507,58 +515,19 @@ impl ExpertStore {
         if !st.prefetch {
             return;
         }
-        // Touch the predicted experts already resident, so that the reads below (and the
-        // misses to come) evict other experts first.
-        inner.tick += 1;
-        let tick = inner.tick;
-        let part = sh.part(layer);
-        let mut keep = HashSet::new();
-        for &(e, _) in predicted {
-            let key = (layer, e);
-            if inner.pinned.contains_key(&key) || inner.inflight.contains_key(&key) {
-                inner.stats.prefetch_resident += 1;
-            } else if let Some(en) = inner.parts[part].entries.get_mut(&key) {
-                en.last = tick;
-                inner.stats.prefetch_resident += 1;
-                keep.insert(key);
-            }
-        }
-        // Only the newest prediction is worth reading.
-        sh.drop_queued_prefetches(inner, usize::MAX);
-        let mut n = 0;
-        for &(e, p) in predicted {
-            if n >= st.prefetch_max || p < st.prefetch_min_prob {
-                break;
-            }
-            let key = (layer, e);
-            if inner.pinned.contains_key(&key)
-                || inner.parts[part].entries.contains_key(&key)
-                || inner.inflight.contains_key(&key)
-            {
-                continue;
-            }
-            let bytes = sh.src[li].packed;
-            let to_pin = inner.pin_wanted.contains(&key)
-                && inner.pinned_bytes + bytes + sh.pin_reserved(inner) <= sh.cfg.pinned_cap;
-            let reserved = if to_pin {
-                0
-            } else {
-                let mut k2 = inner.needed.clone();
-                k2.extend(keep.iter().copied());
-                if !inner.parts[part].make_room(bytes, &k2, &mut inner.spare) {
-                    break;
-                }
-                inner.parts[part].reserved += bytes;
-                bytes
-            };
-            inner
-                .inflight
-                .insert(key, Flight::new(Kind::Prefetch, reserved));
-            inner.prefetch_q.push_back(key);
-            n += 1;
-        }
+        // Only the newest prediction is worth reading (the run-ahead's, made from the layers
+        // themselves, stand until their layer is reached).
+        sh.drop_queued_prefetches(inner, usize::MAX, true);
+        let queued = sh.queue_prefetches(
+            inner,
+            layer,
+            predicted,
+            st.prefetch_max,
+            st.prefetch_min_prob,
+            false,
+        );
         drop(guard);
-        if n > 0 {
+        if queued > 0 {
             sh.work.notify_all();
         }
     }

@@ -31,6 +31,16 @@ pub struct ExpertStreaming {
     /// each expert's first read (see `fill.rs`).
     #[serde(default = "default_fill")]
     pub fill: bool,
+    /// While a one-token step waits for a read, run the layers after it on an estimate (the
+    /// experts in memory only) to learn which experts they will route to, and read those ahead
+    /// (see `crate::run_ahead`). The step's result is computed as before, once the read is in.
+    /// A kind of prefetch: off when `prefetch` is.
+    #[serde(default = "default_run_ahead")]
+    pub run_ahead: bool,
+}
+
+fn default_run_ahead() -> bool {
+    true
 }
 
 fn default_fill() -> bool {
@@ -60,6 +70,7 @@ impl ExpertStreaming {
             prefetch_max: default_prefetch_max(),
             prefetch_min_prob: default_prefetch_min_prob(),
             fill: default_fill(),
+            run_ahead: default_run_ahead(),
         }
     }
 }

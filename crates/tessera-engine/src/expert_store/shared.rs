@@ -129,6 +129,8 @@ pub(super) struct Shared {
     pub(super) work: Condvar,
     /// Layer the computation is in (prefetches for it and earlier layers are stale).
     pub(super) current_layer: AtomicUsize,
+    #[cfg(test)]
+    pub(super) faults: super::io_queue::TestFaults,
 }
 
 pub(super) fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {

@@ -51,6 +51,9 @@ pub struct ExpertStats {
     /// routing then needed were promoted to demand reads and count as misses).
     #[serde(default)]
     pub prefetch_dropped: u64,
+    /// Prefetches queued by the run-ahead (experts an estimate of the coming layers routed to).
+    #[serde(default)]
+    pub ahead_queued: u64,
     /// Experts read into free room of the cache by its fill (`fill.rs`), before anything
     /// asked for them.
     #[serde(default)]
@@ -112,6 +115,7 @@ impl ExpertStats {
         self.prefetch_useful += other.prefetch_useful;
         self.prefetch_resident += other.prefetch_resident;
         self.prefetch_dropped += other.prefetch_dropped;
+        self.ahead_queued += other.ahead_queued;
         self.filled += other.filled;
         self.direct_io |= other.direct_io;
         self.read_wait_us += other.read_wait_us;
