@@ -216,17 +216,10 @@ mod tests {
 
     use tessera_model::{GgufFile, ModelConfig};
 
+    use crate::expert_store::tests::small_moe;
     use crate::expert_store::ExpertStreaming;
     use crate::model::Model;
     use crate::weights::LoadSpec;
-
-    fn small_moe() -> (GgufFile, ModelConfig) {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../models/test/small-qwen3moe-Q8_0.gguf");
-        let g = GgufFile::open(&path).unwrap();
-        let cfg = ModelConfig::from_gguf(&g).unwrap();
-        (g, cfg)
-    }
 
     /// A model streaming its experts through room for two a layer, nothing read before the
     /// first request, every read of its store taking `delay` (a slow disk).

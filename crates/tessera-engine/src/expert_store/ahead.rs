@@ -22,24 +22,14 @@ impl ExpertStore {
     /// computation that has not taken them yet), `None` for the others. Nothing is counted and
     /// nothing is touched: an estimate's look is not a computation's lookup.
     pub(crate) fn peek(&self, layer: usize, experts: &[usize]) -> Vec<Option<Arc<Ffn>>> {
-        let sh = &self.shared;
-        if !sh.layers.contains(&layer) {
-            return vec![None; experts.len()];
-        }
-        let inner = lock(&sh.inner);
-        let part = &inner.parts[sh.part(layer)];
-        experts
-            .iter()
-            .map(|&e| {
-                let key = (layer, e);
-                inner
-                    .pinned
-                    .get(&key)
-                    .or_else(|| inner.orphans.get(&key))
-                    .or_else(|| part.entries.get(&key).map(|en| &en.ffn))
-                    .cloned()
-            })
-            .collect()
+        self.look_up(layer, experts, None, |inner, part, key| {
+            inner
+                .pinned
+                .get(&key)
+                .or_else(|| inner.orphans.get(&key))
+                .or_else(|| inner.parts[part].entries.get(&key).map(|en| &en.ffn))
+                .cloned()
+        })
     }
 
     /// Whether none of `experts` of `layer` is being read any more: a computation waiting for

@@ -72,7 +72,7 @@ mod settings;
 mod shared;
 mod stats;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod window;
 
 use settings::whole_experts;
@@ -535,18 +535,29 @@ impl ExpertStore {
     /// Which of `experts` of `layer` are in memory now (pinned or cached; not being read), so a
     /// computation can start on them while the others' reads proceed.
     pub(crate) fn resident(&self, layer: usize, experts: &[usize]) -> Vec<bool> {
+        self.look_up(layer, experts, false, |inner, part, key| {
+            inner.pinned.contains_key(&key) || inner.parts[part].entries.contains_key(&key)
+        })
+    }
+
+    /// `look(inner, the layer's LRU, (layer, expert))` for each of `experts`, the store locked
+    /// once; `absent` for all where the store does not serve `layer`.
+    fn look_up<T: Clone>(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        absent: T,
+        look: impl Fn(&Inner, usize, (usize, usize)) -> T,
+    ) -> Vec<T> {
         let sh = &self.shared;
         if !sh.layers.contains(&layer) {
-            return vec![false; experts.len()];
+            return vec![absent; experts.len()];
         }
         let inner = lock(&sh.inner);
-        let part = &inner.parts[sh.part(layer)];
+        let part = sh.part(layer);
         experts
             .iter()
-            .map(|&e| {
-                let key = (layer, e);
-                inner.pinned.contains_key(&key) || part.entries.contains_key(&key)
-            })
+            .map(|&e| look(&inner, part, (layer, e)))
             .collect()
     }
 

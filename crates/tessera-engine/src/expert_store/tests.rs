@@ -4,7 +4,8 @@ use super::{ExpertStore, ExpertStreaming};
 use crate::weights::LoadSpec;
 use tessera_model::{GgufFile, ModelConfig};
 
-fn small_moe() -> (GgufFile, ModelConfig) {
+/// The small qwen3moe test model (`models/test/`) and its configuration.
+pub(crate) fn small_moe() -> (GgufFile, ModelConfig) {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../models/test/small-qwen3moe-Q8_0.gguf");
     let g = GgufFile::open(&path).unwrap();
