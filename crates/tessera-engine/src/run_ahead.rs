@@ -58,6 +58,8 @@ impl Model {
     /// memory (see the module doc). The estimate starts from `hidden` (the input of `layer`'s
     /// FFN, routed by `routing`), or goes on from where the step's last one stopped if that is
     /// past `layer + 1`. `step`: the step's rows (sequence, position) and their rotary table.
+    /// The estimate only chooses what is read: where it meets an error it ends, and the step
+    /// goes on to meet whatever it meets itself.
     pub(crate) fn run_ahead(
         &self,
         layer: usize,
@@ -66,9 +68,9 @@ impl Model {
         used: &[usize],
         step: (&[(usize, usize)], &RopeTable),
         ahead: Ahead<'_, '_>,
-    ) -> Result<()> {
+    ) {
         let Some(store) = self.expert_store() else {
-            return Ok(());
+            return;
         };
         // Llama 4 weights the experts' inputs: its estimate would need the slots' rows.
         if !store.runs_ahead()
@@ -77,7 +79,7 @@ impl Model {
             || layer + 1 >= ahead.end
             || store.arrived(layer, used)
         {
-            return Ok(());
+            return;
         }
         let est = ahead.estimate;
         let sc = est.scratch.get_or_insert_with(|| Scratch {
@@ -89,20 +91,23 @@ impl Model {
             Some((h, next)) if next > layer + 1 => (h, next),
             _ => {
                 let mut h = hidden.clone();
-                self.estimate_ffn(layer, &mut h, Some(routing), sc)?;
+                if self.estimate_ffn(layer, &mut h, Some(routing), sc).is_err() {
+                    return;
+                }
                 (h, layer + 1)
             }
         };
-        let mut result = Ok(());
+        let mut ok = true;
         // The layer the estimate goes on from next.
         let mut next = from;
         while next < ahead.end && !store.arrived(layer, used) {
             next += 1;
             let l = next - 1;
-            result = self
+            ok = self
                 .attention(l, &mut h, ahead.batch, ahead.kv, sc)
-                .and_then(|()| self.estimate_ffn(l, &mut h, None, sc));
-            if result.is_err() {
+                .and_then(|()| self.estimate_ffn(l, &mut h, None, sc))
+                .is_ok();
+            if !ok {
                 break;
             }
         }
@@ -111,10 +116,9 @@ impl Model {
                 c.truncate_layer(l, s.start_pos);
             }
         }
-        if result.is_ok() {
+        if ok {
             est.stopped = Some((h, next));
         }
-        result
     }
 
     /// Adds to `h` the estimate of `layer`'s FFN: a dense FFN as it is; an MoE layer's routed
