@@ -125,3 +125,50 @@ fn a_waiting_computation_wakes_for_the_next_read_spinning_or_asleep() {
         });
     }
 }
+
+/// The run-ahead's prefetches stand when the router's next early guess replaces its own queued
+/// ones, and are dropped unread once the computation reaches their layer.
+#[test]
+fn the_run_aheads_prefetches_stand_until_their_layer_is_reached() {
+    use std::time::Duration;
+
+    let (g, cfg) = small_moe();
+    let spec = LoadSpec::full(&cfg);
+    let probe = ExpertStreaming {
+        fill: false,
+        ..ExpertStreaming::with_budget(u64::MAX / 2)
+    };
+    let eb = ExpertStore::open(&g, &cfg, &spec, probe)
+        .unwrap()
+        .stats()
+        .expert_bytes;
+    let store = ExpertStore::open(
+        &g,
+        &cfg,
+        &spec,
+        ExpertStreaming {
+            fill: false,
+            pinned_fraction: 0.0,
+            read_parallelism: 1,
+            ..ExpertStreaming::with_budget(eb * 3 * cfg.n_layer as u64)
+        },
+    )
+    .unwrap();
+    // One reader, a second a range: layer 0's demand read holds it for three seconds, and
+    // every prefetch below stays queued, unstarted, meanwhile.
+    *store.faults().delay.lock().unwrap() = Duration::from_secs(1);
+    store.fetch(0, &[0]);
+    let queued = |e: usize| !store.arrived(2, &[e]);
+    store.prefetch_ahead(2, &[1]);
+    store.prefetch_ranked(2, &[(2, 0.9)]);
+    assert!(queued(1) && queued(2));
+    // The router's next guess replaces its own, not the run-ahead's.
+    store.prefetch_ranked(2, &[(3, 0.9)]);
+    assert!(queued(1) && !queued(2) && queued(3));
+    assert_eq!(store.stats().prefetch_dropped, 1);
+    // The computation reaches layer 2: both are late.
+    store.fetch(2, &[]);
+    assert!(!queued(1) && !queued(3));
+    let st = store.stats();
+    assert_eq!((st.prefetch_dropped, st.ahead_queued), (3, 1), "{st:?}");
+}
