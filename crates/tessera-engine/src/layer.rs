@@ -365,18 +365,13 @@ impl Model {
                 if let Some(store) = self.expert_store() {
                     // This layer's misses first: queued now, read while the next layer's
                     // prediction is made and the resident experts compute.
-                    let used: Vec<usize> = routing
-                        .experts_used()
-                        .into_iter()
-                        .filter(|&e| self.holds_expert(layer, e))
-                        .collect();
+                    let used = self.held_experts(layer, &routing);
                     store.fetch(layer, &used);
                     if store.prefetching() {
                         self.prefetch_next(layer, hidden)?;
                     }
                     if let Some(ahead) = ahead.filter(|_| experts.all_local()) {
-                        let step = (&sc.rows[..], &sc.rope);
-                        self.run_ahead(layer, hidden, &routing, &used, step, ahead);
+                        self.run_ahead(layer, hidden, &routing, &used, ahead);
                     }
                 }
                 let parts = experts.run(layer, normed, &routing)?;

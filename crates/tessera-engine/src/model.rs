@@ -12,7 +12,7 @@ use crate::exec::matmul_once;
 use crate::expert_store::{ExpertStats, ExpertStore, ExpertStreaming};
 use crate::kernels::ThreadPool;
 use crate::kv::{KvCache, KvShape, KvType};
-use crate::moe::{ExpertExecutor, LocalExperts};
+use crate::moe::{ExpertExecutor, LocalExperts, Routing};
 use crate::ops::{rms_norm, RopeTable};
 use crate::run_ahead::{Ahead, Estimate};
 use crate::weights::{LayerCore, LayerWeights, LoadSpec, ModelWeights};
@@ -289,6 +289,15 @@ impl Model {
             .is_some_and(Option::is_some)
     }
 
+    /// The experts `routing` uses in layer `layer` that this part holds (or streams).
+    pub(crate) fn held_experts(&self, layer: usize, routing: &Routing) -> Vec<usize> {
+        routing
+            .experts_used()
+            .into_iter()
+            .filter(|&e| self.holds_expert(layer, e))
+            .collect()
+    }
+
     /// Sets the element type of the KV caches [`Model::new_kv`] makes (F16 unless set). Errors
     /// if this model's heads cannot use it (Q8_0 needs head widths that are multiples of 32).
     pub fn set_kv_type(&mut self, kv_type: KvType) -> Result<()> {
@@ -430,18 +439,7 @@ impl Model {
         if n == 0 {
             return Ok(());
         }
-        let mut sc = Scratch::default();
-        for (i, s) in batch.iter().enumerate() {
-            sc.rows
-                .extend((s.start_pos..s.start_pos + s.n_tokens).map(|p| (i, p)));
-        }
-        sc.rope.fill_scaled(
-            sc.rows.iter().map(|&(_, p)| p),
-            self.config.rope_dim,
-            self.config.rope_theta,
-            self.config.rope_scaling,
-            self.weights.rope_freqs.as_deref(),
-        );
+        let mut sc = self.step_scratch(batch);
         let mut estimate = Estimate::default();
         for l in layers.clone() {
             self.attention(l, hidden, batch, kv, &mut sc)?;
@@ -454,6 +452,23 @@ impl Model {
             self.feed_forward(l, hidden, experts, &mut sc, Some(ahead))?;
         }
         Ok(())
+    }
+
+    /// A step's scratch: its rows (sequence, position) and their rotary table.
+    pub(crate) fn step_scratch(&self, batch: &[SeqStep]) -> Scratch {
+        let mut sc = Scratch::default();
+        for (i, s) in batch.iter().enumerate() {
+            sc.rows
+                .extend((s.start_pos..s.start_pos + s.n_tokens).map(|p| (i, p)));
+        }
+        sc.rope.fill_scaled(
+            sc.rows.iter().map(|&(_, p)| p),
+            self.config.rope_dim,
+            self.config.rope_theta,
+            self.config.rope_scaling,
+            self.weights.rope_freqs.as_deref(),
+        );
+        sc
     }
 
     /// The output norm of every row of `hidden`: the final hidden states, what the head

@@ -20,10 +20,11 @@ use std::sync::Arc;
 use tessera_model::ExpertGating;
 
 use crate::error::Result;
+use crate::expert_store::ExpertStore;
 use crate::kv::KvCache;
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{ExpertGroup, Routing};
-use crate::ops::{add_assign, RopeTable};
+use crate::ops::add_assign;
 use crate::weights::Ffn;
 
 /// What running ahead needs of the step: the layers it runs and its sequences' caches.
@@ -57,8 +58,7 @@ impl Model {
     /// after `layer` on an estimate and reads ahead the experts it routes to that are not in
     /// memory (see the module doc). The estimate starts from `hidden` (the input of `layer`'s
     /// FFN, routed by `routing`), or goes on from where the step's last one stopped if that is
-    /// past `layer + 1`. `step`: the step's rows (sequence, position) and their rotary table.
-    /// The estimate only chooses what is read: where it meets an error it ends, and the step
+    /// past `layer + 1`. The estimate only chooses what is read: where it meets an error it ends, and the step
     /// goes on to meet whatever it meets itself.
     pub(crate) fn run_ahead(
         &self,
@@ -66,7 +66,6 @@ impl Model {
         hidden: &Hidden,
         routing: &Routing,
         used: &[usize],
-        step: (&[(usize, usize)], &RopeTable),
         ahead: Ahead<'_, '_>,
     ) {
         let Some(store) = self.expert_store() else {
@@ -82,16 +81,17 @@ impl Model {
             return;
         }
         let est = ahead.estimate;
-        let sc = est.scratch.get_or_insert_with(|| Scratch {
-            rows: step.0.to_vec(),
-            rope: step.1.clone(),
-            ..Scratch::default()
-        });
+        let sc = est
+            .scratch
+            .get_or_insert_with(|| self.step_scratch(ahead.batch));
         let (mut h, from) = match est.stopped.take() {
             Some((h, next)) if next > layer + 1 => (h, next),
             _ => {
                 let mut h = hidden.clone();
-                if self.estimate_ffn(layer, &mut h, Some(routing), sc).is_err() {
+                if self
+                    .estimate_ffn(store, layer, &mut h, Some(routing), sc)
+                    .is_err()
+                {
                     return;
                 }
                 (h, layer + 1)
@@ -105,7 +105,7 @@ impl Model {
             let l = next - 1;
             ok = self
                 .attention(l, &mut h, ahead.batch, ahead.kv, sc)
-                .and_then(|()| self.estimate_ffn(l, &mut h, None, sc))
+                .and_then(|()| self.estimate_ffn(store, l, &mut h, None, sc))
                 .is_ok();
             if !ok {
                 break;
@@ -126,6 +126,7 @@ impl Model {
     /// read ahead) and its shared experts.
     fn estimate_ffn(
         &self,
+        store: &ExpertStore,
         layer: usize,
         h: &mut Hidden,
         routing: Option<&Routing>,
@@ -134,9 +135,9 @@ impl Model {
         let w = self.core(layer)?;
         self.ffn_input(layer, h, sc)?;
         let mut out = std::mem::take(&mut sc.proj);
-        match (&w.ffn, self.expert_store()) {
-            (Some(ffn), _) => self.dense_ffn(ffn, &sc.normed, &mut sc.gate, &mut sc.up, &mut out),
-            (None, Some(store)) => {
+        match &w.ffn {
+            Some(ffn) => self.dense_ffn(ffn, &sc.normed, &mut sc.gate, &mut sc.up, &mut out),
+            None => {
                 let routed_here;
                 let routing = match routing {
                     Some(r) => r,
@@ -145,11 +146,7 @@ impl Model {
                         &routed_here
                     }
                 };
-                let used: Vec<usize> = routing
-                    .experts_used()
-                    .into_iter()
-                    .filter(|&e| self.holds_expert(layer, e))
-                    .collect();
+                let used = self.held_experts(layer, routing);
                 let held = store.peek(layer, &used);
                 let mut absent = Vec::new();
                 let mut groups: Vec<ExpertGroup> = Vec::new();
@@ -172,11 +169,8 @@ impl Model {
                     sc.q = s;
                 }
             }
-            (None, None) => out.clear(),
         }
-        if !out.is_empty() {
-            add_assign(&mut h.data, &out);
-        }
+        add_assign(&mut h.data, &out);
         sc.proj = out;
         Ok(())
     }
