@@ -145,9 +145,9 @@ fn check(name: &str) {
 }
 
 /// The store's high-water mark (built experts cached, pinned, in the read window, taken by a
-/// computation, being read, and spare allocations; see `expert_store/peak.rs`) stays within the
-/// budget plus one expert for each of `computations` using the store at once, and is at least
-/// the end state the cache reports. The raw read buffers (outside the budget) stay within one
+/// computation, being read, and the free memory its slot pool keeps; see `expert_store/peak.rs`)
+/// stays within the budget plus one expert for each of `computations` using the store at once,
+/// and is at least the end state the cache reports. The raw read buffers (outside the budget) stay within one
 /// buffer per pooled slot and reader, each at most a matrix's aligned byte range.
 fn check_peak(stats: &tessera_engine::ExpertStats, computations: u64, st: &ExpertStreaming) {
     let budget = st.budget_bytes;

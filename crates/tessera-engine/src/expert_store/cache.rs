@@ -37,51 +37,6 @@ pub(super) struct Lru {
     pub(super) entries: HashMap<(usize, usize), Entry>,
 }
 
-/// Matrix allocations of evicted experts, kept for the next builds ([`Matrix::new_in`]): a
-/// fresh allocation's pages fault in as the repack writes them, which on a VM costs several
-/// times the repack itself. Evictions make room for reads, so the buffers kept are at most
-/// about those of the reads in flight (capped at `cap` buffers).
-///
-/// [`Matrix::new_in`]: crate::kernels::Matrix::new_in
-pub(super) struct Spare {
-    bufs: Vec<Vec<u8>>,
-    cap: usize,
-}
-
-impl Spare {
-    pub(super) fn new(cap: usize) -> Self {
-        Self {
-            bufs: Vec::new(),
-            cap,
-        }
-    }
-
-    /// Bytes of the allocations kept.
-    pub(super) fn bytes(&self) -> u64 {
-        self.bufs.iter().map(|b| b.capacity() as u64).sum()
-    }
-
-    /// Keeps the evicted expert's three allocations, if no computation still holds it.
-    pub(super) fn recycle(&mut self, ffn: Arc<Ffn>) {
-        let Ok(ffn) = Arc::try_unwrap(ffn) else {
-            return;
-        };
-        for m in [ffn.gate, ffn.up, ffn.down] {
-            if self.bufs.len() < self.cap {
-                self.bufs.push(m.into_buffer());
-            }
-        }
-    }
-
-    /// A kept allocation of at least `len` bytes, or an empty one.
-    pub(super) fn take(&mut self, len: usize) -> Vec<u8> {
-        match self.bufs.iter().position(|b| b.capacity() >= len) {
-            Some(i) => self.bufs.swap_remove(i),
-            None => Vec::new(),
-        }
-    }
-}
-
 impl Lru {
     /// Whether `need` more bytes fit beside the entries and the reservations, evicting nothing.
     pub(super) fn fits(&self, need: u64) -> bool {
@@ -110,13 +65,9 @@ impl Lru {
     }
 
     /// Evicts least recently used entries, neither in use nor in `keep`, until `need` more
-    /// bytes fit beside the entries and the reservations; their allocations go to `spare`.
-    pub(super) fn make_room(
-        &mut self,
-        need: u64,
-        keep: &HashSet<(usize, usize)>,
-        spare: &mut Spare,
-    ) -> bool {
+    /// bytes fit beside the entries and the reservations; their memory goes back to the
+    /// store's slot pool, for the next builds.
+    pub(super) fn make_room(&mut self, need: u64, keep: &HashSet<(usize, usize)>) -> bool {
         while !self.fits(need) {
             let victim = self
                 .entries
@@ -127,7 +78,6 @@ impl Lru {
             let Some(k) = victim else { return false };
             let v = self.entries.remove(&k).expect("present");
             self.bytes -= v.bytes;
-            spare.recycle(v.ffn);
         }
         true
     }
@@ -174,7 +124,7 @@ impl Shared {
         let tick = inner.tick;
         let keep = inner.needed.clone();
         let lru = &mut inner.parts[self.part(key.0)];
-        if !lru.make_room(bytes, &keep, &mut inner.spare) {
+        if !lru.make_room(bytes, &keep) {
             return false;
         }
         lru.put(key, Arc::clone(ffn), bytes, tick, o);

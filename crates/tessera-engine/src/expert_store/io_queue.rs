@@ -1,15 +1,16 @@
 //! The I/O queue: reads queued or running ([`Flight`]), *demand* reads always before *prefetch*
 //! reads and those before the cache's *fill* (`fill.rs`), and the reader threads
-//! ([`reader_loop`]) that read the queued ranges. Each reader builds (repacks, as a full load does) the matrix it has just read, into an evicted expert's
-//! allocation when there is one, so an expert's three matrices are built in parallel as they
-//! arrive; the reader that completes the third caches the expert. Free heap is returned to the
-//! system when the queues drain.
+//! ([`reader_loop`]) that read the queued ranges. Each reader builds (repacks, as a full load
+//! does) the matrix it has just read, into a range of the store's slot pool (huge-page slabs;
+//! an evicted expert's range when there is one), so an expert's three matrices are built in
+//! parallel as they arrive; the reader that completes the third caches the expert. Free heap
+//! (the reads' own) is returned to the system when the queues drain.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::error::{EngineError, Result};
-use crate::kernels::{Matrix, MatrixBytes};
+use crate::kernels::{Matrix, MatrixBytes, WeightBuffer};
 use crate::weights::Ffn;
 
 use super::cache::Origin;
@@ -131,7 +132,7 @@ impl Shared {
             0
         } else {
             let keep = inner.needed.clone();
-            if inner.parts[part].make_room(bytes, &keep, &mut inner.spare) {
+            if inner.parts[part].make_room(bytes, &keep) {
                 inner.parts[part].reserved += bytes;
                 bytes
             } else if ahead {
@@ -195,7 +196,7 @@ impl Shared {
             } else {
                 let mut spared = inner.needed.clone();
                 spared.extend(keep.iter().copied());
-                if !inner.parts[part].make_room(bytes, &spared, &mut inner.spare) {
+                if !inner.parts[part].make_room(bytes, &spared) {
                     break;
                 }
                 inner.parts[part].reserved += bytes;
@@ -332,9 +333,16 @@ impl Shared {
         (ms.base + ms.len * e as u64, ms.len)
     }
 
-    /// Builds (repacks) matrix `m` of expert `e` of `layer` from its bytes, into `buf`'s
-    /// allocation, as a full load does.
-    fn build(&self, layer: usize, e: usize, m: usize, raw: RawBuf, buf: Vec<u8>) -> Result<Matrix> {
+    /// Builds (repacks) matrix `m` of expert `e` of `layer` from its bytes, into `buf` (a
+    /// range of the store's slot pool), as a full load does.
+    fn build(
+        &self,
+        layer: usize,
+        e: usize,
+        m: usize,
+        raw: RawBuf,
+        buf: WeightBuffer,
+    ) -> Result<Matrix> {
         let ms = &self.src[self.layers.index(layer)].mats[m];
         let (offset, len) = (raw.start, raw.len);
         let bytes = MatrixBytes::Shared {
@@ -356,10 +364,9 @@ impl Shared {
 }
 
 /// A reader: reads queued ranges (demand reads first) until the store is dropped, and builds
-/// each matrix it reads (while the computation goes on); the reader that builds an expert's
-/// third matrix caches the expert. Built experts thus live in the readers' allocator arenas
-/// (or in evicted experts' allocations): freed holes are returned to the system whenever the
-/// queues drain.
+/// each matrix it reads (while the computation goes on) into the store's slot pool; the reader
+/// that builds an expert's third matrix caches the expert. Free heap is returned to the system
+/// whenever the queues drain.
 pub(super) fn reader_loop(sh: &Shared) {
     let mut inner = lock(&sh.inner);
     loop {
@@ -370,16 +377,19 @@ pub(super) fn reader_loop(sh: &Shared) {
             inner = sh.work.wait(inner).unwrap_or_else(|p| p.into_inner());
             continue;
         };
-        let buf = inner.spare.take(sh.built_len(key.0, m));
-        // The build's target, counted from now until the matrix joins its read (peak.rs).
-        let target = buf.capacity().max(sh.built_len(key.0, m)) as u64;
-        inner.building += target;
+        // The build's target, counted from now until the matrix joins its read (peak.rs): a
+        // range an evicted expert gave back leaves the pool's free bytes at the same moment.
+        let target = sh.built_len(key.0, m);
+        let reused = sh.slots.lend_free(target);
+        inner.building += target as u64;
         let t_read = std::time::Instant::now();
         if inner.reading == 0 {
             inner.busy_since = Some(t_read);
         }
         inner.reading += 1;
         drop(inner);
+        // Outside the lock: a new range is zeroed (faulted in) here.
+        let buf = reused.unwrap_or_else(|| sh.slots.carve(target));
         let (off, len) = sh.range(key.0, key.1, m);
         let read = sh.reader.read_range(off, len);
         #[cfg(test)]
@@ -405,7 +415,7 @@ pub(super) fn reader_loop(sh: &Shared) {
         let build_us = t_built.elapsed().as_micros() as u64;
         inner = lock(&sh.inner);
         inner.stats.build_us += build_us;
-        inner.building -= target;
+        inner.building -= target as u64;
         let fl = inner.inflight.get_mut(&key).expect("a read in flight");
         match built {
             Ok(mat) => fl.mats[m] = Some(mat),

@@ -18,9 +18,10 @@
 //!   *prefetch* reads. A layer's misses are all queued as soon as its routing is known
 //!   ([`ExpertStore::fetch`]), before any of its experts is computed, so they are read several
 //!   at a time (a virtual disk serves several outstanding reads faster than one), and the I/O
-//!   thread builds each expert as soon as its bytes arrive. Experts are built on that one thread,
-//!   so their memory comes from one allocator arena (it is trimmed when the queue drains, at
-//!   most every 250 ms). A computation waiting for a read keeps its core for up to 5 ms,
+//!   thread builds each expert as soon as its bytes arrive, into the store's slot pool:
+//!   huge-page slabs whose ranges evicted experts give back to the next builds of their length
+//!   (`kernels::weight_buffer`), so a streamed expert is computed from huge pages as a loaded
+//!   one is, and a build writes to memory already faulted in. A computation waiting for a read keeps its core for up to 5 ms,
 //!   yielding it to any thread that can run there, before it sleeps (`Shared::wait_ready`).
 //! - **Cache**: a pinned hot set (a share of the budget, learned from observed routing counts:
 //!   every [`ExpertStreaming::repin_every`] tokens each layer's most used experts are chosen,
@@ -89,10 +90,10 @@ use tessera_model::config::names;
 use tessera_model::{GgufFile, ModelConfig};
 
 use crate::error::{EngineError, Result};
-use crate::kernels::{Matrix, ThreadPool};
+use crate::kernels::{Matrix, SlotPool, ThreadPool};
 use crate::weights::{Ffn, LoadSpec};
 
-use cache::{Lru, Origin, Spare};
+use cache::{Lru, Origin};
 use fill::Fill;
 use io_queue::{reader_loop, Kind};
 use settings::Settings;
@@ -124,6 +125,15 @@ impl Drop for ExpertStore {
             let _ = h.join();
         }
     }
+}
+
+/// Free expert memory the slot pool keeps resident for the next builds: a sixteenth of the
+/// budget, and at least an expert per reader. Evictions free memory when reads are queued and
+/// the reads take it when they start, so a decode's queued reads (several at a time where the
+/// run-ahead reads ahead) find their room still on huge pages; beyond this the free pages go
+/// back to the OS. Counted in the store's peak (`peak.rs`).
+fn slot_keep(budget: u64, expert_bytes: u64, readers: usize) -> u64 {
+    (budget / 16).max(expert_bytes * readers.max(1) as u64)
 }
 
 impl ExpertStore {
@@ -297,7 +307,6 @@ impl ExpertStore {
             parts,
             pinned: HashMap::new(),
             pinned_bytes: 0,
-            spare: Spare::new(3 * streaming.read_parallelism.max(1)),
             pin_wanted: HashSet::new(),
             pinned_origin: HashMap::new(),
             inflight: HashMap::new(),
@@ -329,6 +338,7 @@ impl ExpertStore {
                 ..ExpertStats::default()
             },
         };
+        let slots = SlotPool::new(slot_keep(budget, expert_bytes, streaming.read_parallelism));
         let shared = Arc::new(Shared {
             reader,
             cfg: Settings {
@@ -342,6 +352,7 @@ impl ExpertStore {
             layers: Served(layers),
             src,
             inner: Mutex::new(inner),
+            slots,
             ready: Condvar::new(),
             work: Condvar::new(),
             current_layer: AtomicUsize::new(usize::MAX),

@@ -4,8 +4,9 @@
 //! What the store keeps alive at a moment is more than its cache: the cached and pinned experts,
 //! read-window orphans waiting for their computation, experts a computation took that are no
 //! longer in the cache (a taken orphan, an unpinned expert still in use), the matrices of reads
-//! in flight (built so far, and the one each reader is building), and the spare allocations of
-//! evicted experts. All of it is counted by allocation size. Memory grows only when a reader
+//! in flight (built so far, and the one each reader is building), and the free ranges of the
+//! store's slot pool that evicted experts gave back (`kernels::weight_buffer`), kept resident
+//! for the next builds. All of it is counted by allocation size. Memory grows only when a reader
 //! starts a build (its target counted from the moment it is taken), so the peak is sampled there,
 //! under the lock, with every other reader's state. The raw read buffers (the file's bytes before
 //! repacking, pooled by the reader) are outside the budget and counted apart
@@ -41,7 +42,7 @@ impl Shared {
         let orphans: u64 = inner.orphans.values().map(ffn).sum();
         let lent: u64 = inner.lent.iter().map(|(_, b)| b).sum();
         let reads: u64 = inner.inflight.values().map(|f| f.built_bytes()).sum();
-        cached + pinned + orphans + lent + reads + inner.building + inner.spare.bytes()
+        cached + pinned + orphans + lent + reads + inner.building + self.slots.free_bytes()
     }
 
     /// Raises the high-water marks to what the store holds now.

@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use tessera_model::GgmlType;
 
+use crate::kernels::SlotPool;
 use crate::weights::Ffn;
 
-use super::cache::{Lru, Origin, Spare};
+use super::cache::{Lru, Origin};
 use super::fill::Fill;
 use super::io_queue::Flight;
 use super::settings::Settings;
@@ -68,8 +69,6 @@ pub(super) struct Inner {
     pub(super) parts: Vec<Lru>,
     pub(super) pinned: HashMap<(usize, usize), Arc<Ffn>>,
     pub(super) pinned_bytes: u64,
-    /// Evicted experts' allocations, for the next builds.
-    pub(super) spare: Spare,
     pub(super) pin_wanted: HashSet<(usize, usize)>,
     /// Pinned experts read and not looked up since (why they were read).
     pub(super) pinned_origin: HashMap<(usize, usize), Origin>,
@@ -120,6 +119,9 @@ pub(super) struct Shared {
     pub(super) layers: Served,
     pub(super) src: Vec<LayerSrc>,
     pub(super) inner: Mutex<Inner>,
+    /// The memory of the built experts (huge-page slabs; an evicted expert's goes to the next
+    /// build of its length).
+    pub(super) slots: SlotPool,
     /// Signalled when a read has arrived (through [`Shared::notify_ready`]).
     pub(super) ready: Condvar,
     /// Counts the `ready` signals, so that a computation waiting for a read can watch for the

@@ -86,7 +86,8 @@ pub struct ExpertStats {
     pub tokens: u64,
     /// High-water mark of the bytes of built experts the store kept alive at once: cached,
     /// pinned, read-window orphans, experts computations took out of the cache, reads in flight
-    /// and spare allocations (see `peak.rs`). Within `budget_bytes`.
+    /// and free memory of the store's slot pool kept for the next builds (see `peak.rs`).
+    /// Within `budget_bytes`.
     #[serde(default)]
     pub peak_bytes: u64,
     /// High-water mark of the raw read buffers (the file's bytes before repacking, in use and

@@ -136,20 +136,20 @@ impl Matrix {
         cols: usize,
         bytes: MatrixBytes,
     ) -> Result<Self, KernelError> {
-        Self::new_in(dtype, rows, cols, bytes, Vec::new())
+        Self::build(dtype, rows, cols, bytes, WeightBuffer::from(Vec::new()))
     }
 
-    /// [`Matrix::new`] building into `buf`'s allocation (e.g. an evicted expert's, from
-    /// [`Matrix::into_buffer`]): a streamed expert's build then writes to memory already
-    /// faulted in instead of fresh pages, which on a VM cost more than the repack itself.
-    pub fn new_in(
+    /// [`Matrix::new`] building into `buf` (e.g. a range of an expert store's slot pool that an
+    /// evicted expert gave back): a streamed expert's build then writes to memory already
+    /// faulted in, on huge pages, instead of fresh 4 KiB pages.
+    pub(crate) fn new_in(
         dtype: GgmlType,
         rows: usize,
         cols: usize,
         bytes: MatrixBytes,
-        buf: Vec<u8>,
+        buf: WeightBuffer,
     ) -> Result<Self, KernelError> {
-        Self::build(dtype, rows, cols, bytes, WeightBuffer::from(buf))
+        Self::build(dtype, rows, cols, bytes, buf)
     }
 
     /// [`Matrix::new`] building into memory from `arena`: a model's matrices share its
@@ -302,11 +302,6 @@ impl Matrix {
 
     pub fn dtype(&self) -> GgmlType {
         self.dtype
-    }
-
-    /// The repacked copy's allocation, for [`Matrix::new_in`] to build another matrix into.
-    pub fn into_buffer(self) -> Vec<u8> {
-        self.data.into_vec()
     }
 
     /// Bytes this matrix keeps alive (its repacked copy, padding rows included).

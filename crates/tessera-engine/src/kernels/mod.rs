@@ -76,7 +76,7 @@ pub use pool::ThreadPool;
 pub(crate) use pool::WORTH_SHARING;
 pub(crate) use quant_acts::quantize_row_q8_0;
 pub use quant_acts::QuantizedActs;
-pub(crate) use weight_buffer::WeightArena;
+pub(crate) use weight_buffer::{SlotPool, WeightArena, WeightBuffer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {

@@ -4,24 +4,31 @@ use super::*;
 
 #[test]
 fn a_matrix_built_into_a_used_buffer_equals_a_fresh_one() {
-    // Streamed experts are built into evicted experts' allocations: leftover bytes (here 0xAB,
-    // in a larger buffer) must not show, not even in the padding rows of a last partial group.
+    // Streamed experts are built into the ranges evicted experts gave back to the store's slot
+    // pool: the last matrix's bytes must not show, not even in the padding rows of a last
+    // partial group. So must a `Vec` with leftover bytes (here 0xAB, and larger).
     for dtype in ALL {
         let mut rng = Rng::new(dtype.id() as u64 + 70);
         let (rows, cols) = (19, cols_for(dtype));
         let bytes = random_matrix(dtype, rows, cols, &mut rng);
         let fresh = Matrix::new(dtype, rows, cols, MatrixBytes::Owned(bytes.clone())).unwrap();
-        let used = vec![0xABu8; fresh.resident_bytes() + 100];
-        let reused = Matrix::new_in(dtype, rows, cols, MatrixBytes::Owned(bytes), used).unwrap();
-        assert_eq!(reused.resident_bytes(), fresh.resident_bytes(), "{dtype}");
-        for g in 0..rows.div_ceil(matrix::GROUP) {
-            assert_eq!(reused.group(g), fresh.group(g), "{dtype} group {g}");
+        let len = fresh.resident_bytes();
+        let pool = super::weight_buffer::SlotPool::new(u64::MAX);
+        let mut used = pool.carve(len);
+        used.fill(0xAB);
+        let at = used.as_ptr();
+        drop(used);
+        let in_pool = pool.lend_free(len).expect("the range given back");
+        assert_eq!(in_pool.as_ptr(), at, "{dtype}: the range lent again");
+        let vec = WeightBuffer::from(vec![0xABu8; len + 100]);
+        for buf in [in_pool, vec] {
+            let reused =
+                Matrix::new_in(dtype, rows, cols, MatrixBytes::Owned(bytes.clone()), buf).unwrap();
+            assert_eq!(reused.resident_bytes(), len, "{dtype}");
+            for g in 0..rows.div_ceil(matrix::GROUP) {
+                assert_eq!(reused.group(g), fresh.group(g), "{dtype} group {g}");
+            }
         }
-        let buf = reused.into_buffer();
-        assert!(
-            buf.capacity() >= fresh.resident_bytes() + 100,
-            "{dtype}: allocation kept"
-        );
     }
 }
 
