@@ -56,6 +56,9 @@ pub struct BenchReport {
     /// Each weight type of the file and the kernel path it took (`kernels::type_paths`).
     #[serde(default)]
     pub kernels: Vec<crate::kernels::TypePath>,
+    /// With [`BenchConfig::timeline`]: the last decode run's timeline (`crate::timeline`).
+    #[serde(skip)]
+    pub timeline: Option<crate::TimelineRecord>,
 }
 
 /// Transparent huge pages in a benchmark's process.
@@ -298,6 +301,8 @@ pub struct BenchConfig {
     pub kv_type: KvType,
     /// Stream the experts through a cache of this many bytes.
     pub expert_budget: Option<u64>,
+    /// Record a timeline of the last decode run (streamed experts only: the store records it).
+    pub timeline: bool,
 }
 
 impl BenchConfig {
@@ -311,6 +316,7 @@ impl BenchConfig {
             repetitions: REPEATS,
             kv_type: KvType::default(),
             expert_budget: None,
+            timeline: false,
         }
     }
 }
@@ -354,6 +360,7 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
         repetitions,
         kv_type,
         expert_budget,
+        timeline,
         ..
     } = *config;
     let ubatch = config.ubatch.max(1);
@@ -421,6 +428,7 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
     let runs = repetitions.max(1);
     let (mut prefill_s, mut decode_s, mut kv_bytes) = (0.0f64, 0.0f64, base.bytes());
     let mut last_stats = None;
+    let mut recorded = None;
     for rep in 0..runs {
         if n_prompt > 0 {
             // Back to the depth context: later positions are written over, so the test runs
@@ -445,6 +453,10 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
         let kv = &mut base;
         let mut tok = token;
         let before = model.expert_stats();
+        let store = model.expert_store().filter(|_| timeline && rep + 1 == runs);
+        if let Some(s) = store {
+            s.start_timeline();
+        }
         let t = Instant::now();
         for &next in &stream {
             let l = model.forward_last(&[tok], kv)?;
@@ -454,6 +466,7 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
             };
         }
         decode_s += t.elapsed().as_secs_f64() / runs as f64;
+        recorded = store.map(|s| s.stop_timeline()).or(recorded);
         last_stats = before.zip(model.expert_stats());
         kv_bytes = kv_bytes.max(kv.bytes());
     }
@@ -495,6 +508,7 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
         decode_bound_tok_s: mem_read_gb_s * 1e9 / (active + kv_read) as f64,
         streaming,
         kernels: crate::kernels::type_paths(g.tensors()),
+        timeline: recorded,
     })
 }
 
@@ -614,6 +628,7 @@ mod tests {
             decode_bound_tok_s: 110.0,
             streaming: None,
             kernels: Vec::new(),
+            timeline: None,
         };
         let text = r.to_string();
         assert!(

@@ -61,6 +61,7 @@ pub mod ops;
 pub mod prefix_cache;
 mod run_ahead;
 pub mod speculate;
+pub mod timeline;
 pub mod weights;
 
 pub use embedding::{Pooler, Pooling};
@@ -72,4 +73,5 @@ pub use model::{Hidden, Logits, Model, SeqStep};
 pub use moe::{
     reduce_expert_outputs, ExpertExecutor, ExpertOutputs, LocalExperts, PartExperts, Routing,
 };
+pub use timeline::TimelineRecord;
 pub use weights::{ExpertSelection, LoadSpec, ModelWeights};

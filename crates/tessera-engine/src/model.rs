@@ -15,6 +15,7 @@ use crate::kv::{KvCache, KvShape, KvType};
 use crate::moe::{ExpertExecutor, LocalExperts, Routing};
 use crate::ops::{rms_norm, RopeTable};
 use crate::run_ahead::{Ahead, Estimate};
+use crate::timeline::{Lane, SpanKind};
 use crate::weights::{LayerCore, LayerWeights, LoadSpec, ModelWeights};
 
 /// Hidden states: `n_tokens` rows of `n_embd` floats, row-major.
@@ -439,6 +440,8 @@ impl Model {
         if n == 0 {
             return Ok(());
         }
+        let timeline = self.expert_store().map(|s| s.timeline());
+        let span = timeline.and_then(|t| t.begin());
         let mut sc = self.step_scratch(batch);
         let mut estimate = Estimate::default();
         for l in layers.clone() {
@@ -450,6 +453,9 @@ impl Model {
                 estimate: &mut estimate,
             };
             self.feed_forward(l, hidden, experts, &mut sc, Some(ahead))?;
+        }
+        if let Some(t) = timeline {
+            t.end(span, Lane::Compute, SpanKind::Step { rows: n });
         }
         Ok(())
     }

@@ -25,6 +25,7 @@ use crate::kv::KvCache;
 use crate::model::{Hidden, Model, Scratch, SeqStep};
 use crate::moe::{ExpertGroup, Routing};
 use crate::ops::add_assign;
+use crate::timeline::{Lane, SpanKind};
 use crate::weights::Ffn;
 
 /// What running ahead needs of the step: the layers it runs and its sequences' caches.
@@ -80,6 +81,7 @@ impl Model {
         {
             return;
         }
+        let span = store.timeline().begin();
         let est = ahead.estimate;
         let sc = est
             .scratch
@@ -116,6 +118,8 @@ impl Model {
                 c.truncate_layer(l, s.start_pos);
             }
         }
+        let kind = SpanKind::RunAhead { layer, to: next };
+        store.timeline().end(span, Lane::Compute, kind);
         if ok {
             est.stopped = Some((h, next));
         }

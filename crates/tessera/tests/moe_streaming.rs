@@ -329,3 +329,70 @@ fn bench_with_an_expert_budget_reports_the_streaming_figures() {
     assert!(!dense.status.success());
     assert!(String::from_utf8_lossy(&dense.stderr).contains("mixture-of-experts"));
 }
+
+/// `--timeline` writes the last decode run as Chrome trace events: one step a token on the
+/// computing thread, one after another; each wait for a read inside a step; reads and their
+/// builds on the readers' tracks, a build for every read.
+#[test]
+fn bench_writes_a_timeline_of_the_streamed_decode() {
+    let path = model("test/small-qwen3moe-Q8_0.gguf");
+    let g = GgufFile::open(&path).unwrap();
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let budget = 2 * expert_bytes(&g, &cfg) * cfg.n_layer as u64;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("timeline.json");
+    let out = std::process::Command::new(common::bin())
+        .args(["bench", "-t", "1", "-p", "4", "-n", "12", "-r", "2", "-m"])
+        .arg(&path)
+        .args(["--expert-budget", &budget.to_string(), "--timeline"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&file).unwrap()).expect("a JSON trace");
+    let events = trace["traceEvents"].as_array().unwrap();
+    let spans = |cat: &str| -> Vec<&serde_json::Value> {
+        events.iter().filter(|e| e["cat"] == cat).collect()
+    };
+    let t = |e: &serde_json::Value, k: &str| e[k].as_u64().unwrap();
+    let steps = spans("step");
+    assert_eq!(steps.len(), 12, "one step a token of the last run");
+    for w in steps.windows(2) {
+        assert!(t(w[0], "ts") + t(w[0], "dur") <= t(w[1], "ts"), "{:?}", w);
+    }
+    let waits = spans("wait");
+    assert!(
+        !waits.is_empty(),
+        "a cache of 2 experts a layer waits for reads"
+    );
+    for w in &waits {
+        assert_eq!(t(w, "tid"), 0);
+        let (a, b) = (t(w, "ts"), t(w, "ts") + t(w, "dur"));
+        assert!(
+            steps
+                .iter()
+                .any(|s| t(s, "ts") <= a && b <= t(s, "ts") + t(s, "dur")),
+            "a wait outside every step: {w}"
+        );
+    }
+    let (reads, builds) = (spans("read"), spans("build"));
+    assert!(!reads.is_empty());
+    assert_eq!(reads.len(), builds.len(), "a build for every read");
+    assert!(reads
+        .iter()
+        .all(|r| t(r, "tid") >= 1 && r["args"]["why"].is_string()));
+    assert!(events
+        .iter()
+        .any(|e| e["ph"] == "M" && e["args"]["name"] == "computing thread"));
+    assert!(stderr.contains("timeline: "), "{stderr}");
+    // Without streaming there is nothing to record: refused, not ignored.
+    let refused = std::process::Command::new(common::bin())
+        .args(["bench", "-n", "1", "-p", "1", "--timeline"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--expert-budget"));
+}

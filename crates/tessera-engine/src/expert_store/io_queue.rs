@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::{Matrix, MatrixBytes, WeightBuffer};
+use crate::timeline::{Lane, ReadKind, SpanKind};
 use crate::weights::Ffn;
 
 use super::cache::Origin;
@@ -84,6 +85,16 @@ impl Flight {
 
     fn started(&self) -> bool {
         self.next_m > 0
+    }
+
+    /// Why it is read, as a timeline tells it.
+    fn read_kind(&self) -> ReadKind {
+        match self.kind {
+            Kind::Demand => ReadKind::Demand,
+            Kind::Prefetch if self.ahead => ReadKind::RunAhead,
+            Kind::Prefetch => ReadKind::Prefetch,
+            Kind::Fill => ReadKind::Fill,
+        }
     }
 
     /// Bytes of its matrices built so far.
@@ -367,7 +378,7 @@ impl Shared {
 /// each matrix it reads (while the computation goes on) into the store's slot pool; the reader
 /// that builds an expert's third matrix caches the expert. Free heap is returned to the system
 /// whenever the queues drain.
-pub(super) fn reader_loop(sh: &Shared) {
+pub(super) fn reader_loop(sh: &Shared, n: usize) {
     let mut inner = lock(&sh.inner);
     loop {
         if inner.stop {
@@ -382,6 +393,10 @@ pub(super) fn reader_loop(sh: &Shared) {
         let target = sh.built_len(key.0, m);
         let reused = sh.slots.lend_free(target);
         inner.building += target as u64;
+        let why = inner
+            .inflight
+            .get(&key)
+            .map_or(ReadKind::Demand, Flight::read_kind);
         let t_read = std::time::Instant::now();
         if inner.reading == 0 {
             inner.busy_since = Some(t_read);
@@ -391,9 +406,18 @@ pub(super) fn reader_loop(sh: &Shared) {
         // Outside the lock: a new range is zeroed (faulted in) here.
         let buf = reused.unwrap_or_else(|| sh.slots.carve(target));
         let (off, len) = sh.range(key.0, key.1, m);
+        let span = sh.timeline.begin();
         let read = sh.reader.read_range(off, len);
         #[cfg(test)]
         let read = sh.faults.apply(key.0, read);
+        let (layer, expert, matrix) = (key.0, key.1, m);
+        let kind = SpanKind::Read {
+            layer,
+            expert,
+            matrix,
+            why,
+        };
+        sh.timeline.end(span, Lane::Reader(n), kind);
         let t_built = std::time::Instant::now();
         inner = lock(&sh.inner);
         inner.stats.read_us += (t_built - t_read).as_micros() as u64;
@@ -406,12 +430,19 @@ pub(super) fn reader_loop(sh: &Shared) {
         // The most this read holds at once: its raw bytes and its build target.
         sh.note_peak(&mut inner);
         drop(inner);
+        let span = sh.timeline.begin();
         let built = match read {
             Ok(raw) => sh
                 .build(key.0, key.1, m, raw, buf)
                 .map_err(|e| e.to_string()),
             Err(e) => Err(format!("read failed: {e}")),
         };
+        let kind = SpanKind::Build {
+            layer,
+            expert,
+            matrix,
+        };
+        sh.timeline.end(span, Lane::Reader(n), kind);
         let build_us = t_built.elapsed().as_micros() as u64;
         inner = lock(&sh.inner);
         inner.stats.build_us += build_us;

@@ -62,7 +62,8 @@
 //!   read (`ahead.rs`); the router's next early guess does not replace them, the computation
 //!   reaching their layer does.
 //!
-//! [`ExpertStats`] counts hits, misses, bytes read, prefetches and the pinned set.
+//! [`ExpertStats`] counts hits, misses, bytes read, prefetches and the pinned set; a timeline of
+//! the steps, waits and reads is recorded when asked for ([`ExpertStore::start_timeline`]).
 
 mod ahead;
 mod cache;
@@ -91,6 +92,7 @@ use tessera_model::{GgufFile, ModelConfig};
 
 use crate::error::{EngineError, Result};
 use crate::kernels::{Matrix, SlotPool, ThreadPool};
+use crate::timeline::{Lane, SpanKind, Timeline, TimelineRecord};
 use crate::weights::{Ffn, LoadSpec};
 
 use cache::{Lru, Origin};
@@ -353,6 +355,7 @@ impl ExpertStore {
             src,
             inner: Mutex::new(inner),
             slots,
+            timeline: Timeline::new(),
             ready: Condvar::new(),
             work: Condvar::new(),
             current_layer: AtomicUsize::new(usize::MAX),
@@ -369,11 +372,28 @@ impl ExpertStore {
             let sh = Arc::clone(&store.shared);
             let h = std::thread::Builder::new()
                 .name(format!("tessera-expert-read-{i}"))
-                .spawn(move || reader_loop(&sh))
+                .spawn(move || reader_loop(&sh, i))
                 .map_err(|e| EngineError::BadInput(format!("cannot start a reader: {e}")))?;
             store.readers.push(h);
         }
         Ok(store)
+    }
+
+    /// Starts recording a timeline of the computation's steps, waits and run-ahead and of the
+    /// readers' reads and builds (see `crate::timeline`); what an earlier recording kept is
+    /// dropped.
+    pub fn start_timeline(&self) {
+        self.shared.timeline.start();
+    }
+
+    /// Stops recording the timeline and returns it.
+    pub fn stop_timeline(&self) -> TimelineRecord {
+        self.shared.timeline.stop()
+    }
+
+    /// The timeline, for the computation's own spans.
+    pub(crate) fn timeline(&self) -> &Timeline {
+        &self.shared.timeline
     }
 
     /// A pool of the calling thread alone (for the next layer's prediction).
@@ -645,8 +665,11 @@ impl ExpertStore {
                             waited_prefetch = true;
                         }
                         let t = std::time::Instant::now();
+                        let span = sh.timeline.begin();
                         inner = sh.wait_ready(inner);
                         inner.stats.read_wait_us += t.elapsed().as_micros() as u64;
+                        let wait = SpanKind::Wait { layer, expert: e };
+                        sh.timeline.end(span, Lane::Compute, wait);
                     }
                     None => {
                         // Evicted between its read and this lookup: read it again.

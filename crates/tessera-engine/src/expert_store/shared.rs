@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tessera_model::GgmlType;
 
 use crate::kernels::SlotPool;
+use crate::timeline::Timeline;
 use crate::weights::Ffn;
 
 use super::cache::{Lru, Origin};
@@ -122,6 +123,8 @@ pub(super) struct Shared {
     /// The memory of the built experts (huge-page slabs; an evicted expert's goes to the next
     /// build of its length).
     pub(super) slots: SlotPool,
+    /// The timeline being recorded, if one is (`crate::timeline`).
+    pub(super) timeline: Timeline,
     /// Signalled when a read has arrived (through [`Shared::notify_ready`]).
     pub(super) ready: Condvar,
     /// Counts the `ready` signals, so that a computation waiting for a read can watch for the

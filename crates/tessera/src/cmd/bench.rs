@@ -44,6 +44,12 @@ pub struct BenchArgs {
     /// model's repeated greedy token does not route the same way every step.
     #[arg(long, value_name = "SIZE")]
     expert_budget: Option<String>,
+    /// With --expert-budget: write a timeline of the last decode run to FILE, in Chrome's trace
+    /// format (open it in https://ui.perfetto.dev): each step, each wait for a read and the
+    /// layers run ahead meanwhile on the computing thread, and each read and build on its
+    /// reader's, so the time the disk idles shows where it falls.
+    #[arg(long, value_name = "FILE", requires = "expert_budget")]
+    timeline: Option<PathBuf>,
     /// Measure speculative decoding against plain decoding, in the same run, on a text prompt
     /// (--draft-task): `lookup` (prompt lookup), `self` (the model as its own draft: every
     /// draft agrees, so this measures the mechanism's ceiling; k is fixed at --draft-max), or
@@ -98,6 +104,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(Ok(_)) => anyhow::bail!("--expert-budget: give an absolute size, e.g. 100MiB"),
         Some(Err(e)) => return Err(anyhow::Error::new(e).context("--expert-budget")),
     };
+    if args.timeline.is_some() && (models.len() > 1 || args.n_gen == 0) {
+        anyhow::bail!("--timeline records one model's decode: give one -m and -n above 0");
+    }
     // One test with both figures for one prompt length; llama-bench's separate pp and tg
     // tests for several.
     let tests: Vec<(usize, usize)> = match args.n_prompt[..] {
@@ -116,9 +125,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 repetitions: args.repetitions,
                 kv_type: args.kv_type,
                 expert_budget,
+                timeline: args.timeline.is_some() && n_gen > 0,
                 ..tessera_engine::bench::BenchConfig::new(threads, n_prompt, n_gen)
             };
             let report = tessera_engine::bench::bench_config(&path, &config)?;
+            if let (Some(file), Some(rec)) = (&args.timeline, &report.timeline) {
+                write_timeline(file, rec)?;
+            }
             if args.json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
@@ -126,5 +139,71 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// Writes `rec` to `file` as Chrome trace events (one track for the computing thread, one a
+/// reader), and says so on stderr (stdout may carry `--json`).
+fn write_timeline(
+    file: &std::path::Path,
+    rec: &tessera_engine::TimelineRecord,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use tessera_engine::timeline::{Lane, SpanKind};
+    let matrix = |m: usize| ["gate", "up", "down"].get(m).copied().unwrap_or("?");
+    let tid = |l: Lane| match l {
+        Lane::Compute => 0,
+        Lane::Reader(n) => n + 1,
+    };
+    let mut events = Vec::with_capacity(rec.spans.len() + 8);
+    let mut lanes: Vec<usize> = rec.spans.iter().map(|s| tid(s.lane)).collect();
+    lanes.push(0);
+    lanes.sort_unstable();
+    lanes.dedup();
+    for t in lanes {
+        let name = match t {
+            0 => "computing thread".to_string(),
+            n => format!("reader {}", n - 1),
+        };
+        events.push(serde_json::json!({
+            "ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": name},
+        }));
+    }
+    for s in &rec.spans {
+        let (name, cat) = match s.kind {
+            SpanKind::Step { rows } => (format!("step ({rows} rows)"), "step"),
+            SpanKind::Wait { layer, expert } => (format!("wait L{layer} e{expert}"), "wait"),
+            SpanKind::RunAhead { layer, to } => {
+                (format!("run ahead L{layer}: to L{to}"), "run_ahead")
+            }
+            SpanKind::Read {
+                layer,
+                expert,
+                matrix: m,
+                ..
+            } => (format!("read L{layer} e{expert} {}", matrix(m)), "read"),
+            SpanKind::Build {
+                layer,
+                expert,
+                matrix: m,
+            } => (format!("build L{layer} e{expert} {}", matrix(m)), "build"),
+        };
+        events.push(serde_json::json!({
+            "ph": "X", "name": name, "cat": cat, "pid": 1, "tid": tid(s.lane),
+            "ts": s.start_us, "dur": s.dur_us, "args": s.kind,
+        }));
+    }
+    let trace = serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" });
+    let text = serde_json::to_string(&trace)?;
+    std::fs::write(file, text).with_context(|| format!("writing {}", file.display()))?;
+    let dropped = match rec.dropped {
+        0 => String::new(),
+        n => format!(" ({n} more not kept)"),
+    };
+    eprintln!(
+        "timeline: {} spans{dropped} written to {} (open it in https://ui.perfetto.dev)",
+        rec.spans.len(),
+        file.display()
+    );
     Ok(())
 }
