@@ -285,12 +285,18 @@ fn ring_stages_stream_their_own_experts_under_an_expert_budget() {
     }
 }
 
-#[test]
-fn bench_with_an_expert_budget_reports_the_streaming_figures() {
+/// The small MoE test model, and a budget of two experts a layer (so a decode misses).
+fn small_moe_with_two_experts_a_layer() -> (std::path::PathBuf, u64) {
     let path = model("test/small-qwen3moe-Q8_0.gguf");
     let g = GgufFile::open(&path).unwrap();
     let cfg = ModelConfig::from_gguf(&g).unwrap();
     let budget = 2 * expert_bytes(&g, &cfg) * cfg.n_layer as u64;
+    (path, budget)
+}
+
+#[test]
+fn bench_with_an_expert_budget_reports_the_streaming_figures() {
+    let (path, budget) = small_moe_with_two_experts_a_layer();
     let out = std::process::Command::new(common::bin())
         .args(["bench", "-t", "1", "-p", "4", "-n", "12", "--json", "-m"])
         .arg(&path)
@@ -335,10 +341,7 @@ fn bench_with_an_expert_budget_reports_the_streaming_figures() {
 /// builds on the readers' tracks, a build for every read.
 #[test]
 fn bench_writes_a_timeline_of_the_streamed_decode() {
-    let path = model("test/small-qwen3moe-Q8_0.gguf");
-    let g = GgufFile::open(&path).unwrap();
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let budget = 2 * expert_bytes(&g, &cfg) * cfg.n_layer as u64;
+    let (path, budget) = small_moe_with_two_experts_a_layer();
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("timeline.json");
     let out = std::process::Command::new(common::bin())
