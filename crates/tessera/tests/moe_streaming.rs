@@ -398,4 +398,19 @@ fn bench_writes_a_timeline_of_the_streamed_decode() {
         .unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--expert-budget"));
+    // A file it cannot create fails before the benchmark runs, not after.
+    let unwritable = std::process::Command::new(common::bin())
+        .args(["bench", "-n", "1", "-p", "1", "-m"])
+        .arg(&path)
+        .args(["--expert-budget", &budget.to_string(), "--timeline"])
+        .arg(dir.path().join("missing").join("t.json"))
+        .output()
+        .unwrap();
+    assert!(!unwritable.status.success());
+    let stderr = String::from_utf8_lossy(&unwritable.stderr);
+    assert!(
+        stderr.contains("creating") && stderr.contains("t.json"),
+        "{stderr}"
+    );
+    assert!(unwritable.stdout.is_empty(), "no report: nothing ran");
 }

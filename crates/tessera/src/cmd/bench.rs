@@ -6,6 +6,8 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context;
+
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// GGUF model files (default: the built-in stories260K). Several are measured in turn.
@@ -107,6 +109,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.timeline.is_some() && (models.len() > 1 || args.n_gen == 0) {
         anyhow::bail!("--timeline records one model's decode: give one -m and -n above 0");
     }
+    // Created now, so that a path it cannot be written to fails before the benchmark runs.
+    let mut timeline_file = match &args.timeline {
+        Some(p) => {
+            Some(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
+        }
+        None => None,
+    };
     // One test with both figures for one prompt length; llama-bench's separate pp and tg
     // tests for several.
     let tests: Vec<(usize, usize)> = match args.n_prompt[..] {
@@ -129,8 +138,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 ..tessera_engine::bench::BenchConfig::new(threads, n_prompt, n_gen)
             };
             let report = tessera_engine::bench::bench_config(&path, &config)?;
-            if let (Some(file), Some(rec)) = (&args.timeline, &report.timeline) {
-                write_timeline(file, rec)?;
+            if let (Some(file), Some(path), Some(rec)) =
+                (&mut timeline_file, &args.timeline, &report.timeline)
+            {
+                write_timeline(file, path, rec)?;
             }
             if args.json {
                 println!("{}", serde_json::to_string(&report)?);
@@ -142,13 +153,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes `rec` to `file` as Chrome trace events (one track for the computing thread, one a
-/// reader), and says so on stderr (stdout may carry `--json`).
+/// Writes `rec` to `file` (created at `path`) as Chrome trace events (one track for the
+/// computing thread, one a reader), and says so on stderr (stdout may carry `--json`).
 fn write_timeline(
-    file: &std::path::Path,
+    file: &mut std::fs::File,
+    path: &std::path::Path,
     rec: &tessera_engine::TimelineRecord,
 ) -> anyhow::Result<()> {
-    use anyhow::Context;
+    use std::io::Write;
     use tessera_engine::timeline::{Lane, SpanKind};
     let matrix = |m: usize| ["gate", "up", "down"].get(m).copied().unwrap_or("?");
     let tid = |l: Lane| match l {
@@ -195,7 +207,8 @@ fn write_timeline(
     }
     let trace = serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" });
     let text = serde_json::to_string(&trace)?;
-    std::fs::write(file, text).with_context(|| format!("writing {}", file.display()))?;
+    file.write_all(text.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))?;
     let dropped = match rec.dropped {
         0 => String::new(),
         n => format!(" ({n} more not kept)"),
@@ -203,7 +216,7 @@ fn write_timeline(
     eprintln!(
         "timeline: {} spans{dropped} written to {} (open it in https://ui.perfetto.dev)",
         rec.spans.len(),
-        file.display()
+        path.display()
     );
     Ok(())
 }
