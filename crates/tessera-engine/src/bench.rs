@@ -466,7 +466,9 @@ pub fn bench_config(model_path: &Path, config: &BenchConfig) -> Result<BenchRepo
             };
         }
         decode_s += t.elapsed().as_secs_f64() / runs as f64;
-        recorded = store.map(|s| s.stop_timeline()).or(recorded);
+        if let Some(s) = store {
+            recorded = Some(s.stop_timeline());
+        }
         last_stats = before.zip(model.expert_stats());
         kv_bytes = kv_bytes.max(kv.bytes());
     }

@@ -21,8 +21,9 @@
 //!   thread builds each expert as soon as its bytes arrive, into the store's slot pool:
 //!   huge-page slabs whose ranges evicted experts give back to the next builds of their length
 //!   (`kernels::weight_buffer`), so a streamed expert is computed from huge pages as a loaded
-//!   one is, and a build writes to memory already faulted in. A computation waiting for a read keeps its core for up to 5 ms,
-//!   yielding it to any thread that can run there, before it sleeps (`Shared::wait_ready`).
+//!   one is, and a build writes to memory already faulted in. A computation waiting for a read
+//!   keeps its core for up to 5 ms, yielding it to any thread that can run there, before it
+//!   sleeps (`Shared::wait_ready`).
 //! - **Cache**: a pinned hot set (a share of the budget, learned from observed routing counts:
 //!   every [`ExpertStreaming::repin_every`] tokens each layer's most used experts are chosen,
 //!   as many as its quota, and are kept once loaded) plus an LRU per layer for the rest of the

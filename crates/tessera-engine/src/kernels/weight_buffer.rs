@@ -12,9 +12,9 @@
 //! Matrices that come and go — a streamed expert's, built when it is read and dropped when it
 //! is evicted — take their ranges from a [`SlotPool`] instead: a dropped matrix's range goes
 //! back to the pool and is lent again to the next matrix of its length, so streamed experts
-//! sit on huge pages as a loaded model's do (bench-qwen3moe-q4_0 with every expert but a few
-//! streamed through the cache, decoding: 149–162 → 181–185 tok/s, three runs alternated on a
-//! 2-core Zen 4) and a build writes into memory already faulted in.
+//! sit on huge pages as a loaded model's do (bench-qwen3moe-q4_0 with 640 of its 648 MiB of
+//! experts in the cache, decoding: 181–183 → 195–228 tok/s, three runs alternated with `Vec`s
+//! on a 2-core Zen 4) and a build writes into memory already faulted in.
 //!
 //! Where the OS has no transparent huge pages (or they are off) a slab is plain memory and
 //! nothing else changes.

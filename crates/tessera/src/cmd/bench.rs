@@ -206,8 +206,11 @@ fn write_timeline(
         }));
     }
     let trace = serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" });
-    let text = serde_json::to_string(&trace)?;
-    file.write_all(text.as_bytes())
+    // Written as it is serialized: a long decode's trace runs to many MiB.
+    let mut out = std::io::BufWriter::new(file);
+    serde_json::to_writer(&mut out, &trace)
+        .map_err(std::io::Error::from)
+        .and_then(|()| out.flush())
         .with_context(|| format!("writing {}", path.display()))?;
     let dropped = match rec.dropped {
         0 => String::new(),
