@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use crate::weights::Ffn;
 
+use super::settings::{shares_by_routing, whole_experts};
 use super::shared::{Inner, Shared};
 
 /// Why a cached expert was read, until a computation first looks it up.
@@ -155,6 +156,54 @@ impl Shared {
         inner.pinned_bytes += bytes;
     }
 
+    /// Re-learns each layer's share of the budget from the routing counted so far
+    /// ([`shares_by_routing`]): the layers' pinned quotas, and their LRUs' room. A layer whose
+    /// share shrinks evicts down to it now; one whose share grows gets the room the others
+    /// have given up, so the LRUs' room (and what they hold) never adds up past their part of
+    /// the budget, even while a shrunk layer still holds experts a computation uses.
+    pub(super) fn reshare(&self, inner: &mut Inner) {
+        let packed: Vec<u64> = self.src.iter().map(|s| s.packed).collect();
+        let counts: Vec<Vec<u64>> = self
+            .cfg
+            .held
+            .iter()
+            .zip(&inner.counts)
+            .map(|(held, c)| held.iter().map(|&e| c[e]).collect())
+            .collect();
+        let slots = shares_by_routing(
+            self.cfg.share_bytes,
+            &packed,
+            &self.cfg.share_floor,
+            &counts,
+        );
+        let below: Vec<usize> = slots.iter().map(|s| s.saturating_sub(1)).collect();
+        let quota = whole_experts(self.cfg.pinned_cap, &packed, &below);
+        let caps: Vec<u64> = (0..slots.len())
+            .map(|l| (slots[l] - quota[l]) as u64 * packed[l])
+            .collect();
+        let keep = inner.needed.clone();
+        for (lru, &cap) in inner.parts.iter_mut().zip(&caps) {
+            if cap < lru.cap {
+                lru.cap = cap;
+                lru.make_room(0, &keep);
+            }
+        }
+        let room = self.cfg.share_bytes - self.cfg.pinned_cap;
+        let mut taken: u64 = inner
+            .parts
+            .iter()
+            .map(|p| p.cap.max(p.bytes + p.reserved))
+            .sum();
+        for (lru, &cap) in inner.parts.iter_mut().zip(&caps) {
+            if cap > lru.cap {
+                let grant = (cap - lru.cap).min(room.saturating_sub(taken));
+                lru.cap += grant;
+                taken += grant;
+            }
+        }
+        inner.pin_quota = quota;
+    }
+
     /// Re-learns the pinned set: each layer's most used experts, as many as its quota.
     pub(super) fn repin(&self, inner: &mut Inner) {
         let mut wanted = HashSet::new();
@@ -169,7 +218,7 @@ impl Shared {
             let layer = self.layers.at(li);
             wanted.extend(
                 used.iter()
-                    .take(self.cfg.pin_quota[li])
+                    .take(inner.pin_quota[li])
                     .map(|&(_, e)| (layer, e)),
             );
         }

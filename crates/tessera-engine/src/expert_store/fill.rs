@@ -91,7 +91,7 @@ impl Shared {
             // The pinned share fills layer by layer within each layer's quota (no fill read
             // bound for it is in flight here: one fill read at a time).
             let to_pin = inner.pin_wanted.is_empty()
-                && Self::pinned_in(inner, layer) < self.cfg.pin_quota[li]
+                && Self::pinned_in(inner, layer) < inner.pin_quota[li]
                 && inner.pinned_bytes + inner.fill.pin_reserved + bytes <= self.cfg.pinned_cap;
             if !to_lru && !to_pin {
                 continue;

@@ -28,16 +28,22 @@
 //!   every [`ExpertStreaming::repin_every`] tokens each layer's most used experts are chosen,
 //!   as many as its quota, and are kept once loaded) plus an LRU per layer for the rest of the
 //!   budget (one LRU shared by all layers when the budget cannot give every layer one expert).
-//!   Every layer routes a token to as many experts, so each holds as many, pinned and cached
-//!   together, in whole experts: a quota chosen over all layers at once left the layers it
-//!   favoured less their LRU's room, and the others missed more (an expert split's owner with
-//!   2% of its experts left on disk missed 4% of its lookups), and an LRU's room for a fraction
-//!   of an expert in each layer stayed idle. A read reserves
-//!   its room when it is queued, so reads in flight never push the cache past its share. Experts
-//!   in use by a computation, and those the current layer's routing asked for, are never
-//!   evicted; `moe_experts` computes a layer's experts in chunks no larger than the layer's LRU,
-//!   so the built experts alive stay within the budget plus the one expert a computation may
-//!   hold outside the cache (see `peak.rs`, which measures the high-water mark).
+//!   Each layer has a share of the budget in whole experts, pinned and cached together (a
+//!   pinned quota chosen over all layers at once left the layers it favoured less their LRU's
+//!   room, and the others missed more; an LRU's room for a fraction of an expert stayed idle).
+//!   The shares start even and then follow the routing counted so far, re-learned with the
+//!   pinned set (`settings::shares_by_routing`): the room goes to the layers whose routing
+//!   spreads over the most experts, each keeping at least a routing's experts. On
+//!   bench-qwen3moe-q4_0 the first layer, routed by the token's embedding alone, spreads over
+//!   all 64 experts while later layers keep to fewer; at even shares 26 of the 37 experts a
+//!   32-token decode at 1.2x over budget waited for were the first layer's, each a full read's
+//!   wait at the start of a step, before any computation could have run ahead to find it. A
+//!   read reserves its room when it is queued, so reads in flight never push the cache past
+//!   its share. Experts in use by a computation, and those the current layer's routing asked
+//!   for, are never evicted; `moe_experts` computes a layer's experts in chunks no larger than
+//!   the layer's LRU, so the built experts alive stay within the budget plus the one expert a
+//!   computation may hold outside the cache (see `peak.rs`, which measures the high-water
+//!   mark).
 //! - **Read window**: when a layer's share of the cache cannot hold one routing's experts (small
 //!   budgets), `read_parallelism` experts of the budget are set aside, and the misses beyond the
 //!   layer's room are read ahead through them, in the order the computation takes them, instead
@@ -262,13 +268,19 @@ impl ExpertStore {
             0
         };
         let lru_total = unpinned - window_cap;
-        // Every layer routes a token to as many experts as any other, so each holds as many
-        // (pinned and cached together), in whole experts: the pinned set is chosen layer by
-        // layer within its quota, and no layer's LRU keeps a fraction of an expert's room idle.
-        let (parts, pin_quota, pinned_cap) = if per_layer {
+        // Each layer's share (pinned and cached together) in whole experts, even until the
+        // routing has been seen: the pinned set is chosen layer by layer within its quota, and
+        // no layer's LRU keeps a fraction of an expert's room idle.
+        let (parts, pin_quota, pinned_cap, share_floor) = if per_layer {
             let packed: Vec<u64> = src.iter().map(|s| s.packed).collect();
             let counts: Vec<usize> = held.iter().map(Vec::len).collect();
             let slots = whole_experts(budget - window_cap, &packed, &counts);
+            // The shares then follow the routing (`Shared::reshare`), each at least a
+            // routing's experts or its even share if that is less.
+            let floor = slots
+                .iter()
+                .map(|&s| s.min(config.n_expert_used.max(1)))
+                .collect();
             let quota = whole_experts(
                 pinned_cap,
                 &packed,
@@ -284,13 +296,13 @@ impl ExpertStore {
                 })
                 .collect();
             let pinned = (0..quota.len()).map(|l| quota[l] as u64 * packed[l]).sum();
-            (parts, quota, pinned)
+            (parts, quota, pinned, floor)
         } else {
             let parts = vec![Lru {
                 cap: lru_total,
                 ..Lru::default()
             }];
-            (parts, vec![0; src.len()], 0)
+            (parts, vec![0; src.len()], 0, Vec::new())
         };
         let open_err = |e: std::io::Error| EngineError::Tensor {
             tensor: "experts".into(),
@@ -311,12 +323,13 @@ impl ExpertStore {
             pinned: HashMap::new(),
             pinned_bytes: 0,
             pin_wanted: HashSet::new(),
+            pin_quota,
             pinned_origin: HashMap::new(),
             inflight: HashMap::new(),
             stop: false,
             demand_q: VecDeque::new(),
             prefetch_q: VecDeque::new(),
-            fill: Fill::new(held, streaming.fill),
+            fill: Fill::new(held.clone(), streaming.fill),
             orphans: HashMap::new(),
             orphan_window: HashMap::new(),
             window_used: 0,
@@ -347,8 +360,10 @@ impl ExpertStore {
             cfg: Settings {
                 streaming,
                 pinned_cap,
-                pin_quota,
                 per_layer,
+                share_bytes: budget - window_cap,
+                held,
+                share_floor,
                 window_cap,
                 holds_all,
             },
@@ -468,9 +483,15 @@ impl ExpertStore {
         if li == 0 {
             inner.stats.tokens += n_tokens as u64;
             inner.since_repin += n_tokens as u64;
-            if sh.cfg.pinned_cap > 0 && inner.since_repin >= sh.cfg.streaming.repin_every {
+            let learns = sh.cfg.pinned_cap > 0 || sh.cfg.per_layer;
+            if learns && inner.since_repin >= sh.cfg.streaming.repin_every {
                 inner.since_repin = 0;
-                sh.repin(&mut inner);
+                if sh.cfg.per_layer {
+                    sh.reshare(&mut inner);
+                }
+                if sh.cfg.pinned_cap > 0 {
+                    sh.repin(&mut inner);
+                }
             }
         }
     }

@@ -71,6 +71,9 @@ pub(super) struct Inner {
     pub(super) pinned: HashMap<(usize, usize), Arc<Ffn>>,
     pub(super) pinned_bytes: u64,
     pub(super) pin_wanted: HashSet<(usize, usize)>,
+    /// Experts of each served layer (by position) the pinned set may hold: a share of the
+    /// layer's, which follows the routing (`cache.rs`, `Shared::reshare`).
+    pub(super) pin_quota: Vec<usize>,
     /// Pinned experts read and not looked up since (why they were read).
     pub(super) pinned_origin: HashMap<(usize, usize), Origin>,
     /// Reads queued or running.
