@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::weights::Ffn;
 
-use super::settings::{shares_by_routing, whole_experts};
+use super::settings::{shares_by_routing, step_toward, whole_experts};
 use super::shared::{Inner, Shared};
 
 /// Why a cached expert was read, until a computation first looks it up.
@@ -157,8 +157,9 @@ impl Shared {
     }
 
     /// Re-learns each layer's share of the budget from the routing counted so far
-    /// ([`shares_by_routing`]): the layers' pinned quotas, and their LRUs' room. A layer whose
-    /// share shrinks evicts down to it now; one whose share grows gets the room the others
+    /// ([`shares_by_routing`]), a step toward it at a time ([`step_toward`]: a layer gives up
+    /// at most one expert each time): the layers' pinned quotas, and their LRUs' room. A layer
+    /// whose share shrinks evicts down to it now; one whose share grows gets the room the others
     /// have given up, so the LRUs' room (and what they hold) never adds up past their part of
     /// the budget, even while a shrunk layer still holds experts a computation uses.
     pub(super) fn reshare(&self, inner: &mut Inner) {
@@ -170,12 +171,14 @@ impl Shared {
             .zip(&inner.counts)
             .map(|(held, c)| held.iter().map(|&e| c[e]).collect())
             .collect();
-        let slots = shares_by_routing(
+        let target = shares_by_routing(
             self.cfg.share_bytes,
             &packed,
             &self.cfg.share_floor,
             &counts,
         );
+        let slots = step_toward(&inner.shares, &target, &packed, self.cfg.share_bytes);
+        inner.shares = slots.clone();
         let below: Vec<usize> = slots.iter().map(|s| s.saturating_sub(1)).collect();
         let quota = whole_experts(self.cfg.pinned_cap, &packed, &below);
         let caps: Vec<u64> = (0..slots.len())

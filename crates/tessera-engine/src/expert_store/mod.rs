@@ -271,7 +271,7 @@ impl ExpertStore {
         // Each layer's share (pinned and cached together) in whole experts, even until the
         // routing has been seen: the pinned set is chosen layer by layer within its quota, and
         // no layer's LRU keeps a fraction of an expert's room idle.
-        let (parts, pin_quota, pinned_cap, share_floor) = if per_layer {
+        let (parts, pin_quota, pinned_cap, share_floor, shares) = if per_layer {
             let packed: Vec<u64> = src.iter().map(|s| s.packed).collect();
             let counts: Vec<usize> = held.iter().map(Vec::len).collect();
             let slots = whole_experts(budget - window_cap, &packed, &counts);
@@ -296,13 +296,13 @@ impl ExpertStore {
                 })
                 .collect();
             let pinned = (0..quota.len()).map(|l| quota[l] as u64 * packed[l]).sum();
-            (parts, quota, pinned, floor)
+            (parts, quota, pinned, floor, slots)
         } else {
             let parts = vec![Lru {
                 cap: lru_total,
                 ..Lru::default()
             }];
-            (parts, vec![0; src.len()], 0, Vec::new())
+            (parts, vec![0; src.len()], 0, Vec::new(), Vec::new())
         };
         let open_err = |e: std::io::Error| EngineError::Tensor {
             tensor: "experts".into(),
@@ -324,6 +324,7 @@ impl ExpertStore {
             pinned_bytes: 0,
             pin_wanted: HashSet::new(),
             pin_quota,
+            shares,
             pinned_origin: HashMap::new(),
             inflight: HashMap::new(),
             stop: false,

@@ -126,6 +126,7 @@ pub(super) fn whole_experts(bytes: u64, packed: &[u64], held: &[usize]) -> Vec<u
 /// share than one whose routing keeps to a few; a random model's first layer, routed by the
 /// token's embedding alone, is the spread one, and its misses are also the ones nothing can
 /// read ahead: no computation has yet run when its routing is known.
+///
 /// With no routing seen the shares are even; an expert no token was seen to route to claims
 /// nothing (an estimate of the unseen routing, Good–Turing's, moved half the budget between
 /// layers on 16 tokens' evidence and lost more to the re-reads than it saved).
@@ -203,9 +204,59 @@ pub(super) fn shares_by_routing(
     slots
 }
 
+/// The shares `now` moved toward `target`: each layer gives up at most one expert, and the
+/// room given up (with any left idle in `bytes`) goes to the layers short of their target, the
+/// one furthest short first. Counts over a few dozen tokens are noisy: a layer's share swung
+/// by a dozen experts between two re-learnings, and each swing's evictions were read back.
+pub(super) fn step_toward(
+    now: &[usize],
+    target: &[usize],
+    packed: &[u64],
+    bytes: u64,
+) -> Vec<usize> {
+    let mut next: Vec<usize> = now
+        .iter()
+        .zip(target)
+        .map(|(&n, &t)| if t < n { n - 1 } else { n })
+        .collect();
+    let used: u64 = next.iter().zip(packed).map(|(&s, &p)| s as u64 * p).sum();
+    let mut left = bytes.saturating_sub(used);
+    loop {
+        let short = (0..next.len())
+            .filter(|&l| next[l] < target[l] && packed[l] <= left)
+            .max_by_key(|&l| (target[l] - next[l], std::cmp::Reverse(l)));
+        let Some(l) = short else { return next };
+        next[l] += 1;
+        left -= packed[l];
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{shares_by_routing, whole_experts};
+    use super::{shares_by_routing, step_toward, whole_experts};
+
+    #[test]
+    fn shares_move_toward_their_target_one_expert_given_up_a_layer_at_a_time() {
+        // Layers 1 and 2 give up one expert each; layer 0 takes both (and the idle room).
+        assert_eq!(
+            step_toward(&[4, 4, 4], &[8, 2, 2], &[10; 3], 125),
+            vec![6, 3, 3]
+        );
+        assert_eq!(
+            step_toward(&[6, 3, 3], &[8, 2, 2], &[10; 3], 125),
+            vec![8, 2, 2]
+        );
+        // Two layers short: the one furthest short first, then the earlier.
+        assert_eq!(
+            step_toward(&[4, 4, 4], &[2, 5, 5], &[10; 3], 120),
+            vec![3, 5, 4]
+        );
+        // At the target nothing moves; room no target asks for stays idle.
+        assert_eq!(
+            step_toward(&[8, 2, 2], &[8, 2, 2], &[10; 3], 200),
+            vec![8, 2, 2]
+        );
+    }
 
     #[test]
     fn layers_share_by_the_routing_they_were_seen_to_spread() {

@@ -74,6 +74,8 @@ pub(super) struct Inner {
     /// Experts of each served layer (by position) the pinned set may hold: a share of the
     /// layer's, which follows the routing (`cache.rs`, `Shared::reshare`).
     pub(super) pin_quota: Vec<usize>,
+    /// Each served layer's share of the budget in whole experts, pinned and cached together.
+    pub(super) shares: Vec<usize>,
     /// Pinned experts read and not looked up since (why they were read).
     pub(super) pinned_origin: HashMap<(usize, usize), Origin>,
     /// Reads queued or running.
