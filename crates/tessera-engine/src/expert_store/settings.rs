@@ -84,10 +84,10 @@ pub(super) struct Settings {
     /// Bytes the layers' shares (pinned and cached) divide among them: the budget less the
     /// read window.
     pub(super) share_bytes: u64,
-    /// The experts each served layer (by position) holds, and the least share in whole
-    /// experts each keeps however the routing goes: its even share, or a routing's experts if
-    /// that is less (see [`shares_by_routing`]).
+    /// The experts each served layer (by position) holds.
     pub(super) held: Vec<Vec<usize>>,
+    /// The least share in whole experts each served layer keeps however the routing goes: its
+    /// even share, or a routing's experts if that is less (see [`shares_by_routing`]).
     pub(super) share_floor: Vec<usize>,
     /// Bytes of the budget for reads a layer's cache has no room for (see `window.rs`).
     pub(super) window_cap: u64,
@@ -166,7 +166,7 @@ pub(super) fn shares_by_routing(
     impl Eq for Claim {}
 
     // Each layer's experts' routing counts, most first.
-    let expected: Vec<Vec<f64>> = counts
+    let sorted: Vec<Vec<f64>> = counts
         .iter()
         .map(|c| {
             let mut v: Vec<f64> = c.iter().map(|&n| n as f64).collect();
@@ -176,15 +176,15 @@ pub(super) fn shares_by_routing(
         .collect();
     let mut slots: Vec<usize> = floor
         .iter()
-        .zip(&expected)
+        .zip(&sorted)
         .map(|(&f, v)| f.min(v.len()))
         .collect();
     let floor_bytes: u64 = slots.iter().zip(packed).map(|(&s, &p)| s as u64 * p).sum();
     let mut left = bytes.saturating_sub(floor_bytes);
     let claim = |l: usize, s: usize| {
-        (s < expected[l].len() && packed[l] > 0).then(|| Claim {
+        (s < sorted[l].len() && packed[l] > 0).then(|| Claim {
             layer: l,
-            per_byte: expected[l][s] / packed[l] as f64,
+            per_byte: sorted[l][s] / packed[l] as f64,
             slots: s,
         })
     };
@@ -237,35 +237,25 @@ mod tests {
 
     #[test]
     fn shares_move_toward_their_target_one_expert_given_up_a_layer_at_a_time() {
+        // Three layers of 10-byte experts.
+        let step =
+            |now: &[usize], target: &[usize], bytes| step_toward(now, target, &[10; 3], bytes);
         // Layers 1 and 2 give up one expert each; layer 0 takes both (and the idle room).
-        assert_eq!(
-            step_toward(&[4, 4, 4], &[8, 2, 2], &[10; 3], 125),
-            vec![6, 3, 3]
-        );
-        assert_eq!(
-            step_toward(&[6, 3, 3], &[8, 2, 2], &[10; 3], 125),
-            vec![8, 2, 2]
-        );
+        assert_eq!(step(&[4, 4, 4], &[8, 2, 2], 125), vec![6, 3, 3]);
+        assert_eq!(step(&[6, 3, 3], &[8, 2, 2], 125), vec![8, 2, 2]);
         // Two layers short: the one furthest short first, then the earlier.
-        assert_eq!(
-            step_toward(&[4, 4, 4], &[2, 5, 5], &[10; 3], 120),
-            vec![3, 5, 4]
-        );
+        assert_eq!(step(&[4, 4, 4], &[2, 5, 5], 120), vec![3, 5, 4]);
         // At the target nothing moves; room no target asks for stays idle.
-        assert_eq!(
-            step_toward(&[8, 2, 2], &[8, 2, 2], &[10; 3], 200),
-            vec![8, 2, 2]
-        );
+        assert_eq!(step(&[8, 2, 2], &[8, 2, 2], 200), vec![8, 2, 2]);
     }
 
     #[test]
     fn layers_share_by_the_routing_they_were_seen_to_spread() {
+        // Three layers of 10-byte experts, each keeping at least two.
+        let share =
+            |bytes: u64, counts: &[Vec<u64>]| shares_by_routing(bytes, &[10; 3], &[2; 3], counts);
         // No routing seen: even shares, as whole_experts gives.
-        let none = vec![vec![0; 8]; 3];
-        assert_eq!(
-            shares_by_routing(120, &[10; 3], &[2; 3], &none),
-            vec![4, 4, 4]
-        );
+        assert_eq!(share(120, &vec![vec![0; 8]; 3]), vec![4, 4, 4]);
         // Layer 0 spread over all 8 experts, layers 1 and 2 kept to 3: layer 0 takes the room
         // the others' unused experts would have held, the others keep what they route to.
         let counts = vec![
@@ -273,29 +263,14 @@ mod tests {
             vec![30, 30, 20, 0, 0, 0, 0, 0],
             vec![0, 40, 0, 20, 20, 0, 0, 0],
         ];
-        assert_eq!(
-            shares_by_routing(140, &[10; 3], &[2; 3], &counts),
-            vec![8, 3, 3]
-        );
+        assert_eq!(share(140, &counts), vec![8, 3, 3]);
         // Too little for all that: the most routed experts first, each layer above its floor.
-        assert_eq!(
-            shares_by_routing(90, &[10; 3], &[2; 3], &counts),
-            vec![3, 3, 3]
-        );
-        assert_eq!(
-            shares_by_routing(100, &[10; 3], &[2; 3], &counts),
-            vec![4, 3, 3]
-        );
+        assert_eq!(share(90, &counts), vec![3, 3, 3]);
+        assert_eq!(share(100, &counts), vec![4, 3, 3]);
         // The floor holds however little a layer routes, and no layer takes more than it holds.
         let few = vec![vec![5, 5], vec![0; 8], vec![0; 8]];
-        assert_eq!(
-            shares_by_routing(240, &[10; 3], &[2; 3], &few),
-            vec![2, 8, 8]
-        );
-        assert_eq!(
-            shares_by_routing(60, &[10; 3], &[2; 3], &few),
-            vec![2, 2, 2]
-        );
+        assert_eq!(share(240, &few), vec![2, 8, 8]);
+        assert_eq!(share(60, &few), vec![2, 2, 2]);
         // Per byte: an expert half the size routed as often is worth twice as much.
         let two = vec![vec![6, 6, 6], vec![4, 4, 4]];
         assert_eq!(shares_by_routing(25, &[10, 5], &[1, 1], &two), vec![1, 3]);
