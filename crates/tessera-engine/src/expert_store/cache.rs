@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::weights::Ffn;
 
-use super::settings::{shares_by_routing, step_toward, whole_experts};
+use super::settings::{shares_by_routing, split_shares, step_toward};
 use super::shared::{Inner, Shared};
 
 /// Why a cached expert was read, until a computation first looks it up.
@@ -178,12 +178,7 @@ impl Shared {
             &counts,
         );
         let slots = step_toward(&inner.shares, &target, &packed, self.cfg.share_bytes);
-        inner.shares = slots.clone();
-        let below: Vec<usize> = slots.iter().map(|s| s.saturating_sub(1)).collect();
-        let quota = whole_experts(self.cfg.pinned_cap, &packed, &below);
-        let caps: Vec<u64> = (0..slots.len())
-            .map(|l| (slots[l] - quota[l]) as u64 * packed[l])
-            .collect();
+        let (quota, caps) = split_shares(self.cfg.pinned_cap, &packed, &slots);
         let keep = inner.needed.clone();
         for (lru, &cap) in inner.parts.iter_mut().zip(&caps) {
             if cap < lru.cap {
@@ -205,6 +200,7 @@ impl Shared {
             }
         }
         inner.pin_quota = quota;
+        inner.shares = slots;
     }
 
     /// Re-learns the pinned set: each layer's most used experts, as many as its quota.

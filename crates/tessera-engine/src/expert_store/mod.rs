@@ -84,8 +84,8 @@ mod stats;
 pub(crate) mod tests;
 mod window;
 
-use settings::whole_experts;
 pub use settings::ExpertStreaming;
+use settings::{split_shares, whole_experts};
 pub use stats::{ExpertStats, ExpertStatsSource};
 pub use tessera_host::direct_read::measure_read_bandwidth;
 
@@ -281,17 +281,11 @@ impl ExpertStore {
                 .iter()
                 .map(|&s| s.min(config.n_expert_used.max(1)))
                 .collect();
-            let quota = whole_experts(
-                pinned_cap,
-                &packed,
-                &slots
-                    .iter()
-                    .map(|s| s.saturating_sub(1))
-                    .collect::<Vec<_>>(),
-            );
-            let parts = (0..slots.len())
-                .map(|l| Lru {
-                    cap: (slots[l] - quota[l]) as u64 * packed[l],
+            let (quota, room) = split_shares(pinned_cap, &packed, &slots);
+            let parts = room
+                .into_iter()
+                .map(|cap| Lru {
+                    cap,
                     ..Lru::default()
                 })
                 .collect();
@@ -484,12 +478,10 @@ impl ExpertStore {
         if li == 0 {
             inner.stats.tokens += n_tokens as u64;
             inner.since_repin += n_tokens as u64;
-            let learns = sh.cfg.pinned_cap > 0 || sh.cfg.per_layer;
-            if learns && inner.since_repin >= sh.cfg.streaming.repin_every {
+            // Only a store with an LRU per layer has shares, and a pinned set.
+            if sh.cfg.per_layer && inner.since_repin >= sh.cfg.streaming.repin_every {
                 inner.since_repin = 0;
-                if sh.cfg.per_layer {
-                    sh.reshare(&mut inner);
-                }
+                sh.reshare(&mut inner);
                 if sh.cfg.pinned_cap > 0 {
                     sh.repin(&mut inner);
                 }

@@ -118,6 +118,18 @@ pub(super) fn whole_experts(bytes: u64, packed: &[u64], held: &[usize]) -> Vec<u
     }
 }
 
+/// Each layer's share (`slots[l]` experts of `packed[l]` bytes) split between the pinned set
+/// and the layer's LRU: the pinned quotas (`pinned` bytes shared as whole experts, each layer
+/// keeping at least one expert's room in its LRU) and each LRU's room in bytes.
+pub(super) fn split_shares(pinned: u64, packed: &[u64], slots: &[usize]) -> (Vec<usize>, Vec<u64>) {
+    let below: Vec<usize> = slots.iter().map(|s| s.saturating_sub(1)).collect();
+    let quota = whole_experts(pinned, packed, &below);
+    let room = (0..slots.len())
+        .map(|l| (slots[l] - quota[l]) as u64 * packed[l])
+        .collect();
+    (quota, room)
+}
+
 /// Each layer's share of `bytes` in whole experts (`packed[l]` bytes each), following the
 /// routing seen (`counts[l]`: slots routed to each expert the layer holds): every layer keeps
 /// `floor[l]`, and each further expert's room goes to the layer whose most routed expert not
