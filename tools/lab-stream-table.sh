@@ -16,6 +16,9 @@
 #   N=96 tools/lab-stream-table.sh   # decode N tokens (default 32): the store re-learns each
 #       layer's share of the budget from the routing every 16 tokens, so a longer decode
 #       measures more of the shares it settles on
+#   D=64 tools/lab-stream-table.sh   # decode after D tokens of context (default 0, llama-bench's
+#       tg test): a chat's decode always follows a template and a prompt, and this random
+#       model's first positions route to experts its later ones seldom use (the README, #31)
 #
 # Needs tessera (TESSERA=..., default target/release/tessera) and the model
 # (tools/make-bench-models.sh).
@@ -25,12 +28,13 @@ T=${TESSERA:-target/release/tessera}
 M=${MODEL:-bench-models/bench-qwen3moe-q4_0.gguf}
 DISK=${1:-emmc}
 N=${N:-32}
+D=${D:-0}
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-echo "start $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/'), disk $DISK, $M, $N tokens" >&2
-"$T" bench -t 2 -p 8 -n "$N" -r 1 --json -m "$M" 2>/dev/null >>"$out"
+echo "start $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/'), disk $DISK, $M, $N tokens after $D of context" >&2
+"$T" bench -t 2 -p 8 -d "$D" -n "$N" -r 1 --json -m "$M" 2>/dev/null >>"$out"
 for b in 540 324 216 130 65 32; do
-  "$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -n "$N" -r 1 --json \
+  "$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -d "$D" -n "$N" -r 1 --json \
       --expert-budget "${b}MiB" -m "$M" 2>/dev/null >>"$out"
 done
 echo "end $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/')" >&2

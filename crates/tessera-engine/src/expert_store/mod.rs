@@ -32,8 +32,10 @@
 //!   pinned quota chosen over all layers at once left the layers it favoured less their LRU's
 //!   room, and the others missed more; an LRU's room for a fraction of an expert stayed idle).
 //!   The shares start even and then follow the routing counted so far, re-learned with the
-//!   pinned set (`settings::shares_by_routing`): the room goes to the layers whose routing
-//!   spreads over the most experts, each keeping at least a routing's experts. On
+//!   pinned set, or four times as often where every share holds two routings' experts
+//!   (`settings::reshare_every`), a layer moving by one expert each time
+//!   (`settings::shares_by_routing`, `settings::step_toward`): the room goes to the layers
+//!   whose routing spreads over the most experts, each keeping at least a routing's experts. On
 //!   bench-qwen3moe-q4_0 the first layer, routed by the token's embedding alone, spreads over
 //!   all 64 experts while later layers keep to fewer; at even shares 26 of the 37 experts a
 //!   32-token decode at 1.2x over budget waited for were the first layer's, each a full read's
@@ -85,7 +87,7 @@ pub(crate) mod tests;
 mod window;
 
 pub use settings::ExpertStreaming;
-use settings::{split_shares, whole_experts};
+use settings::{reshare_every, split_shares, whole_experts};
 pub use stats::{ExpertStats, ExpertStatsSource};
 pub use tessera_host::direct_read::measure_read_bandwidth;
 
@@ -271,7 +273,7 @@ impl ExpertStore {
         // Each layer's share (pinned and cached together) in whole experts, even until the
         // routing has been seen: the pinned set is chosen layer by layer within its quota, and
         // no layer's LRU keeps a fraction of an expert's room idle.
-        let (parts, pin_quota, pinned_cap, share_floor, shares) = if per_layer {
+        let (parts, pin_quota, pinned_cap, share_floor, shares, reshare_every) = if per_layer {
             let packed: Vec<u64> = src.iter().map(|s| s.packed).collect();
             let counts: Vec<usize> = held.iter().map(Vec::len).collect();
             let slots = whole_experts(budget - window_cap, &packed, &counts);
@@ -281,6 +283,7 @@ impl ExpertStore {
                 .iter()
                 .map(|&s| s.min(config.n_expert_used.max(1)))
                 .collect();
+            let reshare = reshare_every(streaming.repin_every, &slots, config.n_expert_used.max(1));
             let (quota, room) = split_shares(pinned_cap, &packed, &slots);
             let parts = room
                 .into_iter()
@@ -290,13 +293,13 @@ impl ExpertStore {
                 })
                 .collect();
             let pinned = (0..quota.len()).map(|l| quota[l] as u64 * packed[l]).sum();
-            (parts, quota, pinned, floor, slots)
+            (parts, quota, pinned, floor, slots, reshare)
         } else {
             let parts = vec![Lru {
                 cap: lru_total,
                 ..Lru::default()
             }];
-            (parts, vec![0; src.len()], 0, Vec::new(), Vec::new())
+            (parts, vec![0; src.len()], 0, Vec::new(), Vec::new(), 0)
         };
         let open_err = |e: std::io::Error| EngineError::Tensor {
             tensor: "experts".into(),
@@ -336,6 +339,7 @@ impl ExpertStore {
             predicted: vec![None; nl],
             tick: 0,
             since_repin: 0,
+            since_reshare: 0,
             reading: 0,
             busy_since: None,
             trimmed_at: None,
@@ -359,6 +363,7 @@ impl ExpertStore {
                 share_bytes: budget - window_cap,
                 held,
                 share_floor,
+                reshare_every,
                 window_cap,
                 holds_all,
             },
@@ -478,10 +483,14 @@ impl ExpertStore {
         if li == 0 {
             inner.stats.tokens += n_tokens as u64;
             inner.since_repin += n_tokens as u64;
+            inner.since_reshare += n_tokens as u64;
             // Only a store with an LRU per layer has shares, and a pinned set.
+            if sh.cfg.per_layer && inner.since_reshare >= sh.cfg.reshare_every {
+                inner.since_reshare = 0;
+                sh.reshare(&mut inner);
+            }
             if sh.cfg.per_layer && inner.since_repin >= sh.cfg.streaming.repin_every {
                 inner.since_repin = 0;
-                sh.reshare(&mut inner);
                 if sh.cfg.pinned_cap > 0 {
                     sh.repin(&mut inner);
                 }

@@ -89,6 +89,8 @@ pub(super) struct Settings {
     /// The least share in whole experts each served layer keeps however the routing goes: its
     /// even share, or a routing's experts if that is less (see [`shares_by_routing`]).
     pub(super) share_floor: Vec<usize>,
+    /// Tokens between re-learning the layers' shares ([`reshare_every`]).
+    pub(super) reshare_every: u64,
     /// Bytes of the budget for reads a layer's cache has no room for (see `window.rs`).
     pub(super) window_cap: u64,
     /// The budget holds every expert served: once filled nothing misses, so nothing is
@@ -115,6 +117,27 @@ pub(super) fn whole_experts(bytes: u64, packed: &[u64], held: &[usize]) -> Vec<u
         if !gave {
             return slots;
         }
+    }
+}
+
+/// Tokens between re-learning the layers' shares: every `repin_every / 4` tokens where every
+/// layer's first (even) share `slots` holds at least two routings' experts (`n_used` each),
+/// else every `repin_every`. Each re-learning moves a layer by one expert at most
+/// ([`step_toward`]), so at every 16 tokens the first layer of bench-qwen3moe-q4_0, 2x over
+/// budget, took three re-learnings (48 tokens) to grow from its even share toward the 55-63
+/// experts its routing asked for, and missed meanwhile. Every 4 tokens (32 tokens decoded
+/// after 64 of context, under the lab's eMMC): 2x 0.84 -> 0.50-0.53 MiB missed a token,
+/// 117-128 -> 126-146 tok/s; 3x 2.2 -> 1.7 MiB, 75-77 -> 84-86 tok/s. Where a share is barely
+/// more than a routing, each expert a layer gives up is one its routing misses, and a few
+/// tokens' counts move the targets back and forth: 5x over budget (13 experts a layer, 8 a
+/// routing) lost at every 4 tokens (7.1 -> 8.1 MiB a token, 33 -> 29-30 tok/s), so there the
+/// shares move as slowly as before.
+pub(super) fn reshare_every(repin_every: u64, slots: &[usize], n_used: usize) -> u64 {
+    let roomy = slots.iter().all(|&s| s >= 2 * n_used);
+    if roomy {
+        (repin_every / 4).max(1)
+    } else {
+        repin_every.max(1)
     }
 }
 
@@ -245,7 +268,18 @@ pub(super) fn step_toward(
 
 #[cfg(test)]
 mod tests {
-    use super::{shares_by_routing, step_toward, whole_experts};
+    use super::{reshare_every, shares_by_routing, step_toward, whole_experts};
+
+    #[test]
+    fn shares_are_relearned_four_times_as_often_where_every_layer_holds_two_routings() {
+        // 8 experts a routing: shares of 16 and more re-learn every 4 tokens of 16...
+        assert_eq!(reshare_every(16, &[16, 30, 64], 8), 4);
+        // ...one share below two routings keeps every layer at the pinned set's pace.
+        assert_eq!(reshare_every(16, &[15, 30, 64], 8), 16);
+        // Never every zero tokens.
+        assert_eq!(reshare_every(2, &[16], 8), 1);
+        assert_eq!(reshare_every(0, &[1], 8), 1);
+    }
 
     #[test]
     fn shares_move_toward_their_target_one_expert_given_up_a_layer_at_a_time() {

@@ -106,7 +106,9 @@ pub(super) struct Inner {
     /// `predicted[li]`: the pending prediction for the layer.
     pub(super) predicted: Vec<Option<Vec<usize>>>,
     pub(super) tick: u64,
+    /// Tokens since the pinned set, and since the layers' shares, were last re-learned.
     pub(super) since_repin: u64,
+    pub(super) since_reshare: u64,
     /// Reads in progress, and since when at least one has been (for the disk-busy time).
     pub(super) reading: usize,
     pub(super) busy_since: Option<std::time::Instant>,
