@@ -17,10 +17,14 @@ use memmap2::Mmap;
 use crate::dtype::GgmlType;
 use crate::error::{ModelError, Result};
 
+mod reader;
 pub mod split;
+mod values;
 mod write;
 
+use reader::Reader;
 pub use split::{write_parts, PartName, SplitOptions};
+pub use values::{MetaArray, MetaValue};
 
 /// Default data alignment when `general.alignment` is absent (GGUF spec).
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -28,97 +32,6 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_DIMS: u32 = 4;
 /// Nested arrays deeper than this are not something any real model writes.
 const MAX_ARRAY_DEPTH: u32 = 4;
-
-/// One metadata value. Arrays of numbers are kept typed so a 150k-entry score table stays compact.
-#[derive(Clone, Debug, PartialEq)]
-pub enum MetaValue {
-    U8(u8),
-    I8(i8),
-    U16(u16),
-    I16(i16),
-    U32(u32),
-    I32(i32),
-    U64(u64),
-    I64(i64),
-    F32(f32),
-    F64(f64),
-    Bool(bool),
-    String(String),
-    Array(MetaArray),
-}
-
-/// A metadata array, stored by element kind.
-#[derive(Clone, Debug, PartialEq)]
-pub enum MetaArray {
-    Strings(Vec<String>),
-    F32(Vec<f32>),
-    I32(Vec<i32>),
-    U32(Vec<u32>),
-    /// Any other element type, kept generically.
-    Values(Vec<MetaValue>),
-}
-
-impl MetaArray {
-    pub fn len(&self) -> usize {
-        match self {
-            Self::Strings(v) => v.len(),
-            Self::F32(v) => v.len(),
-            Self::I32(v) => v.len(),
-            Self::U32(v) => v.len(),
-            Self::Values(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-impl MetaValue {
-    /// The value as an unsigned integer, if it is a non-negative integer of any width.
-    pub fn as_u64(&self) -> Option<u64> {
-        match *self {
-            Self::U8(v) => Some(v.into()),
-            Self::U16(v) => Some(v.into()),
-            Self::U32(v) => Some(v.into()),
-            Self::U64(v) => Some(v),
-            Self::I8(v) => u64::try_from(v).ok(),
-            Self::I16(v) => u64::try_from(v).ok(),
-            Self::I32(v) => u64::try_from(v).ok(),
-            Self::I64(v) => u64::try_from(v).ok(),
-            _ => None,
-        }
-    }
-
-    pub fn as_f64(&self) -> Option<f64> {
-        match *self {
-            Self::F32(v) => Some(v.into()),
-            Self::F64(v) => Some(v),
-            _ => self.as_u64().map(|v| v as f64),
-        }
-    }
-
-    pub fn as_str(&self) -> Option<&str> {
-        match self {
-            Self::String(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn as_bool(&self) -> Option<bool> {
-        match *self {
-            Self::Bool(b) => Some(b),
-            _ => None,
-        }
-    }
-
-    pub fn as_array(&self) -> Option<&MetaArray> {
-        match self {
-            Self::Array(a) => Some(a),
-            _ => None,
-        }
-    }
-}
 
 /// Where one tensor lives and what it is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -574,142 +487,6 @@ fn block_geometry(type_id: u32) -> Option<(u64, u64)> {
         26 => (1, 4),     // I32
         27 => (1, 8),     // I64
         28 => (1, 8),     // F64
-        _ => return None,
-    })
-}
-
-/// A bounds-checked little-endian cursor over the header bytes.
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-    path: &'a Path,
-}
-
-impl<'a> Reader<'a> {
-    fn corrupt(&self, what: impl Into<String>) -> ModelError {
-        ModelError::Corrupt {
-            path: self.path.to_owned(),
-            offset: self.pos as u64,
-            what: what.into(),
-        }
-    }
-
-    fn remaining(&self) -> u64 {
-        (self.bytes.len() - self.pos) as u64
-    }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        if (n as u64) > self.remaining() {
-            return Err(self.corrupt(format!(
-                "needs {n} more bytes, {} remain (truncated file?)",
-                self.remaining()
-            )));
-        }
-        let s = &self.bytes[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-
-    /// Refuses a count whose minimal encoding could not fit in the remaining bytes.
-    fn check_count(&self, count: u64, min_bytes_each: u64, what: &str) -> Result<()> {
-        match count.checked_mul(min_bytes_each) {
-            Some(need) if need <= self.remaining() => Ok(()),
-            _ => Err(self.corrupt(format!(
-                "{what} {count} cannot fit in the {} remaining bytes",
-                self.remaining()
-            ))),
-        }
-    }
-
-    fn u8(&mut self) -> Result<u8> {
-        Ok(self.take(1)?[0])
-    }
-    fn u16(&mut self) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2")))
-    }
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
-    }
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
-    }
-
-    fn string(&mut self) -> Result<String> {
-        let len = self.u64()?;
-        if len > self.remaining() {
-            return Err(self.corrupt(format!(
-                "string of {len} bytes cannot fit in the {} remaining bytes",
-                self.remaining()
-            )));
-        }
-        let bytes = self.take(len as usize)?;
-        // Token tables of some models hold invalid UTF-8 pieces; keep them lossily rather than
-        // refusing the model.
-        Ok(String::from_utf8_lossy(bytes).into_owned())
-    }
-
-    fn value(&mut self, type_id: u32, depth: u32) -> Result<MetaValue> {
-        Ok(match type_id {
-            0 => MetaValue::U8(self.u8()?),
-            1 => MetaValue::I8(self.u8()? as i8),
-            2 => MetaValue::U16(self.u16()?),
-            3 => MetaValue::I16(self.u16()? as i16),
-            4 => MetaValue::U32(self.u32()?),
-            5 => MetaValue::I32(self.u32()? as i32),
-            6 => MetaValue::F32(f32::from_bits(self.u32()?)),
-            7 => match self.u8()? {
-                0 => MetaValue::Bool(false),
-                1 => MetaValue::Bool(true),
-                b => return Err(self.corrupt(format!("bool byte {b} is neither 0 nor 1"))),
-            },
-            8 => MetaValue::String(self.string()?),
-            9 => {
-                if depth >= MAX_ARRAY_DEPTH {
-                    return Err(self.corrupt("arrays nested too deeply"));
-                }
-                let elem = self.u32()?;
-                let len = self.u64()?;
-                let min = min_value_bytes(elem)
-                    .ok_or_else(|| self.corrupt(format!("array of unknown value type {elem}")))?;
-                self.check_count(len, min, "array length")?;
-                let n = len as usize;
-                MetaValue::Array(match elem {
-                    8 => MetaArray::Strings((0..n).map(|_| self.string()).collect::<Result<_>>()?),
-                    6 => MetaArray::F32(
-                        (0..n)
-                            .map(|_| self.u32().map(f32::from_bits))
-                            .collect::<Result<_>>()?,
-                    ),
-                    5 => MetaArray::I32(
-                        (0..n)
-                            .map(|_| self.u32().map(|v| v as i32))
-                            .collect::<Result<_>>()?,
-                    ),
-                    4 => MetaArray::U32((0..n).map(|_| self.u32()).collect::<Result<_>>()?),
-                    _ => MetaArray::Values(
-                        (0..n)
-                            .map(|_| self.value(elem, depth + 1))
-                            .collect::<Result<_>>()?,
-                    ),
-                })
-            }
-            10 => MetaValue::U64(self.u64()?),
-            11 => MetaValue::I64(self.u64()? as i64),
-            12 => MetaValue::F64(f64::from_bits(self.u64()?)),
-            t => return Err(self.corrupt(format!("unknown metadata value type {t}"))),
-        })
-    }
-}
-
-/// The fewest bytes one value of a metadata type can take (for bounding array lengths).
-fn min_value_bytes(type_id: u32) -> Option<u64> {
-    Some(match type_id {
-        0 | 1 | 7 => 1,
-        2 | 3 => 2,
-        4..=6 => 4,
-        8 => 8,  // a string's length prefix
-        9 => 12, // an array's type + length
-        10..=12 => 8,
         _ => return None,
     })
 }
