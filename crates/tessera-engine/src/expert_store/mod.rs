@@ -279,11 +279,9 @@ impl ExpertStore {
             let slots = whole_experts(budget - window_cap, &packed, &counts);
             // The shares then follow the routing (`Shared::reshare`), each at least a
             // routing's experts or its even share if that is less.
-            let floor = slots
-                .iter()
-                .map(|&s| s.min(config.n_expert_used.max(1)))
-                .collect();
-            let reshare = reshare_every(streaming.repin_every, &slots, config.n_expert_used.max(1));
+            let n_used = config.n_expert_used.max(1);
+            let floor = slots.iter().map(|&s| s.min(n_used)).collect();
+            let reshare = reshare_every(streaming.repin_every, &slots, n_used);
             let (quota, room) = split_shares(pinned_cap, &packed, &slots);
             let parts = room
                 .into_iter()
@@ -485,14 +483,16 @@ impl ExpertStore {
             inner.since_repin += n_tokens as u64;
             inner.since_reshare += n_tokens as u64;
             // Only a store with an LRU per layer has shares, and a pinned set.
-            if sh.cfg.per_layer && inner.since_reshare >= sh.cfg.reshare_every {
-                inner.since_reshare = 0;
-                sh.reshare(&mut inner);
-            }
-            if sh.cfg.per_layer && inner.since_repin >= sh.cfg.streaming.repin_every {
-                inner.since_repin = 0;
-                if sh.cfg.pinned_cap > 0 {
-                    sh.repin(&mut inner);
+            if sh.cfg.per_layer {
+                if inner.since_reshare >= sh.cfg.reshare_every {
+                    inner.since_reshare = 0;
+                    sh.reshare(&mut inner);
+                }
+                if inner.since_repin >= sh.cfg.streaming.repin_every {
+                    inner.since_repin = 0;
+                    if sh.cfg.pinned_cap > 0 {
+                        sh.repin(&mut inner);
+                    }
                 }
             }
         }
