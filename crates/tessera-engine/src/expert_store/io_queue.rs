@@ -393,6 +393,10 @@ pub(super) fn reader_loop(sh: &Shared, n: usize) {
         let target = sh.built_len(key.0, m);
         let reused = sh.slots.lend_free(target);
         inner.building += target as u64;
+        if reused.is_none() {
+            // New memory: the pool's free ranges beyond the bound go first.
+            sh.note_peak(&mut inner);
+        }
         let why = inner
             .inflight
             .get(&key)

@@ -365,6 +365,30 @@ impl SlotPool {
         WeightBuffer(Storage::Slab(r)).zeroed(len)
     }
 
+    /// Gives the pages of resident free ranges back to the OS until at most `keep` bytes of
+    /// them stay resident (the ranges stay, to be lent again; Linux, elsewhere nothing): the
+    /// owner's memory is over its bound and the pool's free memory is what can go at once.
+    pub(crate) fn release_beyond(&self, keep: u64) {
+        let mut pool = lock(&self.0);
+        let pool = &mut *pool;
+        let lens: Vec<usize> = pool.free.keys().copied().collect();
+        for len in lens {
+            let list = pool.free.get_mut(&len).expect("a listed length");
+            while pool.resident_free > keep {
+                let Some(f) = list.pop_back() else { break };
+                if !f.resident || !f.slab.release(f.start, len) {
+                    list.push_back(f);
+                    break;
+                }
+                pool.resident_free -= len as u64;
+                list.push_front(FreeRange {
+                    resident: false,
+                    ..f
+                });
+            }
+        }
+    }
+
     /// Bytes of free ranges the pool keeps resident (memory the process holds for it).
     pub(crate) fn free_bytes(&self) -> u64 {
         lock(&self.0).resident_free
@@ -441,6 +465,16 @@ mod tests {
             (take(&pool, 600), take(&pool, 600))
         };
         d.fill(1);
+        // Released on demand down to what may stay: the range is kept, lent again all the same.
+        let e_at = e.as_ptr();
+        drop(e);
+        if cfg!(target_os = "linux") {
+            assert_eq!(pool.free_bytes(), 600);
+            pool.release_beyond(599);
+            assert_eq!(pool.free_bytes(), 0);
+        }
+        let e = take(&pool, 600);
+        assert_eq!(e.as_ptr(), e_at);
         // A range outlives its pool's handle: it goes back to the pool's state, freed with
         // the last range.
         drop(pool);
