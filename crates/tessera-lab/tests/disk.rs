@@ -186,3 +186,62 @@ fn a_host_with_a_disk_uses_its_disk_dirs_through_its_own_emulated_disk() {
         "the view is unmounted with its lab"
     );
 }
+
+/// A disk showing the temp directory (where the lab mounts its views) and a directory inside
+/// it: the host reads that directory's files through their own view, each byte once, and a
+/// command started inside a viewed directory reads through the view too. Before, the inner
+/// view was bound by its mount point's name after the temp directory's view was bound, so it
+/// was reached through the outer view, whose disk thread then waited on its own queue: `lab
+/// exec --disk emmc -- env X=1 /tmp/tessera bench …` hung in the kernel until the views went.
+#[test]
+fn a_view_inside_another_views_directory_is_read_through_once() {
+    let nvme = DiskProfile::named("nvme-gen4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    assert!(dir.path().starts_with(std::env::temp_dir()));
+    let len: u64 = 2 << 20;
+    let file = TestFile::create(&dir.path().join("model"), len).unwrap();
+    let mut spec = LabSpec::new(vec![HostSpec::new("board").disk(nvme)]);
+    spec.disk_dirs = vec![std::env::temp_dir(), dir.path().to_path_buf()];
+    let Some(lab) = lab_or_skip(&spec) else {
+        return;
+    };
+    let served = || lab.emulated_disk(0).unwrap().stats.bytes();
+    let finishes = |mut c: std::process::Command| {
+        let mut child = c.spawn().unwrap();
+        // A hang is what this checks for: the guard is far above the 2 MiB's few milliseconds.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(std::time::Instant::now() < until, "the read hung");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let mut c = lab.command(0, "dd").unwrap();
+    c.arg(format!("if={}", file.path.display())).args([
+        "of=/dev/null",
+        "bs=1M",
+        "status=none",
+        "iflag=direct",
+    ]);
+    assert!(finishes(c).success());
+    assert_eq!(served(), len, "every byte served once, by the inner view");
+    assert_eq!(
+        lab.through_disk(0, &file.path),
+        lab.emulated_disk(0).unwrap().views()[1]
+            .mount_point
+            .join("model"),
+        "the lab's own threads read it through the inner view too"
+    );
+    let mut c = lab.command(0, "dd").unwrap();
+    c.current_dir(dir.path()).args([
+        "if=model",
+        "of=/dev/null",
+        "bs=1M",
+        "status=none",
+        "iflag=direct",
+    ]);
+    assert!(finishes(c).success());
+    assert_eq!(served(), 2 * len, "a relative path from inside the view");
+}

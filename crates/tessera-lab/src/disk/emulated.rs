@@ -735,12 +735,16 @@ impl EmulatedDisk {
         &self.views
     }
 
-    /// `path` (inside one of the views' sources) as seen through this disk.
+    /// `path` (inside one of the views' sources) as seen through this disk: through the view
+    /// of the innermost source holding it, as the host sees it (an outer view reaches an
+    /// inner directory's files by the real path, and where the inner view's mount point lies
+    /// inside the outer source, through the inner view again: one read served twice).
     pub fn through(&self, path: &Path) -> Option<PathBuf> {
-        self.views.iter().find_map(|v| {
-            let rel = path.strip_prefix(&v.source).ok()?;
-            Some(v.mount_point.join(rel))
-        })
+        self.views
+            .iter()
+            .filter_map(|v| Some((v, path.strip_prefix(&v.source).ok()?)))
+            .max_by_key(|(v, _)| v.source.components().count())
+            .map(|(v, rel)| v.mount_point.join(rel))
     }
 }
 
@@ -752,6 +756,14 @@ fn c_path(p: &Path) -> std::io::Result<std::ffi::CString> {
 
 /// Makes `cmd`'s process see `views` at their sources: a mount namespace of its own (private,
 /// so nothing propagates back) with each view bound over the directory it shows.
+///
+/// Every view's root is opened by its mount point before any is bound: a mount point may lie
+/// inside another view's source (the views are mounted in the temp directory, and `lab exec
+/// -- env X=1 /tmp/tessera …` shows `/tmp`), and once that view is bound, the path leads into
+/// it instead, so the inner view's reads went through the outer one, whose disk thread then
+/// waited on its own queue (the command hung in the kernel). Outer sources are bound before
+/// the sources inside them, which a later outer bind would hide; and the command re-enters
+/// its working directory by name, so one started inside a viewed directory reads through it.
 pub fn bind_in_child(
     cmd: &mut std::process::Command,
     views: &[MountedView],
@@ -763,15 +775,21 @@ pub fn bind_in_child(
     let c = |p: &Path| {
         c_path(p).map_err(|_| crate::error::LabError::Spec(format!("{} has a NUL", p.display())))
     };
-    let binds = views
+    let mut ordered: Vec<&MountedView> = views.iter().collect();
+    ordered.sort_by_key(|v| v.source.components().count());
+    let binds = ordered
         .iter()
         .map(|v| Ok((c(&v.mount_point)?, c(&v.source)?)))
         .collect::<crate::error::Result<Vec<_>>>()?;
-    // SAFETY: between fork and exec the closure makes only system calls, on strings made
-    // before the fork.
+    let mut roots: Vec<libc::c_int> = vec![-1; binds.len()];
+    let mut cwd: Vec<u8> = vec![0; libc::PATH_MAX as usize + 1];
+    // SAFETY: between fork and exec the closure makes only system calls, on strings and
+    // buffers made before the fork.
     unsafe {
         cmd.pre_exec(move || {
             let fail = || Err(std::io::Error::last_os_error());
+            let here = !libc::getcwd(cwd.as_mut_ptr().cast(), cwd.len()).is_null();
+            let start = libc::open(c".".as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
             if libc::unshare(libc::CLONE_NEWNS) != 0 {
                 return fail();
             }
@@ -786,17 +804,38 @@ pub fn bind_in_child(
             {
                 return fail();
             }
-            for (view, source) in &binds {
-                if libc::mount(
+            for ((view, _), root) in binds.iter().zip(roots.iter_mut()) {
+                *root = libc::open(
                     view.as_ptr(),
-                    source.as_ptr(),
-                    none,
-                    libc::MS_BIND,
-                    none.cast(),
-                ) != 0
+                    libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+                );
+                if *root < 0 {
+                    return fail();
+                }
+            }
+            for ((_, source), &root) in binds.iter().zip(&roots) {
+                // The view's root is the working directory for a moment: "." names it.
+                if libc::fchdir(root) != 0
+                    || libc::mount(
+                        c".".as_ptr(),
+                        source.as_ptr(),
+                        none,
+                        libc::MS_BIND,
+                        none.cast(),
+                    ) != 0
                 {
                     return fail();
                 }
+                libc::close(root);
+            }
+            // By name where it has one (a deleted directory has none: back to it as it was).
+            let back = if here {
+                libc::chdir(cwd.as_ptr().cast())
+            } else {
+                libc::fchdir(start)
+            };
+            if back != 0 {
+                return fail();
             }
             Ok(())
         });
