@@ -31,7 +31,10 @@
 //!   Each layer has a share of the budget in whole experts, pinned and cached together (a
 //!   pinned quota chosen over all layers at once left the layers it favoured less their LRU's
 //!   room, and the others missed more; an LRU's room for a fraction of an expert stayed idle).
-//!   The shares start even and then follow the routing counted so far, re-learned with the
+//!   The shares start even, except that the first layer holds all its experts for good where
+//!   the others' shares of the rest still hold two routings' experts
+//!   (`settings::shares_at_open`: its misses are the ones nothing can read ahead), and then
+//!   follow the routing counted so far, re-learned with the
 //!   pinned set, or four times as often where every share holds two routings' experts
 //!   (`settings::reshare_every`), a layer moving by one expert each time
 //!   (`settings::shares_by_routing`, `settings::step_toward`): the room goes to the layers
@@ -87,7 +90,7 @@ pub(crate) mod tests;
 mod window;
 
 pub use settings::ExpertStreaming;
-use settings::{reshare_every, split_shares, whole_experts};
+use settings::{reshare_every, shares_at_open, split_shares};
 pub use stats::{ExpertStats, ExpertStatsSource};
 pub use tessera_host::direct_read::measure_read_bandwidth;
 
@@ -276,11 +279,10 @@ impl ExpertStore {
         let (parts, pin_quota, pinned_cap, share_floor, shares, reshare_every) = if per_layer {
             let packed: Vec<u64> = src.iter().map(|s| s.packed).collect();
             let counts: Vec<usize> = held.iter().map(Vec::len).collect();
-            let slots = whole_experts(budget - window_cap, &packed, &counts);
-            // The shares then follow the routing (`Shared::reshare`), each at least a
-            // routing's experts or its even share if that is less.
+            // The shares then follow the routing (`Shared::reshare`), each at least its floor
+            // (`shares_at_open`: the first layer whole where the rest stays roomy).
             let n_used = config.n_expert_used.max(1);
-            let floor = slots.iter().map(|&s| s.min(n_used)).collect();
+            let (slots, floor) = shares_at_open(budget - window_cap, &packed, &counts, n_used);
             let reshare = reshare_every(streaming.repin_every, &slots, n_used);
             let (quota, room) = split_shares(pinned_cap, &packed, &slots);
             let parts = room

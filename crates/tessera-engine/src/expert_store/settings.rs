@@ -120,6 +120,50 @@ pub(super) fn whole_experts(bytes: u64, packed: &[u64], held: &[usize]) -> Vec<u
     }
 }
 
+/// Each layer's share at open, in whole experts, and the least each keeps when the shares
+/// follow the routing: even shares ([`whole_experts`]), each keeping a routing's experts (or
+/// its even share if that is less), except that the first layer holds every expert it serves,
+/// for good, where the other layers' even shares of what is left still hold two routings'
+/// experts each (`n_used` a routing).
+///
+/// The first layer's misses are the ones nothing can read ahead: its routing exists only once
+/// the token has gone through the first attention, and no prediction or run-ahead has yet run;
+/// each costs the step a whole read. Later layers' misses are predicted (by the router applied
+/// early, or by the run-ahead's estimate) and read behind the computation. bench-qwen3moe-q4_0
+/// under the lab's eMMC, 32 tokens after 64 of context (2-core Xeon VM, alternated): 2x over
+/// budget 59 -> 85 tok/s (0.50 -> 0.13 MiB missed a token), 3x 47-54 -> 59-61 (1.7 -> 1.1 MiB:
+/// the other layers' routing keeps to fewer experts, and a smaller share of theirs missed
+/// little). Where the rest would be thinner (5x: 13 experts a layer, 8 a routing) the other
+/// layers' misses outweighed it: 23 -> 13 tok/s, 7.2 -> 16.5 MiB a token. The second layer
+/// whole as well (3x) left too little to the rest: 3.0 MiB a token, 45 tok/s.
+pub(super) fn shares_at_open(
+    bytes: u64,
+    packed: &[u64],
+    held: &[usize],
+    n_used: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    let even = whole_experts(bytes, packed, held);
+    let floor_of = |slots: &[usize]| slots.iter().map(|&s| s.min(n_used)).collect::<Vec<_>>();
+    let first = packed.first().map_or(0, |&p| p * held[0] as u64);
+    if packed.len() < 2 || first > bytes {
+        let floor = floor_of(&even);
+        return (even, floor);
+    }
+    let rest = whole_experts(bytes - first, &packed[1..], &held[1..]);
+    if rest
+        .iter()
+        .zip(&held[1..])
+        .any(|(&s, &h)| s < (2 * n_used).min(h))
+    {
+        let floor = floor_of(&even);
+        return (even, floor);
+    }
+    let slots: Vec<usize> = std::iter::once(held[0]).chain(rest).collect();
+    let mut floor = floor_of(&slots);
+    floor[0] = held[0];
+    (slots, floor)
+}
+
 /// Tokens between re-learning the layers' shares: every `repin_every / 4` tokens where every
 /// layer's first (even) share `slots` holds at least two routings' experts (`n_used` each),
 /// else every `repin_every`. Each re-learning moves a layer by one expert at most
@@ -268,7 +312,26 @@ pub(super) fn step_toward(
 
 #[cfg(test)]
 mod tests {
-    use super::{reshare_every, shares_by_routing, step_toward, whole_experts};
+    use super::{reshare_every, shares_at_open, shares_by_routing, step_toward, whole_experts};
+
+    #[test]
+    fn the_first_layer_holds_all_its_experts_where_the_rest_still_hold_two_routings() {
+        // 4 layers of 64 experts of 1 byte, 8 a routing: the first layer whole leaves the
+        // others 16 each, two routings: kept whole for good.
+        let (slots, floor) = shares_at_open(64 + 3 * 16, &[1; 4], &[64; 4], 8);
+        assert_eq!(slots, vec![64, 16, 16, 16]);
+        assert_eq!(floor, vec![64, 8, 8, 8]);
+        // One expert less and a later layer would hold fewer than two routings: even shares.
+        let (slots, floor) = shares_at_open(64 + 3 * 16 - 1, &[1; 4], &[64; 4], 8);
+        assert_eq!(slots, vec![28, 28, 28, 27]);
+        assert_eq!(floor, vec![8; 4]);
+        // A layer serving fewer experts than two routings needs only what it serves.
+        let (slots, _) = shares_at_open(64 + 10, &[1; 2], &[64, 10], 8);
+        assert_eq!(slots, vec![64, 10]);
+        // One layer, or a first layer larger than the budget: even shares as before.
+        assert_eq!(shares_at_open(10, &[1], &[64], 8).0, vec![10]);
+        assert_eq!(shares_at_open(50, &[1; 2], &[64; 2], 8).0, vec![25, 25]);
+    }
 
     #[test]
     fn shares_are_relearned_four_times_as_often_where_every_layer_holds_two_routings() {
