@@ -142,25 +142,24 @@ pub(super) fn shares_at_open(
     held: &[usize],
     n_used: usize,
 ) -> (Vec<usize>, Vec<usize>) {
-    let even = whole_experts(bytes, packed, held);
-    let floor_of = |slots: &[usize]| slots.iter().map(|&s| s.min(n_used)).collect::<Vec<_>>();
     let first = packed.first().map_or(0, |&p| p * held[0] as u64);
-    if packed.len() < 2 || first > bytes {
-        let floor = floor_of(&even);
-        return (even, floor);
+    let first_whole = (packed.len() >= 2 && first <= bytes)
+        .then(|| whole_experts(bytes - first, &packed[1..], &held[1..]))
+        .filter(|rest| {
+            rest.iter()
+                .zip(&held[1..])
+                .all(|(&s, &h)| s >= (2 * n_used).min(h))
+        });
+    let slots = match &first_whole {
+        Some(rest) => std::iter::once(held[0])
+            .chain(rest.iter().copied())
+            .collect(),
+        None => whole_experts(bytes, packed, held),
+    };
+    let mut floor: Vec<usize> = slots.iter().map(|&s| s.min(n_used)).collect();
+    if first_whole.is_some() {
+        floor[0] = held[0];
     }
-    let rest = whole_experts(bytes - first, &packed[1..], &held[1..]);
-    if rest
-        .iter()
-        .zip(&held[1..])
-        .any(|(&s, &h)| s < (2 * n_used).min(h))
-    {
-        let floor = floor_of(&even);
-        return (even, floor);
-    }
-    let slots: Vec<usize> = std::iter::once(held[0]).chain(rest).collect();
-    let mut floor = floor_of(&slots);
-    floor[0] = held[0];
     (slots, floor)
 }
 

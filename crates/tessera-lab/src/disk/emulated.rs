@@ -789,7 +789,12 @@ pub fn bind_in_child(
         cmd.pre_exec(move || {
             let fail = || Err(std::io::Error::last_os_error());
             let here = !libc::getcwd(cwd.as_mut_ptr().cast(), cwd.len()).is_null();
-            let start = libc::open(c".".as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
+            // A directory with no name (deleted) is returned to by a descriptor instead.
+            let start = if here {
+                -1
+            } else {
+                libc::open(c".".as_ptr(), libc::O_PATH | libc::O_CLOEXEC)
+            };
             if libc::unshare(libc::CLONE_NEWNS) != 0 {
                 return fail();
             }
@@ -828,7 +833,6 @@ pub fn bind_in_child(
                 }
                 libc::close(root);
             }
-            // By name where it has one (a deleted directory has none: back to it as it was).
             let back = if here {
                 libc::chdir(cwd.as_ptr().cast())
             } else {
