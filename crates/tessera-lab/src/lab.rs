@@ -376,7 +376,7 @@ impl Lab {
             cg.prepare(&mut cmd)?;
         }
         if let Some(d) = &self.hosts[i].emulated {
-            crate::disk::emulated::bind_in_child(&mut cmd, d.views())?;
+            crate::disk::mounts::bind_in_child(&mut cmd, d.views())?;
         }
         Ok(cmd)
     }
@@ -490,11 +490,11 @@ pub fn clean(all: bool) -> Cleaned {
             }
         }
     }
-    for at in crate::disk::emulated::leftover_views() {
+    for at in crate::disk::mounts::leftover_views() {
         let name = last_name(&at);
         if name.starts_with(PREFIX)
             && (all || !owner_alive(&name))
-            && crate::disk::emulated::unmount_leftover(&at).is_ok()
+            && crate::disk::mounts::unmount_leftover(&at).is_ok()
         {
             out.views.push(at.display().to_string());
         }

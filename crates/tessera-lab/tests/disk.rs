@@ -182,7 +182,7 @@ fn a_host_with_a_disk_uses_its_disk_dirs_through_its_own_emulated_disk() {
     );
     drop(lab);
     assert!(
-        !tessera_lab::disk::emulated::leftover_views().contains(&view),
+        !tessera_lab::disk::mounts::leftover_views().contains(&view),
         "the view is unmounted with its lab"
     );
 }

@@ -13,6 +13,7 @@
 pub mod device;
 pub mod emulated;
 pub mod measure;
+pub mod mounts;
 pub mod selftest;
 
 pub use device::{device_of, BlockDevice, DevId};
