@@ -786,3 +786,81 @@ impl<'a> Loader<'a> {
         Ok(out)
     }
 }
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::os::fd::AsRawFd as _;
+
+    use tessera_model::{GgufFile, ModelConfig};
+
+    use super::*;
+
+    /// Pages of `bytes` (inside a mapping) in the page cache, and all its pages.
+    fn resident(bytes: &[u8]) -> (usize, usize) {
+        const PAGE: usize = 4096;
+        let start = bytes.as_ptr() as usize / PAGE * PAGE;
+        let end = (bytes.as_ptr() as usize + bytes.len()).next_multiple_of(PAGE);
+        let mut vec = vec![0u8; (end - start) / PAGE];
+        // SAFETY: the range is page-aligned and lies in a live mapping (rounded out to whole
+        // pages of it); `vec` has a byte per page.
+        let r = unsafe { libc::mincore(start as *mut libc::c_void, end - start, vec.as_mut_ptr()) };
+        assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
+        (vec.iter().filter(|&&b| b & 1 == 1).count(), vec.len())
+    }
+
+    /// The token embedding's pages are in the page cache once the model is loaded, though no
+    /// lookup has touched them: a decode's new token finds its row in memory instead of waiting
+    /// for a small read at a slow disk's IOPS. The model is a fresh copy whose cached pages are
+    /// dropped first (and checked gone), so nothing but the load can have read them.
+    #[test]
+    fn the_token_embedding_is_in_the_page_cache_after_load() {
+        // On a disk: a tmpfs's pages are its storage and cannot be dropped.
+        let tmp = std::env::temp_dir();
+        let c = std::ffi::CString::new(tmp.to_str().unwrap()).unwrap();
+        // SAFETY: statfs fills the plain struct it is given, from a valid C string.
+        let on_tmpfs = unsafe {
+            let mut st: libc::statfs = std::mem::zeroed();
+            libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
+        };
+        let base = if on_tmpfs {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        } else {
+            tmp
+        };
+        let dir = tempfile::tempdir_in(base).unwrap();
+        let path = dir.path().join("m.gguf");
+        std::fs::copy(
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/stories260K.gguf"),
+            &path,
+        )
+        .unwrap();
+        let g = GgufFile::open(&path).unwrap();
+        // After the header is parsed: its pages' read-around brought the rest of this small
+        // file in. Pages the header's parse mapped stay; the table's are dropped.
+        let file = std::fs::File::open(&path).unwrap();
+        file.sync_all().unwrap();
+        // SAFETY: plain advice on an open descriptor.
+        let r = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(r, 0);
+        let cfg = ModelConfig::from_gguf(&g).unwrap();
+        assert!(
+            !cfg.tied_embeddings,
+            "the test needs rows left in the mapping"
+        );
+        let info = g.tensor(names::TOKEN_EMBD).unwrap().clone();
+        let range = info.offset..info.offset + info.n_bytes;
+        let (map, offset) = g.mapped_range(&info.name, range).unwrap();
+        let table = &map[offset..offset + info.n_bytes as usize];
+        let (before, pages) = resident(table);
+        assert!(
+            before < pages,
+            "the copy's pages were not dropped ({before} of {pages} resident): nothing to show"
+        );
+        // The embedding alone (a first stage of no layers): loading other tensors would fault
+        // their pages in, and their read-around would bring in this small file's table too.
+        let spec = LoadSpec::stage(&cfg, 0..0);
+        let w = ModelWeights::load(&g, &cfg, spec, &mut |_, _| {}).unwrap();
+        assert!(w.token_rows.is_some());
+        assert_eq!(resident(table), (pages, pages));
+    }
+}
