@@ -811,7 +811,8 @@ mod tests {
     /// The token embedding's pages are in the page cache once the model is loaded, though no
     /// lookup has touched them: a decode's new token finds its row in memory instead of waiting
     /// for a small read at a slow disk's IOPS. The model is a fresh copy whose cached pages are
-    /// dropped first (and checked gone), so nothing but the load can have read them.
+    /// dropped first (and checked gone), so nothing but the load can have read them. (`.ci/aarch64`
+    /// leaves it out: qemu-user does not carry `madvise` advice to the host's kernel.)
     #[test]
     fn the_token_embedding_is_in_the_page_cache_after_load() {
         // On a disk: a tmpfs's pages are its storage and cannot be dropped.
