@@ -8,8 +8,9 @@
 # short disk probe reads above the cap, so its `disk_bound_tok_s` is not used), and the experts
 # a step read on demand and ahead (with the share of those read ahead that were used). The
 # compute bound is the mean of two decodes with every expert in RAM on the same lab host (the
-# model read through its disk at load), one before the budgets and one after (this VM's speed drifts by ±20% from minute to minute, and one short run made the
-# same budget's share 67% and 89% of it in two tables). Each
+# model read through its disk at load), one before the budgets and one after (this VM's speed
+# drifts by ±20% from minute to minute, and one short run made the same budget's share 67% and
+# 89% of it in two tables). Each
 # store is filled before its decode (`tessera bench` waits for it): the table measures the
 # budget, not a cold cache.
 #
@@ -35,14 +36,16 @@ D=${D:-0}
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 echo "start $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/'), disk $DISK, $M, $N tokens after $D of context" >&2
-"$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -d "$D" -n "$N" -r 1 --json -m "$M" \
-    2>/dev/null >>"$out"
+# One decode on the lab host, its JSON report appended; arguments go to `tessera bench`.
+decode() {
+  "$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -d "$D" -n "$N" -r 1 --json -m "$M" "$@" \
+      2>/dev/null >>"$out"
+}
+decode
 for b in 540 324 216 130 65 32; do
-  "$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -d "$D" -n "$N" -r 1 --json \
-      --expert-budget "${b}MiB" -m "$M" 2>/dev/null >>"$out"
+  decode --expert-budget "${b}MiB"
 done
-"$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -d "$D" -n "$N" -r 1 --json -m "$M" \
-    2>/dev/null >>"$out"
+decode
 echo "end $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/')" >&2
 [ "${JSON:-1}" = 0 ] || cat "$out"
 python3 - "$out" "$DISK" <<'PY'
