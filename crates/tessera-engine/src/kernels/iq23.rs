@@ -1,5 +1,5 @@
 //! IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S: 256-value super-blocks whose weights are
-//! magnitudes from a lattice codebook (`iq_grids.rs`; one index per 8 weights for IQ2, per 4 for
+//! magnitudes from a lattice codebook (`iq_grids/`; one index per 8 weights for IQ2, per 4 for
 //! IQ3), a sign per weight and 4-bit scales `ls`, on Q8_K activations.
 //!
 //! GGML blocks (f16 `d` first in each):
