@@ -243,7 +243,7 @@ fn the_wan_keeps_every_request_on_one_machine() {
 
 /// `--hosts N`: the first N boards of the bigger-than-any scenario, each with its caps; one
 /// board alone has a single-node plan that runs (with the repo's tiny stand-in model it fits
-/// in memory; with the scenario's real model it streams, see tests/lab.rs in tessera).
+/// in memory; with the scenario's real model it streams, see tests/lab/lab_run.rs in tessera).
 #[test]
 fn the_first_hosts_of_a_scenario_keep_their_caps_and_one_board_alone_runs() {
     let s = load("moe-bigger-than-any");
