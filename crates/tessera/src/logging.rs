@@ -36,7 +36,7 @@ fn cluster_event(meta: &Metadata<'_>) -> bool {
 /// Installs the subscriber (once; later calls do nothing).
 pub fn init() {
     let env = EnvFilter::try_from_env("TESSERA_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let json = std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|v| v == "json");
+    let json = json_format();
     let others = tracing_subscriber::fmt::layer()
         .with_writer(QueuedWriter::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -97,12 +97,17 @@ where
     }
 }
 
+/// Whether `TESSERA_LOG_FORMAT=json`: events as JSON lines, for scripts and tests.
+pub fn json_format() -> bool {
+    std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|v| v == "json")
+}
+
 /// Prints a line a person or a script needs in order to go on — an address to connect to, a
 /// token to join with: `line` as is, or, when `TESSERA_LOG_FORMAT=json`, one JSON object with
 /// `event`, `fields` and `line` as its `message`, so scripts and tests read fields instead of
 /// wording. Not an event of the log: `TESSERA_LOG` never filters it away.
 pub fn announce(event: &str, fields: &[(&str, &str)], line: &str) {
-    let json = std::env::var("TESSERA_LOG_FORMAT").is_ok_and(|v| v == "json");
+    let json = json_format();
     // Through the same queue as the log, so lines keep their order and a stdout nobody reads
     // never blocks the caller (crate::output).
     if json {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{model_path, post, wait_for, Proc, Server};
+use common::{event_in, model_path, post, wait_for, Proc, Server, JSON_LOGS};
 use tessera_hub::stand_in::StandIn;
 use tessera_model::{GgufFile, SplitOptions};
 
@@ -90,8 +90,14 @@ fn pull_killed_mid_file_resumes_verifies_and_reuses_the_cache() {
     first.wait().unwrap();
 
     // Pulled again: part 2 resumes at the byte it stopped at, part 1 is not fetched again.
+    // What the pull did is read from its events (`TESSERA_LOG_FORMAT=json`: JSON lines on
+    // stderr) and from the requests the stand-in received, not from its wording.
     let before = storage_requests(&hub).len();
-    let out = tessera(&hub, &cache).args(["pull", NAME]).output().unwrap();
+    let out = tessera(&hub, &cache)
+        .args(["pull", NAME])
+        .env(JSON_LOGS.0, JSON_LOGS.1)
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert_eq!(
@@ -99,8 +105,35 @@ fn pull_killed_mid_file_resumes_verifies_and_reuses_the_cache() {
         [Some(AT), None],
         "{stderr}"
     );
-    assert!(stderr.contains("resuming at"), "{stderr}");
-    assert!(stderr.contains("SHA-256 verified"), "{stderr}");
+    let events = |event: &str| -> Vec<serde_json::Value> {
+        stderr
+            .lines()
+            .filter_map(|l| event_in(l, &[("event", event)]))
+            .collect()
+    };
+    let file_of = |e: &serde_json::Value| e["file"].as_str().unwrap().to_string();
+    let reused: Vec<String> = events("pull_reused").iter().map(file_of).collect();
+    assert_eq!(reused, [files[0].0.clone()], "{stderr}");
+    let started: Vec<(String, u64)> = events("pull_downloading")
+        .iter()
+        .map(|e| (file_of(e), e["from"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        started,
+        [(files[1].0.clone(), AT), (files[2].0.clone(), 0)],
+        "part 2 resumes at the byte it stopped at, part 3 starts afresh: {stderr}"
+    );
+    // Both downloaded parts were checked against their SHA-256, the resumed one included.
+    let verified: Vec<String> = events("pull_verified").iter().map(file_of).collect();
+    assert_eq!(
+        verified,
+        [files[1].0.clone(), files[2].0.clone()],
+        "{stderr}"
+    );
+    // The event's message is the line a person reads without JSON.
+    let resumed = &events("pull_downloading")[0];
+    let said = resumed["message"].as_str().unwrap();
+    assert!(said.contains("resuming at"), "{resumed}");
     let path = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
     assert!(
         path.ends_with("small-qwen3-Q4_K_M-00001-of-00003.gguf"),

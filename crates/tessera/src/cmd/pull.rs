@@ -1,12 +1,18 @@
 //! `tessera pull ORG/NAME[:QUANT]`, and `--model hf:ORG/NAME[:QUANT]` wherever a model file is
 //! taken: the model brought into the Hugging Face Hub cache (`tessera-hub`), with progress on
 //! stderr, and the path of its file (a split model's first part) handed on.
+//!
+//! With `TESSERA_LOG_FORMAT=json` each progress line is instead one JSON event on stderr
+//! (`pull_resolved`, `pull_reused`, `pull_downloading` with the byte it starts `from`,
+//! `pull_retrying`, `pull_verified`; the line as its `message`), so scripts and tests read
+//! fields instead of wording; stdout stays the path alone.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
 use tessera_hub::{HubConfig, ModelName, PullEvent};
 use tessera_model::human_bytes;
 
@@ -34,16 +40,25 @@ pub fn pull(name: &ModelName) -> anyhow::Result<PathBuf> {
     let pulled = tessera_hub::pull(&config, name, &mut |e| match e {
         PullEvent::Resolved { commit, files } => {
             let total: u64 = files.iter().filter_map(|f| f.size).sum();
-            eprintln!(
-                "{name}: {} file{} ({}) at commit {}",
-                files.len(),
-                if files.len() == 1 { "" } else { "s" },
-                human_bytes(total),
-                &commit[..12]
+            tell(
+                "pull_resolved",
+                json!({"model": name.to_string(), "commit": commit, "files": files.len(),
+                       "bytes": total}),
+                &format!(
+                    "{name}: {} file{} ({}) at commit {}",
+                    files.len(),
+                    if files.len() == 1 { "" } else { "s" },
+                    human_bytes(total),
+                    &commit[..12]
+                ),
             );
         }
         PullEvent::Reused { file, bytes } => {
-            eprintln!("  {file}: already in the cache ({})", human_bytes(bytes));
+            tell(
+                "pull_reused",
+                json!({"file": file, "bytes": bytes}),
+                &format!("  {file}: already in the cache ({})", human_bytes(bytes)),
+            );
         }
         PullEvent::Downloading { file, from, total } => {
             let b = ProgressBar::with_draw_target(total, indicatif::ProgressDrawTarget::stderr());
@@ -55,9 +70,18 @@ pub fn pull(name: &ModelName) -> anyhow::Result<PathBuf> {
             );
             b.set_message(file.to_string());
             b.set_position(from);
+            let fields = json!({"file": file, "from": from, "total": total});
             if from > 0 {
                 // Said plainly: a bar is drawn only on a terminal.
-                eprintln!("  {file}: resuming at {}", human_bytes(from));
+                let line = format!("  {file}: resuming at {}", human_bytes(from));
+                tell("pull_downloading", fields, &line);
+            } else if crate::logging::json_format() {
+                // A fresh start has no plain line (the bar is its line), but it is an event.
+                tell(
+                    "pull_downloading",
+                    fields,
+                    &format!("  {file}: downloading"),
+                );
             }
             bar = Some(b);
         }
@@ -67,13 +91,21 @@ pub fn pull(name: &ModelName) -> anyhow::Result<PathBuf> {
             }
         }
         PullEvent::Retrying { file, error } => {
-            eprintln!("  {file}: {error}; resuming");
+            tell(
+                "pull_retrying",
+                json!({"file": file, "error": error.to_string()}),
+                &format!("  {file}: {error}; resuming"),
+            );
         }
         PullEvent::Verified { file } => {
             if let Some(b) = bar.take() {
                 b.finish_and_clear();
             }
-            eprintln!("  {file}: downloaded, SHA-256 verified");
+            tell(
+                "pull_verified",
+                json!({"file": file}),
+                &format!("  {file}: downloaded, SHA-256 verified"),
+            );
         }
     });
     if let Some(b) = bar.take() {
@@ -81,4 +113,20 @@ pub fn pull(name: &ModelName) -> anyhow::Result<PathBuf> {
     }
     let pulled = pulled.with_context(|| format!("pulling {name}"))?;
     Ok(pulled.files[0].clone())
+}
+
+/// A progress line on stderr: `line` as is, or, with `TESSERA_LOG_FORMAT=json`, one JSON object
+/// with `event`, `fields` and `line` as its `message` (stdout is the path alone either way).
+fn tell(event: &str, fields: Value, line: &str) {
+    if crate::logging::json_format() {
+        let mut o = serde_json::Map::new();
+        o.insert("event".into(), event.into());
+        if let Value::Object(f) = fields {
+            o.extend(f);
+        }
+        o.insert("message".into(), line.into());
+        eprintln!("{}", Value::Object(o));
+    } else {
+        eprintln!("{line}");
+    }
 }
