@@ -207,7 +207,7 @@ async fn node_session(
     }));
     let result = ended.await.unwrap_or(Ok(()));
     writer_task.abort();
-    tracing::info!(event = "node_left", node = %hello.name, node_id = %id, "node left: {} {}", hello.name, id);
+    tracing::info!(event = "node_left", node = %hello.name, node_id = %id, "node left: {} {}", hello.name, id.short());
     result
 }
 

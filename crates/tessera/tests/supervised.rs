@@ -217,15 +217,10 @@ fn long_hash(line: &str) -> Option<&str> {
 #[test]
 fn up_prints_sentences_without_debug_structures_or_long_hashes() {
     let dir = tempfile::tempdir().unwrap();
+    // A port of our own, so that the API can say when the cluster serves.
+    let addr = format!("127.0.0.1:{}", free_port());
     let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args([
-            "up",
-            "--listen",
-            "127.0.0.1:0",
-            "--threads",
-            "1",
-            "--run-dir",
-        ])
+        .args(["up", "--listen", &addr, "--threads", "1", "--run-dir"])
         .arg(dir.path())
         .env("TESSERA_CACHE_DIR", cache_dir())
         .stdin(Stdio::null())
@@ -233,7 +228,7 @@ fn up_prints_sentences_without_debug_structures_or_long_hashes() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting tessera up");
-    // Both streams, in the order lines arrive, until the cluster says how to stop it.
+    // Both streams, in the order lines arrive, from start to exit.
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     for out in [
         Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
@@ -248,28 +243,32 @@ fn up_prints_sentences_without_debug_structures_or_long_hashes() {
             }
         });
     }
-    let mut lines = Vec::new();
-    while lines.len() < 40 {
-        match rx.recv_timeout(Duration::from_secs(180)) {
-            Ok(l) => {
-                let last = l.starts_with("Ctrl-C stops");
-                lines.push(l);
-                if last {
-                    break;
-                }
-            }
-            Err(_) => break,
-        }
-    }
+    drop(tx);
+    // Serving: every start-up line is out. Then stopped, so the stop's lines are checked too.
+    wait_for("up to accept connections", Duration::from_secs(180), || {
+        std::net::TcpStream::connect(&addr).is_ok()
+    });
+    wait_for(
+        "up's /health to answer 200",
+        Duration::from_secs(180),
+        || get(&addr, "/health", None).status == 200,
+    );
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
     let _ = child.wait();
+    // The readers end when the processes holding the pipes have exited.
+    let mut lines = Vec::new();
+    while let Ok(l) = rx.recv_timeout(Duration::from_secs(60)) {
+        lines.push(l);
+    }
     let text = lines.join("\n");
-    assert!(
-        lines.iter().any(|l| l.starts_with("listening on")),
-        "up did not start:\n{text}"
-    );
+    for said in ["listening on", "Ctrl-C stops"] {
+        assert!(
+            lines.iter().any(|l| l.starts_with(said)),
+            "no line starting {said:?}:\n{text}"
+        );
+    }
     for l in &lines {
         assert!(
             !l.contains(" { ") && !l.contains("{ "),
