@@ -409,8 +409,14 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
             stream::CONTROL => {
                 tokio::spawn(async move {
                     let peer = conn.peer_id().short();
+                    let closing = shared.clone();
                     if let Err(e) = control_session(shared, conn, s).await {
-                        tracing::warn!("control stream of {peer}: {e}");
+                        // The coordinator's own stop ends every stream: not worth a warning.
+                        if closing.closing.load(Ordering::SeqCst) {
+                            tracing::debug!("control stream of {peer}: {e}");
+                        } else {
+                            tracing::warn!("control stream of {peer}: {e}");
+                        }
                     }
                 });
             }
