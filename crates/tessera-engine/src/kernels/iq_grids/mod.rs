@@ -5,10 +5,15 @@
 //! `iq3xxs_grid` and `iq3s_grid` in `ggml/src/ggml-common.h` (ggml 0.25.3, the version
 //! `reference/` was recorded with); a GGUF file's IQ2/IQ3 codes are indices into them.
 //!
-//! One file per family: `iq2` (IQ2_XXS, IQ2_XS, IQ2_S), `iq3` (IQ3_XXS, IQ3_S).
+//! One file per IQ2 type (`iq2_xxs`, `iq2_xs`, `iq2_s`; 256, 512 and 1024 entries) and one for
+//! the IQ3 family (`iq3`: IQ3_XXS, IQ3_S).
 
-mod iq2;
+mod iq2_s;
+mod iq2_xs;
+mod iq2_xxs;
 mod iq3;
 
-pub(crate) use iq2::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
+pub(crate) use iq2_s::IQ2S_GRID;
+pub(crate) use iq2_xs::IQ2XS_GRID;
+pub(crate) use iq2_xxs::IQ2XXS_GRID;
 pub(crate) use iq3::{IQ3S_GRID, IQ3XXS_GRID};
