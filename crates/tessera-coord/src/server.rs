@@ -409,14 +409,9 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
             stream::CONTROL => {
                 tokio::spawn(async move {
                     let peer = conn.peer_id().short();
-                    let closing = shared.clone();
+                    let ended = shared.clone();
                     if let Err(e) = control_session(shared, conn, s).await {
-                        // The coordinator's own stop ends every stream: not worth a warning.
-                        if closing.closing.load(Ordering::SeqCst) {
-                            tracing::debug!("control stream of {peer}: {e}");
-                        } else {
-                            tracing::warn!("control stream of {peer}: {e}");
-                        }
+                        stream_failed(&ended, "control", &peer, &e);
                     }
                 });
             }
@@ -430,7 +425,7 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
                         authorize_model_request(&shared, &key, req)
                     };
                     if let Err(e) = shared.server.serve(s, peer.clone(), &authorize).await {
-                        tracing::warn!("model stream of {peer}: {e}");
+                        stream_failed(&shared, "model", &peer, &e);
                     }
                 });
             }
@@ -443,6 +438,16 @@ async fn serve_connection(shared: Arc<Shared>, conn: Connection) {
                 let _ = s.writer.finish().await;
             }
         }
+    }
+}
+
+/// Logs a node stream that ended in error: a warning, unless the coordinator's own stop ended
+/// it (every stream ends then, and that is not worth a warning).
+fn stream_failed(shared: &Shared, what: &str, peer: &str, e: &dyn std::fmt::Display) {
+    if shared.closing.load(Ordering::SeqCst) {
+        tracing::debug!("{what} stream of {peer}: {e}");
+    } else {
+        tracing::warn!("{what} stream of {peer}: {e}");
     }
 }
 
