@@ -7,12 +7,11 @@
 # where the disk bound is the cap's rate over the missed expert bytes per token (the bench's own
 # short disk probe reads above the cap, so its `disk_bound_tok_s` is not used), and the experts
 # a step read on demand and ahead (with the share of those read ahead that were used). The
-# compute bound is the mean of two decodes with every expert in RAM on the same lab host (the
-# model read through its disk at load), one before the budgets and one after (this VM's speed
-# drifts by ±20% from minute to minute, and one short run made the same budget's share 67% and
-# 89% of it in two tables). Each
-# store is filled before its decode (`tessera bench` waits for it): the table measures the
-# budget, not a cold cache.
+# compute bound is the mean of the decodes with every expert in RAM on the same lab host (the
+# model read through its disk at load), one before the budgets and one after each round of them
+# (this VM's speed drifts by ±20% from minute to minute, and one short run made the same
+# budget's share 67% and 89% of it in two tables). Each store is filled before its decode
+# (`tessera bench` waits for it): the table measures the budget, not a cold cache.
 #
 #   tools/lab-stream-table.sh [DISK]      # DISK: emmc (default), sd, usb, sata-ssd; root
 #   MODEL=bench-models/bench-qwen3moe-walk-q4_0.gguf tools/lab-stream-table.sh   # the lab
@@ -23,6 +22,11 @@
 #   D=64 tools/lab-stream-table.sh   # decode after D tokens of context (default 0, llama-bench's
 #       tg test): a chat's decode always follows a template and a prompt, and this random
 #       model's first positions route to experts its later ones seldom use (the README, #31)
+#   ROUNDS=3 tools/lab-stream-table.sh   # the budgets R times (default 1), every other round in
+#       reverse order, with a decode of every expert in RAM before the first round and after
+#       each: each row is the mean of its budget's runs, its share of min(disk, compute) that
+#       mean's with the range of the runs' own after it (this VM drifts by ±20% from minute to
+#       minute; one pass measures one minute)
 #
 # Needs tessera (TESSERA=..., default target/release/tessera) and the model
 # (tools/make-bench-models.sh).
@@ -41,37 +45,54 @@ decode() {
   "$T" lab exec --disk "$DISK" -- "$T" bench -t 2 -p 8 -d "$D" -n "$N" -r 1 --json -m "$M" "$@" \
       2>/dev/null >>"$out"
 }
+budgets=(540 324 216 130 65 32)
 decode
-for b in 540 324 216 130 65 32; do
-  decode --expert-budget "${b}MiB"
+for ((round = 0; round < ${ROUNDS:-1}; round++)); do
+  for i in "${!budgets[@]}"; do
+    # Every other round from the smallest budget up, so no budget always runs first.
+    b=${budgets[$(( round % 2 ? ${#budgets[@]} - 1 - i : i ))]}
+    decode --expert-budget "${b}MiB"
+  done
+  decode
 done
-decode
 echo "end $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/')" >&2
 [ "${JSON:-1}" = 0 ] || cat "$out"
 python3 - "$out" "$DISK" <<'PY'
 import json, sys
+from statistics import mean
 caps = {"emmc": 300e6, "sd": 90e6, "usb": 400e6, "sata-ssd": 550e6}
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 cap = caps.get(sys.argv[2])
-rams, rest = [lines[0], lines[-1]], lines[1:-1]
-compute = sum(r["decode_tok_s"] for r in rams) / 2
+# The decodes with every expert in RAM report no streaming; the others group by budget.
+rams = [r for r in lines if not r.get("streaming")]
+runs = {}
+for r in lines:
+    if r.get("streaming"):
+        runs.setdefault(r["streaming"]["budget_bytes"], []).append(r)
+compute = mean(r["decode_tok_s"] for r in rams)
 experts = 648 * 2**20
-print(f"all experts in RAM (compute bound): {compute:.1f} tok/s (before {rams[0]['decode_tok_s']:.1f},"
-      f" after {rams[1]['decode_tok_s']:.1f}); disk {sys.argv[2]}"
-      + (f" capped at {cap/1e6:.0f} MB/s" if cap else ""))
-print("| budget | over budget | tok/s | hit rate | missed MiB/token | reads / step (ahead, used)"
+disk_bound = lambda missed: cap / missed if cap and missed > 0 else float("inf")
+print(f"all experts in RAM (compute bound): {compute:.1f} tok/s, the mean of "
+      + ", ".join(f"{r['decode_tok_s']:.1f}" for r in rams)
+      + f"; disk {sys.argv[2]}" + (f" capped at {cap/1e6:.0f} MB/s" if cap else ""))
+print("| budget | over budget | runs | tok/s | hit rate | missed MiB/token | reads / step (ahead, used)"
       " | read wait / step, ms | building / step, ms | disk bound tok/s | of min(disk, compute) |")
-print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-for r in rest:
-    s = r["streaming"]
-    budget = s["budget_bytes"]
-    missed = s["missed_bytes_per_token"]
-    disk = cap / missed if cap and missed > 0 else float("inf")
-    bound = min(disk, compute)
-    print(f"| {budget/2**20:.0f} MiB | {experts/budget:.1f}x | {r['decode_tok_s']:.1f}"
-          f" | {100*s['hit_rate']:.1f}% | {missed/2**20:.2f}"
-          f" | {s.get('misses_per_step', 0):.1f} ({s.get('prefetches_per_step', 0):.1f},"
-          f" {100*s.get('prefetch_useful', 0):.0f}%)"
-          f" | {s['read_wait_ms_per_step']:.1f} of {s['step_ms']:.1f}"
-          f" | {s['build_ms_per_step']:.1f} | {disk:.1f} | {100*r['decode_tok_s']/bound:.0f}% |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for budget in sorted(runs, reverse=True):
+    rs = runs[budget]
+    m = lambda k: mean(r["streaming"].get(k, 0) for r in rs)
+    tok = mean(r["decode_tok_s"] for r in rs)
+    missed = m("missed_bytes_per_token")
+    disk = disk_bound(missed)
+    share = f"{100 * tok / min(disk, compute):.0f}%"
+    if len(rs) > 1:
+        each = [100 * r["decode_tok_s"]
+                / min(disk_bound(r["streaming"]["missed_bytes_per_token"]), compute) for r in rs]
+        share += f" ({min(each):.0f}–{max(each):.0f}%)"
+    print(f"| {budget/2**20:.0f} MiB | {experts/budget:.1f}x | {len(rs)} | {tok:.1f}"
+          f" | {100*m('hit_rate'):.1f}% | {missed/2**20:.2f}"
+          f" | {m('misses_per_step'):.1f} ({m('prefetches_per_step'):.1f},"
+          f" {100*m('prefetch_useful'):.0f}%)"
+          f" | {m('read_wait_ms_per_step'):.1f} of {m('step_ms'):.1f}"
+          f" | {m('build_ms_per_step'):.1f} | {disk:.1f} | {share} |")
 PY
