@@ -104,23 +104,8 @@ fn survive_with(victim: &str, fault: Fault, extra: &[&'static str]) {
         c.add_node(n);
     }
     c.wait_ready();
-    let mut clients: Vec<Proc> = loads
-        .iter()
-        .enumerate()
-        .map(|(i, f)| c.client(&format!("client{i}"), f))
-        .collect();
     // Wait for every client's first tokens, then strike.
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        for p in clients.iter_mut() {
-            p.drain();
-        }
-        if clients.iter().all(|p| tokens_seen(p) >= 2) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no tokens from every client");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let mut clients = clients_under_way(&c, &loads);
     let struck = Instant::now();
     let progress: Vec<usize> = clients.iter().map(tokens_seen).collect();
     match fault {
@@ -266,22 +251,7 @@ fn cut_link_is_planned_around_and_the_healed_node_is_folded_back_in() {
     let token = c.join.rsplit_once('@').unwrap().0.to_string();
     c.add_node_via("c", &format!("{token}@{via}"));
     c.wait_ready();
-    let mut clients: Vec<Proc> = loads
-        .iter()
-        .enumerate()
-        .map(|(i, f)| c.client(&format!("client{i}"), f))
-        .collect();
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        for p in clients.iter_mut() {
-            p.drain();
-        }
-        if clients.iter().all(|p| tokens_seen(p) >= 2) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no tokens from every client");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let mut clients = clients_under_way(&c, &loads);
     let struck = Instant::now();
     emu.handle().partition();
     c.coordinator
