@@ -19,8 +19,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::chaos::{Cluster, Proc};
+use common::token::{created, enrol_as, ok};
 use common::{bin, event_in, model, run_with_timeout};
-use tessera_net::{stream_kind, Endpoint, FrameHeader, NetError, NodeIdentity};
+use tessera_net::{stream_kind, Endpoint, FrameHeader, NodeIdentity};
 use tessera_node::agent::JoinTarget;
 use tessera_proto::{
     frame, stream, ClientToCoord, CoordToClient, ModelReply, ModelRequest, RunRequest,
@@ -56,40 +57,9 @@ fn operator_in(dir: &std::path::Path, args: &[&str]) -> Output {
     run_with_timeout(cmd, Duration::from_secs(60))
 }
 
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 /// `tessera token create FLAGS`: the new token's line and its id.
 fn create(c: &Cluster, flags: &[&str]) -> (String, String) {
-    let mut args = vec!["token", "create"];
-    args.extend_from_slice(flags);
-    let line = ok(&operator(c, &args));
-    let target: JoinTarget = line.parse().unwrap();
-    (line, target.token.id().to_string())
-}
-
-/// Enrols `id` with `line`'s token over the real transport: `Ok` or the coordinator's reason.
-async fn enrol_as(line: &str, id: &NodeIdentity) -> Result<(), String> {
-    let target: JoinTarget = line.parse().unwrap();
-    let ep = Endpoint::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        id,
-        tessera_net::AllowList::new(),
-    )
-    .unwrap();
-    let r = ep.enroll(target.addr, &target.token).await;
-    ep.close();
-    match r {
-        Ok(_) => Ok(()),
-        Err(NetError::EnrolmentRefused { reason, .. }) => Err(reason),
-        Err(e) => Err(e.to_string()),
-    }
+    created(&operator(c, &[&["token", "create"], flags].concat()))
 }
 
 fn enrol(line: &str) -> Result<(), String> {

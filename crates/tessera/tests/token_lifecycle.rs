@@ -8,9 +8,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use common::chaos::Cluster;
+use common::token::{created, enrol_as, ok};
 use common::{bin, model, run_with_timeout};
-use tessera_net::{Endpoint, NetError, NodeIdentity};
-use tessera_node::agent::JoinTarget;
+use tessera_net::NodeIdentity;
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -30,28 +30,13 @@ fn operator(c: &Cluster, args: &[&str]) -> Output {
     run_with_timeout(cmd, Duration::from_secs(60))
 }
 
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 /// `tessera token create FLAGS`: the new token's line and its id.
 fn create(c: &Cluster, flags: &[&str]) -> (String, String) {
-    let mut args = vec!["token", "create"];
-    args.extend_from_slice(flags);
-    let out = operator(c, &args);
-    let line = ok(&out);
-    let target: JoinTarget = line.parse().unwrap();
-    (line, target.token.id().to_string())
+    created(&operator(c, &[&["token", "create"], flags].concat()))
 }
 
 /// Enrols a fresh key (or `key`) with `line`'s token: `Ok` or the coordinator's reason.
 fn enrol(line: &str, key: Option<&NodeIdentity>) -> Result<(), String> {
-    let target: JoinTarget = line.parse().unwrap();
     let fresh;
     let id = match key {
         Some(k) => k,
@@ -60,21 +45,7 @@ fn enrol(line: &str, key: Option<&NodeIdentity>) -> Result<(), String> {
             &fresh
         }
     };
-    rt().block_on(async {
-        let ep = Endpoint::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            id,
-            tessera_net::AllowList::new(),
-        )
-        .unwrap();
-        let r = ep.enroll(target.addr, &target.token).await;
-        ep.close();
-        match r {
-            Ok(_) => Ok(()),
-            Err(NetError::EnrolmentRefused { reason, .. }) => Err(reason),
-            Err(e) => Err(e.to_string()),
-        }
-    })
+    rt().block_on(enrol_as(line, id))
 }
 
 #[test]

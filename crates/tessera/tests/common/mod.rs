@@ -14,6 +14,8 @@
 //! - `sealed`: a coordinator of single-node cells, its nodes and a sealing client.
 //! - `cdp`: headless Chromium driven over the DevTools protocol (JavaScript observed).
 //! - `up`: a running `tessera up` with its nodes, killed on drop.
+//! - `token`: a command's checked stdout, `tessera token create`'s token, and enrolling a key
+//!   with a token over the real transport.
 
 #![allow(dead_code)]
 
@@ -28,6 +30,7 @@ pub mod proc;
 pub mod run;
 pub mod sealed;
 pub mod serve;
+pub mod token;
 pub mod up;
 
 #[allow(unused_imports)]
