@@ -5,36 +5,12 @@ use std::process::Command;
 
 /// Whether python3 with the `openai` package is available; under CI (`CI=true`) it must be.
 pub fn openai_client_available() -> bool {
-    let have = Command::new("python3")
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !have {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must install the openai package (pip install openai)"
-        );
-    }
-    have
+    python_modules_available(&["openai"])
 }
 
 /// Runs `tests/openai_api.py` against `url` (killed after 300 s) and asserts that it passed.
 pub fn run_openai_script(url: &str) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_api.py");
-    let out = Command::new("timeout")
-        .arg("300")
-        .arg("python3")
-        .arg(script)
-        .arg(url)
-        .output()
-        .expect("running python3");
-    let log = format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{log}");
-    assert!(out.status.success(), "openai_api.py failed\n{log}");
+    run_script("openai_api.py", &[url], 300);
 }
 
 /// Whether python3 can import every one of `modules`; under CI (`CI=true`) it must (the
@@ -60,11 +36,17 @@ pub fn python_modules_available(modules: &[&str]) -> bool {
 
 /// Runs `tests/SCRIPT` with `args` (killed after 600 s) and asserts that it passed.
 pub fn run_python_script(script: &str, args: &[&str]) {
+    run_script(script, args, 600);
+}
+
+/// Runs `tests/SCRIPT` with `args` under python3, killed after `timeout_s` seconds, and
+/// asserts that it passed; its output is printed either way.
+fn run_script(script: &str, args: &[&str], timeout_s: u32) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests")
         .join(script);
     let out = Command::new("timeout")
-        .arg("600")
+        .arg(timeout_s.to_string())
         .arg("python3")
         .arg(path)
         .args(args)
