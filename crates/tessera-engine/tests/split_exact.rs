@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::{assert_bits_eq, moe};
+use common::{assert_bits_eq, moe, run_local};
 use tessera_engine::ops::argmax;
 use tessera_engine::{
-    ExpertExecutor, ExpertOutputs, ExpertSelection, Hidden, KvCache, KvType, LoadSpec,
-    LocalExperts, Model, PartExperts, Routing, SeqStep,
+    ExpertExecutor, ExpertOutputs, ExpertSelection, Hidden, KvCache, KvType, LoadSpec, Model,
+    PartExperts, Routing, SeqStep,
 };
 use tessera_model::{GgufFile, ModelConfig};
 
@@ -58,36 +58,13 @@ fn check_pipeline_cuts_with(g: &GgufFile, name: &str, kv_type: KvType) {
             }];
             // Unsplit: all layers in one call.
             let mut h_full = full.embed(tokens).unwrap();
-            full.run_layers(
-                0..l,
-                &mut h_full,
-                &step,
-                &mut [&mut kv_full],
-                &mut LocalExperts(&full),
-            )
-            .unwrap();
+            run_local(&full, 0..l, &mut h_full, &step, &mut kv_full);
             let logits_full = full.head(&h_full).unwrap();
             // Split: stage one, then stage two, each with its own cache.
             let mut h = first.embed(tokens).unwrap();
-            first
-                .run_layers(
-                    0..a,
-                    &mut h,
-                    &step,
-                    &mut [&mut kv_a],
-                    &mut LocalExperts(&first),
-                )
-                .unwrap();
+            run_local(&first, 0..a, &mut h, &step, &mut kv_a);
             let mut h2 = h.clone();
-            second
-                .run_layers(
-                    a..l,
-                    &mut h2,
-                    &step,
-                    &mut [&mut kv_b],
-                    &mut LocalExperts(&second),
-                )
-                .unwrap();
+            run_local(&second, a..l, &mut h2, &step, &mut kv_b);
             let logits = second.head(&h2).unwrap();
             let what = format!("{name} cut {a} step {si}");
             assert_bits_eq(&h2.data, &h_full.data, &format!("{what}: final hidden"));
@@ -101,25 +78,10 @@ fn check_pipeline_cuts_with(g: &GgufFile, name: &str, kv_type: KvType) {
             start_pos: 0,
         }];
         let mut h_full = full.embed(&PROMPT).unwrap();
-        full.run_layers(
-            0..a,
-            &mut h_full,
-            &step,
-            &mut [&mut kv],
-            &mut LocalExperts(&full),
-        )
-        .unwrap();
+        run_local(&full, 0..a, &mut h_full, &step, &mut kv);
         let mut kv1 = first.new_kv(64);
         let mut h = first.embed(&PROMPT).unwrap();
-        first
-            .run_layers(
-                0..a,
-                &mut h,
-                &step,
-                &mut [&mut kv1],
-                &mut LocalExperts(&first),
-            )
-            .unwrap();
+        run_local(&first, 0..a, &mut h, &step, &mut kv1);
         assert_bits_eq(
             &h.data,
             &h_full.data,
@@ -181,29 +143,13 @@ fn check_stages(name: &str, ends: &[usize]) {
             start_pos: pos,
         }];
         let mut h_full = full.embed(tokens).unwrap();
-        full.run_layers(
-            0..l,
-            &mut h_full,
-            &step,
-            &mut [&mut kv_full],
-            &mut LocalExperts(&full),
-        )
-        .unwrap();
+        run_local(&full, 0..l, &mut h_full, &step, &mut kv_full);
         let logits_full = full.head(&h_full).unwrap();
         let mut h = stages[0].embed(tokens).unwrap();
         let mut h_piece = full.embed(tokens).unwrap();
         for ((&(a, b), stage), kv) in ranges.iter().zip(&stages).zip(&mut kvs) {
-            stage
-                .run_layers(a..b, &mut h, &step, &mut [kv], &mut LocalExperts(stage))
-                .unwrap();
-            full.run_layers(
-                a..b,
-                &mut h_piece,
-                &step,
-                &mut [&mut kv_piece],
-                &mut LocalExperts(&full),
-            )
-            .unwrap();
+            run_local(stage, a..b, &mut h, &step, kv);
+            run_local(&full, a..b, &mut h_piece, &step, &mut kv_piece);
             assert_bits_eq(
                 &h.data,
                 &h_piece.data,

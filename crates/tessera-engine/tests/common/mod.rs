@@ -3,10 +3,11 @@
 
 pub mod moe;
 
+use std::ops::Range;
 use std::path::PathBuf;
 use std::process::Command;
 
-use tessera_engine::{KvCache, KvShape, KvType, LoadSpec, Model};
+use tessera_engine::{Hidden, KvCache, KvShape, KvType, LoadSpec, LocalExperts, Model, SeqStep};
 use tessera_model::{GgufFile, ModelConfig};
 
 /// A command that runs this test binary again (for tests that need a fresh process per case).
@@ -103,6 +104,19 @@ pub fn kv_types(g: &GgufFile) -> Vec<KvType> {
 
 pub fn kv_for(m: &Model) -> KvCache {
     m.new_kv(m.config().context_length)
+}
+
+/// Runs `layers` of `m` on `h` for `step` with `kv`, `m` computing its own experts: one stage
+/// of a pipeline (or the whole model) in the split tests.
+pub fn run_local(
+    m: &Model,
+    layers: Range<usize>,
+    h: &mut Hidden,
+    step: &[SeqStep],
+    kv: &mut KvCache,
+) {
+    m.run_layers(layers, h, step, &mut [kv], &mut LocalExperts(m))
+        .unwrap();
 }
 
 /// Bitwise equality of float slices, with the first difference on failure.

@@ -3,11 +3,12 @@
 //! the routed experts split over parts, or with them streamed from disk, compared bit for bit;
 //! and free-running greedy generation against llama.cpp's recorded tokens.
 
-use super::{assert_bits_eq, full, full_kv, kv_for, kv_types, load, load_kv, open, repo_root};
+use super::{
+    assert_bits_eq, full, full_kv, kv_for, kv_types, load, load_kv, open, repo_root, run_local,
+};
 use tessera_engine::ops::argmax;
 use tessera_engine::{
-    ExpertSelection, ExpertStreaming, KvCache, KvType, LoadSpec, LocalExperts, Model, PartExperts,
-    SeqStep,
+    ExpertSelection, ExpertStreaming, KvCache, KvType, LoadSpec, Model, PartExperts, SeqStep,
 };
 use tessera_model::ModelConfig;
 
@@ -84,24 +85,8 @@ fn pipeline_cuts(g: &tessera_model::GgufFile, cfg: &ModelConfig, t: KvType, file
                 start_pos: pos,
             }];
             let mut h = first.embed(tokens).unwrap();
-            first
-                .run_layers(
-                    0..a,
-                    &mut h,
-                    &step,
-                    &mut [&mut kv_a],
-                    &mut LocalExperts(&first),
-                )
-                .unwrap();
-            second
-                .run_layers(
-                    a..l,
-                    &mut h,
-                    &step,
-                    &mut [&mut kv_b],
-                    &mut LocalExperts(&second),
-                )
-                .unwrap();
+            run_local(&first, 0..a, &mut h, &step, &mut kv_a);
+            run_local(&second, a..l, &mut h, &step, &mut kv_b);
             let logits = second.head(&h).unwrap();
             assert_bits_eq(
                 &logits.data,
