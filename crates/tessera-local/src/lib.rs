@@ -322,27 +322,42 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The refusals generation and embedding submissions share.
+impl LocalBackend {
+    /// Refuses new work once the engine is shutting down.
+    fn check_serving(&self) -> Result<(), SubmitError> {
+        if self.shared.stopped.load(Ordering::Relaxed) {
+            return Err(SubmitError::NotServing {
+                reason: "the engine is shutting down".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses a request when `queued` requests of its kind already fill the queue.
+    fn check_room(&self, queued: usize) -> Result<(), SubmitError> {
+        if queued >= self.config.max_queue {
+            return Err(SubmitError::QueueFull {
+                capacity: self.config.max_queue,
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Backend for LocalBackend {
     fn model(&self) -> Arc<ServedModel> {
         self.served.clone()
     }
 
     fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError> {
-        if self.shared.stopped.load(Ordering::Relaxed) {
-            return Err(SubmitError::NotServing {
-                reason: "the engine is shutting down".into(),
-            });
-        }
+        self.check_serving()?;
         req.check(self.config.context_length)?;
         let mut inbox = lock(&self.shared.inbox);
         // Requests whose client already left do not hold queue places.
         inbox.waiting.retain(|w| !w.events.is_closed());
-        if inbox.waiting.len() >= self.config.max_queue {
-            return Err(SubmitError::QueueFull {
-                capacity: self.config.max_queue,
-                retry_after: Duration::from_secs(1),
-            });
-        }
+        self.check_room(inbox.waiting.len())?;
         let (handle, events) = RequestHandle::channel(req.id);
         tracing::debug!(
             request = req.id,
@@ -366,23 +381,14 @@ impl Backend for LocalBackend {
     }
 
     fn embed(&self, req: EmbeddingRequest) -> Result<EmbeddingHandle, SubmitError> {
-        if self.shared.stopped.load(Ordering::Relaxed) {
-            return Err(SubmitError::NotServing {
-                reason: "the engine is shutting down".into(),
-            });
-        }
+        self.check_serving()?;
         if let Err(why) = &self.pooling {
             return Err(SubmitError::Unsupported(why.clone()));
         }
         req.check(self.config.context_length)?;
         let mut inbox = lock(&self.shared.inbox);
         inbox.embeds.retain(|j| !j.reply.is_closed());
-        if inbox.embeds.len() >= self.config.max_queue {
-            return Err(SubmitError::QueueFull {
-                capacity: self.config.max_queue,
-                retry_after: Duration::from_secs(1),
-            });
-        }
+        self.check_room(inbox.embeds.len())?;
         let (handle, reply) = EmbeddingHandle::channel(req.id);
         tracing::debug!(
             request = req.id,
