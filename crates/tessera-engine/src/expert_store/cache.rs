@@ -1,5 +1,6 @@
-//! The cache of built experts: a pinned hot set (its share of the budget, re-learned from
-//! observed routing counts) plus an LRU per layer, or one shared by all layers, for the rest.
+//! The cache of built experts: a pinned hot set (re-learned from observed routing counts) plus
+//! an LRU per layer, or one shared by all layers, for the rest; each layer's share of the budget
+//! follows its reuse distances (`reuse.rs`).
 //! Reads reserve their room when queued; experts in use by a computation, and those the current
 //! layer's routing needs, are never evicted.
 
@@ -8,7 +9,8 @@ use std::sync::Arc;
 
 use crate::weights::Ffn;
 
-use super::settings::{shares_by_routing, split_shares, step_toward};
+use super::reuse::shares_by_reuse;
+use super::settings::{split_shares, step_toward};
 use super::shared::{Inner, Shared};
 
 /// Why a cached expert was read, until a computation first looks it up.
@@ -156,26 +158,21 @@ impl Shared {
         inner.pinned_bytes += bytes;
     }
 
-    /// Re-learns each layer's share of the budget from the routing counted so far
-    /// ([`shares_by_routing`]), a step toward it at a time ([`step_toward`]: a layer gives up
+    /// Re-learns each layer's share of the budget from the layers' reuse of their experts so
+    /// far ([`shares_by_reuse`]), a step toward it at a time ([`step_toward`]: a layer gives up
     /// at most one expert each time): the layers' pinned quotas, and their LRUs' room. A layer
     /// whose share shrinks evicts down to it now; one whose share grows gets the room the others
     /// have given up, so the LRUs' room (and what they hold) never adds up past their part of
     /// the budget, even while a shrunk layer still holds experts a computation uses.
     pub(super) fn reshare(&self, inner: &mut Inner) {
         let packed: Vec<u64> = self.src.iter().map(|s| s.packed).collect();
-        let counts: Vec<Vec<u64>> = self
-            .cfg
-            .held
-            .iter()
-            .zip(&inner.counts)
-            .map(|(held, c)| held.iter().map(|&e| c[e]).collect())
-            .collect();
-        let target = shares_by_routing(
+        let held: Vec<usize> = self.cfg.held.iter().map(Vec::len).collect();
+        let target = shares_by_reuse(
             self.cfg.share_bytes,
             &packed,
             &self.cfg.share_floor,
-            &counts,
+            &held,
+            &inner.reuse,
         );
         let slots = step_toward(&inner.shares, &target, &packed, self.cfg.share_bytes);
         let (quota, caps) = split_shares(self.cfg.pinned_cap, &packed, &slots);

@@ -1,7 +1,7 @@
 //! How a part streams its experts ([`ExpertStreaming`], see the parent module's doc), and the
 //! settings the store derives from it when it opens: the pinned share of the budget, whether
 //! each layer gets its own LRU, and each layer's share in whole experts, first even and then
-//! following the routing seen ([`shares_by_routing`]).
+//! following the layers' reuse of their experts (`reuse::shares_by_reuse`).
 
 use serde::{Deserialize, Serialize};
 
@@ -87,7 +87,7 @@ pub(super) struct Settings {
     /// The experts each served layer (by position) holds.
     pub(super) held: Vec<Vec<usize>>,
     /// The least share in whole experts each served layer keeps however the routing goes: its
-    /// even share, or a routing's experts if that is less (see [`shares_by_routing`]).
+    /// even share, or a routing's experts if that is less (see `reuse::shares_by_reuse`).
     pub(super) share_floor: Vec<usize>,
     /// Tokens between re-learning the layers' shares ([`reshare_every`]).
     pub(super) reshare_every: u64,
@@ -196,92 +196,6 @@ pub(super) fn split_shares(pinned: u64, packed: &[u64], slots: &[usize]) -> (Vec
     (quota, room)
 }
 
-/// Each layer's share of `bytes` in whole experts (`packed[l]` bytes each), following the
-/// routing seen (`counts[l]`: slots routed to each expert the layer holds): every layer keeps
-/// `floor[l]`, and each further expert's room goes to the layer whose most routed expert not
-/// yet covered by its share was routed to most per byte (ties to the layer holding fewest, then
-/// to the earlier). A layer whose routing is spread over many experts misses more at an even
-/// share than one whose routing keeps to a few; a random model's first layer, routed by the
-/// token's embedding alone, is the spread one, and its misses are also the ones nothing can
-/// read ahead: no computation has yet run when its routing is known.
-///
-/// With no routing seen the shares are even; an expert no token was seen to route to claims
-/// nothing (an estimate of the unseen routing, Good–Turing's, moved half the budget between
-/// layers on 16 tokens' evidence and lost more to the re-reads than it saved).
-pub(super) fn shares_by_routing(
-    bytes: u64,
-    packed: &[u64],
-    floor: &[usize],
-    counts: &[Vec<u64>],
-) -> Vec<usize> {
-    use std::cmp::Ordering;
-    use std::collections::BinaryHeap;
-
-    /// A layer's claim on the next expert's room: its next expert's routing per byte.
-    struct Claim {
-        layer: usize,
-        per_byte: f64,
-        slots: usize,
-    }
-    impl Ord for Claim {
-        fn cmp(&self, o: &Self) -> Ordering {
-            self.per_byte
-                .total_cmp(&o.per_byte)
-                .then(o.slots.cmp(&self.slots))
-                .then(o.layer.cmp(&self.layer))
-        }
-    }
-    impl PartialOrd for Claim {
-        fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-            Some(self.cmp(o))
-        }
-    }
-    impl PartialEq for Claim {
-        fn eq(&self, o: &Self) -> bool {
-            self.cmp(o) == Ordering::Equal
-        }
-    }
-    impl Eq for Claim {}
-
-    // Each layer's experts' routing counts, most first.
-    let sorted: Vec<Vec<f64>> = counts
-        .iter()
-        .map(|c| {
-            let mut v: Vec<f64> = c.iter().map(|&n| n as f64).collect();
-            v.sort_unstable_by(|a, b| b.total_cmp(a));
-            v
-        })
-        .collect();
-    let mut slots: Vec<usize> = floor
-        .iter()
-        .zip(&sorted)
-        .map(|(&f, v)| f.min(v.len()))
-        .collect();
-    let floor_bytes: u64 = slots.iter().zip(packed).map(|(&s, &p)| s as u64 * p).sum();
-    let mut left = bytes.saturating_sub(floor_bytes);
-    let claim = |l: usize, s: usize| {
-        (s < sorted[l].len() && packed[l] > 0).then(|| Claim {
-            layer: l,
-            per_byte: sorted[l][s] / packed[l] as f64,
-            slots: s,
-        })
-    };
-    let mut heap: BinaryHeap<Claim> = (0..slots.len())
-        .filter_map(|l| claim(l, slots[l]))
-        .collect();
-    while let Some(c) = heap.pop() {
-        // A layer whose expert no longer fits drops out; a smaller one may still.
-        let p = packed[c.layer];
-        if p > left {
-            continue;
-        }
-        left -= p;
-        slots[c.layer] += 1;
-        heap.extend(claim(c.layer, slots[c.layer]));
-    }
-    slots
-}
-
 /// The shares `now` moved toward `target`: each layer gives up at most one expert, and the
 /// room given up (with any left idle in `bytes`) goes to the layers short of their target, the
 /// one furthest short first. Counts over a few dozen tokens are noisy: a layer's share swung
@@ -311,7 +225,7 @@ pub(super) fn step_toward(
 
 #[cfg(test)]
 mod tests {
-    use super::{reshare_every, shares_at_open, shares_by_routing, step_toward, whole_experts};
+    use super::{reshare_every, shares_at_open, step_toward, whole_experts};
 
     #[test]
     fn the_first_layer_holds_all_its_experts_where_the_rest_still_hold_two_routings() {
@@ -355,33 +269,6 @@ mod tests {
         assert_eq!(step(&[4, 4, 4], &[2, 5, 5], 120), vec![3, 5, 4]);
         // At the target nothing moves; room no target asks for stays idle.
         assert_eq!(step(&[8, 2, 2], &[8, 2, 2], 200), vec![8, 2, 2]);
-    }
-
-    #[test]
-    fn layers_share_by_the_routing_they_were_seen_to_spread() {
-        // Three layers of 10-byte experts, each keeping at least two.
-        let share =
-            |bytes: u64, counts: &[Vec<u64>]| shares_by_routing(bytes, &[10; 3], &[2; 3], counts);
-        // No routing seen: even shares, as whole_experts gives.
-        assert_eq!(share(120, &vec![vec![0; 8]; 3]), vec![4, 4, 4]);
-        // Layer 0 spread over all 8 experts, layers 1 and 2 kept to 3: layer 0 takes the room
-        // the others' unused experts would have held, the others keep what they route to.
-        let counts = vec![
-            vec![10, 10, 10, 10, 10, 10, 10, 10],
-            vec![30, 30, 20, 0, 0, 0, 0, 0],
-            vec![0, 40, 0, 20, 20, 0, 0, 0],
-        ];
-        assert_eq!(share(140, &counts), vec![8, 3, 3]);
-        // Too little for all that: the most routed experts first, each layer above its floor.
-        assert_eq!(share(90, &counts), vec![3, 3, 3]);
-        assert_eq!(share(100, &counts), vec![4, 3, 3]);
-        // The floor holds however little a layer routes, and no layer takes more than it holds.
-        let few = vec![vec![5, 5], vec![0; 8], vec![0; 8]];
-        assert_eq!(share(240, &few), vec![2, 8, 8]);
-        assert_eq!(share(60, &few), vec![2, 2, 2]);
-        // Per byte: an expert half the size routed as often is worth twice as much.
-        let two = vec![vec![6, 6, 6], vec![4, 4, 4]];
-        assert_eq!(shares_by_routing(25, &[10, 5], &[1, 1], &two), vec![1, 3]);
     }
 
     #[test]

@@ -101,6 +101,8 @@ pub(super) struct Inner {
     pub(super) needed: HashSet<(usize, usize)>,
     /// `counts[li][e]` (`li`: the layer's [`Served::index`]): slots routed to the expert.
     pub(super) counts: Vec<Vec<u64>>,
+    /// `reuse[li]`: the layer's recency order and lookups by depth, which its share follows.
+    pub(super) reuse: Vec<super::reuse::Reuse>,
     /// `last_used[li]`: distinct experts of the layer's last routing.
     pub(super) last_used: Vec<Vec<usize>>,
     /// `predicted[li]`: the pending prediction for the layer.
