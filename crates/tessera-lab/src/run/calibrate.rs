@@ -1,10 +1,20 @@
 //! Calibration on a `lab run`'s measurements: the planner's graph corrected by what the plans
 //! that ran showed, in steps, each on the graph the steps before it left.
 //!
+//! 0. Every node that streamed experts from its disk (a single node, an expert split's home)
+//!    measured its cache: the share of its lookups it read from disk, against the share of its
+//!    experts the plan left there. How much the routing reuses experts is fitted to all of them
+//!    at once (`tessera_plan::fit_expert_reuse`). First, so that a streaming reference's
+//!    predicted reads (step 1) are already its cache's: fitted last, a 3-host ring's stage
+//!    whose reads the prior overstated took a compute rate ×1.54 to make up for them.
 //! 1. Every single-node run (else the first plan that ran) calibrates the graph
 //!    (`tessera_plan::calibrate`): each is the evidence on its own node. A plan streaming
 //!    experts from a disk is not (a single node, or an expert split whose home or owners
-//!    stream): its time is the disk's as much as the nodes'.
+//!    stream): its time is the disk's as much as the nodes'; unless its reads took next to
+//!    none of it ([`reads_negligible`]: a ring whose stages stream a few MiB each). Without
+//!    that, a run of 3 hosts whose every plan streamed calibrated no node's rates, and on a
+//!    slow hour of the VM its rings' predictions came out 44–52% fast once the caches' hit
+//!    rates were fitted (the reads that had hidden the slow compute fitted away).
 //! 2. Each node no reference ran on is calibrated from its own stage in the first other plan
 //!    that ran on it (`tessera_plan::calibrate_nodes`).
 //! 3. The runtime's cost per token is the median of the references' (one throttled host does
@@ -15,10 +25,6 @@
 //! 5. The rings that ran each imply a cost per hop (`tessera_plan::calibrate_hop_overhead`):
 //!    the graph takes their median, and each ring's own row the others' figure.
 //! 6. Where the machine was measured again just before the cells ran, its cores are that.
-//! 7. Every node that streamed experts from its disk (a single node, an expert split's home)
-//!    measured its cache: the share of its lookups it read from disk, against the share of its
-//!    experts the plan left there. How much the routing reuses experts is fitted to all of them
-//!    at once (`tessera_plan::fit_expert_reuse`).
 
 use tessera_plan::{
     calibrate, HopMeasurement, Measurement, ResourceGraph, StageMeasurement, StrategyKind,
@@ -105,16 +111,36 @@ impl<'a> Runs<'a> {
         self.candidates[i].plan.strategy == StrategyKind::Single
     }
 
-    /// Whether candidate `i` streamed experts from a disk (any of its nodes): its time is the
-    /// disk's and the expert cache's as much as the nodes' compute, so it is no reference for
-    /// their rates.
+    /// Whether candidate `i`'s time is the disk's and the expert cache's as much as the nodes'
+    /// compute, so it is no reference for their rates: it streamed experts from a disk (any of
+    /// its nodes), and its run waited for reads more than [`reads_negligible`] allows or is
+    /// neither a single node nor a ring (an expert split's owners' reads, or a bank's, its
+    /// stages do not report).
     fn streams(&self, i: usize) -> bool {
-        !self.candidates[i].streams.is_empty()
-            || self.candidates[i]
-                .plan
-                .assignments()
-                .any(|a| a.memory.experts_on_disk.0 > 0)
+        let c = &self.candidates[i];
+        let streamed =
+            !c.streams.is_empty() || c.plan.assignments().any(|a| a.memory.experts_on_disk.0 > 0);
+        streamed
+            && (!matches!(c.plan.strategy, StrategyKind::Single | StrategyKind::Stage)
+                || !self.ok(i).is_some_and(|m| reads_negligible(&m.report)))
     }
+}
+
+/// The most of a token's time a run's reads may have kept its stages waiting for the run to
+/// time its nodes' compute as a run in memory does: the rates it gives are then at most a
+/// tenth slow, well within the 20% the calibrated predictions are held to (a 3-host ring
+/// streaming 4, 4 and 24 MiB waited 1.1 ms of its 20.9 ms tokens).
+const NEGLIGIBLE_READ_WAIT: f64 = 0.10;
+
+/// Whether the streaming stages of a run (`report`) waited for reads, all together, for less
+/// than [`NEGLIGIBLE_READ_WAIT`] of its token time.
+fn reads_negligible(report: &tessera_proto::RunReport) -> bool {
+    let token_ms = 1e3 / report.decode_tokens_per_s;
+    let waited: f64 = super::report::StageStreaming::of(report)
+        .iter()
+        .map(|s| s.read_wait_ms_per_token)
+        .sum();
+    token_ms.is_finite() && waited < NEGLIGIBLE_READ_WAIT * token_ms
 }
 
 /// Calibrates `graph` on `runs` (the steps in the module's doc); `machine_again` is the
@@ -138,6 +164,8 @@ pub(super) fn on_runs(
         references.extend(in_memory.first());
     }
     let mut c = Calibration::default();
+    let fitted = c.expert_reuse(runs, graph, &ran);
+    let graph = fitted.as_ref().unwrap_or(graph);
     let overheads = c.on_references(runs, graph, &references);
     c.on_uncovered_nodes(runs, &in_memory, &references);
     c.runtime_overhead_median(runs, overheads, &references);
@@ -150,7 +178,12 @@ pub(super) fn on_runs(
     if let Some((p, cores)) = machine_again {
         c.machine_measured_again(p, cores);
     }
-    c.expert_reuse(runs, graph, &ran);
+    if c.graph.is_none() {
+        if let Some(g) = fitted {
+            c.on.push("the streaming runs' expert caches only".into());
+            c.graph = Some(g);
+        }
+    }
     c
 }
 
@@ -320,9 +353,15 @@ impl Calibration {
         }
     }
 
-    /// Step 7: how much the workload's routing reuses experts, fitted to the caches of every
-    /// node that streamed experts in the runs (`tessera_plan::fit_expert_reuse`), one line each.
-    fn expert_reuse(&mut self, runs: &Runs, graph: &ResourceGraph, ran: &[usize]) {
+    /// Step 0: how much the workload's routing reuses experts, fitted to the caches of every
+    /// node that streamed experts in the runs (`tessera_plan::fit_expert_reuse`), one line each:
+    /// `graph` with the fitted figure, where any node streamed.
+    fn expert_reuse(
+        &mut self,
+        runs: &Runs,
+        graph: &ResourceGraph,
+        ran: &[usize],
+    ) -> Option<ResourceGraph> {
         let mut caches = Vec::new();
         for &i in ran {
             let (Some(m), plan) = (runs.ok(i), &runs.candidates[i].plan) else {
@@ -349,23 +388,16 @@ impl Calibration {
                 caches.push(c);
             }
         }
-        let Some(reuse) = tessera_plan::fit_expert_reuse(&caches) else {
-            return;
-        };
-        let base = self.graph.clone().unwrap_or_else(|| graph.clone());
+        let reuse = tessera_plan::fit_expert_reuse(&caches)?;
         self.corrections.push(format!(
             "routing reuse {:.2} → {reuse:.2}: fitted to the {} expert cache(s) above (a cache \
              leaving a share d of its experts on disk reads d^reuse of its lookups there)",
-            base.policy.expert_reuse,
+            graph.policy.expert_reuse,
             caches.len()
         ));
-        if self.graph.is_none() {
-            self.on
-                .push("the streaming runs' expert caches only".into());
-        }
-        let mut g = base;
+        let mut g = graph.clone();
         g.policy.expert_reuse = reuse;
-        self.graph = Some(g);
+        Some(g)
     }
 
     /// Step 6: the machine's cores as measured again just before the cells ran.
@@ -540,5 +572,30 @@ mod tests {
         let m = measurement(&split, 7);
         assert!(m.stages.is_empty(), "{:?}", m.stages);
         assert_eq!(m.decode_tokens_per_s, 100.0);
+    }
+
+    #[test]
+    fn a_run_whose_reads_took_next_to_none_of_its_time_times_its_nodes() {
+        // 100 tokens/s: 10 ms a token. Two streaming stages of 8 steps.
+        let streaming = |wait_ms_per_token: [f64; 2]| {
+            let stages = (0..2)
+                .map(|s| {
+                    let mut d = decode(s, 4_000_000, 8);
+                    d.decode.expert_lookups = 64;
+                    d.decode.expert_read_wait_ns = (wait_ms_per_token[s] * 8e6) as u64;
+                    d
+                })
+                .collect();
+            report(stages, 2)
+        };
+        assert!(reads_negligible(&streaming([0.2, 0.0])));
+        assert!(reads_negligible(&streaming([0.5, 0.45])));
+        // Together a millisecond of the ten: a tenth, no longer negligible.
+        assert!(!reads_negligible(&streaming([0.5, 0.5])));
+        assert!(!reads_negligible(&streaming([3.0, 0.0])));
+        // No decode timed: nothing to say the reads were small against.
+        let mut none = streaming([0.0, 0.0]);
+        none.decode_tokens_per_s = 0.0;
+        assert!(!reads_negligible(&none));
     }
 }
