@@ -114,9 +114,12 @@ pub(super) fn shares_by_reuse(
         };
         slots[l] += k;
         left -= k as u64 * packed[l];
-        // Every offer may have shrunk with what is left; the winner's starts further on.
+        // The winner's offer starts further on. Another's stands while its run still fits: the
+        // best of the runs that fit before, it is the best of the fewer that fit now.
         for (m, o) in offers.iter_mut().enumerate() {
-            *o = offer(m, slots[m], left);
+            if m == l || o.is_some_and(|(_, k)| k as u64 * packed[m] > left) {
+                *o = offer(m, slots[m], left);
+            }
         }
     }
     slots
