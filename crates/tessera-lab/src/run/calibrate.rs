@@ -116,7 +116,7 @@ impl<'a> Runs<'a> {
     /// its nodes), and its run waited for reads more than [`reads_negligible`] allows or is
     /// neither a single node nor a ring (an expert split's owners' reads, or a bank's, its
     /// stages do not report).
-    fn streams(&self, i: usize) -> bool {
+    fn disk_timed(&self, i: usize) -> bool {
         let c = &self.candidates[i];
         let streamed =
             !c.streams.is_empty() || c.plan.assignments().any(|a| a.memory.experts_on_disk.0 > 0);
@@ -154,20 +154,25 @@ pub(super) fn on_runs(
     let ran: Vec<usize> = (0..runs.candidates.len())
         .filter(|&i| runs.ok(i).is_some())
         .collect();
-    let in_memory: Vec<usize> = ran.iter().copied().filter(|&i| !runs.streams(i)).collect();
-    let mut references: Vec<usize> = in_memory
+    // In memory, or streaming with reads that took next to none of its time.
+    let node_timed: Vec<usize> = ran
+        .iter()
+        .copied()
+        .filter(|&i| !runs.disk_timed(i))
+        .collect();
+    let mut references: Vec<usize> = node_timed
         .iter()
         .copied()
         .filter(|&i| runs.is_single(i))
         .collect();
     if references.is_empty() {
-        references.extend(in_memory.first());
+        references.extend(node_timed.first());
     }
     let mut c = Calibration::default();
     let fitted = c.expert_reuse(runs, graph, &ran);
     let graph = fitted.as_ref().unwrap_or(graph);
     let overheads = c.on_references(runs, graph, &references);
-    c.on_uncovered_nodes(runs, &in_memory, &references);
+    c.on_uncovered_nodes(runs, &node_timed, &references);
     c.runtime_overhead_median(runs, overheads, &references);
     if concurrency > 1 {
         c.on_batches(runs, &references);
