@@ -6,12 +6,13 @@
 # (with JSON=0 only the table): each budget's decode against min(disk bound, compute bound),
 # where the disk bound is the cap's rate over the missed expert bytes per token (the bench's own
 # short disk probe reads above the cap, so its `disk_bound_tok_s` is not used), and the experts
-# a step read on demand and ahead (with the share of those read ahead that were used). The
-# compute bound is the mean of the decodes with every expert in RAM on the same lab host (the
-# model read through its disk at load), one before the budgets and one after each round of them
-# (this VM's speed drifts by ±20% from minute to minute, and one short run made the same
-# budget's share 67% and 89% of it in two tables). Each store is filled before its decode
-# (`tessera bench` waits for it): the table measures the budget, not a cold cache.
+# a step read on demand and ahead (with the share of those read ahead that were used). A
+# budget's compute bound is the mean of the two decodes with every expert in RAM on the same lab
+# host (the model read through its disk at load) just before and just after its own: the decodes
+# alternate, one in RAM between any two budgets' (this VM's speed drifts by ±20% from minute to
+# minute, and one short run made the same budget's share 67% and 89% of a compute bound measured
+# minutes away). Each store is filled before its decode (`tessera bench` waits for it): the
+# table measures the budget, not a cold cache.
 #
 #   tools/lab-stream-table.sh [DISK]      # DISK: emmc (default), sd, usb, sata-ssd; root
 #   MODEL=bench-models/bench-qwen3moe-walk-q4_0.gguf tools/lab-stream-table.sh   # the lab
@@ -23,10 +24,10 @@
 #       tg test): a chat's decode always follows a template and a prompt, and this random
 #       model's first positions route to experts its later ones seldom use (the README, #31)
 #   ROUNDS=3 tools/lab-stream-table.sh   # the budgets R times (default 1), every other round in
-#       reverse order, with a decode of every expert in RAM before the first round and after
-#       each: each row is the mean of its budget's runs, its share of min(disk, compute) that
-#       mean's with the range of the runs' own after it (this VM drifts by ±20% from minute to
-#       minute; one pass measures one minute)
+#       reverse order: each row is the mean of its budget's runs, its share of min(disk,
+#       compute) the mean of the runs' own shares (each against its own compute bound) with
+#       their range after it (this VM drifts by ±20% from minute to minute; one pass measures
+#       one minute)
 #
 # Needs tessera (TESSERA=..., default target/release/tessera) and the model
 # (tools/make-bench-models.sh).
@@ -52,8 +53,8 @@ for ((round = 0; round < ${ROUNDS:-1}; round++)); do
     # Every other round from the smallest budget up, so no budget always runs first.
     b=${budgets[$(( round % 2 ? ${#budgets[@]} - 1 - i : i ))]}
     decode --expert-budget "${b}MiB"
+    decode
   done
-  decode
 done
 echo "end $(date -u +%H:%M:%S) UTC, $(uptime | sed 's/.*load/load/')" >&2
 [ "${JSON:-1}" = 0 ] || cat "$out"
@@ -63,33 +64,38 @@ from statistics import mean
 caps = {"emmc": 300e6, "sd": 90e6, "usb": 400e6, "sata-ssd": 550e6}
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 cap = caps.get(sys.argv[2])
-# The decodes with every expert in RAM report no streaming; the others group by budget.
+# The decodes with every expert in RAM report no streaming; they alternate with the others,
+# which group by budget, each run with its compute bound: the mean of the two beside it.
 rams = [r for r in lines if not r.get("streaming")]
 runs = {}
-for r in lines:
+for i, r in enumerate(lines):
     if r.get("streaming"):
-        runs.setdefault(r["streaming"]["budget_bytes"], []).append(r)
-compute = mean(r["decode_tok_s"] for r in rams)
+        beside = [n["decode_tok_s"] for n in (lines[i - 1], lines[i + 1]) if not n.get("streaming")]
+        runs.setdefault(r["streaming"]["budget_bytes"], []).append((r, mean(beside)))
 experts = 648 * 2**20
 disk_bound = lambda missed: cap / missed if cap and missed > 0 else float("inf")
-print(f"all experts in RAM (compute bound): {compute:.1f} tok/s, the mean of "
+print("all experts in RAM (the compute bounds): "
       + ", ".join(f"{r['decode_tok_s']:.1f}" for r in rams)
-      + f"; disk {sys.argv[2]}" + (f" capped at {cap/1e6:.0f} MB/s" if cap else ""))
-print("| budget | over budget | runs | tok/s | hit rate | missed MiB/token | reads / step (ahead, used)"
-      " | read wait / step, ms | building / step, ms | disk bound tok/s | of min(disk, compute) |")
-print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+      + f" tok/s, in turn with the budgets' decodes; disk {sys.argv[2]}"
+      + (f" capped at {cap/1e6:.0f} MB/s" if cap else ""))
+print("| budget | over budget | runs | tok/s | compute bound tok/s | hit rate | missed MiB/token"
+      " | reads / step (ahead, used) | read wait / step, ms | building / step, ms"
+      " | disk bound tok/s | of min(disk, compute) |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for budget in sorted(runs, reverse=True):
-    rs = runs[budget]
+    pairs = runs[budget]
+    rs = [r for r, _ in pairs]
     m = lambda k: mean(r["streaming"].get(k, 0) for r in rs)
     tok = mean(r["decode_tok_s"] for r in rs)
+    compute = mean(c for _, c in pairs)
     missed = m("missed_bytes_per_token")
     disk = disk_bound(missed)
-    share = f"{100 * tok / min(disk, compute):.0f}%"
+    each = [100 * r["decode_tok_s"]
+            / min(disk_bound(r["streaming"]["missed_bytes_per_token"]), c) for r, c in pairs]
+    share = f"{mean(each):.0f}%"
     if len(rs) > 1:
-        each = [100 * r["decode_tok_s"]
-                / min(disk_bound(r["streaming"]["missed_bytes_per_token"]), compute) for r in rs]
         share += f" ({min(each):.0f}–{max(each):.0f}%)"
-    print(f"| {budget/2**20:.0f} MiB | {experts/budget:.1f}x | {len(rs)} | {tok:.1f}"
+    print(f"| {budget/2**20:.0f} MiB | {experts/budget:.1f}x | {len(rs)} | {tok:.1f} | {compute:.1f}"
           f" | {100*m('hit_rate'):.1f}% | {missed/2**20:.2f}"
           f" | {m('misses_per_step'):.1f} ({m('prefetches_per_step'):.1f},"
           f" {100*m('prefetch_useful'):.0f}%)"
