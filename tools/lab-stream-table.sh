@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Issue 31's streaming table: bench-qwen3moe-q4_0 (648 MiB of experts) decoding with its experts
 # streamed through budgets of 1.2, 2, 3, 5, 10 and 20 times less than the experts, on one lab host
-# whose disk reads are capped at a profile's rates (`tessera lab exec --disk`), after one decode
-# with every expert in RAM (the compute bound). Prints one JSON report per line, then the table
-# (with JSON=0 only the table): each budget's decode against min(disk bound, compute bound),
+# whose disk reads are capped at a profile's rates (`tessera lab exec --disk`), each between two
+# decodes with every expert in RAM (its compute bound). Prints one JSON report per line, then the
+# table (with JSON=0 only the table): each budget's decode against min(disk bound, compute bound),
 # where the disk bound is the cap's rate over the missed expert bytes per token (the bench's own
-# short disk probe reads above the cap, so its `disk_bound_tok_s` is not used), and the experts
-# a step read on demand and ahead (with the share of those read ahead that were used). A
-# budget's compute bound is the mean of the two decodes with every expert in RAM on the same lab
-# host (the model read through its disk at load) just before and just after its own: the decodes
-# alternate, one in RAM between any two budgets' (this VM's speed drifts by ±20% from minute to
-# minute, and one short run made the same budget's share 67% and 89% of a compute bound measured
-# minutes away). Each store is filled before its decode (`tessera bench` waits for it): the
-# table measures the budget, not a cold cache.
+# short disk probe reads above the cap, so its `disk_bound_tok_s` is not used), and the experts a
+# step read on demand and ahead (with the share of those read ahead that were used). A budget's
+# compute bound is the mean of the two decodes with every expert in RAM on the same lab host (the
+# model read through its disk at load) just before and just after its own: the decodes alternate,
+# one in RAM between any two budgets' (this VM's speed drifts by ±20% from minute to minute, and
+# one short run made the same budget's share 67% and 89% of a compute bound measured minutes
+# away). Each store is filled before its decode (`tessera bench` waits for it): the table measures
+# the budget, not a cold cache.
 #
 #   tools/lab-stream-table.sh [DISK]      # DISK: emmc (default), sd, usb, sata-ssd; root
 #   MODEL=bench-models/bench-qwen3moe-walk-q4_0.gguf tools/lab-stream-table.sh   # the lab
